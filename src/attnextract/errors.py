@@ -1,0 +1,56 @@
+"""Typed errors. Every failure a user can cause or meet has its own class.
+
+All derive from :class:`AttnExtractError`, so ``except AttnExtractError`` catches
+everything the library raises on purpose.
+"""
+
+from __future__ import annotations
+
+
+class AttnExtractError(Exception):
+    """Base class of every error attnextract raises on purpose."""
+
+
+class InputError(AttnExtractError, ValueError):
+    """A query, shape, dimension or option given to the library is invalid."""
+
+
+class BudgetExceededError(AttnExtractError):
+    """Sending the next batch would exceed the query budget (raised before sending)."""
+
+    def __init__(self, message: str, *, needed: int, remaining: int):
+        super().__init__(message)
+        self.needed = needed
+        self.remaining = remaining
+
+
+class BlackBoxError(AttnExtractError):
+    """The black box itself failed: raised an exception, or cannot be reached."""
+
+
+class MalformedOutputError(BlackBoxError):
+    """The black box answered, but its answer has the wrong type or shape."""
+
+
+class NonFiniteOutputError(MalformedOutputError):
+    """The black box answered NaN or infinity for at least one query."""
+
+
+class NotIdentifiableError(AttnExtractError):
+    """The target's parameters cannot be determined from queries (e.g. v = 0)."""
+
+
+class ModelMismatchError(AttnExtractError):
+    """The black box is not of the assumed model class.
+
+    ``result`` holds the best-effort extraction (with its report) when one was
+    computed, so that nothing measured is lost; it must not be used as a model.
+    """
+
+    def __init__(self, message: str, result=None):
+        super().__init__(message)
+        self.result = result
+
+
+class TargetLoadError(AttnExtractError):
+    """A target given as FILE.py:NAME (or a result file) cannot be loaded."""

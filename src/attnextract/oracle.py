@@ -1,0 +1,165 @@
+"""The oracle: the only door to a black box.
+
+A learner never calls a black box directly. It hands whole batches of probe
+sequences to an :class:`Oracle`, which
+
+- validates the batch (shape (B, N, d), finite float64),
+- refuses, before sending anything, a batch that would exceed the budget,
+- sends it (split into chunks of at most ``max_batch`` sequences if asked),
+- validates the answer (shape (B,), finite numbers) and
+- counts queries (one query = one sequence), tokens, calls and the time spent
+  inside the black box.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .errors import (
+    BlackBoxError,
+    BudgetExceededError,
+    InputError,
+    MalformedOutputError,
+    NonFiniteOutputError,
+)
+
+BlackBox = Callable[[np.ndarray], np.ndarray]
+
+
+class Oracle:
+    """Counting, budgeted, validating access to a black box.
+
+    Parameters
+    ----------
+    black_box : callable
+        Takes a float64 array (B, N, d) and returns B real numbers.
+    dim : int
+        Token width d the black box accepts.
+    budget : int, optional
+        Hard limit on the number of queries (sequences). A batch that would
+        exceed it raises :class:`BudgetExceededError` before it is sent.
+    max_batch : int, optional
+        Largest number of sequences handed to the black box in one call.
+    progress : callable, optional
+        Called as ``progress(queries_sent, queries_planned)`` after each call.
+    """
+
+    def __init__(self, black_box: BlackBox, dim: int, *, budget: int | None = None,
+                 max_batch: int | None = None, progress=None):
+        if not callable(black_box):
+            raise InputError(f"black box must be callable, got {type(black_box).__name__}")
+        if not isinstance(dim, (int, np.integer)) or dim < 1:
+            raise InputError(f"dim must be a positive integer, got {dim!r}")
+        if budget is not None and (not isinstance(budget, (int, np.integer)) or budget < 0):
+            raise InputError(f"budget must be a non-negative integer, got {budget!r}")
+        if max_batch is not None and (not isinstance(max_batch, (int, np.integer)) or max_batch < 1):
+            raise InputError(f"max_batch must be a positive integer, got {max_batch!r}")
+        self.black_box = black_box
+        self.dim = int(dim)
+        self.budget = None if budget is None else int(budget)
+        self.max_batch = None if max_batch is None else int(max_batch)
+        self.progress = progress
+        self.queries = 0          # sequences sent
+        self.tokens = 0           # tokens sent (sum of lengths)
+        self.calls = 0            # calls made to the black box
+        self.black_box_seconds = 0.0
+        self.planned = 0          # queries announced by the running learner
+
+    # -- budget -------------------------------------------------------------
+    @property
+    def remaining(self) -> int | None:
+        """Queries left in the budget (None when unlimited)."""
+        return None if self.budget is None else self.budget - self.queries
+
+    def require(self, n: int, what: str = "this step") -> None:
+        """Raise :class:`BudgetExceededError` unless ``n`` more queries fit."""
+        if self.budget is not None and n > self.budget - self.queries:
+            raise BudgetExceededError(
+                f"{what} needs {n} queries but only {self.budget - self.queries} of the "
+                f"budget of {self.budget} remain",
+                needed=n, remaining=self.budget - self.queries)
+
+    def plan(self, n: int, what: str = "the extraction") -> None:
+        """Announce ``n`` upcoming queries: checks the budget, sets the progress total."""
+        self.require(n, what)
+        self.planned = self.queries + int(n)
+
+    # -- queries ------------------------------------------------------------
+    def query(self, X) -> np.ndarray:
+        """Send a batch (B, N, d) (or one sequence (N, d)); returns the outputs (B,)."""
+        X = np.asarray(X, dtype=np.float64)
+        if X.ndim == 2:
+            X = X[None]
+        if X.ndim != 3 or X.shape[1] < 1 or X.shape[2] != self.dim:
+            raise InputError(f"queries must have shape (B, N, {self.dim}) with N >= 1, "
+                             f"got {X.shape}")
+        if not np.isfinite(np.add.reduce(X, axis=None)) and not np.all(np.isfinite(X)):
+            raise InputError("queries contain NaN or infinity")
+        B = X.shape[0]
+        if B == 0:
+            return np.empty(0)
+        self.require(B, f"a batch of {B} sequences")
+        step = self.max_batch or B
+        return np.concatenate([self._send(X[i:i + step]) for i in range(0, B, step)])
+
+    def query_ragged(self, sequences: Sequence[np.ndarray]) -> np.ndarray:
+        """Send sequences of different lengths: one batch per length, answers in order."""
+        sequences = [np.asarray(s, dtype=np.float64) for s in sequences]
+        for s in sequences:
+            if s.ndim != 2 or s.shape[1] != self.dim or s.shape[0] < 1:
+                raise InputError(f"each sequence must have shape (N, {self.dim}), got {s.shape}")
+        self.require(len(sequences), f"{len(sequences)} sequences")
+        lengths = np.array([len(s) for s in sequences])
+        out = np.empty(len(sequences))
+        for n in np.unique(lengths):
+            idx = np.flatnonzero(lengths == n)
+            out[idx] = self.query(np.stack([sequences[i] for i in idx]))
+        return out
+
+    def _send(self, X: np.ndarray) -> np.ndarray:
+        B, N, _ = X.shape
+        self.require(B, f"a batch of {B} sequences")
+        self.queries += B          # a sent query is spent, whatever comes back
+        self.tokens += B * N
+        self.calls += 1
+        X = X.view()
+        X.flags.writeable = False  # a black box must not scribble on the learner's probes
+        start = time.perf_counter()
+        try:
+            raw = self.black_box(X)
+        except Exception as exc:   # the black box's own failure, typed and chained
+            raise BlackBoxError(f"black box raised {type(exc).__name__}: {exc}") from exc
+        finally:
+            self.black_box_seconds += time.perf_counter() - start
+        out = validate_outputs(raw, B)
+        if self.progress is not None:
+            self.progress(self.queries, max(self.planned, self.queries))
+        return out
+
+    def summary(self) -> dict:
+        return {"queries": self.queries, "tokens": self.tokens, "calls": self.calls,
+                "black_box_seconds": self.black_box_seconds, "budget": self.budget}
+
+
+def validate_outputs(raw, batch: int) -> np.ndarray:
+    """Check a black box's answer to a batch of ``batch`` sequences; returns float64 (B,)."""
+    try:
+        out = np.asarray(raw, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise MalformedOutputError(
+            f"black box returned {type(raw).__name__} that is not an array of numbers: {exc}"
+        ) from exc
+    if out.shape != (batch,):
+        raise MalformedOutputError(
+            f"black box returned shape {out.shape} for a batch of {batch} sequences; "
+            f"expected ({batch},)")
+    bad = ~np.isfinite(out)
+    if bad.any():
+        first = int(np.flatnonzero(bad)[0])
+        raise NonFiniteOutputError(
+            f"black box returned {int(bad.sum())} non-finite value(s) of {batch} "
+            f"(first at index {first}: {out[first]})")
+    return out

@@ -1,0 +1,248 @@
+"""Exact single-head extraction at the d^2 + d floor (arXiv 2601.16873, Theorem 4.1).
+
+Identities (ALGORITHMS.md, section 2). For one token, f([x]) = v^T x. For the
+length-2 probe P(u, q) = [q + u; q] the two scores differ by u^T W q, so
+
+    f(P(u, q)) = v^T q + sigma(u^T W q) v^T u
+    =>  u^T W q = logit((f - v^T q) / (v^T u)),     needs v^T u != 0.
+
+Algorithm (section 3): v_i = f([e_i]) (d queries); then for an invertible U and
+every column j, the d probes P(c u_k, s e_j) give T = c s U^T W, so W = U^{-T} T / (c s)
+(d^2 queries). d^2 + d is the number of free parameters: no learner can do with
+fewer queries on a generic target.
+
+Conditioning. An output error delta becomes a logit error of about
+delta / (|v^T u| a (1 - a)) with a = sigma(u^T W q), so we want |v^T u| large and
+|u^T W q| of order one. U is the Householder reflection that maps v/|v| onto
++-(1, ..., 1)/sqrt(d): orthogonal (condition number 1) with |u_k^T v| = |v|/sqrt(d)
+for every k, whatever zeros or tiny entries v has. The logit scale G = c s of each
+block of columns is set from the columns already measured (the first column uses
+a fixed guess); a column whose probes saturate is probed again at a smaller scale.
+Those extra queries only happen when W is far larger than the first guess, and
+the report counts them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .errors import ModelMismatchError, NotIdentifiableError
+from .models import SingleHeadAttention
+from .oracle import Oracle
+from .report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, token_scale,
+                     verification_count, verify_model)
+
+FIRST_SCALE = 1.0 / 64     # logit scale of the first column, before anything is known
+TARGET_LOGIT = 0.5         # aim for |u^T W q| about this large
+MAX_LOGIT = 12.0           # beyond it a(1 - a) < 1e-5: probe again, smaller
+MIN_FIRST_LOGIT = 1e-4     # below it the first column is probed again, larger
+NOISE_LOGIT = 1e-12        # logits below it are rounding noise, not a scale
+MAX_RESCALES = 6
+MAX_GROWTH = 1e6          # largest one-step growth of a tiny first column's scale
+BLOCK_FLOATS = 1 << 20     # probe floats per batch (8 MB: stays in cache)
+
+
+def probe_basis(v: np.ndarray) -> np.ndarray:
+    """Orthogonal U (d, d) with u_k^T v = +-|v| / sqrt(d) for every column u_k.
+
+    The Householder reflection I - 2 w w^T / (w^T w) that maps v/|v| onto
+    c (1, ..., 1)/sqrt(d), with the sign c chosen against cancellation in w.
+    """
+    d = v.shape[0]
+    unit = v / np.linalg.norm(v)
+    c = -1.0 if unit.sum() >= 0 else 1.0
+    w = unit - c / np.sqrt(d)
+    return np.eye(d) - (2.0 / (w @ w)) * np.outer(w, w)
+
+
+def logit(y: np.ndarray) -> np.ndarray:
+    """log(y / (1 - y)), accurate near y = 1/2 (where 2y - 1 and 1 - y are exact)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        upper = np.log1p((2.0 * y - 1.0) / (1.0 - y))
+        lower = -np.log1p((1.0 - 2.0 * y) / y)
+    return np.where(y >= 0.5, upper, lower)
+
+
+def probe_pair(u: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """The length-2 probe P(u, q) = [q + u; q], shape (..., 2, d) for u, q of shape (..., d)."""
+    return np.stack(np.broadcast_arrays(q + u, q), axis=-2)
+
+
+class ColumnProbes:
+    """Builds the probes P(c u_k, s e_j), all k, for a block of columns j.
+
+    The logit scale G = c s is split as c = max(1, G), s = min(1, G): q = s e_j stays
+    small beside u, so neither v^T q nor q^T W q swamps the signal.
+
+    A block's probes differ from the previous block's only where the column marks
+    s e_j sit (and where c changed), so one buffer (block, d, 2, d) is filled once
+    and then patched: O(block * d) writes per block instead of O(block * d^2).
+    """
+
+    def __init__(self, U: np.ndarray, block: int):
+        d = U.shape[0]
+        self.U = U
+        self.X = np.empty((block, d, 2, d))
+        self.X[:, :, 0, :] = U.T[None]
+        self.X[:, :, 1, :] = 0.0
+        self.c = np.ones(block)                 # c of each slot
+        self.marked = np.full(block, -1)        # column marked in each slot, -1 for none
+
+    def __call__(self, columns: np.ndarray, scale: np.ndarray) -> np.ndarray:
+        """Probes for ``columns`` at logit scales ``scale``, shape (len(columns) * d, 2, d)."""
+        X, U, n = self.X, self.U, len(columns)
+        slots = np.arange(n)
+        c, s = np.maximum(1.0, scale), np.minimum(1.0, scale)
+        old = slots[self.marked[:n] >= 0]       # wipe the previous marks
+        X[old, :, 0, self.marked[old]] = self.c[old, None] * U[self.marked[old], :]
+        X[old, :, 1, self.marked[old]] = 0.0
+        moved = slots[c != self.c[:n]]
+        if moved.size:
+            X[moved, :, 0, :] = c[moved, None, None] * U.T[None]
+        self.c[:n], self.marked[:n] = c, columns
+        X[slots, :, 0, columns] += s[:, None]   # token 1: c u_k + s e_j
+        X[slots, :, 1, columns] = s[:, None]    # token 2: s e_j
+        return X[:n].reshape(n * U.shape[0], 2, U.shape[0])
+
+
+def column_logits(oracle: Oracle, probes: ColumnProbes, v: np.ndarray, columns: np.ndarray,
+                  scale: np.ndarray) -> np.ndarray:
+    """Measure t_kj = G_j u_k^T W e_j for the given columns, shape (d, len(columns)).
+
+    Entries whose implied attention weight falls outside (0, 1) come back as NaN.
+    """
+    U = probes.U
+    c, s = np.maximum(1.0, scale), np.minimum(1.0, scale)
+    f = oracle.query(probes(columns, scale)).reshape(len(columns), U.shape[0])
+    weight = (f - (v[columns] * s)[:, None]) / (c[:, None] * (U.T @ v)[None, :])
+    inside = (weight > 0.0) & (weight < 1.0)
+    t = np.where(inside, logit(np.where(inside, weight, 0.5)), np.nan)
+    return t.T
+
+
+def extract_single_head(oracle: Oracle, *, seed=None,
+                        verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE) -> ExtractionResult:
+    """Recover (W, v) of a single-head attention black box with d^2 + d queries.
+
+    Parameters
+    ----------
+    oracle : Oracle
+        Door to the black box; ``oracle.dim`` is the token width d.
+    seed : int, optional
+        Seed of the held-out verification sequences.
+    verify_tolerance : float
+        Largest held-out relative output error accepted as a match.
+
+    Returns
+    -------
+    ExtractionResult
+        ``model`` a :class:`SingleHeadAttention` with W (d, d) and v (d,); ``queries``
+        every query sent (recovery, any rescaling, verification).
+
+    Raises
+    ------
+    NotIdentifiableError
+        v = 0: the output never depends on W.
+    ModelMismatchError
+        The black box is not a single-head attention regressor (verification failed
+        or its outputs imply attention weights outside (0, 1)); ``.result`` holds
+        the best-effort extraction.
+    BudgetExceededError
+        The budget cannot cover recovery plus verification (raised before any query).
+    """
+    start, start_queries = time.perf_counter(), oracle.queries
+    start_bb = oracle.black_box_seconds
+    d = oracle.dim
+    n_verify = verification_count(d * d + d)
+    oracle.plan(d * d + d + n_verify, "single-head extraction (d^2 + d recovery + verification)")
+
+    v = oracle.query(np.eye(d)[:, None, :])
+    if not np.any(v):
+        raise NotIdentifiableError(
+            "v = 0: every output is zero whatever W is, so W cannot be identified")
+    U = probe_basis(v)
+
+    # Columns in blocks of at most BLOCK_FLOATS probe floats; the first block is a
+    # single column, so that its measured logits set the scale of all later blocks.
+    T = np.empty((d, d))
+    scale = np.empty(d)
+    block = min(d, max(1, BLOCK_FLOATS // (2 * d * d)))
+    probes = ColumnProbes(U, block)
+    starts = [0] + list(range(1, d, block))
+    rescaled = 0
+    for b, lo in enumerate(starts):
+        cols = np.arange(lo, min(d, lo + block) if b else 1)
+        scale[cols] = _next_scale(T[:, :lo], scale[:lo])
+        T[:, cols] = column_logits(oracle, probes, v, cols, scale[cols])
+        rescaled += _rescue_columns(oracle, probes, v, T, scale, cols, first=(lo == 0))
+
+    W = np.linalg.solve(U.T, T / scale[None, :])
+    model = SingleHeadAttention(W, v)
+    recovery = oracle.queries - start_queries
+    # Held-out tokens at the scale where W's scores are of order one, but no larger
+    # than the probes reached: beyond it W is known only to its noise floor (W ~ 0).
+    verification = verify_model(oracle, model, count=n_verify, seed=seed,
+                                tolerance=verify_tolerance,
+                                scale=min(token_scale(model), np.sqrt(scale.max())))
+    report = Report(
+        kind=SingleHeadAttention.kind, dim=d, queries=oracle.queries - start_queries,
+        breakdown={"recovery": d * d + d, "rescaling": rescaled, "verification": n_verify},
+        floor=d * d + d, verification=verification,
+        seconds=time.perf_counter() - start, black_box_seconds=oracle.black_box_seconds - start_bb,
+        details={"logit scale": f"{scale.min():.3g} .. {scale.max():.3g}",
+                 "|v^T u_k|": f"{np.linalg.norm(v) / np.sqrt(d):.3g} (every probe)"})
+    assert recovery == d * d + d + rescaled
+    result = ExtractionResult(model=model, queries=report.queries, report=report)
+    if not verification.passed:
+        raise ModelMismatchError(
+            f"the black box is not a single-head attention regressor: held-out relative "
+            f"error {verification.max_relative_error:.2e} > tolerance {verify_tolerance:.0e}",
+            result=result)
+    return result
+
+
+def _next_scale(T_known: np.ndarray, scale_known: np.ndarray) -> float:
+    """Logit scale for the next block: TARGET_LOGIT over the largest |u^T W e_j| seen.
+
+    Columns whose logits are all at the noise floor tell nothing about W's size;
+    if no column has told anything yet, keep the largest scale used so far.
+    """
+    if not scale_known.size:
+        return FIRST_SCALE
+    peak = np.abs(T_known).max(axis=0)
+    signal = peak > NOISE_LOGIT
+    if not signal.any():
+        return float(scale_known.max())
+    return float(TARGET_LOGIT / np.max(peak[signal] / scale_known[signal]))
+
+
+def _rescue_columns(oracle, probes, v, T, scale, cols, first: bool) -> int:
+    """Probe again the columns whose logits saturated (or, in the first block, are tiny).
+
+    Returns the number of extra queries. Raises ModelMismatchError when a column
+    still implies attention weights outside (0, 1) after MAX_RESCALES tries.
+    """
+    extra = 0
+    for attempt in range(MAX_RESCALES + 1):
+        peak = np.abs(T[:, cols]).max(axis=0)           # NaN where a weight was outside (0, 1)
+        bad = ~(peak <= MAX_LOGIT)
+        if first and attempt == 0:   # grow a tiny first column once; W may be ~0 there
+            bad |= peak < MIN_FIRST_LOGIT
+        if not bad.any():
+            return extra
+        if attempt == MAX_RESCALES:
+            break
+        redo = cols[bad]
+        ok = np.isfinite(peak[bad])
+        # measured logits rescale exactly (growth capped); unmeasurable ones shrink by 2^10
+        with np.errstate(divide="ignore"):
+            factor = np.minimum(TARGET_LOGIT / np.where(ok, peak[bad], 1.0), MAX_GROWTH)
+        scale[redo] *= np.where(ok, factor, 2.0 ** -10)
+        T[:, redo] = column_logits(oracle, probes, v, redo, scale[redo])
+        extra += len(redo) * probes.U.shape[0]
+    raise ModelMismatchError(
+        f"the black box is not a single-head attention regressor: after {MAX_RESCALES} "
+        f"rescalings, probes of {int(bad.sum())} column(s) still imply attention weights "
+        f"outside (0, 1) or logits beyond {MAX_LOGIT}")

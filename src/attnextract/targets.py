@@ -1,0 +1,84 @@
+"""Targets: random and adversarial models to extract, and user black boxes from files.
+
+A target given on the command line as ``FILE.py:NAME`` is a function, or an object
+with ``__call__``, defined in FILE.py that takes a float64 array (B, N, d) and
+returns B real numbers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .errors import InputError, TargetLoadError
+from .models import SingleHeadAttention
+
+
+def random_single_head(dim: int, seed=None, *, w_scale: float | None = None,
+                       v_scale: float = 1.0) -> SingleHeadAttention:
+    """A generic single head: W entries N(0, w_scale^2) (default 1/sqrt(d)), v entries N(0, v_scale^2)."""
+    if dim < 1:
+        raise InputError(f"dim must be >= 1, got {dim}")
+    rng = np.random.default_rng(seed)
+    w_scale = 1.0 / np.sqrt(dim) if w_scale is None else w_scale
+    return SingleHeadAttention(w_scale * rng.standard_normal((dim, dim)),
+                               v_scale * rng.standard_normal(dim))
+
+
+def hostile_single_heads(dim: int, seed=None) -> dict[str, SingleHeadAttention]:
+    """Adversarial single heads: saturating W, zeros and tiny entries in v, tiny v, tiny W."""
+    rng = np.random.default_rng(seed)
+    G = rng.standard_normal((dim, dim))
+    g = rng.standard_normal(dim)
+    sparse_v = g.copy()
+    sparse_v[rng.random(dim) < 0.5] = 0.0
+    sparse_v[rng.integers(dim)] = 1.0          # not all zero
+    mixed_v = g * 10.0 ** rng.uniform(-12, 0, size=dim)
+    one_hot = np.zeros(dim)
+    one_hot[rng.integers(dim)] = 1.0
+    low_rank = np.outer(rng.standard_normal(dim), rng.standard_normal(dim))
+    return {
+        "large W (entries ~10)": SingleHeadAttention(10.0 * G, g),
+        "huge W (entries ~1e4)": SingleHeadAttention(1e4 * G, g),
+        "tiny W (entries ~1e-7)": SingleHeadAttention(1e-7 * G, g),
+        "half of v zero": SingleHeadAttention(G / np.sqrt(dim), sparse_v),
+        "v entries from 1e-12 to 1": SingleHeadAttention(G / np.sqrt(dim), mixed_v),
+        "v one-hot": SingleHeadAttention(G / np.sqrt(dim), one_hot),
+        "tiny v (~1e-9)": SingleHeadAttention(G / np.sqrt(dim), 1e-9 * g),
+        "rank-one W": SingleHeadAttention(low_rank, g),
+        "W = 0": SingleHeadAttention(np.zeros((dim, dim)), g),
+    }
+
+
+def load_target(spec: str):
+    """Load the callable NAME from FILE.py given as ``"FILE.py:NAME"``."""
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path or not name:
+        raise TargetLoadError(f"target must be FILE.py:NAME, got {spec!r}")
+    file = Path(path)
+    if not file.is_file():
+        raise TargetLoadError(f"target file {file} does not exist")
+    module_name = f"_attnextract_target_{abs(hash(str(file.resolve())))}"
+    try:
+        module_spec = importlib.util.spec_from_file_location(module_name, file)
+        if module_spec is None or module_spec.loader is None:
+            raise TargetLoadError(f"cannot import {file} as a Python module")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_name] = module
+        module_spec.loader.exec_module(module)
+    except TargetLoadError:
+        raise
+    except Exception as exc:
+        raise TargetLoadError(f"importing {file} failed: {type(exc).__name__}: {exc}") from exc
+    if not hasattr(module, name):
+        raise TargetLoadError(f"{file} defines no {name!r}")
+    target = getattr(module, name)
+    if inspect.isclass(target):
+        raise TargetLoadError(f"{name} in {file} is a class; export an instance or a function")
+    if not callable(target):
+        raise TargetLoadError(f"{name} in {file} is a {type(target).__name__}, not callable")
+    return target
