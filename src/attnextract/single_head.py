@@ -37,7 +37,7 @@ from .report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, token_s
 FIRST_SCALE = 1.0 / 64     # logit scale of the first column, before anything is known
 TARGET_LOGIT = 0.5         # aim for |u^T W q| about this large
 MAX_LOGIT = 12.0           # beyond it a(1 - a) < 1e-5: probe again, smaller
-MIN_FIRST_LOGIT = 1e-4     # below it the first column is probed again, larger
+MIN_FIRST_LOGIT = 2e-6     # below it the first column is probed again, larger
 NOISE_LOGIT = 1e-12        # logits below it are rounding noise, not a scale
 MAX_RESCALES = 6
 MAX_GROWTH = 1e6          # largest one-step growth of a tiny first column's scale
