@@ -18,6 +18,7 @@ import numpy as np
 from . import __version__
 from .errors import (AttnExtractError, BlackBoxError, BudgetExceededError, InputError,
                      ModelMismatchError, NotIdentifiableError, TargetLoadError)
+from .journal import QueryJournal
 from .oracle import Oracle
 from .report import DEFAULT_VERIFY_TOLERANCE, load_model, verification_count, verify_model
 from .single_head import extract_single_head
@@ -85,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True, help="RESULT.npz to write")
     ex.add_argument("--json", action="store_true", help="print one JSON object")
     ex.add_argument("--no-progress", action="store_true")
+    ex.add_argument("--journal", metavar="FILE.sqlite",
+                    help="record every query and answer; a restarted run resumes from it")
 
     ve = sub.add_parser("verify", help="compare a saved result with a black box")
     ve.add_argument("--target", required=True, help="FILE.py:NAME")
@@ -141,14 +144,31 @@ def _open_target(spec: str):
 
 def cmd_extract(args) -> int:
     black_box = _open_target(args.target)
+    journal = None
+    if args.journal:
+        journal = QueryJournal(args.journal, context={"target": args.target, "dim": args.dim})
+        # a resumed run must ask the same sequences: the learner's seed is part of the journal
+        if args.seed is None:
+            args.seed = journal.context.get("seed", int.from_bytes(os.urandom(4), "little"))
+        journal.remember(seed=args.seed)
+        if journal.context.get("seed") != args.seed:
+            raise InputError(f"journal {args.journal} was recorded with --seed "
+                             f"{journal.context['seed']}, not {args.seed}")
     bar = ProgressBar("extracting", enabled=False if args.no_progress or args.json else None)
     oracle = Oracle(black_box, args.dim, budget=args.budget, max_batch=args.max_batch,
-                    progress=bar)
+                    progress=bar, journal=journal)
     try:
         result = EXTRACTORS[args.model](oracle, seed=args.seed,
                                         verify_tolerance=args.verify_tolerance)
+    except ModelMismatchError as exc:
+        if exc.result is not None:
+            _note_sources(exc.result.report, oracle)
+        raise
     finally:
         bar.close()
+        if journal is not None:
+            journal.close()
+    _note_sources(result.report, oracle)
     result.save(args.out)
     if args.json:
         print(json.dumps({"ok": True, "out": args.out, **result.report.to_dict()}))
@@ -156,6 +176,14 @@ def cmd_extract(args) -> int:
         print(result.report.render())
         print(f"wrote        {args.out}")
     return 0
+
+
+def _note_sources(report, oracle: Oracle) -> None:
+    """Say in the report how many queries the black box and the journal answered."""
+    if oracle.journal is not None:
+        report.details["black_box_queries"] = oracle.black_box_queries
+        report.details["journal_queries"] = oracle.journal_queries
+        report.details["journal"] = oracle.journal.path
 
 
 def cmd_verify(args) -> int:

@@ -45,10 +45,17 @@ class Oracle:
         Largest number of sequences handed to the black box in one call.
     progress : callable, optional
         Called as ``progress(queries_sent, queries_planned)`` after each call.
+    journal : QueryJournal, optional
+        Consulted for every batch (see :mod:`attnextract.journal`): sequences it has
+        answered before are answered from it, only the others reach the black box,
+        and their answers are recorded (committed per batch). ``queries`` counts both;
+        ``journal_queries`` those answered by the journal, ``black_box_queries`` the rest.
+        The budget counts every query the result rests on, so a resumed run stops where
+        the original would have.
     """
 
     def __init__(self, black_box: BlackBox, dim: int, *, budget: int | None = None,
-                 max_batch: int | None = None, progress=None):
+                 max_batch: int | None = None, progress=None, journal=None):
         if not callable(black_box):
             raise InputError(f"black box must be callable, got {type(black_box).__name__}")
         if not isinstance(dim, (int, np.integer)) or dim < 1:
@@ -67,8 +74,15 @@ class Oracle:
         self.calls = 0            # calls made to the black box
         self.black_box_seconds = 0.0
         self.planned = 0          # queries announced by the running learner
+        self.journal = journal
+        self.journal_queries = 0  # queries answered by the journal, not the black box
 
     # -- budget -------------------------------------------------------------
+    @property
+    def black_box_queries(self) -> int:
+        """Queries answered by the black box itself (``queries`` minus journal answers)."""
+        return self.queries - self.journal_queries
+
     @property
     def remaining(self) -> int | None:
         """Queries left in the budget (None when unlimited)."""
@@ -122,26 +136,45 @@ class Oracle:
     def _send(self, X: np.ndarray) -> np.ndarray:
         B, N, _ = X.shape
         self.require(B, f"a batch of {B} sequences")
-        self.queries += B          # a sent query is spent, whatever comes back
-        self.tokens += B * N
+        # a sent query is spent, whatever comes back: counted before sending
+        if self.journal is None:
+            self.queries += B
+            self.tokens += B * N
+            out = self._ask_black_box(X)
+        else:
+            keys, out = self.journal.lookup(X)
+            missing = np.isnan(out)
+            self.journal_queries += B - int(missing.sum())
+            self.queries += B
+            self.tokens += B * N
+            if missing.any():
+                out[missing] = self._ask_black_box(np.ascontiguousarray(X[missing]))
+                self.journal.record([k for k, m in zip(keys, missing) if m], out[missing])
+        if self.progress is not None:
+            self.progress(self.queries, max(self.planned, self.queries))
+        return out
+
+    def _ask_black_box(self, X: np.ndarray) -> np.ndarray:
+        """One call to the black box with the batch X (B, N, d); validated outputs (B,)."""
         self.calls += 1
         X = X.view()
         X.flags.writeable = False  # a black box must not scribble on the learner's probes
         start = time.perf_counter()
         try:
             raw = self.black_box(X)
+        except (BlackBoxError, BudgetExceededError):
+            raise                  # already typed (e.g. an HTTP black box unreachable or over budget)
         except Exception as exc:   # the black box's own failure, typed and chained
             raise BlackBoxError(f"black box raised {type(exc).__name__}: {exc}") from exc
         finally:
             self.black_box_seconds += time.perf_counter() - start
-        out = validate_outputs(raw, B)
-        if self.progress is not None:
-            self.progress(self.queries, max(self.planned, self.queries))
-        return out
+        return validate_outputs(raw, len(X))
 
     def summary(self) -> dict:
         return {"queries": self.queries, "tokens": self.tokens, "calls": self.calls,
-                "black_box_seconds": self.black_box_seconds, "budget": self.budget}
+                "black_box_seconds": self.black_box_seconds, "budget": self.budget,
+                "journal_queries": self.journal_queries,
+                "black_box_queries": self.black_box_queries}
 
 
 def validate_outputs(raw, batch: int) -> np.ndarray:

@@ -1,0 +1,195 @@
+"""The query journal: answers come back from disk, a SIGKILLed run resumes, nothing is asked twice."""
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from attnextract import BlackBoxError, InputError, Oracle, extract_single_head
+from attnextract.journal import QueryJournal, sequence_digests
+from attnextract.targets import random_single_head
+
+
+class CountingBox:
+    """A black box that remembers every sequence it was asked (as bytes)."""
+
+    def __init__(self, box):
+        self.box, self.asked = box, []
+
+    def __call__(self, X):
+        self.asked += [row.tobytes() for row in X]
+        return self.box(X)
+
+
+def test_second_run_is_answered_by_the_journal(tmp_path):
+    path = tmp_path / "j.sqlite"
+    for seed in range(3):
+        path.unlink(missing_ok=True)
+        target = random_single_head(7, seed=seed)
+        first_box, second_box = CountingBox(target), CountingBox(target)
+        with QueryJournal(path) as journal:
+            first = extract_single_head(Oracle(first_box, 7, journal=journal, max_batch=10),
+                                        seed=seed)
+            assert journal.recorded == first.queries and journal.hits == 0
+        with QueryJournal(path) as journal:
+            oracle = Oracle(second_box, 7, journal=journal, max_batch=10)
+            second = extract_single_head(oracle, seed=seed)
+            assert journal.stored == first.queries and journal.hits == first.queries
+        assert second_box.asked == [] and oracle.calls == 0
+        assert len(first_box.asked) == first.queries == second.queries == 7 * 7 + 7 + 64
+        assert (oracle.journal_queries, oracle.black_box_queries) == (second.queries, 0)
+        np.testing.assert_array_equal(first.model.W, second.model.W)
+        np.testing.assert_array_equal(first.model.v, second.model.v)
+
+
+def test_partial_journal_asks_only_the_missing_sequences(tmp_path):
+    box = CountingBox(random_single_head(4, seed=1))
+    X = np.random.default_rng(0).standard_normal((10, 3, 4))
+    with QueryJournal(tmp_path / "j.sqlite") as journal:
+        Oracle(box, 4, journal=journal).query(X[[1, 4, 7]])
+    box.asked.clear()
+    with QueryJournal(tmp_path / "j.sqlite") as journal:
+        oracle = Oracle(box, 4, journal=journal, max_batch=4)
+        out = oracle.query(X)
+        assert journal.hits == 3 and journal.recorded == 7
+    np.testing.assert_array_equal(out, random_single_head(4, seed=1)(X))
+    assert sorted(box.asked) == sorted(X[i].tobytes() for i in range(10) if i not in (1, 4, 7))
+    assert (oracle.queries, oracle.journal_queries, oracle.black_box_queries) == (10, 3, 7)
+
+
+def test_repeated_probes_get_fresh_answers_and_replay_in_order(tmp_path):
+    """A learner that repeats a probe (to average noise) must not get the first answer back."""
+    noise = iter(np.arange(100.0))
+    box = lambda X: np.array([next(noise) for _ in X])            # noqa: E731
+    X = np.ones((3, 2, 2))                                         # the same sequence 3 times
+    with QueryJournal(tmp_path / "j.sqlite") as journal:
+        first = Oracle(box, 2, journal=journal).query(X)
+        again = Oracle(box, 2, journal=journal).query(X[:1])      # a new oracle, same journal
+    assert list(first) == [0.0, 1.0, 2.0] and list(again) == [3.0]  # 4th occurrence is new
+    with QueryJournal(tmp_path / "j.sqlite") as journal:
+        oracle = Oracle(box, 2, journal=journal)
+        assert list(oracle.query(X[:2])) == [0.0, 1.0]
+        assert list(oracle.query(X)) == [2.0, 3.0, 4.0]            # occurrences 2, 3 known, 4 new
+    assert (oracle.journal_queries, oracle.black_box_queries) == (4, 1)
+
+
+def test_distinct_shapes_and_signed_zero_are_distinct_keys():
+    a = np.zeros((1, 2, 3))
+    b = np.zeros((1, 3, 2))
+    c = -np.zeros((1, 2, 3))
+    assert len({sequence_digests(a)[0], sequence_digests(b)[0], sequence_digests(c)[0]}) == 3
+
+
+def test_refused_answers_are_not_recorded(tmp_path):
+    with QueryJournal(tmp_path / "j.sqlite") as journal:
+        oracle = Oracle(lambda X: np.full(len(X), np.nan), 2, journal=journal)
+        with pytest.raises(BlackBoxError):
+            oracle.query(np.ones((4, 1, 2)))
+        assert len(journal) == 0 and oracle.queries == 4    # spent, but nothing recorded
+
+
+def test_context_mismatch_and_corrupt_file(tmp_path):
+    QueryJournal(tmp_path / "j.sqlite", context={"target": "a.py:f", "dim": 3}).close()
+    with pytest.raises(InputError, match="dim = 3"):
+        QueryJournal(tmp_path / "j.sqlite", context={"target": "a.py:f", "dim": 4})
+    with QueryJournal(tmp_path / "j.sqlite", context={"dim": 3, "seed": 5}) as journal:
+        assert journal.context == {"target": "a.py:f", "dim": 3, "seed": 5}
+    (tmp_path / "bad.sqlite").write_bytes(b"this is not a database" * 100)
+    with pytest.raises(InputError, match="query journal"):
+        QueryJournal(tmp_path / "bad.sqlite")
+
+
+SLOW_TARGET = textwrap.dedent("""
+    import os, time
+    import numpy as np
+    from attnextract.journal import sequence_digests
+    from attnextract.targets import random_single_head
+
+    head = random_single_head(6, seed=5)
+
+    def slow(X):
+        time.sleep(0.02)                       # a slow, paid API
+        out = head(X)
+        with open(os.environ["ASKED_LOG"], "a") as log:   # what the black box answered
+            log.write("".join(d.hex() + "\\n" for d in sequence_digests(X)))
+        return out
+""")
+
+
+def _cli(*args, log, **kw):
+    env = dict(os.environ, ASKED_LOG=str(log))
+    return subprocess.Popen([sys.executable, "-m", "attnextract", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _asked(log) -> list[str]:
+    if not log.exists():
+        return []
+    return [line for line in log.read_text().splitlines() if len(line) == 32]
+
+
+def _journal_digests(path) -> list[str]:
+    with sqlite3.connect(path) as db:
+        return [bytes(d).hex() for (d,) in db.execute("SELECT digest FROM answers")]
+
+
+def test_sigkill_then_resume_loses_and_repeats_nothing(tmp_path):
+    target = tmp_path / "slow.py"
+    target.write_text(SLOW_TARGET)
+    journal = tmp_path / "run.sqlite"
+    total = 6 * 6 + 6 + 64
+    args = ["extract", "--target", f"{target}:slow", "--dim", "6", "--max-batch", "3",
+            "--journal", str(journal), "--no-progress", "--json"]
+
+    first = _cli(*args, "--out", str(tmp_path / "first.npz"), log=tmp_path / "asked1.log")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and first.poll() is None:
+        if journal.exists():
+            try:
+                if len(_journal_digests(journal)) >= 30:
+                    break
+            except sqlite3.OperationalError:     # the schema is being created
+                pass
+        time.sleep(0.005)
+    first.send_signal(signal.SIGKILL)
+    first.communicate(timeout=60)
+    assert first.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    answered_before_kill = _journal_digests(journal)
+    assert 30 <= len(answered_before_kill) < total
+    assert not (tmp_path / "first.npz").exists()
+
+    second = _cli(*args, "--out", str(tmp_path / "resumed.npz"), log=tmp_path / "asked2.log")
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 0, err
+    report = json.loads(out)
+    asked1, asked2 = _asked(tmp_path / "asked1.log"), _asked(tmp_path / "asked2.log")
+    # nothing the journal had answered was asked of the black box again
+    assert not set(asked2) & set(answered_before_kill)
+    assert len(asked2) == len(set(asked2)) == total - len(answered_before_kill)
+    # at most the batch in flight at the kill was answered but not yet committed
+    assert len(asked1) - len(answered_before_kill) <= 3
+    assert report["queries"] == total
+    assert report["details"]["journal_queries"] == len(answered_before_kill)
+    assert report["details"]["black_box_queries"] == total - len(answered_before_kill)
+
+    # the same result as an uninterrupted run with no journal
+    reference = _cli(*args[:-4], "--seed", str(_stored_seed(journal)), "--no-progress",
+                     "--out", str(tmp_path / "reference.npz"), log=tmp_path / "asked3.log")
+    assert reference.communicate(timeout=120) and reference.returncode == 0
+    with np.load(tmp_path / "resumed.npz") as a, np.load(tmp_path / "reference.npz") as b:
+        np.testing.assert_array_equal(a["W"], b["W"])
+        np.testing.assert_array_equal(a["v"], b["v"])
+        assert int(a["queries"]) == int(b["queries"]) == total
+        assert json.loads(str(a["report"]))["details"]["journal_queries"] == len(answered_before_kill)
+
+
+def _stored_seed(journal) -> int:
+    with sqlite3.connect(journal) as db:
+        return json.loads(db.execute("SELECT value FROM context WHERE key = 'seed'").fetchone()[0])
