@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     ex = sub.add_parser("extract", help="extract a model from a black box")
-    ex.add_argument("--target", required=True, help="FILE.py:NAME, a callable (B, N, d) -> (B,)")
+    ex.add_argument("--target", required=True,
+                    help="FILE.py:NAME, a callable (B, N, d) -> (B,), or http://HOST:PORT")
     ex.add_argument("--dim", required=True, type=_positive_int, help="token width d")
     ex.add_argument("--model", default="single-head", choices=sorted(EXTRACTORS))
     ex.add_argument("--budget", type=_nonnegative_int, help="hard limit on queries")
@@ -88,6 +89,20 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--no-progress", action="store_true")
     ex.add_argument("--journal", metavar="FILE.sqlite",
                     help="record every query and answer; a restarted run resumes from it")
+    ex.add_argument("--http-timeout", type=float, help="seconds per HTTP request (http:// targets)")
+    ex.add_argument("--http-retries", type=_nonnegative_int,
+                    help="retries of timeouts and 5xx answers (http:// targets)")
+    ex.add_argument("--http-concurrency", type=_positive_int,
+                    help="HTTP requests in flight at once (http:// targets)")
+
+    se = sub.add_parser("serve", help="serve a model file as an HTTP black box")
+    se.add_argument("--secret", required=True, help="FILE.npz with W and v (or a RESULT.npz)")
+    se.add_argument("--port", required=True, type=_nonnegative_int, help="0 picks a free port")
+    se.add_argument("--host", default="127.0.0.1")
+    se.add_argument("--budget", type=_nonnegative_int, help="queries served in all (429 past it)")
+    se.add_argument("--round", type=_nonnegative_int, dest="round_digits", metavar="DIGITS",
+                    help="round every output to DIGITS decimals")
+    se.add_argument("--verbose", action="store_true", help="log every request on stderr")
 
     ve = sub.add_parser("verify", help="compare a saved result with a black box")
     ve.add_argument("--target", required=True, help="FILE.py:NAME")
@@ -109,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handler = {"extract": cmd_extract, "verify": cmd_verify, "demo": cmd_demo}[args.command]
+    handler = {"extract": cmd_extract, "verify": cmd_verify, "demo": cmd_demo,
+               "serve": cmd_serve}[args.command]
     try:
         return handler(args)
     except ModelMismatchError as exc:
@@ -138,12 +154,21 @@ def _fail(args, exc: Exception, code: int) -> int:
     return code
 
 
-def _open_target(spec: str):
+def _open_target(spec: str, dim: int | None = None, args=None):
+    """A black box from FILE.py:NAME, or from an HTTP endpoint http://HOST:PORT."""
+    if spec.startswith(("http://", "https://")):
+        from .remote import HttpBlackBox
+        options = {k: getattr(args, f"http_{k}") for k in ("timeout", "retries", "concurrency")
+                   if getattr(args, f"http_{k}", None) is not None}
+        black_box = HttpBlackBox(spec, **options)
+        if dim is not None:
+            black_box.check_dim(dim)       # also fails early, typed, when unreachable
+        return black_box
     return load_target(spec)
 
 
 def cmd_extract(args) -> int:
-    black_box = _open_target(args.target)
+    black_box = _open_target(args.target, args.dim, args)
     journal = None
     if args.journal:
         journal = QueryJournal(args.journal, context={"target": args.target, "dim": args.dim})
@@ -188,7 +213,7 @@ def _note_sources(report, oracle: Oracle) -> None:
 
 def cmd_verify(args) -> int:
     model = load_model(args.result)
-    oracle = Oracle(_open_target(args.target), model.dim, budget=args.budget)
+    oracle = Oracle(_open_target(args.target, model.dim), model.dim, budget=args.budget)
     count = args.count or verification_count(sum(np.size(p) for p in model.parameters().values()))
     verification = verify_model(oracle, model, count=count, seed=args.seed,
                                 tolerance=args.tolerance)
@@ -232,4 +257,24 @@ def cmd_demo(args) -> int:
     print(result.report.render())
     print(f"\nchecked against the secret (the learner never saw it): relative error "
           f"W {w_err:.2e}, v {v_err:.2e}")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from .server import make_server
+    model = load_model(args.secret)
+    try:
+        server = make_server(model, args.host, args.port, budget=args.budget,
+                             round_digits=args.round_digits, verbose=args.verbose)
+    except OSError as exc:
+        raise InputError(f"cannot listen on {args.host}:{args.port}: {exc}") from exc
+    budget = "no budget" if args.budget is None else f"budget {args.budget} queries"
+    print(f"serving {model.kind} d = {model.dim} on {server.url} ({budget}); "
+          f"POST /query, GET /health; Ctrl-C stops", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
     return 0

@@ -1,0 +1,287 @@
+"""The HTTP black box: a real server on a loopback port, a real client, bad requests, budget, retries."""
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from attnextract import (BlackBoxError, BudgetExceededError, InputError, MalformedOutputError,
+                         Oracle, extract_single_head)
+from attnextract.remote import HttpBlackBox
+from attnextract.server import QueryHandler, make_server
+from attnextract.targets import random_single_head
+
+from conftest import rel_err
+
+D = 5
+
+
+@pytest.fixture
+def serve():
+    """Start servers on free loopback ports in threads; all shut down after the test."""
+    servers = []
+
+    def start(model=None, **kw):
+        server = make_server(model or random_single_head(D, seed=3), "127.0.0.1", 0, **kw)
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                         daemon=True).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def raw(server, method, path, body=None, headers=None):
+    """One request over a fresh connection; returns (status, JSON body)."""
+    host, port = server.server_address[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=10)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read() or b"{}")
+    finally:
+        conn.close()
+
+
+def post(server, payload):
+    body = payload if isinstance(payload, (bytes, str)) else json.dumps(payload)
+    return raw(server, "POST", "/query", body)
+
+
+def test_query_answers_exactly_what_the_model_computes(serve):
+    model = random_single_head(D, seed=3)
+    server = serve(model)
+    X = np.random.default_rng(0).standard_normal((7, 4, D))
+    status, answer = post(server, {"sequences": X.tolist()})
+    assert status == 200 and answer["remaining"] is None
+    assert np.array_equal(np.array(answer["outputs"]), model(X))     # bit for bit over JSON
+    status, health = raw(server, "GET", "/health")
+    assert status == 200 and health == {"ok": True, "kind": "single-head", "dim": D,
+                                        "served": 7, "budget": None, "remaining": None}
+
+
+BAD_REQUESTS = [
+    (b"this is not json", 400, "not valid JSON"),
+    (b'{"sequences": [[[1, 2, 3, 4, 5]]', 400, "not valid JSON"),
+    ('[1, 2]', 400, "JSON object"),
+    ('{"inputs": [[[1, 2, 3, 4, 5]]]}', 400, "JSON object"),
+    ('{"sequences": []}', 400, "non-empty"),
+    ('{"sequences": 3}', 400, "non-empty"),
+    ('{"sequences": [[1, 2, 3, 4, 5]]}', 400, "(B, N, 5)"),
+    ('{"sequences": [[]]}', 400, "N >= 1"),
+    ('{"sequences": [[[1, 2, 3]]]}', 422, "width 5"),
+    ('{"sequences": [[[1, 2, 3, 4, 5]], [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5]]]}', 400, "ragged"),
+    ('{"sequences": [[[1, 2, 3, 4, 5], [1, 2, 3, 4]]]}', 400, "ragged"),
+    ('{"sequences": [[[1, 2, NaN, 4, 5]]]}', 400, "NaN"),
+    ('{"sequences": [[[1, 2, Infinity, 4, 5]]]}', 400, "Infinity"),
+    ('{"sequences": [[[1, 2, 1e400, 4, 5]]]}', 400, "infinity"),
+    ('{"sequences": [[[1, 2, "3", 4, 5]]]}', 400, "numbers"),
+    ('{"sequences": [[[1, 2, null, 4, 5]]]}', 400, "non-numbers"),
+    ('{"sequences": [[[true, false, true, true, false]]]}', 400, "numbers"),
+    ('{"sequences": [[[1, 2, {"a": 1}, 4, 5]]]}', 400, "non-numbers"),
+]
+
+
+def test_every_bad_request_gets_a_4xx_with_a_reason_and_the_server_keeps_serving(serve):
+    model = random_single_head(D, seed=3)
+    server = serve(model, max_sequences=50, max_floats=1000, max_length=30, max_body=200_000)
+    for body, status, reason in BAD_REQUESTS:
+        got, answer = post(server, body)
+        assert (got, reason in answer["error"]) == (status, True), (body, got, answer)
+    too_many = np.zeros((51, 1, D)).tolist()
+    too_long = np.zeros((1, 31, D)).tolist()
+    too_big = np.zeros((40, 6, D)).tolist()                          # 1200 numbers > 1000
+    for payload, reason in [(too_many, "51 sequences"), (too_long, "31 tokens"),
+                            (too_big, "1200 numbers")]:
+        got, answer = post(server, {"sequences": payload})
+        assert got == 413 and reason in answer["error"]
+    assert raw(server, "GET", "/nope")[0] == 404
+    assert raw(server, "GET", "/query")[0] == 405
+    assert raw(server, "POST", "/health", "{}")[0] == 405
+    assert raw(server, "DELETE", "/query")[0] == 405
+    assert raw(server, "POST", "/query", "{}", {"Content-Length": "-3"})[0] == 400
+    # a body announced too large is refused before it is read
+    with socket.create_connection(server.server_address[:2], timeout=10) as sock:
+        sock.sendall(b"POST /query HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 413")
+    # no Content-Length at all
+    with socket.create_connection(server.server_address[:2], timeout=10) as sock:
+        sock.sendall(b"POST /query HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 411")
+    # a client that announces a body and hangs up half way
+    with socket.create_connection(server.server_address[:2], timeout=10) as sock:
+        sock.sendall(b"POST /query HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n{\"seq")
+    # garbage that is not HTTP
+    with socket.create_connection(server.server_address[:2], timeout=10) as sock:
+        sock.sendall(b"\x00\x01\x02 garbage\r\n\r\n")
+        sock.recv(4096)
+    assert server.state.served == 0                                  # nothing was answered
+    X = np.random.default_rng(1).standard_normal((3, 2, D))
+    status, answer = post(server, {"sequences": X.tolist()})
+    assert status == 200 and np.array_equal(answer["outputs"], model(X))
+    assert raw(server, "GET", "/health")[0] == 200
+
+
+def test_a_failing_model_is_a_500_and_the_server_keeps_serving(serve):
+    calls = []
+
+    def flaky(X):
+        calls.append(len(X))
+        if len(calls) == 1:
+            raise RuntimeError("out of memory")
+        return np.zeros(len(X))
+
+    flaky.dim, flaky.kind = D, "custom"
+    server = serve(flaky)
+    status, answer = post(server, {"sequences": [[[0.0] * D]]})
+    assert status == 500 and "out of memory" in answer["error"]
+    assert post(server, {"sequences": [[[0.0] * D]]}) == (200, {"outputs": [0.0], "remaining": None})
+
+
+def test_budget_is_enforced_server_side_all_or_nothing(serve):
+    server = serve(budget=10)
+    one = [[[0.5] * D]]
+    assert post(server, {"sequences": one * 6})[0] == 200
+    status, answer = post(server, {"sequences": one * 5})
+    assert status == 429 and answer["remaining"] == 4 and "budget" in answer["error"]
+    status, answer = post(server, {"sequences": one * 4})
+    assert status == 200 and answer["remaining"] == 0
+    assert post(server, {"sequences": one})[0] == 429
+    assert server.state.served == 10
+    # through the client and the oracle: a typed BudgetExceededError, not a crash
+    oracle = Oracle(HttpBlackBox(server.url, backoff=0), D)
+    with pytest.raises(BudgetExceededError, match="budget exhausted"):
+        oracle.query(np.ones((2, 1, D)))
+
+
+def test_rounded_outputs(serve):
+    model = random_single_head(D, seed=3)
+    server = serve(model, round_digits=3)
+    X = np.random.default_rng(2).standard_normal((20, 3, D))
+    out = np.array(post(server, {"sequences": X.tolist()})[1]["outputs"])
+    assert np.array_equal(out, np.round(model(X), 3)) and not np.array_equal(out, model(X))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_extraction_through_http_matches(serve, seed):
+    model = random_single_head(D, seed=seed)
+    server = serve(model)
+    box = HttpBlackBox(server.url, concurrency=3, max_floats=40)    # many small requests
+    result = extract_single_head(Oracle(box, D), seed=seed)
+    assert rel_err(result.model.W, model.W) < 1e-10 and rel_err(result.model.v, model.v) < 1e-12
+    assert server.state.served == result.queries == D * D + D + 64
+    assert box.requests > 10 and box.retried == 0
+
+
+def test_large_batch_is_split_and_answered_in_order(serve):
+    model = random_single_head(D, seed=4)
+    server = serve(model)
+    X = np.random.default_rng(3).standard_normal((500, 3, D))
+    box = HttpBlackBox(server.url, concurrency=4, max_floats=15 * 7)   # 7 sequences a request
+    assert np.array_equal(box(X), model(X))
+    assert box.requests == 72
+
+
+class FlakyHandler(QueryHandler):
+    """Fails the first requests: a 503, then a dropped connection, then a stall."""
+
+    def do_POST(self):
+        mode = self.server.modes.pop(0) if self.server.modes else None
+        if mode == "503":
+            self._send(503, {"error": "try later"})
+        elif mode == "drop":
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+        elif mode == "stall":
+            time.sleep(1.0)            # longer than the client's timeout
+            self._send(503, {"error": "too slow"})
+        else:
+            super().do_POST()
+
+
+def test_retries_timeouts_dropped_connections_and_5xx(serve):
+    model = random_single_head(D, seed=5)
+    server = serve(model, handler=FlakyHandler)
+    server.modes = ["503", "drop", "stall"]
+    box = HttpBlackBox(server.url, timeout=0.3, retries=4, backoff=0.01, concurrency=1)
+    X = np.random.default_rng(4).standard_normal((4, 2, D))
+    assert np.array_equal(box(X), model(X))
+    assert (box.requests, box.retried) == (4, 3)
+    server.modes = ["503"] * 3
+    box = HttpBlackBox(server.url, retries=2, backoff=0.01)
+    with pytest.raises(BlackBoxError, match="3 attempt.*HTTP 503: try later"):
+        box(X)
+
+
+def test_unreachable_server_is_a_typed_error():
+    with socket.socket() as sock:                  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    box = HttpBlackBox(f"http://127.0.0.1:{port}", retries=2, backoff=0.01, timeout=2)
+    with pytest.raises(BlackBoxError, match="unreachable: 3 attempt"):
+        Oracle(box, D).query(np.ones((2, 1, D)))
+    with pytest.raises(BlackBoxError, match="unreachable"):
+        box.check_dim(D)
+    with pytest.raises(InputError):
+        HttpBlackBox("ftp://example")
+
+
+def test_malformed_answers_and_wrong_dimension(serve):
+    class Liar(QueryHandler):
+        def do_POST(self):
+            self._send(200, {"outputs": [1.0]})        # one answer whatever was asked
+
+    server = serve(handler=Liar)
+    with pytest.raises(MalformedOutputError, match="length 1 for 3"):
+        HttpBlackBox(server.url)(np.ones((3, 1, D)))
+    with pytest.raises(InputError, match="width 5, not --dim 4"):
+        HttpBlackBox(server.url).check_dim(4)
+
+
+def cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "attnextract", *args], capture_output=True,
+                          text=True, timeout=120, **kw)
+
+
+def test_serve_and_extract_on_the_command_line(tmp_path):
+    secret = random_single_head(4, seed=9)
+    np.savez(tmp_path / "secret.npz", W=secret.W, v=secret.v)
+    server = subprocess.Popen([sys.executable, "-m", "attnextract", "serve", "--secret",
+                               str(tmp_path / "secret.npz"), "--port", "0", "--budget", "200"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = server.stdout.readline()
+        assert "serving single-head d = 4 on http://127.0.0.1:" in banner, server.stderr.read()
+        url = banner.split(" on ")[1].split()[0]
+        done = cli("extract", "--target", url, "--dim", "4", "--out", str(tmp_path / "r.npz"),
+                   "--journal", str(tmp_path / "j.sqlite"), "--json")
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout)
+        assert report["queries"] == 4 * 4 + 4 + 64 == report["details"]["black_box_queries"]
+        with np.load(tmp_path / "r.npz") as r:
+            assert rel_err(r["W"], secret.W) < 1e-10
+        verify = cli("verify", "--target", url, "--result", str(tmp_path / "r.npz"))
+        assert verify.returncode == 0 and "MATCH" in verify.stdout
+        # the server's budget (200) is now spent: 84 + 64 served, 52 left
+        again = cli("extract", "--target", url, "--dim", "4", "--out", str(tmp_path / "s.npz"))
+        assert again.returncode == 1 and "BudgetExceededError" in again.stderr
+        wrong = cli("extract", "--target", url, "--dim", "3", "--out", str(tmp_path / "t.npz"))
+        assert wrong.returncode == 2 and "width 4, not --dim 3" in wrong.stderr
+    finally:
+        server.kill()
+        server.communicate(timeout=10)
+    gone = cli("extract", "--target", url, "--dim", "4", "--out", str(tmp_path / "u.npz"),
+               "--http-retries", "1")
+    assert gone.returncode == 3 and "unreachable" in gone.stderr
+    bad = cli("serve", "--secret", str(tmp_path / "missing.npz"), "--port", "0")
+    assert bad.returncode == 2
