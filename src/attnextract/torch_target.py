@@ -1,0 +1,150 @@
+"""A PyTorch ``nn.MultiheadAttention`` (or one of its heads) as a black box.
+
+:class:`TorchAttentionBlackBox` runs the real module's forward pass, with the last
+token as the query and the whole sequence as keys and values, and reads the output
+at the last token with a readout vector r:
+
+    f(X) = r^T MHA(query = x_N, key = X, value = X)
+
+For a bias-free module (``bias=False``, no ``add_bias_kv``, no ``add_zero_attn``) one
+head h with rows Q_h, K_h, V_h of ``in_proj_weight`` (head_dim x E each) and columns
+O_h of ``out_proj.weight`` is a single-head attention regressor (ALGORITHMS.md,
+section 1) with
+
+    W = K_h^T Q_h / sqrt(head_dim)   (rank <= head_dim),   v = V_h^T O_h^T r,
+
+because torch scales q . k_i by 1/sqrt(head_dim), and s_i = (Q_h x_N)^T (K_h x_i) =
+x_i^T K_h^T Q_h x_N. :func:`merged_head_parameters` computes this (W, v) from the
+weights, for checking an extraction against the truth. ``head=h`` keeps head h
+alone by zeroing the other heads' columns of ``out_proj`` in a private copy of the
+module; ``head=None`` serves the whole module (H heads: a multi-head target).
+
+Biases are not in the model class: a key bias adds a term linear in x_i to the
+scores and value/output biases add a constant to the output, so a module with
+biases is a different black box and an extraction of it reports a mismatch.
+
+torch is an optional extra (``pip install torch==2.13.0``, the CPU build), imported
+only when this module is used. The copy runs in float64 by default: in float32
+the outputs carry errors near 1e-7, far above what exact extraction resolves.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+
+from .errors import InputError
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as exc:       # an optional extra: say how to get it
+        raise InputError("PyTorch targets need torch: pip install torch==2.13.0 "
+                         "(the CPU build)") from exc
+    return torch
+
+
+def _check_module(module, torch):
+    if not isinstance(module, torch.nn.MultiheadAttention):
+        raise InputError(f"expected a torch.nn.MultiheadAttention, got {type(module).__name__}")
+    if not module._qkv_same_embed_dim:
+        raise InputError("keys and values must have the width of the queries "
+                         "(kdim = vdim = embed_dim): one sequence is the query, keys and values")
+
+
+def _readout(readout, dim: int) -> np.ndarray:
+    if readout is None or isinstance(readout, (int, np.integer)):
+        r = np.random.default_rng(readout).standard_normal(dim)
+        return r / np.linalg.norm(r)
+    r = np.asarray(readout, dtype=np.float64)
+    if r.shape != (dim,) or not np.all(np.isfinite(r)):
+        raise InputError(f"readout must be {dim} finite numbers, got shape {r.shape}")
+    return r
+
+
+def merged_head_parameters(module, readout, head: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (W, v) of head ``head`` read out by ``readout``: W (E, E) = K_h^T Q_h / sqrt(hd), v (E,).
+
+    Biases are ignored (see the module docstring).
+    """
+    torch = _torch()
+    _check_module(module, torch)
+    E, H = module.embed_dim, module.num_heads
+    if not 0 <= head < H:
+        raise InputError(f"head must be in 0..{H - 1}, got {head}")
+    hd = E // H
+    with torch.no_grad():
+        weights = module.in_proj_weight.detach().to(torch.float64).cpu().numpy()
+        out = module.out_proj.weight.detach().to(torch.float64).cpu().numpy()
+    rows = slice(head * hd, (head + 1) * hd)
+    Q, K, V = (weights[i * E:(i + 1) * E][rows] for i in range(3))
+    r = _readout(readout, E)
+    return K.T @ Q / math.sqrt(hd), V.T @ (out[:, rows].T @ r)
+
+
+class TorchAttentionBlackBox:
+    """f(X) = r^T MultiheadAttention(x_N, X, X), batched: (B, N, E) -> (B,).
+
+    Parameters
+    ----------
+    module : torch.nn.MultiheadAttention
+        The layer to query (``batch_first`` either way). It is copied, never changed.
+    readout : array (E,) or int, optional
+        The readout vector r, or a seed for a random unit r (default seed None: random).
+    head : int, optional
+        Serve head ``head`` alone (the other heads' output columns zeroed in the copy);
+        None serves every head.
+    dtype : str
+        ``"float64"`` (default) or ``"float32"``: the precision of the copy's forward pass.
+    """
+
+    kind = "torch-multihead-attention"
+
+    def __init__(self, module, readout=None, *, head: int | None = None, dtype: str = "float64"):
+        torch = _torch()
+        _check_module(module, torch)
+        if dtype not in ("float64", "float32"):
+            raise InputError(f"dtype must be float64 or float32, got {dtype!r}")
+        E, H = module.embed_dim, module.num_heads
+        if head is not None and not 0 <= head < H:
+            raise InputError(f"head must be in 0..{H - 1}, got {head}")
+        self.torch, self.dtype = torch, getattr(torch, dtype)
+        self.module = copy.deepcopy(module).to(self.dtype).eval()
+        if head is not None:
+            hd = E // H
+            with torch.no_grad():
+                keep = torch.zeros(E, dtype=torch.bool)
+                keep[head * hd:(head + 1) * hd] = True
+                self.module.out_proj.weight[:, ~keep] = 0.0
+        self.head = head
+        self.readout = _readout(readout, E)
+        self._r = torch.from_numpy(self.readout).to(self.dtype)
+        self.dim = E
+
+    def __call__(self, X) -> np.ndarray:
+        X = np.asarray(X, dtype=np.float64)
+        if X.ndim != 3 or X.shape[2] != self.dim or X.shape[1] < 1:
+            raise InputError(f"expected a batch (B, N, {self.dim}), got shape {X.shape}")
+        torch = self.torch
+        with torch.no_grad():
+            seq = torch.tensor(X, dtype=self.dtype)      # a copy: the probes are read-only
+            query = seq[:, -1:, :]
+            if not self.module.batch_first:          # torch wants (N, B, E) then
+                seq, query = seq.transpose(0, 1), query.transpose(0, 1)
+            out, _ = self.module(query, seq, seq, need_weights=False)
+            if not self.module.batch_first:
+                out = out.transpose(0, 1)
+            return (out[:, 0, :] @ self._r).to(torch.float64).numpy()
+
+    def merged_parameters(self) -> tuple[np.ndarray, np.ndarray]:
+        """(W, v) of the served head, from the weights (for checking; needs ``head``)."""
+        if self.head is None and self.module.num_heads > 1:
+            raise InputError("the whole module has several heads; give head= to get one (W, v)")
+        return merged_head_parameters(self.module, self.readout, self.head or 0)
+
+    def __repr__(self) -> str:
+        which = "all heads" if self.head is None else f"head {self.head}"
+        return f"TorchAttentionBlackBox(E={self.dim}, {which})"
