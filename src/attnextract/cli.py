@@ -104,6 +104,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="round every output to DIGITS decimals")
     se.add_argument("--verbose", action="store_true", help="log every request on stderr")
 
+    mi = sub.add_parser("minilm", help="extract a real head of all-MiniLM-L6-v2 (offline weights)")
+    mi.add_argument("--layer", required=True, type=_nonnegative_int, help="layer 0..5")
+    mi.add_argument("--head", required=True, type=_nonnegative_int, help="head 0..11")
+    mi.add_argument("--readout-seed", type=int, default=0, help="seed of the readout vector r")
+    mi.add_argument("--seed", type=int, default=0, help="seed of the learner")
+    mi.add_argument("--budget", type=_nonnegative_int)
+    mi.add_argument("--journal", metavar="FILE.sqlite")
+    mi.add_argument("--out", help="RESULT.npz to write")
+    mi.add_argument("--json", action="store_true")
+    mi.add_argument("--no-progress", action="store_true")
+
     ve = sub.add_parser("verify", help="compare a saved result with a black box")
     ve.add_argument("--target", required=True, help="FILE.py:NAME")
     ve.add_argument("--result", required=True, help="RESULT.npz written by extract")
@@ -125,7 +136,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handler = {"extract": cmd_extract, "verify": cmd_verify, "demo": cmd_demo,
-               "serve": cmd_serve}[args.command]
+               "serve": cmd_serve, "minilm": cmd_minilm}[args.command]
     try:
         return handler(args)
     except ModelMismatchError as exc:
@@ -277,4 +288,31 @@ def cmd_serve(args) -> int:
         pass
     finally:
         server.server_close()
+    return 0
+
+
+def cmd_minilm(args) -> int:
+    from .minilm import extract_minilm_head
+    journal = None
+    if args.journal:
+        journal = QueryJournal(args.journal, context={
+            "target": f"minilm layer {args.layer} head {args.head} readout {args.readout_seed}",
+            "dim": 384, "seed": args.seed})
+    bar = ProgressBar("extracting", enabled=False if args.no_progress or args.json else None)
+    try:
+        result, _ = extract_minilm_head(args.layer, args.head, readout_seed=args.readout_seed,
+                                        seed=args.seed, budget=args.budget, progress=bar,
+                                        journal=journal)
+    finally:
+        bar.close()
+        if journal is not None:
+            journal.close()
+    if args.out:
+        result.save(args.out)
+    if args.json:
+        print(json.dumps({"ok": True, "out": args.out, **result.report.to_dict()}))
+    else:
+        print(result.report.render())
+        if args.out:
+            print(f"wrote        {args.out}")
     return 0

