@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from attnextract import BlackBoxError, InputError, Oracle, extract_single_head
-from attnextract.journal import QueryJournal, sequence_digests
+from attnextract.journal import QueryJournal, read_entries, sequence_digests
 from attnextract.targets import random_single_head
 
 
@@ -136,8 +136,7 @@ def _asked(log) -> list[str]:
 
 
 def _journal_digests(path) -> list[str]:
-    with sqlite3.connect(path) as db:
-        return [bytes(d).hex() for (d,) in db.execute("SELECT digest FROM answers")]
+    return [d.hex() for d, _, _ in read_entries(path)]
 
 
 def test_sigkill_then_resume_loses_and_repeats_nothing(tmp_path):

@@ -4,7 +4,7 @@ A black box that charges per query (or takes hours) must never be asked the same
 thing twice because a run died. :class:`QueryJournal` is an SQLite file (stdlib
 ``sqlite3``) that the :class:`~attnextract.oracle.Oracle` consults for every batch:
 
-- each sequence is keyed by a hash of its exact bytes (shape and float64 values)
+- each sequence is keyed by a hash (SHA-256) of its exact bytes (shape and float64 values)
   and by its *occurrence*: the k-th time the same sequence is asked in one run is
   a different entry from the first, so learners that repeat probes on purpose (to
   average a noisy black box) get fresh answers, and a resumed run replays them in
@@ -32,13 +32,17 @@ import numpy as np
 
 from .errors import InputError
 
+DIGEST_BYTES = 16
+# One row per answered batch (a row per sequence made large runs spend more time in
+# SQLite than in the black box): B digests of 16 bytes, B occurrences (int64) and B
+# outputs (float64, exact), each packed in one blob.
 SCHEMA = """
-CREATE TABLE IF NOT EXISTS answers (
-    digest BLOB NOT NULL,        -- blake2b-128 of the sequence's shape and float64 bytes
-    occurrence INTEGER NOT NULL, -- 0 for the first time this sequence was asked in a run
-    output REAL NOT NULL,
-    PRIMARY KEY (digest, occurrence)
-) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS batches (
+    id INTEGER PRIMARY KEY,
+    digests BLOB NOT NULL,       -- sha256 (first 16 bytes) of each sequence's shape and bytes
+    occurrences BLOB NOT NULL,   -- int64: 0 the first time a sequence was asked in a run
+    outputs BLOB NOT NULL        -- float64 answers
+);
 CREATE TABLE IF NOT EXISTS context (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
@@ -50,8 +54,30 @@ def sequence_digests(X: np.ndarray) -> list[bytes]:
     bytes never collide; -0.0 and 0.0 differ (they are different bytes).
     """
     X = np.ascontiguousarray(X, dtype=np.float64)
-    header = np.array(X.shape[1:], dtype=np.int64).tobytes()
-    return [hashlib.blake2b(header + row.tobytes(), digest_size=16).digest() for row in X]
+    header = hashlib.sha256(np.array(X.shape[1:], dtype=np.int64).tobytes())
+    digests = []
+    for row in X:
+        h = header.copy()
+        h.update(row)                       # the buffer itself: no copy of the bytes
+        digests.append(h.digest()[:DIGEST_BYTES])
+    return digests
+
+
+def read_entries(path) -> list[tuple[bytes, int, float]]:
+    """Every (digest, occurrence, output) in the journal file, opened read-only."""
+    uri = "file:" + os.path.abspath(os.fspath(path)) + "?mode=ro"
+    with sqlite3.connect(uri, uri=True) as db:
+        rows = db.execute("SELECT digests, occurrences, outputs FROM batches ORDER BY id").fetchall()
+    return [entry for row in rows for entry in _unpack(*row)]
+
+
+def _unpack(digests: bytes, occurrences: bytes, outputs: bytes):
+    occ = np.frombuffer(occurrences, dtype=np.int64)
+    out = np.frombuffer(outputs, dtype=np.float64)
+    if len(digests) != DIGEST_BYTES * len(occ) or len(out) != len(occ):
+        raise sqlite3.DatabaseError("a journal row has blobs of inconsistent lengths")
+    return [(digests[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES], int(k), float(y))
+            for i, (k, y) in enumerate(zip(occ, out))]
 
 
 class QueryJournal:
@@ -83,11 +109,11 @@ class QueryJournal:
             self._db.execute("PRAGMA journal_mode=WAL")      # a commit is durable and cheap
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(SCHEMA)
-            rows = self._db.execute("SELECT digest, occurrence, output FROM answers").fetchall()
+            rows = self._db.execute("SELECT digests, occurrences, outputs FROM batches").fetchall()
             stored_context = dict(self._db.execute("SELECT key, value FROM context"))
+            self._answers = {(d, k): y for row in rows for d, k, y in _unpack(*row)}
         except sqlite3.DatabaseError as exc:
             raise InputError(f"cannot use {self.path} as a query journal: {exc}") from exc
-        self._answers = {(bytes(d), int(k)): float(y) for d, k, y in rows}
         self.context = {k: json.loads(v) for k, v in stored_context.items()}
         for key, value in (context or {}).items():
             if key in self.context and self.context[key] != value:
@@ -126,13 +152,16 @@ class QueryJournal:
 
     def record(self, keys: list[tuple[bytes, int]], outputs: np.ndarray) -> None:
         """Write validated answers of one batch and commit them (one transaction)."""
-        rows = [(d, k, float(y)) for (d, k), y in zip(keys, outputs)]
-        with self._db:
+        outputs = np.ascontiguousarray(outputs, dtype=np.float64)
+        row = (b"".join(d for d, _ in keys), np.array([k for _, k in keys], np.int64).tobytes(),
+               outputs.tobytes())
+        with self._db:                       # one transaction, committed on leaving
             self._db.execute("BEGIN")
-            self._db.executemany("INSERT OR REPLACE INTO answers VALUES (?, ?, ?)", rows)
-        for (d, k), y in zip(keys, outputs):
-            self._answers[(d, k)] = float(y)
-        self.recorded += len(rows)
+            self._db.execute("INSERT INTO batches (digests, occurrences, outputs) "
+                             "VALUES (?, ?, ?)", row)
+        for key, y in zip(keys, outputs.tolist()):
+            self._answers[key] = y
+        self.recorded += len(keys)
 
     def __len__(self) -> int:
         return len(self._answers)

@@ -169,6 +169,9 @@ def extract_minilm_head(layer: int, head: int, *, readout_seed=0, seed=None, bud
                     journal=journal)
     result = learner(oracle, seed=seed, verify_tolerance=verify_tolerance or DEFAULT_VERIFY_TOLERANCE)
     describe(result, truth, layer=layer, head=head, readout_seed=readout_seed, learner=name)
+    if journal is not None:
+        result.report.details["black_box_queries"] = oracle.black_box_queries
+        result.report.details["journal_queries"] = oracle.journal_queries
     return result, truth
 
 
