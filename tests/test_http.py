@@ -89,12 +89,16 @@ BAD_REQUESTS = [
     ('{"sequences": [[[1, 2, null, 4, 5]]]}', 400, "non-numbers"),
     ('{"sequences": [[[true, false, true, true, false]]]}', 400, "numbers"),
     ('{"sequences": [[[1, 2, {"a": 1}, 4, 5]]]}', 400, "non-numbers"),
+    ('{"sequences": [[[1, 2, 3, 4, 1' + '0' * 400 + ']]]}', 400, "non-numbers"),
+    ('{"sequences": [[[[1, 2, 3, 4, 5]]]]}', 400, "(B, N, 5)"),
+    ('{"sequences": ' + '[' * 100_000 + ']' * 100_000 + '}', 400, "nested too deeply"),
+    (b'\xff\xfe{"sequences"', 400, "not valid JSON"),
 ]
 
 
 def test_every_bad_request_gets_a_4xx_with_a_reason_and_the_server_keeps_serving(serve):
     model = random_single_head(D, seed=3)
-    server = serve(model, max_sequences=50, max_floats=1000, max_length=30, max_body=200_000)
+    server = serve(model, max_sequences=50, max_floats=1000, max_length=30, max_body=300_000)
     for body, status, reason in BAD_REQUESTS:
         got, answer = post(server, body)
         assert (got, reason in answer["error"]) == (status, True), (body, got, answer)
@@ -145,6 +149,7 @@ def test_a_failing_model_is_a_500_and_the_server_keeps_serving(serve):
     server = serve(flaky)
     status, answer = post(server, {"sequences": [[[0.0] * D]]})
     assert status == 500 and "out of memory" in answer["error"]
+    assert server.state.served == 0                     # a failed batch is not charged
     assert post(server, {"sequences": [[[0.0] * D]]}) == (200, {"outputs": [0.0], "remaining": None})
 
 
@@ -181,6 +186,14 @@ def test_extraction_through_http_matches(serve, seed):
     assert rel_err(result.model.W, model.W) < 1e-10 and rel_err(result.model.v, model.v) < 1e-12
     assert server.state.served == result.queries == D * D + D + 64
     assert box.requests > 10 and box.retried == 0
+
+
+def test_many_short_sequences_respect_the_servers_sequence_limit(serve):
+    model = random_single_head(1, seed=0)
+    server = serve(model, max_sequences=1000)
+    X = np.random.default_rng(5).standard_normal((2500, 1, 1))
+    box = HttpBlackBox(server.url, max_sequences=1000)
+    assert np.array_equal(box(X), model(X)) and box.requests == 3
 
 
 def test_large_batch_is_split_and_answered_in_order(serve):

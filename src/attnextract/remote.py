@@ -53,25 +53,31 @@ class HttpBlackBox:
         Requests in flight at once.
     max_floats : int
         Numbers per request (B * N * d); a larger batch is cut into several requests.
+    max_sequences : int
+        Sequences per request (the server's own limit is 100000).
     """
 
     def __init__(self, url: str, *, timeout: float = 60.0, retries: int = 4,
-                 backoff: float = 0.25, concurrency: int = 4, max_floats: int = 1 << 18):
+                 backoff: float = 0.25, concurrency: int = 4, max_floats: int = 1 << 18,
+                 max_sequences: int = 10_000):
         if not url.startswith(("http://", "https://")):
             raise InputError(f"an HTTP target must start with http:// or https://, got {url!r}")
-        if timeout <= 0 or retries < 0 or backoff < 0 or concurrency < 1 or max_floats < 1:
-            raise InputError("timeout > 0, retries >= 0, backoff >= 0, concurrency >= 1 and "
-                             "max_floats >= 1 are required")
+        if (timeout <= 0 or retries < 0 or backoff < 0 or concurrency < 1 or max_floats < 1
+                or max_sequences < 1):
+            raise InputError("timeout > 0, retries >= 0, backoff >= 0, concurrency >= 1, "
+                             "max_floats >= 1 and max_sequences >= 1 are required")
         self.url = url.rstrip("/")
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.concurrency, self.max_floats = concurrency, max_floats
+        self.max_sequences = max_sequences
         self.requests = 0          # HTTP requests made, retries included
         self.retried = 0           # of which retries
 
     def __call__(self, X) -> np.ndarray:
         """Outputs (B,) of the batch X (B, N, d), in order."""
         X = np.asarray(X, dtype=np.float64)
-        per_request = max(1, self.max_floats // max(1, X.shape[1] * X.shape[2]))
+        per_request = max(1, min(self.max_sequences,
+                                 self.max_floats // max(1, X.shape[1] * X.shape[2])))
         chunks = [X[i:i + per_request] for i in range(0, len(X), per_request)]
         if len(chunks) == 1 or self.concurrency == 1:
             return np.concatenate([self._query(c) for c in chunks])

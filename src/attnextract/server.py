@@ -77,6 +77,8 @@ class ServerState:
             payload = json.loads(body, parse_constant=no_constants)
         except (ValueError, UnicodeDecodeError) as exc:
             raise RequestError(400, f"body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise RequestError(400, "body is not valid JSON: nested too deeply") from None
         if not isinstance(payload, dict) or "sequences" not in payload:
             raise RequestError(400, 'body must be a JSON object {"sequences": [[[...]]]}')
         sequences = payload["sequences"]
@@ -118,7 +120,12 @@ class ServerState:
                                    remaining=self.budget - self.served)
             self.served += len(X)
             remaining = self.remaining
-        out = np.asarray(self.model(X), dtype=np.float64).reshape(len(X))
+        try:
+            out = np.asarray(self.model(X), dtype=np.float64).reshape(len(X))
+        except Exception:
+            with self.lock:            # a batch the model failed on is not charged
+                self.served -= len(X)
+            raise
         if self.round_digits is not None:
             out = np.round(out, self.round_digits)
         return {"outputs": out.tolist(), "remaining": remaining}
