@@ -180,30 +180,16 @@ def _open_target(spec: str, dim: int | None = None, args=None):
 
 def cmd_extract(args) -> int:
     black_box = _open_target(args.target, args.dim, args)
-    journal = None
-    if args.journal:
-        journal = QueryJournal(args.journal, context={"target": args.target, "dim": args.dim})
-        # a resumed run must ask the same sequences: the learner's seed is part of the journal
-        if args.seed is None:
-            args.seed = journal.context.get("seed", int.from_bytes(os.urandom(4), "little"))
-        journal.remember(seed=args.seed)
-        if journal.context.get("seed") != args.seed:
-            raise InputError(f"journal {args.journal} was recorded with --seed "
-                             f"{journal.context['seed']}, not {args.seed}")
+    journal = _open_journal(args)
     bar = ProgressBar("extracting", enabled=False if args.no_progress or args.json else None)
     oracle = Oracle(black_box, args.dim, budget=args.budget, max_batch=args.max_batch,
                     progress=bar, journal=journal)
     try:
         result = EXTRACTORS[args.model](oracle, seed=args.seed,
                                         verify_tolerance=args.verify_tolerance)
-    except ModelMismatchError as exc:
-        if exc.result is not None:
-            _note_sources(exc.result.report, oracle)
-        raise
     finally:
         bar.close()
-        if journal is not None:
-            journal.close()
+        _close_journal(oracle)
     _note_sources(result.report, oracle)
     result.save(args.out)
     if args.json:
@@ -212,6 +198,32 @@ def cmd_extract(args) -> int:
         print(result.report.render())
         print(f"wrote        {args.out}")
     return 0
+
+
+def _open_journal(args):
+    """The --journal of an extraction (None without one); fixes the learner's seed in it."""
+    if not getattr(args, "journal", None):
+        return None
+    journal = QueryJournal(args.journal, context={"target": args.target, "dim": args.dim})
+    # a resumed run must ask the same sequences: the learner's seed is part of the journal
+    if args.seed is None:
+        args.seed = journal.context.get("seed", int.from_bytes(os.urandom(4), "little"))
+    journal.remember(seed=args.seed)
+    if journal.context.get("seed") != args.seed:
+        journal.close()
+        raise InputError(f"journal {args.journal} was recorded with --seed "
+                         f"{journal.context['seed']}, not {args.seed}")
+    return journal
+
+
+def _close_journal(oracle: Oracle) -> None:
+    """Close the oracle's journal; a failed extraction's report still says who answered."""
+    if oracle.journal is None:
+        return
+    failure = sys.exc_info()[1]
+    if getattr(failure, "result", None) is not None:
+        _note_sources(failure.result.report, oracle)
+    oracle.journal.close()
 
 
 def _note_sources(report, oracle: Oracle) -> None:
