@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -129,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     de.add_argument("--seed", type=int, help="seed of the secret target (default: random)")
     de.add_argument("--json", action="store_true")
     de.add_argument("--no-progress", action="store_true")
+
+    be = sub.add_parser("bench", help="benchmark every learner against floors and a baseline")
+    be.add_argument("--quick", action="store_true", help="small sizes, under two minutes")
+    be.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md, PNGs")
+    be.add_argument("--sections", nargs="+", help="run only these sections")
+    be.add_argument("--update-readme", metavar="README", help="put the table into README's "
+                    "<!-- bench:begin --> ... <!-- bench:end --> block")
     return parser
 
 
@@ -136,7 +144,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handler = {"extract": cmd_extract, "verify": cmd_verify, "demo": cmd_demo,
-               "serve": cmd_serve, "minilm": cmd_minilm}[args.command]
+               "bench": cmd_bench, "serve": cmd_serve, "minilm": cmd_minilm}[args.command]
     try:
         return handler(args)
     except ModelMismatchError as exc:
@@ -280,6 +288,29 @@ def cmd_demo(args) -> int:
     print(result.report.render())
     print(f"\nchecked against the secret (the learner never saw it): relative error "
           f"W {w_err:.2e}, v {v_err:.2e}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import SECTIONS, run_bench, update_readme
+    unknown = set(args.sections or ()) - set(SECTIONS)
+    if unknown:
+        raise InputError(f"unknown bench section(s) {sorted(unknown)}; known: {sorted(SECTIONS)}")
+    summary = run_bench(args.out, quick=args.quick, sections=args.sections,
+                        log=lambda line: print(line, file=sys.stderr))
+    table = (Path(args.out) / "bench.md").read_text()
+    print(table)
+    if not summary["plots"]:
+        print("(matplotlib is not installed: no plots; pip install 'attnextract[plot]')",
+              file=sys.stderr)
+    print(f"wrote {args.out}/bench.json, bench.md" +
+          "".join(f", {p}" for p in summary["plots"]) + f" in {summary['seconds']:.1f} s")
+    if args.update_readme:
+        image = None
+        if "queries_vs_d.png" in summary["plots"]:
+            image = os.path.relpath(Path(args.out) / "queries_vs_d.png",
+                                    Path(args.update_readme).resolve().parent)
+        update_readme(args.update_readme, table, image)
     return 0
 
 

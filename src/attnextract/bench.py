@@ -1,0 +1,222 @@
+"""``attnextract bench``: every learner's cost and accuracy, the floors, and the baseline.
+
+One run writes into ``--out DIR``:
+
+- ``bench.json``: every measured row (labelled by learner; the baseline rows say
+  ``"surrogate"``);
+- ``bench.md``: the Markdown tables;
+- PNG plots (with matplotlib installed): queries vs d (log-log, with the floors
+  and the papers' counts, fitted slopes in the legend), parameter and output
+  error vs d, wall time split between the black box and the learner, and the
+  surrogate comparison.
+
+Sections are small functions registered in ``SECTIONS``; each learner that has
+landed adds one. ``--quick`` runs small sizes (under two minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .oracle import Oracle
+from .single_head import extract_single_head
+from .surrogate import train_surrogate
+from .targets import random_single_head
+
+
+def _rel(a, b) -> float:
+    nb = float(np.linalg.norm(b))
+    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / nb) if nb > 0 else float("nan")
+
+
+def fitted_slope(xs, ys) -> float:
+    """Least-squares slope of log(y) against log(x)."""
+    return float(np.polyfit(np.log(xs), np.log(ys), 1)[0])
+
+
+def section_single_head(quick: bool, log) -> list[dict]:
+    """Exact single head (paper 1, Theorem 4.1): d^2 + d queries."""
+    rows = []
+    for d in ([4, 8, 16, 32, 64] if quick else [4, 8, 16, 32, 64, 128, 256, 512]):
+        target = random_single_head(d, seed=d)
+        oracle = Oracle(target, d)
+        start = time.perf_counter()
+        result = extract_single_head(oracle, seed=d)
+        wall = time.perf_counter() - start
+        b = result.report.breakdown
+        rows.append({"learner": "single-head", "d": d, "queries": result.queries,
+                     "recovery_queries": b["recovery"] + b["rescaling"],
+                     "floor": d * d + d, "paper_count": d * d + d,
+                     "W_error": _rel(result.model.W, target.W),
+                     "v_error": _rel(result.model.v, target.v),
+                     "output_error": result.report.verification.max_relative_error,
+                     "wall_s": wall, "black_box_s": oracle.black_box_seconds,
+                     "learner_s": wall - oracle.black_box_seconds})
+        log(f"single-head d={d}: {rows[-1]['recovery_queries']} queries, "
+            f"W error {rows[-1]['W_error']:.1e}")
+    return rows
+
+
+def section_surrogate(quick: bool, log) -> list[dict]:
+    """The baseline: L-BFGS fit of a single head on random query/answer pairs."""
+    rows = []
+    d = 8 if quick else 64
+    multipliers = [1, 10] if quick else [1, 3, 10]
+    target = random_single_head(d, seed=d)
+    exact_oracle = Oracle(target, d)
+    exact = extract_single_head(exact_oracle, seed=1)
+    rows.append({"learner": "single-head", "label": "attnextract", "d": d,
+                 "queries": exact.queries, "W_error": _rel(exact.model.W, target.W),
+                 "output_error": exact.report.verification.max_relative_error,
+                 "wall_s": exact.report.seconds})
+    for mult in multipliers:
+        oracle = Oracle(target, d)
+        budget = mult * exact.queries
+        result = train_surrogate(oracle, budget, seed=mult, max_iter=500 if quick else 1500)
+        rows.append({"learner": "surrogate", "label": f"surrogate {mult}x", "d": d,
+                     "queries": result.queries, "training_queries": budget,
+                     "W_error": _rel(result.model.W, target.W),
+                     "output_error": result.report.verification.max_relative_error,
+                     "wall_s": result.report.seconds,
+                     "iterations": result.report.details["iterations"]})
+        log(f"surrogate d={d} {mult}x: W error {rows[-1]['W_error']:.1e}, "
+            f"output error {rows[-1]['output_error']:.1e}")
+    return rows
+
+
+SECTIONS = {"single-head": section_single_head, "surrogate": section_surrogate}
+
+
+def markdown(rows: list[dict]) -> str:
+    """Markdown tables: one per learner (by d), then the surrogate comparison."""
+    out = []
+    scaling = [r for r in rows if "floor" in r]
+    if scaling:
+        out += ["| learner | d | queries (recovery) | floor | paper | W error | output error "
+                "| wall s | black box s | learner s |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in scaling:
+            out.append(f"| {r['learner']} | {r['d']} | {r['recovery_queries']} | {r['floor']} | "
+                       f"{r['paper_count']} | {r['W_error']:.1e} | {r['output_error']:.1e} | "
+                       f"{r['wall_s']:.3f} | {r['black_box_s']:.3f} | {r['learner_s']:.3f} |")
+        for learner in dict.fromkeys(r["learner"] for r in scaling):
+            sub = [r for r in scaling if r["learner"] == learner]
+            if len(sub) >= 2:
+                out.append(f"\nFitted slope of log(queries) vs log(d), {learner}: "
+                           f"{fitted_slope([r['d'] for r in sub], [r['recovery_queries'] for r in sub]):.3f}")
+    compare = [r for r in rows if "label" in r]
+    if compare:
+        out += ["", f"Exact extraction vs the surrogate baseline (d = {compare[0]['d']}):", "",
+                "| method | queries | W error | held-out output error | wall s |",
+                "|---|---|---|---|---|"]
+        for r in compare:
+            out.append(f"| {r['label']} | {r['queries']} | {r['W_error']:.1e} | "
+                       f"{r['output_error']:.1e} | {r['wall_s']:.2f} |")
+        reached = [r for r in compare if r["learner"] == "surrogate" and r["output_error"] <= 1e-3]
+        out.append("")
+        out.append(f"Surrogate reaches 1e-3 held-out output error with {reached[0]['queries']} "
+                   "queries." if reached else "Surrogate does not reach 1e-3 held-out output "
+                   f"error with up to {max(r['queries'] for r in compare)} queries.")
+    return "\n".join(out) + "\n"
+
+
+def plots(rows: list[dict], out: Path) -> list[str]:
+    """Write the PNG plots; returns their file names ([] without matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    scaling = [r for r in rows if "floor" in r]
+    learners = list(dict.fromkeys(r["learner"] for r in scaling))
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for learner in learners:
+        sub = [r for r in scaling if r["learner"] == learner]
+        ds, qs = [r["d"] for r in sub], [r["recovery_queries"] for r in sub]
+        label = learner + (f" (slope {fitted_slope(ds, qs):.2f})" if len(sub) >= 2 else "")
+        ax.loglog(ds, qs, "o-", label=label)
+        ax.loglog(ds, [r["paper_count"] for r in sub], ":", label=f"paper count, {learner}")
+    all_d = sorted({r["d"] for r in scaling})
+    ax.loglog(all_d, [d * d + d for d in all_d], "k--", label="floor d² + d")
+    ax.set_xlabel("d"), ax.set_ylabel("queries"), ax.legend(fontsize=7)
+    ax.set_title("queries vs d")
+    fig.tight_layout(), fig.savefig(out / "queries_vs_d.png", dpi=110), plt.close(fig)
+    written.append("queries_vs_d.png")
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for learner in learners:
+        sub = [r for r in scaling if r["learner"] == learner]
+        ax.loglog([r["d"] for r in sub], [r["W_error"] for r in sub], "o-",
+                  label=f"{learner}: parameter error")
+        ax.loglog([r["d"] for r in sub], [r["output_error"] for r in sub], "s--",
+                  label=f"{learner}: held-out output error")
+    ax.set_xlabel("d"), ax.set_ylabel("relative error"), ax.legend(fontsize=7)
+    ax.set_title("error vs d")
+    fig.tight_layout(), fig.savefig(out / "error_vs_d.png", dpi=110), plt.close(fig)
+    written.append("error_vs_d.png")
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    labels = [f"{r['learner']}\nd={r['d']}" for r in scaling]
+    x = np.arange(len(scaling))
+    ax.bar(x, [r["black_box_s"] for r in scaling], label="inside the black box")
+    ax.bar(x, [r["learner_s"] for r in scaling], bottom=[r["black_box_s"] for r in scaling],
+           label="learner")
+    ax.set_xticks(x, labels, fontsize=6), ax.set_ylabel("seconds"), ax.legend()
+    ax.set_title("wall time split")
+    fig.tight_layout(), fig.savefig(out / "time_split.png", dpi=110), plt.close(fig)
+    written.append("time_split.png")
+
+    compare = [r for r in rows if "label" in r]
+    if compare:
+        fig, ax = plt.subplots(figsize=(6, 4.5))
+        for r in compare:
+            ax.loglog(r["queries"], max(r["output_error"], 1e-17),
+                      "r*" if r["learner"] != "surrogate" else "bo", ms=9)
+            ax.annotate(r["label"], (r["queries"], max(r["output_error"], 1e-17)), fontsize=7)
+        ax.axhline(1e-3, color="gray", ls=":")
+        ax.set_xlabel("queries"), ax.set_ylabel("held-out output error")
+        ax.set_title(f"exact extraction vs surrogate, d = {compare[0]['d']}")
+        fig.tight_layout(), fig.savefig(out / "surrogate.png", dpi=110), plt.close(fig)
+        written.append("surrogate.png")
+    return written
+
+
+def run_bench(out_dir, quick: bool = False, sections=None, log=print) -> dict:
+    """Run the registered sections and write bench.json, bench.md and the plots."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    rows = []
+    for name in sections or SECTIONS:
+        rows += SECTIONS[name](quick, log)
+    table = markdown(rows)
+    images = plots(rows, out)
+    summary = {"quick": quick, "seconds": time.perf_counter() - start, "rows": rows,
+               "plots": images}
+    (out / "bench.json").write_text(json.dumps(summary, indent=2, default=_json_default))
+    (out / "bench.md").write_text(table)
+    return summary
+
+
+def _json_default(obj):
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(type(obj).__name__)
+
+
+def update_readme(readme, table: str, image: str | None) -> None:
+    """Replace the text between the bench markers in the README with the new table."""
+    path = Path(readme)
+    text = path.read_text()
+    begin, end = "<!-- bench:begin -->", "<!-- bench:end -->"
+    if begin not in text or end not in text:
+        raise ValueError(f"{readme} has no {begin} ... {end} markers")
+    body = table + (f"\n![queries vs d]({image})\n" if image else "")
+    head, rest = text.split(begin, 1)
+    path.write_text(head + begin + "\n" + body + end + rest.split(end, 1)[1])

@@ -1,0 +1,72 @@
+"""The benchmark command's quick form, and the surrogate baseline it compares with."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+from scipy.optimize import check_grad
+
+from attnextract import Oracle
+from attnextract.bench import fitted_slope, update_readme
+from attnextract.report import held_out_sequences
+from attnextract.surrogate import _group_by_length, _loss_and_grad, train_surrogate
+from attnextract.targets import random_single_head
+
+
+def test_bench_quick_writes_json_table_and_plots(tmp_path):
+    out = tmp_path / "bench"
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- bench:begin -->\nold\n<!-- bench:end -->\nrest\n")
+    proc = subprocess.run([sys.executable, "-m", "attnextract", "bench", "--quick", "--out",
+                           str(out), "--update-readme", str(readme)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((out / "bench.json").read_text())
+    single = [r for r in summary["rows"] if r["learner"] == "single-head" and "floor" in r]
+    assert [r["recovery_queries"] for r in single] == [r["floor"] for r in single]
+    assert max(r["W_error"] for r in single) < 1e-9
+    surrogate = [r for r in summary["rows"] if r["learner"] == "surrogate"]
+    assert len(surrogate) == 2 and all(r["label"].startswith("surrogate") for r in surrogate)
+    for name in ("queries_vs_d.png", "error_vs_d.png", "time_split.png", "surrogate.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (out / "bench.md").read_text()
+    assert "| single-head | 64 | 4160 |" in table and "surrogate 10x" in table
+    text = readme.read_text()
+    assert "old" not in text and "| single-head | 64 | 4160 |" in text and text.endswith("rest\n")
+
+
+def test_fitted_slope():
+    ds = np.array([4, 8, 16, 32])
+    assert abs(fitted_slope(ds, 3 * ds ** 2.0) - 2.0) < 1e-12
+
+
+def test_update_readme_needs_markers(tmp_path):
+    readme = tmp_path / "R.md"
+    readme.write_text("no markers")
+    try:
+        update_readme(readme, "table", None)
+    except ValueError as exc:
+        assert "markers" in str(exc)
+    else:
+        raise AssertionError("expected ValueError")
+
+
+def test_surrogate_gradient_is_exact():
+    d, rng = 5, np.random.default_rng(0)
+    seqs = held_out_sequences(d, 40, rng, 0.7)
+    groups, y = _group_by_length(seqs), rng.standard_normal(40)
+    theta = rng.standard_normal(d * d + d)
+    err = check_grad(lambda t: _loss_and_grad(t, groups, y, d)[0],
+                     lambda t: _loss_and_grad(t, groups, y, d)[1], theta)
+    assert err < 1e-5 * np.linalg.norm(_loss_and_grad(theta, groups, y, d)[1])
+
+
+def test_surrogate_counts_queries_and_fits_with_many_queries():
+    d = 4
+    target = random_single_head(d, seed=2)
+    oracle = Oracle(target, d)
+    result = train_surrogate(oracle, 400, seed=0, max_iter=400)
+    assert result.queries == oracle.queries == 400 + 64
+    assert result.report.kind == "surrogate"
+    assert result.report.verification.max_relative_error < 1e-2
