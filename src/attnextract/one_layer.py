@@ -109,7 +109,8 @@ class OddPartOracle:
 
 
 def extract_one_layer(oracle: Oracle, *, seed=None,
-                      verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE) -> ExtractionResult:
+                      verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
+                      polish: bool = True) -> ExtractionResult:
     """Recover (W, A, w) of a one-layer Transformer black box end to end.
 
     Parameters
@@ -121,6 +122,9 @@ def extract_one_layer(oracle: Oracle, *, seed=None,
     verify_tolerance : float
         Largest held-out relative output error accepted as a match (each stage and
         the assembled model).
+    polish : bool
+        Passed to the FFN learner: m d more single-token queries for several more
+        bits of precision in A and w (when m <= d).
 
     Returns
     -------
@@ -147,7 +151,7 @@ def extract_one_layer(oracle: Oracle, *, seed=None,
     sub_seed = None if seed is None else np.random.SeedSequence(seed).spawn(3)
     try:
         ffn = extract_relu_network(oracle, seed=None if sub_seed is None else sub_seed[0],
-                                   verify_tolerance=verify_tolerance)
+                                   verify_tolerance=verify_tolerance, polish=polish)
     except ModelMismatchError as exc:
         raise ModelMismatchError(
             f"the single-token map x -> f([x]) is not a bias-free ReLU network (FFN biases?): "

@@ -61,6 +61,7 @@ EPS = np.finfo(float).eps
 CHORD = 2.0 ** -24          # path step of the slope chords (path length 2): two kinks
                             # closer than this merge, so it is small; slopes lose ~1e-8
 INITIAL_POINTS = 8          # interior sample points per segment before bisection
+HOMOGENEITY_TOLERANCE = 1e-9  # |F(2x) - 2F(x)| / max|F| beyond this: not homogeneous
 MAX_ROUNDS = 80             # bisection rounds (each one batch)
 CHORD_MIX = 1e-3           # a chord may straddle a kink located to within this fraction of it
 SLOPE_NOISE = 64            # slope tolerance, in units of eps * max|F| / CHORD
@@ -68,6 +69,7 @@ ROOT_SLACK = 4.0            # a kink must be a root of J^T x(t) within this many
 MAX_REMEASURE = 5           # rounds of re-measuring cones whose steps were too large
 FIRST_STEP = 0.05           # first step h, in units of sin(cone half-angle) / sqrt(d)
 STEP_FRACTION = 0.25        # a re-measured cone's step, as a fraction of its margin
+POLISH_AGREEMENT = 1e-5     # a polished unit must agree with the first pass this well
 PLANES = 2                  # random planes tried before declaring a mismatch
 SIGN_TOLERANCE = 1e-6       # the 0/1 solution must be this close to integers
 MILP_SECONDS = 60.0
@@ -206,6 +208,14 @@ def _find_kinks(oracle: Oracle, path: _Path, rng: np.random.Generator):
                     * CHORD)
     if magnitude == 0.0:
         return np.empty(0), np.empty(0), 1
+    # F must be positively homogeneous (no biases): F(2x) = 2 F(x), up to rounding
+    doubled = _query_vectors(oracle, 2.0 * path.points(t0))
+    gap = float(np.abs(doubled - 2.0 * f0).max())
+    if gap > HOMOGENEITY_TOLERANCE * magnitude:
+        raise ModelMismatchError(
+            f"F(2x) differs from 2 F(x) by {gap / magnitude:.2e} relative to max |F|: the "
+            f"black box is not positively homogeneous, so not a bias-free ReLU network "
+            f"(biases?)")
     slope_tol = SLOPE_NOISE * EPS * magnitude / CHORD
     # open intervals: (a, b, F(a), F(b), right slope at a, left slope at b); t = 1 is a
     # sample point, so no interval straddles the vertex of the polyline
@@ -315,7 +325,8 @@ class _PlaneFailure(Exception):
 
 
 def extract_relu_network(oracle: Oracle, *, seed=None,
-                         verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE) -> ExtractionResult:
+                         verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
+                         polish: bool = True) -> ExtractionResult:
     """Recover F(x) = w^T ReLU(A x) (bias-free) from single-vector queries.
 
     Parameters
@@ -327,6 +338,10 @@ def extract_relu_network(oracle: Oracle, *, seed=None,
         Seed of the random plane(s) of the kink search and of the held-out vectors.
     verify_tolerance : float
         Largest held-out relative output error accepted as a match.
+    polish : bool
+        When m <= d, spend m d more queries measuring every unit alone on the cone
+        where it is the only active one (:func:`_polish`): several more bits of
+        precision. False gives the fewest queries.
 
     Returns
     -------
@@ -341,7 +356,8 @@ def extract_relu_network(oracle: Oracle, *, seed=None,
     NotIdentifiableError
         F is identically zero on the probes.
     ModelMismatchError
-        The black box is not a bias-free ReLU network in general position (biases,
+        The black box is not a bias-free ReLU network in general position (F(2x) !=
+        2 F(x), i.e. biases;
         a linear part no set of units explains, verification failed) on
         ``PLANES`` random planes; ``.result`` holds the last best-effort extraction
         when one was built.
@@ -361,7 +377,7 @@ def extract_relu_network(oracle: Oracle, *, seed=None,
     result = None
     for plane in range(PLANES):
         try:
-            model, info = _extract_on_plane(oracle, rng, counts)
+            model, info = _extract_on_plane(oracle, rng, counts, polish)
         except _PlaneFailure as exc:
             failures.append(str(exc))
             continue
@@ -389,7 +405,8 @@ def extract_relu_network(oracle: Oracle, *, seed=None,
         f"{len(failures)} random plane(s) failed ({'; '.join(failures)})", result=result)
 
 
-def _extract_on_plane(oracle: Oracle, rng: np.random.Generator, counts: dict):
+def _extract_on_plane(oracle: Oracle, rng: np.random.Generator, counts: dict,
+                      polish: bool):
     """Kinks on one random half circle, cone gradients, jumps, signs: (model, details).
 
     Raises _PlaneFailure when this plane's measurements are inconsistent, and
@@ -424,6 +441,7 @@ def _extract_on_plane(oracle: Oracle, rng: np.random.Generator, counts: dict):
 
     kink_points = path.points(kinks)
     tangent = np.where((kinks <= 1.0)[:, None], (path.q - path.p)[None], (-path.p - path.q)[None])
+    previous_bad = 0
     for attempt in range(MAX_REMEASURE + 1):
         jumps = grads[1:] - grads[:-1]                            # (m, d): J_k
         norms = np.linalg.norm(jumps, axis=1)
@@ -438,8 +456,10 @@ def _extract_on_plane(oracle: Oracle, rng: np.random.Generator, counts: dict):
         redo = too_far.copy()
         redo[:-1] |= bad_kink
         redo[1:] |= bad_kink
-        if not redo.any() or attempt == MAX_REMEASURE:
-            break
+        if not redo.any() or attempt == MAX_REMEASURE or (
+                attempt and bad_kink.sum() >= previous_bad > 0):
+            break                 # done, or smaller steps do not make the kinks consistent
+        previous_bad = int(bad_kink.sum())
         # a step that crossed a hyperplane found: a quarter of the margin; a cone next
         # to an inconsistent kink may have crossed the kink's own hyperplane: step / 16
         steps = np.where(too_far, STEP_FRACTION * margins, np.where(redo, steps / 16.0, steps))
@@ -468,10 +488,44 @@ def _extract_on_plane(oracle: Oracle, rng: np.random.Generator, counts: dict):
     a = v / size[:, None]
     want = np.where(active_first, 1.0, -1.0)                    # sign of a_k^T x_0
     flip = np.sign(a @ centres[0]) * want
-    model = ReLUNetwork(a * flip[:, None], size * flip)
+    A, w = a * flip[:, None], size * flip
     info = {"hidden units": m, "kink rounds": rounds, "signs": sign_method,
             "steps h": f"{steps.min():.3g} .. {steps.max():.3g}"}
-    return model, info
+    if polish and m <= d:
+        A, w, info["polish"] = _polish(oracle, A, w, counts)
+    return ReLUNetwork(A, w), info
+
+
+def _polish(oracle: Oracle, A: np.ndarray, w: np.ndarray, counts: dict):
+    """Measure every unit alone: on the cone where only unit k is active, grad F = w_k a_k.
+
+    For m <= d every activation pattern is a non-empty cone; x_k = A^+ sigma_k with
+    sigma_k = -1 except +1 at k has a_j^T x_k = sigma_kj, so x_k / |x_k| is at distance
+    1 / |x_k| from every hyperplane. The gradient there is w_k a_k itself (no
+    difference of two large gradients), measured with d queries and a step a quarter
+    of that distance: typically far larger than the first pass's steps. A polished
+    unit replaces the first-pass one only if the two agree to POLISH_AGREEMENT.
+
+    Returns (A (m, d), w (m,), summary string).
+    """
+    m, d = A.shape
+    sigma = -np.ones((m, m)) + 2.0 * np.eye(m)
+    X = np.linalg.lstsq(A, sigma.T, rcond=None)[0].T          # (m, d): rows x_k = A^+ sigma_k
+    reach = np.linalg.norm(X, axis=1)
+    if not np.all(np.isfinite(reach)) or not np.all(reach > 0):
+        return A, w, "skipped (degenerate unit directions)"
+    centres = X / reach[:, None]
+    steps = STEP_FRACTION / reach
+    oracle.require(m * d, "polishing the hidden units")
+    v = _cone_gradients(oracle, centres, _complement_bases(centres), steps)
+    counts["polish"] = counts.get("polish", 0) + m * d
+    first = w[:, None] * A
+    agree = np.linalg.norm(v - first, axis=1) <= POLISH_AGREEMENT * np.linalg.norm(first, axis=1)
+    size = np.linalg.norm(v, axis=1)
+    A_new = np.where(agree[:, None], v * np.sign(w)[:, None] / np.where(size > 0, size, 1)[:, None], A)
+    w_new = np.where(agree, size * np.sign(w), w)
+    return A_new, w_new, (f"{int(agree.sum())} of {m} units measured alone (steps "
+                          f"{steps.min():.3g} .. {steps.max():.3g})")
 
 
 def verify_relu(oracle: Oracle, model: ReLUNetwork, *, count: int, seed=None,
