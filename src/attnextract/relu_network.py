@@ -58,12 +58,12 @@ from .report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, Verific
                      held_out_sequences, relative_errors, verification_count)
 
 EPS = np.finfo(float).eps
-CHORD = 2.0 ** -24          # path step of the slope chords (path length 2): two kinks
-                            # closer than this merge, so it is small; slopes lose ~1e-8
+CHORD = 2.0 ** -20          # path step of the slope chords (path length 2): two kinks
+                            # closer than this may merge (a second plane then runs)
 INITIAL_POINTS = 8          # interior sample points per segment before bisection
 HOMOGENEITY_TOLERANCE = 1e-9  # |F(2x) - 2F(x)| / max|F| beyond this: not homogeneous
 MAX_ROUNDS = 80             # bisection rounds (each one batch)
-CHORD_MIX = 1e-3           # a chord may straddle a kink located to within this fraction of it
+CHORD_MIX = 0.05           # a chord may straddle a kink located to within this fraction of it
 SLOPE_NOISE = 64            # slope tolerance, in units of eps * max|F| / CHORD
 ROOT_SLACK = 4.0            # a kink must be a root of J^T x(t) within this many location errors
 MAX_REMEASURE = 5           # rounds of re-measuring cones whose steps were too large
@@ -254,8 +254,12 @@ def _find_kinks(oracle: Oracle, path: _Path, rng: np.random.Generator):
             chord_tol = slope_tol + CHORD_MIX * abs(sb - sa)
             if (not math.isnan(pc) and abs(fc - pc) <= value_tol
                     and abs(lc - sa) <= chord_tol and abs(rc - sb) <= chord_tol):
-                # located to within the slope noise over the interval, or the chord
-                error = slope_tol * (b - a) / abs(sb - sa) + CHORD
+                # located to within the slope noise over the interval; a chord that
+                # straddles the kink tells how far from tc it is (in chords)
+                straddle = max(abs(lc - sa), abs(rc - sb)) / abs(sb - sa)
+                error = slope_tol * (b - a) / abs(sb - sa) + 2.0 * straddle * CHORD
+                if min(tc - a, b - tc) < 1.5 * CHORD:
+                    error += CHORD       # cut one chord past an end whose chord straddled it
                 kinks.append((float(tc), error))  # exactly one kink in (a, b), at tc
             elif b - a <= 4 * CHORD:
                 kinks.append((float(tc), b - a))  # bracketed to within a few chords
