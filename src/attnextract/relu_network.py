@@ -70,6 +70,7 @@ MAX_REMEASURE = 5           # rounds of re-measuring cones whose steps were too 
 FIRST_STEP = 0.05           # first step h, in units of sin(cone half-angle) / sqrt(d)
 STEP_FRACTION = 0.25        # a re-measured cone's step, as a fraction of its margin
 POLISH_AGREEMENT = 1e-5     # a polished unit must agree with the first pass this well
+BLOCK_FLOATS = 1 << 22      # probe floats per gradient batch (32 MB)
 PLANES = 2                  # random planes tried before declaring a mismatch
 SIGN_TOLERANCE = 1e-6       # the 0/1 solution must be this close to integers
 MILP_SECONDS = 60.0
@@ -286,15 +287,25 @@ def _complement_bases(x: np.ndarray) -> np.ndarray:
     return H[:, :, 1:]
 
 
-def _cone_gradients(oracle: Oracle, centres: np.ndarray, bases: np.ndarray,
-                    steps: np.ndarray) -> np.ndarray:
-    """Gradients (R, d) of F on the cones around unit centres (R, d): d queries per cone."""
+def _cone_gradients(oracle: Oracle, centres: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """Gradients (R, d) of F on the cones around unit centres (R, d): d queries per cone.
+
+    Probes of a cone: its centre x and x + h u_k for an orthonormal basis u_k of x^perp.
+    All cones go in one batch, or in blocks of at most BLOCK_FLOATS probe floats
+    (one batch each) when d is large.
+    """
     R, d = centres.shape
-    probes = centres[:, None, :] + steps[:, None, None] * np.swapaxes(bases, 1, 2)
-    X = np.concatenate([centres[:, None, :], probes], axis=1).reshape(R * d, d)
-    f = _query_vectors(oracle, X).reshape(R, d)
-    along = (f[:, 1:] - f[:, :1]) / steps[:, None]    # g^T u_k
-    return f[:, :1] * centres + np.einsum("rdk,rk->rd", bases, along)
+    block = max(1, BLOCK_FLOATS // (d * d))
+    grads = np.empty((R, d))
+    for lo in range(0, R, block):
+        x, h = centres[lo:lo + block], steps[lo:lo + block]
+        bases = _complement_bases(x)                      # (r, d, d - 1)
+        probes = x[:, None, :] + h[:, None, None] * np.swapaxes(bases, 1, 2)
+        X = np.concatenate([x[:, None, :], probes], axis=1).reshape(len(x) * d, d)
+        f = _query_vectors(oracle, X).reshape(len(x), d)
+        along = (f[:, 1:] - f[:, :1]) / h[:, None]       # g^T u_k
+        grads[lo:lo + block] = f[:, :1] * x + np.einsum("rdk,rk->rd", bases, along)
+    return grads
 
 
 def _resolve_signs(J: np.ndarray, g0: np.ndarray) -> tuple[np.ndarray, str]:
@@ -438,9 +449,8 @@ def _extract_on_plane(oracle: Oracle, rng: np.random.Generator, counts: dict,
     R = len(centres)
     oracle.plan(R * d + verification_count(m * (d + 1)),
                 "ReLU network extraction (cone gradients + verification)")
-    bases = _complement_bases(centres)
     steps = np.clip(FIRST_STEP * np.sin(half) / math.sqrt(d), 1e-12, 0.25)
-    grads = _cone_gradients(oracle, centres, bases, steps)
+    grads = _cone_gradients(oracle, centres, steps)
     counts["cone gradients"] += R * d
 
     kink_points = path.points(kinks)
@@ -470,7 +480,7 @@ def _extract_on_plane(oracle: Oracle, rng: np.random.Generator, counts: dict,
         steps = np.maximum(steps, 1e-12)
         idx = np.flatnonzero(redo)
         oracle.require(len(idx) * d, "re-measuring cone gradients")
-        grads[idx] = _cone_gradients(oracle, centres[idx], bases[idx], steps[idx])
+        grads[idx] = _cone_gradients(oracle, centres[idx], steps[idx])
         counts["re-measured"] += len(idx) * d
 
     if m == 0:
@@ -521,7 +531,7 @@ def _polish(oracle: Oracle, A: np.ndarray, w: np.ndarray, counts: dict):
     centres = X / reach[:, None]
     steps = STEP_FRACTION / reach
     oracle.require(m * d, "polishing the hidden units")
-    v = _cone_gradients(oracle, centres, _complement_bases(centres), steps)
+    v = _cone_gradients(oracle, centres, steps)
     counts["polish"] = counts.get("polish", 0) + m * d
     first = w[:, None] * A
     agree = np.linalg.norm(v - first, axis=1) <= POLISH_AGREEMENT * np.linalg.norm(first, axis=1)
