@@ -123,8 +123,8 @@ def extract_one_layer(oracle: Oracle, *, seed=None,
         Largest held-out relative output error accepted as a match (each stage and
         the assembled model).
     polish : bool
-        Passed to the FFN learner: m d more single-token queries for several more
-        bits of precision in A and w (when m <= d).
+        Passed to the FFN learner: m d (2 m d when m > d) more single-token queries
+        for about 10-15 more bits of precision in A and w.
 
     Returns
     -------
