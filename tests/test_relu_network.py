@@ -202,3 +202,23 @@ def test_width_one_tokens_and_budget_are_refused_cleanly():
     with pytest.raises(BudgetExceededError):
         extract_relu_network(oracle, seed=0)
     assert oracle.queries <= 150
+
+
+def test_parallel_and_dead_units_merge_into_the_function_they_compute():
+    rng = np.random.default_rng(0)
+    A, w = rng.standard_normal((6, 8)), rng.standard_normal(6)
+    # unit 7 is unit 1 scaled by 3 (same hyperplane, same side), unit 8 has w = 0
+    net = ReLUNetwork(np.vstack([A, 3 * A[0], rng.standard_normal(8)]), np.append(w, [0.7, 0.0]))
+    result = extract_relu_network(Oracle(net, 8), seed=1)
+    merged = ReLUNetwork(A, w + np.eye(6)[0] * 0.7 * 3)
+    assert result.model.width == 6 and align_relu_networks(result.model, merged)["bits"] > 40
+
+
+def test_antiparallel_units_are_reported_not_guessed():
+    # a unit on the same hyperplane as another but active on the other side leaves a
+    # linear part that no set of units explains: a documented limitation, a mismatch
+    rng = np.random.default_rng(0)
+    A, w = rng.standard_normal((6, 8)), rng.standard_normal(6)
+    net = ReLUNetwork(np.vstack([A, -2 * A[0]]), np.append(w, 0.5))
+    with pytest.raises(ModelMismatchError, match="general position"):
+        extract_relu_network(Oracle(net, 8), seed=1)
