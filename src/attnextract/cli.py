@@ -22,6 +22,7 @@ from .oracle import Oracle
 from .report import DEFAULT_VERIFY_TOLERANCE, load_model, verification_count, verify_model
 from .one_layer import extract_one_layer
 from .relu_network import extract_relu_network
+from .residual import extract_one_layer_residual
 from .single_head import extract_single_head
 from .targets import load_target, random_single_head
 
@@ -29,7 +30,8 @@ from .targets import load_target, random_single_head
 EXTRACTORS = {"single-head": extract_single_head}
 EXTRACTORS["relu-network"] = extract_relu_network     # single-token queries
 EXTRACTORS["one-layer"] = extract_one_layer
-POLISHED = ("relu-network", "one-layer")              # learners taking polish=
+EXTRACTORS["one-layer-residual"] = extract_one_layer_residual
+POLISHED = ("relu-network", "one-layer", "one-layer-residual")   # learners taking polish=
 
 
 class ProgressBar:
@@ -91,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--json", action="store_true", help="print one JSON object")
     ex.add_argument("--no-progress", action="store_true")
     ex.add_argument("--no-polish", action="store_true",
-                    help="relu-network, one-layer: skip measuring each hidden unit alone "
+                    help="relu-network, one-layer(-residual): skip measuring each hidden unit alone "
                          "(m d fewer queries, fewer bits of precision)")
 
     ve = sub.add_parser("verify", help="compare a saved result with a black box")
