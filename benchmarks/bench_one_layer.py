@@ -27,8 +27,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from attnextract import Oracle  # noqa: E402
 from attnextract.one_layer import compare_one_layer, extract_one_layer, random_one_layer  # noqa: E402
+from attnextract.models import ReLUNetwork  # noqa: E402
 from attnextract.relu_network import (align_relu_networks, extract_relu_network,  # noqa: E402
                                       random_relu_network)
+from attnextract.report import held_out_sequences, relative_errors, token_scale  # noqa: E402
+from attnextract.residual import extract_one_layer_residual, random_residual_one_layer  # noqa: E402
 
 
 def one_layer_row(d: int, m: int, seeds: int) -> str:
@@ -76,6 +79,27 @@ def relu_row(d: int, m: int, seeds: int, polish: bool) -> str:
             f"{max(r['out'] for r in rows):.1e} | {np.median([r['wall'] for r in rows]):.2f} |")
 
 
+def residual_row(d: int, m: int, seeds: int) -> str:
+    rows = []
+    for seed in range(seeds):
+        truth = random_residual_one_layer(d, m, seed=seed)
+        oracle = Oracle(truth, d)
+        start = time.perf_counter()
+        result = extract_one_layer_residual(oracle, seed=seed + 1000)
+        wall = time.perf_counter() - start
+        model = result.model
+        stack = lambda M: ReLUNetwork(np.hstack([M.A, M.B]), M.w)  # noqa: E731
+        bits = align_relu_networks(stack(model), stack(truth))["bits"]
+        seqs = held_out_sequences(d, 256, np.random.default_rng(seed), token_scale(truth))
+        out = relative_errors(np.array([model(x) for x in seqs]), np.array([truth(x) for x in seqs]))
+        rows.append(dict(queries=result.queries, bits=bits, wall=wall, out=float(out.max()),
+                         W=float(np.linalg.norm(model.W - truth.W) / np.linalg.norm(truth.W))))
+    med_q = float(np.median([r["queries"] for r in rows]))
+    return (f"| {d} | {m} | {d * d + 2 * m * d} | {med_q:.0f} (2^{math.log2(med_q):.1f}) | "
+            f"{min(r['bits'] for r in rows):.1f} | {max(r['W'] for r in rows):.1e} | "
+            f"{max(r['out'] for r in rows):.1e} | {np.median([r['wall'] for r in rows]):.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
@@ -88,6 +112,13 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for d, m in [(16, 16), (32, 32), (64, 64)]:
         print(one_layer_row(d, m, args.seeds), flush=True)
+
+    print("\nStretch: residual one-layer Transformer, up to functional equivalence\n")
+    print("| d | m | parameters (W, A, B, w) | queries | [A B] bits (worst) | rel. error W (worst) "
+          "| held-out output error (worst) | wall s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for d, m in [(16, 16), (32, 32)]:
+        print(residual_row(d, m, args.seeds), flush=True)
 
     print("\nReLU network learner alone (single-vector queries)\n")
     print("| network d-m-1 | parameters | mode | queries | log2 | queries / parameter | "
