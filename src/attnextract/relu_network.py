@@ -20,24 +20,29 @@ Algorithm.
    from p to -p crosses every hyperplane exactly once (general position), so it
    meets exactly m kinks: that is how m is found. We walk the polyline p -> q -> -p,
    on which F is piecewise linear in the path parameter t, and bracket the kinks
-   by bisection on slope changes: an interval whose end slopes differ is cut where
-   the two end lines intersect; if F there equals the lines' common value the
-   interval holds exactly one kink, located at that point (generically), otherwise
-   it is split there. All intervals of a round go to the black box as one batch.
+   by bisection on slope changes (slopes from chords of length CHORD): an interval
+   whose end slopes differ is cut where the two end lines intersect; if F there
+   equals the lines' common value AND the chords on either side of the cut have the
+   two end slopes, the interval holds exactly one kink, located at the cut
+   (generically; two kinks closer than a chord merge and are caught in step 2),
+   otherwise it is split there. All intervals of a round go to the black box as one
+   batch. First, F(2x) = 2 F(x) is checked on the initial points (biases fail it).
 2. Gradients. The m kinks cut the half circle into m + 1 cones (the last one is the
    antipode of the first). Their gradients, d queries each, give the jumps
    J_k = g_k - g_{k-1} = +-w_i a_i of every unit. A measurement is accepted when
    the step stays inside its cone for all the hyperplanes found and when the
    kink is a root of J_k^T x on the path (x(t_k) lies on the hyperplane of J_k);
-   a failing cone is measured again with a smaller step.
+   a failing cone is measured again with a smaller step. Kinks that stay
+   inconsistent (merged kinks) send the learner to a second random plane.
 3. Signs. A jump does not say on which side of its hyperplane the unit is active:
    w ReLU(a^T x) and -w ReLU(-a^T x) differ by the linear function w a^T x. The
    units active at the first cone's centre x_0 are those that switch off along the
    walk, so g_0 = -sum_{k in S} J_k. S is the 0/1 solution of J s = -g_0: a linear
    solve when m <= d (the J_k are independent), a 0/1 linear program when
    d < m <= 2d (generically the 0/1 solution is unique, since a signed subset sum
-   of generic vectors is never zero). This uses no extra queries.
-
+   of generic vectors is never zero). This uses no extra queries. (ALGORITHMS.md
+   fits ReLU(+-n_i^T x) by least squares on random queries instead; that needs extra
+   queries and is singular for m > d, where the 2m functions are dependent.)
 4. Polish (optional, on by default). A gradient is exact up to rounding amplified by
    |x| / h and by |g| / |J_k| (a jump is a difference of two larger gradients). Once
    A is known, every unit is measured again where that is small: for m <= d on the
@@ -170,10 +175,7 @@ class _Path:
     @staticmethod
     def coords(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         t = np.asarray(t, float)
-        first = t <= 1.0
-        alpha = np.where(first, 1.0 - t, 1.0 - t)          # both segments: alpha = 1 - t
-        beta = np.where(first, t, 2.0 - t)
-        return alpha, beta
+        return 1.0 - t, np.where(t <= 1.0, t, 2.0 - t)     # alpha = 1 - t on both segments
 
     def points(self, t: np.ndarray) -> np.ndarray:
         alpha, beta = self.coords(t)
