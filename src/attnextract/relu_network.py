@@ -460,8 +460,9 @@ def _extract_on_plane(oracle: Oracle, rng: np.random.Generator, counts: dict,
     half = 0.5 * (bounds[1:] - bounds[:-1])
     centres = np.cos(mid)[:, None] * path.p[None] + np.sin(mid)[:, None] * path.q[None]
     R = len(centres)
-    oracle.plan(R * d + verification_count(m * (d + 1)),
-                "ReLU network extraction (cone gradients + verification)")
+    polish_queries = (m * d if m <= d else 2 * m * d) if polish else 0
+    oracle.plan(R * d + polish_queries + verification_count(m * (d + 1)),
+                "ReLU network extraction (cone gradients, polish, verification)")
     steps = np.clip(FIRST_STEP * np.sin(half) / math.sqrt(d), 1e-12, 0.25)
     grads = _cone_gradients(oracle, centres, steps)
     counts["cone gradients"] += R * d
