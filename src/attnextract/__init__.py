@@ -7,6 +7,9 @@ from .models import SingleHeadAttention
 from .oracle import Oracle
 from .report import ExtractionResult, Report, Verification, load_model, verify_model
 from .single_head import extract_single_head
+from .models import OneLayerTransformer, ReLUNetwork
+from .one_layer import extract_one_layer
+from .relu_network import extract_relu_network
 
 __version__ = "0.1.0"
 
@@ -17,3 +20,4 @@ __all__ = [
     "ExtractionResult", "Report", "Verification", "load_model", "verify_model",
     "extract_single_head", "__version__",
 ]
+__all__ += ["ReLUNetwork", "OneLayerTransformer", "extract_relu_network", "extract_one_layer"]

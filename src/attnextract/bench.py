@@ -88,7 +88,32 @@ def section_surrogate(quick: bool, log) -> list[dict]:
     return rows
 
 
-SECTIONS = {"single-head": section_single_head, "surrogate": section_surrogate}
+def section_one_layer(quick: bool, log) -> list[dict]:
+    """One-layer Transformer end to end (paper 1 reduction + the ReLU FFN learner), m = d."""
+    from .one_layer import compare_one_layer, extract_one_layer, random_one_layer
+    rows = []
+    for d in ([4, 8, 16] if quick else [4, 8, 16, 32, 64]):
+        target = random_one_layer(d, d, seed=d)
+        oracle = Oracle(target, d)
+        start = time.perf_counter()
+        result = extract_one_layer(oracle, seed=d)
+        wall = time.perf_counter() - start
+        cmp = compare_one_layer(result.model, target, seed=d)
+        b = result.report.breakdown
+        rows.append({"learner": "one-layer", "d": d, "m": d, "queries": result.queries,
+                     "recovery_queries": result.queries - b["verification"],
+                     "floor": d * d + d * d, "paper_count": None,
+                     "W_error": cmp["relative_error_W"], "bits": cmp["bits"],
+                     "output_error": cmp["max_output_error"], "wall_s": wall,
+                     "black_box_s": oracle.black_box_seconds,
+                     "learner_s": wall - oracle.black_box_seconds})
+        log(f"one-layer d=m={d}: {rows[-1]['recovery_queries']} queries, "
+            f"{cmp['bits']:.1f} bits")
+    return rows
+
+
+SECTIONS = {"single-head": section_single_head, "one-layer": section_one_layer,
+            "surrogate": section_surrogate}
 
 
 def markdown(rows: list[dict]) -> str:
@@ -99,8 +124,9 @@ def markdown(rows: list[dict]) -> str:
         out += ["| learner | d | queries (recovery) | floor | paper | W error | output error "
                 "| wall s | black box s | learner s |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in scaling:
+            paper = "-" if r["paper_count"] is None else r["paper_count"]
             out.append(f"| {r['learner']} | {r['d']} | {r['recovery_queries']} | {r['floor']} | "
-                       f"{r['paper_count']} | {r['W_error']:.1e} | {r['output_error']:.1e} | "
+                       f"{paper} | {r['W_error']:.1e} | {r['output_error']:.1e} | "
                        f"{r['wall_s']:.3f} | {r['black_box_s']:.3f} | {r['learner_s']:.3f} |")
         for learner in dict.fromkeys(r["learner"] for r in scaling):
             sub = [r for r in scaling if r["learner"] == learner]
@@ -141,7 +167,8 @@ def plots(rows: list[dict], out: Path) -> list[str]:
         ds, qs = [r["d"] for r in sub], [r["recovery_queries"] for r in sub]
         label = learner + (f" (slope {fitted_slope(ds, qs):.2f})" if len(sub) >= 2 else "")
         ax.loglog(ds, qs, "o-", label=label)
-        ax.loglog(ds, [r["paper_count"] for r in sub], ":", label=f"paper count, {learner}")
+        if all(r["paper_count"] is not None for r in sub):
+            ax.loglog(ds, [r["paper_count"] for r in sub], ":", label=f"paper count, {learner}")
     all_d = sorted({r["d"] for r in scaling})
     ax.loglog(all_d, [d * d + d for d in all_d], "k--", label="floor d² + d")
     ax.set_xlabel("d"), ax.set_ylabel("queries"), ax.legend(fontsize=7)

@@ -22,11 +22,18 @@ from .errors import (AttnExtractError, BlackBoxError, BudgetExceededError, Input
 from .journal import QueryJournal
 from .oracle import Oracle
 from .report import DEFAULT_VERIFY_TOLERANCE, load_model, verification_count, verify_model
+from .one_layer import extract_one_layer
+from .relu_network import extract_relu_network
+from .residual import extract_one_layer_residual
 from .single_head import extract_single_head
 from .targets import load_target, random_single_head
 
 # model kind -> learner; every learner takes (oracle, seed=..., **options)
 EXTRACTORS = {"single-head": extract_single_head}
+EXTRACTORS["relu-network"] = extract_relu_network     # single-token queries
+EXTRACTORS["one-layer"] = extract_one_layer
+EXTRACTORS["one-layer-residual"] = extract_one_layer_residual
+POLISHED = ("relu-network", "one-layer", "one-layer-residual")   # learners taking polish=
 
 
 class ProgressBar:
@@ -88,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True, help="RESULT.npz to write")
     ex.add_argument("--json", action="store_true", help="print one JSON object")
     ex.add_argument("--no-progress", action="store_true")
+    ex.add_argument("--no-polish", action="store_true",
+                    help="relu-network, one-layer(-residual): skip measuring each hidden unit alone "
+                         "(m d fewer queries, fewer bits of precision)")
     ex.add_argument("--journal", metavar="FILE.sqlite",
                     help="record every query and answer; a restarted run resumes from it")
     ex.add_argument("--http-timeout", type=float, help="seconds per HTTP request (http:// targets)")
@@ -193,8 +203,9 @@ def cmd_extract(args) -> int:
     oracle = Oracle(black_box, args.dim, budget=args.budget, max_batch=args.max_batch,
                     progress=bar, journal=journal)
     try:
+        options = {"polish": not args.no_polish} if args.model in POLISHED else {}
         result = EXTRACTORS[args.model](oracle, seed=args.seed,
-                                        verify_tolerance=args.verify_tolerance)
+                                        verify_tolerance=args.verify_tolerance, **options)
     finally:
         bar.close()
         _close_journal(oracle)

@@ -80,3 +80,118 @@ class SingleHeadAttention:
 
 
 MODEL_CLASSES = {SingleHeadAttention.kind: SingleHeadAttention}
+
+
+def _relu_parameters(A, w, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """Validate the feed-forward parameters A (m, d), w (m,) of a bias-free ReLU layer."""
+    A = np.array(A, dtype=np.float64)
+    w = np.array(w, dtype=np.float64)
+    if A.ndim != 2 or A.shape[0] < 1 or A.shape[1] < 1:
+        raise InputError(f"{what}: A must have shape (m, d) with m, d >= 1, got {A.shape}")
+    if w.shape != (A.shape[0],):
+        raise InputError(f"{what}: w must have shape ({A.shape[0]},), got {w.shape}")
+    if not (np.all(np.isfinite(A)) and np.all(np.isfinite(w))):
+        raise InputError(f"{what}: A and w must be finite")
+    return A, w
+
+
+class ReLUNetwork:
+    """Bias-free one-hidden-layer ReLU network applied to the last token.
+
+    F(x) = w^T ReLU(A x), read at x = x_N for a sequence X = [x_1; ...; x_N]
+    (a length-1 sequence [x] gives F(x)).
+
+    Parameters
+    ----------
+    A : array (m, d)
+        Hidden-unit weights, one row a_i per unit.
+    w : array (m,)
+        Output weights.
+    """
+
+    kind = "relu-network"
+
+    def __init__(self, A, w):
+        self.A, self.w = _relu_parameters(A, w, "ReLUNetwork")
+
+    @property
+    def dim(self) -> int:
+        return self.A.shape[1]
+
+    @property
+    def width(self) -> int:
+        """Number of hidden units m."""
+        return self.A.shape[0]
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        """F on vectors: x (..., d) -> (...)."""
+        return np.maximum(x @ self.A.T, 0.0) @ self.w
+
+    def __call__(self, X):
+        X, single = as_sequences(X, self.dim)
+        out = self.forward(X[:, -1, :])
+        return float(out[0]) if single else out
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        return {"A": self.A, "w": self.w}
+
+    def __repr__(self) -> str:
+        return f"ReLUNetwork(d={self.dim}, m={self.width})"
+
+
+class OneLayerTransformer:
+    """Single-head attention followed by a bias-free ReLU feed-forward layer.
+
+    h(X) = X^T softmax(X W x_N),  f(X) = w^T ReLU(A h(X))  (paper 1 form; the value
+    and output projections are merged into A).
+
+    Parameters
+    ----------
+    W : array (d, d)
+        Merged query-key matrix.
+    A : array (m, d)
+        Feed-forward hidden weights (value projection merged in).
+    w : array (m,)
+        Feed-forward output weights.
+    """
+
+    kind = "one-layer"
+
+    def __init__(self, W, A, w):
+        W = np.array(W, dtype=np.float64)
+        if W.ndim != 2 or W.shape[0] != W.shape[1]:
+            raise InputError(f"W must be square (d, d), got shape {W.shape}")
+        if not np.all(np.isfinite(W)):
+            raise InputError("W must be finite")
+        A, w = _relu_parameters(A, w, "OneLayerTransformer")
+        if A.shape[1] != W.shape[0]:
+            raise InputError(f"A must have {W.shape[0]} columns to match W, got {A.shape}")
+        self.W, self.A, self.w = W, A, w
+
+    @property
+    def dim(self) -> int:
+        return self.W.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.A.shape[0]
+
+    def attend(self, X: np.ndarray) -> np.ndarray:
+        """h(X) = X^T softmax(X W x_N) for a batch (B, N, d) -> (B, d)."""
+        scores = np.einsum("bnd,bd->bn", X, X[:, -1, :] @ self.W.T)
+        return np.einsum("bn,bnd->bd", softmax(scores), X)
+
+    def __call__(self, X):
+        X, single = as_sequences(X, self.dim)
+        out = np.maximum(self.attend(X) @ self.A.T, 0.0) @ self.w
+        return float(out[0]) if single else out
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        return {"W": self.W, "A": self.A, "w": self.w}
+
+    def __repr__(self) -> str:
+        return f"OneLayerTransformer(d={self.dim}, m={self.width})"
+
+
+MODEL_CLASSES[ReLUNetwork.kind] = ReLUNetwork
+MODEL_CLASSES[OneLayerTransformer.kind] = OneLayerTransformer
