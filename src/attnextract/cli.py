@@ -20,6 +20,7 @@ from .errors import (AttnExtractError, BlackBoxError, BudgetExceededError, Input
                      ModelMismatchError, NotIdentifiableError, TargetLoadError)
 from .oracle import Oracle
 from .report import DEFAULT_VERIFY_TOLERANCE, load_model, verification_count, verify_model
+from .sign_only import extract_sign_only
 from .single_head import extract_single_head
 from .targets import load_target, random_single_head
 
@@ -82,6 +83,25 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--seed", type=int, help="seed of the learner's random choices")
     ex.add_argument("--tolerance-verify", type=float, default=DEFAULT_VERIFY_TOLERANCE,
                     dest="verify_tolerance", help="held-out relative error accepted")
+    noisy = ex.add_argument_group("noisy, rounded or sign-only outputs")
+    noisy.add_argument("--tolerance", type=float, metavar="TAU",
+                       help="outputs are accurate to +-TAU (+ RHO |f|): noisy extraction with "
+                            "error bars (with --noise random: the noise std)")
+    noisy.add_argument("--relative-tolerance", type=float, default=0.0, metavar="RHO",
+                       help="relative part of the tolerance (float32 5.96e-8, float16 4.88e-4)")
+    noisy.add_argument("--noise", choices=["bounded", "random"], default="bounded",
+                       help="worst-case (adversarial) or independent random noise")
+    noisy.add_argument("--method", choices=["robust", "paper"], default="robust",
+                       help="robust default, or paper 1's Theorem 6.1 (needs --norm-bound)")
+    noisy.add_argument("--repeats", type=_positive_int, default=1,
+                       help="measure every probe in this many dithered bases")
+    noisy.add_argument("--norm-bound", type=float, metavar="B", help="B >= ||W||_F")
+    noisy.add_argument("--margin", type=float, metavar="MU", help="mu <= min |v_i| (paper)")
+    noisy.add_argument("--sign-only", action="store_true",
+                       help="the target answers labels 1{f(X) > 0}: extract by bisection "
+                            "(v up to a positive scale)")
+    noisy.add_argument("--bits", type=_positive_int, default=40,
+                       help="bisection steps per entry of W (--sign-only)")
     ex.add_argument("--out", required=True, help="RESULT.npz to write")
     ex.add_argument("--json", action="store_true", help="print one JSON object")
     ex.add_argument("--no-progress", action="store_true")
@@ -145,8 +165,19 @@ def cmd_extract(args) -> int:
     oracle = Oracle(black_box, args.dim, budget=args.budget, max_batch=args.max_batch,
                     progress=bar)
     try:
-        result = EXTRACTORS[args.model](oracle, seed=args.seed,
-                                        verify_tolerance=args.verify_tolerance)
+        if args.sign_only:
+            result = extract_sign_only(oracle, seed=args.seed, bits=args.bits)
+        elif args.tolerance is not None:
+            result = EXTRACTORS[args.model](
+                oracle, seed=args.seed, verify_tolerance=args.verify_tolerance,
+                tolerance=args.tolerance, relative_tolerance=args.relative_tolerance,
+                noise=args.noise, method=args.method, repeats=args.repeats,
+                norm_bound=args.norm_bound, margin=args.margin)
+        else:
+            if args.method != "robust" or args.noise != "bounded" or args.repeats != 1:
+                raise InputError("--method, --noise and --repeats need --tolerance")
+            result = EXTRACTORS[args.model](oracle, seed=args.seed,
+                                            verify_tolerance=args.verify_tolerance)
     finally:
         bar.close()
     result.save(args.out)
