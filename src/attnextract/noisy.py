@@ -27,27 +27,33 @@ sigma(-1/2)) ~ 4.26-Lipschitz on the clip interval, hence the bound reported bes
 
 Default method ``robust``. Why the paper's probes waste accuracy: the signal v^T u =
 v_i / B is small (and vanishes with v_i), and the logits W_ij / 2B are of order
-1/(2d), so the weight barely moves. The robust design, at the same token norm:
+1/(2d), so the weight barely moves. The robust design, at the same token norm R
+(default 1) and the same d^2 + d queries:
 
-- u ranges over an orthogonal basis with |u_k^T v_hat| = |v_hat| / sqrt(d) for every k
-  (:func:`single_head.probe_basis`): no margin on v is needed;
-- the probe P(c u_k, s e_j) has logit G u_k^T w_j with G = c s; (c, s) with c + s <= R
-  (the token norm cap, default 1) minimise the predicted error for the logits seen so
-  far (bigger c enlarges the signal c v^T u, bigger G the logit, saturation shrinks
-  a(1 - a));
-- with ``repeats`` r > 1 every column is measured in r different orthogonal bases
-  U_r = U_0 R_r (R_r fixes (1, ..., 1), so |u^T v_hat| is unchanged) and solved by
-  weighted least squares; v likewise in r bases. Repeats average random noise (and
-  dithered rounding errors); they cannot beat adversarial noise, and the worst-case
-  bar says so.
+- u ranges over an orthogonal basis U with |u_k^T v_hat| = |v_hat| / sqrt(d) for every k
+  (:func:`single_head.probe_basis`): no margin on v is needed; it measures
+  T = U^T W U (||W_hat - W||_F = ||T_hat - T||_F, U orthogonal);
+- diagonal probes [R u_k; -b u_k] (u = (R + b) u_k, logit -(R + b) b T_kk) and
+  off-diagonal probes [a u_k + s u_j; -b u_k + s u_j] (logit (a + b)(s T_kj - b T_kk),
+  the known T_kk subtracted): both tokens may point in opposite directions, so the
+  difference u, which carries the signal (a + b) u^T v, is up to twice the token norm.
+  (a, b, s), a^2 + s^2 <= R^2, minimise the predicted error for the logits seen so far
+  (signal, logit size, saturation a(1 - a), relative noise, and the error inherited
+  from T_kk); big W gets b ~ 0, s small (a lopsided probe), small W a symmetric one;
+- with ``repeats`` r > 1, T is measured in r bases U_r = U_0 R_r (R_r fixes
+  (1, ..., 1), so |u^T v_hat| is unchanged) and the W estimates are averaged; v likewise
+  in r bases. Repeats average random noise (and dithered rounding errors); they cannot
+  beat adversarial noise, and the worst-case bar says so.
 
-Error bar (bounded noise). Per probe, |a_hat - a| <= (b + (s + a_hat c) ||dv||) /
-(c |u^T v_hat| (1 - kappa)) with b the output tolerance, dv the error of v_hat and
-kappa = ||dv|| / |u^T v_hat|; the logit error is at most L_i |a_hat - a| with L_i the
-largest 1/(a(1-a)) over that interval (mean value theorem). For the least-squares map
-M_j of column j, ||dw_j|| <= ||M_j|| ||theta * b|| + ||M_j diag(theta) D_j|| ||dv||,
-and Minkowski's inequality over columns gives the Frobenius bound. Random noise: the
-same linearisation gives the covariance; the bar is sqrt(trace) + z sqrt(lambda_max).
+Error bar (bounded noise). For a probe [x_1; x_2] with u = x_1 - x_2 the measured weight
+obeys a_hat - a = (eta - g^T dv) / (v^T u), g = x_2 + a_hat u, dv the error of v_hat;
+|v^T u| >= |v_hat^T u| (1 - kappa), kappa = ||dv|| / |u_k^T v_hat|. The logit error is at
+most L |a_hat - a| with L the largest 1/(a(1-a)) on the interval the weight can lie in
+(mean value theorem). Entry by entry this bounds |dT_kj| by a term in |eta| and one
+linear in |dv|; the first gives a Frobenius bound directly, the second through the
+largest singular value of the (sparse) map |dv| -> |dT|. Random noise: the same
+linearisation gives the covariance of W_hat; the bar is sqrt(trace) + 4 sqrt(lambda_max)
+(Gaussian concentration of a norm).
 """
 
 from __future__ import annotations
@@ -229,30 +235,33 @@ def extract_noisy(oracle: Oracle, *, tolerance: float, relative_tolerance: float
 
 # -- the robust default ----------------------------------------------------------
 
-def _design(G_grid, R, m_pool, v_col, uv, noise: NoiseModel):
-    """Pick (c, s) with c + s = R minimising the predicted error for logit slopes m_pool."""
-    c = 0.5 * (R + np.sqrt(np.maximum(R * R - 4.0 * G_grid, 0.0)))
-    s = G_grid / c
-    t = G_grid[:, None] * m_pool[None, :]
-    a = sigmoid(t)
-    f = s[:, None] * v_col + a * c[:, None] * uv
-    sd = noise.bound(f) + 1e-300
-    with np.errstate(divide="ignore", over="ignore"):     # saturated designs cost inf
-        err = sd / (c[:, None] * abs(uv) * a * (1.0 - a) * G_grid[:, None])
-    best = int(np.argmin(np.sum(err ** 2, axis=1)))
-    return float(c[best]), float(s[best])
+DESIGN_SAMPLES = 64          # logit slopes sampled to score a probe design
 
 
-def _probes(Us, cols, c, s):
-    """Probes P(c u_k, s e_j), shape (r * len(cols) * d, 2, d), rounds outermost."""
-    r, d = Us.shape[0], Us.shape[1]
-    nb = len(cols)
-    X = np.zeros((r, nb, d, 2, d))
-    X[:, :, :, 0, :] = c * np.transpose(Us, (0, 2, 1))[:, None]
-    slots = np.arange(nb)
-    X[:, slots, :, 0, cols] += s
-    X[:, slots, :, 1, cols] = s
-    return X.reshape(r * nb * d, 2, d)
+@dataclass
+class _Round:
+    """One full measurement of T = U^T W U in one orthogonal basis U.
+
+    Per probe (k, j) (the diagonal ones at k = j): the clipped weight ``a``, the output
+    bound ``b``, v_hat^T u (``vu``), the logit coefficient ``coef`` of T_kj, and the
+    components of g = x_2 + a u along u_k (``gk``) and u_j (``gj``): the output error
+    of the probe is eta - g^T dv. Off-diagonal estimates carry + c_j dT_kk (``c``).
+    """
+
+    T: np.ndarray
+    a: np.ndarray
+    b: np.ndarray
+    vu: np.ndarray
+    coef: np.ndarray
+    gk: np.ndarray
+    gj: np.ndarray
+    c: np.ndarray
+    beta_d: np.ndarray
+    alpha: np.ndarray
+    beta: np.ndarray
+    side: np.ndarray
+    rescaled: int
+    logits: tuple
 
 
 def _extract_robust(oracle, noise, r, norm_bound, R, seed, verify_tolerance):
@@ -263,85 +272,59 @@ def _extract_robust(oracle, noise, r, norm_bound, R, seed, verify_tolerance):
     rng = np.random.default_rng(seed)
 
     # v: f([R o_k]) = R o_k^T v in r orthogonal bases (the identity first)
-    bases = [np.eye(d)] + [np.linalg.qr(rng.standard_normal((d, d)))[0] for _ in range(r - 1)]
-    A_v = R * np.concatenate([O.T for O in bases])                 # (r d, d)
+    bases_v = [np.eye(d)] + [np.linalg.qr(rng.standard_normal((d, d)))[0] for _ in range(r - 1)]
+    A_v = R * np.concatenate([O.T for O in bases_v])               # (r d, d)
     y_v = oracle.query(A_v[:, None, :])
     M_v = A_v.T / (r * R * R)                                      # = pinv(A_v): orthogonal blocks
     v = M_v @ y_v
     b_v = noise.bound(y_v)
     if noise.kind == "bounded":
         v_bar = float(np.linalg.norm(b_v) / (R * math.sqrt(r)))
-        dv_norm = v_bar
-        cov_v = None
+        dv_norm, cov_v = v_bar, None
     else:
         cov_v = (M_v * b_v[None, :] ** 2) @ M_v.T
         eig_v = np.linalg.eigvalsh(cov_v)
-        v_bar = float(math.sqrt(max(eig_v.sum(), 0.0)) + CONFIDENCE_SIGMAS * math.sqrt(max(eig_v[-1], 0.0)))
-        dv_norm = None
-    # every probe's signal is u^T v_hat = +-|v_hat| / sqrt(d); it must stand clear of v's error
+        v_bar = float(math.sqrt(max(eig_v.sum(), 0.0))
+                      + CONFIDENCE_SIGMAS * math.sqrt(max(eig_v[-1], 0.0)))
+        dv_norm = v_bar
+    # every probe's signal is u^T v_hat = +-|u| |v_hat| / sqrt(d); it must stand clear of v's error
     if not np.any(v) or np.linalg.norm(v) / math.sqrt(d) <= 2.0 * v_bar:
         raise NotIdentifiableError(
             f"v is indistinguishable from 0 at this noise level (|v_hat| = {np.linalg.norm(v):.3g}, "
             f"its error bar {v_bar:.3g}, d = {d}): the outputs carry too little information "
             f"about W; lower the tolerance")
+
     U0 = probe_basis(v)
-    Us = np.stack([U0] + [U0 @ random_orthogonal_fixing_ones(d, rng) for _ in range(r - 1)])
-    uv = float(U0[:, 0] @ v)                                       # u^T v_hat, the same for every probe
-    G_cap = R * R / 4.0
-    G_grid = G_cap * np.geomspace(1e-12, 1.0, 241)
-    quantiles = np.sqrt(2.0) * _erfinv(np.linspace(-0.98, 0.98, 64))
-    m_pool = (norm_bound / d) * quantiles if norm_bound is not None else np.zeros(1)
-
-    cs = np.empty((d, 2))                  # (c, s) of each column
-    F = np.empty((r, d, d))                # answers F[round, k, column]
-    block = max(1, min(d, BLOCK_FLOATS // (2 * r * d * d)))
-    starts = [0] + list(range(1, d, block))
-    rescaled = 0
-    for b, lo in enumerate(starts):
-        cols = np.arange(lo, min(d, lo + block) if b else 1)
-        c, s = _design(G_grid, R, m_pool, np.abs(v[cols]).mean(), uv, noise)
-        cs[cols] = (c, s)
-        F[:, :, cols] = _measure(oracle, Us, v, uv, cols, cs).transpose(1, 2, 0)
-        for _ in range(MAX_RESCALES):
-            peak, precise = _saturation(F[:, :, cols], v, uv, cols, cs, noise)
-            bad = (peak > SATURATED_LOGIT) & precise
-            if not bad.any():
-                break
-            redo = cols[bad]
-            G = cs[redo, 0] * cs[redo, 1]
-            finite = np.isfinite(peak[bad])
-            G = G * np.where(finite, 1.5 / np.where(finite, peak[bad], 1.0), 2.0 ** -10)
-            cs[redo, 0] = 0.5 * (R + np.sqrt(np.maximum(R * R - 4.0 * G, 0.0)))
-            cs[redo, 1] = G / cs[redo, 0]
-            F[:, :, redo] = _measure(oracle, Us, v, uv, redo, cs).transpose(1, 2, 0)
-            rescaled += r * d * len(redo)
-        else:
-            peak, precise = _saturation(F[:, :, cols], v, uv, cols, cs, noise)
-            if ((peak > SATURATED_LOGIT) & precise).any():
-                raise ModelMismatchError(
-                    f"the black box is not a single-head attention regressor: after "
-                    f"{MAX_RESCALES} rescalings some probes still imply attention weights "
-                    f"outside (0, 1) or logits beyond {SATURATED_LOGIT}")
-        a = _weights(F[0][:, cols], v, uv, cols, cs)
-        G = cs[cols, 0] * cs[cols, 1]
-        m_pool = np.concatenate([m_pool[m_pool != 0] if b else np.zeros(0),
-                                 (logit(np.clip(a, sigmoid(-CLIP_LOGIT), sigmoid(CLIP_LOGIT)))
-                                  / G[None, :]).ravel()])
-        if m_pool.size > 2048:
-            m_pool = rng.choice(m_pool, 2048, replace=False)
-        if not m_pool.size:
-            m_pool = np.zeros(1)
-
-    W, W_bar, logit_range = _solve(Us, F, v, uv, cs, noise, dv_norm, cov_v)
+    uv = float(U0[:, 0] @ v)                                       # u_k^T v_hat, the same for every k
+    bases = [U0] + [U0 @ random_orthogonal_fixing_ones(d, rng) for _ in range(r - 1)]
+    if norm_bound is not None:
+        prior = (norm_bound / d) * math.sqrt(2.0) * _erfinv(np.linspace(-0.98, 0.98, 64))
+    else:
+        prior = np.zeros(1)
+    rounds = []
+    for U in bases:
+        rounds.append(_measure_round(oracle, U, v, uv, R, noise, prior, rng))
+        prior = rng.choice(rounds[0].T.ravel(), min(d * d, DESIGN_SAMPLES), replace=False)
+    W = np.mean([U @ rd.T @ U.T for U, rd in zip(bases, rounds)], axis=0)
+    if noise.kind == "bounded":
+        W_bar = float(np.mean([_bounded_bar(rd, uv, dv_norm) for rd in rounds]))
+    else:
+        W_bar = _random_bar(bases, rounds, cov_v)
     model = SingleHeadAttention(W, v)
+    rescaled = sum(rd.rescaled for rd in rounds)
     recovery = oracle.queries - start_queries
     details = _bar_details(model, W_bar, v_bar, noise)
-    G = cs[:, 0] * cs[:, 1]
+    lo = min(rd.logits[0] for rd in rounds)
+    hi = max(rd.logits[1] for rd in rounds)
+    rd = rounds[0]
     details.update({
-        "method": f"robust (noise-aware probes, {r} basis/bases per column, least squares)",
-        "probe design": f"token norm <= {R:.3g}; c = {cs[:, 0].min():.3g}..{cs[:, 0].max():.3g}, "
-                        f"logit scale G = cs = {G.min():.3g}..{G.max():.3g}; logits "
-                        f"{logit_range[0]:.3g}..{logit_range[1]:.3g}; |v^T u| = {abs(uv):.3g}",
+        "method": f"robust (symmetric probes in {r} orthogonal basis/bases, error bars from "
+                  f"the probe design)",
+        "probe design": f"token norm <= {R:.3g}; diagonal [R u_k; -b u_k], b = "
+                        f"{rd.beta_d.min():.3g}..{rd.beta_d.max():.3g}; off-diagonal "
+                        f"[a u_k + s u_j; -b u_k + s u_j], a = {rd.alpha.min():.3g}..{rd.alpha.max():.3g}, "
+                        f"b = {rd.beta.min():.3g}..{rd.beta.max():.3g}, s = {rd.side.min():.3g}.."
+                        f"{rd.side.max():.3g}; logits {lo:.3g}..{hi:.3g}; |v^T u_k| = {abs(uv):.3g}",
     })
     return _finish(oracle, model, noise, W_bar, v_bar, n_verify, seed, verify_tolerance, R,
                    start, start_queries, start_bb,
@@ -349,103 +332,218 @@ def _extract_robust(oracle, noise, r, norm_bound, R, seed, verify_tolerance):
                    details, recovery)
 
 
-def _measure(oracle, Us, v, uv, cols, cs):
-    """Answers for the probes of ``cols`` in every basis, shape (len(cols), r, d)."""
-    r, d = Us.shape[0], Us.shape[1]
-    out = np.empty((len(cols), r, d))
-    # columns sharing (c, s) (a whole block, unless some were rescaled) go in one batch
-    keys = {}
-    for pos, j in enumerate(cols):
-        keys.setdefault((cs[j, 0], cs[j, 1]), []).append(pos)
-    for (c, s), positions in keys.items():
-        group = np.asarray(positions)
-        f = oracle.query(_probes(Us, cols[group], c, s)).reshape(r, len(group), d)
-        out[group] = f.transpose(1, 0, 2)
-    return out
+def _design_diagonal(R, m, uv, noise):
+    """beta for the probes [R u_k; -beta u_k] (logit -(R + beta) beta m, signal (R + beta) u^T v)."""
+    beta = R * np.geomspace(1e-9, 1.0, 91)[:, None]
+    span = R + beta
+    t = -span * beta * m[None, :]
+    a = sigmoid(t)
+    f = -beta * uv + a * span * uv
+    with np.errstate(divide="ignore", over="ignore"):
+        err = noise.bound(f) / (span * abs(uv) * a * (1.0 - a) * span * beta)
+    return float(beta[int(np.argmin(np.mean(err ** 2, axis=1))), 0])
 
 
-def _weights(F_cols, v, uv, cols, cs):
-    """Attention weights a = (f - s v_j) / (c u^T v_hat), same shape as F_cols (..., d, len(cols))."""
-    c, s = cs[cols, 0], cs[cols, 1]
-    return (F_cols - s * v[cols]) / (c * uv)
+def _design_offdiagonal(R, m, dk, sig_k, uv, noise):
+    """(alpha, beta, s) for [alpha u_k + s u_j; -beta u_k + s u_j], alpha = sqrt(R^2 - s^2):
+    logit (alpha + beta)(s m - beta dk), signal (alpha + beta) u^T v."""
+    side = R * np.geomspace(1e-9, 0.999, 37)
+    frac = np.concatenate([[0.0], np.geomspace(1e-6, 1.0, 24)])
+    S, Fr = np.meshgrid(side, frac, indexing="ij")
+    alpha = np.sqrt(R * R - S ** 2)
+    beta = Fr * alpha
+    side, alpha, beta = S.ravel()[:, None], alpha.ravel()[:, None], beta.ravel()[:, None]
+    span = alpha + beta
+    t = span * (side * m[None, :] - beta * dk[None, :])
+    a = sigmoid(t)
+    f = (side - beta) * uv + a * span * uv
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        err = noise.bound(f) / (span * abs(uv) * a * (1.0 - a) * span * side)
+        total = np.mean(err ** 2 + (beta / side * sig_k[None, :]) ** 2, axis=1)
+    best = int(np.nanargmin(np.where(np.isfinite(total), total, np.nan)))
+    return float(alpha[best, 0]), float(beta[best, 0]), float(side[best, 0])
 
 
-def _saturation(F_cols, v, uv, cols, cs, noise):
-    """Per column: largest measured |logit| (inf if a weight left (0, 1)), and whether
-    the weights are precise enough (noise bound < 1%) for that to mean saturation."""
-    a = _weights(F_cols, v, uv, cols, cs)
+def _saturated(a, b, vu):
+    """Probes whose measured |logit| exceeds SATURATED_LOGIT (or whose weight left (0, 1))
+    although the weight is precise (noise bound < 1%): they must be probed smaller."""
     with np.errstate(divide="ignore", invalid="ignore"):
         t = np.where((a > 0) & (a < 1), np.abs(logit(np.clip(a, 1e-300, 1.0))), np.inf)
-    peak = t.reshape(-1, len(cols)).max(axis=0)
-    spread = noise.bound(F_cols) / (cs[cols, 0] * abs(uv))
-    precise = spread.reshape(-1, len(cols)).max(axis=0) < 0.01
-    return peak, precise
+    precise = b / np.abs(vu) < 0.01
+    return np.where(precise, t, 0.0)
 
 
-def _solve(Us, F, v, uv, cs, noise, dv_norm, cov_v):
-    """Weighted least squares per column and the Frobenius error bar of W."""
-    r, d = Us.shape[0], Us.shape[1]
+def _shrink(peak):
+    """Factor bringing a saturated logit back to about 1.5 (2^-5 when no logit was measurable)."""
+    finite = np.isfinite(peak)
+    return np.where(finite, 1.5 / np.where(finite, peak, 1.0), 2.0 ** -5)
+
+
+def _measure_round(oracle, U, v, uv, R, noise, prior, rng):
+    d = U.shape[0]
     a_lo, a_hi = sigmoid(-CLIP_LOGIT), sigmoid(CLIP_LOGIT)
-    c, s = cs[:, 0], cs[:, 1]
-    G = c * s
-    W = np.empty((d, d))
-    A = np.concatenate([U.T for U in Us])             # (r d, d): row (round, k) is u_{r,k}^T
-    kappa = (dv_norm / abs(uv)) if dv_norm is not None else 0.0
-    if kappa >= 1.0:
-        kappa_factor = math.inf
+    A, Bd, VU, C, GK, GJ, T = (np.zeros((d, d)) for _ in range(7))
+    rescaled = 0
+    ks = np.arange(d)
+
+    # diagonal: [R u_k; -beta u_k], logit -(R + beta) beta T_kk, signal (R + beta) u^T v
+    beta_d = np.full(d, _design_diagonal(R, prior, uv, noise))
+
+    def diagonal(idx):
+        X = np.stack([R * U[:, idx].T, -beta_d[idx, None] * U[:, idx].T], axis=1)
+        return oracle.query(X)
+
+    def diagonal_weights(f):
+        return (f + beta_d * uv) / ((R + beta_d) * uv)
+
+    f = diagonal(ks)
+    for _ in range(MAX_RESCALES):
+        peak = _saturated(diagonal_weights(f), noise.bound(f), (R + beta_d) * uv)
+        bad = peak > SATURATED_LOGIT
+        if not bad.any():
+            break
+        beta_d[bad] *= _shrink(peak[bad])
+        f[bad] = diagonal(ks[bad])
+        rescaled += int(bad.sum())
     else:
-        kappa_factor = 1.0 / (1.0 - kappa)
-    eta_sq, dv_sq = 0.0, 0.0         # bounded: sums of squared per-column bounds
-    trace, lam_eta = 0.0, 0.0        # random: trace and largest eigenvalue of the eta part
-    J = np.empty((d, d, d)) if cov_v is not None else None
-    lo_logit, hi_logit = math.inf, -math.inf
-    for j in range(d):
-        f = F[:, :, j].reshape(-1)                               # (r d,)
-        a_raw = (f - s[j] * v[j]) / (c[j] * uv)
-        a = np.clip(a_raw, a_lo, a_hi)
+        _still_saturated()
+    a = np.clip(diagonal_weights(f), a_lo, a_hi)
+    coef_d = -(R + beta_d) * beta_d
+    T[ks, ks] = logit(a) / coef_d
+    A[ks, ks], Bd[ks, ks] = a, noise.bound(f)
+    VU[ks, ks], C[ks, ks] = (R + beta_d) * uv, coef_d
+    GK[ks, ks] = a * (R + beta_d) - beta_d
+    diag_T = T[ks, ks].copy()
+    sig_d = Bd[ks, ks] / (np.abs(VU[ks, ks]) * a * (1.0 - a) * np.abs(coef_d))
+    lo_t, hi_t = float(logit(a).min()), float(logit(a).max())
+
+    # off-diagonal: [alpha u_k + s u_j; -beta u_k + s u_j], logit (alpha + beta)(s T_kj - beta T_kk)
+    alpha, beta, side, c = np.empty(d), np.empty(d), np.empty(d), np.zeros(d)
+    block = max(1, min(d, BLOCK_FLOATS // (2 * d * d)))
+    pool = np.zeros(0)
+    for lo in range(0, d, block):
+        cols = np.arange(lo, min(d, lo + block))
+        pick = rng.integers(0, d, size=DESIGN_SAMPLES)
+        m = rng.choice(pool, DESIGN_SAMPLES) if pool.size else diag_T[rng.integers(0, d, DESIGN_SAMPLES)]
+        if not np.any(m) and np.any(prior):
+            m = rng.choice(prior, DESIGN_SAMPLES)
+        alpha[cols], beta[cols], side[cols] = _design_offdiagonal(R, m, diag_T[pick], sig_d[pick],
+                                                                  uv, noise)
+
+        def weights(F):
+            return ((F - ((side[cols] - beta[cols]) * uv)[None, :])
+                    / ((alpha[cols] + beta[cols]) * uv)[None, :])
+
+        F = _offdiagonal(oracle, U, cols, alpha, beta, side)
+        for _ in range(MAX_RESCALES):
+            peak = np.nan_to_num(_saturated(weights(F), noise.bound(F),
+                                            (alpha[cols] + beta[cols]) * uv), nan=0.0).max(axis=0)
+            bad = peak > SATURATED_LOGIT
+            if not bad.any():
+                break
+            factor = _shrink(peak[bad])
+            side[cols[bad]] *= factor
+            beta[cols[bad]] *= factor
+            alpha[cols[bad]] = np.sqrt(R * R - side[cols[bad]] ** 2)
+            F[:, bad] = _offdiagonal(oracle, U, cols[bad], alpha, beta, side)
+            rescaled += int(bad.sum()) * (d - 1)
+        else:
+            _still_saturated()
+        off = np.ones((d, len(cols)), dtype=bool)
+        off[cols, np.arange(len(cols))] = False
+        a = np.clip(weights(F), a_lo, a_hi)
         t = logit(a)
-        lo_logit, hi_logit = min(lo_logit, t.min()), max(hi_logit, t.max())
-        y = t / G[j]
-        b = noise.bound(f) + FLOAT_SLACK * (s[j] * abs(v[j]) + c[j] * abs(uv))
-        theta = 1.0 / (c[j] * abs(uv) * a * (1.0 - a) * G[j])   # W-units per unit of output error
-        if noise.kind == "bounded":
-            delta = (b + (s[j] + a * c[j]) * dv_norm) * kappa_factor / (c[j] * abs(uv))
-            ends = np.stack([np.clip(a - delta, a_lo, a_hi), np.clip(a + delta, a_lo, a_hi)])
-            L = (1.0 / (ends * (1.0 - ends))).max(axis=0)
-            theta_bar = L * kappa_factor / (c[j] * abs(uv) * G[j])
-        else:
-            theta_bar = theta
-        weight = 1.0 / (theta * b) ** 2
-        if r == 1:
-            M = Us[0]                                             # A = U^T is orthogonal
-        else:
-            Aw = A * weight[:, None]
-            M = np.linalg.solve(A.T @ Aw, Aw.T)                   # (d, r d)
-        W[:, j] = M @ y
-        D = (s[j] * np.eye(d)[j])[None, :] + (a * c[j])[:, None] * A   # d(numerator)/d(dv), (r d, d)
-        MD = M @ (theta_bar[:, None] * D)
-        if noise.kind == "bounded":
-            norm_M = 1.0 if r == 1 else np.linalg.norm(M, 2)
-            eta_sq += (norm_M * np.linalg.norm(theta_bar * b)) ** 2
-            dv_sq += np.linalg.norm(MD, 2) ** 2
-        else:
-            C = (M * (theta * b)[None, :] ** 2) @ M.T
-            eig = np.linalg.eigvalsh(C)
-            trace += eig.sum()
-            lam_eta = max(lam_eta, eig[-1])
-            J[j] = MD
-    if noise.kind == "bounded":
-        W_bar = math.sqrt(eta_sq) + dv_norm * math.sqrt(dv_sq)
-        if not math.isfinite(kappa_factor):
-            W_bar = math.inf
-    else:
-        Jall = J.reshape(d * d, d)
-        lam, Q = np.linalg.eigh(cov_v)                       # cov_v = S S^T, S = Q sqrt(lam)
-        S = Q * np.sqrt(np.maximum(lam, 0.0))[None, :]
-        eig_v = np.linalg.eigvalsh(S.T @ (Jall.T @ Jall) @ S)   # spectrum of J cov_v J^T
-        W_bar = math.sqrt(max(trace + eig_v.sum(), 0.0)) + CONFIDENCE_SIGMAS * math.sqrt(
-            max(lam_eta, 0.0) + max(eig_v[-1], 0.0))
-    return W, float(W_bar), (lo_logit, hi_logit)
+        span = alpha[cols] + beta[cols]
+        coef = span * side[cols]
+        Tc = (t + span * beta[cols] * diag_T[:, None]) / coef[None, :]
+        T[:, cols] = np.where(off, Tc, T[:, cols])
+        for arr, value in ((A, a), (Bd, noise.bound(F)), (VU, np.broadcast_to(span * uv, a.shape)),
+                           (C, np.broadcast_to(coef, a.shape)), (GK, a * span - beta[cols]),
+                           (GJ, np.broadcast_to(side[cols], a.shape))):
+            arr[:, cols] = np.where(off, value, arr[:, cols])
+        c[cols] = beta[cols] / side[cols]
+        lo_t, hi_t = min(lo_t, float(t[off].min(initial=0.0))), max(hi_t, float(t[off].max(initial=0.0)))
+        pool = np.concatenate([pool, Tc[off]])[-4096:]
+    return _Round(T=T, a=A, b=Bd, vu=VU, coef=C, gk=GK, gj=GJ, c=c, beta_d=beta_d, alpha=alpha,
+                  beta=beta, side=side, rescaled=rescaled, logits=(lo_t, hi_t))
+
+
+def _still_saturated():
+    raise ModelMismatchError(
+        f"the black box is not a single-head attention regressor: after {MAX_RESCALES} "
+        f"rescalings some probes still imply attention weights outside (0, 1) or logits "
+        f"beyond {SATURATED_LOGIT}")
+
+
+def _offdiagonal(oracle, U, cols, alpha, beta, side):
+    """Answers F (d, len(cols)) to [alpha_j u_k + s_j u_j; -beta_j u_k + s_j u_j], k != j
+    (NaN at k = j)."""
+    d, n = U.shape[0], len(cols)
+    base = (side[cols, None] * U[:, cols].T)[:, None, :]            # (n, 1, d): s_j u_j
+    X = np.stack([base + alpha[cols, None, None] * U.T[None], base - beta[cols, None, None] * U.T[None]],
+                 axis=2)                                             # (n, d, 2, d)
+    keep = np.ones((n, d), dtype=bool)
+    keep[np.arange(n), cols] = False
+    F = np.full((n, d), np.nan)
+    F[keep] = oracle.query(X[keep])
+    return F.T
+
+
+def _bounded_bar(rd: _Round, uv, dv_norm):
+    """Worst-case bound on ||W_hat - W||_F for one round (see the module docstring)."""
+    d = rd.T.shape[0]
+    a_lo, a_hi = sigmoid(-CLIP_LOGIT), sigmoid(CLIP_LOGIT)
+    kappa = dv_norm / abs(uv)
+    if kappa >= 1.0:
+        return math.inf
+    kf = 1.0 / (1.0 - kappa)
+    gnorm = np.hypot(rd.gk, rd.gj)
+    b = rd.b + FLOAT_SLACK * np.abs(rd.vu)
+    delta = (b + gnorm * dv_norm) * kf / np.abs(rd.vu)
+    ends = np.stack([np.clip(rd.a - delta, a_lo, a_hi), np.clip(rd.a + delta, a_lo, a_hi)])
+    L = (1.0 / (ends * (1.0 - ends))).max(axis=0)
+    theta = L * kf / (np.abs(rd.vu) * np.abs(rd.coef))             # |dT| per unit of |output error|
+    off = ~np.eye(d, dtype=bool)
+    diag_theta = np.diag(theta)
+    eta = theta * b
+    eta = eta + np.where(off, rd.c[None, :] * np.diag(eta)[:, None], 0.0)
+    A = theta * np.abs(rd.gk) + np.where(off, rd.c[None, :] * (diag_theta * np.abs(np.diag(rd.gk)))[:, None], 0.0)
+    B = np.where(off, theta * np.abs(rd.gj), 0.0)
+    MtM = A * B + (A * B).T
+    MtM[np.diag_indices(d)] = (A ** 2).sum(axis=1) + (B ** 2).sum(axis=0)
+    return float(np.linalg.norm(eta) + math.sqrt(max(np.linalg.eigvalsh(MtM)[-1], 0.0)) * dv_norm)
+
+
+def _random_bar(bases, rounds, cov_v):
+    """High-probability bound on ||W_hat - W||_F for the average of the rounds."""
+    r, d = len(rounds), rounds[0].T.shape[0]
+    off = ~np.eye(d, dtype=bool)
+    trace = lam = 0.0
+    J_avg = np.zeros((d, d, d))
+    for U, rd in zip(bases, rounds):
+        s = 1.0 / (rd.vu * rd.a * (1.0 - rd.a) * rd.coef)            # signed dT per unit of output error
+        sig = np.abs(s) * rd.b
+        sig_d = np.diag(sig)
+        c_norm2 = 1.0 + (rd.c ** 2).sum() - rd.c ** 2                # |c~_k|^2: 1 + sum_{j != k} c_j^2
+        sig_off = np.where(off, sig, 0.0)
+        trace += float(((sig_off ** 2).sum(axis=1) + sig_d ** 2 * c_norm2).sum())
+        lam += float(((sig_off ** 2).max(axis=1) + sig_d ** 2 * c_norm2).max())
+        # dT / d(dv'), dv' = U^T dv: row (k, j) is -(s_kj (gk e_k + gj e_j) + c_j s_kk gk_kk e_k)
+        J = np.zeros((d, d, d))
+        ks = np.arange(d)
+        J[:, :, :] = 0.0
+        J[ks, :, ks] = -(s * rd.gk) - np.where(off, rd.c[None, :] * (np.diag(s) * np.diag(rd.gk))[:, None], 0.0)
+        jj = np.arange(d)
+        J[:, jj, jj] += np.where(off, -(s * rd.gj), 0.0)
+        Jv = J @ U.T                                                    # per original dv coordinate
+        JW = np.tensordot(np.tensordot(U, Jv, axes=(1, 0)), U, axes=(1, 1))   # (a, i, b)
+        J_avg += np.transpose(JW, (0, 2, 1)) / r
+    lam_v, Q = np.linalg.eigh(cov_v)
+    S = Q * np.sqrt(np.maximum(lam_v, 0.0))[None, :]
+    Jall = J_avg.reshape(d * d, d)
+    eig = np.linalg.eigvalsh(S.T @ (Jall.T @ Jall) @ S)
+    return float(math.sqrt(max(trace / r ** 2 + eig.sum(), 0.0))
+                 + CONFIDENCE_SIGMAS * math.sqrt(max(lam / r ** 2 + eig[-1], 0.0)))
 
 
 def _erfinv(x):
