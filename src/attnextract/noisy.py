@@ -531,10 +531,9 @@ def _random_bar(bases, rounds, cov_v):
         # dT / d(dv'), dv' = U^T dv: row (k, j) is -(s_kj (gk e_k + gj e_j) + c_j s_kk gk_kk e_k)
         J = np.zeros((d, d, d))
         ks = np.arange(d)
-        J[:, :, :] = 0.0
-        J[ks, :, ks] = -(s * rd.gk) - np.where(off, rd.c[None, :] * (np.diag(s) * np.diag(rd.gk))[:, None], 0.0)
-        jj = np.arange(d)
-        J[:, jj, jj] += np.where(off, -(s * rd.gj), 0.0)
+        J[ks, :, ks] = -(s * rd.gk) - np.where(
+            off, rd.c[None, :] * (np.diag(s) * np.diag(rd.gk))[:, None], 0.0)   # along e_k
+        J[:, ks, ks] += np.where(off, -(s * rd.gj), 0.0)                        # along e_j
         Jv = J @ U.T                                                    # per original dv coordinate
         JW = np.tensordot(np.tensordot(U, Jv, axes=(1, 0)), U, axes=(1, 1))   # (a, i, b)
         J_avg += np.transpose(JW, (0, 2, 1)) / r
