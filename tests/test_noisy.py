@@ -341,3 +341,18 @@ def test_cli_tolerance_paper_and_sign_only(tmp_path):
     assert "positive scale" in out["notes"][0]
     v = np.load(tmp_path / "r.npz")["v"]
     assert np.linalg.norm(v - target.v / np.linalg.norm(target.v)) < 1e-12
+
+
+def test_adversary_against_the_learners_own_estimate():
+    """The adversary knows what the learner will predict (its estimate from a first run)
+    and pushes every answer away from it; the worst-case bar must still hold."""
+    d, tau = 8, 1e-5
+    for seed in range(4):
+        target = random_single_head(d, seed=seed)
+        first = extract_noisy(Oracle(BoundedNoise(target, tau, "sign", seed=seed), d),
+                              tolerance=tau, seed=seed)
+        for against in (first.model, SingleHeadAttention(first.model.W, target.v)):
+            box = AdversarialNoise(target, tau, against=against)
+            result = extract_noisy(Oracle(box, d), tolerance=tau, seed=seed)
+            (eW, ev), (bW, bv) = errors(result, target), bars(result)
+            assert eW <= bW and ev <= bv
