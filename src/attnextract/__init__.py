@@ -7,6 +7,8 @@ from .models import SingleHeadAttention
 from .oracle import Oracle
 from .report import ExtractionResult, Report, Verification, load_model, verify_model
 from .single_head import extract_single_head
+from .noisy import extract_noisy
+from .sign_only import extract_sign_only
 
 __version__ = "0.1.0"
 
@@ -15,5 +17,5 @@ __all__ = [
     "MalformedOutputError", "ModelMismatchError", "NonFiniteOutputError",
     "NotIdentifiableError", "TargetLoadError", "SingleHeadAttention", "Oracle",
     "ExtractionResult", "Report", "Verification", "load_model", "verify_model",
-    "extract_single_head", "__version__",
+    "extract_single_head", "extract_noisy", "extract_sign_only", "__version__",
 ]
