@@ -356,3 +356,28 @@ def test_adversary_against_the_learners_own_estimate():
             result = extract_noisy(Oracle(box, d), tolerance=tau, seed=seed)
             (eW, ev), (bW, bv) = errors(result, target), bars(result)
             assert eW <= bW and ev <= bv
+
+
+def test_noise_model_bound_covers_the_observed_side(rng):
+    """|eta| <= tau + rho |f| must be covered by the bound computed from y = f + eta."""
+    model = NoiseModel(1e-3, 0.1)
+    f = rng.standard_normal(10_000) * 10.0 ** rng.uniform(-6, 3, 10_000)
+    eta = rng.choice([-1.0, 1.0], f.size) * (1e-3 + 0.1 * np.abs(f))
+    assert np.all(np.abs(eta) <= model.bound(f + eta))
+
+
+def test_budget_is_checked_before_any_query():
+    from attnextract import BudgetExceededError
+    target = random_single_head(4, seed=0)
+    need = 3 * 20 + verification_count(20)
+    oracle = Oracle(GaussianNoise(target, 1e-6, seed=0), 4, budget=need - 1)
+    with pytest.raises(BudgetExceededError):
+        extract_noisy(oracle, tolerance=1e-6, noise="random", repeats=3)
+    assert oracle.queries == 0
+    oracle = Oracle(SignOnly(target), 4, budget=100)
+    with pytest.raises(BudgetExceededError):
+        extract_sign_only(oracle)
+    assert oracle.queries == 0
+    result = extract_noisy(Oracle(GaussianNoise(target, 1e-6, seed=0), 4, budget=need),
+                           tolerance=1e-6, noise="random", repeats=3)
+    assert result.queries == need

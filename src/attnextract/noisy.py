@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -119,7 +119,7 @@ class NoiseModel:
         """
         y = np.abs(observed)
         rho = self.relative_tolerance
-        return (self.tolerance + rho * y) / (1.0 - rho) + FLOAT_SLACK * y
+        return (self.tolerance + rho * y) / (1.0 - rho) * (1.0 + FLOAT_SLACK) + FLOAT_SLACK * y
 
 
 @dataclass

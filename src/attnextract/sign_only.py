@@ -37,7 +37,7 @@ import numpy as np
 
 from .errors import InputError, ModelMismatchError, NotIdentifiableError
 from .models import SingleHeadAttention
-from .noisy import FLOAT_SLACK, NoisyVerification, output_gradient_norms, sigmoid
+from .noisy import FLOAT_SLACK, NoisyVerification, output_gradient_norms
 from .oracle import Oracle
 from .report import ExtractionResult, Report, held_out_sequences, verification_count
 from .single_head import logit, probe_basis
