@@ -281,6 +281,23 @@ def test_sign_only_bisection(d):
         assert result.queries == v_queries + d * d * 37 + extra + verification_count(d * d + d)
 
 
+@pytest.mark.parametrize("threshold", [0.3, -0.7, 2.0, -50.0])
+def test_sign_only_nonzero_threshold_recovers_the_scale(threshold):
+    """With a known threshold t != 0 the crossing of lam v^T x = t fixes |v|: v and W exact."""
+    for d in (1, 3, 8):
+        for seed in range(3):
+            target = random_single_head(d, seed=seed)
+            result = extract_sign_only(Oracle(SignOnly(target, threshold), d), threshold=threshold,
+                                       seed=seed)
+            details = result.report.details
+            assert np.linalg.norm(result.model.v - target.v) <= details["error_bar_v"]
+            assert np.linalg.norm(result.model.W - target.W) <= details["error_bar_W"]
+            assert rel_err(result.model.v, target.v) <= 1e-12
+            # a threshold far beyond |v| needs large offsets, hence small probes: less precise
+            assert rel_err(result.model.W, target.W) <= (1e-8 if abs(threshold) <= 2 else 1e-6)
+            assert "with their scale" in result.report.notes[0]
+
+
 def test_sign_only_hostile_and_errors():
     for name, target in hostile_single_heads(6, 1).items():
         result = extract_sign_only(Oracle(SignOnly(target), 6), seed=0)
@@ -290,7 +307,7 @@ def test_sign_only_hostile_and_errors():
     with pytest.raises(ModelMismatchError, match="labels"):
         extract_sign_only(Oracle(random_single_head(3, seed=0), 3))
     with pytest.raises(InputError):
-        extract_sign_only(Oracle(SignOnly(random_single_head(3, seed=0)), 3), threshold=0.5)
+        extract_sign_only(Oracle(SignOnly(random_single_head(3, seed=0)), 3), threshold=float("nan"))
     with pytest.raises(InputError):
         extract_sign_only(Oracle(SignOnly(random_single_head(3, seed=0)), 3), bits=2)
 

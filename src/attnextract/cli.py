@@ -98,8 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     noisy.add_argument("--norm-bound", type=float, metavar="B", help="B >= ||W||_F")
     noisy.add_argument("--margin", type=float, metavar="MU", help="mu <= min |v_i| (paper)")
     noisy.add_argument("--sign-only", action="store_true",
-                       help="the target answers labels 1{f(X) > 0}: extract by bisection "
-                            "(v up to a positive scale)")
+                       help="the target answers labels 1{f(X) > THRESHOLD}: extract by bisection "
+                            "(threshold 0: v up to a positive scale)")
+    noisy.add_argument("--threshold", type=float, default=0.0,
+                       help="with --sign-only: the labels are 1{f(X) > THRESHOLD} (known); a "
+                            "nonzero threshold also fixes the scale of v")
     noisy.add_argument("--bits", type=_positive_int, default=40,
                        help="bisection steps per entry of W (--sign-only)")
     ex.add_argument("--out", required=True, help="RESULT.npz to write")
@@ -166,7 +169,8 @@ def cmd_extract(args) -> int:
                     progress=bar)
     try:
         if args.sign_only:
-            result = extract_sign_only(oracle, seed=args.seed, bits=args.bits)
+            result = extract_sign_only(oracle, seed=args.seed, bits=args.bits,
+                                       threshold=args.threshold)
         elif args.tolerance is not None:
             result = EXTRACTORS[args.model](
                 oracle, seed=args.seed, verify_tolerance=args.verify_tolerance,
