@@ -320,6 +320,7 @@ from attnextract.targets import random_single_head
 _m = random_single_head(6, seed=11)
 noisy = BoundedNoise(_m, 1e-6, "sign", seed=0)
 labels = SignOnly(_m)
+labels_at = SignOnly(_m, 0.25)
 """
 
 
@@ -358,6 +359,11 @@ def test_cli_tolerance_paper_and_sign_only(tmp_path):
     assert "positive scale" in out["notes"][0]
     v = np.load(tmp_path / "r.npz")["v"]
     assert np.linalg.norm(v - target.v / np.linalg.norm(target.v)) < 1e-12
+
+    proc = run_cli(tmp_path, "--target", "t.py:labels_at", "--sign-only", "--threshold", "0.25",
+                   "--bits", "30")
+    assert proc.returncode == 0, proc.stderr
+    assert np.linalg.norm(np.load(tmp_path / "r.npz")["v"] - target.v) < 1e-12
 
 
 def test_adversary_against_the_learners_own_estimate():

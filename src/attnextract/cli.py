@@ -168,6 +168,8 @@ def cmd_extract(args) -> int:
     oracle = Oracle(black_box, args.dim, budget=args.budget, max_batch=args.max_batch,
                     progress=bar)
     try:
+        if args.sign_only and args.tolerance is not None:
+            raise InputError("--sign-only answers are labels: --tolerance does not apply")
         if args.sign_only:
             result = extract_sign_only(oracle, seed=args.seed, bits=args.bits,
                                        threshold=args.threshold)
@@ -178,8 +180,10 @@ def cmd_extract(args) -> int:
                 noise=args.noise, method=args.method, repeats=args.repeats,
                 norm_bound=args.norm_bound, margin=args.margin)
         else:
-            if args.method != "robust" or args.noise != "bounded" or args.repeats != 1:
-                raise InputError("--method, --noise and --repeats need --tolerance")
+            if (args.method != "robust" or args.noise != "bounded" or args.repeats != 1
+                    or args.norm_bound is not None or args.margin is not None):
+                raise InputError("--method, --noise, --repeats, --norm-bound and --margin "
+                                 "need --tolerance")
             result = EXTRACTORS[args.model](oracle, seed=args.seed,
                                             verify_tolerance=args.verify_tolerance)
     finally:
