@@ -254,7 +254,12 @@ def extract_sign_only(oracle: Oracle, *, bits: int = 40, bits_v: int = 48, seed=
                  "error_bar_v_direction": v_dir_bar,
                  **({"error_bar_v": v_bar} if threshold != 0.0 else {}),
                  "queries_for_v": v_queries,
-                 "column scales s": f"{s.min():.3g} .. {s.max():.3g}"})
+                 "column scales s": f"{s.min():.3g} .. {s.max():.3g}",
+                 "verification labels": f"{verification.max_relative_error:.3g} of "
+                                        f"{n_verify} held-out labels disagree (the 'max relative "
+                                        f"error' above); any disagreement must lie within 1.5 x "
+                                        f"the model's error bars of the threshold "
+                                        f"(worst {verification.worst_ratio:.3g} of that)"})
     result = ExtractionResult(model=model, queries=report.queries, report=report)
     if not verification.passed:
         raise ModelMismatchError(
