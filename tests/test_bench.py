@@ -28,8 +28,17 @@ def test_bench_quick_writes_json_table_and_plots(tmp_path):
     assert max(r["W_error"] for r in single) < 1e-9
     surrogate = [r for r in summary["rows"] if r["learner"] == "surrogate"]
     assert len(surrogate) == 2 and all(r["label"].startswith("surrogate") for r in surrogate)
-    for name in ("queries_vs_d.png", "error_vs_d.png", "time_split.png", "surrogate.png"):
+    for name in ("queries_vs_d.png", "error_vs_d.png", "time_split.png", "surrogate.png",
+                 "error_vs_tau.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    noisy = {(r["learner"], r["tau"]): r for r in summary["rows"] if "tau" in r}
+    for (learner, tau), r in noisy.items():
+        assert r["W_abs_error"] <= r["error_bar_W"], (learner, tau)
+        if learner == "noisy (robust)":     # at equal queries, 10x better than the paper
+            assert r["queries"] == noisy[("noisy (paper)", tau)]["queries"]
+            assert 10 * r["W_abs_error"] < noisy[("noisy (paper)", tau)]["W_abs_error"]
+    one_layer = [r for r in summary["rows"] if r["learner"] == "one-layer"]
+    assert one_layer and max(r["W_error"] for r in one_layer) < 1e-9
     table = (out / "bench.md").read_text()
     assert "| single-head | 64 | 4160 |" in table and "surrogate 10x" in table
     text = readme.read_text()

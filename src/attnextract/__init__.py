@@ -8,8 +8,10 @@ from .oracle import Oracle
 from .report import ExtractionResult, Report, Verification, load_model, verify_model
 from .single_head import extract_single_head
 from .models import OneLayerTransformer, ReLUNetwork
+from .noisy import extract_noisy
 from .one_layer import extract_one_layer
 from .relu_network import extract_relu_network
+from .sign_only import extract_sign_only
 
 __version__ = "0.1.0"
 
@@ -18,6 +20,6 @@ __all__ = [
     "MalformedOutputError", "ModelMismatchError", "NonFiniteOutputError",
     "NotIdentifiableError", "TargetLoadError", "SingleHeadAttention", "Oracle",
     "ExtractionResult", "Report", "Verification", "load_model", "verify_model",
-    "extract_single_head", "__version__",
+    "extract_single_head", "extract_noisy", "extract_sign_only", "__version__",
 ]
 __all__ += ["ReLUNetwork", "OneLayerTransformer", "extract_relu_network", "extract_one_layer"]

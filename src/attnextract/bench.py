@@ -112,8 +112,29 @@ def section_one_layer(quick: bool, log) -> list[dict]:
     return rows
 
 
+def section_noisy(quick: bool, log) -> list[dict]:
+    """Error vs noise tolerance tau: the robust default and paper 1's Theorem 6.1, equal queries."""
+    from .noisy import extract_noisy
+    from .oracle import BoundedNoise
+    rows = []
+    d = 16
+    target = random_single_head(d, seed=3)
+    B = float(np.linalg.norm(target.W))
+    for tau in ([1e-8, 1e-6, 1e-4] if quick else [1e-10, 1e-8, 1e-6, 1e-5, 1e-4, 1e-3]):
+        for method in ("robust", "paper"):
+            oracle = Oracle(BoundedNoise(target, tau, "sign", seed=1), d)
+            result = extract_noisy(oracle, tolerance=tau, method=method, norm_bound=B, seed=1)
+            rows.append({"learner": f"noisy ({method})", "d": d, "tau": tau,
+                         "queries": result.queries,
+                         "W_abs_error": float(np.linalg.norm(result.model.W - target.W)),
+                         "error_bar_W": float(result.report.details["error_bar_W"])})
+            log(f"noisy {method} tau={tau:.0e}: |W_hat - W|_F = {rows[-1]['W_abs_error']:.1e} "
+                f"(bar {rows[-1]['error_bar_W']:.1e})")
+    return rows
+
+
 SECTIONS = {"single-head": section_single_head, "one-layer": section_one_layer,
-            "surrogate": section_surrogate}
+            "noisy": section_noisy, "surrogate": section_surrogate}
 
 
 def markdown(rows: list[dict]) -> str:
@@ -133,6 +154,14 @@ def markdown(rows: list[dict]) -> str:
             if len(sub) >= 2:
                 out.append(f"\nFitted slope of log(queries) vs log(d), {learner}: "
                            f"{fitted_slope([r['d'] for r in sub], [r['recovery_queries'] for r in sub]):.3f}")
+    noisy = [r for r in rows if "tau" in r]
+    if noisy:
+        out += ["", f"Noisy outputs, |eta| <= tau (random signs), d = {noisy[0]['d']}, equal "
+                "queries:", "", "| method | tau | queries | ‖W_hat − W‖_F | error bar |",
+                "|---|---|---|---|---|"]
+        for r in noisy:
+            out.append(f"| {r['learner']} | {r['tau']:.0e} | {r['queries']} | "
+                       f"{r['W_abs_error']:.1e} | {r['error_bar_W']:.1e} |")
     compare = [r for r in rows if "label" in r]
     if compare:
         out += ["", f"Exact extraction vs the surrogate baseline (d = {compare[0]['d']}):", "",
@@ -198,6 +227,20 @@ def plots(rows: list[dict], out: Path) -> list[str]:
     ax.set_title("wall time split")
     fig.tight_layout(), fig.savefig(out / "time_split.png", dpi=110), plt.close(fig)
     written.append("time_split.png")
+
+    noisy = [r for r in rows if "tau" in r]
+    if noisy:
+        fig, ax = plt.subplots(figsize=(6, 4.5))
+        for learner in dict.fromkeys(r["learner"] for r in noisy):
+            sub = [r for r in noisy if r["learner"] == learner]
+            line, = ax.loglog([r["tau"] for r in sub], [r["W_abs_error"] for r in sub], "o-",
+                              label=f"{learner}: error")
+            ax.loglog([r["tau"] for r in sub], [r["error_bar_W"] for r in sub], "--",
+                      color=line.get_color(), label=f"{learner}: bound / error bar")
+        ax.set_xlabel("tau"), ax.set_ylabel("‖W_hat − W‖_F"), ax.legend(fontsize=7)
+        ax.set_title(f"error vs noise tolerance, d = {noisy[0]['d']}")
+        fig.tight_layout(), fig.savefig(out / "error_vs_tau.png", dpi=110), plt.close(fig)
+        written.append("error_vs_tau.png")
 
     compare = [r for r in rows if "label" in r]
     if compare:

@@ -25,6 +25,7 @@ from .report import DEFAULT_VERIFY_TOLERANCE, load_model, verification_count, ve
 from .one_layer import extract_one_layer
 from .relu_network import extract_relu_network
 from .residual import extract_one_layer_residual
+from .sign_only import extract_sign_only
 from .single_head import extract_single_head
 from .targets import load_target, random_single_head
 
@@ -92,6 +93,28 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--seed", type=int, help="seed of the learner's random choices")
     ex.add_argument("--tolerance-verify", type=float, default=DEFAULT_VERIFY_TOLERANCE,
                     dest="verify_tolerance", help="held-out relative error accepted")
+    noisy = ex.add_argument_group("noisy, rounded or sign-only outputs")
+    noisy.add_argument("--tolerance", type=float, metavar="TAU",
+                       help="outputs are accurate to +-TAU (+ RHO |f|): noisy extraction with "
+                            "error bars (with --noise random: the noise std)")
+    noisy.add_argument("--relative-tolerance", type=float, default=0.0, metavar="RHO",
+                       help="relative part of the tolerance (float32 5.96e-8, float16 4.88e-4)")
+    noisy.add_argument("--noise", choices=["bounded", "random"], default="bounded",
+                       help="worst-case (adversarial) or independent random noise")
+    noisy.add_argument("--noise-method", choices=["robust", "paper"], default="robust",
+                       help="robust default, or paper 1's Theorem 6.1 (needs --norm-bound)")
+    noisy.add_argument("--repeats", type=_positive_int, default=1,
+                       help="measure every probe in this many dithered bases")
+    noisy.add_argument("--norm-bound", type=float, metavar="B", help="B >= ||W||_F")
+    noisy.add_argument("--margin", type=float, metavar="MU", help="mu <= min |v_i| (paper)")
+    noisy.add_argument("--sign-only", action="store_true",
+                       help="the target answers labels 1{f(X) > THRESHOLD}: extract by bisection "
+                            "(threshold 0: v up to a positive scale)")
+    noisy.add_argument("--threshold", type=float, default=0.0,
+                       help="with --sign-only: the labels are 1{f(X) > THRESHOLD} (known); a "
+                            "nonzero threshold also fixes the scale of v")
+    noisy.add_argument("--bits", type=_positive_int, default=40,
+                       help="bisection steps per entry of W (--sign-only)")
     ex.add_argument("--out", required=True, help="RESULT.npz to write")
     ex.add_argument("--json", action="store_true", help="print one JSON object")
     ex.add_argument("--no-progress", action="store_true")
@@ -196,6 +219,27 @@ def _open_target(spec: str, dim: int | None = None, args=None):
     return load_target(spec)
 
 
+def _learner_and_options(args):
+    """The learner for ``--model`` (or ``--sign-only``) and its keyword options."""
+    noisy_flags = (args.noise_method != "robust" or args.noise != "bounded" or args.repeats != 1
+                   or args.norm_bound is not None or args.margin is not None)
+    if args.sign_only:
+        if args.tolerance is not None:
+            raise InputError("--sign-only answers are labels: --tolerance does not apply")
+        return extract_sign_only, {"bits": args.bits, "threshold": args.threshold}
+    options = {"polish": not args.no_polish} if args.model in POLISHED else {}
+    if args.tolerance is not None:
+        if args.model != "single-head":
+            raise InputError("--tolerance applies to --model single-head")
+        options.update(tolerance=args.tolerance, relative_tolerance=args.relative_tolerance,
+                       noise=args.noise, method=args.noise_method, repeats=args.repeats,
+                       norm_bound=args.norm_bound, margin=args.margin)
+    elif noisy_flags:
+        raise InputError("--noise-method, --noise, --repeats, --norm-bound and --margin "
+                         "need --tolerance")
+    return EXTRACTORS[args.model], options
+
+
 def cmd_extract(args) -> int:
     black_box = _open_target(args.target, args.dim, args)
     journal = _open_journal(args)
@@ -203,9 +247,9 @@ def cmd_extract(args) -> int:
     oracle = Oracle(black_box, args.dim, budget=args.budget, max_batch=args.max_batch,
                     progress=bar, journal=journal)
     try:
-        options = {"polish": not args.no_polish} if args.model in POLISHED else {}
-        result = EXTRACTORS[args.model](oracle, seed=args.seed,
-                                        verify_tolerance=args.verify_tolerance, **options)
+        learner, options = _learner_and_options(args)
+        result = learner(oracle, seed=args.seed, verify_tolerance=args.verify_tolerance,
+                         **options)
     finally:
         bar.close()
         _close_journal(oracle)

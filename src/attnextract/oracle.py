@@ -196,3 +196,195 @@ def validate_outputs(raw, batch: int) -> np.ndarray:
             f"black box returned {int(bad.sum())} non-finite value(s) of {batch} "
             f"(first at index {first}: {out[first]})")
     return out
+
+
+# -- black boxes that answer like real endpoints -------------------------------
+#
+# Each wrapper takes any black box (a callable (B, N, d) -> (B,)) and returns what a
+# real endpoint would: the clean outputs plus noise, rounded, or reduced to a label.
+# They are black boxes themselves (hand them to an Oracle), so they serve both as
+# targets and to simulate defences. ``tolerance`` and ``relative_tolerance`` state the
+# guarantee a wrapper gives: |answer - f(X)| <= tolerance + relative_tolerance * |f(X)|
+# (None where no bound exists, as for Gaussian noise).
+
+
+class OutputWrapper:
+    """Base class: calls the wrapped black box and post-processes its outputs."""
+
+    tolerance: float | None = 0.0
+    relative_tolerance: float = 0.0
+
+    def __init__(self, black_box: BlackBox):
+        if not callable(black_box):
+            raise InputError(f"black box must be callable, got {type(black_box).__name__}")
+        self.black_box = black_box
+        self.calls = 0
+
+    def clean(self, X: np.ndarray) -> np.ndarray:
+        """The wrapped black box's exact outputs, float64 (B,)."""
+        X = np.asarray(X, dtype=np.float64)
+        single = X.ndim == 2
+        return np.atleast_1d(np.asarray(self.black_box(X[None] if single else X), dtype=np.float64))
+
+    def __call__(self, X):
+        X = np.asarray(X, dtype=np.float64)
+        single = X.ndim == 2
+        batch = X[None] if single else X
+        out = self.transform(batch, self.clean(batch))
+        self.calls += 1
+        return float(out[0]) if single else out
+
+    def transform(self, X: np.ndarray, clean: np.ndarray) -> np.ndarray:
+        """Post-process the clean outputs (B,); the base class answers them unchanged."""
+        return clean
+
+    @property
+    def dim(self):
+        return getattr(self.black_box, "dim", None)
+
+
+def _check_tau(tau, name="tau") -> float:
+    tau = float(tau)
+    if not (np.isfinite(tau) and tau >= 0.0):
+        raise InputError(f"{name} must be a finite number >= 0, got {tau!r}")
+    return tau
+
+
+BOUNDED_PATTERNS = ("uniform", "sign", "plus", "minus", "alternating", "outward")
+
+
+class BoundedNoise(OutputWrapper):
+    """Additive noise |eta| <= tau in a fixed (worst-case style) pattern.
+
+    Patterns: ``uniform`` U[-tau, tau]; ``sign`` +-tau with random signs; ``plus``
+    / ``minus`` the constant +tau / -tau (a bias); ``alternating`` +tau, -tau, ...
+    by query index; ``outward`` tau * sign(f(X)) (every answer inflated in magnitude).
+    Random patterns are seeded and reproducible.
+    """
+
+    def __init__(self, black_box: BlackBox, tau: float, pattern: str = "uniform", seed=None):
+        super().__init__(black_box)
+        if pattern not in BOUNDED_PATTERNS:
+            raise InputError(f"pattern must be one of {BOUNDED_PATTERNS}, got {pattern!r}")
+        self.tolerance = _check_tau(tau)
+        self.pattern = pattern
+        self.rng = np.random.default_rng(seed)
+        self.sent = 0
+
+    def transform(self, X, clean):
+        B, tau = clean.shape[0], self.tolerance
+        if self.pattern == "uniform":
+            eta = self.rng.uniform(-tau, tau, size=B)
+        elif self.pattern == "sign":
+            eta = tau * self.rng.choice([-1.0, 1.0], size=B)
+        elif self.pattern == "plus":
+            eta = np.full(B, tau)
+        elif self.pattern == "minus":
+            eta = np.full(B, -tau)
+        elif self.pattern == "alternating":
+            eta = tau * (1.0 - 2.0 * ((self.sent + np.arange(B)) % 2))
+        else:  # outward
+            eta = tau * np.where(clean >= 0.0, 1.0, -1.0)
+        self.sent += B
+        return clean + eta
+
+
+class AdversarialNoise(OutputWrapper):
+    """Adversarial additive noise |eta| <= tau that knows the truth and a goal.
+
+    ``decoy``: a model the adversary impersonates; it answers the point of
+    [f(X) - tau, f(X) + tau] closest to decoy(X), so a learner is pulled towards the
+    decoy as far as the tolerance allows (no learner can tell the two apart once the
+    decoy is within tau of f on every probe).
+    ``against``: a reference predictor (e.g. the learner's current estimate); the
+    adversary answers f(X) + tau * sign(f(X) - reference(X)), pushing every answer
+    away from what the reference expects.
+    """
+
+    def __init__(self, black_box: BlackBox, tau: float, *, decoy=None, against=None):
+        super().__init__(black_box)
+        if (decoy is None) == (against is None):
+            raise InputError("give exactly one of decoy= (a model to impersonate) or against= "
+                             "(a reference predictor to push away from)")
+        for name, f in (("decoy", decoy), ("against", against)):
+            if f is not None and not callable(f):
+                raise InputError(f"{name} must be callable, got {type(f).__name__}")
+        self.tolerance = _check_tau(tau)
+        self.decoy, self.against = decoy, against
+
+    def transform(self, X, clean):
+        tau = self.tolerance
+        if self.decoy is not None:
+            goal = np.asarray(self.decoy(X), dtype=np.float64)
+            return clean + np.clip(goal - clean, -tau, tau)
+        expected = np.asarray(self.against(X), dtype=np.float64)
+        return clean + tau * np.where(clean >= expected, 1.0, -1.0)
+
+
+class GaussianNoise(OutputWrapper):
+    """Additive independent N(0, std^2) noise (seeded). No bound: ``tolerance`` is None."""
+
+    tolerance = None
+
+    def __init__(self, black_box: BlackBox, std: float, seed=None):
+        super().__init__(black_box)
+        self.std = _check_tau(std, "std")
+        self.rng = np.random.default_rng(seed)
+
+    def transform(self, X, clean):
+        return clean + self.std * self.rng.standard_normal(clean.shape[0])
+
+
+class RoundedOutputs(OutputWrapper):
+    """Outputs rounded to float32, float16, or ``digits`` significant decimal digits.
+
+    Round to nearest: the relative error is at most half a unit in the last place,
+    2^-24 (float32), 2^-11 (float16) or 0.5 * 10^(1 - digits); below the normal range
+    the absolute error is at most half the smallest subnormal (``tolerance``).
+    Outputs beyond the float16 range become infinite (the oracle rejects them).
+    """
+
+    def __init__(self, black_box: BlackBox, precision="float32"):
+        super().__init__(black_box)
+        if precision in ("float32", "float16"):
+            self.precision = precision
+            self.relative_tolerance = 2.0 ** -24 if precision == "float32" else 2.0 ** -11
+            self.tolerance = 2.0 ** -150 if precision == "float32" else 2.0 ** -25
+        else:
+            try:
+                digits = int(precision)
+            except (TypeError, ValueError):
+                raise InputError(f"precision must be 'float32', 'float16' or a number of "
+                                 f"significant digits, got {precision!r}") from None
+            if not 1 <= digits <= 17:
+                raise InputError(f"significant digits must be in 1..17, got {digits}")
+            self.precision = digits
+            self.relative_tolerance = 0.5 * 10.0 ** (1 - digits)
+            self.tolerance = 0.0
+
+    def transform(self, X, clean):
+        if self.precision == "float32":
+            return clean.astype(np.float32).astype(np.float64)
+        if self.precision == "float16":
+            with np.errstate(over="ignore"):
+                return clean.astype(np.float16).astype(np.float64)
+        with np.errstate(divide="ignore"):
+            exponent = np.floor(np.log10(np.abs(np.where(clean == 0.0, 1.0, clean))))
+        unit = 10.0 ** (exponent - (self.precision - 1))
+        return np.where(clean == 0.0, 0.0, np.round(clean / unit) * unit)
+
+
+class SignOnly(OutputWrapper):
+    """A label-only black box: 1.0 where f(X) > threshold, else 0.0."""
+
+    tolerance = None
+
+    def __init__(self, black_box: BlackBox, threshold: float = 0.0):
+        super().__init__(black_box)
+        threshold = float(threshold)
+        if not np.isfinite(threshold):
+            raise InputError(f"threshold must be finite, got {threshold!r}")
+        self.threshold = threshold
+
+    def transform(self, X, clean):
+        return (clean > self.threshold).astype(np.float64)

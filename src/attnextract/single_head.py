@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from .errors import ModelMismatchError, NotIdentifiableError
+from .errors import InputError, ModelMismatchError, NotIdentifiableError
 from .models import SingleHeadAttention
 from .oracle import Oracle
 from .report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, token_scale,
@@ -123,7 +123,8 @@ def column_logits(oracle: Oracle, probes: ColumnProbes, v: np.ndarray, columns: 
 
 
 def extract_single_head(oracle: Oracle, *, seed=None,
-                        verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE) -> ExtractionResult:
+                        verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
+                        tolerance: float | None = None, **noisy_options) -> ExtractionResult:
     """Recover (W, v) of a single-head attention black box with d^2 + d queries.
 
     Parameters
@@ -134,6 +135,10 @@ def extract_single_head(oracle: Oracle, *, seed=None,
         Seed of the held-out verification sequences.
     verify_tolerance : float
         Largest held-out relative output error accepted as a match.
+    tolerance : float, optional
+        The outputs are accurate to +-tolerance: dispatch to :func:`noisy.extract_noisy`
+        (error bars, held-out check consistent with the tolerance; ``verify_tolerance``
+        becomes extra relative slack there), which takes ``noisy_options``.
 
     Returns
     -------
@@ -152,6 +157,13 @@ def extract_single_head(oracle: Oracle, *, seed=None,
     BudgetExceededError
         The budget cannot cover recovery plus verification (raised before any query).
     """
+    if tolerance is not None:
+        from .noisy import extract_noisy   # noisy builds on this module's helpers
+        return extract_noisy(oracle, tolerance=tolerance, seed=seed,
+                             verify_tolerance=0.0 if verify_tolerance == DEFAULT_VERIFY_TOLERANCE
+                             else verify_tolerance, **noisy_options)
+    if noisy_options:
+        raise InputError(f"options {sorted(noisy_options)} need tolerance= (noisy outputs)")
     start, start_queries = time.perf_counter(), oracle.queries
     start_bb = oracle.black_box_seconds
     d = oracle.dim

@@ -1,0 +1,349 @@
+"""Single-head extraction from label-only (membership) answers, by bisection.
+
+The black box answers only the label 1{f(X) > t} for a known threshold t (paper 1,
+Appendix B treats such membership queries by bisection; its details are not at hand,
+this is our design).
+
+v. For one token f([x]) = v^T x.
+- t = 0: labels are the sign of a linear form, so only the direction of v is
+  identifiable. In the plane of two orthonormal vectors b_0, b_i, g(phi) =
+  v^T (cos phi b_0 + sin phi b_i) = A cos phi + C_i sin phi changes sign exactly once on
+  (0, pi); bisection finds that angle and C_i / A = -cot(phi_i), all d - 1 planes in
+  parallel (one batch per step). A coarse pass from a random b_0 gives v_1; a fine pass
+  with b_0 = v_1 (A about |v|, every phi_i about pi/2, where cot is well conditioned)
+  gives v_hat = v / |v|.
+- t != 0: along a ray, 1{lam v^T x > t} changes at lam = t / v^T x, so v keeps its
+  scale: a coarse geometric bisection along +-e_i, then a fine one along an orthogonal
+  basis with v^T u_k = sign(t) |v| / sqrt(d).
+
+W, with its scale. With u_k the columns of the orthogonal basis with v_hat^T u_k =
+1/sqrt(d), and q~_j = (I - 2 v_hat v_hat^T) u_j (orthogonal, v_hat^T q~_j = -1/sqrt(d)),
+the probe [q_j + g u_k; q_j], q_j = s q~_j + (t / |v|) v_hat, has
+
+    f - t = |v| (g sigma(g A_kj) - s) / sqrt(d),   A_kj = u_k^T W q_j,
+
+so with g = kappa s the label is 1{kappa sigma(lam kappa) > 1}, lam = s A_kj: |v|
+cancels. kappa sigma(lam kappa) = 1 has exactly one crossing in (1, 4] when lam >
+-0.2747 (kappa = 1 is always below, kappa = 4 above), found by bisection; then lam =
+logit(1/kappa) / kappa. The column scale s keeps lam small (s is shrunk by 4 for a
+column whose bracket check fails). With m_kj = u_k^T W q~_j and v_hat = -(1/sqrt(d))
+sum_j q~_j, lam_kj = s_j^2 m_kj - (t / (|v| sqrt(d))) s_j sum_j' m_kj': one d x d solve
+(diagonal when t = 0); W = U M Q~^T.
+
+Queries (t = 0): 1 + (d - 1)(24 + bits_v) for v, d^2 (bracket check, + d per shrunk
+column) and d^2 bits for W. The precision reached is measured from the final brackets
+and reported as error bars.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from .errors import InputError, ModelMismatchError, NotIdentifiableError
+from .models import SingleHeadAttention
+from .noisy import FLOAT_SLACK, NoisyVerification, output_gradient_norms
+from .oracle import Oracle
+from .report import ExtractionResult, Report, held_out_sequences, verification_count
+from .single_head import logit, probe_basis
+
+KAPPA_LOW, KAPPA_HIGH = 1.0, 4.0    # kappa sigma(lambda kappa) = 1 is bracketed here for lambda > -0.2747
+TARGET_LAMBDA = 0.05                # aim for s^2 max|m| about this
+MAX_SHRINKS = 30
+COARSE_BITS = 24
+
+
+def _labels(oracle: Oracle, X: np.ndarray) -> np.ndarray:
+    """Send a batch, return booleans; answers must be labels (0/1 or -1/1)."""
+    y = oracle.query(X)
+    if not np.all((y == 0.0) | (y == 1.0) | (y == -1.0)):
+        raise ModelMismatchError(
+            "the black box does not answer labels (0/1 or -1/+1): use the noisy or exact "
+            "extraction for real-valued answers")
+    return y > 0.0
+
+
+def _bisect_directions(oracle, b0, others, bits):
+    """Bisect, for each row b_i of ``others``, the sign change of v^T(cos phi b0 + sin phi b_i).
+
+    Returns (cot_mid, cot_halfwidth, sign_A, queries): C_i / A = -cot(phi_i), with the
+    final bracket's half width in cot, and the sign of A = v^T b0.
+    """
+    positive_A = bool(_labels(oracle, b0[None, None, :])[0])
+    n = others.shape[0]
+    lo, hi = np.zeros(n), np.full(n, np.pi)      # label(lo) = positive_A, label(hi) = not
+    for _ in range(bits):
+        mid = 0.5 * (lo + hi)
+        X = np.cos(mid)[:, None] * b0[None, :] + np.sin(mid)[:, None] * others
+        same = _labels(oracle, X[:, None, :]) == positive_A
+        lo, hi = np.where(same, mid, lo), np.where(same, hi, mid)
+    with np.errstate(divide="ignore"):
+        cot_lo, cot_hi = 1.0 / np.tan(lo), 1.0 / np.tan(hi)
+    mid = 0.5 * (lo + hi)
+    return 1.0 / np.tan(mid), 0.5 * np.abs(cot_lo - cot_hi), positive_A, 1 + n * bits
+
+
+def _complement(b0: np.ndarray) -> np.ndarray:
+    """Rows: an orthonormal basis of b0's orthogonal complement, shape (d - 1, d)."""
+    H = probe_basis(b0)                       # orthogonal, every column has the same b0-component
+    Q, _ = np.linalg.qr(np.column_stack([b0, H]))
+    return Q[:, 1:].T
+
+
+def extract_sign_only(oracle: Oracle, *, bits: int = 40, bits_v: int = 48, seed=None,
+                      threshold: float = 0.0, verify_tolerance: float = 0.0) -> ExtractionResult:
+    """Recover W and v (its direction when threshold = 0) from labels 1{f(X) > t} by bisection.
+
+    Parameters
+    ----------
+    oracle : Oracle
+        Door to a label-only black box (answers 0/1 or -1/+1), token width d.
+    bits : int
+        Bisection steps per entry of W (precision about 8 2^-bits relative to max|m|).
+    bits_v : int
+        Bisection steps per coordinate of v's direction (fine pass; the coarse pass uses
+        min(bits_v, 24)).
+    seed : int, optional
+        Seed of the coarse pass's random reference direction and of the held-out checks.
+    threshold : float
+        The black box's (known) threshold t: labels are 1{f(X) > t}. t = 0 leaves v's
+        scale unidentifiable; any t != 0 fixes it.
+    verify_tolerance : float
+        Extra slack (relative to the held-out output scale) within which a label may disagree.
+
+    Returns
+    -------
+    ExtractionResult
+        ``model`` SingleHeadAttention(W, v_hat). threshold 0: ||v_hat|| = 1, v_hat =
+        v / ||v||, so the model's outputs are f / ||v|| and its labels are the black
+        box's; threshold != 0: v_hat estimates v itself (``error_bar_v``).
+        ``report.details``: ``error_bar_W`` (Frobenius, from the final brackets),
+        ``error_bar_v_direction`` and the note that v is known up to a positive scale.
+
+    Raises
+    ------
+    InputError
+        threshold not finite, or bits out of range.
+    NotIdentifiableError
+        Every label is the same (v = 0 gives f = 0 everywhere), or the threshold is out
+        of reach (|t| / |v| so large that the probes' offsets swamp W).
+    ModelMismatchError
+        Answers are not labels, a bracket cannot be found, or held-out labels disagree
+        away from the decision boundary.
+    """
+    threshold = float(threshold)
+    if not math.isfinite(threshold):
+        raise InputError(f"threshold must be finite, got {threshold!r}")
+    for name, value in (("bits", bits), ("bits_v", bits_v)):
+        if not isinstance(value, (int, np.integer)) or not 4 <= value <= 60:
+            raise InputError(f"{name} must be an integer in 4..60, got {value!r}")
+    start, start_queries, start_bb = time.perf_counter(), oracle.queries, oracle.black_box_seconds
+    d = oracle.dim
+    rng = np.random.default_rng(seed)
+    coarse = min(bits_v, COARSE_BITS)
+    n_verify = verification_count(d * d + d)
+    v_planned = (2 + (d - 1) * (coarse + bits_v) if threshold == 0.0
+                 else 6 * d + 2 * d * coarse + d * bits_v)
+    oracle.plan(v_planned + d * d * (bits + 1) + n_verify, "sign-only extraction by bisection")
+
+    # v's direction: a coarse pass from a random b0, then a fine pass from b0 = v_1
+    if threshold != 0.0:                          # f([lam x]) = lam v^T x crosses it: v with scale
+        v_scaled, v_bar, v_queries = _scaled_v(oracle, threshold, coarse, bits_v)
+        v = v_scaled / np.linalg.norm(v_scaled)
+        v_dir_bar = v_bar / float(np.linalg.norm(v_scaled))
+    elif d == 1:
+        positive = bool(_labels(oracle, np.ones((1, 1, 1)))[0])
+        negative = bool(_labels(oracle, -np.ones((1, 1, 1)))[0])
+        if positive == negative:
+            raise NotIdentifiableError("every label is the same: v = 0 (f = 0 everywhere)")
+        v = np.array([1.0 if positive else -1.0])
+        v_dir_bar, v_queries = 0.0, 2
+    else:
+        b0 = rng.standard_normal(d)
+        b0 /= np.linalg.norm(b0)
+        others = _complement(b0)
+        cot, _, positive, q1 = _bisect_directions(oracle, b0, others, coarse)
+        v1 = (1.0 if positive else -1.0) * (b0 - cot @ others)
+        v1 /= np.linalg.norm(v1)
+        others = _complement(v1)
+        cot, half, positive, q2 = _bisect_directions(oracle, v1, others, bits_v)
+        if not positive:
+            raise NotIdentifiableError(
+                "labels never turn on along the coarse estimate of v: v = 0 (f = 0 everywhere) "
+                "or the black box is not a single head")
+        raw = v1 - cot @ others
+        v = raw / np.linalg.norm(raw)
+        v_dir_bar = float(np.linalg.norm(half) / np.linalg.norm(raw)) + FLOAT_SLACK * d
+        v_queries = q1 + q2
+
+    # W: one bracket check per probe (kappa = 4 must be above), then bisection in kappa
+    U = probe_basis(v)
+    U *= np.sign(U[:, 0] @ v)                     # v^T u_k = +1/sqrt(d)
+    Q = U - 2.0 * np.outer(v, v @ U)              # (I - 2 v v^T) U: v^T q_j = -1/sqrt(d)
+    # threshold t != 0: q_j = s q~_j + (t / |v|) v_hat keeps the label 1{g sigma(...) > s}
+    offset = (threshold / np.linalg.norm(v_scaled)) * v if threshold != 0.0 else np.zeros(d)
+    s = np.ones(d)                                # column scales
+    shrinks = 0
+    todo = np.arange(d)
+    for _ in range(MAX_SHRINKS):
+        above = _labels(oracle, _sign_probes(U, Q, s, todo, np.full((len(todo), d), KAPPA_HIGH), offset))
+        failed = ~above.reshape(len(todo), d).all(axis=1)
+        if not failed.any():
+            break
+        todo = todo[failed]
+        s[todo] /= 4.0
+        shrinks += len(todo) * d
+    else:
+        raise ModelMismatchError(
+            "the black box is not a single-head attention regressor: no bracket for the "
+            f"labels of {len(todo)} column(s) after {MAX_SHRINKS} shrinks")
+    # lam_kj = s_j^2 T_kj - c s_j sum_j' T_kj' (c = offset length / sqrt(d)): the matrix
+    # D^2 - c s 1^T is singular at c sum 1/s_j = 1; halving s moves away from it (and keeps
+    # every bracket: lam only shrinks towards 0)
+    c_off = (threshold / np.linalg.norm(v_scaled)) / math.sqrt(d) if threshold != 0.0 else 0.0
+    while abs(1.0 - c_off * np.sum(1.0 / s)) < 0.25:
+        s /= 2.0
+    lo = np.full((d, d), KAPPA_LOW)               # [column j, k]
+    hi = np.full((d, d), KAPPA_HIGH)
+    cols = np.arange(d)
+    for _ in range(bits):
+        mid = 0.5 * (lo + hi)
+        above = _labels(oracle, _sign_probes(U, Q, s, cols, mid, offset)).reshape(d, d)
+        lo, hi = np.where(above, lo, mid), np.where(above, mid, hi)
+    kappa = 0.5 * (lo + hi)
+    lam = logit(1.0 / kappa) / kappa
+    # lam(kappa) is monotone: the true lam lies between lam(lo) and lam(hi)
+    spread = np.maximum(np.abs(logit(1.0 / lo) / lo - lam), np.abs(logit(1.0 / hi) / hi - lam))
+    # v's direction error moves each crossing by about 2 sqrt(d) |dv| in kappa sigma
+    spread = spread + (2.0 + abs(c_off) * d) * math.sqrt(d) * v_dir_bar
+    # the black box's own float64 rounding of f near the threshold moves each crossing too
+    spread = spread + FLOAT_SLACK * math.sqrt(d) * (3.0 + abs(c_off) * math.sqrt(d) / s)[:, None]
+    M = np.diag(s ** 2) - c_off * np.outer(s, np.ones(d))
+    if np.linalg.cond(M) > 1e12:
+        raise NotIdentifiableError(
+            f"the threshold {threshold:g} is out of reach: |threshold| / |v| = "
+            f"{abs(threshold) / np.linalg.norm(v_scaled):.3g} makes the probes' offset swamp W "
+            f"(the linear system for W has condition number {np.linalg.cond(M):.3g})")
+    T = np.linalg.solve(M, lam).T                 # T[k, j] = m_kj = u_k^T W q~_j
+    dT = np.linalg.norm(np.linalg.inv(M), 2) * spread if c_off else (spread / (s[:, None] ** 2)).T
+    W = U @ T @ Q.T
+    W_bar = float(np.linalg.norm(dT)) + FLOAT_SLACK * d * float(np.linalg.norm(W))
+    model = SingleHeadAttention(W, v_scaled if threshold != 0.0 else v)
+
+    verification = _verify_labels(oracle, model, W_bar, v_bar if threshold != 0.0 else v_dir_bar,
+                                  threshold, count=n_verify, seed=seed,
+                                  extra_relative=verify_tolerance)
+    recovery = oracle.queries - start_queries - n_verify
+    W_norm = float(np.linalg.norm(W))
+    report = Report(
+        kind=SingleHeadAttention.kind, dim=d, queries=oracle.queries - start_queries,
+        breakdown={"recovery": recovery - shrinks, "rescaling": shrinks, "verification": n_verify},
+        floor=d * d + d, verification=verification, seconds=time.perf_counter() - start,
+        black_box_seconds=oracle.black_box_seconds - start_bb,
+        notes=[f"label-only answers 1{{f(X) > {threshold:g}}}: " + (
+            "v is recovered up to a positive scale (v_hat = v / ||v||, so ||v_hat|| = 1 and "
+            "the model's outputs are f / ||v||); W is recovered with its scale"
+            if threshold == 0.0 else
+            "the nonzero threshold fixes the scale: v and W are recovered with their scale")],
+        details={"method": f"bisection on labels: {bits_v} steps per coordinate of v "
+                           f"(+ {coarse} coarse), {bits} per entry of W",
+                 "error_bar_W": W_bar,
+                 "error_bar_W_relative": W_bar / W_norm if W_norm > 0 else math.inf,
+                 "error_bar_v_direction": v_dir_bar,
+                 **({"error_bar_v": v_bar} if threshold != 0.0 else {}),
+                 "queries_for_v": v_queries,
+                 "column scales s": f"{s.min():.3g} .. {s.max():.3g}",
+                 "verification labels": f"{verification.max_relative_error:.3g} of "
+                                        f"{n_verify} held-out labels disagree (the 'max relative "
+                                        f"error' above); any disagreement must lie within 1.5 x "
+                                        f"the model's error bars of the threshold "
+                                        f"(worst {verification.worst_ratio:.3g} of that)"})
+    result = ExtractionResult(model=model, queries=report.queries, report=report)
+    if not verification.passed:
+        raise ModelMismatchError(
+            f"held-out labels disagree with the extracted model away from its decision "
+            f"boundary ({verification.worst_ratio:.3g} x the allowance)", result=result)
+    return result
+
+
+def _sign_probes(U, Q, s, cols, kappa, offset):
+    """Probes [q_j + kappa s u_k; q_j], q_j = s q~_j + offset, j in cols, all k; kappa (len(cols), d)."""
+    d = U.shape[0]
+    q = s[cols, None] * Q[:, cols].T + offset[None, :]         # (n, d)
+    X = np.empty((len(cols), d, 2, d))
+    X[:, :, 1, :] = q[:, None, :]
+    X[:, :, 0, :] = q[:, None, :] + (kappa * s[cols, None])[:, :, None] * U.T[None, :, :]
+    return X.reshape(len(cols) * d, 2, d)
+
+
+def _verify_labels(oracle, model, W_bar, v_bar, threshold, *, count, seed, extra_relative):
+    """Held-out labels must match 1{f_hat > threshold} wherever f_hat is clear of its own error."""
+    rng = np.random.default_rng(None if seed is None else seed + 1)
+    scale = 1.0 / math.sqrt(model.dim)
+    sequences = held_out_sequences(oracle.dim, count, rng, scale)
+    lengths = np.array([len(x) for x in sequences])
+    observed = np.empty(count, dtype=bool)
+    predicted, gW, gv = np.empty(count), np.empty(count), np.empty(count)
+    for n in np.unique(lengths):
+        idx = np.flatnonzero(lengths == n)
+        X = np.stack([sequences[i] for i in idx])
+        observed[idx] = _labels(oracle, X)
+        predicted[idx], gW[idx], gv[idx] = output_gradient_norms(model, X)
+    rms = math.sqrt(float(np.mean(predicted ** 2))) or 1.0
+    with np.errstate(invalid="ignore"):
+        model_part = np.nan_to_num(gW * W_bar + gv * v_bar, nan=np.inf, posinf=np.inf)
+    allowed = 1.5 * model_part + (extra_relative + 1e-12) * rms
+    wrong = (predicted > threshold) != observed
+    ratio = np.where(wrong, np.abs(predicted - threshold) / allowed, 0.0)
+    return NoisyVerification(sequences=count, max_relative_error=float(wrong.mean()),
+                             median_relative_error=0.0, tolerance=0.0,
+                             worst_ratio=float(ratio.max()))
+
+
+def _ray_crossings(oracle, X, lo, hi, bits, geometric):
+    """Bisect lam in [lo, hi] (per row of X) for the change of label of [lam x].
+
+    Returns (lam, half_width, found): found where the labels at lo and hi differ.
+    """
+    n = X.shape[0]
+    at_lo = _labels(oracle, (lo[:, None] * X)[:, None, :])
+    at_hi = _labels(oracle, (hi[:, None] * X)[:, None, :])
+    for _ in range(bits):
+        mid = np.sqrt(lo * hi) if geometric else 0.5 * (lo + hi)
+        same = _labels(oracle, (mid[:, None] * X)[:, None, :]) == at_lo
+        lo, hi = np.where(same, mid, lo), np.where(same, hi, mid)
+    mid = np.sqrt(lo * hi) if geometric else 0.5 * (lo + hi)
+    return mid, 0.5 * (hi - lo), at_lo != at_hi, 2 * n + n * bits
+
+
+def _scaled_v(oracle, threshold, coarse, fine):
+    """v with its scale from labels 1{lam v^T x > t}: the crossing is lam = t / v^T x.
+
+    A coarse geometric bisection along +-e_i over 2^-40..2^40 |t|, then a fine one along
+    an orthogonal basis whose every u_k has v^T u_k of the sign of t and size |v|/sqrt(d).
+    Returns (v, bound on ||v_hat - v||, queries).
+    """
+    d = oracle.dim
+    t = threshold
+    X = np.concatenate([np.eye(d), -np.eye(d)])
+    lam, _, found, q1 = _ray_crossings(oracle, X, np.full(2 * d, abs(t) * 2.0 ** -40),
+                                       np.full(2 * d, abs(t) * 2.0 ** 40), coarse, True)
+    proj = np.where(found, t / lam, 0.0)               # v^T x where the label changed
+    v1 = proj[:d] - proj[d:]
+    if not np.any(v1):
+        raise NotIdentifiableError(
+            "no label changes along any axis: v = 0 (f = 0 everywhere), or |v| is below "
+            f"|threshold| 2^-40 = {abs(t) * 2.0 ** -40:.3g}")
+    U = probe_basis(v1)
+    U *= np.sign(t) * np.sign(U[:, 0] @ v1)           # sign(v^T u_k) = sign(t)
+    guess = t / (U.T @ v1)
+    lam, half, found, q2 = _ray_crossings(oracle, U.T, guess / 2.0, guess * 2.0, fine, False)
+    if not found.all():
+        raise ModelMismatchError(
+            "the black box is not a single-head attention regressor: labels of single tokens "
+            "do not follow a linear form")
+    v = U @ (t / lam)
+    spread = abs(t) * np.abs(1.0 / (lam - half) - 1.0 / (lam + half)) / 2.0
+    return v, float(np.linalg.norm(spread)) + FLOAT_SLACK * float(np.linalg.norm(v)), q1 + q2
