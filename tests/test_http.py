@@ -298,3 +298,19 @@ def test_serve_and_extract_on_the_command_line(tmp_path):
     assert gone.returncode == 3 and "unreachable" in gone.stderr
     bad = cli("serve", "--secret", str(tmp_path / "missing.npz"), "--port", "0")
     assert bad.returncode == 2
+
+
+def test_a_rounding_endpoint_is_extracted_within_error_bars(serve):
+    """--round 6 makes the endpoint noisy: exact extraction refuses, the noisy learner bounds it."""
+    from attnextract import ModelMismatchError
+    from attnextract.noisy import extract_noisy
+    for seed in range(2):
+        model = random_single_head(D, seed=20 + seed)
+        server = serve(model, round_digits=6)
+        with pytest.raises(ModelMismatchError):
+            extract_single_head(Oracle(HttpBlackBox(server.url), D), seed=seed)
+        result = extract_noisy(Oracle(HttpBlackBox(server.url), D), tolerance=5e-7, seed=seed)
+        bars = result.report.details
+        assert np.linalg.norm(result.model.W - model.W) <= bars["error_bar_W"]
+        assert np.linalg.norm(result.model.v - model.v) <= bars["error_bar_v"]
+        assert bars["error_bar_W_relative"] < 1e-3
