@@ -10,7 +10,8 @@ from scipy.optimize import check_grad
 from attnextract import Oracle
 from attnextract.bench import fitted_slope, update_readme
 from attnextract.report import held_out_sequences
-from attnextract.surrogate import _group_by_length, _loss_and_grad, train_surrogate
+from attnextract.oracle import by_length
+from attnextract.surrogate import _loss_and_grad, train_surrogate
 from attnextract.targets import random_single_head
 
 
@@ -64,7 +65,7 @@ def test_update_readme_needs_markers(tmp_path):
 def test_surrogate_gradient_is_exact():
     d, rng = 5, np.random.default_rng(0)
     seqs = held_out_sequences(d, 40, rng, 0.7)
-    groups, y = _group_by_length(seqs), rng.standard_normal(40)
+    groups, y = by_length(seqs), rng.standard_normal(40)
     theta = rng.standard_normal(d * d + d)
     err = check_grad(lambda t: _loss_and_grad(t, groups, y, d)[0],
                      lambda t: _loss_and_grad(t, groups, y, d)[1], theta)

@@ -66,7 +66,7 @@ import numpy as np
 
 from .errors import InputError, ModelMismatchError, NotIdentifiableError
 from .models import SingleHeadAttention, softmax
-from .oracle import Oracle
+from .oracle import Oracle, by_length
 from .report import (ExtractionResult, Report, Verification, held_out_sequences,
                      relative_errors, verification_count)
 from .single_head import logit, probe_basis
@@ -641,11 +641,8 @@ def verify_noisy(oracle, model, noise: NoiseModel, W_bar, v_bar, *, count, seed,
     sequences = held_out_sequences(oracle.dim, count, rng, scale)
     observed = oracle.query_ragged(sequences)
     predicted, gW, gv = np.empty(count), np.empty(count), np.empty(count)
-    lengths = np.array([len(s_) for s_ in sequences])
-    for n in np.unique(lengths):
-        idx = np.flatnonzero(lengths == n)
-        predicted[idx], gW[idx], gv[idx] = output_gradient_norms(
-            model, np.stack([sequences[i] for i in idx]))
+    for idx, batch in by_length(sequences):
+        predicted[idx], gW[idx], gv[idx] = output_gradient_norms(model, batch)
     rel = relative_errors(predicted, observed)
     rms = math.sqrt(float(np.mean(observed ** 2)))
     denom = np.maximum(np.abs(observed), max(rms, np.finfo(float).tiny))

@@ -36,7 +36,7 @@ import numpy as np
 
 from .errors import ModelMismatchError, NotIdentifiableError
 from .models import OneLayerTransformer, SingleHeadAttention
-from .oracle import Oracle
+from .oracle import Oracle, evaluate_ragged
 from .relu_network import align_relu_networks, extract_relu_network
 from .report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, held_out_sequences,
                      relative_errors, token_scale, verification_count, verify_model)
@@ -99,13 +99,7 @@ class OddPartOracle:
 
     def query_ragged(self, sequences) -> np.ndarray:
         """g on sequences of different lengths: one batch per length, answers in order."""
-        sequences = [np.asarray(s, dtype=np.float64) for s in sequences]
-        lengths = np.array([len(s) for s in sequences])
-        out = np.empty(len(sequences))
-        for n in np.unique(lengths):
-            idx = np.flatnonzero(lengths == n)
-            out[idx] = self.query(np.stack([sequences[i] for i in idx]))
-        return out
+        return evaluate_ragged(self.query, [np.asarray(s, dtype=np.float64) for s in sequences])
 
 
 def extract_one_layer(oracle: Oracle, *, seed=None,

@@ -126,12 +126,7 @@ class Oracle:
             if s.ndim != 2 or s.shape[1] != self.dim or s.shape[0] < 1:
                 raise InputError(f"each sequence must have shape (N, {self.dim}), got {s.shape}")
         self.require(len(sequences), f"{len(sequences)} sequences")
-        lengths = np.array([len(s) for s in sequences])
-        out = np.empty(len(sequences))
-        for n in np.unique(lengths):
-            idx = np.flatnonzero(lengths == n)
-            out[idx] = self.query(np.stack([sequences[i] for i in idx]))
-        return out
+        return evaluate_ragged(self.query, sequences)
 
     def _send(self, X: np.ndarray) -> np.ndarray:
         B, N, _ = X.shape
@@ -175,6 +170,21 @@ class Oracle:
                 "black_box_seconds": self.black_box_seconds, "budget": self.budget,
                 "journal_queries": self.journal_queries,
                 "black_box_queries": self.black_box_queries}
+
+
+def by_length(sequences) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Group sequences (N_i, d) by length: [(indices, batch (b, N, d))], one entry per length."""
+    lengths = np.array([len(s) for s in sequences])
+    return [(idx, np.stack([sequences[i] for i in idx]))
+            for idx in (np.flatnonzero(lengths == n) for n in np.unique(lengths))]
+
+
+def evaluate_ragged(fn, sequences) -> np.ndarray:
+    """``fn`` (a batch (b, N, d) -> (b,)) on sequences of mixed lengths, one call per length."""
+    out = np.empty(len(sequences))
+    for idx, batch in by_length(sequences):
+        out[idx] = fn(batch)
+    return out
 
 
 def validate_outputs(raw, batch: int) -> np.ndarray:

@@ -16,7 +16,7 @@ import numpy as np
 
 from .errors import InputError, TargetLoadError
 from .models import MODEL_CLASSES
-from .oracle import Oracle
+from .oracle import Oracle, evaluate_ragged
 
 DEFAULT_VERIFY_TOLERANCE = 1e-7
 MAX_VERIFY_LENGTH = 16
@@ -85,12 +85,7 @@ def verify_model(oracle: Oracle, model, *, count: int, seed=None,
     scale = token_scale(model) if scale is None else scale
     sequences = held_out_sequences(oracle.dim, count, rng, scale)
     observed = oracle.query_ragged(sequences)
-    predicted = np.empty(count)
-    lengths = np.array([len(s) for s in sequences])
-    for n in np.unique(lengths):        # the model, like the black box, takes batches
-        idx = np.flatnonzero(lengths == n)
-        predicted[idx] = model(np.stack([sequences[i] for i in idx]))
-    err = relative_errors(predicted, observed)
+    err = relative_errors(evaluate_ragged(model, sequences), observed)
     return Verification(sequences=count, max_relative_error=float(err.max()),
                         median_relative_error=float(np.median(err)), tolerance=tolerance)
 

@@ -19,18 +19,9 @@ import numpy as np
 from scipy.optimize import minimize
 
 from .models import SingleHeadAttention, softmax
-from .oracle import Oracle
-from .report import (ExtractionResult, Report, held_out_sequences, relative_errors,
-                     verification_count)
-
-
-def _group_by_length(sequences):
-    lengths = np.array([len(s) for s in sequences])
-    groups = []
-    for n in np.unique(lengths):
-        idx = np.flatnonzero(lengths == n)
-        groups.append((idx, np.stack([sequences[i] for i in idx])))
-    return groups
+from .oracle import Oracle, by_length, evaluate_ragged
+from .report import (ExtractionResult, Report, Verification, held_out_sequences,
+                     relative_errors, verification_count)
 
 
 def _loss_and_grad(theta, groups, targets, d):
@@ -77,7 +68,7 @@ def train_surrogate(oracle: Oracle, queries: int, *, seed=None, max_iter: int = 
     scale = d ** -0.25
     train = held_out_sequences(d, queries, rng, scale)
     y = oracle.query_ragged(train)
-    groups = _group_by_length(train)
+    groups = by_length(train)
     theta0 = np.concatenate([0.01 * rng.standard_normal(d * d), np.zeros(d)])
     fit = minimize(_loss_and_grad, theta0, args=(groups, y, d), jac=True, method="L-BFGS-B",
                    options={"maxiter": max_iter, "maxfun": 2 * max_iter, "gtol": 1e-14,
@@ -86,11 +77,7 @@ def train_surrogate(oracle: Oracle, queries: int, *, seed=None, max_iter: int = 
 
     test = held_out_sequences(d, n_test, rng, scale)
     observed = oracle.query_ragged(test)
-    predicted = np.empty(n_test)
-    for idx, X in _group_by_length(test):
-        predicted[idx] = model(X)
-    err = relative_errors(predicted, observed)
-    from .report import Verification
+    err = relative_errors(evaluate_ragged(model, test), observed)
     verification = Verification(sequences=n_test, max_relative_error=float(err.max()),
                                 median_relative_error=float(np.median(err)), tolerance=1e-3)
     report = Report(kind="surrogate", dim=d, queries=oracle.queries - q0,
