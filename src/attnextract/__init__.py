@@ -2,11 +2,12 @@
 
 from .errors import (AttnExtractError, BlackBoxError, BudgetExceededError, InputError,
                      MalformedOutputError, ModelMismatchError, NonFiniteOutputError,
-                     NotIdentifiableError, TargetLoadError)
+                     NotIdentifiableError, RecoveryFailedError, TargetLoadError)
 from .models import SingleHeadAttention
 from .oracle import Oracle
 from .report import ExtractionResult, Report, Verification, load_model, verify_model
 from .single_head import extract_single_head
+from .low_rank import extract_low_rank
 
 __version__ = "0.1.0"
 
@@ -16,4 +17,5 @@ __all__ = [
     "NotIdentifiableError", "TargetLoadError", "SingleHeadAttention", "Oracle",
     "ExtractionResult", "Report", "Verification", "load_model", "verify_model",
     "extract_single_head", "__version__",
+    "RecoveryFailedError", "extract_low_rank",
 ]

@@ -21,10 +21,14 @@ from .errors import (AttnExtractError, BlackBoxError, BudgetExceededError, Input
 from .oracle import Oracle
 from .report import DEFAULT_VERIFY_TOLERANCE, load_model, verification_count, verify_model
 from .single_head import extract_single_head
+from .low_rank import extract_low_rank
 from .targets import load_target, random_single_head
 
 # model kind -> learner; every learner takes (oracle, seed=..., **options)
 EXTRACTORS = {"single-head": extract_single_head}
+EXTRACTORS["low-rank"] = extract_low_rank
+# extract options that only some --model kinds take: kind -> option names
+MODEL_OPTIONS = {"low-rank": ("rank", "method", "oversampling")}
 
 
 class ProgressBar:
@@ -83,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--tolerance-verify", type=float, default=DEFAULT_VERIFY_TOLERANCE,
                     dest="verify_tolerance", help="held-out relative error accepted")
     ex.add_argument("--out", required=True, help="RESULT.npz to write")
+    ex.add_argument("--rank", type=_positive_int,
+                    help="low-rank: rank r of W (needed by --method rop; found if not given)")
+    ex.add_argument("--method", choices=["adaptive", "rop"],
+                    help="low-rank: adaptive cross approximation at the floor d + r(2d - r) "
+                         "(default) or the paper's Gaussian rank-one projections")
+    ex.add_argument("--oversampling", type=float,
+                    help="low-rank rop: C in m = C r 2d measurements (default 3)")
     ex.add_argument("--json", action="store_true", help="print one JSON object")
     ex.add_argument("--no-progress", action="store_true")
 
@@ -139,14 +150,27 @@ def _open_target(spec: str):
     return load_target(spec)
 
 
+def _model_options(args) -> dict:
+    """The extract options given for --model's learner; an option of another kind is an error."""
+    allowed = MODEL_OPTIONS.get(args.model, ())
+    given = {name: getattr(args, name) for names in MODEL_OPTIONS.values() for name in names
+             if getattr(args, name, None) is not None}
+    stray = sorted(set(given) - set(allowed))
+    if stray:
+        raise InputError(f"--{stray[0]} does not apply to --model {args.model}")
+    return given
+
+
 def cmd_extract(args) -> int:
+    options = _model_options(args)
     black_box = _open_target(args.target)
     bar = ProgressBar("extracting", enabled=False if args.no_progress or args.json else None)
     oracle = Oracle(black_box, args.dim, budget=args.budget, max_batch=args.max_batch,
                     progress=bar)
     try:
         result = EXTRACTORS[args.model](oracle, seed=args.seed,
-                                        verify_tolerance=args.verify_tolerance)
+                                        verify_tolerance=args.verify_tolerance,
+                                        **options)
     finally:
         bar.close()
     result.save(args.out)
