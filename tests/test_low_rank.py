@@ -299,3 +299,18 @@ def test_cli_rejects_low_rank_options_elsewhere(tmp_path):
     proc = run("extract", "--target", f"{path}:head", "--dim", "10", "--model", "low-rank",
                "--method", "rop", "--out", str(tmp_path / "r.npz"))
     assert proc.returncode == 2 and "needs the rank" in proc.stderr
+
+
+def test_nearly_low_rank_is_full_rank_above_the_tolerance_and_close_below():
+    d, r = 24, 3
+    rng = np.random.default_rng(0)
+    base = low_rank_head(d, r, 0)
+    noise = rng.standard_normal((d, d)) / np.sqrt(d)
+    for eps, ranks in ((1e-6, {d}), (1e-9, {d - 1, d}), (1e-12, {r})):
+        W = base.W + eps * noise
+        target = SingleHeadAttention(W, base.v)
+        result = extract_low_rank(Oracle(target, d), seed=1)
+        assert result.report.details["rank"] in ranks, eps
+        # above the rank tolerance every pivot is taken: exact; below it the
+        # truncation error is of the size of what was dropped
+        assert rel_err(result.model.W, W) <= max(1e-12, 30 * eps), eps
