@@ -33,10 +33,11 @@ the floor for a rank-r head (against d^2 + d for a full one). Two learners:
 ``method="rop"`` (the paper's, non-adaptive; r must be given).
     m = ceil(C r 2d) rank-one projections t_l = a_l^T W b_l with a_l, b_l ~ N(0, I)
     (Cai and Zhang 2015), then a rank-r matrix X Y^T fitted to them: spectral start
-    (the top-r part of (1/m) sum_l t_l a_l b_l^T, whose expectation is W), three
-    sweeps of alternating least squares, then Gauss-Newton steps whose corrections
-    are preconditioned-CG solves (float32, the residual in float64). Every pass
-    costs O(m d r); on exact data the fit converges to float64 accuracy. The fit is
+    (the top-r part of (1/m) sum_l t_l a_l b_l^T, whose expectation is W),
+    alternating least squares (float32) until the fit is within 5%, then
+    Gauss-Newton steps whose corrections are preconditioned-CG solves (float32, the
+    residual in float64); random restarts if it stalls. Every CG iteration costs
+    O(m d r); on exact data the fit converges to float64 accuracy. The fit is
     checked against the measurements and against ROP_HOLDOUT measurements it did
     not use; a fit that fails either raises RecoveryFailedError. The paper does not
     state C; the benchmark measures it. Nuclear-norm minimisation
