@@ -600,7 +600,9 @@ def extract_low_rank(oracle: Oracle, rank: int | None = None, method: str = "ada
     ModelMismatchError
         The black box is not a single-head attention regressor.
     BudgetExceededError
-        The budget cannot cover the planned queries (checked before sending).
+        The budget cannot cover the planned queries (checked before sending; with
+        ``method="adaptive"`` and no ``rank`` only the rank-1 cost can be checked up
+        front, and a batch that would overrun the budget raises before it is sent).
     """
     if method not in METHODS:
         raise InputError(f"method must be one of {METHODS}, got {method!r}")
