@@ -108,3 +108,17 @@ def test_torch_target_file_on_the_command_line(tmp_path):
     W, v = merged_head_parameters(layer, 7, 1)
     with np.load(tmp_path / "r.npz") as r:
         assert rel_err(r["W"], W) < 1e-9 and rel_err(r["v"], v) < 1e-12
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_one_torch_head_by_the_low_rank_learner_at_its_floor(seed):
+    from attnextract.low_rank import extract_low_rank
+    module = mha(64, 8, seed=20 + seed)                       # head_dim 8: rank 8 of 64
+    box = TorchAttentionBlackBox(module, readout=seed, head=seed + 2)
+    result = extract_low_rank(Oracle(box, 64), seed=seed)
+    W, v = box.merged_parameters()
+    floor = 64 + 8 * (2 * 64 - 8)                             # d + r(2d - r) = 1024
+    recovery = result.queries - result.report.breakdown["verification"]
+    assert result.report.details["rank"] == 8
+    assert floor <= recovery <= 1.05 * floor + 32 < 64 * 64 + 64
+    assert rel_err(result.model.W, W) < 1e-9 and rel_err(result.model.v, v) < 1e-12

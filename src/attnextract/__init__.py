@@ -2,7 +2,7 @@
 
 from .errors import (AttnExtractError, BlackBoxError, BudgetExceededError, InputError,
                      MalformedOutputError, ModelMismatchError, NonFiniteOutputError,
-                     NotIdentifiableError, TargetLoadError)
+                     NotIdentifiableError, RecoveryFailedError, TargetLoadError)
 from .models import SingleHeadAttention
 from .oracle import Oracle
 from .report import ExtractionResult, Report, Verification, load_model, verify_model
@@ -12,6 +12,7 @@ from .noisy import extract_noisy
 from .one_layer import extract_one_layer
 from .relu_network import extract_relu_network
 from .sign_only import extract_sign_only
+from .low_rank import extract_low_rank
 
 __version__ = "0.1.0"
 
@@ -21,5 +22,6 @@ __all__ = [
     "NotIdentifiableError", "TargetLoadError", "SingleHeadAttention", "Oracle",
     "ExtractionResult", "Report", "Verification", "load_model", "verify_model",
     "extract_single_head", "extract_noisy", "extract_sign_only", "__version__",
+    "RecoveryFailedError", "extract_low_rank",
 ]
 __all__ += ["ReLUNetwork", "OneLayerTransformer", "extract_relu_network", "extract_one_layer"]

@@ -27,6 +27,7 @@ from .relu_network import extract_relu_network
 from .residual import extract_one_layer_residual
 from .sign_only import extract_sign_only
 from .single_head import extract_single_head
+from .low_rank import extract_low_rank
 from .targets import load_target, random_single_head
 
 # model kind -> learner; every learner takes (oracle, seed=..., **options)
@@ -35,6 +36,9 @@ EXTRACTORS["relu-network"] = extract_relu_network     # single-token queries
 EXTRACTORS["one-layer"] = extract_one_layer
 EXTRACTORS["one-layer-residual"] = extract_one_layer_residual
 POLISHED = ("relu-network", "one-layer", "one-layer-residual")   # learners taking polish=
+EXTRACTORS["low-rank"] = extract_low_rank
+# extract options that only some --model kinds take: kind -> option names
+MODEL_OPTIONS = {"low-rank": ("rank", "method", "oversampling")}
 
 
 class ProgressBar:
@@ -116,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     noisy.add_argument("--bits", type=_positive_int, default=40,
                        help="bisection steps per entry of W (--sign-only)")
     ex.add_argument("--out", required=True, help="RESULT.npz to write")
+    ex.add_argument("--rank", type=_positive_int,
+                    help="low-rank: rank r of W (needed by --method rop; found if not given)")
+    ex.add_argument("--method", choices=["adaptive", "rop"],
+                    help="low-rank: adaptive cross approximation at the floor d + r(2d - r) "
+                         "(default) or the paper's Gaussian rank-one projections")
+    ex.add_argument("--oversampling", type=float,
+                    help="low-rank rop: C in m = C r 2d measurements (default 2)")
     ex.add_argument("--json", action="store_true", help="print one JSON object")
     ex.add_argument("--no-progress", action="store_true")
     ex.add_argument("--no-polish", action="store_true",
@@ -219,6 +230,17 @@ def _open_target(spec: str, dim: int | None = None, args=None):
     return load_target(spec)
 
 
+def _model_options(args) -> dict:
+    """The extract options given for --model's learner; an option of another kind is an error."""
+    allowed = MODEL_OPTIONS.get(args.model, ())
+    given = {name: getattr(args, name) for names in MODEL_OPTIONS.values() for name in names
+             if getattr(args, name, None) is not None}
+    stray = sorted(set(given) - set(allowed))
+    if stray:
+        raise InputError(f"--{stray[0]} does not apply to --model {args.model}")
+    return given
+
+
 def _learner_and_options(args):
     """The learner for ``--model`` (or ``--sign-only``) and its keyword options."""
     noisy_flags = (args.noise_method != "robust" or args.noise != "bounded" or args.repeats != 1
@@ -227,7 +249,9 @@ def _learner_and_options(args):
         if args.tolerance is not None:
             raise InputError("--sign-only answers are labels: --tolerance does not apply")
         return extract_sign_only, {"bits": args.bits, "threshold": args.threshold}
-    options = {"polish": not args.no_polish} if args.model in POLISHED else {}
+    options = _model_options(args)
+    if args.model in POLISHED:
+        options["polish"] = not args.no_polish
     if args.tolerance is not None:
         if args.model != "single-head":
             raise InputError("--tolerance applies to --model single-head")
@@ -241,13 +265,13 @@ def _learner_and_options(args):
 
 
 def cmd_extract(args) -> int:
+    learner, options = _learner_and_options(args)     # option errors before any work
     black_box = _open_target(args.target, args.dim, args)
     journal = _open_journal(args)
     bar = ProgressBar("extracting", enabled=False if args.no_progress or args.json else None)
     oracle = Oracle(black_box, args.dim, budget=args.budget, max_batch=args.max_batch,
                     progress=bar, journal=journal)
     try:
-        learner, options = _learner_and_options(args)
         result = learner(oracle, seed=args.seed, verify_tolerance=args.verify_tolerance,
                          **options)
     finally:

@@ -54,3 +54,8 @@ class ModelMismatchError(AttnExtractError):
 
 class TargetLoadError(AttnExtractError):
     """A target given as FILE.py:NAME (or a result file) cannot be loaded."""
+
+
+class RecoveryFailedError(AttnExtractError):
+    """A learner's solver found no parameters consistent with its own measurements
+    (e.g. too few random measurements for the rank); nothing wrong is returned."""

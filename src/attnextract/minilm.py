@@ -122,16 +122,6 @@ def low_rank_floor(dim: int, rank: int) -> int:
     return dim + rank * (2 * dim - rank)
 
 
-def _default_learner():
-    """The low-rank learner when this build has it, else the single-head one (and a note)."""
-    try:
-        from .low_rank import extract_low_rank
-    except ImportError:
-        from .single_head import extract_single_head
-        return "single-head", extract_single_head
-    return "low-rank", extract_low_rank
-
-
 def extract_minilm_head(layer: int, head: int, *, readout_seed=0, seed=None, budget=None,
                         max_batch=None, progress=None, journal=None, learner=None,
                         verify_tolerance=None):
@@ -146,8 +136,8 @@ def extract_minilm_head(layer: int, head: int, *, readout_seed=0, seed=None, bud
     seed : int, optional
         Seed of the learner (held-out verification sequences).
     learner : callable, optional
-        ``learner(oracle, seed=..., verify_tolerance=...)``; default the low-rank learner
-        (:mod:`attnextract.low_rank`) when present, else the single-head learner.
+        ``learner(oracle, seed=..., verify_tolerance=...)``; default the adaptive low-rank
+        learner :func:`attnextract.low_rank.extract_low_rank` (rank found, not given).
 
     Returns
     -------
@@ -159,10 +149,11 @@ def extract_minilm_head(layer: int, head: int, *, readout_seed=0, seed=None, bud
     from .oracle import Oracle
     from .report import DEFAULT_VERIFY_TOLERANCE
 
+    from .low_rank import extract_low_rank
+
     truth = minilm_head(layer, head, readout_seed)
-    name, default = _default_learner()
     if learner is None:
-        learner = default
+        learner, name = extract_low_rank, "low-rank (adaptive)"
     else:
         name = getattr(learner, "__name__", "custom")
     oracle = Oracle(truth, WIDTH, budget=budget, max_batch=max_batch, progress=progress,
@@ -186,15 +177,8 @@ def describe(result, truth: SingleHeadAttention, **what) -> None:
                          f"readout seed {what.get('readout_seed')}, biases left out")
     details["learner"] = what.get("learner")
     details["true rank"] = rank
-    details["floors"] = (f"low-rank d + r(2d - r) = {low}, full d^2 + d = {full}; recovery "
-                         f"queries {recovery} = {recovery / low:.3f}x low-rank floor, "
-                         f"{recovery / full:.3f}x full floor")
     details["recovery_queries"] = recovery
     details["low_rank_floor"] = low
     details["full_floor"] = full
     details["relative_error_W"] = float(np.linalg.norm(W - truth.W) / np.linalg.norm(truth.W))
     details["relative_error_v"] = float(np.linalg.norm(v - truth.v) / np.linalg.norm(truth.v))
-    if what.get("learner") == "single-head":
-        result.report.notes.append(
-            "the low-rank learner (attnextract.low_rank) is not in this build: the "
-            "single-head learner was used, at the full d^2 + d floor")

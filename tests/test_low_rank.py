@@ -1,0 +1,317 @@
+"""Low-rank heads: the adaptive learner at d + r(2d - r) and the paper's ROP learner."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from attnextract import (BudgetExceededError, InputError, ModelMismatchError,
+                         NotIdentifiableError, Oracle, RecoveryFailedError, SingleHeadAttention,
+                         extract_low_rank, load_model)
+from attnextract.low_rank import (CONFIRM_PROBES, DEFAULT_OVERSAMPLING, ROP_HOLDOUT,
+                                  haar_orthogonal, low_rank_floor, random_probe_basis,
+                                  rop_solve)
+from attnextract.report import verification_count
+from attnextract.targets import hostile_single_heads, random_single_head
+
+from conftest import rel_err
+
+
+def low_rank_head(d, r, seed, scale=1.0):
+    """A generic rank-r head: W = scale * G1 G2^T / sqrt(d r), G1, G2 Gaussian (d, r)."""
+    rng = np.random.default_rng(seed)
+    W = scale * rng.standard_normal((d, r)) @ rng.standard_normal((r, d)) / np.sqrt(d * r)
+    return SingleHeadAttention(W, rng.standard_normal(d))
+
+
+def spent(result):
+    """Queries before held-out verification (recovery, rank checks, rescaling)."""
+    return result.queries - result.report.breakdown["verification"]
+
+
+def bound(d, r):
+    return 1.05 * low_rank_floor(d, r) + 32
+
+
+# ---------------------------------------------------------------------------- adaptive
+
+@pytest.mark.parametrize("d", [4, 9, 16, 32])
+def test_adaptive_ranks_seeds_and_query_bound(d):
+    for r in sorted({1, 2, d // 2, d}):
+        for seed in range(6):
+            target = low_rank_head(d, r, seed)
+            oracle = Oracle(target, d)
+            result = extract_low_rank(oracle, seed=seed)
+            report = result.report
+            assert report.details["rank"] == r, (d, r, seed)
+            assert rel_err(result.model.W, target.W) <= 1e-9, (d, r, seed)
+            assert rel_err(result.model.v, target.v) <= 1e-12
+            assert report.breakdown["recovery"] == low_rank_floor(d, r)
+            checks = 0 if r == d else 1 + CONFIRM_PROBES
+            assert report.breakdown["rank checks"] <= checks
+            assert spent(result) <= bound(d, r), (d, r, seed, report.breakdown)
+            assert report.breakdown["verification"] == verification_count(low_rank_floor(d, r))
+            assert result.queries == oracle.queries
+            assert report.verification.passed
+            assert report.floor == low_rank_floor(d, r)
+
+
+@pytest.mark.parametrize("d, r", [(64, 1), (64, 5), (96, 12), (128, 64)])
+def test_adaptive_larger_d_within_five_percent(d, r):
+    for seed in range(2):
+        target = low_rank_head(d, r, seed)
+        result = extract_low_rank(Oracle(target, d), seed=seed)
+        assert result.report.details["rank"] == r
+        assert rel_err(result.model.W, target.W) <= 1e-9
+        assert spent(result) <= bound(d, r)
+        text = result.report.render()
+        assert f"d + r(2d - r) = {low_rank_floor(d, r)}" in text
+        assert f"d^2 + d = {d * d + d}" in text
+
+
+def test_rank_is_confirmed_by_extra_probes():
+    d, r = 24, 3
+    result = extract_low_rank(Oracle(low_rank_head(d, r, 0), d), seed=0)
+    # one entry that found no new rank, then CONFIRM_PROBES random entries agreeing
+    assert result.report.breakdown["rank checks"] == 1 + CONFIRM_PROBES
+    assert "rank check" in result.report.details
+
+
+def test_full_rank_target_falls_back_to_the_full_learner():
+    for d in (1, 2, 7, 20):
+        for seed in range(4):
+            target = random_single_head(d, seed=seed)
+            oracle = Oracle(target, d)
+            result = extract_low_rank(oracle, seed=seed)
+            assert result.report.details["rank"] == d
+            assert rel_err(result.model.W, target.W) <= 1e-9
+            # every entry measured once: the d^2 + d of the full learner, no rank check
+            assert result.report.breakdown["recovery"] == d * d + d
+            assert result.report.breakdown["rank checks"] == 0
+            assert spent(result) <= d * d + d + 16
+
+
+@pytest.mark.parametrize("d", [3, 16, 40])
+@pytest.mark.parametrize("seed", range(2))
+def test_adaptive_hostile_targets(d, seed):
+    rng = np.random.default_rng(seed)
+    cases = dict(hostile_single_heads(d, seed))
+    g = rng.standard_normal(d)
+    r = max(1, d // 4)
+    zero_cols = low_rank_head(d, r, seed + 10).W
+    zero_cols[:, : d // 2] = 0.0                      # the first columns of W are zero
+    parallel = low_rank_head(d, 1, seed + 20).W
+    parallel[:, 1:] = parallel[:, :1] * rng.standard_normal(d - 1)[None]
+    half_zero_v = g.copy()
+    half_zero_v[: d // 2] = 0.0
+    cases.update({
+        "first columns zero": SingleHeadAttention(zero_cols, g),
+        "all columns parallel": SingleHeadAttention(parallel, g),
+        "low rank, entries ~1e4": SingleHeadAttention(low_rank_head(d, r, seed, 1e4).W, g),
+        "low rank, entries ~1e-7": SingleHeadAttention(low_rank_head(d, r, seed, 1e-7).W, g),
+        "low rank, half of v zero": SingleHeadAttention(low_rank_head(d, r, seed).W, half_zero_v),
+    })
+    for name, target in cases.items():
+        result = extract_low_rank(Oracle(target, d), seed=seed)
+        true_rank = int(np.linalg.matrix_rank(target.W)) if np.any(target.W) else 0
+        assert result.report.details["rank"] == true_rank, name
+        if true_rank:
+            assert rel_err(result.model.W, target.W) <= 1e-9, name
+            assert spent(result) <= bound(d, true_rank), name
+        else:
+            assert not np.any(result.model.W), name
+        assert result.report.verification.passed, name
+
+
+def test_given_rank_is_checked_not_trusted():
+    d, r = 20, 4
+    target = low_rank_head(d, r, 3)
+    for given in (1, 4, 9):
+        result = extract_low_rank(Oracle(target, d), rank=given, seed=1)
+        assert result.report.details["rank"] == r
+        assert rel_err(result.model.W, target.W) <= 1e-9
+        assert bool(result.report.notes) == (given != r)
+
+
+def test_two_heads_are_never_returned():
+    d = 12
+    a, b = low_rank_head(d, 2, 0), low_rank_head(d, 2, 1)
+    for method, options in (("adaptive", {}), ("rop", {"rank": 4})):
+        oracle = Oracle(lambda X: a(X) + b(X), d)
+        with pytest.raises((ModelMismatchError, RecoveryFailedError)):
+            extract_low_rank(oracle, method=method, seed=0, **options)
+
+
+def test_v_zero_is_not_identifiable():
+    target = SingleHeadAttention(low_rank_head(6, 2, 0).W, np.zeros(6))
+    oracle = Oracle(target, 6)
+    with pytest.raises(NotIdentifiableError):
+        extract_low_rank(oracle)
+    assert oracle.queries == 6
+
+
+def test_budget_too_small_sends_nothing():
+    d = 16
+    oracle = Oracle(low_rank_head(d, 1, 0), d, budget=low_rank_floor(d, 1) + 70)
+    with pytest.raises(BudgetExceededError):
+        extract_low_rank(oracle)
+    assert oracle.queries == 0
+    oracle = Oracle(low_rank_head(d, 2, 0), d, budget=10_000)
+    with pytest.raises(BudgetExceededError):
+        extract_low_rank(oracle, method="rop", rank=2, oversampling=200)
+    assert oracle.queries == 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"method": "svd"}, "method"),
+    ({"rank": 0}, "rank"),
+    ({"rank": 9}, "rank"),
+    ({"rank": 2.5}, "rank"),
+    ({"method": "rop"}, "needs the rank"),
+    ({"method": "rop", "rank": 2, "oversampling": 0}, "oversampling"),
+    ({"method": "rop", "rank": 2, "solver": "sdp"}, "solver"),
+])
+def test_bad_options_are_input_errors(kwargs, match):
+    oracle = Oracle(low_rank_head(8, 2, 0), 8)
+    with pytest.raises(InputError, match=match):
+        extract_low_rank(oracle, **kwargs)
+    assert oracle.queries == 0
+
+
+def test_random_bases():
+    rng = np.random.default_rng(0)
+    for d in (1, 5, 64):
+        Q = haar_orthogonal(d, rng)
+        np.testing.assert_allclose(Q.T @ Q, np.eye(d), atol=1e-13)
+        for v in (rng.standard_normal(d), np.eye(d)[0], 1e-9 * rng.standard_normal(d)):
+            U = random_probe_basis(v, rng)
+            np.testing.assert_allclose(U.T @ U, np.eye(d), atol=1e-13)
+            np.testing.assert_allclose(np.abs(U.T @ v), np.linalg.norm(v) / np.sqrt(d),
+                                       rtol=1e-10)
+
+
+# ---------------------------------------------------------------------------- ROP
+
+@pytest.mark.parametrize("d, ranks", [(8, (1, 2, 4)), (16, (1, 2, 8)), (24, (3,))])
+def test_rop_recovers_across_seeds(d, ranks):
+    for r in ranks:
+        for seed in range(4):
+            target = low_rank_head(d, r, seed)
+            oracle = Oracle(target, d)
+            result = extract_low_rank(oracle, rank=r, method="rop", seed=seed)
+            m = int(np.ceil(DEFAULT_OVERSAMPLING * r * 2 * d))
+            assert rel_err(result.model.W, target.W) <= 1e-9, (d, r, seed)
+            assert result.report.breakdown["recovery"] == d + m
+            assert result.report.breakdown["fit check"] == ROP_HOLDOUT
+            assert result.queries == oracle.queries
+            assert result.report.details["rank"] == r
+            assert result.report.verification.passed
+
+
+def test_rop_full_rank_and_hostile_scales():
+    d = 6
+    target = random_single_head(d, seed=4)
+    result = extract_low_rank(Oracle(target, d), rank=d, method="rop", seed=0)
+    assert rel_err(result.model.W, target.W) <= 1e-9
+    for scale in (1e-7, 1e4):
+        target = low_rank_head(12, 2, 5, scale=scale)
+        result = extract_low_rank(Oracle(target, 12), rank=2, method="rop", seed=1)
+        assert rel_err(result.model.W, target.W) <= 1e-9, scale
+
+
+def test_rop_too_few_measurements_or_too_low_rank_fail_loudly():
+    d = 16
+    target = low_rank_head(d, 4, 0)
+    # m = 0.5 r 2d = 64 < r(2d - r) = 112 degrees of freedom: cannot be determined
+    with pytest.raises(RecoveryFailedError, match="too few"):
+        extract_low_rank(Oracle(target, d), rank=4, method="rop", oversampling=0.5, seed=0)
+    with pytest.raises(RecoveryFailedError):
+        extract_low_rank(Oracle(target, d), rank=2, method="rop", seed=0)
+
+
+def test_rop_solver_is_exact_on_exact_data():
+    rng = np.random.default_rng(1)
+    d, r = 40, 5
+    W = rng.standard_normal((d, r)) @ rng.standard_normal((r, d))
+    m = int(2 * r * 2 * d)
+    A, B = rng.standard_normal((m, d)), rng.standard_normal((m, d))
+    t = np.einsum("md,de,me->m", A, W, B)
+    X, Y, residual, _ = rop_solve(A, B, t, r, rng)
+    assert residual <= 1e-13
+    assert rel_err(X @ Y.T, W) <= 1e-12
+
+
+def test_nuclear_reference_needs_cvxpy(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cvxpy", None)       # import cvxpy -> ImportError
+    with pytest.raises(InputError, match="cvxpy"):
+        extract_low_rank(Oracle(low_rank_head(6, 1, 0), 6), rank=1, method="rop",
+                         solver="nuclear")
+
+
+# ---------------------------------------------------------------------------- CLI
+
+TARGET = textwrap.dedent("""
+    import numpy as np
+    from attnextract import SingleHeadAttention
+    rng = np.random.default_rng(0)
+    head = SingleHeadAttention(rng.standard_normal((10, 2)) @ rng.standard_normal((2, 10)),
+                               rng.standard_normal(10))
+""")
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "attnextract", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("extra", [[], ["--method", "rop", "--rank", "2"],
+                                   ["--rank", "2", "--method", "adaptive"]])
+def test_cli_low_rank(tmp_path, extra):
+    path = tmp_path / "t.py"
+    path.write_text(TARGET)
+    out = tmp_path / "r.npz"
+    proc = run("extract", "--target", f"{path}:head", "--dim", "10", "--model", "low-rank",
+               *extra, "--seed", "1", "--out", str(out), "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["ok"] and report["kind"] == "single-head"
+    assert report["details"]["rank"] == 2
+    rng = np.random.default_rng(0)
+    W = rng.standard_normal((10, 2)) @ rng.standard_normal((2, 10))
+    with np.load(out) as data:
+        assert sorted(data.files) == ["W", "kind", "queries", "report", "v"]
+        assert int(data["queries"]) == report["queries"]
+        assert rel_err(data["W"], W) <= 1e-9
+    assert rel_err(load_model(out).W, W) <= 1e-9
+    proc = run("verify", "--target", f"{path}:head", "--result", str(out))
+    assert proc.returncode == 0 and "MATCH" in proc.stdout
+
+
+def test_cli_rejects_low_rank_options_elsewhere(tmp_path):
+    path = tmp_path / "t.py"
+    path.write_text(TARGET)
+    proc = run("extract", "--target", f"{path}:head", "--dim", "10", "--rank", "2",
+               "--out", str(tmp_path / "r.npz"))
+    assert proc.returncode == 2
+    assert "--rank does not apply to --model single-head" in proc.stderr
+    proc = run("extract", "--target", f"{path}:head", "--dim", "10", "--model", "low-rank",
+               "--method", "rop", "--out", str(tmp_path / "r.npz"))
+    assert proc.returncode == 2 and "needs the rank" in proc.stderr
+
+
+def test_nearly_low_rank_is_full_rank_above_the_tolerance_and_close_below():
+    d, r = 24, 3
+    rng = np.random.default_rng(0)
+    base = low_rank_head(d, r, 0)
+    noise = rng.standard_normal((d, d)) / np.sqrt(d)
+    for eps, ranks in ((1e-6, {d}), (1e-9, {d - 1, d}), (1e-12, {r})):
+        W = base.W + eps * noise
+        target = SingleHeadAttention(W, base.v)
+        result = extract_low_rank(Oracle(target, d), seed=1)
+        assert result.report.details["rank"] in ranks, eps
+        # above the rank tolerance every pivot is taken: exact; below it the
+        # truncation error is of the size of what was dropped
+        assert rel_err(result.model.W, W) <= max(1e-12, 30 * eps), eps
