@@ -1,7 +1,7 @@
 """Real targets: HTTP endpoint, query journal, PyTorch head, MiniLM heads.
 
 Run:  python benchmarks/bench_real_targets.py [--http-dims 32 64] [--journal-dim 128]
-                                              [--minilm 0:0 3:7] [--json]
+                                              [--minilm 0:0 1:5 ...] [--json]
 
 Measures, on this machine:
 - HTTP: a single head served on loopback by ``attnextract.server``, extracted through
@@ -124,7 +124,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--http-dims", type=int, nargs="*", default=[32, 64])
     parser.add_argument("--journal-dim", type=int, default=128)
-    parser.add_argument("--minilm", nargs="*", default=["0:0", "3:7"])
+    parser.add_argument("--minilm", nargs="*", default=["0:0", "1:5", "2:11", "3:7", "4:2", "5:9"])
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     results = {"http": bench_http(args.http_dims), "journal": bench_journal(args.journal_dim),
