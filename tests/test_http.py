@@ -216,7 +216,7 @@ class FlakyHandler(QueryHandler):
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
         elif mode == "stall":
-            time.sleep(1.0)            # longer than the client's timeout
+            time.sleep(2.5)            # longer than the client's timeout
             self._send(503, {"error": "too slow"})
         else:
             super().do_POST()
@@ -226,7 +226,7 @@ def test_retries_timeouts_dropped_connections_and_5xx(serve):
     model = random_single_head(D, seed=5)
     server = serve(model, handler=FlakyHandler)
     server.modes = ["503", "drop", "stall"]
-    box = HttpBlackBox(server.url, timeout=0.3, retries=4, backoff=0.01, concurrency=1)
+    box = HttpBlackBox(server.url, timeout=1.0, retries=4, backoff=0.01, concurrency=1)
     X = np.random.default_rng(4).standard_normal((4, 2, D))
     assert np.array_equal(box(X), model(X))
     assert (box.requests, box.retried) == (4, 3)
