@@ -2,7 +2,6 @@
 
 import http.client
 import json
-import os
 import socket
 import subprocess
 import sys
