@@ -17,14 +17,13 @@ from attnextract.low_rank import (CONFIRM_PROBES, DEFAULT_OVERSAMPLING, ROP_HOLD
 from attnextract.report import verification_count
 from attnextract.targets import hostile_single_heads, random_single_head
 
+from attnextract.targets import random_low_rank_head
+
 from conftest import rel_err
 
 
 def low_rank_head(d, r, seed, scale=1.0):
-    """A generic rank-r head: W = scale * G1 G2^T / sqrt(d r), G1, G2 Gaussian (d, r)."""
-    rng = np.random.default_rng(seed)
-    W = scale * rng.standard_normal((d, r)) @ rng.standard_normal((r, d)) / np.sqrt(d * r)
-    return SingleHeadAttention(W, rng.standard_normal(d))
+    return random_low_rank_head(d, r, seed, scale=scale)
 
 
 def spent(result):

@@ -112,6 +112,34 @@ def section_one_layer(quick: bool, log) -> list[dict]:
     return rows
 
 
+def section_low_rank(quick: bool, log) -> list[dict]:
+    """Rank-r heads, r = d/8: the adaptive learner (floor d + r(2d - r)) and paper 1's ROP."""
+    from .low_rank import extract_low_rank, low_rank_floor
+    from .targets import random_low_rank_head
+    rows = []
+    for method in ("adaptive", "rop"):
+        for d in ([16, 32, 64] if quick else [16, 32, 64, 128, 256, 512]):
+            r = max(1, d // 8)
+            target = random_low_rank_head(d, r, seed=d)
+            oracle = Oracle(target, d)
+            start = time.perf_counter()
+            result = extract_low_rank(oracle, rank=r if method == "rop" else None,
+                                      method=method, seed=d)
+            wall = time.perf_counter() - start
+            spent = result.queries - result.report.breakdown["verification"]
+            rows.append({"learner": f"low-rank {method}", "d": d, "rank": r,
+                         "queries": result.queries, "recovery_queries": spent,
+                         "floor": low_rank_floor(d, r),
+                         "paper_count": d + int(np.ceil(2 * r * 2 * d)) if method == "rop" else None,
+                         "W_error": _rel(result.model.W, target.W),
+                         "output_error": result.report.verification.max_relative_error,
+                         "wall_s": wall, "black_box_s": oracle.black_box_seconds,
+                         "learner_s": wall - oracle.black_box_seconds})
+            log(f"low-rank {method} d={d} r={r}: {spent} queries (floor "
+                f"{rows[-1]['floor']}), W error {rows[-1]['W_error']:.1e}")
+    return rows
+
+
 def section_noisy(quick: bool, log) -> list[dict]:
     """Error vs noise tolerance tau: the robust default and paper 1's Theorem 6.1, equal queries."""
     from .noisy import extract_noisy
@@ -133,7 +161,8 @@ def section_noisy(quick: bool, log) -> list[dict]:
     return rows
 
 
-SECTIONS = {"single-head": section_single_head, "one-layer": section_one_layer,
+SECTIONS = {"single-head": section_single_head, "low-rank": section_low_rank,
+            "one-layer": section_one_layer,
             "noisy": section_noisy, "surrogate": section_surrogate}
 
 

@@ -29,6 +29,16 @@ def random_single_head(dim: int, seed=None, *, w_scale: float | None = None,
                                v_scale * rng.standard_normal(dim))
 
 
+def random_low_rank_head(dim: int, rank: int, seed=None, *,
+                         scale: float = 1.0) -> SingleHeadAttention:
+    """A generic rank-r head: W = scale * G1 G2^T / sqrt(d r) with G1, G2 Gaussian (d, r)."""
+    if not 1 <= rank <= dim:
+        raise InputError(f"rank must be in 1..{dim}, got {rank}")
+    rng = np.random.default_rng(seed)
+    W = scale * rng.standard_normal((dim, rank)) @ rng.standard_normal((rank, dim))
+    return SingleHeadAttention(W / np.sqrt(dim * rank), rng.standard_normal(dim))
+
+
 def hostile_single_heads(dim: int, seed=None) -> dict[str, SingleHeadAttention]:
     """Adversarial single heads: saturating W, zeros and tiny entries in v, tiny v, tiny W."""
     rng = np.random.default_rng(seed)
