@@ -1,4 +1,4 @@
-"""Command-line interface: ``attnextract extract | verify | demo``.
+"""Command-line interface: ``attnextract extract | verify | demo | twins``.
 
 Exit codes: 0 success; 1 the extraction or verification failed (mismatch, not
 identifiable, budget); 2 bad usage (arguments, target or result files); 3 the black
@@ -20,11 +20,14 @@ from .errors import (AttnExtractError, BlackBoxError, BudgetExceededError, Input
                      ModelMismatchError, NotIdentifiableError, TargetLoadError)
 from .oracle import Oracle
 from .report import DEFAULT_VERIFY_TOLERANCE, load_model, verification_count, verify_model
+from .multi_head import extract_multi_head
 from .single_head import extract_single_head
 from .targets import load_target, random_single_head
 
 # model kind -> learner; every learner takes (oracle, seed=..., **options)
-EXTRACTORS = {"single-head": extract_single_head}
+EXTRACTORS = {"single-head": extract_single_head, "multi-head": extract_multi_head}
+# options a --model kind takes from the command line: option name -> args attribute
+EXTRACTOR_OPTIONS = {"multi-head": {"heads": "heads"}}
 
 
 class ProgressBar:
@@ -82,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--seed", type=int, help="seed of the learner's random choices")
     ex.add_argument("--tolerance-verify", type=float, default=DEFAULT_VERIFY_TOLERANCE,
                     dest="verify_tolerance", help="held-out relative error accepted")
+    ex.add_argument("--heads", type=_positive_int,
+                    help="multi-head: the model's number of heads (an upper bound on the "
+                         "canonical heads); default: detected")
     ex.add_argument("--out", required=True, help="RESULT.npz to write")
     ex.add_argument("--json", action="store_true", help="print one JSON object")
     ex.add_argument("--no-progress", action="store_true")
@@ -100,13 +106,23 @@ def build_parser() -> argparse.ArgumentParser:
     de.add_argument("--seed", type=int, help="seed of the secret target (default: random)")
     de.add_argument("--json", action="store_true")
     de.add_argument("--no-progress", action="store_true")
+
+    tw = sub.add_parser("twins", help="show that multi-head attention is not identifiable: "
+                                      "two different parameter sets, one input-output map")
+    tw.add_argument("--heads", type=_positive_int, default=3)
+    tw.add_argument("--dim", type=_positive_int, default=8)
+    tw.add_argument("--seed", type=int, help="seed of the random model (default: random)")
+    tw.add_argument("--count", type=_positive_int, default=1000,
+                    help="random sequences compared")
+    tw.add_argument("--json", action="store_true")
     return parser
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handler = {"extract": cmd_extract, "verify": cmd_verify, "demo": cmd_demo}[args.command]
+    handler = {"extract": cmd_extract, "verify": cmd_verify, "demo": cmd_demo,
+               "twins": cmd_twins}[args.command]
     try:
         return handler(args)
     except ModelMismatchError as exc:
@@ -145,8 +161,12 @@ def cmd_extract(args) -> int:
     oracle = Oracle(black_box, args.dim, budget=args.budget, max_batch=args.max_batch,
                     progress=bar)
     try:
+        options = {name: getattr(args, attr)
+                   for name, attr in EXTRACTOR_OPTIONS.get(args.model, {}).items()}
+        if args.heads is not None and args.model not in EXTRACTOR_OPTIONS:
+            raise InputError(f"--heads applies to --model multi-head, not {args.model}")
         result = EXTRACTORS[args.model](oracle, seed=args.seed,
-                                        verify_tolerance=args.verify_tolerance)
+                                        verify_tolerance=args.verify_tolerance, **options)
     finally:
         bar.close()
     result.save(args.out)
@@ -204,4 +224,41 @@ def cmd_demo(args) -> int:
     print(result.report.render())
     print(f"\nchecked against the secret (the learner never saw it): relative error "
           f"W {w_err:.2e}, v {v_err:.2e}")
+    return 0
+
+
+def cmd_twins(args) -> int:
+    from .multi_head import canonical_error, canonical_form, non_identifiable_twin, twin_difference
+    from .targets import random_multi_head
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    model = random_multi_head(args.heads, args.dim, seed)
+    twin = non_identifiable_twin(model, seed + 1)
+    diff = twin_difference(model, twin, count=args.count, seed=seed + 2)
+    canon_err = canonical_error(twin, model)
+    # the twin's parameters, laid side by side with the original's, differ a lot
+    v_gap = float(min(np.linalg.norm(twin.v[:, None] - model.v[None], axis=2).min(axis=1).max(),
+                      np.inf))
+    out = {"ok": True, "seed": seed, "heads": model.heads, "twin_heads": twin.heads,
+           "dim": args.dim, "twin_canonical_heads": canonical_form(twin).heads,
+           "canonical_error": canon_err, "largest_v_mismatch": v_gap,
+           "max_output_difference": diff["max_abs"],
+           "max_relative_output_difference": diff["max_relative"],
+           "sequences": diff["sequences"]}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"attnextract twins: a random multi-head attention model (H = {model.heads}, "
+          f"d = {args.dim}, seed {seed}) and a twin built from it.\n")
+    print("  original  head norms |W_h|, |v_h|: " + ", ".join(
+        f"({np.linalg.norm(W):.2f}, {np.linalg.norm(v):.2f})" for W, v in zip(model.W, model.v)))
+    print("  twin      head norms |W_h|, |v_h|: " + ", ".join(
+        f"({np.linalg.norm(W):.2f}, {np.linalg.norm(v):.2f})" for W, v in zip(twin.W, twin.v)))
+    print(f"\n  the twin has {twin.heads} heads: one head's v split over two heads with the same W,"
+          f"\n  a dead head (random W, v = 0), all permuted. Some twin head's v is "
+          f"{v_gap:.2f} away from every original v.")
+    print(f"  canonical forms (merge equal W, drop v = 0): {canonical_form(model).heads} and "
+          f"{out['twin_canonical_heads']} heads, agreeing to {canon_err:.1e} after matching.")
+    print(f"\n  largest output difference over {diff['sequences']} random sequences (lengths "
+          f"1-16): {diff['max_abs']:.2e} (relative {diff['max_relative']:.2e})")
+    print("  -> no black-box query can tell them apart: only the canonical form is identifiable.")
     return 0

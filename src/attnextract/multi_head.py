@@ -770,7 +770,8 @@ def extract_multi_head(oracle: Oracle, *, heads=None, subspaces=None, seed=None,
         notes.append(f"{len(tied)} row(s) had tied residues (heads with equal v): matched "
                      f"across q by linearity")
 
-    t, C, cost = polish_rows(mu, g, t, c[:, 0, :].copy(), weight=weight)
+    # all probes, the replaced ones starting from their pairs' logits (the right basin)
+    t, C, cost = polish_rows(mu, g, t, c[:, 0, :].copy())
     T = np.moveaxis(t / (cu * q_scale[:, :, None]), 2, 0)     # (H, k, j): U^T W_h Q
     W = np.einsum("ak,hkj,bj->hab", U, T, Q)
     vh = (U @ C / cu).T                                        # (H, d)
