@@ -70,6 +70,9 @@ MAX_GROWTH = 1e6
 GN_ITERATIONS = 30
 MAX_RESCUES = 4
 DETECTION_PROBES = 3
+GRID_POINTS = 20000
+RANK_NOISE_FACTOR = 1e3   # Loewner singular values below this many output roundings are noise
+MISFIT_NOISE_FACTOR = 30  # probe residuals below this many output roundings are not misfits     # grid of the global search of one probe's logits
 COINCIDENT_LOGIT = 0.03  # two heads' logits closer than this on a probe: probe it another way
 WEAK_FACTOR = 30.0       # ... or its weakest logit direction this far below the typical probe
 MISFIT_FACTOR = 1e4     # a probe whose relative residual exceeds the median's by this
@@ -154,7 +157,7 @@ def match_heads(recovered, truth) -> tuple[np.ndarray, float, float]:
     v_norm = np.where(v_norm > 0, v_norm, max(v_norm.max(), 1e-300))
     dW = np.linalg.norm(a.W[None, :] - b.W[:, None], axis=(2, 3)) / w_norm[:, None]
     dv = np.linalg.norm(a.v[None, :] - b.v[:, None], axis=2) / v_norm[:, None]
-    rows, cols = linear_sum_assignment(dW + dv)
+    rows, cols = linear_sum_assignment(np.nan_to_num(dW + dv, nan=1e300, posinf=1e300))
     order = cols[np.argsort(rows)]
     idx = np.arange(b.heads)
     return order, float(dW[idx, order].max()), float(dv[idx, order].max())
@@ -625,9 +628,18 @@ def extract_multi_head(oracle: Oracle, *, heads=None, subspaces=None, seed=None,
     v = oracle.query(np.eye(d)[:, None, :])
     breakdown["single tokens"] = d
 
+    # Outputs rounded to float32 (or float16) leave far fewer digits: the rank and
+    # misfit thresholds follow the precision the outputs actually carry.
+    precision, precision_name = output_precision(v)
+    rank_tol = max(rank_tol, RANK_NOISE_FACTOR * precision)
+    floor_rel = max(1e-26, (MISFIT_NOISE_FACTOR * precision) ** 2)
     H, G, det = _detect(oracle, v, rng, heads, rank_tol)
     breakdown["detection"] = det["queries"]
     notes: list[str] = []
+    det["precision"] = precision_name
+    if precision_name != "float64":
+        notes.append(f"outputs are rounded to {precision_name} (relative {precision:.1e}): "
+                     f"heads whose poles the rounding hides are not detected")
     if H == 0:
         model = MultiHeadAttention(np.zeros((0, d, d)), np.zeros((0, d)))
         return _finish(oracle, model, H, d, breakdown, det, {}, notes, start, q0, bb0, seed,
@@ -692,18 +704,7 @@ def extract_multi_head(oracle: Oracle, *, heads=None, subspaces=None, seed=None,
         t, C, cost = polish_rows(mu, g, t, C)
     # A probe left in a wrong local solution fits its samples visibly worse than the
     # rest: search its logits globally (residues known), then polish again.
-    searched = 0
-    for _ in range(3):
-        bad = _misfits(mu, g, t, C) & ~ties[:, None]
-        if not bad.any() or H == 1:
-            break
-        k_b, j_b = np.nonzero(bad)
-        # residues from the other probes only: a wrong fit pulls its row's residues
-        t, C, cost = polish_rows(mu, g, t, C, weight=~bad)
-        limit = float(np.abs(t).max()) + 1.0
-        t[k_b, j_b] = _global_refit(mu, g[k_b, j_b], C[k_b], t[k_b, j_b], limit)
-        t, C, cost = polish_rows(mu, g, t, C)
-        searched += len(k_b)
+    t, C, cost, searched = _repair_misfits(mu, g, t, C, ties, floor_rel)
     if searched:
         notes.append(f"{searched} probe fit(s) left in a wrong local solution were searched "
                      f"globally")
@@ -716,7 +717,8 @@ def extract_multi_head(oracle: Oracle, *, heads=None, subspaces=None, seed=None,
     if H > 1:
         Cb = np.broadcast_to(C[:, None, :], t.shape)
         typical = float(np.median(_weakest_direction(mu, t, Cb)))
-        close = (_coincident(mu, t, Cb, typical) | _misfits(mu, g, t, C)) & ~ties[:, None]
+        close = ((_coincident(mu, t, Cb, typical) | _misfits(mu, g, t, C, floor_rel))
+                 & ~ties[:, None])
         for _ in range(3):
             if not close.any():
                 break
@@ -729,7 +731,7 @@ def extract_multi_head(oracle: Oracle, *, heads=None, subspaces=None, seed=None,
             ga = measure_probes(oracle, v, np.tile(cu * U.T[k_c], (2, 1)),
                                 np.vstack([qs + z, qs - z]), ratios)
             replaced += 2 * F * len(ratios)
-            ta = _fit_known_residues(mu, ga, np.tile(C[k_c], (2, 1)))
+            ta = _fit_known_residues(mu, ga, np.tile(C[k_c], (2, 1)), 100 * floor_rel)
             weak = np.minimum(_weakest_direction(mu, ta[:F], C[k_c]),
                               _weakest_direction(mu, ta[F:], C[k_c]))
             take = weak > quality[k_c, j_c]      # keep the best-conditioned pair so far
@@ -772,6 +774,9 @@ def extract_multi_head(oracle: Oracle, *, heads=None, subspaces=None, seed=None,
 
     # all probes, the replaced ones starting from their pairs' logits (the right basin)
     t, C, cost = polish_rows(mu, g, t, c[:, 0, :].copy())
+    t, C, cost, more = _repair_misfits(mu, g, t, C, ties, floor_rel)
+    if more:
+        notes.append(f"{more} probe fit(s) searched globally after the final polish")
     T = np.moveaxis(t / (cu * q_scale[:, :, None]), 2, 0)     # (H, k, j): U^T W_h Q
     W = np.einsum("ak,hkj,bj->hab", U, T, Q)
     vh = (U @ C / cu).T                                        # (H, d)
@@ -780,6 +785,22 @@ def extract_multi_head(oracle: Oracle, *, heads=None, subspaces=None, seed=None,
                 "ratios": ratios}
     return _finish(oracle, model, H, d, breakdown, det, fit_info, notes, start, q0, bb0, seed,
                    verify_tolerance, G)
+
+
+def output_precision(values: np.ndarray) -> tuple[float, str]:
+    """Relative precision the black box's outputs carry: float16, float32 or float64.
+
+    Generic float64 numbers are almost never exactly representable in float32; if
+    every nonzero output is, the black box rounds to float32 (likewise float16).
+    """
+    x = np.asarray(values, dtype=np.float64)
+    x = x[x != 0]
+    if x.size >= 2:
+        if np.all(x.astype(np.float16).astype(np.float64) == x):
+            return 2.0 ** -11, "float16"
+        if np.all(x.astype(np.float32).astype(np.float64) == x):
+            return 2.0 ** -24, "float32"
+    return 2.0 ** -53, "float64"
 
 
 def _detect(oracle, v, rng, bound, rank_tol):
@@ -861,7 +882,8 @@ def _match_columns(t, c, ok, reference=None):
             gaps = np.abs(cref[:, None] - cref[None, :]) + np.eye(H) * size
             ties[k] = gaps.min() < TIE_TOL * size
         for j in range(J):
-            cost = np.abs(cref[:, None] - c[k, j][None, :]) / size
+            cost = np.nan_to_num(np.abs(cref[:, None] - c[k, j][None, :]) / size, nan=1e300,
+                                 posinf=1e300)
             _, perm = linear_sum_assignment(cost)
             t[k, j], c[k, j] = t[k, j][perm], c[k, j][perm]
     return t, c, ties, refs
@@ -926,13 +948,13 @@ def _probe_costs(mu, g, t, C):
     return np.sum((g - fit) ** 2, axis=2)
 
 
-def _misfits(mu, g, t, C):
+def _misfits(mu, g, t, C, floor_rel: float = 1e-26):
     """Probes whose residual stands far above the others' (a wrong local solution)."""
     cost = _probe_costs(mu, g, t, C)
     size = np.sum(g ** 2, axis=2) + 1e-300
     rel = cost / size
     floor = max(float(np.median(rel)), 1e-30)
-    return rel > max(MISFIT_FACTOR * floor, 1e-26)
+    return rel > max(MISFIT_FACTOR * floor, floor_rel)
 
 
 def _global_refit(mu, g, C, t_now, limit: float):
@@ -941,7 +963,7 @@ def _global_refit(mu, g, C, t_now, limit: float):
     g (P, R), C (P, H). The grid has at most ~3e5 points per probe.
     """
     P, H = C.shape
-    n = max(4, min(25, int(round(3e5 ** (1.0 / H)))))
+    n = max(4, min(25, int(round(GRID_POINTS ** (1.0 / H)))))
     axis = np.linspace(-limit, limit, n)
     grid = np.stack(np.meshgrid(*([axis] * H), indexing="ij"), axis=-1).reshape(-1, H)
     out = np.empty((P, H))
@@ -950,7 +972,7 @@ def _global_refit(mu, g, C, t_now, limit: float):
         for lo in range(0, len(grid), 1 << 16):
             fit, _ = _model_g(mu, grid[lo:lo + (1 << 16)], C[p][None])
             costs[lo:lo + (1 << 16)] = np.sum((fit - g[p]) ** 2, axis=1)
-        best = np.vstack([grid[np.argsort(costs)[:16]], t_now[p][None]])
+        best = np.vstack([grid[np.argpartition(costs, 16)[:16]], t_now[p][None]])
         tt, cost = polish_logits(mu, np.repeat(g[p][None], len(best), 0), best,
                                  np.repeat(C[p][None], len(best), 0))
         out[p] = tt[np.argmin(cost)]
@@ -981,7 +1003,7 @@ def _coincident(mu, t, C, reference=None):
     return (gaps.min(axis=(-1, -2)) < COINCIDENT_LOGIT) | (weak < ref / WEAK_FACTOR)
 
 
-def _fit_known_residues(mu, g, C):
+def _fit_known_residues(mu, g, C, floor_rel: float = 1e-24):
     """Logits of single probes whose residues C (P, H) are known; g (P, R) -> t (P, H).
 
     A free pole fit gives starting poles; every assignment of them to the heads is
@@ -997,10 +1019,34 @@ def _fit_known_residues(mu, g, C):
     best = np.argmin(cost, axis=1)
     t = tt[np.arange(P), best]
     rel = cost[np.arange(P), best] / (np.sum(g ** 2, axis=1) + 1e-300)
-    bad = rel > 1e-24
+    bad = rel > floor_rel
     if bad.any():
         t[bad] = _global_refit(mu, g[bad], C[bad], t[bad], float(np.abs(t).max()) + 1.0)
     return t
+
+
+def _repair_misfits(mu, g, t, C, ties, floor_rel: float = 1e-26, rounds: int = 3):
+    """Search globally the logits of probes left in a wrong local solution, then polish.
+
+    A misfit fits its samples visibly worse than the other probes. Its row's residues
+    are first polished without it (a wrong fit pulls them), then its logits are searched
+    on a grid with those residues fixed. Returns t, C, the rows' costs and the number
+    of probes searched.
+    """
+    searched, cost = 0, None
+    for _ in range(rounds):
+        bad = _misfits(mu, g, t, C, floor_rel) & ~ties[:, None]
+        if not bad.any() or t.shape[2] == 1:
+            break
+        k_b, j_b = np.nonzero(bad)
+        t, C, cost = polish_rows(mu, g, t, C, weight=~bad)
+        limit = float(np.abs(t).max()) + 1.0
+        t[k_b, j_b] = _global_refit(mu, g[k_b, j_b], C[k_b], t[k_b, j_b], limit)
+        t, C, cost = polish_rows(mu, g, t, C)
+        searched += len(k_b)
+    if cost is None:
+        t, C, cost = polish_rows(mu, g, t, C)
+    return t, C, cost, searched
 
 
 def _link_permutation(mu, g_link, t_a, c_a, t_b, c_b=None):
@@ -1029,7 +1075,7 @@ def _link_permutation(mu, g_link, t_a, c_a, t_b, c_b=None):
                 cc[h] += c_b[h2]
             fit, _ = _model_g(mu, tt[None], cc[None])
             cost[h, h2] = np.sum((fit[0] - g_link) ** 2)
-    return linear_sum_assignment(cost)[1]
+    return linear_sum_assignment(np.nan_to_num(cost, nan=1e300, posinf=1e300))[1]
 
 
 def _finish(oracle, model, H, d, breakdown, det, fit_info, notes, start, q0, bb0, seed,
@@ -1050,6 +1096,7 @@ def _finish(oracle, model, H, d, breakdown, det, fit_info, notes, start, q0, bb0
                              f"probes {sorted(set(_ratio_lengths(fit_info['ratios'])))}"
                              if fit_info else "1 (v), detection"),
         "logit scale": f"{G:.3g}",
+        "output precision": det.get("precision", "float64"),
         "detection": "; ".join(f"scale {r['scale']:.3g}: rank {r['rank']} of {r['samples']} "
                                f"samples" for r in det["rounds"]),
     }
