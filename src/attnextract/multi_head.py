@@ -58,7 +58,7 @@ from .errors import InputError, ModelMismatchError, NotIdentifiableError
 from .models import MultiHeadAttention, SingleHeadAttention, as_sequences
 from .oracle import Oracle
 from .report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, held_out_sequences,
-                     verification_count, verify_model)
+                     token_scale, verification_count, verify_model)
 from .single_head import extract_single_head
 
 TARGET_LOGIT = 2.0      # aim for max |u^T W_h q| about this on the detection probe
@@ -69,7 +69,7 @@ MAX_SCALE_ROUNDS = 8
 MAX_GROWTH = 1e6
 GN_ITERATIONS = 30
 MAX_RESCUES = 4
-DETECTION_PROBES = 3
+DETECTION_PROBES = 2
 GRID_POINTS = 20000
 RANK_NOISE_FACTOR = 1e3   # Loewner singular values below this many output roundings are noise
 MISFIT_NOISE_FACTOR = 30  # probe residuals below this many output roundings are not misfits     # grid of the global search of one probe's logits
@@ -220,7 +220,6 @@ def twin_difference(model_a, model_b, count: int = 256, seed=None,
         ``max_abs``, ``max_relative`` (relative to the rms output), ``rms_output``,
         ``sequences``.
     """
-    from .report import token_scale
     if model_a.dim != model_b.dim:
         raise InputError(f"models have different widths {model_a.dim} and {model_b.dim}")
     rng = np.random.default_rng(seed)
@@ -665,6 +664,16 @@ def extract_multi_head(oracle: Oracle, *, heads=None, subspaces=None, seed=None,
     # again with q rescaled: c = v_h^T u_k does not change, t scales with q.
     q_scale = np.full((d, d), sq)
     rescaled = 0
+    # Extra probes (rescaling, coincident poles) spend only what paper 2's count leaves
+    # after everything still to come (row links, tie links for rows whose residues tie).
+    bound = 4 * H * d * d - 2 * H + 1
+    tie_rows = _match_columns(t.copy(), c.copy(), ok.copy())[2]
+    reserved = {"links": n_links, "ties": int(tie_rows.sum()) * (d - 1) * len(ratios)}
+
+    def spare_probes(per_probe: int) -> int:
+        left = bound - (oracle.queries - q0) - sum(reserved.values())
+        return max(0, left // per_probe)
+
     for _ in range(MAX_RESCUES):
         peak = np.abs(t).max(axis=2)
         # A probe without a clean free fit is left alone here: with several heads that
@@ -676,6 +685,15 @@ def extract_multi_head(oracle: Oracle, *, heads=None, subspaces=None, seed=None,
             redo |= ok & (peak < CROWDED_LOGIT) & (q_scale < sq * MAX_GROWTH)
         if not redo.any():
             break
+        allowed = spare_probes(len(ratios))
+        if redo.sum() > allowed:                 # the worst probes first
+            severity = np.where(peak > 1.0, peak, 1.0 / np.maximum(peak, 1e-300))
+            severity = np.where(ok, severity, np.inf)
+            keep = np.argsort(-np.where(redo, severity, -1.0), axis=None)[:allowed]
+            redo = np.zeros_like(redo)
+            redo.flat[keep] = True
+            if not redo.any():
+                break
         factor = np.where(ok & (peak > 0), TARGET_LOGIT / np.maximum(peak, 1e-300), 1 / 8)
         q_scale[redo] *= np.clip(factor[redo], 1 / 64, 64)
         k_r, j_r = np.nonzero(redo)
@@ -717,9 +735,15 @@ def extract_multi_head(oracle: Oracle, *, heads=None, subspaces=None, seed=None,
     if H > 1:
         Cb = np.broadcast_to(C[:, None, :], t.shape)
         typical = float(np.median(_weakest_direction(mu, t, Cb)))
-        close = ((_coincident(mu, t, Cb, typical) | _misfits(mu, g, t, C, floor_rel))
-                 & ~ties[:, None])
+        misfit = _misfits(mu, g, t, C, floor_rel)
+        close = (_coincident(mu, t, Cb, typical) | misfit) & ~ties[:, None]
+        urgency = np.where(misfit, -np.inf, _weakest_direction(mu, t, Cb))
         for _ in range(3):
+            allowed = spare_probes(2 * len(ratios))
+            if close.sum() > allowed:            # misfits, then the weakest probes first
+                keep = np.argsort(np.where(close, urgency, np.inf), axis=None)[:allowed]
+                close = np.zeros_like(close)
+                close.flat[keep] = True
             if not close.any():
                 break
             k_c, j_c = np.nonzero(close)
@@ -753,6 +777,7 @@ def extract_multi_head(oracle: Oracle, *, heads=None, subspaces=None, seed=None,
         gl = measure_probes(oracle, v, cu * (U[:, :1] + U[:, 1:]).T,
                             np.repeat(q_scale[0, 0] * Q[:, :1].T, d - 1, axis=0), ratios)
         breakdown["row links"] = n_links
+        reserved["links"] = 0
         t0 = t[:, 0] * (q_scale[0, 0] / q_scale[:, :1])       # column 1 at the link's scale
         for k in range(1, d):
             p = _link_permutation(mu, gl[k - 1], t0[0], c[0, 0], t0[k], c[k, 0])
@@ -780,6 +805,11 @@ def extract_multi_head(oracle: Oracle, *, heads=None, subspaces=None, seed=None,
     T = np.moveaxis(t / (cu * q_scale[:, :, None]), 2, 0)     # (H, k, j): U^T W_h Q
     W = np.einsum("ak,hkj,bj->hab", U, T, Q)
     vh = (U @ C / cu).T                                        # (H, d)
+    if not (np.all(np.isfinite(W)) and np.all(np.isfinite(vh))):
+        # the fit broke down (e.g. more heads than the bound): keep a finite stand-in
+        # so that verification reports the mismatch
+        notes.append("the pole fit diverged: non-finite parameters replaced by 0")
+        W, vh = np.nan_to_num(W, nan=0.0, posinf=0.0, neginf=0.0), np.nan_to_num(vh)
     model = MultiHeadAttention(W, vh)
     fit_info = {"residual rms": float(np.sqrt(cost.sum() / g.size)),
                 "ratios": ratios}
@@ -821,7 +851,8 @@ def _detect(oracle, v, rng, bound, rank_tol):
     H = 0
     for _ in range(MAX_SCALE_ROUNDS):
         cu, sq = max(1.0, G), min(1.0, G)
-        k = bound or 2
+        # after a first round the rank is known: one more ratio pair confirms it
+        k = bound or (min(H + 1, k_max) if H else 2)
         measured: dict[tuple[int, int], np.ndarray] = {}
         while True:
             want = [r for r in copy_ratios(2 * k - 1) if r not in measured]
@@ -1082,8 +1113,12 @@ def _finish(oracle, model, H, d, breakdown, det, fit_info, notes, start, q0, bb0
             verify_tolerance, G):
     n_verify = verification_count(max(H, 1) * (d * d + d))
     recovery = oracle.queries - q0
+    # Held-out tokens where the recovered scores are of order one, but no larger than
+    # the probes reached (a diverged fit must not shrink them to nothing).
+    reach = 2.0 * math.sqrt(max(G, 1e-300))
+    scale = float(np.clip(token_scale(model), reach / 64, reach)) if model.heads else reach
     verification = verify_model(oracle, model, count=n_verify, seed=seed,
-                                tolerance=verify_tolerance)
+                                tolerance=verify_tolerance, scale=scale)
     breakdown = {**breakdown, "verification": n_verify}
     Hb = max(H, 1)
     details = {
