@@ -781,7 +781,15 @@ def _extract_copy_count(oracle, heads, seed, verify_tolerance, rank_tol):
             weak = np.minimum(_weakest_direction(mu, ta[:F], C[k_c]),
                               _weakest_direction(mu, ta[F:], C[k_c]))
             take = weak > quality[k_c, j_c]      # keep the best-conditioned pair so far
-            t[k_c[take], j_c[take]] = 0.5 * (ta[:F] + ta[F:])[take]
+            # ... unless its mean logits contradict the probe's own samples outright
+            # (a pair caught in a wrong solution of its own)
+            mean = 0.5 * (ta[:F] + ta[F:])
+            size = np.sum(g[k_c, j_c] ** 2, axis=1) + 1e-300
+            own = _probe_costs(mu, g[k_c, j_c][:, None], t[k_c, j_c][:, None], C[k_c])[:, 0]
+            via_pair = _probe_costs(mu, g[k_c, j_c][:, None], mean[:, None], C[k_c])[:, 0]
+            own, via_pair = own / size, via_pair / size
+            take &= via_pair <= np.maximum(1e6 * own, 1e6 * floor_rel)
+            t[k_c[take], j_c[take]] = mean[take]
             weight[k_c[take], j_c[take]] = 0.0
             quality[k_c[take], j_c[take]] = weak[take]
             # a pair that is itself poorly conditioned is tried again with another r
