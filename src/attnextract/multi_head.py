@@ -84,7 +84,8 @@ MAX_SCALE_ROUNDS = 8
 MAX_GROWTH = 1e6
 GN_ITERATIONS = 30
 MAX_RESCUES = 4
-DETECTION_PROBES = 2
+DETECTION_PROBES = 2    # random probes that set the logit scale (4 from d = 16 on: the
+DETECTION_PROBES_WIDE = 4  # median of 2 peaks misjudges the scale too often there)
 GRID_POINTS = 20000
 RANK_NOISE_FACTOR = 1e3   # Loewner singular values below this many output roundings are noise
 MISFIT_NOISE_FACTOR = 30  # probe residuals below this many output roundings are not misfits     # grid of the global search of one probe's logits
@@ -872,9 +873,10 @@ def _detect(oracle, v, rng, bound, rank_tol):
     the probes of the largest fitted |t| is near TARGET_LOGIT.
     """
     d = v.shape[0]
-    u0 = rng.standard_normal((DETECTION_PROBES, d))
+    n_probes = DETECTION_PROBES_WIDE if d >= 16 else DETECTION_PROBES
+    u0 = rng.standard_normal((n_probes, d))
     u0 /= np.linalg.norm(u0, axis=1, keepdims=True)
-    q0 = rng.standard_normal((DETECTION_PROBES, d))
+    q0 = rng.standard_normal((n_probes, d))
     q0 /= np.linalg.norm(q0, axis=1, keepdims=True)
     G, used, history, longest = 1.0, 0, [], 0
     k_max = bound or MAX_HEADS
@@ -886,10 +888,10 @@ def _detect(oracle, v, rng, bound, rank_tol):
         measured: dict[tuple[int, int], np.ndarray] = {}
         while True:
             want = [r for r in copy_ratios(2 * k - 1) if r not in measured]
-            oracle.require(len(want) * DETECTION_PROBES, "detection")
+            oracle.require(len(want) * n_probes, "detection")
             if want:
                 vals = measure_probes(oracle, v, cu * u0, sq * q0, want)
-                used += len(want) * DETECTION_PROBES
+                used += len(want) * n_probes
                 longest = max(longest, max(_ratio_lengths(want)))
                 measured.update({r: vals[:, i + 1] for i, r in enumerate(want)})
             ratios = sorted(measured, key=lambda p: p[0] / p[1])
