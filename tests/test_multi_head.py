@@ -213,7 +213,7 @@ def test_query_count_for_one_head_is_the_single_head_floor_plus_overhead():
     M = random_multi_head(1, d, seed=7)
     result = extract_multi_head(Oracle(M, d), seed=0)
     b = result.report.breakdown
-    assert b["main probes"] == d * d and b["row links"] == d - 1 and b["single tokens"] == d
+    assert b["main probes"] == d * d and b["row links"] == d - 1 and b["v tokens"] == d
     assert b["recovery"] == sum(v for k, v in b.items() if k not in ("recovery", "verification"))
 
 

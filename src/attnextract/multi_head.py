@@ -648,7 +648,7 @@ def _extract_copy_count(oracle, heads, seed, verify_tolerance, rank_tol):
     oracle.plan(d + (2 * (heads or 1) - 1), "multi-head extraction: single tokens")
 
     v = oracle.query(np.eye(d)[:, None, :])
-    breakdown["single tokens"] = d
+    breakdown["v tokens"] = d
 
     # Outputs rounded to float32 (or float16) leave far fewer digits: the rank and
     # misfit thresholds follow the precision the outputs actually carry.
@@ -799,7 +799,7 @@ def _extract_copy_count(oracle, heads, seed, verify_tolerance, rank_tol):
                      | _coincident(mu, ta[F:], C[k_c], typical)) & (quality[k_c, j_c] < typical / 3)
             close[k_c[retry], j_c[retry]] = True
         if replaced:
-            breakdown["coincident poles"] = replaced
+            breakdown["pole pairs"] = replaced
             notes.append(f"{int((weight == 0).sum())} probe(s) with coincident poles replaced "
                          f"by pairs q +- r")
     c = np.broadcast_to(C[:, None, :], t.shape).copy()
