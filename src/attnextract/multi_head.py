@@ -56,7 +56,7 @@ level); then probes (u_k, q_j) for random orthonormal bases U, Q and every k, j,
 Recovery queries: d + detection + (2H - 1)(d^2 + d - 1) without extra probes, near
 2Hd^2; the extra probes of steps 1 and 4 only spend what paper 2's count
 4Hd^2 - 2H + 1 leaves after the links still to come, so the total stays within it
-(for d >= 4; the detection overhead dominates for tinier d). The floor is H(d^2 + d),
+(measured for d >= 3; for d <= 2 the detection probes alone exceed it). The floor is H(d^2 + d),
 the canonical form's free parameters.
 """
 
