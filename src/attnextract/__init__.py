@@ -3,7 +3,9 @@
 from .errors import (AttnExtractError, BlackBoxError, BudgetExceededError, InputError,
                      MalformedOutputError, ModelMismatchError, NonFiniteOutputError,
                      NotIdentifiableError, RecoveryFailedError, TargetLoadError)
-from .models import SingleHeadAttention
+from .models import MultiHeadAttention, SingleHeadAttention
+from .multi_head import (canonical_form, extract_multi_head, non_identifiable_twin,
+                         twin_difference)
 from .oracle import Oracle
 from .report import ExtractionResult, Report, Verification, load_model, verify_model
 from .single_head import extract_single_head
@@ -23,5 +25,7 @@ __all__ = [
     "ExtractionResult", "Report", "Verification", "load_model", "verify_model",
     "extract_single_head", "extract_noisy", "extract_sign_only", "__version__",
     "RecoveryFailedError", "extract_low_rank",
+    "MultiHeadAttention", "extract_multi_head", "canonical_form", "non_identifiable_twin",
+    "twin_difference",
 ]
 __all__ += ["ReLUNetwork", "OneLayerTransformer", "extract_relu_network", "extract_one_layer"]

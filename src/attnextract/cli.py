@@ -1,4 +1,4 @@
-"""Command-line interface: ``attnextract extract | verify | demo``.
+"""Command-line interface: ``attnextract extract | verify | demo | twins``.
 
 Exit codes: 0 success; 1 the extraction or verification failed (mismatch, not
 identifiable, budget); 2 bad usage (arguments, target or result files); 3 the black
@@ -26,6 +26,7 @@ from .one_layer import extract_one_layer
 from .relu_network import extract_relu_network
 from .residual import extract_one_layer_residual
 from .sign_only import extract_sign_only
+from .multi_head import extract_multi_head
 from .single_head import extract_single_head
 from .low_rank import extract_low_rank
 from .targets import load_target, random_single_head
@@ -38,7 +39,8 @@ EXTRACTORS["one-layer-residual"] = extract_one_layer_residual
 POLISHED = ("relu-network", "one-layer", "one-layer-residual")   # learners taking polish=
 EXTRACTORS["low-rank"] = extract_low_rank
 # extract options that only some --model kinds take: kind -> option names
-MODEL_OPTIONS = {"low-rank": ("rank", "method", "oversampling")}
+EXTRACTORS["multi-head"] = extract_multi_head
+MODEL_OPTIONS = {"low-rank": ("rank", "method", "oversampling"), "multi-head": ("heads",)}
 
 
 class ProgressBar:
@@ -97,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--seed", type=int, help="seed of the learner's random choices")
     ex.add_argument("--tolerance-verify", type=float, default=DEFAULT_VERIFY_TOLERANCE,
                     dest="verify_tolerance", help="held-out relative error accepted")
+    ex.add_argument("--heads", type=_positive_int,
+                    help="multi-head: the model's number of heads (an upper bound on the "
+                         "canonical heads); default: detected")
     noisy = ex.add_argument_group("noisy, rounded or sign-only outputs")
     noisy.add_argument("--tolerance", type=float, metavar="TAU",
                        help="outputs are accurate to +-TAU (+ RHO |f|): noisy extraction with "
@@ -181,6 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--sections", nargs="+", help="run only these sections")
     be.add_argument("--update-readme", metavar="README", help="put the table into README's "
                     "<!-- bench:begin --> ... <!-- bench:end --> block")
+
+    tw = sub.add_parser("twins", help="show that multi-head attention is not identifiable: "
+                                      "two different parameter sets, one input-output map")
+    tw.add_argument("--heads", type=_positive_int, default=3)
+    tw.add_argument("--dim", type=_positive_int, default=8)
+    tw.add_argument("--seed", type=int, help="seed of the random model (default: random)")
+    tw.add_argument("--count", type=_positive_int, default=1000,
+                    help="random sequences compared")
+    tw.add_argument("--json", action="store_true")
     return parser
 
 
@@ -188,7 +202,8 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handler = {"extract": cmd_extract, "verify": cmd_verify, "demo": cmd_demo,
-               "bench": cmd_bench, "serve": cmd_serve, "minilm": cmd_minilm}[args.command]
+               "bench": cmd_bench, "twins": cmd_twins, "serve": cmd_serve,
+               "minilm": cmd_minilm}[args.command]
     try:
         return handler(args)
     except ModelMismatchError as exc:
@@ -390,6 +405,42 @@ def cmd_bench(args) -> int:
             image = os.path.relpath(Path(args.out) / "queries_vs_d.png",
                                     Path(args.update_readme).resolve().parent)
         update_readme(args.update_readme, table, image)
+
+
+def cmd_twins(args) -> int:
+    from .multi_head import canonical_error, canonical_form, non_identifiable_twin, twin_difference
+    from .targets import random_multi_head
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    model = random_multi_head(args.heads, args.dim, seed)
+    twin = non_identifiable_twin(model, seed + 1)
+    diff = twin_difference(model, twin, count=args.count, seed=seed + 2)
+    canon_err = canonical_error(twin, model)
+    # the twin's parameters, laid side by side with the original's, differ a lot
+    v_gap = float(min(np.linalg.norm(twin.v[:, None] - model.v[None], axis=2).min(axis=1).max(),
+                      np.inf))
+    out = {"ok": True, "seed": seed, "heads": model.heads, "twin_heads": twin.heads,
+           "dim": args.dim, "twin_canonical_heads": canonical_form(twin).heads,
+           "canonical_error": canon_err, "largest_v_mismatch": v_gap,
+           "max_output_difference": diff["max_abs"],
+           "max_relative_output_difference": diff["max_relative"],
+           "sequences": diff["sequences"]}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"attnextract twins: a random multi-head attention model (H = {model.heads}, "
+          f"d = {args.dim}, seed {seed}) and a twin built from it.\n")
+    print("  original  head norms |W_h|, |v_h|: " + ", ".join(
+        f"({np.linalg.norm(W):.2f}, {np.linalg.norm(v):.2f})" for W, v in zip(model.W, model.v)))
+    print("  twin      head norms |W_h|, |v_h|: " + ", ".join(
+        f"({np.linalg.norm(W):.2f}, {np.linalg.norm(v):.2f})" for W, v in zip(twin.W, twin.v)))
+    print(f"\n  the twin has {twin.heads} heads: one head's v split over two heads with the same W,"
+          f"\n  a dead head (random W, v = 0), all permuted. Some twin head's v is "
+          f"{v_gap:.2f} away from every original v.")
+    print(f"  canonical forms (merge equal W, drop v = 0): {canonical_form(model).heads} and "
+          f"{out['twin_canonical_heads']} heads, agreeing to {canon_err:.1e} after matching.")
+    print(f"\n  largest output difference over {diff['sequences']} random sequences (lengths "
+          f"1-16): {diff['max_abs']:.2e} (relative {diff['max_relative']:.2e})")
+    print("  -> no black-box query can tell them apart: only the canonical form is identifiable.")
     return 0
 
 

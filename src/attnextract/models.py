@@ -79,7 +79,6 @@ class SingleHeadAttention:
         return f"SingleHeadAttention(d={self.dim})"
 
 
-MODEL_CLASSES = {SingleHeadAttention.kind: SingleHeadAttention}
 
 
 def _relu_parameters(A, w, what: str) -> tuple[np.ndarray, np.ndarray]:
@@ -193,5 +192,58 @@ class OneLayerTransformer:
         return f"OneLayerTransformer(d={self.dim}, m={self.width})"
 
 
-MODEL_CLASSES[ReLUNetwork.kind] = ReLUNetwork
-MODEL_CLASSES[OneLayerTransformer.kind] = OneLayerTransformer
+
+
+class MultiHeadAttention:
+    """Multi-head softmax attention regressor read at the last token.
+
+    f(X) = sum_h softmax(X W_h x_N)^T X v_h, h = 1..H. H = 0 is allowed (f = 0).
+
+    Parameters
+    ----------
+    W : array (H, d, d)
+        Merged query-key matrix of every head.
+    v : array (H, d)
+        Merged value-output readout vector of every head.
+    """
+
+    kind = "multi-head"
+
+    def __init__(self, W, v):
+        W = np.array(W, dtype=np.float64)
+        v = np.array(v, dtype=np.float64)
+        if W.ndim != 3 or W.shape[1] != W.shape[2] or W.shape[1] < 1:
+            raise InputError(f"W must have shape (H, d, d) with d >= 1, got {W.shape}")
+        if v.shape != W.shape[:2]:
+            raise InputError(f"v must have shape {W.shape[:2]} (H, d), got {v.shape}")
+        if not (np.all(np.isfinite(W)) and np.all(np.isfinite(v))):
+            raise InputError("W and v must be finite")
+        self.W, self.v = W, v
+
+    @property
+    def dim(self) -> int:
+        return self.W.shape[1]
+
+    @property
+    def heads(self) -> int:
+        return self.W.shape[0]
+
+    def __call__(self, X):
+        X, single = as_sequences(X, self.dim)
+        out = np.zeros(X.shape[0])
+        for W, v in zip(self.W, self.v):                 # H is small: one pass per head
+            queries = X[:, -1, :] @ W.T
+            scores = np.einsum("bnd,bd->bn", X, queries)
+            out += np.einsum("bn,bn->b", softmax(scores), X @ v)
+        return float(out[0]) if single else out
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        return {"W": self.W, "v": self.v}
+
+    def __repr__(self) -> str:
+        return f"MultiHeadAttention(H={self.heads}, d={self.dim})"
+
+
+# kind -> class: how report.load_model rebuilds a model from a result file
+MODEL_CLASSES = {cls.kind: cls for cls in (SingleHeadAttention, MultiHeadAttention, ReLUNetwork,
+                                           OneLayerTransformer)}

@@ -92,3 +92,51 @@ def load_target(spec: str):
     if not callable(target):
         raise TargetLoadError(f"{name} in {file} is a {type(target).__name__}, not callable")
     return target
+
+
+def random_multi_head(heads: int, dim: int, seed=None, *, w_scale: float | None = None,
+                      v_scale: float = 1.0):
+    """H generic heads: W_h entries N(0, w_scale^2) (default 1/sqrt(d)), v_h entries N(0, v_scale^2)."""
+    from .models import MultiHeadAttention
+    if dim < 1 or heads < 0:
+        raise InputError(f"need dim >= 1 and heads >= 0, got dim={dim}, heads={heads}")
+    rng = np.random.default_rng(seed)
+    w_scale = 1.0 / np.sqrt(dim) if w_scale is None else w_scale
+    return MultiHeadAttention(w_scale * rng.standard_normal((heads, dim, dim)),
+                              v_scale * rng.standard_normal((heads, dim)))
+
+
+def hostile_multi_heads(heads: int, dim: int, seed=None) -> dict:
+    """Multi-head targets that break naive learners, each with ``heads`` stored heads.
+
+    Merged heads (two share W: one canonical head fewer), a dead head (v = 0), heads
+    sharing v (their residues tie on every probe), non-orthogonal heads (W and v of
+    the heads strongly correlated), a head 10x larger than the others, v = sum v_h = 0.
+    """
+    from .models import MultiHeadAttention
+    if heads < 2:
+        raise InputError(f"hostile multi-head targets need heads >= 2, got {heads}")
+    rng = np.random.default_rng(seed)
+    base = random_multi_head(heads, dim, rng)
+    W, v = base.W.copy(), base.v.copy()
+    out = {}
+    Wm = W.copy()
+    Wm[1] = Wm[0]
+    out["merged heads (W_1 = W_0)"] = MultiHeadAttention(Wm, v)
+    vd = v.copy()
+    vd[-1] = 0.0
+    out["dead head (v = 0)"] = MultiHeadAttention(W, vd)
+    vs = v.copy()
+    vs[1] = vs[0]
+    out["heads sharing v"] = MultiHeadAttention(W, vs)
+    common_W = rng.standard_normal((dim, dim)) / np.sqrt(dim)
+    common_v = rng.standard_normal(dim)
+    out["non-orthogonal heads (correlated W, v)"] = MultiHeadAttention(
+        0.8 * common_W[None] + 0.6 * W, 0.8 * common_v[None] + 0.6 * v)
+    Wl = W.copy()
+    Wl[0] *= 10.0
+    out["one head 10x larger W"] = MultiHeadAttention(Wl, v)
+    vz = v.copy()
+    vz[-1] = -vz[:-1].sum(axis=0)
+    out["v = sum of v_h = 0"] = MultiHeadAttention(W, vz)
+    return out
