@@ -93,3 +93,38 @@ def test_minilm_on_the_command_line(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "attnextract", "minilm", "--layer", "9",
                           "--head", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "layer must be in 0..5" in bad.stderr
+
+
+def test_layer_target_through_a_subspace_is_the_real_layer():
+    from attnextract.minilm import minilm_layer_target
+    full = minilm_layer_target(2, readout_seed=1)
+    small = minilm_layer_target(2, readout_seed=1, subspace=8)
+    P = np.linalg.qr(np.random.default_rng(0).standard_normal((WIDTH, 8)))[0]
+    Z = np.random.default_rng(1).standard_normal((6, 5, 8))
+    assert full.W.shape == (12, WIDTH, WIDTH) and small.W.shape == (12, 8, 8)
+    np.testing.assert_allclose(small(Z), full(Z @ P.T), rtol=1e-10, atol=1e-14)
+    with pytest.raises(InputError, match="subspace"):
+        minilm_layer_target(0, subspace=0)
+
+
+def test_all_heads_of_a_layer_never_come_back_wrong():
+    """The multi-head learner on 12 real heads: verified and right, or refused, never wrong."""
+    from attnextract.minilm import extract_minilm_layer
+    result, truth, error = extract_minilm_layer(0, subspace=8, seed=0)
+    d = result.report.details
+    assert d["true heads"] == 12 and d["heads found"] == result.model.W.shape[0]
+    if error is None:
+        assert result.report.verification.passed and d["canonical_error"] < 1e-6
+    else:
+        assert not result.report.verification.passed and d["outcome"] == "refused by verification"
+    proc = subprocess.run([sys.executable, "-m", "attnextract", "minilm", "--layer", "0",
+                           "--all-heads", "--subspace", "8", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert proc.returncode == (0 if error is None else 1)
+    details = report["details"] if error is None else report["report"]["details"]
+    assert details["heads found"] == d["heads found"]
+    both = subprocess.run([sys.executable, "-m", "attnextract", "minilm", "--layer", "0",
+                           "--head", "1", "--all-heads"], capture_output=True, text=True,
+                          timeout=120)
+    assert both.returncode == 2 and "either --head H or --all-heads" in both.stderr

@@ -156,7 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     mi = sub.add_parser("minilm", help="extract a real head of all-MiniLM-L6-v2 (offline weights)")
     mi.add_argument("--layer", required=True, type=_nonnegative_int, help="layer 0..5")
-    mi.add_argument("--head", required=True, type=_nonnegative_int, help="head 0..11")
+    mi.add_argument("--head", type=_nonnegative_int, help="head 0..11")
+    mi.add_argument("--all-heads", action="store_true",
+                    help="the layer's 12 heads as one multi-head target (multi-head learner)")
+    mi.add_argument("--subspace", type=_positive_int, default=16, metavar="K",
+                    help="--all-heads: tokens in a random K-dim subspace (default 16)")
     mi.add_argument("--readout-seed", type=int, default=0, help="seed of the readout vector r")
     mi.add_argument("--seed", type=int, default=0, help="seed of the learner")
     mi.add_argument("--budget", type=_nonnegative_int)
@@ -465,12 +469,30 @@ def cmd_serve(args) -> int:
 
 
 def cmd_minilm(args) -> int:
-    from .minilm import extract_minilm_head
+    from .minilm import extract_minilm_head, extract_minilm_layer
+    if args.all_heads == (args.head is not None):
+        raise InputError("give either --head H or --all-heads")
     journal = None
     if args.journal:
+        which = "all heads" if args.all_heads else f"head {args.head}"
         journal = QueryJournal(args.journal, context={
-            "target": f"minilm layer {args.layer} head {args.head} readout {args.readout_seed}",
-            "dim": 384, "seed": args.seed})
+            "target": f"minilm layer {args.layer} {which} readout {args.readout_seed}",
+            "dim": args.subspace if args.all_heads else 384, "seed": args.seed})
+    if args.all_heads:
+        try:
+            result, _, error = extract_minilm_layer(args.layer, readout_seed=args.readout_seed,
+                                                    subspace=args.subspace, seed=args.seed,
+                                                    budget=args.budget, journal=journal)
+        finally:
+            if journal is not None:
+                journal.close()
+        if error is not None:
+            raise error          # exit 1, with the report of what the learner achieved
+        if args.out:
+            result.save(args.out)
+        print(json.dumps({"ok": True, "out": args.out, **result.report.to_dict()})
+              if args.json else result.report.render())
+        return 0
     bar = ProgressBar("extracting", enabled=False if args.no_progress or args.json else None)
     try:
         result, _ = extract_minilm_head(args.layer, args.head, readout_seed=args.readout_seed,

@@ -182,3 +182,77 @@ def describe(result, truth: SingleHeadAttention, **what) -> None:
     details["full_floor"] = full
     details["relative_error_W"] = float(np.linalg.norm(W - truth.W) / np.linalg.norm(truth.W))
     details["relative_error_v"] = float(np.linalg.norm(v - truth.v) / np.linalg.norm(truth.v))
+
+
+def minilm_layer_target(layer: int, readout_seed=0, subspace: int | None = None,
+                        subspace_seed=0):
+    """A layer's 12 heads as one multi-head black box, optionally seen through a subspace.
+
+    Parameters
+    ----------
+    layer : int
+        Layer 0..5.
+    readout_seed : int
+        Seed of the readout vector r shared by all heads.
+    subspace : int, optional
+        k: tokens are restricted to a random k-dimensional subspace, x = P z with P
+        (384, k) orthonormal, so the target has width k and heads W_h' = P^T W_h P,
+        v_h' = P^T v_h (the real layer, queried with tokens in that subspace). None keeps
+        the full width 384, where the multi-head learner needs about 4 H d^2 = 7.1M queries.
+
+    Returns
+    -------
+    MultiHeadAttention
+        W (12, k, k) and v (12, k).
+    """
+    from .models import MultiHeadAttention
+
+    heads = minilm_layer_heads(layer, readout_seed)
+    W = np.stack([h.W for h in heads])
+    v = np.stack([h.v for h in heads])
+    if subspace is not None:
+        if not isinstance(subspace, (int, np.integer)) or not 1 <= subspace <= WIDTH:
+            raise InputError(f"subspace must be in 1..{WIDTH}, got {subspace!r}")
+        rng = np.random.default_rng(subspace_seed)
+        P = np.linalg.qr(rng.standard_normal((WIDTH, subspace)))[0]
+        W = np.einsum("dk,hde,el->hkl", P, W, P)
+        v = v @ P
+    return MultiHeadAttention(W, v)
+
+
+def extract_minilm_layer(layer: int, *, readout_seed=0, subspace: int | None = 16, seed=0,
+                         budget=None, progress=None, journal=None):
+    """Run the multi-head learner on a layer's 12 heads; report what it achieves, honestly.
+
+    Returns ``(result, truth, error)``: the learner's result (the best-effort one when
+    it refused its own answer), the true :class:`MultiHeadAttention`, and the
+    :class:`ModelMismatchError` it raised (None when verification passed). The report's
+    details give the heads found and the canonical error against the true heads.
+    """
+    from .errors import ModelMismatchError
+    from .multi_head import canonical_error, extract_multi_head
+    from .oracle import Oracle
+
+    truth = minilm_layer_target(layer, readout_seed, subspace)
+    oracle = Oracle(truth, truth.dim, budget=budget, progress=progress, journal=journal)
+    error = None
+    try:
+        result = extract_multi_head(oracle, heads=HEADS, seed=seed)
+    except ModelMismatchError as exc:
+        if exc.result is None:
+            raise
+        result, error = exc.result, exc
+    details = result.report.details
+    details["target"] = (f"{MODEL_NAME} layer {layer}, all {HEADS} heads, readout seed "
+                         f"{readout_seed}, " + ("full width 384" if subspace is None else
+                                                f"tokens in a random {subspace}-dim subspace")
+                         + ", biases left out")
+    details["true heads"] = HEADS
+    details["heads found"] = int(result.model.W.shape[0])
+    with np.errstate(over="ignore", invalid="ignore"):   # inf when the head counts differ
+        details["canonical_error"] = float(canonical_error(result.model, truth))
+    details["outcome"] = "verified" if error is None else "refused by verification"
+    if journal is not None:
+        details["black_box_queries"] = oracle.black_box_queries
+        details["journal_queries"] = oracle.journal_queries
+    return result, truth, error
