@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .errors import InputError, TargetLoadError
+from .errors import InputError, ModelMismatchError, TargetLoadError
 from .models import MODEL_CLASSES
 from .oracle import Oracle, evaluate_ragged
 
@@ -153,6 +153,21 @@ class ExtractionResult:
 
     def save(self, path: str | os.PathLike) -> None:
         save_result(path, self)
+
+
+def checked_result(model, report: Report, claim: str) -> ExtractionResult:
+    """The extraction result, or :class:`ModelMismatchError` if held-out verification failed.
+
+    ``claim`` says what the black box was assumed to be ("a single-head attention
+    regressor"); the error carries the result, so that nothing measured is lost.
+    """
+    result = ExtractionResult(model=model, queries=report.queries, report=report)
+    check = report.verification
+    if check is not None and not check.passed:
+        raise ModelMismatchError(
+            f"the black box is not {claim}: held-out relative error "
+            f"{check.max_relative_error:.2e} > tolerance {check.tolerance:.0e}", result=result)
+    return result
 
 
 def _jsonable(obj):
