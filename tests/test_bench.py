@@ -38,6 +38,11 @@ def test_bench_quick_writes_json_table_and_plots(tmp_path):
         if learner == "noisy (robust)":     # at equal queries, 10x better than the paper
             assert r["queries"] == noisy[("noisy (paper)", tau)]["queries"]
             assert 10 * r["W_abs_error"] < noisy[("noisy (paper)", tau)]["W_abs_error"]
+    for r in summary["rows"]:
+        if r["learner"].startswith("multi-head"):
+            assert r["recovery_queries"] <= r["paper_count"] and r["W_error"] < 1e-8
+        if r["learner"] == "low-rank adaptive":
+            assert r["recovery_queries"] <= 1.05 * r["floor"] + 32 and r["W_error"] < 1e-9
     one_layer = [r for r in summary["rows"] if r["learner"] == "one-layer"]
     assert one_layer and max(r["W_error"] for r in one_layer) < 1e-9
     table = (out / "bench.md").read_text()

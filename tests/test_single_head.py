@@ -180,3 +180,15 @@ def test_logit_is_accurate_near_one_half():
     y = 1.0 / (1.0 + np.exp(-t))
     np.testing.assert_allclose(logit(y), t, rtol=1e-4)
     assert abs(logit(np.array([0.5 + 2.0 ** -40]))[0] - 4 * 2.0 ** -40) < 1e-20
+
+
+def test_verification_is_not_fooled_by_a_huge_wrong_w():
+    """Token scale from the recovered model alone would shrink to ~0 for a huge W, where
+    every W looks alike; half the held-out sequences use a model-independent scale."""
+    from attnextract.report import verify_model
+    d = 8
+    truth = random_single_head(d, seed=1)
+    wrong = SingleHeadAttention(1e8 * random_single_head(d, seed=2).W, truth.v)
+    verification = verify_model(Oracle(truth, d), wrong, count=64, seed=0)
+    assert not verification.passed
+    assert verify_model(Oracle(truth, d), truth, count=64, seed=0).passed

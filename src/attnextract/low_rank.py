@@ -60,7 +60,7 @@ from scipy.linalg import solve_triangular
 from .errors import InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError
 from .models import SingleHeadAttention
 from .oracle import Oracle
-from .report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, token_scale,
+from .report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, token_scale,
                      verification_count, verify_model)
 from .single_head import (FIRST_SCALE, MAX_GROWTH, MAX_LOGIT, MAX_RESCALES, MIN_FIRST_LOGIT,
                           NOISE_LOGIT, TARGET_LOGIT, logit, probe_basis)
@@ -660,10 +660,4 @@ def extract_low_rank(oracle: Oracle, rank: int | None = None, method: str = "ada
                     black_box_seconds=oracle.black_box_seconds - start_bb,
                     notes=notes, details=details)
     assert report.queries == recovery_total + n_verify
-    result = ExtractionResult(model=model, queries=report.queries, report=report)
-    if not verification.passed:
-        raise ModelMismatchError(
-            f"the black box is not a single-head attention regressor of this kind: held-out "
-            f"relative error {verification.max_relative_error:.2e} > tolerance "
-            f"{verify_tolerance:.0e}", result=result)
-    return result
+    return checked_result(model, report, "a single-head attention regressor of this kind")

@@ -72,7 +72,7 @@ from scipy.optimize import linear_sum_assignment
 from .errors import InputError, ModelMismatchError, NotIdentifiableError
 from .models import MultiHeadAttention, SingleHeadAttention
 from .oracle import Oracle
-from .report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, held_out_sequences,
+from .report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, held_out_sequences,
                      token_scale, verification_count, verify_model)
 from .single_head import extract_single_head
 
@@ -330,13 +330,7 @@ def _extract_in_subspaces(oracle: Oracle, subspaces, seed, verify_tolerance) -> 
                     details={"method": "known orthogonal subspaces (paper 1)",
                              "heads": model.heads, "queries per subspace": per_head,
                              "sequence lengths": "1..2 (+ 1..16 verification)"})
-    result = ExtractionResult(model=model, queries=report.queries, report=report)
-    if not verification.passed:
-        raise ModelMismatchError(
-            f"the black box is not multi-head attention on these subspaces: held-out relative "
-            f"error {verification.max_relative_error:.2e} > tolerance {verify_tolerance:.0e}",
-            result=result)
-    return result
+    return checked_result(model, report, "multi-head attention on these subspaces")
 
 
 # ---------------------------------------------------------------------------
@@ -1176,11 +1170,5 @@ def _finish(oracle, model, H, d, breakdown, det, fit_info, notes, start, q0, bb0
                     seconds=time.perf_counter() - start,
                     black_box_seconds=oracle.black_box_seconds - bb0, notes=notes,
                     details=details)
-    result = ExtractionResult(model=model, queries=report.queries, report=report)
-    if not verification.passed:
-        raise ModelMismatchError(
-            f"the black box is not multi-head attention with {H} canonical head(s) (or the "
-            f"pole fit broke down): held-out relative error "
-            f"{verification.max_relative_error:.2e} > tolerance {verify_tolerance:.0e}",
-            result=result)
-    return result
+    return checked_result(model, report, f"multi-head attention with {H} canonical head(s) "
+                                         f"(or the pole fit broke down)")

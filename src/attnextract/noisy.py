@@ -612,7 +612,7 @@ def _bar_details(model, W_bar, v_bar, noise):
     W_norm, v_norm = np.linalg.norm(model.W), np.linalg.norm(model.v)
     kind = ("worst case over |eta| <= tau + rho|f| (adversarial included)"
             if noise.kind == "bounded" else
-            f"independent noise, std <= tau + rho|f|; bars hold with probability ~ 1 - 4e-4")
+            "independent noise, std <= tau + rho|f|; bars hold with probability ~ 1 - 4e-4")
     return {
         "noise": f"{noise.kind}: tau = {noise.tolerance:.3g}, rho = {noise.relative_tolerance:.3g}; {kind}",
         "error_bar_W": float(W_bar),

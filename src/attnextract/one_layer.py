@@ -35,10 +35,10 @@ import time
 import numpy as np
 
 from .errors import ModelMismatchError, NotIdentifiableError
-from .models import OneLayerTransformer, SingleHeadAttention
+from .models import OneLayerTransformer
 from .oracle import Oracle, evaluate_ragged
 from .relu_network import align_relu_networks, extract_relu_network
-from .report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, held_out_sequences,
+from .report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, held_out_sequences,
                      relative_errors, token_scale, verification_count, verify_model)
 from .single_head import extract_single_head
 
@@ -197,12 +197,7 @@ def extract_one_layer(oracle: Oracle, *, seed=None,
             f"the odd part's readout g([e_i]) differs from A^T w of the FFN by {v_error:.2e} "
             f"(relative): not a bias-free one-layer Transformer (residual connection?)",
             result=result)
-    if not verification.passed:
-        raise ModelMismatchError(
-            f"the black box is not a bias-free one-layer Transformer: held-out relative error "
-            f"{verification.max_relative_error:.2e} > tolerance {verify_tolerance:.0e}",
-            result=result)
-    return result
+    return checked_result(model, report, "a bias-free one-layer Transformer")
 
 
 def compare_one_layer(recovered: OneLayerTransformer, truth: OneLayerTransformer, *,

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .errors import InputError, TargetLoadError
+from .errors import InputError, ModelMismatchError, TargetLoadError
 from .models import MODEL_CLASSES
 from .oracle import Oracle, evaluate_ragged
 
@@ -78,12 +78,17 @@ def verify_model(oracle: Oracle, model, *, count: int, seed=None,
                  scale: float | None = None) -> Verification:
     """Compare ``model`` with the black box on ``count`` held-out random sequences.
 
-    Tokens are N(0, c^2 I) with c = ``scale`` (default :func:`token_scale`) times
-    1/2, 1 or 2; lengths are uniform in 1..16.
+    Tokens are N(0, c^2 I) with c times 1/2, 1 or 2, where c = ``scale`` (default
+    :func:`token_scale`, where the model's scores are of order one) for half of the
+    sequences and d^{-1/4} for the other half; lengths are uniform in 1..16.
     """
     rng = np.random.default_rng(seed)
     scale = token_scale(model) if scale is None else scale
-    sequences = held_out_sequences(oracle.dim, count, rng, scale)
+    # Half the sequences at a scale that does not depend on the model: a wrong model
+    # with a huge W would otherwise pick tokens so small that every W looks alike.
+    anchor = oracle.dim ** -0.25
+    sequences = (held_out_sequences(oracle.dim, count - count // 2, rng, scale)
+                 + held_out_sequences(oracle.dim, count // 2, rng, anchor))
     observed = oracle.query_ragged(sequences)
     err = relative_errors(evaluate_ragged(model, sequences), observed)
     return Verification(sequences=count, max_relative_error=float(err.max()),
@@ -148,6 +153,21 @@ class ExtractionResult:
 
     def save(self, path: str | os.PathLike) -> None:
         save_result(path, self)
+
+
+def checked_result(model, report: Report, claim: str) -> ExtractionResult:
+    """The extraction result, or :class:`ModelMismatchError` if held-out verification failed.
+
+    ``claim`` says what the black box was assumed to be ("a single-head attention
+    regressor"); the error carries the result, so that nothing measured is lost.
+    """
+    result = ExtractionResult(model=model, queries=report.queries, report=report)
+    check = report.verification
+    if check is not None and not check.passed:
+        raise ModelMismatchError(
+            f"the black box is not {claim}: held-out relative error "
+            f"{check.max_relative_error:.2e} > tolerance {check.tolerance:.0e}", result=result)
+    return result
 
 
 def _jsonable(obj):

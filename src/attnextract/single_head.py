@@ -31,7 +31,7 @@ import numpy as np
 from .errors import InputError, ModelMismatchError, NotIdentifiableError
 from .models import SingleHeadAttention
 from .oracle import Oracle
-from .report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, token_scale,
+from .report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, token_scale,
                      verification_count, verify_model)
 
 FIRST_SCALE = 1.0 / 64     # logit scale of the first column, before anything is known
@@ -206,13 +206,7 @@ def extract_single_head(oracle: Oracle, *, seed=None,
         details={"logit scale": f"{scale.min():.3g} .. {scale.max():.3g}",
                  "|v^T u_k|": f"{np.linalg.norm(v) / np.sqrt(d):.3g} (every probe)"})
     assert recovery == d * d + d + rescaled
-    result = ExtractionResult(model=model, queries=report.queries, report=report)
-    if not verification.passed:
-        raise ModelMismatchError(
-            f"the black box is not a single-head attention regressor: held-out relative "
-            f"error {verification.max_relative_error:.2e} > tolerance {verify_tolerance:.0e}",
-            result=result)
-    return result
+    return checked_result(model, report, "a single-head attention regressor")
 
 
 def _next_scale(T_known: np.ndarray, scale_known: np.ndarray) -> float:
