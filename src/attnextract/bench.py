@@ -38,24 +38,36 @@ def fitted_slope(xs, ys) -> float:
     return float(np.polyfit(np.log(xs), np.log(ys), 1)[0])
 
 
+def measure(learner: str, d: int, target, extract, *, floor: int, paper_count, error,
+            **extra) -> dict:
+    """One scaling row: run ``extract(oracle)`` on ``target`` and time it.
+
+    ``error(model)`` returns the row's error fields (at least ``W_error``; it may
+    override ``output_error``, which defaults to the held-out verification error).
+    Recovery queries are all queries but the held-out verification.
+    """
+    oracle = Oracle(target, d)
+    start = time.perf_counter()
+    result = extract(oracle)
+    wall = time.perf_counter() - start
+    return {"learner": learner, "d": d, **extra, "queries": result.queries,
+            "recovery_queries": result.queries - result.report.breakdown["verification"],
+            "floor": floor, "paper_count": paper_count,
+            "output_error": result.report.verification.max_relative_error,
+            **error(result.model), "wall_s": wall, "black_box_s": oracle.black_box_seconds,
+            "learner_s": wall - oracle.black_box_seconds}
+
+
 def section_single_head(quick: bool, log) -> list[dict]:
     """Exact single head (paper 1, Theorem 4.1): d^2 + d queries."""
     rows = []
     for d in ([4, 8, 16, 32, 64] if quick else [4, 8, 16, 32, 64, 128, 256, 512]):
         target = random_single_head(d, seed=d)
-        oracle = Oracle(target, d)
-        start = time.perf_counter()
-        result = extract_single_head(oracle, seed=d)
-        wall = time.perf_counter() - start
-        b = result.report.breakdown
-        rows.append({"learner": "single-head", "d": d, "queries": result.queries,
-                     "recovery_queries": b["recovery"] + b["rescaling"],
-                     "floor": d * d + d, "paper_count": d * d + d,
-                     "W_error": _rel(result.model.W, target.W),
-                     "v_error": _rel(result.model.v, target.v),
-                     "output_error": result.report.verification.max_relative_error,
-                     "wall_s": wall, "black_box_s": oracle.black_box_seconds,
-                     "learner_s": wall - oracle.black_box_seconds})
+        rows.append(measure("single-head", d, target,
+                            lambda oracle: extract_single_head(oracle, seed=d),
+                            floor=d * d + d, paper_count=d * d + d,
+                            error=lambda model: {"W_error": _rel(model.W, target.W),
+                                                 "v_error": _rel(model.v, target.v)}))
         log(f"single-head d={d}: {rows[-1]['recovery_queries']} queries, "
             f"W error {rows[-1]['W_error']:.1e}")
     return rows
@@ -94,21 +106,16 @@ def section_one_layer(quick: bool, log) -> list[dict]:
     rows = []
     for d in ([4, 8, 16] if quick else [4, 8, 16, 32, 64]):
         target = random_one_layer(d, d, seed=d)
-        oracle = Oracle(target, d)
-        start = time.perf_counter()
-        result = extract_one_layer(oracle, seed=d)
-        wall = time.perf_counter() - start
-        cmp = compare_one_layer(result.model, target, seed=d)
-        b = result.report.breakdown
-        rows.append({"learner": "one-layer", "d": d, "m": d, "queries": result.queries,
-                     "recovery_queries": result.queries - b["verification"],
-                     "floor": d * d + d * d, "paper_count": None,
-                     "W_error": cmp["relative_error_W"], "bits": cmp["bits"],
-                     "output_error": cmp["max_output_error"], "wall_s": wall,
-                     "black_box_s": oracle.black_box_seconds,
-                     "learner_s": wall - oracle.black_box_seconds})
+
+        def errors(model):
+            cmp = compare_one_layer(model, target, seed=d)
+            return {"W_error": cmp["relative_error_W"], "bits": cmp["bits"],
+                    "output_error": cmp["max_output_error"]}
+        rows.append(measure("one-layer", d, target,
+                            lambda oracle: extract_one_layer(oracle, seed=d),
+                            floor=d * d + d * d, paper_count=None, m=d, error=errors))
         log(f"one-layer d=m={d}: {rows[-1]['recovery_queries']} queries, "
-            f"{cmp['bits']:.1f} bits")
+            f"{rows[-1]['bits']:.1f} bits")
     return rows
 
 
@@ -121,20 +128,14 @@ def section_low_rank(quick: bool, log) -> list[dict]:
         for d in ([16, 32, 64] if quick else [16, 32, 64, 128, 256, 512]):
             r = max(1, d // 8)
             target = random_low_rank_head(d, r, seed=d)
-            oracle = Oracle(target, d)
-            start = time.perf_counter()
-            result = extract_low_rank(oracle, rank=r if method == "rop" else None,
-                                      method=method, seed=d)
-            wall = time.perf_counter() - start
-            spent = result.queries - result.report.breakdown["verification"]
-            rows.append({"learner": f"low-rank {method}", "d": d, "rank": r,
-                         "queries": result.queries, "recovery_queries": spent,
-                         "floor": low_rank_floor(d, r),
-                         "paper_count": d + int(np.ceil(2 * r * 2 * d)) if method == "rop" else None,
-                         "W_error": _rel(result.model.W, target.W),
-                         "output_error": result.report.verification.max_relative_error,
-                         "wall_s": wall, "black_box_s": oracle.black_box_seconds,
-                         "learner_s": wall - oracle.black_box_seconds})
+            rows.append(measure(
+                f"low-rank {method}", d, target,
+                lambda oracle: extract_low_rank(oracle, rank=r if method == "rop" else None,
+                                                method=method, seed=d),
+                floor=low_rank_floor(d, r), rank=r,
+                paper_count=d + int(np.ceil(2 * r * 2 * d)) if method == "rop" else None,
+                error=lambda model: {"W_error": _rel(model.W, target.W)}))
+            spent = rows[-1]["recovery_queries"]
             log(f"low-rank {method} d={d} r={r}: {spent} queries (floor "
                 f"{rows[-1]['floor']}), W error {rows[-1]['W_error']:.1e}")
     return rows
@@ -147,18 +148,12 @@ def section_multi_head(quick: bool, log) -> list[dict]:
     rows, H = [], 2
     for d in ([4, 8] if quick else [4, 8, 16, 32]):
         target = random_multi_head(H, d, seed=d)
-        oracle = Oracle(target, d)
-        start = time.perf_counter()
-        result = extract_multi_head(oracle, seed=d)
-        wall = time.perf_counter() - start
-        spent = result.queries - result.report.breakdown["verification"]
-        rows.append({"learner": f"multi-head (H = {H})", "d": d, "heads": H,
-                     "queries": result.queries, "recovery_queries": spent,
-                     "floor": H * (d * d + d), "paper_count": 4 * H * d * d - 2 * H + 1,
-                     "W_error": canonical_error(result.model, target),
-                     "output_error": result.report.verification.max_relative_error,
-                     "wall_s": wall, "black_box_s": oracle.black_box_seconds,
-                     "learner_s": wall - oracle.black_box_seconds})
+        rows.append(measure(f"multi-head (H = {H})", d, target,
+                            lambda oracle: extract_multi_head(oracle, seed=d),
+                            floor=H * (d * d + d), paper_count=4 * H * d * d - 2 * H + 1,
+                            heads=H,
+                            error=lambda model: {"W_error": canonical_error(model, target)}))
+        spent = rows[-1]["recovery_queries"]
         log(f"multi-head H={H} d={d}: {spent} queries (paper 2: {rows[-1]['paper_count']}), "
             f"canonical error {rows[-1]['W_error']:.1e}")
     return rows
