@@ -10,3 +10,14 @@ def rel_err(a, b) -> float:
 @pytest.fixture
 def rng():
     return np.random.default_rng(12345)
+
+
+def run_cli(*args, check=None, timeout=300):
+    """``python -m attnextract ARGS`` in a subprocess, as a user runs it; checks the exit code."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "attnextract", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+    if check is not None:
+        assert proc.returncode == check, (proc.returncode, proc.stdout, proc.stderr)
+    return proc

@@ -2,7 +2,6 @@
 
 import json
 import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -10,7 +9,7 @@ import pytest
 
 from attnextract.targets import random_single_head
 
-from conftest import rel_err
+from conftest import rel_err, run_cli
 
 TARGETS = textwrap.dedent("""
     import numpy as np
@@ -44,11 +43,7 @@ TARGETS = textwrap.dedent("""
 
 
 def run(*args, check=None):
-    proc = subprocess.run([sys.executable, "-m", "attnextract", *args],
-                          capture_output=True, text=True, timeout=300)
-    if check is not None:
-        assert proc.returncode == check, (proc.returncode, proc.stdout, proc.stderr)
-    return proc
+    return run_cli(*args, check=check)
 
 
 @pytest.fixture

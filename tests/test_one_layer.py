@@ -1,8 +1,6 @@
 """One-layer Transformer: model, odd-part oracle, end-to-end learner, mismatches, CLI."""
 
 import json
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -14,7 +12,7 @@ from attnextract.models import MODEL_CLASSES, OneLayerTransformer, SingleHeadAtt
 from attnextract.one_layer import (OddPartOracle, compare_one_layer, extract_one_layer,
                                    random_one_layer)
 
-from conftest import rel_err
+from conftest import rel_err, run_cli
 
 
 # ----------------------------------------------------------------------------- model
@@ -189,11 +187,7 @@ TARGETS = textwrap.dedent("""
 
 
 def run(*args, check=None):
-    proc = subprocess.run([sys.executable, "-m", "attnextract", *args],
-                          capture_output=True, text=True, timeout=300)
-    if check is not None:
-        assert proc.returncode == check, (proc.returncode, proc.stdout, proc.stderr)
-    return proc
+    return run_cli(*args, check=check)
 
 
 @pytest.fixture
