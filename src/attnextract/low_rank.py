@@ -63,7 +63,8 @@ from .oracle import Oracle
 from .report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, token_scale,
                      verification_count, verify_model)
 from .single_head import (FIRST_SCALE, MAX_GROWTH, MAX_LOGIT, MAX_RESCALES, MIN_FIRST_LOGIT,
-                          NOISE_LOGIT, TARGET_LOGIT, logit, probe_basis)
+                          NOISE_LOGIT, TARGET_LOGIT, logit, probe_basis,
+                          split_scale)
 
 RANK_TOL = 1e-10           # residual / largest |M_ij| below which an entry counts as zero
 CONFIRM_PROBES = 8         # random extra entries that confirm a rank
@@ -114,8 +115,8 @@ def random_probe_basis(v: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 class BilinearMeter:
     """Measures u^T W q for batches of (u, q) through the oracle, with v known.
 
-    Probe P(c u, s q) with logit scale G = c s split as c = max(1, G), s = min(1, G)
-    (q stays small beside u). Values whose logit saturates (beyond MAX_LOGIT, or an
+    Probe P(c u, s q) with logit scale G = c s split by ``split_scale`` (q stays
+    small beside u). Values whose logit saturates (beyond MAX_LOGIT, or an
     implied attention weight outside (0, 1)) are probed again at a smaller scale;
     ``rescued`` counts those extra queries.
     """
@@ -129,7 +130,7 @@ class BilinearMeter:
     def logits(self, u: np.ndarray, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
         """Logits G u^T W q for u, q (n, d) at scales G (n,); NaN where not measurable."""
         n, d = u.shape
-        c, s = np.maximum(1.0, scale), np.minimum(1.0, scale)
+        c, s = split_scale(scale)
         vu, vq = u @ self.v, q @ self.v
         out = np.empty(n)
         step = max(1, BLOCK_FLOATS // (2 * d))

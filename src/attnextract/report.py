@@ -16,7 +16,7 @@ import numpy as np
 
 from .errors import InputError, ModelMismatchError, TargetLoadError
 from .models import MODEL_CLASSES
-from .oracle import Oracle, evaluate_ragged
+from .oracle import Oracle
 
 DEFAULT_VERIFY_TOLERANCE = 1e-7
 MAX_VERIFY_LENGTH = 16
@@ -56,14 +56,32 @@ def token_scale(model) -> float:
     return math.sqrt(2.0 / norm) if norm > 0 else 1.0
 
 
-def held_out_sequences(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0,
-                       max_length: int = MAX_VERIFY_LENGTH) -> list[np.ndarray]:
-    """Random Gaussian sequences of lengths 1..max_length at scales scale * {1/2, 1, 2}."""
+def held_out_batches(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0,
+                     max_length: int = MAX_VERIFY_LENGTH) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Random Gaussian sequences, lengths 1..max_length, scales scale * {1/2, 1, 2}, by length.
+
+    Returns [(indices, batch (b, N, d))], one entry per length N: sequence i of the
+    ``count`` is ``batch[k]`` where ``indices[k] == i``.
+    """
     lengths = rng.integers(1, max_length + 1, size=count)
     scales = scale * rng.choice([0.5, 1.0, 2.0], size=count)
-    tokens = rng.standard_normal((int(lengths.sum()), dim))
-    bounds = np.cumsum(lengths)[:-1]
-    return [s * x for s, x in zip(scales, np.split(tokens, bounds))]
+    batches = []
+    for n in np.unique(lengths):
+        idx = np.flatnonzero(lengths == n)
+        batch = rng.standard_normal((len(idx), int(n), dim))
+        batch *= scales[idx, None, None]
+        batches.append((idx, batch))
+    return batches
+
+
+def held_out_sequences(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0,
+                       max_length: int = MAX_VERIFY_LENGTH) -> list[np.ndarray]:
+    """The sequences of :func:`held_out_batches` as a list (N_i, d), in order."""
+    out = [None] * count
+    for idx, batch in held_out_batches(dim, count, rng, scale, max_length):
+        for i, x in zip(idx, batch):
+            out[i] = x
+    return out
 
 
 def relative_errors(predicted: np.ndarray, observed: np.ndarray) -> np.ndarray:
@@ -87,10 +105,15 @@ def verify_model(oracle: Oracle, model, *, count: int, seed=None,
     # Half the sequences at a scale that does not depend on the model: a wrong model
     # with a huge W would otherwise pick tokens so small that every W looks alike.
     anchor = oracle.dim ** -0.25
-    sequences = (held_out_sequences(oracle.dim, count - count // 2, rng, scale)
-                 + held_out_sequences(oracle.dim, count // 2, rng, anchor))
-    observed = oracle.query_ragged(sequences)
-    err = relative_errors(evaluate_ragged(model, sequences), observed)
+    half = count - count // 2
+    batches = (held_out_batches(oracle.dim, half, rng, scale)
+               + [(idx + half, b) for idx, b in held_out_batches(oracle.dim, count // 2, rng, anchor)])
+    oracle.require(count, "held-out verification")
+    observed, predicted = np.empty(count), np.empty(count)
+    for idx, batch in batches:                   # one batch per length and scale group
+        observed[idx] = oracle.query(batch)
+        predicted[idx] = model(batch)
+    err = relative_errors(predicted, observed)
     return Verification(sequences=count, max_relative_error=float(err.max()),
                         median_relative_error=float(np.median(err)), tolerance=tolerance)
 

@@ -57,6 +57,18 @@ def probe_basis(v: np.ndarray) -> np.ndarray:
     return np.eye(d) - (2.0 / (w @ w)) * np.outer(w, w)
 
 
+def split_scale(scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Split logit scales G = c s of probes P(c u, s q): (c, s), each of shape of ``scale``.
+
+    c = 1, s = G for G <= 1; above, c is the power of two with s = G / c in (1/2, 1].
+    q = s e_j stays small beside u, so neither v^T q nor q^T W q swamps the signal,
+    and c changes (and c u is rescaled, exactly) only when G crosses a power of two.
+    """
+    scale = np.asarray(scale, dtype=np.float64)
+    c = np.where(scale > 1.0, 2.0 ** np.ceil(np.log2(np.maximum(scale, 1.0))), 1.0)
+    return c, scale / c
+
+
 def logit(y: np.ndarray) -> np.ndarray:
     """log(y / (1 - y)), accurate near y = 1/2 (where 2y - 1 and 1 - y are exact)."""
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -73,8 +85,7 @@ def probe_pair(u: np.ndarray, q: np.ndarray) -> np.ndarray:
 class ColumnProbes:
     """Builds the probes P(c u_k, s e_j), all k, for a block of columns j.
 
-    The logit scale G = c s is split as c = max(1, G), s = min(1, G): q = s e_j stays
-    small beside u, so neither v^T q nor q^T W q swamps the signal.
+    The logit scale G = c s is split by :func:`split_scale`.
 
     A block's probes differ from the previous block's only where the column marks
     s e_j sit (and where c changed), so one buffer (block, d, 2, d) is filled once
@@ -94,7 +105,7 @@ class ColumnProbes:
         """Probes for ``columns`` at logit scales ``scale``, shape (len(columns) * d, 2, d)."""
         X, U, n = self.X, self.U, len(columns)
         slots = np.arange(n)
-        c, s = np.maximum(1.0, scale), np.minimum(1.0, scale)
+        c, s = split_scale(scale)
         old = slots[self.marked[:n] >= 0]       # wipe the previous marks
         X[old, :, 0, self.marked[old]] = self.c[old, None] * U[self.marked[old], :]
         X[old, :, 1, self.marked[old]] = 0.0
@@ -114,7 +125,7 @@ def column_logits(oracle: Oracle, probes: ColumnProbes, v: np.ndarray, columns: 
     Entries whose implied attention weight falls outside (0, 1) come back as NaN.
     """
     U = probes.U
-    c, s = np.maximum(1.0, scale), np.minimum(1.0, scale)
+    c, s = split_scale(scale)
     f = oracle.query(probes(columns, scale)).reshape(len(columns), U.shape[0])
     weight = (f - (v[columns] * s)[:, None]) / (c[:, None] * (U.T @ v)[None, :])
     inside = (weight > 0.0) & (weight < 1.0)
