@@ -95,6 +95,7 @@ MISFIT_FACTOR = 1e4     # a probe whose relative residual exceeds the median's b
 SATURATED_LOGIT = 3.0   # beyond log(2H) + this, weights w(1 - w) fall below ~0.05: probe again
 CROWDED_LOGIT = 0.5     # with H > 1, all |t| below it crowd the poles: probe again, larger
 PROBE_FLOATS = 1 << 23  # probe floats per batch (64 MB)
+SWAP_PROBES = 8          # probes of a row whose logits are reassigned in the swap search
 
 
 # ---------------------------------------------------------------------------
@@ -581,6 +582,58 @@ def polish_rows(mu, g, t, c, iterations: int = GN_ITERATIONS, weight=None):
     return t, c, cost
 
 
+def polish_rows_exact(mu, g, t, c, iterations: int = GN_ITERATIONS):
+    """Levenberg-Marquardt over whole rows on the full Jacobian, solved by SVD.
+
+    Same model and arguments as :func:`polish_rows` (g (K, J, R), t (K, J, H), c (K, H))
+    but each row's step is the least-squares solution of its (J R) x (J H + H) Jacobian
+    itself rather than of the normal equations, which square its condition (1e7 and
+    more when two heads nearly coincide on a probe): there the Schur-complement polish
+    crawls, this one converges. Returns t, c and the rows' residual sums of squares.
+    """
+    K, J, H = t.shape
+    R = g.shape[2]
+    n = J * H + H
+    lam = np.full(K, 1e-12)
+    rows = np.arange(J * R).reshape(J, R)
+
+    def residual(t, c):
+        fit, w = _model_g(mu, t, np.broadcast_to(c[:, None, :], t.shape))
+        return g - fit, w
+
+    r, w = residual(t, c)
+    cost = np.sum(r ** 2, axis=(1, 2))
+    for _ in range(iterations):
+        Jac = np.zeros((K, J * R, n))
+        dt = c[:, None, :, None] * w * (1.0 - w)                       # (K, J, H, R)
+        dc = -(1.0 - w)
+        for j in range(J):
+            Jac[:, rows[j], j * H:(j + 1) * H] = np.moveaxis(dt[:, j], 1, 2)
+            Jac[:, rows[j], J * H:] = np.moveaxis(dc[:, j], 1, 2)
+        scale = np.sqrt(np.sum(Jac ** 2, axis=1)) + 1e-300               # (K, n) column scaling
+        Js = Jac / scale[:, None, :]
+        damp = np.sqrt(lam)[:, None, None] * np.eye(n)[None]
+        A = np.concatenate([Js, damp], axis=1)
+        b = np.concatenate([r.reshape(K, -1), np.zeros((K, n))], axis=1)
+        try:
+            step = np.einsum("kij,kj->ki", np.linalg.pinv(A, rcond=1e-15), b) / scale
+        except np.linalg.LinAlgError:
+            break
+        t_new = t + step[:, :J * H].reshape(K, J, H)
+        c_new = c + step[:, J * H:]
+        r_new, w_new = residual(t_new, c_new)
+        cost_new = np.sum(r_new ** 2, axis=(1, 2))
+        better = np.isfinite(cost_new) & (cost_new <= cost)
+        t = np.where(better[:, None, None], t_new, t)
+        c = np.where(better[:, None], c_new, c)
+        r = np.where(better[:, None, None], r_new, r)
+        w = np.where(better[:, None, None, None], w_new, w)
+        cost = np.where(better, cost_new, cost)
+        lam = np.where(better, np.maximum(lam / 10, 1e-18), lam * 10)
+        if np.all(lam > 1e6):
+            break
+    return t, c, cost
+
 # ---------------------------------------------------------------------------
 # the learner
 # ---------------------------------------------------------------------------
@@ -827,6 +880,21 @@ def _extract_copy_count(oracle, heads, seed, verify_tolerance, rank_tol):
     t, C, cost, more = _repair_misfits(mu, g, t, C, ties, floor_rel)
     if more:
         notes.append(f"{more} probe fit(s) searched globally after the final polish")
+    t, C, cost, swapped = _repair_swaps(mu, g, t, C, ties, floor_rel)
+    if swapped:
+        notes.append(f"{swapped} row repair(s): probes' logits reassigned, or searched "
+                     f"with the residues of the row's best-fitting half")
+        if d > 1:
+            # the rows were linked with the logits before the repair: link them again
+            # on the same link samples (no query; a row's cost ignores its head order)
+            t0 = t[:, 0] * (q_scale[0, 0] / q_scale[:, :1])
+            relinked = 0
+            for k in range(1, d):
+                p = _link_permutation(mu, gl[k - 1], t0[0], C[0], t0[k], C[k])
+                relinked += int(np.any(p != np.arange(H)))
+                t[k], C[k] = t[k][:, p], C[k][p]
+            if relinked:
+                notes.append(f"{relinked} row(s) linked again after the repair")
     T = np.moveaxis(t / (cu * q_scale[:, :, None]), 2, 0)     # (H, k, j): U^T W_h Q
     W = np.einsum("ak,hkj,bj->hab", U, T, Q)
     vh = (U @ C / cu).T                                        # (H, d)
@@ -1105,6 +1173,81 @@ def _repair_misfits(mu, g, t, C, ties, floor_rel: float = 1e-26, rounds: int = 3
         t, C, cost = polish_rows(mu, g, t, C)
     return t, C, cost, searched
 
+
+def _repair_swaps(mu, g, t, C, ties, floor_rel: float = 1e-26, rounds: int | None = None):
+    """Reassign the heads' logits on single probes of rows whose fit stays above rounding.
+
+    Two heads with nearly equal logits (or nearly equal residues) on a probe can be
+    fitted the wrong way round: their outputs differ only by (c_a - c_b)(w_a - w_b), so
+    the row's residues bend a little and every probe of the row then fits to ~1e-12,
+    none standing out as a misfit. For each such row, every reassignment of one probe's
+    logits (all H! orders for H <= 5, the swaps of two heads beyond) is polished with
+    the whole row as one candidate; the best is kept while it lowers the row's residual
+    at least twofold (greedy, one probe per round). Returns t, C, the rows' costs and
+    the reassignments made.
+    """
+    from itertools import combinations, permutations
+    K, J, H = t.shape
+    if H <= 5:
+        orders = [p for p in permutations(range(H)) if p != tuple(range(H))]
+    else:
+        orders = []
+        for a, b in combinations(range(H), 2):
+            p = list(range(H))
+            p[a], p[b] = b, a
+            orders.append(tuple(p))
+    orders = np.array(orders, dtype=int).reshape(-1, H)
+    swaps = 0
+    for _ in range(J + 2 if rounds is None else rounds):
+        probe_cost = _probe_costs(mu, g, t, C)
+        cost = np.sum(probe_cost, axis=1)
+        size = np.sum(g ** 2, axis=(1, 2)) + 1e-300
+        suspect = np.flatnonzero((cost / size > floor_rel) & ~ties)
+        if H < 2 or suspect.size == 0:
+            break
+        changed = False
+        for k in suspect:
+            # Several probes of the row in wrong solutions bend its residues together:
+            # take the residues from the best-fitting half of the row alone, search the
+            # other probes' logits globally with them, polish the whole row.
+            order = np.argsort(probe_cost[k] / (np.sum(g[k] ** 2, axis=1) + 1e-300))
+            trusted, rest = order[:max(2, (J + 1) // 2)], order[max(2, (J + 1) // 2):]
+            if rest.size:
+                _, c_half, _ = polish_rows_exact(mu, g[k][trusted][None], t[k][trusted][None],
+                                                 C[k][None])
+                t_try = t[k].copy()
+                limit = float(np.abs(t).max()) + 1.0
+                t_try[rest] = _global_refit(mu, g[k][rest], np.repeat(c_half, rest.size, 0),
+                                            t[k][rest], limit)
+                tb, cb, cost_b = polish_rows_exact(mu, g[k][None], t_try[None], c_half)
+                if cost_b[0] < 0.5 * cost[k]:
+                    t[k], C[k], cost[k] = tb[0], cb[0], cost_b[0]
+                    probe_cost[k] = _probe_costs(mu, g[k][None], t[k][None], C[k][None])[0]
+                    swaps += 1
+                    changed = True
+            # candidates: the probes fitting worst and those with the closest logits
+            gaps = np.abs(t[k][:, :, None] - t[k][:, None, :]) + np.eye(H) * 1e300
+            closest = np.argsort(gaps.min(axis=(1, 2)))[:SWAP_PROBES // 2]
+            worst = np.argsort(-probe_cost[k])[:SWAP_PROBES // 2]
+            probes = np.unique(np.concatenate([closest, worst]))
+            S = len(probes) * len(orders)
+            cand = np.repeat(t[k][None], S, axis=0)                      # (S, J, H)
+            jj = np.repeat(probes, len(orders))
+            cand[np.arange(S), jj] = t[k][jj[:, None], np.tile(orders, (len(probes), 1))]
+            tt, cc, cc_cost = polish_rows_exact(mu, np.repeat(g[k][None], S, axis=0), cand,
+                                                np.repeat(C[k][None], S, axis=0), iterations=12)
+            cc_cost = np.where(np.isfinite(cc_cost), cc_cost, np.inf)
+            best = int(np.argmin(cc_cost))
+            tb, cb, cost_b = polish_rows_exact(mu, g[k][None], tt[best][None], cc[best][None])
+            if cost_b[0] < 0.5 * cost[k]:
+                t[k], C[k] = tb[0], cb[0]
+                swaps += 1
+                changed = True
+        if not changed:
+            break
+    t, C, _ = polish_rows_exact(mu, g, t, C)
+    cost = np.sum(_probe_costs(mu, g, t, C), axis=1)
+    return t, C, cost, swaps
 
 def _link_permutation(mu, g_link, t_a, c_a, t_b, c_b=None):
     """Permutation p of probe b's heads that explains a linked probe.
