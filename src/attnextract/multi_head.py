@@ -95,6 +95,7 @@ MISFIT_FACTOR = 1e4     # a probe whose relative residual exceeds the median's b
 SATURATED_LOGIT = 3.0   # beyond log(2H) + this, weights w(1 - w) fall below ~0.05: probe again
 CROWDED_LOGIT = 0.5     # with H > 1, all |t| below it crowd the poles: probe again, larger
 PROBE_FLOATS = 1 << 23  # probe floats per batch (64 MB)
+NONMONOTONE = 1e6        # an exact row polish step may raise the residual this much
 SWAP_PROBES = 8          # probes of a row whose logits are reassigned in the swap search
 
 
@@ -603,6 +604,7 @@ def polish_rows_exact(mu, g, t, c, iterations: int = GN_ITERATIONS):
 
     r, w = residual(t, c)
     cost = np.sum(r ** 2, axis=(1, 2))
+    best_t, best_c, best_cost = t.copy(), c.copy(), cost.copy()
     for _ in range(iterations):
         Jac = np.zeros((K, J * R, n))
         dt = c[:, None, :, None] * w * (1.0 - w)                       # (K, J, H, R)
@@ -623,16 +625,23 @@ def polish_rows_exact(mu, g, t, c, iterations: int = GN_ITERATIONS):
         c_new = c + step[:, J * H:]
         r_new, w_new = residual(t_new, c_new)
         cost_new = np.sum(r_new ** 2, axis=(1, 2))
-        better = np.isfinite(cost_new) & (cost_new <= cost)
-        t = np.where(better[:, None, None], t_new, t)
-        c = np.where(better[:, None], c_new, c)
-        r = np.where(better[:, None, None], r_new, r)
-        w = np.where(better[:, None, None, None], w_new, w)
-        cost = np.where(better, cost_new, cost)
-        lam = np.where(better, np.maximum(lam / 10, 1e-18), lam * 10)
+        # Non-monotone: near a curved valley's floor the full Gauss-Newton step may
+        # first raise the residual and then converge in two or three steps where a
+        # strictly descending LM crawls; the best point seen is what is returned.
+        take = np.isfinite(cost_new) & (cost_new <= NONMONOTONE * best_cost)
+        t = np.where(take[:, None, None], t_new, t)
+        c = np.where(take[:, None], c_new, c)
+        r = np.where(take[:, None, None], r_new, r)
+        w = np.where(take[:, None, None, None], w_new, w)
+        cost = np.where(take, cost_new, cost)
+        improved = take & (cost < best_cost)
+        best_t = np.where(improved[:, None, None], t, best_t)
+        best_c = np.where(improved[:, None], c, best_c)
+        best_cost = np.where(improved, cost, best_cost)
+        lam = np.where(take, np.maximum(lam / 10, 1e-18), lam * 10)
         if np.all(lam > 1e6):
             break
-    return t, c, cost
+    return best_t, best_c, best_cost
 
 # ---------------------------------------------------------------------------
 # the learner
@@ -800,6 +809,10 @@ def _extract_copy_count(oracle, heads, seed, verify_tolerance, rank_tol):
     # that (u, q)) cannot be split by its samples. Such a probe is replaced by the
     # pair (u_k, q_j + r), (u_k, q_j - r) for a random r: t(q_j) is their mean.
     weight = np.ones((d, d))
+    # the pair that replaced a probe, kept to re-derive its logits once the residues
+    # are final: samples (d, d, 2, R + 1), logits (d, d, 2, H)
+    pair_g = np.zeros((d, d, 2, len(ratios) + 1))
+    pair_t = np.zeros((d, d, 2, H))
     quality = np.zeros((d, d))          # weakest direction of the pair that replaced a probe
     replaced = 0
     if H > 1:
@@ -838,6 +851,8 @@ def _extract_copy_count(oracle, heads, seed, verify_tolerance, rank_tol):
             own, via_pair = own / size, via_pair / size
             take &= via_pair <= np.maximum(1e6 * own, 1e6 * floor_rel)
             t[k_c[take], j_c[take]] = mean[take]
+            pair_g[k_c[take], j_c[take]] = np.stack([ga[:F], ga[F:]], axis=1)[take]
+            pair_t[k_c[take], j_c[take]] = np.stack([ta[:F], ta[F:]], axis=1)[take]
             weight[k_c[take], j_c[take]] = 0.0
             quality[k_c[take], j_c[take]] = weak[take]
             # a pair that is itself poorly conditioned is tried again with another r
@@ -860,6 +875,7 @@ def _extract_copy_count(oracle, heads, seed, verify_tolerance, rank_tol):
         for k in range(1, d):
             p = _link_permutation(mu, gl[k - 1], t0[0], c[0, 0], t0[k], c[k, 0])
             t[k], c[k] = t[k][:, p], c[k][:, p]
+            pair_t[k] = pair_t[k][:, :, p]
     if ties.any() and d > 1:
         tied = np.flatnonzero(ties)
         oracle.require(len(tied) * (d - 1) * len(ratios), "tie links")
@@ -872,6 +888,7 @@ def _extract_copy_count(oracle, heads, seed, verify_tolerance, rank_tol):
             for j in range(1, d):
                 p = _link_permutation(mu, gq[i, j - 1], ts[0], c[k, 0], ts[j])
                 t[k, j] = t[k, j][p]
+                pair_t[k, j] = pair_t[k, j][:, p]
         notes.append(f"{len(tied)} row(s) had tied residues (heads with equal v): matched "
                      f"across q by linearity")
 
@@ -893,8 +910,26 @@ def _extract_copy_count(oracle, heads, seed, verify_tolerance, rank_tol):
                 p = _link_permutation(mu, gl[k - 1], t0[0], C[0], t0[k], C[k])
                 relinked += int(np.any(p != np.arange(H)))
                 t[k], C[k] = t[k][:, p], C[k][p]
+                pair_t[k] = pair_t[k][:, :, p]
             if relinked:
                 notes.append(f"{relinked} row(s) linked again after the repair")
+    replaced_probes = weight == 0
+    if replaced_probes.any():
+        # A probe with coincident poles pins only the sum of the close heads' terms:
+        # polishing drifts along that flat direction. Its logits are taken again from
+        # its pair (u, q +- r), refitted with the final residues, unless that mean fits
+        # the probe's own samples visibly worse (a pair caught in a wrong solution).
+        k_p, j_p = np.nonzero(replaced_probes)
+        F = len(k_p)
+        Cp = np.tile(C[k_p], (2, 1))
+        tp, _ = polish_logits(mu, np.concatenate([pair_g[k_p, j_p, 0], pair_g[k_p, j_p, 1]]),
+                              np.concatenate([pair_t[k_p, j_p, 0], pair_t[k_p, j_p, 1]]), Cp)
+        mean = 0.5 * (tp[:F] + tp[F:])
+        size = np.sum(g[k_p, j_p] ** 2, axis=1) + 1e-300
+        own = _probe_costs(mu, g[k_p, j_p][:, None], t[k_p, j_p][:, None], C[k_p])[:, 0] / size
+        via_pair = _probe_costs(mu, g[k_p, j_p][:, None], mean[:, None], C[k_p])[:, 0] / size
+        take = via_pair <= np.maximum(100 * own, floor_rel)
+        t[k_p[take], j_p[take]] = mean[take]
     T = np.moveaxis(t / (cu * q_scale[:, :, None]), 2, 0)     # (H, k, j): U^T W_h Q
     W = np.einsum("ak,hkj,bj->hab", U, T, Q)
     vh = (U @ C / cu).T                                        # (H, d)
