@@ -50,8 +50,16 @@ level); then probes (u_k, q_j) for random orthonormal bases U, Q and every k, j,
    predicted by (t_1 + t_k[p], c_1 + c_k[p]) for the right assignment p only
    (linearity in u). Rows whose residues tie (heads with equal v) are matched across
    j by probes (u_k, q_1 + q_j) (linearity in q).
-6. A last polish of all rows on the queries already made; W_h = U T_h Q^T / G,
-   v_h = U C_h / c; verification on held-out sequences.
+6. A last polish of all rows on the queries already made. Rows whose residual stays
+   above rounding (a coincident-pole probe fitted the wrong way round bends the row's
+   residues, so no single probe stands out) are repaired: every reassignment of one
+   probe's logits, and a global search of the worse half of the row with the residues
+   of its best-fitting half, each polished with the whole row by Gauss-Newton on the
+   full Jacobian (SVD; the normal equations square a condition of 1e7 and crawl); the
+   rows are then linked again on the same link samples. Probes replaced by pairs take
+   their logits from the pair, refitted with the final residues (polishing drifts along
+   a coincident-pole probe's flat direction). W_h = U T_h Q^T / G, v_h = U C_h / c;
+   verification on held-out sequences.
 
 Recovery queries: d + detection + (2H - 1)(d^2 + d - 1) without extra probes, near
 2Hd^2; the extra probes of steps 1 and 4 only spend what paper 2's count
