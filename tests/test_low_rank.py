@@ -239,7 +239,7 @@ def test_rop_solver_is_exact_on_exact_data():
     A, B = rng.standard_normal((m, d)), rng.standard_normal((m, d))
     t = np.einsum("md,de,me->m", A, W, B)
     X, Y, residual, _ = rop_solve(A, B, t, r, rng)
-    assert residual <= 1e-13
+    assert residual <= 1e-12                     # the solver's stopping tolerance
     assert rel_err(X @ Y.T, W) <= 1e-12
 
 

@@ -74,6 +74,8 @@ ROP_FIRST_BATCH = 32       # ROP measurements that set the logit scale
 DEFAULT_OVERSAMPLING = 2.0  # C of the ROP method, m = C r 2d: 100% of seeds in the benchmark
 STALL_FACTOR, STALL_STEPS = 0.9, 6   # ROP solver: restart after 6 steps without -10%
 GN_SWITCH, MAX_ALS = 0.05, 30          # ROP solver: ALS until the fit is within 5%
+FORCING_FLOOR = 1e-3       # ROP solver: deepest CG reduction (norm) per Gauss-Newton step (float32 limit)
+FLOAT32_FIT = 1e-3         # ROP solver: fits above this are checked with float32 products
 NOISE_FIT = 1e-11          # ROP solver: a fit stalled below this has reached the data's noise
 ROP_FIT_TOL = 1e-10        # relative measurement residual accepted from the ROP solver
 BLOCK_FLOATS = 1 << 21     # probe floats per oracle batch (16 MB)
@@ -385,7 +387,7 @@ def _rowdot(P: np.ndarray, Q: np.ndarray) -> np.ndarray:
     return np.einsum("mr,mr->m", P, Q)
 
 
-def _gauss_newton_step(A, B, A32, B32, X, Y, t, max_cg: int, forcing: float):
+def _gauss_newton_step(A32, B32, X, Y, DA, CB, t, max_cg: int, forcing: float):
     """One Gauss-Newton step for min sum_l (a_l^T X Y^T b_l - t_l)^2.
 
     The linearised problem in (dX, dY), J(dX, dY)_l = a_l^T dX c_l + d_l^T dY^T b_l
@@ -394,13 +396,13 @@ def _gauss_newton_step(A, B, A32, B32, X, Y, t, max_cg: int, forcing: float):
     Gaussian a_l, b_l: dX -> dX (C^T C), dY -> dY (D^T D). Stops when the normal
     residual fell by ``forcing`` (inexact Newton) or after ``max_cg`` iterations.
 
-    Mixed precision: the residual t - a^T X Y^T b is formed in float64 from A, B;
-    the correction is solved in float32 (A32, B32: half the memory traffic). A
-    float32 correction is accurate to ~1e-5 relative, so each step still shrinks
-    the float64 residual by that factor and the iteration converges to float64
-    accuracy.
+    Mixed precision: the residual t - a^T X Y^T b is formed in float64 from
+    DA = A X and CB = B Y (float64, (m, r), kept by the caller from its residual
+    check, so no extra float64 pass); the correction is solved in float32 (A32,
+    B32: half the memory traffic). A float32 correction is accurate to ~1e-5
+    relative, so each step still shrinks the float64 residual by that factor and
+    the iteration converges to float64 accuracy.
     """
-    CB, DA = B @ Y, A @ X
     res = (t - _rowdot(DA, CB)).astype(np.float32)
     CB32, DA32 = CB.astype(np.float32), DA.astype(np.float32)
     gx = np.linalg.pinv(CB.T @ CB).astype(np.float32)
@@ -434,11 +436,18 @@ def _gauss_newton_step(A, B, A32, B32, X, Y, t, max_cg: int, forcing: float):
 
 
 def _balance(X, Y):
-    """Same product X Y^T, factors with equal singular values (keeps the steps well scaled)."""
+    """Same product X Y^T, factors with equal singular values (keeps the steps well scaled).
+
+    Returns X', Y' (d, r) and the r x r maps Tx, Ty with X' = X Tx, Y' = Y Ty, so
+    that cached products A X, B Y follow without another pass over A, B.
+    """
     Qx, Rx = np.linalg.qr(X)
     Qy, Ry = np.linalg.qr(Y)
     u, s, vt = np.linalg.svd(Rx @ Ry.T)
-    return Qx @ u * np.sqrt(s), Qy @ vt.T * np.sqrt(s)
+    root = np.sqrt(s)
+    Tx = solve_triangular(Rx, u * root)        # Rx^{-1} u diag(root)
+    Ty = solve_triangular(Ry, vt.T * root)
+    return Qx @ u * root, Qy @ vt.T * root, Tx, Ty
 
 
 def rop_solve(A: np.ndarray, B: np.ndarray, t: np.ndarray, rank: int,
@@ -489,10 +498,20 @@ def rop_solve(A: np.ndarray, B: np.ndarray, t: np.ndarray, rank: int,
             else:
                 # inexact Newton: shrink the normal residual by min(1e-2, residual),
                 # but not below what a float32 solve can deliver
-                X, Y = _gauss_newton_step(A, B, A32, B32, X, Y, t, max_cg,
-                                          forcing=max(min(1e-2, best), 1e-3) ** 2)
-            X, Y = _balance(X, Y)
-            rel = float(np.linalg.norm(rop_residual(A, B, X, Y, t))) / norm_t
+                X, Y = _gauss_newton_step(A32, B32, X, Y, AX, BY, t, max_cg,
+                                          forcing=max(min(1e-2, best), FORCING_FLOOR) ** 2)
+            X_unbalanced, Y_unbalanced = X, Y
+            X, Y, Tx, Ty = _balance(X, Y)
+            # A X and B Y once per step: the residual check and the next Gauss-Newton
+            # step share them (balancing is an r x r map on the right). While the fit
+            # is far above float32 rounding (~1e-7 of |t|) float32 products are enough
+            # and cost half a float64 pass.
+            if best > FLOAT32_FIT:
+                AX = (A32 @ X_unbalanced.astype(np.float32)).astype(np.float64) @ Tx
+                BY = (B32 @ Y_unbalanced.astype(np.float32)).astype(np.float64) @ Ty
+            else:
+                AX, BY = (A @ X_unbalanced) @ Tx, (B @ Y_unbalanced) @ Ty
+            rel = float(np.linalg.norm(_rowdot(AX, BY) - t)) / norm_t
             stalled = stalled + 1 if rel > STALL_FACTOR * best else 0
             best = min(best, rel)
             if rel <= tolerance or (stalled >= 2 and best <= NOISE_FIT):
