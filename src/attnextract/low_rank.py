@@ -486,6 +486,7 @@ def rop_solve(A: np.ndarray, B: np.ndarray, t: np.ndarray, rank: int,
             X = np.zeros((d, rank))
             Y = rng.standard_normal((d, rank))
         best, stalled, newton = np.inf, 0, False
+        AX = BY = None     # set at the end of every step; Gauss-Newton starts after one
         for step in range(1, max_steps + 1):
             # alternating least squares (monotone, robust far away) until the fit is
             # within GN_SWITCH, then Gauss-Newton (fast, but only near a solution)

@@ -34,6 +34,21 @@ def as_sequences(X, dim: int) -> tuple[np.ndarray, bool]:
     return X, single
 
 
+def attention_weights(X: np.ndarray, W: np.ndarray) -> np.ndarray:
+    """alpha = softmax(X W x_N) for a batch X (B, N, d): the last token's attention (B, N)."""
+    return softmax(np.einsum("bnd,bd->bn", X, X[:, -1, :] @ W.T))
+
+
+def _square_matrix(W, what: str) -> np.ndarray:
+    """Validate a finite square query-key matrix W (d, d)."""
+    W = np.array(W, dtype=np.float64)
+    if W.ndim != 2 or W.shape[0] != W.shape[1]:
+        raise InputError(f"{what}: W must be square (d, d), got shape {W.shape}")
+    if not np.all(np.isfinite(W)):
+        raise InputError(f"{what}: W must be finite")
+    return W
+
+
 class SingleHeadAttention:
     """Single-head softmax attention regressor read at the last token.
 
@@ -50,14 +65,12 @@ class SingleHeadAttention:
     kind = "single-head"
 
     def __init__(self, W, v):
-        W = np.array(W, dtype=np.float64)
+        W = _square_matrix(W, "SingleHeadAttention")
         v = np.array(v, dtype=np.float64)
-        if W.ndim != 2 or W.shape[0] != W.shape[1]:
-            raise InputError(f"W must be square (d, d), got shape {W.shape}")
         if v.shape != (W.shape[0],):
             raise InputError(f"v must have shape ({W.shape[0]},), got {v.shape}")
-        if not (np.all(np.isfinite(W)) and np.all(np.isfinite(v))):
-            raise InputError("W and v must be finite")
+        if not np.all(np.isfinite(v)):
+            raise InputError("v must be finite")
         self.W, self.v = W, v
 
     @property
@@ -66,10 +79,7 @@ class SingleHeadAttention:
 
     def __call__(self, X):
         X, single = as_sequences(X, self.dim)
-        queries = X[:, -1, :] @ self.W.T                 # (B, d): W x_N per sequence
-        scores = np.einsum("bnd,bd->bn", X, queries)     # (B, N): x_i^T W x_N
-        values = X @ self.v                              # (B, N): x_i^T v
-        out = np.einsum("bn,bn->b", softmax(scores), values)
+        out = np.einsum("bn,bn->b", attention_weights(X, self.W), X @ self.v)
         return float(out[0]) if single else out
 
     def parameters(self) -> dict[str, np.ndarray]:
@@ -157,11 +167,7 @@ class OneLayerTransformer:
     kind = "one-layer"
 
     def __init__(self, W, A, w):
-        W = np.array(W, dtype=np.float64)
-        if W.ndim != 2 or W.shape[0] != W.shape[1]:
-            raise InputError(f"W must be square (d, d), got shape {W.shape}")
-        if not np.all(np.isfinite(W)):
-            raise InputError("W must be finite")
+        W = _square_matrix(W, "OneLayerTransformer")
         A, w = _relu_parameters(A, w, "OneLayerTransformer")
         if A.shape[1] != W.shape[0]:
             raise InputError(f"A must have {W.shape[0]} columns to match W, got {A.shape}")
@@ -177,8 +183,7 @@ class OneLayerTransformer:
 
     def attend(self, X: np.ndarray) -> np.ndarray:
         """h(X) = X^T softmax(X W x_N) for a batch (B, N, d) -> (B, d)."""
-        scores = np.einsum("bnd,bd->bn", X, X[:, -1, :] @ self.W.T)
-        return np.einsum("bn,bnd->bd", softmax(scores), X)
+        return np.einsum("bn,bnd->bd", attention_weights(X, self.W), X)
 
     def __call__(self, X):
         X, single = as_sequences(X, self.dim)
@@ -232,9 +237,7 @@ class MultiHeadAttention:
         X, single = as_sequences(X, self.dim)
         out = np.zeros(X.shape[0])
         for W, v in zip(self.W, self.v):                 # H is small: one pass per head
-            queries = X[:, -1, :] @ W.T
-            scores = np.einsum("bnd,bd->bn", X, queries)
-            out += np.einsum("bn,bn->b", softmax(scores), X @ v)
+            out += np.einsum("bn,bn->b", attention_weights(X, W), X @ v)
         return float(out[0]) if single else out
 
     def parameters(self) -> dict[str, np.ndarray]:
@@ -244,6 +247,65 @@ class MultiHeadAttention:
         return f"MultiHeadAttention(H={self.heads}, d={self.dim})"
 
 
+class ResidualOneLayer:
+    """One-layer Transformer with a residual connection, in merged form.
+
+    f(X) = w^T ReLU(A x_N + B X^T softmax(X W x_N)); the residual model
+    h(X) = x_N + V^T X^T softmax(...), f = w^T ReLU(A h) is B = A V^T
+    (:meth:`from_value_matrix`).
+
+    Parameters
+    ----------
+    W : array (d, d)
+    A : array (m, d)
+        FFN weights applied to the residual stream x_N.
+    B : array (m, d)
+        FFN weights applied to the attention output (A V^T).
+    w : array (m,)
+    """
+
+    kind = "one-layer-residual"
+
+    def __init__(self, W, A, B, w):
+        W = _square_matrix(W, "ResidualOneLayer")
+        A, w = _relu_parameters(A, w, "ResidualOneLayer")
+        B = np.array(B, dtype=np.float64)
+        if A.shape[1] != W.shape[0] or B.shape != A.shape or not np.all(np.isfinite(B)):
+            raise InputError(f"A and B must be finite ({A.shape[0]}, {W.shape[0]}) arrays, "
+                             f"got {A.shape} and {B.shape}")
+        self.W, self.A, self.B, self.w = W, A, B, w
+
+    @classmethod
+    def from_value_matrix(cls, W, V, A, w) -> "ResidualOneLayer":
+        """The model with h(X) = x_N + V^T X^T softmax(X W x_N), f = w^T ReLU(A h)."""
+        A = np.asarray(A, dtype=np.float64)
+        return cls(W, A, A @ np.asarray(V, dtype=np.float64).T, w)
+
+    @property
+    def dim(self) -> int:
+        return self.W.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.A.shape[0]
+
+    def value_matrix(self) -> np.ndarray:
+        """V (d, d) with B = A V^T (least squares; exact when A has full column rank)."""
+        return np.linalg.lstsq(self.A, self.B, rcond=None)[0].T
+
+    def __call__(self, X):
+        X, single = as_sequences(X, self.dim)
+        z = np.einsum("bn,bnd->bd", attention_weights(X, self.W), X)
+        out = np.maximum(X[:, -1, :] @ self.A.T + z @ self.B.T, 0.0) @ self.w
+        return float(out[0]) if single else out
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        return {"W": self.W, "A": self.A, "B": self.B, "w": self.w}
+
+    def __repr__(self) -> str:
+        return f"ResidualOneLayer(d={self.dim}, m={self.width})"
+
+
 # kind -> class: how report.load_model rebuilds a model from a result file
 MODEL_CLASSES = {cls.kind: cls for cls in (SingleHeadAttention, MultiHeadAttention, ReLUNetwork,
-                                           OneLayerTransformer)}
+                                           OneLayerTransformer, ResidualOneLayer)}

@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 from .errors import InputError, ModelMismatchError, NotIdentifiableError
-from .models import MODEL_CLASSES, _relu_parameters, as_sequences, softmax
+from .models import ResidualOneLayer
 from .one_layer import OddPartOracle
 from .oracle import Oracle
 from .relu_network import extract_relu_network
@@ -44,69 +44,6 @@ MATCH_TOLERANCE = 1e-6      # 1 - cos of matched unit directions must stay below
 RATIO_TOLERANCE = 1e-6      # the unit scale ratio from net 3 must agree this well (relative)
 
 
-class ResidualOneLayer:
-    """One-layer Transformer with a residual connection, in merged form.
-
-    f(X) = w^T ReLU(A x_N + B X^T softmax(X W x_N)); the residual model
-    h(X) = x_N + V^T X^T softmax(...), f = w^T ReLU(A h) is B = A V^T
-    (:meth:`from_value_matrix`).
-
-    Parameters
-    ----------
-    W : array (d, d)
-    A : array (m, d)
-        FFN weights applied to the residual stream x_N.
-    B : array (m, d)
-        FFN weights applied to the attention output (A V^T).
-    w : array (m,)
-    """
-
-    kind = "one-layer-residual"
-
-    def __init__(self, W, A, B, w):
-        W = np.array(W, dtype=np.float64)
-        if W.ndim != 2 or W.shape[0] != W.shape[1] or not np.all(np.isfinite(W)):
-            raise InputError(f"W must be a finite square (d, d) array, got shape {W.shape}")
-        A, w = _relu_parameters(A, w, "ResidualOneLayer")
-        B = np.array(B, dtype=np.float64)
-        if A.shape[1] != W.shape[0] or B.shape != A.shape or not np.all(np.isfinite(B)):
-            raise InputError(f"A and B must be finite ({A.shape[0]}, {W.shape[0]}) arrays, "
-                             f"got {A.shape} and {B.shape}")
-        self.W, self.A, self.B, self.w = W, A, B, w
-
-    @classmethod
-    def from_value_matrix(cls, W, V, A, w) -> "ResidualOneLayer":
-        """The model with h(X) = x_N + V^T X^T softmax(X W x_N), f = w^T ReLU(A h)."""
-        A = np.asarray(A, dtype=np.float64)
-        return cls(W, A, A @ np.asarray(V, dtype=np.float64).T, w)
-
-    @property
-    def dim(self) -> int:
-        return self.W.shape[0]
-
-    @property
-    def width(self) -> int:
-        return self.A.shape[0]
-
-    def value_matrix(self) -> np.ndarray:
-        """V (d, d) with B = A V^T (least squares; exact when A has full column rank)."""
-        return np.linalg.lstsq(self.A, self.B, rcond=None)[0].T
-
-    def __call__(self, X):
-        X, single = as_sequences(X, self.dim)
-        scores = np.einsum("bnd,bd->bn", X, X[:, -1, :] @ self.W.T)
-        z = np.einsum("bn,bnd->bd", softmax(scores), X)
-        out = np.maximum(X[:, -1, :] @ self.A.T + z @ self.B.T, 0.0) @ self.w
-        return float(out[0]) if single else out
-
-    def parameters(self) -> dict[str, np.ndarray]:
-        return {"W": self.W, "A": self.A, "B": self.B, "w": self.w}
-
-    def __repr__(self) -> str:
-        return f"ResidualOneLayer(d={self.dim}, m={self.width})"
-
-
-MODEL_CLASSES[ResidualOneLayer.kind] = ResidualOneLayer
 
 
 class _MappedOracle:
