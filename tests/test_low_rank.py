@@ -231,16 +231,50 @@ def test_rop_too_few_measurements_or_too_low_rank_fail_loudly():
         extract_low_rank(Oracle(target, d), rank=2, method="rop", seed=0)
 
 
-def test_rop_solver_is_exact_on_exact_data():
-    rng = np.random.default_rng(1)
-    d, r = 40, 5
-    W = rng.standard_normal((d, r)) @ rng.standard_normal((r, d))
-    m = int(2 * r * 2 * d)
-    A, B = rng.standard_normal((m, d)), rng.standard_normal((m, d))
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_rop_solver_is_exact_on_exact_data(dtype):
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        d, r = 40, 5
+        W = rng.standard_normal((d, r)) @ rng.standard_normal((r, d))
+        m = int(2 * r * 2 * d)
+        A, B = rng.standard_normal((m, d)).astype(dtype), rng.standard_normal((m, d)).astype(dtype)
+        t = np.einsum("md,de,me->m", A.astype(np.float64), W, B.astype(np.float64))
+        X, Y, fit, iterations, residual = rop_solve(A, B, t, r, rng)
+        assert fit <= 1e-12                          # the solver's stopping tolerance
+        assert fit == pytest.approx(np.linalg.norm(residual) / np.linalg.norm(t))
+        exact = np.einsum("md,de,me->m", A.astype(np.float64), X @ Y.T, B.astype(np.float64)) - t
+        assert np.abs(residual - exact).max() <= 1e-9 * np.abs(t).max()
+        assert rel_err(X @ Y.T, W) <= 5e-12             # ~2.5 x the fit: the sampling's conditioning
+        assert 10 <= iterations <= 400
+        # asked for more, it goes down to float64 rounding
+        X, Y, fit, _, _ = rop_solve(A, B, t, r, rng, tolerance=1e-14)
+        assert fit <= 1e-14 and rel_err(X @ Y.T, W) <= 1e-13
+
+
+def test_rop_solver_handles_zero_measurements_and_restarts():
+    rng = np.random.default_rng(0)
+    A, B = rng.standard_normal((64, 8)), rng.standard_normal((64, 8))
+    X, Y, fit, iterations, residual = rop_solve(A, B, np.zeros(64), 2, rng)
+    assert fit == 0.0 and not np.any(X @ Y.T) and iterations == 0
+    # too few measurements for the rank: no exact fit exists nearby, the solver gives
+    # its best after restarts and says how far it is
+    W = rng.standard_normal((8, 3)) @ rng.standard_normal((3, 8))
+    A, B = rng.standard_normal((20, 8)), rng.standard_normal((20, 8))
     t = np.einsum("md,de,me->m", A, W, B)
-    X, Y, residual, _ = rop_solve(A, B, t, r, rng)
-    assert residual <= 1e-12                     # the solver's stopping tolerance
-    assert rel_err(X @ Y.T, W) <= 1e-12
+    X, Y, fit, iterations, residual = rop_solve(A, B, t, 1, rng, restarts=2)
+    assert fit > 1e-3 and iterations > 0
+    assert fit == pytest.approx(np.linalg.norm(residual) / np.linalg.norm(t))
+
+
+def test_gaussian_probes_are_float32_normal_and_reproducible():
+    from attnextract.low_rank import gaussian_probes
+    P = gaussian_probes(20000, 16, np.random.default_rng(5))
+    Q = gaussian_probes(20000, 16, np.random.default_rng(5))
+    assert P.dtype == np.float32 and P.shape == (20000, 16)
+    np.testing.assert_array_equal(P, Q)
+    assert abs(P.mean()) < 0.01 and abs(P.std() - 1) < 0.01
+    assert not np.array_equal(P[:8192], P[8192:16384])   # chunks draw different numbers
 
 
 def test_nuclear_reference_needs_cvxpy(monkeypatch):

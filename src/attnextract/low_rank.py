@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from scipy.linalg import solve_triangular
@@ -72,10 +73,12 @@ SCOUT_PROBES = 8           # entries of the first column that find the logit sca
 ROP_HOLDOUT = 16           # ROP measurements kept out of the fit, to check it
 ROP_FIRST_BATCH = 32       # ROP measurements that set the logit scale
 DEFAULT_OVERSAMPLING = 2.0  # C of the ROP method, m = C r 2d: 100% of seeds in the benchmark
-STALL_FACTOR, STALL_STEPS = 0.9, 6   # ROP solver: restart after 6 steps without -10%
-GN_SWITCH, MAX_ALS = 0.05, 30          # ROP solver: ALS until the fit is within 5%
-FORCING_FLOOR = 1e-3       # ROP solver: deepest CG reduction (norm) per Gauss-Newton step (float32 limit)
-FLOAT32_FIT = 1e-3         # ROP solver: fits above this are checked with float32 products
+MAX_NCG = 5000             # ROP solver: iterations per attempt (stalls end attempts far sooner)
+STALL_ITERATIONS = 60      # ROP solver: restart when the best fit has not halved in this many
+PLATEAU_ITERATIONS = 4     # ROP solver: below NOISE_FIT, stop when the fit has not halved in this many
+SYNC_DROP = 1e-4           # ROP solver: recompute the float64 residual when the fit fell this much
+PROBE_CHUNK = 8192         # ROP probe rows per random generator (fixed: same draw on any machine)
+RESIDUAL_CHUNK = 4096      # ROP probe rows converted to float64 at a time
 NOISE_FIT = 1e-11          # ROP solver: a fit stalled below this has reached the data's noise
 ROP_FIT_TOL = 1e-10        # relative measurement residual accepted from the ROP solver
 BLOCK_FLOATS = 1 << 21     # probe floats per oracle batch (16 MB)
@@ -133,14 +136,15 @@ class BilinearMeter:
         """Logits G u^T W q for u, q (n, d) at scales G (n,); NaN where not measurable."""
         n, d = u.shape
         c, s = split_scale(scale)
-        vu, vq = u @ self.v, q @ self.v
-        out = np.empty(n)
+        vu, vq, out = np.empty(n), np.empty(n), np.empty(n)
         step = max(1, BLOCK_FLOATS // (2 * d))
         for lo in range(0, n, step):            # one oracle batch per block of probes
             hi = min(n, lo + step)
+            ub, qb = u[lo:hi].astype(np.float64), q[lo:hi].astype(np.float64)  # float32 rows too
+            vu[lo:hi], vq[lo:hi] = ub @ self.v, qb @ self.v
             X = np.empty((hi - lo, 2, d))
-            X[:, 1, :] = s[lo:hi, None] * q[lo:hi]
-            X[:, 0, :] = X[:, 1, :] + c[lo:hi, None] * u[lo:hi]
+            X[:, 1, :] = s[lo:hi, None] * qb
+            X[:, 0, :] = X[:, 1, :] + c[lo:hi, None] * ub
             out[lo:hi] = self.oracle.query(X)
         with np.errstate(divide="ignore", invalid="ignore"):
             weight = (out - s * vq) / (c * vu)
@@ -336,6 +340,27 @@ def _extract_adaptive(oracle, v, rng):
 # the paper's method: Gaussian rank-one projections + a fast rank-r solver
 # --------------------------------------------------------------------------------------
 
+def gaussian_probes(m: int, d: int, rng: np.random.Generator) -> np.ndarray:
+    """m standard Gaussian rows of width d, float32, filled by two threads.
+
+    float32 values are exact in float64, so the probes sent, the float64 fit
+    checks and the float32 passes of the solver all see the same numbers (and the
+    solver needs no float64 copy: half the memory). Rows come in fixed chunks, each
+    from its own generator spawned from ``rng``: the draw does not depend on timing.
+    """
+    out = np.empty((m, d), dtype=np.float32)
+    starts = range(0, m, PROBE_CHUNK)
+    seeds = np.random.SeedSequence(int(rng.integers(2 ** 63))).spawn(len(starts))
+
+    def fill(k):    # numpy releases the GIL while it fills: the threads run in parallel
+        np.random.default_rng(seeds[k]).standard_normal(
+            out=out[starts[k]:starts[k] + PROBE_CHUNK], dtype=np.float32)
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(fill, range(len(starts))))
+    return out
+
+
 def rop_measure(meter: BilinearMeter, A: np.ndarray, B: np.ndarray) -> np.ndarray:
     """t_l = a_l^T W b_l for Gaussian rows a_l, b_l (m, d); the first batch sets the scale."""
     m = A.shape[0]
@@ -349,180 +374,175 @@ def rop_measure(meter: BilinearMeter, A: np.ndarray, B: np.ndarray) -> np.ndarra
     return t
 
 
-def rop_residual(A, B, X, Y, t) -> np.ndarray:
-    """a_l^T X Y^T b_l - t_l for every measurement, shape (m,)."""
-    return np.einsum("mr,mr->m", A @ X, B @ Y) - t
-
-
-def _pcg_factor(A, CB, t, X, iterations: int) -> np.ndarray:
-    """A few preconditioned CG steps on min_X sum_l (a_l^T X c_l - t_l)^2, from X.
-
-    Normal operator N(X) = A^T diag(.) : X -> sum_l a_l a_l^T X c_l c_l^T, whose
-    expectation over Gaussian a_l is X (CB^T CB); its inverse is the preconditioner.
-    """
-    gram_inv = np.linalg.pinv(CB.T @ CB)
-
-    def normal(Z):
-        return A.T @ (np.einsum("mr,mr->m", A @ Z, CB)[:, None] * CB)
-
-    R = A.T @ ((t - np.einsum("mr,mr->m", A @ X, CB))[:, None] * CB)
-    Z = R @ gram_inv
-    P = Z.copy()
-    rz = float(np.sum(R * Z))
-    for _ in range(iterations):
-        if rz <= 0.0:
-            break
-        NP = normal(P)
-        alpha = rz / float(np.sum(P * NP))
-        X = X + alpha * P
-        R = R - alpha * NP
-        Z = R @ gram_inv
-        rz_new = float(np.sum(R * Z))
-        P = Z + (rz_new / rz) * P
-        rz = rz_new
-    return X
-
-
 def _rowdot(P: np.ndarray, Q: np.ndarray) -> np.ndarray:
     return np.einsum("mr,mr->m", P, Q)
 
 
-def _gauss_newton_step(A32, B32, X, Y, DA, CB, t, max_cg: int, forcing: float):
-    """One Gauss-Newton step for min sum_l (a_l^T X Y^T b_l - t_l)^2.
+def rop_residual(A, B, X, Y, t):
+    """a_l^T X Y^T b_l - t_l in float64, shape (m,), with float32 copies of A X and B Y.
 
-    The linearised problem in (dX, dY), J(dX, dY)_l = a_l^T dX c_l + d_l^T dY^T b_l
-    with c_l = Y^T b_l, d_l = X^T a_l, is solved by conjugate gradients on the normal
-    equations, preconditioned block-diagonally by the expectation of J^T J over
-    Gaussian a_l, b_l: dX -> dX (C^T C), dY -> dY (D^T D). Stops when the normal
-    residual fell by ``forcing`` (inexact Newton) or after ``max_cg`` iterations.
-
-    Mixed precision: the residual t - a^T X Y^T b is formed in float64 from
-    DA = A X and CB = B Y (float64, (m, r), kept by the caller from its residual
-    check, so no extra float64 pass); the correction is solved in float32 (A32,
-    B32: half the memory traffic). A float32 correction is accurate to ~1e-5
-    relative, so each step still shrinks the float64 residual by that factor and
-    the iteration converges to float64 accuracy.
+    Chunk by chunk, so a float32 A is never copied whole to float64.
+    Returns (residual (m,), AX (m, r) float32, BY (m, r) float32).
     """
-    res = (t - _rowdot(DA, CB)).astype(np.float32)
-    CB32, DA32 = CB.astype(np.float32), DA.astype(np.float32)
-    gx = np.linalg.pinv(CB.T @ CB).astype(np.float32)
-    gy = np.linalg.pinv(DA.T @ DA).astype(np.float32)
-
-    def normal(PX, PY):
-        z = _rowdot(A32 @ PX, CB32) + _rowdot(DA32, B32 @ PY)
-        return A32.T @ (z[:, None] * CB32), B32.T @ (z[:, None] * DA32)
-
-    RX, RY = A32.T @ (res[:, None] * CB32), B32.T @ (res[:, None] * DA32)
-    ZX, ZY = RX @ gx, RY @ gy
-    PX, PY = ZX.copy(), ZY.copy()
-    dX, dY = np.zeros(X.shape), np.zeros(Y.shape)
-    rz = float(np.sum(RX * ZX, dtype=np.float64) + np.sum(RY * ZY, dtype=np.float64))
-    target = forcing * rz
-    for _ in range(max_cg):
-        if rz <= target or rz <= 0.0:
-            break
-        NX, NY = normal(PX, PY)
-        alpha = rz / float(np.sum(PX * NX, dtype=np.float64) + np.sum(PY * NY, dtype=np.float64))
-        dX += alpha * PX
-        dY += alpha * PY
-        RX -= np.float32(alpha) * NX
-        RY -= np.float32(alpha) * NY
-        ZX, ZY = RX @ gx, RY @ gy
-        rz_new = float(np.sum(RX * ZX, dtype=np.float64) + np.sum(RY * ZY, dtype=np.float64))
-        beta = np.float32(rz_new / rz)
-        PX, PY = ZX + beta * PX, ZY + beta * PY
-        rz = rz_new
-    return X + dX, Y + dY
+    m, r = A.shape[0], X.shape[1]
+    res = np.empty(m)
+    AX, BY = np.empty((m, r), np.float32), np.empty((m, r), np.float32)
+    for lo in range(0, m, RESIDUAL_CHUNK):
+        part = slice(lo, lo + RESIDUAL_CHUNK)
+        ax = A[part].astype(np.float64) @ X
+        by = B[part].astype(np.float64) @ Y
+        res[part] = _rowdot(ax, by) - t[part]
+        AX[part], BY[part] = ax, by
+    return res, AX, BY
 
 
-def _balance(X, Y):
-    """Same product X Y^T, factors with equal singular values (keeps the steps well scaled).
+def _line_minimum(c1: float, c2: float, c3: float, c4: float) -> float:
+    """The alpha minimising c1 a + c2 a^2 + c3 a^3 + c4 a^4 (a quartic with c4 >= 0)."""
+    coefficients = [4 * c4, 3 * c3, 2 * c2, c1] if c4 > 0 else [2 * c2, c1]
+    roots = np.roots(coefficients)
+    real = roots[np.abs(roots.imag) <= 1e-9 * np.maximum(1.0, np.abs(roots))].real
+    if real.size == 0:
+        return 0.0
+    return float(real[np.argmin(c1 * real + c2 * real ** 2 + c3 * real ** 3 + c4 * real ** 4)])
 
-    Returns X', Y' (d, r) and the r x r maps Tx, Ty with X' = X Tx, Y' = Y Ty, so
-    that cached products A X, B Y follow without another pass over A, B.
-    """
-    Qx, Rx = np.linalg.qr(X)
-    Qy, Ry = np.linalg.qr(Y)
-    u, s, vt = np.linalg.svd(Rx @ Ry.T)
-    root = np.sqrt(s)
-    Tx = solve_triangular(Rx, u * root)        # Rx^{-1} u diag(root)
-    Ty = solve_triangular(Ry, vt.T * root)
-    return Qx @ u * root, Qy @ vt.T * root, Tx, Ty
+
+def _spectral_start(A32, B32, t, rank, rng):
+    """Top-r part of (1/m) sum_l t_l a_l b_l^T (expectation W) as factors X, Y (d, r)."""
+    m, d = A32.shape
+    t32 = t.astype(np.float32)
+    Omega = rng.standard_normal((d, min(d, rank + 8))).astype(np.float32)
+    Q = np.linalg.qr(A32.T @ (t32[:, None] * (B32 @ Omega)))[0]          # range of W0
+    Q = np.linalg.qr(A32.T @ (t32[:, None] * (B32 @ (B32.T @ (t32[:, None] * (A32 @ Q))))))[0]
+    small = (((A32 @ Q) * t32[:, None]).T @ B32).astype(np.float64) / m  # Q^T W0 (k, d)
+    Us, S, Vt = np.linalg.svd(small, full_matrices=False)
+    root = np.sqrt(S[:rank])
+    return Q.astype(np.float64) @ Us[:, :rank] * root, Vt[:rank].T * root
 
 
 def rop_solve(A: np.ndarray, B: np.ndarray, t: np.ndarray, rank: int,
               rng: np.random.Generator, *, tolerance: float = 1e-12,
-              max_steps: int = 60, als_sweeps: int = 3, max_cg: int = 60,
-              restarts: int = 3):
+              max_iterations: int = MAX_NCG, restarts: int = 3, callback=None):
     """Rank-r fit X Y^T (X, Y of shape (d, r)) to t_l = a_l^T W b_l.
 
-    Spectral start: the top-r part of (1/m) sum_l t_l a_l b_l^T (its expectation is
-    W), from a randomised range finder (passes of O(m d r)). A few sweeps of
-    alternating least squares (each half step three preconditioned CG iterations)
-    bring it near; then Gauss-Newton steps (quadratic convergence on exact data)
-    until the relative measurement residual is below ``tolerance``. A run that
-    stalls (no halving of the residual in 4 steps: a spurious stationary point,
-    met when m is near the degrees of freedom and the spectral start is poor)
-    starts again from random factors, at most ``restarts`` times.
+    Minimises f(X, Y) = 1/2 sum_l (a_l^T X Y^T b_l - t_l)^2 by preconditioned
+    nonlinear conjugate gradients (Polak-Ribiere+) from the spectral start.
 
-    Returns (X, Y, relative residual, steps taken in all).
+    * Exact line search: along (X + s PX, Y + s PY) the residual is the quadratic
+      res + s s1 + s^2 s2 (s1, s2 from A PX and B PY), so f is a quartic in s,
+      minimised exactly. An iteration is four passes of O(m d r) over A and B
+      (gradient: A^T(res * BY), B^T(res * AX); line: A PX, B PY), the least any
+      Krylov method needs; unlike Gauss-Newton with inner CG solves there are no
+      restarts of the Krylov process, so no iterations are lost to them.
+    * Preconditioner: the expectation of the Gauss-Newton matrix over Gaussian
+      probes is the Frobenius metric of dW = dX Y^T + X dY^T. Its block-diagonal
+      part is dX -> dX (Y^T B^T B Y); the columns of dX inside span(X) (and of dY
+      inside span(Y)) both move the same "core" U M V^T, so they are halved:
+      zX = (I - P_X / 2) gX (Y^T B^T B Y)^{-1}. This is the Riemannian metric
+      of the rank-r manifold; it removes the doubled core from the spectrum.
+    * Mixed precision: passes in float32 (A, B as float32, exact when the probes
+      were drawn in float32); the residual res is carried in float64 and updated
+      exactly from the quartic; every time the fit falls by SYNC_DROP it is
+      recomputed from X, Y in float64 (``rop_residual``), which stops the drift
+      of the float32 products. On exact data the fit reaches ~1e-13.
+
+    Near the solution the rate is that of CG on the sampled Gauss-Newton matrix, a
+    Marchenko-Pastur-like spread of condition ~35 at m = 4 r d (C = 2): ~7
+    iterations per decimal digit. Below NOISE_FIT a fit that has not halved in
+    PLATEAU_ITERATIONS iterations has met the measurements' own rounding (probes
+    with a small v^T a are measured less precisely) and the run ends. A run whose
+    best fit has not halved in
+    STALL_ITERATIONS iterations (a spurious stationary point when m is close to
+    the degrees of freedom) starts again from random factors, at most
+    ``restarts`` times; stalled below NOISE_FIT it has reached the data's noise.
+
+    Parameters
+    ----------
+    A, B : ndarray (m, d)
+        Probe rows a_l, b_l (float32 or float64).
+    t : ndarray (m,)
+        Measurements a_l^T W b_l.
+    rank : int
+        r.
+    callback : callable, optional
+        Called as ``callback(iteration, fit)`` after every iteration (progress).
+
+    Returns
+    -------
+    (X, Y, relative residual ||res|| / ||t||, iterations in all, residual (m,))
     """
     m, d = A.shape
+    A32 = A if A.dtype == np.float32 else A.astype(np.float32)
+    B32 = B if B.dtype == np.float32 else B.astype(np.float32)
     norm_t = float(np.linalg.norm(t))
-    A32, B32, t32 = A.astype(np.float32), B.astype(np.float32), t.astype(np.float32)
-    total = 0
-    best_fit = None
+    if norm_t == 0.0:
+        X = np.zeros((d, rank))
+        return X, X.copy(), 0.0, 0, np.zeros(m)
+    total, best_fit = 0, None
+    work = np.empty((m, rank), np.float32)              # reused for the gradient's weights
     for attempt in range(restarts + 1):
         if attempt == 0:
-            k = min(d, rank + 8)
-            Omega = rng.standard_normal((d, k))
-            Q = np.linalg.qr(A.T @ (t[:, None] * (B @ Omega)))[0]         # range of W0
-            Q = np.linalg.qr(A.T @ (t[:, None] * (B @ (B.T @ (t[:, None] * (A @ Q))))))[0]
-            small = ((A @ Q) * t[:, None]).T @ B / m                        # Q^T W0 (k, d)
-            Us, S, Vt = np.linalg.svd(small, full_matrices=False)
-            X = Q @ Us[:, :rank] * np.sqrt(S[:rank])
-            Y = Vt[:rank].T * np.sqrt(S[:rank])
+            X, Y = _spectral_start(A32, B32, t, rank, rng)
         else:
-            X = np.zeros((d, rank))
-            Y = rng.standard_normal((d, rank))
-        best, stalled, newton = np.inf, 0, False
-        AX = BY = None     # set at the end of every step; Gauss-Newton starts after one
-        for step in range(1, max_steps + 1):
-            # alternating least squares (monotone, robust far away) until the fit is
-            # within GN_SWITCH, then Gauss-Newton (fast, but only near a solution)
-            newton = newton or (step > als_sweeps and best <= GN_SWITCH) or step > MAX_ALS
-            if not newton:     # far from the solution float32 is plenty (and 2x faster)
-                X = _pcg_factor(A32, B32 @ Y.astype(np.float32), t32,
-                                X.astype(np.float32), 3).astype(np.float64)
-                Y = _pcg_factor(B32, A32 @ X.astype(np.float32), t32,
-                                Y.astype(np.float32), 3).astype(np.float64)
-            else:
-                # inexact Newton: shrink the normal residual by min(1e-2, residual),
-                # but not below what a float32 solve can deliver
-                X, Y = _gauss_newton_step(A32, B32, X, Y, AX, BY, t, max_cg,
-                                          forcing=max(min(1e-2, best), FORCING_FLOOR) ** 2)
-            X_unbalanced, Y_unbalanced = X, Y
-            X, Y, Tx, Ty = _balance(X, Y)
-            # A X and B Y once per step: the residual check and the next Gauss-Newton
-            # step share them (balancing is an r x r map on the right). While the fit
-            # is far above float32 rounding (~1e-7 of |t|) float32 products are enough
-            # and cost half a float64 pass.
-            if best > FLOAT32_FIT:
-                AX = (A32 @ X_unbalanced.astype(np.float32)).astype(np.float64) @ Tx
-                BY = (B32 @ Y_unbalanced.astype(np.float32)).astype(np.float64) @ Ty
-            else:
-                AX, BY = (A @ X_unbalanced) @ Tx, (B @ Y_unbalanced) @ Ty
-            rel = float(np.linalg.norm(_rowdot(AX, BY) - t)) / norm_t
-            stalled = stalled + 1 if rel > STALL_FACTOR * best else 0
-            best = min(best, rel)
-            if rel <= tolerance or (stalled >= 2 and best <= NOISE_FIT):
-                return X, Y, rel, total + step       # converged (to the data's noise)
-            if stalled >= STALL_STEPS:
-                break
-        total += step
-        if best_fit is None or rel < best_fit[2]:
-            best_fit = (X, Y, rel)
-    return best_fit + (total,)
+            X, Y = np.zeros((d, rank)), rng.standard_normal((d, rank))
+        # float32 products suffice while the fit is far above their rounding (~1e-7)
+        AX = A32 @ np.asfortranarray(X, dtype=np.float32)
+        BY = B32 @ np.asfortranarray(Y, dtype=np.float32)
+        res = _rowdot(AX, BY).astype(np.float64) - t
+        fit = synced = best = float(np.linalg.norm(res)) / norm_t
+        exact, best_at, PX, history = False, 0, None, [fit]
+        for it in range(1, max_iterations + 1):
+            res32 = res.astype(np.float32)
+            gX = (A32.T @ np.multiply(res32[:, None], BY, out=work)).astype(np.float64)
+            gY = (B32.T @ np.multiply(res32[:, None], AX, out=work)).astype(np.float64)
+            zX = gX @ np.linalg.pinv((BY.T @ BY).astype(np.float64))
+            zY = gY @ np.linalg.pinv((AX.T @ AX).astype(np.float64))
+            zX -= 0.5 * X @ np.linalg.lstsq(X.T @ X, X.T @ zX, rcond=None)[0]   # halve the core
+            zY -= 0.5 * Y @ np.linalg.lstsq(Y.T @ Y, Y.T @ zY, rcond=None)[0]
+            zg = float(np.sum(zX * gX) + np.sum(zY * gY))
+            beta = 0.0
+            if PX is not None and zg_old > 0:
+                beta = max(0.0, (zg - float(np.sum(zX * gX_old) + np.sum(zY * gY_old))) / zg_old)
+            PX, PY = (-zX, -zY) if beta == 0.0 else (beta * PX - zX, beta * PY - zY)
+            if np.sum(PX * gX) + np.sum(PY * gY) >= 0.0:      # not downhill: steepest descent
+                PX, PY = -zX, -zY
+            zg_old, gX_old, gY_old = zg, gX, gY
+            APX = A32 @ np.asfortranarray(PX, dtype=np.float32)
+            BPY = B32 @ np.asfortranarray(PY, dtype=np.float32)
+            s1 = (_rowdot(AX, BPY) + _rowdot(APX, BY)).astype(np.float64)
+            s2 = _rowdot(APX, BPY).astype(np.float64)
+            step = _line_minimum(2 * float(res @ s1), float(s1 @ s1) + 2 * float(res @ s2),
+                                 2 * float(s1 @ s2), float(s2 @ s2))
+            X, Y = X + step * PX, Y + step * PY
+            AX += np.float32(step) * APX     # (BLAS saxpy here slowed the next passes by 40%)
+            BY += np.float32(step) * BPY
+            res += step * s1 + step * step * s2
+            fit = float(np.linalg.norm(res)) / norm_t
+            exact = False
+            if fit <= SYNC_DROP * synced or fit <= tolerance:
+                res, AX, BY = rop_residual(A, B, X, Y, t)     # float64 again
+                fit = synced = float(np.linalg.norm(res)) / norm_t
+                exact = True
+            history.append(fit)
+            if callback is not None:
+                callback(total + it, fit)
+            if fit <= tolerance:
+                return X, Y, fit, total + it, res
+            if fit <= NOISE_FIT and fit > 0.5 * history[-1 - PLATEAU_ITERATIONS:][0]:
+                break       # at the measurements' noise: further iterations fit rounding
+            if fit <= 0.5 * best:
+                best, best_at = fit, it
+            elif it - best_at >= STALL_ITERATIONS:
+                break       # a spurious stationary point: start again elsewhere
+        total += it
+        if not exact:
+            res, AX, BY = rop_residual(A, B, X, Y, t)
+            fit = float(np.linalg.norm(res)) / norm_t
+        if best_fit is None or fit < best_fit[2]:
+            best_fit = (X, Y, fit, res)
+        if fit <= NOISE_FIT:             # stalled at the data's noise: nothing better to find
+            break
+    X, Y, fit, res = best_fit
+    return X, Y, fit, total, res
 
 
 def nuclear_norm_solve(A, B, t):
@@ -545,25 +565,26 @@ def _extract_rop(oracle, v, rank, oversampling, solver, rng):
     d = oracle.dim
     m = int(math.ceil(oversampling * rank * 2 * d))
     meter = BilinearMeter(oracle, v)
-    A = rng.standard_normal((m + ROP_HOLDOUT, d))
-    B = rng.standard_normal((m + ROP_HOLDOUT, d))
+    A = gaussian_probes(m + ROP_HOLDOUT, d, rng)
+    B = gaussian_probes(m + ROP_HOLDOUT, d, rng)
     t = rop_measure(meter, A, B)
     fit, check = slice(0, m), slice(m, m + ROP_HOLDOUT)
     start = time.perf_counter()
     if solver == "nuclear":
-        W = nuclear_norm_solve(A[fit], B[fit], t[fit])
-        residual = np.einsum("md,de,me->m", A, W, B) - t
-        sweeps = None
+        W = nuclear_norm_solve(A[fit].astype(np.float64), B[fit].astype(np.float64), t[fit])
+        residual = np.einsum("md,de,me->m", A.astype(np.float64), W, B.astype(np.float64)) - t
+        iterations = None
     else:
-        X, Y, _, sweeps = rop_solve(A[fit], B[fit], t[fit], rank, rng)
+        X, Y, _, iterations, fit_residual = rop_solve(A[fit], B[fit], t[fit], rank, rng)
         W = X @ Y.T
-        residual = rop_residual(A, B, X, Y, t)
+        residual = np.concatenate([fit_residual, rop_residual(A[check], B[check], X, Y, t[check])[0]])
     solve_seconds = time.perf_counter() - start
     fit_err = float(np.linalg.norm(residual[fit]) / np.linalg.norm(t[fit]))
     check_err = float(np.linalg.norm(residual[check]) / max(np.linalg.norm(t[check]), 1e-300))
     details = {"rank": rank, "measurements": f"m = {m} = ceil({oversampling:g} r 2d) + "
                f"{ROP_HOLDOUT} held out of the fit",
-               "solver": f"{solver}: {solve_seconds:.2f} s" + (f", {sweeps} sweeps" if sweeps else ""),
+               "solver": f"{solver}: {solve_seconds:.2f} s" + (f", {iterations} iterations"
+                                                             if iterations else ""),
                "fit": f"relative residual {fit_err:.1e} on the fit, {check_err:.1e} on the "
                       f"{ROP_HOLDOUT} held-out measurements"}
     if not (fit_err <= ROP_FIT_TOL and check_err <= ROP_FIT_TOL):
@@ -580,7 +601,7 @@ def _extract_rop(oracle, v, rank, oversampling, solver, rng):
 def extract_low_rank(oracle: Oracle, rank: int | None = None, method: str = "adaptive", *,
                      seed=None, verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                      oversampling: float = DEFAULT_OVERSAMPLING,
-                     solver: str = "als") -> ExtractionResult:
+                     solver: str = "ncg") -> ExtractionResult:
     """Recover (W, v) of a single head whose W has low rank r.
 
     Parameters
@@ -599,9 +620,10 @@ def extract_low_rank(oracle: Oracle, rank: int | None = None, method: str = "ada
         Largest held-out relative output error accepted as a match.
     oversampling : float
         C of the ROP method (m = ceil(C r 2d)); ignored by ``"adaptive"``.
-    solver : {"als", "nuclear"}
-        ROP solver: alternating least squares (default), or nuclear-norm
-        minimisation with cvxpy (optional extra; small d only).
+    solver : {"ncg", "nuclear"}
+        ROP solver: preconditioned nonlinear conjugate gradients on the factors
+        (default, see ``rop_solve``), or nuclear-norm minimisation with cvxpy
+        (optional extra; small d only).
 
     Returns
     -------
@@ -627,8 +649,8 @@ def extract_low_rank(oracle: Oracle, rank: int | None = None, method: str = "ada
     """
     if method not in METHODS:
         raise InputError(f"method must be one of {METHODS}, got {method!r}")
-    if solver not in ("als", "nuclear"):
-        raise InputError(f"solver must be 'als' or 'nuclear', got {solver!r}")
+    if solver not in ("ncg", "nuclear"):
+        raise InputError(f"solver must be 'ncg' or 'nuclear', got {solver!r}")
     d = oracle.dim
     if rank is not None and (not isinstance(rank, (int, np.integer)) or not 1 <= rank <= d):
         raise InputError(f"rank must be an integer in 1..{d}, got {rank!r}")
