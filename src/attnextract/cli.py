@@ -61,6 +61,16 @@ class ProgressBar:
         self.stream.write(f"\r{self.label} [{bar:<30}] {done}/{total} queries")
         self.stream.flush()
 
+    def fitting(self, iteration: int, fit: float) -> None:
+        """Solver progress (ROP fit): iteration and relative measurement residual."""
+        now = time.perf_counter()
+        if not self.enabled or now - self.last < 0.1:
+            return
+        self.last = now
+        self.stream.write(f"\rfitting: iteration {iteration}, relative residual {fit:.1e}"
+                          + " " * 20)
+        self.stream.flush()
+
     def close(self) -> None:
         if self.enabled:
             self.stream.write("\n")
@@ -290,6 +300,8 @@ def cmd_extract(args) -> int:
     bar = ProgressBar("extracting", enabled=False if args.no_progress or args.json else None)
     oracle = Oracle(black_box, args.dim, budget=args.budget, max_batch=args.max_batch,
                     progress=bar, journal=journal)
+    if learner is extract_low_rank:
+        options["fit_progress"] = bar.fitting
     try:
         result = learner(oracle, seed=args.seed, verify_tolerance=args.verify_tolerance,
                          **options)
