@@ -452,15 +452,14 @@ def rop_solve(A: np.ndarray, B: np.ndarray, t: np.ndarray, rank: int,
       of the float32 products. On exact data the fit reaches ~1e-13.
 
     Near the solution the rate is that of CG on the sampled Gauss-Newton matrix, a
-    Marchenko-Pastur-like spread of condition ~35 at m = 4 r d (C = 2): ~7
+    Marchenko-Pastur-like spread of condition ~37 at m = 4 r d (C = 2): ~7
     iterations per decimal digit. Below ROP_FIT_TOL (an acceptable fit) a fit that
-    gained less than 20% in PLATEAU_ITERATIONS iterations has met the measurements' own
-    rounding (probes with a small v^T a are measured less precisely; at d = 1024
-    that floor lies between 1e-12 and a few 1e-11) and the run ends. A run whose
-    best fit has not halved in
-    STALL_ITERATIONS iterations (a spurious stationary point when m is close to
-    the degrees of freedom) starts again from random factors, at most
-    ``restarts`` times; stalled below NOISE_FIT it has reached the data's noise.
+    gained less than 20% in PLATEAU_ITERATIONS iterations has met the measurements'
+    own rounding (at d = 1024 that floor lies between 1e-12 and a few 1e-11) and the
+    run ends. A run whose best fit has not halved in STALL_ITERATIONS iterations (a
+    spurious stationary point when m is close to the degrees of freedom) starts
+    again from random factors, at most ``restarts`` times; a stall below NOISE_FIT
+    is the data's noise, which a restart would meet again: the run ends.
 
     Parameters
     ----------
@@ -490,8 +489,7 @@ def rop_solve(A: np.ndarray, B: np.ndarray, t: np.ndarray, rank: int,
         X = np.zeros((d, rank))
         return X, X.copy(), 0.0, 0, np.zeros(m)
     total, best_fit = 0, None
-    # (m, r) float32 buffers reused by every iteration: fresh 64 MB arrays each time cost
-    # page faults worth ~15% of the passes at d = 1024
+    # (m, r) float32 buffers reused by every iteration (64 MB each at d = 1024)
     work, APX, BPY = (np.empty((m, rank), np.float32) for _ in range(3))
     for attempt in range(restarts + 1):
         if attempt == 0:
