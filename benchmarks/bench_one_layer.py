@@ -16,6 +16,7 @@ Errors are measured against the secret targets (which the learners never see):
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -26,6 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from attnextract import Oracle  # noqa: E402
+from attnextract.oracle import evaluate_ragged  # noqa: E402
 from attnextract.one_layer import compare_one_layer, extract_one_layer, random_one_layer  # noqa: E402
 from attnextract.models import ReLUNetwork  # noqa: E402
 from attnextract.relu_network import (align_relu_networks, extract_relu_network,  # noqa: E402
@@ -34,14 +36,19 @@ from attnextract.report import held_out_sequences, relative_errors, token_scale 
 from attnextract.residual import extract_one_layer_residual, random_residual_one_layer  # noqa: E402
 
 
+def timed_extractions(make_target, learn, d: int, m: int, seeds: int):
+    """(seed, truth, result, wall seconds) of ``learn(oracle, seed=...)`` on each seed's target."""
+    for seed in range(seeds):
+        truth = make_target(d, m, seed=seed)
+        start = time.perf_counter()
+        result = learn(Oracle(truth, d), seed=seed + 1000)
+        yield seed, truth, result, time.perf_counter() - start
+
+
 def one_layer_row(d: int, m: int, seeds: int) -> str:
     rows = []
-    for seed in range(seeds):
-        truth = random_one_layer(d, m, seed=seed)
-        oracle = Oracle(truth, d)
-        start = time.perf_counter()
-        result = extract_one_layer(oracle, seed=seed + 1000)
-        wall = time.perf_counter() - start
+    for seed, truth, result, wall in timed_extractions(random_one_layer, extract_one_layer,
+                                                       d, m, seeds):
         cmp = compare_one_layer(result.model, truth, count=256, seed=seed)
         b = result.report.breakdown
         rows.append(dict(queries=result.queries, ffn=b["ffn"], att=b["attention"],
@@ -61,12 +68,8 @@ def one_layer_row(d: int, m: int, seeds: int) -> str:
 
 def relu_row(d: int, m: int, seeds: int, polish: bool) -> str:
     rows = []
-    for seed in range(seeds):
-        truth = random_relu_network(d, m, seed=seed)
-        oracle = Oracle(truth, d)
-        start = time.perf_counter()
-        result = extract_relu_network(oracle, seed=seed + 1000, polish=polish)
-        wall = time.perf_counter() - start
+    learn = functools.partial(extract_relu_network, polish=polish)
+    for _, truth, result, wall in timed_extractions(random_relu_network, learn, d, m, seeds):
         al = align_relu_networks(result.model, truth)
         rows.append(dict(queries=result.queries, bits=al["bits"], wall=wall,
                          out=result.report.verification.max_relative_error))
@@ -81,17 +84,13 @@ def relu_row(d: int, m: int, seeds: int, polish: bool) -> str:
 
 def residual_row(d: int, m: int, seeds: int) -> str:
     rows = []
-    for seed in range(seeds):
-        truth = random_residual_one_layer(d, m, seed=seed)
-        oracle = Oracle(truth, d)
-        start = time.perf_counter()
-        result = extract_one_layer_residual(oracle, seed=seed + 1000)
-        wall = time.perf_counter() - start
+    for seed, truth, result, wall in timed_extractions(
+            random_residual_one_layer, extract_one_layer_residual, d, m, seeds):
         model = result.model
         stack = lambda M: ReLUNetwork(np.hstack([M.A, M.B]), M.w)  # noqa: E731
         bits = align_relu_networks(stack(model), stack(truth))["bits"]
         seqs = held_out_sequences(d, 256, np.random.default_rng(seed), token_scale(truth))
-        out = relative_errors(np.array([model(x) for x in seqs]), np.array([truth(x) for x in seqs]))
+        out = relative_errors(evaluate_ragged(model, seqs), evaluate_ragged(truth, seqs))
         rows.append(dict(queries=result.queries, bits=bits, wall=wall, out=float(out.max()),
                          W=float(np.linalg.norm(model.W - truth.W) / np.linalg.norm(truth.W))))
     med_q = float(np.median([r["queries"] for r in rows]))

@@ -39,6 +39,32 @@ def attention_weights(X: np.ndarray, W: np.ndarray) -> np.ndarray:
     return softmax(np.einsum("bnd,bd->bn", X, X[:, -1, :] @ W.T))
 
 
+def attention_output(X: np.ndarray, W: np.ndarray) -> np.ndarray:
+    """h(X) = X^T softmax(X W x_N) for a batch X (B, N, d): the attended token (B, d)."""
+    return np.einsum("bn,bnd->bd", attention_weights(X, W), X)
+
+
+class Regressor:
+    """What every model shares: called on one sequence (N, d) it returns a float, on a
+    batch (B, N, d) an array (B,); ``parameters()`` returns the arrays named in
+    PARAMETERS (the keys of a result file). A subclass sets ``kind``, PARAMETERS and
+    ``dim`` and computes ``outputs(X)`` on a validated batch."""
+
+    kind = ""
+    PARAMETERS: tuple[str, ...] = ()
+
+    def outputs(self, X: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def __call__(self, X):
+        X, single = as_sequences(X, self.dim)
+        out = self.outputs(X)
+        return float(out[0]) if single else out
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        return {name: getattr(self, name) for name in self.PARAMETERS}
+
+
 def _square_matrix(W, what: str) -> np.ndarray:
     """Validate a finite square query-key matrix W (d, d)."""
     W = np.array(W, dtype=np.float64)
@@ -49,7 +75,7 @@ def _square_matrix(W, what: str) -> np.ndarray:
     return W
 
 
-class SingleHeadAttention:
+class SingleHeadAttention(Regressor):
     """Single-head softmax attention regressor read at the last token.
 
     f(X) = softmax(X W x_N)^T X v, with X = [x_1; ...; x_N] of shape (N, d).
@@ -62,7 +88,7 @@ class SingleHeadAttention:
         Merged value-output readout vector.
     """
 
-    kind = "single-head"
+    kind, PARAMETERS = "single-head", ("W", "v")
 
     def __init__(self, W, v):
         W = _square_matrix(W, "SingleHeadAttention")
@@ -77,18 +103,11 @@ class SingleHeadAttention:
     def dim(self) -> int:
         return self.W.shape[0]
 
-    def __call__(self, X):
-        X, single = as_sequences(X, self.dim)
-        out = np.einsum("bn,bn->b", attention_weights(X, self.W), X @ self.v)
-        return float(out[0]) if single else out
-
-    def parameters(self) -> dict[str, np.ndarray]:
-        return {"W": self.W, "v": self.v}
+    def outputs(self, X: np.ndarray) -> np.ndarray:
+        return np.einsum("bn,bn->b", attention_weights(X, self.W), X @ self.v)
 
     def __repr__(self) -> str:
         return f"SingleHeadAttention(d={self.dim})"
-
-
 
 
 def _relu_parameters(A, w, what: str) -> tuple[np.ndarray, np.ndarray]:
@@ -104,7 +123,7 @@ def _relu_parameters(A, w, what: str) -> tuple[np.ndarray, np.ndarray]:
     return A, w
 
 
-class ReLUNetwork:
+class ReLUNetwork(Regressor):
     """Bias-free one-hidden-layer ReLU network applied to the last token.
 
     F(x) = w^T ReLU(A x), read at x = x_N for a sequence X = [x_1; ...; x_N]
@@ -118,7 +137,7 @@ class ReLUNetwork:
         Output weights.
     """
 
-    kind = "relu-network"
+    kind, PARAMETERS = "relu-network", ("A", "w")
 
     def __init__(self, A, w):
         self.A, self.w = _relu_parameters(A, w, "ReLUNetwork")
@@ -136,19 +155,14 @@ class ReLUNetwork:
         """F on vectors: x (..., d) -> (...)."""
         return np.maximum(x @ self.A.T, 0.0) @ self.w
 
-    def __call__(self, X):
-        X, single = as_sequences(X, self.dim)
-        out = self.forward(X[:, -1, :])
-        return float(out[0]) if single else out
-
-    def parameters(self) -> dict[str, np.ndarray]:
-        return {"A": self.A, "w": self.w}
+    def outputs(self, X: np.ndarray) -> np.ndarray:
+        return self.forward(X[:, -1, :])
 
     def __repr__(self) -> str:
         return f"ReLUNetwork(d={self.dim}, m={self.width})"
 
 
-class OneLayerTransformer:
+class OneLayerTransformer(Regressor):
     """Single-head attention followed by a bias-free ReLU feed-forward layer.
 
     h(X) = X^T softmax(X W x_N),  f(X) = w^T ReLU(A h(X))  (paper 1 form; the value
@@ -164,7 +178,7 @@ class OneLayerTransformer:
         Feed-forward output weights.
     """
 
-    kind = "one-layer"
+    kind, PARAMETERS = "one-layer", ("W", "A", "w")
 
     def __init__(self, W, A, w):
         W = _square_matrix(W, "OneLayerTransformer")
@@ -183,23 +197,16 @@ class OneLayerTransformer:
 
     def attend(self, X: np.ndarray) -> np.ndarray:
         """h(X) = X^T softmax(X W x_N) for a batch (B, N, d) -> (B, d)."""
-        return np.einsum("bn,bnd->bd", attention_weights(X, self.W), X)
+        return attention_output(X, self.W)
 
-    def __call__(self, X):
-        X, single = as_sequences(X, self.dim)
-        out = np.maximum(self.attend(X) @ self.A.T, 0.0) @ self.w
-        return float(out[0]) if single else out
-
-    def parameters(self) -> dict[str, np.ndarray]:
-        return {"W": self.W, "A": self.A, "w": self.w}
+    def outputs(self, X: np.ndarray) -> np.ndarray:
+        return np.maximum(self.attend(X) @ self.A.T, 0.0) @ self.w
 
     def __repr__(self) -> str:
         return f"OneLayerTransformer(d={self.dim}, m={self.width})"
 
 
-
-
-class MultiHeadAttention:
+class MultiHeadAttention(Regressor):
     """Multi-head softmax attention regressor read at the last token.
 
     f(X) = sum_h softmax(X W_h x_N)^T X v_h, h = 1..H. H = 0 is allowed (f = 0).
@@ -212,7 +219,7 @@ class MultiHeadAttention:
         Merged value-output readout vector of every head.
     """
 
-    kind = "multi-head"
+    kind, PARAMETERS = "multi-head", ("W", "v")
 
     def __init__(self, W, v):
         W = np.array(W, dtype=np.float64)
@@ -233,21 +240,17 @@ class MultiHeadAttention:
     def heads(self) -> int:
         return self.W.shape[0]
 
-    def __call__(self, X):
-        X, single = as_sequences(X, self.dim)
+    def outputs(self, X: np.ndarray) -> np.ndarray:
         out = np.zeros(X.shape[0])
         for W, v in zip(self.W, self.v):                 # H is small: one pass per head
             out += np.einsum("bn,bn->b", attention_weights(X, W), X @ v)
-        return float(out[0]) if single else out
-
-    def parameters(self) -> dict[str, np.ndarray]:
-        return {"W": self.W, "v": self.v}
+        return out
 
     def __repr__(self) -> str:
         return f"MultiHeadAttention(H={self.heads}, d={self.dim})"
 
 
-class ResidualOneLayer:
+class ResidualOneLayer(Regressor):
     """One-layer Transformer with a residual connection, in merged form.
 
     f(X) = w^T ReLU(A x_N + B X^T softmax(X W x_N)); the residual model
@@ -264,7 +267,7 @@ class ResidualOneLayer:
     w : array (m,)
     """
 
-    kind = "one-layer-residual"
+    kind, PARAMETERS = "one-layer-residual", ("W", "A", "B", "w")
 
     def __init__(self, W, A, B, w):
         W = _square_matrix(W, "ResidualOneLayer")
@@ -293,14 +296,9 @@ class ResidualOneLayer:
         """V (d, d) with B = A V^T (least squares; exact when A has full column rank)."""
         return np.linalg.lstsq(self.A, self.B, rcond=None)[0].T
 
-    def __call__(self, X):
-        X, single = as_sequences(X, self.dim)
-        z = np.einsum("bn,bnd->bd", attention_weights(X, self.W), X)
-        out = np.maximum(X[:, -1, :] @ self.A.T + z @ self.B.T, 0.0) @ self.w
-        return float(out[0]) if single else out
-
-    def parameters(self) -> dict[str, np.ndarray]:
-        return {"W": self.W, "A": self.A, "B": self.B, "w": self.w}
+    def outputs(self, X: np.ndarray) -> np.ndarray:
+        z = attention_output(X, self.W)
+        return np.maximum(X[:, -1, :] @ self.A.T + z @ self.B.T, 0.0) @ self.w
 
     def __repr__(self) -> str:
         return f"ResidualOneLayer(d={self.dim}, m={self.width})"

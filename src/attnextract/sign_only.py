@@ -50,7 +50,6 @@ from .report import ExtractionResult, Report, held_out_sequences, verification_c
 from .single_head import logit, probe_basis
 
 KAPPA_LOW, KAPPA_HIGH = 1.0, 4.0    # kappa sigma(lambda kappa) = 1 is bracketed here for lambda > -0.2747
-TARGET_LAMBDA = 0.05                # aim for s^2 max|m| about this
 MAX_SHRINKS = 30
 COARSE_BITS = 24
 
