@@ -12,12 +12,14 @@ def rng():
     return np.random.default_rng(12345)
 
 
-def run_cli(*args, check=None, timeout=300):
-    """``python -m attnextract ARGS`` in a subprocess, as a user runs it; checks the exit code."""
+def run_cli(*args, check=None, timeout=300, **options):
+    """``python -m attnextract ARGS`` in a subprocess, as a user runs it; checks the exit code.
+
+    ``options`` go to subprocess.run (cwd, env)."""
     import subprocess
     import sys
     proc = subprocess.run([sys.executable, "-m", "attnextract", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, **options)
     if check is not None:
         assert proc.returncode == check, (proc.returncode, proc.stdout, proc.stderr)
     return proc

@@ -1,8 +1,6 @@
 """The benchmark command's quick form, and the surrogate baseline it compares with."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 from scipy.optimize import check_grad
@@ -14,14 +12,15 @@ from attnextract.oracle import by_length
 from attnextract.surrogate import _loss_and_grad, train_surrogate
 from attnextract.targets import random_single_head
 
+from conftest import run_cli
+
 
 def test_bench_quick_writes_json_table_and_plots(tmp_path):
     out = tmp_path / "bench"
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- bench:begin -->\nold\n<!-- bench:end -->\nrest\n")
-    proc = subprocess.run([sys.executable, "-m", "attnextract", "bench", "--quick", "--out",
-                           str(out), "--update-readme", str(readme)],
-                          capture_output=True, text=True, timeout=600)
+    proc = run_cli("bench", "--quick", "--out", str(out), "--update-readme", str(readme),
+                   timeout=600)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((out / "bench.json").read_text())
     single = [r for r in summary["rows"] if r["learner"] == "single-head" and "floor" in r]

@@ -17,7 +17,7 @@ from attnextract.remote import HttpBlackBox
 from attnextract.server import QueryHandler, make_server
 from attnextract.targets import random_single_head
 
-from conftest import rel_err
+from conftest import rel_err, run_cli
 
 D = 5
 
@@ -260,11 +260,6 @@ def test_malformed_answers_and_wrong_dimension(serve):
         HttpBlackBox(server.url).check_dim(4)
 
 
-def cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "attnextract", *args], capture_output=True,
-                          text=True, timeout=120, **kw)
-
-
 def test_serve_and_extract_on_the_command_line(tmp_path):
     secret = random_single_head(4, seed=9)
     np.savez(tmp_path / "secret.npz", W=secret.W, v=secret.v)
@@ -275,27 +270,27 @@ def test_serve_and_extract_on_the_command_line(tmp_path):
         banner = server.stdout.readline()
         assert "serving single-head d = 4 on http://127.0.0.1:" in banner, server.stderr.read()
         url = banner.split(" on ")[1].split()[0]
-        done = cli("extract", "--target", url, "--dim", "4", "--out", str(tmp_path / "r.npz"),
-                   "--journal", str(tmp_path / "j.sqlite"), "--json")
+        done = run_cli("extract", "--target", url, "--dim", "4", "--out", str(tmp_path / "r.npz"),
+                       "--journal", str(tmp_path / "j.sqlite"), "--json")
         assert done.returncode == 0, done.stderr
         report = json.loads(done.stdout)
         assert report["queries"] == 4 * 4 + 4 + 64 == report["details"]["black_box_queries"]
         with np.load(tmp_path / "r.npz") as r:
             assert rel_err(r["W"], secret.W) < 1e-10
-        verify = cli("verify", "--target", url, "--result", str(tmp_path / "r.npz"))
+        verify = run_cli("verify", "--target", url, "--result", str(tmp_path / "r.npz"))
         assert verify.returncode == 0 and "MATCH" in verify.stdout
         # the server's budget (200) is now spent: 84 + 64 served, 52 left
-        again = cli("extract", "--target", url, "--dim", "4", "--out", str(tmp_path / "s.npz"))
+        again = run_cli("extract", "--target", url, "--dim", "4", "--out", str(tmp_path / "s.npz"))
         assert again.returncode == 1 and "BudgetExceededError" in again.stderr
-        wrong = cli("extract", "--target", url, "--dim", "3", "--out", str(tmp_path / "t.npz"))
+        wrong = run_cli("extract", "--target", url, "--dim", "3", "--out", str(tmp_path / "t.npz"))
         assert wrong.returncode == 2 and "width 4, not --dim 3" in wrong.stderr
     finally:
         server.kill()
         server.communicate(timeout=10)
-    gone = cli("extract", "--target", url, "--dim", "4", "--out", str(tmp_path / "u.npz"),
-               "--http-retries", "1")
+    gone = run_cli("extract", "--target", url, "--dim", "4", "--out", str(tmp_path / "u.npz"),
+                   "--http-retries", "1")
     assert gone.returncode == 3 and "unreachable" in gone.stderr
-    bad = cli("serve", "--secret", str(tmp_path / "missing.npz"), "--port", "0")
+    bad = run_cli("serve", "--secret", str(tmp_path / "missing.npz"), "--port", "0")
     assert bad.returncode == 2
 
 

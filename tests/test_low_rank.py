@@ -1,7 +1,6 @@
 """Low-rank heads: the adaptive learner at d + r(2d - r) and the paper's ROP learner."""
 
 import json
-import subprocess
 import sys
 import textwrap
 
@@ -19,7 +18,7 @@ from attnextract.targets import hostile_single_heads, random_single_head
 
 from attnextract.targets import random_low_rank_head
 
-from conftest import rel_err
+from conftest import rel_err, run_cli
 
 
 def low_rank_head(d, r, seed, scale=1.0):
@@ -295,19 +294,14 @@ TARGET = textwrap.dedent("""
 """)
 
 
-def run(*args):
-    return subprocess.run([sys.executable, "-m", "attnextract", *args], capture_output=True,
-                          text=True, timeout=300)
-
-
 @pytest.mark.parametrize("extra", [[], ["--method", "rop", "--rank", "2"],
                                    ["--rank", "2", "--method", "adaptive"]])
 def test_cli_low_rank(tmp_path, extra):
     path = tmp_path / "t.py"
     path.write_text(TARGET)
     out = tmp_path / "r.npz"
-    proc = run("extract", "--target", f"{path}:head", "--dim", "10", "--model", "low-rank",
-               *extra, "--seed", "1", "--out", str(out), "--json")
+    proc = run_cli("extract", "--target", f"{path}:head", "--dim", "10", "--model", "low-rank",
+                   *extra, "--seed", "1", "--out", str(out), "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["ok"] and report["kind"] == "single-head"
@@ -319,19 +313,19 @@ def test_cli_low_rank(tmp_path, extra):
         assert int(data["queries"]) == report["queries"]
         assert rel_err(data["W"], W) <= 1e-9
     assert rel_err(load_model(out).W, W) <= 1e-9
-    proc = run("verify", "--target", f"{path}:head", "--result", str(out))
+    proc = run_cli("verify", "--target", f"{path}:head", "--result", str(out))
     assert proc.returncode == 0 and "MATCH" in proc.stdout
 
 
 def test_cli_rejects_low_rank_options_elsewhere(tmp_path):
     path = tmp_path / "t.py"
     path.write_text(TARGET)
-    proc = run("extract", "--target", f"{path}:head", "--dim", "10", "--rank", "2",
-               "--out", str(tmp_path / "r.npz"))
+    proc = run_cli("extract", "--target", f"{path}:head", "--dim", "10", "--rank", "2", "--out",
+                   str(tmp_path / "r.npz"))
     assert proc.returncode == 2
     assert "--rank does not apply to --model single-head" in proc.stderr
-    proc = run("extract", "--target", f"{path}:head", "--dim", "10", "--model", "low-rank",
-               "--method", "rop", "--out", str(tmp_path / "r.npz"))
+    proc = run_cli("extract", "--target", f"{path}:head", "--dim", "10", "--model", "low-rank",
+                   "--method", "rop", "--out", str(tmp_path / "r.npz"))
     assert proc.returncode == 2 and "needs the rank" in proc.stderr
 
 

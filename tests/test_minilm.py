@@ -2,8 +2,6 @@
 
 import json
 import math
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,7 +13,7 @@ from attnextract.minilm import (HEAD_DIM, WIDTH, extract_minilm_head, head_param
                                 minilm_layer_heads, minilm_weights_path, readout_vector)
 from attnextract.models import softmax
 
-from conftest import rel_err
+from conftest import rel_err, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +73,8 @@ def test_a_real_head_is_extracted_at_the_low_rank_floor():
 
 
 def test_minilm_on_the_command_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "attnextract", "minilm", "--layer", "1",
-                           "--head", "3", "--readout-seed", "2", "--json", "--out",
-                           str(tmp_path / "r.npz")],
-                          capture_output=True, text=True, timeout=300)
+    proc = run_cli("minilm", "--layer", "1", "--head", "3", "--readout-seed", "2", "--json",
+                   "--out", str(tmp_path / "r.npz"), timeout=300)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["details"]["relative_error_W"] < 1e-10
@@ -86,12 +82,9 @@ def test_minilm_on_the_command_line(tmp_path):
     truth = minilm_head(1, 3, readout_seed=2)
     with np.load(tmp_path / "r.npz") as r:
         assert rel_err(r["W"], truth.W) < 1e-10 and int(r["queries"]) == report["queries"]
-    over = subprocess.run([sys.executable, "-m", "attnextract", "minilm", "--layer", "0",
-                           "--head", "0", "--budget", "1000"],
-                          capture_output=True, text=True, timeout=120)
+    over = run_cli("minilm", "--layer", "0", "--head", "0", "--budget", "1000", timeout=120)
     assert over.returncode == 1 and "BudgetExceededError" in over.stderr
-    bad = subprocess.run([sys.executable, "-m", "attnextract", "minilm", "--layer", "9",
-                          "--head", "0"], capture_output=True, text=True, timeout=120)
+    bad = run_cli("minilm", "--layer", "9", "--head", "0", timeout=120)
     assert bad.returncode == 2 and "layer must be in 0..5" in bad.stderr
 
 
@@ -117,14 +110,11 @@ def test_all_heads_of_a_layer_never_come_back_wrong():
         assert result.report.verification.passed and d["canonical_error"] < 1e-6
     else:
         assert not result.report.verification.passed and d["outcome"] == "refused by verification"
-    proc = subprocess.run([sys.executable, "-m", "attnextract", "minilm", "--layer", "0",
-                           "--all-heads", "--subspace", "8", "--json"],
-                          capture_output=True, text=True, timeout=300)
+    proc = run_cli("minilm", "--layer", "0", "--all-heads", "--subspace", "8", "--json",
+                   timeout=300)
     report = json.loads(proc.stdout.splitlines()[-1])
     assert proc.returncode == (0 if error is None else 1)
     details = report["details"] if error is None else report["report"]["details"]
     assert details["heads found"] == d["heads found"]
-    both = subprocess.run([sys.executable, "-m", "attnextract", "minilm", "--layer", "0",
-                           "--head", "1", "--all-heads"], capture_output=True, text=True,
-                          timeout=120)
+    both = run_cli("minilm", "--layer", "0", "--head", "1", "--all-heads", timeout=120)
     assert both.returncode == 2 and "either --head H or --all-heads" in both.stderr

@@ -5,8 +5,6 @@ here the 20-seed sweeps run at small d so that the file stays fast.
 """
 
 import json
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -20,6 +18,8 @@ from attnextract.multi_head import (canonical_error, canonical_form, copy_ratios
                                     output_precision, twin_difference)
 from attnextract.report import load_model
 from attnextract.targets import hostile_multi_heads, random_multi_head
+
+from conftest import run_cli
 
 
 def paper2_count(H, d):
@@ -116,16 +116,13 @@ def test_match_heads_reports_permutation_and_errors():
 
 
 def test_twins_command_line():
-    proc = subprocess.run([sys.executable, "-m", "attnextract", "twins", "--heads", "3",
-                           "--dim", "5", "--seed", "4", "--json"],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_cli("twins", "--heads", "3", "--dim", "5", "--seed", "4", "--json", timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["twin_heads"] == 5 and out["twin_canonical_heads"] == 3
     assert out["max_relative_output_difference"] < 1e-12
     assert out["largest_v_mismatch"] > 0.1
-    text = subprocess.run([sys.executable, "-m", "attnextract", "twins", "--seed", "1"],
-                          capture_output=True, text=True, timeout=120).stdout
+    text = run_cli("twins", "--seed", "1", timeout=120).stdout
     assert "no black-box query can tell them apart" in text
 
 
@@ -344,10 +341,8 @@ def test_cli_extract_multi_head(tmp_path):
         box = random_multi_head(2, 4, seed=21)
     """))
     out = tmp_path / "RESULT.npz"
-    proc = subprocess.run([sys.executable, "-m", "attnextract", "extract", "--target",
-                           f"{target}:box", "--dim", "4", "--model", "multi-head", "--heads", "2",
-                           "--seed", "0", "--out", str(out), "--json"],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_cli("extract", "--target", f"{target}:box", "--dim", "4", "--model", "multi-head",
+                   "--heads", "2", "--seed", "0", "--out", str(out), "--json", timeout=120)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["ok"] and report["details"]["heads"] == 2
@@ -356,11 +351,8 @@ def test_cli_extract_multi_head(tmp_path):
         assert int(data["queries"]) == report["queries"]
     model = load_model(out)
     assert canonical_error(model, random_multi_head(2, 4, seed=21)) < 1e-8
-    verify = subprocess.run([sys.executable, "-m", "attnextract", "verify", "--target",
-                             f"{target}:box", "--result", str(out)],
-                            capture_output=True, text=True, timeout=120)
+    verify = run_cli("verify", "--target", f"{target}:box", "--result", str(out), timeout=120)
     assert verify.returncode == 0 and "MATCH" in verify.stdout
-    bad = subprocess.run([sys.executable, "-m", "attnextract", "extract", "--target",
-                          f"{target}:box", "--dim", "4", "--heads", "2", "--out",
-                          str(tmp_path / "x.npz")], capture_output=True, text=True, timeout=120)
+    bad = run_cli("extract", "--target", f"{target}:box", "--dim", "4", "--heads", "2", "--out",
+                  str(tmp_path / "x.npz"), timeout=120)
     assert bad.returncode == 2 and "--heads does not apply" in bad.stderr

@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -17,7 +15,7 @@ from attnextract.report import verification_count
 from attnextract.sign_only import extract_sign_only
 from attnextract.targets import hostile_single_heads, random_single_head
 
-from conftest import rel_err
+from conftest import rel_err, run_cli
 
 FLOAT32 = dict(tolerance=2.0 ** -150, relative_tolerance=2.0 ** -24)
 
@@ -324,43 +322,43 @@ labels_at = SignOnly(_m, 0.25)
 """
 
 
-def run_cli(tmp_path, *args):
+def extract_in(tmp_path, *args):
+    """``attnextract extract`` run in tmp_path (where t.py holds the targets)."""
     (tmp_path / "t.py").write_text(TARGET_FILE)
     env = dict(os.environ)
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "attnextract", "extract", "--dim", "6",
-                           "--out", str(tmp_path / "r.npz"), "--json", *args],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    return run_cli("extract", "--dim", "6", "--out", tmp_path / "r.npz", "--json", *args,
+                   cwd=tmp_path, env=env, timeout=120)
 
 
 def test_cli_tolerance_paper_and_sign_only(tmp_path):
     target = random_single_head(6, seed=11)
-    proc = run_cli(tmp_path, "--target", "t.py:noisy", "--tolerance", "1e-6")
+    proc = extract_in(tmp_path, "--target", "t.py:noisy", "--tolerance", "1e-6")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["ok"] and out["queries"] == 42 + 64
     assert np.linalg.norm(np.load(tmp_path / "r.npz")["W"] - target.W) <= out["details"]["error_bar_W"]
 
-    proc = run_cli(tmp_path, "--target", "t.py:noisy", "--tolerance", "1e-6", "--noise-method", "paper",
+    proc = extract_in(tmp_path, "--target", "t.py:noisy", "--tolerance", "1e-6", "--noise-method", "paper",
                    "--norm-bound", "10")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["details"]["method"].startswith("paper")
 
-    proc = run_cli(tmp_path, "--target", "t.py:noisy", "--tolerance", "1e-6", "--noise-method", "paper")
+    proc = extract_in(tmp_path, "--target", "t.py:noisy", "--tolerance", "1e-6", "--noise-method", "paper")
     assert proc.returncode == 2 and "norm_bound" in proc.stderr
 
-    proc = run_cli(tmp_path, "--target", "t.py:noisy")          # exact-data check: mismatch
+    proc = extract_in(tmp_path, "--target", "t.py:noisy")          # exact-data check: mismatch
     assert proc.returncode == 1
 
-    proc = run_cli(tmp_path, "--target", "t.py:labels", "--sign-only", "--bits", "30")
+    proc = extract_in(tmp_path, "--target", "t.py:labels", "--sign-only", "--bits", "30")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert "positive scale" in out["notes"][0]
     v = np.load(tmp_path / "r.npz")["v"]
     assert np.linalg.norm(v - target.v / np.linalg.norm(target.v)) < 1e-12
 
-    proc = run_cli(tmp_path, "--target", "t.py:labels_at", "--sign-only", "--threshold", "0.25",
+    proc = extract_in(tmp_path, "--target", "t.py:labels_at", "--sign-only", "--threshold", "0.25",
                    "--bits", "30")
     assert proc.returncode == 0, proc.stderr
     assert np.linalg.norm(np.load(tmp_path / "r.npz")["v"] - target.v) < 1e-12

@@ -1,8 +1,6 @@
 """Stretch: the one-layer Transformer with a residual connection, up to functional equivalence."""
 
 import json
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -16,6 +14,8 @@ from attnextract.relu_network import align_relu_networks
 from attnextract.residual import (ResidualOneLayer, extract_one_layer_residual,
                                   random_residual_one_layer)
 from attnextract.report import held_out_sequences
+
+from conftest import run_cli
 
 
 def test_model_is_the_residual_formula(rng):
@@ -97,14 +97,11 @@ def test_cli_kind(tmp_path):
         secret = random_residual_one_layer(5, 4, seed=8)
     """))
     out = tmp_path / "r.npz"
-    proc = subprocess.run([sys.executable, "-m", "attnextract", "extract", "--target",
-                           f"{target}:secret", "--dim", "5", "--model", "one-layer-residual",
-                           "--out", str(out), "--json"], capture_output=True, text=True, timeout=300)
+    proc = run_cli("extract", "--target", f"{target}:secret", "--dim", "5", "--model",
+                   "one-layer-residual", "--out", str(out), "--json", timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["kind"] == "one-layer-residual"
     with np.load(out) as data:
         assert {"W", "A", "B", "w", "queries"} <= set(data.files)
-    proc = subprocess.run([sys.executable, "-m", "attnextract", "verify", "--target",
-                           f"{target}:secret", "--result", str(out)], capture_output=True,
-                          text=True, timeout=300)
+    proc = run_cli("verify", "--target", f"{target}:secret", "--result", str(out), timeout=300)
     assert proc.returncode == 0 and "MATCH" in proc.stdout

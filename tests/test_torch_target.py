@@ -1,8 +1,6 @@
 """A real torch.nn.MultiheadAttention as the black box: extraction matches its outputs."""
 
 import json
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -13,7 +11,7 @@ from attnextract import InputError, ModelMismatchError, Oracle, extract_single_h
 from attnextract.models import SingleHeadAttention
 from attnextract.torch_target import TorchAttentionBlackBox, merged_head_parameters
 
-from conftest import rel_err
+from conftest import rel_err, run_cli
 
 
 def mha(embed, heads, seed, **kw):
@@ -96,10 +94,8 @@ def test_torch_target_file_on_the_command_line(tmp_path):
         layer = torch.nn.MultiheadAttention(16, 4, bias=False, batch_first=True)
         black_box = TorchAttentionBlackBox(layer, readout=7, head=1)
     """))
-    proc = subprocess.run([sys.executable, "-m", "attnextract", "extract", "--target",
-                           f"{tmp_path / 'layer.py'}:black_box", "--dim", "16", "--out",
-                           str(tmp_path / "r.npz"), "--json"],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_cli("extract", "--target", f"{tmp_path / 'layer.py'}:black_box", "--dim", "16",
+                   "--out", str(tmp_path / "r.npz"), "--json", timeout=120)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["queries"] == 16 * 16 + 16 + 64 and report["verification"]["passed"]
