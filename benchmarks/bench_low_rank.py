@@ -56,7 +56,7 @@ if ARGS.threads:
 import numpy as np  # noqa: E402  (after the thread settings)
 
 from attnextract import Oracle, RecoveryFailedError, SingleHeadAttention, extract_low_rank  # noqa: E402
-from attnextract.low_rank import low_rank_floor  # noqa: E402
+from attnextract.learners.low_rank import low_rank_floor  # noqa: E402
 
 
 def low_rank_head(d, r, seed):

@@ -21,8 +21,8 @@ import numpy as np
 
 from attnextract import Oracle
 from attnextract.errors import ModelMismatchError
-from attnextract.multi_head import canonical_error, extract_multi_head
-from attnextract.targets import random_multi_head
+from attnextract.learners.multi_head import canonical_error, extract_multi_head
+from attnextract.adapters.targets import random_multi_head
 
 GOAL = 1e-8
 

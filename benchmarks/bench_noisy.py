@@ -23,11 +23,11 @@ import time
 import numpy as np
 
 from attnextract import AttnExtractError, Oracle, SingleHeadAttention
-from attnextract.noisy import extract_noisy, paper_bound
+from attnextract.learners.noisy import extract_noisy, paper_bound
 from attnextract.oracle import (AdversarialNoise, BoundedNoise, GaussianNoise, RoundedOutputs,
                                 SignOnly)
-from attnextract.sign_only import extract_sign_only
-from attnextract.targets import random_single_head
+from attnextract.learners.sign_only import extract_sign_only
+from attnextract.adapters.targets import random_single_head
 
 TAUS = [1e-10, 1e-9, 1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3]
 

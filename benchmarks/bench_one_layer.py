@@ -28,12 +28,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from attnextract import Oracle  # noqa: E402
 from attnextract.oracle import evaluate_ragged  # noqa: E402
-from attnextract.one_layer import compare_one_layer, extract_one_layer, random_one_layer  # noqa: E402
+from attnextract.learners.one_layer import compare_one_layer, extract_one_layer, random_one_layer  # noqa: E402
 from attnextract.models import ReLUNetwork  # noqa: E402
-from attnextract.relu_network import (align_relu_networks, extract_relu_network,  # noqa: E402
+from attnextract.learners.relu_network import (align_relu_networks, extract_relu_network,  # noqa: E402
                                       random_relu_network)
 from attnextract.report import held_out_sequences, relative_errors, token_scale  # noqa: E402
-from attnextract.residual import extract_one_layer_residual, random_residual_one_layer  # noqa: E402
+from attnextract.learners.residual import extract_one_layer_residual, random_residual_one_layer  # noqa: E402
 
 
 def timed_extractions(make_target, learn, d: int, m: int, seeds: int):

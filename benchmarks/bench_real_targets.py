@@ -4,7 +4,7 @@ Run:  python benchmarks/bench_real_targets.py [--http-dims 32 64] [--journal-dim
                                               [--minilm 0:0 1:5 ...] [--json]
 
 Measures, on this machine:
-- HTTP: a single head served on loopback by ``attnextract.server``, extracted through
+- HTTP: a single head served on loopback by ``attnextract.adapters.server``, extracted through
   ``HttpBlackBox`` with 1 and 4 requests in flight (wall time, requests, queries/s);
 - journal: the same extraction without a journal, with a fresh journal, and resumed
   from the full journal (0 black-box queries);
@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from attnextract import Oracle, extract_single_head
-from attnextract.journal import QueryJournal
-from attnextract.remote import HttpBlackBox
-from attnextract.server import make_server
-from attnextract.targets import random_single_head
+from attnextract.adapters.journal import QueryJournal
+from attnextract.adapters.remote import HttpBlackBox
+from attnextract.adapters.server import make_server
+from attnextract.adapters.targets import random_single_head
 
 
 def rel(a, b):
@@ -80,7 +80,7 @@ def bench_journal(d):
 def bench_torch():
     import torch
 
-    from attnextract.torch_target import TorchAttentionBlackBox
+    from attnextract.adapters.torch_target import TorchAttentionBlackBox
     torch.manual_seed(0)
     layer = torch.nn.MultiheadAttention(128, 4, bias=False, batch_first=True)
     box = TorchAttentionBlackBox(layer, readout=0, head=2)
@@ -95,7 +95,7 @@ def bench_torch():
 
 
 def bench_minilm(heads):
-    from attnextract.minilm import extract_minilm_head
+    from attnextract.adapters.minilm import extract_minilm_head
     rows = []
     for spec in heads:
         layer, head = (int(x) for x in spec.split(":"))

@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from attnextract import Oracle, extract_single_head
-from attnextract.targets import random_single_head
+from attnextract.adapters.targets import random_single_head
 
 
 def run(dims, repeats):

@@ -9,8 +9,8 @@ from attnextract import Oracle
 from attnextract.bench import fitted_slope, update_readme
 from attnextract.report import held_out_sequences
 from attnextract.oracle import by_length
-from attnextract.surrogate import _loss_and_grad, train_surrogate
-from attnextract.targets import random_single_head
+from attnextract.learners.surrogate import _loss_and_grad, train_surrogate
+from attnextract.adapters.targets import random_single_head
 
 from conftest import run_cli
 

@@ -7,13 +7,13 @@ import textwrap
 import numpy as np
 import pytest
 
-from attnextract.targets import random_single_head
+from attnextract.adapters.targets import random_single_head
 
 from conftest import rel_err, run_cli
 
 TARGETS = textwrap.dedent("""
     import numpy as np
-    from attnextract.targets import random_single_head
+    from attnextract.adapters.targets import random_single_head
 
     head = random_single_head({d}, seed=11)          # an object with __call__
 

@@ -13,9 +13,9 @@ import pytest
 
 from attnextract import (BlackBoxError, BudgetExceededError, InputError, MalformedOutputError,
                          Oracle, extract_single_head)
-from attnextract.remote import HttpBlackBox
-from attnextract.server import QueryHandler, make_server
-from attnextract.targets import random_single_head
+from attnextract.adapters.remote import HttpBlackBox
+from attnextract.adapters.server import QueryHandler, make_server
+from attnextract.adapters.targets import random_single_head
 
 from conftest import rel_err, run_cli
 
@@ -297,7 +297,7 @@ def test_serve_and_extract_on_the_command_line(tmp_path):
 def test_a_rounding_endpoint_is_extracted_within_error_bars(serve):
     """--round 6 makes the endpoint noisy: exact extraction refuses, the noisy learner bounds it."""
     from attnextract import ModelMismatchError
-    from attnextract.noisy import extract_noisy
+    from attnextract.learners.noisy import extract_noisy
     for seed in range(2):
         model = random_single_head(D, seed=20 + seed)
         server = serve(model, round_digits=6)

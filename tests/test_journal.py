@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from attnextract import BlackBoxError, InputError, Oracle, extract_single_head
-from attnextract.journal import QueryJournal, read_entries, sequence_digests
-from attnextract.targets import random_single_head
+from attnextract.adapters.journal import QueryJournal, read_entries, sequence_digests
+from attnextract.adapters.targets import random_single_head
 
 
 class CountingBox:
@@ -109,8 +109,8 @@ def test_context_mismatch_and_corrupt_file(tmp_path):
 SLOW_TARGET = textwrap.dedent("""
     import os, time
     import numpy as np
-    from attnextract.journal import sequence_digests
-    from attnextract.targets import random_single_head
+    from attnextract.adapters.journal import sequence_digests
+    from attnextract.adapters.targets import random_single_head
 
     head = random_single_head(6, seed=5)
 

@@ -10,13 +10,13 @@ import pytest
 from attnextract import (BudgetExceededError, InputError, ModelMismatchError,
                          NotIdentifiableError, Oracle, RecoveryFailedError, SingleHeadAttention,
                          extract_low_rank, load_model)
-from attnextract.low_rank import (CONFIRM_PROBES, DEFAULT_OVERSAMPLING, ROP_HOLDOUT,
+from attnextract.learners.low_rank import (CONFIRM_PROBES, DEFAULT_OVERSAMPLING, ROP_HOLDOUT,
                                   haar_orthogonal, low_rank_floor, random_probe_basis,
                                   rop_solve)
 from attnextract.report import verification_count
-from attnextract.targets import hostile_single_heads, random_single_head
+from attnextract.adapters.targets import hostile_single_heads, random_single_head
 
-from attnextract.targets import random_low_rank_head
+from attnextract.adapters.targets import random_low_rank_head
 
 from conftest import rel_err, run_cli
 
@@ -267,7 +267,7 @@ def test_rop_solver_handles_zero_measurements_and_restarts():
 
 
 def test_gaussian_probes_are_float32_normal_and_reproducible():
-    from attnextract.low_rank import gaussian_probes
+    from attnextract.learners.low_rank import gaussian_probes
     P = gaussian_probes(20000, 16, np.random.default_rng(5))
     Q = gaussian_probes(20000, 16, np.random.default_rng(5))
     assert P.dtype == np.float32 and P.shape == (20000, 16)
@@ -379,7 +379,7 @@ def test_rop_solver_stops_at_the_measurements_noise_without_restarts(noise, stop
     if stop == "plateau":       # an acceptable fit that stops improving ends the run at once
         assert iterations <= clean_iterations + 2 * 4
     else:                       # one stall window, no restart (which would meet the same floor)
-        from attnextract.low_rank import STALL_ITERATIONS
+        from attnextract.learners.low_rank import STALL_ITERATIONS
         assert iterations <= clean_iterations + STALL_ITERATIONS
 
 

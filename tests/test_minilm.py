@@ -8,7 +8,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from attnextract import InputError
-from attnextract.minilm import (HEAD_DIM, WIDTH, extract_minilm_head, head_parameters,
+from attnextract.adapters.minilm import (HEAD_DIM, WIDTH, extract_minilm_head, head_parameters,
                                 load_attention_weights, low_rank_floor, minilm_head,
                                 minilm_layer_heads, minilm_weights_path, readout_vector)
 from attnextract.models import softmax
@@ -89,7 +89,7 @@ def test_minilm_on_the_command_line(tmp_path):
 
 
 def test_layer_target_through_a_subspace_is_the_real_layer():
-    from attnextract.minilm import minilm_layer_target
+    from attnextract.adapters.minilm import minilm_layer_target
     full = minilm_layer_target(2, readout_seed=1)
     small = minilm_layer_target(2, readout_seed=1, subspace=8)
     P = np.linalg.qr(np.random.default_rng(0).standard_normal((WIDTH, 8)))[0]
@@ -102,7 +102,7 @@ def test_layer_target_through_a_subspace_is_the_real_layer():
 
 def test_all_heads_of_a_layer_never_come_back_wrong():
     """The multi-head learner on 12 real heads: verified and right, or refused, never wrong."""
-    from attnextract.minilm import extract_minilm_layer
+    from attnextract.adapters.minilm import extract_minilm_layer
     result, truth, error = extract_minilm_layer(0, subspace=8, seed=0)
     d = result.report.details
     assert d["true heads"] == 12 and d["heads found"] == result.model.W.shape[0]

@@ -3,8 +3,8 @@ import pytest
 
 from attnextract import InputError, SingleHeadAttention
 from attnextract.models import softmax
-from attnextract.single_head import probe_pair
-from attnextract.targets import random_single_head
+from attnextract.learners.single_head import probe_pair
+from attnextract.adapters.targets import random_single_head
 
 
 def naive_single_head(W, v, X):

@@ -13,11 +13,11 @@ import pytest
 from attnextract import Oracle
 from attnextract.errors import InputError, ModelMismatchError
 from attnextract.models import MODEL_CLASSES, MultiHeadAttention, SingleHeadAttention
-from attnextract.multi_head import (canonical_error, canonical_form, copy_ratios,
+from attnextract.learners.multi_head import (canonical_error, canonical_form, copy_ratios,
                                     extract_multi_head, match_heads, non_identifiable_twin,
                                     output_precision, twin_difference)
 from attnextract.report import load_model
-from attnextract.targets import hostile_multi_heads, random_multi_head
+from attnextract.adapters.targets import hostile_multi_heads, random_multi_head
 
 from conftest import run_cli
 
@@ -337,7 +337,7 @@ def test_wrong_subspaces_are_a_mismatch():
 def test_cli_extract_multi_head(tmp_path):
     target = tmp_path / "target.py"
     target.write_text(textwrap.dedent("""
-        from attnextract.targets import random_multi_head
+        from attnextract.adapters.targets import random_multi_head
         box = random_multi_head(2, 4, seed=21)
     """))
     out = tmp_path / "RESULT.npz"

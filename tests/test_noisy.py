@@ -8,12 +8,12 @@ import pytest
 
 from attnextract import (InputError, ModelMismatchError, NotIdentifiableError, Oracle,
                          SingleHeadAttention, extract_single_head)
-from attnextract.noisy import NoiseModel, extract_noisy, paper_bound
+from attnextract.learners.noisy import NoiseModel, extract_noisy, paper_bound
 from attnextract.oracle import (BOUNDED_PATTERNS, AdversarialNoise, BoundedNoise, GaussianNoise,
                                 RoundedOutputs, SignOnly)
 from attnextract.report import verification_count
-from attnextract.sign_only import extract_sign_only
-from attnextract.targets import hostile_single_heads, random_single_head
+from attnextract.learners.sign_only import extract_sign_only
+from attnextract.adapters.targets import hostile_single_heads, random_single_head
 
 from conftest import rel_err, run_cli
 
@@ -314,7 +314,7 @@ def test_sign_only_hostile_and_errors():
 
 TARGET_FILE = """
 from attnextract.oracle import BoundedNoise, SignOnly
-from attnextract.targets import random_single_head
+from attnextract.adapters.targets import random_single_head
 _m = random_single_head(6, seed=11)
 noisy = BoundedNoise(_m, 1e-6, "sign", seed=0)
 labels = SignOnly(_m)

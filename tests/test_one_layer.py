@@ -9,7 +9,7 @@ import pytest
 from attnextract import Oracle
 from attnextract.errors import BudgetExceededError, ModelMismatchError, NotIdentifiableError
 from attnextract.models import MODEL_CLASSES, OneLayerTransformer, SingleHeadAttention, softmax
-from attnextract.one_layer import (OddPartOracle, compare_one_layer, extract_one_layer,
+from attnextract.learners.one_layer import (OddPartOracle, compare_one_layer, extract_one_layer,
                                    random_one_layer)
 
 from conftest import rel_err, run_cli
@@ -173,7 +173,7 @@ def test_budget_is_checked_before_sending():
 # ----------------------------------------------------------------------------- CLI
 TARGETS = textwrap.dedent("""
     import numpy as np
-    from attnextract.one_layer import random_one_layer
+    from attnextract.learners.one_layer import random_one_layer
 
     secret = random_one_layer(5, 4, seed=21)
 

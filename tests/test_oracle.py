@@ -3,7 +3,7 @@ import pytest
 
 from attnextract import (BlackBoxError, BudgetExceededError, InputError, MalformedOutputError,
                          NonFiniteOutputError, Oracle)
-from attnextract.targets import random_single_head
+from attnextract.adapters.targets import random_single_head
 
 
 def test_counts_queries_tokens_and_calls():

@@ -9,7 +9,7 @@ from attnextract import Oracle
 from attnextract.errors import (BudgetExceededError, InputError, ModelMismatchError,
                                 NotIdentifiableError)
 from attnextract.models import MODEL_CLASSES, ReLUNetwork
-from attnextract.relu_network import (align_relu_networks, canonical_relu, extract_relu_network,
+from attnextract.learners.relu_network import (align_relu_networks, canonical_relu, extract_relu_network,
                                       random_relu_network)
 from attnextract.report import ExtractionResult, load_model, save_result
 

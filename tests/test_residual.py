@@ -9,9 +9,9 @@ import pytest
 from attnextract import Oracle
 from attnextract.errors import InputError, ModelMismatchError, NotIdentifiableError
 from attnextract.models import MODEL_CLASSES, ReLUNetwork
-from attnextract.one_layer import random_one_layer
-from attnextract.relu_network import align_relu_networks
-from attnextract.residual import (ResidualOneLayer, extract_one_layer_residual,
+from attnextract.learners.one_layer import random_one_layer
+from attnextract.learners.relu_network import align_relu_networks
+from attnextract.learners.residual import (ResidualOneLayer, extract_one_layer_residual,
                                   random_residual_one_layer)
 from attnextract.report import held_out_sequences
 
@@ -93,7 +93,7 @@ def test_no_attention_path_is_not_identifiable_and_small_d_is_refused():
 def test_cli_kind(tmp_path):
     target = tmp_path / "t.py"
     target.write_text(textwrap.dedent("""
-        from attnextract.residual import random_residual_one_layer
+        from attnextract.learners.residual import random_residual_one_layer
         secret = random_residual_one_layer(5, 4, seed=8)
     """))
     out = tmp_path / "r.npz"

@@ -4,8 +4,8 @@ import pytest
 from attnextract import (BudgetExceededError, ModelMismatchError, NotIdentifiableError, Oracle,
                          SingleHeadAttention, extract_single_head)
 from attnextract.report import verification_count
-from attnextract.single_head import logit, probe_basis
-from attnextract.targets import hostile_single_heads, random_single_head
+from attnextract.learners.single_head import logit, probe_basis
+from attnextract.adapters.targets import hostile_single_heads, random_single_head
 
 from conftest import rel_err
 

@@ -9,7 +9,7 @@ import torch
 
 from attnextract import InputError, ModelMismatchError, Oracle, extract_single_head
 from attnextract.models import SingleHeadAttention
-from attnextract.torch_target import TorchAttentionBlackBox, merged_head_parameters
+from attnextract.adapters.torch_target import TorchAttentionBlackBox, merged_head_parameters
 
 from conftest import rel_err, run_cli
 
@@ -88,7 +88,7 @@ def test_bad_arguments():
 def test_torch_target_file_on_the_command_line(tmp_path):
     (tmp_path / "layer.py").write_text(textwrap.dedent("""
         import torch
-        from attnextract.torch_target import TorchAttentionBlackBox
+        from attnextract.adapters.torch_target import TorchAttentionBlackBox
 
         torch.manual_seed(0)
         layer = torch.nn.MultiheadAttention(16, 4, bias=False, batch_first=True)
@@ -108,7 +108,7 @@ def test_torch_target_file_on_the_command_line(tmp_path):
 
 @pytest.mark.parametrize("seed", range(2))
 def test_one_torch_head_by_the_low_rank_learner_at_its_floor(seed):
-    from attnextract.low_rank import extract_low_rank
+    from attnextract.learners.low_rank import extract_low_rank
     module = mha(64, 8, seed=20 + seed)                       # head_dim 8: rank 8 of 64
     box = TorchAttentionBlackBox(module, readout=seed, head=seed + 2)
     result = extract_low_rank(Oracle(box, 64), seed=seed)

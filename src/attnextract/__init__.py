@@ -4,19 +4,36 @@ from .errors import (AttnExtractError, BlackBoxError, BudgetExceededError, Input
                      MalformedOutputError, ModelMismatchError, NonFiniteOutputError,
                      NotIdentifiableError, RecoveryFailedError, TargetLoadError)
 from .models import MultiHeadAttention, SingleHeadAttention
-from .multi_head import (canonical_form, extract_multi_head, non_identifiable_twin,
+from .learners.multi_head import (canonical_form, extract_multi_head, non_identifiable_twin,
                          twin_difference)
 from .oracle import Oracle
 from .report import ExtractionResult, Report, Verification, load_model, verify_model
-from .single_head import extract_single_head
+from .learners.single_head import extract_single_head
 from .models import OneLayerTransformer, ReLUNetwork
-from .noisy import extract_noisy
-from .one_layer import extract_one_layer
-from .relu_network import extract_relu_network
-from .sign_only import extract_sign_only
-from .low_rank import extract_low_rank
+from .learners.noisy import extract_noisy
+from .learners.one_layer import extract_one_layer
+from .learners.relu_network import extract_relu_network
+from .learners.sign_only import extract_sign_only
+from .learners.low_rank import extract_low_rank
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+# Old import paths (``attnextract.single_head``, ``attnextract.remote``, ...) keep working:
+# each name in sys.modules is the same module object as its new home, so monkeypatching
+# either affects both. All of these import numpy and the standard library only.
+import importlib as _importlib
+import sys as _sys
+
+for _package, _names in {
+    "learners": ("single_head", "low_rank", "noisy", "sign_only", "relu_network", "one_layer",
+                 "residual", "multi_head", "surrogate"),
+    "adapters": ("torch_target", "minilm", "remote", "server", "journal", "targets"),
+}.items():
+    for _name in _names:
+        _module = _importlib.import_module(f"{__name__}.{_package}.{_name}")
+        _sys.modules[f"{__name__}.{_name}"] = _module
+        globals()[_name] = _module
+del _package, _names, _name, _module
 
 __all__ = [
     "AttnExtractError", "BlackBoxError", "BudgetExceededError", "InputError",

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from .oracle import Oracle
-from .single_head import extract_single_head
-from .surrogate import train_surrogate
-from .targets import random_single_head
+from .learners.single_head import extract_single_head
+from .learners.surrogate import train_surrogate
+from .adapters.targets import random_single_head
 
 
 def _rel(a, b) -> float:
@@ -102,7 +102,7 @@ def section_surrogate(quick: bool, log) -> list[dict]:
 
 def section_one_layer(quick: bool, log) -> list[dict]:
     """One-layer Transformer end to end (paper 1 reduction + the ReLU FFN learner), m = d."""
-    from .one_layer import compare_one_layer, extract_one_layer, random_one_layer
+    from .learners.one_layer import compare_one_layer, extract_one_layer, random_one_layer
     rows = []
     for d in ([4, 8, 16] if quick else [4, 8, 16, 32, 64]):
         target = random_one_layer(d, d, seed=d)
@@ -121,8 +121,8 @@ def section_one_layer(quick: bool, log) -> list[dict]:
 
 def section_low_rank(quick: bool, log) -> list[dict]:
     """Rank-r heads, r = d/8: the adaptive learner (floor d + r(2d - r)) and paper 1's ROP."""
-    from .low_rank import extract_low_rank, low_rank_floor
-    from .targets import random_low_rank_head
+    from .learners.low_rank import extract_low_rank, low_rank_floor
+    from .adapters.targets import random_low_rank_head
     rows = []
     for method in ("adaptive", "rop"):
         for d in ([16, 32, 64] if quick else [16, 32, 64, 128, 256, 512]):
@@ -143,8 +143,8 @@ def section_low_rank(quick: bool, log) -> list[dict]:
 
 def section_multi_head(quick: bool, log) -> list[dict]:
     """Canonical multi-head recovery (paper 2, copy counts), H = 2 heads, no subspace assumption."""
-    from .multi_head import canonical_error, extract_multi_head
-    from .targets import random_multi_head
+    from .learners.multi_head import canonical_error, extract_multi_head
+    from .adapters.targets import random_multi_head
     rows, H = [], 2
     for d in ([4, 8] if quick else [4, 8, 16, 32]):
         target = random_multi_head(H, d, seed=d)
@@ -161,7 +161,7 @@ def section_multi_head(quick: bool, log) -> list[dict]:
 
 def section_noisy(quick: bool, log) -> list[dict]:
     """Error vs noise tolerance tau: the robust default and paper 1's Theorem 6.1, equal queries."""
-    from .noisy import extract_noisy
+    from .learners.noisy import extract_noisy
     from .oracle import BoundedNoise
     rows = []
     d = 16

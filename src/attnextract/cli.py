@@ -19,17 +19,17 @@ import numpy as np
 from . import __version__
 from .errors import (AttnExtractError, BlackBoxError, BudgetExceededError, InputError,
                      ModelMismatchError, NotIdentifiableError, TargetLoadError)
-from .journal import QueryJournal
+from .adapters.journal import QueryJournal
 from .oracle import Oracle
 from .report import DEFAULT_VERIFY_TOLERANCE, load_model, verification_count, verify_model
-from .one_layer import extract_one_layer
-from .relu_network import extract_relu_network
-from .residual import extract_one_layer_residual
-from .sign_only import extract_sign_only
-from .multi_head import extract_multi_head
-from .single_head import extract_single_head
-from .low_rank import extract_low_rank
-from .targets import load_target, random_single_head
+from .learners.one_layer import extract_one_layer
+from .learners.relu_network import extract_relu_network
+from .learners.residual import extract_one_layer_residual
+from .learners.sign_only import extract_sign_only
+from .learners.multi_head import extract_multi_head
+from .learners.single_head import extract_single_head
+from .learners.low_rank import extract_low_rank
+from .adapters.targets import load_target, random_single_head
 
 # model kind -> learner; every learner takes (oracle, seed=..., **options)
 EXTRACTORS = {"single-head": extract_single_head}
@@ -249,7 +249,7 @@ def _fail(args, exc: Exception, code: int) -> int:
 def _open_target(spec: str, dim: int | None = None, args=None):
     """A black box from FILE.py:NAME, or from an HTTP endpoint http://HOST:PORT."""
     if spec.startswith(("http://", "https://")):
-        from .remote import HttpBlackBox
+        from .adapters.remote import HttpBlackBox
         options = {k: getattr(args, f"http_{k}") for k in ("timeout", "retries", "concurrency")
                    if getattr(args, f"http_{k}", None) is not None}
         black_box = HttpBlackBox(spec, **options)
@@ -424,8 +424,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_twins(args) -> int:
-    from .multi_head import canonical_error, canonical_form, non_identifiable_twin, twin_difference
-    from .targets import random_multi_head
+    from .learners.multi_head import canonical_error, canonical_form, non_identifiable_twin, twin_difference
+    from .adapters.targets import random_multi_head
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     model = random_multi_head(args.heads, args.dim, seed)
     twin = non_identifiable_twin(model, seed + 1)
@@ -461,7 +461,7 @@ def cmd_twins(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from .server import make_server
+    from .adapters.server import make_server
     model = load_model(args.secret)
     try:
         server = make_server(model, args.host, args.port, budget=args.budget,
@@ -481,7 +481,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_minilm(args) -> int:
-    from .minilm import extract_minilm_head, extract_minilm_layer
+    from .adapters.minilm import extract_minilm_head, extract_minilm_layer
     if args.all_heads == (args.head is not None):
         raise InputError("give either --head H or --all-heads")
     journal = None

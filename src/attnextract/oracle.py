@@ -46,7 +46,7 @@ class Oracle:
     progress : callable, optional
         Called as ``progress(queries_sent, queries_planned)`` after each call.
     journal : QueryJournal, optional
-        Consulted for every batch (see :mod:`attnextract.journal`): sequences it has
+        Consulted for every batch (see :mod:`attnextract.adapters.journal`): sequences it has
         answered before are answered from it, only the others reach the black box,
         and their answers are recorded (committed per batch). ``queries`` counts both;
         ``journal_queries`` those answered by the journal, ``black_box_queries`` the rest.

@@ -64,10 +64,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import InputError, ModelMismatchError, NotIdentifiableError
-from .models import SingleHeadAttention, softmax
-from .oracle import Oracle, by_length
-from .report import (ExtractionResult, Report, Verification, held_out_sequences,
+from ..errors import InputError, ModelMismatchError, NotIdentifiableError
+from ..models import SingleHeadAttention, softmax
+from ..oracle import Oracle, by_length
+from ..report import (ExtractionResult, Report, Verification, held_out_sequences,
                      relative_errors, verification_count)
 from .single_head import logit, probe_basis
 

@@ -65,10 +65,10 @@ import time
 
 import numpy as np
 
-from .errors import InputError, ModelMismatchError, NotIdentifiableError
-from .models import ReLUNetwork
-from .oracle import Oracle
-from .report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, Verification,
+from ..errors import InputError, ModelMismatchError, NotIdentifiableError
+from ..models import ReLUNetwork
+from ..oracle import Oracle
+from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, Verification,
                      held_out_sequences, relative_errors, verification_count)
 
 EPS = np.finfo(float).eps

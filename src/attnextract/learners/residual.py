@@ -31,12 +31,12 @@ import time
 
 import numpy as np
 
-from .errors import InputError, ModelMismatchError, NotIdentifiableError
-from .models import ResidualOneLayer
+from ..errors import InputError, ModelMismatchError, NotIdentifiableError
+from ..models import ResidualOneLayer
 from .one_layer import OddPartOracle
-from .oracle import Oracle
+from ..oracle import Oracle
 from .relu_network import extract_relu_network
-from .report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, token_scale,
+from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, token_scale,
                      verification_count, verify_model)
 from .single_head import extract_single_head
 

@@ -5,7 +5,7 @@ no biases, no residual connection.
 
 Identities.
 - Single tokens: h([x]) = x, so f([x]) = w^T ReLU(A x) is a bias-free ReLU network,
-  recovered by :func:`attnextract.relu_network.extract_relu_network` up to permutation
+  recovered by :func:`attnextract.learners.relu_network.extract_relu_network` up to permutation
   and positive rescaling of the hidden units.
 - Odd part: the scores x_i^T W x_N do not change under X -> -X, so h(-X) = -h(X); since
   ReLU(z) - ReLU(-z) = z,
@@ -17,7 +17,7 @@ Identities.
   identified up to the hidden-unit symmetries.
 
 Algorithm: the FFN from single tokens; v = A^T w (must be non-zero); the single-head
-learner of :mod:`attnextract.single_head` run on g through :class:`OddPartOracle`,
+learner of :mod:`attnextract.learners.single_head` run on g through :class:`OddPartOracle`,
 which sends each probe batch X as ONE batch [X; -X] of 2B sequences and counts 2B
 queries; the v it measures from g([e_i]) must agree with A^T w; the assembled model
 is verified against the black box on held-out sequences of lengths 1..16.
@@ -34,11 +34,11 @@ import time
 
 import numpy as np
 
-from .errors import ModelMismatchError, NotIdentifiableError
-from .models import OneLayerTransformer
-from .oracle import Oracle, evaluate_ragged
+from ..errors import ModelMismatchError, NotIdentifiableError
+from ..models import OneLayerTransformer
+from ..oracle import Oracle, evaluate_ragged
 from .relu_network import align_relu_networks, extract_relu_network
-from .report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, held_out_sequences,
+from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, held_out_sequences,
                      relative_errors, token_scale, verification_count, verify_model)
 from .single_head import extract_single_head
 
@@ -204,7 +204,7 @@ def compare_one_layer(recovered: OneLayerTransformer, truth: OneLayerTransformer
                       count: int = 256, seed=0) -> dict:
     """Parameter and output errors of a recovered one-layer Transformer against the truth.
 
-    Hidden units are aligned by :func:`attnextract.relu_network.align_relu_networks`
+    Hidden units are aligned by :func:`attnextract.learners.relu_network.align_relu_networks`
     (permutation and positive scale); W is compared directly (it is identifiable).
 
     Parameters

@@ -28,10 +28,10 @@ import time
 
 import numpy as np
 
-from .errors import InputError, ModelMismatchError, NotIdentifiableError
-from .models import SingleHeadAttention
-from .oracle import Oracle
-from .report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, token_scale,
+from ..errors import InputError, ModelMismatchError, NotIdentifiableError
+from ..models import SingleHeadAttention
+from ..oracle import Oracle
+from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, token_scale,
                      verification_count, verify_model)
 
 FIRST_SCALE = 1.0 / 64     # logit scale of the first column, before anything is known

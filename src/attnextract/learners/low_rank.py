@@ -58,10 +58,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from scipy.linalg import solve_triangular
 
-from .errors import InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError
-from .models import SingleHeadAttention
-from .oracle import Oracle
-from .report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, token_scale,
+from ..errors import InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError
+from ..models import SingleHeadAttention
+from ..oracle import Oracle
+from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, token_scale,
                      verification_count, verify_model)
 from .single_head import (FIRST_SCALE, MAX_GROWTH, MAX_LOGIT, MAX_RESCALES, MIN_FIRST_LOGIT,
                           NOISE_LOGIT, TARGET_LOGIT, logit, probe_basis,

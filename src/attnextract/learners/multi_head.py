@@ -77,10 +77,10 @@ from math import gcd
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from .errors import InputError, ModelMismatchError, NotIdentifiableError
-from .models import MultiHeadAttention, SingleHeadAttention
-from .oracle import Oracle
-from .report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, held_out_sequences,
+from ..errors import InputError, ModelMismatchError, NotIdentifiableError
+from ..models import MultiHeadAttention, SingleHeadAttention
+from ..oracle import Oracle
+from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, held_out_sequences,
                      token_scale, verification_count, verify_model)
 from .single_head import extract_single_head
 

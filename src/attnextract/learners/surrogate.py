@@ -18,9 +18,9 @@ import time
 import numpy as np
 from scipy.optimize import minimize
 
-from .models import SingleHeadAttention, softmax
-from .oracle import Oracle, by_length, evaluate_ragged
-from .report import (ExtractionResult, Report, Verification, held_out_sequences,
+from ..models import SingleHeadAttention, softmax
+from ..oracle import Oracle, by_length, evaluate_ragged
+from ..report import (ExtractionResult, Report, Verification, held_out_sequences,
                      relative_errors, verification_count)
 
 

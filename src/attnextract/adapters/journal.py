@@ -30,7 +30,7 @@ from collections import Counter
 
 import numpy as np
 
-from .errors import InputError
+from ..errors import InputError
 
 DIGEST_BYTES = 16
 # One row per answered batch (a row per sequence made large runs spend more time in

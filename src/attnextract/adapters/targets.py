@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import InputError, TargetLoadError
-from .models import SingleHeadAttention
+from ..errors import InputError, TargetLoadError
+from ..models import SingleHeadAttention
 
 
 def random_single_head(dim: int, seed=None, *, w_scale: float | None = None,
@@ -97,7 +97,7 @@ def load_target(spec: str):
 def random_multi_head(heads: int, dim: int, seed=None, *, w_scale: float | None = None,
                       v_scale: float = 1.0):
     """H generic heads: W_h entries N(0, w_scale^2) (default 1/sqrt(d)), v_h entries N(0, v_scale^2)."""
-    from .models import MultiHeadAttention
+    from ..models import MultiHeadAttention
     if dim < 1 or heads < 0:
         raise InputError(f"need dim >= 1 and heads >= 0, got dim={dim}, heads={heads}")
     rng = np.random.default_rng(seed)
@@ -113,7 +113,7 @@ def hostile_multi_heads(heads: int, dim: int, seed=None) -> dict:
     sharing v (their residues tie on every probe), non-orthogonal heads (W and v of
     the heads strongly correlated), a head 10x larger than the others, v = sum v_h = 0.
     """
-    from .models import MultiHeadAttention
+    from ..models import MultiHeadAttention
     if heads < 2:
         raise InputError(f"hostile multi-head targets need heads >= 2, got {heads}")
     rng = np.random.default_rng(seed)

@@ -42,11 +42,11 @@ import time
 
 import numpy as np
 
-from .errors import InputError, ModelMismatchError, NotIdentifiableError
-from .models import SingleHeadAttention
+from ..errors import InputError, ModelMismatchError, NotIdentifiableError
+from ..models import SingleHeadAttention
 from .noisy import FLOAT_SLACK, NoisyVerification, output_gradient_norms
-from .oracle import Oracle
-from .report import ExtractionResult, Report, held_out_sequences, verification_count
+from ..oracle import Oracle
+from ..report import ExtractionResult, Report, held_out_sequences, verification_count
 from .single_head import logit, probe_basis
 
 KAPPA_LOW, KAPPA_HIGH = 1.0, 4.0    # kappa sigma(lambda kappa) = 1 is bracketed here for lambda > -0.2747

@@ -31,7 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 
-from .errors import InputError
+from ..errors import InputError
 
 MAX_BODY_BYTES = 64 << 20        # 64 MiB of JSON, about 3M numbers
 MAX_SEQUENCES = 100_000          # sequences per request
