@@ -216,16 +216,20 @@ def test_bad_options(kwargs):
 
 # -- dispatch, mismatch, verification -------------------------------------------------
 
-def test_extract_single_head_dispatches_on_tolerance():
+def test_extract_dispatches_single_head_on_tolerance():
+    from attnextract import extract
     target = random_single_head(8, seed=9)
     box = BoundedNoise(target, 1e-6, "uniform", seed=1)
-    result = extract_single_head(Oracle(box, 8), tolerance=1e-6, seed=2)
+    result = extract(Oracle(box, 8), "single-head", tolerance=1e-6, seed=2)
     assert errors(result, target)[0] <= bars(result)[0]
     assert result.report.verification.passed
-    paper = extract_single_head(Oracle(box, 8), tolerance=1e-6, method="paper", norm_bound=10.0)
+    assert result.options["model"] == "noisy" and result.options["tolerance"] == 1e-6
+    paper = extract(Oracle(box, 8), tolerance=1e-6, method="paper", norm_bound=10.0)
     assert paper.report.details["method"].startswith("paper 1, Theorem 6.1")
-    with pytest.raises(InputError, match="tolerance"):
-        extract_single_head(Oracle(box, 8), method="paper")
+    with pytest.raises(InputError, match="does not apply to model 'single-head'"):
+        extract(Oracle(box, 8), method="paper")
+    with pytest.raises(InputError, match="tolerance applies to 'single-head'"):
+        extract(Oracle(box, 8), "low-rank", tolerance=1e-6)
     with pytest.raises(ModelMismatchError):       # exact-data verification rejects noisy outputs
         extract_single_head(Oracle(box, 8))
 

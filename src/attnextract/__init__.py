@@ -1,4 +1,8 @@
-"""attnextract: exact recovery of attention-model parameters from black-box queries."""
+"""attnextract: exact recovery of attention-model parameters from black-box queries.
+
+Start with :func:`extract` (``attnextract.extract(Oracle(black_box, dim), model="low-rank")``);
+the algorithms are described in docs/algorithms.md.
+"""
 
 from .errors import (AttnExtractError, BlackBoxError, BudgetExceededError, InputError,
                      MalformedOutputError, ModelMismatchError, NonFiniteOutputError,
@@ -15,6 +19,7 @@ from .learners.one_layer import extract_one_layer
 from .learners.relu_network import extract_relu_network
 from .learners.sign_only import extract_sign_only
 from .learners.low_rank import extract_low_rank
+from .registry import extract, learner_names, register
 
 __version__ = "0.2.0"
 
@@ -46,3 +51,4 @@ __all__ = [
     "twin_difference",
 ]
 __all__ += ["ReLUNetwork", "OneLayerTransformer", "extract_relu_network", "extract_one_layer"]
+__all__ += ["extract", "learner_names", "register"]

@@ -1,4 +1,11 @@
-"""Command-line interface: ``attnextract extract | verify | demo | twins``.
+"""Command-line interface: ``attnextract extract | verify | demo | twins | minilm | serve | bench``.
+
+One vocabulary across subcommands: every option shows its default in ``--help``;
+``-v``/``--log-level``, ``--no-progress`` and ``--threads`` exist everywhere;
+``--tolerance`` is always the black box's output noise, ``--verify-tolerance`` the
+held-out error accepted; ``--out`` is a result file, ``--out-dir`` a directory;
+``--journal`` exists on every subcommand that queries. ``--model`` names come from
+:mod:`attnextract.registry`. Argument errors are one line plus a pointer to ``--help``.
 
 Exit codes: 0 success; 1 the extraction or verification failed (mismatch, not
 identifiable, budget); 2 bad usage (arguments, target or result files); 3 the black
@@ -8,10 +15,11 @@ box failed (raised, malformed or non-finite answers, unreachable).
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
+import re
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,60 +29,59 @@ from .errors import (AttnExtractError, BlackBoxError, BudgetExceededError, Input
                      ModelMismatchError, NotIdentifiableError, TargetLoadError)
 from .adapters.journal import QueryJournal
 from .oracle import Oracle
+from .progress import ProgressBar, configure_logging, thread_limits
+from .registry import extract, get_learner, learner_names, resolve
 from .report import DEFAULT_VERIFY_TOLERANCE, load_model, verification_count, verify_model
-from .learners.one_layer import extract_one_layer
-from .learners.relu_network import extract_relu_network
-from .learners.residual import extract_one_layer_residual
-from .learners.sign_only import extract_sign_only
-from .learners.multi_head import extract_multi_head
-from .learners.single_head import extract_single_head
-from .learners.low_rank import extract_low_rank
-from .adapters.targets import load_target, random_single_head
+from .adapters.targets import FirstBatchHint, load_target, random_single_head
 
-# model kind -> learner; every learner takes (oracle, seed=..., **options)
-EXTRACTORS = {"single-head": extract_single_head}
-EXTRACTORS["relu-network"] = extract_relu_network     # single-token queries
-EXTRACTORS["one-layer"] = extract_one_layer
-EXTRACTORS["one-layer-residual"] = extract_one_layer_residual
-POLISHED = ("relu-network", "one-layer", "one-layer-residual")   # learners taking polish=
-EXTRACTORS["low-rank"] = extract_low_rank
-# extract options that only some --model kinds take: kind -> option names
-EXTRACTORS["multi-head"] = extract_multi_head
-MODEL_OPTIONS = {"low-rank": ("rank", "method", "oversampling"), "multi-head": ("heads",)}
+__all__ = ["main", "build_parser", "ProgressBar"]
+
+# extract options that belong to some models only: CLI dest -> the learner's keyword.
+# An option given for a model whose learner does not take it is an error.
+MODEL_OPTIONS = {"rank": "rank", "method": "method", "oversampling": "oversampling",
+                 "heads": "heads", "polish": "polish",
+                 "relative_tolerance": "relative_tolerance", "noise": "noise",
+                 "noise_method": "method", "repeats": "repeats", "norm_bound": "norm_bound",
+                 "margin": "margin", "bits": "bits", "threshold": "threshold"}
+# their defaults on the command line (the learners' own): equal to it counts as not given
+OPTION_DEFAULTS = {"polish": True, "relative_tolerance": 0.0, "noise": "bounded",
+                   "noise_method": "robust", "repeats": 1, "threshold": 0.0, "bits": 40}
 
 
-class ProgressBar:
-    """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in its help; flags and unset (None) options say it in words."""
 
-    def __init__(self, label: str, enabled: bool | None = None, stream=None):
-        self.stream = stream or sys.stderr
-        self.enabled = self.stream.isatty() if enabled is None else enabled
-        self.label, self.last = label, 0.0
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
 
-    def __call__(self, done: int, total: int) -> None:
-        now = time.perf_counter()
-        if not self.enabled or (now - self.last < 0.1 and done < total):
-            return
-        self.last = now
-        frac = min(done / total, 1.0) if total else 1.0
-        bar = "#" * int(30 * frac)
-        self.stream.write(f"\r{self.label} [{bar:<30}] {done}/{total} queries")
-        self.stream.flush()
 
-    def fitting(self, iteration: int, fit: float) -> None:
-        """Solver progress (ROP fit): iteration and relative measurement residual."""
-        now = time.perf_counter()
-        if not self.enabled or now - self.last < 0.1:
-            return
-        self.last = now
-        self.stream.write(f"\rfitting: iteration {iteration}, relative residual {fit:.1e}"
-                          + " " * 20)
-        self.stream.flush()
+class Parser(argparse.ArgumentParser):
+    """Argument errors as one line plus a pointer to --help (not the usage block)."""
 
-    def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()
+    def error(self, message):
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:
+            names = re.findall(r"'([^']*)'", choice.group(2)) or choice.group(2).split(", ")
+            close = difflib.get_close_matches(choice.group(1), names, n=1, cutoff=0.5)
+            message = (f"{message.split(':')[0]}: unknown {choice.group(1)!r}"
+                       + (f"; did you mean {close[0]!r}?" if close else
+                          f" (choose from {', '.join(names)})"))
+        self.exit(2, f"{self.prog}: error: {message}\nsee {self.prog} --help\n")
+
+
+class Renamed(argparse.Action):
+    """An old option spelling, still accepted, with a note naming the new one."""
+
+    def __init__(self, option_strings, dest, new: str = "", **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"attnextract: note: {option_string} is now {self.new} (the old spelling "
+              f"still works, for now)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def _int_at_least(low: int):
@@ -92,137 +99,195 @@ def _int_at_least(low: int):
 _positive_int, _nonnegative_int = _int_at_least(1), _int_at_least(0)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="attnextract",
-        description="Recover attention-model parameters from black-box query access.")
-    parser.add_argument("--version", action="version", version=f"attnextract {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _common_options() -> argparse.ArgumentParser:
+    """Options every subcommand takes: verbosity, progress, threads."""
+    common = Parser(add_help=False, formatter_class=HelpFormatter)
+    group = common.add_argument_group("output and resources (every subcommand)")
+    group.add_argument("-v", "--verbose", action="count", default=0,
+                       help="log the learner's stages on stderr (-v info, -vv debug)")
+    group.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                       help="log level of the attnextract loggers (overrides -v)")
+    group.add_argument("--no-progress", action="store_true",
+                       help="no progress display (a bar on a terminal, else a line every "
+                            "few seconds, on stderr)")
+    group.add_argument("--threads", type=_positive_int, default=1, metavar="N",
+                       help="BLAS/OpenMP threads of this process (threadpoolctl); 1 does not "
+                            "oversubscribe a shared machine")
+    return common
 
-    ex = sub.add_parser("extract", help="extract a model from a black box")
+
+def _add_journal(parser) -> None:
+    parser.add_argument("--journal", metavar="FILE.sqlite",
+                        help="record every query and answer; a restarted run resumes from it")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(
+        prog="attnextract", formatter_class=HelpFormatter,
+        description="Recover attention-model parameters from black-box query access. "
+                    "The algorithms: docs/algorithms.md.")
+    parser.add_argument("--version", action="version", version=f"attnextract {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = _common_options()
+
+    def command(name, help):
+        return sub.add_parser(name, help=help, description=help, parents=[common],
+                              formatter_class=HelpFormatter)
+
+    ex = command("extract", "extract a model from a black box")
     ex.add_argument("--target", required=True,
-                    help="FILE.py:NAME, a callable (B, N, d) -> (B,), or http://HOST:PORT")
+                    help="FILE.py:NAME (a callable (B, N, d) -> (B,)) or http://HOST:PORT")
     ex.add_argument("--dim", required=True, type=_positive_int, help="token width d")
-    ex.add_argument("--model", default="single-head", choices=sorted(EXTRACTORS))
+    ex.add_argument("--model", default="single-head", choices=learner_names(), metavar="MODEL",
+                    help="the model class the black box is assumed to be: " + "; ".join(
+                        f"{n}: {get_learner(n).description}" for n in learner_names()))
+    ex.add_argument("--out", required=True, metavar="RESULT.npz",
+                    help="result file to write (.npz is appended if missing)")
     ex.add_argument("--budget", type=_nonnegative_int, help="hard limit on queries")
     ex.add_argument("--max-batch", type=_positive_int, help="largest batch per black-box call")
-    ex.add_argument("--seed", type=int, help="seed of the learner's random choices")
-    ex.add_argument("--tolerance-verify", type=float, default=DEFAULT_VERIFY_TOLERANCE,
-                    dest="verify_tolerance", help="held-out relative error accepted")
-    ex.add_argument("--heads", type=_positive_int,
-                    help="multi-head: the model's number of heads (an upper bound on the "
-                         "canonical heads); default: detected")
-    noisy = ex.add_argument_group("noisy, rounded or sign-only outputs")
+    ex.add_argument("--seed", type=int, help="seed of the learner's random choices (random "
+                    "unless given; kept in the journal)")
+    ex.add_argument("--verify-tolerance", type=float, dest="verify_tolerance", metavar="ERR",
+                    help=f"held-out relative error accepted (default {DEFAULT_VERIFY_TOLERANCE:g}"
+                         "; with --tolerance or --sign-only: extra slack beyond the noise, "
+                         "default 0)")
+    ex.add_argument("--tolerance-verify", type=float, dest="verify_tolerance",
+                    action=Renamed, new="--verify-tolerance", help=argparse.SUPPRESS)
+    ex.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_journal(ex)
+    low = ex.add_argument_group("--model low-rank")
+    low.add_argument("--rank", type=_positive_int,
+                     help="rank r of W (needed by --method rop; found if not given)")
+    low.add_argument("--method", choices=["adaptive", "rop"],
+                     help="adaptive cross approximation at the floor d + r(2d - r) "
+                          "(default) or the paper's Gaussian rank-one projections")
+    low.add_argument("--oversampling", type=float, metavar="C",
+                     help="rop: C in m = C r 2d measurements (default 2)")
+    multi = ex.add_argument_group("--model multi-head")
+    multi.add_argument("--heads", type=_positive_int,
+                       help="the model's number of heads (an upper bound on the canonical "
+                            "heads); default: detected")
+    ffn = ex.add_argument_group("--model relu-network, one-layer, one-layer-residual")
+    ffn.add_argument("--no-polish", action="store_false", dest="polish",
+                     help="skip measuring each hidden unit alone (m d fewer queries, fewer "
+                          "bits of precision)")
+    noisy = ex.add_argument_group("noisy or rounded outputs (--model single-head)")
     noisy.add_argument("--tolerance", type=float, metavar="TAU",
                        help="outputs are accurate to +-TAU (+ RHO |f|): noisy extraction with "
                             "error bars (with --noise random: the noise std)")
-    noisy.add_argument("--relative-tolerance", type=float, default=0.0, metavar="RHO",
+    noisy.add_argument("--relative-tolerance", type=float, default=OPTION_DEFAULTS["relative_tolerance"], metavar="RHO",
                        help="relative part of the tolerance (float32 5.96e-8, float16 4.88e-4)")
-    noisy.add_argument("--noise", choices=["bounded", "random"], default="bounded",
+    noisy.add_argument("--noise", choices=["bounded", "random"], default=OPTION_DEFAULTS["noise"],
                        help="worst-case (adversarial) or independent random noise")
-    noisy.add_argument("--noise-method", choices=["robust", "paper"], default="robust",
-                       help="robust default, or paper 1's Theorem 6.1 (needs --norm-bound)")
-    noisy.add_argument("--repeats", type=_positive_int, default=1,
+    noisy.add_argument("--noise-method", choices=["robust", "paper"],
+                       default=OPTION_DEFAULTS["noise_method"],
+                       help="robust, or paper 1's Theorem 6.1 (needs --norm-bound)")
+    noisy.add_argument("--repeats", type=_positive_int, default=OPTION_DEFAULTS["repeats"],
                        help="measure every probe in this many dithered bases")
-    noisy.add_argument("--norm-bound", type=float, metavar="B", help="B >= ||W||_F")
+    noisy.add_argument("--norm-bound", type=float, metavar="B", help="B >= ||W||_F (paper)")
     noisy.add_argument("--margin", type=float, metavar="MU", help="mu <= min |v_i| (paper)")
-    noisy.add_argument("--sign-only", action="store_true",
-                       help="the target answers labels 1{f(X) > THRESHOLD}: extract by bisection "
-                            "(threshold 0: v up to a positive scale)")
-    noisy.add_argument("--threshold", type=float, default=0.0,
-                       help="with --sign-only: the labels are 1{f(X) > THRESHOLD} (known); a "
-                            "nonzero threshold also fixes the scale of v")
-    noisy.add_argument("--bits", type=_positive_int, default=40,
-                       help="bisection steps per entry of W (--sign-only)")
-    ex.add_argument("--out", required=True, help="RESULT.npz to write")
-    ex.add_argument("--rank", type=_positive_int,
-                    help="low-rank: rank r of W (needed by --method rop; found if not given)")
-    ex.add_argument("--method", choices=["adaptive", "rop"],
-                    help="low-rank: adaptive cross approximation at the floor d + r(2d - r) "
-                         "(default) or the paper's Gaussian rank-one projections")
-    ex.add_argument("--oversampling", type=float,
-                    help="low-rank rop: C in m = C r 2d measurements (default 2)")
-    ex.add_argument("--json", action="store_true", help="print one JSON object")
-    ex.add_argument("--no-progress", action="store_true")
-    ex.add_argument("--no-polish", action="store_true",
-                    help="relu-network, one-layer(-residual): skip measuring each hidden unit alone "
-                         "(m d fewer queries, fewer bits of precision)")
-    ex.add_argument("--journal", metavar="FILE.sqlite",
-                    help="record every query and answer; a restarted run resumes from it")
-    ex.add_argument("--http-timeout", type=float, help="seconds per HTTP request (http:// targets)")
-    ex.add_argument("--http-retries", type=_nonnegative_int,
-                    help="retries of timeouts and 5xx answers (http:// targets)")
-    ex.add_argument("--http-concurrency", type=_positive_int,
-                    help="HTTP requests in flight at once (http:// targets)")
+    labels = ex.add_argument_group("label-only outputs (--model single-head)")
+    labels.add_argument("--sign-only", action="store_true",
+                        help="the target answers labels 1{f(X) > THRESHOLD}: extract by "
+                             "bisection (threshold 0: v up to a positive scale)")
+    labels.add_argument("--threshold", type=float, default=OPTION_DEFAULTS["threshold"],
+                        help="the labels' known THRESHOLD; a nonzero one also fixes the scale of v")
+    labels.add_argument("--bits", type=_positive_int, default=OPTION_DEFAULTS["bits"],
+                        help="bisection steps per entry of W")
+    http = ex.add_argument_group("http:// targets")
+    http.add_argument("--http-timeout", type=float, metavar="SECONDS",
+                      help="seconds per HTTP request")
+    http.add_argument("--http-retries", type=_nonnegative_int,
+                      help="retries of timeouts and 5xx answers")
+    http.add_argument("--http-concurrency", type=_positive_int,
+                      help="HTTP requests in flight at once")
 
-    se = sub.add_parser("serve", help="serve a model file as an HTTP black box")
+    se = command("serve", "serve a model file as an HTTP black box")
     se.add_argument("--secret", required=True, help="FILE.npz with W and v (or a RESULT.npz)")
     se.add_argument("--port", required=True, type=_nonnegative_int, help="0 picks a free port")
-    se.add_argument("--host", default="127.0.0.1")
+    se.add_argument("--host", default="127.0.0.1", help="address to listen on")
     se.add_argument("--budget", type=_nonnegative_int, help="queries served in all (429 past it)")
     se.add_argument("--round", type=_nonnegative_int, dest="round_digits", metavar="DIGITS",
                     help="round every output to DIGITS decimals")
-    se.add_argument("--verbose", action="store_true", help="log every request on stderr")
 
-    mi = sub.add_parser("minilm", help="extract a real head of all-MiniLM-L6-v2 (offline weights)")
+    mi = command("minilm", "extract a real head of all-MiniLM-L6-v2 (offline weights)")
     mi.add_argument("--layer", required=True, type=_nonnegative_int, help="layer 0..5")
-    mi.add_argument("--head", type=_nonnegative_int, help="head 0..11")
+    mi.add_argument("--head", type=_nonnegative_int, help="head 0..11 (or --all-heads)")
     mi.add_argument("--all-heads", action="store_true",
                     help="the layer's 12 heads as one multi-head target (multi-head learner)")
     mi.add_argument("--subspace", type=_positive_int, default=16, metavar="K",
-                    help="--all-heads: tokens in a random K-dim subspace (default 16)")
+                    help="--all-heads: tokens in a random K-dim subspace")
     mi.add_argument("--readout-seed", type=int, default=0, help="seed of the readout vector r")
     mi.add_argument("--seed", type=int, default=0, help="seed of the learner")
-    mi.add_argument("--budget", type=_nonnegative_int)
-    mi.add_argument("--journal", metavar="FILE.sqlite")
-    mi.add_argument("--out", help="RESULT.npz to write")
-    mi.add_argument("--json", action="store_true")
-    mi.add_argument("--no-progress", action="store_true")
+    mi.add_argument("--budget", type=_nonnegative_int, help="hard limit on queries")
+    mi.add_argument("--out", metavar="RESULT.npz", help="result file to write (none if not given)")
+    mi.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_journal(mi)
 
-    ve = sub.add_parser("verify", help="compare a saved result with a black box")
-    ve.add_argument("--target", required=True, help="FILE.py:NAME")
-    ve.add_argument("--result", required=True, help="RESULT.npz written by extract")
-    ve.add_argument("--count", type=_positive_int, help="held-out sequences (default max(64, 1%% of parameters))")
-    ve.add_argument("--seed", type=int)
-    ve.add_argument("--tolerance", type=float, default=DEFAULT_VERIFY_TOLERANCE)
-    ve.add_argument("--budget", type=_nonnegative_int)
-    ve.add_argument("--json", action="store_true")
+    ve = command("verify", "compare a saved result with a black box")
+    ve.add_argument("--target", required=True,
+                    help="FILE.py:NAME (a callable (B, N, d) -> (B,)) or http://HOST:PORT")
+    ve.add_argument("--result", required=True, metavar="RESULT.npz",
+                    help="result file written by extract")
+    ve.add_argument("--count", type=_positive_int,
+                    help="held-out sequences (default max(64, 1%% of parameters))")
+    ve.add_argument("--seed", type=int, help="seed of the held-out sequences (random if not given)")
+    ve.add_argument("--verify-tolerance", type=float, default=DEFAULT_VERIFY_TOLERANCE,
+                    dest="verify_tolerance", metavar="ERR",
+                    help="largest held-out relative output error accepted as a match")
+    ve.add_argument("--tolerance", type=float, dest="verify_tolerance", action=Renamed,
+                    new="--verify-tolerance", help=argparse.SUPPRESS)
+    ve.add_argument("--budget", type=_nonnegative_int, help="hard limit on queries")
+    ve.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_journal(ve)
 
-    de = sub.add_parser("demo", help="extract a secret random single head and check it")
-    de.add_argument("--dim", type=_positive_int, default=64)
-    de.add_argument("--seed", type=int, help="seed of the secret target (default: random)")
-    de.add_argument("--json", action="store_true")
-    de.add_argument("--no-progress", action="store_true")
+    de = command("demo", "extract a secret random single head and check it")
+    de.add_argument("--dim", type=_positive_int, default=64, help="token width d")
+    de.add_argument("--seed", type=int, help="seed of the secret target (random if not given)")
+    de.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_journal(de)
 
-    be = sub.add_parser("bench", help="benchmark every learner against floors and a baseline")
+    be = command("bench", "benchmark every learner against floors and a baseline")
     be.add_argument("--quick", action="store_true", help="small sizes, under two minutes")
-    be.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md, PNGs")
-    be.add_argument("--sections", nargs="+", help="run only these sections")
+    be.add_argument("--out-dir", default="bench-out", metavar="DIR",
+                    help="directory for bench.json, bench.md and the plots (PNG and SVG)")
+    be.add_argument("--out", dest="out_dir", action=Renamed, new="--out-dir",
+                    help=argparse.SUPPRESS)
+    be.add_argument("--sections", nargs="+", metavar="SECTION",
+                    help="run only these sections (default: all)")
     be.add_argument("--update-readme", metavar="README", help="put the table into README's "
                     "<!-- bench:begin --> ... <!-- bench:end --> block")
 
-    tw = sub.add_parser("twins", help="show that multi-head attention is not identifiable: "
-                                      "two different parameter sets, one input-output map")
-    tw.add_argument("--heads", type=_positive_int, default=3)
-    tw.add_argument("--dim", type=_positive_int, default=8)
-    tw.add_argument("--seed", type=int, help="seed of the random model (default: random)")
+    tw = command("twins", "show that multi-head attention is not identifiable: "
+                          "two different parameter sets, one input-output map")
+    tw.add_argument("--heads", type=_positive_int, default=3, help="heads of the random model")
+    tw.add_argument("--dim", type=_positive_int, default=8, help="token width d")
+    tw.add_argument("--seed", type=int, help="seed of the random model (random if not given)")
     tw.add_argument("--count", type=_positive_int, default=1000,
                     help="random sequences compared")
-    tw.add_argument("--json", action="store_true")
+    tw.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    configure_logging(args.verbose, args.log_level)
     handler = {"extract": cmd_extract, "verify": cmd_verify, "demo": cmd_demo,
                "bench": cmd_bench, "twins": cmd_twins, "serve": cmd_serve,
                "minilm": cmd_minilm}[args.command]
     try:
-        return handler(args)
+        with thread_limits(args.threads):
+            code = handler(args) or 0
+        sys.stdout.flush()          # a closed pipe shows here, inside the handler below
+        return code
     except ModelMismatchError as exc:
         if exc.result is not None and not getattr(args, "json", False):
             print(exc.result.report.render(), file=sys.stderr)
+            hint = (_rounding_hint(exc.result.report, args)
+                    if getattr(args, "model", None) == "single-head" else None)
+            if hint:
+                print(hint, file=sys.stderr)
         return _fail(args, exc, 1)
     except (NotIdentifiableError, BudgetExceededError) as exc:
         return _fail(args, exc, 1)
@@ -232,6 +297,27 @@ def main(argv=None) -> int:
         return _fail(args, exc, 3)
     except AttnExtractError as exc:
         return _fail(args, exc, 1)
+    except BrokenPipeError:
+        # the reader went away (``| head``): stop quietly, without a traceback at exit
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        print("attnextract: interrupted", file=sys.stderr)
+        return 130
+
+
+def _rounding_hint(report, args) -> str | None:
+    """A mismatch whose error is small enough to be rounding names the tolerance options."""
+    check = report.verification
+    if check is None or getattr(args, "tolerance", None) is not None:
+        return None
+    if check.max_relative_error <= 1e-2:
+        return (f"attnextract: hint: a held-out error of {check.max_relative_error:.1e} is small: "
+                "if the black box rounds its outputs (float32, a few digits), extract with "
+                "--tolerance 0 --relative-tolerance 6e-8 (float32; float16 4.9e-4) or accept "
+                "more error with --verify-tolerance")
+    return None
 
 
 def _fail(args, exc: Exception, code: int) -> int:
@@ -256,65 +342,60 @@ def _open_target(spec: str, dim: int | None = None, args=None):
         if dim is not None:
             black_box.check_dim(dim)       # also fails early, typed, when unreachable
         return black_box
-    return load_target(spec)
+    return FirstBatchHint(load_target(spec), spec)
 
 
-def _model_options(args) -> dict:
-    """The extract options given for --model's learner; an option of another kind is an error."""
-    allowed = MODEL_OPTIONS.get(args.model, ())
-    given = {name: getattr(args, name) for names in MODEL_OPTIONS.values() for name in names
-             if getattr(args, name, None) is not None}
-    stray = sorted(set(given) - set(allowed))
-    if stray:
-        raise InputError(f"--{stray[0]} does not apply to --model {args.model}")
-    return given
+def _progress(args, label: str = "extracting") -> ProgressBar:
+    """The progress display of a subcommand (off with --no-progress)."""
+    return ProgressBar(label, enabled=False if args.no_progress else None)
 
 
 def _learner_and_options(args):
-    """The learner for ``--model`` (or ``--sign-only``) and its keyword options."""
-    noisy_flags = (args.noise_method != "robust" or args.noise != "bounded" or args.repeats != 1
-                   or args.norm_bound is not None or args.margin is not None)
-    if args.sign_only:
-        if args.tolerance is not None:
-            raise InputError("--sign-only answers are labels: --tolerance does not apply")
-        return extract_sign_only, {"bits": args.bits, "threshold": args.threshold}
-    options = _model_options(args)
-    if args.model in POLISHED:
-        options["polish"] = not args.no_polish
-    if args.tolerance is not None:
-        if args.model != "single-head":
-            raise InputError("--tolerance applies to --model single-head")
-        options.update(tolerance=args.tolerance, relative_tolerance=args.relative_tolerance,
-                       noise=args.noise, method=args.noise_method, repeats=args.repeats,
-                       norm_bound=args.norm_bound, margin=args.margin)
-    elif noisy_flags:
-        raise InputError("--noise-method, --noise, --repeats, --norm-bound and --margin "
-                         "need --tolerance")
-    return EXTRACTORS[args.model], options
+    """The learner for ``--model`` (or ``--sign-only`` / ``--tolerance``) and its options.
+
+    Options are those of the registry's learner (see :mod:`attnextract.registry`); a
+    per-model option given on the command line for a learner that does not take it is
+    an :class:`InputError`, raised before any query.
+    """
+    learner = resolve(args.model, tolerance=args.tolerance, sign_only=args.sign_only)
+    accepted = learner.options
+    options = {}
+    for dest, keyword in MODEL_OPTIONS.items():
+        value = getattr(args, dest, None)
+        if value is None or value == OPTION_DEFAULTS.get(dest):
+            continue                           # not given: the learner's own default
+        if keyword not in accepted:
+            flag = "--no-polish" if dest == "polish" else "--" + dest.replace("_", "-")
+            need = (" (it needs --tolerance)" if dest in ("relative_tolerance", "noise",
+                    "noise_method", "repeats", "norm_bound", "margin") and args.tolerance is None
+                    else " (it needs --sign-only)" if dest in ("bits", "threshold")
+                    and not args.sign_only else "")
+            raise InputError(f"{flag} does not apply to --model {learner.name}{need}")
+        options[keyword] = value
+    return learner, options
 
 
 def cmd_extract(args) -> int:
     learner, options = _learner_and_options(args)     # option errors before any work
     black_box = _open_target(args.target, args.dim, args)
     journal = _open_journal(args)
-    bar = ProgressBar("extracting", enabled=False if args.no_progress or args.json else None)
+    bar = _progress(args)
     oracle = Oracle(black_box, args.dim, budget=args.budget, max_batch=args.max_batch,
                     progress=bar, journal=journal)
-    if learner is extract_low_rank:
-        options["fit_progress"] = bar.fitting
     try:
-        result = learner(oracle, seed=args.seed, verify_tolerance=args.verify_tolerance,
+        result = extract(oracle, args.model, seed=args.seed, tolerance=args.tolerance,
+                         sign_only=args.sign_only, verify_tolerance=args.verify_tolerance,
                          **options)
     finally:
         bar.close()
         _close_journal(oracle)
     _note_sources(result.report, oracle)
-    result.save(args.out)
+    written = result.save(args.out)
     if args.json:
-        print(json.dumps({"ok": True, "out": args.out, **result.report.to_dict()}))
+        print(json.dumps({"ok": True, "out": str(written), **result.report.to_dict()}))
     else:
         print(result.report.render())
-        print(f"wrote        {args.out}")
+        print(f"wrote        {written}")
     return 0
 
 
@@ -352,12 +433,35 @@ def _note_sources(report, oracle: Oracle) -> None:
         report.details["journal"] = oracle.journal.path
 
 
+def _open_query_journal(args, target: str, dim: int):
+    """--journal of verify or demo: the journal keeps this subcommand's seed
+    (``verify_seed``, ``demo_seed``) beside an extraction's, so one file serves both."""
+    if not args.journal:
+        return None
+    journal = QueryJournal(args.journal, context={"target": target, "dim": dim})
+    key = f"{args.command}_seed"
+    if args.seed is None:
+        args.seed = journal.context.get(key, int.from_bytes(os.urandom(4), "little"))
+    journal.remember(**{key: args.seed})
+    if journal.context[key] != args.seed:
+        journal.close()
+        raise InputError(f"journal {args.journal} was recorded with --seed "
+                         f"{journal.context[key]}, not {args.seed}")
+    return journal
+
+
 def cmd_verify(args) -> int:
     model = load_model(args.result)
-    oracle = Oracle(_open_target(args.target, model.dim), model.dim, budget=args.budget)
+    journal = _open_query_journal(args, args.target, model.dim)
+    oracle = Oracle(_open_target(args.target, model.dim), model.dim, budget=args.budget,
+                    journal=journal, progress=_progress(args, "verifying"))
     count = args.count or verification_count(sum(np.size(p) for p in model.parameters().values()))
-    verification = verify_model(oracle, model, count=count, seed=args.seed,
-                                tolerance=args.tolerance)
+    try:
+        verification = verify_model(oracle, model, count=count, seed=args.seed,
+                                    tolerance=args.verify_tolerance)
+    finally:
+        oracle.progress.close()
+        _close_journal(oracle)
     if args.json:
         print(json.dumps({"ok": verification.passed, "queries": oracle.queries,
                           "sequences": verification.sequences,
@@ -378,14 +482,18 @@ def cmd_verify(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    journal = None
+    if args.journal:       # the secret's seed is the journal's: a resumed demo asks the same
+        journal = _open_query_journal(args, f"demo d = {args.dim}", args.dim)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     secret = random_single_head(args.dim, seed)
-    bar = ProgressBar("extracting", enabled=False if args.no_progress or args.json else None)
-    oracle = Oracle(secret, args.dim, progress=bar)
+    bar = _progress(args)
+    oracle = Oracle(secret, args.dim, progress=bar, journal=journal)
     try:
-        result = extract_single_head(oracle, seed=seed + 1)
+        result = extract(oracle, "single-head", seed=seed + 1)
     finally:
         bar.close()
+        _close_journal(oracle)
     model = result.model
     w_err = float(np.linalg.norm(model.W - secret.W) / np.linalg.norm(secret.W))
     v_err = float(np.linalg.norm(model.v - secret.v) / np.linalg.norm(secret.v))
@@ -406,19 +514,19 @@ def cmd_bench(args) -> int:
     unknown = set(args.sections or ()) - set(SECTIONS)
     if unknown:
         raise InputError(f"unknown bench section(s) {sorted(unknown)}; known: {sorted(SECTIONS)}")
-    summary = run_bench(args.out, quick=args.quick, sections=args.sections,
+    summary = run_bench(args.out_dir, quick=args.quick, sections=args.sections,
                         log=lambda line: print(line, file=sys.stderr))
-    table = (Path(args.out) / "bench.md").read_text()
+    table = (Path(args.out_dir) / "bench.md").read_text()
     print(table)
     if not summary["plots"]:
         print("(matplotlib is not installed: no plots; pip install 'attnextract[plot]')",
               file=sys.stderr)
-    print(f"wrote {args.out}/bench.json, bench.md" +
+    print(f"wrote {args.out_dir}/bench.json, bench.md" +
           "".join(f", {p}" for p in summary["plots"]) + f" in {summary['seconds']:.1f} s")
     if args.update_readme:
         image = None
         if "queries_vs_d.png" in summary["plots"]:
-            image = os.path.relpath(Path(args.out) / "queries_vs_d.png",
+            image = os.path.relpath(Path(args.out_dir) / "queries_vs_d.png",
                                     Path(args.update_readme).resolve().parent)
         update_readme(args.update_readme, table, image)
 
@@ -490,36 +598,34 @@ def cmd_minilm(args) -> int:
         journal = QueryJournal(args.journal, context={
             "target": f"minilm layer {args.layer} {which} readout {args.readout_seed}",
             "dim": args.subspace if args.all_heads else 384, "seed": args.seed})
+    bar = _progress(args)
     if args.all_heads:
         try:
             result, _, error = extract_minilm_layer(args.layer, readout_seed=args.readout_seed,
                                                     subspace=args.subspace, seed=args.seed,
-                                                    budget=args.budget, journal=journal)
+                                                    budget=args.budget, journal=journal,
+                                                    progress=bar)
         finally:
+            bar.close()
             if journal is not None:
                 journal.close()
         if error is not None:
             raise error          # exit 1, with the report of what the learner achieved
-        if args.out:
-            result.save(args.out)
-        print(json.dumps({"ok": True, "out": args.out, **result.report.to_dict()})
-              if args.json else result.report.render())
-        return 0
-    bar = ProgressBar("extracting", enabled=False if args.no_progress or args.json else None)
-    try:
-        result, _ = extract_minilm_head(args.layer, args.head, readout_seed=args.readout_seed,
-                                        seed=args.seed, budget=args.budget, progress=bar,
-                                        journal=journal)
-    finally:
-        bar.close()
-        if journal is not None:
-            journal.close()
-    if args.out:
-        result.save(args.out)
+    else:
+        try:
+            result, _ = extract_minilm_head(args.layer, args.head,
+                                            readout_seed=args.readout_seed, seed=args.seed,
+                                            budget=args.budget, progress=bar, journal=journal)
+        finally:
+            bar.close()
+            if journal is not None:
+                journal.close()
+    written = result.save(args.out) if args.out else None
     if args.json:
-        print(json.dumps({"ok": True, "out": args.out, **result.report.to_dict()}))
+        print(json.dumps({"ok": True, "out": written and str(written),
+                          **result.report.to_dict()}))
     else:
         print(result.report.render())
-        if args.out:
-            print(f"wrote        {args.out}")
+        if written:
+            print(f"wrote        {written}")
     return 0

@@ -165,6 +165,23 @@ class Oracle:
             self.black_box_seconds += time.perf_counter() - start
         return validate_outputs(raw, len(X))
 
+    def phase(self, text: str) -> None:
+        """Tell the progress display what the learner is doing ("columns 37/384, rank 12").
+
+        For learners whose query total is not known up front; a display without a
+        ``phase`` method ignores it."""
+        show = getattr(self.progress, "phase", None)
+        if show is not None:
+            show(text)
+
+    def __repr__(self) -> str:
+        budget = "" if self.budget is None else f" of budget {self.budget}"
+        journal = "" if self.journal is None else (
+            f", {self.journal_queries} from journal {getattr(self.journal, 'path', '?')}")
+        name = getattr(self.black_box, "__name__", type(self.black_box).__name__)
+        return (f"<Oracle d={self.dim} -> {name}: {self.queries} queries{budget} in "
+                f"{self.calls} calls, {self.black_box_seconds:.3g} s in the black box{journal}>")
+
     def summary(self) -> dict:
         return {"queries": self.queries, "tokens": self.tokens, "calls": self.calls,
                 "black_box_seconds": self.black_box_seconds, "budget": self.budget,

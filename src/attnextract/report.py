@@ -3,6 +3,12 @@
 Every learner returns an :class:`ExtractionResult`: the recovered model, the number
 of queries it rests on, and a :class:`Report` with the query breakdown, the floor,
 timing and the held-out :class:`Verification` against the black box.
+
+``result.save(path)`` writes one ``.npz`` file (the model's arrays, the query count,
+the report as JSON and the options the learner ran with);
+``ExtractionResult.load(path)`` reads all of it back, ``load_model(path)`` the model
+only. ``Report.to_dict()`` is for programs (snake_case keys, numbers, ranges as
+[lo, hi], ``schema_version``); ``str(report)`` is for people.
 """
 
 from __future__ import annotations
@@ -10,7 +16,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -20,6 +28,7 @@ from .oracle import Oracle
 
 DEFAULT_VERIFY_TOLERANCE = 1e-7
 MAX_VERIFY_LENGTH = 16
+REPORT_SCHEMA_VERSION = 2      # to_dict(): snake_case keys, numbers, ranges as [lo, hi]
 
 
 @dataclass
@@ -40,6 +49,11 @@ class Verification:
     @property
     def passed(self) -> bool:
         return bool(self.max_relative_error <= self.tolerance)
+
+    def __repr__(self) -> str:
+        return (f"<Verification {'PASSED' if self.passed else 'FAILED'}: {self.sequences} "
+                f"held-out sequences, max relative error {self.max_relative_error:.2e} "
+                f"{'<=' if self.passed else '>'} {self.tolerance:.0e}>")
 
 
 def verification_count(free_parameters: int) -> int:
@@ -132,26 +146,73 @@ class Report:
     black_box_seconds: float
     notes: list[str] = field(default_factory=list)
     details: dict = field(default_factory=dict)
+    # recovery queries when the breakdown's parts are not split that way (one-layer:
+    # ffn + attention + verification, each part with its own checks)
+    recovery: int | None = None
 
     @property
     def learner_seconds(self) -> float:
         return max(self.seconds - self.black_box_seconds, 0.0)
 
+    @property
+    def recovery_queries(self) -> int:
+        """Queries spent on recovery (not on the final held-out verification)."""
+        if self.recovery is not None:
+            return self.recovery
+        return self.breakdown.get("recovery", self.queries - self.breakdown.get("verification", 0))
+
     def to_dict(self) -> dict:
+        """The report for programs: snake_case keys holding numbers, ``schema_version`` 2.
+
+        Detail values written for people ("0.0156 .. 1.41", "0.177 (every probe)") become
+        numbers or [lo, hi] lists; other text stays text. ``str(report)`` is unchanged.
+        """
         out = asdict(self)
+        out["schema_version"] = REPORT_SCHEMA_VERSION
+        out["breakdown"] = {snake_case(k): v for k, v in self.breakdown.items()}
+        out["details"] = {snake_case(k): machine_value(v) for k, v in self.details.items()}
+        out["recovery_queries"] = self.recovery_queries
+        del out["recovery"]
         out["learner_seconds"] = self.learner_seconds
         if self.verification is not None:
             out["verification"]["passed"] = self.verification.passed
             out["verification_error"] = self.verification.max_relative_error
         return _jsonable(out)
 
+    def state(self) -> dict:
+        """Every field as given (for :meth:`from_state`: an exact round trip)."""
+        return _jsonable(asdict(self))
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Report":
+        state = dict(state)
+        if state.get("verification") is not None:
+            fields = Verification.__dataclass_fields__
+            check = {k: v for k, v in state["verification"].items() if k in fields}
+            check["lengths"] = tuple(check.get("lengths", (1, MAX_VERIFY_LENGTH)))
+            state["verification"] = Verification(**check)
+        known = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in state.items() if k in known})
+
+    def __str__(self) -> str:
+        return self.render()
+
+    def __repr__(self) -> str:
+        check = ("not verified" if self.verification is None else
+                 f"held-out error {self.verification.max_relative_error:.1e} "
+                 f"{'PASSED' if self.verification.passed else 'FAILED'}")
+        return (f"<Report {self.kind} d={self.dim}: {self.queries} queries (floor {self.floor}), "
+                f"{check}, {self.seconds:.3g} s>")
+
     def render(self) -> str:
         lines = [f"model        {self.kind}, d = {self.dim}",
                  f"queries      {self.queries} in all"]
         for name, n in self.breakdown.items():
             lines.append(f"  {name:<13}{n}")
+        recovery = ("recovery used" if self.recovery is None else
+                    f"recovery ({self.recovery} queries, the parts' own checks left out) used")
         lines.append(f"floor        {self.floor} (free parameters); "
-                     f"recovery used {self.breakdown.get('recovery', 0) / self.floor:.3f}x")
+                     f"{recovery} {self.recovery_queries / self.floor:.3f}x")
         if self.verification is not None:
             v = self.verification
             lines.append(f"verification {v.sequences} held-out sequences (lengths "
@@ -173,9 +234,23 @@ class ExtractionResult:
     model: object
     queries: int
     report: Report
+    options: dict = field(default_factory=dict)   # model name and options it ran with
 
-    def save(self, path: str | os.PathLike) -> None:
-        save_result(path, self)
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the result to ``path`` (``.npz`` appended if missing); returns the path written."""
+        return save_result(path, self)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ExtractionResult":
+        """Read back a result file: model, report, query count and options."""
+        return load_result(path)
+
+    def __repr__(self) -> str:
+        check = ("not verified" if self.report.verification is None else
+                 f"held-out error {self.report.verification.max_relative_error:.1e} "
+                 f"{'PASSED' if self.report.verification.passed else 'FAILED'}")
+        model = self.options.get("model", self.report.kind)
+        return f"<ExtractionResult {model} d={self.report.dim}: {self.queries} queries, {check}>"
 
 
 def checked_result(model, report: Report, claim: str) -> ExtractionResult:
@@ -193,6 +268,35 @@ def checked_result(model, report: Report, claim: str) -> ExtractionResult:
     return result
 
 
+_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+_RANGE = re.compile(rf"^\s*({_NUMBER})\s*(?:\.\.|to)\s*({_NUMBER})\s*$")
+_LEADING = re.compile(rf"^\s*({_NUMBER})(?:\s*\(.*\))?\s*$")
+# detail names written for the eye; everything else is snake-cased mechanically
+_KEY_NAMES = {"|v^T u_k|": "probe_readout", "|A^T w|": "readout_norm",
+              "vs floors": "versus_floors"}
+
+
+def snake_case(key: str) -> str:
+    """A report key for programs: "logit scale" -> "logit_scale", "FFN signs" -> "ffn_signs"."""
+    key = _KEY_NAMES.get(key, key)
+    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+        return key              # already a name (error_bar_W keeps the matrix's letter)
+    return re.sub(r"[^0-9a-z]+", "_", key.lower()).strip("_") or "value"
+
+
+def machine_value(value):
+    """A detail for programs: "0.0156 .. 1.41" -> [0.0156, 1.41]; "0.177 (every probe)" -> 0.177."""
+    if isinstance(value, str):
+        match = _RANGE.match(value)
+        if match:
+            return [float(match.group(1)), float(match.group(2))]
+        match = _LEADING.match(value)
+        if match:
+            number = float(match.group(1))
+            return int(number) if number.is_integer() and "." not in match.group(1) else number
+    return value
+
+
 def _jsonable(obj):
     if isinstance(obj, dict):
         return {str(k): _jsonable(v) for k, v in obj.items()}
@@ -207,22 +311,65 @@ def _jsonable(obj):
     return obj
 
 
-def save_result(path, result: ExtractionResult) -> None:
-    """Write the model's parameters, ``queries``, ``kind`` and the report (JSON) to npz."""
+_STRUCTURE_KEYS = ("queries", "kind", "report", "report_state", "options")
+
+
+def result_path(path) -> Path:
+    """The file a result is written to: ``path``, with ``.npz`` appended if missing."""
+    path = Path(path)
+    return path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
+
+
+def save_result(path, result: ExtractionResult) -> Path:
+    """Write the model's parameters, ``queries``, ``kind``, the report (JSON: ``report`` for
+    programs, ``report_state`` for an exact reload) and ``options`` to an npz file.
+
+    Returns the path written (``.npz`` appended if ``path`` lacks it)."""
+    path = result_path(path)
     arrays = {k: np.asarray(v) for k, v in result.model.parameters().items()}
-    np.savez(path, **arrays, queries=np.int64(result.queries),
-             kind=np.str_(result.report.kind),
-             report=np.str_(json.dumps(result.report.to_dict())))
+    with open(path, "wb") as handle:
+        np.savez(handle, **arrays, queries=np.int64(result.queries),
+                 kind=np.str_(result.report.kind),
+                 report=np.str_(json.dumps(result.report.to_dict())),
+                 report_state=np.str_(json.dumps(result.report.state())),
+                 options=np.str_(json.dumps(_jsonable(result.options))))
+    return path
+
+
+def _read(path):
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {k: data[k] for k in data.files}
+    except (OSError, ValueError, KeyError) as exc:
+        raise TargetLoadError(f"cannot read result file {path}: {exc}") from exc
+
+
+def load_result(path) -> ExtractionResult:
+    """Read a result file written by :func:`save_result`: model, report, queries, options.
+
+    Files written before reports were stored whole get a report rebuilt from the
+    stored JSON summary (the human rendering may then lack some details)."""
+    data = _read(path)
+    model = _model_from(path, data)
+    if "report_state" in data:
+        report = Report.from_state(json.loads(str(data["report_state"])))
+    elif "report" in data:
+        report = Report.from_state(json.loads(str(data["report"])))
+    else:
+        raise TargetLoadError(f"result file {path} holds no report (a secret file, not a result?)")
+    options = json.loads(str(data["options"])) if "options" in data else {}
+    queries = int(data["queries"]) if "queries" in data else report.queries
+    return ExtractionResult(model=model, queries=queries, report=report, options=options)
 
 
 def load_model(path):
     """Rebuild the model stored in a result file written by :func:`save_result`."""
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            kind = str(data["kind"]) if "kind" in data else "single-head"
-            arrays = {k: data[k] for k in data.files if k not in ("queries", "kind", "report")}
-    except (OSError, ValueError, KeyError) as exc:
-        raise TargetLoadError(f"cannot read result file {path}: {exc}") from exc
+    return _model_from(path, _read(path))
+
+
+def _model_from(path, data: dict):
+    kind = str(data["kind"]) if "kind" in data else "single-head"
+    arrays = {k: v for k, v in data.items() if k not in _STRUCTURE_KEYS}
     if kind not in MODEL_CLASSES:
         raise TargetLoadError(f"result file {path} holds an unknown model kind {kind!r}")
     try:

@@ -9,7 +9,7 @@ MiniLM-L6 is a BERT encoder: 6 layers, width d = 384, 12 heads of dimension 32.
 Head h of layer L has rows Q_h, K_h, V_h (32 x 384) of the query, key and value
 projections and columns O_h (384 x 32) of the attention output projection. Read at
 the last token with a readout vector r (a random unit vector, seeded), it is the
-single-head regressor of ALGORITHMS.md section 1 with
+single-head regressor of docs/algorithms.md ("Model") with
 
     W = K_h^T Q_h / sqrt(32)      (rank 32 of 384: BERT scales q . k by 1/sqrt(32))
     v = V_h^T O_h^T r.

@@ -140,3 +140,66 @@ def hostile_multi_heads(heads: int, dim: int, seed=None) -> dict:
     vz[-1] = -vz[:-1].sum(axis=0)
     out["v = sum of v_h = 0"] = MultiHeadAttention(W, vz)
     return out
+
+
+# -- a hint when a Python target fails on its first batch ---------------------------------
+
+def expected_width(target) -> int | None:
+    """The token width a Python target expects, when it can be read off (else None).
+
+    Looks at ``target.dim``, ``target.embed_dim``, the last axis of ``target.W`` and,
+    for a plain function, the ``W``/``v`` arrays or a ``d``/``dim`` integer of its module.
+    """
+    for name in ("dim", "embed_dim", "d"):
+        value = getattr(target, name, None)
+        if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value > 0:
+            return int(value)
+    W = getattr(target, "W", None)
+    if isinstance(W, np.ndarray) and W.ndim >= 2:
+        return int(W.shape[-1])
+    scope = getattr(target, "__globals__", None) or {}
+    for name in ("W", "v"):
+        value = scope.get(name)
+        if isinstance(value, np.ndarray) and value.ndim >= 1:
+            return int(value.shape[-1])
+    for name in ("dim", "DIM", "d", "D"):
+        value = scope.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+class FirstBatchHint:
+    """A Python target whose first batch failing with a shape-like error names ``--dim``.
+
+    A wrong ``--dim`` reaches a target as a numpy broadcast or shape error ("operands
+    could not be broadcast together ..."), which says nothing about the cause. If the
+    very first batch raises ValueError, IndexError or TypeError, the error says so and
+    gives the width the target expects when :func:`expected_width` can tell. Later
+    failures pass through unchanged (the oracle types them as :class:`BlackBoxError`).
+    """
+
+    def __init__(self, target, spec: str):
+        self.target, self.spec, self.answered = target, spec, False
+
+    def __call__(self, X):
+        if self.answered:
+            return self.target(X)
+        try:
+            out = self.target(X)
+        except (ValueError, IndexError, TypeError) as exc:
+            from ..errors import AttnExtractError, BlackBoxError
+            if isinstance(exc, AttnExtractError):
+                raise
+            width, sent = expected_width(self.target), np.shape(X)[-1]
+            if width == sent:
+                raise
+            known = f"; {self.spec} expects width {width}" if width else ""
+            raise BlackBoxError(
+                f"black box raised {type(exc).__name__}: {exc} (on its first batch, tokens of "
+                f"width {sent}: check --dim against the target{known})") from exc
+        self.answered = True
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)

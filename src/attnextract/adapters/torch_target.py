@@ -8,8 +8,8 @@ at the last token with a readout vector r:
 
 For a bias-free module (``bias=False``, no ``add_bias_kv``, no ``add_zero_attn``) one
 head h with rows Q_h, K_h, V_h of ``in_proj_weight`` (head_dim x E each) and columns
-O_h of ``out_proj.weight`` is a single-head attention regressor (ALGORITHMS.md,
-section 1) with
+O_h of ``out_proj.weight`` is a single-head attention regressor
+(docs/algorithms.md, "Model") with
 
     W = K_h^T Q_h / sqrt(head_dim)   (rank <= head_dim),   v = V_h^T O_h^T r,
 

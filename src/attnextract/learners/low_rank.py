@@ -1,6 +1,8 @@
-"""Low-rank single heads: rank(W) = r << d (arXiv 2601.16873, Theorem 5.1; ALGORITHMS.md s. 4).
+"""Low-rank single heads: rank(W) = r << d (arXiv 2601.16873, Theorem 5.1).
 
-Identity (ALGORITHMS.md, section 2). With v known (d queries f([e_i]) = v_i), the
+The mathematics: docs/algorithms.md, "Low-rank head".
+
+Identity. With v known (d queries f([e_i]) = v_i), the
 length-2 probe P(c u, s q) = [s q + c u; s q] measures one bilinear form of W:
 
     c s u^T W q = logit((f - s v^T q) / (c v^T u)),      needs v^T u != 0.
@@ -51,6 +53,7 @@ singular value sits below ~1e-10 of the largest is treated as rank r.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -66,6 +69,8 @@ from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checke
 from .single_head import (FIRST_SCALE, MAX_GROWTH, MAX_LOGIT, MAX_RESCALES, MIN_FIRST_LOGIT,
                           NOISE_LOGIT, TARGET_LOGIT, logit, probe_basis,
                           split_scale)
+
+log = logging.getLogger(__name__)
 
 RANK_TOL = 1e-10           # residual / largest |M_ij| below which an entry counts as zero
 CONFIRM_PROBES = 8         # random extra entries that confirm a rank
@@ -273,6 +278,8 @@ def _adaptive_cross(state: _CrossState, rng: np.random.Generator) -> None:
     state.measure(again, np.zeros_like(again))
     state.meter.rescued += again.size
     while len(state.rows) < d:
+        # the total is not known before the rank is: show where the cross stands
+        state.meter.oracle.phase(f"columns {len(state.cols)}/{d}, rank so far {len(state.rows)}")
         free_rows = state.free_rows()
         if state.rows:                          # one entry first: does column col add rank?
             probe_row = int(rng.choice(free_rows))
@@ -281,6 +288,7 @@ def _adaptive_cross(state: _CrossState, rng: np.random.Generator) -> None:
             if abs(state.residual([probe_row], [col])[0]) <= state.tolerance():
                 confirmed, (_, col) = _confirm_rank(state, rng)
                 if confirmed:
+                    log.info("rank %d confirmed after %d columns", len(state.rows), len(state.cols))
                     return
         unknown = free_rows[np.isnan(state.M[free_rows, col])]
         state.measure(unknown, np.full(unknown.size, col), grow_tiny=not state.rows)
@@ -705,6 +713,7 @@ def extract_low_rank(oracle: Oracle, rank: int | None = None, method: str = "ada
     oracle.plan(planned + verification_count(low_rank_floor(d, planned_rank)),
                 f"low-rank extraction ({method})")
 
+    log.info("low-rank (%s) at d = %d: v from %d single tokens", method, d, d)
     v = oracle.query(np.eye(d)[:, None, :])
     if not np.any(v):
         raise NotIdentifiableError(
@@ -716,6 +725,8 @@ def extract_low_rank(oracle: Oracle, rank: int | None = None, method: str = "ada
             oracle, v, rank, float(oversampling), solver, rng, fit_progress)
 
     model = SingleHeadAttention(W, v)
+    log.info("rank %d recovered with %d queries; held-out verification", found, oracle.queries - start_queries)
+    oracle.phase("held-out verification")
     floor = low_rank_floor(d, found)
     n_verify = verification_count(floor)
     recovery_total = sum(breakdown.values())

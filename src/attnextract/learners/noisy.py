@@ -11,11 +11,11 @@ The black box answers y = f(X) + eta. Two noise models:
   dithered probes average it out; the error bar is a high-probability bound
   (``CONFIDENCE_SIGMAS`` standard deviations of a Gaussian-concentration tail).
 
-Identity (ALGORITHMS.md, section 2): for the probe P(u, q) = [q + u; q],
+Identity (docs/algorithms.md, "Noisy outputs"): for the probe P(u, q) = [q + u; q],
 f = v^T q + sigma(u^T W q) v^T u, so u^T W q = logit((f - v^T q) / (v^T u)).
 
-Paper 1, Theorem 6.1 (method ``paper``, implemented as stated in ALGORITHMS.md,
-section 5): with B >= ||W||_F and margin |v_i| >= mu, v_i = f([e_i]) and the probes
+Paper 1, Theorem 6.1 (method ``paper``, implemented as the paper states it;
+see docs/algorithms.md): with B >= ||W||_F and margin |v_i| >= mu, v_i = f([e_i]) and the probes
 [e_i / B + e_j / 2; e_j / 2] give sigma(W_ij / (2B)); the weight is clipped to
 [sigma(-1/2), sigma(1/2)] and inverted. Writing a = sigma(W_ij / 2B), the measured
 weight obeys |a_hat - a| <= tau (1.5 B + 1) / mu, the logit is L = 1/(sigma(1/2)

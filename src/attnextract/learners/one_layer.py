@@ -1,4 +1,6 @@
-"""End-to-end extraction of a one-layer Transformer (paper 1 reduction, ALGORITHMS.md section 6).
+"""End-to-end extraction of a one-layer Transformer (paper 1 reduction).
+
+The mathematics, in the project's words: docs/algorithms.md, "One-layer Transformer".
 
 Model: h(X) = X^T softmax(X W x_N), f(X) = w^T ReLU(A h(X)), W (d, d), A (m, d), w (m,),
 no biases, no residual connection.
@@ -180,8 +182,8 @@ def extract_one_layer(oracle: Oracle, *, seed=None,
         "rescaling", 0)
     report = Report(
         kind=OneLayerTransformer.kind, dim=d, queries=oracle.queries - start_queries,
-        breakdown={"recovery": recovery, "ffn": ffn_queries, "attention": attention_queries,
-                   "verification": n_verify},
+        breakdown={"ffn": ffn_queries, "attention": attention_queries,
+                   "verification": n_verify}, recovery=recovery,
         floor=d * d + model.width * d, verification=verification,
         seconds=time.perf_counter() - start, black_box_seconds=oracle.black_box_seconds - start_bb,
         notes=["ffn: single-token queries, its verification included; attention: probes of the "

@@ -1,6 +1,6 @@
 """Exact extraction of a bias-free one-hidden-layer ReLU network from single-vector queries.
 
-Model (ALGORITHMS.md, section 6): F(x) = sum_i w_i ReLU(a_i^T x), A (m, d), w (m,),
+Model (docs/algorithms.md, "ReLU network"): F(x) = sum_i w_i ReLU(a_i^T x), A (m, d), w (m,),
 queried as length-1 sequences [x]. Only the function is identifiable: hidden units
 can be permuted and rescaled, (a_i, w_i) -> (c a_i, w_i / c) with c > 0. The
 canonical form returned has unit rows a_i and the scale carried by w; it has
@@ -40,8 +40,8 @@ Algorithm.
    walk, so g_0 = -sum_{k in S} J_k. S is the 0/1 solution of J s = -g_0: a linear
    solve when m <= d (the J_k are independent), a 0/1 linear program when
    d < m <= 2d (generically the 0/1 solution is unique, since a signed subset sum
-   of generic vectors is never zero). This uses no extra queries. (ALGORITHMS.md
-   fits ReLU(+-n_i^T x) by least squares on random queries instead; that needs extra
+   of generic vectors is never zero). This uses no extra queries. (The reference
+   description fits ReLU(+-n_i^T x) by least squares on random queries instead; that needs extra
    queries and is singular for m > d, where the 2m functions are dependent.)
 4. Polish (optional, on by default). A gradient is exact up to rounding amplified by
    |x| / h and by |g| / |J_k| (a jump is a difference of two larger gradients). Once

@@ -13,7 +13,8 @@ Identities (all exact; alpha = softmax(X W x_N)):
 2. Last token zero: the scores all vanish, alpha is uniform, so f([p; 0]) = w^T ReLU(B p / 2).
 3. Odd part: z(-X) = -z(X), so g(X) = f(X) - f(-X) = u^T x_N + alpha^T X v' with
    u = A^T w and v' = B^T w, both known from 1 and 2 (v' = B^T w from 2, u from 1 minus v').
-   g(X) - u^T x_N is a single head (W, v'): section 3 of ALGORITHMS.md recovers W.
+   g(X) - u^T x_N is a single head (W, v'): the single-head learner recovers W
+   (docs/algorithms.md, "Single head").
 4. Matching the units of 1 and 2: for q = T s (s in R^k, T (d, k) orthonormal) and
    p = q + Q c with Q (d, d - k) an orthonormal basis of (W T)^perp, the two scores of
    [p; q] are equal, alpha = (1/2, 1/2), and

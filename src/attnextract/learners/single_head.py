@@ -1,12 +1,12 @@
 """Exact single-head extraction at the d^2 + d floor (arXiv 2601.16873, Theorem 4.1).
 
-Identities (ALGORITHMS.md, section 2). For one token, f([x]) = v^T x. For the
+Identities (docs/algorithms.md, "Single head"). For one token, f([x]) = v^T x. For the
 length-2 probe P(u, q) = [q + u; q] the two scores differ by u^T W q, so
 
     f(P(u, q)) = v^T q + sigma(u^T W q) v^T u
     =>  u^T W q = logit((f - v^T q) / (v^T u)),     needs v^T u != 0.
 
-Algorithm (section 3): v_i = f([e_i]) (d queries); then for an invertible U and
+Algorithm: v_i = f([e_i]) (d queries); then for an invertible U and
 every column j, the d probes P(c u_k, s e_j) give T = c s U^T W, so W = U^{-T} T / (c s)
 (d^2 queries). d^2 + d is the number of free parameters: no learner can do with
 fewer queries on a generic target.
@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from ..errors import InputError, ModelMismatchError, NotIdentifiableError
+from ..errors import ModelMismatchError, NotIdentifiableError
 from ..models import SingleHeadAttention
 from ..oracle import Oracle
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, token_scale,
@@ -134,8 +134,7 @@ def column_logits(oracle: Oracle, probes: ColumnProbes, v: np.ndarray, columns: 
 
 
 def extract_single_head(oracle: Oracle, *, seed=None,
-                        verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
-                        tolerance: float | None = None, **noisy_options) -> ExtractionResult:
+                        verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE) -> ExtractionResult:
     """Recover (W, v) of a single-head attention black box with d^2 + d queries.
 
     Parameters
@@ -145,11 +144,9 @@ def extract_single_head(oracle: Oracle, *, seed=None,
     seed : int, optional
         Seed of the held-out verification sequences.
     verify_tolerance : float
-        Largest held-out relative output error accepted as a match.
-    tolerance : float, optional
-        The outputs are accurate to +-tolerance: dispatch to :func:`noisy.extract_noisy`
-        (error bars, held-out check consistent with the tolerance; ``verify_tolerance``
-        becomes extra relative slack there), which takes ``noisy_options``.
+        Largest held-out relative output error accepted as a match. For outputs that
+        are accurate to +-tolerance only, use ``attnextract.extract(oracle,
+        tolerance=...)`` (the noisy learner, with error bars).
 
     Returns
     -------
@@ -168,13 +165,6 @@ def extract_single_head(oracle: Oracle, *, seed=None,
     BudgetExceededError
         The budget cannot cover recovery plus verification (raised before any query).
     """
-    if tolerance is not None:
-        from .noisy import extract_noisy   # noisy builds on this module's helpers
-        return extract_noisy(oracle, tolerance=tolerance, seed=seed,
-                             verify_tolerance=0.0 if verify_tolerance == DEFAULT_VERIFY_TOLERANCE
-                             else verify_tolerance, **noisy_options)
-    if noisy_options:
-        raise InputError(f"options {sorted(noisy_options)} need tolerance= (noisy outputs)")
     start, start_queries = time.perf_counter(), oracle.queries
     start_bb = oracle.black_box_seconds
     d = oracle.dim

@@ -1,0 +1,199 @@
+"""One entry point: ``attnextract.extract(oracle, model="low-rank", **options)``.
+
+Every learner is registered here once, by name, with a one-line description; the
+command line (``--model``), the Python API and ``attnextract bench`` all go through
+this table. A learner is a function ``learner(oracle, *, seed=None,
+verify_tolerance=..., **options) -> ExtractionResult``; its options are read from its
+signature, so registering one is a single line::
+
+    register("low-rank", "attnextract.learners.low_rank:extract_low_rank",
+             "a single head whose W has rank r << d, at d + r(2d - r) queries")
+
+(a ``"module:function"`` string is imported on first use; a function works too).
+
+Two kinds of output are handled here rather than inside a learner, so that no learner
+imports another to dispatch:
+
+- ``tolerance=TAU``: the outputs are accurate to +-TAU only; the model's
+  ``with_tolerance`` learner runs instead (single-head -> ``noisy``, with error bars).
+- ``sign_only=True``: the black box answers labels 1{f(X) > threshold}; the model's
+  ``with_sign_only`` learner runs instead (single-head -> ``sign-only``, bisection).
+
+The mathematics of each learner is in ``docs/algorithms.md``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .errors import InputError
+from .report import ExtractionResult
+
+log = logging.getLogger(__name__)
+
+# keyword arguments every learner takes; not "options"
+COMMON = ("oracle", "seed", "verify_tolerance")
+
+
+@dataclass
+class Learner:
+    """A registered learner: name, function (or "module:function"), description.
+
+    ``with_tolerance`` / ``with_sign_only`` name the learner that replaces this one
+    when the outputs are noisy (``tolerance=`` given) or labels (``sign_only=True``).
+    """
+
+    name: str
+    target: Callable | str
+    description: str
+    with_tolerance: str | None = None
+    with_sign_only: str | None = None
+    hidden: bool = False            # a variant reached through tolerance= / sign_only=
+    _function: Callable | None = field(default=None, repr=False)
+
+    @property
+    def function(self) -> Callable:
+        if self._function is None:
+            if callable(self.target):
+                self._function = self.target
+            else:
+                module, _, name = self.target.partition(":")
+                self._function = getattr(importlib.import_module(module), name)
+        return self._function
+
+    @property
+    def options(self) -> dict[str, object]:
+        """Keyword options the learner takes (beyond seed, verify_tolerance): name -> default."""
+        params = inspect.signature(self.function).parameters.values()
+        return {p.name: (None if p.default is inspect.Parameter.empty else p.default)
+                for p in params if p.name not in COMMON
+                and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+
+    def __repr__(self) -> str:
+        return f"<learner {self.name}: {self.description}>"
+
+
+LEARNERS: dict[str, Learner] = {}
+
+
+def register(name: str, target: Callable | str, description: str, **settings) -> Learner:
+    """Register (or replace) the learner ``name``; see :class:`Learner` for ``settings``."""
+    LEARNERS[name] = Learner(name, target, description, **settings)
+    return LEARNERS[name]
+
+
+def learner_names(hidden: bool = False) -> list[str]:
+    """Registered model names, sorted (variants reached by tolerance/sign_only if ``hidden``)."""
+    return sorted(n for n, entry in LEARNERS.items() if hidden or not entry.hidden)
+
+
+def get_learner(name: str) -> Learner:
+    """The registered learner ``name``; an unknown name suggests the closest one."""
+    if name in LEARNERS:
+        return LEARNERS[name]
+    close = difflib.get_close_matches(name, list(LEARNERS), n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise InputError(f"unknown model {name!r}{hint} (known: {', '.join(learner_names())})")
+
+
+def resolve(model: str = "single-head", *, tolerance=None, sign_only: bool = False) -> Learner:
+    """The learner that runs for ``model`` given the kind of outputs (noisy, labels)."""
+    entry = get_learner(model)
+    if sign_only:
+        if tolerance is not None:
+            raise InputError("sign-only answers are labels: tolerance does not apply")
+        if entry.with_sign_only is None and model != "sign-only":
+            raise InputError(f"sign-only outputs are supported for "
+                             f"{_supporting('with_sign_only')}, not {model!r}")
+        return get_learner(entry.with_sign_only or model)
+    if tolerance is not None and "tolerance" not in entry.options:
+        if entry.with_tolerance is None:
+            raise InputError(f"tolerance applies to {_supporting('with_tolerance')}, "
+                             f"not {model!r}")
+        return get_learner(entry.with_tolerance)
+    return entry
+
+
+def _supporting(attribute: str) -> str:
+    names = [n for n, e in LEARNERS.items() if getattr(e, attribute)]
+    return " and ".join(repr(n) for n in names) or "no registered model"
+
+
+def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=None,
+            tolerance=None, sign_only: bool = False, **options) -> ExtractionResult:
+    """Extract ``model`` from the black box behind ``oracle``.
+
+    Parameters
+    ----------
+    oracle : Oracle
+        Door to the black box; ``oracle.dim`` is the token width d.
+    model : str
+        A registered learner: ``"single-head"``, ``"low-rank"``, ``"multi-head"``,
+        ``"one-layer"``, ``"one-layer-residual"``, ``"relu-network"``, ... (see
+        :func:`learner_names`). A misspelled name suggests the closest one.
+    seed : int, optional
+        Seed of the learner's random choices and of the held-out verification.
+    verify_tolerance : float, optional
+        Largest held-out relative output error accepted as a match (default 1e-7;
+        for noisy and sign-only outputs, extra relative slack beyond the stated noise,
+        default 0).
+    tolerance : float, optional
+        The outputs are accurate to +-tolerance: the model's noisy learner runs.
+    sign_only : bool
+        The black box answers labels 1{f(X) > threshold}: the model's sign-only learner.
+    **options
+        The learner's own options (``rank``, ``method``, ``heads``, ``polish``, ``bits``,
+        ...); an option the learner does not take is an :class:`InputError`.
+
+    Returns
+    -------
+    ExtractionResult
+        With ``options`` recording the model and the options used (saved with it).
+    """
+    entry = resolve(model, tolerance=tolerance, sign_only=sign_only)
+    accepted = entry.options
+    if tolerance is not None:
+        options["tolerance"] = tolerance
+    stray = sorted(set(options) - set(accepted))
+    if stray:
+        raise InputError(f"option {stray[0]!r} does not apply to model {entry.name!r} "
+                         f"(its options: {', '.join(sorted(accepted)) or 'none'})")
+    # the progress display draws solver iterations when the learner reports them
+    fitting = getattr(getattr(oracle, "progress", None), "fitting", None)
+    if "fit_progress" in accepted and options.get("fit_progress") is None and fitting:
+        options["fit_progress"] = fitting
+    if verify_tolerance is not None:
+        options["verify_tolerance"] = verify_tolerance
+    log.info("extracting %s (learner %s) at d = %d with %s", model, entry.name, oracle.dim,
+             {k: v for k, v in options.items() if k != "fit_progress"} or "default options")
+    result = entry.function(oracle, seed=seed, **options)
+    result.options = {"model": entry.name, "seed": seed,
+                      **{k: v for k, v in options.items() if k != "fit_progress"}}
+    return result
+
+
+# -- the learners ---------------------------------------------------------------------
+# one line each; another branch adds its learner with one more register(...) call.
+_L = "attnextract.learners."
+register("single-head", _L + "single_head:extract_single_head",
+         "one attention head, W (d, d) and v (d,), exactly at d^2 + d queries",
+         with_tolerance="noisy", with_sign_only="sign-only")
+register("low-rank", _L + "low_rank:extract_low_rank",
+         "one head whose W has rank r << d, at d + r(2d - r) queries (or paper 1's ROP)")
+register("multi-head", _L + "multi_head:extract_multi_head",
+         "H heads summed, recovered up to the canonical form (copy-count probes)")
+register("relu-network", _L + "relu_network:extract_relu_network",
+         "a one-hidden-layer ReLU network on single tokens")
+register("one-layer", _L + "one_layer:extract_one_layer",
+         "a one-layer Transformer: attention head then ReLU feed-forward")
+register("one-layer-residual", _L + "residual:extract_one_layer_residual",
+         "a one-layer Transformer with a residual connection")
+register("noisy", _L + "noisy:extract_noisy",
+         "one head from outputs accurate to +-tolerance, with error bars", hidden=True)
+register("sign-only", _L + "sign_only:extract_sign_only",
+         "one head from labels 1{f(X) > threshold}, by bisection", hidden=True)
