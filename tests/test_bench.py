@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 from scipy.optimize import check_grad
 
 from attnextract import Oracle
@@ -15,11 +16,12 @@ from attnextract.adapters.targets import random_single_head
 from conftest import run_cli
 
 
+@pytest.mark.slow
 def test_bench_quick_writes_json_table_and_plots(tmp_path):
     out = tmp_path / "bench"
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- bench:begin -->\nold\n<!-- bench:end -->\nrest\n")
-    proc = run_cli("bench", "--quick", "--out", str(out), "--update-readme", str(readme),
+    proc = run_cli("bench", "--quick", "--out-dir", str(out), "--update-readme", str(readme),
                    timeout=600)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((out / "bench.json").read_text())
@@ -31,6 +33,7 @@ def test_bench_quick_writes_json_table_and_plots(tmp_path):
     for name in ("queries_vs_d.png", "error_vs_d.png", "time_split.png", "surrogate.png",
                  "error_vs_tau.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert b"<svg" in (out / name).with_suffix(".svg").read_bytes()[:2000]
     noisy = {(r["learner"], r["tau"]): r for r in summary["rows"] if "tau" in r}
     for (learner, tau), r in noisy.items():
         assert r["W_abs_error"] <= r["error_bar_W"], (learner, tau)

@@ -1,14 +1,18 @@
 """``attnextract bench``: every learner's cost and accuracy, the floors, and the baseline.
 
-One run writes into ``--out DIR``:
+One run writes into ``--out-dir DIR``:
 
 - ``bench.json``: every measured row (labelled by learner; the baseline rows say
   ``"surrogate"``);
 - ``bench.md``: the Markdown tables;
-- PNG plots (with matplotlib installed): queries vs d (log-log, with the floors
-  and the papers' counts, fitted slopes in the legend), parameter and output
-  error vs d, wall time split between the black box and the learner, and the
-  surrogate comparison.
+- plots, PNG and SVG side by side (with matplotlib installed): queries vs d
+  (log-log, with the floors and the papers' counts, fitted slopes in the legend),
+  parameter and output error vs d, wall time split between the black box and the
+  learner, and the surrogate comparison. A learner has one colour in every plot
+  (:data:`PALETTE`); legends sit outside the data.
+
+Learners run through :func:`attnextract.registry.extract`, the same entry point as
+the CLI and the API.
 
 Sections are small functions registered in ``SECTIONS``; each learner that has
 landed adds one. ``--quick`` runs small sizes (under two minutes on 2 cores).
@@ -23,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from .oracle import Oracle
-from .learners.single_head import extract_single_head
+from .registry import extract
 from .learners.surrogate import train_surrogate
 from .adapters.targets import random_single_head
 
@@ -64,7 +68,7 @@ def section_single_head(quick: bool, log) -> list[dict]:
     for d in ([4, 8, 16, 32, 64] if quick else [4, 8, 16, 32, 64, 128, 256, 512]):
         target = random_single_head(d, seed=d)
         rows.append(measure("single-head", d, target,
-                            lambda oracle: extract_single_head(oracle, seed=d),
+                            lambda oracle: extract(oracle, "single-head", seed=d),
                             floor=d * d + d, paper_count=d * d + d,
                             error=lambda model: {"W_error": _rel(model.W, target.W),
                                                  "v_error": _rel(model.v, target.v)}))
@@ -80,7 +84,7 @@ def section_surrogate(quick: bool, log) -> list[dict]:
     multipliers = [1, 10] if quick else [1, 3, 10]
     target = random_single_head(d, seed=d)
     exact_oracle = Oracle(target, d)
-    exact = extract_single_head(exact_oracle, seed=1)
+    exact = extract(exact_oracle, "single-head", seed=1)
     rows.append({"learner": "single-head", "label": "attnextract", "d": d,
                  "queries": exact.queries, "W_error": _rel(exact.model.W, target.W),
                  "output_error": exact.report.verification.max_relative_error,
@@ -102,7 +106,7 @@ def section_surrogate(quick: bool, log) -> list[dict]:
 
 def section_one_layer(quick: bool, log) -> list[dict]:
     """One-layer Transformer end to end (paper 1 reduction + the ReLU FFN learner), m = d."""
-    from .learners.one_layer import compare_one_layer, extract_one_layer, random_one_layer
+    from .learners.one_layer import compare_one_layer, random_one_layer
     rows = []
     for d in ([4, 8, 16] if quick else [4, 8, 16, 32, 64]):
         target = random_one_layer(d, d, seed=d)
@@ -112,7 +116,7 @@ def section_one_layer(quick: bool, log) -> list[dict]:
             return {"W_error": cmp["relative_error_W"], "bits": cmp["bits"],
                     "output_error": cmp["max_output_error"]}
         rows.append(measure("one-layer", d, target,
-                            lambda oracle: extract_one_layer(oracle, seed=d),
+                            lambda oracle: extract(oracle, "one-layer", seed=d),
                             floor=d * d + d * d, paper_count=None, m=d, error=errors))
         log(f"one-layer d=m={d}: {rows[-1]['recovery_queries']} queries, "
             f"{rows[-1]['bits']:.1f} bits")
@@ -121,7 +125,7 @@ def section_one_layer(quick: bool, log) -> list[dict]:
 
 def section_low_rank(quick: bool, log) -> list[dict]:
     """Rank-r heads, r = d/8: the adaptive learner (floor d + r(2d - r)) and paper 1's ROP."""
-    from .learners.low_rank import extract_low_rank, low_rank_floor
+    from .learners.low_rank import low_rank_floor
     from .adapters.targets import random_low_rank_head
     rows = []
     for method in ("adaptive", "rop"):
@@ -130,8 +134,8 @@ def section_low_rank(quick: bool, log) -> list[dict]:
             target = random_low_rank_head(d, r, seed=d)
             rows.append(measure(
                 f"low-rank {method}", d, target,
-                lambda oracle: extract_low_rank(oracle, rank=r if method == "rop" else None,
-                                                method=method, seed=d),
+                lambda oracle: extract(oracle, "low-rank", rank=r if method == "rop" else None,
+                                       method=method, seed=d),
                 floor=low_rank_floor(d, r), rank=r,
                 paper_count=d + int(np.ceil(2 * r * 2 * d)) if method == "rop" else None,
                 error=lambda model: {"W_error": _rel(model.W, target.W)}))
@@ -143,13 +147,13 @@ def section_low_rank(quick: bool, log) -> list[dict]:
 
 def section_multi_head(quick: bool, log) -> list[dict]:
     """Canonical multi-head recovery (paper 2, copy counts), H = 2 heads, no subspace assumption."""
-    from .learners.multi_head import canonical_error, extract_multi_head
+    from .learners.multi_head import canonical_error
     from .adapters.targets import random_multi_head
     rows, H = [], 2
     for d in ([4, 8] if quick else [4, 8, 16, 32]):
         target = random_multi_head(H, d, seed=d)
         rows.append(measure(f"multi-head (H = {H})", d, target,
-                            lambda oracle: extract_multi_head(oracle, seed=d),
+                            lambda oracle: extract(oracle, "multi-head", seed=d),
                             floor=H * (d * d + d), paper_count=4 * H * d * d - 2 * H + 1,
                             heads=H,
                             error=lambda model: {"W_error": canonical_error(model, target)}))
@@ -161,7 +165,6 @@ def section_multi_head(quick: bool, log) -> list[dict]:
 
 def section_noisy(quick: bool, log) -> list[dict]:
     """Error vs noise tolerance tau: the robust default and paper 1's Theorem 6.1, equal queries."""
-    from .learners.noisy import extract_noisy
     from .oracle import BoundedNoise
     rows = []
     d = 16
@@ -170,7 +173,8 @@ def section_noisy(quick: bool, log) -> list[dict]:
     for tau in ([1e-8, 1e-6, 1e-4] if quick else [1e-10, 1e-8, 1e-6, 1e-5, 1e-4, 1e-3]):
         for method in ("robust", "paper"):
             oracle = Oracle(BoundedNoise(target, tau, "sign", seed=1), d)
-            result = extract_noisy(oracle, tolerance=tau, method=method, norm_bound=B, seed=1)
+            result = extract(oracle, "single-head", tolerance=tau, method=method, norm_bound=B,
+                             seed=1)
             rows.append({"learner": f"noisy ({method})", "d": d, "tau": tau,
                          "queries": result.queries,
                          "W_abs_error": float(np.linalg.norm(result.model.W - target.W)),
@@ -229,87 +233,142 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+# one colour per learner in every plot (a label's longest matching prefix picks it);
+# a learner added later registers its colour here
+PALETTE = {"single-head": "#1f77b4", "low-rank adaptive": "#ff7f0e", "low-rank rop": "#d62728",
+           "low-rank": "#ff7f0e", "one-layer": "#2ca02c", "multi-head": "#9467bd",
+           "noisy (robust)": "#8c564b", "noisy (paper)": "#e377c2", "noisy": "#8c564b",
+           "surrogate": "#7f7f7f", "transformer-layer": "#bcbd22",
+           "multi-head low-rank": "#17becf", "floor": "#000000"}
+_SPARE = ["#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d"]
+
+
+def colour(learner: str) -> str:
+    """The learner's colour in every plot (a stable spare colour for an unknown learner)."""
+    matches = [k for k in PALETTE if learner == k or learner.startswith(k + " ")
+               or learner.startswith(k + " (")]
+    if matches:
+        return PALETTE[max(matches, key=len)]
+    return _SPARE[sum(map(ord, learner)) % len(_SPARE)]
+
+
+def _log_axes(ax, x_base: int = 10) -> None:
+    """Log-log axes with plain tick labels (4, 8, 16 / 10, 100, 1000) and no minor labels."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    ax.set_xscale("log", base=x_base)
+    ax.set_yscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_major_locator(LogLocator(base=10, numticks=12))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _legend_outside(ax) -> None:
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=7,
+              frameon=False)
+
+
+def _save(fig, out: Path, name: str, written: list[str]) -> None:
+    """PNG and SVG side by side (the legend outside the axes is kept by bbox_inches)."""
+    import matplotlib.pyplot as plt
+    for suffix, options in ((".png", {"dpi": 110}), (".svg", {})):
+        fig.savefig(out / (name + suffix), bbox_inches="tight", **options)
+    plt.close(fig)
+    written += [name + ".png", name + ".svg"]
+
+
 def plots(rows: list[dict], out: Path) -> list[str]:
-    """Write the PNG plots; returns their file names ([] without matplotlib)."""
+    """Write the plots (PNG and SVG); returns their file names ([] without matplotlib)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    written = []
+    written: list[str] = []
     scaling = [r for r in rows if "floor" in r]
     learners = list(dict.fromkeys(r["learner"] for r in scaling))
 
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for learner in learners:
-        sub = [r for r in scaling if r["learner"] == learner]
-        ds, qs = [r["d"] for r in sub], [r["recovery_queries"] for r in sub]
-        label = learner + (f" (slope {fitted_slope(ds, qs):.2f})" if len(sub) >= 2 else "")
-        ax.loglog(ds, qs, "o-", label=label)
-        if all(r["paper_count"] is not None for r in sub):
-            ax.loglog(ds, [r["paper_count"] for r in sub], ":", label=f"paper count, {learner}")
-    all_d = sorted({r["d"] for r in scaling})
-    ax.loglog(all_d, [d * d + d for d in all_d], "k--", label="floor d² + d")
-    ax.set_xlabel("d"), ax.set_ylabel("queries"), ax.legend(fontsize=7)
-    ax.set_title("queries vs d")
-    fig.tight_layout(), fig.savefig(out / "queries_vs_d.png", dpi=110), plt.close(fig)
-    written.append("queries_vs_d.png")
+    if scaling:
+        fig, ax = plt.subplots(figsize=(6, 4.5))
+        for learner in learners:
+            sub = [r for r in scaling if r["learner"] == learner]
+            ds, qs = [r["d"] for r in sub], [r["recovery_queries"] for r in sub]
+            label = learner + (f" (slope {fitted_slope(ds, qs):.2f})" if len(sub) >= 2 else "")
+            ax.plot(ds, qs, "o-", color=colour(learner), label=label)
+            if all(r["paper_count"] is not None for r in sub):
+                ax.plot(ds, [r["paper_count"] for r in sub], ":", color=colour(learner),
+                        label=f"paper count, {learner}")
+        all_d = sorted({r["d"] for r in scaling})
+        ax.plot(all_d, [d * d + d for d in all_d], "--", color=PALETTE["floor"],
+                label="floor d² + d")
+        _log_axes(ax, x_base=2)
+        ax.set_xlabel("d"), ax.set_ylabel("queries"), ax.set_title("queries vs d")
+        _legend_outside(ax)
+        _save(fig, out, "queries_vs_d", written)
 
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for learner in learners:
-        sub = [r for r in scaling if r["learner"] == learner]
-        ax.loglog([r["d"] for r in sub], [r["W_error"] for r in sub], "o-",
-                  label=f"{learner}: parameter error")
-        ax.loglog([r["d"] for r in sub], [r["output_error"] for r in sub], "s--",
-                  label=f"{learner}: held-out output error")
-    ax.set_xlabel("d"), ax.set_ylabel("relative error"), ax.legend(fontsize=7)
-    ax.set_title("error vs d")
-    fig.tight_layout(), fig.savefig(out / "error_vs_d.png", dpi=110), plt.close(fig)
-    written.append("error_vs_d.png")
+        fig, ax = plt.subplots(figsize=(6, 4.5))
+        for learner in learners:
+            sub = [r for r in scaling if r["learner"] == learner]
+            ax.plot([r["d"] for r in sub], [max(r["W_error"], 1e-17) for r in sub], "o-",
+                    color=colour(learner), label=f"{learner}: parameter error")
+            ax.plot([r["d"] for r in sub], [max(r["output_error"], 1e-17) for r in sub], "s--",
+                    color=colour(learner), alpha=0.6, label=f"{learner}: held-out output error")
+        _log_axes(ax, x_base=2)
+        ax.set_xlabel("d"), ax.set_ylabel("relative error"), ax.set_title("error vs d")
+        _legend_outside(ax)
+        _save(fig, out, "error_vs_d", written)
 
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    labels = [f"{r['learner']}\nd={r['d']}" for r in scaling]
-    x = np.arange(len(scaling))
-    ax.bar(x, [r["black_box_s"] for r in scaling], label="inside the black box")
-    ax.bar(x, [r["learner_s"] for r in scaling], bottom=[r["black_box_s"] for r in scaling],
-           label="learner")
-    ax.set_xticks(x, labels, fontsize=6), ax.set_ylabel("seconds"), ax.legend()
-    ax.set_title("wall time split")
-    fig.tight_layout(), fig.savefig(out / "time_split.png", dpi=110), plt.close(fig)
-    written.append("time_split.png")
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(scaling) + 2), 4.5))
+        x = np.arange(len(scaling))
+        black_box = [r["black_box_s"] for r in scaling]
+        ax.bar(x, black_box, color="#c7c7c7", label="inside the black box")
+        ax.bar(x, [r["learner_s"] for r in scaling], bottom=black_box,
+               color=[colour(r["learner"]) for r in scaling], label="learner (its colour)")
+        step = max(1, len(scaling) // 24)         # at most ~24 labels, rotated: none overlap
+        ax.set_xticks(x[::step], [f"{r['learner']} d={r['d']}" for r in scaling][::step],
+                      rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("seconds"), ax.set_title("wall time split")
+        _legend_outside(ax)
+        _save(fig, out, "time_split", written)
 
     noisy = [r for r in rows if "tau" in r]
     if noisy:
         fig, ax = plt.subplots(figsize=(6, 4.5))
         for learner in dict.fromkeys(r["learner"] for r in noisy):
             sub = [r for r in noisy if r["learner"] == learner]
-            line, = ax.loglog([r["tau"] for r in sub], [r["W_abs_error"] for r in sub], "o-",
-                              label=f"{learner}: error")
-            ax.loglog([r["tau"] for r in sub], [r["error_bar_W"] for r in sub], "--",
-                      color=line.get_color(), label=f"{learner}: bound / error bar")
-        ax.set_xlabel("tau"), ax.set_ylabel("‖W_hat − W‖_F"), ax.legend(fontsize=7)
+            ax.plot([r["tau"] for r in sub], [r["W_abs_error"] for r in sub], "o-",
+                    color=colour(learner), label=f"{learner}: error")
+            ax.plot([r["tau"] for r in sub], [r["error_bar_W"] for r in sub], "--",
+                    color=colour(learner), label=f"{learner}: bound / error bar")
+        _log_axes(ax)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.LogFormatterSciNotation())
+        ax.set_xlabel("tau"), ax.set_ylabel("‖W_hat − W‖_F")
         ax.set_title(f"error vs noise tolerance, d = {noisy[0]['d']}")
-        fig.tight_layout(), fig.savefig(out / "error_vs_tau.png", dpi=110), plt.close(fig)
-        written.append("error_vs_tau.png")
+        _legend_outside(ax)
+        _save(fig, out, "error_vs_tau", written)
 
     compare = [r for r in rows if "label" in r]
     if compare:
         fig, ax = plt.subplots(figsize=(6, 4.5))
         for r in compare:
-            ax.loglog(r["queries"], max(r["output_error"], 1e-17),
-                      "r*" if r["learner"] != "surrogate" else "bo", ms=9)
-            ax.annotate(r["label"], (r["queries"], max(r["output_error"], 1e-17)), fontsize=7)
-        ax.axhline(1e-3, color="gray", ls=":")
+            y = max(r["output_error"], 1e-17)
+            ax.plot(r["queries"], y, "*" if r["learner"] != "surrogate" else "o",
+                    color=colour(r["learner"]), ms=9)
+            ax.annotate(r["label"], (r["queries"], y), xytext=(7, 5),
+                        textcoords="offset points", fontsize=7)
+        ax.axhline(1e-3, color="gray", ls=":", label="1e-3 output error")
+        _log_axes(ax)
+        ax.margins(x=0.25)          # room for the labels beside the last markers
         ax.set_xlabel("queries"), ax.set_ylabel("held-out output error")
         ax.set_title(f"exact extraction vs surrogate, d = {compare[0]['d']}")
-        fig.tight_layout(), fig.savefig(out / "surrogate.png", dpi=110), plt.close(fig)
-        written.append("surrogate.png")
+        _legend_outside(ax)
+        _save(fig, out, "surrogate", written)
     return written
 
 
 def run_bench(out_dir, quick: bool = False, sections=None, log=print) -> dict:
-    """Run the registered sections and write bench.json, bench.md and the plots."""
+    """Run the registered sections and write bench.json, bench.md and the plots (PNG + SVG)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
