@@ -13,6 +13,7 @@ sequences to an :class:`Oracle`, which
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable, Sequence
 
@@ -27,6 +28,8 @@ from .errors import (
 )
 
 BlackBox = Callable[[np.ndarray], np.ndarray]
+
+log = logging.getLogger(__name__)
 
 
 class Oracle:
@@ -100,6 +103,7 @@ class Oracle:
         """Announce ``n`` upcoming queries: checks the budget, sets the progress total."""
         self.require(n, what)
         self.planned = self.queries + int(n)
+        log.info("%s: %d queries planned (%d sent so far)", what, n, self.queries)
 
     # -- queries ------------------------------------------------------------
     def query(self, X) -> np.ndarray:
@@ -170,6 +174,7 @@ class Oracle:
 
         For learners whose query total is not known up front; a display without a
         ``phase`` method ignores it."""
+        log.debug("phase: %s", text)
         show = getattr(self.progress, "phase", None)
         if show is not None:
             show(text)

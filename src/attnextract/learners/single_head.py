@@ -24,6 +24,7 @@ the report counts them.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -33,6 +34,8 @@ from ..models import SingleHeadAttention
 from ..oracle import Oracle
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, token_scale,
                      verification_count, verify_model)
+
+log = logging.getLogger(__name__)
 
 FIRST_SCALE = 1.0 / 64     # logit scale of the first column, before anything is known
 TARGET_LOGIT = 0.5         # aim for |u^T W q| about this large
@@ -171,11 +174,13 @@ def extract_single_head(oracle: Oracle, *, seed=None,
     n_verify = verification_count(d * d + d)
     oracle.plan(d * d + d + n_verify, "single-head extraction (d^2 + d recovery + verification)")
 
+    log.info("single head at d = %d: v from %d single tokens", d, d)
     v = oracle.query(np.eye(d)[:, None, :])
     if not np.any(v):
         raise NotIdentifiableError(
             "v = 0: every output is zero whatever W is, so W cannot be identified")
     U = probe_basis(v)
+    log.info("W column by column: %d probes of length 2", d * d)
 
     # Columns in blocks of at most BLOCK_FLOATS probe floats; the first block is a
     # single column, so that its measured logits set the scale of all later blocks.
@@ -193,6 +198,8 @@ def extract_single_head(oracle: Oracle, *, seed=None,
 
     W = np.linalg.solve(U.T, T / scale[None, :])
     model = SingleHeadAttention(W, v)
+    log.info("W recovered (%d columns re-probed); held-out verification on %d sequences",
+             rescaled // d, n_verify)
     recovery = oracle.queries - start_queries
     # Held-out tokens at the scale where W's scores are of order one, but no larger
     # than the probes reached: beyond it W is known only to its noise floor (W ~ 0).
