@@ -279,7 +279,7 @@ def _adaptive_cross(state: _CrossState, rng: np.random.Generator) -> None:
     state.meter.rescued += again.size
     while len(state.rows) < d:
         # the total is not known before the rank is: show where the cross stands
-        state.meter.oracle.phase(f"columns {len(state.cols)}/{d}, rank so far {len(state.rows)}")
+        _phase(state.meter.oracle, f"columns {len(state.cols)}/{d}, rank so far {len(state.rows)}")
         free_rows = state.free_rows()
         if state.rows:                          # one entry first: does column col add rank?
             probe_row = int(rng.choice(free_rows))
@@ -319,6 +319,13 @@ def _adaptive_cross(state: _CrossState, rng: np.random.Generator) -> None:
         if len(state.cols) < d:
             rest = state.free_cols()
             col = int(rest[np.argmax(np.abs(b[rest]))])
+
+
+def _phase(oracle, text: str) -> None:
+    """Show the learner's phase (an oracle wrapper without ``phase`` ignores it)."""
+    show = getattr(oracle, "phase", None)
+    if show is not None:
+        show(text)
 
 
 def _cross_matrix(state: _CrossState) -> np.ndarray:
@@ -726,7 +733,7 @@ def extract_low_rank(oracle: Oracle, rank: int | None = None, method: str = "ada
 
     model = SingleHeadAttention(W, v)
     log.info("rank %d recovered with %d queries; held-out verification", found, oracle.queries - start_queries)
-    oracle.phase("held-out verification")
+    _phase(oracle, "held-out verification")
     floor = low_rank_floor(d, found)
     n_verify = verification_count(floor)
     recovery_total = sum(breakdown.values())

@@ -31,6 +31,7 @@ with v = A^T w); every such break ends as :class:`ModelMismatchError`.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -43,6 +44,14 @@ from .relu_network import align_relu_networks, extract_relu_network
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, held_out_sequences,
                      relative_errors, token_scale, verification_count, verify_model)
 from .single_head import extract_single_head
+
+log = logging.getLogger(__name__)
+
+
+def _phase(oracle, text: str) -> None:
+    show = getattr(oracle, "phase", None)      # oracle wrappers may not show phases
+    if show is not None:
+        show(text)
 
 ODD_V_TOLERANCE = 1e-6     # v from g([e_i]) against A^T w from the FFN, relative
 
@@ -145,6 +154,8 @@ def extract_one_layer(oracle: Oracle, *, seed=None,
     start_bb = oracle.black_box_seconds
     d = oracle.dim
     sub_seed = None if seed is None else np.random.SeedSequence(seed).spawn(3)
+    log.info("one-layer at d = %d: the feed-forward part from single tokens", d)
+    _phase(oracle, "feed-forward part (single tokens)")
     try:
         ffn = extract_relu_network(oracle, seed=None if sub_seed is None else sub_seed[0],
                                    verify_tolerance=verify_tolerance, polish=polish)
@@ -161,6 +172,9 @@ def extract_one_layer(oracle: Oracle, *, seed=None,
 
     odd = OddPartOracle(oracle)
     before = oracle.queries
+    log.info("%d hidden units found; the attention head from the odd part f(X) - f(-X)",
+             A.shape[0])
+    _phase(oracle, "attention head (odd part)")
     try:
         head = extract_single_head(odd, seed=None if sub_seed is None else sub_seed[1],
                                    verify_tolerance=verify_tolerance)
