@@ -161,8 +161,7 @@ class Oracle:
             out = self._ask_black_box(X)
         else:
             if not self.journal.bound:      # refuses a journal of another black box
-                self.check_queries += self.journal.bind(self._ask_black_box, self.dim,
-                                                        self.black_box)
+                self.journal.bind(self._ask_to_check, self.dim, self.black_box)
             keys, out = self.journal.lookup(X)
             missing = np.isnan(out)
             self.journal_queries += B - int(missing.sum())
@@ -183,6 +182,11 @@ class Oracle:
         if self.progress is not None:
             self.progress(self.queries, max(self.planned, self.queries))
         return out
+
+    def _ask_to_check(self, X: np.ndarray) -> np.ndarray:
+        """A journal's binding check: counted in ``check_queries``, not in ``queries``."""
+        self.check_queries += len(X)
+        return self._ask_black_box(X)
 
     def _journal_partial(self, exc: Exception, keys, X: np.ndarray) -> None:
         """Journal the answers a failed call did deliver (``exc.partial_outputs``).
