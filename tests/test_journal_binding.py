@@ -486,3 +486,21 @@ def test_ctrl_c_prints_one_line_with_the_queries_and_how_to_resume(tmp_path):
                              capture_output=True, text=True, timeout=120)
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads(resumed.stdout)["details"]["journal_queries"] >= 9
+
+
+def test_a_box_that_refuses_the_challenges_says_so(tmp_path):
+    """A black box that only takes short sequences fails on the journal's long challenges:
+    the black box error says why it was asked, and how to skip the challenges."""
+    head = random_single_head(D, seed=13)
+
+    def short_only(X):
+        if X.shape[1] > 64:
+            raise ValueError("sequences longer than 64 tokens are not supported")
+        return head(X)
+
+    from attnextract import BlackBoxError
+    with QueryJournal(tmp_path / "j.sqlite") as journal:
+        oracle = Oracle(short_only, D, journal=journal)
+        with pytest.raises(BlackBoxError, match="challenge sequences.*--no-journal"):
+            oracle.query(np.ones((2, 3, D)))
+        assert oracle.queries == 0

@@ -141,8 +141,13 @@ class Oracle:
         step = self.max_batch or B
         return np.concatenate([self._send(X[i:i + step]) for i in range(0, B, step)])
 
-    def query_ragged(self, sequences: Sequence[np.ndarray]) -> np.ndarray:
-        """Send sequences of different lengths: one batch per length, answers in order."""
+    def query_ragged(self, sequences: Sequence[np.ndarray], *, live: bool = False) -> np.ndarray:
+        """Send sequences of different lengths: one batch per length, answers in order.
+
+        ``live=True`` bypasses the journal (as within :meth:`live`)."""
+        if live:
+            with self.live():
+                return self.query_ragged(sequences)
         sequences = [np.asarray(s, dtype=np.float64) for s in sequences]
         for s in sequences:
             if s.ndim != 2 or s.shape[1] != self.dim or s.shape[0] < 1:

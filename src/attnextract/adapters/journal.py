@@ -64,7 +64,7 @@ from collections import Counter
 
 import numpy as np
 
-from ..errors import InputError, JournalError, JournalMismatchError
+from ..errors import BlackBoxError, InputError, JournalError, JournalMismatchError
 
 try:                       # POSIX only; elsewhere two runs sharing a journal are not stopped
     import fcntl
@@ -372,7 +372,11 @@ class QueryJournal:
             raise JournalError(f"journal {self.path} holds answers but no fingerprint of its "
                                f"black box; it cannot be checked: delete it or use another one",
                                path=self.path)
-        live = _ask_ragged(ask, challenges)
+        try:
+            live = _ask_ragged(ask, challenges)
+        except BlackBoxError as exc:          # a box that refuses long sequences, say
+            raise type(exc)(f"{exc} (while asking the journal's {len(challenges)} challenge "
+                            f"sequences, lengths 1-256; --no-journal skips them)") from exc
         spent = len(challenges)
         scale = float(np.sqrt(np.mean(live ** 2)))
         if stored is None:
@@ -404,7 +408,8 @@ class QueryJournal:
         return spent
 
     def _mismatch(self, what: str, stored: float, live: float):
-        difference = {"query": what, "journaled": float(stored), "live": float(live)}
+        stored, live = float(stored), float(live)
+        difference = {"query": what, "journaled": stored, "live": live}
         raise JournalMismatchError(
             f"journal {self.path} was recorded against another black box: the live black box "
             f"answers {what} with {live!r}, the journal holds {stored!r}; nothing more was "
