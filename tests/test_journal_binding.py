@@ -504,3 +504,47 @@ def test_a_box_that_refuses_the_challenges_says_so(tmp_path):
         with pytest.raises(BlackBoxError, match="challenge sequences.*--no-journal"):
             oracle.query(np.ones((2, 3, D)))
         assert oracle.queries == 0
+
+
+def test_a_float32_torch_head_resumes_and_another_is_refused(tmp_path, monkeypatch):
+    """A float32 forward pass answers a sequence differently in another batch (~1e-7;
+    here a kept sequence asked alone, a batch of one): the same module still resumes its
+    journal; another module is refused."""
+    torch = pytest.importorskip("torch")
+    import attnextract.adapters.journal as journal_module
+    monkeypatch.setattr(journal_module, "RESUME_SAMPLE", 1)
+    from attnextract.adapters.torch_target import TorchAttentionBlackBox
+    torch.manual_seed(0)
+    dim = 64
+    module = torch.nn.MultiheadAttention(dim, 4, bias=False, batch_first=True)
+    other = torch.nn.MultiheadAttention(dim, 4, bias=False, batch_first=True)
+    X = np.random.default_rng(6).standard_normal((200, 8, dim)) * 0.3
+    with QueryJournal(tmp_path / "j.sqlite") as journal:
+        first = Oracle(TorchAttentionBlackBox(module, readout=0, head=0, dtype="float32"), dim,
+                       journal=journal, max_batch=25).query(X)
+    for attempt in range(3):                         # three fresh resume samples
+        box = TorchAttentionBlackBox(module, readout=0, head=0, dtype="float32")
+        with QueryJournal(tmp_path / "j.sqlite") as journal:
+            oracle = Oracle(box, dim, journal=journal)
+            np.testing.assert_array_equal(oracle.query(X), first)
+            assert oracle.check_queries == CHALLENGES + 1 and oracle.black_box_queries == 0
+    box = TorchAttentionBlackBox(other, readout=0, head=0, dtype="float32")
+    with QueryJournal(tmp_path / "j.sqlite") as journal:
+        with pytest.raises(JournalMismatchError):
+            Oracle(box, dim, journal=journal).query(X)
+
+
+def test_the_checks_respect_max_batch(tmp_path):
+    """A black box that takes one sequence per call gets the checks one at a time."""
+    head = random_single_head(D, seed=14)
+
+    def one_at_a_time(X):
+        if len(X) > 1:
+            raise ValueError("one sequence per request")
+        return head(X)
+
+    X = np.random.default_rng(7).standard_normal((3, 2, D))
+    for _ in range(2):                               # recorded, then resumed
+        with QueryJournal(tmp_path / "j.sqlite") as journal:
+            oracle = Oracle(one_at_a_time, D, journal=journal, max_batch=1)
+            np.testing.assert_array_equal(oracle.query(X), head(X))

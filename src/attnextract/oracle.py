@@ -191,7 +191,9 @@ class Oracle:
     def _ask_to_check(self, X: np.ndarray) -> np.ndarray:
         """A journal's binding check: counted in ``check_queries``, not in ``queries``."""
         self.check_queries += len(X)
-        return self._ask_black_box(X)
+        step = self.max_batch or len(X)
+        return np.concatenate([self._ask_black_box(X[i:i + step])
+                               for i in range(0, len(X), step)])
 
     def _journal_partial(self, exc: Exception, keys, X: np.ndarray) -> None:
         """Journal the answers a failed call did deliver (``exc.partial_outputs``).
