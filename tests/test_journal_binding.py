@@ -297,6 +297,7 @@ def test_answers_received_before_a_budget_refusal_are_journaled(tmp_path, full_l
         with pytest.raises(BudgetExceededError) as caught:
             oracle.query(X)
     assert caught.value.journaled == 6
+    assert f"6 answers received before it were journaled in {path}" in str(caught.value)
     box = CountingBox(head)
     with QueryJournal(path) as journal:
         assert journal.stored == 6

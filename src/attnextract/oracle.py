@@ -214,6 +214,9 @@ class Oracle:
         received = np.flatnonzero(np.isfinite(values))
         if len(received):
             self.journal.record([keys[i] for i in received], values[received], X[received])
+            if exc.args and isinstance(exc.args[0], str):     # said in the error's one line
+                exc.args = (f"{exc.args[0]} ({len(received)} answers received before it were "
+                            f"journaled in {self.journal.path})",) + exc.args[1:]
         try:
             exc.journaled = len(received)
         except AttributeError:
