@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from attnextract import BlackBoxError, InputError, Oracle, extract_single_head
-from attnextract.adapters.journal import QueryJournal, read_entries, sequence_digests
+from attnextract.adapters.journal import (CHALLENGES, RESUME_SAMPLE, QueryJournal, read_entries,
+                                          sequence_digests)
+from attnextract.errors import JournalError
 from attnextract.adapters.targets import random_single_head
 
 
@@ -34,17 +36,26 @@ def test_second_run_is_answered_by_the_journal(tmp_path):
         path.unlink(missing_ok=True)
         target = random_single_head(7, seed=seed)
         first_box, second_box = CountingBox(target), CountingBox(target)
+        learner, verification = 7 * 7 + 7, 64
         with QueryJournal(path) as journal:
-            first = extract_single_head(Oracle(first_box, 7, journal=journal, max_batch=10),
-                                        seed=seed)
-            assert journal.recorded == first.queries and journal.hits == 0
+            first_oracle = Oracle(first_box, 7, journal=journal, max_batch=10)
+            first = extract_single_head(first_oracle, seed=seed)
+            # held-out verification asks the live box and is not journaled
+            assert journal.recorded == learner and journal.hits == 0
+            assert first_oracle.check_queries == CHALLENGES
         with QueryJournal(path) as journal:
             oracle = Oracle(second_box, 7, journal=journal, max_batch=10)
             second = extract_single_head(oracle, seed=seed)
-            assert journal.stored == first.queries and journal.hits == first.queries
-        assert second_box.asked == [] and oracle.calls == 0
-        assert len(first_box.asked) == first.queries == second.queries == 7 * 7 + 7 + 64
-        assert (oracle.journal_queries, oracle.black_box_queries) == (second.queries, 0)
+            assert journal.stored == learner and journal.hits == learner
+        # the second box was asked the binding checks and the verification, nothing else
+        with sqlite3.connect(path) as db:       # one kept sequence per recorded batch
+            kept = db.execute("SELECT COUNT(*) FROM samples").fetchone()[0]
+        assert kept >= -(-learner // 10)
+        assert oracle.check_queries == CHALLENGES + min(RESUME_SAMPLE, kept)
+        assert len(second_box.asked) == oracle.check_queries + verification
+        assert len(first_box.asked) == CHALLENGES + first.queries
+        assert first.queries == second.queries == learner + verification
+        assert (oracle.journal_queries, oracle.black_box_queries) == (learner, verification)
         np.testing.assert_array_equal(first.model.W, second.model.W)
         np.testing.assert_array_equal(first.model.v, second.model.v)
 
@@ -60,23 +71,27 @@ def test_partial_journal_asks_only_the_missing_sequences(tmp_path):
         out = oracle.query(X)
         assert journal.hits == 3 and journal.recorded == 7
     np.testing.assert_array_equal(out, random_single_head(4, seed=1)(X))
-    assert sorted(box.asked) == sorted(X[i].tobytes() for i in range(10) if i not in (1, 4, 7))
+    assert oracle.check_queries == CHALLENGES + 1
+    assert sorted(box.asked[oracle.check_queries:]) == sorted(X[i].tobytes() for i in range(10) if i not in (1, 4, 7))
     assert (oracle.queries, oracle.journal_queries, oracle.black_box_queries) == (10, 3, 7)
 
 
 def test_repeated_probes_get_fresh_answers_and_replay_in_order(tmp_path):
     """A learner that repeats a probe (to average noise) must not get the first answer back."""
     noise = iter(np.arange(100.0))
-    box = lambda X: np.array([next(noise) for _ in X])            # noqa: E731
+    # a noisy box (declared to the journal): each answer to the probe is a fresh number
+    box = lambda X: np.array([next(noise) if np.all(x == 1) else 0.0 for x in X])  # noqa: E731
     X = np.ones((3, 2, 2))                                         # the same sequence 3 times
-    with QueryJournal(tmp_path / "j.sqlite") as journal:
+    with QueryJournal(tmp_path / "j.sqlite", tolerance=100.0) as journal:
         first = Oracle(box, 2, journal=journal).query(X)
         again = Oracle(box, 2, journal=journal).query(X[:1])      # a new oracle, same journal
     assert list(first) == [0.0, 1.0, 2.0] and list(again) == [3.0]  # 4th occurrence is new
-    with QueryJournal(tmp_path / "j.sqlite") as journal:
+    with QueryJournal(tmp_path / "j.sqlite", tolerance=100.0) as journal:
         oracle = Oracle(box, 2, journal=journal)
         assert list(oracle.query(X[:2])) == [0.0, 1.0]
-        assert list(oracle.query(X)) == [2.0, 3.0, 4.0]            # occurrences 2, 3 known, 4 new
+        # the resume check asked the probe again (one kept sequence per recorded batch)
+        assert oracle.check_queries == CHALLENGES + 2
+        assert list(oracle.query(X)) == [2.0, 3.0, 6.0]            # occurrences 2, 3 known, 4 new
     assert (oracle.journal_queries, oracle.black_box_queries) == (4, 1)
 
 
@@ -89,7 +104,8 @@ def test_distinct_shapes_and_signed_zero_are_distinct_keys():
 
 def test_refused_answers_are_not_recorded(tmp_path):
     with QueryJournal(tmp_path / "j.sqlite") as journal:
-        oracle = Oracle(lambda X: np.full(len(X), np.nan), 2, journal=journal)
+        nan_on_ones = lambda X: np.where(np.all(X == 1, axis=(1, 2)), np.nan, 0.0)  # noqa: E731
+        oracle = Oracle(nan_on_ones, 2, journal=journal)
         with pytest.raises(BlackBoxError):
             oracle.query(np.ones((4, 1, 2)))
         assert len(journal) == 0 and oracle.queries == 4    # spent, but nothing recorded
@@ -102,7 +118,7 @@ def test_context_mismatch_and_corrupt_file(tmp_path):
     with QueryJournal(tmp_path / "j.sqlite", context={"dim": 3, "seed": 5}) as journal:
         assert journal.context == {"target": "a.py:f", "dim": 3, "seed": 5}
     (tmp_path / "bad.sqlite").write_bytes(b"this is not a database" * 100)
-    with pytest.raises(InputError, match="query journal"):
+    with pytest.raises(JournalError, match="query journal"):
         QueryJournal(tmp_path / "bad.sqlite")
 
 
@@ -169,6 +185,9 @@ def test_sigkill_then_resume_loses_and_repeats_nothing(tmp_path):
     assert second.returncode == 0, err
     report = json.loads(out)
     asked1, asked2 = _asked(tmp_path / "asked1.log"), _asked(tmp_path / "asked2.log")
+    checks = report["details"]["check_queries"]
+    assert CHALLENGES < checks <= CHALLENGES + RESUME_SAMPLE   # checked first
+    asked1, asked2 = asked1[CHALLENGES:], asked2[checks:]
     # nothing the journal had answered was asked of the black box again
     assert not set(asked2) & set(answered_before_kill)
     assert len(asked2) == len(set(asked2)) == total - len(answered_before_kill)

@@ -9,7 +9,9 @@ held-out error accepted; ``--out`` is a result file, ``--out-dir`` a directory;
 
 Exit codes: 0 success; 1 the extraction or verification failed (mismatch, not
 identifiable, budget); 2 bad usage (arguments, target or result files); 3 the black
-box failed (raised, malformed or non-finite answers, unreachable).
+box failed (raised, malformed or non-finite answers, unreachable); 4 the query journal
+failed (cannot be written or read, fails its checks, or was recorded against another
+black box); 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ import json
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from . import __version__
 from .errors import (AttnExtractError, BlackBoxError, BudgetExceededError, InputError,
-                     ModelMismatchError, NotIdentifiableError, TargetLoadError)
+                     JournalError, ModelMismatchError, NotIdentifiableError, TargetLoadError)
 from .adapters.journal import QueryJournal
 from .oracle import Oracle
 from .progress import ProgressBar, configure_logging, thread_limits
@@ -117,8 +120,12 @@ def _common_options() -> argparse.ArgumentParser:
 
 
 def _add_journal(parser) -> None:
+    """--journal / --no-journal of a subcommand that queries a black box."""
     parser.add_argument("--journal", metavar="FILE.sqlite",
-                        help="record every query and answer; a restarted run resumes from it")
+                        help="record every query and answer in FILE; a restarted run resumes "
+                             "from it (default: RESULT.journal.sqlite beside --out)")
+    parser.add_argument("--no-journal", action="store_true",
+                        help="keep no journal: an interrupted run starts over")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -281,6 +288,11 @@ def main(argv=None) -> int:
             code = handler(args) or 0
         sys.stdout.flush()          # a closed pipe shows here, inside the handler below
         return code
+    except KeyboardInterrupt:
+        print(_interrupted_line(), file=sys.stderr)
+        return 130
+    except JournalError as exc:
+        return _fail(args, exc, 4)
     except ModelMismatchError as exc:
         if exc.result is not None and not getattr(args, "json", False):
             print(exc.result.report.render(), file=sys.stderr)
@@ -377,11 +389,13 @@ def _learner_and_options(args):
 
 def cmd_extract(args) -> int:
     learner, options = _learner_and_options(args)     # option errors before any work
+    args.out = _prepare_out(args.out)                 # an unwritable --out before any query
     black_box = _open_target(args.target, args.dim, args)
     journal = _open_journal(args)
     bar = _progress(args)
     oracle = Oracle(black_box, args.dim, budget=args.budget, max_batch=args.max_batch,
                     progress=bar, journal=journal)
+    _RUN.update(oracle=oracle, journal=journal)
     try:
         result = extract(oracle, args.model, seed=args.seed, tolerance=args.tolerance,
                          sign_only=args.sign_only, verify_tolerance=args.verify_tolerance,
@@ -390,7 +404,7 @@ def cmd_extract(args) -> int:
         bar.close()
         _close_journal(oracle)
     _note_sources(result.report, oracle)
-    written = result.save(args.out)
+    written = _save_atomically(result, args.out)
     if args.json:
         print(json.dumps({"ok": True, "out": str(written), **result.report.to_dict()}))
     else:
@@ -399,11 +413,101 @@ def cmd_extract(args) -> int:
     return 0
 
 
-def _open_journal(args):
-    """The --journal of an extraction (None without one); fixes the learner's seed in it."""
-    if not getattr(args, "journal", None):
+# What the running command has spent, for the one line printed on Ctrl-C.
+_RUN: dict = {}
+
+
+def _interrupted_line() -> str:
+    """One line: the queries so far and how to resume."""
+    oracle, journal = _RUN.get("oracle"), _RUN.get("journal")
+    if oracle is not None:
+        spent = (f"{oracle.queries} queries ({oracle.black_box_queries} answered by the "
+                 f"black box)")
+    elif journal is not None:
+        spent = f"{journal.hits + journal.recorded} queries"
+    else:
+        spent = "no queries"
+    if journal is None:
+        how = "no journal was kept: a rerun starts over"
+    else:
+        how = (f"rerun the same command to resume: journal {journal.path} keeps "
+               f"{len(journal)} answers")
+    return f"attnextract: interrupted after {spent}; {how}"
+
+
+def _prepare_out(out) -> str | None:
+    """--out with its .npz suffix, checked writable (before any query); None stays None."""
+    if out is None:
         return None
-    journal = QueryJournal(args.journal, context={"target": args.target, "dim": args.dim})
+    path = Path(out)
+    if path.suffix != ".npz":
+        path = path.with_name(path.name + ".npz")        # what numpy would write
+    folder = path.parent
+    if path.is_dir():
+        raise InputError(f"--out {path} is a directory")
+    if not folder.is_dir():
+        raise InputError(f"--out {path}: folder {folder} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".probe")
+        os.close(fd)
+        os.remove(probe)
+        if path.exists():
+            with open(path, "ab"):
+                pass
+    except OSError as exc:
+        raise InputError(f"--out {path} is not writable: {exc.strerror or exc}") from None
+    return str(path)
+
+
+def _save_atomically(result, out: str) -> Path:
+    """Write the result to a temporary file beside ``out``, then rename it (atomic);
+    returns the path written."""
+    folder = os.path.dirname(os.path.abspath(out))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(out)}.", suffix=".npz")
+    os.close(fd)
+    try:
+        result.save(tmp)
+        os.replace(tmp, out)
+        return Path(out)
+    except BaseException as exc:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            raise InputError(f"cannot write {out}: {exc}; a rerun of the same command is "
+                             f"answered by its journal") from exc
+        raise
+
+
+def _journal_path(args) -> str | None:
+    """--journal, else RESULT.journal.sqlite beside --out, None with --no-journal."""
+    if getattr(args, "no_journal", False):
+        if getattr(args, "journal", None):
+            raise InputError("give either --journal FILE or --no-journal")
+        return None
+    if getattr(args, "journal", None):
+        return args.journal
+    out = getattr(args, "out", None)
+    return None if out is None else str(Path(out).with_suffix("")) + ".journal.sqlite"
+
+
+def _open_journal(args):
+    """The journal of an extraction (None without one); fixes the learner's seed in it."""
+    path = _journal_path(args)
+    if path is None:
+        return None
+    args.journal = path
+    # the noise the black box is allowed: its fingerprint is compared within it
+    tau = getattr(args, "tolerance", None)
+    if tau is not None and getattr(args, "noise", "bounded") == "random":
+        tau = 6.0 * tau                          # --tolerance is the noise's std
+    rho = getattr(args, "relative_tolerance", None) if tau is not None else None
+    journal = QueryJournal(path, context={"dim": args.dim}, tolerance=tau,
+                           relative_tolerance=rho)
+    # the target's name is kept for the reader only: the fingerprint decides (a server
+    # moved to another port is the same black box, another box at the same URL is not)
+    journal.remember(target=args.target)
     # a resumed run must ask the same sequences: the learner's seed is part of the journal
     if args.seed is None:
         args.seed = journal.context.get("seed", int.from_bytes(os.urandom(4), "little"))
@@ -411,7 +515,8 @@ def _open_journal(args):
     if journal.context.get("seed") != args.seed:
         journal.close()
         raise InputError(f"journal {args.journal} was recorded with --seed "
-                         f"{journal.context['seed']}, not {args.seed}")
+                         f"{journal.context['seed']}, not {args.seed} (give another --journal "
+                         f"or --out, or --no-journal)")
     return journal
 
 
@@ -430,6 +535,7 @@ def _note_sources(report, oracle: Oracle) -> None:
     if oracle.journal is not None:
         report.details["black_box_queries"] = oracle.black_box_queries
         report.details["journal_queries"] = oracle.journal_queries
+        report.details["check_queries"] = oracle.check_queries
         report.details["journal"] = oracle.journal.path
 
 
@@ -592,12 +698,14 @@ def cmd_minilm(args) -> int:
     from .adapters.minilm import extract_minilm_head, extract_minilm_layer
     if args.all_heads == (args.head is not None):
         raise InputError("give either --head H or --all-heads")
-    journal = None
-    if args.journal:
+    args.out = _prepare_out(args.out)                 # an unwritable --out before any query
+    journal, path = None, _journal_path(args)
+    if path is not None:
         which = "all heads" if args.all_heads else f"head {args.head}"
-        journal = QueryJournal(args.journal, context={
+        journal = QueryJournal(path, context={
             "target": f"minilm layer {args.layer} {which} readout {args.readout_seed}",
             "dim": args.subspace if args.all_heads else 384, "seed": args.seed})
+    _RUN.update(journal=journal)
     bar = _progress(args)
     if args.all_heads:
         try:
@@ -620,7 +728,7 @@ def cmd_minilm(args) -> int:
             bar.close()
             if journal is not None:
                 journal.close()
-    written = result.save(args.out) if args.out else None
+    written = _save_atomically(result, args.out) if args.out else None
     if args.json:
         print(json.dumps({"ok": True, "out": written and str(written),
                           **result.report.to_dict()}))

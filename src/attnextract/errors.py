@@ -59,3 +59,32 @@ class TargetLoadError(AttnExtractError):
 class RecoveryFailedError(AttnExtractError):
     """A learner's solver found no parameters consistent with its own measurements
     (e.g. too few random measurements for the rank); nothing wrong is returned."""
+
+
+class JournalError(AttnExtractError):
+    """The query journal cannot be read, written or trusted (a fault of the journal file,
+    not of the black box): a full disk, a read-only or locked file, a row that fails its
+    checksum, a file cut short.
+
+    ``path`` is the journal file; ``batch`` the batch being recorded when writing failed
+    (None otherwise); ``sidecar`` where that batch's answers were saved instead (None if
+    they could only be kept in memory, in ``QueryJournal.unsaved``).
+    """
+
+    def __init__(self, message: str, *, path=None, batch=None, sidecar=None):
+        super().__init__(message)
+        self.path = path
+        self.batch = batch
+        self.sidecar = sidecar
+
+
+class JournalMismatchError(JournalError):
+    """A resumed journal was recorded against another black box: the live black box
+    answers its challenge sequences (or a sample of its journaled queries) differently.
+
+    ``difference`` describes the first differing answer (which query, journaled and live
+    values)."""
+
+    def __init__(self, message: str, *, path=None, difference=None):
+        super().__init__(message, path=path)
+        self.difference = difference

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from typing import Callable, Sequence
 
 import numpy as np
@@ -54,7 +55,11 @@ class Oracle:
         and their answers are recorded (committed per batch). ``queries`` counts both;
         ``journal_queries`` those answered by the journal, ``black_box_queries`` the rest.
         The budget counts every query the result rests on, so a resumed run stops where
-        the original would have.
+        the original would have. Before the first batch the journal is bound to the
+        live black box (:meth:`QueryJournal.bind`: its fingerprint is stored, or checked
+        when the journal is resumed); those queries are counted in ``check_queries``,
+        not in ``queries`` nor against the budget. Queries asked in :meth:`live` (held-out
+        verification) always reach the black box and are not journaled.
     """
 
     def __init__(self, black_box: BlackBox, dim: int, *, budget: int | None = None,
@@ -79,6 +84,8 @@ class Oracle:
         self.planned = 0          # queries announced by the running learner
         self.journal = journal
         self.journal_queries = 0  # queries answered by the journal, not the black box
+        self.check_queries = 0    # queries binding the journal to the black box (not budgeted)
+        self._live = 0            # > 0 inside live(): the journal is bypassed
 
     # -- budget -------------------------------------------------------------
     @property
@@ -106,8 +113,23 @@ class Oracle:
         log.info("%s: %d queries planned (%d sent so far)", what, n, self.queries)
 
     # -- queries ------------------------------------------------------------
-    def query(self, X) -> np.ndarray:
-        """Send a batch (B, N, d) (or one sequence (N, d)); returns the outputs (B,)."""
+    @contextmanager
+    def live(self):
+        """Within this block every query is asked of the live black box, never answered by
+        the journal, and not journaled (held-out verification must see the black box)."""
+        self._live += 1
+        try:
+            yield self
+        finally:
+            self._live -= 1
+
+    def query(self, X, *, live: bool = False) -> np.ndarray:
+        """Send a batch (B, N, d) (or one sequence (N, d)); returns the outputs (B,).
+
+        ``live=True`` bypasses the journal (as within :meth:`live`)."""
+        if live:
+            with self.live():
+                return self.query(X)
         X = np.asarray(X, dtype=np.float64)
         if X.ndim == 2:
             X = X[None]
@@ -123,8 +145,13 @@ class Oracle:
         step = self.max_batch or B
         return np.concatenate([self._send(X[i:i + step]) for i in range(0, B, step)])
 
-    def query_ragged(self, sequences: Sequence[np.ndarray]) -> np.ndarray:
-        """Send sequences of different lengths: one batch per length, answers in order."""
+    def query_ragged(self, sequences: Sequence[np.ndarray], *, live: bool = False) -> np.ndarray:
+        """Send sequences of different lengths: one batch per length, answers in order.
+
+        ``live=True`` bypasses the journal (as within :meth:`live`)."""
+        if live:
+            with self.live():
+                return self.query_ragged(sequences)
         sequences = [np.asarray(s, dtype=np.float64) for s in sequences]
         for s in sequences:
             if s.ndim != 2 or s.shape[1] != self.dim or s.shape[0] < 1:
@@ -136,26 +163,71 @@ class Oracle:
         B, N, _ = X.shape
         self.require(B, f"a batch of {B} sequences")
         # a sent query is spent, whatever comes back: counted before sending
-        if self.journal is None:
+        if self.journal is None or self._live:
             self.queries += B
             self.tokens += B * N
+            self.calls += 1
             out = self._ask_black_box(X)
         else:
+            if not self.journal.bound:      # refuses a journal of another black box
+                self.journal.bind(self._ask_to_check, self.dim, self.black_box)
             keys, out = self.journal.lookup(X)
             missing = np.isnan(out)
             self.journal_queries += B - int(missing.sum())
             self.queries += B
             self.tokens += B * N
             if missing.any():
-                out[missing] = self._ask_black_box(np.ascontiguousarray(X[missing]))
-                self.journal.record([k for k, m in zip(keys, missing) if m], out[missing])
+                asked = np.ascontiguousarray(X[missing])
+                keys = [k for k, m in zip(keys, missing) if m]
+                self.calls += 1
+                try:
+                    answers = self._ask_black_box(asked)
+                except (BudgetExceededError, BlackBoxError) as exc:
+                    self._journal_partial(exc, keys, asked)
+                    raise
+                # written (committed) before the learner sees them
+                self.journal.record(keys, answers, asked)
+                out[missing] = answers
         if self.progress is not None:
             self.progress(self.queries, max(self.planned, self.queries))
         return out
 
+    def _ask_to_check(self, X: np.ndarray) -> np.ndarray:
+        """A journal's binding check: counted in ``check_queries``, not in ``queries``."""
+        self.check_queries += len(X)
+        step = self.max_batch or len(X)
+        return np.concatenate([self._ask_black_box(X[i:i + step])
+                               for i in range(0, len(X), step)])
+
+    def _journal_partial(self, exc: Exception, keys, X: np.ndarray) -> None:
+        """Journal the answers a failed call did deliver (``exc.partial_outputs``).
+
+        Contract with black boxes (e.g. an HTTP client refused mid-batch): the exception
+        may carry ``partial_outputs``, either the answers to the first k <= B sequences
+        of the batch, or B values with NaN where no answer came. Finite ones are journaled
+        (they were paid for); ``exc.journaled`` says how many."""
+        partial = getattr(exc, "partial_outputs", None)
+        if partial is None:
+            return
+        try:
+            values = np.asarray(partial, dtype=np.float64).ravel()
+        except (TypeError, ValueError):
+            return
+        if len(values) > len(keys):
+            return                           # breaks the contract: trust none of it
+        received = np.flatnonzero(np.isfinite(values))
+        if len(received):
+            self.journal.record([keys[i] for i in received], values[received], X[received])
+            if exc.args and isinstance(exc.args[0], str):     # said in the error's one line
+                exc.args = (f"{exc.args[0]} ({len(received)} answers received before it were "
+                            f"journaled in {self.journal.path})",) + exc.args[1:]
+        try:
+            exc.journaled = len(received)
+        except AttributeError:
+            pass
+
     def _ask_black_box(self, X: np.ndarray) -> np.ndarray:
         """One call to the black box with the batch X (B, N, d); validated outputs (B,)."""
-        self.calls += 1
         X = X.view()
         X.flags.writeable = False  # a black box must not scribble on the learner's probes
         start = time.perf_counter()
@@ -191,7 +263,8 @@ class Oracle:
         return {"queries": self.queries, "tokens": self.tokens, "calls": self.calls,
                 "black_box_seconds": self.black_box_seconds, "budget": self.budget,
                 "journal_queries": self.journal_queries,
-                "black_box_queries": self.black_box_queries}
+                "black_box_queries": self.black_box_queries,
+                "check_queries": self.check_queries}
 
 
 def by_length(sequences) -> list[tuple[np.ndarray, np.ndarray]]:

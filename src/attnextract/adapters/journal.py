@@ -1,4 +1,4 @@
-"""The query journal: every query and its answer, on disk, so that a killed run resumes.
+"""The query journal: every query and its answer, on disk, bound to the black box that gave them.
 
 A black box that charges per query (or takes hours) must never be asked the same
 thing twice because a run died. :class:`QueryJournal` is an SQLite file (stdlib
@@ -15,33 +15,99 @@ thing twice because a run died. :class:`QueryJournal` is an SQLite file (stdlib
 - a restarted run with the same journal is answered from the journal for every
   sequence it asks again, and only the rest reach the black box.
 
+**Bound to its black box.** A journal answers for one black box only. When it is
+created it stores a *fingerprint*: the black box's answers to :data:`CHALLENGES`
+fixed challenge sequences (lengths 1 to 256, token scales 1e-2 to 3, seeded by d).
+It also keeps one sequence of every recorded batch (drawn at random) with its answer.
+Before a resumed run answers anything from the journal, the live black box is asked
+the challenges and a fresh random sample of :data:`RESUME_SAMPLE` kept sequences; any
+answer that differs refuses the journal (:class:`JournalMismatchError`, naming the
+file and the first difference) before the learner spends a query. These checks are
+counted apart from the learner's queries (``Oracle.check_queries``) and not against
+its budget. Two answers to the same query agree when
+
+    |a - b| <= 2 (tau + rho max(|a|, |b|)) + 1e-12 max(|a|, |b|, rms)
+
+with (tau, rho) the noise bound of the black box (the CLI's ``--tolerance`` and
+``--relative-tolerance``, or a wrapper's ``tolerance`` / ``relative_tolerance``; for
+random noise of standard deviation s, tau = 6 s), rms the root mean square of the
+challenge answers. So a deterministic black box must answer the challenges (asked in
+the same batches every time) the same to 1e-12, and a noisy one within twice its
+stated noise: a journal of a noisy black box resumes, and a black box that differs by
+less than its own noise cannot be told apart by any query anyway. The kept sequences
+are asked in other batches than the first time, which moves a float32 forward pass by
+~1e-7: they are allowed 1e-6 relative (``SAMPLE_SLACK``) on top. A black box whose
+answers depend on their batch by more must state it as noise.
+
+**Checked when read.** Every row carries a checksum (SHA-256 of its blobs); a row that
+fails it, holds a non-finite answer, or has blobs of inconsistent lengths, and a file
+that is not a whole number of pages (cut short), raise :class:`JournalError`. So do
+write failures (full disk, read-only or locked file): the error says which batch was
+being recorded, and its answers are saved to a sidecar ``JOURNAL.unsaved-K.npz``
+(beside the journal, else in the temporary directory, else kept in memory in
+``unsaved``); the next opening of the journal imports sidecars. A journal is used by
+one run at a time (an exclusive ``flock``).
+
 The learners are deterministic given their seed, so a resumed run asks the same
 sequences in the same order and returns the same result. The journal also keeps a
-small context (the target, d, the seed) and refuses to be reused for another one.
+small context (d, the seed, the target's name) and refuses to be reused for another d
+or seed.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
+import math
 import os
 import sqlite3
+import tempfile
 from collections import Counter
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import BlackBoxError, InputError, JournalError, JournalMismatchError
+
+try:                       # POSIX only; elsewhere two runs sharing a journal are not stopped
+    import fcntl
+except ImportError:        # pragma: no cover
+    fcntl = None
 
 DIGEST_BYTES = 16
+CHECKSUM_BYTES = 16
+CHALLENGES = 8             # challenge sequences of the fingerprint
+RESUME_SAMPLE = 8          # journaled sequences asked again when a journal is resumed
+FINGERPRINT_VERSION = 1
+FLOAT_SLACK = 1e-12        # relative disagreement allowed to a deterministic black box
+# A kept sequence is asked again in another batch than the first time, and a float32
+# forward pass depends on its batch (a torch float32 head: 3.5e-7 relative, measured):
+SAMPLE_SLACK = 1e-6
+RANDOM_NOISE_WIDTH = 6.0   # tau = 6 std for random noise of a given std
+
 # One row per answered batch (a row per sequence made large runs spend more time in
 # SQLite than in the black box): B digests of 16 bytes, B occurrences (int64) and B
-# outputs (float64, exact), each packed in one blob.
+# outputs (float64, exact), each packed in one blob, and the checksum of the three.
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS batches (
     id INTEGER PRIMARY KEY,
     digests BLOB NOT NULL,       -- sha256 (first 16 bytes) of each sequence's shape and bytes
     occurrences BLOB NOT NULL,   -- int64: 0 the first time a sequence was asked in a run
-    outputs BLOB NOT NULL        -- float64 answers
+    outputs BLOB NOT NULL,       -- float64 answers
+    checksum BLOB NOT NULL       -- sha256 (first 16 bytes) of digests, occurrences, outputs
+);
+CREATE TABLE IF NOT EXISTS samples (   -- one sequence of each batch, to ask again on resume
+    id INTEGER PRIMARY KEY,
+    length INTEGER NOT NULL,
+    sequence BLOB NOT NULL,      -- float64 (length, d)
+    output REAL NOT NULL,
+    checksum BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS fingerprint (
+    version INTEGER PRIMARY KEY,
+    dim INTEGER NOT NULL,
+    outputs BLOB NOT NULL,       -- float64 answers to challenge_sequences(dim)
+    checksum BLOB NOT NULL
 );
 CREATE TABLE IF NOT EXISTS context (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
@@ -63,19 +129,87 @@ def sequence_digests(X: np.ndarray) -> list[bytes]:
     return digests
 
 
+def checksum(*blobs: bytes) -> bytes:
+    """SHA-256 (first 16 bytes) of the blobs, each prefixed by its length."""
+    h = hashlib.sha256()
+    for blob in blobs:
+        h.update(len(blob).to_bytes(8, "little"))
+        h.update(blob)
+    return h.digest()[:CHECKSUM_BYTES]
+
+
+def challenge_sequences(dim: int) -> list[np.ndarray]:
+    """The fingerprint's fixed challenge sequences for token width ``dim``: (N, dim) each.
+
+    Lengths 1, 2, 4, 16, 16, 64, 256, 256; Gaussian tokens at scale d^{-1/4} times a
+    per-sequence factor (0.01 to 3), and per-token log-uniform factors in the long ones,
+    so that the fingerprint sees short and long sequences, saturated and flat attention.
+    Seeded by ``dim`` alone: the same for every journal of that width.
+    """
+    rng = np.random.default_rng([0x6A6F75726E616C, FINGERPRINT_VERSION, int(dim)])
+    anchor = dim ** -0.25
+    plan = [(1, 1.0), (2, 0.1), (4, 3.0), (16, 1.0), (16, 0.01), (64, 1.0), (256, 0.3),
+            (256, 1.0)]
+    out = []
+    for n, factor in plan:
+        X = rng.standard_normal((n, dim)) * (anchor * factor)
+        if n >= 16:
+            X *= np.exp(rng.uniform(np.log(0.1), np.log(3.0), size=(n, 1)))
+        out.append(X)
+    return out
+
+
+def noise_bound(black_box) -> tuple[float, float]:
+    """(tau, rho) a black box declares about its answers' noise (0, 0 when it declares none).
+
+    Reads the ``tolerance`` / ``relative_tolerance`` of the oracle's output wrappers
+    (bounded noise, rounding) and ``std`` (random noise: tau = 6 std)."""
+    tau = getattr(black_box, "tolerance", 0.0)
+    rho = getattr(black_box, "relative_tolerance", 0.0)
+    std = getattr(black_box, "std", None)
+    tau = float(tau) if isinstance(tau, (int, float)) else 0.0
+    if isinstance(std, (int, float)):
+        tau = max(tau, RANDOM_NOISE_WIDTH * float(std))
+    rho = float(rho) if isinstance(rho, (int, float)) else 0.0
+    return (tau if math.isfinite(tau) else 0.0), (rho if math.isfinite(rho) else 0.0)
+
+
+def answers_agree(stored: np.ndarray, live: np.ndarray, scale: float, tolerance: float = 0.0,
+                  relative_tolerance: float = 0.0, slack: float = FLOAT_SLACK) -> np.ndarray:
+    """Elementwise: do two answers to the same queries agree (see the module docstring)?"""
+    size = np.maximum(np.abs(stored), np.abs(live))
+    slack = (2.0 * (tolerance + relative_tolerance * size)
+             + slack * np.maximum(size, scale))
+    return np.abs(stored - live) <= slack
+
+
 def read_entries(path) -> list[tuple[bytes, int, float]]:
-    """Every (digest, occurrence, output) in the journal file, opened read-only."""
+    """Every (digest, occurrence, output) in the journal file, opened read-only (checked)."""
     uri = "file:" + os.path.abspath(os.fspath(path)) + "?mode=ro"
     with sqlite3.connect(uri, uri=True) as db:
-        rows = db.execute("SELECT digests, occurrences, outputs FROM batches ORDER BY id").fetchall()
-    return [entry for row in rows for entry in _unpack(*row)]
+        rows = db.execute("SELECT id, digests, occurrences, outputs, checksum FROM batches "
+                          "ORDER BY id").fetchall()
+    return [entry for row in rows for entry in _unpack(os.fspath(path), *row)]
 
 
-def _unpack(digests: bytes, occurrences: bytes, outputs: bytes):
+def _unpack(path: str, row_id: int, digests: bytes, occurrences: bytes, outputs: bytes,
+            stored_checksum: bytes):
+    """The (digest, occurrence, output) entries of one batch row, checked."""
+    where = f"journal {path}: row {row_id} of its batches"
+    if bytes(stored_checksum) != checksum(digests, occurrences, outputs):
+        raise JournalError(f"{where} fails its checksum (the file was changed or cut short); "
+                           f"delete the journal or use another one", path=path)
+    if len(occurrences) % 8 or len(outputs) % 8:
+        raise JournalError(f"{where} has blobs of inconsistent lengths", path=path)
     occ = np.frombuffer(occurrences, dtype=np.int64)
     out = np.frombuffer(outputs, dtype=np.float64)
     if len(digests) != DIGEST_BYTES * len(occ) or len(out) != len(occ):
-        raise sqlite3.DatabaseError("a journal row has blobs of inconsistent lengths")
+        raise JournalError(f"{where} has blobs of inconsistent lengths", path=path)
+    if not np.all(np.isfinite(out)):
+        raise JournalError(f"{where} holds a non-finite answer "
+                           f"({out[~np.isfinite(out)][0]})", path=path)
+    if np.any(occ < 0):
+        raise JournalError(f"{where} holds a negative occurrence", path=path)
     return [(digests[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES], int(k), float(y))
             for i, (k, y) in enumerate(zip(occ, out))]
 
@@ -88,9 +222,13 @@ class QueryJournal:
     path : str or PathLike
         The journal file; created if missing, resumed if it exists.
     context : dict, optional
-        What this run is (e.g. ``{"target": ..., "dim": ...}``); stored on first use.
+        What this run is (e.g. ``{"dim": ..., "seed": ...}``); stored on first use.
         Reopening the journal with a context that disagrees on a stored key raises
         :class:`InputError`; keys not stored yet are added.
+    tolerance, relative_tolerance : float, optional
+        The black box's noise bound |answer - f(X)| <= tau + rho |f(X)|, used when the
+        fingerprint and the resume sample are compared (default: what the black box
+        declares, see :func:`noise_bound`; 0 for a deterministic black box).
 
     Attributes
     ----------
@@ -99,21 +237,45 @@ class QueryJournal:
     recorded : int
         Sequences whose answers this run added to the journal.
     stored : int
-        Entries in the journal when it was opened.
+        Entries in the journal when it was opened (sidecars imported).
+    bound : bool
+        Whether the journal has been bound to the live black box (:meth:`bind`).
+    unsaved : list
+        Batches whose answers could be written neither to the journal nor to a sidecar.
     """
 
-    def __init__(self, path, context: dict | None = None):
+    def __init__(self, path, context: dict | None = None, *, tolerance: float | None = None,
+                 relative_tolerance: float | None = None):
         self.path = os.fspath(path)
+        self.tolerance, self.relative_tolerance = tolerance, relative_tolerance
+        self.unsaved: list[dict] = []
+        self.bound = False
+        self._db = None
+        self._lock = None
+        self._batches_recorded = 0
+        if os.path.isdir(self.path):
+            raise JournalError(f"journal {self.path} is a directory", path=self.path)
         try:
-            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self._check_whole_pages()
+            self._lock_file()
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
+                                       timeout=5.0)
             self._db.execute("PRAGMA journal_mode=WAL")      # a commit is durable and cheap
             self._db.execute("PRAGMA synchronous=NORMAL")
+            self._check_schema()
             self._db.executescript(SCHEMA)
-            rows = self._db.execute("SELECT digests, occurrences, outputs FROM batches").fetchall()
+            rows = self._db.execute("SELECT id, digests, occurrences, outputs, checksum "
+                                    "FROM batches").fetchall()
             stored_context = dict(self._db.execute("SELECT key, value FROM context"))
-            self._answers = {(d, k): y for row in rows for d, k, y in _unpack(*row)}
-        except sqlite3.DatabaseError as exc:
-            raise InputError(f"cannot use {self.path} as a query journal: {exc}") from exc
+            self._answers = {(d, k): y for row in rows for d, k, y in _unpack(self.path, *row)}
+            self._import_sidecars()
+        except JournalError:
+            self.close()
+            raise
+        except (sqlite3.Error, OSError) as exc:
+            self.close()
+            raise JournalError(f"cannot use {self.path} as a query journal: {exc}",
+                               path=self.path) from exc
         self.context = {k: json.loads(v) for k, v in stored_context.items()}
         for key, value in (context or {}).items():
             if key in self.context and self.context[key] != value:
@@ -127,16 +289,175 @@ class QueryJournal:
         self.hits = 0
         self.recorded = 0
 
+    # -- opening ------------------------------------------------------------
+    def _check_whole_pages(self) -> None:
+        """A database file is a whole number of pages; one that is not was cut short."""
+        try:
+            size = os.path.getsize(self.path)
+        except FileNotFoundError:
+            return
+        if size == 0:
+            return
+        with open(self.path, "rb") as f:
+            header = f.read(100)
+        if len(header) < 100 or not header.startswith(b"SQLite format 3\x00"):
+            raise JournalError(f"{self.path} is not a query journal (not an SQLite file)",
+                               path=self.path)
+        page = int.from_bytes(header[16:18], "big")
+        page = 65536 if page == 1 else page
+        if page and size % page:
+            raise JournalError(f"journal {self.path} was cut short ({size} bytes, not a whole "
+                               f"number of {page}-byte pages); its last answers cannot be "
+                               f"trusted: delete it or use another one", path=self.path)
+
+    def _lock_file(self) -> None:
+        if fcntl is None:
+            return
+        self._lock = open(self.path, "ab")
+        try:
+            fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock.close()
+            self._lock = None
+            raise JournalError(f"journal {self.path} is in use by another run (locked); "
+                               f"wait for it or use another journal file", path=self.path)
+
+    def _check_schema(self) -> None:
+        columns = [row[1] for row in self._db.execute("PRAGMA table_info(batches)")]
+        if columns and "checksum" not in columns:
+            raise JournalError(f"journal {self.path} was written by an older attnextract "
+                               f"(no checksums, no fingerprint of its black box) and cannot be "
+                               f"trusted; delete it or use another one", path=self.path)
+
+    def _import_sidecars(self) -> None:
+        """Answers a failed write saved beside the journal are written into it now."""
+        for sidecar in sorted(glob.glob(glob.escape(self.path) + ".unsaved-*.npz")):
+            with np.load(sidecar, allow_pickle=False) as data:
+                keys = [(bytes(d), int(k)) for d, k in zip(data["digests"], data["occurrences"])]
+                outputs = np.asarray(data["outputs"], dtype=np.float64)
+            if outputs.shape != (len(keys),) or not np.all(np.isfinite(outputs)):
+                raise JournalError(f"sidecar {sidecar} of journal {self.path} is malformed",
+                                   path=self.path)
+            new = [i for i, key in enumerate(keys) if key not in self._answers]
+            if new:
+                self._insert([keys[i] for i in new], outputs[new], sample=None)
+                for i in new:
+                    self._answers[keys[i]] = float(outputs[i])
+            os.remove(sidecar)
+
+    # -- context ------------------------------------------------------------
     def remember(self, **context) -> None:
         """Store context entries (JSON values) that are not stored yet."""
         if not context:
             return
-        with self._db:
-            self._db.executemany("INSERT OR IGNORE INTO context VALUES (?, ?)",
-                                 [(k, json.dumps(v)) for k, v in context.items()])
+        try:
+            with self._db:
+                self._db.executemany("INSERT OR IGNORE INTO context VALUES (?, ?)",
+                                     [(k, json.dumps(v)) for k, v in context.items()])
+        except sqlite3.Error as exc:
+            raise JournalError(f"cannot write to journal {self.path}: {exc}",
+                               path=self.path) from exc
         for key, value in context.items():
             self.context.setdefault(key, value)
 
+    # -- binding to the black box -------------------------------------------
+    def bind(self, ask, dim: int, black_box=None) -> int:
+        """Bind the journal to the live black box; returns the queries this cost.
+
+        ``ask`` answers a batch (B, N, dim) from the live black box (validated).
+        A new journal stores the answers to :func:`challenge_sequences`; a journal
+        with a fingerprint asks them again, with a random sample of its kept
+        sequences, and raises :class:`JournalMismatchError` on the first difference.
+        """
+        tau, rho = noise_bound(black_box)
+        tau = tau if self.tolerance is None else float(self.tolerance)
+        rho = rho if self.relative_tolerance is None else float(self.relative_tolerance)
+        challenges = challenge_sequences(dim)
+        stored = self._fingerprint()
+        if stored is None and self._answers:
+            raise JournalError(f"journal {self.path} holds answers but no fingerprint of its "
+                               f"black box; it cannot be checked: delete it or use another one",
+                               path=self.path)
+        try:
+            live = _ask_ragged(ask, challenges)
+        except BlackBoxError as exc:          # a box that refuses long sequences, say
+            raise type(exc)(f"{exc} (while asking the journal's {len(challenges)} challenge "
+                            f"sequences, lengths 1-256; --no-journal skips them)") from exc
+        spent = len(challenges)
+        scale = float(np.sqrt(np.mean(live ** 2)))
+        if stored is None:
+            outputs = live.tobytes()
+            self._write("INSERT INTO fingerprint VALUES (?, ?, ?, ?)",
+                        (FINGERPRINT_VERSION, int(dim), outputs, checksum(outputs)),
+                        "the fingerprint of its black box")
+            self.bound = True
+            return spent
+        stored_dim, stored_outputs = stored
+        if stored_dim != dim:
+            raise InputError(f"journal {self.path} was recorded with d = {stored_dim}, not {dim}")
+        ok = answers_agree(stored_outputs, live, scale, tau, rho)
+        if not ok.all():
+            i = int(np.flatnonzero(~ok)[0])
+            self._mismatch(f"challenge sequence {i} (length {len(challenges[i])})",
+                           stored_outputs[i], live[i])
+        sample = self._sample(RESUME_SAMPLE)
+        if sample:
+            again = _ask_ragged(ask, [x for _, x, _ in sample])
+            spent += len(sample)
+            ok = answers_agree(np.array([y for _, _, y in sample]), again, scale, tau, rho,
+                               FLOAT_SLACK + SAMPLE_SLACK)
+            if not ok.all():
+                i = int(np.flatnonzero(~ok)[0])
+                row, x, y = sample[i]
+                self._mismatch(f"journaled query {row} (a sequence of length {len(x)})", y,
+                               again[i])
+        self.bound = True
+        return spent
+
+    def _mismatch(self, what: str, stored: float, live: float):
+        stored, live = float(stored), float(live)
+        difference = {"query": what, "journaled": stored, "live": live}
+        raise JournalMismatchError(
+            f"journal {self.path} was recorded against another black box: the live black box "
+            f"answers {what} with {live!r}, the journal holds {stored!r}; nothing more was "
+            f"asked. Use another journal (or --no-journal) for this black box",
+            path=self.path, difference=difference)
+
+    def _fingerprint(self):
+        row = self._db.execute("SELECT dim, outputs, checksum FROM fingerprint WHERE version = ?",
+                               (FINGERPRINT_VERSION,)).fetchone()
+        if row is None:
+            return None
+        dim, outputs, stored_checksum = row
+        values = np.frombuffer(outputs, dtype=np.float64) if len(outputs) % 8 == 0 else None
+        if (bytes(stored_checksum) != checksum(outputs) or values is None
+                or values.shape != (CHALLENGES,) or not np.all(np.isfinite(values))):
+            raise JournalError(f"journal {self.path}: its fingerprint fails its checksum or "
+                               f"shape check; delete it or use another one", path=self.path)
+        return int(dim), values
+
+    def _sample(self, k: int) -> list[tuple[int, np.ndarray, float]]:
+        """Up to k kept sequences, drawn afresh at random: [(row id, (N, d), answer)]."""
+        ids = [row[0] for row in self._db.execute("SELECT id FROM samples")]
+        if not ids:
+            return []
+        rng = np.random.default_rng()                    # fresh: not predictable
+        chosen = rng.choice(ids, size=min(k, len(ids)), replace=False)
+        out = []
+        for row_id in sorted(int(i) for i in chosen):
+            length, blob, y, stored_checksum = self._db.execute(
+                "SELECT length, sequence, output, checksum FROM samples WHERE id = ?",
+                (row_id,)).fetchone()
+            x = np.frombuffer(blob, dtype=np.float64) if len(blob) % 8 == 0 else np.empty(0)
+            if (bytes(stored_checksum) != checksum(blob, np.float64(y).tobytes())
+                    or length < 1 or x.size % length or not np.all(np.isfinite(x))
+                    or not math.isfinite(y)):
+                raise JournalError(f"journal {self.path}: kept sequence {row_id} fails its "
+                                   f"checks (checksum, shape or finite values)", path=self.path)
+            out.append((row_id, x.reshape(length, -1), float(y)))
+        return out
+
+    # -- queries ------------------------------------------------------------
     def lookup(self, X: np.ndarray) -> tuple[list[tuple[bytes, int]], np.ndarray]:
         """Keys of the sequences of X (B, N, d) and their journal answers (NaN where unknown).
 
@@ -150,27 +471,110 @@ class QueryJournal:
         self.hits += int(np.count_nonzero(~np.isnan(known)))
         return keys, known
 
-    def record(self, keys: list[tuple[bytes, int]], outputs: np.ndarray) -> None:
-        """Write validated answers of one batch and commit them (one transaction)."""
+    def record(self, keys: list[tuple[bytes, int]], outputs: np.ndarray,
+               X: np.ndarray | None = None) -> None:
+        """Write validated answers of one batch and commit them (one transaction).
+
+        ``X`` (B, N, d), the batch asked, gives one random sequence to keep for the resume
+        check. On failure the answers go to a sidecar file and :class:`JournalError` says
+        where."""
         outputs = np.ascontiguousarray(outputs, dtype=np.float64)
-        row = (b"".join(d for d, _ in keys), np.array([k for _, k in keys], np.int64).tobytes(),
-               outputs.tobytes())
-        with self._db:                       # one transaction, committed on leaving
-            self._db.execute("BEGIN")
-            self._db.execute("INSERT INTO batches (digests, occurrences, outputs) "
-                             "VALUES (?, ?, ?)", row)
+        self._batches_recorded += 1
+        sample = None
+        if X is not None and len(X):
+            i = int(np.random.default_rng().integers(len(X)))
+            sample = (np.ascontiguousarray(X[i], dtype=np.float64), float(outputs[i]))
+        try:
+            self._insert(keys, outputs, sample)
+        except (sqlite3.Error, OSError) as exc:
+            raise self._write_failed(keys, outputs, exc) from exc
         for key, y in zip(keys, outputs.tolist()):
             self._answers[key] = y
         self.recorded += len(keys)
+
+    def _insert(self, keys, outputs: np.ndarray, sample) -> None:
+        blobs = (b"".join(d for d, _ in keys), np.array([k for _, k in keys], np.int64).tobytes(),
+                 np.ascontiguousarray(outputs, dtype=np.float64).tobytes())
+        with self._db:                       # one transaction, committed on leaving
+            self._db.execute("BEGIN")
+            self._db.execute("INSERT INTO batches (digests, occurrences, outputs, checksum) "
+                             "VALUES (?, ?, ?, ?)", (*blobs, checksum(*blobs)))
+            if sample is not None:
+                x, y = sample
+                blob = x.tobytes()
+                self._db.execute("INSERT INTO samples (length, sequence, output, checksum) "
+                                 "VALUES (?, ?, ?, ?)",
+                                 (len(x), blob, y, checksum(blob, np.float64(y).tobytes())))
+
+    def _write(self, sql: str, row: tuple, what: str) -> None:
+        try:
+            with self._db:
+                self._db.execute(sql, row)
+        except sqlite3.Error as exc:
+            raise JournalError(f"cannot record {what} in journal {self.path}: {exc}",
+                               path=self.path) from exc
+
+    def _write_failed(self, keys, outputs: np.ndarray, exc: Exception) -> JournalError:
+        """Save a batch the journal could not take; the JournalError that says where."""
+        batch = self._batches_recorded
+        arrays = {"digests": np.frombuffer(b"".join(d for d, _ in keys), np.uint8)
+                  .reshape(len(keys), DIGEST_BYTES),
+                  "occurrences": np.array([k for _, k in keys], np.int64), "outputs": outputs}
+        name = f"{os.path.basename(self.path)}.unsaved-{batch}.npz"
+        sidecar, failures = None, []
+        for folder in (os.path.dirname(os.path.abspath(self.path)), tempfile.gettempdir()):
+            candidate = os.path.join(folder, name)
+            try:
+                with open(candidate, "wb") as f:
+                    np.savez(f, **arrays)
+                sidecar = candidate
+                break
+            except OSError as failure:
+                failures.append(str(failure))
+                try:
+                    os.remove(candidate)
+                except OSError:
+                    pass
+        if sidecar is None:
+            self.unsaved.append({"batch": batch, **arrays})
+            where = (f"they could not be saved to a sidecar file either ({failures[-1]}) and "
+                     f"are kept in memory only")
+        elif os.path.dirname(sidecar) == os.path.dirname(os.path.abspath(self.path)):
+            where = f"they were saved to {sidecar} (imported when the journal is next opened)"
+        else:
+            where = (f"they were saved to {sidecar}; move it beside the journal to have them "
+                     f"imported when it is next opened")
+        return JournalError(
+            f"cannot record batch {batch} ({len(keys)} answers) in journal {self.path}: "
+            f"{type(exc).__name__}: {exc}; no answer is lost: {where}",
+            path=self.path, batch=batch, sidecar=sidecar)
 
     def __len__(self) -> int:
         return len(self._answers)
 
     def close(self) -> None:
-        self._db.close()
+        if self._db is not None:
+            try:
+                self._db.close()
+            except sqlite3.Error:
+                pass
+            self._db = None
+        if self._lock is not None:
+            self._lock.close()        # releases the flock
+            self._lock = None
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _ask_ragged(ask, sequences: list[np.ndarray]) -> np.ndarray:
+    """Answers to sequences of mixed lengths, one call of ``ask`` per length."""
+    lengths = np.array([len(s) for s in sequences])
+    out = np.empty(len(sequences))
+    for n in np.unique(lengths):
+        idx = np.flatnonzero(lengths == n)
+        out[idx] = ask(np.stack([sequences[i] for i in idx]))
+    return out

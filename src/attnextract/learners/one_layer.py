@@ -98,13 +98,15 @@ class OddPartOracle:
     def plan(self, n: int, what: str = "the extraction") -> None:
         self.base.plan(2 * n, f"{what} (two queries per probe of the odd part)")
 
-    def query(self, X) -> np.ndarray:
-        """g on a batch (B, N, d) (or one sequence (N, d)) -> (B,); 2B queries in one batch."""
+    def query(self, X, *, live: bool = False) -> np.ndarray:
+        """g on a batch (B, N, d) (or one sequence (N, d)) -> (B,); 2B queries in one batch.
+
+        ``live``: ask the black box itself, never a journal (held-out verification)."""
         X = np.asarray(X, dtype=np.float64)
         if X.ndim == 2:
             X = X[None]
         B = X.shape[0] if X.ndim == 3 else 0
-        f = self.base.query(np.concatenate([X, -X], axis=0))
+        f = self.base.query(np.concatenate([X, -X], axis=0), live=live)
         self.queries += B
         return f[:B] - f[B:]
 
