@@ -321,8 +321,8 @@ class NpyBatchParser:
             reader = (np.lib.format.read_array_header_1_0 if major == 1
                       else np.lib.format.read_array_header_2_0)
             shape, fortran, dtype = reader(stream, max_header_size=4096)
-        except (ValueError, SyntaxError, TypeError) as exc:
-            raise RequestError(400, f"bad npy header: {exc}") from None
+        except Exception as exc:     # numpy's header parser raises several kinds
+            raise RequestError(400, f"bad npy header: {type(exc).__name__}: {exc}") from None
         if dtype.kind != "f" or dtype.itemsize != 8 or dtype.hasobject:
             raise RequestError(415, f"npy arrays must hold float64, got {dtype.str}")
         if len(shape) != 3 or shape[0] < 1 or shape[1] < 1:
