@@ -194,10 +194,14 @@ class HttpBlackBox:
         return error
 
     def _encode(self, X: np.ndarray, transport: str) -> tuple[bytes, dict]:
-        if transport == "npy":
+        if transport == "npy":       # the npy header, then the array's own bytes (no copy)
             stream = io.BytesIO()
-            np.lib.format.write_array(stream, X, allow_pickle=False)
-            return stream.getvalue(), {"Content-Type": NPY, "Accept": NPY}
+            np.lib.format.write_array_header_1_0(stream, {
+                "descr": "<f8", "fortran_order": False, "shape": X.shape})
+            header = stream.getvalue()
+            data = memoryview(np.ascontiguousarray(X, dtype="<f8")).cast("B")
+            return [header, data], {"Content-Type": NPY, "Accept": NPY,
+                                    "Content-Length": str(len(header) + len(data))}
         return (json.dumps({"sequences": X.tolist()}).encode(),
                 {"Content-Type": "application/json", "Accept": "application/json"})
 
@@ -276,7 +280,7 @@ class HttpBlackBox:
             self._local.conn = conn
         return conn
 
-    def _request(self, method: str, path: str, body: bytes | None, headers: dict,
+    def _request(self, method: str, path: str, body, headers: dict,
                  batch: int = 0) -> tuple[bytes, dict]:
         """(body, lowercase headers) of a 2xx answer; raises _Refused for 4xx."""
         failure = "no attempt"

@@ -86,7 +86,8 @@ WRITE_TIMEOUT = 30.0             # seconds a client may take to read an answer
 MAX_HEADER_BYTES = 16 << 10
 CACHE_ENTRIES = 4096             # Idempotency-Keys remembered
 WORKERS = 4                      # threads evaluating the model
-READ_CHUNK = 1 << 16
+READ_CHUNK = 1 << 16             # pieces of a body given to the parser at once (tests, parse())
+BODY_BUFFER = 1 << 20            # bytes of a body buffered per connection while it is read
 NPY = "application/x-npy"
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
            408: "Request Timeout", 411: "Length Required", 413: "Content Too Large",
@@ -594,19 +595,13 @@ class BlackBoxServer:
             raise RequestError(400, "Idempotency-Key must be 1-128 visible ASCII characters")
         length = _content_length(headers, state.max_body)
         parser = state.parser(content_type, length)
-        remaining = length
-        while remaining:
-            try:
-                chunk = await asyncio.wait_for(reader.read(min(READ_CHUNK, remaining)),
-                                               self.idle_timeout)
-            except asyncio.TimeoutError:
-                raise RequestError(400, f"body stalled after {length - remaining} of {length} "
-                                        f"bytes (idle over {self.idle_timeout} s)") from None
-            if not chunk:
-                raise RequestError(400, f"body ended after {length - remaining} of {length} "
-                                        f"bytes")
-            remaining -= len(chunk)
-            parser.feed(chunk)
+        # a body is read in big pieces: the stream buffers up to BODY_BUFFER while it lasts
+        # (asyncio keeps a private limit; headers stay limited to MAX_HEADER_BYTES)
+        reader._limit = BODY_BUFFER
+        try:
+            await self._read_body(reader, parser, length)
+        finally:
+            reader._limit = MAX_HEADER_BYTES
         X = parser.finish()
         loop = asyncio.get_running_loop()
         try:
@@ -626,6 +621,26 @@ class BlackBoxServer:
             await self._send(writer, 200, {**answer, "outputs": out.tolist()}, extra=extra,
                              close=not keep_alive)
         return keep_alive
+
+    async def _read_body(self, reader, parser, length: int) -> None:
+        remaining = length
+        while remaining:
+            try:
+                chunk = await asyncio.wait_for(reader.read(min(BODY_BUFFER, remaining)),
+                                               self.idle_timeout)
+            except asyncio.TimeoutError:
+                raise RequestError(400, f"body stalled after {length - remaining} of {length} "
+                                        f"bytes (idle over {self.idle_timeout} s)") from None
+            if not chunk:
+                raise RequestError(400, f"body ended after {length - remaining} of {length} "
+                                        f"bytes")
+            remaining -= len(chunk)
+            if isinstance(parser, NpyBatchParser):
+                parser.feed(chunk)                       # a copy into the array
+                continue
+            for i in range(0, len(chunk), READ_CHUNK):   # JSON: a few ms of parsing at a
+                parser.feed(chunk[i:i + READ_CHUNK])     # time, other clients in between
+                await asyncio.sleep(0)
 
     async def _send(self, writer, status: int, payload: dict, *, close=False, head_only=False,
                     allow=None, extra=None) -> None:
