@@ -14,10 +14,11 @@ import pytest
 from attnextract import (BlackBoxError, BudgetExceededError, InputError, MalformedOutputError,
                          Oracle, extract_single_head)
 from attnextract.adapters.remote import HttpBlackBox
-from attnextract.adapters.server import QueryHandler, make_server
+from attnextract.adapters.server import make_server
 from attnextract.adapters.targets import random_single_head
 
 from conftest import rel_err, run_cli
+from netfaults import LossyProxy
 
 D = 5
 
@@ -63,14 +64,16 @@ def test_query_answers_exactly_what_the_model_computes(serve):
     X = np.random.default_rng(0).standard_normal((7, 4, D))
     status, answer = post(server, {"sequences": X.tolist()})
     assert status == 200 and answer["remaining"] is None
+    assert (answer["charged"], answer["replayed"]) == (7, False)
     assert np.array_equal(np.array(answer["outputs"]), model(X))     # bit for bit over JSON
     status, health = raw(server, "GET", "/health")
     assert status == 200 and health == {"ok": True, "kind": "single-head", "dim": D,
-                                        "served": 7, "budget": None, "remaining": None}
+                                        "served": 7, "charged": 7, "replayed": 0,
+                                        "budget": None, "remaining": None}
 
 
 BAD_REQUESTS = [
-    (b"this is not json", 400, "not valid JSON"),
+    (b"this is not json", 400, "JSON object"),
     (b'{"sequences": [[[1, 2, 3, 4, 5]]', 400, "not valid JSON"),
     ('[1, 2]', 400, "JSON object"),
     ('{"inputs": [[[1, 2, 3, 4, 5]]]}', 400, "JSON object"),
@@ -83,15 +86,22 @@ BAD_REQUESTS = [
     ('{"sequences": [[[1, 2, 3, 4, 5], [1, 2, 3, 4]]]}', 400, "ragged"),
     ('{"sequences": [[[1, 2, NaN, 4, 5]]]}', 400, "NaN"),
     ('{"sequences": [[[1, 2, Infinity, 4, 5]]]}', 400, "Infinity"),
+    ('{"sequences": [[[1, 2, -Infinity, 4, 5]]]}', 400, "Infinity"),
+    ('{"sequences": [[[1, 2, 1e308, 4, 5]]], "x": 1}', 400, "JSON object"),
+    ('{"sequences": [[[1, 2, 3, 4, 5],]]}', 400, "not valid JSON"),
+    ('{"sequences": [[[1, 2, 3, 4, 5]] [[1, 2, 3, 4, 5]]]}', 400, "missing comma"),
+    ('{"sequences": [[[1, 2, 3, 4, 5]]]} trailing', 400, "JSON object"),
+    ('{"sequences": [[[01, 2, 3, 4, 5]]]}', 400, "not valid JSON"),
     ('{"sequences": [[[1, 2, 1e400, 4, 5]]]}', 400, "infinity"),
     ('{"sequences": [[[1, 2, "3", 4, 5]]]}', 400, "numbers"),
     ('{"sequences": [[[1, 2, null, 4, 5]]]}', 400, "non-numbers"),
     ('{"sequences": [[[true, false, true, true, false]]]}', 400, "numbers"),
+    ('{"sequences": [[[1, 2, 3, 4, true]]]}', 400, "non-numbers"),
     ('{"sequences": [[[1, 2, {"a": 1}, 4, 5]]]}', 400, "non-numbers"),
-    ('{"sequences": [[[1, 2, 3, 4, 1' + '0' * 400 + ']]]}', 400, "non-numbers"),
+    ('{"sequences": [[[1, 2, 3, 4, 1' + '0' * 400 + ']]]}', 400, "infinity"),
     ('{"sequences": [[[[1, 2, 3, 4, 5]]]]}', 400, "(B, N, 5)"),
     ('{"sequences": ' + '[' * 100_000 + ']' * 100_000 + '}', 400, "nested too deeply"),
-    (b'\xff\xfe{"sequences"', 400, "not valid JSON"),
+    (b'\xff\xfe{"sequences"', 400, "JSON object"),
 ]
 
 
@@ -104,8 +114,9 @@ def test_every_bad_request_gets_a_4xx_with_a_reason_and_the_server_keeps_serving
     too_many = np.zeros((51, 1, D)).tolist()
     too_long = np.zeros((1, 31, D)).tolist()
     too_big = np.zeros((40, 6, D)).tolist()                          # 1200 numbers > 1000
-    for payload, reason in [(too_many, "51 sequences"), (too_long, "31 tokens"),
-                            (too_big, "1200 numbers")]:
+    for payload, reason in [(too_many, "more than 50 sequences"),
+                            (too_long, "more than 30 tokens"),
+                            (too_big, "more than 1000 numbers")]:
         got, answer = post(server, {"sequences": payload})
         assert got == 413 and reason in answer["error"]
     assert raw(server, "GET", "/nope")[0] == 404
@@ -149,7 +160,8 @@ def test_a_failing_model_is_a_500_and_the_server_keeps_serving(serve):
     status, answer = post(server, {"sequences": [[[0.0] * D]]})
     assert status == 500 and "out of memory" in answer["error"]
     assert server.state.served == 0                     # a failed batch is not charged
-    assert post(server, {"sequences": [[[0.0] * D]]}) == (200, {"outputs": [0.0], "remaining": None})
+    assert post(server, {"sequences": [[[0.0] * D]]}) == (
+        200, {"outputs": [0.0], "remaining": None, "charged": 1, "replayed": False})
 
 
 def test_budget_is_enforced_server_side_all_or_nothing(serve):
@@ -204,35 +216,22 @@ def test_large_batch_is_split_and_answered_in_order(serve):
     assert box.requests == 72
 
 
-class FlakyHandler(QueryHandler):
-    """Fails the first requests: a 503, then a dropped connection, then a stall."""
-
-    def do_POST(self):
-        mode = self.server.modes.pop(0) if self.server.modes else None
-        if mode == "503":
-            self._send(503, {"error": "try later"})
-        elif mode == "drop":
-            self.close_connection = True
-            self.connection.shutdown(socket.SHUT_RDWR)
-        elif mode == "stall":
-            time.sleep(2.5)            # longer than the client's timeout
-            self._send(503, {"error": "too slow"})
-        else:
-            super().do_POST()
-
-
 def test_retries_timeouts_dropped_connections_and_5xx(serve):
     model = random_single_head(D, seed=5)
-    server = serve(model, handler=FlakyHandler)
-    server.modes = ["503", "drop", "stall"]
-    box = HttpBlackBox(server.url, timeout=1.0, retries=4, backoff=0.01, concurrency=1)
-    X = np.random.default_rng(4).standard_normal((4, 2, D))
-    assert np.array_equal(box(X), model(X))
-    assert (box.requests, box.retried) == (4, 3)
-    server.modes = ["503"] * 3
-    box = HttpBlackBox(server.url, retries=2, backoff=0.01)
-    with pytest.raises(BlackBoxError, match="3 attempt.*HTTP 503: try later"):
-        box(X)
+    server = serve(model)
+    proxy = LossyProxy(server.server_address[:2], script=["503", "drop_before", "stall"])
+    try:
+        box = HttpBlackBox(proxy.url, timeout=1.0, retries=4, backoff=0.01, concurrency=1)
+        X = np.random.default_rng(4).standard_normal((4, 2, D))
+        assert np.array_equal(box(X), model(X))
+        assert (box.requests, box.retried) == (4, 3)
+        assert box.accounting()["queries_charged_by_server"] == 4 == server.state.served
+        proxy.script = ["503"] * 3
+        box = HttpBlackBox(proxy.url, retries=2, backoff=0.01)
+        with pytest.raises(BlackBoxError, match="3 attempt.*HTTP 503: proxy says try later"):
+            box(X)
+    finally:
+        proxy.close()
 
 
 def test_unreachable_server_is_a_typed_error():
@@ -249,13 +248,35 @@ def test_unreachable_server_is_a_typed_error():
 
 
 def test_malformed_answers_and_wrong_dimension(serve):
-    class Liar(QueryHandler):
-        def do_POST(self):
-            self._send(200, {"outputs": [1.0]})        # one answer whatever was asked
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    server = serve(handler=Liar)
-    with pytest.raises(MalformedOutputError, match="length 1 for 3"):
-        HttpBlackBox(server.url)(np.ones((3, 1, D)))
+    class Liar(BaseHTTPRequestHandler):
+        answer = b'{"outputs": [1.0]}'            # one answer whatever was asked
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(self.answer)))
+            self.end_headers()
+            self.wfile.write(self.answer)
+
+        def log_message(self, *args):
+            pass
+
+    liar = ThreadingHTTPServer(("127.0.0.1", 0), Liar)
+    threading.Thread(target=liar.serve_forever, daemon=True).start()
+    try:
+        url = "http://127.0.0.1:%d" % liar.server_address[1]
+        with pytest.raises(MalformedOutputError, match="length 1 for 3"):
+            HttpBlackBox(url, transport="json")(np.ones((3, 1, D)))
+        Liar.answer = b'{"outputs": [true, 1.0, 2.0]}'
+        with pytest.raises(MalformedOutputError, match="booleans"):
+            HttpBlackBox(url, transport="json")(np.ones((3, 1, D)))
+    finally:
+        liar.shutdown()
+        liar.server_close()
+    server = serve()
     with pytest.raises(InputError, match="width 5, not --dim 4"):
         HttpBlackBox(server.url).check_dim(4)
 

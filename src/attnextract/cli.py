@@ -208,14 +208,27 @@ def build_parser() -> argparse.ArgumentParser:
                       help="retries of timeouts and 5xx answers")
     http.add_argument("--http-concurrency", type=_positive_int,
                       help="HTTP requests in flight at once")
+    http.add_argument("--http-transport", choices=["npy", "json"],
+                      help="request/answer format (default npy, falling back to json for "
+                           "servers without it)")
 
     se = command("serve", "serve a model file as an HTTP black box")
-    se.add_argument("--secret", required=True, help="FILE.npz with W and v (or a RESULT.npz)")
+    se.add_argument("--secret", required=True,
+                    help="FILE.npz with W and v (or a RESULT.npz), or FILE.py:NAME")
     se.add_argument("--port", required=True, type=_nonnegative_int, help="0 picks a free port")
     se.add_argument("--host", default="127.0.0.1", help="address to listen on")
     se.add_argument("--budget", type=_nonnegative_int, help="queries served in all (429 past it)")
     se.add_argument("--round", type=_nonnegative_int, dest="round_digits", metavar="DIGITS",
                     help="round every output to DIGITS decimals")
+    se.add_argument("--max-connections", type=_positive_int, default=2048,
+                    help="connections open at once (one more gets 503)")
+    se.add_argument("--idle-timeout", type=float, default=2.0,
+                    help="seconds a request body may pause before it is refused (400)")
+    se.add_argument("--workers", type=_positive_int, default=4,
+                    help="threads evaluating the model")
+    se.add_argument("--replicas", type=_positive_int,
+                    help="evaluate the model on N Ray actors (pip install 'attnextract[ray]')")
+    se.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one)")
 
     mi = command("minilm", "extract a real head of all-MiniLM-L6-v2 (offline weights)")
     mi.add_argument("--layer", required=True, type=_nonnegative_int, help="layer 0..5")
@@ -348,7 +361,8 @@ def _open_target(spec: str, dim: int | None = None, args=None):
     """A black box from FILE.py:NAME, or from an HTTP endpoint http://HOST:PORT."""
     if spec.startswith(("http://", "https://")):
         from .adapters.remote import HttpBlackBox
-        options = {k: getattr(args, f"http_{k}") for k in ("timeout", "retries", "concurrency")
+        options = {k: getattr(args, f"http_{k}")
+                   for k in ("timeout", "retries", "concurrency", "transport")
                    if getattr(args, f"http_{k}", None) is not None}
         black_box = HttpBlackBox(spec, **options)
         if dim is not None:
@@ -532,6 +546,9 @@ def _close_journal(oracle: Oracle) -> None:
 
 def _note_sources(report, oracle: Oracle) -> None:
     """Say in the report how many queries the black box and the journal answered."""
+    accounting = getattr(oracle.black_box, "accounting", None)
+    if callable(accounting):               # a remote black box: what the server charged
+        report.details["http"] = accounting()
     if oracle.journal is not None:
         report.details["black_box_queries"] = oracle.black_box_queries
         report.details["journal_queries"] = oracle.journal_queries
@@ -676,14 +693,23 @@ def cmd_twins(args) -> int:
 
 def cmd_serve(args) -> int:
     from .adapters.server import make_server
-    model = load_model(args.secret)
+    from .adapters.replicas import load_spec
+    model = load_spec(args.secret)         # FILE.npz, or FILE.py:NAME (a black box with dim)
+    if args.replicas is not None:
+        from .adapters.replicas import RayReplicas
+        model = RayReplicas(args.secret, args.replicas, address=args.ray_address)
+    elif args.ray_address is not None:
+        raise InputError("--ray-address needs --replicas N")
     try:
         server = make_server(model, args.host, args.port, budget=args.budget,
-                             round_digits=args.round_digits, verbose=args.verbose)
+                             round_digits=args.round_digits, verbose=args.verbose > 0,
+                             max_connections=args.max_connections,
+                             idle_timeout=args.idle_timeout, workers=args.workers)
     except OSError as exc:
         raise InputError(f"cannot listen on {args.host}:{args.port}: {exc}") from exc
     budget = "no budget" if args.budget is None else f"budget {args.budget} queries"
-    print(f"serving {model.kind} d = {model.dim} on {server.url} ({budget}); "
+    replicas = "" if args.replicas is None else f", {args.replicas} Ray replicas"
+    print(f"serving {model.kind} d = {model.dim} on {server.url} ({budget}{replicas}); "
           f"POST /query, GET /health; Ctrl-C stops", flush=True)
     try:
         server.serve_forever()
@@ -691,6 +717,8 @@ def cmd_serve(args) -> int:
         pass
     finally:
         server.server_close()
+        if args.replicas is not None:
+            model.close()
     return 0
 
 

@@ -233,8 +233,14 @@ class Oracle:
         start = time.perf_counter()
         try:
             raw = self.black_box(X)
-        except (BlackBoxError, BudgetExceededError):
-            raise                  # already typed (e.g. an HTTP black box unreachable or over budget)
+        except BudgetExceededError as exc:
+            # a remote budget refused part of the batch: only the answered prefix was spent
+            answered = len(getattr(exc, "partial_outputs", X))
+            self.queries -= len(X) - answered
+            self.tokens -= (len(X) - answered) * X.shape[1]
+            raise
+        except BlackBoxError:
+            raise                  # already typed (e.g. an HTTP black box unreachable)
         except Exception as exc:   # the black box's own failure, typed and chained
             raise BlackBoxError(f"black box raised {type(exc).__name__}: {exc}") from exc
         finally:

@@ -1,0 +1,120 @@
+"""A black box evaluated by N replicas on Ray: ``attnextract serve --replicas N``.
+
+:class:`RayReplicas` wraps a model (any callable (B, N, d) -> (B,) with ``dim``) or a
+target spec (``FILE.npz``, ``FILE.py:NAME``) and is itself such a callable: every
+batch is cut into N contiguous parts, part i is evaluated by actor i, and the answers
+are put back in order. The HTTP server calls it from its worker threads, so several
+requests keep all actors busy.
+
+Ray is an optional extra (``pip install 'attnextract[ray]'``), imported only here. With
+no ``address`` a single-machine cluster of N CPUs is started; with ``address`` (e.g.
+``ray://head:10001`` or ``auto``) an existing cluster is joined. A model object is
+shipped once to the object store (``ray.put``) and every actor reads it from there; a
+spec string is loaded by each actor on its own node (the file must exist there: see
+docs/distributed.md). Each actor pins its BLAS and torch to one thread, so N replicas
+use N cores.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import BlackBoxError, InputError
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError as exc:        # an optional extra: say how to get it
+        raise InputError("--replicas needs Ray: pip install 'attnextract[ray]' "
+                         "(or pip install ray)") from exc
+    return ray
+
+
+class _Replica:
+    """One actor: the model, loaded or unpickled once, evaluated on parts of batches."""
+
+    def __init__(self, model):
+        try:
+            from threadpoolctl import threadpool_limits
+            threadpool_limits(1)
+        except ImportError:           # pragma: no cover - threadpoolctl is a core extra
+            pass
+        try:
+            import torch
+            torch.set_num_threads(1)
+        except ImportError:
+            pass
+        if isinstance(model, str):
+            model = load_spec(model)
+        self.model = model
+
+    def evaluate(self, X):
+        return np.asarray(self.model(X), dtype=np.float64)
+
+
+def load_spec(spec: str):
+    """A model from ``FILE.npz`` (a result or W, v) or ``FILE.py:NAME``."""
+    if spec.endswith(".npz"):
+        from ..report import load_model
+        return load_model(spec)
+    from ..errors import TargetLoadError
+    from .targets import load_target
+    model = load_target(spec)
+    if not hasattr(model, "dim"):
+        raise TargetLoadError(f"{spec} has no dim: a served black box must say its token width")
+    return model
+
+
+class RayReplicas:
+    """``model`` evaluated on ``replicas`` Ray actors; a callable (B, N, d) -> (B,).
+
+    Parameters
+    ----------
+    model : callable or str
+        The black box (with ``dim``), or a spec each actor loads on its node.
+    replicas : int
+        Number of actors.
+    address : str, optional
+        An existing Ray cluster; None starts a local one with ``replicas`` CPUs.
+    ray_module : module, optional
+        Ray itself (default: ``import ray``); tests pass a stand-in.
+    """
+
+    def __init__(self, model, replicas: int, *, address: str | None = None, ray_module=None):
+        if not isinstance(replicas, int) or replicas < 1:
+            raise InputError(f"replicas must be a positive integer, got {replicas!r}")
+        local = load_spec(model) if isinstance(model, str) else model
+        if not callable(local) or not hasattr(local, "dim"):
+            raise InputError("a replicated model must be callable and have a dim")
+        self.ray = ray = ray_module or _ray()
+        self.dim, self.kind = int(local.dim), getattr(local, "kind", "custom")
+        self.replicas = replicas
+        self.started = False
+        if not ray.is_initialized():
+            options = {"address": address} if address else {"num_cpus": replicas}
+            ray.init(include_dashboard=False, log_to_driver=False, **options)
+            self.started = True
+        actor = ray.remote(num_cpus=1)(_Replica)
+        shipped = model if isinstance(model, str) else ray.put(local)
+        self.actors = [actor.remote(shipped) for _ in range(replicas)]
+
+    def __call__(self, X) -> np.ndarray:
+        X = np.asarray(X, dtype=np.float64)
+        parts = np.array_split(X, min(len(self.actors), max(1, len(X))))
+        try:
+            answers = self.ray.get([a.evaluate.remote(p) for a, p in zip(self.actors, parts)])
+        except Exception as exc:      # an actor died or the model raised on a node
+            raise BlackBoxError(f"a Ray replica failed: {type(exc).__name__}: {exc}") from exc
+        return np.concatenate([np.asarray(a, dtype=np.float64).reshape(-1) for a in answers])
+
+    def close(self) -> None:
+        """Stop the actors (and the local cluster this object started)."""
+        for a in self.actors:
+            self.ray.kill(a)
+        self.actors = []
+        if self.started:
+            self.ray.shutdown()
+
+    def __repr__(self) -> str:
+        return f"RayReplicas({self.replicas} actors, d={self.dim})"
