@@ -63,7 +63,7 @@ HULL_FRACTION = 1e-4          # hull tolerance = this x the output tolerance
 SCALE_CAP = 100.0            # token scales stop at this x d^-1/4
 PEAK_SPREAD = 30.0            # model scores span about this on the "peaked" family
 FAMILIES = {"ordinary": 0.12, "long": 0.2, "repeated": 0.12, "norms": 0.16, "sparse": 0.12,
-            "peaked": 0.1, "hull": 0.18}
+            "peaked": 0.1, "hull": 0.25}
 
 
 @dataclass
@@ -91,6 +91,8 @@ def longest_length(probe_length: int | None = None) -> int:
 
 def _split(count: int, hull: bool) -> dict[str, int]:
     weights = {k: w for k, w in FAMILIES.items() if hull or k != "hull"}
+    if count < 2 * len(weights):
+        return {"ordinary": count}
     total = sum(weights.values())
     sizes = {k: max(1, int(count * w / total)) for k, w in weights.items()}
     sizes["ordinary"] += count - sum(sizes.values())
@@ -155,14 +157,15 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
     add("ordinary", [b * rng.standard_normal((int(k), d))
                      for b, k in zip(base, rng.integers(1, ORDINARY_LENGTH + 1, n))])
     # long: log-uniform lengths up to L
-    n = sizes["long"]
+    n = sizes.get("long", 0)
     base = np.where(np.arange(n) % 2 == 0, scale, anchor)
-    add("long", [b * rng.standard_normal((int(k), d))
-                 for b, k in zip(base, _log_uniform_int(rng, 2, L, n))])
+    lengths = _log_uniform_int(rng, 2, L, n)
+    lengths[:2] = L                       # the longest length always, at both scales
+    add("long", [b * rng.standard_normal((int(k), d)) for b, k in zip(base, lengths)])
     # repeated: one to three distinct tokens, repeated in runs or at random
-    n = sizes["repeated"]
+    n = sizes.get("repeated", 0)
     out = []
-    for i, k in enumerate(_log_uniform_int(rng, 3, L, n)):
+    for i, k in enumerate(_log_uniform_int(rng, 16, L, n)):
         b = scale if i % 2 == 0 else anchor
         pool = b * rng.standard_normal((1 + i % 3, d))
         pick = np.sort(rng.integers(0, len(pool), int(k))) if i % 2 else rng.integers(0, len(pool), int(k))
@@ -171,7 +174,7 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
         out.append(x)
     add("repeated", out)
     # norms: per-sequence factor 10^U(-3, 3); half with mixed norms inside a sequence
-    n = sizes["norms"]
+    n = sizes.get("norms", 0)
     out = []
     for i, k in enumerate(_log_uniform_int(rng, 1, 64, n)):
         x = low * 10.0 ** rng.uniform(-3, 3) * rng.standard_normal((int(k), d))
@@ -180,7 +183,7 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
         out.append(x)
     add("norms", out)
     # sparse: one-hot, two-hot, and a constant coordinate
-    n = sizes["sparse"]
+    n = sizes.get("sparse", 0)
     out = []
     for i, k in enumerate(_log_uniform_int(rng, 1, 64, n)):
         k = int(k)
@@ -198,7 +201,7 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
         out.append(x)
     add("sparse", out)
     # peaked: the model's scores span ~PEAK_SPREAD (attention near one-hot)
-    n = sizes["peaked"]
+    n = sizes.get("peaked", 0)
     out = []
     for i, k in enumerate(_log_uniform_int(rng, 2, 64, n)):
         x = rng.standard_normal((int(k), d))
@@ -213,9 +216,9 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
     add("peaked", out)
     # hull pairs: tokens orthogonal to v, then each token alone
     hull = []
-    if single:
+    if single and sizes.get("hull", 0) >= 2:
         n = sizes["hull"]
-        pool_size = max(1, min(n // 3, 2 * d))
+        pool_size = max(1, min(n // 2, 2 * d))
         n_seq = n - pool_size
         u = np.asarray(hull_v if hull_v is not None and np.any(hull_v) else v, dtype=float)
         u = u / np.linalg.norm(u)
@@ -224,12 +227,13 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
         P -= np.outer(P @ u, u)                         # twice: orthogonal to rounding
         norms = np.linalg.norm(P, axis=1, keepdims=True)
         P = P / np.where(norms > 0, norms, 1.0)
-        P *= max(scale, anchor) * math.sqrt(d) * 10.0 ** rng.uniform(0, 2, (pool_size, 1))
+        # from where attention is soft to where it is near one-hot
+        P *= max(scale, anchor) * math.sqrt(d) * 10.0 ** rng.uniform(-0.5, 1.5, (pool_size, 1))
         first = len(seqs)
         add("hull", [p[None] for p in P])
         singles = np.arange(first, first + pool_size)
         for k in _log_uniform_int(rng, 2, min(L, 64), n_seq):
-            pick = rng.integers(0, pool_size, int(k))
+            pick = rng.permutation(np.resize(rng.permutation(pool_size), int(k)))
             hull.append((len(seqs), singles[pick]))
             add("hull", [P[pick]])
     return HeldOutSet(sequences=seqs, family=fam, hull=hull)

@@ -67,8 +67,8 @@ import numpy as np
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import SingleHeadAttention, softmax
 from ..oracle import Oracle, by_length
-from ..report import (ExtractionResult, Report, Verification, held_out_sequences,
-                     relative_errors, verification_count)
+from ..report import ExtractionResult, Report, Verification, verification_count
+from ..verification import design, output_scale, scaled_relative_errors, token_norms
 from .single_head import logit, probe_basis
 
 NOISE_KINDS = ("bounded", "random")
@@ -638,22 +638,31 @@ def verify_noisy(oracle, model, noise: NoiseModel, W_bar, v_bar, *, count, seed,
                  extra_relative=0.0) -> NoisyVerification:
     """Held-out comparison allowing noise plus the model's own error bars."""
     rng = np.random.default_rng(seed)
-    sequences = held_out_sequences(oracle.dim, count, rng, scale)
+    held = design(oracle.dim, count, rng, scale, model=model)
+    sequences, count = held.sequences, len(held.sequences)
     observed = oracle.query_ragged(sequences)
     predicted, gW, gv = np.empty(count), np.empty(count), np.empty(count)
     for idx, batch in by_length(sequences):
         predicted[idx], gW[idx], gv[idx] = output_gradient_norms(model, batch)
-    rel = relative_errors(predicted, observed)
-    rms = math.sqrt(float(np.mean(observed ** 2)))
-    denom = np.maximum(np.abs(observed), max(rms, np.finfo(float).tiny))
+    norms = token_norms(sequences)
+    rel = scaled_relative_errors(predicted, observed, norms)
+    denom = np.maximum(np.abs(observed),
+                       np.maximum(norms * output_scale(observed, norms), np.finfo(float).tiny))
     sigmas = VERIFY_SIGMAS if noise.kind == "random" else 1.0
-    allowed = (sigmas * noise.bound(observed) + MODEL_SLACK * (gW * W_bar + gv * v_bar)
+    bound = sigmas * noise.bound(observed)
+    allowed = (bound + MODEL_SLACK * (gW * W_bar + gv * v_bar)
                + extra_relative * denom + FLOAT_SLACK * 16 * denom)
     ratio = np.abs(predicted - observed) / allowed
+    # hull pairs: the answer within its tokens' answers, up to the noise of both (no model)
+    hull_ratio = [max(0.0, observed[i] - observed[s].max(), observed[s].min() - observed[i])
+                  / (bound[i] + bound[s].max() + (extra_relative + FLOAT_SLACK * 16) * denom[i])
+                  for i, s in held.hull]
+    worst = max(float(ratio.max()), max(hull_ratio, default=0.0))
     return NoisyVerification(sequences=count, max_relative_error=float(rel.max()),
                              median_relative_error=float(np.median(rel)),
                              tolerance=float(np.max(allowed / denom)),
-                             worst_ratio=float(ratio.max()))
+                             worst_ratio=worst, lengths=held.lengths,
+                             worst_family=held.family[int(np.argmax(ratio))])
 
 
 def _finish(oracle, model, noise, W_bar, v_bar, n_verify, seed, verify_tolerance, token_norm,

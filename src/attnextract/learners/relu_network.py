@@ -69,7 +69,7 @@ from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import ReLUNetwork
 from ..oracle import Oracle
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, Verification,
-                     held_out_sequences, relative_errors, verification_count)
+                     verification_count, verify_model)
 
 EPS = np.finfo(float).eps
 CHORD = 2.0 ** -20          # path step of the slope chords (path length 2): two kinks
@@ -613,15 +613,9 @@ def _polish_wide(oracle: Oracle, A: np.ndarray, w: np.ndarray, counts: dict):
 
 def verify_relu(oracle: Oracle, model: ReLUNetwork, *, count: int, seed=None,
                 tolerance: float = DEFAULT_VERIFY_TOLERANCE) -> Verification:
-    """Compare ``model`` with the black box on ``count`` held-out single vectors N(0, c^2 I).
-
-    c is 1/2, 1 or 2 (F is homogeneous, so the scale checks homogeneity too).
+    """Compare ``model`` with the black box on the held-out set of
+    :func:`attnextract.report.verify_model` (scale 1): long, repeated, tiny to large and
+    sparse sequences. The class reads only the last token, so a black box that looks
+    at the others, or is not homogeneous, shows there.
     """
-    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
-    vectors = np.stack([s[0] for s in held_out_sequences(oracle.dim, count, rng, 1.0,
-                                                         max_length=1)])
-    observed = _query_vectors(oracle, vectors)
-    err = relative_errors(model.forward(vectors), observed)
-    return Verification(sequences=count, max_relative_error=float(err.max()),
-                        median_relative_error=float(np.median(err)), tolerance=tolerance,
-                        lengths=(1, 1))
+    return verify_model(oracle, model, count=count, seed=seed, tolerance=tolerance, scale=1.0)
