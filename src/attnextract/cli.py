@@ -21,7 +21,8 @@ from .errors import (AttnExtractError, BlackBoxError, BudgetExceededError, Input
                      ModelMismatchError, NotIdentifiableError, TargetLoadError)
 from .adapters.journal import QueryJournal
 from .oracle import Oracle
-from .report import DEFAULT_VERIFY_TOLERANCE, load_model, verification_count, verify_model
+from .report import (DEFAULT_VERIFY_TOLERANCE, load_model, mismatch_reason, verification_count,
+                     verify_model)
 from .learners.one_layer import extract_one_layer
 from .learners.relu_network import extract_relu_network
 from .learners.residual import extract_one_layer_residual
@@ -117,7 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="outputs are accurate to +-TAU (+ RHO |f|): noisy extraction with "
                             "error bars (with --noise random: the noise std)")
     noisy.add_argument("--relative-tolerance", type=float, default=0.0, metavar="RHO",
-                       help="relative part of the tolerance (float32 5.96e-8, float16 4.88e-4)")
+                       help="relative part of the tolerance, for outputs computed in float64 and "
+                            "rounded once at the end (a float32 cast: 5.96e-8); a forward pass "
+                            "run in low precision errs far more: use --output-dtype")
+    noisy.add_argument("--output-dtype", choices=["float32", "bfloat16", "float16"],
+                       help="the black box runs its forward pass in this dtype: probes repeated "
+                            "in --repeats dithered bases (default 4), error bars from their spread")
+    noisy.add_argument("--decimals", type=_nonnegative_int, metavar="K",
+                       help="the outputs are rounded to K decimals: as --output-dtype, error bars "
+                            "from the spread of repeated, dithered probes")
     noisy.add_argument("--noise", choices=["bounded", "random"], default="bounded",
                        help="worst-case (adversarial) or independent random noise")
     noisy.add_argument("--noise-method", choices=["robust", "paper"], default="robust",
@@ -184,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("--result", required=True, help="RESULT.npz written by extract")
     ve.add_argument("--count", type=_positive_int, help="held-out sequences (default max(64, 1%% of parameters))")
     ve.add_argument("--seed", type=int)
-    ve.add_argument("--tolerance", type=float, default=DEFAULT_VERIFY_TOLERANCE)
+    ve.add_argument("--tolerance", type=float, default=DEFAULT_VERIFY_TOLERANCE,
+                    help="held-out relative error accepted (default %(default)g: an exact "
+                         "extraction from a float64 black box is at ~1e-12)")
     ve.add_argument("--budget", type=_nonnegative_int)
     ve.add_argument("--json", action="store_true")
 
@@ -278,6 +289,14 @@ def _learner_and_options(args):
         if args.tolerance is not None:
             raise InputError("--sign-only answers are labels: --tolerance does not apply")
         return extract_sign_only, {"bits": args.bits, "threshold": args.threshold}
+    if args.output_dtype is not None or args.decimals is not None:
+        if args.tolerance is not None or args.model != "single-head":
+            raise InputError("--output-dtype and --decimals apply to --model single-head, "
+                             "without --tolerance")
+        from .learners.noisy import LOW_PRECISION_REPEATS, extract_low_precision
+        return extract_low_precision, {
+            "output_dtype": args.output_dtype, "decimals": args.decimals,
+            "repeats": args.repeats if args.repeats != 1 else LOW_PRECISION_REPEATS}
     options = _model_options(args)
     if args.model in POLISHED:
         options["polish"] = not args.no_polish
@@ -357,7 +376,7 @@ def cmd_verify(args) -> int:
     oracle = Oracle(_open_target(args.target, model.dim), model.dim, budget=args.budget)
     count = args.count or verification_count(sum(np.size(p) for p in model.parameters().values()))
     verification = verify_model(oracle, model, count=count, seed=args.seed,
-                                tolerance=args.tolerance)
+                                tolerance=args.tolerance, measure_v=True)
     if args.json:
         print(json.dumps({"ok": verification.passed, "queries": oracle.queries,
                           "sequences": verification.sequences,
@@ -369,8 +388,7 @@ def cmd_verify(args) -> int:
               f" max relative error {verification.max_relative_error:.2e}, median "
               f"{verification.median_relative_error:.2e} (tolerance {verification.tolerance:.0e})")
     if not verification.passed:
-        print(f"attnextract: MISMATCH: max relative error {verification.max_relative_error:.2e}"
-              f" > tolerance {verification.tolerance:.0e}", file=sys.stderr)
+        print(f"attnextract: MISMATCH: {mismatch_reason(verification)}", file=sys.stderr)
         return 1
     if not args.json:
         print("MATCH")

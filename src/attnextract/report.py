@@ -227,6 +227,33 @@ def mismatch_reason(check: Verification) -> str:
     return text
 
 
+def parameter_errors(model, truth) -> dict:
+    """Errors per part of a recovered single head against the truth (bench and tests).
+
+    Returns ``W_columns`` (d,) |W_hat e_j - W e_j| / |W e_j|, ``W_rows`` (d,) the same
+    for rows, ``v_entries`` (d,) |v_hat_i - v_i| / |v_i| (a zero part is measured
+    against the whole W or v), their maxima ``W_column_max``, ``W_row_max``,
+    ``v_entry_max`` and the Frobenius ``W_relative``, ``v_relative``. One Frobenius
+    number hides a column or row 1e12 times smaller than the rest; these do not.
+    """
+    W_hat, W = np.asarray(model.W, float), np.asarray(truth.W, float)
+    v_hat, v = np.asarray(model.v, float), np.asarray(truth.v, float)
+    tiny = np.finfo(float).tiny
+
+    def part(diff, ref, whole):
+        return diff / np.where(ref > 0, ref, max(whole, tiny))
+
+    W_norm, v_norm = float(np.linalg.norm(W)), float(np.linalg.norm(v))
+    cols = part(np.linalg.norm(W_hat - W, axis=0), np.linalg.norm(W, axis=0), W_norm)
+    rows = part(np.linalg.norm(W_hat - W, axis=1), np.linalg.norm(W, axis=1), W_norm)
+    ents = part(np.abs(v_hat - v), np.abs(v), v_norm)
+    return {"W_columns": cols, "W_rows": rows, "v_entries": ents,
+            "W_column_max": float(cols.max()), "W_row_max": float(rows.max()),
+            "v_entry_max": float(ents.max()),
+            "W_relative": float(np.linalg.norm(W_hat - W) / max(W_norm, tiny)),
+            "v_relative": float(np.linalg.norm(v_hat - v) / max(v_norm, tiny))}
+
+
 def _jsonable(obj):
     if isinstance(obj, dict):
         return {str(k): _jsonable(v) for k, v in obj.items()}

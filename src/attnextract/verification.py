@@ -99,10 +99,25 @@ def _split(count: int, hull: bool) -> dict[str, int]:
     return sizes
 
 
-def _log_uniform_int(rng, lo, hi, size):
-    """Integers in lo..hi, log-uniform."""
-    x = np.floor(np.exp(rng.uniform(math.log(lo), math.log(hi + 1), size)))
-    return np.clip(x, lo, hi).astype(int)
+def length_grid(longest: int) -> np.ndarray:
+    """The lengths held-out sequences take: 1..6, then steps of ~1.4x up to ``longest``.
+
+    Sequences are sent one batch per length, so a grid keeps the black-box calls few
+    (about 20 for L = 256) while still covering every scale of length.
+    """
+    grid = {1, 2, 3, 4, 5, 6, int(longest)}
+    x = 6.0
+    while x < longest:
+        x *= math.sqrt(2.0)
+        grid.add(min(int(round(x)), int(longest)))
+    return np.array(sorted(grid))
+
+
+def _log_uniform_int(rng, lo, hi, size, grid):
+    """Lengths in lo..hi, log-uniform, snapped to the lengths of ``grid`` in that range."""
+    grid = grid[(grid >= lo) & (grid <= hi)]
+    x = rng.uniform(math.log(lo), math.log(hi + 1), size)
+    return grid[np.abs(np.log(grid)[None, :] - x[:, None]).argmin(axis=1)]
 
 
 def _unit_rows(rng, n, d):
@@ -139,6 +154,7 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
               and d >= 2 and np.any(v) and count >= 16)
     sizes = _split(count, single)
     L = longest_length(probe_length)
+    grid = length_grid(L)
     anchor = d ** -0.25
     # A model with W ~ 0 (rounding noise) has an enormous token scale; beyond ~100 x the
     # d^-1/4 anchor its W is known only to that noise, so the scale stops there.
@@ -155,17 +171,17 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
     n = sizes["ordinary"]
     base = np.where(np.arange(n) % 2 == 0, scale, anchor) * rng.choice([0.5, 1.0, 2.0], n)
     add("ordinary", [b * rng.standard_normal((int(k), d))
-                     for b, k in zip(base, rng.integers(1, ORDINARY_LENGTH + 1, n))])
+                     for b, k in zip(base, _log_uniform_int(rng, 1, ORDINARY_LENGTH, n, grid))])
     # long: log-uniform lengths up to L
     n = sizes.get("long", 0)
     base = np.where(np.arange(n) % 2 == 0, scale, anchor)
-    lengths = _log_uniform_int(rng, 2, L, n)
+    lengths = _log_uniform_int(rng, 2, L, n, grid)
     lengths[:2] = L                       # the longest length always, at both scales
     add("long", [b * rng.standard_normal((int(k), d)) for b, k in zip(base, lengths)])
     # repeated: one to three distinct tokens, repeated in runs or at random
     n = sizes.get("repeated", 0)
     out = []
-    for i, k in enumerate(_log_uniform_int(rng, 16, L, n)):
+    for i, k in enumerate(_log_uniform_int(rng, 16, L, n, grid)):
         b = scale if i % 2 == 0 else anchor
         pool = b * rng.standard_normal((1 + i % 3, d))
         pick = np.sort(rng.integers(0, len(pool), int(k))) if i % 2 else rng.integers(0, len(pool), int(k))
@@ -176,8 +192,10 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
     # norms: per-sequence factor 10^U(-3, 3); half with mixed norms inside a sequence
     n = sizes.get("norms", 0)
     out = []
-    for i, k in enumerate(_log_uniform_int(rng, 1, 64, n)):
-        x = low * 10.0 ** rng.uniform(-3, 3) * rng.standard_normal((int(k), d))
+    # stratified: every decade of the range gets its share, whatever the draw
+    exponents = -3.0 + 6.0 * (rng.permutation(n) + rng.uniform(size=n)) / max(n, 1)
+    for i, k in enumerate(_log_uniform_int(rng, 1, 64, n, grid)):
+        x = low * 10.0 ** exponents[i] * rng.standard_normal((int(k), d))
         if i % 2:
             x *= 10.0 ** rng.uniform(-2, 2, size=(int(k), 1))
         out.append(x)
@@ -185,7 +203,7 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
     # sparse: one-hot, two-hot, and a constant coordinate
     n = sizes.get("sparse", 0)
     out = []
-    for i, k in enumerate(_log_uniform_int(rng, 1, 64, n)):
+    for i, k in enumerate(_log_uniform_int(rng, 1, 64, n, grid)):
         k = int(k)
         b = (scale if i % 2 == 0 else anchor) * math.sqrt(d) * 10.0 ** rng.uniform(-1, 1)
         kind = i % 3
@@ -203,7 +221,7 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
     # peaked: the model's scores span ~PEAK_SPREAD (attention near one-hot)
     n = sizes.get("peaked", 0)
     out = []
-    for i, k in enumerate(_log_uniform_int(rng, 2, 64, n)):
+    for i, k in enumerate(_log_uniform_int(rng, 2, 64, n, grid)):
         x = rng.standard_normal((int(k), d))
         if W is not None and np.ndim(W) == 2:
             s = x @ (W @ x[-1])
@@ -232,7 +250,7 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
         first = len(seqs)
         add("hull", [p[None] for p in P])
         singles = np.arange(first, first + pool_size)
-        for k in _log_uniform_int(rng, 2, min(L, 64), n_seq):
+        for k in _log_uniform_int(rng, 2, min(L, 64), n_seq, grid):
             pick = rng.permutation(np.resize(rng.permutation(pool_size), int(k)))
             hull.append((len(seqs), singles[pick]))
             add("hull", [P[pick]])
