@@ -254,3 +254,20 @@ def test_honest_heads_pass(d):
             assert v.passed and v.max_relative_error < 1e-8, (name, v)
             check = verify_model(Oracle(head, d), result.model, count=64, seed=seed, measure_v=True)
             assert check.passed, (name, check)
+
+
+def test_cli_verify_refuses_an_impostor(tmp_path):
+    from conftest import run_cli
+    target = tmp_path / "boxes.py"
+    target.write_text(
+        "import numpy as np\n"
+        "from attnextract.adapters.targets import random_single_head\n"
+        "honest = random_single_head(6, 4)\n"
+        "def windowed(X):\n"
+        "    X = np.asarray(X)[:, -16:, :]\n"
+        "    return honest(X)\n")
+    out = tmp_path / "r.npz"
+    run_cli("extract", "--target", f"{target}:honest", "--dim", 6, "--out", out, check=0)
+    run_cli("verify", "--target", f"{target}:honest", "--result", out, check=0)
+    proc = run_cli("verify", "--target", f"{target}:windowed", "--result", out, check=1)
+    assert "MISMATCH" in proc.stderr and ("long" in proc.stderr or "repeated" in proc.stderr)

@@ -382,7 +382,9 @@ def cmd_verify(args) -> int:
                           "sequences": verification.sequences,
                           "max_relative_error": verification.max_relative_error,
                           "median_relative_error": verification.median_relative_error,
-                          "tolerance": verification.tolerance}))
+                          "tolerance": verification.tolerance,
+                          "hull_violation": verification.hull_violation,
+                          "worst_family": verification.worst_family}))
     else:
         print(f"{model.kind} model, d = {model.dim}, {verification.sequences} held-out sequences:"
               f" max relative error {verification.max_relative_error:.2e}, median "
