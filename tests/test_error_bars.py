@@ -128,3 +128,13 @@ def test_cli_output_dtype_and_help(tmp_path):
     helptext = run_cli("extract", "--help", check=0).stdout
     assert "--output-dtype" in helptext and "--decimals" in helptext
     assert "rounded once" in " ".join(helptext.split())
+
+
+def test_float32_forward_pass_is_not_a_rounded_output():
+    """Issue 13's case: --tolerance 0 --relative-tolerance 5.96e-8 on a float32 forward pass
+    used to PASS with a bar 7-14x too small; now it is refused and the message names the fix."""
+    for seed in range(3):
+        box, _ = torch_head(16, seed, "float32")
+        with pytest.raises(ModelMismatchError, match="--output-dtype"):
+            extract_single_head(Oracle(box, 16), seed=seed, tolerance=0.0,
+                                relative_tolerance=5.96e-8)
