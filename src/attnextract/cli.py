@@ -34,7 +34,8 @@ from .adapters.journal import QueryJournal
 from .oracle import Oracle
 from .progress import ProgressBar, configure_logging, thread_limits
 from .registry import extract, get_learner, learner_names, resolve
-from .report import DEFAULT_VERIFY_TOLERANCE, load_model, verification_count, verify_model
+from .report import (DEFAULT_VERIFY_TOLERANCE, load_model, mismatch_reason, verification_count,
+                     verify_model)
 from .adapters.targets import FirstBatchHint, load_target, random_single_head
 
 __all__ = ["main", "build_parser", "ProgressBar"]
@@ -183,7 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="outputs are accurate to +-TAU (+ RHO |f|): noisy extraction with "
                             "error bars (with --noise random: the noise std)")
     noisy.add_argument("--relative-tolerance", type=float, default=OPTION_DEFAULTS["relative_tolerance"], metavar="RHO",
-                       help="relative part of the tolerance (float32 5.96e-8, float16 4.88e-4)")
+                       help="relative part of the tolerance, for outputs computed in float64 and "
+                            "rounded once at the end (a float32 cast: 5.96e-8); a forward pass "
+                            "run in low precision errs far more: use --output-dtype")
+    noisy.add_argument("--output-dtype", choices=["float32", "bfloat16", "float16"],
+                       help="the black box runs its forward pass in this dtype: probes repeated "
+                            "in --repeats dithered bases (default 4), error bars from their spread")
+    noisy.add_argument("--decimals", type=_nonnegative_int, metavar="K",
+                       help="the outputs are rounded to K decimals: as --output-dtype, error bars "
+                            "from the spread of repeated, dithered probes")
     noisy.add_argument("--noise", choices=["bounded", "random"], default=OPTION_DEFAULTS["noise"],
                        help="worst-case (adversarial) or independent random noise")
     noisy.add_argument("--noise-method", choices=["robust", "paper"],
@@ -383,6 +392,15 @@ def _learner_and_options(args):
     per-model option given on the command line for a learner that does not take it is
     an :class:`InputError`, raised before any query.
     """
+    if args.output_dtype is not None or args.decimals is not None:
+        if args.tolerance is not None or args.sign_only or args.model != "single-head":
+            raise InputError("--output-dtype and --decimals apply to --model single-head, "
+                             "without --tolerance or --sign-only")
+        learner = get_learner("low-precision")
+        options = {"output_dtype": args.output_dtype, "decimals": args.decimals}
+        if args.repeats != OPTION_DEFAULTS["repeats"]:
+            options["repeats"] = args.repeats
+        return learner, options
     learner = resolve(args.model, tolerance=args.tolerance, sign_only=args.sign_only)
     accepted = learner.options
     options = {}
@@ -411,7 +429,7 @@ def cmd_extract(args) -> int:
                     progress=bar, journal=journal)
     _RUN.update(oracle=oracle, journal=journal)
     try:
-        result = extract(oracle, args.model, seed=args.seed, tolerance=args.tolerance,
+        result = extract(oracle, learner.name, seed=args.seed, tolerance=args.tolerance,
                          sign_only=args.sign_only, verify_tolerance=args.verify_tolerance,
                          **options)
     finally:
@@ -581,7 +599,7 @@ def cmd_verify(args) -> int:
     count = args.count or verification_count(sum(np.size(p) for p in model.parameters().values()))
     try:
         verification = verify_model(oracle, model, count=count, seed=args.seed,
-                                    tolerance=args.verify_tolerance)
+                                    tolerance=args.verify_tolerance, measure_v=True)
     finally:
         oracle.progress.close()
         _close_journal(oracle)
@@ -590,14 +608,15 @@ def cmd_verify(args) -> int:
                           "sequences": verification.sequences,
                           "max_relative_error": verification.max_relative_error,
                           "median_relative_error": verification.median_relative_error,
-                          "tolerance": verification.tolerance}))
+                          "tolerance": verification.tolerance,
+                          "hull_violation": verification.hull_violation,
+                          "worst_family": verification.worst_family}))
     else:
         print(f"{model.kind} model, d = {model.dim}, {verification.sequences} held-out sequences:"
               f" max relative error {verification.max_relative_error:.2e}, median "
               f"{verification.median_relative_error:.2e} (tolerance {verification.tolerance:.0e})")
     if not verification.passed:
-        print(f"attnextract: MISMATCH: max relative error {verification.max_relative_error:.2e}"
-              f" > tolerance {verification.tolerance:.0e}", file=sys.stderr)
+        print(f"attnextract: MISMATCH: {mismatch_reason(verification)}", file=sys.stderr)
         return 1
     if not args.json:
         print("MATCH")

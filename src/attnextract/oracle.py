@@ -447,7 +447,8 @@ class GaussianNoise(OutputWrapper):
 
 
 class RoundedOutputs(OutputWrapper):
-    """Outputs rounded to float32, float16, or ``digits`` significant decimal digits.
+    """Outputs rounded to float32, float16, ``digits`` significant decimal digits, or
+    (``decimals=k``) k decimals after the point.
 
     Round to nearest: the relative error is at most half a unit in the last place,
     2^-24 (float32), 2^-11 (float16) or 0.5 * 10^(1 - digits); below the normal range
@@ -455,9 +456,15 @@ class RoundedOutputs(OutputWrapper):
     Outputs beyond the float16 range become infinite (the oracle rejects them).
     """
 
-    def __init__(self, black_box: BlackBox, precision="float32"):
+    def __init__(self, black_box: BlackBox, precision="float32", *, decimals: int | None = None):
         super().__init__(black_box)
-        if precision in ("float32", "float16"):
+        self.decimals = None
+        if decimals is not None:         # k decimals: |error| <= 0.5 10^-k, absolute
+            if not isinstance(decimals, (int, np.integer)) or not 0 <= decimals <= 300:
+                raise InputError(f"decimals must be an integer in 0..300, got {decimals!r}")
+            self.decimals, self.precision = int(decimals), f"{int(decimals)} decimals"
+            self.tolerance, self.relative_tolerance = 0.5 * 10.0 ** -int(decimals), 0.0
+        elif precision in ("float32", "float16"):
             self.precision = precision
             self.relative_tolerance = 2.0 ** -24 if precision == "float32" else 2.0 ** -11
             self.tolerance = 2.0 ** -150 if precision == "float32" else 2.0 ** -25
@@ -474,6 +481,8 @@ class RoundedOutputs(OutputWrapper):
             self.tolerance = 0.0
 
     def transform(self, X, clean):
+        if self.decimals is not None:
+            return np.round(clean, self.decimals)
         if self.precision == "float32":
             return clean.astype(np.float32).astype(np.float64)
         if self.precision == "float16":

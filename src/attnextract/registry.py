@@ -197,3 +197,6 @@ register("noisy", _L + "noisy:extract_noisy",
          "one head from outputs accurate to +-tolerance, with error bars", hidden=True)
 register("sign-only", _L + "sign_only:extract_sign_only",
          "one head from labels 1{f(X) > threshold}, by bisection", hidden=True)
+register("low-precision", _L + "noisy:extract_low_precision",
+         "one head from a forward pass in float32/bfloat16/float16 or outputs rounded to "
+         "k decimals, error bars from repeated dithered probes", hidden=True)

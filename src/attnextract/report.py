@@ -35,9 +35,12 @@ REPORT_SCHEMA_VERSION = 2      # to_dict(): snake_case keys, numbers, ranges as 
 class Verification:
     """Outcome of comparing a recovered model with the black box on held-out sequences.
 
-    The relative error of one sequence is |f_hat - f| / max(|f|, rms), with rms the
-    root mean square of the black box's outputs over the whole verification set, so
-    that outputs near zero do not inflate it.
+    The relative error of one sequence is |f_hat - f| / max(|f|, s K), with s the
+    sequence's largest token norm and K the root mean square of f / s over the set
+    (see :mod:`attnextract.verification`), so that outputs near zero do not inflate
+    it and families of small tokens are judged at their own size. ``hull_violation``
+    is the second layer (single heads): how far an answer left the interval spanned
+    by its tokens' own answers; it must stay within ``hull_tolerance``.
     """
 
     sequences: int
@@ -45,10 +48,15 @@ class Verification:
     median_relative_error: float
     tolerance: float
     lengths: tuple[int, int] = (1, MAX_VERIFY_LENGTH)
+    hull_violation: float = 0.0
+    hull_tolerance: float = 0.0
+    worst_family: str = ""
+    family_errors: dict = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
-        return bool(self.max_relative_error <= self.tolerance)
+        return bool(self.max_relative_error <= self.tolerance
+                    and self.hull_violation <= self.hull_tolerance)
 
     def __repr__(self) -> str:
         return (f"<Verification {'PASSED' if self.passed else 'FAILED'}: {self.sequences} "
@@ -107,30 +115,34 @@ def relative_errors(predicted: np.ndarray, observed: np.ndarray) -> np.ndarray:
 
 def verify_model(oracle: Oracle, model, *, count: int, seed=None,
                  tolerance: float = DEFAULT_VERIFY_TOLERANCE,
-                 scale: float | None = None) -> Verification:
-    """Compare ``model`` with the black box on ``count`` held-out random sequences.
-
-    Tokens are N(0, c^2 I) with c times 1/2, 1 or 2, where c = ``scale`` (default
-    :func:`token_scale`, where the model's scores are of order one) for half of the
-    sequences and d^{-1/4} for the other half; lengths are uniform in 1..16.
+                 scale: float | None = None, probe_length: int | None = None,
+                 measure_v: bool = False) -> Verification:
+    """Compare ``model`` with the black box on the ``count`` held-out sequences of
+    :func:`attnextract.verification.design`: short and long (up to max(256, 4 x
+    ``probe_length``)), repeated, tiny to large, sparse and peaked tokens, and for a
+    single head the hull pairs. ``scale`` is the per-coordinate token scale where the
+    model's scores are of order one (default :func:`token_scale`). ``measure_v``
+    (checking a saved model): first ask the black box's own v (d more queries) and put
+    the hull tokens orthogonal to it rather than to the model's v.
     """
+    from .verification import HULL_FRACTION, design, run_check
     rng = np.random.default_rng(seed)
     scale = token_scale(model) if scale is None else scale
-    # Half the sequences at a scale that does not depend on the model: a wrong model
-    # with a huge W would otherwise pick tokens so small that every W looks alike.
-    anchor = oracle.dim ** -0.25
-    half = count - count // 2
-    batches = (held_out_batches(oracle.dim, half, rng, scale)
-               + [(idx + half, b) for idx, b in held_out_batches(oracle.dim, count // 2, rng, anchor)])
-    oracle.require(count, "held-out verification")
-    observed, predicted = np.empty(count), np.empty(count)
-    for idx, batch in batches:                   # one batch per length and scale group
-        # always the live black box, never a journal's answers
-        observed[idx] = oracle.query(batch, live=True)
-        predicted[idx] = model(batch)
-    err = relative_errors(predicted, observed)
-    return Verification(sequences=count, max_relative_error=float(err.max()),
-                        median_relative_error=float(np.median(err)), tolerance=tolerance)
+    hull_v = None
+    if measure_v and getattr(model, "kind", "") == "single-head":
+        oracle.require(count + oracle.dim, "held-out verification")
+        hull_v = oracle.query(np.eye(oracle.dim)[:, None, :], live=True)
+    held = design(oracle.dim, count, rng, scale, probe_length=probe_length, model=model,
+                  hull_v=hull_v)
+    oracle.require(len(held.sequences), "held-out verification")
+    check = run_check(oracle, model, held)
+    asked = len(held.sequences) + (0 if hull_v is None else oracle.dim)
+    return Verification(sequences=asked, max_relative_error=float(check.errors.max()),
+                        median_relative_error=float(np.median(check.errors)), tolerance=tolerance,
+                        lengths=check.lengths,
+                        hull_violation=float(check.hull.max(initial=0.0)),
+                        hull_tolerance=HULL_FRACTION * tolerance,
+                        worst_family=check.worst_family(), family_errors=check.family_errors())
 
 
 @dataclass
@@ -220,6 +232,9 @@ class Report:
                          f"{v.lengths[0]}-{v.lengths[1]}): max relative error "
                          f"{v.max_relative_error:.2e}, median {v.median_relative_error:.2e} "
                          f"-> {'PASSED' if v.passed else 'FAILED'} (tolerance {v.tolerance:.0e})")
+            if v.hull_tolerance > 0:
+                lines.append(f"  hull check  answers outside their tokens' interval by at most "
+                             f"{v.hull_violation:.1e} (tolerance {v.hull_tolerance:.0e})")
         lines.append(f"time         {self.seconds:.3f} s ({self.black_box_seconds:.3f} s inside "
                      f"the black box, {self.learner_seconds:.3f} s in the learner)")
         for key, value in self.details.items():
@@ -263,9 +278,8 @@ def checked_result(model, report: Report, claim: str) -> ExtractionResult:
     result = ExtractionResult(model=model, queries=report.queries, report=report)
     check = report.verification
     if check is not None and not check.passed:
-        raise ModelMismatchError(
-            f"the black box is not {claim}: held-out relative error "
-            f"{check.max_relative_error:.2e} > tolerance {check.tolerance:.0e}", result=result)
+        raise ModelMismatchError(f"the black box is not {claim}: " + mismatch_reason(check),
+                                 result=result)
     return result
 
 
@@ -296,6 +310,50 @@ def machine_value(value):
             number = float(match.group(1))
             return int(number) if number.is_integer() and "." not in match.group(1) else number
     return value
+def mismatch_reason(check: Verification) -> str:
+    """Why a held-out check failed, with a hint when the error looks like output rounding."""
+    from .verification import looks_like_rounding
+    if check.max_relative_error > check.tolerance:
+        where = f" (worst on {check.worst_family} sequences)" if check.worst_family else ""
+        text = (f"held-out relative error {check.max_relative_error:.2e} > tolerance "
+                f"{check.tolerance:.0e}{where}")
+    else:
+        text = (f"an answer left the interval spanned by its tokens' own answers by "
+                f"{check.hull_violation:.2e} > {check.hull_tolerance:.0e} (no single head does "
+                f"that: a second head or another model)")
+    if looks_like_rounding(check.max_relative_error):
+        text += ("; an error this small looks like limited output precision (a float32, "
+                 "bfloat16 or float16 forward pass, or rounded outputs): extract with "
+                 "--output-dtype float32|bfloat16|float16 or --decimals K (error bars from "
+                 "repeated measurements)")
+    return text
+
+
+def parameter_errors(model, truth) -> dict:
+    """Errors per part of a recovered single head against the truth (bench and tests).
+
+    Returns ``W_columns`` (d,) |W_hat e_j - W e_j| / |W e_j|, ``W_rows`` (d,) the same
+    for rows, ``v_entries`` (d,) |v_hat_i - v_i| / |v_i| (a zero part is measured
+    against the whole W or v), their maxima ``W_column_max``, ``W_row_max``,
+    ``v_entry_max`` and the Frobenius ``W_relative``, ``v_relative``. One Frobenius
+    number hides a column or row 1e12 times smaller than the rest; these do not.
+    """
+    W_hat, W = np.asarray(model.W, float), np.asarray(truth.W, float)
+    v_hat, v = np.asarray(model.v, float), np.asarray(truth.v, float)
+    tiny = np.finfo(float).tiny
+
+    def part(diff, ref, whole):
+        return diff / np.where(ref > 0, ref, max(whole, tiny))
+
+    W_norm, v_norm = float(np.linalg.norm(W)), float(np.linalg.norm(v))
+    cols = part(np.linalg.norm(W_hat - W, axis=0), np.linalg.norm(W, axis=0), W_norm)
+    rows = part(np.linalg.norm(W_hat - W, axis=1), np.linalg.norm(W, axis=1), W_norm)
+    ents = part(np.abs(v_hat - v), np.abs(v), v_norm)
+    return {"W_columns": cols, "W_rows": rows, "v_entries": ents,
+            "W_column_max": float(cols.max()), "W_row_max": float(rows.max()),
+            "v_entry_max": float(ents.max()),
+            "W_relative": float(np.linalg.norm(W_hat - W) / max(W_norm, tiny)),
+            "v_relative": float(np.linalg.norm(v_hat - v) / max(v_norm, tiny))}
 
 
 def _jsonable(obj):

@@ -85,6 +85,9 @@ def merged_head_parameters(module, readout, head: int) -> tuple[np.ndarray, np.n
     return K.T @ Q / math.sqrt(hd), V.T @ (out[:, rows].T @ r)
 
 
+TORCH_DTYPES = ("float64", "float32", "bfloat16", "float16")
+
+
 class TorchAttentionBlackBox:
     """f(X) = r^T MultiheadAttention(x_N, X, X), batched: (B, N, E) -> (B,).
 
@@ -98,7 +101,11 @@ class TorchAttentionBlackBox:
         Serve head ``head`` alone (the other heads' output columns zeroed in the copy);
         None serves every head.
     dtype : str
-        ``"float64"`` (default) or ``"float32"``: the precision of the copy's forward pass.
+        ``"float64"`` (default), ``"float32"``, ``"bfloat16"`` or ``"float16"``: the
+        precision of the copy's forward pass (inputs are cast to it, the output read
+        back as float64). In low precision every output is off by the rounding of the
+        whole forward pass, not one rounding of the output: extract such a target with
+        ``output_dtype=`` (``--output-dtype``).
     """
 
     kind = "torch-multihead-attention"
@@ -106,8 +113,8 @@ class TorchAttentionBlackBox:
     def __init__(self, module, readout=None, *, head: int | None = None, dtype: str = "float64"):
         torch = _torch()
         _check_module(module, torch)
-        if dtype not in ("float64", "float32"):
-            raise InputError(f"dtype must be float64 or float32, got {dtype!r}")
+        if dtype not in TORCH_DTYPES:
+            raise InputError(f"dtype must be one of {TORCH_DTYPES}, got {dtype!r}")
         E, H = module.embed_dim, module.num_heads
         if head is not None and not 0 <= head < H:
             raise InputError(f"head must be in 0..{H - 1}, got {head}")

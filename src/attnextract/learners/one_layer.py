@@ -110,9 +110,10 @@ class OddPartOracle:
         self.queries += B
         return f[:B] - f[B:]
 
-    def query_ragged(self, sequences) -> np.ndarray:
+    def query_ragged(self, sequences, *, live: bool = False) -> np.ndarray:
         """g on sequences of different lengths: one batch per length, answers in order."""
-        return evaluate_ragged(self.query, [np.asarray(s, dtype=np.float64) for s in sequences])
+        return evaluate_ragged(lambda X: self.query(X, live=live),
+                               [np.asarray(s, dtype=np.float64) for s in sequences])
 
 
 def extract_one_layer(oracle: Oracle, *, seed=None,

@@ -69,7 +69,8 @@ from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import ReLUNetwork
 from ..oracle import Oracle
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, Verification,
-                     held_out_sequences, relative_errors, verification_count)
+                     verification_count)
+from ..verification import design, scaled_relative_errors
 
 EPS = np.finfo(float).eps
 CHORD = 2.0 ** -20          # path step of the slope chords (path length 2): two kinks
@@ -613,15 +614,17 @@ def _polish_wide(oracle: Oracle, A: np.ndarray, w: np.ndarray, counts: dict):
 
 def verify_relu(oracle: Oracle, model: ReLUNetwork, *, count: int, seed=None,
                 tolerance: float = DEFAULT_VERIFY_TOLERANCE) -> Verification:
-    """Compare ``model`` with the black box on ``count`` held-out single vectors N(0, c^2 I).
-
-    c is 1/2, 1 or 2 (F is homogeneous, so the scale checks homogeneity too).
+    """Compare ``model`` with the black box on ``count`` held-out single vectors: the last
+    tokens of :func:`attnextract.verification.design`'s sequences (scale 1), so tiny to
+    large, sparse and one-hot vectors and a constant coordinate (F is homogeneous: the
+    scales check that too). Single tokens, because this learner also serves the
+    single-token map of the one-layer learners, whose longer sequences mean attention.
     """
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
-    vectors = np.stack([s[0] for s in held_out_sequences(oracle.dim, count, rng, 1.0,
-                                                         max_length=1)])
+    vectors = np.stack([s[-1] for s in design(oracle.dim, count, rng, 1.0).sequences])
     observed = _query_vectors(oracle, vectors)
-    err = relative_errors(model.forward(vectors), observed)
-    return Verification(sequences=count, max_relative_error=float(err.max()),
+    norms = np.linalg.norm(vectors, axis=1)
+    err = scaled_relative_errors(model.forward(vectors), observed, norms)
+    return Verification(sequences=len(vectors), max_relative_error=float(err.max()),
                         median_relative_error=float(np.median(err)), tolerance=tolerance,
                         lengths=(1, 1))

@@ -76,8 +76,9 @@ class _MappedOracle:
             raise InputError(f"{self.what}: expects length-1 queries (B, 1, d), got {X.shape}")
         return self.base.query(self.build(X[:, 0, :]), live=live)
 
-    def query_ragged(self, sequences) -> np.ndarray:
-        return self.query(np.stack([np.asarray(s, dtype=np.float64)[-1:] for s in sequences]))
+    def query_ragged(self, sequences, *, live: bool = False) -> np.ndarray:
+        return self.query(np.stack([np.asarray(s, dtype=np.float64)[-1:] for s in sequences]),
+                          live=live)
 
 
 class _ResidualOddOracle(OddPartOracle):

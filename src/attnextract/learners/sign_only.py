@@ -46,7 +46,8 @@ from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import SingleHeadAttention
 from .noisy import FLOAT_SLACK, NoisyVerification, output_gradient_norms
 from ..oracle import Oracle
-from ..report import ExtractionResult, Report, held_out_sequences, verification_count
+from ..report import ExtractionResult, Report, verification_count
+from ..verification import design
 from .single_head import logit, probe_basis
 
 KAPPA_LOW, KAPPA_HIGH = 1.0, 4.0    # kappa sigma(lambda kappa) = 1 is bracketed here for lambda > -0.2747
@@ -281,7 +282,8 @@ def _verify_labels(oracle, model, W_bar, v_bar, threshold, *, count, seed, extra
     """Held-out labels must match 1{f_hat > threshold} wherever f_hat is clear of its own error."""
     rng = np.random.default_rng(None if seed is None else seed + 1)
     scale = 1.0 / math.sqrt(model.dim)
-    sequences = held_out_sequences(oracle.dim, count, rng, scale)
+    sequences = design(oracle.dim, count, rng, scale).sequences   # no hull: labels only
+    count = len(sequences)
     lengths = np.array([len(x) for x in sequences])
     observed = np.empty(count, dtype=bool)
     predicted, gW, gv = np.empty(count), np.empty(count), np.empty(count)

@@ -25,6 +25,7 @@ the report counts them.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import numpy as np
@@ -45,6 +46,11 @@ NOISE_LOGIT = 1e-12        # logits below it are rounding noise, not a scale
 MAX_RESCALES = 6
 MAX_GROWTH = 1e6          # largest one-step growth of a tiny first column's scale
 BLOCK_FLOATS = 1 << 20     # probe floats per batch (8 MB: stays in cache)
+SMALL_LOGIT = 1e-4 * TARGET_LOGIT   # a column this far below the target is probed again
+GROW_FLOOR = np.finfo(float).eps   # ... and above one ulp (a 1e14 range is ~5e-15)
+GROW_STEPS = 3
+SMALL_ROW = 1e-4           # rows this much smaller than the largest are measured again
+ROUNDING_SAFETY = 4.0      # rounding bars: this many ulps per operation, d operations
 
 
 def probe_basis(v: np.ndarray) -> np.ndarray:
@@ -196,7 +202,15 @@ def extract_single_head(oracle: Oracle, *, seed=None,
         T[:, cols] = column_logits(oracle, probes, v, cols, scale[cols])
         rescaled += _rescue_columns(oracle, probes, v, T, scale, cols, first=(lo == 0))
 
+    if d > 1:
+        rescaled += _grow_small_columns(oracle, probes, v, T, scale)
+
     W = np.linalg.solve(U.T, T / scale[None, :])
+    bars = rounding_bars(W, scale)
+    if d > 1:
+        W, extra, row_bars = _reprobe_small_rows(oracle, v, W)
+        rescaled += extra
+        bars["W_rows"] = np.where(np.isnan(row_bars), bars["W_rows"], row_bars)
     model = SingleHeadAttention(W, v)
     log.info("W recovered (%d columns re-probed); held-out verification on %d sequences",
              rescaled // d, n_verify)
@@ -212,9 +226,114 @@ def extract_single_head(oracle: Oracle, *, seed=None,
         floor=d * d + d, verification=verification,
         seconds=time.perf_counter() - start, black_box_seconds=oracle.black_box_seconds - start_bb,
         details={"logit scale": f"{scale.min():.3g} .. {scale.max():.3g}",
+                 "error_bar_W_columns": float(bars["W_columns"].max()),
+                 "error_bar_W_rows": float(bars["W_rows"].max()),
                  "|v^T u_k|": f"{np.linalg.norm(v) / np.sqrt(d):.3g} (every probe)"})
-    assert recovery == d * d + d + rescaled
+    assert recovery == d * d + d + rescaled   # rescaling includes re-probed small columns
     return checked_result(model, report, "a single-head attention regressor")
+
+
+def _grow_small_columns(oracle, probes, v, T, scale) -> int:
+    """Probe again, at their own scale, columns whose logits are far below the others'.
+
+    A block's scale comes from the largest column seen so far, so a column 1e12 times
+    smaller than another is measured at logits ~1e-12, where rounding leaves ~1e-4 of
+    it. Columns with a peak logit below SMALL_LOGIT (but above rounding, GROW_FLOOR)
+    are measured again with their scale grown to TARGET_LOGIT (at most MAX_GROWTH per
+    step, GROW_STEPS steps). Returns the extra queries (d per column per step).
+    """
+    extra = 0
+    for _ in range(GROW_STEPS):
+        peak = np.abs(T).max(axis=0)
+        small = np.flatnonzero((peak < SMALL_LOGIT) & (peak > GROW_FLOOR))
+        if not small.size or not np.any(peak >= SMALL_LOGIT):
+            break
+        for lo in range(0, len(small), probes.X.shape[0]):
+            cols = small[lo:lo + probes.X.shape[0]]
+            old_T, old_scale = T[:, cols].copy(), scale[cols].copy()
+            scale[cols] *= np.minimum(TARGET_LOGIT / peak[cols], MAX_GROWTH)
+            T[:, cols] = column_logits(oracle, probes, v, cols, scale[cols])
+            extra += len(cols) * probes.U.shape[0]
+            bad = ~np.isfinite(T[:, cols]).all(axis=0)     # overshot: keep the first measurement
+            if bad.any():
+                T[:, cols[bad]], scale[cols[bad]] = old_T[:, bad], old_scale[bad]
+    return extra
+
+
+def _reprobe_small_rows(oracle, v, W):
+    """Measure again the rows of W far smaller than the largest (ratio < SMALL_ROW).
+
+    Every logit u_k^T W e_j of the first pass mixes all rows, so a row 1e12 times
+    smaller than another is left with the large row's rounding (~1e-4 of it). Here the
+    key difference u ranges over an orthonormal basis of the small rows' coordinates
+    only (u^T v != 0 by :func:`probe_basis` on that block), so the logits hold the
+    small rows alone, at their own scale; q = s e_j is kept small (s^2 |W_jj| tiny) so
+    that the large entries do not round the scores. m d queries for m small rows.
+    Returns (W, extra queries, per-row relative bars (d,), NaN for rows not re-probed).
+    """
+    d = W.shape[0]
+    rows = np.linalg.norm(W, axis=1)
+    S = np.flatnonzero(rows < SMALL_ROW * rows.max())
+    bars = np.full(d, np.nan)
+    if not S.size or S.size == d or not np.any(v[S]) or not np.any(rows[S]):
+        return W, 0, bars
+    m = len(S)
+    U_S = np.zeros((d, m))
+    U_S[S] = probe_basis(v[S])
+    vu = U_S.T @ v                                       # all +-|v_S| / sqrt(m)
+    peak = np.abs(U_S.T @ W).max(axis=0)
+    G = TARGET_LOGIT / np.where(peak > 0, peak, np.median(peak[peak > 0]) if np.any(peak) else 1.0)
+    s = np.minimum(1.0, np.sqrt(1e-8 * TARGET_LOGIT / np.maximum(np.abs(np.diag(W)), 1e-300)))
+    s = np.minimum(s, G)
+    c = G / s
+    T = np.empty((m, d))
+    block = max(1, BLOCK_FLOATS // (2 * m * d))
+    for lo in range(0, d, block):
+        cols = np.arange(lo, min(d, lo + block))
+        q = np.zeros((len(cols), d))
+        q[np.arange(len(cols)), cols] = s[cols]
+        X = np.empty((len(cols), m, 2, d))
+        X[:, :, 1, :] = q[:, None, :]
+        X[:, :, 0, :] = q[:, None, :] + c[cols, None, None] * U_S.T[None]
+        f = oracle.query(X.reshape(-1, 2, d)).reshape(len(cols), m)
+        weight = (f - (v[cols] * s[cols])[:, None]) / (c[cols, None] * vu[None, :])
+        inside = (weight > 0.0) & (weight < 1.0)
+        T[:, cols] = (np.where(inside, logit(np.where(inside, weight, 0.5)), np.nan)
+                      / G[cols, None]).T
+    extra = m * d
+    if not np.all(np.isfinite(T)):
+        return W, extra, bars
+    W = W.copy()
+    W[S] = U_S[S] @ T
+    t = np.abs(T * G[None, :]).max(axis=0)
+    weight = 0.25 * np.exp(-np.minimum(t, MAX_LOGIT))
+    beta = ROUNDING_SAFETY * d * np.finfo(float).eps * (np.linalg.norm(T, axis=0) + 1.0 / (weight * G))
+    bars[S] = np.linalg.norm(beta) / np.maximum(np.linalg.norm(W[S], axis=1), 1e-300)
+    return W, extra, bars
+
+
+def rounding_bars(W: np.ndarray, scale: np.ndarray) -> dict:
+    """Per-column and per-row relative error bars of W from float64 rounding, shapes (d,).
+
+    The logit of probe (k, j) carries the rounding of the black box's scores, about
+    eps G_j |W e_j| (the score x^T W q with q = s e_j), and of its output, about eps
+    / a(1 - a); divided by G_j an entry of column j is off by at most
+    beta_j = ROUNDING_SAFETY eps (|W e_j| + 1 / (a(1 - a) G_j)), a(1 - a) >= 1/4 e^-|t|
+    at the largest measured logit t. Columns: sqrt(d) beta_j / |W e_j|; rows:
+    |beta| / |W^T e_i| (every row of an orthogonal U spreads the errors evenly).
+    A row much smaller than the others gets the large rows' rounding: the bar says so.
+    """
+    d = W.shape[0]
+    eps = np.finfo(float).eps
+    col = np.linalg.norm(W, axis=0)
+    t = np.abs(W).max(axis=0) * scale * math.sqrt(d)             # bound on the measured logits
+    weight = 0.25 * np.exp(-np.minimum(t, MAX_LOGIT))
+    beta = ROUNDING_SAFETY * d * eps * (col + 1.0 / (weight * scale))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cols = np.where(col > 0, math.sqrt(d) * beta / col, np.inf)
+        rows_norm = np.linalg.norm(W, axis=1)
+        rows = np.where(rows_norm > 0, np.linalg.norm(beta) / rows_norm, np.inf)
+    return {"W_columns": cols, "W_rows": rows, "beta": beta}
 
 
 def _next_scale(T_known: np.ndarray, scale_known: np.ndarray) -> float:

@@ -1,0 +1,329 @@
+"""Held-out verification that looks where impostors hide.
+
+A recovered model is accepted only after the black box has answered sequences the
+learner never chose. Random short Gaussian sequences at the probes' scale are the
+easy part: a black box that differs from the model class only on long sequences,
+on large or tiny tokens, on sparse tokens or where attention is near one-hot passes
+them. The default held-out set therefore mixes these families (fractions of the
+``count`` sequences, every family at least one sequence):
+
+``ordinary``   Gaussian tokens, lengths 1..16, at the model's scale and at d^-1/4
+               (what earlier versions used);
+``long``       lengths log-uniform in 2..L, L = max(256, 4 x the longest probe):
+               sliding windows, ALiBi, temperatures that depend on the length;
+``repeated``   long sequences built from one to three distinct tokens: position
+               and count effects (a window or a sink shows at full strength);
+``norms``      every sequence scaled by 10^U(-3, 3) (half with tokens of mixed
+               norms inside one sequence): biases show at small norms, norm
+               triggers, clipping and saturation at large ones;
+``sparse``     one-hot and two-hot tokens, and Gaussian tokens sharing one constant
+               coordinate (a bias-like direction);
+``peaked``     tokens scaled so that the model's own scores span about 30: attention
+               near one-hot, where the softmax's tails are tested;
+``hull``       (single-head models) the second layer, below.
+
+Second layer: the nearest other members of the class. For a single head every
+output is a convex combination of the values of its tokens,
+
+    f(X) = sum_i alpha_i(X) v^T x_i  in  [min_i f([x_i]), max_i f([x_i])],
+
+whatever W is: the interval is spanned by the black box's own answers to the
+length-1 sequences [x_i]. It is sharpest where it is narrowest: tokens orthogonal
+to the recovered v, on which the recovered model answers 0 for every W, and so does
+every single head within the model's error of it (dv^T x_i, dv the error of v).
+A second head (W2, v2) at relative size eps is absorbed into v by the length-1
+probes (v_hat = v + eps v2), so on these tokens its output is
+eps (alpha2 - alpha)^T X v2: the full eps, not eps times the model's error.
+Those pairs (a sequence and its tokens alone) are the sequences that best separate
+the model from its nearest neighbours outside the class, and the check needs no
+model: it holds for every single head, up to the black box's float64 rounding
+(about eps_64 (d + N) of the token norm times |v|). ``HULL_FRACTION`` of the
+tolerance is allowed (1e-11 relative at the default 1e-7).
+
+Relative error. The error of sequence i is |f_hat_i - f_i| / max(|f_i|, s_i K), with
+s_i the largest token norm of the sequence and K the root mean square of f_j / s_j
+over the set: outputs scale with the tokens, so an honest model's error relative to
+s_i K does not grow with the scale of the tokens, and a family of small tokens is
+judged against outputs of its own size, not against the largest family's. Rounding
+in float64 grows like eps_64 (d + N) |v| s_i, about 1e-13 relative at N = 1024, d = 384.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+DEFAULT_TOLERANCE = 1e-7
+MIN_LONGEST = 256             # held-out lengths reach at least this
+LENGTH_FACTOR = 4             # ... and 4 x the longest probe
+ORDINARY_LENGTH = 16
+HULL_FRACTION = 1e-4          # hull tolerance = this x the output tolerance
+SCALE_CAP = 100.0            # token scales stop at this x d^-1/4
+PEAK_SPREAD = 30.0            # model scores span about this on the "peaked" family
+FAMILIES = {"ordinary": 0.12, "long": 0.2, "repeated": 0.12, "norms": 0.16, "sparse": 0.12,
+            "peaked": 0.1, "hull": 0.25}
+
+
+@dataclass
+class HeldOutSet:
+    """Held-out sequences (N_i, d), the family of each, and the hull pairs.
+
+    ``hull`` lists (i, singles): sequence i and the indices of the length-1 sequences
+    [x] of each of its tokens (also in ``sequences``).
+    """
+
+    sequences: list
+    family: list
+    hull: list
+
+    @property
+    def lengths(self) -> tuple[int, int]:
+        n = [len(s) for s in self.sequences]
+        return min(n), max(n)
+
+
+def longest_length(probe_length: int | None = None) -> int:
+    """L = max(256, 4 x the longest probe)."""
+    return max(MIN_LONGEST, LENGTH_FACTOR * int(probe_length or 1))
+
+
+def _split(count: int, hull: bool) -> dict[str, int]:
+    weights = {k: w for k, w in FAMILIES.items() if hull or k != "hull"}
+    if count < 2 * len(weights):
+        return {"ordinary": count}
+    total = sum(weights.values())
+    sizes = {k: max(1, int(count * w / total)) for k, w in weights.items()}
+    sizes["ordinary"] += count - sum(sizes.values())
+    return sizes
+
+
+def length_grid(longest: int) -> np.ndarray:
+    """The lengths held-out sequences take: 1..6, then steps of ~1.4x up to ``longest``.
+
+    Sequences are sent one batch per length, so a grid keeps the black-box calls few
+    (about 20 for L = 256) while still covering every scale of length.
+    """
+    grid = {1, 2, 3, 4, 5, 6, int(longest)}
+    x = 6.0
+    while x < longest:
+        x *= math.sqrt(2.0)
+        grid.add(min(int(round(x)), int(longest)))
+    return np.array(sorted(grid))
+
+
+def _log_uniform_int(rng, lo, hi, size, grid):
+    """Lengths in lo..hi, log-uniform, snapped to the lengths of ``grid`` in that range."""
+    grid = grid[(grid >= lo) & (grid <= hi)]
+    x = rng.uniform(math.log(lo), math.log(hi + 1), size)
+    return grid[np.abs(np.log(grid)[None, :] - x[:, None]).argmin(axis=1)]
+
+
+def _unit_rows(rng, n, d):
+    g = rng.standard_normal((n, d))
+    return g / np.linalg.norm(g, axis=1, keepdims=True)
+
+
+def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *,
+           probe_length: int | None = None, model=None, hull_v=None) -> HeldOutSet:
+    """The default held-out set: ``count`` sequences (N_i, dim) in the families above.
+
+    Parameters
+    ----------
+    dim : int
+        Token width d.
+    count : int
+        Number of sequences (queries), length-1 hull tokens included.
+    rng : numpy Generator
+    scale : float
+        Per-coordinate token scale c where the model's scores are of order one.
+    probe_length : int, optional
+        The longest probe the learner sent (sets L).
+    model : optional
+        The recovered model: a single head (W, v) adds the hull family and sets the
+        scale of the ``peaked`` family; other models get the first layer only.
+    hull_v : array (d,), optional
+        Put the hull tokens orthogonal to this v (the black box's own, measured)
+        instead of the model's.
+    """
+    d = dim
+    W = getattr(model, "W", None)
+    v = getattr(model, "v", None)
+    single = (W is not None and v is not None and np.ndim(W) == 2 and np.ndim(v) == 1
+              and d >= 2 and np.any(v) and count >= 16)
+    sizes = _split(count, single)
+    L = longest_length(probe_length)
+    grid = length_grid(L)
+    anchor = d ** -0.25
+    # A model with W ~ 0 (rounding noise) has an enormous token scale; beyond ~100 x the
+    # d^-1/4 anchor its W is known only to that noise, so the scale stops there.
+    scale = min(scale, SCALE_CAP * anchor)
+    low = min(scale, anchor)
+    seqs, fam = [], []
+
+    def add(name, xs):
+        for x in xs:
+            seqs.append(np.ascontiguousarray(x, dtype=np.float64))
+            fam.append(name)
+
+    # ordinary: lengths 1..16, scale c or d^-1/4, times 1/2, 1 or 2
+    n = sizes["ordinary"]
+    base = np.where(np.arange(n) % 2 == 0, scale, anchor) * rng.choice([0.5, 1.0, 2.0], n)
+    add("ordinary", [b * rng.standard_normal((int(k), d))
+                     for b, k in zip(base, _log_uniform_int(rng, 1, ORDINARY_LENGTH, n, grid))])
+    # long: log-uniform lengths up to L
+    n = sizes.get("long", 0)
+    base = np.where(np.arange(n) % 2 == 0, scale, anchor)
+    lengths = _log_uniform_int(rng, 2, L, n, grid)
+    lengths[:2] = L                       # the longest length always, at both scales
+    add("long", [b * rng.standard_normal((int(k), d)) for b, k in zip(base, lengths)])
+    # repeated: one to three distinct tokens, repeated in runs or at random
+    n = sizes.get("repeated", 0)
+    out = []
+    for i, k in enumerate(_log_uniform_int(rng, 16, L, n, grid)):
+        b = scale if i % 2 == 0 else anchor
+        pool = b * rng.standard_normal((1 + i % 3, d))
+        pick = np.sort(rng.integers(0, len(pool), int(k))) if i % 2 else rng.integers(0, len(pool), int(k))
+        x = pool[pick]
+        x[-1] = b * rng.standard_normal(d) if i % 4 == 3 else x[-1]   # sometimes a fresh query token
+        out.append(x)
+    add("repeated", out)
+    # norms: per-sequence factor 10^U(-3, 3); half with mixed norms inside a sequence
+    n = sizes.get("norms", 0)
+    out = []
+    # stratified: every decade of the range gets its share, whatever the draw
+    exponents = -3.0 + 6.0 * (rng.permutation(n) + rng.uniform(size=n)) / max(n, 1)
+    for i, k in enumerate(_log_uniform_int(rng, 1, 64, n, grid)):
+        x = low * 10.0 ** exponents[i] * rng.standard_normal((int(k), d))
+        if i % 2:
+            x *= 10.0 ** rng.uniform(-2, 2, size=(int(k), 1))
+        out.append(x)
+    add("norms", out)
+    # sparse: one-hot, two-hot, and a constant coordinate
+    n = sizes.get("sparse", 0)
+    out = []
+    for i, k in enumerate(_log_uniform_int(rng, 1, 64, n, grid)):
+        k = int(k)
+        b = (scale if i % 2 == 0 else anchor) * math.sqrt(d) * 10.0 ** rng.uniform(-1, 1)
+        kind = i % 3
+        x = np.zeros((k, d))
+        if kind == 0:      # one-hot tokens e_j of random signs and sizes
+            x[np.arange(k), rng.integers(0, d, k)] = b * rng.choice([-1.0, 1.0], k) * rng.uniform(0.5, 2, k)
+        elif kind == 1:    # two-hot
+            for t in range(k):
+                x[t, rng.choice(d, size=min(2, d), replace=False)] = b * rng.standard_normal(min(2, d))
+        else:              # Gaussian tokens with one coordinate held constant
+            x = (b / math.sqrt(d)) * rng.standard_normal((k, d))
+            x[:, rng.integers(d)] = b * rng.choice([-1.0, 1.0]) * rng.uniform(0.5, 2)
+        out.append(x)
+    add("sparse", out)
+    # peaked: the model's scores span ~PEAK_SPREAD (attention near one-hot)
+    n = sizes.get("peaked", 0)
+    out = []
+    for i, k in enumerate(_log_uniform_int(rng, 2, 64, n, grid)):
+        x = rng.standard_normal((int(k), d))
+        if W is not None and np.ndim(W) == 2:
+            s = x @ (W @ x[-1])
+            spread = float(s.max() - s.min())
+            c = math.sqrt(PEAK_SPREAD * 10.0 ** rng.uniform(-0.5, 0.5) / spread) if spread > 0 else scale
+            c = min(c, 1e3 * low)
+        else:
+            c = scale * math.sqrt(PEAK_SPREAD) * 10.0 ** rng.uniform(-0.25, 0.25)
+        out.append(c * x)
+    add("peaked", out)
+    # hull pairs: tokens orthogonal to v, then each token alone
+    hull = []
+    if single and sizes.get("hull", 0) >= 2:
+        n = sizes["hull"]
+        pool_size = max(1, min(n // 2, 2 * d))
+        n_seq = n - pool_size
+        u = np.asarray(hull_v if hull_v is not None and np.any(hull_v) else v, dtype=float)
+        u = u / np.linalg.norm(u)
+        P = rng.standard_normal((pool_size, d))
+        P -= np.outer(P @ u, u)
+        P -= np.outer(P @ u, u)                         # twice: orthogonal to rounding
+        norms = np.linalg.norm(P, axis=1, keepdims=True)
+        P = P / np.where(norms > 0, norms, 1.0)
+        # from where attention is soft to where it is near one-hot
+        P *= max(scale, anchor) * math.sqrt(d) * 10.0 ** rng.uniform(-0.5, 1.5, (pool_size, 1))
+        first = len(seqs)
+        add("hull", [p[None] for p in P])
+        singles = np.arange(first, first + pool_size)
+        for k in _log_uniform_int(rng, 2, min(L, 64), n_seq, grid):
+            pick = rng.permutation(np.resize(rng.permutation(pool_size), int(k)))
+            hull.append((len(seqs), singles[pick]))
+            add("hull", [P[pick]])
+    return HeldOutSet(sequences=seqs, family=fam, hull=hull)
+
+
+def token_norms(sequences) -> np.ndarray:
+    """Largest token norm of each sequence, shape (len(sequences),)."""
+    return np.array([float(np.linalg.norm(s, axis=1).max()) for s in sequences])
+
+
+def output_scale(observed: np.ndarray, norms: np.ndarray) -> float:
+    """K = rms of f_j / s_j: the black box's output per unit of token norm."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.where(norms > 0, observed / np.where(norms > 0, norms, 1.0), 0.0)
+    return math.sqrt(float(np.mean(r ** 2))) if r.size else 0.0
+
+
+def scaled_relative_errors(predicted, observed, norms) -> np.ndarray:
+    """|predicted - observed| / max(|observed|, s K) per sequence (see the module docstring)."""
+    K = output_scale(observed, norms)
+    denom = np.maximum(np.abs(observed), np.maximum(norms * K, np.finfo(float).tiny))
+    return np.abs(predicted - observed) / denom
+
+
+def hull_violations(held: HeldOutSet, observed: np.ndarray, norms: np.ndarray) -> np.ndarray:
+    """For each hull pair: how far f(X) lies outside [min f([x_i]), max f([x_i])], relative
+    to s K. Zero inside. Shape (len(held.hull),)."""
+    if not held.hull:
+        return np.zeros(0)
+    K = output_scale(observed, norms)
+    out = np.empty(len(held.hull))
+    for j, (i, singles) in enumerate(held.hull):
+        lo, hi = observed[singles].min(), observed[singles].max()
+        gap = max(0.0, observed[i] - hi, lo - observed[i])
+        out[j] = gap / max(norms[i] * K, np.finfo(float).tiny)
+    return out
+
+
+@dataclass
+class Check:
+    """What one held-out check measured (before it becomes a report.Verification)."""
+
+    errors: np.ndarray
+    family: list
+    hull: np.ndarray
+    observed: np.ndarray
+    predicted: np.ndarray
+    lengths: tuple
+
+    def worst_family(self) -> str:
+        return self.family[int(np.argmax(self.errors))] if self.errors.size else ""
+
+    def family_errors(self) -> dict:
+        out = {}
+        for f, e in zip(self.family, self.errors):
+            out[f] = max(out.get(f, 0.0), float(e))
+        return out
+
+
+def run_check(oracle, model, held: HeldOutSet) -> Check:
+    """Ask the black box every held-out sequence (one batch per length); compare."""
+    from .oracle import evaluate_ragged
+    observed = oracle.query_ragged(held.sequences, live=True)   # never a journal's answers
+    predicted = evaluate_ragged(model, held.sequences)
+    norms = token_norms(held.sequences)
+    errors = scaled_relative_errors(predicted, observed, norms)
+    return Check(errors=errors, family=list(held.family),
+                 hull=hull_violations(held, observed, norms), observed=observed,
+                 predicted=predicted, lengths=held.lengths)
+
+
+def looks_like_rounding(error: float) -> bool:
+    """A failed check with an error this small is more likely limited output precision
+    (float32 ~1e-7 .. 1e-3, bfloat16 ~1e-2, a few decimals) than another model."""
+    return 0.0 < error < 3e-2
