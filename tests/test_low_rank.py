@@ -309,7 +309,8 @@ def test_cli_low_rank(tmp_path, extra):
     rng = np.random.default_rng(0)
     W = rng.standard_normal((10, 2)) @ rng.standard_normal((2, 10))
     with np.load(out) as data:
-        assert sorted(data.files) == ["W", "kind", "queries", "report", "v"]
+        assert sorted(data.files) == ["W", "kind", "options", "queries", "report",
+                                      "report_state", "v"]
         assert int(data["queries"]) == report["queries"]
         assert rel_err(data["W"], W) <= 1e-9
     assert rel_err(load_model(out).W, W) <= 1e-9

@@ -115,6 +115,6 @@ def test_all_heads_of_a_layer_never_come_back_wrong():
     report = json.loads(proc.stdout.splitlines()[-1])
     assert proc.returncode == (0 if error is None else 1)
     details = report["details"] if error is None else report["report"]["details"]
-    assert details["heads found"] == d["heads found"]
+    assert details["heads_found"] == d["heads found"]      # JSON keys are snake_case
     both = run_cli("minilm", "--layer", "0", "--head", "1", "--all-heads", timeout=120)
     assert both.returncode == 2 and "either --head H or --all-heads" in both.stderr

@@ -14,13 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import attnextract
-from attnextract import InputError, ModelMismatchError, Oracle, extract
+from attnextract import InputError, Oracle, extract
 from attnextract.adapters.targets import random_single_head
 from attnextract.cli import build_parser, main
 from attnextract.progress import ProgressBar
 from attnextract.registry import LEARNERS, learner_names, register
-from attnextract.report import ExtractionResult, Report, load_model
+from attnextract.report import ExtractionResult, load_model
 
 from conftest import rel_err
 
