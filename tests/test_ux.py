@@ -309,6 +309,7 @@ def test_verify_and_demo_take_a_journal(tmp_path, target_file, capsys):
     assert main(["demo", "--dim", "4", "--journal", str(tmp_path / "d.sqlite")]) == 0
 
 
+@pytest.mark.slow
 def test_a_closed_pipe_ends_quietly():
     proc = subprocess.Popen([sys.executable, "-m", "attnextract", "demo", "--dim", "8"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
