@@ -251,6 +251,23 @@ def target_file(tmp_path):
     return path
 
 
+@pytest.mark.parametrize("extra, reason", [
+    (["--noise-method", "paper"], "--noise-method needs --tolerance"),
+    (["--bits", "20"], "--bits needs --sign-only"),
+    (["--tolerance", "1e-6", "--method", "rop"], "with --tolerance, use --noise-method"),
+    (["--heads", "2"], "--heads does not apply to --model single-head"),
+    (["--model", "low-rank", "--no-polish"], "--no-polish does not apply to --model low-rank"),
+])
+def test_options_of_another_model_are_one_line_errors_before_any_query(tmp_path, target_file,
+                                                                       capsys, extra, reason):
+    assert main(["extract", "--target", f"{target_file}:counting_threads", "--dim", "4",
+                 "--out", str(tmp_path / "r"), *extra]) == 2
+    assert reason in capsys.readouterr().err.strip().splitlines()[-1]
+    module = next((m for m in list(sys.modules.values())
+                   if getattr(m, "__file__", None) == str(target_file)), None)
+    assert module is None or module.threads == []      # the black box was never asked
+
+
 def test_out_names_the_file_actually_written(tmp_path, target_file, capsys):
     assert main(["extract", "--target", f"{target_file}:head", "--dim", "4",
                  "--out", str(tmp_path / "r.txt")]) == 0
