@@ -123,7 +123,7 @@ def test_report_json_has_snake_case_keys_numbers_and_a_schema_version():
     json.dumps(out)
 
 
-def test_one_layer_breakdown_parts_add_up_without_a_recovery_line():
+def test_one_layer_breakdown_parts_add_up_without_a_recovery_line(tmp_path):
     from attnextract.learners.one_layer import random_one_layer
     result = extract(Oracle(random_one_layer(4, 4, seed=1), 4), "one-layer", seed=0)
     report = result.report
@@ -133,6 +133,9 @@ def test_one_layer_breakdown_parts_add_up_without_a_recovery_line():
     assert not any(line.startswith("  recovery") for line in lines)
     assert any(line.startswith("floor") and f"recovery ({report.recovery} queries" in line
                for line in lines)
+    back = ExtractionResult.load(result.save(tmp_path / "one-layer"))
+    assert str(back.report) == str(report) and back.report.recovery == report.recovery
+    assert np.array_equal(back.model.A, result.model.A)
 
 
 # -- progress and logging --------------------------------------------------------------
