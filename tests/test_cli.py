@@ -54,6 +54,7 @@ def target_file(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["head", "as_function"])
+@pytest.mark.slow
 def test_extract_writes_result_and_json(tmp_path, target_file, name):
     out = tmp_path / "result.npz"
     proc = run("extract", "--target", f"{target_file}:{name}", "--dim", "6", "--seed", "3",
@@ -70,6 +71,7 @@ def test_extract_writes_result_and_json(tmp_path, target_file, name):
         assert rel_err(data["W"], truth.W) < 1e-9
 
 
+@pytest.mark.slow
 def test_extract_readable_report_then_verify(tmp_path, target_file):
     out = tmp_path / "r.npz"
     proc = run("extract", "--target", f"{target_file}:head", "--dim", "6", "--out", str(out),
@@ -90,6 +92,7 @@ def test_extract_readable_report_then_verify(tmp_path, target_file):
     ("NotAnInstance", 2, "is a class"),
     ("missing", 2, "defines no 'missing'"),
 ])
+@pytest.mark.slow
 def test_extract_failures_exit_nonzero_with_one_line(tmp_path, target_file, name, code, reason):
     out = tmp_path / "r.npz"
     proc = run("extract", "--target", f"{target_file}:{name}", "--dim", "6", "--out", str(out),
@@ -99,6 +102,7 @@ def test_extract_failures_exit_nonzero_with_one_line(tmp_path, target_file, name
     assert not out.exists()                  # no result file for a failure
 
 
+@pytest.mark.slow
 def test_extract_json_failure_is_one_object(tmp_path, target_file):
     proc = run("extract", "--target", f"{target_file}:two_heads", "--dim", "6", "--json",
                "--out", str(tmp_path / "r.npz"), check=1)
@@ -107,12 +111,14 @@ def test_extract_json_failure_is_one_object(tmp_path, target_file):
     assert report["report"]["verification"]["passed"] is False
 
 
+@pytest.mark.slow
 def test_budget_flag(tmp_path, target_file):
     proc = run("extract", "--target", f"{target_file}:head", "--dim", "6", "--budget", "50",
                "--out", str(tmp_path / "r.npz"), check=1)
     assert "BudgetExceededError" in proc.stderr and "budget of 50" in proc.stderr
 
 
+@pytest.mark.slow
 def test_bad_target_spec_and_file(tmp_path):
     run("extract", "--target", "nocolon", "--dim", "3", "--out", str(tmp_path / "r.npz"), check=2)
     run("extract", "--target", f"{tmp_path}/nope.py:f", "--dim", "3",
@@ -120,6 +126,7 @@ def test_bad_target_spec_and_file(tmp_path):
     run("extract", "--target", "x.py:f", "--dim", "0", "--out", "r.npz", check=2)
 
 
+@pytest.mark.slow
 def test_verify_rejects_bad_result_file(tmp_path, target_file):
     bad = tmp_path / "bad.npz"
     bad.write_bytes(b"not a zip")
@@ -127,6 +134,7 @@ def test_verify_rejects_bad_result_file(tmp_path, target_file):
     assert "TargetLoadError" in proc.stderr
 
 
+@pytest.mark.slow
 def test_demo_runs_and_reports_error_against_secret():
     proc = run("demo", "--dim", "16", "--seed", "4", "--json", check=0)
     report = json.loads(proc.stdout)
@@ -136,6 +144,7 @@ def test_demo_runs_and_reports_error_against_secret():
     assert "relative error W" in proc.stdout
 
 
+@pytest.mark.slow
 def test_console_script_matches_module(tmp_path):
     import shutil
     exe = shutil.which("attnextract")

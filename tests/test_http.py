@@ -281,6 +281,7 @@ def test_malformed_answers_and_wrong_dimension(serve):
         HttpBlackBox(server.url).check_dim(4)
 
 
+@pytest.mark.slow
 def test_serve_and_extract_on_the_command_line(tmp_path):
     secret = random_single_head(4, seed=9)
     np.savez(tmp_path / "secret.npz", W=secret.W, v=secret.v)

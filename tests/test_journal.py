@@ -155,6 +155,7 @@ def _journal_digests(path) -> list[str]:
     return [d.hex() for d, _, _ in read_entries(path)]
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_loses_and_repeats_nothing(tmp_path):
     target = tmp_path / "slow.py"
     target.write_text(SLOW_TARGET)

@@ -37,6 +37,7 @@ def bound(d, r):
 # ---------------------------------------------------------------------------- adaptive
 
 @pytest.mark.parametrize("d", [4, 9, 16, 32])
+@pytest.mark.slow
 def test_adaptive_ranks_seeds_and_query_bound(d):
     for r in sorted({1, 2, d // 2, d}):
         for seed in range(6):
@@ -58,6 +59,7 @@ def test_adaptive_ranks_seeds_and_query_bound(d):
 
 
 @pytest.mark.parametrize("d, r", [(64, 1), (64, 5), (96, 12), (128, 64)])
+@pytest.mark.slow
 def test_adaptive_larger_d_within_five_percent(d, r):
     for seed in range(2):
         target = low_rank_head(d, r, seed)
@@ -78,6 +80,7 @@ def test_rank_is_confirmed_by_extra_probes():
     assert "rank check" in result.report.details
 
 
+@pytest.mark.slow
 def test_full_rank_target_falls_back_to_the_full_learner():
     for d in (1, 2, 7, 20):
         for seed in range(4):
@@ -94,6 +97,7 @@ def test_full_rank_target_falls_back_to_the_full_learner():
 
 @pytest.mark.parametrize("d", [3, 16, 40])
 @pytest.mark.parametrize("seed", range(2))
+@pytest.mark.slow
 def test_adaptive_hostile_targets(d, seed):
     rng = np.random.default_rng(seed)
     cases = dict(hostile_single_heads(d, seed))
@@ -134,6 +138,7 @@ def test_given_rank_is_checked_not_trusted():
         assert bool(result.report.notes) == (given != r)
 
 
+@pytest.mark.slow
 def test_two_heads_are_never_returned():
     d = 12
     a, b = low_rank_head(d, 2, 0), low_rank_head(d, 2, 1)
@@ -194,6 +199,7 @@ def test_random_bases():
 # ---------------------------------------------------------------------------- ROP
 
 @pytest.mark.parametrize("d, ranks", [(8, (1, 2, 4)), (16, (1, 2, 8)), (24, (3,))])
+@pytest.mark.slow
 def test_rop_recovers_across_seeds(d, ranks):
     for r in ranks:
         for seed in range(4):
@@ -220,6 +226,7 @@ def test_rop_full_rank_and_hostile_scales():
         assert rel_err(result.model.W, target.W) <= 1e-9, scale
 
 
+@pytest.mark.slow
 def test_rop_too_few_measurements_or_too_low_rank_fail_loudly():
     d = 16
     target = low_rank_head(d, 4, 0)
@@ -231,6 +238,7 @@ def test_rop_too_few_measurements_or_too_low_rank_fail_loudly():
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.slow
 def test_rop_solver_is_exact_on_exact_data(dtype):
     for seed in range(4):
         rng = np.random.default_rng(seed)
@@ -296,6 +304,7 @@ TARGET = textwrap.dedent("""
 
 @pytest.mark.parametrize("extra", [[], ["--method", "rop", "--rank", "2"],
                                    ["--rank", "2", "--method", "adaptive"]])
+@pytest.mark.slow
 def test_cli_low_rank(tmp_path, extra):
     path = tmp_path / "t.py"
     path.write_text(TARGET)
@@ -309,7 +318,8 @@ def test_cli_low_rank(tmp_path, extra):
     rng = np.random.default_rng(0)
     W = rng.standard_normal((10, 2)) @ rng.standard_normal((2, 10))
     with np.load(out) as data:
-        assert sorted(data.files) == ["W", "kind", "queries", "report", "v"]
+        assert sorted(data.files) == ["W", "kind", "options", "queries", "report",
+                                      "report_state", "v"]
         assert int(data["queries"]) == report["queries"]
         assert rel_err(data["W"], W) <= 1e-9
     assert rel_err(load_model(out).W, W) <= 1e-9
@@ -317,6 +327,7 @@ def test_cli_low_rank(tmp_path, extra):
     assert proc.returncode == 0 and "MATCH" in proc.stdout
 
 
+@pytest.mark.slow
 def test_cli_rejects_low_rank_options_elsewhere(tmp_path):
     path = tmp_path / "t.py"
     path.write_text(TARGET)
@@ -384,6 +395,7 @@ def test_rop_solver_stops_at_the_measurements_noise_without_restarts(noise, stop
 
 
 @pytest.mark.parametrize("d", [8, 16])
+@pytest.mark.slow
 def test_rop_rank_one_at_c2_on_twenty_seeds(d):
     # m = 4d measurements for 2d - 1 unknowns: seed 16 at d = 8 has spurious minima that
     # take more than 8 random restarts, and at d = 16 a probe with |v^T a| ~ 1e-4 of the

@@ -115,6 +115,7 @@ def test_match_heads_reports_permutation_and_errors():
     assert match_heads(MultiHeadAttention(M.W[:2], M.v[:2]), M)[1] == np.inf
 
 
+@pytest.mark.slow
 def test_twins_command_line():
     proc = run_cli("twins", "--heads", "3", "--dim", "5", "--seed", "4", "--json", timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -147,6 +148,7 @@ def check_extraction(M, seed, heads=None, tol=1e-8):
 
 @pytest.mark.parametrize("H,d,seeds", [(1, 4, 20), (2, 4, 20), (3, 4, 20), (2, 7, 20),
                                        (4, 4, 6), (4, 6, 4)])
+@pytest.mark.slow
 def test_generic_heads_recovered_within_paper2_count(H, d, seeds):
     for seed in range(seeds):
         check_extraction(random_multi_head(H, d, seed=1000 * H + seed), seed)
@@ -159,6 +161,7 @@ def test_generic_heads_recovered_within_paper2_count(H, d, seeds):
 # direction of a coincident-pole probe whose own pair pinned it (seed 3: there head 1's
 # residue on that row is also 5e-4 of the largest).
 @pytest.mark.parametrize("seed", [0, 2, 3, 5, 15])
+@pytest.mark.slow
 def test_previously_failing_four_head_seeds(seed):
     result = check_extraction(random_multi_head(4, 4, seed=10_000 * 4 + 100 * 4 + seed), seed)
     assert result.report.breakdown["recovery"] <= paper2_count(4, 4)
@@ -168,6 +171,7 @@ def test_previously_failing_four_head_seeds(seed):
 @pytest.mark.parametrize("name", ["merged heads (W_1 = W_0)", "dead head (v = 0)",
                                   "heads sharing v", "non-orthogonal heads (correlated W, v)",
                                   "one head 10x larger W", "v = sum of v_h = 0"])
+@pytest.mark.slow
 def test_hostile_heads(H, name):
     for seed in range(3):
         M = hostile_multi_heads(H, 5, seed=seed)[name]
@@ -176,6 +180,7 @@ def test_hostile_heads(H, name):
             assert result.model.heads == H - 1
 
 
+@pytest.mark.slow
 def test_upper_bound_and_exact_head_count():
     M = random_multi_head(2, 5, seed=3)
     for heads in (2, 3, 5):
@@ -184,6 +189,7 @@ def test_upper_bound_and_exact_head_count():
     assert check_extraction(merged, seed=2, heads=3).model.heads == 2
 
 
+@pytest.mark.slow
 def test_too_small_bound_is_a_mismatch():
     M = random_multi_head(3, 5, seed=4)
     with pytest.raises(ModelMismatchError) as info:
@@ -191,6 +197,7 @@ def test_too_small_bound_is_a_mismatch():
     assert info.value.result is not None
 
 
+@pytest.mark.slow
 def test_not_multi_head_is_a_mismatch():
     M = random_multi_head(2, 4, seed=5)
 
@@ -246,6 +253,7 @@ def test_output_precision_detection():
     assert output_precision(x.astype(np.float16))[1] == "float16"
 
 
+@pytest.mark.slow
 def test_float32_outputs_one_and_two_heads():
     """Rounding to float32 leaves ~1e-6 on the parameters of one or two heads (measured)."""
     for H in (1, 2):
@@ -262,6 +270,7 @@ def test_float32_outputs_one_and_two_heads():
             assert 1e-9 < err < 1e-4               # float32 leaves float32-level errors
 
 
+@pytest.mark.slow
 def test_float32_outputs_never_return_a_wrong_model_silently():
     for seed in range(4):
         M = random_multi_head(3, 5, seed=seed)
@@ -334,6 +343,7 @@ def test_wrong_subspaces_are_a_mismatch():
 # command line
 # ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_cli_extract_multi_head(tmp_path):
     target = tmp_path / "target.py"
     target.write_text(textwrap.dedent("""

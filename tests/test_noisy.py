@@ -83,6 +83,7 @@ def test_wrapper_bad_input(make):
 # -- error bars ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("d", [2, 8])
+@pytest.mark.slow
 def test_bounded_error_bar_holds_for_every_noise_kind(d):
     """The worst-case bar is a proof: it must hold in every trial, adversaries included."""
     trials = 0
@@ -123,6 +124,7 @@ def test_hostile_targets_under_bounded_noise():
 
 
 @pytest.mark.parametrize("repeats", [1, 4])
+@pytest.mark.slow
 def test_random_error_bar_holds_over_many_seeds(repeats):
     d, std, misses, trials = 6, 1e-5, 0, 60
     for seed in range(trials):
@@ -336,6 +338,7 @@ def extract_in(tmp_path, *args):
                    cwd=tmp_path, env=env, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_tolerance_paper_and_sign_only(tmp_path):
     target = random_single_head(6, seed=11)
     proc = extract_in(tmp_path, "--target", "t.py:noisy", "--tolerance", "1e-6")

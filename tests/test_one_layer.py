@@ -197,6 +197,7 @@ def target_file(tmp_path):
     return path
 
 
+@pytest.mark.slow
 def test_cli_extracts_one_layer_and_verifies(tmp_path, target_file):
     out = tmp_path / "result.npz"
     proc = run("extract", "--target", f"{target_file}:secret", "--dim", "5", "--model",
@@ -215,6 +216,7 @@ def test_cli_extracts_one_layer_and_verifies(tmp_path, target_file):
     assert "MISMATCH" in proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_residual_is_a_mismatch_with_one_line(tmp_path, target_file):
     out = tmp_path / "r.npz"
     proc = run("extract", "--target", f"{target_file}:residual", "--dim", "5", "--model",
@@ -223,6 +225,7 @@ def test_cli_residual_is_a_mismatch_with_one_line(tmp_path, target_file):
     assert last.startswith("attnextract: ModelMismatchError") and not out.exists()
 
 
+@pytest.mark.slow
 def test_cli_relu_network_kind_and_no_polish(tmp_path, target_file):
     full, quick = tmp_path / "full.npz", tmp_path / "quick.npz"
     a = json.loads(run("extract", "--target", f"{target_file}:ffn_only", "--dim", "5", "--model",

@@ -90,6 +90,7 @@ def test_no_attention_path_is_not_identifiable_and_small_d_is_refused():
         extract_one_layer_residual(Oracle(random_residual_one_layer(3, 2, seed=0), 3))
 
 
+@pytest.mark.slow
 def test_cli_kind(tmp_path):
     target = tmp_path / "t.py"
     target.write_text(textwrap.dedent("""

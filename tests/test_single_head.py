@@ -17,6 +17,7 @@ def extract(model, **kwargs):
 
 
 @pytest.mark.parametrize("d, seeds", [(1, 20), (2, 20), (8, 20), (64, 5), (256, 2)])
+@pytest.mark.slow
 def test_exact_recovery_and_query_count(d, seeds):
     for seed in range(seeds):
         target = random_single_head(d, seed=seed)
@@ -32,6 +33,7 @@ def test_exact_recovery_and_query_count(d, seeds):
         assert result.report.verification.max_relative_error < 1e-9
 
 
+@pytest.mark.slow
 def test_published_falsification_d8():
     """arXiv 2601.16873 review: d = 8, 100 random full-rank instances, error < 1e-8 with
     at most 3 d^2 queries each; every one must pass."""

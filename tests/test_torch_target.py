@@ -85,6 +85,7 @@ def test_bad_arguments():
         TorchAttentionBlackBox(mha(4, 1, seed=0))(np.ones((2, 3, 5)))
 
 
+@pytest.mark.slow
 def test_torch_target_file_on_the_command_line(tmp_path):
     (tmp_path / "layer.py").write_text(textwrap.dedent("""
         import torch

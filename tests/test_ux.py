@@ -14,13 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import attnextract
-from attnextract import InputError, ModelMismatchError, Oracle, extract
+from attnextract import InputError, Oracle, extract
 from attnextract.adapters.targets import random_single_head
 from attnextract.cli import build_parser, main
 from attnextract.progress import ProgressBar
 from attnextract.registry import LEARNERS, learner_names, register
-from attnextract.report import ExtractionResult, Report, load_model
+from attnextract.report import ExtractionResult, load_model
 
 from conftest import rel_err
 
@@ -124,7 +123,7 @@ def test_report_json_has_snake_case_keys_numbers_and_a_schema_version():
     json.dumps(out)
 
 
-def test_one_layer_breakdown_parts_add_up_without_a_recovery_line():
+def test_one_layer_breakdown_parts_add_up_without_a_recovery_line(tmp_path):
     from attnextract.learners.one_layer import random_one_layer
     result = extract(Oracle(random_one_layer(4, 4, seed=1), 4), "one-layer", seed=0)
     report = result.report
@@ -134,6 +133,9 @@ def test_one_layer_breakdown_parts_add_up_without_a_recovery_line():
     assert not any(line.startswith("  recovery") for line in lines)
     assert any(line.startswith("floor") and f"recovery ({report.recovery} queries" in line
                for line in lines)
+    back = ExtractionResult.load(result.save(tmp_path / "one-layer"))
+    assert str(back.report) == str(report) and back.report.recovery == report.recovery
+    assert np.array_equal(back.model.A, result.model.A)
 
 
 # -- progress and logging --------------------------------------------------------------
@@ -252,6 +254,23 @@ def target_file(tmp_path):
     return path
 
 
+@pytest.mark.parametrize("extra, reason", [
+    (["--noise-method", "paper"], "--noise-method needs --tolerance"),
+    (["--bits", "20"], "--bits needs --sign-only"),
+    (["--tolerance", "1e-6", "--method", "rop"], "with --tolerance, use --noise-method"),
+    (["--heads", "2"], "--heads does not apply to --model single-head"),
+    (["--model", "low-rank", "--no-polish"], "--no-polish does not apply to --model low-rank"),
+])
+def test_options_of_another_model_are_one_line_errors_before_any_query(tmp_path, target_file,
+                                                                       capsys, extra, reason):
+    assert main(["extract", "--target", f"{target_file}:counting_threads", "--dim", "4",
+                 "--out", str(tmp_path / "r"), *extra]) == 2
+    assert reason in capsys.readouterr().err.strip().splitlines()[-1]
+    module = next((m for m in list(sys.modules.values())
+                   if getattr(m, "__file__", None) == str(target_file)), None)
+    assert module is None or module.threads == []      # the black box was never asked
+
+
 def test_out_names_the_file_actually_written(tmp_path, target_file, capsys):
     assert main(["extract", "--target", f"{target_file}:head", "--dim", "4",
                  "--out", str(tmp_path / "r.txt")]) == 0
@@ -310,6 +329,7 @@ def test_verify_and_demo_take_a_journal(tmp_path, target_file, capsys):
     assert main(["demo", "--dim", "4", "--journal", str(tmp_path / "d.sqlite")]) == 0
 
 
+@pytest.mark.slow
 def test_a_closed_pipe_ends_quietly():
     proc = subprocess.Popen([sys.executable, "-m", "attnextract", "demo", "--dim", "8"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)

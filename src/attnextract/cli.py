@@ -47,6 +47,8 @@ MODEL_OPTIONS = {"rank": "rank", "method": "method", "oversampling": "oversampli
                  "relative_tolerance": "relative_tolerance", "noise": "noise",
                  "noise_method": "method", "repeats": "repeats", "norm_bound": "norm_bound",
                  "margin": "margin", "bits": "bits", "threshold": "threshold"}
+NOISE_OPTIONS = ("relative_tolerance", "noise", "noise_method", "repeats", "norm_bound", "margin")
+LABEL_OPTIONS = ("bits", "threshold")
 # their defaults on the command line (the learners' own): equal to it counts as not given
 OPTION_DEFAULTS = {"polish": True, "relative_tolerance": 0.0, "noise": "bounded",
                    "noise_method": "robust", "repeats": 1, "threshold": 0.0, "bits": 40}
@@ -408,13 +410,15 @@ def _learner_and_options(args):
         value = getattr(args, dest, None)
         if value is None or value == OPTION_DEFAULTS.get(dest):
             continue                           # not given: the learner's own default
+        flag = "--no-polish" if dest == "polish" else "--" + dest.replace("_", "-")
+        if dest in NOISE_OPTIONS and args.tolerance is None:
+            raise InputError(f"{flag} needs --tolerance (noisy outputs)")
+        if dest in LABEL_OPTIONS and not args.sign_only:
+            raise InputError(f"{flag} needs --sign-only (label outputs)")
+        if dest == "method" and args.tolerance is not None:
+            raise InputError("--method is --model low-rank's; with --tolerance, use --noise-method")
         if keyword not in accepted:
-            flag = "--no-polish" if dest == "polish" else "--" + dest.replace("_", "-")
-            need = (" (it needs --tolerance)" if dest in ("relative_tolerance", "noise",
-                    "noise_method", "repeats", "norm_bound", "margin") and args.tolerance is None
-                    else " (it needs --sign-only)" if dest in ("bits", "threshold")
-                    and not args.sign_only else "")
-            raise InputError(f"{flag} does not apply to --model {learner.name}{need}")
+            raise InputError(f"{flag} does not apply to --model {learner.name}")
         options[keyword] = value
     return learner, options
 

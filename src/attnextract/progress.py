@@ -60,9 +60,13 @@ class ProgressBar:
         self.lines = 0
         self.bar = None
         if self.mode == "bar":
+            import shutil
             from tqdm import tqdm
+            # a terminal that reports no size (some ptys) would get no bar at all
+            size = shutil.get_terminal_size((100, 24))
             self.bar = tqdm(total=None, desc=label, unit="q", file=self.stream,
-                            dynamic_ncols=True, mininterval=0.1, leave=True)
+                            ncols=size.columns, nrows=max(size.lines, 2), mininterval=0.1,
+                            leave=True)
 
     # -- Oracle callbacks ----------------------------------------------------------
     def __call__(self, done: int, total: int) -> None:

@@ -2,7 +2,7 @@
 
 The black box answers only the label 1{f(X) > t} for a known threshold t (paper 1,
 Appendix B treats such membership queries by bisection; its details are not at hand,
-this is our design).
+this is our design; overview in docs/algorithms.md, "Sign-only outputs").
 
 v. For one token f([x]) = v^T x.
 - t = 0: labels are the sign of a linear form, so only the direction of v is
