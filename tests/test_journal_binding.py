@@ -549,3 +549,25 @@ def test_the_checks_respect_max_batch(tmp_path):
         with QueryJournal(tmp_path / "j.sqlite") as journal:
             oracle = Oracle(one_at_a_time, D, journal=journal, max_batch=1)
             np.testing.assert_allclose(oracle.query(X), head(X), rtol=1e-12)
+
+
+def test_verification_through_a_learners_view_of_the_oracle_is_live(tmp_path):
+    """Learners wrap the oracle (e.g. the odd part f(X) - f(-X)); verification through the
+    wrapper still reaches the live black box, unjournaled."""
+    from attnextract.learners.one_layer import OddPartOracle
+    from attnextract.oracle import live_queries
+    box = CountingBox(random_single_head(D, seed=15))
+    X = np.random.default_rng(8).standard_normal((4, 3, D))
+    with QueryJournal(tmp_path / "j.sqlite") as journal:
+        oracle = Oracle(box, D, journal=journal)
+        odd = OddPartOracle(oracle)
+        first = odd.query(X)
+        asked = len(box.asked)
+        with live_queries(odd):
+            np.testing.assert_array_equal(odd.query(X), first)
+        assert len(box.asked) == asked + 8 and len(journal) == 8
+        assert (oracle.journal_queries, oracle.black_box_queries) == (0, 16)
+    with QueryJournal(tmp_path / "j.sqlite") as journal:     # a rerun replays the first ask
+        oracle = Oracle(box, D, journal=journal)
+        np.testing.assert_array_equal(OddPartOracle(oracle).query(X), first)
+        assert (oracle.journal_queries, oracle.black_box_queries) == (8, 0)

@@ -16,7 +16,7 @@ import numpy as np
 
 from .errors import InputError, ModelMismatchError, TargetLoadError
 from .models import MODEL_CLASSES
-from .oracle import Oracle
+from .oracle import Oracle, live_queries
 
 DEFAULT_VERIFY_TOLERANCE = 1e-7
 MAX_VERIFY_LENGTH = 16
@@ -110,10 +110,10 @@ def verify_model(oracle: Oracle, model, *, count: int, seed=None,
                + [(idx + half, b) for idx, b in held_out_batches(oracle.dim, count // 2, rng, anchor)])
     oracle.require(count, "held-out verification")
     observed, predicted = np.empty(count), np.empty(count)
-    for idx, batch in batches:                   # one batch per length and scale group
-        # always the live black box, never a journal's answers
-        observed[idx] = oracle.query(batch, live=True)
-        predicted[idx] = model(batch)
+    with live_queries(oracle):                   # the live black box, never a journal
+        for idx, batch in batches:               # one batch per length and scale group
+            observed[idx] = oracle.query(batch)
+            predicted[idx] = model(batch)
     err = relative_errors(predicted, observed)
     return Verification(sequences=count, max_relative_error=float(err.max()),
                         median_relative_error=float(np.median(err)), tolerance=tolerance)
