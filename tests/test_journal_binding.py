@@ -571,3 +571,31 @@ def test_verification_through_a_learners_view_of_the_oracle_is_live(tmp_path):
         oracle = Oracle(box, D, journal=journal)
         np.testing.assert_array_equal(OddPartOracle(oracle).query(X), first)
         assert (oracle.journal_queries, oracle.black_box_queries) == (8, 0)
+
+
+def test_kept_sequences_stay_a_small_uniform_reservoir(tmp_path, monkeypatch):
+    import attnextract.adapters.journal as journal_module
+    monkeypatch.setattr(journal_module, "MAX_KEPT", 5)
+    head = random_single_head(D, seed=16)
+    X = np.random.default_rng(9).standard_normal((60, 2, D))
+    with QueryJournal(tmp_path / "j.sqlite") as journal:
+        Oracle(head, D, journal=journal, max_batch=1).query(X)     # 60 batches
+    with sqlite3.connect(tmp_path / "j.sqlite") as db:
+        kept = db.execute("SELECT id, sequence, output FROM samples").fetchall()
+    assert sorted(row[0] for row in kept) == [1, 2, 3, 4, 5]
+    asked = {x.tobytes(): y for x, y in zip(X, head(X))}
+    for _, blob, y in kept:                        # each is a real query with its answer
+        assert blob in asked and abs(asked[blob] - y) <= 1e-12 * abs(y)
+    # later batches get kept too (a reservoir, not the first five; all five first ones
+    # surviving 55 more batches has chance ~(5/60)^5 = 4e-6)
+    later = {X[i].tobytes() for i in range(5, 60)}
+    assert any(blob in later for _, blob, _ in kept)
+
+
+def test_challenges_stay_within_one_request_for_wide_tokens():
+    for dim, longest in ((6, 256), (384, 256), (1024, 128), (4096, 32), (20000, 16)):
+        lengths = [len(x) for x in challenge_sequences(dim)]
+        assert max(lengths) == longest and len(lengths) == CHALLENGES
+        assert all(x.shape[1] == dim and np.all(np.isfinite(x)) for x in challenge_sequences(dim))
+    a, b = challenge_sequences(8), challenge_sequences(8)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))        # fixed: seeded by d

@@ -18,7 +18,8 @@ thing twice because a run died. :class:`QueryJournal` is an SQLite file (stdlib
 **Bound to its black box.** A journal answers for one black box only. When it is
 created it stores a *fingerprint*: the black box's answers to :data:`CHALLENGES`
 fixed challenge sequences (lengths 1 to 256, token scales 1e-2 to 3, seeded by d).
-It also keeps one sequence of every recorded batch (drawn at random) with its answer.
+It also keeps one random sequence of each recorded batch with its answer (a uniform
+reservoir of at most :data:`MAX_KEPT` batches).
 Before a resumed run answers anything from the journal, the live black box is asked
 the challenges and a fresh random sample of :data:`RESUME_SAMPLE` kept sequences; any
 answer that differs refuses the journal (:class:`JournalMismatchError`, naming the
@@ -78,6 +79,9 @@ DIGEST_BYTES = 16
 CHECKSUM_BYTES = 16
 CHALLENGES = 8             # challenge sequences of the fingerprint
 RESUME_SAMPLE = 8          # journaled sequences asked again when a journal is resumed
+MAX_KEPT = 256             # kept sequences (a uniform reservoir over all recorded batches)
+MAX_KEPT_NUMBERS = 1 << 19 # a longer sequence is not kept (4 MiB)
+CHALLENGE_NUMBERS = 1 << 17  # numbers in the longest challenge (an HTTP request carries 2^18)
 FINGERPRINT_VERSION = 1
 FLOAT_SLACK = 1e-12        # relative disagreement allowed to a deterministic black box
 # A kept sequence is asked again in another batch than the first time, and a float32
@@ -141,17 +145,21 @@ def checksum(*blobs: bytes) -> bytes:
 def challenge_sequences(dim: int) -> list[np.ndarray]:
     """The fingerprint's fixed challenge sequences for token width ``dim``: (N, dim) each.
 
-    Lengths 1, 2, 4, 16, 16, 64, 256, 256; Gaussian tokens at scale d^{-1/4} times a
-    per-sequence factor (0.01 to 3), and per-token log-uniform factors in the long ones,
-    so that the fingerprint sees short and long sequences, saturated and flat attention.
-    Seeded by ``dim`` alone: the same for every journal of that width.
+    Lengths 1, 2, 4, 16, 16, 64, 256, 256 (the long ones cut to 2^17 numbers for wide
+    tokens, at least 16: 128 tokens at d = 1024, 32 at d = 4096); Gaussian tokens at
+    scale d^{-1/4} times a per-sequence factor (0.01 to 3), and per-token log-uniform
+    factors in the long ones, so that the fingerprint sees short and long sequences,
+    saturated and flat attention. Seeded by ``dim`` alone: the same for every journal of
+    that width.
     """
     rng = np.random.default_rng([0x6A6F75726E616C, FINGERPRINT_VERSION, int(dim)])
     anchor = dim ** -0.25
+    longest = max(16, min(256, CHALLENGE_NUMBERS // dim))
     plan = [(1, 1.0), (2, 0.1), (4, 3.0), (16, 1.0), (16, 0.01), (64, 1.0), (256, 0.3),
             (256, 1.0)]
     out = []
     for n, factor in plan:
+        n = min(n, longest)
         X = rng.standard_normal((n, dim)) * (anchor * factor)
         if n >= 16:
             X *= np.exp(rng.uniform(np.log(0.1), np.log(3.0), size=(n, 1)))
@@ -268,6 +276,7 @@ class QueryJournal:
                                     "FROM batches").fetchall()
             stored_context = dict(self._db.execute("SELECT key, value FROM context"))
             self._answers = {(d, k): y for row in rows for d, k, y in _unpack(self.path, *row)}
+            self._batch_count = len(rows)
             self._import_sidecars()
         except JournalError:
             self.close()
@@ -480,10 +489,16 @@ class QueryJournal:
         where."""
         outputs = np.ascontiguousarray(outputs, dtype=np.float64)
         self._batches_recorded += 1
+        self._batch_count += 1
         sample = None
-        if X is not None and len(X):
-            i = int(np.random.default_rng().integers(len(X)))
-            sample = (np.ascontiguousarray(X[i], dtype=np.float64), float(outputs[i]))
+        rng = np.random.default_rng()
+        # reservoir sampling: each recorded batch's sequence is kept with chance
+        # MAX_KEPT / batches, in a random slot, so the kept set stays small and uniform
+        slot = (self._batch_count - 1 if self._batch_count <= MAX_KEPT
+                else int(rng.integers(self._batch_count)))
+        if X is not None and len(X) and slot < MAX_KEPT and X[0].size <= MAX_KEPT_NUMBERS:
+            i = int(rng.integers(len(X)))
+            sample = (slot + 1, np.ascontiguousarray(X[i], dtype=np.float64), float(outputs[i]))
         try:
             self._insert(keys, outputs, sample)
         except (sqlite3.Error, OSError) as exc:
@@ -500,11 +515,11 @@ class QueryJournal:
             self._db.execute("INSERT INTO batches (digests, occurrences, outputs, checksum) "
                              "VALUES (?, ?, ?, ?)", (*blobs, checksum(*blobs)))
             if sample is not None:
-                x, y = sample
+                slot, x, y = sample
                 blob = x.tobytes()
-                self._db.execute("INSERT INTO samples (length, sequence, output, checksum) "
-                                 "VALUES (?, ?, ?, ?)",
-                                 (len(x), blob, y, checksum(blob, np.float64(y).tobytes())))
+                self._db.execute("INSERT OR REPLACE INTO samples (id, length, sequence, output, "
+                                 "checksum) VALUES (?, ?, ?, ?, ?)",
+                                 (slot, len(x), blob, y, checksum(blob, np.float64(y).tobytes())))
 
     def _write(self, sql: str, row: tuple, what: str) -> None:
         try:
