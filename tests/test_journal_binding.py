@@ -73,9 +73,10 @@ def test_stale_weights_are_refused(tmp_path, change):
     W = head.W * (1 + change * np.random.default_rng(0).standard_normal(head.W.shape))
     with QueryJournal(path) as journal:
         oracle = Oracle(SingleHeadAttention(W, head.v), D, journal=journal)
-        with pytest.raises(JournalMismatchError, match="another black box"):
+        with pytest.raises(JournalMismatchError, match="another black box") as caught:
             extract_single_head(oracle, seed=0)
         assert oracle.queries == 0
+    assert "if this black box is noisy, state its noise" in str(caught.value)
 
 
 def test_a_box_that_only_knows_the_challenges_is_caught_by_the_resume_sample(tmp_path):

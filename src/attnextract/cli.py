@@ -220,6 +220,7 @@ def main(argv=None) -> int:
     handler = {"extract": cmd_extract, "verify": cmd_verify, "demo": cmd_demo,
                "bench": cmd_bench, "twins": cmd_twins, "serve": cmd_serve,
                "minilm": cmd_minilm}[args.command]
+    _RUN.clear()
     try:
         return handler(args)
     except KeyboardInterrupt:
@@ -389,6 +390,8 @@ def _save_atomically(result, out: str) -> None:
     os.close(fd)
     try:
         result.save(tmp)
+        with open(tmp, "rb+") as f:           # on disk before it takes the name
+            os.fsync(f.fileno())
         os.replace(tmp, out)
     except BaseException as exc:
         try:

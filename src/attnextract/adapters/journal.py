@@ -426,10 +426,14 @@ class QueryJournal:
     def _mismatch(self, what: str, stored: float, live: float):
         stored, live = float(stored), float(live)
         difference = {"query": what, "journaled": stored, "live": live}
+        hint = ""
+        if abs(stored - live) <= 1e-3 * max(abs(stored), abs(live)):
+            hint = (" (if this black box is noisy, state its noise: --tolerance / "
+                    "--relative-tolerance)")
         raise JournalMismatchError(
             f"journal {self.path} was recorded against another black box: the live black box "
             f"answers {what} with {live!r}, the journal holds {stored!r}; nothing more was "
-            f"asked. Use another journal (or --no-journal) for this black box",
+            f"asked. Use another journal (or --no-journal) for this black box{hint}",
             path=self.path, difference=difference)
 
     def _fingerprint(self):
