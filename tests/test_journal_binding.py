@@ -600,3 +600,27 @@ def test_challenges_stay_within_one_request_for_wide_tokens():
         assert all(x.shape[1] == dim and np.all(np.isfinite(x)) for x in challenge_sequences(dim))
     a, b = challenge_sequences(8), challenge_sequences(8)
     assert all(np.array_equal(x, y) for x, y in zip(a, b))        # fixed: seeded by d
+
+
+@pytest.mark.parametrize("column, value", [("outputs", "not bytes"), ("digests", 12),
+                                           ("checksum", 1.5)])
+def test_a_malformed_row_is_a_journal_error(tmp_path, column, value):
+    path = tmp_path / "j.sqlite"
+    small_journal(path)
+    with sqlite3.connect(path) as db:
+        db.execute(f"UPDATE batches SET {column} = ? WHERE id = 1", (value,))
+    with pytest.raises(JournalError, match="row 1 of its batches is malformed"):
+        QueryJournal(path)
+
+
+def test_a_tampered_kept_sequence_is_a_journal_error_before_any_learner_query(tmp_path):
+    path = tmp_path / "j.sqlite"
+    box = CountingBox(random_single_head(D, seed=10))
+    X = small_journal(path, box)
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE samples SET output = output + 1")
+    with QueryJournal(path) as journal:
+        oracle = Oracle(box, D, journal=journal)
+        with pytest.raises(JournalError, match="kept sequence .* fails its checks"):
+            oracle.query(X)
+        assert oracle.queries == 0

@@ -204,7 +204,10 @@ def _unpack(path: str, row_id: int, digests: bytes, occurrences: bytes, outputs:
             stored_checksum: bytes):
     """The (digest, occurrence, output) entries of one batch row, checked."""
     where = f"journal {path}: row {row_id} of its batches"
-    if bytes(stored_checksum) != checksum(digests, occurrences, outputs):
+    if not all(isinstance(b, bytes) for b in (digests, occurrences, outputs, stored_checksum)):
+        raise JournalError(f"{where} is malformed (a field that should be bytes is not)",
+                           path=path)
+    if stored_checksum != checksum(digests, occurrences, outputs):
         raise JournalError(f"{where} fails its checksum (the file was changed or cut short); "
                            f"delete the journal or use another one", path=path)
     if len(occurrences) % 8 or len(outputs) % 8:
@@ -442,8 +445,12 @@ class QueryJournal:
         if row is None:
             return None
         dim, outputs, stored_checksum = row
+        if not (isinstance(outputs, bytes) and isinstance(stored_checksum, bytes)
+                and isinstance(dim, int)):
+            raise JournalError(f"journal {self.path}: its fingerprint is malformed",
+                               path=self.path)
         values = np.frombuffer(outputs, dtype=np.float64) if len(outputs) % 8 == 0 else None
-        if (bytes(stored_checksum) != checksum(outputs) or values is None
+        if (stored_checksum != checksum(outputs) or values is None
                 or values.shape != (CHALLENGES,) or not np.all(np.isfinite(values))):
             raise JournalError(f"journal {self.path}: its fingerprint fails its checksum or "
                                f"shape check; delete it or use another one", path=self.path)
@@ -461,8 +468,12 @@ class QueryJournal:
             length, blob, y, stored_checksum = self._db.execute(
                 "SELECT length, sequence, output, checksum FROM samples WHERE id = ?",
                 (row_id,)).fetchone()
+            if not (isinstance(blob, bytes) and isinstance(stored_checksum, bytes)
+                    and isinstance(length, int) and isinstance(y, float)):
+                raise JournalError(f"journal {self.path}: kept sequence {row_id} is malformed",
+                                   path=self.path)
             x = np.frombuffer(blob, dtype=np.float64) if len(blob) % 8 == 0 else np.empty(0)
-            if (bytes(stored_checksum) != checksum(blob, np.float64(y).tobytes())
+            if (stored_checksum != checksum(blob, np.float64(y).tobytes())
                     or length < 1 or x.size % length or not np.all(np.isfinite(x))
                     or not math.isfinite(y)):
                 raise JournalError(f"journal {self.path}: kept sequence {row_id} fails its "
