@@ -466,6 +466,7 @@ def _note_sources(report, oracle: Oracle) -> None:
 def cmd_verify(args) -> int:
     model = load_model(args.result)
     oracle = Oracle(_open_target(args.target, model.dim), model.dim, budget=args.budget)
+    _RUN.update(oracle=oracle)
     count = args.count or verification_count(sum(np.size(p) for p in model.parameters().values()))
     verification = verify_model(oracle, model, count=count, seed=args.seed,
                                 tolerance=args.tolerance)
@@ -493,6 +494,7 @@ def cmd_demo(args) -> int:
     secret = random_single_head(args.dim, seed)
     bar = ProgressBar("extracting", enabled=False if args.no_progress or args.json else None)
     oracle = Oracle(secret, args.dim, progress=bar)
+    _RUN.update(oracle=oracle)
     try:
         result = extract_single_head(oracle, seed=seed + 1)
     finally:
