@@ -73,9 +73,10 @@ def test_stale_weights_are_refused(tmp_path, change):
     W = head.W * (1 + change * np.random.default_rng(0).standard_normal(head.W.shape))
     with QueryJournal(path) as journal:
         oracle = Oracle(SingleHeadAttention(W, head.v), D, journal=journal)
-        with pytest.raises(JournalMismatchError, match="another black box"):
+        with pytest.raises(JournalMismatchError, match="another black box") as caught:
             extract_single_head(oracle, seed=0)
         assert oracle.queries == 0
+    assert "if this black box is noisy, state its noise" in str(caught.value)
 
 
 def test_a_box_that_only_knows_the_challenges_is_caught_by_the_resume_sample(tmp_path):
@@ -549,3 +550,77 @@ def test_the_checks_respect_max_batch(tmp_path):
         with QueryJournal(tmp_path / "j.sqlite") as journal:
             oracle = Oracle(one_at_a_time, D, journal=journal, max_batch=1)
             np.testing.assert_allclose(oracle.query(X), head(X), rtol=1e-12)
+
+
+def test_verification_through_a_learners_view_of_the_oracle_is_live(tmp_path):
+    """Learners wrap the oracle (e.g. the odd part f(X) - f(-X)); verification through the
+    wrapper still reaches the live black box, unjournaled."""
+    from attnextract.learners.one_layer import OddPartOracle
+    from attnextract.oracle import live_queries
+    box = CountingBox(random_single_head(D, seed=15))
+    X = np.random.default_rng(8).standard_normal((4, 3, D))
+    with QueryJournal(tmp_path / "j.sqlite") as journal:
+        oracle = Oracle(box, D, journal=journal)
+        odd = OddPartOracle(oracle)
+        first = odd.query(X)
+        asked = len(box.asked)
+        with live_queries(odd):
+            np.testing.assert_array_equal(odd.query(X), first)
+        assert len(box.asked) == asked + 8 and len(journal) == 8
+        assert (oracle.journal_queries, oracle.black_box_queries) == (0, 16)
+    with QueryJournal(tmp_path / "j.sqlite") as journal:     # a rerun replays the first ask
+        oracle = Oracle(box, D, journal=journal)
+        np.testing.assert_array_equal(OddPartOracle(oracle).query(X), first)
+        assert (oracle.journal_queries, oracle.black_box_queries) == (8, 0)
+
+
+def test_kept_sequences_stay_a_small_uniform_reservoir(tmp_path, monkeypatch):
+    import attnextract.adapters.journal as journal_module
+    monkeypatch.setattr(journal_module, "MAX_KEPT", 5)
+    head = random_single_head(D, seed=16)
+    X = np.random.default_rng(9).standard_normal((60, 2, D))
+    with QueryJournal(tmp_path / "j.sqlite") as journal:
+        Oracle(head, D, journal=journal, max_batch=1).query(X)     # 60 batches
+    with sqlite3.connect(tmp_path / "j.sqlite") as db:
+        kept = db.execute("SELECT id, sequence, output FROM samples").fetchall()
+    assert sorted(row[0] for row in kept) == [1, 2, 3, 4, 5]
+    asked = {x.tobytes(): y for x, y in zip(X, head(X))}
+    for _, blob, y in kept:                        # each is a real query with its answer
+        assert blob in asked and abs(asked[blob] - y) <= 1e-12 * abs(y)
+    # later batches get kept too (a reservoir, not the first five; all five first ones
+    # surviving 55 more batches has chance ~(5/60)^5 = 4e-6)
+    later = {X[i].tobytes() for i in range(5, 60)}
+    assert any(blob in later for _, blob, _ in kept)
+
+
+def test_challenges_stay_within_one_request_for_wide_tokens():
+    for dim, longest in ((6, 256), (384, 256), (1024, 128), (4096, 32), (20000, 16)):
+        lengths = [len(x) for x in challenge_sequences(dim)]
+        assert max(lengths) == longest and len(lengths) == CHALLENGES
+        assert all(x.shape[1] == dim and np.all(np.isfinite(x)) for x in challenge_sequences(dim))
+    a, b = challenge_sequences(8), challenge_sequences(8)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))        # fixed: seeded by d
+
+
+@pytest.mark.parametrize("column, value", [("outputs", "not bytes"), ("digests", 12),
+                                           ("checksum", 1.5)])
+def test_a_malformed_row_is_a_journal_error(tmp_path, column, value):
+    path = tmp_path / "j.sqlite"
+    small_journal(path)
+    with sqlite3.connect(path) as db:
+        db.execute(f"UPDATE batches SET {column} = ? WHERE id = 1", (value,))
+    with pytest.raises(JournalError, match="row 1 of its batches is malformed"):
+        QueryJournal(path)
+
+
+def test_a_tampered_kept_sequence_is_a_journal_error_before_any_learner_query(tmp_path):
+    path = tmp_path / "j.sqlite"
+    box = CountingBox(random_single_head(D, seed=10))
+    X = small_journal(path, box)
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE samples SET output = output + 1")
+    with QueryJournal(path) as journal:
+        oracle = Oracle(box, D, journal=journal)
+        with pytest.raises(JournalError, match="kept sequence .* fails its checks"):
+            oracle.query(X)
+        assert oracle.queries == 0

@@ -307,6 +307,7 @@ def main(argv=None) -> int:
     handler = {"extract": cmd_extract, "verify": cmd_verify, "demo": cmd_demo,
                "bench": cmd_bench, "twins": cmd_twins, "serve": cmd_serve,
                "minilm": cmd_minilm}[args.command]
+    _RUN.clear()
     try:
         with thread_limits(args.threads):
             code = handler(args) or 0
@@ -503,6 +504,8 @@ def _save_atomically(result, out: str) -> Path:
     os.close(fd)
     try:
         result.save(tmp)
+        with open(tmp, "rb+") as f:           # on disk before it takes the name
+            os.fsync(f.fileno())
         os.replace(tmp, out)
         return Path(out)
     except BaseException as exc:
@@ -600,6 +603,7 @@ def cmd_verify(args) -> int:
     journal = _open_query_journal(args, args.target, model.dim)
     oracle = Oracle(_open_target(args.target, model.dim), model.dim, budget=args.budget,
                     journal=journal, progress=_progress(args, "verifying"))
+    _RUN.update(oracle=oracle)
     count = args.count or verification_count(sum(np.size(p) for p in model.parameters().values()))
     try:
         verification = verify_model(oracle, model, count=count, seed=args.seed,
@@ -635,6 +639,7 @@ def cmd_demo(args) -> int:
     secret = random_single_head(args.dim, seed)
     bar = _progress(args)
     oracle = Oracle(secret, args.dim, progress=bar, journal=journal)
+    _RUN.update(oracle=oracle)
     try:
         result = extract(oracle, "single-head", seed=seed + 1)
     finally:

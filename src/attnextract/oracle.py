@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Sequence
 
 import numpy as np
@@ -271,6 +271,19 @@ class Oracle:
                 "journal_queries": self.journal_queries,
                 "black_box_queries": self.black_box_queries,
                 "check_queries": self.check_queries}
+
+
+def live_queries(oracle):
+    """Context: queries through ``oracle`` reach the live black box, never a journal.
+
+    ``oracle`` may be an :class:`Oracle` or a learner's view of one (an object with the
+    Oracle's query interface and the underlying oracle as ``base``, e.g. the odd-part
+    oracle); the innermost Oracle's :meth:`Oracle.live` is used. Held-out verification
+    runs inside it."""
+    root = oracle
+    while not isinstance(root, Oracle) and hasattr(root, "base"):
+        root = root.base
+    return root.live() if isinstance(root, Oracle) else nullcontext(oracle)
 
 
 def by_length(sequences) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -24,7 +24,7 @@ import numpy as np
 
 from .errors import InputError, ModelMismatchError, TargetLoadError
 from .models import MODEL_CLASSES
-from .oracle import Oracle
+from .oracle import Oracle, live_queries
 
 DEFAULT_VERIFY_TOLERANCE = 1e-7
 MAX_VERIFY_LENGTH = 16
@@ -131,7 +131,8 @@ def verify_model(oracle: Oracle, model, *, count: int, seed=None,
     hull_v = None
     if measure_v and getattr(model, "kind", "") == "single-head":
         oracle.require(count + oracle.dim, "held-out verification")
-        hull_v = oracle.query(np.eye(oracle.dim)[:, None, :], live=True)
+        with live_queries(oracle):                 # the live black box, never a journal
+            hull_v = oracle.query(np.eye(oracle.dim)[:, None, :])
     held = design(oracle.dim, count, rng, scale, probe_length=probe_length, model=model,
                   hull_v=hull_v)
     oracle.require(len(held.sequences), "held-out verification")

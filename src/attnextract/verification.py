@@ -55,6 +55,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .oracle import live_queries
+
 DEFAULT_TOLERANCE = 1e-7
 MIN_LONGEST = 256             # held-out lengths reach at least this
 LENGTH_FACTOR = 4             # ... and 4 x the longest probe
@@ -314,7 +316,8 @@ class Check:
 def run_check(oracle, model, held: HeldOutSet) -> Check:
     """Ask the black box every held-out sequence (one batch per length); compare."""
     from .oracle import evaluate_ragged
-    observed = oracle.query_ragged(held.sequences, live=True)   # never a journal's answers
+    with live_queries(oracle):          # the live black box, never a journal's answers
+        observed = oracle.query_ragged(held.sequences)
     predicted = evaluate_ragged(model, held.sequences)
     norms = token_norms(held.sequences)
     errors = scaled_relative_errors(predicted, observed, norms)

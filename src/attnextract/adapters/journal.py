@@ -18,7 +18,8 @@ thing twice because a run died. :class:`QueryJournal` is an SQLite file (stdlib
 **Bound to its black box.** A journal answers for one black box only. When it is
 created it stores a *fingerprint*: the black box's answers to :data:`CHALLENGES`
 fixed challenge sequences (lengths 1 to 256, token scales 1e-2 to 3, seeded by d).
-It also keeps one sequence of every recorded batch (drawn at random) with its answer.
+It also keeps one random sequence of each recorded batch with its answer (a uniform
+reservoir of at most :data:`MAX_KEPT` batches).
 Before a resumed run answers anything from the journal, the live black box is asked
 the challenges and a fresh random sample of :data:`RESUME_SAMPLE` kept sequences; any
 answer that differs refuses the journal (:class:`JournalMismatchError`, naming the
@@ -78,6 +79,9 @@ DIGEST_BYTES = 16
 CHECKSUM_BYTES = 16
 CHALLENGES = 8             # challenge sequences of the fingerprint
 RESUME_SAMPLE = 8          # journaled sequences asked again when a journal is resumed
+MAX_KEPT = 256             # kept sequences (a uniform reservoir over all recorded batches)
+MAX_KEPT_NUMBERS = 1 << 19 # a longer sequence is not kept (4 MiB)
+CHALLENGE_NUMBERS = 1 << 17  # numbers in the longest challenge (an HTTP request carries 2^18)
 FINGERPRINT_VERSION = 1
 FLOAT_SLACK = 1e-12        # relative disagreement allowed to a deterministic black box
 # A kept sequence is asked again in another batch than the first time, and a float32
@@ -141,17 +145,21 @@ def checksum(*blobs: bytes) -> bytes:
 def challenge_sequences(dim: int) -> list[np.ndarray]:
     """The fingerprint's fixed challenge sequences for token width ``dim``: (N, dim) each.
 
-    Lengths 1, 2, 4, 16, 16, 64, 256, 256; Gaussian tokens at scale d^{-1/4} times a
-    per-sequence factor (0.01 to 3), and per-token log-uniform factors in the long ones,
-    so that the fingerprint sees short and long sequences, saturated and flat attention.
-    Seeded by ``dim`` alone: the same for every journal of that width.
+    Lengths 1, 2, 4, 16, 16, 64, 256, 256 (the long ones cut to 2^17 numbers for wide
+    tokens, at least 16: 128 tokens at d = 1024, 32 at d = 4096); Gaussian tokens at
+    scale d^{-1/4} times a per-sequence factor (0.01 to 3), and per-token log-uniform
+    factors in the long ones, so that the fingerprint sees short and long sequences,
+    saturated and flat attention. Seeded by ``dim`` alone: the same for every journal of
+    that width.
     """
     rng = np.random.default_rng([0x6A6F75726E616C, FINGERPRINT_VERSION, int(dim)])
     anchor = dim ** -0.25
+    longest = max(16, min(256, CHALLENGE_NUMBERS // dim))
     plan = [(1, 1.0), (2, 0.1), (4, 3.0), (16, 1.0), (16, 0.01), (64, 1.0), (256, 0.3),
             (256, 1.0)]
     out = []
     for n, factor in plan:
+        n = min(n, longest)
         X = rng.standard_normal((n, dim)) * (anchor * factor)
         if n >= 16:
             X *= np.exp(rng.uniform(np.log(0.1), np.log(3.0), size=(n, 1)))
@@ -196,7 +204,10 @@ def _unpack(path: str, row_id: int, digests: bytes, occurrences: bytes, outputs:
             stored_checksum: bytes):
     """The (digest, occurrence, output) entries of one batch row, checked."""
     where = f"journal {path}: row {row_id} of its batches"
-    if bytes(stored_checksum) != checksum(digests, occurrences, outputs):
+    if not all(isinstance(b, bytes) for b in (digests, occurrences, outputs, stored_checksum)):
+        raise JournalError(f"{where} is malformed (a field that should be bytes is not)",
+                           path=path)
+    if stored_checksum != checksum(digests, occurrences, outputs):
         raise JournalError(f"{where} fails its checksum (the file was changed or cut short); "
                            f"delete the journal or use another one", path=path)
     if len(occurrences) % 8 or len(outputs) % 8:
@@ -268,6 +279,7 @@ class QueryJournal:
                                     "FROM batches").fetchall()
             stored_context = dict(self._db.execute("SELECT key, value FROM context"))
             self._answers = {(d, k): y for row in rows for d, k, y in _unpack(self.path, *row)}
+            self._batch_count = len(rows)
             self._import_sidecars()
         except JournalError:
             self.close()
@@ -417,10 +429,14 @@ class QueryJournal:
     def _mismatch(self, what: str, stored: float, live: float):
         stored, live = float(stored), float(live)
         difference = {"query": what, "journaled": stored, "live": live}
+        hint = ""
+        if abs(stored - live) <= 1e-3 * max(abs(stored), abs(live)):
+            hint = (" (if this black box is noisy, state its noise: --tolerance / "
+                    "--relative-tolerance)")
         raise JournalMismatchError(
             f"journal {self.path} was recorded against another black box: the live black box "
             f"answers {what} with {live!r}, the journal holds {stored!r}; nothing more was "
-            f"asked. Use another journal (or --no-journal) for this black box",
+            f"asked. Use another journal (or --no-journal) for this black box{hint}",
             path=self.path, difference=difference)
 
     def _fingerprint(self):
@@ -429,8 +445,12 @@ class QueryJournal:
         if row is None:
             return None
         dim, outputs, stored_checksum = row
+        if not (isinstance(outputs, bytes) and isinstance(stored_checksum, bytes)
+                and isinstance(dim, int)):
+            raise JournalError(f"journal {self.path}: its fingerprint is malformed",
+                               path=self.path)
         values = np.frombuffer(outputs, dtype=np.float64) if len(outputs) % 8 == 0 else None
-        if (bytes(stored_checksum) != checksum(outputs) or values is None
+        if (stored_checksum != checksum(outputs) or values is None
                 or values.shape != (CHALLENGES,) or not np.all(np.isfinite(values))):
             raise JournalError(f"journal {self.path}: its fingerprint fails its checksum or "
                                f"shape check; delete it or use another one", path=self.path)
@@ -448,8 +468,12 @@ class QueryJournal:
             length, blob, y, stored_checksum = self._db.execute(
                 "SELECT length, sequence, output, checksum FROM samples WHERE id = ?",
                 (row_id,)).fetchone()
+            if not (isinstance(blob, bytes) and isinstance(stored_checksum, bytes)
+                    and isinstance(length, int) and isinstance(y, float)):
+                raise JournalError(f"journal {self.path}: kept sequence {row_id} is malformed",
+                                   path=self.path)
             x = np.frombuffer(blob, dtype=np.float64) if len(blob) % 8 == 0 else np.empty(0)
-            if (bytes(stored_checksum) != checksum(blob, np.float64(y).tobytes())
+            if (stored_checksum != checksum(blob, np.float64(y).tobytes())
                     or length < 1 or x.size % length or not np.all(np.isfinite(x))
                     or not math.isfinite(y)):
                 raise JournalError(f"journal {self.path}: kept sequence {row_id} fails its "
@@ -480,10 +504,16 @@ class QueryJournal:
         where."""
         outputs = np.ascontiguousarray(outputs, dtype=np.float64)
         self._batches_recorded += 1
+        self._batch_count += 1
         sample = None
-        if X is not None and len(X):
-            i = int(np.random.default_rng().integers(len(X)))
-            sample = (np.ascontiguousarray(X[i], dtype=np.float64), float(outputs[i]))
+        rng = np.random.default_rng()
+        # reservoir sampling: each recorded batch's sequence is kept with chance
+        # MAX_KEPT / batches, in a random slot, so the kept set stays small and uniform
+        slot = (self._batch_count - 1 if self._batch_count <= MAX_KEPT
+                else int(rng.integers(self._batch_count)))
+        if X is not None and len(X) and slot < MAX_KEPT and X[0].size <= MAX_KEPT_NUMBERS:
+            i = int(rng.integers(len(X)))
+            sample = (slot + 1, np.ascontiguousarray(X[i], dtype=np.float64), float(outputs[i]))
         try:
             self._insert(keys, outputs, sample)
         except (sqlite3.Error, OSError) as exc:
@@ -500,11 +530,11 @@ class QueryJournal:
             self._db.execute("INSERT INTO batches (digests, occurrences, outputs, checksum) "
                              "VALUES (?, ?, ?, ?)", (*blobs, checksum(*blobs)))
             if sample is not None:
-                x, y = sample
+                slot, x, y = sample
                 blob = x.tobytes()
-                self._db.execute("INSERT INTO samples (length, sequence, output, checksum) "
-                                 "VALUES (?, ?, ?, ?)",
-                                 (len(x), blob, y, checksum(blob, np.float64(y).tobytes())))
+                self._db.execute("INSERT OR REPLACE INTO samples (id, length, sequence, output, "
+                                 "checksum) VALUES (?, ?, ?, ?, ?)",
+                                 (slot, len(x), blob, y, checksum(blob, np.float64(y).tobytes())))
 
     def _write(self, sql: str, row: tuple, what: str) -> None:
         try:

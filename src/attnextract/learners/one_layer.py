@@ -98,22 +98,19 @@ class OddPartOracle:
     def plan(self, n: int, what: str = "the extraction") -> None:
         self.base.plan(2 * n, f"{what} (two queries per probe of the odd part)")
 
-    def query(self, X, *, live: bool = False) -> np.ndarray:
-        """g on a batch (B, N, d) (or one sequence (N, d)) -> (B,); 2B queries in one batch.
-
-        ``live``: ask the black box itself, never a journal (held-out verification)."""
+    def query(self, X) -> np.ndarray:
+        """g on a batch (B, N, d) (or one sequence (N, d)) -> (B,); 2B queries in one batch."""
         X = np.asarray(X, dtype=np.float64)
         if X.ndim == 2:
             X = X[None]
         B = X.shape[0] if X.ndim == 3 else 0
-        f = self.base.query(np.concatenate([X, -X], axis=0), live=live)
+        f = self.base.query(np.concatenate([X, -X], axis=0))
         self.queries += B
         return f[:B] - f[B:]
 
-    def query_ragged(self, sequences, *, live: bool = False) -> np.ndarray:
+    def query_ragged(self, sequences) -> np.ndarray:
         """g on sequences of different lengths: one batch per length, answers in order."""
-        return evaluate_ragged(lambda X: self.query(X, live=live),
-                               [np.asarray(s, dtype=np.float64) for s in sequences])
+        return evaluate_ragged(self.query, [np.asarray(s, dtype=np.float64) for s in sequences])
 
 
 def extract_one_layer(oracle: Oracle, *, seed=None,

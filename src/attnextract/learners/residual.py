@@ -68,17 +68,16 @@ class _MappedOracle:
     def plan(self, n: int, what: str = "the extraction") -> None:
         self.base.plan(n, f"{what} ({self.what})")
 
-    def query(self, X, *, live: bool = False) -> np.ndarray:
+    def query(self, X) -> np.ndarray:
         X = np.asarray(X, dtype=np.float64)
         if X.ndim == 2:
             X = X[None]
         if X.ndim != 3 or X.shape[1] != 1:
             raise InputError(f"{self.what}: expects length-1 queries (B, 1, d), got {X.shape}")
-        return self.base.query(self.build(X[:, 0, :]), live=live)
+        return self.base.query(self.build(X[:, 0, :]))
 
-    def query_ragged(self, sequences, *, live: bool = False) -> np.ndarray:
-        return self.query(np.stack([np.asarray(s, dtype=np.float64)[-1:] for s in sequences]),
-                          live=live)
+    def query_ragged(self, sequences) -> np.ndarray:
+        return self.query(np.stack([np.asarray(s, dtype=np.float64)[-1:] for s in sequences]))
 
 
 class _ResidualOddOracle(OddPartOracle):
@@ -88,11 +87,11 @@ class _ResidualOddOracle(OddPartOracle):
         super().__init__(oracle)
         self.u = u
 
-    def query(self, X, *, live: bool = False) -> np.ndarray:
+    def query(self, X) -> np.ndarray:
         X = np.asarray(X, dtype=np.float64)
         if X.ndim == 2:
             X = X[None]
-        return super().query(X, live=live) - X[:, -1, :] @ self.u
+        return super().query(X) - X[:, -1, :] @ self.u
 
 
 def _match(directions: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, float]:
