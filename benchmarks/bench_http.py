@@ -373,10 +373,10 @@ def replicas(args, workdir):
     X = np.random.default_rng(0).standard_normal((args.batch, N, E))
     rows = {}
     for n in (None, args.replicas):
-        extra = [] if n is None else ["--replicas", str(n), "--workers", str(2 * n)]
+        # one request at a time, one worker: the only parallelism is the replicas'
+        extra = ["--workers", "1"] + ([] if n is None else ["--replicas", str(n)])
         with Served(f"{workdir / 'torch_t.py'}:head", *extra) as server:
-            box = HttpBlackBox(server.url, concurrency=max(2, 2 * (n or 1)),
-                               max_floats=max(N * E, args.batch * N * E // 8))
+            box = HttpBlackBox(server.url, concurrency=1, max_floats=args.batch * N * E)
             box(X[:4])
             start = time.perf_counter()
             for _ in range(args.repeats):
