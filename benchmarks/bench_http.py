@@ -180,7 +180,7 @@ def memory(args, workdir):
     def attack(port, kind):
         head = "POST /query HTTP/1.1\r\nHost: x\r\nContent-Type: {}\r\nContent-Length: {}\r\n\r\n"
         sent = 0
-        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        with socket.create_connection(("127.0.0.1", port), timeout=600) as sock:
             try:
                 if kind == "json-64MiB":
                     sock.sendall(head.format("application/json", 64 << 20).encode() +
