@@ -217,3 +217,30 @@ def test_replica_failures_and_bad_arguments_are_typed():
         RayReplicas(broken, 0, ray_module=FakeRay())
     with pytest.raises(InputError, match="dim"):
         RayReplicas(lambda X: X, 2, ray_module=FakeRay())
+
+
+def test_serve_options_on_the_command_line(tmp_path):
+    from conftest import run_cli
+    target = tmp_path / "t.py"
+    target.write_text("from attnextract.adapters.targets import random_single_head\n"
+                      "head = random_single_head(3, seed=4)\n"
+                      "def nodim(X):\n    return X[:, -1, 0]\n")
+    server = subprocess.Popen([sys.executable, "-m", "attnextract", "serve", "--secret",
+                               f"{target}:head", "--port", "0", "--max-connections", "8",
+                               "--idle-timeout", "0.5", "--workers", "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = server.stdout.readline()
+        assert "serving single-head d = 3 on http://127.0.0.1:" in banner, server.stderr.read()
+        url = banner.split(" on ")[1].split()[0]
+        done = run_cli("extract", "--target", url, "--dim", 3, "--out", tmp_path / "r.npz",
+                       "--http-transport", "json")
+        assert done.returncode == 0, done.stderr
+        assert "'transport': 'json'" in done.stdout and "'queries_charged_by_server': 76" \
+            in done.stdout
+    finally:
+        server.kill()
+        server.communicate(timeout=10)
+    assert run_cli("serve", "--secret", f"{target}:nodim", "--port", 0).returncode == 2
+    assert run_cli("serve", "--secret", f"{target}:head", "--port", 0, "--ray-address",
+                   "auto").returncode == 2

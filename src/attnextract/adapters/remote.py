@@ -87,7 +87,7 @@ class HttpBlackBox:
     query_path = "/query"
 
     def __init__(self, url: str, *, timeout: float = 60.0, retries: int = 4,
-                 backoff: float = 0.25, concurrency: int = 4, max_floats: int = 1 << 18,
+                 backoff: float = 0.25, concurrency: int = 4, max_floats: int = 1 << 20,
                  max_sequences: int = 10_000, transport: str = "npy"):
         if not url.startswith(("http://", "https://")):
             raise InputError(f"an HTTP target must start with http:// or https://, got {url!r}")

@@ -87,7 +87,12 @@ MAX_HEADER_BYTES = 16 << 10
 CACHE_ENTRIES = 4096             # Idempotency-Keys remembered
 WORKERS = 4                      # threads evaluating the model
 READ_CHUNK = 1 << 16             # pieces of a body given to the parser at once (tests, parse())
+JSON_SLICE = 1 << 14             # JSON text parsed between two turns of the event loop (~1 ms)
 BODY_BUFFER = 1 << 20            # bytes of a body buffered per connection while it is read
+BIG_BODY = 1 << 20               # bodies above this wait for one of BIG_BODY_SLOTS
+BIG_BODY_SLOTS = 4               # big bodies read at once (the others wait, unread)
+BIG_JSON = 1 << 18               # JSON bodies above this are parsed one at a time
+MIN_BODY_RATE = 1 << 20          # bytes/s a body must average (after the idle timeout)
 NPY = "application/x-npy"
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
            408: "Request Timeout", 411: "Length Required", 413: "Content Too Large",
@@ -491,6 +496,8 @@ class BlackBoxServer:
         self._stop = None
         self._stopped = threading.Event()
         self._tasks: set = set()
+        self._big_bodies = None      # asyncio semaphores, made inside the loop
+        self._json_parser = None
 
     @property
     def url(self) -> str:
@@ -516,6 +523,8 @@ class BlackBoxServer:
 
     async def _main(self) -> None:
         self._stop = asyncio.Event()
+        self._big_bodies = asyncio.Semaphore(BIG_BODY_SLOTS)
+        self._json_parser = asyncio.Semaphore(1)
         server = await asyncio.start_server(self._connection, sock=self.socket,
                                             limit=MAX_HEADER_BYTES, backlog=self.backlog)
         async with server:
@@ -597,11 +606,17 @@ class BlackBoxServer:
         parser = state.parser(content_type, length)
         # a body is read in big pieces: the stream buffers up to BODY_BUFFER while it lasts
         # (asyncio keeps a private limit; headers stay limited to MAX_HEADER_BYTES)
-        reader._limit = BODY_BUFFER
-        try:
-            await self._read_body(reader, parser, length)
-        finally:
-            reader._limit = MAX_HEADER_BYTES
+        # memory and event-loop time are bounded by letting only a few big bodies in at once
+        # (a waiting body stays unread in the client's socket)
+        big = self._big_bodies if length > BIG_BODY else _NO_WAIT
+        slow = (self._json_parser if length > BIG_JSON and isinstance(parser, JsonBatchParser)
+                else _NO_WAIT)
+        async with big, slow:
+            reader._limit = BODY_BUFFER
+            try:
+                await self._read_body(reader, parser, length)
+            finally:
+                reader._limit = MAX_HEADER_BYTES
         X = parser.finish()
         loop = asyncio.get_running_loop()
         try:
@@ -624,7 +639,14 @@ class BlackBoxServer:
 
     async def _read_body(self, reader, parser, length: int) -> None:
         remaining = length
+        loop = asyncio.get_running_loop()
+        allowed = self.idle_timeout + length / MIN_BODY_RATE   # seconds spent waiting for it
+        waited = 0.0
         while remaining:
+            if waited > allowed:
+                raise RequestError(400, f"body too slow: {length - remaining} of {length} bytes "
+                                        f"in {allowed:.1f} s")
+            start = loop.time()
             try:
                 chunk = await asyncio.wait_for(reader.read(min(BODY_BUFFER, remaining)),
                                                self.idle_timeout)
@@ -634,13 +656,15 @@ class BlackBoxServer:
             if not chunk:
                 raise RequestError(400, f"body ended after {length - remaining} of {length} "
                                         f"bytes")
+            waited += loop.time() - start
             remaining -= len(chunk)
             if isinstance(parser, NpyBatchParser):
                 parser.feed(chunk)                       # a copy into the array
                 continue
-            for i in range(0, len(chunk), READ_CHUNK):   # JSON: a few ms of parsing at a
-                parser.feed(chunk[i:i + READ_CHUNK])     # time, other clients in between
-                await asyncio.sleep(0)
+            for i in range(0, len(chunk), JSON_SLICE):   # JSON: about a ms of parsing at a
+                parser.feed(chunk[i:i + JSON_SLICE])     # time, other clients in between
+                if len(chunk) > JSON_SLICE:
+                    await asyncio.sleep(0)
 
     async def _send(self, writer, status: int, payload: dict, *, close=False, head_only=False,
                     allow=None, extra=None) -> None:
@@ -663,6 +687,19 @@ class BlackBoxServer:
         if self.verbose:
             import sys
             print(f"{status} {len(data)} bytes", file=sys.stderr)
+
+
+class _NoWait:
+    """An async context manager that does nothing (a body that needs no slot)."""
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return False
+
+
+_NO_WAIT = _NoWait()
 
 
 def _parse_head(head: bytes):
