@@ -55,7 +55,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-DEFAULT_TOLERANCE = 1e-7
 MIN_LONGEST = 256             # held-out lengths reach at least this
 LENGTH_FACTOR = 4             # ... and 4 x the longest probe
 ORDINARY_LENGTH = 16
@@ -118,11 +117,6 @@ def _log_uniform_int(rng, lo, hi, size, grid):
     grid = grid[(grid >= lo) & (grid <= hi)]
     x = rng.uniform(math.log(lo), math.log(hi + 1), size)
     return grid[np.abs(np.log(grid)[None, :] - x[:, None]).argmin(axis=1)]
-
-
-def _unit_rows(rng, n, d):
-    g = rng.standard_normal((n, d))
-    return g / np.linalg.norm(g, axis=1, keepdims=True)
 
 
 def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *,
