@@ -57,7 +57,6 @@ import numpy as np
 
 from .oracle import live_queries
 
-DEFAULT_TOLERANCE = 1e-7
 MIN_LONGEST = 256             # held-out lengths reach at least this
 LENGTH_FACTOR = 4             # ... and 4 x the longest probe
 ORDINARY_LENGTH = 16
@@ -120,11 +119,6 @@ def _log_uniform_int(rng, lo, hi, size, grid):
     grid = grid[(grid >= lo) & (grid <= hi)]
     x = rng.uniform(math.log(lo), math.log(hi + 1), size)
     return grid[np.abs(np.log(grid)[None, :] - x[:, None]).argmin(axis=1)]
-
-
-def _unit_rows(rng, n, d):
-    g = rng.standard_normal((n, d))
-    return g / np.linalg.norm(g, axis=1, keepdims=True)
 
 
 def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *,
@@ -271,19 +265,24 @@ def output_scale(observed: np.ndarray, norms: np.ndarray) -> float:
     return math.sqrt(float(np.mean(r ** 2))) if r.size else 0.0
 
 
-def scaled_relative_errors(predicted, observed, norms) -> np.ndarray:
-    """|predicted - observed| / max(|observed|, s K) per sequence (see the module docstring)."""
-    K = output_scale(observed, norms)
+def scaled_relative_errors(predicted, observed, norms, reference=None) -> np.ndarray:
+    """|predicted - observed| / max(|observed|, s K) per sequence (see the module docstring).
+
+    ``reference`` (boolean mask) picks the sequences K is computed from (default all);
+    the hull family, built to answer ~0, is left out of it."""
+    K = output_scale(observed[reference] if reference is not None else observed,
+                     norms[reference] if reference is not None else norms)
     denom = np.maximum(np.abs(observed), np.maximum(norms * K, np.finfo(float).tiny))
     return np.abs(predicted - observed) / denom
 
 
 def hull_violations(held: HeldOutSet, observed: np.ndarray, norms: np.ndarray) -> np.ndarray:
     """For each hull pair: how far f(X) lies outside [min f([x_i]), max f([x_i])], relative
-    to s K. Zero inside. Shape (len(held.hull),)."""
+    to s K (K from the other families). Zero inside. Shape (len(held.hull),)."""
     if not held.hull:
         return np.zeros(0)
-    K = output_scale(observed, norms)
+    ref = np.array([f != "hull" for f in held.family])
+    K = output_scale(observed[ref], norms[ref])
     out = np.empty(len(held.hull))
     for j, (i, singles) in enumerate(held.hull):
         lo, hi = observed[singles].min(), observed[singles].max()
@@ -320,7 +319,8 @@ def run_check(oracle, model, held: HeldOutSet) -> Check:
         observed = oracle.query_ragged(held.sequences)
     predicted = evaluate_ragged(model, held.sequences)
     norms = token_norms(held.sequences)
-    errors = scaled_relative_errors(predicted, observed, norms)
+    errors = scaled_relative_errors(predicted, observed, norms,
+                                    np.array([f != "hull" for f in held.family]))
     return Check(errors=errors, family=list(held.family),
                  hull=hull_violations(held, observed, norms), observed=observed,
                  predicted=predicted, lengths=held.lengths)

@@ -127,8 +127,10 @@ class TorchAttentionBlackBox:
                 keep[head * hd:(head + 1) * hd] = True
                 self.module.out_proj.weight[:, ~keep] = 0.0
         self.head = head
-        self.readout = _readout(readout, E)
-        self._r = torch.from_numpy(self.readout).to(self.dtype)
+        # the readout as the forward pass holds it (rounded to the dtype), so that
+        # merged_parameters() describes what the box computes
+        self._r = torch.from_numpy(_readout(readout, E)).to(self.dtype)
+        self.readout = self._r.to(torch.float64).numpy()
         self.dim = E
 
     def __call__(self, X) -> np.ndarray:

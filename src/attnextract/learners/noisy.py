@@ -668,8 +668,20 @@ def measured_bars(W_samples, v_samples, J) -> tuple[float, float, dict]:
 
     W_bar = bar(total_W, parts_W, parts_W.size)
     v_bar = bar(total_v, var_v / r, d)
+    # per column and row: the variance's upper limit as above, then the quantile of a
+    # chi-square with d degrees of freedom (d entries), MEASURED_MISS shared by d parts
+    var_mean = var_W.reshape(d, d) / r + sigma_v2 * (J ** 2).sum(axis=1).reshape(d, d)
+    n_all = max(float(total_W ** 2 / np.sum(parts_W ** 2)), 1.0) if total_W > 0 else 1.0
+    nu = max((r - 1) * n_all, 1.0)
+    factor = math.sqrt(nu / chi2.ppf(MEASURED_MISS, nu) * chi2.ppf(1.0 - MEASURED_MISS / d, d) / d)
+    W_mean = W_samples.mean(axis=0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cols = factor * np.sqrt(var_mean.sum(axis=0)) / np.linalg.norm(W_mean, axis=0)
+        rows = factor * np.sqrt(var_mean.sum(axis=1)) / np.linalg.norm(W_mean, axis=1)
     return W_bar, v_bar, {"repeats": r, "W spread (rms of one round)": math.sqrt(float(var_W.sum())),
-                          "v spread (rms of one basis)": math.sqrt(float(var_v.sum()))}
+                          "v spread (rms of one basis)": math.sqrt(float(var_v.sum())),
+                          "error_bar_W_columns": float(np.nanmax(cols)),
+                          "error_bar_W_rows": float(np.nanmax(rows))}
 
 
 def _erfinv(x):
@@ -790,9 +802,10 @@ def verify_noisy(oracle, model, noise: NoiseModel, W_bar, v_bar, *, count, seed,
     for idx, batch in by_length(sequences):
         predicted[idx], gW[idx], gv[idx] = output_gradient_norms(model, batch)
     norms = token_norms(sequences)
-    rel = scaled_relative_errors(predicted, observed, norms)
-    denom = np.maximum(np.abs(observed),
-                       np.maximum(norms * output_scale(observed, norms), np.finfo(float).tiny))
+    ref = np.array([f != "hull" for f in held.family])
+    rel = scaled_relative_errors(predicted, observed, norms, ref)
+    denom = np.maximum(np.abs(observed), np.maximum(norms * output_scale(observed[ref], norms[ref]),
+                                                    np.finfo(float).tiny))
     sigmas = VERIFY_SIGMAS if noise.kind == "random" else 1.0
     if noise.forward:
         # a low-precision forward pass rounds the tokens, scores and values, not only the
