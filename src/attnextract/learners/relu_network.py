@@ -208,8 +208,12 @@ def _sample(oracle: Oracle, path: _Path, t: np.ndarray):
     return f[1], left, right
 
 
-def _find_kinks(oracle: Oracle, path: _Path, rng: np.random.Generator):
+def _find_kinks(oracle: Oracle, path: _Path, rng: np.random.Generator, *,
+                homogeneous: bool = True):
     """Locate every kink of F on the path (bisection on slope changes, batched per round).
+
+    ``path`` is any object whose ``points(t)`` is piecewise linear in t on [0, 1] and
+    [1, 2]; ``homogeneous=False`` skips the F(2x) = 2 F(x) check (biased networks).
 
     Returns (sorted kink parameters t_k, their location errors, number of rounds).
     """
@@ -221,7 +225,7 @@ def _find_kinks(oracle: Oracle, path: _Path, rng: np.random.Generator):
     if magnitude == 0.0:
         return np.empty(0), np.empty(0), 1
     # F must be positively homogeneous (no biases): F(2x) = 2 F(x), up to rounding
-    doubled = _query_vectors(oracle, 2.0 * path.points(t0))
+    doubled = _query_vectors(oracle, 2.0 * path.points(t0)) if homogeneous else 2.0 * f0
     gap = float(np.abs(doubled - 2.0 * f0).max())
     if gap > HOMOGENEITY_TOLERANCE * magnitude:
         raise ModelMismatchError(

@@ -1,0 +1,376 @@
+"""A Transformer layer: attention followed by a ReLU feed-forward layer with biases.
+
+Model (:class:`attnextract.models.TransformerLayer`):
+
+    y(X) = [x_N +] sum_h V_h X^T softmax(X W_h x_N),    f(X) = w^T ReLU(A y(X) + b) + c0,
+
+W_h, V_h (d, d), A (m, d), b, w (m,), c0 a scalar; the residual term x_N present or not.
+
+What is identifiable. A and V_h enter only through the products P_h = A V_h (and A
+itself through the residual term):
+- hidden units: permutation and positive rescaling (a_i, P_h,i, b_i, w_i) ->
+  (c a_i, c P_h,i, c b_i, w_i / c), c > 0; units with w_i = 0 or zero rows are invisible;
+- heads: the canonical form of ALGORITHMS.md section 7 (heads with equal W_h merge,
+  adding their P_h; heads with P_h = 0 are invisible; any order);
+- without the residual term, A and V_h are never separated: (A G, G^{-1} V_h) gives the
+  same f for every invertible G (d, d). Only P_h = A V_h is identified; when m >= d and
+  A has full column rank V_h is known up to that common G, when m < d the part of V_h
+  that A annihilates is invisible as well;
+- with the residual term, A is identified (up to the unit symmetries) and V_h modulo
+  the null space of A: exactly when A has full column rank (m >= d), otherwise only
+  A V_h.
+
+The canonical form returned (the parameters in the result file):
+- W_h: the canonical heads' query-key matrices, exactly;
+- no residual: A = sum_h P_h with unit rows (the FFN that single tokens see), b and w in
+  that unit scale, c0, and V_h the minimum-norm solution of A V_h = P_h (V = I for one
+  head: the true layer with A replaced by A V and V by I);
+- residual: the rows of A + sum_h P_h have unit norm (the single-token FFN), b, w, c0 in
+  that scale, A the residual-stream weights, V_h = A^+ P_h (minimum norm; the true V_h
+  when A has full column rank).
+
+Identities (one head; alpha = softmax(X W x_N), B = A V, R = A with the residual term
+and R = 0 without it; pre-activations pi(X) = R x_N + B X^T alpha + b):
+1. Single tokens: pi([x]) = (R + B) x + b, so f([x]) is a biased ReLU network, recovered
+   by :func:`attnextract.learners.biased_relu.extract_biased_relu` (critical points on
+   lines, Carlini, Jagielski and Mironov 2020); b = 0 and c0 = 0 are found, not assumed.
+2. Last token zero: all scores vanish, alpha is uniform, pi([p; 0]) = B p / 2 + b. Without
+   the residual term this equals pi([p / 2]) (that is how the residual term is detected,
+   with a few queries); with it, [p; 0] gives a second biased network with the same b
+   and w. The products w_i b_i do not depend on the unit scale and match the units of
+   the two networks (biases must be non-zero; without biases the bias-free residual
+   learner :mod:`attnextract.learners.residual` runs instead).
+3. Copy probes. For q with pi([q]) at a margin from every kink and u small enough that
+   pi moves by less than half that margin, the whole family [q + u; ...; q + u; q]
+   (n copies of q + u) stays in one linear piece of the FFN:
+
+       f - f([q]) = a_n * kappa,   a_n = n e^t / (n e^t + 1),   t = u^T W q,
+
+   with kappa = w_S^T B_S u unknown (S the active units). Two copy counts give the ratio
+   rho = a_2 / a_1 = 2 (e^t + 1) / (2 e^t + 1), so e^t = (2 - rho) / (2 rho - 2): t
+   without using the FFN's parameters at all. For each of d orthogonal q_j and d
+   directions u_jk (a Householder basis with |u^T g_j| equal for all k, g_j = B_S^T w_S)
+   this gives W q_j, hence W: 2 d^2 + d queries. The biases only move the linear pieces,
+   so the same probes serve b = 0 and b != 0.
+Several heads: for H > 1 (bias-free, no residual) the odd part f(X) - f(-X) =
+sum_h softmax(X W_h x_N)^T X (P_h^T w) is multi-head attention, handed to
+:func:`attnextract.learners.multi_head.extract_multi_head`; the P_h themselves are not
+separated yet (see ``NotImplementedError`` below).
+
+Everything is verified against the black box on held-out sequences
+(:func:`attnextract.report.checked_result`); a GELU, a LayerNorm before the FFN or two
+stacked layers fail one of the identities or the verification: ModelMismatchError.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from ..errors import InputError, ModelMismatchError, NotIdentifiableError
+from ..models import TransformerLayer
+from ..oracle import Oracle
+from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
+                      token_scale, verification_count, verify_model)
+from .biased_relu import BiasedReLUNetwork, extract_biased_relu
+from .residual import _MappedOracle, extract_one_layer_residual
+from .single_head import probe_basis
+
+RESIDUAL_PROBES = 4          # random p: f([p; 0]) against f([p / 2]) decides the residual term
+RESIDUAL_TOLERANCE = 1e-9    # relative difference beyond which the residual term is present
+BIAS_ZERO = 1e-12            # |b_i| (unit rows) below this is no bias (rounding of a zero)
+MARGIN_FRACTION = 0.5        # the copy probes move pi by at most this fraction of its margin
+MAX_PROBE_ROUNDS = 4
+WELL_CONDITIONED_LOGIT = 6.0  # |t| beyond this: the probe is repeated with u / 8
+MATCH_TOLERANCE = 1e-6       # w_i b_i of matched units agree this well (relative to max)
+
+
+def random_transformer_layer(dim: int, width: int, seed=None, *, heads: int = 1,
+                             bias_scale: float = 0.0, c0: float = 0.0,
+                             residual: bool = False) -> TransformerLayer:
+    """A generic layer: W_h, V_h, A ~ N(0, 1/d), w ~ N(0, 1), b ~ N(0, bias_scale^2)."""
+    rng = np.random.default_rng(seed)
+    W = rng.standard_normal((heads, dim, dim)) / math.sqrt(dim)
+    V = rng.standard_normal((heads, dim, dim)) / math.sqrt(dim)
+    A = rng.standard_normal((width, dim)) / math.sqrt(dim)
+    w = rng.standard_normal(width)
+    b = bias_scale * rng.standard_normal(width)
+    return TransformerLayer(W, V, A, b, w, c0, residual)
+
+
+def _detect_residual(oracle: Oracle, rng) -> tuple[bool, float]:
+    """f([p; 0]) = f([p / 2]) for every p exactly when there is no residual term."""
+    d = oracle.dim
+    P = rng.standard_normal((RESIDUAL_PROBES, d))
+    oracle.require(2 * RESIDUAL_PROBES, "detecting the residual connection")
+    pairs = oracle.query(np.stack([P, np.zeros_like(P)], axis=1))
+    halves = oracle.query(0.5 * P[:, None, :])
+    gap = float(np.abs(pairs - halves).max() / max(np.abs(halves).max(), np.abs(pairs).max(),
+                                                     1e-300))
+    return gap > RESIDUAL_TOLERANCE, gap
+
+
+class _FFN:
+    """The layer's pre-activations for one head: pi = R x_N + B z + b (units in one scale)."""
+
+    def __init__(self, R, B, b, w, c0):
+        self.R, self.B, self.b, self.w, self.c0 = R, B, b, w, c0
+
+
+def _copy_logits(oracle: Oracle, ffn: _FFN, rng, scale: float, counts: dict):
+    """W from the copy probes of identity 3: 2 d^2 + d queries (more if logits saturate).
+
+    Returns (W (d, d), details).
+    """
+    d = oracle.dim
+    Q = scale * np.linalg.qr(rng.standard_normal((d, d)))[0]      # columns q_j
+    pre = Q.T @ (ffn.R + ffn.B).T + ffn.b                          # (d, m): pi at each q_j
+    margin = np.abs(pre)                                           # (d, m)
+    active = pre > 0
+    G = (active * ffn.w) @ ffn.B                                   # (d, d): rows g_j = B_S^T w_S
+    if not np.all(np.linalg.norm(G, axis=1) > 0):
+        raise NotIdentifiableError("no active unit reads the attention output at a probe point")
+    U = np.stack([probe_basis(g) for g in G])                      # (d, d, d): U[j][:, k] = u_jk
+    moves = np.abs(np.einsum("me,jek->jkm", ffn.B, U))             # (d, d, m): |B u_jk| per unit
+    with np.errstate(divide="ignore"):
+        s = MARGIN_FRACTION * np.min(margin[:, None, :] / moves, axis=2)   # (j, k)
+    s = np.minimum(s, scale)
+    oracle.require(d, "single tokens at the probe points")
+    F0 = oracle.query(Q.T[:, None, :])
+    counts["copy probes"] = counts.get("copy probes", 0) + d
+    t = np.full((d, d), np.nan)
+    todo = np.ones((d, d), dtype=bool)
+    for _ in range(MAX_PROBE_ROUNDS):
+        jj, kk = np.nonzero(todo)
+        if not len(jj):
+            break
+        q = Q.T[jj]                                               # (n, d)
+        a = q + s[jj, kk, None] * U[jj, :, kk]
+        oracle.require(2 * len(jj), "copy probes")
+        y1 = oracle.query(np.stack([a, q], axis=1)) - F0[jj]
+        y2 = oracle.query(np.stack([a, a, q], axis=1)) - F0[jj]
+        counts["copy probes"] += 2 * len(jj)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rho = y2 / y1
+            t_new = np.log((2.0 - rho) / (2.0 * rho - 2.0))
+        good = np.isfinite(t_new) & (np.abs(t_new) <= WELL_CONDITIONED_LOGIT)
+        t[jj[good], kk[good]] = t_new[good]
+        todo[jj[good], kk[good]] = False
+        s[jj[~good], kk[~good]] /= 8.0
+    if todo.any():
+        raise ModelMismatchError(
+            f"{int(todo.sum())} copy probes gave no logit (the ratio of two copy counts must lie "
+            f"in (1, 2)): not an attention layer followed by a ReLU FFN")
+    # W q_j = U_j (t_j / s_j); W = (W Q) Q^{-1}, Q^{-1} = Q^T / scale^2
+    WQ = np.einsum("jek,jk->ej", U, t / s)
+    W = WQ @ Q.T / scale ** 2
+    return W, {"copy probe steps": f"{s.min():.3g} .. {s.max():.3g}",
+               "copy probe logits": f"{np.abs(t).min():.2g} .. {np.abs(t).max():.2g}"}
+
+
+def _match_by_bias(net1: BiasedReLUNetwork, net2: BiasedReLUNetwork):
+    """Units of net2 matched to net1 by w_i b_i (scale-free); (perm, worst mismatch)."""
+    from scipy.optimize import linear_sum_assignment
+
+    o1, o2 = net1.w * net1.b, net2.w * net2.b
+    cost = np.abs(o1[:, None] - o2[None, :])
+    rows, cols = linear_sum_assignment(cost)
+    perm = np.empty(len(rows), dtype=int)
+    perm[rows] = cols
+    return perm, float(cost[rows, cols].max() / max(np.abs(o1).max(), 1e-300))
+
+
+def extract_transformer_layer(oracle: Oracle, heads: int = 1, *, seed=None,
+                              verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
+                              scale: float = 1.0) -> ExtractionResult:
+    """Recover a Transformer layer (attention + ReLU FFN with biases) up to functional equivalence.
+
+    Parameters
+    ----------
+    oracle : Oracle
+        Door to the black box; ``oracle.dim`` is d >= 2 (d >= 4 with a residual term).
+    heads : int
+        Upper bound H on the number of heads. H = 1 runs the copy probes of the module
+        docstring; H > 1 goes through the multi-head learner (bias-free, no residual).
+    seed : int, optional
+        Seed of every random choice (lines, probe bases) and of the held-out sequences.
+    verify_tolerance : float
+        Largest held-out relative output error accepted as a match.
+    scale : float
+        Token scale of the probes (where the FFN's hyperplanes and the scores are of
+        order one).
+
+    Returns
+    -------
+    ExtractionResult
+        ``model`` a :class:`TransformerLayer` in the canonical form of the module
+        docstring; ``report.details`` says which biases and whether a residual term were
+        detected.
+
+    Raises
+    ------
+    NotIdentifiableError
+        The FFN is constant, or no active unit reads the attention output.
+    ModelMismatchError
+        The black box is not such a layer (a stage fails, or held-out verification);
+        ``.result`` holds the best-effort extraction when one was built.
+    BudgetExceededError
+        The budget cannot cover the next batch.
+    """
+    if not isinstance(heads, (int, np.integer)) or heads < 1:
+        raise InputError(f"heads must be a positive integer, got {heads!r}")
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise InputError(f"scale must be a positive number, got {scale!r}")
+    start, start_queries, start_bb = time.perf_counter(), oracle.queries, oracle.black_box_seconds
+    d = oracle.dim
+    if d < 2:
+        raise InputError("the Transformer layer learner needs d >= 2")
+    seeds = np.random.SeedSequence(seed).spawn(5)
+    counts: dict[str, int] = {}
+
+    def stage(name, run):
+        before = oracle.queries
+        try:
+            return run()
+        except ModelMismatchError as exc:
+            raise ModelMismatchError(f"not a Transformer layer ({name}): {exc}",
+                                     result=exc.result) from exc
+        finally:
+            counts[name] = counts.get(name, 0) + oracle.queries - before
+
+    residual, gap = stage("residual check", lambda: _detect_residual(
+        oracle, np.random.default_rng(seeds[0])))
+    if heads > 1:
+        return _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries,
+                              start_bb, verify_tolerance, scale)
+    ffn_counts: dict[str, int] = {}
+    net1, info1 = stage("single tokens", lambda: extract_biased_relu(
+        oracle, np.random.default_rng(seeds[1]), scale=scale, counts=ffn_counts))
+    biased = bool(np.abs(net1.b).max() > BIAS_ZERO)
+    details = {"hidden units": net1.width, "residual": f"{residual} (f([p; 0]) vs f([p/2]): "
+                                                      f"{gap:.1e})",
+               "biases b": (f"detected, max |b_i| = {np.abs(net1.b).max():.3g}" if biased
+                            else "none detected"),
+               "output bias c0": f"{net1.c0:.6g}",
+               "FFN lines": info1["lines"], "FFN signs": info1["signs"]}
+    if residual and not biased:
+        return _bias_free_residual(oracle, net1, seeds, counts, details, start, start_queries,
+                                   start_bb, verify_tolerance)
+    if residual:
+        zero_last = _MappedOracle(oracle, lambda P: np.stack([P, np.zeros_like(P)], axis=1),
+                                  "sequences [p; 0]")
+        net2, _ = stage("last token zero", lambda: extract_biased_relu(
+            zero_last, np.random.default_rng(seeds[2]), scale=scale, counts={}))
+        if net2.width != net1.width:
+            raise NotIdentifiableError(
+                f"{net1.width} units see single tokens but {net2.width} see [p; 0]: units that "
+                f"read only the residual stream or only the attention output are not supported")
+        perm, mismatch = _match_by_bias(net1, net2)
+        details["unit matching"] = f"w_i b_i agree to {mismatch:.1e}"
+        if mismatch > MATCH_TOLERANCE:
+            raise ModelMismatchError(
+                f"not a residual Transformer layer: the units of [x] and [p; 0] do not share "
+                f"their w_i b_i (worst {mismatch:.1e})")
+        # net1: w1 (p1, b1) = w ((R + B)_i, b_i); net2: w2 (p2, b2) = w (B_i / 2, b_i)
+        B = 2.0 * (net2.w[perm, None] * net2.P[perm]) / net1.w[:, None]
+        R = net1.P - B
+    else:
+        B, R = net1.P, np.zeros_like(net1.P)
+    ffn = _FFN(R, B, net1.b, net1.w, net1.c0)
+    W, probe_info = stage("copy probes", lambda: _copy_logits(
+        oracle, ffn, np.random.default_rng(seeds[3]), scale, {}))
+    details.update(probe_info)
+    if residual:
+        V = np.linalg.lstsq(R, B, rcond=None)[0]
+        model = TransformerLayer(W, V, R, net1.b, net1.w, net1.c0, residual=True)
+    else:
+        model = TransformerLayer(W, np.eye(d), B, net1.b, net1.w, net1.c0)
+    details["FFN queries"] = ", ".join(f"{k} {v}" for k, v in ffn_counts.items())
+    return _finish(oracle, model, counts, details, seeds, start, start_queries, start_bb,
+                   verify_tolerance)
+
+
+def free_parameters(model: TransformerLayer) -> int:
+    """Free parameters of the canonical form: heads H (d^2) and P_h (H m d), A (m d) with a
+    residual term, b and w (2 m), c0 (1), minus one scale per unit."""
+    H, d, m = model.heads, model.dim, model.width
+    return H * d * d + H * m * d + (m * d if model.residual else 0) + m + 1
+
+
+def _finish(oracle, model, counts, details, seeds, start, start_queries, start_bb,
+            verify_tolerance) -> ExtractionResult:
+    d = oracle.dim
+    floor = free_parameters(model)
+    n_verify = verification_count(floor)
+    oracle.require(n_verify, "held-out verification of the Transformer layer")
+    verification = verify_model(oracle, model, count=n_verify,
+                                seed=np.random.default_rng(seeds[4]), tolerance=verify_tolerance,
+                                scale=token_scale(model))
+    counts["verification"] = n_verify
+    total = oracle.queries - start_queries
+    report = Report(
+        kind=TransformerLayer.kind, dim=d, queries=total,
+        breakdown={"recovery": total - n_verify, **counts}, floor=floor,
+        verification=verification, seconds=time.perf_counter() - start,
+        black_box_seconds=oracle.black_box_seconds - start_bb,
+        notes=["single tokens: the FFN x -> w^T ReLU(A V x + b) + c0 (critical points on "
+               "lines, then signs); copy probes: [q + u; q] and [q + u; q + u; q] inside one "
+               "linear piece of the FFN give u^T W q"],
+        details=details)
+    return checked_result(model, report, "a Transformer layer (attention + ReLU FFN)")
+
+
+def _bias_free_residual(oracle, net1, seeds, counts, details, start, start_queries, start_bb,
+                        verify_tolerance) -> ExtractionResult:
+    """Residual term, no biases: the residual learner on f - c0 (its units match across
+    streams by direction, which w_i b_i = 0 cannot do)."""
+    c0 = net1.c0
+    shifted = _ShiftedOracle(oracle, c0)
+    before = oracle.queries
+    try:
+        res = extract_one_layer_residual(shifted, seed=int(seeds[2].generate_state(1)[0]))
+    except ModelMismatchError as exc:
+        raise ModelMismatchError(f"not a Transformer layer (residual, no biases): {exc}",
+                                 result=exc.result) from exc
+    finally:
+        counts["residual learner"] = oracle.queries - before
+    r = res.model
+    V = np.linalg.lstsq(r.A, r.B, rcond=None)[0]
+    model = TransformerLayer(r.W, V, r.A, np.zeros(r.width), r.w, c0, residual=True)
+    details["method"] = "bias-free residual learner on f - c0"
+    return _finish(oracle, model, counts, details, seeds, start, start_queries, start_bb,
+                   verify_tolerance)
+
+
+class _ShiftedOracle:
+    """The black box minus a constant, behind the Oracle interface (same query counts)."""
+
+    def __init__(self, oracle: Oracle, offset: float):
+        self.base, self.offset, self.dim = oracle, offset, oracle.dim
+
+    @property
+    def queries(self) -> int:
+        return self.base.queries
+
+    @property
+    def black_box_seconds(self) -> float:
+        return self.base.black_box_seconds
+
+    def require(self, n: int, what: str = "this step") -> None:
+        self.base.require(n, what)
+
+    def plan(self, n: int, what: str = "the extraction") -> None:
+        self.base.plan(n, what)
+
+    def query(self, X) -> np.ndarray:
+        return self.base.query(X) - self.offset
+
+    def query_ragged(self, sequences) -> np.ndarray:
+        return self.base.query_ragged(sequences) - self.offset
+
+
+def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries, start_bb,
+                   verify_tolerance, scale) -> ExtractionResult:
+    raise NotImplementedError("H > 1 is not implemented yet")
