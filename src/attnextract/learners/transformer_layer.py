@@ -80,10 +80,13 @@ from .single_head import probe_basis
 
 RESIDUAL_PROBES = 4          # random p: f([p; 0]) against f([p / 2]) decides the residual term
 RESIDUAL_TOLERANCE = 1e-9    # relative difference beyond which the residual term is present
-BIAS_ZERO = 1e-12            # |b_i| (unit rows) below this is no bias (rounding of a zero)
+BIAS_ZERO = 1e-9             # |b_i| (unit rows, over scale) below this is no bias (a zero, rounded)
 MARGIN_FRACTION = 0.5        # the copy probes move pi by at most this fraction of its margin
 MAX_PROBE_ROUNDS = 4
 WELL_CONDITIONED_LOGIT = 6.0  # |t| beyond this: the probe is repeated with u / 8
+CANDIDATE_BASES = 4          # random bases whose roomiest vectors become the probe points
+TARGET_LOGIT = 0.5           # the pilot column sets the probe radius for median |t| about this
+MAX_RADIUS = 1e3             # largest probe radius, in units of scale
 MATCH_TOLERANCE = 1e-6       # w_i b_i of matched units agree this well (relative to max)
 
 
@@ -119,34 +122,53 @@ class _FFN:
         self.R, self.B, self.b, self.w, self.c0 = R, B, b, w, c0
 
 
-def _copy_logits(oracle: Oracle, ffn: _FFN, rng, scale: float, counts: dict):
-    """W from the copy probes of identity 3: 2 d^2 + d queries (more if logits saturate).
+def _probe_points(ffn: _FFN, rng, radius: float, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """d well-spread probe points q_j (rows) with large room rho(q) = min_i |pi_i(q)| / |B_i|.
 
-    Returns (W (d, d), details).
+    Candidates: CANDIDATE_BASES random orthonormal bases scaled to ``radius``; the
+    roomiest are taken greedily, each keeping at least half its norm orthogonal to
+    those already taken (so the q_j stay well conditioned). Returns (Q (d, d), rho (d,)).
     """
-    d = oracle.dim
-    Q = scale * np.linalg.qr(rng.standard_normal((d, d)))[0]      # columns q_j
-    pre = Q.T @ (ffn.R + ffn.B).T + ffn.b                          # (d, m): pi at each q_j
-    margin = np.abs(pre)                                           # (d, m)
-    active = pre > 0
-    G = (active * ffn.w) @ ffn.B                                   # (d, d): rows g_j = B_S^T w_S
+    cand = np.vstack([radius * np.linalg.qr(rng.standard_normal((d, d)))[0].T
+                      for _ in range(CANDIDATE_BASES)])
+    room = (np.abs(cand @ (ffn.R + ffn.B).T + ffn.b) / np.linalg.norm(ffn.B, axis=1)).min(axis=1)
+    for keep in (0.5, 0.3, 0.1):                  # the first that yields d points
+        chosen, basis = [], np.zeros((d, 0))
+        for i in np.argsort(-room):
+            rest = cand[i] - basis @ (basis.T @ cand[i])
+            if np.linalg.norm(rest) >= keep * radius:
+                chosen.append(i)
+                basis = np.hstack([basis, (rest / np.linalg.norm(rest))[:, None]])
+                if len(chosen) == d:
+                    return cand[chosen], room[chosen]
+    return cand[:d], room[:d]                       # an orthonormal basis, scaled
+
+
+def _measure_columns(oracle: Oracle, ffn: _FFN, Q: np.ndarray, counts: dict):
+    """Logits t_jk = s_jk u_jk^T W q_j of the copy probes at the rows q_j of Q (n, d).
+
+    Returns (t (n, d), s (n, d), U (n, d, d)) with U[j][:, k] = u_jk.
+    """
+    n, d = Q.shape
+    pre = Q @ (ffn.R + ffn.B).T + ffn.b                         # (n, m): pi at each q_j
+    G = ((pre > 0) * ffn.w) @ ffn.B                              # rows g_j = B_S^T w_S
     if not np.all(np.linalg.norm(G, axis=1) > 0):
         raise NotIdentifiableError("no active unit reads the attention output at a probe point")
-    U = np.stack([probe_basis(g) for g in G])                      # (d, d, d): U[j][:, k] = u_jk
-    moves = np.abs(np.einsum("me,jek->jkm", ffn.B, U))             # (d, d, m): |B u_jk| per unit
+    U = np.stack([probe_basis(g) for g in G])                    # (n, d, d)
+    moves = np.abs(np.einsum("me,jek->jkm", ffn.B, U))           # |B u_jk| per unit
     with np.errstate(divide="ignore"):
-        s = MARGIN_FRACTION * np.min(margin[:, None, :] / moves, axis=2)   # (j, k)
-    s = np.minimum(s, scale)
-    oracle.require(d, "single tokens at the probe points")
-    F0 = oracle.query(Q.T[:, None, :])
-    counts["copy probes"] = counts.get("copy probes", 0) + d
-    t = np.full((d, d), np.nan)
-    todo = np.ones((d, d), dtype=bool)
+        s = MARGIN_FRACTION * np.min(np.abs(pre)[:, None, :] / moves, axis=2)
+    s = np.minimum(s, np.linalg.norm(Q, axis=1)[:, None])
+    oracle.require(n, "single tokens at the probe points")
+    F0 = oracle.query(Q[:, None, :])
+    counts["copy probes"] = counts.get("copy probes", 0) + n
+    t = np.full((n, d), np.nan)
+    todo = np.ones((n, d), dtype=bool)
     for _ in range(MAX_PROBE_ROUNDS):
         jj, kk = np.nonzero(todo)
         if not len(jj):
             break
-        q = Q.T[jj]                                               # (n, d)
+        q = Q[jj]
         a = q + s[jj, kk, None] * U[jj, :, kk]
         oracle.require(2 * len(jj), "copy probes")
         y1 = oracle.query(np.stack([a, q], axis=1)) - F0[jj]
@@ -163,10 +185,30 @@ def _copy_logits(oracle: Oracle, ffn: _FFN, rng, scale: float, counts: dict):
         raise ModelMismatchError(
             f"{int(todo.sum())} copy probes gave no logit (the ratio of two copy counts must lie "
             f"in (1, 2)): not an attention layer followed by a ReLU FFN")
-    # W q_j = U_j (t_j / s_j); W = (W Q) Q^{-1}, Q^{-1} = Q^T / scale^2
+    return t, s, U
+
+
+def _copy_logits(oracle: Oracle, ffn: _FFN, rng, scale: float, counts: dict):
+    """W from the copy probes of identity 3: 2 d^2 + d queries, plus a pilot column.
+
+    The pilot column (2 d + 1 queries) sets the probe radius: far from the origin the
+    FFN's pieces are wider (their room grows with |q|) and the logits grow like |q|^2,
+    so the radius is raised until the median logit is about TARGET_LOGIT.
+    Returns (W (d, d), details).
+    """
+    d = oracle.dim
+    Q, _ = _probe_points(ffn, rng, scale, d)
+    t, s, U = _measure_columns(oracle, ffn, Q[:1], counts)
+    typical = float(np.median(np.abs(t)))
+    radius = scale * float(np.clip(math.sqrt(TARGET_LOGIT / max(typical, 1e-300)), 1.0,
+                                   MAX_RADIUS))
+    Q, room = _probe_points(ffn, rng, radius, d)
+    t, s, U = _measure_columns(oracle, ffn, Q, counts)
+    # column j: W q_j = U_j (t_j / s_j); W = (W Q^T) (Q^T)^{-1}
     WQ = np.einsum("jek,jk->ej", U, t / s)
-    W = WQ @ Q.T / scale ** 2
-    return W, {"copy probe steps": f"{s.min():.3g} .. {s.max():.3g}",
+    W = np.linalg.solve(Q, WQ.T).T
+    return W, {"copy probe radius": f"{radius:.3g}",
+               "copy probe steps": f"{s.min():.3g} .. {s.max():.3g}",
                "copy probe logits": f"{np.abs(t).min():.2g} .. {np.abs(t).max():.2g}"}
 
 
@@ -248,7 +290,9 @@ def extract_transformer_layer(oracle: Oracle, heads: int = 1, *, seed=None,
     ffn_counts: dict[str, int] = {}
     net1, info1 = stage("single tokens", lambda: extract_biased_relu(
         oracle, np.random.default_rng(seeds[1]), scale=scale, counts=ffn_counts))
-    biased = bool(np.abs(net1.b).max() > BIAS_ZERO)
+    biased = bool(np.abs(net1.b).max() > BIAS_ZERO * scale)
+    if not biased:
+        net1 = BiasedReLUNetwork(net1.P, np.zeros(net1.width), net1.w, net1.c0)
     details = {"hidden units": net1.width, "residual": f"{residual} (f([p; 0]) vs f([p/2]): "
                                                       f"{gap:.1e})",
                "biases b": (f"detected, max |b_i| = {np.abs(net1.b).max():.3g}" if biased
