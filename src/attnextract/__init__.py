@@ -15,6 +15,8 @@ from .learners.one_layer import extract_one_layer
 from .learners.relu_network import extract_relu_network
 from .learners.sign_only import extract_sign_only
 from .learners.low_rank import extract_low_rank
+from .models import TransformerLayer
+from .learners.transformer_layer import extract_transformer_layer
 
 __version__ = "0.2.0"
 
@@ -46,3 +48,4 @@ __all__ = [
     "twin_difference",
 ]
 __all__ += ["ReLUNetwork", "OneLayerTransformer", "extract_relu_network", "extract_one_layer"]
+__all__ += ["TransformerLayer", "extract_transformer_layer"]

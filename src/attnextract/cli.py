@@ -41,6 +41,10 @@ EXTRACTORS["low-rank"] = extract_low_rank
 # extract options that only some --model kinds take: kind -> option names
 EXTRACTORS["multi-head"] = extract_multi_head
 MODEL_OPTIONS = {"low-rank": ("rank", "method", "oversampling"), "multi-head": ("heads",)}
+# attention + ReLU FFN with biases (issue 14); --heads is the number of heads, default 1
+from .learners.transformer_layer import extract_transformer_layer  # noqa: E402
+EXTRACTORS["transformer-layer"] = extract_transformer_layer
+MODEL_OPTIONS["transformer-layer"] = ("heads",)
 
 
 class ProgressBar:

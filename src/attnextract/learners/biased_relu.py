@@ -48,6 +48,7 @@ from .relu_network import ROOT_SLACK, _find_kinks, _Path, _query_vectors, _resol
 LINE_REACH = 4.0        # half length of a line, in units of its scale * sqrt(d)
 MIN_LINES = 2
 MAX_LINES = 24          # line l has scale * 2^(l // 2): hyperplanes far out are reached too
+MAX_KINKS = 4096        # more kinks than this on one path: not a ReLU network
 FAR_RADIUS = 1e6        # the half circle at this radius (times scale) counts the units
 FIRST_STEP = 0.02       # first step h: this fraction of the interval's half length / sqrt(d)
 STEP_FRACTION = 0.25    # re-measured step: this fraction of the interval's margin
@@ -149,7 +150,8 @@ def _walk_line(oracle, line: _Line, rng, units: _Units, basis, counts) -> list:
     Returns the measured (points, g, e) of this line (for the lambda check).
     """
     before = oracle.queries
-    kinks, kink_error, _ = _find_kinks(oracle, line, rng, homogeneous=False)
+    kinks, kink_error, _ = _find_kinks(oracle, line, rng, homogeneous=False,
+                                          max_kinks=MAX_KINKS)
     counts["kink search"] = counts.get("kink search", 0) + oracle.queries - before
     K = len(kinks)
     ends = np.concatenate([[0.0], kinks, [2.0]])
@@ -228,7 +230,7 @@ def _count_far(oracle: Oracle, rng, scale: float, counts: dict) -> int:
     radius = FAR_RADIUS * scale
     path = _Path(radius * frame[:, 0], radius * frame[:, 1])
     before = oracle.queries
-    kinks, _, _ = _find_kinks(oracle, path, rng, homogeneous=False)
+    kinks, _, _ = _find_kinks(oracle, path, rng, homogeneous=False, max_kinks=MAX_KINKS)
     counts["far count"] = counts.get("far count", 0) + oracle.queries - before
     return len(kinks)
 

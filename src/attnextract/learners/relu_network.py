@@ -209,11 +209,12 @@ def _sample(oracle: Oracle, path: _Path, t: np.ndarray):
 
 
 def _find_kinks(oracle: Oracle, path: _Path, rng: np.random.Generator, *,
-                homogeneous: bool = True):
+                homogeneous: bool = True, max_kinks: int | None = None):
     """Locate every kink of F on the path (bisection on slope changes, batched per round).
 
     ``path`` is any object whose ``points(t)`` is piecewise linear in t on [0, 1] and
-    [1, 2]; ``homogeneous=False`` skips the F(2x) = 2 F(x) check (biased networks).
+    [1, 2]; ``homogeneous=False`` skips the F(2x) = 2 F(x) check (biased networks);
+    more than ``max_kinks`` kinks (a smooth F looks like kinks everywhere) is a mismatch.
 
     Returns (sorted kink parameters t_k, their location errors, number of rounds).
     """
@@ -243,6 +244,10 @@ def _find_kinks(oracle: Oracle, path: _Path, rng: np.random.Generator, *,
         open_ = [iv for iv in intervals if abs(iv[5] - iv[4]) > slope_tol]
         if not open_:
             break
+        if max_kinks is not None and len(open_) + len(kinks) > max_kinks:
+            raise ModelMismatchError(
+                f"more than {max_kinks} kinks on one path: F is not piecewise linear with few "
+                f"pieces (a smooth activation?)")
         if rounds >= MAX_ROUNDS:
             raise ModelMismatchError(
                 f"kink search did not converge in {MAX_ROUNDS} rounds: F is not piecewise "

@@ -381,8 +381,10 @@ def _bias_free_residual(oracle, net1, seeds, counts, details, start, start_queri
     finally:
         counts["residual learner"] = oracle.queries - before
     r = res.model
-    V = np.linalg.lstsq(r.A, r.B, rcond=None)[0]
-    model = TransformerLayer(r.W, V, r.A, np.zeros(r.width), r.w, c0, residual=True)
+    unit = np.linalg.norm(r.A + r.B, axis=1)          # the canonical scale: single-token rows
+    A, B = r.A / unit[:, None], r.B / unit[:, None]
+    V = np.linalg.lstsq(A, B, rcond=None)[0]
+    model = TransformerLayer(r.W, V, A, np.zeros(r.width), r.w * unit, c0, residual=True)
     details["method"] = "bias-free residual learner on f - c0"
     return _finish(oracle, model, counts, details, seeds, start, start_queries, start_bb,
                    verify_tolerance)
@@ -418,3 +420,76 @@ class _ShiftedOracle:
 def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries, start_bb,
                    verify_tolerance, scale) -> ExtractionResult:
     raise NotImplementedError("H > 1 is not implemented yet")
+
+
+def canonical_units(model: TransformerLayer):
+    """The hidden units in canonical form, as the single-token FFN sees them.
+
+    Rows of the single-token matrix (A + sum_h P_h with a residual term, sum_h P_h
+    without) are scaled to unit norm; every unit's P_h rows, residual row, b and w follow.
+    Returns a dict: ``single`` (m, d), ``P`` (H, m, d), ``A`` (m, d) (residual weights,
+    zeros without the term), ``b`` (m,), ``w`` (m,).
+    """
+    P = model.head_maps()
+    R = model.A if model.residual else np.zeros_like(model.A)
+    single = R + P.sum(axis=0)
+    norm = np.linalg.norm(single, axis=1)
+    keep = (norm > 0) & (model.w != 0)
+    n = norm[keep]
+    return {"single": single[keep] / n[:, None], "P": P[:, keep] / n[None, :, None],
+            "A": R[keep] / n[:, None], "b": model.b[keep] / n, "w": model.w[keep] * n}
+
+
+def compare_transformer_layer(recovered: TransformerLayer, truth: TransformerLayer, *,
+                              count: int = 256, seed=0) -> dict:
+    """Parameter and output errors of a recovered layer against the truth, in canonical form.
+
+    Units are matched by the Hungarian method on 1 - cos of their single-token rows, heads
+    by :func:`attnextract.learners.multi_head.match_heads` on (W_h, P_h^T w). Every error is
+    the largest entry error relative to the largest entry of the true array.
+
+    Returns
+    -------
+    dict
+        ``units`` (recovered, true), ``error_W`` (heads), ``error_P`` (A V_h per head),
+        ``error_A`` (residual weights), ``error_b``, ``error_w``, ``error_c0`` (relative to
+        max(|c0|, max |w|)), ``max_error``, ``bits`` = -log2(max_error), and
+        ``max_output_error`` on held-out sequences (lengths 1..16).
+    """
+    from scipy.optimize import linear_sum_assignment
+
+    from ..models import MultiHeadAttention
+    from ..report import held_out_sequences, relative_errors
+    from .multi_head import match_heads
+
+    rec, tru = canonical_units(recovered), canonical_units(truth)
+    out = {"units": (len(rec["w"]), len(tru["w"]))}
+    rel = lambda a, b: float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-300))  # noqa: E731
+    if len(rec["w"]) != len(tru["w"]) or recovered.residual != truth.residual:
+        out.update(max_error=math.inf, bits=0.0)
+    else:
+        rows, cols = linear_sum_assignment(1.0 - rec["single"] @ tru["single"].T)
+        perm = np.empty(len(rows), dtype=int)
+        perm[rows] = cols
+        tru = {k: (v[:, perm] if k == "P" else v[perm]) for k, v in tru.items()}
+        # heads: readouts P_h^T w identify them (with W_h)
+        order, w_err, _ = match_heads(
+            MultiHeadAttention(recovered.W, np.einsum("hmd,m->hd", rec["P"], rec["w"])),
+            MultiHeadAttention(truth.W, np.einsum("hmd,m->hd", tru["P"], tru["w"])))
+        out["error_W"] = max(rel(recovered.W[order[h]], truth.W[h]) for h in range(truth.heads)) \
+            if math.isfinite(w_err) else math.inf
+        out["error_P"] = max(rel(rec["P"][order[h]], tru["P"][h]) for h in range(truth.heads)) \
+            if math.isfinite(w_err) else math.inf
+        out["error_A"] = rel(rec["A"], tru["A"]) if truth.residual else 0.0
+        out["error_b"] = float(np.abs(rec["b"] - tru["b"]).max() / max(np.abs(tru["b"]).max(), 1.0))
+        out["error_w"] = rel(rec["w"], tru["w"])
+        out["error_c0"] = abs(recovered.c0 - truth.c0) / max(abs(truth.c0), np.abs(tru["w"]).max())
+        worst = max(out[k] for k in ("error_W", "error_P", "error_A", "error_b", "error_w",
+                                     "error_c0"))
+        out.update(max_error=worst, bits=float(-math.log2(worst)) if worst > 0 else 53.0)
+    rng = np.random.default_rng(seed)
+    sequences = held_out_sequences(truth.dim, count, rng, token_scale(truth))
+    observed = np.array([truth(s) for s in sequences])
+    predicted = np.array([recovered(s) for s in sequences])
+    out["max_output_error"] = float(relative_errors(predicted, observed).max())
+    return out
