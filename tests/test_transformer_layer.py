@@ -50,6 +50,31 @@ def test_bias_free_single_head(width, seed):
     assert "none detected" in result.report.details["biases b"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("width", [16, 32])
+@pytest.mark.parametrize("heads", [2, 3, 4])
+@pytest.mark.parametrize("seed", range(2))
+def test_bias_free_multi_head(heads, width, seed):
+    """Heads from the odd part through extract_multi_head, then A V_h split per unit."""
+    truth = random_transformer_layer(16, width, seed=seed, heads=heads, c0=0.25 * seed)
+    result, cmp = extract(truth, seed, heads=heads)
+    assert result.model.heads == heads
+    assert cmp["units"] == (width, width)
+    assert cmp["error_W"] <= TOL and cmp["error_P"] <= TOL, cmp
+    assert cmp["max_error"] <= TOL and cmp["max_output_error"] <= TOL, cmp
+    assert result.report.verification.passed
+    assert result.report.floor == free_parameters(truth) < result.queries
+
+
+def test_multi_head_limits_are_typed_errors():
+    """H > 1 with FFN biases or a residual term is not supported yet: a clear InputError."""
+    from attnextract import InputError
+    for truth in (random_transformer_layer(8, 8, seed=0, heads=2, bias_scale=1.0),
+                  random_transformer_layer(8, 8, seed=0, heads=2, residual=True)):
+        with pytest.raises(InputError, match="not supported yet"):
+            extract_transformer_layer(Oracle(truth, 8), heads=2, seed=0)
+
+
 # --------------------------------------------------------------------------- (2) biases
 @pytest.mark.parametrize("bias_scale", [1.0, 1e-3, 1e-6])
 @pytest.mark.parametrize("seed", range(4))

@@ -338,6 +338,36 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
     return net, info
 
 
+def crossing_points(net: BiasedReLUNetwork, rng, scale: float):
+    """For every unit k a point y_k on its hyperplane, as far (r_k) from all others as a
+    linear program finds inside the cell of the others' sign pattern at a random point's
+    projection, with |y_i| <= max(4 scale, 3 max |b|). Rows of net.P must have unit norm.
+
+    Returns (units (n,), y (n, d), r (n,)): the units for which a cell was found.
+    """
+    from scipy.optimize import linprog
+
+    m, d = net.P.shape
+    box = max(4.0 * scale, 3.0 * float(np.abs(net.b).max()))
+    points, radii, units = [], [], []
+    for k in range(m):
+        others = np.delete(np.arange(m), k)
+        z = scale * rng.standard_normal(d)
+        y0 = z - (net.P[k] @ z + net.b[k]) * net.P[k]
+        sigma = np.where(net.P[others] @ y0 + net.b[others] >= 0, 1.0, -1.0)
+        # maximise r: sigma_j (p_j^T y + b_j) >= r (|p_j| = 1), p_k^T y = -b_k
+        res = linprog(np.concatenate([np.zeros(d), [-1.0]]),
+                      A_ub=np.hstack([-sigma[:, None] * net.P[others], np.ones((m - 1, 1))]),
+                      b_ub=sigma * net.b[others], A_eq=np.concatenate([net.P[k], [0.0]])[None],
+                      b_eq=[-net.b[k]], bounds=[(-box, box)] * d + [(0, None)], method="highs")
+        if res.status != 0 or not res.x[-1] > 0:
+            continue
+        units.append(k)
+        points.append(res.x[:d])
+        radii.append(res.x[-1])
+    return np.array(units, dtype=int), np.array(points).reshape(-1, d), np.array(radii)
+
+
 def _polish(oracle: Oracle, net: BiasedReLUNetwork, rng, scale: float, counts: dict):
     """Measure every unit again across its hyperplane, at the point farthest from the others.
 
@@ -348,30 +378,13 @@ def _polish(oracle: Oracle, net: BiasedReLUNetwork, rng, scale: float, counts: d
     2 (d + 1) queries per unit, steps r / 4. c0 is read again at those 2m points. A
     polished unit replaces the first one only if the two agree to POLISH_AGREEMENT.
     """
-    from scipy.optimize import linprog
-
     m, d = net.P.shape
-    box = max(4.0 * scale, 3.0 * float(np.abs(net.b).max()))
-    points, steps, units = [], [], []
-    for k in range(m):
-        others = np.delete(np.arange(m), k)
-        z = scale * rng.standard_normal(d)
-        y0 = z - (net.P[k] @ z + net.b[k]) * net.P[k]
-        sigma = np.where(net.P[others] @ y0 + net.b[others] >= 0, 1.0, -1.0)
-        # maximise r: sigma_j (p_j^T y + b_j) >= r |p_j| (|p_j| = 1), p_k^T y = -b_k
-        res = linprog(np.concatenate([np.zeros(d), [-1.0]]),
-                      A_ub=np.hstack([-sigma[:, None] * net.P[others], np.ones((m - 1, 1))]),
-                      b_ub=sigma * net.b[others], A_eq=np.concatenate([net.P[k], [0.0]])[None],
-                      b_eq=[-net.b[k]], bounds=[(-box, box)] * d + [(0, None)], method="highs")
-        if res.status != 0 or not res.x[-1] > 0:
-            continue
-        y, r = res.x[:d], res.x[-1]
-        units.append(k)
-        points += [y + 0.5 * r * net.P[k], y - 0.5 * r * net.P[k]]
-        steps += [STEP_FRACTION * r] * 2
-    if not units:
+    units, y, r = crossing_points(net, rng, scale)
+    if not len(units):
         return net, "skipped (no cell found)"
-    points, steps, units = np.array(points), np.array(steps), np.array(units)
+    half = 0.5 * r[:, None] * net.P[units]
+    points = np.stack([y + half, y - half], axis=1).reshape(-1, d)
+    steps = np.repeat(STEP_FRACTION * r, 2)
     oracle.require(len(points) * (d + 1), "polishing the hidden units")
     basis = np.linalg.qr(rng.standard_normal((d, d)))[0]
     g, e = affine_pieces(oracle, points, steps, basis)

@@ -74,7 +74,7 @@ from ..models import TransformerLayer
 from ..oracle import Oracle
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                       token_scale, verification_count, verify_model)
-from .biased_relu import BiasedReLUNetwork, extract_biased_relu
+from .biased_relu import BiasedReLUNetwork, crossing_points, extract_biased_relu
 from .residual import _MappedOracle, extract_one_layer_residual
 from .single_head import probe_basis
 
@@ -87,6 +87,7 @@ WELL_CONDITIONED_LOGIT = 6.0  # |t| beyond this: the probe is repeated with u / 
 CANDIDATE_BASES = 4          # random bases whose roomiest vectors become the probe points
 TARGET_LOGIT = 0.5           # the pilot column sets the probe radius for median |t| about this
 MAX_RADIUS = 1e3             # largest probe radius, in units of scale
+SPLIT_LOGIT = 3.0            # head-split probes: logits uniform in [-this, this] per head
 MATCH_TOLERANCE = 1e-6       # w_i b_i of matched units agree this well (relative to max)
 
 
@@ -419,7 +420,116 @@ class _ShiftedOracle:
 
 def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries, start_bb,
                    verify_tolerance, scale) -> ExtractionResult:
-    raise NotImplementedError("H > 1 is not implemented yet")
+    """H > 1: FFN from single tokens, heads from the odd part, then the P_h split per unit."""
+    from .multi_head import extract_multi_head
+    from .one_layer import OddPartOracle
+
+    if residual:
+        raise InputError("heads > 1 with a residual connection is not supported yet (one head is)")
+    d = oracle.dim
+
+    def stage(name, run):
+        before = oracle.queries
+        try:
+            return run()
+        except ModelMismatchError as exc:
+            raise ModelMismatchError(f"not a Transformer layer ({name}): {exc}",
+                                     result=exc.result) from exc
+        finally:
+            counts[name] = counts.get(name, 0) + oracle.queries - before
+
+    net, info = stage("single tokens", lambda: extract_biased_relu(
+        oracle, np.random.default_rng(seeds[1]), scale=scale))
+    if np.abs(net.b).max() > BIAS_ZERO * scale:
+        raise InputError("heads > 1 with FFN biases is not supported yet (one head is): the odd "
+                         "part f(X) - f(-X) is multi-head attention only without biases")
+    net = BiasedReLUNetwork(net.P, np.zeros(net.width), net.w, net.c0)
+    attention = stage("attention (odd part)", lambda: extract_multi_head(
+        OddPartOracle(oracle), heads=int(heads), seed=int(seeds[2].generate_state(1)[0]),
+        verify_tolerance=verify_tolerance)).model
+    readout = net.P.T @ net.w
+    v_error = float(np.linalg.norm(attention.v.sum(axis=0) - readout) / np.linalg.norm(readout))
+    P_h, split_info = stage("head split", lambda: _split_heads(
+        oracle, net, attention.W, np.random.default_rng(seeds[3]), scale))
+    V = np.stack([np.linalg.lstsq(net.P, P, rcond=None)[0] for P in P_h])
+    model = TransformerLayer(attention.W, V, net.P, net.b, net.w, net.c0)
+    details = {"hidden units": net.width, "canonical heads": attention.heads,
+               "residual": "False", "biases b": "none detected",
+               "output bias c0": f"{net.c0:.6g}", "FFN lines": info["lines"],
+               "sum_h v_h vs A^T w": f"{v_error:.1e} relative", **split_info}
+    if v_error > 1e-6:
+        raise ModelMismatchError(
+            f"not a Transformer layer: the heads' readouts add up to {v_error:.1e} (relative) off "
+            f"the single-token FFN's A^T w")
+    return _finish(oracle, model, counts, details, seeds, start, start_queries, start_bb,
+                   verify_tolerance)
+
+
+def _split_heads(oracle: Oracle, net: BiasedReLUNetwork, W: np.ndarray, rng, scale: float):
+    """P_h = A V_h per unit, once the heads W_h (H, d, d) and P = sum_h P_h are known.
+
+    For every unit k two cells of the (bias-free) FFN touch across its hyperplane only
+    (:func:`attnextract.learners.biased_relu.crossing_points`). In a cell S around q the
+    probe [q + delta; q] stays in S for small delta, and
+
+        f([q + delta; q]) - f([q]) = sum_h sigma(tau_h) delta^T r_h,   tau_h = delta^T W_h q,
+
+    with the readouts r_h = P_h,S^T w_S unknown and sum_h r_h = g_S (the FFN's gradient in
+    S) known. The logits are chosen, not left to chance: with C = [W_h q]_h (d, H) and its
+    dual basis E = C (C^T C)^{-1}, delta = E tau + (a random vector orthogonal to C) has
+    logits exactly tau, drawn uniformly in [-SPLIT_LOGIT, SPLIT_LOGIT] per head and probe;
+    the cell is scaled out along its cone (bias-free: cells are cones and r_h does not
+    change) until such a delta fits in half its room. (H + 1) d probes per cell give the
+    (H - 1) d unknowns by least squares; across unit k's hyperplane the readouts jump by
+    w_k P_h,k. Queries: 2 m (1 + (H + 1) d). Returns (P_h (H, m, d), details).
+    """
+    H, d = W.shape[0], oracle.dim
+    m = net.width
+    units, y0, r = crossing_points(net, rng, scale)
+    if len(units) != m:
+        raise ModelMismatchError(f"only {len(units)} of {m} units have a cell to split the heads in")
+    half = 0.5 * r[:, None] * net.P
+    Q = np.stack([y0 + half, y0 - half], axis=1).reshape(-1, d)           # (2m, d) cell points
+    room = np.repeat(0.5 * r, 2) * MARGIN_FRACTION / (2.0 * H)
+    n_cells, n_probes = len(Q), (H + 1) * d
+    C = np.einsum("hde,je->jdh", W, Q)                                    # (2m, d, H)
+    E = np.stack([c @ np.linalg.pinv(c.T @ c) for c in C])               # dual bases
+    # scale each cell out: |E tau| shrinks like 1 / lambda, its room grows like lambda
+    need = np.linalg.norm(E, axis=(1, 2)) * SPLIT_LOGIT * math.sqrt(H)
+    lam = np.sqrt(np.maximum(need / room, 1.0))
+    Q, room, E = lam[:, None] * Q, lam * room, E / lam[:, None, None]
+    tau = rng.uniform(-SPLIT_LOGIT, SPLIT_LOGIT, size=(n_cells, n_probes, H))
+    along = np.einsum("jdh,jph->jpd", E, tau)
+    xi = rng.standard_normal((n_cells, n_probes, d))
+    basis_c = np.stack([np.linalg.qr(c)[0] for c in C])                  # (2m, d, H)
+    xi -= np.einsum("jdh,jph->jpd", basis_c, np.einsum("jdh,jpd->jph", basis_c, xi))
+    xi *= (np.linalg.norm(along, axis=2) / np.linalg.norm(xi, axis=2))[:, :, None]
+    delta = along + xi
+    delta *= np.minimum(1.0, room[:, None] / np.linalg.norm(delta, axis=2))[:, :, None]
+    tau = np.einsum("jpd,jdh->jph", delta, C * lam[:, None, None])        # exact logits
+    oracle.require(n_cells * (1 + n_probes), "splitting the heads")
+    F0 = oracle.query(Q[:, None, :])
+    seqs = np.stack([(Q[:, None, :] + delta).reshape(-1, d), np.repeat(Q, n_probes, axis=0)],
+                    axis=1)
+    y = oracle.query(seqs).reshape(n_cells, n_probes) - F0[:, None]
+    a = 1.0 / (1.0 + np.exp(-tau))                                        # (j, p, H)
+    G = ((Q @ net.P.T > 0) * net.w) @ net.P                               # g_S per cell
+    # r_H = g - sum_{h<H} r_h: sum_{h<H} (a_h - a_H) delta^T r_h = y - a_H delta^T g
+    rows = ((a[:, :, :-1] - a[:, :, -1:])[:, :, :, None] * delta[:, :, None, :]).reshape(
+        n_cells, n_probes, (H - 1) * d)
+    rhs = y - a[:, :, -1] * np.einsum("jpd,jd->jp", delta, G)
+    R = np.stack([np.linalg.lstsq(M, b_, rcond=None)[0] for M, b_ in zip(rows, rhs)])
+    fit = float(np.abs(np.einsum("jpk,jk->jp", rows, R) - rhs).max() / np.abs(y).max())
+    R = R.reshape(n_cells, H - 1, d)
+    readouts = np.concatenate([R, (G - R.sum(axis=1))[:, None, :]], axis=1)  # (2m, H, d)
+    jumps = readouts[0::2] - readouts[1::2]                                  # w_k P_h,k
+    P_h = np.swapaxes(jumps / net.w[:, None, None], 0, 1)                    # (H, m, d)
+    if not fit <= 1e-8:
+        raise ModelMismatchError(
+            f"the probes do not split into {H} heads within linear pieces of the FFN (relative "
+            f"misfit {fit:.1e})")
+    return P_h, {"head split": f"{n_cells} cells scaled by {lam.min():.3g} .. {lam.max():.3g}, "
+                               f"misfit {fit:.1e}"}
 
 
 def canonical_units(model: TransformerLayer):
