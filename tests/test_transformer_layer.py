@@ -224,3 +224,14 @@ def test_cli_transformer_layer(tmp_path):
     assert isinstance(model, TransformerLayer) and model.heads == 1
     proc = run_cli("extract", "--target", f"{target}:layer", "--dim", 16, "--model",
                    "transformer-layer", "--rank", 2, "--out", out, check=2, cwd=tmp_path)
+
+
+def test_bench_section_rows_and_table():
+    from attnextract.bench import markdown, section_transformer_layer
+    rows = section_transformer_layer(True, lambda message: None)
+    assert len(rows) == 5
+    for r in rows:
+        assert r["floor"] < r["recovery_queries"] <= 8 * r["floor"]
+        assert r["bits"] > 30 and r["output_error"] <= TOL    # Carlini et al. 2020: 25 bits
+    table = markdown(rows)
+    assert "| (biases 1e-6) |" in table and "2^-25" in table
