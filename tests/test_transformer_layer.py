@@ -40,7 +40,7 @@ def assert_recovered(result, cmp, truth):
 
 # --------------------------------------------------------------------------- (1) bias-free
 @pytest.mark.parametrize("width", [16, 32])
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(20))
 def test_bias_free_single_head(width, seed):
     truth = random_transformer_layer(16, width, seed=seed)
     result, cmp = extract(truth, seed)
@@ -77,7 +77,7 @@ def test_multi_head_limits_are_typed_errors():
 
 # --------------------------------------------------------------------------- (2) biases
 @pytest.mark.parametrize("bias_scale", [1.0, 1e-3, 1e-6])
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(6))
 def test_biases_single_head(bias_scale, seed):
     truth = random_transformer_layer(32, 32, seed=seed, bias_scale=bias_scale, c0=0.7 - 0.4 * seed)
     result, cmp = extract(truth, seed)
@@ -97,7 +97,7 @@ def test_output_bias_only(seed):
 
 # --------------------------------------------------------------------------- (3) residual
 @pytest.mark.parametrize("bias_scale", [1.0, 0.0])
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(6))
 def test_residual(bias_scale, seed):
     truth = random_transformer_layer(16, 32, seed=seed, bias_scale=bias_scale, c0=0.3,
                                      residual=True)

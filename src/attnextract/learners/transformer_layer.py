@@ -52,10 +52,19 @@ and R = 0 without it; pre-activations pi(X) = R x_N + B X^T alpha + b):
    directions u_jk (a Householder basis with |u^T g_j| equal for all k, g_j = B_S^T w_S)
    this gives W q_j, hence W: 2 d^2 + d queries. The biases only move the linear pieces,
    so the same probes serve b = 0 and b != 0.
-Several heads: for H > 1 (bias-free, no residual) the odd part f(X) - f(-X) =
-sum_h softmax(X W_h x_N)^T X (P_h^T w) is multi-head attention, handed to
-:func:`attnextract.learners.multi_head.extract_multi_head`; the P_h themselves are not
-separated yet (see ``NotImplementedError`` below).
+Several heads (H > 1; bias-free, no residual term):
+4. Odd part: scores do not change under X -> -X and ReLU(z) - ReLU(-z) = z, so
+   f(X) - f(-X) = sum_h softmax(X W_h x_N)^T X (P_h^T w): multi-head attention with
+   readouts v_h = P_h^T w, handed to :func:`attnextract.learners.multi_head.extract_multi_head`
+   (``heads`` is its upper bound; it returns the canonical heads) through
+   :class:`attnextract.learners.one_layer.OddPartOracle`; sum_h v_h must equal A^T w.
+5. Split of P = sum_h P_h per unit (:func:`_split_heads`): in the two cells either side
+   of unit k's hyperplane, probes [q + delta; q] with chosen logits delta^T W_h q give
+   every head's readout P_h,S^T w_S by least squares; across the hyperplane they jump by
+   w_k P_h,k. 2 m (1 + (H + 1) d) queries.
+With FFN biases or a residual term, H > 1 is not supported yet (InputError): the odd
+part is multi-head attention only without biases, and no linear piece of a biased FFN
+is wide enough for the multi-head learner's own probes (their logits must be of order one).
 
 Everything is verified against the black box on held-out sequences
 (:func:`attnextract.report.checked_result`); a GELU, a LayerNorm before the FFN or two
@@ -84,7 +93,7 @@ BIAS_ZERO = 1e-9             # |b_i| (unit rows, over scale) below this is no bi
 MARGIN_FRACTION = 0.5        # the copy probes move pi by at most this fraction of its margin
 MAX_PROBE_ROUNDS = 4
 WELL_CONDITIONED_LOGIT = 6.0  # |t| beyond this: the probe is repeated with u / 8
-CANDIDATE_BASES = 4          # random bases whose roomiest vectors become the probe points
+CANDIDATE_BASES = 32         # random bases whose roomiest vectors become the probe points
 TARGET_LOGIT = 0.5           # the pilot column sets the probe radius for median |t| about this
 MAX_RADIUS = 1e3             # largest probe radius, in units of scale
 SPLIT_LOGIT = 3.0            # head-split probes: logits uniform in [-this, this] per head
