@@ -235,3 +235,30 @@ def test_bench_section_rows_and_table():
         assert r["bits"] > 30 and r["output_error"] <= TOL    # Carlini et al. 2020: 25 bits
     table = markdown(rows)
     assert "| (biases 1e-6) |" in table and "2^-25" in table
+
+
+def test_bad_input_and_budget_are_typed_errors():
+    from attnextract import BudgetExceededError, InputError
+    truth = random_transformer_layer(8, 8, seed=1, bias_scale=1.0)
+    for kwargs in ({"heads": 0}, {"heads": 1.5}, {"scale": -1.0}, {"scale": float("nan")}):
+        oracle = Oracle(truth, 8)
+        with pytest.raises(InputError):
+            extract_transformer_layer(oracle, **kwargs)
+        assert oracle.queries == 0
+    oracle = Oracle(truth, 8, budget=400)
+    with pytest.raises(BudgetExceededError):
+        extract_transformer_layer(oracle, seed=0)
+    assert oracle.queries <= 400
+
+
+def test_cli_verify_recovered_layer(tmp_path):
+    target = tmp_path / "target.py"
+    target.write_text(
+        "from attnextract.learners.transformer_layer import random_transformer_layer\n"
+        "layer = random_transformer_layer(8, 16, seed=6, bias_scale=1.0, residual=True)\n")
+    out = tmp_path / "r.npz"
+    run_cli("extract", "--target", f"{target}:layer", "--dim", 8, "--model", "transformer-layer",
+            "--out", out, check=0, cwd=tmp_path)
+    proc = run_cli("verify", "--target", f"{target}:layer", "--result", out, "--json", check=0,
+                   cwd=tmp_path)
+    assert json.loads(proc.stdout)["ok"]
