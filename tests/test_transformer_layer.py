@@ -262,3 +262,13 @@ def test_cli_verify_recovered_layer(tmp_path):
     proc = run_cli("verify", "--target", f"{target}:layer", "--result", out, "--json", check=0,
                    cwd=tmp_path)
     assert json.loads(proc.stdout)["ok"]
+
+
+@pytest.mark.parametrize("seed", [1, 4])
+def test_one_unit_active_only_far_out(seed):
+    """m = 1 with a large negative bias: the probes go out until the unit is active, and
+    saturated copy probes (both weights at rounding level) are not mistaken for logits."""
+    truth = random_transformer_layer(8, 1, seed=seed, bias_scale=3.0)
+    result, cmp = extract(truth, seed)
+    assert cmp["error_W"] <= TOL and cmp["max_error"] <= TOL, cmp
+    assert "far verification" in result.report.details

@@ -91,11 +91,13 @@ RESIDUAL_PROBES = 4          # random p: f([p; 0]) against f([p / 2]) decides th
 RESIDUAL_TOLERANCE = 1e-9    # relative difference beyond which the residual term is present
 BIAS_ZERO = 1e-9             # |b_i| (unit rows, over scale) below this is no bias (a zero, rounded)
 MARGIN_FRACTION = 0.5        # the copy probes move pi by at most this fraction of its margin
-MAX_PROBE_ROUNDS = 4
+MAX_PROBE_ROUNDS = 8
+SIGNAL_FLOOR = 1e-6          # y1 and y2 - y1 of a copy probe must exceed this times |f|
 WELL_CONDITIONED_LOGIT = 6.0  # |t| beyond this: the probe is repeated with u / 8
 CANDIDATE_BASES = 32         # random bases whose roomiest vectors become the probe points
 TARGET_LOGIT = 0.5           # the pilot column sets the probe radius for median |t| about this
 MAX_RADIUS = 1e3             # largest probe radius, in units of scale
+RADIUS_DOUBLINGS = 30        # probe points further out while no active unit reads the attention
 SPLIT_LOGIT = 3.0            # head-split probes: logits uniform in [-this, this] per head
 MATCH_TOLERANCE = 1e-6       # w_i b_i of matched units agree this well (relative to max)
 
@@ -132,26 +134,42 @@ class _FFN:
         self.R, self.B, self.b, self.w, self.c0 = R, B, b, w, c0
 
 
-def _probe_points(ffn: _FFN, rng, radius: float, d: int) -> tuple[np.ndarray, np.ndarray]:
+def _probe_points(ffn: _FFN, rng, radius: float, d: int) -> tuple[np.ndarray, float]:
     """d well-spread probe points q_j (rows) with large room rho(q) = min_i |pi_i(q)| / |B_i|.
 
-    Candidates: CANDIDATE_BASES random orthonormal bases scaled to ``radius``; the
-    roomiest are taken greedily, each keeping at least half its norm orthogonal to
-    those already taken (so the q_j stay well conditioned). Returns (Q (d, d), rho (d,)).
+    Candidates: CANDIDATE_BASES random orthonormal bases scaled to ``radius``, those where
+    some active unit reads the attention output; the roomiest are taken greedily, each keeping at least half its norm orthogonal to
+    those already taken (so the q_j stay well conditioned). Where too few candidates see
+    the attention output the radius doubles. Returns (Q (d, d), the radius used).
     """
+    for _ in range(RADIUS_DOUBLINGS):
+        points = _roomy_points(ffn, rng, radius, d)
+        if points is not None:
+            return points, radius
+        radius *= 2.0                  # every point reads nothing: the active units lie further out
+    raise NotIdentifiableError("no active unit reads the attention output at any probe point")
+
+
+def _roomy_points(ffn: _FFN, rng, radius: float, d: int):
     cand = np.vstack([radius * np.linalg.qr(rng.standard_normal((d, d)))[0].T
                       for _ in range(CANDIDATE_BASES)])
-    room = (np.abs(cand @ (ffn.R + ffn.B).T + ffn.b) / np.linalg.norm(ffn.B, axis=1)).min(axis=1)
+    pre = cand @ (ffn.R + ffn.B).T + ffn.b
+    room = (np.abs(pre) / np.linalg.norm(ffn.B, axis=1)).min(axis=1)
+    # a point where no active unit reads the attention output sees nothing of W
+    readout = np.linalg.norm(((pre > 0) * ffn.w) @ ffn.B, axis=1)
+    room[~(readout > 1e-6 * readout.max())] = -np.inf
     for keep in (0.5, 0.3, 0.1):                  # the first that yields d points
         chosen, basis = [], np.zeros((d, 0))
         for i in np.argsort(-room):
+            if room[i] == -np.inf:
+                break
             rest = cand[i] - basis @ (basis.T @ cand[i])
             if np.linalg.norm(rest) >= keep * radius:
                 chosen.append(i)
                 basis = np.hstack([basis, (rest / np.linalg.norm(rest))[:, None]])
                 if len(chosen) == d:
-                    return cand[chosen], room[chosen]
-    return cand[:d], room[:d]                       # an orthonormal basis, scaled
+                    return cand[chosen]
+    return None
 
 
 def _measure_columns(oracle: Oracle, ffn: _FFN, Q: np.ndarray, counts: dict):
@@ -187,7 +205,11 @@ def _measure_columns(oracle: Oracle, ffn: _FFN, Q: np.ndarray, counts: dict):
         with np.errstate(divide="ignore", invalid="ignore"):
             rho = y2 / y1
             t_new = np.log((2.0 - rho) / (2.0 * rho - 2.0))
-        good = np.isfinite(t_new) & (np.abs(t_new) <= WELL_CONDITIONED_LOGIT)
+        # a saturated probe (weight on q + u near 0 or 1 for both copy counts) leaves y1,
+        # y2 - y1 at the outputs' rounding, and its ratio is noise: probed again, smaller
+        level = SIGNAL_FLOOR * np.maximum(np.abs(F0[jj]), np.abs(y1 + F0[jj]))
+        good = (np.isfinite(t_new) & (np.abs(t_new) <= WELL_CONDITIONED_LOGIT)
+                & (np.abs(y1) > level) & (np.abs(y2 - y1) > level))
         t[jj[good], kk[good]] = t_new[good]
         todo[jj[good], kk[good]] = False
         s[jj[~good], kk[~good]] /= 8.0
@@ -207,17 +229,16 @@ def _copy_logits(oracle: Oracle, ffn: _FFN, rng, scale: float, counts: dict):
     Returns (W (d, d), details).
     """
     d = oracle.dim
-    Q, _ = _probe_points(ffn, rng, scale, d)
+    Q, radius = _probe_points(ffn, rng, scale, d)
     t, s, U = _measure_columns(oracle, ffn, Q[:1], counts)
     typical = float(np.median(np.abs(t)))
-    radius = scale * float(np.clip(math.sqrt(TARGET_LOGIT / max(typical, 1e-300)), 1.0,
-                                   MAX_RADIUS))
-    Q, room = _probe_points(ffn, rng, radius, d)
+    radius *= float(np.clip(math.sqrt(TARGET_LOGIT / max(typical, 1e-300)), 1.0, MAX_RADIUS))
+    Q, radius = _probe_points(ffn, rng, radius, d)
     t, s, U = _measure_columns(oracle, ffn, Q, counts)
     # column j: W q_j = U_j (t_j / s_j); W = (W Q^T) (Q^T)^{-1}
     WQ = np.einsum("jek,jk->ej", U, t / s)
     W = np.linalg.solve(Q, WQ.T).T
-    return W, {"copy probe radius": f"{radius:.3g}",
+    return W, radius, {"copy probe radius": f"{radius:.3g}",
                "copy probe steps": f"{s.min():.3g} .. {s.max():.3g}",
                "copy probe logits": f"{np.abs(t).min():.2g} .. {np.abs(t).max():.2g}"}
 
@@ -333,7 +354,7 @@ def extract_transformer_layer(oracle: Oracle, heads: int = 1, *, seed=None,
     else:
         B, R = net1.P, np.zeros_like(net1.P)
     ffn = _FFN(R, B, net1.b, net1.w, net1.c0)
-    W, probe_info = stage("copy probes", lambda: _copy_logits(
+    W, reach, probe_info = stage("copy probes", lambda: _copy_logits(
         oracle, ffn, np.random.default_rng(seeds[3]), scale, {}))
     details.update(probe_info)
     if residual:
@@ -343,7 +364,7 @@ def extract_transformer_layer(oracle: Oracle, heads: int = 1, *, seed=None,
         model = TransformerLayer(W, np.eye(d), B, net1.b, net1.w, net1.c0)
     details["FFN queries"] = ", ".join(f"{k} {v}" for k, v in ffn_counts.items())
     return _finish(oracle, model, counts, details, seeds, start, start_queries, start_bb,
-                   verify_tolerance)
+                   verify_tolerance, reach)
 
 
 def free_parameters(model: TransformerLayer) -> int:
@@ -354,14 +375,35 @@ def free_parameters(model: TransformerLayer) -> int:
 
 
 def _finish(oracle, model, counts, details, seeds, start, start_queries, start_bb,
-            verify_tolerance) -> ExtractionResult:
+            verify_tolerance, reach: float = 0.0) -> ExtractionResult:
+    """Held-out verification (also far out, where the probes or the FFN's hyperplanes
+    were, when that is beyond the usual token scale), the report, the checked result."""
+    from ..report import Verification
+
     d = oracle.dim
     floor = free_parameters(model)
     n_verify = verification_count(floor)
-    oracle.require(n_verify, "held-out verification of the Transformer layer")
-    verification = verify_model(oracle, model, count=n_verify,
-                                seed=np.random.default_rng(seeds[4]), tolerance=verify_tolerance,
-                                scale=token_scale(model))
+    rng = np.random.default_rng(seeds[4])
+    near = token_scale(model)
+    far = max(reach, 2.0 * float(np.abs(model.b).max(initial=0.0))) / math.sqrt(d)
+    n_far = n_verify // 2 if far > 2.0 * near else 0
+    oracle.require(n_verify + n_far, "held-out verification of the Transformer layer")
+    verification = verify_model(oracle, model, count=n_verify, seed=rng,
+                                tolerance=verify_tolerance, scale=near)
+    if n_far:
+        # a unit active only far out is invisible near the origin: look where it is
+        far_check = verify_model(oracle, model, count=n_far, seed=rng,
+                                 tolerance=verify_tolerance, scale=far)
+        verification = Verification(
+            sequences=n_verify + n_far,
+            max_relative_error=max(verification.max_relative_error,
+                                   far_check.max_relative_error),
+            median_relative_error=max(verification.median_relative_error,
+                                      far_check.median_relative_error),
+            tolerance=verify_tolerance)
+        details["far verification"] = (f"{n_far} sequences at token scale {far:.3g}: max "
+                                       f"relative error {far_check.max_relative_error:.1e}")
+    n_verify += n_far
     counts["verification"] = n_verify
     total = oracle.queries - start_queries
     report = Report(
@@ -458,7 +500,7 @@ def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries,
         verify_tolerance=verify_tolerance)).model
     readout = net.P.T @ net.w
     v_error = float(np.linalg.norm(attention.v.sum(axis=0) - readout) / np.linalg.norm(readout))
-    P_h, split_info = stage("head split", lambda: _split_heads(
+    P_h, reach, split_info = stage("head split", lambda: _split_heads(
         oracle, net, attention.W, np.random.default_rng(seeds[3]), scale))
     V = np.stack([np.linalg.lstsq(net.P, P, rcond=None)[0] for P in P_h])
     model = TransformerLayer(attention.W, V, net.P, net.b, net.w, net.c0)
@@ -471,7 +513,7 @@ def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries,
             f"not a Transformer layer: the heads' readouts add up to {v_error:.1e} (relative) off "
             f"the single-token FFN's A^T w")
     return _finish(oracle, model, counts, details, seeds, start, start_queries, start_bb,
-                   verify_tolerance)
+                   verify_tolerance, reach)
 
 
 def _split_heads(oracle: Oracle, net: BiasedReLUNetwork, W: np.ndarray, rng, scale: float):
@@ -537,8 +579,9 @@ def _split_heads(oracle: Oracle, net: BiasedReLUNetwork, W: np.ndarray, rng, sca
         raise ModelMismatchError(
             f"the probes do not split into {H} heads within linear pieces of the FFN (relative "
             f"misfit {fit:.1e})")
-    return P_h, {"head split": f"{n_cells} cells scaled by {lam.min():.3g} .. {lam.max():.3g}, "
-                               f"misfit {fit:.1e}"}
+    return P_h, float(np.linalg.norm(Q, axis=1).max()), {
+        "head split": f"{n_cells} cells scaled by {lam.min():.3g} .. {lam.max():.3g}, "
+                      f"misfit {fit:.1e}"}
 
 
 def canonical_units(model: TransformerLayer):
