@@ -21,6 +21,8 @@ from .learners.sign_only import extract_sign_only
 from .learners.low_rank import extract_low_rank
 from .registry import extract, learner_names, register
 from . import progress          # ProgressBar, configure_logging, thread_limits
+from .models import TransformerLayer
+from .learners.transformer_layer import extract_transformer_layer
 
 __version__ = "0.2.0"
 
@@ -53,3 +55,4 @@ __all__ = [
 ]
 __all__ += ["ReLUNetwork", "OneLayerTransformer", "extract_relu_network", "extract_one_layer"]
 __all__ += ["extract", "learner_names", "register"]
+__all__ += ["TransformerLayer", "extract_transformer_layer"]

@@ -189,6 +189,42 @@ SECTIONS = {"single-head": section_single_head, "low-rank": section_low_rank,
             "noisy": section_noisy, "surrogate": section_surrogate}
 
 
+def transformer_layer_variants(quick: bool) -> list[tuple[str, int, int, dict]]:
+    """(label, d, m, random_transformer_layer options) of the Transformer-layer rows."""
+    d, m = (8, 8) if quick else (16, 32)
+    big = 16 if quick else 32
+    return [("bias-free", d, m, {}),
+            ("biases N(0,1), c0", big, big, {"bias_scale": 1.0, "c0": 0.5}),
+            ("biases 1e-6", big, big, {"bias_scale": 1e-6, "c0": 0.5}),
+            ("residual + biases", d, m, {"bias_scale": 1.0, "c0": 0.5, "residual": True}),
+            ("bias-free, H = 3", d, m, {"heads": 3})]
+
+
+def section_transformer_layer(quick: bool, log) -> list[dict]:
+    """Attention + ReLU FFN with biases (issue 14): queries vs the floor, bits, time."""
+    from .learners.transformer_layer import (compare_transformer_layer, extract_transformer_layer,
+                                             free_parameters, random_transformer_layer)
+    rows = []
+    for label, d, m, options in transformer_layer_variants(quick):
+        target = random_transformer_layer(d, m, seed=d + m, **options)
+
+        def errors(model):
+            cmp = compare_transformer_layer(model, target, seed=d)
+            return {"W_error": cmp["error_W"], "bits": cmp["bits"],
+                    "output_error": cmp["max_output_error"]}
+        rows.append(measure(f"transformer-layer ({label})", d, target,
+                            lambda oracle: extract_transformer_layer(
+                                oracle, heads=options.get("heads", 1), seed=d),
+                            floor=free_parameters(target), paper_count=None, m=m,
+                            heads=options.get("heads", 1), error=errors))
+        log(f"transformer-layer {label} d={d} m={m}: {rows[-1]['recovery_queries']} queries "
+            f"(floor {rows[-1]['floor']}), {rows[-1]['bits']:.1f} bits")
+    return rows
+
+
+SECTIONS["transformer-layer"] = section_transformer_layer
+
+
 def markdown(rows: list[dict]) -> str:
     """Markdown tables: one per learner (by d), then the surrogate comparison."""
     out = []
@@ -209,6 +245,17 @@ def markdown(rows: list[dict]) -> str:
             if len(sub) >= 2:
                 out.append(f"\nFitted slope of log(queries) vs log(d), {learner}: "
                            f"{fitted_slope([r['d'] for r in sub], [r['recovery_queries'] for r in sub]):.3f}")
+    layer = [r for r in rows if r.get("learner", "").startswith("transformer-layer")]
+    if layer:
+        out += ["", "Transformer layer (attention + ReLU FFN with biases): bits = -log2 of the "
+                "largest canonical parameter error (Carlini et al. 2020 report 2^-25 for ReLU "
+                "networks):", "", "| model | d | m | H | queries (recovery) | floor | ratio | bits "
+                "| output error | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in layer:
+            out.append(f"| {r['learner'][len('transformer-layer '):]} | {r['d']} | {r['m']} | "
+                       f"{r['heads']} | {r['recovery_queries']} | {r['floor']} | "
+                       f"{r['recovery_queries'] / r['floor']:.2f} | {r['bits']:.1f} | "
+                       f"{r['output_error']:.1e} | {r['wall_s']:.2f} |")
     noisy = [r for r in rows if "tau" in r]
     if noisy:
         out += ["", f"Noisy outputs, |eta| <= tau (random signs), d = {noisy[0]['d']}, equal "

@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default) or the paper's Gaussian rank-one projections")
     low.add_argument("--oversampling", type=float, metavar="C",
                      help="rop: C in m = C r 2d measurements (default 2)")
-    multi = ex.add_argument_group("--model multi-head")
+    multi = ex.add_argument_group("--model multi-head, transformer-layer")
     multi.add_argument("--heads", type=_positive_int,
                        help="the model's number of heads (an upper bound on the canonical "
                             "heads); default: detected")

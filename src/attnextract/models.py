@@ -304,6 +304,93 @@ class ResidualOneLayer(Regressor):
         return f"ResidualOneLayer(d={self.dim}, m={self.width})"
 
 
+class TransformerLayer(Regressor):
+    """Multi-head attention followed by a ReLU feed-forward layer with biases.
+
+    y(X) = [x_N +] sum_h V_h X^T softmax(X W_h x_N),   f(X) = w^T ReLU(A y(X) + b) + c0,
+
+    the bracketed residual term present when ``residual`` is true. With one head and
+    b = 0, c0 = 0, no residual, this is :class:`OneLayerTransformer` with A V in place of A.
+
+    Parameters
+    ----------
+    W : array (H, d, d) (or (d, d) for one head)
+        Merged query-key matrix of every head.
+    V : array (H, d, d) (or (d, d))
+        Merged value-output matrix of every head (y is in R^d).
+    A : array (m, d)
+        Feed-forward hidden weights.
+    b : array (m,)
+        Hidden biases.
+    w : array (m,)
+        Output weights.
+    c0 : float
+        Output bias.
+    residual : bool
+        Whether y(X) includes the residual stream x_N.
+    """
+
+    kind = "transformer-layer"
+    PARAMETERS = ("W", "V", "A", "b", "w", "c0", "residual")
+
+    def __init__(self, W, V, A, b, w, c0=0.0, residual=False):
+        W = np.array(W, dtype=np.float64)
+        V = np.array(V, dtype=np.float64)
+        if W.ndim == 2:
+            W = W[None]
+        if V.ndim == 2:
+            V = V[None]
+        if W.ndim != 3 or W.shape[1] != W.shape[2] or W.shape[1] < 1:
+            raise InputError(f"TransformerLayer: W must have shape (H, d, d), got {W.shape}")
+        if V.shape != W.shape:
+            raise InputError(f"TransformerLayer: V must have the shape of W {W.shape}, got {V.shape}")
+        A, w = _relu_parameters(A, w, "TransformerLayer")
+        b = np.array(b, dtype=np.float64)
+        if A.shape[1] != W.shape[1]:
+            raise InputError(f"TransformerLayer: A must have {W.shape[1]} columns, got {A.shape}")
+        if b.shape != w.shape:
+            raise InputError(f"TransformerLayer: b must have shape {w.shape}, got {b.shape}")
+        c0 = np.asarray(c0, dtype=np.float64)
+        if c0.size != 1:
+            raise InputError(f"TransformerLayer: c0 must be a scalar, got shape {c0.shape}")
+        if not (np.all(np.isfinite(W)) and np.all(np.isfinite(V)) and np.all(np.isfinite(b))
+                and np.isfinite(c0).all()):
+            raise InputError("TransformerLayer: W, V, b and c0 must be finite")
+        self.W, self.V, self.A, self.b, self.w = W, V, A, b, w
+        self.c0 = float(c0.reshape(()))
+        self.residual = bool(np.asarray(residual).reshape(()))
+
+    @property
+    def dim(self) -> int:
+        return self.W.shape[1]
+
+    @property
+    def heads(self) -> int:
+        return self.W.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.A.shape[0]
+
+    def head_maps(self) -> np.ndarray:
+        """P_h = A V_h (H, m, d): all a black box can tell of A and V_h (see the learner)."""
+        return np.einsum("md,hde->hme", self.A, self.V)
+
+    def attend(self, X: np.ndarray) -> np.ndarray:
+        """y(X) (B, d) for a batch (B, N, d)."""
+        y = X[:, -1, :].copy() if self.residual else np.zeros((X.shape[0], self.dim))
+        for W, V in zip(self.W, self.V):
+            y += attention_output(X, W) @ V.T
+        return y
+
+    def outputs(self, X: np.ndarray) -> np.ndarray:
+        return np.maximum(self.attend(X) @ self.A.T + self.b, 0.0) @ self.w + self.c0
+
+    def __repr__(self) -> str:
+        return (f"TransformerLayer(H={self.heads}, d={self.dim}, m={self.width}"
+                f"{', residual' if self.residual else ''})")
+
+
 # kind -> class: how report.load_model rebuilds a model from a result file
 MODEL_CLASSES = {cls.kind: cls for cls in (SingleHeadAttention, MultiHeadAttention, ReLUNetwork,
-                                           OneLayerTransformer, ResidualOneLayer)}
+                                           OneLayerTransformer, ResidualOneLayer, TransformerLayer)}

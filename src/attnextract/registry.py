@@ -193,6 +193,9 @@ register("one-layer", _L + "one_layer:extract_one_layer",
          "a one-layer Transformer: attention head then ReLU feed-forward")
 register("one-layer-residual", _L + "residual:extract_one_layer_residual",
          "a one-layer Transformer with a residual connection")
+register("transformer-layer", _L + "transformer_layer:extract_transformer_layer",
+         "multi-head attention then a ReLU feed-forward network, biases detected "
+         "(optionally residual)")
 register("noisy", _L + "noisy:extract_noisy",
          "one head from outputs accurate to +-tolerance, with error bars", hidden=True)
 register("sign-only", _L + "sign_only:extract_sign_only",

@@ -209,8 +209,13 @@ def _sample(oracle: Oracle, path: _Path, t: np.ndarray):
     return f[1], left, right
 
 
-def _find_kinks(oracle: Oracle, path: _Path, rng: np.random.Generator):
+def _find_kinks(oracle: Oracle, path: _Path, rng: np.random.Generator, *,
+                homogeneous: bool = True, max_kinks: int | None = None):
     """Locate every kink of F on the path (bisection on slope changes, batched per round).
+
+    ``path`` is any object whose ``points(t)`` is piecewise linear in t on [0, 1] and
+    [1, 2]; ``homogeneous=False`` skips the F(2x) = 2 F(x) check (biased networks);
+    more than ``max_kinks`` kinks (a smooth F looks like kinks everywhere) is a mismatch.
 
     Returns (sorted kink parameters t_k, their location errors, number of rounds).
     """
@@ -222,7 +227,7 @@ def _find_kinks(oracle: Oracle, path: _Path, rng: np.random.Generator):
     if magnitude == 0.0:
         return np.empty(0), np.empty(0), 1
     # F must be positively homogeneous (no biases): F(2x) = 2 F(x), up to rounding
-    doubled = _query_vectors(oracle, 2.0 * path.points(t0))
+    doubled = _query_vectors(oracle, 2.0 * path.points(t0)) if homogeneous else 2.0 * f0
     gap = float(np.abs(doubled - 2.0 * f0).max())
     if gap > HOMOGENEITY_TOLERANCE * magnitude:
         raise ModelMismatchError(
@@ -240,6 +245,10 @@ def _find_kinks(oracle: Oracle, path: _Path, rng: np.random.Generator):
         open_ = [iv for iv in intervals if abs(iv[5] - iv[4]) > slope_tol]
         if not open_:
             break
+        if max_kinks is not None and len(open_) + len(kinks) > max_kinks:
+            raise ModelMismatchError(
+                f"more than {max_kinks} kinks on one path: F is not piecewise linear with few "
+                f"pieces (a smooth activation?)")
         if rounds >= MAX_ROUNDS:
             raise ModelMismatchError(
                 f"kink search did not converge in {MAX_ROUNDS} rounds: F is not piecewise "

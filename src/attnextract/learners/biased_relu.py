@@ -1,0 +1,408 @@
+"""A one-hidden-layer ReLU network WITH biases, from single-vector queries (critical points on lines).
+
+Model: F(x) = sum_i w_i ReLU(p_i^T x + b_i) + c0, P (m, d), b (m,), w (m,), c0 scalar,
+queried as length-1 sequences [x] (Carlini, Jagielski and Mironov 2020, one hidden
+layer). Identifiable: the function, so the units up to permutation and positive
+rescaling (p_i, b_i, w_i) -> (c p_i, c b_i, w_i / c), c > 0; units with p_i = 0 are
+constants and merge into c0. Canonical form: rows p_i of unit norm, the scale in w.
+Free parameters: m (d + 1) + 1.
+
+Identities. F is piecewise affine; its kinks lie on the hyperplanes p_i^T x + b_i = 0
+(not through the origin, so the half-circle walk of the bias-free learner does not
+apply). A line x(t) = c + t L q meets every hyperplane once (general position);
+inside each interval between kinks F(x) = g^T x + e exactly, and g, e are measured
+with d + 1 queries (x and d steps inside the interval). Crossing the kink of unit i
+the affine piece jumps by (J, j) = +-w_i (p_i, b_i), + when the walk enters the
+unit's active side. With sigma = sign(J^T q) (= sign w_i either way),
+
+    phi(x) = sigma ReLU(sigma (J^T x + j))
+
+is w_i ReLU(p_i^T x + b_i) when the walk entered the active side, and that minus the
+affine function w_i (p_i^T x + b_i) = -(J^T x + j) when it left it. Hence, for the
+units found on any lines,
+
+    F(x) = sum_k phi_k(x) + lambda^T x + c,     lambda = -sum_{k in D} J_k,
+
+D the units whose line left their active side. lambda is read off every measured
+interval (g minus the gradients of the phi_k there): all intervals of all lines must
+give the same lambda and c, which is how a missing unit (a hyperplane no line met
+within reach) is noticed, and more lines are walked. D is then the 0/1 solution of
+J s = -lambda (a linear solve for m <= d, a 0/1 linear program for d < m <= 2d;
+unique for generic units), and c0 = c + sum_{k in D} j_k.
+
+Queries: per line the kink search (a few per kink) and d + 1 per interval next to a
+kink no earlier line explained (a kink of a known unit sits where that unit predicts
+it); so about m (d + 1) for the affine pieces, against the floor m (d + 1) + 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..errors import ModelMismatchError, NotIdentifiableError
+from ..oracle import Oracle
+from .relu_network import ROOT_SLACK, _find_kinks, _Path, _query_vectors, _resolve_signs
+
+LINE_REACH = 4.0        # half length of a line, in units of its scale * sqrt(d)
+MIN_LINES = 2
+MAX_LINES = 24          # line l has scale * 2^(l // 2): hyperplanes far out are reached too
+MAX_KINKS = 4096        # more kinks than this on one path: not a ReLU network
+FAR_RADIUS = 1e6        # the half circle at this radius (times scale) counts the units
+FIRST_STEP = 0.02       # first step h: this fraction of the interval's half length / sqrt(d)
+STEP_FRACTION = 0.25    # re-measured step: this fraction of the interval's margin
+MAX_REMEASURE = 5
+SAME_UNIT = 1e-6        # two measured hyperplanes closer than this are the same unit
+POLISH_AGREEMENT = 1e-5  # a polished unit must agree with the first pass this well
+AFFINE_TOLERANCE = 1e-7  # lambda, c from all intervals must agree this well (relative)
+
+
+class BiasedReLUNetwork:
+    """F(x) = w^T ReLU(P x + b) + c0 on vectors; called on sequences it reads x_N.
+
+    Parameters
+    ----------
+    P : array (m, d)
+    b, w : arrays (m,)
+    c0 : float
+    """
+
+    def __init__(self, P, b, w, c0):
+        self.P, self.b, self.w, self.c0 = (np.asarray(P, float), np.asarray(b, float),
+                                           np.asarray(w, float), float(c0))
+
+    @property
+    def width(self) -> int:
+        return self.P.shape[0]
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        """F on vectors x (..., d) -> (...)."""
+        return np.maximum(x @ self.P.T + self.b, 0.0) @ self.w + self.c0
+
+    def pre_activations(self, x: np.ndarray) -> np.ndarray:
+        return x @ self.P.T + self.b
+
+
+class _Line:
+    """x(t) = centre + (t - 1) L q, t in [0, 2]: the path object of the kink search."""
+
+    def __init__(self, centre: np.ndarray, direction: np.ndarray, half_length: float):
+        self.centre, self.q, self.L = centre, direction, half_length
+
+    def points(self, t) -> np.ndarray:
+        t = np.asarray(t, float)
+        return self.centre[None] + ((t - 1.0) * self.L)[:, None] * self.q[None]
+
+
+def affine_pieces(oracle: Oracle, points: np.ndarray, steps: np.ndarray,
+                  basis: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Affine piece (g, e) of F at each row of ``points`` (R, d): F(x) = g^T x + e nearby.
+
+    Probes x and x + h_r u_k (u_k the orthonormal columns of ``basis``): d + 1 queries
+    per point, one batch. Returns g (R, d), e (R,).
+    """
+    R, d = points.shape
+    probes = points[:, None, :] + steps[:, None, None] * basis.T[None]
+    X = np.concatenate([points[:, None, :], probes], axis=1).reshape(R * (d + 1), d)
+    f = _query_vectors(oracle, X).reshape(R, d + 1)
+    g = ((f[:, 1:] - f[:, :1]) / steps[:, None]) @ basis.T
+    return g, f[:, 0] - np.einsum("rd,rd->r", g, points)
+
+
+class _Units:
+    """Hyperplanes found so far: jumps J (k, d), offsets j (k,), signs sigma (k,)."""
+
+    def __init__(self, d: int):
+        self.J, self.j, self.sigma = np.empty((0, d)), np.empty(0), np.empty(0)
+
+    def normals(self) -> tuple[np.ndarray, np.ndarray]:
+        norm = np.linalg.norm(self.J, axis=1)
+        return self.J / norm[:, None], self.j / norm
+
+    def known(self, n: np.ndarray, beta: float) -> bool:
+        if not len(self.j):
+            return False
+        N, B = self.normals()
+        cos = N @ n
+        same = np.abs(np.abs(cos) - 1.0) <= SAME_UNIT
+        close = np.abs(B - np.sign(cos) * beta) <= SAME_UNIT * (1.0 + abs(beta))
+        return bool(np.any(same & close))
+
+    def add(self, J, j, sigma) -> None:
+        self.J = np.vstack([self.J, J[None]])
+        self.j = np.append(self.j, j)
+        self.sigma = np.append(self.sigma, sigma)
+
+    def phi_gradient(self, x: np.ndarray) -> np.ndarray:
+        """Sum over units of grad phi_k at the rows of x (R, d)."""
+        on = self.sigma[None] * (x @ self.J.T + self.j[None]) > 0
+        return on.astype(float) @ self.J
+
+    def phi(self, x: np.ndarray) -> np.ndarray:
+        u = x @ self.J.T + self.j[None]
+        return (self.sigma[None] * np.maximum(self.sigma[None] * u, 0.0)).sum(axis=1)
+
+
+def _walk_line(oracle, line: _Line, rng, units: _Units, basis, counts) -> list:
+    """Kinks of one line; measures the intervals next to unexplained kinks; adds their units.
+
+    Returns the measured (points, g, e) of this line (for the lambda check).
+    """
+    before = oracle.queries
+    kinks, kink_error, _ = _find_kinks(oracle, line, rng, homogeneous=False,
+                                          max_kinks=MAX_KINKS)
+    counts["kink search"] = counts.get("kink search", 0) + oracle.queries - before
+    K = len(kinks)
+    ends = np.concatenate([[0.0], kinks, [2.0]])
+    mid_t = 0.5 * (ends[:-1] + ends[1:])
+    half = 0.5 * (ends[1:] - ends[:-1]) * line.L           # half interval length in x units
+    kink_points = line.points(kinks) if K else np.empty((0, oracle.dim))
+    # kinks a known unit explains: it crosses the line there
+    new = np.ones(K, dtype=bool)
+    if K and len(units.j):
+        N, B = units.normals()
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t_pred = 1.0 - (N @ line.centre + B) / (line.L * (N @ line.q))
+        for k in range(K):
+            new[k] = not np.any(np.abs(t_pred - kinks[k]) <= ROOT_SLACK * kink_error[k] + 1e-12)
+    measure = np.zeros(K + 1, dtype=bool)
+    measure[0] = True
+    measure[:-1] |= new
+    measure[1:] |= new
+    idx = np.flatnonzero(measure)
+    points = line.points(mid_t[idx])
+    steps = np.maximum(FIRST_STEP * half[idx] / math.sqrt(oracle.dim), 1e-12)
+    oracle.require(len(idx) * (oracle.dim + 1), "affine pieces of the line's intervals")
+    g, e = affine_pieces(oracle, points, steps, basis)
+    counts["affine pieces"] = counts.get("affine pieces", 0) + len(idx) * (oracle.dim + 1)
+    slot = {r: i for i, r in enumerate(idx)}
+    tangent = line.L * line.q
+    new_k = np.flatnonzero(new)
+    previous_bad = None
+    for attempt in range(MAX_REMEASURE + 1):
+        J = np.array([g[slot[k + 1]] - g[slot[k]] for k in new_k]).reshape(-1, oracle.dim)
+        jj = np.array([e[slot[k + 1]] - e[slot[k]] for k in new_k])
+        norms = np.linalg.norm(J, axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            n = J / norms[:, None]
+            beta = jj / norms
+            offset = (np.abs(np.einsum("kd,kd->k", n, kink_points[new_k]) + beta)
+                      / np.abs(n @ tangent))
+        bad = ~(offset <= ROOT_SLACK * kink_error[new_k] + 1e-12) | (norms == 0)
+        # margins of the measured points to every hyperplane known or just measured
+        planes_n = np.vstack([units.normals()[0], n[~bad]]) if len(units.j) else n[~bad]
+        planes_b = np.concatenate([units.normals()[1], beta[~bad]]) if len(units.j) else beta[~bad]
+        margins = (np.abs(points @ planes_n.T + planes_b[None]).min(axis=1)
+                   if len(planes_b) else np.full(len(idx), np.inf))
+        too_far = steps >= 0.5 * margins
+        redo = too_far.copy()
+        for k, b_ in zip(new_k, bad):
+            if b_:
+                redo[slot[k]] = redo[slot[k + 1]] = True
+        if not redo.any() or attempt == MAX_REMEASURE or (
+                previous_bad is not None and bad.sum() >= previous_bad > 0 and not too_far.any()):
+            break
+        previous_bad = int(bad.sum())
+        steps = np.where(too_far, STEP_FRACTION * margins, np.where(redo, steps / 16.0, steps))
+        steps = np.maximum(steps, 1e-12)
+        r = np.flatnonzero(redo)
+        oracle.require(len(r) * (oracle.dim + 1), "re-measuring affine pieces")
+        g[r], e[r] = affine_pieces(oracle, points[r], steps[r], basis)
+        counts["re-measured"] = counts.get("re-measured", 0) + len(r) * (oracle.dim + 1)
+    for i, k in enumerate(new_k):
+        if bad[i] or units.known(n[i], beta[i]):
+            continue            # merged kinks (another line separates them) or a repeat
+        units.add(J[i], jj[i], float(np.sign(J[i] @ line.q)))
+    # intervals next to a rejected kink may straddle an unseen hyperplane: not used
+    trusted = np.ones(len(idx), dtype=bool)
+    for k, b_ in zip(new_k, bad):
+        if b_:
+            trusted[slot[k]] = trusted[slot[k + 1]] = False
+    return [(points[trusted], g[trusted], e[trusted])]
+
+
+def _count_far(oracle: Oracle, rng, scale: float, counts: dict) -> int:
+    """Units seen on a half circle of radius FAR_RADIUS * scale: far out the biases hardly
+    move the kinks, and a half circle meets every hyperplane's direction once, so this
+    counts the units (generically) however far from the origin their hyperplanes lie."""
+    frame, _ = np.linalg.qr(rng.standard_normal((oracle.dim, 2)))
+    radius = FAR_RADIUS * scale
+    path = _Path(radius * frame[:, 0], radius * frame[:, 1])
+    before = oracle.queries
+    kinks, _, _ = _find_kinks(oracle, path, rng, homogeneous=False, max_kinks=MAX_KINKS)
+    counts["far count"] = counts.get("far count", 0) + oracle.queries - before
+    return len(kinks)
+
+
+def _affine_residual(units: _Units, samples) -> tuple[np.ndarray, float, float]:
+    """lambda, c from every measured interval, and their spread (relative)."""
+    X = np.vstack([s[0] for s in samples])
+    G = np.vstack([s[1] for s in samples])
+    E = np.concatenate([s[2] for s in samples])
+    F = E + np.einsum("rd,rd->r", G, X)
+    if len(units.j):
+        lam_r = G - units.phi_gradient(X)
+        c_r = F - units.phi(X) - np.einsum("rd,rd->r", lam_r, X)
+    else:
+        lam_r, c_r = G, E
+    lam = np.median(lam_r, axis=0)
+    c = float(np.median(c_r))
+    scale_g = max(float(np.abs(G).max()), float(np.abs(units.J).max()) if len(units.j) else 0.0,
+                  1e-300)
+    scale_f = max(float(np.abs(F).max()), 1e-300)
+    spread = max(float(np.abs(lam_r - lam).max()) / scale_g, float(np.abs(c_r - c).max()) / scale_f)
+    return lam, c, spread
+
+
+def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: float = 1.0,
+                        counts: dict | None = None,
+                        polish: bool = True) -> tuple[BiasedReLUNetwork, dict]:
+    """Recover F(x) = w^T ReLU(P x + b) + c0 from single-vector queries.
+
+    Parameters
+    ----------
+    oracle : Oracle
+        Door to the black box (or a derived oracle), queried with length-1 sequences.
+    rng : numpy Generator
+        Random lines (centres N(0, scale^2 I), random directions) and step bases.
+    scale : float
+        Where the hyperplanes are: lines reach LINE_REACH * scale * sqrt(d) either
+        side of their centre.
+    counts : dict, optional
+        Query counts per step are added to it.
+    polish : bool
+        Measure every unit again across its hyperplane far from the others
+        (:func:`_polish`, 2 m (d + 1) queries): from about 2^-28 to about 2^-40.
+
+    Returns
+    -------
+    (BiasedReLUNetwork, dict)
+        The network in canonical form (rows of P of unit norm) and details (units,
+        lines walked, sign method, spread of the affine residual).
+
+    Raises
+    ------
+    NotIdentifiableError
+        F is constant on every line (no unit seen).
+    ModelMismatchError
+        No set of units explains F (the affine residual differs between intervals after
+        MAX_LINES lines, or no 0/1 sign pattern fits): not a ReLU network in general
+        position.
+    """
+    counts = {} if counts is None else counts
+    d = oracle.dim
+    m_far = _count_far(oracle, rng, scale, counts)
+    units = _Units(d)
+    samples = []
+    spread = math.inf
+    lines = 0
+    while lines < MAX_LINES:
+        line_scale = scale * 2.0 ** (lines // 2)
+        centre = line_scale * rng.standard_normal(d)
+        direction = rng.standard_normal(d)
+        direction /= np.linalg.norm(direction)
+        basis = np.linalg.qr(rng.standard_normal((d, d)))[0]
+        line = _Line(centre, direction, LINE_REACH * line_scale * math.sqrt(d))
+        samples += _walk_line(oracle, line, rng, units, basis, counts)
+        lines += 1
+        lam, c, spread = _affine_residual(units, samples)
+        if lines >= MIN_LINES and spread <= AFFINE_TOLERANCE and len(units.j) >= m_far:
+            break
+    m = len(units.j)
+    if m == 0:
+        if spread <= AFFINE_TOLERANCE and not np.any(lam):
+            raise NotIdentifiableError("F is constant on every line: no hidden unit can be identified")
+        raise ModelMismatchError("F has no kink on any line but is not constant: not a ReLU network")
+    if spread > AFFINE_TOLERANCE or m < m_far:
+        raise ModelMismatchError(
+            f"after {lines} lines the {m} units found (of {m_far} seen far out) leave a residual "
+            f"that is not one affine function (spread {spread:.1e}): not a one-hidden-layer "
+            f"ReLU network")
+    try:
+        s, method = _resolve_signs(units.J.T, lam)
+    except Exception as exc:       # the bias-free learner's plane failure: no 0/1 pattern
+        raise ModelMismatchError(f"no sign pattern of the {m} units explains the linear part of F "
+                                 f"({exc})") from exc
+    norm = np.linalg.norm(units.J, axis=1)
+    orient = units.sigma * (1.0 - 2.0 * s)
+    P = orient[:, None] * units.J / norm[:, None]
+    b = orient * units.j / norm
+    w = units.sigma * norm
+    c0 = c + float(units.j @ s)
+    net = BiasedReLUNetwork(P, b, w, c0)
+    info = {"hidden units": m, "units far out": m_far, "lines": lines, "signs": method,
+            "affine residual spread": f"{spread:.1e}"}
+    if polish:
+        net, info["polish"] = _polish(oracle, net, rng, scale, counts)
+    return net, info
+
+
+def crossing_points(net: BiasedReLUNetwork, rng, scale: float):
+    """For every unit k a point y_k on its hyperplane, as far (r_k) from all others as a
+    linear program finds inside the cell of the others' sign pattern at a random point's
+    projection, with |y_i| <= max(4 scale, 3 max |b|). Rows of net.P must have unit norm.
+
+    Returns (units (n,), y (n, d), r (n,)): the units for which a cell was found.
+    """
+    from scipy.optimize import linprog
+
+    m, d = net.P.shape
+    box = max(4.0 * scale, 3.0 * float(np.abs(net.b).max()))
+    points, radii, units = [], [], []
+    for k in range(m):
+        others = np.delete(np.arange(m), k)
+        z = scale * rng.standard_normal(d)
+        y0 = z - (net.P[k] @ z + net.b[k]) * net.P[k]
+        sigma = np.where(net.P[others] @ y0 + net.b[others] >= 0, 1.0, -1.0)
+        # maximise r: sigma_j (p_j^T y + b_j) >= r (|p_j| = 1), p_k^T y = -b_k
+        res = linprog(np.concatenate([np.zeros(d), [-1.0]]),
+                      A_ub=np.hstack([-sigma[:, None] * net.P[others], np.ones((m - 1, 1))]),
+                      b_ub=sigma * net.b[others], A_eq=np.concatenate([net.P[k], [0.0]])[None],
+                      b_eq=[-net.b[k]], bounds=[(-box, box)] * d + [(0, None)], method="highs")
+        if res.status != 0 or not res.x[-1] > 0:
+            continue
+        units.append(k)
+        points.append(res.x[:d])
+        radii.append(res.x[-1])
+    return np.array(units, dtype=int), np.array(points).reshape(-1, d), np.array(radii)
+
+
+def _polish(oracle: Oracle, net: BiasedReLUNetwork, rng, scale: float, counts: dict):
+    """Measure every unit again across its hyperplane, at the point farthest from the others.
+
+    For unit k a linear program finds y on p_k^T y + b_k = 0, inside the cell of the
+    sign pattern of the others at a random point's projection, at the largest distance
+    r from every other hyperplane (|y_i| <= 4 scale). The affine pieces at
+    y +- (r / 2) p_k differ by exactly w_k (p_k, b_k) (the + side is the active one):
+    2 (d + 1) queries per unit, steps r / 4. c0 is read again at those 2m points. A
+    polished unit replaces the first one only if the two agree to POLISH_AGREEMENT.
+    """
+    m, d = net.P.shape
+    units, y, r = crossing_points(net, rng, scale)
+    if not len(units):
+        return net, "skipped (no cell found)"
+    half = 0.5 * r[:, None] * net.P[units]
+    points = np.stack([y + half, y - half], axis=1).reshape(-1, d)
+    steps = np.repeat(STEP_FRACTION * r, 2)
+    oracle.require(len(points) * (d + 1), "polishing the hidden units")
+    basis = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    g, e = affine_pieces(oracle, points, steps, basis)
+    counts["polish"] = counts.get("polish", 0) + len(points) * (d + 1)
+    Jp, jp = g[0::2] - g[1::2], e[0::2] - e[1::2]           # w_k (p_k, b_k)
+    first = net.w[units, None] * np.hstack([net.P[units], net.b[units, None]])
+    new = np.hstack([Jp, jp[:, None]])
+    agree = (np.linalg.norm(new - first, axis=1)
+             <= POLISH_AGREEMENT * np.linalg.norm(first, axis=1))
+    P, b, w = net.P.copy(), net.b.copy(), net.w.copy()
+    keep = units[agree]
+    size = np.linalg.norm(Jp[agree], axis=1)
+    P[keep] = Jp[agree] * np.sign(w[keep])[:, None] / size[:, None]
+    b[keep] = jp[agree] * np.sign(w[keep]) / size
+    w[keep] = size * np.sign(w[keep])
+    polished = BiasedReLUNetwork(P, b, w, 0.0)
+    F = e + np.einsum("rd,rd->r", g, points)
+    c0 = float(np.median(F - polished.forward(points))) if agree.all() else net.c0
+    return BiasedReLUNetwork(P, b, w, c0), (
+        f"{int(agree.sum())} of {m} units measured across their hyperplanes "
+        f"(steps {steps.min():.3g} .. {steps.max():.3g})")

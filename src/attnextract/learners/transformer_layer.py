@@ -1,0 +1,657 @@
+"""A Transformer layer: attention followed by a ReLU feed-forward layer with biases.
+
+Model (:class:`attnextract.models.TransformerLayer`):
+
+    y(X) = [x_N +] sum_h V_h X^T softmax(X W_h x_N),    f(X) = w^T ReLU(A y(X) + b) + c0,
+
+W_h, V_h (d, d), A (m, d), b, w (m,), c0 a scalar; the residual term x_N present or not.
+
+What is identifiable. A and V_h enter only through the products P_h = A V_h (and A
+itself through the residual term):
+- hidden units: permutation and positive rescaling (a_i, P_h,i, b_i, w_i) ->
+  (c a_i, c P_h,i, c b_i, w_i / c), c > 0; units with w_i = 0 or zero rows are invisible;
+- heads: the canonical form of ALGORITHMS.md section 7 (heads with equal W_h merge,
+  adding their P_h; heads with P_h = 0 are invisible; any order);
+- without the residual term, A and V_h are never separated: (A G, G^{-1} V_h) gives the
+  same f for every invertible G (d, d). Only P_h = A V_h is identified; when m >= d and
+  A has full column rank V_h is known up to that common G, when m < d the part of V_h
+  that A annihilates is invisible as well;
+- with the residual term, A is identified (up to the unit symmetries) and V_h modulo
+  the null space of A: exactly when A has full column rank (m >= d), otherwise only
+  A V_h.
+
+The canonical form returned (the parameters in the result file):
+- W_h: the canonical heads' query-key matrices, exactly;
+- no residual: A = sum_h P_h with unit rows (the FFN that single tokens see), b and w in
+  that unit scale, c0, and V_h the minimum-norm solution of A V_h = P_h (V = I for one
+  head: the true layer with A replaced by A V and V by I);
+- residual: the rows of A + sum_h P_h have unit norm (the single-token FFN), b, w, c0 in
+  that scale, A the residual-stream weights, V_h = A^+ P_h (minimum norm; the true V_h
+  when A has full column rank).
+
+Identities (one head; alpha = softmax(X W x_N), B = A V, R = A with the residual term
+and R = 0 without it; pre-activations pi(X) = R x_N + B X^T alpha + b):
+1. Single tokens: pi([x]) = (R + B) x + b, so f([x]) is a biased ReLU network, recovered
+   by :func:`attnextract.learners.biased_relu.extract_biased_relu` (critical points on
+   lines, Carlini, Jagielski and Mironov 2020); b = 0 and c0 = 0 are found, not assumed.
+2. Last token zero: all scores vanish, alpha is uniform, pi([p; 0]) = B p / 2 + b. Without
+   the residual term this equals pi([p / 2]) (that is how the residual term is detected,
+   with a few queries); with it, [p; 0] gives a second biased network with the same b
+   and w. The products w_i b_i do not depend on the unit scale and match the units of
+   the two networks (biases must be non-zero; without biases the bias-free residual
+   learner :mod:`attnextract.learners.residual` runs instead).
+3. Copy probes. For q with pi([q]) at a margin from every kink and u small enough that
+   pi moves by less than half that margin, the whole family [q + u; ...; q + u; q]
+   (n copies of q + u) stays in one linear piece of the FFN:
+
+       f - f([q]) = a_n * kappa,   a_n = n e^t / (n e^t + 1),   t = u^T W q,
+
+   with kappa = w_S^T B_S u unknown (S the active units). Two copy counts give the ratio
+   rho = a_2 / a_1 = 2 (e^t + 1) / (2 e^t + 1), so e^t = (2 - rho) / (2 rho - 2): t
+   without using the FFN's parameters at all. For each of d orthogonal q_j and d
+   directions u_jk (a Householder basis with |u^T g_j| equal for all k, g_j = B_S^T w_S)
+   this gives W q_j, hence W: 2 d^2 + d queries. The biases only move the linear pieces,
+   so the same probes serve b = 0 and b != 0.
+Several heads (H > 1; bias-free, no residual term):
+4. Odd part: scores do not change under X -> -X and ReLU(z) - ReLU(-z) = z, so
+   f(X) - f(-X) = sum_h softmax(X W_h x_N)^T X (P_h^T w): multi-head attention with
+   readouts v_h = P_h^T w, handed to :func:`attnextract.learners.multi_head.extract_multi_head`
+   (``heads`` is its upper bound; it returns the canonical heads) through
+   :class:`attnextract.learners.one_layer.OddPartOracle`; sum_h v_h must equal A^T w.
+5. Split of P = sum_h P_h per unit (:func:`_split_heads`): in the two cells either side
+   of unit k's hyperplane, probes [q + delta; q] with chosen logits delta^T W_h q give
+   every head's readout P_h,S^T w_S by least squares; across the hyperplane they jump by
+   w_k P_h,k. 2 m (1 + (H + 1) d) queries.
+With FFN biases or a residual term, H > 1 is not supported yet (InputError): the odd
+part is multi-head attention only without biases, and no linear piece of a biased FFN
+is wide enough for the multi-head learner's own probes (their logits must be of order one).
+
+Everything is verified against the black box on held-out sequences
+(:func:`attnextract.report.checked_result`); a GELU, a LayerNorm before the FFN or two
+stacked layers fail one of the identities or the verification: ModelMismatchError.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from ..errors import InputError, ModelMismatchError, NotIdentifiableError
+from ..models import TransformerLayer
+from ..oracle import Oracle
+from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
+                      token_scale, verification_count, verify_model)
+from .biased_relu import BiasedReLUNetwork, crossing_points, extract_biased_relu
+from .residual import _MappedOracle, extract_one_layer_residual
+from .single_head import probe_basis
+
+RESIDUAL_PROBES = 4          # random p: f([p; 0]) against f([p / 2]) decides the residual term
+RESIDUAL_TOLERANCE = 1e-9    # relative difference beyond which the residual term is present
+BIAS_ZERO = 1e-9             # |b_i| (unit rows, over scale) below this is no bias (a zero, rounded)
+MARGIN_FRACTION = 0.5        # the copy probes move pi by at most this fraction of its margin
+MAX_PROBE_ROUNDS = 8
+SIGNAL_FLOOR = 1e-6          # y1 and y2 - y1 of a copy probe must exceed this times |f|
+WELL_CONDITIONED_LOGIT = 6.0  # |t| beyond this: the probe is repeated with u / 8
+CANDIDATE_BASES = 32         # random bases whose roomiest vectors become the probe points
+TARGET_LOGIT = 0.5           # the pilot column sets the probe radius for median |t| about this
+MAX_RADIUS = 1e3             # largest probe radius, in units of scale
+RADIUS_DOUBLINGS = 30        # probe points further out while no active unit reads the attention
+SPLIT_LOGIT = 3.0            # head-split probes: logits uniform in [-this, this] per head
+MATCH_TOLERANCE = 1e-6       # w_i b_i of matched units agree this well (relative to max)
+
+
+def random_transformer_layer(dim: int, width: int, seed=None, *, heads: int = 1,
+                             bias_scale: float = 0.0, c0: float = 0.0,
+                             residual: bool = False) -> TransformerLayer:
+    """A generic layer: W_h, V_h, A ~ N(0, 1/d), w ~ N(0, 1), b ~ N(0, bias_scale^2)."""
+    rng = np.random.default_rng(seed)
+    W = rng.standard_normal((heads, dim, dim)) / math.sqrt(dim)
+    V = rng.standard_normal((heads, dim, dim)) / math.sqrt(dim)
+    A = rng.standard_normal((width, dim)) / math.sqrt(dim)
+    w = rng.standard_normal(width)
+    b = bias_scale * rng.standard_normal(width)
+    return TransformerLayer(W, V, A, b, w, c0, residual)
+
+
+def _detect_residual(oracle: Oracle, rng) -> tuple[bool, float]:
+    """f([p; 0]) = f([p / 2]) for every p exactly when there is no residual term."""
+    d = oracle.dim
+    P = rng.standard_normal((RESIDUAL_PROBES, d))
+    oracle.require(2 * RESIDUAL_PROBES, "detecting the residual connection")
+    pairs = oracle.query(np.stack([P, np.zeros_like(P)], axis=1))
+    halves = oracle.query(0.5 * P[:, None, :])
+    gap = float(np.abs(pairs - halves).max() / max(np.abs(halves).max(), np.abs(pairs).max(),
+                                                     1e-300))
+    return gap > RESIDUAL_TOLERANCE, gap
+
+
+class _FFN:
+    """The layer's pre-activations for one head: pi = R x_N + B z + b (units in one scale)."""
+
+    def __init__(self, R, B, b, w, c0):
+        self.R, self.B, self.b, self.w, self.c0 = R, B, b, w, c0
+
+
+def _probe_points(ffn: _FFN, rng, radius: float, d: int) -> tuple[np.ndarray, float]:
+    """d well-spread probe points q_j (rows) with large room rho(q) = min_i |pi_i(q)| / |B_i|.
+
+    Candidates: CANDIDATE_BASES random orthonormal bases scaled to ``radius``, those where
+    some active unit reads the attention output; the roomiest are taken greedily, each keeping at least half its norm orthogonal to
+    those already taken (so the q_j stay well conditioned). Where too few candidates see
+    the attention output the radius doubles. Returns (Q (d, d), the radius used).
+    """
+    for _ in range(RADIUS_DOUBLINGS):
+        points = _roomy_points(ffn, rng, radius, d)
+        if points is not None:
+            return points, radius
+        radius *= 2.0                  # every point reads nothing: the active units lie further out
+    raise NotIdentifiableError("no active unit reads the attention output at any probe point")
+
+
+def _roomy_points(ffn: _FFN, rng, radius: float, d: int):
+    cand = np.vstack([radius * np.linalg.qr(rng.standard_normal((d, d)))[0].T
+                      for _ in range(CANDIDATE_BASES)])
+    pre = cand @ (ffn.R + ffn.B).T + ffn.b
+    room = (np.abs(pre) / np.linalg.norm(ffn.B, axis=1)).min(axis=1)
+    # a point where no active unit reads the attention output sees nothing of W
+    readout = np.linalg.norm(((pre > 0) * ffn.w) @ ffn.B, axis=1)
+    room[~(readout > 1e-6 * readout.max())] = -np.inf
+    for keep in (0.5, 0.3, 0.1):                  # the first that yields d points
+        chosen, basis = [], np.zeros((d, 0))
+        for i in np.argsort(-room):
+            if room[i] == -np.inf:
+                break
+            rest = cand[i] - basis @ (basis.T @ cand[i])
+            if np.linalg.norm(rest) >= keep * radius:
+                chosen.append(i)
+                basis = np.hstack([basis, (rest / np.linalg.norm(rest))[:, None]])
+                if len(chosen) == d:
+                    return cand[chosen]
+    return None
+
+
+def _measure_columns(oracle: Oracle, ffn: _FFN, Q: np.ndarray, counts: dict):
+    """Logits t_jk = s_jk u_jk^T W q_j of the copy probes at the rows q_j of Q (n, d).
+
+    Returns (t (n, d), s (n, d), U (n, d, d)) with U[j][:, k] = u_jk.
+    """
+    n, d = Q.shape
+    pre = Q @ (ffn.R + ffn.B).T + ffn.b                         # (n, m): pi at each q_j
+    G = ((pre > 0) * ffn.w) @ ffn.B                              # rows g_j = B_S^T w_S
+    if not np.all(np.linalg.norm(G, axis=1) > 0):
+        raise NotIdentifiableError("no active unit reads the attention output at a probe point")
+    U = np.stack([probe_basis(g) for g in G])                    # (n, d, d)
+    moves = np.abs(np.einsum("me,jek->jkm", ffn.B, U))           # |B u_jk| per unit
+    with np.errstate(divide="ignore"):
+        s = MARGIN_FRACTION * np.min(np.abs(pre)[:, None, :] / moves, axis=2)
+    s = np.minimum(s, np.linalg.norm(Q, axis=1)[:, None])
+    oracle.require(n, "single tokens at the probe points")
+    F0 = oracle.query(Q[:, None, :])
+    counts["copy probes"] = counts.get("copy probes", 0) + n
+    t = np.full((n, d), np.nan)
+    todo = np.ones((n, d), dtype=bool)
+    for _ in range(MAX_PROBE_ROUNDS):
+        jj, kk = np.nonzero(todo)
+        if not len(jj):
+            break
+        q = Q[jj]
+        a = q + s[jj, kk, None] * U[jj, :, kk]
+        oracle.require(2 * len(jj), "copy probes")
+        y1 = oracle.query(np.stack([a, q], axis=1)) - F0[jj]
+        y2 = oracle.query(np.stack([a, a, q], axis=1)) - F0[jj]
+        counts["copy probes"] += 2 * len(jj)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rho = y2 / y1
+            t_new = np.log((2.0 - rho) / (2.0 * rho - 2.0))
+        # a saturated probe (weight on q + u near 0 or 1 for both copy counts) leaves y1,
+        # y2 - y1 at the outputs' rounding, and its ratio is noise: probed again, smaller
+        level = SIGNAL_FLOOR * np.maximum(np.abs(F0[jj]), np.abs(y1 + F0[jj]))
+        good = (np.isfinite(t_new) & (np.abs(t_new) <= WELL_CONDITIONED_LOGIT)
+                & (np.abs(y1) > level) & (np.abs(y2 - y1) > level))
+        t[jj[good], kk[good]] = t_new[good]
+        todo[jj[good], kk[good]] = False
+        s[jj[~good], kk[~good]] /= 8.0
+    if todo.any():
+        raise ModelMismatchError(
+            f"{int(todo.sum())} copy probes gave no logit (the ratio of two copy counts must lie "
+            f"in (1, 2)): not an attention layer followed by a ReLU FFN")
+    return t, s, U
+
+
+def _copy_logits(oracle: Oracle, ffn: _FFN, rng, scale: float, counts: dict):
+    """W from the copy probes of identity 3: 2 d^2 + d queries, plus a pilot column.
+
+    The pilot column (2 d + 1 queries) sets the probe radius: far from the origin the
+    FFN's pieces are wider (their room grows with |q|) and the logits grow like |q|^2,
+    so the radius is raised until the median logit is about TARGET_LOGIT.
+    Returns (W (d, d), details).
+    """
+    d = oracle.dim
+    Q, radius = _probe_points(ffn, rng, scale, d)
+    t, s, U = _measure_columns(oracle, ffn, Q[:1], counts)
+    typical = float(np.median(np.abs(t)))
+    radius *= float(np.clip(math.sqrt(TARGET_LOGIT / max(typical, 1e-300)), 1.0, MAX_RADIUS))
+    Q, radius = _probe_points(ffn, rng, radius, d)
+    t, s, U = _measure_columns(oracle, ffn, Q, counts)
+    # column j: W q_j = U_j (t_j / s_j); W = (W Q^T) (Q^T)^{-1}
+    WQ = np.einsum("jek,jk->ej", U, t / s)
+    W = np.linalg.solve(Q, WQ.T).T
+    return W, radius, {"copy probe radius": f"{radius:.3g}",
+               "copy probe steps": f"{s.min():.3g} .. {s.max():.3g}",
+               "copy probe logits": f"{np.abs(t).min():.2g} .. {np.abs(t).max():.2g}"}
+
+
+def _match_by_bias(net1: BiasedReLUNetwork, net2: BiasedReLUNetwork):
+    """Units of net2 matched to net1 by w_i b_i (scale-free); (perm, worst mismatch)."""
+    from scipy.optimize import linear_sum_assignment
+
+    o1, o2 = net1.w * net1.b, net2.w * net2.b
+    cost = np.abs(o1[:, None] - o2[None, :])
+    rows, cols = linear_sum_assignment(cost)
+    perm = np.empty(len(rows), dtype=int)
+    perm[rows] = cols
+    return perm, float(cost[rows, cols].max() / max(np.abs(o1).max(), 1e-300))
+
+
+def extract_transformer_layer(oracle: Oracle, heads: int = 1, *, seed=None,
+                              verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
+                              scale: float = 1.0) -> ExtractionResult:
+    """Recover a Transformer layer (attention + ReLU FFN with biases) up to functional equivalence.
+
+    Parameters
+    ----------
+    oracle : Oracle
+        Door to the black box; ``oracle.dim`` is d >= 2 (d >= 4 with a residual term).
+    heads : int
+        Upper bound H on the number of heads. H = 1 runs the copy probes of the module
+        docstring; H > 1 goes through the multi-head learner (bias-free, no residual).
+    seed : int, optional
+        Seed of every random choice (lines, probe bases) and of the held-out sequences.
+    verify_tolerance : float
+        Largest held-out relative output error accepted as a match.
+    scale : float
+        Token scale of the probes (where the FFN's hyperplanes and the scores are of
+        order one).
+
+    Returns
+    -------
+    ExtractionResult
+        ``model`` a :class:`TransformerLayer` in the canonical form of the module
+        docstring; ``report.details`` says which biases and whether a residual term were
+        detected.
+
+    Raises
+    ------
+    NotIdentifiableError
+        The FFN is constant, or no active unit reads the attention output.
+    ModelMismatchError
+        The black box is not such a layer (a stage fails, or held-out verification);
+        ``.result`` holds the best-effort extraction when one was built.
+    BudgetExceededError
+        The budget cannot cover the next batch.
+    """
+    if not isinstance(heads, (int, np.integer)) or heads < 1:
+        raise InputError(f"heads must be a positive integer, got {heads!r}")
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise InputError(f"scale must be a positive number, got {scale!r}")
+    start, start_queries, start_bb = time.perf_counter(), oracle.queries, oracle.black_box_seconds
+    d = oracle.dim
+    if d < 2:
+        raise InputError("the Transformer layer learner needs d >= 2")
+    seeds = np.random.SeedSequence(seed).spawn(5)
+    counts: dict[str, int] = {}
+
+    def stage(name, run):
+        before = oracle.queries
+        try:
+            return run()
+        except ModelMismatchError as exc:
+            raise ModelMismatchError(f"not a Transformer layer ({name}): {exc}",
+                                     result=exc.result) from exc
+        finally:
+            counts[name] = counts.get(name, 0) + oracle.queries - before
+
+    residual, gap = stage("residual check", lambda: _detect_residual(
+        oracle, np.random.default_rng(seeds[0])))
+    if heads > 1:
+        return _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries,
+                              start_bb, verify_tolerance, scale)
+    ffn_counts: dict[str, int] = {}
+    net1, info1 = stage("single tokens", lambda: extract_biased_relu(
+        oracle, np.random.default_rng(seeds[1]), scale=scale, counts=ffn_counts))
+    biased = bool(np.abs(net1.b).max() > BIAS_ZERO * scale)
+    if not biased:
+        net1 = BiasedReLUNetwork(net1.P, np.zeros(net1.width), net1.w, net1.c0)
+    details = {"hidden units": net1.width, "residual": f"{residual} (f([p; 0]) vs f([p/2]): "
+                                                      f"{gap:.1e})",
+               "biases b": (f"detected, max |b_i| = {np.abs(net1.b).max():.3g}" if biased
+                            else "none detected"),
+               "output bias c0": f"{net1.c0:.6g}",
+               "FFN lines": info1["lines"], "FFN signs": info1["signs"]}
+    if residual and not biased:
+        return _bias_free_residual(oracle, net1, seeds, counts, details, start, start_queries,
+                                   start_bb, verify_tolerance)
+    if residual:
+        zero_last = _MappedOracle(oracle, lambda P: np.stack([P, np.zeros_like(P)], axis=1),
+                                  "sequences [p; 0]")
+        net2, _ = stage("last token zero", lambda: extract_biased_relu(
+            zero_last, np.random.default_rng(seeds[2]), scale=scale, counts={}))
+        if net2.width != net1.width:
+            raise NotIdentifiableError(
+                f"{net1.width} units see single tokens but {net2.width} see [p; 0]: units that "
+                f"read only the residual stream or only the attention output are not supported")
+        perm, mismatch = _match_by_bias(net1, net2)
+        details["unit matching"] = f"w_i b_i agree to {mismatch:.1e}"
+        if mismatch > MATCH_TOLERANCE:
+            raise ModelMismatchError(
+                f"not a residual Transformer layer: the units of [x] and [p; 0] do not share "
+                f"their w_i b_i (worst {mismatch:.1e})")
+        # net1: w1 (p1, b1) = w ((R + B)_i, b_i); net2: w2 (p2, b2) = w (B_i / 2, b_i)
+        B = 2.0 * (net2.w[perm, None] * net2.P[perm]) / net1.w[:, None]
+        R = net1.P - B
+    else:
+        B, R = net1.P, np.zeros_like(net1.P)
+    ffn = _FFN(R, B, net1.b, net1.w, net1.c0)
+    W, reach, probe_info = stage("copy probes", lambda: _copy_logits(
+        oracle, ffn, np.random.default_rng(seeds[3]), scale, {}))
+    details.update(probe_info)
+    if residual:
+        V = np.linalg.lstsq(R, B, rcond=None)[0]
+        model = TransformerLayer(W, V, R, net1.b, net1.w, net1.c0, residual=True)
+    else:
+        model = TransformerLayer(W, np.eye(d), B, net1.b, net1.w, net1.c0)
+    details["FFN queries"] = ", ".join(f"{k} {v}" for k, v in ffn_counts.items())
+    return _finish(oracle, model, counts, details, seeds, start, start_queries, start_bb,
+                   verify_tolerance, reach)
+
+
+def free_parameters(model: TransformerLayer) -> int:
+    """Free parameters of the canonical form: heads H (d^2) and P_h (H m d), A (m d) with a
+    residual term, b and w (2 m), c0 (1), minus one scale per unit."""
+    H, d, m = model.heads, model.dim, model.width
+    return H * d * d + H * m * d + (m * d if model.residual else 0) + m + 1
+
+
+def _finish(oracle, model, counts, details, seeds, start, start_queries, start_bb,
+            verify_tolerance, reach: float = 0.0) -> ExtractionResult:
+    """Held-out verification (also far out, where the probes or the FFN's hyperplanes
+    were, when that is beyond the usual token scale), the report, the checked result."""
+    from ..report import Verification
+
+    d = oracle.dim
+    floor = free_parameters(model)
+    n_verify = verification_count(floor)
+    rng = np.random.default_rng(seeds[4])
+    near = token_scale(model)
+    far = max(reach, 2.0 * float(np.abs(model.b).max(initial=0.0))) / math.sqrt(d)
+    n_far = n_verify // 2 if far > 2.0 * near else 0
+    oracle.require(n_verify + n_far, "held-out verification of the Transformer layer")
+    verification = verify_model(oracle, model, count=n_verify, seed=rng,
+                                tolerance=verify_tolerance, scale=near)
+    if n_far:
+        # a unit active only far out is invisible near the origin: look where it is
+        far_check = verify_model(oracle, model, count=n_far, seed=rng,
+                                 tolerance=verify_tolerance, scale=far)
+        verification = Verification(
+            sequences=n_verify + n_far,
+            max_relative_error=max(verification.max_relative_error,
+                                   far_check.max_relative_error),
+            median_relative_error=max(verification.median_relative_error,
+                                      far_check.median_relative_error),
+            tolerance=verify_tolerance)
+        details["far verification"] = (f"{n_far} sequences at token scale {far:.3g}: max "
+                                       f"relative error {far_check.max_relative_error:.1e}")
+    n_verify += n_far
+    counts["verification"] = n_verify
+    total = oracle.queries - start_queries
+    report = Report(
+        kind=TransformerLayer.kind, dim=d, queries=total,
+        breakdown={"recovery": total - n_verify, **counts}, floor=floor,
+        verification=verification, seconds=time.perf_counter() - start,
+        black_box_seconds=oracle.black_box_seconds - start_bb,
+        notes=["single tokens: the FFN x -> w^T ReLU(A V x + b) + c0 (critical points on "
+               "lines, then signs); copy probes: [q + u; q] and [q + u; q + u; q] inside one "
+               "linear piece of the FFN give u^T W q"],
+        details=details)
+    return checked_result(model, report, "a Transformer layer (attention + ReLU FFN)")
+
+
+def _bias_free_residual(oracle, net1, seeds, counts, details, start, start_queries, start_bb,
+                        verify_tolerance) -> ExtractionResult:
+    """Residual term, no biases: the residual learner on f - c0 (its units match across
+    streams by direction, which w_i b_i = 0 cannot do)."""
+    c0 = net1.c0
+    shifted = _ShiftedOracle(oracle, c0)
+    before = oracle.queries
+    try:
+        res = extract_one_layer_residual(shifted, seed=int(seeds[2].generate_state(1)[0]))
+    except ModelMismatchError as exc:
+        raise ModelMismatchError(f"not a Transformer layer (residual, no biases): {exc}",
+                                 result=exc.result) from exc
+    finally:
+        counts["residual learner"] = oracle.queries - before
+    r = res.model
+    unit = np.linalg.norm(r.A + r.B, axis=1)          # the canonical scale: single-token rows
+    A, B = r.A / unit[:, None], r.B / unit[:, None]
+    V = np.linalg.lstsq(A, B, rcond=None)[0]
+    model = TransformerLayer(r.W, V, A, np.zeros(r.width), r.w * unit, c0, residual=True)
+    details["method"] = "bias-free residual learner on f - c0"
+    return _finish(oracle, model, counts, details, seeds, start, start_queries, start_bb,
+                   verify_tolerance)
+
+
+class _ShiftedOracle:
+    """The black box minus a constant, behind the Oracle interface (same query counts)."""
+
+    def __init__(self, oracle: Oracle, offset: float):
+        self.base, self.offset, self.dim = oracle, offset, oracle.dim
+
+    @property
+    def queries(self) -> int:
+        return self.base.queries
+
+    @property
+    def black_box_seconds(self) -> float:
+        return self.base.black_box_seconds
+
+    def require(self, n: int, what: str = "this step") -> None:
+        self.base.require(n, what)
+
+    def plan(self, n: int, what: str = "the extraction") -> None:
+        self.base.plan(n, what)
+
+    def query(self, X) -> np.ndarray:
+        return self.base.query(X) - self.offset
+
+    def query_ragged(self, sequences) -> np.ndarray:
+        return self.base.query_ragged(sequences) - self.offset
+
+
+def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries, start_bb,
+                   verify_tolerance, scale) -> ExtractionResult:
+    """H > 1: FFN from single tokens, heads from the odd part, then the P_h split per unit."""
+    from .multi_head import extract_multi_head
+    from .one_layer import OddPartOracle
+
+    if residual:
+        raise InputError("heads > 1 with a residual connection is not supported yet (one head is)")
+    d = oracle.dim
+
+    def stage(name, run):
+        before = oracle.queries
+        try:
+            return run()
+        except ModelMismatchError as exc:
+            raise ModelMismatchError(f"not a Transformer layer ({name}): {exc}",
+                                     result=exc.result) from exc
+        finally:
+            counts[name] = counts.get(name, 0) + oracle.queries - before
+
+    net, info = stage("single tokens", lambda: extract_biased_relu(
+        oracle, np.random.default_rng(seeds[1]), scale=scale))
+    if np.abs(net.b).max() > BIAS_ZERO * scale:
+        raise InputError("heads > 1 with FFN biases is not supported yet (one head is): the odd "
+                         "part f(X) - f(-X) is multi-head attention only without biases")
+    net = BiasedReLUNetwork(net.P, np.zeros(net.width), net.w, net.c0)
+    attention = stage("attention (odd part)", lambda: extract_multi_head(
+        OddPartOracle(oracle), heads=int(heads), seed=int(seeds[2].generate_state(1)[0]),
+        verify_tolerance=verify_tolerance)).model
+    readout = net.P.T @ net.w
+    v_error = float(np.linalg.norm(attention.v.sum(axis=0) - readout) / np.linalg.norm(readout))
+    P_h, reach, split_info = stage("head split", lambda: _split_heads(
+        oracle, net, attention.W, np.random.default_rng(seeds[3]), scale))
+    V = np.stack([np.linalg.lstsq(net.P, P, rcond=None)[0] for P in P_h])
+    model = TransformerLayer(attention.W, V, net.P, net.b, net.w, net.c0)
+    details = {"hidden units": net.width, "canonical heads": attention.heads,
+               "residual": "False", "biases b": "none detected",
+               "output bias c0": f"{net.c0:.6g}", "FFN lines": info["lines"],
+               "sum_h v_h vs A^T w": f"{v_error:.1e} relative", **split_info}
+    if v_error > 1e-6:
+        raise ModelMismatchError(
+            f"not a Transformer layer: the heads' readouts add up to {v_error:.1e} (relative) off "
+            f"the single-token FFN's A^T w")
+    return _finish(oracle, model, counts, details, seeds, start, start_queries, start_bb,
+                   verify_tolerance, reach)
+
+
+def _split_heads(oracle: Oracle, net: BiasedReLUNetwork, W: np.ndarray, rng, scale: float):
+    """P_h = A V_h per unit, once the heads W_h (H, d, d) and P = sum_h P_h are known.
+
+    For every unit k two cells of the (bias-free) FFN touch across its hyperplane only
+    (:func:`attnextract.learners.biased_relu.crossing_points`). In a cell S around q the
+    probe [q + delta; q] stays in S for small delta, and
+
+        f([q + delta; q]) - f([q]) = sum_h sigma(tau_h) delta^T r_h,   tau_h = delta^T W_h q,
+
+    with the readouts r_h = P_h,S^T w_S unknown and sum_h r_h = g_S (the FFN's gradient in
+    S) known. The logits are chosen, not left to chance: with C = [W_h q]_h (d, H) and its
+    dual basis E = C (C^T C)^{-1}, delta = E tau + (a random vector orthogonal to C) has
+    logits exactly tau, drawn uniformly in [-SPLIT_LOGIT, SPLIT_LOGIT] per head and probe;
+    the cell is scaled out along its cone (bias-free: cells are cones and r_h does not
+    change) until such a delta fits in half its room. (H + 1) d probes per cell give the
+    (H - 1) d unknowns by least squares; across unit k's hyperplane the readouts jump by
+    w_k P_h,k. Queries: 2 m (1 + (H + 1) d). Returns (P_h (H, m, d), details).
+    """
+    H, d = W.shape[0], oracle.dim
+    m = net.width
+    units, y0, r = crossing_points(net, rng, scale)
+    if len(units) != m:
+        raise ModelMismatchError(f"only {len(units)} of {m} units have a cell to split the heads in")
+    half = 0.5 * r[:, None] * net.P
+    Q = np.stack([y0 + half, y0 - half], axis=1).reshape(-1, d)           # (2m, d) cell points
+    room = np.repeat(0.5 * r, 2) * MARGIN_FRACTION / (2.0 * H)
+    n_cells, n_probes = len(Q), (H + 1) * d
+    C = np.einsum("hde,je->jdh", W, Q)                                    # (2m, d, H)
+    E = np.stack([c @ np.linalg.pinv(c.T @ c) for c in C])               # dual bases
+    # scale each cell out: |E tau| shrinks like 1 / lambda, its room grows like lambda
+    need = np.linalg.norm(E, axis=(1, 2)) * SPLIT_LOGIT * math.sqrt(H)
+    lam = np.sqrt(np.maximum(need / room, 1.0))
+    Q, room, E = lam[:, None] * Q, lam * room, E / lam[:, None, None]
+    tau = rng.uniform(-SPLIT_LOGIT, SPLIT_LOGIT, size=(n_cells, n_probes, H))
+    along = np.einsum("jdh,jph->jpd", E, tau)
+    xi = rng.standard_normal((n_cells, n_probes, d))
+    basis_c = np.stack([np.linalg.qr(c)[0] for c in C])                  # (2m, d, H)
+    xi -= np.einsum("jdh,jph->jpd", basis_c, np.einsum("jdh,jpd->jph", basis_c, xi))
+    xi *= (np.linalg.norm(along, axis=2) / np.linalg.norm(xi, axis=2))[:, :, None]
+    delta = along + xi
+    delta *= np.minimum(1.0, room[:, None] / np.linalg.norm(delta, axis=2))[:, :, None]
+    tau = np.einsum("jpd,jdh->jph", delta, C * lam[:, None, None])        # exact logits
+    oracle.require(n_cells * (1 + n_probes), "splitting the heads")
+    F0 = oracle.query(Q[:, None, :])
+    seqs = np.stack([(Q[:, None, :] + delta).reshape(-1, d), np.repeat(Q, n_probes, axis=0)],
+                    axis=1)
+    y = oracle.query(seqs).reshape(n_cells, n_probes) - F0[:, None]
+    a = 1.0 / (1.0 + np.exp(-tau))                                        # (j, p, H)
+    G = ((Q @ net.P.T > 0) * net.w) @ net.P                               # g_S per cell
+    # r_H = g - sum_{h<H} r_h: sum_{h<H} (a_h - a_H) delta^T r_h = y - a_H delta^T g
+    rows = ((a[:, :, :-1] - a[:, :, -1:])[:, :, :, None] * delta[:, :, None, :]).reshape(
+        n_cells, n_probes, (H - 1) * d)
+    rhs = y - a[:, :, -1] * np.einsum("jpd,jd->jp", delta, G)
+    R = np.stack([np.linalg.lstsq(M, b_, rcond=None)[0] for M, b_ in zip(rows, rhs)])
+    fit = float(np.abs(np.einsum("jpk,jk->jp", rows, R) - rhs).max() / np.abs(y).max())
+    R = R.reshape(n_cells, H - 1, d)
+    readouts = np.concatenate([R, (G - R.sum(axis=1))[:, None, :]], axis=1)  # (2m, H, d)
+    jumps = readouts[0::2] - readouts[1::2]                                  # w_k P_h,k
+    P_h = np.swapaxes(jumps / net.w[:, None, None], 0, 1)                    # (H, m, d)
+    if not fit <= 1e-8:
+        raise ModelMismatchError(
+            f"the probes do not split into {H} heads within linear pieces of the FFN (relative "
+            f"misfit {fit:.1e})")
+    return P_h, float(np.linalg.norm(Q, axis=1).max()), {
+        "head split": f"{n_cells} cells scaled by {lam.min():.3g} .. {lam.max():.3g}, "
+                      f"misfit {fit:.1e}"}
+
+
+def canonical_units(model: TransformerLayer):
+    """The hidden units in canonical form, as the single-token FFN sees them.
+
+    Rows of the single-token matrix (A + sum_h P_h with a residual term, sum_h P_h
+    without) are scaled to unit norm; every unit's P_h rows, residual row, b and w follow.
+    Returns a dict: ``single`` (m, d), ``P`` (H, m, d), ``A`` (m, d) (residual weights,
+    zeros without the term), ``b`` (m,), ``w`` (m,).
+    """
+    P = model.head_maps()
+    R = model.A if model.residual else np.zeros_like(model.A)
+    single = R + P.sum(axis=0)
+    norm = np.linalg.norm(single, axis=1)
+    keep = (norm > 0) & (model.w != 0)
+    n = norm[keep]
+    return {"single": single[keep] / n[:, None], "P": P[:, keep] / n[None, :, None],
+            "A": R[keep] / n[:, None], "b": model.b[keep] / n, "w": model.w[keep] * n}
+
+
+def compare_transformer_layer(recovered: TransformerLayer, truth: TransformerLayer, *,
+                              count: int = 256, seed=0) -> dict:
+    """Parameter and output errors of a recovered layer against the truth, in canonical form.
+
+    Units are matched by the Hungarian method on 1 - cos of their single-token rows, heads
+    by :func:`attnextract.learners.multi_head.match_heads` on (W_h, P_h^T w). Every error is
+    the largest entry error relative to the largest entry of the true array.
+
+    Returns
+    -------
+    dict
+        ``units`` (recovered, true), ``error_W`` (heads), ``error_P`` (A V_h per head),
+        ``error_A`` (residual weights), ``error_b``, ``error_w``, ``error_c0`` (relative to
+        max(|c0|, max |w|)), ``max_error``, ``bits`` = -log2(max_error), and
+        ``max_output_error`` on held-out sequences (lengths 1..16).
+    """
+    from scipy.optimize import linear_sum_assignment
+
+    from ..models import MultiHeadAttention
+    from ..report import held_out_sequences, relative_errors
+    from .multi_head import match_heads
+
+    rec, tru = canonical_units(recovered), canonical_units(truth)
+    out = {"units": (len(rec["w"]), len(tru["w"]))}
+    rel = lambda a, b: float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-300))  # noqa: E731
+    if len(rec["w"]) != len(tru["w"]) or recovered.residual != truth.residual:
+        out.update(max_error=math.inf, bits=0.0)
+    else:
+        rows, cols = linear_sum_assignment(1.0 - rec["single"] @ tru["single"].T)
+        perm = np.empty(len(rows), dtype=int)
+        perm[rows] = cols
+        tru = {k: (v[:, perm] if k == "P" else v[perm]) for k, v in tru.items()}
+        # heads: readouts P_h^T w identify them (with W_h)
+        order, w_err, _ = match_heads(
+            MultiHeadAttention(recovered.W, np.einsum("hmd,m->hd", rec["P"], rec["w"])),
+            MultiHeadAttention(truth.W, np.einsum("hmd,m->hd", tru["P"], tru["w"])))
+        out["error_W"] = max(rel(recovered.W[order[h]], truth.W[h]) for h in range(truth.heads)) \
+            if math.isfinite(w_err) else math.inf
+        out["error_P"] = max(rel(rec["P"][order[h]], tru["P"][h]) for h in range(truth.heads)) \
+            if math.isfinite(w_err) else math.inf
+        out["error_A"] = rel(rec["A"], tru["A"]) if truth.residual else 0.0
+        out["error_b"] = float(np.abs(rec["b"] - tru["b"]).max() / max(np.abs(tru["b"]).max(), 1.0))
+        out["error_w"] = rel(rec["w"], tru["w"])
+        out["error_c0"] = abs(recovered.c0 - truth.c0) / max(abs(truth.c0), np.abs(tru["w"]).max())
+        worst = max(out[k] for k in ("error_W", "error_P", "error_A", "error_b", "error_w",
+                                     "error_c0"))
+        out.update(max_error=worst, bits=float(-math.log2(worst)) if worst > 0 else 53.0)
+    rng = np.random.default_rng(seed)
+    sequences = held_out_sequences(truth.dim, count, rng, token_scale(truth))
+    observed = np.array([truth(s) for s in sequences])
+    predicted = np.array([recovered(s) for s in sequences])
+    out["max_output_error"] = float(relative_errors(predicted, observed).max())
+    return out

@@ -1,0 +1,274 @@
+"""Transformer layer (attention + ReLU FFN with biases, issue 14): recovery, impostors, files, CLI."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from attnextract import ModelMismatchError, Oracle, TransformerLayer, extract_transformer_layer, load_model
+from attnextract.learners.biased_relu import extract_biased_relu
+from attnextract.learners.transformer_layer import (compare_transformer_layer, free_parameters,
+                                                    random_transformer_layer)
+from attnextract.models import attention_output
+from conftest import run_cli
+
+TOL = 1e-8
+
+
+def extract(truth, seed, **kw):
+    oracle = Oracle(truth, truth.dim)
+    result = extract_transformer_layer(oracle, seed=seed, **kw)
+    assert result.queries == oracle.queries
+    return result, compare_transformer_layer(result.model, truth, seed=seed)
+
+
+def assert_recovered(result, cmp, truth):
+    assert cmp["units"] == (truth.width, truth.width)
+    assert cmp["error_W"] <= TOL, cmp              # attention canonically equal to the truth
+    assert cmp["max_error"] <= TOL, cmp            # every canonical array
+    assert cmp["max_output_error"] <= TOL, cmp
+    assert result.report.verification.passed
+    assert result.report.verification.max_relative_error <= TOL
+    # queries against the free-parameter floor of the canonical form
+    assert result.report.floor == free_parameters(truth)
+    assert result.report.floor < result.queries <= 8 * result.report.floor
+    d = truth.dim
+    if "method" not in result.report.details:       # the bias-free residual path has its own
+        assert result.report.breakdown["copy probes"] >= 2 * d * d + d
+
+
+# --------------------------------------------------------------------------- (1) bias-free
+@pytest.mark.parametrize("width", [16, 32])
+@pytest.mark.parametrize("seed", range(20))
+def test_bias_free_single_head(width, seed):
+    truth = random_transformer_layer(16, width, seed=seed)
+    result, cmp = extract(truth, seed)
+    assert_recovered(result, cmp, truth)
+    assert result.model.residual is False
+    assert np.all(result.model.b == 0.0)          # detected as absent: exactly zero
+    assert "none detected" in result.report.details["biases b"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width", [16, 32])
+@pytest.mark.parametrize("heads", [2, 3, 4])
+@pytest.mark.parametrize("seed", range(2))
+def test_bias_free_multi_head(heads, width, seed):
+    """Heads from the odd part through extract_multi_head, then A V_h split per unit."""
+    truth = random_transformer_layer(16, width, seed=seed, heads=heads, c0=0.25 * seed)
+    result, cmp = extract(truth, seed, heads=heads)
+    assert result.model.heads == heads
+    assert cmp["units"] == (width, width)
+    assert cmp["error_W"] <= TOL and cmp["error_P"] <= TOL, cmp
+    assert cmp["max_error"] <= TOL and cmp["max_output_error"] <= TOL, cmp
+    assert result.report.verification.passed
+    assert result.report.floor == free_parameters(truth) < result.queries
+
+
+def test_multi_head_limits_are_typed_errors():
+    """H > 1 with FFN biases or a residual term is not supported yet: a clear InputError."""
+    from attnextract import InputError
+    for truth in (random_transformer_layer(8, 8, seed=0, heads=2, bias_scale=1.0),
+                  random_transformer_layer(8, 8, seed=0, heads=2, residual=True)):
+        with pytest.raises(InputError, match="not supported yet"):
+            extract_transformer_layer(Oracle(truth, 8), heads=2, seed=0)
+
+
+# --------------------------------------------------------------------------- (2) biases
+@pytest.mark.parametrize("bias_scale", [1.0, 1e-3, 1e-6])
+@pytest.mark.parametrize("seed", range(6))
+def test_biases_single_head(bias_scale, seed):
+    truth = random_transformer_layer(32, 32, seed=seed, bias_scale=bias_scale, c0=0.7 - 0.4 * seed)
+    result, cmp = extract(truth, seed)
+    assert_recovered(result, cmp, truth)
+    assert "detected" in result.report.details["biases b"]
+    assert "none" not in result.report.details["biases b"]
+    assert abs(result.model.c0 - truth.c0) <= TOL * max(1.0, abs(truth.c0))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_output_bias_only(seed):
+    truth = random_transformer_layer(16, 32, seed=seed, c0=-1.5)
+    result, cmp = extract(truth, seed)
+    assert_recovered(result, cmp, truth)
+    assert np.all(result.model.b == 0.0)
+
+
+# --------------------------------------------------------------------------- (3) residual
+@pytest.mark.parametrize("bias_scale", [1.0, 0.0])
+@pytest.mark.parametrize("seed", range(6))
+def test_residual(bias_scale, seed):
+    truth = random_transformer_layer(16, 32, seed=seed, bias_scale=bias_scale, c0=0.3,
+                                     residual=True)
+    result, cmp = extract(truth, seed)
+    assert result.model.residual is True
+    assert cmp["error_A"] <= TOL, cmp              # residual weights identified
+    assert_recovered(result, cmp, truth)
+    # m >= d and A of full column rank: V itself is the true V
+    V = result.model.V[0]
+    scale = np.linalg.norm(result.model.A + result.model.A @ V, axis=1)  # unit rows
+    assert np.abs(V - truth.V[0]).max() <= 1e-7 * np.abs(truth.V[0]).max()
+    assert np.allclose(scale, 1.0)
+
+
+def test_only_AV_is_identified_without_residual():
+    """(A G, G^{-1} V) is the same black box: the learner returns A V with V = I."""
+    truth = random_transformer_layer(16, 16, seed=5, bias_scale=0.5)
+    G = np.random.default_rng(0).standard_normal((16, 16))
+    twin = TransformerLayer(truth.W, np.linalg.solve(G, truth.V[0]), truth.A @ G, truth.b,
+                            truth.w, truth.c0)
+    X = np.random.default_rng(1).standard_normal((50, 5, 16))
+    assert np.abs(twin(X) - truth(X)).max() <= 1e-10 * np.abs(truth(X)).max()
+    r1, _ = extract(truth, 3)
+    r2, _ = extract(twin, 3)
+    assert np.array_equal(r1.model.V[0], np.eye(16)) and np.array_equal(r2.model.V[0], np.eye(16))
+    assert np.abs(r1.model.A - r2.model.A).max() <= 1e-9
+
+
+# --------------------------------------------------------------------------- biased FFN alone
+@pytest.mark.parametrize("seed", range(6))
+def test_biased_relu_network(seed):
+    rng = np.random.default_rng(seed)
+    d, m = 16, 24
+    P = rng.standard_normal((m, d)) / 4
+    b, w, c0 = 2.0 * rng.standard_normal(m), rng.standard_normal(m), float(rng.standard_normal())
+    oracle = Oracle(lambda X: np.maximum(X[:, -1] @ P.T + b, 0) @ w + c0, d)
+    net, info = extract_biased_relu(oracle, np.random.default_rng(seed))
+    assert info["hidden units"] == m
+    n = np.linalg.norm(P, axis=1)
+    order = np.argmax(net.P @ (P / n[:, None]).T, axis=1)
+    assert sorted(order) == list(range(m))
+    assert np.abs(net.P - P[order] / n[order, None]).max() <= 1e-9
+    assert np.abs(net.b - b[order] / n[order]).max() <= 1e-9
+    assert np.abs(net.w - w[order] * n[order]).max() <= 1e-9 * np.abs(w * n).max()
+    assert abs(net.c0 - c0) <= 1e-9
+
+
+# --------------------------------------------------------------------------- (5) impostors
+def _gelu(z):
+    from scipy.special import erf
+    return 0.5 * z * (1.0 + erf(z / math.sqrt(2.0)))
+
+
+def impostors(d=16, m=32, seed=0):
+    base = random_transformer_layer(d, m, seed=seed, bias_scale=0.5, c0=0.2)
+    P = base.head_maps()[0]
+
+    def gelu_ffn(X):
+        z = attention_output(X, base.W[0])
+        return _gelu(z @ P.T + base.b) @ base.w + base.c0
+
+    def layer_norm_first(X):
+        y = attention_output(X, base.W[0]) @ base.V[0].T
+        y = (y - y.mean(axis=1, keepdims=True)) / np.sqrt(y.var(axis=1, keepdims=True) + 1e-5)
+        return np.maximum(y @ base.A.T + base.b, 0.0) @ base.w + base.c0
+
+    first = random_transformer_layer(d, m, seed=seed + 1, bias_scale=0.5, residual=True)
+    out_proj = np.random.default_rng(seed + 2).standard_normal((d, m)) / math.sqrt(m)
+
+    def two_layers(X):
+        # layer 1 on every position: residual attention, then a residual ReLU FFN
+        B, N, _ = X.shape
+        H = np.empty_like(X)
+        for i in range(N):
+            prefix = X[:, :i + 1]
+            y = X[:, i] + attention_output(prefix, first.W[0]) @ first.V[0].T
+            H[:, i] = y + np.maximum(y @ first.A.T + first.b, 0.0) @ out_proj.T
+        return base(H)
+
+    return {"GELU FFN": gelu_ffn, "LayerNorm before the FFN": layer_norm_first,
+            "two stacked layers": two_layers}
+
+
+@pytest.mark.parametrize("name", ["GELU FFN", "LayerNorm before the FFN", "two stacked layers"])
+@pytest.mark.parametrize("seed", range(2))
+def test_impostors_refused(name, seed):
+    box = impostors(seed=seed)[name]
+    oracle = Oracle(box, 16)
+    with pytest.raises(ModelMismatchError):
+        extract_transformer_layer(oracle, seed=seed)
+
+
+# --------------------------------------------------------------------------- files and CLI
+def test_result_file_round_trip(tmp_path):
+    truth = random_transformer_layer(16, 32, seed=2, bias_scale=1.0, c0=0.5, residual=True)
+    result, _ = extract(truth, 2)
+    path = tmp_path / "layer.npz"
+    result.save(path)
+    with np.load(path) as data:
+        assert {"W", "V", "A", "b", "w", "c0", "residual", "kind"} <= set(data.files)
+        assert data["W"].shape == (1, 16, 16) and data["V"].shape == (1, 16, 16)
+        assert data["A"].shape == (32, 16) and data["b"].shape == (32,)
+        assert bool(data["residual"]) is True
+    model = load_model(path)
+    X = np.random.default_rng(0).standard_normal((20, 7, 16))
+    out = model(X)
+    assert out.shape == (20,)
+    assert np.abs(out - truth(X)).max() <= 1e-8 * np.abs(truth(X)).max()
+
+
+def test_cli_transformer_layer(tmp_path):
+    target = tmp_path / "target.py"
+    target.write_text(
+        "from attnextract.learners.transformer_layer import random_transformer_layer\n"
+        "layer = random_transformer_layer(16, 16, seed=4, bias_scale=1.0, c0=0.25)\n")
+    out = tmp_path / "r.npz"
+    proc = run_cli("extract", "--target", f"{target}:layer", "--dim", 16, "--model",
+                   "transformer-layer", "--heads", 1, "--seed", 1, "--out", out, "--json",
+                   check=0, cwd=tmp_path)
+    report = json.loads(proc.stdout)
+    assert report["ok"] and report["kind"] == "transformer-layer"
+    assert report["verification"]["passed"]
+    model = load_model(out)
+    assert isinstance(model, TransformerLayer) and model.heads == 1
+    proc = run_cli("extract", "--target", f"{target}:layer", "--dim", 16, "--model",
+                   "transformer-layer", "--rank", 2, "--out", out, check=2, cwd=tmp_path)
+
+
+def test_bench_section_rows_and_table():
+    from attnextract.bench import markdown, section_transformer_layer
+    rows = section_transformer_layer(True, lambda message: None)
+    assert len(rows) == 5
+    for r in rows:
+        assert r["floor"] < r["recovery_queries"] <= 8 * r["floor"]
+        assert r["bits"] > 30 and r["output_error"] <= TOL    # Carlini et al. 2020: 25 bits
+    table = markdown(rows)
+    assert "| (biases 1e-6) |" in table and "2^-25" in table
+
+
+def test_bad_input_and_budget_are_typed_errors():
+    from attnextract import BudgetExceededError, InputError
+    truth = random_transformer_layer(8, 8, seed=1, bias_scale=1.0)
+    for kwargs in ({"heads": 0}, {"heads": 1.5}, {"scale": -1.0}, {"scale": float("nan")}):
+        oracle = Oracle(truth, 8)
+        with pytest.raises(InputError):
+            extract_transformer_layer(oracle, **kwargs)
+        assert oracle.queries == 0
+    oracle = Oracle(truth, 8, budget=400)
+    with pytest.raises(BudgetExceededError):
+        extract_transformer_layer(oracle, seed=0)
+    assert oracle.queries <= 400
+
+
+def test_cli_verify_recovered_layer(tmp_path):
+    target = tmp_path / "target.py"
+    target.write_text(
+        "from attnextract.learners.transformer_layer import random_transformer_layer\n"
+        "layer = random_transformer_layer(8, 16, seed=6, bias_scale=1.0, residual=True)\n")
+    out = tmp_path / "r.npz"
+    run_cli("extract", "--target", f"{target}:layer", "--dim", 8, "--model", "transformer-layer",
+            "--out", out, check=0, cwd=tmp_path)
+    proc = run_cli("verify", "--target", f"{target}:layer", "--result", out, "--json", check=0,
+                   cwd=tmp_path)
+    assert json.loads(proc.stdout)["ok"]
+
+
+@pytest.mark.parametrize("seed", [1, 4])
+def test_one_unit_active_only_far_out(seed):
+    """m = 1 with a large negative bias: the probes go out until the unit is active, and
+    saturated copy probes (both weights at rounding level) are not mistaken for logits."""
+    truth = random_transformer_layer(8, 1, seed=seed, bias_scale=3.0)
+    result, cmp = extract(truth, seed)
+    assert cmp["error_W"] <= TOL and cmp["max_error"] <= TOL, cmp
+    assert "far verification" in result.report.details
