@@ -58,6 +58,7 @@ import time
 
 import numpy as np
 from scipy.linalg import null_space
+from scipy.special import expit
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError
 from ..models import MultiHeadAttention
@@ -82,6 +83,8 @@ RANK_TOL = 1e-9          # singular value / largest counted in a rank
 TARGET_LOGIT = 1.0       # aim for |logit| about this
 MAX_LOGIT = 12.0         # beyond it sigma' < 1e-5: probed again, smaller
 MAX_RESCALES = 6
+SATURATED = 40.0         # logits of the exact-height probes (sigma within e^-40 of 0 or 1)
+REFINE_ITERATIONS = 4    # re-solves of the stored blocks with the other heads predicted
 SCOUT = 8                # entries that set the logit scale of a block
 BLOCK_FLOATS = 1 << 21   # probe floats per oracle batch (16 MB)
 
@@ -120,6 +123,45 @@ def _copy_gap(oracle: Oracle, v: np.ndarray, q: np.ndarray, U: np.ndarray) -> np
     return _pair_outputs(oracle, q + U, last) - q @ v
 
 
+def _weights_to_logits(out, query_part, c, height, background):
+    """logit of the attention weight (f - s v^T q - c background) / (c height); NaN outside (0, 1)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        weight = (out - query_part - c * background) / (c * height)
+    inside = (weight > 0.0) & (weight < 1.0)
+    return np.where(inside, logit(np.where(inside, weight, 0.5)), np.nan)
+
+
+class Block:
+    """Stored single-head measurements of one head: rows (n, d) against columns (d, m).
+
+    ``scale`` and ``outputs`` (n, m) are every entry's logit scale G and the black box's
+    answer, kept so that the entries can be solved again with better knowledge of the
+    other heads (:func:`resolve`) without new queries.
+    """
+
+    def __init__(self, head, rows, cols, scale, outputs):
+        self.head, self.rows, self.cols = head, rows, cols
+        self.scale, self.outputs = scale.reshape(len(rows), -1), outputs.reshape(len(rows), -1)
+
+
+def resolve(block: Block, v, values, W) -> np.ndarray:
+    """Logits t_h (n, m) of a block, every other head's sigmoid predicted from (values, W).
+
+    f = s v^T q + c sum_g c_g(u) sigma(G t_g(u, q)): the other heads' terms use the
+    current estimates (their heights are tiny in R_h, their logits tiny on I_h).
+    """
+    U, C, G = block.rows, block.cols, block.scale
+    c, s = split_scale(G)
+    heights = U @ values.T                                   # (n, H)
+    background = np.zeros_like(G)
+    for g in range(len(values)):
+        if g != block.head:
+            background += heights[:, g, None] * expit(G * (U @ (W[g] @ C)))
+    t = _weights_to_logits(block.outputs, s * (v @ C)[None, :], c,
+                           heights[:, block.head, None], background)
+    return t / G
+
+
 class LogitMeter:
     """Measures one head's logits t_h(u, q) = u^T W_h q where it is the only sigmoid left.
 
@@ -136,10 +178,8 @@ class LogitMeter:
     def _logits(self, U, Qc, height, background, scale):
         c, s = split_scale(scale)
         out = _pair_outputs(self.oracle, s[:, None] * Qc + c[:, None] * U, s[:, None] * Qc)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            weight = (out - s * (Qc @ self.v) - c * background) / (c * height)
-        inside = (weight > 0.0) & (weight < 1.0)
-        return np.where(inside, logit(np.where(inside, weight, 0.5)), np.nan)
+        self.outputs = out
+        return _weights_to_logits(out, s * (Qc @ self.v), c, height, background)
 
     def scale_for(self, U, Qc, height, background, rng) -> float:
         """A logit scale G putting the largest of SCOUT random entries near TARGET_LOGIT."""
@@ -163,15 +203,18 @@ class LogitMeter:
         """t_h(u_l, q_l) for rows U, Qc (n, d), heights c_h(u_l) (n,), background (n,)."""
         scale = np.full(len(U), float(scale))
         t = self._logits(U, Qc, height, background, scale)
+        outputs = self.outputs
         for _ in range(MAX_RESCALES):
             bad = ~(np.abs(t) <= MAX_LOGIT)
             if not bad.any():
+                self.last_scale, self.last_outputs = scale, outputs
                 return t / scale
             ok = np.isfinite(t[bad])
             with np.errstate(divide="ignore", invalid="ignore"):
                 factor = np.where(ok, TARGET_LOGIT / np.abs(np.where(ok, t[bad], 1.0)), 2.0 ** -10)
             scale[bad] *= factor
             t[bad] = self._logits(U[bad], Qc[bad], height[bad], background[bad], scale[bad])
+            outputs[bad] = self.outputs
             self.rescued += int(bad.sum())
         raise ModelMismatchError(
             f"the black box is not multi-head attention with these heads: {int(bad.sum())} "
@@ -395,6 +438,7 @@ def query_space(meter: LogitMeter, values, h, columns, rank, rng):
         hts, bg = np.repeat(height, d), np.zeros(count * d)
         scale = meter.scale_for(rows, cols, hts, bg, rng)
         T = meter.measure(rows, cols, hts, bg, scale).reshape(count, d) @ columns.T  # rows u^T W_h
+        block = Block(h, U, columns, meter.last_scale, meter.last_outputs)
         s = np.linalg.svd(T, compute_uv=False)
         found = int(np.sum(s > RANK_TOL * s[0])) if s[0] > 0 else 0
         if found < count or count == room:
@@ -407,8 +451,20 @@ def query_space(meter: LogitMeter, values, h, columns, rank, rng):
         raise RecoveryFailedError(f"head {h}: rank {found} fills the rows that see it alone")
     _, sv, Vt = np.linalg.svd(T, full_matrices=False)
     spread = float(sv[0] / sv[found - 1]) if found else 1.0
-    return Vt[:found].T, {"rows": count, "rank": found, "spread": spread,
-                          "height": float(np.min(np.abs(height)) / np.linalg.norm(values[h]))}
+    return Vt[:found].T, block, {"rows": count, "rank": found, "spread": spread,
+                                 "height": float(np.min(np.abs(height)) / np.linalg.norm(values[h]))}
+
+
+def space_from_logits(block: Block, T: np.ndarray, rank: int) -> np.ndarray:
+    """P_h (d, r_h): orthonormal basis of the span of the measured rows u^T W_h = T C^T."""
+    _, _, Vt = np.linalg.svd(T @ block.cols.T, full_matrices=False)
+    return Vt[:rank].T
+
+
+def matrix_from_logits(block: Block, T: np.ndarray, P: np.ndarray) -> np.ndarray:
+    """W_h = Y (P^T Z)^{-1} P^T with Y = W_h Z = U T (U the orthogonal rows of the block)."""
+    Z = block.cols
+    return (block.rows.T @ T) @ np.linalg.solve(P.T @ Z, P.T)
 
 
 def head_matrix(meter: LogitMeter, v, values, spaces, h, rng):
@@ -437,8 +493,30 @@ def head_matrix(meter: LogitMeter, v, values, spaces, h, rng):
     background = 0.5 * (rows @ v - height)
     scale = meter.scale_for(rows, cols, height, background, rng)
     T = meter.measure(rows, cols, height, background, scale).reshape(d, r)
-    Y = U @ T                                        # W_h Z
-    return Y @ np.linalg.solve(P.T @ Z, P.T), separation
+    block = Block(h, U.T, Z, meter.last_scale, meter.last_outputs)
+    return matrix_from_logits(block, T, P), block, separation
+
+
+def exact_heights(oracle: Oracle, v, values, W, rng) -> np.ndarray:
+    """The heads' values again, each height measured alone in one saturated query.
+
+    For a row u_k and head j, the column q_kj solves u_k^T W_h q = SATURATED (2 [h = j] - 1)
+    for every head h with the current W (minimum norm): at those logits every sigmoid
+    is 0 or 1 to e^-40, so g = c_j(u_k) exactly, whatever small error W has.
+    Returns values (H, d) from H d queries.
+    """
+    d, H = v.shape[0], len(values)
+    U = haar_orthogonal(d, rng)
+    A = np.einsum("hde,dk->khe", W, U)                       # rows W_h^T u_k: (d, H, d)
+    target = SATURATED * (2.0 * np.eye(H) - 1.0)             # (j, h)
+    coef = np.linalg.solve(A @ A.transpose(0, 2, 1), np.broadcast_to(target.T, (d, H, H)))
+    Qk = np.einsum("khe,khj->kje", A, coef)                  # q_kj: (d, H, d)
+    alpha = np.maximum(1.0, 1e3 * np.linalg.norm(Qk, axis=2))  # |u| large beside |q|
+    first = (U.T[:, None, :] * alpha[..., None] + Qk / alpha[..., None]).reshape(-1, d)
+    last = (Qk / alpha[..., None]).reshape(-1, d)
+    g = _pair_outputs(oracle, first, last) - last @ v
+    heights = (g / alpha.reshape(-1)).reshape(d, H)          # c_j(u_k)
+    return (U @ heights).T
 
 
 # ---------------------------------------------------------------------------
@@ -519,10 +597,11 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int, rank: int | None = N
     columns = haar_orthogonal(d, rng)
     say(f"query spaces of {H} heads")
     before = oracle.queries
-    spaces, space_info = [], []
+    spaces, space_info, space_blocks = [], [], []
     for h in range(H):
-        P, info = query_space(meter, values, h, columns, rank, rng)
+        P, block, info = query_space(meter, values, h, columns, rank, rng)
         spaces.append(P)
+        space_blocks.append(block)
         space_info.append(info)
     space_queries = oracle.queries - before
     ranks = [P.shape[1] for P in spaces]
@@ -531,11 +610,34 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int, rank: int | None = N
                                   "no column isolates a head (use the full-rank learner)")
     say("isolation columns")
     before = oracle.queries
-    W, separations = np.zeros((H, d, d)), []
+    W, separations, column_blocks = np.zeros((H, d, d)), [], []
     for h in range(H):
-        W[h], sep = head_matrix(meter, v, values, spaces, h, rng)
+        W[h], block, sep = head_matrix(meter, v, values, spaces, h, rng)
+        column_blocks.append(block)
         separations.append(sep)
     column_queries = oracle.queries - before
+
+    # refinement: exact heights, then every stored block solved again with the other
+    # heads' sigmoids predicted from the current estimates (no new queries)
+    before = oracle.queries
+    changes = []
+    if H and min(ranks) > 0:
+        say("exact heights and refinement")
+        values = exact_heights(oracle, v, values, W, rng)
+        for _ in range(REFINE_ITERATIONS):
+            new_spaces = [space_from_logits(b, resolve(b, v, values, W), r)
+                          for b, r in zip(space_blocks, ranks)]
+            new_W = np.array([matrix_from_logits(b, resolve(b, v, values, W), P)
+                              for b, P in zip(column_blocks, new_spaces)])
+            if not np.all(np.isfinite(new_W)):
+                break
+            change = float(np.max(np.linalg.norm(new_W - W, axis=(1, 2))
+                                  / np.maximum(np.linalg.norm(W, axis=(1, 2)), 1e-300)))
+            changes.append(change)
+            W = new_W
+            if change < 1e-14:
+                break
+    height_queries = oracle.queries - before
     model = MultiHeadAttention(W, values)
 
     recovery = oracle.queries - q0
@@ -548,8 +650,12 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int, rank: int | None = N
     spread = max((i["spread"] for i in space_info), default=1.0)
     min_sep = min(separations, default=1.0)
     min_height = min((i["height"] for i in space_info), default=1.0)
+    # first pass: value errors (finite-difference step) leak through the heights in R_h;
+    # after the exact heights only the rounding of the logits is left, amplified by the
+    # spread of the measured rows and divided by the head separation
     value_error = EPS / max(value_info.get("gradient step", 1.0), EPS)
-    predicted = (value_error / max(value_sep, EPS) + EPS / max(min_height, EPS)) * spread / min_sep
+    first_pass = (value_error / max(value_sep, EPS) + EPS / max(min_height, EPS)) * spread / min_sep
+    predicted = EPS * spread / min_sep if changes else first_pass
     paper = paper_two_count(d, heads)
     details = {
         "method": "saturated crossings (values), single-head rows (query spaces), "
@@ -563,10 +669,13 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int, rank: int | None = N
                          f"value separation {value_sep:.2e}, smallest height in R_h "
                          f"{min_height:.2e}, row spread {spread:.2e}, query-space "
                          f"separation {min_sep:.2e}"),
-        "predicted error": f"{predicted:.1e} (relative, parameters)",
+        "predicted error": (f"{predicted:.1e} (relative, parameters; first pass "
+                            f"{first_pass:.1e})"),
+        "refinement": ("changes " + ", ".join(f"{c:.1e}" for c in changes)) if changes else "none",
     }
     breakdown = {"values": d + value_queries, "query spaces": space_queries,
-                 "isolation columns": column_queries, "(rescaled or scout probes)": meter.rescued,
+                 "isolation columns": column_queries, "exact heights": height_queries,
+                 "(rescaled or scout probes)": meter.rescued,
                  "recovery": recovery, "verification": n_verify}
     report = Report(kind=MultiHeadAttention.kind, dim=d, queries=oracle.queries - q0,
                     breakdown=breakdown, floor=floor, verification=verification,
@@ -576,5 +685,5 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int, rank: int | None = N
         "smallest_crossing_gap": value_info.get("smallest gap", math.pi),
         "value_separation": value_sep, "smallest_height": min_height,
         "row_spread": spread, "query_space_separation": min_sep,
-        "predicted_error": predicted}
+        "predicted_error": float(predicted), "first_pass_error": float(first_pass)}
     return checked_result(model, report, f"multi-head attention with {H} low-rank head(s)")
