@@ -72,12 +72,14 @@ EPS = np.finfo(float).eps
 SATURATION_TOL = 1e-12   # |g(2u) - 2 g(u)| / |g(2u)|: a point counts as saturated below it
 SATURATION_TRIES = 40    # radius x 4 at most this many times
 SATURATION_POINTS = 8    # random points of the radius search (3/4 must be saturated)
-MIN_GAP = 1e-5           # crossings closer than this (radians) are not separated
-ETA = 1e-6               # angular offset of the two points of an in-plane gradient
+MIN_GAP = 2e-5           # crossings closer than this (radians) are not separated
+ETA = 2e-6               # angular offset of the two points of an in-plane gradient
+PLANE_CHECK = 1e-8       # relative change of (a, b) between radii rho and 2 rho allowed
 JUMP_TOL = 1e-6          # in-plane gradient change / |v| that counts as a crossing
 BRACKET_FRACTION = 0.25  # brackets are narrowed to this fraction of the cells beside them
 GRID_PER_HEAD = 4        # first grid: this many points per head on the half circle
 STEP_FRACTION = 0.03     # gradient step / (radius x angular margin of the cell)
+STEP_TRIES = 3           # gradient steps tried per cell, each 16 x smaller
 CHECK_TOL = 1e-8         # relative misfit of a cell's gradient checks
 RANK_TOL = 1e-9          # singular value / largest counted in a rank
 TARGET_LOGIT = 1.0       # aim for |logit| about this
@@ -156,7 +158,8 @@ def resolve(block: Block, v, values, W) -> np.ndarray:
     background = np.zeros_like(G)
     for g in range(len(values)):
         if g != block.head:
-            background += heights[:, g, None] * expit(G * (U @ (W[g] @ C)))
+            logits = (U @ W[g]) @ C if len(U) < C.shape[1] else U @ (W[g] @ C)
+            background += heights[:, g, None] * expit(G * logits)
     t = _weights_to_logits(block.outputs, s * (v @ C)[None, :], c,
                            heights[:, block.head, None], background)
     return t / G
@@ -251,7 +254,7 @@ class _HalfCircle:
             U = self.at(theta, rho)
             g = self.gap(np.concatenate([U, 2.0 * U]))
             one, two = g[:len(theta)], g[len(theta):]
-            misfit = np.abs(two - 2.0 * one) / np.maximum(np.abs(two), 1e-300)
+            misfit = np.abs(two - 2.0 * one) / (np.abs(two) + rho * self.v_norm)
             if np.mean(misfit <= SATURATION_TOL) >= 0.75:
                 self.rho = 8.0 * rho
                 return
@@ -263,22 +266,23 @@ class _HalfCircle:
     def plane_gradients(self, theta, rho):
         """In-plane gradients (a, b) = (u_0^T V_S, u_1^T V_S) at angles theta (n,).
 
-        Three probes a point: rho u(theta -+ ETA) give (a, b); 2 rho u(theta) checks
-        saturation. Returns (ab (n, 2), saturated (n,) bool).
+        Four probes a point: rho u(theta -+ ETA) give (a, b), and the same at 2 rho must
+        give the same (a, b) (saturation: near a crossing the sigmoid's slope, multiplied
+        by the radius, would show). Returns (ab (n, 2), saturated (n,) bool).
         """
         theta = np.asarray(theta, dtype=float)
         n = len(theta)
-        U = np.concatenate([self.at(theta - ETA, rho), self.at(theta + ETA, rho),
-                            self.at(theta, 2.0 * rho)])
-        g = self.gap(U) / rho
-        g1, g2, g3 = g[:n], g[n:2 * n], g[2 * n:]
+        U = np.concatenate([self.at(theta - ETA, rho), self.at(theta + ETA, rho)])
+        g = self.gap(np.concatenate([U, 2.0 * U]))
         sn = math.sin(2.0 * ETA)
-        a = (g1 * np.sin(theta + ETA) - g2 * np.sin(theta - ETA)) / sn
-        b = (g2 * np.cos(theta - ETA) - g1 * np.cos(theta + ETA)) / sn
-        predicted = 2.0 * (np.cos(theta) * a + np.sin(theta) * b)
-        scale = np.abs(a) + np.abs(b) + self.v_norm
-        saturated = np.abs(g3 - predicted) <= 1e-7 * scale
-        return np.column_stack([a, b]), saturated
+        ab = []
+        for factor, (g1, g2) in ((1.0, (g[:n], g[n:2 * n])), (2.0, (g[2 * n:3 * n], g[3 * n:]))):
+            g1, g2 = g1 / (factor * rho), g2 / (factor * rho)
+            ab.append(np.column_stack([(g1 * np.sin(theta + ETA) - g2 * np.sin(theta - ETA)) / sn,
+                                       (g2 * np.cos(theta - ETA) - g1 * np.cos(theta + ETA)) / sn]))
+        scale = np.abs(ab[0]).sum(axis=1) + self.v_norm
+        saturated = np.abs(ab[0] - ab[1]).max(axis=1) <= PLANE_CHECK * scale
+        return ab[0], saturated
 
 
 def _sample(circle, theta, rho, lo, hi):
@@ -317,6 +321,9 @@ def find_values(oracle: Oracle, v: np.ndarray, heads: int, rng: np.random.Genera
     Returns (values (H', d), info dict with the crossing brackets and conditioning).
     """
     d = v.shape[0]
+    if heads == 1:                       # one head at most: its value is v
+        return v[None].copy(), {"crossings": 0, "smallest gap": math.pi, "sign misfit": 0.0,
+                                "gradient step": 1.0, "circle queries": 0}
     basis = haar_orthogonal(d, rng)
     q, u0, u1 = basis[:, 0], basis[:, 1], basis[:, 2]
     circle = _HalfCircle(oracle, v, q, u0, u1)
@@ -375,22 +382,27 @@ def find_values(oracle: Oracle, v: np.ndarray, heads: int, rng: np.random.Genera
         margin = max(margin, MIN_GAP / 4)
         rho_c = rho * max(1.0, 2.0 * MIN_GAP / margin)
         u = circle.at(mid, rho_c)
-        delta = STEP_FRACTION * margin * rho_c
-        w = rng.standard_normal(d)
-        w /= np.linalg.norm(w)
-        U = np.vstack([u[None], u[None] + delta * np.eye(d), 2.0 * u[None],
-                       u[None] + 3.0 * delta * w[None]])
-        g = circle.gap(U)
-        V = (g[1:d + 1] - g[0]) / delta
-        scale_g = rho_c * (np.linalg.norm(V) + circle.v_norm)
-        checks = np.array([g[0] - u @ V, g[d + 1] - 2.0 * (u @ V),
-                           g[d + 2] - (u + 3.0 * delta * w) @ V])
-        if np.max(np.abs(checks)) > CHECK_TOL * scale_g * max(1.0, 1e-4 / (STEP_FRACTION * margin)):
+        fraction = STEP_FRACTION
+        for _ in range(STEP_TRIES):      # the cone may be narrower off the plane: smaller steps
+            delta = fraction * margin * rho_c
+            w = rng.standard_normal(d)
+            w /= np.linalg.norm(w)
+            U = np.vstack([u[None], u[None] + delta * np.eye(d), 2.0 * u[None],
+                           u[None] + 3.0 * delta * w[None]])
+            g = circle.gap(U)
+            V = (g[1:d + 1] - g[0]) / delta
+            scale_g = rho_c * (np.linalg.norm(V) + circle.v_norm)
+            checks = np.array([g[0] - u @ V, g[d + 1] - 2.0 * (u @ V),
+                               g[d + 2] - (u + 3.0 * delta * w) @ V])
+            if np.max(np.abs(checks)) <= CHECK_TOL * scale_g * max(1.0, 1e-4 / (fraction * margin)):
+                break
+            fraction /= 16.0
+        else:
             raise RecoveryFailedError(
                 "a saturated cell's gradient failed its checks (a crossing closer than "
                 f"{MIN_GAP:.0e} rad or logits that do not saturate): values not separated")
         gradients.append(V)
-        steps.append(STEP_FRACTION * margin)
+        steps.append(fraction * margin)
     gradients.append(v - gradients[0])
     G = np.array(gradients)
     D = np.diff(G, axis=0)                                   # +- v_h, (H', d)
@@ -507,7 +519,7 @@ def exact_heights(oracle: Oracle, v, values, W, rng) -> np.ndarray:
     """
     d, H = v.shape[0], len(values)
     U = haar_orthogonal(d, rng)
-    A = np.einsum("hde,dk->khe", W, U)                       # rows W_h^T u_k: (d, H, d)
+    A = np.stack([U.T @ Wh for Wh in W], axis=1)            # rows W_h^T u_k: (d, H, d)
     target = SATURATED * (2.0 * np.eye(H) - 1.0)             # (j, h)
     coef = np.linalg.solve(A @ A.transpose(0, 2, 1), np.broadcast_to(target.T, (d, H, H)))
     Qk = np.einsum("khe,khj->kje", A, coef)                  # q_kj: (d, H, d)
