@@ -41,6 +41,10 @@ EXTRACTORS["low-rank"] = extract_low_rank
 # extract options that only some --model kinds take: kind -> option names
 EXTRACTORS["multi-head"] = extract_multi_head
 MODEL_OPTIONS = {"low-rank": ("rank", "method", "oversampling"), "multi-head": ("heads",)}
+# multi-head attention with low-rank heads (a real layer: H r <= d)
+from .learners.multi_head_low_rank import extract_multi_head_low_rank  # noqa: E402
+EXTRACTORS["multi-head-low-rank"] = extract_multi_head_low_rank
+MODEL_OPTIONS["multi-head-low-rank"] = ("heads", "rank")
 
 
 class ProgressBar:

@@ -535,7 +535,8 @@ def exact_heights(oracle: Oracle, v, values, W, rng) -> np.ndarray:
 # the learner
 # ---------------------------------------------------------------------------
 
-def extract_multi_head_low_rank(oracle: Oracle, heads: int, rank: int | None = None, *,
+def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
+                                rank: int | None = None, *,
                                 seed=None, progress=None,
                                 verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE
                                 ) -> ExtractionResult:
@@ -579,7 +580,8 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int, rank: int | None = N
     """
     d = oracle.dim
     if not isinstance(heads, (int, np.integer)) or heads < 1:
-        raise InputError(f"heads must be a positive integer, got {heads!r}")
+        raise InputError(f"heads must be a positive integer (the number of heads H, an upper "
+                         f"bound), got {heads!r}")
     if rank is not None and (not isinstance(rank, (int, np.integer)) or not 1 <= rank <= d):
         raise InputError(f"rank must be an integer in 1..{d}, got {rank!r}")
     say = progress or (lambda text: None)
