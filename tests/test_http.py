@@ -66,7 +66,8 @@ def test_query_answers_exactly_what_the_model_computes(serve):
     assert np.array_equal(np.array(answer["outputs"]), model(X))     # bit for bit over JSON
     status, health = raw(server, "GET", "/health")
     assert status == 200 and health == {"ok": True, "kind": "single-head", "dim": D,
-                                        "served": 7, "budget": None, "remaining": None}
+                                        "binary": True, "served": 7, "budget": None,
+                                        "remaining": None}
 
 
 BAD_REQUESTS = [
@@ -308,3 +309,30 @@ def test_a_rounding_endpoint_is_extracted_within_error_bars(serve):
         assert np.linalg.norm(result.model.W - model.W) <= bars["error_bar_W"]
         assert np.linalg.norm(result.model.v - model.v) <= bars["error_bar_v"]
         assert bars["error_bar_W_relative"] < 1e-3
+
+
+def test_binary_bodies_answer_exactly_and_are_checked(serve):
+    """float64 bodies (X-Shape: B,N,d): the same answers bit for bit, the same refusals."""
+    model = random_single_head(D, seed=8)
+    server = serve(model, max_floats=2000)
+    X = np.random.default_rng(9).standard_normal((300, 3, D))
+    box = HttpBlackBox(server.url, binary=True, max_floats=15 * 20)   # 80 sequences a request
+    assert np.array_equal(box(X), model(X)) and box.requests == 1 + 4
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=10)
+    try:
+        for shape, body, status, reason in [
+                ("2,3,5", X[:2].tobytes(), 200, None),
+                ("2,3,4", X[:2].tobytes(), 422, "width"),
+                ("2,3", X[:2].tobytes(), 400, "X-Shape"),
+                ("3,3,5", X[:2].tobytes(), 400, "bytes"),
+                ("200,3,5", X[:200].tobytes(), 413, "numbers"),
+                ("1,1,5", np.full(5, np.nan).tobytes(), 400, "NaN")]:
+            conn.request("POST", "/query", body=body, headers={
+                "Content-Type": "application/octet-stream", "X-Shape": shape})
+            response = conn.getresponse()
+            answer = json.loads(response.read())
+            assert response.status == status, (shape, answer)
+            if reason:
+                assert reason in answer["error"]
+    finally:
+        conn.close()

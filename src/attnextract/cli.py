@@ -179,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     mi.add_argument("--target", metavar="URL",
                     help="--all-heads: query this http:// endpoint serving the layer "
                          "(see --save-target) instead of the local weights")
+    mi.set_defaults(http_binary=True)     # --target: float64 bodies (384-wide probes)
     mi.add_argument("--save-target", metavar="FILE.npz",
                     help="--all-heads: write the layer's 12 heads as a model file for "
                          "'attnextract serve --secret FILE.npz' and stop")
@@ -261,7 +262,8 @@ def _open_target(spec: str, dim: int | None = None, args=None):
     """A black box from FILE.py:NAME, or from an HTTP endpoint http://HOST:PORT."""
     if spec.startswith(("http://", "https://")):
         from .adapters.remote import HttpBlackBox
-        options = {k: getattr(args, f"http_{k}") for k in ("timeout", "retries", "concurrency")
+        options = {k: getattr(args, f"http_{k}") for k in ("timeout", "retries", "concurrency",
+                                                           "binary")
                    if getattr(args, f"http_{k}", None) is not None}
         black_box = HttpBlackBox(spec, **options)
         if dim is not None:

@@ -16,7 +16,9 @@ only (``urllib``):
   of the wrong shape raises :class:`MalformedOutputError`.
 
 Floats travel as shortest round-trip decimals (Python's ``repr``), so float64
-queries and answers cross the wire exactly.
+queries and answers cross the wire exactly. With ``binary=True`` batches go as raw
+float64 instead (``X-Shape: B,N,d``; servers whose ``/health`` says ``"binary": true``),
+exact too and without the JSON text's cost.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import numpy as np
 from ..errors import BlackBoxError, BudgetExceededError, InputError, MalformedOutputError
 
 MAX_BACKOFF = 30.0
+BINARY_GAIN = 4        # a float64 body carries 4 x max_floats numbers (8 bytes each, not ~20)
 
 
 class HttpBlackBox:
@@ -55,11 +58,15 @@ class HttpBlackBox:
         Numbers per request (B * N * d); a larger batch is cut into several requests.
     max_sequences : int
         Sequences per request (the server's own limit is 100000).
+    binary : bool
+        Send batches as raw float64 (``X-Shape: B,N,d``) instead of JSON text, with
+        BINARY_GAIN x ``max_floats`` numbers a request; the server's ``/health`` must
+        say ``"binary": true`` (checked once).
     """
 
     def __init__(self, url: str, *, timeout: float = 60.0, retries: int = 4,
                  backoff: float = 0.25, concurrency: int = 4, max_floats: int = 1 << 18,
-                 max_sequences: int = 10_000):
+                 max_sequences: int = 10_000, binary: bool = False):
         if not url.startswith(("http://", "https://")):
             raise InputError(f"an HTTP target must start with http:// or https://, got {url!r}")
         if (timeout <= 0 or retries < 0 or backoff < 0 or concurrency < 1 or max_floats < 1
@@ -72,12 +79,19 @@ class HttpBlackBox:
         self.max_sequences = max_sequences
         self.requests = 0          # HTTP requests made, retries included
         self.retried = 0           # of which retries
+        self.binary = bool(binary)  # float64 bodies instead of JSON text
+        self.binary_checked = False
 
     def __call__(self, X) -> np.ndarray:
         """Outputs (B,) of the batch X (B, N, d), in order."""
         X = np.asarray(X, dtype=np.float64)
-        per_request = max(1, min(self.max_sequences,
-                                 self.max_floats // max(1, X.shape[1] * X.shape[2])))
+        if self.binary and self.binary_checked is False:   # the server must say it takes them
+            self.binary_checked = True
+            if not self.health().get("binary", False):
+                raise BlackBoxError(f"{self.url} does not take float64 bodies (its /health "
+                                    "has no \"binary\": true); use JSON (binary=False)")
+        floats = self.max_floats * (BINARY_GAIN if self.binary else 1)
+        per_request = max(1, min(self.max_sequences, floats // max(1, X.shape[1] * X.shape[2])))
         chunks = [X[i:i + per_request] for i in range(0, len(X), per_request)]
         if len(chunks) == 1 or self.concurrency == 1:
             return np.concatenate([self._query(c) for c in chunks])
@@ -95,8 +109,13 @@ class HttpBlackBox:
             raise InputError(f"{self.url} serves tokens of width {served}, not --dim {dim}")
 
     def _query(self, X: np.ndarray) -> np.ndarray:
-        body = json.dumps({"sequences": X.tolist()}).encode()
-        answer = self._request("POST", "/query", body, batch=len(X))
+        if self.binary:
+            body = np.ascontiguousarray(X, dtype="<f8").tobytes()
+            answer = self._request("POST", "/query", body, batch=len(X), headers={
+                "Content-Type": "application/octet-stream", "X-Shape": ",".join(map(str, X.shape))})
+        else:
+            body = json.dumps({"sequences": X.tolist()}).encode()
+            answer = self._request("POST", "/query", body, batch=len(X))
         outputs = answer.get("outputs") if isinstance(answer, dict) else None
         if not isinstance(outputs, list) or len(outputs) != len(X):
             raise MalformedOutputError(
@@ -107,8 +126,10 @@ class HttpBlackBox:
         except (TypeError, ValueError) as exc:
             raise MalformedOutputError(f"{self.url} answered non-numbers: {exc}") from None
 
-    def _request(self, method: str, path: str, body: bytes | None, batch: int = 0):
-        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+    def _request(self, method: str, path: str, body: bytes | None, batch: int = 0,
+                 headers: dict | None = None):
+        headers = {"Content-Type": "application/json", "Accept": "application/json",
+                   **(headers or {})}
         failure = "no attempt"
         for attempt in range(self.retries + 1):
             if attempt:
