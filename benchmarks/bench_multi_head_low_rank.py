@@ -37,7 +37,8 @@ from attnextract.oracle import Oracle
 
 def parse():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", nargs="+", default=["64:8:8", "96:12:8"], help="d:H:r")
+    parser.add_argument("--cases", nargs="*", default=["64:8:8", "96:12:8"],
+                        help="d:H:r (none: MiniLM only)")
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--scales", type=float, nargs="+", default=[1.0, 3.0])
     parser.add_argument("--minilm", type=int, nargs="*", default=[], help="layers")
