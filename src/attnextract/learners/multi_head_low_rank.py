@@ -266,14 +266,17 @@ class _HalfCircle:
     def plane_gradients(self, theta, rho):
         """In-plane gradients (a, b) = (u_0^T V_S, u_1^T V_S) at angles theta (n,).
 
-        Four probes a point: rho u(theta -+ ETA) give (a, b), and the same at 2 rho must
-        give the same (a, b) (saturation: near a crossing the sigmoid's slope, multiplied
-        by the radius, would show). Returns (ab (n, 2), saturated (n,) bool).
+        Five probes a point: rho u(theta -+ ETA) give (a, b); the same at 2 rho must give
+        the same (a, b) (saturation: near a crossing the sigmoid's slope, multiplied by
+        the radius, would show), and rho u(theta) must lie on the sinusoid (a crossing
+        between theta - ETA and theta + ETA would put it off by half the jump).
+        Returns (ab (n, 2), saturated (n,) bool).
         """
         theta = np.asarray(theta, dtype=float)
         n = len(theta)
         U = np.concatenate([self.at(theta - ETA, rho), self.at(theta + ETA, rho)])
-        g = self.gap(np.concatenate([U, 2.0 * U]))
+        g = self.gap(np.concatenate([U, 2.0 * U, self.at(theta, rho)]))
+        middle, g = g[4 * n:] / rho, g[:4 * n]
         sn = math.sin(2.0 * ETA)
         ab = []
         for factor, (g1, g2) in ((1.0, (g[:n], g[n:2 * n])), (2.0, (g[2 * n:3 * n], g[3 * n:]))):
@@ -281,7 +284,9 @@ class _HalfCircle:
             ab.append(np.column_stack([(g1 * np.sin(theta + ETA) - g2 * np.sin(theta - ETA)) / sn,
                                        (g2 * np.cos(theta - ETA) - g1 * np.cos(theta + ETA)) / sn]))
         scale = np.abs(ab[0]).sum(axis=1) + self.v_norm
-        saturated = np.abs(ab[0] - ab[1]).max(axis=1) <= PLANE_CHECK * scale
+        on_curve = np.abs(middle - np.cos(theta) * ab[0][:, 0] - np.sin(theta) * ab[0][:, 1])
+        saturated = ((np.abs(ab[0] - ab[1]).max(axis=1) <= PLANE_CHECK * scale)
+                     & (on_curve <= PLANE_CHECK * scale))
         return ab[0], saturated
 
 
@@ -336,6 +341,7 @@ def find_values(oracle: Oracle, v: np.ndarray, heads: int, rng: np.random.Genera
     # bracket the crossings: sample a grid, bisect every interval whose ends differ
     grid = np.linspace(0.0, math.pi, GRID_PER_HEAD * max(heads, 1) + 1)
     theta, ab, ok = _sample(circle, grid, rho, grid - 1e-3, grid + 1e-3)
+    tol = JUMP_TOL * max(v_plane, float(np.abs(ab).max(initial=0.0)))
     if not ok.all():
         raise RecoveryFailedError("probes on the half circle do not saturate: cannot bracket "
                                   "the heads' crossings")
