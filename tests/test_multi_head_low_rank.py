@@ -168,3 +168,23 @@ def test_seeded_runs_repeat():
     b, _ = extract(target, 3, 4, seed=5)
     assert a.queries == b.queries
     np.testing.assert_array_equal(a.model.W, b.model.W)
+
+
+def test_command_line(tmp_path):
+    from conftest import run_cli
+    target = tmp_path / "layer.py"
+    target.write_text("from attnextract.adapters.targets import random_low_rank_multi_head\n"
+                      "box = random_low_rank_multi_head(3, 16, 4, 21)\n")
+    out = tmp_path / "r.npz"
+    proc = run_cli("extract", "--target", f"{target}:box", "--dim", "16", "--model",
+                   "multi-head-low-rank", "--heads", "3", "--rank", "4", "--seed", "1",
+                   "--out", out, "--json", check=0)
+    import json
+    report = json.loads(proc.stdout)
+    assert report["ok"] and report["details"]["ranks"] == [4, 4, 4]
+    with np.load(out) as saved:
+        model = MultiHeadAttention(saved["W"], saved["v"])
+    assert canonical_error(model, random_low_rank_multi_head(3, 16, 4, 21)) < 1e-10
+    missing = run_cli("extract", "--target", f"{target}:box", "--dim", "16", "--model",
+                      "multi-head-low-rank", "--out", out)
+    assert missing.returncode == 2 and "number of heads" in missing.stderr
