@@ -188,3 +188,27 @@ def test_command_line(tmp_path):
     missing = run_cli("extract", "--target", f"{target}:box", "--dim", "16", "--model",
                       "multi-head-low-rank", "--out", out)
     assert missing.returncode == 2 and "number of heads" in missing.stderr
+
+
+def close_query_spaces(eps, seed=0, d=32, heads=4, r=8):
+    """Heads 0 and 1 with query spaces eps apart (B_1 = B_0 + eps G)."""
+    rng = np.random.default_rng(seed)
+    A, B = rng.standard_normal((heads, d, r)), rng.standard_normal((heads, d, r))
+    B[1] = B[0] + eps * rng.standard_normal((d, r))
+    W = np.einsum("hdr,her->hde", A, B) / np.sqrt(d * r)
+    return MultiHeadAttention(W, rng.standard_normal((heads, d)))
+
+
+def test_conditioning_predicts_the_error_and_the_breaking_point():
+    """The predicted error follows the query-space separation; past 1e-7 it is refused."""
+    predicted, measured = [], []
+    for eps in (1e-1, 1e-2):
+        target = close_query_spaces(eps)
+        result, _ = extract(target, 4, 8)
+        predicted.append(result.report.details["conditioning_numbers"]["predicted_error"])
+        measured.append(canonical_error(result.model, target))
+    assert predicted[1] > 5 * predicted[0]                  # closer heads, larger bar
+    for p, m in zip(predicted, measured):
+        assert m / 10 < p < 10 * m
+    with pytest.raises(RecoveryFailedError, match="too close to pin down"):
+        extract(close_query_spaces(1e-6), 4, 8)

@@ -87,6 +87,8 @@ MAX_LOGIT = 12.0         # beyond it sigma' < 1e-5: probed again, smaller
 MAX_RESCALES = 6
 SATURATED = 40.0         # logits of the exact-height probes (sigma within e^-40 of 0 or 1)
 REFINE_ITERATIONS = 4    # re-solves of the stored blocks with the other heads predicted
+MIN_SEPARATION = 1e-12   # query-space separation below which no isolation column exists
+MAX_PREDICTED = 1e-7     # predicted parameter error above which the answer is refused
 SCOUT = 8                # entries that set the logit scale of a block
 BLOCK_FLOATS = 1 << 21   # probe floats per oracle batch (16 MB)
 
@@ -501,7 +503,7 @@ def head_matrix(meter: LogitMeter, v, values, spaces, h, rng):
     _, sv, Vt = np.linalg.svd(P.T @ iso)
     Z = iso @ Vt[:r].T                               # (d, r): the best-isolated columns
     separation = float(sv[r - 1])
-    if separation < 1e-6:
+    if separation < MIN_SEPARATION:
         raise RecoveryFailedError(f"head {h}: its query space lies within the others' "
                                   f"(separation {separation:.1e})")
     U = random_probe_basis(values[h], rng)           # (d, d), |u_k^T v_h| = |v_h| / sqrt(d)
@@ -676,6 +678,11 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
     value_error = EPS / max(value_info.get("gradient step", 1.0), EPS)
     first_pass = (value_error / max(value_sep, EPS) + EPS / max(min_height, EPS)) * spread / min_sep
     predicted = EPS * spread / min_sep if changes else first_pass
+    if predicted > MAX_PREDICTED:
+        raise RecoveryFailedError(
+            f"the heads are too close to pin down: predicted parameter error {predicted:.1e} "
+            f"> {MAX_PREDICTED:.0e} (query-space separation {min_sep:.1e}, row spread "
+            f"{spread:.1e}); nothing is returned")
     paper = paper_two_count(d, heads)
     details = {
         "method": "saturated crossings (values), single-head rows (query spaces), "
