@@ -346,11 +346,11 @@ def find_values(oracle: Oracle, v: np.ndarray, heads: int, rng: np.random.Genera
     phi_ref = math.pi / (4.0 * max(heads, 1))
     rho = circle.rho * phi_ref / MIN_GAP
     v_plane = float(np.hypot(u0 @ v, u1 @ v)) + float(np.linalg.norm(v)) * 1e-3
-    tol = JUMP_TOL * max(v_plane, 1e-300)
 
     # bracket the crossings: sample a grid, bisect every interval whose ends differ
     grid = np.linspace(0.0, math.pi, GRID_PER_HEAD * max(heads, 1) + 1)
     theta, ab, ok = _sample(circle, grid, rho, grid - 1e-3, grid + 1e-3)
+    # a jump is measured against the gradients seen (the heads' values may cancel in v)
     tol = JUMP_TOL * max(v_plane, float(np.abs(ab).max(initial=0.0)))
     if not ok.all():
         raise RecoveryFailedError("probes on the half circle do not saturate: cannot bracket "
@@ -370,15 +370,14 @@ def find_values(oracle: Oracle, v: np.ndarray, heads: int, rng: np.random.Genera
         if not split.any():
             break
         idx = np.flatnonzero(split)
-        th_s, ab_s, ok_s = _sample(circle, 0.5 * (theta[idx] + theta[idx + 1]), rho,
-                                   theta[idx], theta[idx + 1])
-        keep = ok_s
-        theta = np.concatenate([theta, th_s[keep]])
-        ab = np.concatenate([ab, ab_s[keep]])
+        th_new, ab_new, saturated = _sample(circle, 0.5 * (theta[idx] + theta[idx + 1]), rho,
+                                            theta[idx], theta[idx + 1])
+        if not saturated.any():          # nothing left that can be split
+            break
+        theta = np.concatenate([theta, th_new[saturated]])
+        ab = np.concatenate([ab, ab_new[saturated]])
         order = np.argsort(theta)
         theta, ab = theta[order], ab[order]
-        if not keep.any():
-            break
     jumps = np.flatnonzero(np.linalg.norm(np.diff(ab, axis=0), axis=1) > tol)
     brackets = [(float(theta[i]), float(theta[i + 1])) for i in jumps]
     info = {"crossings": len(brackets), "radius": rho}
