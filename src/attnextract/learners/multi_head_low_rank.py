@@ -707,9 +707,10 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
                             f"{first_pass:.1e})"),
         "refinement": ("changes " + ", ".join(f"{c:.1e}" for c in changes)) if changes else "none",
     }
+    # "(rescaled)": scout and rescaled probes, already counted in "query spaces" and "isolation"
     breakdown = {"values": d + value_queries, "query spaces": space_queries,
-                 "isolation columns": column_queries, "exact heights": height_queries,
-                 "(rescaled or scout probes)": meter.rescued,
+                 "isolation": column_queries, "heights": height_queries,
+                 "(rescaled)": meter.rescued,
                  "recovery": recovery, "verification": n_verify}
     report = Report(kind=MultiHeadAttention.kind, dim=d, queries=oracle.queries - q0,
                     breakdown=breakdown, floor=floor, verification=verification,
