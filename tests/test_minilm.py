@@ -121,3 +121,67 @@ def test_all_heads_of_a_layer_never_come_back_wrong():
     assert details["heads_found"] == d["heads found"]      # JSON keys are snake_case
     both = run_cli("minilm", "--layer", "0", "--head", "1", "--all-heads", timeout=120)
     assert both.returncode == 2 and "either --head H or --all-heads" in both.stderr
+
+
+def test_real_heads_at_full_width_with_the_low_rank_learner():
+    """Two real heads of rank 32 at the full width 384: each recovered to 1e-8 or better."""
+    from attnextract.adapters.minilm import minilm_layer_target
+    from attnextract.learners.multi_head import canonical_error
+    from attnextract.learners.multi_head_low_rank import (extract_multi_head_low_rank,
+                                                          low_rank_multi_head_floor)
+    from attnextract.models import MultiHeadAttention
+    from attnextract.oracle import Oracle
+    layer = minilm_layer_target(1, readout_seed=2)
+    pair = MultiHeadAttention(layer.W[[4, 9]], layer.v[[4, 9]])
+    oracle = Oracle(pair, WIDTH)
+    result = extract_multi_head_low_rank(oracle, 2, HEAD_DIM, seed=0)
+    assert canonical_error(result.model, pair) < 1e-8
+    assert result.report.details["ranks"] == [32, 32]
+    floor = low_rank_multi_head_floor(WIDTH, [32, 32])
+    assert floor == 2 * (WIDTH + 32 * (2 * WIDTH - 32))
+    assert result.report.breakdown["recovery"] <= 1.25 * floor
+
+
+@pytest.mark.slow
+def test_a_whole_layer_on_the_command_line(tmp_path):
+    """Issue 12 item 3: all 12 heads of a real layer at the full width, each <= 1e-8."""
+    proc = run_cli("minilm", "--layer", "4", "--all-heads", "--json", "--no-progress",
+                   "--out", str(tmp_path / "layer.npz"), timeout=1800)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    d = report["details"]
+    assert d["heads found"] == 12 and d["ranks"] == [32] * 12
+    assert d["canonical_error"] <= 1e-8 and max(d["per-head error"]) <= 1e-8
+    recovery = report["breakdown"]["recovery"]
+    assert recovery <= 2.5 * 287232 and recovery < 7077865
+    assert report["verification"]["passed"]
+
+
+@pytest.mark.slow
+def test_a_whole_layer_through_http(tmp_path):
+    """The layer written as a model file, served over HTTP, extracted through --target."""
+    import subprocess
+    import sys
+    secret = tmp_path / "layer.npz"
+    run_cli("minilm", "--layer", "5", "--all-heads", "--save-target", secret, check=0)
+    server = subprocess.Popen([sys.executable, "-m", "attnextract", "serve", "--secret",
+                               str(secret), "--port", "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        url = server.stdout.readline().split(" on ")[1].split()[0]
+        proc = run_cli("minilm", "--layer", "5", "--all-heads", "--target", url, "--json",
+                       "--no-progress", timeout=3000)
+        assert proc.returncode == 0, proc.stderr
+        d = json.loads(proc.stdout)["details"]
+        assert url in d["target"] and d["canonical_error"] <= 1e-8
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_layer_options_need_all_heads():
+    bad = run_cli("minilm", "--layer", "0", "--head", "1", "--target", "http://127.0.0.1:1",
+                  timeout=120)
+    assert bad.returncode == 2 and "go with --all-heads" in bad.stderr
+    both = run_cli("minilm", "--layer", "0", "--all-heads", "--subspace", "8", "--target",
+                   "http://127.0.0.1:1", timeout=120)
+    assert both.returncode == 2 and "drop --subspace" in both.stderr

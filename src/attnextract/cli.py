@@ -246,8 +246,15 @@ def build_parser() -> argparse.ArgumentParser:
     mi.add_argument("--head", type=_nonnegative_int, help="head 0..11 (or --all-heads)")
     mi.add_argument("--all-heads", action="store_true",
                     help="the layer's 12 heads as one multi-head target (multi-head learner)")
-    mi.add_argument("--subspace", type=_positive_int, default=16, metavar="K",
-                    help="--all-heads: tokens in a random K-dim subspace")
+    mi.add_argument("--subspace", type=_positive_int, metavar="K",
+                    help="--all-heads: tokens in a random K-dim subspace, full-rank multi-head "
+                         "learner (default: the full width 384, low-rank multi-head learner)")
+    mi.add_argument("--target", metavar="URL",
+                    help="--all-heads: query this http:// endpoint serving the layer "
+                         "(see --save-target) instead of the local weights")
+    mi.add_argument("--save-target", metavar="FILE.npz",
+                    help="--all-heads: write the layer's 12 heads as a model file for "
+                         "'attnextract serve --secret FILE.npz' and stop")
     mi.add_argument("--readout-seed", type=int, default=0, help="seed of the readout vector r")
     mi.add_argument("--seed", type=int, default=0, help="seed of the learner")
     mi.add_argument("--budget", type=_nonnegative_int, help="hard limit on queries")
@@ -754,36 +761,43 @@ def cmd_minilm(args) -> int:
     from .adapters.minilm import extract_minilm_head, extract_minilm_layer
     if args.all_heads == (args.head is not None):
         raise InputError("give either --head H or --all-heads")
+    if not args.all_heads and (args.target or args.save_target or args.subspace):
+        raise InputError("--subspace, --target and --save-target go with --all-heads")
+    if args.save_target:
+        from .adapters.minilm import save_layer_target
+        save_layer_target(args.save_target, args.layer, args.readout_seed)
+        print(f"wrote {args.save_target}: layer {args.layer}, 12 heads, readout seed "
+              f"{args.readout_seed} (serve it with attnextract serve --secret "
+              f"{args.save_target})")
+        return 0
+    if args.target and args.subspace is not None:
+        raise InputError("--target serves the full-width layer: drop --subspace")
     args.out = _prepare_out(args.out)                 # an unwritable --out before any query
     journal, path = None, _journal_path(args)
     if path is not None:
         which = "all heads" if args.all_heads else f"head {args.head}"
         journal = QueryJournal(path, context={
             "target": f"minilm layer {args.layer} {which} readout {args.readout_seed}",
-            "dim": args.subspace if args.all_heads else 384, "seed": args.seed})
+            "dim": (args.subspace or 384) if args.all_heads else 384, "seed": args.seed})
     _RUN.update(journal=journal)
     bar = _progress(args)
-    if args.all_heads:
-        try:
-            result, _, error = extract_minilm_layer(args.layer, readout_seed=args.readout_seed,
-                                                    subspace=args.subspace, seed=args.seed,
-                                                    budget=args.budget, journal=journal,
-                                                    progress=bar)
-        finally:
-            bar.close()
-            if journal is not None:
-                journal.close()
-        if error is not None:
-            raise error          # exit 1, with the report of what the learner achieved
-    else:
-        try:
+    try:
+        if args.all_heads:
+            black_box = _open_target(args.target, 384, args) if args.target else None
+            result, _, error = extract_minilm_layer(
+                args.layer, readout_seed=args.readout_seed, subspace=args.subspace,
+                seed=args.seed, budget=args.budget, journal=journal, black_box=black_box,
+                progress=bar)
+            if error is not None:
+                raise error      # exit 1, with the report of what the learner achieved
+        else:
             result, _ = extract_minilm_head(args.layer, args.head,
                                             readout_seed=args.readout_seed, seed=args.seed,
                                             budget=args.budget, progress=bar, journal=journal)
-        finally:
-            bar.close()
-            if journal is not None:
-                journal.close()
+    finally:
+        bar.close()
+        if journal is not None:
+            journal.close()
     written = _save_atomically(result, args.out) if args.out else None
     if args.json:
         print(json.dumps({"ok": True, "out": written and str(written),

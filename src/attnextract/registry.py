@@ -193,6 +193,9 @@ register("one-layer", _L + "one_layer:extract_one_layer",
          "a one-layer Transformer: attention head then ReLU feed-forward")
 register("one-layer-residual", _L + "residual:extract_one_layer_residual",
          "a one-layer Transformer with a residual connection")
+register("multi-head-low-rank", _L + "multi_head_low_rank:extract_multi_head_low_rank",
+         "H low-rank heads summed, like a real layer (H r <= d), at about the floor "
+         "H(d + r(2d - r))")
 register("transformer-layer", _L + "transformer_layer:extract_transformer_layer",
          "multi-head attention then a ReLU feed-forward network, biases detected "
          "(optionally residual)")

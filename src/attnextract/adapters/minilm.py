@@ -20,7 +20,9 @@ class), the residual connection, the LayerNorms and the rest of the layer. The b
 box is the head's bilinear core with the model's real weights, in float64.
 
 A layer's 12 heads together, read by the same r, form the multi-head target
-f(X) = sum_h softmax(X W_h x_N)^T X v_h (:func:`minilm_layer_heads`).
+f(X) = sum_h softmax(X W_h x_N)^T X v_h (:func:`minilm_layer_heads`,
+:func:`minilm_layer_target`): 12 heads of rank 32 with H r = d, extracted whole by
+:func:`extract_minilm_layer` (the low-rank multi-head learner).
 """
 
 from __future__ import annotations
@@ -220,9 +222,25 @@ def minilm_layer_target(layer: int, readout_seed=0, subspace: int | None = None,
     return MultiHeadAttention(W, v)
 
 
-def extract_minilm_layer(layer: int, *, readout_seed=0, subspace: int | None = 16, seed=0,
-                         budget=None, progress=None, journal=None):
-    """Run the multi-head learner on a layer's 12 heads; report what it achieves, honestly.
+def extract_minilm_layer(layer: int, *, readout_seed=0, subspace: int | None = None, seed=0,
+                         budget=None, progress=None, journal=None, black_box=None,
+                         stages=None):
+    """Extract a layer's 12 heads as one multi-head target; report what it achieves, honestly.
+
+    At the full width (``subspace=None``, the default) the low-rank multi-head learner
+    (:func:`attnextract.learners.multi_head_low_rank.extract_multi_head_low_rank`, 12 heads
+    of rank 32, H r = d) runs against the real layer. With ``subspace=K`` the tokens are
+    restricted to a random K-dimensional subspace, where the heads are full rank, and the
+    full-rank multi-head learner runs instead.
+
+    Parameters
+    ----------
+    black_box : callable, optional
+        Query this black box (e.g. an :class:`~attnextract.adapters.remote.HttpBlackBox`
+        serving the layer) instead of the local target; the local target is still the
+        truth the errors are measured against.
+    stages : callable, optional
+        The low-rank learner's stage messages (``progress(text)``).
 
     Returns ``(result, truth, error)``: the learner's result (the best-effort one when
     it refused its own answer), the true :class:`MultiHeadAttention`, and the
@@ -230,14 +248,21 @@ def extract_minilm_layer(layer: int, *, readout_seed=0, subspace: int | None = 1
     details give the heads found and the canonical error against the true heads.
     """
     from ..errors import ModelMismatchError
-    from ..learners.multi_head import canonical_error, extract_multi_head
+    from ..learners.multi_head import canonical_error
     from ..oracle import Oracle
 
     truth = minilm_layer_target(layer, readout_seed, subspace)
-    oracle = Oracle(truth, truth.dim, budget=budget, progress=progress, journal=journal)
+    oracle = Oracle(truth if black_box is None else black_box, truth.dim, budget=budget,
+                    progress=progress, journal=journal)
     error = None
     try:
-        result = extract_multi_head(oracle, heads=HEADS, seed=seed)
+        if subspace is None:
+            from ..learners.multi_head_low_rank import extract_multi_head_low_rank
+            result = extract_multi_head_low_rank(oracle, HEADS, HEAD_DIM, seed=seed,
+                                                 progress=stages)
+        else:
+            from ..learners.multi_head import extract_multi_head
+            result = extract_multi_head(oracle, heads=HEADS, seed=seed)
     except ModelMismatchError as exc:
         if exc.result is None:
             raise
@@ -246,13 +271,32 @@ def extract_minilm_layer(layer: int, *, readout_seed=0, subspace: int | None = 1
     details["target"] = (f"{MODEL_NAME} layer {layer}, all {HEADS} heads, readout seed "
                          f"{readout_seed}, " + ("full width 384" if subspace is None else
                                                 f"tokens in a random {subspace}-dim subspace")
-                         + ", biases left out")
+                         + ", biases left out"
+                         + ("" if black_box is None else f", queried at {getattr(black_box, 'url', black_box)}"))
+    details["learner"] = ("low-rank multi-head (rank 32)" if subspace is None
+                          else "multi-head (full rank)")
     details["true heads"] = HEADS
     details["heads found"] = int(result.model.W.shape[0])
     with np.errstate(over="ignore", invalid="ignore"):   # inf when the head counts differ
         details["canonical_error"] = float(canonical_error(result.model, truth))
+    if subspace is None:
+        from ..learners.multi_head import match_heads
+        order, _, _ = match_heads(result.model, truth) if details["heads found"] == HEADS else (None, 0, 0)
+        if order is not None:
+            W_err = [float(np.linalg.norm(result.model.W[o] - truth.W[h]) / np.linalg.norm(truth.W[h]))
+                     for h, o in enumerate(order)]
+            v_err = [float(np.linalg.norm(result.model.v[o] - truth.v[h]) / np.linalg.norm(truth.v[h]))
+                     for h, o in enumerate(order)]
+            details["per-head error"] = [max(a, b) for a, b in zip(W_err, v_err)]
     details["outcome"] = "verified" if error is None else "refused by verification"
     if journal is not None:
         details["black_box_queries"] = oracle.black_box_queries
         details["journal_queries"] = oracle.journal_queries
     return result, truth, error
+
+
+def save_layer_target(path, layer: int, readout_seed=0) -> None:
+    """Write a layer's 12 heads (W (12, 384, 384), v (12, 384)) as a multi-head model file,
+    for ``attnextract serve --secret PATH``."""
+    truth = minilm_layer_target(layer, readout_seed)
+    np.savez(path, W=truth.W, v=truth.v, kind=np.str_(truth.kind))

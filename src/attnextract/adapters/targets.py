@@ -203,3 +203,15 @@ class FirstBatchHint:
 
     def __getattr__(self, name):
         return getattr(self.target, name)
+def random_low_rank_multi_head(heads: int, dim: int, rank: int, seed=None, *,
+                               scale: float = 1.0, v_scale: float = 1.0):
+    """H generic rank-r heads like a real layer: W_h = scale * A_h B_h^T / sqrt(d r) with
+    A_h, B_h Gaussian (d, r) (as :func:`random_low_rank_head`), v_h entries N(0, v_scale^2)."""
+    from ..models import MultiHeadAttention
+    if heads < 1 or not 1 <= rank <= dim:
+        raise InputError(f"need heads >= 1 and rank in 1..{dim}, got heads={heads}, rank={rank}")
+    rng = np.random.default_rng(seed)
+    A = rng.standard_normal((heads, dim, rank))
+    B = rng.standard_normal((heads, dim, rank))
+    W = scale * np.einsum("hdr,her->hde", A, B) / np.sqrt(dim * rank)
+    return MultiHeadAttention(W, v_scale * rng.standard_normal((heads, dim)))

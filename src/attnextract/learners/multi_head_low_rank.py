@@ -1,0 +1,724 @@
+"""Multi-head attention with low-rank heads, as in a real layer (W_h = A_h B_h^T, sum r_h <= d).
+
+Model: f(X) = sum_h softmax(X W_h x_N)^T X v_h, h = 1..H, with W_h of rank r_h and
+sum_h r_h <= d (a BERT layer: H r = d, e.g. MiniLM-L6 with d = 384, H = 12, r = 32).
+Canonical form as in :mod:`attnextract.learners.multi_head`: heads with equal W merge,
+heads with v_h = 0 drop.
+
+Identity. The probe [q + u; q] (u = a - q) gives
+
+    g(u, q) := f - v^T q = sum_h c_h(u) sigma(t_h(u, q)),   c_h = u^T v_h,  t_h = u^T W_h q,
+
+with v = sum_h v_h from d single tokens (f([x]) = x^T v). The learner never fits
+overlapping sigmoid steps; it makes every measurement a single-head one:
+
+1. **Values by saturation.** On a half circle u(theta) = rho (cos theta u_0 + sin theta u_1)
+   at a large radius rho, every sigma is 0 or 1 (to e^-28), so g(u) = u^T V_S(u) with
+   V_S = sum_{h in S} v_h, S(u) = {h : u^T W_h q > 0}: g is linear inside each cone and
+   changes its gradient by +-v_h where the half circle crosses the hyperplane
+   u^T W_h q = 0 (once per head). Crossings are bracketed by bisection on the in-plane
+   gradient (three queries a point, one of them at 2 rho to check saturation); the
+   full gradient V_S of every cell between crossings costs d + 2 queries. Consecutive
+   gradients differ by +-v_h; the signs follow from sum_h v_h = v (a linear solve with
+   an exact +-1 answer). Heads with equal W cross together (their v add: the canonical
+   merge), heads with v_h = 0 make no jump (dropped): the canonical heads come out.
+2. **Query spaces.** For u in R_h = {u : u^T v_g = 0 for g != h} only head h has a
+   height, so g = c_h sigma(t_h): one query measures t_h(u, q) exactly (a single head).
+   r_h + 1 rows u in R_h against d columns q give r_h + 1 rows of u^T W_h, whose span
+   is the query space span(W_h^T) = span(B_h) (its dimension is the rank r_h; the extra
+   row checks it).
+3. **Isolation columns.** For q in I_h = {q : B_g^T q = 0 for g != h} (dimension
+   d - sum_{g != h} r_g >= r_h) every other head's logit is 0, so for ANY row u,
+   g = c_h(u) sigma(t_h) + (c(u) - c_h(u)) / 2: again one query per entry. d rows
+   against r_h columns Z_h of I_h give Y_h = W_h Z_h, and
+   W_h = Y_h (P_h^T Z_h)^{-1} P_h^T  (P_h an orthonormal basis of span(B_h)).
+4. **Exact heights, then re-solves.** A column solving u^T W_h q = +-40 for every head
+   (current W: head j positive, the others negative) makes every sigma 0 or 1 to e^-40,
+   so g = c_j(u) exactly: H d queries give the values to rounding. The measurements of
+   stages 2 and 3 are kept (:class:`Block`) and solved again with the other heads'
+   sigmoids predicted from the current estimates (:func:`resolve`), a few passes, no
+   new queries: the first pass's ~1e-8 (finite-difference values) becomes ~1e-11.
+
+Queries: d (v) + about (H + 1)(d + 2) + 5 x bisection points (values) + sum_h (r_h + 1) d
+(query spaces) + d sum_h r_h (isolation columns) + H d (heights) = 2 d^2 + O(H d) when
+H r = d, against the floor sum_h (d + r_h (2d - r_h)) (= 2 d^2 + H d - d r) and paper 2's
+4 H d^2 - 2 H + 1 (MiniLM: 309,8xx against 287,232 and 7,077,865).
+
+Conditioning (reported). Values: the smallest angular gap between crossings sets the
+finite-difference step of the gradients (error ~ eps / step). Query spaces: the
+smallest singular value of the normalised values [v_1 .. v_H] (how far each v_h is from
+the span of the others) scales the heights in R_h; the spread of the measured rows
+(sigma_1 / sigma_r) sets the error of span(B_h). Isolation: the smallest singular value
+of P_h^T Z_h is the sine of the angle between head h's query space and the others'
+(the head separation): errors of the other heads' query spaces are divided by it.
+The predicted parameter error is eps x row spread / head separation after the
+re-solves (the first pass's, with the value errors, is reported beside it); the
+held-out verification measures the real one. Above MAX_PREDICTED = 1e-7 the answer is
+refused: that is where the method breaks, read off the report. The method needs sum_h r_h <= d (else the
+isolation spaces are empty: refused) and linearly independent v_h (else R_h holds no
+height of head h: refused).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+from scipy.linalg import null_space
+from scipy.special import expit
+
+from ..errors import InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError
+from ..models import MultiHeadAttention
+from ..oracle import Oracle
+from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
+                      token_scale, verification_count, verify_model)
+from .low_rank import haar_orthogonal, random_probe_basis
+from .single_head import logit, split_scale
+
+EPS = np.finfo(float).eps
+SATURATION_TOL = 1e-12   # |g(2u) - 2 g(u)| / |g(2u)|: a point counts as saturated below it
+SATURATION_TRIES = 40    # radius x 4 at most this many times
+SATURATION_POINTS = 8    # random points of the radius search (3/4 must be saturated)
+MIN_GAP = 2e-5           # crossings closer than this (radians) are not separated
+ETA = 2e-6               # angular offset of the two points of an in-plane gradient
+PLANE_CHECK = 1e-8       # relative change of (a, b) between radii rho and 2 rho allowed
+JUMP_TOL = 1e-6          # in-plane gradient change / |v| that counts as a crossing
+BRACKET_FRACTION = 0.25  # brackets are narrowed to this fraction of the cells beside them
+GRID_PER_HEAD = 4        # first grid: this many points per head on the half circle
+STEP_FRACTION = 0.03     # gradient step / (radius x angular margin of the cell)
+STEP_TRIES = 3           # gradient steps tried per cell, each 16 x smaller
+CHECK_TOL = 1e-8         # relative misfit of a cell's gradient checks
+RANK_TOL = 1e-9          # singular value / largest counted in a rank
+TARGET_LOGIT = 1.0       # aim for |logit| about this
+MAX_LOGIT = 12.0         # beyond it sigma' < 1e-5: probed again, smaller
+MAX_RESCALES = 6
+SATURATED = 40.0         # logits of the exact-height probes (sigma within e^-40 of 0 or 1)
+REFINE_ITERATIONS = 4    # re-solves of the stored blocks with the other heads predicted
+MIN_SEPARATION = 1e-12   # query-space separation below which no isolation column exists
+MAX_PREDICTED = 1e-7     # predicted parameter error above which the answer is refused
+SCOUT = 8                # entries that set the logit scale of a block
+BLOCK_FLOATS = 1 << 21   # probe floats per oracle batch (16 MB)
+
+
+def low_rank_multi_head_floor(d: int, ranks) -> int:
+    """Free parameters of heads of ranks r_h: sum_h (d + r_h (2d - r_h))."""
+    return int(sum(d + r * (2 * d - r) for r in ranks))
+
+
+def paper_two_count(d: int, heads: int) -> int:
+    """Queries of paper 2's multi-head algorithm: 4 H d^2 - 2 H + 1."""
+    return 4 * heads * d * d - 2 * heads + 1
+
+
+# ---------------------------------------------------------------------------
+# probes
+# ---------------------------------------------------------------------------
+
+def _pair_outputs(oracle: Oracle, first: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """f([first_l; last_l]) for rows (n, d) each, in batches of BLOCK_FLOATS floats."""
+    n, d = first.shape
+    out = np.empty(n)
+    step = max(1, BLOCK_FLOATS // (2 * d))
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        X = np.empty((hi - lo, 2, d))
+        X[:, 0] = first[lo:hi]
+        X[:, 1] = last[lo:hi]
+        out[lo:hi] = oracle.query(X)
+    return out
+
+
+def _copy_gap(oracle: Oracle, v: np.ndarray, q: np.ndarray, U: np.ndarray) -> np.ndarray:
+    """g(u_l, q) = f([q + u_l; q]) - v^T q for rows U (n, d) and one q (d,)."""
+    last = np.broadcast_to(q, U.shape)
+    return _pair_outputs(oracle, q + U, last) - q @ v
+
+
+def _weights_to_logits(out, query_part, c, height, background):
+    """logit of the attention weight (f - s v^T q - c background) / (c height); NaN outside (0, 1)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        weight = (out - query_part - c * background) / (c * height)
+    inside = (weight > 0.0) & (weight < 1.0)
+    return np.where(inside, logit(np.where(inside, weight, 0.5)), np.nan)
+
+
+class Block:
+    """Stored single-head measurements of one head: rows (n, d) against columns (d, m).
+
+    ``scale`` and ``outputs`` (n, m) are every entry's logit scale G and the black box's
+    answer, kept so that the entries can be solved again with better knowledge of the
+    other heads (:func:`resolve`) without new queries.
+    """
+
+    def __init__(self, head, rows, cols, scale, outputs):
+        self.head, self.rows, self.cols = head, rows, cols
+        self.scale, self.outputs = scale.reshape(len(rows), -1), outputs.reshape(len(rows), -1)
+
+
+def resolve(block: Block, v, values, W) -> np.ndarray:
+    """Logits t_h (n, m) of a block, every other head's sigmoid predicted from (values, W).
+
+    f = s v^T q + c sum_g c_g(u) sigma(G t_g(u, q)): the other heads' terms use the
+    current estimates (their heights are tiny in R_h, their logits tiny on I_h).
+    """
+    U, C, G = block.rows, block.cols, block.scale
+    c, s = split_scale(G)
+    heights = U @ values.T                                   # (n, H)
+    background = np.zeros_like(G)
+    for g in range(len(values)):
+        if g != block.head:
+            logits = (U @ W[g]) @ C if len(U) < C.shape[1] else U @ (W[g] @ C)
+            background += heights[:, g, None] * expit(G * logits)
+    t = _weights_to_logits(block.outputs, s * (v @ C)[None, :], c,
+                           heights[:, block.head, None], background)
+    return t / G
+
+
+class LogitMeter:
+    """Measures one head's logits t_h(u, q) = u^T W_h q where it is the only sigmoid left.
+
+    Probe [s q + c u; s q] with G = c s (``split_scale``):
+    f = s v^T q + c (background(u) + c_h(u) sigma(G t_h)); ``background`` is what the
+    other heads add at logit 0 (sum_{g != h} c_g(u) / 2, or 0 where they have no height).
+    Probes whose logit leaves |G t| <= MAX_LOGIT are redone at a smaller scale.
+    """
+
+    def __init__(self, oracle: Oracle, v: np.ndarray):
+        self.oracle, self.v = oracle, v
+        self.rescued = 0
+
+    def _logits(self, U, Qc, height, background, scale):
+        c, s = split_scale(scale)
+        out = _pair_outputs(self.oracle, s[:, None] * Qc + c[:, None] * U, s[:, None] * Qc)
+        self.outputs = out
+        return _weights_to_logits(out, s * (Qc @ self.v), c, height, background)
+
+    def scale_for(self, U, Qc, height, background, rng) -> float:
+        """A logit scale G putting the largest of SCOUT random entries near TARGET_LOGIT."""
+        pick = rng.choice(len(U), min(SCOUT, len(U)), replace=False)
+        scale = 1.0
+        for _ in range(MAX_RESCALES + 4):
+            t = self._logits(U[pick], Qc[pick], height[pick], background[pick],
+                             np.full(len(pick), scale))
+            self.rescued += len(pick)
+            if not np.all(np.isfinite(t)) or np.max(np.abs(t)) > MAX_LOGIT:
+                scale *= 2.0 ** -8
+                continue
+            peak = float(np.max(np.abs(t)))
+            if peak < 1e-6:
+                scale *= 1e6
+                continue
+            return scale * TARGET_LOGIT / peak
+        return scale
+
+    def measure(self, U, Qc, height, background, scale: float) -> np.ndarray:
+        """t_h(u_l, q_l) for rows U, Qc (n, d), heights c_h(u_l) (n,), background (n,)."""
+        scale = np.full(len(U), float(scale))
+        t = self._logits(U, Qc, height, background, scale)
+        outputs = self.outputs
+        for _ in range(MAX_RESCALES):
+            bad = ~(np.abs(t) <= MAX_LOGIT)
+            if not bad.any():
+                self.last_scale, self.last_outputs = scale, outputs
+                return t / scale
+            ok = np.isfinite(t[bad])
+            with np.errstate(divide="ignore", invalid="ignore"):
+                factor = np.where(ok, TARGET_LOGIT / np.abs(np.where(ok, t[bad], 1.0)), 2.0 ** -10)
+            scale[bad] *= factor
+            t[bad] = self._logits(U[bad], Qc[bad], height[bad], background[bad], scale[bad])
+            outputs[bad] = self.outputs
+            self.rescued += int(bad.sum())
+        raise ModelMismatchError(
+            f"the black box is not multi-head attention with these heads: {int(bad.sum())} "
+            f"single-head probe(s) imply attention weights outside (0, 1) after "
+            f"{MAX_RESCALES} rescalings")
+
+
+# ---------------------------------------------------------------------------
+# stage 1: the heads' values from saturated crossings
+# ---------------------------------------------------------------------------
+
+class _HalfCircle:
+    """Saturated probes on the half circle u(theta) = rho (cos theta u_0 + sin theta u_1)."""
+
+    def __init__(self, oracle, v, q, u0, u1):
+        self.oracle, self.v, self.q, self.u0, self.u1 = oracle, v, q, u0, u1
+        self.rho = 1.0
+        self.points = 0
+        self.v_norm = float(np.linalg.norm(v)) + 1e-300
+
+    def at(self, theta, rho):
+        theta = np.asarray(theta, dtype=float)
+        return rho * (np.cos(theta)[..., None] * self.u0 + np.sin(theta)[..., None] * self.u1)
+
+    def gap(self, U):
+        self.points += len(U)
+        return _copy_gap(self.oracle, self.v, self.q, U)
+
+    def find_radius(self, rng) -> None:
+        """Smallest radius (x 4 steps) at which 3/4 of random points are saturated, x 8."""
+        theta = rng.uniform(0.0, math.pi, SATURATION_POINTS)
+        rho = 1.0
+        for _ in range(SATURATION_TRIES):
+            U = self.at(theta, rho)
+            g = self.gap(np.concatenate([U, 2.0 * U]))
+            one, two = g[:len(theta)], g[len(theta):]
+            misfit = np.abs(two - 2.0 * one) / (np.abs(two) + rho * self.v_norm)
+            if np.mean(misfit <= SATURATION_TOL) >= 0.75:
+                self.rho = 8.0 * rho
+                return
+            rho *= 4.0
+        raise RecoveryFailedError(
+            "the black box never saturates along the probe circle (no radius up to "
+            f"{rho:.1e} makes g(2u) = 2 g(u)): not softmax attention with finite logits")
+
+    def plane_gradients(self, theta, rho):
+        """In-plane gradients (a, b) = (u_0^T V_S, u_1^T V_S) at angles theta (n,).
+
+        Five probes a point: rho u(theta -+ ETA) give (a, b); the same at 2 rho must give
+        the same (a, b) (saturation: near a crossing the sigmoid's slope, multiplied by
+        the radius, would show), and rho u(theta) must lie on the sinusoid (a crossing
+        between theta - ETA and theta + ETA would put it off by half the jump).
+        Returns (ab (n, 2), saturated (n,) bool).
+        """
+        theta = np.asarray(theta, dtype=float)
+        n = len(theta)
+        U = np.concatenate([self.at(theta - ETA, rho), self.at(theta + ETA, rho)])
+        g = self.gap(np.concatenate([U, 2.0 * U, self.at(theta, rho)]))
+        middle, g = g[4 * n:] / rho, g[:4 * n]
+        sn = math.sin(2.0 * ETA)
+        ab = []
+        for factor, (g1, g2) in ((1.0, (g[:n], g[n:2 * n])), (2.0, (g[2 * n:3 * n], g[3 * n:]))):
+            g1, g2 = g1 / (factor * rho), g2 / (factor * rho)
+            ab.append(np.column_stack([(g1 * np.sin(theta + ETA) - g2 * np.sin(theta - ETA)) / sn,
+                                       (g2 * np.cos(theta - ETA) - g1 * np.cos(theta + ETA)) / sn]))
+        scale = np.abs(ab[0]).sum(axis=1) + self.v_norm
+        on_curve = np.abs(middle - np.cos(theta) * ab[0][:, 0] - np.sin(theta) * ab[0][:, 1])
+        saturated = ((np.abs(ab[0] - ab[1]).max(axis=1) <= PLANE_CHECK * scale)
+                     & (on_curve <= PLANE_CHECK * scale))
+        return ab[0], saturated
+
+
+def _sample(circle, theta, rho, lo, hi):
+    """In-plane gradient at theta (nudged inside (lo, hi) until saturated)."""
+    th = np.array(theta, dtype=float)
+    ab, ok = circle.plane_gradients(th, rho)
+    for k in range(4):
+        if ok.all():
+            break
+        bad = ~ok
+        frac = (0.31, 0.69, 0.17, 0.83)[k]
+        th[bad] = lo[bad] + frac * (hi[bad] - lo[bad])
+        ab[bad], ok[bad] = circle.plane_gradients(th[bad], rho)
+    return th, ab, ok
+
+
+def _adjacent_cells(theta, jumps) -> np.ndarray:
+    """For every interval of the grid theta: the width of the narrower cell next to it
+    (cells: the spans between bracketed crossings; the first and last cells join across
+    theta = 0 and pi, which are antipodal)."""
+    idx = np.flatnonzero(jumps)
+    out = np.full(len(jumps), np.inf)
+    if not len(idx):
+        return out
+    starts, ends = theta[idx], theta[idx + 1]
+    cells = np.empty(len(idx) + 1)
+    cells[1:-1] = starts[1:] - ends[:-1]
+    cells[0] = cells[-1] = starts[0] + math.pi - ends[-1]
+    out[idx] = np.minimum(cells[:-1], cells[1:])
+    return out
+
+
+def find_values(oracle: Oracle, v: np.ndarray, heads: int, rng: np.random.Generator):
+    """The canonical heads' values v_h (H', d) from the gradient jumps along a saturated half circle.
+
+    Returns (values (H', d), info dict with the crossing brackets and conditioning).
+    """
+    d = v.shape[0]
+    if heads == 1:                       # one head at most: its value is v
+        return v[None].copy(), {"crossings": 0, "smallest gap": math.pi, "sign misfit": 0.0,
+                                "gradient step": 1.0, "circle queries": 0}
+    basis = haar_orthogonal(d, rng)
+    q, u0, u1 = basis[:, 0], basis[:, 1], basis[:, 2]
+    circle = _HalfCircle(oracle, v, q, u0, u1)
+    circle.find_radius(rng)
+    phi_ref = math.pi / (4.0 * max(heads, 1))
+    rho = circle.rho * phi_ref / MIN_GAP
+    v_plane = float(np.hypot(u0 @ v, u1 @ v)) + float(np.linalg.norm(v)) * 1e-3
+
+    # bracket the crossings: sample a grid, bisect every interval whose ends differ
+    grid = np.linspace(0.0, math.pi, GRID_PER_HEAD * max(heads, 1) + 1)
+    theta, ab, ok = _sample(circle, grid, rho, grid - 1e-3, grid + 1e-3)
+    # a jump is measured against the gradients seen (the heads' values may cancel in v)
+    tol = JUMP_TOL * max(v_plane, float(np.abs(ab).max(initial=0.0)))
+    if not ok.all():
+        raise RecoveryFailedError("probes on the half circle do not saturate: cannot bracket "
+                                  "the heads' crossings")
+    while True:
+        jumps = np.linalg.norm(np.diff(ab, axis=0), axis=1) > tol
+        widths = np.diff(theta)
+        if jumps.sum() > heads:
+            raise ModelMismatchError(
+                f"the black box is not attention with at most {heads} heads: the saturated "
+                f"probes change gradient at {int(jumps.sum())} separate angles")
+        if jumps.sum() < heads:          # crossings may still share a bracket: split all
+            split = jumps & (widths > MIN_GAP)
+        else:                            # all found: narrow brackets beside narrow cells
+            split = jumps & (widths > MIN_GAP) & (widths > BRACKET_FRACTION
+                                                  * _adjacent_cells(theta, jumps))
+        if not split.any():
+            break
+        idx = np.flatnonzero(split)
+        th_new, ab_new, saturated = _sample(circle, 0.5 * (theta[idx] + theta[idx + 1]), rho,
+                                            theta[idx], theta[idx + 1])
+        if not saturated.any():          # nothing left that can be split
+            break
+        theta = np.concatenate([theta, th_new[saturated]])
+        ab = np.concatenate([ab, ab_new[saturated]])
+        order = np.argsort(theta)
+        theta, ab = theta[order], ab[order]
+    jumps = np.flatnonzero(np.linalg.norm(np.diff(ab, axis=0), axis=1) > tol)
+    brackets = [(float(theta[i]), float(theta[i + 1])) for i in jumps]
+    info = {"crossings": len(brackets), "radius": rho}
+    if not brackets:
+        return np.zeros((0, d)), {**info, "smallest gap": math.pi, "sign misfit": 0.0,
+                                  "gradient step": 1.0, "circle queries": circle.points}
+
+    # full gradients of the cells between crossings (the last cell is v minus the first)
+    # cell 0 holds theta = 0 and continues below it (its antipode is the last cell)
+    cells = [(brackets[-1][1] - math.pi, brackets[0][0])]
+    cells += [(brackets[i][1], brackets[i + 1][0]) for i in range(len(brackets) - 1)]
+    mids = np.array([0.5 * (a + b) for a, b in cells])
+    margins = np.array([0.5 * (b - a) for a, b in cells])
+    smallest_gap = float(2.0 * margins.min())
+    gradients, steps = [], []
+    for mid, margin in zip(mids, margins):
+        margin = max(margin, MIN_GAP / 4)
+        rho_c = rho * max(1.0, 2.0 * MIN_GAP / margin)
+        u = circle.at(mid, rho_c)
+        fraction = STEP_FRACTION
+        for _ in range(STEP_TRIES):      # the cone may be narrower off the plane: smaller steps
+            delta = fraction * margin * rho_c
+            w = rng.standard_normal(d)
+            w /= np.linalg.norm(w)
+            U = np.vstack([u[None], u[None] + delta * np.eye(d), 2.0 * u[None],
+                           u[None] + 3.0 * delta * w[None]])
+            g = circle.gap(U)
+            V = (g[1:d + 1] - g[0]) / delta
+            scale_g = rho_c * (np.linalg.norm(V) + circle.v_norm)
+            checks = np.array([g[0] - u @ V, g[d + 1] - 2.0 * (u @ V),
+                               g[d + 2] - (u + 3.0 * delta * w) @ V])
+            if np.max(np.abs(checks)) <= CHECK_TOL * scale_g * max(1.0, 1e-4 / (fraction * margin)):
+                break
+            fraction /= 16.0
+        else:
+            raise RecoveryFailedError(
+                "a saturated cell's gradient failed its checks (a crossing closer than "
+                f"{MIN_GAP:.0e} rad or logits that do not saturate): values not separated")
+        gradients.append(V)
+        steps.append(fraction * margin)
+    gradients.append(v - gradients[0])
+    G = np.array(gradients)
+    D = np.diff(G, axis=0)                                   # +- v_h, (H', d)
+    signs = np.linalg.lstsq(D.T, v, rcond=None)[0]
+    rounded = np.where(signs >= 0, 1.0, -1.0)
+    misfit = float(np.linalg.norm(D.T @ rounded - v) / max(np.linalg.norm(v), 1e-300))
+    if np.max(np.abs(signs - rounded)) > 1e-6 or misfit > 1e-6:
+        raise RecoveryFailedError(
+            "the gradient jumps along the half circle do not add up to v with signs +-1 "
+            f"(largest sign deviation {np.max(np.abs(signs - rounded)):.1e}): a head whose "
+            "logits never cross (W_h q = 0) or crossings that were not separated")
+    values = rounded[:, None] * D
+    info.update({"smallest gap": smallest_gap, "sign misfit": misfit,
+                 "gradient step": float(min(steps)), "circle queries": circle.points})
+    return values, info
+
+
+# ---------------------------------------------------------------------------
+# stages 2 and 3: query spaces and isolation columns
+# ---------------------------------------------------------------------------
+
+def _rows_in(space: np.ndarray, value: np.ndarray, count: int, rng) -> np.ndarray:
+    """``count`` orthonormal rows (count, d) in the column span of ``space`` (d, k), each with
+    the same height |u^T value| (the largest they can share)."""
+    inner = space.T @ value
+    if not np.any(inner):
+        raise RecoveryFailedError("a head's value lies in the span of the other heads' values: "
+                                  "no row sees that head alone")
+    basis = random_probe_basis(inner, rng)[:, :count]
+    return (space @ basis).T
+
+
+def query_space(meter: LogitMeter, values, h, columns, rank, rng):
+    """Orthonormal basis P_h (d, r_h) of span(W_h^T) from rows in R_h; and its conditioning."""
+    d, H = columns.shape[0], len(values)
+    others = np.delete(values, h, axis=0)
+    space = null_space(others) if len(others) else np.eye(d)
+    room = space.shape[1]
+    count = min(room, (rank + 1) if rank is not None else max(2, -(-d // max(H, 1)) + 1))
+    while True:
+        U = _rows_in(space, values[h], count, rng)
+        height = U @ values[h]
+        rows = np.repeat(U, d, axis=0)
+        cols = np.tile(columns.T, (count, 1))
+        hts, bg = np.repeat(height, d), np.zeros(count * d)
+        scale = meter.scale_for(rows, cols, hts, bg, rng)
+        T = meter.measure(rows, cols, hts, bg, scale).reshape(count, d) @ columns.T  # rows u^T W_h
+        block = Block(h, U, columns, meter.last_scale, meter.last_outputs)
+        s = np.linalg.svd(T, compute_uv=False)
+        found = int(np.sum(s > RANK_TOL * s[0])) if s[0] > 0 else 0
+        if found < count or count == room:
+            break
+        if rank is not None:
+            raise ModelMismatchError(
+                f"head {h} has rank above the given {rank} ({count} independent rows)")
+        count = min(room, 2 * count)
+    if found == count and count == room and room < d:
+        raise RecoveryFailedError(f"head {h}: rank {found} fills the rows that see it alone")
+    _, sv, Vt = np.linalg.svd(T, full_matrices=False)
+    spread = float(sv[0] / sv[found - 1]) if found else 1.0
+    return Vt[:found].T, block, {"rows": count, "rank": found, "spread": spread,
+                                 "height": float(np.min(np.abs(height)) / np.linalg.norm(values[h]))}
+
+
+def space_from_logits(block: Block, T: np.ndarray, rank: int) -> np.ndarray:
+    """P_h (d, r_h): orthonormal basis of the span of the measured rows u^T W_h = T C^T."""
+    _, _, Vt = np.linalg.svd(T @ block.cols.T, full_matrices=False)
+    return Vt[:rank].T
+
+
+def matrix_from_logits(block: Block, T: np.ndarray, P: np.ndarray) -> np.ndarray:
+    """W_h = Y (P^T Z)^{-1} P^T with Y = W_h Z = U T (U the orthogonal rows of the block)."""
+    Z = block.cols
+    return (block.rows.T @ T) @ np.linalg.solve(P.T @ Z, P.T)
+
+
+def head_matrix(meter: LogitMeter, v, values, spaces, h, rng):
+    """W_h (d, d) from d rows against r_h columns of the isolation space I_h."""
+    d = v.shape[0]
+    P = spaces[h]
+    r = P.shape[1]
+    if r == 0:
+        return np.zeros((d, d)), 1.0
+    others = [spaces[g] for g in range(len(spaces)) if g != h and spaces[g].shape[1]]
+    iso = null_space(np.hstack(others).T) if others else np.eye(d)
+    if iso.shape[1] < r:
+        raise RecoveryFailedError(
+            f"head {h}: the other heads' query spaces leave {iso.shape[1]} < r = {r} "
+            "dimensions (sum of ranks > d): no column isolates the head")
+    _, sv, Vt = np.linalg.svd(P.T @ iso)
+    Z = iso @ Vt[:r].T                               # (d, r): the best-isolated columns
+    separation = float(sv[r - 1])
+    if separation < MIN_SEPARATION:
+        raise RecoveryFailedError(f"head {h}: its query space lies within the others' "
+                                  f"(separation {separation:.1e})")
+    U = random_probe_basis(values[h], rng)           # (d, d), |u_k^T v_h| = |v_h| / sqrt(d)
+    rows = np.repeat(U.T, r, axis=0)
+    cols = np.tile(Z.T, (d, 1))
+    height = rows @ values[h]
+    background = 0.5 * (rows @ v - height)
+    scale = meter.scale_for(rows, cols, height, background, rng)
+    T = meter.measure(rows, cols, height, background, scale).reshape(d, r)
+    block = Block(h, U.T, Z, meter.last_scale, meter.last_outputs)
+    return matrix_from_logits(block, T, P), block, separation
+
+
+def exact_heights(oracle: Oracle, v, values, W, rng) -> np.ndarray:
+    """The heads' values again, each height measured alone in one saturated query.
+
+    For a row u_k and head j, the column q_kj solves u_k^T W_h q = SATURATED (2 [h = j] - 1)
+    for every head h with the current W (minimum norm): at those logits every sigmoid
+    is 0 or 1 to e^-40, so g = c_j(u_k) exactly, whatever small error W has.
+    Returns values (H, d) from H d queries.
+    """
+    d, H = v.shape[0], len(values)
+    U = haar_orthogonal(d, rng)
+    A = np.stack([U.T @ Wh for Wh in W], axis=1)            # rows W_h^T u_k: (d, H, d)
+    target = SATURATED * (2.0 * np.eye(H) - 1.0)             # (j, h)
+    coef = np.linalg.solve(A @ A.transpose(0, 2, 1), np.broadcast_to(target.T, (d, H, H)))
+    Qk = np.einsum("khe,khj->kje", A, coef)                  # q_kj: (d, H, d)
+    alpha = np.maximum(1.0, 1e3 * np.linalg.norm(Qk, axis=2))  # |u| large beside |q|
+    first = (U.T[:, None, :] * alpha[..., None] + Qk / alpha[..., None]).reshape(-1, d)
+    last = (Qk / alpha[..., None]).reshape(-1, d)
+    g = _pair_outputs(oracle, first, last) - last @ v
+    heights = (g / alpha.reshape(-1)).reshape(d, H)          # c_j(u_k)
+    return (U @ heights).T
+
+
+# ---------------------------------------------------------------------------
+# the learner
+# ---------------------------------------------------------------------------
+
+def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
+                                rank: int | None = None, *,
+                                seed=None, progress=None,
+                                verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE
+                                ) -> ExtractionResult:
+    """Recover the canonical heads of multi-head attention with low-rank heads.
+
+    Parameters
+    ----------
+    oracle : Oracle
+        Door to the black box; ``oracle.dim`` is the token width d.
+    heads : int
+        Number of heads H (an upper bound on the canonical heads).
+    rank : int, optional
+        Rank r of every head (checked with one extra row per head); found per head if
+        not given. The ranks must satisfy sum_h r_h <= d.
+    seed : int, optional
+        Seed of the learner's random choices and of the held-out verification.
+    progress : callable, optional
+        Called with a short text at the start of every stage.
+    verify_tolerance : float
+        Largest held-out relative output error accepted.
+
+    Returns
+    -------
+    ExtractionResult
+        ``model`` a :class:`MultiHeadAttention` with W (H', d, d), v (H', d), H' <= H the
+        canonical heads; the report gives the queries against the floor
+        sum_h (d + r_h (2d - r_h)) and paper 2's 4 H d^2 - 2 H + 1, and the conditioning.
+
+    Raises
+    ------
+    InputError
+        heads < 1 or a rank outside 1..d.
+    NotIdentifiableError
+        v = sum_h v_h = 0 and no output ever changes.
+    RecoveryFailedError
+        The design cannot separate the heads (ranks summing above d, values linearly
+        dependent, crossings closer than 1e-5 rad); nothing wrong is returned.
+    ModelMismatchError
+        The black box is not such a model (held-out verification, or probes that no
+        such model can answer).
+    """
+    d = oracle.dim
+    if not isinstance(heads, (int, np.integer)) or heads < 1:
+        raise InputError(f"heads must be a positive integer (the number of heads H, an upper "
+                         f"bound), got {heads!r}")
+    if rank is not None and (not isinstance(rank, (int, np.integer)) or not 1 <= rank <= d):
+        raise InputError(f"rank must be an integer in 1..{d}, got {rank!r}")
+    say = progress or (lambda text: None)
+    start, q0, bb0 = time.perf_counter(), oracle.queries, oracle.black_box_seconds
+    seeds = np.random.SeedSequence(seed).spawn(2) if seed is not None else [None, None]
+    rng = np.random.default_rng(seeds[0])
+    r_plan = rank or max(1, d // heads)
+    planned = (d + (heads + 1) * (d + 3) + heads * (r_plan + 1) * d + heads * r_plan * d)
+    oracle.plan(planned + verification_count(low_rank_multi_head_floor(d, [r_plan] * heads)),
+                "low-rank multi-head extraction")
+
+    say("v = sum of the heads' values (d single tokens)")
+    v = oracle.query(np.eye(d)[:, None, :])
+    if not np.any(v):
+        raise NotIdentifiableError("v = sum_h v_h = 0 on every token: no probe here can see "
+                                   "the heads apart")
+    say("values of the heads (saturated half circle)")
+    before = oracle.queries
+    values, value_info = find_values(oracle, v, heads, rng)
+    value_queries = oracle.queries - before
+    H = len(values)
+    norms = np.linalg.norm(values, axis=1)
+    value_sep = (float(np.linalg.svd(values / norms[:, None], compute_uv=False)[-1])
+                 if H else 1.0)
+
+    meter = LogitMeter(oracle, v)
+    columns = haar_orthogonal(d, rng)
+    say(f"query spaces of {H} heads")
+    before = oracle.queries
+    spaces, space_info, space_blocks = [], [], []
+    for h in range(H):
+        P, block, info = query_space(meter, values, h, columns, rank, rng)
+        spaces.append(P)
+        space_blocks.append(block)
+        space_info.append(info)
+    space_queries = oracle.queries - before
+    ranks = [P.shape[1] for P in spaces]
+    if sum(ranks) > d:
+        raise RecoveryFailedError(f"the heads' ranks {ranks} sum to {sum(ranks)} > d = {d}: "
+                                  "no column isolates a head (use the full-rank learner)")
+    say("isolation columns")
+    before = oracle.queries
+    W, separations, column_blocks = np.zeros((H, d, d)), [], []
+    for h in range(H):
+        W[h], block, sep = head_matrix(meter, v, values, spaces, h, rng)
+        column_blocks.append(block)
+        separations.append(sep)
+    column_queries = oracle.queries - before
+
+    # refinement: exact heights, then every stored block solved again with the other
+    # heads' sigmoids predicted from the current estimates (no new queries)
+    before = oracle.queries
+    changes = []
+    if H and min(ranks) > 0:
+        say("exact heights and refinement")
+        values = exact_heights(oracle, v, values, W, rng)
+        for _ in range(REFINE_ITERATIONS):
+            new_spaces = [space_from_logits(b, resolve(b, v, values, W), r)
+                          for b, r in zip(space_blocks, ranks)]
+            new_W = np.array([matrix_from_logits(b, resolve(b, v, values, W), P)
+                              for b, P in zip(column_blocks, new_spaces)])
+            if not np.all(np.isfinite(new_W)):
+                break
+            change = float(np.max(np.linalg.norm(new_W - W, axis=(1, 2))
+                                  / np.maximum(np.linalg.norm(W, axis=(1, 2)), 1e-300)))
+            changes.append(change)
+            W = new_W
+            if change < 1e-14:
+                break
+    height_queries = oracle.queries - before
+    model = MultiHeadAttention(W, values)
+
+    recovery = oracle.queries - q0
+    floor = low_rank_multi_head_floor(d, ranks) if H else d
+    n_verify = verification_count(floor)
+    say("held-out verification")
+    verification = verify_model(oracle, model, count=n_verify, seed=seeds[1],
+                                tolerance=verify_tolerance,
+                                scale=token_scale(model) if H else None)
+    spread = max((i["spread"] for i in space_info), default=1.0)
+    min_sep = min(separations, default=1.0)
+    min_height = min((i["height"] for i in space_info), default=1.0)
+    # first pass: value errors (finite-difference step) leak through the heights in R_h;
+    # after the exact heights only the rounding of the logits is left, amplified by the
+    # spread of the measured rows and divided by the head separation
+    value_error = EPS / max(value_info.get("gradient step", 1.0), EPS)
+    first_pass = (value_error / max(value_sep, EPS) + EPS / max(min_height, EPS)) * spread / min_sep
+    predicted = EPS * spread / min_sep if changes else first_pass
+    if predicted > MAX_PREDICTED:
+        raise RecoveryFailedError(
+            f"the heads are too close to pin down: predicted parameter error {predicted:.1e} "
+            f"> {MAX_PREDICTED:.0e} (query-space separation {min_sep:.1e}, row spread "
+            f"{spread:.1e}); nothing is returned")
+    paper = paper_two_count(d, heads)
+    details = {
+        "method": "saturated crossings (values), single-head rows (query spaces), "
+                  "isolation columns (W_h)",
+        "heads": H,
+        "ranks": ranks,
+        "recovery queries": recovery,
+        "floor": f"sum_h (d + r_h (2d - r_h)) = {floor}; recovery {recovery / floor:.3f}x",
+        "paper-2 count": f"4 H d^2 - 2 H + 1 = {paper}; recovery {recovery / paper:.4f}x",
+        "conditioning": (f"smallest crossing gap {value_info.get('smallest gap', math.pi):.2e} rad, "
+                         f"value separation {value_sep:.2e}, smallest height in R_h "
+                         f"{min_height:.2e}, row spread {spread:.2e}, query-space "
+                         f"separation {min_sep:.2e}"),
+        "predicted error": (f"{predicted:.1e} (relative, parameters; first pass "
+                            f"{first_pass:.1e})"),
+        "refinement": ("changes " + ", ".join(f"{c:.1e}" for c in changes)) if changes else "none",
+    }
+    # "(rescaled)": scout and rescaled probes, already counted in "query spaces" and "isolation"
+    breakdown = {"values": d + value_queries, "query spaces": space_queries,
+                 "isolation": column_queries, "heights": height_queries,
+                 "(rescaled)": meter.rescued,
+                 "recovery": recovery, "verification": n_verify}
+    report = Report(kind=MultiHeadAttention.kind, dim=d, queries=oracle.queries - q0,
+                    breakdown=breakdown, floor=floor, verification=verification,
+                    seconds=time.perf_counter() - start,
+                    black_box_seconds=oracle.black_box_seconds - bb0, details=details)
+    report.details["conditioning_numbers"] = {
+        "smallest_crossing_gap": value_info.get("smallest gap", math.pi),
+        "value_separation": value_sep, "smallest_height": min_height,
+        "row_spread": spread, "query_space_separation": min_sep,
+        "predicted_error": float(predicted), "first_pass_error": float(first_pass)}
+    return checked_result(model, report, f"multi-head attention with {H} low-rank head(s)")
