@@ -124,7 +124,7 @@ def emit(**row):
 
 def throughput(args, workdir):
     """Queries per second of length-2 sequences, JSON vs npy, a target of negligible cost."""
-    targets = target_file(workdir)
+    target_file(workdir)
     for d in args.dims:
         (workdir / f"t{d}.py").write_text(f"import sys; sys.path.insert(0, {str(workdir)!r})\n"
                                           f"from bench_targets import Cheap\ncheap = Cheap({d})\n")
@@ -147,7 +147,6 @@ def throughput(args, workdir):
                      seconds=round(seconds, 2), queries_per_s=round(sent / seconds, 1),
                      megabytes_per_s=round(sent * 2 * d * 8 / seconds / 1e6, 1),
                      requests=box.requests)
-    del targets
 
 
 def _honest_latencies(url, count, d, stop=None, failures=None):
