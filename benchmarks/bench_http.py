@@ -7,6 +7,7 @@ share an interpreter lock. Run with one BLAS thread per process:
     OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 python benchmarks/bench_http.py throughput
     ... bench_http.py memory        # 8 concurrent 64 MiB bodies: server peak RSS
     ... bench_http.py slowloris --slow 1000   # honest p50/p99 with slow clients connected
+    ... bench_http.py flood         # 50 threads x 200 requests on fresh connections
     ... bench_http.py extract --dim 4096 --rank 128   # low-rank extraction over HTTP
     ... bench_http.py replicas      # torch target, 1 process vs 2 Ray replicas
 
@@ -124,7 +125,7 @@ def emit(**row):
 
 def throughput(args, workdir):
     """Queries per second of length-2 sequences, JSON vs npy, a target of negligible cost."""
-    targets = target_file(workdir)
+    target_file(workdir)
     for d in args.dims:
         (workdir / f"t{d}.py").write_text(f"import sys; sys.path.insert(0, {str(workdir)!r})\n"
                                           f"from bench_targets import Cheap\ncheap = Cheap({d})\n")
@@ -147,16 +148,21 @@ def throughput(args, workdir):
                      seconds=round(seconds, 2), queries_per_s=round(sent / seconds, 1),
                      megabytes_per_s=round(sent * 2 * d * 8 / seconds / 1e6, 1),
                      requests=box.requests)
-    del targets
 
 
-def _honest_latencies(url, count, d, stop=None):
+def _honest_latencies(url, count, d, stop=None, failures=None):
     box = HttpBlackBox(url, concurrency=1, retries=0, timeout=30)
     X = np.random.default_rng(0).standard_normal((1, 2, d))
     lat = []
     for _ in range(count):
         start = time.perf_counter()
-        box(X)
+        try:
+            box(X)
+        except Exception as exc:           # counted, not hidden: a failed honest request
+            if failures is None:
+                raise
+            failures.append(repr(exc)[:120])
+            continue
         lat.append(time.perf_counter() - start)
         if stop is not None and stop.is_set():
             break
@@ -215,9 +221,9 @@ def memory(args, workdir):
             _honest_latencies(server.url, 20, d)
             base = server.status("VmRSS")
             stop = threading.Event()
-            lat = []
+            lat, failed = [], []
             honest = threading.Thread(target=lambda: lat.extend(
-                _honest_latencies(server.url, 10_000, d, stop)))
+                _honest_latencies(server.url, 10_000, d, stop, failed)))
             honest.start()
             threads, results = [], []
             start = time.perf_counter()
@@ -235,7 +241,8 @@ def memory(args, workdir):
                  rss_peak_mb=round(server.status("VmHWM"), 1),
                  bytes_sent_per_client_mb=round(np.mean([s for s, _ in results]) / 2**20, 1),
                  answers=sorted({a for _, a in results}), seconds=round(seconds, 2),
-                 honest_requests=len(lat), honest_p50_ms=round(float(np.median(lat)), 2),
+                 honest_requests=len(lat), honest_failures=failed[:3] + [len(failed)],
+                 honest_p50_ms=round(float(np.median(lat)), 2),
                  honest_p99_ms=round(float(np.percentile(lat, 99)), 2))
 
 
@@ -321,6 +328,46 @@ def slowloris(args, workdir):
                  server_rss_mb=round(server.status("VmHWM"), 1))
 
 
+def flood(args, workdir):
+    """50 threads x 200 requests, each on a fresh connection: resets and failures counted."""
+    from concurrent.futures import ThreadPoolExecutor
+    target_file(workdir)
+    d = 16
+    (workdir / "f.py").write_text(f"import sys; sys.path.insert(0, {str(workdir)!r})\n"
+                                  f"from bench_targets import Cheap\ncheap = Cheap({d})\n")
+    body = json.dumps({"sequences": [[[0.5] * d] * 2]}).encode()
+    request = (f"POST /query HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    with Served(f"{workdir / 'f.py'}:cheap") as server:
+        def worker(_):
+            counts = {"ok": 0, "reset": 0, "other": 0}
+            for _ in range(args.flood_requests):
+                try:
+                    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+                        s.sendall(request)
+                        answer = b""
+                        while True:
+                            chunk = s.recv(65536)
+                            if not chunk:
+                                break
+                            answer += chunk
+                    counts["ok" if answer.startswith(b"HTTP/1.1 200") else "other"] += 1
+                except ConnectionResetError:
+                    counts["reset"] += 1
+                except OSError:
+                    counts["other"] += 1
+            return counts
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(args.flood_threads) as pool:
+            results = list(pool.map(worker, range(args.flood_threads)))
+        seconds = time.perf_counter() - start
+        total = {k: sum(r[k] for r in results) for k in ("ok", "reset", "other")}
+        emit(section="flood", threads=args.flood_threads, requests=args.flood_threads *
+             args.flood_requests, seconds=round(seconds, 1), **total,
+             server_charged=HttpBlackBox(server.url).health()["served"])
+
+
 def extract(args, workdir):
     """``attnextract extract --model low-rank`` of a (d, r) head served over HTTP."""
     target_file(workdir)
@@ -392,8 +439,10 @@ def replicas(args, workdir):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("section", choices=["throughput", "memory", "slowloris", "extract",
-                                            "replicas"])
+    parser.add_argument("section", choices=["throughput", "memory", "slowloris", "flood",
+                                            "extract", "replicas"])
+    parser.add_argument("--flood-threads", type=int, default=50)
+    parser.add_argument("--flood-requests", type=int, default=200)
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 1024, 4096])
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--concurrency", type=int, default=4)

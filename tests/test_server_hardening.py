@@ -366,3 +366,12 @@ def test_client_falls_back_to_json_for_a_server_without_npy(serve):
     finally:
         old.shutdown()
         old.server_close()
+
+
+def test_a_400_from_our_own_server_is_about_the_batch_not_the_format(serve):
+    from attnextract import BlackBoxError
+    server = serve()
+    box = HttpBlackBox(server.url)
+    with pytest.raises(BlackBoxError, match="HTTP 400.*NaN or infinity"):
+        box(np.full((2, 1, D), np.nan))
+    assert box.transport == "npy" and box.fallbacks == 0

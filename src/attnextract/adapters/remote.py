@@ -55,9 +55,9 @@ TRANSPORTS = ("npy", "json")
 class _Refused(Exception):
     """An HTTP refusal (status, reason, the JSON it carried)."""
 
-    def __init__(self, status: int, reason: str, body: dict):
+    def __init__(self, status: int, reason: str, body: dict, server: str = ""):
         super().__init__(reason)
-        self.status, self.reason, self.body = status, reason, body
+        self.status, self.reason, self.body, self.server = status, reason, body, server
 
 
 class HttpBlackBox:
@@ -240,7 +240,9 @@ class HttpBlackBox:
             data, reply = self._request("POST", self.query_path, body,
                                         {**headers, "Idempotency-Key": key}, batch=len(X))
         except _Refused as exc:
-            if transport != "npy" or exc.status not in (400, 415):
+            # an attnextract server speaks npy: its 400 is about the batch, not the format
+            ours = exc.server.startswith("attnextract")
+            if transport != "npy" or not (exc.status == 415 or exc.status == 400 and not ours):
                 raise self._refusal(exc, len(X)) from None
             # a server without npy: ask in JSON (a new key: the refused request was not charged)
             body, headers = self._encode(X, "json")
@@ -320,7 +322,7 @@ class HttpBlackBox:
             if status >= 500:
                 failure = f"HTTP {status}: {reason}"
                 continue
-            raise _Refused(status, reason, error)
+            raise _Refused(status, reason, error, reply.get("server", ""))
         raise BlackBoxError(f"{self.url} unreachable: {self.retries + 1} attempt(s) failed, "
                             f"last: {failure}")
 

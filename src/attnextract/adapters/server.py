@@ -565,7 +565,8 @@ class BlackBoxServer:
     async def _request(self, reader, writer) -> bool:
         """Read and answer one request; False when the connection must close."""
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.header_timeout)
+            async with asyncio.timeout(self.header_timeout):    # a timer, not a task
+                head = await reader.readuntil(b"\r\n\r\n")
         except asyncio.TimeoutError:
             if reader._buffer:                       # a partial request: say why we hang up
                 await self._send(writer, 408, {"error": "request headers not received within "
@@ -654,8 +655,8 @@ class BlackBoxServer:
                                         f"in {allowed:.1f} s")
             start = loop.time()
             try:
-                chunk = await asyncio.wait_for(reader.read(min(BODY_BUFFER, remaining)),
-                                               self.idle_timeout)
+                async with asyncio.timeout(self.idle_timeout):
+                    chunk = await reader.read(min(BODY_BUFFER, remaining))
             except asyncio.TimeoutError:
                 raise RequestError(400, f"body stalled after {length - remaining} of {length} "
                                         f"bytes (idle over {self.idle_timeout} s)") from None
@@ -689,7 +690,8 @@ class BlackBoxServer:
         if close:
             lines.append("Connection: close")
         writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + (b"" if head_only else data))
-        await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT)
+        async with asyncio.timeout(WRITE_TIMEOUT):
+            await writer.drain()
         if self.verbose:
             import sys
             print(f"{status} {len(data)} bytes", file=sys.stderr)
