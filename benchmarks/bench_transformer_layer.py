@@ -37,7 +37,10 @@ VARIANTS = [
     ("residual, bias-free", 16, 32, {"c0": 0.5, "residual": True}),
     ("residual + biases", 16, 32, {"bias_scale": 1.0, "c0": 0.5, "residual": True}),
 ]
-HEAD_VARIANTS = [(f"bias-free, H = {H}", 16, m, {"heads": H}) for H in (2, 3, 4) for m in (16, 32)]
+HEAD_VARIANTS = ([(f"bias-free, H = {H}", 16, m, {"heads": H}) for H in (2, 3, 4) for m in (16, 32)]
+                 + [(f"residual, bias-free, H = {H}", 16, m, {"heads": H, "residual": True,
+                                                            "c0": 0.3})
+                    for H, m in ((2, 32), (3, 16), (3, 32))])
 
 
 def run(label, d, m, options, seeds):

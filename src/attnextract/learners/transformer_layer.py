@@ -52,19 +52,23 @@ and R = 0 without it; pre-activations pi(X) = R x_N + B X^T alpha + b):
    directions u_jk (a Householder basis with |u^T g_j| equal for all k, g_j = B_S^T w_S)
    this gives W q_j, hence W: 2 d^2 + d queries. The biases only move the linear pieces,
    so the same probes serve b = 0 and b != 0.
-Several heads (H > 1; bias-free, no residual term):
+Several heads (H > 1; bias-free, with or without the residual term):
 4. Odd part: scores do not change under X -> -X and ReLU(z) - ReLU(-z) = z, so
-   f(X) - f(-X) = sum_h softmax(X W_h x_N)^T X (P_h^T w): multi-head attention with
-   readouts v_h = P_h^T w, handed to :func:`attnextract.learners.multi_head.extract_multi_head`
-   (``heads`` is its upper bound; it returns the canonical heads) through
-   :class:`attnextract.learners.one_layer.OddPartOracle`; sum_h v_h must equal A^T w.
-5. Split of P = sum_h P_h per unit (:func:`_split_heads`): in the two cells either side
+   f(X) - f(-X) = [u^T x_N +] sum_h softmax(X W_h x_N)^T X (P_h^T w), u = A^T w: with the
+   residual term u comes from single tokens ((A + sum_h P_h)^T w) minus sum_h P_h^T w
+   (odd parts of [e_i; 0], uniform attention: 2d queries) and is subtracted. That is
+   multi-head attention with readouts v_h = P_h^T w, handed to
+   :func:`attnextract.learners.multi_head.extract_multi_head` (``heads`` is its upper
+   bound; it returns the canonical heads) through
+   :class:`attnextract.learners.one_layer.OddPartOracle`; sum_h v_h must agree.
+5. Split of the heads' rows per unit (:func:`_split_heads`): in the two cells either side
    of unit k's hyperplane, probes [q + delta; q] with chosen logits delta^T W_h q give
    every head's readout P_h,S^T w_S by least squares; across the hyperplane they jump by
-   w_k P_h,k. 2 m (1 + (H + 1) d) queries.
-With FFN biases or a residual term, H > 1 is not supported yet (InputError): the odd
-part is multi-head attention only without biases, and no linear piece of a biased FFN
-is wide enough for the multi-head learner's own probes (their logits must be of order one).
+   w_k P_h,k. 2 m (1 + (H + 1) d) queries (2 m (1 + 2 H d) with the residual term, whose
+   cells' gradients also carry A: then A = (single-token rows) - sum_h P_h).
+With FFN biases, H > 1 is not supported yet (InputError): the odd part is multi-head
+attention only without biases, and no linear piece of a biased FFN is wide enough for
+the multi-head learner's own probes (their logits must be of order one).
 
 Everything is verified against the black box on held-out sequences
 (:func:`attnextract.report.checked_result`); a GELU, a LayerNorm before the FFN or two
@@ -84,7 +88,7 @@ from ..oracle import Oracle
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                       token_scale, verification_count, verify_model)
 from .biased_relu import BiasedReLUNetwork, crossing_points, extract_biased_relu
-from .residual import _MappedOracle, extract_one_layer_residual
+from .residual import _MappedOracle, _ResidualOddOracle, extract_one_layer_residual
 from .single_head import probe_basis
 
 RESIDUAL_PROBES = 4          # random p: f([p; 0]) against f([p / 2]) decides the residual term
@@ -475,8 +479,6 @@ def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries,
     from .multi_head import extract_multi_head
     from .one_layer import OddPartOracle
 
-    if residual:
-        raise InputError("heads > 1 with a residual connection is not supported yet (one head is)")
     d = oracle.dim
 
     def stage(name, run):
@@ -495,17 +497,35 @@ def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries,
         raise InputError("heads > 1 with FFN biases is not supported yet (one head is): the odd "
                          "part f(X) - f(-X) is multi-head attention only without biases")
     net = BiasedReLUNetwork(net.P, np.zeros(net.width), net.w, net.c0)
+    if residual:
+        # the odd part is u^T x_N + multi-head attention, u = A^T w; [e_i; 0] (uniform
+        # attention, x_N = 0) give sum_h v_h / 2, single tokens u + sum_h v_h
+        odd = OddPartOracle(oracle)
+        before = oracle.queries
+        E = np.eye(d)
+        readout = 2.0 * odd.query(np.stack([E, np.zeros_like(E)], axis=1))
+        counts["residual readout"] = oracle.queries - before
+        u = net.P.T @ net.w - readout
+        heads_oracle = _ResidualOddOracle(oracle, u)
+    else:
+        readout = net.P.T @ net.w
+        heads_oracle = OddPartOracle(oracle)
     attention = stage("attention (odd part)", lambda: extract_multi_head(
-        OddPartOracle(oracle), heads=int(heads), seed=int(seeds[2].generate_state(1)[0]),
+        heads_oracle, heads=int(heads), seed=int(seeds[2].generate_state(1)[0]),
         verify_tolerance=verify_tolerance)).model
-    readout = net.P.T @ net.w
     v_error = float(np.linalg.norm(attention.v.sum(axis=0) - readout) / np.linalg.norm(readout))
     P_h, reach, split_info = stage("head split", lambda: _split_heads(
-        oracle, net, attention.W, np.random.default_rng(seeds[3]), scale))
-    V = np.stack([np.linalg.lstsq(net.P, P, rcond=None)[0] for P in P_h])
-    model = TransformerLayer(attention.W, V, net.P, net.b, net.w, net.c0)
+        oracle, net, attention.W, np.random.default_rng(seeds[3]), scale,
+        known_sum=not residual))
+    if residual:
+        A = net.P - P_h.sum(axis=0)
+        V = np.stack([np.linalg.lstsq(A, P, rcond=None)[0] for P in P_h])
+        model = TransformerLayer(attention.W, V, A, net.b, net.w, net.c0, residual=True)
+    else:
+        V = np.stack([np.linalg.lstsq(net.P, P, rcond=None)[0] for P in P_h])
+        model = TransformerLayer(attention.W, V, net.P, net.b, net.w, net.c0)
     details = {"hidden units": net.width, "canonical heads": attention.heads,
-               "residual": "False", "biases b": "none detected",
+               "residual": str(residual), "biases b": "none detected",
                "output bias c0": f"{net.c0:.6g}", "FFN lines": info["lines"],
                "sum_h v_h vs A^T w": f"{v_error:.1e} relative", **split_info}
     if v_error > 1e-6:
@@ -516,7 +536,8 @@ def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries,
                    verify_tolerance, reach)
 
 
-def _split_heads(oracle: Oracle, net: BiasedReLUNetwork, W: np.ndarray, rng, scale: float):
+def _split_heads(oracle: Oracle, net: BiasedReLUNetwork, W: np.ndarray, rng, scale: float,
+                 known_sum: bool = True):
     """P_h = A V_h per unit, once the heads W_h (H, d, d) and P = sum_h P_h are known.
 
     For every unit k two cells of the (bias-free) FFN touch across its hyperplane only
@@ -542,7 +563,8 @@ def _split_heads(oracle: Oracle, net: BiasedReLUNetwork, W: np.ndarray, rng, sca
     half = 0.5 * r[:, None] * net.P
     Q = np.stack([y0 + half, y0 - half], axis=1).reshape(-1, d)           # (2m, d) cell points
     room = np.repeat(0.5 * r, 2) * MARGIN_FRACTION / (2.0 * H)
-    n_cells, n_probes = len(Q), (H + 1) * d
+    # (H + 1) d probes for (H - 1) d unknowns; 2 H d for H d when the sum is not known
+    n_cells, n_probes = len(Q), ((H + 1) if known_sum else 2 * H) * d
     C = np.einsum("hde,je->jdh", W, Q)                                    # (2m, d, H)
     E = np.stack([c @ np.linalg.pinv(c.T @ c) for c in C])               # dual bases
     # scale each cell out: |E tau| shrinks like 1 / lambda, its room grows like lambda
@@ -564,15 +586,23 @@ def _split_heads(oracle: Oracle, net: BiasedReLUNetwork, W: np.ndarray, rng, sca
                     axis=1)
     y = oracle.query(seqs).reshape(n_cells, n_probes) - F0[:, None]
     a = 1.0 / (1.0 + np.exp(-tau))                                        # (j, p, H)
-    G = ((Q @ net.P.T > 0) * net.w) @ net.P                               # g_S per cell
-    # r_H = g - sum_{h<H} r_h: sum_{h<H} (a_h - a_H) delta^T r_h = y - a_H delta^T g
-    rows = ((a[:, :, :-1] - a[:, :, -1:])[:, :, :, None] * delta[:, :, None, :]).reshape(
-        n_cells, n_probes, (H - 1) * d)
-    rhs = y - a[:, :, -1] * np.einsum("jpd,jd->jp", delta, G)
+    if known_sum:
+        G = ((Q @ net.P.T > 0) * net.w) @ net.P                           # g_S per cell
+        # r_H = g - sum_{h<H} r_h: sum_{h<H} (a_h - a_H) delta^T r_h = y - a_H delta^T g
+        rows = ((a[:, :, :-1] - a[:, :, -1:])[:, :, :, None] * delta[:, :, None, :]).reshape(
+            n_cells, n_probes, (H - 1) * d)
+        rhs = y - a[:, :, -1] * np.einsum("jpd,jd->jp", delta, G)
+    else:
+        # residual term: the FFN's gradient also carries A, so all H d readouts are unknown
+        rows = (a[:, :, :, None] * delta[:, :, None, :]).reshape(n_cells, n_probes, H * d)
+        rhs = y
     R = np.stack([np.linalg.lstsq(M, b_, rcond=None)[0] for M, b_ in zip(rows, rhs)])
     fit = float(np.abs(np.einsum("jpk,jk->jp", rows, R) - rhs).max() / np.abs(y).max())
-    R = R.reshape(n_cells, H - 1, d)
-    readouts = np.concatenate([R, (G - R.sum(axis=1))[:, None, :]], axis=1)  # (2m, H, d)
+    if known_sum:
+        R = R.reshape(n_cells, H - 1, d)
+        readouts = np.concatenate([R, (G - R.sum(axis=1))[:, None, :]], axis=1)  # (2m, H, d)
+    else:
+        readouts = R.reshape(n_cells, H, d)
     jumps = readouts[0::2] - readouts[1::2]                                  # w_k P_h,k
     P_h = np.swapaxes(jumps / net.w[:, None, None], 0, 1)                    # (H, m, d)
     if not fit <= 1e-8:
