@@ -77,7 +77,7 @@ METHODS = ("robust", "paper")
 CONFIDENCE_SIGMAS = 4.0      # random noise: bar = sqrt(trace) + 4 sqrt(lambda_max), P(miss) < 4e-4
 VERIFY_SIGMAS = 5.0          # random noise: a held-out answer may be off by 5 std
 MODEL_SLACK = 1.5            # held-out answers: allowed model error = 1.5 x (gradient . bar)
-SPREAD_SAMPLES = 8           # measured bars: models within the bars sampled for the allowance
+SPREAD_SAMPLES = 32          # measured bars: models within the bars sampled for the allowance
 SATURATED_LOGIT = 6.0        # measured |logit| beyond it (with a precise weight): probe smaller
 CLIP_LOGIT = 12.0            # weights are clipped to [sigma(-12), sigma(12)] before inversion
 MAX_RESCALES = 6
