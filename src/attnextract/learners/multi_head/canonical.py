@@ -169,5 +169,3 @@ def twin_difference(model_a, model_b, count: int = 256, seed=None,
     diff = float(np.max(np.abs(fa - fb)))
     return {"max_abs": diff, "max_relative": diff / rms if rms > 0 else diff,
             "rms_output": rms, "sequences": count}
-
-

@@ -92,5 +92,3 @@ def extract_in_subspaces(oracle: Oracle, subspaces, seed, verify_tolerance) -> E
                              "heads": model.heads, "queries per subspace": per_head,
                              "sequence lengths": "1..2 (+ 1..16 verification)"})
     return checked_result(model, report, "multi-head attention on these subspaces")
-
-
