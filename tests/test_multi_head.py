@@ -1,7 +1,9 @@
 """Multi-head attention: the model, twins, canonical form, and both learners.
 
-The full sweep (H <= 4, d <= 32, 20 seeds each) is in benchmarks/bench_multi_head.py;
-here the 20-seed sweeps run at small d so that the file stays fast.
+The full grid (H <= 8, d in {8, 16, 32}, 20 seeds each) is benchmarks/bench_multi_head.py;
+here a few seeds per cell at d = 8 and 16 (the larger ones marked slow). Every assertion
+on the copy-probe learner is either exact (query counts, head counts) or against the
+learner's own error bar, so it holds under every BLAS kernel (benchmarks/check_kernels.py).
 """
 
 import json
@@ -13,9 +15,12 @@ import pytest
 from attnextract import Oracle
 from attnextract.errors import InputError, ModelMismatchError
 from attnextract.models import MODEL_CLASSES, MultiHeadAttention, SingleHeadAttention
-from attnextract.learners.multi_head import (canonical_error, canonical_form, copy_ratios,
-                                    extract_multi_head, match_heads, non_identifiable_twin,
-                                    output_precision, twin_difference)
+from attnextract.errors import NotIdentifiableError, RecoveryFailedError
+from attnextract.learners.multi_head import (canonical_error, canonical_form, extract_multi_head,
+                                             match_heads, non_identifiable_twin, output_precision,
+                                             twin_difference)
+from attnextract.learners.multi_head.design import copy_counts, realised_lambda
+from attnextract.oracle import RoundedOutputs
 from attnextract.report import load_model
 from attnextract.adapters.targets import hostile_multi_heads, random_multi_head
 
@@ -45,30 +50,31 @@ def test_model_is_sum_of_single_heads_and_registered(rng):
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_copy_count_identity(seed):
-    """f(m copies of a, n of q) = v^T a - sum_h c_h kappa_h / (mu + kappa_h)."""
+def test_copy_probe_identity(seed):
+    """f(m copies of q + u, then N - m of q) = v^T q + sum_h c_h sigma(t_h + ln(m / (N - m)))."""
     rng = np.random.default_rng(seed)
-    H, d = 3, 6
+    H, d, N = 3, 6, 40
     M = random_multi_head(H, d, seed=seed, w_scale=0.7)
-    a, q = rng.standard_normal(d), rng.standard_normal(d)
-    u = a - q
-    kappa = np.exp(-np.einsum("i,hij,j->h", u, M.W, q))
+    u, q = rng.standard_normal(d), rng.standard_normal(d)
+    t = np.einsum("i,hij,j->h", u, M.W, q)
     c = M.v @ u
-    for m, n in [(0, 1), (1, 1), (2, 1), (1, 3), (4, 5), (7, 2)]:
-        X = np.array([a] * m + [q] * n)
-        mu = m / n
-        predicted = M.v.sum(0) @ a - np.sum(c * kappa / (mu + kappa))
+    for m in (1, 3, 20, 39):
+        X = np.array([q + u] * m + [q] * (N - m))
+        lam = float(realised_lambda(np.array([m]), N)[0])
+        predicted = M.v.sum(0) @ q + np.sum(c / (1 + np.exp(-(t + lam))))
         assert abs(M(X) - predicted) <= 1e-12 * (1 + abs(predicted))
 
 
-def test_copy_ratios_fit_in_length_2H_plus_1():
-    for H in range(1, 7):
-        ratios = copy_ratios(2 * H - 1, max_length=2 * H + 1)
-        assert len(set(m / n for m, n in ratios)) == 2 * H - 1
-        assert max(m + n for m, n in ratios) <= 2 * H + 1
-        assert all(m >= 1 and n >= 1 for m, n in ratios)
-    with pytest.raises(InputError):
-        copy_ratios(50, max_length=5)
+def test_copy_counts_realise_the_nearest_lambda():
+    N = 256
+    lam = np.linspace(-5, 5, 41)
+    m = copy_counts(lam, N)
+    assert m.min() >= 1 and m.max() <= N - 1
+    got = realised_lambda(m, N)
+    # the realisable lambdas are ln(m / (N - m)): nearest within half a step
+    step = np.abs(realised_lambda(m + 1, N) - got)
+    assert np.all(np.abs(got - lam) <= step)
+    assert copy_counts(np.array([-50.0, 50.0]), N).tolist() == [1, N - 1]
 
 
 # ---------------------------------------------------------------------------
@@ -115,7 +121,6 @@ def test_match_heads_reports_permutation_and_errors():
     assert match_heads(MultiHeadAttention(M.W[:2], M.v[:2]), M)[1] == np.inf
 
 
-@pytest.mark.slow
 def test_twins_command_line():
     proc = run_cli("twins", "--heads", "3", "--dim", "5", "--seed", "4", "--json", timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -128,122 +133,192 @@ def test_twins_command_line():
 
 
 # ---------------------------------------------------------------------------
-# paper 2: no subspace assumption
+# copy probes at designed steps (issue 12)
 # ---------------------------------------------------------------------------
 
-def check_extraction(M, seed, heads=None, tol=1e-8):
+def check_extraction(M, seed, heads=None, tol=1e-10, **options):
+    """Extract M; the canonical heads, within the learner's own error bar and ``tol``."""
     d = M.dim
     oracle = Oracle(M, d)
-    result = extract_multi_head(oracle, heads=heads, seed=seed)
+    result = extract_multi_head(oracle, heads=heads, seed=seed, **options)
     truth = canonical_form(M)
+    details = result.report.details
+    error = canonical_error(result.model, truth)
     assert result.model.heads == truth.heads
-    assert canonical_error(result.model, truth) <= tol
+    assert error <= details["error bar"] and error <= tol, (error, details["error bar"])
     assert result.queries == oracle.queries
     recovery = result.report.breakdown["recovery"]
     H = max(truth.heads, 1)
-    assert recovery <= paper2_count(H, d), (recovery, paper2_count(H, d))
+    asked = heads or min(d, 12)            # the learner's H: the count it can plan for
+    assert recovery <= paper2_count(asked, d), (recovery, paper2_count(asked, d))
+    assert details["paper-2 count"] == paper2_count(H, d)
+    assert details["floor H(d^2 + d)"] == H * (d * d + d)
     assert result.report.verification.passed
     return result
 
 
-@pytest.mark.parametrize("H,d,seeds", [(1, 4, 20), (2, 4, 20), (3, 4, 20), (2, 7, 20),
-                                       (4, 4, 6), (4, 6, 4)])
-@pytest.mark.slow
+@pytest.mark.parametrize("H,d,seeds", [(1, 8, 4), (2, 8, 4), (3, 8, 3), (4, 8, 2), (2, 16, 2)])
 def test_generic_heads_recovered_within_paper2_count(H, d, seeds):
     for seed in range(seeds):
-        check_extraction(random_multi_head(H, d, seed=1000 * H + seed), seed)
+        check_extraction(random_multi_head(H, d, seed=1000 * H + 10 * d + seed), seed, heads=H)
 
 
-# Benchmark seeds (target seed 10000 H + 100 d + s, extraction seed s) that failed before
-# the row repair: a probe with two nearly coincident logits fitted the wrong way round
-# bent its row's residues so that no probe stood out as a misfit, and the rows were
-# linked with the bent logits (seeds 0, 2, 5, 15); or the polish drifted along the flat
-# direction of a coincident-pole probe whose own pair pinned it (seed 3: there head 1's
-# residue on that row is also 5e-4 of the largest).
-@pytest.mark.parametrize("seed", [0, 2, 3, 5, 15])
+@pytest.mark.parametrize("seed", range(8))
+def test_seed_sweep_three_heads_both_scales(seed):
+    """Entries N(0, 1/d) and N(0, 9/d), one seed each per scale."""
+    w_scale = (1.0 if seed % 2 == 0 else 3.0) / np.sqrt(8)
+    M = random_multi_head(3, 8, seed=500 + seed, w_scale=w_scale)
+    check_extraction(M, seed, heads=3)
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("H,d,seed", [(5, 8, 0), (6, 8, 0), (6, 8, 1), (6, 8, 2), (4, 16, 0),
+                                      (4, 16, 1)])
+def test_many_heads(H, d, seed):
+    """The peer's case (d = 8, 6 heads) and four heads at d = 16."""
+    result = check_extraction(random_multi_head(H, d, seed=1000 * H + 10 * d + seed), seed,
+                              heads=H)
+    assert result.report.details["smallest head separation"] > 0
+
+
+# Four heads: the previous learner failed seed 3 of this set on AMD (Zen) and Haswell
+# kernels. The assertions here are exact or against the learner's own error bar, so no
+# kernel's rounding decides them. (Four heads at d = 4, H = d, are refused: with no
+# freedom left in the designed rows some heights vanish.)
+@pytest.mark.parametrize("seed", [0, 2, 3])
 def test_previously_failing_four_head_seeds(seed):
-    result = check_extraction(random_multi_head(4, 4, seed=10_000 * 4 + 100 * 4 + seed), seed)
-    assert result.report.breakdown["recovery"] <= paper2_count(4, 4)
+    result = check_extraction(random_multi_head(4, 8, seed=10_000 * 4 + 100 * 4 + seed), seed,
+                              heads=4)
+    assert result.report.breakdown["recovery"] <= paper2_count(4, 8)
+
+
+def test_query_counts_are_exact_per_stage():
+    d, H = 8, 3
+    result = extract_multi_head(Oracle(random_multi_head(H, d, seed=7), d), heads=H, seed=0)
+    b = result.report.breakdown
+    s0 = 4 * H + 8                                   # base scan samples
+    assert b["v tokens"] == d
+    assert b["main probes"] == d * (d + 1) * (H + 1)
+    assert b["base perturbations"] == (d - 1) * (3 * H + 1)
+    assert b["base scale"] % s0 == 0 and b["base rows"] % s0 == 0
+    assert b["recovery"] == sum(v for k, v in b.items() if k not in ("recovery", "verification"))
+    assert b["verification"] == max(64, H * (d * d + d) // 100)
+
+
+def test_probes_are_batched():
+    d, H = 8, 2
+    oracle = Oracle(random_multi_head(H, d, seed=6), d)
+    result = extract_multi_head(oracle, heads=H, seed=0)
+    assert oracle.calls <= 40 and result.queries > 10 * oracle.calls
+
+
+def test_report_states_conditioning_and_counts():
+    d, H = 8, 2
+    result = extract_multi_head(Oracle(random_multi_head(H, d, seed=8), d), heads=H, seed=1)
+    det = result.report.details
+    for key in ("predicted relative error", "error bar", "held-out error",
+                "smallest head separation", "row fit condition (max)", "paper-2 count",
+                "floor H(d^2 + d)", "recovery / floor"):
+        assert key in det
+    assert det["error bar"] == pytest.approx(4 * det["predicted relative error"])
+    assert det["recovery / floor"] == result.report.breakdown["recovery"] / (H * (d * d + d))
+    assert "error bar" in result.report.render()
 
 
 @pytest.mark.parametrize("H", [2, 3])
 @pytest.mark.parametrize("name", ["merged heads (W_1 = W_0)", "dead head (v = 0)",
                                   "heads sharing v", "non-orthogonal heads (correlated W, v)",
                                   "one head 10x larger W", "v = sum of v_h = 0"])
-@pytest.mark.slow
 def test_hostile_heads(H, name):
-    for seed in range(3):
-        M = hostile_multi_heads(H, 5, seed=seed)[name]
-        result = check_extraction(M, seed)
+    """Adversarial targets: recovered within the bar, or refused; never a wrong model."""
+    for seed in range(2):
+        M = hostile_multi_heads(H, 6, seed=seed)[name]
+        try:
+            result = check_extraction(M, seed, heads=H, tol=1e-8)
+        except RecoveryFailedError:
+            assert name in ("one head 10x larger W",)
+            continue
         if name in ("merged heads (W_1 = W_0)", "dead head (v = 0)"):
-            assert result.model.heads == H - 1
+            assert result.model.heads == H - 1      # canonical merge / drop
 
 
-@pytest.mark.slow
+@pytest.mark.parametrize("factor", [1e-2, 1e-3])
+def test_tiny_head_is_recovered_within_its_bar_or_refused(factor):
+    """A head with v_h 100-1000x smaller than the others: its steps are that much lower."""
+    M = random_multi_head(3, 8, seed=11)
+    M.v[2] *= factor
+    try:
+        check_extraction(M, seed=0, heads=3, tol=1e-6)
+    except (ModelMismatchError, RecoveryFailedError) as exc:
+        assert "times the" in str(exc) or "error bar" in str(exc)   # says what misfit
+
+
+def test_saturating_heads_recovered_or_refused():
+    """W entries N(0, 100/d): the design scales the probes down, the steps stay in the window."""
+    M = random_multi_head(2, 8, seed=12, w_scale=10 / np.sqrt(8))
+    check_extraction(M, seed=0, heads=2)
+
+
 def test_upper_bound_and_exact_head_count():
-    M = random_multi_head(2, 5, seed=3)
-    for heads in (2, 3, 5):
+    M = random_multi_head(2, 6, seed=3)
+    for heads in (2, 3):
         check_extraction(M, seed=1, heads=heads)
-    merged = hostile_multi_heads(3, 5, seed=1)["merged heads (W_1 = W_0)"]
+    merged = hostile_multi_heads(3, 6, seed=1)["merged heads (W_1 = W_0)"]
     assert check_extraction(merged, seed=2, heads=3).model.heads == 2
 
 
-@pytest.mark.slow
-def test_too_small_bound_is_a_mismatch():
-    M = random_multi_head(3, 5, seed=4)
-    with pytest.raises(ModelMismatchError) as info:
-        extract_multi_head(Oracle(M, 5), heads=2, seed=0)
-    assert info.value.result is not None
+def test_two_head_box_asked_as_one_head_is_refused():
+    M = random_multi_head(2, 6, seed=4)
+    with pytest.raises(ModelMismatchError):
+        extract_multi_head(Oracle(M, 6), heads=1, seed=0)
 
 
-@pytest.mark.slow
-def test_not_multi_head_is_a_mismatch():
-    M = random_multi_head(2, 4, seed=5)
+def test_head_plus_mlp_is_refused():
+    M = random_multi_head(1, 6, seed=5)
+    A = np.random.default_rng(5).standard_normal((4, 6))
 
-    def squashed(X):                       # a nonlinearity after the heads
-        return np.tanh(M(X))
+    def head_plus_mlp(X):
+        return M(X) + np.maximum(X[:, -1, :] @ A.T, 0.0).sum(axis=1)
 
     with pytest.raises(ModelMismatchError):
-        extract_multi_head(Oracle(squashed, 4), seed=0)
+        extract_multi_head(Oracle(head_plus_mlp, 6), heads=2, seed=0)
+
+
+def test_squashed_heads_are_refused():
+    M = random_multi_head(2, 6, seed=5)
+    with pytest.raises(ModelMismatchError):
+        extract_multi_head(Oracle(lambda X: np.tanh(M(X)), 6), heads=2, seed=0)
 
 
 def test_zero_model_has_no_canonical_heads():
     M = MultiHeadAttention(np.random.default_rng(0).standard_normal((2, 4, 4)), np.zeros((2, 4)))
-    result = extract_multi_head(Oracle(M, 4), seed=0)
+    result = extract_multi_head(Oracle(M, 4), heads=2, seed=0)
     assert result.model.heads == 0
 
 
-def test_probes_are_batched_one_query_per_length():
-    M = random_multi_head(3, 6, seed=6)
-    oracle = Oracle(M, 6)
-    result = extract_multi_head(oracle, seed=0)
-    # a round sends one batch per sequence length: far fewer calls than queries
-    assert oracle.calls <= 100 and result.queries > 3 * oracle.calls
-    lengths = result.report.details["sequence lengths"].split("probes [")[1].rstrip("]")
-    assert max(int(n) for n in lengths.split(",")) <= 2 * 3 + 1
-
-
-def test_query_count_for_one_head_is_the_single_head_floor_plus_overhead():
-    d = 6
-    M = random_multi_head(1, d, seed=7)
-    result = extract_multi_head(Oracle(M, d), seed=0)
-    b = result.report.breakdown
-    assert b["main probes"] == d * d and b["row links"] == d - 1 and b["v tokens"] == d
-    assert b["recovery"] == sum(v for k, v in b.items() if k not in ("recovery", "verification"))
+def test_twin_black_box_gives_the_same_canonical_heads():
+    M = random_multi_head(2, 6, seed=9)
+    twin = non_identifiable_twin(M, seed=1)               # 4 stored heads, 2 canonical
+    result = extract_multi_head(Oracle(twin, 6), heads=4, seed=0)
+    assert result.model.heads == 2
+    assert canonical_error(result.model, M) <= result.report.details["error bar"]
 
 
 def test_bad_options():
     oracle = Oracle(random_multi_head(2, 3, seed=0), 3)
-    for heads in (0, -1, 1.5):
+    for heads in (0, -1, 1.5, True):
         with pytest.raises(InputError):
             extract_multi_head(oracle, heads=heads)
-    with pytest.raises(InputError):
-        extract_multi_head(oracle, rank_tol=2.0)
+    with pytest.raises(ModelMismatchError, match="needs H <= d") as info:
+        extract_multi_head(oracle, heads=4)                 # more heads than d
+    assert info.value.result.model.heads == 0
+    for tolerance in (0.0, 2.0, "x"):
+        with pytest.raises(InputError):
+            extract_multi_head(oracle, heads=2, tolerance=tolerance)
 
 
 # ---------------------------------------------------------------------------
-# float32-rounded outputs: what precision survives
+# float32-rounded outputs: an honest error bar or a refusal
 # ---------------------------------------------------------------------------
 
 def test_output_precision_detection():
@@ -253,33 +328,34 @@ def test_output_precision_detection():
     assert output_precision(x.astype(np.float16))[1] == "float16"
 
 
-@pytest.mark.slow
-def test_float32_outputs_one_and_two_heads():
-    """Rounding to float32 leaves ~1e-6 on the parameters of one or two heads (measured)."""
-    for H in (1, 2):
-        for seed in range(4):
-            M = random_multi_head(H, 5, seed=seed + 10)
-            box = lambda X, M=M: M(X).astype(np.float32)
-            try:
-                result = extract_multi_head(Oracle(box, 5), seed=seed, verify_tolerance=1e-4)
-            except ModelMismatchError as exc:       # honest failure, never a silent one
-                assert H == 2 and exc.result.report.verification.max_relative_error > 1e-4
-                continue
-            assert result.report.details["output precision"] == "float32"
-            err = canonical_error(result.model, M)
-            assert 1e-9 < err < 1e-4               # float32 leaves float32-level errors
+def float32_trial(H, d, seed):
+    """(error, bar) of one float32 extraction, or None when refused."""
+    M = random_multi_head(H, d, seed=7000 + 100 * H + seed)
+    try:
+        result = extract_multi_head(Oracle(RoundedOutputs(M), d), heads=H, seed=seed)
+    except (ModelMismatchError, RecoveryFailedError, NotIdentifiableError):
+        return None
+    assert result.report.details["output precision"] == "float32"
+    return canonical_error(result.model, M), result.report.details["error bar"]
+
+
+@pytest.mark.parametrize("H", [1, 2])
+def test_float32_outputs_within_the_error_bar(H):
+    outcomes = [float32_trial(H, 8, seed) for seed in range(3)]
+    done = [o for o in outcomes if o is not None]
+    assert len(done) >= 2
+    for error, bar in done:
+        assert 1e-10 < error <= bar <= 1e-3
 
 
 @pytest.mark.slow
-def test_float32_outputs_never_return_a_wrong_model_silently():
-    for seed in range(4):
-        M = random_multi_head(3, 5, seed=seed)
-        box = lambda X, M=M: M(X).astype(np.float32)
-        try:
-            result = extract_multi_head(Oracle(box, 5), seed=seed, verify_tolerance=1e-4)
-        except ModelMismatchError:
-            continue
-        assert canonical_error(result.model, M) < 1e-2
+@pytest.mark.parametrize("H", [3, 4])
+def test_float32_outputs_d16_within_the_error_bar(H):
+    for seed in range(3):
+        outcome = float32_trial(H, 16, seed)
+        if outcome is not None:
+            error, bar = outcome
+            assert error <= bar
 
 
 # ---------------------------------------------------------------------------
@@ -343,7 +419,6 @@ def test_wrong_subspaces_are_a_mismatch():
 # command line
 # ---------------------------------------------------------------------------
 
-@pytest.mark.slow
 def test_cli_extract_multi_head(tmp_path):
     target = tmp_path / "target.py"
     target.write_text(textwrap.dedent("""
@@ -356,6 +431,7 @@ def test_cli_extract_multi_head(tmp_path):
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["ok"] and report["details"]["heads"] == 2
+    assert report["details"]["paper-2 count"] == paper2_count(2, 4)
     with np.load(out) as data:
         assert data["W"].shape == (2, 4, 4) and data["v"].shape == (2, 4)
         assert int(data["queries"]) == report["queries"]

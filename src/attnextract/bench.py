@@ -146,14 +146,17 @@ def section_low_rank(quick: bool, log) -> list[dict]:
 
 
 def section_multi_head(quick: bool, log) -> list[dict]:
-    """Canonical multi-head recovery (paper 2, copy counts), H = 2 heads, no subspace assumption."""
+    """Canonical multi-head recovery (copy probes at designed steps), H = 2 and 4 heads.
+
+    The full grid (H <= 8, d in {8, 16, 32}, 20 seeds) is benchmarks/bench_multi_head.py.
+    """
     from .learners.multi_head import canonical_error
     from .adapters.targets import random_multi_head
-    rows, H = [], 2
-    for d in ([4, 8] if quick else [4, 8, 16, 32]):
+    rows = []
+    for H, d in ([(2, 8), (2, 16)] if quick else [(2, 8), (2, 16), (2, 32), (4, 16), (4, 32)]):
         target = random_multi_head(H, d, seed=d)
         rows.append(measure(f"multi-head (H = {H})", d, target,
-                            lambda oracle: extract(oracle, "multi-head", seed=d),
+                            lambda oracle: extract(oracle, "multi-head", heads=H, seed=d),
                             floor=H * (d * d + d), paper_count=4 * H * d * d - 2 * H + 1,
                             heads=H,
                             error=lambda model: {"W_error": canonical_error(model, target)}))

@@ -10,7 +10,7 @@ What is identifiable. A and V_h enter only through the products P_h = A V_h (and
 itself through the residual term):
 - hidden units: permutation and positive rescaling (a_i, P_h,i, b_i, w_i) ->
   (c a_i, c P_h,i, c b_i, w_i / c), c > 0; units with w_i = 0 or zero rows are invisible;
-- heads: the canonical form of ALGORITHMS.md section 7 (heads with equal W_h merge,
+- heads: the canonical form of docs/algorithms.md, "Multi-head" (heads with equal W_h merge,
   adding their P_h; heads with P_h = 0 are invisible; any order);
 - without the residual term, A and V_h are never separated: (A G, G^{-1} V_h) gives the
   same f for every invertible G (d, d). Only P_h = A V_h is identified; when m >= d and

@@ -1,0 +1,463 @@
+"""Multi-head attention: canonical recovery from copy probes with a designed conditioning.
+
+Model: f(X) = sum_h softmax(X W_h x_N)^T X v_h, h = 1..H (W_h (d, d), v_h (d,)).
+Only the canonical heads are identifiable (:mod:`.canonical`: equal W merge, v_h = 0
+drops, any order).
+
+Identity (copy probes, :mod:`.design`). With m copies of a = q + u followed by N - m
+copies of q, lambda = ln(m / (N - m)) and v = sum_h v_h (from d single tokens),
+
+    g := f - v^T q = sum_h c_h sigma(t_h + lambda),  t_h = u^T W_h q,  c_h = u^T v_h.
+
+Head h is a sigmoid step at lambda = -t_h of height c_h. t is bilinear in (u, q), c is
+linear in u and does not depend on q.
+
+Algorithm.
+
+1. v from d single tokens.
+2. Base row: a random (u_0, q_0), scaled so its steps fill the lambda window, scanned
+   on a uniform lambda grid; steps are fitted for 1..H heads and the fewest that fit to
+   the output precision is the number of canonical heads. Of a few candidate rows the
+   one with the smallest predicted logit error is kept.
+3. Base perturbations u_0 + eps w_k (k = 1..d-1) sampled at the base steps: the steps
+   move little, keep their labels, and give every head's W_h q_0 and v_h (rough).
+4. Main rows u_k are designed so that row k has head h's step at an evenly spaced
+   position (a random order per row), main columns are q_0 and q_0 + s r_j with steps
+   moving by a fraction of their spacing. Every probe (u_k, q_j) is sampled at its H
+   steps plus one spare sample: H + 1 queries.
+5. Row fits: in row k the heights c_h(k) = u_k^T v_h are shared by every column and
+   t_h(k, j) = z_hk^T q_j with z_hk = W_h^T u_k, so each row is one least-squares
+   problem with H (d + 1) unknowns and (d + 1)(H + 1) samples, and rows are
+   independent. W_h = U^-1 Z_h, v_h = U^-1 C_h.
+
+Conditioning. Each row fit's Jacobian and the pooled residual give the covariance of
+(c, z), propagated through U^-1 to a predicted relative error of every W_h and v_h. The
+learner refuses (:class:`RecoveryFailedError`) when that prediction exceeds
+``tolerance``, reports a mismatch when the residual is far above the output precision
+or held-out verification fails, and otherwise states the prediction as the error bar.
+
+Queries: d + base (a few scans of 4H + 8 samples, (d - 1)(3H + 1) perturbations) +
+d (d + 1)(H + 1) main probes; about H(d^2 + d) (H + 1) / H, within paper 2's count
+4Hd^2 - 2H + 1. The floor is H(d^2 + d), the canonical form's free parameters.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from ...errors import InputError, ModelMismatchError, RecoveryFailedError
+from ...models import MultiHeadAttention
+from ...oracle import Oracle
+from ...report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
+                       token_scale, verification_count, verify_model)
+from . import design, fit
+from .canonical import (canonical_error, canonical_form, match_heads, non_identifiable_twin,
+                        twin_difference)
+from .subspaces import extract_in_subspaces
+
+__all__ = ["extract_multi_head", "canonical_form", "canonical_error", "match_heads",
+           "non_identifiable_twin", "twin_difference", "output_precision", "paper2_count"]
+
+MAX_HEADS = 12            # largest H searched when no bound is given
+BASE_CANDIDATES = 4       # candidate base rows at most; the best-conditioned one is kept
+BASE_LOGIT_STD = 1e-4     # a base row whose logits are this well pinned ends the search
+BASE_MISFIT = 1e-7        # base rows steer the design only: a fit to 1e-7 of the signal
+                          # is in the right basin (a missing head misses by far more)
+SCALE_ROUNDS = 4          # base scans to bring the steps into the window
+ERROR_BAR_FACTOR = 4.0    # error bar = this times the predicted rms relative error
+NOISE_FACTOR = 30.0       # a residual this far above the output precision is a misfit
+DEFAULT_TOLERANCE = 1e-6  # largest error bar accepted (float64 outputs; rounded: 1e4 ulps)
+SHIFT = 0.5               # the largest step move expected, in units of the spacing
+
+
+def paper2_count(heads: int, dim: int) -> int:
+    """Paper 2's query count 4 H d^2 - 2H + 1."""
+    return 4 * heads * dim * dim - 2 * heads + 1
+
+
+def output_precision(values: np.ndarray) -> tuple[float, str]:
+    """Relative precision the black box's outputs carry: float16, float32 or float64.
+
+    Generic float64 numbers are almost never exactly representable in float32; if
+    every nonzero output is, the black box rounds to float32 (likewise float16).
+    """
+    x = np.asarray(values, dtype=np.float64)
+    x = x[x != 0]
+    if x.size >= 2:
+        if np.all(x.astype(np.float16).astype(np.float64) == x):
+            return 2.0 ** -11, "float16"
+        if np.all(x.astype(np.float32).astype(np.float64) == x):
+            return 2.0 ** -24, "float32"
+    return 2.0 ** -53, "float64"
+
+
+def extract_multi_head(oracle: Oracle, heads=None, *, subspaces=None, seed=None,
+                       tolerance: float | None = None,
+                       verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
+                       progress=None) -> ExtractionResult:
+    """Recover the canonical heads of a multi-head attention black box.
+
+    Parameters
+    ----------
+    oracle : Oracle
+        Door to the black box; ``oracle.dim`` is the token width d.
+    heads : int, optional
+        Upper bound H on the number of canonical heads (the model's head count is
+        one); None: up to min(d, 12). The designed rows need H <= d: a larger H is
+        refused as outside this learner's model class.
+    subspaces : list, optional
+        Known pairwise orthogonal head subspaces (paper 1), each a basis (d, r_h) or a
+        list of coordinate indices; then the single-head learner runs inside each.
+    seed : int, optional
+        Seed of the random design and of the held-out verification sequences.
+    tolerance : float, optional
+        Largest error bar (relative parameter error, ERROR_BAR_FACTOR times the
+        predicted rms error) accepted; above it the learner refuses. Default 1e-6, or
+        1e4 times the output precision for rounded outputs (6e-4 for float32).
+    verify_tolerance : float
+        Largest held-out relative output error accepted as a match (float64 outputs;
+        rounded outputs add their precision).
+    progress : callable, optional
+        Called with a short message at each stage.
+
+    Returns
+    -------
+    ExtractionResult
+        ``model`` a :class:`MultiHeadAttention` with the canonical heads, W (H', d, d),
+        v (H', d); ``report.details`` gives the queries against paper 2's count and the
+        floor, the smallest separation between heads, the predicted parameter error and
+        the error bar next to the measured held-out error.
+
+    Raises
+    ------
+    ModelMismatchError
+        The samples do not fit H heads to the output precision, or held-out
+        verification failed; ``.result`` holds the best effort when one was computed.
+    RecoveryFailedError
+        The fit's predicted error (conditioning times residual) exceeds ``tolerance``.
+    BudgetExceededError
+        The budget cannot cover the next round (raised before it is sent).
+    """
+    if subspaces is not None:
+        return extract_in_subspaces(oracle, subspaces, seed, verify_tolerance)
+    d = oracle.dim
+    if heads is not None and (isinstance(heads, bool) or not isinstance(heads, (int, np.integer))
+                              or heads < 1):
+        raise InputError(f"heads must be a positive integer or None, got {heads!r}")
+    if tolerance is not None and not (isinstance(tolerance, (int, float)) and 0 < tolerance < 1):
+        raise InputError(f"tolerance must lie in (0, 1), got {tolerance!r}")
+    with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
+        return _Extraction(oracle, heads or min(d, MAX_HEADS), seed, tolerance,
+                           verify_tolerance, progress).run()
+
+
+class _Extraction:
+    """One run of the learner: the stages of the module docstring, in order."""
+
+    def __init__(self, oracle, max_heads, seed, tolerance, verify_tolerance, progress):
+        self.oracle, self.d, self.max_heads = oracle, oracle.dim, int(max_heads)
+        self.rng = np.random.default_rng(seed)
+        self.seed, self.tolerance, self.verify_tolerance = seed, tolerance, verify_tolerance
+        self.say = progress or (lambda message: None)
+        self.start, self.q0, self.bb0 = time.perf_counter(), oracle.queries, oracle.black_box_seconds
+        self.breakdown: dict[str, int] = {}
+        self.details: dict = {}
+        self.notes: list[str] = []
+        self.length = design.BASE_LENGTH           # the base stages; main() switches
+        self.half_window = math.log(self.length - 1)
+
+    # -- bookkeeping ---------------------------------------------------------
+    def spend(self, stage: str, before: int) -> None:
+        self.breakdown[stage] = self.breakdown.get(stage, 0) + self.oracle.queries - before
+
+    def measure(self, u, q, lam):
+        """g at the nearest realisable lambdas; returns (realised lambda, g)."""
+        m = design.copy_counts(lam, self.length)
+        return design.realised_lambda(m, self.length), design.measure(
+            self.oracle, self.v, u, q, m, self.length)
+
+    def noise(self, f_values) -> float:
+        """Absolute output noise expected from the precision, for outputs like ``f_values``."""
+        rms = float(np.sqrt(np.mean(np.square(f_values)))) if np.size(f_values) else 0.0
+        # float64 black boxes add rounding of their own softmax sums over N tokens
+        factor = 8.0 if self.precision_name == "float64" else 0.6
+        return factor * self.precision * max(rms, 1e-300)
+
+    # -- stages --------------------------------------------------------------
+    def run(self) -> ExtractionResult:
+        d, H = self.d, self.max_heads
+        if H > d:
+            self.refuse(f"up to {H} heads at d = {d}: the designed rows place at most d "
+                        f"steps, so this learner needs H <= d")
+        s0 = 4 * H + 8
+        self.oracle.plan(d + (SCALE_ROUNDS + BASE_CANDIDATES) * s0 + (d - 1) * (3 * H + 1)
+                         + d * (d + 1) * (H + 1) + verification_count(H * (d * d + d)),
+                         "multi-head extraction")
+        before = self.oracle.queries
+        self.v = self.oracle.query(np.eye(d)[:, None, :])
+        self.spend("v tokens", before)
+        self.precision, self.precision_name = output_precision(self.v)
+        if self.tolerance is None:
+            self.tolerance = max(DEFAULT_TOLERANCE, 1e4 * self.precision)
+        if self.precision_name != "float64":
+            self.notes.append(f"outputs are rounded to {self.precision_name} "
+                              f"(relative {self.precision:.1e})")
+        self.say("base row")
+        heads = self.base_row(s0)
+        if heads == 0:
+            return self.finish(MultiHeadAttention(np.zeros((0, d, d)), np.zeros((0, d))), None)
+        self.say("base perturbations")
+        Y0, V0 = self.base_perturbations()
+        self.say("main probes")
+        return self.main(Y0, V0)
+
+    def base_row(self, s0: int) -> int:
+        """Scale and pick the base row; returns the number of canonical heads found."""
+        d, H, rng = self.d, self.max_heads, self.rng
+        lam_target = design.base_lambdas(s0, self.half_window)
+        self.q_0 = rng.standard_normal(d)
+        self.q_0 /= np.linalg.norm(self.q_0)
+        directions = rng.standard_normal((BASE_CANDIDATES, d))
+        directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+        target_spread = 0.7 * (self.half_window - 1.0)
+        scale, before = 1.0, self.oracle.queries
+
+        def scan(u):
+            lam, g = self.measure(np.repeat(u[None], lam_target.size, 0),
+                                  np.repeat(self.q_0[None], lam_target.size, 0), lam_target)
+            f = g + self.q_0 @ self.v
+            noise = self.noise(f)
+            return lam, g, noise
+
+        # scale: steps of the first candidate spread over about 70% of the window
+        for _ in range(SCALE_ROUNDS):
+            u = scale * directions[0]
+            lam, g, noise = scan(u)
+            if np.max(np.abs(g)) <= NOISE_FACTOR * noise:
+                break                         # no step at all (yet): larger tokens
+            fits = fit.fit_free_steps(lam, g, u @ self.v, H, self.half_window, noise)
+            allowed = max(NOISE_FACTOR * noise, BASE_MISFIT * float(np.sqrt(np.mean(g ** 2))))
+            best = next((f for f in fits if f.rms <= allowed), fits[-1])
+            strong = np.abs(best.c) > 1e-3 * np.max(np.abs(best.c))
+            spread = float(np.max(np.abs(best.t[strong])))
+            if 0.5 * target_spread <= spread <= 1.3 * target_spread:
+                break
+            scale *= min(target_spread / max(spread, 1e-3), 1e3)
+        self.details["base scale"] = scale
+        self.spend("base scale", before)
+
+        before = self.oracle.queries
+        found = []
+        for i, w in enumerate(directions):
+            u = scale * w
+            lam, g, noise = scan(u)
+            if np.max(np.abs(g)) <= NOISE_FACTOR * noise:
+                found.append((0, u, None, noise))
+                continue
+            fits = fit.fit_free_steps(lam, g, u @ self.v, H, self.half_window, noise)
+            allowed = max(NOISE_FACTOR * noise, BASE_MISFIT * float(np.sqrt(np.mean(g ** 2))))
+            count = next((h + 1 for h, f in enumerate(fits) if f.rms <= allowed), None)
+            found.append((count, u, fits[count - 1] if count else fits[-1], noise))
+            # H steps pinned down well: no other row can show more, stop looking
+            if count == H and float(np.max(found[-1][2].t_std)) <= BASE_LOGIT_STD:
+                break
+        self.spend("base rows", before)
+        counts = [f[0] for f in found if f[0] is not None]
+        if not counts:
+            rms = min(f[2].rms / f[3] for f in found)
+            self.refuse(f"the black box is not multi-head attention with at most {H} heads: "
+                        f"no base row fits {H} sigmoid steps (residual {rms:.1e} times the "
+                        f"output precision)")
+        heads = max(counts)
+        self.details["canonical heads"] = heads
+        if heads == 0:
+            return 0
+        chosen = min((f for f in found if f[0] == heads),
+                     key=lambda f: float(np.max(f[2].t_std)))
+        _, self.u_0, self.base_fit, self.base_noise = chosen
+        gaps = np.diff(self.base_fit.t)
+        self.details["base row smallest step gap"] = float(gaps.min()) if gaps.size else math.inf
+        return heads
+
+    def base_perturbations(self):
+        """W_h q_0 and v_h (rough) from rows u_0 + eps w_k sampled at the base steps."""
+        d = self.d
+        t0, c0 = self.base_fit.t, self.base_fit.c
+        H = t0.size
+        gap = float(np.min(np.diff(t0))) if H > 1 else 2.0
+        spread = float(np.sqrt(np.mean(t0 ** 2))) + 0.5
+        eps = float(np.clip(0.003 * gap / spread, 1e-4, 0.5))
+        W_perp = design.orthonormal_complement(self.u_0, self.rng) * np.linalg.norm(self.u_0)
+        rows = self.u_0[None] + eps * W_perp                          # (d - 1, d)
+        lam_t = design.perturbation_lambdas(t0, self.half_window)
+        S = lam_t.size
+        before = self.oracle.queries
+        lam, g = self.measure(np.repeat(rows, S, 0), np.repeat(self.q_0[None], (d - 1) * S, 0),
+                              np.tile(lam_t, d - 1))
+        self.spend("base perturbations", before)
+        lam, g = lam.reshape(d - 1, S), g.reshape(d - 1, S)
+        T, C = [t0], [c0]
+        worst = 0.0
+        for k in range(d - 1):
+            t, c, rms = fit.refit_steps(lam[k], g[k], rows[k] @ self.v, t0, c0)
+            # the perturbed rows only steer the design: a fit to 1e-5 of the signal is
+            # in the right basin (a wrong one misses by percents)
+            allowed = max(NOISE_FACTOR * self.noise(g[k] + self.q_0 @ self.v),
+                          1e-5 * float(np.sqrt(np.mean(g[k] ** 2))))
+            worst = max(worst, rms / allowed)
+            T.append(t)
+            C.append(c)
+        if worst > 1.0:
+            self.refuse(f"the black box is not multi-head attention with {H} heads: a "
+                        f"perturbed base row does not fit its steps (residual {worst:.1e} "
+                        f"times the allowed misfit)")
+        P = np.vstack([self.u_0[None], rows])
+        self.details["base perturbation eps"] = eps
+        return np.linalg.solve(P, np.array(T)), np.linalg.solve(P, np.array(C))
+
+    def main(self, Y0: np.ndarray, V0: np.ndarray) -> ExtractionResult:
+        d, rng = self.d, self.rng
+        H = Y0.shape[1]
+        self.length = design.window_length(H)
+        self.half_window = math.log(self.length - 1)
+        half = self.half_window - 1.5
+        positions = design.step_positions(H, half)
+        spacing = float(positions[1] - positions[0]) if H > 1 else 2.0
+        U = design.design_rows(Y0, V0, positions, rng)
+        tau = U @ Y0                                                   # (d, H) designed
+        # columns q_0 and q_0 + s r_j: the largest of the d (d + 1) H steps moves by about
+        # SHIFT * spacing (a Gaussian's maximum over n draws is sqrt(2 ln n) sigma)
+        y_norm = float(np.max(np.linalg.norm(Y0, axis=0)))
+        u_norm = float(np.median(np.linalg.norm(U, axis=1)))
+        sigma_move = SHIFT * spacing / math.sqrt(2 * math.log(d * (d + 1) * H + 2))
+        s = sigma_move * math.sqrt(d) / max(u_norm * y_norm, 1e-300)
+        R = np.linalg.qr(rng.standard_normal((d, d)))[0]
+        columns = np.vstack([self.q_0[None], self.q_0[None] + s * R.T])  # (d + 1, d)
+        J = d + 1
+        S = H + 1
+        lam_t = np.array([[design.main_lambdas(tau[k], spacing, j, self.half_window, True)
+                           for j in range(J)] for k in range(d)])      # (d, J, S)
+        before = self.oracle.queries
+        kk, jj, _ = np.meshgrid(np.arange(d), np.arange(J), np.arange(S), indexing="ij")
+        lam, g = self.measure(U[kk.ravel()], columns[jj.ravel()], lam_t.ravel())
+        self.spend("main probes", before)
+        lam, g = lam.reshape(d, J, S), g.reshape(d, J, S)
+        f_all = g + (columns @ self.v)[None, :, None]
+        noise = self.noise(f_all)
+
+        # start: heights from the base, each probe's logits with those heights
+        C0 = U @ V0                                                    # (d, H)
+        t_start = fit.fit_logits(lam.reshape(d * J, S), g.reshape(d * J, S),
+                                 np.repeat(C0, J, 0), np.repeat(tau, J, 0),
+                                 bound=2 * SHIFT * spacing)
+        t_start = t_start.reshape(d, J, H)
+        mask = np.ones((J, S))
+        rows = []
+        for k in range(d):
+            z0 = np.linalg.lstsq(columns, t_start[k], rcond=None)[0].T  # (H, d)
+            rows.append(fit.fit_row(lam[k], g[k], mask, columns, C0[k], z0))
+        residual = np.concatenate([r.residual for r in rows])
+        params = H * (d + 1) * d
+        sigma = fit.residual_sigma(residual, params, noise)
+        measured_sigma = fit.residual_sigma(residual, params)
+        Z = np.array([r.z for r in rows])                              # (d, H, d)
+        Cm = np.array([r.c for r in rows])                             # (d, H)
+        Uinv = np.linalg.inv(U)
+        W = np.einsum("ik,kha->hia", Uinv, Z)
+        v = (Uinv @ Cm).T
+        model = MultiHeadAttention(W, v)
+
+        # predicted errors: rows are independent, W_h = U^-1 Z_h, v_h = U^-1 C_h
+        z_var = np.array([r.z_std ** 2 for r in rows]) * sigma ** 2    # (d, H, d)
+        c_var = np.array([r.c_std ** 2 for r in rows]) * sigma ** 2    # (d, H)
+        W_var = np.einsum("ik,kha->h", Uinv ** 2, z_var)
+        v_var = np.einsum("ik,kh->h", Uinv ** 2, c_var)
+        W_rel = np.sqrt(W_var) / np.maximum(np.linalg.norm(W, axis=(1, 2)), 1e-300)
+        v_rel = np.sqrt(v_var) / np.maximum(np.linalg.norm(v, axis=1), 1e-300)
+        predicted = float(np.max(np.maximum(W_rel, v_rel)))
+        bar = ERROR_BAR_FACTOR * predicted
+        cond = max(float(r.jacobian_singular_values[0]
+                         / max(r.jacobian_singular_values[-1], 1e-300)) for r in rows)
+        sep = _smallest_separation(model)
+        self.details.update({
+            "lambda window": f"+-{self.half_window:.2f} (sequences of {self.length} tokens)",
+            "designed step spacing": spacing,
+            "column step s": s,
+            "row design condition": float(np.linalg.cond(U)),
+            "row fit condition (max)": cond,
+            "residual rms": measured_sigma,
+            "noise floor": noise,
+            "smallest head separation": sep,
+            "predicted relative error": predicted,
+            "error bar": bar,
+        })
+        if measured_sigma > NOISE_FACTOR * noise:
+            self.finish(model, bar, check=False)
+            raise ModelMismatchError(
+                f"the black box is not multi-head attention with {H} canonical heads: the row "
+                f"fits leave a residual {measured_sigma:.1e}, {measured_sigma / noise:.0f} "
+                f"times the output precision {noise:.1e}", result=self.result)
+        if not bar <= self.tolerance:
+            self.finish(model, bar, check=False)
+            raise RecoveryFailedError(
+                f"the samples do not pin the heads down: predicted relative parameter error "
+                f"{predicted:.1e} (error bar {bar:.1e}) exceeds the tolerance "
+                f"{self.tolerance:.0e}; smallest head separation {sep:.2e}, row fit "
+                f"condition {cond:.1e}")
+        return self.finish(model, bar)
+
+    def refuse(self, message: str):
+        """Raise :class:`ModelMismatchError` with a verified best effort (no heads)."""
+        d = self.d
+        if not hasattr(self, "precision"):
+            self.precision, self.precision_name = 2.0 ** -53, "float64"
+        self.finish(MultiHeadAttention(np.zeros((0, d, d)), np.zeros((0, d))), None, check=False)
+        raise ModelMismatchError(message, result=self.result)
+
+    def finish(self, model: MultiHeadAttention, bar, check: bool = True):
+        d = self.d
+        H = max(model.heads, 1)
+        n_verify = verification_count(H * (d * d + d))
+        recovery = self.oracle.queries - self.q0
+        tol = self.verify_tolerance
+        if self.precision_name != "float64":
+            tol = max(tol, 30 * self.precision + 10 * (bar or 0.0))
+        scale = token_scale(model) if model.heads else 1.0
+        verification = verify_model(self.oracle, model, count=n_verify, seed=self.seed,
+                                    tolerance=tol, scale=scale)
+        floor = H * (d * d + d)
+        self.details.update({
+            "method": "copy probes at designed step positions, row-wise joint fits",
+            "heads": model.heads,
+            "recovery queries": recovery,
+            "paper-2 count": paper2_count(H, d),
+            "floor H(d^2 + d)": floor,
+            "recovery / floor": recovery / floor,
+            "held-out error": verification.max_relative_error,
+            "output precision": self.precision_name,
+        })
+        report = Report(kind=MultiHeadAttention.kind, dim=d, queries=self.oracle.queries - self.q0,
+                        breakdown={**self.breakdown, "recovery": recovery,
+                                   "verification": n_verify},
+                        floor=floor, verification=verification,
+                        seconds=time.perf_counter() - self.start,
+                        black_box_seconds=self.oracle.black_box_seconds - self.bb0,
+                        notes=self.notes, details=self.details)
+        self.result = ExtractionResult(model=model, queries=report.queries, report=report)
+        if not check:
+            return self.result
+        return checked_result(model, report, f"multi-head attention with at most "
+                                             f"{self.max_heads} canonical head(s)")
+
+
+def _smallest_separation(model: MultiHeadAttention) -> float:
+    """min over head pairs of |W_g - W_h|_F / max_h |W_h|_F (inf for one head)."""
+    if model.heads < 2:
+        return math.inf
+    norm = float(np.max(np.linalg.norm(model.W, axis=(1, 2))))
+    diffs = np.linalg.norm(model.W[:, None] - model.W[None], axis=(2, 3))
+    diffs[np.diag_indices(model.heads)] = np.inf
+    return float(diffs.min() / max(norm, 1e-300))

@@ -1,0 +1,171 @@
+"""Canonical form, non-identifiable twins and head matching for multi-head attention.
+
+Non-identifiability (arXiv 2601.16873). For f(X) = sum_h softmax(X W_h x_N)^T X v_h,
+heads with equal W can split their v in any way, a head with v_h = 0 can carry any
+W_h, and heads can be permuted. The canonical form merges heads with equal W (adding
+their v) and drops heads whose v is 0; two parameter sets give the same f exactly
+when their canonical forms agree up to a permutation. :func:`non_identifiable_twin`
+builds a different parameter set with the same map, :func:`twin_difference` measures
+the largest output difference of two models.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from ...errors import InputError
+from ...models import MultiHeadAttention, SingleHeadAttention
+from ...report import held_out_sequences, token_scale
+
+def _check_multi(model) -> MultiHeadAttention:
+    if isinstance(model, SingleHeadAttention):
+        return MultiHeadAttention(model.W[None], model.v[None])
+    if not isinstance(model, MultiHeadAttention):
+        raise InputError(f"expected a MultiHeadAttention model, got {type(model).__name__}")
+    return model
+
+
+def canonical_form(model, tol: float = 1e-9) -> MultiHeadAttention:
+    """Merge heads with equal W (adding their v), then drop heads whose v is 0.
+
+    Parameters
+    ----------
+    model : MultiHeadAttention
+        W (H, d, d), v (H, d).
+    tol : float
+        Two W are equal when ||W_g - W_h||_F <= tol * max_h ||W_h||_F (or both are 0);
+        a merged v is 0 when ||v|| <= tol * max_h ||v_h||.
+
+    Returns
+    -------
+    MultiHeadAttention
+        The canonical heads, W (H', d, d), v (H', d), H' <= H, in order of first appearance.
+    """
+    model = _check_multi(model)
+    if tol < 0 or not np.isfinite(tol):
+        raise InputError(f"tol must be a non-negative number, got {tol}")
+    W, v, d = model.W, model.v, model.dim
+    w_scale = max(float(np.max(np.linalg.norm(W, axis=(1, 2)), initial=0.0)), 0.0)
+    v_scale = float(np.max(np.linalg.norm(v, axis=1), initial=0.0))
+    groups: list[list[int]] = []
+    for h in range(model.heads):
+        for g in groups:
+            if np.linalg.norm(W[h] - W[g[0]]) <= tol * w_scale:
+                g.append(h)
+                break
+        else:
+            groups.append([h])
+    keep_W, keep_v = [], []
+    for g in groups:
+        merged = v[g].sum(axis=0)
+        if np.linalg.norm(merged) > tol * v_scale and np.any(merged):
+            keep_W.append(W[g].mean(axis=0))
+            keep_v.append(merged)
+    if not keep_W:
+        return MultiHeadAttention(np.zeros((0, d, d)), np.zeros((0, d)))
+    return MultiHeadAttention(np.array(keep_W), np.array(keep_v))
+
+
+def match_heads(recovered, truth) -> tuple[np.ndarray, float, float]:
+    """Match the canonical heads of ``recovered`` to those of ``truth``.
+
+    Returns
+    -------
+    order : int array (H,)
+        ``recovered`` head order[h] is matched to ``truth`` head h.
+    W_error, v_error : float
+        Largest relative Frobenius error over matched heads, each head relative to its
+        own norm (to the largest head's norm if its own is 0). ``inf`` if the numbers of
+        canonical heads differ.
+    """
+    a, b = _check_multi(recovered), _check_multi(truth)
+    if a.heads != b.heads or a.dim != b.dim:
+        return np.arange(min(a.heads, b.heads)), math.inf, math.inf
+    if b.heads == 0:
+        return np.zeros(0, dtype=int), 0.0, 0.0
+    w_norm = np.linalg.norm(b.W, axis=(1, 2))
+    v_norm = np.linalg.norm(b.v, axis=1)
+    w_norm = np.where(w_norm > 0, w_norm, max(w_norm.max(), 1e-300))
+    v_norm = np.where(v_norm > 0, v_norm, max(v_norm.max(), 1e-300))
+    dW = np.linalg.norm(a.W[None, :] - b.W[:, None], axis=(2, 3)) / w_norm[:, None]
+    dv = np.linalg.norm(a.v[None, :] - b.v[:, None], axis=2) / v_norm[:, None]
+    rows, cols = linear_sum_assignment(np.nan_to_num(dW + dv, nan=1e300, posinf=1e300))
+    order = cols[np.argsort(rows)]
+    idx = np.arange(b.heads)
+    return order, float(dW[idx, order].max()), float(dv[idx, order].max())
+
+
+def canonical_error(recovered, truth, tol: float = 1e-9) -> float:
+    """Largest relative error between the canonical forms after matching heads."""
+    _, w_err, v_err = match_heads(canonical_form(recovered, tol), canonical_form(truth, tol))
+    return max(w_err, v_err)
+
+
+def non_identifiable_twin(model, seed=None) -> MultiHeadAttention:
+    """A different parameter set with exactly the same input-output map.
+
+    Applies the three symmetries of section 7: one head's v is split between two
+    heads with the same W, a dead head (random W, v = 0) is added, and the heads are
+    permuted (never the identity when H >= 2).
+
+    Parameters
+    ----------
+    model : MultiHeadAttention
+        W (H, d, d), v (H, d) with H >= 1.
+
+    Returns
+    -------
+    MultiHeadAttention
+        W (H + 2, d, d), v (H + 2, d).
+    """
+    model = _check_multi(model)
+    if model.heads == 0:
+        raise InputError("a model with no heads has no twin to build from its heads")
+    rng = np.random.default_rng(seed)
+    d = model.dim
+    W, v = list(model.W.copy()), list(model.v.copy())
+    h = int(rng.integers(model.heads))
+    share = rng.uniform(0.2, 0.8)
+    noise = rng.standard_normal(d) * (np.linalg.norm(v[h]) + 1.0)
+    split = share * v[h] + noise                    # value splitting: v_h = split + rest
+    W.append(W[h].copy())
+    v.append(v[h] - split)
+    v[h] = split
+    scale = float(np.linalg.norm(model.W) / math.sqrt(model.heads * d)) or 1.0
+    W.append(scale * rng.standard_normal((d, d)))   # dead head: any W, v = 0
+    v.append(np.zeros(d))
+    order = rng.permutation(len(W))
+    while np.all(order == np.arange(len(W))):
+        order = rng.permutation(len(W))
+    return MultiHeadAttention(np.array(W)[order], np.array(v)[order])
+
+
+def twin_difference(model_a, model_b, count: int = 256, seed=None,
+                    max_length: int = 16) -> dict:
+    """Largest output difference of two models on random sequences (lengths 1..max_length).
+
+    Tokens are N(0, c^2 I) with c such that model_a's scores are of order one.
+
+    Returns
+    -------
+    dict
+        ``max_abs``, ``max_relative`` (relative to the rms output), ``rms_output``,
+        ``sequences``.
+    """
+    if model_a.dim != model_b.dim:
+        raise InputError(f"models have different widths {model_a.dim} and {model_b.dim}")
+    rng = np.random.default_rng(seed)
+    seqs = held_out_sequences(model_a.dim, count, rng, token_scale(model_a), max_length)
+    lengths = np.array([len(s) for s in seqs])
+    fa, fb = np.empty(count), np.empty(count)
+    for n in np.unique(lengths):
+        idx = np.flatnonzero(lengths == n)
+        batch = np.stack([seqs[i] for i in idx])
+        fa[idx], fb[idx] = model_a(batch), model_b(batch)
+    rms = float(np.sqrt(np.mean(fa ** 2)))
+    diff = float(np.max(np.abs(fa - fb)))
+    return {"max_abs": diff, "max_relative": diff / rms if rms > 0 else diff,
+            "rms_output": rms, "sequences": count}

@@ -1,0 +1,154 @@
+"""The measurement design: copy probes, their lambdas, rows and columns.
+
+A copy probe (u, q, m, N) is the sequence of m copies of a = q + u followed by N - m
+copies of q (q last). Head h puts the weight sigma(t_h + lambda) on the copies of a,
+with t_h = u^T W_h q and lambda = ln(m / (N - m)), so
+
+    g(u, q, lambda) := f - v^T q = sum_h c_h sigma(t_h + lambda),   c_h = u^T v_h,
+
+with v = sum_h v_h read from d single tokens. Each head is a sigmoid step centred at
+lambda = -t_h with height c_h. Every probe has the same length N, so a round of probes
+is one array (B, N, d); lambda ranges over +-ln(N - 1).
+
+The design keeps the steps apart on purpose:
+
+- the base row: a random row (u_0, q_0) scaled so that its steps fill the lambda window,
+  sampled on a uniform lambda grid; among a few candidate rows the one whose fit pins
+  the steps best (smallest predicted logit error) is kept;
+- base perturbations: rows u_0 + eps w_k (w_k orthonormal, orthogonal to u_0), sampled
+  at the base row's steps; eps keeps every step near its base position, so the heads
+  keep their labels;
+- main rows u_k: chosen with u_k^T (W_h q_0) = designed positions (evenly spaced over the
+  window, a different order in every row) using the base estimate of W_h q_0, and with
+  heights u_k^T v_h as even as the candidates allow;
+- main columns q_0 and q_0 + s r_j (r_j orthonormal): s is small enough that the steps
+  move by a fraction of their spacing, so each probe is sampled at its steps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+PROBE_FLOATS = 1 << 22          # floats of probe tokens per oracle call (32 MB)
+BASE_LENGTH = 2048              # base probes: few, long, lambda in +-7.6
+
+
+def window_length(heads: int) -> int:
+    """Sequence length N of every main copy probe: lambda spans +-ln(N - 1).
+
+    More heads need a wider window to keep their designed steps apart.
+    """
+    return 128 if heads <= 2 else 512 if heads <= 6 else 1024
+
+
+def copy_counts(lam: np.ndarray, length: int) -> np.ndarray:
+    """Copies m in 1..N-1 of the first token whose lambda = ln(m / (N - m)) is nearest ``lam``."""
+    m = np.rint(length / (1.0 + np.exp(-np.asarray(lam, dtype=np.float64))))
+    return np.clip(m, 1, length - 1).astype(np.int64)
+
+
+def realised_lambda(m: np.ndarray, length: int) -> np.ndarray:
+    """lambda = ln(m / (N - m)) of copy counts m."""
+    m = np.asarray(m, dtype=np.float64)
+    return np.log(m) - np.log(length - m)
+
+
+def measure(oracle, v: np.ndarray, u: np.ndarray, q: np.ndarray, m: np.ndarray,
+            length: int) -> np.ndarray:
+    """Send the copy probes (u_p, q_p, m_p) of length N; returns g_p = f_p - v^T q_p.
+
+    Parameters
+    ----------
+    u, q : arrays (P, d)
+    m : int array (P,)
+    """
+    P, d = u.shape
+    a = q + u
+    positions = np.arange(length)
+    step = max(1, PROBE_FLOATS // (length * d))
+    out = np.empty(P)
+    for lo in range(0, P, step):
+        sl = slice(lo, min(P, lo + step))
+        first = (positions[None, :] < m[sl, None])[..., None]
+        X = np.where(first, a[sl, None, :], q[sl, None, :])
+        out[sl] = oracle.query(X)
+    return out - q @ v
+
+
+def step_positions(heads: int, half_width: float) -> np.ndarray:
+    """Designed step positions t: evenly spaced over [-half_width, half_width]."""
+    if heads == 1:
+        return np.zeros(1)
+    return np.linspace(-half_width, half_width, heads)
+
+
+def base_lambdas(count: int, half_window: float) -> np.ndarray:
+    """The base row's uniform lambda grid."""
+    return np.linspace(-half_window, half_window, count)
+
+
+def perturbation_lambdas(t0: np.ndarray, half_window: float, offset: float = 0.6) -> np.ndarray:
+    """Samples of a perturbed base row: each base step's centre and flanks, and the top."""
+    lam = np.concatenate([-t0 - offset, -t0, -t0 + offset, [half_window]])
+    return np.clip(lam, -half_window, half_window)
+
+
+def orthonormal_complement(u0: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """d - 1 random orthonormal vectors orthogonal to u0, rows (d - 1, d)."""
+    d = u0.size
+    basis = np.linalg.qr(np.column_stack([u0, rng.standard_normal((d, d - 1))]))[0]
+    return basis[:, 1:].T
+
+
+def design_rows(Y0: np.ndarray, V: np.ndarray, positions: np.ndarray, rng: np.random.Generator,
+                candidates: int = 24, jitter: float = 0.25) -> np.ndarray:
+    """Main rows u_k (d, d) placing head h's step of row k at a designed position.
+
+    Row k satisfies u_k^T y_h = positions[pi_k(h)] + o_k (y_h = W_h q_0, columns of Y0,
+    pi_k a random order, o_k a small random offset so the rows span R^d). The component
+    orthogonal to span(Y0) is random; among ``candidates`` draws the row with the most
+    even heights u_k^T v_h (times its distance to the rows already chosen) is kept.
+
+    Parameters
+    ----------
+    Y0 : array (d, H)
+        Estimates of W_h q_0.
+    V : array (d, H)
+        Estimates of v_h.
+    positions : array (H,)
+        Designed step positions (-lambda of each step).
+    """
+    d, H = Y0.shape
+    pinv = np.linalg.pinv(Y0)                      # (H, d)
+    P_perp = np.eye(d) - Y0 @ pinv
+    scale_u = float(np.max(np.linalg.norm(pinv, axis=1))) * max(float(np.max(np.abs(positions))), 1.0)
+    v_norm = np.linalg.norm(V, axis=0) + 1e-300
+    rows = []
+    for k in range(d):
+        orders = np.array([rng.permutation(H) for _ in range(candidates)])
+        offsets = rng.uniform(-jitter, jitter, size=candidates)
+        targets = positions[orders] + offsets[:, None]           # (C, H)
+        z = rng.standard_normal((candidates, d)) @ P_perp
+        z *= scale_u / (np.linalg.norm(z, axis=1, keepdims=True) + 1e-300)
+        cand = targets @ pinv + z                                 # (C, d)
+        heights = np.abs(cand @ V) / v_norm / np.linalg.norm(cand, axis=1, keepdims=True)
+        score = heights.min(axis=1) * math.sqrt(d)
+        if rows:
+            R = np.linalg.qr(np.array(rows).T)[0]
+            resid = cand - (cand @ R) @ R.T
+            score = score * np.linalg.norm(resid, axis=1) / np.linalg.norm(cand, axis=1)
+        rows.append(cand[int(np.argmax(score))])
+    return np.array(rows)
+
+
+def main_lambdas(positions_row: np.ndarray, spacing: float, column: int,
+                 half_window: float, spare: bool) -> np.ndarray:
+    """Samples of probe (k, j): one at each designed step of row k, one spare between steps."""
+    lam = -np.asarray(positions_row, dtype=np.float64)
+    if spare:
+        order = np.sort(positions_row)
+        h = column % len(order)
+        lam = np.append(lam, -(order[h] + 0.5 * spacing))
+    return np.clip(lam, -half_window, half_window)
