@@ -186,6 +186,28 @@ def test_noisy_black_box_is_a_mismatch():
         extract_relu_network(Oracle(noisy, 6), seed=0)
 
 
+def test_max_norm_bounds_the_held_out_vectors_and_nothing_else():
+    """A map that is the network only inside a ball (a norm trigger at 100) is a mismatch
+    by default; with max_norm inside the ball no held-out vector leaves it and it passes."""
+    net = random_relu_network(8, 6, seed=7)
+    asked = []
+
+    def inside_ball(X):
+        norms = np.linalg.norm(X[:, -1], axis=1)
+        asked.append(norms.max())
+        return net(X) * np.where(norms > 100.0, 1.0 + 1e-3, 1.0)
+    with pytest.raises(ModelMismatchError, match="held-out"):
+        extract_relu_network(Oracle(inside_ball, 8), seed=0)
+    assert max(asked) > 100.0
+    asked.clear()
+    result = extract_relu_network(Oracle(inside_ball, 8), seed=0, max_norm=50.0)
+    assert result.report.verification.passed and max(asked) <= 50.0 * (1 + 1e-12)
+    assert align_relu_networks(result.model, net)["max_error"] <= 1e-9
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(InputError, match="max_norm"):
+            extract_relu_network(Oracle(net, 8), seed=0, max_norm=bad)
+
+
 def test_linear_black_box_is_a_mismatch_and_zero_is_not_identifiable():
     v = np.arange(1.0, 5.0)
     with pytest.raises(ModelMismatchError, match="linear"):

@@ -362,7 +362,7 @@ class _PlaneFailure(Exception):
 
 def extract_relu_network(oracle: Oracle, *, seed=None,
                          verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
-                         polish: bool = True) -> ExtractionResult:
+                         polish: bool = True, max_norm: float | None = None) -> ExtractionResult:
     """Recover F(x) = w^T ReLU(A x) (bias-free) from single-vector queries.
 
     Parameters
@@ -380,6 +380,12 @@ def extract_relu_network(oracle: Oracle, *, seed=None,
         m d queries), for m > d across its hyperplane at a point far from all others
         (:func:`_polish_wide`, 2 m d queries). About 10-15 more bits of precision;
         False gives the fewest queries.
+    max_norm : float, optional
+        Largest norm of a held-out vector (default: the held-out design's full range,
+        about 1e-5 to 1e5). Only for a map that is a bias-free ReLU network inside a
+        ball and not beyond it, such as the residual learner's sequences with uniform
+        attention (:mod:`attnextract.learners.residual`); a single-token map is
+        homogeneous and is checked at every scale.
 
     Returns
     -------
@@ -409,6 +415,8 @@ def extract_relu_network(oracle: Oracle, *, seed=None,
     d = oracle.dim
     if d < 2:
         raise InputError("the ReLU network learner needs token width d >= 2 (it walks a plane)")
+    if max_norm is not None and not (math.isfinite(max_norm) and max_norm > 0):
+        raise InputError(f"max_norm must be a positive number, got {max_norm!r}")
     rng = np.random.default_rng(seed)
     counts = {"kink search": 0, "cone gradients": 0, "re-measured": 0, "verification": 0}
     failures: list[str] = []
@@ -420,7 +428,7 @@ def extract_relu_network(oracle: Oracle, *, seed=None,
             failures.append(str(exc))
             continue
         verification = verify_relu(oracle, model, count=verification_count(model.width * (d + 1)),
-                                   seed=rng, tolerance=verify_tolerance)
+                                   seed=rng, tolerance=verify_tolerance, max_norm=max_norm)
         counts["verification"] += verification.sequences
         worst = verification.max_relative_error
         report = Report(
@@ -622,15 +630,22 @@ def _polish_wide(oracle: Oracle, A: np.ndarray, w: np.ndarray, counts: dict):
 
 
 def verify_relu(oracle: Oracle, model: ReLUNetwork, *, count: int, seed=None,
-                tolerance: float = DEFAULT_VERIFY_TOLERANCE) -> Verification:
+                tolerance: float = DEFAULT_VERIFY_TOLERANCE,
+                max_norm: float | None = None) -> Verification:
     """Compare ``model`` with the black box on ``count`` held-out single vectors: the last
     tokens of :func:`attnextract.verification.design`'s sequences (scale 1), so tiny to
     large, sparse and one-hot vectors and a constant coordinate (F is homogeneous: the
     scales check that too). Single tokens, because this learner also serves the
     single-token map of the one-layer learners, whose longer sequences mean attention.
+
+    ``max_norm`` (optional): vectors longer than this are pulled back onto the sphere of
+    that radius, directions unchanged; for maps that are a ReLU network only inside it.
     """
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     vectors = np.stack([s[-1] for s in design(oracle.dim, count, rng, 1.0).sequences])
+    if max_norm is not None:
+        length = np.linalg.norm(vectors, axis=1)
+        vectors *= np.minimum(1.0, max_norm / np.maximum(length, np.finfo(float).tiny))[:, None]
     observed = _query_vectors(oracle, vectors)
     norms = np.linalg.norm(vectors, axis=1)
     err = scaled_relative_errors(model.forward(vectors), observed, norms)

@@ -23,6 +23,14 @@ Identities (all exact; alpha = softmax(X W x_N)):
    Q^T b_i: their directions match each unit of 1 to its unit of 2.
 The scale of a_i + b_i against b_i comes from the output weights of 1 and 2:
 w_1i / w_2i = 2 |a_i + b_i| / |b_i| for matched units.
+
+Unlike 1 and 2, identity 4 holds only as well as the recovered W: under the black
+box's own W the two scores differ by c^T Q^T (W_true - W) T s, which grows like |y|^2
+(y = (s, c)), plus float64 rounding of scores of that size. So 4 is not a ReLU network
+at every scale: it is probed where the scores are of order one (tokens scaled by
+1 / sqrt(|W|_2)) and checked held-out out to scores TIE_SCORE, where the tie still
+holds to TIE_SCORE times the relative error of W. The black box at large norms is
+checked by 1, 2 and the held-out verification of the whole model.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from .single_head import extract_single_head
 
 MATCH_TOLERANCE = 1e-6      # 1 - cos of matched unit directions must stay below this
 RATIO_TOLERANCE = 1e-6      # the unit scale ratio from net 3 must agree this well (relative)
+TIE_SCORE = 100.0           # net 3 is checked held-out out to scores this large (see 4 above)
 
 
 
@@ -186,13 +195,17 @@ def extract_one_layer_residual(oracle: Oracle, *, seed=None,
     k = d // 2
     T = np.linalg.qr(rng.standard_normal((d, k)))[0]
     Q = np.linalg.svd((W @ T).T)[2][k:].T                # (d, d - k): basis of (W T)^perp
+    # the tie is exact only for the recovered W: |y| = 1 at scores of order one, and
+    # held-out checks out to |y| = sqrt(TIE_SCORE) (scores <= TIE_SCORE), not beyond
+    norm_W = float(np.linalg.norm(W, 2))
+    unit_score = 1.0 / math.sqrt(norm_W) if norm_W > 0 else 1.0
 
     def uniform_pairs(Y):
-        q = Y[:, :k] @ T.T
-        return np.stack([q + Y[:, k:] @ Q.T, q], axis=1)
+        q = unit_score * Y[:, :k] @ T.T
+        return np.stack([q + unit_score * Y[:, k:] @ Q.T, q], axis=1)
     net3 = stage("matching", lambda: extract_relu_network(
         _MappedOracle(oracle, uniform_pairs, "sequences with uniform attention"), seed=seeds[4],
-        verify_tolerance=verify_tolerance, polish=False)).model
+        verify_tolerance=verify_tolerance, polish=False, max_norm=math.sqrt(TIE_SCORE))).model
     if net3.width != net1.width:
         raise ModelMismatchError(
             f"not a residual one-layer Transformer: {net3.width} units under uniform attention, "

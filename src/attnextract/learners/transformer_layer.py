@@ -131,6 +131,17 @@ def _detect_residual(oracle: Oracle, rng) -> tuple[bool, float]:
     return gap > RESIDUAL_TOLERANCE, gap
 
 
+def _without_biases(oracle: Oracle, net: BiasedReLUNetwork) -> BiasedReLUNetwork:
+    """The FFN with b = 0 (detected absent) and c0 = f([0]), exact then (one query).
+
+    The fitted c0 is a few eps off; f - c0 would then not be homogeneous at tiny
+    tokens, which the bias-free learners read as a bias.
+    """
+    oracle.require(1, "the output bias at the origin")
+    c0 = float(oracle.query(np.zeros((1, 1, oracle.dim)))[0])
+    return BiasedReLUNetwork(net.P, np.zeros(net.width), net.w, c0)
+
+
 class _FFN:
     """The layer's pre-activations for one head: pi = R x_N + B z + b (units in one scale)."""
 
@@ -327,7 +338,7 @@ def extract_transformer_layer(oracle: Oracle, heads: int = 1, *, seed=None,
         oracle, np.random.default_rng(seeds[1]), scale=scale, counts=ffn_counts))
     biased = bool(np.abs(net1.b).max() > BIAS_ZERO * scale)
     if not biased:
-        net1 = BiasedReLUNetwork(net1.P, np.zeros(net1.width), net1.w, net1.c0)
+        net1 = stage("single tokens", lambda: _without_biases(oracle, net1))
     details = {"hidden units": net1.width, "residual": f"{residual} (f([p; 0]) vs f([p/2]): "
                                                       f"{gap:.1e})",
                "biases b": (f"detected, max |b_i| = {np.abs(net1.b).max():.3g}" if biased
@@ -496,7 +507,7 @@ def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries,
     if np.abs(net.b).max() > BIAS_ZERO * scale:
         raise InputError("heads > 1 with FFN biases is not supported yet (one head is): the odd "
                          "part f(X) - f(-X) is multi-head attention only without biases")
-    net = BiasedReLUNetwork(net.P, np.zeros(net.width), net.w, net.c0)
+    net = stage("single tokens", lambda: _without_biases(oracle, net))
     if residual:
         # the odd part is u^T x_N + multi-head attention, u = A^T w; [e_i; 0] (uniform
         # attention, x_N = 0) give sum_h v_h / 2, single tokens u + sum_h v_h
