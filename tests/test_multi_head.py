@@ -312,9 +312,9 @@ def test_bad_options():
     with pytest.raises(ModelMismatchError, match="needs H <= d") as info:
         extract_multi_head(oracle, heads=4)                 # more heads than d
     assert info.value.result.model.heads == 0
-    for tolerance in (0.0, 2.0, "x"):
+    for bar in (0.0, 2.0, "x"):
         with pytest.raises(InputError):
-            extract_multi_head(oracle, heads=2, tolerance=tolerance)
+            extract_multi_head(oracle, heads=2, max_error_bar=bar)
 
 
 # ---------------------------------------------------------------------------
@@ -431,7 +431,7 @@ def test_cli_extract_multi_head(tmp_path):
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["ok"] and report["details"]["heads"] == 2
-    assert report["details"]["paper-2 count"] == paper2_count(2, 4)
+    assert report["details"]["paper_2_count"] == paper2_count(2, 4)   # JSON keys are snake_case
     with np.load(out) as data:
         assert data["W"].shape == (2, 4, 4) and data["v"].shape == (2, 4)
         assert int(data["queries"]) == report["queries"]

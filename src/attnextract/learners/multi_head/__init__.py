@@ -33,7 +33,7 @@ Algorithm.
 Conditioning. Each row fit's Jacobian and the pooled residual give the covariance of
 (c, z), propagated through U^-1 to a predicted relative error of every W_h and v_h. The
 learner refuses (:class:`RecoveryFailedError`) when that prediction exceeds
-``tolerance``, reports a mismatch when the residual is far above the output precision
+``max_error_bar``, reports a mismatch when the residual is far above the output precision
 or held-out verification fails, and otherwise states the prediction as the error bar.
 
 Queries: d + base (a few scans of 4H + 8 samples, (d - 1)(3H + 1) perturbations) +
@@ -95,7 +95,7 @@ def output_precision(values: np.ndarray) -> tuple[float, str]:
 
 
 def extract_multi_head(oracle: Oracle, heads=None, *, subspaces=None, seed=None,
-                       tolerance: float | None = None,
+                       max_error_bar: float | None = None,
                        verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                        progress=None) -> ExtractionResult:
     """Recover the canonical heads of a multi-head attention black box.
@@ -113,7 +113,7 @@ def extract_multi_head(oracle: Oracle, heads=None, *, subspaces=None, seed=None,
         list of coordinate indices; then the single-head learner runs inside each.
     seed : int, optional
         Seed of the random design and of the held-out verification sequences.
-    tolerance : float, optional
+    max_error_bar : float, optional
         Largest error bar (relative parameter error, ERROR_BAR_FACTOR times the
         predicted rms error) accepted; above it the learner refuses. Default 1e-6, or
         1e4 times the output precision for rounded outputs (6e-4 for float32).
@@ -137,7 +137,7 @@ def extract_multi_head(oracle: Oracle, heads=None, *, subspaces=None, seed=None,
         The samples do not fit H heads to the output precision, or held-out
         verification failed; ``.result`` holds the best effort when one was computed.
     RecoveryFailedError
-        The fit's predicted error (conditioning times residual) exceeds ``tolerance``.
+        The fit's predicted error (conditioning times residual) exceeds ``max_error_bar``.
     BudgetExceededError
         The budget cannot cover the next round (raised before it is sent).
     """
@@ -147,10 +147,11 @@ def extract_multi_head(oracle: Oracle, heads=None, *, subspaces=None, seed=None,
     if heads is not None and (isinstance(heads, bool) or not isinstance(heads, (int, np.integer))
                               or heads < 1):
         raise InputError(f"heads must be a positive integer or None, got {heads!r}")
-    if tolerance is not None and not (isinstance(tolerance, (int, float)) and 0 < tolerance < 1):
-        raise InputError(f"tolerance must lie in (0, 1), got {tolerance!r}")
+    if max_error_bar is not None and not (isinstance(max_error_bar, (int, float))
+                                          and 0 < max_error_bar < 1):
+        raise InputError(f"max_error_bar must lie in (0, 1), got {max_error_bar!r}")
     with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
-        return _Extraction(oracle, heads or min(d, MAX_HEADS), seed, tolerance,
+        return _Extraction(oracle, heads or min(d, MAX_HEADS), seed, max_error_bar,
                            verify_tolerance, progress).run()
 
 
