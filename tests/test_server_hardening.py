@@ -375,3 +375,17 @@ def test_a_400_from_our_own_server_is_about_the_batch_not_the_format(serve):
     with pytest.raises(BlackBoxError, match="HTTP 400.*NaN or infinity"):
         box(np.full((2, 1, D), np.nan))
     assert box.transport == "npy" and box.fallbacks == 0
+
+
+def test_an_idle_keep_alive_connection_is_not_taken_for_a_slow_request(serve):
+    """The header timeout runs from a request's first byte, not from the previous answer."""
+    server = serve(header_timeout=0.3, keepalive_timeout=5.0)
+    with socket.create_connection(server.server_address[:2], timeout=5) as sock:
+        for _ in range(2):
+            sock.sendall(query(ONE))
+            answer = sock.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+            time.sleep(0.6)                      # idle longer than the header timeout
+    quiet = serve(keepalive_timeout=0.3)
+    with socket.create_connection(quiet.server_address[:2], timeout=5) as sock:
+        assert sock.recv(100) == b""             # idle past the keep-alive limit: closed, no 408

@@ -14,7 +14,7 @@ only (``http.client``, one keep-alive connection per sending thread):
 - every request carries an ``Idempotency-Key`` (a fresh uuid per request, reused on
   its retries), so a retry after a lost answer is answered from the server's cache and
   not charged twice;
-- timeouts, dropped connections and 5xx answers are retried ``retries`` times with
+- timeouts, dropped connections, 408 and 5xx answers are retried ``retries`` times with
   exponential backoff (``backoff * 2^attempt`` seconds, capped at 30 s);
 - 429 (the server's budget) raises :class:`BudgetExceededError` whose
   ``partial_outputs`` holds the answers (k,) to the first k sequences of the batch that
@@ -319,8 +319,8 @@ class HttpBlackBox:
                 error = {}
             error = error if isinstance(error, dict) else {}
             reason = str(error.get("error", response.reason))
-            if status >= 500:
-                failure = f"HTTP {status}: {reason}"
+            if status >= 500 or status == 408:       # 408: the server gave up waiting; a
+                failure = f"HTTP {status}: {reason}"  # retry is safe (same Idempotency-Key)
                 continue
             raise _Refused(status, reason, error, reply.get("server", ""))
         raise BlackBoxError(f"{self.url} unreachable: {self.retries + 1} attempt(s) failed, "

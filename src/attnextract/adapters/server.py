@@ -40,8 +40,9 @@ thread pool):
 
 - at most ``max_connections`` connections (2048); one more is answered 503 and
   closed; listen backlog 128;
-- the request line and headers must arrive within ``header_timeout`` (5 s, also the
-  keep-alive idle limit) and be at most 16 KiB; a body may pause at most
+- the request line and headers must arrive within ``header_timeout`` (5 s) of their
+  first byte and be at most 16 KiB; an idle keep-alive connection is closed after
+  ``keepalive_timeout`` (15 s); a body may pause at most
   ``idle_timeout`` (2 s) between bytes: a slow or short body is refused 400 after
   at most that pause, and its connection closed;
 - Content-Length is checked (digits only, one header, at most ``max_body`` =
@@ -86,7 +87,8 @@ MAX_FLOATS = 1 << 20             # B * N * d per request: 8 MiB of float64
 MAX_LENGTH = 4096                # tokens per sequence
 MAX_CONNECTIONS = 2048
 BACKLOG = 128
-HEADER_TIMEOUT = 5.0             # seconds for a request line and headers (and keep-alive idle)
+HEADER_TIMEOUT = 5.0             # seconds for a request line and headers, from the first byte
+KEEPALIVE_TIMEOUT = 15.0         # seconds an idle keep-alive connection is kept
 IDLE_TIMEOUT = 2.0               # seconds a body may pause between bytes
 WRITE_TIMEOUT = 30.0             # seconds a client may take to read an answer
 MAX_HEADER_BYTES = 16 << 10
@@ -488,10 +490,11 @@ class BlackBoxServer:
     def __init__(self, address, state: ServerState, *, verbose: bool = False,
                  max_connections: int = MAX_CONNECTIONS, backlog: int = BACKLOG,
                  header_timeout: float = HEADER_TIMEOUT, idle_timeout: float = IDLE_TIMEOUT,
-                 workers: int = WORKERS):
+                 workers: int = WORKERS, keepalive_timeout: float = KEEPALIVE_TIMEOUT):
         self.state, self.verbose = state, verbose
         self.max_connections, self.backlog = max_connections, backlog
         self.header_timeout, self.idle_timeout = header_timeout, idle_timeout
+        self.keepalive_timeout = keepalive_timeout
         self.socket = socket.create_server(address, backlog=backlog)
         self.server_address = self.socket.getsockname()
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="attnextract-model")
@@ -564,13 +567,19 @@ class BlackBoxServer:
 
     async def _request(self, reader, writer) -> bool:
         """Read and answer one request; False when the connection must close."""
-        try:
-            async with asyncio.timeout(self.header_timeout):    # a timer, not a task
-                head = await reader.readuntil(b"\r\n\r\n")
+        try:                                         # an idle keep-alive connection may wait
+            async with asyncio.timeout(self.keepalive_timeout):   # (a timer, not a task)
+                first = await reader.read(1)
         except asyncio.TimeoutError:
-            if reader._buffer:                       # a partial request: say why we hang up
-                await self._send(writer, 408, {"error": "request headers not received within "
-                                                        f"{self.header_timeout} s"}, close=True)
+            return False                             # idle: hang up without a word
+        if not first:
+            return False
+        try:                                         # from its first byte, a request has
+            async with asyncio.timeout(self.header_timeout):      # header_timeout for its head
+                head = first + await reader.readuntil(b"\r\n\r\n")
+        except asyncio.TimeoutError:
+            await self._send(writer, 408, {"error": "request headers not received within "
+                                                    f"{self.header_timeout} s"}, close=True)
             return False
         except asyncio.LimitOverrunError:
             await self._send(writer, 431, {"error": f"request headers over "
@@ -752,7 +761,8 @@ def _content_length(headers: dict, max_body: int) -> int:
     return length
 
 
-SERVER_OPTIONS = ("max_connections", "backlog", "header_timeout", "idle_timeout", "workers")
+SERVER_OPTIONS = ("max_connections", "backlog", "header_timeout", "idle_timeout", "workers",
+                  "keepalive_timeout")
 
 
 def make_server(model, host: str = "127.0.0.1", port: int = 0, *, verbose: bool = False,
