@@ -77,6 +77,7 @@ stacked layers fail one of the identities or the verification: ModelMismatchErro
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -318,15 +319,7 @@ def extract_transformer_layer(oracle: Oracle, heads: int = 1, *, seed=None,
     seeds = np.random.SeedSequence(seed).spawn(5)
     counts: dict[str, int] = {}
 
-    def stage(name, run):
-        before = oracle.queries
-        try:
-            return run()
-        except ModelMismatchError as exc:
-            raise ModelMismatchError(f"not a Transformer layer ({name}): {exc}",
-                                     result=exc.result) from exc
-        finally:
-            counts[name] = counts.get(name, 0) + oracle.queries - before
+    stage = functools.partial(_stage, oracle, counts)
 
     residual, gap = stage("residual check", lambda: _detect_residual(
         oracle, np.random.default_rng(seeds[0])))
@@ -484,6 +477,19 @@ class _ShiftedOracle:
         return self.base.query_ragged(sequences) - self.offset
 
 
+def _stage(oracle, counts: dict, name: str, run):
+    """Run one stage of the learner: its queries counted under ``name``, a mismatch
+    inside it reported as the layer's, naming the stage."""
+    before = oracle.queries
+    try:
+        return run()
+    except ModelMismatchError as exc:
+        raise ModelMismatchError(f"not a Transformer layer ({name}): {exc}",
+                                 result=exc.result) from exc
+    finally:
+        counts[name] = counts.get(name, 0) + oracle.queries - before
+
+
 def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries, start_bb,
                    verify_tolerance, scale) -> ExtractionResult:
     """H > 1: FFN from single tokens, heads from the odd part, then the P_h split per unit."""
@@ -492,15 +498,7 @@ def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries,
 
     d = oracle.dim
 
-    def stage(name, run):
-        before = oracle.queries
-        try:
-            return run()
-        except ModelMismatchError as exc:
-            raise ModelMismatchError(f"not a Transformer layer ({name}): {exc}",
-                                     result=exc.result) from exc
-        finally:
-            counts[name] = counts.get(name, 0) + oracle.queries - before
+    stage = functools.partial(_stage, oracle, counts)
 
     net, info = stage("single tokens", lambda: extract_biased_relu(
         oracle, np.random.default_rng(seeds[1]), scale=scale))
