@@ -150,8 +150,8 @@ def test_a_whole_layer_on_the_command_line(tmp_path):
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     d = report["details"]
-    assert d["heads found"] == 12 and d["ranks"] == [32] * 12
-    assert d["canonical_error"] <= 1e-8 and max(d["per-head error"]) <= 1e-8
+    assert d["heads_found"] == 12 and d["ranks"] == [32] * 12
+    assert d["canonical_error"] <= 1e-8 and max(d["per_head_error"]) <= 1e-8
     recovery = report["breakdown"]["recovery"]
     assert recovery <= 2.5 * 287232 and recovery < 7077865
     assert report["verification"]["passed"]
