@@ -85,6 +85,7 @@ def torch_head(d, seed, dtype):
 
 
 @pytest.mark.parametrize("case", ["float32", "bfloat16", "decimals"])
+@pytest.mark.slow
 def test_measured_error_bars_hold(case):
     """The full 100-trial measurement is benchmarks/bench_error_bars.py; here 20 trials."""
     held, held_parts, verified = 0, 0, 0
@@ -113,6 +114,7 @@ def test_float32_forward_pass_is_refused_with_a_hint():
     assert "--output-dtype" in str(info.value) and "precision" in str(info.value)
 
 
+@pytest.mark.slow
 def test_cli_output_dtype_and_help(tmp_path):
     pytest.importorskip("torch")
     target = tmp_path / "target.py"

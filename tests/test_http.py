@@ -215,6 +215,7 @@ def test_large_batch_is_split_and_answered_in_order(serve):
     assert box.requests == 72
 
 
+@pytest.mark.slow
 def test_retries_timeouts_dropped_connections_and_5xx(serve):
     model = random_single_head(D, seed=5)
     server = serve(model)

@@ -256,6 +256,7 @@ def test_honest_heads_pass(d):
             assert check.passed, (name, check)
 
 
+@pytest.mark.slow
 def test_cli_verify_refuses_an_impostor(tmp_path):
     from conftest import run_cli
     target = tmp_path / "boxes.py"

@@ -354,6 +354,7 @@ def asked(log) -> list[str]:
     return log.read_text().split() if log.exists() else []
 
 
+@pytest.mark.slow
 def test_same_target_string_from_another_folder_is_refused(tmp_path):
     a, b = write_target(tmp_path / "a"), write_target(tmp_path / "b")
     journal = tmp_path / "j.sqlite"
@@ -379,6 +380,7 @@ def test_same_target_string_from_another_folder_is_refused(tmp_path):
     assert len(asked(tmp_path / "c.log")) == report["details"]["check_queries"] + VERIFY
 
 
+@pytest.mark.slow
 def test_disk_full_exits_with_the_journal_code_and_the_rerun_loses_nothing(tmp_path):
     folder = write_target(tmp_path / "t")
     args = ["extract", "--target", f"{folder}/target.py:box", "--dim", D, "--max-batch", 4,
@@ -415,6 +417,7 @@ def test_a_journal_locked_by_another_run_exits_with_the_journal_code(tmp_path):
     assert asked(tmp_path / "1.log") == []
 
 
+@pytest.mark.slow
 def test_a_truncated_journal_exits_with_the_journal_code(tmp_path):
     folder = write_target(tmp_path / "t")
     args = ["extract", "--target", f"{folder}/target.py:box", "--dim", D, "--out",
@@ -430,6 +433,7 @@ def test_a_truncated_journal_exits_with_the_journal_code(tmp_path):
 @pytest.mark.parametrize("out, problem", [("missing/r.npz", "does not exist"),
                                           ("folder", "is a directory"),
                                           ("file/r.npz", "does not exist")])
+@pytest.mark.slow
 def test_an_unwritable_out_is_refused_before_any_query(tmp_path, out, problem):
     folder = write_target(tmp_path / "t")
     (tmp_path / "folder.npz").mkdir()
@@ -441,6 +445,7 @@ def test_an_unwritable_out_is_refused_before_any_query(tmp_path, out, problem):
     assert not list(tmp_path.glob("**/*.sqlite"))            # no journal either
 
 
+@pytest.mark.slow
 def test_out_gets_its_suffix_and_the_journal_sits_beside_it(tmp_path):
     folder = write_target(tmp_path / "t")
     base = ["extract", "--target", f"{folder}/target.py:box", "--dim", D, "--no-progress"]
@@ -458,6 +463,7 @@ def test_out_gets_its_suffix_and_the_journal_sits_beside_it(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
+@pytest.mark.slow
 def test_ctrl_c_prints_one_line_with_the_queries_and_how_to_resume(tmp_path):
     folder = write_target(tmp_path / "t")
     journal = tmp_path / "r.journal.sqlite"

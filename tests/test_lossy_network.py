@@ -48,6 +48,7 @@ def network():
     (0.1, 0.0, 0), (0.0, 0.1, 1), (0.15, 0.15, 2), (0.0, 0.3, 3), (0.3, 0.0, 4),
     (0.1, 0.2, 5)])
 @pytest.mark.parametrize("transport", ["npy", "json"])
+@pytest.mark.slow
 def test_extraction_over_a_lossy_network_is_charged_exactly_once(network, drop_before,
                                                                   drop_after, seed, transport):
     model = random_single_head(D, seed=seed)
@@ -87,6 +88,7 @@ def test_without_idempotency_keys_lost_answers_are_charged_again(network):
     assert server.state.served > NEEDED and server.state.replayed == 0   # paid twice
 
 
+@pytest.mark.slow
 def test_command_line_report_counts_charged_queries_with_a_budget(network, tmp_path):
     model = random_single_head(D, seed=11)
     server, proxy = network(model, {"drop_before": 0.1, "drop_after": 0.2, "seed": 11},

@@ -123,6 +123,7 @@ def test_all_heads_of_a_layer_never_come_back_wrong():
     assert both.returncode == 2 and "either --head H or --all-heads" in both.stderr
 
 
+@pytest.mark.slow
 def test_real_heads_at_full_width_with_the_low_rank_learner():
     """Two real heads of rank 32 at the full width 384: each recovered to 1e-8 or better."""
     from attnextract.adapters.minilm import minilm_layer_target
@@ -178,6 +179,7 @@ def test_a_whole_layer_through_http(tmp_path):
         server.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_layer_options_need_all_heads():
     bad = run_cli("minilm", "--layer", "0", "--head", "1", "--target", "http://127.0.0.1:1",
                   timeout=120)

@@ -121,6 +121,7 @@ def test_match_heads_reports_permutation_and_errors():
     assert match_heads(MultiHeadAttention(M.W[:2], M.v[:2]), M)[1] == np.inf
 
 
+@pytest.mark.slow
 def test_twins_command_line():
     proc = run_cli("twins", "--heads", "3", "--dim", "5", "--seed", "4", "--json", timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -158,12 +159,14 @@ def check_extraction(M, seed, heads=None, tol=1e-10, **options):
 
 
 @pytest.mark.parametrize("H,d,seeds", [(1, 8, 4), (2, 8, 4), (3, 8, 3), (4, 8, 2), (2, 16, 2)])
+@pytest.mark.slow
 def test_generic_heads_recovered_within_paper2_count(H, d, seeds):
     for seed in range(seeds):
         check_extraction(random_multi_head(H, d, seed=1000 * H + 10 * d + seed), seed, heads=H)
 
 
 @pytest.mark.parametrize("seed", range(8))
+@pytest.mark.slow
 def test_seed_sweep_three_heads_both_scales(seed):
     """Entries N(0, 1/d) and N(0, 9/d), one seed each per scale."""
     w_scale = (1.0 if seed % 2 == 0 else 3.0) / np.sqrt(8)
@@ -186,6 +189,7 @@ def test_many_heads(H, d, seed):
 # kernel's rounding decides them. (Four heads at d = 4, H = d, are refused: with no
 # freedom left in the designed rows some heights vanish.)
 @pytest.mark.parametrize("seed", [0, 2, 3])
+@pytest.mark.slow
 def test_previously_failing_four_head_seeds(seed):
     result = check_extraction(random_multi_head(4, 8, seed=10_000 * 4 + 100 * 4 + seed), seed,
                               heads=4)
@@ -229,6 +233,7 @@ def test_report_states_conditioning_and_counts():
 @pytest.mark.parametrize("name", ["merged heads (W_1 = W_0)", "dead head (v = 0)",
                                   "heads sharing v", "non-orthogonal heads (correlated W, v)",
                                   "one head 10x larger W", "v = sum of v_h = 0"])
+@pytest.mark.slow
 def test_hostile_heads(H, name):
     """Adversarial targets: recovered within the bar, or refused; never a wrong model."""
     for seed in range(2):
@@ -259,6 +264,7 @@ def test_saturating_heads_recovered_or_refused():
     check_extraction(M, seed=0, heads=2)
 
 
+@pytest.mark.slow
 def test_upper_bound_and_exact_head_count():
     M = random_multi_head(2, 6, seed=3)
     for heads in (2, 3):
@@ -419,6 +425,7 @@ def test_wrong_subspaces_are_a_mismatch():
 # command line
 # ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_cli_extract_multi_head(tmp_path):
     target = tmp_path / "target.py"
     target.write_text(textwrap.dedent("""

@@ -59,6 +59,7 @@ def test_rank_found_when_not_given(seed):
 
 
 @pytest.mark.parametrize("d,heads,r,seeds", [(64, 8, 8, range(3)), (96, 12, 8, range(2))])
+@pytest.mark.slow
 def test_real_layer_shapes(d, heads, r, seeds):
     """Issue 12 item 2: H r = d at (64, 8, 8) and (96, 12, 8), canonical error <= 1e-8."""
     floor = heads * (d + r * (2 * d - r))
@@ -170,6 +171,7 @@ def test_seeded_runs_repeat():
     np.testing.assert_array_equal(a.model.W, b.model.W)
 
 
+@pytest.mark.slow
 def test_command_line(tmp_path):
     from conftest import run_cli
     target = tmp_path / "layer.py"

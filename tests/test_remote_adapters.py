@@ -70,6 +70,7 @@ def decode(answer):
 
 
 @pytest.mark.parametrize("seed", range(3))
+@pytest.mark.slow
 def test_extraction_through_a_custom_schema_api(seed):
     model = random_single_head(5, seed=seed)
     api = CustomSchemaApi(model, fail_first=2)
@@ -105,6 +106,7 @@ def test_custom_api_errors_are_typed():
         api.close()
 
 
+@pytest.mark.slow
 def test_the_custom_api_example_runs():
     done = subprocess.run([sys.executable, str(ROOT / "examples" / "custom_api.py")],
                           capture_output=True, text=True, timeout=120)
@@ -219,6 +221,7 @@ def test_replica_failures_and_bad_arguments_are_typed():
         RayReplicas(lambda X: X, 2, ray_module=FakeRay())
 
 
+@pytest.mark.slow
 def test_serve_options_on_the_command_line(tmp_path):
     from conftest import run_cli
     target = tmp_path / "t.py"

@@ -172,6 +172,7 @@ def test_a_model_answering_nan_is_refused_and_not_charged(serve):
     assert status == 500 and "not charged" in body["error"] and server.state.served == 0
 
 
+@pytest.mark.slow
 def test_slowloris_clients_are_dropped_and_honest_clients_are_served(serve):
     """100 clients send headers one byte at a time; 40 honest queries meanwhile all succeed."""
     server = serve(header_timeout=1.0)
@@ -223,6 +224,7 @@ def test_connections_are_capped_with_a_503(serve):
     assert HttpBlackBox(server.url).health()["ok"]
 
 
+@pytest.mark.slow
 def test_a_flood_of_requests_gets_no_resets(serve):
     model = random_single_head(D, seed=3)
     server = serve(model)
@@ -377,6 +379,7 @@ def test_a_400_from_our_own_server_is_about_the_batch_not_the_format(serve):
     assert box.transport == "npy" and box.fallbacks == 0
 
 
+@pytest.mark.slow
 def test_an_idle_keep_alive_connection_is_not_taken_for_a_slow_request(serve):
     """The header timeout runs from a request's first byte, not from the previous answer."""
     server = serve(header_timeout=0.3, keepalive_timeout=5.0)

@@ -51,6 +51,7 @@ def test_published_falsification_d8():
 
 @pytest.mark.parametrize("d", [1, 3, 16, 64])
 @pytest.mark.parametrize("seed", range(3))
+@pytest.mark.slow
 def test_hostile_targets(d, seed):
     for name, target in hostile_single_heads(d, seed).items():
         result, _ = extract(target)

@@ -41,6 +41,7 @@ def assert_recovered(result, cmp, truth):
 # --------------------------------------------------------------------------- (1) bias-free
 @pytest.mark.parametrize("width", [16, 32])
 @pytest.mark.parametrize("seed", range(20))
+@pytest.mark.slow
 def test_bias_free_single_head(width, seed):
     truth = random_transformer_layer(16, width, seed=seed)
     result, cmp = extract(truth, seed)
@@ -89,6 +90,7 @@ def test_multi_head_limits_are_typed_errors():
 # --------------------------------------------------------------------------- (2) biases
 @pytest.mark.parametrize("bias_scale", [1.0, 1e-3, 1e-6])
 @pytest.mark.parametrize("seed", range(6))
+@pytest.mark.slow
 def test_biases_single_head(bias_scale, seed):
     truth = random_transformer_layer(32, 32, seed=seed, bias_scale=bias_scale, c0=0.7 - 0.4 * seed)
     result, cmp = extract(truth, seed)
@@ -109,6 +111,7 @@ def test_output_bias_only(seed):
 # --------------------------------------------------------------------------- (3) residual
 @pytest.mark.parametrize("bias_scale", [1.0, 0.0])
 @pytest.mark.parametrize("seed", range(6))
+@pytest.mark.slow
 def test_residual(bias_scale, seed):
     truth = random_transformer_layer(16, 32, seed=seed, bias_scale=bias_scale, c0=0.3,
                                      residual=True)
@@ -219,6 +222,7 @@ def test_result_file_round_trip(tmp_path):
     assert np.abs(out - truth(X)).max() <= 1e-8 * np.abs(truth(X)).max()
 
 
+@pytest.mark.slow
 def test_cli_transformer_layer(tmp_path):
     target = tmp_path / "target.py"
     target.write_text(
@@ -237,6 +241,7 @@ def test_cli_transformer_layer(tmp_path):
                    "transformer-layer", "--rank", 2, "--out", out, check=2, cwd=tmp_path)
 
 
+@pytest.mark.slow
 def test_bench_section_rows_and_table():
     from attnextract.bench import markdown, section_transformer_layer
     rows = section_transformer_layer(True, lambda message: None)
@@ -262,6 +267,7 @@ def test_bad_input_and_budget_are_typed_errors():
     assert oracle.queries <= 400
 
 
+@pytest.mark.slow
 def test_cli_verify_recovered_layer(tmp_path):
     target = tmp_path / "target.py"
     target.write_text(
