@@ -273,6 +273,32 @@ class Oracle:
                 "check_queries": self.check_queries}
 
 
+class OracleView:
+    """A learner's view of an oracle: queries go through ``base`` (counted, budgeted and
+    journaled there); subclasses change what a query means by overriding ``query``.
+    ``what`` names the view in budget messages."""
+
+    def __init__(self, base, what: str | None = None):
+        self.base, self.what, self.dim = base, what, base.dim
+
+    @property
+    def queries(self) -> int:
+        return self.base.queries
+
+    @property
+    def black_box_seconds(self) -> float:
+        return self.base.black_box_seconds
+
+    def _named(self, what: str) -> str:
+        return what if self.what is None else f"{what} ({self.what})"
+
+    def require(self, n: int, what: str = "this step") -> None:
+        self.base.require(n, self._named(what))
+
+    def plan(self, n: int, what: str = "the extraction") -> None:
+        self.base.plan(n, self._named(what))
+
+
 def live_queries(oracle):
     """Context: queries through ``oracle`` reach the live black box, never a journal.
 

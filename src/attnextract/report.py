@@ -113,6 +113,17 @@ def relative_errors(predicted: np.ndarray, observed: np.ndarray) -> np.ndarray:
     return np.abs(predicted - observed) / denom
 
 
+def held_out_output_error(recovered, truth, *, count: int = 256, seed=0) -> float:
+    """Largest :func:`relative_errors` of ``recovered`` against a known ``truth`` model on
+    ``count`` held-out sequences at the truth's token scale (bench and tests; one batch
+    per length)."""
+    from .oracle import evaluate_ragged
+    sequences = held_out_sequences(truth.dim, count, np.random.default_rng(seed),
+                                   token_scale(truth))
+    return float(relative_errors(evaluate_ragged(recovered, sequences),
+                                 evaluate_ragged(truth, sequences)).max())
+
+
 def verify_model(oracle: Oracle, model, *, count: int, seed=None,
                  tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                  scale: float | None = None, probe_length: int | None = None,

@@ -41,8 +41,8 @@ from ..errors import ModelMismatchError, NotIdentifiableError
 from ..models import OneLayerTransformer
 from ..oracle import Oracle, evaluate_ragged
 from .relu_network import align_relu_networks, extract_relu_network
-from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, held_out_sequences,
-                     relative_errors, token_scale, verification_count, verify_model)
+from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
+                     held_out_output_error, token_scale, verification_count, verify_model)
 from .single_head import extract_single_head
 
 log = logging.getLogger(__name__)
@@ -244,9 +244,5 @@ def compare_one_layer(recovered: OneLayerTransformer, truth: OneLayerTransformer
                                     / max(np.linalg.norm(truth.W), np.finfo(float).tiny))
     out["max_error_W"] = float(np.abs(recovered.W - truth.W).max()
                                / max(np.abs(truth.W).max(), np.finfo(float).tiny))
-    rng = np.random.default_rng(seed)
-    sequences = held_out_sequences(truth.dim, count, rng, token_scale(truth))
-    observed = np.array([truth(s) for s in sequences])
-    predicted = np.array([recovered(s) for s in sequences])
-    out["max_output_error"] = float(relative_errors(predicted, observed).max())
+    out["max_output_error"] = held_out_output_error(recovered, truth, count=count, seed=seed)
     return out

@@ -43,7 +43,7 @@ import numpy as np
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import ResidualOneLayer
 from .one_layer import OddPartOracle
-from ..oracle import Oracle
+from ..oracle import Oracle, OracleView
 from .relu_network import extract_relu_network
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, token_scale,
                      verification_count, verify_model)
@@ -56,26 +56,12 @@ TIE_SCORE = 100.0           # net 3 is checked held-out out to scores this large
 
 
 
-class _MappedOracle:
+class _MappedOracle(OracleView):
     """Length-1 queries [y] sent as the sequences ``build(y)`` (B, N, d): one query each."""
 
     def __init__(self, oracle, build, what: str):
-        self.base, self.build, self.what = oracle, build, what
-        self.dim = oracle.dim
-
-    @property
-    def queries(self) -> int:
-        return self.base.queries
-
-    @property
-    def black_box_seconds(self) -> float:
-        return self.base.black_box_seconds
-
-    def require(self, n: int, what: str = "this step") -> None:
-        self.base.require(n, f"{what} ({self.what})")
-
-    def plan(self, n: int, what: str = "the extraction") -> None:
-        self.base.plan(n, f"{what} ({self.what})")
+        super().__init__(oracle, what)
+        self.build = build
 
     def query(self, X) -> np.ndarray:
         X = np.asarray(X, dtype=np.float64)

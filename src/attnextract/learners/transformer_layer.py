@@ -85,7 +85,7 @@ import numpy as np
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import TransformerLayer
-from ..oracle import Oracle
+from ..oracle import Oracle, OracleView
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                       token_scale, verification_count, verify_model)
 from .biased_relu import BiasedReLUNetwork, crossing_points, extract_biased_relu
@@ -450,25 +450,12 @@ def _bias_free_residual(oracle, net1, seeds, counts, details, start, start_queri
                    verify_tolerance)
 
 
-class _ShiftedOracle:
+class _ShiftedOracle(OracleView):
     """The black box minus a constant, behind the Oracle interface (same query counts)."""
 
     def __init__(self, oracle: Oracle, offset: float):
-        self.base, self.offset, self.dim = oracle, offset, oracle.dim
-
-    @property
-    def queries(self) -> int:
-        return self.base.queries
-
-    @property
-    def black_box_seconds(self) -> float:
-        return self.base.black_box_seconds
-
-    def require(self, n: int, what: str = "this step") -> None:
-        self.base.require(n, what)
-
-    def plan(self, n: int, what: str = "the extraction") -> None:
-        self.base.plan(n, what)
+        super().__init__(oracle)
+        self.offset = offset
 
     def query(self, X) -> np.ndarray:
         return self.base.query(X) - self.offset
@@ -660,7 +647,7 @@ def compare_transformer_layer(recovered: TransformerLayer, truth: TransformerLay
     from scipy.optimize import linear_sum_assignment
 
     from ..models import MultiHeadAttention
-    from ..report import held_out_sequences, relative_errors
+    from ..report import held_out_output_error
     from .multi_head import match_heads
 
     rec, tru = canonical_units(recovered), canonical_units(truth)
@@ -688,9 +675,5 @@ def compare_transformer_layer(recovered: TransformerLayer, truth: TransformerLay
         worst = max(out[k] for k in ("error_W", "error_P", "error_A", "error_b", "error_w",
                                      "error_c0"))
         out.update(max_error=worst, bits=float(-math.log2(worst)) if worst > 0 else 53.0)
-    rng = np.random.default_rng(seed)
-    sequences = held_out_sequences(truth.dim, count, rng, token_scale(truth))
-    observed = np.array([truth(s) for s in sequences])
-    predicted = np.array([recovered(s) for s in sequences])
-    out["max_output_error"] = float(relative_errors(predicted, observed).max())
+    out["max_output_error"] = held_out_output_error(recovered, truth, count=count, seed=seed)
     return out
