@@ -216,55 +216,57 @@ class _Extraction:
         return self.main(Y0, V0)
 
     def base_row(self, s0: int) -> int:
-        """Scale and pick the base row; returns the number of canonical heads found."""
+        """Scale and pick the base row; returns the number of canonical heads found.
+
+        The logits are linear in u, so one fitted scan of a row tells the scale that
+        puts its outermost step at ``half_window - 1.5``; the rescaled scan is that
+        row's candidate. The other candidates use the same scale, and the one whose
+        steps are pinned best (smallest predicted logit error) is kept.
+        """
         d, H, rng = self.d, self.max_heads, self.rng
         lam_target = design.base_lambdas(s0, self.half_window)
         self.q_0 = rng.standard_normal(d)
         self.q_0 /= np.linalg.norm(self.q_0)
         directions = rng.standard_normal((BASE_CANDIDATES, d))
         directions /= np.linalg.norm(directions, axis=1, keepdims=True)
-        target_spread = 0.7 * (self.half_window - 1.0)
-        scale, before = 1.0, self.oracle.queries
+        target_spread = self.half_window - 1.5
 
         def scan(u):
+            """(count, u, fit, noise) of row u; count None when no fit reaches the noise."""
             lam, g = self.measure(np.repeat(u[None], lam_target.size, 0),
                                   np.repeat(self.q_0[None], lam_target.size, 0), lam_target)
-            f = g + self.q_0 @ self.v
-            noise = self.noise(f)
-            return lam, g, noise
-
-        # scale: steps of the first candidate spread over about 70% of the window
-        for _ in range(SCALE_ROUNDS):
-            u = scale * directions[0]
-            lam, g, noise = scan(u)
+            noise = self.noise(g + self.q_0 @ self.v)
             if np.max(np.abs(g)) <= NOISE_FACTOR * noise:
-                break                         # no step at all (yet): larger tokens
+                return 0, u, None, noise
             fits = fit.fit_free_steps(lam, g, u @ self.v, H, self.half_window, noise)
             allowed = max(NOISE_FACTOR * noise, BASE_MISFIT * float(np.sqrt(np.mean(g ** 2))))
-            best = next((f for f in fits if f.rms <= allowed), fits[-1])
-            strong = np.abs(best.c) > 1e-3 * np.max(np.abs(best.c))
-            spread = float(np.max(np.abs(best.t[strong])))
-            if 0.5 * target_spread <= spread <= 1.3 * target_spread:
+            count = next((h + 1 for h, f in enumerate(fits) if f.rms <= allowed), None)
+            return count, u, fits[count - 1] if count else fits[-1], noise
+
+        def spread(found):
+            steps = found[2]
+            strong = np.abs(steps.c) > 1e-3 * np.max(np.abs(steps.c))
+            return float(np.max(np.abs(steps.t[strong])))
+
+        scale, before = 1.0, self.oracle.queries
+        for _ in range(SCALE_ROUNDS):
+            first = scan(scale * directions[0])
+            if first[0] == 0:
+                scale *= 30.0                 # no step at all (yet): larger tokens
+                continue
+            factor = target_spread / max(spread(first), 1e-3)
+            if 0.8 <= factor <= 1.25 and first[0] is not None:
                 break
-            scale *= min(target_spread / max(spread, 1e-3), 1e3)
+            scale *= min(factor, 1e3)
         self.details["base scale"] = scale
         self.spend("base scale", before)
 
         before = self.oracle.queries
-        found = []
-        for i, w in enumerate(directions):
-            u = scale * w
-            lam, g, noise = scan(u)
-            if np.max(np.abs(g)) <= NOISE_FACTOR * noise:
-                found.append((0, u, None, noise))
-                continue
-            fits = fit.fit_free_steps(lam, g, u @ self.v, H, self.half_window, noise)
-            allowed = max(NOISE_FACTOR * noise, BASE_MISFIT * float(np.sqrt(np.mean(g ** 2))))
-            count = next((h + 1 for h, f in enumerate(fits) if f.rms <= allowed), None)
-            found.append((count, u, fits[count - 1] if count else fits[-1], noise))
-            # H steps pinned down well: no other row can show more, stop looking
-            if count == H and float(np.max(found[-1][2].t_std)) <= BASE_LOGIT_STD:
-                break
+        found = [first]
+        for w in directions[1:]:
+            if found[-1][0] == H and float(np.max(found[-1][2].t_std)) <= BASE_LOGIT_STD:
+                break                         # H steps pinned down well: stop looking
+            found.append(scan(scale * w))
         self.spend("base rows", before)
         counts = [f[0] for f in found if f[0] is not None]
         if not counts:
@@ -281,6 +283,7 @@ class _Extraction:
         _, self.u_0, self.base_fit, self.base_noise = chosen
         gaps = np.diff(self.base_fit.t)
         self.details["base row smallest step gap"] = float(gaps.min()) if gaps.size else math.inf
+        self.details["base row logit error"] = float(np.max(self.base_fit.t_std))
         return heads
 
     def base_perturbations(self):
@@ -324,42 +327,70 @@ class _Extraction:
         H = Y0.shape[1]
         self.length = design.window_length(H)
         self.half_window = math.log(self.length - 1)
-        half = self.half_window - 1.5
-        positions = design.step_positions(H, half)
+        positions = design.step_positions(H, self.half_window - 1.5)
         spacing = float(positions[1] - positions[0]) if H > 1 else 2.0
         U = design.design_rows(Y0, V0, positions, rng)
-        tau = U @ Y0                                                   # (d, H) designed
-        # columns q_0 and q_0 + s r_j: the largest of the d (d + 1) H steps moves by about
-        # SHIFT * spacing (a Gaussian's maximum over n draws is sqrt(2 ln n) sigma)
-        y_norm = float(np.max(np.linalg.norm(Y0, axis=0)))
-        u_norm = float(np.median(np.linalg.norm(U, axis=1)))
-        sigma_move = SHIFT * spacing / math.sqrt(2 * math.log(d * (d + 1) * H + 2))
-        s = sigma_move * math.sqrt(d) / max(u_norm * y_norm, 1e-300)
-        R = np.linalg.qr(rng.standard_normal((d, d)))[0]
-        columns = np.vstack([self.q_0[None], self.q_0[None] + s * R.T])  # (d + 1, d)
-        J = d + 1
-        S = H + 1
-        lam_t = np.array([[design.main_lambdas(tau[k], spacing, j, self.half_window, True)
-                           for j in range(J)] for k in range(d)])      # (d, J, S)
+        tau, C0 = U @ Y0, U @ V0                                      # (d, H) predicted
+
+        # round 1: every row on column q_0, a uniform lambda grid; free fits give each
+        # row's positions and heights however far the design missed them
+        lam_1 = design.base_lambdas(2 * H + 2, self.half_window)
+        S1 = lam_1.size
         before = self.oracle.queries
-        kk, jj, _ = np.meshgrid(np.arange(d), np.arange(J), np.arange(S), indexing="ij")
-        lam, g = self.measure(U[kk.ravel()], columns[jj.ravel()], lam_t.ravel())
-        self.spend("main probes", before)
-        lam, g = lam.reshape(d, J, S), g.reshape(d, J, S)
-        f_all = g + (columns @ self.v)[None, :, None]
+        lam, g = self.measure(np.repeat(U, S1, 0), np.repeat(self.q_0[None], d * S1, 0),
+                              np.tile(lam_1, d))
+        self.spend("main rows", before)
+        lam, g = lam.reshape(d, S1), g.reshape(d, S1)
+        noise = self.noise(g + self.q_0 @ self.v)
+        t_row, c_row, worst = np.empty((d, H)), np.empty((d, H)), 0.0
+        for k in range(d):
+            steps = fit.fit_free_steps(lam[k], g[k], U[k] @ self.v, H, self.half_window,
+                                       noise, counts=[H])[-1]
+            worst = max(worst, steps.rms / (NOISE_FACTOR * noise))
+            order = fit.label_steps(steps.t, steps.c, tau[k], C0[k], spacing)
+            t_row[k], c_row[k] = steps.t[order], steps.c[order]
+        if worst > 1.0:
+            self.finish(MultiHeadAttention(np.zeros((0, d, d)), np.zeros((0, d))), None,
+                        check=False)
+            raise ModelMismatchError(
+                f"the black box is not multi-head attention with {H} canonical heads: a "
+                f"main row does not fit {H} steps (residual {worst * NOISE_FACTOR:.1e} times "
+                f"the output precision)", result=self.result)
+
+        # round 2: columns q_0 + s_k r_j (j = 1..d-1) sampled at row k's measured steps;
+        # s_k moves the steps by at most about a quarter of the row's smallest gap
+        gaps = np.diff(np.sort(t_row, axis=1), axis=1).min(axis=1) if H > 1 else np.full(d, 2.0)
+        y_norm = float(np.max(np.linalg.norm(Y0, axis=0)))
+        z_norm = np.linalg.norm(U, axis=1) * y_norm                   # about |W_h^T u_k|
+        s_k = 0.25 * np.minimum(gaps, spacing) * math.sqrt(d) / (3.0 * z_norm)
+        R = np.linalg.qr(rng.standard_normal((d, d)))[0][:, :d - 1].T  # (d - 1, d)
+        columns = self.q_0[None, None] + s_k[:, None, None] * R[None]  # (d, d - 1, d)
+        before = self.oracle.queries
+        kk = np.repeat(np.arange(d), (d - 1) * H)
+        lam2, g2 = self.measure(U[kk], np.repeat(columns.reshape(-1, d), H, 0),
+                                np.repeat(-t_row, d - 1, axis=0).ravel())
+        self.spend("main columns", before)
+        lam2, g2 = lam2.reshape(d, d - 1, H), g2.reshape(d, d - 1, H)
+        f_all = np.concatenate([g.ravel() + self.q_0 @ self.v,
+                                (g2 + np.einsum("kjd,d->kj", columns, self.v)[..., None]).ravel()])
         noise = self.noise(f_all)
 
-        # start: heights from the base, each probe's logits with those heights
-        C0 = U @ V0                                                    # (d, H)
-        t_start = fit.fit_logits(lam.reshape(d * J, S), g.reshape(d * J, S),
-                                 np.repeat(C0, J, 0), np.repeat(tau, J, 0),
-                                 bound=2 * SHIFT * spacing)
-        t_start = t_start.reshape(d, J, H)
-        mask = np.ones((J, S))
+        # starts: each column's logits with the row's heights, then z by least squares
+        t_cols = fit.fit_logits(lam2.reshape(-1, H), g2.reshape(-1, H),
+                                np.repeat(c_row, d - 1, 0), np.repeat(t_row, d - 1, 0),
+                                bound=0.5 * float(np.min(gaps)) if H > 1 else np.inf)
+        t_cols = t_cols.reshape(d, d - 1, H)
         rows = []
         for k in range(d):
-            z0 = np.linalg.lstsq(columns, t_start[k], rcond=None)[0].T  # (H, d)
-            rows.append(fit.fit_row(lam[k], g[k], mask, columns, C0[k], z0))
+            cols_k = np.vstack([self.q_0[None], columns[k]])          # (d, d)
+            t_k = np.vstack([t_row[k][None], t_cols[k]])              # (d, H)
+            z0 = np.linalg.solve(cols_k, t_k).T                       # (H, d)
+            lam_k = np.full((d, S1), 0.0)
+            g_k = np.zeros((d, S1))
+            mask = np.zeros((d, S1))
+            lam_k[0], g_k[0], mask[0] = lam[k], g[k], 1.0
+            lam_k[1:, :H], g_k[1:, :H], mask[1:, :H] = lam2[k], g2[k], 1.0
+            rows.append(fit.fit_row(lam_k, g_k, mask, cols_k, c_row[k], z0))
         residual = np.concatenate([r.residual for r in rows])
         params = H * (d + 1) * d
         sigma = fit.residual_sigma(residual, params, noise)
@@ -386,7 +417,8 @@ class _Extraction:
         self.details.update({
             "lambda window": f"+-{self.half_window:.2f} (sequences of {self.length} tokens)",
             "designed step spacing": spacing,
-            "column step s": s,
+            "smallest step gap in a main row": float(np.min(gaps)) if H > 1 else math.inf,
+            "column step s (median)": float(np.median(s_k)),
             "row design condition": float(np.linalg.cond(U)),
             "row fit condition (max)": cond,
             "residual rms": measured_sigma,

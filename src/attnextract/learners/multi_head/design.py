@@ -131,7 +131,8 @@ def design_rows(Y0: np.ndarray, V: np.ndarray, positions: np.ndarray, rng: np.ra
         offsets = rng.uniform(-jitter, jitter, size=candidates)
         targets = positions[orders] + offsets[:, None]           # (C, H)
         z = rng.standard_normal((candidates, d)) @ P_perp
-        z *= scale_u / (np.linalg.norm(z, axis=1, keepdims=True) + 1e-300)
+        # H = d: no complement (P_perp is rounding noise, which must not be scaled up)
+        z *= scale_u / (np.linalg.norm(z, axis=1, keepdims=True) + 1e-300) if H < d else 0.0
         cand = targets @ pinv + z                                 # (C, d)
         heights = np.abs(cand @ V) / v_norm / np.linalg.norm(cand, axis=1, keepdims=True)
         score = heights.min(axis=1) * math.sqrt(d)

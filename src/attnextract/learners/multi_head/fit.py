@@ -13,13 +13,13 @@ learner reports and refuses on.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.interpolate import AAA
 from scipy.optimize import least_squares
 from scipy.special import expit
-
-RANDOM_STARTS = 2      # random starts of a row's free step fit, per head beyond the first
 
 
 def sigmoid_and_slope(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -99,65 +99,71 @@ def _steps_residual(lam, g, total, weight_total):
     return fun
 
 
-def _best_new_step(lam, g, total, t_fixed, grid, weight_total):
-    """Grid search of one more step's position with the heights solved linearly."""
-    S = lam.size
-    cols = [expit(t + lam) for t in t_fixed]
-    best = (np.inf, None, None)
-    A_fixed = np.array(cols).T if cols else np.zeros((S, 0))
-    A = np.empty((grid.size, S + 1, len(cols) + 1))
-    A[:, :S, :len(cols)] = A_fixed[None]
-    A[:, :S, -1] = expit(grid[:, None] + lam[None, :])
-    A[:, S, :] = weight_total
-    b = np.concatenate([g, [weight_total * total]])
-    c = np.einsum("gij,j->gi", np.linalg.pinv(A), b)
-    cost = np.sum((np.einsum("gij,gj->gi", A, c) - b) ** 2, axis=1)
-    i = int(np.argmin(cost))
-    if cost[i] < best[0]:
-        best = (cost[i], grid[i], c[i])
-    return best
+def rational_steps(lam: np.ndarray, g: np.ndarray, heads: int) -> np.ndarray:
+    """Step positions t (at most ``heads``) from the poles of a rational fit, no start needed.
+
+    In x = e^lambda a step is c sigma(t + lambda) = c x / (x + e^-t): g is a rational
+    function of degree H with its poles at x = -e^-t. AAA (barycentric rational
+    approximation with greedily chosen support points, scipy.interpolate.AAA) finds
+    them by a generalized eigenvalue problem, well conditioned where the samples are,
+    with no random starts. Poles off the negative real axis (noise, or two steps too
+    close to split) are mapped to their modulus.
+    """
+    x = np.exp(lam)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            poles = AAA(x, g, max_terms=heads + 1, rtol=0.0).poles()
+        except (np.linalg.LinAlgError, ValueError):
+            return np.zeros(0)
+    near_axis = (poles.real < 0) & (np.abs(np.angle(-poles)) < 0.5)
+    t = -np.log(np.abs(poles[near_axis]))
+    return np.sort(t[np.isfinite(t)])[:heads]
 
 
 def fit_free_steps(lam: np.ndarray, g: np.ndarray, total: float, heads: int,
-                   half_window: float, floor: float) -> list[StepFit]:
-    """Fits with 1..heads steps to one row's lambda scan; entry h - 1 has h steps.
+                   half_window: float, floor: float, counts=None) -> list[StepFit]:
+    """Fits with 1..heads steps (or the step ``counts`` given) to one row's lambda scan.
 
-    Steps are added one at a time (grid search of the new position, heights linear),
-    then every step is searched again with the others fixed, and all are polished by
+    Each fit starts from the poles of the rational fit of degree h
+    (:func:`rational_steps`), heights solved linearly, and is polished by
     Levenberg-Marquardt. ``total`` = sum_h c_h = u^T v is the known top asymptote.
     """
     scale = max(float(np.max(np.abs(g))), abs(total), 1e-300)
     gs, ts = g / scale, total / scale
-    w_total = 1.0
-    grid = np.linspace(-half_window - 2.5, half_window + 2.5, 241)
-    fun = _steps_residual(lam, gs, ts, w_total)
-    fits, t = [], np.zeros(0)
-    rng = np.random.default_rng(0)          # the starts are part of the method, not of the run
-    for h in range(1, heads + 1):
-        _, t_new, c = _best_new_step(lam, gs, ts, t, grid, w_total)
-        x, r, J = levenberg_marquardt(fun, np.concatenate([np.append(t, t_new), c]))
-        # more starts: each step of the fit with h - 1 steps split in two (close pairs),
-        # and, for the largest count, random positions over the window; each start is
-        # screened by a short run, the best one polished
-        splits = [np.concatenate([np.delete(t, i), t[i] + np.array([-0.3, 0.3])])
-                  for i in range(t.size)]
-        randoms = [np.sort(rng.uniform(-half_window, half_window, h))
-                   for _ in range(RANDOM_STARTS * (h - 1) if h == heads else 0)]
-        for t_try in splits + randoms:
-            if float(r @ r) <= (floor / scale) ** 2 * lam.size:
-                break
-            A = np.vstack([expit(t_try[None, :] + lam[:, None]), np.full((1, h), w_total)])
-            c_try = np.linalg.lstsq(A, np.append(gs, w_total * ts), rcond=None)[0]
-            x_try, r_try, _ = levenberg_marquardt(fun, np.concatenate([t_try, c_try]), 20)
-            if r_try @ r_try < r @ r:
-                x, r, J = levenberg_marquardt(fun, x_try)
-        t = x[:h]
+    fun = _steps_residual(lam, gs, ts, 1.0)
+    fits = []
+    for h in (range(1, heads + 1) if counts is None else counts):
+        t = rational_steps(lam, gs, h)
+        # a degree-h fit may show fewer real poles (a step outside the window): the
+        # missing ones start at the window's edges, where such steps are
+        edges = np.linspace(-half_window - 1.0, half_window + 1.0, h - t.size + 2)[1:-1]
+        t = np.sort(np.concatenate([t, edges]))
+        A = np.vstack([expit(t[None, :] + lam[:, None]), np.ones((1, h))])
+        c = np.linalg.lstsq(A, np.append(gs, ts), rcond=None)[0]
+        x, r, J = levenberg_marquardt(fun, np.concatenate([t, c]))
         std = unit_std(J) * residual_sigma(r, J.shape[1], floor / scale)
-        order = np.argsort(t)
+        order = np.argsort(x[:h])
         fits.append(StepFit(t=x[:h][order], c=x[h:][order] * scale,
                             rms=float(np.sqrt(np.mean(r[:-1] ** 2))) * scale,
                             t_std=std[:h][order], c_std=std[h:][order] * scale))
     return fits
+
+
+def label_steps(t: np.ndarray, c: np.ndarray, t_predicted: np.ndarray,
+                c_predicted: np.ndarray, spacing: float) -> np.ndarray:
+    """Which fitted step is which head: order such that t[order][h] is head h's step.
+
+    Matches positions (in units of the designed spacing) and heights (relative to the
+    row's largest) to their predictions at once (Hungarian assignment), so two heads
+    whose predicted positions or heights alone are close are still told apart.
+    """
+    from scipy.optimize import linear_sum_assignment
+    top = max(float(np.max(np.abs(c_predicted))), 1e-300)
+    cost = (np.abs(t_predicted[:, None] - t[None, :]) / spacing
+            + np.abs(c_predicted[:, None] - c[None, :]) / top)
+    _, order = linear_sum_assignment(cost)
+    return order
 
 
 def refit_steps(lam: np.ndarray, g: np.ndarray, total: float, t0: np.ndarray,
