@@ -63,7 +63,8 @@ __all__ = ["extract_multi_head", "canonical_form", "canonical_error", "match_hea
 
 MAX_HEADS = 12            # largest H searched when no bound is given
 BASE_CANDIDATES = 4       # candidate base rows at most; the best-conditioned one is kept
-BASE_LOGIT_STD = 1e-4     # a base row whose logits are this well pinned ends the search
+BASE_QUALITY = 1e-7       # a base row whose logit error / smallest gap is below this
+                          # ends the search (the perturbations' error scales with it)
 BASE_MISFIT = 1e-7        # base rows steer the design only: a fit to 1e-7 of the signal
                           # is in the right basin (a missing head misses by far more)
 SCALE_ROUNDS = 4          # base scans to bring the steps into the window
@@ -180,12 +181,18 @@ class _Extraction:
         return design.realised_lambda(m, self.length), design.measure(
             self.oracle, self.v, u, q, m, self.length)
 
-    def noise(self, f_values) -> float:
-        """Absolute output noise expected from the precision, for outputs like ``f_values``."""
+    def noise(self, f_values, heights=0.0) -> float:
+        """Absolute output noise expected from the precision, for outputs like ``f_values``.
+
+        A float64 black box rounds its own softmax sums: the terms are as large as the
+        heights |c_h| = |u^T v_h| (which cancel in g), summed over N tokens, so its
+        rounding grows with sum_h |c_h| and log2 N. Rounded outputs add one rounding
+        of the output.
+        """
         rms = float(np.sqrt(np.mean(np.square(f_values)))) if np.size(f_values) else 0.0
-        # float64 black boxes add rounding of their own softmax sums over N tokens
-        factor = 8.0 if self.precision_name == "float64" else 0.6
-        return factor * self.precision * max(rms, 1e-300)
+        if self.precision_name == "float64":
+            return (8.0 + math.log2(self.length)) * self.precision * max(rms + heights, 1e-300)
+        return 0.6 * self.precision * max(rms, 1e-300)
 
     # -- stages --------------------------------------------------------------
     def run(self) -> ExtractionResult:
@@ -264,7 +271,7 @@ class _Extraction:
         before = self.oracle.queries
         found = [first]
         for w in directions[1:]:
-            if found[-1][0] == H and float(np.max(found[-1][2].t_std)) <= BASE_LOGIT_STD:
+            if found[-1][0] == H and base_quality(found[-1][2]) <= BASE_QUALITY:
                 break                         # H steps pinned down well: stop looking
             found.append(scan(scale * w))
         self.spend("base rows", before)
@@ -278,8 +285,7 @@ class _Extraction:
         self.details["canonical heads"] = heads
         if heads == 0:
             return 0
-        chosen = min((f for f in found if f[0] == heads),
-                     key=lambda f: float(np.max(f[2].t_std)))
+        chosen = min((f for f in found if f[0] == heads), key=lambda f: base_quality(f[2]))
         _, self.u_0, self.base_fit, self.base_noise = chosen
         gaps = np.diff(self.base_fit.t)
         self.details["base row smallest step gap"] = float(gaps.min()) if gaps.size else math.inf
@@ -293,7 +299,7 @@ class _Extraction:
         H = t0.size
         gap = float(np.min(np.diff(t0))) if H > 1 else 2.0
         spread = float(np.sqrt(np.mean(t0 ** 2))) + 0.5
-        eps = float(np.clip(0.003 * gap / spread, 1e-4, 0.5))
+        eps = float(np.clip(0.003 * gap / spread, 1e-12, 0.5))
         W_perp = design.orthonormal_complement(self.u_0, self.rng) * np.linalg.norm(self.u_0)
         rows = self.u_0[None] + eps * W_perp                          # (d - 1, d)
         lam_t = design.perturbation_lambdas(t0, self.half_window)
@@ -327,23 +333,26 @@ class _Extraction:
         H = Y0.shape[1]
         self.length = design.window_length(H)
         self.half_window = math.log(self.length - 1)
-        positions = design.step_positions(H, self.half_window - 1.5)
-        spacing = float(positions[1] - positions[0]) if H > 1 else 2.0
-        U = design.design_rows(Y0, V0, positions, rng)
+        # evenly spaced steps, every row shifted by up to half a spacing: the shifts make
+        # the rows span the direction sum_h positions that symmetric positions miss
+        spacing = 2.0 * (self.half_window - 1.5) / H if H > 1 else 2.0
+        positions = design.step_positions(H, self.half_window - 1.5 - 0.5 * spacing)
+        U = design.design_rows(Y0, V0, positions, rng, jitter=0.5 * spacing)
         tau, C0 = U @ Y0, U @ V0                                      # (d, H) predicted
 
-        # round 1: every row on column q_0, a uniform lambda grid; free fits give each
-        # row's positions and heights however far the design missed them
-        lam_1 = design.base_lambdas(2 * H + 2, self.half_window)
-        S1 = lam_1.size
+        # round 1: every row on column q_0 at its predicted steps, the midpoints between
+        # them and beyond both ends (2H + 1 samples); free fits give each row's positions
+        # and heights however far the design missed them
+        lam_1 = np.array([design.row_lambdas(tau[k], self.half_window) for k in range(d)])
+        S1 = lam_1.shape[1]
         before = self.oracle.queries
         lam, g = self.measure(np.repeat(U, S1, 0), np.repeat(self.q_0[None], d * S1, 0),
-                              np.tile(lam_1, d))
+                              lam_1.ravel())
         self.spend("main rows", before)
         lam, g = lam.reshape(d, S1), g.reshape(d, S1)
-        noise = self.noise(g + self.q_0 @ self.v)
         t_row, c_row, worst = np.empty((d, H)), np.empty((d, H)), 0.0
         for k in range(d):
+            noise = self.noise(g[k] + self.q_0 @ self.v, float(np.sum(np.abs(C0[k]))))
             steps = fit.fit_free_steps(lam[k], g[k], U[k] @ self.v, H, self.half_window,
                                        noise, counts=[H])[-1]
             worst = max(worst, steps.rms / (NOISE_FACTOR * noise))
@@ -358,11 +367,11 @@ class _Extraction:
                 f"the output precision)", result=self.result)
 
         # round 2: columns q_0 + s_k r_j (j = 1..d-1) sampled at row k's measured steps;
-        # s_k moves the steps by at most about a quarter of the row's smallest gap
+        # s_k moves the steps by at most about half the row's smallest gap
         gaps = np.diff(np.sort(t_row, axis=1), axis=1).min(axis=1) if H > 1 else np.full(d, 2.0)
         y_norm = float(np.max(np.linalg.norm(Y0, axis=0)))
         z_norm = np.linalg.norm(U, axis=1) * y_norm                   # about |W_h^T u_k|
-        s_k = 0.25 * np.minimum(gaps, spacing) * math.sqrt(d) / (3.0 * z_norm)
+        s_k = 0.6 * np.minimum(gaps, spacing) * math.sqrt(d) / (3.0 * z_norm)
         R = np.linalg.qr(rng.standard_normal((d, d)))[0][:, :d - 1].T  # (d - 1, d)
         columns = self.q_0[None, None] + s_k[:, None, None] * R[None]  # (d, d - 1, d)
         before = self.oracle.queries
@@ -373,13 +382,15 @@ class _Extraction:
         lam2, g2 = lam2.reshape(d, d - 1, H), g2.reshape(d, d - 1, H)
         f_all = np.concatenate([g.ravel() + self.q_0 @ self.v,
                                 (g2 + np.einsum("kjd,d->kj", columns, self.v)[..., None]).ravel()])
-        noise = self.noise(f_all)
+        noise = self.noise(f_all, float(np.mean(np.sum(np.abs(c_row), axis=1))))
 
         # starts: each column's logits with the row's heights, then z by least squares
         t_cols = fit.fit_logits(lam2.reshape(-1, H), g2.reshape(-1, H),
                                 np.repeat(c_row, d - 1, 0), np.repeat(t_row, d - 1, 0),
-                                bound=0.5 * float(np.min(gaps)) if H > 1 else np.inf)
+                                bound=float(np.min(gaps)) if H > 1 else np.inf)
         t_cols = t_cols.reshape(d, d - 1, H)
+        moves = np.max(np.abs(t_cols - t_row[:, None, :]), axis=(1, 2)) / np.minimum(gaps, spacing)
+        self.details["column moves / gap (median, max)"] = (float(np.median(moves)), float(moves.max()))
         rows = []
         for k in range(d):
             cols_k = np.vstack([self.q_0[None], columns[k]])          # (d, d)
@@ -484,6 +495,14 @@ class _Extraction:
             return self.result
         return checked_result(model, report, f"multi-head attention with at most "
                                              f"{self.max_heads} canonical head(s)")
+
+
+def base_quality(steps) -> float:
+    """Largest predicted logit error over the smallest step gap of a row (smaller is
+    better): the base perturbations move steps by a fraction of the gap, so their
+    relative error is about this ratio."""
+    gap = float(np.min(np.diff(steps.t))) if steps.t.size > 1 else 1.0
+    return float(np.max(steps.t_std)) / max(gap, 1e-300)
 
 
 def _smallest_separation(model: MultiHeadAttention) -> float:

@@ -40,7 +40,7 @@ def window_length(heads: int) -> int:
 
     More heads need a wider window to keep their designed steps apart.
     """
-    return 128 if heads <= 2 else 512 if heads <= 6 else 1024
+    return 128 if heads <= 2 else 512 if heads <= 4 else 4096 if heads <= 8 else 16384
 
 
 def copy_counts(lam: np.ndarray, length: int) -> np.ndarray:
@@ -142,6 +142,17 @@ def design_rows(Y0: np.ndarray, V: np.ndarray, positions: np.ndarray, rng: np.ra
             score = score * np.linalg.norm(resid, axis=1) / np.linalg.norm(cand, axis=1)
         rows.append(cand[int(np.argmax(score))])
     return np.array(rows)
+
+
+def row_lambdas(positions_row: np.ndarray, half_window: float) -> np.ndarray:
+    """Samples of a main row's first probe: each predicted step, the midpoints between
+    neighbouring steps and one beyond each end (2H + 1); centres pin the positions,
+    midpoints and ends the heights."""
+    t = np.sort(-np.asarray(positions_row, dtype=np.float64))
+    gap = float(np.min(np.diff(t))) if t.size > 1 else 2.0
+    lam = np.concatenate([t, 0.5 * (t[1:] + t[:-1]), [t[0] - 0.5 * gap - 1.0,
+                                                      t[-1] + 0.5 * gap + 1.0]])
+    return np.clip(lam, -half_window, half_window)
 
 
 def main_lambdas(positions_row: np.ndarray, spacing: float, column: int,
