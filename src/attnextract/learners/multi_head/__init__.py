@@ -71,6 +71,7 @@ SCALE_ROUNDS = 4          # base scans to bring the steps into the window
 ERROR_BAR_FACTOR = 4.0    # error bar = this times the predicted rms relative error
 NOISE_FACTOR = 30.0       # a residual this far above the output precision is a misfit
 DEFAULT_TOLERANCE = 1e-6  # largest error bar accepted (float64 outputs; rounded: 1e4 ulps)
+COLUMN_SPARES = 1         # samples per column probe beyond its H steps (they pin heights)
 SHIFT = 0.5               # the largest step move expected, in units of the spacing
 
 
@@ -371,21 +372,23 @@ class _Extraction:
         gaps = np.diff(np.sort(t_row, axis=1), axis=1).min(axis=1) if H > 1 else np.full(d, 2.0)
         y_norm = float(np.max(np.linalg.norm(Y0, axis=0)))
         z_norm = np.linalg.norm(U, axis=1) * y_norm                   # about |W_h^T u_k|
-        s_k = 0.6 * np.minimum(gaps, spacing) * math.sqrt(d) / (3.0 * z_norm)
+        s_k = 0.4 * np.minimum(gaps, spacing) * math.sqrt(d) / (3.0 * z_norm)
         R = np.linalg.qr(rng.standard_normal((d, d)))[0][:, :d - 1].T  # (d - 1, d)
         columns = self.q_0[None, None] + s_k[:, None, None] * R[None]  # (d, d - 1, d)
         before = self.oracle.queries
-        kk = np.repeat(np.arange(d), (d - 1) * H)
-        lam2, g2 = self.measure(U[kk], np.repeat(columns.reshape(-1, d), H, 0),
-                                np.repeat(-t_row, d - 1, axis=0).ravel())
+        lam_cols = np.array([[design.column_lambdas(t_row[k], j, self.half_window, COLUMN_SPARES)
+                              for j in range(d - 1)] for k in range(d)])   # (d, d - 1, S2)
+        S2 = lam_cols.shape[2]
+        kk = np.repeat(np.arange(d), (d - 1) * S2)
+        lam2, g2 = self.measure(U[kk], np.repeat(columns.reshape(-1, d), S2, 0), lam_cols.ravel())
         self.spend("main columns", before)
-        lam2, g2 = lam2.reshape(d, d - 1, H), g2.reshape(d, d - 1, H)
+        lam2, g2 = lam2.reshape(d, d - 1, S2), g2.reshape(d, d - 1, S2)
         f_all = np.concatenate([g.ravel() + self.q_0 @ self.v,
                                 (g2 + np.einsum("kjd,d->kj", columns, self.v)[..., None]).ravel()])
         noise = self.noise(f_all, float(np.mean(np.sum(np.abs(c_row), axis=1))))
 
         # starts: each column's logits with the row's heights, then z by least squares
-        t_cols = fit.fit_logits(lam2.reshape(-1, H), g2.reshape(-1, H),
+        t_cols = fit.fit_logits(lam2.reshape(-1, S2), g2.reshape(-1, S2),
                                 np.repeat(c_row, d - 1, 0), np.repeat(t_row, d - 1, 0),
                                 bound=float(np.min(gaps)) if H > 1 else np.inf)
         t_cols = t_cols.reshape(d, d - 1, H)
@@ -400,7 +403,7 @@ class _Extraction:
             g_k = np.zeros((d, S1))
             mask = np.zeros((d, S1))
             lam_k[0], g_k[0], mask[0] = lam[k], g[k], 1.0
-            lam_k[1:, :H], g_k[1:, :H], mask[1:, :H] = lam2[k], g2[k], 1.0
+            lam_k[1:, :S2], g_k[1:, :S2], mask[1:, :S2] = lam2[k], g2[k], 1.0
             rows.append(fit.fit_row(lam_k, g_k, mask, cols_k, c_row[k], z0))
         residual = np.concatenate([r.residual for r in rows])
         params = H * (d + 1) * d

@@ -155,6 +155,16 @@ def row_lambdas(positions_row: np.ndarray, half_window: float) -> np.ndarray:
     return np.clip(lam, -half_window, half_window)
 
 
+def column_lambdas(t_row: np.ndarray, column: int, half_window: float, spares: int) -> np.ndarray:
+    """Samples of a column probe: the row's measured steps (the column moves them by a
+    fraction of a gap), plus ``spares`` midpoints between neighbouring steps, a
+    different one for each column, which pin the row's heights."""
+    t = np.sort(-np.asarray(t_row, dtype=np.float64))
+    mids = 0.5 * (t[1:] + t[:-1]) if t.size > 1 else t + 1.0
+    extra = [mids[(column * spares + i) % mids.size] for i in range(spares)]
+    return np.clip(np.concatenate([-np.asarray(t_row), extra]), -half_window, half_window)
+
+
 def main_lambdas(positions_row: np.ndarray, spacing: float, column: int,
                  half_window: float, spare: bool) -> np.ndarray:
     """Samples of probe (k, j): one at each designed step of row k, one spare between steps."""
