@@ -71,6 +71,7 @@ SCALE_ROUNDS = 4          # base scans to bring the steps into the window
 ERROR_BAR_FACTOR = 4.0    # error bar = this times the predicted rms relative error
 NOISE_FACTOR = 30.0       # a residual this far above the output precision is a misfit
 DEFAULT_TOLERANCE = 1e-6  # largest error bar accepted (float64 outputs; rounded: 1e4 ulps)
+EXTRA_COLUMNS = 1         # columns beyond the d that determine each z_h
 COLUMN_SPARES = 1         # samples per column probe beyond its H steps (they pin heights)
 SHIFT = 0.5               # the largest step move expected, in units of the spacing
 
@@ -373,35 +374,40 @@ class _Extraction:
         y_norm = float(np.max(np.linalg.norm(Y0, axis=0)))
         z_norm = np.linalg.norm(U, axis=1) * y_norm                   # about |W_h^T u_k|
         s_k = 0.4 * np.minimum(gaps, spacing) * math.sqrt(d) / (3.0 * z_norm)
-        R = np.linalg.qr(rng.standard_normal((d, d)))[0][:, :d - 1].T  # (d - 1, d)
-        columns = self.q_0[None, None] + s_k[:, None, None] * R[None]  # (d, d - 1, d)
+        NC = d - 1 + EXTRA_COLUMNS
+        R = np.linalg.qr(rng.standard_normal((d, d)))[0].T                # (d, d)
+        if NC > d:                                                     # beyond a basis
+            extra = rng.standard_normal((NC - d, d))
+            R = np.vstack([R, extra / np.linalg.norm(extra, axis=1, keepdims=True)])
+        R = R[:NC]                                                     # (NC, d)
+        columns = self.q_0[None, None] + s_k[:, None, None] * R[None]  # (d, NC, d)
         before = self.oracle.queries
         lam_cols = np.array([[design.column_lambdas(t_row[k], j, self.half_window, COLUMN_SPARES)
-                              for j in range(d - 1)] for k in range(d)])   # (d, d - 1, S2)
+                              for j in range(NC)] for k in range(d)])   # (d, NC, S2)
         S2 = lam_cols.shape[2]
-        kk = np.repeat(np.arange(d), (d - 1) * S2)
+        kk = np.repeat(np.arange(d), NC * S2)
         lam2, g2 = self.measure(U[kk], np.repeat(columns.reshape(-1, d), S2, 0), lam_cols.ravel())
         self.spend("main columns", before)
-        lam2, g2 = lam2.reshape(d, d - 1, S2), g2.reshape(d, d - 1, S2)
+        lam2, g2 = lam2.reshape(d, NC, S2), g2.reshape(d, NC, S2)
         f_all = np.concatenate([g.ravel() + self.q_0 @ self.v,
                                 (g2 + np.einsum("kjd,d->kj", columns, self.v)[..., None]).ravel()])
         noise = self.noise(f_all, float(np.mean(np.sum(np.abs(c_row), axis=1))))
 
         # starts: each column's logits with the row's heights, then z by least squares
         t_cols = fit.fit_logits(lam2.reshape(-1, S2), g2.reshape(-1, S2),
-                                np.repeat(c_row, d - 1, 0), np.repeat(t_row, d - 1, 0),
+                                np.repeat(c_row, NC, 0), np.repeat(t_row, NC, 0),
                                 bound=float(np.min(gaps)) if H > 1 else np.inf)
-        t_cols = t_cols.reshape(d, d - 1, H)
+        t_cols = t_cols.reshape(d, NC, H)
         moves = np.max(np.abs(t_cols - t_row[:, None, :]), axis=(1, 2)) / np.minimum(gaps, spacing)
         self.details["column moves / gap (median, max)"] = (float(np.median(moves)), float(moves.max()))
         rows = []
         for k in range(d):
-            cols_k = np.vstack([self.q_0[None], columns[k]])          # (d, d)
-            t_k = np.vstack([t_row[k][None], t_cols[k]])              # (d, H)
-            z0 = np.linalg.solve(cols_k, t_k).T                       # (H, d)
-            lam_k = np.full((d, S1), 0.0)
-            g_k = np.zeros((d, S1))
-            mask = np.zeros((d, S1))
+            cols_k = np.vstack([self.q_0[None], columns[k]])          # (NC + 1, d)
+            t_k = np.vstack([t_row[k][None], t_cols[k]])              # (NC + 1, H)
+            z0 = np.linalg.lstsq(cols_k, t_k, rcond=None)[0].T         # (H, d)
+            lam_k = np.full((NC + 1, S1), 0.0)
+            g_k = np.zeros((NC + 1, S1))
+            mask = np.zeros((NC + 1, S1))
             lam_k[0], g_k[0], mask[0] = lam[k], g[k], 1.0
             lam_k[1:, :S2], g_k[1:, :S2], mask[1:, :S2] = lam2[k], g2[k], 1.0
             rows.append(fit.fit_row(lam_k, g_k, mask, cols_k, c_row[k], z0))

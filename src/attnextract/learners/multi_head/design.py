@@ -32,6 +32,7 @@ import math
 import numpy as np
 
 PROBE_FLOATS = 1 << 22          # floats of probe tokens per oracle call (32 MB)
+ROW_FRACTIONS = (0.5,)
 BASE_LENGTH = 2048              # base probes: few, long, lambda in +-7.6
 
 
@@ -40,7 +41,7 @@ def window_length(heads: int) -> int:
 
     More heads need a wider window to keep their designed steps apart.
     """
-    return 128 if heads <= 2 else 512 if heads <= 4 else 4096 if heads <= 8 else 16384
+    return 128 if heads <= 2 else 512 if heads <= 6 else 4096 if heads <= 8 else 16384
 
 
 def copy_counts(lam: np.ndarray, length: int) -> np.ndarray:
@@ -150,7 +151,8 @@ def row_lambdas(positions_row: np.ndarray, half_window: float) -> np.ndarray:
     midpoints and ends the heights."""
     t = np.sort(-np.asarray(positions_row, dtype=np.float64))
     gap = float(np.min(np.diff(t))) if t.size > 1 else 2.0
-    lam = np.concatenate([t, 0.5 * (t[1:] + t[:-1]), [t[0] - 0.5 * gap - 1.0,
+    between = [f * t[1:] + (1 - f) * t[:-1] for f in ROW_FRACTIONS]
+    lam = np.concatenate([t, *between, [t[0] - 0.5 * gap - 1.0,
                                                       t[-1] + 0.5 * gap + 1.0]])
     return np.clip(lam, -half_window, half_window)
 
