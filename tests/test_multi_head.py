@@ -202,7 +202,8 @@ def test_query_counts_are_exact_per_stage():
     b = result.report.breakdown
     s0 = 4 * H + 8                                   # base scan samples
     assert b["v tokens"] == d
-    assert b["main probes"] == d * (d + 1) * (H + 1)
+    assert b["main rows"] == d * (2 * H + 1)         # steps, midpoints and both ends
+    assert b["main columns"] == d * d * (H + 1)      # d columns a row, H steps + a spare
     assert b["base perturbations"] == (d - 1) * (3 * H + 1)
     assert b["base scale"] % s0 == 0 and b["base rows"] % s0 == 0
     assert b["recovery"] == sum(v for k, v in b.items() if k not in ("recovery", "verification"))

@@ -204,7 +204,8 @@ class _Extraction:
                         f"steps, so this learner needs H <= d")
         s0 = 4 * H + 8
         self.oracle.plan(d + (SCALE_ROUNDS + BASE_CANDIDATES) * s0 + (d - 1) * (3 * H + 1)
-                         + d * (d + 1) * (H + 1) + verification_count(H * (d * d + d)),
+                         + d * (2 * H + 1) + d * (d - 1 + EXTRA_COLUMNS) * (H + COLUMN_SPARES)
+                         + verification_count(H * (d * d + d)),
                          "multi-head extraction")
         before = self.oracle.queries
         self.v = self.oracle.query(np.eye(d)[:, None, :])

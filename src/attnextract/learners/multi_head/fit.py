@@ -170,15 +170,26 @@ def refit_steps(lam: np.ndarray, g: np.ndarray, total: float, t0: np.ndarray,
                 c0: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
     """Polish a row's steps from positions near the solution (a perturbed base row).
 
-    The heights may change a lot (a small base height can change sign), so they start
-    from the linear least-squares fit at the positions ``t0``; ``c0`` is not used.
+    Variable projection: the heights are linear, so for any positions they are solved
+    exactly and only the H positions are searched (from ``t0``); a small base height
+    may change sign without leading the search astray. A final joint step on (t, c)
+    polishes both. ``c0`` is not used.
     """
     scale = max(float(np.max(np.abs(g))), abs(total), 1e-300)
-    A = np.vstack([expit(t0[None, :] + lam[:, None]), np.ones((1, t0.size))])
-    c_start = np.linalg.lstsq(A, np.append(g, total) / scale, rcond=None)[0]
-    fun = _steps_residual(lam, g / scale, total / scale, 1.0)
-    x, r, _ = levenberg_marquardt(fun, np.concatenate([t0, c_start]))
+    gs, ts = g / scale, total / scale
     H = t0.size
+
+    def heights(t):
+        A = np.vstack([expit(t[None, :] + lam[:, None]), np.ones((1, H))])
+        return A, np.linalg.lstsq(A, np.append(gs, ts), rcond=None)[0]
+
+    def projected(t):
+        A, c = heights(t)
+        return A @ c - np.append(gs, ts)
+
+    t = least_squares(projected, t0, method="lm", xtol=1e-15, ftol=1e-15, gtol=1e-15).x
+    fun = _steps_residual(lam, gs, ts, 1.0)
+    x, r, _ = levenberg_marquardt(fun, np.concatenate([t, heights(t)[1]]))
     return x[:H], x[H:] * scale, float(np.sqrt(np.mean(r[:-1] ** 2))) * scale
 
 
