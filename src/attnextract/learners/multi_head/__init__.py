@@ -15,30 +15,42 @@ linear in u and does not depend on q.
 Algorithm.
 
 1. v from d single tokens.
-2. Base row: a random (u_0, q_0), scaled so its steps fill the lambda window, scanned
-   on a uniform lambda grid; steps are fitted for 1..H heads and the fewest that fit to
-   the output precision is the number of canonical heads. Of a few candidate rows the
-   one with the smallest predicted logit error is kept.
-3. Base perturbations u_0 + eps w_k (k = 1..d-1) sampled at the base steps: the steps
-   move little, keep their labels, and give every head's W_h q_0 and v_h (rough).
-4. Main rows u_k are designed so that row k has head h's step at an evenly spaced
-   position (a random order per row), main columns are q_0 and q_0 + s r_j with steps
-   moving by a fraction of their spacing. Every probe (u_k, q_j) is sampled at its H
-   steps plus one spare sample: H + 1 queries.
-5. Row fits: in row k the heights c_h(k) = u_k^T v_h are shared by every column and
+2. Base row: a random (u_0, q_0) scanned on a uniform lambda grid. In x = e^lambda the
+   scan is a rational function of degree H with poles at x = -e^-t_h, so a rational
+   fit (AAA, :func:`.fit.rational_steps`) locates the steps with no start and no random
+   restarts; Levenberg-Marquardt polishes them. The fewest steps that fit to the
+   output precision is the number of canonical heads. The logits are linear in u, so
+   one fit tells the scale that puts the outermost step at the window's edge. Of a few
+   candidate rows the one with the smallest logit error per step gap is kept.
+3. Base perturbations u_0 + eps w_k (k = 1..d-1) sampled at the base steps, eps a
+   fraction of the smallest gap: the steps keep their labels and give every head's
+   W_h q_0 and v_h to about 1e-4 (variable projection, heights solved linearly).
+4. Main rows u_k (d of them) place head h's step at an evenly spaced position, a
+   random order and a random shift of up to half a spacing per row (the shifts keep
+   U = [u_k] well conditioned). Round 1 samples each row on column q_0 at its
+   predicted steps, the midpoints and both ends (2H + 1 queries) and fits its steps
+   freely, so a row is measured where its steps really are.
+5. Round 2: d columns q_0 + s_k r_j (one more than z needs), s_k moving the steps by
+   about a third of the row's smallest gap, each sampled at the row's measured steps
+   plus one midpoint (H + 1 queries): the midpoints pin the heights, the extra column
+   averages the q_0 direction.
+6. Row fits: in row k the heights c_h(k) = u_k^T v_h are shared by every column and
    t_h(k, j) = z_hk^T q_j with z_hk = W_h^T u_k, so each row is one least-squares
-   problem with H (d + 1) unknowns and (d + 1)(H + 1) samples, and rows are
+   problem with H (d + 1) unknowns and (2H + 1) + d (H + 1) samples; rows are
    independent. W_h = U^-1 Z_h, v_h = U^-1 C_h.
 
 Conditioning. Each row fit's Jacobian and the pooled residual give the covariance of
 (c, z), propagated through U^-1 to a predicted relative error of every W_h and v_h. The
 learner refuses (:class:`RecoveryFailedError`) when that prediction exceeds
-``max_error_bar``, reports a mismatch when the residual is far above the output precision
-or held-out verification fails, and otherwise states the prediction as the error bar.
+``max_error_bar``, reports a mismatch when a row does not fit H steps, when the
+residual is far above the output precision, or when held-out verification fails, and
+otherwise states the prediction as the error bar. What limits it: the steps' spacing
+in the lambda window (2 (ln N - 1.5) / H; the window grows with H, N up to 16384
+tokens) and the black box's own rounding, which grows with the heights sum_h |c_h|.
 
-Queries: d + base (a few scans of 4H + 8 samples, (d - 1)(3H + 1) perturbations) +
-d (d + 1)(H + 1) main probes; about H(d^2 + d) (H + 1) / H, within paper 2's count
-4Hd^2 - 2H + 1. The floor is H(d^2 + d), the canonical form's free parameters.
+Queries: d + base (2 to 4 scans of 4H + 8 samples, (d - 1)(3H + 1) perturbations) +
+d (2H + 1) + d^2 (H + 1) main probes: the floor H(d^2 + d) (the canonical form's free
+parameters) plus about d^2 + Hd + base, within paper 2's count 4Hd^2 - 2H + 1.
 """
 
 from __future__ import annotations
@@ -248,8 +260,9 @@ class _Extraction:
             noise = self.noise(g + self.q_0 @ self.v)
             if np.max(np.abs(g)) <= NOISE_FACTOR * noise:
                 return 0, u, None, noise
-            fits = fit.fit_free_steps(lam, g, u @ self.v, H, self.half_window, noise)
             allowed = max(NOISE_FACTOR * noise, BASE_MISFIT * float(np.sqrt(np.mean(g ** 2))))
+            fits = fit.fit_free_steps(lam, g, u @ self.v, H, self.half_window, noise,
+                                      enough=allowed)
             count = next((h + 1 for h, f in enumerate(fits) if f.rms <= allowed), None)
             return count, u, fits[count - 1] if count else fits[-1], noise
 
@@ -274,7 +287,7 @@ class _Extraction:
         before = self.oracle.queries
         found = [first]
         for w in directions[1:]:
-            if found[-1][0] == H and base_quality(found[-1][2]) <= BASE_QUALITY:
+            if found[-1][0] == H and base_quality(found[-1][2], self.half_window) <= BASE_QUALITY:
                 break                         # H steps pinned down well: stop looking
             found.append(scan(scale * w))
         self.spend("base rows", before)
@@ -288,7 +301,7 @@ class _Extraction:
         self.details["canonical heads"] = heads
         if heads == 0:
             return 0
-        chosen = min((f for f in found if f[0] == heads), key=lambda f: base_quality(f[2]))
+        chosen = min((f for f in found if f[0] == heads), key=lambda f: base_quality(f[2], self.half_window))
         _, self.u_0, self.base_fit, self.base_noise = chosen
         gaps = np.diff(self.base_fit.t)
         self.details["base row smallest step gap"] = float(gaps.min()) if gaps.size else math.inf
@@ -356,11 +369,17 @@ class _Extraction:
         t_row, c_row, worst = np.empty((d, H)), np.empty((d, H)), 0.0
         for k in range(d):
             noise = self.noise(g[k] + self.q_0 @ self.v, float(np.sum(np.abs(C0[k]))))
-            steps = fit.fit_free_steps(lam[k], g[k], U[k] @ self.v, H, self.half_window,
-                                       noise, counts=[H])[-1]
-            worst = max(worst, steps.rms / (NOISE_FACTOR * noise))
-            order = fit.label_steps(steps.t, steps.c, tau[k], C0[k], spacing)
-            t_row[k], c_row[k] = steps.t[order], steps.c[order]
+            # two starts: the designed steps (labelled) and, where the design missed
+            # by more than the fit can walk, the rational fit's poles (labelled after)
+            t, c, rms = fit.refit_steps(lam[k], g[k], U[k] @ self.v, tau[k], C0[k])
+            if rms > NOISE_FACTOR * noise:
+                steps = fit.fit_free_steps(lam[k], g[k], U[k] @ self.v, H, self.half_window,
+                                           noise, counts=[H])[-1]
+                if steps.rms < rms:
+                    order = fit.label_steps(steps.t, steps.c, tau[k], C0[k], spacing)
+                    t, c, rms = steps.t[order], steps.c[order], steps.rms
+            worst = max(worst, rms / (NOISE_FACTOR * noise))
+            t_row[k], c_row[k] = t, c
         if worst > 1.0:
             self.finish(MultiHeadAttention(np.zeros((0, d, d)), np.zeros((0, d))), None,
                         check=False)
@@ -507,10 +526,13 @@ class _Extraction:
                                              f"{self.max_heads} canonical head(s)")
 
 
-def base_quality(steps) -> float:
+def base_quality(steps, half_window: float) -> float:
     """Largest predicted logit error over the smallest step gap of a row (smaller is
     better): the base perturbations move steps by a fraction of the gap, so their
-    relative error is about this ratio."""
+    relative error is about this ratio. A step less than one unit inside the window's
+    edge cannot be sampled on both sides by the perturbations: inf."""
+    if float(np.max(np.abs(steps.t))) > half_window - 1.0:
+        return math.inf
     gap = float(np.min(np.diff(steps.t))) if steps.t.size > 1 else 1.0
     return float(np.max(steps.t_std)) / max(gap, 1e-300)
 

@@ -41,7 +41,7 @@ def window_length(heads: int) -> int:
 
     More heads need a wider window to keep their designed steps apart.
     """
-    return 128 if heads <= 2 else 512 if heads <= 6 else 4096 if heads <= 8 else 16384
+    return 128 if heads <= 2 else 512 if heads <= 6 else 2048 if heads <= 8 else 8192
 
 
 def copy_counts(lam: np.ndarray, length: int) -> np.ndarray:

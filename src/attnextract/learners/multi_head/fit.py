@@ -122,8 +122,12 @@ def rational_steps(lam: np.ndarray, g: np.ndarray, heads: int) -> np.ndarray:
 
 
 def fit_free_steps(lam: np.ndarray, g: np.ndarray, total: float, heads: int,
-                   half_window: float, floor: float, counts=None) -> list[StepFit]:
+                   half_window: float, floor: float, counts=None,
+                   enough: float = 0.0) -> list[StepFit]:
     """Fits with 1..heads steps (or the step ``counts`` given) to one row's lambda scan.
+
+    Stops after the first fit whose rms residual is at most ``enough``: fewer steps
+    than that never fit, more are not needed.
 
     Each fit starts from the poles of the rational fit of degree h
     (:func:`rational_steps`), heights solved linearly, and is polished by
@@ -147,6 +151,8 @@ def fit_free_steps(lam: np.ndarray, g: np.ndarray, total: float, heads: int,
         fits.append(StepFit(t=x[:h][order], c=x[h:][order] * scale,
                             rms=float(np.sqrt(np.mean(r[:-1] ** 2))) * scale,
                             t_std=std[:h][order], c_std=std[h:][order] * scale))
+        if fits[-1].rms <= enough:
+            break
     return fits
 
 
