@@ -85,6 +85,8 @@ NOISE_FACTOR = 30.0       # a residual this far above the output precision is a 
 DEFAULT_TOLERANCE = 1e-6  # largest error bar accepted (float64 outputs; rounded: 1e4 ulps)
 EXTRA_COLUMNS = 1         # columns beyond the d that determine each z_h
 COLUMN_SPARES = 1         # samples per column probe beyond its H steps (they pin heights)
+REFINE_ABOVE = 1e-11      # predicted error above which round 3 (wide columns) runs
+WIDE_COLUMNS_UP_TO = 1e-3 # ... and below which the logits are predicted well enough for it
 SHIFT = 0.5               # the largest step move expected, in units of the spacing
 
 
@@ -420,36 +422,26 @@ class _Extraction:
         t_cols = t_cols.reshape(d, NC, H)
         moves = np.max(np.abs(t_cols - t_row[:, None, :]), axis=(1, 2)) / np.minimum(gaps, spacing)
         self.details["column moves / gap (median, max)"] = (float(np.median(moves)), float(moves.max()))
-        rows = []
+        probes = []
         for k in range(d):
             cols_k = np.vstack([self.q_0[None], columns[k]])          # (NC + 1, d)
-            t_k = np.vstack([t_row[k][None], t_cols[k]])              # (NC + 1, H)
-            z0 = np.linalg.lstsq(cols_k, t_k, rcond=None)[0].T         # (H, d)
-            lam_k = np.full((NC + 1, S1), 0.0)
-            g_k = np.zeros((NC + 1, S1))
-            mask = np.zeros((NC + 1, S1))
+            lam_k, g_k, mask = np.zeros((NC + 1, S1)), np.zeros((NC + 1, S1)), np.zeros((NC + 1, S1))
             lam_k[0], g_k[0], mask[0] = lam[k], g[k], 1.0
             lam_k[1:, :S2], g_k[1:, :S2], mask[1:, :S2] = lam2[k], g2[k], 1.0
-            rows.append(fit.fit_row(lam_k, g_k, mask, cols_k, c_row[k], z0))
-        residual = np.concatenate([r.residual for r in rows])
-        params = H * (d + 1) * d
-        sigma = fit.residual_sigma(residual, params, noise)
-        measured_sigma = fit.residual_sigma(residual, params)
-        Z = np.array([r.z for r in rows])                              # (d, H, d)
-        Cm = np.array([r.c for r in rows])                             # (d, H)
-        Uinv = np.linalg.inv(U)
-        W = np.einsum("ik,kha->hia", Uinv, Z)
-        v = (Uinv @ Cm).T
-        model = MultiHeadAttention(W, v)
-
-        # predicted errors: rows are independent, W_h = U^-1 Z_h, v_h = U^-1 C_h
-        z_var = np.array([r.z_std ** 2 for r in rows]) * sigma ** 2    # (d, H, d)
-        c_var = np.array([r.c_std ** 2 for r in rows]) * sigma ** 2    # (d, H)
-        W_var = np.einsum("ik,kha->h", Uinv ** 2, z_var)
-        v_var = np.einsum("ik,kh->h", Uinv ** 2, c_var)
-        W_rel = np.sqrt(W_var) / np.maximum(np.linalg.norm(W, axis=(1, 2)), 1e-300)
-        v_rel = np.sqrt(v_var) / np.maximum(np.linalg.norm(v, axis=1), 1e-300)
-        predicted = float(np.max(np.maximum(W_rel, v_rel)))
+            probes.append((cols_k, lam_k, g_k, mask))
+        starts = [(c_row[k], np.linalg.lstsq(probes[k][0], np.vstack([t_row[k][None], t_cols[k]]),
+                                              rcond=None)[0].T) for k in range(d)]
+        rows = [fit.fit_row(lam_k, g_k, mask, cols_k, *start)
+                for (cols_k, lam_k, g_k, mask), start in zip(probes, starts)]
+        model, predicted, sigma, measured_sigma = self.assemble(U, rows, noise)
+        self.details["predicted relative error (small moves)"] = predicted
+        if REFINE_ABOVE < predicted <= WIDE_COLUMNS_UP_TO:
+            # round 3: the small column moves limit the precision (z from differences
+            # of nearby logits); with every row's z known, columns can be designed like
+            # rows, each spreading the row's steps over the whole window
+            self.say("wide columns")
+            rows = self.wide_columns(U, rows, probes, spacing)
+            model, predicted, sigma, measured_sigma = self.assemble(U, rows, noise)
         bar = ERROR_BAR_FACTOR * predicted
         cond = max(float(r.jacobian_singular_values[0]
                          / max(r.jacobian_singular_values[-1], 1e-300)) for r in rows)
@@ -481,6 +473,61 @@ class _Extraction:
                 f"{self.tolerance:.0e}; smallest head separation {sep:.2e}, row fit "
                 f"condition {cond:.1e}")
         return self.finish(model, bar)
+
+    def assemble(self, U, rows, noise):
+        """The heads from the row fits, W_h = U^-1 Z_h and v_h = U^-1 C_h, and their
+        predicted rms relative error (rows are independent: each fit's covariance
+        propagated through U^-1). Returns (model, predicted, sigma, measured sigma)."""
+        d = self.d
+        H = rows[0].c.size
+        residual = np.concatenate([r.residual for r in rows])
+        params = H * (d + 1) * d
+        sigma = fit.residual_sigma(residual, params, noise)
+        measured_sigma = fit.residual_sigma(residual, params)
+        Z = np.array([r.z for r in rows])                              # (d, H, d)
+        Cm = np.array([r.c for r in rows])                             # (d, H)
+        Uinv = np.linalg.inv(U)
+        W = np.einsum("ik,kha->hia", Uinv, Z)
+        v = (Uinv @ Cm).T
+        z_var = np.array([r.z_std ** 2 for r in rows]) * sigma ** 2    # (d, H, d)
+        c_var = np.array([r.c_std ** 2 for r in rows]) * sigma ** 2    # (d, H)
+        W_var = np.einsum("ik,kha->h", Uinv ** 2, z_var)
+        v_var = np.einsum("ik,kh->h", Uinv ** 2, c_var)
+        W_rel = np.sqrt(W_var) / np.maximum(np.linalg.norm(W, axis=(1, 2)), 1e-300)
+        v_rel = np.sqrt(v_var) / np.maximum(np.linalg.norm(v, axis=1), 1e-300)
+        predicted = float(np.max(np.maximum(W_rel, v_rel)))
+        return MultiHeadAttention(W, v), predicted, sigma, measured_sigma
+
+    def wide_columns(self, U, rows, probes, spacing):
+        """Round 3: d designed columns per row, each with the row's steps evenly spread
+        (positions z_hk^T q predicted from the row's fit), H + 1 samples each; every
+        row is refitted on all its samples."""
+        d = self.d
+        H = rows[0].c.size
+        positions = design.step_positions(H, self.half_window - 1.5 - 0.5 * spacing)
+        columns = np.array([design.design_rows(r.z.T, None, positions, self.rng,
+                                               jitter=0.5 * spacing) for r in rows])  # (d, d, d)
+        t_pred = np.einsum("kjd,khd->kjh", columns, np.array([r.z for r in rows]))
+        lam_w = np.array([[design.column_lambdas(t_pred[k, j], j, self.half_window,
+                                                 COLUMN_SPARES) for j in range(d)]
+                          for k in range(d)])                          # (d, d, S3)
+        S3 = lam_w.shape[2]
+        before = self.oracle.queries
+        kk = np.repeat(np.arange(d), d * S3)
+        lam3, g3 = self.measure(U[kk], np.repeat(columns.reshape(-1, d), S3, 0), lam_w.ravel())
+        self.spend("main wide columns", before)
+        lam3, g3 = lam3.reshape(d, d, S3), g3.reshape(d, d, S3)
+        refitted = []
+        for k, ((cols_k, lam_k, g_k, mask), r) in enumerate(zip(probes, rows)):
+            S = max(lam_k.shape[1], S3)
+            pad = lambda a: np.pad(a, ((0, 0), (0, S - a.shape[1])))
+            wide = np.zeros((d, S))
+            wide[:, :S3] = 1.0
+            refitted.append(fit.fit_row(np.vstack([pad(lam_k), pad(lam3[k])]),
+                                        np.vstack([pad(g_k), pad(g3[k])]),
+                                        np.vstack([pad(mask), wide]),
+                                        np.vstack([cols_k, columns[k]]), r.c, r.z))
+        return refitted
 
     def refuse(self, message: str):
         """Raise :class:`ModelMismatchError` with a verified best effort (no heads)."""

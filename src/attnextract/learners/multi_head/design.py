@@ -125,7 +125,7 @@ def design_rows(Y0: np.ndarray, V: np.ndarray, positions: np.ndarray, rng: np.ra
     pinv = np.linalg.pinv(Y0)                      # (H, d)
     P_perp = np.eye(d) - Y0 @ pinv
     scale_u = float(np.max(np.linalg.norm(pinv, axis=1))) * max(float(np.max(np.abs(positions))), 1.0)
-    v_norm = np.linalg.norm(V, axis=0) + 1e-300
+    v_norm = np.linalg.norm(V, axis=0) + 1e-300 if V is not None else None
     rows = []
     for k in range(d):
         orders = np.array([rng.permutation(H) for _ in range(candidates)])
@@ -135,8 +135,11 @@ def design_rows(Y0: np.ndarray, V: np.ndarray, positions: np.ndarray, rng: np.ra
         # H = d: no complement (P_perp is rounding noise, which must not be scaled up)
         z *= scale_u / (np.linalg.norm(z, axis=1, keepdims=True) + 1e-300) if H < d else 0.0
         cand = targets @ pinv + z                                 # (C, d)
-        heights = np.abs(cand @ V) / v_norm / np.linalg.norm(cand, axis=1, keepdims=True)
-        score = heights.min(axis=1) * math.sqrt(d)
+        if V is None:                             # columns: heights do not depend on q
+            score = np.ones(candidates)
+        else:
+            heights = np.abs(cand @ V) / v_norm / np.linalg.norm(cand, axis=1, keepdims=True)
+            score = heights.min(axis=1) * math.sqrt(d)
         if rows:
             R = np.linalg.qr(np.array(rows).T)[0]
             resid = cand - (cand @ R) @ R.T
