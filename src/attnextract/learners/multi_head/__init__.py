@@ -435,10 +435,16 @@ class _Extraction:
                 for (cols_k, lam_k, g_k, mask), start in zip(probes, starts)]
         model, predicted, sigma, measured_sigma = self.assemble(U, rows, noise)
         self.details["predicted relative error (small moves)"] = predicted
-        if REFINE_ABOVE < predicted <= WIDE_COLUMNS_UP_TO:
+        wide_cost = d * d * (H + COLUMN_SPARES)
+        left = _budget_left(self.oracle)
+        within_count = (self.oracle.queries - self.q0 + wide_cost
+                        <= paper2_count(self.max_heads, d)
+                        and wide_cost + verification_count(H * (d * d + d)) <= left)
+        if REFINE_ABOVE < predicted <= WIDE_COLUMNS_UP_TO and within_count:
             # round 3: the small column moves limit the precision (z from differences
             # of nearby logits); with every row's z known, columns can be designed like
-            # rows, each spreading the row's steps over the whole window
+            # rows, each spreading the row's steps over the whole window. It runs only
+            # within paper 2's count (which this learner never exceeds) and the budget.
             self.say("wide columns")
             rows = self.wide_columns(U, rows, probes, spacing)
             model, predicted, sigma, measured_sigma = self.assemble(U, rows, noise)
@@ -571,6 +577,14 @@ class _Extraction:
             return self.result
         return checked_result(model, report, f"multi-head attention with at most "
                                              f"{self.max_heads} canonical head(s)")
+
+
+def _budget_left(oracle) -> float:
+    """Queries the budget still allows (inf without one), through oracle views."""
+    while not hasattr(oracle, "budget") and hasattr(oracle, "base"):
+        oracle = oracle.base
+    budget = getattr(oracle, "budget", None)
+    return math.inf if budget is None else budget - oracle.queries
 
 
 def base_quality(steps, half_window: float) -> float:
