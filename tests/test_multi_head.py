@@ -204,7 +204,7 @@ def test_query_counts_are_exact_per_stage():
     assert b["v tokens"] == d
     assert b["main rows"] == d * (2 * H + 1)         # steps, midpoints and both ends
     assert b["main columns"] == d * d * (H + 1)      # d columns a row, H steps + a spare
-    assert b["base perturbations"] == (d - 1) * (3 * H + 1)
+    assert b["base perturbations"] == (d - 1) * (3 * H + 3)   # a uniform grid
     assert b["base scale"] % s0 == 0 and b["base rows"] % s0 == 0
     assert b["recovery"] == sum(v for k, v in b.items() if k not in ("recovery", "verification"))
     assert b["verification"] == max(64, H * (d * d + d) // 100)
@@ -450,3 +450,100 @@ def test_cli_extract_multi_head(tmp_path):
     bad = run_cli("extract", "--target", f"{target}:box", "--dim", "4", "--heads", "2", "--out",
                   str(tmp_path / "x.npz"), timeout=120)
     assert bad.returncode == 2 and "--heads does not apply" in bad.stderr
+
+
+# ---------------------------------------------------------------------------
+# the measurement design's pieces: poles, labels, samples, base rows
+# ---------------------------------------------------------------------------
+
+def _steps(t, c, lam):
+    return (1.0 / (1.0 + np.exp(-(t[None, :] + lam[:, None])))) @ c
+
+
+@pytest.mark.parametrize("H", [2, 4, 8])
+def test_rational_fit_locates_steps_without_a_start(H):
+    """In x = e^lambda a sum of H steps is rational of degree H: its poles are the steps.
+    Over 20 random rows (positions filling the window, heights of both signs) every
+    step is found, to better than 1e-4, with no start and no random restart."""
+    from attnextract.learners.multi_head.fit import rational_steps
+    lam = np.linspace(-7.6, 7.6, 4 * H + 8)
+    worst = 0.0
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        t = np.sort(rng.uniform(-6.0, 6.0, H))
+        if H > 1 and np.min(np.diff(t)) < 0.2:
+            t = np.linspace(-6.0, 6.0, H) + rng.uniform(-0.3, 0.3, H)
+        c = rng.standard_normal(H) + np.sign(rng.standard_normal(H))
+        found = rational_steps(lam, _steps(t, c, lam), H)
+        assert found.size == H
+        worst = max(worst, float(np.max(np.abs(found - t))))
+    assert worst < 1e-4, worst
+
+
+def test_free_step_fit_finds_the_head_count_and_polishes():
+    from attnextract.learners.multi_head.fit import fit_free_steps
+    lam = np.linspace(-7.6, 7.6, 40)
+    t = np.array([-5.0, -2.1, 0.3, 2.2, 4.9])
+    c = np.array([1.0, -2.0, 0.7, 1.5, -0.4])
+    g = _steps(t, c, lam)
+    fits = fit_free_steps(lam, g, c.sum(), 8, 7.6, 1e-15, enough=1e-12)
+    assert len(fits) == 5                            # stops at the first count that fits
+    assert np.max(np.abs(fits[-1].t + 0.0 - t)) < 1e-9
+    assert np.max(np.abs(fits[-1].c - c)) < 1e-9
+
+
+def test_steps_are_labelled_by_position_and_height_together():
+    from attnextract.learners.multi_head.fit import label_steps
+    t_pred = np.array([-3.0, -1.0, 1.0, 3.0])
+    c_pred = np.array([2.0, -1.0, 0.5, 3.0])
+    perm = np.array([2, 0, 3, 1])
+    order = label_steps(t_pred[perm] + 0.3, c_pred[perm] * 1.1, t_pred, c_pred, 2.0)
+    assert np.array_equal(perm[order], np.arange(4))
+
+
+def test_row_and_column_samples_sit_at_steps_and_midpoints():
+    from attnextract.learners.multi_head.design import column_lambdas, row_lambdas
+    t = np.array([-4.0, -1.0, 2.0, 5.0])
+    lam = row_lambdas(t, 7.0)
+    assert lam.size == 2 * t.size + 1
+    for step in -t:
+        assert np.any(np.isclose(lam, step))
+    assert np.any(np.isclose(lam, -0.5 * (t[0] + t[1])))
+    assert np.all(np.abs(lam) <= 7.0)
+    cols = [column_lambdas(t, j, 7.0, 1) for j in range(6)]
+    assert all(c.size == t.size + 1 for c in cols)
+    assert len({float(c[-1]) for c in cols}) == 3    # the spare rotates over the midpoints
+
+
+def test_base_rows_with_a_step_at_the_window_edge_are_not_chosen():
+    from attnextract.learners.multi_head import base_quality
+    from attnextract.learners.multi_head.fit import StepFit
+    inside = StepFit(t=np.array([-3.0, 0.0, 3.0]), c=np.ones(3), rms=0.0,
+                     t_std=np.full(3, 1e-9), c_std=np.zeros(3))
+    edge = StepFit(t=np.array([-3.0, 0.0, 7.2]), c=np.ones(3), rms=0.0,
+                   t_std=np.full(3, 1e-12), c_std=np.zeros(3))
+    assert base_quality(inside, 7.6) == pytest.approx(1e-9 / 3.0)
+    assert base_quality(edge, 7.6) == np.inf
+
+
+@pytest.mark.slow
+def test_wide_columns_run_when_small_moves_limit_the_precision():
+    """Eight heads at d = 8: round 3 (designed wide columns) runs, costs d^2 (H + 1)
+    queries, and the total stays within paper 2's count."""
+    d, H = 8, 8
+    M = random_multi_head(H, d, seed=80_800)
+    oracle = Oracle(M, d)
+    result = extract_multi_head(oracle, heads=H, seed=0)
+    b = result.report.breakdown
+    assert b["main wide columns"] == d * d * (H + 1)
+    assert b["recovery"] <= paper2_count(H, d)
+    det = result.report.details
+    assert det["predicted relative error"] < det["predicted relative error (small moves)"]
+    assert canonical_error(result.model, M) <= det["error bar"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("H,d,seed", [(7, 8, 0), (8, 8, 0), (8, 8, 1), (8, 16, 0)])
+def test_up_to_eight_heads(H, d, seed):
+    """Eight heads at d = 8 (every row's positions fixed by the design: H = d)."""
+    check_extraction(random_multi_head(H, d, seed=1000 * H + 10 * d + seed), seed, heads=H)

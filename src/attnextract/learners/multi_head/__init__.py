@@ -22,7 +22,7 @@ Algorithm.
    output precision is the number of canonical heads. The logits are linear in u, so
    one fit tells the scale that puts the outermost step at the window's edge. Of a few
    candidate rows the one with the smallest logit error per step gap is kept.
-3. Base perturbations u_0 + eps w_k (k = 1..d-1) sampled at the base steps, eps a
+3. Base perturbations u_0 + eps w_k (k = 1..d-1) on a uniform lambda grid, eps a
    fraction of the smallest gap: the steps keep their labels and give every head's
    W_h q_0 and v_h to about 1e-4 (variable projection, heights solved linearly).
 4. Main rows u_k (d of them) place head h's step at an evenly spaced position, a
@@ -48,7 +48,7 @@ otherwise states the prediction as the error bar. What limits it: the steps' spa
 in the lambda window (2 (ln N - 1.5) / H; the window grows with H, N up to 16384
 tokens) and the black box's own rounding, which grows with the heights sum_h |c_h|.
 
-Queries: d + base (2 to 4 scans of 4H + 8 samples, (d - 1)(3H + 1) perturbations) +
+Queries: d + base (2 to 4 scans of 4H + 8 samples, (d - 1)(3H + 3) perturbations) +
 d (2H + 1) + d^2 (H + 1) main probes: the floor H(d^2 + d) (the canonical form's free
 parameters) plus about d^2 + Hd + base, within paper 2's count 4Hd^2 - 2H + 1.
 """
@@ -85,7 +85,8 @@ NOISE_FACTOR = 30.0       # a residual this far above the output precision is a 
 DEFAULT_TOLERANCE = 1e-6  # largest error bar accepted (float64 outputs; rounded: 1e4 ulps)
 EXTRA_COLUMNS = 1         # columns beyond the d that determine each z_h
 COLUMN_SPARES = 1         # samples per column probe beyond its H steps (they pin heights)
-REFINE_ABOVE = 1e-11      # predicted error above which round 3 (wide columns) runs
+REFINE_ABOVE = 2.5e-11    # predicted error above which round 3 (wide columns) runs: an
+                          # error bar (4x) above 1e-10
 WIDE_COLUMNS_UP_TO = 1e-3 # ... and below which the logits are predicted well enough for it
 SHIFT = 0.5               # the largest step move expected, in units of the spacing
 
@@ -217,7 +218,7 @@ class _Extraction:
             self.refuse(f"up to {H} heads at d = {d}: the designed rows place at most d "
                         f"steps, so this learner needs H <= d")
         s0 = 4 * H + 8
-        self.oracle.plan(d + (SCALE_ROUNDS + BASE_CANDIDATES) * s0 + (d - 1) * (3 * H + 1)
+        self.oracle.plan(d + (SCALE_ROUNDS + BASE_CANDIDATES) * s0 + (d - 1) * (3 * H + 3)
                          + d * (2 * H + 1) + d * (d - 1 + EXTRA_COLUMNS) * (H + COLUMN_SPARES)
                          + verification_count(H * (d * d + d)),
                          "multi-head extraction")
@@ -248,7 +249,7 @@ class _Extraction:
         steps are pinned best (smallest predicted logit error) is kept.
         """
         d, H, rng = self.d, self.max_heads, self.rng
-        lam_target = design.base_lambdas(s0, self.half_window)
+        lam_target = self.base_grid = design.base_lambdas(s0, self.half_window)
         self.q_0 = rng.standard_normal(d)
         self.q_0 /= np.linalg.norm(self.q_0)
         directions = rng.standard_normal((BASE_CANDIDATES, d))
@@ -311,7 +312,8 @@ class _Extraction:
         return heads
 
     def base_perturbations(self):
-        """W_h q_0 and v_h (rough) from rows u_0 + eps w_k sampled at the base steps."""
+        """W_h q_0 and v_h (rough) from rows u_0 + eps w_k, each sampled on a uniform
+        grid of 3H + 3 lambdas (not at the steps: two close steps stay pinned)."""
         d = self.d
         t0, c0 = self.base_fit.t, self.base_fit.c
         H = t0.size
@@ -320,7 +322,7 @@ class _Extraction:
         eps = float(np.clip(0.003 * gap / spread, 1e-12, 0.5))
         W_perp = design.orthonormal_complement(self.u_0, self.rng) * np.linalg.norm(self.u_0)
         rows = self.u_0[None] + eps * W_perp                          # (d - 1, d)
-        lam_t = design.perturbation_lambdas(t0, self.half_window)
+        lam_t = design.base_lambdas(3 * H + 3, self.half_window)
         S = lam_t.size
         before = self.oracle.queries
         lam, g = self.measure(np.repeat(rows, S, 0), np.repeat(self.q_0[None], (d - 1) * S, 0),
@@ -495,6 +497,12 @@ class _Extraction:
         Uinv = np.linalg.inv(U)
         W = np.einsum("ik,kha->hia", Uinv, Z)
         v = (Uinv @ Cm).T
+        if not (np.all(np.isfinite(W)) and np.all(np.isfinite(v))):
+            self.finish(MultiHeadAttention(np.zeros((0, d, d)), np.zeros((0, d))), None,
+                        check=False)
+            raise RecoveryFailedError(
+                "the samples do not pin the heads down: a row fit diverged or the designed "
+                "rows are singular (a head too weak to be located); error bar inf")
         z_var = np.array([r.z_std ** 2 for r in rows]) * sigma ** 2    # (d, H, d)
         c_var = np.array([r.c_std ** 2 for r in rows]) * sigma ** 2    # (d, H)
         W_var = np.einsum("ik,kha->h", Uinv ** 2, z_var)

@@ -90,12 +90,6 @@ def base_lambdas(count: int, half_window: float) -> np.ndarray:
     return np.linspace(-half_window, half_window, count)
 
 
-def perturbation_lambdas(t0: np.ndarray, half_window: float, offset: float = 0.6) -> np.ndarray:
-    """Samples of a perturbed base row: each base step's centre and flanks, and the top."""
-    lam = np.concatenate([-t0 - offset, -t0, -t0 + offset, [half_window]])
-    return np.clip(lam, -half_window, half_window)
-
-
 def orthonormal_complement(u0: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """d - 1 random orthonormal vectors orthogonal to u0, rows (d - 1, d)."""
     d = u0.size
