@@ -166,6 +166,23 @@ def section_multi_head(quick: bool, log) -> list[dict]:
     return rows
 
 
+def section_multi_head_grid(quick: bool, log) -> list[dict]:
+    """Issue 12's grid at a few seeds per cell: full-rank heads H = 1..8 at d = 8 and 16
+    (and H = 4, 8 at d = 32), low-rank layers (d, H, r) = (64, 8, 8) and (96, 12, 8)."""
+    from .multi_head_grid import grid_cell
+    cells = ([(H, 8, 1, None) for H in (2, 4)] if quick else
+             [(H, d, 3, None) for d in (8, 16) for H in range(1, 9)]
+             + [(4, 32, 1, None), (8, 32, 1, None), (8, 64, 1, 8), (12, 96, 1, 8)])
+    rows = []
+    for H, d, seeds, rank in cells:
+        rows.append({"grid": True, **grid_cell(H, d, seeds, rank=rank)})
+        r = rows[-1]
+        log(f"multi-head grid H={H} d={d} r={rank or 'full'}: success {r['success_rate']:.0%}"
+            f" of {seeds}, median queries {r['recovery_median']} (floor {r['floor']}, paper 2 "
+            f"{r['paper2']}), median error {r['error_median']}")
+    return rows
+
+
 def section_noisy(quick: bool, log) -> list[dict]:
     """Error vs noise tolerance tau: the robust default and paper 1's Theorem 6.1, equal queries."""
     from .oracle import BoundedNoise
@@ -189,6 +206,7 @@ def section_noisy(quick: bool, log) -> list[dict]:
 
 SECTIONS = {"single-head": section_single_head, "low-rank": section_low_rank,
             "one-layer": section_one_layer, "multi-head": section_multi_head,
+            "multi-head-grid": section_multi_head_grid,
             "noisy": section_noisy, "surrogate": section_surrogate}
 
 
@@ -231,7 +249,7 @@ SECTIONS["transformer-layer"] = section_transformer_layer
 def markdown(rows: list[dict]) -> str:
     """Markdown tables: one per learner (by d), then the surrogate comparison."""
     out = []
-    scaling = [r for r in rows if "floor" in r]
+    scaling = [r for r in rows if "floor" in r and not r.get("grid")]
     if scaling:
         out += ["| learner | d | queries (recovery) | floor | paper | W error | output error "
                 "| wall s | black box s | learner s |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -248,6 +266,12 @@ def markdown(rows: list[dict]) -> str:
             if len(sub) >= 2:
                 out.append(f"\nFitted slope of log(queries) vs log(d), {learner}: "
                            f"{fitted_slope([r['d'] for r in sub], [r['recovery_queries'] for r in sub]):.3f}")
+    grid = [r for r in rows if r.get("grid")]
+    if grid:
+        from .multi_head_grid import grid_markdown
+        out += ["", "Multi-head grid (success: canonical error <= 1e-10 for full-rank heads, "
+                "<= 1e-8 for low-rank; benchmarks/bench_multi_head.py runs 20 seeds per cell):",
+                "", grid_markdown(grid)]
     layer = [r for r in rows if r.get("learner", "").startswith("transformer-layer")]
     if layer:
         out += ["", "Transformer layer (attention + ReLU FFN with biases): bits = -log2 of the "
@@ -336,8 +360,12 @@ def plots(rows: list[dict], out: Path) -> list[str]:
     except ImportError:
         return []
     written: list[str] = []
-    scaling = [r for r in rows if "floor" in r]
+    scaling = [r for r in rows if "floor" in r and not r.get("grid")]
     learners = list(dict.fromkeys(r["learner"] for r in scaling))
+    grid = [r for r in rows if r.get("grid")]
+    if grid:
+        from .multi_head_grid import grid_plot
+        written += [Path(f).name for f in grid_plot(grid, out / "multi_head_grid.png")]
 
     if scaling:
         fig, ax = plt.subplots(figsize=(6, 4.5))
