@@ -74,10 +74,9 @@ __all__ = ["extract_multi_head", "canonical_form", "canonical_error", "match_hea
            "non_identifiable_twin", "twin_difference", "output_precision", "paper2_count"]
 
 MAX_HEADS = 12            # largest H searched when no bound is given
-BASE_CANDIDATES = 4       # candidate base rows at most; the best-conditioned one is kept
+BASE_CANDIDATES = 10      # candidate base rows at most; the search stops at a well-conditioned one
 BASE_QUALITY = 1e-7       # a base row whose logit error / smallest gap is below this
                           # ends the search (the perturbations' error scales with it)
-BASE_MISFIT = 1e-7        # base rows steer the design only: a fit to 1e-7 of the signal
                           # is in the right basin (a missing head misses by far more)
 SCALE_ROUNDS = 4          # base scans to bring the steps into the window
 ERROR_BAR_FACTOR = 4.0    # error bar = this times the predicted rms relative error
@@ -218,9 +217,13 @@ class _Extraction:
             self.refuse(f"up to {H} heads at d = {d}: the designed rows place at most d "
                         f"steps, so this learner needs H <= d")
         s0 = 4 * H + 8
-        self.oracle.plan(d + (SCALE_ROUNDS + BASE_CANDIDATES) * s0 + (d - 1) * (3 * H + 3)
-                         + d * (2 * H + 1) + d * (d - 1 + EXTRA_COLUMNS) * (H + COLUMN_SPARES)
-                         + verification_count(H * (d * d + d)),
+        rest = (d + (d - 1) * (3 * H + 3) + d * (2 * H + 1)
+                + d * (d - 1 + EXTRA_COLUMNS) * (H + COLUMN_SPARES))
+        # the base search (scale rounds and candidate rows) spends at most what paper 2's
+        # count leaves after the rest of the plan, and at least three scans
+        self.scans_left = max(3, min(SCALE_ROUNDS + BASE_CANDIDATES,
+                                     (paper2_count(H, d) - rest) // s0))
+        self.oracle.plan(rest + self.scans_left * s0 + verification_count(H * (d * d + d)),
                          "multi-head extraction")
         before = self.oracle.queries
         self.v = self.oracle.query(np.eye(d)[:, None, :])
@@ -258,15 +261,22 @@ class _Extraction:
 
         def scan(u):
             """(count, u, fit, noise) of row u; count None when no fit reaches the noise."""
+            self.scans_left -= 1
             lam, g = self.measure(np.repeat(u[None], lam_target.size, 0),
                                   np.repeat(self.q_0[None], lam_target.size, 0), lam_target)
             noise = self.noise(g + self.q_0 @ self.v)
             if np.max(np.abs(g)) <= NOISE_FACTOR * noise:
                 return 0, u, None, noise
-            allowed = max(NOISE_FACTOR * noise, BASE_MISFIT * float(np.sqrt(np.mean(g ** 2))))
+            f_values = g + self.q_0 @ self.v
+
+            def fits_to_noise(steps):
+                # the count of heads: the fewest steps that fit to the rounding of a box
+                # with these heights (a looser test lets two close steps pass as one)
+                return steps.rms <= NOISE_FACTOR * self.noise(f_values, np.sum(np.abs(steps.c)))
+
             fits = fit.fit_free_steps(lam, g, u @ self.v, H, self.half_window, noise,
-                                      enough=allowed)
-            count = next((h + 1 for h, f in enumerate(fits) if f.rms <= allowed), None)
+                                      enough=fits_to_noise)
+            count = next((h + 1 for h, f in enumerate(fits) if fits_to_noise(f)), None)
             return count, u, fits[count - 1] if count else fits[-1], noise
 
         def spread(found):
@@ -275,7 +285,10 @@ class _Extraction:
             return float(np.max(np.abs(steps.t[strong])))
 
         scale, before = 1.0, self.oracle.queries
+        first = None
         for _ in range(SCALE_ROUNDS):
+            if first is not None and self.scans_left <= 1:
+                break
             first = scan(scale * directions[0])
             if first[0] == 0:
                 scale *= 30.0                 # no step at all (yet): larger tokens
@@ -290,8 +303,13 @@ class _Extraction:
         before = self.oracle.queries
         found = [first]
         for w in directions[1:]:
-            if found[-1][0] == H and base_quality(found[-1][2], self.half_window) <= BASE_QUALITY:
-                break                         # H steps pinned down well: stop looking
+            if self.scans_left <= 0:
+                break
+            counts = [f[0] for f in found if f[0] is not None]
+            if (counts and found[-1][0] == max(counts) and counts.count(max(counts)) >= 2
+                    and (found[-1][0] == 0
+                         or base_quality(found[-1][2], self.half_window) <= BASE_QUALITY)):
+                break         # two rows agree on the count, this one well pinned: stop
             found.append(scan(scale * w))
         self.spend("base rows", before)
         counts = [f[0] for f in found if f[0] is not None]

@@ -125,11 +125,11 @@ def rational_steps(lam: np.ndarray, g: np.ndarray, heads: int) -> np.ndarray:
 
 def fit_free_steps(lam: np.ndarray, g: np.ndarray, total: float, heads: int,
                    half_window: float, floor: float, counts=None,
-                   enough: float = 0.0) -> list[StepFit]:
+                   enough=None) -> list[StepFit]:
     """Fits with 1..heads steps (or the step ``counts`` given) to one row's lambda scan.
 
-    Stops after the first fit whose rms residual is at most ``enough``: fewer steps
-    than that never fit, more are not needed.
+    Stops after the first fit for which ``enough(fit)`` is true: fewer steps than
+    that never fit, more are not needed.
 
     Each fit starts from the poles of the rational fit of degree h
     (:func:`rational_steps`), heights solved linearly, and is polished by
@@ -153,7 +153,7 @@ def fit_free_steps(lam: np.ndarray, g: np.ndarray, total: float, heads: int,
         fits.append(StepFit(t=x[:h][order], c=x[h:][order] * scale,
                             rms=float(np.sqrt(np.mean(r[:-1] ** 2))) * scale,
                             t_std=std[:h][order], c_std=std[h:][order] * scale))
-        if fits[-1].rms <= enough:
+        if enough is not None and enough(fits[-1]):
             break
     return fits
 
