@@ -45,7 +45,7 @@ learner refuses (:class:`RecoveryFailedError`) when that prediction exceeds
 ``max_error_bar``, reports a mismatch when a row does not fit H steps, when the
 residual is far above the output precision, or when held-out verification fails, and
 otherwise states the prediction as the error bar. What limits it: the steps' spacing
-in the lambda window (2 (ln N - 1.5) / H; the window grows with H, N up to 16384
+in the lambda window (2 (ln N - 1.5) / H; the window grows with H, N up to 8192
 tokens) and the black box's own rounding, which grows with the heights sum_h |c_h|.
 
 Queries: d + base (2 to 4 scans of 4H + 8 samples, (d - 1)(3H + 3) perturbations) +
