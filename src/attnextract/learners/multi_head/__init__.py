@@ -20,8 +20,9 @@ Algorithm.
    fit (AAA, :func:`.fit.rational_steps`) locates the steps with no start and no random
    restarts; Levenberg-Marquardt polishes them. The fewest steps that fit to the
    output precision is the number of canonical heads. The logits are linear in u, so
-   one fit tells the scale that puts the outermost step at the window's edge. Of a few
-   candidate rows the one with the smallest logit error per step gap is kept.
+   one fit tells the scale that puts the outermost step at the window's edge. Candidate
+   rows are scanned until two agree on the count and one pins its steps well (logit
+   error per smallest gap); that one is kept.
 3. Base perturbations u_0 + eps w_k (k = 1..d-1) on a uniform lambda grid, eps a
    fraction of the smallest gap: the steps keep their labels and give every head's
    W_h q_0 and v_h to about 1e-4 (variable projection, heights solved linearly).
@@ -38,6 +39,11 @@ Algorithm.
    t_h(k, j) = z_hk^T q_j with z_hk = W_h^T u_k, so each row is one least-squares
    problem with H (d + 1) unknowns and (2H + 1) + d (H + 1) samples; rows are
    independent. W_h = U^-1 Z_h, v_h = U^-1 C_h.
+7. Round 3 (wide columns), only when the predicted error bar exceeds 1e-10 and paper
+   2's count and the budget allow: the small column moves limit the precision; with
+   every z_hk known, d columns per row are designed like rows (the row's steps spread
+   evenly over the window), H + 1 samples each, and every row is refitted on all its
+   samples.
 
 Conditioning. Each row fit's Jacobian and the pooled residual give the covariance of
 (c, z), propagated through U^-1 to a predicted relative error of every W_h and v_h. The
@@ -48,9 +54,11 @@ otherwise states the prediction as the error bar. What limits it: the steps' spa
 in the lambda window (2 (ln N - 1.5) / H; the window grows with H, N up to 8192
 tokens) and the black box's own rounding, which grows with the heights sum_h |c_h|.
 
-Queries: d + base (2 to 4 scans of 4H + 8 samples, (d - 1)(3H + 3) perturbations) +
-d (2H + 1) + d^2 (H + 1) main probes: the floor H(d^2 + d) (the canonical form's free
-parameters) plus about d^2 + Hd + base, within paper 2's count 4Hd^2 - 2H + 1.
+Queries: d + base (3 to 14 scans of 4H + 8 samples, within what paper 2's count leaves;
+(d - 1)(3H + 3) perturbations) + d (2H + 1) + d^2 (H + 1) main probes, plus d^2 (H + 1)
+when round 3 runs: the floor H(d^2 + d) (the canonical form's free parameters) plus
+about d^2 + Hd + base (twice the columns with round 3), never above paper 2's count
+4Hd^2 - 2H + 1.
 """
 
 from __future__ import annotations
