@@ -64,7 +64,9 @@ HULL_FRACTION = 1e-4          # hull tolerance = this x the output tolerance
 SCALE_CAP = 100.0            # token scales stop at this x d^-1/4
 PEAK_SPREAD = 30.0            # model scores span about this on the "peaked" family
 FAMILIES = {"ordinary": 0.12, "long": 0.2, "repeated": 0.12, "norms": 0.16, "sparse": 0.12,
-            "peaked": 0.1, "hull": 0.25}
+            "peaked": 0.1, "hull": 0.25, "steps": 0.1, "heads": 0.1}
+SECOND_LAYER = {"hull", "steps", "heads"}   # families that need the model (see design)
+HEADS_OVERSAMPLE = 8          # candidates drawn per "heads" sequence kept
 
 
 @dataclass
@@ -90,8 +92,8 @@ def longest_length(probe_length: int | None = None) -> int:
     return max(MIN_LONGEST, LENGTH_FACTOR * int(probe_length or 1))
 
 
-def _split(count: int, hull: bool) -> dict[str, int]:
-    weights = {k: w for k, w in FAMILIES.items() if hull or k != "hull"}
+def _split(count: int, second: set) -> dict[str, int]:
+    weights = {k: w for k, w in FAMILIES.items() if k not in SECOND_LAYER or k in second}
     if count < 2 * len(weights):
         return {"ordinary": count}
     total = sum(weights.values())
@@ -146,9 +148,17 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
     d = dim
     W = getattr(model, "W", None)
     v = getattr(model, "v", None)
+    heads = None
+    if W is not None and v is not None and np.ndim(W) == 3 and np.ndim(v) == 2:
+        if W.shape[0] == 1:                     # one head: the single-head families
+            W, v = W[0], v[0]
+        elif W.shape[0] > 1:
+            heads = (np.asarray(W, dtype=float), np.asarray(v, dtype=float))
     single = (W is not None and v is not None and np.ndim(W) == 2 and np.ndim(v) == 1
               and d >= 2 and np.any(v) and count >= 16)
-    sizes = _split(count, single)
+    second = ({"hull", "steps"} if single else
+              {"steps", "heads"} if heads is not None and count >= 16 else set())
+    sizes = _split(count, second)
     L = longest_length(probe_length)
     grid = length_grid(L)
     anchor = d ** -0.25
@@ -224,10 +234,24 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
             spread = float(s.max() - s.min())
             c = math.sqrt(PEAK_SPREAD * 10.0 ** rng.uniform(-0.5, 0.5) / spread) if spread > 0 else scale
             c = min(c, 1e3 * low)
+        elif heads is not None:
+            s = np.einsum("nd,hde,e->hn", x, heads[0], x[-1])
+            spread = float((s.max(axis=1) - s.min(axis=1)).max())
+            c = math.sqrt(PEAK_SPREAD * 10.0 ** rng.uniform(-0.5, 0.5) / spread) if spread > 0 else scale
+            c = min(c, 1e3 * low)
         else:
             c = scale * math.sqrt(PEAK_SPREAD) * 10.0 ** rng.uniform(-0.25, 0.25)
         out.append(c * x)
     add("peaked", out)
+    # steps: copy probes [a; ...; a; q; ...; q], a = q + u, at a head's sigmoid step
+    n = sizes.get("steps", 0)
+    if n:
+        step_heads = heads[0] if heads is not None else np.asarray(W, dtype=float)[None]
+        add("steps", _step_sequences(step_heads, n, rng, scale, L, grid))
+    # heads: where two heads' attention patterns differ most
+    n = sizes.get("heads", 0)
+    if n:
+        add("heads", _separating_sequences(heads[0], heads[1], n, rng, scale, grid))
     # hull pairs: tokens orthogonal to v, then each token alone
     hull = []
     if single and sizes.get("hull", 0) >= 2:
@@ -251,6 +275,56 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
             hull.append((len(seqs), singles[pick]))
             add("hull", [P[pick]])
     return HeldOutSet(sequences=seqs, family=fam, hull=hull)
+
+
+def _step_sequences(W: np.ndarray, count: int, rng, scale: float, longest: int, grid) -> list:
+    """Copy probes at each head's step: m copies of a = q + u, then N - m copies of q.
+
+    With lambda = ln(m / (N - m)), head h attends to a with weight sigma(t_h + lambda),
+    t_h = u^T W_h q (the identity of the multi-head learner): at lambda = -t_h the
+    output is most sensitive to head h, and a model whose head h is off, or a black box
+    whose attention depends on counts or positions, shows there. Sequences (N, d).
+    """
+    H, d = W.shape[0], W.shape[1]
+    out = []
+    for i, N in enumerate(_log_uniform_int(rng, 4, longest, count, grid)):
+        N = int(N)
+        h = i % H
+        q = scale * rng.standard_normal(d)
+        u = scale * rng.standard_normal(d)
+        t = float(u @ W[h] @ q)
+        reach = 0.8 * math.log(N - 1)          # |lambda| a length N can realise
+        if abs(t) > reach:
+            u *= reach / abs(t)
+            t = float(u @ W[h] @ q)
+        m = int(np.clip(round(N / (1.0 + math.exp(t))), 1, N - 1))   # m / N = sigma(-t)
+        out.append(np.concatenate([np.tile(q + u, (m, 1)), np.tile(q, (N - m, 1))]))
+    return out
+
+
+def _separating_sequences(W: np.ndarray, v: np.ndarray, count: int, rng, scale: float,
+                          grid) -> list:
+    """Sequences where two heads' attention patterns differ most.
+
+    Merging heads g and h (giving head h the weights alpha_g) changes the output by
+    (alpha_g - alpha_h)^T X v_h: the nearest other models of the class (heads merged,
+    swapped or split) differ from the model most where that is large. Of
+    HEADS_OVERSAMPLE x ``count`` Gaussian candidates (lengths 2..64, at the scale and at
+    scales where attention is sharper), the ``count`` with the largest
+    max_{g != h} |(alpha_g - alpha_h)^T X v_h| / (s |v_h|) are kept.
+    """
+    from .models import softmax
+    H, d = W.shape[0], W.shape[1]
+    vn = np.maximum(np.linalg.norm(v, axis=1), np.finfo(float).tiny)
+    cands, merit = [], []
+    for k in _log_uniform_int(rng, 2, 64, HEADS_OVERSAMPLE * count, grid):
+        x = scale * 10.0 ** rng.uniform(0.0, 0.75) * rng.standard_normal((int(k), d))
+        alpha = softmax(np.einsum("nd,hde,e->hn", x, W, x[-1]))          # (H, N)
+        values = x @ v.T                                                    # (N, H)
+        gap = np.abs(np.einsum("gn,nh->gh", alpha, values) - np.diag(alpha @ values)[None, :])
+        cands.append(x)
+        merit.append(float((gap / vn[None, :]).max()) / float(np.linalg.norm(x, axis=1).max()))
+    return [cands[i] for i in np.argsort(merit)[::-1][:count]]
 
 
 def token_norms(sequences) -> np.ndarray:
@@ -330,3 +404,60 @@ def looks_like_rounding(error: float) -> bool:
     """A failed check with an error this small is more likely limited output precision
     (float32 ~1e-7 .. 1e-3, bfloat16 ~1e-2, a few decimals) than another model."""
     return 0.0 < error < 3e-2
+
+
+# -- labels: the decision boundary -------------------------------------------------------
+
+BOUNDARY_FRACTION = 0.25      # share of a label check spent next to the model's boundary
+BOUNDARY_REACH = (2.0, 300.0)  # offsets from the boundary, in units of the model's allowance
+
+
+def boundary_shift(model, sequences, targets, iterations: int = 200) -> list:
+    """Move each sequence X along E = 1 v^T / |v| (every token by the same multiple of
+    v_hat) until the model answers ``targets[i]``; returns the moved sequences.
+
+    For a single head f(X + t E) = alpha(t)^T X v + t |v| with |alpha^T X v| <= max_i
+    |x_i^T v|, so the bracket below always holds the target and bisection (on the model,
+    no queries) finds a t with f = target to float64 precision.
+    """
+    v = np.asarray(model.v, dtype=float)
+    u = v / np.linalg.norm(v)
+    out = []
+    for X, target in zip(sequences, targets):
+        if not (np.all(np.isfinite(X)) and math.isfinite(target)):
+            continue
+        reach = (float(np.abs(X @ v).max()) + abs(float(target))) / np.linalg.norm(v) + 1.0
+        lo, hi = -reach, reach
+        for _ in range(iterations):
+            mid = 0.5 * (lo + hi)
+            if model((X + mid * u)[None])[0] < target:
+                lo = mid
+            else:
+                hi = mid
+            if hi - lo <= 1e-17 * reach:
+                break
+        out.append(X + 0.5 * (lo + hi) * u)
+    return out
+
+
+def near_boundary(model, count: int, rng: np.random.Generator, scale: float, threshold: float,
+                  allowance) -> list:
+    """``count`` sequences on which the model answers threshold +- k allowance(X), k
+    log-uniform in BOUNDARY_REACH: just clear of its own uncertainty, on both sides.
+
+    A label-only check on random sequences sees a black box only where its labels
+    differ from the model's, which for a perturbation of relative size eps is a set of
+    measure ~eps around the decision boundary; these sequences sit inside that set, so a
+    second head at 1e-8 flips about half of them while an honest black box (whose
+    outputs are within the allowance of the model's) flips none. ``allowance(X)`` is the
+    model's own output uncertainty on a batch X (B, N, d) -> (B,).
+    """
+    lengths = rng.integers(2, ORDINARY_LENGTH + 1, count)
+    seeds = [scale * rng.standard_normal((int(n), model.dim)) for n in lengths]
+    on = boundary_shift(model, seeds, np.full(count, float(threshold)))
+    k = np.exp(rng.uniform(*np.log(BOUNDARY_REACH), count)) * rng.choice([-1.0, 1.0], count)
+    room = np.array([float(allowance(X[None])[0]) for X in on])
+    # an infinite allowance (a model with unbounded error bars) leaves nothing to check
+    keep = np.flatnonzero(np.isfinite(room) & (room > 0))
+    moved = boundary_shift(model, [on[i] for i in keep], threshold + k[keep] * room[keep])
+    return [X for X in moved if np.all(np.isfinite(X))]
