@@ -51,7 +51,7 @@ in float64 grows like eps_64 (d + N) |v| s_i, about 1e-13 relative at N = 1024, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -74,12 +74,14 @@ class HeldOutSet:
     """Held-out sequences (N_i, d), the family of each, and the hull pairs.
 
     ``hull`` lists (i, singles): sequence i and the indices of the length-1 sequences
-    [x] of each of its tokens (also in ``sequences``).
+    [x] of each of its tokens (also in ``sequences``). ``replay`` lists (i, y): sequence
+    i was answered y during recovery (:func:`add_replays`).
     """
 
     sequences: list
     family: list
     hull: list
+    replay: list = field(default_factory=list)   # (i, answer the learner was given)
 
     @property
     def lengths(self) -> tuple[int, int]:
@@ -327,6 +329,23 @@ def _separating_sequences(W: np.ndarray, v: np.ndarray, count: int, rng, scale: 
     return [cands[i] for i in np.argsort(merit)[::-1][:count]]
 
 
+REPLAY_FRACTION = 0.125       # at most this share of the check re-asks learner queries
+
+
+def add_replays(held: HeldOutSet, oracle, count: int) -> HeldOutSet:
+    """Append up to ``count`` of the oracle's kept (sequence, answer) pairs
+    (:attr:`attnextract.oracle.Oracle.replay`) as the ``replay`` family: asked again,
+    a fixed function answers the same (to its rounding); a black box that switched
+    behaviour during the run does not, even where the new behaviour is itself a
+    member of the class."""
+    pairs = list(getattr(oracle, "replay", None) or [])[:max(0, int(count))]
+    for x, y in pairs:
+        held.replay.append((len(held.sequences), float(y)))
+        held.sequences.append(np.ascontiguousarray(x, dtype=np.float64))
+        held.family.append("replay")
+    return held
+
+
 def token_norms(sequences) -> np.ndarray:
     """Largest token norm of each sequence, shape (len(sequences),)."""
     return np.array([float(np.linalg.norm(s, axis=1).max()) for s in sequences])
@@ -393,8 +412,16 @@ def run_check(oracle, model, held: HeldOutSet) -> Check:
         observed = oracle.query_ragged(held.sequences)
     predicted = evaluate_ragged(model, held.sequences)
     norms = token_norms(held.sequences)
-    errors = scaled_relative_errors(predicted, observed, norms,
-                                    np.array([f != "hull" for f in held.family]))
+    reference = np.array([f != "hull" for f in held.family])
+    errors = scaled_relative_errors(predicted, observed, norms, reference)
+    if held.replay:
+        # the answer now against the answer the learner was given
+        idx = np.array([i for i, _ in held.replay])
+        then = np.array([y for _, y in held.replay])
+        K = output_scale(observed[reference], norms[reference])
+        again = np.abs(then - observed[idx]) / np.maximum(
+            np.abs(observed[idx]), np.maximum(norms[idx] * K, np.finfo(float).tiny))
+        errors[idx] = np.maximum(errors[idx], again)
     return Check(errors=errors, family=list(held.family),
                  hull=hull_violations(held, observed, norms), observed=observed,
                  predicted=predicted, lengths=held.lengths)
