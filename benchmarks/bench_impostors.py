@@ -137,7 +137,17 @@ def main(argv=None):
                         help="learner=N,...: fewer seeds for slow learners at d = 32")
     parser.add_argument("--out", default="benchmarks/results/impostors.md")
     parser.add_argument("--json", default="")
+    parser.add_argument("--merge", nargs="+", default=None,
+                        help="write --out from these --json files of earlier runs (no runs)")
     args = parser.parse_args(argv)
+    if args.merge:
+        rows, elapsed = [], 0.0
+        for name in args.merge:
+            part = json.loads(Path(name).read_text())
+            rows += part["rows"]
+            elapsed += part["seconds"]
+        write_markdown(rows, Path(args.out), elapsed, args)
+        return
     fewer = dict(item.split("=") for item in args.seeds_at_32.split(",") if item)
     rows, started = [], time.perf_counter()
     for learner in args.learners.split(","):
@@ -168,7 +178,7 @@ def main(argv=None):
     elapsed = time.perf_counter() - started
     write_markdown(rows, Path(args.out), elapsed, args)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps({"rows": rows, "seconds": elapsed}, indent=1))
 
 
 def write_markdown(rows, path, elapsed, args):

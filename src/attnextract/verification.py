@@ -61,6 +61,7 @@ MIN_LONGEST = 256             # held-out lengths reach at least this
 LENGTH_FACTOR = 4             # ... and 4 x the longest probe
 ORDINARY_LENGTH = 16
 HULL_FRACTION = 1e-4          # hull tolerance = this x the output tolerance
+HULL_MIN_SPREAD = 1e-2        # hull violations relative to at least this x the token norm
 SCALE_CAP = 100.0            # token scales stop at this x d^-1/4
 PEAK_SPREAD = 30.0            # model scores span about this on the "peaked" family
 FAMILIES = {"ordinary": 0.12, "long": 0.2, "repeated": 0.12, "norms": 0.16, "sparse": 0.12,
@@ -158,7 +159,10 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
             heads = (np.asarray(W, dtype=float), np.asarray(v, dtype=float))
     single = (W is not None and v is not None and np.ndim(W) == 2 and np.ndim(v) == 1
               and d >= 2 and np.any(v) and count >= 16)
-    second = ({"hull", "steps"} if single else
+    ffn = ffn_view(model) if not single and d >= 2 and count >= 16 else None
+    if ffn is not None:
+        W = ffn[0]
+    second = ({"hull", "steps"} if single or ffn is not None else
               {"steps", "heads"} if heads is not None and count >= 16 else set())
     sizes = _split(count, second)
     L = longest_length(probe_length)
@@ -256,6 +260,15 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
         add("heads", _separating_sequences(heads[0], heads[1], n, rng, scale, grid))
     # hull pairs: tokens orthogonal to v, then each token alone
     hull = []
+    if ffn is not None and sizes.get("hull", 0) >= 4:
+        first = len(seqs)
+        pools, pairs = _ffn_hull(ffn, sizes["hull"], rng, max(scale, anchor), L, grid)
+        for pool in pools:
+            add("hull", [p[None] for p in pool])
+        offsets = np.cumsum([first] + [len(pool) for pool in pools])
+        for c, pick in pairs:
+            hull.append((len(seqs), offsets[c] + pick))
+            add("hull", [pools[c][pick]])
     if single and sizes.get("hull", 0) >= 2:
         n = sizes["hull"]
         pool_size = max(1, min(n // 2, 2 * d))
@@ -277,6 +290,98 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
             hull.append((len(seqs), singles[pick]))
             add("hull", [P[pick]])
     return HeldOutSet(sequences=seqs, family=fam, hull=hull)
+
+
+def ffn_view(model):
+    """(W (d, d), A_eff (m, d), b (m,), w (m,)) of a one-head model that reads its
+    attention output z through a ReLU layer, f = w^T ReLU(A_eff z + b) + c0 (a one-layer
+    Transformer, A_eff = A; a Transformer layer with one head and no residual term,
+    A_eff = A V); None for other models."""
+    A, w = getattr(model, "A", None), getattr(model, "w", None)
+    W = getattr(model, "W", None)
+    if A is None or w is None or W is None or getattr(model, "residual", False):
+        return None
+    W = np.asarray(W, dtype=float)
+    V = getattr(model, "V", None)
+    if W.ndim == 3:
+        if W.shape[0] != 1:
+            return None
+        W = W[0]
+    A_eff = np.asarray(A, dtype=float)
+    if V is not None:
+        V = np.asarray(V, dtype=float)
+        A_eff = A_eff @ (V[0] if V.ndim == 3 else V)
+    if W.ndim != 2 or A_eff.shape[1] != W.shape[0] or getattr(model, "B", None) is not None:
+        return None
+    b = np.asarray(getattr(model, "b", np.zeros(len(A_eff))), dtype=float)
+    return W, A_eff, b, np.asarray(w, dtype=float)
+
+
+FFN_CENTRES = 3               # linear regions the FFN hull pairs are drawn in
+FFN_SPREAD = 10.0             # the model's scores span about this on a hull pool
+
+
+def _region_tokens(A, b, w, p, rng, k: int):
+    """k tokens p + delta_i in the linear region of the FFN containing p, with every
+    delta_i orthogonal to the region's readout v_S and to the normals of the d/2
+    nearest hyperplanes, each as long as keeps every unit's sign (times 0.9)."""
+    d = len(p)
+    pre = A @ p + b
+    active = pre > 0
+    v_S = A[active].T @ w[active]
+    rows = np.maximum(np.linalg.norm(A, axis=1), np.finfo(float).tiny)
+    nearest = np.argsort(np.abs(pre) / rows)[:max(0, d // 2 - 1)]
+    basis = np.linalg.qr(np.column_stack([v_S] + [A[j] for j in nearest]))[0]
+    D = rng.standard_normal((k, d))
+    D -= (D @ basis) @ basis.T
+    D -= (D @ basis) @ basis.T                # twice: orthogonal to rounding
+    D /= np.maximum(np.linalg.norm(D, axis=1, keepdims=True), np.finfo(float).tiny)
+    with np.errstate(divide="ignore"):
+        reach = np.abs(pre)[None, :] / np.abs(D @ A.T)        # step to each hyperplane
+    # no hyperplane in the way: stay within the centre's own norm
+    step = 0.9 * np.minimum(reach.min(axis=1), np.linalg.norm(p)) * rng.uniform(0.3, 1.0, k)
+    return p + step[:, None] * D
+
+
+def _ffn_hull(ffn, n: int, rng, scale: float, longest: int, grid):
+    """Hull pairs inside one linear region of the FFN: there f = v_S^T z + const with
+    v_S = A_S^T w_S (S the active units), a single head, so the answer to a sequence
+    lies between its tokens' own answers whatever W is. Tokens x = p + delta with
+    delta orthogonal to v_S, each keeping every unit's sign (regions are convex, so
+    every convex combination stays too): the model answers f(p) on all of them, and a
+    second head with another value map shows in full, as for a single head. The
+    centre's norm is raised until the model's scores span about FFN_SPREAD.
+
+    Returns (pools, pairs): ``pools`` a list of token arrays (k, d), one per centre;
+    ``pairs`` (centre, indices into its pool) for the sequences.
+    """
+    W, A, b, w = ffn
+    d = W.shape[0]
+    n_centres = max(1, min(FFN_CENTRES, n // 6))
+    pool_size = max(2, min(n // (2 * n_centres), 2 * d))
+    pools, pairs = [], []
+    for c in range(n_centres):
+        p = rng.standard_normal(d)
+        p *= scale * math.sqrt(d) / np.linalg.norm(p)
+        for _ in range(4):                    # scores scale like |p|^2 (a cone for b = 0)
+            X = _region_tokens(A, b, w, p, rng, pool_size)
+            s = X @ (W @ X[-1])
+            spread = float(s.max() - s.min())
+            if not spread > 0:
+                break
+            p = p * min(math.sqrt(FFN_SPREAD / spread), 1e3)
+        pool = _region_tokens(A, b, w, p, rng, pool_size)
+        if np.all(np.isfinite(pool)):
+            pools.append(pool)
+    if not pools:
+        return [], []
+    n_centres = len(pools)
+    n_seq = n - n_centres * pool_size
+    for i, k in enumerate(_log_uniform_int(rng, 2, min(longest, 64), max(n_seq, 0), grid)):
+        c = i % n_centres
+        pick = rng.permutation(np.resize(rng.permutation(pool_size), int(k)))
+        pairs.append((c, pick))
+    return pools, pairs
 
 
 def _step_sequences(W: np.ndarray, count: int, rng, scale: float, longest: int, grid) -> list:
@@ -371,7 +476,11 @@ def scaled_relative_errors(predicted, observed, norms, reference=None) -> np.nda
 
 def hull_violations(held: HeldOutSet, observed: np.ndarray, norms: np.ndarray) -> np.ndarray:
     """For each hull pair: how far f(X) lies outside [min f([x_i]), max f([x_i])], relative
-    to s K (K from the other families). Zero inside. Shape (len(held.hull),)."""
+    to r K (K from the other families, r the spread of the tokens about their mean, at
+    least HULL_MIN_SPREAD x their largest norm s). Zero inside. Shape (len(held.hull),).
+
+    The spread, not s: tokens p + delta_i around a far centre p (the FFN's linear
+    regions) vary only by delta, and so does everything a convex combination can do."""
     if not held.hull:
         return np.zeros(0)
     ref = np.array([f != "hull" for f in held.family])
@@ -380,7 +489,9 @@ def hull_violations(held: HeldOutSet, observed: np.ndarray, norms: np.ndarray) -
     for j, (i, singles) in enumerate(held.hull):
         lo, hi = observed[singles].min(), observed[singles].max()
         gap = max(0.0, observed[i] - hi, lo - observed[i])
-        out[j] = gap / max(norms[i] * K, np.finfo(float).tiny)
+        X = held.sequences[i]
+        spread = float(np.linalg.norm(X - X.mean(axis=0), axis=1).max())
+        out[j] = gap / max(max(spread, HULL_MIN_SPREAD * norms[i]) * K, np.finfo(float).tiny)
     return out
 
 

@@ -276,14 +276,16 @@ class SecondHead(Impostor):
         v = getattr(model, "v", None)
         if v is not None:           # a head with value eps |v| / sqrt(d) per entry
             self.v2 = eps * float(np.linalg.norm(v)) / math.sqrt(np.size(v)) * rng.standard_normal(d)
+        else:                       # a head with its own value map eps R
+            self.R = eps * rng.standard_normal((d, d)) / math.sqrt(d)
 
     def honest(self, X):
         if getattr(self.model, "v", None) is not None:
             return super().honest(X) + (softmax(super().scores(X, self.W2))[:, :, None]
                                         * X).sum(axis=1) @ self.v2
-        # an extra head inside the attention output the FFN reads (value eps x)
+        # an extra head inside the attention output the FFN reads (value map eps R)
         values = self.values(X)
-        extra = self.eps * np.einsum("bn,bnd->bd", softmax(super().scores(X, self.W2)), values)
+        extra = np.einsum("bn,bnd->bd", softmax(super().scores(X, self.W2)), values) @ self.R.T
         Z = np.stack([np.einsum("bn,bnd->bd", self.weights(X, W), values) for W in self.heads],
                      axis=1)
         Z[:, 0] += extra            # a Transformer layer reads it through V_1
