@@ -22,59 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
-from attnextract import Oracle
-from attnextract.adapters.impostors import make_impostor, zoo
-from attnextract.adapters.targets import (random_low_rank_head, random_low_rank_multi_head,
-                                          random_multi_head, random_single_head)
-from attnextract.errors import (BudgetExceededError, ModelMismatchError, NotIdentifiableError,
-                                RecoveryFailedError)
-from attnextract.learners.one_layer import random_one_layer
-from attnextract.learners.transformer_layer import random_transformer_layer
-from attnextract.oracle import SignOnly, evaluate_ragged
-from attnextract.report import verification_count, verify_model
+from attnextract.adapters.impostors import (LEARNER_CASES, SAME_LABELS, impostor_names,
+                                            recovery_queries, run_impostor)
+from attnextract.oracle import evaluate_ragged
 from attnextract.verification import design, scaled_relative_errors, token_norms
 
-REFUSALS = (ModelMismatchError, NotIdentifiableError, RecoveryFailedError)
-NOISY_TOLERANCE = 1e-10      # absolute output tolerance given to the noisy learner
-
-
-def _extract(name, **fixed):
-    def run(oracle, seed):
-        import attnextract
-        return attnextract.extract(oracle, model=name, seed=seed, **fixed)
-    return run
-
-
-def _sign_only(oracle, seed):
-    from attnextract.learners.sign_only import extract_sign_only
-    return extract_sign_only(oracle, seed=seed)
-
-
-def _verify(oracle, seed, model, recovery):
-    """``attnextract verify`` with the honest model's own parameters."""
-    check = verify_model(oracle, model, count=recovery, seed=seed, measure_v=True)
-    if not check.passed:
-        raise ModelMismatchError("verify failed")
-    return None
-
-
-# learner -> (honest model factory (d, seed), run (oracle, seed) -> result, labels?)
-LEARNERS = {
-    "single-head": (lambda d, s: random_single_head(d, s), _extract("single-head"), False),
-    "low-rank": (lambda d, s: random_low_rank_head(d, max(1, d // 4), s), _extract("low-rank"), False),
-    "verify": (lambda d, s: random_single_head(d, s), None, False),
-    "noisy": (lambda d, s: random_single_head(d, s),
-              _extract("single-head", tolerance=NOISY_TOLERANCE), False),
-    "sign-only": (lambda d, s: random_single_head(d, s), _sign_only, True),
-    "multi-head H<=1": (lambda d, s: random_single_head(d, s), _extract("multi-head", heads=1), False),
-    "multi-head H<=2": (lambda d, s: random_multi_head(2, d, s), _extract("multi-head", heads=2), False),
-    "multi-head-low-rank": (lambda d, s: random_low_rank_multi_head(2, d, max(1, d // 4), s),
-                            lambda o, s: _extract("multi-head-low-rank", heads=2,
-                                                  rank=max(1, o.dim // 4))(o, s), False),
-    "one-layer": (lambda d, s: random_one_layer(d, d, s), _extract("one-layer"), False),
-    "transformer-layer": (lambda d, s: random_transformer_layer(d, 2 * d, s, bias_scale=0.5, c0=0.2),
-                          _extract("transformer-layer"), False),
-}
+LEARNERS = LEARNER_CASES
 
 
 def held_out_error(model, box, d, labels, seed):
@@ -91,39 +44,11 @@ def held_out_error(model, box, d, labels, seed):
 
 
 def one_run(learner, impostor, d, seed, recovery):
-    """'refused: <Error>', 'accepted <err>' or 'crash: <text>'."""
-    honest_of, run, labels = LEARNERS[learner]
-    model = honest_of(d, seed)
-    rng = np.random.default_rng([seed, d, sum(map(ord, impostor))])
-    box = model if impostor == "honest" else make_impostor(impostor, model, rng, recovery)
-    if learner == "verify" and impostor == "switch at verification":
-        box.after = 1
-    target = SignOnly(box) if labels else box
-    oracle = Oracle(target, d)
-    try:
-        if run is None:
-            _verify(oracle, seed, model, recovery)
-            return "accepted", 0.0, oracle.queries
-        result = run(oracle, seed)
-    except REFUSALS as exc:
-        return f"refused: {type(exc).__name__}", None, oracle.queries
-    except BudgetExceededError as exc:
-        return f"refused: {type(exc).__name__}", None, oracle.queries
-    except Exception as exc:                       # a bug: shown, not counted as a refusal
-        return f"crash: {type(exc).__name__}: {exc}"[:200], None, oracle.queries
-    err = held_out_error(result.model, box if not labels else box, d, labels, seed)
-    return "accepted", err, oracle.queries
-
-
-def recovery_queries(learner, d):
-    """Recovery queries of the learner on an honest model (where the switches happen)."""
-    honest_of, run, labels = LEARNERS[learner]
-    if run is None:
-        return verification_count(d * d + d)
-    model = honest_of(d, 0)
-    oracle = Oracle(SignOnly(model) if labels else model, d)
-    result = run(oracle, 0)
-    return int(result.report.recovery_queries)
+    """(outcome, held-out error of an accepted model or None)."""
+    outcome, result, box = run_impostor(learner, impostor, d, seed, recovery)
+    if outcome != "accepted" or result is None:
+        return outcome, (0.0 if outcome == "accepted" else None)
+    return outcome, held_out_error(result.model, box, d, LEARNERS[learner][2], seed)
 
 
 def main(argv=None):
@@ -154,8 +79,7 @@ def main(argv=None):
         for d in args.dims:
             t0 = time.perf_counter()
             recovery = recovery_queries(learner, d)
-            model = LEARNERS[learner][0](d, 0)
-            names = ["honest"] + list(zoo(model))
+            names = ["honest"] + impostor_names(learner, d)
             if args.impostors:
                 names = [n for n in names if n in args.impostors.split(",")]
             n_seeds = int(fewer.get(learner, args.seeds)) if d >= 32 else args.seeds
@@ -190,7 +114,9 @@ def write_markdown(rows, path, elapsed, args):
              "refused = a typed refusal (ModelMismatchError, NotIdentifiableError, "
              "RecoveryFailedError); an ACCEPTED impostor is listed with its seed and the "
              "accepted model's held-out error against it (labels: fraction that disagree). "
-             "`honest` is the model itself: it must be accepted (refused 0).", "",
+             "`honest` is the model itself: it must be accepted (refused 0). The sign-only "
+             "learner (labels 1{f > 0}) does not face " + " and ".join(sorted(SAME_LABELS)) +
+             ": both keep the sign of f, so their labels are the honest head's.", "",
              "| learner | impostor | d | refused | accepted (seed: held-out error) |",
              "|---|---|---|---|---|"]
     for r in rows:

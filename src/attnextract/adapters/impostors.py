@@ -401,3 +401,108 @@ def make_impostor(name: str, model, rng: np.random.Generator, recovery_queries: 
         raise InputError(f"no impostor {name!r} for a {type(model).__name__} "
                          f"(known: {', '.join(table)})")
     return table[name](model, rng, recovery_queries)
+
+
+# -- every learner against the zoo (benchmarks/bench_impostors.py, tests) ----------------
+
+NOISY_TOLERANCE = 1e-10       # absolute output tolerance given to the noisy learner
+# a label-only black box (threshold 0) answers these exactly as the honest head does:
+# clipping and an attention sink keep the sign of f, so they are in the class there
+SAME_LABELS = {"output clipping", "attention sink"}
+
+
+def _extract(name, **fixed):
+    def run(oracle, seed):
+        from ..registry import extract
+        options = {k: (v(oracle.dim) if callable(v) else v) for k, v in fixed.items()}
+        return extract(oracle, model=name, seed=seed, **options)
+    return run
+
+
+def _sign_only(oracle, seed):
+    from ..learners.sign_only import extract_sign_only
+    return extract_sign_only(oracle, seed=seed)
+
+
+def _honest(kind):
+    def make(d, seed):
+        from . import targets
+        if kind == "single":
+            return targets.random_single_head(d, seed)
+        if kind == "low-rank":
+            return targets.random_low_rank_head(d, max(1, d // 4), seed)
+        if kind == "two heads":
+            return targets.random_multi_head(2, d, seed)
+        if kind == "two low-rank heads":
+            return targets.random_low_rank_multi_head(2, d, max(1, d // 4), seed)
+        if kind == "one layer":
+            from ..learners.one_layer import random_one_layer
+            return random_one_layer(d, d, seed)
+        from ..learners.transformer_layer import random_transformer_layer
+        return random_transformer_layer(d, 2 * d, seed, bias_scale=0.5, c0=0.2)
+    return make
+
+
+# learner -> (honest model (d, seed), run (oracle, seed) -> result or None for verify, labels)
+LEARNER_CASES = {
+    "single-head": (_honest("single"), _extract("single-head"), False),
+    "low-rank": (_honest("low-rank"), _extract("low-rank"), False),
+    "verify": (_honest("single"), None, False),
+    "noisy": (_honest("single"), _extract("single-head", tolerance=NOISY_TOLERANCE), False),
+    "sign-only": (_honest("single"), _sign_only, True),
+    "multi-head H<=1": (_honest("single"), _extract("multi-head", heads=1), False),
+    "multi-head H<=2": (_honest("two heads"), _extract("multi-head", heads=2), False),
+    "multi-head-low-rank": (_honest("two low-rank heads"),
+                            _extract("multi-head-low-rank", heads=2, rank=lambda d: max(1, d // 4)),
+                            False),
+    "one-layer": (_honest("one layer"), _extract("one-layer"), False),
+    "transformer-layer": (_honest("layer"), _extract("transformer-layer"), False),
+}
+
+
+def impostor_names(learner: str, d: int = 8) -> list:
+    """The impostors of :func:`zoo` that lie outside ``learner``'s class."""
+    names = list(zoo(LEARNER_CASES[learner][0](d, 0)))
+    if LEARNER_CASES[learner][2]:
+        names = [n for n in names if n not in SAME_LABELS]
+    return names
+
+
+def recovery_queries(learner: str, d: int) -> int:
+    """The learner's recovery queries on an honest model (where the switches happen)."""
+    from ..oracle import Oracle, SignOnly
+    from ..report import verification_count
+    honest, run, labels = LEARNER_CASES[learner]
+    if run is None:
+        return verification_count(d * d + d)
+    model = honest(d, 0)
+    return int(run(Oracle(SignOnly(model) if labels else model, d), 0).report.recovery_queries)
+
+
+def run_impostor(learner: str, name: str, d: int, seed: int, recovery: int):
+    """Run ``learner`` against impostor ``name`` ("honest": the model itself) built on
+    its honest model (seed). Returns (outcome, result, box): outcome "refused: <Error>",
+    "accepted" or "crash: <text>"; result the ExtractionResult when accepted."""
+    from ..errors import (BudgetExceededError, ModelMismatchError, NotIdentifiableError,
+                          RecoveryFailedError)
+    from ..oracle import Oracle, SignOnly
+    from ..report import verify_model
+    honest, run, labels = LEARNER_CASES[learner]
+    model = honest(d, seed)
+    rng = np.random.default_rng([seed, d, sum(map(ord, name))])
+    box = model if name == "honest" else make_impostor(name, model, rng, recovery)
+    if run is None and name == "switch at verification":
+        box.after = 1                   # verify alone: a switch in the middle of the check
+    oracle = Oracle(SignOnly(box) if labels else box, d)
+    try:
+        if run is None:                 # `attnextract verify` with the honest parameters
+            check = verify_model(oracle, model, count=recovery, seed=seed, measure_v=True)
+            if not check.passed:
+                raise ModelMismatchError("verification failed")
+            return "accepted", None, box
+        return "accepted", run(oracle, seed), box
+    except (ModelMismatchError, NotIdentifiableError, RecoveryFailedError,
+            BudgetExceededError) as exc:
+        return f"refused: {type(exc).__name__}", None, box
+    except Exception as exc:            # a bug: reported, never counted as a refusal
+        return f"crash: {type(exc).__name__}: {exc}"[:200], None, box
