@@ -121,6 +121,8 @@ def write_markdown(rows, path, elapsed, args):
              "|---|---|---|---|---|"]
     for r in rows:
         acc = ", ".join(f"{s}: {e:.1e}" for s, e in r["accepted"]) if r["impostor"] != "honest" else ""
+        if LEARNERS[r["learner"]][2] and r["impostor"] in SAME_LABELS:
+            acc = "in the class for labels (same labels as the head): not an impostor here"
         if r["crashes"]:
             acc += (" " if acc else "") + "CRASH " + "; ".join(f"{s}: {c}" for s, c in r["crashes"])
         lines.append(f"| {r['learner']} | {r['impostor']} | {r['d']} | {r['refused']}/{r['seeds']} "

@@ -208,6 +208,34 @@ class PositionEmbedding(Impostor):
         return self.honest(X + self.size * self.P[:X.shape[1]][None])
 
 
+class RotaryPositions(Impostor):
+    reason = ("keys rotated by angles proportional to their distance from the query (RoPE): "
+              "the score of a token depends on where it sits")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.freq = 0.3 * 10.0 ** -np.linspace(0, 2, self.dim // 2)
+
+    def scores(self, X, W):
+        N, half = X.shape[1], self.dim // 2
+        angle = (N - 1 - np.arange(N))[:, None] * self.freq[None, :]        # (N, d/2)
+        c, s = np.cos(angle), np.sin(angle)
+        K = X.copy()
+        a, b = X[:, :, 0:2 * half:2], X[:, :, 1:2 * half:2]
+        K[:, :, 0:2 * half:2] = c * a - s * b
+        K[:, :, 1:2 * half:2] = s * a + c * b
+        return np.einsum("bnd,bd->bn", K, X[:, -1, :] @ W.T)
+
+
+class BatchDependent(Impostor):
+    reason = ("subtracts 1e-3 x the batch's mean answer: an answer depends on the other "
+              "sequences sent with it (not a function of the sequence)")
+
+    def __call__(self, X):
+        out = super().__call__(X)
+        return out - 1e-3 * out.mean()
+
+
 class AttentionSink(Impostor):
     reason = ("an extra key with score 0 and value 0 in the softmax: f = sum e^s v^T x / "
               "(1 + sum e^s), not a convex combination of the values")
@@ -374,6 +402,8 @@ def zoo(model=None) -> dict:
         "norm trigger": lambda m, r, q: NormTrigger(m, r),
         "ALiBi": lambda m, r, q: ALiBi(m, r),
         "position embedding": lambda m, r, q: PositionEmbedding(m, r),
+        "rotary positions": lambda m, r, q: RotaryPositions(m, r),
+        "batch-dependent": lambda m, r, q: BatchDependent(m, r),
         "attention sink": lambda m, r, q: AttentionSink(m, r),
         "sigmoid attention": lambda m, r, q: SigmoidAttention(m, r),
         "query bias": lambda m, r, q: QueryBias(m, r),
