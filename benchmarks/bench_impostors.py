@@ -59,21 +59,30 @@ def main(argv=None):
     parser.add_argument("--learners", default=",".join(LEARNERS))
     parser.add_argument("--impostors", default="")
     parser.add_argument("--seeds-at-32", type=str, default="",
-                        help="learner=N,...: fewer seeds for slow learners at d = 32")
+                        help="learner=N;...: fewer seeds for slow learners at d >= 32")
+    parser.add_argument("--seeds-at-8", type=str, default="",
+                        help="learner=N;...: fewer seeds for slow learners at d < 32")
     parser.add_argument("--out", default="benchmarks/results/impostors.md")
     parser.add_argument("--json", default="")
     parser.add_argument("--merge", nargs="+", default=None,
                         help="write --out from these --json files of earlier runs (no runs)")
     args = parser.parse_args(argv)
     if args.merge:
-        rows, elapsed = [], 0.0
+        rows, elapsed, commands = [], 0.0, []
         for name in args.merge:
             part = json.loads(Path(name).read_text())
+            # a later part's rows replace an earlier part's (same learner, impostor, d)
+            keys = {(r["learner"], r["impostor"], r["d"]) for r in part["rows"]}
+            rows = [r for r in rows if (r["learner"], r["impostor"], r["d"]) not in keys]
             rows += part["rows"]
             elapsed += part["seconds"]
-        write_markdown(rows, Path(args.out), elapsed, args)
+            commands.append(part.get("command", ""))
+        order = list(LEARNERS)
+        rows.sort(key=lambda r: (order.index(r["learner"]), r["d"]))
+        write_markdown(rows, Path(args.out), elapsed, args, commands)
         return
-    fewer = dict(item.split("=") for item in args.seeds_at_32.split(",") if item)
+    fewer = {32: dict(item.rsplit("=", 1) for item in args.seeds_at_32.split(";") if item),
+             8: dict(item.rsplit("=", 1) for item in args.seeds_at_8.split(";") if item)}
     rows, started = [], time.perf_counter()
     for learner in args.learners.split(","):
         for d in args.dims:
@@ -82,7 +91,7 @@ def main(argv=None):
             names = ["honest"] + impostor_names(learner, d)
             if args.impostors:
                 names = [n for n in names if n in args.impostors.split(",")]
-            n_seeds = int(fewer.get(learner, args.seeds)) if d >= 32 else args.seeds
+            n_seeds = int(fewer[32 if d >= 32 else 8].get(learner, args.seeds))
             seeds = range(args.first_seed, args.first_seed + n_seeds)
             for name in names:
                 outcomes = [one_run(learner, name, d, s, recovery) for s in seeds]
@@ -102,15 +111,19 @@ def main(argv=None):
     elapsed = time.perf_counter() - started
     write_markdown(rows, Path(args.out), elapsed, args)
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "seconds": elapsed}, indent=1))
+        command = "python benchmarks/bench_impostors.py " + " ".join(
+            repr(a) if " " in a or "<" in a else a for a in (argv if argv is not None else sys.argv[1:]))
+        Path(args.json).write_text(json.dumps({"rows": rows, "seconds": elapsed,
+                                               "command": command}, indent=1))
 
 
-def write_markdown(rows, path, elapsed, args):
+def write_markdown(rows, path, elapsed, args, commands=None):
+    if not commands:
+        commands = [f"python benchmarks/bench_impostors.py --seeds {args.seeds} --dims "
+                    f"{' '.join(map(str, args.dims))}"]
     lines = ["# Impostor zoo against every learner", "",
-             f"`OPENBLAS_NUM_THREADS=1 python benchmarks/bench_impostors.py "
-             f"--seeds {args.seeds} --dims {' '.join(map(str, args.dims))}"
-             f"{' --seeds-at-32 ' + args.seeds_at_32 if args.seeds_at_32 else ''}` "
-             f"({elapsed:.0f} s on a shared, loaded 2-core machine).", "",
+             "Run with OPENBLAS_NUM_THREADS=1 (" + f"{elapsed:.0f} s in all on a shared, loaded "
+             "2-core machine):", "", *[f"    {c}" for c in commands], "",
              "refused = a typed refusal (ModelMismatchError, NotIdentifiableError, "
              "RecoveryFailedError); an ACCEPTED impostor is listed with its seed and the "
              "accepted model's held-out error against it (labels: fraction that disagree). "

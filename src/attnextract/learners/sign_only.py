@@ -47,7 +47,7 @@ from ..models import SingleHeadAttention
 from .noisy import FLOAT_SLACK, NoisyVerification, output_gradient_norms
 from ..oracle import Oracle, evaluate_ragged
 from ..report import ExtractionResult, Report, verification_count
-from ..verification import BOUNDARY_FRACTION, design, near_boundary
+from ..verification import BOUNDARY_FRACTION, boundary_shift, design, near_boundary
 from .single_head import logit, probe_basis
 
 KAPPA_LOW, KAPPA_HIGH = 1.0, 4.0    # kappa sigma(lambda kappa) = 1 is bracketed here for lambda > -0.2747
@@ -296,6 +296,19 @@ def _verify_labels(oracle, model, W_bar, v_bar, threshold, *, count, seed, extra
         _, gW, gv = output_gradient_norms(model, X)
         return 1.5 * (gW * W_bar + gv * v_bar) + (extra_relative + 1e-12) * rms
 
+    # a label shows a departure from the class only where the departure exceeds the
+    # distance to the threshold: every other sequence of each family is moved (all its
+    # tokens along v_hat) to within 10^-6 .. 10^-0.5 of its own distance, still clear of
+    # the model's allowance
+    if model.dim >= 2:
+        moved = sequences[1::2]
+        gap = np.abs(evaluate_ragged(model, moved) - threshold)
+        room = np.concatenate([allowance(x[None]) for x in moved]) if moved else np.zeros(0)
+        size = np.maximum(gap * 10.0 ** rng.uniform(-6.0, -0.5, len(moved)), 3.0 * room)
+        targets = threshold + rng.choice([-1.0, 1.0], len(moved)) * size
+        ok = np.isfinite(targets)
+        sequences = sequences[0::2] + boundary_shift(model, [x for x, k in zip(moved, ok) if k],
+                                                     targets[ok])
     # the second part: sequences just clear of the model's decision boundary, where a
     # small departure from the class (a second head at 1e-8) flips labels
     if n_boundary:
