@@ -138,7 +138,8 @@ def verify_model(oracle: Oracle, model, *, count: int, seed=None,
     ``count`` re-ask sequences the learner was answered through this oracle
     (``oracle.replay``): a black box that changed during the run fails there.
     """
-    from .verification import HULL_FRACTION, REPLAY_FRACTION, add_replays, design, run_check
+    from .verification import (HULL_FRACTION, REPLAY_FRACTION, add_replays, design,
+                               root_oracle, run_check)
     rng = np.random.default_rng(seed)
     scale = token_scale(model) if scale is None else scale
     hull_v = None
@@ -146,12 +147,13 @@ def verify_model(oracle: Oracle, model, *, count: int, seed=None,
         oracle.require(count + oracle.dim, "held-out verification")
         with live_queries(oracle):                 # the live black box, never a journal
             hull_v = oracle.query(np.eye(oracle.dim)[:, None, :])
-    replays = min(len(getattr(oracle, "replay", None) or []), int(REPLAY_FRACTION * count))
+    replays = min(len(getattr(root_oracle(oracle), "replay", None) or []),
+                  int(REPLAY_FRACTION * count))
     held = add_replays(design(oracle.dim, count - replays, rng, scale, probe_length=probe_length,
                               model=model, hull_v=hull_v), oracle, replays)
-    oracle.require(len(held.sequences), "held-out verification")
+    oracle.require(len(held.sequences) + len(held.replay), "held-out verification")
     check = run_check(oracle, model, held)
-    asked = len(held.sequences) + (0 if hull_v is None else oracle.dim)
+    asked = len(held.sequences) + len(held.replay) + (0 if hull_v is None else oracle.dim)
     return Verification(sequences=asked, max_relative_error=float(check.errors.max()),
                         median_relative_error=float(np.median(check.errors)), tolerance=tolerance,
                         lengths=check.lengths,

@@ -75,14 +75,14 @@ class HeldOutSet:
     """Held-out sequences (N_i, d), the family of each, and the hull pairs.
 
     ``hull`` lists (i, singles): sequence i and the indices of the length-1 sequences
-    [x] of each of its tokens (also in ``sequences``). ``replay`` lists (i, y): sequence
-    i was answered y during recovery (:func:`add_replays`).
+    [x] of each of its tokens (also in ``sequences``). ``replay`` lists (x, y): sequence
+    x was answered y during recovery (:func:`add_replays`; not in ``sequences``).
     """
 
     sequences: list
     family: list
     hull: list
-    replay: list = field(default_factory=list)   # (i, answer the learner was given)
+    replay: list = field(default_factory=list)   # (sequence, answer the learner was given)
 
     @property
     def lengths(self) -> tuple[int, int]:
@@ -437,17 +437,22 @@ def _separating_sequences(W: np.ndarray, v: np.ndarray, count: int, rng, scale: 
 REPLAY_FRACTION = 0.125       # at most this share of the check re-asks learner queries
 
 
+def root_oracle(oracle):
+    """The :class:`attnextract.oracle.Oracle` under a learner's view of it (``.base``)."""
+    from .oracle import Oracle
+    while not isinstance(oracle, Oracle) and hasattr(oracle, "base"):
+        oracle = oracle.base
+    return oracle
+
+
 def add_replays(held: HeldOutSet, oracle, count: int) -> HeldOutSet:
-    """Append up to ``count`` of the oracle's kept (sequence, answer) pairs
-    (:attr:`attnextract.oracle.Oracle.replay`) as the ``replay`` family: asked again,
-    a fixed function answers the same (to its rounding); a black box that switched
-    behaviour during the run does not, even where the new behaviour is itself a
-    member of the class."""
-    pairs = list(getattr(oracle, "replay", None) or [])[:max(0, int(count))]
-    for x, y in pairs:
-        held.replay.append((len(held.sequences), float(y)))
-        held.sequences.append(np.ascontiguousarray(x, dtype=np.float64))
-        held.family.append("replay")
+    """Add up to ``count`` of the root oracle's kept (sequence, answer) pairs
+    (:attr:`attnextract.oracle.Oracle.replay`) as the ``replay`` family: asked again of
+    the root oracle (a learner's view may change what a query means), a fixed function
+    answers the same (to its rounding); a black box that switched behaviour during the
+    run does not, even where the new behaviour is itself a member of the class."""
+    pairs = list(getattr(root_oracle(oracle), "replay", None) or [])[:max(0, int(count))]
+    held.replay.extend((np.ascontiguousarray(x, dtype=np.float64), float(y)) for x, y in pairs)
     return held
 
 
@@ -525,16 +530,19 @@ def run_check(oracle, model, held: HeldOutSet) -> Check:
     norms = token_norms(held.sequences)
     reference = np.array([f != "hull" for f in held.family])
     errors = scaled_relative_errors(predicted, observed, norms, reference)
+    hull = hull_violations(held, observed, norms)
+    family = list(held.family)
     if held.replay:
-        # the answer now against the answer the learner was given
-        idx = np.array([i for i, _ in held.replay])
+        # the answer now against the answer the learner was given (root oracle, live)
+        root = root_oracle(oracle)
+        xs = [x for x, _ in held.replay]
         then = np.array([y for _, y in held.replay])
-        K = output_scale(observed[reference], norms[reference])
-        again = np.abs(then - observed[idx]) / np.maximum(
-            np.abs(observed[idx]), np.maximum(norms[idx] * K, np.finfo(float).tiny))
-        errors[idx] = np.maximum(errors[idx], again)
-    return Check(errors=errors, family=list(held.family),
-                 hull=hull_violations(held, observed, norms), observed=observed,
+        with live_queries(root):
+            now = root.query_ragged(xs)
+        errors = np.concatenate([errors, scaled_relative_errors(now, then, token_norms(xs))])
+        observed, predicted = np.concatenate([observed, now]), np.concatenate([predicted, then])
+        family += ["replay"] * len(xs)
+    return Check(errors=errors, family=family, hull=hull, observed=observed,
                  predicted=predicted, lengths=held.lengths)
 
 

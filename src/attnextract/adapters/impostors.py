@@ -519,6 +519,10 @@ def run_impostor(learner: str, name: str, d: int, seed: int, recovery: int):
     from ..report import verify_model
     honest, run, labels = LEARNER_CASES[learner]
     model = honest(d, seed)
+    if "switch" in name and run is not None:
+        # this seed's own recovery count: the switch lands inside this run
+        first = Oracle(SignOnly(model) if labels else model, d)
+        recovery = int(run(first, seed).report.recovery_queries)
     rng = np.random.default_rng([seed, d, sum(map(ord, name))])
     box = model if name == "honest" else make_impostor(name, model, rng, recovery)
     if run is None and name == "switch at verification":
