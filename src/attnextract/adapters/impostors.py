@@ -330,7 +330,7 @@ class Stateful(Impostor):
 
     def __call__(self, X):
         X = np.asarray(X, dtype=np.float64)
-        out = super().__call__(X)
+        out = self.model(X)         # the model's own answers, bit for bit, before the switch
         late = self.seen + np.arange(len(X)) >= self.after
         self.seen += len(X)
         return np.where(late, self.other(X), out) if late.any() else out
