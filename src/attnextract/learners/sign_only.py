@@ -143,9 +143,9 @@ def extract_sign_only(oracle: Oracle, *, bits: int = 40, bits_v: int = 48, seed=
     d = oracle.dim
     rng = np.random.default_rng(seed)
     coarse = min(bits_v, COARSE_BITS)
-    n_verify = verification_count(d * d + d)
     v_planned = (2 + (d - 1) * (coarse + bits_v) if threshold == 0.0
                  else 6 * d + 2 * d * coarse + d * bits_v)
+    n_verify = label_check_count(d, v_planned + d * d * (bits + 1))
     oracle.plan(v_planned + d * d * (bits + 1) + n_verify, "sign-only extraction by bisection")
 
     # v's direction: a coarse pass from a random b0, then a fine pass from b0 = v_1
@@ -274,6 +274,15 @@ def extract_sign_only(oracle: Oracle, *, bits: int = 40, bits_v: int = 48, seed=
     return result
 
 
+def label_check_count(d: int, recovery: int) -> int:
+    """Held-out labels: max(verification_count(d^2 + d), 2% of the planned recovery).
+
+    A label carries one bit, and shows a departure from the class only where the
+    departure exceeds the distance to the threshold; the recovery spends ~bits labels per
+    parameter, so the check may spend 2% of them."""
+    return max(verification_count(d * d + d), int(recovery) // 50)
+
+
 def _sign_probes(U, Q, s, cols, kappa, offset):
     """Probes [q_j + kappa s u_k; q_j], q_j = s q~_j + offset, j in cols, all k; kappa (len(cols), d)."""
     d = U.shape[0]
@@ -299,7 +308,7 @@ def _verify_labels(oracle, model, W_bar, v_bar, threshold, *, count, seed, extra
     # a label shows a departure from the class only where the departure exceeds the
     # distance to the threshold: every other sequence of each family is moved (all its
     # tokens along v_hat) to within 10^-6 .. 10^-0.5 of its own distance, still clear of
-    # the model's allowance
+    # the model's allowance (the others keep their tokens' norms: norm triggers)
     if model.dim >= 2:
         moved = sequences[1::2]
         gap = np.abs(evaluate_ragged(model, moved) - threshold)
