@@ -293,8 +293,11 @@ def extract_noisy(oracle: Oracle, *, tolerance: float, relative_tolerance: float
         raise InputError(f"error_bars must be one of {ERROR_BARS}, got {error_bars!r}")
     if error_bars == "measured" and repeats < 3:
         raise InputError("measured error bars need repeats >= 3 (the spread of the repeats)")
-    return _extract_robust(oracle, model_noise, int(repeats), norm_bound, float(token_norm),
-                           seed, float(verify_tolerance), error_bars)
+    # a box outside the class can drive the probe design to overflow; the result is then
+    # refused (non-finite W or error bars), without warnings on the way
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        return _extract_robust(oracle, model_noise, int(repeats), norm_bound, float(token_norm),
+                               seed, float(verify_tolerance), error_bars)
 
 
 # -- the robust default ----------------------------------------------------------
