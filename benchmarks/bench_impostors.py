@@ -80,6 +80,9 @@ def main(argv=None):
         order = list(LEARNERS)
         rows.sort(key=lambda r: (order.index(r["learner"]), r["d"]))
         write_markdown(rows, Path(args.out), elapsed, args, commands)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"rows": rows, "seconds": elapsed,
+                                                   "commands": commands}))
         return
     fewer = {32: dict(item.rsplit("=", 1) for item in args.seeds_at_32.split(";") if item),
              8: dict(item.rsplit("=", 1) for item in args.seeds_at_8.split(";") if item)}
