@@ -12,7 +12,7 @@ from attnextract.learners.noisy import NoiseModel, extract_noisy, paper_bound
 from attnextract.oracle import (BOUNDED_PATTERNS, AdversarialNoise, BoundedNoise, GaussianNoise,
                                 RoundedOutputs, SignOnly)
 from attnextract.report import verification_count
-from attnextract.learners.sign_only import extract_sign_only
+from attnextract.learners.sign_only import extract_sign_only, label_check_count
 from attnextract.adapters.targets import hostile_single_heads, random_single_head
 
 from conftest import rel_err, run_cli
@@ -282,7 +282,8 @@ def test_sign_only_bisection(d):
         assert result.queries == oracle.queries
         extra = result.report.breakdown["rescaling"]
         v_queries = 2 if d == 1 else 2 + (d - 1) * (24 + 48)
-        assert result.queries == v_queries + d * d * 37 + extra + verification_count(d * d + d)
+        assert result.queries == (v_queries + d * d * 37 + extra
+                                  + label_check_count(d, v_queries + d * d * 37))
 
 
 @pytest.mark.parametrize("threshold", [0.3, -0.7, 2.0, -50.0])

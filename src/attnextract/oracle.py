@@ -33,6 +33,10 @@ BlackBox = Callable[[np.ndarray], np.ndarray]
 log = logging.getLogger(__name__)
 
 
+REPLAY_KEEP = 16      # learner queries kept to be asked again at verification
+REPLAY_SEED = 0x5EED
+
+
 class Oracle:
     """Counting, budgeted, validating access to a black box.
 
@@ -60,6 +64,10 @@ class Oracle:
         when the journal is resumed); those queries are counted in ``check_queries``,
         not in ``queries`` nor against the budget. Queries asked in :meth:`live` (held-out
         verification) always reach the black box and are not journaled.
+
+    ``replay`` holds a uniform sample (REPLAY_KEEP pairs, reservoir sampling) of the
+    sequences answered outside :meth:`live` and their answers; held-out verification
+    asks them again, so that a black box that changed during the run is refused.
     """
 
     def __init__(self, black_box: BlackBox, dim: int, *, budget: int | None = None,
@@ -86,6 +94,10 @@ class Oracle:
         self.journal_queries = 0  # queries answered by the journal, not the black box
         self.check_queries = 0    # queries binding the journal to the black box (not budgeted)
         self._live = 0            # > 0 inside live(): the journal is bypassed
+        # a uniform sample of the (sequence, answer) pairs the learner was given, asked
+        # again by held-out verification: a black box that changed during the run shows
+        self.replay = []
+        self._replay_rng = np.random.default_rng(REPLAY_SEED)
 
     # -- budget -------------------------------------------------------------
     @property
@@ -188,9 +200,25 @@ class Oracle:
                 # written (committed) before the learner sees them
                 self.journal.record(keys, answers, asked)
                 out[missing] = answers
+        if not self._live:
+            self._keep_for_replay(X, out)
         if self.progress is not None:
             self.progress(self.queries, max(self.planned, self.queries))
         return out
+
+    def _keep_for_replay(self, X: np.ndarray, out: np.ndarray) -> None:
+        """Reservoir sampling: after n answers, each is in ``replay`` with probability
+        REPLAY_KEEP / n (an O(B) step per batch, REPLAY_KEEP sequences kept)."""
+        B = len(X)
+        first = self.queries - B                      # global index of X[0]
+        t = first + np.arange(B)
+        slot = np.where(t < REPLAY_KEEP, t, self._replay_rng.integers(0, t + 1))
+        for i in np.flatnonzero(slot < REPLAY_KEEP):
+            pair = (np.array(X[i]), float(out[i]))
+            if slot[i] < len(self.replay):
+                self.replay[slot[i]] = pair
+            else:
+                self.replay.append(pair)
 
     def _ask_to_check(self, X: np.ndarray) -> np.ndarray:
         """A journal's binding check: counted in ``check_queries``, not in ``queries``."""

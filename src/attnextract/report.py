@@ -72,7 +72,7 @@ def verification_count(free_parameters: int) -> int:
 def token_scale(model) -> float:
     """Token scale c with scores x^T W y of order one for x, y ~ N(0, c^2 I)."""
     W = getattr(model, "W", None)
-    if W is None:
+    if W is None or np.size(W) == 0:        # no heads (f = 0): any scale
         return 1.0
     norm = float(np.max(np.linalg.norm(np.reshape(W, (-1,) + W.shape[-2:]), axis=(1, 2))))
     return math.sqrt(2.0 / norm) if norm > 0 else 1.0
@@ -134,9 +134,12 @@ def verify_model(oracle: Oracle, model, *, count: int, seed=None,
     single head the hull pairs. ``scale`` is the per-coordinate token scale where the
     model's scores are of order one (default :func:`token_scale`). ``measure_v``
     (checking a saved model): first ask the black box's own v (d more queries) and put
-    the hull tokens orthogonal to it rather than to the model's v.
+    the hull tokens orthogonal to it rather than to the model's v. Up to 1/8 of the
+    ``count`` re-ask sequences the learner was answered through this oracle
+    (``oracle.replay``): a black box that changed during the run fails there.
     """
-    from .verification import HULL_FRACTION, design, run_check
+    from .verification import (HULL_FRACTION, REPLAY_FRACTION, add_replays, design,
+                               root_oracle, run_check)
     rng = np.random.default_rng(seed)
     scale = token_scale(model) if scale is None else scale
     hull_v = None
@@ -144,11 +147,13 @@ def verify_model(oracle: Oracle, model, *, count: int, seed=None,
         oracle.require(count + oracle.dim, "held-out verification")
         with live_queries(oracle):                 # the live black box, never a journal
             hull_v = oracle.query(np.eye(oracle.dim)[:, None, :])
-    held = design(oracle.dim, count, rng, scale, probe_length=probe_length, model=model,
-                  hull_v=hull_v)
-    oracle.require(len(held.sequences), "held-out verification")
+    replays = min(len(getattr(root_oracle(oracle), "replay", None) or []),
+                  int(REPLAY_FRACTION * count))
+    held = add_replays(design(oracle.dim, count - replays, rng, scale, probe_length=probe_length,
+                              model=model, hull_v=hull_v), oracle, replays)
+    oracle.require(len(held.sequences) + len(held.replay), "held-out verification")
     check = run_check(oracle, model, held)
-    asked = len(held.sequences) + (0 if hull_v is None else oracle.dim)
+    asked = len(held.sequences) + len(held.replay) + (0 if hull_v is None else oracle.dim)
     return Verification(sequences=asked, max_relative_error=float(check.errors.max()),
                         median_relative_error=float(np.median(check.errors)), tolerance=tolerance,
                         lengths=check.lengths,

@@ -51,7 +51,7 @@ in float64 grows like eps_64 (d + N) |v| s_i, about 1e-13 relative at N = 1024, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -61,10 +61,13 @@ MIN_LONGEST = 256             # held-out lengths reach at least this
 LENGTH_FACTOR = 4             # ... and 4 x the longest probe
 ORDINARY_LENGTH = 16
 HULL_FRACTION = 1e-4          # hull tolerance = this x the output tolerance
+HULL_MIN_SPREAD = 1e-2        # hull violations relative to at least this x the token norm
 SCALE_CAP = 100.0            # token scales stop at this x d^-1/4
 PEAK_SPREAD = 30.0            # model scores span about this on the "peaked" family
 FAMILIES = {"ordinary": 0.12, "long": 0.2, "repeated": 0.12, "norms": 0.16, "sparse": 0.12,
-            "peaked": 0.1, "hull": 0.25}
+            "peaked": 0.1, "hull": 0.25, "steps": 0.1, "heads": 0.1}
+SECOND_LAYER = {"hull", "steps", "heads"}   # families that need the model (see design)
+HEADS_OVERSAMPLE = 8          # candidates drawn per "heads" sequence kept
 
 
 @dataclass
@@ -72,12 +75,14 @@ class HeldOutSet:
     """Held-out sequences (N_i, d), the family of each, and the hull pairs.
 
     ``hull`` lists (i, singles): sequence i and the indices of the length-1 sequences
-    [x] of each of its tokens (also in ``sequences``).
+    [x] of each of its tokens (also in ``sequences``). ``replay`` lists (x, y): sequence
+    x was answered y during recovery (:func:`add_replays`; not in ``sequences``).
     """
 
     sequences: list
     family: list
     hull: list
+    replay: list = field(default_factory=list)   # (sequence, answer the learner was given)
 
     @property
     def lengths(self) -> tuple[int, int]:
@@ -90,8 +95,8 @@ def longest_length(probe_length: int | None = None) -> int:
     return max(MIN_LONGEST, LENGTH_FACTOR * int(probe_length or 1))
 
 
-def _split(count: int, hull: bool) -> dict[str, int]:
-    weights = {k: w for k, w in FAMILIES.items() if hull or k != "hull"}
+def _split(count: int, second: set) -> dict[str, int]:
+    weights = {k: w for k, w in FAMILIES.items() if k not in SECOND_LAYER or k in second}
     if count < 2 * len(weights):
         return {"ordinary": count}
     total = sum(weights.values())
@@ -146,9 +151,20 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
     d = dim
     W = getattr(model, "W", None)
     v = getattr(model, "v", None)
+    heads = None
+    if W is not None and v is not None and np.ndim(W) == 3 and np.ndim(v) == 2:
+        if W.shape[0] == 1:                     # one head: the single-head families
+            W, v = W[0], v[0]
+        elif W.shape[0] > 1:
+            heads = (np.asarray(W, dtype=float), np.asarray(v, dtype=float))
     single = (W is not None and v is not None and np.ndim(W) == 2 and np.ndim(v) == 1
               and d >= 2 and np.any(v) and count >= 16)
-    sizes = _split(count, single)
+    ffn = ffn_view(model) if not single and d >= 2 and count >= 16 else None
+    if ffn is not None:
+        W = ffn[0]
+    second = ({"hull", "steps"} if single or ffn is not None else
+              {"steps", "heads"} if heads is not None and count >= 16 else set())
+    sizes = _split(count, second)
     L = longest_length(probe_length)
     grid = length_grid(L)
     anchor = d ** -0.25
@@ -224,12 +240,35 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
             spread = float(s.max() - s.min())
             c = math.sqrt(PEAK_SPREAD * 10.0 ** rng.uniform(-0.5, 0.5) / spread) if spread > 0 else scale
             c = min(c, 1e3 * low)
+        elif heads is not None:
+            s = np.einsum("nd,hde,e->hn", x, heads[0], x[-1])
+            spread = float((s.max(axis=1) - s.min(axis=1)).max())
+            c = math.sqrt(PEAK_SPREAD * 10.0 ** rng.uniform(-0.5, 0.5) / spread) if spread > 0 else scale
+            c = min(c, 1e3 * low)
         else:
             c = scale * math.sqrt(PEAK_SPREAD) * 10.0 ** rng.uniform(-0.25, 0.25)
         out.append(c * x)
     add("peaked", out)
+    # steps: copy probes [a; ...; a; q; ...; q], a = q + u, at a head's sigmoid step
+    n = sizes.get("steps", 0)
+    if n:
+        step_heads = heads[0] if heads is not None else np.asarray(W, dtype=float)[None]
+        add("steps", _step_sequences(step_heads, n, rng, scale, L, grid))
+    # heads: where two heads' attention patterns differ most
+    n = sizes.get("heads", 0)
+    if n:
+        add("heads", _separating_sequences(heads[0], heads[1], n, rng, scale, grid))
     # hull pairs: tokens orthogonal to v, then each token alone
     hull = []
+    if ffn is not None and sizes.get("hull", 0) >= 4:
+        first = len(seqs)
+        pools, pairs = _ffn_hull(ffn, sizes["hull"], rng, max(scale, anchor), L, grid)
+        for pool in pools:
+            add("hull", [p[None] for p in pool])
+        offsets = np.cumsum([first] + [len(pool) for pool in pools])
+        for c, pick in pairs:
+            hull.append((len(seqs), offsets[c] + pick))
+            add("hull", [pools[c][pick]])
     if single and sizes.get("hull", 0) >= 2:
         n = sizes["hull"]
         pool_size = max(1, min(n // 2, 2 * d))
@@ -251,6 +290,170 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
             hull.append((len(seqs), singles[pick]))
             add("hull", [P[pick]])
     return HeldOutSet(sequences=seqs, family=fam, hull=hull)
+
+
+def ffn_view(model):
+    """(W (d, d), A_eff (m, d), b (m,), w (m,)) of a one-head model that reads its
+    attention output z through a ReLU layer, f = w^T ReLU(A_eff z + b) + c0 (a one-layer
+    Transformer, A_eff = A; a Transformer layer with one head and no residual term,
+    A_eff = A V); None for other models."""
+    A, w = getattr(model, "A", None), getattr(model, "w", None)
+    W = getattr(model, "W", None)
+    if A is None or w is None or W is None or getattr(model, "residual", False):
+        return None
+    W = np.asarray(W, dtype=float)
+    V = getattr(model, "V", None)
+    if W.ndim == 3:
+        if W.shape[0] != 1:
+            return None
+        W = W[0]
+    A_eff = np.asarray(A, dtype=float)
+    if V is not None:
+        V = np.asarray(V, dtype=float)
+        A_eff = A_eff @ (V[0] if V.ndim == 3 else V)
+    if W.ndim != 2 or A_eff.shape[1] != W.shape[0] or getattr(model, "B", None) is not None:
+        return None
+    b = np.asarray(getattr(model, "b", np.zeros(len(A_eff))), dtype=float)
+    return W, A_eff, b, np.asarray(w, dtype=float)
+
+
+FFN_CENTRES = 3               # linear regions the FFN hull pairs are drawn in
+FFN_SPREAD = 10.0             # the model's scores span about this on a hull pool
+
+
+def _region_tokens(A, b, w, p, rng, k: int):
+    """k tokens p + delta_i in the linear region of the FFN containing p, with every
+    delta_i orthogonal to the region's readout v_S and to the normals of the d/2
+    nearest hyperplanes, each as long as keeps every unit's sign (times 0.9)."""
+    d = len(p)
+    pre = A @ p + b
+    active = pre > 0
+    v_S = A[active].T @ w[active]
+    rows = np.maximum(np.linalg.norm(A, axis=1), np.finfo(float).tiny)
+    nearest = np.argsort(np.abs(pre) / rows)[:max(0, d // 2 - 1)]
+    basis = np.linalg.qr(np.column_stack([v_S] + [A[j] for j in nearest]))[0]
+    D = rng.standard_normal((k, d))
+    D -= (D @ basis) @ basis.T
+    D -= (D @ basis) @ basis.T                # twice: orthogonal to rounding
+    D /= np.maximum(np.linalg.norm(D, axis=1, keepdims=True), np.finfo(float).tiny)
+    with np.errstate(divide="ignore"):
+        reach = np.abs(pre)[None, :] / np.abs(D @ A.T)        # step to each hyperplane
+    # no hyperplane in the way: stay within the centre's own norm
+    step = 0.9 * np.minimum(reach.min(axis=1), np.linalg.norm(p)) * rng.uniform(0.3, 1.0, k)
+    return p + step[:, None] * D
+
+
+def _ffn_hull(ffn, n: int, rng, scale: float, longest: int, grid):
+    """Hull pairs inside one linear region of the FFN: there f = v_S^T z + const with
+    v_S = A_S^T w_S (S the active units), a single head, so the answer to a sequence
+    lies between its tokens' own answers whatever W is. Tokens x = p + delta with
+    delta orthogonal to v_S, each keeping every unit's sign (regions are convex, so
+    every convex combination stays too): the model answers f(p) on all of them, and a
+    second head with another value map shows in full, as for a single head. The
+    centre's norm is raised until the model's scores span about FFN_SPREAD.
+
+    Returns (pools, pairs): ``pools`` a list of token arrays (k, d), one per centre;
+    ``pairs`` (centre, indices into its pool) for the sequences.
+    """
+    W, A, b, w = ffn
+    d = W.shape[0]
+    n_centres = max(1, min(FFN_CENTRES, n // 6))
+    pool_size = max(2, min(n // (2 * n_centres), 2 * d))
+    pools, pairs = [], []
+    for c in range(n_centres):
+        p = rng.standard_normal(d)
+        p *= scale * math.sqrt(d) / np.linalg.norm(p)
+        for _ in range(4):                    # scores scale like |p|^2 (a cone for b = 0)
+            X = _region_tokens(A, b, w, p, rng, pool_size)
+            s = X @ (W @ X[-1])
+            spread = float(s.max() - s.min())
+            if not spread > 0:
+                break
+            p = p * min(math.sqrt(FFN_SPREAD / spread), 1e3)
+        pool = _region_tokens(A, b, w, p, rng, pool_size)
+        if np.all(np.isfinite(pool)):
+            pools.append(pool)
+    if not pools:
+        return [], []
+    n_centres = len(pools)
+    n_seq = n - n_centres * pool_size
+    for i, k in enumerate(_log_uniform_int(rng, 2, min(longest, 64), max(n_seq, 0), grid)):
+        c = i % n_centres
+        pick = rng.permutation(np.resize(rng.permutation(pool_size), int(k)))
+        pairs.append((c, pick))
+    return pools, pairs
+
+
+def _step_sequences(W: np.ndarray, count: int, rng, scale: float, longest: int, grid) -> list:
+    """Copy probes at each head's step: m copies of a = q + u, then N - m copies of q.
+
+    With lambda = ln(m / (N - m)), head h attends to a with weight sigma(t_h + lambda),
+    t_h = u^T W_h q (the identity of the multi-head learner): at lambda = -t_h the
+    output is most sensitive to head h, and a model whose head h is off, or a black box
+    whose attention depends on counts or positions, shows there. Sequences (N, d).
+    """
+    H, d = W.shape[0], W.shape[1]
+    out = []
+    for i, N in enumerate(_log_uniform_int(rng, 4, longest, count, grid)):
+        N = int(N)
+        h = i % H
+        q = scale * rng.standard_normal(d)
+        u = scale * rng.standard_normal(d)
+        t = float(u @ W[h] @ q)
+        reach = 0.8 * math.log(N - 1)          # |lambda| a length N can realise
+        if abs(t) > reach:
+            u *= reach / abs(t)
+            t = float(u @ W[h] @ q)
+        m = int(np.clip(round(N / (1.0 + math.exp(t))), 1, N - 1))   # m / N = sigma(-t)
+        out.append(np.concatenate([np.tile(q + u, (m, 1)), np.tile(q, (N - m, 1))]))
+    return out
+
+
+def _separating_sequences(W: np.ndarray, v: np.ndarray, count: int, rng, scale: float,
+                          grid) -> list:
+    """Sequences where two heads' attention patterns differ most.
+
+    Merging heads g and h (giving head h the weights alpha_g) changes the output by
+    (alpha_g - alpha_h)^T X v_h: the nearest other models of the class (heads merged,
+    swapped or split) differ from the model most where that is large. Of
+    HEADS_OVERSAMPLE x ``count`` Gaussian candidates (lengths 2..64, at the scale and at
+    scales where attention is sharper), the ``count`` with the largest
+    max_{g != h} |(alpha_g - alpha_h)^T X v_h| / (s |v_h|) are kept.
+    """
+    from .models import softmax
+    H, d = W.shape[0], W.shape[1]
+    vn = np.maximum(np.linalg.norm(v, axis=1), np.finfo(float).tiny)
+    cands, merit = [], []
+    for k in _log_uniform_int(rng, 2, 64, HEADS_OVERSAMPLE * count, grid):
+        x = scale * 10.0 ** rng.uniform(0.0, 0.75) * rng.standard_normal((int(k), d))
+        alpha = softmax(np.einsum("nd,hde,e->hn", x, W, x[-1]))          # (H, N)
+        values = x @ v.T                                                    # (N, H)
+        gap = np.abs(np.einsum("gn,nh->gh", alpha, values) - np.diag(alpha @ values)[None, :])
+        cands.append(x)
+        merit.append(float((gap / vn[None, :]).max()) / float(np.linalg.norm(x, axis=1).max()))
+    return [cands[i] for i in np.argsort(merit)[::-1][:count]]
+
+
+REPLAY_FRACTION = 0.125       # at most this share of the check re-asks learner queries
+
+
+def root_oracle(oracle):
+    """The :class:`attnextract.oracle.Oracle` under a learner's view of it (``.base``)."""
+    from .oracle import Oracle
+    while not isinstance(oracle, Oracle) and hasattr(oracle, "base"):
+        oracle = oracle.base
+    return oracle
+
+
+def add_replays(held: HeldOutSet, oracle, count: int) -> HeldOutSet:
+    """Add up to ``count`` of the root oracle's kept (sequence, answer) pairs
+    (:attr:`attnextract.oracle.Oracle.replay`) as the ``replay`` family: asked again of
+    the root oracle (a learner's view may change what a query means), a fixed function
+    answers the same (to its rounding); a black box that switched behaviour during the
+    run does not, even where the new behaviour is itself a member of the class."""
+    pairs = list(getattr(root_oracle(oracle), "replay", None) or [])[:max(0, int(count))]
+    held.replay.extend((np.ascontiguousarray(x, dtype=np.float64), float(y)) for x, y in pairs)
+    return held
 
 
 def token_norms(sequences) -> np.ndarray:
@@ -278,7 +481,11 @@ def scaled_relative_errors(predicted, observed, norms, reference=None) -> np.nda
 
 def hull_violations(held: HeldOutSet, observed: np.ndarray, norms: np.ndarray) -> np.ndarray:
     """For each hull pair: how far f(X) lies outside [min f([x_i]), max f([x_i])], relative
-    to s K (K from the other families). Zero inside. Shape (len(held.hull),)."""
+    to r K (K from the other families, r the spread of the tokens about their mean, at
+    least HULL_MIN_SPREAD x their largest norm s). Zero inside. Shape (len(held.hull),).
+
+    The spread, not s: tokens p + delta_i around a far centre p (the FFN's linear
+    regions) vary only by delta, and so does everything a convex combination can do."""
     if not held.hull:
         return np.zeros(0)
     ref = np.array([f != "hull" for f in held.family])
@@ -287,7 +494,9 @@ def hull_violations(held: HeldOutSet, observed: np.ndarray, norms: np.ndarray) -
     for j, (i, singles) in enumerate(held.hull):
         lo, hi = observed[singles].min(), observed[singles].max()
         gap = max(0.0, observed[i] - hi, lo - observed[i])
-        out[j] = gap / max(norms[i] * K, np.finfo(float).tiny)
+        X = held.sequences[i]
+        spread = float(np.linalg.norm(X - X.mean(axis=0), axis=1).max())
+        out[j] = gap / max(max(spread, HULL_MIN_SPREAD * norms[i]) * K, np.finfo(float).tiny)
     return out
 
 
@@ -319,10 +528,21 @@ def run_check(oracle, model, held: HeldOutSet) -> Check:
         observed = oracle.query_ragged(held.sequences)
     predicted = evaluate_ragged(model, held.sequences)
     norms = token_norms(held.sequences)
-    errors = scaled_relative_errors(predicted, observed, norms,
-                                    np.array([f != "hull" for f in held.family]))
-    return Check(errors=errors, family=list(held.family),
-                 hull=hull_violations(held, observed, norms), observed=observed,
+    reference = np.array([f != "hull" for f in held.family])
+    errors = scaled_relative_errors(predicted, observed, norms, reference)
+    hull = hull_violations(held, observed, norms)
+    family = list(held.family)
+    if held.replay:
+        # the answer now against the answer the learner was given (root oracle, live)
+        root = root_oracle(oracle)
+        xs = [x for x, _ in held.replay]
+        then = np.array([y for _, y in held.replay])
+        with live_queries(root):
+            now = root.query_ragged(xs)
+        errors = np.concatenate([errors, scaled_relative_errors(now, then, token_norms(xs))])
+        observed, predicted = np.concatenate([observed, now]), np.concatenate([predicted, then])
+        family += ["replay"] * len(xs)
+    return Check(errors=errors, family=family, hull=hull, observed=observed,
                  predicted=predicted, lengths=held.lengths)
 
 
@@ -330,3 +550,60 @@ def looks_like_rounding(error: float) -> bool:
     """A failed check with an error this small is more likely limited output precision
     (float32 ~1e-7 .. 1e-3, bfloat16 ~1e-2, a few decimals) than another model."""
     return 0.0 < error < 3e-2
+
+
+# -- labels: the decision boundary -------------------------------------------------------
+
+BOUNDARY_FRACTION = 0.375     # share of a label check spent next to the model's boundary
+BOUNDARY_REACH = (2.0, 30.0)   # offsets from the boundary, in units of the model's allowance
+
+
+def boundary_shift(model, sequences, targets, iterations: int = 200) -> list:
+    """Move each sequence X along E = 1 v^T / |v| (every token by the same multiple of
+    v_hat) until the model answers ``targets[i]``; returns the moved sequences.
+
+    For a single head f(X + t E) = alpha(t)^T X v + t |v| with |alpha^T X v| <= max_i
+    |x_i^T v|, so the bracket below always holds the target and bisection (on the model,
+    no queries) finds a t with f = target to float64 precision.
+    """
+    v = np.asarray(model.v, dtype=float)
+    u = v / np.linalg.norm(v)
+    out = []
+    for X, target in zip(sequences, targets):
+        if not (np.all(np.isfinite(X)) and math.isfinite(target)):
+            continue
+        reach = (float(np.abs(X @ v).max()) + abs(float(target))) / np.linalg.norm(v) + 1.0
+        lo, hi = -reach, reach
+        for _ in range(iterations):
+            mid = 0.5 * (lo + hi)
+            if model((X + mid * u)[None])[0] < target:
+                lo = mid
+            else:
+                hi = mid
+            if hi - lo <= 1e-17 * reach:
+                break
+        out.append(X + 0.5 * (lo + hi) * u)
+    return out
+
+
+def near_boundary(model, count: int, rng: np.random.Generator, scale: float, threshold: float,
+                  allowance) -> list:
+    """``count`` sequences on which the model answers threshold +- k allowance(X), k
+    log-uniform in BOUNDARY_REACH: just clear of its own uncertainty, on both sides.
+
+    A label-only check on random sequences sees a black box only where its labels
+    differ from the model's, which for a perturbation of relative size eps is a set of
+    measure ~eps around the decision boundary; these sequences sit inside that set, so a
+    second head at 1e-8 flips about half of them while an honest black box (whose
+    outputs are within the allowance of the model's) flips none. ``allowance(X)`` is the
+    model's own output uncertainty on a batch X (B, N, d) -> (B,).
+    """
+    lengths = rng.integers(2, ORDINARY_LENGTH + 1, count)
+    seeds = [scale * rng.standard_normal((int(n), model.dim)) for n in lengths]
+    on = boundary_shift(model, seeds, np.full(count, float(threshold)))
+    k = np.exp(rng.uniform(*np.log(BOUNDARY_REACH), count)) * rng.choice([-1.0, 1.0], count)
+    room = np.array([float(allowance(X[None])[0]) for X in on])
+    # an infinite allowance (a model with unbounded error bars) leaves nothing to check
+    keep = np.flatnonzero(np.isfinite(room) & (room > 0))
+    moved = boundary_shift(model, [on[i] for i in keep], threshold + k[keep] * room[keep])
+    return [X for X in moved if np.all(np.isfinite(X))]

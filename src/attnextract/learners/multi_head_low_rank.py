@@ -654,8 +654,11 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
         say("exact heights and refinement")
         values = exact_heights(oracle, v, values, W, rng)
         for _ in range(REFINE_ITERATIONS):
-            new_spaces = [space_from_logits(b, resolve(b, v, values, W), r)
-                          for b, r in zip(space_blocks, ranks)]
+            logits = [resolve(b, v, values, W) for b in space_blocks]
+            if not all(np.all(np.isfinite(T)) for T in logits):
+                break       # answers no H low-rank heads give: verification refuses
+            new_spaces = [space_from_logits(b, T, r)
+                          for b, T, r in zip(space_blocks, logits, ranks)]
             new_W = np.array([matrix_from_logits(b, resolve(b, v, values, W), P)
                               for b, P in zip(column_blocks, new_spaces)])
             if not np.all(np.isfinite(new_W)):
@@ -667,6 +670,9 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
             if change < 1e-14:
                 break
     height_queries = oracle.queries - before
+    if not (np.all(np.isfinite(W)) and np.all(np.isfinite(values))):
+        raise ModelMismatchError(f"the black box is not multi-head attention with {H} low-rank "
+                                 f"head(s): its answers give no finite heads")
     model = MultiHeadAttention(W, values)
 
     recovery = oracle.queries - q0

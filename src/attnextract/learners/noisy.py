@@ -293,8 +293,11 @@ def extract_noisy(oracle: Oracle, *, tolerance: float, relative_tolerance: float
         raise InputError(f"error_bars must be one of {ERROR_BARS}, got {error_bars!r}")
     if error_bars == "measured" and repeats < 3:
         raise InputError("measured error bars need repeats >= 3 (the spread of the repeats)")
-    return _extract_robust(oracle, model_noise, int(repeats), norm_bound, float(token_norm),
-                           seed, float(verify_tolerance), error_bars)
+    # a box outside the class can drive the probe design to overflow; the result is then
+    # refused (non-finite W or error bars), without warnings on the way
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        return _extract_robust(oracle, model_noise, int(repeats), norm_bound, float(token_norm),
+                               seed, float(verify_tolerance), error_bars)
 
 
 # -- the robust default ----------------------------------------------------------
@@ -371,6 +374,9 @@ def _extract_robust(oracle, noise, r, norm_bound, R, seed, verify_tolerance, err
         prior = rng.choice(rounds[0].T.ravel(), min(d * d, DESIGN_SAMPLES), replace=False)
     W_samples = np.array([U @ rd.T @ U.T for U, rd in zip(bases, rounds)])
     W = W_samples.mean(axis=0)
+    if not np.all(np.isfinite(W)):
+        raise ModelMismatchError("the probes' answers give no finite W: the black box is not "
+                                 "a single-head attention regressor within the tolerance")
     measured = None
     if error_bars == "measured":
         v_samples = np.array([O @ y_v[i * d:(i + 1) * d] / R for i, O in enumerate(bases_v)])
@@ -586,6 +592,8 @@ def _bounded_bar(rd: _Round, uv, dv_norm):
     B = np.where(off, theta * np.abs(rd.gj), 0.0)
     MtM = A * B + (A * B).T
     MtM[np.diag_indices(d)] = (A ** 2).sum(axis=1) + (B ** 2).sum(axis=0)
+    if not (np.all(np.isfinite(MtM)) and np.all(np.isfinite(eta))):
+        return math.inf             # a probe's answer no head gives (_finish refuses)
     return float(np.linalg.norm(eta) + math.sqrt(max(np.linalg.eigvalsh(MtM)[-1], 0.0)) * dv_norm)
 
 
@@ -836,6 +844,13 @@ def verify_noisy(oracle, model, noise: NoiseModel, W_bar, v_bar, *, count, seed,
 def _finish(oracle, model, noise, W_bar, v_bar, n_verify, seed, verify_tolerance, token_norm,
             start, start_queries, start_bb, breakdown, details, recovery, nonlinear=False):
     d = model.dim
+    if not (math.isfinite(W_bar) and math.isfinite(v_bar)):
+        # an honest head within the tolerance always gives finite bars (v was checked to
+        # stand clear of its error first): these answers are not one head's
+        raise ModelMismatchError(
+            "the probes' answers give the extracted model infinite error bars (an answer "
+            "outside what one head can give within the tolerance): the black box is not a "
+            "single-head attention regressor with outputs accurate to the given tolerance")
     verification = verify_noisy(oracle, model, noise, W_bar, v_bar, count=n_verify, seed=seed,
                                 scale=token_norm / math.sqrt(d), extra_relative=verify_tolerance,
                                 nonlinear=True)

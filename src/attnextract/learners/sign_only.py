@@ -45,9 +45,9 @@ import numpy as np
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import SingleHeadAttention
 from .noisy import FLOAT_SLACK, NoisyVerification, output_gradient_norms
-from ..oracle import Oracle
+from ..oracle import Oracle, evaluate_ragged
 from ..report import ExtractionResult, Report, verification_count
-from ..verification import design
+from ..verification import BOUNDARY_FRACTION, boundary_shift, design, near_boundary
 from .single_head import logit, probe_basis
 
 KAPPA_LOW, KAPPA_HIGH = 1.0, 4.0    # kappa sigma(lambda kappa) = 1 is bracketed here for lambda > -0.2747
@@ -143,9 +143,9 @@ def extract_sign_only(oracle: Oracle, *, bits: int = 40, bits_v: int = 48, seed=
     d = oracle.dim
     rng = np.random.default_rng(seed)
     coarse = min(bits_v, COARSE_BITS)
-    n_verify = verification_count(d * d + d)
     v_planned = (2 + (d - 1) * (coarse + bits_v) if threshold == 0.0
                  else 6 * d + 2 * d * coarse + d * bits_v)
+    n_verify = label_check_count(d, v_planned + d * d * (bits + 1))
     oracle.plan(v_planned + d * d * (bits + 1) + n_verify, "sign-only extraction by bisection")
 
     # v's direction: a coarse pass from a random b0, then a fine pass from b0 = v_1
@@ -230,6 +230,12 @@ def extract_sign_only(oracle: Oracle, *, bits: int = 40, bits_v: int = 48, seed=
     dT = np.linalg.norm(np.linalg.inv(M), 2) * spread if c_off else (spread / (s[:, None] ** 2)).T
     W = U @ T @ Q.T
     W_bar = float(np.linalg.norm(dT)) + FLOAT_SLACK * d * float(np.linalg.norm(W))
+    if not (math.isfinite(W_bar) and np.all(np.isfinite(W))):
+        # an honest head's every crossing lies inside its bracket (kappa in (1, 4]), so
+        # its bars are finite: a crossing at the bracket's end is not a single head's
+        raise ModelMismatchError(
+            "the black box is not a single-head attention regressor: some label crossings "
+            "lie at the end of their brackets (infinite error bars for W)")
     model = SingleHeadAttention(W, v_scaled if threshold != 0.0 else v)
 
     verification = _verify_labels(oracle, model, W_bar, v_bar if threshold != 0.0 else v_dir_bar,
@@ -268,6 +274,15 @@ def extract_sign_only(oracle: Oracle, *, bits: int = 40, bits_v: int = 48, seed=
     return result
 
 
+def label_check_count(d: int, recovery: int) -> int:
+    """Held-out labels: max(verification_count(d^2 + d), 2% of the planned recovery).
+
+    A label carries one bit, and shows a departure from the class only where the
+    departure exceeds the distance to the threshold; the recovery spends ~bits labels per
+    parameter, so the check may spend 2% of them."""
+    return max(verification_count(d * d + d), int(recovery) // 50)
+
+
 def _sign_probes(U, Q, s, cols, kappa, offset):
     """Probes [q_j + kappa s u_k; q_j], q_j = s q~_j + offset, j in cols, all k; kappa (len(cols), d)."""
     d = U.shape[0]
@@ -282,7 +297,31 @@ def _verify_labels(oracle, model, W_bar, v_bar, threshold, *, count, seed, extra
     """Held-out labels must match 1{f_hat > threshold} wherever f_hat is clear of its own error."""
     rng = np.random.default_rng(None if seed is None else seed + 1)
     scale = 1.0 / math.sqrt(model.dim)
-    sequences = design(oracle.dim, count, rng, scale).sequences   # no hull: labels only
+    n_boundary = int(BOUNDARY_FRACTION * count) if model.dim >= 2 else 0
+    sequences = design(oracle.dim, count - n_boundary, rng, scale).sequences   # no hull: labels
+    rms = math.sqrt(float(np.mean(evaluate_ragged(model, sequences) ** 2))) or 1.0
+
+    def allowance(X):
+        _, gW, gv = output_gradient_norms(model, X)
+        return 1.5 * (gW * W_bar + gv * v_bar) + (extra_relative + 1e-12) * rms
+
+    # a label shows a departure from the class only where the departure exceeds the
+    # distance to the threshold: every other sequence of each family is moved (all its
+    # tokens along v_hat) to within 10^-6 .. 10^-0.5 of its own distance, still clear of
+    # the model's allowance (the others keep their tokens' norms: norm triggers)
+    if model.dim >= 2:
+        moved = sequences[1::2]
+        gap = np.abs(evaluate_ragged(model, moved) - threshold)
+        room = np.concatenate([allowance(x[None]) for x in moved]) if moved else np.zeros(0)
+        size = np.maximum(gap * 10.0 ** rng.uniform(-6.0, -0.5, len(moved)), 3.0 * room)
+        targets = threshold + rng.choice([-1.0, 1.0], len(moved)) * size
+        ok = np.isfinite(targets)
+        sequences = sequences[0::2] + boundary_shift(model, [x for x, k in zip(moved, ok) if k],
+                                                     targets[ok])
+    # the second part: sequences just clear of the model's decision boundary, where a
+    # small departure from the class (a second head at 1e-8) flips labels
+    if n_boundary:
+        sequences += near_boundary(model, n_boundary, rng, scale, threshold, allowance)
     count = len(sequences)
     lengths = np.array([len(x) for x in sequences])
     observed = np.empty(count, dtype=bool)
@@ -292,7 +331,6 @@ def _verify_labels(oracle, model, W_bar, v_bar, threshold, *, count, seed, extra
         X = np.stack([sequences[i] for i in idx])
         observed[idx] = _labels(oracle, X)
         predicted[idx], gW[idx], gv[idx] = output_gradient_norms(model, X)
-    rms = math.sqrt(float(np.mean(predicted ** 2))) or 1.0
     with np.errstate(invalid="ignore"):
         model_part = np.nan_to_num(gW * W_bar + gv * v_bar, nan=np.inf, posinf=np.inf)
     allowed = 1.5 * model_part + (extra_relative + 1e-12) * rms

@@ -1,0 +1,151 @@
+"""The impostor zoo against every learner: refusals over seeds at d in {8, 32}.
+
+Each impostor (``attnextract.adapters.impostors``) is built on an honest model of the
+learner's class (seeded), and the learner runs against it. A refusal is a typed
+error (ModelMismatchError, NotIdentifiableError, RecoveryFailedError); anything
+returned is ACCEPTED and gets its held-out error against the impostor (max relative
+error on 256 fresh sequences of the verification design; for labels, the fraction
+that disagree). "honest" runs the model itself: it must be accepted.
+
+    OPENBLAS_NUM_THREADS=1 python benchmarks/bench_impostors.py [--seeds 20] [--dims 8 32]
+        [--learners single-head,noisy,...] [--out benchmarks/results/impostors.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from attnextract.adapters.impostors import (LEARNER_CASES, SAME_LABELS, impostor_names,
+                                            recovery_queries, run_impostor)
+from attnextract.oracle import evaluate_ragged
+from attnextract.verification import design, scaled_relative_errors, token_norms
+
+LEARNERS = LEARNER_CASES
+
+
+def held_out_error(model, box, d, labels, seed):
+    """The accepted model's error against the impostor on fresh design sequences."""
+    held = design(d, 256, np.random.default_rng([seed, 99]), 1.0 / math.sqrt(d) ** 0.5,
+                  probe_length=2, model=model)
+    # labels: the hull family's outputs are ~0 by design, their signs mean nothing
+    seqs = [x for x, f in zip(held.sequences, held.family) if not labels or f != "hull"]
+    observed = np.concatenate([np.atleast_1d(box(s[None])) for s in seqs])
+    predicted = evaluate_ragged(model, seqs)
+    if labels:
+        return float(np.mean((predicted > 0) != (observed > 0)))
+    return float(scaled_relative_errors(predicted, observed, token_norms(seqs)).max())
+
+
+def one_run(learner, impostor, d, seed, recovery):
+    """(outcome, held-out error of an accepted model or None)."""
+    outcome, result, box = run_impostor(learner, impostor, d, seed, recovery)
+    if outcome != "accepted" or result is None:
+        return outcome, (0.0 if outcome == "accepted" else None)
+    return outcome, held_out_error(result.model, box, d, LEARNERS[learner][2], seed)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--dims", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--learners", default=",".join(LEARNERS))
+    parser.add_argument("--impostors", default="")
+    parser.add_argument("--seeds-at-32", type=str, default="",
+                        help="learner=N;...: fewer seeds for slow learners at d >= 32")
+    parser.add_argument("--seeds-at-8", type=str, default="",
+                        help="learner=N;...: fewer seeds for slow learners at d < 32")
+    parser.add_argument("--out", default="benchmarks/results/impostors.md")
+    parser.add_argument("--json", default="")
+    parser.add_argument("--merge", nargs="+", default=None,
+                        help="write --out from these --json files of earlier runs (no runs)")
+    args = parser.parse_args(argv)
+    if args.merge:
+        rows, elapsed, commands = [], 0.0, []
+        for name in args.merge:
+            part = json.loads(Path(name).read_text())
+            # a later part's rows replace an earlier part's (same learner, impostor, d)
+            keys = {(r["learner"], r["impostor"], r["d"]) for r in part["rows"]}
+            rows = [r for r in rows if (r["learner"], r["impostor"], r["d"]) not in keys]
+            rows += part["rows"]
+            elapsed += part["seconds"]
+            commands.append(part.get("command", ""))
+        order = list(LEARNERS)
+        rows.sort(key=lambda r: (order.index(r["learner"]), r["d"]))
+        write_markdown(rows, Path(args.out), elapsed, args, commands)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"rows": rows, "seconds": elapsed,
+                                                   "commands": commands}))
+        return
+    fewer = {32: dict(item.rsplit("=", 1) for item in args.seeds_at_32.split(";") if item),
+             8: dict(item.rsplit("=", 1) for item in args.seeds_at_8.split(";") if item)}
+    rows, started = [], time.perf_counter()
+    for learner in args.learners.split(","):
+        for d in args.dims:
+            t0 = time.perf_counter()
+            recovery = recovery_queries(learner, d)
+            names = ["honest"] + impostor_names(learner, d)
+            if args.impostors:
+                names = [n for n in names if n in args.impostors.split(",")]
+            n_seeds = int(fewer[32 if d >= 32 else 8].get(learner, args.seeds))
+            seeds = range(args.first_seed, args.first_seed + n_seeds)
+            for name in names:
+                outcomes = [one_run(learner, name, d, s, recovery) for s in seeds]
+                refused = sum(o[0].startswith("refused") for o in outcomes)
+                accepted = [(s, o[1]) for s, o in zip(seeds, outcomes) if o[0] == "accepted"]
+                crashes = [(s, o[0]) for s, o in zip(seeds, outcomes) if o[0].startswith("crash")]
+                kinds = sorted({o[0][9:] for o in outcomes if o[0].startswith("refused")})
+                row = {"learner": learner, "impostor": name, "d": d, "seeds": len(seeds),
+                       "refused": refused, "accepted": accepted, "crashes": crashes,
+                       "refusal_kinds": kinds}
+                rows.append(row)
+                flag = ("" if (name == "honest") == (refused == 0) and not crashes else "  <-- MISS")
+                print(f"{learner:20s} d={d:3d} {name:26s} refused {refused}/{len(seeds)}"
+                      f"{' accepted ' + str([(s, f'{e:.1e}') for s, e in accepted]) if accepted and name != 'honest' else ''}"
+                      f"{' crashes ' + str(crashes) if crashes else ''}{flag}", flush=True)
+            print(f"# {learner} d={d}: {time.perf_counter() - t0:.1f} s", flush=True)
+    elapsed = time.perf_counter() - started
+    write_markdown(rows, Path(args.out), elapsed, args)
+    if args.json:
+        command = "python benchmarks/bench_impostors.py " + " ".join(
+            repr(a) if " " in a or "<" in a else a for a in (argv if argv is not None else sys.argv[1:]))
+        Path(args.json).write_text(json.dumps({"rows": rows, "seconds": elapsed,
+                                               "command": command}, indent=1))
+
+
+def write_markdown(rows, path, elapsed, args, commands=None):
+    if not commands:
+        commands = [f"python benchmarks/bench_impostors.py --seeds {args.seeds} --dims "
+                    f"{' '.join(map(str, args.dims))}"]
+    lines = ["# Impostor zoo against every learner", "",
+             "Run with OPENBLAS_NUM_THREADS=1 (" + f"{elapsed:.0f} s in all on a shared, loaded "
+             "2-core machine):", "", *[f"    {c}" for c in commands], "",
+             "refused = a typed refusal (ModelMismatchError, NotIdentifiableError, "
+             "RecoveryFailedError); an ACCEPTED impostor is listed with its seed and the "
+             "accepted model's held-out error against it (labels: fraction that disagree). "
+             "`honest` is the model itself: it must be accepted (refused 0). The sign-only "
+             "learner (labels 1{f > 0}) does not face " + " and ".join(sorted(SAME_LABELS)) +
+             ": both keep the sign of f, so their labels are the honest head's.", "",
+             "| learner | impostor | d | refused | accepted (seed: held-out error) |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        acc = ", ".join(f"{s}: {e:.1e}" for s, e in r["accepted"]) if r["impostor"] != "honest" else ""
+        if LEARNERS[r["learner"]][2] and r["impostor"] in SAME_LABELS:
+            acc = "in the class for labels (same labels as the head): not an impostor here"
+        if r["crashes"]:
+            acc += (" " if acc else "") + "CRASH " + "; ".join(f"{s}: {c}" for s, c in r["crashes"])
+        lines.append(f"| {r['learner']} | {r['impostor']} | {r['d']} | {r['refused']}/{r['seeds']} "
+                     f"| {acc} |")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

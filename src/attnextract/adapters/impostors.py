@@ -1,0 +1,548 @@
+"""An impostor zoo: black boxes just outside a model class, each with the reason it is.
+
+Every impostor is built on an honest model of one of the learners' classes (a single
+head, H heads, a one-layer Transformer, a Transformer layer) and changes one thing.
+It answers like the honest model on the short, ordinary sequences a learner probes
+and differs somewhere else: on long sequences, on tiny or huge tokens, on sparse
+tokens, by 1e-8 of the output, or after some number of queries. A learner, or
+``attnextract verify``, must refuse each one (:class:`ModelMismatchError` or a failed
+check), never return it as a success. ``benchmarks/bench_impostors.py`` and
+``tests/test_impostors*.py`` run the zoo against every learner.
+
+An honest model is seen as attention heads W_h (H, d, d) and a readout of the heads'
+attention outputs z_h = X^T alpha_h (B, H, d):
+
+    single head      f = v^T z
+    H heads          f = sum_h v_h^T z_h
+    one layer        f = w^T ReLU(A z)
+    Transformer      f = w^T ReLU(A ([x_N] + sum_h V_h z_h) + b) + c0
+
+An impostor changes the attention weights alpha_h (:meth:`Impostor.weights`), the
+tokens the values are read from (:meth:`Impostor.values`), the readout, or the answer.
+
+Use::
+
+    box = make_impostor("sliding window 16", model, rng, recovery_queries)
+    box.reason        # why it is not in the class
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..errors import InputError
+from ..models import (MODEL_CLASSES, MultiHeadAttention, OneLayerTransformer, SingleHeadAttention,
+                      TransformerLayer, softmax)
+
+
+def _heads(model) -> np.ndarray:
+    W = np.asarray(model.W, dtype=np.float64)
+    return W[None] if W.ndim == 2 else W
+
+
+def readout(model, Z: np.ndarray, X: np.ndarray, ffn=None) -> np.ndarray:
+    """The honest model's answer from its heads' attention outputs Z (B, H, d); (B,).
+
+    ``ffn`` (optional) replaces the ReLU of models with a feed-forward layer, and may
+    normalise its input (the issue-14 impostors)."""
+    if isinstance(model, SingleHeadAttention):
+        return Z[:, 0] @ model.v
+    if isinstance(model, MultiHeadAttention):
+        return np.einsum("bhd,hd->b", Z, model.v)
+    if isinstance(model, OneLayerTransformer):
+        pre = Z[:, 0] @ model.A.T
+        return (ffn or _relu)(pre) @ model.w
+    if isinstance(model, TransformerLayer):
+        y = np.einsum("hed,bhd->be", model.V, Z)
+        if model.residual:
+            y = y + X[:, -1, :]
+        if ffn is not None and getattr(ffn, "normalises", False):
+            y = (y - y.mean(axis=1, keepdims=True)) / np.sqrt(y.var(axis=1, keepdims=True) + 1e-5)
+        return (ffn or _relu)(y @ model.A.T + model.b) @ model.w + model.c0
+    raise InputError(f"no impostors for a {type(model).__name__}")
+
+
+def _relu(z):
+    return np.maximum(z, 0.0)
+
+
+def _gelu(z):
+    from scipy.special import erf
+    return 0.5 * z * (1.0 + erf(z / math.sqrt(2.0)))
+
+
+def token_scale_of(model) -> float:
+    """Per-coordinate token scale where the heads' scores are of order one: 2 / sqrt(|W|)."""
+    return 2.0 / math.sqrt(max(float(np.linalg.norm(_heads(model), axis=(1, 2)).max()), 1e-300))
+
+
+def redraw(model, rng: np.random.Generator):
+    """Another member of the model's class: every array redrawn at its own spread."""
+    params = {}
+    for name, p in model.parameters().items():
+        p = np.asarray(p)
+        if p.dtype == bool or p.ndim == 0 and name == "residual":
+            params[name] = p
+            continue
+        spread = float(np.std(p)) or 1.0
+        params[name] = spread * rng.standard_normal(p.shape) if p.ndim else spread * rng.standard_normal()
+    return MODEL_CLASSES[model.kind](**params)
+
+
+class Impostor:
+    """The honest ``model`` as a black box; subclasses change one thing (``reason``)."""
+
+    reason = "the honest model itself (not an impostor)"
+    ffn = None
+
+    def __init__(self, model, rng: np.random.Generator):
+        self.model = model
+        self.heads = _heads(model)
+        self.dim = self.heads.shape[1]
+        self.rng = rng
+
+    def scores(self, X, W):
+        return np.einsum("bnd,bd->bn", X, X[:, -1, :] @ W.T)
+
+    def weights(self, X, W):
+        return softmax(self.scores(X, W))
+
+    def values(self, X):
+        return X
+
+    def honest(self, X):
+        """What the honest model answers on the modified weights/values."""
+        values = self.values(X)
+        Z = np.stack([np.einsum("bn,bnd->bd", self.weights(X, W), values) for W in self.heads],
+                     axis=1)
+        return readout(self.model, Z, X, self.ffn)
+
+    def __call__(self, X):
+        return self.honest(np.asarray(X, dtype=np.float64))
+
+
+class SlidingWindow(Impostor):
+    reason = ("attends only to the last `window` tokens: identical on every sequence up to "
+              "that length, different on longer ones")
+
+    def __init__(self, model, rng, window):
+        super().__init__(model, rng)
+        self.window = window
+
+    def scores(self, X, W):
+        s = super().scores(X, W)
+        s[:, :max(0, X.shape[1] - self.window)] = -np.inf
+        return s
+
+
+class TopK(Impostor):
+    reason = ("attends only to the `k` tokens of largest score (sparse attention): identical "
+              "on sequences up to k tokens")
+
+    def __init__(self, model, rng, k):
+        super().__init__(model, rng)
+        self.k = k
+
+    def scores(self, X, W):
+        s = super().scores(X, W)
+        if s.shape[1] > self.k:
+            kth = np.sort(s, axis=1)[:, -self.k][:, None]
+            s = np.where(s >= kth, s, -np.inf)
+        return s
+
+
+class LengthTemperature(Impostor):
+    reason = ("scores multiplied by (1 + ln N) / (1 + ln 2): exactly the model on the "
+              "length-2 probes, sharper attention on long sequences")
+
+    def scores(self, X, W):
+        return super().scores(X, W) * (1.0 + math.log(X.shape[1])) / (1.0 + math.log(2))
+
+
+class Clipping(Impostor):
+    reason = ("clips outputs to +-c, c the 98th percentile of |f| on ordinary inputs: a "
+              "different function wherever outputs are large")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        X = token_scale_of(model) * rng.standard_normal((2000, 8, self.dim))
+        self.clip = float(np.quantile(np.abs(self.honest(X)), 0.98))
+
+    def __call__(self, X):
+        return np.clip(super().__call__(X), -self.clip, self.clip)
+
+
+class NormTrigger(Impostor):
+    reason = "tokens of norm > 20 are read through a different value map (a hidden trigger)"
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.R = rng.standard_normal((self.dim, self.dim)) / math.sqrt(self.dim)
+
+    def values(self, X):
+        big = np.linalg.norm(X, axis=2, keepdims=True) > 20.0
+        return np.where(big, X @ self.R.T, X)
+
+
+class ALiBi(Impostor):
+    reason = "scores get -m (N - i), a linear penalty by distance: position-dependent"
+
+    def scores(self, X, W):
+        N = X.shape[1]
+        return super().scores(X, W) - 0.25 * (N - 1 - np.arange(N))[None, :]
+
+
+class PositionEmbedding(Impostor):
+    reason = ("token i gets + p_i (learned absolute positions, |p_i| ~ 1e-2 of a token): "
+              "the output depends on where a token sits")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.size = 1e-2 * token_scale_of(model)
+        self.P = rng.standard_normal((4096, self.dim))
+
+    def __call__(self, X):
+        X = np.asarray(X, dtype=np.float64)
+        return self.honest(X + self.size * self.P[:X.shape[1]][None])
+
+
+class RotaryPositions(Impostor):
+    reason = ("keys rotated by angles proportional to their distance from the query (RoPE): "
+              "the score of a token depends on where it sits")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.freq = 0.3 * 10.0 ** -np.linspace(0, 2, self.dim // 2)
+
+    def scores(self, X, W):
+        N, half = X.shape[1], self.dim // 2
+        angle = (N - 1 - np.arange(N))[:, None] * self.freq[None, :]        # (N, d/2)
+        c, s = np.cos(angle), np.sin(angle)
+        K = X.copy()
+        a, b = X[:, :, 0:2 * half:2], X[:, :, 1:2 * half:2]
+        K[:, :, 0:2 * half:2] = c * a - s * b
+        K[:, :, 1:2 * half:2] = s * a + c * b
+        return np.einsum("bnd,bd->bn", K, X[:, -1, :] @ W.T)
+
+
+class BatchDependent(Impostor):
+    reason = ("subtracts 1e-3 x the batch's mean answer: an answer depends on the other "
+              "sequences sent with it (not a function of the sequence)")
+
+    def __call__(self, X):
+        out = super().__call__(X)
+        return out - 1e-3 * out.mean()
+
+
+class AttentionSink(Impostor):
+    reason = ("an extra key with score 0 and value 0 in the softmax: f = sum e^s v^T x / "
+              "(1 + sum e^s), not a convex combination of the values")
+
+    def weights(self, X, W):
+        s = self.scores(X, W)
+        m = np.maximum(s.max(axis=1, keepdims=True), 0.0)
+        e = np.exp(s - m)
+        return e / (np.exp(-m) + e.sum(axis=1, keepdims=True))
+
+
+class SigmoidAttention(Impostor):
+    reason = "attention weights sigmoid(s_i) / N instead of a softmax: no normalisation across tokens"
+
+    def weights(self, X, W):
+        s = self.scores(X, W)
+        return 2.0 / (1.0 + np.exp(-np.clip(s, -700, 700))) / X.shape[1]
+
+
+class QueryBias(Impostor):
+    reason = "scores x_i^T W (x_N + b): a term linear in the tokens, shows at small norms"
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.b = rng.standard_normal(self.dim) / math.sqrt(self.dim)
+
+    def scores(self, X, W):
+        return np.einsum("bnd,bd->bn", X, (X[:, -1, :] + self.b) @ W.T)
+
+
+class ValueBias(Impostor):
+    reason = ("every value gets + b: attention outputs no longer vanish with the tokens "
+              "(a constant output offset for attention; a hidden-layer bias for a bias-free FFN)")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        v = getattr(model, "v", None)
+        if v is not None:           # an output offset 0.05 |v| / sqrt(d), as for one head
+            v = np.asarray(v, dtype=np.float64).reshape(-1, self.dim).sum(axis=0)
+            self.b = 0.05 * v / (np.linalg.norm(v) * math.sqrt(self.dim))
+        else:
+            self.b = 0.3 * token_scale_of(model) * rng.standard_normal(self.dim)
+
+    def values(self, X):
+        return X + self.b
+
+
+class LayerNormTokens(Impostor):
+    reason = "tokens normalised (x - mean) / std before the model: invariant to token scale"
+
+    def __call__(self, X):
+        X = np.asarray(X, dtype=np.float64)
+        Z = X - X.mean(axis=2, keepdims=True)
+        return self.honest(Z / np.sqrt((Z ** 2).mean(axis=2, keepdims=True) + 1e-5))
+
+
+class SecondHead(Impostor):
+    reason = ("plus one more head at relative size eps: one head more than the class "
+              "allows; at eps = 1e-8 its outputs differ by ~1e-8 relative")
+
+    def __init__(self, model, rng, eps):
+        super().__init__(model, rng)
+        d = self.dim
+        self.eps = eps
+        self.W2 = rng.standard_normal((d, d)) / math.sqrt(d)
+        v = getattr(model, "v", None)
+        if v is not None:           # a head with value eps |v| / sqrt(d) per entry
+            self.v2 = eps * float(np.linalg.norm(v)) / math.sqrt(np.size(v)) * rng.standard_normal(d)
+        else:                       # a head with its own value map eps R
+            self.R = eps * rng.standard_normal((d, d)) / math.sqrt(d)
+
+    def honest(self, X):
+        if getattr(self.model, "v", None) is not None:
+            return super().honest(X) + (softmax(super().scores(X, self.W2))[:, :, None]
+                                        * X).sum(axis=1) @ self.v2
+        # an extra head inside the attention output the FFN reads (value map eps R)
+        values = self.values(X)
+        extra = np.einsum("bn,bnd->bd", softmax(super().scores(X, self.W2)), values) @ self.R.T
+        Z = np.stack([np.einsum("bn,bnd->bd", self.weights(X, W), values) for W in self.heads],
+                     axis=1)
+        Z[:, 0] += extra            # a Transformer layer reads it through V_1
+        return readout(self.model, Z, X, self.ffn)
+
+
+class Stateful(Impostor):
+    reason = "answers as one model, then after `after` queries as another: not a fixed function"
+
+    def __init__(self, model, rng, after):
+        super().__init__(model, rng)
+        self.after, self.seen = after, 0
+        self.other = redraw(model, rng)
+
+    def __call__(self, X):
+        X = np.asarray(X, dtype=np.float64)
+        out = self.model(X)         # the model's own answers, bit for bit, before the switch
+        late = self.seen + np.arange(len(X)) >= self.after
+        self.seen += len(X)
+        return np.where(late, self.other(X), out) if late.any() else out
+
+
+class GeluFFN(Impostor):
+    reason = "GELU in place of the ReLU: smooth, no linear pieces (issue 14)"
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.ffn = _gelu
+
+
+class _NormalisedReLU:
+    normalises = True
+
+    def __call__(self, z):
+        return np.maximum(z, 0.0)
+
+
+class LayerNormBeforeFFN(Impostor):
+    reason = "a LayerNorm between the attention output and the FFN (issue 14)"
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.ffn = _NormalisedReLU()
+
+
+class StackedLayers(Impostor):
+    reason = ("two stacked layers: a residual attention + ReLU layer at every position first "
+              "(causal, over the last 8 tokens), then the model (issue 14)")
+
+    LOOKBACK = 8            # layer 1 attends to the last 8 tokens: O(N) per sequence
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        d = self.dim
+        m = 2 * d
+        self.W1 = rng.standard_normal((d, d)) / math.sqrt(d)
+        self.V1 = rng.standard_normal((d, d)) / math.sqrt(d)
+        self.A1 = rng.standard_normal((m, d)) / math.sqrt(d)
+        self.b1 = 0.5 * rng.standard_normal(m)
+        self.O1 = rng.standard_normal((d, m)) / math.sqrt(m)
+
+    def __call__(self, X):
+        X = np.asarray(X, dtype=np.float64)
+        B, N, d = X.shape
+        k = min(self.LOOKBACK, N)
+        Q = X @ self.W1.T                                   # position i's query W1 x_i
+        # token i - j for j = 0..k-1 (zero-padded before the start, masked out)
+        padded = np.concatenate([np.zeros((B, k - 1, d)), X], axis=1)
+        back = np.stack([padded[:, k - 1 - j:k - 1 - j + N] for j in range(k)], axis=2)
+        s = np.einsum("bnjd,bnd->bnj", back, Q)
+        s = np.where((np.arange(N)[:, None] >= np.arange(k)[None, :])[None], s, -np.inf)
+        s -= s.max(axis=2, keepdims=True)
+        a = np.exp(s)
+        a /= a.sum(axis=2, keepdims=True)
+        Y = X + np.einsum("bnj,bnjd->bnd", a, back) @ self.V1.T
+        H = Y + np.maximum(Y @ self.A1.T + self.b1, 0.0) @ self.O1.T
+        return self.honest(H)
+
+
+def zoo(model=None) -> dict:
+    """name -> factory (model, rng, recovery_queries) -> impostor, for this kind of model.
+
+    The issue-14 impostors (GELU, LayerNorm before the FFN) apply to models with an FFN;
+    ``value bias`` is in the class of a Transformer layer with biases (b absorbs it) and
+    is left out there.
+    """
+    out = {
+        **{f"sliding window {w}": (lambda m, r, q, w=w: SlidingWindow(m, r, w)) for w in (8, 16, 24, 64)},
+        "top-16 attention": lambda m, r, q: TopK(m, r, 16),
+        "length temperature": lambda m, r, q: LengthTemperature(m, r),
+        "output clipping": lambda m, r, q: Clipping(m, r),
+        "norm trigger": lambda m, r, q: NormTrigger(m, r),
+        "ALiBi": lambda m, r, q: ALiBi(m, r),
+        "position embedding": lambda m, r, q: PositionEmbedding(m, r),
+        "rotary positions": lambda m, r, q: RotaryPositions(m, r),
+        "batch-dependent": lambda m, r, q: BatchDependent(m, r),
+        "attention sink": lambda m, r, q: AttentionSink(m, r),
+        "sigmoid attention": lambda m, r, q: SigmoidAttention(m, r),
+        "query bias": lambda m, r, q: QueryBias(m, r),
+        "value bias": lambda m, r, q: ValueBias(m, r),
+        "LayerNorm": lambda m, r, q: LayerNormTokens(m, r),
+        "second head 1e-6": lambda m, r, q: SecondHead(m, r, 1e-6),
+        "second head 1e-8": lambda m, r, q: SecondHead(m, r, 1e-8),
+        "switch mid-recovery": lambda m, r, q: Stateful(m, r, q // 2),
+        "switch at verification": lambda m, r, q: Stateful(m, r, q),
+        "two stacked layers": lambda m, r, q: StackedLayers(m, r),
+    }
+    if model is None or isinstance(model, (OneLayerTransformer, TransformerLayer)):
+        out["GELU FFN"] = lambda m, r, q: GeluFFN(m, r)
+    if model is None or isinstance(model, TransformerLayer):
+        out["LayerNorm before the FFN"] = lambda m, r, q: LayerNormBeforeFFN(m, r)
+    if isinstance(model, TransformerLayer):
+        del out["value bias"]
+    return out
+
+
+def make_impostor(name: str, model, rng: np.random.Generator, recovery_queries: int) -> Impostor:
+    """The impostor ``name`` of :func:`zoo` built on ``model``."""
+    table = zoo(model)
+    if name not in table:
+        raise InputError(f"no impostor {name!r} for a {type(model).__name__} "
+                         f"(known: {', '.join(table)})")
+    return table[name](model, rng, recovery_queries)
+
+
+# -- every learner against the zoo (benchmarks/bench_impostors.py, tests) ----------------
+
+NOISY_TOLERANCE = 1e-10       # absolute output tolerance given to the noisy learner
+# a label-only black box (threshold 0) answers these exactly as the honest head does:
+# clipping and an attention sink keep the sign of f, so they are in the class there
+SAME_LABELS = {"output clipping", "attention sink"}
+
+
+def _extract(name, **fixed):
+    def run(oracle, seed):
+        from ..registry import extract
+        options = {k: (v(oracle.dim) if callable(v) else v) for k, v in fixed.items()}
+        return extract(oracle, model=name, seed=seed, **options)
+    return run
+
+
+def _sign_only(oracle, seed):
+    from ..learners.sign_only import extract_sign_only
+    return extract_sign_only(oracle, seed=seed)
+
+
+def _honest(kind):
+    def make(d, seed):
+        from . import targets
+        if kind == "single":
+            return targets.random_single_head(d, seed)
+        if kind == "low-rank":
+            return targets.random_low_rank_head(d, max(1, d // 4), seed)
+        if kind == "two heads":
+            return targets.random_multi_head(2, d, seed)
+        if kind == "two low-rank heads":
+            return targets.random_low_rank_multi_head(2, d, max(1, d // 4), seed)
+        if kind == "one layer":
+            from ..learners.one_layer import random_one_layer
+            return random_one_layer(d, d, seed)
+        from ..learners.transformer_layer import random_transformer_layer
+        return random_transformer_layer(d, 2 * d, seed, bias_scale=0.5, c0=0.2)
+    return make
+
+
+# learner -> (honest model (d, seed), run (oracle, seed) -> result or None for verify, labels)
+LEARNER_CASES = {
+    "single-head": (_honest("single"), _extract("single-head"), False),
+    "low-rank": (_honest("low-rank"), _extract("low-rank"), False),
+    "verify": (_honest("single"), None, False),
+    "noisy": (_honest("single"), _extract("single-head", tolerance=NOISY_TOLERANCE), False),
+    "sign-only": (_honest("single"), _sign_only, True),
+    "multi-head H<=1": (_honest("single"), _extract("multi-head", heads=1), False),
+    "multi-head H<=2": (_honest("two heads"), _extract("multi-head", heads=2), False),
+    "multi-head-low-rank": (_honest("two low-rank heads"),
+                            _extract("multi-head-low-rank", heads=2, rank=lambda d: max(1, d // 4)),
+                            False),
+    "one-layer": (_honest("one layer"), _extract("one-layer"), False),
+    "transformer-layer": (_honest("layer"), _extract("transformer-layer"), False),
+}
+
+
+def impostor_names(learner: str, d: int = 8) -> list:
+    """The impostors of :func:`zoo` that lie outside ``learner``'s class."""
+    names = list(zoo(LEARNER_CASES[learner][0](d, 0)))
+    if LEARNER_CASES[learner][2]:
+        names = [n for n in names if n not in SAME_LABELS]
+    return names
+
+
+def recovery_queries(learner: str, d: int) -> int:
+    """The learner's recovery queries on an honest model (where the switches happen)."""
+    from ..oracle import Oracle, SignOnly
+    from ..report import verification_count
+    honest, run, labels = LEARNER_CASES[learner]
+    if run is None:
+        return verification_count(d * d + d)
+    model = honest(d, 0)
+    return int(run(Oracle(SignOnly(model) if labels else model, d), 0).report.recovery_queries)
+
+
+def run_impostor(learner: str, name: str, d: int, seed: int, recovery: int):
+    """Run ``learner`` against impostor ``name`` ("honest": the model itself) built on
+    its honest model (seed). Returns (outcome, result, box): outcome "refused: <Error>",
+    "accepted" or "crash: <text>"; result the ExtractionResult when accepted."""
+    from ..errors import (BudgetExceededError, ModelMismatchError, NotIdentifiableError,
+                          RecoveryFailedError)
+    from ..oracle import Oracle, SignOnly
+    from ..report import verify_model
+    honest, run, labels = LEARNER_CASES[learner]
+    model = honest(d, seed)
+    if "switch" in name and run is not None:
+        # this seed's own recovery count: the switch lands inside this run
+        first = Oracle(SignOnly(model) if labels else model, d)
+        recovery = int(run(first, seed).report.recovery_queries)
+    rng = np.random.default_rng([seed, d, sum(map(ord, name))])
+    box = model if name == "honest" else make_impostor(name, model, rng, recovery)
+    if run is None and name == "switch at verification":
+        box.after = 1                   # verify alone: a switch in the middle of the check
+    oracle = Oracle(SignOnly(box) if labels else box, d)
+    try:
+        if run is None:                 # `attnextract verify` with the honest parameters
+            check = verify_model(oracle, model, count=recovery, seed=seed, measure_v=True)
+            if not check.passed:
+                raise ModelMismatchError("verification failed")
+            return "accepted", None, box
+        return "accepted", run(oracle, seed), box
+    except (ModelMismatchError, NotIdentifiableError, RecoveryFailedError,
+            BudgetExceededError) as exc:
+        return f"refused: {type(exc).__name__}", None, box
+    except Exception as exc:            # a bug: reported, never counted as a refusal
+        return f"crash: {type(exc).__name__}: {exc}"[:200], None, box

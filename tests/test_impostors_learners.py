@@ -1,0 +1,178 @@
+"""Every learner against the impostor zoo (attnextract.adapters.impostors).
+
+Each impostor changes one thing of an honest model of the learner's class and carries
+the reason it is outside the class. A learner must refuse it (a typed error), never
+return it, and must accept the honest model. The fast set runs a few impostors per
+learner (rotating through the zoo); the slow set the whole zoo at d = 8 on one seed.
+The 20-seed sweeps at d in {8, 32} are benchmarks/bench_impostors.py
+(benchmarks/results/impostors.md).
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from attnextract import ModelMismatchError, MultiHeadAttention, Oracle
+from attnextract.adapters import impostors
+from attnextract.adapters.impostors import (LEARNER_CASES, SAME_LABELS, impostor_names,
+                                            make_impostor, recovery_queries, run_impostor, zoo)
+from attnextract.adapters.targets import random_single_head
+from attnextract.learners.one_layer import random_one_layer
+from attnextract.learners.transformer_layer import random_transformer_layer
+from attnextract.report import verify_model
+
+D = 8
+_RECOVERY = {}
+
+
+def recovery(learner, d=D):
+    if (learner, d) not in _RECOVERY:
+        _RECOVERY[learner, d] = recovery_queries(learner, d)
+    return _RECOVERY[learner, d]
+
+
+def assert_refused(learner, name, d, seed):
+    outcome, _, box = run_impostor(learner, name, d, seed, recovery(learner, d))
+    assert outcome.startswith("refused"), (learner, name, seed, outcome, box.reason)
+
+
+# the fast set: one impostor per learner, rotating through the zoo, plus the second
+# head at 1e-8 (the hardest) where the second layer is new
+FAST_LEARNERS = [n for n in LEARNER_CASES if n != "multi-head H<=2"]
+FAST = [(learner, impostor_names(learner)[(5 * i) % len(impostor_names(learner))])
+        for i, learner in enumerate(FAST_LEARNERS)]
+FAST += [(learner, "second head 1e-8") for learner in ("multi-head H<=1", "one-layer")]
+
+
+@pytest.mark.parametrize("learner, name", FAST)
+def test_impostor_refused_by_learner(learner, name):
+    assert_refused(learner, name, D, seed=0)
+
+
+@pytest.mark.parametrize("learner", ["sign-only", "multi-head H<=1", "one-layer",
+                                     "transformer-layer"])
+def test_honest_model_accepted(learner):
+    outcome, _, _ = run_impostor(learner, "honest", D, 3, recovery(learner))
+    assert outcome == "accepted", (learner, outcome)
+
+
+# the slowest learners take every k-th impostor (offset by the seed) to keep this short
+STRIDE = {"multi-head H<=2": 3, "sign-only": 2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("learner", list(LEARNER_CASES))
+def test_whole_zoo_refused_by_learner(learner):
+    outcome, _, _ = run_impostor(learner, "honest", D, 1, recovery(learner))
+    assert outcome == "accepted", (learner, outcome)
+    names = impostor_names(learner)[1 % STRIDE.get(learner, 1)::STRIDE.get(learner, 1)]
+    missed = [name for name in names
+              if not run_impostor(learner, name, D, 1, recovery(learner))[0].startswith("refused")]
+    assert not missed, f"{learner} did not refuse {missed} at d = {D}"
+
+
+def test_every_impostor_has_a_reason_and_differs_from_its_model():
+    """Each impostor states why it is outside the class, and answers differently from
+    the honest model somewhere in the verification design (or after its switch)."""
+    from attnextract.oracle import evaluate_ragged
+    from attnextract.verification import design
+    rng = np.random.default_rng(0)
+    for model in (random_single_head(D, 0), random_one_layer(D, D, 0),
+                  random_transformer_layer(D, 2 * D, 0, bias_scale=0.5, c0=0.2)):
+        held = design(D, 128, rng, 0.5, probe_length=2).sequences
+        honest = evaluate_ragged(model, held)
+        for name in zoo(model):
+            box = make_impostor(name, model, np.random.default_rng(1), 10)
+            assert len(box.reason) > 20, name
+            if "switch" in name:
+                continue
+            gap = np.abs(evaluate_ragged(box, held) - honest).max()
+            assert gap > 1e-12, (name, type(model).__name__)
+
+
+def test_label_only_boxes_skip_sign_preserving_impostors():
+    assert not SAME_LABELS & set(impostor_names("sign-only"))
+    assert SAME_LABELS <= set(impostor_names("single-head"))
+    # value bias is in the class of a Transformer layer with biases (b absorbs it)
+    assert "value bias" not in impostor_names("transformer-layer")
+
+
+# -- the second layer: model-free hull checks ------------------------------------------
+
+def test_hull_of_a_one_head_multi_head_model_catches_a_second_head_at_1e_8():
+    """A one-head model stored as MultiHeadAttention gets the single-head hull: a second
+    head at 1e-8 (absorbed into v by length-1 answers, as a learner's v would be) errs by
+    ~1e-8 < the 1e-7 tolerance on every plain family, and is caught by the hull alone."""
+    caught = 0
+    for seed in range(4):
+        head = random_single_head(D, seed)
+        box = impostors.SecondHead(head, np.random.default_rng(100 + seed), 1e-8)
+        v_seen = head.v + box.v2                # what f([x]) = (v + v2)^T x shows
+        model = MultiHeadAttention(head.W[None], v_seen[None])
+        check = verify_model(Oracle(box, D), model, count=64, seed=seed)
+        assert check.max_relative_error <= check.tolerance    # the plain families miss it
+        caught += check.hull_violation > check.hull_tolerance
+        honest = verify_model(Oracle(head, D), MultiHeadAttention(head.W[None], head.v[None]),
+                              count=64, seed=seed)
+        assert honest.passed and honest.hull_violation <= honest.hull_tolerance
+    assert caught == 4
+
+
+def test_ffn_hull_catches_a_second_head_the_plain_families_miss():
+    """One-layer models: inside one linear region of the FFN the layer is a single head;
+    the hull pairs there see a second head at 1e-8 with its own value map that the
+    relative-error families (tolerance 1e-7) cannot."""
+    caught = 0
+    for seed in range(4):
+        model = random_one_layer(D, D, seed)
+        box = impostors.SecondHead(model, np.random.default_rng(100 + seed), 1e-8)
+        # what single tokens show: A (I + eps R), as a learner recovers it
+        seen = type(model)(model.W, model.A @ (np.eye(D) + box.R), model.w)
+        check = verify_model(Oracle(box, D), seen, count=64, seed=seed)
+        assert check.max_relative_error <= check.tolerance
+        caught += check.hull_violation > check.hull_tolerance
+        honest = verify_model(Oracle(model, D), model, count=64, seed=seed)
+        assert honest.passed and honest.hull_violation <= honest.hull_tolerance
+    assert caught == 4
+
+
+def test_sign_only_boundary_sequences_sit_next_to_the_boundary():
+    from attnextract.verification import near_boundary
+    head = random_single_head(D, 0)
+    allowance = lambda X: np.full(len(X), 1e-9)            # noqa: E731
+    seqs = near_boundary(head, 16, np.random.default_rng(0), 1 / math.sqrt(D), 0.0, allowance)
+    f = np.array([head(x[None])[0] for x in seqs])
+    assert len(seqs) == 16
+    assert np.all(np.abs(f) >= 1.9e-9) and np.all(np.abs(f) <= 30.1e-9)
+    assert (f > 0).any() and (f < 0).any()
+
+
+def test_replay_refuses_a_box_that_switched_to_another_member_of_the_class():
+    """The box answers as head A for the learner's first queries, then as head B: the
+    final model can match B on every fresh sequence; the re-asked learner queries show
+    the switch."""
+    a, b = random_single_head(D, 0), random_single_head(D, 1)
+    state = {"n": 0}
+
+    def box(X):
+        out = a(X) if state["n"] < 20 else b(X)
+        state["n"] += len(X)
+        return out
+
+    oracle = Oracle(box, D)
+    oracle.query(np.random.default_rng(0).standard_normal((20, 3, D)))     # A's answers, kept
+    check = verify_model(oracle, b, count=64, seed=0)
+    assert not check.passed and check.worst_family == "replay"
+    assert len(oracle.replay) == 16
+    fresh = Oracle(b, D)
+    fresh.query(np.random.default_rng(0).standard_normal((20, 3, D)))
+    assert verify_model(fresh, b, count=64, seed=0).passed
+
+
+def test_noisy_learner_refuses_infinite_error_bars():
+    from attnextract.learners.noisy import extract_noisy
+    head = random_single_head(D, 0)
+    box = impostors.AttentionSink(head, np.random.default_rng(0))
+    with pytest.raises(ModelMismatchError):
+        extract_noisy(Oracle(box, D), tolerance=1e-10, seed=0)
