@@ -80,11 +80,68 @@ def test_bias_free_multi_head_residual(heads, seed):
 
 
 def test_multi_head_limits_are_typed_errors():
-    """H > 1 with FFN biases is not supported yet: a clear InputError."""
+    """H > 1 with FFN biases AND a residual term is not supported yet: a clear InputError."""
     from attnextract import InputError
-    truth = random_transformer_layer(8, 8, seed=0, heads=2, bias_scale=1.0)
+    truth = random_transformer_layer(8, 8, seed=0, heads=2, bias_scale=1.0, residual=True)
     with pytest.raises(InputError, match="not supported yet"):
         extract_transformer_layer(Oracle(truth, 8), heads=2, seed=0)
+
+
+# --------------------------------------------------------------------------- (2) biases, H > 1
+@pytest.mark.parametrize("width", [8, 12])
+@pytest.mark.parametrize("seed", range(2))
+def test_biased_multi_head_small(width, seed):
+    """Heads from the large-token odd part (rounded, rough), refined per cell, split per unit."""
+    truth = random_transformer_layer(8, width, seed=seed, heads=2, bias_scale=1.0, c0=0.5 - seed)
+    result, cmp = extract(truth, seed, heads=2)
+    assert result.model.heads == 2 and result.model.residual is False
+    assert cmp["units"] == (width, width)
+    assert cmp["error_W"] <= TOL and cmp["error_P"] <= TOL, cmp
+    assert cmp["max_error"] <= TOL and cmp["max_output_error"] <= TOL, cmp
+    assert "detected" in result.report.details["biases b"]
+    assert "none" not in result.report.details["biases b"]
+    assert abs(result.model.c0 - truth.c0) <= TOL * max(1.0, abs(truth.c0))
+    assert result.report.verification.passed
+    assert result.report.floor == free_parameters(truth) < result.queries
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bias_scale", [1.0, 1e-6])
+@pytest.mark.parametrize("seed", range(2))
+def test_biased_multi_head(bias_scale, seed):
+    """Issue 14, item 2: H = 3, d = 16, m = 32, biases N(0, 1) and down to 1e-6, and c0."""
+    truth = random_transformer_layer(16, 32, seed=seed, heads=3, bias_scale=bias_scale, c0=0.7)
+    result, cmp = extract(truth, seed, heads=3)
+    assert result.model.heads == 3
+    assert cmp["units"] == (32, 32)
+    assert cmp["error_W"] <= TOL and cmp["error_P"] <= TOL, cmp
+    assert cmp["max_error"] <= TOL and cmp["max_output_error"] <= TOL, cmp
+    assert "none" not in result.report.details["biases b"]
+    assert result.report.floor == free_parameters(truth) < result.queries <= 10 * result.report.floor
+
+
+def test_large_token_view_is_the_bias_free_odd_part():
+    """The view's answer is sum_h v_h^T Z^T softmax(Z W_h z_N), v_h = P_h^T w, to float32,
+    also for last tokens next to a unit's hyperplane (moved off it and extrapolated)."""
+    from attnextract.learners.biased_relu import BiasedReLUNetwork
+    from attnextract.learners.transformer_layer import LargeTokenOddOracle
+    from attnextract.models import MultiHeadAttention
+    truth = random_transformer_layer(8, 12, seed=3, heads=2, bias_scale=1.0, c0=0.4)
+    P_h = truth.head_maps()
+    P = P_h.sum(axis=0)
+    n = np.linalg.norm(P, axis=1)
+    net = BiasedReLUNetwork(P / n[:, None], truth.b / n, truth.w * n, truth.c0)
+    heads = MultiHeadAttention(truth.W, np.einsum("hmd,m->hd", P_h, truth.w))
+    rng = np.random.default_rng(0)
+    Z = rng.standard_normal((40, 6, 8))
+    Z[:10, -1] -= np.einsum("bd,d->b", Z[:10, -1], net.P[0])[:, None] * net.P[0]  # on unit 0's
+    Z[:10, -1] += 1e-7 * net.P[0]                                                  # hyperplane
+    oracle = Oracle(truth, 8)
+    view = LargeTokenOddOracle(oracle, net)
+    g = view.query(Z)
+    assert view.moved >= 10
+    assert np.abs(g - heads(Z)).max() <= 1e-6 * np.abs(heads(Z)).max()
+    assert np.array_equal(g, g.astype(np.float32).astype(np.float64))
 
 
 # --------------------------------------------------------------------------- (2) biases
@@ -138,6 +195,37 @@ def test_only_AV_is_identified_without_residual():
     r2, _ = extract(twin, 3)
     assert np.array_equal(r1.model.V[0], np.eye(16)) and np.array_equal(r2.model.V[0], np.eye(16))
     assert np.abs(r1.model.A - r2.model.A).max() <= 1e-9
+
+
+def test_merged_kinks_are_dropped():
+    """A kink where two hyperplanes cross a line measures +-J_i +- J_j: of the dependent
+    triple, the unit whose removal lets one affine function explain the samples goes."""
+    from attnextract.learners.biased_relu import _Units
+    rng = np.random.default_rng(0)
+    d, m = 6, 5
+    P, b, w = rng.standard_normal((m, d)), rng.standard_normal(m), rng.standard_normal(m)
+    F = lambda X: np.maximum(X @ P.T + b, 0.0) @ w                  # noqa: E731
+    units = _Units(d)
+    for k in range(m):
+        units.add(w[k] * P[k], w[k] * b[k], np.sign(w[k]))
+    units.add(-(w[1] * P[1] + w[3] * P[3]), -(w[1] * b[1] + w[3] * b[3]), -np.sign(w[1]))
+    # exact affine pieces at random points (what the line walk measures)
+    X = 3.0 * rng.standard_normal((200, d))
+    G = ((X @ P.T + b > 0) * w) @ P
+    samples = [(X, G, F(X) - np.einsum("rd,rd->r", G, X))]
+    assert units.sum_triple() is not None
+    assert units.drop_merged(samples) == 1
+    assert len(units.j) == m and np.allclose(units.J, w[:, None] * P)
+    assert units.sum_triple() is None
+
+
+@pytest.mark.slow
+def test_residual_with_a_merged_kink():
+    """Seed 19 (residual + biases, d = 16, m = 32): a line of the FFN stage meets two
+    hyperplanes at one point; the merged unit is dropped, nothing is refused."""
+    truth = random_transformer_layer(16, 32, seed=19, bias_scale=1.0, c0=0.5, residual=True)
+    result, cmp = extract(truth, 19)
+    assert cmp["max_error"] <= TOL and cmp["max_output_error"] <= TOL, cmp
 
 
 # --------------------------------------------------------------------------- biased FFN alone
