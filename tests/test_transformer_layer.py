@@ -103,6 +103,12 @@ def test_biased_multi_head_small(width, seed):
     assert abs(result.model.c0 - truth.c0) <= TOL * max(1.0, abs(truth.c0))
     assert result.report.verification.passed
     assert result.report.floor == free_parameters(truth) < result.queries
+    # what of V_h is identified (m >= d): V_h = (sum_k V_k)^{-1} V_h,true, sum_h V_h = I
+    V = result.model.V
+    order = [int(np.argmin([np.abs(W - T).max() for T in truth.W])) for W in result.model.W]
+    expected = np.linalg.solve(truth.V.sum(axis=0), truth.V[order].transpose(1, 0, 2).reshape(8, -1))
+    assert np.abs(V.sum(axis=0) - np.eye(8)).max() <= 1e-8
+    assert np.abs(V.transpose(1, 0, 2).reshape(8, -1) - expected).max() <= 1e-7 * np.abs(expected).max()
 
 
 @pytest.mark.slow
@@ -253,16 +259,16 @@ def _gelu(z):
     return 0.5 * z * (1.0 + erf(z / math.sqrt(2.0)))
 
 
-def impostors(d=16, m=32, seed=0):
-    base = random_transformer_layer(d, m, seed=seed, bias_scale=0.5, c0=0.2)
-    P = base.head_maps()[0]
+def impostors(d=16, m=32, seed=0, heads=1, bias_scale=0.5):
+    base = random_transformer_layer(d, m, seed=seed, bias_scale=bias_scale, c0=0.2, heads=heads)
+    P = base.head_maps()
 
     def gelu_ffn(X):
-        z = attention_output(X, base.W[0])
-        return _gelu(z @ P.T + base.b) @ base.w + base.c0
+        z = sum(attention_output(X, base.W[h]) @ P[h].T for h in range(heads))
+        return _gelu(z + base.b) @ base.w + base.c0
 
     def layer_norm_first(X):
-        y = attention_output(X, base.W[0]) @ base.V[0].T
+        y = sum(attention_output(X, base.W[h]) @ base.V[h].T for h in range(heads))
         y = (y - y.mean(axis=1, keepdims=True)) / np.sqrt(y.var(axis=1, keepdims=True) + 1e-5)
         return np.maximum(y @ base.A.T + base.b, 0.0) @ base.w + base.c0
 
@@ -290,6 +296,23 @@ def test_impostors_refused(name, seed):
     oracle = Oracle(box, 16)
     with pytest.raises(ModelMismatchError):
         extract_transformer_layer(oracle, seed=seed)
+
+
+@pytest.mark.parametrize("name", ["GELU FFN", "LayerNorm before the FFN", "two stacked layers"])
+@pytest.mark.parametrize("bias_scale", [0.5, 0.0])
+def test_impostors_refused_multi_head(name, bias_scale):
+    """The same impostors built on two heads, with and without FFN biases, asked for H = 2."""
+    box = impostors(d=8, m=12, seed=1, heads=2, bias_scale=bias_scale)[name]
+    oracle = Oracle(box, 8)
+    with pytest.raises(ModelMismatchError):
+        extract_transformer_layer(oracle, heads=2, seed=1)
+
+
+@pytest.mark.parametrize("name", ["GELU FFN", "LayerNorm before the FFN", "two stacked layers"])
+def test_impostors_refused_bias_free(name):
+    box = impostors(seed=3, bias_scale=0.0)[name]
+    with pytest.raises(ModelMismatchError):
+        extract_transformer_layer(Oracle(box, 16), seed=3)
 
 
 # --------------------------------------------------------------------------- files and CLI

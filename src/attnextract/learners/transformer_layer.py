@@ -9,16 +9,19 @@ W_h, V_h (d, d), A (m, d), b, w (m,), c0 a scalar; the residual term x_N present
 What is identifiable. A and V_h enter only through the products P_h = A V_h (and A
 itself through the residual term):
 - hidden units: permutation and positive rescaling (a_i, P_h,i, b_i, w_i) ->
-  (c a_i, c P_h,i, c b_i, w_i / c), c > 0; units with w_i = 0 or zero rows are invisible;
+  (c a_i, c P_h,i, c b_i, w_i / c), c > 0, nothing else; units with w_i = 0 are
+  invisible. Units are found from single tokens, so a unit whose single-token row
+  (a_i [with the residual term] + sum_h P_h,i) is zero is outside what this learner finds;
 - heads: the canonical form of docs/algorithms.md, "Multi-head" (heads with equal W_h merge,
-  adding their P_h; heads with P_h = 0 are invisible; any order);
+  adding their P_h; heads with P_h = 0 are invisible; any order); W_h is identified exactly
+  for every canonical head;
 - without the residual term, A and V_h are never separated: (A G, G^{-1} V_h) gives the
-  same f for every invertible G (d, d). Only P_h = A V_h is identified; when m >= d and
-  A has full column rank V_h is known up to that common G, when m < d the part of V_h
-  that A annihilates is invisible as well;
+  same f for every invertible G (d, d). Only P_h = A V_h is identified. When A has full
+  column rank (m >= d) that is all the freedom: the returned A = D A_true sum_k V_k
+  (D > 0 diagonal, the unit scale) and V_h = (sum_k V_k)^{-1} V_h,true, so sum_h V_h = I
+  (V = I for one head); when m < d, V_h is known only modulo the null space of A as well;
 - with the residual term, A is identified (up to the unit symmetries) and V_h modulo
-  the null space of A: exactly when A has full column rank (m >= d), otherwise only
-  A V_h.
+  the null space of A: V_h itself exactly when A has full column rank (m >= d).
 
 The canonical form returned (the parameters in the result file):
 - W_h: the canonical heads' query-key matrices, exactly;
@@ -52,7 +55,7 @@ and R = 0 without it; pre-activations pi(X) = R x_N + B X^T alpha + b):
    directions u_jk (a Householder basis with |u^T g_j| equal for all k, g_j = B_S^T w_S)
    this gives W q_j, hence W: 2 d^2 + d queries. The biases only move the linear pieces,
    so the same probes serve b = 0 and b != 0.
-Several heads (H > 1; bias-free, with or without the residual term):
+Several heads (H > 1; bias-free with or without the residual term, or with FFN biases):
 4. Odd part: scores do not change under X -> -X and ReLU(z) - ReLU(-z) = z, so
    f(X) - f(-X) = [u^T x_N +] sum_h softmax(X W_h x_N)^T X (P_h^T w), u = A^T w: with the
    residual term u comes from single tokens ((A + sum_h P_h)^T w) minus sum_h P_h^T w
@@ -66,9 +69,24 @@ Several heads (H > 1; bias-free, with or without the residual term):
    every head's readout P_h,S^T w_S by least squares; across the hyperplane they jump by
    w_k P_h,k. 2 m (1 + (H + 1) d) queries (2 m (1 + 2 H d) with the residual term, whose
    cells' gradients also carry A: then A = (single-token rows) - sum_h P_h).
-With FFN biases, H > 1 is not supported yet (InputError): the odd part is multi-head
-attention only without biases, and no linear piece of a biased FFN is wide enough for
-the multi-head learner's own probes (their logits must be of order one).
+6. With FFN biases the odd part is not linear (ReLU(a + b) - ReLU(-a + b) is 2a, 0 or
+   a +- b by piece), but it is a + sign(a) b once |a| >= |b|. Shifting every token along
+   the last one, X = L z_N + eps Z with eps (L + eps) = 1, keeps every head's scores
+   (z_i^T W_h z_N plus a constant) and makes a = L P z_N + eps (...): with L chosen per
+   probe so that each biased unit is past its kink, the odd part minus that of [L z_N] is
+   eps times the bias-free odd part, exactly (:class:`LargeTokenOddOracle`, four queries
+   per probe). Its rounding grows like L^2 eps_mach, so its outputs are rounded to float32
+   and the multi-head learner returns the heads to about 1e-6; a last token within an
+   angle 1e-3 of a unit's hyperplane (L would be huge) is moved off it and the answer
+   extrapolated back (Richardson, O(eta^4)).
+7. Refinement, with biases (``refine`` of :func:`_split_heads`): in each cell (scaled out
+   until the two biased cells of unit k differ in unit k only), (2 H + 1) d probes fit
+   k_h = W_h q jointly with all H readouts (Gauss-Newton from the rough heads); W_h is
+   then the least-squares solution over the 2m cells (to about 1e-11), and the readouts'
+   jumps give P_h as in 5. 2 m (1 + (2 H + 1) d) queries.
+H > 1 with both FFN biases and the residual term is not supported (InputError): the
+residual readout u (identity 4) needs the odd part of [e_i; 0], whose last token is zero,
+so no shift L moves the biased units past their kinks.
 
 Everything is verified against the black box on held-out sequences
 (:func:`attnextract.report.checked_result`); a GELU, a LayerNorm before the FFN or two
@@ -291,7 +309,8 @@ def extract_transformer_layer(oracle: Oracle, heads: int = 1, *, seed=None,
         Door to the black box; ``oracle.dim`` is d >= 2 (d >= 4 with a residual term).
     heads : int
         Upper bound H on the number of heads. H = 1 runs the copy probes of the module
-        docstring; H > 1 goes through the multi-head learner (bias-free, no residual).
+        docstring; H > 1 goes through the multi-head learner (identities 4-7; not with
+        FFN biases and a residual term together).
     seed : int, optional
         Seed of every random choice (lines, probe bases) and of the held-out sequences.
     verify_tolerance : float
