@@ -356,12 +356,15 @@ def test_cli_transformer_layer(tmp_path):
 def test_bench_section_rows_and_table():
     from attnextract.bench import markdown, section_transformer_layer
     rows = section_transformer_layer(True, lambda message: None)
-    assert len(rows) == 5
+    assert len(rows) == 6                      # a row per model, H = 3 with biases included
     for r in rows:
-        assert r["floor"] < r["recovery_queries"] <= 8 * r["floor"]
+        # the biased multi-head row pays four queries per probe of the multi-head learner
+        ratio = 12 if "biases" in r["learner"] and r["heads"] > 1 else 8
+        assert r["floor"] < r["recovery_queries"] <= ratio * r["floor"]
         assert r["bits"] > 30 and r["output_error"] <= TOL    # Carlini et al. 2020: 25 bits
     table = markdown(rows)
     assert "| (biases 1e-6) |" in table and "2^-25" in table
+    assert "| (biases N(0,1), c0, H = 3) | 8 | 8 | 3 |" in table
 
 
 def test_bad_input_and_budget_are_typed_errors():
