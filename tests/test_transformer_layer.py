@@ -223,14 +223,24 @@ def test_merged_kinks_are_dropped():
     assert units.drop_merged(samples) == 1
     assert len(units.j) == m and np.allclose(units.J, w[:, None] * P)
     assert units.sum_triple() is None
+    # a unit found again, less precisely (small |w_i|): the repeat goes
+    units.add(w[2] * P[2] * (1 + 1e-5) + 1e-6 * rng.standard_normal(d), w[2] * b[2] * (1 - 2e-5),
+              np.sign(w[2]))
+    assert units.near_pair() is not None
+    assert units.drop_merged(samples) == 1 and len(units.j) == m
+    assert np.allclose(units.J, w[:, None] * P, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow
-def test_residual_with_a_merged_kink():
-    """Seed 19 (residual + biases, d = 16, m = 32): a line of the FFN stage meets two
-    hyperplanes at one point; the merged unit is dropped, nothing is refused."""
-    truth = random_transformer_layer(16, 32, seed=19, bias_scale=1.0, c0=0.5, residual=True)
-    result, cmp = extract(truth, 19)
+@pytest.mark.parametrize("seed, d, options", [
+    (19, 16, {"bias_scale": 1.0, "residual": True}),     # two hyperplanes cross a line at once
+    (11, 32, {"bias_scale": 1e-6}),                      # |w_i| = 0.009: its unit found twice
+])
+def test_ffn_with_a_merged_kink_or_a_repeat(seed, d, options):
+    """Issue 14 items 2 and 3 over 20 seeds: the two seeds whose FFN stage once found one
+    unit too many (a merged kink, a repeat) are recovered, nothing refused."""
+    truth = random_transformer_layer(d, 32, seed=seed, c0=0.5, **options)
+    result, cmp = extract(truth, seed)
     assert cmp["max_error"] <= TOL and cmp["max_output_error"] <= TOL, cmp
 
 

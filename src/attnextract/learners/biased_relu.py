@@ -53,6 +53,7 @@ FAR_RADIUS = 1e6        # the half circle at this radius (times scale) counts th
 FIRST_STEP = 0.02       # first step h: this fraction of the interval's half length / sqrt(d)
 STEP_FRACTION = 0.25    # re-measured step: this fraction of the interval's margin
 MAX_REMEASURE = 5
+REPEAT_TOLERANCE = 1e-4  # a unit found again less precisely than SAME_UNIT (too many units)
 MAX_MERGED = 4          # units beyond the far count looked at as merged kinks (else: not a ReLU net)
 SAME_UNIT = 1e-6        # two measured hyperplanes closer than this are the same unit
 POLISH_AGREEMENT = 1e-5  # a polished unit must agree with the first pass this well
@@ -168,11 +169,26 @@ class _Units:
         out.J, out.j, out.sigma = self.J[keep], self.j[keep], self.sigma[keep]
         return out
 
+    def near_pair(self):
+        """Two units on nearly the same hyperplane (normals and offsets within
+        REPEAT_TOLERANCE), or None: one unit measured twice, less precisely than
+        SAME_UNIT (a small |w_i| makes its jump small against the rounding)."""
+        if len(self.j) < 2:
+            return None
+        N, B = self.normals()
+        cos = N @ N.T
+        gap = np.abs(np.abs(cos) - 1.0) + np.abs(B[:, None] - np.sign(cos) * B[None, :]) / (
+            1.0 + np.abs(B)[:, None])
+        np.fill_diagonal(gap, np.inf)
+        i, k = np.unravel_index(np.argmin(gap), gap.shape)
+        return (int(i), int(k)) if gap[i, k] <= REPEAT_TOLERANCE else None
+
     def drop_merged(self, samples) -> int:
-        """Remove merged kinks: of each dependent triple, the unit whose removal leaves the
-        smallest spread of the affine residual. Returns how many were removed."""
+        """Remove merged kinks and repeats: of each dependent triple (or near pair), the
+        unit whose removal leaves the smallest spread of the affine residual. Returns how
+        many were removed."""
         dropped = 0
-        while (triple := self.sum_triple()) is not None:
+        while (triple := self.sum_triple() or self.near_pair()) is not None:
             best = min(triple, key=lambda k: _affine_residual(self.without(k), samples)[2])
             reduced = self.without(best)
             self.J, self.j, self.sigma = reduced.J, reduced.j, reduced.sigma
