@@ -763,6 +763,11 @@ def _split_heads(oracle: Oracle, net: BiasedReLUNetwork, W: np.ndarray, rng, sca
                                      f"off the single-token FFN's gradient there")
     jumps = R[0::2] - R[1::2]                                                # w_k P_h,k
     P_h = np.swapaxes(jumps / net.w[:, None, None], 0, 1)                    # (H, m, d)
+    if refine:
+        # sum_h P_h,k is unit k's single-token row, known from the FFN stage to its own
+        # precision (about 1e-10): the least-squares correction spreads the difference
+        # evenly over the heads (an error common to all heads moves f most)
+        P_h += (net.P - P_h.sum(axis=0))[None] / H
     if not fit <= 1e-8:
         raise ModelMismatchError(
             f"the probes do not split into {H} heads within linear pieces of the FFN (relative "
