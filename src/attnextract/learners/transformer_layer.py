@@ -663,7 +663,11 @@ def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries,
         V = np.stack([np.linalg.lstsq(A, P, rcond=None)[0] for P in P_h])
         model = TransformerLayer(W, V, A, net.b, net.w, net.c0, residual=True)
     else:
-        V = np.stack([np.linalg.lstsq(net.P, P, rcond=None)[0] for P in P_h])
+        # A V_h = P_h in least squares weighted by |w_k|: unit k's row was measured as the
+        # jump w_k P_h,k, so its error goes like 1 / |w_k| (unweighted, a weak unit's
+        # noise would spread over every row through the projection onto range(A))
+        V = np.stack([np.linalg.lstsq(net.w[:, None] * net.P, net.w[:, None] * P,
+                                      rcond=None)[0] for P in P_h])
         model = TransformerLayer(W, V, net.P, net.b, net.w, net.c0)
     details = {"hidden units": net.width, "canonical heads": attention.heads,
                "residual": str(residual),
