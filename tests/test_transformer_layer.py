@@ -38,6 +38,27 @@ def assert_recovered(result, cmp, truth):
         assert result.report.breakdown["copy probes"] >= 2 * d * d + d
 
 
+# --------------------------------------------------------------------------- every case, small
+@pytest.mark.parametrize("case, options", [
+    ("bias-free, H = 1", {}),
+    ("bias-free, H = 2", {"heads": 2}),
+    ("biases N(0,1), c0, H = 1", {"bias_scale": 1.0, "c0": 0.6}),
+    ("biases 1e-6, c0, H = 2", {"heads": 2, "bias_scale": 1e-6, "c0": -0.3}),
+    ("residual + biases, H = 1", {"bias_scale": 1.0, "c0": 0.2, "residual": True}),
+])
+@pytest.mark.parametrize("seed", range(2))
+def test_each_case_small(case, options, seed):
+    """Issue 14's cases at d = 8, m = 12 (the d = 16 / 32 sweeps are slow tests and
+    benchmarks/bench_transformer_layer.py): canonically equal to the truth, every array."""
+    truth = random_transformer_layer(8, 12, seed=seed, **options)
+    result, cmp = extract(truth, seed, heads=options.get("heads", 1))
+    assert result.model.heads == truth.heads and result.model.residual == truth.residual
+    assert cmp["units"] == (12, 12)
+    assert cmp["error_W"] <= TOL and cmp["max_error"] <= TOL, cmp
+    assert cmp["max_output_error"] <= TOL, cmp
+    assert ("none" in result.report.details["biases b"]) == ("bias_scale" not in options)
+
+
 # --------------------------------------------------------------------------- (1) bias-free
 @pytest.mark.parametrize("width", [16, 32])
 @pytest.mark.parametrize("seed", range(20))
