@@ -94,6 +94,30 @@ def table(results, seeds) -> list[str]:
     return lines
 
 
+HEADER = """# Transformer layer (issue 14): {seeds} seeds per case
+
+    PYTHONPATH=src OPENBLAS_NUM_THREADS=1 python3 benchmarks/bench_transformer_layer.py \\
+        --seeds {seeds} --out benchmarks/results/transformer_layer.md
+
+Per case, seeds 0..{last} of `random_transformer_layer` (W_h, V_h, A ~ N(0, 1/d),
+w ~ N(0, 1), b ~ N(0, bias^2)); the learner never sees them. Success: no refusal,
+held-out output error <= 1e-8 and attention canonically equal to the truth (W error
+<= 1e-8). Queries: the recovery (held-out verification excluded), median, against the
+floor H d^2 + H m d (+ m d with the residual term) + m + 1 (free parameters of the
+canonical form). Bits: -log2 of the largest canonical parameter error over W_h, A V_h,
+A, b, w, c0 (Carlini, Jagielski and Mironov 2020 report 2^-25 for ReLU networks). Wall
+times depend on the machine's load. Every seed's numbers: the .json next to this file.
+
+"""
+
+
+def render(results, seeds) -> str:
+    lines = table(results, seeds)
+    notes = [f"- {label} (d = {d}, m = {m}): {f}" for label, d, m, _, _, fs in results for f in fs]
+    return (HEADER.format(seeds=seeds, last=seeds - 1) + "\n".join(lines)
+            + ("\n\nFailures:\n\n" + "\n".join(notes) if notes else "\n\nNo failures.") + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=20)
@@ -107,10 +131,7 @@ def main() -> None:
         rows, failures = run(d, m, options, seeds)
         results.append((label, d, m, options, rows, failures))
         print(table([results[-1]], seeds)[-1], flush=True)
-    lines = table(results, seeds)
-    notes = [f"- {label} (d = {d}, m = {m}): {f}" for label, d, m, _, _, fs in results for f in fs]
-    text = "\n".join(lines) + ("\n\nFailures:\n\n" + "\n".join(notes) if notes else
-                               "\n\nNo failures.") + "\n"
+    text = render(results, seeds)
     print(text)
     if args.out:
         with open(args.out, "w") as fh:
