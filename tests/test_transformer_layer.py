@@ -45,6 +45,7 @@ def assert_recovered(result, cmp, truth):
     ("biases N(0,1), c0, H = 1", {"bias_scale": 1.0, "c0": 0.6}),
     ("biases 1e-6, c0, H = 2", {"heads": 2, "bias_scale": 1e-6, "c0": -0.3}),
     ("residual + biases, H = 1", {"bias_scale": 1.0, "c0": 0.2, "residual": True}),
+    ("residual + biases, H = 2", {"heads": 2, "bias_scale": 1.0, "c0": 0.2, "residual": True}),
 ])
 @pytest.mark.parametrize("seed", range(2))
 def test_each_case_small(case, options, seed):
@@ -100,12 +101,28 @@ def test_bias_free_multi_head_residual(heads, seed):
     assert cmp["max_error"] <= TOL and cmp["max_output_error"] <= TOL, cmp
 
 
-def test_multi_head_limits_are_typed_errors():
-    """H > 1 with FFN biases AND a residual term is not supported yet: a clear InputError."""
-    from attnextract import InputError
-    truth = random_transformer_layer(8, 8, seed=0, heads=2, bias_scale=1.0, residual=True)
-    with pytest.raises(InputError, match="not supported yet"):
-        extract_transformer_layer(Oracle(truth, 8), heads=2, seed=0)
+@pytest.mark.parametrize("seed", range(2))
+def test_biased_multi_head_residual_small(seed):
+    """Biases, the residual term and two heads: u = A^T w from single tokens minus the
+    heads' summed readout of [s p; 0], the large-token view minus u^T z_N."""
+    truth = random_transformer_layer(8, 12, seed=seed, heads=2, bias_scale=1.0, c0=0.3,
+                                     residual=True)
+    result, cmp = extract(truth, seed, heads=2)
+    assert result.model.residual is True and result.model.heads == 2
+    assert cmp["error_W"] <= TOL and cmp["error_A"] <= TOL and cmp["error_P"] <= TOL, cmp
+    assert cmp["max_error"] <= TOL and cmp["max_output_error"] <= TOL, cmp
+    assert result.report.breakdown["residual readout"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(2))
+def test_biased_multi_head_residual(seed):
+    truth = random_transformer_layer(16, 32, seed=seed, heads=3, bias_scale=1.0, c0=0.3,
+                                     residual=True)
+    result, cmp = extract(truth, seed, heads=3)
+    assert result.model.residual is True and result.model.heads == 3
+    assert cmp["error_W"] <= TOL and cmp["error_A"] <= TOL and cmp["error_P"] <= TOL, cmp
+    assert cmp["max_error"] <= TOL and cmp["max_output_error"] <= TOL, cmp
 
 
 # --------------------------------------------------------------------------- (2) biases, H > 1

@@ -84,9 +84,13 @@ Several heads (H > 1; bias-free with or without the residual term, or with FFN b
    k_h = W_h q jointly with all H readouts (Gauss-Newton from the rough heads); W_h is
    then the least-squares solution over the 2m cells (to about 1e-11), and the readouts'
    jumps give P_h as in 5. 2 m (1 + (2 H + 1) d) queries.
-H > 1 with both FFN biases and the residual term is not supported (InputError): the
-residual readout u (identity 4) needs the odd part of [e_i; 0], whose last token is zero,
-so no shift L moves the biased units past their kinks.
+8. Biases and the residual term (H > 1): the view of 6 then sees u^T z_N + the heads
+   (u = A^T w; the shift gives a = L (A + P) z_N + eps (A z_N + ...), A + P the known
+   single-token rows). u = (A + P)^T w - sum_h v_h, and sum_h v_h comes from [s p; 0]
+   (uniform attention, x_N = 0): its odd part is (s / 2) v^T p + a constant once s is
+   past every kink, checked at s, 2 s, 4 s (:func:`_uniform_readout`, 6 d queries). The
+   split then fits all H readouts per cell (the FFN's gradient also carries A) and
+   A = (single-token rows) - sum_h P_h.
 
 Everything is verified against the black box on held-out sequences
 (:func:`attnextract.report.checked_result`); a GELU, a LayerNorm before the FFN or two
@@ -130,6 +134,8 @@ ROUGH_HEADS_TOLERANCE = 1e-4  # the heads' readouts from the rounded view: sum_h
 ROUGH_VERIFY_TOLERANCE = 1e-3  # the rounded view's own held-out check (its outputs carry
                                # L^2 eps_mach of rounding; the layer is verified at the end)
 MAX_LOSS = 1e8               # large-token probes losing more (L^2 |z_N| / max |z|) than this...
+UNIFORM_SCALE = 1e3          # first token scale of the [s p; 0] probes, times (1 + max |b|)
+UNIFORM_ROUNDS = 3
 MOVE = 1e-3                  # ...with z_N this close (angle) to a hyperplane are moved off it
 REFINE_ROUNDS = 8            # Gauss-Newton rounds per cell (quadratic from ~1e-6)
 
@@ -309,8 +315,7 @@ def extract_transformer_layer(oracle: Oracle, heads: int = 1, *, seed=None,
         Door to the black box; ``oracle.dim`` is d >= 2 (d >= 4 with a residual term).
     heads : int
         Upper bound H on the number of heads. H = 1 runs the copy probes of the module
-        docstring; H > 1 goes through the multi-head learner (identities 4-7; not with
-        FFN biases and a residual term together).
+        docstring; H > 1 goes through the multi-head learner (identities 4-8).
     seed : int, optional
         Seed of every random choice (lines, probe bases) and of the held-out sequences.
     verify_tolerance : float
@@ -507,7 +512,8 @@ class LargeTokenOddOracle(OracleView):
 
         [f(X) - f(-X) - f([L z_N]) + f([-L z_N])] / eps = sum_h v_h^T Z^T alpha_h,
 
-    v_h = P_h^T w: exactly the bias-free odd part. Four queries per probe (two lengths,
+    v_h = P_h^T w: exactly the bias-free odd part (with the residual term, plus
+    u^T z_N, u = A^T w: ``residual_readout`` u is subtracted). Four queries per probe (two lengths,
     one batch each). The large tokens cost precision (rounding of order L^2 eps_mach):
     outputs are rounded to float32, so the multi-head learner's precision model (it
     detects rounded outputs) covers them; its heads are a start, refined in cells
@@ -521,9 +527,10 @@ class LargeTokenOddOracle(OracleView):
         The single-token FFN (rows of P of unit norm, b, w).
     """
 
-    def __init__(self, oracle: Oracle, net: BiasedReLUNetwork):
+    def __init__(self, oracle: Oracle, net: BiasedReLUNetwork, residual_readout=None):
         super().__init__(oracle, "large-token odd part")
         self.P, self.b = net.P, net.b
+        self.u = residual_readout
         self.largest_shift = 0.0
         self.moved = 0
 
@@ -594,11 +601,46 @@ class LargeTokenOddOracle(OracleView):
         f = self.base.query(np.concatenate([X, -X]))
         one = (L[:, None] * Z[:, -1])[:, None, :]
         f1 = self.base.query(np.concatenate([one, -one]))
-        return (f[:B] - f[B:] - f1[:B] + f1[B:]) / eps
+        g = (f[:B] - f[B:] - f1[:B] + f1[B:]) / eps
+        return g if self.u is None else g - Z[:, -1] @ self.u
 
     def query_ragged(self, sequences) -> np.ndarray:
         from ..oracle import evaluate_ragged
         return evaluate_ragged(self.query, [np.asarray(s, dtype=np.float64) for s in sequences])
+
+
+def _uniform_readout(oracle: Oracle, net: BiasedReLUNetwork) -> np.ndarray:
+    """sum_h v_h = sum_h P_h^T w from [s p; 0] (a zero last token: uniform attention).
+
+    pi([s p; 0]) = (s / 2) P p + b with P = sum_h P_h (the residual term sees x_N = 0);
+    once every unit is past its kink, the odd part is (s / 2) v^T p + sum_i w_i b_i
+    sign(P_i p), the same at every larger s: v^T p = 2 (odd(2 s p) - odd(s p)) / s. P is
+    not known yet, so the scales s, 2 s, 4 s must give the same v^T p (else s grows
+    by 1e3, at most UNIFORM_ROUNDS times; rounding stays relative). d orthonormal p,
+    6 d queries per round.
+    """
+    d = oracle.dim
+    basis = np.linalg.qr(np.random.default_rng(0).standard_normal((d, d)))[0].T   # rows p_j
+    s = np.full(d, UNIFORM_SCALE * (1.0 + float(np.abs(net.b).max())))
+    vp = np.full(d, np.nan)
+    todo = np.arange(d)
+    for _ in range(UNIFORM_ROUNDS):
+        P, sc = basis[todo], s[todo]
+        X = np.concatenate([k * sc[:, None] * P for k in (1.0, 2.0, 4.0)])[:, None, :]
+        X = np.concatenate([X, np.zeros_like(X)], axis=1)                      # [s p; 0]
+        n = len(todo)
+        oracle.require(6 * n, "the heads' summed readout from [s p; 0]")
+        f = oracle.query(np.concatenate([X, -X]))
+        odd = (f[:3 * n] - f[3 * n:]).reshape(3, n)
+        first, second = 2.0 * (odd[1] - odd[0]) / sc, (odd[2] - odd[1]) / sc
+        agree = np.abs(first - second) <= 1e-9 * (np.abs(odd[2]) / sc + 1e-300)
+        vp[todo[agree]] = second[agree]
+        todo = todo[~agree]
+        s[todo] *= 1e3
+        if not len(todo):
+            return np.linalg.solve(basis, vp)
+    raise ModelMismatchError("the odd part of [s p; 0] is not linear in s at any tried scale: "
+                             "not a residual Transformer layer with a biased ReLU FFN")
 
 
 def _stage(oracle, counts: dict, name: str, run):
@@ -627,12 +669,14 @@ def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries,
     net, info = stage("single tokens", lambda: extract_biased_relu(
         oracle, np.random.default_rng(seeds[1]), scale=scale))
     biased = bool(np.abs(net.b).max() > BIAS_ZERO * scale)
-    if biased and residual:
-        raise InputError("heads > 1 with FFN biases AND a residual term is not supported yet "
-                         "(either alone is)")
     if not biased:
         net = stage("single tokens", lambda: _without_biases(oracle, net))
-    if biased:
+    if biased and residual:
+        # u = A^T w from single tokens ((A + sum_h P_h)^T w) minus sum_h v_h, read off
+        # [s p; 0] (uniform attention) past every kink at two scales
+        readout = stage("residual readout", lambda: _uniform_readout(oracle, net))
+        heads_oracle = LargeTokenOddOracle(oracle, net, net.P.T @ net.w - readout)
+    elif biased:
         readout = net.P.T @ net.w
         heads_oracle = LargeTokenOddOracle(oracle, net)
     elif residual:
@@ -759,7 +803,7 @@ def _split_heads(oracle: Oracle, net: BiasedReLUNetwork, W: np.ndarray, rng, sca
         details["logit refinement"] = f"Gauss-Newton per cell, last step {steps:.1e} relative"
     tau = np.einsum("jpd,jdh->jph", delta, K)                             # exact logits
     R, fit = _readouts(delta, y, tau, None if refine else G)
-    if refine:
+    if refine and G is not None:
         gap = float(np.abs(R.sum(axis=1) - G).max() / np.abs(G).max())
         details["sum_h r_h vs the FFN's gradient"] = f"{gap:.1e} relative"
         if not gap <= ROUGH_HEADS_TOLERANCE:
@@ -767,7 +811,7 @@ def _split_heads(oracle: Oracle, net: BiasedReLUNetwork, W: np.ndarray, rng, sca
                                      f"off the single-token FFN's gradient there")
     jumps = R[0::2] - R[1::2]                                                # w_k P_h,k
     P_h = np.swapaxes(jumps / net.w[:, None, None], 0, 1)                    # (H, m, d)
-    if refine:
+    if refine and known_sum:
         # sum_h P_h,k is unit k's single-token row, known from the FFN stage to its own
         # precision (about 1e-10): the least-squares correction spreads the difference
         # evenly over the heads (an error common to all heads moves f most)
