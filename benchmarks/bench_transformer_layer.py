@@ -36,14 +36,16 @@ TOL = 1e-8
 
 CASES = (
     [(f"1. bias-free, H = {H}", 16, m, {"heads": H}) for H in (1, 2, 3, 4) for m in (16, 32)]
-    + [(f"2. biases N(0,1), c0, H = 1", 32, 32, {"bias_scale": 1.0, "c0": 0.5}),
-       (f"2. biases 1e-6, c0, H = 1", 32, 32, {"bias_scale": 1e-6, "c0": 0.5}),
-       (f"2. biases N(0,1), c0, H = 3", 16, 32, {"heads": 3, "bias_scale": 1.0, "c0": 0.5}),
-       (f"2. biases 1e-6, c0, H = 3", 16, 32, {"heads": 3, "bias_scale": 1e-6, "c0": 0.5}),
+    + [("2. biases N(0,1), c0, H = 1", 32, 32, {"bias_scale": 1.0, "c0": 0.5}),
+       ("2. biases 1e-6, c0, H = 1", 32, 32, {"bias_scale": 1e-6, "c0": 0.5}),
+       ("2. biases N(0,1), c0, H = 3", 16, 32, {"heads": 3, "bias_scale": 1.0, "c0": 0.5}),
+       ("2. biases 1e-6, c0, H = 3", 16, 32, {"heads": 3, "bias_scale": 1e-6, "c0": 0.5}),
        ("3. residual + biases N(0,1), c0, H = 1", 16, 32,
         {"bias_scale": 1.0, "c0": 0.5, "residual": True}),
        ("3. residual + biases 1e-6, c0, H = 1", 16, 32,
-        {"bias_scale": 1e-6, "c0": 0.5, "residual": True})])
+        {"bias_scale": 1e-6, "c0": 0.5, "residual": True}),
+       ("beyond: residual + biases N(0,1), c0, H = 3", 16, 32,
+        {"heads": 3, "bias_scale": 1.0, "c0": 0.5, "residual": True})])
 
 
 def run(d, m, options, seeds):
@@ -123,8 +125,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="2 seeds, the first case of each item")
     parser.add_argument("--out", help="write the markdown table (and a .json next to it) here")
+    parser.add_argument("--only", help="run only the cases whose label contains this")
     args = parser.parse_args()
     cases = CASES if not args.quick else [CASES[0], CASES[8], CASES[10], CASES[12]]
+    if args.only:
+        cases = [c for c in cases if args.only in c[0]]
     seeds = 2 if args.quick else args.seeds
     results = []
     for label, d, m, options in cases:

@@ -609,7 +609,7 @@ class LargeTokenOddOracle(OracleView):
         return evaluate_ragged(self.query, [np.asarray(s, dtype=np.float64) for s in sequences])
 
 
-def _uniform_readout(oracle: Oracle, net: BiasedReLUNetwork) -> np.ndarray:
+def _uniform_readout(oracle: Oracle, net: BiasedReLUNetwork, rng) -> np.ndarray:
     """sum_h v_h = sum_h P_h^T w from [s p; 0] (a zero last token: uniform attention).
 
     pi([s p; 0]) = (s / 2) P p + b with P = sum_h P_h (the residual term sees x_N = 0);
@@ -620,7 +620,7 @@ def _uniform_readout(oracle: Oracle, net: BiasedReLUNetwork) -> np.ndarray:
     6 d queries per round.
     """
     d = oracle.dim
-    basis = np.linalg.qr(np.random.default_rng(0).standard_normal((d, d)))[0].T   # rows p_j
+    basis = np.linalg.qr(rng.standard_normal((d, d)))[0].T                      # rows p_j
     s = np.full(d, UNIFORM_SCALE * (1.0 + float(np.abs(net.b).max())))
     vp = np.full(d, np.nan)
     todo = np.arange(d)
@@ -674,7 +674,8 @@ def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries,
     if biased and residual:
         # u = A^T w from single tokens ((A + sum_h P_h)^T w) minus sum_h v_h, read off
         # [s p; 0] (uniform attention) past every kink at two scales
-        readout = stage("residual readout", lambda: _uniform_readout(oracle, net))
+        readout = stage("residual readout", lambda: _uniform_readout(
+            oracle, net, np.random.default_rng(seeds[1].spawn(1)[0])))
         heads_oracle = LargeTokenOddOracle(oracle, net, net.P.T @ net.w - readout)
     elif biased:
         readout = net.P.T @ net.w
