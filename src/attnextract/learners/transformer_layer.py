@@ -88,7 +88,8 @@ Several heads (H > 1; bias-free with or without the residual term, or with FFN b
    (u = A^T w; the shift gives a = L (A + P) z_N + eps (A z_N + ...), A + P the known
    single-token rows). u = (A + P)^T w - sum_h v_h, and sum_h v_h comes from [s p; 0]
    (uniform attention, x_N = 0): its odd part is (s / 2) v^T p + a constant once s is
-   past every kink, checked at s, 2 s, 4 s (:func:`_uniform_readout`, 6 d queries). The
+   past every kink; at s ~ 1e10 a unit still inside its kink adds at most 2 |w_i b_i| / s
+   (:func:`_uniform_readout`, 6 d queries). The
    split then fits all H readouts per cell (the FFN's gradient also carries A) and
    A = (single-token rows) - sum_h P_h.
 
@@ -134,8 +135,7 @@ ROUGH_HEADS_TOLERANCE = 1e-4  # the heads' readouts from the rounded view: sum_h
 ROUGH_VERIFY_TOLERANCE = 1e-3  # the rounded view's own held-out check (its outputs carry
                                # L^2 eps_mach of rounding; the layer is verified at the end)
 MAX_LOSS = 1e8               # large-token probes losing more (L^2 |z_N| / max |z|) than this...
-UNIFORM_SCALE = 1e3          # first token scale of the [s p; 0] probes, times (1 + max |b|)
-UNIFORM_ROUNDS = 3
+UNIFORM_SCALE = 1e10         # token scale of the [s p; 0] probes, times (1 + max |b| max |w|)
 MOVE = 1e-3                  # ...with z_N this close (angle) to a hyperplane are moved off it
 REFINE_ROUNDS = 8            # Gauss-Newton rounds per cell (quadratic from ~1e-6)
 
@@ -612,35 +612,27 @@ class LargeTokenOddOracle(OracleView):
 def _uniform_readout(oracle: Oracle, net: BiasedReLUNetwork, rng) -> np.ndarray:
     """sum_h v_h = sum_h P_h^T w from [s p; 0] (a zero last token: uniform attention).
 
-    pi([s p; 0]) = (s / 2) P p + b with P = sum_h P_h (the residual term sees x_N = 0);
-    once every unit is past its kink, the odd part is (s / 2) v^T p + sum_i w_i b_i
-    sign(P_i p), the same at every larger s: v^T p = 2 (odd(2 s p) - odd(s p)) / s. P is
-    not known yet, so the scales s, 2 s, 4 s must give the same v^T p (else s grows
-    by 1e3, at most UNIFORM_ROUNDS times; rounding stays relative). d orthonormal p,
-    6 d queries per round.
+    pi([s p; 0]) = (s / 2) P p + b with P = sum_h P_h (the residual term sees x_N = 0).
+    Each unit's odd part is affine in s on either side of its kink, so
+    2 (odd(2 s p) - odd(s p)) / s = v^T p except for units still inside |s P_i p / 2| <
+    |b_i| at both scales, which add at most 2 |w_i b_i| / s. P is not known yet, so s is
+    huge (UNIFORM_SCALE: the error is below 1e-10, and dividing by s keeps the rounding
+    relative); a kink crossed between s and 4 s shows as disagreement of the two
+    differences (not a ReLU FFN: ModelMismatchError). d orthonormal p, 6 d queries.
     """
     d = oracle.dim
     basis = np.linalg.qr(rng.standard_normal((d, d)))[0].T                      # rows p_j
-    s = np.full(d, UNIFORM_SCALE * (1.0 + float(np.abs(net.b).max())))
-    vp = np.full(d, np.nan)
-    todo = np.arange(d)
-    for _ in range(UNIFORM_ROUNDS):
-        P, sc = basis[todo], s[todo]
-        X = np.concatenate([k * sc[:, None] * P for k in (1.0, 2.0, 4.0)])[:, None, :]
-        X = np.concatenate([X, np.zeros_like(X)], axis=1)                      # [s p; 0]
-        n = len(todo)
-        oracle.require(6 * n, "the heads' summed readout from [s p; 0]")
-        f = oracle.query(np.concatenate([X, -X]))
-        odd = (f[:3 * n] - f[3 * n:]).reshape(3, n)
-        first, second = 2.0 * (odd[1] - odd[0]) / sc, (odd[2] - odd[1]) / sc
-        agree = np.abs(first - second) <= 1e-9 * (np.abs(odd[2]) / sc + 1e-300)
-        vp[todo[agree]] = second[agree]
-        todo = todo[~agree]
-        s[todo] *= 1e3
-        if not len(todo):
-            return np.linalg.solve(basis, vp)
-    raise ModelMismatchError("the odd part of [s p; 0] is not linear in s at any tried scale: "
-                             "not a residual Transformer layer with a biased ReLU FFN")
+    s = UNIFORM_SCALE * (1.0 + float(np.abs(net.b).max()) * float(np.abs(net.w).max()))
+    X = np.concatenate([k * s * basis for k in (1.0, 2.0, 4.0)])[:, None, :]
+    X = np.concatenate([X, np.zeros_like(X)], axis=1)                          # [s p; 0]
+    oracle.require(6 * d, "the heads' summed readout from [s p; 0]")
+    f = oracle.query(np.concatenate([X, -X]))
+    odd = (f[:3 * d] - f[3 * d:]).reshape(3, d)
+    first, second = 2.0 * (odd[1] - odd[0]) / s, (odd[2] - odd[1]) / s
+    if not np.all(np.abs(first - second) <= 1e-9 * np.abs(odd[2]).max() / s):
+        raise ModelMismatchError("the odd part of [s p; 0] is not linear in s: not a residual "
+                                 "Transformer layer with a ReLU FFN")
+    return np.linalg.solve(basis, second)
 
 
 def _stage(oracle, counts: dict, name: str, run):
