@@ -398,6 +398,18 @@ def test_cli_transformer_layer(tmp_path):
     assert isinstance(model, TransformerLayer) and model.heads == 1
     proc = run_cli("extract", "--target", f"{target}:layer", "--dim", 16, "--model",
                    "transformer-layer", "--rank", 2, "--out", out, check=2, cwd=tmp_path)
+    # two heads with FFN biases, through the CLI
+    target.write_text(
+        "from attnextract.learners.transformer_layer import random_transformer_layer\n"
+        "layer = random_transformer_layer(8, 8, seed=2, heads=2, bias_scale=1.0, c0=0.4)\n")
+    out2 = tmp_path / "r2.npz"                     # its own journal (another d)
+    proc = run_cli("extract", "--target", f"{target}:layer", "--dim", 8, "--model",
+                   "transformer-layer", "--heads", 2, "--seed", 2, "--out", out2, "--json",
+                   check=0, cwd=tmp_path)
+    report = json.loads(proc.stdout)
+    assert report["ok"] and report["verification"]["passed"]
+    model = load_model(out2)
+    assert model.heads == 2 and np.abs(model.b).max() > 0.1
 
 
 @pytest.mark.slow

@@ -525,6 +525,11 @@ class LargeTokenOddOracle(OracleView):
         The black box.
     net : BiasedReLUNetwork
         The single-token FFN (rows of P of unit norm, b, w).
+    residual_readout : array (d,), optional
+        u = A^T w of a layer with the residual term: u^T z_N is subtracted.
+
+    A probe moved off a hyperplane costs 16 queries; ``require`` and ``plan`` count 4
+    (the oracle's own budget check still holds).
     """
 
     def __init__(self, oracle: Oracle, net: BiasedReLUNetwork, residual_readout=None):
