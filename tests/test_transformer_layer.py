@@ -270,14 +270,14 @@ def test_merged_kinks_are_dropped():
     G = ((X @ P.T + b > 0) * w) @ P
     samples = [(X, G, F(X) - np.einsum("rd,rd->r", G, X))]
     assert units.sum_triple() is not None
-    assert units.drop_merged(samples) == 1
+    assert units.drop_merged(samples, 1) == 1
     assert len(units.j) == m and np.allclose(units.J, w[:, None] * P)
     assert units.sum_triple() is None
     # a unit found again, less precisely (small |w_i|): the repeat goes
     units.add(w[2] * P[2] * (1 + 1e-5) + 1e-6 * rng.standard_normal(d), w[2] * b[2] * (1 - 2e-5),
               np.sign(w[2]))
     assert units.near_pair() is not None
-    assert units.drop_merged(samples) == 1 and len(units.j) == m
+    assert units.drop_merged(samples, 1) == 1 and len(units.j) == m
     assert np.allclose(units.J, w[:, None] * P, rtol=1e-4, atol=1e-5)
 
 

@@ -30,6 +30,12 @@ within reach) is noticed, and more lines are walked. D is then the 0/1 solution 
 J s = -lambda (a linear solve for m <= d, a 0/1 linear program for d < m <= 2d;
 unique for generic units), and c0 = c + sum_{k in D} j_k.
 
+Two hyperplanes crossing a line at (almost) one point give one kink whose jump is the
+signed sum of both units'; a unit with a small |w_i| can be measured twice, less
+precisely than the repeat check. Either shows as more units than the far count; the
+dependent triple (or near pair) is found and the unit whose removal lets one affine
+function explain every interval is dropped (:meth:`_Units.drop_merged`).
+
 Queries: per line the kink search (a few per kink) and d + 1 per interval next to a
 kink no earlier line explained (a kink of a known unit sits where that unit predicts
 it); so about m (d + 1) for the affine pieces, against the floor m (d + 1) + 1.
@@ -183,12 +189,12 @@ class _Units:
         i, k = np.unravel_index(np.argmin(gap), gap.shape)
         return (int(i), int(k)) if gap[i, k] <= REPEAT_TOLERANCE else None
 
-    def drop_merged(self, samples) -> int:
-        """Remove merged kinks and repeats: of each dependent triple (or near pair), the
-        unit whose removal leaves the smallest spread of the affine residual. Returns how
-        many were removed."""
+    def drop_merged(self, samples, limit: int) -> int:
+        """Remove merged kinks and repeats (at most ``limit``): of each dependent triple
+        (or near pair), the unit whose removal leaves the smallest spread of the affine
+        residual. Returns how many were removed."""
         dropped = 0
-        while (triple := self.sum_triple() or self.near_pair()) is not None:
+        while dropped < limit and (triple := self.sum_triple() or self.near_pair()) is not None:
             best = min(triple, key=lambda k: _affine_residual(self.without(k), samples)[2])
             reduced = self.without(best)
             self.J, self.j, self.sigma = reduced.J, reduced.j, reduced.sigma
@@ -368,7 +374,7 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
         samples += _walk_line(oracle, line, rng, units, basis, counts)
         lines += 1
         if m_far < len(units.j) <= m_far + MAX_MERGED:   # one more per merged kink
-            merged += units.drop_merged(samples)
+            merged += units.drop_merged(samples, len(units.j) - m_far)
         lam, c, spread = _affine_residual(units, samples)
         if lines >= MIN_LINES and spread <= AFFINE_TOLERANCE and len(units.j) >= m_far:
             break
