@@ -428,7 +428,7 @@ def test_cli_transformer_layer(tmp_path):
 def test_bench_section_rows_and_table():
     from attnextract.bench import markdown, section_transformer_layer
     rows = section_transformer_layer(True, lambda message: None)
-    assert len(rows) == 6                      # a row per model, H = 3 with biases included
+    assert len(rows) == 7                      # a row per model, H > 1 with biases included
     for r in rows:
         # the biased multi-head row pays four queries per probe of the multi-head learner
         ratio = 12 if "biases" in r["learner"] and r["heads"] > 1 else 8
