@@ -218,7 +218,10 @@ def transformer_layer_variants(quick: bool) -> list[tuple[str, int, int, dict]]:
             ("biases N(0,1), c0", big, big, {"bias_scale": 1.0, "c0": 0.5}),
             ("biases 1e-6", big, big, {"bias_scale": 1e-6, "c0": 0.5}),
             ("residual + biases", d, m, {"bias_scale": 1.0, "c0": 0.5, "residual": True}),
-            ("bias-free, H = 3", d, m, {"heads": 3})]
+            ("bias-free, H = 3", d, m, {"heads": 3}),
+            ("biases N(0,1), c0, H = 3", d, m, {"heads": 3, "bias_scale": 1.0, "c0": 0.5}),
+            ("residual + biases, H = 2", d, m, {"heads": 2, "bias_scale": 1.0, "c0": 0.5,
+                                                "residual": True})]
 
 
 def section_transformer_layer(quick: bool, log) -> list[dict]:

@@ -30,6 +30,12 @@ within reach) is noticed, and more lines are walked. D is then the 0/1 solution 
 J s = -lambda (a linear solve for m <= d, a 0/1 linear program for d < m <= 2d;
 unique for generic units), and c0 = c + sum_{k in D} j_k.
 
+Two hyperplanes crossing a line at (almost) one point give one kink whose jump is the
+signed sum of both units'; a unit with a small |w_i| can be measured twice, less
+precisely than the repeat check. Either shows as more units than the far count; the
+dependent triple (or near pair) is found and the unit whose removal lets one affine
+function explain every interval is dropped (:meth:`_Units.drop_merged`).
+
 Queries: per line the kink search (a few per kink) and d + 1 per interval next to a
 kink no earlier line explained (a kink of a known unit sits where that unit predicts
 it); so about m (d + 1) for the affine pieces, against the floor m (d + 1) + 1.
@@ -53,6 +59,8 @@ FAR_RADIUS = 1e6        # the half circle at this radius (times scale) counts th
 FIRST_STEP = 0.02       # first step h: this fraction of the interval's half length / sqrt(d)
 STEP_FRACTION = 0.25    # re-measured step: this fraction of the interval's margin
 MAX_REMEASURE = 5
+REPEAT_TOLERANCE = 1e-4  # a unit found again less precisely than SAME_UNIT (too many units)
+MAX_MERGED = 4          # units beyond the far count looked at as merged kinks (else: not a ReLU net)
 SAME_UNIT = 1e-6        # two measured hyperplanes closer than this are the same unit
 POLISH_AGREEMENT = 1e-5  # a polished unit must agree with the first pass this well
 AFFINE_TOLERANCE = 1e-7  # lambda, c from all intervals must agree this well (relative)
@@ -133,6 +141,65 @@ class _Units:
         self.J = np.vstack([self.J, J[None]])
         self.j = np.append(self.j, j)
         self.sigma = np.append(self.sigma, sigma)
+
+    def sum_triple(self):
+        """Three units (k, i, j) with T_k = +-T_i +-T_j (T = (J, j)), or None.
+
+        Two hyperplanes that cross a line within the kink search's resolution give one
+        kink whose jump is the signed sum of both units' jumps; its hyperplane passes
+        through that crossing too, so it passes the location check. Once both units are
+        also found on other lines, the three are linearly dependent like this (a generic
+        network has no such triple); which one is the merged kink the affine residual
+        tells (:meth:`drop_merged`).
+        """
+        T = np.hstack([self.J, self.j[:, None]])
+        n = len(T)
+        if n < 3:
+            return None
+        norm = np.linalg.norm(T, axis=1)
+        signed = np.vstack([T, -T])                                       # (2n, d + 1)
+        idx = np.tile(np.arange(n), 2)
+        for k in range(n):
+            rest = T[k][None] - signed                                    # T_k - s_i T_i
+            gap = np.linalg.norm(rest[:, None, :] - signed[None], axis=2)  # (2n, 2n)
+            same = (idx[:, None] == idx[None, :]) | (idx[:, None] == k) | (idx[None, :] == k)
+            gap[same] = np.inf
+            a, b = np.unravel_index(np.argmin(gap), gap.shape)
+            if gap[a, b] <= SAME_UNIT * norm[k]:
+                return k, int(idx[a]), int(idx[b])
+        return None
+
+    def without(self, k: int) -> "_Units":
+        out = _Units(self.J.shape[1])
+        keep = np.arange(len(self.j)) != k
+        out.J, out.j, out.sigma = self.J[keep], self.j[keep], self.sigma[keep]
+        return out
+
+    def near_pair(self):
+        """Two units on nearly the same hyperplane (normals and offsets within
+        REPEAT_TOLERANCE), or None: one unit measured twice, less precisely than
+        SAME_UNIT (a small |w_i| makes its jump small against the rounding)."""
+        if len(self.j) < 2:
+            return None
+        N, B = self.normals()
+        cos = N @ N.T
+        gap = np.abs(np.abs(cos) - 1.0) + np.abs(B[:, None] - np.sign(cos) * B[None, :]) / (
+            1.0 + np.abs(B)[:, None])
+        np.fill_diagonal(gap, np.inf)
+        i, k = np.unravel_index(np.argmin(gap), gap.shape)
+        return (int(i), int(k)) if gap[i, k] <= REPEAT_TOLERANCE else None
+
+    def drop_merged(self, samples, limit: int) -> int:
+        """Remove merged kinks and repeats (at most ``limit``): of each dependent triple
+        (or near pair), the unit whose removal leaves the smallest spread of the affine
+        residual. Returns how many were removed."""
+        dropped = 0
+        while dropped < limit and (triple := self.sum_triple() or self.near_pair()) is not None:
+            best = min(triple, key=lambda k: _affine_residual(self.without(k), samples)[2])
+            reduced = self.without(best)
+            self.J, self.j, self.sigma = reduced.J, reduced.j, reduced.sigma
+            dropped += 1
+        return dropped
 
     def phi_gradient(self, x: np.ndarray) -> np.ndarray:
         """Sum over units of grad phi_k at the rows of x (R, d)."""
@@ -296,7 +363,7 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
     units = _Units(d)
     samples = []
     spread = math.inf
-    lines = 0
+    lines = merged = 0
     while lines < MAX_LINES:
         line_scale = scale * 2.0 ** (lines // 2)
         centre = line_scale * rng.standard_normal(d)
@@ -306,6 +373,8 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
         line = _Line(centre, direction, LINE_REACH * line_scale * math.sqrt(d))
         samples += _walk_line(oracle, line, rng, units, basis, counts)
         lines += 1
+        if m_far < len(units.j) <= m_far + MAX_MERGED:   # one more per merged kink
+            merged += units.drop_merged(samples, len(units.j) - m_far)
         lam, c, spread = _affine_residual(units, samples)
         if lines >= MIN_LINES and spread <= AFFINE_TOLERANCE and len(units.j) >= m_far:
             break
@@ -332,6 +401,7 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
     c0 = c + float(units.j @ s)
     net = BiasedReLUNetwork(P, b, w, c0)
     info = {"hidden units": m, "units far out": m_far, "lines": lines, "signs": method,
+            "merged kinks dropped": merged,
             "affine residual spread": f"{spread:.1e}"}
     if polish:
         net, info["polish"] = _polish(oracle, net, rng, scale, counts)

@@ -9,16 +9,19 @@ W_h, V_h (d, d), A (m, d), b, w (m,), c0 a scalar; the residual term x_N present
 What is identifiable. A and V_h enter only through the products P_h = A V_h (and A
 itself through the residual term):
 - hidden units: permutation and positive rescaling (a_i, P_h,i, b_i, w_i) ->
-  (c a_i, c P_h,i, c b_i, w_i / c), c > 0; units with w_i = 0 or zero rows are invisible;
+  (c a_i, c P_h,i, c b_i, w_i / c), c > 0, nothing else; units with w_i = 0 are
+  invisible. Units are found from single tokens, so a unit whose single-token row
+  (a_i [with the residual term] + sum_h P_h,i) is zero is outside what this learner finds;
 - heads: the canonical form of docs/algorithms.md, "Multi-head" (heads with equal W_h merge,
-  adding their P_h; heads with P_h = 0 are invisible; any order);
+  adding their P_h; heads with P_h = 0 are invisible; any order); W_h is identified exactly
+  for every canonical head;
 - without the residual term, A and V_h are never separated: (A G, G^{-1} V_h) gives the
-  same f for every invertible G (d, d). Only P_h = A V_h is identified; when m >= d and
-  A has full column rank V_h is known up to that common G, when m < d the part of V_h
-  that A annihilates is invisible as well;
+  same f for every invertible G (d, d). Only P_h = A V_h is identified. When A has full
+  column rank (m >= d) that is all the freedom: the returned A = D A_true sum_k V_k
+  (D > 0 diagonal, the unit scale) and V_h = (sum_k V_k)^{-1} V_h,true, so sum_h V_h = I
+  (V = I for one head); when m < d, V_h is known only modulo the null space of A as well;
 - with the residual term, A is identified (up to the unit symmetries) and V_h modulo
-  the null space of A: exactly when A has full column rank (m >= d), otherwise only
-  A V_h.
+  the null space of A: V_h itself exactly when A has full column rank (m >= d).
 
 The canonical form returned (the parameters in the result file):
 - W_h: the canonical heads' query-key matrices, exactly;
@@ -52,7 +55,7 @@ and R = 0 without it; pre-activations pi(X) = R x_N + B X^T alpha + b):
    directions u_jk (a Householder basis with |u^T g_j| equal for all k, g_j = B_S^T w_S)
    this gives W q_j, hence W: 2 d^2 + d queries. The biases only move the linear pieces,
    so the same probes serve b = 0 and b != 0.
-Several heads (H > 1; bias-free, with or without the residual term):
+Several heads (H > 1; bias-free with or without the residual term, or with FFN biases):
 4. Odd part: scores do not change under X -> -X and ReLU(z) - ReLU(-z) = z, so
    f(X) - f(-X) = [u^T x_N +] sum_h softmax(X W_h x_N)^T X (P_h^T w), u = A^T w: with the
    residual term u comes from single tokens ((A + sum_h P_h)^T w) minus sum_h P_h^T w
@@ -66,9 +69,29 @@ Several heads (H > 1; bias-free, with or without the residual term):
    every head's readout P_h,S^T w_S by least squares; across the hyperplane they jump by
    w_k P_h,k. 2 m (1 + (H + 1) d) queries (2 m (1 + 2 H d) with the residual term, whose
    cells' gradients also carry A: then A = (single-token rows) - sum_h P_h).
-With FFN biases, H > 1 is not supported yet (InputError): the odd part is multi-head
-attention only without biases, and no linear piece of a biased FFN is wide enough for
-the multi-head learner's own probes (their logits must be of order one).
+6. With FFN biases the odd part is not linear (ReLU(a + b) - ReLU(-a + b) is 2a, 0 or
+   a +- b by piece), but it is a + sign(a) b once |a| >= |b|. Shifting every token along
+   the last one, X = L z_N + eps Z with eps (L + eps) = 1, keeps every head's scores
+   (z_i^T W_h z_N plus a constant) and makes a = L P z_N + eps (...): with L chosen per
+   probe so that each biased unit is past its kink, the odd part minus that of [L z_N] is
+   eps times the bias-free odd part, exactly (:class:`LargeTokenOddOracle`, four queries
+   per probe). Its rounding grows like L^2 eps_mach, so its outputs are rounded to float32
+   and the multi-head learner returns the heads to about 1e-6; a last token within an
+   angle 1e-3 of a unit's hyperplane (L would be huge) is moved off it and the answer
+   extrapolated back (Richardson, O(eta^4)).
+7. Refinement, with biases (``refine`` of :func:`_split_heads`): in each cell (scaled out
+   until the two biased cells of unit k differ in unit k only), (2 H + 1) d probes fit
+   k_h = W_h q jointly with all H readouts (Gauss-Newton from the rough heads); W_h is
+   then the least-squares solution over the 2m cells (to about 1e-11), and the readouts'
+   jumps give P_h as in 5. 2 m (1 + (2 H + 1) d) queries.
+8. Biases and the residual term (H > 1): the view of 6 then sees u^T z_N + the heads
+   (u = A^T w; the shift gives a = L (A + P) z_N + eps (A z_N + ...), A + P the known
+   single-token rows). u = (A + P)^T w - sum_h v_h, and sum_h v_h comes from [s p; 0]
+   (uniform attention, x_N = 0): its odd part is (s / 2) v^T p + a constant once s is
+   past every kink; at s ~ 1e10 a unit still inside its kink adds at most 2 |w_i b_i| / s
+   (:func:`_uniform_readout`, 6 d queries). The
+   split then fits all H readouts per cell (the FFN's gradient also carries A) and
+   A = (single-token rows) - sum_h P_h.
 
 Everything is verified against the black box on held-out sequences
 (:func:`attnextract.report.checked_result`); a GELU, a LayerNorm before the FFN or two
@@ -105,6 +128,18 @@ MAX_RADIUS = 1e3             # largest probe radius, in units of scale
 RADIUS_DOUBLINGS = 30        # probe points further out while no active unit reads the attention
 SPLIT_LOGIT = 3.0            # head-split probes: logits uniform in [-this, this] per head
 MATCH_TOLERANCE = 1e-6       # w_i b_i of matched units agree this well (relative to max)
+KINK_MARGIN = 1.25           # large-token probes: L |p_i^T z_N| >= this times (|b_i| + the
+                             # attention term's bound), so no unit is near a kink
+HEAD_BOUND = 3.0             # bound on |P_h,i z| / (|z| |p_i|) assumed for that margin
+ROUGH_HEADS_TOLERANCE = 1e-2  # the heads' readouts from the rounded view: sum_h v_h this close
+READOUT_SUM_TOLERANCE = 1e-6  # refined readouts of a cell add up to the FFN's gradient this well
+ROUGH_ERROR_BAR = 1e-2       # the rounded view's heads only start the per-cell refinement
+ROUGH_VERIFY_TOLERANCE = 1e-3  # the rounded view's own held-out check (its outputs carry
+                               # L^2 eps_mach of rounding; the layer is verified at the end)
+MAX_LOSS = 1e8               # large-token probes losing more (L^2 |z_N| / max |z|) than this...
+UNIFORM_SCALE = 1e10         # token scale of the [s p; 0] probes, times (1 + max |b| max |w|)
+MOVE = 1e-3                  # ...with z_N this close (angle) to a hyperplane are moved off it
+REFINE_ROUNDS = 8            # Gauss-Newton rounds per cell (quadratic from ~1e-6)
 
 
 def random_transformer_layer(dim: int, width: int, seed=None, *, heads: int = 1,
@@ -282,7 +317,7 @@ def extract_transformer_layer(oracle: Oracle, heads: int = 1, *, seed=None,
         Door to the black box; ``oracle.dim`` is d >= 2 (d >= 4 with a residual term).
     heads : int
         Upper bound H on the number of heads. H = 1 runs the copy probes of the module
-        docstring; H > 1 goes through the multi-head learner (bias-free, no residual).
+        docstring; H > 1 goes through the multi-head learner (identities 4-8).
     seed : int, optional
         Seed of every random choice (lines, probe bases) and of the held-out sequences.
     verify_tolerance : float
@@ -464,6 +499,149 @@ class _ShiftedOracle(OracleView):
         return self.base.query_ragged(sequences) - self.offset
 
 
+class LargeTokenOddOracle(OracleView):
+    """Multi-head attention sum_h v_h^T Z^T softmax(Z W_h z_N) read off a layer with FFN biases.
+
+    A probe Z (B, N, d) is sent as X = L z_N + eps Z (every token shifted along the last
+    one), with eps (L + eps) = 1: x_i^T W_h x_N = z_i^T W_h z_N + (a constant over i), so
+    every head attends as it would to Z. The pre-activations are a + b with
+    a = L P z_N + eps sum_h P_h Z^T alpha_h (P = sum_h P_h), and
+
+        ReLU(a_i + b_i) - ReLU(-a_i + b_i) = a_i + sign(a_i) b_i    when |a_i| >= |b_i|.
+
+    L is chosen per probe so that L |p_i^T z_N| exceeds KINK_MARGIN (|b_i| + the eps term's
+    bound) for every unit with b_i != 0; then sign(a_i) = sign(p_i^T z_N) and
+
+        [f(X) - f(-X) - f([L z_N]) + f([-L z_N])] / eps = sum_h v_h^T Z^T alpha_h,
+
+    v_h = P_h^T w: exactly the bias-free odd part (with the residual term, plus
+    u^T z_N, u = A^T w: ``residual_readout`` u is subtracted). Four queries per probe (two lengths,
+    one batch each). The large tokens cost precision (rounding of order L^2 eps_mach):
+    outputs are rounded to float32, so the multi-head learner's precision model (it
+    detects rounded outputs) covers them; its heads are a start, refined in cells
+    (:func:`_split_heads` with ``refine``).
+
+    Parameters
+    ----------
+    oracle : Oracle
+        The black box.
+    net : BiasedReLUNetwork
+        The single-token FFN (rows of P of unit norm, b, w).
+    residual_readout : array (d,), optional
+        u = A^T w of a layer with the residual term: u^T z_N is subtracted.
+
+    A probe moved off a hyperplane costs 16 queries; ``require`` and ``plan`` count 4
+    (the oracle's own budget check still holds).
+    """
+
+    def __init__(self, oracle: Oracle, net: BiasedReLUNetwork, residual_readout=None):
+        super().__init__(oracle, "large-token odd part")
+        self.P, self.b = net.P, net.b
+        self.u = residual_readout
+        self.largest_shift = 0.0
+        self.moved = 0
+
+    def require(self, n: int, what: str = "this step") -> None:
+        self.base.require(4 * n, self._named(f"{what} (four queries per probe)"))
+
+    def plan(self, n: int, what: str = "the extraction") -> None:
+        self.base.plan(4 * n, self._named(f"{what} (four queries per probe)"))
+
+    def shifts(self, Z: np.ndarray) -> np.ndarray:
+        """L per probe (B,): every biased unit's kink out of reach of the attention term."""
+        last = Z[:, -1]
+        s = np.abs(last @ self.P.T)                                      # (B, m)
+        reach = KINK_MARGIN * HEAD_BOUND * np.linalg.norm(Z, axis=2).max(axis=1)[:, None]
+        gap = KINK_MARGIN * np.abs(self.b)[None]
+        # L s >= margin (|b| + bound / L), eps <= 1 / L: L^2 s - gap L - reach >= 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            L = (gap + np.sqrt(gap * gap + 4.0 * s * reach)) / (2.0 * s)
+        L = np.where(np.abs(self.b)[None] > 0, L, 0.0)
+        return L.max(axis=1, initial=0.0)
+
+    def query(self, Z) -> np.ndarray:
+        Z = np.asarray(Z, dtype=np.float64)
+        if Z.ndim == 2:
+            Z = Z[None]
+        B = Z.shape[0]
+        L = self.shifts(Z)
+        # the probe's signal eps z sits L^2 |z_N| / max|z| below the tokens' size (float64
+        # rounding of that much); where that is large because z_N is within an angle
+        # MOVE / 2 of unit i's hyperplane, z_N moves off it along p_i by k eta (k = +-1,
+        # +-2; eta = MOVE |z_N|) and the answer is extrapolated to eta = 0 (Richardson on
+        # the symmetric means: error O(eta^4))
+        last = Z[:, -1]
+        size = np.linalg.norm(last, axis=1)
+        loss = L * L * size / np.maximum(np.linalg.norm(Z, axis=2).max(axis=1), 1e-300)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            need = np.abs(self.b)[None] / np.abs(last @ self.P.T)
+        worst = np.argmax(np.where(np.abs(self.b)[None] > 0, need, -np.inf), axis=1)
+        angle = np.abs(np.einsum("bd,bd->b", last, self.P[worst])) / np.maximum(size, 1e-300)
+        near = np.flatnonzero((loss > MAX_LOSS) & (angle < 0.5 * MOVE))
+        if not len(near):
+            return self._odd(Z, L).astype(np.float32).astype(np.float64)
+        worst = worst[near]
+        eta = MOVE * size[near]
+        moved = np.repeat(Z[near], 4, axis=0)
+        steps = np.tile([-2.0, -1.0, 1.0, 2.0], len(near)) * np.repeat(eta, 4)
+        moved[:, -1] += steps[:, None] * np.repeat(self.P[worst], 4, axis=0)
+        keep = np.setdiff1d(np.arange(B), near)
+        both = np.concatenate([Z[keep], moved])
+        out = self._odd(both, self.shifts(both))
+        g = np.empty(B)
+        g[keep] = out[:len(keep)]
+        h = out[len(keep):].reshape(len(near), 4)
+        one, two = 0.5 * (h[:, 1] + h[:, 2]), 0.5 * (h[:, 0] + h[:, 3])
+        g[near] = (4.0 * one - two) / 3.0
+        self.moved += len(near)
+        return g.astype(np.float32).astype(np.float64)
+
+    def _odd(self, Z: np.ndarray, L: np.ndarray) -> np.ndarray:
+        """The four-query identity of the class docstring at shifts L (B,)."""
+        B = Z.shape[0]
+        if not np.all(np.isfinite(L)):
+            raise ModelMismatchError("a large-token probe has its last token on a unit's "
+                                     "hyperplane through the origin")
+        self.largest_shift = max(self.largest_shift, float(L.max(initial=0.0)))
+        eps = 2.0 / (L + np.sqrt(L * L + 4.0))                           # eps (L + eps) = 1
+        X = L[:, None, None] * Z[:, -1:, :] + eps[:, None, None] * Z
+        f = self.base.query(np.concatenate([X, -X]))
+        one = (L[:, None] * Z[:, -1])[:, None, :]
+        f1 = self.base.query(np.concatenate([one, -one]))
+        g = (f[:B] - f[B:] - f1[:B] + f1[B:]) / eps
+        return g if self.u is None else g - Z[:, -1] @ self.u
+
+    def query_ragged(self, sequences) -> np.ndarray:
+        from ..oracle import evaluate_ragged
+        return evaluate_ragged(self.query, [np.asarray(s, dtype=np.float64) for s in sequences])
+
+
+def _uniform_readout(oracle: Oracle, net: BiasedReLUNetwork, rng) -> np.ndarray:
+    """sum_h v_h = sum_h P_h^T w from [s p; 0] (a zero last token: uniform attention).
+
+    pi([s p; 0]) = (s / 2) P p + b with P = sum_h P_h (the residual term sees x_N = 0).
+    Each unit's odd part is affine in s on either side of its kink, so
+    2 (odd(2 s p) - odd(s p)) / s = v^T p except for units still inside |s P_i p / 2| <
+    |b_i| at both scales, which add at most 2 |w_i b_i| / s. P is not known yet, so s is
+    huge (UNIFORM_SCALE: the error is below 1e-10, and dividing by s keeps the rounding
+    relative); a kink crossed between s and 4 s shows as disagreement of the two
+    differences (not a ReLU FFN: ModelMismatchError). d orthonormal p, 6 d queries.
+    """
+    d = oracle.dim
+    basis = np.linalg.qr(rng.standard_normal((d, d)))[0].T                      # rows p_j
+    s = UNIFORM_SCALE * (1.0 + float(np.abs(net.b).max()) * float(np.abs(net.w).max()))
+    X = np.concatenate([k * s * basis for k in (1.0, 2.0, 4.0)])[:, None, :]
+    X = np.concatenate([X, np.zeros_like(X)], axis=1)                          # [s p; 0]
+    oracle.require(6 * d, "the heads' summed readout from [s p; 0]")
+    f = oracle.query(np.concatenate([X, -X]))
+    odd = (f[:3 * d] - f[3 * d:]).reshape(3, d)
+    first, second = 2.0 * (odd[1] - odd[0]) / s, (odd[2] - odd[1]) / s
+    if not np.all(np.abs(first - second) <= 1e-9 * np.abs(odd[2]).max() / s):
+        raise ModelMismatchError("the odd part of [s p; 0] is not linear in s: not a residual "
+                                 "Transformer layer with a ReLU FFN")
+    return np.linalg.solve(basis, second)
+
+
 def _stage(oracle, counts: dict, name: str, run):
     """Run one stage of the learner: its queries counted under ``name``, a mismatch
     inside it reported as the layer's, naming the stage."""
@@ -489,11 +667,19 @@ def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries,
 
     net, info = stage("single tokens", lambda: extract_biased_relu(
         oracle, np.random.default_rng(seeds[1]), scale=scale))
-    if np.abs(net.b).max() > BIAS_ZERO * scale:
-        raise InputError("heads > 1 with FFN biases is not supported yet (one head is): the odd "
-                         "part f(X) - f(-X) is multi-head attention only without biases")
-    net = stage("single tokens", lambda: _without_biases(oracle, net))
-    if residual:
+    biased = bool(np.abs(net.b).max() > BIAS_ZERO * scale)
+    if not biased:
+        net = stage("single tokens", lambda: _without_biases(oracle, net))
+    if biased and residual:
+        # u = A^T w from single tokens ((A + sum_h P_h)^T w) minus sum_h v_h, read off
+        # [s p; 0] (uniform attention) past every kink at two scales
+        readout = stage("residual readout", lambda: _uniform_readout(
+            oracle, net, np.random.default_rng(seeds[1].spawn(1)[0])))
+        heads_oracle = LargeTokenOddOracle(oracle, net, net.P.T @ net.w - readout)
+    elif biased:
+        readout = net.P.T @ net.w
+        heads_oracle = LargeTokenOddOracle(oracle, net)
+    elif residual:
         # the odd part is u^T x_N + multi-head attention, u = A^T w; [e_i; 0] (uniform
         # attention, x_N = 0) give sum_h v_h / 2, single tokens u + sum_h v_h
         odd = OddPartOracle(oracle)
@@ -506,25 +692,35 @@ def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries,
     else:
         readout = net.P.T @ net.w
         heads_oracle = OddPartOracle(oracle)
+    rough = {"verify_tolerance": ROUGH_VERIFY_TOLERANCE,
+             "max_error_bar": ROUGH_ERROR_BAR} if biased else {"verify_tolerance": verify_tolerance}
     attention = stage("attention (odd part)", lambda: extract_multi_head(
-        heads_oracle, heads=int(heads), seed=int(seeds[2].generate_state(1)[0]),
-        verify_tolerance=verify_tolerance)).model
+        heads_oracle, heads=int(heads), seed=int(seeds[2].generate_state(1)[0]), **rough)).model
     v_error = float(np.linalg.norm(attention.v.sum(axis=0) - readout) / np.linalg.norm(readout))
-    P_h, reach, split_info = stage("head split", lambda: _split_heads(
+    P_h, W, reach, split_info = stage("head split", lambda: _split_heads(
         oracle, net, attention.W, np.random.default_rng(seeds[3]), scale,
-        known_sum=not residual))
+        known_sum=not residual, refine=biased))
+    if biased:
+        split_info["largest token shift L"] = f"{heads_oracle.largest_shift:.3g}"
+        split_info["probes extrapolated off a hyperplane"] = heads_oracle.moved
     if residual:
         A = net.P - P_h.sum(axis=0)
         V = np.stack([np.linalg.lstsq(A, P, rcond=None)[0] for P in P_h])
-        model = TransformerLayer(attention.W, V, A, net.b, net.w, net.c0, residual=True)
+        model = TransformerLayer(W, V, A, net.b, net.w, net.c0, residual=True)
     else:
-        V = np.stack([np.linalg.lstsq(net.P, P, rcond=None)[0] for P in P_h])
-        model = TransformerLayer(attention.W, V, net.P, net.b, net.w, net.c0)
+        # A V_h = P_h in least squares weighted by |w_k|: unit k's row was measured as the
+        # jump w_k P_h,k, so its error goes like 1 / |w_k| (unweighted, a weak unit's
+        # noise would spread over every row through the projection onto range(A))
+        V = np.stack([np.linalg.lstsq(net.w[:, None] * net.P, net.w[:, None] * P,
+                                      rcond=None)[0] for P in P_h])
+        model = TransformerLayer(W, V, net.P, net.b, net.w, net.c0)
     details = {"hidden units": net.width, "canonical heads": attention.heads,
-               "residual": str(residual), "biases b": "none detected",
+               "residual": str(residual),
+               "biases b": (f"detected, max |b_i| = {np.abs(net.b).max():.3g}" if biased
+                            else "none detected"),
                "output bias c0": f"{net.c0:.6g}", "FFN lines": info["lines"],
                "sum_h v_h vs A^T w": f"{v_error:.1e} relative", **split_info}
-    if v_error > 1e-6:
+    if v_error > (ROUGH_HEADS_TOLERANCE if biased else 1e-6):
         raise ModelMismatchError(
             f"not a Transformer layer: the heads' readouts add up to {v_error:.1e} (relative) off "
             f"the single-token FFN's A^T w")
@@ -533,11 +729,13 @@ def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries,
 
 
 def _split_heads(oracle: Oracle, net: BiasedReLUNetwork, W: np.ndarray, rng, scale: float,
-                 known_sum: bool = True):
+                 known_sum: bool = True, refine: bool = False):
     """P_h = A V_h per unit, once the heads W_h (H, d, d) and P = sum_h P_h are known.
 
-    For every unit k two cells of the (bias-free) FFN touch across its hyperplane only
-    (:func:`attnextract.learners.biased_relu.crossing_points`). In a cell S around q the
+    For every unit k two cells of the FFN touch across its hyperplane only
+    (:func:`attnextract.learners.biased_relu.crossing_points` on the cones of P; with
+    biases each pair is scaled out (:func:`_biased_scales`) until its two biased cells
+    differ in unit k only and hold the probes). In a cell S around q the
     probe [q + delta; q] stays in S for small delta, and
 
         f([q + delta; q]) - f([q]) = sum_h sigma(tau_h) delta^T r_h,   tau_h = delta^T W_h q,
@@ -546,26 +744,39 @@ def _split_heads(oracle: Oracle, net: BiasedReLUNetwork, W: np.ndarray, rng, sca
     S) known. The logits are chosen, not left to chance: with C = [W_h q]_h (d, H) and its
     dual basis E = C (C^T C)^{-1}, delta = E tau + (a random vector orthogonal to C) has
     logits exactly tau, drawn uniformly in [-SPLIT_LOGIT, SPLIT_LOGIT] per head and probe;
-    the cell is scaled out along its cone (bias-free: cells are cones and r_h does not
-    change) until such a delta fits in half its room. (H + 1) d probes per cell give the
-    (H - 1) d unknowns by least squares; across unit k's hyperplane the readouts jump by
-    w_k P_h,k. Queries: 2 m (1 + (H + 1) d). Returns (P_h (H, m, d), details).
+    the cell is scaled out along its cone (r_h does not change) until such a delta fits in
+    half its room. (H + 1) d probes per cell give the (H - 1) d unknowns by least squares;
+    across unit k's hyperplane the readouts jump by w_k P_h,k. Queries: 2 m (1 + (H + 1) d).
+
+    ``refine`` (heads known only roughly, e.g. to 1e-6): (2 H + 1) d probes per cell, and
+    each cell fits k_h = W_h q jointly with all H readouts (Gauss-Newton from the rough
+    W_h, 2 H d unknowns; sum_h r_h = g_S is checked, not imposed: imposing it would pass
+    the FFN's error, summed over the active units, into every jump); then W_h is the
+    least-squares solution of W_h q_j = k_h,j over all cells. Queries: 2 m (1 + (2H + 1) d).
+
+    Returns (P_h (H, m, d), W (H, d, d), the largest probe radius, details).
     """
     H, d = W.shape[0], oracle.dim
     m = net.width
-    units, y0, r = crossing_points(net, rng, scale)
+    cones = BiasedReLUNetwork(net.P, np.zeros(m), net.w, 0.0)
+    units, y0, r = crossing_points(cones, rng, scale)
     if len(units) != m:
         raise ModelMismatchError(f"only {len(units)} of {m} units have a cell to split the heads in")
     half = 0.5 * r[:, None] * net.P
     Q = np.stack([y0 + half, y0 - half], axis=1).reshape(-1, d)           # (2m, d) cell points
-    room = np.repeat(0.5 * r, 2) * MARGIN_FRACTION / (2.0 * H)
-    # (H + 1) d probes for (H - 1) d unknowns; 2 H d for H d when the sum is not known
-    n_cells, n_probes = len(Q), ((H + 1) if known_sum else 2 * H) * d
+    cone_room = np.repeat(0.5 * r, 2)                                      # at Q, without b
+    room = cone_room * MARGIN_FRACTION / (2.0 * H)
+    # (H + 1) d probes for (H - 1) d unknowns; 2 H d for H d when the sum is not known;
+    # 2 H d for (2 H - 1) d when the logits are refined too
+    n_cells = len(Q)
+    n_probes = (2 * H + 1 if refine else 2 * H if not known_sum else H + 1) * d
     C = np.einsum("hde,je->jdh", W, Q)                                    # (2m, d, H)
     E = np.stack([c @ np.linalg.pinv(c.T @ c) for c in C])               # dual bases
     # scale each cell out: |E tau| shrinks like 1 / lambda, its room grows like lambda
     need = np.linalg.norm(E, axis=(1, 2)) * SPLIT_LOGIT * math.sqrt(H)
     lam = np.sqrt(np.maximum(need / room, 1.0))
+    if np.any(net.b != 0):
+        lam, room = _biased_scales(net, Q, units, need, lam, H)
     Q, room, E = lam[:, None] * Q, lam * room, E / lam[:, None, None]
     tau = rng.uniform(-SPLIT_LOGIT, SPLIT_LOGIT, size=(n_cells, n_probes, H))
     along = np.einsum("jdh,jph->jpd", E, tau)
@@ -575,15 +786,81 @@ def _split_heads(oracle: Oracle, net: BiasedReLUNetwork, W: np.ndarray, rng, sca
     xi *= (np.linalg.norm(along, axis=2) / np.linalg.norm(xi, axis=2))[:, :, None]
     delta = along + xi
     delta *= np.minimum(1.0, room[:, None] / np.linalg.norm(delta, axis=2))[:, :, None]
-    tau = np.einsum("jpd,jdh->jph", delta, C * lam[:, None, None])        # exact logits
+    K = C * lam[:, None, None]                                            # (2m, d, H): W_h q
     oracle.require(n_cells * (1 + n_probes), "splitting the heads")
     F0 = oracle.query(Q[:, None, :])
     seqs = np.stack([(Q[:, None, :] + delta).reshape(-1, d), np.repeat(Q, n_probes, axis=0)],
                     axis=1)
     y = oracle.query(seqs).reshape(n_cells, n_probes) - F0[:, None]
+    G = ((Q @ net.P.T + net.b > 0) * net.w) @ net.P if known_sum else None   # g_S per cell
+    details = {}
+    if refine:
+        # every readout free: imposing sum_h r_h = g_S would pass the FFN's own error
+        # (summed over the active units) into every head's jump
+        K, steps = _refine_logits(delta, y, K)
+        # W_h from W_h q_j = k_h,j over all cells (least squares, one solve per head)
+        W = np.stack([np.linalg.lstsq(Q, K[:, :, h], rcond=None)[0].T for h in range(H)])
+        K = np.einsum("hde,je->jdh", W, Q)
+        details["logit refinement"] = f"Gauss-Newton per cell, last step {steps:.1e} relative"
+    tau = np.einsum("jpd,jdh->jph", delta, K)                             # exact logits
+    R, fit = _readouts(delta, y, tau, None if refine else G)
+    if refine and G is not None:
+        gap = float(np.abs(R.sum(axis=1) - G).max() / np.abs(G).max())
+        details["sum_h r_h vs the FFN's gradient"] = f"{gap:.1e} relative"
+        if not gap <= READOUT_SUM_TOLERANCE:
+            raise ModelMismatchError(f"the heads' readouts in a cell add up to {gap:.1e} (relative) "
+                                     f"off the single-token FFN's gradient there")
+    jumps = R[0::2] - R[1::2]                                                # w_k P_h,k
+    P_h = np.swapaxes(jumps / net.w[:, None, None], 0, 1)                    # (H, m, d)
+    if refine and known_sum:
+        # sum_h P_h,k is unit k's single-token row, known from the FFN stage to its own
+        # precision (about 1e-10): the least-squares correction spreads the difference
+        # evenly over the heads (an error common to all heads moves f most)
+        P_h += (net.P - P_h.sum(axis=0))[None] / H
+    if not fit <= 1e-8:
+        raise ModelMismatchError(
+            f"the probes do not split into {H} heads within linear pieces of the FFN (relative "
+            f"misfit {fit:.1e})")
+    details["head split"] = (f"{n_cells} cells scaled by {lam.min():.3g} .. {lam.max():.3g}, "
+                             f"misfit {fit:.1e}")
+    return P_h, W, float(np.linalg.norm(Q, axis=1).max()), details
+
+
+def _biased_scales(net: BiasedReLUNetwork, Q: np.ndarray, units: np.ndarray, need: np.ndarray,
+                   lam: np.ndarray, H: int):
+    """With biases: per pair of cells (rows 2j, 2j + 1 of Q, either side of unit units[j]'s
+    hyperplane through the origin) the smallest scale lambda >= the cone's on a geometric
+    grid at which the biased sign patterns of the two points differ in that unit only and
+    the designed probes fit in the biased room. Small lambda keeps f small against the
+    probes' signal (their ratio goes like 1 / lambda^2). Returns (lambda, room per unit
+    of lambda), both (2m,)."""
+    m = len(units)
+    grid = np.geomspace(1.0, 2.0 ** 20, 81)
+    lam_out, room_out = np.empty(2 * m), np.empty(2 * m)
+    for j, k in enumerate(units):
+        pair = Q[2 * j:2 * j + 2]
+        for g in grid:
+            scale = g * lam[2 * j:2 * j + 2].max()
+            pre = scale * pair @ net.P.T + net.b                                # (2, m)
+            differ = np.flatnonzero((pre[0] > 0) != (pre[1] > 0))
+            room = MARGIN_FRACTION / (2.0 * H) * np.abs(pre).min(axis=1)
+            if (len(differ) == 1 and differ[0] == k
+                    and np.all(need[2 * j:2 * j + 2] / scale <= room)):
+                break
+        else:
+            raise NotIdentifiableError(f"no scale puts unit {k}'s two cells in its reach")
+        lam_out[2 * j:2 * j + 2] = scale
+        room_out[2 * j:2 * j + 2] = room / scale
+    return lam_out, room_out
+
+
+def _readouts(delta, y, tau, G):
+    """Readouts r_h (cells, H, d) from y = sum_h sigma(tau_h) delta^T r_h per cell, with
+    sum_h r_h = G (cells, d) when G is given; and the relative misfit."""
+    n_cells, n_probes, H = tau.shape
+    d = delta.shape[2]
     a = 1.0 / (1.0 + np.exp(-tau))                                        # (j, p, H)
-    if known_sum:
-        G = ((Q @ net.P.T > 0) * net.w) @ net.P                           # g_S per cell
+    if G is not None:
         # r_H = g - sum_{h<H} r_h: sum_{h<H} (a_h - a_H) delta^T r_h = y - a_H delta^T g
         rows = ((a[:, :, :-1] - a[:, :, -1:])[:, :, :, None] * delta[:, :, None, :]).reshape(
             n_cells, n_probes, (H - 1) * d)
@@ -594,20 +871,42 @@ def _split_heads(oracle: Oracle, net: BiasedReLUNetwork, W: np.ndarray, rng, sca
         rhs = y
     R = np.stack([np.linalg.lstsq(M, b_, rcond=None)[0] for M, b_ in zip(rows, rhs)])
     fit = float(np.abs(np.einsum("jpk,jk->jp", rows, R) - rhs).max() / np.abs(y).max())
-    if known_sum:
+    if G is not None:
         R = R.reshape(n_cells, H - 1, d)
-        readouts = np.concatenate([R, (G - R.sum(axis=1))[:, None, :]], axis=1)  # (2m, H, d)
-    else:
-        readouts = R.reshape(n_cells, H, d)
-    jumps = readouts[0::2] - readouts[1::2]                                  # w_k P_h,k
-    P_h = np.swapaxes(jumps / net.w[:, None, None], 0, 1)                    # (H, m, d)
-    if not fit <= 1e-8:
-        raise ModelMismatchError(
-            f"the probes do not split into {H} heads within linear pieces of the FFN (relative "
-            f"misfit {fit:.1e})")
-    return P_h, float(np.linalg.norm(Q, axis=1).max()), {
-        "head split": f"{n_cells} cells scaled by {lam.min():.3g} .. {lam.max():.3g}, "
-                      f"misfit {fit:.1e}"}
+        return np.concatenate([R, (G - R.sum(axis=1))[:, None, :]], axis=1), fit
+    return R.reshape(n_cells, H, d), fit
+
+
+def _refine_logits(delta, y, K):
+    """Gauss-Newton per cell on y = sum_h sigma(delta^T k_h) delta^T r_h over (k_h, r_h).
+
+    delta (cells, p, d), y (cells, p), K (cells, d, H) the start; 2 H d unknowns per
+    cell. Returns the fitted K and the last relative step.
+    """
+    n_cells, n_probes, d = delta.shape
+    H = K.shape[2]
+    K = K.copy()
+    step = math.inf
+    for _ in range(REFINE_ROUNDS):
+        tau = np.einsum("jpd,jdh->jph", delta, K)
+        R, _ = _readouts(delta, y, tau, None)                    # readouts given the logits
+        a = 1.0 / (1.0 + np.exp(-tau))
+        slope = a * (1.0 - a)                                    # (j, p, H)
+        read = np.einsum("jpd,jhd->jph", delta, R)               # delta^T r_h
+        pred = np.einsum("jph,jph->jp", a, read)
+        # d y / d k_h = sigma'(tau_h) (delta^T r_h) delta; d y / d r_h = sigma(tau_h) delta
+        Jk = (slope * read)[:, :, :, None] * delta[:, :, None, :]       # (j, p, H, d)
+        Jr = a[:, :, :, None] * delta[:, :, None, :]
+        J = np.concatenate([Jk.reshape(n_cells, n_probes, H * d),
+                            Jr.reshape(n_cells, n_probes, H * d)], axis=2)
+        res = y - pred
+        dx = np.stack([np.linalg.lstsq(M, r_, rcond=None)[0] for M, r_ in zip(J, res)])
+        dK = dx[:, :H * d].reshape(n_cells, H, d).transpose(0, 2, 1)
+        K += dK
+        step = float(np.abs(dK).max() / np.abs(K).max())
+        if step < 1e-14:
+            break
+    return K, step
 
 
 def canonical_units(model: TransformerLayer):
