@@ -200,7 +200,13 @@ class _Extraction:
         self.breakdown[stage] = self.breakdown.get(stage, 0) + self.oracle.queries - before
 
     def measure(self, u, q, lam):
-        """g at the nearest realisable lambdas; returns (realised lambda, g)."""
+        """g at the nearest realisable lambdas; returns (realised lambda, g).
+
+        A design built from answers no multi-head box gives can be non-finite: that is
+        a mismatch, refused before anything is sent."""
+        if not (np.all(np.isfinite(u)) and np.all(np.isfinite(q)) and np.all(np.isfinite(lam))):
+            self.refuse("the black box is not multi-head attention: its answers lead to a "
+                        "non-finite probe design (no H heads fit them)")
         m = design.copy_counts(lam, self.length)
         return design.realised_lambda(m, self.length), design.measure(
             self.oracle, self.v, u, q, m, self.length)
