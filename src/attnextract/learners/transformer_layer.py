@@ -443,7 +443,14 @@ def _finish(oracle, model, counts, details, seeds, start, start_queries, start_b
                                    far_check.max_relative_error),
             median_relative_error=max(verification.median_relative_error,
                                       far_check.median_relative_error),
-            tolerance=verify_tolerance)
+            tolerance=verify_tolerance,
+            # the near check's second layer (the hull) and families are kept, not dropped
+            hull_violation=max(verification.hull_violation, far_check.hull_violation),
+            hull_tolerance=max(verification.hull_tolerance, far_check.hull_tolerance),
+            worst_family=(verification.worst_family
+                          if verification.max_relative_error >= far_check.max_relative_error
+                          else far_check.worst_family),
+            family_errors={**far_check.family_errors, **verification.family_errors})
         details["far verification"] = (f"{n_far} sequences at token scale {far:.3g}: max "
                                        f"relative error {far_check.max_relative_error:.1e}")
     n_verify += n_far
