@@ -175,7 +175,8 @@ def section_multi_head_grid(quick: bool, log) -> list[dict]:
              + [(4, 32, 1, None), (8, 32, 1, None), (8, 64, 1, 8), (12, 96, 1, 8)])
     rows = []
     for H, d, seeds, rank in cells:
-        rows.append({"grid": True, **grid_cell(H, d, seeds, rank=rank)})
+        rows.append({"learner": "grid (multi-head)", "grid": True,
+                     **grid_cell(H, d, seeds, rank=rank)})
         r = rows[-1]
         log(f"multi-head grid H={H} d={d} r={rank or 'full'}: success {r['success_rate']:.0%}"
             f" of {seeds}, median queries {r['recovery_median']} (floor {r['floor']}, paper 2 "
