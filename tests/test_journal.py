@@ -10,6 +10,8 @@ import textwrap
 import time
 
 import numpy as np
+
+from attnextract.verification import REPLAY_FRACTION
 import pytest
 
 from attnextract import BlackBoxError, InputError, Oracle, extract_single_head
@@ -189,9 +191,12 @@ def test_sigkill_then_resume_loses_and_repeats_nothing(tmp_path):
     checks = report["details"]["check_queries"]
     assert CHALLENGES < checks <= CHALLENGES + RESUME_SAMPLE   # checked first
     asked1, asked2 = asked1[CHALLENGES:], asked2[checks:]
-    # nothing the journal had answered was asked of the black box again
-    assert not set(asked2) & set(answered_before_kill)
-    assert len(asked2) == len(set(asked2)) == total - len(answered_before_kill)
+    # nothing the journal had answered was asked of the black box again, but for the
+    # verification's replays: a sample of the learner's own queries re-asked on purpose
+    replays = int(REPLAY_FRACTION * 64)
+    assert len(set(asked2) & set(answered_before_kill)) <= replays
+    assert len(asked2) == total - len(answered_before_kill)
+    assert len(set(asked2)) >= len(asked2) - replays
     # at most the batch in flight at the kill was answered but not yet committed
     assert len(asked1) - len(answered_before_kill) <= 3
     assert report["queries"] == total

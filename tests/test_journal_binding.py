@@ -12,6 +12,8 @@ import textwrap
 import time
 
 import numpy as np
+
+from attnextract.verification import REPLAY_FRACTION
 import pytest
 
 from attnextract import ModelMismatchError, Oracle, extract_single_head
@@ -402,7 +404,8 @@ def test_disk_full_exits_with_the_journal_code_and_the_rerun_loses_nothing(tmp_p
     report = json.loads(resumed.stdout)
     assert report["details"]["journal_queries"] == len(paid)   # 3 batches + the sidecar's
     again = asked(tmp_path / "2.log")[report["details"]["check_queries"]:]
-    assert not set(again) & set(paid)
+    # the verification's replays re-ask a sample of the learner's queries on purpose
+    assert len(set(again) & set(paid)) <= int(REPLAY_FRACTION * VERIFY)
     assert len(again) == LEARNER - len(paid) + VERIFY
     assert str(journal) == report["details"]["journal"]
 
