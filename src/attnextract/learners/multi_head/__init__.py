@@ -95,7 +95,6 @@ COLUMN_SPARES = 1         # samples per column probe beyond its H steps (they pi
 REFINE_ABOVE = 2.5e-11    # predicted error above which round 3 (wide columns) runs: an
                           # error bar (4x) above 1e-10
 WIDE_COLUMNS_UP_TO = 1e-3 # ... and below which the logits are predicted well enough for it
-SHIFT = 0.5               # the largest step move expected, in units of the spacing
 
 
 def paper2_count(heads: int, dim: int) -> int:

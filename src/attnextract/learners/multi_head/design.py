@@ -13,16 +13,17 @@ is one array (B, N, d); lambda ranges over +-ln(N - 1).
 The design keeps the steps apart on purpose:
 
 - the base row: a random row (u_0, q_0) scaled so that its steps fill the lambda window,
-  sampled on a uniform lambda grid; among a few candidate rows the one whose fit pins
-  the steps best (smallest predicted logit error) is kept;
-- base perturbations: rows u_0 + eps w_k (w_k orthonormal, orthogonal to u_0), sampled
-  at the base row's steps; eps keeps every step near its base position, so the heads
-  keep their labels;
-- main rows u_k: chosen with u_k^T (W_h q_0) = designed positions (evenly spaced over the
-  window, a different order in every row) using the base estimate of W_h q_0, and with
-  heights u_k^T v_h as even as the candidates allow;
-- main columns q_0 and q_0 + s r_j (r_j orthonormal): s is small enough that the steps
-  move by a fraction of their spacing, so each probe is sampled at its steps.
+  sampled on a uniform lambda grid (:func:`base_lambdas`);
+- base perturbations: rows u_0 + eps w_k (w_k orthonormal, orthogonal to u_0)
+  (:func:`orthonormal_complement`) on a uniform grid; eps keeps every step near its base
+  position, so the heads keep their labels;
+- main rows u_k (:func:`design_rows`): u_k^T (W_h q_0) = designed positions (evenly
+  spaced, :func:`step_positions`, a different order and shift in every row) using the
+  base estimate of W_h q_0, heights u_k^T v_h as even as the candidates allow; each
+  sampled at its steps, midpoints and ends (:func:`row_lambdas`);
+- columns q_0 + s r_j, s small enough that the steps move by a fraction of their gap,
+  sampled at the row's steps and one midpoint (:func:`column_lambdas`); the wide columns
+  of round 3 are designed by :func:`design_rows` from each row's W_h^T u_k.
 """
 
 from __future__ import annotations
@@ -162,14 +163,3 @@ def column_lambdas(t_row: np.ndarray, column: int, half_window: float, spares: i
     mids = 0.5 * (t[1:] + t[:-1]) if t.size > 1 else t + 1.0
     extra = [mids[(column * spares + i) % mids.size] for i in range(spares)]
     return np.clip(np.concatenate([-np.asarray(t_row), extra]), -half_window, half_window)
-
-
-def main_lambdas(positions_row: np.ndarray, spacing: float, column: int,
-                 half_window: float, spare: bool) -> np.ndarray:
-    """Samples of probe (k, j): one at each designed step of row k, one spare between steps."""
-    lam = -np.asarray(positions_row, dtype=np.float64)
-    if spare:
-        order = np.sort(positions_row)
-        h = column % len(order)
-        lam = np.append(lam, -(order[h] + 0.5 * spacing))
-    return np.clip(lam, -half_window, half_window)
