@@ -426,7 +426,7 @@ def _separating_sequences(W: np.ndarray, v: np.ndarray, count: int, rng, scale: 
     cands, merit = [], []
     for k in _log_uniform_int(rng, 2, 64, HEADS_OVERSAMPLE * count, grid):
         x = scale * 10.0 ** rng.uniform(0.0, 0.75) * rng.standard_normal((int(k), d))
-        alpha = softmax(np.einsum("nd,hde,e->hn", x, W, x[-1]))          # (H, N)
+        alpha = softmax((W @ x[-1]) @ x.T)           # (H, N): W x_N first, O(H d^2 + N H d)
         values = x @ v.T                                                    # (N, H)
         gap = np.abs(np.einsum("gn,nh->gh", alpha, values) - np.diag(alpha @ values)[None, :])
         cands.append(x)
