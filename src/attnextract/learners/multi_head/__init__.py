@@ -423,8 +423,9 @@ class _Extraction:
                 f"main row does not fit {H} steps (residual {worst * NOISE_FACTOR:.1e} times "
                 f"the output precision)", result=self.result)
 
-        # round 2: columns q_0 + s_k r_j (j = 1..d-1) sampled at row k's measured steps;
-        # s_k moves the steps by at most about half the row's smallest gap
+        # round 2: d columns q_0 + s_k r_j per row (one more than z_hk needs), sampled at
+        # row k's measured steps plus a midpoint; s_k moves the steps by about a third of
+        # the row's smallest gap (labels stay, logits stay well pinned)
         gaps = np.diff(np.sort(t_row, axis=1), axis=1).min(axis=1) if H > 1 else np.full(d, 2.0)
         y_norm = float(np.max(np.linalg.norm(Y0, axis=0)))
         z_norm = np.linalg.norm(U, axis=1) * y_norm                   # about |W_h^T u_k|
