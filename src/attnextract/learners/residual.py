@@ -101,6 +101,18 @@ def _match(directions: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, flo
     return perm, float(cost[rows, cols].max())
 
 
+def counted_stage(oracle, counts: dict, name: str, run, what: str):
+    """Run one stage of a layer learner: its queries added to ``counts[name]``, a
+    mismatch inside it reported as the model's (``what``), naming the stage."""
+    before = oracle.queries
+    try:
+        return run()
+    except ModelMismatchError as exc:
+        raise ModelMismatchError(f"not {what} ({name}): {exc}", result=exc.result) from exc
+    finally:
+        counts[name] = counts.get(name, 0) + oracle.queries - before
+
+
 def extract_one_layer_residual(oracle: Oracle, *, seed=None,
                                verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                                polish: bool = True) -> ExtractionResult:
@@ -142,14 +154,7 @@ def extract_one_layer_residual(oracle: Oracle, *, seed=None,
     counts = {}
 
     def stage(name, run):
-        before = oracle.queries
-        try:
-            return run()
-        except ModelMismatchError as exc:
-            raise ModelMismatchError(f"not a residual one-layer Transformer ({name}): {exc}",
-                                     result=exc.result) from exc
-        finally:
-            counts[name] = oracle.queries - before
+        return counted_stage(oracle, counts, name, run, "a residual one-layer Transformer")
 
     # 1. single tokens: w^T ReLU((A + B) x)
     net1 = stage("single tokens", lambda: extract_relu_network(

@@ -112,7 +112,8 @@ from ..oracle import Oracle, OracleView
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                       token_scale, verification_count, verify_model)
 from .biased_relu import BiasedReLUNetwork, crossing_points, extract_biased_relu
-from .residual import _MappedOracle, _ResidualOddOracle, extract_one_layer_residual
+from .residual import (_MappedOracle, _ResidualOddOracle, counted_stage,
+                       extract_one_layer_residual)
 from .single_head import probe_basis
 
 RESIDUAL_PROBES = 4          # random p: f([p; 0]) against f([p / 2]) decides the residual term
@@ -650,16 +651,8 @@ def _uniform_readout(oracle: Oracle, net: BiasedReLUNetwork, rng) -> np.ndarray:
 
 
 def _stage(oracle, counts: dict, name: str, run):
-    """Run one stage of the learner: its queries counted under ``name``, a mismatch
-    inside it reported as the layer's, naming the stage."""
-    before = oracle.queries
-    try:
-        return run()
-    except ModelMismatchError as exc:
-        raise ModelMismatchError(f"not a Transformer layer ({name}): {exc}",
-                                 result=exc.result) from exc
-    finally:
-        counts[name] = counts.get(name, 0) + oracle.queries - before
+    """Run one stage of the learner (:func:`.residual.counted_stage`)."""
+    return counted_stage(oracle, counts, name, run, "a Transformer layer")
 
 
 def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries, start_bb,

@@ -90,7 +90,7 @@ SCALE_ROUNDS = 4          # base scans to bring the steps into the window
 ERROR_BAR_FACTOR = 4.0    # error bar = this times the predicted rms relative error
 NOISE_FACTOR = 30.0       # a residual this far above the output precision is a misfit
 DEFAULT_TOLERANCE = 1e-6  # largest error bar accepted (float64 outputs; rounded: 1e4 ulps)
-EXTRA_COLUMNS = 1         # columns beyond the d that determine each z_h
+EXTRA_COLUMNS = 1         # columns beyond the d that determine each z_h (0 or 1)
 COLUMN_SPARES = 1         # samples per column probe beyond its H steps (they pin heights)
 REFINE_ABOVE = 2.5e-11    # predicted error above which round 3 (wide columns) runs: an
                           # error bar (4x) above 1e-10
@@ -431,11 +431,7 @@ class _Extraction:
         z_norm = np.linalg.norm(U, axis=1) * y_norm                   # about |W_h^T u_k|
         s_k = 0.4 * np.minimum(gaps, spacing) * math.sqrt(d) / (3.0 * z_norm)
         NC = d - 1 + EXTRA_COLUMNS
-        R = np.linalg.qr(rng.standard_normal((d, d)))[0].T                # (d, d)
-        if NC > d:                                                     # beyond a basis
-            extra = rng.standard_normal((NC - d, d))
-            R = np.vstack([R, extra / np.linalg.norm(extra, axis=1, keepdims=True)])
-        R = R[:NC]                                                     # (NC, d)
+        R = np.linalg.qr(rng.standard_normal((d, d)))[0].T[:NC]       # (NC, d), NC <= d
         columns = self.q_0[None, None] + s_k[:, None, None] * R[None]  # (d, NC, d)
         before = self.oracle.queries
         lam_cols = np.array([[design.column_lambdas(t_row[k], j, self.half_window, COLUMN_SPARES)
@@ -621,10 +617,10 @@ class _Extraction:
 
 def _budget_left(oracle) -> float:
     """Queries the budget still allows (inf without one), through oracle views."""
-    while not hasattr(oracle, "budget") and hasattr(oracle, "base"):
-        oracle = oracle.base
-    budget = getattr(oracle, "budget", None)
-    return math.inf if budget is None else budget - oracle.queries
+    from ...verification import root_oracle
+    root = root_oracle(oracle)
+    budget = getattr(root, "budget", None)
+    return math.inf if budget is None else budget - root.queries
 
 
 def base_quality(steps, half_window: float) -> float:
