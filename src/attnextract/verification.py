@@ -68,6 +68,7 @@ FAMILIES = {"ordinary": 0.12, "long": 0.2, "repeated": 0.12, "norms": 0.16, "spa
             "peaked": 0.1, "hull": 0.25, "steps": 0.1, "heads": 0.1}
 SECOND_LAYER = {"hull", "steps", "heads"}   # families that need the model (see design)
 HEADS_OVERSAMPLE = 8          # candidates drawn per "heads" sequence kept
+HULL_CANDIDATES = 6           # candidate orders drawn per hull sequence kept
 
 
 @dataclass
@@ -280,16 +281,37 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
         P -= np.outer(P @ u, u)                         # twice: orthogonal to rounding
         norms = np.linalg.norm(P, axis=1, keepdims=True)
         P = P / np.where(norms > 0, norms, 1.0)
-        # from where attention is soft to where it is near one-hot
-        P *= max(scale, anchor) * math.sqrt(d) * 10.0 ** rng.uniform(-0.5, 1.5, (pool_size, 1))
+        # from where attention is soft (half the pool: where a second head shows) to
+        # where it is near one-hot
+        top = np.where(np.arange(pool_size) % 2 == 0, 0.5, 1.5)[:, None]
+        P *= max(scale, anchor) * math.sqrt(d) * 10.0 ** rng.uniform(-0.5, top, (pool_size, 1))
         first = len(seqs)
         add("hull", [p[None] for p in P])
         singles = np.arange(first, first + pool_size)
         for k in _log_uniform_int(rng, 2, min(L, 64), n_seq, grid):
-            pick = rng.permutation(np.resize(rng.permutation(pool_size), int(k)))
+            pick = _soft_pick(W, P, int(k), rng)
             hull.append((len(seqs), singles[pick]))
             add("hull", [P[pick]])
     return HeldOutSet(sequences=seqs, family=fam, hull=hull)
+
+
+def _soft_pick(W: np.ndarray, P: np.ndarray, k: int, rng, candidates: int = HULL_CANDIDATES):
+    """Indices of k pool tokens (rows of P) forming the hull sequence, chosen among
+    ``candidates`` random orders as the one whose attention under W is least one-hot.
+
+    On tokens orthogonal to v a second head shows as eps (alpha2 - alpha)^T X v2: nothing
+    where both heads put all their weight on one token (or spread it evenly), the full
+    eps where the model's attention is spread but not flat."""
+    best, best_peak = None, np.inf
+    for _ in range(candidates):
+        pick = rng.permutation(np.resize(rng.permutation(len(P)), k))
+        X = P[pick]
+        s = X @ (W @ X[-1])
+        a = np.bincount(pick, np.exp(s - s.max()), minlength=len(P))   # weight per token
+        peak = abs(float(a.max() / a.sum()) - 0.5)      # 0.5: spread, not flat
+        if peak < best_peak:
+            best, best_peak = pick, peak
+    return best
 
 
 def ffn_view(model):
