@@ -576,7 +576,7 @@ def looks_like_rounding(error: float) -> bool:
 
 # -- labels: the decision boundary -------------------------------------------------------
 
-BOUNDARY_FRACTION = 0.375     # share of a label check spent next to the model's boundary
+BOUNDARY_FRACTION = 0.25      # share of a label check spent next to the model's boundary
 BOUNDARY_REACH = (2.0, 30.0)   # offsets from the boundary, in units of the model's allowance
 
 

@@ -53,6 +53,9 @@ from .single_head import logit, probe_basis
 KAPPA_LOW, KAPPA_HIGH = 1.0, 4.0    # kappa sigma(lambda kappa) = 1 is bracketed here for lambda > -0.2747
 MAX_SHRINKS = 30
 COARSE_BITS = 24
+MIN_LABEL_CHECK = 128               # labels in a check, at least
+LABEL_HULL_FRACTION = 0.375         # share of a label check spent on the label hull
+LABEL_HULL_MARGIN = 300.0           # hull tokens sit this x their own uncertainty off the threshold
 
 
 def _labels(oracle: Oracle, X: np.ndarray) -> np.ndarray:
@@ -275,12 +278,15 @@ def extract_sign_only(oracle: Oracle, *, bits: int = 40, bits_v: int = 48, seed=
 
 
 def label_check_count(d: int, recovery: int) -> int:
-    """Held-out labels: max(verification_count(d^2 + d), 2% of the planned recovery).
+    """Held-out labels: max(MIN_LABEL_CHECK, verification_count(d^2 + d), 2% of the
+    planned recovery).
 
     A label carries one bit, and shows a departure from the class only where the
     departure exceeds the distance to the threshold; the recovery spends ~bits labels per
-    parameter, so the check may spend 2% of them."""
-    return max(verification_count(d * d + d), int(recovery) // 50)
+    parameter, so the check may spend 2% of them. A departure that flips a label on half
+    the sequences of one kind (a norm trigger on large tokens) needs about ten labels of
+    that kind to be seen every time, hence the floor (4% of the recovery at d = 8)."""
+    return max(MIN_LABEL_CHECK, verification_count(d * d + d), int(recovery) // 50)
 
 
 def _sign_probes(U, Q, s, cols, kappa, offset):
@@ -298,7 +304,8 @@ def _verify_labels(oracle, model, W_bar, v_bar, threshold, *, count, seed, extra
     rng = np.random.default_rng(None if seed is None else seed + 1)
     scale = 1.0 / math.sqrt(model.dim)
     n_boundary = int(BOUNDARY_FRACTION * count) if model.dim >= 2 else 0
-    sequences = design(oracle.dim, count - n_boundary, rng, scale).sequences   # no hull: labels
+    n_hull = int(LABEL_HULL_FRACTION * count) if model.dim >= 2 else 0
+    sequences = design(oracle.dim, count - n_boundary - n_hull, rng, scale).sequences
     rms = math.sqrt(float(np.mean(evaluate_ragged(model, sequences) ** 2))) or 1.0
 
     def allowance(X):
@@ -322,6 +329,10 @@ def _verify_labels(oracle, model, W_bar, v_bar, threshold, *, count, seed, extra
     # small departure from the class (a second head at 1e-8) flips labels
     if n_boundary:
         sequences += near_boundary(model, n_boundary, rng, scale, threshold, allowance)
+    # the label hull: sequences whose tokens all lie (just) on one side of the threshold
+    first_hull = len(sequences)
+    hull = label_hull(model, n_hull, rng, scale, threshold, v_bar) if n_hull else []
+    sequences += [X for X, _ in hull]
     count = len(sequences)
     lengths = np.array([len(x) for x in sequences])
     observed = np.empty(count, dtype=bool)
@@ -336,9 +347,65 @@ def _verify_labels(oracle, model, W_bar, v_bar, threshold, *, count, seed, extra
     allowed = 1.5 * model_part + (extra_relative + 1e-12) * rms
     wrong = (predicted > threshold) != observed
     ratio = np.where(wrong, np.abs(predicted - threshold) / allowed, 0.0)
+    # a hull sequence must take the label its tokens take alone, whatever W is
+    for j, (X, singles) in enumerate(hull):
+        i = first_hull + j
+        if singles is not None:
+            side = observed[first_hull + np.asarray(singles)]
+            if side.all() != side.any():
+                continue                # the tokens alone disagree (judged as singles)
+            wrong[i] = observed[i] != side[0]
+            ratio[i] = np.inf if wrong[i] else 0.0
     return NoisyVerification(sequences=count, max_relative_error=float(wrong.mean()),
                              median_relative_error=0.0, tolerance=0.0,
                              worst_ratio=float(ratio.max()))
+
+
+def label_hull(model, count: int, rng, scale: float, threshold: float, v_bar: float) -> list:
+    """``count`` label-hull queries: a pool of single tokens placed just above or just
+    below the threshold, then sequences built from one side's tokens only.
+
+    f(X) = sum_i alpha_i(X) f([x_i]) is a convex combination of what the tokens answer
+    alone, whatever W is: when every token alone is labelled above the threshold, so is
+    the sequence. The black box's own single-token labels decide the side, so the check
+    needs neither W nor its error bar. Tokens are orthogonal to v_hat plus an offset
+    along it that puts f([x]) at t +- delta, delta a few hundred times the model's error
+    on f([x]) (v_bar |x|) and the black box's float64 rounding: a second head at
+    relative size eps adds eps (alpha_2 - alpha)^T X v_2 to the sequence's output but
+    nothing the singles see, and flips the label once that exceeds delta (about 1e-11
+    relative). Half the pool has norms where the model's attention is soft (there the
+    second head shows); the other half, 10 to 1000 times the probes' tokens, is asked
+    alone only (judged against the model like any held-out label).
+
+    Returns a list of (X (N, d), singles): singles None for a pool token, else the pool
+    positions (0-based within the returned list) of X's tokens.
+    """
+    from ..verification import HULL_CANDIDATES, _soft_pick
+    d = model.dim
+    v = np.asarray(model.v, dtype=float)
+    v_norm = float(np.linalg.norm(v))
+    u = v / v_norm
+    pool_size = max(4, min(count // 3, 2 * d))
+    n_seq = count - pool_size
+    P = rng.standard_normal((pool_size, d))
+    P -= np.outer(P @ u, u)
+    P -= np.outer(P @ u, u)
+    P /= np.linalg.norm(P, axis=1, keepdims=True)
+    # pool tokens 0, 1 (mod 4) soft, for the sequences; 2, 3 large (10 .. 1000 x the
+    # probes' tokens), asked alone: a behaviour that switches on at some norm shows there
+    large = np.arange(pool_size) % 4 >= 2
+    P *= scale * math.sqrt(d) * 10.0 ** np.where(large, rng.uniform(1.0, 3.0, pool_size),
+                                                 rng.uniform(-0.5, 0.5, pool_size))[:, None]
+    side = np.where(np.arange(pool_size) % 2 == 0, 1.0, -1.0)
+    norms = np.hypot(np.linalg.norm(P, axis=1), threshold / v_norm)   # with the offset below
+    delta = LABEL_HULL_MARGIN * (v_bar + FLOAT_SLACK * (d + 64) * v_norm) * norms
+    P += ((threshold + side * delta) / v_norm)[:, None] * u[None, :]
+    out = [(p[None], None) for p in P]
+    for i, k in enumerate(rng.integers(2, 17, n_seq)):
+        group = np.flatnonzero((side == (1.0 if i % 2 == 0 else -1.0)) & ~large)
+        pick = group[_soft_pick(model.W, P[group], int(k), rng, HULL_CANDIDATES)]
+        out.append((P[pick], pick))
+    return out
 
 
 def _ray_crossings(oracle, X, lo, hi, bits, geometric):
