@@ -27,6 +27,9 @@ from .models import MODEL_CLASSES
 from .oracle import Oracle, live_queries
 
 DEFAULT_VERIFY_TOLERANCE = 1e-7
+# verify_model(expected_error=e): held-out errors above max(1e3 e, 1e-10) are refused
+CONSISTENCY_FACTOR = 1e3
+CONSISTENCY_FLOOR = 1e-10
 MAX_VERIFY_LENGTH = 16
 REPORT_SCHEMA_VERSION = 2      # to_dict(): snake_case keys, numbers, ranges as [lo, hi]
 
@@ -127,7 +130,7 @@ def held_out_output_error(recovered, truth, *, count: int = 256, seed=0) -> floa
 def verify_model(oracle: Oracle, model, *, count: int, seed=None,
                  tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                  scale: float | None = None, probe_length: int | None = None,
-                 measure_v: bool = False) -> Verification:
+                 measure_v: bool = False, expected_error: float | None = None) -> Verification:
     """Compare ``model`` with the black box on the ``count`` held-out sequences of
     :func:`attnextract.verification.design`: short and long (up to max(256, 4 x
     ``probe_length``)), repeated, tiny to large, sparse and peaked tokens, and for a
@@ -137,9 +140,17 @@ def verify_model(oracle: Oracle, model, *, count: int, seed=None,
     the hull tokens orthogonal to it rather than to the model's v. Up to 1/8 of the
     ``count`` re-ask sequences the learner was answered through this oracle
     (``oracle.replay``): a black box that changed during the run fails there.
+
+    ``expected_error`` (the learner's own predicted relative parameter error) tightens
+    the tolerance to max(CONSISTENCY_FACTOR x expected_error, CONSISTENCY_FLOOR) when
+    that is smaller: a model known to 1e-13 that misses the black box by 1e-8 is not
+    the black box's model, even though 1e-8 is under the user's tolerance (a third
+    head at 1e-8 is refused this way where no hull check applies).
     """
     from .verification import (HULL_FRACTION, REPLAY_FRACTION, add_replays, design,
                                root_oracle, run_check)
+    if expected_error is not None and math.isfinite(expected_error) and expected_error >= 0:
+        tolerance = min(tolerance, max(CONSISTENCY_FACTOR * expected_error, CONSISTENCY_FLOOR))
     rng = np.random.default_rng(seed)
     scale = token_scale(model) if scale is None else scale
     hull_v = None

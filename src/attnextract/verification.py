@@ -401,8 +401,7 @@ def _ffn_hull(ffn, n: int, rng, scale: float, longest: int, grid):
     n_seq = n - n_centres * pool_size
     for i, k in enumerate(_log_uniform_int(rng, 2, min(longest, 64), max(n_seq, 0), grid)):
         c = i % n_centres
-        pick = rng.permutation(np.resize(rng.permutation(pool_size), int(k)))
-        pairs.append((c, pick))
+        pairs.append((c, _soft_pick(W, pools[c], int(k), rng)))
     return pools, pairs
 
 

@@ -678,10 +678,6 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
     recovery = oracle.queries - q0
     floor = low_rank_multi_head_floor(d, ranks) if H else d
     n_verify = verification_count(floor)
-    say("held-out verification")
-    verification = verify_model(oracle, model, count=n_verify, seed=seeds[1],
-                                tolerance=verify_tolerance,
-                                scale=token_scale(model) if H else None)
     spread = max((i["spread"] for i in space_info), default=1.0)
     min_sep = min(separations, default=1.0)
     min_height = min((i["height"] for i in space_info), default=1.0)
@@ -696,6 +692,11 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
             f"the heads are too close to pin down: predicted parameter error {predicted:.1e} "
             f"> {MAX_PREDICTED:.0e} (query-space separation {min_sep:.1e}, row spread "
             f"{spread:.1e}); nothing is returned")
+    say("held-out verification")
+    verification = verify_model(oracle, model, count=n_verify, seed=seeds[1],
+                                tolerance=verify_tolerance,
+                                scale=token_scale(model) if H else None,
+                                expected_error=predicted if H >= 2 else None)
     paper = paper_two_count(d, heads)
     details = {
         "method": "saturated crossings (values), single-head rows (query spaces), "

@@ -589,7 +589,8 @@ class _Extraction:
             tol = max(tol, 30 * self.precision + 10 * (bar or 0.0))
         scale = token_scale(model) if model.heads else 1.0
         verification = verify_model(self.oracle, model, count=n_verify, seed=self.seed,
-                                    tolerance=tol, scale=scale)
+                                    tolerance=tol, scale=scale,
+                                    expected_error=bar if model.heads >= 2 else None)
         floor = H * (d * d + d)
         self.details.update({
             "method": "copy probes at designed step positions, row-wise joint fits",
