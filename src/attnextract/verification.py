@@ -619,7 +619,11 @@ def near_boundary(model, count: int, rng: np.random.Generator, scale: float, thr
     outputs are within the allowance of the model's) flips none. ``allowance(X)`` is the
     model's own output uncertainty on a batch X (B, N, d) -> (B,).
     """
-    lengths = rng.integers(2, ORDINARY_LENGTH + 1, count)
+    # half short, half log-uniform up to MIN_LONGEST: a box that differs only on long
+    # sequences (a sliding window of 64) differs there by O(1), and flips labels here
+    lengths = np.where(np.arange(count) % 2 == 0, rng.integers(2, ORDINARY_LENGTH + 1, count),
+                       np.exp(rng.uniform(np.log(ORDINARY_LENGTH), np.log(MIN_LONGEST + 1),
+                                          count)).astype(int))
     seeds = [scale * rng.standard_normal((int(n), model.dim)) for n in lengths]
     on = boundary_shift(model, seeds, np.full(count, float(threshold)))
     k = np.exp(rng.uniform(*np.log(BOUNDARY_REACH), count)) * rng.choice([-1.0, 1.0], count)
