@@ -84,6 +84,9 @@ class HeldOutSet:
     family: list
     hull: list
     replay: list = field(default_factory=list)   # (sequence, answer the learner was given)
+    # per hull pair: the model's output change per unit of token displacement across the
+    # pool (FFN regions: |A_S^T w_S|), or 0 to judge the pair against K (single heads)
+    hull_slope: list = field(default_factory=list)
 
     @property
     def lengths(self) -> tuple[int, int]:
@@ -260,15 +263,16 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
     if n:
         add("heads", _separating_sequences(heads[0], heads[1], n, rng, scale, grid))
     # hull pairs: tokens orthogonal to v, then each token alone
-    hull = []
+    hull, hull_slope = [], []
     if ffn is not None and sizes.get("hull", 0) >= 4:
         first = len(seqs)
-        pools, pairs = _ffn_hull(ffn, sizes["hull"], rng, max(scale, anchor), L, grid)
+        pools, pairs, slopes = _ffn_hull(ffn, sizes["hull"], rng, max(scale, anchor), L, grid)
         for pool in pools:
             add("hull", [p[None] for p in pool])
         offsets = np.cumsum([first] + [len(pool) for pool in pools])
         for c, pick in pairs:
             hull.append((len(seqs), offsets[c] + pick))
+            hull_slope.append(slopes[c])
             add("hull", [pools[c][pick]])
     if single and sizes.get("hull", 0) >= 2:
         n = sizes["hull"]
@@ -291,8 +295,9 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
         for k in _log_uniform_int(rng, 2, min(L, 64), n_seq, grid):
             pick = _soft_pick(W, P, int(k), rng)
             hull.append((len(seqs), singles[pick]))
+            hull_slope.append(0.0)
             add("hull", [P[pick]])
-    return HeldOutSet(sequences=seqs, family=fam, hull=hull)
+    return HeldOutSet(sequences=seqs, family=fam, hull=hull, hull_slope=hull_slope)
 
 
 def _soft_pick(W: np.ndarray, P: np.ndarray, k: int, rng, candidates: int = HULL_CANDIDATES):
@@ -374,14 +379,16 @@ def _ffn_hull(ffn, n: int, rng, scale: float, longest: int, grid):
     second head with another value map shows in full, as for a single head. The
     centre's norm is raised until the model's scores span about FFN_SPREAD.
 
-    Returns (pools, pairs): ``pools`` a list of token arrays (k, d), one per centre;
-    ``pairs`` (centre, indices into its pool) for the sequences.
+    Returns (pools, pairs, slopes): ``pools`` a list of token arrays (k, d), one per
+    centre; ``pairs`` (centre, indices into its pool) for the sequences; ``slopes`` the
+    region's |v_S| per centre, the scale a pair's violation is judged at (the layer's
+    constants, c0 and w^T ReLU(b), would inflate the set's K).
     """
     W, A, b, w = ffn
     d = W.shape[0]
     n_centres = max(1, min(FFN_CENTRES, n // 6))
     pool_size = max(2, min(n // (2 * n_centres), 2 * d))
-    pools, pairs = [], []
+    pools, pairs, slopes = [], [], []
     for c in range(n_centres):
         p = rng.standard_normal(d)
         p *= scale * math.sqrt(d) / np.linalg.norm(p)
@@ -395,14 +402,16 @@ def _ffn_hull(ffn, n: int, rng, scale: float, longest: int, grid):
         pool = _region_tokens(A, b, w, p, rng, pool_size)
         if np.all(np.isfinite(pool)):
             pools.append(pool)
+            active = A @ p + b > 0
+            slopes.append(float(np.linalg.norm(A[active].T @ w[active])))
     if not pools:
-        return [], []
+        return [], [], []
     n_centres = len(pools)
     n_seq = n - n_centres * pool_size
     for i, k in enumerate(_log_uniform_int(rng, 2, min(longest, 64), max(n_seq, 0), grid)):
         c = i % n_centres
         pairs.append((c, _soft_pick(W, pools[c], int(k), rng)))
-    return pools, pairs
+    return pools, pairs, slopes
 
 
 def _step_sequences(W: np.ndarray, count: int, rng, scale: float, longest: int, grid) -> list:
@@ -502,8 +511,9 @@ def scaled_relative_errors(predicted, observed, norms, reference=None) -> np.nda
 
 def hull_violations(held: HeldOutSet, observed: np.ndarray, norms: np.ndarray) -> np.ndarray:
     """For each hull pair: how far f(X) lies outside [min f([x_i]), max f([x_i])], relative
-    to r K (K from the other families, r the spread of the tokens about their mean, at
-    least HULL_MIN_SPREAD x their largest norm s). Zero inside. Shape (len(held.hull),).
+    to r K (K from the other families, or the pair's own ``hull_slope``; r the spread of
+    the tokens about their mean, at least HULL_MIN_SPREAD x their largest norm s). Zero
+    inside. Shape (len(held.hull),).
 
     The spread, not s: tokens p + delta_i around a far centre p (the FFN's linear
     regions) vary only by delta, and so does everything a convex combination can do."""
@@ -511,13 +521,15 @@ def hull_violations(held: HeldOutSet, observed: np.ndarray, norms: np.ndarray) -
         return np.zeros(0)
     ref = np.array([f != "hull" for f in held.family])
     K = output_scale(observed[ref], norms[ref])
+    slopes = list(held.hull_slope) + [0.0] * (len(held.hull) - len(held.hull_slope))
     out = np.empty(len(held.hull))
     for j, (i, singles) in enumerate(held.hull):
         lo, hi = observed[singles].min(), observed[singles].max()
         gap = max(0.0, observed[i] - hi, lo - observed[i])
         X = held.sequences[i]
         spread = float(np.linalg.norm(X - X.mean(axis=0), axis=1).max())
-        out[j] = gap / max(max(spread, HULL_MIN_SPREAD * norms[i]) * K, np.finfo(float).tiny)
+        slope = slopes[j] if slopes[j] > 0 else K
+        out[j] = gap / max(max(spread, HULL_MIN_SPREAD * norms[i]) * slope, np.finfo(float).tiny)
     return out
 
 
