@@ -30,6 +30,7 @@ DEFAULT_VERIFY_TOLERANCE = 1e-7
 # verify_model(expected_error=e): held-out errors above max(1e3 e, 1e-10) are refused
 CONSISTENCY_FACTOR = 1e3
 CONSISTENCY_FLOOR = 1e-10
+SENSITIVITY = 4.0              # ... plus 4 e x the model's score spread on the sequence
 MAX_VERIFY_LENGTH = 16
 REPORT_SCHEMA_VERSION = 2      # to_dict(): snake_case keys, numbers, ranges as [lo, hi]
 
@@ -141,11 +142,15 @@ def verify_model(oracle: Oracle, model, *, count: int, seed=None,
     ``count`` re-ask sequences the learner was answered through this oracle
     (``oracle.replay``): a black box that changed during the run fails there.
 
-    ``expected_error`` (the learner's own predicted relative parameter error) tightens
-    the tolerance to max(CONSISTENCY_FACTOR x expected_error, CONSISTENCY_FLOOR) when
-    that is smaller: a model known to 1e-13 that misses the black box by 1e-8 is not
-    the black box's model, even though 1e-8 is under the user's tolerance (a third
-    head at 1e-8 is refused this way where no hull check applies).
+    ``expected_error`` e (the learner's own predicted relative parameter error) tightens
+    the tolerance to max(CONSISTENCY_FACTOR x e, CONSISTENCY_FLOOR) when that is
+    smaller: a model known to 1e-13 that misses the black box by 1e-8 is not the black
+    box's model, even though 1e-8 is under the user's tolerance (a third head at 1e-8 is
+    refused this way where no hull check applies). It also widens each sequence's
+    allowance by SENSITIVITY x e x the spread of the model's scores on it: a relative
+    error e of W moves scores of spread S by about e S, and large tokens (scores up to
+    1e6 on the ``norms`` family) are known only that well. The errors reported are
+    scaled to the tolerance (error x tolerance / allowance).
     """
     from .verification import (HULL_FRACTION, REPLAY_FRACTION, add_replays, design,
                                root_oracle, run_check)
@@ -164,6 +169,11 @@ def verify_model(oracle: Oracle, model, *, count: int, seed=None,
                               model=model, hull_v=hull_v), oracle, replays)
     oracle.require(len(held.sequences) + len(held.replay), "held-out verification")
     check = run_check(oracle, model, held)
+    if expected_error is not None and math.isfinite(expected_error) and expected_error > 0:
+        from .verification import score_spread
+        spread = np.concatenate([score_spread(model, held.sequences),
+                                 np.zeros(len(check.errors) - len(held.sequences))])
+        check.errors = check.errors * tolerance / (tolerance + SENSITIVITY * expected_error * spread)
     asked = len(held.sequences) + len(held.replay) + (0 if hull_v is None else oracle.dim)
     return Verification(sequences=asked, max_relative_error=float(check.errors.max()),
                         median_relative_error=float(np.median(check.errors)), tolerance=tolerance,

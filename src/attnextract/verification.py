@@ -486,6 +486,21 @@ def add_replays(held: HeldOutSet, oracle, count: int) -> HeldOutSet:
     return held
 
 
+def score_spread(model, sequences) -> np.ndarray:
+    """Largest range max_i s_i - min_i s_i of any head's scores s = X W_h x_N per
+    sequence, shape (len(sequences),); zeros for a model without W."""
+    W = getattr(model, "W", None)
+    if W is None or np.size(W) == 0:
+        return np.zeros(len(sequences))
+    W = np.asarray(W, dtype=float)
+    W = W[None] if W.ndim == 2 else W
+    out = np.empty(len(sequences))
+    for i, X in enumerate(sequences):
+        s = np.einsum("nd,hd->hn", X, np.einsum("hde,e->hd", W, X[-1]))
+        out[i] = float((s.max(axis=1) - s.min(axis=1)).max())
+    return out
+
+
 def token_norms(sequences) -> np.ndarray:
     """Largest token norm of each sequence, shape (len(sequences),)."""
     return np.array([float(np.linalg.norm(s, axis=1).max()) for s in sequences])

@@ -590,7 +590,7 @@ class _Extraction:
         scale = token_scale(model) if model.heads else 1.0
         verification = verify_model(self.oracle, model, count=n_verify, seed=self.seed,
                                     tolerance=tol, scale=scale,
-                                    expected_error=bar if model.heads >= 2 else None)
+                                    expected_error=bar if model.heads else None)
         floor = H * (d * d + d)
         self.details.update({
             "method": "copy probes at designed step positions, row-wise joint fits",
