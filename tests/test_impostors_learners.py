@@ -176,3 +176,48 @@ def test_noisy_learner_refuses_infinite_error_bars():
     box = impostors.AttentionSink(head, np.random.default_rng(0))
     with pytest.raises(ModelMismatchError):
         extract_noisy(Oracle(box, D), tolerance=1e-10, seed=0)
+
+
+def test_label_hull_sequences_take_their_tokens_label():
+    """The label hull: pool tokens sit just off the threshold, alone; a sequence of one
+    side's tokens takes that side's label for an honest head whatever W is (a convex
+    combination), and a second head at 1e-8 flips some of them."""
+    from attnextract.learners.sign_only import label_hull
+    flipped = 0
+    for seed in range(4):
+        head = random_single_head(D, seed)
+        unit = type(head)(head.W, head.v / np.linalg.norm(head.v))   # t = 0: v's direction
+        for threshold, model in ((0.0, unit), (0.3, head)):
+            hull = label_hull(model, 48, np.random.default_rng(seed), 1 / math.sqrt(D),
+                              threshold, 1e-14)
+            pool = [X for X, singles in hull if singles is None]
+            assert len(pool) == 16
+            side = np.array([head(X[None])[0] > threshold for X in pool])
+            assert side.any() and not side.all()
+            box = impostors.SecondHead(head, np.random.default_rng(seed), 1e-8)
+            for X, singles in hull:
+                if singles is not None:
+                    assert (head(X[None])[0] > threshold) == side[singles[0]]
+                    assert side[singles].all() == side[singles].any()
+                    flipped += (box(X[None])[0] > threshold) != side[singles[0]]
+    assert flipped > 0
+
+
+def test_a_model_far_outside_its_own_error_bar_is_refused():
+    """A third head at 1e-8 behind two low-rank heads: held-out errors ~1e-8, under the
+    1e-7 tolerance, but 1e4 x what the model's own error bar allows (this seed was
+    accepted before verification held models to their bar)."""
+    assert_refused("multi-head-low-rank", "second head 1e-8", D, seed=2)
+    outcome, result, _ = run_impostor("multi-head-low-rank", "honest", D, 2,
+                                      recovery("multi-head-low-rank"))
+    assert outcome == "accepted"
+    v = result.report.verification
+    assert v.tolerance <= 1e-9 and v.max_relative_error <= 0.01 * v.tolerance
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d, seed", [(8, 6), (32, 2), (32, 8), (32, 12)])
+def test_ffn_hull_at_its_regions_slope_catches_a_second_head(d, seed):
+    """Seeds a Transformer layer once accepted with a second head at 1e-8: the FFN hull,
+    judged at its region's own slope, refuses them."""
+    assert_refused("transformer-layer", "second head 1e-8", d, seed)

@@ -314,7 +314,7 @@ def _soft_pick(W: np.ndarray, P: np.ndarray, k: int, rng, candidates: int = HULL
         s = X @ (W @ X[-1])
         a = np.bincount(pick, np.exp(s - s.max()), minlength=len(P))   # weight per token
         peak = abs(float(a.max() / a.sum()) - 0.5)      # 0.5: spread, not flat
-        if peak < best_peak:
+        if best is None or peak < best_peak:
             best, best_peak = pick, peak
     return best
 

@@ -387,10 +387,13 @@ def label_hull(model, count: int, rng, scale: float, threshold: float, v_bar: fl
     u = v / v_norm
     pool_size = max(4, min(count // 3, 2 * d))
     n_seq = count - pool_size
-    P = rng.standard_normal((pool_size, d))
-    P -= np.outer(P @ u, u)
-    P -= np.outer(P @ u, u)
-    P /= np.linalg.norm(P, axis=1, keepdims=True)
+    P = np.empty((0, d))
+    while len(P) < pool_size:               # directions orthogonal to v_hat (never 0)
+        draw = rng.standard_normal((pool_size, d))
+        draw -= np.outer(draw @ u, u)
+        draw -= np.outer(draw @ u, u)
+        norms = np.linalg.norm(draw, axis=1)
+        P = np.vstack([P, draw[norms > 1e-6] / norms[norms > 1e-6, None]])[:pool_size]
     # pool tokens 0, 1 (mod 4) soft, for the sequences; 2, 3 large (10 .. 1000 x the
     # probes' tokens), asked alone: a behaviour that switches on at some norm shows there
     large = np.arange(pool_size) % 4 >= 2
