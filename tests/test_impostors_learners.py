@@ -221,3 +221,14 @@ def test_ffn_hull_at_its_regions_slope_catches_a_second_head(d, seed):
     """Seeds a Transformer layer once accepted with a second head at 1e-8: the FFN hull,
     judged at its region's own slope, refuses them."""
     assert_refused("transformer-layer", "second head 1e-8", d, seed)
+
+
+def test_separating_sequences_survive_a_model_with_an_enormous_W():
+    """A best-effort model from a failed fit can have W so large that its token scale
+    underflows to 0 (a 1-in-20 crash of the multi-head learner against sigmoid
+    attention at d = 32): the head-separating family then keeps zero tokens, no crash."""
+    from attnextract.verification import _separating_sequences, length_grid
+    rng = np.random.default_rng(0)
+    W, v = rng.standard_normal((2, D, D)), rng.standard_normal((2, D))
+    seqs = _separating_sequences(W, v, 4, rng, 0.0, length_grid(256))
+    assert len(seqs) == 4 and all(np.all(s == 0) for s in seqs)

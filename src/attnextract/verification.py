@@ -460,7 +460,9 @@ def _separating_sequences(W: np.ndarray, v: np.ndarray, count: int, rng, scale: 
         values = x @ v.T                                                    # (N, H)
         gap = np.abs(np.einsum("gn,nh->gh", alpha, values) - np.diag(alpha @ values)[None, :])
         cands.append(x)
-        merit.append(float((gap / vn[None, :]).max()) / float(np.linalg.norm(x, axis=1).max()))
+        # tokens that underflow to 0 (a model with enormous W has a tiny scale) merit 0
+        size = float(np.linalg.norm(x, axis=1).max())
+        merit.append(float((gap / vn[None, :]).max()) / size if size > 0 else 0.0)
     return [cands[i] for i in np.argsort(merit)[::-1][:count]]
 
 
