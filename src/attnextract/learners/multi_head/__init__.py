@@ -388,7 +388,7 @@ class _Extraction:
         # the rows span the direction sum_h positions that symmetric positions miss
         spacing = 2.0 * (self.half_window - 1.5) / H if H > 1 else 2.0
         positions = design.step_positions(H, self.half_window - 1.5 - 0.5 * spacing)
-        U = design.well_conditioned_rows(Y0, V0, positions, rng, jitter=0.5 * spacing)
+        U = design.design_rows(Y0, V0, positions, rng, jitter=0.5 * spacing)
         tau, C0 = U @ Y0, U @ V0                                      # (d, H) predicted
 
         # round 1: every row on column q_0 at its predicted steps, the midpoints between

@@ -34,7 +34,6 @@ import numpy as np
 
 PROBE_FLOATS = 1 << 22          # floats of probe tokens per oracle call (32 MB)
 ROW_FRACTIONS = (0.5,)
-DESIGN_DRAWS = 8               # whole row designs drawn; the best conditioned is kept
 BASE_LENGTH = 2048              # base probes: few, long, lambda in +-7.6
 
 
@@ -142,19 +141,6 @@ def design_rows(Y0: np.ndarray, V: np.ndarray, positions: np.ndarray, rng: np.ra
             score = score * np.linalg.norm(resid, axis=1) / np.linalg.norm(cand, axis=1)
         rows.append(cand[int(np.argmax(score))])
     return np.array(rows)
-
-
-def well_conditioned_rows(Y0, V, positions, rng, designs: int = DESIGN_DRAWS, **kw) -> np.ndarray:
-    """The best conditioned of ``designs`` draws of :func:`design_rows` (smallest
-    cond(U)): W_h = U^-1 Z_h carries every row's fit error times U's condition, and
-    the greedy row-by-row choice alone leaves it at a few hundred on some bases."""
-    best, best_cond = None, np.inf
-    for _ in range(designs):
-        U = design_rows(Y0, V, positions, rng, **kw)
-        c = np.linalg.cond(U) if np.all(np.isfinite(U)) else np.inf
-        if best is None or c < best_cond:
-            best, best_cond = U, c
-    return best
 
 
 def row_lambdas(positions_row: np.ndarray, half_window: float) -> np.ndarray:
