@@ -56,6 +56,8 @@ class Verification:
     hull_tolerance: float = 0.0
     worst_family: str = ""
     family_errors: dict = field(default_factory=dict)
+    # the tolerance asked for, when the model's own error bar made ``tolerance`` tighter
+    requested_tolerance: float = 0.0
 
     @property
     def passed(self) -> bool:
@@ -154,6 +156,7 @@ def verify_model(oracle: Oracle, model, *, count: int, seed=None,
     """
     from .verification import (HULL_FRACTION, REPLAY_FRACTION, add_replays, design,
                                root_oracle, run_check)
+    requested = tolerance
     if expected_error is not None and math.isfinite(expected_error) and expected_error >= 0:
         tolerance = min(tolerance, max(CONSISTENCY_FACTOR * expected_error, CONSISTENCY_FLOOR))
     rng = np.random.default_rng(seed)
@@ -180,7 +183,8 @@ def verify_model(oracle: Oracle, model, *, count: int, seed=None,
                         lengths=check.lengths,
                         hull_violation=float(check.hull.max(initial=0.0)),
                         hull_tolerance=HULL_FRACTION * tolerance,
-                        worst_family=check.worst_family(), family_errors=check.family_errors())
+                        worst_family=check.worst_family(), family_errors=check.family_errors(),
+                        requested_tolerance=requested if tolerance < requested else 0.0)
 
 
 @dataclass
@@ -355,6 +359,10 @@ def mismatch_reason(check: Verification) -> str:
         where = f" (worst on {check.worst_family} sequences)" if check.worst_family else ""
         text = (f"held-out relative error {check.max_relative_error:.2e} > tolerance "
                 f"{check.tolerance:.0e}{where}")
+        if check.requested_tolerance > check.tolerance:
+            text += (f" (the model's own error bar allows {check.tolerance:.0e}, tighter than "
+                     f"the {check.requested_tolerance:.0e} asked for: the black box differs "
+                     f"from the model by far more than the model's own uncertainty)")
     else:
         text = (f"an answer left the interval spanned by its tokens' own answers by "
                 f"{check.hull_violation:.2e} > {check.hull_tolerance:.0e} (no single head does "
