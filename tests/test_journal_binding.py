@@ -470,7 +470,9 @@ def test_out_gets_its_suffix_and_the_journal_sits_beside_it(tmp_path):
 def test_ctrl_c_prints_one_line_with_the_queries_and_how_to_resume(tmp_path):
     folder = write_target(tmp_path / "t")
     journal = tmp_path / "r.journal.sqlite"
-    env = dict(os.environ, ASKED_LOG=str(tmp_path / "asked.log"), SLEEP="0.05")
+    # 0.25 s per black-box call: the whole run takes several seconds, so it cannot end
+    # between the ninth journal entry and the signal even on a loaded machine
+    env = dict(os.environ, ASKED_LOG=str(tmp_path / "asked.log"), SLEEP="0.25")
     args = [sys.executable, "-m", "attnextract", "extract", "--target",
             f"{folder}/target.py:box", "--dim", str(D), "--max-batch", "3",
             "--out", str(tmp_path / "r.npz"), "--no-progress"]
