@@ -470,14 +470,15 @@ def test_out_gets_its_suffix_and_the_journal_sits_beside_it(tmp_path):
 def test_ctrl_c_prints_one_line_with_the_queries_and_how_to_resume(tmp_path):
     folder = write_target(tmp_path / "t")
     journal = tmp_path / "r.journal.sqlite"
-    # 0.25 s per black-box call: the whole run takes several seconds, so it cannot end
-    # between the ninth journal entry and the signal even on a loaded machine
-    env = dict(os.environ, ASKED_LOG=str(tmp_path / "asked.log"), SLEEP="0.25")
+    env = dict(os.environ, ASKED_LOG=str(tmp_path / "asked.log"), SLEEP="0.05")
     args = [sys.executable, "-m", "attnextract", "extract", "--target",
             f"{folder}/target.py:box", "--dim", str(D), "--max-batch", "3",
             "--out", str(tmp_path / "r.npz"), "--no-progress"]
+    # a test runner started in the background (`pytest &` in a script) ignores SIGINT,
+    # and a child inherits that: give the run the default disposition, as a terminal would
     run = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+                           text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and run.poll() is None:
         try:
