@@ -157,8 +157,10 @@ def verify_model(oracle: Oracle, model, *, count: int, seed=None,
     from .verification import (HULL_FRACTION, REPLAY_FRACTION, add_replays, design,
                                root_oracle, run_check)
     requested = tolerance
-    if expected_error is not None and math.isfinite(expected_error) and expected_error >= 0:
-        tolerance = min(tolerance, max(CONSISTENCY_FACTOR * expected_error, CONSISTENCY_FLOOR))
+    bar = expected_error if expected_error is not None and math.isfinite(expected_error) \
+        and expected_error >= 0 else None
+    if bar is not None:
+        tolerance = min(tolerance, max(CONSISTENCY_FACTOR * bar, CONSISTENCY_FLOOR))
     rng = np.random.default_rng(seed)
     scale = token_scale(model) if scale is None else scale
     hull_v = None
@@ -172,11 +174,11 @@ def verify_model(oracle: Oracle, model, *, count: int, seed=None,
                               model=model, hull_v=hull_v), oracle, replays)
     oracle.require(len(held.sequences) + len(held.replay), "held-out verification")
     check = run_check(oracle, model, held)
-    if expected_error is not None and math.isfinite(expected_error) and expected_error > 0:
+    if bar:
         from .verification import score_spread
         spread = np.concatenate([score_spread(model, held.sequences),
                                  np.zeros(len(check.errors) - len(held.sequences))])
-        check.errors = check.errors * tolerance / (tolerance + SENSITIVITY * expected_error * spread)
+        check.errors = check.errors * tolerance / (tolerance + SENSITIVITY * bar * spread)
     asked = len(held.sequences) + len(held.replay) + (0 if hull_v is None else oracle.dim)
     return Verification(sequences=asked, max_relative_error=float(check.errors.max()),
                         median_relative_error=float(np.median(check.errors)), tolerance=tolerance,

@@ -380,7 +380,7 @@ def label_hull(model, count: int, rng, scale: float, threshold: float, v_bar: fl
     Returns a list of (X (N, d), singles): singles None for a pool token, else the pool
     positions (0-based within the returned list) of X's tokens.
     """
-    from ..verification import HULL_CANDIDATES, _soft_pick
+    from ..verification import _soft_pick
     d = model.dim
     v = np.asarray(model.v, dtype=float)
     v_norm = float(np.linalg.norm(v))
@@ -406,7 +406,7 @@ def label_hull(model, count: int, rng, scale: float, threshold: float, v_bar: fl
     out = [(p[None], None) for p in P]
     for i, k in enumerate(rng.integers(2, 17, n_seq)):
         group = np.flatnonzero((side == (1.0 if i % 2 == 0 else -1.0)) & ~large)
-        pick = group[_soft_pick(model.W, P[group], int(k), rng, HULL_CANDIDATES)]
+        pick = group[_soft_pick(model.W, P[group], int(k), rng)]
         out.append((P[pick], pick))
     return out
 
