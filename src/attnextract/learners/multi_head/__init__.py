@@ -95,6 +95,8 @@ COLUMN_SPARES = 1         # samples per column probe beyond its H steps (they pi
 REFINE_ABOVE = 2.5e-11    # predicted error above which round 3 (wide columns) runs: an
                           # error bar (4x) above 1e-10
 WIDE_COLUMNS_UP_TO = 1e-3 # ... and below which the logits are predicted well enough for it
+RECENTRE_ABOVE = 3e-3     # predicted relative error of the base estimate of W_h q_0 above
+                          # which a base row with evenly spaced steps is designed from it
 
 
 def paper2_count(heads: int, dim: int) -> int:
@@ -230,8 +232,7 @@ class _Extraction:
             self.refuse(f"up to {H} heads at d = {d}: the designed rows place at most d "
                         f"steps, so this learner needs H <= d")
         s0 = 4 * H + 8
-        rest = (d + (d - 1) * (3 * H + 3) + d * (2 * H + 1)
-                + d * (d - 1 + EXTRA_COLUMNS) * (H + COLUMN_SPARES))
+        rest = d + self.perturbation_cost(H) + self.main_cost(H)
         # the base search (scale rounds and candidate rows) spends at most what paper 2's
         # count leaves after the rest of the plan, and at least three scans
         self.scans_left = max(3, min(SCALE_ROUNDS + BASE_CANDIDATES,
@@ -252,7 +253,10 @@ class _Extraction:
         if heads == 0:
             return self.finish(MultiHeadAttention(np.zeros((0, d, d)), np.zeros((0, d))), None)
         self.say("base perturbations")
-        Y0, V0 = self.base_perturbations()
+        Y0, V0, base_error = self.base_perturbations()
+        if base_error > RECENTRE_ABOVE and self.recentred_base(Y0, V0):
+            self.say("base perturbations (recentred row)")
+            Y0, V0, _ = self.base_perturbations()
         self.say("main probes")
         return self.main(Y0, V0)
 
@@ -342,9 +346,85 @@ class _Extraction:
         self.details["base row logit error"] = float(np.max(self.base_fit.t_std))
         return heads
 
+    def recentred_base(self, Y0: np.ndarray, V0: np.ndarray) -> bool:
+        """Replace a base row whose steps crowd by one designed from the first estimate.
+
+        Random rows put their steps at Gaussian positions, which crowd in the middle;
+        two steps a small gap apart pin their positions badly (the Jacobian's condition
+        grows like gap^-4), and so do the perturbations around them. With W_h q_0 known
+        roughly, a row is designed whose steps are evenly spaced over the window (like
+        the main rows), scanned, and kept when its steps are pinned better. It costs
+        one scan and the perturbations again, and runs only within paper 2's count and
+        the budget. Returns whether the base row changed.
+        """
+        d, H = Y0.shape
+        # it must leave room for the main rounds and round 3 (which the precision needs
+        # more), within paper 2's count and the budget
+        cost = 2 * (4 * H + 8) + self.perturbation_cost(H) + self.main_cost(H) + self.wide_cost(H)
+        if (self.oracle.queries - self.q0 + cost > paper2_count(self.max_heads, d)
+                or cost > _budget_left(self.oracle)):
+            return False
+        half = self.half_window - 3.0       # room for steps the rough estimate misplaces
+        spacing = 2.0 * half / (H - 1) if H > 1 else 2.0
+        u = design.least_uncertain_row(Y0, V0, self.base_covariance,
+                                       design.step_positions(H, half), self.rng,
+                                       jitter=0.25 * spacing)
+        heights = float(np.sum(np.abs(u @ V0)))
+        t_start = np.sort(u @ Y0)
+        for _ in range(2):
+            steps, noise = self.scan_row(u, t_start, heights)
+            edge = float(np.max(np.abs(steps.t)))
+            if not (steps.rms <= NOISE_FACTOR * noise and edge > self.half_window - 1.5):
+                break
+            # a step the estimate misplaced towards the edge: the logits are linear in
+            # u, so a shorter row pulls every step inside (once, within the cost)
+            factor = (self.half_window - 2.0) / edge
+            u, t_start, heights = factor * u, factor * steps.t, factor * heights
+        old, new = base_quality(self.base_fit, self.half_window), base_quality(steps, self.half_window)
+        self.details["recentred base row quality (old, new)"] = (old, new)
+        if not (steps.rms <= NOISE_FACTOR * noise and new < old):
+            return False
+        self.u_0, self.base_fit = u, steps
+        self.details["base row smallest step gap"] = float(np.min(np.diff(steps.t))) if H > 1 else math.inf
+        self.details["base row logit error"] = float(np.max(steps.t_std))
+        return True
+
+    def scan_row(self, u: np.ndarray, t_start: np.ndarray, heights: float):
+        """Scan row u on the base grid and fit its steps from ``t_start`` (a free fit
+        when that start does not reach the noise); returns (sorted StepFit, noise)."""
+        H = t_start.size
+        before = self.oracle.queries
+        lam, g = self.measure(np.repeat(u[None], self.base_grid.size, 0),
+                              np.repeat(self.q_0[None], self.base_grid.size, 0), self.base_grid)
+        self.spend("base rows", before)
+        noise = self.noise(g + self.q_0 @ self.v, heights)
+        steps = fit.refit_steps(lam, g, u @ self.v, t_start, floor=noise)
+        if steps.rms > NOISE_FACTOR * noise:
+            free = fit.fit_free_steps(lam, g, u @ self.v, H, self.half_window, noise, counts=[H])[-1]
+            steps = free if free.rms < steps.rms else steps
+        order = np.argsort(steps.t)
+        return fit.StepFit(t=steps.t[order], c=steps.c[order], rms=steps.rms,
+                           t_std=steps.t_std[order], c_std=steps.c_std[order]), noise
+
+    def main_cost(self, H: int) -> int:
+        """Queries of rounds 1 and 2 (the main rows and their columns)."""
+        d = self.d
+        return d * (2 * H + 1) + d * (d - 1 + EXTRA_COLUMNS) * (H + COLUMN_SPARES)
+
+    def perturbation_cost(self, H: int) -> int:
+        """Queries of the base perturbations."""
+        return (self.d - 1) * (3 * H + 3)
+
+    def wide_cost(self, H: int) -> int:
+        """Queries of round 3 (wide columns)."""
+        return self.d * self.d * (H + COLUMN_SPARES)
+
     def base_perturbations(self):
         """W_h q_0 and v_h (rough) from rows u_0 + eps w_k, each sampled on a uniform
-        grid of 3H + 3 lambdas (not at the steps: two close steps stay pinned)."""
+        grid of 3H + 3 lambdas (not at the steps: two close steps stay pinned).
+
+        Returns (Y0 (d, H), V0 (d, H), predicted relative error of the worst column of
+        Y0): each row fit's logit errors propagated through the rows' inverse."""
         d = self.d
         t0, c0 = self.base_fit.t, self.base_fit.c
         H = t0.size
@@ -360,24 +440,34 @@ class _Extraction:
                               np.tile(lam_t, d - 1))
         self.spend("base perturbations", before)
         lam, g = lam.reshape(d - 1, S), g.reshape(d - 1, S)
-        T, C = [t0], [c0]
+        T, C, T_std = [t0], [c0], [self.base_fit.t_std]
         worst = 0.0
         for k in range(d - 1):
-            t, c, rms = fit.refit_steps(lam[k], g[k], rows[k] @ self.v, t0, c0)
+            noise = self.noise(g[k] + self.q_0 @ self.v, float(np.sum(np.abs(c0))))
+            steps = fit.refit_steps(lam[k], g[k], rows[k] @ self.v, t0, floor=noise)
             # the perturbed rows only steer the design: a fit to 1e-5 of the signal is
             # in the right basin (a wrong one misses by percents)
             allowed = max(NOISE_FACTOR * self.noise(g[k] + self.q_0 @ self.v),
                           1e-5 * float(np.sqrt(np.mean(g[k] ** 2))))
-            worst = max(worst, rms / allowed)
-            T.append(t)
-            C.append(c)
+            worst = max(worst, steps.rms / allowed)
+            T.append(steps.t)
+            C.append(steps.c)
+            T_std.append(steps.t_std)
         if worst > 1.0:
             self.refuse(f"the black box is not multi-head attention with {H} heads: a "
                         f"perturbed base row does not fit its steps (residual {worst:.1e} "
                         f"times the allowed misfit)")
         P = np.vstack([self.u_0[None], rows])
+        Y0, V0 = np.linalg.solve(P, np.array(T)), np.linalg.solve(P, np.array(C))
+        P_inv = np.linalg.inv(P)
+        Y_std = np.sqrt(np.square(P_inv) @ np.square(np.array(T_std)))          # (d, H)
+        # sum_h Cov(W_h q_0): each row's logit errors independent
+        self.base_covariance = np.einsum("ik,kh,jk->ij", P_inv, np.square(np.array(T_std)), P_inv)
+        Y_error = float(np.max(np.linalg.norm(Y_std, axis=0)
+                               / np.maximum(np.linalg.norm(Y0, axis=0), 1e-300)))
         self.details["base perturbation eps"] = eps
-        return np.linalg.solve(P, np.array(T)), np.linalg.solve(P, np.array(C))
+        self.details["base estimate relative error"] = Y_error
+        return Y0, V0, Y_error
 
     def main(self, Y0: np.ndarray, V0: np.ndarray) -> ExtractionResult:
         d, rng = self.d, self.rng
@@ -406,7 +496,8 @@ class _Extraction:
             noise = self.noise(g[k] + self.q_0 @ self.v, float(np.sum(np.abs(C0[k]))))
             # two starts: the designed steps (labelled) and, where the design missed
             # by more than the fit can walk, the rational fit's poles (labelled after)
-            t, c, rms = fit.refit_steps(lam[k], g[k], U[k] @ self.v, tau[k], C0[k])
+            steps = fit.refit_steps(lam[k], g[k], U[k] @ self.v, tau[k])
+            t, c, rms = steps.t, steps.c, steps.rms
             if rms > NOISE_FACTOR * noise:
                 steps = fit.fit_free_steps(lam[k], g[k], U[k] @ self.v, H, self.half_window,
                                            noise, counts=[H])[-1]
@@ -465,7 +556,7 @@ class _Extraction:
                 for (cols_k, lam_k, g_k, mask), start in zip(probes, starts)]
         model, predicted, sigma, measured_sigma = self.assemble(U, rows, noise)
         self.details["predicted relative error (small moves)"] = predicted
-        wide_cost = d * d * (H + COLUMN_SPARES)
+        wide_cost = self.wide_cost(H)
         left = _budget_left(self.oracle)
         within_count = (self.oracle.queries - self.q0 + wide_cost
                         <= paper2_count(self.max_heads, d)

@@ -99,8 +99,10 @@ def orthonormal_complement(u0: np.ndarray, rng: np.random.Generator) -> np.ndarr
 
 
 def design_rows(Y0: np.ndarray, V: np.ndarray, positions: np.ndarray, rng: np.random.Generator,
-                candidates: int = 24, jitter: float = 0.25) -> np.ndarray:
-    """Main rows u_k (d, d) placing head h's step of row k at a designed position.
+                candidates: int | None = None, jitter: float = 0.25,
+                count: int | None = None) -> np.ndarray:
+    """Main rows u_k (count, d), d by default, placing head h's step of row k at a
+    designed position.
 
     Row k satisfies u_k^T y_h = positions[pi_k(h)] + o_k (y_h = W_h q_0, columns of Y0,
     pi_k a random order, o_k a small random offset so the rows span R^d). The component
@@ -115,14 +117,20 @@ def design_rows(Y0: np.ndarray, V: np.ndarray, positions: np.ndarray, rng: np.ra
         Estimates of v_h.
     positions : array (H,)
         Designed step positions (-lambda of each step).
+    candidates : int, optional
+        Draws per row: 24, or 100 when H = d (no free complement: the orders and
+        offsets alone condition U, and more draws halve cond(U) / cond(Y0)).
+    count : int, optional
+        Rows to design (default d).
     """
     d, H = Y0.shape
+    candidates = candidates or (24 if H < d else 100)
     pinv = np.linalg.pinv(Y0)                      # (H, d)
     P_perp = np.eye(d) - Y0 @ pinv
     scale_u = float(np.max(np.linalg.norm(pinv, axis=1))) * max(float(np.max(np.abs(positions))), 1.0)
     v_norm = np.linalg.norm(V, axis=0) + 1e-300 if V is not None else None
     rows = []
-    for k in range(d):
+    for k in range(d if count is None else count):
         orders = np.array([rng.permutation(H) for _ in range(candidates)])
         offsets = rng.uniform(-jitter, jitter, size=candidates)
         targets = positions[orders] + offsets[:, None]           # (C, H)
@@ -141,6 +149,36 @@ def design_rows(Y0: np.ndarray, V: np.ndarray, positions: np.ndarray, rng: np.ra
             score = score * np.linalg.norm(resid, axis=1) / np.linalg.norm(cand, axis=1)
         rows.append(cand[int(np.argmax(score))])
     return np.array(rows)
+
+
+def least_uncertain_row(Y0: np.ndarray, V: np.ndarray, Y_cov: np.ndarray,
+                        positions: np.ndarray, rng: np.random.Generator,
+                        candidates: int = 24, jitter: float = 0.25) -> np.ndarray:
+    """A row u (d,) placing head h's step at a designed position, whose positions the
+    estimate predicts best.
+
+    u^T y_h = positions[pi(h)] + o (a random order pi, offset o) and, among such rows,
+    the least predicted variance sum_h u^T Cov(y_h) u (generalised least squares: the
+    d - H free directions are spent where the estimate is sure). Among ``candidates``
+    orders the row with the most even heights u^T v_h is kept.
+
+    Parameters
+    ----------
+    Y0, V : arrays (d, H)
+        Estimates of W_h q_0 and v_h.
+    Y_cov : array (d, d)
+        sum_h Cov(y_h).
+    positions : array (H,)
+    """
+    d, H = Y0.shape
+    M = Y_cov + 1e-12 * np.trace(Y_cov) / d * np.eye(d) + 1e-300 * np.eye(d)
+    MY = np.linalg.solve(M, Y0)                                  # (d, H)
+    gram = Y0.T @ MY                                             # (H, H)
+    orders = np.array([rng.permutation(H) for _ in range(candidates)])
+    targets = positions[orders] + rng.uniform(-jitter, jitter, size=candidates)[:, None]
+    rows = np.linalg.solve(gram, targets.T).T @ MY.T             # (C, d)
+    heights = np.abs(rows @ V) / (np.linalg.norm(V, axis=0) + 1e-300)
+    return rows[int(np.argmax(heights.min(axis=1)))]
 
 
 def row_lambdas(positions_row: np.ndarray, half_window: float) -> np.ndarray:

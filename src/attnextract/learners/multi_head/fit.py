@@ -175,13 +175,14 @@ def label_steps(t: np.ndarray, c: np.ndarray, t_predicted: np.ndarray,
 
 
 def refit_steps(lam: np.ndarray, g: np.ndarray, total: float, t0: np.ndarray,
-                c0: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+                floor: float = 0.0) -> StepFit:
     """Polish a row's steps from positions near the solution (a perturbed base row).
 
     Variable projection: the heights are linear, so for any positions they are solved
     exactly and only the H positions are searched (from ``t0``); a small base height
     may change sign without leading the search astray. A final joint step on (t, c)
-    polishes both. ``c0`` is not used.
+    polishes both. The steps keep the order of ``t0`` (their labels); their standard
+    deviations use the residual, at least ``floor``.
     """
     scale = max(float(np.max(np.abs(g))), abs(total), 1e-300)
     gs, ts = g / scale, total / scale
@@ -197,8 +198,10 @@ def refit_steps(lam: np.ndarray, g: np.ndarray, total: float, t0: np.ndarray,
 
     t = least_squares(projected, t0, method="lm", xtol=1e-15, ftol=1e-15, gtol=1e-15).x
     fun = _steps_residual(lam, gs, ts, 1.0)
-    x, r, _ = levenberg_marquardt(fun, np.concatenate([t, heights(t)[1]]))
-    return x[:H], x[H:] * scale, float(np.sqrt(np.mean(r[:-1] ** 2))) * scale
+    x, r, J = levenberg_marquardt(fun, np.concatenate([t, heights(t)[1]]))
+    std = unit_std(J) * residual_sigma(r, J.shape[1], floor / scale)
+    return StepFit(t=x[:H], c=x[H:] * scale, rms=float(np.sqrt(np.mean(r[:-1] ** 2))) * scale,
+                   t_std=std[:H], c_std=std[H:] * scale)
 
 
 # ---------------------------------------------------------------------------
