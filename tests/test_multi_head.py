@@ -561,3 +561,51 @@ def test_float32_large_tokens_judged_at_the_models_own_precision(seed):
     result = extract_multi_head(Oracle(RoundedOutputs(M), d), heads=1, seed=seed)
     assert result.report.verification.passed
     assert canonical_error(result.model, M) <= result.report.details["error bar"]
+
+
+def test_least_uncertain_row_hits_its_positions_where_the_estimate_is_sure():
+    """The recentred base row: u^T y_h are the designed positions (one order, one
+    offset), and the free directions avoid those where the estimate of y_h is unsure:
+    its predicted position variance is far below a row designed without the covariance."""
+    from attnextract.learners.multi_head.design import design_rows, least_uncertain_row
+    rng = np.random.default_rng(3)
+    d, H = 12, 4
+    Y0, V = rng.standard_normal((d, H)), rng.standard_normal((d, H))
+    unsure = rng.standard_normal((d, 3))
+    cov = unsure @ unsure.T + 1e-8 * np.eye(d)
+    positions = np.linspace(-4.0, 4.0, H)
+    u = least_uncertain_row(Y0, V, cov, positions, np.random.default_rng(0), jitter=0.3)
+    t = np.sort(u @ Y0)
+    assert np.allclose(np.diff(t), np.diff(positions), atol=1e-9)
+    assert abs(np.mean(t)) <= 0.3 + 1e-9                   # the offset stays within the jitter
+    plain = design_rows(Y0, V, positions, np.random.default_rng(0), count=5)
+    assert u @ cov @ u < 1e-3 * min(r @ cov @ r for r in plain)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [14, 19])
+def test_crowded_base_row_is_recentred(seed):
+    """Eight heads at d = 12: the base row's steps crowd (W_h q_0 predicted to 1e-5 to
+    1e-7 only), so a row with evenly spaced steps is designed from that estimate and the
+    perturbations run again around it; the new row's steps are pinned >= 100x better,
+    and the recovery stays within paper 2's count and its own error bar."""
+    d, H = 12, 8
+    M = random_multi_head(H, d, seed=1000 * H + 10 * d + seed)
+    result = check_extraction(M, seed, heads=H)
+    det, b = result.report.details, result.report.breakdown
+    old, new = det["recentred base row quality (old, new)"]
+    assert new < 1e-2 * old
+    assert b["base perturbations"] == 2 * (d - 1) * (3 * H + 3)
+    assert canonical_error(result.model, M) <= det["error bar"]
+
+
+def test_refusals_after_measuring_keep_the_best_effort():
+    """A refusal by the error bar (RecoveryFailedError) carries the measured result, like
+    a mismatch: its report has the queries and the conditioning."""
+    d, H = 8, 2
+    oracle = Oracle(random_multi_head(H, d, seed=8), d)
+    with pytest.raises(RecoveryFailedError) as info:
+        extract_multi_head(oracle, heads=H, seed=1, max_error_bar=1e-30)
+    result = info.value.result
+    assert result is not None and result.queries == oracle.queries
+    assert result.report.details["error bar"] > 1e-30

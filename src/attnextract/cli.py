@@ -29,7 +29,7 @@ import numpy as np
 
 from . import __version__
 from .errors import (AttnExtractError, BlackBoxError, BudgetExceededError, InputError,
-                     JournalError, ModelMismatchError, NotIdentifiableError, TargetLoadError)
+                     JournalError, NotIdentifiableError, RefusalWithResult, TargetLoadError)
 from .adapters.journal import QueryJournal
 from .oracle import Oracle
 from .progress import ProgressBar, configure_logging, thread_limits
@@ -325,7 +325,7 @@ def main(argv=None) -> int:
         return 130
     except JournalError as exc:
         return _fail(args, exc, 4)
-    except ModelMismatchError as exc:
+    except RefusalWithResult as exc:
         if exc.result is not None and not getattr(args, "json", False):
             print(exc.result.report.render(), file=sys.stderr)
             hint = (_rounding_hint(exc.result.report, args)

@@ -40,25 +40,29 @@ class NotIdentifiableError(AttnExtractError):
     """The target's parameters cannot be determined from queries (e.g. v = 0)."""
 
 
-class ModelMismatchError(AttnExtractError):
-    """The black box is not of the assumed model class.
-
-    ``result`` holds the best-effort extraction (with its report) when one was
-    computed, so that nothing measured is lost; it must not be used as a model.
-    """
+class RefusalWithResult(AttnExtractError):
+    """A refusal after measuring: ``result`` holds the best-effort extraction (with its
+    report) when one was computed, so that nothing measured is lost; it must not be
+    used as a model."""
 
     def __init__(self, message: str, result=None):
         super().__init__(message)
         self.result = result
 
 
+class ModelMismatchError(RefusalWithResult):
+    """The black box is not of the assumed model class (``result``: see
+    :class:`RefusalWithResult`)."""
+
+
 class TargetLoadError(AttnExtractError):
     """A target given as FILE.py:NAME (or a result file) cannot be loaded."""
 
 
-class RecoveryFailedError(AttnExtractError):
+class RecoveryFailedError(RefusalWithResult):
     """A learner's solver found no parameters consistent with its own measurements
-    (e.g. too few random measurements for the rank); nothing wrong is returned."""
+    (e.g. too few random measurements for the rank), or its measurements do not pin
+    them down; nothing wrong is returned (``result``: see :class:`RefusalWithResult`)."""
 
 
 class JournalError(AttnExtractError):

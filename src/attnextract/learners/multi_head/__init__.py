@@ -26,6 +26,11 @@ Algorithm.
 3. Base perturbations u_0 + eps w_k (k = 1..d-1) on a uniform lambda grid, eps a
    fraction of the smallest gap: the steps keep their labels and give every head's
    W_h q_0 and v_h to about 1e-4 (variable projection, heights solved linearly).
+   Random rows put their steps at Gaussian positions, which crowd; when two crowd so
+   that the predicted error of W_h q_0 exceeds 3e-3, a base row with evenly spaced
+   steps is designed from that estimate (its free directions where the estimate is
+   surest, :func:`.design.least_uncertain_row`) and the perturbations are repeated
+   around it (only with room for round 3 left within paper 2's count).
 4. Main rows u_k (d of them) place head h's step at an evenly spaced position, a
    random order and a random shift of up to half a spacing per row (the shifts keep
    U = [u_k] well conditioned). Round 1 samples each row on column q_0 at its
@@ -48,14 +53,15 @@ Algorithm.
 Conditioning. Each row fit's Jacobian and the pooled residual give the covariance of
 (c, z), propagated through U^-1 to a predicted relative error of every W_h and v_h. The
 learner refuses (:class:`RecoveryFailedError`) when that prediction exceeds
-``max_error_bar``, reports a mismatch when a row does not fit H steps, when the
-residual is far above the output precision, or when held-out verification fails, and
-otherwise states the prediction as the error bar. What limits it: the steps' spacing
+``max_error_bar`` or when a main row's fit does not reach the output precision (it
+cannot tell a box outside the class from two steps that fell too close in one row),
+reports a mismatch (:class:`ModelMismatchError`) when no base row fits at most H steps
+or held-out verification fails, and otherwise states the prediction as the error bar. What limits it: the steps' spacing
 in the lambda window (2 (ln N - 1.5) / H; the window grows with H, N up to 8192
 tokens) and the black box's own rounding, which grows with the heights sum_h |c_h|.
 
 Queries: d + base (3 to 14 scans of 4H + 8 samples, within what paper 2's count leaves;
-(d - 1)(3H + 3) perturbations) + d (2H + 1) + d^2 (H + 1) main probes, plus d^2 (H + 1)
+(d - 1)(3H + 3) perturbations, twice with one or two more scans when recentred) + d (2H + 1) + d^2 (H + 1) main probes, plus d^2 (H + 1)
 when round 3 runs: the floor H(d^2 + d) (the canonical form's free parameters) plus
 about d^2 + Hd + base (twice the columns with round 3), never above paper 2's count
 4Hd^2 - 2H + 1.
@@ -91,6 +97,9 @@ ERROR_BAR_FACTOR = 4.0    # error bar = this times the predicted rms relative er
 NOISE_FACTOR = 30.0       # a residual this far above the output precision is a misfit
 DEFAULT_TOLERANCE = 1e-6  # largest error bar accepted (float64 outputs; rounded: 1e4 ulps)
 EXTRA_COLUMNS = 1         # columns beyond the d that determine each z_h (0 or 1)
+COLUMN_MOVE = 0.08        # column step s = this x gap x sqrt(d) / |u_k| |W_h q_0|: moves
+                          # measured at 0.18 of the gap (median), 0.33 at most over 40
+                          # runs at d = 16 (|W_h^T u_k| is not known before round 2)
 COLUMN_SPARES = 1         # samples per column probe beyond its H steps (they pin heights)
 REFINE_ABOVE = 2.5e-11    # predicted error above which round 3 (wide columns) runs: an
                           # error bar (4x) above 1e-10
@@ -160,10 +169,12 @@ def extract_multi_head(oracle: Oracle, heads=None, *, subspaces=None, seed=None,
     Raises
     ------
     ModelMismatchError
-        The samples do not fit H heads to the output precision, or held-out
+        No base row fits at most H steps to the output precision, or held-out
         verification failed; ``.result`` holds the best effort when one was computed.
     RecoveryFailedError
-        The fit's predicted error (conditioning times residual) exceeds ``max_error_bar``.
+        The fit's predicted error (conditioning times residual) exceeds
+        ``max_error_bar``, or a main row's fit does not reach the output precision;
+        ``.result`` as above.
     BudgetExceededError
         The budget cannot cover the next round (raised before it is sent).
     """
@@ -509,18 +520,21 @@ class _Extraction:
         if worst > 1.0:
             self.finish(MultiHeadAttention(np.zeros((0, d, d)), np.zeros((0, d))), None,
                         check=False)
-            raise ModelMismatchError(
-                f"the black box is not multi-head attention with {H} canonical heads: a "
-                f"main row does not fit {H} steps (residual {worst * NOISE_FACTOR:.1e} times "
-                f"the output precision)", result=self.result)
+            raise RecoveryFailedError(
+                f"a main row does not fit {H} steps (residual {worst * NOISE_FACTOR:.1e} times "
+                f"the output precision): the black box is not multi-head attention with {H} "
+                f"canonical heads, or two of its steps fell too close in that row to be "
+                f"told apart (base estimate error {self.details.get('base estimate relative error', math.nan):.1e})",
+                result=self.result)
 
         # round 2: d columns q_0 + s_k r_j per row (one more than z_hk needs), sampled at
-        # row k's measured steps plus a midpoint; s_k moves the steps by about a third of
-        # the row's smallest gap (labels stay, logits stay well pinned)
+        # row k's measured steps plus a midpoint; s_k moves the steps by about a fifth of
+        # the row's smallest gap, at most about half of it (labels stay, logits stay well
+        # pinned)
         gaps = np.diff(np.sort(t_row, axis=1), axis=1).min(axis=1) if H > 1 else np.full(d, 2.0)
         y_norm = float(np.max(np.linalg.norm(Y0, axis=0)))
         z_norm = np.linalg.norm(U, axis=1) * y_norm                   # about |W_h^T u_k|
-        s_k = 0.4 * np.minimum(gaps, spacing) * math.sqrt(d) / (3.0 * z_norm)
+        s_k = COLUMN_MOVE * np.minimum(gaps, spacing) * math.sqrt(d) / z_norm
         NC = d - 1 + EXTRA_COLUMNS
         R = np.linalg.qr(rng.standard_normal((d, d)))[0].T[:NC]       # (NC, d), NC <= d
         columns = self.q_0[None, None] + s_k[:, None, None] * R[None]  # (d, NC, d)
@@ -588,17 +602,18 @@ class _Extraction:
         })
         if measured_sigma > NOISE_FACTOR * noise:
             self.finish(model, bar, check=False)
-            raise ModelMismatchError(
-                f"the black box is not multi-head attention with {H} canonical heads: the row "
-                f"fits leave a residual {measured_sigma:.1e}, {measured_sigma / noise:.0f} "
-                f"times the output precision {noise:.1e}", result=self.result)
+            raise RecoveryFailedError(
+                f"the row fits leave a residual {measured_sigma:.1e}, {measured_sigma / noise:.0f} "
+                f"times the output precision {noise:.1e}: the black box is not multi-head "
+                f"attention with {H} canonical heads, or a row fit stopped in a wrong basin",
+                result=self.result)
         if not bar <= self.tolerance:
             self.finish(model, bar, check=False)
             raise RecoveryFailedError(
                 f"the samples do not pin the heads down: predicted relative parameter error "
                 f"{predicted:.1e} (error bar {bar:.1e}) exceeds the tolerance "
                 f"{self.tolerance:.0e}; smallest head separation {sep:.2e}, row fit "
-                f"condition {cond:.1e}")
+                f"condition {cond:.1e}", result=self.result)
         return self.finish(model, bar)
 
     def assemble(self, U, rows, noise):
@@ -621,7 +636,8 @@ class _Extraction:
                         check=False)
             raise RecoveryFailedError(
                 "the samples do not pin the heads down: a row fit diverged or the designed "
-                "rows are singular (a head too weak to be located); error bar inf")
+                "rows are singular (a head too weak to be located); error bar inf",
+                result=self.result)
         z_var = np.array([r.z_std ** 2 for r in rows]) * sigma ** 2    # (d, H, d)
         c_var = np.array([r.c_std ** 2 for r in rows]) * sigma ** 2    # (d, H)
         W_var = np.einsum("ik,kha->h", Uinv ** 2, z_var)
