@@ -609,3 +609,14 @@ def test_refusals_after_measuring_keep_the_best_effort():
     result = info.value.result
     assert result is not None and result.queries == oracle.queries
     assert result.report.details["error bar"] > 1e-30
+
+
+def test_window_keeps_designed_steps_apart_up_to_twelve_heads():
+    """The main window grows with H so the designed spacing 2 (ln(N - 1) - 1.5) / H stays
+    >= 1.45 (a sigmoid's width is ~4) up to H = 12; the base stages use 2048 tokens up to
+    8 heads and the main window beyond."""
+    from attnextract.learners.multi_head.design import base_length, window_length
+    for H in range(1, 13):
+        N = window_length(H)
+        assert 2 * (np.log(N - 1) - 1.5) / H >= 1.45, H
+        assert base_length(H) == (2048 if H <= 8 else N)

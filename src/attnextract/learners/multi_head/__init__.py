@@ -204,7 +204,7 @@ class _Extraction:
         self.breakdown: dict[str, int] = {}
         self.details: dict = {}
         self.notes: list[str] = []
-        self.length = design.BASE_LENGTH           # the base stages; main() switches
+        self.length = design.base_length(self.max_heads)   # the base stages; main() switches
         self.half_window = math.log(self.length - 1)
 
     # -- bookkeeping ---------------------------------------------------------

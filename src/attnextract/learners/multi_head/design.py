@@ -34,15 +34,22 @@ import numpy as np
 
 PROBE_FLOATS = 1 << 22          # floats of probe tokens per oracle call (32 MB)
 ROW_FRACTIONS = (0.5,)
-BASE_LENGTH = 2048              # base probes: few, long, lambda in +-7.6
 
 
 def window_length(heads: int) -> int:
     """Sequence length N of every main copy probe: lambda spans +-ln(N - 1).
 
-    More heads need a wider window to keep their designed steps apart.
+    More heads need a wider window to keep their designed steps apart: the spacing
+    2 (ln(N - 1) - 1.5) / H stays at 1.5 or more up to H = 12 (N = 32768).
     """
-    return 128 if heads <= 2 else 512 if heads <= 6 else 2048 if heads <= 8 else 8192
+    return (128 if heads <= 2 else 512 if heads <= 6 else 2048 if heads <= 8
+            else 8192 if heads <= 10 else 32768)
+
+
+def base_length(heads: int) -> int:
+    """Sequence length of the base stages for up to ``heads`` heads: 2048 (lambda in
+    +-7.6) up to 8 heads, the main window beyond (the base row's steps crowd more)."""
+    return 2048 if heads <= 8 else window_length(heads)
 
 
 def copy_counts(lam: np.ndarray, length: int) -> np.ndarray:
