@@ -265,6 +265,7 @@ class _Extraction:
             return self.finish(MultiHeadAttention(np.zeros((0, d, d)), np.zeros((0, d))), None)
         self.say("base perturbations")
         Y0, V0, base_error = self.base_perturbations()
+        self.details["base estimate relative error (first row)"] = base_error
         if base_error > RECENTRE_ABOVE and self.recentred_base(Y0, V0):
             self.say("base perturbations (recentred row)")
             Y0, V0, _ = self.base_perturbations()
