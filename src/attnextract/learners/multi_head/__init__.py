@@ -56,13 +56,14 @@ learner refuses (:class:`RecoveryFailedError`) when that prediction exceeds
 ``max_error_bar`` or when a main row's fit does not reach the output precision (it
 cannot tell a box outside the class from two steps that fell too close in one row),
 reports a mismatch (:class:`ModelMismatchError`) when no base row fits at most H steps
-or held-out verification fails, and otherwise states the prediction as the error bar. What limits it: the steps' spacing
-in the lambda window (2 (ln N - 1.5) / H; the window grows with H, N up to 8192
-tokens) and the black box's own rounding, which grows with the heights sum_h |c_h|.
+or held-out verification fails, and otherwise states the prediction as the error bar.
+What limits it: the steps' spacing in the lambda window (2 (ln N - 1.5) / H; the window
+grows with H, N up to 32768 tokens) and the black box's own rounding, which grows with
+the heights sum_h |c_h|.
 
 Queries: d + base (3 to 14 scans of 4H + 8 samples, within what paper 2's count leaves;
-(d - 1)(3H + 3) perturbations, twice with one or two more scans when recentred) + d (2H + 1) + d^2 (H + 1) main probes, plus d^2 (H + 1)
-when round 3 runs: the floor H(d^2 + d) (the canonical form's free parameters) plus
+(d - 1)(3H + 3) perturbations, twice with one or two more scans when recentred)
++ d (2H + 1) + d^2 (H + 1) main probes, plus d^2 (H + 1) when round 3 runs: the floor H(d^2 + d) (the canonical form's free parameters) plus
 about d^2 + Hd + base (twice the columns with round 3), never above paper 2's count
 4Hd^2 - 2H + 1.
 """
@@ -366,8 +367,9 @@ class _Extraction:
         grows like gap^-4), and so do the perturbations around them. With W_h q_0 known
         roughly, a row is designed whose steps are evenly spaced over the window (like
         the main rows), scanned, and kept when its steps are pinned better. It costs
-        one scan and the perturbations again, and runs only within paper 2's count and
-        the budget. Returns whether the base row changed.
+        one or two scans and the perturbations again, and runs only when paper 2's
+        count and the budget leave room for it, the main rounds and round 3. Returns
+        whether the base row changed.
         """
         d, H = Y0.shape
         # it must leave room for the main rounds and round 3 (which the precision needs

@@ -40,7 +40,7 @@ def window_length(heads: int) -> int:
     """Sequence length N of every main copy probe: lambda spans +-ln(N - 1).
 
     More heads need a wider window to keep their designed steps apart: the spacing
-    2 (ln(N - 1) - 1.5) / H stays at 1.5 or more up to H = 12 (N = 32768).
+    2 (ln(N - 1) - 1.5) / H stays at 1.48 or more up to H = 12 (N = 32768).
     """
     return (128 if heads <= 2 else 512 if heads <= 6 else 2048 if heads <= 8
             else 8192 if heads <= 10 else 32768)
