@@ -623,3 +623,13 @@ def test_window_keeps_designed_steps_apart_up_to_twelve_heads():
         N = window_length(H)
         assert 2 * (np.log(N - 1) - 1.5) / H >= 1.45, H
         assert base_length(H) == (2048 if H <= 8 else N)
+
+
+@pytest.mark.slow
+def test_eight_heads_at_d8_seed_18_below_1e_10():
+    """The previous learner's one d = 8 miss (1.1e-10, cond(U) 497): with 100 candidate
+    orders per row at H = d, it is inside the 1e-10 goal."""
+    d, H, seed = 8, 8, 18
+    M = random_multi_head(H, d, seed=10_000 * H + 100 * d + seed, w_scale=1 / np.sqrt(d))
+    result = extract_multi_head(Oracle(M, d), heads=H, seed=seed)
+    assert canonical_error(result.model, M) <= 1e-10

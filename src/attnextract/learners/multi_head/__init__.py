@@ -353,11 +353,15 @@ class _Extraction:
         if heads == 0:
             return 0
         chosen = min((f for f in found if f[0] == heads), key=lambda f: base_quality(f[2], self.half_window))
-        _, self.u_0, self.base_fit, self.base_noise = chosen
-        gaps = np.diff(self.base_fit.t)
-        self.details["base row smallest step gap"] = float(gaps.min()) if gaps.size else math.inf
-        self.details["base row logit error"] = float(np.max(self.base_fit.t_std))
+        self.adopt_base(chosen[1], chosen[2])
         return heads
+
+    def adopt_base(self, u: np.ndarray, steps) -> None:
+        """Make (u, its fitted steps) the base row and report how well it is pinned."""
+        self.u_0, self.base_fit = u, steps
+        gaps = np.diff(steps.t)
+        self.details["base row smallest step gap"] = float(gaps.min()) if gaps.size else math.inf
+        self.details["base row logit error"] = float(np.max(steps.t_std))
 
     def recentred_base(self, Y0: np.ndarray, V0: np.ndarray) -> bool:
         """Replace a base row whose steps crowd by one designed from the first estimate.
@@ -374,9 +378,8 @@ class _Extraction:
         d, H = Y0.shape
         # it must leave room for the main rounds and round 3 (which the precision needs
         # more), within paper 2's count and the budget
-        cost = 2 * (4 * H + 8) + self.perturbation_cost(H) + self.main_cost(H) + self.wide_cost(H)
-        if (self.oracle.queries - self.q0 + cost > paper2_count(self.max_heads, d)
-                or cost > _budget_left(self.oracle)):
+        if not self.affordable(2 * (4 * H + 8) + self.perturbation_cost(H) + self.main_cost(H)
+                               + self.wide_cost(H), H):
             return False
         half = self.half_window - 3.0       # room for steps the rough estimate misplaces
         spacing = 2.0 * half / (H - 1) if H > 1 else 2.0
@@ -398,27 +401,29 @@ class _Extraction:
         self.details["recentred base row quality (old, new)"] = (old, new)
         if not (steps.rms <= NOISE_FACTOR * noise and new < old):
             return False
-        self.u_0, self.base_fit = u, steps
-        self.details["base row smallest step gap"] = float(np.min(np.diff(steps.t))) if H > 1 else math.inf
-        self.details["base row logit error"] = float(np.max(steps.t_std))
+        self.adopt_base(u, steps)
         return True
 
     def scan_row(self, u: np.ndarray, t_start: np.ndarray, heights: float):
         """Scan row u on the base grid and fit its steps from ``t_start`` (a free fit
         when that start does not reach the noise); returns (sorted StepFit, noise)."""
-        H = t_start.size
         before = self.oracle.queries
         lam, g = self.measure(np.repeat(u[None], self.base_grid.size, 0),
                               np.repeat(self.q_0[None], self.base_grid.size, 0), self.base_grid)
         self.spend("base rows", before)
         noise = self.noise(g + self.q_0 @ self.v, heights)
-        steps = fit.refit_steps(lam, g, u @ self.v, t_start, floor=noise)
-        if steps.rms > NOISE_FACTOR * noise:
-            free = fit.fit_free_steps(lam, g, u @ self.v, H, self.half_window, noise, counts=[H])[-1]
-            steps = free if free.rms < steps.rms else steps
+        steps, _ = fit.fit_steps_from(lam, g, u @ self.v, t_start, self.half_window, noise,
+                                      NOISE_FACTOR * noise)
         order = np.argsort(steps.t)
         return fit.StepFit(t=steps.t[order], c=steps.c[order], rms=steps.rms,
                            t_std=steps.t_std[order], c_std=steps.c_std[order]), noise
+
+    def affordable(self, queries: int, H: int) -> bool:
+        """Whether ``queries`` more stay within paper 2's count (which this learner never
+        exceeds) and leave the budget enough for them and the held-out verification."""
+        d = self.d
+        return (self.oracle.queries - self.q0 + queries <= paper2_count(self.max_heads, d)
+                and queries + verification_count(H * (d * d + d)) <= _budget_left(self.oracle))
 
     def main_cost(self, H: int) -> int:
         """Queries of rounds 1 and 2 (the main rows and their columns)."""
@@ -510,14 +515,12 @@ class _Extraction:
             noise = self.noise(g[k] + self.q_0 @ self.v, float(np.sum(np.abs(C0[k]))))
             # two starts: the designed steps (labelled) and, where the design missed
             # by more than the fit can walk, the rational fit's poles (labelled after)
-            steps = fit.refit_steps(lam[k], g[k], U[k] @ self.v, tau[k])
+            steps, started = fit.fit_steps_from(lam[k], g[k], U[k] @ self.v, tau[k],
+                                                self.half_window, noise, NOISE_FACTOR * noise)
             t, c, rms = steps.t, steps.c, steps.rms
-            if rms > NOISE_FACTOR * noise:
-                steps = fit.fit_free_steps(lam[k], g[k], U[k] @ self.v, H, self.half_window,
-                                           noise, counts=[H])[-1]
-                if steps.rms < rms:
-                    order = fit.label_steps(steps.t, steps.c, tau[k], C0[k], spacing)
-                    t, c, rms = steps.t[order], steps.c[order], steps.rms
+            if not started:
+                order = fit.label_steps(t, c, tau[k], C0[k], spacing)
+                t, c = t[order], c[order]
             worst = max(worst, rms / (NOISE_FACTOR * noise))
             t_row[k], c_row[k] = t, c
         if worst > 1.0:
@@ -527,7 +530,7 @@ class _Extraction:
                 f"a main row does not fit {H} steps (residual {worst * NOISE_FACTOR:.1e} times "
                 f"the output precision): the black box is not multi-head attention with {H} "
                 f"canonical heads, or two of its steps fell too close in that row to be "
-                f"told apart (base estimate error {self.details.get('base estimate relative error', math.nan):.1e})",
+                f"told apart (base estimate error {self.details['base estimate relative error']:.1e})",
                 result=self.result)
 
         # round 2: d columns q_0 + s_k r_j per row (one more than z_hk needs), sampled at
@@ -574,11 +577,7 @@ class _Extraction:
         model, predicted, sigma, measured_sigma = self.assemble(U, rows, noise)
         self.details["predicted relative error (small moves)"] = predicted
         wide_cost = self.wide_cost(H)
-        left = _budget_left(self.oracle)
-        within_count = (self.oracle.queries - self.q0 + wide_cost
-                        <= paper2_count(self.max_heads, d)
-                        and wide_cost + verification_count(H * (d * d + d)) <= left)
-        if REFINE_ABOVE < predicted <= WIDE_COLUMNS_UP_TO and within_count:
+        if REFINE_ABOVE < predicted <= WIDE_COLUMNS_UP_TO and self.affordable(wide_cost, H):
             # round 3: the small column moves limit the precision (z from differences
             # of nearby logits); with every row's z known, columns can be designed like
             # rows, each spreading the row's steps over the whole window. It runs only

@@ -204,6 +204,23 @@ def refit_steps(lam: np.ndarray, g: np.ndarray, total: float, t0: np.ndarray,
                    t_std=std[:H], c_std=std[H:] * scale)
 
 
+def fit_steps_from(lam: np.ndarray, g: np.ndarray, total: float, t_start: np.ndarray,
+                   half_window: float, noise: float, allowed: float) -> tuple[StepFit, bool]:
+    """A row's steps from a predicted start, or free when the start was too far off.
+
+    :func:`refit_steps` from ``t_start``; when its residual exceeds ``allowed``, a free
+    fit of as many steps (:func:`fit_free_steps`, rational start), and the better of the
+    two. Returns (fit, started): ``started`` False when the free fit won, whose steps
+    are in position order, not in the start's.
+    """
+    steps = refit_steps(lam, g, total, t_start, floor=noise)
+    if steps.rms <= allowed:
+        return steps, True
+    free = fit_free_steps(lam, g, total, t_start.size, half_window, noise,
+                          counts=[t_start.size])[-1]
+    return (free, False) if free.rms < steps.rms else (steps, True)
+
+
 # ---------------------------------------------------------------------------
 # many probes, heights known: logits t (P, H)
 # ---------------------------------------------------------------------------
