@@ -854,6 +854,7 @@ class BlackBoxServer:
         self._stop = None
         self._stopping = False
         self._stopped = threading.Event()
+        self._stop_requested = threading.Event()
         self._tasks: set = set()
         self._busy: set = set()      # tasks answering a request (the others are idle)
 
@@ -874,9 +875,10 @@ class BlackBoxServer:
             self._stopped.set()
 
     def shutdown(self) -> None:
+        self._stop_requested.set()       # seen by a loop that has not started yet
         if self._loop is not None and not self._stopped.is_set():
             try:
-                self._loop.call_soon_threadsafe(self._stop.set)
+                self._loop.call_soon_threadsafe(lambda: self._stop and self._stop.set())
             except RuntimeError:     # the loop closed meanwhile
                 pass
             self._stopped.wait(30)
@@ -888,6 +890,8 @@ class BlackBoxServer:
 
     async def _main(self, handle_signals: bool) -> None:
         self._stop = asyncio.Event()
+        if self._stop_requested.is_set():        # shut down before it started
+            return
         self.bodies = ByteBudget(self.body_memory)
         loop = asyncio.get_running_loop()
         if handle_signals:
