@@ -24,7 +24,8 @@ from attnextract.adapters.server import make_server
 from attnextract.adapters.targets import random_single_head
 
 from conftest import rel_err, run_cli
-from netfaults import LossyProxy
+from netfaults import (Dribbler, LossyProxy, fill_answer_cache, just_under, request_bytes,
+                       rss_mb, send_at_once)
 
 D = 5
 NEEDED = D * D + D + 64          # single-head extraction: floor + held-out verification
@@ -270,9 +271,12 @@ box = Slow()
 class ServerProcess:
     """``attnextract serve`` in a subprocess on a fixed port (0 picks one the first time)."""
 
-    def __init__(self, target, ledger, budget, port=0):
-        self.args = ["serve", "--secret", str(target), "--state", str(ledger),
-                     "--budget", str(budget)]
+    def __init__(self, target, ledger=None, budget=None, *options, port=0):
+        self.args = ["serve", "--secret", str(target), *map(str, options)]
+        if ledger is not None:
+            self.args += ["--state", str(ledger)]
+        if budget is not None:
+            self.args += ["--budget", str(budget)]
         self.port = port
         self.start()
 
@@ -401,3 +405,97 @@ def test_a_secret_without_kind_or_dim(tmp_path):
     assert proc.returncode == 0 and "Traceback" not in err
     bad = run_cli("serve", "--secret", f"{tmp_path / 't.py'}:nodim", "--port", "0")
     assert bad.returncode == 2 and "has no dim" in bad.stderr and "Traceback" not in bad.stderr
+
+
+CHEAP_TARGET = """
+class Cheap:
+    kind = "cheap"
+    dim = {d}
+
+    def __call__(self, X):
+        return X[:, -1, :].sum(axis=1)
+
+
+box = Cheap()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, bodies, options", [
+    ("npy", 400, ()),                                               # the defaults
+    ("json", 150, ("--body-memory", 16, "--cache-memory", 4)),
+    ("npy", 150, ("--body-memory", 8, "--cache-memory", 2, "--state", "STATE")),
+])
+def test_peak_memory_stays_within_its_stated_bound(tmp_path, kind, bodies, options):
+    """The answer cache full, then ``bodies`` connections each send a body of just under
+    1 MiB at once: the server's peak RSS (VmHWM) stays within peak_rss_bound(its settings)
+    (the old server took 606 MB for 400 such bodies); every body is answered 200 or 503
+    (no room within the slot timeout), and exactly the 200s are charged."""
+    from attnextract.adapters.server import BODY_MEMORY, CACHE_BYTES, peak_rss_bound
+    d = 4
+    (tmp_path / "cheap.py").write_text(CHEAP_TARGET.format(d=d))
+    options = [str(tmp_path / "ledger.sqlite") if o == "STATE" else o for o in options]
+    settings = dict(zip(options[::2], options[1::2]))
+    body_memory = int(settings.get("--body-memory", BODY_MEMORY >> 20)) << 20
+    cache_bytes = int(settings.get("--cache-memory", CACHE_BYTES >> 20)) << 20
+    server = ServerProcess(f"{tmp_path / 'cheap.py'}:box", None, None, *options)
+    try:
+        url = f"http://127.0.0.1:{server.port}"
+        server.health()
+        idle = rss_mb(server.proc.pid, "VmRSS")
+        fill_answer_cache(url, d, cache_bytes / 2**20)
+        before = server.health()["served"]
+        body = just_under(1 << 20, kind, d)
+        ctype = "application/x-npy" if kind == "npy" else "application/json"
+        answers = send_at_once(("127.0.0.1", server.port), request_bytes(body, ctype), bodies)
+        peak = rss_mb(server.proc.pid, "VmHWM")
+        bound = peak_rss_bound(int(idle * 2**20), connections=bodies + 2,
+                               body_memory=body_memory, cache_bytes=cache_bytes,
+                               state="--state" in settings) / 2**20
+        ok = answers.count(b"HTTP/1.1 200 OK")
+        busy = answers.count(b"HTTP/1.1 503 Service Unavailable")
+        assert ok + busy == bodies and ok > 0, set(answers)
+        sequences = (len(body) - 128) // (16 * d) if kind == "npy" else None
+        served = server.health()["served"] - before
+        if sequences is not None:
+            assert served == ok * sequences
+        assert peak <= bound, (peak, bound, idle)
+        print(f"peak RSS {peak:.1f} MiB <= bound {bound:.1f} MiB (idle {idle:.1f}); "
+              f"{ok} answered, {busy} busy")
+    finally:
+        code, err = server.stop(signal.SIGTERM)
+    assert code == 0 and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_dribbling_bodies_do_not_starve_a_legal_request(tmp_path):
+    """4 connections announce 64 MiB of JSON and send a byte every 1.5 s (the old server
+    let them hold its 4 big-body slots for about a minute): a legal 2 MiB npy request and
+    a 344 kB JSON request are answered meanwhile (the client's 15 s timeout, with no retry,
+    would fail the test otherwise; benchmarks/bench_http.py dribble measures how fast),
+    and every dribbler is cut with a 408."""
+    d = 64
+    (tmp_path / "cheap.py").write_text(CHEAP_TARGET.format(d=d))
+    server = ServerProcess(f"{tmp_path / 'cheap.py'}:box")
+    try:
+        dribblers = [Dribbler(("127.0.0.1", server.port), every=1.5) for _ in range(4)]
+        for t in dribblers:
+            t.start()
+        for t in dribblers:
+            assert t.connected.wait(30)
+        time.sleep(0.3)
+        rng = np.random.default_rng(0)
+        url = f"http://127.0.0.1:{server.port}"
+        for X, transport in ((rng.standard_normal((8191, 2, d)), "npy"),
+                             (rng.standard_normal((130, 2, d)), "json")):
+            box = HttpBlackBox(url, transport=transport, retries=0, timeout=15,
+                               max_floats=1 << 20)
+            assert np.array_equal(box(X), X[:, -1, :].sum(axis=1))
+            assert box.requests == 1
+        for t in dribblers:
+            t.join(120)
+        assert [t.answer for t in dribblers] == [b"HTTP/1.1 408 Request Timeout"] * 4
+        assert server.health()["served"] == 8191 + 130
+    finally:
+        code, err = server.stop(signal.SIGTERM)
+    assert code == 0 and "Traceback" not in err
