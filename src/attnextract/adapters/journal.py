@@ -24,8 +24,8 @@ Before a resumed run answers anything from the journal, the live black box is as
 the challenges and a fresh random sample of :data:`RESUME_SAMPLE` kept sequences; any
 answer that differs refuses the journal (:class:`JournalMismatchError`, naming the
 file and the first difference) before the learner spends a query. These checks are
-counted apart from the learner's queries (``Oracle.check_queries``) and not against
-its budget. Two answers to the same query agree when
+answered by the black box, so they are counted in the run's queries and within its
+budget like every other query (``Oracle.check_queries`` says how many). Two answers to the same query agree when
 
     |a - b| <= 2 (tau + rho max(|a|, |b|)) + 1e-12 max(|a|, |b|, rms)
 
@@ -42,7 +42,8 @@ answers depend on their batch by more must state it as noise.
 
 **Checked when read.** Every row carries a checksum (SHA-256 of its blobs); a row that
 fails it, holds a non-finite answer, or has blobs of inconsistent lengths, and a file
-that is not a whole number of pages (cut short), raise :class:`JournalError`. So do
+that is not a whole number of pages (cut short), raise :class:`JournalError`, as does
+every SQLite read error (a damaged page of the samples or the fingerprint). So do
 write failures (full disk, read-only or locked file): the error says which batch was
 being recorded, and its answers are saved to a sidecar ``JOURNAL.unsaved-K.npz``
 (beside the journal, else in the temporary directory, else kept in memory in
@@ -194,9 +195,12 @@ def answers_agree(stored: np.ndarray, live: np.ndarray, scale: float, tolerance:
 def read_entries(path) -> list[tuple[bytes, int, float]]:
     """Every (digest, occurrence, output) in the journal file, opened read-only (checked)."""
     uri = "file:" + os.path.abspath(os.fspath(path)) + "?mode=ro"
-    with sqlite3.connect(uri, uri=True) as db:
-        rows = db.execute("SELECT id, digests, occurrences, outputs, checksum FROM batches "
-                          "ORDER BY id").fetchall()
+    try:
+        with sqlite3.connect(uri, uri=True) as db:
+            rows = db.execute("SELECT id, digests, occurrences, outputs, checksum FROM batches "
+                              "ORDER BY id").fetchall()
+    except sqlite3.Error as exc:
+        raise JournalError(f"cannot read journal {path}: {exc}", path=os.fspath(path)) from exc
     return [entry for row in rows for entry in _unpack(os.fspath(path), *row)]
 
 
@@ -439,9 +443,18 @@ class QueryJournal:
             f"asked. Use another journal (or --no-journal) for this black box{hint}",
             path=self.path, difference=difference)
 
+    def _read(self, sql: str, row: tuple = (), what: str = "its rows", one: bool = False):
+        """A SELECT on the journal; any SQLite error (a damaged page) is a JournalError."""
+        try:
+            cursor = self._db.execute(sql, row)
+            return cursor.fetchone() if one else cursor.fetchall()
+        except sqlite3.Error as exc:
+            raise JournalError(f"cannot read {what} from journal {self.path} (damaged?): {exc}",
+                               path=self.path) from exc
+
     def _fingerprint(self):
-        row = self._db.execute("SELECT dim, outputs, checksum FROM fingerprint WHERE version = ?",
-                               (FINGERPRINT_VERSION,)).fetchone()
+        row = self._read("SELECT dim, outputs, checksum FROM fingerprint WHERE version = ?",
+                         (FINGERPRINT_VERSION,), "its fingerprint", one=True)
         if row is None:
             return None
         dim, outputs, stored_checksum = row
@@ -458,16 +471,16 @@ class QueryJournal:
 
     def _sample(self, k: int) -> list[tuple[int, np.ndarray, float]]:
         """Up to k kept sequences, drawn afresh at random: [(row id, (N, d), answer)]."""
-        ids = [row[0] for row in self._db.execute("SELECT id FROM samples")]
+        ids = [row[0] for row in self._read("SELECT id FROM samples", (), "its kept sequences")]
         if not ids:
             return []
         rng = np.random.default_rng()                    # fresh: not predictable
         chosen = rng.choice(ids, size=min(k, len(ids)), replace=False)
         out = []
         for row_id in sorted(int(i) for i in chosen):
-            length, blob, y, stored_checksum = self._db.execute(
+            length, blob, y, stored_checksum = self._read(
                 "SELECT length, sequence, output, checksum FROM samples WHERE id = ?",
-                (row_id,)).fetchone()
+                (row_id,), f"kept sequence {row_id}", one=True)
             if not (isinstance(blob, bytes) and isinstance(stored_checksum, bytes)
                     and isinstance(length, int) and isinstance(y, float)):
                 raise JournalError(f"journal {self.path}: kept sequence {row_id} is malformed",
