@@ -131,6 +131,18 @@ def _add_journal(parser) -> None:
                         help="keep no journal: an interrupted run starts over")
 
 
+def _add_domain(parser) -> None:
+    """--max-length and --target-timeout (every command that queries a target)."""
+    parser.add_argument("--max-length", type=_positive_int, metavar="L",
+                        help="the longest sequence the black box accepts: no query is longer "
+                        "(a learner that needs longer probes refuses at its start), and "
+                        "verification covers lengths up to L (default: the longest the "
+                        "learner sent, at least 4096)")
+    parser.add_argument("--target-timeout", type=float, metavar="SECONDS",
+                        help="FILE.py targets: a call that has not answered after SECONDS is "
+                        "a black-box error (exit 3)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="attnextract", formatter_class=HelpFormatter,
@@ -155,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="result file to write (.npz is appended if missing)")
     ex.add_argument("--budget", type=_nonnegative_int, help="hard limit on queries")
     ex.add_argument("--max-batch", type=_positive_int, help="largest batch per black-box call")
+    _add_domain(ex)
     ex.add_argument("--seed", type=int, help="seed of the learner's random choices (random "
                     "unless given; kept in the journal)")
     ex.add_argument("--verify-tolerance", type=float, dest="verify_tolerance", metavar="ERR",
@@ -276,12 +289,15 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("--tolerance", type=float, dest="verify_tolerance", action=Renamed,
                     new="--verify-tolerance", help=argparse.SUPPRESS)
     ve.add_argument("--budget", type=_nonnegative_int, help="hard limit on queries")
+    _add_domain(ve)
     ve.add_argument("--json", action="store_true", help="print one JSON object")
     _add_journal(ve)
 
     de = command("demo", "extract a secret random single head and check it")
     de.add_argument("--dim", type=_positive_int, default=64, help="token width d")
     de.add_argument("--seed", type=int, help="seed of the secret target (random if not given)")
+    de.add_argument("--max-length", type=_positive_int, metavar="L",
+                    help="longest sequence sent (verification covers lengths up to L)")
     de.add_argument("--json", action="store_true", help="print one JSON object")
     _add_journal(de)
 
@@ -356,6 +372,8 @@ def _rounding_hint(report, args) -> str | None:
     check = report.verification
     if check is None or getattr(args, "tolerance", None) is not None:
         return None
+    if not getattr(check, "rounded_answers", False):
+        return None                 # the answers show no rounding: no hint to loosen the check
     if check.max_relative_error <= 1e-2:
         return (f"attnextract: hint: a held-out error of {check.max_relative_error:.1e} is small: "
                 "if the black box rounds its outputs (float32, a few digits), extract with "
@@ -387,7 +405,7 @@ def _open_target(spec: str, dim: int | None = None, args=None):
         if dim is not None:
             black_box.check_dim(dim)       # also fails early, typed, when unreachable
         return black_box
-    return FirstBatchHint(load_target(spec), spec)
+    return FirstBatchHint(load_target(spec), spec, getattr(args, "target_timeout", None))
 
 
 def _progress(args, label: str = "extracting") -> ProgressBar:
@@ -438,7 +456,7 @@ def cmd_extract(args) -> int:
     journal = _open_journal(args)
     bar = _progress(args)
     oracle = Oracle(black_box, args.dim, budget=args.budget, max_batch=args.max_batch,
-                    progress=bar, journal=journal)
+                    progress=bar, journal=journal, max_length=args.max_length)
     _RUN.update(oracle=oracle, journal=journal)
     try:
         result = extract(oracle, learner.name, seed=args.seed, tolerance=args.tolerance,
@@ -608,8 +626,9 @@ def _open_query_journal(args, target: str, dim: int):
 def cmd_verify(args) -> int:
     model = load_model(args.result)
     journal = _open_query_journal(args, args.target, model.dim)
-    oracle = Oracle(_open_target(args.target, model.dim), model.dim, budget=args.budget,
-                    journal=journal, progress=_progress(args, "verifying"))
+    oracle = Oracle(_open_target(args.target, model.dim, args), model.dim, budget=args.budget,
+                    journal=journal, progress=_progress(args, "verifying"),
+                    max_length=args.max_length)
     _RUN.update(oracle=oracle)
     count = args.count or verification_count(sum(np.size(p) for p in model.parameters().values()))
     try:
@@ -625,11 +644,19 @@ def cmd_verify(args) -> int:
                           "median_relative_error": verification.median_relative_error,
                           "tolerance": verification.tolerance,
                           "hull_violation": verification.hull_violation,
-                          "worst_family": verification.worst_family}))
+                          "worst_family": verification.worst_family,
+                          "lengths": list(verification.lengths),
+                          "norms": list(verification.norms),
+                          "max_length": verification.max_length,
+                          "search_queries": verification.search_queries}))
     else:
         print(f"{model.kind} model, d = {model.dim}, {verification.sequences} held-out sequences:"
               f" max relative error {verification.max_relative_error:.2e}, median "
-              f"{verification.median_relative_error:.2e} (tolerance {verification.tolerance:.0e})")
+              f"{verification.median_relative_error:.2e} (tolerance {verification.tolerance:.0e});"
+              f" lengths {verification.lengths[0]}-{verification.lengths[1]} of up to "
+              f"{verification.max_length}, token norms {verification.norms[0]:.1e} .. "
+              f"{verification.norms[1]:.1e}, {verification.search_queries} from the "
+              f"adversarial search")
     if not verification.passed:
         print(f"attnextract: MISMATCH: {mismatch_reason(verification)}", file=sys.stderr)
         return 1
@@ -645,7 +672,7 @@ def cmd_demo(args) -> int:
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     secret = random_single_head(args.dim, seed)
     bar = _progress(args)
-    oracle = Oracle(secret, args.dim, progress=bar, journal=journal)
+    oracle = Oracle(secret, args.dim, progress=bar, journal=journal, max_length=args.max_length)
     _RUN.update(oracle=oracle)
     try:
         result = extract(oracle, "single-head", seed=seed + 1)

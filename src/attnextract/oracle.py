@@ -199,7 +199,8 @@ class Oracle:
         B, N, _ = X.shape
         if self.journal is not None and not self._live and not self.journal.bound:
             # refuses a journal of another black box; its queries are counted and budgeted
-            self.journal.bind(self._ask_to_check, self.dim, self.black_box)
+            self.journal.bind(self._ask_to_check, self.dim, self.black_box,
+                              **({"max_length": self.max_length} if self.max_length else {}))
         self.require(B, f"a batch of {B} sequences")
         # a sent query is spent, whatever comes back: counted before sending
         if self.journal is None or self._live:

@@ -143,7 +143,7 @@ def checksum(*blobs: bytes) -> bytes:
     return h.digest()[:CHECKSUM_BYTES]
 
 
-def challenge_sequences(dim: int) -> list[np.ndarray]:
+def challenge_sequences(dim: int, max_length: int | None = None) -> list[np.ndarray]:
     """The fingerprint's fixed challenge sequences for token width ``dim``: (N, dim) each.
 
     Lengths 1, 2, 4, 16, 16, 64, 256, 256 (the long ones cut to 2^17 numbers for wide
@@ -151,11 +151,13 @@ def challenge_sequences(dim: int) -> list[np.ndarray]:
     scale d^{-1/4} times a per-sequence factor (0.01 to 3), and per-token log-uniform
     factors in the long ones, so that the fingerprint sees short and long sequences,
     saturated and flat attention. Seeded by ``dim`` alone: the same for every journal of
-    that width.
+    that width. ``max_length`` (the black box's longest sequence) cuts longer ones to it.
     """
     rng = np.random.default_rng([0x6A6F75726E616C, FINGERPRINT_VERSION, int(dim)])
     anchor = dim ** -0.25
     longest = max(16, min(256, CHALLENGE_NUMBERS // dim))
+    if max_length:
+        longest = min(longest, int(max_length))
     plan = [(1, 1.0), (2, 0.1), (4, 3.0), (16, 1.0), (16, 0.01), (64, 1.0), (256, 0.3),
             (256, 1.0)]
     out = []
@@ -377,7 +379,7 @@ class QueryJournal:
             self.context.setdefault(key, value)
 
     # -- binding to the black box -------------------------------------------
-    def bind(self, ask, dim: int, black_box=None) -> int:
+    def bind(self, ask, dim: int, black_box=None, max_length: int | None = None) -> int:
         """Bind the journal to the live black box; returns the queries this cost.
 
         ``ask`` answers a batch (B, N, dim) from the live black box (validated).
@@ -388,7 +390,7 @@ class QueryJournal:
         tau, rho = noise_bound(black_box)
         tau = tau if self.tolerance is None else float(self.tolerance)
         rho = rho if self.relative_tolerance is None else float(self.relative_tolerance)
-        challenges = challenge_sequences(dim)
+        challenges = challenge_sequences(dim, max_length)
         stored = self._fingerprint()
         if stored is None and self._answers:
             raise JournalError(f"journal {self.path} holds answers but no fingerprint of its "
