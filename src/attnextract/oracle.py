@@ -140,6 +140,18 @@ class Oracle:
         self.planned = self.queries + int(n)
         log.info("%s: %d queries planned (%d sent so far)", what, n, self.queries)
 
+    def bind_journal(self) -> int:
+        """Bind the journal to the live black box now (its fingerprint queries, counted in
+        ``queries`` and budgeted); returns the queries it cost (0 without a journal or
+        when already bound). :func:`attnextract.extract` calls it before the learner
+        starts, so that the learner's own count is its own."""
+        if self.journal is None or self.journal.bound:
+            return 0
+        before = self.queries
+        self.journal.bind(self._ask_to_check, self.dim, self.black_box,
+                          **({"max_length": self.max_length} if self.max_length else {}))
+        return self.queries - before
+
     def check_length(self, n: int, what: str = "a query") -> None:
         """Raise :class:`InputError` if sequences of ``n`` tokens exceed ``max_length``."""
         if self.max_length is not None and n > self.max_length:
@@ -199,8 +211,7 @@ class Oracle:
         B, N, _ = X.shape
         if self.journal is not None and not self._live and not self.journal.bound:
             # refuses a journal of another black box; its queries are counted and budgeted
-            self.journal.bind(self._ask_to_check, self.dim, self.black_box,
-                              **({"max_length": self.max_length} if self.max_length else {}))
+            self.bind_journal()
         self.require(B, f"a batch of {B} sequences")
         # a sent query is spent, whatever comes back: counted before sending
         if self.journal is None or self._live:
@@ -433,8 +444,8 @@ def validate_outputs(raw, batch: int) -> np.ndarray:
             f"imaginary part would be lost)")
     elif kind not in "biuf":
         raise MalformedOutputError(
-            f"black box returned {arr.dtype} values ({type(raw).__name__}); expected real "
-            f"numbers")
+            f"black box returned {'strings' if kind in 'US' else arr.dtype} "
+            f"({type(raw).__name__} of {arr.dtype}); expected real numbers")
     out = arr.astype(np.float64)
     if out.shape != (batch,):
         raise MalformedOutputError(

@@ -171,7 +171,14 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
         options["verify_tolerance"] = verify_tolerance
     log.info("extracting %s (learner %s) at d = %d with %s", model, entry.name, oracle.dim,
              {k: v for k, v in options.items() if k != "fit_progress"} or "default options")
+    # a journal's fingerprint queries are the box's answers too: counted in the result
+    bind = getattr(oracle, "bind_journal", None)
+    fingerprint = bind() if callable(bind) else 0
     result = entry.function(oracle, seed=seed, **options)
+    if fingerprint:
+        result.queries += fingerprint
+        result.report.queries += fingerprint
+        result.report.breakdown["journal fingerprint"] = fingerprint
     result.options = {"model": entry.name, "seed": seed,
                       **{k: v for k, v in options.items() if k != "fit_progress"}}
     return result

@@ -353,6 +353,7 @@ def _hull_single(dom: _Domain, n: int, v, hull_v):
     pool_size = max(1, min(n // 2, 2 * d))
     n_seq = n - pool_size
     u = np.asarray(hull_v if hull_v is not None and np.any(hull_v) else v, dtype=float)
+    u = u / np.abs(u).max()                         # scaled first: |v| of 1e-300 or 1e300
     u = u / np.linalg.norm(u)
     P = rng.standard_normal((pool_size, d))
     P -= np.outer(P @ u, u)
