@@ -638,7 +638,8 @@ def cmd_verify(args) -> int:
         oracle.progress.close()
         _close_journal(oracle)
     if args.json:
-        print(json.dumps({"ok": verification.passed, "queries": oracle.queries,
+        print(json.dumps({"ok": verification.passed,
+                          "queries": oracle.queries + oracle.check_queries,
                           "sequences": verification.sequences,
                           "max_relative_error": verification.max_relative_error,
                           "median_relative_error": verification.median_relative_error,

@@ -67,8 +67,9 @@ class Oracle:
         the original would have. Before the first batch the journal is bound to the
         live black box (:meth:`QueryJournal.bind`: its fingerprint is stored, or checked
         when the journal is resumed); those queries are counted in ``check_queries``,
-        counted in ``queries`` and against the budget like every query the black box
-        answers (``check_queries`` says how many). Queries asked in :meth:`live` (held-out
+        counted in ``check_queries`` (apart from ``queries``, the learner's count) and
+        against the budget like every query the black box answers;
+        :func:`attnextract.extract` adds them to the result's ``queries``. Queries asked in :meth:`live` (held-out
         verification) always reach the black box and are not journaled.
 
     ``replay`` holds a uniform sample (REPLAY_KEEP pairs, reservoir sampling) of the
@@ -108,7 +109,7 @@ class Oracle:
         self.planned = 0          # queries announced by the running learner
         self.journal = journal
         self.journal_queries = 0  # queries answered by the journal, not the black box
-        self.check_queries = 0    # queries binding the journal to the black box (in queries)
+        self.check_queries = 0    # queries binding the journal to the black box (budgeted)
         self._live = 0            # > 0 inside live(): the journal is bypassed
         # a uniform sample of the (sequence, answer) pairs the learner was given, asked
         # again by held-out verification: a black box that changed during the run shows
@@ -124,15 +125,16 @@ class Oracle:
     @property
     def remaining(self) -> int | None:
         """Queries left in the budget (None when unlimited)."""
-        return None if self.budget is None else self.budget - self.queries
+        return None if self.budget is None else self.budget - self.queries - self.check_queries
 
     def require(self, n: int, what: str = "this step") -> None:
-        """Raise :class:`BudgetExceededError` unless ``n`` more queries fit."""
-        if self.budget is not None and n > self.budget - self.queries:
+        """Raise :class:`BudgetExceededError` unless ``n`` more queries fit (the budget
+        holds every query the black box answers, the journal's checks too)."""
+        left = None if self.budget is None else self.budget - self.queries - self.check_queries
+        if left is not None and n > left:
             raise BudgetExceededError(
-                f"{what} needs {n} queries but only {self.budget - self.queries} of the "
-                f"budget of {self.budget} remain",
-                needed=n, remaining=self.budget - self.queries)
+                f"{what} needs {n} queries but only {left} of the budget of {self.budget} "
+                f"remain", needed=n, remaining=left)
 
     def plan(self, n: int, what: str = "the extraction") -> None:
         """Announce ``n`` upcoming queries: checks the budget, sets the progress total."""
@@ -144,13 +146,13 @@ class Oracle:
         """Bind the journal to the live black box now (its fingerprint queries, counted in
         ``queries`` and budgeted); returns the queries it cost (0 without a journal or
         when already bound). :func:`attnextract.extract` calls it before the learner
-        starts, so that the learner's own count is its own."""
+        adds what binding cost to the result's ``queries``."""
         if self.journal is None or self.journal.bound:
             return 0
-        before = self.queries
+        before = self.check_queries
         self.journal.bind(self._ask_to_check, self.dim, self.black_box,
                           **({"max_length": self.max_length} if self.max_length else {}))
-        return self.queries - before
+        return self.check_queries - before
 
     def check_length(self, n: int, what: str = "a query") -> None:
         """Raise :class:`InputError` if sequences of ``n`` tokens exceed ``max_length``."""
@@ -271,12 +273,11 @@ class Oracle:
         del kept[LONGEST_KEEP:]
 
     def _ask_to_check(self, X: np.ndarray) -> np.ndarray:
-        """A journal's binding check: counted in ``check_queries`` and in ``queries``,
-        within the budget (every query the black box answers is)."""
+        """A journal's binding check: counted in ``check_queries``, within the budget
+        (every query the black box answers is)."""
         self.check_length(X.shape[1], "the journal's fingerprint query")
         self.require(len(X), f"the journal's {len(X)} fingerprint queries")
         self.check_queries += len(X)
-        self.queries += len(X)
         self.tokens += len(X) * X.shape[1]
         step = self.max_batch or len(X)
         return np.concatenate([self._ask_black_box(X[i:i + step])
@@ -425,6 +426,10 @@ def validate_outputs(raw, batch: int) -> np.ndarray:
         raise MalformedOutputError(
             f"black box returned {type(raw).__name__} that is not an array of numbers: {exc}"
         ) from exc
+    if arr.shape != (batch,):
+        raise MalformedOutputError(
+            f"black box returned shape {arr.shape} for a batch of {batch} sequences; "
+            f"expected ({batch},)")
     kind = arr.dtype.kind
     if kind == "O":                     # Python objects: real numbers only, each in range
         items = arr.ravel().tolist()
@@ -445,12 +450,8 @@ def validate_outputs(raw, batch: int) -> np.ndarray:
     elif kind not in "biuf":
         raise MalformedOutputError(
             f"black box returned {'strings' if kind in 'US' else arr.dtype} "
-            f"({type(raw).__name__} of {arr.dtype}); expected real numbers")
+            f"({type(raw).__name__} of {arr.dtype}), not an array of numbers")
     out = arr.astype(np.float64)
-    if out.shape != (batch,):
-        raise MalformedOutputError(
-            f"black box returned shape {out.shape} for a batch of {batch} sequences; "
-            f"expected ({batch},)")
     bad = ~np.isfinite(out)
     if bad.any():
         first = int(np.flatnonzero(bad)[0])
