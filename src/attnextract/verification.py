@@ -111,6 +111,12 @@ REPLAY_FRACTION = 0.125       # at most this share of the check re-asks learner 
 CONSISTENCY_FACTOR = 1e3
 CONSISTENCY_FLOOR = 1e-10
 SENSITIVITY = 4.0
+# expected_error="measured" (learners without an error bar of their own): the bar is the
+# model's error on the learner's own answered queries, at least MEASURED_ROUNDING d eps_64,
+# and the tolerance at least MEASURED_FLOOR (held-out errors of honest models run up to
+# ~1e4 x their error on the probes: 1.3e-10 measured on a Transformer layer at d = 8)
+MEASURED_ROUNDING = 100.0
+MEASURED_FLOOR = 1e-9
 
 
 @dataclass
@@ -920,6 +926,24 @@ def adversarial_search(oracle, model, check: Check, held: HeldOutSet, judge: _Ju
         check.norms = (min(check.norms[0], float(positive.min())), max(check.norms[1], float(n.max())))
 
 
+def measured_error_bar(oracle, model) -> float | None:
+    """The model's largest relative error on the answers the learner was given (the
+    oracle's ``replay`` sample and ``longest_probes``; no query), at least
+    MEASURED_ROUNDING d eps_64; None when ``oracle`` is a learner's view (its answers
+    mean something else) or kept nothing."""
+    from .oracle import Oracle, evaluate_ragged
+    if not isinstance(oracle, Oracle):
+        return None
+    pairs = list(oracle.replay) + list(oracle.longest_probes)
+    if not pairs:
+        return None
+    xs = [x for x, _ in pairs]
+    answers = np.array([y for _, y in pairs])
+    residual = float(np.max(scaled_relative_errors(evaluate_ragged(model, xs), answers,
+                                                   token_norms(xs))))
+    return max(residual, MEASURED_ROUNDING * oracle.dim * np.finfo(float).eps)
+
+
 def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | None = None,
                  scale: float | None = None, probe_length: int | None = None,
                  max_length: int | None = None, measure_v: bool = False,
@@ -943,15 +967,22 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
     the tolerance to max(CONSISTENCY_FACTOR x e, CONSISTENCY_FLOOR) when that is
     smaller, and widens each sequence's allowance by SENSITIVITY x e x the reach of the
     model's scores on it (:func:`score_reach`). The errors reported are scaled to the
-    tolerance (error x tolerance / allowance).
+    tolerance (error x tolerance / allowance). ``expected_error="measured"`` (a learner
+    without a bar of its own): e is :func:`measured_error_bar` and the tolerance at
+    least MEASURED_FLOOR.
     """
     from .report import DEFAULT_VERIFY_TOLERANCE, Verification, token_scale
     tolerance = DEFAULT_VERIFY_TOLERANCE if tolerance is None else tolerance
     requested = tolerance
+    floor = CONSISTENCY_FLOOR
+    if isinstance(expected_error, str):
+        if expected_error != "measured":
+            raise ValueError(f"expected_error must be a number or 'measured', got {expected_error!r}")
+        expected_error, floor = measured_error_bar(oracle, model), MEASURED_FLOOR
     bar = expected_error if expected_error is not None and math.isfinite(expected_error) \
         and expected_error >= 0 else None
     if bar is not None:
-        tolerance = min(tolerance, max(CONSISTENCY_FACTOR * bar, CONSISTENCY_FLOOR))
+        tolerance = min(tolerance, max(CONSISTENCY_FACTOR * bar, floor))
     root = root_oracle(oracle)
     if max_length is None:
         max_length = getattr(root, "max_length", None)
