@@ -325,6 +325,11 @@ def _family_far(dom: _Domain, n: int) -> list:
         else:                           # no direction of that sign: the smallest |lambda|
             j = int(np.argmin(np.abs(lam)))
             q = vecs[:, j] * math.sqrt(S / max(float(np.abs(lam).max()), 1e-300))
+        # no larger than the peaked family's tokens: beyond, a W ~ 0 is known only to its
+        # noise (the scores stay as far as that norm allows)
+        cap = 1e3 * dom.low * math.sqrt(d)
+        if np.linalg.norm(q) > cap:
+            q *= cap / np.linalg.norm(q)
         q = q + 1e-3 * np.linalg.norm(q) / math.sqrt(d) * rng.standard_normal(d)
         w = W @ q
         ww = float(w @ w)
@@ -332,7 +337,9 @@ def _family_far(dom: _Domain, n: int) -> list:
             out.append(dom.scale * rng.standard_normal((int(k), d)))
             continue
         R = (np.linalg.norm(q) / math.sqrt(d)) * rng.standard_normal((int(k) - 1, d))
-        t = sign * S + rng.uniform(-FAR_SPREAD, FAR_SPREAD, int(k) - 1)
+        # scores a token within the cap can reach: |t| <= |w| cap / 2
+        S = min(S, 0.5 * math.sqrt(ww) * cap)
+        t = sign * S + min(FAR_SPREAD, S) * rng.uniform(-1.0, 1.0, int(k) - 1)
         X = R + ((t - R @ w) / ww)[:, None] * w[None, :]
         out.append(np.vstack([X, q[None]]))
     return out
@@ -845,10 +852,11 @@ def compare_own_probes(oracle, model, check: Check, judge: _Judge) -> None:
     check.own_probes = len(xs)
 
 
-def _mutants(parent: np.ndarray, rng, longest: int, round_: int) -> list:
+def _mutants(parent: np.ndarray, rng, longest: int, round_: int, norms=(0.0, math.inf)) -> list:
     """Variants of one sequence (N, d): longer (x4, towards L), tokens larger and smaller
-    (x 10^+-(0.5 + round / 4)), and turned (a random perturbation of 30% of the token
-    scale)."""
+    (x 10^+-(0.5 + round / 4), kept within the design's token norms ``norms``: beyond,
+    the model itself is not known), and turned (a random perturbation of 30% of the
+    token scale)."""
     N, d = parent.shape
     size = float(np.sqrt(np.mean((parent / max(np.abs(parent).max(), 1e-300)) ** 2))
                  * np.abs(parent).max()) or 1.0
@@ -859,18 +867,23 @@ def _mutants(parent: np.ndarray, rng, longest: int, round_: int) -> list:
         extra = extra + 0.3 * size * rng.standard_normal(extra.shape)
         out.append(np.vstack([parent[:-1], extra, parent[-1:]]))
     up = 10.0 ** (0.5 + 0.25 * round_)
-    out.append(parent * up)
-    out.append(parent / up)
+    top = float(_safe_norm(parent).max())
+    low = float(_safe_norm(parent).min())
+    if top * up <= norms[1]:
+        out.append(parent * up)
+    if low / up >= norms[0]:
+        out.append(parent / up)
     out.append(parent + 0.3 * size * rng.standard_normal(parent.shape))
     return out
 
 
-def _children(pool: list, rng, longest: int, round_: int, budget: int) -> list:
+def _children(pool: list, rng, longest: int, round_: int, budget: int,
+              norms=(0.0, math.inf)) -> list:
     """Exactly ``budget`` variants of the pool's sequences (the best first; random turns
     fill up when the mutations run short)."""
     out = []
     for _, X in pool:
-        out += [c for c in _mutants(X, rng, longest, round_) if np.all(np.isfinite(c))]
+        out += [c for c in _mutants(X, rng, longest, round_, norms) if np.all(np.isfinite(c))]
     i = 0
     while len(out) < budget:
         X = pool[i % len(pool)][1]
@@ -892,6 +905,7 @@ def adversarial_search(oracle, model, check: Check, held: HeldOutSet, judge: _Ju
     if not eligible:
         return
     errors = check.errors[:len(held.sequences)]
+    domain = check.norms                 # the search stays within the design's token norms
     per_round = max(1, queries // SEARCH_ROUNDS)
     parents = [(float(errors[i]), held.sequences[i]) for i in eligible]
     parents.sort(key=lambda p: -p[0] if math.isfinite(p[0]) else -math.inf)
@@ -900,7 +914,7 @@ def adversarial_search(oracle, model, check: Check, held: HeldOutSet, judge: _Ju
     all_errors, lengths, norms = [], [], []
     for r in range(SEARCH_ROUNDS):
         budget = queries - asked if r == SEARCH_ROUNDS - 1 else min(per_round, queries - asked)
-        children = _children(pool, rng, held.longest, r, budget)
+        children = _children(pool, rng, held.longest, r, budget, domain)
         if not children:
             break
         with live_queries(oracle):
@@ -1015,7 +1029,8 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
                         median_relative_error=float(np.median(check.errors)), tolerance=tolerance,
                         lengths=check.lengths,
                         hull_violation=float(check.hull.max(initial=0.0)),
-                        hull_tolerance=HULL_FRACTION * tolerance,
+                        # the hull holds to the box's own rounding, not the model's bar
+                        hull_tolerance=HULL_FRACTION * requested,
                         worst_family=check.worst_family(), family_errors=check.family_errors(),
                         requested_tolerance=requested if tolerance < requested else 0.0,
                         norms=check.norms, max_length=int(held.longest),
