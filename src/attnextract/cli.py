@@ -668,12 +668,16 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import SECTIONS, run_bench, update_readme
+    from .bench import SECTIONS, readme_summary, run_bench, update_readme
     unknown = set(args.sections or ()) - set(SECTIONS)
     if unknown:
         raise InputError(f"unknown bench section(s) {sorted(unknown)}; known: {sorted(SECTIONS)}")
+    command = " ".join(["attnextract bench"] + (["--quick"] if args.quick else [])
+                       + (["--sections", *args.sections] if args.sections else [])
+                       + ["--out-dir", str(args.out_dir)]
+                       + (["--update-readme", args.update_readme] if args.update_readme else []))
     summary = run_bench(args.out_dir, quick=args.quick, sections=args.sections,
-                        log=lambda line: print(line, file=sys.stderr))
+                        log=lambda line: print(line, file=sys.stderr), command=command)
     table = (Path(args.out_dir) / "bench.md").read_text()
     print(table)
     if not summary["plots"]:
@@ -681,12 +685,8 @@ def cmd_bench(args) -> int:
               file=sys.stderr)
     print(f"wrote {args.out_dir}/bench.json, bench.md" +
           "".join(f", {p}" for p in summary["plots"]) + f" in {summary['seconds']:.1f} s")
-    if args.update_readme:
-        image = None
-        if "queries_vs_d.png" in summary["plots"]:
-            image = os.path.relpath(Path(args.out_dir) / "queries_vs_d.png",
-                                    Path(args.update_readme).resolve().parent)
-        update_readme(args.update_readme, table, image)
+    if args.update_readme:       # the README shows the first table; the docs show them all
+        update_readme(args.update_readme, readme_summary(table), None)
 
 
 def cmd_twins(args) -> int:
