@@ -148,6 +148,17 @@ def test_cli_reference_lists_every_option_of_every_subcommand():
             assert f"`{action.option_strings[-1]}`" in section, (name, action.option_strings)
 
 
+def test_cli_reference_shows_a_default_for_every_option():
+    """Every option row has a default in words (or "required"), as --help shows it."""
+    text = _hook().cli_reference_markdown()
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert len(rows) > 60
+    for row in rows:
+        default = row.split(" | ")[1].strip()
+        assert default, row
+    assert "--model" in text and "models (--model):" in text      # the model table
+
+
 def test_cli_reference_picks_up_a_new_option():
     """An option another module adds to the parser appears without touching the docs."""
     from attnextract.cli import build_parser
@@ -157,4 +168,4 @@ def test_cli_reference_picks_up_a_new_option():
                                                     help="a | pipe and <angle> text")
     text = hook.cli_reference_markdown(parser)
     row = next(l for l in text.splitlines() if "`--brand-new-option`" in l)
-    assert "`7`" in row and "a \\| pipe and &lt;angle&gt; text" in row
+    assert "| 7 |" in row and "a \\| pipe and &lt;angle&gt; text" in row

@@ -336,3 +336,49 @@ def test_a_closed_pipe_ends_quietly():
     proc.stdout.close()                   # like `| head` that has read enough
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err
+
+
+# -- the newcomer's CLI (issue: help, defaults, model table) ---------------------------
+
+def test_bare_attnextract_prints_the_help(capsys):
+    from attnextract.cli import main as cli_main
+    assert cli_main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: attnextract") and "extract" in out and "demo" in out
+
+
+def test_every_option_of_every_subcommand_shows_a_default():
+    import argparse
+    from attnextract.cli import build_parser
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, command in sub.choices.items():
+        formatter = command._get_formatter()
+        for action in command._actions:
+            if (not action.option_strings or action.required or action.help == argparse.SUPPRESS
+                    or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+                continue
+            text = formatter._get_help_string(action) or ""
+            assert "default" in text, (name, action.option_strings, text)
+
+
+def test_model_choices_are_a_short_table_not_a_paragraph(capsys):
+    from attnextract.cli import main as cli_main
+    from attnextract.registry import learner_names
+    with pytest.raises(SystemExit):
+        cli_main(["extract", "--help"])
+    out = capsys.readouterr().out
+    table = out.split("models (--model):\n", 1)[1].splitlines()
+    for name in learner_names():
+        assert any(line.startswith(f"  {name} ") for line in table), name
+    assert all(len(line) <= 80 for line in table)
+    model_help = out.split("\n  --model MODEL", 1)[1].split("\n  --", 1)[0]
+    assert len(model_help.splitlines()) <= 3          # was one 20-line paragraph
+
+
+@pytest.mark.parametrize("command", ["demo", "verify"])
+def test_demo_and_verify_help_do_not_mention_an_out_they_lack(command, capsys):
+    from attnextract.cli import main as cli_main
+    with pytest.raises(SystemExit):
+        cli_main([command, "--help"])
+    assert "--out" not in capsys.readouterr().out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import html
+import re
 import sys
 from pathlib import Path
 
@@ -28,8 +29,8 @@ def _default(action: argparse.Action) -> str:
     if isinstance(action, argparse._VersionAction):
         return ""
     if action.default is None:
-        return "not set"
-    return f"`{action.default}`"
+        return "none"
+    return str(action.default)
 
 
 def _option(action: argparse.Action) -> str:
@@ -42,15 +43,24 @@ def _option(action: argparse.Action) -> str:
     return names
 
 
-def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
-    """The option's help with argparse's %(...)s expanded (its default has its own column)."""
-    if not action.help:
-        return ""
+TRAILING_DEFAULT = re.compile(r"\s*\(default:? ((?:[^()]|\([^()]*\))*)\)\s*$")
+
+
+def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> tuple[str, str | None]:
+    """The option's help as ``--help`` shows it, split into (meaning, default in words).
+
+    The default in words is the trailing "(default: ...)" the parser's formatter adds or
+    the help states; None when the help says nothing of it."""
+    text = parser._get_formatter()._get_help_string(action) or ""
     params = dict(vars(action), prog=parser.prog)
     try:
-        return action.help % params
+        text = text % params
     except (KeyError, TypeError, ValueError):
-        return action.help
+        pass
+    match = TRAILING_DEFAULT.search(text)
+    if match:
+        return text[:match.start()], match.group(1)
+    return text, None
 
 
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -67,14 +77,16 @@ def options_table(parser: argparse.ArgumentParser) -> str:
     for group in parser._action_groups:
         rows = []
         for action in group._group_actions:
-            if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+            if action.help == argparse.SUPPRESS or isinstance(
+                    action, (argparse._HelpAction, argparse._VersionAction)):
                 continue
             if isinstance(action, argparse._SubParsersAction):
                 continue
-            meaning = _help(parser, action)
+            meaning, default = _help(parser, action)
             if action.choices and action.metavar:
                 meaning += " (one of: " + ", ".join(map(str, action.choices)) + ")"
-            rows.append(f"| {_option(action)} | {_cell(_default(action))} | {_cell(meaning)} |")
+            default = _default(action) if default is None or action.required else default
+            rows.append(f"| {_option(action)} | {_cell(default)} | {_cell(meaning)} |")
         if rows:
             out += [f"**{_cell(group.title)}**", "", "| option | default | meaning |",
                     "|---|---|---|", *rows, ""]
@@ -91,6 +103,8 @@ def cli_reference_markdown(parser: argparse.ArgumentParser | None = None) -> str
     for name, sub in subcommands(parser).items():
         out += [f"## attnextract {name}", "", _cell(sub.description or ""), "", "```text",
                 sub.format_usage().strip(), "```", "", options_table(sub)]
+        if sub.epilog:
+            out += ["```text", sub.epilog.strip(), "```", ""]
     return "\n".join(out) + "\n"
 
 
