@@ -602,6 +602,8 @@ def _open_journal(args):
     if args.seed is None:
         args.seed = journal.context.get("seed", int.from_bytes(os.urandom(4), "little"))
     journal.remember(seed=args.seed)
+    if journal.context.get("seed") != args.seed and journal.restart():
+        journal.remember(dim=args.dim, target=args.target, seed=args.seed)   # nothing to resume
     if journal.context.get("seed") != args.seed:
         journal.close()
         raise InputError(f"journal {args.journal} was recorded with --seed "
@@ -642,6 +644,8 @@ def _open_query_journal(args, target: str, dim: int):
     if args.seed is None:
         args.seed = journal.context.get(key, int.from_bytes(os.urandom(4), "little"))
     journal.remember(**{key: args.seed})
+    if journal.context[key] != args.seed and journal.restart():
+        journal.remember(target=target, dim=dim, **{key: args.seed})      # nothing to resume
     if journal.context[key] != args.seed:
         journal.close()
         raise InputError(f"journal {args.journal} was recorded with --seed "

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -523,11 +524,24 @@ def save_result(path, result: ExtractionResult) -> Path:
 
 
 def _read(path):
+    """The arrays of a result file. Never unpickles: a result holds numbers and text only,
+    so any file that is not such an npz is refused in one line, whatever it holds."""
+    what = "an .npz written by attnextract extract"
+    if not os.path.isfile(path):
+        raise TargetLoadError(f"result file {path} is not a file (expected {what})")
+    if not zipfile.is_zipfile(path):
+        raise TargetLoadError(f"{path} is not a result file (expected {what})")
     try:
         with np.load(path, allow_pickle=False) as data:
             return {k: data[k] for k in data.files}
-    except (OSError, ValueError, KeyError) as exc:
-        raise TargetLoadError(f"cannot read result file {path}: {exc}") from exc
+    except ValueError as exc:
+        if "pickle" in str(exc) or "allow_pickle" in str(exc) or "Object arrays" in str(exc):
+            raise TargetLoadError(f"{path} holds Python objects, which a result file never "
+                                  f"does; it is not loaded (expected {what})") from None
+        raise TargetLoadError(f"{path} is not a readable result file (expected {what})") from exc
+    except (OSError, KeyError, zipfile.BadZipFile) as exc:
+        raise TargetLoadError(f"{path} is not a readable result file (expected {what}): "
+                              f"{' '.join(str(exc).split())[:100]}") from exc
 
 
 def load_result(path) -> ExtractionResult:
@@ -558,6 +572,9 @@ def _model_from(path, data: dict):
     arrays = {k: v for k, v in data.items() if k not in _STRUCTURE_KEYS}
     if kind not in MODEL_CLASSES:
         raise TargetLoadError(f"result file {path} holds an unknown model kind {kind!r}")
+    if "kind" not in data and not {"W", "v"} <= set(arrays):
+        raise TargetLoadError(f"{path} is not a result file: it holds {', '.join(sorted(data)) or 'nothing'}, "
+                              f"not a model (expected an .npz written by attnextract extract)")
     try:
         return MODEL_CLASSES[kind](**arrays)
     except (TypeError, InputError) as exc:
