@@ -295,6 +295,9 @@ class QueryJournal:
             raise JournalError(f"cannot use {self.path} as a query journal: {exc}",
                                path=self.path) from exc
         self.context = {k: json.loads(v) for k, v in stored_context.items()}
+        if not self._answers and any(k in self.context and self.context[k] != v
+                                     for k, v in (context or {}).items()):
+            self.restart()                    # e.g. a first run with a wrong --dim
         for key, value in (context or {}).items():
             if key in self.context and self.context[key] != value:
                 self.close()
@@ -364,6 +367,28 @@ class QueryJournal:
             os.remove(sidecar)
 
     # -- context ------------------------------------------------------------
+    def restart(self) -> bool:
+        """Forget the context, fingerprint and kept sequences of a journal holding no answers.
+
+        A run that failed before its first answer (a wrong --dim, a target that raised)
+        leaves nothing to resume, so the corrected rerun starts the journal afresh instead
+        of being refused. Returns whether it did (False: the journal holds answers)."""
+        if self._answers:
+            return False
+        self._forget_black_box(("context",))
+        self.context = {}
+        return True
+
+    def _forget_black_box(self, also: tuple[str, ...] = ()) -> None:
+        """Delete the fingerprint and kept sequences (and the ``also`` tables)."""
+        try:
+            with self._db:
+                for table in ("fingerprint", "samples", *also):
+                    self._db.execute(f"DELETE FROM {table}")
+        except sqlite3.Error as exc:
+            raise JournalError(f"cannot write to journal {self.path}: {exc}",
+                               path=self.path) from exc
+
     def remember(self, **context) -> None:
         """Store context entries (JSON values) that are not stored yet."""
         if not context:
@@ -392,6 +417,11 @@ class QueryJournal:
         rho = rho if self.relative_tolerance is None else float(self.relative_tolerance)
         challenges = challenge_sequences(dim, max_length)
         stored = self._fingerprint()
+        if stored is not None and not self._answers:
+            # recorded by a run that failed before its first answer: nothing rests on it,
+            # so a corrected black box (or --dim) is fingerprinted afresh, not refused
+            self._forget_black_box()
+            stored = None
         if stored is None and self._answers:
             raise JournalError(f"journal {self.path} holds answers but no fingerprint of its "
                                f"black box; it cannot be checked: delete it or use another one",
@@ -399,8 +429,11 @@ class QueryJournal:
         try:
             live = _ask_ragged(ask, challenges)
         except BlackBoxError as exc:          # a box that refuses long sequences, say
-            raise type(exc)(f"{exc} (while asking the journal's {len(challenges)} challenge "
-                            f"sequences, lengths 1-256; --no-journal skips them)") from exc
+            if getattr(exc, "first_batch", False):
+                raise                         # already says what to fix (a wrong --dim)
+            raise type(exc)(f"the black box failed on the run's first queries, the journal's "
+                            f"{len(challenges)} challenge sequences (lengths 1-256): "
+                            f"{exc}") from exc
         spent = len(challenges)
         scale = float(np.sqrt(np.mean(live ** 2)))
         if stored is None:

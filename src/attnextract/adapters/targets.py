@@ -234,10 +234,18 @@ class FirstBatchHint:
             width, sent = expected_width(self.target), np.shape(X)[-1]
             if width == sent:
                 raise
-            known = f"; {self.spec} expects width {width}" if width else ""
-            raise BlackBoxError(
-                f"black box raised {type(exc).__name__}: {exc} (on its first batch, tokens of "
-                f"width {sent}: check --dim against the target{known})") from exc
+            # the cause first, in one line; the target's own (numpy) text last and short
+            own = " ".join(f"{type(exc).__name__}: {exc}".split())
+            own = own if len(own) <= 100 else own[:97] + "..."
+            if width:
+                error = BlackBoxError(f"--dim {sent} does not match the target: {self.spec} "
+                                      f"expects tokens of width {width}, give --dim {width} "
+                                      f"(its first batch raised {own})")
+            else:
+                error = BlackBoxError(f"the target failed on its first batch, tokens of width "
+                                      f"{sent}: check --dim against the target (it raised {own})")
+            error.first_batch = True          # says what to fix: nothing to add to it
+            raise error from exc
         self.answered = True
         return out
 
