@@ -88,6 +88,13 @@ def test_verification_respects_max_length_and_reports_the_domain():
     assert "domain" in result.report.render()
 
 
+@pytest.mark.parametrize("max_length", [2, 3, 5])
+def test_single_head_works_within_the_shortest_domains(max_length):
+    model = random_single_head(D, 7)
+    result = extract(Oracle(model, D, max_length=max_length), "single-head", seed=0)
+    assert result.report.verification.lengths[1] == max_length
+
+
 def test_multi_head_refuses_a_short_max_length_before_any_query():
     model = random_multi_head(2, D, 0)
     oracle = Oracle(model, D, max_length=512)

@@ -346,6 +346,8 @@ def _family_far(dom: _Domain, n: int) -> list:
 
 
 def _family_steps(dom: _Domain, n: int) -> list:
+    if dom.longest < 4:                 # no room for a copy probe's counts
+        return _family_ordinary(dom, n)
     return _step_sequences(dom.score_heads(), n, dom.rng, dom.scale, dom.longest, dom.grid)
 
 
