@@ -94,6 +94,11 @@ def test_the_ledger_survives_a_restart(serve, tmp_path):
 
     raised = serve(model, budget=12, state=ledger)            # a new --budget replaces it
     assert raised.state.remaining == 2 and raised.state.served == 10
+    serve.stop(raised)
+    lowered = serve(model, budget=4, state=ledger)            # below what was served
+    assert lowered.state.remaining == 0 and lowered.state.health()["remaining"] == 0
+    with pytest.raises(BudgetExceededError, match="0 of 4 remain"):
+        HttpBlackBox(lowered.url, retries=0)(X[:1])
 
 
 def test_a_ledger_refuses_another_model(serve, tmp_path):
@@ -182,7 +187,7 @@ def test_work_for_a_client_that_has_gone_is_not_charged(serve):
                  + body)
     assert started.wait(30)                   # the model is evaluating the batch ...
     sock.close()                              # ... when its client gives up
-    time.sleep(0.2)                           # (the server sees the close on its loop)
+    time.sleep(1.0)                           # (the server sees the close on its loop)
     release.set()
     health = HttpBlackBox(server.url).health()
     for _ in range(100):                      # the worker finishes, sees no client
