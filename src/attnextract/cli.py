@@ -565,8 +565,8 @@ def _save_atomically(result, out: str) -> Path:
         except OSError:
             pass
         if isinstance(exc, OSError):
-            raise InputError(f"cannot write {out}: {exc}; a rerun of the same command is "
-                             f"answered by its journal") from exc
+            raise InputError(f"cannot write {out} (a rerun of the same command is answered "
+                             f"by its journal): {exc}") from exc
         raise
 
 
