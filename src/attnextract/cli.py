@@ -496,8 +496,7 @@ def cmd_extract(args) -> int:
     if args.json:
         print(json.dumps({"ok": True, "out": str(written), **result.report.to_dict()}))
     else:
-        print(result.report.render())
-        print(f"wrote        {written}")
+        print(result.report.render(extra=[("wrote", str(written))]))
     return 0
 
 
@@ -851,7 +850,5 @@ def cmd_minilm(args) -> int:
         print(json.dumps({"ok": True, "out": written and str(written),
                           **result.report.to_dict()}))
     else:
-        print(result.report.render())
-        if written:
-            print(f"wrote        {written}")
+        print(result.report.render(extra=[("wrote", str(written))] if written else []))
     return 0
