@@ -257,6 +257,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="evaluate the model on N Ray actors, pip install 'attnextract[ray]' "
                          "(default: in this process)")
     se.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one)")
+    se.add_argument("--state", metavar="FILE.sqlite",
+                    help="keep the budget, charges and recent answers in this SQLite ledger: "
+                         "a restart, a crash or kill -9 loses nothing (default: in memory)")
+    se.add_argument("--body-memory", type=_positive_int, default=96, metavar="MIB",
+                    help="MiB all request bodies being answered may hold (others wait)")
+    se.add_argument("--cache-memory", type=_nonnegative_int, default=32, metavar="MIB",
+                    help="MiB of answers kept for their Idempotency-Keys (replays are free)")
+    se.add_argument("--slot-timeout", type=float, default=10.0, metavar="SECONDS",
+                    help="seconds a body may wait for memory before a 503")
+    se.add_argument("--min-body-rate", type=float, default=256.0, metavar="KIB_PER_S",
+                    help="KiB/s a body must average after its idle-timeout grace (else 408)")
 
     mi = command("minilm", "extract a real head of all-MiniLM-L6-v2 (offline weights)")
     mi.add_argument("--layer", required=True, type=_nonnegative_int, help="layer 0..5")
@@ -782,21 +793,32 @@ def cmd_serve(args) -> int:
         model = RayReplicas(args.secret, args.replicas, address=args.ray_address)
     elif args.ray_address is not None:
         raise InputError("--ray-address needs --replicas N")
+    if min(args.slot_timeout, args.min_body_rate, args.idle_timeout) <= 0:
+        raise InputError("--slot-timeout, --min-body-rate and --idle-timeout must be > 0")
     try:
         server = make_server(model, args.host, args.port, budget=args.budget,
                              round_digits=args.round_digits, verbose=args.verbose > 0,
                              max_connections=args.max_connections,
-                             idle_timeout=args.idle_timeout, workers=args.workers)
-    except OSError as exc:
-        raise InputError(f"cannot listen on {args.host}:{args.port}: {exc}") from exc
-    budget = "no budget" if args.budget is None else f"budget {args.budget} queries"
+                             idle_timeout=args.idle_timeout, workers=args.workers,
+                             state=args.state, body_memory=args.body_memory << 20,
+                             cache_bytes=args.cache_memory << 20,
+                             slot_timeout=args.slot_timeout,
+                             min_body_rate=args.min_body_rate * 1024)
+    except BaseException as exc:
+        if args.replicas is not None:
+            model.close()
+        if isinstance(exc, OSError):
+            raise InputError(f"cannot listen on {args.host}:{args.port}: {exc}") from exc
+        raise
+    health = server.state.health()
+    budget = ("no budget" if health["budget"] is None
+              else f"budget {health['budget']} queries, {health['remaining']} remaining")
+    kept = "" if args.state is None else f", ledger {args.state}: {health['served']} served"
     replicas = "" if args.replicas is None else f", {args.replicas} Ray replicas"
-    print(f"serving {model.kind} d = {model.dim} on {server.url} ({budget}{replicas}); "
-          f"POST /query, GET /health; Ctrl-C stops", flush=True)
+    print(f"serving {health['kind']} d = {model.dim} on {server.url} ({budget}{kept}"
+          f"{replicas}); POST /query, GET /health; Ctrl-C stops", flush=True)
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        server.serve_forever(handle_signals=True)    # SIGINT/SIGTERM: finish, then stop
     finally:
         server.server_close()
         if args.replicas is not None:
