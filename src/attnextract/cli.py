@@ -34,8 +34,8 @@ from .adapters.journal import QueryJournal
 from .oracle import Oracle
 from .progress import ProgressBar, configure_logging, thread_limits
 from .registry import extract, get_learner, learner_names, resolve
-from .report import (DEFAULT_VERIFY_TOLERANCE, load_model, mismatch_reason, verification_count,
-                     verify_model)
+from .report import (DEFAULT_VERIFY_TOLERANCE, human_number, load_model, mismatch_reason,
+                     verification_count, verify_model)
 from .adapters.targets import FirstBatchHint, load_target, random_single_head
 
 __all__ = ["main", "build_parser", "ProgressBar"]
@@ -686,8 +686,9 @@ def cmd_verify(args) -> int:
                           "worst_family": verification.worst_family}))
     else:
         print(f"{model.kind} model, d = {model.dim}, {verification.sequences} held-out sequences:"
-              f" max relative error {verification.max_relative_error:.2e}, median "
-              f"{verification.median_relative_error:.2e} (tolerance {verification.tolerance:.0e})")
+              f" largest relative error {human_number(verification.max_relative_error)}, median "
+              f"{human_number(verification.median_relative_error)} (tolerance "
+              f"{human_number(verification.tolerance)})")
     if not verification.passed:
         print(f"attnextract: MISMATCH: {mismatch_reason(verification)}", file=sys.stderr)
         return 1
@@ -721,7 +722,7 @@ def cmd_demo(args) -> int:
           f"seed {seed}) behind a black box that answers one number per sequence.\n")
     print(result.report.render())
     print(f"\nchecked against the secret (the learner never saw it): relative error "
-          f"W {w_err:.2e}, v {v_err:.2e}")
+          f"W {human_number(w_err)}, v {human_number(v_err)}")
     return 0
 
 
