@@ -312,11 +312,11 @@ class Oracle:
 
     def _ask_black_box(self, X: np.ndarray) -> np.ndarray:
         """One call to the black box with the batch X (B, N, d); validated outputs (B,)."""
-        X = X.view()
-        X.flags.writeable = False  # a black box must not scribble on the learner's probes
         start = time.perf_counter()
         try:
-            raw = self.black_box(X)
+            # the black box gets its own writable copy: it cannot change the learner's
+            # probes, and libraries that want writable input (torch.as_tensor) do not warn
+            raw = self.black_box(X.copy())
         except BudgetExceededError as exc:
             # a remote budget refused part of the batch: only the answered prefix was spent
             answered = len(getattr(exc, "partial_outputs", X))
