@@ -671,21 +671,6 @@ def score_reach(model, sequences) -> np.ndarray:
     return np.array([top * _safe_norm(X).max() * _safe_norm(X[-1:])[0] for X in sequences])
 
 
-def score_spread(model, sequences) -> np.ndarray:
-    """Largest range max_i s_i - min_i s_i of any head's scores s = X W_h x_N per
-    sequence, shape (len(sequences),); zeros for a model without W."""
-    W = getattr(model, "W", None)
-    if W is None or np.size(W) == 0:
-        return np.zeros(len(sequences))
-    W = np.asarray(W, dtype=float)
-    W = W[None] if W.ndim == 2 else W
-    out = np.empty(len(sequences))
-    for i, X in enumerate(sequences):
-        s = np.einsum("nd,hd->hn", X, np.einsum("hde,e->hd", W, X[-1]))
-        out[i] = float((s.max(axis=1) - s.min(axis=1)).max())
-    return out
-
-
 def _safe_norm(X: np.ndarray) -> np.ndarray:
     """Row norms of X (n, d) without overflow or underflow (scaled first, as np.hypot)."""
     X = np.atleast_2d(X)
