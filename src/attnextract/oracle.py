@@ -256,8 +256,11 @@ class Oracle:
 
     def _ask_black_box(self, X: np.ndarray) -> np.ndarray:
         """One call to the black box with the batch X (B, N, d); validated outputs (B,)."""
-        X = X.view()
-        X.flags.writeable = False  # a black box must not scribble on the learner's probes
+        # the black box gets its own writable copy: writing to it cannot touch the
+        # learner's probes, and torch.as_tensor / from_numpy take it without the warning
+        # they give for a read-only array (one copy of the batch per call, small beside
+        # a forward pass)
+        X = np.array(X, dtype=np.float64, order="C")
         start = time.perf_counter()
         try:
             raw = self.black_box(X)

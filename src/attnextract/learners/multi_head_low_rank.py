@@ -112,7 +112,9 @@ class Tolerances:
     finite differences over an angle ``eta`` (error ~ e / eta, and no truncation error:
     g is linear inside a cell), so ``eta`` grows with e and the crossings must lie
     ``min_gap`` = 10 eta apart to be told apart; checks and jumps are a margin above the
-    noise they would otherwise mistake for a misfit or a crossing.
+    noise they would otherwise mistake for a misfit or a crossing. The middle point's
+    distance from the sinusoid (``on_curve``) is an interpolation, not a difference:
+    its noise is e, so it stays tight and catches the pairs that straddle a crossing.
     """
 
     noise: float = EPS
@@ -120,6 +122,7 @@ class Tolerances:
     eta: float = ETA
     min_gap: float = MIN_GAP
     plane_check: float = PLANE_CHECK
+    on_curve: float = PLANE_CHECK
     jump: float = JUMP_TOL
     check: float = CHECK_TOL
     sign: float = 1e-6
@@ -132,18 +135,22 @@ class Tolerances:
         """Thresholds for answers off by ``noise`` relative (EPS or less: the exact ones)."""
         if noise <= EPS:
             return cls()
-        eta = min(max(ETA, 1e3 * noise), 1e-2)
+        eta = min(max(ETA, 1e4 * noise), 1e-2)
         return cls(noise=noise, saturation=max(SATURATION_TOL, 30.0 * noise), eta=eta,
                    min_gap=max(MIN_GAP, 10.0 * eta),
                    plane_check=max(PLANE_CHECK, 30.0 * noise / eta),
-                   jump=max(JUMP_TOL, 100.0 * noise / eta),
+                   on_curve=max(PLANE_CHECK, 30.0 * noise),
+                   jump=max(JUMP_TOL, 30.0 * noise / eta),
                    check=max(CHECK_TOL, 100.0 * noise), sign=max(1e-6, min(0.1, 1e4 * noise)),
                    rank=max(RANK_TOL, min(1e-2, 3e4 * noise)), max_logit=min(MAX_LOGIT, 6.0),
-                   max_predicted=max(MAX_PREDICTED, min(0.05, 1e4 * noise)))
+                   max_predicted=MAX_NOISY_PREDICTED)
 
 
 EXACT = Tolerances()
 LOW_PRECISION_BAR = 4.0    # error bar = this x measured noise x row spread / separation
+MAX_NOISE = 1e-3           # measured relative noise above which nothing is attempted
+MAX_VERIFY_NOISY = 0.1     # the held-out tolerance of noisy answers never exceeds this
+MAX_NOISY_PREDICTED = 0.05  # rounded or low-precision answers: a larger error bar is refused
 
 
 def _tolerances(precision: OutputPrecision, v: np.ndarray) -> tuple[Tolerances, float | None]:
@@ -330,7 +337,13 @@ class _HalfCircle:
             misfit = np.abs(two - 2.0 * one) / (np.abs(two) + rho * self.v_norm)
             if np.mean(misfit <= self.tol.saturation) >= 0.75:
                 self.rho = 8.0 * rho
-                self.misfit = float(np.quantile(misfit, 0.75))
+                if self.tol.noise > EPS:     # the noise, where every point is saturated
+                    U = self.at(theta, self.rho)
+                    g = self.gap(np.concatenate([U, 2.0 * U]))
+                    one, two = g[:len(theta)], g[len(theta):]
+                    # the median: one point left near a crossing is not the noise
+                    self.misfit = float(np.median(np.abs(two - 2.0 * one)
+                                                  / (np.abs(two) + self.rho * self.v_norm)))
                 return
             rho *= 4.0
         raise RecoveryFailedError(
@@ -361,7 +374,7 @@ class _HalfCircle:
         scale = np.abs(ab[0]).sum(axis=1) + self.v_norm
         on_curve = np.abs(middle - np.cos(theta) * ab[0][:, 0] - np.sin(theta) * ab[0][:, 1])
         saturated = ((np.abs(ab[0] - ab[1]).max(axis=1) <= self.tol.plane_check * scale)
-                     & (on_curve <= self.tol.plane_check * scale))
+                     & (on_curve <= self.tol.on_curve * scale))
         return ab[0], saturated
 
 
@@ -415,7 +428,12 @@ def find_values(oracle: Oracle, v: np.ndarray, heads: int, rng: np.random.Genera
     circle = _HalfCircle(oracle, v, q, u0, u1, tol)
     circle.find_radius(rng)
     if noise_floor is not None:
-        tol = Tolerances.for_noise(max(noise_floor, NOISE_MARGIN * circle.misfit))
+        noise = max(noise_floor, NOISE_MARGIN * circle.misfit)
+        if noise > MAX_NOISE:
+            raise RecoveryFailedError(
+                f"saturated probes agree only to {noise:.1e} (relative): too noisy to "
+                f"bracket the heads' crossings")
+        tol = Tolerances.for_noise(noise)
         circle.tol = tol
     phi_ref = math.pi / (4.0 * max(heads, 1))
     rho = circle.rho * phi_ref / tol.min_gap
@@ -483,7 +501,10 @@ def find_values(oracle: Oracle, v: np.ndarray, heads: int, rng: np.random.Genera
             scale_g = rho_c * (np.linalg.norm(V) + circle.v_norm)
             checks = np.array([g[0] - u @ V, g[d + 1] - 2.0 * (u @ V),
                                g[d + 2] - (u + 3.0 * delta * w) @ V])
-            if np.max(np.abs(checks)) <= tol.check * scale_g * max(1.0, 1e-4 / (fraction * margin)):
+            limit = tol.check * max(1.0, 1e-4 / (fraction * margin))
+            if tol.noise > EPS:     # the noise of d differences over the step, summed along u
+                limit = max(limit, 30.0 * math.sqrt(d) * tol.noise / (fraction * margin))
+            if np.max(np.abs(checks)) <= limit * scale_g:
                 break
             fraction /= 16.0
         else:
@@ -544,6 +565,8 @@ def query_space(meter: LogitMeter, values, h, columns, rank, rng):
         block = Block(h, U, columns, meter.last_scale, meter.last_outputs)
         s = np.linalg.svd(T, compute_uv=False)
         found = int(np.sum(s > meter.tol.rank * s[0])) if s[0] > 0 else 0
+        if meter.tol.noise > EPS and s[0] > 0 and len(s) > 1:
+            found = _rank_at_gap(s, meter.tol.rank)
         if found < count or count == room:
             break
         if rank is not None:
@@ -558,6 +581,22 @@ def query_space(meter: LogitMeter, values, h, columns, rank, rng):
     return Vt[:found].T, block, {"rows": count, "rank": found, "spread": spread,
                                  "residual": residual,
                                  "height": float(np.min(np.abs(height)) / np.linalg.norm(values[h]))}
+
+
+RANK_GAP = 100.0   # noisy rows: the rank ends at a drop of the spectrum at least this steep
+
+
+def _rank_at_gap(s: np.ndarray, floor: float) -> int:
+    """Rank of noisy rows with singular values ``s`` (descending): where the steepest drop
+    (>= RANK_GAP, down to below ``floor`` x s[0]) is; none: every row counts.
+
+    A threshold alone counts noise that the logit conditioning lifts above it; the drop
+    from the last signal value to the noise is what sets the rank apart."""
+    ratios = s[:-1] / np.maximum(s[1:], 1e-300 * s[0])
+    i = int(np.argmax(ratios))
+    if ratios[i] >= RANK_GAP and s[i + 1] <= floor * s[0]:
+        return i + 1
+    return len(s)
 
 
 def space_from_logits(block: Block, T: np.ndarray, rank: int) -> np.ndarray:
@@ -805,8 +844,8 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
         measured = max(residual, tol.noise if (H > 1 or not precision.forward) else 0.0)
         first_pass = max(first_pass, LOW_PRECISION_BAR * measured * spread / min_sep)
         predicted = max(predicted, LOW_PRECISION_BAR * measured * spread / min_sep)
-        verify_tolerance = max(verify_tolerance, 30.0 * max(tol.noise, precision.relative)
-                               + 10.0 * predicted)
+        verify_tolerance = max(verify_tolerance, min(MAX_VERIFY_NOISY, 30.0 * max(
+            tol.noise, precision.relative) + 10.0 * predicted))
     if predicted > tol.max_predicted:
         raise RecoveryFailedError(
             f"the heads are too close to pin down: predicted parameter error {predicted:.1e} "
