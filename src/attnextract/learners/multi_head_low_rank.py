@@ -139,7 +139,7 @@ class Tolerances:
         return cls(noise=noise, saturation=max(SATURATION_TOL, 30.0 * noise), eta=eta,
                    min_gap=max(MIN_GAP, 10.0 * eta),
                    plane_check=max(PLANE_CHECK, 30.0 * noise / eta),
-                   on_curve=max(PLANE_CHECK, 30.0 * noise),
+                   on_curve=max(PLANE_CHECK, 100.0 * noise),
                    jump=max(JUMP_TOL, 30.0 * noise / eta),
                    check=max(CHECK_TOL, 100.0 * noise), sign=max(1e-6, min(0.1, 1e4 * noise)),
                    rank=max(RANK_TOL, min(1e-2, 3e4 * noise)), max_logit=min(MAX_LOGIT, 6.0),
@@ -147,23 +147,25 @@ class Tolerances:
 
 
 EXACT = Tolerances()
-LOW_PRECISION_BAR = 4.0    # error bar = this x measured noise x row spread / separation
+LOW_PRECISION_BAR = 20.0   # error bar = this x measured noise x row spread / separation
 MAX_NOISE = 1e-3           # measured relative noise above which nothing is attempted
 MAX_VERIFY_NOISY = 0.1     # the held-out tolerance of noisy answers never exceeds this
 MAX_NOISY_PREDICTED = 0.05  # rounded or low-precision answers: a larger error bar is refused
 
 
-def _tolerances(precision: OutputPrecision, v: np.ndarray) -> tuple[Tolerances, float | None]:
-    """(thresholds, noise floor) for answers of this precision; the floor is given (not
-    None) for a forward pass, whose noise :func:`find_values` measures."""
-    if precision.exact:
-        return EXACT, None
+def _tolerances(precision: OutputPrecision, v: np.ndarray) -> tuple[Tolerances, float]:
+    """(thresholds, noise floor) for answers of this precision (not float64): the noise
+    is then measured by :func:`find_values`, never below the floor.
+
+    Rounding seen in the answers may be the last step of a forward pass run in that
+    dtype, whose errors are larger: the level of one rounding is a floor, not the noise.
+    A stated forward pass's assumed level only tells saturation apart."""
     # an absolute rounding (k decimals) relative to the size of single-token answers
     size = float(np.sqrt(np.mean(np.square(v))))
     noise = precision.relative + precision.absolute / max(size, 1e-300)
-    if precision.forward:         # assumed only to tell saturation; measured next
+    if precision.forward:
         return Tolerances.for_noise(noise), 2.0 ** -24 if precision.name == "float32" else noise
-    return Tolerances.for_noise(noise), None
+    return Tolerances.for_noise(noise), noise
 # a forward pass in low precision: its noise is measured on saturated probes (where the
 # answer is linear in u), never assumed; this many times the measured level sets e
 NOISE_MARGIN = 4.0
@@ -554,6 +556,7 @@ def query_space(meter: LogitMeter, values, h, columns, rank, rng):
     space = null_space(others) if len(others) else np.eye(d)
     room = space.shape[1]
     count = min(room, (rank + 1) if rank is not None else max(2, -(-d // max(H, 1)) + 1))
+    forced = False           # noisy rows held to the given rank: their residual is error
     while True:
         U = _rows_in(space, values[h], count, rng)
         height = U @ values[h]
@@ -567,6 +570,9 @@ def query_space(meter: LogitMeter, values, h, columns, rank, rng):
         found = int(np.sum(s > meter.tol.rank * s[0])) if s[0] > 0 else 0
         if meter.tol.noise > EPS and s[0] > 0 and len(s) > 1:
             found = _rank_at_gap(s, meter.tol.rank)
+            if (rank is not None and rank < len(s) and found != rank
+                    and s[rank] <= GIVEN_RANK_FLOOR * s[0]):
+                found, forced = rank, True   # the given rank, unless far above the noise
         if found < count or count == room:
             break
         if rank is not None:
@@ -579,11 +585,14 @@ def query_space(meter: LogitMeter, values, h, columns, rank, rng):
     spread = float(sv[0] / sv[found - 1]) if found else 1.0
     residual = float(sv[found] / sv[0]) if 0 < found < len(sv) else 0.0
     return Vt[:found].T, block, {"rows": count, "rank": found, "spread": spread,
-                                 "residual": residual,
+                                 "residual": residual, "forced": forced,
                                  "height": float(np.min(np.abs(height)) / np.linalg.norm(values[h]))}
 
 
 RANK_GAP = 100.0   # noisy rows: the rank ends at a drop of the spectrum at least this steep
+
+
+GIVEN_RANK_FLOOR = 1e-2   # noisy rows: singular values below this (relative) fit a given rank
 
 
 def _rank_at_gap(s: np.ndarray, floor: float) -> int:
@@ -761,7 +770,7 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
                                    "the heads apart")
     precision = precision_of(v, output_dtype, decimals)
     precision_out.append(precision)
-    tol, noise_floor = _tolerances(precision, v)
+    tol, noise_floor = (EXACT, None) if precision.exact else _tolerances(precision, v)
     say("values of the heads (saturated half circle)")
     before = oracle.queries
     values, value_info = find_values(oracle, v, heads, rng, tol, noise_floor)
@@ -839,9 +848,11 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
     predicted = EPS * spread / min_sep if changes else first_pass
     residual = max((i["residual"] for i in space_info), default=0.0)
     if not precision.exact:
-        # the error bar from what was measured: the logit noise of the extra query-space
-        # rows and (several heads, a forward pass) the noise of the saturated probes
-        measured = max(residual, tol.noise if (H > 1 or not precision.forward) else 0.0)
+        # the error bar from what was measured: the noise of the saturated probes (several
+        # heads), else or where rows were held to the given rank the residual of the
+        # extra query-space rows
+        forced = any(i["forced"] for i in space_info)
+        measured = tol.noise if (H > 1 and not forced) else max(tol.noise, residual)
         first_pass = max(first_pass, LOW_PRECISION_BAR * measured * spread / min_sep)
         predicted = max(predicted, LOW_PRECISION_BAR * measured * spread / min_sep)
         verify_tolerance = max(verify_tolerance, min(MAX_VERIFY_NOISY, 30.0 * max(
