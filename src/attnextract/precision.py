@@ -109,9 +109,12 @@ def detect_precision(values) -> OutputPrecision:
     x = x[np.isfinite(x) & (x != 0)]
     if x.size < MIN_DETECT_VALUES:
         return OutputPrecision("float64", EPS64)
-    relative, name = output_precision(x)
+    with np.errstate(over="ignore"):           # answers beyond float16's range: not float16
+        relative, name = output_precision(x)
     if name != "float64":
         return OutputPrecision(name, relative)
+    # float32 first: a float32 number of size >= 2^11 is also a multiple of 10^-12, and
+    # integers below 2^24 are float32 numbers (either description holds for them)
     for k in range(DETECT_DECIMALS + 1):
         if np.all(np.round(x, k) == x):
             return OutputPrecision(f"{k} decimals", EPS64, 0.5 * 10.0 ** -k)

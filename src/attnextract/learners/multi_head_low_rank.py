@@ -884,8 +884,9 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
                             f"{first_pass:.1e})"),
         "refinement": ("changes " + ", ".join(f"{c:.1e}" for c in changes)) if changes else "none",
         "output precision": precision.name,
-        "error bar": float(predicted),
     }
+    if not precision.exact:       # a bar from measured noise (float64: the prediction only)
+        details["error bar"] = float(predicted)
     # "(rescaled)": scout and rescaled probes, already counted in "query spaces" and "isolation"
     breakdown = {"values": d + value_queries, "query spaces": space_queries,
                  "isolation": column_queries, "heights": height_queries,
