@@ -149,7 +149,7 @@ class Tolerances:
 EXACT = Tolerances()
 LOW_PRECISION_BAR = 20.0   # error bar = this x measured noise x row spread / separation
 MAX_NOISE = 1e-3           # measured relative noise above which nothing is attempted
-MAX_VERIFY_NOISY = 0.1     # the held-out tolerance of noisy answers never exceeds this
+MAX_VERIFY_NOISY = 1e-2    # the held-out tolerance of noisy answers never exceeds this
 MAX_NOISY_PREDICTED = 0.05  # rounded or low-precision answers: a larger error bar is refused
 
 
@@ -856,7 +856,7 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
         first_pass = max(first_pass, LOW_PRECISION_BAR * measured * spread / min_sep)
         predicted = max(predicted, LOW_PRECISION_BAR * measured * spread / min_sep)
         verify_tolerance = max(verify_tolerance, min(MAX_VERIFY_NOISY, 30.0 * max(
-            tol.noise, precision.relative) + 10.0 * predicted))
+            tol.noise, precision.relative) + 2.0 * predicted))
     if predicted > tol.max_predicted:
         raise RecoveryFailedError(
             f"the heads are too close to pin down: predicted parameter error {predicted:.1e} "
