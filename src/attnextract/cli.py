@@ -207,7 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     ffn.add_argument("--no-polish", action="store_false", dest="polish",
                      help="skip measuring each hidden unit alone (m d fewer queries, fewer "
                           "bits of precision)")
-    noisy = ex.add_argument_group("noisy or rounded outputs (--model single-head)")
+    noisy = ex.add_argument_group("noisy or rounded outputs (--model single-head; --output-dtype "
+                                  "and --decimals also multi-head, multi-head-low-rank, "
+                                  "transformer-layer)")
     noisy.add_argument("--tolerance", type=float, metavar="TAU",
                        help="outputs are accurate to +-TAU (+ RHO |f|): noisy extraction with "
                             "error bars (with --noise random: the noise std; default: exact "
@@ -217,11 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "rounded once at the end (a float32 cast: 5.96e-8); a forward pass "
                             "run in low precision errs far more: use --output-dtype")
     noisy.add_argument("--output-dtype", choices=["float32", "bfloat16", "float16"],
-                       help="the black box runs its forward pass in this dtype: probes repeated "
-                            "in --repeats dithered bases (default 4), error bars from their spread")
+                       help="the black box runs its forward pass in this dtype (single-head: "
+                            "probes repeated in --repeats dithered bases, default 4; every "
+                            "learner: error bars from measured spread or residuals)")
     noisy.add_argument("--decimals", type=_nonnegative_int, metavar="K",
-                       help="the outputs are rounded to K decimals: as --output-dtype, error bars "
-                            "from the spread of repeated, dithered probes (default: not rounded)")
+                       help="the outputs are rounded to K decimals (0..15): as --output-dtype "
+                            "(default: not rounded)")
     noisy.add_argument("--noise", choices=["bounded", "random"], default=OPTION_DEFAULTS["noise"],
                        help="worst-case (adversarial) or independent random noise")
     noisy.add_argument("--noise-method", choices=["robust", "paper"],
@@ -475,15 +478,21 @@ def _learner_and_options(args):
     per-model option given on the command line for a learner that does not take it is
     an :class:`InputError`, raised before any query.
     """
+    precision = {"output_dtype": args.output_dtype, "decimals": args.decimals}
     if args.output_dtype is not None or args.decimals is not None:
-        if args.tolerance is not None or args.sign_only or args.model != "single-head":
-            raise InputError("--output-dtype and --decimals apply to --model single-head, "
-                             "without --tolerance or --sign-only")
-        learner = get_learner("low-precision")
-        options = {"output_dtype": args.output_dtype, "decimals": args.decimals}
-        if args.repeats != OPTION_DEFAULTS["repeats"]:
-            options["repeats"] = args.repeats
-        return learner, options
+        if args.tolerance is not None or args.sign_only:
+            raise InputError("--output-dtype and --decimals state the precision instead of "
+                             "--tolerance; they do not go with --tolerance or --sign-only")
+        if args.model == "single-head":
+            learner = get_learner("low-precision")
+            options = dict(precision)
+            if args.repeats != OPTION_DEFAULTS["repeats"]:
+                options["repeats"] = args.repeats
+            return learner, options
+        takes = [n for n in learner_names() if "output_dtype" in get_learner(n).options]
+        if "output_dtype" not in get_learner(args.model).options:
+            raise InputError(f"--output-dtype and --decimals apply to --model "
+                             f"{', '.join(['single-head'] + takes)}, not {args.model}")
     learner = resolve(args.model, tolerance=args.tolerance, sign_only=args.sign_only)
     accepted = learner.options
     options = {}
@@ -501,6 +510,7 @@ def _learner_and_options(args):
         if keyword not in accepted:
             raise InputError(f"{flag} does not apply to --model {learner.name}")
         options[keyword] = value
+    options.update({k: v for k, v in precision.items() if v is not None})
     return learner, options
 
 
