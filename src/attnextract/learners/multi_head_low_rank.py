@@ -72,7 +72,7 @@ from scipy.special import expit
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError
 from ..models import MultiHeadAttention
 from ..oracle import Oracle
-from ..precision import OutputPrecision, option_hint, precision_of
+from ..precision import OutputPrecision, name_the_options, precision_of
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                       token_scale, verification_count, verify_model)
 from .low_rank import haar_orthogonal, random_probe_basis
@@ -737,9 +737,7 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
         return _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_tolerance,
                                        output_dtype, decimals, precision)
     except (RecoveryFailedError, ModelMismatchError) as exc:
-        hint = option_hint(precision[0] if precision else None)
-        if exc.args and isinstance(exc.args[0], str) and hint not in exc.args[0]:
-            exc.args = (f"{exc.args[0]}; {hint}",) + exc.args[1:]
+        name_the_options(exc, precision[0] if precision else None)
         raise
 
 
