@@ -273,3 +273,25 @@ def test_transformer_layer_fine_rounding_is_stated_and_passes():
                      decimals=14, seed=1)
     assert any("rounded to 14 decimals (stated" in n for n in result.report.notes)
     assert result.report.verification.passed
+
+
+def test_bfloat16_forward_pass_is_refused_as_too_noisy():
+    """bfloat16 answers agree to ~1e-2 on saturated probes: refused, naming the option."""
+    import torch
+    from attnextract.adapters.torch_target import TorchAttentionBlackBox
+    for trial in range(3):
+        torch.manual_seed(trial)
+        module = torch.nn.MultiheadAttention(16, 2, bias=False, batch_first=True)
+        box = TorchAttentionBlackBox(module, readout=trial, dtype="bfloat16")
+        with pytest.raises(RecoveryFailedError, match=r"too noisy.*bfloat16"):
+            extract(Oracle(box, 16), "multi-head-low-rank", heads=2, seed=trial,
+                    output_dtype="bfloat16")
+
+
+def test_torch_target_dtype_errors():
+    import torch
+    from attnextract.adapters.torch_target import TorchAttentionBlackBox
+    with pytest.raises(InputError, match="or None"):
+        TorchAttentionBlackBox(torch.nn.MultiheadAttention(4, 1), dtype="int8")
+    double = torch.nn.MultiheadAttention(4, 1).double()
+    assert TorchAttentionBlackBox(double, dtype=None).dtype_name == "float64"
