@@ -90,6 +90,7 @@ def test_torch_as_tensor_takes_the_batch_without_a_warning():
     import torch
 
     def box(X):
+        assert X.flags.writeable        # torch warns once per process: check the cause too
         return torch.as_tensor(X, dtype=torch.float32).sum(dim=(1, 2)).double().numpy()
 
     with warnings.catch_warnings():

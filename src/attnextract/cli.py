@@ -34,8 +34,8 @@ from .adapters.journal import QueryJournal
 from .oracle import Oracle
 from .progress import ProgressBar, configure_logging, thread_limits
 from .registry import extract, get_learner, learner_names, resolve
-from .report import (DEFAULT_VERIFY_TOLERANCE, load_model, mismatch_reason, verification_count,
-                     verify_model)
+from .report import (DEFAULT_VERIFY_TOLERANCE, human_number, load_model, mismatch_reason,
+                     verification_count, verify_model)
 from .adapters.targets import FirstBatchHint, load_target, random_single_head
 
 __all__ = ["main", "build_parser", "ProgressBar"]
@@ -535,8 +535,7 @@ def cmd_extract(args) -> int:
     if args.json:
         print(json.dumps({"ok": True, "out": str(written), **result.report.to_dict()}))
     else:
-        print(result.report.render())
-        print(f"wrote        {written}")
+        print(result.report.render(extra=[("wrote", str(written))]))
     return 0
 
 
@@ -604,8 +603,8 @@ def _save_atomically(result, out: str) -> Path:
         except OSError:
             pass
         if isinstance(exc, OSError):
-            raise InputError(f"cannot write {out}: {exc}; a rerun of the same command is "
-                             f"answered by its journal") from exc
+            raise InputError(f"cannot write {out} (a rerun of the same command is answered "
+                             f"by its journal): {exc}") from exc
         raise
 
 
@@ -721,12 +720,12 @@ def cmd_verify(args) -> int:
                           "search_queries": verification.search_queries}))
     else:
         print(f"{model.kind} model, d = {model.dim}, {verification.sequences} held-out sequences:"
-              f" max relative error {verification.max_relative_error:.2e}, median "
-              f"{verification.median_relative_error:.2e} (tolerance {verification.tolerance:.0e});"
-              f" lengths {verification.lengths[0]}-{verification.lengths[1]} of up to "
-              f"{verification.max_length}, token norms {verification.norms[0]:.1e} .. "
-              f"{verification.norms[1]:.1e}, {verification.search_queries} from the "
-              f"adversarial search")
+              f" largest relative error {human_number(verification.max_relative_error)}, median "
+              f"{human_number(verification.median_relative_error)} (tolerance "
+              f"{human_number(verification.tolerance)}); lengths {verification.lengths[0]} to "
+              f"{verification.lengths[1]} of up to {verification.max_length}, token norms "
+              f"{human_number(verification.norms[0])} to {human_number(verification.norms[1])}, "
+              f"{verification.search_queries} from the adversarial search")
     if not verification.passed:
         print(f"attnextract: MISMATCH: {mismatch_reason(verification)}", file=sys.stderr)
         return 1
@@ -760,7 +759,7 @@ def cmd_demo(args) -> int:
           f"seed {seed}) behind a black box that answers one number per sequence.\n")
     print(result.report.render())
     print(f"\nchecked against the secret (the learner never saw it): relative error "
-          f"W {w_err:.2e}, v {v_err:.2e}")
+          f"W {human_number(w_err)}, v {human_number(v_err)}")
     return 0
 
 
@@ -911,7 +910,5 @@ def cmd_minilm(args) -> int:
         print(json.dumps({"ok": True, "out": written and str(written),
                           **result.report.to_dict()}))
     else:
-        print(result.report.render())
-        if written:
-            print(f"wrote        {written}")
+        print(result.report.render(extra=[("wrote", str(written))] if written else []))
     return 0

@@ -423,7 +423,7 @@ CREATE TABLE IF NOT EXISTS answers (
 CREATE INDEX IF NOT EXISTS answers_used ON answers (used);
 """
 LEDGER_VERSION = 1
-COUNTERS = ("served", "replayed", "refused", "abandoned", "cache_bytes", "clock")
+COUNTERS = ("served", "replayed", "abandoned", "cache_bytes", "clock")
 
 
 class Ledger:
@@ -514,8 +514,8 @@ class Ledger:
     # -- reading -----------------------------------------------------------------------
     def counters(self) -> dict:
         rows = dict(self.db.execute("SELECT name, value FROM meta WHERE name IN "
-                                    "('budget', 'served', 'replayed', 'refused', "
-                                    "'abandoned', 'cache_bytes')").fetchall())
+                                    "('budget', 'served', 'replayed', 'abandoned', "
+                                    "'cache_bytes')").fetchall())
         rows["cached_keys"] = self.db.execute("SELECT count(*) FROM answers").fetchone()[0]
         return rows
 
@@ -588,7 +588,7 @@ class Ledger:
             excess -= size
 
     def count(self, name: str, amount: int = 1) -> None:
-        """Add to a counter (refused requests, abandoned ones)."""
+        """Add to a counter (sequences abandoned by their clients)."""
         with self._transaction():
             self._add(name, amount)
 
@@ -636,6 +636,7 @@ class ServerState:
         self.ledger = Ledger(state, cache_bytes=cache_bytes, budget=budget, dim=self.dim,
                              fingerprint=fingerprint)
         self.reserved = 0            # sequences being evaluated (checked against the budget)
+        self.refused = 0             # requests refused, since the process started
         self.inflight: dict[str, threading.Event] = {}
 
     # counters, read from the ledger (the numbers /health shows)
@@ -659,9 +660,15 @@ class ServerState:
             budget = self.ledger.budget
             return None if budget is None else budget - self.ledger.served
 
-    def count(self, name: str) -> None:
+    def refuse(self) -> None:
+        """Count a refused request (in memory: garbage traffic never writes the ledger)."""
         with self.lock:
-            self.ledger.count(name)
+            self.refused += 1
+
+    def abandon(self, sequences: int) -> None:
+        """Count sequences whose client left before they were evaluated (in the ledger)."""
+        with self.lock:
+            self.ledger.count("abandoned", sequences)
 
     def parser(self, content_type: str, length: int, shape: str | None = None):
         if content_type == NPY:
@@ -977,7 +984,7 @@ class BlackBoxServer:
         except ClientGone:
             return False
         except RequestError as exc:
-            self.state.count("refused")
+            self.state.refuse()
             await self._send(writer, exc.status, {"error": exc.reason, **exc.extra},
                              close=True, head_only=method == "HEAD",
                              allow=exc.extra.get("allow"),
@@ -1061,13 +1068,13 @@ class BlackBoxServer:
             del parser                                  # its pieces: X holds the numbers
             gone = self._gone(reader, writer)
             if gone():                                  # nobody to answer: no work
-                self.state.count("abandoned")
+                self.state.abandon(len(X))
                 raise ClientGone()
             loop = asyncio.get_running_loop()
             try:
                 answer = await loop.run_in_executor(self.executor, state.answer, X, key, gone)
             except RequestError as exc:
-                state.count("refused")
+                state.refuse()
                 await self._send(writer, exc.status, {"error": exc.reason, **exc.extra},
                                  close=not keep_alive)
                 return keep_alive
