@@ -19,7 +19,8 @@ Outcomes per trial: ``within`` (a model came back and its canonical error, the w
 head's relative error after matching, is at most the learner's stated error bar
 ``report.details["error bar"]``), ``outside`` (a model came back with an error above its
 bar: must never happen), ``refused`` (a typed refusal; its first line is kept, and whether
-it names the precision option). Times are wall-clock on a shared machine.
+it names the precision option), ``crashed`` (an untyped exception escaped the learner: a
+bug, counted apart). Times are wall-clock on a shared machine.
 """
 
 from __future__ import annotations
@@ -82,9 +83,11 @@ def one_trial(learner: str, dim: int, heads: int, trial: int, options: dict) -> 
         result = extract(oracle, learner, heads=heads, seed=trial, **extra, **options)
     except InputError:
         raise
-    except AttnExtractError as exc:
-        message = str(exc).splitlines()[0]
-        return {"trial": trial, "outcome": "refused", "error_type": type(exc).__name__,
+    except Exception as exc:           # a typed refusal, or the learner crashed
+        message = (str(exc).splitlines() or [""])[0]
+        return {"trial": trial,
+                "outcome": "refused" if isinstance(exc, AttnExtractError) else "crashed",
+                "error_type": type(exc).__name__,
                 "reason": message, "names_option": bool(re.search(
                     r"--output-dtype|output_dtype", message)),
                 "queries": oracle.queries, "seconds": time.perf_counter() - start}
@@ -99,11 +102,11 @@ def one_trial(learner: str, dim: int, heads: int, trial: int, options: dict) -> 
 
 def summarise(rows: list[dict]) -> dict:
     count = collections.Counter(r["outcome"] for r in rows)
-    done = [r for r in rows if r["outcome"] != "refused"]
+    done = [r for r in rows if r["outcome"] in ("within", "outside")]
     refusals = collections.Counter((r["error_type"], reason_kind(r["reason"]))
-                                   for r in rows if r["outcome"] == "refused")
+                                   for r in rows if r["outcome"] in ("refused", "crashed"))
     return {"trials": len(rows), "within": count["within"], "outside": count["outside"],
-            "refused": count["refused"],
+            "refused": count["refused"], "crashed": count["crashed"],
             "refusals naming the option": sum(r.get("names_option", False) for r in rows),
             "median error": float(np.median([r["error"] for r in done])) if done else None,
             "largest error": max((r["error"] for r in done), default=None),
@@ -135,7 +138,8 @@ def main() -> None:
                     "rows": rows}
             cells.append(cell)
             print(f"H = {heads} {mode}: within {cell['within']}, outside {cell['outside']}, "
-                  f"refused {cell['refused']} of {cell['trials']}", flush=True)
+                  f"refused {cell['refused']}, crashed {cell['crashed']} of {cell['trials']}",
+                  flush=True)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"float32_torch_{args.learner.replace('-', '_')}_{args.label}"
@@ -149,20 +153,21 @@ def main() -> None:
              f"benchmarks/bench_float32_torch.py --heads {' '.join(map(str, args.heads))} "
              f"--dim {args.dim} --trials {args.trials} --learner {args.learner} --modes "
              f"{' '.join(args.modes)} --label {args.label}`", "",
-             "| H | mode | within bar | outside bar | refused | refusals naming the option "
-             "| median error | median bar | median queries | median s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| H | mode | within bar | outside bar | refused | crashed (untyped error) "
+             "| refusals naming the option | median error | median bar | median queries "
+             "| median s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         if not c["accepted"]:
             lines.append(f"| {c['heads']} | {c['mode']} | (output_dtype not accepted by "
-                         f"this learner) | | | | | | | |")
+                         f"this learner) | | | | | | | | |")
             continue
         fmt = (lambda x: "-" if x is None else f"{x:.1e}")
         lines.append(f"| {c['heads']} | {c['mode']} | {c['within']} | {c['outside']} | "
-                     f"{c['refused']} | {c['refusals naming the option']} | "
+                     f"{c['refused']} | {c['crashed']} | {c['refusals naming the option']} | "
                      f"{fmt(c['median error'])} | {fmt(c['median bar'])} | "
                      f"{c['median queries']:.0f} | {c['median seconds']:.1f} |")
-    lines += ["", "Refusals (numbers blanked as #):", ""]
+    lines += ["", "Refusals and crashes (numbers blanked as #):", ""]
     for c in cells:
         for r in c.get("refusal reasons", []):
             lines.append(f"- H = {c['heads']} {c['mode']}: {r['count']} x {r['type']}: "

@@ -14,8 +14,8 @@ from attnextract.errors import ModelMismatchError, RecoveryFailedError
 from attnextract.learners.multi_head import canonical_error
 from attnextract.learners.transformer_layer import random_transformer_layer
 from attnextract.oracle import RoundedOutputs
-from attnextract.precision import (check_precision_options, detect_precision, option_hint,
-                                   stated_precision)
+from attnextract.precision import (check_precision_options, detect_precision,
+                                   name_the_options, option_hint, stated_precision)
 
 from conftest import run_cli
 
@@ -31,7 +31,7 @@ REFUSALS = (ModelMismatchError, RecoveryFailedError)
     ({"decimals": 16}, "decimals must be an integer in 0..15"),
     ({"decimals": 2.5}, "decimals must be an integer"),
     ({"decimals": True}, "decimals must be an integer"),
-    ({"output_dtype": "float8"}, "output_dtype must be one of float32, bfloat16, float16"),
+    ({"output_dtype": "float8"}, "output_dtype must be one of float64, float32, bfloat16"),
     ({"output_dtype": "float32", "decimals": 3}, "not both"),
 ])
 def test_bad_precision_options_are_input_errors(options, match):
@@ -50,13 +50,37 @@ def test_detection_of_rounded_answers():
     assert detect_precision(np.round(x[:3], 2)).exact            # too few answers to tell
     assert not detect_precision(x.astype(np.float32)).stated
     assert stated_precision("bfloat16").forward and stated_precision(decimals=4).stated
-    assert stated_precision() is None
+    assert stated_precision() is None and stated_precision("float64").exact
 
 
 def test_refusal_hints_name_the_options():
     assert "--output-dtype" in option_hint(None) and "--decimals" in option_hint(None)
     detected = detect_precision(np.random.default_rng(1).standard_normal(8).astype(np.float32))
     assert "--output-dtype" in option_hint(detected) and "detected" in option_hint(detected)
+    refusal = RecoveryFailedError("a main row does not fit")
+    name_the_options(refusal, None)
+    name_the_options(refusal, None)                       # once only
+    assert str(refusal).count("--output-dtype") == 1
+
+
+def test_registry_names_the_options_in_any_refusal_of_a_learner_that_takes_them():
+    """A learner that can be told the precision but refuses without saying so (here a
+    stand-in registered for the test) gets the hint from the registry."""
+    from attnextract.registry import LEARNERS, register
+
+    def refusing(oracle, *, seed=None, verify_tolerance=None, output_dtype=None,
+                 decimals=None):
+        raise ModelMismatchError("no base row fits 2 sigmoid steps")
+
+    register("refusing-for-test", refusing, "a stand-in", hidden=True)
+    try:
+        with pytest.raises(ModelMismatchError, match=r"fits 2 sigmoid steps; .*--output-dtype"):
+            extract(Oracle(lambda X: X[:, -1, 0], 4), "refusing-for-test")
+        with pytest.raises(ModelMismatchError, match=r"stated precision \(float32\)"):
+            extract(Oracle(lambda X: X[:, -1, 0], 4), "refusing-for-test",
+                    output_dtype="float32")
+    finally:
+        del LEARNERS["refusing-for-test"]
 
 
 @pytest.mark.parametrize("model, extra", [("multi-head-low-rank", {"heads": 2}),
@@ -249,3 +273,25 @@ def test_transformer_layer_fine_rounding_is_stated_and_passes():
                      decimals=14, seed=1)
     assert any("rounded to 14 decimals (stated" in n for n in result.report.notes)
     assert result.report.verification.passed
+
+
+def test_bfloat16_forward_pass_is_refused_as_too_noisy():
+    """bfloat16 answers agree to ~1e-2 on saturated probes: refused, naming the option."""
+    import torch
+    from attnextract.adapters.torch_target import TorchAttentionBlackBox
+    for trial in range(3):
+        torch.manual_seed(trial)
+        module = torch.nn.MultiheadAttention(16, 2, bias=False, batch_first=True)
+        box = TorchAttentionBlackBox(module, readout=trial, dtype="bfloat16")
+        with pytest.raises(RecoveryFailedError, match=r"too noisy.*bfloat16"):
+            extract(Oracle(box, 16), "multi-head-low-rank", heads=2, seed=trial,
+                    output_dtype="bfloat16")
+
+
+def test_torch_target_dtype_errors():
+    import torch
+    from attnextract.adapters.torch_target import TorchAttentionBlackBox
+    with pytest.raises(InputError, match="or None"):
+        TorchAttentionBlackBox(torch.nn.MultiheadAttention(4, 1), dtype="int8")
+    double = torch.nn.MultiheadAttention(4, 1).double()
+    assert TorchAttentionBlackBox(double, dtype=None).dtype_name == "float64"

@@ -28,7 +28,7 @@ import numpy as np
 from .errors import InputError
 
 EPS64 = float(np.finfo(np.float64).eps)
-OUTPUT_DTYPES = ("float32", "bfloat16", "float16")
+OUTPUT_DTYPES = ("float64", "float32", "bfloat16", "float16")   # float64: exact, stated
 MAX_DECIMALS = 15            # beyond 15 decimals a float64 output is not rounded at all
 DETECT_DECIMALS = 12         # rounding to at most this many decimals is detected
 MIN_DETECT_VALUES = 4        # nonzero answers needed before rounding is called detected
@@ -85,6 +85,8 @@ class OutputPrecision:
 def stated_precision(output_dtype=None, decimals=None) -> OutputPrecision | None:
     """The precision the options state (checked), or None when neither is given."""
     check_precision_options(output_dtype, decimals)
+    if output_dtype == "float64":                    # exact answers, said so
+        return OutputPrecision("float64", EPS64, stated=True)
     if output_dtype is not None:
         from .learners.noisy import FORWARD_RHO        # the single-head learner's levels
         return OutputPrecision(output_dtype, FORWARD_RHO[output_dtype], forward=True,
@@ -139,3 +141,12 @@ def option_hint(precision: OutputPrecision | None) -> str:
     return (f"the answers are rounded to {precision.name} (detected); if the black box runs "
             f"its whole forward pass in low precision, say so with --output-dtype "
             f"float32|bfloat16 (API: output_dtype=)")
+
+
+def name_the_options(exc: Exception, precision: OutputPrecision | None) -> None:
+    """End a refusal's message with :func:`option_hint` (unless it names the options
+    already), so that a user of a low-precision-capable learner learns what to state."""
+    message = exc.args[0] if exc.args and isinstance(exc.args[0], str) else None
+    if message is None or "output-dtype" in message or "output_dtype" in message:
+        return
+    exc.args = (f"{message}; {option_hint(precision)}",) + exc.args[1:]

@@ -31,7 +31,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .errors import InputError
+from .errors import InputError, RefusalWithResult
 from .report import ExtractionResult
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,17 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
     from .verification import root_oracle
     root = root_oracle(oracle)
     checks = getattr(root, "check_queries", 0)
-    result = entry.function(oracle, seed=seed, **options)
+    try:
+        result = entry.function(oracle, seed=seed, **options)
+    except RefusalWithResult as exc:
+        if "output_dtype" in accepted:     # a learner that can be told the precision
+            from .precision import name_the_options, stated_precision
+            try:
+                stated = stated_precision(options.get("output_dtype"), options.get("decimals"))
+            except InputError:             # the learner's own values: say nothing about them
+                stated = None
+            name_the_options(exc, stated)
+        raise
     fingerprint = getattr(root, "check_queries", 0) - checks
     if fingerprint:
         result.queries += fingerprint

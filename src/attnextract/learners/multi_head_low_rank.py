@@ -57,6 +57,16 @@ held-out verification measures the real one. Above MAX_PREDICTED = 1e-7 the answ
 refused: that is where the method breaks, read off the report. The method needs sum_h r_h <= d (else the
 isolation spaces are empty: refused) and linearly independent v_h (else R_h holds no
 height of head h: refused).
+
+Low precision (``output_dtype=``, ``decimals=``, or rounding detected in the d single-
+token answers; docs/low-precision.md). The answers' relative noise e is measured where
+they are exactly linear (g(2u) = 2 g(u) at the saturated radius; median of 8 pairs, x 4,
+never below the stated or detected rounding) and every threshold follows it
+(:class:`Tolerances`): finite-difference angle 1e4 e, crossings 10 such angles apart,
+jumps and checks a margin above the noise, the rank at the steepest drop of the rows'
+spectrum. The error bar is 20 e x row spread / query-space separation (above 5%:
+refused); the held-out check allows 30 e + 2 x bar (at most 1e-2). Measured noise above
+1e-3 (a bfloat16 forward pass) is refused.
 """
 
 from __future__ import annotations
@@ -72,7 +82,7 @@ from scipy.special import expit
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError
 from ..models import MultiHeadAttention
 from ..oracle import Oracle
-from ..precision import OutputPrecision, option_hint, precision_of
+from ..precision import OutputPrecision, name_the_options, precision_of
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                       token_scale, verification_count, verify_model)
 from .low_rank import haar_orthogonal, random_probe_basis
@@ -147,6 +157,11 @@ class Tolerances:
 
 
 EXACT = Tolerances()
+# rounded or low-precision answers: the noise is measured on saturated probes (where the
+# answer is linear in u), never assumed; this many times the measured level sets e
+NOISE_MARGIN = 4.0
+RANK_GAP = 100.0           # noisy rows: the rank ends at a drop of the spectrum this steep
+GIVEN_RANK_FLOOR = 1e-2    # noisy rows: singular values below this (relative) fit a given rank
 LOW_PRECISION_BAR = 20.0   # error bar = this x measured noise x row spread / separation
 MAX_NOISE = 1e-3           # measured relative noise above which nothing is attempted
 MAX_VERIFY_NOISY = 1e-2    # the held-out tolerance of noisy answers never exceeds this
@@ -166,9 +181,6 @@ def _tolerances(precision: OutputPrecision, v: np.ndarray) -> tuple[Tolerances, 
     if precision.forward:
         return Tolerances.for_noise(noise), 2.0 ** -24 if precision.name == "float32" else noise
     return Tolerances.for_noise(noise), noise
-# a forward pass in low precision: its noise is measured on saturated probes (where the
-# answer is linear in u), never assumed; this many times the measured level sets e
-NOISE_MARGIN = 4.0
 
 
 def low_rank_multi_head_floor(d: int, ranks) -> int:
@@ -548,9 +560,11 @@ def _rows_in(space: np.ndarray, value: np.ndarray, count: int, rng) -> np.ndarra
 
 
 def query_space(meter: LogitMeter, values, h, columns, rank, rng):
-    # the measured rows beyond the rank are noise: their share of the spectrum is the
-    # logit noise (``info["residual"]``), the measured base of the error bar
-    """Orthonormal basis P_h (d, r_h) of span(W_h^T) from rows in R_h; and its conditioning."""
+    """Orthonormal basis P_h (d, r_h) of span(W_h^T) from rows in R_h; and its conditioning.
+
+    The measured rows beyond the rank are noise: their share of the spectrum is
+    ``info["residual"]`` (the error bar's base where noisy rows were held to a given
+    rank, ``info["forced"]``)."""
     d, H = columns.shape[0], len(values)
     others = np.delete(values, h, axis=0)
     space = null_space(others) if len(others) else np.eye(d)
@@ -587,12 +601,6 @@ def query_space(meter: LogitMeter, values, h, columns, rank, rng):
     return Vt[:found].T, block, {"rows": count, "rank": found, "spread": spread,
                                  "residual": residual, "forced": forced,
                                  "height": float(np.min(np.abs(height)) / np.linalg.norm(values[h]))}
-
-
-RANK_GAP = 100.0   # noisy rows: the rank ends at a drop of the spectrum at least this steep
-
-
-GIVEN_RANK_FLOOR = 1e-2   # noisy rows: singular values below this (relative) fit a given rank
 
 
 def _rank_at_gap(s: np.ndarray, floor: float) -> int:
@@ -702,8 +710,9 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
         answers add their measured noise and the error bar).
     output_dtype : {"float32", "bfloat16", "float16"}, optional
         The black box runs its forward pass in this dtype: the thresholds follow the
-        noise measured on saturated probes, the error bar the measured residual of the
-        extra query-space rows (see :class:`Tolerances`).
+        noise measured on saturated probes (see :class:`Tolerances`), the error bar is
+        LOW_PRECISION_BAR x that noise x row spread / query-space separation
+        (``report.details["error bar"]``).
     decimals : int, optional
         The answers are rounded to this many decimals. Without either option, answers
         rounded to float16/float32 or to k <= 12 decimals are detected (and said in the
@@ -737,9 +746,7 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
         return _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_tolerance,
                                        output_dtype, decimals, precision)
     except (RecoveryFailedError, ModelMismatchError) as exc:
-        hint = option_hint(precision[0] if precision else None)
-        if exc.args and isinstance(exc.args[0], str) and hint not in exc.args[0]:
-            exc.args = (f"{exc.args[0]}; {hint}",) + exc.args[1:]
+        name_the_options(exc, precision[0] if precision else None)
         raise
 
 
