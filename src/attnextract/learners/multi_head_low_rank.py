@@ -160,6 +160,7 @@ EXACT = Tolerances()
 # rounded or low-precision answers: the noise is measured on saturated probes (where the
 # answer is linear in u), never assumed; this many times the measured level sets e
 NOISE_MARGIN = 4.0
+RHO_NOISY = 30.0           # noisy answers: the radius this much larger (narrower transitions)
 RANK_GAP = 100.0           # noisy rows: the rank ends at a drop of the spectrum this steep
 GIVEN_RANK_FLOOR = 1e-2    # noisy rows: singular values below this (relative) fit a given rank
 LOW_PRECISION_BAR = 20.0   # error bar = this x measured noise x row spread / separation
@@ -450,7 +451,7 @@ def find_values(oracle: Oracle, v: np.ndarray, heads: int, rng: np.random.Genera
         tol = Tolerances.for_noise(noise)
         circle.tol = tol
     phi_ref = math.pi / (4.0 * max(heads, 1))
-    rho = circle.rho * phi_ref / tol.min_gap
+    rho = circle.rho * phi_ref / tol.min_gap * (RHO_NOISY if tol.noise > EPS else 1.0)
     v_plane = float(np.hypot(u0 @ v, u1 @ v)) + float(np.linalg.norm(v)) * 1e-3
 
     # bracket the crossings: sample a grid, bisect every interval whose ends differ
