@@ -62,7 +62,8 @@ Low precision (``output_dtype=``, ``decimals=``, or rounding detected in the d s
 token answers; docs/low-precision.md). The answers' relative noise e is measured where
 they are exactly linear (g(2u) = 2 g(u) at the saturated radius; median of 8 pairs, x 4,
 never below the stated or detected rounding) and every threshold follows it
-(:class:`Tolerances`): finite-difference angle 1e4 e, crossings 10 such angles apart,
+(:class:`Tolerances`): finite-difference angle 1e4 e on a half circle 30x larger
+(RHO_NOISY: narrower transitions), crossings 10 such angles apart,
 jumps and checks a margin above the noise, the rank at the steepest drop of the rows'
 spectrum. The error bar is 20 e x row spread / query-space separation (above 5%:
 refused); the held-out check allows 30 e + 2 x bar (at most 1e-2). Measured noise above
