@@ -61,7 +61,9 @@ def test_extract_writes_result_and_json(tmp_path, target_file, name):
                "--out", str(out), "--json", check=0)
     report = json.loads(proc.stdout)
     assert report["ok"] and report["kind"] == "single-head"
-    assert report["queries"] == 6 * 6 + 6 + 64
+    # every query the box answered: the learner's and the journal's fingerprint
+    assert report["breakdown"]["journal_fingerprint"] == report["details"]["check_queries"] > 0
+    assert report["queries"] == 6 * 6 + 6 + 64 + report["details"]["check_queries"]
     assert report["verification_error"] < 1e-9
     assert report["seconds"] >= report["black_box_seconds"] >= 0
     truth = random_single_head(6, seed=11)
