@@ -31,10 +31,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .errors import InputError
+from .errors import InputError, ModelMismatchError, RecoveryFailedError
 from .report import ExtractionResult
 
 log = logging.getLogger(__name__)
+
+# added to a refusal by a learner that can model biases but was not asked to
+BIASES_HINT = ("a black box with query, value or output biases (as deployed layers have, "
+               "e.g. f([0]) != 0) is outside the bias-free class: extract with --biases "
+               "(API: biases=True)")
 
 # keyword arguments every learner takes; not "options"
 COMMON = ("oracle", "seed", "verify_tolerance")
@@ -171,7 +176,12 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
         options["verify_tolerance"] = verify_tolerance
     log.info("extracting %s (learner %s) at d = %d with %s", model, entry.name, oracle.dim,
              {k: v for k, v in options.items() if k != "fit_progress"} or "default options")
-    result = entry.function(oracle, seed=seed, **options)
+    try:
+        result = entry.function(oracle, seed=seed, **options)
+    except (ModelMismatchError, RecoveryFailedError) as exc:
+        if "biases" in accepted and not options.get("biases") and exc.args:
+            exc.args = (f"{exc.args[0]}; {BIASES_HINT}",) + exc.args[1:]
+        raise
     result.options = {"model": entry.name, "seed": seed,
                       **{k: v for k, v in options.items() if k != "fit_progress"}}
     return result

@@ -69,7 +69,7 @@ from scipy.linalg import null_space
 from scipy.special import expit
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError
-from ..models import MultiHeadAttention
+from ..models import BiasedMultiHeadAttention, MultiHeadAttention
 from ..oracle import Oracle
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                       token_scale, verification_count, verify_model)
@@ -151,24 +151,33 @@ class Block:
     other heads (:func:`resolve`) without new queries.
     """
 
-    def __init__(self, head, rows, cols, scale, outputs):
+    def __init__(self, head, rows, cols, scale, outputs, origin=None):
         self.head, self.rows, self.cols = head, rows, cols
         self.scale, self.outputs = scale.reshape(len(rows), -1), outputs.reshape(len(rows), -1)
+        self.origin = origin        # biases: the token every probe was translated by (d,)
 
 
-def resolve(block: Block, v, values, W) -> np.ndarray:
+def resolve(block: Block, v, values, W, root=None) -> np.ndarray:
     """Logits t_h (n, m) of a block, every other head's sigmoid predicted from (values, W).
 
     f = s v^T q + c sum_g c_g(u) sigma(G t_g(u, q)): the other heads' terms use the
     current estimates (their heights are tiny in R_h, their logits tiny on I_h).
+    ``root`` (biases): the common root q_0 of the heads' biased queries, W_g q_0 + b_g = 0;
+    a probe translated by o then has t_g = u^T W_g q + u^T W_g (o - q_0) / s. The
+    returned logits of the block's own head keep that offset (the caller removes it).
     """
     U, C, G = block.rows, block.cols, block.scale
     c, s = split_scale(G)
     heights = U @ values.T                                   # (n, H)
     background = np.zeros_like(G)
+    shift = None
+    if root is not None:
+        shift = (np.zeros_like(root) if block.origin is None else block.origin) - root
     for g in range(len(values)):
         if g != block.head:
             logits = (U @ W[g]) @ C if len(U) < C.shape[1] else U @ (W[g] @ C)
+            if shift is not None:
+                logits = logits + (U @ (W[g] @ shift))[:, None] / s
             background += heights[:, g, None] * expit(G * logits)
     t = _weights_to_logits(block.outputs, s * (v @ C)[None, :], c,
                            heights[:, block.head, None], background)
@@ -450,8 +459,13 @@ def _rows_in(space: np.ndarray, value: np.ndarray, count: int, rng) -> np.ndarra
     return (space @ basis).T
 
 
-def query_space(meter: LogitMeter, values, h, columns, rank, rng):
-    """Orthonormal basis P_h (d, r_h) of span(W_h^T) from rows in R_h; and its conditioning."""
+def query_space(meter: LogitMeter, values, h, columns, rank, rng, biases=False):
+    """Orthonormal basis P_h (d, r_h) of span(W_h^T) from rows in R_h; and its conditioning.
+
+    ``biases``: every logit also holds u^T b_h (t_h = u^T (W_h q + b_h)), measured first
+    on the column q = 0 (one probe [c u; 0] per row, kept as ``info["bias block"]``) and
+    taken off: T = t - u^T b_h / s. ``info["bias"]`` holds u^T b_h of every row.
+    """
     d, H = columns.shape[0], len(values)
     others = np.delete(values, h, axis=0)
     space = null_space(others) if len(others) else np.eye(d)
@@ -463,8 +477,15 @@ def query_space(meter: LogitMeter, values, h, columns, rank, rng):
         rows = np.repeat(U, d, axis=0)
         cols = np.tile(columns.T, (count, 1))
         hts, bg = np.repeat(height, d), np.zeros(count * d)
+        if biases:      # u^T b_h on the column q = 0 (G = 1: c = s = 1, the logit is u^T b_h)
+            beta = meter.measure(U, np.zeros_like(U), height, np.zeros(count), 1.0)
+            bias_block = Block(h, U, np.zeros((d, 1)), meter.last_scale, meter.last_outputs)
+            beta = beta * split_scale(meter.last_scale)[1]
         scale = meter.scale_for(rows, cols, hts, bg, rng)
-        T = meter.measure(rows, cols, hts, bg, scale).reshape(count, d) @ columns.T  # rows u^T W_h
+        T = meter.measure(rows, cols, hts, bg, scale)
+        if biases:
+            T = T - np.repeat(beta, d) / split_scale(meter.last_scale)[1]
+        T = T.reshape(count, d) @ columns.T                                 # rows u^T W_h
         block = Block(h, U, columns, meter.last_scale, meter.last_outputs)
         s = np.linalg.svd(T, compute_uv=False)
         found = int(np.sum(s > RANK_TOL * s[0])) if s[0] > 0 else 0
@@ -478,8 +499,11 @@ def query_space(meter: LogitMeter, values, h, columns, rank, rng):
         raise RecoveryFailedError(f"head {h}: rank {found} fills the rows that see it alone")
     _, sv, Vt = np.linalg.svd(T, full_matrices=False)
     spread = float(sv[0] / sv[found - 1]) if found else 1.0
-    return Vt[:found].T, block, {"rows": count, "rank": found, "spread": spread,
-                                 "height": float(np.min(np.abs(height)) / np.linalg.norm(values[h]))}
+    info = {"rows": count, "rank": found, "spread": spread,
+            "height": float(np.min(np.abs(height)) / np.linalg.norm(values[h]))}
+    if biases:
+        info["bias"], info["bias block"], info["row logits"] = beta, bias_block, T
+    return Vt[:found].T, block, info
 
 
 def space_from_logits(block: Block, T: np.ndarray, rank: int) -> np.ndarray:
@@ -492,6 +516,47 @@ def matrix_from_logits(block: Block, T: np.ndarray, P: np.ndarray) -> np.ndarray
     """W_h = Y (P^T Z)^{-1} P^T with Y = W_h Z = U T (U the orthogonal rows of the block)."""
     Z = block.cols
     return (block.rows.T @ T) @ np.linalg.solve(P.T @ Z, P.T)
+
+
+def common_root(spaces, row_list, bias_list):
+    """The common root q_0 (d,) of the heads' biased queries, W_h q_0 + b_h = 0 for every h.
+
+    With b_h = W_h p_h (a real layer: b_h = W_k,h^T b_q,h lies in W_h's column space), a
+    measured row y = W_h^T u has u^T b_h = y^T p_h = (P_h^T y)^T kappa_h, kappa_h = P_h^T p_h:
+    r_h + 1 rows give kappa_h by least squares. q_0 solves P_h^T q_0 = -kappa_h for all h
+    (sum_h r_h <= d equations: minimum norm). Returns (q_0, misfit): the largest relative
+    residual of the bias fits (a bias outside W_h's column space shows there).
+    """
+    kappas, misfit = [], 0.0
+    for P, Y, beta in zip(spaces, row_list, bias_list):
+        A = Y @ P
+        kappa = np.linalg.lstsq(A, beta, rcond=None)[0]
+        kappas.append(kappa)
+        scale = float(np.linalg.norm(A, 2) * np.linalg.norm(kappa)) + float(np.linalg.norm(beta))
+        misfit = max(misfit, float(np.linalg.norm(A @ kappa - beta)) / max(scale, 1e-300))
+    if not spaces:
+        return np.zeros(0), misfit
+    stack = np.hstack(spaces).T                              # (sum r_h, d)
+    root = np.linalg.lstsq(stack, -np.concatenate(kappas), rcond=None)[0]
+    return root, misfit
+
+
+class _Translated:
+    """The oracle seen from a translated origin (biases): answers f(X + 1 o^T) - const.
+
+    With o = q_0 (every head's biased query W_h x + b_h vanishes there) and const =
+    c + v^T q_0 this is multi-head attention without biases: the translation adds the
+    same b_h^T-free term to every score of a sequence, which the softmax cancels.
+    """
+
+    def __init__(self, base, origin, const):
+        self.base, self.origin, self.const = base, np.asarray(origin, dtype=float), float(const)
+
+    def query(self, X):
+        return self.base.query(np.asarray(X, dtype=np.float64) + self.origin) - self.const
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
 
 
 def head_matrix(meter: LogitMeter, v, values, spaces, h, rng):
@@ -553,8 +618,8 @@ def exact_heights(oracle: Oracle, v, values, W, rng) -> np.ndarray:
 def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
                                 rank: int | None = None, *,
                                 seed=None, progress=None,
-                                verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE
-                                ) -> ExtractionResult:
+                                verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
+                                biases: bool = False) -> ExtractionResult:
     """Recover the canonical heads of multi-head attention with low-rank heads.
 
     Parameters
@@ -572,12 +637,20 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
         Called with a short text at the start of every stage.
     verify_tolerance : float
         Largest held-out relative output error accepted.
+    biases : bool
+        The layer has query, value and output biases (a deployed layer):
+        f(X) = sum_h softmax(X (W_h x_N + b_h))^T X v_h + c with b_h in W_h's column
+        space. c from f([0]); each row of the query-space stage gains one probe on the
+        column q = 0 (u^T b_h); the biases give the common root q_0 of the heads'
+        queries (W_h q_0 + b_h = 0), and every later stage runs translated by q_0, where
+        the layer has no biases. Floor sum_h (d + r_h (2d - r_h) + r_h) + 1.
 
     Returns
     -------
     ExtractionResult
         ``model`` a :class:`MultiHeadAttention` with W (H', d, d), v (H', d), H' <= H the
-        canonical heads; the report gives the queries against the floor
+        canonical heads (with ``biases`` a :class:`BiasedMultiHeadAttention`, also b
+        (H', d) and c); the report gives the queries against the floor
         sum_h (d + r_h (2d - r_h)) and paper 2's 4 H d^2 - 2 H + 1, and the conditioning.
 
     Raises
@@ -605,30 +678,37 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
     rng = np.random.default_rng(seeds[0])
     r_plan = rank or max(1, d // heads)
     planned = (d + (heads + 1) * (d + 3) + heads * (r_plan + 1) * d + heads * r_plan * d)
+    if biases:
+        planned += 1 + heads * (r_plan + 1)
     oracle.plan(planned + verification_count(low_rank_multi_head_floor(d, [r_plan] * heads)),
                 "low-rank multi-head extraction")
 
+    const = 0.0
+    if biases:
+        say("c = f([0]) (one query)")
+        const = float(oracle.query(np.zeros((1, 1, d)))[0])
+    view = _Translated(oracle, np.zeros(d), const) if biases else oracle
     say("v = sum of the heads' values (d single tokens)")
-    v = oracle.query(np.eye(d)[:, None, :])
+    v = view.query(np.eye(d)[:, None, :])
     if not np.any(v):
         raise NotIdentifiableError("v = sum_h v_h = 0 on every token: no probe here can see "
                                    "the heads apart")
     say("values of the heads (saturated half circle)")
     before = oracle.queries
-    values, value_info = find_values(oracle, v, heads, rng)
+    values, value_info = find_values(view, v, heads, rng)
     value_queries = oracle.queries - before
     H = len(values)
     norms = np.linalg.norm(values, axis=1)
     value_sep = (float(np.linalg.svd(values / norms[:, None], compute_uv=False)[-1])
                  if H else 1.0)
 
-    meter = LogitMeter(oracle, v)
+    meter = LogitMeter(view, v)
     columns = haar_orthogonal(d, rng)
     say(f"query spaces of {H} heads")
     before = oracle.queries
     spaces, space_info, space_blocks = [], [], []
     for h in range(H):
-        P, block, info = query_space(meter, values, h, columns, rank, rng)
+        P, block, info = query_space(meter, values, h, columns, rank, rng, biases)
         spaces.append(P)
         space_blocks.append(block)
         space_info.append(info)
@@ -637,11 +717,21 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
     if sum(ranks) > d:
         raise RecoveryFailedError(f"the heads' ranks {ranks} sum to {sum(ranks)} > d = {d}: "
                                   "no column isolates a head (use the full-rank learner)")
+    root, root_misfit = None, 0.0
+    if biases:
+        # the common root q_0: from here on the probes are translated by it, where the
+        # layer has no biases (isolation columns make the other heads' logits 0 again)
+        root, root_misfit = common_root(spaces, [i["row logits"] for i in space_info],
+                                        [i["bias"] for i in space_info])
+        rescued = meter.rescued
+        meter = LogitMeter(_Translated(oracle, root, const + v @ root), v)
+        meter.rescued = rescued
     say("isolation columns")
     before = oracle.queries
     W, separations, column_blocks = np.zeros((H, d, d)), [], []
     for h in range(H):
         W[h], block, sep = head_matrix(meter, v, values, spaces, h, rng)
+        block.origin = root
         column_blocks.append(block)
         separations.append(sep)
     column_queries = oracle.queries - before
@@ -652,15 +742,30 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
     changes = []
     if H and min(ranks) > 0:
         say("exact heights and refinement")
-        values = exact_heights(oracle, v, values, W, rng)
+        values = exact_heights(meter.oracle if biases else oracle, v, values, W, rng)
         for _ in range(REFINE_ITERATIONS):
-            logits = [resolve(b, v, values, W) for b in space_blocks]
+            if biases:
+                betas = [resolve(i["bias block"], v, values, W, root)[:, 0]
+                         * split_scale(i["bias block"].scale[:, 0])[1] for i in space_info]
+                logits = [resolve(b, v, values, W, root) - beta[:, None] / split_scale(b.scale)[1]
+                          for b, beta in zip(space_blocks, betas)]
+            else:
+                logits = [resolve(b, v, values, W) for b in space_blocks]
             if not all(np.all(np.isfinite(T)) for T in logits):
                 break       # answers no H low-rank heads give: verification refuses
             new_spaces = [space_from_logits(b, T, r)
                           for b, T, r in zip(space_blocks, logits, ranks)]
-            new_W = np.array([matrix_from_logits(b, resolve(b, v, values, W), P)
-                              for b, P in zip(column_blocks, new_spaces)])
+            if biases:
+                new_root, root_misfit = common_root(
+                    new_spaces, [T @ b.cols.T for b, T in zip(space_blocks, logits)], betas)
+                own = [(b.rows @ (W[b.head] @ (b.origin - new_root)))[:, None]
+                       / split_scale(b.scale)[1] for b in column_blocks]
+                new_W = np.array([matrix_from_logits(b, resolve(b, v, values, W, root) - o, P)
+                                  for b, o, P in zip(column_blocks, own, new_spaces)])
+                root = new_root
+            else:
+                new_W = np.array([matrix_from_logits(b, resolve(b, v, values, W), P)
+                                  for b, P in zip(column_blocks, new_spaces)])
             if not np.all(np.isfinite(new_W)):
                 break
             change = float(np.max(np.linalg.norm(new_W - W, axis=(1, 2))
@@ -673,10 +778,16 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
     if not (np.all(np.isfinite(W)) and np.all(np.isfinite(values))):
         raise ModelMismatchError(f"the black box is not multi-head attention with {H} low-rank "
                                  f"head(s): its answers give no finite heads")
-    model = MultiHeadAttention(W, values)
+    if biases:
+        model = BiasedMultiHeadAttention(W, values, -np.einsum("hde,e->hd", W, root)
+                                         if H else np.zeros((0, d)), const)
+    else:
+        model = MultiHeadAttention(W, values)
 
     recovery = oracle.queries - q0
     floor = low_rank_multi_head_floor(d, ranks) if H else d
+    if biases:
+        floor += sum(ranks) + 1
     n_verify = verification_count(floor)
     spread = max((i["spread"] for i in space_info), default=1.0)
     min_sep = min(separations, default=1.0)
@@ -719,7 +830,12 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
                  "isolation": column_queries, "heights": height_queries,
                  "(rescaled)": meter.rescued,
                  "recovery": recovery, "verification": n_verify}
-    report = Report(kind=MultiHeadAttention.kind, dim=d, queries=oracle.queries - q0,
+    if biases:
+        breakdown = {"constant": 1, **breakdown}
+        details["biases"] = (f"c = f([0]); one probe [c u; 0] per query-space row; common root "
+                             f"|q_0| = {float(np.linalg.norm(root)) if root is not None else 0.0:.3g}, "
+                             f"bias-fit misfit {root_misfit:.1e}")
+    report = Report(kind=model.kind, dim=d, queries=oracle.queries - q0,
                     breakdown=breakdown, floor=floor, verification=verification,
                     seconds=time.perf_counter() - start,
                     black_box_seconds=oracle.black_box_seconds - bb0, details=details)
