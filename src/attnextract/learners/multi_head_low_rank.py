@@ -98,6 +98,9 @@ REFINE_ITERATIONS = 4    # re-solves of the stored blocks with the other heads p
 MIN_SEPARATION = 1e-12   # query-space separation below which no isolation column exists
 MAX_PREDICTED = 1e-7     # predicted parameter error above which the answer is refused
 SCOUT = 8                # entries that set the logit scale of a block
+BIAS_LOGIT = 1.0         # biases: rows u are shortened until |u^T b_h| <= this
+BIASED_RANK_TOL = 1e-7   # biases: first-pass rank tolerance (a bias of 5 |W| costs the values
+                         # ~100x: a row's 9th singular value measured at 1.2e-9, d = 96, H = 12)
 BLOCK_FLOATS = 1 << 21   # probe floats per oracle batch (16 MB)
 
 
@@ -474,13 +477,21 @@ def query_space(meter: LogitMeter, values, h, columns, rank, rng, biases=False):
     while True:
         U = _rows_in(space, values[h], count, rng)
         height = U @ values[h]
+        if biases:      # u^T b_h on the column q = 0 (G = 1: c = s = 1, the logit is u^T b_h)
+            beta = meter.measure(U, np.zeros_like(U), height, np.zeros(count), 1.0)
+            beta = beta * split_scale(meter.last_scale)[1]
+            peak = float(np.max(np.abs(beta)))
+            if peak > BIAS_LOGIT:
+                # a bias logit near saturation would cost every probe of these rows its
+                # precision (a(1 - a) ~ e^-|u^T b_h|): shorter rows, measured again
+                U, height = U * (BIAS_LOGIT / peak), height * (BIAS_LOGIT / peak)
+                beta = meter.measure(U, np.zeros_like(U), height, np.zeros(count), 1.0)
+                beta = beta * split_scale(meter.last_scale)[1]
+                meter.rescued += count
+            bias_block = Block(h, U, np.zeros((d, 1)), meter.last_scale, meter.last_outputs)
         rows = np.repeat(U, d, axis=0)
         cols = np.tile(columns.T, (count, 1))
         hts, bg = np.repeat(height, d), np.zeros(count * d)
-        if biases:      # u^T b_h on the column q = 0 (G = 1: c = s = 1, the logit is u^T b_h)
-            beta = meter.measure(U, np.zeros_like(U), height, np.zeros(count), 1.0)
-            bias_block = Block(h, U, np.zeros((d, 1)), meter.last_scale, meter.last_outputs)
-            beta = beta * split_scale(meter.last_scale)[1]
         scale = meter.scale_for(rows, cols, hts, bg, rng)
         T = meter.measure(rows, cols, hts, bg, scale)
         if biases:
@@ -488,7 +499,8 @@ def query_space(meter: LogitMeter, values, h, columns, rank, rng, biases=False):
         T = T.reshape(count, d) @ columns.T                                 # rows u^T W_h
         block = Block(h, U, columns, meter.last_scale, meter.last_outputs)
         s = np.linalg.svd(T, compute_uv=False)
-        found = int(np.sum(s > RANK_TOL * s[0])) if s[0] > 0 else 0
+        tol = BIASED_RANK_TOL if biases else RANK_TOL
+        found = int(np.sum(s > tol * s[0])) if s[0] > 0 else 0
         if found < count or count == room:
             break
         if rank is not None:
@@ -525,15 +537,17 @@ def common_root(spaces, row_list, bias_list):
     measured row y = W_h^T u has u^T b_h = y^T p_h = (P_h^T y)^T kappa_h, kappa_h = P_h^T p_h:
     r_h + 1 rows give kappa_h by least squares. q_0 solves P_h^T q_0 = -kappa_h for all h
     (sum_h r_h <= d equations: minimum norm). Returns (q_0, misfit): the largest relative
-    residual of the bias fits (a bias outside W_h's column space shows there).
+    residual of the bias fits, in token units |A kappa - beta| / |A| (a bias outside
+    W_h's column space shows there).
     """
     kappas, misfit = [], 0.0
     for P, Y, beta in zip(spaces, row_list, bias_list):
         A = Y @ P
         kappa = np.linalg.lstsq(A, beta, rcond=None)[0]
         kappas.append(kappa)
-        scale = float(np.linalg.norm(A, 2) * np.linalg.norm(kappa)) + float(np.linalg.norm(beta))
-        misfit = max(misfit, float(np.linalg.norm(A @ kappa - beta)) / max(scale, 1e-300))
+        # in token units: how far the measured biases are from any shift p_h
+        misfit = max(misfit, float(np.linalg.norm(A @ kappa - beta))
+                     / max(float(np.linalg.norm(A, 2)), 1e-300))
     if not spaces:
         return np.zeros(0), misfit
     stack = np.hstack(spaces).T                              # (sum r_h, d)
@@ -798,6 +812,11 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
     value_error = EPS / max(value_info.get("gradient step", 1.0), EPS)
     first_pass = (value_error / max(value_sep, EPS) + EPS / max(min_height, EPS)) * spread / min_sep
     predicted = EPS * spread / min_sep if changes else first_pass
+    if biases and H:
+        # translated probes carry v^T q_0 in every answer: their rounding grows by about
+        # |v^T q_0| over the smallest height |v_h| / sqrt(d) of the isolation rows
+        translation = 1.0 + abs(float(v @ root)) * math.sqrt(d) / float(norms.min())
+        predicted, first_pass = predicted * translation, first_pass * translation
     if predicted > MAX_PREDICTED:
         raise RecoveryFailedError(
             f"the heads are too close to pin down: predicted parameter error {predicted:.1e} "
@@ -834,7 +853,7 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
         breakdown = {"constant": 1, **breakdown}
         details["biases"] = (f"c = f([0]); one probe [c u; 0] per query-space row; common root "
                              f"|q_0| = {float(np.linalg.norm(root)) if root is not None else 0.0:.3g}, "
-                             f"bias-fit misfit {root_misfit:.1e}")
+                             f"bias-fit residual {root_misfit:.1e} (token units)")
     report = Report(kind=model.kind, dim=d, queries=oracle.queries - q0,
                     breakdown=breakdown, floor=floor, verification=verification,
                     seconds=time.perf_counter() - start,
