@@ -99,6 +99,8 @@ MIN_SEPARATION = 1e-12   # query-space separation below which no isolation colum
 MAX_PREDICTED = 1e-7     # predicted parameter error above which the answer is refused
 SCOUT = 8                # entries that set the logit scale of a block
 BIAS_LOGIT = 1.0         # biases: rows u are shortened until |u^T b_h| <= this
+BIASED_REFINE_ITERATIONS = 12   # biases: the root q_0 converges with the heads (MiniLM
+                                # layer 2: changes 3.8e-5, 1.7e-4, 1.4e-8, 3.8e-10, ...)
 BIASED_RANK_TOL = 1e-7   # biases: first-pass rank tolerance (a bias of 5 |W| costs the values
                          # ~100x: a row's 9th singular value measured at 1.2e-9, d = 96, H = 12)
 BLOCK_FLOATS = 1 << 21   # probe floats per oracle batch (16 MB)
@@ -530,7 +532,7 @@ def matrix_from_logits(block: Block, T: np.ndarray, P: np.ndarray) -> np.ndarray
     return (block.rows.T @ T) @ np.linalg.solve(P.T @ Z, P.T)
 
 
-def common_root(spaces, row_list, bias_list):
+def common_root(spaces, row_list, bias_list, dim):
     """The common root q_0 (d,) of the heads' biased queries, W_h q_0 + b_h = 0 for every h.
 
     With b_h = W_h p_h (a real layer: b_h = W_k,h^T b_q,h lies in W_h's column space), a
@@ -549,7 +551,7 @@ def common_root(spaces, row_list, bias_list):
         misfit = max(misfit, float(np.linalg.norm(A @ kappa - beta))
                      / max(float(np.linalg.norm(A, 2)), 1e-300))
     if not spaces:
-        return np.zeros(0), misfit
+        return np.zeros(dim), misfit
     stack = np.hstack(spaces).T                              # (sum r_h, d)
     root = np.linalg.lstsq(stack, -np.concatenate(kappas), rcond=None)[0]
     return root, misfit
@@ -736,7 +738,7 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
         # the common root q_0: from here on the probes are translated by it, where the
         # layer has no biases (isolation columns make the other heads' logits 0 again)
         root, root_misfit = common_root(spaces, [i["row logits"] for i in space_info],
-                                        [i["bias"] for i in space_info])
+                                        [i["bias"] for i in space_info], d)
         rescued = meter.rescued
         meter = LogitMeter(_Translated(oracle, root, const + v @ root), v)
         meter.rescued = rescued
@@ -757,7 +759,7 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
     if H and min(ranks) > 0:
         say("exact heights and refinement")
         values = exact_heights(meter.oracle if biases else oracle, v, values, W, rng)
-        for _ in range(REFINE_ITERATIONS):
+        for _ in range(BIASED_REFINE_ITERATIONS if biases else REFINE_ITERATIONS):
             if biases:
                 betas = [resolve(i["bias block"], v, values, W, root)[:, 0]
                          * split_scale(i["bias block"].scale[:, 0])[1] for i in space_info]
@@ -771,7 +773,7 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
                           for b, T, r in zip(space_blocks, logits, ranks)]
             if biases:
                 new_root, root_misfit = common_root(
-                    new_spaces, [T @ b.cols.T for b, T in zip(space_blocks, logits)], betas)
+                    new_spaces, [T @ b.cols.T for b, T in zip(space_blocks, logits)], betas, d)
                 own = [(b.rows @ (W[b.head] @ (b.origin - new_root)))[:, None]
                        / split_scale(b.scale)[1] for b in column_blocks]
                 new_W = np.array([matrix_from_logits(b, resolve(b, v, values, W, root) - o, P)
@@ -788,6 +790,8 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
             W = new_W
             if change < 1e-14:
                 break
+            if biases and len(changes) >= 2 and change < 1e-10 and change > 0.5 * changes[-2]:
+                break       # at the measurements' rounding: more passes change nothing
     height_queries = oracle.queries - before
     if not (np.all(np.isfinite(W)) and np.all(np.isfinite(values))):
         raise ModelMismatchError(f"the black box is not multi-head attention with {H} low-rank "
