@@ -185,3 +185,36 @@ def test_biased_low_rank_heads_refused_without_biases():
     truth = with_biases(random_low_rank_multi_head(H, d, r, 1), 1, c=0.0)
     with pytest.raises(ModelMismatchError, match="--biases"):
         extract(Oracle(truth, d), model="multi-head-low-rank", heads=H, rank=r, seed=1)
+
+
+# -- low-rank single head ------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(12))
+def test_biased_low_rank_head_at_the_floor(seed):
+    from attnextract.adapters.targets import random_low_rank_head
+    from attnextract.learners.low_rank import CONFIRM_PROBES, SCOUT_PROBES, extract_low_rank
+    d, r = (32, 4) if seed % 2 == 0 else (48, 6)
+    truth = with_biases(random_low_rank_head(d, r, seed), seed,
+                        bias_scale=(0.0, 5.1, 1.0)[seed % 3], c=0.0 if seed % 4 == 0 else None)
+    oracle = Oracle(truth, d)
+    result = extract_low_rank(oracle, seed=seed, biases=True)
+    m = result.model
+    assert isinstance(m, BiasedSingleHeadAttention)
+    assert relative(m.W, truth.W) <= 1e-9
+    assert relative(m.v, truth.v) <= 1e-10
+    assert relative(m.b, truth.b, max(np.linalg.norm(truth.b), np.linalg.norm(truth.W))) <= 1e-9
+    assert abs(m.c - truth.c) <= 1e-12 * np.linalg.norm(truth.v)
+    floor = d + r * (2 * d - r) + r + 1
+    assert result.report.floor == floor
+    b = result.report.breakdown
+    assert b["recovery"] == floor and b["calibration"] == 2 * SCOUT_PROBES
+    assert b["rank checks"] == 1 + CONFIRM_PROBES and b["rescaling"] == 0
+    assert oracle.queries == floor + 2 * SCOUT_PROBES + 1 + CONFIRM_PROBES + b["verification"]
+
+
+def test_biased_low_rank_needs_the_adaptive_method():
+    from attnextract.adapters.targets import random_low_rank_head
+    from attnextract.learners.low_rank import extract_low_rank
+    truth = with_biases(random_low_rank_head(16, 2, 0), 0)
+    with pytest.raises(InputError, match="adaptive"):
+        extract_low_rank(Oracle(truth, 16), rank=2, method="rop", biases=True)
