@@ -99,6 +99,7 @@ MIN_SEPARATION = 1e-12   # query-space separation below which no isolation colum
 MAX_PREDICTED = 1e-7     # predicted parameter error above which the answer is refused
 SCOUT = 8                # entries that set the logit scale of a block
 BIAS_LOGIT = 1.0         # biases: rows u are shortened until |u^T b_h| <= this
+BIAS_GROWTH = 1e4        # biases: largest c of a row's second bias probe
 BIASED_REFINE_ITERATIONS = 12   # biases: the root q_0 converges with the heads (MiniLM
                                 # layer 2: changes 3.8e-5, 1.7e-4, 1.4e-8, 3.8e-10, ...)
 BIASED_RANK_TOL = 1e-7   # biases: first-pass rank tolerance (a bias of 5 |W| costs the values
@@ -228,7 +229,7 @@ class LogitMeter:
 
     def measure(self, U, Qc, height, background, scale: float) -> np.ndarray:
         """t_h(u_l, q_l) for rows U, Qc (n, d), heights c_h(u_l) (n,), background (n,)."""
-        scale = np.full(len(U), float(scale))
+        scale = np.broadcast_to(np.asarray(scale, dtype=float), (len(U),)).copy()
         t = self._logits(U, Qc, height, background, scale)
         outputs = self.outputs
         for _ in range(MAX_RESCALES):
@@ -490,6 +491,13 @@ def query_space(meter: LogitMeter, values, h, columns, rank, rng, biases=False):
                 beta = meter.measure(U, np.zeros_like(U), height, np.zeros(count), 1.0)
                 beta = beta * split_scale(meter.last_scale)[1]
                 meter.rescued += count
+            # every row's bias again at its own scale c ~ BIAS_LOGIT / |u^T b_h|: the
+            # logit's rounding shrinks by c, and it is taken off every entry of the row
+            # (an error common to the row does not average out over its d columns)
+            grow = np.clip(BIAS_LOGIT / np.maximum(np.abs(beta), 1e-300), 1.0, BIAS_GROWTH)
+            beta = meter.measure(U, np.zeros_like(U), height, np.zeros(count), grow)
+            beta = beta * split_scale(meter.last_scale)[1]
+            meter.rescued += count
             bias_block = Block(h, U, np.zeros((d, 1)), meter.last_scale, meter.last_outputs)
         rows = np.repeat(U, d, axis=0)
         cols = np.tile(columns.T, (count, 1))
@@ -817,8 +825,8 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
     first_pass = (value_error / max(value_sep, EPS) + EPS / max(min_height, EPS)) * spread / min_sep
     predicted = EPS * spread / min_sep if changes else first_pass
     if biases and H:
-        # translated probes carry v^T q_0 in every answer: their rounding grows by about
-        # |v^T q_0| over the smallest height |v_h| / sqrt(d) of the isolation rows
+        # answers to translated probes carry v^T q_0: their rounding, over the smallest
+        # height |v_h| / sqrt(d) of the isolation rows, grows by about this factor
         translation = 1.0 + abs(float(v @ root)) * math.sqrt(d) / float(norms.min())
         predicted, first_pass = predicted * translation, first_pass * translation
     if predicted > MAX_PREDICTED:
