@@ -68,7 +68,8 @@ def test_query_answers_exactly_what_the_model_computes(serve):
     status, health = raw(server, "GET", "/health")
     assert status == 200 and health == {"ok": True, "kind": "single-head", "dim": D,
                                         "served": 7, "charged": 7, "replayed": 0,
-                                        "budget": None, "remaining": None}
+                                        "budget": None, "remaining": None, "binary": True,
+                                        "state": False}
 
 
 BAD_REQUESTS = [
@@ -157,7 +158,8 @@ def test_a_failing_model_is_a_500_and_the_server_keeps_serving(serve):
     flaky.dim, flaky.kind = D, "custom"
     server = serve(flaky)
     status, answer = post(server, {"sequences": [[[0.0] * D]]})
-    assert status == 500 and "out of memory" in answer["error"]
+    assert status == 500 and "the model failed" in answer["error"]
+    assert "out of memory" not in answer["error"]       # the model's text stays in the log
     assert server.state.served == 0                     # a failed batch is not charged
     assert post(server, {"sequences": [[[0.0] * D]]}) == (
         200, {"outputs": [0.0], "remaining": None, "charged": 1, "replayed": False})

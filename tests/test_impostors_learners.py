@@ -163,7 +163,10 @@ def test_replay_refuses_a_box_that_switched_to_another_member_of_the_class():
     oracle = Oracle(box, D)
     oracle.query(np.random.default_rng(0).standard_normal((20, 3, D)))     # A's answers, kept
     check = verify_model(oracle, b, count=64, seed=0)
-    assert not check.passed and check.worst_family == "replay"
+    # the re-asked queries show the switch (and the kept longest probes, answered by A,
+    # disagree with the model of B too)
+    assert not check.passed and check.worst_family in ("replay", "own")
+    assert check.family_errors["replay"] > check.tolerance
     assert len(oracle.replay) == 16
     fresh = Oracle(b, D)
     fresh.query(np.random.default_rng(0).standard_normal((20, 3, D)))

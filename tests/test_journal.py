@@ -114,14 +114,27 @@ def test_refused_answers_are_not_recorded(tmp_path):
 
 
 def test_context_mismatch_and_corrupt_file(tmp_path):
-    QueryJournal(tmp_path / "j.sqlite", context={"target": "a.py:f", "dim": 3}).close()
-    with pytest.raises(InputError, match="dim = 3"):
+    with QueryJournal(tmp_path / "j.sqlite", context={"target": "a.py:f", "dim": 3}) as journal:
+        Oracle(lambda X: X.sum(axis=(1, 2)), 3, journal=journal).query(np.ones((2, 1, 3)))
+        assert len(journal) == 2
+    with pytest.raises(InputError, match="dim = 3"):      # answers recorded: refused
         QueryJournal(tmp_path / "j.sqlite", context={"target": "a.py:f", "dim": 4})
     with QueryJournal(tmp_path / "j.sqlite", context={"dim": 3, "seed": 5}) as journal:
         assert journal.context == {"target": "a.py:f", "dim": 3, "seed": 5}
     (tmp_path / "bad.sqlite").write_bytes(b"this is not a database" * 100)
     with pytest.raises(JournalError, match="query journal"):
         QueryJournal(tmp_path / "bad.sqlite")
+
+
+def test_a_journal_without_answers_takes_the_corrected_context(tmp_path):
+    """A first run that failed before any answer (a wrong --dim) leaves nothing to resume:
+    the corrected rerun's context replaces it instead of being refused."""
+    QueryJournal(tmp_path / "j.sqlite", context={"target": "a.py:f", "dim": 3}).close()
+    with QueryJournal(tmp_path / "j.sqlite", context={"target": "a.py:f", "dim": 4}) as journal:
+        assert journal.context == {"target": "a.py:f", "dim": 4}
+        Oracle(lambda X: X.sum(axis=(1, 2)), 4, journal=journal).query(np.ones((2, 1, 4)))
+    with QueryJournal(tmp_path / "j.sqlite", context={"dim": 4}) as journal:
+        assert len(journal) == 2 and journal.context["dim"] == 4
 
 
 SLOW_TARGET = textwrap.dedent("""

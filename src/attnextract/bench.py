@@ -509,18 +509,25 @@ def plots(rows: list[dict], out: Path) -> list[str]:
     return written
 
 
-def run_bench(out_dir, quick: bool = False, sections=None, log=print) -> dict:
-    """Run the registered sections and write bench.json, bench.md and the plots (PNG + SVG)."""
+def run_bench(out_dir, quick: bool = False, sections=None, log=print,
+              command: str | None = None) -> dict:
+    """Run the registered sections and write bench.json, bench.md and the plots (PNG + SVG).
+
+    ``command`` (the command line that ran it) heads bench.md with the date, so every
+    table says where its numbers come from.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     rows = []
     for name in sections or SECTIONS:
         rows += SECTIONS[name](quick, log)
-    table = markdown(rows)
     images = plots(rows, out)
-    summary = {"quick": quick, "seconds": time.perf_counter() - start, "rows": rows,
-               "plots": images}
+    seconds = time.perf_counter() - start
+    date = time.strftime("%Y-%m-%d", time.gmtime())
+    table = (provenance(command, date, seconds) + "\n\n" if command else "") + markdown(rows)
+    summary = {"quick": quick, "seconds": seconds, "rows": rows, "plots": images,
+               "date": date, "command": command}
     (out / "bench.json").write_text(json.dumps(summary, indent=2, default=_json_default))
     (out / "bench.md").write_text(table)
     return summary
@@ -530,6 +537,21 @@ def _json_default(obj):
     if isinstance(obj, np.generic):
         return obj.item()
     raise TypeError(type(obj).__name__)
+
+
+def provenance(command: str, date: str, seconds: float) -> str:
+    """The line heading bench.md: when, by which command, how long."""
+    return (f"Measured on {date} (UTC) by `{command}` in {seconds:.0f} s "
+            "(wall times depend on the machine and its load).")
+
+
+def readme_summary(bench_md: str) -> str:
+    """What the README shows of bench.md: its provenance line and its first table."""
+    blocks = bench_md.strip("\n").split("\n\n")
+    head = blocks[:1] if blocks[0].startswith("Measured on") else []
+    table = next(b for b in blocks if b.startswith("|"))
+    note = next((b for b in blocks if b.startswith("paper:")), None)
+    return "\n\n".join(head + [table] + ([note] if note else [])) + "\n"
 
 
 def update_readme(readme, table: str, image: str | None) -> None:

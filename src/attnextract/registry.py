@@ -176,12 +176,21 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
         options["verify_tolerance"] = verify_tolerance
     log.info("extracting %s (learner %s) at d = %d with %s", model, entry.name, oracle.dim,
              {k: v for k, v in options.items() if k != "fit_progress"} or "default options")
+    # a journal's fingerprint queries are the box's answers too: counted in the result
+    from .verification import root_oracle
+    root = root_oracle(oracle)
+    checks = getattr(root, "check_queries", 0)
     try:
         result = entry.function(oracle, seed=seed, **options)
     except (ModelMismatchError, RecoveryFailedError) as exc:
         if "biases" in accepted and not options.get("biases") and exc.args:
             exc.args = (f"{exc.args[0]}; {BIASES_HINT}",) + exc.args[1:]
         raise
+    fingerprint = getattr(root, "check_queries", 0) - checks
+    if fingerprint:
+        result.queries += fingerprint
+        result.report.queries += fingerprint
+        result.report.breakdown["journal fingerprint"] = fingerprint
     result.options = {"model": entry.name, "seed": seed,
                       **{k: v for k, v in options.items() if k != "fit_progress"}}
     return result

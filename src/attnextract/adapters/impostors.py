@@ -423,6 +423,125 @@ class StackedLayers(Impostor):
         return self.honest(H)
 
 
+class Truncation(Impostor):
+    reason = ("reads only the last `keep` tokens of a longer sequence (a truncated context): "
+              "identical on every sequence of up to `keep` tokens, however long the probes")
+
+    def __init__(self, model, rng, keep):
+        super().__init__(model, rng)
+        self.keep = keep
+
+    def __call__(self, X):
+        X = np.asarray(X, dtype=np.float64)
+        return self.honest(X[:, -self.keep:] if X.shape[1] > self.keep else X)
+
+
+class LogLengthScaling(Impostor):
+    reason = ("scores multiplied by ln N / ln n0 beyond n0 tokens (n0 drawn in 200..500), as "
+              "long-context models do: the model itself up to n0, sharper attention beyond")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.n0 = int(rng.integers(200, 501))
+
+    def scores(self, X, W):
+        s = super().scores(X, W)
+        N = X.shape[1]
+        return s * (math.log(N) / math.log(self.n0)) if N > self.n0 else s
+
+
+class LengthOffset(Impostor):
+    reason = ("adds a constant (1e-3 of a typical output) to every answer on sequences longer "
+              "than n0 (drawn in 300..2000): the model itself on everything shorter")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.n0 = int(rng.integers(300, 2001))
+        X = token_scale_of(model) * rng.standard_normal((256, 8, self.dim))
+        self.offset = 1e-3 * float(np.sqrt(np.mean(self.honest(X) ** 2))) * rng.choice([-1.0, 1.0])
+
+    def __call__(self, X):
+        out = super().__call__(X)
+        return out + self.offset if np.shape(X)[-2] > self.n0 else out
+
+
+class SinkFarBelow(Impostor):
+    reason = ("an attention sink: an extra key of value 0 whose logit -b (b drawn in 8..20) "
+              "lies far below the typical scores; it takes weight only where every score is "
+              "below about -b, and 1e-4 .. 1e-9 of it on ordinary sequences")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.logit = -float(rng.uniform(8.0, 20.0))
+
+    def weights(self, X, W):
+        s = self.scores(X, W)
+        m = np.maximum(s.max(axis=1, keepdims=True), self.logit)
+        e = np.exp(s - m)
+        return e / (np.exp(self.logit - m) + e.sum(axis=1, keepdims=True))
+
+
+class SmallRotation(Impostor):
+    reason = ("keys rotated by a small angle proportional to their distance from the query "
+              "(1e-4 .. 1e-3 rad per position, a slow RoPE): a smooth effect that grows with "
+              "length")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.rate = 10.0 ** rng.uniform(-4, -3)
+
+    def scores(self, X, W):
+        N, half = X.shape[1], self.dim // 2
+        if half == 0:
+            return super().scores(X, W)
+        angle = self.rate * (N - 1 - np.arange(N))[:, None] * np.ones(half)[None, :]
+        c, s = np.cos(angle), np.sin(angle)
+        K = X.copy()
+        a, b = X[:, :, 0:2 * half:2], X[:, :, 1:2 * half:2]
+        K[:, :, 0:2 * half:2] = c * a - s * b
+        K[:, :, 1:2 * half:2] = s * a + c * b
+        return np.einsum("bnd,bd->bn", K, X[:, -1, :] @ W.T)
+
+
+class CubicScores(Impostor):
+    reason = ("scores s + g s^3 (g drawn in 1e-6 .. 1e-5): a small smooth term, largest where "
+              "scores are large")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.g = 10.0 ** rng.uniform(-6, -5)
+
+    def scores(self, X, W):
+        s = super().scores(X, W)
+        return s + self.g * s ** 3
+
+
+class QuadraticValues(Impostor):
+    reason = ("values x + c |x| x / s0 (c drawn in 1e-6 .. 1e-5, s0 the typical token norm): "
+              "a small term quadratic in the tokens, largest at large norms")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.c = 10.0 ** rng.uniform(-6, -5)
+        self.s0 = token_scale_of(model) * math.sqrt(self.dim)
+
+    def values(self, X):
+        return X + self.c * np.linalg.norm(X, axis=2, keepdims=True) / self.s0 * X
+
+
+class HugeTwoHeads(SecondHead):
+    reason = ("outputs scaled by 1e200 with one more head (relative size 0.3): squared "
+              "outputs overflow float64, so only scale-safe comparisons see the extra head")
+
+    SCALE = 1e200
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng, 0.3)
+
+    def __call__(self, X):
+        return self.SCALE * super().__call__(X)
+
+
 def zoo(model=None) -> dict:
     """name -> factory (model, rng, recovery_queries) -> impostor, for this kind of model.
 
@@ -450,6 +569,16 @@ def zoo(model=None) -> dict:
         "switch mid-recovery": lambda m, r, q: Stateful(m, r, q // 2),
         "switch at verification": lambda m, r, q: Stateful(m, r, q),
         "two stacked layers": lambda m, r, q: StackedLayers(m, r),
+        # issue 23: effects beyond the probes' lengths, far scores, small smooth terms
+        "truncation 257": lambda m, r, q: Truncation(m, r, 257),
+        "truncation 1000": lambda m, r, q: Truncation(m, r, 1000),
+        "log-length scaling": lambda m, r, q: LogLengthScaling(m, r),
+        "offset above length": lambda m, r, q: LengthOffset(m, r),
+        "sink far below": lambda m, r, q: SinkFarBelow(m, r),
+        "small rotation": lambda m, r, q: SmallRotation(m, r),
+        "cubic scores": lambda m, r, q: CubicScores(m, r),
+        "quadratic values": lambda m, r, q: QuadraticValues(m, r),
+        "two heads x1e200": lambda m, r, q: HugeTwoHeads(m, r),
     }
     if model is None or isinstance(model, (OneLayerTransformer, TransformerLayer)):
         out["GELU FFN"] = lambda m, r, q: GeluFFN(m, r)
@@ -478,7 +607,7 @@ def make_impostor(name: str, model, rng: np.random.Generator, recovery_queries: 
 NOISY_TOLERANCE = 1e-10       # absolute output tolerance given to the noisy learner
 # a label-only black box (threshold 0) answers these exactly as the honest head does:
 # clipping and an attention sink keep the sign of f, so they are in the class there
-SAME_LABELS = {"output clipping", "attention sink"}
+SAME_LABELS = {"output clipping", "attention sink", "sink far below"}
 
 
 def _extract(name, **fixed):

@@ -817,7 +817,8 @@ def extract_low_rank(oracle: Oracle, rank: int | None = None, method: str = "ada
     recovery_total = sum(breakdown.values())
     verification = verify_model(oracle, model, count=n_verify, seed=seeds[1],
                                 tolerance=verify_tolerance,
-                                scale=min(token_scale(model), np.sqrt(max(largest_scale, 1e-300))))
+                                scale=min(token_scale(model), np.sqrt(max(largest_scale, 1e-300))),
+                                expected_error="measured")
     breakdown["verification"] = n_verify
     details = {"method": method, **details,
                "floors": (f"d + r(2d - r) + r + 1 = {floor} (rank {found}, biases)" if biases

@@ -300,7 +300,8 @@ def extract_single_head(oracle: Oracle, *, seed=None,
     # than the probes reached: beyond it W is known only to its noise floor (W ~ 0).
     verification = verify_model(oracle, model, count=n_verify, seed=seed,
                                 tolerance=verify_tolerance,
-                                scale=min(token_scale(model), np.sqrt(scale.max())))
+                                scale=min(token_scale(model), np.sqrt(scale.max())),
+                                expected_error=_model_error_bar(bars))
     report = Report(
         kind=model.kind, dim=d, queries=oracle.queries - start_queries,
         breakdown={"recovery": floor, "rescaling": rescaled, "verification": n_verify},
@@ -468,3 +469,11 @@ def _rescue_columns(oracle, probes, v, T, scale, cols, first: bool) -> int:
         f"the black box is not a single-head attention regressor: after {MAX_RESCALES} "
         f"rescalings, probes of {int(bad.sum())} column(s) still imply attention weights "
         f"outside (0, 1) or logits beyond {MAX_LOGIT}")
+
+
+def _model_error_bar(bars: dict) -> float | None:
+    """The model's relative error bar for verification: the largest per-column or per-row
+    rounding bar of W (v is measured directly, to float64 rounding)."""
+    values = [float(np.nanmax(bars[k])) for k in ("W_columns", "W_rows") if np.size(bars[k])]
+    bar = max(values, default=float("nan"))
+    return bar if math.isfinite(bar) else None

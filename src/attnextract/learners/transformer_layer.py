@@ -433,18 +433,27 @@ def _finish(oracle, model, counts, details, seeds, start, start_queries, start_b
     n_far = n_verify // 2 if far > 2.0 * near else 0
     oracle.require(n_verify + n_far, "held-out verification of the Transformer layer")
     verification = verify_model(oracle, model, count=n_verify, seed=rng,
-                                tolerance=verify_tolerance, scale=near)
+                                tolerance=verify_tolerance, scale=near, expected_error="measured")
     if n_far:
         # a unit active only far out is invisible near the origin: look where it is
         far_check = verify_model(oracle, model, count=n_far, seed=rng,
-                                 tolerance=verify_tolerance, scale=far)
+                                 tolerance=verify_tolerance, scale=far, expected_error="measured")
         verification = Verification(
             sequences=n_verify + n_far,
             max_relative_error=max(verification.max_relative_error,
                                    far_check.max_relative_error),
             median_relative_error=max(verification.median_relative_error,
                                       far_check.median_relative_error),
-            tolerance=verify_tolerance,
+            tolerance=min(verification.tolerance, far_check.tolerance),
+            requested_tolerance=max(verification.requested_tolerance,
+                                    far_check.requested_tolerance),
+            lengths=(min(verification.lengths[0], far_check.lengths[0]),
+                     max(verification.lengths[1], far_check.lengths[1])),
+            norms=(min(verification.norms[0], far_check.norms[0]),
+                   max(verification.norms[1], far_check.norms[1])),
+            max_length=verification.max_length,
+            search_queries=verification.search_queries + far_check.search_queries,
+            own_probes=verification.own_probes,
             # the near check's second layer (the hull) and families are kept, not dropped
             hull_violation=max(verification.hull_violation, far_check.hull_violation),
             hull_tolerance=max(verification.hull_tolerance, far_check.hull_tolerance),

@@ -207,6 +207,13 @@ class _Extraction:
         self.notes: list[str] = []
         self.length = design.base_length(self.max_heads)   # the base stages; main() switches
         self.half_window = math.log(self.length - 1)
+        from ...verification import max_length_of
+        needed = max(self.length, design.window_length(self.max_heads))
+        limit = max_length_of(oracle)
+        if limit is not None and limit < needed:
+            raise InputError(f"the multi-head learner (up to {self.max_heads} heads) probes with "
+                             f"sequences of {needed} tokens, longer than max_length {limit}; "
+                             f"nothing was sent")
 
     # -- bookkeeping ---------------------------------------------------------
     def spend(self, stage: str, before: int) -> None:
