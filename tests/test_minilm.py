@@ -237,3 +237,20 @@ def test_biased_layer_is_saved_for_serve(tmp_path):
     assert served.kind == "biased-multi-head"
     np.testing.assert_array_equal(served.b, truth.b)
     assert served.c == truth.c
+
+
+@pytest.mark.slow
+def test_a_whole_biased_layer_on_the_command_line(tmp_path):
+    """Issue 26: the real layer with every bias, each head (W_h, v_h, b_h) and c within
+    1e-8, within 1.1x the floor sum_h (d + r(2d - r) + r) + 1 = 287,617."""
+    proc = run_cli("minilm", "--layer", "3", "--all-heads", "--json", "--no-progress",
+                   "--out", str(tmp_path / "layer.npz"), timeout=1800)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    d = report["details"]
+    assert "biases" in d["target"] and d["heads_found"] == 12
+    assert max(d["per_head_error"]) <= 1e-8 and max(d["per_head_bias_error"]) <= 1e-8
+    assert d["c_error"] <= 1e-8
+    assert d["biased_floor"] == 12 * (WIDTH + 32 * (2 * WIDTH - 32) + 32) + 1 == 287617
+    assert report["breakdown"]["recovery"] <= 1.1 * d["biased_floor"]
+    assert report["verification"]["passed"] and report["kind"] == "biased-multi-head"
