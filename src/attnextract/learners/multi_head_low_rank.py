@@ -469,8 +469,9 @@ def query_space(meter: LogitMeter, values, h, columns, rank, rng, biases=False):
     """Orthonormal basis P_h (d, r_h) of span(W_h^T) from rows in R_h; and its conditioning.
 
     ``biases``: every logit also holds u^T b_h (t_h = u^T (W_h q + b_h)), measured first
-    on the column q = 0 (one probe [c u; 0] per row, kept as ``info["bias block"]``) and
-    taken off: T = t - u^T b_h / s. ``info["bias"]`` holds u^T b_h of every row.
+    on the column q = 0 (a probe [c u; 0] per row at c = 1, then one at the row's own
+    scale c ~ 1 / |u^T b_h|, kept as ``info["bias block"]``) and taken off:
+    T = t - u^T b_h / s. ``info["bias"]`` holds u^T b_h of every row.
     """
     d, H = columns.shape[0], len(values)
     others = np.delete(values, h, axis=0)
@@ -664,8 +665,8 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
     biases : bool
         The layer has query, value and output biases (a deployed layer):
         f(X) = sum_h softmax(X (W_h x_N + b_h))^T X v_h + c with b_h in W_h's column
-        space. c from f([0]); each row of the query-space stage gains one probe on the
-        column q = 0 (u^T b_h); the biases give the common root q_0 of the heads'
+        space. c from f([0]); each row of the query-space stage gains two probes on the
+        column q = 0 (u^T b_h, the second at the row's own scale); the biases give the common root q_0 of the heads'
         queries (W_h q_0 + b_h = 0), and every later stage runs translated by q_0, where
         the layer has no biases. Floor sum_h (d + r_h (2d - r_h) + r_h) + 1.
 
@@ -703,7 +704,7 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
     r_plan = rank or max(1, d // heads)
     planned = (d + (heads + 1) * (d + 3) + heads * (r_plan + 1) * d + heads * r_plan * d)
     if biases:
-        planned += 1 + heads * (r_plan + 1)
+        planned += 1 + 2 * heads * (r_plan + 1)
     oracle.plan(planned + verification_count(low_rank_multi_head_floor(d, [r_plan] * heads)),
                 "low-rank multi-head extraction")
 
@@ -863,7 +864,7 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
                  "recovery": recovery, "verification": n_verify}
     if biases:
         breakdown = {"constant": 1, **breakdown}
-        details["biases"] = (f"c = f([0]); one probe [c u; 0] per query-space row; common root "
+        details["biases"] = (f"c = f([0]); two probes [c u; 0] per query-space row; common root "
                              f"|q_0| = {float(np.linalg.norm(root)) if root is not None else 0.0:.3g}, "
                              f"bias-fit residual {root_misfit:.1e} (token units)")
     report = Report(kind=model.kind, dim=d, queries=oracle.queries - q0,
