@@ -535,10 +535,20 @@ def space_from_logits(block: Block, T: np.ndarray, rank: int) -> np.ndarray:
     return Vt[:rank].T
 
 
-def matrix_from_logits(block: Block, T: np.ndarray, P: np.ndarray) -> np.ndarray:
-    """W_h = Y (P^T Z)^{-1} P^T with Y = W_h Z = U T (U the orthogonal rows of the block)."""
+def matrix_from_logits(block: Block, T: np.ndarray, P: np.ndarray, offset=None) -> np.ndarray:
+    """W_h = Y (P^T Z)^{-1} P^T with Y = W_h Z = U T (U the orthogonal rows of the block).
+
+    ``offset`` w (r,) (biases: probes translated by o, w = P^T (o - q_0)): every logit also
+    holds u_k^T W_h P w / s_kj, so row k is a_k = P^T W_h^T u_k solving
+    t_kj = a_k^T (P^T z_j + w / s_kj), one r x r system per row.
+    """
     Z = block.cols
-    return (block.rows.T @ T) @ np.linalg.solve(P.T @ Z, P.T)
+    if offset is None:
+        return (block.rows.T @ T) @ np.linalg.solve(P.T @ Z, P.T)
+    s = split_scale(block.scale)[1]                                   # (n, r)
+    A = (P.T @ Z)[None] + offset[None, :, None] / s[:, None, :]      # A_k[:, j]
+    a = np.linalg.solve(np.transpose(A, (0, 2, 1)), T[..., None])[..., 0]
+    return (block.rows.T @ a) @ P.T
 
 
 def common_root(spaces, row_list, bias_list, dim):
@@ -584,8 +594,9 @@ class _Translated:
         return getattr(self.base, name)
 
 
-def head_matrix(meter: LogitMeter, v, values, spaces, h, rng):
-    """W_h (d, d) from d rows against r_h columns of the isolation space I_h."""
+def head_matrix(meter: LogitMeter, v, values, spaces, h, rng, offset=None):
+    """W_h (d, d) from d rows against r_h columns of the isolation space I_h
+    (``offset``: see :func:`matrix_from_logits`)."""
     d = v.shape[0]
     P = spaces[h]
     r = P.shape[1]
@@ -611,7 +622,7 @@ def head_matrix(meter: LogitMeter, v, values, spaces, h, rng):
     scale = meter.scale_for(rows, cols, height, background, rng)
     T = meter.measure(rows, cols, height, background, scale).reshape(d, r)
     block = Block(h, U.T, Z, meter.last_scale, meter.last_outputs)
-    return matrix_from_logits(block, T, P), block, separation
+    return matrix_from_logits(block, T, P, offset), block, separation
 
 
 def exact_heights(oracle: Oracle, v, values, W, rng) -> np.ndarray:
@@ -742,21 +753,33 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
     if sum(ranks) > d:
         raise RecoveryFailedError(f"the heads' ranks {ranks} sum to {sum(ranks)} > d = {d}: "
                                   "no column isolates a head (use the full-rank learner)")
-    root, root_misfit = None, 0.0
+    root, root_misfit, origins = None, 0.0, [None] * H
     if biases:
-        # the common root q_0: from here on the probes are translated by it, where the
-        # layer has no biases (isolation columns make the other heads' logits 0 again)
+        # the common root q_0 (W_h q_0 + b_h = 0 for every h), and for each head the
+        # shortest token o_h where every OTHER head's biased query vanishes: translated by
+        # o_h the others have no biases, the isolation columns make their logits 0
+        # again, and head h keeps the known offset W_h (o_h - q_0). |o_h| is far below
+        # |q_0| (MiniLM layer 0: about 30 against 176), and the translated answers,
+        # which carry v^T o_h and scores of tokens of norm |o_h|, round the less.
         root, root_misfit = common_root(spaces, [i["row logits"] for i in space_info],
                                         [i["bias"] for i in space_info], d)
-        rescued = meter.rescued
-        meter = LogitMeter(_Translated(oracle, root, const + v @ root), v)
-        meter.rescued = rescued
+        for h in range(H):
+            others = [spaces[g] for g in range(H) if g != h and spaces[g].shape[1]]
+            stack = np.hstack(others).T if others else np.zeros((0, d))
+            origins[h] = (np.linalg.lstsq(stack, stack @ root, rcond=None)[0] if others
+                          else np.zeros(d))
     say("isolation columns")
     before = oracle.queries
     W, separations, column_blocks = np.zeros((H, d, d)), [], []
     for h in range(H):
-        W[h], block, sep = head_matrix(meter, v, values, spaces, h, rng)
-        block.origin = root
+        offset = None
+        if biases:
+            rescued = meter.rescued
+            meter = LogitMeter(_Translated(oracle, origins[h], const + v @ origins[h]), v)
+            meter.rescued = rescued
+            offset = spaces[h].T @ (origins[h] - root)
+        W[h], block, sep = head_matrix(meter, v, values, spaces, h, rng, offset)
+        block.origin = origins[h]
         column_blocks.append(block)
         separations.append(sep)
     column_queries = oracle.queries - before
@@ -767,7 +790,8 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
     changes = []
     if H and min(ranks) > 0:
         say("exact heights and refinement")
-        values = exact_heights(meter.oracle if biases else oracle, v, values, W, rng)
+        values = exact_heights(_Translated(oracle, root, const + v @ root) if biases else oracle,
+                               v, values, W, rng)
         for _ in range(BIASED_REFINE_ITERATIONS if biases else REFINE_ITERATIONS):
             if biases:
                 betas = [resolve(i["bias block"], v, values, W, root)[:, 0]
@@ -783,10 +807,9 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
             if biases:
                 new_root, root_misfit = common_root(
                     new_spaces, [T @ b.cols.T for b, T in zip(space_blocks, logits)], betas, d)
-                own = [(b.rows @ (W[b.head] @ (b.origin - new_root)))[:, None]
-                       / split_scale(b.scale)[1] for b in column_blocks]
-                new_W = np.array([matrix_from_logits(b, resolve(b, v, values, W, root) - o, P)
-                                  for b, o, P in zip(column_blocks, own, new_spaces)])
+                new_W = np.array([matrix_from_logits(b, resolve(b, v, values, W, root), P,
+                                                     P.T @ (b.origin - new_root))
+                                  for b, P in zip(column_blocks, new_spaces)])
                 root = new_root
             else:
                 new_W = np.array([matrix_from_logits(b, resolve(b, v, values, W), P)
@@ -828,7 +851,8 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
     if biases and H:
         # answers to translated probes carry v^T q_0: their rounding, over the smallest
         # height |v_h| / sqrt(d) of the isolation rows, grows by about this factor
-        translation = 1.0 + abs(float(v @ root)) * math.sqrt(d) / float(norms.min())
+        translation = 1.0 + max(abs(float(v @ o)) for o in origins) * math.sqrt(d) / float(
+            norms.min())
         predicted, first_pass = predicted * translation, first_pass * translation
     if predicted > MAX_PREDICTED:
         raise RecoveryFailedError(
@@ -866,6 +890,8 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
         breakdown = {"constant": 1, **breakdown}
         details["biases"] = (f"c = f([0]); two probes [c u; 0] per query-space row; common root "
                              f"|q_0| = {float(np.linalg.norm(root)) if root is not None else 0.0:.3g}, "
+                             f"isolation origins |o_h| <= "
+                             f"{max((float(np.linalg.norm(o)) for o in origins), default=0.0):.3g}, "
                              f"bias-fit residual {root_misfit:.1e} (token units)")
     report = Report(kind=model.kind, dim=d, queries=oracle.queries - q0,
                     breakdown=breakdown, floor=floor, verification=verification,
