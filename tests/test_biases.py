@@ -218,3 +218,29 @@ def test_biased_low_rank_needs_the_adaptive_method():
     truth = with_biases(random_low_rank_head(16, 2, 0), 0)
     with pytest.raises(InputError, match="adaptive"):
         extract_low_rank(Oracle(truth, 16), rank=2, method="rop", biases=True)
+
+
+# -- the command line ------------------------------------------------------------------------
+
+def test_cli_extract_with_and_without_biases(tmp_path):
+    import json
+    from conftest import run_cli
+    target = tmp_path / "box.py"
+    target.write_text(
+        "from attnextract.adapters.targets import random_single_head, with_biases\n"
+        "box = with_biases(random_single_head(8, 4), 4, bias_scale=2.0)\n")
+    out = tmp_path / "head.npz"
+    proc = run_cli("extract", "--target", f"{target}:box", "--dim", "8", "--biases",
+                   "--out", out, "--json", "--no-progress", "--seed", "1", check=0)
+    report = json.loads(proc.stdout)
+    assert report["kind"] == "biased-single-head"
+    assert report["breakdown"]["recovery"] == 8 * 8 + 2 * 8 + 1
+    truth = with_biases(random_single_head(8, 4), 4, bias_scale=2.0)
+    model = load_model(out)
+    assert relative(model.b, truth.b) <= 1e-10 and abs(model.c - truth.c) <= 1e-10
+    refused = run_cli("extract", "--target", f"{target}:box", "--dim", "8", "--no-progress",
+                      "--out", tmp_path / "plain.npz", "--seed", "1")
+    assert refused.returncode != 0 and "--biases" in refused.stderr
+    wrong = run_cli("extract", "--target", f"{target}:box", "--dim", "8", "--biases",
+                    "--model", "one-layer", "--out", tmp_path / "x.npz", check=2)
+    assert "--biases" in wrong.stderr
