@@ -244,3 +244,19 @@ def test_cli_extract_with_and_without_biases(tmp_path):
     wrong = run_cli("extract", "--target", f"{target}:box", "--dim", "8", "--biases",
                     "--model", "one-layer", "--out", tmp_path / "x.npz", check=2)
     assert "--biases" in wrong.stderr
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_verification_sees_the_constant_and_the_bias(seed):
+    from attnextract.report import verify_model
+    d = 8
+    truth = biased_head(d, seed)
+    model = extract_single_head(Oracle(truth, d), seed=seed, biases=True).model
+    assert verify_model(Oracle(truth, d), model, count=64, seed=seed).passed
+    shifted = BiasedSingleHeadAttention(truth.W, truth.v, truth.b, truth.c + 1e-6)
+    assert not verify_model(Oracle(shifted, d), model, count=64, seed=seed).passed
+    nudged = BiasedSingleHeadAttention(truth.W, truth.v, truth.b * (1 + 1e-5), truth.c)
+    assert not verify_model(Oracle(nudged, d), model, count=64, seed=seed).passed
+    # a bias-free model of the same head is no model of the biased box
+    plain = SingleHeadAttention(truth.W, truth.v)
+    assert not verify_model(Oracle(truth, d), plain, count=64, seed=seed).passed
