@@ -163,27 +163,24 @@ class Block:
         self.origin = origin        # biases: the token every probe was translated by (d,)
 
 
-def resolve(block: Block, v, values, W, root=None) -> np.ndarray:
+def resolve(block: Block, v, values, W, offsets=None) -> np.ndarray:
     """Logits t_h (n, m) of a block, every other head's sigmoid predicted from (values, W).
 
     f = s v^T q + c sum_g c_g(u) sigma(G t_g(u, q)): the other heads' terms use the
     current estimates (their heights are tiny in R_h, their logits tiny on I_h).
-    ``root`` (biases): the common root q_0 of the heads' biased queries, W_g q_0 + b_g = 0;
-    a probe translated by o then has t_g = u^T W_g q + u^T W_g (o - q_0) / s. The
-    returned logits of the block's own head keep that offset (the caller removes it).
+    ``offsets`` (biases, (H, d)): W_g o + b_g = W_g (o - q_0) for the block's origin o
+    (:func:`query_offsets`); a probe translated by o has t_g = u^T W_g q + u^T W_g (o - q_0) / s.
+    The returned logits of the block's own head keep that offset (the caller removes it).
     """
     U, C, G = block.rows, block.cols, block.scale
     c, s = split_scale(G)
     heights = U @ values.T                                   # (n, H)
     background = np.zeros_like(G)
-    shift = None
-    if root is not None:
-        shift = (np.zeros_like(root) if block.origin is None else block.origin) - root
     for g in range(len(values)):
         if g != block.head:
             logits = (U @ W[g]) @ C if len(U) < C.shape[1] else U @ (W[g] @ C)
-            if shift is not None:
-                logits = logits + (U @ (W[g] @ shift))[:, None] / s
+            if offsets is not None:
+                logits = logits + (U @ offsets[g])[:, None] / s
             background += heights[:, g, None] * expit(G * logits)
     t = _weights_to_logits(block.outputs, s * (v @ C)[None, :], c,
                            heights[:, block.head, None], background)
@@ -557,8 +554,8 @@ def common_root(spaces, row_list, bias_list, dim):
     With b_h = W_h p_h (a real layer: b_h = W_k,h^T b_q,h lies in W_h's column space), a
     measured row y = W_h^T u has u^T b_h = y^T p_h = (P_h^T y)^T kappa_h, kappa_h = P_h^T p_h:
     r_h + 1 rows give kappa_h by least squares. q_0 solves P_h^T q_0 = -kappa_h for all h
-    (sum_h r_h <= d equations: minimum norm). Returns (q_0, misfit): the largest relative
-    residual of the bias fits, in token units |A kappa - beta| / |A| (a bias outside
+    (sum_h r_h <= d equations: minimum norm). Returns (q_0, misfit, kappas): the largest
+    relative residual of the bias fits, in token units |A kappa - beta| / |A| (a bias outside
     W_h's column space shows there).
     """
     kappas, misfit = [], 0.0
@@ -570,10 +567,18 @@ def common_root(spaces, row_list, bias_list, dim):
         misfit = max(misfit, float(np.linalg.norm(A @ kappa - beta))
                      / max(float(np.linalg.norm(A, 2)), 1e-300))
     if not spaces:
-        return np.zeros(dim), misfit
+        return np.zeros(dim), misfit, kappas
     stack = np.hstack(spaces).T                              # (sum r_h, d)
     root = np.linalg.lstsq(stack, -np.concatenate(kappas), rcond=None)[0]
-    return root, misfit
+    return root, misfit, kappas
+
+
+def query_offsets(W, spaces, kappas, origin) -> np.ndarray:
+    """W_g o + b_g = W_g P_g (P_g^T o + kappa_g) for every head, shape (H, d).
+
+    The same as W_g (o - q_0), but computed without q_0: q_0 can be long (MiniLM layer 0:
+    176), and W_g's small error times q_0 would swamp these small vectors."""
+    return np.array([Wg @ (P @ (P.T @ origin + k)) for Wg, P, k in zip(W, spaces, kappas)])
 
 
 class _Translated:
@@ -761,8 +766,8 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
         # again, and head h keeps the known offset W_h (o_h - q_0). |o_h| is far below
         # |q_0| (MiniLM layer 0: about 30 against 176), and the translated answers,
         # which carry v^T o_h and scores of tokens of norm |o_h|, round the less.
-        root, root_misfit = common_root(spaces, [i["row logits"] for i in space_info],
-                                        [i["bias"] for i in space_info], d)
+        root, root_misfit, kappas = common_root(spaces, [i["row logits"] for i in space_info],
+                                                [i["bias"] for i in space_info], d)
         for h in range(H):
             others = [spaces[g] for g in range(H) if g != h and spaces[g].shape[1]]
             stack = np.hstack(others).T if others else np.zeros((0, d))
@@ -777,7 +782,7 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
             rescued = meter.rescued
             meter = LogitMeter(_Translated(oracle, origins[h], const + v @ origins[h]), v)
             meter.rescued = rescued
-            offset = spaces[h].T @ (origins[h] - root)
+            offset = spaces[h].T @ origins[h] + kappas[h]            # P_h^T (o_h - q_0)
         W[h], block, sep = head_matrix(meter, v, values, spaces, h, rng, offset)
         block.origin = origins[h]
         column_blocks.append(block)
@@ -794,10 +799,11 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
                                v, values, W, rng)
         for _ in range(BIASED_REFINE_ITERATIONS if biases else REFINE_ITERATIONS):
             if biases:
-                betas = [resolve(i["bias block"], v, values, W, root)[:, 0]
+                at_zero = query_offsets(W, spaces, kappas, np.zeros(d))      # the biases b_g
+                betas = [resolve(i["bias block"], v, values, W, at_zero)[:, 0]
                          * split_scale(i["bias block"].scale[:, 0])[1] for i in space_info]
-                logits = [resolve(b, v, values, W, root) - beta[:, None] / split_scale(b.scale)[1]
-                          for b, beta in zip(space_blocks, betas)]
+                logits = [resolve(b, v, values, W, at_zero) - beta[:, None]
+                          / split_scale(b.scale)[1] for b, beta in zip(space_blocks, betas)]
             else:
                 logits = [resolve(b, v, values, W) for b in space_blocks]
             if not all(np.all(np.isfinite(T)) for T in logits):
@@ -805,12 +811,12 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
             new_spaces = [space_from_logits(b, T, r)
                           for b, T, r in zip(space_blocks, logits, ranks)]
             if biases:
-                new_root, root_misfit = common_root(
+                root, root_misfit, new_kappas = common_root(
                     new_spaces, [T @ b.cols.T for b, T in zip(space_blocks, logits)], betas, d)
-                new_W = np.array([matrix_from_logits(b, resolve(b, v, values, W, root), P,
-                                                     P.T @ (b.origin - new_root))
-                                  for b, P in zip(column_blocks, new_spaces)])
-                root = new_root
+                new_W = np.array([matrix_from_logits(
+                    b, resolve(b, v, values, W, query_offsets(W, spaces, kappas, b.origin)), P,
+                    P.T @ b.origin + k) for b, P, k in zip(column_blocks, new_spaces, new_kappas)])
+                spaces, kappas = new_spaces, new_kappas     # kappa_h = P_h^T p_h: one basis
             else:
                 new_W = np.array([matrix_from_logits(b, resolve(b, v, values, W), P)
                                   for b, P in zip(column_blocks, new_spaces)])
@@ -829,7 +835,8 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
         raise ModelMismatchError(f"the black box is not multi-head attention with {H} low-rank "
                                  f"head(s): its answers give no finite heads")
     if biases:
-        model = BiasedMultiHeadAttention(W, values, -np.einsum("hde,e->hd", W, root)
+        # b_h = W_h P_h kappa_h (= -W_h q_0, without q_0's length)
+        model = BiasedMultiHeadAttention(W, values, query_offsets(W, spaces, kappas, np.zeros(d))
                                          if H else np.zeros((0, d)), const)
     else:
         model = MultiHeadAttention(W, values)
