@@ -454,7 +454,7 @@ def test_out_gets_its_suffix_and_the_journal_sits_beside_it(tmp_path):
     base = ["extract", "--target", f"{folder}/target.py:box", "--dim", D, "--no-progress"]
     done = cli(*base, "--out", tmp_path / "result", log=tmp_path / "1.log")
     assert done.returncode == 0, done.stderr
-    assert f"wrote        {tmp_path / 'result.npz'}" in done.stdout
+    assert re.search(rf"^wrote +{re.escape(str(tmp_path / 'result.npz'))}$", done.stdout, re.M)
     assert (tmp_path / "result.npz").exists() and not (tmp_path / "result").exists()
     assert (tmp_path / "result.journal.sqlite").exists()
     as_json = cli(*base, "--out", tmp_path / "other", "--json", log=tmp_path / "2.log")

@@ -418,3 +418,20 @@ def test_an_idle_keep_alive_connection_is_not_taken_for_a_slow_request(serve):
     quiet = serve(keepalive_timeout=0.3)
     with socket.create_connection(quiet.server_address[:2], timeout=5) as sock:
         assert sock.recv(100) == b""             # idle past the keep-alive limit: closed, no 408
+
+
+@pytest.mark.slow
+def test_the_hostile_suite_of_the_parser_comparison_holds(serve, capsys):
+    """benchmarks/hostile_http.py (the suite the h11 and uvicorn prototypes were measured
+    with, docs/serving.md) against this server: every case gets its documented answer."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "hostile_http.py"
+    spec = importlib.util.spec_from_file_location("hostile_http", path)
+    hostile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hostile)
+    server = serve(header_timeout=1.0, idle_timeout=0.5, keepalive_timeout=2.0)
+    hostile.main(["--port", str(server.server_address[1]), "--wait", "20"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    failed = [row for row in rows[:-1] if not row["held"]]
+    assert failed == [] and rows[-1] == {"held": len(hostile.CASES), "cases": len(hostile.CASES)}

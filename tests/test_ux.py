@@ -276,7 +276,11 @@ def test_out_names_the_file_actually_written(tmp_path, target_file, capsys):
                  "--out", str(tmp_path / "r.txt")]) == 0
     out = capsys.readouterr().out
     assert (tmp_path / "r.txt.npz").exists() and not (tmp_path / "r.txt").exists()
-    assert f"wrote        {tmp_path / 'r.txt.npz'}" in out
+    assert re.search(rf"^wrote +{re.escape(str(tmp_path / 'r.txt.npz'))}$", out, re.M)
+    # in the report's columns: its value starts where the model's does
+    model_line = next(line for line in out.splitlines() if line.startswith("model "))
+    wrote_line = next(line for line in out.splitlines() if line.startswith("wrote "))
+    assert len(model_line) - len(model_line[5:].lstrip()) == wrote_line.index(str(tmp_path))
 
 
 def test_a_wrong_dim_on_a_python_target_names_dim_and_the_expected_width(tmp_path, target_file,

@@ -34,8 +34,8 @@ from .adapters.journal import QueryJournal
 from .oracle import Oracle
 from .progress import ProgressBar, configure_logging, thread_limits
 from .registry import extract, get_learner, learner_names, resolve
-from .report import (DEFAULT_VERIFY_TOLERANCE, load_model, mismatch_reason, verification_count,
-                     verify_model)
+from .report import (DEFAULT_VERIFY_TOLERANCE, human_number, load_model, mismatch_reason,
+                     verification_count, verify_model)
 from .adapters.targets import FirstBatchHint, load_target, random_single_head
 
 __all__ = ["main", "build_parser", "ProgressBar"]
@@ -213,7 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     ffn.add_argument("--no-polish", action="store_false", dest="polish",
                      help="skip measuring each hidden unit alone (m d fewer queries, fewer "
                           "bits of precision)")
-    noisy = ex.add_argument_group("noisy or rounded outputs (--model single-head)")
+    noisy = ex.add_argument_group("noisy or rounded outputs (--model single-head; --output-dtype "
+                                  "and --decimals also multi-head, multi-head-low-rank, "
+                                  "transformer-layer)")
     noisy.add_argument("--tolerance", type=float, metavar="TAU",
                        help="outputs are accurate to +-TAU (+ RHO |f|): noisy extraction with "
                             "error bars (with --noise random: the noise std; default: exact "
@@ -223,11 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "rounded once at the end (a float32 cast: 5.96e-8); a forward pass "
                             "run in low precision errs far more: use --output-dtype")
     noisy.add_argument("--output-dtype", choices=["float32", "bfloat16", "float16"],
-                       help="the black box runs its forward pass in this dtype: probes repeated "
-                            "in --repeats dithered bases (default 4), error bars from their spread")
+                       help="the black box runs its forward pass in this dtype (single-head: "
+                            "probes repeated in --repeats dithered bases, default 4; every "
+                            "learner: error bars from measured spread or residuals)")
     noisy.add_argument("--decimals", type=_nonnegative_int, metavar="K",
-                       help="the outputs are rounded to K decimals: as --output-dtype, error bars "
-                            "from the spread of repeated, dithered probes (default: not rounded)")
+                       help="the outputs are rounded to K decimals (0..15): as --output-dtype "
+                            "(default: not rounded)")
     noisy.add_argument("--noise", choices=["bounded", "random"], default=OPTION_DEFAULTS["noise"],
                        help="worst-case (adversarial) or independent random noise")
     noisy.add_argument("--noise-method", choices=["robust", "paper"],
@@ -485,15 +488,21 @@ def _learner_and_options(args):
     per-model option given on the command line for a learner that does not take it is
     an :class:`InputError`, raised before any query.
     """
+    precision = {"output_dtype": args.output_dtype, "decimals": args.decimals}
     if args.output_dtype is not None or args.decimals is not None:
-        if args.tolerance is not None or args.sign_only or args.model != "single-head":
-            raise InputError("--output-dtype and --decimals apply to --model single-head, "
-                             "without --tolerance or --sign-only")
-        learner = get_learner("low-precision")
-        options = {"output_dtype": args.output_dtype, "decimals": args.decimals}
-        if args.repeats != OPTION_DEFAULTS["repeats"]:
-            options["repeats"] = args.repeats
-        return learner, options
+        if args.tolerance is not None or args.sign_only:
+            raise InputError("--output-dtype and --decimals state the precision instead of "
+                             "--tolerance; they do not go with --tolerance or --sign-only")
+        if args.model == "single-head":
+            learner = get_learner("low-precision")
+            options = dict(precision)
+            if args.repeats != OPTION_DEFAULTS["repeats"]:
+                options["repeats"] = args.repeats
+            return learner, options
+        takes = [n for n in learner_names() if "output_dtype" in get_learner(n).options]
+        if "output_dtype" not in get_learner(args.model).options:
+            raise InputError(f"--output-dtype and --decimals apply to --model "
+                             f"{', '.join(['single-head'] + takes)}, not {args.model}")
     learner = resolve(args.model, tolerance=args.tolerance, sign_only=args.sign_only)
     accepted = learner.options
     options = {}
@@ -511,6 +520,7 @@ def _learner_and_options(args):
         if keyword not in accepted:
             raise InputError(f"{flag} does not apply to --model {learner.name}")
         options[keyword] = value
+    options.update({k: v for k, v in precision.items() if v is not None})
     return learner, options
 
 
@@ -535,8 +545,7 @@ def cmd_extract(args) -> int:
     if args.json:
         print(json.dumps({"ok": True, "out": str(written), **result.report.to_dict()}))
     else:
-        print(result.report.render())
-        print(f"wrote        {written}")
+        print(result.report.render(extra=[("wrote", str(written))]))
     return 0
 
 
@@ -604,8 +613,8 @@ def _save_atomically(result, out: str) -> Path:
         except OSError:
             pass
         if isinstance(exc, OSError):
-            raise InputError(f"cannot write {out}: {exc}; a rerun of the same command is "
-                             f"answered by its journal") from exc
+            raise InputError(f"cannot write {out} (a rerun of the same command is answered "
+                             f"by its journal): {exc}") from exc
         raise
 
 
@@ -721,12 +730,12 @@ def cmd_verify(args) -> int:
                           "search_queries": verification.search_queries}))
     else:
         print(f"{model.kind} model, d = {model.dim}, {verification.sequences} held-out sequences:"
-              f" max relative error {verification.max_relative_error:.2e}, median "
-              f"{verification.median_relative_error:.2e} (tolerance {verification.tolerance:.0e});"
-              f" lengths {verification.lengths[0]}-{verification.lengths[1]} of up to "
-              f"{verification.max_length}, token norms {verification.norms[0]:.1e} .. "
-              f"{verification.norms[1]:.1e}, {verification.search_queries} from the "
-              f"adversarial search")
+              f" largest relative error {human_number(verification.max_relative_error)}, median "
+              f"{human_number(verification.median_relative_error)} (tolerance "
+              f"{human_number(verification.tolerance)}); lengths {verification.lengths[0]} to "
+              f"{verification.lengths[1]} of up to {verification.max_length}, token norms "
+              f"{human_number(verification.norms[0])} to {human_number(verification.norms[1])}, "
+              f"{verification.search_queries} from the adversarial search")
     if not verification.passed:
         print(f"attnextract: MISMATCH: {mismatch_reason(verification)}", file=sys.stderr)
         return 1
@@ -760,7 +769,7 @@ def cmd_demo(args) -> int:
           f"seed {seed}) behind a black box that answers one number per sequence.\n")
     print(result.report.render())
     print(f"\nchecked against the secret (the learner never saw it): relative error "
-          f"W {w_err:.2e}, v {v_err:.2e}")
+          f"W {human_number(w_err)}, v {human_number(v_err)}")
     return 0
 
 
@@ -914,7 +923,5 @@ def cmd_minilm(args) -> int:
         print(json.dumps({"ok": True, "out": written and str(written),
                           **result.report.to_dict()}))
     else:
-        print(result.report.render())
-        if written:
-            print(f"wrote        {written}")
+        print(result.report.render(extra=[("wrote", str(written))] if written else []))
     return 0

@@ -66,11 +66,11 @@ class Oracle:
         The budget counts every query the result rests on, so a resumed run stops where
         the original would have. Before the first batch the journal is bound to the
         live black box (:meth:`QueryJournal.bind`: its fingerprint is stored, or checked
-        when the journal is resumed); those queries are counted in ``check_queries``,
-        counted in ``check_queries`` (apart from ``queries``, the learner's count) and
-        against the budget like every query the black box answers;
-        :func:`attnextract.extract` adds them to the result's ``queries``. Queries asked in :meth:`live` (held-out
-        verification) always reach the black box and are not journaled.
+        when the journal is resumed); those queries are counted in ``check_queries``
+        (apart from ``queries``, the learner's count) and against the budget like every
+        query the black box answers; :func:`attnextract.extract` adds them to the
+        result's ``queries``. Queries asked in :meth:`live` (held-out verification)
+        always reach the black box and are not journaled.
 
     ``replay`` holds a uniform sample (REPLAY_KEEP pairs, reservoir sampling) of the
     sequences answered outside :meth:`live` and their answers; held-out verification
@@ -144,9 +144,9 @@ class Oracle:
 
     def bind_journal(self) -> int:
         """Bind the journal to the live black box now (its fingerprint queries, counted in
-        ``queries`` and budgeted); returns the queries it cost (0 without a journal or
-        when already bound). :func:`attnextract.extract` calls it before the learner
-        adds what binding cost to the result's ``queries``."""
+        ``check_queries`` and budgeted); returns the queries it cost (0 without a journal
+        or when already bound). The first batch sent binds it otherwise;
+        :func:`attnextract.extract` adds what binding cost to the result's ``queries``."""
         if self.journal is None or self.journal.bound:
             return 0
         before = self.check_queries
@@ -312,11 +312,11 @@ class Oracle:
 
     def _ask_black_box(self, X: np.ndarray) -> np.ndarray:
         """One call to the black box with the batch X (B, N, d); validated outputs (B,)."""
-        X = X.view()
-        X.flags.writeable = False  # a black box must not scribble on the learner's probes
         start = time.perf_counter()
         try:
-            raw = self.black_box(X)
+            # the black box gets its own writable copy: it cannot change the learner's
+            # probes, and libraries that want writable input (torch.as_tensor) do not warn
+            raw = self.black_box(X.copy())
         except BudgetExceededError as exc:
             # a remote budget refused part of the batch: only the answered prefix was spent
             answered = len(getattr(exc, "partial_outputs", X))

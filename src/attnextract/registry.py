@@ -31,7 +31,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .errors import InputError, ModelMismatchError, RecoveryFailedError
+from .errors import InputError, ModelMismatchError, RecoveryFailedError, RefusalWithResult
 from .report import ExtractionResult
 
 log = logging.getLogger(__name__)
@@ -182,8 +182,16 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
     checks = getattr(root, "check_queries", 0)
     try:
         result = entry.function(oracle, seed=seed, **options)
-    except (ModelMismatchError, RecoveryFailedError) as exc:
-        if "biases" in accepted and not options.get("biases") and exc.args:
+    except RefusalWithResult as exc:
+        if "output_dtype" in accepted:     # a learner that can be told the precision
+            from .precision import name_the_options, stated_precision
+            try:
+                stated = stated_precision(options.get("output_dtype"), options.get("decimals"))
+            except InputError:             # the learner's own values: say nothing about them
+                stated = None
+            name_the_options(exc, stated)
+        if (isinstance(exc, (ModelMismatchError, RecoveryFailedError)) and "biases" in accepted
+                and not options.get("biases") and exc.args):
             exc.args = (f"{exc.args[0]}; {BIASES_HINT}",) + exc.args[1:]
         raise
     fingerprint = getattr(root, "check_queries", 0) - checks

@@ -207,10 +207,12 @@ class Report:
         return (f"<Report {self.kind} d={self.dim}: {self.queries} queries (floor {self.floor}), "
                 f"{check}, {self.seconds:.3g} s>")
 
-    def render(self) -> str:
+    def render(self, extra: list[tuple[str, str]] = ()) -> str:
         """The report for people: aligned labels in words, numbers to 3 significant digits.
 
-        Exact counts stay integers; ``to_dict()`` (``--json``) keeps full precision."""
+        Exact counts stay integers; ``to_dict()`` (``--json``) keeps full precision.
+        ``extra`` rows (label, text) are appended in the same columns (the CLI's
+        ``wrote FILE``)."""
         v = self.verification
         rows: list[tuple[str, str]] = [("model", f"{self.kind}, d = {self.dim}"),
                                        ("queries", f"{self.queries} in all")]
@@ -249,6 +251,7 @@ class Report:
             used.add(label)
             rows.append((label, human_value(value)))
         rows += [("note", n) for n in self.notes]
+        rows += list(extra)
         column = min(max(len(label) for label, _ in rows), LABEL_WIDTH) + 2
         return "\n".join((f"{label:<{column}}" if len(label) < column else label + "  ")
                          + text for label, text in rows)

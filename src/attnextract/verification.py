@@ -300,8 +300,8 @@ def _family_peaked(dom: _Domain, n: int) -> list:
 
 
 def _family_far(dom: _Domain, n: int) -> list:
-    """Every score of one head near -S (even i) or +S (odd i), S = 10^U(1, 3), the
-    scores within +-FAR_SPREAD of each other.
+    """Every score of one head near -S (even i) or +S (odd i), log10 S stratified over
+    FAR_SCORES = (1, 3) for each sign, the scores within +-FAR_SPREAD of each other.
 
     The query token q is an eigenvector of W_h's symmetric part with the most negative
     (positive) eigenvalue lambda, scaled so that q^T W_h q = -+S; every other token is
@@ -314,10 +314,17 @@ def _family_far(dom: _Domain, n: int) -> list:
     if heads is None:
         return _family_ordinary(dom, n)
     rng, d, out = dom.rng, dom.d, []
+    # log S stratified per sign: each sign's sequences cover FAR_SCORES evenly, the top
+    # stretch always (an extra logit at -b is seen only where every score is below -b)
+    exponents = np.empty(n)
+    for sign_index in (0, 1):
+        m = len(range(sign_index, n, 2))
+        strata = (rng.permutation(m) + rng.uniform(size=m)) / max(m, 1)
+        exponents[sign_index::2] = FAR_SCORES[0] + (FAR_SCORES[1] - FAR_SCORES[0]) * strata
     for i, k in enumerate(dom.lengths(2, min(dom.longest, 256), n)):
         W = heads[i % len(heads)]
         sign = -1.0 if i % 2 == 0 else 1.0
-        S = 10.0 ** rng.uniform(*FAR_SCORES)
+        S = 10.0 ** exponents[i]
         lam, vecs = np.linalg.eigh(0.5 * (W + W.T))
         j = int(np.argmin(lam)) if sign < 0 else int(np.argmax(lam))
         if lam[j] * sign > 0:
@@ -674,22 +681,6 @@ def score_reach(model, sequences) -> np.ndarray:
         return np.zeros(len(sequences))
     top = float(norms.max())
     return np.array([top * _safe_norm(X).max() * _safe_norm(X[-1:])[0] for X in sequences])
-
-
-def score_spread(model, sequences) -> np.ndarray:
-    """Largest range max_i s_i - min_i s_i of any head's scores s = X W_h x_N per
-    sequence, shape (len(sequences),); zeros for a model without W."""
-    W = getattr(model, "W", None)
-    if W is None or np.size(W) == 0:
-        return np.zeros(len(sequences))
-    W = np.asarray(W, dtype=float)
-    W = W[None] if W.ndim == 2 else W
-    b = np.reshape(model.b, W.shape[:2]) if is_biased(model) else np.zeros(W.shape[:2])
-    out = np.empty(len(sequences))
-    for i, X in enumerate(sequences):
-        s = np.einsum("nd,hd->hn", X, np.einsum("hde,e->hd", W, X[-1]) + b)
-        out[i] = float((s.max(axis=1) - s.min(axis=1)).max())
-    return out
 
 
 def _safe_norm(X: np.ndarray) -> np.ndarray:

@@ -4,7 +4,12 @@ Every impostor is built on an honest model of one of the learners' classes (a si
 head, H heads, a one-layer Transformer, a Transformer layer) and changes one thing.
 It answers like the honest model on the short, ordinary sequences a learner probes
 and differs somewhere else: on long sequences, on tiny or huge tokens, on sparse
-tokens, by 1e-8 of the output, or after some number of queries. A learner, or
+tokens, by 1e-8 of the output, or after some number of queries. The issue-23 classes
+differ only beyond some length (truncation at 257 or 1,000 tokens, ln N score scaling
+or an offset beyond a length drawn per seed), only where every score is far below zero
+(a sink logit at -8 .. -20), by small smooth terms that grow with length or norm (a slow
+rotation of the keys, a cubic term in the scores, a quadratic term in the values), or
+at output scales where squaring overflows (x 1e200 with one more head). A learner, or
 ``attnextract verify``, must refuse each one (:class:`ModelMismatchError` or a failed
 check), never return it as a success. ``benchmarks/bench_impostors.py`` and
 ``tests/test_impostors*.py`` run the zoo against every learner.

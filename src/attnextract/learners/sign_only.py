@@ -361,7 +361,8 @@ def _verify_labels(oracle, model, W_bar, v_bar, threshold, *, count, seed, extra
             ratio[i] = np.inf if wrong[i] else 0.0
     return NoisyVerification(sequences=count, max_relative_error=float(wrong.mean()),
                              median_relative_error=0.0, tolerance=0.0,
-                             worst_ratio=float(ratio.max()))
+                             worst_ratio=float(ratio.max()),
+                             lengths=(int(lengths.min()), int(lengths.max())))
 
 
 def label_hull(model, count: int, rng, scale: float, threshold: float, v_bar: float) -> list:
