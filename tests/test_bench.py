@@ -49,6 +49,9 @@ def test_bench_quick_writes_json_table_and_plots(tmp_path):
     assert grid and all(r["success_rate"] == 1.0 and r["wrong_models"] == 0
                         and r["recovery_median"] <= r["paper2"] for r in grid)
     assert (out / "multi_head_grid.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    biased = [r for r in summary["rows"] if r["learner"] == "single-head (biases)"]
+    assert biased and all(r["recovery_queries"] == r["floor"] == r["d"] ** 2 + 2 * r["d"] + 1
+                          and r["W_error"] < 1e-9 for r in biased)
     one_layer = [r for r in summary["rows"] if r["learner"] == "one-layer"]
     assert one_layer and max(r["W_error"] for r in one_layer) < 1e-9
     table = (out / "bench.md").read_text()

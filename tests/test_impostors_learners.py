@@ -215,7 +215,8 @@ def test_a_model_far_outside_its_own_error_bar_is_refused():
                                       recovery("multi-head-low-rank"))
     assert outcome == "accepted"
     v = result.report.verification
-    assert v.tolerance <= 1e-9 and v.max_relative_error <= 0.01 * v.tolerance
+    # the honest model sits well inside the tightened bar (the impostor's 1e-8 is 10x above it)
+    assert v.tolerance <= 1e-9 and v.max_relative_error <= 0.1 * v.tolerance
 
 
 @pytest.mark.slow

@@ -94,6 +94,11 @@ def test_the_ledger_survives_a_restart(serve, tmp_path):
 
     raised = serve(model, budget=12, state=ledger)            # a new --budget replaces it
     assert raised.state.remaining == 2 and raised.state.served == 10
+    serve.stop(raised)
+    lowered = serve(model, budget=4, state=ledger)            # below what was served
+    assert lowered.state.remaining == 0 and lowered.state.health()["remaining"] == 0
+    with pytest.raises(BudgetExceededError, match="0 of 4 remain"):
+        HttpBlackBox(lowered.url, retries=0)(X[:1])
 
 
 def test_a_ledger_refuses_another_model(serve, tmp_path):
@@ -182,7 +187,7 @@ def test_work_for_a_client_that_has_gone_is_not_charged(serve):
                  + body)
     assert started.wait(30)                   # the model is evaluating the batch ...
     sock.close()                              # ... when its client gives up
-    time.sleep(0.2)                           # (the server sees the close on its loop)
+    time.sleep(1.0)                           # (the server sees the close on its loop)
     release.set()
     health = HttpBlackBox(server.url).health()
     for _ in range(100):                      # the worker finishes, sees no client
@@ -430,7 +435,8 @@ def test_peak_memory_stays_within_its_stated_bound(tmp_path, kind, bodies, optio
     """The answer cache full, then ``bodies`` connections each send a body of just under
     1 MiB at once: the server's peak RSS (VmHWM) stays within peak_rss_bound(its settings)
     (the old server took 606 MB for 400 such bodies); every body is answered 200 or 503
-    (no room within the slot timeout), and exactly the 200s are charged."""
+    (no room within the slot timeout; or 408 if a client thread of this loaded test could
+    not keep its body moving), and exactly the 200s are charged."""
     from attnextract.adapters.server import BODY_MEMORY, CACHE_BYTES, peak_rss_bound
     d = 4
     (tmp_path / "cheap.py").write_text(CHEAP_TARGET.format(d=d))
@@ -454,7 +460,8 @@ def test_peak_memory_stays_within_its_stated_bound(tmp_path, kind, bodies, optio
                                state="--state" in settings) / 2**20
         ok = answers.count(b"HTTP/1.1 200 OK")
         busy = answers.count(b"HTTP/1.1 503 Service Unavailable")
-        assert ok + busy == bodies and ok > 0, set(answers)
+        slow = answers.count(b"HTTP/1.1 408 Request Timeout")   # a starved client thread
+        assert ok + busy + slow == bodies and ok > 0, set(answers)
         sequences = (len(body) - 128) // (16 * d) if kind == "npy" else None
         served = server.health()["served"] - before
         if sequences is not None:

@@ -250,6 +250,66 @@ def section_transformer_layer(quick: bool, log) -> list[dict]:
 SECTIONS["transformer-layer"] = section_transformer_layer
 
 
+def section_biases(quick: bool, log) -> list[dict]:
+    """Biased rows (query, value and output biases, as deployed layers have; --biases):
+    the single head at d^2 + 2d + 1, the low-rank head at d + r(2d - r) + r + 1 and
+    low-rank heads at sum_h (d + r_h (2d - r_h) + r_h) + 1. ``W_error`` is the largest of
+    the W, b and v errors (b measured against |W| where b is 0)."""
+    from .adapters.targets import random_low_rank_head, random_low_rank_multi_head, with_biases
+    from .learners.low_rank import low_rank_floor
+
+    def errors(target):
+        def run(model):
+            W = np.reshape(model.W, (-1,) + model.W.shape[-2:])
+            true_W = np.reshape(target.W, W.shape)
+            order = [int(np.argmin([np.linalg.norm(W[g] - t) for g in range(len(W))]))
+                     for t in true_W]
+            b, v = np.reshape(model.b, (len(W), -1)), np.reshape(model.v, (len(W), -1))
+            tb, tv = np.reshape(target.b, b.shape), np.reshape(target.v, v.shape)
+            parts = [(_rel(W[o], true_W[h]), _rel(v[o], tv[h]),
+                      float(np.linalg.norm(b[o] - tb[h]) / max(np.linalg.norm(tb[h]),
+                                                               np.linalg.norm(true_W[h]))))
+                     for h, o in enumerate(order)]
+            return {"W_error": max(max(p) for p in parts),
+                    "b_error": max(p[2] for p in parts),
+                    "c_error": abs(model.c - target.c) / max(abs(target.c), 1e-300)}
+        return run
+
+    rows = []
+    for d in ([8, 16, 32] if quick else [8, 16, 32, 64, 128, 256]):
+        target = with_biases(random_single_head(d, seed=d), d)
+        rows.append(measure("single-head (biases)", d, target,
+                            lambda oracle: extract(oracle, "single-head", biases=True, seed=d),
+                            floor=d * d + 2 * d + 1, paper_count=None, error=errors(target)))
+        log(f"single-head --biases d={d}: {rows[-1]['recovery_queries']} queries, "
+            f"error {rows[-1]['W_error']:.1e}")
+    for d in ([16, 32] if quick else [16, 32, 64, 128, 256]):
+        r = max(1, d // 8)
+        target = with_biases(random_low_rank_head(d, r, seed=d), d)
+        rows.append(measure("low-rank adaptive (biases)", d, target,
+                            lambda oracle: extract(oracle, "low-rank", biases=True, seed=d),
+                            floor=low_rank_floor(d, r) + r + 1, paper_count=None, rank=r,
+                            error=errors(target)))
+        log(f"low-rank --biases d={d} r={r}: {rows[-1]['recovery_queries']} queries "
+            f"(floor {rows[-1]['floor']}), error {rows[-1]['W_error']:.1e}")
+    for H, d in ([(2, 16), (4, 32)] if quick else [(2, 16), (4, 32), (4, 64), (8, 64)]):
+        r = max(1, d // (2 * H))
+        target = with_biases(random_low_rank_multi_head(H, d, r, seed=d), d)
+        rows.append(measure(f"multi-head low-rank (biases, H = {H})", d, target,
+                            lambda oracle: extract(oracle, "multi-head-low-rank", heads=H,
+                                                   rank=r, biases=True, seed=d),
+                            floor=H * (d + r * (2 * d - r) + r) + 1,
+                            paper_count=4 * H * d * d - 2 * H + 1, heads=H, rank=r,
+                            error=errors(target)))
+        log(f"multi-head-low-rank --biases H={H} d={d} r={r}: "
+            f"{rows[-1]['recovery_queries']} queries (floor {rows[-1]['floor']}), "
+            f"error {rows[-1]['W_error']:.1e}")
+    return rows
+
+
+SECTIONS["biases"] = section_biases
+
+
 def markdown(rows: list[dict]) -> str:
     """Markdown tables: one per learner (by d), then the surrogate comparison."""
     out = []

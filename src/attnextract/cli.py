@@ -46,12 +46,14 @@ MODEL_OPTIONS = {"rank": "rank", "method": "method", "oversampling": "oversampli
                  "heads": "heads", "polish": "polish",
                  "relative_tolerance": "relative_tolerance", "noise": "noise",
                  "noise_method": "method", "repeats": "repeats", "norm_bound": "norm_bound",
-                 "margin": "margin", "bits": "bits", "threshold": "threshold"}
+                 "margin": "margin", "bits": "bits", "threshold": "threshold",
+                 "biases": "biases"}
 NOISE_OPTIONS = ("relative_tolerance", "noise", "noise_method", "repeats", "norm_bound", "margin")
 LABEL_OPTIONS = ("bits", "threshold")
 # their defaults on the command line (the learners' own): equal to it counts as not given
 OPTION_DEFAULTS = {"polish": True, "relative_tolerance": 0.0, "noise": "bounded",
-                   "noise_method": "robust", "repeats": 1, "threshold": 0.0, "bits": 40}
+                   "noise_method": "robust", "repeats": 1, "threshold": 0.0, "bits": 40,
+                   "biases": False}
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -191,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
                     action=Renamed, new="--verify-tolerance", help=argparse.SUPPRESS)
     ex.add_argument("--json", action="store_true", help="print one JSON object")
     _add_journal(ex)
+    ex.add_argument("--biases", action="store_true",
+                    help="the attention has query, value and output biases, as deployed layers "
+                         "do: f = sum_h softmax(X (W_h x_N + b_h))^T X v_h + c; recovers b_h "
+                         "and c too (single-head, multi-head-low-rank; see docs/biases.md)")
     low = ex.add_argument_group("--model low-rank")
     low.add_argument("--rank", type=_positive_int,
                      help="rank r of W, needed by --method rop (default: found)")
@@ -299,6 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
     mi.add_argument("--save-target", metavar="FILE.npz",
                     help="--all-heads: write the layer's 12 heads as a model file for "
                          "'attnextract serve --secret FILE.npz' and stop")
+    mi.add_argument("--no-biases", action="store_false", dest="biases",
+                    help="--all-heads: leave the layer's query, key, value and output biases "
+                         "out (the bias-free layer of earlier versions); the biases are kept "
+                         "by default at the full width, and left out with --head or --subspace")
     mi.add_argument("--readout-seed", type=int, default=0, help="seed of the readout vector r")
     mi.add_argument("--seed", type=int, default=0, help="seed of the learner")
     mi.add_argument("--budget", type=_nonnegative_int,
@@ -872,8 +882,9 @@ def cmd_minilm(args) -> int:
         raise InputError("--subspace, --target and --save-target go with --all-heads")
     if args.save_target:
         from .adapters.minilm import save_layer_target
-        save_layer_target(args.save_target, args.layer, args.readout_seed)
-        print(f"wrote {args.save_target}: layer {args.layer}, 12 heads, readout seed "
+        save_layer_target(args.save_target, args.layer, args.readout_seed, biases=args.biases)
+        print(f"wrote {args.save_target}: layer {args.layer}, 12 heads"
+              f"{' with their biases' if args.biases else ''}, readout seed "
               f"{args.readout_seed} (serve it with attnextract serve --secret "
               f"{args.save_target})")
         return 0
@@ -884,7 +895,9 @@ def cmd_minilm(args) -> int:
     if path is not None:
         which = "all heads" if args.all_heads else f"head {args.head}"
         journal = QueryJournal(path, context={
-            "target": f"minilm layer {args.layer} {which} readout {args.readout_seed}",
+            "target": f"minilm layer {args.layer} {which} readout {args.readout_seed}"
+                      + (" with biases" if args.all_heads and args.biases and not args.subspace
+                         else ""),
             "dim": (args.subspace or 384) if args.all_heads else 384, "seed": args.seed})
     _RUN.update(journal=journal)
     bar = _progress(args)
@@ -894,7 +907,7 @@ def cmd_minilm(args) -> int:
             result, _, error = extract_minilm_layer(
                 args.layer, readout_seed=args.readout_seed, subspace=args.subspace,
                 seed=args.seed, budget=args.budget, journal=journal, black_box=black_box,
-                progress=bar)
+                progress=bar, biases=args.biases and args.subspace is None)
             if error is not None:
                 raise error      # exit 1, with the report of what the learner achieved
         else:

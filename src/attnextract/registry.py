@@ -31,10 +31,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .errors import InputError, RefusalWithResult
+from .errors import InputError, ModelMismatchError, RecoveryFailedError, RefusalWithResult
 from .report import ExtractionResult
 
 log = logging.getLogger(__name__)
+
+# added to a refusal by a learner that can model biases but was not asked to
+BIASES_HINT = ("a black box with query, value or output biases (as deployed layers have, "
+               "e.g. f([0]) != 0) is outside the bias-free class: extract with --biases "
+               "(API: biases=True)")
 
 # keyword arguments every learner takes; not "options"
 COMMON = ("oracle", "seed", "verify_tolerance")
@@ -185,6 +190,9 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
             except InputError:             # the learner's own values: say nothing about them
                 stated = None
             name_the_options(exc, stated)
+        if (isinstance(exc, (ModelMismatchError, RecoveryFailedError)) and "biases" in accepted
+                and not options.get("biases") and exc.args):
+            exc.args = (f"{exc.args[0]}; {BIASES_HINT}",) + exc.args[1:]
         raise
     fingerprint = getattr(root, "check_queries", 0) - checks
     if fingerprint:

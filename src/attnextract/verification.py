@@ -659,6 +659,11 @@ def add_replays(held: HeldOutSet, oracle, count: int) -> HeldOutSet:
     return held
 
 
+def is_biased(model) -> bool:
+    """True for the biased attention classes (query biases b, output constant c)."""
+    return str(getattr(model, "kind", "")).startswith("biased-")
+
+
 def _head_norms(model) -> np.ndarray | None:
     W = getattr(model, "W", None)
     if W is None or np.size(W) == 0:
@@ -794,6 +799,8 @@ class _Judge:
         self.model, self.K, self.tolerance, self.bar = model, K, tolerance, bar
 
     def __call__(self, sequences, predicted, observed) -> np.ndarray:
+        if is_biased(self.model):               # judged without the output constant c
+            predicted, observed = predicted - self.model.c, observed - self.model.c
         errors = scaled_relative_errors(predicted, observed, token_norms(sequences), K=self.K)
         if self.bar:
             reach = score_reach(self.model, sequences)
@@ -810,10 +817,15 @@ def run_check(oracle, model, held: HeldOutSet, *, tolerance: float = 1e-7,
     predicted = evaluate_ragged(model, held.sequences)
     norms = token_norms(held.sequences)
     reference = np.array([f != "hull" for f in held.family])
-    K = output_scale(observed[reference], norms[reference])
+    # a biased model's output constant c is taken off both sides (here and in _Judge):
+    # the errors are then judged against the part that scales with the tokens (a box
+    # whose constant differs shows at small tokens, where its f - c does not vanish),
+    # and the hull intervals are unchanged by a common shift
+    offset = float(model.c) if is_biased(model) else 0.0
+    K = output_scale(observed[reference] - offset, norms[reference])
     judge = _Judge(model, K, tolerance, bar)
     errors = judge(held.sequences, predicted, observed)
-    hull = hull_violations(held, observed, norms)
+    hull = hull_violations(held, observed - offset, norms)
     family = list(held.family)
     if held.replay:
         # the answer now against the answer the learner was given (root oracle, live)
@@ -977,7 +989,8 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
     model's scores on it (:func:`score_reach`). The errors reported are scaled to the
     tolerance (error x tolerance / allowance). ``expected_error="measured"`` (a learner
     without a bar of its own): e is :func:`measured_error_bar` and the tolerance at
-    least MEASURED_FLOOR.
+    least MEASURED_FLOOR; a measured e above tolerance / CONSISTENCY_FACTOR is not used
+    (an impostor's misfit must not widen the allowance).
     """
     from .report import DEFAULT_VERIFY_TOLERANCE, Verification, token_scale
     tolerance = DEFAULT_VERIFY_TOLERANCE if tolerance is None else tolerance
@@ -987,6 +1000,10 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
         if expected_error != "measured":
             raise ValueError(f"expected_error must be a number or 'measured', got {expected_error!r}")
         expected_error, floor = measured_error_bar(oracle, model), MEASURED_FLOOR
+        # a model that misfits its own answers by more than the tolerance allows gets no
+        # bar (the flat tolerance, no widening): its misfit must not widen its allowance
+        if expected_error is not None and CONSISTENCY_FACTOR * expected_error > tolerance:
+            expected_error = None
     bar = expected_error if expected_error is not None and math.isfinite(expected_error) \
         and expected_error >= 0 else None
     if bar is not None:
@@ -1012,7 +1029,8 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
     check = run_check(oracle, model, held, tolerance=tolerance, bar=bar)
     norms = token_norms(held.sequences)
     reference = np.array([f != "hull" for f in held.family])
-    K = output_scale(check.observed[:len(held.sequences)][reference], norms[reference])
+    offset = float(model.c) if is_biased(model) else 0.0      # as in run_check
+    K = output_scale(check.observed[:len(held.sequences)][reference] - offset, norms[reference])
     judge = _Judge(model, K, tolerance, bar)
     compare_own_probes(oracle, model, check, judge)
     adversarial_search(oracle, model, check, held, judge, searched, rng)

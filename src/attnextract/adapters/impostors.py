@@ -38,8 +38,11 @@ import math
 import numpy as np
 
 from ..errors import InputError
-from ..models import (MODEL_CLASSES, MultiHeadAttention, OneLayerTransformer, SingleHeadAttention,
+from ..models import (MODEL_CLASSES, BiasedMultiHeadAttention, BiasedSingleHeadAttention,
+                      MultiHeadAttention, OneLayerTransformer, SingleHeadAttention,
                       TransformerLayer, softmax)
+
+BIASED = (BiasedSingleHeadAttention, BiasedMultiHeadAttention)
 
 
 def _heads(model) -> np.ndarray:
@@ -56,6 +59,8 @@ def readout(model, Z: np.ndarray, X: np.ndarray, ffn=None) -> np.ndarray:
         return Z[:, 0] @ model.v
     if isinstance(model, MultiHeadAttention):
         return np.einsum("bhd,hd->b", Z, model.v)
+    if isinstance(model, BIASED):           # biased heads: values read out, plus c
+        return np.einsum("bhd,hd->b", Z, np.reshape(model.v, (-1, Z.shape[2]))) + model.c
     if isinstance(model, OneLayerTransformer):
         pre = Z[:, 0] @ model.A.T
         return (ffn or _relu)(pre) @ model.w
@@ -107,9 +112,15 @@ class Impostor:
         self.heads = _heads(model)
         self.dim = self.heads.shape[1]
         self.rng = rng
+        # the heads as fixed arrays, so that a biased model's query bias b_h is found by
+        # the head matrix a score is computed with (an impostor's own extra heads have none)
+        self._head_list = list(self.heads)
+        biases = (np.reshape(model.b, self.heads.shape[:2]) if isinstance(model, BIASED)
+                  else np.zeros(self.heads.shape[:2]))
+        self._query_bias = {id(W): b for W, b in zip(self._head_list, biases)}
 
     def scores(self, X, W):
-        return np.einsum("bnd,bd->bn", X, X[:, -1, :] @ W.T)
+        return np.einsum("bnd,bd->bn", X, X[:, -1, :] @ W.T + self._query_bias.get(id(W), 0.0))
 
     def weights(self, X, W):
         return softmax(self.scores(X, W))
@@ -120,8 +131,8 @@ class Impostor:
     def honest(self, X):
         """What the honest model answers on the modified weights/values."""
         values = self.values(X)
-        Z = np.stack([np.einsum("bn,bnd->bd", self.weights(X, W), values) for W in self.heads],
-                     axis=1)
+        Z = np.stack([np.einsum("bn,bnd->bd", self.weights(X, W), values)
+                      for W in self._head_list], axis=1)
         return readout(self.model, Z, X, self.ffn)
 
     def __call__(self, X):
@@ -286,6 +297,25 @@ class ValueBias(Impostor):
 
     def values(self, X):
         return X + self.b
+
+
+class DeployedBiases(Impostor):
+    reason = ("query, value and output biases as a deployed layer has them: scores "
+              "x_i^T (W x_N + b), outputs + c; outside the bias-free class (learn it with "
+              "--biases)")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        size = 0.5 * float(np.linalg.norm(self.heads, axis=(1, 2)).max()) * token_scale_of(model)
+        biases = np.einsum("hde,he->hd", self.heads, rng.standard_normal(self.heads.shape[:2]))
+        norms = np.linalg.norm(biases, axis=1, keepdims=True)
+        biases = size * biases / np.where(norms > 0, norms, 1.0)
+        self._query_bias = {id(W): b for W, b in zip(self._head_list, biases)}
+        v = np.reshape(getattr(model, "v", np.ones(self.dim)), (-1, self.dim)).sum(axis=0)
+        self.c = 0.05 * float(np.linalg.norm(v)) * token_scale_of(model)
+
+    def __call__(self, X):
+        return super().__call__(X) + self.c
 
 
 class LayerNormTokens(Impostor):
@@ -561,6 +591,10 @@ def zoo(model=None) -> dict:
         out["LayerNorm before the FFN"] = lambda m, r, q: LayerNormBeforeFFN(m, r)
     if isinstance(model, TransformerLayer):
         del out["value bias"]
+    if model is None or isinstance(model, (SingleHeadAttention, MultiHeadAttention)):
+        out["deployed biases"] = lambda m, r, q: DeployedBiases(m, r)
+    if isinstance(model, BIASED):       # a query bias in W's column space and a value bias
+        del out["query bias"], out["value bias"]    # (an output constant) are in the class
     return out
 
 
@@ -605,6 +639,11 @@ def _honest(kind):
             return targets.random_multi_head(2, d, seed)
         if kind == "two low-rank heads":
             return targets.random_low_rank_multi_head(2, d, max(1, d // 4), seed)
+        if kind == "biased single":
+            return targets.with_biases(targets.random_single_head(d, seed), seed)
+        if kind == "two biased low-rank heads":
+            return targets.with_biases(
+                targets.random_low_rank_multi_head(2, d, max(1, d // 4), seed), seed)
         if kind == "one layer":
             from ..learners.one_layer import random_one_layer
             return random_one_layer(d, d, seed)
@@ -627,6 +666,11 @@ LEARNER_CASES = {
                             False),
     "one-layer": (_honest("one layer"), _extract("one-layer"), False),
     "transformer-layer": (_honest("layer"), _extract("transformer-layer"), False),
+    "single-head --biases": (_honest("biased single"), _extract("single-head", biases=True),
+                             False),
+    "multi-head-low-rank --biases": (_honest("two biased low-rank heads"),
+                                     _extract("multi-head-low-rank", heads=2, biases=True,
+                                              rank=lambda d: max(1, d // 4)), False),
 }
 
 

@@ -2,64 +2,46 @@
 
 The black box a remote API would be: it answers one number per sequence and
 nothing else, charges what it serves exactly once, enforces its own query budget,
-and survives any request a client can send.
+keeps its books (``--state FILE.sqlite``: a restart, a crash or ``kill -9`` loses
+nothing) and survives any request a client can send. docs/serving.md is the user's
+guide; in short:
 
-Protocol (HTTP/1.1, keep-alive):
+Protocol (HTTP/1.0 and 1.1, keep-alive):
 
 - ``POST /query`` with a batch (B, N, d) of B >= 1 sequences of N >= 1 tokens of
-  width d, either as JSON ``{"sequences": [[[x_11, ..., x_1d], ...], ...]}``
-  (``Content-Type: application/json``, the default) or as one npy array of float64
-  (``Content-Type: application/x-npy``). The answer is
-  ``200 {"outputs": [f_1, ..., f_B], "remaining": R, "charged": B, "replayed": false}``
-  or, with ``Accept: application/x-npy``, one npy array (B,) of float64. Floats travel
-  as shortest round-trip decimals or raw float64, so values cross the wire exactly.
-- ``Idempotency-Key: K`` (any 1-128 visible ASCII characters, chosen by the client,
-  one per request and reused on its retries): the first request with K is charged;
-  a repeat of K with the same numbers gets the cached answer again with
-  ``replayed: true`` and is not charged; a repeat of K with other numbers is a 422.
-  The cache keeps the last ``cache_entries`` keys (LRU).
-- Every answer carries ``X-Charged`` (sequences charged for this key, once),
-  ``X-Replayed`` (0/1), ``X-Served`` (all sequences charged so far) and
-  ``X-Remaining``; the JSON answer carries ``charged`` and ``replayed`` too.
-- ``GET /health`` -> ``200 {"ok": true, "kind", "dim", "served", "charged",
-  "replayed", "budget", "remaining"}`` (``served`` = ``charged``: sequences charged).
-- Every refused request gets ``{"error": reason}`` and a status: 400 malformed
-  (not the JSON above, ragged, empty, strings, booleans, null, NaN or infinity,
-  a body shorter than its Content-Length, a bad npy header, duplicate
-  Content-Length); 404 unknown path; 405 any other method (JSON body, ``Allow``
-  header; a HEAD gets the headers only); 408 headers too slow; 411 no
-  Content-Length or a chunked body; 413 body, batch, sequence or numbers over the
-  limits; 415 an npy that is not float64; 422 wrong token width or a reused
-  Idempotency-Key; 429 the budget cannot cover the whole batch (nothing of it is
-  answered or charged); 431 headers too large; 500 the model failed or answered
-  NaN or infinity (not charged); 503 too many connections. The server keeps
-  serving after every one of them.
+  width d, as JSON ``{"sequences": [[[x_11, ..., x_1d], ...], ...]}`` (the default),
+  one npy array of float64 (``Content-Type: application/x-npy``) or raw little-endian
+  float64 (``Content-Type: application/octet-stream`` with ``X-Shape: B,N,d``). The
+  answer is ``200 {"outputs": [f_1, ..., f_B], "remaining": R, "charged": B,
+  "replayed": false}`` or, with ``Accept: application/x-npy``, one npy array (B,) of
+  float64. Floats cross the wire exactly (shortest round-trip decimals, or raw bytes).
+- ``Idempotency-Key: K`` (1-128 visible ASCII characters, one per request, reused on
+  its retries): K is charged once; a repeat of K with the same numbers is answered
+  from the ledger (``replayed: true``, not charged), with other numbers it is a 422.
+  Answers are kept up to ``cache_bytes`` of outputs (least recently used dropped).
+- Every answer carries ``X-Charged``, ``X-Replayed`` (0/1), ``X-Served`` and
+  ``X-Remaining``. ``GET /health`` -> ``{"ok", "kind", "dim", "served", "charged",
+  "replayed", "budget", "remaining", "binary", "state"}``.
+- Refusals: ``{"error": reason}`` with 400 (malformed; a bare LF at once), 404, 405,
+  408 (headers over ``header_timeout``; a body that pauses over ``idle_timeout`` or
+  falls below ``min_body_rate``), 411, 413, 415, 422, 429 (the budget cannot cover the
+  whole batch), 431, 500 (the model failed: not charged, its text only in the log),
+  503 (too many connections; no room for a body within ``slot_timeout``), 505 (an HTTP
+  version other than 1.0 and 1.1).
+
+Charging (:class:`ServerState`, :class:`Ledger`): a batch is checked against the
+budget with the batches in flight, evaluated, then charged in one SQLite transaction
+with its answer, and only if its client is still connected (a client that has gone is
+not charged).
 
 Hardening (one asyncio event loop reads every connection; the model runs on a small
-thread pool):
-
-- at most ``max_connections`` connections (2048); one more is answered 503 and
-  closed; listen backlog 128;
-- the request line and headers must arrive within ``header_timeout`` (5 s) of their
-  first byte and be at most 16 KiB; an idle keep-alive connection is closed after
-  ``keepalive_timeout`` (15 s); a body may pause at most
-  ``idle_timeout`` (2 s) between bytes: a slow or short body is refused 400 after
-  at most that pause, and its connection closed;
-- Content-Length is checked (digits only, one header, at most ``max_body`` =
-  64 MiB) before a byte of the body is read;
-- the body is parsed as it arrives, 64 KiB at a time, into float64 arrays: the
-  limit is on numbers (``max_floats`` = 2^20 = 8 MiB of float64 per request), not
-  bytes, and a body is refused the moment it passes a limit, without reading the
-  rest; no Python list of the numbers is ever built;
-- an npy header is parsed with ``numpy.lib.format`` (no pickles; dtype float64,
-  3 dimensions, the limits and the exact byte count checked before the data is
-  read), and the data is read into a preallocated array.
-
-A client may send the batch as raw little-endian float64 instead of JSON
-(``Content-Type: application/octet-stream``, header ``X-Shape: B,N,d``; the same
-limits and refusals; ``/health`` says ``"binary": true``): 8 bytes a number instead
-of about 20, and no parsing (the JSON text of a 384-wide layer costs more than the
-layer itself).
+thread pool): at most ``max_connections`` connections, each buffering at most
+CONNECTION_BUFFER bytes before its body is admitted; Content-Length checked before a
+byte of the body is read; a body admitted only once its cost
+(:meth:`BlackBoxServer.body_cost`) fits in ``body_memory`` (:class:`ByteBudget`, first
+come first served); bodies parsed as they arrive into float64 arrays, refused the
+moment they pass a limit (``max_floats`` numbers, not bytes); npy headers parsed with
+``numpy.lib.format`` (no pickles). Peak memory: :func:`peak_rss_bound`.
 
 ``--round DIGITS`` rounds every output to that many decimals, as APIs that print
 their answers do (the extraction then meets a noisy black box).
@@ -566,8 +548,8 @@ class Ledger:
             budget, served = self._get("budget"), self._get("served")
             if budget is not None and served + n > budget:
                 raise RequestError(429, f"budget exhausted: {n} sequences asked, "
-                                        f"{budget - served} of {budget} remain",
-                                   remaining=budget - served)
+                                        f"{max(0, budget - served)} of {budget} remain",
+                                   remaining=max(0, budget - served))
             self._add("served", n)
             if key is not None and len(blob) <= self.cache_bytes:
                 self._add("clock", 1)
@@ -658,7 +640,7 @@ class ServerState:
     def remaining(self) -> int | None:
         with self.lock:
             budget = self.ledger.budget
-            return None if budget is None else budget - self.ledger.served
+            return None if budget is None else max(0, budget - self.ledger.served)
 
     def refuse(self) -> None:
         """Count a refused request (in memory: garbage traffic never writes the ledger)."""
@@ -747,7 +729,7 @@ class ServerState:
     def _answer(self, outputs, replayed: bool) -> dict:
         budget = self.ledger.budget
         return {"outputs": outputs,
-                "remaining": None if budget is None else budget - self.ledger.served,
+                "remaining": None if budget is None else max(0, budget - self.ledger.served),
                 "charged": len(outputs), "replayed": replayed, "served": self.ledger.served}
 
     def health(self) -> dict:
@@ -756,7 +738,7 @@ class ServerState:
         budget, served = c["budget"], c["served"]
         return {"ok": True, "kind": getattr(self.model, "kind", "custom"), "dim": self.dim,
                 "served": served, "charged": served, "replayed": c["replayed"],
-                "budget": budget, "remaining": None if budget is None else budget - served,
+                "budget": budget, "remaining": None if budget is None else max(0, budget - served),
                 "binary": True, "state": self.ledger.path is not None}
 
     def close(self) -> None:

@@ -263,3 +263,21 @@ def random_low_rank_multi_head(heads: int, dim: int, rank: int, seed=None, *,
     B = rng.standard_normal((heads, dim, rank))
     W = scale * np.einsum("hdr,her->hde", A, B) / np.sqrt(dim * rank)
     return MultiHeadAttention(W, v_scale * rng.standard_normal((heads, dim)))
+
+
+def with_biases(model, seed=None, *, bias_scale: float = 1.0, c: float | None = None):
+    """``model`` (a single head or H heads) with query biases and an output constant,
+    as deployed layers have: b_h = W_h p_h (p_h Gaussian, so b_h lies in W_h's column
+    space, as b_h = W_k,h^T b_q,h does) scaled to |b_h| = bias_scale, and c ~ N(0, 1)
+    unless given. Returns a BiasedSingleHeadAttention or BiasedMultiHeadAttention."""
+    from ..models import BiasedMultiHeadAttention, BiasedSingleHeadAttention
+    rng = np.random.default_rng(seed)
+    W = np.asarray(model.W, dtype=float)
+    heads = W[None] if W.ndim == 2 else W
+    b = np.einsum("hde,he->hd", heads, rng.standard_normal(heads.shape[:2]))
+    norms = np.linalg.norm(b, axis=1, keepdims=True)
+    b = bias_scale * b / np.where(norms > 0, norms, 1.0)
+    c = float(rng.standard_normal()) if c is None else float(c)
+    if W.ndim == 2:
+        return BiasedSingleHeadAttention(W, model.v, b[0], c)
+    return BiasedMultiHeadAttention(W, model.v, b, c)

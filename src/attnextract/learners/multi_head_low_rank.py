@@ -81,7 +81,7 @@ from scipy.linalg import null_space
 from scipy.special import expit
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError
-from ..models import MultiHeadAttention
+from ..models import BiasedMultiHeadAttention, MultiHeadAttention
 from ..oracle import Oracle
 from ..precision import OutputPrecision, name_the_options, precision_of
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
@@ -111,6 +111,12 @@ REFINE_ITERATIONS = 4    # re-solves of the stored blocks with the other heads p
 MIN_SEPARATION = 1e-12   # query-space separation below which no isolation column exists
 MAX_PREDICTED = 1e-7     # predicted parameter error above which the answer is refused
 SCOUT = 8                # entries that set the logit scale of a block
+BIAS_LOGIT = 1.0         # biases: rows u are shortened until |u^T b_h| <= this
+BIAS_GROWTH = 1e4        # biases: largest c of a row's second bias probe
+BIASED_REFINE_ITERATIONS = 12   # biases: the root q_0 converges with the heads (MiniLM
+                                # layer 2: changes 3.8e-5, 1.7e-4, 1.4e-8, 3.8e-10, ...)
+BIASED_RANK_TOL = 1e-7   # biases: first-pass rank tolerance (a bias of 5 |W| costs the values
+                         # ~100x: a row's 9th singular value measured at 1.2e-9, d = 96, H = 12)
 BLOCK_FLOATS = 1 << 21   # probe floats per oracle batch (16 MB)
 
 
@@ -235,16 +241,20 @@ class Block:
     other heads (:func:`resolve`) without new queries.
     """
 
-    def __init__(self, head, rows, cols, scale, outputs):
+    def __init__(self, head, rows, cols, scale, outputs, origin=None):
         self.head, self.rows, self.cols = head, rows, cols
         self.scale, self.outputs = scale.reshape(len(rows), -1), outputs.reshape(len(rows), -1)
+        self.origin = origin        # biases: the token every probe was translated by (d,)
 
 
-def resolve(block: Block, v, values, W) -> np.ndarray:
+def resolve(block: Block, v, values, W, offsets=None) -> np.ndarray:
     """Logits t_h (n, m) of a block, every other head's sigmoid predicted from (values, W).
 
     f = s v^T q + c sum_g c_g(u) sigma(G t_g(u, q)): the other heads' terms use the
     current estimates (their heights are tiny in R_h, their logits tiny on I_h).
+    ``offsets`` (biases, (H, d)): W_g o + b_g = W_g (o - q_0) for the block's origin o
+    (:func:`query_offsets`); a probe translated by o has t_g = u^T W_g q + u^T W_g (o - q_0) / s.
+    The returned logits of the block's own head keep that offset (the caller removes it).
     """
     U, C, G = block.rows, block.cols, block.scale
     c, s = split_scale(G)
@@ -253,6 +263,8 @@ def resolve(block: Block, v, values, W) -> np.ndarray:
     for g in range(len(values)):
         if g != block.head:
             logits = (U @ W[g]) @ C if len(U) < C.shape[1] else U @ (W[g] @ C)
+            if offsets is not None:
+                logits = logits + (U @ offsets[g])[:, None] / s
             background += heights[:, g, None] * expit(G * logits)
     t = _weights_to_logits(block.outputs, s * (v @ C)[None, :], c,
                            heights[:, block.head, None], background)
@@ -298,7 +310,7 @@ class LogitMeter:
 
     def measure(self, U, Qc, height, background, scale: float) -> np.ndarray:
         """t_h(u_l, q_l) for rows U, Qc (n, d), heights c_h(u_l) (n,), background (n,)."""
-        scale = np.full(len(U), float(scale))
+        scale = np.broadcast_to(np.asarray(scale, dtype=float), (len(U),)).copy()
         t = self._logits(U, Qc, height, background, scale)
         outputs = self.outputs
         for _ in range(MAX_RESCALES):
@@ -561,12 +573,17 @@ def _rows_in(space: np.ndarray, value: np.ndarray, count: int, rng) -> np.ndarra
     return (space @ basis).T
 
 
-def query_space(meter: LogitMeter, values, h, columns, rank, rng):
+def query_space(meter: LogitMeter, values, h, columns, rank, rng, biases=False):
     """Orthonormal basis P_h (d, r_h) of span(W_h^T) from rows in R_h; and its conditioning.
 
     The measured rows beyond the rank are noise: their share of the spectrum is
     ``info["residual"]`` (the error bar's base where noisy rows were held to a given
-    rank, ``info["forced"]``)."""
+    rank, ``info["forced"]``).
+
+    ``biases``: every logit also holds u^T b_h (t_h = u^T (W_h q + b_h)), measured first
+    on the column q = 0 (a probe [c u; 0] per row at c = 1, then one at the row's own
+    scale c ~ 1 / |u^T b_h|, kept as ``info["bias block"]``) and taken off:
+    T = t - u^T b_h / s. ``info["bias"]`` holds u^T b_h of every row."""
     d, H = columns.shape[0], len(values)
     others = np.delete(values, h, axis=0)
     space = null_space(others) if len(others) else np.eye(d)
@@ -576,16 +593,39 @@ def query_space(meter: LogitMeter, values, h, columns, rank, rng):
     while True:
         U = _rows_in(space, values[h], count, rng)
         height = U @ values[h]
+        if biases:      # u^T b_h on the column q = 0 (G = 1: c = s = 1, the logit is u^T b_h)
+            beta = meter.measure(U, np.zeros_like(U), height, np.zeros(count), 1.0)
+            beta = beta * split_scale(meter.last_scale)[1]
+            peak = float(np.max(np.abs(beta)))
+            if peak > BIAS_LOGIT:
+                # a bias logit near saturation would cost every probe of these rows its
+                # precision (a(1 - a) ~ e^-|u^T b_h|): shorter rows, measured again
+                U, height = U * (BIAS_LOGIT / peak), height * (BIAS_LOGIT / peak)
+                beta = meter.measure(U, np.zeros_like(U), height, np.zeros(count), 1.0)
+                beta = beta * split_scale(meter.last_scale)[1]
+                meter.rescued += count
+            # every row's bias again at its own scale c ~ BIAS_LOGIT / |u^T b_h|: the
+            # logit's rounding shrinks by c, and it is taken off every entry of the row
+            # (an error common to the row does not average out over its d columns)
+            grow = np.clip(BIAS_LOGIT / np.maximum(np.abs(beta), 1e-300), 1.0, BIAS_GROWTH)
+            beta = meter.measure(U, np.zeros_like(U), height, np.zeros(count), grow)
+            beta = beta * split_scale(meter.last_scale)[1]
+            meter.rescued += count
+            bias_block = Block(h, U, np.zeros((d, 1)), meter.last_scale, meter.last_outputs)
         rows = np.repeat(U, d, axis=0)
         cols = np.tile(columns.T, (count, 1))
         hts, bg = np.repeat(height, d), np.zeros(count * d)
         scale = meter.scale_for(rows, cols, hts, bg, rng)
-        T = meter.measure(rows, cols, hts, bg, scale).reshape(count, d) @ columns.T  # rows u^T W_h
+        T = meter.measure(rows, cols, hts, bg, scale)
+        if biases:
+            T = T - np.repeat(beta, d) / split_scale(meter.last_scale)[1]
+        T = T.reshape(count, d) @ columns.T                                 # rows u^T W_h
         block = Block(h, U, columns, meter.last_scale, meter.last_outputs)
         s = np.linalg.svd(T, compute_uv=False)
-        found = int(np.sum(s > meter.tol.rank * s[0])) if s[0] > 0 else 0
+        rank_tol = max(meter.tol.rank, BIASED_RANK_TOL) if biases else meter.tol.rank
+        found = int(np.sum(s > rank_tol * s[0])) if s[0] > 0 else 0
         if meter.tol.noise > EPS and s[0] > 0 and len(s) > 1:
-            found = _rank_at_gap(s, meter.tol.rank)
+            found = _rank_at_gap(s, rank_tol)
             if (rank is not None and rank < len(s) and found != rank
                     and s[rank] <= GIVEN_RANK_FLOOR * s[0]):
                 found, forced = rank, True   # the given rank, unless far above the noise
@@ -600,9 +640,12 @@ def query_space(meter: LogitMeter, values, h, columns, rank, rng):
     _, sv, Vt = np.linalg.svd(T, full_matrices=False)
     spread = float(sv[0] / sv[found - 1]) if found else 1.0
     residual = float(sv[found] / sv[0]) if 0 < found < len(sv) else 0.0
-    return Vt[:found].T, block, {"rows": count, "rank": found, "spread": spread,
-                                 "residual": residual, "forced": forced,
-                                 "height": float(np.min(np.abs(height)) / np.linalg.norm(values[h]))}
+    info = {"rows": count, "rank": found, "spread": spread, "residual": residual,
+            "forced": forced,
+            "height": float(np.min(np.abs(height)) / np.linalg.norm(values[h]))}
+    if biases:
+        info["bias"], info["bias block"], info["row logits"] = beta, bias_block, T
+    return Vt[:found].T, block, info
 
 
 def _rank_at_gap(s: np.ndarray, floor: float) -> int:
@@ -624,14 +667,76 @@ def space_from_logits(block: Block, T: np.ndarray, rank: int) -> np.ndarray:
     return Vt[:rank].T
 
 
-def matrix_from_logits(block: Block, T: np.ndarray, P: np.ndarray) -> np.ndarray:
-    """W_h = Y (P^T Z)^{-1} P^T with Y = W_h Z = U T (U the orthogonal rows of the block)."""
+def matrix_from_logits(block: Block, T: np.ndarray, P: np.ndarray, offset=None) -> np.ndarray:
+    """W_h = Y (P^T Z)^{-1} P^T with Y = W_h Z = U T (U the orthogonal rows of the block).
+
+    ``offset`` w (r,) (biases: probes translated by o, w = P^T (o - q_0)): every logit also
+    holds u_k^T W_h P w / s_kj, so row k is a_k = P^T W_h^T u_k solving
+    t_kj = a_k^T (P^T z_j + w / s_kj), one r x r system per row.
+    """
     Z = block.cols
-    return (block.rows.T @ T) @ np.linalg.solve(P.T @ Z, P.T)
+    if offset is None:
+        return (block.rows.T @ T) @ np.linalg.solve(P.T @ Z, P.T)
+    s = split_scale(block.scale)[1]                                   # (n, r)
+    A = (P.T @ Z)[None] + offset[None, :, None] / s[:, None, :]      # A_k[:, j]
+    a = np.linalg.solve(np.transpose(A, (0, 2, 1)), T[..., None])[..., 0]
+    return (block.rows.T @ a) @ P.T
 
 
-def head_matrix(meter: LogitMeter, v, values, spaces, h, rng):
-    """W_h (d, d) from d rows against r_h columns of the isolation space I_h."""
+def common_root(spaces, row_list, bias_list, dim):
+    """The common root q_0 (d,) of the heads' biased queries, W_h q_0 + b_h = 0 for every h.
+
+    With b_h = W_h p_h (a real layer: b_h = W_k,h^T b_q,h lies in W_h's column space), a
+    measured row y = W_h^T u has u^T b_h = y^T p_h = (P_h^T y)^T kappa_h, kappa_h = P_h^T p_h:
+    r_h + 1 rows give kappa_h by least squares. q_0 solves P_h^T q_0 = -kappa_h for all h
+    (sum_h r_h <= d equations: minimum norm). Returns (q_0, misfit, kappas): the largest
+    relative residual of the bias fits, in token units |A kappa - beta| / |A| (a bias outside
+    W_h's column space shows there).
+    """
+    kappas, misfit = [], 0.0
+    for P, Y, beta in zip(spaces, row_list, bias_list):
+        A = Y @ P
+        kappa = np.linalg.lstsq(A, beta, rcond=None)[0]
+        kappas.append(kappa)
+        # in token units: how far the measured biases are from any shift p_h
+        misfit = max(misfit, float(np.linalg.norm(A @ kappa - beta))
+                     / max(float(np.linalg.norm(A, 2)), 1e-300))
+    if not spaces:
+        return np.zeros(dim), misfit, kappas
+    stack = np.hstack(spaces).T                              # (sum r_h, d)
+    root = np.linalg.lstsq(stack, -np.concatenate(kappas), rcond=None)[0]
+    return root, misfit, kappas
+
+
+def query_offsets(W, spaces, kappas, origin) -> np.ndarray:
+    """W_g o + b_g = W_g P_g (P_g^T o + kappa_g) for every head, shape (H, d).
+
+    The same as W_g (o - q_0), but computed without q_0: q_0 can be long (MiniLM layer 0:
+    176), and W_g's small error times q_0 would swamp these small vectors."""
+    return np.array([Wg @ (P @ (P.T @ origin + k)) for Wg, P, k in zip(W, spaces, kappas)])
+
+
+class _Translated:
+    """The oracle seen from a translated origin (biases): answers f(X + 1 o^T) - const.
+
+    With o = q_0 (every head's biased query W_h x + b_h vanishes there) and const =
+    c + v^T q_0 this is multi-head attention without biases: the translation adds the
+    same b_h^T-free term to every score of a sequence, which the softmax cancels.
+    """
+
+    def __init__(self, base, origin, const):
+        self.base, self.origin, self.const = base, np.asarray(origin, dtype=float), float(const)
+
+    def query(self, X):
+        return self.base.query(np.asarray(X, dtype=np.float64) + self.origin) - self.const
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+
+def head_matrix(meter: LogitMeter, v, values, spaces, h, rng, offset=None):
+    """W_h (d, d) from d rows against r_h columns of the isolation space I_h
+    (``offset``: see :func:`matrix_from_logits`)."""
     d = v.shape[0]
     P = spaces[h]
     r = P.shape[1]
@@ -657,7 +762,7 @@ def head_matrix(meter: LogitMeter, v, values, spaces, h, rng):
     scale = meter.scale_for(rows, cols, height, background, rng)
     T = meter.measure(rows, cols, height, background, scale).reshape(d, r)
     block = Block(h, U.T, Z, meter.last_scale, meter.last_outputs)
-    return matrix_from_logits(block, T, P), block, separation
+    return matrix_from_logits(block, T, P, offset), block, separation
 
 
 def exact_heights(oracle: Oracle, v, values, W, rng) -> np.ndarray:
@@ -690,8 +795,8 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
                                 rank: int | None = None, *,
                                 seed=None, progress=None,
                                 verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
-                                output_dtype: str | None = None, decimals: int | None = None
-                                ) -> ExtractionResult:
+                                output_dtype: str | None = None, decimals: int | None = None,
+                                biases: bool = False) -> ExtractionResult:
     """Recover the canonical heads of multi-head attention with low-rank heads.
 
     Parameters
@@ -719,12 +824,21 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
         The answers are rounded to this many decimals. Without either option, answers
         rounded to float16/float32 or to k <= 12 decimals are detected (and said in the
         report's notes).
+    biases : bool
+        The layer has query, value and output biases (a deployed layer):
+        f(X) = sum_h softmax(X (W_h x_N + b_h))^T X v_h + c with b_h in W_h's column
+        space. c from f([0]); each row of the query-space stage gains two probes on the
+        column q = 0 (u^T b_h, the second at the row's own scale); the biases give the
+        common root q_0 of the heads' queries (W_h q_0 + b_h = 0), and the isolation
+        columns run translated to where the other heads have no biases.
+        Floor sum_h (d + r_h (2d - r_h) + r_h) + 1 (docs/algorithms.md, "Biases").
 
     Returns
     -------
     ExtractionResult
         ``model`` a :class:`MultiHeadAttention` with W (H', d, d), v (H', d), H' <= H the
-        canonical heads; the report gives the queries against the floor
+        canonical heads (with ``biases`` a :class:`BiasedMultiHeadAttention`, also b
+        (H', d) and c); the report gives the queries against the floor
         sum_h (d + r_h (2d - r_h)) and paper 2's 4 H d^2 - 2 H + 1, and the conditioning.
 
     Raises
@@ -746,14 +860,15 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
     precision = []       # filled once the first answers are in
     try:
         return _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_tolerance,
-                                       output_dtype, decimals, precision)
+                                       output_dtype, decimals, precision, biases)
     except (RecoveryFailedError, ModelMismatchError) as exc:
         name_the_options(exc, precision[0] if precision else None)
         raise
 
 
 def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_tolerance,
-                            output_dtype, decimals, precision_out: list) -> ExtractionResult:
+                            output_dtype, decimals, precision_out: list,
+                            biases: bool = False) -> ExtractionResult:
     """The learner (see :func:`extract_multi_head_low_rank`); the precision it uses is
     appended to ``precision_out`` as soon as it is known."""
     d = oracle.dim
@@ -769,11 +884,18 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
     rng = np.random.default_rng(seeds[0])
     r_plan = rank or max(1, d // heads)
     planned = (d + (heads + 1) * (d + 3) + heads * (r_plan + 1) * d + heads * r_plan * d)
+    if biases:
+        planned += 1 + 2 * heads * (r_plan + 1)
     oracle.plan(planned + verification_count(low_rank_multi_head_floor(d, [r_plan] * heads)),
                 "low-rank multi-head extraction")
 
+    const = 0.0
+    if biases:
+        say("c = f([0]) (one query)")
+        const = float(oracle.query(np.zeros((1, 1, d)))[0])
+    view = _Translated(oracle, np.zeros(d), const) if biases else oracle
     say("v = sum of the heads' values (d single tokens)")
-    v = oracle.query(np.eye(d)[:, None, :])
+    v = view.query(np.eye(d)[:, None, :])
     if not np.any(v):
         raise NotIdentifiableError("v = sum_h v_h = 0 on every token: no probe here can see "
                                    "the heads apart")
@@ -782,7 +904,7 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
     tol, noise_floor = (EXACT, None) if precision.exact else _tolerances(precision, v)
     say("values of the heads (saturated half circle)")
     before = oracle.queries
-    values, value_info = find_values(oracle, v, heads, rng, tol, noise_floor)
+    values, value_info = find_values(view, v, heads, rng, tol, noise_floor)
     tol = value_info["tolerances"]
     value_queries = oracle.queries - before
     H = len(values)
@@ -790,13 +912,13 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
     value_sep = (float(np.linalg.svd(values / norms[:, None], compute_uv=False)[-1])
                  if H else 1.0)
 
-    meter = LogitMeter(oracle, v, tol)
+    meter = LogitMeter(view, v, tol)
     columns = haar_orthogonal(d, rng)
     say(f"query spaces of {H} heads")
     before = oracle.queries
     spaces, space_info, space_blocks = [], [], []
     for h in range(H):
-        P, block, info = query_space(meter, values, h, columns, rank, rng)
+        P, block, info = query_space(meter, values, h, columns, rank, rng, biases)
         spaces.append(P)
         space_blocks.append(block)
         space_info.append(info)
@@ -805,11 +927,33 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
     if sum(ranks) > d:
         raise RecoveryFailedError(f"the heads' ranks {ranks} sum to {sum(ranks)} > d = {d}: "
                                   "no column isolates a head (use the full-rank learner)")
+    root, root_misfit, origins = None, 0.0, [None] * H
+    if biases:
+        # the common root q_0 (W_h q_0 + b_h = 0 for every h), and for each head the
+        # shortest token o_h where every OTHER head's biased query vanishes: translated by
+        # o_h the others have no biases, the isolation columns make their logits 0
+        # again, and head h keeps the known offset W_h (o_h - q_0). |o_h| is far below
+        # |q_0| (MiniLM layer 0: about 30 against 176), and the translated answers,
+        # which carry v^T o_h and scores of tokens of norm |o_h|, round the less.
+        root, root_misfit, kappas = common_root(spaces, [i["row logits"] for i in space_info],
+                                                [i["bias"] for i in space_info], d)
+        for h in range(H):
+            others = [spaces[g] for g in range(H) if g != h and spaces[g].shape[1]]
+            stack = np.hstack(others).T if others else np.zeros((0, d))
+            origins[h] = (np.linalg.lstsq(stack, stack @ root, rcond=None)[0] if others
+                          else np.zeros(d))
     say("isolation columns")
     before = oracle.queries
     W, separations, column_blocks = np.zeros((H, d, d)), [], []
     for h in range(H):
-        W[h], block, sep = head_matrix(meter, v, values, spaces, h, rng)
+        offset = None
+        if biases:
+            rescued = meter.rescued
+            meter = LogitMeter(_Translated(oracle, origins[h], const + v @ origins[h]), v, tol)
+            meter.rescued = rescued
+            offset = spaces[h].T @ origins[h] + kappas[h]            # P_h^T (o_h - q_0)
+        W[h], block, sep = head_matrix(meter, v, values, spaces, h, rng, offset)
+        block.origin = origins[h]
         column_blocks.append(block)
         separations.append(sep)
     column_queries = oracle.queries - before
@@ -820,15 +964,31 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
     changes = []
     if H and min(ranks) > 0:
         say("exact heights and refinement")
-        values = exact_heights(oracle, v, values, W, rng)
-        for _ in range(REFINE_ITERATIONS):
-            logits = [resolve(b, v, values, W) for b in space_blocks]
+        values = exact_heights(_Translated(oracle, root, const + v @ root) if biases else oracle,
+                               v, values, W, rng)
+        for _ in range(BIASED_REFINE_ITERATIONS if biases else REFINE_ITERATIONS):
+            if biases:
+                at_zero = query_offsets(W, spaces, kappas, np.zeros(d))      # the biases b_g
+                betas = [resolve(i["bias block"], v, values, W, at_zero)[:, 0]
+                         * split_scale(i["bias block"].scale[:, 0])[1] for i in space_info]
+                logits = [resolve(b, v, values, W, at_zero) - beta[:, None]
+                          / split_scale(b.scale)[1] for b, beta in zip(space_blocks, betas)]
+            else:
+                logits = [resolve(b, v, values, W) for b in space_blocks]
             if not all(np.all(np.isfinite(T)) for T in logits):
                 break       # answers no H low-rank heads give: verification refuses
             new_spaces = [space_from_logits(b, T, r)
                           for b, T, r in zip(space_blocks, logits, ranks)]
-            new_W = np.array([matrix_from_logits(b, resolve(b, v, values, W), P)
-                              for b, P in zip(column_blocks, new_spaces)])
+            if biases:
+                root, root_misfit, new_kappas = common_root(
+                    new_spaces, [T @ b.cols.T for b, T in zip(space_blocks, logits)], betas, d)
+                new_W = np.array([matrix_from_logits(
+                    b, resolve(b, v, values, W, query_offsets(W, spaces, kappas, b.origin)), P,
+                    P.T @ b.origin + k) for b, P, k in zip(column_blocks, new_spaces, new_kappas)])
+                spaces, kappas = new_spaces, new_kappas     # kappa_h = P_h^T p_h: one basis
+            else:
+                new_W = np.array([matrix_from_logits(b, resolve(b, v, values, W), P)
+                                  for b, P in zip(column_blocks, new_spaces)])
             if not np.all(np.isfinite(new_W)):
                 break
             change = float(np.max(np.linalg.norm(new_W - W, axis=(1, 2))
@@ -837,14 +997,23 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
             W = new_W
             if change < 1e-14:
                 break
+            if biases and len(changes) >= 2 and change < 1e-10 and change > 0.5 * changes[-2]:
+                break       # at the measurements' rounding: more passes change nothing
     height_queries = oracle.queries - before
     if not (np.all(np.isfinite(W)) and np.all(np.isfinite(values))):
         raise ModelMismatchError(f"the black box is not multi-head attention with {H} low-rank "
                                  f"head(s): its answers give no finite heads")
-    model = MultiHeadAttention(W, values)
+    if biases:
+        # b_h = W_h P_h kappa_h (= -W_h q_0, without q_0's length)
+        model = BiasedMultiHeadAttention(W, values, query_offsets(W, spaces, kappas, np.zeros(d))
+                                         if H else np.zeros((0, d)), const)
+    else:
+        model = MultiHeadAttention(W, values)
 
     recovery = oracle.queries - q0
     floor = low_rank_multi_head_floor(d, ranks) if H else d
+    if biases:
+        floor += sum(ranks) + 1
     n_verify = verification_count(floor)
     spread = max((i["spread"] for i in space_info), default=1.0)
     min_sep = min(separations, default=1.0)
@@ -866,6 +1035,12 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
         predicted = max(predicted, LOW_PRECISION_BAR * measured * spread / min_sep)
         verify_tolerance = max(verify_tolerance, min(MAX_VERIFY_NOISY, 30.0 * max(
             tol.noise, precision.relative) + 2.0 * predicted))
+    if biases and H:
+        # answers to translated probes carry v^T o_h: their rounding, over the smallest
+        # height |v_h| / sqrt(d) of the isolation rows, grows by about this factor
+        translation = 1.0 + max(abs(float(v @ o)) for o in origins) * math.sqrt(d) / float(
+            norms.min())
+        predicted, first_pass = predicted * translation, first_pass * translation
     if predicted > tol.max_predicted:
         raise RecoveryFailedError(
             f"the heads are too close to pin down: predicted parameter error {predicted:.1e} "
@@ -901,7 +1076,14 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
                  "isolation": column_queries, "heights": height_queries,
                  "(rescaled)": meter.rescued,
                  "recovery": recovery, "verification": n_verify}
-    report = Report(kind=MultiHeadAttention.kind, dim=d, queries=oracle.queries - q0,
+    if biases:
+        breakdown = {"constant": 1, **breakdown}
+        details["biases"] = (f"c = f([0]); two probes [c u; 0] per query-space row; common root "
+                             f"|q_0| = {float(np.linalg.norm(root)) if root is not None else 0.0:.3g}, "
+                             f"isolation origins |o_h| <= "
+                             f"{max((float(np.linalg.norm(o)) for o in origins), default=0.0):.3g}, "
+                             f"bias-fit residual {root_misfit:.1e} (token units)")
+    report = Report(kind=model.kind, dim=d, queries=oracle.queries - q0,
                     breakdown=breakdown, floor=floor, verification=verification,
                     seconds=time.perf_counter() - start,
                     black_box_seconds=oracle.black_box_seconds - bb0, details=details,
