@@ -392,7 +392,7 @@ def _hull_single(dom: _Domain, n: int, v, hull_v):
 
 def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *,
            probe_length: int | None = None, max_length: int | None = None, model=None,
-           hull_v=None) -> HeldOutSet:
+           hull_v=None, exclude=()) -> HeldOutSet:
     """The default held-out set: ``count`` sequences (N_i, dim) in the families above.
 
     Parameters
@@ -415,6 +415,10 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
     hull_v : array (d,), optional
         Put the hull tokens orthogonal to this v (the black box's own, measured)
         instead of the model's.
+    exclude : tuple of str
+        Families left out (their share goes to ``ordinary``): the noisy learners leave
+        out ``far``, whose scores of +-1000 a float32 forward pass rounds beyond any
+        output noise bound.
     """
     d = dim
     W = getattr(model, "W", None)
@@ -433,6 +437,8 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
     second = ({"hull", "steps"} if single or ffn is not None else
               {"steps", "heads"} if heads is not None and count >= 16 else set())
     sizes = _split(count, second)
+    for name in exclude:
+        sizes["ordinary"] = sizes.get("ordinary", 0) + sizes.pop(name, 0)
     L = longest_length(probe_length, max_length)
     anchor = d ** -0.25
     # A model with W ~ 0 (rounding noise) has an enormous token scale; beyond ~100 x the

@@ -804,7 +804,8 @@ def verify_noisy(oracle, model, noise: NoiseModel, W_bar, v_bar, *, count, seed,
                  extra_relative=0.0, nonlinear=False) -> NoisyVerification:
     """Held-out comparison allowing noise plus the model's own error bars."""
     rng = np.random.default_rng(seed)
-    held = design(oracle.dim, count, rng, scale, model=model, max_length=max_length_of(oracle))
+    held = design(oracle.dim, count, rng, scale, model=model, max_length=max_length_of(oracle),
+                  exclude=("far",))
     sequences, count = held.sequences, len(held.sequences)
     observed = oracle.query_ragged(sequences)
     predicted, gW, gv = np.empty(count), np.empty(count), np.empty(count)
