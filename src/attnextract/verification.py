@@ -90,7 +90,9 @@ import numpy as np
 
 from .oracle import live_queries
 
-DEFAULT_LONGEST = 4096        # held-out lengths reach at least this (unless max_length)
+DEFAULT_LONGEST = 4096        # held-out lengths reach at least this (unless max_length) ...
+DEFAULT_NUMBERS = 1 << 20     # ... cut to this many numbers per sequence for wide tokens
+                              # (a served endpoint's request limit: 2,730 tokens at d = 384)
 ORDINARY_LENGTH = 16
 HULL_FRACTION = 1e-4          # hull tolerance = this x the output tolerance
 HULL_MIN_SPREAD = 1e-2        # hull violations relative to at least this x the token norm
@@ -149,12 +151,15 @@ def max_length_of(oracle) -> int | None:
     return getattr(root_oracle(oracle), "max_length", None)
 
 
-def longest_length(probe_length: int | None = None, max_length: int | None = None) -> int:
+def longest_length(probe_length: int | None = None, max_length: int | None = None,
+                   dim: int | None = None) -> int:
     """L, the longest held-out length: ``max_length`` when given (the deployment's
-    context), else max(DEFAULT_LONGEST, the longest probe)."""
+    context), else max(the longest probe, DEFAULT_LONGEST, cut to DEFAULT_NUMBERS / d
+    numbers for wide tokens)."""
     if max_length:
         return int(max_length)
-    return max(DEFAULT_LONGEST, int(probe_length or 1))
+    default = DEFAULT_LONGEST if not dim else min(DEFAULT_LONGEST, max(16, DEFAULT_NUMBERS // int(dim)))
+    return max(default, int(probe_length or 1))
 
 
 def _split(count: int, second: set) -> dict[str, int]:
@@ -439,7 +444,7 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
     sizes = _split(count, second)
     for name in exclude:
         sizes["ordinary"] = sizes.get("ordinary", 0) + sizes.pop(name, 0)
-    L = longest_length(probe_length, max_length)
+    L = longest_length(probe_length, max_length, d)
     anchor = d ** -0.25
     # A model with W ~ 0 (rounding noise) has an enormous token scale; beyond ~100 x the
     # d^-1/4 anchor its W is known only to that noise, so the scale stops there.
