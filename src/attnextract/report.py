@@ -265,7 +265,7 @@ class Report:
         lines = [f"model        {self.kind}, d = {self.dim}",
                  f"queries      {self.queries} in all"]
         for name, n in self.breakdown.items():
-            lines.append(f"  {name:<13}{n}")
+            lines.append(f"  {name:<12} {n}")
         recovery = ("recovery used" if self.recovery is None else
                     f"recovery ({self.recovery} queries, the parts' own checks left out) used")
         lines.append(f"floor        {self.floor} (free parameters); "

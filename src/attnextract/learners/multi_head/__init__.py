@@ -91,7 +91,7 @@ __all__ = ["extract_multi_head", "canonical_form", "canonical_error", "match_hea
 MAX_HEADS = 12            # largest H searched when no bound is given
 COUNT_FIRST = 8           # ... searched first (the base window for 8 heads is 16x shorter)
 MAX_DESIGNS = 4           # designs (base row, perturbations, main rows) tried at most
-BASE_CANDIDATES = 10      # candidate base rows at most; the search stops at a well-conditioned one
+BASE_CANDIDATES = 6       # candidate base rows at most; the search stops at a well-conditioned one
 BASE_QUALITY = 1e-7       # a base row whose logit error / smallest gap is below this
                           # ends the search (the perturbations' error scales with it)
                           # is in the right basin (a missing head misses by far more)
@@ -109,7 +109,11 @@ REFINE_ABOVE = 2.5e-11    # predicted error above which round 3 (wide columns) r
 WIDE_COLUMNS_UP_TO = 1e-3 # ... and below which the logits are predicted well enough for it
 RECENTRE_ABOVE = 3e-3     # predicted relative error of the base estimate of W_h q_0 above
                           # which a base row with evenly spaced steps is designed from it
+PERTURBATION_MOVE = 0.03  # base perturbations move the steps by about this x the smallest
+                          # gap (labels kept; the estimate's error scales with 1 / this)
 RECENTRE_TRIES = 3        # recentred base rows at most per design
+ILL_ROW_FACTOR = 30.0     # a main row whose parameters are pinned this much worse than the
+                          # median row's is redesigned
 ROW_REDESIGNS = 3         # rounds of redesigning the main rows whose first probe misfits
 
 
@@ -374,11 +378,12 @@ class _Extraction:
                 return self.main(Y0, V0)
             except _Redesign as exc:
                 failures.append(exc.message)
-                self.details["designs tried"] = len(failures) + 1
+                self.details["designs tried"] = len(failures)
                 self.details["failed designs"] = list(failures)
                 if (len(failures) >= MAX_DESIGNS
                         or not self.affordable(self.attempt_cost(heads), heads)):
                     self.give_up(exc, failures)
+                self.details["designs tried"] = len(failures) + 1
 
     def give_up(self, exc: "_Redesign", failures: list[str]):
         """The last refusal: no room for another design. The learner's own fits failed
@@ -643,7 +648,7 @@ class _Extraction:
         H = t0.size
         gap = float(np.min(np.diff(t0))) if H > 1 else 2.0
         spread = float(np.sqrt(np.mean(t0 ** 2))) + 0.5
-        eps = float(np.clip(0.003 * gap / spread, 1e-12, 0.5))
+        eps = float(np.clip(PERTURBATION_MOVE * gap / spread, 1e-12, 0.5))
         W_perp = design.orthonormal_complement(self.u_0, self.rng) * np.linalg.norm(self.u_0)
         rows = self.u_0[None] + eps * W_perp                          # (d - 1, d)
         lam_t = design.base_lambdas(3 * H + 3, self.half_window)
@@ -701,90 +706,131 @@ class _Extraction:
         # not fit (two fell too close) is replaced by a new designed row, the estimate
         # first corrected by the rows that fit (their measured positions are u_k^T Y0)
         S1 = 2 * H + 1
+        NC = d - 1 + EXTRA_COLUMNS
+        S2 = H + COLUMN_SPARES
         lam, g = np.empty((d, S1)), np.empty((d, S1))
         t_row, c_row, misfit = np.empty((d, H)), np.empty((d, H)), np.full(d, np.inf)
-        todo = np.arange(d)
-        for redesign in range(ROW_REDESIGNS + 1):
-            if redesign:
-                good = np.flatnonzero(misfit <= 1.0)
-                Y0, V0 = _corrected(Y0, V0, U[good], t_row[good], c_row[good])
-                U[todo] = design.design_rows(Y0, V0, positions, rng, jitter=0.5 * spacing,
-                                             count=todo.size, keep=U[good])
-                tau[todo], C0[todo] = U[todo] @ Y0, U[todo] @ V0
-            lam_1 = np.array([design.row_lambdas(tau[k], self.half_window) for k in todo])
-            before = self.oracle.queries
-            lam_t, g_t = self.measure(np.repeat(U[todo], S1, 0),
-                                      np.repeat(self.q_0[None], todo.size * S1, 0), lam_1.ravel())
-            self.spend("main rows", before)
-            lam[todo], g[todo] = lam_t.reshape(-1, S1), g_t.reshape(-1, S1)
-            for k in todo:
-                noise = self.noise(g[k] + self.q_0 @ self.v, float(np.sum(np.abs(C0[k]))))
-                # two starts: the designed steps (labelled) and, where the design missed
-                # by more than the fit can walk, the rational fit's poles (labelled after)
-                steps, started = fit.fit_steps_from(lam[k], g[k], U[k] @ self.v, tau[k],
-                                                    self.half_window, noise, NOISE_FACTOR * noise)
-                t, c = steps.t, steps.c
-                if not started:
-                    order = fit.label_steps(t, c, tau[k], C0[k], spacing)
-                    t, c = t[order], c[order]
-                misfit[k] = steps.rms / (NOISE_FACTOR * noise)
-                t_row[k], c_row[k] = t, c
-            todo = np.flatnonzero(~(misfit <= 1.0))
-            if todo.size == 0 or not self.affordable(
-                    todo.size * S1 + self.main_cost(H) - d * S1, H):
-                break
-            self.details["main rows redesigned"] = (
-                self.details.get("main rows redesigned", 0) + int(todo.size))
-        worst = float(np.max(misfit))
-        if not worst <= 1.0:
-            raise _Redesign(
-                RecoveryFailedError,
-                f"{todo.size} main row(s) do not fit {H} steps (residual {worst * NOISE_FACTOR:.1e} "
-                f"times the output precision, base estimate error "
-                f"{self.details['base estimate relative error']:.1e}): two steps fell too close "
-                f"in a row, or the black box is not multi-head attention with {H} canonical heads")
-
-        # round 2: d columns q_0 + s_k r_j per row (one more than z_hk needs), sampled at
-        # row k's measured steps plus a midpoint; s_k moves the steps by about a fifth of
-        # the row's smallest gap, at most about half of it (labels stay, logits stay well
-        # pinned)
-        gaps = np.diff(np.sort(t_row, axis=1), axis=1).min(axis=1) if H > 1 else np.full(d, 2.0)
-        y_norm = float(np.max(np.linalg.norm(Y0, axis=0)))
-        z_norm = np.linalg.norm(U, axis=1) * y_norm                   # about |W_h^T u_k|
-        s_k = COLUMN_MOVE * np.minimum(gaps, spacing) * math.sqrt(d) / z_norm
-        NC = d - 1 + EXTRA_COLUMNS
         R = np.linalg.qr(rng.standard_normal((d, d)))[0].T[:NC]       # (NC, d), NC <= d
-        columns = self.q_0[None, None] + s_k[:, None, None] * R[None]  # (d, NC, d)
-        before = self.oracle.queries
-        lam_cols = np.array([[design.column_lambdas(t_row[k], j, self.half_window, COLUMN_SPARES)
-                              for j in range(NC)] for k in range(d)])   # (d, NC, S2)
-        S2 = lam_cols.shape[2]
-        kk = np.repeat(np.arange(d), NC * S2)
-        lam2, g2 = self.measure(U[kk], np.repeat(columns.reshape(-1, d), S2, 0), lam_cols.ravel())
-        self.spend("main columns", before)
-        lam2, g2 = lam2.reshape(d, NC, S2), g2.reshape(d, NC, S2)
-        f_all = np.concatenate([g.ravel() + self.q_0 @ self.v,
-                                (g2 + np.einsum("kjd,d->kj", columns, self.v)[..., None]).ravel()])
-        noise = self.noise(f_all, float(np.mean(np.sum(np.abs(c_row), axis=1))))
+        columns = np.empty((d, NC, d))
+        s_k, moves = np.empty(d), np.zeros(d)
+        probes, rows = [None] * d, [None] * d
+        estimate = [Y0, V0]
 
-        # starts: each column's logits with the row's heights, then z by least squares
-        t_cols = fit.fit_logits(lam2.reshape(-1, S2), g2.reshape(-1, S2),
-                                np.repeat(c_row, NC, 0), np.repeat(t_row, NC, 0),
-                                bound=float(np.min(gaps)) if H > 1 else np.inf)
-        t_cols = t_cols.reshape(d, NC, H)
-        moves = np.max(np.abs(t_cols - t_row[:, None, :]), axis=(1, 2)) / np.minimum(gaps, spacing)
-        self.details["column moves / gap (median, max)"] = (float(np.median(moves)), float(moves.max()))
-        probes = []
-        for k in range(d):
-            cols_k = np.vstack([self.q_0[None], columns[k]])          # (NC + 1, d)
-            lam_k, g_k, mask = np.zeros((NC + 1, S1)), np.zeros((NC + 1, S1)), np.zeros((NC + 1, S1))
-            lam_k[0], g_k[0], mask[0] = lam[k], g[k], 1.0
-            lam_k[1:, :S2], g_k[1:, :S2], mask[1:, :S2] = lam2[k], g2[k], 1.0
-            probes.append((cols_k, lam_k, g_k, mask))
-        starts = [(c_row[k], np.linalg.lstsq(probes[k][0], np.vstack([t_row[k][None], t_cols[k]]),
-                                              rcond=None)[0].T) for k in range(d)]
-        rows = [fit.fit_row(lam_k, g_k, mask, cols_k, *start)
-                for (cols_k, lam_k, g_k, mask), start in zip(probes, starts)]
+        def redesign(idx):
+            good = np.setdiff1d(np.arange(d), idx)
+            good = good[misfit[good] <= 1.0]
+            estimate[:] = _corrected(*estimate, U[good], t_row[good], c_row[good])
+            U[idx] = design.design_rows(*estimate, positions, rng, jitter=0.5 * spacing,
+                                        count=idx.size, keep=U[good])
+            tau[idx], C0[idx] = U[idx] @ estimate[0], U[idx] @ estimate[1]
+            self.details["main rows redesigned"] = (
+                self.details.get("main rows redesigned", 0) + int(idx.size))
+
+        def round_1(todo):
+            for again in range(ROW_REDESIGNS + 1):
+                if again:
+                    redesign(todo)
+                lam_1 = np.array([design.row_lambdas(tau[k], self.half_window) for k in todo])
+                before = self.oracle.queries
+                lam_t, g_t = self.measure(np.repeat(U[todo], S1, 0),
+                                          np.repeat(self.q_0[None], todo.size * S1, 0),
+                                          lam_1.ravel())
+                self.spend("main rows", before)
+                lam[todo], g[todo] = lam_t.reshape(-1, S1), g_t.reshape(-1, S1)
+                for k in todo:
+                    noise = self.noise(g[k] + self.q_0 @ self.v, float(np.sum(np.abs(C0[k]))))
+                    # two starts: the designed steps (labelled) and, where the design
+                    # missed by more than the fit can walk, the rational fit's poles
+                    steps, started = fit.fit_steps_from(lam[k], g[k], U[k] @ self.v, tau[k],
+                                                        self.half_window, noise,
+                                                        NOISE_FACTOR * noise)
+                    t, c = steps.t, steps.c
+                    if not started:
+                        order = fit.label_steps(t, c, tau[k], C0[k], spacing)
+                        t, c = t[order], c[order]
+                    misfit[k] = steps.rms / (NOISE_FACTOR * noise)
+                    t_row[k], c_row[k] = t, c
+                todo = todo[~(misfit[todo] <= 1.0)]
+                if todo.size == 0 or not self.affordable(
+                        todo.size * S1 + todo.size * NC * S2, H):
+                    break
+            worst = float(np.max(misfit))
+            if not worst <= 1.0:
+                raise _Redesign(
+                    RecoveryFailedError,
+                    f"{todo.size} main row(s) do not fit {H} steps (residual "
+                    f"{worst * NOISE_FACTOR:.1e} times the output precision, base estimate "
+                    f"error {self.details['base estimate relative error']:.1e}): two steps "
+                    f"fell too close in a row, or the black box is not multi-head attention "
+                    f"with {H} canonical heads")
+
+        def round_2(todo):
+            # d columns q_0 + s_k r_j per row (one more than z_hk needs), sampled at row
+            # k's measured steps plus a midpoint; s_k moves the steps by about a fifth of
+            # the row's smallest gap, at most about half of it (labels stay, logits stay
+            # well pinned)
+            gaps = np.diff(np.sort(t_row[todo], axis=1), axis=1).min(axis=1) if H > 1 \
+                else np.full(todo.size, 2.0)
+            y_norm = float(np.max(np.linalg.norm(estimate[0], axis=0)))
+            z_norm = np.linalg.norm(U[todo], axis=1) * y_norm           # about |W_h^T u_k|
+            s_k[todo] = COLUMN_MOVE * np.minimum(gaps, spacing) * math.sqrt(d) / z_norm
+            columns[todo] = self.q_0[None, None] + s_k[todo, None, None] * R[None]
+            lam_cols = np.array([[design.column_lambdas(t_row[k], j, self.half_window,
+                                                        COLUMN_SPARES) for j in range(NC)]
+                                 for k in todo])                          # (n, NC, S2)
+            before = self.oracle.queries
+            kk = np.repeat(todo, NC * S2)
+            lam2, g2 = self.measure(U[kk], np.repeat(columns[todo].reshape(-1, d), S2, 0),
+                                    lam_cols.ravel())
+            self.spend("main columns", before)
+            lam2, g2 = lam2.reshape(-1, NC, S2), g2.reshape(-1, NC, S2)
+            # starts: each column's logits with the row's heights, then z by least squares
+            t_cols = fit.fit_logits(lam2.reshape(-1, S2), g2.reshape(-1, S2),
+                                    np.repeat(c_row[todo], NC, 0), np.repeat(t_row[todo], NC, 0),
+                                    bound=float(np.min(gaps)) if H > 1 else np.inf)
+            t_cols = t_cols.reshape(-1, NC, H)
+            moves[todo] = (np.max(np.abs(t_cols - t_row[todo, None, :]), axis=(1, 2))
+                           / np.minimum(gaps, spacing))
+            for i, k in enumerate(todo):
+                cols_k = np.vstack([self.q_0[None], columns[k]])          # (NC + 1, d)
+                lam_k, g_k, mask = (np.zeros((NC + 1, S1)), np.zeros((NC + 1, S1)),
+                                    np.zeros((NC + 1, S1)))
+                lam_k[0], g_k[0], mask[0] = lam[k], g[k], 1.0
+                lam_k[1:, :S2], g_k[1:, :S2], mask[1:, :S2] = lam2[i], g2[i], 1.0
+                probes[k] = (cols_k, lam_k, g_k, mask, g2[i] + (columns[k] @ self.v)[:, None])
+                z0 = np.linalg.lstsq(cols_k, np.vstack([t_row[k][None], t_cols[i]]),
+                                     rcond=None)[0].T
+                rows[k] = fit.fit_row(lam_k, g_k, mask, cols_k, c_row[k], z0)
+
+        everything = np.arange(d)
+        round_1(everything)
+        round_2(everything)
+        # a row whose joint fit misses the noise (a wrong basin), or pins its parameters
+        # far worse than the median row (a head almost without height in that row, two
+        # steps still close), spoils every head through U^-1: such rows are redesigned
+        # and measured again (the other rows' samples are kept) while the count allows
+        for _ in range(ROW_REDESIGNS + 1):
+            f_all = np.concatenate([g.ravel() + self.q_0 @ self.v]
+                                   + [p[4].ravel() for p in probes])
+            noise = self.noise(f_all, float(np.mean(np.sum(np.abs(c_row), axis=1))))
+            spread = np.array([max(float(np.max(r.z_std)) / max(float(np.linalg.norm(r.z)), 1e-300),
+                                   float(np.max(r.c_std)) / max(float(np.linalg.norm(r.c)), 1e-300))
+                               for r in rows])
+            rms = np.array([float(np.sqrt(np.mean(r.residual ** 2))) for r in rows])
+            ill = ~(spread <= ILL_ROW_FACTOR * np.median(spread))
+            if np.count_nonzero(ill) > d // 2:
+                ill[:] = False                 # the median row is no reference then
+            bad = np.flatnonzero(ill | ~(rms <= NOISE_FACTOR * noise))
+            if bad.size == 0 or not self.affordable(
+                    bad.size * (S1 + NC * S2), H):
+                break
+            redesign(bad)
+            round_1(bad)
+            round_2(bad)
+        gaps = np.diff(np.sort(t_row, axis=1), axis=1).min(axis=1) if H > 1 else np.full(d, 2.0)
+        self.details["column moves / gap (median, max)"] = (float(np.median(moves)),
+                                                            float(moves.max()))
+        probes = [p[:4] for p in probes]
         noise_floor = self.noise(f_all, float(np.mean(np.sum(np.abs(c_row), axis=1))), floor=True)
         model, predicted, sigma, measured_sigma = self.assemble(U, rows, noise_floor)
         self.details["predicted relative error (small moves)"] = predicted

@@ -182,12 +182,18 @@ def least_uncertain_row(Y0: np.ndarray, V: np.ndarray, Y_cov: np.ndarray,
     positions : array (H,)
     """
     d, H = Y0.shape
-    M = Y_cov + 1e-12 * np.trace(Y_cov) / d * np.eye(d) + 1e-300 * np.eye(d)
-    MY = np.linalg.solve(M, Y0)                                  # (d, H)
-    gram = Y0.T @ MY                                             # (H, H)
     orders = np.array([rng.permutation(H) for _ in range(candidates)])
     targets = positions[orders] + rng.uniform(-jitter, jitter, size=candidates)[:, None]
-    rows = np.linalg.solve(gram, targets.T).T @ MY.T             # (C, d)
+    # null-space method (stable where the normal equations of generalised least squares
+    # are not: the covariance spans many decades, and at H = d the rows are fixed):
+    # u = u_p + N z with Y0^T u_p = targets, N a basis of null(Y0^T), z minimising u^T M u
+    Q, R = np.linalg.qr(Y0, mode="complete")                     # Y0 = Q[:, :H] R[:H]
+    rows = np.linalg.solve(R[:H].T, targets.T).T @ Q[:, :H].T      # (C, d), u_p
+    N = Q[:, H:]                                                 # (d, d - H)
+    if N.shape[1]:
+        M = Y_cov / max(float(np.trace(Y_cov)) / d, 1e-300)
+        z = np.linalg.lstsq(N.T @ M @ N, -(rows @ M @ N).T, rcond=None)[0].T   # (C, d - H)
+        rows = rows + z @ N.T
     heights = np.abs(rows @ V) / (np.linalg.norm(V, axis=0) + 1e-300)
     return rows[int(np.argmax(heights.min(axis=1)))]
 
