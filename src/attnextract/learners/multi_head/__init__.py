@@ -91,7 +91,7 @@ __all__ = ["extract_multi_head", "canonical_form", "canonical_error", "match_hea
 MAX_HEADS = 12            # largest H searched when no bound is given
 COUNT_FIRST = 8           # ... searched first (the base window for 8 heads is 16x shorter)
 MAX_DESIGNS = 4           # designs (base row, perturbations, main rows) tried at most
-BASE_CANDIDATES = 6       # candidate base rows at most; the search stops at a well-conditioned one
+BASE_CANDIDATES = 10      # candidate base rows at most; the search stops at a well-conditioned one
 BASE_QUALITY = 1e-7       # a base row whose logit error / smallest gap is below this
                           # ends the search (the perturbations' error scales with it)
                           # is in the right basin (a missing head misses by far more)
