@@ -985,10 +985,14 @@ class _Extraction:
         if verification is not None:
             self.details["held-out error"] = verification.max_relative_error
         if total > count and not any("paper 2's count" in n for n in self.notes):
+            smallest = (d + 3 * (4 * H + 8) + self.perturbation_cost(H) + self.main_cost(H)
+                        + n_verify)
             why = (f"the count is below the floor plus the verification ({floor} + "
                    f"{n_verify}) at d = {d}" if count < floor + n_verify else
-                   "the head count search and the redesigns" if not self.heads_told
-                   else "the design needed it")
+                   f"the smallest design this learner runs needs {smallest} at d = {d}"
+                   if smallest > count else
+                   "the head count search (give heads= to plan for H)" if not self.heads_told
+                   else "the redesigns")
             self.notes.append(f"{total} queries (verification included), above paper 2's "
                               f"count {count} for H = {H}, d = {d}: {why}")
         report = Report(kind=MultiHeadAttention.kind, dim=d, queries=total,
