@@ -10,6 +10,8 @@ share an interpreter lock. Run with one BLAS thread per process:
     ... bench_http.py flood         # 50 threads x 200 requests on fresh connections
     ... bench_http.py extract --dim 4096 --rank 128   # low-rank extraction over HTTP
     ... bench_http.py replicas      # torch target, 1 process vs 2 Ray replicas
+    ... bench_http.py bounded       # answer cache full + 400 bodies of just under 1 MiB: peak RSS
+    ... bench_http.py dribble       # 4 dribbling 64 MiB bodies: latency of legal requests
 
 Sections print one JSON line per measurement.
 """
@@ -31,6 +33,10 @@ from pathlib import Path
 import numpy as np
 
 from attnextract.adapters.remote import HttpBlackBox
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from netfaults import (Dribbler, fill_answer_cache, just_under,  # noqa: E402 (shared
+                       request_bytes, send_at_once)                  # with the tests)
 
 TARGETS = '''
 import numpy as np
@@ -437,10 +443,97 @@ def replicas(args, workdir):
     emit(section="replicas", max_output_difference=diff)
 
 
+def cheap_spec(workdir: Path, d: int) -> str:
+    target_file(workdir)
+    (workdir / f"cheap{d}.py").write_text(f"import sys; sys.path.insert(0, {str(workdir)!r})\n"
+                                          f"from bench_targets import Cheap\ncheap = Cheap({d})\n")
+    return f"{workdir / f'cheap{d}.py'}:cheap"
+
+
+def bounded(args, workdir):
+    """Peak RSS of a server at its default settings (or ``--serve-args``): its answer cache
+    filled, then ``--bodies`` connections sending a body of just under 1 MiB at once."""
+    from attnextract.adapters.server import BODY_MEMORY, CACHE_BYTES, peak_rss_bound
+    d = 4
+    extra = args.serve_args.split() if args.serve_args else []
+    cache_mb = CACHE_BYTES / 2**20
+    body_mb = BODY_MEMORY / 2**20
+    if "--cache-memory" in extra:
+        cache_mb = float(extra[extra.index("--cache-memory") + 1])
+    if "--body-memory" in extra:
+        body_mb = float(extra[extra.index("--body-memory") + 1])
+    for kind in args.kinds:
+        body = just_under(1 << 20, kind, d)
+        ctype = "application/x-npy" if kind == "npy" else "application/json"
+        with Served(cheap_spec(workdir, d), *extra) as server:
+            idle = server.status("VmRSS")
+            start = time.perf_counter()
+            filled = fill_answer_cache(server.url, d, cache_mb)
+            cached = server.status("VmRSS")
+            health = HttpBlackBox(server.url).health()
+            answers = send_at_once(("127.0.0.1", server.port), request_bytes(body, ctype),
+                                   args.bodies)
+            seconds = time.perf_counter() - start
+            codes = {}
+            for a in answers:
+                code = a.split(b" ")[1].decode() if a.startswith(b"HTTP/1.1 ") else "none"
+                codes[code] = codes.get(code, 0) + 1
+            emit(section="bounded", body=kind, body_bytes=len(body), bodies=args.bodies,
+                 serve_args=" ".join(extra) or "defaults", rss_idle_mb=round(idle, 1),
+                 rss_cache_full_mb=round(cached, 1), cache_requests=filled,
+                 rss_peak_mb=round(server.status("VmHWM"), 1),
+                 rss_bound_mb=round(peak_rss_bound(
+                     int(idle * 2**20), connections=args.bodies + 2,
+                     body_memory=int(body_mb * 2**20), cache_bytes=int(cache_mb * 2**20),
+                     state="--state" in extra) / 2**20, 1), answers=codes,
+                 served=HttpBlackBox(server.url).health()["served"] - health["served"],
+                 seconds=round(seconds, 1))
+
+
+def dribble(args, workdir):
+    """4 connections announce 64 MiB of JSON and send a byte every 1.5 s; meanwhile a legal
+    2 MiB npy request and a 344 kB JSON request: their latency, and when the dribblers are cut."""
+    d = 64
+    with Served(cheap_spec(workdir, d)) as server:
+        address = ("127.0.0.1", server.port)
+        dribblers = [Dribbler(address, every=1.5) for _ in range(args.dribblers)]
+        for t in dribblers:
+            t.start()
+        for t in dribblers:
+            t.connected.wait(30)
+        time.sleep(0.5)                          # they hold their memory, dribbling
+        rng = np.random.default_rng(0)
+        rows = []
+        for name, X, transport in (
+                ("npy 2 MiB", rng.standard_normal(((2 << 20) // (16 * d) - 1, 2, d)), "npy"),
+                ("json 344 kB", rng.standard_normal((130, 2, d)), "json")):
+            box = HttpBlackBox(server.url, transport=transport, retries=0, timeout=60,
+                               max_floats=1 << 20)
+            body = box._encode(X, transport)[0]
+            size = len(body) if isinstance(body, bytes) else len(body[0]) + len(body[1])
+            start = time.perf_counter()
+            out = box(X)
+            seconds = time.perf_counter() - start
+            assert np.array_equal(out, X[:, -1, :].sum(axis=1))
+            rows.append((name.split()[0], size, seconds))
+        for t in dribblers:
+            t.join(120)
+        for name, size, seconds in rows:
+            emit(section="dribble", dribblers=len(dribblers), request=name, body_bytes=size,
+                 answered_s=round(seconds, 3))
+        emit(section="dribble", dribbler_answers=sorted({t.answer.decode() for t in dribblers}),
+             dribbler_cut_after_s=[round(t.seconds, 2) for t in dribblers],
+             dribbler_bytes_sent=[t.sent for t in dribblers])
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("section", choices=["throughput", "memory", "slowloris", "flood",
-                                            "extract", "replicas"])
+                                            "extract", "replicas", "bounded", "dribble"])
+    parser.add_argument("--bodies", type=int, default=400)
+    parser.add_argument("--kinds", nargs="+", default=["npy", "json"])
+    parser.add_argument("--serve-args", default="", help="extra 'serve' options (bounded)")
+    parser.add_argument("--dribblers", type=int, default=4)
     parser.add_argument("--flood-threads", type=int, default=50)
     parser.add_argument("--flood-requests", type=int, default=200)
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 1024, 4096])

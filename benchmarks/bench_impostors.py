@@ -9,6 +9,10 @@ that disagree). "honest" runs the model itself: it must be accepted.
 
     OPENBLAS_NUM_THREADS=1 python benchmarks/bench_impostors.py [--seeds 20] [--dims 8 32]
         [--learners single-head,noisy,...] [--out benchmarks/results/impostors.md]
+
+``--cost`` instead measures what verification costs each learner on its honest model
+(seed 0): recovery queries, verification queries (the adversarial search's share
+among them), the lengths and token norms covered and the wall time of the check.
 """
 
 from __future__ import annotations
@@ -51,6 +55,59 @@ def one_run(learner, impostor, d, seed, recovery):
     return outcome, held_out_error(result.model, box, d, LEARNERS[learner][2], seed)
 
 
+def cost_rows(learners, dims):
+    """Verification's cost per learner and d on the honest model (seed 0)."""
+    from attnextract.oracle import Oracle, SignOnly
+    rows = []
+    for learner in learners:
+        honest, run, labels = LEARNERS[learner]
+        if run is None:
+            continue
+        for d in dims:
+            model = honest(d, 0)
+            oracle = Oracle(SignOnly(model) if labels else model, d)
+            t0 = time.perf_counter()
+            result = run(oracle, 0)
+            seconds = time.perf_counter() - t0
+            report = result.report
+            check = report.verification
+            verification = report.breakdown.get("verification", 0)
+            row = {"learner": learner, "d": d, "recovery": report.recovery_queries,
+                   "verification": verification, "seconds": seconds}
+            if check is not None:
+                row.update(search=check.search_queries, own=check.own_probes,
+                           lengths=list(check.lengths), norms=list(check.norms),
+                           max_length=check.max_length, tolerance=check.tolerance,
+                           error=check.max_relative_error)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def write_cost(rows, path, command):
+    lines = ["# What verification costs each learner (honest model, seed 0)", "",
+             "Measured with OPENBLAS_NUM_THREADS=1 on a shared, loaded 2-core machine "
+             "(wall times inflated by the load):", "", f"    {command}", "",
+             "search = queries of the adversarial search (part of the verification count); "
+             "own = the learner's longest probes compared with the model (no query); "
+             "share = search / recovery.", "",
+             "| learner | d | recovery | verification | search | share | own | lengths | "
+             "token norms | tolerance | max error | run s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "search" not in r:
+            lines.append(f"| {r['learner']} | {r['d']} | {r['recovery']} | {r['verification']} | "
+                         f"(own check) | | | | | | | {r['seconds']:.1f} |")
+            continue
+        share = r["search"] / max(r["recovery"], 1)
+        lines.append(f"| {r['learner']} | {r['d']} | {r['recovery']} | {r['verification']} | "
+                     f"{r['search']} | {100 * share:.1f}% | {r['own']} | {r['lengths'][0]}-"
+                     f"{r['lengths'][1]} (L {r['max_length']}) | {r['norms'][0]:.1e} .. "
+                     f"{r['norms'][1]:.1e} | {r['tolerance']:.0e} | {r['error']:.1e} | "
+                     f"{r['seconds']:.1f} |")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=20)
@@ -64,9 +121,20 @@ def main(argv=None):
                         help="learner=N;...: fewer seeds for slow learners at d < 32")
     parser.add_argument("--out", default="benchmarks/results/impostors.md")
     parser.add_argument("--json", default="")
+    parser.add_argument("--cost", action="store_true",
+                        help="measure verification's cost per learner instead (honest models)")
     parser.add_argument("--merge", nargs="+", default=None,
                         help="write --out from these --json files of earlier runs (no runs)")
     args = parser.parse_args(argv)
+    if args.cost:
+        rows = cost_rows(args.learners.split(","), args.dims)
+        command = "python benchmarks/bench_impostors.py --cost " + " ".join(
+            repr(a) if " " in a else a for a in (argv if argv is not None else sys.argv[1:])
+            if a != "--cost")
+        write_cost(rows, Path(args.out), command)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"rows": rows, "command": command}, indent=1))
+        return
     if args.merge:
         rows, elapsed, commands = [], 0.0, []
         for name in args.merge:

@@ -1,12 +1,24 @@
-"""Run the multi-head tests under every OpenBLAS kernel this CPU supports.
+"""Run the numerical tests under every OpenBLAS kernel and every numpy SIMD level of this CPU.
 
-numpy's OpenBLAS is built with DYNAMIC_ARCH: OPENBLAS_CORETYPE picks the kernels
-(Haswell, Zen, Sandybridge, and SkylakeX on AVX-512 CPUs), which round differently.
-Each kernel runs pytest in its own subprocess with the variable set for that process
-only (never for the tests or .ci/run); the report gives pass/fail per kernel.
+Two things round differently from one x86-64 CPU to another:
 
-Run:  python benchmarks/check_kernels.py [--tests tests/test_multi_head.py] [--slow]
-                                         [--json FILE] [-- extra pytest args]
+- OpenBLAS (numpy's is built with DYNAMIC_ARCH): OPENBLAS_CORETYPE picks the kernels
+  (Haswell, Zen, Sandybridge, and SkylakeX on AVX-512 CPUs);
+- numpy's own loops (sums, exp, tanh, ...): each is compiled for several SIMD levels and
+  the best one the CPU has is dispatched at import. NPY_DISABLE_CPU_FEATURES turns levels
+  off, so a test run sees the results of an older CPU. Only dispatchable features can be
+  turned off (turning off a baseline one is an error at import), and a level is only off
+  with every level above it, so the levels are tried cumulatively from the top: with
+  dispatchable features F_1 < ... < F_n, "up to F_k" disables F_{k+1} .. F_n and
+  "baseline" disables them all. The features come from the numpy build in use
+  (``numpy.show_runtime()`` lists them).
+
+Each configuration runs pytest in its own subprocess with the variables set for that
+process only; the subprocess also reports what took effect (OpenBLAS's core type, numpy's
+enabled dispatch features). The report gives pass/fail per configuration.
+
+Run:  python benchmarks/check_kernels.py [--tests tests/test_multi_head.py ...] [--slow]
+          [--no-openblas] [--no-simd] [--json FILE] [--md FILE] [-- extra pytest args]
 """
 
 from __future__ import annotations
@@ -17,6 +29,24 @@ import os
 import subprocess
 import sys
 import time
+
+DEFAULT_TESTS = ["tests/test_multi_head.py", "tests/test_multi_head_low_rank.py",
+                 "tests/test_low_precision.py"]
+
+PROBE = """
+import json, numpy, threadpoolctl
+try:
+    from numpy._core._multiarray_umath import (__cpu_baseline__, __cpu_dispatch__,
+                                               __cpu_features__)
+except ImportError:                                   # numpy 1.x
+    from numpy.core._multiarray_umath import (__cpu_baseline__, __cpu_dispatch__,
+                                              __cpu_features__)
+blas = next((i.get("architecture") for i in threadpoolctl.threadpool_info()
+             if i.get("internal_api") == "openblas"), "unknown")
+print(json.dumps({"baseline": list(__cpu_baseline__), "dispatch": list(__cpu_dispatch__),
+                  "enabled": [f for f in __cpu_dispatch__ if __cpu_features__.get(f)],
+                  "openblas": blas, "numpy": numpy.__version__}))
+"""
 
 
 def cpu_has_avx512() -> bool:
@@ -32,43 +62,101 @@ def kernels() -> list[str]:
     return out + ["SkylakeX"] if cpu_has_avx512() else out
 
 
-def active_kernel(env: dict) -> str:
-    """The core type OpenBLAS reports in a subprocess with ``env``."""
-    code = ("import numpy, threadpoolctl; info = threadpoolctl.threadpool_info(); "
-            "print(next((i.get('architecture') for i in info if i.get('internal_api') == "
-            "'openblas'), 'unknown'))")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    return proc.stdout.strip() or proc.stderr.strip()[-200:]
+def probe(env: dict) -> dict:
+    """What numpy and OpenBLAS use in a subprocess with ``env`` (or {"error": ...})."""
+    proc = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True,
+                          text=True)
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return {"error": (proc.stderr.strip() or "no output")[-300:]}
+
+
+def simd_levels(base_env: dict) -> list[tuple[str, str]]:
+    """(name, NPY_DISABLE_CPU_FEATURES) for every SIMD level below the CPU's best:
+    cumulative from the top, as described in the module docstring."""
+    found = probe(base_env)
+    if "error" in found:
+        return []
+    enabled = found["enabled"]           # dispatchable features this CPU has, ascending
+    levels = []
+    for k in range(len(enabled) - 1, -1, -1):
+        name = f"up to {enabled[k - 1]}" if k else f"baseline {'+'.join(found['baseline'])}"
+        levels.append((name, " ".join(enabled[k:])))
+    return levels
+
+
+def run(name: str, env: dict, command: list[str]) -> dict:
+    start = time.perf_counter()
+    proc = subprocess.run(command, env=env, capture_output=True, text=True)
+    summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+    seen = probe(env)
+    row = {"configuration": name, "OPENBLAS_CORETYPE": env.get("OPENBLAS_CORETYPE", "(preset)"),
+           "NPY_DISABLE_CPU_FEATURES": env.get("NPY_DISABLE_CPU_FEATURES", ""),
+           "openblas reports": seen.get("openblas", seen.get("error")),
+           "numpy SIMD enabled": " ".join(seen.get("enabled", [])) or "(baseline only)",
+           "passed": proc.returncode == 0, "summary": summary,
+           "failures": [line for line in proc.stdout.splitlines()
+                        if line.startswith(("FAILED", "ERROR"))],
+           "seconds": round(time.perf_counter() - start, 1)}
+    print(f"{name:<28} blas {row['openblas reports']:<12} simd [{row['numpy SIMD enabled']}]: "
+          f"{'PASS' if row['passed'] else 'FAIL'}  {summary}", flush=True)
+    for line in row["failures"]:
+        print("    " + line, flush=True)
+    return row
+
+
+def markdown(rows: list[dict], tests: list[str], numpy_version: str) -> str:
+    lines = [f"# Numerical tests under every OpenBLAS kernel and numpy SIMD level", "",
+             f"Tests: {', '.join(tests)} (numpy {numpy_version}); command: "
+             f"`python benchmarks/check_kernels.py` (each configuration in its own "
+             f"subprocess). Seconds are wall-clock on a shared machine.", "",
+             "| configuration | OPENBLAS_CORETYPE | NPY_DISABLE_CPU_FEATURES | OpenBLAS reports "
+             "| numpy SIMD enabled | result | summary | s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['configuration']} | {r['OPENBLAS_CORETYPE']} | "
+                     f"{r['NPY_DISABLE_CPU_FEATURES'] or '-'} | {r['openblas reports']} | "
+                     f"{r['numpy SIMD enabled']} | {'PASS' if r['passed'] else 'FAIL'} | "
+                     f"{r['summary']} | {r['seconds']} |")
+    failures = [(r["configuration"], f) for r in rows for f in r["failures"]]
+    if failures:
+        lines += ["", "Failures:", ""] + [f"- {c}: `{f}`" for c, f in failures]
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tests", default="tests/test_multi_head.py")
+    parser.add_argument("--tests", nargs="+", default=DEFAULT_TESTS)
     parser.add_argument("--slow", action="store_true", help="include tests marked slow")
+    parser.add_argument("--no-openblas", action="store_true", help="skip the OpenBLAS kernels")
+    parser.add_argument("--no-simd", action="store_true", help="skip the numpy SIMD levels")
     parser.add_argument("--json")
+    parser.add_argument("--md")
     parser.add_argument("pytest_args", nargs="*")
     args = parser.parse_args()
-    results = []
-    for kernel in kernels():
-        env = {**os.environ, "OPENBLAS_CORETYPE": kernel, "OPENBLAS_NUM_THREADS": "1",
-               "OMP_NUM_THREADS": "1"}
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", args.tests,
-                   *([] if args.slow else ["-m", "not slow"]), *args.pytest_args]
-        start = time.perf_counter()
-        proc = subprocess.run(command, env=env, capture_output=True, text=True)
-        summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
-        results.append({"kernel": kernel, "openblas reports": active_kernel(env),
-                        "passed": proc.returncode == 0, "summary": summary,
-                        "seconds": round(time.perf_counter() - start, 1)})
-        print(f"{kernel:<12} ({results[-1]['openblas reports']}): "
-              f"{'PASS' if proc.returncode == 0 else 'FAIL'}  {summary}", flush=True)
-        if proc.returncode != 0:
-            print("\n".join(line for line in proc.stdout.splitlines()
-                            if line.startswith(("FAILED", "ERROR"))))
+    base = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    base.pop("NPY_DISABLE_CPU_FEATURES", None)
+    base.pop("OPENBLAS_CORETYPE", None)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args.tests,
+               *([] if args.slow else ["-m", "not slow"]), *args.pytest_args]
+    rows = []
+    if not args.no_openblas:
+        for kernel in kernels():
+            rows.append(run(f"OpenBLAS {kernel}", {**base, "OPENBLAS_CORETYPE": kernel},
+                            command))
+    if not args.no_simd:
+        for name, disabled in simd_levels(base):
+            rows.append(run(f"numpy SIMD {name}", {**base, "NPY_DISABLE_CPU_FEATURES": disabled},
+                            command))
+    numpy_version = probe(base).get("numpy", "?")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=1)
-    sys.exit(0 if all(r["passed"] for r in results) else 1)
+            json.dump({"tests": args.tests, "numpy": numpy_version, "rows": rows}, fh, indent=1)
+    if args.md:
+        with open(args.md, "w") as fh:
+            fh.write(markdown(rows, args.tests, numpy_version))
+    sys.exit(0 if rows and all(r["passed"] for r in rows) else 1)
 
 
 if __name__ == "__main__":

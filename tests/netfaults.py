@@ -124,3 +124,116 @@ class LossyProxy:
         self.closed.set()
         self.listener.close()
         self.threads[0].join(5)
+
+
+# -- hostile clients ---------------------------------------------------------------------
+
+def request_bytes(body: bytes, content_type: str = "application/json", length=None,
+                  extra: str = "") -> bytes:
+    """A whole POST /query request (head and body) as raw bytes."""
+    length = len(body) if length is None else length
+    return (f"POST /query HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {length}\r\n{extra}\r\n").encode() + body
+
+
+class Dribbler(threading.Thread):
+    """A connection that announces a big body (64 MiB of JSON by default) and then sends one
+    byte every ``every`` seconds until the server answers or hangs up.
+
+    ``answer`` is the first line the server sent (b"" for a hang-up without a word),
+    ``seconds`` how long the connection lasted, ``sent`` the body bytes sent."""
+
+    def __init__(self, address, *, length=64 << 20, every=1.5, limit=120.0):
+        super().__init__(daemon=True)
+        self.address, self.length, self.every, self.limit = address, length, every, limit
+        self.answer, self.seconds, self.sent = None, None, 0
+        self.connected = threading.Event()
+
+    def run(self):
+        start = time.monotonic()
+        with socket.create_connection(self.address, timeout=30) as sock:
+            sock.sendall(request_bytes(b'{"sequences": [', length=self.length))
+            self.sent = 15
+            self.connected.set()
+            sock.settimeout(self.every)
+            while time.monotonic() - start < self.limit:
+                try:
+                    data = sock.recv(4096)
+                    self.answer = data.split(b"\r\n")[0]
+                    break
+                except socket.timeout:
+                    pass
+                except OSError:
+                    self.answer = b""
+                    break
+                try:
+                    sock.sendall(b"[")
+                    self.sent += 1
+                except OSError:
+                    pass
+        self.seconds = time.monotonic() - start
+
+
+def send_at_once(address, request: bytes, count: int, timeout=300.0) -> list[bytes]:
+    """``count`` connections, all opened first, then each sends ``request`` at once; the
+    status line each got back (b"" for none)."""
+    barrier = threading.Barrier(count)
+    answers = [b""] * count
+
+    def one(i):
+        try:
+            with socket.create_connection(address, timeout=timeout) as sock:
+                barrier.wait(timeout)
+                sock.sendall(request)
+                answers[i] = sock.recv(4096).split(b"\r\n")[0]
+        except (OSError, threading.BrokenBarrierError):
+            pass
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 30)
+    return answers
+
+
+def just_under(limit: int, kind: str, d: int) -> bytes:
+    """A legal body of ``kind`` (npy or json) of just under ``limit`` bytes (sequences of 2
+    tokens of width d)."""
+    import io
+    import json
+    import numpy as np
+    rng = np.random.default_rng(0)
+    if kind == "npy":
+        X = rng.standard_normal(((limit - 200) // (16 * d), 2, d))
+        stream = io.BytesIO()
+        np.lib.format.write_array(stream, X, allow_pickle=False)
+        return stream.getvalue()
+    X = rng.standard_normal((limit // (2 * d * 20), 2, d))
+    body = json.dumps({"sequences": X.tolist()}).encode()
+    while len(body) >= limit:
+        X = X[:-1]
+        body = json.dumps({"sequences": X.tolist()}).encode()
+    return body
+
+
+def fill_answer_cache(url: str, d: int, cache_mb: float) -> int:
+    """Keyed requests of 100 000 sequences (800 kB answers) until ``cache_mb`` MiB of answers
+    are kept, and 4 more (the cache is full and evicting); returns the requests made."""
+    import numpy as np
+    from attnextract.adapters.remote import HttpBlackBox
+    box = HttpBlackBox(url, max_floats=1 << 20, max_sequences=100_000, concurrency=1)
+    X = np.random.default_rng(1).standard_normal((100_000, 1, d))
+    requests = int(cache_mb * 2**20 / 800_000) + 4
+    for _ in range(requests):
+        box(X)
+    return requests
+
+
+def rss_mb(pid: int, field: str = "VmHWM") -> float:
+    """A process's resident memory from /proc (VmHWM: its peak; VmRSS: now), in MiB."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise ValueError(f"no {field} for process {pid}")

@@ -49,6 +49,9 @@ def test_bench_quick_writes_json_table_and_plots(tmp_path):
     assert grid and all(r["success_rate"] == 1.0 and r["wrong_models"] == 0
                         and r["recovery_median"] <= r["paper2"] for r in grid)
     assert (out / "multi_head_grid.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    biased = [r for r in summary["rows"] if r["learner"] == "single-head (biases)"]
+    assert biased and all(r["recovery_queries"] == r["floor"] == r["d"] ** 2 + 2 * r["d"] + 1
+                          and r["W_error"] < 1e-9 for r in biased)
     one_layer = [r for r in summary["rows"] if r["learner"] == "one-layer"]
     assert one_layer and max(r["W_error"] for r in one_layer) < 1e-9
     table = (out / "bench.md").read_text()
@@ -91,3 +94,71 @@ def test_surrogate_counts_queries_and_fits_with_many_queries():
     assert result.queries == oracle.queries == 400 + 64
     assert result.report.kind == "surrogate"
     assert result.report.verification.max_relative_error < 1e-2
+
+
+def _rows_with_many_series():
+    """Bench rows like --quick's, with seven variants of one learner (one colour before)."""
+    rows = []
+    for learner, ds in [("single-head", [4, 8, 16]), ("low-rank rop", [16, 32]),
+                        ("multi-head (H = 2)", [4, 8])]:
+        for d in ds:
+            rows.append({"learner": learner, "d": d, "recovery_queries": d * d + d,
+                         "floor": d * d + d, "paper_count": d * d + d + 1, "W_error": 1e-14,
+                         "output_error": 1e-13, "wall_s": 0.01, "black_box_s": 0.001,
+                         "learner_s": 0.009})
+    for i in range(7):
+        rows.append({"learner": f"transformer-layer (variant {i})", "d": 8,
+                     "recovery_queries": 1000 + 100 * i, "floor": 300, "paper_count": None,
+                     "W_error": 1e-12, "output_error": 1e-11, "wall_s": 0.1,
+                     "black_box_s": 0.01, "learner_s": 0.09})
+    for learner in ("noisy (robust)", "noisy (paper)"):
+        for tau in (1e-8, 1e-6):
+            rows.append({"learner": learner, "d": 16, "tau": tau, "queries": 336,
+                         "W_abs_error": tau, "error_bar_W": 2 * tau})
+    for H in (1, 2, 4):
+        rows.append({"grid": True, "H": H, "d": 8, "scale": 1.0, "rank": None,
+                     "float32": False, "success_rate": 1.0, "error_median": 1e-12})
+    return rows
+
+
+def test_plots_are_readable_one_colour_per_series_legends_that_fit_integer_heads(
+        tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from attnextract import bench, multi_head_grid
+    seen = {}
+    original = bench._save
+
+    def inspect(fig, out, name, written):
+        fig.canvas.draw()
+        figure = fig.bbox
+        for ax in fig.axes:
+            legend = ax.get_legend()
+            if legend is not None:        # the legend fits in the figure's height
+                box = legend.get_window_extent()
+                assert box.height <= figure.height + 1, (name, box.height, figure.height)
+                assert box.y0 >= -1, (name, box.y0)
+            colours = [line.get_color() for line in ax.get_lines()
+                       if line.get_label() and not line.get_label().startswith("_")]
+            seen[name] = colours
+        original(fig, out, name, written)
+
+    monkeypatch.setattr(bench, "_save", inspect)
+    grid_figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: grid_figures.append(fig))
+    written = bench.plots(_rows_with_many_series(), tmp_path)
+    # every series has its own colour (the seven transformer-layer variants included)
+    assert len(seen["queries_vs_d"]) == len(set(seen["queries_vs_d"])) >= 11
+    # SVG and PDF beside every PNG
+    for name in [w for w in written if w.endswith(".png")]:
+        stem = tmp_path / name[:-4]
+        assert b"<svg" in stem.with_suffix(".svg").read_bytes()[:2000]
+        assert stem.with_suffix(".pdf").read_bytes()[:5] == b"%PDF-"
+    # the multi-head grid's heads axis has whole-number ticks only
+    grid = next(f for f in grid_figures if f is not None and len(f.axes) == 2)
+    for ax in grid.axes:
+        assert [t for t in ax.get_xticks()] == [1, 2, 4]
+    for fig in grid_figures:
+        close(fig)

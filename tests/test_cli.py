@@ -7,6 +7,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from attnextract.adapters.journal import CHALLENGES
 from attnextract.adapters.targets import random_single_head
 
 from conftest import rel_err, run_cli
@@ -61,7 +62,11 @@ def test_extract_writes_result_and_json(tmp_path, target_file, name):
                "--out", str(out), "--json", check=0)
     report = json.loads(proc.stdout)
     assert report["ok"] and report["kind"] == "single-head"
-    assert report["queries"] == 6 * 6 + 6 + 64
+    # every query the box answered: the learner's and the journal's challenges (asked of
+    # the box, so counted and within --budget)
+    assert report["breakdown"]["journal_fingerprint"] == report["details"]["check_queries"]
+    assert report["details"]["check_queries"] == CHALLENGES
+    assert report["queries"] == 6 * 6 + 6 + 64 + CHALLENGES
     assert report["verification_error"] < 1e-9
     assert report["seconds"] >= report["black_box_seconds"] >= 0
     truth = random_single_head(6, seed=11)

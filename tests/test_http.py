@@ -12,6 +12,7 @@ import pytest
 
 from attnextract import (BlackBoxError, BudgetExceededError, InputError, MalformedOutputError,
                          Oracle, extract_single_head)
+from attnextract.adapters.journal import CHALLENGES
 from attnextract.adapters.remote import HttpBlackBox
 from attnextract.adapters.server import make_server
 from attnextract.adapters.targets import random_single_head
@@ -68,7 +69,8 @@ def test_query_answers_exactly_what_the_model_computes(serve):
     status, health = raw(server, "GET", "/health")
     assert status == 200 and health == {"ok": True, "kind": "single-head", "dim": D,
                                         "served": 7, "charged": 7, "replayed": 0,
-                                        "budget": None, "remaining": None}
+                                        "budget": None, "remaining": None, "binary": True,
+                                        "state": False}
 
 
 BAD_REQUESTS = [
@@ -157,7 +159,8 @@ def test_a_failing_model_is_a_500_and_the_server_keeps_serving(serve):
     flaky.dim, flaky.kind = D, "custom"
     server = serve(flaky)
     status, answer = post(server, {"sequences": [[[0.0] * D]]})
-    assert status == 500 and "out of memory" in answer["error"]
+    assert status == 500 and "the model failed" in answer["error"]
+    assert "out of memory" not in answer["error"]       # the model's text stays in the log
     assert server.state.served == 0                     # a failed batch is not charged
     assert post(server, {"sequences": [[[0.0] * D]]}) == (
         200, {"outputs": [0.0], "remaining": None, "charged": 1, "replayed": False})
@@ -296,12 +299,16 @@ def test_serve_and_extract_on_the_command_line(tmp_path):
                        "--journal", str(tmp_path / "j.sqlite"), "--json")
         assert done.returncode == 0, done.stderr
         report = json.loads(done.stdout)
-        assert report["queries"] == 4 * 4 + 4 + 64 == report["details"]["black_box_queries"]
+        served = HttpBlackBox(url).health()["served"]      # learner + the journal's challenges
+        assert (report["queries"] == report["details"]["http"]["queries_charged_by_server"]
+                == served == report["details"]["black_box_queries"] + CHALLENGES)
+        assert report["details"]["black_box_queries"] == 4 * 4 + 4 + 64
+        assert report["details"]["check_queries"] == CHALLENGES
         with np.load(tmp_path / "r.npz") as r:
             assert rel_err(r["W"], secret.W) < 1e-10
         verify = run_cli("verify", "--target", url, "--result", str(tmp_path / "r.npz"))
         assert verify.returncode == 0 and "MATCH" in verify.stdout
-        # the server's budget (200) is now spent: 84 + 64 served, 52 left
+        # the server's budget (200) is now spent: served + 64, too little for another run
         again = run_cli("extract", "--target", url, "--dim", "4", "--out", str(tmp_path / "s.npz"))
         assert again.returncode == 1 and "BudgetExceededError" in again.stderr
         wrong = run_cli("extract", "--target", url, "--dim", "3", "--out", str(tmp_path / "t.npz"))

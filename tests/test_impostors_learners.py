@@ -163,7 +163,10 @@ def test_replay_refuses_a_box_that_switched_to_another_member_of_the_class():
     oracle = Oracle(box, D)
     oracle.query(np.random.default_rng(0).standard_normal((20, 3, D)))     # A's answers, kept
     check = verify_model(oracle, b, count=64, seed=0)
-    assert not check.passed and check.worst_family == "replay"
+    # the re-asked queries show the switch (and the kept longest probes, answered by A,
+    # disagree with the model of B too)
+    assert not check.passed and check.worst_family in ("replay", "own")
+    assert check.family_errors["replay"] > check.tolerance
     assert len(oracle.replay) == 16
     fresh = Oracle(b, D)
     fresh.query(np.random.default_rng(0).standard_normal((20, 3, D)))
@@ -212,7 +215,8 @@ def test_a_model_far_outside_its_own_error_bar_is_refused():
                                       recovery("multi-head-low-rank"))
     assert outcome == "accepted"
     v = result.report.verification
-    assert v.tolerance <= 1e-9 and v.max_relative_error <= 0.01 * v.tolerance
+    # the honest model sits well inside the tightened bar (the impostor's 1e-8 is 10x above it)
+    assert v.tolerance <= 1e-9 and v.max_relative_error <= 0.1 * v.tolerance
 
 
 @pytest.mark.slow

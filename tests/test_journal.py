@@ -114,14 +114,27 @@ def test_refused_answers_are_not_recorded(tmp_path):
 
 
 def test_context_mismatch_and_corrupt_file(tmp_path):
-    QueryJournal(tmp_path / "j.sqlite", context={"target": "a.py:f", "dim": 3}).close()
-    with pytest.raises(InputError, match="dim = 3"):
+    with QueryJournal(tmp_path / "j.sqlite", context={"target": "a.py:f", "dim": 3}) as journal:
+        Oracle(lambda X: X.sum(axis=(1, 2)), 3, journal=journal).query(np.ones((2, 1, 3)))
+        assert len(journal) == 2
+    with pytest.raises(InputError, match="dim = 3"):      # answers recorded: refused
         QueryJournal(tmp_path / "j.sqlite", context={"target": "a.py:f", "dim": 4})
     with QueryJournal(tmp_path / "j.sqlite", context={"dim": 3, "seed": 5}) as journal:
         assert journal.context == {"target": "a.py:f", "dim": 3, "seed": 5}
     (tmp_path / "bad.sqlite").write_bytes(b"this is not a database" * 100)
     with pytest.raises(JournalError, match="query journal"):
         QueryJournal(tmp_path / "bad.sqlite")
+
+
+def test_a_journal_without_answers_takes_the_corrected_context(tmp_path):
+    """A first run that failed before any answer (a wrong --dim) leaves nothing to resume:
+    the corrected rerun's context replaces it instead of being refused."""
+    QueryJournal(tmp_path / "j.sqlite", context={"target": "a.py:f", "dim": 3}).close()
+    with QueryJournal(tmp_path / "j.sqlite", context={"target": "a.py:f", "dim": 4}) as journal:
+        assert journal.context == {"target": "a.py:f", "dim": 4}
+        Oracle(lambda X: X.sum(axis=(1, 2)), 4, journal=journal).query(np.ones((2, 1, 4)))
+    with QueryJournal(tmp_path / "j.sqlite", context={"dim": 4}) as journal:
+        assert len(journal) == 2 and journal.context["dim"] == 4
 
 
 SLOW_TARGET = textwrap.dedent("""
@@ -173,7 +186,7 @@ def test_sigkill_then_resume_loses_and_repeats_nothing(tmp_path):
             try:
                 if len(_journal_digests(journal)) >= 30:
                     break
-            except sqlite3.OperationalError:     # the schema is being created
+            except JournalError:                 # the schema is being created
                 pass
         time.sleep(0.005)
     first.send_signal(signal.SIGKILL)
@@ -199,7 +212,7 @@ def test_sigkill_then_resume_loses_and_repeats_nothing(tmp_path):
     assert len(set(asked2)) >= len(asked2) - replays
     # at most the batch in flight at the kill was answered but not yet committed
     assert len(asked1) - len(answered_before_kill) <= 3
-    assert report["queries"] == total
+    assert report["queries"] == total + checks          # the fingerprint checks counted too
     assert report["details"]["journal_queries"] == len(answered_before_kill)
     assert report["details"]["black_box_queries"] == total - len(answered_before_kill)
 
@@ -210,7 +223,9 @@ def test_sigkill_then_resume_loses_and_repeats_nothing(tmp_path):
     with np.load(tmp_path / "resumed.npz") as a, np.load(tmp_path / "reference.npz") as b:
         np.testing.assert_array_equal(a["W"], b["W"])
         np.testing.assert_array_equal(a["v"], b["v"])
-        assert int(a["queries"]) == int(b["queries"]) == total
+        # each run counts the fingerprint checks its own journal asked, on top of total
+        b_checks = json.loads(str(b["report"]))["details"].get("check_queries", 0)
+        assert int(a["queries"]) - checks == int(b["queries"]) - b_checks == total
         assert json.loads(str(a["report"]))["details"]["journal_queries"] == len(answered_before_kill)
 
 

@@ -127,7 +127,7 @@ def test_budget_refusal_mid_batch_keeps_the_answers_received(network, concurrenc
 
 def test_idempotency_key_semantics(network):
     model = random_single_head(D, seed=4)
-    server, _ = network(model, cache_entries=2)
+    server, _ = network(model, cache_bytes=32)    # two answers of 2 sequences
     box = HttpBlackBox(server.url)
     X = np.random.default_rng(1).standard_normal((3, 2, D))
     for transport, key in (("npy", "k1"), ("json", "k1"), ("json", "k1")):
@@ -142,7 +142,7 @@ def test_idempotency_key_semantics(network):
             box._request("POST", "/query", body, {**headers, "Idempotency-Key": "k1"})
         except Exception as exc:
             raise Exception(f"{getattr(exc, 'status', '')} {exc}") from None
-    for key in ("k2", "k3"):                          # the cache keeps 2 keys: k1 is evicted
+    for key in ("k2", "k3"):                          # 16 + 16 bytes: k1 (24) is evicted
         box._request("POST", "/query", body, {**headers, "Idempotency-Key": key})
     box._request("POST", "/query", body, {**headers, "Idempotency-Key": "k1"})
     assert server.state.served == 3 + 2 + 2 + 2

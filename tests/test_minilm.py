@@ -187,3 +187,70 @@ def test_layer_options_need_all_heads():
     both = run_cli("minilm", "--layer", "0", "--all-heads", "--subspace", "8", "--target",
                    "http://127.0.0.1:1", timeout=120)
     assert both.returncode == 2 and "drop --subspace" in both.stderr
+
+
+def bert_attention_output(weights, layer, r, X):
+    """BERT self-attention of ``layer`` at the last token, every bias kept (query, key,
+    value, output), read out by r: the deployed layer's attention block (before the
+    residual and the LayerNorm)."""
+    p = f"encoder.layer.{layer}.attention."
+    get = lambda n: weights[p + n].astype(np.float64)      # noqa: E731
+    Q = X[:, -1] @ get("self.query.weight").T + get("self.query.bias")     # (B, 384)
+    K = X @ get("self.key.weight").T + get("self.key.bias")                # (B, N, 384)
+    V = X @ get("self.value.weight").T + get("self.value.bias")
+    context = []
+    for h in range(12):
+        rows = slice(h * HEAD_DIM, (h + 1) * HEAD_DIM)
+        a = softmax(np.einsum("bnk,bk->bn", K[..., rows], Q[:, rows]) / math.sqrt(HEAD_DIM))
+        context.append(np.einsum("bn,bnk->bk", a, V[..., rows]))
+    out = np.concatenate(context, axis=1) @ get("output.dense.weight").T + get("output.dense.bias")
+    return out @ r
+
+
+@pytest.mark.parametrize("layer", [0, 2, 5])
+def test_biased_layer_target_is_the_layers_forward_pass(all_weights, layer):
+    """Issue 26: the biased multi-head target equals the layer's own attention (all biases)."""
+    from attnextract.adapters.minilm import minilm_layer_target
+    from attnextract.models import BiasedMultiHeadAttention
+    box = minilm_layer_target(layer, readout_seed=layer, biases=True)
+    assert isinstance(box, BiasedMultiHeadAttention)
+    X = np.random.default_rng(layer).standard_normal((6, 7, WIDTH))
+    expected = bert_attention_output(all_weights, layer, readout_vector(layer), X)
+    assert np.max(np.abs(box(X) - expected)) < 1e-12 * np.max(np.abs(expected))
+    # the key bias matters to no output, the others do
+    unbiased = minilm_layer_target(layer, readout_seed=layer)
+    assert np.max(np.abs(box(X) - unbiased(X))) > 1e-3 * np.max(np.abs(expected))
+
+
+def test_biased_layer_needs_the_full_width():
+    from attnextract.adapters.minilm import minilm_layer_target
+    with pytest.raises(InputError, match="full width"):
+        minilm_layer_target(0, subspace=8, biases=True)
+
+
+def test_biased_layer_is_saved_for_serve(tmp_path):
+    from attnextract.adapters.minilm import minilm_layer_target, save_layer_target
+    from attnextract.report import load_model
+    path = tmp_path / "layer.npz"
+    save_layer_target(path, 3, readout_seed=1, biases=True)
+    served, truth = load_model(path), minilm_layer_target(3, readout_seed=1, biases=True)
+    assert served.kind == "biased-multi-head"
+    np.testing.assert_array_equal(served.b, truth.b)
+    assert served.c == truth.c
+
+
+@pytest.mark.slow
+def test_a_whole_biased_layer_on_the_command_line(tmp_path):
+    """Issue 26: the real layer with every bias, each head (W_h, v_h, b_h) and c within
+    1e-8, within 1.1x the floor sum_h (d + r(2d - r) + r) + 1 = 287,617."""
+    proc = run_cli("minilm", "--layer", "3", "--all-heads", "--json", "--no-progress",
+                   "--out", str(tmp_path / "layer.npz"), timeout=1800)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    d = report["details"]
+    assert "biases" in d["target"] and d["heads_found"] == 12
+    assert max(d["per_head_error"]) <= 1e-8 and max(d["per_head_bias_error"]) <= 1e-8
+    assert d["c_error"] <= 1e-8
+    assert d["biased_floor"] == 12 * (WIDTH + 32 * (2 * WIDTH - 32) + 32) + 1 == 287617
+    assert report["breakdown"]["recovery"] <= 1.1 * d["biased_floor"]
+    assert report["verification"]["passed"] and report["kind"] == "biased-multi-head"

@@ -237,10 +237,10 @@ def test_serve_options_on_the_command_line(tmp_path):
         assert "serving single-head d = 3 on http://127.0.0.1:" in banner, server.stderr.read()
         url = banner.split(" on ")[1].split()[0]
         done = run_cli("extract", "--target", url, "--dim", 3, "--out", tmp_path / "r.npz",
-                       "--http-transport", "json", "--no-journal")   # no challenge queries
+                       "--http-transport", "json", "--no-journal", "--json")   # no challenges
         assert done.returncode == 0, done.stderr
-        assert "'transport': 'json'" in done.stdout and "'queries_charged_by_server': 76" \
-            in done.stdout
+        http = json.loads(done.stdout)["details"]["http"]
+        assert http["transport"] == "json" and http["queries_charged_by_server"] == 76
     finally:
         server.kill()
         server.communicate(timeout=10)

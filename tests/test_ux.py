@@ -276,16 +276,24 @@ def test_out_names_the_file_actually_written(tmp_path, target_file, capsys):
                  "--out", str(tmp_path / "r.txt")]) == 0
     out = capsys.readouterr().out
     assert (tmp_path / "r.txt.npz").exists() and not (tmp_path / "r.txt").exists()
-    assert f"wrote        {tmp_path / 'r.txt.npz'}" in out
+    assert re.search(rf"^wrote +{re.escape(str(tmp_path / 'r.txt.npz'))}$", out, re.M)
+    # in the report's columns: its value starts where the model's does
+    model_line = next(line for line in out.splitlines() if line.startswith("model "))
+    wrote_line = next(line for line in out.splitlines() if line.startswith("wrote "))
+    assert len(model_line) - len(model_line[5:].lstrip()) == wrote_line.index(str(tmp_path))
 
 
 def test_a_wrong_dim_on_a_python_target_names_dim_and_the_expected_width(tmp_path, target_file,
                                                                          capsys):
     assert main(["extract", "--target", f"{target_file}:by_hand", "--dim", "5",
                  "--out", str(tmp_path / "r.npz")]) == 3
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "check --dim against the target" in last and "expects width 4" in last
-    assert "ValueError" in last
+    err = capsys.readouterr().err.strip().splitlines()
+    last = err[-1]
+    assert "--dim 5 does not match the target" in last and "expects tokens of width 4" in last
+    assert "give --dim 4" in last and "--no-journal" not in last
+    # the hint first, numpy's broadcasting text last and cut short, all on one line
+    assert last.index("give --dim 4") < last.index("ValueError") and len(last) < 400
+    assert not any("broadcast" in line for line in err[:-1])
 
 
 def test_a_rounding_mismatch_names_the_tolerance_options_and_they_work(tmp_path, target_file,
@@ -336,3 +344,145 @@ def test_a_closed_pipe_ends_quietly():
     proc.stdout.close()                   # like `| head` that has read enough
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err
+
+
+# -- the newcomer's CLI (issue: help, defaults, model table) ---------------------------
+
+def test_bare_attnextract_prints_the_help(capsys):
+    from attnextract.cli import main as cli_main
+    assert cli_main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: attnextract") and "extract" in out and "demo" in out
+
+
+def test_every_option_of_every_subcommand_shows_a_default():
+    import argparse
+    from attnextract.cli import build_parser
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, command in sub.choices.items():
+        formatter = command._get_formatter()
+        for action in command._actions:
+            if (not action.option_strings or action.required or action.help == argparse.SUPPRESS
+                    or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+                continue
+            text = formatter._get_help_string(action) or ""
+            assert "default" in text, (name, action.option_strings, text)
+
+
+def test_model_choices_are_a_short_table_not_a_paragraph(capsys):
+    from attnextract.cli import main as cli_main
+    from attnextract.registry import learner_names
+    with pytest.raises(SystemExit):
+        cli_main(["extract", "--help"])
+    out = capsys.readouterr().out
+    table = out.split("models (--model):\n", 1)[1].splitlines()
+    for name in learner_names():
+        assert any(line.startswith(f"  {name} ") for line in table), name
+    assert all(len(line) <= 80 for line in table)
+    model_help = out.split("\n  --model MODEL", 1)[1].split("\n  --", 1)[0]
+    assert len(model_help.splitlines()) <= 3          # was one 20-line paragraph
+
+
+@pytest.mark.parametrize("command", ["demo", "verify"])
+def test_demo_and_verify_help_do_not_mention_an_out_they_lack(command, capsys):
+    from attnextract.cli import main as cli_main
+    with pytest.raises(SystemExit):
+        cli_main([command, "--help"])
+    assert "--out" not in capsys.readouterr().out
+
+
+def test_a_wrong_dim_then_the_right_dim_succeeds_with_the_default_journal(tmp_path,
+                                                                         target_file, capsys):
+    """The failed first run leaves a journal with no answers: it never blocks the rerun."""
+    out = str(tmp_path / "r.npz")
+    assert main(["extract", "--target", f"{target_file}:by_hand", "--dim", "5",
+                 "--out", out, "--no-progress"]) == 3
+    assert (tmp_path / "r.journal.sqlite").exists()          # the default journal was made
+    assert main(["extract", "--target", f"{target_file}:by_hand", "--dim", "4",
+                 "--out", out, "--no-progress"]) == 0
+    assert rel_err(load_model(out).W, np.load(out)["W"]) == 0
+    capsys.readouterr()
+    # and the same with an explicit --seed that differs from the failed run's
+    out2 = str(tmp_path / "s.npz")
+    assert main(["extract", "--target", f"{target_file}:by_hand", "--dim", "5", "--seed", "1",
+                 "--out", out2, "--no-progress"]) == 3
+    assert main(["extract", "--target", f"{target_file}:by_hand", "--dim", "4", "--seed", "2",
+                 "--out", out2, "--no-progress"]) == 0
+
+
+def test_a_box_whose_first_batch_failed_is_fingerprinted_afresh_when_corrected(tmp_path, capsys):
+    """The challenges were answered (a fingerprint stored), then the learner's first batch
+    failed: no answer rests on that fingerprint, so a corrected box is not refused."""
+    path = tmp_path / "boxes.py"
+    path.write_text(textwrap.dedent("""
+        from attnextract.adapters.targets import random_single_head
+        old, new = random_single_head(4, seed=1), random_single_head(4, seed=2)
+
+        def buggy(X):                 # answers small batches (the challenges), fails on more
+            if len(X) > 2:
+                raise RuntimeError("batches are not supported")
+            return old(X)
+
+        fixed = new
+    """))
+    out = str(tmp_path / "r.npz")
+    assert main(["extract", "--target", f"{path}:buggy", "--dim", "4", "--out", out,
+                 "--no-progress"]) == 3
+    err = capsys.readouterr().err
+    assert "--no-journal" not in err
+    assert main(["extract", "--target", f"{path}:fixed", "--dim", "4", "--out", out,
+                 "--no-progress"]) == 0
+    # with answers in it, the journal of the fixed box refuses the old one as before
+    assert main(["extract", "--target", f"{path}:buggy", "--dim", "4", "--out", out,
+                 "--no-progress"]) == 4
+
+
+@pytest.mark.parametrize("content", ["python", "pickle", "object npz", "foreign npz"])
+def test_a_file_that_is_not_a_result_gets_a_one_line_error_and_is_never_unpickled(
+        tmp_path, target_file, capsys, content):
+    bad = tmp_path / "bad.npz"
+    if content == "python":
+        bad = target_file
+    elif content == "pickle":
+        import pickle
+        bad.write_bytes(pickle.dumps({"W": np.eye(4), "v": np.ones(4)}))
+    elif content == "object npz":
+        np.savez(bad, W=np.array([{"a": 1}], dtype=object), v=np.ones(4))
+    else:
+        np.savez(bad, weights=np.ones(3))
+    assert main(["verify", "--target", f"{target_file}:head", "--result", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("attnextract: TargetLoadError: ")
+    assert "pickle" not in err[0].replace("Python objects", "") and "allow_pickle" not in err[0]
+    assert "not a result file" in err[0] or "never does" in err[0]
+
+
+def test_the_human_report_has_no_raw_floats_keys_or_reprs():
+    from attnextract.adapters.targets import random_multi_head
+    from attnextract.report import human_label, human_value
+    results = [extract(Oracle(random_single_head(6, seed=6), 6), seed=0),
+               extract(Oracle(random_multi_head(2, 4, seed=3), 4), "multi-head", seed=0)]
+    for result in results:
+        report = result.report
+        report.details["http"] = {"transport": "npy", "requests": 3,
+                                  "queries_charged_by_server": 94}
+        report.details["recovery / floor"] = 1.9540441176470589
+        report.details["error_bar_W_columns"] = np.linspace(1e-12, 5.577069353069752e-10, 9)
+        text = report.render()
+        labels = [line[:line.index("  ")] if "  " in line else line
+                  for line in text.splitlines() if not line.startswith(" ")]
+        assert len(labels) == len(set(labels)), labels               # one label, one meaning
+        for label in labels:
+            assert "|" in label or not re.search(r"[a-z]_[a-zA-Z]", label), label  # no keys
+        for number in re.findall(r"\d+\.\d+", text):                   # no raw floats
+            assert len(number.replace(".", "").lstrip("0")) <= 3, (number, text)
+        assert "{" not in text and "}" not in text and "[" not in text.replace("[o", "")
+        assert "1.95" in text and "queries charged by server 94" in text
+        assert "largest 5.58e-10" in text
+        # every count stays an exact integer
+        assert f"{report.queries} in all" in text
+        # --json keeps full precision
+        assert report.to_dict()["details"]["recovery_floor"] == 1.9540441176470589
+    assert human_label("error_bar_W") == "error bar of W" and human_value(3) == "3"
+    assert human_value(0.1 + 0.2) == "0.3" and human_value(True) == "yes"

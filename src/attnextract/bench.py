@@ -268,6 +268,66 @@ def section_transformer_layer(quick: bool, log) -> list[dict]:
 SECTIONS["transformer-layer"] = section_transformer_layer
 
 
+def section_biases(quick: bool, log) -> list[dict]:
+    """Biased rows (query, value and output biases, as deployed layers have; --biases):
+    the single head at d^2 + 2d + 1, the low-rank head at d + r(2d - r) + r + 1 and
+    low-rank heads at sum_h (d + r_h (2d - r_h) + r_h) + 1. ``W_error`` is the largest of
+    the W, b and v errors (b measured against |W| where b is 0)."""
+    from .adapters.targets import random_low_rank_head, random_low_rank_multi_head, with_biases
+    from .learners.low_rank import low_rank_floor
+
+    def errors(target):
+        def run(model):
+            W = np.reshape(model.W, (-1,) + model.W.shape[-2:])
+            true_W = np.reshape(target.W, W.shape)
+            order = [int(np.argmin([np.linalg.norm(W[g] - t) for g in range(len(W))]))
+                     for t in true_W]
+            b, v = np.reshape(model.b, (len(W), -1)), np.reshape(model.v, (len(W), -1))
+            tb, tv = np.reshape(target.b, b.shape), np.reshape(target.v, v.shape)
+            parts = [(_rel(W[o], true_W[h]), _rel(v[o], tv[h]),
+                      float(np.linalg.norm(b[o] - tb[h]) / max(np.linalg.norm(tb[h]),
+                                                               np.linalg.norm(true_W[h]))))
+                     for h, o in enumerate(order)]
+            return {"W_error": max(max(p) for p in parts),
+                    "b_error": max(p[2] for p in parts),
+                    "c_error": abs(model.c - target.c) / max(abs(target.c), 1e-300)}
+        return run
+
+    rows = []
+    for d in ([8, 16, 32] if quick else [8, 16, 32, 64, 128, 256]):
+        target = with_biases(random_single_head(d, seed=d), d)
+        rows.append(measure("single-head (biases)", d, target,
+                            lambda oracle: extract(oracle, "single-head", biases=True, seed=d),
+                            floor=d * d + 2 * d + 1, paper_count=None, error=errors(target)))
+        log(f"single-head --biases d={d}: {rows[-1]['recovery_queries']} queries, "
+            f"error {rows[-1]['W_error']:.1e}")
+    for d in ([16, 32] if quick else [16, 32, 64, 128, 256]):
+        r = max(1, d // 8)
+        target = with_biases(random_low_rank_head(d, r, seed=d), d)
+        rows.append(measure("low-rank adaptive (biases)", d, target,
+                            lambda oracle: extract(oracle, "low-rank", biases=True, seed=d),
+                            floor=low_rank_floor(d, r) + r + 1, paper_count=None, rank=r,
+                            error=errors(target)))
+        log(f"low-rank --biases d={d} r={r}: {rows[-1]['recovery_queries']} queries "
+            f"(floor {rows[-1]['floor']}), error {rows[-1]['W_error']:.1e}")
+    for H, d in ([(2, 16), (4, 32)] if quick else [(2, 16), (4, 32), (4, 64), (8, 64)]):
+        r = max(1, d // (2 * H))
+        target = with_biases(random_low_rank_multi_head(H, d, r, seed=d), d)
+        rows.append(measure(f"multi-head low-rank (biases, H = {H})", d, target,
+                            lambda oracle: extract(oracle, "multi-head-low-rank", heads=H,
+                                                   rank=r, biases=True, seed=d),
+                            floor=H * (d + r * (2 * d - r) + r) + 1,
+                            paper_count=4 * H * d * d - 2 * H + 1, heads=H, rank=r,
+                            error=errors(target)))
+        log(f"multi-head-low-rank --biases H={H} d={d} r={r}: "
+            f"{rows[-1]['recovery_queries']} queries (floor {rows[-1]['floor']}), "
+            f"error {rows[-1]['W_error']:.1e}")
+    return rows
+
+
+SECTIONS["biases"] = section_biases
+
+
 def markdown(rows: list[dict]) -> str:
     """Markdown tables: one per learner (by d), then the surrogate comparison."""
     out = []
@@ -337,6 +397,12 @@ PALETTE = {"single-head": "#1f77b4", "low-rank adaptive": "#ff7f0e", "low-rank r
            "surrogate": "#7f7f7f", "transformer-layer": "#bcbd22",
            "multi-head low-rank": "#17becf", "floor": "#000000"}
 _SPARE = ["#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d"]
+# matplotlib's tab20 and tab20b: colours for series beyond the palette's
+_DISTINCT = ["#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#2ca02c", "#98df8a", "#d62728",
+             "#ff9896", "#9467bd", "#c5b0d5", "#8c564b", "#c49c94", "#e377c2", "#f7b6d2",
+             "#7f7f7f", "#c7c7c7", "#bcbd22", "#dbdb8d", "#17becf", "#9edae5", "#393b79",
+             "#637939", "#8c6d31", "#843c39", "#7b4173", "#5254a3", "#8ca252", "#bd9e39",
+             "#ad494a", "#a55194"]
 
 
 def colour(learner: str) -> str:
@@ -359,18 +425,41 @@ def _log_axes(ax, x_base: int = 10) -> None:
     ax.yaxis.set_minor_formatter(NullFormatter())
 
 
-def _legend_outside(ax) -> None:
-    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=7,
-              frameon=False)
+def series_colours(names) -> dict[str, str]:
+    """One colour per series: the learner's own (:func:`colour`) unless an earlier series
+    took it (variants of one learner, e.g. seven transformer-layer models), then the next
+    unused one of a 20-colour qualitative palette."""
+    spare = [c for c in _DISTINCT if c not in PALETTE.values()]
+    taken, out = set(), {}
+    for name in dict.fromkeys(names):
+        wanted = colour(name)
+        if wanted in taken:
+            wanted = next((c for c in spare if c not in taken), wanted)
+        taken.add(wanted)
+        out[name] = wanted
+    return out
+
+
+def _legend_outside(ax, extra=()) -> None:
+    """The legend right of the axes; the figure grows taller when it would not fit."""
+    handles, labels = ax.get_legend_handles_labels()
+    handles, labels = handles + [h for h, _ in extra], labels + [t for _, t in extra]
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.02, 1.0),
+              borderaxespad=0.0, fontsize=7, frameon=False)
+    fig = ax.figure
+    needed = 0.16 * len(labels) + 0.9          # inches: 7-point entries and the margins
+    width, height = fig.get_size_inches()
+    if needed > height:
+        fig.set_size_inches(width, needed)
 
 
 def _save(fig, out: Path, name: str, written: list[str]) -> None:
-    """PNG and SVG side by side (the legend outside the axes is kept by bbox_inches)."""
+    """PNG, SVG and PDF side by side (the legend outside the axes is kept by bbox_inches)."""
     import matplotlib.pyplot as plt
-    for suffix, options in ((".png", {"dpi": 110}), (".svg", {})):
+    for suffix, options in ((".png", {"dpi": 110}), (".svg", {}), (".pdf", {})):
         fig.savefig(out / (name + suffix), bbox_inches="tight", **options)
     plt.close(fig)
-    written += [name + ".png", name + ".svg"]
+    written += [name + ".png", name + ".svg", name + ".pdf"]
 
 
 def plots(rows: list[dict], out: Path) -> list[str]:
@@ -390,33 +479,39 @@ def plots(rows: list[dict], out: Path) -> list[str]:
         written += [Path(f).name for f in grid_plot(grid, out / "multi_head_grid.png")]
 
     if scaling:
+        from matplotlib.lines import Line2D
+        colours = series_colours(learners)
         fig, ax = plt.subplots(figsize=(6, 4.5))
+        papers = False
         for learner in learners:
             sub = [r for r in scaling if r["learner"] == learner]
             ds, qs = [r["d"] for r in sub], [r["recovery_queries"] for r in sub]
             label = learner + (f" (slope {fitted_slope(ds, qs):.2f})" if len(sub) >= 2 else "")
-            ax.plot(ds, qs, "o-", color=colour(learner), label=label)
+            ax.plot(ds, qs, "o-", color=colours[learner], label=label)
             if all(r["paper_count"] is not None for r in sub):
-                ax.plot(ds, [r["paper_count"] for r in sub], ":", color=colour(learner),
-                        label=f"paper count, {learner}")
+                papers = True          # one legend entry for every paper count (dotted)
+                ax.plot(ds, [r["paper_count"] for r in sub], ":", color=colours[learner])
         all_d = sorted({r["d"] for r in scaling})
         ax.plot(all_d, [d * d + d for d in all_d], "--", color=PALETTE["floor"],
                 label="floor d² + d")
         _log_axes(ax, x_base=2)
         ax.set_xlabel("d"), ax.set_ylabel("queries"), ax.set_title("queries vs d")
-        _legend_outside(ax)
+        _legend_outside(ax, [(Line2D([], [], ls=":", color="gray"),
+                              "dotted: the paper's count (same colour)")] if papers else [])
         _save(fig, out, "queries_vs_d", written)
 
         fig, ax = plt.subplots(figsize=(6, 4.5))
         for learner in learners:
             sub = [r for r in scaling if r["learner"] == learner]
             ax.plot([r["d"] for r in sub], [max(r["W_error"], 1e-17) for r in sub], "o-",
-                    color=colour(learner), label=f"{learner}: parameter error")
+                    color=colours[learner], label=learner)
             ax.plot([r["d"] for r in sub], [max(r["output_error"], 1e-17) for r in sub], "s--",
-                    color=colour(learner), alpha=0.6, label=f"{learner}: held-out output error")
+                    color=colours[learner], alpha=0.6)
         _log_axes(ax, x_base=2)
         ax.set_xlabel("d"), ax.set_ylabel("relative error"), ax.set_title("error vs d")
-        _legend_outside(ax)
+        _legend_outside(ax, [(Line2D([], [], marker="o", color="gray"), "solid: parameter error"),
+                             (Line2D([], [], marker="s", ls="--", color="gray", alpha=0.6),
+                              "dashed: held-out output error")])
         _save(fig, out, "error_vs_d", written)
 
         fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(scaling) + 2), 4.5))
@@ -424,7 +519,7 @@ def plots(rows: list[dict], out: Path) -> list[str]:
         black_box = [r["black_box_s"] for r in scaling]
         ax.bar(x, black_box, color="#c7c7c7", label="inside the black box")
         ax.bar(x, [r["learner_s"] for r in scaling], bottom=black_box,
-               color=[colour(r["learner"]) for r in scaling], label="learner (its colour)")
+               color=[colours[r["learner"]] for r in scaling], label="learner (its colour)")
         step = max(1, len(scaling) // 24)         # at most ~24 labels, rotated: none overlap
         ax.set_xticks(x[::step], [f"{r['learner']} d={r['d']}" for r in scaling][::step],
                       rotation=60, ha="right", fontsize=7)
@@ -435,12 +530,13 @@ def plots(rows: list[dict], out: Path) -> list[str]:
     noisy = [r for r in rows if "tau" in r]
     if noisy:
         fig, ax = plt.subplots(figsize=(6, 4.5))
-        for learner in dict.fromkeys(r["learner"] for r in noisy):
+        noisy_colours = series_colours(r["learner"] for r in noisy)
+        for learner in noisy_colours:
             sub = [r for r in noisy if r["learner"] == learner]
             ax.plot([r["tau"] for r in sub], [r["W_abs_error"] for r in sub], "o-",
-                    color=colour(learner), label=f"{learner}: error")
+                    color=noisy_colours[learner], label=f"{learner}: error")
             ax.plot([r["tau"] for r in sub], [r["error_bar_W"] for r in sub], "--",
-                    color=colour(learner), label=f"{learner}: bound / error bar")
+                    color=noisy_colours[learner], label=f"{learner}: bound / error bar")
         _log_axes(ax)
         ax.xaxis.set_major_formatter(matplotlib.ticker.LogFormatterSciNotation())
         ax.set_xlabel("tau"), ax.set_ylabel("‖W_hat − W‖_F")
@@ -467,18 +563,25 @@ def plots(rows: list[dict], out: Path) -> list[str]:
     return written
 
 
-def run_bench(out_dir, quick: bool = False, sections=None, log=print) -> dict:
-    """Run the registered sections and write bench.json, bench.md and the plots (PNG + SVG)."""
+def run_bench(out_dir, quick: bool = False, sections=None, log=print,
+              command: str | None = None) -> dict:
+    """Run the registered sections and write bench.json, bench.md and the plots (PNG, SVG, PDF).
+
+    ``command`` (the command line that ran it) heads bench.md with the date, so every
+    table says where its numbers come from.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     rows = []
     for name in sections or SECTIONS:
         rows += SECTIONS[name](quick, log)
-    table = markdown(rows)
     images = plots(rows, out)
-    summary = {"quick": quick, "seconds": time.perf_counter() - start, "rows": rows,
-               "plots": images}
+    seconds = time.perf_counter() - start
+    date = time.strftime("%Y-%m-%d", time.gmtime())
+    table = (provenance(command, date, seconds) + "\n\n" if command else "") + markdown(rows)
+    summary = {"quick": quick, "seconds": seconds, "rows": rows, "plots": images,
+               "date": date, "command": command}
     (out / "bench.json").write_text(json.dumps(summary, indent=2, default=_json_default))
     (out / "bench.md").write_text(table)
     return summary
@@ -488,6 +591,21 @@ def _json_default(obj):
     if isinstance(obj, np.generic):
         return obj.item()
     raise TypeError(type(obj).__name__)
+
+
+def provenance(command: str, date: str, seconds: float) -> str:
+    """The line heading bench.md: when, by which command, how long."""
+    return (f"Measured on {date} (UTC) by `{command}` in {seconds:.0f} s "
+            "(wall times depend on the machine and its load).")
+
+
+def readme_summary(bench_md: str) -> str:
+    """What the README shows of bench.md: its provenance line and its first table."""
+    blocks = bench_md.strip("\n").split("\n\n")
+    head = blocks[:1] if blocks[0].startswith("Measured on") else []
+    table = next(b for b in blocks if b.startswith("|"))
+    note = next((b for b in blocks if b.startswith("paper:")), None)
+    return "\n\n".join(head + [table] + ([note] if note else [])) + "\n"
 
 
 def update_readme(readme, table: str, image: str | None) -> None:

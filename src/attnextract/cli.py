@@ -34,8 +34,8 @@ from .adapters.journal import QueryJournal
 from .oracle import Oracle
 from .progress import ProgressBar, configure_logging, thread_limits
 from .registry import extract, get_learner, learner_names, resolve
-from .report import (DEFAULT_VERIFY_TOLERANCE, load_model, mismatch_reason, verification_count,
-                     verify_model)
+from .report import (DEFAULT_VERIFY_TOLERANCE, human_number, load_model, mismatch_reason,
+                     verification_count, verify_model)
 from .adapters.targets import FirstBatchHint, load_target, random_single_head
 
 __all__ = ["main", "build_parser", "ProgressBar"]
@@ -46,20 +46,30 @@ MODEL_OPTIONS = {"rank": "rank", "method": "method", "oversampling": "oversampli
                  "heads": "heads", "polish": "polish", "precision": "precision",
                  "relative_tolerance": "relative_tolerance", "noise": "noise",
                  "noise_method": "method", "repeats": "repeats", "norm_bound": "norm_bound",
-                 "margin": "margin", "bits": "bits", "threshold": "threshold"}
+                 "margin": "margin", "bits": "bits", "threshold": "threshold",
+                 "biases": "biases"}
 NOISE_OPTIONS = ("relative_tolerance", "noise", "noise_method", "repeats", "norm_bound", "margin")
 LABEL_OPTIONS = ("bits", "threshold")
 # their defaults on the command line (the learners' own): equal to it counts as not given
 OPTION_DEFAULTS = {"polish": True, "relative_tolerance": 0.0, "noise": "bounded",
-                   "noise_method": "robust", "repeats": 1, "threshold": 0.0, "bits": 40}
+                   "noise_method": "robust", "repeats": 1, "threshold": 0.0, "bits": 40,
+                   "biases": False}
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every option's default in its help; flags and unset (None) options say it in words."""
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in its help: flags say "off", unset options say what that
+    means ("no limit", "random") or "none"; descriptions and epilogs keep their lines."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False or action.nargs == 0:
+        text = action.help or ""
+        if (action.help == argparse.SUPPRESS or not action.option_strings or action.required
+                or isinstance(action, (argparse._HelpAction, argparse._VersionAction))
+                or "default" in text or "%(default)" in text):
             return action.help
+        if action.nargs == 0:                       # a flag: not given, it is off
+            return text + " (default: off)"
+        if action.default is None:
+            return text + " (default: none)"
         return super()._get_help_string(action)
 
 
@@ -112,7 +122,7 @@ def _common_options() -> argparse.ArgumentParser:
     group.add_argument("-v", "--verbose", action="count", default=0,
                        help="log the learner's stages on stderr (-v info, -vv debug)")
     group.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
-                       help="log level of the attnextract loggers (overrides -v)")
+                       help="log level of the attnextract loggers, overriding -v (default: from -v)")
     group.add_argument("--no-progress", action="store_true",
                        help="no progress display (a bar on a terminal, else a line every "
                             "few seconds, on stderr)")
@@ -122,13 +132,27 @@ def _common_options() -> argparse.ArgumentParser:
     return common
 
 
-def _add_journal(parser) -> None:
+def _add_journal(parser, beside_out: bool = True) -> None:
     """--journal / --no-journal of a subcommand that queries a black box."""
+    default = ("RESULT.journal.sqlite beside --out" if beside_out else
+               "none, every run starts over")
     parser.add_argument("--journal", metavar="FILE.sqlite",
                         help="record every query and answer in FILE; a restarted run resumes "
-                             "from it (default: RESULT.journal.sqlite beside --out)")
+                             f"from it (default: {default})")
     parser.add_argument("--no-journal", action="store_true",
                         help="keep no journal: an interrupted run starts over")
+
+
+def _add_domain(parser) -> None:
+    """--max-length and --target-timeout (every command that queries a target)."""
+    parser.add_argument("--max-length", type=_positive_int, metavar="L",
+                        help="the longest sequence the black box accepts: no query is longer "
+                        "(a learner that needs longer probes refuses at its start), and "
+                        "verification covers lengths up to L (default: the longest the "
+                        "learner sent, at least 4096)")
+    parser.add_argument("--target-timeout", type=float, metavar="SECONDS",
+                        help="FILE.py targets: a call that has not answered after SECONDS is "
+                        "a black-box error (exit 3)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Recover attention-model parameters from black-box query access. "
                     "The algorithms: docs/algorithms.md.")
     parser.add_argument("--version", action="version", version=f"attnextract {__version__}")
+    parser.epilog = "attnextract COMMAND --help lists a command's options and their defaults."
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = _common_options()
 
@@ -145,18 +170,21 @@ def build_parser() -> argparse.ArgumentParser:
                               formatter_class=HelpFormatter)
 
     ex = command("extract", "extract a model from a black box")
+    ex.epilog = model_table()
     ex.add_argument("--target", required=True,
                     help="FILE.py:NAME (a callable (B, N, d) -> (B,)) or http://HOST:PORT")
     ex.add_argument("--dim", required=True, type=_positive_int, help="token width d")
     ex.add_argument("--model", default="single-head", choices=learner_names(), metavar="MODEL",
-                    help="the model class the black box is assumed to be: " + "; ".join(
-                        f"{n}: {get_learner(n).description}" for n in learner_names()))
+                    help="the model class the black box is assumed to be (the table below)")
     ex.add_argument("--out", required=True, metavar="RESULT.npz",
                     help="result file to write (.npz is appended if missing)")
-    ex.add_argument("--budget", type=_nonnegative_int, help="hard limit on queries")
-    ex.add_argument("--max-batch", type=_positive_int, help="largest batch per black-box call")
-    ex.add_argument("--seed", type=int, help="seed of the learner's random choices (random "
-                    "unless given; kept in the journal)")
+    ex.add_argument("--budget", type=_nonnegative_int,
+                    help="hard limit on queries (default: no limit)")
+    ex.add_argument("--max-batch", type=_positive_int,
+                    help="largest batch per black-box call (default: no limit)")
+    _add_domain(ex)
+    ex.add_argument("--seed", type=int, help="seed of the learner's random choices, kept in the "
+                    "journal (default: random)")
     ex.add_argument("--verify-tolerance", type=float, dest="verify_tolerance", metavar="ERR",
                     help=f"held-out relative error accepted (default {DEFAULT_VERIFY_TOLERANCE:g}"
                          "; with --tolerance or --sign-only: extra slack beyond the noise, "
@@ -165,40 +193,48 @@ def build_parser() -> argparse.ArgumentParser:
                     action=Renamed, new="--verify-tolerance", help=argparse.SUPPRESS)
     ex.add_argument("--json", action="store_true", help="print one JSON object")
     _add_journal(ex)
+    ex.add_argument("--biases", action="store_true",
+                    help="the attention has query, value and output biases, as deployed layers "
+                         "do: f = sum_h softmax(X (W_h x_N + b_h))^T X v_h + c; recovers b_h "
+                         "and c too (single-head, multi-head-low-rank; see docs/biases.md)")
     low = ex.add_argument_group("--model low-rank")
     low.add_argument("--rank", type=_positive_int,
-                     help="rank r of W (needed by --method rop; found if not given)")
+                     help="rank r of W, needed by --method rop (default: found)")
     low.add_argument("--method", choices=["adaptive", "rop"],
-                     help="adaptive cross approximation at the floor d + r(2d - r) "
-                          "(default) or the paper's Gaussian rank-one projections")
+                     help="adaptive cross approximation at the floor d + r(2d - r), or the "
+                          "paper's Gaussian rank-one projections (default: adaptive)")
     low.add_argument("--oversampling", type=float, metavar="C",
                      help="rop: C in m = C r 2d measurements (default 2)")
     multi = ex.add_argument_group("--model multi-head, transformer-layer")
     multi.add_argument("--heads", type=_positive_int,
-                       help="the model's number of heads (an upper bound on the canonical "
-                            "heads); default: detected")
+                       help="the model's number of heads, an upper bound on the canonical "
+                            "heads (default: detected)")
     multi.add_argument("--precision", choices=["full", "fast"],
-                       help="multi-head: full (default) spends what paper 2's count leaves "
-                            "on a last round of wide columns for the smallest error; fast "
-                            "runs it only when the error bar would exceed 1e-10")
+                       help="multi-head: full spends what paper 2's count leaves on a last "
+                            "round of wide columns for the smallest error; fast runs it only "
+                            "when the error bar would exceed 1e-10 (default: full)")
     ffn = ex.add_argument_group("--model relu-network, one-layer, one-layer-residual")
     ffn.add_argument("--no-polish", action="store_false", dest="polish",
                      help="skip measuring each hidden unit alone (m d fewer queries, fewer "
                           "bits of precision)")
-    noisy = ex.add_argument_group("noisy or rounded outputs (--model single-head)")
+    noisy = ex.add_argument_group("noisy or rounded outputs (--model single-head; --output-dtype "
+                                  "and --decimals also multi-head, multi-head-low-rank, "
+                                  "transformer-layer)")
     noisy.add_argument("--tolerance", type=float, metavar="TAU",
                        help="outputs are accurate to +-TAU (+ RHO |f|): noisy extraction with "
-                            "error bars (with --noise random: the noise std)")
+                            "error bars (with --noise random: the noise std; default: exact "
+                            "outputs)")
     noisy.add_argument("--relative-tolerance", type=float, default=OPTION_DEFAULTS["relative_tolerance"], metavar="RHO",
                        help="relative part of the tolerance, for outputs computed in float64 and "
                             "rounded once at the end (a float32 cast: 5.96e-8); a forward pass "
                             "run in low precision errs far more: use --output-dtype")
     noisy.add_argument("--output-dtype", choices=["float32", "bfloat16", "float16"],
-                       help="the black box runs its forward pass in this dtype: probes repeated "
-                            "in --repeats dithered bases (default 4), error bars from their spread")
+                       help="the black box runs its forward pass in this dtype (single-head: "
+                            "probes repeated in --repeats dithered bases, default 4; every "
+                            "learner: error bars from measured spread or residuals)")
     noisy.add_argument("--decimals", type=_nonnegative_int, metavar="K",
-                       help="the outputs are rounded to K decimals: as --output-dtype, error bars "
-                            "from the spread of repeated, dithered probes")
+                       help="the outputs are rounded to K decimals (0..15): as --output-dtype "
+                            "(default: not rounded)")
     noisy.add_argument("--noise", choices=["bounded", "random"], default=OPTION_DEFAULTS["noise"],
                        help="worst-case (adversarial) or independent random noise")
     noisy.add_argument("--noise-method", choices=["robust", "paper"],
@@ -217,12 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
     labels.add_argument("--bits", type=_positive_int, default=OPTION_DEFAULTS["bits"],
                         help="bisection steps per entry of W")
     http = ex.add_argument_group("http:// targets")
+    client = _http_defaults()
     http.add_argument("--http-timeout", type=float, metavar="SECONDS",
-                      help="seconds per HTTP request")
+                      help=f"seconds per HTTP request (default: {client['timeout']:g})")
     http.add_argument("--http-retries", type=_nonnegative_int,
-                      help="retries of timeouts and 5xx answers")
+                      help=f"retries of timeouts and 5xx answers (default: {client['retries']})")
     http.add_argument("--http-concurrency", type=_positive_int,
-                      help="HTTP requests in flight at once")
+                      help=f"HTTP requests in flight at once (default: {client['concurrency']})")
     http.add_argument("--http-transport", choices=["npy", "json"],
                       help="request/answer format (default npy, falling back to json for "
                            "servers without it)")
@@ -232,18 +269,31 @@ def build_parser() -> argparse.ArgumentParser:
                     help="FILE.npz with W and v (or a RESULT.npz), or FILE.py:NAME")
     se.add_argument("--port", required=True, type=_nonnegative_int, help="0 picks a free port")
     se.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    se.add_argument("--budget", type=_nonnegative_int, help="queries served in all (429 past it)")
+    se.add_argument("--budget", type=_nonnegative_int,
+                    help="queries served in all, 429 past it (default: no limit)")
     se.add_argument("--round", type=_nonnegative_int, dest="round_digits", metavar="DIGITS",
-                    help="round every output to DIGITS decimals")
+                    help="round every output to DIGITS decimals (default: exact float64)")
     se.add_argument("--max-connections", type=_positive_int, default=2048,
                     help="connections open at once (one more gets 503)")
     se.add_argument("--idle-timeout", type=float, default=2.0,
                     help="seconds a request body may pause before it is refused (400)")
     se.add_argument("--workers", type=_positive_int, default=4,
                     help="threads evaluating the model")
-    se.add_argument("--replicas", type=_positive_int,
-                    help="evaluate the model on N Ray actors (pip install 'attnextract[ray]')")
+    se.add_argument("--replicas", type=_positive_int, metavar="N",
+                    help="evaluate the model on N Ray actors, pip install 'attnextract[ray]' "
+                         "(default: in this process)")
     se.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one)")
+    se.add_argument("--state", metavar="FILE.sqlite",
+                    help="keep the budget, charges and recent answers in this SQLite ledger: "
+                         "a restart, a crash or kill -9 loses nothing (default: in memory)")
+    se.add_argument("--body-memory", type=_positive_int, default=96, metavar="MIB",
+                    help="MiB all request bodies being answered may hold (others wait)")
+    se.add_argument("--cache-memory", type=_nonnegative_int, default=32, metavar="MIB",
+                    help="MiB of answers kept for their Idempotency-Keys (replays are free)")
+    se.add_argument("--slot-timeout", type=float, default=10.0, metavar="SECONDS",
+                    help="seconds a body may wait for memory before a 503")
+    se.add_argument("--min-body-rate", type=float, default=256.0, metavar="KIB_PER_S",
+                    help="KiB/s a body must average after its idle-timeout grace (else 408)")
 
     mi = command("minilm", "extract a real head of all-MiniLM-L6-v2 (offline weights)")
     mi.add_argument("--layer", required=True, type=_nonnegative_int, help="layer 0..5")
@@ -259,10 +309,15 @@ def build_parser() -> argparse.ArgumentParser:
     mi.add_argument("--save-target", metavar="FILE.npz",
                     help="--all-heads: write the layer's 12 heads as a model file for "
                          "'attnextract serve --secret FILE.npz' and stop")
+    mi.add_argument("--no-biases", action="store_false", dest="biases",
+                    help="--all-heads: leave the layer's query, key, value and output biases "
+                         "out (the bias-free layer of earlier versions); the biases are kept "
+                         "by default at the full width, and left out with --head or --subspace")
     mi.add_argument("--readout-seed", type=int, default=0, help="seed of the readout vector r")
     mi.add_argument("--seed", type=int, default=0, help="seed of the learner")
-    mi.add_argument("--budget", type=_nonnegative_int, help="hard limit on queries")
-    mi.add_argument("--out", metavar="RESULT.npz", help="result file to write (none if not given)")
+    mi.add_argument("--budget", type=_nonnegative_int,
+                    help="hard limit on queries (default: no limit)")
+    mi.add_argument("--out", metavar="RESULT.npz", help="result file to write (default: none)")
     mi.add_argument("--json", action="store_true", help="print one JSON object")
     _add_journal(mi)
 
@@ -273,21 +328,25 @@ def build_parser() -> argparse.ArgumentParser:
                     help="result file written by extract")
     ve.add_argument("--count", type=_positive_int,
                     help="held-out sequences (default max(64, 1%% of parameters))")
-    ve.add_argument("--seed", type=int, help="seed of the held-out sequences (random if not given)")
+    ve.add_argument("--seed", type=int, help="seed of the held-out sequences (default: random)")
     ve.add_argument("--verify-tolerance", type=float, default=DEFAULT_VERIFY_TOLERANCE,
                     dest="verify_tolerance", metavar="ERR",
                     help="largest held-out relative output error accepted as a match")
     ve.add_argument("--tolerance", type=float, dest="verify_tolerance", action=Renamed,
                     new="--verify-tolerance", help=argparse.SUPPRESS)
-    ve.add_argument("--budget", type=_nonnegative_int, help="hard limit on queries")
+    ve.add_argument("--budget", type=_nonnegative_int,
+                    help="hard limit on queries (default: no limit)")
+    _add_domain(ve)
     ve.add_argument("--json", action="store_true", help="print one JSON object")
-    _add_journal(ve)
+    _add_journal(ve, beside_out=False)
 
     de = command("demo", "extract a secret random single head and check it")
     de.add_argument("--dim", type=_positive_int, default=64, help="token width d")
-    de.add_argument("--seed", type=int, help="seed of the secret target (random if not given)")
+    de.add_argument("--seed", type=int, help="seed of the secret target (default: random)")
+    de.add_argument("--max-length", type=_positive_int, metavar="L",
+                    help="longest sequence sent (verification covers lengths up to L)")
     de.add_argument("--json", action="store_true", help="print one JSON object")
-    _add_journal(de)
+    _add_journal(de, beside_out=False)
 
     be = command("bench", "benchmark every learner against floors and a baseline")
     be.add_argument("--quick", action="store_true", help="small sizes, under two minutes")
@@ -304,15 +363,40 @@ def build_parser() -> argparse.ArgumentParser:
                           "two different parameter sets, one input-output map")
     tw.add_argument("--heads", type=_positive_int, default=3, help="heads of the random model")
     tw.add_argument("--dim", type=_positive_int, default=8, help="token width d")
-    tw.add_argument("--seed", type=int, help="seed of the random model (random if not given)")
+    tw.add_argument("--seed", type=int, help="seed of the random model (default: random)")
     tw.add_argument("--count", type=_positive_int, default=1000,
                     help="random sequences compared")
     tw.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
+def model_table() -> str:
+    """The --model choices as a short table: name, then what the black box is."""
+    import textwrap
+    names = learner_names()
+    width = max(map(len, names)) + 2
+    lines = ["models (--model):"]
+    for name in names:
+        text = textwrap.wrap(get_learner(name).description, 78 - width - 2)
+        lines.append(f"  {name:<{width}}{text[0] if text else ''}")
+        lines += [" " * (width + 2) + more for more in text[1:]]
+    return "\n".join(lines)
+
+
+def _http_defaults() -> dict:
+    """The HTTP client's own defaults, shown in --help (the options pass None to keep them)."""
+    import inspect
+    from .adapters.remote import HttpBlackBox
+    parameters = inspect.signature(HttpBlackBox).parameters
+    return {k: parameters[k].default for k in ("timeout", "retries", "concurrency")}
+
+
 def main(argv=None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:                    # bare `attnextract`: the help, not an error
+        parser.print_help()
+        return 0
     args = parser.parse_args(argv)
     configure_logging(args.verbose, args.log_level)
     handler = {"extract": cmd_extract, "verify": cmd_verify, "demo": cmd_demo,
@@ -360,6 +444,8 @@ def _rounding_hint(report, args) -> str | None:
     check = report.verification
     if check is None or getattr(args, "tolerance", None) is not None:
         return None
+    if not getattr(check, "rounded_answers", False):
+        return None                 # the answers show no rounding: no hint to loosen the check
     if check.max_relative_error <= 1e-2:
         return (f"attnextract: hint: a held-out error of {check.max_relative_error:.1e} is small: "
                 "if the black box rounds its outputs (float32, a few digits), extract with "
@@ -391,7 +477,7 @@ def _open_target(spec: str, dim: int | None = None, args=None):
         if dim is not None:
             black_box.check_dim(dim)       # also fails early, typed, when unreachable
         return black_box
-    return FirstBatchHint(load_target(spec), spec)
+    return FirstBatchHint(load_target(spec), spec, getattr(args, "target_timeout", None))
 
 
 def _progress(args, label: str = "extracting") -> ProgressBar:
@@ -406,15 +492,21 @@ def _learner_and_options(args):
     per-model option given on the command line for a learner that does not take it is
     an :class:`InputError`, raised before any query.
     """
+    precision = {"output_dtype": args.output_dtype, "decimals": args.decimals}
     if args.output_dtype is not None or args.decimals is not None:
-        if args.tolerance is not None or args.sign_only or args.model != "single-head":
-            raise InputError("--output-dtype and --decimals apply to --model single-head, "
-                             "without --tolerance or --sign-only")
-        learner = get_learner("low-precision")
-        options = {"output_dtype": args.output_dtype, "decimals": args.decimals}
-        if args.repeats != OPTION_DEFAULTS["repeats"]:
-            options["repeats"] = args.repeats
-        return learner, options
+        if args.tolerance is not None or args.sign_only:
+            raise InputError("--output-dtype and --decimals state the precision instead of "
+                             "--tolerance; they do not go with --tolerance or --sign-only")
+        if args.model == "single-head":
+            learner = get_learner("low-precision")
+            options = dict(precision)
+            if args.repeats != OPTION_DEFAULTS["repeats"]:
+                options["repeats"] = args.repeats
+            return learner, options
+        takes = [n for n in learner_names() if "output_dtype" in get_learner(n).options]
+        if "output_dtype" not in get_learner(args.model).options:
+            raise InputError(f"--output-dtype and --decimals apply to --model "
+                             f"{', '.join(['single-head'] + takes)}, not {args.model}")
     learner = resolve(args.model, tolerance=args.tolerance, sign_only=args.sign_only)
     accepted = learner.options
     options = {}
@@ -432,6 +524,7 @@ def _learner_and_options(args):
         if keyword not in accepted:
             raise InputError(f"{flag} does not apply to --model {learner.name}")
         options[keyword] = value
+    options.update({k: v for k, v in precision.items() if v is not None})
     return learner, options
 
 
@@ -442,7 +535,7 @@ def cmd_extract(args) -> int:
     journal = _open_journal(args)
     bar = _progress(args)
     oracle = Oracle(black_box, args.dim, budget=args.budget, max_batch=args.max_batch,
-                    progress=bar, journal=journal)
+                    progress=bar, journal=journal, max_length=args.max_length)
     _RUN.update(oracle=oracle, journal=journal)
     try:
         result = extract(oracle, learner.name, seed=args.seed, tolerance=args.tolerance,
@@ -456,8 +549,7 @@ def cmd_extract(args) -> int:
     if args.json:
         print(json.dumps({"ok": True, "out": str(written), **result.report.to_dict()}))
     else:
-        print(result.report.render())
-        print(f"wrote        {written}")
+        print(result.report.render(extra=[("wrote", str(written))]))
     return 0
 
 
@@ -525,8 +617,8 @@ def _save_atomically(result, out: str) -> Path:
         except OSError:
             pass
         if isinstance(exc, OSError):
-            raise InputError(f"cannot write {out}: {exc}; a rerun of the same command is "
-                             f"answered by its journal") from exc
+            raise InputError(f"cannot write {out} (a rerun of the same command is answered "
+                             f"by its journal): {exc}") from exc
         raise
 
 
@@ -562,6 +654,8 @@ def _open_journal(args):
     if args.seed is None:
         args.seed = journal.context.get("seed", int.from_bytes(os.urandom(4), "little"))
     journal.remember(seed=args.seed)
+    if journal.context.get("seed") != args.seed and journal.restart():
+        journal.remember(dim=args.dim, target=args.target, seed=args.seed)   # nothing to resume
     if journal.context.get("seed") != args.seed:
         journal.close()
         raise InputError(f"journal {args.journal} was recorded with --seed "
@@ -602,6 +696,8 @@ def _open_query_journal(args, target: str, dim: int):
     if args.seed is None:
         args.seed = journal.context.get(key, int.from_bytes(os.urandom(4), "little"))
     journal.remember(**{key: args.seed})
+    if journal.context[key] != args.seed and journal.restart():
+        journal.remember(target=target, dim=dim, **{key: args.seed})      # nothing to resume
     if journal.context[key] != args.seed:
         journal.close()
         raise InputError(f"journal {args.journal} was recorded with --seed "
@@ -612,8 +708,9 @@ def _open_query_journal(args, target: str, dim: int):
 def cmd_verify(args) -> int:
     model = load_model(args.result)
     journal = _open_query_journal(args, args.target, model.dim)
-    oracle = Oracle(_open_target(args.target, model.dim), model.dim, budget=args.budget,
-                    journal=journal, progress=_progress(args, "verifying"))
+    oracle = Oracle(_open_target(args.target, model.dim, args), model.dim, budget=args.budget,
+                    journal=journal, progress=_progress(args, "verifying"),
+                    max_length=args.max_length)
     _RUN.update(oracle=oracle)
     count = args.count or verification_count(sum(np.size(p) for p in model.parameters().values()))
     try:
@@ -623,17 +720,26 @@ def cmd_verify(args) -> int:
         oracle.progress.close()
         _close_journal(oracle)
     if args.json:
-        print(json.dumps({"ok": verification.passed, "queries": oracle.queries,
+        print(json.dumps({"ok": verification.passed,
+                          "queries": oracle.queries + oracle.check_queries,
                           "sequences": verification.sequences,
                           "max_relative_error": verification.max_relative_error,
                           "median_relative_error": verification.median_relative_error,
                           "tolerance": verification.tolerance,
                           "hull_violation": verification.hull_violation,
-                          "worst_family": verification.worst_family}))
+                          "worst_family": verification.worst_family,
+                          "lengths": list(verification.lengths),
+                          "norms": list(verification.norms),
+                          "max_length": verification.max_length,
+                          "search_queries": verification.search_queries}))
     else:
         print(f"{model.kind} model, d = {model.dim}, {verification.sequences} held-out sequences:"
-              f" max relative error {verification.max_relative_error:.2e}, median "
-              f"{verification.median_relative_error:.2e} (tolerance {verification.tolerance:.0e})")
+              f" largest relative error {human_number(verification.max_relative_error)}, median "
+              f"{human_number(verification.median_relative_error)} (tolerance "
+              f"{human_number(verification.tolerance)}); lengths {verification.lengths[0]} to "
+              f"{verification.lengths[1]} of up to {verification.max_length}, token norms "
+              f"{human_number(verification.norms[0])} to {human_number(verification.norms[1])}, "
+              f"{verification.search_queries} from the adversarial search")
     if not verification.passed:
         print(f"attnextract: MISMATCH: {mismatch_reason(verification)}", file=sys.stderr)
         return 1
@@ -649,7 +755,7 @@ def cmd_demo(args) -> int:
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     secret = random_single_head(args.dim, seed)
     bar = _progress(args)
-    oracle = Oracle(secret, args.dim, progress=bar, journal=journal)
+    oracle = Oracle(secret, args.dim, progress=bar, journal=journal, max_length=args.max_length)
     _RUN.update(oracle=oracle)
     try:
         result = extract(oracle, "single-head", seed=seed + 1)
@@ -667,17 +773,21 @@ def cmd_demo(args) -> int:
           f"seed {seed}) behind a black box that answers one number per sequence.\n")
     print(result.report.render())
     print(f"\nchecked against the secret (the learner never saw it): relative error "
-          f"W {w_err:.2e}, v {v_err:.2e}")
+          f"W {human_number(w_err)}, v {human_number(v_err)}")
     return 0
 
 
 def cmd_bench(args) -> int:
-    from .bench import SECTIONS, run_bench, update_readme
+    from .bench import SECTIONS, readme_summary, run_bench, update_readme
     unknown = set(args.sections or ()) - set(SECTIONS)
     if unknown:
         raise InputError(f"unknown bench section(s) {sorted(unknown)}; known: {sorted(SECTIONS)}")
+    command = " ".join(["attnextract bench"] + (["--quick"] if args.quick else [])
+                       + (["--sections", *args.sections] if args.sections else [])
+                       + ["--out-dir", str(args.out_dir)]
+                       + (["--update-readme", args.update_readme] if args.update_readme else []))
     summary = run_bench(args.out_dir, quick=args.quick, sections=args.sections,
-                        log=lambda line: print(line, file=sys.stderr))
+                        log=lambda line: print(line, file=sys.stderr), command=command)
     table = (Path(args.out_dir) / "bench.md").read_text()
     print(table)
     if not summary["plots"]:
@@ -685,12 +795,8 @@ def cmd_bench(args) -> int:
               file=sys.stderr)
     print(f"wrote {args.out_dir}/bench.json, bench.md" +
           "".join(f", {p}" for p in summary["plots"]) + f" in {summary['seconds']:.1f} s")
-    if args.update_readme:
-        image = None
-        if "queries_vs_d.png" in summary["plots"]:
-            image = os.path.relpath(Path(args.out_dir) / "queries_vs_d.png",
-                                    Path(args.update_readme).resolve().parent)
-        update_readme(args.update_readme, table, image)
+    if args.update_readme:       # the README shows the first table; the docs show them all
+        update_readme(args.update_readme, readme_summary(table), None)
 
 
 def cmd_twins(args) -> int:
@@ -739,21 +845,32 @@ def cmd_serve(args) -> int:
         model = RayReplicas(args.secret, args.replicas, address=args.ray_address)
     elif args.ray_address is not None:
         raise InputError("--ray-address needs --replicas N")
+    if min(args.slot_timeout, args.min_body_rate, args.idle_timeout) <= 0:
+        raise InputError("--slot-timeout, --min-body-rate and --idle-timeout must be > 0")
     try:
         server = make_server(model, args.host, args.port, budget=args.budget,
                              round_digits=args.round_digits, verbose=args.verbose > 0,
                              max_connections=args.max_connections,
-                             idle_timeout=args.idle_timeout, workers=args.workers)
-    except OSError as exc:
-        raise InputError(f"cannot listen on {args.host}:{args.port}: {exc}") from exc
-    budget = "no budget" if args.budget is None else f"budget {args.budget} queries"
+                             idle_timeout=args.idle_timeout, workers=args.workers,
+                             state=args.state, body_memory=args.body_memory << 20,
+                             cache_bytes=args.cache_memory << 20,
+                             slot_timeout=args.slot_timeout,
+                             min_body_rate=args.min_body_rate * 1024)
+    except BaseException as exc:
+        if args.replicas is not None:
+            model.close()
+        if isinstance(exc, OSError):
+            raise InputError(f"cannot listen on {args.host}:{args.port}: {exc}") from exc
+        raise
+    health = server.state.health()
+    budget = ("no budget" if health["budget"] is None
+              else f"budget {health['budget']} queries, {health['remaining']} remaining")
+    kept = "" if args.state is None else f", ledger {args.state}: {health['served']} served"
     replicas = "" if args.replicas is None else f", {args.replicas} Ray replicas"
-    print(f"serving {model.kind} d = {model.dim} on {server.url} ({budget}{replicas}); "
-          f"POST /query, GET /health; Ctrl-C stops", flush=True)
+    print(f"serving {health['kind']} d = {model.dim} on {server.url} ({budget}{kept}"
+          f"{replicas}); POST /query, GET /health; Ctrl-C stops", flush=True)
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        server.serve_forever(handle_signals=True)    # SIGINT/SIGTERM: finish, then stop
     finally:
         server.server_close()
         if args.replicas is not None:
@@ -769,8 +886,9 @@ def cmd_minilm(args) -> int:
         raise InputError("--subspace, --target and --save-target go with --all-heads")
     if args.save_target:
         from .adapters.minilm import save_layer_target
-        save_layer_target(args.save_target, args.layer, args.readout_seed)
-        print(f"wrote {args.save_target}: layer {args.layer}, 12 heads, readout seed "
+        save_layer_target(args.save_target, args.layer, args.readout_seed, biases=args.biases)
+        print(f"wrote {args.save_target}: layer {args.layer}, 12 heads"
+              f"{' with their biases' if args.biases else ''}, readout seed "
               f"{args.readout_seed} (serve it with attnextract serve --secret "
               f"{args.save_target})")
         return 0
@@ -781,7 +899,9 @@ def cmd_minilm(args) -> int:
     if path is not None:
         which = "all heads" if args.all_heads else f"head {args.head}"
         journal = QueryJournal(path, context={
-            "target": f"minilm layer {args.layer} {which} readout {args.readout_seed}",
+            "target": f"minilm layer {args.layer} {which} readout {args.readout_seed}"
+                      + (" with biases" if args.all_heads and args.biases and not args.subspace
+                         else ""),
             "dim": (args.subspace or 384) if args.all_heads else 384, "seed": args.seed})
     _RUN.update(journal=journal)
     bar = _progress(args)
@@ -791,7 +911,7 @@ def cmd_minilm(args) -> int:
             result, _, error = extract_minilm_layer(
                 args.layer, readout_seed=args.readout_seed, subspace=args.subspace,
                 seed=args.seed, budget=args.budget, journal=journal, black_box=black_box,
-                progress=bar)
+                progress=bar, biases=args.biases and args.subspace is None)
             if error is not None:
                 raise error      # exit 1, with the report of what the learner achieved
         else:
@@ -807,7 +927,5 @@ def cmd_minilm(args) -> int:
         print(json.dumps({"ok": True, "out": written and str(written),
                           **result.report.to_dict()}))
     else:
-        print(result.report.render())
-        if written:
-            print(f"wrote        {written}")
+        print(result.report.render(extra=[("wrote", str(written))] if written else []))
     return 0

@@ -250,6 +250,101 @@ class MultiHeadAttention(Regressor):
         return f"MultiHeadAttention(H={self.heads}, d={self.dim})"
 
 
+def _biases(b, c, shape, what: str) -> tuple[np.ndarray, float]:
+    """Validate finite query biases b of ``shape`` and a finite scalar output bias c."""
+    b = np.array(b, dtype=np.float64)
+    if b.shape != shape:
+        raise InputError(f"{what}: b must have shape {shape}, got {b.shape}")
+    c = np.asarray(c, dtype=np.float64)
+    if c.size != 1:
+        raise InputError(f"{what}: c must be a scalar, got shape {c.shape}")
+    if not (np.all(np.isfinite(b)) and np.isfinite(c).all()):
+        raise InputError(f"{what}: b and c must be finite")
+    return b, float(c.reshape(()))
+
+
+def biased_attention_weights(X: np.ndarray, W: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """alpha = softmax(X (W x_N + b)) for a batch X (B, N, d): shape (B, N)."""
+    return softmax(np.einsum("bnd,bd->bn", X, X[:, -1, :] @ W.T + b))
+
+
+class BiasedSingleHeadAttention(Regressor):
+    """Single-head attention as deployed layers compute it: query, value and output biases.
+
+    f(X) = softmax(X (W x_N + b))^T X v + c. With W = W_k^T W_q / sqrt(d_h),
+    b = W_k^T b_q / sqrt(d_h) (the key bias cancels in the softmax), v the value-output
+    readout and c the value and output biases read out (docs/algorithms.md, "Biases").
+
+    Parameters
+    ----------
+    W : array (d, d)
+        Merged query-key matrix.
+    v : array (d,)
+        Merged value-output readout vector.
+    b : array (d,)
+        Merged query bias (every score x_i^T b gains it).
+    c : float
+        Output constant.
+    """
+
+    kind, PARAMETERS = "biased-single-head", ("W", "v", "b", "c")
+
+    def __init__(self, W, v, b, c=0.0):
+        head = SingleHeadAttention(W, v)
+        self.W, self.v = head.W, head.v
+        self.b, self.c = _biases(b, c, self.v.shape, "BiasedSingleHeadAttention")
+
+    @property
+    def dim(self) -> int:
+        return self.W.shape[0]
+
+    def outputs(self, X: np.ndarray) -> np.ndarray:
+        return np.einsum("bn,bn->b", biased_attention_weights(X, self.W, self.b), X @ self.v) + self.c
+
+    def __repr__(self) -> str:
+        return f"BiasedSingleHeadAttention(d={self.dim})"
+
+
+class BiasedMultiHeadAttention(Regressor):
+    """Multi-head attention with query, value and output biases, read at the last token.
+
+    f(X) = sum_h softmax(X (W_h x_N + b_h))^T X v_h + c, h = 1..H.
+
+    Parameters
+    ----------
+    W : array (H, d, d)
+    v : array (H, d)
+    b : array (H, d)
+        Merged query bias of every head.
+    c : float
+        Output constant (all heads' value biases and the output bias, read out).
+    """
+
+    kind, PARAMETERS = "biased-multi-head", ("W", "v", "b", "c")
+
+    def __init__(self, W, v, b, c=0.0):
+        heads = MultiHeadAttention(W, v)
+        self.W, self.v = heads.W, heads.v
+        self.b, self.c = _biases(b, c, self.v.shape, "BiasedMultiHeadAttention")
+
+    @property
+    def dim(self) -> int:
+        return self.W.shape[1]
+
+    @property
+    def heads(self) -> int:
+        return self.W.shape[0]
+
+    def outputs(self, X: np.ndarray) -> np.ndarray:
+        out = np.full(X.shape[0], self.c)
+        for W, v, b in zip(self.W, self.v, self.b):      # H is small: one pass per head
+            out += np.einsum("bn,bn->b", biased_attention_weights(X, W, b), X @ v)
+        return out
+
+    def __repr__(self) -> str:
+        return f"BiasedMultiHeadAttention(H={self.heads}, d={self.dim})"
+
+
 class ResidualOneLayer(Regressor):
     """One-layer Transformer with a residual connection, in merged form.
 
@@ -393,4 +488,5 @@ class TransformerLayer(Regressor):
 
 # kind -> class: how report.load_model rebuilds a model from a result file
 MODEL_CLASSES = {cls.kind: cls for cls in (SingleHeadAttention, MultiHeadAttention, ReLUNetwork,
-                                           OneLayerTransformer, ResidualOneLayer, TransformerLayer)}
+                                           OneLayerTransformer, ResidualOneLayer, TransformerLayer,
+                                           BiasedSingleHeadAttention, BiasedMultiHeadAttention)}

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 REPLAY_KEEP = 16      # learner queries kept to be asked again at verification
 REPLAY_SEED = 0x5EED
+LONGEST_KEEP = 8      # the learner's longest answered queries, compared with its model
 
 
 class Oracle:
@@ -51,6 +52,10 @@ class Oracle:
         exceed it raises :class:`BudgetExceededError` before it is sent.
     max_batch : int, optional
         Largest number of sequences handed to the black box in one call.
+    max_length : int, optional
+        The longest sequence the deployment accepts (tokens). A query longer than this
+        raises :class:`InputError` before anything is sent (a learner that needs longer
+        probes refuses at its start), and held-out verification covers lengths up to it.
     progress : callable, optional
         Called as ``progress(queries_sent, queries_planned)`` after each call.
     journal : QueryJournal, optional
@@ -61,17 +66,23 @@ class Oracle:
         The budget counts every query the result rests on, so a resumed run stops where
         the original would have. Before the first batch the journal is bound to the
         live black box (:meth:`QueryJournal.bind`: its fingerprint is stored, or checked
-        when the journal is resumed); those queries are counted in ``check_queries``,
-        not in ``queries`` nor against the budget. Queries asked in :meth:`live` (held-out
-        verification) always reach the black box and are not journaled.
+        when the journal is resumed); those queries are counted in ``check_queries``
+        (apart from ``queries``, the learner's count) and against the budget like every
+        query the black box answers; :func:`attnextract.extract` adds them to the
+        result's ``queries``. Queries asked in :meth:`live` (held-out verification)
+        always reach the black box and are not journaled.
 
     ``replay`` holds a uniform sample (REPLAY_KEEP pairs, reservoir sampling) of the
     sequences answered outside :meth:`live` and their answers; held-out verification
     asks them again, so that a black box that changed during the run is refused.
+    ``longest`` is the longest sequence answered outside :meth:`live` and ``longest_probes``
+    up to LONGEST_KEEP of the longest (sequence, answer) pairs: verification compares the
+    model with them (no new queries) and covers lengths up to at least ``longest``.
     """
 
     def __init__(self, black_box: BlackBox, dim: int, *, budget: int | None = None,
-                 max_batch: int | None = None, progress=None, journal=None):
+                 max_batch: int | None = None, progress=None, journal=None,
+                 max_length: int | None = None):
         if not callable(black_box):
             raise InputError(f"black box must be callable, got {type(black_box).__name__}")
         if not isinstance(dim, (int, np.integer)) or dim < 1:
@@ -80,8 +91,14 @@ class Oracle:
             raise InputError(f"budget must be a non-negative integer, got {budget!r}")
         if max_batch is not None and (not isinstance(max_batch, (int, np.integer)) or max_batch < 1):
             raise InputError(f"max_batch must be a positive integer, got {max_batch!r}")
+        if max_length is not None and (not isinstance(max_length, (int, np.integer))
+                                       or isinstance(max_length, bool) or max_length < 1):
+            raise InputError(f"max_length must be a positive integer, got {max_length!r}")
         self.black_box = black_box
         self.dim = int(dim)
+        self.max_length = None if max_length is None else int(max_length)
+        self.longest = 0          # longest sequence answered outside live()
+        self.longest_probes = []  # up to LONGEST_KEEP (sequence, answer), the longest
         self.budget = None if budget is None else int(budget)
         self.max_batch = None if max_batch is None else int(max_batch)
         self.progress = progress
@@ -92,7 +109,7 @@ class Oracle:
         self.planned = 0          # queries announced by the running learner
         self.journal = journal
         self.journal_queries = 0  # queries answered by the journal, not the black box
-        self.check_queries = 0    # queries binding the journal to the black box (not budgeted)
+        self.check_queries = 0    # queries binding the journal to the black box (budgeted)
         self._live = 0            # > 0 inside live(): the journal is bypassed
         # a uniform sample of the (sequence, answer) pairs the learner was given, asked
         # again by held-out verification: a black box that changed during the run shows
@@ -108,21 +125,41 @@ class Oracle:
     @property
     def remaining(self) -> int | None:
         """Queries left in the budget (None when unlimited)."""
-        return None if self.budget is None else self.budget - self.queries
+        return None if self.budget is None else self.budget - self.queries - self.check_queries
 
     def require(self, n: int, what: str = "this step") -> None:
-        """Raise :class:`BudgetExceededError` unless ``n`` more queries fit."""
-        if self.budget is not None and n > self.budget - self.queries:
+        """Raise :class:`BudgetExceededError` unless ``n`` more queries fit (the budget
+        holds every query the black box answers, the journal's checks too)."""
+        left = None if self.budget is None else self.budget - self.queries - self.check_queries
+        if left is not None and n > left:
             raise BudgetExceededError(
-                f"{what} needs {n} queries but only {self.budget - self.queries} of the "
-                f"budget of {self.budget} remain",
-                needed=n, remaining=self.budget - self.queries)
+                f"{what} needs {n} queries but only {left} of the budget of {self.budget} "
+                f"remain", needed=n, remaining=left)
 
     def plan(self, n: int, what: str = "the extraction") -> None:
         """Announce ``n`` upcoming queries: checks the budget, sets the progress total."""
         self.require(n, what)
         self.planned = self.queries + int(n)
         log.info("%s: %d queries planned (%d sent so far)", what, n, self.queries)
+
+    def bind_journal(self) -> int:
+        """Bind the journal to the live black box now (its fingerprint queries, counted in
+        ``check_queries`` and budgeted); returns the queries it cost (0 without a journal
+        or when already bound). The first batch sent binds it otherwise;
+        :func:`attnextract.extract` adds what binding cost to the result's ``queries``."""
+        if self.journal is None or self.journal.bound:
+            return 0
+        before = self.check_queries
+        self.journal.bind(self._ask_to_check, self.dim, self.black_box,
+                          **({"max_length": self.max_length} if self.max_length else {}))
+        return self.check_queries - before
+
+    def check_length(self, n: int, what: str = "a query") -> None:
+        """Raise :class:`InputError` if sequences of ``n`` tokens exceed ``max_length``."""
+        if self.max_length is not None and n > self.max_length:
+            raise InputError(f"{what} of {n} tokens is longer than the longest sequence the "
+                             f"black box accepts (max_length {self.max_length}); nothing was "
+                             f"sent")
 
     # -- queries ------------------------------------------------------------
     @contextmanager
@@ -153,6 +190,7 @@ class Oracle:
         B = X.shape[0]
         if B == 0:
             return np.empty(0)
+        self.check_length(X.shape[1])
         self.require(B, f"a batch of {B} sequences")
         step = self.max_batch or B
         return np.concatenate([self._send(X[i:i + step]) for i in range(0, B, step)])
@@ -173,6 +211,9 @@ class Oracle:
 
     def _send(self, X: np.ndarray) -> np.ndarray:
         B, N, _ = X.shape
+        if self.journal is not None and not self._live and not self.journal.bound:
+            # refuses a journal of another black box; its queries are counted and budgeted
+            self.bind_journal()
         self.require(B, f"a batch of {B} sequences")
         # a sent query is spent, whatever comes back: counted before sending
         if self.journal is None or self._live:
@@ -181,8 +222,6 @@ class Oracle:
             self.calls += 1
             out = self._ask_black_box(X)
         else:
-            if not self.journal.bound:      # refuses a journal of another black box
-                self.journal.bind(self._ask_to_check, self.dim, self.black_box)
             keys, out = self.journal.lookup(X)
             missing = np.isnan(out)
             self.journal_queries += B - int(missing.sum())
@@ -202,6 +241,7 @@ class Oracle:
                 out[missing] = answers
         if not self._live:
             self._keep_for_replay(X, out)
+            self._keep_longest(X, out)
         if self.progress is not None:
             self.progress(self.queries, max(self.planned, self.queries))
         return out
@@ -220,9 +260,25 @@ class Oracle:
             else:
                 self.replay.append(pair)
 
+    def _keep_longest(self, X: np.ndarray, out: np.ndarray) -> None:
+        """Keep the LONGEST_KEEP longest answered sequences (the first ones of a length)."""
+        N = X.shape[1]
+        self.longest = max(self.longest, N)
+        kept = self.longest_probes
+        if len(kept) >= LONGEST_KEEP and N <= min(len(x) for x, _ in kept):
+            return
+        take = min(len(X), LONGEST_KEEP)
+        kept.extend((np.array(X[i]), float(out[i])) for i in range(take))
+        kept.sort(key=lambda pair: -len(pair[0]))
+        del kept[LONGEST_KEEP:]
+
     def _ask_to_check(self, X: np.ndarray) -> np.ndarray:
-        """A journal's binding check: counted in ``check_queries``, not in ``queries``."""
+        """A journal's binding check: counted in ``check_queries``, within the budget
+        (every query the black box answers is)."""
+        self.check_length(X.shape[1], "the journal's fingerprint query")
+        self.require(len(X), f"the journal's {len(X)} fingerprint queries")
         self.check_queries += len(X)
+        self.tokens += len(X) * X.shape[1]
         step = self.max_batch or len(X)
         return np.concatenate([self._ask_black_box(X[i:i + step])
                                for i in range(0, len(X), step)])
@@ -256,11 +312,11 @@ class Oracle:
 
     def _ask_black_box(self, X: np.ndarray) -> np.ndarray:
         """One call to the black box with the batch X (B, N, d); validated outputs (B,)."""
-        X = X.view()
-        X.flags.writeable = False  # a black box must not scribble on the learner's probes
         start = time.perf_counter()
         try:
-            raw = self.black_box(X)
+            # the black box gets its own writable copy: it cannot change the learner's
+            # probes, and libraries that want writable input (torch.as_tensor) do not warn
+            raw = self.black_box(X.copy())
         except BudgetExceededError as exc:
             # a remote budget refused part of the batch: only the answered prefix was spent
             answered = len(getattr(exc, "partial_outputs", X))
@@ -271,6 +327,9 @@ class Oracle:
             raise                  # already typed (e.g. an HTTP black box unreachable)
         except Exception as exc:   # the black box's own failure, typed and chained
             raise BlackBoxError(f"black box raised {type(exc).__name__}: {exc}") from exc
+        except SystemExit as exc:  # sys.exit() in a target must not end the run as success
+            raise BlackBoxError(f"black box called sys.exit({exc.code!r}) (a target must "
+                                f"return its answers, not exit)") from None
         finally:
             self.black_box_seconds += time.perf_counter() - start
         return validate_outputs(raw, len(X))
@@ -356,17 +415,43 @@ def evaluate_ragged(fn, sequences) -> np.ndarray:
 
 
 def validate_outputs(raw, batch: int) -> np.ndarray:
-    """Check a black box's answer to a batch of ``batch`` sequences; returns float64 (B,)."""
+    """Check a black box's answer to a batch of ``batch`` sequences; returns float64 (B,).
+
+    Only real numbers are answers: complex values (an imaginary part would be lost),
+    strings (even "1.5"), None and integers beyond float64's range are
+    :class:`MalformedOutputError`, never converted silently."""
     try:
-        out = np.asarray(raw, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
+        arr = np.asarray(raw)
+    except (TypeError, ValueError, OverflowError) as exc:
         raise MalformedOutputError(
             f"black box returned {type(raw).__name__} that is not an array of numbers: {exc}"
         ) from exc
-    if out.shape != (batch,):
+    if arr.shape != (batch,):
         raise MalformedOutputError(
-            f"black box returned shape {out.shape} for a batch of {batch} sequences; "
+            f"black box returned shape {arr.shape} for a batch of {batch} sequences; "
             f"expected ({batch},)")
+    kind = arr.dtype.kind
+    if kind == "O":                     # Python objects: real numbers only, each in range
+        items = arr.ravel().tolist()
+        for item in items:
+            if not isinstance(item, (int, float, np.integer, np.floating, np.bool_)):
+                raise MalformedOutputError(
+                    f"black box returned a {type(item).__name__} ({item!r:.60}) among its "
+                    f"answers; expected real numbers")
+        try:
+            arr = np.array([float(item) for item in items], dtype=np.float64).reshape(arr.shape)
+        except OverflowError:
+            raise MalformedOutputError(
+                "black box returned an integer beyond the float64 range (|x| > 1.8e308)") from None
+    elif kind == "c":
+        raise MalformedOutputError(
+            f"black box returned complex numbers ({arr.dtype}); expected real numbers (the "
+            f"imaginary part would be lost)")
+    elif kind not in "biuf":
+        raise MalformedOutputError(
+            f"black box returned {'strings' if kind in 'US' else arr.dtype} "
+            f"({type(raw).__name__} of {arr.dtype}), not an array of numbers")
+    out = arr.astype(np.float64)
     bad = ~np.isfinite(out)
     if bad.any():
         first = int(np.flatnonzero(bad)[0])

@@ -31,10 +31,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .errors import InputError
+from .errors import InputError, ModelMismatchError, RecoveryFailedError, RefusalWithResult
 from .report import ExtractionResult
 
 log = logging.getLogger(__name__)
+
+# added to a refusal by a learner that can model biases but was not asked to
+BIASES_HINT = ("a black box with query, value or output biases (as deployed layers have, "
+               "e.g. f([0]) != 0) is outside the bias-free class: extract with --biases "
+               "(API: biases=True)")
 
 # keyword arguments every learner takes; not "options"
 COMMON = ("oracle", "seed", "verify_tolerance")
@@ -171,7 +176,29 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
         options["verify_tolerance"] = verify_tolerance
     log.info("extracting %s (learner %s) at d = %d with %s", model, entry.name, oracle.dim,
              {k: v for k, v in options.items() if k != "fit_progress"} or "default options")
-    result = entry.function(oracle, seed=seed, **options)
+    # a journal's fingerprint queries are the box's answers too: counted in the result
+    from .verification import root_oracle
+    root = root_oracle(oracle)
+    checks = getattr(root, "check_queries", 0)
+    try:
+        result = entry.function(oracle, seed=seed, **options)
+    except RefusalWithResult as exc:
+        if "output_dtype" in accepted:     # a learner that can be told the precision
+            from .precision import name_the_options, stated_precision
+            try:
+                stated = stated_precision(options.get("output_dtype"), options.get("decimals"))
+            except InputError:             # the learner's own values: say nothing about them
+                stated = None
+            name_the_options(exc, stated)
+        if (isinstance(exc, (ModelMismatchError, RecoveryFailedError)) and "biases" in accepted
+                and not options.get("biases") and exc.args):
+            exc.args = (f"{exc.args[0]}; {BIASES_HINT}",) + exc.args[1:]
+        raise
+    fingerprint = getattr(root, "check_queries", 0) - checks
+    if fingerprint:
+        result.queries += fingerprint
+        result.report.queries += fingerprint
+        result.report.breakdown["journal fingerprint"] = fingerprint
     result.options = {"model": entry.name, "seed": seed,
                       **{k: v for k, v in options.items() if k != "fit_progress"}}
     return result

@@ -1,16 +1,17 @@
-"""Held-out verification that looks where impostors hide.
+"""Held-out verification over the domain the model will be used on.
 
 A recovered model is accepted only after the black box has answered sequences the
 learner never chose. Random short Gaussian sequences at the probes' scale are the
 easy part: a black box that differs from the model class only on long sequences,
-on large or tiny tokens, on sparse tokens or where attention is near one-hot passes
-them. The default held-out set therefore mixes these families (fractions of the
-``count`` sequences, every family at least one sequence):
+on large or tiny tokens, on sparse tokens, where every score is far from zero or
+where attention is near one-hot passes them. The held-out set therefore mixes these
+families (fractions of the ``count`` sequences, every family at least one sequence),
+each built by one small function (``_family_<name>``):
 
-``ordinary``   Gaussian tokens, lengths 1..16, at the model's scale and at d^-1/4
-               (what earlier versions used);
-``long``       lengths log-uniform in 2..L, L = max(256, 4 x the longest probe):
-               sliding windows, ALiBi, temperatures that depend on the length;
+``ordinary``   Gaussian tokens, lengths 1..16, at the model's scale and at d^-1/4;
+``long``       lengths spread evenly in log over 2..L, L the domain's longest length
+               (below), both ends always: truncated contexts, sliding windows, ALiBi,
+               temperatures or offsets that depend on the length;
 ``repeated``   long sequences built from one to three distinct tokens: position
                and count effects (a window or a sink shows at full strength);
 ``norms``      every sequence scaled by 10^U(-3, 3) (half with tokens of mixed
@@ -20,7 +21,31 @@ them. The default held-out set therefore mixes these families (fractions of the
                coordinate (a bias-like direction);
 ``peaked``     tokens scaled so that the model's own scores span about 30: attention
                near one-hot, where the softmax's tails are tested;
-``hull``       (single-head models) the second layer, below.
+``far``        every score of a head far below zero (-10 .. -1000) or far above,
+               while the scores stay within a few units of each other: an attention
+               sink (an extra logit the tokens' scores must beat), score clipping or
+               a saturating score map show there, nowhere else;
+``hull``       (single-head models) the second layer, below;
+``steps``, ``heads``  copy probes at a head's sigmoid step, and sequences where two
+               heads' attention patterns differ most (multi-head models).
+
+Then two checks that cost no query or few:
+
+``own``        the learner's own longest probes (kept by the oracle, answers already
+               measured) against the model: a learner that probes with 2,048 tokens
+               compares its model with those answers too;
+``search``     an adversarial stage: a few rounds that start from the worst held-out
+               sequences and move them in length (towards L), token norm (x or / 10^0.5)
+               and direction (a random turn), keeping the variants where model and black
+               box differ most. An effect that grows with length or norm is largest at
+               the edge of the domain, where random draws rarely land; the search walks
+               there. Its queries are part of ``count`` (SEARCH_SHARE of it).
+
+The domain. Lengths run over a geometric ladder 1..6, then x sqrt(2) up to L, with L
+the deployment's longest sequence (``max_length``, the oracle's or given) when known,
+else max(the longest sequence the learner sent, DEFAULT_LONGEST = 4096). No sequence
+longer than ``max_length`` is ever sent. The report states the verified lengths and
+token norms.
 
 Second layer: the nearest other members of the class. For a single head every
 output is a convex combination of the values of its tokens,
@@ -46,6 +71,14 @@ over the set: outputs scale with the tokens, so an honest model's error relative
 s_i K does not grow with the scale of the tokens, and a family of small tokens is
 judged against outputs of its own size, not against the largest family's. Rounding
 in float64 grows like eps_64 (d + N) |v| s_i, about 1e-13 relative at N = 1024, d = 384.
+Every comparison is scale-safe: K and the differences are computed on scaled values
+(as np.hypot does), so outputs of 1e-300 or 1e300 are judged like outputs of 1.
+
+The error bar. A learner that knows its model's relative parameter error e passes it
+(``expected_error``): the tolerance becomes max(CONSISTENCY_FACTOR e, CONSISTENCY_FLOOR)
+when that is tighter than the one asked for, and each sequence's allowance grows by
+SENSITIVITY e times the reach of the model's scores on it (max_i |x_i| |x_N| |W_h|):
+a model known to 1e-13 that misses the black box by 1e-8 is not the black box's model.
 """
 
 from __future__ import annotations
@@ -57,18 +90,33 @@ import numpy as np
 
 from .oracle import live_queries
 
-MIN_LONGEST = 256             # held-out lengths reach at least this
-LENGTH_FACTOR = 4             # ... and 4 x the longest probe
+DEFAULT_LONGEST = 4096        # held-out lengths reach at least this (unless max_length)
 ORDINARY_LENGTH = 16
 HULL_FRACTION = 1e-4          # hull tolerance = this x the output tolerance
 HULL_MIN_SPREAD = 1e-2        # hull violations relative to at least this x the token norm
 SCALE_CAP = 100.0            # token scales stop at this x d^-1/4
 PEAK_SPREAD = 30.0            # model scores span about this on the "peaked" family
-FAMILIES = {"ordinary": 0.12, "long": 0.2, "repeated": 0.12, "norms": 0.16, "sparse": 0.12,
-            "peaked": 0.1, "hull": 0.25, "steps": 0.1, "heads": 0.1}
+FAR_SCORES = (1.0, 3.0)       # "far": every score near -+10^U(1, 3)
+FAR_SPREAD = 2.0              # ... within +-this of each other (soft attention among them)
+FAMILIES = {"ordinary": 0.1, "long": 0.2, "repeated": 0.1, "norms": 0.14, "sparse": 0.1,
+            "peaked": 0.08, "far": 0.12, "hull": 0.25, "steps": 0.1, "heads": 0.1}
 SECOND_LAYER = {"hull", "steps", "heads"}   # families that need the model (see design)
 HEADS_OVERSAMPLE = 8          # candidates drawn per "heads" sequence kept
 HULL_CANDIDATES = 6           # candidate orders drawn per hull sequence kept
+SEARCH_SHARE = 0.2            # share of the count the adversarial search asks
+SEARCH_ROUNDS = 3
+SEARCH_MIN = 6                # a count below this searches nothing
+REPLAY_FRACTION = 0.125       # at most this share of the check re-asks learner queries
+# the error bar (see the module docstring)
+CONSISTENCY_FACTOR = 1e3
+CONSISTENCY_FLOOR = 1e-10
+SENSITIVITY = 4.0
+# expected_error="measured" (learners without an error bar of their own): the bar is the
+# model's error on the learner's own answered queries, at least MEASURED_ROUNDING d eps_64,
+# and the tolerance at least MEASURED_FLOOR (held-out errors of honest models run up to
+# ~1e4 x their error on the probes: 1.3e-10 measured on a Transformer layer at d = 8)
+MEASURED_ROUNDING = 100.0
+MEASURED_FLOOR = 1e-9
 
 
 @dataclass
@@ -78,6 +126,7 @@ class HeldOutSet:
     ``hull`` lists (i, singles): sequence i and the indices of the length-1 sequences
     [x] of each of its tokens (also in ``sequences``). ``replay`` lists (x, y): sequence
     x was answered y during recovery (:func:`add_replays`; not in ``sequences``).
+    ``longest`` is L, the longest length the design could use.
     """
 
     sequences: list
@@ -87,6 +136,7 @@ class HeldOutSet:
     # per hull pair: the model's output change per unit of token displacement across the
     # pool (FFN regions: |A_S^T w_S|), or 0 to judge the pair against K (single heads)
     hull_slope: list = field(default_factory=list)
+    longest: int = 0
 
     @property
     def lengths(self) -> tuple[int, int]:
@@ -94,9 +144,17 @@ class HeldOutSet:
         return min(n), max(n)
 
 
-def longest_length(probe_length: int | None = None) -> int:
-    """L = max(256, 4 x the longest probe)."""
-    return max(MIN_LONGEST, LENGTH_FACTOR * int(probe_length or 1))
+def max_length_of(oracle) -> int | None:
+    """The ``max_length`` of the Oracle under ``oracle`` (a learner's view), or None."""
+    return getattr(root_oracle(oracle), "max_length", None)
+
+
+def longest_length(probe_length: int | None = None, max_length: int | None = None) -> int:
+    """L, the longest held-out length: ``max_length`` when given (the deployment's
+    context), else max(DEFAULT_LONGEST, the longest probe)."""
+    if max_length:
+        return int(max_length)
+    return max(DEFAULT_LONGEST, int(probe_length or 1))
 
 
 def _split(count: int, second: set) -> dict[str, int]:
@@ -110,28 +168,231 @@ def _split(count: int, second: set) -> dict[str, int]:
 
 
 def length_grid(longest: int) -> np.ndarray:
-    """The lengths held-out sequences take: 1..6, then steps of ~1.4x up to ``longest``.
+    """The lengths held-out sequences take: 1..6, then steps of ~1.4x up to ``longest``
+    (a geometric ladder; ``longest`` itself always).
 
     Sequences are sent one batch per length, so a grid keeps the black-box calls few
-    (about 20 for L = 256) while still covering every scale of length.
+    (about 30 for L = 4096) while still covering every scale of length.
     """
-    grid = {1, 2, 3, 4, 5, 6, int(longest)}
+    longest = max(1, int(longest))
+    grid = {k for k in (1, 2, 3, 4, 5, 6) if k <= longest} | {longest}
     x = 6.0
     while x < longest:
         x *= math.sqrt(2.0)
-        grid.add(min(int(round(x)), int(longest)))
+        grid.add(min(int(round(x)), longest))
     return np.array(sorted(grid))
 
 
 def _log_uniform_int(rng, lo, hi, size, grid):
     """Lengths in lo..hi, log-uniform, snapped to the lengths of ``grid`` in that range."""
+    hi = max(min(hi, int(grid.max())), 1)
+    lo = min(lo, hi)
     grid = grid[(grid >= lo) & (grid <= hi)]
     x = rng.uniform(math.log(lo), math.log(hi + 1), size)
     return grid[np.abs(np.log(grid)[None, :] - x[:, None]).argmin(axis=1)]
 
 
+@dataclass
+class _Domain:
+    """What every family function needs: width, scales, lengths and the model's heads."""
+
+    d: int
+    rng: np.random.Generator
+    scale: float                  # per-coordinate scale where the model's scores are O(1)
+    anchor: float                 # d^-1/4
+    low: float                    # min(scale, anchor)
+    longest: int                  # L
+    grid: np.ndarray              # length_grid(L)
+    W: np.ndarray | None          # one head (d, d) (single head or FFN view), else None
+    heads: tuple | None           # (W (H, d, d), v (H, d)) of a multi-head model
+
+    def lengths(self, lo, hi, n):
+        return _log_uniform_int(self.rng, lo, hi, n, self.grid)
+
+    def score_heads(self) -> np.ndarray | None:
+        """The model's score matrices (H, d, d), or None without any."""
+        if self.W is not None and np.ndim(self.W) == 2:
+            return np.asarray(self.W, dtype=float)[None]
+        return None if self.heads is None else self.heads[0]
+
+
+def _family_ordinary(dom: _Domain, n: int) -> list:
+    """Lengths 1..16, scale c or d^-1/4, times 1/2, 1 or 2."""
+    base = np.where(np.arange(n) % 2 == 0, dom.scale, dom.anchor) * dom.rng.choice([0.5, 1.0, 2.0], n)
+    return [b * dom.rng.standard_normal((int(k), dom.d))
+            for b, k in zip(base, dom.lengths(1, ORDINARY_LENGTH, n))]
+
+
+def _family_long(dom: _Domain, n: int) -> list:
+    """Lengths stratified in log over 2..L (L itself at both scales)."""
+    base = np.where(np.arange(n) % 2 == 0, dom.scale, dom.anchor)
+    top = math.log(max(dom.longest, 2))
+    # stratified: every stretch of the log range gets its share, whatever the draw
+    x = math.log(2) + (top - math.log(2)) * (dom.rng.permutation(n) + dom.rng.uniform(size=n)) / max(n, 1)
+    lengths = dom.grid[np.abs(np.log(dom.grid)[None, :] - x[:, None]).argmin(axis=1)]
+    lengths = np.maximum(lengths, min(2, dom.longest))
+    lengths[:2] = dom.longest                 # the longest length always, at both scales
+    return [b * dom.rng.standard_normal((int(k), dom.d)) for b, k in zip(base, lengths)]
+
+
+def _family_repeated(dom: _Domain, n: int) -> list:
+    """One to three distinct tokens, repeated in runs or at random, lengths 16..L."""
+    out = []
+    for i, k in enumerate(dom.lengths(16, dom.longest, n)):
+        b = dom.scale if i % 2 == 0 else dom.anchor
+        pool = b * dom.rng.standard_normal((1 + i % 3, dom.d))
+        pick = (np.sort(dom.rng.integers(0, len(pool), int(k))) if i % 2
+                else dom.rng.integers(0, len(pool), int(k)))
+        x = pool[pick]
+        if i % 4 == 3:
+            x[-1] = b * dom.rng.standard_normal(dom.d)     # sometimes a fresh query token
+        out.append(x)
+    return out
+
+
+def _family_norms(dom: _Domain, n: int) -> list:
+    """Per-sequence factor 10^U(-3, 3), stratified; half with mixed norms inside."""
+    out = []
+    exponents = -3.0 + 6.0 * (dom.rng.permutation(n) + dom.rng.uniform(size=n)) / max(n, 1)
+    for i, k in enumerate(dom.lengths(1, 64, n)):
+        x = dom.low * 10.0 ** exponents[i] * dom.rng.standard_normal((int(k), dom.d))
+        if i % 2:
+            x *= 10.0 ** dom.rng.uniform(-2, 2, size=(int(k), 1))
+        out.append(x)
+    return out
+
+
+def _family_sparse(dom: _Domain, n: int) -> list:
+    """One-hot tokens, two-hot tokens, and Gaussian tokens with a constant coordinate."""
+    d, rng, out = dom.d, dom.rng, []
+    for i, k in enumerate(dom.lengths(1, 64, n)):
+        k = int(k)
+        b = (dom.scale if i % 2 == 0 else dom.anchor) * math.sqrt(d) * 10.0 ** rng.uniform(-1, 1)
+        kind = i % 3
+        x = np.zeros((k, d))
+        if kind == 0:      # one-hot tokens e_j of random signs and sizes
+            x[np.arange(k), rng.integers(0, d, k)] = b * rng.choice([-1.0, 1.0], k) * rng.uniform(0.5, 2, k)
+        elif kind == 1:    # two-hot
+            for t in range(k):
+                x[t, rng.choice(d, size=min(2, d), replace=False)] = b * rng.standard_normal(min(2, d))
+        else:              # Gaussian tokens with one coordinate held constant
+            x = (b / math.sqrt(d)) * rng.standard_normal((k, d))
+            x[:, rng.integers(d)] = b * rng.choice([-1.0, 1.0]) * rng.uniform(0.5, 2)
+        out.append(x)
+    return out
+
+
+def _family_peaked(dom: _Domain, n: int) -> list:
+    """Tokens scaled so that the model's scores span ~PEAK_SPREAD (attention near one-hot)."""
+    heads, out = dom.score_heads(), []
+    for k in dom.lengths(2, 64, n):
+        x = dom.rng.standard_normal((int(k), dom.d))
+        if heads is not None:
+            s = np.einsum("nd,hde,e->hn", x, heads, x[-1])
+            spread = float((s.max(axis=1) - s.min(axis=1)).max())
+            c = (math.sqrt(PEAK_SPREAD * 10.0 ** dom.rng.uniform(-0.5, 0.5) / spread)
+                 if spread > 0 else dom.scale)
+            c = min(c, 1e3 * dom.low)
+        else:
+            c = dom.scale * math.sqrt(PEAK_SPREAD) * 10.0 ** dom.rng.uniform(-0.25, 0.25)
+        out.append(c * x)
+    return out
+
+
+def _family_far(dom: _Domain, n: int) -> list:
+    """Every score of one head near -S (even i) or +S (odd i), log10 S stratified over
+    FAR_SCORES = (1, 3) for each sign, the scores within +-FAR_SPREAD of each other.
+
+    The query token q is an eigenvector of W_h's symmetric part with the most negative
+    (positive) eigenvalue lambda, scaled so that q^T W_h q = -+S; every other token is
+    r_i + (t_i - r_i^T w) w / |w|^2 with w = W_h q, r_i Gaussian of |q|'s size and t_i
+    its target score, so that x_i^T W_h q = t_i exactly. When lambda has the wrong sign
+    (W_h's symmetric part definite), the query's own score stays near 0 and the other
+    tokens are still far. Models without heads get ordinary sequences instead.
+    """
+    heads = dom.score_heads()
+    if heads is None:
+        return _family_ordinary(dom, n)
+    rng, d, out = dom.rng, dom.d, []
+    # log S stratified per sign: each sign's sequences cover FAR_SCORES evenly, the top
+    # stretch always (an extra logit at -b is seen only where every score is below -b)
+    exponents = np.empty(n)
+    for sign_index in (0, 1):
+        m = len(range(sign_index, n, 2))
+        strata = (rng.permutation(m) + rng.uniform(size=m)) / max(m, 1)
+        exponents[sign_index::2] = FAR_SCORES[0] + (FAR_SCORES[1] - FAR_SCORES[0]) * strata
+    for i, k in enumerate(dom.lengths(2, min(dom.longest, 256), n)):
+        W = heads[i % len(heads)]
+        sign = -1.0 if i % 2 == 0 else 1.0
+        S = 10.0 ** exponents[i]
+        lam, vecs = np.linalg.eigh(0.5 * (W + W.T))
+        j = int(np.argmin(lam)) if sign < 0 else int(np.argmax(lam))
+        if lam[j] * sign > 0:
+            q = vecs[:, j] * math.sqrt(S / abs(lam[j]))
+        else:                           # no direction of that sign: the smallest |lambda|
+            j = int(np.argmin(np.abs(lam)))
+            q = vecs[:, j] * math.sqrt(S / max(float(np.abs(lam).max()), 1e-300))
+        # no larger than the peaked family's tokens: beyond, a W ~ 0 is known only to its
+        # noise (the scores stay as far as that norm allows)
+        cap = 1e3 * dom.low * math.sqrt(d)
+        if np.linalg.norm(q) > cap:
+            q *= cap / np.linalg.norm(q)
+        q = q + 1e-3 * np.linalg.norm(q) / math.sqrt(d) * rng.standard_normal(d)
+        w = W @ q
+        ww = float(w @ w)
+        if not (ww > 0 and np.all(np.isfinite(q))):
+            out.append(dom.scale * rng.standard_normal((int(k), d)))
+            continue
+        R = (np.linalg.norm(q) / math.sqrt(d)) * rng.standard_normal((int(k) - 1, d))
+        # scores a token within the cap can reach: |t| <= |w| cap / 2
+        S = min(S, 0.5 * math.sqrt(ww) * cap)
+        t = sign * S + min(FAR_SPREAD, S) * rng.uniform(-1.0, 1.0, int(k) - 1)
+        X = R + ((t - R @ w) / ww)[:, None] * w[None, :]
+        out.append(np.vstack([X, q[None]]))
+    return out
+
+
+def _family_steps(dom: _Domain, n: int) -> list:
+    if dom.longest < 4:                 # no room for a copy probe's counts
+        return _family_ordinary(dom, n)
+    return _step_sequences(dom.score_heads(), n, dom.rng, dom.scale, dom.longest, dom.grid)
+
+
+def _family_heads(dom: _Domain, n: int) -> list:
+    return _separating_sequences(dom.heads[0], dom.heads[1], n, dom.rng, dom.scale, dom.grid)
+
+
+FIRST_LAYER = {"ordinary": _family_ordinary, "long": _family_long,
+               "repeated": _family_repeated, "norms": _family_norms,
+               "sparse": _family_sparse, "peaked": _family_peaked, "far": _family_far,
+               "steps": _family_steps, "heads": _family_heads}
+
+
+def _hull_single(dom: _Domain, n: int, v, hull_v):
+    """Pool tokens orthogonal to v (each a length-1 sequence), then sequences of them:
+    (pool (p, d), [indices into the pool per sequence])."""
+    d, rng = dom.d, dom.rng
+    pool_size = max(1, min(n // 2, 2 * d))
+    n_seq = n - pool_size
+    u = np.asarray(hull_v if hull_v is not None and np.any(hull_v) else v, dtype=float)
+    u = u / np.abs(u).max()                         # scaled first: |v| of 1e-300 or 1e300
+    u = u / np.linalg.norm(u)
+    P = rng.standard_normal((pool_size, d))
+    P -= np.outer(P @ u, u)
+    P -= np.outer(P @ u, u)                         # twice: orthogonal to rounding
+    norms = np.linalg.norm(P, axis=1, keepdims=True)
+    P = P / np.where(norms > 0, norms, 1.0)
+    # from where attention is soft (half the pool: where a second head shows) to
+    # where it is near one-hot
+    top = np.where(np.arange(pool_size) % 2 == 0, 0.5, 1.5)[:, None]
+    P *= max(dom.scale, dom.anchor) * math.sqrt(d) * 10.0 ** rng.uniform(-0.5, top, (pool_size, 1))
+    picks = [_soft_pick(dom.W, P, int(k), rng) for k in dom.lengths(2, min(dom.longest, 64), n_seq)]
+    return P, picks
+
+
 def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *,
-           probe_length: int | None = None, model=None, hull_v=None) -> HeldOutSet:
+           probe_length: int | None = None, max_length: int | None = None, model=None,
+           hull_v=None) -> HeldOutSet:
     """The default held-out set: ``count`` sequences (N_i, dim) in the families above.
 
     Parameters
@@ -144,10 +405,13 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
     scale : float
         Per-coordinate token scale c where the model's scores are of order one.
     probe_length : int, optional
-        The longest probe the learner sent (sets L).
+        The longest sequence the learner sent (L is at least this).
+    max_length : int, optional
+        The longest sequence the black box accepts: L is exactly this when given.
     model : optional
         The recovered model: a single head (W, v) adds the hull family and sets the
-        scale of the ``peaked`` family; other models get the first layer only.
+        scale of the ``peaked`` and ``far`` families; other models get the first layer
+        (and their heads' ``far``, ``steps`` and ``heads`` families).
     hull_v : array (d,), optional
         Put the hull tokens orthogonal to this v (the black box's own, measured)
         instead of the model's.
@@ -169,13 +433,14 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
     second = ({"hull", "steps"} if single or ffn is not None else
               {"steps", "heads"} if heads is not None and count >= 16 else set())
     sizes = _split(count, second)
-    L = longest_length(probe_length)
-    grid = length_grid(L)
+    L = longest_length(probe_length, max_length)
     anchor = d ** -0.25
     # A model with W ~ 0 (rounding noise) has an enormous token scale; beyond ~100 x the
     # d^-1/4 anchor its W is known only to that noise, so the scale stops there.
     scale = min(scale, SCALE_CAP * anchor)
-    low = min(scale, anchor)
+    dom = _Domain(d=d, rng=rng, scale=scale, anchor=anchor, low=min(scale, anchor), longest=L,
+                  grid=length_grid(L), W=W if (single or ffn is not None) else None,
+                  heads=heads)
     seqs, fam = [], []
 
     def add(name, xs):
@@ -183,90 +448,14 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
             seqs.append(np.ascontiguousarray(x, dtype=np.float64))
             fam.append(name)
 
-    # ordinary: lengths 1..16, scale c or d^-1/4, times 1/2, 1 or 2
-    n = sizes["ordinary"]
-    base = np.where(np.arange(n) % 2 == 0, scale, anchor) * rng.choice([0.5, 1.0, 2.0], n)
-    add("ordinary", [b * rng.standard_normal((int(k), d))
-                     for b, k in zip(base, _log_uniform_int(rng, 1, ORDINARY_LENGTH, n, grid))])
-    # long: log-uniform lengths up to L
-    n = sizes.get("long", 0)
-    base = np.where(np.arange(n) % 2 == 0, scale, anchor)
-    lengths = _log_uniform_int(rng, 2, L, n, grid)
-    lengths[:2] = L                       # the longest length always, at both scales
-    add("long", [b * rng.standard_normal((int(k), d)) for b, k in zip(base, lengths)])
-    # repeated: one to three distinct tokens, repeated in runs or at random
-    n = sizes.get("repeated", 0)
-    out = []
-    for i, k in enumerate(_log_uniform_int(rng, 16, L, n, grid)):
-        b = scale if i % 2 == 0 else anchor
-        pool = b * rng.standard_normal((1 + i % 3, d))
-        pick = np.sort(rng.integers(0, len(pool), int(k))) if i % 2 else rng.integers(0, len(pool), int(k))
-        x = pool[pick]
-        x[-1] = b * rng.standard_normal(d) if i % 4 == 3 else x[-1]   # sometimes a fresh query token
-        out.append(x)
-    add("repeated", out)
-    # norms: per-sequence factor 10^U(-3, 3); half with mixed norms inside a sequence
-    n = sizes.get("norms", 0)
-    out = []
-    # stratified: every decade of the range gets its share, whatever the draw
-    exponents = -3.0 + 6.0 * (rng.permutation(n) + rng.uniform(size=n)) / max(n, 1)
-    for i, k in enumerate(_log_uniform_int(rng, 1, 64, n, grid)):
-        x = low * 10.0 ** exponents[i] * rng.standard_normal((int(k), d))
-        if i % 2:
-            x *= 10.0 ** rng.uniform(-2, 2, size=(int(k), 1))
-        out.append(x)
-    add("norms", out)
-    # sparse: one-hot, two-hot, and a constant coordinate
-    n = sizes.get("sparse", 0)
-    out = []
-    for i, k in enumerate(_log_uniform_int(rng, 1, 64, n, grid)):
-        k = int(k)
-        b = (scale if i % 2 == 0 else anchor) * math.sqrt(d) * 10.0 ** rng.uniform(-1, 1)
-        kind = i % 3
-        x = np.zeros((k, d))
-        if kind == 0:      # one-hot tokens e_j of random signs and sizes
-            x[np.arange(k), rng.integers(0, d, k)] = b * rng.choice([-1.0, 1.0], k) * rng.uniform(0.5, 2, k)
-        elif kind == 1:    # two-hot
-            for t in range(k):
-                x[t, rng.choice(d, size=min(2, d), replace=False)] = b * rng.standard_normal(min(2, d))
-        else:              # Gaussian tokens with one coordinate held constant
-            x = (b / math.sqrt(d)) * rng.standard_normal((k, d))
-            x[:, rng.integers(d)] = b * rng.choice([-1.0, 1.0]) * rng.uniform(0.5, 2)
-        out.append(x)
-    add("sparse", out)
-    # peaked: the model's scores span ~PEAK_SPREAD (attention near one-hot)
-    n = sizes.get("peaked", 0)
-    out = []
-    for i, k in enumerate(_log_uniform_int(rng, 2, 64, n, grid)):
-        x = rng.standard_normal((int(k), d))
-        if W is not None and np.ndim(W) == 2:
-            s = x @ (W @ x[-1])
-            spread = float(s.max() - s.min())
-            c = math.sqrt(PEAK_SPREAD * 10.0 ** rng.uniform(-0.5, 0.5) / spread) if spread > 0 else scale
-            c = min(c, 1e3 * low)
-        elif heads is not None:
-            s = np.einsum("nd,hde,e->hn", x, heads[0], x[-1])
-            spread = float((s.max(axis=1) - s.min(axis=1)).max())
-            c = math.sqrt(PEAK_SPREAD * 10.0 ** rng.uniform(-0.5, 0.5) / spread) if spread > 0 else scale
-            c = min(c, 1e3 * low)
-        else:
-            c = scale * math.sqrt(PEAK_SPREAD) * 10.0 ** rng.uniform(-0.25, 0.25)
-        out.append(c * x)
-    add("peaked", out)
-    # steps: copy probes [a; ...; a; q; ...; q], a = q + u, at a head's sigmoid step
-    n = sizes.get("steps", 0)
-    if n:
-        step_heads = heads[0] if heads is not None else np.asarray(W, dtype=float)[None]
-        add("steps", _step_sequences(step_heads, n, rng, scale, L, grid))
-    # heads: where two heads' attention patterns differ most
-    n = sizes.get("heads", 0)
-    if n:
-        add("heads", _separating_sequences(heads[0], heads[1], n, rng, scale, grid))
+    for name, build in FIRST_LAYER.items():
+        if sizes.get(name, 0):
+            add(name, build(dom, sizes[name]))
     # hull pairs: tokens orthogonal to v, then each token alone
     hull, hull_slope = [], []
     if ffn is not None and sizes.get("hull", 0) >= 4:
         first = len(seqs)
-        pools, pairs, slopes = _ffn_hull(ffn, sizes["hull"], rng, max(scale, anchor), L, grid)
+        pools, pairs, slopes = _ffn_hull(ffn, sizes["hull"], rng, max(scale, anchor), L, dom.grid)
         for pool in pools:
             add("hull", [p[None] for p in pool])
         offsets = np.cumsum([first] + [len(pool) for pool in pools])
@@ -275,29 +464,14 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
             hull_slope.append(slopes[c])
             add("hull", [pools[c][pick]])
     if single and sizes.get("hull", 0) >= 2:
-        n = sizes["hull"]
-        pool_size = max(1, min(n // 2, 2 * d))
-        n_seq = n - pool_size
-        u = np.asarray(hull_v if hull_v is not None and np.any(hull_v) else v, dtype=float)
-        u = u / np.linalg.norm(u)
-        P = rng.standard_normal((pool_size, d))
-        P -= np.outer(P @ u, u)
-        P -= np.outer(P @ u, u)                         # twice: orthogonal to rounding
-        norms = np.linalg.norm(P, axis=1, keepdims=True)
-        P = P / np.where(norms > 0, norms, 1.0)
-        # from where attention is soft (half the pool: where a second head shows) to
-        # where it is near one-hot
-        top = np.where(np.arange(pool_size) % 2 == 0, 0.5, 1.5)[:, None]
-        P *= max(scale, anchor) * math.sqrt(d) * 10.0 ** rng.uniform(-0.5, top, (pool_size, 1))
+        P, picks = _hull_single(dom, sizes["hull"], v, hull_v)
         first = len(seqs)
         add("hull", [p[None] for p in P])
-        singles = np.arange(first, first + pool_size)
-        for k in _log_uniform_int(rng, 2, min(L, 64), n_seq, grid):
-            pick = _soft_pick(W, P, int(k), rng)
-            hull.append((len(seqs), singles[pick]))
+        for pick in picks:
+            hull.append((len(seqs), first + pick))
             hull_slope.append(0.0)
             add("hull", [P[pick]])
-    return HeldOutSet(sequences=seqs, family=fam, hull=hull, hull_slope=hull_slope)
+    return HeldOutSet(sequences=seqs, family=fam, hull=hull, hull_slope=hull_slope, longest=L)
 
 
 def _soft_pick(W: np.ndarray, P: np.ndarray, k: int, rng, candidates: int = HULL_CANDIDATES):
@@ -466,9 +640,6 @@ def _separating_sequences(W: np.ndarray, v: np.ndarray, count: int, rng, scale: 
     return [cands[i] for i in np.argsort(merit)[::-1][:count]]
 
 
-REPLAY_FRACTION = 0.125       # at most this share of the check re-asks learner queries
-
-
 def root_oracle(oracle):
     """The :class:`attnextract.oracle.Oracle` under a learner's view of it (``.base``)."""
     from .oracle import Oracle
@@ -488,42 +659,85 @@ def add_replays(held: HeldOutSet, oracle, count: int) -> HeldOutSet:
     return held
 
 
-def score_spread(model, sequences) -> np.ndarray:
-    """Largest range max_i s_i - min_i s_i of any head's scores s = X W_h x_N per
-    sequence, shape (len(sequences),); zeros for a model without W."""
+def is_biased(model) -> bool:
+    """True for the biased attention classes (query biases b, output constant c)."""
+    return str(getattr(model, "kind", "")).startswith("biased-")
+
+
+def _head_norms(model) -> np.ndarray | None:
     W = getattr(model, "W", None)
     if W is None or np.size(W) == 0:
-        return np.zeros(len(sequences))
+        return None
     W = np.asarray(W, dtype=float)
-    W = W[None] if W.ndim == 2 else W
-    out = np.empty(len(sequences))
-    for i, X in enumerate(sequences):
-        s = np.einsum("nd,hd->hn", X, np.einsum("hde,e->hd", W, X[-1]))
-        out[i] = float((s.max(axis=1) - s.min(axis=1)).max())
-    return out
+    return np.linalg.norm(W.reshape((-1,) + W.shape[-2:]), axis=(1, 2))
+
+
+def score_reach(model, sequences) -> np.ndarray:
+    """max_h |W_h|_F x max_i |x_i| x |x_N| per sequence, shape (len(sequences),): a bound
+    on every score, so e times it bounds a score's error when W is known to relative
+    error e. Zeros for a model without W."""
+    norms = _head_norms(model)
+    if norms is None:
+        return np.zeros(len(sequences))
+    top = float(norms.max())
+    return np.array([top * _safe_norm(X).max() * _safe_norm(X[-1:])[0] for X in sequences])
+
+
+def _safe_norm(X: np.ndarray) -> np.ndarray:
+    """Row norms of X (n, d) without overflow or underflow (scaled first, as np.hypot)."""
+    X = np.atleast_2d(X)
+    m = np.abs(X).max(axis=1)
+    safe = np.where(m > 0, m, 1.0)
+    return m * np.sqrt(((X / safe[:, None]) ** 2).sum(axis=1))
 
 
 def token_norms(sequences) -> np.ndarray:
     """Largest token norm of each sequence, shape (len(sequences),)."""
-    return np.array([float(np.linalg.norm(s, axis=1).max()) for s in sequences])
+    return np.array([float(_safe_norm(s).max()) for s in sequences])
 
 
 def output_scale(observed: np.ndarray, norms: np.ndarray) -> float:
-    """K = rms of f_j / s_j: the black box's output per unit of token norm."""
-    with np.errstate(divide="ignore", invalid="ignore"):
+    """K = rms of f_j / s_j: the black box's output per unit of token norm (computed on
+    values scaled by their largest, so outputs of 1e300 do not overflow)."""
+    observed, norms = np.asarray(observed, dtype=float), np.asarray(norms, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         r = np.where(norms > 0, observed / np.where(norms > 0, norms, 1.0), 0.0)
-    return math.sqrt(float(np.mean(r ** 2))) if r.size else 0.0
+    r = r[np.isfinite(r)]
+    if not r.size:
+        return 0.0
+    top = float(np.abs(r).max())
+    return top * math.sqrt(float(np.mean((r / top) ** 2))) if top > 0 else 0.0
 
 
-def scaled_relative_errors(predicted, observed, norms, reference=None) -> np.ndarray:
+def _difference(predicted, observed) -> np.ndarray:
+    """|predicted - observed| without overflow (halved first where the difference is inf)."""
+    predicted = np.atleast_1d(np.asarray(predicted, dtype=float))
+    observed = np.atleast_1d(np.asarray(observed, dtype=float))
+    with np.errstate(over="ignore", invalid="ignore"):
+        diff = np.abs(predicted - observed)
+    wide = ~np.isfinite(diff) & np.isfinite(predicted) & np.isfinite(observed)
+    diff[wide] = 2.0 * np.abs(0.5 * predicted[wide] - 0.5 * observed[wide])   # inf if > max
+    return diff
+
+
+def scaled_relative_errors(predicted, observed, norms, reference=None, K=None) -> np.ndarray:
     """|predicted - observed| / max(|observed|, s K) per sequence (see the module docstring).
 
     ``reference`` (boolean mask) picks the sequences K is computed from (default all);
-    the hull family, built to answer ~0, is left out of it."""
-    K = output_scale(observed[reference] if reference is not None else observed,
-                     norms[reference] if reference is not None else norms)
-    denom = np.maximum(np.abs(observed), np.maximum(norms * K, np.finfo(float).tiny))
-    return np.abs(predicted - observed) / denom
+    the hull family, built to answer ~0, is left out of it. ``K`` given: used as is.
+    Scale-safe: outputs from 1e-300 to 1e300 give the same errors as outputs of 1."""
+    observed, norms = np.asarray(observed, dtype=float), np.asarray(norms, dtype=float)
+    if K is None:
+        K = output_scale(observed[reference] if reference is not None else observed,
+                         norms[reference] if reference is not None else norms)
+    with np.errstate(over="ignore"):
+        denom = np.maximum(np.abs(observed), np.maximum(norms * K, np.finfo(float).tiny))
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        out = _difference(predicted, observed) / denom
+        # a difference beyond the float64 range: compare halves (an error > 1 anyway)
+        big = ~np.isfinite(out)
+        out[big] = np.where(np.isfinite(np.asarray(predicted, dtype=float)[big]), 2.0, np.inf)
+    return out
 
 
 def hull_violations(held: HeldOutSet, observed: np.ndarray, norms: np.ndarray) -> np.ndarray:
@@ -542,11 +756,14 @@ def hull_violations(held: HeldOutSet, observed: np.ndarray, norms: np.ndarray) -
     out = np.empty(len(held.hull))
     for j, (i, singles) in enumerate(held.hull):
         lo, hi = observed[singles].min(), observed[singles].max()
-        gap = max(0.0, observed[i] - hi, lo - observed[i])
+        gap = max(0.0, float(_difference(observed[i], hi)[0]) if observed[i] > hi else 0.0,
+                  float(_difference(lo, observed[i])[0]) if observed[i] < lo else 0.0)
         X = held.sequences[i]
-        spread = float(np.linalg.norm(X - X.mean(axis=0), axis=1).max())
+        spread = float(_safe_norm(X - X.mean(axis=0)).max())
         slope = slopes[j] if slopes[j] > 0 else K
-        out[j] = gap / max(max(spread, HULL_MIN_SPREAD * norms[i]) * slope, np.finfo(float).tiny)
+        with np.errstate(over="ignore"):
+            out[j] = gap / max(max(spread, HULL_MIN_SPREAD * norms[i]) * slope,
+                               np.finfo(float).tiny)
     return out
 
 
@@ -560,6 +777,9 @@ class Check:
     observed: np.ndarray
     predicted: np.ndarray
     lengths: tuple
+    norms: tuple = (0.0, 0.0)       # smallest and largest token norm sent
+    search_queries: int = 0
+    own_probes: int = 0
 
     def worst_family(self) -> str:
         return self.family[int(np.argmax(self.errors))] if self.errors.size else ""
@@ -571,7 +791,25 @@ class Check:
         return out
 
 
-def run_check(oracle, model, held: HeldOutSet) -> Check:
+class _Judge:
+    """Errors of sequences against a fixed K, each scaled to the tolerance by its
+    allowance (tolerance + SENSITIVITY e reach) when the model has an error bar e."""
+
+    def __init__(self, model, K: float, tolerance: float, bar: float | None):
+        self.model, self.K, self.tolerance, self.bar = model, K, tolerance, bar
+
+    def __call__(self, sequences, predicted, observed) -> np.ndarray:
+        if is_biased(self.model):               # judged without the output constant c
+            predicted, observed = predicted - self.model.c, observed - self.model.c
+        errors = scaled_relative_errors(predicted, observed, token_norms(sequences), K=self.K)
+        if self.bar:
+            reach = score_reach(self.model, sequences)
+            errors = errors * self.tolerance / (self.tolerance + SENSITIVITY * self.bar * reach)
+        return errors
+
+
+def run_check(oracle, model, held: HeldOutSet, *, tolerance: float = 1e-7,
+              bar: float | None = None) -> Check:
     """Ask the black box every held-out sequence (one batch per length); compare."""
     from .oracle import evaluate_ragged
     with live_queries(oracle):          # the live black box, never a journal's answers
@@ -579,8 +817,15 @@ def run_check(oracle, model, held: HeldOutSet) -> Check:
     predicted = evaluate_ragged(model, held.sequences)
     norms = token_norms(held.sequences)
     reference = np.array([f != "hull" for f in held.family])
-    errors = scaled_relative_errors(predicted, observed, norms, reference)
-    hull = hull_violations(held, observed, norms)
+    # a biased model's output constant c is taken off both sides (here and in _Judge):
+    # the errors are then judged against the part that scales with the tokens (a box
+    # whose constant differs shows at small tokens, where its f - c does not vanish),
+    # and the hull intervals are unchanged by a common shift
+    offset = float(model.c) if is_biased(model) else 0.0
+    K = output_scale(observed[reference] - offset, norms[reference])
+    judge = _Judge(model, K, tolerance, bar)
+    errors = judge(held.sequences, predicted, observed)
+    hull = hull_violations(held, observed - offset, norms)
     family = list(held.family)
     if held.replay:
         # the answer now against the answer the learner was given (root oracle, live)
@@ -592,14 +837,245 @@ def run_check(oracle, model, held: HeldOutSet) -> Check:
         errors = np.concatenate([errors, scaled_relative_errors(now, then, token_norms(xs))])
         observed, predicted = np.concatenate([observed, now]), np.concatenate([predicted, then])
         family += ["replay"] * len(xs)
+    positive = norms[norms > 0]
     return Check(errors=errors, family=family, hull=hull, observed=observed,
-                 predicted=predicted, lengths=held.lengths)
+                 predicted=predicted, lengths=held.lengths,
+                 norms=(float(positive.min()) if positive.size else 0.0, float(norms.max())))
 
 
-def looks_like_rounding(error: float) -> bool:
-    """A failed check with an error this small is more likely limited output precision
-    (float32 ~1e-7 .. 1e-3, bfloat16 ~1e-2, a few decimals) than another model."""
-    return 0.0 < error < 3e-2
+def compare_own_probes(oracle, model, check: Check, judge: _Judge) -> None:
+    """The learner's longest answered probes (``Oracle.longest_probes``, no new query)
+    against the model, added to ``check`` as the ``own`` family. Only for an Oracle
+    passed itself (a learner's view may change what its answers mean)."""
+    from .oracle import Oracle, evaluate_ragged
+    if not isinstance(oracle, Oracle) or not oracle.longest_probes:
+        return
+    xs = [x for x, _ in oracle.longest_probes]
+    answers = np.array([y for _, y in oracle.longest_probes])
+    errors = judge(xs, evaluate_ragged(model, xs), answers)
+    check.errors = np.concatenate([check.errors, errors])
+    check.family += ["own"] * len(xs)
+    check.own_probes = len(xs)
+
+
+def _mutants(parent: np.ndarray, rng, longest: int, round_: int, norms=(0.0, math.inf)) -> list:
+    """Variants of one sequence (N, d): longer (x4, towards L), tokens larger and smaller
+    (x 10^+-(0.5 + round / 4), kept within the design's token norms ``norms``: beyond,
+    the model itself is not known), and turned (a random perturbation of 30% of the
+    token scale)."""
+    N, d = parent.shape
+    size = float(np.sqrt(np.mean((parent / max(np.abs(parent).max(), 1e-300)) ** 2))
+                 * np.abs(parent).max()) or 1.0
+    out = []
+    if N < longest:
+        M = min(longest, 4 * N if N > 1 else 16)
+        extra = parent[rng.integers(0, max(N - 1, 1), M - N)]
+        extra = extra + 0.3 * size * rng.standard_normal(extra.shape)
+        out.append(np.vstack([parent[:-1], extra, parent[-1:]]))
+    up = 10.0 ** (0.5 + 0.25 * round_)
+    top = float(_safe_norm(parent).max())
+    low = float(_safe_norm(parent).min())
+    if top * up <= norms[1]:
+        out.append(parent * up)
+    if low / up >= norms[0]:
+        out.append(parent / up)
+    out.append(parent + 0.3 * size * rng.standard_normal(parent.shape))
+    return out
+
+
+def _children(pool: list, rng, longest: int, round_: int, budget: int,
+              norms=(0.0, math.inf)) -> list:
+    """Exactly ``budget`` variants of the pool's sequences (the best first; random turns
+    fill up when the mutations run short)."""
+    out = []
+    for _, X in pool:
+        out += [c for c in _mutants(X, rng, longest, round_, norms) if np.all(np.isfinite(c))]
+    i = 0
+    while len(out) < budget:
+        X = pool[i % len(pool)][1]
+        size = float(np.abs(X).max()) or 1.0
+        out.append(X + 0.1 * size * rng.standard_normal(X.shape) / math.sqrt(X.shape[1]))
+        i += 1
+    return out[:budget]
+
+
+def adversarial_search(oracle, model, check: Check, held: HeldOutSet, judge: _Judge,
+                       queries: int, rng) -> None:
+    """The ``search`` stage: SEARCH_ROUNDS rounds over length, norm and direction from
+    the worst held-out sequences, ``queries`` queries in all (live, counted); adds the
+    sequences asked to ``check`` as the ``search`` family."""
+    from .oracle import evaluate_ragged
+    if queries < SEARCH_MIN:
+        return
+    eligible = [i for i, f in enumerate(held.family) if f != "hull" and len(held.sequences[i]) > 1]
+    if not eligible:
+        return
+    errors = check.errors[:len(held.sequences)]
+    domain = check.norms                 # the search stays within the design's token norms
+    per_round = max(1, queries // SEARCH_ROUNDS)
+    parents = [(float(errors[i]), held.sequences[i]) for i in eligible]
+    parents.sort(key=lambda p: -p[0] if math.isfinite(p[0]) else -math.inf)
+    pool = parents[:max(1, per_round // 4)]
+    asked = 0
+    all_errors, lengths, norms = [], [], []
+    for r in range(SEARCH_ROUNDS):
+        budget = queries - asked if r == SEARCH_ROUNDS - 1 else min(per_round, queries - asked)
+        children = _children(pool, rng, held.longest, r, budget, domain)
+        if not children:
+            break
+        with live_queries(oracle):
+            observed = oracle.query_ragged(children)
+        asked += len(children)
+        errs = judge(children, evaluate_ragged(model, children), observed)
+        all_errors.append(errs)
+        lengths += [len(c) for c in children]
+        norms.append(token_norms(children))
+        ranked = sorted(pool + list(zip(errs.tolist(), children)),
+                        key=lambda p: -p[0] if math.isfinite(p[0]) else -math.inf)
+        pool = ranked[:len(pool)]
+    if not all_errors:
+        return
+    errs = np.concatenate(all_errors)
+    check.errors = np.concatenate([check.errors, errs])
+    check.family += ["search"] * len(errs)
+    check.search_queries = asked
+    n = np.concatenate(norms)
+    check.lengths = (min(check.lengths[0], min(lengths)), max(check.lengths[1], max(lengths)))
+    positive = n[n > 0]
+    if positive.size:
+        check.norms = (min(check.norms[0], float(positive.min())), max(check.norms[1], float(n.max())))
+
+
+def measured_error_bar(oracle, model) -> float | None:
+    """The model's largest relative error on the answers the learner was given (the
+    oracle's ``replay`` sample and ``longest_probes``; no query), at least
+    MEASURED_ROUNDING d eps_64; None when ``oracle`` is a learner's view (its answers
+    mean something else) or kept nothing."""
+    from .oracle import Oracle, evaluate_ragged
+    if not isinstance(oracle, Oracle):
+        return None
+    pairs = list(oracle.replay) + list(oracle.longest_probes)
+    if not pairs:
+        return None
+    xs = [x for x, _ in pairs]
+    answers = np.array([y for _, y in pairs])
+    residual = float(np.max(scaled_relative_errors(evaluate_ragged(model, xs), answers,
+                                                   token_norms(xs))))
+    return max(residual, MEASURED_ROUNDING * oracle.dim * np.finfo(float).eps)
+
+
+def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | None = None,
+                 scale: float | None = None, probe_length: int | None = None,
+                 max_length: int | None = None, measure_v: bool = False,
+                 expected_error: float | None = None, search: bool = True):
+    """Compare ``model`` with the black box on ``count`` queries: the held-out sequences
+    of :func:`design` over lengths 1..L and tiny to huge tokens, for a single head the
+    hull pairs, the learner's own longest probes (no query), and the adversarial search
+    (SEARCH_SHARE of ``count``). Returns a :class:`attnextract.report.Verification`.
+
+    ``scale`` is the per-coordinate token scale where the model's scores are of order
+    one (default :func:`attnextract.report.token_scale`). ``probe_length`` is the
+    longest sequence the learner sent (default: the oracle's ``longest``), ``max_length``
+    the longest the black box accepts (default: the oracle's ``max_length``): L is
+    ``max_length`` when known, else max(DEFAULT_LONGEST, ``probe_length``).
+    ``measure_v`` (checking a saved model): first ask the black box's own v (d more
+    queries) and put the hull tokens orthogonal to it rather than to the model's v. Up
+    to 1/8 of the ``count`` re-ask sequences the learner was answered through this
+    oracle (``oracle.replay``): a black box that changed during the run fails there.
+
+    ``expected_error`` e (the learner's own predicted relative parameter error) tightens
+    the tolerance to max(CONSISTENCY_FACTOR x e, CONSISTENCY_FLOOR) when that is
+    smaller, and widens each sequence's allowance by SENSITIVITY x e x the reach of the
+    model's scores on it (:func:`score_reach`). The errors reported are scaled to the
+    tolerance (error x tolerance / allowance). ``expected_error="measured"`` (a learner
+    without a bar of its own): e is :func:`measured_error_bar` and the tolerance at
+    least MEASURED_FLOOR; a measured e above tolerance / CONSISTENCY_FACTOR is not used
+    (an impostor's misfit must not widen the allowance).
+    """
+    from .report import DEFAULT_VERIFY_TOLERANCE, Verification, token_scale
+    tolerance = DEFAULT_VERIFY_TOLERANCE if tolerance is None else tolerance
+    requested = tolerance
+    floor = CONSISTENCY_FLOOR
+    if isinstance(expected_error, str):
+        if expected_error != "measured":
+            raise ValueError(f"expected_error must be a number or 'measured', got {expected_error!r}")
+        expected_error, floor = measured_error_bar(oracle, model), MEASURED_FLOOR
+        # a model that misfits its own answers by more than the tolerance allows gets no
+        # bar (the flat tolerance, no widening): its misfit must not widen its allowance
+        if expected_error is not None and CONSISTENCY_FACTOR * expected_error > tolerance:
+            expected_error = None
+    bar = expected_error if expected_error is not None and math.isfinite(expected_error) \
+        and expected_error >= 0 else None
+    if bar is not None:
+        tolerance = min(tolerance, max(CONSISTENCY_FACTOR * bar, floor))
+    root = root_oracle(oracle)
+    if max_length is None:
+        max_length = getattr(root, "max_length", None)
+    if probe_length is None:
+        probe_length = getattr(root, "longest", None)
+    rng = np.random.default_rng(seed)
+    scale = token_scale(model) if scale is None else scale
+    hull_v = None
+    if measure_v and getattr(model, "kind", "") == "single-head":
+        oracle.require(count + oracle.dim, "held-out verification")
+        with live_queries(oracle):                 # the live black box, never a journal
+            hull_v = oracle.query(np.eye(oracle.dim)[:, None, :])
+    replays = min(len(getattr(root, "replay", None) or []), int(REPLAY_FRACTION * count))
+    searched = int(SEARCH_SHARE * count) if search and count >= 4 * SEARCH_MIN else 0
+    held = add_replays(design(oracle.dim, count - replays - searched, rng, scale,
+                              probe_length=probe_length, max_length=max_length,
+                              model=model, hull_v=hull_v), oracle, replays)
+    oracle.require(len(held.sequences) + len(held.replay) + searched, "held-out verification")
+    check = run_check(oracle, model, held, tolerance=tolerance, bar=bar)
+    norms = token_norms(held.sequences)
+    reference = np.array([f != "hull" for f in held.family])
+    offset = float(model.c) if is_biased(model) else 0.0      # as in run_check
+    K = output_scale(check.observed[:len(held.sequences)][reference] - offset, norms[reference])
+    judge = _Judge(model, K, tolerance, bar)
+    compare_own_probes(oracle, model, check, judge)
+    adversarial_search(oracle, model, check, held, judge, searched, rng)
+    asked = (len(held.sequences) + len(held.replay) + check.search_queries
+             + (0 if hull_v is None else oracle.dim))
+    worst = float(np.max(check.errors)) if check.errors.size else 0.0
+    return Verification(sequences=asked, max_relative_error=worst,
+                        median_relative_error=float(np.median(check.errors)), tolerance=tolerance,
+                        lengths=check.lengths,
+                        hull_violation=float(check.hull.max(initial=0.0)),
+                        # the hull holds to the box's own rounding, not the model's bar
+                        hull_tolerance=HULL_FRACTION * requested,
+                        worst_family=check.worst_family(), family_errors=check.family_errors(),
+                        requested_tolerance=requested if tolerance < requested else 0.0,
+                        norms=check.norms, max_length=int(held.longest),
+                        search_queries=check.search_queries, own_probes=check.own_probes,
+                        rounded_answers=answers_look_rounded(check.observed))
+
+
+def answers_look_rounded(observed) -> bool:
+    """Whether the black box's answers show rounding: (nearly) all of them exactly
+    representable in float32 (so also bfloat16, float16), or whole multiples of 10^-K
+    for some K <= 12. Float64 answers of a real computation almost never are; only
+    then does a failed check suggest ``--output-dtype`` / ``--decimals``."""
+    y = np.asarray(observed, dtype=float)
+    y = y[np.isfinite(y) & (y != 0)]
+    if y.size < 4:
+        return False
+    with np.errstate(over="ignore"):
+        if np.mean(y.astype(np.float32).astype(np.float64) == y) >= 0.9:
+            return True
+    for k in range(13):
+        z = y * 10.0 ** k
+        if np.abs(z).max() >= 1e12:
+            break
+        if np.mean(np.abs(z - np.round(z)) <= 1e-6) >= 0.9:
+            return True
+    return False
+
+
+def looks_like_rounding(error: float, rounded: bool = True) -> bool:
+    """A failed check is worth the precision hint only when the answers show rounding
+    (``rounded``, :func:`answers_look_rounded`) and the error is of rounding's size
+    (float32 ~1e-7 .. 1e-3, bfloat16 ~1e-2, a few decimals)."""
+    return bool(rounded) and 0.0 < error < 3e-2
 
 
 # -- labels: the decision boundary -------------------------------------------------------
@@ -637,7 +1113,7 @@ def boundary_shift(model, sequences, targets, iterations: int = 200) -> list:
 
 
 def near_boundary(model, count: int, rng: np.random.Generator, scale: float, threshold: float,
-                  allowance) -> list:
+                  allowance, longest: int | None = None) -> list:
     """``count`` sequences on which the model answers threshold +- k allowance(X), k
     log-uniform in BOUNDARY_REACH: just clear of its own uncertainty, on both sides.
 
@@ -646,13 +1122,20 @@ def near_boundary(model, count: int, rng: np.random.Generator, scale: float, thr
     measure ~eps around the decision boundary; these sequences sit inside that set, so a
     second head at 1e-8 flips about half of them while an honest black box (whose
     outputs are within the allowance of the model's) flips none. ``allowance(X)`` is the
-    model's own output uncertainty on a batch X (B, N, d) -> (B,).
+    model's own output uncertainty on a batch X (B, N, d) -> (B,). ``longest``: the
+    longest length used (default DEFAULT_LONGEST; give the black box's max_length).
     """
-    # half short, half log-uniform up to MIN_LONGEST: a box that differs only on long
+    # half short, half log-uniform up to L: a box that differs only on long
     # sequences (a sliding window of 64) differs there by O(1), and flips labels here
+    top = max(ORDINARY_LENGTH, int(longest or DEFAULT_LONGEST))
+    # the long half stratified in log (every stretch up to L gets its share), L itself once
+    strata = (rng.permutation(count) + rng.uniform(size=count)) / max(count, 1)
+    long = np.exp(np.log(ORDINARY_LENGTH) + strata * np.log((top + 1) / ORDINARY_LENGTH))
+    long[np.argmax(strata)] = top
     lengths = np.where(np.arange(count) % 2 == 0, rng.integers(2, ORDINARY_LENGTH + 1, count),
-                       np.exp(rng.uniform(np.log(ORDINARY_LENGTH), np.log(MIN_LONGEST + 1),
-                                          count)).astype(int))
+                       long.astype(int))
+    if longest:
+        lengths = np.minimum(lengths, int(longest))
     seeds = [scale * rng.standard_normal((int(n), model.dim)) for n in lengths]
     on = boundary_shift(model, seeds, np.full(count, float(threshold)))
     k = np.exp(rng.uniform(*np.log(BOUNDARY_REACH), count)) * rng.choice([-1.0, 1.0], count)

@@ -4,7 +4,12 @@ Every impostor is built on an honest model of one of the learners' classes (a si
 head, H heads, a one-layer Transformer, a Transformer layer) and changes one thing.
 It answers like the honest model on the short, ordinary sequences a learner probes
 and differs somewhere else: on long sequences, on tiny or huge tokens, on sparse
-tokens, by 1e-8 of the output, or after some number of queries. A learner, or
+tokens, by 1e-8 of the output, or after some number of queries. The issue-23 classes
+differ only beyond some length (truncation at 257 or 1,000 tokens, ln N score scaling
+or an offset beyond a length drawn per seed), only where every score is far below zero
+(a sink logit at -8 .. -20), by small smooth terms that grow with length or norm (a slow
+rotation of the keys, a cubic term in the scores, a quadratic term in the values), or
+at output scales where squaring overflows (x 1e200 with one more head). A learner, or
 ``attnextract verify``, must refuse each one (:class:`ModelMismatchError` or a failed
 check), never return it as a success. ``benchmarks/bench_impostors.py`` and
 ``tests/test_impostors*.py`` run the zoo against every learner.
@@ -33,8 +38,11 @@ import math
 import numpy as np
 
 from ..errors import InputError
-from ..models import (MODEL_CLASSES, MultiHeadAttention, OneLayerTransformer, SingleHeadAttention,
+from ..models import (MODEL_CLASSES, BiasedMultiHeadAttention, BiasedSingleHeadAttention,
+                      MultiHeadAttention, OneLayerTransformer, SingleHeadAttention,
                       TransformerLayer, softmax)
+
+BIASED = (BiasedSingleHeadAttention, BiasedMultiHeadAttention)
 
 
 def _heads(model) -> np.ndarray:
@@ -51,6 +59,8 @@ def readout(model, Z: np.ndarray, X: np.ndarray, ffn=None) -> np.ndarray:
         return Z[:, 0] @ model.v
     if isinstance(model, MultiHeadAttention):
         return np.einsum("bhd,hd->b", Z, model.v)
+    if isinstance(model, BIASED):           # biased heads: values read out, plus c
+        return np.einsum("bhd,hd->b", Z, np.reshape(model.v, (-1, Z.shape[2]))) + model.c
     if isinstance(model, OneLayerTransformer):
         pre = Z[:, 0] @ model.A.T
         return (ffn or _relu)(pre) @ model.w
@@ -102,9 +112,15 @@ class Impostor:
         self.heads = _heads(model)
         self.dim = self.heads.shape[1]
         self.rng = rng
+        # the heads as fixed arrays, so that a biased model's query bias b_h is found by
+        # the head matrix a score is computed with (an impostor's own extra heads have none)
+        self._head_list = list(self.heads)
+        biases = (np.reshape(model.b, self.heads.shape[:2]) if isinstance(model, BIASED)
+                  else np.zeros(self.heads.shape[:2]))
+        self._query_bias = {id(W): b for W, b in zip(self._head_list, biases)}
 
     def scores(self, X, W):
-        return np.einsum("bnd,bd->bn", X, X[:, -1, :] @ W.T)
+        return np.einsum("bnd,bd->bn", X, X[:, -1, :] @ W.T + self._query_bias.get(id(W), 0.0))
 
     def weights(self, X, W):
         return softmax(self.scores(X, W))
@@ -115,8 +131,8 @@ class Impostor:
     def honest(self, X):
         """What the honest model answers on the modified weights/values."""
         values = self.values(X)
-        Z = np.stack([np.einsum("bn,bnd->bd", self.weights(X, W), values) for W in self.heads],
-                     axis=1)
+        Z = np.stack([np.einsum("bn,bnd->bd", self.weights(X, W), values)
+                      for W in self._head_list], axis=1)
         return readout(self.model, Z, X, self.ffn)
 
     def __call__(self, X):
@@ -283,6 +299,25 @@ class ValueBias(Impostor):
         return X + self.b
 
 
+class DeployedBiases(Impostor):
+    reason = ("query, value and output biases as a deployed layer has them: scores "
+              "x_i^T (W x_N + b), outputs + c; outside the bias-free class (learn it with "
+              "--biases)")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        size = 0.5 * float(np.linalg.norm(self.heads, axis=(1, 2)).max()) * token_scale_of(model)
+        biases = np.einsum("hde,he->hd", self.heads, rng.standard_normal(self.heads.shape[:2]))
+        norms = np.linalg.norm(biases, axis=1, keepdims=True)
+        biases = size * biases / np.where(norms > 0, norms, 1.0)
+        self._query_bias = {id(W): b for W, b in zip(self._head_list, biases)}
+        v = np.reshape(getattr(model, "v", np.ones(self.dim)), (-1, self.dim)).sum(axis=0)
+        self.c = 0.05 * float(np.linalg.norm(v)) * token_scale_of(model)
+
+    def __call__(self, X):
+        return super().__call__(X) + self.c
+
+
 class LayerNormTokens(Impostor):
     reason = "tokens normalised (x - mean) / std before the model: invariant to token scale"
 
@@ -393,6 +428,125 @@ class StackedLayers(Impostor):
         return self.honest(H)
 
 
+class Truncation(Impostor):
+    reason = ("reads only the last `keep` tokens of a longer sequence (a truncated context): "
+              "identical on every sequence of up to `keep` tokens, however long the probes")
+
+    def __init__(self, model, rng, keep):
+        super().__init__(model, rng)
+        self.keep = keep
+
+    def __call__(self, X):
+        X = np.asarray(X, dtype=np.float64)
+        return self.honest(X[:, -self.keep:] if X.shape[1] > self.keep else X)
+
+
+class LogLengthScaling(Impostor):
+    reason = ("scores multiplied by ln N / ln n0 beyond n0 tokens (n0 drawn in 200..500), as "
+              "long-context models do: the model itself up to n0, sharper attention beyond")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.n0 = int(rng.integers(200, 501))
+
+    def scores(self, X, W):
+        s = super().scores(X, W)
+        N = X.shape[1]
+        return s * (math.log(N) / math.log(self.n0)) if N > self.n0 else s
+
+
+class LengthOffset(Impostor):
+    reason = ("adds a constant (1e-3 of a typical output) to every answer on sequences longer "
+              "than n0 (drawn in 300..2000): the model itself on everything shorter")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.n0 = int(rng.integers(300, 2001))
+        X = token_scale_of(model) * rng.standard_normal((256, 8, self.dim))
+        self.offset = 1e-3 * float(np.sqrt(np.mean(self.honest(X) ** 2))) * rng.choice([-1.0, 1.0])
+
+    def __call__(self, X):
+        out = super().__call__(X)
+        return out + self.offset if np.shape(X)[-2] > self.n0 else out
+
+
+class SinkFarBelow(Impostor):
+    reason = ("an attention sink: an extra key of value 0 whose logit -b (b drawn in 8..20) "
+              "lies far below the typical scores; it takes weight only where every score is "
+              "below about -b, and 1e-4 .. 1e-9 of it on ordinary sequences")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.logit = -float(rng.uniform(8.0, 20.0))
+
+    def weights(self, X, W):
+        s = self.scores(X, W)
+        m = np.maximum(s.max(axis=1, keepdims=True), self.logit)
+        e = np.exp(s - m)
+        return e / (np.exp(self.logit - m) + e.sum(axis=1, keepdims=True))
+
+
+class SmallRotation(Impostor):
+    reason = ("keys rotated by a small angle proportional to their distance from the query "
+              "(1e-4 .. 1e-3 rad per position, a slow RoPE): a smooth effect that grows with "
+              "length")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.rate = 10.0 ** rng.uniform(-4, -3)
+
+    def scores(self, X, W):
+        N, half = X.shape[1], self.dim // 2
+        if half == 0:
+            return super().scores(X, W)
+        angle = self.rate * (N - 1 - np.arange(N))[:, None] * np.ones(half)[None, :]
+        c, s = np.cos(angle), np.sin(angle)
+        K = X.copy()
+        a, b = X[:, :, 0:2 * half:2], X[:, :, 1:2 * half:2]
+        K[:, :, 0:2 * half:2] = c * a - s * b
+        K[:, :, 1:2 * half:2] = s * a + c * b
+        return np.einsum("bnd,bd->bn", K, X[:, -1, :] @ W.T)
+
+
+class CubicScores(Impostor):
+    reason = ("scores s + g s^3 (g drawn in 1e-6 .. 1e-5): a small smooth term, largest where "
+              "scores are large")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.g = 10.0 ** rng.uniform(-6, -5)
+
+    def scores(self, X, W):
+        s = super().scores(X, W)
+        return s + self.g * s ** 3
+
+
+class QuadraticValues(Impostor):
+    reason = ("values x + c |x| x / s0 (c drawn in 1e-6 .. 1e-5, s0 the typical token norm): "
+              "a small term quadratic in the tokens, largest at large norms")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.c = 10.0 ** rng.uniform(-6, -5)
+        self.s0 = token_scale_of(model) * math.sqrt(self.dim)
+
+    def values(self, X):
+        return X + self.c * np.linalg.norm(X, axis=2, keepdims=True) / self.s0 * X
+
+
+class HugeTwoHeads(SecondHead):
+    reason = ("outputs scaled by 1e200 with one more head (relative size 0.3): squared "
+              "outputs overflow float64, so only scale-safe comparisons see the extra head")
+
+    SCALE = 1e200
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng, 0.3)
+
+    def __call__(self, X):
+        return self.SCALE * super().__call__(X)
+
+
 def zoo(model=None) -> dict:
     """name -> factory (model, rng, recovery_queries) -> impostor, for this kind of model.
 
@@ -420,6 +574,16 @@ def zoo(model=None) -> dict:
         "switch mid-recovery": lambda m, r, q: Stateful(m, r, q // 2),
         "switch at verification": lambda m, r, q: Stateful(m, r, q),
         "two stacked layers": lambda m, r, q: StackedLayers(m, r),
+        # issue 23: effects beyond the probes' lengths, far scores, small smooth terms
+        "truncation 257": lambda m, r, q: Truncation(m, r, 257),
+        "truncation 1000": lambda m, r, q: Truncation(m, r, 1000),
+        "log-length scaling": lambda m, r, q: LogLengthScaling(m, r),
+        "offset above length": lambda m, r, q: LengthOffset(m, r),
+        "sink far below": lambda m, r, q: SinkFarBelow(m, r),
+        "small rotation": lambda m, r, q: SmallRotation(m, r),
+        "cubic scores": lambda m, r, q: CubicScores(m, r),
+        "quadratic values": lambda m, r, q: QuadraticValues(m, r),
+        "two heads x1e200": lambda m, r, q: HugeTwoHeads(m, r),
     }
     if model is None or isinstance(model, (OneLayerTransformer, TransformerLayer)):
         out["GELU FFN"] = lambda m, r, q: GeluFFN(m, r)
@@ -427,6 +591,10 @@ def zoo(model=None) -> dict:
         out["LayerNorm before the FFN"] = lambda m, r, q: LayerNormBeforeFFN(m, r)
     if isinstance(model, TransformerLayer):
         del out["value bias"]
+    if model is None or isinstance(model, (SingleHeadAttention, MultiHeadAttention)):
+        out["deployed biases"] = lambda m, r, q: DeployedBiases(m, r)
+    if isinstance(model, BIASED):       # a query bias in W's column space and a value bias
+        del out["query bias"], out["value bias"]    # (an output constant) are in the class
     return out
 
 
@@ -444,7 +612,7 @@ def make_impostor(name: str, model, rng: np.random.Generator, recovery_queries: 
 NOISY_TOLERANCE = 1e-10       # absolute output tolerance given to the noisy learner
 # a label-only black box (threshold 0) answers these exactly as the honest head does:
 # clipping and an attention sink keep the sign of f, so they are in the class there
-SAME_LABELS = {"output clipping", "attention sink"}
+SAME_LABELS = {"output clipping", "attention sink", "sink far below"}
 
 
 def _extract(name, **fixed):
@@ -471,6 +639,11 @@ def _honest(kind):
             return targets.random_multi_head(2, d, seed)
         if kind == "two low-rank heads":
             return targets.random_low_rank_multi_head(2, d, max(1, d // 4), seed)
+        if kind == "biased single":
+            return targets.with_biases(targets.random_single_head(d, seed), seed)
+        if kind == "two biased low-rank heads":
+            return targets.with_biases(
+                targets.random_low_rank_multi_head(2, d, max(1, d // 4), seed), seed)
         if kind == "one layer":
             from ..learners.one_layer import random_one_layer
             return random_one_layer(d, d, seed)
@@ -493,6 +666,11 @@ LEARNER_CASES = {
                             False),
     "one-layer": (_honest("one layer"), _extract("one-layer"), False),
     "transformer-layer": (_honest("layer"), _extract("transformer-layer"), False),
+    "single-head --biases": (_honest("biased single"), _extract("single-head", biases=True),
+                             False),
+    "multi-head-low-rank --biases": (_honest("two biased low-rank heads"),
+                                     _extract("multi-head-low-rank", heads=2, biases=True,
+                                              rank=lambda d: max(1, d // 4)), False),
 }
 
 

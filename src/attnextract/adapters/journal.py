@@ -24,8 +24,8 @@ Before a resumed run answers anything from the journal, the live black box is as
 the challenges and a fresh random sample of :data:`RESUME_SAMPLE` kept sequences; any
 answer that differs refuses the journal (:class:`JournalMismatchError`, naming the
 file and the first difference) before the learner spends a query. These checks are
-counted apart from the learner's queries (``Oracle.check_queries``) and not against
-its budget. Two answers to the same query agree when
+answered by the black box, so they are counted in the run's queries and within its
+budget like every other query (``Oracle.check_queries`` says how many). Two answers to the same query agree when
 
     |a - b| <= 2 (tau + rho max(|a|, |b|)) + 1e-12 max(|a|, |b|, rms)
 
@@ -42,7 +42,8 @@ answers depend on their batch by more must state it as noise.
 
 **Checked when read.** Every row carries a checksum (SHA-256 of its blobs); a row that
 fails it, holds a non-finite answer, or has blobs of inconsistent lengths, and a file
-that is not a whole number of pages (cut short), raise :class:`JournalError`. So do
+that is not a whole number of pages (cut short), raise :class:`JournalError`, as does
+every SQLite read error (a damaged page of the samples or the fingerprint). So do
 write failures (full disk, read-only or locked file): the error says which batch was
 being recorded, and its answers are saved to a sidecar ``JOURNAL.unsaved-K.npz``
 (beside the journal, else in the temporary directory, else kept in memory in
@@ -142,7 +143,7 @@ def checksum(*blobs: bytes) -> bytes:
     return h.digest()[:CHECKSUM_BYTES]
 
 
-def challenge_sequences(dim: int) -> list[np.ndarray]:
+def challenge_sequences(dim: int, max_length: int | None = None) -> list[np.ndarray]:
     """The fingerprint's fixed challenge sequences for token width ``dim``: (N, dim) each.
 
     Lengths 1, 2, 4, 16, 16, 64, 256, 256 (the long ones cut to 2^17 numbers for wide
@@ -150,11 +151,13 @@ def challenge_sequences(dim: int) -> list[np.ndarray]:
     scale d^{-1/4} times a per-sequence factor (0.01 to 3), and per-token log-uniform
     factors in the long ones, so that the fingerprint sees short and long sequences,
     saturated and flat attention. Seeded by ``dim`` alone: the same for every journal of
-    that width.
+    that width. ``max_length`` (the black box's longest sequence) cuts longer ones to it.
     """
     rng = np.random.default_rng([0x6A6F75726E616C, FINGERPRINT_VERSION, int(dim)])
     anchor = dim ** -0.25
     longest = max(16, min(256, CHALLENGE_NUMBERS // dim))
+    if max_length:
+        longest = min(longest, int(max_length))
     plan = [(1, 1.0), (2, 0.1), (4, 3.0), (16, 1.0), (16, 0.01), (64, 1.0), (256, 0.3),
             (256, 1.0)]
     out = []
@@ -194,9 +197,12 @@ def answers_agree(stored: np.ndarray, live: np.ndarray, scale: float, tolerance:
 def read_entries(path) -> list[tuple[bytes, int, float]]:
     """Every (digest, occurrence, output) in the journal file, opened read-only (checked)."""
     uri = "file:" + os.path.abspath(os.fspath(path)) + "?mode=ro"
-    with sqlite3.connect(uri, uri=True) as db:
-        rows = db.execute("SELECT id, digests, occurrences, outputs, checksum FROM batches "
-                          "ORDER BY id").fetchall()
+    try:
+        with sqlite3.connect(uri, uri=True) as db:
+            rows = db.execute("SELECT id, digests, occurrences, outputs, checksum FROM batches "
+                              "ORDER BY id").fetchall()
+    except sqlite3.Error as exc:
+        raise JournalError(f"cannot read journal {path}: {exc}", path=os.fspath(path)) from exc
     return [entry for row in rows for entry in _unpack(os.fspath(path), *row)]
 
 
@@ -289,6 +295,9 @@ class QueryJournal:
             raise JournalError(f"cannot use {self.path} as a query journal: {exc}",
                                path=self.path) from exc
         self.context = {k: json.loads(v) for k, v in stored_context.items()}
+        if not self._answers and any(k in self.context and self.context[k] != v
+                                     for k, v in (context or {}).items()):
+            self.restart()                    # e.g. a first run with a wrong --dim
         for key, value in (context or {}).items():
             if key in self.context and self.context[key] != value:
                 self.close()
@@ -358,6 +367,28 @@ class QueryJournal:
             os.remove(sidecar)
 
     # -- context ------------------------------------------------------------
+    def restart(self) -> bool:
+        """Forget the context, fingerprint and kept sequences of a journal holding no answers.
+
+        A run that failed before its first answer (a wrong --dim, a target that raised)
+        leaves nothing to resume, so the corrected rerun starts the journal afresh instead
+        of being refused. Returns whether it did (False: the journal holds answers)."""
+        if self._answers:
+            return False
+        self._forget_black_box(("context",))
+        self.context = {}
+        return True
+
+    def _forget_black_box(self, also: tuple[str, ...] = ()) -> None:
+        """Delete the fingerprint and kept sequences (and the ``also`` tables)."""
+        try:
+            with self._db:
+                for table in ("fingerprint", "samples", *also):
+                    self._db.execute(f"DELETE FROM {table}")
+        except sqlite3.Error as exc:
+            raise JournalError(f"cannot write to journal {self.path}: {exc}",
+                               path=self.path) from exc
+
     def remember(self, **context) -> None:
         """Store context entries (JSON values) that are not stored yet."""
         if not context:
@@ -373,7 +404,7 @@ class QueryJournal:
             self.context.setdefault(key, value)
 
     # -- binding to the black box -------------------------------------------
-    def bind(self, ask, dim: int, black_box=None) -> int:
+    def bind(self, ask, dim: int, black_box=None, max_length: int | None = None) -> int:
         """Bind the journal to the live black box; returns the queries this cost.
 
         ``ask`` answers a batch (B, N, dim) from the live black box (validated).
@@ -384,8 +415,13 @@ class QueryJournal:
         tau, rho = noise_bound(black_box)
         tau = tau if self.tolerance is None else float(self.tolerance)
         rho = rho if self.relative_tolerance is None else float(self.relative_tolerance)
-        challenges = challenge_sequences(dim)
+        challenges = challenge_sequences(dim, max_length)
         stored = self._fingerprint()
+        if stored is not None and not self._answers:
+            # recorded by a run that failed before its first answer: nothing rests on it,
+            # so a corrected black box (or --dim) is fingerprinted afresh, not refused
+            self._forget_black_box()
+            stored = None
         if stored is None and self._answers:
             raise JournalError(f"journal {self.path} holds answers but no fingerprint of its "
                                f"black box; it cannot be checked: delete it or use another one",
@@ -393,8 +429,11 @@ class QueryJournal:
         try:
             live = _ask_ragged(ask, challenges)
         except BlackBoxError as exc:          # a box that refuses long sequences, say
-            raise type(exc)(f"{exc} (while asking the journal's {len(challenges)} challenge "
-                            f"sequences, lengths 1-256; --no-journal skips them)") from exc
+            if getattr(exc, "first_batch", False):
+                raise                         # already says what to fix (a wrong --dim)
+            raise type(exc)(f"the black box failed on the run's first queries, the journal's "
+                            f"{len(challenges)} challenge sequences (lengths 1-256): "
+                            f"{exc}") from exc
         spent = len(challenges)
         scale = float(np.sqrt(np.mean(live ** 2)))
         if stored is None:
@@ -439,9 +478,18 @@ class QueryJournal:
             f"asked. Use another journal (or --no-journal) for this black box{hint}",
             path=self.path, difference=difference)
 
+    def _read(self, sql: str, row: tuple = (), what: str = "its rows", one: bool = False):
+        """A SELECT on the journal; any SQLite error (a damaged page) is a JournalError."""
+        try:
+            cursor = self._db.execute(sql, row)
+            return cursor.fetchone() if one else cursor.fetchall()
+        except sqlite3.Error as exc:
+            raise JournalError(f"cannot read {what} from journal {self.path} (damaged?): {exc}",
+                               path=self.path) from exc
+
     def _fingerprint(self):
-        row = self._db.execute("SELECT dim, outputs, checksum FROM fingerprint WHERE version = ?",
-                               (FINGERPRINT_VERSION,)).fetchone()
+        row = self._read("SELECT dim, outputs, checksum FROM fingerprint WHERE version = ?",
+                         (FINGERPRINT_VERSION,), "its fingerprint", one=True)
         if row is None:
             return None
         dim, outputs, stored_checksum = row
@@ -458,16 +506,16 @@ class QueryJournal:
 
     def _sample(self, k: int) -> list[tuple[int, np.ndarray, float]]:
         """Up to k kept sequences, drawn afresh at random: [(row id, (N, d), answer)]."""
-        ids = [row[0] for row in self._db.execute("SELECT id FROM samples")]
+        ids = [row[0] for row in self._read("SELECT id FROM samples", (), "its kept sequences")]
         if not ids:
             return []
         rng = np.random.default_rng()                    # fresh: not predictable
         chosen = rng.choice(ids, size=min(k, len(ids)), replace=False)
         out = []
         for row_id in sorted(int(i) for i in chosen):
-            length, blob, y, stored_checksum = self._db.execute(
+            length, blob, y, stored_checksum = self._read(
                 "SELECT length, sequence, output, checksum FROM samples WHERE id = ?",
-                (row_id,)).fetchone()
+                (row_id,), f"kept sequence {row_id}", one=True)
             if not (isinstance(blob, bytes) and isinstance(stored_checksum, bytes)
                     and isinstance(length, int) and isinstance(y, float)):
                 raise JournalError(f"journal {self.path}: kept sequence {row_id} is malformed",

@@ -23,6 +23,16 @@ A layer's 12 heads together, read by the same r, form the multi-head target
 f(X) = sum_h softmax(X W_h x_N)^T X v_h (:func:`minilm_layer_heads`,
 :func:`minilm_layer_target`): 12 heads of rank 32 with H r = d, extracted whole by
 :func:`extract_minilm_layer` (the low-rank multi-head learner).
+
+With ``biases=True`` the layer is the one deployed: the query, key, value and output
+biases are kept, and read at the last token the layer computes
+
+    f(X) = sum_h softmax(X (W_h x_N + b_h))^T X v_h + c,
+    b_h = K_h^T b_q,h / sqrt(32),   c = sum_h b_v,h^T O_h^T r + b_o^T r
+
+(the key bias adds the same term to every score of a sequence, which the softmax
+cancels): a :class:`~attnextract.models.BiasedMultiHeadAttention`, equal to the layer's
+own attention forward pass read by r (tests/test_minilm.py checks it).
 """
 
 from __future__ import annotations
@@ -53,11 +63,13 @@ def minilm_weights_path() -> Path:
     return path
 
 
-def load_attention_weights(layer: int) -> dict[str, np.ndarray]:
+def load_attention_weights(layer: int, biases: bool = False) -> dict[str, np.ndarray]:
     """The query, key, value and output projection weights of ``layer`` (each (384, 384), float64).
 
     Only these four tensors are read from the file. Keys: ``query``, ``key``,
-    ``value`` (rows = output features, as in ``nn.Linear``) and ``output``.
+    ``value`` (rows = output features, as in ``nn.Linear``) and ``output``; with
+    ``biases`` also their biases (384,): ``query_bias``, ``key_bias``, ``value_bias``,
+    ``output_bias``.
     """
     if not isinstance(layer, (int, np.integer)) or not 0 <= layer < LAYERS:
         raise InputError(f"layer must be in 0..{LAYERS - 1}, got {layer!r}")
@@ -69,6 +81,9 @@ def load_attention_weights(layer: int) -> dict[str, np.ndarray]:
     prefix = f"encoder.layer.{layer}.attention."
     names = {"query": "self.query.weight", "key": "self.key.weight",
              "value": "self.value.weight", "output": "output.dense.weight"}
+    if biases:
+        names.update({"query_bias": "self.query.bias", "key_bias": "self.key.bias",
+                      "value_bias": "self.value.bias", "output_bias": "output.dense.bias"})
     path = minilm_weights_path()
     try:
         with safe_open(str(path), framework="numpy") as weights:
@@ -92,6 +107,18 @@ def head_parameters(weights: dict[str, np.ndarray], head: int,
     Q, K, V = weights["query"][rows], weights["key"][rows], weights["value"][rows]
     O_h = weights["output"][:, rows]
     return K.T @ Q / math.sqrt(HEAD_DIM), V.T @ (O_h.T @ readout)
+
+
+def head_biases(weights: dict[str, np.ndarray], head: int) -> np.ndarray:
+    """b_h = K_h^T b_q,h / sqrt(32) (384,): the head's query bias as it enters the scores."""
+    rows = slice(head * HEAD_DIM, (head + 1) * HEAD_DIM)
+    return weights["key"][rows].T @ weights["query_bias"][rows] / math.sqrt(HEAD_DIM)
+
+
+def output_constant(weights: dict[str, np.ndarray], readout: np.ndarray) -> float:
+    """c = sum_h b_v,h^T O_h^T r + b_o^T r = (W_o b_v + b_o)^T r: the value and output biases
+    read out (the attention weights sum to 1, so each head passes its b_v,h on whole)."""
+    return float((weights["output"] @ weights["value_bias"] + weights["output_bias"]) @ readout)
 
 
 def minilm_head(layer: int, head: int, readout_seed=0) -> SingleHeadAttention:
@@ -187,7 +214,7 @@ def describe(result, truth: SingleHeadAttention, **what) -> None:
 
 
 def minilm_layer_target(layer: int, readout_seed=0, subspace: int | None = None,
-                        subspace_seed=0):
+                        subspace_seed=0, biases: bool = False):
     """A layer's 12 heads as one multi-head black box, optionally seen through a subspace.
 
     Parameters
@@ -201,17 +228,27 @@ def minilm_layer_target(layer: int, readout_seed=0, subspace: int | None = None,
         (384, k) orthonormal, so the target has width k and heads W_h' = P^T W_h P,
         v_h' = P^T v_h (the real layer, queried with tokens in that subspace). None keeps
         the full width 384, where the multi-head learner needs about 4 H d^2 = 7.1M queries.
+    biases : bool
+        Keep the layer's query, key, value and output biases (the layer as deployed).
 
     Returns
     -------
     MultiHeadAttention
-        W (12, k, k) and v (12, k).
+        W (12, k, k) and v (12, k); with ``biases`` a BiasedMultiHeadAttention, also b
+        (12, k) and c.
     """
-    from ..models import MultiHeadAttention
+    from ..models import BiasedMultiHeadAttention, MultiHeadAttention
 
-    heads = minilm_layer_heads(layer, readout_seed)
-    W = np.stack([h.W for h in heads])
-    v = np.stack([h.v for h in heads])
+    if biases and subspace is not None:
+        raise InputError("the biased layer is served at the full width: drop the subspace "
+                         "(or leave the biases out)")
+    weights, r = load_attention_weights(layer, biases), readout_vector(readout_seed)
+    pairs = [head_parameters(weights, h, r) for h in range(HEADS)]
+    W = np.stack([p[0] for p in pairs])
+    v = np.stack([p[1] for p in pairs])
+    if biases:
+        b = np.stack([head_biases(weights, h) for h in range(HEADS)])
+        return BiasedMultiHeadAttention(W, v, b, output_constant(weights, r))
     if subspace is not None:
         if not isinstance(subspace, (int, np.integer)) or not 1 <= subspace <= WIDTH:
             raise InputError(f"subspace must be in 1..{WIDTH}, got {subspace!r}")
@@ -224,7 +261,7 @@ def minilm_layer_target(layer: int, readout_seed=0, subspace: int | None = None,
 
 def extract_minilm_layer(layer: int, *, readout_seed=0, subspace: int | None = None, seed=0,
                          budget=None, progress=None, journal=None, black_box=None,
-                         stages=None):
+                         stages=None, biases: bool = False):
     """Extract a layer's 12 heads as one multi-head target; report what it achieves, honestly.
 
     At the full width (``subspace=None``, the default) the low-rank multi-head learner
@@ -241,6 +278,10 @@ def extract_minilm_layer(layer: int, *, readout_seed=0, subspace: int | None = N
         truth the errors are measured against.
     stages : callable, optional
         The low-rank learner's stage messages (``progress(text)``).
+    biases : bool
+        The layer as deployed, with its query, key, value and output biases (full width
+        only): the low-rank multi-head learner runs with ``biases=True`` and the report
+        gives each head's error in (W_h, v_h, b_h) and the error of c.
 
     Returns ``(result, truth, error)``: the learner's result (the best-effort one when
     it refused its own answer), the true :class:`MultiHeadAttention`, and the
@@ -249,9 +290,10 @@ def extract_minilm_layer(layer: int, *, readout_seed=0, subspace: int | None = N
     """
     from ..errors import ModelMismatchError
     from ..learners.multi_head import canonical_error
+    from ..models import MultiHeadAttention
     from ..oracle import Oracle
 
-    truth = minilm_layer_target(layer, readout_seed, subspace)
+    truth = minilm_layer_target(layer, readout_seed, subspace, biases=biases)
     oracle = Oracle(truth if black_box is None else black_box, truth.dim, budget=budget,
                     progress=progress, journal=journal)
     error = None
@@ -259,7 +301,7 @@ def extract_minilm_layer(layer: int, *, readout_seed=0, subspace: int | None = N
         if subspace is None:
             from ..learners.multi_head_low_rank import extract_multi_head_low_rank
             result = extract_multi_head_low_rank(oracle, HEADS, HEAD_DIM, seed=seed,
-                                                 progress=stages)
+                                                 progress=stages, biases=biases)
         else:
             from ..learners.multi_head import extract_multi_head
             result = extract_multi_head(oracle, heads=HEADS, seed=seed)
@@ -271,23 +313,40 @@ def extract_minilm_layer(layer: int, *, readout_seed=0, subspace: int | None = N
     details["target"] = (f"{MODEL_NAME} layer {layer}, all {HEADS} heads, readout seed "
                          f"{readout_seed}, " + ("full width 384" if subspace is None else
                                                 f"tokens in a random {subspace}-dim subspace")
-                         + ", biases left out"
+                         + (", with its query, key, value and output biases" if biases
+                            else ", biases left out")
                          + ("" if black_box is None else f", queried at {getattr(black_box, 'url', black_box)}"))
     details["learner"] = ("low-rank multi-head (rank 32)" if subspace is None
                           else "multi-head (full rank)")
     details["true heads"] = HEADS
     details["heads found"] = int(result.model.W.shape[0])
+    biased = biases and hasattr(result.model, "b")
+    # the heads' (W_h, v_h) are compared as a bias-free model; b_h and c separately below
+    found = MultiHeadAttention(result.model.W, result.model.v) if biased else result.model
+    truth_heads = MultiHeadAttention(truth.W, truth.v) if biases else truth
     with np.errstate(over="ignore", invalid="ignore"):   # inf when the head counts differ
-        details["canonical_error"] = float(canonical_error(result.model, truth))
+        details["canonical_error"] = float(canonical_error(found, truth_heads))
     if subspace is None:
         from ..learners.multi_head import match_heads
-        order, _, _ = match_heads(result.model, truth) if details["heads found"] == HEADS else (None, 0, 0)
+        order, _, _ = (match_heads(found, truth_heads) if details["heads found"] == HEADS
+                       else (None, 0, 0))
         if order is not None:
             W_err = [float(np.linalg.norm(result.model.W[o] - truth.W[h]) / np.linalg.norm(truth.W[h]))
                      for h, o in enumerate(order)]
             v_err = [float(np.linalg.norm(result.model.v[o] - truth.v[h]) / np.linalg.norm(truth.v[h]))
                      for h, o in enumerate(order)]
             details["per-head error"] = [max(a, b) for a, b in zip(W_err, v_err)]
+            if biased:
+                b_err = [float(np.linalg.norm(result.model.b[o] - truth.b[h])
+                               / max(np.linalg.norm(truth.b[h]), 1e-300))
+                         for h, o in enumerate(order)]
+                details["per-head bias error"] = b_err
+                details["per-head error"] = [max(a, b) for a, b in
+                                             zip(details["per-head error"], b_err)]
+    if biased:
+        details["c_error"] = float(abs(result.model.c - truth.c) / max(abs(truth.c), 1e-300))
+        details["biased_floor"] = HEADS * (WIDTH + HEAD_DIM * (2 * WIDTH - HEAD_DIM)
+                                           + HEAD_DIM) + 1
     details["outcome"] = "verified" if error is None else "refused by verification"
     if journal is not None:
         details["black_box_queries"] = oracle.black_box_queries
@@ -295,8 +354,8 @@ def extract_minilm_layer(layer: int, *, readout_seed=0, subspace: int | None = N
     return result, truth, error
 
 
-def save_layer_target(path, layer: int, readout_seed=0) -> None:
-    """Write a layer's 12 heads (W (12, 384, 384), v (12, 384)) as a multi-head model file,
-    for ``attnextract serve --secret PATH``."""
-    truth = minilm_layer_target(layer, readout_seed)
-    np.savez(path, W=truth.W, v=truth.v, kind=np.str_(truth.kind))
+def save_layer_target(path, layer: int, readout_seed=0, biases: bool = False) -> None:
+    """Write a layer's 12 heads (W (12, 384, 384), v (12, 384); with ``biases`` also b
+    (12, 384) and c) as a model file, for ``attnextract serve --secret PATH``."""
+    truth = minilm_layer_target(layer, readout_seed, biases=biases)
+    np.savez(path, **truth.parameters(), kind=np.str_(truth.kind))

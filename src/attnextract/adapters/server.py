@@ -2,64 +2,46 @@
 
 The black box a remote API would be: it answers one number per sequence and
 nothing else, charges what it serves exactly once, enforces its own query budget,
-and survives any request a client can send.
+keeps its books (``--state FILE.sqlite``: a restart, a crash or ``kill -9`` loses
+nothing) and survives any request a client can send. docs/serving.md is the user's
+guide; in short:
 
-Protocol (HTTP/1.1, keep-alive):
+Protocol (HTTP/1.0 and 1.1, keep-alive):
 
 - ``POST /query`` with a batch (B, N, d) of B >= 1 sequences of N >= 1 tokens of
-  width d, either as JSON ``{"sequences": [[[x_11, ..., x_1d], ...], ...]}``
-  (``Content-Type: application/json``, the default) or as one npy array of float64
-  (``Content-Type: application/x-npy``). The answer is
-  ``200 {"outputs": [f_1, ..., f_B], "remaining": R, "charged": B, "replayed": false}``
-  or, with ``Accept: application/x-npy``, one npy array (B,) of float64. Floats travel
-  as shortest round-trip decimals or raw float64, so values cross the wire exactly.
-- ``Idempotency-Key: K`` (any 1-128 visible ASCII characters, chosen by the client,
-  one per request and reused on its retries): the first request with K is charged;
-  a repeat of K with the same numbers gets the cached answer again with
-  ``replayed: true`` and is not charged; a repeat of K with other numbers is a 422.
-  The cache keeps the last ``cache_entries`` keys (LRU).
-- Every answer carries ``X-Charged`` (sequences charged for this key, once),
-  ``X-Replayed`` (0/1), ``X-Served`` (all sequences charged so far) and
-  ``X-Remaining``; the JSON answer carries ``charged`` and ``replayed`` too.
-- ``GET /health`` -> ``200 {"ok": true, "kind", "dim", "served", "charged",
-  "replayed", "budget", "remaining"}`` (``served`` = ``charged``: sequences charged).
-- Every refused request gets ``{"error": reason}`` and a status: 400 malformed
-  (not the JSON above, ragged, empty, strings, booleans, null, NaN or infinity,
-  a body shorter than its Content-Length, a bad npy header, duplicate
-  Content-Length); 404 unknown path; 405 any other method (JSON body, ``Allow``
-  header; a HEAD gets the headers only); 408 headers too slow; 411 no
-  Content-Length or a chunked body; 413 body, batch, sequence or numbers over the
-  limits; 415 an npy that is not float64; 422 wrong token width or a reused
-  Idempotency-Key; 429 the budget cannot cover the whole batch (nothing of it is
-  answered or charged); 431 headers too large; 500 the model failed or answered
-  NaN or infinity (not charged); 503 too many connections. The server keeps
-  serving after every one of them.
+  width d, as JSON ``{"sequences": [[[x_11, ..., x_1d], ...], ...]}`` (the default),
+  one npy array of float64 (``Content-Type: application/x-npy``) or raw little-endian
+  float64 (``Content-Type: application/octet-stream`` with ``X-Shape: B,N,d``). The
+  answer is ``200 {"outputs": [f_1, ..., f_B], "remaining": R, "charged": B,
+  "replayed": false}`` or, with ``Accept: application/x-npy``, one npy array (B,) of
+  float64. Floats cross the wire exactly (shortest round-trip decimals, or raw bytes).
+- ``Idempotency-Key: K`` (1-128 visible ASCII characters, one per request, reused on
+  its retries): K is charged once; a repeat of K with the same numbers is answered
+  from the ledger (``replayed: true``, not charged), with other numbers it is a 422.
+  Answers are kept up to ``cache_bytes`` of outputs (least recently used dropped).
+- Every answer carries ``X-Charged``, ``X-Replayed`` (0/1), ``X-Served`` and
+  ``X-Remaining``. ``GET /health`` -> ``{"ok", "kind", "dim", "served", "charged",
+  "replayed", "budget", "remaining", "binary", "state"}``.
+- Refusals: ``{"error": reason}`` with 400 (malformed; a bare LF at once), 404, 405,
+  408 (headers over ``header_timeout``; a body that pauses over ``idle_timeout`` or
+  falls below ``min_body_rate``), 411, 413, 415, 422, 429 (the budget cannot cover the
+  whole batch), 431, 500 (the model failed: not charged, its text only in the log),
+  503 (too many connections; no room for a body within ``slot_timeout``), 505 (an HTTP
+  version other than 1.0 and 1.1).
+
+Charging (:class:`ServerState`, :class:`Ledger`): a batch is checked against the
+budget with the batches in flight, evaluated, then charged in one SQLite transaction
+with its answer, and only if its client is still connected (a client that has gone is
+not charged).
 
 Hardening (one asyncio event loop reads every connection; the model runs on a small
-thread pool):
-
-- at most ``max_connections`` connections (2048); one more is answered 503 and
-  closed; listen backlog 128;
-- the request line and headers must arrive within ``header_timeout`` (5 s) of their
-  first byte and be at most 16 KiB; an idle keep-alive connection is closed after
-  ``keepalive_timeout`` (15 s); a body may pause at most
-  ``idle_timeout`` (2 s) between bytes: a slow or short body is refused 400 after
-  at most that pause, and its connection closed;
-- Content-Length is checked (digits only, one header, at most ``max_body`` =
-  64 MiB) before a byte of the body is read;
-- the body is parsed as it arrives, 64 KiB at a time, into float64 arrays: the
-  limit is on numbers (``max_floats`` = 2^20 = 8 MiB of float64 per request), not
-  bytes, and a body is refused the moment it passes a limit, without reading the
-  rest; no Python list of the numbers is ever built;
-- an npy header is parsed with ``numpy.lib.format`` (no pickles; dtype float64,
-  3 dimensions, the limits and the exact byte count checked before the data is
-  read), and the data is read into a preallocated array.
-
-A client may send the batch as raw little-endian float64 instead of JSON
-(``Content-Type: application/octet-stream``, header ``X-Shape: B,N,d``; the same
-limits and refusals; ``/health`` says ``"binary": true``): 8 bytes a number instead
-of about 20, and no parsing (the JSON text of a 384-wide layer costs more than the
-layer itself).
+thread pool): at most ``max_connections`` connections, each buffering at most
+CONNECTION_BUFFER bytes before its body is admitted; Content-Length checked before a
+byte of the body is read; a body admitted only once its cost
+(:meth:`BlackBoxServer.body_cost`) fits in ``body_memory`` (:class:`ByteBudget`, first
+come first served); bodies parsed as they arrive into float64 arrays, refused the
+moment they pass a limit (``max_floats`` numbers, not bytes); npy headers parsed with
+``numpy.lib.format`` (no pickles). Peak memory: :func:`peak_rss_bound`.
 
 ``--round DIGITS`` rounds every output to that many decimals, as APIs that print
 their answers do (the extraction then meets a noisy black box).
@@ -71,17 +53,21 @@ import asyncio
 import hashlib
 import io
 import json
+import logging
 import re
+import signal
 import socket
 import threading
-from collections import OrderedDict
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from ..errors import InputError
 
-MAX_BODY_BYTES = 64 << 20        # Content-Length accepted (JSON text or npy)
+LOG = logging.getLogger("attnextract.server")
+
+MAX_BODY_BYTES = 64 << 20        # Content-Length accepted (JSON text, npy or raw)
 MAX_SEQUENCES = 100_000          # sequences per request
 MAX_FLOATS = 1 << 20             # B * N * d per request: 8 MiB of float64
 MAX_LENGTH = 4096                # tokens per sequence
@@ -89,24 +75,32 @@ MAX_CONNECTIONS = 2048
 BACKLOG = 128
 HEADER_TIMEOUT = 5.0             # seconds for a request line and headers, from the first byte
 KEEPALIVE_TIMEOUT = 15.0         # seconds an idle keep-alive connection is kept
-IDLE_TIMEOUT = 2.0               # seconds a body may pause between bytes
+IDLE_TIMEOUT = 2.0               # seconds a body may pause, and its grace before MIN_BODY_RATE
+MIN_BODY_RATE = 256 << 10        # bytes/s a body must average after its grace (else 408)
 WRITE_TIMEOUT = 30.0             # seconds a client may take to read an answer
+SLOT_TIMEOUT = 10.0              # seconds a body may wait for memory (else 503, unread)
+SHUTDOWN_GRACE = 5.0             # seconds the requests being answered get at shutdown
 MAX_HEADER_BYTES = 16 << 10
-CACHE_ENTRIES = 4096             # Idempotency-Keys remembered
+BODY_MEMORY = 96 << 20           # bytes all bodies being answered may hold (body_cost)
+CACHE_BYTES = 32 << 20           # bytes of answers kept for their Idempotency-Keys
 WORKERS = 4                      # threads evaluating the model
-READ_CHUNK = 1 << 16             # pieces of a body given to the parser at once (tests, parse())
+READ_SIZE = 64 << 10             # bytes the server reads from a socket at once
+CONNECTION_BUFFER = 2 * MAX_HEADER_BYTES + READ_SIZE   # most a connection's stream buffers
+ANSWER_BYTES = 100               # bytes an answer takes per sequence while it is encoded
+                                 # (JSON: 94.5 measured with tracemalloc at B = 100 000)
+CONNECTION_COST = CONNECTION_BUFFER + (16 << 10)   # a connection's buffers and objects
+RSS_SLACK = 16 << 20             # allocator slack, SQLite's page cache, the model's temporaries
+READ_CHUNK = 1 << 16             # pieces of a body given to the parser at once (parse())
 JSON_SLICE = 1 << 14             # JSON text parsed between two turns of the event loop (~1 ms)
-BODY_BUFFER = 1 << 20            # bytes of a body buffered per connection while it is read
-BIG_BODY = 1 << 20               # bodies above this wait for one of BIG_BODY_SLOTS
-BIG_BODY_SLOTS = 4               # big bodies read at once (the others wait, unread)
-BIG_JSON = 1 << 18               # JSON bodies above this are parsed one at a time
-MIN_BODY_RATE = 1 << 20          # bytes/s a body must average (after the idle timeout)
+JSON = "application/json"
 NPY = "application/x-npy"
+RAW = "application/octet-stream"
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
            408: "Request Timeout", 411: "Length Required", 413: "Content Too Large",
            415: "Unsupported Media Type", 422: "Unprocessable Content",
            429: "Too Many Requests", 431: "Request Header Fields Too Large",
-           500: "Internal Server Error", 503: "Service Unavailable"}
+           500: "Internal Server Error", 503: "Service Unavailable",
+           505: "HTTP Version Not Supported"}
 KEY_PATTERN = re.compile(r"[\x21-\x7e]{1,128}\Z")
 
 
@@ -300,6 +294,8 @@ class NpyBatchParser:
         self.data = None             # preallocated once the header is known
         self.filled = 0
 
+    kind = "npy"
+
     def feed(self, chunk: bytes) -> None:
         if self.data is None:
             self.head += chunk
@@ -339,6 +335,12 @@ class NpyBatchParser:
             raise RequestError(400, f"bad npy header: {type(exc).__name__}: {exc}") from None
         if dtype.kind != "f" or dtype.itemsize != 8 or dtype.hasobject:
             raise RequestError(415, f"npy arrays must hold float64, got {dtype.str}")
+        self._allocate(shape, fortran, start + header_len, dtype)
+        rest, self.head = head[start + header_len:], b""
+        return rest
+
+    def _allocate(self, shape, fortran: bool, header_bytes: int, dtype=np.dtype("<f8")) -> None:
+        """Check a batch's shape against the limits and the Content-Length; allocate it."""
         if len(shape) != 3 or shape[0] < 1 or shape[1] < 1:
             raise RequestError(400, _SHAPE.format(d=self.dim) + f"; got shape {list(shape)}")
         B, N, d = shape
@@ -352,13 +354,11 @@ class NpyBatchParser:
         if B * N * d > self.max_floats:
             raise RequestError(413, f"{B * N * d} numbers in one request; at most "
                                     f"{self.max_floats}")
-        if start + header_len + 8 * B * N * d != self.content_length:
-            raise RequestError(400, f"Content-Length {self.content_length} is not the npy "
-                                    f"size {start + header_len + 8 * B * N * d}")
+        if header_bytes + 8 * B * N * d != self.content_length:
+            raise RequestError(400, f"Content-Length {self.content_length} is not the "
+                                    f"{self.kind} size {header_bytes + 8 * B * N * d}")
         self.shape, self.fortran = shape, fortran
         self.data = np.empty(B * N * d, dtype=dtype)
-        rest, self.head = head[start + header_len:], b""
-        return rest
 
     def finish(self) -> np.ndarray:
         if self.data is None or self.filled != self.data.nbytes:
@@ -370,6 +370,21 @@ class NpyBatchParser:
         return X
 
 
+class RawBatchParser(NpyBatchParser):
+    """Raw little-endian float64 numbers, C order, of the shape in ``X-Shape: B,N,d``."""
+
+    kind = "raw float64"
+
+    def __init__(self, dim: int, length: int, max_floats: int, max_sequences: int,
+                 max_length: int, shape: str | None):
+        super().__init__(dim, length, max_floats, max_sequences, max_length)
+        if shape is None:
+            raise RequestError(400, f"{RAW} needs the header X-Shape: B,N,d")
+        if not re.fullmatch(r"\s*[0-9]{1,9}\s*,\s*[0-9]{1,9}\s*,\s*[0-9]{1,9}\s*", shape):
+            raise RequestError(400, f"bad X-Shape {shape[:40]!r}: send B,N,d")
+        self._allocate(tuple(int(n) for n in shape.split(",")), False, 0)
+
+
 def npy_bytes(array: np.ndarray) -> bytes:
     stream = io.BytesIO()
     np.lib.format.write_array(stream, np.ascontiguousarray(array, dtype="<f8"),
@@ -377,70 +392,308 @@ def npy_bytes(array: np.ndarray) -> bytes:
     return stream.getvalue()
 
 
-# -- the model, its budget and its cache -----------------------------------------------
+# -- the ledger: budget, charges and recent answers ----------------------------------------
+
+LEDGER_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value);
+CREATE TABLE IF NOT EXISTS answers (
+    key TEXT PRIMARY KEY,        -- the Idempotency-Key
+    digest BLOB NOT NULL,        -- SHA-256 of the batch's shape and numbers
+    outputs BLOB NOT NULL,       -- float64 answers, as sent (rounded if --round)
+    used INTEGER NOT NULL        -- LRU clock: the newest use is the largest
+);
+CREATE INDEX IF NOT EXISTS answers_used ON answers (used);
+"""
+LEDGER_VERSION = 1
+COUNTERS = ("served", "replayed", "abandoned", "cache_bytes", "clock")
+
+
+class Ledger:
+    """What the server has charged, in SQLite: a file (``serve --state``) or memory.
+
+    One connection, used under the server's lock, every change one transaction
+    (``BEGIN IMMEDIATE``): the charge of a batch, its counters and its answer (for its
+    Idempotency-Key) are committed together or not at all. The file is in WAL mode
+    with ``synchronous=NORMAL``: a committed charge survives the death of the process
+    (SIGKILL included; its pages are in the operating system's hands before the commit
+    returns), a power cut may lose the last transactions. Several server processes on
+    one machine may share a file (SQLite's own locks; the budget is checked inside the
+    charging transaction).
+
+    Answers are kept for their keys up to ``cache_bytes`` bytes of outputs (least
+    recently used dropped first); counters and the budget are kept for ever.
+
+    The file is bound to its model: it stores the model's token width and its answers
+    to fixed challenge sequences, and refuses (InputError) to serve another model.
+    """
+
+    def __init__(self, path=None, *, cache_bytes: int, budget=None, dim: int,
+                 fingerprint: bytes | None = None):
+        import sqlite3
+        self.path = None if path is None else str(path)
+        self.cache_bytes = int(cache_bytes)
+        try:
+            self.db = sqlite3.connect(self.path or ":memory:", isolation_level=None,
+                                      check_same_thread=False, timeout=30.0)
+            if self.path is not None:
+                mode = self.db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+                if mode.lower() != "wal":
+                    raise InputError(f"--state {self.path}: SQLite cannot use WAL there "
+                                     f"(journal mode {mode})")
+                self.db.execute("PRAGMA synchronous=NORMAL")
+            self.db.executescript(LEDGER_SCHEMA)
+            with self._transaction():
+                self._bind(dim, fingerprint, budget)
+        except sqlite3.DatabaseError as exc:
+            raise InputError(f"--state {self.path}: not a usable SQLite ledger: {exc}") from None
+
+    # -- plumbing ----------------------------------------------------------------------
+    def _transaction(self):
+        ledger = self
+
+        class _Tx:
+            def __enter__(self):
+                ledger.db.execute("BEGIN IMMEDIATE")
+
+            def __exit__(self, kind, exc, tb):
+                ledger.db.execute("COMMIT" if kind is None else "ROLLBACK")
+                return False
+        return _Tx()
+
+    def _get(self, name, default=None):
+        row = self.db.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()
+        return default if row is None else row[0]
+
+    def _set(self, name, value) -> None:
+        self.db.execute("INSERT OR REPLACE INTO meta (name, value) VALUES (?, ?)", (name, value))
+
+    def _add(self, name, amount: int) -> None:
+        self.db.execute("UPDATE meta SET value = value + ? WHERE name = ?", (amount, name))
+
+    def _bind(self, dim: int, fingerprint, budget) -> None:
+        version = self._get("version")
+        if version is None:                              # a new ledger
+            self._set("version", LEDGER_VERSION)
+            self._set("dim", int(dim))
+            self._set("fingerprint", fingerprint)
+            self._set("budget", budget)
+            for name in COUNTERS:
+                self._set(name, 0)
+            return
+        where = f"--state {self.path}"
+        if version != LEDGER_VERSION:
+            raise InputError(f"{where}: ledger version {version}, this server writes "
+                             f"{LEDGER_VERSION}")
+        if self._get("dim") != dim:
+            raise InputError(f"{where} was kept for tokens of width {self._get('dim')}, "
+                             f"not {dim}: it belongs to another model")
+        if fingerprint is not None and self._get("fingerprint") not in (None, fingerprint):
+            raise InputError(f"{where} was kept for another model (its answers to the "
+                             f"challenge sequences differ): use a new --state file")
+        if budget is not None:                            # a new --budget replaces the old
+            self._set("budget", budget)
+
+    # -- reading -----------------------------------------------------------------------
+    def counters(self) -> dict:
+        rows = dict(self.db.execute("SELECT name, value FROM meta WHERE name IN "
+                                    "('budget', 'served', 'replayed', 'abandoned', "
+                                    "'cache_bytes')").fetchall())
+        rows["cached_keys"] = self.db.execute("SELECT count(*) FROM answers").fetchone()[0]
+        return rows
+
+    @property
+    def budget(self):
+        return self._get("budget")
+
+    @property
+    def served(self) -> int:
+        return self._get("served", 0)
+
+    # -- writing (each one transaction) --------------------------------------------------
+    def replay(self, key: str, digest: bytes):
+        """The answer kept for ``key`` (counted as replayed), or None if not kept."""
+        with self._transaction():
+            row = self.db.execute("SELECT digest, outputs FROM answers WHERE key = ?",
+                                  (key,)).fetchone()
+            if row is None:
+                return None
+            if row[0] != digest:
+                raise RequestError(422, "Idempotency-Key reused with a different batch")
+            outputs = np.frombuffer(row[1], dtype="<f8").copy()
+            self._add("clock", 1)
+            self.db.execute("UPDATE answers SET used = (SELECT value FROM meta WHERE name = "
+                            "'clock') WHERE key = ?", (key,))
+            self._add("replayed", len(outputs))
+        return outputs
+
+    def charge(self, outputs: np.ndarray, key: str | None, digest: bytes):
+        """Charge a computed batch and keep its answer: ("charged" or "replayed", outputs).
+
+        Inside one transaction: a key another process has answered meanwhile is a
+        replay; a batch the budget cannot cover is a 429; else the sequences are
+        charged and the answer kept for the key (older answers dropped past
+        ``cache_bytes``)."""
+        n = len(outputs)
+        blob = np.ascontiguousarray(outputs, dtype="<f8").tobytes()
+        with self._transaction():
+            if key is not None:
+                row = self.db.execute("SELECT digest, outputs FROM answers WHERE key = ?",
+                                      (key,)).fetchone()
+                if row is not None:
+                    if row[0] != digest:
+                        raise RequestError(422, "Idempotency-Key reused with a different "
+                                                "batch")
+                    self._add("replayed", n)
+                    return "replayed", np.frombuffer(row[1], dtype="<f8").copy()
+            budget, served = self._get("budget"), self._get("served")
+            if budget is not None and served + n > budget:
+                raise RequestError(429, f"budget exhausted: {n} sequences asked, "
+                                        f"{max(0, budget - served)} of {budget} remain",
+                                   remaining=max(0, budget - served))
+            self._add("served", n)
+            if key is not None and len(blob) <= self.cache_bytes:
+                self._add("clock", 1)
+                self.db.execute("INSERT INTO answers (key, digest, outputs, used) VALUES "
+                                "(?, ?, ?, (SELECT value FROM meta WHERE name = 'clock'))",
+                                (key, digest, blob))
+                self._add("cache_bytes", len(blob))
+                self._evict()
+        return "charged", outputs
+
+    def _evict(self) -> None:
+        excess = self._get("cache_bytes") - self.cache_bytes
+        while excess > 0:
+            key, size = self.db.execute("SELECT key, length(outputs) FROM answers "
+                                        "ORDER BY used LIMIT 1").fetchone()
+            self.db.execute("DELETE FROM answers WHERE key = ?", (key,))
+            self._add("cache_bytes", -size)
+            excess -= size
+
+    def count(self, name: str, amount: int = 1) -> None:
+        """Add to a counter (sequences abandoned by their clients)."""
+        with self._transaction():
+            self._add(name, amount)
+
+    def close(self) -> None:
+        self.db.close()
+
+
+def model_fingerprint(model, dim: int) -> bytes:
+    """The model's float64 answers to the journal's challenge sequences (its identity for a
+    ledger): a ledger kept for one model is never used to answer for another."""
+    from .journal import challenge_sequences
+    outputs = [np.asarray(model(X[None]), dtype=np.float64).reshape(1)
+               for X in challenge_sequences(dim)]
+    # rounded to 12 significant digits: a float32 model batched differently still agrees
+    return np.array([float(f"{o[0]:.12g}") for o in outputs]).tobytes()
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was charged."""
+
+
+# -- the model, its budget and its ledger ------------------------------------------------
 
 class ServerState:
-    """The model behind the endpoint, its limits, its budget and its answer cache (thread-safe)."""
+    """The model behind the endpoint, its limits, and its :class:`Ledger` (thread-safe).
+
+    ``state`` is the ledger file (None: kept in memory for the life of the process).
+    """
 
     def __init__(self, model, *, budget: int | None = None, round_digits: int | None = None,
                  max_body: int = MAX_BODY_BYTES, max_sequences: int = MAX_SEQUENCES,
                  max_floats: int = MAX_FLOATS, max_length: int = MAX_LENGTH,
-                 cache_entries: int = CACHE_ENTRIES):
+                 cache_bytes: int = CACHE_BYTES, state=None):
         if budget is not None and budget < 0:
             raise InputError(f"budget must be >= 0, got {budget}")
+        if cache_bytes < 0:
+            raise InputError(f"cache_bytes must be >= 0, got {cache_bytes}")
         self.model = model
         self.dim = int(model.dim)
-        self.budget, self.round_digits = budget, round_digits
+        self.round_digits = round_digits
         self.max_body, self.max_sequences = max_body, max_sequences
         self.max_floats, self.max_length = max_floats, max_length
-        self.cache_entries = cache_entries
-        self.served = 0              # sequences charged (each Idempotency-Key once)
-        self.replayed = 0            # sequences answered again from the cache, not charged
-        self.refused = 0
-        self.cache: OrderedDict[str, tuple] = OrderedDict()
-        self.inflight: dict[str, threading.Event] = {}
         self.lock = threading.Lock()
+        fingerprint = None if state is None else model_fingerprint(model, self.dim)
+        self.ledger = Ledger(state, cache_bytes=cache_bytes, budget=budget, dim=self.dim,
+                             fingerprint=fingerprint)
+        self.reserved = 0            # sequences being evaluated (checked against the budget)
+        self.refused = 0             # requests refused, since the process started
+        self.inflight: dict[str, threading.Event] = {}
+
+    # counters, read from the ledger (the numbers /health shows)
+    @property
+    def budget(self):
+        with self.lock:
+            return self.ledger.budget
+
+    @property
+    def served(self) -> int:
+        with self.lock:
+            return self.ledger.served
+
+    @property
+    def replayed(self) -> int:
+        return self.health()["replayed"]
 
     @property
     def remaining(self) -> int | None:
-        return None if self.budget is None else self.budget - self.served
+        with self.lock:
+            budget = self.ledger.budget
+            return None if budget is None else max(0, budget - self.ledger.served)
 
-    def parser(self, content_type: str, length: int):
+    def refuse(self) -> None:
+        """Count a refused request (in memory: garbage traffic never writes the ledger)."""
+        with self.lock:
+            self.refused += 1
+
+    def abandon(self, sequences: int) -> None:
+        """Count sequences whose client left before they were evaluated (in the ledger)."""
+        with self.lock:
+            self.ledger.count("abandoned", sequences)
+
+    def parser(self, content_type: str, length: int, shape: str | None = None):
         if content_type == NPY:
             return NpyBatchParser(self.dim, length, self.max_floats, self.max_sequences,
                                   self.max_length)
+        if content_type == RAW:
+            return RawBatchParser(self.dim, length, self.max_floats, self.max_sequences,
+                                  self.max_length, shape)
         return JsonBatchParser(self.dim, self.max_floats, self.max_sequences, self.max_length)
 
-    def parse(self, body: bytes, content_type: str = "application/json") -> np.ndarray:
+    def parse(self, body: bytes, content_type: str = "application/json",
+              shape: str | None = None) -> np.ndarray:
         """The batch (B, N, d) of a whole request body (the server feeds it in chunks)."""
-        parser = self.parser(content_type, len(body))
+        parser = self.parser(content_type, len(body), shape)
         for i in range(0, len(body), READ_CHUNK):
             parser.feed(body[i:i + READ_CHUNK])
         return parser.finish()
 
-    def answer(self, X: np.ndarray, key: str | None = None) -> dict:
+    def answer(self, X: np.ndarray, key: str | None = None, gone=None) -> dict:
         """Outputs of a parsed batch, charged once per key (all or nothing).
+
+        The model is evaluated first and the batch charged after, in one ledger
+        transaction, only if the client is still there (``gone()`` is False): a batch
+        the model failed on, or whose client left, is never charged. Concurrent
+        batches are checked against the budget together before evaluation.
 
         Returns ``{"outputs", "remaining", "charged", "replayed"}``."""
         digest = hashlib.sha256(repr(X.shape).encode() + X.tobytes()).digest()
+        n = len(X)
         for _ in range(3):           # a repeat of a key in flight waits for its answer
             with self.lock:
-                if key is not None and key in self.cache:
-                    known, outputs = self.cache[key]
-                    if known != digest:
-                        raise RequestError(422, "Idempotency-Key reused with a different "
-                                                "batch")
-                    self.cache.move_to_end(key)
-                    self.replayed += len(outputs)
-                    return {"outputs": outputs, "remaining": self.remaining,
-                            "charged": len(outputs), "replayed": True}
+                if key is not None:
+                    kept = self.ledger.replay(key, digest)
+                    if kept is not None:
+                        return self._answer(kept, True)
                 waiting = self.inflight.get(key) if key is not None else None
                 if waiting is None:
-                    if self.budget is not None and len(X) > self.budget - self.served:
-                        raise RequestError(429, f"budget exhausted: {len(X)} sequences asked, "
-                                                f"{self.budget - self.served} of {self.budget} "
-                                                f"remain", remaining=self.budget - self.served)
-                    self.served += len(X)
+                    budget, served = self.ledger.budget, self.ledger.served
+                    if budget is not None and served + self.reserved + n > budget:
+                        left = max(0, budget - served - self.reserved)
+                        raise RequestError(429, f"budget exhausted: {n} sequences asked, "
+                                                f"{left} of {budget} remain", remaining=left)
+                    self.reserved += n
                     if key is not None:
                         self.inflight[key] = threading.Event()
                     break
@@ -449,103 +702,221 @@ class ServerState:
             raise RequestError(503, "the same Idempotency-Key is still being answered")
         try:
             try:
-                out = np.asarray(self.model(X), dtype=np.float64).reshape(len(X))
+                out = np.asarray(self.model(X), dtype=np.float64).reshape(n)
             except Exception as exc:
-                raise RequestError(500, f"internal error: {type(exc).__name__}: {exc}") from exc
+                # the reason stays in the server's log: a model's exception text may tell
+                # a client more than the outputs would (paths, shapes, weights)
+                LOG.error("the model failed on a batch of shape %s: %s: %s", X.shape,
+                          type(exc).__name__, exc)
+                raise RequestError(500, "internal error: the model failed on this batch; "
+                                        "not charged") from exc
             if not np.isfinite(out).all():
                 raise RequestError(500, "the model answered NaN or infinity; not charged")
             if self.round_digits is not None:
                 out = np.round(out, self.round_digits)
-        except BaseException:
-            with self.lock:            # a batch the model failed on is not charged
-                self.served -= len(X)
+            with self.lock:
+                if gone is not None and gone():
+                    self.ledger.count("abandoned", n)
+                    raise ClientGone()
+                how, out = self.ledger.charge(out, key, digest)
+                return self._answer(out, how == "replayed")
+        finally:
+            with self.lock:
+                self.reserved -= n
                 if key is not None:
                     self.inflight.pop(key).set()
-            raise
-        with self.lock:
-            remaining = self.remaining
-            if key is not None:
-                self.cache[key] = (digest, out)
-                while len(self.cache) > self.cache_entries:
-                    self.cache.popitem(last=False)
-                self.inflight.pop(key).set()
-        return {"outputs": out, "remaining": remaining, "charged": len(X), "replayed": False}
+
+    def _answer(self, outputs, replayed: bool) -> dict:
+        budget = self.ledger.budget
+        return {"outputs": outputs,
+                "remaining": None if budget is None else max(0, budget - self.ledger.served),
+                "charged": len(outputs), "replayed": replayed, "served": self.ledger.served}
 
     def health(self) -> dict:
         with self.lock:
-            return {"ok": True, "kind": getattr(self.model, "kind", "custom"), "dim": self.dim,
-                    "served": self.served, "charged": self.served, "replayed": self.replayed,
-                    "budget": self.budget, "remaining": self.remaining}
+            c = self.ledger.counters()
+        budget, served = c["budget"], c["served"]
+        return {"ok": True, "kind": getattr(self.model, "kind", "custom"), "dim": self.dim,
+                "served": served, "charged": served, "replayed": c["replayed"],
+                "budget": budget, "remaining": None if budget is None else max(0, budget - served),
+                "binary": True, "state": self.ledger.path is not None}
+
+    def close(self) -> None:
+        with self.lock:
+            self.ledger.close()
 
 
 # -- the server ------------------------------------------------------------------------
+
+class ByteBudget:
+    """Bytes that request bodies may hold at once, granted first come, first served.
+
+    ``acquire`` waits (at most ``timeout`` seconds) until the bytes fit; a grant never
+    exceeds the limit, so one request larger than the limit is served alone.
+    """
+
+    def __init__(self, limit: int):
+        self.limit, self.used, self.peak = int(limit), 0, 0
+        self.waiters: deque = deque()
+
+    async def acquire(self, n: int, timeout: float) -> "Reservation":
+        n = min(n, self.limit)
+        if not self.waiters and self.used + n <= self.limit:
+            self._grant(n)
+            return Reservation(self, n)
+        future = asyncio.get_running_loop().create_future()
+        entry = (n, future)
+        self.waiters.append(entry)
+        try:
+            async with asyncio.timeout(timeout):
+                await future
+        except BaseException:                 # timed out or cancelled: never hold a grant
+            if future.done() and not future.cancelled():
+                self.release(n)
+            else:
+                future.cancel()
+                try:
+                    self.waiters.remove(entry)
+                except ValueError:
+                    pass
+            raise
+        return Reservation(self, n)
+
+    def _grant(self, n: int) -> None:
+        self.used += n
+        self.peak = max(self.peak, self.used)
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        while self.waiters and self.used + self.waiters[0][0] <= self.limit:
+            n, future = self.waiters.popleft()
+            if not future.done():
+                self._grant(n)
+                future.set_result(None)
+
+
+class Reservation:
+    """Bytes held from a :class:`ByteBudget`; ``shrink`` gives back all but ``n``."""
+
+    def __init__(self, budget: ByteBudget, n: int):
+        self.budget, self.n = budget, n
+
+    def shrink(self, n: int) -> None:
+        if n < self.n:
+            self.budget.release(self.n - n)
+            self.n = n
+
+    def release(self) -> None:
+        self.shrink(0)
+
 
 class BlackBoxServer:
     """An asyncio HTTP/1.1 server holding a :class:`ServerState`.
 
     ``serve_forever()`` runs it (in a thread for tests), ``shutdown()`` stops it from
-    another thread, ``server_close()`` releases the socket and the model's threads.
+    another thread, ``server_close()`` releases the socket, the model's threads and the
+    ledger.
     """
 
     def __init__(self, address, state: ServerState, *, verbose: bool = False,
                  max_connections: int = MAX_CONNECTIONS, backlog: int = BACKLOG,
                  header_timeout: float = HEADER_TIMEOUT, idle_timeout: float = IDLE_TIMEOUT,
-                 workers: int = WORKERS, keepalive_timeout: float = KEEPALIVE_TIMEOUT):
+                 workers: int = WORKERS, keepalive_timeout: float = KEEPALIVE_TIMEOUT,
+                 body_memory: int = BODY_MEMORY, slot_timeout: float = SLOT_TIMEOUT,
+                 min_body_rate: float = MIN_BODY_RATE):
+        if body_memory < 1 or slot_timeout <= 0 or min_body_rate <= 0 or idle_timeout <= 0:
+            raise InputError("body_memory >= 1, slot_timeout > 0, min_body_rate > 0 and "
+                             "idle_timeout > 0 are required")
         self.state, self.verbose = state, verbose
         self.max_connections, self.backlog = max_connections, backlog
         self.header_timeout, self.idle_timeout = header_timeout, idle_timeout
         self.keepalive_timeout = keepalive_timeout
+        self.body_memory, self.slot_timeout = body_memory, slot_timeout
+        self.min_body_rate = min_body_rate
         self.socket = socket.create_server(address, backlog=backlog)
         self.server_address = self.socket.getsockname()
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="attnextract-model")
         self.connections = 0         # open now
         self.peak_connections = 0
         self.rejected_connections = 0
+        self.slot_timeouts = 0       # bodies refused 503: no memory for them in time
+        self.slow_bodies = 0         # bodies cut 408: slower than min_body_rate
+        self.bodies: ByteBudget | None = None     # made inside the loop
         self._loop = None
         self._stop = None
+        self._stopping = False
         self._stopped = threading.Event()
+        self._stop_requested = threading.Event()
         self._tasks: set = set()
-        self._big_bodies = None      # asyncio semaphores, made inside the loop
-        self._json_parser = None
+        self._busy: set = set()      # tasks answering a request (the others are idle)
 
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
         return f"http://{host}:{port}"
 
-    def serve_forever(self, poll_interval=None) -> None:
+    def serve_forever(self, poll_interval=None, *, handle_signals: bool = False) -> None:
+        """Serve until ``shutdown()`` (or SIGINT/SIGTERM with ``handle_signals``, from the
+        main thread): stop accepting, finish the requests being answered (at most
+        SHUTDOWN_GRACE seconds), close every connection."""
         self._loop = asyncio.new_event_loop()
         try:
-            self._loop.run_until_complete(self._main())
+            self._loop.run_until_complete(self._main(handle_signals))
         finally:
             self._loop.close()
             self._stopped.set()
 
     def shutdown(self) -> None:
+        self._stop_requested.set()       # seen by a loop that has not started yet
         if self._loop is not None and not self._stopped.is_set():
-            self._loop.call_soon_threadsafe(self._stop.set)
+            try:
+                self._loop.call_soon_threadsafe(lambda: self._stop and self._stop.set())
+            except RuntimeError:     # the loop closed meanwhile
+                pass
             self._stopped.wait(30)
 
     def server_close(self) -> None:
         self.socket.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.state.close()
 
-    async def _main(self) -> None:
+    async def _main(self, handle_signals: bool) -> None:
         self._stop = asyncio.Event()
-        self._big_bodies = asyncio.Semaphore(BIG_BODY_SLOTS)
-        self._json_parser = asyncio.Semaphore(1)
+        if self._stop_requested.is_set():        # shut down before it started
+            return
+        self.bodies = ByteBudget(self.body_memory)
+        loop = asyncio.get_running_loop()
+        if handle_signals:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, self._stop.set)
         server = await asyncio.start_server(self._connection, sock=self.socket,
                                             limit=MAX_HEADER_BYTES, backlog=self.backlog)
-        async with server:
-            await self._stop.wait()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            async with server:
+                await self._stop.wait()
+                self._stopping = True
+                server.close()                   # no new connections
+                for task in list(self._tasks - self._busy):
+                    task.cancel()                # idle keep-alive connections: hang up
+                busy = list(self._busy)
+                if busy:                         # the requests being answered finish
+                    await asyncio.wait(busy, timeout=SHUTDOWN_GRACE)
+                for task in list(self._tasks):
+                    task.cancel()
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+        finally:
+            if handle_signals:
+                for signum in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(signum)
 
     async def _connection(self, reader: asyncio.StreamReader,
                           writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         self._tasks.add(task)
+        # the transport reads at most READ_SIZE bytes at a time, and pauses once the
+        # stream holds 2 x MAX_HEADER_BYTES: a connection buffers at most
+        # CONNECTION_BUFFER bytes that no body reservation counts
+        writer.transport.max_size = READ_SIZE
         try:
             if self.connections >= self.max_connections:
                 self.rejected_connections += 1
@@ -555,18 +926,21 @@ class BlackBoxServer:
             self.connections += 1
             self.peak_connections = max(self.peak_connections, self.connections)
             try:
-                while await self._request(reader, writer):
+                while not self._stopping and await self._request(reader, writer):
                     pass
             finally:
                 self.connections -= 1
-        except (ConnectionError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+        except (ConnectionError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutError,
+                asyncio.CancelledError):
             pass
         finally:
             self._tasks.discard(task)
+            self._busy.discard(task)
             writer.close()
 
     async def _request(self, reader, writer) -> bool:
         """Read and answer one request; False when the connection must close."""
+        task = asyncio.current_task()
         try:                                         # an idle keep-alive connection may wait
             async with asyncio.timeout(self.keepalive_timeout):   # (a timer, not a task)
                 first = await reader.read(1)
@@ -574,32 +948,70 @@ class BlackBoxServer:
             return False                             # idle: hang up without a word
         if not first:
             return False
-        try:                                         # from its first byte, a request has
-            async with asyncio.timeout(self.header_timeout):      # header_timeout for its head
-                head = first + await reader.readuntil(b"\r\n\r\n")
-        except asyncio.TimeoutError:
-            await self._send(writer, 408, {"error": "request headers not received within "
-                                                    f"{self.header_timeout} s"}, close=True)
-            return False
-        except asyncio.LimitOverrunError:
-            await self._send(writer, 431, {"error": f"request headers over "
-                                                    f"{MAX_HEADER_BYTES} bytes"}, close=True)
-            return False
-        except asyncio.IncompleteReadError:
-            return False
+        self._busy.add(task)
         method = "?"
         try:
+            try:                                     # from its first byte, a request has
+                async with asyncio.timeout(self.header_timeout):  # header_timeout for its head
+                    head = await self._read_head(reader, first)
+            except asyncio.TimeoutError:
+                raise RequestError(408, "request headers not received within "
+                                        f"{self.header_timeout} s") from None
+            except asyncio.IncompleteReadError:
+                return False
             method, path, version, headers = _parse_head(head)
-            keep_alive = (version == "HTTP/1.1"
+            keep_alive = (version == "HTTP/1.1" and not self._stopping
                           and "close" not in headers.get("connection", [""])[0].lower())
             return await self._route(reader, writer, method, path, headers, keep_alive)
+        except ClientGone:
+            return False
         except RequestError as exc:
-            with self.state.lock:
-                self.state.refused += 1
+            self.state.refuse()
             await self._send(writer, exc.status, {"error": exc.reason, **exc.extra},
                              close=True, head_only=method == "HEAD",
-                             allow=exc.extra.get("allow"))
+                             allow=exc.extra.get("allow"),
+                             extra={"Retry-After": 1} if exc.status == 503 else None)
             return False
+        finally:
+            self._busy.discard(task)
+
+    async def _read_head(self, reader, first: bytes) -> bytes:
+        """The request line and headers, each line ending in CRLF (a bare LF is a 400 at
+        once), at most MAX_HEADER_BYTES in all (else 431)."""
+        head = []
+        size = 0
+        line = first
+        while True:
+            if not line.endswith(b"\n"):
+                try:
+                    line += await reader.readuntil(b"\n")
+                except asyncio.LimitOverrunError:
+                    raise RequestError(431, f"request headers over {MAX_HEADER_BYTES} "
+                                            f"bytes") from None
+            size += len(line)
+            if size > MAX_HEADER_BYTES:
+                raise RequestError(431, f"request headers over {MAX_HEADER_BYTES} bytes")
+            if not line.endswith(b"\r\n") or b"\r" in line[:-2]:
+                raise RequestError(400, "request lines must end in CRLF (a bare LF or CR "
+                                        f"in {line[:60]!r})")
+            if line == b"\r\n":
+                return b"".join(head)
+            head.append(line)
+            line = b""
+
+    def _gone(self, reader, writer):
+        """A test, safe from another thread, of whether the client has closed its side."""
+        transport = writer.transport
+        return lambda: reader._eof or transport.is_closing()
+
+    def body_cost(self, length: int, content_type: str) -> int:
+        """Bytes of memory a body of ``length`` bytes may take while it is answered: its
+        numbers twice (parsed, then assembled), its answer, and its read buffer."""
+        state = self.state
+        per_number = 8 if content_type in (NPY, RAW) else 2    # JSON: "0," is a number
+        numbers = min(length // per_number + 1, state.max_floats)
+        sequences = min(numbers // state.dim + 1, state.max_sequences)
+        return 16 * numbers + sequences * ANSWER_BYTES + min(length, CONNECTION_BUFFER)
 
     async def _route(self, reader, writer, method, path, headers, keep_alive) -> bool:
         state = self.state
@@ -614,67 +1026,83 @@ class BlackBoxServer:
             return keep_alive and not has_body
         content_type = headers.get("content-type", ["application/json"])[0].split(";")[0]
         content_type = content_type.strip().lower()
+        if content_type not in (JSON, NPY, RAW):
+            raise RequestError(415, f"Content-Type {content_type!r}: send {JSON}, {NPY} or "
+                                    f"{RAW} (with X-Shape: B,N,d)")
         binary_answer = NPY in headers.get("accept", [""])[0].lower()
         key = headers.get("idempotency-key", [None])[0]
         if key is not None and not KEY_PATTERN.match(key):
             raise RequestError(400, "Idempotency-Key must be 1-128 visible ASCII characters")
         length = _content_length(headers, state.max_body)
-        parser = state.parser(content_type, length)
-        # a body is read in big pieces: the stream buffers up to BODY_BUFFER while it lasts
-        # (asyncio keeps a private limit; headers stay limited to MAX_HEADER_BYTES)
-        # memory and event-loop time are bounded by letting only a few big bodies in at once
-        # (a waiting body stays unread in the client's socket)
-        big = self._big_bodies if length > BIG_BODY else _NO_WAIT
-        slow = (self._json_parser if length > BIG_JSON and isinstance(parser, JsonBatchParser)
-                else _NO_WAIT)
-        async with big, slow:
-            reader._limit = BODY_BUFFER
-            try:
-                await self._read_body(reader, parser, length)
-            finally:
-                reader._limit = MAX_HEADER_BYTES
-        X = parser.finish()
-        loop = asyncio.get_running_loop()
+        parser = state.parser(content_type, length, headers.get("x-shape", [None])[0])
+        # the body is read only once its memory is reserved: until then it waits unread
+        # in the client's socket, for at most slot_timeout
         try:
-            answer = await loop.run_in_executor(self.executor, state.answer, X, key)
-        except RequestError as exc:
-            with state.lock:
-                state.refused += 1
-            await self._send(writer, exc.status, {"error": exc.reason, **exc.extra},
-                             close=not keep_alive)
+            held = await self.bodies.acquire(self.body_cost(length, content_type),
+                                             self.slot_timeout)
+        except asyncio.TimeoutError:
+            self.slot_timeouts += 1
+            raise RequestError(503, f"server busy: no room for a body of {length} bytes "
+                                    f"within {self.slot_timeout} s; retry") from None
+        try:
+            await self._read_body(reader, parser, length)
+            X = parser.finish()
+            del parser                                  # its pieces: X holds the numbers
+            gone = self._gone(reader, writer)
+            if gone():                                  # nobody to answer: no work
+                self.state.abandon(len(X))
+                raise ClientGone()
+            loop = asyncio.get_running_loop()
+            try:
+                answer = await loop.run_in_executor(self.executor, state.answer, X, key, gone)
+            except RequestError as exc:
+                state.refuse()
+                await self._send(writer, exc.status, {"error": exc.reason, **exc.extra},
+                                 close=not keep_alive)
+                return keep_alive
+            del X
+            out = answer.pop("outputs")
+            extra = {"X-Charged": answer["charged"], "X-Replayed": int(answer["replayed"]),
+                     "X-Served": answer.pop("served"), "X-Remaining": answer["remaining"]}
+            if binary_answer:
+                data, ctype = npy_bytes(out), NPY
+            else:
+                data, ctype = json.dumps({"outputs": out.tolist(), **answer}).encode(), JSON
+            held.shrink(len(data))                      # only the answer is left to hold
+            await self._send_bytes(writer, 200, data, ctype, extra, close=not keep_alive)
             return keep_alive
-        out = answer["outputs"]
-        extra = {"X-Charged": answer["charged"], "X-Replayed": int(answer["replayed"]),
-                 "X-Served": state.served, "X-Remaining": answer["remaining"]}
-        if binary_answer:
-            await self._send_bytes(writer, 200, npy_bytes(out), NPY, extra, close=not keep_alive)
-        else:
-            await self._send(writer, 200, {**answer, "outputs": out.tolist()}, extra=extra,
-                             close=not keep_alive)
-        return keep_alive
+        finally:
+            held.release()
 
     async def _read_body(self, reader, parser, length: int) -> None:
-        remaining = length
+        """Read a body at no less than min_body_rate bytes/s (after idle_timeout seconds
+        of grace), with no pause longer than idle_timeout; else a 408."""
         loop = asyncio.get_running_loop()
-        allowed = self.idle_timeout + length / MIN_BODY_RATE   # seconds spent waiting for it
-        waited = 0.0
-        while remaining:
-            if waited > allowed:
-                raise RequestError(400, f"body too slow: {length - remaining} of {length} bytes "
-                                        f"in {allowed:.1f} s")
-            start = loop.time()
+        start = loop.time()
+        received = 0
+        while received < length:
+            due = start + self.idle_timeout + received / self.min_body_rate
+            wait = min(self.idle_timeout, due - loop.time())
             try:
-                async with asyncio.timeout(self.idle_timeout):
-                    chunk = await reader.read(min(BODY_BUFFER, remaining))
+                if wait <= 0:
+                    raise asyncio.TimeoutError
+                async with asyncio.timeout(wait):
+                    chunk = await reader.read(min(READ_SIZE, length - received))
             except asyncio.TimeoutError:
-                raise RequestError(400, f"body stalled after {length - remaining} of {length} "
-                                        f"bytes (idle over {self.idle_timeout} s)") from None
+                self.slow_bodies += 1
+                elapsed = loop.time() - start
+                if wait >= self.idle_timeout:
+                    reason = f"body stalled after {received} of {length} bytes (idle over " \
+                             f"{self.idle_timeout} s)"
+                else:
+                    reason = f"body too slow: {received} of {length} bytes in {elapsed:.1f} " \
+                             f"s (at least {self.min_body_rate:.0f} bytes/s after " \
+                             f"{self.idle_timeout} s)"
+                raise RequestError(408, reason) from None
             if not chunk:
-                raise RequestError(400, f"body ended after {length - remaining} of {length} "
-                                        f"bytes")
-            waited += loop.time() - start
-            remaining -= len(chunk)
-            if isinstance(parser, NpyBatchParser):
+                raise RequestError(400, f"body ended after {received} of {length} bytes")
+            received += len(chunk)
+            if not isinstance(parser, JsonBatchParser):
                 parser.feed(chunk)                       # a copy into the array
                 continue
             for i in range(0, len(chunk), JSON_SLICE):   # JSON: about a ms of parsing at a
@@ -687,7 +1115,7 @@ class BlackBoxServer:
         headers = dict(extra or {})
         if status == 405:
             headers["Allow"] = allow or "GET, POST"
-        await self._send_bytes(writer, status, json.dumps(payload).encode(), "application/json",
+        await self._send_bytes(writer, status, json.dumps(payload).encode(), JSON,
                                headers, close=close, head_only=head_only)
 
     async def _send_bytes(self, writer, status, data: bytes, content_type, headers, *,
@@ -702,34 +1130,20 @@ class BlackBoxServer:
         async with asyncio.timeout(WRITE_TIMEOUT):
             await writer.drain()
         if self.verbose:
-            import sys
-            print(f"{status} {len(data)} bytes", file=sys.stderr)
-
-
-class _NoWait:
-    """An async context manager that does nothing (a body that needs no slot)."""
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        return False
-
-
-_NO_WAIT = _NoWait()
+            LOG.info("%s %d bytes", status, len(data))
 
 
 def _parse_head(head: bytes):
     """(method, path, version, headers {lowercase name: [values]}) of a request head."""
-    try:
-        text = head.decode("latin-1")
-    except UnicodeDecodeError:                      # pragma: no cover (latin-1 decodes all)
-        raise RequestError(400, "request head is not text") from None
+    text = head.decode("latin-1")
     lines = text.split("\r\n")
     parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[2].startswith("HTTP/1.") or not parts[0].isalpha():
+    if (len(parts) != 3 or not parts[0].isalpha()
+            or not re.fullmatch(r"HTTP/[0-9]\.[0-9]", parts[2])):
         raise RequestError(400, f"malformed request line {lines[0][:80]!r}")
     method, target, version = parts
+    if version not in ("HTTP/1.0", "HTTP/1.1"):
+        raise RequestError(505, f"{version} is not supported; speak HTTP/1.1")
     headers: dict[str, list[str]] = {}
     for line in lines[1:]:
         if not line:
@@ -761,8 +1175,27 @@ def _content_length(headers: dict, max_body: int) -> int:
     return length
 
 
+def peak_rss_bound(idle_rss: int, *, connections: int, body_memory: int = BODY_MEMORY,
+                   cache_bytes: int = CACHE_BYTES, state: bool = False) -> int:
+    """Bytes of resident memory a server will not exceed: its RSS when idle, plus
+
+    - ``body_memory``: the bodies being read, parsed, evaluated and answered (each
+      reserves :meth:`BlackBoxServer.body_cost` before a byte of it is read);
+    - the answer cache: ``cache_bytes`` of outputs and SQLite's overhead (a quarter,
+      measured) when the ledger is in memory; nothing when it is a file (``state``);
+    - ``connections`` x CONNECTION_COST: what each open connection buffers before its
+      body is admitted (at most 2 x 16 KiB of stream and one 64 KiB read) and its objects;
+    - RSS_SLACK: the allocator's slack, SQLite's page cache, the model's temporaries for
+      ``workers`` batches of the cheap targets measured (a big model needs its own).
+
+    Checked by tests/test_server_state.py and measured by benchmarks/bench_http.py bounded.
+    """
+    cache = 0 if state else cache_bytes + cache_bytes // 4
+    return idle_rss + body_memory + cache + connections * CONNECTION_COST + RSS_SLACK
+
+
 SERVER_OPTIONS = ("max_connections", "backlog", "header_timeout", "idle_timeout", "workers",
-                  "keepalive_timeout")
+                  "keepalive_timeout", "body_memory", "slot_timeout", "min_body_rate")
 
 
 def make_server(model, host: str = "127.0.0.1", port: int = 0, *, verbose: bool = False,
@@ -771,10 +1204,15 @@ def make_server(model, host: str = "127.0.0.1", port: int = 0, *, verbose: bool 
 
     ``limits`` are the keyword arguments of :class:`ServerState` (``budget``,
     ``round_digits``, ``max_body``, ``max_sequences``, ``max_floats``, ``max_length``,
-    ``cache_entries``) and of :class:`BlackBoxServer` (``max_connections``,
-    ``backlog``, ``header_timeout``, ``idle_timeout``, ``workers``).
+    ``cache_bytes``, ``state``: the ledger file) and of :class:`BlackBoxServer`
+    (``max_connections``, ``backlog``, ``header_timeout``, ``idle_timeout``, ``workers``,
+    ``keepalive_timeout``, ``body_memory``, ``slot_timeout``, ``min_body_rate``).
     Call ``serve_forever()`` (in a thread for tests), ``shutdown()`` and ``server_close()``.
     """
     options = {k: limits.pop(k) for k in SERVER_OPTIONS if k in limits}
-    return BlackBoxServer((host, port), ServerState(model, **limits), verbose=verbose,
-                          **options)
+    state = ServerState(model, **limits)
+    try:
+        return BlackBoxServer((host, port), state, verbose=verbose, **options)
+    except BaseException:
+        state.close()
+        raise

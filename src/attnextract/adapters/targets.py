@@ -2,14 +2,19 @@
 
 A target given on the command line as ``FILE.py:NAME`` is a function, or an object
 with ``__call__``, defined in FILE.py that takes a float64 array (B, N, d) and
-returns B real numbers.
+returns B real numbers. It runs under guard (:class:`FirstBatchHint`): what it prints,
+at import or while answering, goes to stderr (stdout stays the command's own, one JSON
+object with ``--json``); ``sys.exit`` in it is a typed error, never the run's exit; an
+optional timeout bounds every call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -79,9 +84,12 @@ def load_target(spec: str):
             raise TargetLoadError(f"cannot import {file} as a Python module")
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[module_name] = module
-        module_spec.loader.exec_module(module)
+        with contextlib.redirect_stdout(sys.stderr):     # its prints must not reach stdout
+            module_spec.loader.exec_module(module)
     except TargetLoadError:
         raise
+    except SystemExit as exc:
+        raise TargetLoadError(f"importing {file} called sys.exit({exc.code!r})") from None
     except Exception as exc:
         raise TargetLoadError(f"importing {file} failed: {type(exc).__name__}: {exc}") from exc
     if not hasattr(module, name):
@@ -169,8 +177,37 @@ def expected_width(target) -> int | None:
     return None
 
 
+def guarded_call(target, X, timeout: float | None = None):
+    """``target(X)`` with its stdout sent to stderr and, if ``timeout`` (seconds) is given,
+    :class:`BlackBoxError` when no answer came in time (the call is left running in a
+    daemon thread: Python cannot stop it, the run goes on or ends without it)."""
+    from ..errors import BlackBoxError
+    with contextlib.redirect_stdout(sys.stderr):
+        if timeout is None:
+            return target(X)
+        box: dict = {}
+
+        def run():
+            try:
+                box["out"] = target(X)
+            except BaseException as exc:         # SystemExit too: re-raised below
+                box["error"] = exc
+
+        worker = threading.Thread(target=run, name="attnextract-target", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if worker.is_alive():
+            raise BlackBoxError(f"the target did not answer a batch of {len(X)} sequences "
+                                f"within {timeout:g} s (--target-timeout)")
+        if "error" in box:
+            raise box["error"]
+        return box["out"]
+
+
 class FirstBatchHint:
-    """A Python target whose first batch failing with a shape-like error names ``--dim``.
+    """A Python target under guard (:func:`guarded_call`: stdout to stderr, an optional
+    ``timeout`` in seconds per call) whose first batch failing with a shape-like error
+    names ``--dim``.
 
     A wrong ``--dim`` reaches a target as a numpy broadcast or shape error ("operands
     could not be broadcast together ..."), which says nothing about the cause. If the
@@ -179,14 +216,17 @@ class FirstBatchHint:
     failures pass through unchanged (the oracle types them as :class:`BlackBoxError`).
     """
 
-    def __init__(self, target, spec: str):
-        self.target, self.spec, self.answered = target, spec, False
+    def __init__(self, target, spec: str, timeout: float | None = None):
+        from ..errors import InputError as _InputError
+        if timeout is not None and not timeout > 0:
+            raise _InputError(f"the target timeout must be positive, got {timeout!r}")
+        self.target, self.spec, self.answered, self.timeout = target, spec, False, timeout
 
     def __call__(self, X):
         if self.answered:
-            return self.target(X)
+            return guarded_call(self.target, X, self.timeout)
         try:
-            out = self.target(X)
+            out = guarded_call(self.target, X, self.timeout)
         except (ValueError, IndexError, TypeError) as exc:
             from ..errors import AttnExtractError, BlackBoxError
             if isinstance(exc, AttnExtractError):
@@ -194,10 +234,18 @@ class FirstBatchHint:
             width, sent = expected_width(self.target), np.shape(X)[-1]
             if width == sent:
                 raise
-            known = f"; {self.spec} expects width {width}" if width else ""
-            raise BlackBoxError(
-                f"black box raised {type(exc).__name__}: {exc} (on its first batch, tokens of "
-                f"width {sent}: check --dim against the target{known})") from exc
+            # the cause first, in one line; the target's own (numpy) text last and short
+            own = " ".join(f"{type(exc).__name__}: {exc}".split())
+            own = own if len(own) <= 100 else own[:97] + "..."
+            if width:
+                error = BlackBoxError(f"--dim {sent} does not match the target: {self.spec} "
+                                      f"expects tokens of width {width}, give --dim {width} "
+                                      f"(its first batch raised {own})")
+            else:
+                error = BlackBoxError(f"the target failed on its first batch, tokens of width "
+                                      f"{sent}: check --dim against the target (it raised {own})")
+            error.first_batch = True          # says what to fix: nothing to add to it
+            raise error from exc
         self.answered = True
         return out
 
@@ -215,3 +263,21 @@ def random_low_rank_multi_head(heads: int, dim: int, rank: int, seed=None, *,
     B = rng.standard_normal((heads, dim, rank))
     W = scale * np.einsum("hdr,her->hde", A, B) / np.sqrt(dim * rank)
     return MultiHeadAttention(W, v_scale * rng.standard_normal((heads, dim)))
+
+
+def with_biases(model, seed=None, *, bias_scale: float = 1.0, c: float | None = None):
+    """``model`` (a single head or H heads) with query biases and an output constant,
+    as deployed layers have: b_h = W_h p_h (p_h Gaussian, so b_h lies in W_h's column
+    space, as b_h = W_k,h^T b_q,h does) scaled to |b_h| = bias_scale, and c ~ N(0, 1)
+    unless given. Returns a BiasedSingleHeadAttention or BiasedMultiHeadAttention."""
+    from ..models import BiasedMultiHeadAttention, BiasedSingleHeadAttention
+    rng = np.random.default_rng(seed)
+    W = np.asarray(model.W, dtype=float)
+    heads = W[None] if W.ndim == 2 else W
+    b = np.einsum("hde,he->hd", heads, rng.standard_normal(heads.shape[:2]))
+    norms = np.linalg.norm(b, axis=1, keepdims=True)
+    b = bias_scale * b / np.where(norms > 0, norms, 1.0)
+    c = float(rng.standard_normal()) if c is None else float(c)
+    if W.ndim == 2:
+        return BiasedSingleHeadAttention(W, model.v, b[0], c)
+    return BiasedMultiHeadAttention(W, model.v, b, c)

@@ -26,6 +26,9 @@ biases is a different black box and an extraction of it reports a mismatch.
 torch is an optional extra (``pip install torch==2.13.0``, the CPU build), imported
 only when this module is used. The copy runs in float64 by default: in float32
 the outputs carry errors near 1e-7, far above what exact extraction resolves.
+``dtype=None`` serves the module in its own dtype (float32 for a module built with
+PyTorch's defaults): extract such a box with ``output_dtype="float32"``
+(``--output-dtype float32``, docs/low-precision.md).
 """
 
 from __future__ import annotations
@@ -100,10 +103,10 @@ class TorchAttentionBlackBox:
     head : int, optional
         Serve head ``head`` alone (the other heads' output columns zeroed in the copy);
         None serves every head.
-    dtype : str
+    dtype : str or None
         ``"float64"`` (default), ``"float32"``, ``"bfloat16"`` or ``"float16"``: the
         precision of the copy's forward pass (inputs are cast to it, the output read
-        back as float64). In low precision every output is off by the rounding of the
+        back as float64); None: the module's own dtype (``self.dtype_name`` says which). In low precision every output is off by the rounding of the
         whole forward pass, not one rounding of the output: extract such a target with
         ``output_dtype=`` (``--output-dtype``).
     """
@@ -113,8 +116,11 @@ class TorchAttentionBlackBox:
     def __init__(self, module, readout=None, *, head: int | None = None, dtype: str = "float64"):
         torch = _torch()
         _check_module(module, torch)
+        if dtype is None:                 # the module's own dtype (its first parameter's)
+            dtype = str(next(module.parameters()).dtype).removeprefix("torch.")
         if dtype not in TORCH_DTYPES:
-            raise InputError(f"dtype must be one of {TORCH_DTYPES}, got {dtype!r}")
+            raise InputError(f"dtype must be one of {TORCH_DTYPES} or None, got {dtype!r}")
+        self.dtype_name = dtype
         E, H = module.embed_dim, module.num_heads
         if head is not None and not 0 <= head < H:
             raise InputError(f"head must be in 0..{H - 1}, got {head}")
@@ -139,7 +145,7 @@ class TorchAttentionBlackBox:
             raise InputError(f"expected a batch (B, N, {self.dim}), got shape {X.shape}")
         torch = self.torch
         with torch.no_grad():
-            seq = torch.tensor(X, dtype=self.dtype)      # a copy: the probes are read-only
+            seq = torch.tensor(X, dtype=self.dtype)      # a copy, cast to the module's dtype
             query = seq[:, -1:, :]
             if not self.module.batch_first:          # torch wants (N, B, E) then
                 seq, query = seq.transpose(0, 1), query.transpose(0, 1)

@@ -313,12 +313,15 @@ def _affine_residual(units: _Units, samples) -> tuple[np.ndarray, float, float]:
         c_r = F - units.phi(X) - np.einsum("rd,rd->r", lam_r, X)
     else:
         lam_r, c_r = G, E
+    if not len(c_r):        # no sample left (e.g. every one overflowed): nothing fits
+        return np.zeros(X.shape[1] if np.ndim(X) == 2 else 0), 0.0, math.inf
     lam = np.median(lam_r, axis=0)
     c = float(np.median(c_r))
-    scale_g = max(float(np.abs(G).max()), float(np.abs(units.J).max()) if len(units.j) else 0.0,
-                  1e-300)
-    scale_f = max(float(np.abs(F).max()), 1e-300)
-    spread = max(float(np.abs(lam_r - lam).max()) / scale_g, float(np.abs(c_r - c).max()) / scale_f)
+    scale_g = max(float(np.abs(G).max(initial=0.0)),
+                  float(np.abs(units.J).max(initial=0.0)) if len(units.j) else 0.0, 1e-300)
+    scale_f = max(float(np.abs(F).max(initial=0.0)), 1e-300)
+    spread = max(float(np.abs(lam_r - lam).max(initial=0.0)) / scale_g,
+                 float(np.abs(c_r - c).max(initial=0.0)) / scale_f)
     return lam, c, spread
 
 

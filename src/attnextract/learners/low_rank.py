@@ -45,6 +45,17 @@ the floor for a rank-r head (against d^2 + d for a full one). Two learners:
     the benchmark measures it. Nuclear-norm minimisation (``solver="nuclear"``) is
     an optional reference that needs cvxpy, small d only.
 
+Biases (``biases=True``, adaptive only; docs/algorithms.md, "Biases"). A deployed head
+computes f(X) = softmax(X (W x_N + b))^T X v + c with b = W p in W's column space. With
+every column token at one fixed scale s, the probe P(c u_i, s E e_j) measures
+c s (u_i^T W E e_j + u_i^T b / s): the matrix K = M + beta 1^T / s (beta = U^T b) is
+W's matrix shifted by a rank-one term inside its own column space, so K has rank r and
+the cross approximation learns it at r(2d - r) entries, rescuing probes by c alone
+(s stays fixed). beta lies in K's column space: beta = K[:, J] K[I, J]^{-1} beta_I, with
+beta_I measured by r probes [c u_i; 0] at the pivot rows. Then M = K - beta 1^T / s,
+W = U M E^T, b = U beta, c = f([0]): d + r(2d - r) + r + 1 queries, the floor, plus the
+rank checks and 2 x SCOUT_PROBES calibration probes that choose s (|beta| / s near |M|).
+
 Rank tolerance. A residual counts as zero when it is at most RANK_TOL times the
 largest measured |M_ij| (or the logit noise floor NOISE_LOGIT / scale): measured
 entries are accurate to about 1e-13 relative, so a target whose (r+1)-th
@@ -62,12 +73,12 @@ import numpy as np
 from scipy.linalg import solve_triangular
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError
-from ..models import SingleHeadAttention
+from ..models import BiasedSingleHeadAttention, SingleHeadAttention
 from ..oracle import Oracle
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, token_scale,
                      verification_count, verify_model)
 from .single_head import (FIRST_SCALE, MAX_GROWTH, MAX_LOGIT, MAX_RESCALES, MIN_FIRST_LOGIT,
-                          NOISE_LOGIT, TARGET_LOGIT, logit, probe_basis,
+                          NOISE_LOGIT, TARGET_LOGIT, bias_logits, logit, probe_basis,
                           split_scale)
 
 log = logging.getLogger(__name__)
@@ -136,8 +147,10 @@ class BilinearMeter:
     ``rescued`` counts those extra queries.
     """
 
-    def __init__(self, oracle: Oracle, v: np.ndarray):
+    def __init__(self, oracle: Oracle, v: np.ndarray, const: float = 0.0):
         self.oracle, self.v = oracle, v
+        self.const = const                      # biases: the output constant c = f([0])
+        self.fixed_s = None                     # biases: every column token at this scale
         self.rescued = 0
         self.largest_scale = 0.0
         self.last_scale = np.empty(0)           # scales finally used by the last measure()
@@ -145,7 +158,11 @@ class BilinearMeter:
     def logits(self, u: np.ndarray, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
         """Logits G u^T W q for u, q (n, d) at scales G (n,); NaN where not measurable."""
         n, d = u.shape
-        c, s = split_scale(scale)
+        if self.fixed_s is None:
+            c, s = split_scale(scale)
+        else:                                   # biases: only c moves (K stays one matrix)
+            s = np.full(n, self.fixed_s)
+            c = np.asarray(scale, dtype=float) / s
         vu, vq, out = np.empty(n), np.empty(n), np.empty(n)
         step = max(1, BLOCK_FLOATS // (2 * d))
         for lo in range(0, n, step):            # one oracle batch per block of probes
@@ -157,7 +174,7 @@ class BilinearMeter:
             X[:, 0, :] = X[:, 1, :] + c[lo:hi, None] * ub
             out[lo:hi] = self.oracle.query(X)
         with np.errstate(divide="ignore", invalid="ignore"):
-            weight = (out - s * vq) / (c * vu)
+            weight = (out - self.const - s * vq) / (c * vu)
         inside = (weight > 0.0) & (weight < 1.0)
         self.largest_scale = max(self.largest_scale, float(scale.max(initial=0.0)))
         return np.where(inside, logit(np.where(inside, weight, 0.5)), np.nan)
@@ -338,22 +355,71 @@ def _cross_matrix(state: _CrossState) -> np.ndarray:
     return state.M[:, J] @ np.linalg.solve(state.M[np.ix_(I, J)], state.M[I, :])
 
 
-def _extract_adaptive(oracle, v, rng):
+def _extract_adaptive(oracle, v, rng, const=None):
     d = oracle.dim
-    meter = BilinearMeter(oracle, v)
+    biased = const is not None
+    meter = BilinearMeter(oracle, v, const or 0.0)
     state = _CrossState(meter, random_probe_basis(v, rng), haar_orthogonal(d, rng))
+    calibration = _calibrate_bias_scale(state, rng) if biased else 0
     _adaptive_cross(state, rng)
-    W = state.U @ _cross_matrix(state) @ state.E.T
+    K = _cross_matrix(state)
     rank = len(state.rows)
+    bias = None
+    if biased:          # beta = U^T b in K's column space, from the pivot rows (r probes)
+        I, J = state.rows, state.cols
+        beta_I, extra = bias_logits(oracle, state.U[:, I], v, const)
+        meter.rescued += extra
+        if rank == d:
+            beta = np.empty(d)
+            beta[I] = beta_I
+        elif rank:
+            beta = K[:, J] @ np.linalg.solve(K[np.ix_(I, J)], beta_I)
+        else:
+            beta = np.zeros(d)
+        K = K - beta[:, None] / meter.fixed_s
+        bias = state.U @ beta
+    W = state.U @ K @ state.E.T
     measured = int(np.isfinite(state.M).sum())
     cross = rank * (2 * d - rank)
-    breakdown = {"recovery": d + cross, "rank checks": measured - cross,
-                 "rescaling": meter.rescued}
+    breakdown = {"recovery": d + cross + (rank + 1 if biased else 0),
+                 "rank checks": measured - cross, "rescaling": meter.rescued}
+    if biased:
+        breakdown["calibration"] = calibration
     details = {"rank": rank,
                "rank check": (f"{measured - cross} extra entries, residuals <= "
                               f"{RANK_TOL:.0e} x largest |M_ij|") if rank < d
                else "full rank: every entry measured"}
-    return W, rank, breakdown, details, meter.largest_scale
+    if biased:
+        details["biases"] = (f"column tokens at s = {meter.fixed_s:.3g}; beta at the {rank} "
+                             f"pivot rows; |b| = {float(np.linalg.norm(bias)):.3g}")
+    return W, rank, breakdown, details, meter.largest_scale, bias
+
+
+def _calibrate_bias_scale(state: _CrossState, rng) -> int:
+    """Biases: choose the fixed column scale s from SCOUT_PROBES entries and their biases.
+
+    Entries of the first column at s = 1 give K = M + beta; the same rows' biases
+    (probes [c u; 0]) give beta, so M. s = max(G_M, |beta| / |M|) (G_M = TARGET_LOGIT /
+    |M|, the bias-free scale), at most max(1, |beta| / |M|): then |beta| / s stays near or
+    below |M| (the shift does not swamp W) and c |beta| near or below TARGET_LOGIT (the
+    bias does not saturate the probes). Returns the queries spent (not recovery).
+    """
+    meter, d = state.meter, state.d
+    before = meter.oracle.queries
+    scouts = rng.choice(d, min(d, SCOUT_PROBES), replace=False)
+    beta, _ = bias_logits(meter.oracle, state.U[:, scouts], meter.v, meter.const)
+    meter.fixed_s = 1.0
+    K0 = meter.measure(state.U[:, scouts].T, np.tile(state.E[:, 0], (len(scouts), 1)),
+                       FIRST_SCALE, grow_tiny=True)
+    peak_m = float(np.max(np.abs(K0 - beta)))
+    peak_b = float(np.max(np.abs(beta)))
+    if peak_m > 0:
+        ratio = peak_b / peak_m
+        meter.fixed_s = min(max(TARGET_LOGIT / peak_m, ratio), max(1.0, ratio))
+    meter.rescued = 0
+    state.scale = TARGET_LOGIT / max(float(np.max(np.abs(K0 - beta + beta / meter.fixed_s))),
+                                     1e-300) if peak_m > 0 else FIRST_SCALE
+    return meter.oracle.queries - before
 
 
 # --------------------------------------------------------------------------------------
@@ -647,7 +713,8 @@ def _extract_rop(oracle, v, rank, oversampling, solver, rng, fit_progress=None):
 def extract_low_rank(oracle: Oracle, rank: int | None = None, method: str = "adaptive", *,
                      seed=None, verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                      oversampling: float = DEFAULT_OVERSAMPLING,
-                     solver: str = "ncg", fit_progress=None) -> ExtractionResult:
+                     solver: str = "ncg", fit_progress=None,
+                     biases: bool = False) -> ExtractionResult:
     """Recover (W, v) of a single head whose W has low rank r.
 
     Parameters
@@ -673,6 +740,10 @@ def extract_low_rank(oracle: Oracle, rank: int | None = None, method: str = "ada
     fit_progress : callable, optional
         ``method="rop"``: called as ``fit_progress(iteration, relative_residual)``
         after every solver iteration (the fit of a d = 1024 head takes ~1.5 min).
+    biases : bool
+        The head has query, value and output biases (a deployed layer), b in W's
+        column space: recovers (W, v, b, c) at the floor d + r(2d - r) + r + 1 (+ rank
+        checks and 16 calibration probes). ``method="adaptive"`` only.
 
     Returns
     -------
@@ -703,6 +774,8 @@ def extract_low_rank(oracle: Oracle, rank: int | None = None, method: str = "ada
     d = oracle.dim
     if rank is not None and (not isinstance(rank, (int, np.integer)) or not 1 <= rank <= d):
         raise InputError(f"rank must be an integer in 1..{d}, got {rank!r}")
+    if biases and method != "adaptive":
+        raise InputError("biases=True needs method='adaptive' (the ROP fit has no bias term)")
     if method == "rop":
         if rank is None:
             raise InputError("method 'rop' needs the rank r (m = C r 2d measurements)")
@@ -717,39 +790,47 @@ def extract_low_rank(oracle: Oracle, rank: int | None = None, method: str = "ada
         planned = d + int(math.ceil(oversampling * rank * 2 * d)) + ROP_HOLDOUT
     else:
         planned = low_rank_floor(d, planned_rank) + (1 + CONFIRM_PROBES if planned_rank < d else 0)
+        if biases:
+            planned += planned_rank + 1 + 2 * SCOUT_PROBES
     oracle.plan(planned + verification_count(low_rank_floor(d, planned_rank)),
                 f"low-rank extraction ({method})")
 
     log.info("low-rank (%s) at d = %d: v from %d single tokens", method, d, d)
-    v = oracle.query(np.eye(d)[:, None, :])
+    const = float(oracle.query(np.zeros((1, 1, d)))[0]) if biases else None
+    v = oracle.query(np.eye(d)[:, None, :]) - (const or 0.0)
     if not np.any(v):
         raise NotIdentifiableError(
             "v = 0: every output is zero whatever W is, so W cannot be identified")
+    bias = None
     if method == "adaptive":
-        W, found, breakdown, details, largest_scale = _extract_adaptive(oracle, v, rng)
+        W, found, breakdown, details, largest_scale, bias = _extract_adaptive(oracle, v, rng,
+                                                                              const)
     else:
         W, found, breakdown, details, largest_scale = _extract_rop(
             oracle, v, rank, float(oversampling), solver, rng, fit_progress)
 
-    model = SingleHeadAttention(W, v)
+    model = BiasedSingleHeadAttention(W, v, bias, const) if biases else SingleHeadAttention(W, v)
     log.info("rank %d recovered with %d queries; held-out verification", found, oracle.queries - start_queries)
     _phase(oracle, "held-out verification")
-    floor = low_rank_floor(d, found)
+    floor = low_rank_floor(d, found) + (found + 1 if biases else 0)
     n_verify = verification_count(floor)
     recovery_total = sum(breakdown.values())
     verification = verify_model(oracle, model, count=n_verify, seed=seeds[1],
                                 tolerance=verify_tolerance,
-                                scale=min(token_scale(model), np.sqrt(max(largest_scale, 1e-300))))
+                                scale=min(token_scale(model), np.sqrt(max(largest_scale, 1e-300))),
+                                expected_error="measured")
     breakdown["verification"] = n_verify
     details = {"method": method, **details,
-               "floors": f"d + r(2d - r) = {floor} (rank {found}); d^2 + d = {d * d + d} (full head)",
+               "floors": (f"d + r(2d - r) + r + 1 = {floor} (rank {found}, biases)" if biases
+                          else f"d + r(2d - r) = {floor} (rank {found})")
+               + f"; d^2 + d = {d * d + d} (full head)",
                "vs floors": f"{recovery_total} queries before verification = "
                             f"{recovery_total / floor:.4f} x low-rank floor, "
                             f"{recovery_total / (d * d + d):.4f} x full floor"}
     notes = []
     if rank is not None and method == "adaptive" and rank != found:
         notes.append(f"rank {rank} was given; the target's rank is {found}")
-    report = Report(kind=SingleHeadAttention.kind, dim=d, queries=oracle.queries - start_queries,
+    report = Report(kind=model.kind, dim=d, queries=oracle.queries - start_queries,
                     breakdown=breakdown, floor=floor, verification=verification,
                     seconds=time.perf_counter() - start,
                     black_box_seconds=oracle.black_box_seconds - start_bb,

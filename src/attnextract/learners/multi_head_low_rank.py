@@ -57,20 +57,33 @@ held-out verification measures the real one. Above MAX_PREDICTED = 1e-7 the answ
 refused: that is where the method breaks, read off the report. The method needs sum_h r_h <= d (else the
 isolation spaces are empty: refused) and linearly independent v_h (else R_h holds no
 height of head h: refused).
+
+Low precision (``output_dtype=``, ``decimals=``, or rounding detected in the d single-
+token answers; docs/low-precision.md). The answers' relative noise e is measured where
+they are exactly linear (g(2u) = 2 g(u) at the saturated radius; median of 8 pairs, x 4,
+never below the stated or detected rounding) and every threshold follows it
+(:class:`Tolerances`): finite-difference angle 1e4 e on a half circle 30x larger
+(RHO_NOISY: narrower transitions), crossings 10 such angles apart,
+jumps and checks a margin above the noise, the rank at the steepest drop of the rows'
+spectrum. The error bar is 20 e x row spread / query-space separation (above 5%:
+refused); the held-out check allows 30 e + 2 x bar (at most 1e-2). Measured noise above
+1e-3 (a bfloat16 forward pass) is refused.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 from scipy.linalg import null_space
 from scipy.special import expit
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError
-from ..models import MultiHeadAttention
+from ..models import BiasedMultiHeadAttention, MultiHeadAttention
 from ..oracle import Oracle
+from ..precision import OutputPrecision, name_the_options, precision_of
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                       token_scale, verification_count, verify_model)
 from .low_rank import haar_orthogonal, random_probe_basis
@@ -98,7 +111,84 @@ REFINE_ITERATIONS = 4    # re-solves of the stored blocks with the other heads p
 MIN_SEPARATION = 1e-12   # query-space separation below which no isolation column exists
 MAX_PREDICTED = 1e-7     # predicted parameter error above which the answer is refused
 SCOUT = 8                # entries that set the logit scale of a block
+BIAS_LOGIT = 1.0         # biases: rows u are shortened until |u^T b_h| <= this
+BIAS_GROWTH = 1e4        # biases: largest c of a row's second bias probe
+BIASED_REFINE_ITERATIONS = 12   # biases: the root q_0 converges with the heads (MiniLM
+                                # layer 2: changes 3.8e-5, 1.7e-4, 1.4e-8, 3.8e-10, ...)
+BIASED_RANK_TOL = 1e-7   # biases: first-pass rank tolerance (a bias of 5 |W| costs the values
+                         # ~100x: a row's 9th singular value measured at 1.2e-9, d = 96, H = 12)
 BLOCK_FLOATS = 1 << 21   # probe floats per oracle batch (16 MB)
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """The thresholds of one run, set by the relative noise ``noise`` of the answers.
+
+    Exact (float64) answers use the module constants. Rounded answers, or a forward pass
+    in low precision, move every threshold with the noise e: the in-plane gradients are
+    finite differences over an angle ``eta`` (error ~ e / eta, and no truncation error:
+    g is linear inside a cell), so ``eta`` grows with e and the crossings must lie
+    ``min_gap`` = 10 eta apart to be told apart; checks and jumps are a margin above the
+    noise they would otherwise mistake for a misfit or a crossing. The middle point's
+    distance from the sinusoid (``on_curve``) is an interpolation, not a difference:
+    its noise is e, so it stays tight and catches the pairs that straddle a crossing.
+    """
+
+    noise: float = EPS
+    saturation: float = SATURATION_TOL
+    eta: float = ETA
+    min_gap: float = MIN_GAP
+    plane_check: float = PLANE_CHECK
+    on_curve: float = PLANE_CHECK
+    jump: float = JUMP_TOL
+    check: float = CHECK_TOL
+    sign: float = 1e-6
+    rank: float = RANK_TOL
+    max_logit: float = MAX_LOGIT
+    max_predicted: float = MAX_PREDICTED
+
+    @classmethod
+    def for_noise(cls, noise: float) -> "Tolerances":
+        """Thresholds for answers off by ``noise`` relative (EPS or less: the exact ones)."""
+        if noise <= EPS:
+            return cls()
+        eta = min(max(ETA, 1e4 * noise), 1e-2)
+        return cls(noise=noise, saturation=max(SATURATION_TOL, 30.0 * noise), eta=eta,
+                   min_gap=max(MIN_GAP, 10.0 * eta),
+                   plane_check=max(PLANE_CHECK, 30.0 * noise / eta),
+                   on_curve=max(PLANE_CHECK, 100.0 * noise),
+                   jump=max(JUMP_TOL, 30.0 * noise / eta),
+                   check=max(CHECK_TOL, 100.0 * noise), sign=max(1e-6, min(0.1, 1e4 * noise)),
+                   rank=max(RANK_TOL, min(1e-2, 3e4 * noise)), max_logit=min(MAX_LOGIT, 6.0),
+                   max_predicted=MAX_NOISY_PREDICTED)
+
+
+EXACT = Tolerances()
+# rounded or low-precision answers: the noise is measured on saturated probes (where the
+# answer is linear in u), never assumed; this many times the measured level sets e
+NOISE_MARGIN = 4.0
+RHO_NOISY = 30.0           # noisy answers: the radius this much larger (narrower transitions)
+RANK_GAP = 100.0           # noisy rows: the rank ends at a drop of the spectrum this steep
+GIVEN_RANK_FLOOR = 1e-2    # noisy rows: singular values below this (relative) fit a given rank
+LOW_PRECISION_BAR = 20.0   # error bar = this x measured noise x row spread / separation
+MAX_NOISE = 1e-3           # measured relative noise above which nothing is attempted
+MAX_VERIFY_NOISY = 1e-2    # the held-out tolerance of noisy answers never exceeds this
+MAX_NOISY_PREDICTED = 0.05  # rounded or low-precision answers: a larger error bar is refused
+
+
+def _tolerances(precision: OutputPrecision, v: np.ndarray) -> tuple[Tolerances, float]:
+    """(thresholds, noise floor) for answers of this precision (not float64): the noise
+    is then measured by :func:`find_values`, never below the floor.
+
+    Rounding seen in the answers may be the last step of a forward pass run in that
+    dtype, whose errors are larger: the level of one rounding is a floor, not the noise.
+    A stated forward pass's assumed level only tells saturation apart."""
+    # an absolute rounding (k decimals) relative to the size of single-token answers
+    size = float(np.sqrt(np.mean(np.square(v))))
+    noise = precision.relative + precision.absolute / max(size, 1e-300)
+    if precision.forward:
+        return Tolerances.for_noise(noise), 2.0 ** -24 if precision.name == "float32" else noise
+    return Tolerances.for_noise(noise), noise
 
 
 def low_rank_multi_head_floor(d: int, ranks) -> int:
@@ -151,16 +241,20 @@ class Block:
     other heads (:func:`resolve`) without new queries.
     """
 
-    def __init__(self, head, rows, cols, scale, outputs):
+    def __init__(self, head, rows, cols, scale, outputs, origin=None):
         self.head, self.rows, self.cols = head, rows, cols
         self.scale, self.outputs = scale.reshape(len(rows), -1), outputs.reshape(len(rows), -1)
+        self.origin = origin        # biases: the token every probe was translated by (d,)
 
 
-def resolve(block: Block, v, values, W) -> np.ndarray:
+def resolve(block: Block, v, values, W, offsets=None) -> np.ndarray:
     """Logits t_h (n, m) of a block, every other head's sigmoid predicted from (values, W).
 
     f = s v^T q + c sum_g c_g(u) sigma(G t_g(u, q)): the other heads' terms use the
     current estimates (their heights are tiny in R_h, their logits tiny on I_h).
+    ``offsets`` (biases, (H, d)): W_g o + b_g = W_g (o - q_0) for the block's origin o
+    (:func:`query_offsets`); a probe translated by o has t_g = u^T W_g q + u^T W_g (o - q_0) / s.
+    The returned logits of the block's own head keep that offset (the caller removes it).
     """
     U, C, G = block.rows, block.cols, block.scale
     c, s = split_scale(G)
@@ -169,6 +263,8 @@ def resolve(block: Block, v, values, W) -> np.ndarray:
     for g in range(len(values)):
         if g != block.head:
             logits = (U @ W[g]) @ C if len(U) < C.shape[1] else U @ (W[g] @ C)
+            if offsets is not None:
+                logits = logits + (U @ offsets[g])[:, None] / s
             background += heights[:, g, None] * expit(G * logits)
     t = _weights_to_logits(block.outputs, s * (v @ C)[None, :], c,
                            heights[:, block.head, None], background)
@@ -184,8 +280,8 @@ class LogitMeter:
     Probes whose logit leaves |G t| <= MAX_LOGIT are redone at a smaller scale.
     """
 
-    def __init__(self, oracle: Oracle, v: np.ndarray):
-        self.oracle, self.v = oracle, v
+    def __init__(self, oracle: Oracle, v: np.ndarray, tol: Tolerances = EXACT):
+        self.oracle, self.v, self.tol = oracle, v, tol
         self.rescued = 0
 
     def _logits(self, U, Qc, height, background, scale):
@@ -202,7 +298,7 @@ class LogitMeter:
             t = self._logits(U[pick], Qc[pick], height[pick], background[pick],
                              np.full(len(pick), scale))
             self.rescued += len(pick)
-            if not np.all(np.isfinite(t)) or np.max(np.abs(t)) > MAX_LOGIT:
+            if not np.all(np.isfinite(t)) or np.max(np.abs(t)) > self.tol.max_logit:
                 scale *= 2.0 ** -8
                 continue
             peak = float(np.max(np.abs(t)))
@@ -214,11 +310,11 @@ class LogitMeter:
 
     def measure(self, U, Qc, height, background, scale: float) -> np.ndarray:
         """t_h(u_l, q_l) for rows U, Qc (n, d), heights c_h(u_l) (n,), background (n,)."""
-        scale = np.full(len(U), float(scale))
+        scale = np.broadcast_to(np.asarray(scale, dtype=float), (len(U),)).copy()
         t = self._logits(U, Qc, height, background, scale)
         outputs = self.outputs
         for _ in range(MAX_RESCALES):
-            bad = ~(np.abs(t) <= MAX_LOGIT)
+            bad = ~(np.abs(t) <= self.tol.max_logit)
             if not bad.any():
                 self.last_scale, self.last_outputs = scale, outputs
                 return t / scale
@@ -242,8 +338,10 @@ class LogitMeter:
 class _HalfCircle:
     """Saturated probes on the half circle u(theta) = rho (cos theta u_0 + sin theta u_1)."""
 
-    def __init__(self, oracle, v, q, u0, u1):
+    def __init__(self, oracle, v, q, u0, u1, tol: Tolerances = EXACT):
         self.oracle, self.v, self.q, self.u0, self.u1 = oracle, v, q, u0, u1
+        self.tol = tol
+        self.misfit = 0.0     # |g(2u) - 2 g(u)| / scale at the saturated radius: the noise
         self.rho = 1.0
         self.points = 0
         self.v_norm = float(np.linalg.norm(v)) + 1e-300
@@ -265,8 +363,15 @@ class _HalfCircle:
             g = self.gap(np.concatenate([U, 2.0 * U]))
             one, two = g[:len(theta)], g[len(theta):]
             misfit = np.abs(two - 2.0 * one) / (np.abs(two) + rho * self.v_norm)
-            if np.mean(misfit <= SATURATION_TOL) >= 0.75:
+            if np.mean(misfit <= self.tol.saturation) >= 0.75:
                 self.rho = 8.0 * rho
+                if self.tol.noise > EPS:     # the noise, where every point is saturated
+                    U = self.at(theta, self.rho)
+                    g = self.gap(np.concatenate([U, 2.0 * U]))
+                    one, two = g[:len(theta)], g[len(theta):]
+                    # the median: one point left near a crossing is not the noise
+                    self.misfit = float(np.median(np.abs(two - 2.0 * one)
+                                                  / (np.abs(two) + self.rho * self.v_norm)))
                 return
             rho *= 4.0
         raise RecoveryFailedError(
@@ -284,19 +389,20 @@ class _HalfCircle:
         """
         theta = np.asarray(theta, dtype=float)
         n = len(theta)
-        U = np.concatenate([self.at(theta - ETA, rho), self.at(theta + ETA, rho)])
+        eta = self.tol.eta
+        U = np.concatenate([self.at(theta - eta, rho), self.at(theta + eta, rho)])
         g = self.gap(np.concatenate([U, 2.0 * U, self.at(theta, rho)]))
         middle, g = g[4 * n:] / rho, g[:4 * n]
-        sn = math.sin(2.0 * ETA)
+        sn = math.sin(2.0 * eta)
         ab = []
         for factor, (g1, g2) in ((1.0, (g[:n], g[n:2 * n])), (2.0, (g[2 * n:3 * n], g[3 * n:]))):
             g1, g2 = g1 / (factor * rho), g2 / (factor * rho)
-            ab.append(np.column_stack([(g1 * np.sin(theta + ETA) - g2 * np.sin(theta - ETA)) / sn,
-                                       (g2 * np.cos(theta - ETA) - g1 * np.cos(theta + ETA)) / sn]))
+            ab.append(np.column_stack([(g1 * np.sin(theta + eta) - g2 * np.sin(theta - eta)) / sn,
+                                       (g2 * np.cos(theta - eta) - g1 * np.cos(theta + eta)) / sn]))
         scale = np.abs(ab[0]).sum(axis=1) + self.v_norm
         on_curve = np.abs(middle - np.cos(theta) * ab[0][:, 0] - np.sin(theta) * ab[0][:, 1])
-        saturated = ((np.abs(ab[0] - ab[1]).max(axis=1) <= PLANE_CHECK * scale)
-                     & (on_curve <= PLANE_CHECK * scale))
+        saturated = ((np.abs(ab[0] - ab[1]).max(axis=1) <= self.tol.plane_check * scale)
+                     & (on_curve <= self.tol.on_curve * scale))
         return ab[0], saturated
 
 
@@ -330,42 +436,56 @@ def _adjacent_cells(theta, jumps) -> np.ndarray:
     return out
 
 
-def find_values(oracle: Oracle, v: np.ndarray, heads: int, rng: np.random.Generator):
+def find_values(oracle: Oracle, v: np.ndarray, heads: int, rng: np.random.Generator,
+                tol: Tolerances = EXACT, noise_floor: float | None = None):
     """The canonical heads' values v_h (H', d) from the gradient jumps along a saturated half circle.
 
-    Returns (values (H', d), info dict with the crossing brackets and conditioning).
+    ``tol`` holds the thresholds for the answers' noise; with ``noise_floor`` (a
+    forward pass in low precision) the noise is measured at the saturated radius
+    (NOISE_MARGIN x the misfit of g(2u) = 2 g(u), at least the floor) and the
+    thresholds follow it.
+    Returns (values (H', d), info dict with the crossing brackets and conditioning;
+    ``info["tolerances"]`` the thresholds used).
     """
     d = v.shape[0]
     if heads == 1:                       # one head at most: its value is v
         return v[None].copy(), {"crossings": 0, "smallest gap": math.pi, "sign misfit": 0.0,
-                                "gradient step": 1.0, "circle queries": 0}
+                                "gradient step": 1.0, "circle queries": 0, "tolerances": tol}
     basis = haar_orthogonal(d, rng)
     q, u0, u1 = basis[:, 0], basis[:, 1], basis[:, 2]
-    circle = _HalfCircle(oracle, v, q, u0, u1)
+    circle = _HalfCircle(oracle, v, q, u0, u1, tol)
     circle.find_radius(rng)
+    if noise_floor is not None:
+        noise = max(noise_floor, NOISE_MARGIN * circle.misfit)
+        if noise > MAX_NOISE:
+            raise RecoveryFailedError(
+                f"saturated probes agree only to {noise:.1e} (relative): too noisy to "
+                f"bracket the heads' crossings")
+        tol = Tolerances.for_noise(noise)
+        circle.tol = tol
     phi_ref = math.pi / (4.0 * max(heads, 1))
-    rho = circle.rho * phi_ref / MIN_GAP
+    rho = circle.rho * phi_ref / tol.min_gap * (RHO_NOISY if tol.noise > EPS else 1.0)
     v_plane = float(np.hypot(u0 @ v, u1 @ v)) + float(np.linalg.norm(v)) * 1e-3
 
     # bracket the crossings: sample a grid, bisect every interval whose ends differ
     grid = np.linspace(0.0, math.pi, GRID_PER_HEAD * max(heads, 1) + 1)
     theta, ab, ok = _sample(circle, grid, rho, grid - 1e-3, grid + 1e-3)
     # a jump is measured against the gradients seen (the heads' values may cancel in v)
-    tol = JUMP_TOL * max(v_plane, float(np.abs(ab).max(initial=0.0)))
+    jump_tol = tol.jump * max(v_plane, float(np.abs(ab).max(initial=0.0)))
     if not ok.all():
         raise RecoveryFailedError("probes on the half circle do not saturate: cannot bracket "
                                   "the heads' crossings")
     while True:
-        jumps = np.linalg.norm(np.diff(ab, axis=0), axis=1) > tol
+        jumps = np.linalg.norm(np.diff(ab, axis=0), axis=1) > jump_tol
         widths = np.diff(theta)
         if jumps.sum() > heads:
             raise ModelMismatchError(
                 f"the black box is not attention with at most {heads} heads: the saturated "
                 f"probes change gradient at {int(jumps.sum())} separate angles")
         if jumps.sum() < heads:          # crossings may still share a bracket: split all
-            split = jumps & (widths > MIN_GAP)
+            split = jumps & (widths > tol.min_gap)
         else:                            # all found: narrow brackets beside narrow cells
-            split = jumps & (widths > MIN_GAP) & (widths > BRACKET_FRACTION
+            split = jumps & (widths > tol.min_gap) & (widths > BRACKET_FRACTION
                                                   * _adjacent_cells(theta, jumps))
         if not split.any():
             break
@@ -378,9 +498,9 @@ def find_values(oracle: Oracle, v: np.ndarray, heads: int, rng: np.random.Genera
         ab = np.concatenate([ab, ab_new[saturated]])
         order = np.argsort(theta)
         theta, ab = theta[order], ab[order]
-    jumps = np.flatnonzero(np.linalg.norm(np.diff(ab, axis=0), axis=1) > tol)
+    jumps = np.flatnonzero(np.linalg.norm(np.diff(ab, axis=0), axis=1) > jump_tol)
     brackets = [(float(theta[i]), float(theta[i + 1])) for i in jumps]
-    info = {"crossings": len(brackets), "radius": rho}
+    info = {"crossings": len(brackets), "radius": rho, "tolerances": tol}
     if not brackets:
         return np.zeros((0, d)), {**info, "smallest gap": math.pi, "sign misfit": 0.0,
                                   "gradient step": 1.0, "circle queries": circle.points}
@@ -394,8 +514,8 @@ def find_values(oracle: Oracle, v: np.ndarray, heads: int, rng: np.random.Genera
     smallest_gap = float(2.0 * margins.min())
     gradients, steps = [], []
     for mid, margin in zip(mids, margins):
-        margin = max(margin, MIN_GAP / 4)
-        rho_c = rho * max(1.0, 2.0 * MIN_GAP / margin)
+        margin = max(margin, tol.min_gap / 4)
+        rho_c = rho * max(1.0, 2.0 * tol.min_gap / margin)
         u = circle.at(mid, rho_c)
         fraction = STEP_FRACTION
         for _ in range(STEP_TRIES):      # the cone may be narrower off the plane: smaller steps
@@ -409,13 +529,16 @@ def find_values(oracle: Oracle, v: np.ndarray, heads: int, rng: np.random.Genera
             scale_g = rho_c * (np.linalg.norm(V) + circle.v_norm)
             checks = np.array([g[0] - u @ V, g[d + 1] - 2.0 * (u @ V),
                                g[d + 2] - (u + 3.0 * delta * w) @ V])
-            if np.max(np.abs(checks)) <= CHECK_TOL * scale_g * max(1.0, 1e-4 / (fraction * margin)):
+            limit = tol.check * max(1.0, 1e-4 / (fraction * margin))
+            if tol.noise > EPS:     # the noise of d differences over the step, summed along u
+                limit = max(limit, 30.0 * math.sqrt(d) * tol.noise / (fraction * margin))
+            if np.max(np.abs(checks)) <= limit * scale_g:
                 break
             fraction /= 16.0
         else:
             raise RecoveryFailedError(
                 "a saturated cell's gradient failed its checks (a crossing closer than "
-                f"{MIN_GAP:.0e} rad or logits that do not saturate): values not separated")
+                f"{tol.min_gap:.0e} rad or logits that do not saturate): values not separated")
         gradients.append(V)
         steps.append(fraction * margin)
     gradients.append(v - gradients[0])
@@ -424,7 +547,7 @@ def find_values(oracle: Oracle, v: np.ndarray, heads: int, rng: np.random.Genera
     signs = np.linalg.lstsq(D.T, v, rcond=None)[0]
     rounded = np.where(signs >= 0, 1.0, -1.0)
     misfit = float(np.linalg.norm(D.T @ rounded - v) / max(np.linalg.norm(v), 1e-300))
-    if np.max(np.abs(signs - rounded)) > 1e-6 or misfit > 1e-6:
+    if np.max(np.abs(signs - rounded)) > tol.sign or misfit > tol.sign:
         raise RecoveryFailedError(
             "the gradient jumps along the half circle do not add up to v with signs +-1 "
             f"(largest sign deviation {np.max(np.abs(signs - rounded)):.1e}): a head whose "
@@ -450,24 +573,62 @@ def _rows_in(space: np.ndarray, value: np.ndarray, count: int, rng) -> np.ndarra
     return (space @ basis).T
 
 
-def query_space(meter: LogitMeter, values, h, columns, rank, rng):
-    """Orthonormal basis P_h (d, r_h) of span(W_h^T) from rows in R_h; and its conditioning."""
+def query_space(meter: LogitMeter, values, h, columns, rank, rng, biases=False):
+    """Orthonormal basis P_h (d, r_h) of span(W_h^T) from rows in R_h; and its conditioning.
+
+    The measured rows beyond the rank are noise: their share of the spectrum is
+    ``info["residual"]`` (the error bar's base where noisy rows were held to a given
+    rank, ``info["forced"]``).
+
+    ``biases``: every logit also holds u^T b_h (t_h = u^T (W_h q + b_h)), measured first
+    on the column q = 0 (a probe [c u; 0] per row at c = 1, then one at the row's own
+    scale c ~ 1 / |u^T b_h|, kept as ``info["bias block"]``) and taken off:
+    T = t - u^T b_h / s. ``info["bias"]`` holds u^T b_h of every row."""
     d, H = columns.shape[0], len(values)
     others = np.delete(values, h, axis=0)
     space = null_space(others) if len(others) else np.eye(d)
     room = space.shape[1]
     count = min(room, (rank + 1) if rank is not None else max(2, -(-d // max(H, 1)) + 1))
+    forced = False           # noisy rows held to the given rank: their residual is error
     while True:
         U = _rows_in(space, values[h], count, rng)
         height = U @ values[h]
+        if biases:      # u^T b_h on the column q = 0 (G = 1: c = s = 1, the logit is u^T b_h)
+            beta = meter.measure(U, np.zeros_like(U), height, np.zeros(count), 1.0)
+            beta = beta * split_scale(meter.last_scale)[1]
+            peak = float(np.max(np.abs(beta)))
+            if peak > BIAS_LOGIT:
+                # a bias logit near saturation would cost every probe of these rows its
+                # precision (a(1 - a) ~ e^-|u^T b_h|): shorter rows, measured again
+                U, height = U * (BIAS_LOGIT / peak), height * (BIAS_LOGIT / peak)
+                beta = meter.measure(U, np.zeros_like(U), height, np.zeros(count), 1.0)
+                beta = beta * split_scale(meter.last_scale)[1]
+                meter.rescued += count
+            # every row's bias again at its own scale c ~ BIAS_LOGIT / |u^T b_h|: the
+            # logit's rounding shrinks by c, and it is taken off every entry of the row
+            # (an error common to the row does not average out over its d columns)
+            grow = np.clip(BIAS_LOGIT / np.maximum(np.abs(beta), 1e-300), 1.0, BIAS_GROWTH)
+            beta = meter.measure(U, np.zeros_like(U), height, np.zeros(count), grow)
+            beta = beta * split_scale(meter.last_scale)[1]
+            meter.rescued += count
+            bias_block = Block(h, U, np.zeros((d, 1)), meter.last_scale, meter.last_outputs)
         rows = np.repeat(U, d, axis=0)
         cols = np.tile(columns.T, (count, 1))
         hts, bg = np.repeat(height, d), np.zeros(count * d)
         scale = meter.scale_for(rows, cols, hts, bg, rng)
-        T = meter.measure(rows, cols, hts, bg, scale).reshape(count, d) @ columns.T  # rows u^T W_h
+        T = meter.measure(rows, cols, hts, bg, scale)
+        if biases:
+            T = T - np.repeat(beta, d) / split_scale(meter.last_scale)[1]
+        T = T.reshape(count, d) @ columns.T                                 # rows u^T W_h
         block = Block(h, U, columns, meter.last_scale, meter.last_outputs)
         s = np.linalg.svd(T, compute_uv=False)
-        found = int(np.sum(s > RANK_TOL * s[0])) if s[0] > 0 else 0
+        rank_tol = max(meter.tol.rank, BIASED_RANK_TOL) if biases else meter.tol.rank
+        found = int(np.sum(s > rank_tol * s[0])) if s[0] > 0 else 0
+        if meter.tol.noise > EPS and s[0] > 0 and len(s) > 1:
+            found = _rank_at_gap(s, rank_tol)
+            if (rank is not None and rank < len(s) and found != rank
+                    and s[rank] <= GIVEN_RANK_FLOOR * s[0]):
+                found, forced = rank, True   # the given rank, unless far above the noise
         if found < count or count == room:
             break
         if rank is not None:
@@ -478,8 +639,26 @@ def query_space(meter: LogitMeter, values, h, columns, rank, rng):
         raise RecoveryFailedError(f"head {h}: rank {found} fills the rows that see it alone")
     _, sv, Vt = np.linalg.svd(T, full_matrices=False)
     spread = float(sv[0] / sv[found - 1]) if found else 1.0
-    return Vt[:found].T, block, {"rows": count, "rank": found, "spread": spread,
-                                 "height": float(np.min(np.abs(height)) / np.linalg.norm(values[h]))}
+    residual = float(sv[found] / sv[0]) if 0 < found < len(sv) else 0.0
+    info = {"rows": count, "rank": found, "spread": spread, "residual": residual,
+            "forced": forced,
+            "height": float(np.min(np.abs(height)) / np.linalg.norm(values[h]))}
+    if biases:
+        info["bias"], info["bias block"], info["row logits"] = beta, bias_block, T
+    return Vt[:found].T, block, info
+
+
+def _rank_at_gap(s: np.ndarray, floor: float) -> int:
+    """Rank of noisy rows with singular values ``s`` (descending): where the steepest drop
+    (>= RANK_GAP, down to below ``floor`` x s[0]) is; none: every row counts.
+
+    A threshold alone counts noise that the logit conditioning lifts above it; the drop
+    from the last signal value to the noise is what sets the rank apart."""
+    ratios = s[:-1] / np.maximum(s[1:], 1e-300 * s[0])
+    i = int(np.argmax(ratios))
+    if ratios[i] >= RANK_GAP and s[i + 1] <= floor * s[0]:
+        return i + 1
+    return len(s)
 
 
 def space_from_logits(block: Block, T: np.ndarray, rank: int) -> np.ndarray:
@@ -488,14 +667,76 @@ def space_from_logits(block: Block, T: np.ndarray, rank: int) -> np.ndarray:
     return Vt[:rank].T
 
 
-def matrix_from_logits(block: Block, T: np.ndarray, P: np.ndarray) -> np.ndarray:
-    """W_h = Y (P^T Z)^{-1} P^T with Y = W_h Z = U T (U the orthogonal rows of the block)."""
+def matrix_from_logits(block: Block, T: np.ndarray, P: np.ndarray, offset=None) -> np.ndarray:
+    """W_h = Y (P^T Z)^{-1} P^T with Y = W_h Z = U T (U the orthogonal rows of the block).
+
+    ``offset`` w (r,) (biases: probes translated by o, w = P^T (o - q_0)): every logit also
+    holds u_k^T W_h P w / s_kj, so row k is a_k = P^T W_h^T u_k solving
+    t_kj = a_k^T (P^T z_j + w / s_kj), one r x r system per row.
+    """
     Z = block.cols
-    return (block.rows.T @ T) @ np.linalg.solve(P.T @ Z, P.T)
+    if offset is None:
+        return (block.rows.T @ T) @ np.linalg.solve(P.T @ Z, P.T)
+    s = split_scale(block.scale)[1]                                   # (n, r)
+    A = (P.T @ Z)[None] + offset[None, :, None] / s[:, None, :]      # A_k[:, j]
+    a = np.linalg.solve(np.transpose(A, (0, 2, 1)), T[..., None])[..., 0]
+    return (block.rows.T @ a) @ P.T
 
 
-def head_matrix(meter: LogitMeter, v, values, spaces, h, rng):
-    """W_h (d, d) from d rows against r_h columns of the isolation space I_h."""
+def common_root(spaces, row_list, bias_list, dim):
+    """The common root q_0 (d,) of the heads' biased queries, W_h q_0 + b_h = 0 for every h.
+
+    With b_h = W_h p_h (a real layer: b_h = W_k,h^T b_q,h lies in W_h's column space), a
+    measured row y = W_h^T u has u^T b_h = y^T p_h = (P_h^T y)^T kappa_h, kappa_h = P_h^T p_h:
+    r_h + 1 rows give kappa_h by least squares. q_0 solves P_h^T q_0 = -kappa_h for all h
+    (sum_h r_h <= d equations: minimum norm). Returns (q_0, misfit, kappas): the largest
+    relative residual of the bias fits, in token units |A kappa - beta| / |A| (a bias outside
+    W_h's column space shows there).
+    """
+    kappas, misfit = [], 0.0
+    for P, Y, beta in zip(spaces, row_list, bias_list):
+        A = Y @ P
+        kappa = np.linalg.lstsq(A, beta, rcond=None)[0]
+        kappas.append(kappa)
+        # in token units: how far the measured biases are from any shift p_h
+        misfit = max(misfit, float(np.linalg.norm(A @ kappa - beta))
+                     / max(float(np.linalg.norm(A, 2)), 1e-300))
+    if not spaces:
+        return np.zeros(dim), misfit, kappas
+    stack = np.hstack(spaces).T                              # (sum r_h, d)
+    root = np.linalg.lstsq(stack, -np.concatenate(kappas), rcond=None)[0]
+    return root, misfit, kappas
+
+
+def query_offsets(W, spaces, kappas, origin) -> np.ndarray:
+    """W_g o + b_g = W_g P_g (P_g^T o + kappa_g) for every head, shape (H, d).
+
+    The same as W_g (o - q_0), but computed without q_0: q_0 can be long (MiniLM layer 0:
+    176), and W_g's small error times q_0 would swamp these small vectors."""
+    return np.array([Wg @ (P @ (P.T @ origin + k)) for Wg, P, k in zip(W, spaces, kappas)])
+
+
+class _Translated:
+    """The oracle seen from a translated origin (biases): answers f(X + 1 o^T) - const.
+
+    With o = q_0 (every head's biased query W_h x + b_h vanishes there) and const =
+    c + v^T q_0 this is multi-head attention without biases: the translation adds the
+    same b_h^T-free term to every score of a sequence, which the softmax cancels.
+    """
+
+    def __init__(self, base, origin, const):
+        self.base, self.origin, self.const = base, np.asarray(origin, dtype=float), float(const)
+
+    def query(self, X):
+        return self.base.query(np.asarray(X, dtype=np.float64) + self.origin) - self.const
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+
+def head_matrix(meter: LogitMeter, v, values, spaces, h, rng, offset=None):
+    """W_h (d, d) from d rows against r_h columns of the isolation space I_h
+    (``offset``: see :func:`matrix_from_logits`)."""
     d = v.shape[0]
     P = spaces[h]
     r = P.shape[1]
@@ -521,7 +762,7 @@ def head_matrix(meter: LogitMeter, v, values, spaces, h, rng):
     scale = meter.scale_for(rows, cols, height, background, rng)
     T = meter.measure(rows, cols, height, background, scale).reshape(d, r)
     block = Block(h, U.T, Z, meter.last_scale, meter.last_outputs)
-    return matrix_from_logits(block, T, P), block, separation
+    return matrix_from_logits(block, T, P, offset), block, separation
 
 
 def exact_heights(oracle: Oracle, v, values, W, rng) -> np.ndarray:
@@ -553,8 +794,9 @@ def exact_heights(oracle: Oracle, v, values, W, rng) -> np.ndarray:
 def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
                                 rank: int | None = None, *,
                                 seed=None, progress=None,
-                                verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE
-                                ) -> ExtractionResult:
+                                verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
+                                output_dtype: str | None = None, decimals: int | None = None,
+                                biases: bool = False) -> ExtractionResult:
     """Recover the canonical heads of multi-head attention with low-rank heads.
 
     Parameters
@@ -571,13 +813,32 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
     progress : callable, optional
         Called with a short text at the start of every stage.
     verify_tolerance : float
-        Largest held-out relative output error accepted.
+        Largest held-out relative output error accepted (rounded or low-precision
+        answers add their measured noise and the error bar).
+    output_dtype : {"float32", "bfloat16", "float16"}, optional
+        The black box runs its forward pass in this dtype: the thresholds follow the
+        noise measured on saturated probes (see :class:`Tolerances`), the error bar is
+        LOW_PRECISION_BAR x that noise x row spread / query-space separation
+        (``report.details["error bar"]``).
+    decimals : int, optional
+        The answers are rounded to this many decimals. Without either option, answers
+        rounded to float16/float32 or to k <= 12 decimals are detected (and said in the
+        report's notes).
+    biases : bool
+        The layer has query, value and output biases (a deployed layer):
+        f(X) = sum_h softmax(X (W_h x_N + b_h))^T X v_h + c with b_h in W_h's column
+        space. c from f([0]); each row of the query-space stage gains two probes on the
+        column q = 0 (u^T b_h, the second at the row's own scale); the biases give the
+        common root q_0 of the heads' queries (W_h q_0 + b_h = 0), and the isolation
+        columns run translated to where the other heads have no biases.
+        Floor sum_h (d + r_h (2d - r_h) + r_h) + 1 (docs/algorithms.md, "Biases").
 
     Returns
     -------
     ExtractionResult
         ``model`` a :class:`MultiHeadAttention` with W (H', d, d), v (H', d), H' <= H the
-        canonical heads; the report gives the queries against the floor
+        canonical heads (with ``biases`` a :class:`BiasedMultiHeadAttention`, also b
+        (H', d) and c); the report gives the queries against the floor
         sum_h (d + r_h (2d - r_h)) and paper 2's 4 H d^2 - 2 H + 1, and the conditioning.
 
     Raises
@@ -592,43 +853,72 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
     ModelMismatchError
         The black box is not such a model (held-out verification, or probes that no
         such model can answer).
+
+    A refusal names ``output_dtype`` / ``decimals`` in its message (the precision
+    detected or stated, and what to state).
     """
+    precision = []       # filled once the first answers are in
+    try:
+        return _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_tolerance,
+                                       output_dtype, decimals, precision, biases)
+    except (RecoveryFailedError, ModelMismatchError) as exc:
+        name_the_options(exc, precision[0] if precision else None)
+        raise
+
+
+def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_tolerance,
+                            output_dtype, decimals, precision_out: list,
+                            biases: bool = False) -> ExtractionResult:
+    """The learner (see :func:`extract_multi_head_low_rank`); the precision it uses is
+    appended to ``precision_out`` as soon as it is known."""
     d = oracle.dim
     if not isinstance(heads, (int, np.integer)) or heads < 1:
         raise InputError(f"heads must be a positive integer (the number of heads H, an upper "
                          f"bound), got {heads!r}")
     if rank is not None and (not isinstance(rank, (int, np.integer)) or not 1 <= rank <= d):
         raise InputError(f"rank must be an integer in 1..{d}, got {rank!r}")
+    precision_of(np.zeros(0), output_dtype, decimals)          # bad options before any query
     say = progress or (lambda text: None)
     start, q0, bb0 = time.perf_counter(), oracle.queries, oracle.black_box_seconds
     seeds = np.random.SeedSequence(seed).spawn(2) if seed is not None else [None, None]
     rng = np.random.default_rng(seeds[0])
     r_plan = rank or max(1, d // heads)
     planned = (d + (heads + 1) * (d + 3) + heads * (r_plan + 1) * d + heads * r_plan * d)
+    if biases:
+        planned += 1 + 2 * heads * (r_plan + 1)
     oracle.plan(planned + verification_count(low_rank_multi_head_floor(d, [r_plan] * heads)),
                 "low-rank multi-head extraction")
 
+    const = 0.0
+    if biases:
+        say("c = f([0]) (one query)")
+        const = float(oracle.query(np.zeros((1, 1, d)))[0])
+    view = _Translated(oracle, np.zeros(d), const) if biases else oracle
     say("v = sum of the heads' values (d single tokens)")
-    v = oracle.query(np.eye(d)[:, None, :])
+    v = view.query(np.eye(d)[:, None, :])
     if not np.any(v):
         raise NotIdentifiableError("v = sum_h v_h = 0 on every token: no probe here can see "
                                    "the heads apart")
+    precision = precision_of(v, output_dtype, decimals)
+    precision_out.append(precision)
+    tol, noise_floor = (EXACT, None) if precision.exact else _tolerances(precision, v)
     say("values of the heads (saturated half circle)")
     before = oracle.queries
-    values, value_info = find_values(oracle, v, heads, rng)
+    values, value_info = find_values(view, v, heads, rng, tol, noise_floor)
+    tol = value_info["tolerances"]
     value_queries = oracle.queries - before
     H = len(values)
     norms = np.linalg.norm(values, axis=1)
     value_sep = (float(np.linalg.svd(values / norms[:, None], compute_uv=False)[-1])
                  if H else 1.0)
 
-    meter = LogitMeter(oracle, v)
+    meter = LogitMeter(view, v, tol)
     columns = haar_orthogonal(d, rng)
     say(f"query spaces of {H} heads")
     before = oracle.queries
     spaces, space_info, space_blocks = [], [], []
     for h in range(H):
-        P, block, info = query_space(meter, values, h, columns, rank, rng)
+        P, block, info = query_space(meter, values, h, columns, rank, rng, biases)
         spaces.append(P)
         space_blocks.append(block)
         space_info.append(info)
@@ -637,11 +927,33 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
     if sum(ranks) > d:
         raise RecoveryFailedError(f"the heads' ranks {ranks} sum to {sum(ranks)} > d = {d}: "
                                   "no column isolates a head (use the full-rank learner)")
+    root, root_misfit, origins = None, 0.0, [None] * H
+    if biases:
+        # the common root q_0 (W_h q_0 + b_h = 0 for every h), and for each head the
+        # shortest token o_h where every OTHER head's biased query vanishes: translated by
+        # o_h the others have no biases, the isolation columns make their logits 0
+        # again, and head h keeps the known offset W_h (o_h - q_0). |o_h| is far below
+        # |q_0| (MiniLM layer 0: about 30 against 176), and the translated answers,
+        # which carry v^T o_h and scores of tokens of norm |o_h|, round the less.
+        root, root_misfit, kappas = common_root(spaces, [i["row logits"] for i in space_info],
+                                                [i["bias"] for i in space_info], d)
+        for h in range(H):
+            others = [spaces[g] for g in range(H) if g != h and spaces[g].shape[1]]
+            stack = np.hstack(others).T if others else np.zeros((0, d))
+            origins[h] = (np.linalg.lstsq(stack, stack @ root, rcond=None)[0] if others
+                          else np.zeros(d))
     say("isolation columns")
     before = oracle.queries
     W, separations, column_blocks = np.zeros((H, d, d)), [], []
     for h in range(H):
-        W[h], block, sep = head_matrix(meter, v, values, spaces, h, rng)
+        offset = None
+        if biases:
+            rescued = meter.rescued
+            meter = LogitMeter(_Translated(oracle, origins[h], const + v @ origins[h]), v, tol)
+            meter.rescued = rescued
+            offset = spaces[h].T @ origins[h] + kappas[h]            # P_h^T (o_h - q_0)
+        W[h], block, sep = head_matrix(meter, v, values, spaces, h, rng, offset)
+        block.origin = origins[h]
         column_blocks.append(block)
         separations.append(sep)
     column_queries = oracle.queries - before
@@ -652,15 +964,31 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
     changes = []
     if H and min(ranks) > 0:
         say("exact heights and refinement")
-        values = exact_heights(oracle, v, values, W, rng)
-        for _ in range(REFINE_ITERATIONS):
-            logits = [resolve(b, v, values, W) for b in space_blocks]
+        values = exact_heights(_Translated(oracle, root, const + v @ root) if biases else oracle,
+                               v, values, W, rng)
+        for _ in range(BIASED_REFINE_ITERATIONS if biases else REFINE_ITERATIONS):
+            if biases:
+                at_zero = query_offsets(W, spaces, kappas, np.zeros(d))      # the biases b_g
+                betas = [resolve(i["bias block"], v, values, W, at_zero)[:, 0]
+                         * split_scale(i["bias block"].scale[:, 0])[1] for i in space_info]
+                logits = [resolve(b, v, values, W, at_zero) - beta[:, None]
+                          / split_scale(b.scale)[1] for b, beta in zip(space_blocks, betas)]
+            else:
+                logits = [resolve(b, v, values, W) for b in space_blocks]
             if not all(np.all(np.isfinite(T)) for T in logits):
                 break       # answers no H low-rank heads give: verification refuses
             new_spaces = [space_from_logits(b, T, r)
                           for b, T, r in zip(space_blocks, logits, ranks)]
-            new_W = np.array([matrix_from_logits(b, resolve(b, v, values, W), P)
-                              for b, P in zip(column_blocks, new_spaces)])
+            if biases:
+                root, root_misfit, new_kappas = common_root(
+                    new_spaces, [T @ b.cols.T for b, T in zip(space_blocks, logits)], betas, d)
+                new_W = np.array([matrix_from_logits(
+                    b, resolve(b, v, values, W, query_offsets(W, spaces, kappas, b.origin)), P,
+                    P.T @ b.origin + k) for b, P, k in zip(column_blocks, new_spaces, new_kappas)])
+                spaces, kappas = new_spaces, new_kappas     # kappa_h = P_h^T p_h: one basis
+            else:
+                new_W = np.array([matrix_from_logits(b, resolve(b, v, values, W), P)
+                                  for b, P in zip(column_blocks, new_spaces)])
             if not np.all(np.isfinite(new_W)):
                 break
             change = float(np.max(np.linalg.norm(new_W - W, axis=(1, 2))
@@ -669,14 +997,23 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
             W = new_W
             if change < 1e-14:
                 break
+            if biases and len(changes) >= 2 and change < 1e-10 and change > 0.5 * changes[-2]:
+                break       # at the measurements' rounding: more passes change nothing
     height_queries = oracle.queries - before
     if not (np.all(np.isfinite(W)) and np.all(np.isfinite(values))):
         raise ModelMismatchError(f"the black box is not multi-head attention with {H} low-rank "
                                  f"head(s): its answers give no finite heads")
-    model = MultiHeadAttention(W, values)
+    if biases:
+        # b_h = W_h P_h kappa_h (= -W_h q_0, without q_0's length)
+        model = BiasedMultiHeadAttention(W, values, query_offsets(W, spaces, kappas, np.zeros(d))
+                                         if H else np.zeros((0, d)), const)
+    else:
+        model = MultiHeadAttention(W, values)
 
     recovery = oracle.queries - q0
     floor = low_rank_multi_head_floor(d, ranks) if H else d
+    if biases:
+        floor += sum(ranks) + 1
     n_verify = verification_count(floor)
     spread = max((i["spread"] for i in space_info), default=1.0)
     min_sep = min(separations, default=1.0)
@@ -687,10 +1024,27 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
     value_error = EPS / max(value_info.get("gradient step", 1.0), EPS)
     first_pass = (value_error / max(value_sep, EPS) + EPS / max(min_height, EPS)) * spread / min_sep
     predicted = EPS * spread / min_sep if changes else first_pass
-    if predicted > MAX_PREDICTED:
+    residual = max((i["residual"] for i in space_info), default=0.0)
+    if not precision.exact:
+        # the error bar from what was measured: the noise of the saturated probes (several
+        # heads), else or where rows were held to the given rank the residual of the
+        # extra query-space rows
+        forced = any(i["forced"] for i in space_info)
+        measured = tol.noise if (H > 1 and not forced) else max(tol.noise, residual)
+        first_pass = max(first_pass, LOW_PRECISION_BAR * measured * spread / min_sep)
+        predicted = max(predicted, LOW_PRECISION_BAR * measured * spread / min_sep)
+        verify_tolerance = max(verify_tolerance, min(MAX_VERIFY_NOISY, 30.0 * max(
+            tol.noise, precision.relative) + 2.0 * predicted))
+    if biases and H:
+        # answers to translated probes carry v^T o_h: their rounding, over the smallest
+        # height |v_h| / sqrt(d) of the isolation rows, grows by about this factor
+        translation = 1.0 + max(abs(float(v @ o)) for o in origins) * math.sqrt(d) / float(
+            norms.min())
+        predicted, first_pass = predicted * translation, first_pass * translation
+    if predicted > tol.max_predicted:
         raise RecoveryFailedError(
             f"the heads are too close to pin down: predicted parameter error {predicted:.1e} "
-            f"> {MAX_PREDICTED:.0e} (query-space separation {min_sep:.1e}, row spread "
+            f"> {tol.max_predicted:.0e} (query-space separation {min_sep:.1e}, row spread "
             f"{spread:.1e}); nothing is returned")
     say("held-out verification")
     verification = verify_model(oracle, model, count=n_verify, seed=seeds[1],
@@ -713,19 +1067,33 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
         "predicted error": (f"{predicted:.1e} (relative, parameters; first pass "
                             f"{first_pass:.1e})"),
         "refinement": ("changes " + ", ".join(f"{c:.1e}" for c in changes)) if changes else "none",
+        "output precision": precision.name,
     }
+    if not precision.exact:       # a bar from measured noise (float64: the prediction only)
+        details["error bar"] = float(predicted)
     # "(rescaled)": scout and rescaled probes, already counted in "query spaces" and "isolation"
     breakdown = {"values": d + value_queries, "query spaces": space_queries,
                  "isolation": column_queries, "heights": height_queries,
                  "(rescaled)": meter.rescued,
                  "recovery": recovery, "verification": n_verify}
-    report = Report(kind=MultiHeadAttention.kind, dim=d, queries=oracle.queries - q0,
+    if biases:
+        breakdown = {"constant": 1, **breakdown}
+        details["biases"] = (f"c = f([0]); two probes [c u; 0] per query-space row; common root "
+                             f"|q_0| = {float(np.linalg.norm(root)) if root is not None else 0.0:.3g}, "
+                             f"isolation origins |o_h| <= "
+                             f"{max((float(np.linalg.norm(o)) for o in origins), default=0.0):.3g}, "
+                             f"bias-fit residual {root_misfit:.1e} (token units)")
+    report = Report(kind=model.kind, dim=d, queries=oracle.queries - q0,
                     breakdown=breakdown, floor=floor, verification=verification,
                     seconds=time.perf_counter() - start,
-                    black_box_seconds=oracle.black_box_seconds - bb0, details=details)
+                    black_box_seconds=oracle.black_box_seconds - bb0, details=details,
+                    notes=[] if precision.exact else [
+                        precision.describe() + f"; measured noise {tol.noise:.1e} relative, "
+                        f"query-space residual {residual:.1e}"])
     report.details["conditioning_numbers"] = {
         "smallest_crossing_gap": value_info.get("smallest gap", math.pi),
         "value_separation": value_sep, "smallest_height": min_height,
         "row_spread": spread, "query_space_separation": min_sep,
-        "predicted_error": float(predicted), "first_pass_error": float(first_pass)}
+        "predicted_error": float(predicted), "first_pass_error": float(first_pass),
+        "query_space_residual": residual, "noise": float(tol.noise)}
     return checked_result(model, report, f"multi-head attention with {H} low-rank head(s)")

@@ -68,7 +68,8 @@ from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import SingleHeadAttention, softmax
 from ..oracle import Oracle, by_length
 from ..report import ExtractionResult, Report, Verification, verification_count
-from ..verification import design, output_scale, scaled_relative_errors, token_norms
+from ..verification import (design, max_length_of, output_scale, scaled_relative_errors,
+                            token_norms)
 from .single_head import logit, probe_basis
 
 NOISE_KINDS = ("bounded", "random")
@@ -803,7 +804,7 @@ def verify_noisy(oracle, model, noise: NoiseModel, W_bar, v_bar, *, count, seed,
                  extra_relative=0.0, nonlinear=False) -> NoisyVerification:
     """Held-out comparison allowing noise plus the model's own error bars."""
     rng = np.random.default_rng(seed)
-    held = design(oracle.dim, count, rng, scale, model=model)
+    held = design(oracle.dim, count, rng, scale, model=model, max_length=max_length_of(oracle))
     sequences, count = held.sequences, len(held.sequences)
     observed = oracle.query_ragged(sequences)
     predicted, gW, gv = np.empty(count), np.empty(count), np.empty(count)

@@ -191,7 +191,8 @@ def extract_one_layer(oracle: Oracle, *, seed=None,
     oracle.require(n_verify, "held-out verification of the one-layer model")
     verification = verify_model(oracle, model, count=n_verify,
                                 seed=None if sub_seed is None else sub_seed[2],
-                                tolerance=verify_tolerance, scale=token_scale(model))
+                                tolerance=verify_tolerance, scale=token_scale(model),
+                                expected_error="measured")
     recovery = ffn.report.breakdown["recovery"] + 2 * (d * d + d) + 2 * head.report.breakdown.get(
         "rescaling", 0)
     report = Report(

@@ -220,7 +220,8 @@ def extract_one_layer_residual(oracle: Oracle, *, seed=None,
     n_verify = verification_count(d * d + 2 * model.width * d)
     oracle.require(n_verify, "held-out verification of the residual model")
     verification = verify_model(oracle, model, count=n_verify, seed=seed,
-                                tolerance=verify_tolerance, scale=token_scale(model))
+                                tolerance=verify_tolerance, scale=token_scale(model),
+                                expected_error="measured")
     report = Report(
         kind=ResidualOneLayer.kind, dim=d, queries=oracle.queries - start_queries,
         breakdown={**counts, "verification": n_verify},

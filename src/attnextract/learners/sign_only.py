@@ -47,7 +47,8 @@ from ..models import SingleHeadAttention
 from .noisy import FLOAT_SLACK, NoisyVerification, output_gradient_norms
 from ..oracle import Oracle, evaluate_ragged
 from ..report import ExtractionResult, Report, verification_count
-from ..verification import BOUNDARY_FRACTION, boundary_shift, design, near_boundary
+from ..verification import (BOUNDARY_FRACTION, boundary_shift, design, max_length_of,
+                            near_boundary)
 from .single_head import logit, probe_basis
 
 KAPPA_LOW, KAPPA_HIGH = 1.0, 4.0    # kappa sigma(lambda kappa) = 1 is bracketed here for lambda > -0.2747
@@ -305,7 +306,8 @@ def _verify_labels(oracle, model, W_bar, v_bar, threshold, *, count, seed, extra
     scale = 1.0 / math.sqrt(model.dim)
     n_boundary = int(BOUNDARY_FRACTION * count) if model.dim >= 2 else 0
     n_hull = int(LABEL_HULL_FRACTION * count) if model.dim >= 2 else 0
-    sequences = design(oracle.dim, count - n_boundary - n_hull, rng, scale).sequences
+    sequences = design(oracle.dim, count - n_boundary - n_hull, rng, scale,
+                       max_length=max_length_of(oracle)).sequences
     rms = math.sqrt(float(np.mean(evaluate_ragged(model, sequences) ** 2))) or 1.0
 
     def allowance(X):
@@ -328,7 +330,8 @@ def _verify_labels(oracle, model, W_bar, v_bar, threshold, *, count, seed, extra
     # the second part: sequences just clear of the model's decision boundary, where a
     # small departure from the class (a second head at 1e-8) flips labels
     if n_boundary:
-        sequences += near_boundary(model, n_boundary, rng, scale, threshold, allowance)
+        sequences += near_boundary(model, n_boundary, rng, scale, threshold, allowance,
+                                   longest=max_length_of(oracle))
     # the label hull: sequences whose tokens all lie (just) on one side of the threshold
     first_hull = len(sequences)
     hull = label_hull(model, n_hull, rng, scale, threshold, v_bar) if n_hull else []
@@ -358,7 +361,8 @@ def _verify_labels(oracle, model, W_bar, v_bar, threshold, *, count, seed, extra
             ratio[i] = np.inf if wrong[i] else 0.0
     return NoisyVerification(sequences=count, max_relative_error=float(wrong.mean()),
                              median_relative_error=0.0, tolerance=0.0,
-                             worst_ratio=float(ratio.max()))
+                             worst_ratio=float(ratio.max()),
+                             lengths=(int(lengths.min()), int(lengths.max())))
 
 
 def label_hull(model, count: int, rng, scale: float, threshold: float, v_bar: float) -> list:

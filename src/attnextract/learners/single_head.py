@@ -20,6 +20,18 @@ block of columns is set from the columns already measured (the first column uses
 a fixed guess); a column whose probes saturate is probed again at a smaller scale.
 Those extra queries only happen when W is far larger than the first guess, and
 the report counts them.
+
+Biases (``biases=True``; docs/algorithms.md, "Biases"). A deployed head computes
+f(X) = softmax(X (W x_N + b))^T X v + c. Then f([0]) = c, f([x]) = v^T x + c, and the
+two scores of [q + u; q] differ by u^T (W q + b):
+
+    c u^T b      = logit((f([c u; 0]) - c) / (c v^T u))            (q = 0)
+    G u^T W e_j  = logit((f(P(c u, s e_j)) - c - s v_j) / (c v^T u)) - c u^T b.
+
+So c (1 query), v (d), b (d probes [c u_k; 0]) and W (the d^2 probes above, minus the
+known c u_k^T b) cost exactly d^2 + 2d + 1, the number of free parameters. The bias
+term c u_k^T b is kept below BIAS_LOGIT by capping c (and enlarging s), so that its
+rounding never swamps the logit of W.
 """
 
 from __future__ import annotations
@@ -31,7 +43,7 @@ import time
 import numpy as np
 
 from ..errors import ModelMismatchError, NotIdentifiableError
-from ..models import SingleHeadAttention
+from ..models import BiasedSingleHeadAttention, SingleHeadAttention
 from ..oracle import Oracle
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, token_scale,
                      verification_count, verify_model)
@@ -51,6 +63,7 @@ GROW_FLOOR = np.finfo(float).eps   # ... and above one ulp (a 1e14 range is ~5e-
 GROW_STEPS = 3
 SMALL_ROW = 1e-4           # rows this much smaller than the largest are measured again
 ROUNDING_SAFETY = 4.0      # rounding bars: this many ulps per operation, d operations
+BIAS_LOGIT = 1.0           # biases: largest bias logit c |u_k^T b| in a probe of W
 
 
 def probe_basis(v: np.ndarray) -> np.ndarray:
@@ -66,15 +79,17 @@ def probe_basis(v: np.ndarray) -> np.ndarray:
     return np.eye(d) - (2.0 / (w @ w)) * np.outer(w, w)
 
 
-def split_scale(scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def split_scale(scale: np.ndarray, max_c: float = np.inf) -> tuple[np.ndarray, np.ndarray]:
     """Split logit scales G = c s of probes P(c u, s q): (c, s), each of shape of ``scale``.
 
     c = 1, s = G for G <= 1; above, c is the power of two with s = G / c in (1/2, 1].
     q = s e_j stays small beside u, so neither v^T q nor q^T W q swamps the signal,
     and c changes (and c u is rescaled, exactly) only when G crosses a power of two.
+    ``max_c`` (biases: the bias logit c u^T b grows with c) caps c; s = G / c then.
     """
     scale = np.asarray(scale, dtype=np.float64)
     c = np.where(scale > 1.0, 2.0 ** np.ceil(np.log2(np.maximum(scale, 1.0))), 1.0)
+    c = np.minimum(c, max_c)
     return c, scale / c
 
 
@@ -101,9 +116,13 @@ class ColumnProbes:
     and then patched: O(block * d) writes per block instead of O(block * d^2).
     """
 
-    def __init__(self, U: np.ndarray, block: int):
+    def __init__(self, U: np.ndarray, block: int, const: float = 0.0,
+                 bias_logits: np.ndarray | None = None, max_c: float = np.inf):
         d = U.shape[0]
         self.U = U
+        # biases: the output constant c and u_k^T b, subtracted from every answer/logit
+        self.const, self.max_c = const, max_c
+        self.bias_logits = np.zeros(d) if bias_logits is None else bias_logits
         self.X = np.empty((block, d, 2, d))
         self.X[:, :, 0, :] = U.T[None]
         self.X[:, :, 1, :] = 0.0
@@ -114,7 +133,7 @@ class ColumnProbes:
         """Probes for ``columns`` at logit scales ``scale``, shape (len(columns) * d, 2, d)."""
         X, U, n = self.X, self.U, len(columns)
         slots = np.arange(n)
-        c, s = split_scale(scale)
+        c, s = split_scale(scale, self.max_c)
         old = slots[self.marked[:n] >= 0]       # wipe the previous marks
         X[old, :, 0, self.marked[old]] = self.c[old, None] * U[self.marked[old], :]
         X[old, :, 1, self.marked[old]] = 0.0
@@ -134,16 +153,59 @@ def column_logits(oracle: Oracle, probes: ColumnProbes, v: np.ndarray, columns: 
     Entries whose implied attention weight falls outside (0, 1) come back as NaN.
     """
     U = probes.U
-    c, s = split_scale(scale)
+    c, s = split_scale(scale, probes.max_c)
     f = oracle.query(probes(columns, scale)).reshape(len(columns), U.shape[0])
-    weight = (f - (v[columns] * s)[:, None]) / (c[:, None] * (U.T @ v)[None, :])
+    weight = (f - probes.const - (v[columns] * s)[:, None]) / (c[:, None] * (U.T @ v)[None, :])
     inside = (weight > 0.0) & (weight < 1.0)
     t = np.where(inside, logit(np.where(inside, weight, 0.5)), np.nan)
-    return t.T
+    return (t - c[:, None] * probes.bias_logits[None, :]).T
+
+
+def bias_logits(oracle: Oracle, U: np.ndarray, v: np.ndarray, const: float) -> tuple[np.ndarray, int]:
+    """u_k^T b for every column u_k of U (d, n): probes [a u_k; 0] (q = 0), shape (n,).
+
+    The logit of [a u; 0] is a u^T b, read from (f - c) / (a u^T v). The first round
+    uses a = 1 (n queries); probes that saturate are asked again smaller and a round whose
+    logits are all tiny (but above rounding) is asked again larger. Returns (u_k^T b,
+    extra queries beyond the first n).
+    """
+    n = U.shape[1]
+    vu = U.T @ v
+    scale = np.ones(n)
+    extra = 0
+
+    def ask(rows):
+        X = np.zeros((len(rows), 2, U.shape[0]))        # [a u_k; 0]: the query token is 0
+        X[:, 0, :] = scale[rows, None] * U.T[rows]
+        f = oracle.query(X)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            weight = (f - const) / (scale[rows] * vu[rows])
+        inside = (weight > 0.0) & (weight < 1.0)
+        return np.where(inside, logit(np.where(inside, weight, 0.5)), np.nan)
+
+    t = ask(np.arange(n))
+    peak = float(np.max(np.abs(t))) if np.all(np.isfinite(t)) else np.inf
+    if NOISE_LOGIT < peak < SMALL_LOGIT:            # b tiny beside the guess: grow once
+        scale *= min(TARGET_LOGIT / peak, MAX_GROWTH)
+        t = ask(np.arange(n))
+        extra += n
+    for _ in range(MAX_RESCALES):
+        bad = np.flatnonzero(~(np.abs(t) <= MAX_LOGIT))
+        if not bad.size:
+            return t / scale, extra
+        ok = np.isfinite(t[bad])
+        scale[bad] *= np.where(ok, TARGET_LOGIT / np.abs(np.where(ok, t[bad], 1.0)), 2.0 ** -10)
+        t[bad] = ask(bad)
+        extra += bad.size
+    raise ModelMismatchError(
+        f"the black box is not a biased single-head attention regressor: after {MAX_RESCALES} "
+        f"rescalings, {int(np.sum(~(np.abs(t) <= MAX_LOGIT)))} bias probe(s) [a u; 0] still "
+        f"imply attention weights outside (0, 1)")
 
 
 def extract_single_head(oracle: Oracle, *, seed=None,
-                        verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE) -> ExtractionResult:
+                        verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
+                        biases: bool = False) -> ExtractionResult:
     """Recover (W, v) of a single-head attention black box with d^2 + d queries.
 
     Parameters
@@ -156,11 +218,16 @@ def extract_single_head(oracle: Oracle, *, seed=None,
         Largest held-out relative output error accepted as a match. For outputs that
         are accurate to +-tolerance only, use ``attnextract.extract(oracle,
         tolerance=...)`` (the noisy learner, with error bars).
+    biases : bool
+        The head has query, value and output biases (a deployed layer):
+        f(X) = softmax(X (W x_N + b))^T X v + c. Recovers (W, v, b, c) with
+        d^2 + 2d + 1 queries (+ verification).
 
     Returns
     -------
     ExtractionResult
-        ``model`` a :class:`SingleHeadAttention` with W (d, d) and v (d,); ``queries``
+        ``model`` a :class:`SingleHeadAttention` with W (d, d) and v (d,) (with
+        ``biases``: a :class:`BiasedSingleHeadAttention`, also b (d,) and c); ``queries``
         every query sent (recovery, any rescaling, verification).
 
     Raises
@@ -177,15 +244,29 @@ def extract_single_head(oracle: Oracle, *, seed=None,
     start, start_queries = time.perf_counter(), oracle.queries
     start_bb = oracle.black_box_seconds
     d = oracle.dim
-    n_verify = verification_count(d * d + d)
-    oracle.plan(d * d + d + n_verify, "single-head extraction (d^2 + d recovery + verification)")
+    floor = d * d + 2 * d + 1 if biases else d * d + d
+    n_verify = verification_count(floor)
+    oracle.plan(floor + n_verify, "single-head extraction (d^2 + d recovery + verification)"
+                if not biases else "biased single-head extraction (d^2 + 2d + 1 + verification)")
 
-    log.info("single head at d = %d: v from %d single tokens", d, d)
-    v = oracle.query(np.eye(d)[:, None, :])
+    const, bias, bias_rescaled, max_c, beta = 0.0, None, 0, np.inf, None
+    if biases:
+        log.info("biased single head at d = %d: c from f([0]), v from %d single tokens", d, d)
+        const = float(oracle.query(np.zeros((1, 1, d)))[0])
+        v = oracle.query(np.eye(d)[:, None, :]) - const
+    else:
+        log.info("single head at d = %d: v from %d single tokens", d, d)
+        v = oracle.query(np.eye(d)[:, None, :])
     if not np.any(v):
         raise NotIdentifiableError(
             "v = 0: every output is zero whatever W is, so W cannot be identified")
     U = probe_basis(v)
+    if biases:
+        log.info("b from %d probes [a u_k; 0]", d)
+        beta, bias_rescaled = bias_logits(oracle, U, v, const)
+        bias = U @ beta
+        peak_bias = float(np.max(np.abs(beta)))
+        max_c = BIAS_LOGIT / peak_bias if peak_bias > 0 else np.inf
     log.info("W column by column: %d probes of length 2", d * d)
 
     # Columns in blocks of at most BLOCK_FLOATS probe floats; the first block is a
@@ -193,9 +274,9 @@ def extract_single_head(oracle: Oracle, *, seed=None,
     T = np.empty((d, d))
     scale = np.empty(d)
     block = min(d, max(1, BLOCK_FLOATS // (2 * d * d)))
-    probes = ColumnProbes(U, block)
+    probes = ColumnProbes(U, block, const, beta, max_c)
     starts = [0] + list(range(1, d, block))
-    rescaled = 0
+    rescaled = bias_rescaled
     for b, lo in enumerate(starts):
         cols = np.arange(lo, min(d, lo + block) if b else 1)
         scale[cols] = _next_scale(T[:, :lo], scale[:lo])
@@ -208,10 +289,10 @@ def extract_single_head(oracle: Oracle, *, seed=None,
     W = np.linalg.solve(U.T, T / scale[None, :])
     bars = rounding_bars(W, scale)
     if d > 1:
-        W, extra, row_bars = _reprobe_small_rows(oracle, v, W)
+        W, extra, row_bars = _reprobe_small_rows(oracle, v, W, const, bias)
         rescaled += extra
         bars["W_rows"] = np.where(np.isnan(row_bars), bars["W_rows"], row_bars)
-    model = SingleHeadAttention(W, v)
+    model = BiasedSingleHeadAttention(W, v, bias, const) if biases else SingleHeadAttention(W, v)
     log.info("W recovered (%d columns re-probed); held-out verification on %d sequences",
              rescaled // d, n_verify)
     recovery = oracle.queries - start_queries
@@ -219,18 +300,24 @@ def extract_single_head(oracle: Oracle, *, seed=None,
     # than the probes reached: beyond it W is known only to its noise floor (W ~ 0).
     verification = verify_model(oracle, model, count=n_verify, seed=seed,
                                 tolerance=verify_tolerance,
-                                scale=min(token_scale(model), np.sqrt(scale.max())))
+                                scale=min(token_scale(model), np.sqrt(scale.max())),
+                                expected_error=_model_error_bar(bars))
     report = Report(
-        kind=SingleHeadAttention.kind, dim=d, queries=oracle.queries - start_queries,
-        breakdown={"recovery": d * d + d, "rescaling": rescaled, "verification": n_verify},
-        floor=d * d + d, verification=verification,
+        kind=model.kind, dim=d, queries=oracle.queries - start_queries,
+        breakdown={"recovery": floor, "rescaling": rescaled, "verification": n_verify},
+        floor=floor, verification=verification,
         seconds=time.perf_counter() - start, black_box_seconds=oracle.black_box_seconds - start_bb,
         details={"logit scale": f"{scale.min():.3g} .. {scale.max():.3g}",
                  "error_bar_W_columns": float(bars["W_columns"].max()),
                  "error_bar_W_rows": float(bars["W_rows"].max()),
                  "|v^T u_k|": f"{np.linalg.norm(v) / np.sqrt(d):.3g} (every probe)"})
-    assert recovery == d * d + d + rescaled   # rescaling includes re-probed small columns
-    return checked_result(model, report, "a single-head attention regressor")
+    if biases:
+        report.details["biases"] = (f"c = f([0]); b from {d} probes [a u_k; 0], largest "
+                                    f"|u_k^T b| = {float(np.max(np.abs(beta))):.3g}; floor "
+                                    f"d^2 + 2d + 1 = {floor}")
+    assert recovery == floor + rescaled   # rescaling includes re-probed small columns
+    return checked_result(model, report, "a biased single-head attention regressor" if biases
+                          else "a single-head attention regressor")
 
 
 def _grow_small_columns(oracle, probes, v, T, scale) -> int:
@@ -260,7 +347,7 @@ def _grow_small_columns(oracle, probes, v, T, scale) -> int:
     return extra
 
 
-def _reprobe_small_rows(oracle, v, W):
+def _reprobe_small_rows(oracle, v, W, const=0.0, b=None):
     """Measure again the rows of W far smaller than the largest (ratio < SMALL_ROW).
 
     Every logit u_k^T W e_j of the first pass mixes all rows, so a row 1e12 times
@@ -286,6 +373,9 @@ def _reprobe_small_rows(oracle, v, W):
     s = np.minimum(1.0, np.sqrt(1e-8 * TARGET_LOGIT / np.maximum(np.abs(np.diag(W)), 1e-300)))
     s = np.minimum(s, G)
     c = G / s
+    bias = np.zeros(m) if b is None else U_S.T @ b          # biases: u^T b of every row
+    if float(np.max(c)) * float(np.max(np.abs(bias))) > BIAS_LOGIT:
+        return W, 0, bars          # the bias would swamp these probes: keep the first pass
     T = np.empty((m, d))
     block = max(1, BLOCK_FLOATS // (2 * m * d))
     for lo in range(0, d, block):
@@ -296,10 +386,10 @@ def _reprobe_small_rows(oracle, v, W):
         X[:, :, 1, :] = q[:, None, :]
         X[:, :, 0, :] = q[:, None, :] + c[cols, None, None] * U_S.T[None]
         f = oracle.query(X.reshape(-1, 2, d)).reshape(len(cols), m)
-        weight = (f - (v[cols] * s[cols])[:, None]) / (c[cols, None] * vu[None, :])
+        weight = (f - const - (v[cols] * s[cols])[:, None]) / (c[cols, None] * vu[None, :])
         inside = (weight > 0.0) & (weight < 1.0)
-        T[:, cols] = (np.where(inside, logit(np.where(inside, weight, 0.5)), np.nan)
-                      / G[cols, None]).T
+        T[:, cols] = ((np.where(inside, logit(np.where(inside, weight, 0.5)), np.nan)
+                       - c[cols, None] * bias[None, :]) / G[cols, None]).T
     extra = m * d
     if not np.all(np.isfinite(T)):
         return W, extra, bars
@@ -379,3 +469,11 @@ def _rescue_columns(oracle, probes, v, T, scale, cols, first: bool) -> int:
         f"the black box is not a single-head attention regressor: after {MAX_RESCALES} "
         f"rescalings, probes of {int(bad.sum())} column(s) still imply attention weights "
         f"outside (0, 1) or logits beyond {MAX_LOGIT}")
+
+
+def _model_error_bar(bars: dict) -> float | None:
+    """The model's relative error bar for verification: the largest per-column or per-row
+    rounding bar of W (v is measured directly, to float64 rounding)."""
+    values = [float(np.nanmax(bars[k])) for k in ("W_columns", "W_rows") if np.size(bars[k])]
+    bar = max(values, default=float("nan"))
+    return bar if math.isfinite(bar) else None

@@ -106,9 +106,11 @@ import time
 
 import numpy as np
 
-from ..errors import InputError, ModelMismatchError, NotIdentifiableError
+from ..errors import (InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError,
+                      RefusalWithResult)
 from ..models import TransformerLayer
 from ..oracle import Oracle, OracleView
+from ..precision import precision_of, stated_precision
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                       token_scale, verification_count, verify_model)
 from .biased_relu import BiasedReLUNetwork, crossing_points, extract_biased_relu
@@ -156,8 +158,16 @@ def random_transformer_layer(dim: int, width: int, seed=None, *, heads: int = 1,
     return TransformerLayer(W, V, A, b, w, c0, residual)
 
 
-def _detect_residual(oracle: Oracle, rng) -> tuple[bool, float]:
-    """f([p; 0]) = f([p / 2]) for every p exactly when there is no residual term."""
+# answers rounded (or computed) coarser than this, relative, are refused: the single-token
+# stage fits exact affine pieces between the FFN's kinks, and rounding makes kinks of its
+# own (float32-rounded answers at d = 8, m = 8: 500-900 "units" found for 8 real ones;
+# 12 decimals already fail, 13 mostly pass)
+MAX_RELATIVE_NOISE = 1e-13
+
+
+def _detect_residual(oracle: Oracle, rng) -> tuple[bool, float, np.ndarray]:
+    """f([p; 0]) = f([p / 2]) for every p exactly when there is no residual term.
+    Returns (residual present, relative gap, the answers (2 RESIDUAL_PROBES,))."""
     d = oracle.dim
     P = rng.standard_normal((RESIDUAL_PROBES, d))
     oracle.require(2 * RESIDUAL_PROBES, "detecting the residual connection")
@@ -165,7 +175,7 @@ def _detect_residual(oracle: Oracle, rng) -> tuple[bool, float]:
     halves = oracle.query(0.5 * P[:, None, :])
     gap = float(np.abs(pairs - halves).max() / max(np.abs(halves).max(), np.abs(pairs).max(),
                                                      1e-300))
-    return gap > RESIDUAL_TOLERANCE, gap
+    return gap > RESIDUAL_TOLERANCE, gap, np.concatenate([pairs, halves])
 
 
 def _without_biases(oracle: Oracle, net: BiasedReLUNetwork) -> BiasedReLUNetwork:
@@ -309,7 +319,8 @@ def _match_by_bias(net1: BiasedReLUNetwork, net2: BiasedReLUNetwork):
 
 def extract_transformer_layer(oracle: Oracle, heads: int = 1, *, seed=None,
                               verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
-                              scale: float = 1.0) -> ExtractionResult:
+                              scale: float = 1.0, output_dtype: str | None = None,
+                              decimals: int | None = None) -> ExtractionResult:
     """Recover a Transformer layer (attention + ReLU FFN with biases) up to functional equivalence.
 
     Parameters
@@ -326,6 +337,13 @@ def extract_transformer_layer(oracle: Oracle, heads: int = 1, *, seed=None,
     scale : float
         Token scale of the probes (where the FFN's hyperplanes and the scores are of
         order one).
+    output_dtype, decimals : optional
+        The precision of the black box's answers (a forward pass in float32 / bfloat16 /
+        float16, or answers rounded to k decimals); without them, rounding is detected in
+        the first answers. This learner needs answers accurate to MAX_RELATIVE_NOISE
+        (1e-13) relative: coarser ones are refused (:class:`RecoveryFailedError`; a
+        stated ``output_dtype`` before any query, rounding after the first 8 queries), finer ones (e.g. 14 decimals) widen the held-out
+        tolerance by their level and are stated in the report's notes.
 
     Returns
     -------
@@ -344,6 +362,22 @@ def extract_transformer_layer(oracle: Oracle, heads: int = 1, *, seed=None,
     BudgetExceededError
         The budget cannot cover the next batch.
     """
+    precision_notes: list[str] = []
+    try:
+        result = _extract_layer(oracle, heads, seed, verify_tolerance, scale, output_dtype,
+                                decimals, precision_notes)
+    except RefusalWithResult as exc:
+        if exc.result is not None:
+            exc.result.report.notes.extend(precision_notes)
+        raise
+    result.report.notes.extend(precision_notes)
+    return result
+
+
+def _extract_layer(oracle, heads, seed, verify_tolerance, scale, output_dtype, decimals,
+                   precision_notes: list) -> ExtractionResult:
+    """The learner (see :func:`extract_transformer_layer`); a precision short of float64
+    but fine enough is said in ``precision_notes``."""
     if not isinstance(heads, (int, np.integer)) or heads < 1:
         raise InputError(f"heads must be a positive integer, got {heads!r}")
     if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
@@ -352,13 +386,18 @@ def extract_transformer_layer(oracle: Oracle, heads: int = 1, *, seed=None,
     d = oracle.dim
     if d < 2:
         raise InputError("the Transformer layer learner needs d >= 2")
+    stated = stated_precision(output_dtype, decimals)    # bad options before any query
+    if stated is not None and stated.forward:            # refused before any query
+        _check_precision(np.ones(1), output_dtype, None, verify_tolerance, 0, [])
     seeds = np.random.SeedSequence(seed).spawn(5)
     counts: dict[str, int] = {}
 
     stage = functools.partial(_stage, oracle, counts)
 
-    residual, gap = stage("residual check", lambda: _detect_residual(
+    residual, gap, answers = stage("residual check", lambda: _detect_residual(
         oracle, np.random.default_rng(seeds[0])))
+    verify_tolerance = _check_precision(answers, output_dtype, decimals, verify_tolerance,
+                                        oracle.queries - start_queries, precision_notes)
     if heads > 1:
         return _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries,
                               start_bb, verify_tolerance, scale)
@@ -411,6 +450,30 @@ def extract_transformer_layer(oracle: Oracle, heads: int = 1, *, seed=None,
                    verify_tolerance, reach)
 
 
+def _check_precision(answers, output_dtype, decimals, verify_tolerance: float,
+                     spent: int, notes: list) -> float:
+    """The held-out tolerance for answers of the stated (or detected) precision; answers
+    coarser than MAX_RELATIVE_NOISE are refused (:class:`RecoveryFailedError`). A
+    precision short of float64 but fine enough is said in ``notes`` (appended)."""
+    precision = precision_of(answers, output_dtype, decimals)
+    if precision.exact:
+        return verify_tolerance
+    size = float(np.sqrt(np.mean(np.square(answers))))
+    noise = precision.relative + precision.absolute / max(size, 1e-300)
+    if noise > MAX_RELATIVE_NOISE:
+        raise RecoveryFailedError(
+            f"the transformer-layer learner needs answers accurate to "
+            f"{MAX_RELATIVE_NOISE:.0e} relative (its single-token stage fits exact affine "
+            f"pieces between the FFN's kinks, and rounding makes kinks of its own): "
+            f"{precision.describe()} is {noise:.1e}; refused after {spent} queries, nothing "
+            f"is returned. Serve the black box in float64"
+            + ("" if precision.stated else "; stating --output-dtype float32|bfloat16 (API "
+               "output_dtype=) refuses before any query"))
+    notes.append(f"{precision.describe()}: {noise:.1e} relative, within what this learner "
+                 f"needs; held-out tolerance widened to {30.0 * noise:.1e}")
+    return max(verify_tolerance, 30.0 * noise)
+
+
 def free_parameters(model: TransformerLayer) -> int:
     """Free parameters of the canonical form: heads H (d^2) and P_h (H m d), A (m d) with a
     residual term, b and w (2 m), c0 (1), minus one scale per unit."""
@@ -433,18 +496,27 @@ def _finish(oracle, model, counts, details, seeds, start, start_queries, start_b
     n_far = n_verify // 2 if far > 2.0 * near else 0
     oracle.require(n_verify + n_far, "held-out verification of the Transformer layer")
     verification = verify_model(oracle, model, count=n_verify, seed=rng,
-                                tolerance=verify_tolerance, scale=near)
+                                tolerance=verify_tolerance, scale=near, expected_error="measured")
     if n_far:
         # a unit active only far out is invisible near the origin: look where it is
         far_check = verify_model(oracle, model, count=n_far, seed=rng,
-                                 tolerance=verify_tolerance, scale=far)
+                                 tolerance=verify_tolerance, scale=far, expected_error="measured")
         verification = Verification(
             sequences=n_verify + n_far,
             max_relative_error=max(verification.max_relative_error,
                                    far_check.max_relative_error),
             median_relative_error=max(verification.median_relative_error,
                                       far_check.median_relative_error),
-            tolerance=verify_tolerance,
+            tolerance=min(verification.tolerance, far_check.tolerance),
+            requested_tolerance=max(verification.requested_tolerance,
+                                    far_check.requested_tolerance),
+            lengths=(min(verification.lengths[0], far_check.lengths[0]),
+                     max(verification.lengths[1], far_check.lengths[1])),
+            norms=(min(verification.norms[0], far_check.norms[0]),
+                   max(verification.norms[1], far_check.norms[1])),
+            max_length=verification.max_length,
+            search_queries=verification.search_queries + far_check.search_queries,
+            own_probes=verification.own_probes,
             # the near check's second layer (the hull) and families are kept, not dropped
             hull_violation=max(verification.hull_violation, far_check.hull_violation),
             hull_tolerance=max(verification.hull_tolerance, far_check.hull_tolerance),

