@@ -841,15 +841,17 @@ class _Extraction:
         noise_floor = self.noise(f_all, float(np.mean(np.sum(np.abs(c_row), axis=1))), floor=True)
         model, predicted, sigma, measured_sigma = self.assemble(U, rows, noise_floor)
         self.details["predicted relative error (small moves)"] = predicted
-        wide_cost = self.wide_cost(H)
         refine_above = 0.0 if self.full_precision else REFINE_ABOVE
-        if refine_above < predicted <= WIDE_COLUMNS_UP_TO and self.affordable(wide_cost, H):
+        # as many wide columns per row as paper 2's count and the budget leave (all d
+        # when they can; fewer still sharpen every row's fit)
+        n_wide = next((n for n in range(d, 0, -1) if self.affordable(d * n * (H + COLUMN_SPARES), H)), 0)
+        if refine_above < predicted <= WIDE_COLUMNS_UP_TO and n_wide:
             # round 3: the small column moves limit the precision (z from differences
             # of nearby logits); with every row's z known, columns can be designed like
             # rows, each spreading the row's steps over the whole window. It runs only
             # within paper 2's count (which this learner never exceeds) and the budget.
             self.say("wide columns")
-            rows = self.wide_columns(U, rows, probes, spacing)
+            rows = self.wide_columns(U, rows, probes, spacing, n_wide)
             model, predicted, sigma, measured_sigma = self.assemble(U, rows, noise_floor)
         bar = ERROR_BAR_FACTOR * predicted
         cond = max(float(r.jacobian_singular_values[0]
@@ -916,30 +918,31 @@ class _Extraction:
         predicted = float(np.max(np.maximum(W_rel, v_rel)))
         return MultiHeadAttention(W, v), predicted, sigma, measured_sigma
 
-    def wide_columns(self, U, rows, probes, spacing):
-        """Round 3: d designed columns per row, each with the row's steps evenly spread
-        (positions z_hk^T q predicted from the row's fit), H + 1 samples each; every
-        row is refitted on all its samples."""
+    def wide_columns(self, U, rows, probes, spacing, count):
+        """Round 3: ``count`` (up to d) designed columns per row, each with the row's
+        steps evenly spread (positions z_hk^T q predicted from the row's fit), H + 1
+        samples each; every row is refitted on all its samples."""
         d = self.d
         H = rows[0].c.size
         positions = design.step_positions(H, self.half_window - 1.5 - 0.5 * spacing)
         columns = np.array([design.design_rows(r.z.T, None, positions, self.rng,
-                                               jitter=0.5 * spacing) for r in rows])  # (d, d, d)
+                                               jitter=0.5 * spacing, count=count)
+                            for r in rows])                              # (d, count, d)
         t_pred = np.einsum("kjd,khd->kjh", columns, np.array([r.z for r in rows]))
         lam_w = np.array([[design.column_lambdas(t_pred[k, j], j, self.half_window,
-                                                 COLUMN_SPARES) for j in range(d)]
-                          for k in range(d)])                          # (d, d, S3)
+                                                 COLUMN_SPARES) for j in range(count)]
+                          for k in range(d)])                          # (d, count, S3)
         S3 = lam_w.shape[2]
         before = self.oracle.queries
-        kk = np.repeat(np.arange(d), d * S3)
+        kk = np.repeat(np.arange(d), count * S3)
         lam3, g3 = self.measure(U[kk], np.repeat(columns.reshape(-1, d), S3, 0), lam_w.ravel())
         self.spend("main wide columns", before)
-        lam3, g3 = lam3.reshape(d, d, S3), g3.reshape(d, d, S3)
+        lam3, g3 = lam3.reshape(d, count, S3), g3.reshape(d, count, S3)
         refitted = []
         for k, ((cols_k, lam_k, g_k, mask), r) in enumerate(zip(probes, rows)):
             S = max(lam_k.shape[1], S3)
             pad = lambda a: np.pad(a, ((0, 0), (0, S - a.shape[1])))
-            wide = np.zeros((d, S))
+            wide = np.zeros((count, S))
             wide[:, :S3] = 1.0
             refitted.append(fit.fit_row(np.vstack([pad(lam_k), pad(lam3[k])]),
                                         np.vstack([pad(g_k), pad(g3[k])]),
