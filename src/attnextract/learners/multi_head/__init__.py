@@ -432,7 +432,7 @@ class _Extraction:
                     2 * (4 * H + 8) + self.perturbation_cost(H) + self.main_cost(H), H):
                 break
             if not self.recentred_base(best[1], best[2]):
-                break
+                continue             # its scan did not fit: another order and offset
             self.say("base perturbations (recentred row)")
             try:
                 Y0, V0, error = self.base_perturbations()
