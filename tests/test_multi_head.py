@@ -529,14 +529,16 @@ def test_base_rows_with_a_step_at_the_window_edge_are_not_chosen():
 
 @pytest.mark.slow
 def test_wide_columns_run_when_small_moves_limit_the_precision():
-    """Eight heads at d = 8: round 3 (designed wide columns) runs, costs d^2 (H + 1)
-    queries, and the total stays within paper 2's count."""
+    """Eight heads at d = 8: round 3 (designed wide columns) runs, costs up to d^2 (H + 1)
+    queries (d (H + 1) per column per row), and the total stays within paper 2's count."""
     d, H = 8, 8
     M = random_multi_head(H, d, seed=80_800)
     oracle = Oracle(M, d)
     result = extract_multi_head(oracle, heads=H, seed=0)
     b = result.report.breakdown
-    assert b["main wide columns"] == d * d * (H + 1)
+    # as many wide columns per row as the count leaves, up to d
+    assert b["main wide columns"] % (d * (H + 1)) == 0
+    assert 0 < b["main wide columns"] <= d * d * (H + 1)
     assert b["recovery"] <= paper2_count(H, d)
     det = result.report.details
     assert det["predicted relative error"] < det["predicted relative error (small moves)"]

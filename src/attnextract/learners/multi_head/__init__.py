@@ -109,7 +109,7 @@ REFINE_ABOVE = 2.5e-11    # predicted error above which round 3 (wide columns) r
 WIDE_COLUMNS_UP_TO = 1e-3 # ... and below which the logits are predicted well enough for it
 RECENTRE_ABOVE = 3e-3     # predicted relative error of the base estimate of W_h q_0 above
                           # which a base row with evenly spaced steps is designed from it
-PERTURBATION_MOVE = 0.03  # base perturbations move the steps by about this x the smallest
+PERTURBATION_MOVE = 0.003 # base perturbations move the steps by about this x the smallest
                           # gap (labels kept; the estimate's error scales with 1 / this)
 RECENTRE_TRIES = 3        # recentred base rows at most per design
 ILL_ROW_FACTOR = 30.0     # a main row whose parameters are pinned this much worse than the
