@@ -62,8 +62,10 @@ def test_extract_writes_result_and_json(tmp_path, target_file, name):
                "--out", str(out), "--json", check=0)
     report = json.loads(proc.stdout)
     assert report["ok"] and report["kind"] == "single-head"
-    # d^2 + d recovery, 64 held out, and the journal's challenge queries (asked of the box,
-    # so counted and within --budget)
+    # every query the box answered: the learner's and the journal's challenges (asked of
+    # the box, so counted and within --budget)
+    assert report["breakdown"]["journal_fingerprint"] == report["details"]["check_queries"]
+    assert report["details"]["check_queries"] == CHALLENGES
     assert report["queries"] == 6 * 6 + 6 + 64 + CHALLENGES
     assert report["verification_error"] < 1e-9
     assert report["seconds"] >= report["black_box_seconds"] >= 0

@@ -303,6 +303,7 @@ def test_serve_and_extract_on_the_command_line(tmp_path):
         assert (report["queries"] == report["details"]["http"]["queries_charged_by_server"]
                 == served == report["details"]["black_box_queries"] + CHALLENGES)
         assert report["details"]["black_box_queries"] == 4 * 4 + 4 + 64
+        assert report["details"]["check_queries"] == CHALLENGES
         with np.load(tmp_path / "r.npz") as r:
             assert rel_err(r["W"], secret.W) < 1e-10
         verify = run_cli("verify", "--target", url, "--result", str(tmp_path / "r.npz"))

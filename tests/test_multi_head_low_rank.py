@@ -47,7 +47,9 @@ def test_small_layers_over_seeds(heads, seed):
     assert result.report.breakdown["recovery"] <= 2.5 * floor     # the values' overhead at d = 16
     assert result.report.breakdown["recovery"] < paper_two_count(d, heads)
     numbers = result.report.details["conditioning_numbers"]
-    assert 0 < numbers["query_space_separation"] <= 1 and numbers["predicted_error"] < 1e-8
+    # a cosine: at most 1, up to its last bits (1 + 2e-16 under numpy's X86_V3 loops)
+    assert 0 < numbers["query_space_separation"] <= 1 + 1e-12
+    assert numbers["predicted_error"] < 1e-8
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -205,6 +205,20 @@ def test_journal_fingerprint_queries_are_counted_and_budgeted(tmp_path):
             extract(Oracle(model, D, journal=journal, budget=need - 1), "single-head", seed=0)
 
 
+def test_journal_fingerprint_respects_max_length(tmp_path):
+    model = random_single_head(D, 0)
+    longest = []
+
+    def box(X):
+        longest.append(X.shape[1])
+        return model(X)
+    with QueryJournal(tmp_path / "a.sqlite") as journal:
+        oracle = Oracle(box, D, journal=journal, max_length=40)
+        result = extract(oracle, "single-head", seed=0)
+        assert oracle.check_queries > 0 and result.report.verification.passed
+    assert max(longest) == 40
+
+
 def test_damaged_journal_pages_are_journal_errors(tmp_path):
     model = random_single_head(D, 0)
     path = tmp_path / "j.sqlite"

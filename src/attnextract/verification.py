@@ -989,7 +989,8 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
     model's scores on it (:func:`score_reach`). The errors reported are scaled to the
     tolerance (error x tolerance / allowance). ``expected_error="measured"`` (a learner
     without a bar of its own): e is :func:`measured_error_bar` and the tolerance at
-    least MEASURED_FLOOR.
+    least MEASURED_FLOOR; a measured e above tolerance / CONSISTENCY_FACTOR is not used
+    (an impostor's misfit must not widen the allowance).
     """
     from .report import DEFAULT_VERIFY_TOLERANCE, Verification, token_scale
     tolerance = DEFAULT_VERIFY_TOLERANCE if tolerance is None else tolerance
@@ -999,6 +1000,10 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
         if expected_error != "measured":
             raise ValueError(f"expected_error must be a number or 'measured', got {expected_error!r}")
         expected_error, floor = measured_error_bar(oracle, model), MEASURED_FLOOR
+        # a model that misfits its own answers by more than the tolerance allows gets no
+        # bar (the flat tolerance, no widening): its misfit must not widen its allowance
+        if expected_error is not None and CONSISTENCY_FACTOR * expected_error > tolerance:
+            expected_error = None
     bar = expected_error if expected_error is not None and math.isfinite(expected_error) \
         and expected_error >= 0 else None
     if bar is not None:

@@ -62,7 +62,8 @@ Low precision (``output_dtype=``, ``decimals=``, or rounding detected in the d s
 token answers; docs/low-precision.md). The answers' relative noise e is measured where
 they are exactly linear (g(2u) = 2 g(u) at the saturated radius; median of 8 pairs, x 4,
 never below the stated or detected rounding) and every threshold follows it
-(:class:`Tolerances`): finite-difference angle 1e4 e, crossings 10 such angles apart,
+(:class:`Tolerances`): finite-difference angle 1e4 e on a half circle 30x larger
+(RHO_NOISY: narrower transitions), crossings 10 such angles apart,
 jumps and checks a margin above the noise, the rank at the steepest drop of the rows'
 spectrum. The error bar is 20 e x row spread / query-space separation (above 5%:
 refused); the held-out check allows 30 e + 2 x bar (at most 1e-2). Measured noise above
@@ -166,6 +167,7 @@ EXACT = Tolerances()
 # rounded or low-precision answers: the noise is measured on saturated probes (where the
 # answer is linear in u), never assumed; this many times the measured level sets e
 NOISE_MARGIN = 4.0
+RHO_NOISY = 30.0           # noisy answers: the radius this much larger (narrower transitions)
 RANK_GAP = 100.0           # noisy rows: the rank ends at a drop of the spectrum this steep
 GIVEN_RANK_FLOOR = 1e-2    # noisy rows: singular values below this (relative) fit a given rank
 LOW_PRECISION_BAR = 20.0   # error bar = this x measured noise x row spread / separation
@@ -462,7 +464,7 @@ def find_values(oracle: Oracle, v: np.ndarray, heads: int, rng: np.random.Genera
         tol = Tolerances.for_noise(noise)
         circle.tol = tol
     phi_ref = math.pi / (4.0 * max(heads, 1))
-    rho = circle.rho * phi_ref / tol.min_gap
+    rho = circle.rho * phi_ref / tol.min_gap * (RHO_NOISY if tol.noise > EPS else 1.0)
     v_plane = float(np.hypot(u0 @ v, u1 @ v)) + float(np.linalg.norm(v)) * 1e-3
 
     # bracket the crossings: sample a grid, bisect every interval whose ends differ
