@@ -306,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     mi.add_argument("--target", metavar="URL",
                     help="--all-heads: query this http:// endpoint serving the layer "
                          "(see --save-target) instead of the local weights")
+    mi.add_argument("--http-timeout", type=float, metavar="SECONDS",
+                    help="--target: seconds per HTTP request (a loaded server answering "
+                         "batches of 12 heads at d = 384 may need more than the default)")
     mi.add_argument("--save-target", metavar="FILE.npz",
                     help="--all-heads: write the layer's 12 heads as a model file for "
                          "'attnextract serve --secret FILE.npz' and stop")

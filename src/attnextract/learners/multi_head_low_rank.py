@@ -667,20 +667,19 @@ def space_from_logits(block: Block, T: np.ndarray, rank: int) -> np.ndarray:
     return Vt[:rank].T
 
 
-def matrix_from_logits(block: Block, T: np.ndarray, P: np.ndarray, offset=None) -> np.ndarray:
+def matrix_from_logits(block: Block, T: np.ndarray, P: np.ndarray) -> np.ndarray:
     """W_h = Y (P^T Z)^{-1} P^T with Y = W_h Z = U T (U the orthogonal rows of the block).
 
-    ``offset`` w (r,) (biases: probes translated by o, w = P^T (o - q_0)): every logit also
-    holds u_k^T W_h P w / s_kj, so row k is a_k = P^T W_h^T u_k solving
-    t_kj = a_k^T (P^T z_j + w / s_kj), one r x r system per row.
+    A block whose last column is 0 (biases: probes translated by o_h, where head h keeps
+    the offset u^T W_h (o_h - q_0)) measured that offset alone there: t_k0 = off_k / s_k0,
+    and every entry t_kj = u_k^T W_h z_j + off_k / s_kj loses it first.
     """
     Z = block.cols
-    if offset is None:
-        return (block.rows.T @ T) @ np.linalg.solve(P.T @ Z, P.T)
-    s = split_scale(block.scale)[1]                                   # (n, r)
-    A = (P.T @ Z)[None] + offset[None, :, None] / s[:, None, :]      # A_k[:, j]
-    a = np.linalg.solve(np.transpose(A, (0, 2, 1)), T[..., None])[..., 0]
-    return (block.rows.T @ a) @ P.T
+    if getattr(block, "offset_column", False):
+        s = split_scale(block.scale)[1]
+        T = T[:, :-1] - T[:, -1:] * s[:, -1:] / s[:, :-1]
+        Z = Z[:, :-1]
+    return (block.rows.T @ T) @ np.linalg.solve(P.T @ Z, P.T)
 
 
 def common_root(spaces, row_list, bias_list, dim):
@@ -734,9 +733,9 @@ class _Translated:
         return getattr(self.base, name)
 
 
-def head_matrix(meter: LogitMeter, v, values, spaces, h, rng, offset=None):
+def head_matrix(meter: LogitMeter, v, values, spaces, h, rng, offset_column=False):
     """W_h (d, d) from d rows against r_h columns of the isolation space I_h
-    (``offset``: see :func:`matrix_from_logits`)."""
+    (``offset_column``: one more column, 0, see :func:`matrix_from_logits`)."""
     d = v.shape[0]
     P = spaces[h]
     r = P.shape[1]
@@ -755,6 +754,9 @@ def head_matrix(meter: LogitMeter, v, values, spaces, h, rng, offset=None):
         raise RecoveryFailedError(f"head {h}: its query space lies within the others' "
                                   f"(separation {separation:.1e})")
     U = random_probe_basis(values[h], rng)           # (d, d), |u_k^T v_h| = |v_h| / sqrt(d)
+    if offset_column:
+        Z = np.column_stack([Z, np.zeros(d)])
+        r += 1
     rows = np.repeat(U.T, r, axis=0)
     cols = np.tile(Z.T, (d, 1))
     height = rows @ values[h]
@@ -762,7 +764,8 @@ def head_matrix(meter: LogitMeter, v, values, spaces, h, rng, offset=None):
     scale = meter.scale_for(rows, cols, height, background, rng)
     T = meter.measure(rows, cols, height, background, scale).reshape(d, r)
     block = Block(h, U.T, Z, meter.last_scale, meter.last_outputs)
-    return matrix_from_logits(block, T, P, offset), block, separation
+    block.offset_column = offset_column
+    return matrix_from_logits(block, T, P), block, separation
 
 
 def exact_heights(oracle: Oracle, v, values, W, rng) -> np.ndarray:
@@ -885,7 +888,7 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
     r_plan = rank or max(1, d // heads)
     planned = (d + (heads + 1) * (d + 3) + heads * (r_plan + 1) * d + heads * r_plan * d)
     if biases:
-        planned += 1 + 2 * heads * (r_plan + 1)
+        planned += 1 + 2 * heads * (r_plan + 1) + heads * d     # + an offset column a head
     oracle.plan(planned + verification_count(low_rank_multi_head_floor(d, [r_plan] * heads)),
                 "low-rank multi-head extraction")
 
@@ -946,13 +949,11 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
     before = oracle.queries
     W, separations, column_blocks = np.zeros((H, d, d)), [], []
     for h in range(H):
-        offset = None
         if biases:
             rescued = meter.rescued
             meter = LogitMeter(_Translated(oracle, origins[h], const + v @ origins[h]), v, tol)
             meter.rescued = rescued
-            offset = spaces[h].T @ origins[h] + kappas[h]            # P_h^T (o_h - q_0)
-        W[h], block, sep = head_matrix(meter, v, values, spaces, h, rng, offset)
+        W[h], block, sep = head_matrix(meter, v, values, spaces, h, rng, offset_column=biases)
         block.origin = origins[h]
         column_blocks.append(block)
         separations.append(sep)
@@ -983,8 +984,8 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
                 root, root_misfit, new_kappas = common_root(
                     new_spaces, [T @ b.cols.T for b, T in zip(space_blocks, logits)], betas, d)
                 new_W = np.array([matrix_from_logits(
-                    b, resolve(b, v, values, W, query_offsets(W, spaces, kappas, b.origin)), P,
-                    P.T @ b.origin + k) for b, P, k in zip(column_blocks, new_spaces, new_kappas)])
+                    b, resolve(b, v, values, W, query_offsets(W, spaces, kappas, b.origin)), P)
+                    for b, P in zip(column_blocks, new_spaces)])
                 spaces, kappas = new_spaces, new_kappas     # kappa_h = P_h^T p_h: one basis
             else:
                 new_W = np.array([matrix_from_logits(b, resolve(b, v, values, W), P)
