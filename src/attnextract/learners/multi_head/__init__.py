@@ -343,6 +343,9 @@ class _Extraction:
             heads = self.count_heads(s0)
         except _Redesign as exc:
             self.give_up(exc, [exc.message])
+        except np.linalg.LinAlgError as error:            # a fit on non-finite samples
+            exc = _Redesign(RecoveryFailedError, f"a base row's fit failed numerically ({error})")
+            self.give_up(exc, [exc.message])
         if heads == 0:
             return self.finish(MultiHeadAttention(np.zeros((0, d, d)), np.zeros((0, d))), None)
         return self.attempts(heads)
@@ -378,11 +381,15 @@ class _Extraction:
             self.say("base perturbations" if not failures else
                      f"new design (attempt {len(failures) + 1})")
             try:
-                if failures:
-                    self.fresh_base_row(heads)
-                Y0, V0 = self.base_estimate()
-                self.say("main probes")
-                return self.main(Y0, V0)
+                try:
+                    if failures:
+                        self.fresh_base_row(heads)
+                    Y0, V0 = self.base_estimate()
+                    self.say("main probes")
+                    return self.main(Y0, V0)
+                except np.linalg.LinAlgError as error:   # a fit on non-finite samples
+                    raise _Redesign(RecoveryFailedError,
+                                    f"a fit failed numerically ({error})") from None
             except _Redesign as exc:
                 failures.append(exc.message)
                 self.details["designs tried"] = len(failures)

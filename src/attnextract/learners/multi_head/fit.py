@@ -71,6 +71,8 @@ def unit_std(J: np.ndarray) -> np.ndarray:
     Directions the samples do not pin down (singular values below 1e-15 of the
     largest) give inf.
     """
+    if not np.all(np.isfinite(J)):
+        return np.full(J.shape[1], np.inf)
     _, s, Vt = np.linalg.svd(J, full_matrices=False)
     if s.size == 0 or s[-1] <= s[0] * 1e-15:
         return np.full(J.shape[1], np.inf)
