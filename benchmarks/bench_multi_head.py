@@ -1,28 +1,33 @@
-"""Multi-head extraction (copy probes at designed steps): the grid of issue 12, item 1.
+"""Multi-head extraction (copy probes at designed steps): the grid of issues 12 and 22.
 
-Run:  python benchmarks/bench_multi_head.py [--heads 1 2 4 6 8] [--dims 8 16 32]
-                                           [--seeds 20] [--scales 1 3] [--float32]
-                                           [--threads 1] [--json FILE] [--markdown FILE]
-                                           [--plot FILE.png] [--low-rank 64:8:8 96:12:8]
+Run:  nice -n 10 python benchmarks/bench_multi_head.py [--heads 1 2 4 6 8] [--dims 8 16 32]
+          [--seeds 20] [--scales 1 3] [--learner-seed random|target] [--no-heads]
+          [--precision full|fast] [--float32] [--threads 1] [--json FILE]
+          [--markdown FILE] [--plot FILE.png] [--scatter FILE.png] [--low-rank 64:8:8]
 
 Targets: independent numpy black boxes, W_h entries N(0, s^2 / d) (s in --scales),
-v_h entries N(0, 1). Each cell: success rate (canonical error <= 1e-10, or within the
-error bar for --float32), refusals by type, wrong models (a success whose error exceeds
-its own error bar: must be 0), median recovery queries against paper 2's count
-4Hd^2 - 2H + 1 and the floor H(d^2 + d), median and worst canonical error, median and
-longest wall time (success and failure). --plot draws success rate and median error
-against H (matplotlib, imported only then).
+v_h entries N(0, 1). The learner's seed is drawn at random per run by default (recorded
+in the JSON). Each cell: success rate (canonical error <= 1e-10, or within the error bar
+for --float32), first-try success (one design, no main row redesigned), retries (designs
+beyond the first, and main rows redesigned), refusals by type, wrong models (a success
+whose error exceeds its own error bar: must be 0), median recovery queries against paper
+2's count 4Hd^2 - 2H + 1 and the floor H(d^2 + d), median and worst canonical error, wall
+times (median success, whole cell, longest failure). --no-heads runs without telling H.
+--plot draws success rate and median error against H; --scatter draws every run's
+queries / floor against its error (matplotlib, imported only then).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
+from pathlib import Path
 
 import numpy as np
 
-from attnextract.multi_head_grid import grid_cell, grid_markdown, grid_plot
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from multi_head_grid import grid_cell, grid_markdown, grid_plot, queries_error_plot  # noqa: E402
 
 
 def main() -> None:
@@ -31,6 +36,11 @@ def main() -> None:
     parser.add_argument("--dims", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--scales", type=float, nargs="+", default=[1.0, 3.0])
+    parser.add_argument("--learner-seed", choices=["random", "target"], default="random",
+                        help="random (default): a fresh learner seed per run; target: the "
+                             "target's seed index")
+    parser.add_argument("--no-heads", action="store_true", help="do not tell the learner H")
+    parser.add_argument("--precision", choices=["full", "fast"], default="full")
     parser.add_argument("--float32", action="store_true")
     parser.add_argument("--low-rank", nargs="*", default=[], metavar="d:H:r",
                         help="low-rank cells (the low-rank multi-head learner), e.g. 64:8:8")
@@ -38,8 +48,10 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     parser.add_argument("--plot")
+    parser.add_argument("--scatter")
     args = parser.parse_args()
     from threadpoolctl import threadpool_limits
+    draw = np.random.default_rng()
     rows = []
     with threadpool_limits(args.threads):
         for d in args.dims:
@@ -47,12 +59,20 @@ def main() -> None:
                 if H > d:
                     continue
                 for scale in args.scales:
-                    rows.append(grid_cell(H, d, args.seeds, scale, args.float32))
+                    seeds = (draw.integers(0, 2 ** 31, size=args.seeds)
+                             if args.learner_seed == "random" else None)
+                    rows.append(grid_cell(H, d, args.seeds, scale, args.float32,
+                                          learner_seeds=seeds, told=not args.no_heads,
+                                          precision=args.precision))
                     r = rows[-1]
-                    print(f"d={d} H={H} scale={scale:g}: success {r['success_rate']:.0%}, "
-                          f"refusals {r['refusals']}, wrong {r['wrong_models']}, queries "
-                          f"{r['recovery_median']} (paper {r['paper2']}, floor {r['floor']}), "
-                          f"error {r['error_median']}, {r['wall_success_median']} s", flush=True)
+                    print(f"d={d} H={H} scale={scale:g}: success {r['success_rate']:.0%} "
+                          f"(first try {r['first_try_rate']:.0%}, retries {r['retries']}, rows "
+                          f"redesigned {r['rows_redesigned']}), refusals {r['refusals']}, wrong "
+                          f"{r['wrong_models']}, queries {r['recovery_median']} (paper "
+                          f"{r['paper2']}, floor {r['floor']}), error {r['error_median']} "
+                          f"(worst {r['error_worst']}), {r['wall_success_median']} s median, "
+                          f"{r['wall_total']:.0f} s cell, failed seeds {r['failed_seeds']}",
+                          flush=True)
         for case in args.low_rank:
             d, H, r = (int(x) for x in case.split(":"))
             for scale in args.scales:
@@ -63,12 +83,14 @@ def main() -> None:
     print(table)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
+            json.dump({"command": " ".join(sys.argv), "rows": rows}, fh, indent=1, default=str)
     if args.markdown:
         with open(args.markdown, "w") as fh:
-            fh.write(table)
+            fh.write(f"Command: `{' '.join(sys.argv)}`\n\n" + table)
     if args.plot:
         grid_plot(rows, args.plot)
+    if args.scatter:
+        queries_error_plot(rows, args.scatter)
 
 
 if __name__ == "__main__":

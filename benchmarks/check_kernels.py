@@ -106,11 +106,15 @@ def run(name: str, env: dict, command: list[str]) -> dict:
     return row
 
 
-def markdown(rows: list[dict], tests: list[str], numpy_version: str) -> str:
+def markdown(rows: list[dict], tests: list[str], numpy_version: str,
+             pytest_args: tuple = ()) -> str:
     lines = [f"# Numerical tests under every OpenBLAS kernel and numpy SIMD level", "",
              f"Tests: {', '.join(tests)} (numpy {numpy_version}); command: "
-             f"`python benchmarks/check_kernels.py` (each configuration in its own "
-             f"subprocess). Seconds are wall-clock on a shared machine.", "",
+             f"`python benchmarks/check_kernels.py"
+             + "".join(f" {a!r}" if " " in a else f" {a}" for a in
+                       (("--", *pytest_args) if pytest_args else ()))
+             + "` (each configuration in its own subprocess, tests marked slow left out "
+             "unless --slow). Seconds are wall-clock on a shared machine.", "",
              "| configuration | OPENBLAS_CORETYPE | NPY_DISABLE_CPU_FEATURES | OpenBLAS reports "
              "| numpy SIMD enabled | result | summary | s |",
              "|---|---|---|---|---|---|---|---|"]
@@ -152,10 +156,11 @@ def main() -> None:
     numpy_version = probe(base).get("numpy", "?")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"tests": args.tests, "numpy": numpy_version, "rows": rows}, fh, indent=1)
+            json.dump({"tests": args.tests, "pytest_args": args.pytest_args,
+                       "numpy": numpy_version, "rows": rows}, fh, indent=1)
     if args.md:
         with open(args.md, "w") as fh:
-            fh.write(markdown(rows, args.tests, numpy_version))
+            fh.write(markdown(rows, args.tests, numpy_version, tuple(args.pytest_args)))
     sys.exit(0 if rows and all(r["passed"] for r in rows) else 1)
 
 

@@ -337,3 +337,22 @@ def test_a_rounding_endpoint_is_extracted_within_error_bars(serve):
         assert np.linalg.norm(result.model.W - model.W) <= bars["error_bar_W"]
         assert np.linalg.norm(result.model.v - model.v) <= bars["error_bar_v"]
         assert bars["error_bar_W_relative"] < 1e-3
+
+
+def test_verification_never_sends_what_the_server_refuses(serve):
+    """A wide server takes at most 2^20 numbers a request: its /health says the longest
+    sequence it answers, the client never sends more, and verification stops there (a
+    default 4096-token ladder at d = 384 was refused, and looked like a dead server)."""
+    server = serve(max_length=1000)
+    url = "http://%s:%d" % server.server_address[:2]
+    box = HttpBlackBox(url)
+    assert box.health()["max_length"] == 1000 and box.max_length == 1000
+    oracle = Oracle(box, D)
+    assert oracle.max_length == 1000
+    result = extract_single_head(oracle, seed=0)
+    verification = result.report.verification
+    assert verification.passed and verification.lengths[1] <= 1000 == verification.max_length
+    narrow = HttpBlackBox(url, max_floats=50 * D)         # the client's own request size
+    assert narrow.max_length == 50 and Oracle(narrow, D).max_length == 50
+    assert Oracle(box, D, max_length=20).max_length == 20     # asked for: kept
+    assert HttpBlackBox("http://127.0.0.1:1", retries=0).max_length is None

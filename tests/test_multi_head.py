@@ -7,6 +7,7 @@ learner's own error bar, so it holds under every BLAS kernel (benchmarks/check_k
 """
 
 import json
+import re
 import textwrap
 
 import numpy as np
@@ -528,14 +529,16 @@ def test_base_rows_with_a_step_at_the_window_edge_are_not_chosen():
 
 @pytest.mark.slow
 def test_wide_columns_run_when_small_moves_limit_the_precision():
-    """Eight heads at d = 8: round 3 (designed wide columns) runs, costs d^2 (H + 1)
-    queries, and the total stays within paper 2's count."""
+    """Eight heads at d = 8: round 3 (designed wide columns) runs, costs up to d^2 (H + 1)
+    queries (d (H + 1) per column per row), and the total stays within paper 2's count."""
     d, H = 8, 8
     M = random_multi_head(H, d, seed=80_800)
     oracle = Oracle(M, d)
     result = extract_multi_head(oracle, heads=H, seed=0)
     b = result.report.breakdown
-    assert b["main wide columns"] == d * d * (H + 1)
+    # as many wide columns per row as the count leaves, up to d
+    assert b["main wide columns"] % (d * (H + 1)) == 0
+    assert 0 < b["main wide columns"] <= d * d * (H + 1)
     assert b["recovery"] <= paper2_count(H, d)
     det = result.report.details
     assert det["predicted relative error"] < det["predicted relative error (small moves)"]
@@ -586,32 +589,197 @@ def test_least_uncertain_row_hits_its_positions_where_the_estimate_is_sure():
 @pytest.mark.parametrize("seed", [15, 19])
 def test_crowded_base_row_is_recentred(seed):
     """Eight heads at d = 12: the first base row's steps crowd (W_h q_0 predicted to
-    0.4-0.6 only, far above the 3e-3 that triggers it), so a row with evenly spaced
-    steps is designed from that estimate and the perturbations run again around it; the
-    new row's steps are pinned better, and the recovery stays within paper 2's count and
-    its own error bar."""
+    0.04-0.7 only, far above the 3e-3 that triggers it), so a row with evenly spaced
+    steps is designed from that estimate and the perturbations run again around it;
+    the estimate kept is the one whose measured error bar is smallest (orders of
+    magnitude apart, so no kernel's last bits decide it: seed 15 failed under the
+    Haswell and Zen kernels when a proxy decided), and the recovery stays within paper
+    2's count and its own error bar."""
     d, H = 12, 8
     M = random_multi_head(H, d, seed=1000 * H + 10 * d + seed)
     result = check_extraction(M, seed, heads=H)
     det, b = result.report.details, result.report.breakdown
     assert det["base estimate relative error (first row)"] > 1e-2
-    old, new = det["recentred base row quality (old, new)"]
-    assert new < old
-    assert det["base estimate relative error"] < det["base estimate relative error (first row)"]
-    assert b["base perturbations"] == 2 * (d - 1) * (3 * H + 3)
+    assert det["recentred base rows"] >= 1
+    assert (det["base estimate relative error"]
+            < 1e-2 * det["base estimate relative error (first row)"])
+    per_row = (d - 1) * (3 * H + 3)
+    assert b["base perturbations"] % per_row == 0 and b["base perturbations"] >= 2 * per_row
     assert canonical_error(result.model, M) <= det["error bar"]
 
 
 def test_refusals_after_measuring_keep_the_best_effort():
     """A refusal by the error bar (RecoveryFailedError) carries the measured result, like
-    a mismatch: its report has the queries and the conditioning."""
+    a mismatch: its report has the queries and the conditioning, the H asked with its
+    floor and paper-2 count, and every design tried (each new design measured again
+    while paper 2's count allowed)."""
     d, H = 8, 2
     oracle = Oracle(random_multi_head(H, d, seed=8), d)
     with pytest.raises(RecoveryFailedError) as info:
         extract_multi_head(oracle, heads=H, seed=1, max_error_bar=1e-30)
     result = info.value.result
     assert result is not None and result.queries == oracle.queries
-    assert result.report.details["error bar"] > 1e-30
+    det = result.report.details
+    assert det["error bar"] > 1e-30
+    assert det["heads asked"] == H and "heads" not in det
+    assert det["paper-2 count"] == paper2_count(H, d)
+    assert det["floor H(d^2 + d)"] == H * (d * d + d)
+    assert det["designs tried"] == len(det["failed designs"]) >= 1
+    assert "exceeds the tolerance" in str(info.value) and "no room for another" in str(info.value)
+    spent = result.report.breakdown["recovery"] + result.report.breakdown["verification"]
+    assert spent <= paper2_count(H, d)
+    text = result.report.render()
+    assert "heads 0" not in text
+    # the stage and its count apart ("base perturbations189" before)
+    assert re.search(r"[0-9] +base perturbations|base perturbations +[0-9]", text)
+    assert not re.search(r"perturbations[0-9]", text)
+
+
+def test_a_failed_row_fit_is_redesigned_not_refused(monkeypatch):
+    """The first main row's joint fit is spoiled on purpose (the learner's own failure,
+    a wrong basin): the learner replaces that row by a new designed one, measures it
+    again (the other rows' samples kept) within paper 2's count, and returns the right
+    model."""
+    from attnextract.learners.multi_head import fit as fit_module
+    real, calls = fit_module.fit_row, []
+
+    def spoiled_once(*args):
+        row = real(*args)
+        calls.append(1)
+        if len(calls) == 1:
+            row.residual = row.residual + 1.0            # a fit in a wrong basin
+        return row
+
+    monkeypatch.setattr(fit_module, "fit_row", spoiled_once)
+    d, H = 8, 2
+    M = random_multi_head(H, d, seed=31)
+    result = check_extraction(M, seed=3, heads=H)
+    det, b = result.report.details, result.report.breakdown
+    assert det["main rows redesigned"] == 1 and "designs tried" not in det
+    assert b["main rows"] == (d + 1) * (2 * H + 1)
+    assert b["main columns"] == (d + 1) * d * (H + 1)
+
+
+@pytest.mark.parametrize("case", ["zero v_h", "equal W", "saturating"])
+def test_adversarial_boxes_recovered_without_refusal(case):
+    """A dead head (v_h = 0: dropped), two heads with the same W (merged), W entries
+    N(0, 100/d): each comes back with its canonical heads within the bar."""
+    d, H = 8, 3
+    scale = (10.0 if case == "saturating" else 1.0) / np.sqrt(d)
+    M = random_multi_head(H, d, seed=41, w_scale=scale)
+    if case == "zero v_h":
+        M.v[1] = 0.0
+    elif case == "equal W":
+        M.W[2] = M.W[0]
+    result = check_extraction(M, seed=5, heads=H, tol=1e-6)
+    assert result.model.heads == canonical_form(M).heads
+
+
+def test_same_seed_is_bit_identical_whatever_the_hash_seed():
+    """Three processes with different PYTHONHASHSEED (so different heap layouts, which
+    changed MINPACK's last bits before) give the same bits for the same seed."""
+    import os
+    import subprocess
+    import sys
+    code = textwrap.dedent("""
+        import hashlib
+        from attnextract import Oracle
+        from attnextract.learners.multi_head import extract_multi_head
+        from attnextract.adapters.targets import random_multi_head
+        M = random_multi_head(4, 8, seed=102)
+        r = extract_multi_head(Oracle(M, 8), seed=2)
+        print(r.queries, hashlib.sha256(r.model.W.tobytes() + r.model.v.tobytes()).hexdigest())
+    """)
+    outs = set()
+    for hash_seed in ("1", "2", "3"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        outs.add(proc.stdout.strip())
+    assert len(outs) == 1, outs
+
+
+def test_head_count_found_from_agreeing_rows():
+    """Without heads=: the count is the largest that two base rows agree on, and the run
+    costs at most 1.5 x the queries of a run told H."""
+    d, H = 8, 3
+    M = random_multi_head(H, d, seed=51)
+    found = check_extraction(M, seed=4)
+    told = check_extraction(M, seed=4, heads=H)
+    counts = found.report.details["head counts of the base rows"]
+    assert counts.count(H) >= 2 and found.model.heads == H
+    assert found.report.queries <= 1.5 * told.report.queries
+
+
+def test_count_not_found_is_refused_quickly_with_a_hint():
+    """A box that is no sum of sigmoid steps, asked without heads=, is refused before the
+    main rounds, and the message suggests giving the count."""
+    M = random_multi_head(2, 6, seed=5)
+    oracle = Oracle(lambda X: np.tanh(3 * M(X)) + 0.5 * np.sin(4 * M(X)), 6)
+    with pytest.raises(ModelMismatchError, match="heads=") as info:
+        extract_multi_head(oracle, seed=0)
+    assert oracle.queries < 1000
+    assert "main rows" not in info.value.result.report.breakdown
+
+
+def test_precision_and_rounding_options():
+    d, H = 8, 4
+    M = random_multi_head(H, d, seed=61)
+    fast = check_extraction(M, seed=0, heads=H, precision="fast")
+    full = check_extraction(M, seed=0, heads=H, precision="full")
+    assert "main wide columns" in full.report.breakdown
+    assert full.report.queries >= fast.report.queries
+    assert full.report.details["error bar"] <= fast.report.details["error bar"]
+    told = extract_multi_head(Oracle(RoundedOutputs(M), d), heads=H, seed=0,
+                              output_dtype="float32")
+    assert told.report.details["output precision"] == "float32"
+    assert canonical_error(told.model, M) <= told.report.details["error bar"]
+    rounded = extract_multi_head(Oracle(lambda X: np.round(M(X), 9), d), heads=H, seed=0,
+                                 decimals=9)
+    assert canonical_error(rounded.model, M) <= rounded.report.details["error bar"]
+    assert any("9 decimals" in n for n in rounded.report.notes)
+    oracle = Oracle(M, d)
+    for bad in ({"precision": "best"}, {"output_dtype": "int8"}, {"decimals": -1},
+                {"decimals": 1.5}):
+        with pytest.raises(InputError):
+            extract_multi_head(oracle, heads=H, **bad)
+    assert oracle.queries == 0
+
+
+def _torch_box(seed, dtype, heads=2, dim=16):
+    torch = pytest.importorskip("torch")
+    from attnextract.adapters.torch_target import TorchAttentionBlackBox, merged_head_parameters
+    torch.manual_seed(seed)
+    module = torch.nn.MultiheadAttention(dim, heads, bias=False)
+    box = TorchAttentionBlackBox(module, readout=seed, dtype=dtype)
+    W, v = zip(*(merged_head_parameters(box.module, box.readout, h) for h in range(heads)))
+    return box, MultiHeadAttention(np.array(W), np.array(v))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_torch_module_without_heads(seed):
+    """A real nn.MultiheadAttention(16, 2, bias=False) in float64 behind a fixed readout,
+    no heads=: both heads found and recovered within the bar, at most 1.5 x the queries
+    of a run told H = 2 (issue 22 measured 15 minutes and refusals before)."""
+    box, truth = _torch_box(seed, "float64")
+    found = extract_multi_head(Oracle(box, 16), seed=seed)
+    told = extract_multi_head(Oracle(box, 16), heads=2, seed=seed)
+    assert found.model.heads == 2
+    assert canonical_error(found.model, truth) <= found.report.details["error bar"] <= 1e-10
+    assert found.report.queries <= 1.5 * told.report.queries
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_float32_torch_module_within_its_bar(seed):
+    """PyTorch's default dtype: the forward pass runs in float32 (errors accumulated
+    inside the model, not one rounding of the output). Detected from the outputs, said
+    in the report, and the model comes back within its (wider) error bar."""
+    box, truth = _torch_box(seed, "float32")
+    result = extract_multi_head(Oracle(box, 16), heads=2, seed=seed)
+    assert result.report.details["output precision"] == "float32"
+    assert any("float32" in n for n in result.report.notes)
+    assert canonical_error(result.model, truth) <= result.report.details["error bar"] <= 1e-3
 
 
 def test_window_keeps_designed_steps_apart_up_to_twelve_heads():

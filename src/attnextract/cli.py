@@ -43,7 +43,7 @@ __all__ = ["main", "build_parser", "ProgressBar"]
 # extract options that belong to some models only: CLI dest -> the learner's keyword.
 # An option given for a model whose learner does not take it is an error.
 MODEL_OPTIONS = {"rank": "rank", "method": "method", "oversampling": "oversampling",
-                 "heads": "heads", "polish": "polish",
+                 "heads": "heads", "polish": "polish", "precision": "precision",
                  "relative_tolerance": "relative_tolerance", "noise": "noise",
                  "noise_method": "method", "repeats": "repeats", "norm_bound": "norm_bound",
                  "margin": "margin", "bits": "bits", "threshold": "threshold",
@@ -209,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     multi.add_argument("--heads", type=_positive_int,
                        help="the model's number of heads, an upper bound on the canonical "
                             "heads (default: detected)")
+    multi.add_argument("--precision", choices=["full", "fast"],
+                       help="multi-head: full spends what paper 2's count leaves on a last "
+                            "round of wide columns for the smallest error; fast runs it only "
+                            "when the error bar would exceed 1e-10 (default: full)")
     ffn = ex.add_argument_group("--model relu-network, one-layer, one-layer-residual")
     ffn.add_argument("--no-polish", action="store_false", dest="polish",
                      help="skip measuring each hidden unit alone (m d fewer queries, fewer "

@@ -56,6 +56,8 @@ class Oracle:
         The longest sequence the deployment accepts (tokens). A query longer than this
         raises :class:`InputError` before anything is sent (a learner that needs longer
         probes refuses at its start), and held-out verification covers lengths up to it.
+        Default: the black box's own ``max_length`` attribute where it declares one (an
+        :class:`~attnextract.adapters.remote.HttpBlackBox` declares its server's limit).
     progress : callable, optional
         Called as ``progress(queries_sent, queries_planned)`` after each call.
     journal : QueryJournal, optional
@@ -96,6 +98,12 @@ class Oracle:
             raise InputError(f"max_length must be a positive integer, got {max_length!r}")
         self.black_box = black_box
         self.dim = int(dim)
+        if max_length is None:
+            # a box that declares its limit (a server's longest sequence) is never sent more
+            declared = getattr(black_box, "max_length", None)
+            if isinstance(declared, (int, np.integer)) and not isinstance(declared, bool) \
+                    and declared >= 1:
+                max_length = declared
         self.max_length = None if max_length is None else int(max_length)
         self.longest = 0          # longest sequence answered outside live()
         self.longest_probes = []  # up to LONGEST_KEEP (sequence, answer), the longest

@@ -234,6 +234,8 @@ class RotaryPositions(Impostor):
 
     def scores(self, X, W):
         N, half = X.shape[1], self.dim // 2
+        if half == 0:                       # d = 1: nothing to rotate
+            return super().scores(X, W)
         angle = (N - 1 - np.arange(N))[:, None] * self.freq[None, :]        # (N, d/2)
         c, s = np.cos(angle), np.sin(angle)
         K = X.copy()
@@ -486,26 +488,14 @@ class SinkFarBelow(Impostor):
         return e / (np.exp(self.logit - m) + e.sum(axis=1, keepdims=True))
 
 
-class SmallRotation(Impostor):
+class SmallRotation(RotaryPositions):
     reason = ("keys rotated by a small angle proportional to their distance from the query "
               "(1e-4 .. 1e-3 rad per position, a slow RoPE): a smooth effect that grows with "
               "length")
 
     def __init__(self, model, rng):
-        super().__init__(model, rng)
-        self.rate = 10.0 ** rng.uniform(-4, -3)
-
-    def scores(self, X, W):
-        N, half = X.shape[1], self.dim // 2
-        if half == 0:
-            return super().scores(X, W)
-        angle = self.rate * (N - 1 - np.arange(N))[:, None] * np.ones(half)[None, :]
-        c, s = np.cos(angle), np.sin(angle)
-        K = X.copy()
-        a, b = X[:, :, 0:2 * half:2], X[:, :, 1:2 * half:2]
-        K[:, :, 0:2 * half:2] = c * a - s * b
-        K[:, :, 1:2 * half:2] = s * a + c * b
-        return np.einsum("bnd,bd->bn", K, X[:, -1, :] @ W.T)
+        Impostor.__init__(self, model, rng)
+        self.freq = 10.0 ** rng.uniform(-4, -3) * np.ones(self.dim // 2)
 
 
 class CubicScores(Impostor):

@@ -45,7 +45,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ..errors import BlackBoxError, BudgetExceededError, InputError, MalformedOutputError
+from ..errors import (AttnExtractError, BlackBoxError, BudgetExceededError, InputError,
+                      MalformedOutputError)
 
 MAX_BACKOFF = 30.0
 NPY = "application/x-npy"
@@ -160,6 +161,27 @@ class HttpBlackBox:
         """The server's ``GET /health`` answer (kind, dim, served, budget, remaining)."""
         data, _ = self._request("GET", "/health", None, {"Accept": "application/json"})
         return json.loads(data)
+
+    @property
+    def max_length(self) -> int | None:
+        """Longest sequence (tokens) this client can send to its server: the server's
+        ``max_length`` from ``/health`` (older servers: None), and never more than one
+        request's ``max_floats`` numbers hold. None if the server cannot be asked; the
+        first query then reports why. :class:`~attnextract.oracle.Oracle` takes it as its
+        default ``max_length``, so verification never sends what the server refuses."""
+        if getattr(self, "_max_length", False) is False:
+            try:
+                health = self.health()
+            except (AttnExtractError, ValueError):
+                return None
+            if not isinstance(health, dict):
+                return None
+            dim, served = health.get("dim"), health.get("max_length")
+            bounds = [int(served)] if isinstance(served, int) and served > 0 else []
+            if isinstance(dim, int) and dim > 0:
+                bounds.append(max(1, self.max_floats // dim))
+            self._max_length = min(bounds) if bounds else None
+        return self._max_length
 
     def check_dim(self, dim: int) -> None:
         """Raise InputError unless the server takes tokens of width ``dim``."""

@@ -739,7 +739,9 @@ class ServerState:
         return {"ok": True, "kind": getattr(self.model, "kind", "custom"), "dim": self.dim,
                 "served": served, "charged": served, "replayed": c["replayed"],
                 "budget": budget, "remaining": None if budget is None else max(0, budget - served),
-                "binary": True, "state": self.ledger.path is not None}
+                "binary": True, "state": self.ledger.path is not None,
+                "max_length": min(self.max_length, self.max_floats // self.dim),
+                "max_numbers": self.max_floats}
 
     def close(self) -> None:
         with self.lock:

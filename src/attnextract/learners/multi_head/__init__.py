@@ -89,6 +89,8 @@ __all__ = ["extract_multi_head", "canonical_form", "canonical_error", "match_hea
            "non_identifiable_twin", "twin_difference", "output_precision", "paper2_count"]
 
 MAX_HEADS = 12            # largest H searched when no bound is given
+COUNT_FIRST = 8           # ... searched first (the base window for 8 heads is 16x shorter)
+MAX_DESIGNS = 4           # designs (base row, perturbations, main rows) tried at most
 BASE_CANDIDATES = 10      # candidate base rows at most; the search stops at a well-conditioned one
 BASE_QUALITY = 1e-7       # a base row whose logit error / smallest gap is below this
                           # ends the search (the perturbations' error scales with it)
@@ -107,6 +109,27 @@ REFINE_ABOVE = 2.5e-11    # predicted error above which round 3 (wide columns) r
 WIDE_COLUMNS_UP_TO = 1e-3 # ... and below which the logits are predicted well enough for it
 RECENTRE_ABOVE = 3e-3     # predicted relative error of the base estimate of W_h q_0 above
                           # which a base row with evenly spaced steps is designed from it
+PERTURBATION_MOVE = 0.003 # base perturbations move the steps by about this x the smallest
+                          # gap (labels kept; the estimate's error scales with 1 / this)
+RECENTRE_TRIES = 3        # recentred base rows at most per design
+ILL_ROW_FACTOR = 30.0     # a main row whose parameters are pinned this much worse than the
+                          # median row's is redesigned
+ROW_REDESIGNS = 3         # rounds of redesigning the main rows whose first probe misfits
+
+
+class _Redesign(Exception):
+    """A design failed (a fit that misses the noise, an error bar too large, a held-out
+    mismatch): draw another while the count allows, else refuse with ``kind``."""
+
+    def __init__(self, kind, message: str, model=None, bar=None, result=None):
+        super().__init__(message)
+        self.kind, self.message, self.model, self.bar = kind, message, model, bar
+        self.result = result          # already verified (a held-out mismatch)
+
+
+PRECISIONS = ("full", "fast")
+DTYPE_PRECISION = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "bfloat16": 2.0 ** -8,
+                   "float16": 2.0 ** -11}
 
 
 def paper2_count(heads: int, dim: int) -> int:
@@ -133,7 +156,8 @@ def output_precision(values: np.ndarray) -> tuple[float, str]:
 def extract_multi_head(oracle: Oracle, heads=None, *, subspaces=None, seed=None,
                        max_error_bar: float | None = None,
                        verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
-                       progress=None) -> ExtractionResult:
+                       precision: str = "full", output_dtype: str | None = None,
+                       decimals: int | None = None, progress=None) -> ExtractionResult:
     """Recover the canonical heads of a multi-head attention black box.
 
     Parameters
@@ -156,6 +180,17 @@ def extract_multi_head(oracle: Oracle, heads=None, *, subspaces=None, seed=None,
     verify_tolerance : float
         Largest held-out relative output error accepted as a match (float64 outputs;
         rounded outputs add their precision).
+    precision : {"full", "fast"}
+        "full" (default): round 3 (wide columns) runs whenever paper 2's count and the
+        budget allow, for the smallest error. "fast": only when the predicted error
+        bar would otherwise exceed 1e-10, so fewer queries at a larger error.
+    output_dtype : {"float64", "float32", "bfloat16", "float16"}, optional
+        The precision the black box computes in (its forward pass, not only its
+        output); None: detected from the outputs (float64, or float32/float16 when
+        every output is exactly representable there).
+    decimals : int, optional
+        The outputs are rounded to this many decimals (an absolute error of half a
+        unit of the last one).
     progress : callable, optional
         Called with a short message at each stage.
 
@@ -188,16 +223,30 @@ def extract_multi_head(oracle: Oracle, heads=None, *, subspaces=None, seed=None,
     if max_error_bar is not None and not (isinstance(max_error_bar, (int, float))
                                           and 0 < max_error_bar < 1):
         raise InputError(f"max_error_bar must lie in (0, 1), got {max_error_bar!r}")
+    if precision not in PRECISIONS:
+        raise InputError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if output_dtype is not None and output_dtype not in DTYPE_PRECISION:
+        raise InputError(f"output_dtype must be one of {tuple(DTYPE_PRECISION)} or None, "
+                         f"got {output_dtype!r}")
+    if decimals is not None and (isinstance(decimals, bool)
+                                 or not isinstance(decimals, (int, np.integer)) or decimals < 0):
+        raise InputError(f"decimals must be a non-negative integer or None, got {decimals!r}")
     with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
-        return _Extraction(oracle, heads or min(d, MAX_HEADS), seed, max_error_bar,
-                           verify_tolerance, progress).run()
+        run = _Extraction(oracle, heads, seed, max_error_bar, verify_tolerance, progress)
+        run.full_precision = precision == "full"
+        run.output_dtype, run.decimals = output_dtype, decimals
+        return run.run()
 
 
 class _Extraction:
     """One run of the learner: the stages of the module docstring, in order."""
 
-    def __init__(self, oracle, max_heads, seed, tolerance, verify_tolerance, progress):
-        self.oracle, self.d, self.max_heads = oracle, oracle.dim, int(max_heads)
+    def __init__(self, oracle, heads, seed, tolerance, verify_tolerance, progress):
+        # heads None: the count is searched up to COUNT_FIRST heads (base window 2048)
+        # first, up to min(d, MAX_HEADS) only when no row fits that few steps
+        self.heads_told = heads is not None
+        self.oracle, self.d = oracle, oracle.dim
+        self.max_heads = int(heads) if heads is not None else min(oracle.dim, COUNT_FIRST)
         self.rng = np.random.default_rng(seed)
         self.seed, self.tolerance, self.verify_tolerance = seed, tolerance, verify_tolerance
         self.say = progress or (lambda message: None)
@@ -205,8 +254,7 @@ class _Extraction:
         self.breakdown: dict[str, int] = {}
         self.details: dict = {}
         self.notes: list[str] = []
-        self.length = design.base_length(self.max_heads)   # the base stages; main() switches
-        self.half_window = math.log(self.length - 1)
+        self.set_window(design.base_length(self.max_heads))   # the base stages; main() switches
         from ...verification import max_length_of
         needed = max(self.length, design.window_length(self.max_heads))
         limit = max_length_of(oracle)
@@ -225,24 +273,52 @@ class _Extraction:
         A design built from answers no multi-head box gives can be non-finite: that is
         a mismatch, refused before anything is sent."""
         if not (np.all(np.isfinite(u)) and np.all(np.isfinite(q)) and np.all(np.isfinite(lam))):
-            self.refuse("the black box is not multi-head attention: its answers lead to a "
-                        "non-finite probe design (no H heads fit them)")
+            raise _Redesign(RecoveryFailedError, "a fit gave a non-finite probe design")
         m = design.copy_counts(lam, self.length)
         return design.realised_lambda(m, self.length), design.measure(
             self.oracle, self.v, u, q, m, self.length)
 
-    def noise(self, f_values, heights=0.0) -> float:
+    def noise(self, f_values, heights=0.0, *, floor: bool = False) -> float:
         """Absolute output noise expected from the precision, for outputs like ``f_values``.
 
-        A float64 black box rounds its own softmax sums: the terms are as large as the
-        heights |c_h| = |u^T v_h| (which cancel in g), summed over N tokens, so its
-        rounding grows with sum_h |c_h| and log2 N. Rounded outputs add one rounding
-        of the output.
+        A black box computing in precision p rounds its own softmax sums: the terms are
+        as large as the heights |c_h| = |u^T v_h| (which cancel in g), summed over N
+        tokens, so its rounding grows with sum_h |c_h| and log2 N. This holds for a
+        float32 forward pass (PyTorch's default) as for float64; outputs rounded once
+        to float32 after a float64 pass err less, and are judged the same (their
+        error bars are the looser for it). Outputs rounded to K decimals add half a
+        unit of the last decimal.
+
+        ``floor``: the least noise the error bar assumes (a smaller measured residual
+        is luck): the forward pass's rounding in float64, one rounding of the output
+        otherwise (a float32 forward pass shows its larger errors in the residual).
         """
         rms = float(np.sqrt(np.mean(np.square(f_values)))) if np.size(f_values) else 0.0
-        if self.precision_name == "float64":
-            return (8.0 + math.log2(self.length)) * self.precision * max(rms + heights, 1e-300)
-        return 0.6 * self.precision * max(rms, 1e-300)
+        if floor and self.precision_name != "float64":
+            return 0.6 * self.precision * max(rms, 1e-300) + 0.3 * self.absolute_noise
+        relative = (8.0 + math.log2(self.length)) * self.precision * max(rms + heights, 1e-300)
+        return relative + self.absolute_noise
+
+    def set_precision(self) -> None:
+        """The black box's precision: told (output_dtype, decimals) or detected from
+        the d single-token outputs; the default error-bar tolerance follows it."""
+        if self.output_dtype is not None:
+            self.precision_name = self.output_dtype
+            self.precision = DTYPE_PRECISION[self.output_dtype]
+        else:
+            self.precision, self.precision_name = output_precision(self.v)
+            if self.precision_name != "float64":
+                self.notes.append(f"outputs detected as rounded to {self.precision_name} "
+                                  f"(relative {self.precision:.1e}); error bars allow for "
+                                  f"a forward pass in that precision")
+        self.absolute_noise = 0.0 if self.decimals is None else 0.5 * 10.0 ** -self.decimals
+        scale = max(float(np.sqrt(np.mean(np.square(self.v)))), 1e-300)
+        self.relative_rounding = self.precision + self.absolute_noise / scale
+        if self.decimals is not None:
+            self.notes.append(f"outputs rounded to {self.decimals} decimals (absolute "
+                              f"{self.absolute_noise:.1e})")
+        if self.tolerance is None:
+            self.tolerance = min(0.5, max(DEFAULT_TOLERANCE, 1e4 * self.relative_rounding))
 
     # -- stages --------------------------------------------------------------
     def run(self) -> ExtractionResult:
@@ -261,24 +337,151 @@ class _Extraction:
         before = self.oracle.queries
         self.v = self.oracle.query(np.eye(d)[:, None, :])
         self.spend("v tokens", before)
-        self.precision, self.precision_name = output_precision(self.v)
-        if self.tolerance is None:
-            self.tolerance = max(DEFAULT_TOLERANCE, 1e4 * self.precision)
-        if self.precision_name != "float64":
-            self.notes.append(f"outputs are rounded to {self.precision_name} "
-                              f"(relative {self.precision:.1e})")
+        self.set_precision()
         self.say("base row")
-        heads = self.base_row(s0)
+        try:
+            heads = self.count_heads(s0)
+        except _Redesign as exc:
+            self.give_up(exc, [exc.message])
+        except np.linalg.LinAlgError as error:            # a fit on non-finite samples
+            exc = _Redesign(RecoveryFailedError, f"a base row's fit failed numerically ({error})")
+            self.give_up(exc, [exc.message])
         if heads == 0:
             return self.finish(MultiHeadAttention(np.zeros((0, d, d)), np.zeros((0, d))), None)
-        self.say("base perturbations")
-        Y0, V0, base_error = self.base_perturbations()
-        self.details["base estimate relative error (first row)"] = base_error
-        if base_error > RECENTRE_ABOVE and self.recentred_base(Y0, V0):
+        return self.attempts(heads)
+
+    def count_heads(self, s0: int) -> int:
+        """The base row and the number of canonical heads (:meth:`base_row`). Told H:
+        at most H. Not told: at most COUNT_FIRST, then min(d, MAX_HEADS) when no row
+        fits that few steps; afterwards the run plans for the count found (its paper-2
+        count, its window), as a run told that count would."""
+        if self.heads_told:
+            return self.base_row(s0)
+        try:
+            heads = self.base_row(s0)
+        except ModelMismatchError:
+            if self.max_heads >= min(self.d, MAX_HEADS):
+                raise
+            self.max_heads = min(self.d, MAX_HEADS)
+            self.set_window(design.base_length(self.max_heads))
+            self.scans_left = 2     # the long window is slow to query: two rows decide
+            heads = self.base_row(4 * self.max_heads + 8)
+        if heads:
+            self.max_heads = heads
+        return heads
+
+    def attempts(self, heads: int) -> ExtractionResult:
+        """Designs until one gives a verified model: a fit that fails, an error bar too
+        large, or a held-out mismatch with a small bar draws a fresh design (base row,
+        perturbations, main rows) and measures again while paper 2's count and the
+        budget allow. The head count and v are kept; every attempt's failure is
+        reported. Without room for another attempt the last failure is raised."""
+        failures: list[str] = []
+        while True:
+            self.say("base perturbations" if not failures else
+                     f"new design (attempt {len(failures) + 1})")
+            try:
+                try:
+                    if failures:
+                        self.fresh_base_row(heads)
+                    Y0, V0 = self.base_estimate()
+                    self.say("main probes")
+                    return self.main(Y0, V0)
+                except np.linalg.LinAlgError as error:   # a fit on non-finite samples
+                    raise _Redesign(RecoveryFailedError,
+                                    f"a fit failed numerically ({error})") from None
+            except _Redesign as exc:
+                failures.append(exc.message)
+                self.details["designs tried"] = len(failures)
+                self.details["failed designs"] = list(failures)
+                if (len(failures) >= MAX_DESIGNS
+                        or not self.affordable(self.attempt_cost(heads), heads)):
+                    self.give_up(exc, failures)
+                self.details["designs tried"] = len(failures) + 1
+
+    def give_up(self, exc: "_Redesign", failures: list[str]):
+        """The last refusal: no room for another design. The learner's own fits failed
+        (``exc.kind`` RecoveryFailedError) or the box answered held-out sequences
+        unlike every model measured (ModelMismatchError)."""
+        d = self.d
+        model = exc.model if exc.model is not None else MultiHeadAttention(
+            np.zeros((0, d, d)), np.zeros((0, d)))
+        if exc.result is not None:           # verified already: its report is kept
+            self.result = exc.result
+        else:
+            self.finish(model, exc.bar, check=False)
+        room = ("no design left to try" if len(failures) >= MAX_DESIGNS else
+                f"paper 2's count {paper2_count(self.max_heads, d)} and the budget leave no "
+                f"room for another design")
+        if len(failures) == 1:
+            message = f"{failures[0]}; {room}"
+        else:
+            listed = "; ".join(f"({i + 1}) {f}" for i, f in enumerate(failures))
+            message = f"{len(failures)} designs failed: {listed}; {room}"
+        raise exc.kind(message, result=self.result)
+
+    def attempt_cost(self, H: int) -> int:
+        """Queries of one more design: a base scan, the perturbations and the main rounds."""
+        return (4 * H + 8) + self.perturbation_cost(H) + self.main_cost(H)
+
+    def base_estimate(self):
+        """W_h q_0 and v_h (d, H) from the base perturbations; while the predicted error
+        of that estimate exceeds RECENTRE_ABOVE, a base row with evenly spaced steps is
+        designed from the best estimate so far and perturbed again, and the estimate
+        whose predicted error is smallest is kept (the error is measured, not guessed
+        from the row's steps)."""
+        Y0, V0, error = self.base_perturbations()
+        self.details.setdefault("base estimate relative error (first row)", error)
+        best = (error, Y0, V0, self.u_0, self.base_fit, self.base_covariance, self.details.get("base perturbation eps"))
+        H = Y0.shape[1]
+        for _ in range(RECENTRE_TRIES):
+            if best[0] <= RECENTRE_ABOVE or not self.affordable(
+                    2 * (4 * H + 8) + self.perturbation_cost(H) + self.main_cost(H), H):
+                break
+            if not self.recentred_base(best[1], best[2]):
+                continue             # its scan did not fit: another order and offset
             self.say("base perturbations (recentred row)")
-            Y0, V0, _ = self.base_perturbations()
-        self.say("main probes")
-        return self.main(Y0, V0)
+            try:
+                Y0, V0, error = self.base_perturbations()
+            except _Redesign:
+                continue
+            if error < best[0]:
+                best = (error, Y0, V0, self.u_0, self.base_fit, self.base_covariance, self.details.get("base perturbation eps"))
+        error, Y0, V0, u_0, base_fit, self.base_covariance, eps = best
+        self.adopt_base(u_0, base_fit)
+        self.details["base perturbation eps"] = eps
+        self.details["base estimate relative error"] = error
+        return Y0, V0
+
+    def fresh_base_row(self, heads: int) -> None:
+        """A new random base row (and q_0) at the scale found, its steps fitted freely
+        (a retry's fresh design); several draws when a draw's fit misses the noise."""
+        d = self.d
+        self.set_window(design.base_length(self.max_heads))
+        for _ in range(3):
+            self.q_0 = self.rng.standard_normal(d)
+            self.q_0 /= np.linalg.norm(self.q_0)
+            u = self.rng.standard_normal(d)
+            u *= self.details["base scale"] / np.linalg.norm(u)
+            before = self.oracle.queries
+            lam, g = self.measure(np.repeat(u[None], self.base_grid.size, 0),
+                                  np.repeat(self.q_0[None], self.base_grid.size, 0),
+                                  self.base_grid)
+            self.spend("base rows", before)
+            noise = self.noise(g + self.q_0 @ self.v)
+            steps = fit.fit_free_steps(lam, g, u @ self.v, heads, self.half_window, noise,
+                                       counts=[heads])[-1]
+            if (steps.rms <= NOISE_FACTOR * self.noise(g + self.q_0 @ self.v, np.sum(np.abs(steps.c)))
+                    and np.isfinite(base_quality(steps, self.half_window))):
+                self.adopt_base(u, steps)
+                return
+        raise _Redesign(RecoveryFailedError, "no fresh base row fit its steps")
+
+    def set_window(self, length: int) -> None:
+        """Sequence length N of the copy probes that follow (lambda in +-ln(N - 1))."""
+        self.length = length
+        self.half_window = math.log(length - 1)
+        self.base_grid = design.base_lambdas(4 * self.max_heads + 8, self.half_window)
 
     def base_row(self, s0: int) -> int:
         """Scale and pick the base row; returns the number of canonical heads found.
@@ -342,21 +545,29 @@ class _Extraction:
         for w in directions[1:]:
             if self.scans_left <= 0:
                 break
-            counts = [f[0] for f in found if f[0] is not None]
-            if (counts and found[-1][0] == max(counts) and counts.count(max(counts)) >= 2
-                    and (found[-1][0] == 0
-                         or base_quality(found[-1][2], self.half_window) <= BASE_QUALITY)):
-                break         # two rows agree on the count, this one well pinned: stop
+            agreed = _agreed_count([f[0] for f in found])
+            if agreed is not None and (agreed == 0 or min(
+                    base_quality(f[2], self.half_window) for f in found if f[0] == agreed)
+                    <= BASE_QUALITY):
+                break         # two rows agree on the count, one of them well pinned: stop
             found.append(scan(scale * w))
         self.spend("base rows", before)
         counts = [f[0] for f in found if f[0] is not None]
         if not counts:
             rms = min(f[2].rms / f[3] for f in found)
+            hint = ("" if self.heads_told else
+                    "; if the model has more heads (or its count is known), give heads= "
+                    "(--heads)")
             self.refuse(f"the black box is not multi-head attention with at most {H} heads: "
                         f"no base row fits {H} sigmoid steps (residual {rms:.1e} times the "
-                        f"output precision)")
-        heads = max(counts)
+                        f"output precision){hint}")
+        heads = _agreed_count(counts)
+        if heads is None:
+            heads = max(counts)
+            self.notes.append(f"the head count {heads} rests on one base row (the rows "
+                              f"scanned gave {sorted(counts)})")
         self.details["canonical heads"] = heads
+        self.details["head counts of the base rows"] = [f[0] for f in found]
         if heads == 0:
             return 0
         chosen = min((f for f in found if f[0] == heads), key=lambda f: base_quality(f[2], self.half_window))
@@ -371,23 +582,17 @@ class _Extraction:
         self.details["base row logit error"] = float(np.max(steps.t_std))
 
     def recentred_base(self, Y0: np.ndarray, V0: np.ndarray) -> bool:
-        """Replace a base row whose steps crowd by one designed from the first estimate.
+        """Adopt a base row designed from an estimate, its steps evenly spaced.
 
         Random rows put their steps at Gaussian positions, which crowd in the middle;
         two steps a small gap apart pin their positions badly (the Jacobian's condition
         grows like gap^-4), and so do the perturbations around them. With W_h q_0 known
         roughly, a row is designed whose steps are evenly spaced over the window (like
-        the main rows), scanned, and kept when its steps are pinned better. It costs
-        one or two scans and the perturbations again, and runs only when paper 2's
-        count and the budget leave room for it, the main rounds and round 3. Returns
-        whether the base row changed.
+        the main rows) and scanned (one or two scans); :meth:`base_estimate` perturbs
+        it and keeps whichever estimate is predicted better. Returns whether the new
+        row's steps fit (and it was adopted).
         """
         d, H = Y0.shape
-        # it must leave room for the main rounds and round 3 (which the precision needs
-        # more), within paper 2's count and the budget
-        if not self.affordable(2 * (4 * H + 8) + self.perturbation_cost(H) + self.main_cost(H)
-                               + self.wide_cost(H), H):
-            return False
         half = self.half_window - 3.0       # room for steps the rough estimate misplaces
         spacing = 2.0 * half / (H - 1) if H > 1 else 2.0
         u = design.least_uncertain_row(Y0, V0, self.base_covariance,
@@ -404,11 +609,11 @@ class _Extraction:
             # u, so a shorter row pulls every step inside (once, within the cost)
             factor = (self.half_window - 2.0) / edge
             u, t_start, heights = factor * u, factor * steps.t, factor * heights
-        old, new = base_quality(self.base_fit, self.half_window), base_quality(steps, self.half_window)
-        self.details["recentred base row quality (old, new)"] = (old, new)
-        if not (steps.rms <= NOISE_FACTOR * noise and new < old):
+        if not (steps.rms <= NOISE_FACTOR * noise
+                and np.isfinite(base_quality(steps, self.half_window))):
             return False
         self.adopt_base(u, steps)
+        self.details["recentred base rows"] = self.details.get("recentred base rows", 0) + 1
         return True
 
     def scan_row(self, u: np.ndarray, t_start: np.ndarray, heights: float):
@@ -426,11 +631,12 @@ class _Extraction:
                            t_std=steps.t_std[order], c_std=steps.c_std[order]), noise
 
     def affordable(self, queries: int, H: int) -> bool:
-        """Whether ``queries`` more stay within paper 2's count (which this learner never
-        exceeds) and leave the budget enough for them and the held-out verification."""
+        """Whether ``queries`` more and the held-out verification stay within paper 2's
+        count and the budget."""
         d = self.d
-        return (self.oracle.queries - self.q0 + queries <= paper2_count(self.max_heads, d)
-                and queries + verification_count(H * (d * d + d)) <= _budget_left(self.oracle))
+        verify = verification_count(H * (d * d + d))
+        return (self.oracle.queries - self.q0 + queries + verify <= paper2_count(self.max_heads, d)
+                and queries + verify <= _budget_left(self.oracle))
 
     def main_cost(self, H: int) -> int:
         """Queries of rounds 1 and 2 (the main rows and their columns)."""
@@ -456,7 +662,7 @@ class _Extraction:
         H = t0.size
         gap = float(np.min(np.diff(t0))) if H > 1 else 2.0
         spread = float(np.sqrt(np.mean(t0 ** 2))) + 0.5
-        eps = float(np.clip(0.003 * gap / spread, 1e-12, 0.5))
+        eps = float(np.clip(PERTURBATION_MOVE * gap / spread, 1e-12, 0.5))
         W_perp = design.orthonormal_complement(self.u_0, self.rng) * np.linalg.norm(self.u_0)
         rows = self.u_0[None] + eps * W_perp                          # (d - 1, d)
         lam_t = design.base_lambdas(3 * H + 3, self.half_window)
@@ -480,9 +686,11 @@ class _Extraction:
             C.append(steps.c)
             T_std.append(steps.t_std)
         if worst > 1.0:
-            self.refuse(f"the black box is not multi-head attention with {H} heads: a "
-                        f"perturbed base row does not fit its steps (residual {worst:.1e} "
-                        f"times the allowed misfit)")
+            raise _Redesign(ModelMismatchError,
+                            f"a perturbed base row does not fit {H} steps (residual {worst:.1e} "
+                            f"times the allowed misfit): the black box is not multi-head "
+                            f"attention with {H} canonical heads, or the fit from the base "
+                            f"row's steps failed")
         P = np.vstack([self.u_0[None], rows])
         Y0, V0 = np.linalg.solve(P, np.array(T)), np.linalg.solve(P, np.array(C))
         P_inv = np.linalg.inv(P)
@@ -498,8 +706,7 @@ class _Extraction:
     def main(self, Y0: np.ndarray, V0: np.ndarray) -> ExtractionResult:
         d, rng = self.d, self.rng
         H = Y0.shape[1]
-        self.length = design.window_length(H)
-        self.half_window = math.log(self.length - 1)
+        self.set_window(design.window_length(H))
         # evenly spaced steps, every row shifted by up to half a spacing: the shifts make
         # the rows span the direction sum_h positions that symmetric positions miss
         spacing = 2.0 * (self.half_window - 1.5) / H if H > 1 else 2.0
@@ -509,89 +716,150 @@ class _Extraction:
 
         # round 1: every row on column q_0 at its predicted steps, the midpoints between
         # them and beyond both ends (2H + 1 samples); free fits give each row's positions
-        # and heights however far the design missed them
-        lam_1 = np.array([design.row_lambdas(tau[k], self.half_window) for k in range(d)])
-        S1 = lam_1.shape[1]
-        before = self.oracle.queries
-        lam, g = self.measure(np.repeat(U, S1, 0), np.repeat(self.q_0[None], d * S1, 0),
-                              lam_1.ravel())
-        self.spend("main rows", before)
-        lam, g = lam.reshape(d, S1), g.reshape(d, S1)
-        t_row, c_row, worst = np.empty((d, H)), np.empty((d, H)), 0.0
-        for k in range(d):
-            noise = self.noise(g[k] + self.q_0 @ self.v, float(np.sum(np.abs(C0[k]))))
-            # two starts: the designed steps (labelled) and, where the design missed
-            # by more than the fit can walk, the rational fit's poles (labelled after)
-            steps, started = fit.fit_steps_from(lam[k], g[k], U[k] @ self.v, tau[k],
-                                                self.half_window, noise, NOISE_FACTOR * noise)
-            t, c, rms = steps.t, steps.c, steps.rms
-            if not started:
-                order = fit.label_steps(t, c, tau[k], C0[k], spacing)
-                t, c = t[order], c[order]
-            worst = max(worst, rms / (NOISE_FACTOR * noise))
-            t_row[k], c_row[k] = t, c
-        if worst > 1.0:
-            self.finish(MultiHeadAttention(np.zeros((0, d, d)), np.zeros((0, d))), None,
-                        check=False)
-            raise RecoveryFailedError(
-                f"a main row does not fit {H} steps (residual {worst * NOISE_FACTOR:.1e} times "
-                f"the output precision): the black box is not multi-head attention with {H} "
-                f"canonical heads, or two of its steps fell too close in that row to be "
-                f"told apart (base estimate error {self.details['base estimate relative error']:.1e})",
-                result=self.result)
-
-        # round 2: d columns q_0 + s_k r_j per row (one more than z_hk needs), sampled at
-        # row k's measured steps plus a midpoint; s_k moves the steps by about a fifth of
-        # the row's smallest gap, at most about half of it (labels stay, logits stay well
-        # pinned)
-        gaps = np.diff(np.sort(t_row, axis=1), axis=1).min(axis=1) if H > 1 else np.full(d, 2.0)
-        y_norm = float(np.max(np.linalg.norm(Y0, axis=0)))
-        z_norm = np.linalg.norm(U, axis=1) * y_norm                   # about |W_h^T u_k|
-        s_k = COLUMN_MOVE * np.minimum(gaps, spacing) * math.sqrt(d) / z_norm
+        # and heights however far the design missed them. A row whose steps still do
+        # not fit (two fell too close) is replaced by a new designed row, the estimate
+        # first corrected by the rows that fit (their measured positions are u_k^T Y0)
+        S1 = 2 * H + 1
         NC = d - 1 + EXTRA_COLUMNS
+        S2 = H + COLUMN_SPARES
+        lam, g = np.empty((d, S1)), np.empty((d, S1))
+        t_row, c_row, misfit = np.empty((d, H)), np.empty((d, H)), np.full(d, np.inf)
         R = np.linalg.qr(rng.standard_normal((d, d)))[0].T[:NC]       # (NC, d), NC <= d
-        columns = self.q_0[None, None] + s_k[:, None, None] * R[None]  # (d, NC, d)
-        before = self.oracle.queries
-        lam_cols = np.array([[design.column_lambdas(t_row[k], j, self.half_window, COLUMN_SPARES)
-                              for j in range(NC)] for k in range(d)])   # (d, NC, S2)
-        S2 = lam_cols.shape[2]
-        kk = np.repeat(np.arange(d), NC * S2)
-        lam2, g2 = self.measure(U[kk], np.repeat(columns.reshape(-1, d), S2, 0), lam_cols.ravel())
-        self.spend("main columns", before)
-        lam2, g2 = lam2.reshape(d, NC, S2), g2.reshape(d, NC, S2)
-        f_all = np.concatenate([g.ravel() + self.q_0 @ self.v,
-                                (g2 + np.einsum("kjd,d->kj", columns, self.v)[..., None]).ravel()])
-        noise = self.noise(f_all, float(np.mean(np.sum(np.abs(c_row), axis=1))))
+        columns = np.empty((d, NC, d))
+        s_k, moves = np.empty(d), np.zeros(d)
+        probes, rows = [None] * d, [None] * d
+        estimate = [Y0, V0]
 
-        # starts: each column's logits with the row's heights, then z by least squares
-        t_cols = fit.fit_logits(lam2.reshape(-1, S2), g2.reshape(-1, S2),
-                                np.repeat(c_row, NC, 0), np.repeat(t_row, NC, 0),
-                                bound=float(np.min(gaps)) if H > 1 else np.inf)
-        t_cols = t_cols.reshape(d, NC, H)
-        moves = np.max(np.abs(t_cols - t_row[:, None, :]), axis=(1, 2)) / np.minimum(gaps, spacing)
-        self.details["column moves / gap (median, max)"] = (float(np.median(moves)), float(moves.max()))
-        probes = []
-        for k in range(d):
-            cols_k = np.vstack([self.q_0[None], columns[k]])          # (NC + 1, d)
-            lam_k, g_k, mask = np.zeros((NC + 1, S1)), np.zeros((NC + 1, S1)), np.zeros((NC + 1, S1))
-            lam_k[0], g_k[0], mask[0] = lam[k], g[k], 1.0
-            lam_k[1:, :S2], g_k[1:, :S2], mask[1:, :S2] = lam2[k], g2[k], 1.0
-            probes.append((cols_k, lam_k, g_k, mask))
-        starts = [(c_row[k], np.linalg.lstsq(probes[k][0], np.vstack([t_row[k][None], t_cols[k]]),
-                                              rcond=None)[0].T) for k in range(d)]
-        rows = [fit.fit_row(lam_k, g_k, mask, cols_k, *start)
-                for (cols_k, lam_k, g_k, mask), start in zip(probes, starts)]
-        model, predicted, sigma, measured_sigma = self.assemble(U, rows, noise)
+        def redesign(idx):
+            good = np.setdiff1d(np.arange(d), idx)
+            good = good[misfit[good] <= 1.0]
+            estimate[:] = _corrected(*estimate, U[good], t_row[good], c_row[good])
+            U[idx] = design.design_rows(*estimate, positions, rng, jitter=0.5 * spacing,
+                                        count=idx.size, keep=U[good])
+            tau[idx], C0[idx] = U[idx] @ estimate[0], U[idx] @ estimate[1]
+            self.details["main rows redesigned"] = (
+                self.details.get("main rows redesigned", 0) + int(idx.size))
+
+        def round_1(todo):
+            for again in range(ROW_REDESIGNS + 1):
+                if again:
+                    redesign(todo)
+                lam_1 = np.array([design.row_lambdas(tau[k], self.half_window) for k in todo])
+                before = self.oracle.queries
+                lam_t, g_t = self.measure(np.repeat(U[todo], S1, 0),
+                                          np.repeat(self.q_0[None], todo.size * S1, 0),
+                                          lam_1.ravel())
+                self.spend("main rows", before)
+                lam[todo], g[todo] = lam_t.reshape(-1, S1), g_t.reshape(-1, S1)
+                for k in todo:
+                    noise = self.noise(g[k] + self.q_0 @ self.v, float(np.sum(np.abs(C0[k]))))
+                    # two starts: the designed steps (labelled) and, where the design
+                    # missed by more than the fit can walk, the rational fit's poles
+                    steps, started = fit.fit_steps_from(lam[k], g[k], U[k] @ self.v, tau[k],
+                                                        self.half_window, noise,
+                                                        NOISE_FACTOR * noise)
+                    t, c = steps.t, steps.c
+                    if not started:
+                        order = fit.label_steps(t, c, tau[k], C0[k], spacing)
+                        t, c = t[order], c[order]
+                    misfit[k] = steps.rms / (NOISE_FACTOR * noise)
+                    t_row[k], c_row[k] = t, c
+                todo = todo[~(misfit[todo] <= 1.0)]
+                if todo.size == 0 or not self.affordable(
+                        todo.size * S1 + todo.size * NC * S2, H):
+                    break
+            worst = float(np.max(misfit))
+            if not worst <= 1.0:
+                raise _Redesign(
+                    RecoveryFailedError,
+                    f"{todo.size} main row(s) do not fit {H} steps (residual "
+                    f"{worst * NOISE_FACTOR:.1e} times the output precision, base estimate "
+                    f"error {self.details['base estimate relative error']:.1e}): two steps "
+                    f"fell too close in a row, or the black box is not multi-head attention "
+                    f"with {H} canonical heads")
+
+        def round_2(todo):
+            # d columns q_0 + s_k r_j per row (one more than z_hk needs), sampled at row
+            # k's measured steps plus a midpoint; s_k moves the steps by about a fifth of
+            # the row's smallest gap, at most about half of it (labels stay, logits stay
+            # well pinned)
+            gaps = np.diff(np.sort(t_row[todo], axis=1), axis=1).min(axis=1) if H > 1 \
+                else np.full(todo.size, 2.0)
+            y_norm = float(np.max(np.linalg.norm(estimate[0], axis=0)))
+            z_norm = np.linalg.norm(U[todo], axis=1) * y_norm           # about |W_h^T u_k|
+            s_k[todo] = COLUMN_MOVE * np.minimum(gaps, spacing) * math.sqrt(d) / z_norm
+            columns[todo] = self.q_0[None, None] + s_k[todo, None, None] * R[None]
+            lam_cols = np.array([[design.column_lambdas(t_row[k], j, self.half_window,
+                                                        COLUMN_SPARES) for j in range(NC)]
+                                 for k in todo])                          # (n, NC, S2)
+            before = self.oracle.queries
+            kk = np.repeat(todo, NC * S2)
+            lam2, g2 = self.measure(U[kk], np.repeat(columns[todo].reshape(-1, d), S2, 0),
+                                    lam_cols.ravel())
+            self.spend("main columns", before)
+            lam2, g2 = lam2.reshape(-1, NC, S2), g2.reshape(-1, NC, S2)
+            # starts: each column's logits with the row's heights, then z by least squares
+            t_cols = fit.fit_logits(lam2.reshape(-1, S2), g2.reshape(-1, S2),
+                                    np.repeat(c_row[todo], NC, 0), np.repeat(t_row[todo], NC, 0),
+                                    bound=float(np.min(gaps)) if H > 1 else np.inf)
+            t_cols = t_cols.reshape(-1, NC, H)
+            moves[todo] = (np.max(np.abs(t_cols - t_row[todo, None, :]), axis=(1, 2))
+                           / np.minimum(gaps, spacing))
+            for i, k in enumerate(todo):
+                cols_k = np.vstack([self.q_0[None], columns[k]])          # (NC + 1, d)
+                lam_k, g_k, mask = (np.zeros((NC + 1, S1)), np.zeros((NC + 1, S1)),
+                                    np.zeros((NC + 1, S1)))
+                lam_k[0], g_k[0], mask[0] = lam[k], g[k], 1.0
+                lam_k[1:, :S2], g_k[1:, :S2], mask[1:, :S2] = lam2[i], g2[i], 1.0
+                probes[k] = (cols_k, lam_k, g_k, mask, g2[i] + (columns[k] @ self.v)[:, None])
+                z0 = np.linalg.lstsq(cols_k, np.vstack([t_row[k][None], t_cols[i]]),
+                                     rcond=None)[0].T
+                rows[k] = fit.fit_row(lam_k, g_k, mask, cols_k, c_row[k], z0)
+
+        everything = np.arange(d)
+        round_1(everything)
+        round_2(everything)
+        # a row whose joint fit misses the noise (a wrong basin), or pins its parameters
+        # far worse than the median row (a head almost without height in that row, two
+        # steps still close), spoils every head through U^-1: such rows are redesigned
+        # and measured again (the other rows' samples are kept) while the count allows
+        for _ in range(ROW_REDESIGNS + 1):
+            f_all = np.concatenate([g.ravel() + self.q_0 @ self.v]
+                                   + [p[4].ravel() for p in probes])
+            noise = self.noise(f_all, float(np.mean(np.sum(np.abs(c_row), axis=1))))
+            spread = np.array([max(float(np.max(r.z_std)) / max(float(np.linalg.norm(r.z)), 1e-300),
+                                   float(np.max(r.c_std)) / max(float(np.linalg.norm(r.c)), 1e-300))
+                               for r in rows])
+            rms = np.array([float(np.sqrt(np.mean(r.residual ** 2))) for r in rows])
+            ill = ~(spread <= ILL_ROW_FACTOR * np.median(spread))
+            if np.count_nonzero(ill) > d // 2:
+                ill[:] = False                 # the median row is no reference then
+            bad = np.flatnonzero(ill | ~(rms <= NOISE_FACTOR * noise))
+            if bad.size == 0 or not self.affordable(
+                    bad.size * (S1 + NC * S2), H):
+                break
+            redesign(bad)
+            round_1(bad)
+            round_2(bad)
+        gaps = np.diff(np.sort(t_row, axis=1), axis=1).min(axis=1) if H > 1 else np.full(d, 2.0)
+        self.details["column moves / gap (median, max)"] = (float(np.median(moves)),
+                                                            float(moves.max()))
+        probes = [p[:4] for p in probes]
+        noise_floor = self.noise(f_all, float(np.mean(np.sum(np.abs(c_row), axis=1))), floor=True)
+        model, predicted, sigma, measured_sigma = self.assemble(U, rows, noise_floor)
         self.details["predicted relative error (small moves)"] = predicted
-        wide_cost = self.wide_cost(H)
-        if REFINE_ABOVE < predicted <= WIDE_COLUMNS_UP_TO and self.affordable(wide_cost, H):
+        refine_above = 0.0 if self.full_precision else REFINE_ABOVE
+        # as many wide columns per row as paper 2's count and the budget leave (all d
+        # when they can; fewer still sharpen every row's fit)
+        n_wide = next((n for n in range(d, 0, -1) if self.affordable(d * n * (H + COLUMN_SPARES), H)), 0)
+        if refine_above < predicted <= WIDE_COLUMNS_UP_TO and n_wide:
             # round 3: the small column moves limit the precision (z from differences
             # of nearby logits); with every row's z known, columns can be designed like
             # rows, each spreading the row's steps over the whole window. It runs only
             # within paper 2's count (which this learner never exceeds) and the budget.
             self.say("wide columns")
-            rows = self.wide_columns(U, rows, probes, spacing)
-            model, predicted, sigma, measured_sigma = self.assemble(U, rows, noise)
+            rows = self.wide_columns(U, rows, probes, spacing, n_wide)
+            model, predicted, sigma, measured_sigma = self.assemble(U, rows, noise_floor)
         bar = ERROR_BAR_FACTOR * predicted
         cond = max(float(r.jacobian_singular_values[0]
                          / max(r.jacobian_singular_values[-1], 1e-300)) for r in rows)
@@ -610,22 +878,25 @@ class _Extraction:
             "error bar": bar,
         })
         if measured_sigma > NOISE_FACTOR * noise:
-            self.finish(model, bar, check=False)
-            raise RecoveryFailedError(
+            raise _Redesign(
+                RecoveryFailedError,
                 f"the row fits leave a residual {measured_sigma:.1e}, {measured_sigma / noise:.0f} "
-                f"times the output precision {noise:.1e}: the black box is not multi-head "
-                f"attention with {H} canonical heads, or a row fit stopped in a wrong basin",
-                result=self.result)
+                f"times the output precision {noise:.1e}: a row fit stopped in a wrong basin, "
+                f"or the black box is not multi-head attention with {H} canonical heads",
+                model, bar)
         if not bar <= self.tolerance:
-            self.finish(model, bar, check=False)
-            raise RecoveryFailedError(
+            raise _Redesign(
+                RecoveryFailedError,
                 f"the samples do not pin the heads down: predicted relative parameter error "
                 f"{predicted:.1e} (error bar {bar:.1e}) exceeds the tolerance "
                 f"{self.tolerance:.0e}; smallest head separation {sep:.2e}, row fit "
-                f"condition {cond:.1e}", result=self.result)
-        return self.finish(model, bar)
+                f"condition {cond:.1e}", model, bar)
+        try:
+            return self.finish(model, bar)
+        except ModelMismatchError as exc:
+            raise _Redesign(ModelMismatchError, str(exc), model, bar, exc.result) from None
 
-    def assemble(self, U, rows, noise):
+    def assemble(self, U, rows, noise_floor):
         """The heads from the row fits, W_h = U^-1 Z_h and v_h = U^-1 C_h, and their
         predicted rms relative error (rows are independent: each fit's covariance
         propagated through U^-1). Returns (model, predicted, sigma, measured sigma)."""
@@ -633,7 +904,7 @@ class _Extraction:
         H = rows[0].c.size
         residual = np.concatenate([r.residual for r in rows])
         params = H * (d + 1) * d
-        sigma = fit.residual_sigma(residual, params, noise)
+        sigma = fit.residual_sigma(residual, params, noise_floor)
         measured_sigma = fit.residual_sigma(residual, params)
         Z = np.array([r.z for r in rows])                              # (d, H, d)
         Cm = np.array([r.c for r in rows])                             # (d, H)
@@ -641,12 +912,10 @@ class _Extraction:
         W = np.einsum("ik,kha->hia", Uinv, Z)
         v = (Uinv @ Cm).T
         if not (np.all(np.isfinite(W)) and np.all(np.isfinite(v))):
-            self.finish(MultiHeadAttention(np.zeros((0, d, d)), np.zeros((0, d))), None,
-                        check=False)
-            raise RecoveryFailedError(
+            raise _Redesign(
+                RecoveryFailedError,
                 "the samples do not pin the heads down: a row fit diverged or the designed "
-                "rows are singular (a head too weak to be located); error bar inf",
-                result=self.result)
+                "rows are singular (a head too weak to be located); error bar inf")
         z_var = np.array([r.z_std ** 2 for r in rows]) * sigma ** 2    # (d, H, d)
         c_var = np.array([r.c_std ** 2 for r in rows]) * sigma ** 2    # (d, H)
         W_var = np.einsum("ik,kha->h", Uinv ** 2, z_var)
@@ -656,30 +925,31 @@ class _Extraction:
         predicted = float(np.max(np.maximum(W_rel, v_rel)))
         return MultiHeadAttention(W, v), predicted, sigma, measured_sigma
 
-    def wide_columns(self, U, rows, probes, spacing):
-        """Round 3: d designed columns per row, each with the row's steps evenly spread
-        (positions z_hk^T q predicted from the row's fit), H + 1 samples each; every
-        row is refitted on all its samples."""
+    def wide_columns(self, U, rows, probes, spacing, count):
+        """Round 3: ``count`` (up to d) designed columns per row, each with the row's
+        steps evenly spread (positions z_hk^T q predicted from the row's fit), H + 1
+        samples each; every row is refitted on all its samples."""
         d = self.d
         H = rows[0].c.size
         positions = design.step_positions(H, self.half_window - 1.5 - 0.5 * spacing)
         columns = np.array([design.design_rows(r.z.T, None, positions, self.rng,
-                                               jitter=0.5 * spacing) for r in rows])  # (d, d, d)
+                                               jitter=0.5 * spacing, count=count)
+                            for r in rows])                              # (d, count, d)
         t_pred = np.einsum("kjd,khd->kjh", columns, np.array([r.z for r in rows]))
         lam_w = np.array([[design.column_lambdas(t_pred[k, j], j, self.half_window,
-                                                 COLUMN_SPARES) for j in range(d)]
-                          for k in range(d)])                          # (d, d, S3)
+                                                 COLUMN_SPARES) for j in range(count)]
+                          for k in range(d)])                          # (d, count, S3)
         S3 = lam_w.shape[2]
         before = self.oracle.queries
-        kk = np.repeat(np.arange(d), d * S3)
+        kk = np.repeat(np.arange(d), count * S3)
         lam3, g3 = self.measure(U[kk], np.repeat(columns.reshape(-1, d), S3, 0), lam_w.ravel())
         self.spend("main wide columns", before)
-        lam3, g3 = lam3.reshape(d, d, S3), g3.reshape(d, d, S3)
+        lam3, g3 = lam3.reshape(d, count, S3), g3.reshape(d, count, S3)
         refitted = []
         for k, ((cols_k, lam_k, g_k, mask), r) in enumerate(zip(probes, rows)):
             S = max(lam_k.shape[1], S3)
             pad = lambda a: np.pad(a, ((0, 0), (0, S - a.shape[1])))
-            wide = np.zeros((d, S))
+            wide = np.zeros((count, S))
             wide[:, :S3] = 1.0
             refitted.append(fit.fit_row(np.vstack([pad(lam_k), pad(lam3[k])]),
                                         np.vstack([pad(g_k), pad(g3[k])]),
@@ -692,35 +962,59 @@ class _Extraction:
         d = self.d
         if not hasattr(self, "precision"):
             self.precision, self.precision_name = 2.0 ** -53, "float64"
+            self.relative_rounding, self.absolute_noise = self.precision, 0.0
         self.finish(MultiHeadAttention(np.zeros((0, d, d)), np.zeros((0, d))), None, check=False)
         raise ModelMismatchError(message, result=self.result)
 
     def finish(self, model: MultiHeadAttention, bar, check: bool = True):
+        """Verify ``model`` on held-out sequences and build the result and its report.
+
+        A returned model is counted for its canonical heads; a refusal (``check``
+        False) for the H asked (or searched), so that its floor and paper-2 count are
+        those of the run. A refusal with no model spends no verification queries."""
         d = self.d
-        H = max(model.heads, 1)
+        refused = not check
+        H = self.max_heads if refused or not model.heads else model.heads
         n_verify = verification_count(H * (d * d + d))
         recovery = self.oracle.queries - self.q0
         tol = self.verify_tolerance
-        if self.precision_name != "float64":
-            tol = max(tol, 30 * self.precision + 10 * (bar or 0.0))
-        scale = token_scale(model) if model.heads else 1.0
-        verification = verify_model(self.oracle, model, count=n_verify, seed=self.seed,
-                                    tolerance=tol, scale=scale,
-                                    expected_error=bar if model.heads else None)
+        if self.precision_name != "float64" or self.decimals is not None:
+            tol = max(tol, 30 * self.relative_rounding + 10 * (bar or 0.0))
+        verification = None
+        if model.heads or not refused:
+            scale = token_scale(model) if model.heads else 1.0
+            verification = verify_model(self.oracle, model, count=n_verify, seed=self.seed,
+                                        tolerance=tol, scale=scale,
+                                        expected_error=bar if model.heads else None)
         floor = H * (d * d + d)
+        count = paper2_count(H, d)
+        total = self.oracle.queries - self.q0
         self.details.update({
             "method": "copy probes at designed step positions, row-wise joint fits",
-            "heads": model.heads,
+            ("heads asked" if self.heads_told else "heads searched up to") if refused
+            else "heads": self.max_heads if refused else model.heads,
             "recovery queries": recovery,
-            "paper-2 count": paper2_count(H, d),
+            "paper-2 count": count,
             "floor H(d^2 + d)": floor,
             "recovery / floor": recovery / floor,
-            "held-out error": verification.max_relative_error,
             "output precision": self.precision_name,
         })
-        report = Report(kind=MultiHeadAttention.kind, dim=d, queries=self.oracle.queries - self.q0,
+        if verification is not None:
+            self.details["held-out error"] = verification.max_relative_error
+        if total > count and not any("paper 2's count" in n for n in self.notes):
+            smallest = (d + 3 * (4 * H + 8) + self.perturbation_cost(H) + self.main_cost(H)
+                        + n_verify)
+            why = (f"the count is below the floor plus the verification ({floor} + "
+                   f"{n_verify}) at d = {d}" if count < floor + n_verify else
+                   f"the smallest design this learner runs needs {smallest} at d = {d}"
+                   if smallest > count else
+                   "the head count search (give heads= to plan for H)" if not self.heads_told
+                   else "the redesigns")
+            self.notes.append(f"{total} queries (verification included), above paper 2's "
+                              f"count {count} for H = {H}, d = {d}: {why}")
+        report = Report(kind=MultiHeadAttention.kind, dim=d, queries=total,
                         breakdown={**self.breakdown, "recovery": recovery,
-                                   "verification": n_verify},
+                                   "verification": n_verify if verification is not None else 0},
                         floor=floor, verification=verification,
                         seconds=time.perf_counter() - self.start,
                         black_box_seconds=self.oracle.black_box_seconds - self.bb0,
@@ -749,6 +1043,24 @@ def base_quality(steps, half_window: float) -> float:
         return math.inf
     gap = float(np.min(np.diff(steps.t))) if steps.t.size > 1 else 1.0
     return float(np.max(steps.t_std)) / max(gap, 1e-300)
+
+
+def _agreed_count(counts) -> int | None:
+    """The largest head count that two base rows agree on (None if none does): a row
+    whose fit at the true count misses the noise gives a larger count alone."""
+    votes = [c for c in counts if c is not None]
+    agreed = [c for c in set(votes) if votes.count(c) >= 2]
+    return max(agreed) if agreed else None
+
+
+def _corrected(Y0, V0, U_fit, T_fit, C_fit):
+    """The estimates (d, H) corrected by rows that fit: their measured positions and
+    heights are exactly U_fit Y0 and U_fit V0, so the least change that agrees with
+    them (in the span of those rows) is added."""
+    if U_fit.shape[0] == 0:
+        return Y0, V0
+    pinv = np.linalg.pinv(U_fit)
+    return Y0 + pinv @ (T_fit - U_fit @ Y0), V0 + pinv @ (C_fit - U_fit @ V0)
 
 
 def _smallest_separation(model: MultiHeadAttention) -> float:

@@ -107,7 +107,7 @@ def orthonormal_complement(u0: np.ndarray, rng: np.random.Generator) -> np.ndarr
 
 def design_rows(Y0: np.ndarray, V: np.ndarray, positions: np.ndarray, rng: np.random.Generator,
                 candidates: int | None = None, jitter: float = 0.25,
-                count: int | None = None) -> np.ndarray:
+                count: int | None = None, keep: np.ndarray | None = None) -> np.ndarray:
     """Main rows u_k (count, d), d by default, placing head h's step of row k at a
     designed position.
 
@@ -129,6 +129,9 @@ def design_rows(Y0: np.ndarray, V: np.ndarray, positions: np.ndarray, rng: np.ra
         offsets alone condition U, and more draws halve cond(U) / cond(Y0)).
     count : int, optional
         Rows to design (default d).
+    keep : array (k, d), optional
+        Rows already measured: the new rows are scored by their distance to these too
+        (the rows together must span R^d).
     """
     d, H = Y0.shape
     candidates = candidates or (24 if H < d else 100)
@@ -137,6 +140,7 @@ def design_rows(Y0: np.ndarray, V: np.ndarray, positions: np.ndarray, rng: np.ra
     scale_u = float(np.max(np.linalg.norm(pinv, axis=1))) * max(float(np.max(np.abs(positions))), 1.0)
     v_norm = np.linalg.norm(V, axis=0) + 1e-300 if V is not None else None
     rows = []
+    kept = [] if keep is None else list(keep)
     for k in range(d if count is None else count):
         orders = np.array([rng.permutation(H) for _ in range(candidates)])
         offsets = rng.uniform(-jitter, jitter, size=candidates)
@@ -150,8 +154,8 @@ def design_rows(Y0: np.ndarray, V: np.ndarray, positions: np.ndarray, rng: np.ra
         else:
             heights = np.abs(cand @ V) / v_norm / np.linalg.norm(cand, axis=1, keepdims=True)
             score = heights.min(axis=1) * math.sqrt(d)
-        if rows:
-            R = np.linalg.qr(np.array(rows).T)[0]
+        if rows or kept:
+            R = np.linalg.qr(np.array(kept + rows).T)[0]
             resid = cand - (cand @ R) @ R.T
             score = score * np.linalg.norm(resid, axis=1) / np.linalg.norm(cand, axis=1)
         rows.append(cand[int(np.argmax(score))])
@@ -178,12 +182,18 @@ def least_uncertain_row(Y0: np.ndarray, V: np.ndarray, Y_cov: np.ndarray,
     positions : array (H,)
     """
     d, H = Y0.shape
-    M = Y_cov + 1e-12 * np.trace(Y_cov) / d * np.eye(d) + 1e-300 * np.eye(d)
-    MY = np.linalg.solve(M, Y0)                                  # (d, H)
-    gram = Y0.T @ MY                                             # (H, H)
     orders = np.array([rng.permutation(H) for _ in range(candidates)])
     targets = positions[orders] + rng.uniform(-jitter, jitter, size=candidates)[:, None]
-    rows = np.linalg.solve(gram, targets.T).T @ MY.T             # (C, d)
+    # null-space method (stable where the normal equations of generalised least squares
+    # are not: the covariance spans many decades, and at H = d the rows are fixed):
+    # u = u_p + N z with Y0^T u_p = targets, N a basis of null(Y0^T), z minimising u^T M u
+    Q, R = np.linalg.qr(Y0, mode="complete")                     # Y0 = Q[:, :H] R[:H]
+    rows = np.linalg.solve(R[:H].T, targets.T).T @ Q[:, :H].T      # (C, d), u_p
+    N = Q[:, H:]                                                 # (d, d - H)
+    if N.shape[1]:
+        M = Y_cov / max(float(np.trace(Y_cov)) / d, 1e-300)
+        z = np.linalg.lstsq(N.T @ M @ N, -(rows @ M @ N).T, rcond=None)[0].T   # (C, d - H)
+        rows = rows + z @ N.T
     heights = np.abs(rows @ V) / (np.linalg.norm(V, axis=0) + 1e-300)
     return rows[int(np.argmax(heights.min(axis=1)))]
 

@@ -31,10 +31,9 @@ def sigmoid_and_slope(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def levenberg_marquardt(fun, x: np.ndarray, iterations: int = 200):
     """Minimise |r(x)|^2 for ``fun(x) -> (r, J)``; returns (x, r, J) at the solution.
 
-    MINPACK's Levenberg-Marquardt (scipy.optimize.least_squares, method 'lm'): QR
-    steps on the scaled Jacobian, tolerances at machine precision. At most
-    ``iterations`` evaluations: from the starts used here it converges in tens, and at
-    machine precision MINPACK may otherwise keep stepping without gain.
+    scipy's trust-region reflective solver with exact (SVD) steps on the Jacobian
+    scaled by its column norms, tolerances at machine precision (:func:`_solve`). At
+    most ``iterations`` evaluations: from the starts used here it converges in tens.
     """
     cache = {}
 
@@ -50,10 +49,20 @@ def levenberg_marquardt(fun, x: np.ndarray, iterations: int = 200):
     x = np.asarray(x, dtype=np.float64)
     if fun(x)[0].size < x.size:
         raise ValueError("fewer samples than parameters")
-    out = least_squares(residual, x, jac=jacobian, method="lm", xtol=1e-15, ftol=1e-15,
-                        gtol=1e-15, max_nfev=iterations)
-    r, J = fun(out.x)
-    return out.x, r, J
+    x_opt = _solve(residual, x, jacobian, iterations)
+    r, J = fun(x_opt)
+    return x_opt, r, J
+
+
+def _solve(residual, x0: np.ndarray, jacobian="2-point", iterations: int | None = None):
+    """argmin |residual(x)|^2 from ``x0``: least squares by the trust-region reflective
+    method (numpy/LAPACK only). MINPACK's Levenberg-Marquardt (method 'lm') was used
+    before; its C work arrays are allocated per call, and their memory alignment,
+    which the heap (and so PYTHONHASHSEED) decides, changed its last bits and through
+    them the design: the same seed gave different runs."""
+    eps = np.finfo(np.float64).eps
+    return least_squares(residual, x0, jac=jacobian, method="trf", x_scale="jac",
+                         xtol=eps, ftol=eps, gtol=eps, max_nfev=iterations).x
 
 
 def unit_std(J: np.ndarray) -> np.ndarray:
@@ -62,6 +71,8 @@ def unit_std(J: np.ndarray) -> np.ndarray:
     Directions the samples do not pin down (singular values below 1e-15 of the
     largest) give inf.
     """
+    if not np.all(np.isfinite(J)):
+        return np.full(J.shape[1], np.inf)
     _, s, Vt = np.linalg.svd(J, full_matrices=False)
     if s.size == 0 or s[-1] <= s[0] * 1e-15:
         return np.full(J.shape[1], np.inf)
@@ -196,7 +207,7 @@ def refit_steps(lam: np.ndarray, g: np.ndarray, total: float, t0: np.ndarray,
         A, c = heights(t)
         return A @ c - np.append(gs, ts)
 
-    t = least_squares(projected, t0, method="lm", xtol=1e-15, ftol=1e-15, gtol=1e-15).x
+    t = _solve(projected, t0)
     fun = _steps_residual(lam, gs, ts, 1.0)
     x, r, J = levenberg_marquardt(fun, np.concatenate([t, heights(t)[1]]))
     std = unit_std(J) * residual_sigma(r, J.shape[1], floor / scale)

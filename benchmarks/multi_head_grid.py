@@ -5,9 +5,10 @@ One cell runs the multi-head learner on ``seeds`` independent random black boxes
 ``rank`` is given) and summarises: the success rate (canonical error <= the goal, or
 within the error bar for rounded outputs), refusals by type, wrong models (a returned
 model whose error exceeds its own error bar: must be 0), median recovery queries against
-paper 2's count 4Hd^2 - 2H + 1 and the floor, median and worst canonical error, and wall
-times. Used by ``attnextract bench`` (a few seeds) and benchmarks/bench_multi_head.py (the
-full grid).
+paper 2's count 4Hd^2 - 2H + 1 and the floor, median and worst canonical error, wall
+times, first-try success (one design, no main row redesigned) and the redesigns. Used by
+``attnextract bench`` (a few seeds, through its source checkout) and
+benchmarks/bench_multi_head.py (the full grid).
 """
 
 from __future__ import annotations
@@ -16,20 +17,26 @@ import time
 
 import numpy as np
 
-from .errors import AttnExtractError
-from .oracle import Oracle, RoundedOutputs
+from attnextract.errors import AttnExtractError
+from attnextract.oracle import Oracle, RoundedOutputs
 
 GOAL = 1e-10          # canonical error of a success, full-rank heads
 LOW_RANK_GOAL = 1e-8  # ... low-rank heads (issue 12, item 2)
 
 
 def grid_cell(H: int, d: int, seeds: int, scale: float = 1.0, float32: bool = False,
-              rank: int | None = None) -> dict:
-    """One grid cell over ``seeds`` seeds; returns its summary row (see module doc)."""
-    from .adapters.targets import random_low_rank_multi_head, random_multi_head
-    from .learners.multi_head import canonical_error, extract_multi_head, paper2_count
+              rank: int | None = None, learner_seeds=None, told: bool = True,
+              precision: str = "full") -> dict:
+    """One grid cell over ``seeds`` seeds; returns its summary row (see module doc).
+
+    ``learner_seeds``: the learner's seed per target seed (default: the target seed);
+    ``told``: the learner is given H (else it finds the count); ``precision``: the
+    learner's option."""
+    from attnextract.adapters.targets import random_low_rank_multi_head, random_multi_head
+    from attnextract.learners.multi_head import canonical_error, extract_multi_head, paper2_count
     runs = []
     for seed in range(seeds):
+        learner_seed = seed if learner_seeds is None else int(learner_seeds[seed])
         if rank is None:
             target = random_multi_head(H, d, seed=10_000 * H + 100 * d + seed,
                                        w_scale=scale / np.sqrt(d))
@@ -39,16 +46,22 @@ def grid_cell(H: int, d: int, seeds: int, scale: float = 1.0, float32: bool = Fa
         start = time.perf_counter()
         try:
             if rank is None:
-                result = extract_multi_head(oracle, heads=H, seed=seed)
+                result = extract_multi_head(oracle, heads=H if told else None,
+                                            seed=learner_seed, precision=precision)
             else:
-                from .learners.multi_head_low_rank import extract_multi_head_low_rank
-                result = extract_multi_head_low_rank(oracle, H, rank, seed=seed)
+                from attnextract.learners.multi_head_low_rank import extract_multi_head_low_rank
+                result = extract_multi_head_low_rank(oracle, H, rank, seed=learner_seed)
             outcome = None
-        except AttnExtractError as exc:
+        except AttnExtractError as error:
+            exc = error
             result, outcome = getattr(exc, "result", None), type(exc).__name__
         wall = time.perf_counter() - start
-        run = {"seed": seed, "wall": wall, "refused": outcome, "queries": oracle.queries,
-               "black_box": oracle.black_box_seconds}
+        run = {"seed": seed, "learner_seed": learner_seed, "wall": wall, "refused": outcome,
+               "queries": oracle.queries, "black_box": oracle.black_box_seconds}
+        details = result.report.details if result is not None else {}
+        run.update(designs=int(details.get("designs tried", 1)),
+                   rows_redesigned=int(details.get("main rows redesigned", 0)),
+                   message=None if outcome is None else str(exc)[:400])
         if outcome is None:
             err = canonical_error(result.model, target)
             details = result.report.details
@@ -56,6 +69,7 @@ def grid_cell(H: int, d: int, seeds: int, scale: float = 1.0, float32: bool = Fa
                               .get("predicted_error", np.inf))
             goal = GOAL if rank is None else LOW_RANK_GOAL
             run.update(error=err, bar=bar, recovery=result.report.breakdown["recovery"],
+                       total=result.report.queries, heads_found=result.model.heads,
                        wrong=bool(err > bar) if float32 else bool(err > max(bar, goal)),
                        success=bool(err <= bar if float32 else err <= goal))
         else:
@@ -70,8 +84,16 @@ def grid_cell(H: int, d: int, seeds: int, scale: float = 1.0, float32: bool = Fa
     fail_walls = [r["wall"] for r in runs if not r["success"]]
     floor = H * (d * d + d) if rank is None else H * (d + rank * (2 * d - rank))
     median = lambda key, rs: float(np.median([r[key] for r in rs])) if rs else None
+    first_try = [r for r in ok if r["designs"] == 1 and r["rows_redesigned"] == 0]
     return {"H": H, "d": d, "rank": rank, "scale": scale, "float32": float32, "seeds": seeds,
-            "success_rate": len(ok) / seeds, "refusals": refusals,
+            "told": told, "precision": precision,
+            "success_rate": len(ok) / seeds, "first_try_rate": len(first_try) / seeds,
+            "retries": int(sum(r["designs"] - 1 for r in runs)),
+            "rows_redesigned": int(sum(r["rows_redesigned"] for r in runs)),
+            "wall_total": float(sum(r["wall"] for r in runs)),
+            "wall_max": float(max(r["wall"] for r in runs)),
+            "total_median": median("total", done),
+            "runs": runs, "refusals": refusals,
             "failed_seeds": [r["seed"] for r in runs if not r["success"]],
             "wrong_models": int(sum(r["wrong"] for r in runs)),
             "recovery_median": median("recovery", done),
@@ -86,20 +108,62 @@ def grid_cell(H: int, d: int, seeds: int, scale: float = 1.0, float32: bool = Fa
 
 def grid_markdown(rows: list[dict]) -> str:
     """The cells as one markdown table."""
-    out = ["| d | H | r | W scale | success | refusals | wrong | median queries | paper 2 | "
-           "floor | queries / floor | median error | worst error | s (success, median) | "
-           "s (failure, max) |", "|" + "---|" * 15]
+    out = ["| d | H | r | W scale | H told | success | first try | retries (rows) | refusals | "
+           "wrong | median queries | paper 2 | floor | queries / floor | median error | "
+           "worst error | s (success, median) | s (cell) | s (failure, max) |",
+           "|" + "---|" * 19]
     fmt = lambda x, f: "-" if x is None else format(x, f)
     for r in rows:
         q = r["recovery_median"]
         out.append(f"| {r['d']} | {r['H']} | {r['rank'] or 'full'} | {r['scale']:g} | "
-                   f"{r['success_rate']:.0%} | "
+                   f"{'yes' if r.get('told', True) else 'no'} | "
+                   f"{r['success_rate']:.0%} | {fmt(r.get('first_try_rate'), '.0%')} | "
+                   f"{r.get('retries', 0)} ({r.get('rows_redesigned', 0)}) | "
                    f"{', '.join(f'{k} {v}' for k, v in r['refusals'].items()) or '-'} | "
                    f"{r['wrong_models']} | {fmt(q, '.0f')} | {r['paper2']} | {r['floor']} | "
                    f"{'-' if q is None else format(q / r['floor'], '.2f')} | "
                    f"{fmt(r['error_median'], '.1e')} | {fmt(r['error_worst'], '.1e')} | "
-                   f"{fmt(r['wall_success_median'], '.1f')} | {fmt(r['wall_failure_max'], '.1f')} |")
+                   f"{fmt(r['wall_success_median'], '.1f')} | {fmt(r.get('wall_total'), '.0f')} | "
+                   f"{fmt(r['wall_failure_max'], '.1f')} |")
     return "\n".join(out) + "\n"
+
+
+def queries_error_plot(rows: list[dict], path) -> list[str]:
+    """Every returned run as a point: recovery queries / floor against canonical error,
+    one colour per d, filled for H told and open for H found; writes ``path`` (PNG) and
+    the same with .svg. Returns the files written."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from pathlib import Path
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colours = {}
+    for r in rows:
+        if r["rank"] is not None:
+            continue
+        colour = colours.setdefault(r["d"], f"C{len(colours)}")
+        pts = [(run["recovery"] / r["floor"], max(run["error"], 1e-17))
+               for run in r.get("runs", []) if "error" in run]
+        if not pts:
+            continue
+        x, y = zip(*pts)
+        told = r.get("told", True)
+        ax.scatter(x, y, s=12, color=colour if told else "none", edgecolors=colour,
+                   label=f"d = {r['d']}, precision {r.get('precision', 'full')}"
+                         f"{'' if told else ', H found'}")
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    ax.set(xlabel="recovery queries / floor H(d^2 + d)", ylabel="canonical error", yscale="log")
+    ax.axhline(GOAL, color="gray", ls=":")
+    ax.legend(unique.values(), unique.keys(), fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    written = []
+    for out in (path, path.with_suffix(".svg")):
+        fig.savefig(out, dpi=120, bbox_inches="tight")
+        written.append(str(out))
+    plt.close(fig)
+    return written
 
 
 def grid_plot(rows: list[dict], path) -> list[str]:
