@@ -169,6 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=help, parents=[common],
                               formatter_class=HelpFormatter)
 
+    for add in (_extract_parser, _serve_parser, _minilm_parser, _verify_parser, _demo_parser,
+                _bench_parser, _twins_parser):
+        add(command)
+    return parser
+
+
+def _extract_parser(command) -> None:
+    """extract: the target, the learner and its options."""
     ex = command("extract", "extract a model from a black box")
     ex.epilog = model_table()
     ex.add_argument("--target", required=True,
@@ -196,7 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--biases", action="store_true",
                     help="the attention has query, value and output biases, as deployed layers "
                          "do: f = sum_h softmax(X (W_h x_N + b_h))^T X v_h + c; recovers b_h "
-                         "and c too (single-head, multi-head-low-rank; see docs/biases.md)")
+                         "and c too (single-head, low-rank, multi-head-low-rank; see docs/biases.md)")
+    _add_learner_options(ex)
+    _add_noise_options(ex)
+    _add_http_client_options(ex)
+
+
+def _add_learner_options(ex) -> None:
+    """extract: the options of particular learners (rank, heads, polish)."""
     low = ex.add_argument_group("--model low-rank")
     low.add_argument("--rank", type=_positive_int,
                      help="rank r of W, needed by --method rop (default: found)")
@@ -217,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     ffn.add_argument("--no-polish", action="store_false", dest="polish",
                      help="skip measuring each hidden unit alone (m d fewer queries, fewer "
                           "bits of precision)")
+
+
+def _add_noise_options(ex) -> None:
+    """extract: noisy, rounded, low-precision and label-only outputs."""
     noisy = ex.add_argument_group("noisy or rounded outputs (--model single-head; --output-dtype "
                                   "and --decimals also multi-head, multi-head-low-rank, "
                                   "transformer-layer)")
@@ -252,6 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the labels' known THRESHOLD; a nonzero one also fixes the scale of v")
     labels.add_argument("--bits", type=_positive_int, default=OPTION_DEFAULTS["bits"],
                         help="bisection steps per entry of W")
+
+
+def _add_http_client_options(ex) -> None:
+    """extract: the HTTP client of an http:// target."""
     http = ex.add_argument_group("http:// targets")
     client = _http_defaults()
     http.add_argument("--http-timeout", type=float, metavar="SECONDS",
@@ -264,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="request/answer format (default npy, falling back to json for "
                            "servers without it)")
 
+
+def _serve_parser(command) -> None:
+    """serve: a model file as an HTTP black box, its limits and its ledger."""
     se = command("serve", "serve a model file as an HTTP black box")
     se.add_argument("--secret", required=True,
                     help="FILE.npz with W and v (or a RESULT.npz), or FILE.py:NAME")
@@ -295,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--min-body-rate", type=float, default=256.0, metavar="KIB_PER_S",
                     help="KiB/s a body must average after its idle-timeout grace (else 408)")
 
+
+def _minilm_parser(command) -> None:
+    """minilm: a real all-MiniLM-L6-v2 head or layer."""
     mi = command("minilm", "extract a real head of all-MiniLM-L6-v2 (offline weights)")
     mi.add_argument("--layer", required=True, type=_nonnegative_int, help="layer 0..5")
     mi.add_argument("--head", type=_nonnegative_int, help="head 0..11 (or --all-heads)")
@@ -324,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     mi.add_argument("--json", action="store_true", help="print one JSON object")
     _add_journal(mi)
 
+
+def _verify_parser(command) -> None:
+    """verify: a saved result against a black box."""
     ve = command("verify", "compare a saved result with a black box")
     ve.add_argument("--target", required=True,
                     help="FILE.py:NAME (a callable (B, N, d) -> (B,)) or http://HOST:PORT")
@@ -343,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("--json", action="store_true", help="print one JSON object")
     _add_journal(ve, beside_out=False)
 
+
+def _demo_parser(command) -> None:
+    """demo: a secret random head, extracted and checked."""
     de = command("demo", "extract a secret random single head and check it")
     de.add_argument("--dim", type=_positive_int, default=64, help="token width d")
     de.add_argument("--seed", type=int, help="seed of the secret target (default: random)")
@@ -351,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     de.add_argument("--json", action="store_true", help="print one JSON object")
     _add_journal(de, beside_out=False)
 
+
+def _bench_parser(command) -> None:
+    """bench: every learner against floors and a baseline."""
     be = command("bench", "benchmark every learner against floors and a baseline")
     be.add_argument("--quick", action="store_true", help="small sizes, under two minutes")
     be.add_argument("--out-dir", default="bench-out", metavar="DIR",
@@ -362,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--update-readme", metavar="README", help="put the table into README's "
                     "<!-- bench:begin --> ... <!-- bench:end --> block")
 
+
+def _twins_parser(command) -> None:
+    """twins: two parameter sets with one input-output map."""
     tw = command("twins", "show that multi-head attention is not identifiable: "
                           "two different parameter sets, one input-output map")
     tw.add_argument("--heads", type=_positive_int, default=3, help="heads of the random model")
@@ -370,7 +411,6 @@ def build_parser() -> argparse.ArgumentParser:
     tw.add_argument("--count", type=_positive_int, default=1000,
                     help="random sequences compared")
     tw.add_argument("--json", action="store_true", help="print one JSON object")
-    return parser
 
 
 def model_table() -> str:
