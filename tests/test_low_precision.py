@@ -295,3 +295,30 @@ def test_torch_target_dtype_errors():
         TorchAttentionBlackBox(torch.nn.MultiheadAttention(4, 1), dtype="int8")
     double = torch.nn.MultiheadAttention(4, 1).double()
     assert TorchAttentionBlackBox(double, dtype=None).dtype_name == "float64"
+
+
+# ---------------------------------------------------------------------------
+# multi-head (the full-rank learner): the options reach it, refusals name them
+# ---------------------------------------------------------------------------
+
+def test_cli_forwards_precision_options_to_multi_head():
+    learner, options = _learner_and_options(parsed("--model", "multi-head", "--heads", "2",
+                                                   "--output-dtype", "float32"))
+    assert learner.name == "multi-head" and options == {"heads": 2, "output_dtype": "float32"}
+
+
+def test_multi_head_float32_torch_forward_pass_stated():
+    """The 100-trial measurement is benchmarks/bench_float32_torch.py; here 6 trials."""
+    outcomes = []
+    for trial in range(6):
+        box, truth = torch_float32_box(16, 2, trial)
+        try:
+            result = extract(Oracle(box, 16), "multi-head", heads=2, seed=trial,
+                             output_dtype="float32")
+        except REFUSALS as exc:
+            assert "output-dtype" in str(exc) or "output_dtype" in str(exc), str(exc)
+            outcomes.append("refused")
+            continue
+        bar = result.report.details["error bar"]
+        outcomes.append("within" if canonical_error(result.model, truth) <= bar else "outside")
+    assert outcomes.count("outside") == 0 and outcomes.count("within") >= 4, outcomes
