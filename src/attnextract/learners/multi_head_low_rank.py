@@ -105,6 +105,10 @@ CHECK_TOL = 1e-8         # relative misfit of a cell's gradient checks
 RANK_TOL = 1e-9          # singular value / largest counted in a rank
 TARGET_LOGIT = 1.0       # aim for |logit| about this
 MAX_LOGIT = 12.0         # beyond it sigma' < 1e-5: probed again, smaller
+PRECISE_LOGIT = 4.0      # beyond it a(1 - a) < 0.018: the logit's rounding (and the other heads'
+                         # predicted background) grow by cosh^2(t / 2) > 14: redone smaller
+                         # (MiniLM layer 5, seed 0: one isolation entry kept at 11.9 cost
+                         # head 9 1.6e-8 in W_h and b_h, against 4e-12..6.5e-11 elsewhere)
 MAX_RESCALES = 6
 SATURATED = 40.0         # logits of the exact-height probes (sigma within e^-40 of 0 or 1)
 REFINE_ITERATIONS = 4    # re-solves of the stored blocks with the other heads predicted
@@ -271,18 +275,30 @@ def resolve(block: Block, v, values, W, offsets=None) -> np.ndarray:
     return t / G
 
 
+def _sensitivity(t) -> np.ndarray:
+    """1 / (a (1 - a)) = 4 cosh^2(t / 2) at logits t: how much a logit's error exceeds
+    its attention weight's (the weight's rounding becomes this much logit error)."""
+    return 4.0 * np.cosh(np.minimum(np.abs(t), 50.0) / 2.0) ** 2
+
+
 class LogitMeter:
     """Measures one head's logits t_h(u, q) = u^T W_h q where it is the only sigmoid left.
 
     Probe [s q + c u; s q] with G = c s (``split_scale``):
     f = s v^T q + c (background(u) + c_h(u) sigma(G t_h)); ``background`` is what the
     other heads add at logit 0 (sum_{g != h} c_g(u) / 2, or 0 where they have no height).
-    Probes whose logit leaves |G t| <= MAX_LOGIT are redone at a smaller scale.
+    Probes whose logit leaves |G t| <= PRECISE_LOGIT are redone at a smaller scale (one
+    still beyond it after two tries is kept up to MAX_LOGIT; :attr:`steepest` and the
+    RMS sensitivity 1 / (a (1 - a)) of the kept entries enter the error bar).
     """
 
     def __init__(self, oracle: Oracle, v: np.ndarray, tol: Tolerances = EXACT):
         self.oracle, self.v, self.tol = oracle, v, tol
         self.rescued = 0
+        self.steepest = 0.0     # largest |G t| of a kept entry
+        # sum over kept entries of (1 / (a (1 - a)))^2 and their count: the RMS sensitivity
+        # of the logits to the answers' rounding (the error bar grows with it)
+        self.sensitivity, self.entries = 0.0, 0
 
     def _logits(self, U, Qc, height, background, scale):
         c, s = split_scale(scale)
@@ -313,11 +329,21 @@ class LogitMeter:
         scale = np.broadcast_to(np.asarray(scale, dtype=float), (len(U),)).copy()
         t = self._logits(U, Qc, height, background, scale)
         outputs = self.outputs
-        for _ in range(MAX_RESCALES):
-            bad = ~(np.abs(t) <= self.tol.max_logit)
-            if not bad.any():
+        # entries beyond PRECISE_LOGIT are redone smaller; one that stays beyond it (a
+        # logit offset no scale removes) is kept if within max_logit, and the error bar
+        # grows with the steepest kept entry (:attr:`steepest`)
+        precise = min(PRECISE_LOGIT, self.tol.max_logit)
+        for attempt in range(MAX_RESCALES + 1):
+            bad = ~(np.abs(t) <= precise)
+            if not bad.any() or (attempt >= 2 and np.all(np.abs(t) <= self.tol.max_logit)):
                 self.last_scale, self.last_outputs = scale, outputs
+                self.steepest = max(self.steepest, float(np.max(np.abs(t), initial=0.0)))
+                self.sensitivity += float(np.sum(_sensitivity(t) ** 2))
+                self.entries += len(t)
                 return t / scale
+            if attempt == MAX_RESCALES:
+                bad = ~(np.abs(t) <= self.tol.max_logit)
+                break
             ok = np.isfinite(t[bad])
             with np.errstate(divide="ignore", invalid="ignore"):
                 factor = np.where(ok, TARGET_LOGIT / np.abs(np.where(ok, t[bad], 1.0)), 2.0 ** -10)
@@ -950,9 +976,9 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
     W, separations, column_blocks = np.zeros((H, d, d)), [], []
     for h in range(H):
         if biases:
-            rescued = meter.rescued
+            kept = meter.rescued, meter.steepest, meter.sensitivity, meter.entries
             meter = LogitMeter(_Translated(oracle, origins[h], const + v @ origins[h]), v, tol)
-            meter.rescued = rescued
+            meter.rescued, meter.steepest, meter.sensitivity, meter.entries = kept
         W[h], block, sep = head_matrix(meter, v, values, spaces, h, rng, offset_column=biases)
         block.origin = origins[h]
         column_blocks.append(block)
@@ -1025,6 +1051,14 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
     value_error = EPS / max(value_info.get("gradient step", 1.0), EPS)
     first_pass = (value_error / max(value_sep, EPS) + EPS / max(min_height, EPS)) * spread / min_sep
     predicted = EPS * spread / min_sep if changes else first_pass
+    # a kept entry at logit t is 1 / (a (1 - a)) = 4 cosh^2(t / 2) times as sensitive to
+    # the answer's rounding and to the other heads' predicted background: the bar grows
+    # with the entries' RMS sensitivity over that of a logit TARGET_LOGIT (MiniLM layer
+    # 5, seed 0, before PRECISE_LOGIT: one entry at 11.9 among 12,672 of head 9's block
+    # set its W_h error, 44x the bar that ignored it)
+    steepness = (math.sqrt(meter.sensitivity / max(meter.entries, 1))
+                 / float(_sensitivity(TARGET_LOGIT)))
+    predicted, first_pass = predicted * max(1.0, steepness), first_pass * max(1.0, steepness)
     residual = max((i["residual"] for i in space_info), default=0.0)
     if not precision.exact:
         # the error bar from what was measured: the noise of the saturated probes (several
@@ -1096,5 +1130,6 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
         "value_separation": value_sep, "smallest_height": min_height,
         "row_spread": spread, "query_space_separation": min_sep,
         "predicted_error": float(predicted), "first_pass_error": float(first_pass),
-        "query_space_residual": residual, "noise": float(tol.noise)}
+        "query_space_residual": residual, "noise": float(tol.noise),
+        "steepest_logit": float(meter.steepest)}
     return checked_result(model, report, f"multi-head attention with {H} low-rank head(s)")
