@@ -70,7 +70,8 @@ def test_query_answers_exactly_what_the_model_computes(serve):
     assert status == 200 and health == {"ok": True, "kind": "single-head", "dim": D,
                                         "served": 7, "charged": 7, "replayed": 0,
                                         "budget": None, "remaining": None, "binary": True,
-                                        "state": False}
+                                        "state": False, "max_length": 4096,
+                                        "max_numbers": 1 << 20}
 
 
 BAD_REQUESTS = [

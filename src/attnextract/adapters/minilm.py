@@ -347,7 +347,10 @@ def extract_minilm_layer(layer: int, *, readout_seed=0, subspace: int | None = N
         details["c_error"] = float(abs(result.model.c - truth.c) / max(abs(truth.c), 1e-300))
         details["biased_floor"] = HEADS * (WIDTH + HEAD_DIM * (2 * WIDTH - HEAD_DIM)
                                            + HEAD_DIM) + 1
-    details["outcome"] = "verified" if error is None else "refused by verification"
+    checked = result.report.verification
+    details["outcome"] = ("verified" if error is None else "refused by verification"
+                          if checked is not None and not checked.passed
+                          else f"refused before verification: {error}")
     if journal is not None:
         details["black_box_queries"] = oracle.black_box_queries
         details["journal_queries"] = oracle.journal_queries
