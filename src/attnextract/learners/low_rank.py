@@ -78,8 +78,8 @@ from ..oracle import Oracle
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, token_scale,
                      verification_count, verify_model)
 from .single_head import (FIRST_SCALE, MAX_GROWTH, MAX_LOGIT, MAX_RESCALES, MIN_FIRST_LOGIT,
-                          NOISE_LOGIT, TARGET_LOGIT, bias_logits, logit, probe_basis,
-                          split_scale)
+                          NOISE_LOGIT, TARGET_LOGIT, bias_logits, constant_and_values, logit,
+                          probe_basis, split_scale)
 
 log = logging.getLogger(__name__)
 
@@ -796,8 +796,8 @@ def extract_low_rank(oracle: Oracle, rank: int | None = None, method: str = "ada
                 f"low-rank extraction ({method})")
 
     log.info("low-rank (%s) at d = %d: v from %d single tokens", method, d, d)
-    const = float(oracle.query(np.zeros((1, 1, d)))[0]) if biases else None
-    v = oracle.query(np.eye(d)[:, None, :]) - (const or 0.0)
+    const, v = constant_and_values(oracle, biases)
+    const = const if biases else None           # None: the bias-free path
     if not np.any(v):
         raise NotIdentifiableError(
             "v = 0: every output is zero whatever W is, so W cannot be identified")

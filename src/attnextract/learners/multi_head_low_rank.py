@@ -87,7 +87,7 @@ from ..precision import OutputPrecision, name_the_options, precision_of
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                       token_scale, verification_count, verify_model)
 from .low_rank import haar_orthogonal, random_probe_basis
-from .single_head import logit, split_scale
+from .single_head import constant_and_values, logit, split_scale
 
 EPS = np.finfo(float).eps
 SATURATION_TOL = 1e-12   # |g(2u) - 2 g(u)| / |g(2u)|: a point counts as saturated below it
@@ -918,13 +918,9 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
     oracle.plan(planned + verification_count(low_rank_multi_head_floor(d, [r_plan] * heads)),
                 "low-rank multi-head extraction")
 
-    const = 0.0
-    if biases:
-        say("c = f([0]) (one query)")
-        const = float(oracle.query(np.zeros((1, 1, d)))[0])
+    say("v = sum of the heads' values (d single tokens" + (", c = f([0]))" if biases else ")"))
+    const, v = constant_and_values(oracle, biases)
     view = _Translated(oracle, np.zeros(d), const) if biases else oracle
-    say("v = sum of the heads' values (d single tokens)")
-    v = view.query(np.eye(d)[:, None, :])
     if not np.any(v):
         raise NotIdentifiableError("v = sum_h v_h = 0 on every token: no probe here can see "
                                    "the heads apart")

@@ -66,6 +66,17 @@ ROUNDING_SAFETY = 4.0      # rounding bars: this many ulps per operation, d oper
 BIAS_LOGIT = 1.0           # biases: largest bias logit c |u_k^T b| in a probe of W
 
 
+def constant_and_values(oracle: Oracle, biases: bool) -> tuple[float, np.ndarray]:
+    """Length-1 identities f([x]) = x^T v + c in one batch: c = f([0]) (0 without
+    ``biases``) and v (d,) from the d single tokens e_i. d queries, d + 1 with biases."""
+    d = oracle.dim
+    tokens = np.eye(d)[:, None, :]
+    if not biases:
+        return 0.0, oracle.query(tokens)
+    out = oracle.query(np.concatenate([np.zeros((1, 1, d)), tokens]))
+    return float(out[0]), out[1:] - out[0]
+
+
 def probe_basis(v: np.ndarray) -> np.ndarray:
     """Orthogonal U (d, d) with u_k^T v = +-|v| / sqrt(d) for every column u_k.
 
@@ -249,14 +260,12 @@ def extract_single_head(oracle: Oracle, *, seed=None,
     oracle.plan(floor + n_verify, "single-head extraction (d^2 + d recovery + verification)"
                 if not biases else "biased single-head extraction (d^2 + 2d + 1 + verification)")
 
-    const, bias, bias_rescaled, max_c, beta = 0.0, None, 0, np.inf, None
+    bias, bias_rescaled, max_c, beta = None, 0, np.inf, None
     if biases:
         log.info("biased single head at d = %d: c from f([0]), v from %d single tokens", d, d)
-        const = float(oracle.query(np.zeros((1, 1, d)))[0])
-        v = oracle.query(np.eye(d)[:, None, :]) - const
     else:
         log.info("single head at d = %d: v from %d single tokens", d, d)
-        v = oracle.query(np.eye(d)[:, None, :])
+    const, v = constant_and_values(oracle, biases)
     if not np.any(v):
         raise NotIdentifiableError(
             "v = 0: every output is zero whatever W is, so W cannot be identified")
