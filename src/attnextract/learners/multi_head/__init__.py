@@ -80,7 +80,7 @@ from ...models import MultiHeadAttention
 from ...oracle import Oracle
 from ...report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                        token_scale, verification_count, verify_model)
-from . import design, fit
+from . import design, fit, polish
 from .canonical import (canonical_error, canonical_form, match_heads, non_identifiable_twin,
                         twin_difference)
 from .subspaces import extract_in_subspaces
@@ -275,8 +275,10 @@ class _Extraction:
         if not (np.all(np.isfinite(u)) and np.all(np.isfinite(q)) and np.all(np.isfinite(lam))):
             raise _Redesign(RecoveryFailedError, "a fit gave a non-finite probe design")
         m = design.copy_counts(lam, self.length)
-        return design.realised_lambda(m, self.length), design.measure(
-            self.oracle, self.v, u, q, m, self.length)
+        lam = design.realised_lambda(m, self.length)
+        g = design.measure(self.oracle, self.v, u, q, m, self.length)
+        self.answers.append((u, q, lam, g + q @ self.v, self.length))   # for the polish
+        return lam, g
 
     def noise(self, f_values, heights=0.0, *, floor: bool = False) -> float:
         """Absolute output noise expected from the precision, for outputs like ``f_values``.
@@ -337,6 +339,7 @@ class _Extraction:
         before = self.oracle.queries
         self.v = self.oracle.query(np.eye(d)[:, None, :])
         self.spend("v tokens", before)
+        self.answers = [(np.zeros((d, d)), np.eye(d), np.zeros(d), self.v, 1)]
         self.set_precision()
         self.say("base row")
         try:
@@ -860,6 +863,7 @@ class _Extraction:
             self.say("wide columns")
             rows = self.wide_columns(U, rows, probes, spacing, n_wide)
             model, predicted, sigma, measured_sigma = self.assemble(U, rows, noise_floor)
+        model, predicted = self.polished(model, predicted)
         bar = ERROR_BAR_FACTOR * predicted
         cond = max(float(r.jacobian_singular_values[0]
                          / max(r.jacobian_singular_values[-1], 1e-300)) for r in rows)
@@ -895,6 +899,23 @@ class _Extraction:
             return self.finish(model, bar)
         except ModelMismatchError as exc:
             raise _Redesign(ModelMismatchError, str(exc), model, bar, exc.result) from None
+
+    def polished(self, model: MultiHeadAttention, predicted: float):
+        """The joint polish of all heads on every answer held (:mod:`.polish`); returns
+        (model, predicted error), the row fits' own when the polish is not kept."""
+        if getattr(self, "biases", False):
+            self.details["joint polish"] = "skipped (query biases)"
+            return model, predicted
+        result = polish.polish(polish.collect(self.answers), model.W, model.v,
+                               self.precision, self.absolute_noise, predicted,
+                               ERROR_BAR_FACTOR * predicted)
+        self.details["joint polish"] = result.reason
+        if not result.kept:
+            return model, predicted
+        self.details["predicted relative error (row fits)"] = predicted
+        self.details["weighted residual (row fits, polished)"] = (result.cost_before,
+                                                                  result.cost_after)
+        return MultiHeadAttention(result.W, result.v), result.predicted
 
     def assemble(self, U, rows, noise_floor):
         """The heads from the row fits, W_h = U^-1 Z_h and v_h = U^-1 C_h, and their

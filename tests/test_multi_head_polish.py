@@ -1,0 +1,167 @@
+"""The joint polish of the multi-head learner (learners/multi_head/polish.py).
+
+Every assertion is against the polish's own prediction or a comparison over many
+seeds (a median), so none depends on the last bits of one run.
+"""
+
+import numpy as np
+import pytest
+
+from attnextract import Oracle
+from attnextract.adapters.targets import random_multi_head
+from attnextract.errors import ModelMismatchError, RecoveryFailedError
+from attnextract.learners.multi_head import canonical_error, extract_multi_head, polish
+from attnextract.models import MultiHeadAttention
+
+
+def _copy_probes(M, count, length, rng, noise=0.0):
+    """``count`` random copy probes of M (u, q, lambda, f) of one length, f with Gaussian
+    noise of ``noise`` times the size of its terms."""
+    d = M.dim
+    u = rng.standard_normal((count, d)) * 2.0
+    q = rng.standard_normal((count, d)) / np.sqrt(d)
+    m = rng.integers(1, length, size=count)
+    lam = np.log(m) - np.log(length - m)
+    s = polish.Samples(u, q, lam, np.zeros(count), np.full(count, float(length)))
+    f, _ = polish.residual_and_jacobian(s, M.W, M.v, jacobian=False)
+    terms = np.abs(u @ M.v.T).sum(1) + np.abs(q @ M.v.T).sum(1)
+    s.f = f + noise * terms * rng.standard_normal(count)
+    return s
+
+
+def test_jacobian_matches_finite_differences():
+    rng = np.random.default_rng(0)
+    M = random_multi_head(2, 3, seed=1)
+    s = _copy_probes(M, 20, 64, rng)
+    _, J = polish.residual_and_jacobian(s, M.W, M.v)
+    x = np.concatenate([M.W.ravel(), M.v.ravel()])
+    for i in rng.choice(x.size, 8, replace=False):
+        e = np.zeros_like(x)
+        e[i] = 1e-6
+        plus, minus = x + e, x - e
+        split = lambda y: (y[:2 * 9].reshape(2, 3, 3), y[2 * 9:].reshape(2, 3))
+        fd = (polish.residual_and_jacobian(s, *split(plus), jacobian=False)[0]
+              - polish.residual_and_jacobian(s, *split(minus), jacobian=False)[0]) / 2e-6
+        assert np.allclose(J[:, i], fd, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_polish_from_a_perturbed_start_lands_within_its_prediction(seed):
+    """Synthetic answers with a known noise: from a start 1e-7 off, the polish comes back
+    to within its own error bar (4x its predicted rms error) of the truth."""
+    rng = np.random.default_rng(seed)
+    M = random_multi_head(3, 4, seed=100 + seed)
+    precision = 1e-12
+    s = _copy_probes(M, 600, 256, rng, noise=precision * (0.25 * 256 ** 0.75 + 1))
+    W0 = M.W * (1 + 1e-7 * rng.standard_normal(M.W.shape))
+    v0 = M.v * (1 + 1e-7 * rng.standard_normal(M.v.shape))
+    start = canonical_error(MultiHeadAttention(W0, v0), M)
+    out = polish.polish(s, W0, v0, precision, 0.0, predicted=1e-6, bar=1e-5)
+    assert out.kept and out.cost_after < out.cost_before
+    after = canonical_error(MultiHeadAttention(out.W, out.v), M)
+    assert after <= 4 * out.predicted, (after, out.predicted)
+    assert after < start / 10
+
+
+def test_polish_is_not_kept_when_it_would_move_beyond_the_bar():
+    """A start far outside the stated bar: the polish would move it more than the bar,
+    so the row fits' model stands (it corrects within the uncertainty only)."""
+    rng = np.random.default_rng(3)
+    M = random_multi_head(2, 4, seed=7)
+    s = _copy_probes(M, 300, 256, rng, noise=1e-13)
+    W0 = M.W * (1 + 1e-6 * rng.standard_normal(M.W.shape))
+    out = polish.polish(s, W0, M.v, 1e-13, 0.0, predicted=1e-10, bar=4e-10)
+    assert not out.kept and "beyond" in out.reason
+    assert out.W is W0
+
+
+def test_polish_is_skipped_above_its_size_limit():
+    rng = np.random.default_rng(4)
+    M = random_multi_head(2, 4, seed=8)
+    s = _copy_probes(M, 100, 64, rng)
+    big = polish.MAX_WORK
+    try:
+        polish.MAX_WORK = 10.0
+        out = polish.polish(s, M.W, M.v, 1e-16, 0.0, predicted=1e-12, bar=4e-12)
+    finally:
+        polish.MAX_WORK = big
+    assert not out.kept and out.reason.startswith("skipped")
+
+
+def _recorded(monkeypatch):
+    """Run the learner with the polish wrapped: returns the list of (row-fit model, outcome)."""
+    calls = []
+    original = polish.polish
+
+    def wrapped(samples, W, v, *args):
+        out = original(samples, W, v, *args)
+        calls.append((MultiHeadAttention(W, v), out))
+        return out
+
+    monkeypatch.setattr(polish, "polish", wrapped)
+    return calls
+
+
+def _errors(M, calls, result):
+    """(row fits' error, returned model's error, returned bar) of the last design."""
+    rows_model, out = calls[-1]
+    return (canonical_error(rows_model, M), canonical_error(result.model, M),
+            result.report.details["error bar"], out)
+
+
+def test_polish_in_the_learner_covers_its_error(monkeypatch):
+    """d = 8, H = 3, 4 seeds: the returned model (polished or not) is within its bar, and a
+    kept polish stays within the row fits' bar of their model."""
+    calls = _recorded(monkeypatch)
+    for seed in range(4):
+        M = random_multi_head(3, 8, seed=500 + seed)
+        result = extract_multi_head(Oracle(M, 8), heads=3, seed=seed)
+        e_rows, e_out, bar, out = _errors(M, calls, result)
+        assert result.report.details["joint polish"] == out.reason
+        assert e_out <= bar, (seed, e_out, bar)
+        if out.kept:
+            row_bar = 4 * result.report.details["predicted relative error (row fits)"]
+            assert e_out <= e_rows + row_bar
+
+
+@pytest.mark.slow
+def test_polish_lowers_the_median_error_at_six_heads(monkeypatch):
+    """d = 8, H = 6 (the peer's case), 10 seeds: the polish is kept on most, its bar covers
+    the error, and the median error drops (measured about 1.3x: the answers' own noise
+    allows no more)."""
+    calls = _recorded(monkeypatch)
+    before, after, kept = [], [], 0
+    for seed in range(10):
+        M = random_multi_head(6, 8, seed=700 + seed)
+        result = extract_multi_head(Oracle(M, 8), heads=6, seed=seed)
+        e_rows, e_out, bar, out = _errors(M, calls, result)
+        assert e_out <= bar, (seed, e_out, bar)
+        kept += out.kept
+        before.append(e_rows)
+        after.append(e_out)
+    assert kept >= 7
+    assert np.median(after) < np.median(before), (before, after)
+
+
+@pytest.mark.parametrize("case", ["saturating", "tiny v", "zero entries in v"])
+def test_polish_on_adversarial_boxes(monkeypatch, case):
+    """Saturating W (entries N(0, 100/d)), a head with v 1000x smaller, v_h with zero
+    entries: when the learner returns, the returned model is within its bar; a polish
+    that is kept did not raise the error beyond the row fits' bar."""
+    calls = _recorded(monkeypatch)
+    d, H = 8, 3
+    M = random_multi_head(H, d, seed=61, w_scale=(10.0 if case == "saturating" else 1.0)
+                          / np.sqrt(d))
+    if case == "tiny v":
+        M.v[1] *= 1e-3
+    elif case == "zero entries in v":
+        M.v[:, ::2] = 0.0
+    try:
+        result = extract_multi_head(Oracle(M, d), heads=H, seed=2, max_error_bar=1e-4)
+    except (RecoveryFailedError, ModelMismatchError):
+        assert case == "tiny v"          # its own fits may fail; never a wrong model
+        return
+    e_rows, e_out, bar, out = _errors(M, calls, result)
+    assert e_out <= bar, (e_out, bar)
+    if out.kept:
+        assert e_out <= e_rows + 4 * out.predicted + 1e-300
