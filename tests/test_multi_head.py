@@ -317,9 +317,10 @@ def test_bad_options():
     for heads in (0, -1, 1.5, True):
         with pytest.raises(InputError):
             extract_multi_head(oracle, heads=heads)
-    with pytest.raises(ModelMismatchError, match="needs H <= d") as info:
+    with pytest.raises(RecoveryFailedError, match="at most d = 3 canonical heads") as info:
         extract_multi_head(oracle, heads=4)                 # more heads than d
-    assert info.value.result.model.heads == 0
+    assert "not judged" in str(info.value) and "not multi-head" not in str(info.value)
+    assert info.value.result.model.heads == 0 and oracle.queries == 0
     for bar in (0.0, 2.0, "x"):
         with pytest.raises(InputError):
             extract_multi_head(oracle, heads=2, max_error_bar=bar)

@@ -285,10 +285,11 @@ def extract_minilm_layer(layer: int, *, readout_seed=0, subspace: int | None = N
 
     Returns ``(result, truth, error)``: the learner's result (the best-effort one when
     it refused its own answer), the true :class:`MultiHeadAttention`, and the
-    :class:`ModelMismatchError` it raised (None when verification passed). The report's
+    :class:`ModelMismatchError` or :class:`RecoveryFailedError` it raised (None when
+    verification passed). The report's
     details give the heads found and the canonical error against the true heads.
     """
-    from ..errors import ModelMismatchError
+    from ..errors import ModelMismatchError, RecoveryFailedError
     from ..learners.multi_head import canonical_error
     from ..models import MultiHeadAttention
     from ..oracle import Oracle
@@ -305,7 +306,7 @@ def extract_minilm_layer(layer: int, *, readout_seed=0, subspace: int | None = N
         else:
             from ..learners.multi_head import extract_multi_head
             result = extract_multi_head(oracle, heads=HEADS, seed=seed)
-    except ModelMismatchError as exc:
+    except (ModelMismatchError, RecoveryFailedError) as exc:
         if exc.result is None:
             raise
         result, error = exc.result, exc

@@ -167,7 +167,7 @@ def extract_multi_head(oracle: Oracle, heads=None, *, subspaces=None, seed=None,
     heads : int, optional
         Upper bound H on the number of canonical heads (the model's head count is
         one); None: up to min(d, 12). The designed rows need H <= d: a larger H is
-        refused as outside this learner's model class.
+        refused (RecoveryFailedError: this learner's limit, the box is not judged).
     subspaces : list, optional
         Known pairwise orthogonal head subspaces (paper 1), each a basis (d, r_h) or a
         list of coordinate indices; then the single-head learner runs inside each.
@@ -326,8 +326,13 @@ class _Extraction:
     def run(self) -> ExtractionResult:
         d, H = self.d, self.max_heads
         if H > d:
-            self.refuse(f"up to {H} heads at d = {d}: the designed rows place at most d "
-                        f"steps, so this learner needs H <= d")
+            self.refuse(f"{H} heads asked at d = {d}: this learner places every head's "
+                        f"step at its own designed position in rows of d coordinates, so it "
+                        f"recovers at most d = {d} canonical heads. The black box was not "
+                        f"queried and is not judged (it may well be multi-head attention "
+                        f"with {H} heads); if it has at most {d} canonical heads (heads with "
+                        f"equal W merge, heads with v = 0 drop), run with heads <= {d}",
+                        RecoveryFailedError)
         s0 = 4 * H + 8
         rest = d + self.perturbation_cost(H) + self.main_cost(H)
         # the base search (scale rounds and candidate rows) spends at most what paper 2's
@@ -978,14 +983,15 @@ class _Extraction:
                                         np.vstack([cols_k, columns[k]]), r.c, r.z))
         return refitted
 
-    def refuse(self, message: str):
-        """Raise :class:`ModelMismatchError` with a verified best effort (no heads)."""
+    def refuse(self, message: str, kind=ModelMismatchError):
+        """Raise ``kind`` (the box is not in the class, or RecoveryFailedError: the
+        learner cannot do it) with the run's report and no heads."""
         d = self.d
         if not hasattr(self, "precision"):
             self.precision, self.precision_name = 2.0 ** -53, "float64"
             self.relative_rounding, self.absolute_noise = self.precision, 0.0
         self.finish(MultiHeadAttention(np.zeros((0, d, d)), np.zeros((0, d))), None, check=False)
-        raise ModelMismatchError(message, result=self.result)
+        raise kind(message, result=self.result)
 
     def finish(self, model: MultiHeadAttention, bar, check: bool = True):
         """Verify ``model`` on held-out sequences and build the result and its report.

@@ -28,9 +28,9 @@ The polish is kept only when it lowers the weighted residual, its predicted erro
 below the row fits', and it moves no head by more than the row fits' error bar (it
 corrects within the uncertainty, never jumps elsewhere); otherwise the row fits'
 model stands. It sends no query. Its cost is a dense (samples x parameters)
-Jacobian, so it runs only up to ``MAX_WORK`` (samples times parameters squared:
-d = 8 for every H, d = 16 up to about 5 heads) and is skipped above (stated in the
-report). Boxes with query biases (``biases=True``) are not polished (skipped): the
+Jacobian, so it runs only up to ``MAX_WORK`` (samples times parameters squared) and
+``MAX_PARAMETERS``: d = 8 for every H, d = 16 up to 5 heads; it is skipped above
+(stated in the report's ``joint polish``). Boxes with query biases (``biases=True``) are not polished (skipped): the
 identity above has no bias terms.
 
 Measured (d = 8, H = 6, float64 numpy boxes, 8 seeds): the error drops 1.1x to 1.8x;
@@ -45,10 +45,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.linalg import LinAlgError, cho_factor, cho_solve
+from scipy.linalg import LinAlgError, cho_factor, cho_solve, lapack
 from scipy.special import expit
 
 MAX_WORK = 1.5e10          # samples x parameters^2 above which the polish is skipped
+MAX_PARAMETERS = 1600      # ... and parameters (its Cholesky and covariance: n^3 / 3 flops)
+CHUNK = 512                # samples per product of the normal equations: each BLAS call
+                           # stays well under a second, so Ctrl-C is honoured in between
 LENGTH_FACTOR = 0.25       # a sum over N tokens errs by about this x N^0.75 x precision x
                            # its terms: measured rms 5, 13 and 50 to 100 at N = 128, 512
                            # and 2048 (numpy boxes against a long-double evaluation)
@@ -155,7 +158,7 @@ def polish(samples: Samples, W: np.ndarray, v: np.ndarray, precision: float,
     P = samples.f.size
     unchanged = lambda reason, before=np.nan, after=np.nan: Polished(
         W, v, predicted, before, after, False, reason)
-    if P * float(n) ** 2 > MAX_WORK:
+    if P * float(n) ** 2 > MAX_WORK or n > MAX_PARAMETERS:
         return unchanged(f"skipped ({P} samples x {n} parameters: too large for a dense fit)")
     if P <= n:
         return unchanged(f"skipped (only {P} samples for {n} parameters)")
@@ -173,7 +176,9 @@ def polish(samples: Samples, W: np.ndarray, v: np.ndarray, precision: float,
         if not (np.all(np.isfinite(J)) and np.all(scale > 0)):
             return unchanged("skipped (a parameter no sample depends on)", cost0)
         J /= scale
-        A = J.T @ J
+        A = np.zeros((n, n))
+        for lo in range(0, P, CHUNK):
+            A += J[lo:lo + CHUNK].T @ J[lo:lo + CHUNK]
         try:
             step = -cho_solve(cho_factor(A), J.T @ rw) / scale
         except LinAlgError:
@@ -193,10 +198,11 @@ def polish(samples: Samples, W: np.ndarray, v: np.ndarray, precision: float,
         return unchanged("not kept (the weighted residual did not drop)", cost0, cost)
     # covariance at the accepted point (the last Jacobian is at most one step away:
     # the step is far below the parameters' size, so its curvature is the same)
-    try:
-        inverse_diag = np.diag(cho_solve(cho_factor(A), np.eye(n)))
-    except LinAlgError:
+    factor, info = lapack.dpotrf(A, lower=False)
+    inverse, info_inverse = lapack.dpotri(factor, lower=False) if info == 0 else (None, 1)
+    if info_inverse != 0:
         return unchanged("not kept (singular covariance)", cost0, cost)
+    inverse_diag = np.diag(inverse)
     sigma = max(float(np.sqrt(cost / (P - n))), 1.0)
     std = np.sqrt(np.maximum(inverse_diag, 0.0)) / scale * sigma
     new_predicted = _relative_error(std, W1, v1)
