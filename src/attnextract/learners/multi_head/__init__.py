@@ -98,7 +98,9 @@ BASE_QUALITY = 1e-7       # a base row whose logit error / smallest gap is below
 SCALE_ROUNDS = 4          # base scans to bring the steps into the window
 ERROR_BAR_FACTOR = 4.0    # error bar = this times the predicted rms relative error
 NOISE_FACTOR = 30.0       # a residual this far above the output precision is a misfit
-DEFAULT_TOLERANCE = 1e-6  # largest error bar accepted (float64 outputs; rounded: 1e4 ulps)
+DEFAULT_TOLERANCE = 1e-6  # largest error bar accepted (float64 outputs; rounded: ROUNDED_TOLERANCE)
+ROUNDED_TOLERANCE = 3e4   # ... in units of the output rounding: a float32 forward pass at
+                          # d = 16 gives bars of 2e-4 to 1.6e-3 (float32 nn.MultiheadAttention)
 EXTRA_COLUMNS = 1         # columns beyond the d that determine each z_h (0 or 1)
 COLUMN_MOVE = 0.08        # column step s = this x gap x sqrt(d) / |u_k| |W_h q_0|: moves
                           # measured at 0.18 of the gap (median), 0.33 at most over 40
@@ -176,7 +178,7 @@ def extract_multi_head(oracle: Oracle, heads=None, *, subspaces=None, seed=None,
     max_error_bar : float, optional
         Largest error bar (relative parameter error, ERROR_BAR_FACTOR times the
         predicted rms error) accepted; above it the learner refuses. Default 1e-6, or
-        1e4 times the output precision for rounded outputs (6e-4 for float32).
+        3e4 times the output precision for rounded outputs (1.8e-3 for float32).
     verify_tolerance : float
         Largest held-out relative output error accepted as a match (float64 outputs;
         rounded outputs add their precision).
@@ -298,7 +300,8 @@ class _Extraction:
         rms = float(np.sqrt(np.mean(np.square(f_values)))) if np.size(f_values) else 0.0
         if floor and self.precision_name != "float64":
             return 0.6 * self.precision * max(rms, 1e-300) + 0.3 * self.absolute_noise
-        relative = (8.0 + math.log2(self.length)) * self.precision * max(rms + heights, 1e-300)
+        relative = polish.length_factor(self.length, self.precision) * self.precision * max(
+            rms + heights, 1e-300)
         return relative + self.absolute_noise
 
     def set_precision(self) -> None:
@@ -320,7 +323,7 @@ class _Extraction:
             self.notes.append(f"outputs rounded to {self.decimals} decimals (absolute "
                               f"{self.absolute_noise:.1e})")
         if self.tolerance is None:
-            self.tolerance = min(0.5, max(DEFAULT_TOLERANCE, 1e4 * self.relative_rounding))
+            self.tolerance = min(0.5, max(DEFAULT_TOLERANCE, ROUNDED_TOLERANCE * self.relative_rounding))
 
     # -- stages --------------------------------------------------------------
     def run(self) -> ExtractionResult:
@@ -685,10 +688,11 @@ class _Extraction:
         for k in range(d - 1):
             noise = self.noise(g[k] + self.q_0 @ self.v, float(np.sum(np.abs(c0))))
             steps = fit.refit_steps(lam[k], g[k], rows[k] @ self.v, t0, floor=noise)
-            # the perturbed rows only steer the design: a fit to 1e-5 of the signal is
-            # in the right basin (a wrong one misses by percents)
+            # the perturbed rows only steer the design: a fit to 1e-5 of the signal (1e4
+            # roundings when coarser) is in the right basin (a wrong one misses by percents)
             allowed = max(NOISE_FACTOR * self.noise(g[k] + self.q_0 @ self.v),
-                          1e-5 * float(np.sqrt(np.mean(g[k] ** 2))))
+                          max(1e-5, 1e4 * self.relative_rounding)
+                          * float(np.sqrt(np.mean(g[k] ** 2))))
             worst = max(worst, steps.rms / allowed)
             T.append(steps.t)
             C.append(steps.c)
