@@ -30,7 +30,8 @@ import subprocess
 import sys
 import time
 
-DEFAULT_TESTS = ["tests/test_multi_head.py", "tests/test_multi_head_low_rank.py",
+DEFAULT_TESTS = ["tests/test_multi_head.py", "tests/test_multi_head_polish.py",
+                 "tests/test_multi_head_low_rank.py",
                  "tests/test_low_precision.py"]
 
 PROBE = """

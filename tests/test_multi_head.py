@@ -802,3 +802,19 @@ def test_eight_heads_at_d8_seed_18_below_1e_10():
     M = random_multi_head(H, d, seed=10_000 * H + 100 * d + seed, w_scale=1 / np.sqrt(d))
     result = extract_multi_head(Oracle(M, d), heads=H, seed=seed)
     assert canonical_error(result.model, M) <= 1e-10
+
+
+def test_flat_base_rows_do_not_vote_for_zero_heads():
+    """One head with large W (s = 3): the first row's scale can put the other rows' steps
+    outside the window (flat rows). With v nonzero some head exists, so flat rows do not
+    vote: every learner seed recovers the head (one seed was refused as a 0-head box)."""
+    M = random_multi_head(1, 8, seed=10812, w_scale=3 / np.sqrt(8))
+    for seed in range(12, 18):
+        check_extraction(M, seed, heads=1)
+    rows = [(0, np.ones(8), None), (1, np.ones(8), type("F", (), {"c": np.ones(1)})())]
+    from attnextract.learners.multi_head import _Extraction
+    run = _Extraction.__new__(_Extraction)
+    run.v = np.zeros(8)                      # v = 0: a flat row may be a box with no head
+    assert run.votes(rows) == [0, 1]
+    run.v = np.ones(8)
+    assert run.votes(rows) == [1]

@@ -556,14 +556,14 @@ class _Extraction:
         for w in directions[1:]:
             if self.scans_left <= 0:
                 break
-            agreed = _agreed_count([f[0] for f in found])
+            agreed = _agreed_count(self.votes(found))
             if agreed is not None and (agreed == 0 or min(
                     base_quality(f[2], self.half_window) for f in found if f[0] == agreed)
                     <= BASE_QUALITY):
                 break         # two rows agree on the count, one of them well pinned: stop
             found.append(scan(scale * w))
         self.spend("base rows", before)
-        counts = [f[0] for f in found if f[0] is not None]
+        counts = [c for c in self.votes(found) if c is not None]
         if not counts:
             rms = min(f[2].rms / f[3] for f in found)
             hint = ("" if self.heads_told else
@@ -584,6 +584,16 @@ class _Extraction:
         chosen = min((f for f in found if f[0] == heads), key=lambda f: base_quality(f[2], self.half_window))
         self.adopt_base(chosen[1], chosen[2])
         return heads
+
+    def votes(self, found) -> list:
+        """The base rows' head counts as votes. A flat row (count 0) says no head only
+        when v = sum_h v_h is 0 too: with v nonzero some head exists, and a flat row
+        has its steps outside the window (a scale set by another row), so it does not
+        vote (one row of 1 head and two flat ones was refused as a 0-head box)."""
+        heights = [float(np.sum(np.abs(f[2].c))) / max(float(np.linalg.norm(f[1])), 1e-300)
+                   for f in found if f[0] and f[2] is not None]
+        v_nonzero = bool(heights) and float(np.linalg.norm(self.v)) > 1e-8 * max(heights)
+        return [f[0] for f in found if not (v_nonzero and f[0] == 0)]
 
     def adopt_base(self, u: np.ndarray, steps) -> None:
         """Make (u, its fitted steps) the base row and report how well it is pinned."""
