@@ -50,6 +50,11 @@ Algorithm.
    evenly over the window), H + 1 samples each, and every row is refitted on all its
    samples.
 
+8. Joint polish (:mod:`.polish`, no query): Gauss-Newton on all H (d^2 + d) canonical
+   parameters over every answer held, weighted by each answer's expected rounding;
+   kept only when it lowers the weighted residual, keeps the predicted error within
+   1.5x and moves no head beyond the row fits' error bar (dense: up to 1600 parameters).
+
 Conditioning. Each row fit's Jacobian and the pooled residual give the covariance of
 (c, z), propagated through U^-1 to a predicted relative error of every W_h and v_h. The
 learner refuses (:class:`RecoveryFailedError`) when that prediction exceeds
