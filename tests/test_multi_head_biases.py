@@ -60,25 +60,37 @@ def test_biased_heads_recovered(H, d, seed):
 @pytest.mark.slow
 @pytest.mark.parametrize("H, d", [(2, 8), (4, 8), (8, 8), (2, 16), (4, 16), (8, 16)])
 def test_biased_heads_over_twenty_seeds(H, d):
-    """Every seed within 1e-10 or, at H = d = 8 where cond(U) reaches 1e3 (a base column
-    whose W_h q_0 + b_h are nearly dependent), within its own error bar."""
-    misses = []
+    """20 seeds: every run within its own error bar and within the learner's cap (paper
+    2's count + H d + 1, verification included); within 1e-10 everywhere but at
+    H = d = 8, where |b_h| = 5.1 shortens the rows five-fold (u^T (W_h q_0 + b_h) must
+    stay in the window) and three of 20 seeds land at 1.2e-10 .. 3e-10
+    (benchmarks/results/mh_biases.md); the median count within 1.1x of the bias-free
+    learner's on the same heads plus H d (single runs vary with the base rows drawn,
+    as the bias-free learner's do)."""
+    from attnextract.learners.multi_head import paper2_count
+    from attnextract.report import verification_count
+    misses, biased, plain_counts = [], [], []
     for seed in range(20):
         truth = biased_heads(H, d, seed)
         plain = Oracle(MultiHeadAttention(truth.W, truth.v), d)
         try:
             extract_multi_head(plain, H, seed=seed)
         except (ModelMismatchError, RecoveryFailedError):
-            pass                          # today's count is what it spent
+            pass                          # today's learner refused: what it spent counts
         oracle = Oracle(truth, d)
         result = extract_multi_head(oracle, H, seed=seed, biases=True)
         errors = biased_canonical_errors(result.model, truth)
         worst = max(errors["W"], errors["b"], errors["v"], errors["c"])
+        assert errors["heads"] == (H, H), seed
         assert worst <= result.report.details["error bar"], (seed, errors)
-        assert oracle.queries <= 1.1 * (plain.queries + H * d), seed
+        assert oracle.queries <= paper2_count(H, d) + H * d + 1 + verification_count(
+            H * (d * d + 2 * d) + 1), seed
+        biased.append(oracle.queries)
+        plain_counts.append(plain.queries + H * d)
         if worst > 1e-10:
             misses.append((seed, worst))
-    assert not misses or (H, d) == (8, 8), misses
+    assert np.median(biased) <= 1.1 * np.median(plain_counts)
+    assert not misses or ((H, d) == (8, 8) and len(misses) <= 4), misses
 
 
 def test_a_bias_free_box_is_learned_with_biases_too():

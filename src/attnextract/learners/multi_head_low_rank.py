@@ -807,9 +807,9 @@ def _offset_first(meter: LogitMeter, rows, cols, height, background, scale: floa
     for the whole block (set by a few random entries) leaves the rows whose offset is
     large beyond PRECISE_LOGIT, each entry measured again smaller (MiniLM layer 5: 2,505
     of 152,064 isolation entries, 3,847 probes). So the offset column (z = 0, the last)
-    is measured first, at the block's scale; each row's other entries then use the
-    scale that brings its offset to TARGET_LOGIT (c shrinks with G above G = 1), never
-    a larger one. Same probes, two batches. Returns (T (d, r), scales, outputs) in the
+    is measured first, at the block's scale; a row whose offset logit there exceeds
+    PRECISE_LOGIT / 2 has its other entries measured at the scale that brings the offset
+    to TARGET_LOGIT (c shrinks with G above G = 1). Same probes, two batches. Returns (T (d, r), scales, outputs) in the
     block's entry order (row-major, offset column last).
     """
     at = np.arange(d * r).reshape(d, r)
@@ -818,10 +818,15 @@ def _offset_first(meter: LogitMeter, rows, cols, height, background, scale: floa
     scales, outputs = np.empty(d * r), np.empty(d * r)
     T[:, -1] = meter.measure(rows[last], cols[last], height[last], background[last], scale)
     scales[last], outputs[last] = meter.last_scale, meter.last_outputs
-    # t_k0 = u_k^T w_h / s: the offset u_k^T w_h, whose logit at scale G is c(G) u_k^T w_h
+    # t_k0 = u_k^T w_h / s: the offset u_k^T w_h, whose logit at scale G is c(G) u_k^T w_h.
+    # A row whose offset takes more than half of PRECISE_LOGIT at G is brought to
+    # TARGET_LOGIT (c(G_k) |u_k^T w_h| in [1, 2)); the others keep G (a smaller scale
+    # would only shrink their W part)
     offset = np.abs(T[:, -1] * split_scale(scales[last])[1])
+    at_block_scale = split_scale(scale)[0] * offset
     with np.errstate(divide="ignore", invalid="ignore"):
-        row_scale = np.minimum(scale, TARGET_LOGIT / offset)
+        row_scale = np.where(at_block_scale > 0.5 * PRECISE_LOGIT,
+                             np.minimum(scale, TARGET_LOGIT / offset), scale)
     row_scale = np.where(np.isfinite(row_scale) & (row_scale > 0), row_scale, scale)
     T[:, :-1] = meter.measure(rows[rest], cols[rest], height[rest], background[rest],
                               np.repeat(row_scale, r - 1)).reshape(d, r - 1)
