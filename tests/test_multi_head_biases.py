@@ -62,9 +62,9 @@ def test_biased_heads_recovered(H, d, seed):
 def test_biased_heads_over_twenty_seeds(H, d):
     """20 seeds: every run within its own error bar and within the learner's cap (paper
     2's count + H d + 1, verification included); within 1e-10 everywhere but at
-    H = d = 8, where |b_h| = 5.1 shortens the rows five-fold (u^T (W_h q_0 + b_h) must
-    stay in the window) and three of 20 seeds land at 1.2e-10 .. 3e-10
-    (benchmarks/results/mh_biases.md); the median count within 1.1x of the bias-free
+    H = d = 8 (no free direction in the designed rows), where four of 20 seeds land at
+    1.2e-10 .. 5.3e-10, each within its bar (benchmarks/results/mh_biases.md), all below
+    1e-9 here; the median count within 1.1x of the bias-free
     learner's on the same heads plus H d (single runs vary with the base rows drawn,
     as the bias-free learner's do)."""
     from attnextract.learners.multi_head import paper2_count
@@ -90,7 +90,7 @@ def test_biased_heads_over_twenty_seeds(H, d):
         if worst > 1e-10:
             misses.append((seed, worst))
     assert np.median(biased) <= 1.1 * np.median(plain_counts)
-    assert not misses or ((H, d) == (8, 8) and len(misses) <= 4), misses
+    assert not misses or ((H, d) == (8, 8) and max(w for _, w in misses) <= 1e-9), misses
 
 
 def test_a_bias_free_box_is_learned_with_biases_too():
