@@ -207,3 +207,12 @@ def test_cli_multi_head_with_biases(tmp_path):
                       "multi-head", "--heads", "2", "--no-progress",
                       "--out", tmp_path / "plain.npz", "--seed", "1")
     assert refused.returncode != 0 and "--biases" in refused.stderr
+
+
+def test_head_count_found_with_biases():
+    """heads=None: the count is found from the base rows, as without biases."""
+    truth = with_biases(random_multi_head(3, 8, seed=2), 2)
+    result = extract_multi_head(Oracle(truth, 8), None, seed=2, biases=True)
+    errors = biased_canonical_errors(result.model, truth)
+    assert errors["heads"] == (3, 3)
+    assert max(errors["W"], errors["b"], errors["v"], errors["c"]) <= 1e-10
