@@ -216,3 +216,32 @@ def test_head_count_found_with_biases():
     errors = biased_canonical_errors(result.model, truth)
     assert errors["heads"] == (3, 3)
     assert max(errors["W"], errors["b"], errors["v"], errors["c"]) <= 1e-10
+
+
+@pytest.mark.parametrize("case", ["output constant 1e3", "query biases 20x", "one biased head",
+                                  "tiny v_0"])
+def test_adversarial_biased_boxes(case):
+    """A constant far above the heads, biases 20x W's scale (|u^T b_h| far beyond the
+    window unless the rows shrink), a bias in one head only, a head 1000x weaker: learned
+    within 1e-10 (the weak head: within its error bar) or, for the weak head, refused;
+    never a model outside its own error bar."""
+    t = with_biases(random_multi_head(3, 8, seed=1), 1)
+    W, v, b, c = t.W, t.v.copy(), t.b.copy(), t.c
+    if case == "output constant 1e3":
+        c = 1e3
+    elif case == "query biases 20x":
+        b = 20 * b
+    elif case == "one biased head":
+        b[1:], c = 0.0, 0.0
+    else:
+        v[0] *= 1e-3
+    box = BiasedMultiHeadAttention(W, v, b, c)
+    try:
+        result = extract_multi_head(Oracle(box, 8), 3, seed=1, biases=True)
+    except RecoveryFailedError:
+        assert case == "tiny v_0"
+        return
+    errors = biased_canonical_errors(result.model, box)
+    worst = max(errors["W"], errors["b"], errors["v"], errors["c"])
+    assert worst <= result.report.details["error bar"]
+    assert worst <= 1e-10 or case == "tiny v_0"
