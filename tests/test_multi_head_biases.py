@@ -245,3 +245,12 @@ def test_adversarial_biased_boxes(case):
     worst = max(errors["W"], errors["b"], errors["v"], errors["c"])
     assert worst <= result.report.details["error bar"]
     assert worst <= 1e-10 or case == "tiny v_0"
+
+
+def test_a_constant_box_has_no_heads_and_its_c():
+    d = 8
+    box = BiasedMultiHeadAttention(np.zeros((1, d, d)), np.zeros((1, d)), np.zeros((1, d)), 0.5)
+    result = extract_multi_head(Oracle(box, d), 2, seed=0, biases=True)
+    assert isinstance(result.model, BiasedMultiHeadAttention)
+    assert result.model.heads == 0 and result.model.c == 0.5
+    assert result.report.verification.passed
