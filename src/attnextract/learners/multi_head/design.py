@@ -158,8 +158,11 @@ def design_rows(Y0: np.ndarray, V: np.ndarray, positions: np.ndarray, rng: np.ra
         # H = d: no complement (P_perp is rounding noise, which must not be scaled up)
         z *= scale_u / (np.linalg.norm(z, axis=1, keepdims=True) + 1e-300) if H < d else 0.0
         cand = targets @ pinv + z                                 # (C, d)
-        if V is None:                             # columns: heights do not depend on q
-            score = np.ones(candidates)
+        if V is None:
+            # columns: heights do not depend on q, but rounding does: the answers, their
+            # scores q^T W_h q and so their rounding grow with |q| (at H = d an order may
+            # need |q| ~ 1e4, whose answers rounded 300x the noise the fits expect)
+            score = 1.0 / np.linalg.norm(cand, axis=1)
         else:
             heights = np.abs(cand @ V) / v_norm / np.linalg.norm(cand, axis=1, keepdims=True)
             score = heights.min(axis=1) * math.sqrt(d)
