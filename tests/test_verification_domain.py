@@ -19,7 +19,7 @@ from attnextract.adapters.impostors import (LEARNER_CASES, make_impostor, recove
 from attnextract.adapters.journal import QueryJournal
 from attnextract.adapters.targets import random_multi_head, random_single_head
 from attnextract.errors import (BlackBoxError, InputError, JournalError, MalformedOutputError,
-                                ModelMismatchError)
+                                ModelMismatchError, RecoveryFailedError)
 from attnextract.models import MultiHeadAttention
 from attnextract.oracle import validate_outputs
 from attnextract.report import mismatch_reason
@@ -310,6 +310,25 @@ def test_precision_hint_only_where_answers_show_rounding():
     with pytest.raises(ModelMismatchError) as refused:
         extract(Oracle(tiny, D), "single-head", seed=0)
     assert "--output-dtype" not in mismatch_reason(refused.value.result.report.verification)
+
+
+@pytest.mark.parametrize("learner", ["multi-head-low-rank", "transformer-layer"])
+def test_learners_that_take_output_dtype_do_not_suggest_it_for_float64_impostors(learner):
+    """The registry names --output-dtype on a refusal only when the kept answers show
+    rounding (or too few were asked to tell): a float64 impostor is a mismatch."""
+    honest, run, _ = LEARNER_CASES[learner]
+    model = honest(D, 1)
+    # (default_rng(1) would draw the second head's W equal to the honest W: in the class)
+    tiny = make_impostor("second head 1e-6", model, np.random.default_rng([1, D, 23]), 100)
+    with pytest.raises((ModelMismatchError, RecoveryFailedError)) as refused:
+        run(Oracle(tiny, D), 1)
+    assert "output-dtype" not in str(refused.value) and "output_dtype" not in str(refused.value)
+    # answers rounded to float32: a refusal may be a precision problem, the hint is given
+    window = make_impostor("sliding window 8", model, np.random.default_rng([1, D, 5]), 100)
+    box = lambda X: np.asarray(window(X), dtype=np.float32).astype(np.float64)  # noqa: E731
+    with pytest.raises((ModelMismatchError, RecoveryFailedError)) as refused:
+        run(Oracle(box, D), 1)
+    assert "output-dtype" in str(refused.value) or "output_dtype" in str(refused.value)
 
 
 def _write_target(tmp_path, body):
