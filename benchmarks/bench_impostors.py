@@ -139,12 +139,9 @@ def main(argv=None):
         rows, elapsed, commands = [], 0.0, []
         for name in args.merge:
             part = json.loads(Path(name).read_text())
-            # a later part's rows replace an earlier part's (same learner, impostor, d)
-            keys = {(r["learner"], r["impostor"], r["d"]) for r in part["rows"]}
-            rows = [r for r in rows if (r["learner"], r["impostor"], r["d"]) not in keys]
-            rows += part["rows"]
+            rows = merge_rows(rows, part["rows"])
             elapsed += part["seconds"]
-            commands.append(part.get("command", ""))
+            commands += part.get("commands", [part.get("command", "")])
         order = list(LEARNERS)
         rows.sort(key=lambda r: (order.index(r["learner"]), r["d"]))
         write_markdown(rows, Path(args.out), elapsed, args, commands)
@@ -165,6 +162,7 @@ def main(argv=None):
             n_seeds = int(fewer[32 if d >= 32 else 8].get(learner, args.seeds))
             seeds = range(args.first_seed, args.first_seed + n_seeds)
             for name in names:
+                t_cell = time.perf_counter()
                 outcomes = [one_run(learner, name, d, s, recovery) for s in seeds]
                 refused = sum(o[0].startswith("refused") for o in outcomes)
                 accepted = [(s, o[1]) for s, o in zip(seeds, outcomes) if o[0] == "accepted"]
@@ -172,8 +170,11 @@ def main(argv=None):
                 kinds = sorted({o[0][9:] for o in outcomes if o[0].startswith("refused")})
                 row = {"learner": learner, "impostor": name, "d": d, "seeds": len(seeds),
                        "refused": refused, "accepted": accepted, "crashes": crashes,
-                       "refusal_kinds": kinds}
+                       "refusal_kinds": kinds, "seed_ranges": [[seeds.start, seeds.stop]],
+                       "seconds": time.perf_counter() - t_cell}
                 rows.append(row)
+                if args.json:         # after every cell: a run stopped early keeps its cells
+                    write_json(rows, time.perf_counter() - started, argv, args.json, done=False)
                 flag = ("" if (name == "honest") == (refused == 0) and not crashes else "  <-- MISS")
                 print(f"{learner:20s} d={d:3d} {name:26s} refused {refused}/{len(seeds)}"
                       f"{' accepted ' + str([(s, f'{e:.1e}') for s, e in accepted]) if accepted and name != 'honest' else ''}"
@@ -182,10 +183,48 @@ def main(argv=None):
     elapsed = time.perf_counter() - started
     write_markdown(rows, Path(args.out), elapsed, args)
     if args.json:
-        command = "python benchmarks/bench_impostors.py " + " ".join(
-            repr(a) if " " in a or "<" in a else a for a in (argv if argv is not None else sys.argv[1:]))
-        Path(args.json).write_text(json.dumps({"rows": rows, "seconds": elapsed,
-                                               "command": command}, indent=1))
+        write_json(rows, elapsed, argv, args.json, done=True)
+
+
+def write_json(rows, elapsed, argv, path, done):
+    command = "python benchmarks/bench_impostors.py " + " ".join(
+        repr(a) if " " in a or "<" in a else a for a in (argv if argv is not None else sys.argv[1:]))
+    if not done:
+        command += " (stopped early: the cells it finished)"
+    Path(path).write_text(json.dumps({"rows": rows, "seconds": elapsed, "command": command},
+                                     indent=1))
+
+
+def seed_ranges(row) -> list:
+    """The row's seeds as [first, stop) ranges (rows of older runs: seeds 0 .. n-1)."""
+    return row.get("seed_ranges", [[row.get("first_seed", 0), row.get("first_seed", 0) + row["seeds"]]])
+
+
+def merge_rows(rows, new_rows) -> list:
+    """Rows of a later run added to earlier ones: the same (learner, impostor, d) on other
+    seeds adds up (seeds, refusals, accepted seeds, crashes); on overlapping seeds the
+    later run replaces the earlier."""
+    index = {(r["learner"], r["impostor"], r["d"]): i for i, r in enumerate(rows)}
+    rows = list(rows)
+    for r in new_rows:
+        key = (r["learner"], r["impostor"], r["d"])
+        if key not in index:
+            index[key] = len(rows)
+            rows.append(r)
+            continue
+        old = rows[index[key]]
+        seen = {s for a, b in seed_ranges(old) for s in range(a, b)}
+        if seen & {s for a, b in seed_ranges(r) for s in range(a, b)}:
+            rows[index[key]] = r
+            continue
+        rows[index[key]] = {**old, "seeds": old["seeds"] + r["seeds"],
+                            "refused": old["refused"] + r["refused"],
+                            "accepted": old["accepted"] + r["accepted"],
+                            "crashes": old["crashes"] + r["crashes"],
+                            "refusal_kinds": sorted(set(old["refusal_kinds"]) | set(r["refusal_kinds"])),
+                            "seed_ranges": seed_ranges(old) + seed_ranges(r),
+                            "seconds": old.get("seconds", 0.0) + r.get("seconds", 0.0)}
+    return rows
 
 
 def write_markdown(rows, path, elapsed, args, commands=None):
