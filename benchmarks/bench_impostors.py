@@ -90,16 +90,19 @@ def write_cost(rows, path, command):
              "(wall times inflated by the load):", "", f"    {command}", "",
              "search = queries of the adversarial search (part of the verification count); "
              "own = the learner's longest probes compared with the model (no query); "
-             "share = search / recovery.", "",
-             "| learner | d | recovery | verification | search | share | own | lengths | "
-             "token norms | tolerance | max error | run s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "share = search / recovery; check = verification / recovery (the whole check).", "",
+             "| learner | d | recovery | verification | check | search | share | own | lengths | "
+             "token norms | tolerance | max error | run s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        whole = r["verification"] / max(r["recovery"], 1)
         if "search" not in r:
             lines.append(f"| {r['learner']} | {r['d']} | {r['recovery']} | {r['verification']} | "
-                         f"(own check) | | | | | | | {r['seconds']:.1f} |")
+                         f"{100 * whole:.1f}% | (own check) | | | | | | | {r['seconds']:.1f} |")
             continue
         share = r["search"] / max(r["recovery"], 1)
         lines.append(f"| {r['learner']} | {r['d']} | {r['recovery']} | {r['verification']} | "
+                     f"{100 * whole:.1f}% | "
                      f"{r['search']} | {100 * share:.1f}% | {r['own']} | {r['lengths'][0]}-"
                      f"{r['lengths'][1]} (L {r['max_length']}) | {r['norms'][0]:.1e} .. "
                      f"{r['norms'][1]:.1e} | {r['tolerance']:.0e} | {r['error']:.1e} | "
