@@ -305,6 +305,7 @@ def test_precision_hint_only_where_answers_show_rounding():
     assert not answers_look_rounded(rng.standard_normal(64))
     assert answers_look_rounded(rng.standard_normal(64).astype(np.float32))
     assert answers_look_rounded(np.round(rng.standard_normal(64), 4))
+    assert not answers_look_rounded(1e-150 * rng.standard_normal(64))     # tiny, not 0
     model = random_single_head(D, 2)
     tiny = make_impostor("second head 1e-6", model, np.random.default_rng(0), 72)
     with pytest.raises(ModelMismatchError) as refused:

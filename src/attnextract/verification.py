@@ -1094,7 +1094,8 @@ def answers_look_rounded(observed) -> bool:
         z = y * 10.0 ** k
         if np.abs(z).max() >= 1e12:
             break
-        if np.mean(np.abs(z - np.round(z)) <= 1e-6) >= 0.9:
+        # a multiple of 10^-k is a nonzero one: answers of 1e-150 are near 0, not rounded
+        if np.mean((np.abs(z - np.round(z)) <= 1e-6) & (np.round(z) != 0)) >= 0.9:
             return True
     return False
 
