@@ -230,6 +230,29 @@ def merge_rows(rows, new_rows) -> list:
     return rows
 
 
+def summary_lines(rows) -> list:
+    """One line per learner and d: seeds per impostor, impostors refused on every seed
+    run, impostor runs refused, honest runs accepted, crashes."""
+    lines = ["| learner | d | seeds per impostor | impostors refused on every seed | "
+             "impostor runs refused | honest runs accepted | crashes |",
+             "|---|---|---|---|---|---|---|"]
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["learner"], r["d"]), []).append(r)
+    for (learner, d), group in groups.items():
+        fakes = [r for r in group if r["impostor"] != "honest"
+                 and not (LEARNERS[learner][2] and r["impostor"] in SAME_LABELS)]
+        honest = [r for r in group if r["impostor"] == "honest"]
+        seeds = sorted({r["seeds"] for r in fakes})
+        span = f"{seeds[0]}" if len(seeds) == 1 else f"{seeds[0]}-{seeds[-1]}"
+        lines.append(
+            f"| {learner} | {d} | {span} | {sum(r['refused'] == r['seeds'] for r in fakes)} of "
+            f"{len(fakes)} | {sum(r['refused'] for r in fakes)} / {sum(r['seeds'] for r in fakes)} | "
+            f"{sum(r['seeds'] - r['refused'] for r in honest)} / {sum(r['seeds'] for r in honest)} | "
+            f"{sum(len(r['crashes']) for r in group)} |")
+    return lines
+
+
 def write_markdown(rows, path, elapsed, args, commands=None):
     if not commands:
         commands = [f"python benchmarks/bench_impostors.py --seeds {args.seeds} --dims "
@@ -243,6 +266,7 @@ def write_markdown(rows, path, elapsed, args, commands=None):
              "`honest` is the model itself: it must be accepted (refused 0). The sign-only "
              "learner (labels 1{f > 0}) does not face " + " and ".join(sorted(SAME_LABELS)) +
              ": both keep the sign of f, so their labels are the honest head's.", "",
+             *summary_lines(rows), "",
              "| learner | impostor | d | refused | accepted (seed: held-out error) |",
              "|---|---|---|---|---|"]
     for r in rows:
