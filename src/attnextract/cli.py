@@ -204,7 +204,8 @@ def _extract_parser(command) -> None:
     ex.add_argument("--biases", action="store_true",
                     help="the attention has query, value and output biases, as deployed layers "
                          "do: f = sum_h softmax(X (W_h x_N + b_h))^T X v_h + c; recovers b_h "
-                         "and c too (single-head, low-rank, multi-head-low-rank; see docs/biases.md)")
+                         "and c too (single-head, low-rank, multi-head, multi-head-low-rank; "
+                         "see docs/biases.md)")
     _add_learner_options(ex)
     _add_noise_options(ex)
     _add_http_client_options(ex)

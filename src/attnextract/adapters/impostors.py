@@ -631,6 +631,8 @@ def _honest(kind):
             return targets.random_low_rank_multi_head(2, d, max(1, d // 4), seed)
         if kind == "biased single":
             return targets.with_biases(targets.random_single_head(d, seed), seed)
+        if kind == "two biased heads":
+            return targets.with_biases(targets.random_multi_head(2, d, seed), seed)
         if kind == "two biased low-rank heads":
             return targets.with_biases(
                 targets.random_low_rank_multi_head(2, d, max(1, d // 4), seed), seed)
@@ -658,6 +660,8 @@ LEARNER_CASES = {
     "transformer-layer": (_honest("layer"), _extract("transformer-layer"), False),
     "single-head --biases": (_honest("biased single"), _extract("single-head", biases=True),
                              False),
+    "multi-head H<=2 --biases": (_honest("two biased heads"),
+                                 _extract("multi-head", heads=2, biases=True), False),
     "multi-head-low-rank --biases": (_honest("two biased low-rank heads"),
                                      _extract("multi-head-low-rank", heads=2, biases=True,
                                               rank=lambda d: max(1, d // 4)), False),

@@ -700,7 +700,8 @@ class ServerState:
             waiting.wait(WRITE_TIMEOUT)
         else:
             raise RequestError(503, "the same Idempotency-Key is still being answered")
-        try:
+        reserved = n                 # released in the same lock section as the charge: in
+        try:                         # between, others would see the batch counted twice
             try:
                 out = np.asarray(self.model(X), dtype=np.float64).reshape(n)
             except Exception as exc:
@@ -715,6 +716,8 @@ class ServerState:
             if self.round_digits is not None:
                 out = np.round(out, self.round_digits)
             with self.lock:
+                self.reserved -= reserved
+                reserved = 0
                 if gone is not None and gone():
                     self.ledger.count("abandoned", n)
                     raise ClientGone()
@@ -722,7 +725,7 @@ class ServerState:
                 return self._answer(out, how == "replayed")
         finally:
             with self.lock:
-                self.reserved -= n
+                self.reserved -= reserved
                 if key is not None:
                     self.inflight.pop(key).set()
 

@@ -76,10 +76,11 @@ import time
 import numpy as np
 
 from ...errors import InputError, ModelMismatchError, RecoveryFailedError
-from ...models import MultiHeadAttention
+from ...models import BiasedMultiHeadAttention, MultiHeadAttention
 from ...oracle import Oracle
 from ...report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                        token_scale, verification_count, verify_model)
+from ..single_head import constant_and_values
 from . import design, fit
 from .canonical import (canonical_error, canonical_form, match_heads, non_identifiable_twin,
                         twin_difference)
@@ -157,7 +158,8 @@ def extract_multi_head(oracle: Oracle, heads=None, *, subspaces=None, seed=None,
                        max_error_bar: float | None = None,
                        verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                        precision: str = "full", output_dtype: str | None = None,
-                       decimals: int | None = None, progress=None) -> ExtractionResult:
+                       decimals: int | None = None, progress=None,
+                       biases: bool = False) -> ExtractionResult:
     """Recover the canonical heads of a multi-head attention black box.
 
     Parameters
@@ -193,12 +195,18 @@ def extract_multi_head(oracle: Oracle, heads=None, *, subspaces=None, seed=None,
         unit of the last one).
     progress : callable, optional
         Called with a short message at each stage.
+    biases : bool
+        The heads have query biases and the output a constant (a deployed layer):
+        f = sum_h softmax(X (W_h x_N + b_h))^T X v_h + c. c = f([0]) is one more query;
+        the row fits become affine in the column (t_h = u^T (W_h q + b_h)) and give
+        b_h too (docs/algorithms.md, "Biases"). Not with ``subspaces``.
 
     Returns
     -------
     ExtractionResult
         ``model`` a :class:`MultiHeadAttention` with the canonical heads, W (H', d, d),
-        v (H', d); ``report.details`` gives the queries against paper 2's count and the
+        v (H', d) (with ``biases`` a :class:`BiasedMultiHeadAttention`, also b (H', d)
+        and c); ``report.details`` gives the queries against paper 2's count and the
         floor, the smallest separation between heads, the predicted parameter error and
         the error bar next to the measured held-out error.
 
@@ -214,6 +222,11 @@ def extract_multi_head(oracle: Oracle, heads=None, *, subspaces=None, seed=None,
     BudgetExceededError
         The budget cannot cover the next round (raised before it is sent).
     """
+    if not isinstance(biases, (bool, np.bool_)):
+        raise InputError(f"biases must be True or False, got {biases!r}")
+    if subspaces is not None and biases:
+        raise InputError("biases=True does not apply with known subspaces (the single-head "
+                         "learner inside each subspace is bias-free)")
     if subspaces is not None:
         return extract_in_subspaces(oracle, subspaces, seed, verify_tolerance)
     d = oracle.dim
@@ -235,6 +248,7 @@ def extract_multi_head(oracle: Oracle, heads=None, *, subspaces=None, seed=None,
         run = _Extraction(oracle, heads, seed, max_error_bar, verify_tolerance, progress)
         run.full_precision = precision == "full"
         run.output_dtype, run.decimals = output_dtype, decimals
+        run.biases = bool(biases)
         return run.run()
 
 
@@ -254,6 +268,7 @@ class _Extraction:
         self.breakdown: dict[str, int] = {}
         self.details: dict = {}
         self.notes: list[str] = []
+        self.biases, self.c = False, 0.0      # biases: set by extract_multi_head, c = f([0])
         self.set_window(design.base_length(self.max_heads))   # the base stages; main() switches
         from ...verification import max_length_of
         needed = max(self.length, design.window_length(self.max_heads))
@@ -276,7 +291,7 @@ class _Extraction:
             raise _Redesign(RecoveryFailedError, "a fit gave a non-finite probe design")
         m = design.copy_counts(lam, self.length)
         return design.realised_lambda(m, self.length), design.measure(
-            self.oracle, self.v, u, q, m, self.length)
+            self.oracle, self.v, u, q, m, self.length) - self.c
 
     def noise(self, f_values, heights=0.0, *, floor: bool = False) -> float:
         """Absolute output noise expected from the precision, for outputs like ``f_values``.
@@ -293,6 +308,8 @@ class _Extraction:
         is luck): the forward pass's rounding in float64, one rounding of the output
         otherwise (a float32 forward pass shows its larger errors in the residual).
         """
+        # the box rounds its whole output, c included (g and v^T q have c taken off)
+        f_values = np.asarray(f_values) + self.c
         rms = float(np.sqrt(np.mean(np.square(f_values)))) if np.size(f_values) else 0.0
         if floor and self.precision_name != "float64":
             return 0.6 * self.precision * max(rms, 1e-300) + 0.3 * self.absolute_noise
@@ -306,7 +323,9 @@ class _Extraction:
             self.precision_name = self.output_dtype
             self.precision = DTYPE_PRECISION[self.output_dtype]
         else:
-            self.precision, self.precision_name = output_precision(self.v)
+            # the answers as the box gave them (with biases v has c taken off)
+            self.precision, self.precision_name = output_precision(
+                np.append(self.v + self.c, self.c) if self.biases else self.v)
             if self.precision_name != "float64":
                 self.notes.append(f"outputs detected as rounded to {self.precision_name} "
                                   f"(relative {self.precision:.1e}); error bars allow for "
@@ -327,16 +346,16 @@ class _Extraction:
             self.refuse(f"up to {H} heads at d = {d}: the designed rows place at most d "
                         f"steps, so this learner needs H <= d")
         s0 = 4 * H + 8
-        rest = d + self.perturbation_cost(H) + self.main_cost(H)
+        rest = d + self.biases + self.perturbation_cost(H) + self.main_cost(H)
         # the base search (scale rounds and candidate rows) spends at most what paper 2's
         # count leaves after the rest of the plan, and at least three scans
         self.scans_left = max(3, min(SCALE_ROUNDS + BASE_CANDIDATES,
-                                     (paper2_count(H, d) - rest) // s0))
-        self.oracle.plan(rest + self.scans_left * s0 + verification_count(H * (d * d + d)),
+                                     (self.count_cap(H) - rest) // s0))
+        self.oracle.plan(rest + self.scans_left * s0 + verification_count(self.parameters(H)),
                          "multi-head extraction")
         before = self.oracle.queries
-        self.v = self.oracle.query(np.eye(d)[:, None, :])
-        self.spend("v tokens", before)
+        self.c, self.v = constant_and_values(self.oracle, self.biases)
+        self.spend("v tokens" + (" and c = f([0])" if self.biases else ""), before)
         self.set_precision()
         self.say("base row")
         try:
@@ -347,7 +366,7 @@ class _Extraction:
             exc = _Redesign(RecoveryFailedError, f"a base row's fit failed numerically ({error})")
             self.give_up(exc, [exc.message])
         if heads == 0:
-            return self.finish(MultiHeadAttention(np.zeros((0, d, d)), np.zeros((0, d))), None)
+            return self.finish(self.no_heads(), None)
         return self.attempts(heads)
 
     def count_heads(self, s0: int) -> int:
@@ -404,8 +423,7 @@ class _Extraction:
         (``exc.kind`` RecoveryFailedError) or the box answered held-out sequences
         unlike every model measured (ModelMismatchError)."""
         d = self.d
-        model = exc.model if exc.model is not None else MultiHeadAttention(
-            np.zeros((0, d, d)), np.zeros((0, d)))
+        model = exc.model if exc.model is not None else self.no_heads()
         if exc.result is not None:           # verified already: its report is kept
             self.result = exc.result
         else:
@@ -633,10 +651,36 @@ class _Extraction:
     def affordable(self, queries: int, H: int) -> bool:
         """Whether ``queries`` more and the held-out verification stay within paper 2's
         count and the budget."""
-        d = self.d
-        verify = verification_count(H * (d * d + d))
-        return (self.oracle.queries - self.q0 + queries + verify <= paper2_count(self.max_heads, d)
+        verify = verification_count(self.parameters(H))
+        return (self.oracle.queries - self.q0 + queries + verify <= self.count_cap(self.max_heads)
                 and queries + verify <= _budget_left(self.oracle))
+
+    def parameters(self, H: int) -> int:
+        """Free parameters of H canonical heads: the floor H(d^2 + d), with biases
+        H(d^2 + 2d) + 1 (b_h and c)."""
+        d = self.d
+        return H * (d * d + 2 * d) + 1 if self.biases else H * (d * d + d)
+
+    def count_cap(self, H: int) -> int:
+        """Queries this learner never exceeds: paper 2's count, with biases plus the
+        biases' H d + 1 parameters (its rows measure the same samples, fitted with one
+        more unknown per head)."""
+        return paper2_count(H, self.d) + (H * self.d + 1 if self.biases else 0)
+
+    def no_heads(self):
+        """The model with no canonical heads (f = c)."""
+        d = self.d
+        if self.biases:
+            return BiasedMultiHeadAttention(np.zeros((0, d, d)), np.zeros((0, d)),
+                                            np.zeros((0, d)), self.c)
+        return MultiHeadAttention(np.zeros((0, d, d)), np.zeros((0, d)))
+
+    def affine(self, columns: np.ndarray) -> np.ndarray:
+        """The row fits' columns: q_j (J, d), with biases [q_j, 1] (J, d + 1), since
+        t_h = u^T (W_h q + b_h) = [W_h^T u; u^T b_h]^T [q; 1]."""
+        if not self.biases:
+            return columns
+        return np.hstack([columns, np.ones((columns.shape[0], 1))])
 
     def main_cost(self, H: int) -> int:
         """Queries of rounds 1 and 2 (the main rows and their columns)."""
@@ -806,7 +850,7 @@ class _Extraction:
             moves[todo] = (np.max(np.abs(t_cols - t_row[todo, None, :]), axis=(1, 2))
                            / np.minimum(gaps, spacing))
             for i, k in enumerate(todo):
-                cols_k = np.vstack([self.q_0[None], columns[k]])          # (NC + 1, d)
+                cols_k = self.affine(np.vstack([self.q_0[None], columns[k]]))   # (NC + 1, d [+ 1])
                 lam_k, g_k, mask = (np.zeros((NC + 1, S1)), np.zeros((NC + 1, S1)),
                                     np.zeros((NC + 1, S1)))
                 lam_k[0], g_k[0], mask[0] = lam[k], g[k], 1.0
@@ -903,27 +947,33 @@ class _Extraction:
         d = self.d
         H = rows[0].c.size
         residual = np.concatenate([r.residual for r in rows])
-        params = H * (d + 1) * d
+        params = H * (rows[0].z.shape[1] + 1) * d
         sigma = fit.residual_sigma(residual, params, noise_floor)
         measured_sigma = fit.residual_sigma(residual, params)
-        Z = np.array([r.z for r in rows])                              # (d, H, d)
+        Z = np.array([r.z for r in rows])                              # (d, H, d [+ 1])
         Cm = np.array([r.c for r in rows])                             # (d, H)
         Uinv = np.linalg.inv(U)
-        W = np.einsum("ik,kha->hia", Uinv, Z)
+        W = np.einsum("ik,kha->hia", Uinv, Z)                          # (H, d, d [+ 1])
         v = (Uinv @ Cm).T
         if not (np.all(np.isfinite(W)) and np.all(np.isfinite(v))):
             raise _Redesign(
                 RecoveryFailedError,
                 "the samples do not pin the heads down: a row fit diverged or the designed "
                 "rows are singular (a head too weak to be located); error bar inf")
-        z_var = np.array([r.z_std ** 2 for r in rows]) * sigma ** 2    # (d, H, d)
+        z_var = np.array([r.z_std ** 2 for r in rows]) * sigma ** 2    # (d, H, d [+ 1])
         c_var = np.array([r.c_std ** 2 for r in rows]) * sigma ** 2    # (d, H)
         W_var = np.einsum("ik,kha->h", Uinv ** 2, z_var)
         v_var = np.einsum("ik,kh->h", Uinv ** 2, c_var)
-        W_rel = np.sqrt(W_var) / np.maximum(np.linalg.norm(W, axis=(1, 2)), 1e-300)
+        # with biases [W_h | b_h]: the error of both relative to |W_h| (b_h may be 0;
+        # its logits are on W's scale)
+        W_rel = np.sqrt(W_var) / np.maximum(np.linalg.norm(W[:, :, :d], axis=(1, 2)), 1e-300)
         v_rel = np.sqrt(v_var) / np.maximum(np.linalg.norm(v, axis=1), 1e-300)
         predicted = float(np.max(np.maximum(W_rel, v_rel)))
-        return MultiHeadAttention(W, v), predicted, sigma, measured_sigma
+        if self.biases:
+            model = BiasedMultiHeadAttention(W[:, :, :d], v, W[:, :, d], self.c)
+        else:
+            model = MultiHeadAttention(W, v)
+        return model, predicted, sigma, measured_sigma
 
     def wide_columns(self, U, rows, probes, spacing, count):
         """Round 3: ``count`` (up to d) designed columns per row, each with the row's
@@ -932,10 +982,13 @@ class _Extraction:
         d = self.d
         H = rows[0].c.size
         positions = design.step_positions(H, self.half_window - 1.5 - 0.5 * spacing)
-        columns = np.array([design.design_rows(r.z.T, None, positions, self.rng,
-                                               jitter=0.5 * spacing, count=count)
+        # with biases z = [W_h^T u_k; u_k^T b_h]: the columns place z[:d]^T q + z[d]
+        columns = np.array([design.design_rows(r.z[:, :d].T, None, positions, self.rng,
+                                               jitter=0.5 * spacing, count=count,
+                                               shift=r.z[:, d] if self.biases else None)
                             for r in rows])                              # (d, count, d)
-        t_pred = np.einsum("kjd,khd->kjh", columns, np.array([r.z for r in rows]))
+        t_pred = np.einsum("kjd,khd->kjh", self.affine(columns.reshape(-1, d)).reshape(
+            d, count, -1), np.array([r.z for r in rows]))
         lam_w = np.array([[design.column_lambdas(t_pred[k, j], j, self.half_window,
                                                  COLUMN_SPARES) for j in range(count)]
                           for k in range(d)])                          # (d, count, S3)
@@ -954,7 +1007,7 @@ class _Extraction:
             refitted.append(fit.fit_row(np.vstack([pad(lam_k), pad(lam3[k])]),
                                         np.vstack([pad(g_k), pad(g3[k])]),
                                         np.vstack([pad(mask), wide]),
-                                        np.vstack([cols_k, columns[k]]), r.c, r.z))
+                                        np.vstack([cols_k, self.affine(columns[k])]), r.c, r.z))
         return refitted
 
     def refuse(self, message: str):
@@ -963,7 +1016,7 @@ class _Extraction:
         if not hasattr(self, "precision"):
             self.precision, self.precision_name = 2.0 ** -53, "float64"
             self.relative_rounding, self.absolute_noise = self.precision, 0.0
-        self.finish(MultiHeadAttention(np.zeros((0, d, d)), np.zeros((0, d))), None, check=False)
+        self.finish(self.no_heads(), None, check=False)
         raise ModelMismatchError(message, result=self.result)
 
     def finish(self, model: MultiHeadAttention, bar, check: bool = True):
@@ -975,7 +1028,7 @@ class _Extraction:
         d = self.d
         refused = not check
         H = self.max_heads if refused or not model.heads else model.heads
-        n_verify = verification_count(H * (d * d + d))
+        n_verify = verification_count(self.parameters(H))
         recovery = self.oracle.queries - self.q0
         tol = self.verify_tolerance
         if self.precision_name != "float64" or self.decimals is not None:
@@ -986,16 +1039,17 @@ class _Extraction:
             verification = verify_model(self.oracle, model, count=n_verify, seed=self.seed,
                                         tolerance=tol, scale=scale,
                                         expected_error=bar if model.heads else None)
-        floor = H * (d * d + d)
-        count = paper2_count(H, d)
+        floor = self.parameters(H)
+        count = self.count_cap(H)
         total = self.oracle.queries - self.q0
         self.details.update({
             "method": "copy probes at designed step positions, row-wise joint fits",
             ("heads asked" if self.heads_told else "heads searched up to") if refused
             else "heads": self.max_heads if refused else model.heads,
             "recovery queries": recovery,
-            "paper-2 count": count,
-            "floor H(d^2 + d)": floor,
+            "paper-2 count": paper2_count(H, d),
+            **({"paper-2 count + H d + 1 (biases)": count} if self.biases else {}),
+            ("floor H(d^2 + 2d) + 1" if self.biases else "floor H(d^2 + d)"): floor,
             "recovery / floor": recovery / floor,
             "output precision": self.precision_name,
         })
@@ -1012,7 +1066,7 @@ class _Extraction:
                    else "the redesigns")
             self.notes.append(f"{total} queries (verification included), above paper 2's "
                               f"count {count} for H = {H}, d = {d}: {why}")
-        report = Report(kind=MultiHeadAttention.kind, dim=d, queries=total,
+        report = Report(kind=model.kind, dim=d, queries=total,
                         breakdown={**self.breakdown, "recovery": recovery,
                                    "verification": n_verify if verification is not None else 0},
                         floor=floor, verification=verification,

@@ -169,3 +169,54 @@ def twin_difference(model_a, model_b, count: int = 256, seed=None,
     diff = float(np.max(np.abs(fa - fb)))
     return {"max_abs": diff, "max_relative": diff / rms if rms > 0 else diff,
             "rms_output": rms, "sequences": count}
+
+
+def _augmented(model) -> MultiHeadAttention:
+    """A biased multi-head model as a bias-free one in dimension d + 1: W'_h = [[W_h, b_h],
+    [0, 0]], v'_h = [v_h; 0], so that equal [W_h | b_h] merge (heads with equal W but
+    different b are different canonical heads)."""
+    W, v = np.asarray(model.W), np.asarray(model.v)
+    H, d = v.shape
+    b = np.asarray(getattr(model, "b", np.zeros((H, d))))
+    Wa = np.zeros((H, d + 1, d + 1))
+    Wa[:, :d, :d], Wa[:, :d, d] = W, b
+    return MultiHeadAttention(Wa, np.hstack([v, np.zeros((H, 1))]))
+
+
+def biased_canonical_errors(recovered, truth, tol: float = 1e-9) -> dict:
+    """Errors of a recovered biased multi-head model against the truth, canonical forms.
+
+    Heads merge when [W_h | b_h] agree (adding their v) and drop when their v is 0;
+    they are matched as in :func:`match_heads` on [W_h | b_h] and v_h. Either model may
+    be bias-free (b = 0, c = 0).
+
+    Returns
+    -------
+    dict
+        ``W``, ``b``, ``v``: largest relative error over matched heads (W_h against
+        |W_h|, b_h against max(|b_h|, |W_h|): a zero bias has no scale of its own, its
+        logits are on W's; v_h against |v_h|); ``c``: |c - c_true| relative to
+        max(|c_true|, largest |v_h|); ``heads``: canonical heads of each. Errors are
+        inf when the numbers of canonical heads differ.
+    """
+    a = canonical_form(_augmented(recovered), tol)
+    t = canonical_form(_augmented(truth), tol)
+    c_rec, c_true = float(getattr(recovered, "c", 0.0)), float(getattr(truth, "c", 0.0))
+    v_scale = float(np.max(np.linalg.norm(t.v, axis=1), initial=0.0))
+    out = {"heads": (a.heads, t.heads),
+           "c": abs(c_rec - c_true) / max(abs(c_true), v_scale, 1e-300)}
+    if a.heads != t.heads:
+        return {**out, "W": math.inf, "b": math.inf, "v": math.inf}
+    if t.heads == 0:
+        return {**out, "W": 0.0, "b": 0.0, "v": 0.0}
+    order, _, _ = match_heads(a, t)
+    d = t.dim - 1
+    Wa, Wt = a.W[order, :d, :d], t.W[:, :d, :d]
+    ba, bt = a.W[order, :d, d], t.W[:, :d, d]
+    w_norm = np.maximum(np.linalg.norm(Wt, axis=(1, 2)), 1e-300)
+    return {**out,
+            "W": float(np.max(np.linalg.norm(Wa - Wt, axis=(1, 2)) / w_norm)),
+            "b": float(np.max(np.linalg.norm(ba - bt, axis=1)
+                              / np.maximum(np.linalg.norm(bt, axis=1), w_norm))),
+            "v": float(np.max(np.linalg.norm(a.v[order] - t.v, axis=1)
+                              / np.maximum(np.linalg.norm(t.v, axis=1), 1e-300)))}

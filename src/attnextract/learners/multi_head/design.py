@@ -107,7 +107,8 @@ def orthonormal_complement(u0: np.ndarray, rng: np.random.Generator) -> np.ndarr
 
 def design_rows(Y0: np.ndarray, V: np.ndarray, positions: np.ndarray, rng: np.random.Generator,
                 candidates: int | None = None, jitter: float = 0.25,
-                count: int | None = None, keep: np.ndarray | None = None) -> np.ndarray:
+                count: int | None = None, keep: np.ndarray | None = None,
+                shift: np.ndarray | None = None) -> np.ndarray:
     """Main rows u_k (count, d), d by default, placing head h's step of row k at a
     designed position.
 
@@ -132,10 +133,16 @@ def design_rows(Y0: np.ndarray, V: np.ndarray, positions: np.ndarray, rng: np.ra
     keep : array (k, d), optional
         Rows already measured: the new rows are scored by their distance to these too
         (the rows together must span R^d).
+    shift : array (H,), optional
+        Affine positions u^T y_h + shift_h (biased columns: y_h = W_h^T u_k,
+        shift_h = u_k^T b_h); the targets are met with the shift included, in least
+        squares where y_h are dependent (equal W_h, different b_h).
     """
     d, H = Y0.shape
     candidates = candidates or (24 if H < d else 100)
-    pinv = np.linalg.pinv(Y0)                      # (H, d)
+    # biased columns: heads with equal W_h (different b_h) have equal y_h, up to the fit's
+    # error; their steps move together, and their targets are met in least squares
+    pinv = np.linalg.pinv(Y0, rcond=1e-15 if shift is None else 1e-8)    # (H, d)
     P_perp = np.eye(d) - Y0 @ pinv
     scale_u = float(np.max(np.linalg.norm(pinv, axis=1))) * max(float(np.max(np.abs(positions))), 1.0)
     v_norm = np.linalg.norm(V, axis=0) + 1e-300 if V is not None else None
@@ -145,6 +152,8 @@ def design_rows(Y0: np.ndarray, V: np.ndarray, positions: np.ndarray, rng: np.ra
         orders = np.array([rng.permutation(H) for _ in range(candidates)])
         offsets = rng.uniform(-jitter, jitter, size=candidates)
         targets = positions[orders] + offsets[:, None]           # (C, H)
+        if shift is not None:
+            targets = targets - shift[None, :]
         z = rng.standard_normal((candidates, d)) @ P_perp
         # H = d: no complement (P_perp is rounding noise, which must not be scaled up)
         z *= scale_u / (np.linalg.norm(z, axis=1, keepdims=True) + 1e-300) if H < d else 0.0

@@ -1,0 +1,120 @@
+"""Full-rank multi-head attention with biases (issue 26): `multi-head --biases` on a grid.
+
+For every (H, d) in {2, 4, 8} x {8, 16} and 20 seeds: a random multi-head box (W_h entries
+N(0, 1/d), v_h N(0, 1), the multi-head grid's target seeds) with query biases b_h and an
+output constant c (targets.with_biases: |b_h| cycling through 1, 5.1 (MiniLM's |b_q|),
+0 (exactly), 0.3 by seed; c = 0 on every fifth seed). The biased learner runs on it, and
+the bias-free learner on the same box without its biases (today's count). Recorded per
+run: the canonical errors of W_h, b_h, v_h and c, the error bar, recovery queries
+against the bias-free run's, the floor H(d^2 + 2d) + 1 and CPU seconds.
+
+Run:  nice -n 10 python benchmarks/bench_multi_head_biases.py [--seeds 20] [--out NAME]
+(1 BLAS thread: OPENBLAS_NUM_THREADS=1). Writes benchmarks/results/NAME.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from attnextract.adapters.targets import random_multi_head, with_biases
+from attnextract.errors import AttnExtractError
+from attnextract.learners.multi_head import extract_multi_head
+from attnextract.learners.multi_head.canonical import biased_canonical_errors
+from attnextract.models import MultiHeadAttention
+from attnextract.oracle import Oracle
+
+BIAS_SCALES = (1.0, 5.1, 0.0, 0.3)
+GOAL = 1e-10
+
+
+def biased_target(H: int, d: int, seed: int):
+    """The grid's biased box for (H, d, seed) (see the module docstring)."""
+    heads = random_multi_head(H, d, seed=10_000 * H + 100 * d + seed)
+    return with_biases(heads, seed, bias_scale=BIAS_SCALES[seed % 4],
+                       c=0.0 if seed % 5 == 0 else None)
+
+
+def run(H: int, d: int, seed: int) -> dict:
+    truth = biased_target(H, d, seed)
+    row = {"H": H, "d": d, "seed": seed, "bias": BIAS_SCALES[seed % 4],
+           "floor": H * (d * d + 2 * d) + 1}
+    plain = Oracle(MultiHeadAttention(truth.W, truth.v), d)
+    try:
+        extract_multi_head(plain, H, seed=seed)
+        row["bias-free queries"] = plain.queries
+    except AttnExtractError as exc:
+        row["bias-free queries"], row["bias-free refused"] = plain.queries, type(exc).__name__
+    oracle = Oracle(truth, d)
+    start = time.process_time()
+    try:
+        result = extract_multi_head(oracle, H, seed=seed, biases=True)
+        errors = biased_canonical_errors(result.model, truth)
+        row.update({k: errors[k] for k in ("W", "b", "v", "c")})
+        row["error bar"] = result.report.details["error bar"]
+        row["recovery"] = result.report.breakdown["recovery"]
+    except AttnExtractError as exc:
+        row["refused"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    row["queries"] = oracle.queries
+    row["cpu s"] = time.process_time() - start
+    row["ratio"] = row["queries"] / (row["bias-free queries"] + H * d)
+    return row
+
+
+def summary(rows) -> str:
+    out = ["| H | d | runs | refused | worst W | worst b | worst v | worst c | max error / bar "
+           "| within 1e-10 | median queries (biased) | median bias-free + Hd | max ratio "
+           "| floor | median CPU s |", "|" + "---|" * 15]
+    for H, d in sorted({(r["H"], r["d"]) for r in rows}, key=lambda x: (x[1], x[0])):
+        cell = [r for r in rows if (r["H"], r["d"]) == (H, d)]
+        ok = [r for r in cell if "refused" not in r]
+        err = [max(r["W"], r["b"], r["v"], r["c"]) for r in ok]
+        out.append("| {} | {} | {} | {} | {:.1e} | {:.1e} | {:.1e} | {:.1e} | {:.2f} | {} | {:.0f} "
+                   "| {:.0f} | {:.3f} | {} | {:.1f} |".format(
+                       H, d, len(cell), len(cell) - len(ok),
+                       max((r["W"] for r in ok), default=np.nan),
+                       max((r["b"] for r in ok), default=np.nan),
+                       max((r["v"] for r in ok), default=np.nan),
+                       max((r["c"] for r in ok), default=np.nan),
+                       max((e / r["error bar"] for e, r in zip(err, ok)), default=np.nan),
+                       sum(e <= GOAL for e in err),
+                       np.median([r["queries"] for r in cell]),
+                       np.median([r["bias-free queries"] + H * d for r in cell]),
+                       max(r["ratio"] for r in cell), cell[0]["floor"],
+                       np.median([r["cpu s"] for r in cell])))
+    return "\n".join(out)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--heads", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--dims", type=int, nargs="+", default=[8, 16])
+    parser.add_argument("--out", default="mh_biases")
+    args = parser.parse_args()
+    rows = []
+    for d in args.dims:
+        for H in args.heads:
+            for seed in range(args.seeds):
+                rows.append(run(H, d, seed))
+                r = rows[-1]
+                print(H, d, seed, r.get("refused") or
+                      f"W {r['W']:.1e} b {r['b']:.1e} v {r['v']:.1e} c {r['c']:.1e} "
+                      f"bar {r['error bar']:.1e}", r["queries"], r["bias-free queries"],
+                      f"{r['cpu s']:.1f}s", flush=True)
+    results = Path(__file__).parent / "results"
+    (results / f"{args.out}.json").write_text(json.dumps(rows, indent=1))
+    table = summary(rows)
+    (results / f"{args.out}.md").write_text(
+        "# multi-head --biases grid (benchmarks/bench_multi_head_biases.py)\n\n"
+        "queries include the 64 verification queries of each run (biased and bias-free);\n"
+        "ratio = biased queries / (bias-free queries + H d).\n\n" + table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

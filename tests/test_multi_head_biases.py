@@ -1,0 +1,256 @@
+"""Full-rank multi-head attention with query, value and output biases (issue 26).
+
+f(X) = sum_h softmax(X (W_h x_N + b_h))^T X v_h + c, learned by `multi-head --biases`
+(``extract_multi_head(..., biases=True)``): c = f([0]) and the row fits affine in the
+column, t_h = u^T (W_h q + b_h). Every head's W_h, b_h, v_h (canonical form) and c
+within 1e-10 relative; queries within 1.1x of the bias-free learner's on the same heads
+plus H d. The 20-seed grid over H in {2, 4, 8}, d in {8, 16} is slow
+(benchmarks/bench_multi_head_biases.py records it in benchmarks/results/mh_biases.md).
+"""
+
+import numpy as np
+import pytest
+
+from attnextract import extract
+from attnextract.adapters.targets import random_multi_head, with_biases
+from attnextract.errors import InputError, ModelMismatchError, RecoveryFailedError
+from attnextract.learners.multi_head import extract_multi_head
+from attnextract.learners.multi_head.canonical import biased_canonical_errors
+from attnextract.models import BiasedMultiHeadAttention, MultiHeadAttention
+from attnextract.oracle import Oracle, RoundedOutputs
+from attnextract.report import load_model, save_result
+
+BIAS_SCALES = (1.0, 5.1, 0.0, 0.3)      # 5.1: MiniLM layer 2's |b_q|; 0: exactly bias-free
+
+
+def biased_heads(H, d, seed):
+    """The benchmark grid's box: generic heads, |b_h| cycling through BIAS_SCALES,
+    c = 0 on every fifth seed."""
+    heads = random_multi_head(H, d, seed=10_000 * H + 100 * d + seed)
+    return with_biases(heads, seed, bias_scale=BIAS_SCALES[seed % 4],
+                       c=0.0 if seed % 5 == 0 else None)
+
+
+def check(H, d, seed, goal=1e-10):
+    """Run both learners on the same heads; assert the biased one's accuracy and count."""
+    truth = biased_heads(H, d, seed)
+    plain = Oracle(MultiHeadAttention(truth.W, truth.v), d)
+    extract_multi_head(plain, H, seed=seed)
+    oracle = Oracle(truth, d)
+    result = extract_multi_head(oracle, H, seed=seed, biases=True)
+    errors = biased_canonical_errors(result.model, truth)
+    assert isinstance(result.model, BiasedMultiHeadAttention)
+    assert errors["heads"] == (H, H)
+    assert max(errors["W"], errors["b"], errors["v"], errors["c"]) <= goal, errors
+    assert oracle.queries <= 1.1 * (plain.queries + H * d)
+    report = result.report
+    assert report.floor == H * (d * d + 2 * d) + 1
+    assert report.kind == "biased-multi-head"
+    assert report.breakdown["v tokens and c = f([0])"] == d + 1
+    assert report.verification.passed
+    return result, errors
+
+
+@pytest.mark.parametrize("H, d, seed", [(2, 8, 0), (2, 8, 1), (4, 8, 2), (3, 8, 5),
+                                        (2, 16, 6)])
+def test_biased_heads_recovered(H, d, seed):
+    check(H, d, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("H, d", [(2, 8), (4, 8), (8, 8), (2, 16), (4, 16), (8, 16)])
+def test_biased_heads_over_twenty_seeds(H, d):
+    """20 seeds: every run within its own error bar and within the learner's cap (paper
+    2's count + H d + 1, verification included); within 1e-10 everywhere but at
+    H = d = 8 (no free direction in the designed rows), where four of 20 seeds land at
+    1.2e-10 .. 5.3e-10, each within its bar (benchmarks/results/mh_biases.md), all below
+    1e-9 here; the median count within 1.1x of the bias-free
+    learner's on the same heads plus H d (single runs vary with the base rows drawn,
+    as the bias-free learner's do)."""
+    from attnextract.learners.multi_head import paper2_count
+    from attnextract.report import verification_count
+    misses, biased, plain_counts = [], [], []
+    for seed in range(20):
+        truth = biased_heads(H, d, seed)
+        plain = Oracle(MultiHeadAttention(truth.W, truth.v), d)
+        try:
+            extract_multi_head(plain, H, seed=seed)
+        except (ModelMismatchError, RecoveryFailedError):
+            pass                          # today's learner refused: what it spent counts
+        oracle = Oracle(truth, d)
+        result = extract_multi_head(oracle, H, seed=seed, biases=True)
+        errors = biased_canonical_errors(result.model, truth)
+        worst = max(errors["W"], errors["b"], errors["v"], errors["c"])
+        assert errors["heads"] == (H, H), seed
+        assert worst <= result.report.details["error bar"], (seed, errors)
+        assert oracle.queries <= paper2_count(H, d) + H * d + 1 + verification_count(
+            H * (d * d + 2 * d) + 1), seed
+        biased.append(oracle.queries)
+        plain_counts.append(plain.queries + H * d)
+        if worst > 1e-10:
+            misses.append((seed, worst))
+    assert np.median(biased) <= 1.1 * np.median(plain_counts)
+    assert not misses or ((H, d) == (8, 8) and max(w for _, w in misses) <= 1e-9), misses
+
+
+def test_a_bias_free_box_is_learned_with_biases_too():
+    H, d = 2, 8
+    truth = random_multi_head(H, d, seed=3)
+    result = extract_multi_head(Oracle(truth, d), H, seed=3, biases=True)
+    m = result.model
+    assert isinstance(m, BiasedMultiHeadAttention)
+    errors = biased_canonical_errors(m, truth)
+    assert max(errors["W"], errors["b"], errors["v"]) <= 1e-10
+    assert abs(m.c) <= 1e-13 * np.max(np.abs(truth.v))
+
+
+def test_equal_W_with_different_biases_are_two_heads_and_equal_both_merge():
+    """Canonical form with biases: heads merge only when W_h and b_h both agree."""
+    d = 8
+    base = random_multi_head(3, d, seed=11)
+    rng = np.random.default_rng(11)
+    W = base.W.copy()
+    W[1] = W[0]                                           # same W, different b
+    b = np.einsum("hij,hj->hi", W, rng.standard_normal((3, d)))
+    truth = BiasedMultiHeadAttention(W, base.v, b, 0.4)
+    result = extract_multi_head(Oracle(truth, d), 3, seed=11, biases=True)
+    errors = biased_canonical_errors(result.model, truth)
+    assert errors["heads"] == (3, 3)
+    assert max(errors["W"], errors["b"], errors["v"], errors["c"]) <= 1e-10
+    # b_1 = b_0 too: one canonical head with v_0 + v_1
+    b[1] = b[0]
+    merged = BiasedMultiHeadAttention(W, base.v, b, 0.4)
+    assert biased_canonical_errors(merged, merged)["heads"] == (2, 2)
+    result = extract_multi_head(Oracle(merged, d), 3, seed=11, biases=True)
+    errors = biased_canonical_errors(result.model, merged)
+    assert errors["heads"] == (2, 2)
+    assert max(errors["W"], errors["b"], errors["v"], errors["c"]) <= 1e-10
+
+
+def test_biased_canonical_errors_see_each_part():
+    truth = with_biases(random_multi_head(2, 6, seed=1), 1)
+    same = biased_canonical_errors(truth, truth)
+    assert same["heads"] == (2, 2) and max(same["W"], same["b"], same["v"], same["c"]) == 0
+    swapped = BiasedMultiHeadAttention(truth.W[::-1], truth.v[::-1], truth.b[::-1], truth.c)
+    assert max(biased_canonical_errors(swapped, truth)[k] for k in "Wbvc") == 0
+    for part, nudged in [("b", BiasedMultiHeadAttention(truth.W, truth.v, truth.b * 1.001, truth.c)),
+                         ("c", BiasedMultiHeadAttention(truth.W, truth.v, truth.b, truth.c + 1e-3))]:
+        errors = biased_canonical_errors(nudged, truth)
+        assert errors[part] > 1e-5 and errors["W"] == 0 and errors["v"] == 0
+
+
+@pytest.mark.parametrize("seed, part", [(0, "query bias"), (1, "output constant"),
+                                        (2, "both")])
+def test_a_biased_box_is_refused_without_biases_with_a_hint(seed, part):
+    H, d = 2, 8
+    heads = random_multi_head(H, d, seed=seed)
+    box = with_biases(heads, seed, bias_scale=0.0 if part == "output constant" else 1.0,
+                      c=0.0 if part == "query bias" else 0.7)
+    with pytest.raises((ModelMismatchError, RecoveryFailedError), match="--biases"):
+        extract(Oracle(box, d), model="multi-head", heads=H, seed=seed)
+
+
+def test_bad_bias_options():
+    box = with_biases(random_multi_head(2, 8, seed=0), 0)
+    with pytest.raises(InputError, match="biases"):
+        extract_multi_head(Oracle(box, 8), 2, biases="yes")
+    with pytest.raises(InputError, match="subspaces"):
+        extract_multi_head(Oracle(box, 8), subspaces=[[0, 1], [2, 3]], biases=True)
+
+
+def test_result_file_keeps_b_and_c(tmp_path):
+    H, d = 2, 8
+    truth = biased_heads(H, d, 1)
+    result = extract(Oracle(truth, d), model="multi-head", heads=H, biases=True, seed=1)
+    path = tmp_path / "heads.npz"
+    save_result(path, result)
+    model = load_model(path)
+    assert isinstance(model, BiasedMultiHeadAttention)
+    np.testing.assert_array_equal(model.b, result.model.b)
+    assert model.c == result.model.c
+    assert result.options["biases"] is True
+
+
+def test_float32_box_within_its_error_bar_or_refused():
+    """A biased box rounding its outputs to float32: the error bar covers the error, or
+    the learner refuses naming the precision (never a silently wrong model)."""
+    H, d = 2, 8
+    for seed in range(3):
+        truth = biased_heads(H, d, seed)
+        try:
+            result = extract_multi_head(Oracle(RoundedOutputs(truth), d), H, seed=seed,
+                                        biases=True)
+        except RecoveryFailedError:
+            continue
+        errors = biased_canonical_errors(result.model, truth)
+        assert max(errors["W"], errors["b"], errors["v"]) <= result.report.details["error bar"]
+        assert result.report.details["output precision"] == "float32"
+
+
+def test_cli_multi_head_with_biases(tmp_path):
+    import json
+    from conftest import run_cli
+    target = tmp_path / "box.py"
+    target.write_text(
+        "from attnextract.adapters.targets import random_multi_head, with_biases\n"
+        "box = with_biases(random_multi_head(2, 8, seed=4), 4, bias_scale=2.0)\n")
+    out = tmp_path / "heads.npz"
+    proc = run_cli("extract", "--target", f"{target}:box", "--dim", "8", "--model",
+                   "multi-head", "--heads", "2", "--biases", "--out", out, "--json",
+                   "--no-progress", "--seed", "1", check=0)
+    report = json.loads(proc.stdout)
+    assert report["kind"] == "biased-multi-head"
+    truth = with_biases(random_multi_head(2, 8, seed=4), 4, bias_scale=2.0)
+    errors = biased_canonical_errors(load_model(out), truth)
+    assert max(errors["W"], errors["b"], errors["v"], errors["c"]) <= 1e-10
+    refused = run_cli("extract", "--target", f"{target}:box", "--dim", "8", "--model",
+                      "multi-head", "--heads", "2", "--no-progress",
+                      "--out", tmp_path / "plain.npz", "--seed", "1")
+    assert refused.returncode != 0 and "--biases" in refused.stderr
+
+
+def test_head_count_found_with_biases():
+    """heads=None: the count is found from the base rows, as without biases."""
+    truth = with_biases(random_multi_head(3, 8, seed=2), 2)
+    result = extract_multi_head(Oracle(truth, 8), None, seed=2, biases=True)
+    errors = biased_canonical_errors(result.model, truth)
+    assert errors["heads"] == (3, 3)
+    assert max(errors["W"], errors["b"], errors["v"], errors["c"]) <= 1e-10
+
+
+@pytest.mark.parametrize("case", ["output constant 1e3", "query biases 20x", "one biased head",
+                                  "tiny v_0"])
+def test_adversarial_biased_boxes(case):
+    """A constant far above the heads, biases 20x W's scale (|u^T b_h| far beyond the
+    window unless the rows shrink), a bias in one head only, a head 1000x weaker: learned
+    within 1e-10 (the weak head: within its error bar) or, for the weak head, refused;
+    never a model outside its own error bar."""
+    t = with_biases(random_multi_head(3, 8, seed=1), 1)
+    W, v, b, c = t.W, t.v.copy(), t.b.copy(), t.c
+    if case == "output constant 1e3":
+        c = 1e3
+    elif case == "query biases 20x":
+        b = 20 * b
+    elif case == "one biased head":
+        b[1:], c = 0.0, 0.0
+    else:
+        v[0] *= 1e-3
+    box = BiasedMultiHeadAttention(W, v, b, c)
+    try:
+        result = extract_multi_head(Oracle(box, 8), 3, seed=1, biases=True)
+    except RecoveryFailedError:
+        assert case == "tiny v_0"
+        return
+    errors = biased_canonical_errors(result.model, box)
+    worst = max(errors["W"], errors["b"], errors["v"], errors["c"])
+    assert worst <= result.report.details["error bar"]
+    assert worst <= 1e-10 or case == "tiny v_0"
+
+
+def test_a_constant_box_has_no_heads_and_its_c():
+    d = 8
+    box = BiasedMultiHeadAttention(np.zeros((1, d, d)), np.zeros((1, d)), np.zeros((1, d)), 0.5)
+    result = extract_multi_head(Oracle(box, d), 2, seed=0, biases=True)
+    assert isinstance(result.model, BiasedMultiHeadAttention)
+    assert result.model.heads == 0 and result.model.c == 0.5
+    assert result.report.verification.passed
