@@ -90,16 +90,19 @@ def write_cost(rows, path, command):
              "(wall times inflated by the load):", "", f"    {command}", "",
              "search = queries of the adversarial search (part of the verification count); "
              "own = the learner's longest probes compared with the model (no query); "
-             "share = search / recovery.", "",
-             "| learner | d | recovery | verification | search | share | own | lengths | "
-             "token norms | tolerance | max error | run s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "share = search / recovery; check = verification / recovery (the whole check).", "",
+             "| learner | d | recovery | verification | check | search | share | own | lengths | "
+             "token norms | tolerance | max error | run s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        whole = r["verification"] / max(r["recovery"], 1)
         if "search" not in r:
             lines.append(f"| {r['learner']} | {r['d']} | {r['recovery']} | {r['verification']} | "
-                         f"(own check) | | | | | | | {r['seconds']:.1f} |")
+                         f"{100 * whole:.1f}% | (own check) | | | | | | | {r['seconds']:.1f} |")
             continue
         share = r["search"] / max(r["recovery"], 1)
         lines.append(f"| {r['learner']} | {r['d']} | {r['recovery']} | {r['verification']} | "
+                     f"{100 * whole:.1f}% | "
                      f"{r['search']} | {100 * share:.1f}% | {r['own']} | {r['lengths'][0]}-"
                      f"{r['lengths'][1]} (L {r['max_length']}) | {r['norms'][0]:.1e} .. "
                      f"{r['norms'][1]:.1e} | {r['tolerance']:.0e} | {r['error']:.1e} | "
@@ -139,12 +142,9 @@ def main(argv=None):
         rows, elapsed, commands = [], 0.0, []
         for name in args.merge:
             part = json.loads(Path(name).read_text())
-            # a later part's rows replace an earlier part's (same learner, impostor, d)
-            keys = {(r["learner"], r["impostor"], r["d"]) for r in part["rows"]}
-            rows = [r for r in rows if (r["learner"], r["impostor"], r["d"]) not in keys]
-            rows += part["rows"]
+            rows = merge_rows(rows, part["rows"])
             elapsed += part["seconds"]
-            commands.append(part.get("command", ""))
+            commands += part.get("commands", [part.get("command", "")])
         order = list(LEARNERS)
         rows.sort(key=lambda r: (order.index(r["learner"]), r["d"]))
         write_markdown(rows, Path(args.out), elapsed, args, commands)
@@ -165,6 +165,7 @@ def main(argv=None):
             n_seeds = int(fewer[32 if d >= 32 else 8].get(learner, args.seeds))
             seeds = range(args.first_seed, args.first_seed + n_seeds)
             for name in names:
+                t_cell = time.perf_counter()
                 outcomes = [one_run(learner, name, d, s, recovery) for s in seeds]
                 refused = sum(o[0].startswith("refused") for o in outcomes)
                 accepted = [(s, o[1]) for s, o in zip(seeds, outcomes) if o[0] == "accepted"]
@@ -172,8 +173,11 @@ def main(argv=None):
                 kinds = sorted({o[0][9:] for o in outcomes if o[0].startswith("refused")})
                 row = {"learner": learner, "impostor": name, "d": d, "seeds": len(seeds),
                        "refused": refused, "accepted": accepted, "crashes": crashes,
-                       "refusal_kinds": kinds}
+                       "refusal_kinds": kinds, "seed_ranges": [[seeds.start, seeds.stop]],
+                       "seconds": time.perf_counter() - t_cell}
                 rows.append(row)
+                if args.json:         # after every cell: a run stopped early keeps its cells
+                    write_json(rows, time.perf_counter() - started, argv, args.json, done=False)
                 flag = ("" if (name == "honest") == (refused == 0) and not crashes else "  <-- MISS")
                 print(f"{learner:20s} d={d:3d} {name:26s} refused {refused}/{len(seeds)}"
                       f"{' accepted ' + str([(s, f'{e:.1e}') for s, e in accepted]) if accepted and name != 'honest' else ''}"
@@ -182,10 +186,71 @@ def main(argv=None):
     elapsed = time.perf_counter() - started
     write_markdown(rows, Path(args.out), elapsed, args)
     if args.json:
-        command = "python benchmarks/bench_impostors.py " + " ".join(
-            repr(a) if " " in a or "<" in a else a for a in (argv if argv is not None else sys.argv[1:]))
-        Path(args.json).write_text(json.dumps({"rows": rows, "seconds": elapsed,
-                                               "command": command}, indent=1))
+        write_json(rows, elapsed, argv, args.json, done=True)
+
+
+def write_json(rows, elapsed, argv, path, done):
+    command = "python benchmarks/bench_impostors.py " + " ".join(
+        repr(a) if " " in a or "<" in a else a for a in (argv if argv is not None else sys.argv[1:]))
+    if not done:
+        command += " (stopped early: the cells it finished)"
+    Path(path).write_text(json.dumps({"rows": rows, "seconds": elapsed, "command": command},
+                                     indent=1))
+
+
+def seed_ranges(row) -> list:
+    """The row's seeds as [first, stop) ranges (rows of older runs: seeds 0 .. n-1)."""
+    return row.get("seed_ranges", [[row.get("first_seed", 0), row.get("first_seed", 0) + row["seeds"]]])
+
+
+def merge_rows(rows, new_rows) -> list:
+    """Rows of a later run added to earlier ones: the same (learner, impostor, d) on other
+    seeds adds up (seeds, refusals, accepted seeds, crashes); on overlapping seeds the
+    later run replaces the earlier."""
+    index = {(r["learner"], r["impostor"], r["d"]): i for i, r in enumerate(rows)}
+    rows = list(rows)
+    for r in new_rows:
+        key = (r["learner"], r["impostor"], r["d"])
+        if key not in index:
+            index[key] = len(rows)
+            rows.append(r)
+            continue
+        old = rows[index[key]]
+        seen = {s for a, b in seed_ranges(old) for s in range(a, b)}
+        if seen & {s for a, b in seed_ranges(r) for s in range(a, b)}:
+            rows[index[key]] = r
+            continue
+        rows[index[key]] = {**old, "seeds": old["seeds"] + r["seeds"],
+                            "refused": old["refused"] + r["refused"],
+                            "accepted": old["accepted"] + r["accepted"],
+                            "crashes": old["crashes"] + r["crashes"],
+                            "refusal_kinds": sorted(set(old["refusal_kinds"]) | set(r["refusal_kinds"])),
+                            "seed_ranges": seed_ranges(old) + seed_ranges(r),
+                            "seconds": old.get("seconds", 0.0) + r.get("seconds", 0.0)}
+    return rows
+
+
+def summary_lines(rows) -> list:
+    """One line per learner and d: seeds per impostor, impostors refused on every seed
+    run, impostor runs refused, honest runs accepted, crashes."""
+    lines = ["| learner | d | seeds per impostor | impostors refused on every seed | "
+             "impostor runs refused | honest runs accepted | crashes |",
+             "|---|---|---|---|---|---|---|"]
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["learner"], r["d"]), []).append(r)
+    for (learner, d), group in groups.items():
+        fakes = [r for r in group if r["impostor"] != "honest"
+                 and not (LEARNERS[learner][2] and r["impostor"] in SAME_LABELS)]
+        honest = [r for r in group if r["impostor"] == "honest"]
+        seeds = sorted({r["seeds"] for r in fakes})
+        span = f"{seeds[0]}" if len(seeds) == 1 else f"{seeds[0]}-{seeds[-1]}"
+        lines.append(
+            f"| {learner} | {d} | {span} | {sum(r['refused'] == r['seeds'] for r in fakes)} of "
+            f"{len(fakes)} | {sum(r['refused'] for r in fakes)} / {sum(r['seeds'] for r in fakes)} | "
+            f"{sum(r['seeds'] - r['refused'] for r in honest)} / {sum(r['seeds'] for r in honest)} | "
+            f"{sum(len(r['crashes']) for r in group)} |")
+    return lines
 
 
 def write_markdown(rows, path, elapsed, args, commands=None):
@@ -201,6 +266,7 @@ def write_markdown(rows, path, elapsed, args, commands=None):
              "`honest` is the model itself: it must be accepted (refused 0). The sign-only "
              "learner (labels 1{f > 0}) does not face " + " and ".join(sorted(SAME_LABELS)) +
              ": both keep the sign of f, so their labels are the honest head's.", "",
+             *summary_lines(rows), "",
              "| learner | impostor | d | refused | accepted (seed: held-out error) |",
              "|---|---|---|---|---|"]
     for r in rows:

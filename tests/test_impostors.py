@@ -22,6 +22,9 @@ LEARNERS = ("single-head", "low-rank", "verify")
 NAMES = impostor_names("single-head")
 _RECOVERY = {}
 
+# an overflow anywhere (outputs of 1e200 squared) is a bug here, not a warning
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+
 
 def refused(learner: str, name: str, d: int, seed: int) -> bool:
     """True when ``learner`` refuses impostor ``name`` built on its honest model (seed)."""

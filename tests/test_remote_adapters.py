@@ -27,6 +27,7 @@ class CustomSchemaApi:
     def __init__(self, model, fail_first=0):
         outer = self
         self.calls, self.keys, self.fail_first = 0, [], fail_first
+        self.longest = 0            # the longest sequence asked (tokens)
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -41,6 +42,7 @@ class CustomSchemaApi:
                     status, answer = 502, {"error": "bad gateway"}
                 else:
                     X = np.array([item["x"] for item in json.loads(body)["items"]])
+                    outer.longest = max(outer.longest, X.shape[1])
                     status, answer = 200, {"data": {"scores": model(X).tolist()}}
                 data = json.dumps(answer).encode()
                 self.send_response(status)
@@ -104,6 +106,32 @@ def test_custom_api_errors_are_typed():
             JsonApiBlackBox(api.url, "not a function", decode)
     finally:
         api.close()
+
+
+def test_a_stated_max_length_bounds_every_query_and_the_verified_domain():
+    """A foreign API has no /health: its context length is stated to JsonApiBlackBox,
+    the Oracle takes it, no query is longer and verification covers lengths up to it."""
+    model = random_single_head(5, seed=3)
+    api = CustomSchemaApi(model)
+    try:
+        box = JsonApiBlackBox(api.url, encode, decode, headers={"X-Api-Key": "s3cret"},
+                              max_length=24)
+        assert box.max_length == 24 and box.health()["max_length"] == 24
+        oracle = Oracle(box, 5)
+        assert oracle.max_length == 24
+        result = extract_single_head(oracle, seed=0)
+        check = result.report.verification
+        assert check.passed and check.max_length == 24 and check.lengths[1] == 24
+        assert api.longest == 24
+        assert JsonApiBlackBox(api.url, encode, decode).max_length is None
+    finally:
+        api.close()
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "100"])
+def test_a_bad_max_length_is_an_input_error(bad):
+    with pytest.raises(InputError, match="max_length"):
+        JsonApiBlackBox("http://127.0.0.1:9/x", encode, decode, max_length=bad)
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ guarded targets, exact query counts and typed journal errors."""
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 import sys
 import textwrap
@@ -13,17 +14,21 @@ import numpy as np
 import pytest
 
 from attnextract import Oracle, extract
-from attnextract.adapters.impostors import make_impostor, run_impostor
+from attnextract.adapters.impostors import (LEARNER_CASES, make_impostor, recovery_queries,
+                                            run_impostor)
 from attnextract.adapters.journal import QueryJournal
 from attnextract.adapters.targets import random_multi_head, random_single_head
 from attnextract.errors import (BlackBoxError, InputError, JournalError, MalformedOutputError,
-                                ModelMismatchError)
+                                ModelMismatchError, RecoveryFailedError)
 from attnextract.models import MultiHeadAttention
 from attnextract.oracle import validate_outputs
 from attnextract.report import mismatch_reason
 from attnextract.verification import (DEFAULT_LONGEST, SEARCH_SHARE, answers_look_rounded,
-                                      design, length_grid, scaled_relative_errors,
-                                      verify_model)
+                                      design, length_grid, safe_norm, safe_rms,
+                                      scaled_relative_errors, verify_model)
+
+# an overflow anywhere in a comparison is a bug here, not a warning to scroll past
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
 D = 8
 
@@ -152,6 +157,58 @@ def test_scaled_honest_head_passes_and_an_extra_head_fails(factor):
     assert not verify_model(Oracle(extra, D), big, count=64, seed=0).passed
 
 
+@pytest.mark.parametrize("exponent", [-300, -200, 0, 200, 300])
+def test_safe_norm_and_rms_match_numpy_at_every_scale(exponent):
+    rng = np.random.default_rng(exponent + 1000)
+    x = rng.standard_normal((5, 7, 3))
+    scaled = x * 10.0 ** exponent
+    for axis in (None, 0, 1, 2, (1, 2)):
+        want = np.linalg.norm(x.reshape(5, -1), axis=1) if axis == (1, 2) else \
+            np.linalg.norm(x, axis=axis) if axis is not None else np.linalg.norm(x.ravel())
+        np.testing.assert_allclose(np.asarray(safe_norm(scaled, axis=axis)) / 10.0 ** exponent,
+                                   want, rtol=1e-12)
+    assert safe_rms(scaled) / 10.0 ** exponent == pytest.approx(
+        math.sqrt(float(np.mean(x ** 2))), rel=1e-12)
+
+
+def test_safe_norm_keeps_zero_and_infinite_vectors():
+    x = np.array([[0.0, 0.0], [np.inf, 1.0], [1e308, 1e308]])
+    assert list(safe_norm(x, axis=1)[:2]) == [0.0, np.inf]
+    assert safe_norm(x, axis=1)[2] == pytest.approx(math.sqrt(2) * 1e308)
+    assert safe_norm(np.zeros((0, 3)), axis=1).shape == (0,)
+
+
+@pytest.mark.parametrize("learner", [name for name, case in LEARNER_CASES.items()])
+def test_outputs_of_1e200_are_refused_without_an_overflow(learner):
+    """Two heads x 1e200: squared, these outputs overflow float64. Every learner (and
+    verify) refuses the box, and no RuntimeWarning (an error in this module) is raised
+    on the way: norms and sizes of outputs are computed scaled."""
+    outcome, _, box = run_impostor(learner, "two heads x1e200", D, 0, recovery_queries(learner, D))
+    assert outcome.startswith("refused"), (learner, outcome)
+
+
+class _Scaled:
+    """An honest model whose every answer is multiplied by ``factor`` (in every class)."""
+
+    def __init__(self, model, factor):
+        self.model, self.factor = model, factor
+
+    def __call__(self, X):
+        return self.factor * self.model(X)
+
+
+@pytest.mark.parametrize("factor", [1e-300, 1e300])
+@pytest.mark.parametrize("learner", ["single-head", "low-rank", "sign-only", "one-layer",
+                                     "single-head --biases"])
+def test_learners_accept_honest_models_at_output_scales_1e_minus_300_to_1e300(learner, factor):
+    from attnextract.oracle import SignOnly
+    honest, run, labels = LEARNER_CASES[learner]
+    box = _Scaled(honest(D, 2), factor)
+    result = run(Oracle(SignOnly(box) if labels else box, D), 0)
+    check = result.report.verification
+    assert check is not None and check.passed and check.max_relative_error <= check.tolerance
+
+
 def test_single_head_is_held_to_its_own_error_bar():
     model = random_single_head(D, 6)
     result = extract(Oracle(model, D), "single-head", seed=0)
@@ -248,11 +305,31 @@ def test_precision_hint_only_where_answers_show_rounding():
     assert not answers_look_rounded(rng.standard_normal(64))
     assert answers_look_rounded(rng.standard_normal(64).astype(np.float32))
     assert answers_look_rounded(np.round(rng.standard_normal(64), 4))
+    assert not answers_look_rounded(1e-150 * rng.standard_normal(64))     # tiny, not 0
     model = random_single_head(D, 2)
     tiny = make_impostor("second head 1e-6", model, np.random.default_rng(0), 72)
     with pytest.raises(ModelMismatchError) as refused:
         extract(Oracle(tiny, D), "single-head", seed=0)
     assert "--output-dtype" not in mismatch_reason(refused.value.result.report.verification)
+
+
+@pytest.mark.parametrize("learner", ["multi-head-low-rank", "transformer-layer"])
+def test_learners_that_take_output_dtype_do_not_suggest_it_for_float64_impostors(learner):
+    """The registry names --output-dtype on a refusal only when the kept answers show
+    rounding (or too few were asked to tell): a float64 impostor is a mismatch."""
+    honest, run, _ = LEARNER_CASES[learner]
+    model = honest(D, 1)
+    # (default_rng(1) would draw the second head's W equal to the honest W: in the class)
+    tiny = make_impostor("second head 1e-6", model, np.random.default_rng([1, D, 23]), 100)
+    with pytest.raises((ModelMismatchError, RecoveryFailedError)) as refused:
+        run(Oracle(tiny, D), 1)
+    assert "output-dtype" not in str(refused.value) and "output_dtype" not in str(refused.value)
+    # answers rounded to float32: a refusal may be a precision problem, the hint is given
+    window = make_impostor("sliding window 8", model, np.random.default_rng([1, D, 5]), 100)
+    box = lambda X: np.asarray(window(X), dtype=np.float32).astype(np.float64)  # noqa: E731
+    with pytest.raises((ModelMismatchError, RecoveryFailedError)) as refused:
+        run(Oracle(box, D), 1)
+    assert "output-dtype" in str(refused.value) or "output_dtype" in str(refused.value)
 
 
 def _write_target(tmp_path, body):

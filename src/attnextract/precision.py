@@ -145,8 +145,12 @@ def option_hint(precision: OutputPrecision | None) -> str:
 
 def name_the_options(exc: Exception, precision: OutputPrecision | None) -> None:
     """End a refusal's message with :func:`option_hint` (unless it names the options
-    already), so that a user of a low-precision-capable learner learns what to state."""
+    already, or the answers were detected as float64), so that a user of a
+    low-precision-capable learner learns what to state."""
     message = exc.args[0] if exc.args and isinstance(exc.args[0], str) else None
     if message is None or "output-dtype" in message or "output_dtype" in message:
         return
+    if precision is not None and precision.exact and not precision.stated:
+        return      # float64 answers (detected): a mismatch, not a precision problem; the
+        # hint would invite loosening the check on an impostor (issue 23)
     exc.args = (f"{message}; {option_hint(precision)}",) + exc.args[1:]

@@ -129,6 +129,18 @@ def _supporting(attribute: str) -> str:
     return " and ".join(repr(n) for n in names) or "no registered model"
 
 
+def _answers_may_be_rounded(root) -> bool:
+    """Whether a refusal may be a precision problem: the oracle's kept answers (its replay
+    sample) show rounding, or too few were asked to tell. Float64 answers of a box that
+    was refused are a mismatch: naming --output-dtype there invites loosening the check on
+    an impostor (issue 23)."""
+    import numpy as np
+
+    from .verification import answers_look_rounded
+    answers = [answer for _, answer in getattr(root, "replay", [])]
+    return len(answers) < 4 or answers_look_rounded(np.array(answers))
+
+
 def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=None,
             tolerance=None, sign_only: bool = False, **options) -> ExtractionResult:
     """Extract ``model`` from the black box behind ``oracle``.
@@ -189,7 +201,8 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
                 stated = stated_precision(options.get("output_dtype"), options.get("decimals"))
             except InputError:             # the learner's own values: say nothing about them
                 stated = None
-            name_the_options(exc, stated)
+            if stated is not None or _answers_may_be_rounded(root):
+                name_the_options(exc, stated)
         if (isinstance(exc, (ModelMismatchError, RecoveryFailedError)) and "biases" in accepted
                 and not options.get("biases") and exc.args):
             exc.args = (f"{exc.args[0]}; {BIASES_HINT}",) + exc.args[1:]

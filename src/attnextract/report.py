@@ -84,7 +84,7 @@ def token_scale(model) -> float:
     W = getattr(model, "W", None)
     if W is None or np.size(W) == 0:        # no heads (f = 0): any scale
         return 1.0
-    norm = float(np.max(np.linalg.norm(np.reshape(W, (-1,) + W.shape[-2:]), axis=(1, 2))))
+    norm = float(np.max(safe_norm(np.reshape(W, (-1,) + W.shape[-2:]), axis=(1, 2))))
     return math.sqrt(2.0 / norm) if norm > 0 else 1.0
 
 
@@ -430,15 +430,15 @@ def parameter_errors(model, truth) -> dict:
     def part(diff, ref, whole):
         return diff / np.where(ref > 0, ref, max(whole, tiny))
 
-    W_norm, v_norm = float(np.linalg.norm(W)), float(np.linalg.norm(v))
-    cols = part(np.linalg.norm(W_hat - W, axis=0), np.linalg.norm(W, axis=0), W_norm)
-    rows = part(np.linalg.norm(W_hat - W, axis=1), np.linalg.norm(W, axis=1), W_norm)
+    W_norm, v_norm = float(safe_norm(W)), float(safe_norm(v))
+    cols = part(safe_norm(W_hat - W, axis=0), safe_norm(W, axis=0), W_norm)
+    rows = part(safe_norm(W_hat - W, axis=1), safe_norm(W, axis=1), W_norm)
     ents = part(np.abs(v_hat - v), np.abs(v), v_norm)
     return {"W_columns": cols, "W_rows": rows, "v_entries": ents,
             "W_column_max": float(cols.max()), "W_row_max": float(rows.max()),
             "v_entry_max": float(ents.max()),
-            "W_relative": float(np.linalg.norm(W_hat - W) / max(W_norm, tiny)),
-            "v_relative": float(np.linalg.norm(v_hat - v) / max(v_norm, tiny))}
+            "W_relative": float(safe_norm(W_hat - W) / max(W_norm, tiny)),
+            "v_relative": float(safe_norm(v_hat - v) / max(v_norm, tiny))}
 
 
 def _jsonable(obj):
@@ -539,4 +539,4 @@ def _model_from(path, data: dict):
 
 
 # held-out verification lives in verification.py; this name stays for old imports
-from .verification import verify_model  # noqa: E402
+from .verification import safe_norm, verify_model  # noqa: E402

@@ -340,15 +340,15 @@ def _family_far(dom: _Domain, n: int) -> list:
         # no larger than the peaked family's tokens: beyond, a W ~ 0 is known only to its
         # noise (the scores stay as far as that norm allows)
         cap = 1e3 * dom.low * math.sqrt(d)
-        if np.linalg.norm(q) > cap:
-            q *= cap / np.linalg.norm(q)
-        q = q + 1e-3 * np.linalg.norm(q) / math.sqrt(d) * rng.standard_normal(d)
+        if safe_norm(q) > cap:
+            q *= cap / safe_norm(q)
+        q = q + 1e-3 * safe_norm(q) / math.sqrt(d) * rng.standard_normal(d)
         w = W @ q
         ww = float(w @ w)
         if not (ww > 0 and np.all(np.isfinite(q))):
             out.append(dom.scale * rng.standard_normal((int(k), d)))
             continue
-        R = (np.linalg.norm(q) / math.sqrt(d)) * rng.standard_normal((int(k) - 1, d))
+        R = (safe_norm(q) / math.sqrt(d)) * rng.standard_normal((int(k) - 1, d))
         # scores a token within the cap can reach: |t| <= |w| cap / 2
         S = min(S, 0.5 * math.sqrt(ww) * cap)
         t = sign * S + min(FAR_SPREAD, S) * rng.uniform(-1.0, 1.0, int(k) - 1)
@@ -381,7 +381,7 @@ def _hull_single(dom: _Domain, n: int, v, hull_v):
     n_seq = n - pool_size
     u = np.asarray(hull_v if hull_v is not None and np.any(hull_v) else v, dtype=float)
     u = u / np.abs(u).max()                         # scaled first: |v| of 1e-300 or 1e300
-    u = u / np.linalg.norm(u)
+    u = u / safe_norm(u)
     P = rng.standard_normal((pool_size, d))
     P -= np.outer(P @ u, u)
     P -= np.outer(P @ u, u)                         # twice: orthogonal to rounding
@@ -541,7 +541,7 @@ def _region_tokens(A, b, w, p, rng, k: int):
     pre = A @ p + b
     active = pre > 0
     v_S = A[active].T @ w[active]
-    rows = np.maximum(np.linalg.norm(A, axis=1), np.finfo(float).tiny)
+    rows = np.maximum(safe_norm(A, axis=1), np.finfo(float).tiny)
     nearest = np.argsort(np.abs(pre) / rows)[:max(0, d // 2 - 1)]
     basis = np.linalg.qr(np.column_stack([v_S] + [A[j] for j in nearest]))[0]
     D = rng.standard_normal((k, d))
@@ -551,7 +551,7 @@ def _region_tokens(A, b, w, p, rng, k: int):
     with np.errstate(divide="ignore"):
         reach = np.abs(pre)[None, :] / np.abs(D @ A.T)        # step to each hyperplane
     # no hyperplane in the way: stay within the centre's own norm
-    step = 0.9 * np.minimum(reach.min(axis=1), np.linalg.norm(p)) * rng.uniform(0.3, 1.0, k)
+    step = 0.9 * np.minimum(reach.min(axis=1), safe_norm(p)) * rng.uniform(0.3, 1.0, k)
     return p + step[:, None] * D
 
 
@@ -576,7 +576,7 @@ def _ffn_hull(ffn, n: int, rng, scale: float, longest: int, grid):
     pools, pairs, slopes = [], [], []
     for c in range(n_centres):
         p = rng.standard_normal(d)
-        p *= scale * math.sqrt(d) / np.linalg.norm(p)
+        p *= scale * math.sqrt(d) / safe_norm(p)
         for _ in range(4):                    # scores scale like |p|^2 (a cone for b = 0)
             X = _region_tokens(A, b, w, p, rng, pool_size)
             s = X @ (W @ X[-1])
@@ -588,7 +588,7 @@ def _ffn_hull(ffn, n: int, rng, scale: float, longest: int, grid):
         if np.all(np.isfinite(pool)):
             pools.append(pool)
             active = A @ p + b > 0
-            slopes.append(float(np.linalg.norm(A[active].T @ w[active])))
+            slopes.append(float(safe_norm(A[active].T @ w[active])))
     if not pools:
         return [], [], []
     n_centres = len(pools)
@@ -637,7 +637,7 @@ def _separating_sequences(W: np.ndarray, v: np.ndarray, count: int, rng, scale: 
     """
     from .models import softmax
     H, d = W.shape[0], W.shape[1]
-    vn = np.maximum(np.linalg.norm(v, axis=1), np.finfo(float).tiny)
+    vn = np.maximum(safe_norm(v, axis=1), np.finfo(float).tiny)
     cands, merit = [], []
     for k in _log_uniform_int(rng, 2, 64, HEADS_OVERSAMPLE * count, grid):
         x = scale * 10.0 ** rng.uniform(0.0, 0.75) * rng.standard_normal((int(k), d))
@@ -646,7 +646,7 @@ def _separating_sequences(W: np.ndarray, v: np.ndarray, count: int, rng, scale: 
         gap = np.abs(np.einsum("gn,nh->gh", alpha, values) - np.diag(alpha @ values)[None, :])
         cands.append(x)
         # tokens that underflow to 0 (a model with enormous W has a tiny scale) merit 0
-        size = float(np.linalg.norm(x, axis=1).max())
+        size = float(safe_norm(x, axis=1).max())
         merit.append(float((gap / vn[None, :]).max()) / size if size > 0 else 0.0)
     return [cands[i] for i in np.argsort(merit)[::-1][:count]]
 
@@ -680,7 +680,7 @@ def _head_norms(model) -> np.ndarray | None:
     if W is None or np.size(W) == 0:
         return None
     W = np.asarray(W, dtype=float)
-    return np.linalg.norm(W.reshape((-1,) + W.shape[-2:]), axis=(1, 2))
+    return safe_norm(W.reshape((-1,) + W.shape[-2:]), axis=(1, 2))
 
 
 def score_reach(model, sequences) -> np.ndarray:
@@ -694,12 +694,29 @@ def score_reach(model, sequences) -> np.ndarray:
     return np.array([top * _safe_norm(X).max() * _safe_norm(X[-1:])[0] for X in sequences])
 
 
+def safe_norm(x: np.ndarray, axis=None):
+    """Euclidean norm of x (the whole array, or along ``axis``) without overflow or
+    underflow: each vector is divided by its largest entry first, as np.hypot does, so
+    entries of 1e200 or 1e-300 give the norm numpy's would give in exact
+    arithmetic. Shape: x's shape without ``axis`` (a float for axis=None)."""
+    x = np.asarray(x, dtype=float)
+    m = np.abs(x).max(axis=axis, keepdims=True) if x.size else np.zeros(
+        [1 if axis is None or i == axis % x.ndim else n for i, n in enumerate(x.shape)])
+    safe = np.where((m > 0) & np.isfinite(m), m, 1.0)
+    with np.errstate(over="ignore", invalid="ignore"):    # an inf entry: the norm is inf
+        out = np.squeeze(m, axis=axis) * np.sqrt(np.sum((x / safe) ** 2, axis=axis))
+    return float(out) if axis is None else out
+
+
+def safe_rms(x: np.ndarray) -> float:
+    """Root mean square of x's entries without overflow or underflow (see safe_norm)."""
+    x = np.asarray(x, dtype=float)
+    return safe_norm(x) / math.sqrt(x.size) if x.size else 0.0
+
+
 def _safe_norm(X: np.ndarray) -> np.ndarray:
-    """Row norms of X (n, d) without overflow or underflow (scaled first, as np.hypot)."""
-    X = np.atleast_2d(X)
-    m = np.abs(X).max(axis=1)
-    safe = np.where(m > 0, m, 1.0)
-    return m * np.sqrt(((X / safe[:, None]) ** 2).sum(axis=1))
+    """Row norms of X (n, d) without overflow or underflow, shape (n,)."""
+    return safe_norm(np.atleast_2d(X), axis=1)
 
 
 def token_norms(sequences) -> np.ndarray:
@@ -1077,7 +1094,8 @@ def answers_look_rounded(observed) -> bool:
         z = y * 10.0 ** k
         if np.abs(z).max() >= 1e12:
             break
-        if np.mean(np.abs(z - np.round(z)) <= 1e-6) >= 0.9:
+        # a multiple of 10^-k is a nonzero one: answers of 1e-150 are near 0, not rounded
+        if np.mean((np.abs(z - np.round(z)) <= 1e-6) & (np.round(z) != 0)) >= 0.9:
             return True
     return False
 
@@ -1104,12 +1122,12 @@ def boundary_shift(model, sequences, targets, iterations: int = 200) -> list:
     no queries) finds a t with f = target to float64 precision.
     """
     v = np.asarray(model.v, dtype=float)
-    u = v / np.linalg.norm(v)
+    u = v / safe_norm(v)
     out = []
     for X, target in zip(sequences, targets):
         if not (np.all(np.isfinite(X)) and math.isfinite(target)):
             continue
-        reach = (float(np.abs(X @ v).max()) + abs(float(target))) / np.linalg.norm(v) + 1.0
+        reach = (float(np.abs(X @ v).max()) + abs(float(target))) / safe_norm(v) + 1.0
         lo, hi = -reach, reach
         for _ in range(iterations):
             mid = 0.5 * (lo + hi)

@@ -377,6 +377,12 @@ class JsonApiBlackBox(HttpBlackBox):
         ``decode(answer)`` with the parsed JSON answer -> b numbers, in order.
     headers : dict, optional
         Extra headers on every request (``Authorization``, ...).
+    max_length : int, optional
+        The longest sequence (tokens) the API accepts: its context length. A foreign API
+        has no ``/health`` to say it, so state it here: :class:`~attnextract.oracle.Oracle`
+        takes it as its default ``max_length``, so learners never send longer sequences and
+        verification covers lengths up to it (unstated: the Oracle's default, which may
+        send sequences the API refuses).
     **options
         ``timeout``, ``retries``, ``backoff``, ``concurrency``, ``max_floats``,
         ``max_sequences`` as for :class:`HttpBlackBox`.
@@ -386,9 +392,15 @@ class JsonApiBlackBox(HttpBlackBox):
     ``X-Charged``.
     """
 
-    def __init__(self, url: str, encode, decode, *, headers: dict | None = None, **options):
+    def __init__(self, url: str, encode, decode, *, headers: dict | None = None,
+                 max_length: int | None = None, **options):
         if not callable(encode) or not callable(decode):
             raise InputError("encode and decode must be functions")
+        if max_length is not None and (not isinstance(max_length, (int, np.integer))
+                                       or isinstance(max_length, bool) or max_length < 1):
+            raise InputError(f"max_length must be a positive integer (the API's longest "
+                             f"sequence, in tokens), got {max_length!r}")
+        self._declared_length = None if max_length is None else int(max_length)
         super().__init__(url, transport="json", **options)
         self.encode_batch, self.decode_answer = encode, decode
         self.extra_headers = dict(headers or {})
@@ -418,7 +430,13 @@ class JsonApiBlackBox(HttpBlackBox):
         return out
 
     def health(self) -> dict:
-        return {"url": self.url}
+        return {"url": self.url,
+                **({"max_length": self._declared_length} if self._declared_length else {})}
+
+    @property
+    def max_length(self) -> int | None:
+        """The API's longest sequence (tokens) as stated at construction, or None."""
+        return self._declared_length
 
     def check_dim(self, dim: int) -> None:
         return None

@@ -49,6 +49,7 @@ import numpy as np
 
 from ..errors import ModelMismatchError, NotIdentifiableError
 from ..oracle import Oracle
+from ..verification import safe_norm
 from .relu_network import ROOT_SLACK, _find_kinks, _Path, _query_vectors, _resolve_signs
 
 LINE_REACH = 4.0        # half length of a line, in units of its scale * sqrt(d)
@@ -125,7 +126,7 @@ class _Units:
         self.J, self.j, self.sigma = np.empty((0, d)), np.empty(0), np.empty(0)
 
     def normals(self) -> tuple[np.ndarray, np.ndarray]:
-        norm = np.linalg.norm(self.J, axis=1)
+        norm = safe_norm(self.J, axis=1)
         return self.J / norm[:, None], self.j / norm
 
     def known(self, n: np.ndarray, beta: float) -> bool:
@@ -156,12 +157,12 @@ class _Units:
         n = len(T)
         if n < 3:
             return None
-        norm = np.linalg.norm(T, axis=1)
+        norm = safe_norm(T, axis=1)
         signed = np.vstack([T, -T])                                       # (2n, d + 1)
         idx = np.tile(np.arange(n), 2)
         for k in range(n):
             rest = T[k][None] - signed                                    # T_k - s_i T_i
-            gap = np.linalg.norm(rest[:, None, :] - signed[None], axis=2)  # (2n, 2n)
+            gap = safe_norm(rest[:, None, :] - signed[None], axis=2)  # (2n, 2n)
             same = (idx[:, None] == idx[None, :]) | (idx[:, None] == k) | (idx[None, :] == k)
             gap[same] = np.inf
             a, b = np.unravel_index(np.argmin(gap), gap.shape)
@@ -250,7 +251,7 @@ def _walk_line(oracle, line: _Line, rng, units: _Units, basis, counts) -> list:
     for attempt in range(MAX_REMEASURE + 1):
         J = np.array([g[slot[k + 1]] - g[slot[k]] for k in new_k]).reshape(-1, oracle.dim)
         jj = np.array([e[slot[k + 1]] - e[slot[k]] for k in new_k])
-        norms = np.linalg.norm(J, axis=1)
+        norms = safe_norm(J, axis=1)
         with np.errstate(divide="ignore", invalid="ignore"):
             n = J / norms[:, None]
             beta = jj / norms
@@ -371,7 +372,7 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
         line_scale = scale * 2.0 ** (lines // 2)
         centre = line_scale * rng.standard_normal(d)
         direction = rng.standard_normal(d)
-        direction /= np.linalg.norm(direction)
+        direction /= safe_norm(direction)
         basis = np.linalg.qr(rng.standard_normal((d, d)))[0]
         line = _Line(centre, direction, LINE_REACH * line_scale * math.sqrt(d))
         samples += _walk_line(oracle, line, rng, units, basis, counts)
@@ -396,7 +397,7 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
     except Exception as exc:       # the bias-free learner's plane failure: no 0/1 pattern
         raise ModelMismatchError(f"no sign pattern of the {m} units explains the linear part of F "
                                  f"({exc})") from exc
-    norm = np.linalg.norm(units.J, axis=1)
+    norm = safe_norm(units.J, axis=1)
     orient = units.sigma * (1.0 - 2.0 * s)
     P = orient[:, None] * units.J / norm[:, None]
     b = orient * units.j / norm
@@ -465,11 +466,11 @@ def _polish(oracle: Oracle, net: BiasedReLUNetwork, rng, scale: float, counts: d
     Jp, jp = g[0::2] - g[1::2], e[0::2] - e[1::2]           # w_k (p_k, b_k)
     first = net.w[units, None] * np.hstack([net.P[units], net.b[units, None]])
     new = np.hstack([Jp, jp[:, None]])
-    agree = (np.linalg.norm(new - first, axis=1)
-             <= POLISH_AGREEMENT * np.linalg.norm(first, axis=1))
+    agree = (safe_norm(new - first, axis=1)
+             <= POLISH_AGREEMENT * safe_norm(first, axis=1))
     P, b, w = net.P.copy(), net.b.copy(), net.w.copy()
     keep = units[agree]
-    size = np.linalg.norm(Jp[agree], axis=1)
+    size = safe_norm(Jp[agree], axis=1)
     P[keep] = Jp[agree] * np.sign(w[keep])[:, None] / size[:, None]
     b[keep] = jp[agree] * np.sign(w[keep]) / size
     w[keep] = size * np.sign(w[keep])

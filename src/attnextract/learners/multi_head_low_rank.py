@@ -86,6 +86,7 @@ from ..oracle import Oracle
 from ..precision import OutputPrecision, name_the_options, precision_of
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                       token_scale, verification_count, verify_model)
+from ..verification import safe_norm, safe_rms
 from .low_rank import haar_orthogonal, random_probe_basis
 from .single_head import constant_and_values, logit, split_scale
 
@@ -188,7 +189,7 @@ def _tolerances(precision: OutputPrecision, v: np.ndarray) -> tuple[Tolerances, 
     dtype, whose errors are larger: the level of one rounding is a floor, not the noise.
     A stated forward pass's assumed level only tells saturation apart."""
     # an absolute rounding (k decimals) relative to the size of single-token answers
-    size = float(np.sqrt(np.mean(np.square(v))))
+    size = safe_rms(v)              # answers of 1e200 would overflow when squared
     noise = precision.relative + precision.absolute / max(size, 1e-300)
     if precision.forward:
         return Tolerances.for_noise(noise), 2.0 ** -24 if precision.name == "float32" else noise
@@ -370,7 +371,7 @@ class _HalfCircle:
         self.misfit = 0.0     # |g(2u) - 2 g(u)| / scale at the saturated radius: the noise
         self.rho = 1.0
         self.points = 0
-        self.v_norm = float(np.linalg.norm(v)) + 1e-300
+        self.v_norm = safe_norm(v) + 1e-300
 
     def at(self, theta, rho):
         theta = np.asarray(theta, dtype=float)
@@ -491,7 +492,7 @@ def find_values(oracle: Oracle, v: np.ndarray, heads: int, rng: np.random.Genera
         circle.tol = tol
     phi_ref = math.pi / (4.0 * max(heads, 1))
     rho = circle.rho * phi_ref / tol.min_gap * (RHO_NOISY if tol.noise > EPS else 1.0)
-    v_plane = float(np.hypot(u0 @ v, u1 @ v)) + float(np.linalg.norm(v)) * 1e-3
+    v_plane = float(np.hypot(u0 @ v, u1 @ v)) + float(safe_norm(v)) * 1e-3
 
     # bracket the crossings: sample a grid, bisect every interval whose ends differ
     grid = np.linspace(0.0, math.pi, GRID_PER_HEAD * max(heads, 1) + 1)
@@ -502,7 +503,7 @@ def find_values(oracle: Oracle, v: np.ndarray, heads: int, rng: np.random.Genera
         raise RecoveryFailedError("probes on the half circle do not saturate: cannot bracket "
                                   "the heads' crossings")
     while True:
-        jumps = np.linalg.norm(np.diff(ab, axis=0), axis=1) > jump_tol
+        jumps = safe_norm(np.diff(ab, axis=0), axis=1) > jump_tol
         widths = np.diff(theta)
         if jumps.sum() > heads:
             raise ModelMismatchError(
@@ -524,7 +525,7 @@ def find_values(oracle: Oracle, v: np.ndarray, heads: int, rng: np.random.Genera
         ab = np.concatenate([ab, ab_new[saturated]])
         order = np.argsort(theta)
         theta, ab = theta[order], ab[order]
-    jumps = np.flatnonzero(np.linalg.norm(np.diff(ab, axis=0), axis=1) > jump_tol)
+    jumps = np.flatnonzero(safe_norm(np.diff(ab, axis=0), axis=1) > jump_tol)
     brackets = [(float(theta[i]), float(theta[i + 1])) for i in jumps]
     info = {"crossings": len(brackets), "radius": rho, "tolerances": tol}
     if not brackets:
@@ -547,12 +548,12 @@ def find_values(oracle: Oracle, v: np.ndarray, heads: int, rng: np.random.Genera
         for _ in range(STEP_TRIES):      # the cone may be narrower off the plane: smaller steps
             delta = fraction * margin * rho_c
             w = rng.standard_normal(d)
-            w /= np.linalg.norm(w)
+            w /= safe_norm(w)
             U = np.vstack([u[None], u[None] + delta * np.eye(d), 2.0 * u[None],
                            u[None] + 3.0 * delta * w[None]])
             g = circle.gap(U)
             V = (g[1:d + 1] - g[0]) / delta
-            scale_g = rho_c * (np.linalg.norm(V) + circle.v_norm)
+            scale_g = rho_c * (safe_norm(V) + circle.v_norm)
             checks = np.array([g[0] - u @ V, g[d + 1] - 2.0 * (u @ V),
                                g[d + 2] - (u + 3.0 * delta * w) @ V])
             limit = tol.check * max(1.0, 1e-4 / (fraction * margin))
@@ -572,7 +573,7 @@ def find_values(oracle: Oracle, v: np.ndarray, heads: int, rng: np.random.Genera
     D = np.diff(G, axis=0)                                   # +- v_h, (H', d)
     signs = np.linalg.lstsq(D.T, v, rcond=None)[0]
     rounded = np.where(signs >= 0, 1.0, -1.0)
-    misfit = float(np.linalg.norm(D.T @ rounded - v) / max(np.linalg.norm(v), 1e-300))
+    misfit = float(safe_norm(D.T @ rounded - v) / max(safe_norm(v), 1e-300))
     if np.max(np.abs(signs - rounded)) > tol.sign or misfit > tol.sign:
         raise RecoveryFailedError(
             "the gradient jumps along the half circle do not add up to v with signs +-1 "
@@ -668,7 +669,7 @@ def query_space(meter: LogitMeter, values, h, columns, rank, rng, biases=False):
     residual = float(sv[found] / sv[0]) if 0 < found < len(sv) else 0.0
     info = {"rows": count, "rank": found, "spread": spread, "residual": residual,
             "forced": forced,
-            "height": float(np.min(np.abs(height)) / np.linalg.norm(values[h]))}
+            "height": float(np.min(np.abs(height)) / safe_norm(values[h]))}
     if biases:
         info["bias"], info["bias block"], info["row logits"] = beta, bias_block, T
     return Vt[:found].T, block, info
@@ -724,7 +725,7 @@ def common_root(spaces, row_list, bias_list, dim):
         kappa = np.linalg.lstsq(A, beta, rcond=None)[0]
         kappas.append(kappa)
         # in token units: how far the measured biases are from any shift p_h
-        misfit = max(misfit, float(np.linalg.norm(A @ kappa - beta))
+        misfit = max(misfit, float(safe_norm(A @ kappa - beta))
                      / max(float(np.linalg.norm(A, 2)), 1e-300))
     if not spaces:
         return np.zeros(dim), misfit, kappas
@@ -848,7 +849,7 @@ def exact_heights(oracle: Oracle, v, values, W, rng) -> np.ndarray:
     target = SATURATED * (2.0 * np.eye(H) - 1.0)             # (j, h)
     coef = np.linalg.solve(A @ A.transpose(0, 2, 1), np.broadcast_to(target.T, (d, H, H)))
     Qk = np.einsum("khe,khj->kje", A, coef)                  # q_kj: (d, H, d)
-    alpha = np.maximum(1.0, 1e3 * np.linalg.norm(Qk, axis=2))  # |u| large beside |q|
+    alpha = np.maximum(1.0, 1e3 * safe_norm(Qk, axis=2))  # |u| large beside |q|
     first = (U.T[:, None, :] * alpha[..., None] + Qk / alpha[..., None]).reshape(-1, d)
     last = (Qk / alpha[..., None]).reshape(-1, d)
     g = _pair_outputs(oracle, first, last) - last @ v
@@ -973,7 +974,7 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
     tol = value_info["tolerances"]
     value_queries = oracle.queries - before
     H = len(values)
-    norms = np.linalg.norm(values, axis=1)
+    norms = safe_norm(values, axis=1)
     value_sep = (float(np.linalg.svd(values / norms[:, None], compute_uv=False)[-1])
                  if H else 1.0)
 
@@ -1054,8 +1055,8 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
                                   for b, P in zip(column_blocks, new_spaces)])
             if not np.all(np.isfinite(new_W)):
                 break
-            change = float(np.max(np.linalg.norm(new_W - W, axis=(1, 2))
-                                  / np.maximum(np.linalg.norm(W, axis=(1, 2)), 1e-300)))
+            change = float(np.max(safe_norm(new_W - W, axis=(1, 2))
+                                  / np.maximum(safe_norm(W, axis=(1, 2)), 1e-300)))
             changes.append(change)
             W = new_W
             if change < 1e-14:
@@ -1150,9 +1151,9 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
     if biases:
         breakdown = {"constant": 1, **breakdown}
         details["biases"] = (f"c = f([0]); two probes [c u; 0] per query-space row; common root "
-                             f"|q_0| = {float(np.linalg.norm(root)) if root is not None else 0.0:.3g}, "
+                             f"|q_0| = {float(safe_norm(root)) if root is not None else 0.0:.3g}, "
                              f"isolation origins |o_h| <= "
-                             f"{max((float(np.linalg.norm(o)) for o in origins), default=0.0):.3g}, "
+                             f"{max((float(safe_norm(o)) for o in origins), default=0.0):.3g}, "
                              f"bias-fit residual {root_misfit:.1e} (token units)")
     report = Report(kind=model.kind, dim=d, queries=oracle.queries - q0,
                     breakdown=breakdown, floor=floor, verification=verification,

@@ -68,8 +68,8 @@ from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import SingleHeadAttention, softmax
 from ..oracle import Oracle, by_length
 from ..report import ExtractionResult, Report, Verification, verification_count
-from ..verification import (design, max_length_of, output_scale, scaled_relative_errors,
-                            token_norms)
+from ..verification import (design, max_length_of, output_scale, safe_norm,
+                            scaled_relative_errors, token_norms)
 from .single_head import logit, probe_basis
 
 NOISE_KINDS = ("bounded", "random")
@@ -347,7 +347,7 @@ def _extract_robust(oracle, noise, r, norm_bound, R, seed, verify_tolerance, err
     v = M_v @ y_v
     b_v = noise.bound(y_v)
     if noise.kind == "bounded":
-        v_bar = float(np.linalg.norm(b_v) / (R * math.sqrt(r)))
+        v_bar = float(safe_norm(b_v) / (R * math.sqrt(r)))
         dv_norm, cov_v = v_bar, None
     else:
         cov_v = (M_v * b_v[None, :] ** 2) @ M_v.T
@@ -356,9 +356,9 @@ def _extract_robust(oracle, noise, r, norm_bound, R, seed, verify_tolerance, err
                       + CONFIDENCE_SIGMAS * math.sqrt(max(eig_v[-1], 0.0)))
         dv_norm = v_bar
     # every probe's signal is u^T v_hat = +-|u| |v_hat| / sqrt(d); it must stand clear of v's error
-    if not np.any(v) or np.linalg.norm(v) / math.sqrt(d) <= 2.0 * v_bar:
+    if not np.any(v) or safe_norm(v) / math.sqrt(d) <= 2.0 * v_bar:
         raise NotIdentifiableError(
-            f"v is indistinguishable from 0 at this noise level (|v_hat| = {np.linalg.norm(v):.3g}, "
+            f"v is indistinguishable from 0 at this noise level (|v_hat| = {safe_norm(v):.3g}, "
             f"its error bar {v_bar:.3g}, d = {d}): the outputs carry too little information "
             f"about W; lower the tolerance")
 
@@ -595,7 +595,7 @@ def _bounded_bar(rd: _Round, uv, dv_norm):
     MtM[np.diag_indices(d)] = (A ** 2).sum(axis=1) + (B ** 2).sum(axis=0)
     if not (np.all(np.isfinite(MtM)) and np.all(np.isfinite(eta))):
         return math.inf             # a probe's answer no head gives (_finish refuses)
-    return float(np.linalg.norm(eta) + math.sqrt(max(np.linalg.eigvalsh(MtM)[-1], 0.0)) * dv_norm)
+    return float(safe_norm(eta) + math.sqrt(max(np.linalg.eigvalsh(MtM)[-1], 0.0)) * dv_norm)
 
 
 def _random_bar(bases, rounds, cov_v):
@@ -685,8 +685,8 @@ def measured_bars(W_samples, v_samples, J) -> tuple[float, float, dict]:
     factor = math.sqrt(nu / chi2.ppf(MEASURED_MISS, nu) * chi2.ppf(1.0 - MEASURED_MISS / d, d) / d)
     W_mean = W_samples.mean(axis=0)
     with np.errstate(divide="ignore", invalid="ignore"):
-        cols = factor * np.sqrt(var_mean.sum(axis=0)) / np.linalg.norm(W_mean, axis=0)
-        rows = factor * np.sqrt(var_mean.sum(axis=1)) / np.linalg.norm(W_mean, axis=1)
+        cols = factor * np.sqrt(var_mean.sum(axis=0)) / safe_norm(W_mean, axis=0)
+        rows = factor * np.sqrt(var_mean.sum(axis=1)) / safe_norm(W_mean, axis=1)
     return W_bar, v_bar, {"repeats": r, "W spread (rms of one round)": math.sqrt(float(var_W.sum())),
                           "v spread (rms of one basis)": math.sqrt(float(var_v.sum())),
                           "error_bar_W_columns": float(np.nanmax(cols)),
@@ -757,7 +757,7 @@ def _extract_paper(oracle, noise, B, margin, seed, verify_tolerance):
 # -- shared: report and verification ---------------------------------------------------
 
 def _bar_details(model, W_bar, v_bar, noise):
-    W_norm, v_norm = np.linalg.norm(model.W), np.linalg.norm(model.v)
+    W_norm, v_norm = safe_norm(model.W), safe_norm(model.v)
     kind = ("worst case over |eta| <= tau + rho|f| (adversarial included)"
             if noise.kind == "bounded" else
             "independent noise, std <= tau + rho|f|; bars hold with probability ~ 1 - 4e-4")
@@ -778,8 +778,8 @@ def output_gradient_norms(model: SingleHeadAttention, X: np.ndarray):
     f = np.einsum("bn,bn->b", alpha, values)
     grad_v = np.einsum("bn,bnd->bd", alpha, X)
     spread = np.einsum("bn,bnd->bd", alpha * (values - f[:, None]), X)
-    grad_W = np.linalg.norm(spread, axis=1) * np.linalg.norm(X[:, -1, :], axis=1)
-    return f, grad_W, np.linalg.norm(grad_v, axis=1)
+    grad_W = safe_norm(spread, axis=1) * safe_norm(X[:, -1, :], axis=1)
+    return f, grad_W, safe_norm(grad_v, axis=1)
 
 
 def sampled_spread(model: SingleHeadAttention, sequences, W_bar, v_bar, rng,
@@ -794,8 +794,8 @@ def sampled_spread(model: SingleHeadAttention, sequences, W_bar, v_bar, rng,
     for _ in range(samples):
         dW = rng.standard_normal((d, d))
         dv = rng.standard_normal(d)
-        other = SingleHeadAttention(model.W + W_bar * dW / np.linalg.norm(dW),
-                                    model.v + v_bar * dv / np.linalg.norm(dv))
+        other = SingleHeadAttention(model.W + W_bar * dW / safe_norm(dW),
+                                    model.v + v_bar * dv / safe_norm(dv))
         worst = np.maximum(worst, np.abs(evaluate_ragged(other, sequences) - base))
     return worst
 
@@ -822,7 +822,7 @@ def verify_noisy(oracle, model, noise: NoiseModel, W_bar, v_bar, *, count, seed,
         # output: its error is relative to the output's scale s K, plus a relative
         # perturbation rho of W and v seen through the output's gradients
         bound = sigmas * (noise.bound(denom) + noise.relative_tolerance * (
-            gW * np.linalg.norm(model.W) + gv * np.linalg.norm(model.v)))
+            gW * safe_norm(model.W) + gv * safe_norm(model.v)))
     else:
         bound = sigmas * noise.bound(observed)
     model_part = gW * W_bar + gv * v_bar

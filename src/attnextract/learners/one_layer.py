@@ -43,6 +43,7 @@ from ..oracle import Oracle, evaluate_ragged
 from .relu_network import align_relu_networks, extract_relu_network
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                      held_out_output_error, token_scale, verification_count, verify_model)
+from ..verification import safe_norm
 from .single_head import extract_single_head
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ def extract_one_layer(oracle: Oracle, *, seed=None,
     ffn_queries = oracle.queries - start_queries
     A, w = ffn.model.A, ffn.model.w
     v = A.T @ w
-    if not np.linalg.norm(v) > 1e-12 * np.linalg.norm(w):
+    if not safe_norm(v) > 1e-12 * safe_norm(w):
         raise NotIdentifiableError(
             "A^T w = 0: the odd part f(X) - f(-X) vanishes, so W cannot be read from it")
 
@@ -184,7 +185,7 @@ def extract_one_layer(oracle: Oracle, *, seed=None,
             f"connection or FFN biases?): {exc}",
             result=getattr(exc, "result", None)) from exc
     attention_queries = oracle.queries - before
-    v_error = float(np.linalg.norm(head.model.v - v) / np.linalg.norm(v))
+    v_error = float(safe_norm(head.model.v - v) / safe_norm(v))
 
     model = OneLayerTransformer(head.model.W, A, w)
     n_verify = verification_count(d * d + A.size)
@@ -206,7 +207,7 @@ def extract_one_layer(oracle: Oracle, *, seed=None,
                *ffn.report.notes],
         details={"hidden units": model.width, "FFN signs": ffn.report.details.get("signs"),
                  "FFN output bits": ffn.report.details.get("output bits"),
-                 "|A^T w|": f"{np.linalg.norm(v):.3g}",
+                 "|A^T w|": f"{safe_norm(v):.3g}",
                  "v from g vs A^T w": f"{v_error:.2e} relative"})
     result = ExtractionResult(model=model, queries=report.queries, report=report)
     if not v_error <= ODD_V_TOLERANCE:
@@ -241,8 +242,8 @@ def compare_one_layer(recovered: OneLayerTransformer, truth: OneLayerTransformer
         held-out sequences, errors over max(|f|, rms f)).
     """
     out = align_relu_networks(recovered, truth)
-    out["relative_error_W"] = float(np.linalg.norm(recovered.W - truth.W)
-                                    / max(np.linalg.norm(truth.W), np.finfo(float).tiny))
+    out["relative_error_W"] = float(safe_norm(recovered.W - truth.W)
+                                    / max(safe_norm(truth.W), np.finfo(float).tiny))
     out["max_error_W"] = float(np.abs(recovered.W - truth.W).max()
                                / max(np.abs(truth.W).max(), np.finfo(float).tiny))
     out["max_output_error"] = held_out_output_error(recovered, truth, count=count, seed=seed)

@@ -70,7 +70,7 @@ from ..models import ReLUNetwork
 from ..oracle import Oracle
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, Verification,
                      verification_count)
-from ..verification import design, scaled_relative_errors
+from ..verification import design, safe_norm, scaled_relative_errors
 
 EPS = np.finfo(float).eps
 CHORD = 2.0 ** -20          # path step of the slope chords (path length 2): two kinks
@@ -111,7 +111,7 @@ def canonical_relu(A: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray
     Returns (A (m', d), w (m',)).
     """
     A, w = np.asarray(A, float), np.asarray(w, float)
-    norms = np.linalg.norm(A, axis=1)
+    norms = safe_norm(A, axis=1)
     keep = (norms > 0) & (w != 0)
     return A[keep] / norms[keep, None], w[keep] * norms[keep]
 
@@ -155,8 +155,8 @@ def align_relu_networks(recovered, truth) -> dict:
     err_w = float(np.abs(wr - wt).max() / np.abs(wt).max())
     worst = max(err_A, err_w)
     out.update(permutation=perm, max_error_A=err_A, max_error_w=err_w,
-               relative_error_A=float(np.linalg.norm(Ar - At) / np.linalg.norm(At)),
-               relative_error_w=float(np.linalg.norm(wr - wt) / np.linalg.norm(wt)),
+               relative_error_A=float(safe_norm(Ar - At) / safe_norm(At)),
+               relative_error_w=float(safe_norm(wr - wt) / safe_norm(wt)),
                max_error=worst, bits=float(-math.log2(worst)) if worst > 0 else 53.0)
     return out
 
@@ -490,7 +490,7 @@ def _extract_on_plane(oracle: Oracle, rng: np.random.Generator, counts: dict,
     previous_bad = 0
     for attempt in range(MAX_REMEASURE + 1):
         jumps = grads[1:] - grads[:-1]                            # (m, d): J_k
-        norms = np.linalg.norm(jumps, axis=1)
+        norms = safe_norm(jumps, axis=1)     # slopes of outputs near 1e300 overflow squared
         normals = jumps / np.where(norms > 0, norms, 1.0)[:, None]
         # the kink must be a root of J^T x(t) on its segment; J^T x(t_k + u) = J^T x(t_k) + u J^T tau
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -530,7 +530,7 @@ def _extract_on_plane(oracle: Oracle, rng: np.random.Generator, counts: dict,
     s, sign_method = _resolve_signs(jumps.T, grads[0])
     active_first = s == 1
     v = np.where(active_first[:, None], -jumps, jumps)          # w_k a_k
-    size = np.linalg.norm(v, axis=1)
+    size = safe_norm(v, axis=1)
     a = v / size[:, None]
     want = np.where(active_first, 1.0, -1.0)                    # sign of a_k^T x_0
     flip = np.sign(a @ centres[0]) * want
@@ -558,7 +558,7 @@ def _polish(oracle: Oracle, A: np.ndarray, w: np.ndarray, counts: dict):
     m, d = A.shape
     sigma = -np.ones((m, m)) + 2.0 * np.eye(m)
     X = np.linalg.lstsq(A, sigma.T, rcond=None)[0].T          # (m, d): rows x_k = A^+ sigma_k
-    reach = np.linalg.norm(X, axis=1)
+    reach = safe_norm(X, axis=1)
     if not np.all(np.isfinite(reach)) or not np.all(reach > 0):
         return A, w, "skipped (degenerate unit directions)"
     centres = X / reach[:, None]
@@ -567,8 +567,8 @@ def _polish(oracle: Oracle, A: np.ndarray, w: np.ndarray, counts: dict):
     v = _cone_gradients(oracle, centres, steps)
     counts["polish"] = counts.get("polish", 0) + m * d
     first = w[:, None] * A
-    agree = np.linalg.norm(v - first, axis=1) <= POLISH_AGREEMENT * np.linalg.norm(first, axis=1)
-    size = np.linalg.norm(v, axis=1)
+    agree = safe_norm(v - first, axis=1) <= POLISH_AGREEMENT * safe_norm(first, axis=1)
+    size = safe_norm(v, axis=1)
     A_new = np.where(agree[:, None], v * np.sign(w)[:, None] / np.where(size > 0, size, 1)[:, None], A)
     w_new = np.where(agree, size * np.sign(w), w)
     return A_new, w_new, (f"{int(agree.sum())} of {m} units measured alone (steps "
@@ -610,7 +610,7 @@ def _polish_wide(oracle: Oracle, A: np.ndarray, w: np.ndarray, counts: dict):
     if not units:
         return A, w, "skipped (no cell found)"
     points = np.array(points)
-    reach = np.linalg.norm(points, axis=1)
+    reach = safe_norm(points, axis=1)
     centres = points / reach[:, None]
     steps = STEP_FRACTION * np.array(margins) / reach
     oracle.require(len(points) * d, "polishing the hidden units")
@@ -619,9 +619,9 @@ def _polish_wide(oracle: Oracle, A: np.ndarray, w: np.ndarray, counts: dict):
     units = np.array(units)
     v = grads[0::2] - grads[1::2]                     # w_k a_k for the polished units
     first = w[units, None] * A[units]
-    agree = np.linalg.norm(v - first, axis=1) <= POLISH_AGREEMENT * np.linalg.norm(first, axis=1)
+    agree = safe_norm(v - first, axis=1) <= POLISH_AGREEMENT * safe_norm(first, axis=1)
     A, w = A.copy(), w.copy()
-    size = np.linalg.norm(v, axis=1)
+    size = safe_norm(v, axis=1)
     keep = units[agree]
     A[keep] = v[agree] * np.sign(w[keep])[:, None] / size[agree][:, None]
     w[keep] = size[agree] * np.sign(w[keep])
@@ -644,10 +644,10 @@ def verify_relu(oracle: Oracle, model: ReLUNetwork, *, count: int, seed=None,
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     vectors = np.stack([s[-1] for s in design(oracle.dim, count, rng, 1.0).sequences])
     if max_norm is not None:
-        length = np.linalg.norm(vectors, axis=1)
+        length = safe_norm(vectors, axis=1)
         vectors *= np.minimum(1.0, max_norm / np.maximum(length, np.finfo(float).tiny))[:, None]
     observed = _query_vectors(oracle, vectors)
-    norms = np.linalg.norm(vectors, axis=1)
+    norms = safe_norm(vectors, axis=1)
     err = scaled_relative_errors(model.forward(vectors), observed, norms)
     return Verification(sequences=len(vectors), max_relative_error=float(err.max()),
                         median_relative_error=float(np.median(err)), tolerance=tolerance,

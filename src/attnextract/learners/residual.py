@@ -47,6 +47,7 @@ from ..oracle import Oracle, OracleView
 from .relu_network import extract_relu_network
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, token_scale,
                      verification_count, verify_model)
+from ..verification import safe_norm
 from .single_head import extract_single_head
 
 MATCH_TOLERANCE = 1e-6      # 1 - cos of matched unit directions must stay below this
@@ -174,12 +175,12 @@ def extract_one_layer_residual(oracle: Oracle, *, seed=None,
             f"units that read only one of the two streams are not supported")
     v_prime = 2.0 * net2.A.T @ net2.w                    # B^T w
     u = net1.A.T @ net1.w - v_prime                      # A^T w
-    if not np.linalg.norm(v_prime) > 1e-12 * np.linalg.norm(net2.w):
+    if not safe_norm(v_prime) > 1e-12 * safe_norm(net2.w):
         raise NotIdentifiableError("B^T w = 0: the odd part does not depend on W")
     # 3. W from the odd part minus the residual term: a single head (W, B^T w)
     head = stage("odd part", lambda: extract_single_head(
         _ResidualOddOracle(oracle, u), seed=seeds[2], verify_tolerance=verify_tolerance)).model
-    v_error = float(np.linalg.norm(head.v - v_prime) / np.linalg.norm(v_prime))
+    v_error = float(safe_norm(head.v - v_prime) / safe_norm(v_prime))
     W = head.W
     # 4. match units: sequences [T s + Q c; T s] have uniform attention
     rng = np.random.default_rng(seeds[3])
@@ -208,13 +209,13 @@ def extract_one_layer_residual(oracle: Oracle, *, seed=None,
     b_hat, w2 = net2.A[to2], net2.w[to2]
     ratio = w1 / (2.0 * w2)                               # lam / mu
     # net3's rows check the ratio: |T^T (a + b)| / |Q^T b / 2| = 2 lam |T^T n| / (mu |Q^T b_hat|)
-    measured = (np.linalg.norm(net3.A[:, :k], axis=1) / np.linalg.norm(n @ T, axis=1)) / (
-        2.0 * np.linalg.norm(net3.A[:, k:], axis=1) / np.linalg.norm(b_hat @ Q, axis=1))
+    measured = (safe_norm(net3.A[:, :k], axis=1) / safe_norm(n @ T, axis=1)) / (
+        2.0 * safe_norm(net3.A[:, k:], axis=1) / safe_norm(b_hat @ Q, axis=1))
     ratio_error = float(np.max(np.abs(measured - ratio) / np.abs(ratio)))
     A = ratio[:, None] * n - b_hat                       # units with mu = 1
     B = b_hat
     w = 2.0 * w2
-    scale = np.linalg.norm(np.hstack([A, B]), axis=1)   # canonical: [a_i, b_i] unit norm
+    scale = safe_norm(np.hstack([A, B]), axis=1)   # canonical: [a_i, b_i] unit norm
     model = ResidualOneLayer(W, A / scale[:, None], B / scale[:, None], w * scale)
 
     n_verify = verification_count(d * d + 2 * model.width * d)

@@ -47,6 +47,7 @@ from ..models import BiasedSingleHeadAttention, SingleHeadAttention
 from ..oracle import Oracle
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, token_scale,
                      verification_count, verify_model)
+from ..verification import safe_norm
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def probe_basis(v: np.ndarray) -> np.ndarray:
     c (1, ..., 1)/sqrt(d), with the sign c chosen against cancellation in w.
     """
     d = v.shape[0]
-    unit = v / np.linalg.norm(v)
+    unit = v / safe_norm(v)            # |v| of answers near 1e300 would overflow
     c = -1.0 if unit.sum() >= 0 else 1.0
     w = unit - c / np.sqrt(d)
     return np.eye(d) - (2.0 / (w @ w)) * np.outer(w, w)
@@ -319,7 +320,7 @@ def extract_single_head(oracle: Oracle, *, seed=None,
         details={"logit scale": f"{scale.min():.3g} .. {scale.max():.3g}",
                  "error_bar_W_columns": float(bars["W_columns"].max()),
                  "error_bar_W_rows": float(bars["W_rows"].max()),
-                 "|v^T u_k|": f"{np.linalg.norm(v) / np.sqrt(d):.3g} (every probe)"})
+                 "|v^T u_k|": f"{safe_norm(v) / np.sqrt(d):.3g} (every probe)"})
     if biases:
         report.details["biases"] = (f"c = f([0]); b from {d} probes [a u_k; 0], largest "
                                     f"|u_k^T b| = {float(np.max(np.abs(beta))):.3g}; floor "

@@ -113,6 +113,7 @@ from ..oracle import Oracle, OracleView
 from ..precision import precision_of, stated_precision
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                       token_scale, verification_count, verify_model)
+from ..verification import safe_norm, safe_rms
 from .biased_relu import BiasedReLUNetwork, crossing_points, extract_biased_relu
 from .residual import (_MappedOracle, _ResidualOddOracle, counted_stage,
                        extract_one_layer_residual)
@@ -216,9 +217,9 @@ def _roomy_points(ffn: _FFN, rng, radius: float, d: int):
     cand = np.vstack([radius * np.linalg.qr(rng.standard_normal((d, d)))[0].T
                       for _ in range(CANDIDATE_BASES)])
     pre = cand @ (ffn.R + ffn.B).T + ffn.b
-    room = (np.abs(pre) / np.linalg.norm(ffn.B, axis=1)).min(axis=1)
+    room = (np.abs(pre) / safe_norm(ffn.B, axis=1)).min(axis=1)
     # a point where no active unit reads the attention output sees nothing of W
-    readout = np.linalg.norm(((pre > 0) * ffn.w) @ ffn.B, axis=1)
+    readout = safe_norm(((pre > 0) * ffn.w) @ ffn.B, axis=1)
     room[~(readout > 1e-6 * readout.max())] = -np.inf
     for keep in (0.5, 0.3, 0.1):                  # the first that yields d points
         chosen, basis = [], np.zeros((d, 0))
@@ -226,9 +227,9 @@ def _roomy_points(ffn: _FFN, rng, radius: float, d: int):
             if room[i] == -np.inf:
                 break
             rest = cand[i] - basis @ (basis.T @ cand[i])
-            if np.linalg.norm(rest) >= keep * radius:
+            if safe_norm(rest) >= keep * radius:
                 chosen.append(i)
-                basis = np.hstack([basis, (rest / np.linalg.norm(rest))[:, None]])
+                basis = np.hstack([basis, (rest / safe_norm(rest))[:, None]])
                 if len(chosen) == d:
                     return cand[chosen]
     return None
@@ -242,13 +243,13 @@ def _measure_columns(oracle: Oracle, ffn: _FFN, Q: np.ndarray, counts: dict):
     n, d = Q.shape
     pre = Q @ (ffn.R + ffn.B).T + ffn.b                         # (n, m): pi at each q_j
     G = ((pre > 0) * ffn.w) @ ffn.B                              # rows g_j = B_S^T w_S
-    if not np.all(np.linalg.norm(G, axis=1) > 0):
+    if not np.all(safe_norm(G, axis=1) > 0):
         raise NotIdentifiableError("no active unit reads the attention output at a probe point")
     U = np.stack([probe_basis(g) for g in G])                    # (n, d, d)
     moves = np.abs(np.einsum("me,jek->jkm", ffn.B, U))           # |B u_jk| per unit
     with np.errstate(divide="ignore"):
         s = MARGIN_FRACTION * np.min(np.abs(pre)[:, None, :] / moves, axis=2)
-    s = np.minimum(s, np.linalg.norm(Q, axis=1)[:, None])
+    s = np.minimum(s, safe_norm(Q, axis=1)[:, None])
     oracle.require(n, "single tokens at the probe points")
     F0 = oracle.query(Q[:, None, :])
     counts["copy probes"] = counts.get("copy probes", 0) + n
@@ -458,7 +459,7 @@ def _check_precision(answers, output_dtype, decimals, verify_tolerance: float,
     precision = precision_of(answers, output_dtype, decimals)
     if precision.exact:
         return verify_tolerance
-    size = float(np.sqrt(np.mean(np.square(answers))))
+    size = safe_rms(answers)        # answers of 1e200 would overflow when squared
     noise = precision.relative + precision.absolute / max(size, 1e-300)
     if noise > MAX_RELATIVE_NOISE:
         raise RecoveryFailedError(
@@ -556,7 +557,7 @@ def _bias_free_residual(oracle, net1, seeds, counts, details, start, start_queri
     finally:
         counts["residual learner"] = oracle.queries - before
     r = res.model
-    unit = np.linalg.norm(r.A + r.B, axis=1)          # the canonical scale: single-token rows
+    unit = safe_norm(r.A + r.B, axis=1)          # the canonical scale: single-token rows
     A, B = r.A / unit[:, None], r.B / unit[:, None]
     V = np.linalg.lstsq(A, B, rcond=None)[0]
     model = TransformerLayer(r.W, V, A, np.zeros(r.width), r.w * unit, c0, residual=True)
@@ -631,7 +632,7 @@ class LargeTokenOddOracle(OracleView):
         """L per probe (B,): every biased unit's kink out of reach of the attention term."""
         last = Z[:, -1]
         s = np.abs(last @ self.P.T)                                      # (B, m)
-        reach = KINK_MARGIN * HEAD_BOUND * np.linalg.norm(Z, axis=2).max(axis=1)[:, None]
+        reach = KINK_MARGIN * HEAD_BOUND * safe_norm(Z, axis=2).max(axis=1)[:, None]
         gap = KINK_MARGIN * np.abs(self.b)[None]
         # L s >= margin (|b| + bound / L), eps <= 1 / L: L^2 s - gap L - reach >= 0
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -651,8 +652,8 @@ class LargeTokenOddOracle(OracleView):
         # +-2; eta = MOVE |z_N|) and the answer is extrapolated to eta = 0 (Richardson on
         # the symmetric means: error O(eta^4))
         last = Z[:, -1]
-        size = np.linalg.norm(last, axis=1)
-        loss = L * L * size / np.maximum(np.linalg.norm(Z, axis=2).max(axis=1), 1e-300)
+        size = safe_norm(last, axis=1)
+        loss = L * L * size / np.maximum(safe_norm(Z, axis=2).max(axis=1), 1e-300)
         with np.errstate(divide="ignore", invalid="ignore"):
             need = np.abs(self.b)[None] / np.abs(last @ self.P.T)
         worst = np.argmax(np.where(np.abs(self.b)[None] > 0, need, -np.inf), axis=1)
@@ -768,7 +769,7 @@ def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries,
              "max_error_bar": ROUGH_ERROR_BAR} if biased else {"verify_tolerance": verify_tolerance}
     attention = stage("attention (odd part)", lambda: extract_multi_head(
         heads_oracle, heads=int(heads), seed=int(seeds[2].generate_state(1)[0]), **rough)).model
-    v_error = float(np.linalg.norm(attention.v.sum(axis=0) - readout) / np.linalg.norm(readout))
+    v_error = float(safe_norm(attention.v.sum(axis=0) - readout) / safe_norm(readout))
     P_h, W, reach, split_info = stage("head split", lambda: _split_heads(
         oracle, net, attention.W, np.random.default_rng(seeds[3]), scale,
         known_sum=not residual, refine=biased))
@@ -845,7 +846,7 @@ def _split_heads(oracle: Oracle, net: BiasedReLUNetwork, W: np.ndarray, rng, sca
     C = np.einsum("hde,je->jdh", W, Q)                                    # (2m, d, H)
     E = np.stack([c @ np.linalg.pinv(c.T @ c) for c in C])               # dual bases
     # scale each cell out: |E tau| shrinks like 1 / lambda, its room grows like lambda
-    need = np.linalg.norm(E, axis=(1, 2)) * SPLIT_LOGIT * math.sqrt(H)
+    need = safe_norm(E, axis=(1, 2)) * SPLIT_LOGIT * math.sqrt(H)
     lam = np.sqrt(np.maximum(need / room, 1.0))
     if np.any(net.b != 0):
         lam, room = _biased_scales(net, Q, units, need, lam, H)
@@ -855,9 +856,9 @@ def _split_heads(oracle: Oracle, net: BiasedReLUNetwork, W: np.ndarray, rng, sca
     xi = rng.standard_normal((n_cells, n_probes, d))
     basis_c = np.stack([np.linalg.qr(c)[0] for c in C])                  # (2m, d, H)
     xi -= np.einsum("jdh,jph->jpd", basis_c, np.einsum("jdh,jpd->jph", basis_c, xi))
-    xi *= (np.linalg.norm(along, axis=2) / np.linalg.norm(xi, axis=2))[:, :, None]
+    xi *= (safe_norm(along, axis=2) / safe_norm(xi, axis=2))[:, :, None]
     delta = along + xi
-    delta *= np.minimum(1.0, room[:, None] / np.linalg.norm(delta, axis=2))[:, :, None]
+    delta *= np.minimum(1.0, room[:, None] / safe_norm(delta, axis=2))[:, :, None]
     K = C * lam[:, None, None]                                            # (2m, d, H): W_h q
     oracle.require(n_cells * (1 + n_probes), "splitting the heads")
     F0 = oracle.query(Q[:, None, :])
@@ -895,7 +896,7 @@ def _split_heads(oracle: Oracle, net: BiasedReLUNetwork, W: np.ndarray, rng, sca
             f"misfit {fit:.1e})")
     details["head split"] = (f"{n_cells} cells scaled by {lam.min():.3g} .. {lam.max():.3g}, "
                              f"misfit {fit:.1e}")
-    return P_h, W, float(np.linalg.norm(Q, axis=1).max()), details
+    return P_h, W, float(safe_norm(Q, axis=1).max()), details
 
 
 def _biased_scales(net: BiasedReLUNetwork, Q: np.ndarray, units: np.ndarray, need: np.ndarray,
@@ -992,7 +993,7 @@ def canonical_units(model: TransformerLayer):
     P = model.head_maps()
     R = model.A if model.residual else np.zeros_like(model.A)
     single = R + P.sum(axis=0)
-    norm = np.linalg.norm(single, axis=1)
+    norm = safe_norm(single, axis=1)
     keep = (norm > 0) & (model.w != 0)
     n = norm[keep]
     return {"single": single[keep] / n[:, None], "P": P[:, keep] / n[None, :, None],
