@@ -676,6 +676,7 @@ def test_adversarial_boxes_recovered_without_refusal(case):
     assert result.model.heads == canonical_form(M).heads
 
 
+@pytest.mark.slow               # subprocesses (the hook runs the fast tests within 50 s)
 def test_same_seed_is_bit_identical_whatever_the_hash_seed():
     """Three processes with different PYTHONHASHSEED (so different heap layouts, which
     changed MINPACK's last bits before) give the same bits for the same seed."""

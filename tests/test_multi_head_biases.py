@@ -187,6 +187,7 @@ def test_float32_box_within_its_error_bar_or_refused():
         assert result.report.details["output precision"] == "float32"
 
 
+@pytest.mark.slow               # a CLI subprocess
 def test_cli_multi_head_with_biases(tmp_path):
     import json
     from conftest import run_cli

@@ -1,0 +1,64 @@
+"""Rerun one cell of a multi-head grid result (bench_multi_head.py --json) on the current code,
+with the same boxes and the same learner seeds, and compare each run with the recorded one.
+
+Run:  python benchmarks/rerun_grid_cell.py RESULT.json --heads 8 [--dim 8] [--markdown OUT.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from attnextract import Oracle
+from attnextract.adapters.targets import random_multi_head
+from attnextract.errors import RefusalWithResult
+from attnextract.learners.multi_head import extract_multi_head
+from attnextract.learners.multi_head.canonical import canonical_error
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("result")
+    parser.add_argument("--heads", type=int, required=True)
+    parser.add_argument("--dim", type=int)
+    parser.add_argument("--markdown")
+    args = parser.parse_args()
+    recorded = json.load(open(args.result))["rows"]
+    lines = ["| d | H | W scale | target seed | outcome | canonical error | queries | recorded |",
+             "|---|---|---|---|---|---|---|---|"]
+    good = total = 0
+    with threadpool_limits(1):
+        for row in recorded:
+            H, d, scale = row["H"], row["d"], row["scale"]
+            if H != args.heads or (args.dim and d != args.dim) or row.get("rank"):
+                continue
+            for run in row["runs"]:
+                box = random_multi_head(H, d, seed=10_000 * H + 100 * d + run["seed"],
+                                        w_scale=scale / np.sqrt(d))
+                start = time.perf_counter()
+                try:
+                    result = extract_multi_head(Oracle(box, d), H, seed=run["learner_seed"])
+                    error, outcome = canonical_error(result.model, box), "recovered"
+                    queries = result.queries
+                except RefusalWithResult as exc:
+                    error, outcome = None, type(exc).__name__
+                    queries = exc.result.queries if exc.result is not None else None
+                total += 1
+                good += error is not None and error <= 1e-10
+                before = run["refused"] or f"{run['error']:.1e}"
+                lines.append(f"| {d} | {H} | {scale:g} | {run['seed']} | {outcome} | "
+                             f"{'-' if error is None else f'{error:.1e}'} | {queries} | {before} |")
+                print(lines[-1], f"{time.perf_counter() - start:.1f} s", flush=True)
+    summary = f"{good} of {total} within 1e-10 (command: rerun_grid_cell.py {args.result} --heads {args.heads})"
+    print(summary)
+    if args.markdown:
+        with open(args.markdown, "w") as fh:
+            fh.write(f"{summary}\n\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
