@@ -322,7 +322,11 @@ class _Extraction:
         rms = float(np.sqrt(np.mean(np.square(f_values)))) if np.size(f_values) else 0.0
         if floor and self.precision_name != "float64":
             return 0.6 * self.precision * max(rms, 1e-300) + 0.3 * self.absolute_noise
-        relative = polish.length_factor(self.length, self.precision) * self.precision * max(
+        # the coarse forward pass's law for a stated dtype; detected rounding may be one
+        # rounding of a float64 pass, or a derived box's differences (the Transformer
+        # layer's odd part), and is judged by the float64 law at its own precision
+        coarse = self.precision if self.output_dtype is not None else 0.0
+        relative = polish.length_factor(self.length, coarse) * self.precision * max(
             rms + heights, 1e-300)
         return relative + self.absolute_noise
 
