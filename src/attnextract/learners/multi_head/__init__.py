@@ -83,6 +83,7 @@ import numpy as np
 from ...errors import InputError, ModelMismatchError, RecoveryFailedError
 from ...models import BiasedMultiHeadAttention, MultiHeadAttention
 from ...oracle import Oracle
+from ...verification import safe_rms
 from ...report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                        token_scale, verification_count, verify_model)
 from ..single_head import constant_and_values
@@ -319,7 +320,7 @@ class _Extraction:
         """
         # the box rounds its whole output, c included (g and v^T q have c taken off)
         f_values = np.asarray(f_values) + self.c
-        rms = float(np.sqrt(np.mean(np.square(f_values)))) if np.size(f_values) else 0.0
+        rms = safe_rms(f_values)
         if floor and self.precision_name != "float64":
             return 0.6 * self.precision * max(rms, 1e-300) + 0.3 * self.absolute_noise
         # the coarse forward pass's law for a stated dtype; detected rounding may be one
@@ -345,7 +346,7 @@ class _Extraction:
                                   f"(relative {self.precision:.1e}); error bars allow for "
                                   f"a forward pass in that precision")
         self.absolute_noise = 0.0 if self.decimals is None else 0.5 * 10.0 ** -self.decimals
-        scale = max(float(np.sqrt(np.mean(np.square(self.v)))), 1e-300)
+        scale = max(safe_rms(self.v), 1e-300)
         self.relative_rounding = self.precision + self.absolute_noise / scale
         if self.decimals is not None:
             self.notes.append(f"outputs rounded to {self.decimals} decimals (absolute "
@@ -905,7 +906,7 @@ class _Extraction:
             spread = np.array([max(float(np.max(r.z_std)) / max(float(np.linalg.norm(r.z)), 1e-300),
                                    float(np.max(r.c_std)) / max(float(np.linalg.norm(r.c)), 1e-300))
                                for r in rows])
-            rms = np.array([float(np.sqrt(np.mean(r.residual ** 2))) for r in rows])
+            rms = np.array([safe_rms(r.residual) for r in rows])
             ill = ~(spread <= ILL_ROW_FACTOR * np.median(spread))
             if np.count_nonzero(ill) > d // 2:
                 ill[:] = False                 # the median row is no reference then
