@@ -34,8 +34,8 @@ from .adapters.journal import QueryJournal
 from .oracle import Oracle
 from .progress import ProgressBar, configure_logging, thread_limits
 from .registry import extract, get_learner, learner_names, resolve
-from .report import (DEFAULT_VERIFY_TOLERANCE, human_number, load_model, mismatch_reason,
-                     verification_count, verify_model)
+from .report import (DEFAULT_VERIFY_TOLERANCE, human_number, load_model, load_result,
+                     mismatch_reason, verification_count, verify_model)
 from .adapters.targets import FirstBatchHint, load_target, random_single_head
 
 __all__ = ["main", "build_parser", "ProgressBar"]
@@ -365,9 +365,10 @@ def _verify_parser(command) -> None:
     ve.add_argument("--count", type=_positive_int,
                     help="held-out sequences (default max(64, 1%% of parameters))")
     ve.add_argument("--seed", type=int, help="seed of the held-out sequences (default: random)")
-    ve.add_argument("--verify-tolerance", type=float, default=DEFAULT_VERIFY_TOLERANCE,
-                    dest="verify_tolerance", metavar="ERR",
-                    help="largest held-out relative output error accepted as a match")
+    ve.add_argument("--verify-tolerance", type=float, dest="verify_tolerance", metavar="ERR",
+                    help="largest held-out relative output error accepted as a match (default: "
+                         "the tolerance and error bar the result's own verification used, else "
+                         f"{DEFAULT_VERIFY_TOLERANCE:g})")
     ve.add_argument("--tolerance", type=float, dest="verify_tolerance", action=Renamed,
                     new="--verify-tolerance", help=argparse.SUPPRESS)
     ve.add_argument("--budget", type=_nonnegative_int,
@@ -757,9 +758,11 @@ def cmd_verify(args) -> int:
                     max_length=args.max_length)
     _RUN.update(oracle=oracle)
     count = args.count or verification_count(sum(np.size(p) for p in model.parameters().values()))
+    bar, tolerance, floor = _saved_error_bar(args.result, args.verify_tolerance)
     try:
         verification = verify_model(oracle, model, count=count, seed=args.seed,
-                                    tolerance=args.verify_tolerance, measure_v=True)
+                                    tolerance=tolerance, measure_v=True, expected_error=bar,
+                                    tolerance_floor=floor)
     finally:
         oracle.progress.close()
         _close_journal(oracle)
@@ -775,7 +778,8 @@ def cmd_verify(args) -> int:
                           "lengths": list(verification.lengths),
                           "norms": list(verification.norms),
                           "max_length": verification.max_length,
-                          "search_queries": verification.search_queries}))
+                          "search_queries": verification.search_queries,
+                          "error_bar": verification.error_bar}))
     else:
         print(f"{model.kind} model, d = {model.dim}, {verification.sequences} held-out sequences:"
               f" largest relative error {human_number(verification.max_relative_error)}, median "
@@ -783,13 +787,33 @@ def cmd_verify(args) -> int:
               f"{human_number(verification.tolerance)}); lengths {verification.lengths[0]} to "
               f"{verification.lengths[1]} of up to {verification.max_length}, token norms "
               f"{human_number(verification.norms[0])} to {human_number(verification.norms[1])}, "
-              f"{verification.search_queries} from the adversarial search")
+              f"{verification.search_queries} from the adversarial search"
+              + (f"; the model's own error bar {human_number(verification.error_bar)} allowed for"
+                 if verification.error_bar else ""))
     if not verification.passed:
         print(f"attnextract: MISMATCH: {mismatch_reason(verification)}", file=sys.stderr)
         return 1
     if not args.json:
         print("MATCH")
     return 0
+
+
+def _saved_error_bar(path, tolerance):
+    """(bar, tolerance, floor) for re-verifying a saved result: the relative parameter
+    error bar its learner's verification allowed for and the tolerance it was held to,
+    so that a search reaching large scores (where a model's error of 1e-12 shows as
+    1e-7) judges the model as its learner did. A tolerance the user gives is kept;
+    results saved without a bar get the flat tolerance."""
+    try:
+        saved = load_result(path).report.verification
+    except TargetLoadError:
+        saved = None
+    bar = getattr(saved, "error_bar", 0.0)
+    if not bar:
+        return None, DEFAULT_VERIFY_TOLERANCE if tolerance is None else tolerance, None
+    if tolerance is not None:
+        return bar, tolerance, None
+    return bar, saved.requested_tolerance or saved.tolerance, saved.tolerance
 
 
 def cmd_demo(args) -> int:

@@ -62,6 +62,9 @@ class Verification:
     search_queries: int = 0        # of ``sequences``: the adversarial search's queries
     own_probes: int = 0            # the learner's longest probes compared (no query)
     rounded_answers: bool = False  # the answers show rounding (float32, decimals)
+    # the model's own relative parameter error bar the check allowed for (0: none); a
+    # saved result is re-verified against the same bar (``attnextract verify``)
+    error_bar: float = 0.0
 
     @property
     def passed(self) -> bool:

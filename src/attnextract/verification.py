@@ -995,7 +995,8 @@ def measured_error_bar(oracle, model) -> float | None:
 def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | None = None,
                  scale: float | None = None, probe_length: int | None = None,
                  max_length: int | None = None, measure_v: bool = False,
-                 expected_error: float | None = None, search: bool = True):
+                 expected_error: float | None = None, search: bool = True,
+                 tolerance_floor: float | None = None):
     """Compare ``model`` with the black box on ``count`` queries: the held-out sequences
     of :func:`design` over lengths 1..L and tiny to huge tokens, for a single head the
     hull pairs, the learner's own longest probes (no query), and the adversarial search
@@ -1018,7 +1019,8 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
     tolerance (error x tolerance / allowance). ``expected_error="measured"`` (a learner
     without a bar of its own): e is :func:`measured_error_bar` and the tolerance at
     least MEASURED_FLOOR; a measured e above tolerance / CONSISTENCY_FACTOR is not used
-    (an impostor's misfit must not widen the allowance).
+    (an impostor's misfit must not widen the allowance). ``tolerance_floor`` replaces
+    that floor (re-verifying a saved result: the tolerance its learner was held to).
     """
     from .report import DEFAULT_VERIFY_TOLERANCE, Verification, token_scale
     tolerance = DEFAULT_VERIFY_TOLERANCE if tolerance is None else tolerance
@@ -1035,6 +1037,7 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
     bar = expected_error if expected_error is not None and math.isfinite(expected_error) \
         and expected_error >= 0 else None
     if bar is not None:
+        floor = floor if tolerance_floor is None else tolerance_floor
         tolerance = min(tolerance, max(CONSISTENCY_FACTOR * bar, floor))
     root = root_oracle(oracle)
     if max_length is None:
@@ -1075,7 +1078,8 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
                         requested_tolerance=requested if tolerance < requested else 0.0,
                         norms=check.norms, max_length=int(held.longest),
                         search_queries=check.search_queries, own_probes=check.own_probes,
-                        rounded_answers=answers_look_rounded(check.observed))
+                        rounded_answers=answers_look_rounded(check.observed),
+                        error_bar=0.0 if bar is None else float(bar))
 
 
 def answers_look_rounded(observed) -> bool:

@@ -518,6 +518,7 @@ def _finish(oracle, model, counts, details, seeds, start, start_queries, start_b
             max_length=verification.max_length,
             search_queries=verification.search_queries + far_check.search_queries,
             own_probes=verification.own_probes,
+            error_bar=max(verification.error_bar, far_check.error_bar),
             # the near check's second layer (the hull) and families are kept, not dropped
             hull_violation=max(verification.hull_violation, far_check.hull_violation),
             hull_tolerance=max(verification.hull_tolerance, far_check.hull_tolerance),
