@@ -105,6 +105,11 @@ FAMILIES = {"ordinary": 0.1, "long": 0.2, "repeated": 0.1, "norms": 0.14, "spars
 SECOND_LAYER = {"hull", "steps", "heads"}   # families that need the model (see design)
 HEADS_OVERSAMPLE = 8          # candidates drawn per "heads" sequence kept
 HULL_CANDIDATES = 6           # candidate orders drawn per hull sequence kept
+# sequences a family gets at least (1 for the others): the hull 2 pool tokens and 2
+# sequences of them; norms and far one at each end (tiny and huge tokens; scores far
+# below and far above zero), so that a small check still spans the whole domain
+FAMILY_MIN = {"hull": 4, "norms": 2, "far": 2}
+SMALLEST_DESIGN = 12          # the second layer needs a design of at least this many
 SEARCH_SHARE = 0.2            # share of the count the adversarial search asks
 SEARCH_ROUNDS = 3
 SEARCH_MIN = 6                # a count below this searches nothing
@@ -163,12 +168,21 @@ def longest_length(probe_length: int | None = None, max_length: int | None = Non
 
 
 def _split(count: int, second: set) -> dict[str, int]:
+    """Sequences per family: ``count`` x the family's weight, every family at least
+    FAMILY_MIN (1 unless listed); the rest to ``ordinary``. A count below the minimums
+    is all ``ordinary``."""
     weights = {k: w for k, w in FAMILIES.items() if k not in SECOND_LAYER or k in second}
-    if count < 2 * len(weights):
+    least = {k: FAMILY_MIN.get(k, 1) for k in weights}
+    if count < sum(least.values()) + 1:
         return {"ordinary": count}
     total = sum(weights.values())
-    sizes = {k: max(1, int(count * w / total)) for k, w in weights.items()}
+    sizes = {k: max(least[k], int(count * w / total)) for k, w in weights.items()}
     sizes["ordinary"] += count - sum(sizes.values())
+    if sizes["ordinary"] < 1:            # the minimums took more than the weights gave
+        for k in sorted(sizes, key=lambda k: sizes[k] - least[k], reverse=True):
+            while sizes["ordinary"] < 1 and sizes[k] > least[k]:
+                sizes[k] -= 1
+                sizes["ordinary"] += 1
     return sizes
 
 
@@ -435,7 +449,7 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
         elif W.shape[0] > 1:
             heads = (np.asarray(W, dtype=float), np.asarray(v, dtype=float))
     single = (W is not None and v is not None and np.ndim(W) == 2 and np.ndim(v) == 1
-              and d >= 2 and np.any(v) and count >= 16)
+              and d >= 2 and np.any(v) and count >= SMALLEST_DESIGN)
     ffn = ffn_view(model) if not single and d >= 2 and count >= 16 else None
     if ffn is not None:
         W = ffn[0]
@@ -1052,7 +1066,9 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
         with live_queries(oracle):                 # the live black box, never a journal
             hull_v = oracle.query(np.eye(oracle.dim)[:, None, :])
     replays = min(len(getattr(root, "replay", None) or []), int(REPLAY_FRACTION * count))
-    searched = int(SEARCH_SHARE * count) if search and count >= 4 * SEARCH_MIN else 0
+    # a small check (MIN_VERIFY_COUNT = 24) still searches: SEARCH_MIN queries, 2 a round
+    searched = (max(SEARCH_MIN, int(SEARCH_SHARE * count)) if search and count >= 4 * SEARCH_MIN
+                else 0)
     held = add_replays(design(oracle.dim, count - replays - searched, rng, scale,
                               probe_length=probe_length, max_length=max_length,
                               model=model, hull_v=hull_v), oracle, replays)

@@ -335,7 +335,7 @@ class _Round:
 def _extract_robust(oracle, noise, r, norm_bound, R, seed, verify_tolerance, error_bars="model"):
     start, start_queries, start_bb = time.perf_counter(), oracle.queries, oracle.black_box_seconds
     d = oracle.dim
-    n_verify = verification_count(d * d + d)
+    n_verify = verification_count(d * d + d, r * (d * d + d))   # within 5% of the recovery
     oracle.plan(r * (d * d + d) + n_verify, "noisy single-head extraction")
     rng = np.random.default_rng(seed)
 
@@ -711,7 +711,7 @@ def paper_bound(d: int, tau: float, norm_bound: float, margin: float) -> tuple[f
 def _extract_paper(oracle, noise, B, margin, seed, verify_tolerance):
     start, start_queries, start_bb = time.perf_counter(), oracle.queries, oracle.black_box_seconds
     d = oracle.dim
-    n_verify = verification_count(d * d + d)
+    n_verify = verification_count(d * d + d, d * d + d)   # within 5% of the recovery
     oracle.plan(d * d + d + n_verify, "Theorem 6.1 extraction (d^2 + d + verification)")
     eye = np.eye(d)
     v = oracle.query(eye[:, None, :])
