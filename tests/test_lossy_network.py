@@ -17,12 +17,13 @@ from attnextract import BudgetExceededError, Oracle, extract_single_head
 from attnextract.adapters.remote import HttpBlackBox
 from attnextract.adapters.server import make_server
 from attnextract.adapters.targets import random_single_head
+from attnextract.report import verification_count
 
 from conftest import rel_err, run_cli
 from netfaults import LossyProxy
 
 D = 5
-NEEDED = D * D + D + 64          # single-head extraction: floor + held-out verification
+NEEDED = D * D + D + verification_count(D * D + D, D * D + D)   # floor + held-out check
 
 
 @pytest.fixture

@@ -22,13 +22,14 @@ from attnextract import BudgetExceededError, InputError, Oracle, extract_single_
 from attnextract.adapters.remote import HttpBlackBox
 from attnextract.adapters.server import ServerState, make_server
 from attnextract.adapters.targets import random_single_head
+from attnextract.report import verification_count
 
 from conftest import rel_err, run_cli
 from netfaults import (Dribbler, LossyProxy, fill_answer_cache, just_under, request_bytes,
                        rss_mb, send_at_once)
 
 D = 5
-NEEDED = D * D + D + 64          # single-head extraction: floor + held-out verification
+NEEDED = D * D + D + verification_count(D * D + D, D * D + D)   # floor + held-out check
 
 
 @pytest.fixture

@@ -22,10 +22,10 @@ from attnextract.errors import (BlackBoxError, InputError, JournalError, Malform
                                 ModelMismatchError, RecoveryFailedError)
 from attnextract.models import MultiHeadAttention
 from attnextract.oracle import validate_outputs
-from attnextract.report import mismatch_reason
-from attnextract.verification import (DEFAULT_LONGEST, SEARCH_SHARE, answers_look_rounded,
-                                      design, length_grid, safe_norm, safe_rms,
-                                      scaled_relative_errors, verify_model)
+from attnextract.report import mismatch_reason, verification_count
+from attnextract.verification import (DEFAULT_LONGEST, SEARCH_MIN, SEARCH_SHARE,
+                                      answers_look_rounded, design, length_grid, safe_norm,
+                                      safe_rms, scaled_relative_errors, verify_model)
 
 # an overflow anywhere in a comparison is a bug here, not a warning to scroll past
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
@@ -87,9 +87,10 @@ def test_verification_respects_max_length_and_reports_the_domain():
     check = result.report.verification
     assert check.passed and check.max_length == 500 and check.lengths[1] == 500
     assert check.norms[0] > 0 and check.norms[1] > 100 * check.norms[0]
-    assert check.search_queries == int(SEARCH_SHARE * 64)
+    count = verification_count(D * D + D, D * D + D)
+    assert check.search_queries == max(SEARCH_MIN, int(SEARCH_SHARE * count))
     assert check.own_probes > 0
-    assert result.queries == D * D + D + 64            # the search is inside the count
+    assert result.queries == D * D + D + count         # the search is inside the count
     assert "domain" in result.report.render()
 
 
@@ -278,7 +279,7 @@ def test_journal_fingerprint_queries_are_counted_and_budgeted(tmp_path):
         result = extract(oracle, "single-head", seed=0)
         need = oracle.queries + oracle.check_queries
         assert oracle.check_queries > 0
-        assert result.queries == D * D + D + 64 + oracle.check_queries
+        assert result.queries == D * D + D + verification_count(D * D + D, D * D + D) + oracle.check_queries
     served = []
 
     def box(X):

@@ -14,9 +14,9 @@ each built by one small function (``_family_<name>``):
                temperatures or offsets that depend on the length;
 ``repeated``   long sequences built from one to three distinct tokens: position
                and count effects (a window or a sink shows at full strength);
-``norms``      every sequence scaled by 10^U(-3, 3) (half with tokens of mixed
-               norms inside one sequence): biases show at small norms, norm
-               triggers, clipping and saturation at large ones;
+``norms``      every sequence scaled by 10^U(-3, 3), both ends always (half with
+               tokens of mixed norms inside one sequence): biases show at small
+               norms, norm triggers, clipping and saturation at large ones;
 ``sparse``     one-hot and two-hot tokens, and Gaussian tokens sharing one constant
                coordinate (a bias-like direction);
 ``peaked``     tokens scaled so that the model's own scores span about 30: attention
@@ -270,9 +270,12 @@ def _family_repeated(dom: _Domain, n: int) -> list:
 
 
 def _family_norms(dom: _Domain, n: int) -> list:
-    """Per-sequence factor 10^U(-3, 3), stratified; half with mixed norms inside."""
+    """Per-sequence factor 10^U(-3, 3), stratified, 10^-3 and 10^3 always; half with
+    mixed norms inside."""
     out = []
     exponents = -3.0 + 6.0 * (dom.rng.permutation(n) + dom.rng.uniform(size=n)) / max(n, 1)
+    if n >= 2:       # both ends always (as ``long`` reaches L): a small check spans them too
+        exponents[np.argmax(exponents)], exponents[np.argmin(exponents)] = 3.0, -3.0
     for i, k in enumerate(dom.lengths(1, 64, n)):
         x = dom.low * 10.0 ** exponents[i] * dom.rng.standard_normal((int(k), dom.d))
         if i % 2:
