@@ -891,9 +891,10 @@ def run_check(oracle, model, held: HeldOutSet, *, tolerance: float = 1e-7,
 def compare_own_probes(oracle, model, check: Check, judge: _Judge) -> None:
     """The learner's longest answered probes (``Oracle.longest_probes``, no new query)
     against the model, added to ``check`` as the ``own`` family. Only for an Oracle
-    passed itself (a learner's view may change what its answers mean)."""
-    from .oracle import Oracle, evaluate_ragged
-    if not isinstance(oracle, Oracle) or not oracle.longest_probes:
+    (or its :class:`attnextract.oracle.ScaledOutputs` view): other views may change what
+    their answers mean (:func:`keeps_own_answers`)."""
+    from .oracle import evaluate_ragged
+    if not keeps_own_answers(oracle) or not oracle.longest_probes:
         return
     xs = [x for x, _ in oracle.longest_probes]
     answers = np.array([y for _, y in oracle.longest_probes])
@@ -991,13 +992,22 @@ def adversarial_search(oracle, model, check: Check, held: HeldOutSet, judge: _Ju
         check.norms = (min(check.norms[0], float(positive.min())), max(check.norms[1], float(n.max())))
 
 
+def keeps_own_answers(oracle) -> bool:
+    """Whether ``oracle``'s ``replay`` and ``longest_probes`` are answers in the units the
+    model is in: an Oracle, or a :class:`attnextract.oracle.ScaledOutputs` view of one
+    (other views may change what a query means)."""
+    from .oracle import Oracle, ScaledOutputs
+    return isinstance(oracle, Oracle) or (isinstance(oracle, ScaledOutputs)
+                                          and isinstance(oracle.base, Oracle))
+
+
 def measured_error_bar(oracle, model) -> float | None:
     """The model's largest relative error on the answers the learner was given (the
     oracle's ``replay`` sample and ``longest_probes``; no query), at least
-    MEASURED_ROUNDING d eps_64; None when ``oracle`` is a learner's view (its answers
-    mean something else) or kept nothing."""
-    from .oracle import Oracle, evaluate_ragged
-    if not isinstance(oracle, Oracle):
+    MEASURED_ROUNDING d eps_64; None when ``oracle`` is a learner's view whose answers
+    mean something else (:func:`keeps_own_answers`) or kept nothing."""
+    from .oracle import evaluate_ragged
+    if not keeps_own_answers(oracle):
         return None
     pairs = list(oracle.replay) + list(oracle.longest_probes)
     if not pairs:
