@@ -339,7 +339,7 @@ TARGET = textwrap.dedent("""
         return head(X)
 """)
 LEARNER = D * D + D
-VERIFY = 64
+VERIFY = verification_count(LEARNER, LEARNER)     # the held-out check of a single head
 
 
 def write_target(folder, seed=5):

@@ -374,7 +374,8 @@ def test_restarts_sigterm_and_kill_9_mid_extraction_through_a_lossy_network(tmp_
     extraction.start()
     stops = []
     try:
-        for threshold, signum in ((25, signal.SIGTERM), (55, signal.SIGKILL)):
+        # a quarter and three fifths of the way: both restarts land mid-extraction
+        for threshold, signum in ((NEEDED // 4, signal.SIGTERM), (3 * NEEDED // 5, signal.SIGKILL)):
             for _ in range(6000):                # until the server has charged that many
                 if server.health()["served"] >= threshold or not extraction.is_alive():
                     break
