@@ -274,12 +274,16 @@ def _family_norms(dom: _Domain, n: int) -> list:
     mixed norms inside."""
     out = []
     exponents = -3.0 + 6.0 * (dom.rng.permutation(n) + dom.rng.uniform(size=n)) / max(n, 1)
+    ends = set()
     if n >= 2:       # both ends always (as ``long`` reaches L): a small check spans them too
+        ends = {int(np.argmax(exponents)), int(np.argmin(exponents))}
         exponents[np.argmax(exponents)], exponents[np.argmin(exponents)] = 3.0, -3.0
     for i, k in enumerate(dom.lengths(1, 64, n)):
         x = dom.low * 10.0 ** exponents[i] * dom.rng.standard_normal((int(k), dom.d))
         if i % 2:
-            x *= 10.0 ** dom.rng.uniform(-2, 2, size=(int(k), 1))
+            mixed = 10.0 ** dom.rng.uniform(-2, 2, size=(int(k), 1))
+            if i not in ends:    # the ends keep every token there (a mix moved them in by
+                x *= mixed       # 10^-2: a norm-20 trigger slipped past at d = 8, 1 of 20)
         out.append(x)
     return out
 
