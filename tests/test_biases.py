@@ -180,6 +180,36 @@ def test_biased_low_rank_heads(seed):
     assert result.report.verification.passed
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("shape", [(2, 16, 2), (4, 32, 4)])
+def test_biased_low_rank_heads_with_biases_ten_times_w(shape, seed):
+    """|b_h| = 10 |W_h| (in W_h's column space, as in a real layer): every query-space row's
+    bias logit is about 100 times its W part, and the isolation offsets saturated at c = 1
+    (refused 'weights outside (0, 1)' on 8 of 8 seeds at H = 2, d = 16), the isolation
+    background carried the common root's error times |q_0| (1e-8 at H = 4, d = 32)."""
+    H, d, r = shape
+    heads = random_low_rank_multi_head(H, d, r, seed)
+    truth = with_biases(heads, seed + 100, bias_scale=10 * np.linalg.norm(heads.W[0]))
+    result = extract_multi_head_low_rank(Oracle(truth, d), H, r, seed=seed, biases=True)
+    m = result.model
+    assert result.report.verification.passed and m.W.shape[0] == H
+    for h in range(H):
+        k = int(np.argmin([np.linalg.norm(m.W[g] - truth.W[h]) for g in range(H)]))
+        assert relative(m.W[k], truth.W[h]) <= 1e-9
+        assert relative(m.b[k], truth.b[h]) <= 1e-9
+        assert relative(m.v[k], truth.v[h]) <= 1e-9
+    assert abs(m.c - truth.c) <= 1e-12 * np.linalg.norm(truth.v)
+    # the error bar the learner states covers what it achieved
+    error = max(relative(m.W[k], truth.W[h]) for h, k in enumerate(
+        [int(np.argmin([np.linalg.norm(m.W[g] - truth.W[h]) for g in range(H)]))
+         for h in range(H)]))
+    assert error <= 10 * result.report.details["conditioning_numbers"]["predicted_error"]
+    # queries: the bias-free learner's on the same heads, plus 1 + sum_h (r_h + 1) + H d
+    plain = extract_multi_head_low_rank(Oracle(heads, d), H, r, seed=seed)
+    assert result.report.breakdown["recovery"] <= 1.1 * (
+        plain.report.breakdown["recovery"] + 1 + H * (r + 1) + H * d)
+
+
 def test_biased_low_rank_heads_refused_without_biases():
     H, d, r = 2, 16, 4
     truth = with_biases(random_low_rank_multi_head(H, d, r, 1), 1, c=0.0)
@@ -320,11 +350,17 @@ def test_isolation_offsets_are_measured_first_and_rows_scaled_by_them():
             self.last_scale, self.last_outputs = scale, logits
             return logits / scale
 
+        def measure_shortening(self, rows, height, background, scale):
+            # offsets within the precise range here: no row is shortened
+            return self.measure(rows, np.zeros_like(rows), height, background,
+                                scale), np.ones(len(rows))
+
     rows = np.repeat(U, r, axis=0)
     cols = np.tile(Z.T, (d, 1))
     G = 100.0
-    T, scales, _ = mhlr._offset_first(Meter(), rows, cols, np.ones(d * r), np.zeros(d * r),
-                                      G, d, r)
+    T, scales, _, lengths = mhlr._offset_first(Meter(), rows, cols, np.ones(d * r),
+                                               np.zeros(d * r), G, d, r)
+    assert np.all(lengths == 1.0)
     first, rest = Meter.calls
     assert first.size == d and rest.size == d * (r - 1)             # d + d (r - 1) probes
     c_G = split_scale(G)[0]
