@@ -123,8 +123,9 @@ BIASED_REFINE_ITERATIONS = 12   # biases: the root q_0 converges with the heads 
 BIASED_RANK_TOL = 1e-7   # biases: first-pass rank tolerance (a bias of 5 |W| costs the values
                          # ~100x: a row's 9th singular value measured at 1.2e-9, d = 96, H = 12)
 BIAS_BAR = 10.0          # biases: predicted error x dilution x shortening x this covered
-                         # every measured error (240 random runs, |b_h| up to 10 |W_h|: at
-                         # most 0.66 of the bar without this factor 10 it was 6.6 times)
+                         # every measured error (240 random runs, |b_h| up to 10 |W_h|,
+                         # benchmarks/results/mhlr_large_biases.md: at most 0.66 of the
+                         # bar, median 0.12; without the 10, up to 6.6 times the bar)
 BLOCK_FLOATS = 1 << 21   # probe floats per oracle batch (16 MB)
 
 
