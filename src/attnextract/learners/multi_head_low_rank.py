@@ -122,10 +122,11 @@ BIASED_REFINE_ITERATIONS = 12   # biases: the root q_0 converges with the heads 
                                 # layer 2: changes 3.8e-5, 1.7e-4, 1.4e-8, 3.8e-10, ...)
 BIASED_RANK_TOL = 1e-7   # biases: first-pass rank tolerance (a bias of 5 |W| costs the values
                          # ~100x: a row's 9th singular value measured at 1.2e-9, d = 96, H = 12)
+ISOLATION_TARGET = 0.5   # biases: isolation blocks put the scouts' peak at this x TARGET_LOGIT
 BIAS_BAR = 10.0          # biases: predicted error x dilution x shortening x this covered
                          # every measured error (240 random runs, |b_h| up to 10 |W_h|,
-                         # benchmarks/results/mhlr_large_biases.md: at most 0.66 of the
-                         # bar, median 0.12; without the 10, up to 6.6 times the bar)
+                         # benchmarks/results/mhlr_large_biases.md: at most 0.68 of the
+                         # bar, median 0.13; without the 10, up to 6.8 times the bar)
 BLOCK_FLOATS = 1 << 21   # probe floats per oracle batch (16 MB)
 
 
@@ -901,6 +902,13 @@ def head_matrix(meter: LogitMeter, v, values, spaces, h, rng, offset_column=Fals
     scale = meter.scale_for(rows, cols, height, background, rng)
     block_rows, lengths = U.T, None
     if offset_column:
+        # from q_0 nothing but W_h's part is left in these logits, and it spreads more
+        # widely over the d random rows than SCOUT entries show: at the scouts' peak
+        # TARGET_LOGIT, 1,230 of MiniLM layer 1's 152,064 isolation entries went beyond
+        # PRECISE_LOGIT and were measured again (1.1017x the floor); at half of it, in 4
+        # real heads of 4 layers through a 128-dim subspace, 0 .. 3 of 16,896 (from
+        # 0 .. 242), the heads' errors unchanged
+        scale *= ISOLATION_TARGET
         T, scales, outputs, lengths = _offset_first(meter, rows, cols, height, background,
                                                     scale, d, r)
         block_rows = lengths[:, None] * U.T
