@@ -375,3 +375,27 @@ def test_isolation_offsets_are_measured_first_and_rows_scaled_by_them():
     s = split_scale(scales.reshape(d, r))[1]
     recovered = T[:, :-1] - T[:, -1:] * s[:, -1:] / s[:, :-1]
     np.testing.assert_allclose(recovered, Wz, rtol=1e-12, atol=1e-14)
+
+
+def test_bias_probes_beyond_the_precise_range_shorten_their_rows():
+    """[c u; 0] has the logit c u^T b: rescaling G below 1 leaves c = 1, so a bias logit of
+    30 stays there (measure refuses); measure_shortening halves the row instead, exactly."""
+    from attnextract.learners import multi_head_low_rank as mhlr
+    from attnextract.learners.single_head import split_scale
+    rng = np.random.default_rng(2)
+    d = 16
+    W = rng.standard_normal((d, d)) / d
+    b = W @ rng.standard_normal(d)
+    U = np.linalg.qr(rng.standard_normal((d, d)))[0].T[:6]
+    b *= 30.0 / np.max(np.abs(U @ b))                  # the largest |u^T b| is 30
+    truth = BiasedMultiHeadAttention(W[None], rng.standard_normal((1, d)), b[None], 0.7)
+    view = mhlr._Translated(Oracle(truth, d), np.zeros(d), 0.7)
+    meter = mhlr.LogitMeter(view, truth.v[0])
+    height = U @ truth.v[0]
+    with pytest.raises(ModelMismatchError, match="outside"):
+        meter.measure(U, np.zeros_like(U), height, np.zeros(len(U)), 1.0)
+    t, lengths = meter.measure_shortening(U, height, np.zeros(len(U)), 1.0)
+    beta = t * split_scale(meter.last_scale)[1] / lengths
+    assert lengths.min() < 1.0 and np.all(np.log2(lengths) == np.round(np.log2(lengths)))
+    assert np.all(lengths * np.abs(U @ b) <= mhlr.PRECISE_LOGIT)
+    np.testing.assert_allclose(beta, U @ b, rtol=1e-11, atol=1e-11)
