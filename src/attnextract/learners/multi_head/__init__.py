@@ -87,7 +87,7 @@ from ...verification import safe_rms
 from ...report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                        token_scale, verification_count, verify_model)
 from ..single_head import constant_and_values
-from . import design, fit, polish
+from . import design, fit, labels, polish
 from .canonical import (canonical_error, canonical_form, match_heads, non_identifiable_twin,
                         twin_difference)
 from .subspaces import extract_in_subspaces
@@ -123,6 +123,10 @@ PERTURBATION_MOVE = 0.003 # base perturbations move the steps by about this x th
 RECENTRE_TRIES = 3        # recentred base rows at most per design
 ILL_ROW_FACTOR = 30.0     # a main row whose parameters are pinned this much worse than the
                           # median row's is redesigned
+LABEL_MISFIT = 100.0      # chi^2 per entry of the base rows' predictions (1 expected)
+                          # below which the main rows' labels are confirmed
+MISPLACED_GAP = 0.5       # a main row whose smallest measured gap is below this x the
+                          # designed spacing is redesigned (labels confirmed)
 ROW_REDESIGNS = 3         # rounds of redesigning the main rows whose first probe misfits
 
 
@@ -471,11 +475,16 @@ class _Extraction:
         from the row's steps)."""
         Y0, V0, error = self.base_perturbations()
         self.details.setdefault("base estimate relative error (first row)", error)
-        best = (error, Y0, V0, self.u_0, self.base_fit, self.base_covariance, self.details.get("base perturbation eps"))
+        best = (error, Y0, V0, self.u_0, self.base_fit, self.base_covariance,
+                        self.details.get("base perturbation eps"), self.base_reference)
         H = Y0.shape[1]
         for _ in range(RECENTRE_TRIES):
+            # room kept for the main rows to be measured on q_0 twice: with their labels
+            # confirmed, the first pass gives the estimate to the rows' precision and
+            # the misplaced rows are designed again from it (cheaper than a recentring)
             if best[0] <= RECENTRE_ABOVE or not self.affordable(
-                    2 * (4 * H + 8) + self.perturbation_cost(H) + self.main_cost(H), H):
+                    2 * (4 * H + 8) + self.perturbation_cost(H) + self.main_cost(H)
+                    + self.d * (2 * H + 1), H):
                 break
             if not self.recentred_base(best[1], best[2]):
                 continue             # its scan did not fit: another order and offset
@@ -485,8 +494,9 @@ class _Extraction:
             except _Redesign:
                 continue
             if error < best[0]:
-                best = (error, Y0, V0, self.u_0, self.base_fit, self.base_covariance, self.details.get("base perturbation eps"))
-        error, Y0, V0, u_0, base_fit, self.base_covariance, eps = best
+                best = (error, Y0, V0, self.u_0, self.base_fit, self.base_covariance,
+                        self.details.get("base perturbation eps"), self.base_reference)
+        error, Y0, V0, u_0, base_fit, self.base_covariance, eps, self.base_reference = best
         self.adopt_base(u_0, base_fit)
         self.details["base perturbation eps"] = eps
         self.details["base estimate relative error"] = error
@@ -747,7 +757,7 @@ class _Extraction:
                               np.tile(lam_t, d - 1))
         self.spend("base perturbations", before)
         lam, g = lam.reshape(d - 1, S), g.reshape(d - 1, S)
-        T, C, T_std = [t0], [c0], [self.base_fit.t_std]
+        T, C, T_std, C_std = [t0], [c0], [self.base_fit.t_std], [self.base_fit.c_std]
         worst = 0.0
         for k in range(d - 1):
             noise = self.noise(g[k] + self.q_0 @ self.v, float(np.sum(np.abs(c0))))
@@ -761,6 +771,7 @@ class _Extraction:
             T.append(steps.t)
             C.append(steps.c)
             T_std.append(steps.t_std)
+            C_std.append(steps.c_std)
         if worst > 1.0:
             raise _Redesign(ModelMismatchError,
                             f"a perturbed base row does not fit {H} steps (residual {worst:.1e} "
@@ -777,6 +788,9 @@ class _Extraction:
                                / np.maximum(np.linalg.norm(Y0, axis=0), 1e-300)))
         self.details["base perturbation eps"] = eps
         self.details["base estimate relative error"] = Y_error
+        # the base rows' own measurements, in the base row's labels: the main rows'
+        # labels are checked against them (:mod:`.labels`)
+        self.base_reference = (P, np.array(T), np.array(C), np.array(T_std), np.array(C_std))
         return Y0, V0, Y_error
 
     def main(self, Y0: np.ndarray, V0: np.ndarray) -> ExtractionResult:
@@ -800,23 +814,33 @@ class _Extraction:
         S2 = H + COLUMN_SPARES
         lam, g = np.empty((d, S1)), np.empty((d, S1))
         t_row, c_row, misfit = np.empty((d, H)), np.empty((d, H)), np.full(d, np.inf)
+        t_row_std, c_row_std = np.full(d, np.inf), np.full(d, np.inf)
         R = np.linalg.qr(rng.standard_normal((d, d)))[0].T[:NC]       # (NC, d), NC <= d
         columns = np.empty((d, NC, d))
         s_k, moves = np.empty(d), np.zeros(d)
         probes, rows = [None] * d, [None] * d
         estimate = [Y0, V0]
+        self.labels_trusted = False
 
         def redesign(idx):
-            good = np.setdiff1d(np.arange(d), idx)
-            good = good[misfit[good] <= 1.0]
-            estimate[:] = _corrected(*estimate, U[good], t_row[good], c_row[good])
+            if self.labels_trusted and np.all(misfit <= 1.0):
+                # every row fitted on q_0 with labels the base rows confirm: W_h q_0 and
+                # v_h are known to the rows' precision (1e-8, not the base estimate's
+                # 1e-2 to 0.3), so the new rows' steps land where they are designed
+                estimate[:] = [np.linalg.solve(U, t_row), np.linalg.solve(U, c_row)]
+                good = np.setdiff1d(np.arange(d), idx)
+            else:
+                good = np.setdiff1d(np.arange(d), idx)
+                good = good[misfit[good] <= 1.0]
+                estimate[:] = _corrected(*estimate, U[good], t_row[good], c_row[good])
             U[idx] = design.design_rows(*estimate, positions, rng, jitter=0.5 * spacing,
                                         count=idx.size, keep=U[good])
             tau[idx], C0[idx] = U[idx] @ estimate[0], U[idx] @ estimate[1]
             self.details["main rows redesigned"] = (
                 self.details.get("main rows redesigned", 0) + int(idx.size))
 
-        def round_1(todo):
+        def round_1(todo, reserve):
+            # reserve: queries that must stay for the columns of round 2 afterwards
             for again in range(ROW_REDESIGNS + 1):
                 if again:
                     redesign(todo)
@@ -839,10 +863,10 @@ class _Extraction:
                         order = fit.label_steps(t, c, tau[k], C0[k], spacing)
                         t, c = t[order], c[order]
                     misfit[k] = steps.rms / (NOISE_FACTOR * noise)
+                    t_row_std[k], c_row_std[k] = np.max(steps.t_std), np.max(steps.c_std)
                     t_row[k], c_row[k] = t, c
                 todo = todo[~(misfit[todo] <= 1.0)]
-                if todo.size == 0 or not self.affordable(
-                        todo.size * S1 + todo.size * NC * S2, H):
+                if todo.size == 0 or not self.affordable(todo.size * S1 + reserve, H):
                     break
             worst = float(np.max(misfit))
             if not worst <= 1.0:
@@ -892,8 +916,41 @@ class _Extraction:
                                      rcond=None)[0].T
                 rows[k] = fit.fit_row(lam_k, g_k, mask, cols_k, c_row[k], z0)
 
+        def relabel():
+            # the design's labels can be off by a gap where the base estimate was
+            # rough; with every row fitted, the labelling that best predicts the base
+            # rows' own measurements is taken (:mod:`.labels`)
+            out = labels.relabel_rows(U, t_row, c_row, t_row_std, c_row_std,
+                                      *self.base_reference)
+            for k in np.flatnonzero(np.any(out.order != np.arange(H), axis=1)):
+                o = out.order[k]
+                t_row[k], c_row[k] = t_row[k, o], c_row[k, o]
+                if rows[k] is not None:
+                    r = rows[k]
+                    rows[k] = fit.RowFit(c=r.c[o], z=r.z[o], c_std=r.c_std[o],
+                                         z_std=r.z_std[o], residual=r.residual,
+                                         jacobian_singular_values=r.jacobian_singular_values)
+            self.details["main rows relabelled"] = (
+                self.details.get("main rows relabelled", 0) + out.rows_changed)
+            self.details["label misfit (before, after)"] = (out.misfit_before, out.misfit_after)
+            self.label_misfit = out.misfit_after
+            self.labels_trusted = bool(out.misfit_after <= LABEL_MISFIT)
+
         everything = np.arange(d)
-        round_1(everything)
+        round_1(everything, d * NC * S2)
+        relabel()
+        # rows whose steps a rough base estimate placed too close together pin their
+        # parameters badly (the fit's condition grows like gap^-4): with the labels
+        # confirmed they are redesigned from the rows' precise estimate before their
+        # columns are measured (2H + 1 queries each instead of d (H + 1) more later)
+        found_gaps = np.diff(np.sort(t_row, axis=1), axis=1).min(axis=1) if H > 1 \
+            else np.full(d, np.inf)
+        misplaced = np.flatnonzero(found_gaps < MISPLACED_GAP * spacing)
+        if (self.labels_trusted and misplaced.size
+                and self.affordable(misplaced.size * S1 + d * NC * S2, H)):
+            redesign(misplaced)
+            round_1(misplaced, d * NC * S2)
+            relabel()
         round_2(everything)
         # a row whose joint fit misses the noise (a wrong basin), or pins its parameters
         # far worse than the median row (a head almost without height in that row, two
@@ -915,7 +972,8 @@ class _Extraction:
                     bad.size * (S1 + NC * S2), H):
                 break
             redesign(bad)
-            round_1(bad)
+            round_1(bad, bad.size * NC * S2)
+            relabel()
             round_2(bad)
         gaps = np.diff(np.sort(t_row, axis=1), axis=1).min(axis=1) if H > 1 else np.full(d, 2.0)
         self.details["column moves / gap (median, max)"] = (float(np.median(moves)),
