@@ -281,6 +281,7 @@ class _Extraction:
         self.details: dict = {}
         self.notes: list[str] = []
         self.biases, self.c = False, 0.0      # biases: set by extract_multi_head, c = f([0])
+        self.labels_trusted, self.label_misfit = False, math.inf   # set by main's relabel
         self.set_window(design.base_length(self.max_heads))   # the base stages; main() switches
         from ...verification import max_length_of
         needed = max(self.length, design.window_length(self.max_heads))
@@ -449,8 +450,15 @@ class _Extraction:
         unlike every model measured (ModelMismatchError)."""
         d = self.d
         model = exc.model if exc.model is not None else self.no_heads()
-        if exc.result is not None:           # verified already: its report is kept
-            self.result = exc.result
+        if exc.result is not None:           # verified already: its report is kept,
+            self.result = exc.result         # counted, as every refusal, for the H asked
+            H, details = self.max_heads, exc.result.report.details
+            details.pop("heads", None)
+            details["heads asked" if self.heads_told else "heads searched up to"] = H
+            details["paper-2 count"] = paper2_count(H, d)
+            floor_key = "floor H(d^2 + 2d) + 1" if self.biases else "floor H(d^2 + d)"
+            details[floor_key] = exc.result.report.floor = self.parameters(H)
+            details["recovery / floor"] = details["recovery queries"] / self.parameters(H)
         else:
             self.finish(model, exc.bar, check=False)
         room = ("no design left to try" if len(failures) >= MAX_DESIGNS else
@@ -1013,12 +1021,17 @@ class _Extraction:
             "error bar": bar,
         })
         if measured_sigma > NOISE_FACTOR * noise:
+            # every main row fitted its steps on q_0 with labels the base rows confirm:
+            # the box answered as H heads do, and the column fit is the learner's failure
+            why = ("a row fit stopped in a wrong basin (the learner's own fit failed: every "
+                   "main row fitted its steps on q_0 and the base rows confirm their labels; "
+                   "the black box is not judged)" if self.labels_trusted else
+                   f"a row fit stopped in a wrong basin, or the black box is not multi-head "
+                   f"attention with {H} canonical heads")
             raise _Redesign(
                 RecoveryFailedError,
                 f"the row fits leave a residual {measured_sigma:.1e}, {measured_sigma / noise:.0f} "
-                f"times the output precision {noise:.1e}: a row fit stopped in a wrong basin, "
-                f"or the black box is not multi-head attention with {H} canonical heads",
-                model, bar)
+                f"times the output precision {noise:.1e}: {why}", model, bar)
         if not bar <= self.tolerance:
             raise _Redesign(
                 RecoveryFailedError,
@@ -1029,7 +1042,19 @@ class _Extraction:
         try:
             return self.finish(model, bar)
         except ModelMismatchError as exc:
-            raise _Redesign(ModelMismatchError, str(exc), model, bar, exc.result) from None
+            if self.labels_trusted:
+                raise _Redesign(ModelMismatchError, str(exc), model, bar, exc.result) from None
+            # every fit reached the noise but the main rows' labels disagree with the base
+            # rows: the heads were assembled from a wrong labelling, the learner's failure
+            held_out = getattr(getattr(getattr(exc.result, "report", None), "verification", None),
+                               "max_relative_error", math.nan)
+            raise _Redesign(
+                RecoveryFailedError,
+                f"held-out relative error {held_out:.1e} although every row fit reached the "
+                f"output precision: the main "
+                f"rows' step labels disagree with the base rows (label misfit "
+                f"{self.label_misfit:.1e}), so the learner's own labelling failed; the "
+                f"black box is not judged", model, bar, exc.result) from None
 
     def polished(self, model: MultiHeadAttention, predicted: float):
         """The joint polish of all heads on every answer held (:mod:`.polish`); returns
