@@ -115,6 +115,8 @@ COLUMN_MOVE = 0.08        # column step s = this x gap x sqrt(d) / |u_k| |W_h q_
 COLUMN_SPARES = 1         # samples per column probe beyond its H steps (they pin heights)
 REFINE_ABOVE = 2.5e-11    # predicted error above which round 3 (wide columns) runs: an
                           # error bar (4x) above 1e-10
+WIDE_ROUNDS = 3           # wide-column rounds at most (after the first, only while the
+                          # predicted error exceeds REFINE_ABOVE and the count has room)
 WIDE_COLUMNS_UP_TO = 1e-3 # ... and below which the logits are predicted well enough for it
 RECENTRE_ABOVE = 3e-3     # predicted relative error of the base estimate of W_h q_0 above
                           # which a base row with evenly spaced steps is designed from it
@@ -994,14 +996,24 @@ class _Extraction:
         # as many wide columns per row as paper 2's count and the budget leave (all d
         # when they can; fewer still sharpen every row's fit)
         n_wide = next((n for n in range(d, 0, -1) if self.affordable(d * n * (H + COLUMN_SPARES), H)), 0)
-        if refine_above < predicted <= WIDE_COLUMNS_UP_TO and n_wide:
+        wide_rounds = 0
+        while (refine_above < predicted <= WIDE_COLUMNS_UP_TO and n_wide
+               and wide_rounds < WIDE_ROUNDS):
             # round 3: the small column moves limit the precision (z from differences
             # of nearby logits); with every row's z known, columns can be designed like
             # rows, each spreading the row's steps over the whole window. It runs only
             # within paper 2's count (which this learner never exceeds) and the budget.
+            # Further wide columns (designed from the refitted z) follow while the error
+            # bar would exceed 1e-10 and the count leaves room (the rounds' samples add).
             self.say("wide columns")
-            rows = self.wide_columns(U, rows, probes, spacing, n_wide)
+            rows, probes = self.wide_columns(U, rows, probes, spacing, n_wide)
             model, predicted, sigma, measured_sigma = self.assemble(U, rows, noise_floor)
+            wide_rounds += 1
+            refine_above = REFINE_ABOVE
+            n_wide = next((n for n in range(d, 0, -1)
+                           if self.affordable(d * n * (H + COLUMN_SPARES), H)), 0)
+        if wide_rounds > 1:
+            self.details["wide column rounds"] = wide_rounds
         model, predicted = self.polished(model, predicted)
         bar = ERROR_BAR_FACTOR * predicted
         cond = max(float(r.jacobian_singular_values[0]
@@ -1111,7 +1123,8 @@ class _Extraction:
     def wide_columns(self, U, rows, probes, spacing, count):
         """Round 3: ``count`` (up to d) designed columns per row, each with the row's
         steps evenly spread (positions z_hk^T q predicted from the row's fit), H + 1
-        samples each; every row is refitted on all its samples."""
+        samples each; every row is refitted on all its samples. Returns (row fits, each
+        row's samples (columns, lambda, g, mask) with the new ones added)."""
         d = self.d
         H = rows[0].c.size
         positions = design.step_positions(H, self.half_window - 1.5 - 0.5 * spacing)
@@ -1131,17 +1144,18 @@ class _Extraction:
         lam3, g3 = self.measure(U[kk], np.repeat(columns.reshape(-1, d), S3, 0), lam_w.ravel())
         self.spend("main wide columns", before)
         lam3, g3 = lam3.reshape(d, count, S3), g3.reshape(d, count, S3)
-        refitted = []
+        refitted, held = [], []
         for k, ((cols_k, lam_k, g_k, mask), r) in enumerate(zip(probes, rows)):
             S = max(lam_k.shape[1], S3)
             pad = lambda a: np.pad(a, ((0, 0), (0, S - a.shape[1])))
             wide = np.zeros((count, S))
             wide[:, :S3] = 1.0
-            refitted.append(fit.fit_row(np.vstack([pad(lam_k), pad(lam3[k])]),
-                                        np.vstack([pad(g_k), pad(g3[k])]),
-                                        np.vstack([pad(mask), wide]),
-                                        np.vstack([cols_k, self.affine(columns[k])]), r.c, r.z))
-        return refitted
+            held.append((np.vstack([cols_k, self.affine(columns[k])]),
+                         np.vstack([pad(lam_k), pad(lam3[k])]),
+                         np.vstack([pad(g_k), pad(g3[k])]), np.vstack([pad(mask), wide])))
+            refitted.append(fit.fit_row(held[-1][1], held[-1][2], held[-1][3], held[-1][0],
+                                        r.c, r.z))
+        return refitted, held
 
     def refuse(self, message: str, kind=ModelMismatchError):
         """Raise ``kind`` (the box is not in the class, or RecoveryFailedError: the
