@@ -143,3 +143,19 @@ def test_labels_the_base_rows_do_not_confirm_are_the_learners_failure(monkeypatc
     assert det["floor H(d^2 + d)"] == H * (d * d + d)
     assert det["paper-2 count"] == paper2_count(H, d)
     assert oracle.queries <= paper2_count(H, d)
+
+
+@pytest.mark.slow            # about 5 s unloaded
+def test_journal_checks_count_within_paper2(tmp_path):
+    """d = 8, H = 8 (the grid's box s = 1, seed 14, which spent 2029 of paper 2's 2033
+    without a journal): with a journal its binding queries (the fingerprint) count too,
+    and the total stays within paper 2's count."""
+    from attnextract.adapters.journal import QueryJournal
+    d = H = 8
+    box = random_multi_head(H, d, seed=10_000 * H + 100 * d + 14, w_scale=1 / np.sqrt(d))
+    with QueryJournal(str(tmp_path / "j.sqlite")) as journal:
+        oracle = Oracle(box, d, journal=journal)
+        result = extract_multi_head(oracle, heads=H, seed=1638871557)
+    assert oracle.check_queries > 0
+    assert oracle.queries + oracle.check_queries <= paper2_count(H, d)
+    assert canonical_error(result.model, box) <= result.report.details["error bar"]

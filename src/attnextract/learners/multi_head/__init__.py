@@ -279,6 +279,7 @@ class _Extraction:
         self.seed, self.tolerance, self.verify_tolerance = seed, tolerance, verify_tolerance
         self.say = progress or (lambda message: None)
         self.start, self.q0, self.bb0 = time.perf_counter(), oracle.queries, oracle.black_box_seconds
+        self.cq0 = _check_queries(oracle)
         self.breakdown: dict[str, int] = {}
         self.details: dict = {}
         self.notes: list[str] = []
@@ -703,8 +704,13 @@ class _Extraction:
         """Whether ``queries`` more and the held-out verification stay within paper 2's
         count and the budget."""
         verify = verification_count(self.parameters(H))
-        return (self.oracle.queries - self.q0 + queries + verify <= self.count_cap(self.max_heads)
+        return (self.spent() + queries + verify <= self.count_cap(self.max_heads)
                 and queries + verify <= _budget_left(self.oracle))
+
+    def spent(self) -> int:
+        """Queries this run has cost so far: its own and a journal's binding checks (the
+        fingerprint queries, counted apart by the oracle but answered by the black box)."""
+        return self.oracle.queries - self.q0 + _check_queries(self.oracle) - self.cq0
 
     def parameters(self, H: int) -> int:
         """Free parameters of H canonical heads: the floor H(d^2 + d), with biases
@@ -1190,6 +1196,7 @@ class _Extraction:
         floor = self.parameters(H)
         count = self.count_cap(H)
         total = self.oracle.queries - self.q0
+        spent = self.spent()                 # with a journal's binding checks
         self.details.update({
             "method": "copy probes at designed step positions, row-wise joint fits",
             ("heads asked" if self.heads_told else "heads searched up to") if refused
@@ -1203,7 +1210,7 @@ class _Extraction:
         })
         if verification is not None:
             self.details["held-out error"] = verification.max_relative_error
-        if total > count and not any("paper 2's count" in n for n in self.notes):
+        if spent > count and not any("paper 2's count" in n for n in self.notes):
             smallest = (d + 3 * (4 * H + 8) + self.perturbation_cost(H) + self.main_cost(H)
                         + n_verify)
             why = (f"the count is below the floor plus the verification ({floor} + "
@@ -1212,7 +1219,8 @@ class _Extraction:
                    if smallest > count else
                    "the head count search (give heads= to plan for H)" if not self.heads_told
                    else "the redesigns")
-            self.notes.append(f"{total} queries (verification included), above paper 2's "
+            self.notes.append(f"{spent} queries (verification and journal checks included), "
+                              f"above paper 2's "
                               f"count {count} for H = {H}, d = {d}: {why}")
         report = Report(kind=model.kind, dim=d, queries=total,
                         breakdown={**self.breakdown, "recovery": recovery,
@@ -1226,6 +1234,12 @@ class _Extraction:
             return self.result
         return checked_result(model, report, f"multi-head attention with at most "
                                              f"{self.max_heads} canonical head(s)")
+
+
+def _check_queries(oracle) -> int:
+    """A journal's binding queries so far (0 without one), through oracle views."""
+    from ...verification import root_oracle
+    return int(getattr(root_oracle(oracle), "check_queries", 0))
 
 
 def _budget_left(oracle) -> float:
