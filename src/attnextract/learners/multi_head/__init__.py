@@ -36,6 +36,13 @@ Algorithm.
    U = [u_k] well conditioned). Round 1 samples each row on column q_0 at its
    predicted steps, the midpoints and both ends (2H + 1 queries) and fits its steps
    freely, so a row is measured where its steps really are.
+   Labels: which measured step is which head comes from the design's prediction,
+   which a rough base estimate can miss by a gap; with every row fitted, the labelling
+   that best predicts the base rows' own measurements is taken (:mod:`.labels`: each row
+   against the base estimate, then all rows with the base row's precise positions). With
+   the labels confirmed, U^-1 T and U^-1 C give W_h q_0 and v_h to the rows' precision,
+   and rows whose steps the rough estimate placed closer than half the designed spacing
+   are designed again from it and measured on q_0 again before round 2.
 5. Round 2: d columns q_0 + s_k r_j (one more than z needs), s_k moving the steps by
    about a third of the row's smallest gap, each sampled at the row's measured steps
    plus one midpoint (H + 1 queries): the midpoints pin the heights, the extra column
@@ -48,7 +55,8 @@ Algorithm.
    2's count and the budget allow: the small column moves limit the precision; with
    every z_hk known, d columns per row are designed like rows (the row's steps spread
    evenly over the window), H + 1 samples each, and every row is refitted on all its
-   samples.
+   samples; further such rounds (from the refitted z) while the predicted error bar
+   still exceeds 1e-10 and the count leaves room.
 
 8. Joint polish (:mod:`.polish`, no query): Gauss-Newton on all H (d^2 + d) canonical
    parameters over every answer held, weighted by each answer's expected rounding;
