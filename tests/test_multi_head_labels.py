@@ -159,3 +159,29 @@ def test_journal_checks_count_within_paper2(tmp_path):
     assert oracle.check_queries > 0
     assert oracle.queries + oracle.check_queries <= paper2_count(H, d)
     assert canonical_error(result.model, box) <= result.report.details["error bar"]
+
+
+def test_a_refused_models_held_out_error_is_not_scaled_by_its_bar(monkeypatch):
+    """A refusal's report gives the model's true held-out error: a refused model (here
+    the row fits' heads doubled, with a predicted error of 200, as a wrong basin gives)
+    is checked without its own (untrusted) bar; with it, the check scaled the error it
+    reports by tolerance / bar (a model wrong by 36 showed 2.7e-12)."""
+    import attnextract.learners.multi_head as learner
+    from attnextract.models import MultiHeadAttention
+    real = learner._Extraction.assemble
+
+    def wrong(self, U, rows, noise_floor):
+        model, predicted, sigma, measured = real(self, U, rows, noise_floor)
+        return MultiHeadAttention(2 * model.W, model.v), 200.0, sigma, measured
+
+    monkeypatch.setattr(learner._Extraction, "assemble", wrong)
+    # (the joint polish, whose bar the prediction sets, would mend the doubled heads)
+    monkeypatch.setattr(learner._Extraction, "polished", lambda self, model, p: (model, p))
+    d, H = 8, 2
+    oracle = Oracle(random_multi_head(H, d, seed=8), d)
+    with pytest.raises(RecoveryFailedError) as info:
+        extract_multi_head(oracle, heads=H, seed=1)
+    det = info.value.result.report.details
+    assert det["error bar"] >= 800
+    assert det["held-out error"] > 1e-2
+    assert oracle.queries <= paper2_count(H, d)
