@@ -958,7 +958,8 @@ class _Extraction:
                 self.details.get("main rows relabelled", 0) + out.rows_changed)
             self.details["label misfit (before, after)"] = (out.misfit_before, out.misfit_after)
             self.label_misfit = out.misfit_after
-            self.labels_trusted = bool(out.misfit_after <= LABEL_MISFIT)
+            # (one head has no labelling to get wrong)
+            self.labels_trusted = bool(out.misfit_after <= LABEL_MISFIT or H == 1)
 
         everything = np.arange(d)
         round_1(everything, d * NC * S2)
