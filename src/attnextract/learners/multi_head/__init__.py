@@ -90,7 +90,7 @@ import numpy as np
 
 from ...errors import InputError, ModelMismatchError, RecoveryFailedError
 from ...models import BiasedMultiHeadAttention, MultiHeadAttention
-from ...oracle import Oracle
+from ...oracle import Oracle, on_scaled_outputs
 from ...verification import safe_rms
 from ...report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                        token_scale, verification_count, verify_model)
@@ -266,12 +266,17 @@ def extract_multi_head(oracle: Oracle, heads=None, *, subspaces=None, seed=None,
     if decimals is not None and (isinstance(decimals, bool)
                                  or not isinstance(decimals, (int, np.integer)) or decimals < 0):
         raise InputError(f"decimals must be a non-negative integer or None, got {decimals!r}")
-    with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
-        run = _Extraction(oracle, heads, seed, max_error_bar, verify_tolerance, progress)
-        run.full_precision = precision == "full"
-        run.output_dtype, run.decimals = output_dtype, decimals
-        run.biases = bool(biases)
-        return run.run()
+    def learn(view):
+        with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
+            run = _Extraction(view, heads, seed, max_error_bar, verify_tolerance, progress)
+            run.full_precision = precision == "full"
+            run.output_dtype, run.decimals = output_dtype, decimals
+            run.biases = bool(biases)
+            return run.run()
+
+    # on answers rescaled to order one (exactly, by a power of two; answers of 1e-150 gave
+    # NaN in the fits, 1e300 inf): not with decimals, a rounding in the box's own units
+    return learn(oracle) if decimals is not None else on_scaled_outputs(oracle, learn)
 
 
 class _Extraction:
