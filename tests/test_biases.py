@@ -94,7 +94,7 @@ def test_biased_single_head_at_the_floor(d, seed):
     floor = d * d + 2 * d + 1
     assert result.report.floor == floor
     assert result.report.breakdown["recovery"] == floor
-    assert result.queries == oracle.queries == floor + verification_count(floor)
+    assert result.queries == oracle.queries == floor + verification_count(floor, floor)
 
 
 @pytest.mark.slow
