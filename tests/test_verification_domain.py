@@ -297,6 +297,17 @@ def test_single_head_is_held_to_its_own_error_bar():
     assert check.tolerance < 1e-7 and check.requested_tolerance == 1e-7
 
 
+@pytest.mark.parametrize("bar", [0.5, 744.0, float("inf")])
+def test_a_huge_error_bar_does_not_widen_the_check(bar):
+    """A model whose own bar says it is unknown is held to the flat tolerance: a head
+    with a wrong W must fail however large the bar it claims."""
+    from attnextract.verification import verify_model
+    truth = random_single_head(D, 3)
+    wrong = type(truth)(truth.W + 0.5 * np.linalg.norm(truth.W) / D, truth.v)
+    check = verify_model(Oracle(truth, D), wrong, count=64, seed=0, expected_error=bar)
+    assert not check.passed and check.error_bar == 0.0 and check.tolerance == 1e-7
+
+
 LOW_RANK_TARGET = """
     import numpy as np
     from attnextract import SingleHeadAttention

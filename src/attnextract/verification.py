@@ -118,6 +118,9 @@ REPLAY_FRACTION = 0.125       # at most this share of the check re-asks learner 
 CONSISTENCY_FACTOR = 1e3
 CONSISTENCY_FLOOR = 1e-10
 SENSITIVITY = 4.0
+# a bar above this (a model known to worse than 10%) is no bar: its allowance would
+# accept any box (a refused multi-head model wrong by 36 passed at 2.7e-12 with a bar of 744)
+MAX_ERROR_BAR = 0.1
 # expected_error="measured" (learners without an error bar of their own): the bar is the
 # model's error on the learner's own answered queries, at least MEASURED_ROUNDING d eps_64,
 # and the tolerance at least MEASURED_FLOOR (held-out errors of honest models run up to
@@ -1052,7 +1055,8 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
     ``expected_error`` e (the learner's own predicted relative parameter error) tightens
     the tolerance to max(CONSISTENCY_FACTOR x e, CONSISTENCY_FLOOR) when that is
     smaller, and widens each sequence's allowance by SENSITIVITY x e x the reach of the
-    model's scores on it (:func:`score_reach`). The errors reported are scaled to the
+    model's scores on it (:func:`score_reach`); e above MAX_ERROR_BAR is not used (the
+    flat tolerance). The errors reported are scaled to the
     tolerance (error x tolerance / allowance). ``expected_error="measured"`` (a learner
     without a bar of its own): e is :func:`measured_error_bar` and the tolerance at
     least MEASURED_FLOOR; a measured e above tolerance / CONSISTENCY_FACTOR is not used
@@ -1072,7 +1076,7 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
         if expected_error is not None and CONSISTENCY_FACTOR * expected_error > tolerance:
             expected_error = None
     bar = expected_error if expected_error is not None and math.isfinite(expected_error) \
-        and expected_error >= 0 else None
+        and 0 <= expected_error <= MAX_ERROR_BAR else None
     if bar is not None:
         floor = floor if tolerance_floor is None else tolerance_floor
         tolerance = min(tolerance, max(CONSISTENCY_FACTOR * bar, floor))
