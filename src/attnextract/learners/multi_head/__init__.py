@@ -97,6 +97,8 @@ __all__ = ["extract_multi_head", "canonical_form", "canonical_error", "match_hea
 
 MAX_HEADS = 12            # largest H searched when no bound is given
 COUNT_FIRST = 8           # ... searched first (the base window for 8 heads is 16x shorter)
+MORE_STEPS_VOTES = 3      # rows none of whose fits reach the noise that end the search
+COUNT_EXTRA_SCANS = 4     # base rows scanned beyond paper 2's share when no two agree (no H)
 MAX_DESIGNS = 4           # designs (base row, perturbations, main rows) tried at most
 BASE_CANDIDATES = 10      # candidate base rows at most; the search stops at a well-conditioned one
 BASE_QUALITY = 1e-7       # a base row whose logit error / smallest gap is below this
@@ -328,11 +330,13 @@ class _Extraction:
         rms = safe_rms(f_values)
         if floor and self.precision_name != "float64":
             return 0.6 * self.precision * max(rms, 1e-300) + 0.3 * self.absolute_noise
-        # the coarse forward pass's law for a stated dtype; detected rounding may be one
-        # rounding of a float64 pass, or a derived box's differences (the Transformer
-        # layer's odd part), and is judged by the float64 law at its own precision
-        coarse = self.precision if self.output_dtype is not None else 0.0
-        relative = polish.length_factor(self.length, coarse) * self.precision * max(
+        # the thresholds use the float64 law (8 + log2 N roundings) at the box's own
+        # precision, stated or detected: a coarse forward pass errs more on long sums
+        # (0.35 N^0.83 roundings, the polish's weights), but thresholds NOISE_FACTOR = 30
+        # times that law let a fit with a step too few pass (float32
+        # nn.MultiheadAttention, d = 16, H = 4: 11 of 13 within the bar with it, 15 of 16
+        # with detection's law; H = 2: 20 of 20 with detection's law)
+        relative = polish.length_factor(self.length, 0.0) * self.precision * max(
             rms + heights, 1e-300)
         return relative + self.absolute_noise
 
@@ -383,7 +387,6 @@ class _Extraction:
         self.spend("v tokens" + (" and c = f([0])" if self.biases else ""), before)
         self.answers = [(np.zeros((d, d)), np.eye(d), np.zeros(d), self.v, 1)]  # the polish's
         self.set_precision()
-        self.set_window(self.base_length())
         self.say("base row")
         try:
             heads = self.count_heads(s0)
@@ -409,8 +412,8 @@ class _Extraction:
             if self.max_heads >= min(self.d, MAX_HEADS):
                 raise
             self.max_heads = min(self.d, MAX_HEADS)
-            self.set_window(self.base_length())
-            self.scans_left = 2     # the long window is slow to query: two rows decide
+            self.set_window(design.base_length(self.max_heads))
+            self.scans_left = 3     # the long window is slow to query: a few rows decide
             heads = self.base_row(4 * self.max_heads + 8)
         if heads:
             self.max_heads = heads
@@ -458,6 +461,9 @@ class _Extraction:
         room = ("no design left to try" if len(failures) >= MAX_DESIGNS else
                 f"paper 2's count {paper2_count(self.max_heads, d)} and the budget leave no "
                 f"room for another design")
+        if not self.heads_told:
+            room += (f"; the head count {self.max_heads} was found by the learner (base rows "
+                     f"agreed on it): if the box's head count is known, give heads= (--heads)")
         if len(failures) == 1:
             message = f"{failures[0]}; {room}"
         else:
@@ -502,7 +508,7 @@ class _Extraction:
         """A new random base row (and q_0) at the scale found, its steps fitted freely
         (a retry's fresh design); several draws when a draw's fit misses the noise."""
         d = self.d
-        self.set_window(self.base_length())
+        self.set_window(design.base_length(self.max_heads))
         u = None
         for _ in range(3):
             if u is None:
@@ -528,16 +534,6 @@ class _Extraction:
             # are linear in u, so a shorter row pulls it inside; otherwise a new draw
             u = u * (self.half_window - 1.5) / edge if fits and edge > 1.0 else None
         raise _Redesign(RecoveryFailedError, "no fresh base row fit its steps")
-
-    def base_length(self) -> int:
-        """Sequence length of the base stages. A stated coarse forward pass errs by
-        about 0.35 N^0.83 roundings (:func:`.polish.length_factor`): its base stages use
-        the main window of H heads (512 tokens for 3 to 6) instead of 2048, for 3x less
-        noise against steps 1.2x closer (float32 nn.MultiheadAttention, d = 16, H = 4:
-        the 2048-token base rows pinned their steps to 1e-2, a fifth of their gap)."""
-        if self.output_dtype not in (None, "float64"):
-            return design.window_length(self.max_heads)
-        return design.base_length(self.max_heads)
 
     def set_window(self, length: int) -> None:
         """Sequence length N of the copy probes that follow (lambda in +-ln(N - 1))."""
@@ -604,14 +600,22 @@ class _Extraction:
 
         before = self.oracle.queries
         found = [first]
+        # not told H: the count is what independent rows agree on, so rows are scanned
+        # until two agree, COUNT_EXTRA_SCANS beyond the share of paper 2's count at most
+        extra = 0 if self.heads_told else COUNT_EXTRA_SCANS
         for w in directions[1:]:
-            if self.scans_left <= 0:
-                break
             agreed = _agreed_count(self.votes(found))
             if agreed is not None and (agreed == 0 or min(
                     base_quality(f[2], self.half_window) for f in found if f[0] == agreed)
                     <= BASE_QUALITY):
                 break         # two rows agree on the count, one of them well pinned: stop
+            if (not self.heads_told and len(found) >= MORE_STEPS_VOTES
+                    and all(f[0] is None for f in found)):
+                break         # rows agree that no count up to H fits: more heads, or no box
+            if self.scans_left <= 0:
+                if agreed is not None or extra <= 0:
+                    break
+                extra -= 1
             found.append(scan(scale * w))
         self.spend("base rows", before)
         counts = [c for c in self.votes(found) if c is not None]
@@ -624,6 +628,12 @@ class _Extraction:
                         f"no base row fits {H} sigmoid steps (residual {rms:.1e} times the "
                         f"output precision){hint}")
         heads = _agreed_count(counts)
+        if heads is None and not self.heads_told:
+            self.refuse(f"the head count could not be found: {len(found)} base rows gave "
+                        f"{[f[0] for f in found]} sigmoid steps (None: more than {H} or no "
+                        f"fit) and no two agree, as the rows of a box with at most {H} "
+                        f"canonical heads would; if its head count is known, give heads= "
+                        f"(--heads)", RecoveryFailedError)
         if heads is None:
             heads = max(counts)
             self.notes.append(f"the head count {heads} rests on one base row (the rows "
