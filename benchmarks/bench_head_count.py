@@ -49,6 +49,50 @@ def run_once(target, d: int, heads, seed: int) -> dict:
             "notes": list(result.report.notes)}
 
 
+def markdown(boxes: list[dict], command: str, label: str) -> str:
+    """The per-cell table of ``boxes`` (a run's JSON "boxes"); a run that recorded no CPU
+    times (an older JSON) shows wall-time ratios."""
+    cpu = all("cpu_seconds" in b["told"] for b in boxes)
+    kind = "CPU" if cpu else "wall"
+    seconds = "cpu_seconds" if cpu else "seconds"
+    lines = [f"# Head count without --heads ({label})", "",
+             f"Command: `nice -n 10 {command}` (one BLAS thread, shared 2-core machine; "
+             + ("times are CPU seconds of the process, which the load inflates less than "
+              "wall time)." if cpu else "times are wall seconds, inflated by the load)."),
+             "",
+             "Each box is run told H and not told, with the same random learner seed. "
+             "found: the count without H equals H; success: canonical error <= 1e-10.", "",
+             f"| d | H | s | boxes | count found | success told | success not told | "
+             f"queries ratio median (max) | {kind} time ratio median (max) | {kind} s told (median) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    cells: dict = {}
+    for b in boxes:
+        cells.setdefault((b["d"], b["H"], b["scale"]), []).append(b)
+    for (d, H, s), bs in cells.items():
+        q = [b["query_ratio"] for b in bs]
+        t = [b["time_ratio"] for b in bs]
+        lines.append(f"| {d} | {H} | {s:g} | {len(bs)} | {sum(b['count_found'] for b in bs)} | "
+                     f"{sum(b['told']['success'] for b in bs)} | "
+                     f"{sum(b['not_told']['success'] for b in bs)} | {np.median(q):.2f} "
+                     f"({max(q):.2f}) | {np.median(t):.2f} ({max(t):.2f}) | "
+                     f"{np.median([b['told'][seconds] for b in bs]):.1f} |")
+    q = [b["query_ratio"] for b in boxes]
+    t = [b["time_ratio"] for b in boxes]
+    lines += ["", f"All {len(boxes)} boxes: count found {sum(b['count_found'] for b in boxes)}, "
+              f"queries ratio median {np.median(q):.2f}, max {max(q):.2f}; {kind} time ratio median "
+              f"{np.median(t):.2f}, max {max(t):.2f}.", ""]
+    misses = [b for b in boxes if not b["count_found"] or not b["not_told"]["success"]]
+    if misses:
+        lines += ["Boxes not recovered without H:", ""]
+        for b in misses:
+            f = b["not_told"]
+            lines.append(f"- d = {b['d']}, H = {b['H']}, s = {b['scale']:g}, seed {b['seed']} "
+                         f"(learner seed {b['learner_seed']}): found {f['heads_found']}, "
+                         f"{f['refused'] or 'error %.1e' % f.get('error', np.nan)}: "
+                         f"{f.get('message', '')[:200]}")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dims", type=int, nargs="+", default=[8, 16])
@@ -57,7 +101,15 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--label", default="current")
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--markdown-from", metavar="JSON",
+                        help="only write the table of a (partial) run's JSON next to it")
     args = parser.parse_args()
+    if args.markdown_from:
+        data = json.loads(Path(args.markdown_from).read_text())
+        label = Path(args.markdown_from).stem.removeprefix("head_count_")
+        Path(args.markdown_from).with_suffix(".md").write_text(
+            markdown(data["boxes"], data["command"], label))
+        return
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from threadpoolctl import threadpool_limits
     from attnextract.adapters.targets import random_multi_head
@@ -98,41 +150,7 @@ def main() -> None:
                         stem.with_suffix(".json").write_text(json.dumps(
                             {"command": command, "numpy": np.__version__, "boxes": boxes},
                             indent=1))
-    lines = [f"# Head count without --heads ({args.label})", "",
-             f"Command: `nice -n 10 {command}` (one BLAS thread, shared 2-core machine; "
-             "times are CPU seconds of the process, which the load inflates less than "
-             "wall time).", "",
-             "Each box is run told H and not told, with the same random learner seed. "
-             "found: the count without H equals H; success: canonical error <= 1e-10.", "",
-             "| d | H | s | boxes | count found | success told | success not told | "
-             "queries ratio median (max) | CPU time ratio median (max) | CPU s told (median) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    cells: dict = {}
-    for b in boxes:
-        cells.setdefault((b["d"], b["H"], b["scale"]), []).append(b)
-    for (d, H, s), bs in cells.items():
-        q = [b["query_ratio"] for b in bs]
-        t = [b["time_ratio"] for b in bs]
-        lines.append(f"| {d} | {H} | {s:g} | {len(bs)} | {sum(b['count_found'] for b in bs)} | "
-                     f"{sum(b['told']['success'] for b in bs)} | "
-                     f"{sum(b['not_told']['success'] for b in bs)} | {np.median(q):.2f} "
-                     f"({max(q):.2f}) | {np.median(t):.2f} ({max(t):.2f}) | "
-                     f"{np.median([b['told']['cpu_seconds'] for b in bs]):.1f} |")
-    q = [b["query_ratio"] for b in boxes]
-    t = [b["time_ratio"] for b in boxes]
-    lines += ["", f"All {len(boxes)} boxes: count found {sum(b['count_found'] for b in boxes)}, "
-              f"queries ratio median {np.median(q):.2f}, max {max(q):.2f}; CPU time ratio median "
-              f"{np.median(t):.2f}, max {max(t):.2f}.", ""]
-    misses = [b for b in boxes if not b["count_found"] or not b["not_told"]["success"]]
-    if misses:
-        lines += ["Boxes not recovered without H:", ""]
-        for b in misses:
-            f = b["not_told"]
-            lines.append(f"- d = {b['d']}, H = {b['H']}, s = {b['scale']:g}, seed {b['seed']} "
-                         f"(learner seed {b['learner_seed']}): found {f['heads_found']}, "
-                         f"{f['refused'] or 'error %.1e' % f.get('error', np.nan)}: "
-                         f"{f.get('message', '')[:200]}")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    stem.with_suffix(".md").write_text(markdown(boxes, command, args.label))
     print(f"wrote {stem}.json, .md")
 
 

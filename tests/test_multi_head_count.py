@@ -1,0 +1,75 @@
+"""Multi-head without heads=: the count from rows that agree, quick refusals that suggest
+--heads; float32 PyTorch modules at H = 4, with the dtype stated or detected (issue 22,
+items 3 and 4)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attnextract import Oracle
+from attnextract.adapters.targets import random_multi_head
+from attnextract.errors import ModelMismatchError, RecoveryFailedError
+from attnextract.learners.multi_head import canonical_error, extract_multi_head
+from attnextract.learners.multi_head import MORE_STEPS_VOTES, SCALE_ROUNDS, _agreed_count
+from attnextract.models import MultiHeadAttention
+
+
+def test_agreed_count_is_the_largest_count_two_rows_give():
+    assert _agreed_count([3, 4, 4, 3, None]) == 4
+    assert _agreed_count([2, 3, None, 5]) is None
+    assert _agreed_count([None, None]) is None
+    assert _agreed_count([0, 0, 1]) == 0
+
+
+def test_more_heads_than_searched_is_refused_after_a_few_rows(seed=0):
+    """Ten heads at d = 8 (the search goes up to min(d, 12) = 8): rows that fit no count
+    up to 8 agree that the box has more, so the search stops after MORE_STEPS_VOTES of
+    them (it scanned all 14 of paper 2's share before) and the refusal suggests --heads."""
+    d = 8
+    oracle = Oracle(random_multi_head(10, d, seed=seed), d)
+    with pytest.raises((ModelMismatchError, RecoveryFailedError)) as refusal:
+        extract_multi_head(oracle, seed=seed)
+    assert "--heads" in str(refusal.value)
+    scan = 4 * 8 + 8
+    assert oracle.queries <= d + (SCALE_ROUNDS + MORE_STEPS_VOTES) * scan
+
+
+def test_count_found_without_heads_within_the_queries_of_a_told_run():
+    """Not told H, the count is the one two base rows agree on (the report lists every
+    row's count), and the run spends at most 1.5x the queries of a run told H."""
+    d, H = 8, 3
+    box = random_multi_head(H, d, seed=100)
+    told = extract_multi_head(Oracle(box, d), heads=H, seed=5)
+    free = extract_multi_head(Oracle(box, d), seed=5)
+    assert told.model.heads == free.model.heads == H
+    assert free.report.details["head counts of the base rows"].count(H) >= 2
+    assert canonical_error(free.model, box) <= 1e-10
+    assert free.report.queries <= 1.5 * told.report.queries
+
+
+def _torch_box(seed, heads, dtype):
+    torch = pytest.importorskip("torch")
+    from attnextract.adapters.torch_target import TorchAttentionBlackBox, merged_head_parameters
+    torch.manual_seed(seed)
+    module = torch.nn.MultiheadAttention(16, heads, bias=False, batch_first=True)
+    box = TorchAttentionBlackBox(module, readout=seed, dtype=dtype)
+    W, v = zip(*(merged_head_parameters(module, box.readout, h) for h in range(heads)))
+    return box, MultiHeadAttention(np.array(W), np.array(v))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_float32_torch_module_with_four_heads(seed):
+    """nn.MultiheadAttention(16, 4) in PyTorch's float32: stated or detected, the heads
+    come back within the stated bar, and a stated dtype gives the same model as the
+    detected one (the thresholds follow the precision, not how it was learned); detection
+    is said in the notes."""
+    box, truth = _torch_box(seed, 4, None)
+    stated = extract_multi_head(Oracle(box, 16), heads=4, seed=seed, output_dtype="float32")
+    found = extract_multi_head(Oracle(box, 16), heads=4, seed=seed)
+    for result in (stated, found):
+        assert result.report.details["output precision"] == "float32"
+        assert canonical_error(result.model, truth) <= result.report.details["error bar"] <= 1e-2
+    assert any("detected as rounded to float32" in n for n in found.report.notes)
+    assert np.array_equal(stated.model.W, found.model.W)
