@@ -212,6 +212,35 @@ def test_biased_low_rank_head_at_the_floor(seed):
     assert oracle.queries == floor + 2 * SCOUT_PROBES + 1 + CONFIRM_PROBES + b["verification"]
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_biased_low_rank_head_with_a_bias_ten_times_w_is_accepted(seed):
+    """|b| = 10 |W|: the search's largest tokens show b's error in the scores even where
+    the last token is tiny; the allowance must count it (seeds 4 of 10 here were refused
+    as 'not a single head' when the reach ignored b)."""
+    from attnextract.adapters.targets import random_low_rank_head
+    d, r = 16, 2
+    head = random_low_rank_head(d, r, seed)
+    truth = with_biases(head, seed + 100, bias_scale=10 * np.linalg.norm(head.W))
+    result = extract(Oracle(truth, d), model="low-rank", seed=seed, biases=True)
+    assert result.report.verification.passed
+    assert relative(result.model.W, truth.W) <= 1e-9
+    assert relative(result.model.b, truth.b) <= 1e-9
+
+
+def test_score_reach_counts_the_bias_where_the_last_token_is_zero():
+    from attnextract.verification import score_reach
+    rng = np.random.default_rng(0)
+    d = 5
+    W, v, b = rng.standard_normal((d, d)), rng.standard_normal(d), 3 * rng.standard_normal(d)
+    X = np.vstack([rng.standard_normal((3, d)), np.zeros((1, d))])
+    top = np.linalg.norm(X, axis=1).max()
+    assert score_reach(SingleHeadAttention(W, v), [X])[0] == 0.0
+    reach = score_reach(BiasedSingleHeadAttention(W, v, b, 0.5), [X])[0]
+    assert reach == pytest.approx(top * np.linalg.norm(b), rel=1e-12)
+    scores = X @ (W @ X[-1] + b)
+    assert np.abs(scores).max() <= reach
+
+
 def test_biased_low_rank_needs_the_adaptive_method():
     from attnextract.adapters.targets import random_low_rank_head
     from attnextract.learners.low_rank import extract_low_rank

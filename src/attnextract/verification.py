@@ -684,14 +684,20 @@ def _head_norms(model) -> np.ndarray | None:
 
 
 def score_reach(model, sequences) -> np.ndarray:
-    """max_h |W_h|_F x max_i |x_i| x |x_N| per sequence, shape (len(sequences),): a bound
-    on every score, so e times it bounds a score's error when W is known to relative
-    error e. Zeros for a model without W."""
+    """max_i |x_i| x (max_h |W_h|_F x |x_N| + max_h |b_h|) per sequence, shape
+    (len(sequences),): a bound on every score x_i^T (W_h x_N + b_h), so e times it bounds
+    a score's error when W and b are known to relative error e (without the bias term a
+    sequence whose last token is tiny had no allowance, yet its scores x_i^T b_h carry
+    b's error). Zeros for a model without W."""
     norms = _head_norms(model)
     if norms is None:
         return np.zeros(len(sequences))
     top = float(norms.max())
-    return np.array([top * _safe_norm(X).max() * _safe_norm(X[-1:])[0] for X in sequences])
+    b = getattr(model, "b", None)
+    top_b = 0.0 if b is None or np.size(b) == 0 else float(
+        safe_norm(np.atleast_2d(np.asarray(b, dtype=float)), axis=1).max())
+    return np.array([_safe_norm(X).max() * (top * _safe_norm(X[-1:])[0] + top_b)
+                     for X in sequences])
 
 
 def safe_norm(x: np.ndarray, axis=None):
