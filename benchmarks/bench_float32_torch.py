@@ -132,14 +132,25 @@ def main() -> None:
                       flush=True)
                 continue
             options = {"output_dtype": "float32"} if mode == "stated" else {}
-            rows = [one_trial(args.learner, args.dim, heads, t, options)
-                    for t in range(args.trials)]
+            rows = []
+            for t in range(args.trials):
+                rows.append(one_trial(args.learner, args.dim, heads, t, options))
+                # written after every trial: a run stopped early keeps what it measured
+                write(args, cells + [{"heads": heads, "mode": mode, "accepted": True,
+                                      **summarise(rows), "rows": rows}])
             cell = {"heads": heads, "mode": mode, "accepted": True, **summarise(rows),
                     "rows": rows}
             cells.append(cell)
             print(f"H = {heads} {mode}: within {cell['within']}, outside {cell['outside']}, "
                   f"refused {cell['refused']}, crashed {cell['crashed']} of {cell['trials']}",
                   flush=True)
+    write(args, cells)
+    print(f"wrote {args.out_dir}/float32_torch_*_{args.label}.json, .md")
+
+
+def write(args, cells: list[dict]) -> None:
+    """The JSON and markdown table of ``cells`` (a cell's "trials" counts those run)."""
+    import torch
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"float32_torch_{args.learner.replace('-', '_')}_{args.label}"
@@ -148,7 +159,8 @@ def main() -> None:
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "cells": cells}, indent=1))
     lines = [f"# float32 nn.MultiheadAttention, d = {args.dim}, learner {args.learner} "
              f"({args.label})", "",
-             f"{args.trials} trials per row (torch.manual_seed(trial), default init, "
+             f"{args.trials} trials per row asked (the table counts those run; "
+             f"torch.manual_seed(trial), default init, "
              f"bias=False, readout seed = trial); command: `python "
              f"benchmarks/bench_float32_torch.py --heads {' '.join(map(str, args.heads))} "
              f"--dim {args.dim} --trials {args.trials} --learner {args.learner} --modes "
@@ -173,7 +185,6 @@ def main() -> None:
             lines.append(f"- H = {c['heads']} {c['mode']}: {r['count']} x {r['type']}: "
                          f"{r['reason']}")
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out / stem}.json, .md")
 
 
 if __name__ == "__main__":

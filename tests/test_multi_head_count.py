@@ -73,3 +73,22 @@ def test_float32_torch_module_with_four_heads(seed):
         assert canonical_error(result.model, truth) <= result.report.details["error bar"] <= 1e-2
     assert any("detected as rounded to float32" in n for n in found.report.notes)
     assert np.array_equal(stated.model.W, found.model.W)
+
+
+@pytest.mark.parametrize("options, wrap", [({"output_dtype": "bfloat16"}, None),
+                                           ({"output_dtype": "float16"}, None),
+                                           ({}, "float16")])
+def test_answers_too_coarse_for_the_steps_are_refused_after_the_single_tokens(options, wrap):
+    """bfloat16 / float16 answers (stated, or float16 detected): 30 times a base scan's
+    rounding is 2.2 / 0.28 of the answers, so no step can be told from the rounding. The
+    learner refuses after the d single tokens, as its own limit (RecoveryFailedError,
+    naming the precision), instead of returning a model with no heads that the held-out
+    check then blamed on the box."""
+    from attnextract.oracle import RoundedOutputs
+    d = 8
+    truth = random_multi_head(2, d, seed=7)
+    oracle = Oracle(truth if wrap is None else RoundedOutputs(truth, wrap), d)
+    with pytest.raises(RecoveryFailedError, match=r"too coarse for this learner") as refusal:
+        extract_multi_head(oracle, heads=2, seed=0, **options)
+    assert (options.get("output_dtype") or wrap) in str(refusal.value)
+    assert oracle.queries == d

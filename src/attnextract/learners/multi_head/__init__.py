@@ -111,6 +111,8 @@ DEFAULT_TOLERANCE = 1e-6  # largest error bar accepted (float64 outputs; rounded
 ROUNDED_TOLERANCE = 1.6e5 # ... in units of the output rounding (9.5e-3 for float32): a float32
                           # forward pass at d = 16 gives bars of 2e-4 to 1.6e-3 at H = 2, up to
                           # 8e-3 at H = 4 (nn.MultiheadAttention; errors 0.1 to 0.3 x the bar)
+COARSEST_SHARE = 0.05     # largest NOISE_FACTOR x base-scan rounding / answer accepted
+                          # (float32: 3.4e-5; float16: 0.28 and bfloat16: 2.2 are refused)
 EXTRA_COLUMNS = 1         # columns beyond the d that determine each z_h (0 or 1)
 COLUMN_MOVE = 0.08        # column step s = this x gap x sqrt(d) / |u_k| |W_h q_0|: moves
                           # measured at 0.18 of the gap (median), 0.33 at most over 40
@@ -362,6 +364,20 @@ class _Extraction:
                               f"{self.absolute_noise:.1e})")
         if self.tolerance is None:
             self.tolerance = min(0.5, max(DEFAULT_TOLERANCE, ROUNDED_TOLERANCE * self.relative_rounding))
+        # a step is told from the rounding when NOISE_FACTOR times the rounding of a base
+        # scan stays well below the answers: bfloat16 (2^-8) and float16 (2^-11) answers
+        # put that above 2.2 and 0.28 of them, so every row looked flat (bfloat16: a
+        # model with no heads, refused as a held-out mismatch that blamed the box)
+        share = (NOISE_FACTOR * polish.length_factor(design.base_length(self.max_heads), 0.0)
+                 * self.precision)
+        if share > COARSEST_SHARE:
+            how = "stated" if self.output_dtype is not None else "detected from the answers"
+            self.refuse(f"answers in {self.precision_name} (relative rounding "
+                        f"{self.precision:.1e}, {how}) are too coarse for this learner: it "
+                        f"tells a sigmoid step from the rounding when {NOISE_FACTOR:.0f} times "
+                        f"the rounding of a base scan stays below {COARSEST_SHARE:g} of the "
+                        f"answers, and here it is {share:.2f} of them; answers in float32 or "
+                        f"finer are needed", RecoveryFailedError)
 
     # -- stages --------------------------------------------------------------
     def run(self) -> ExtractionResult:
