@@ -56,7 +56,7 @@ def markdown(boxes: list[dict], command: str, label: str) -> str:
     kind = "CPU" if cpu else "wall"
     seconds = "cpu_seconds" if cpu else "seconds"
     lines = [f"# Head count without --heads ({label})", "",
-             f"Command: `nice -n 10 {command}` (one BLAS thread, shared 2-core machine; "
+             f"Command: `nice -n 10 {command}`" + " (one BLAS thread, shared 2-core machine; "
              + ("times are CPU seconds of the process, which the load inflates less than "
               "wall time)." if cpu else "times are wall seconds, inflated by the load)."),
              "",
@@ -101,14 +101,28 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--label", default="current")
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
-    parser.add_argument("--markdown-from", metavar="JSON",
-                        help="only write the table of a (partial) run's JSON next to it")
+    parser.add_argument("--markdown-from", metavar="JSON", nargs="+",
+                        help="only write the table of (partial) runs' JSONs: one JSON's next "
+                             "to it, several merged (a box run twice counted once) into "
+                             "head_count_LABEL in --out-dir")
     args = parser.parse_args()
     if args.markdown_from:
-        data = json.loads(Path(args.markdown_from).read_text())
-        label = Path(args.markdown_from).stem.removeprefix("head_count_")
-        Path(args.markdown_from).with_suffix(".md").write_text(
-            markdown(data["boxes"], data["command"], label))
+        runs = [json.loads(Path(f).read_text()) for f in args.markdown_from]
+        if len(runs) == 1:
+            label = Path(args.markdown_from[0]).stem.removeprefix("head_count_")
+            Path(args.markdown_from[0]).with_suffix(".md").write_text(
+                markdown(runs[0]["boxes"], runs[0]["command"], label))
+            return
+        merged: dict = {}
+        for run in runs:
+            for b in run["boxes"]:
+                merged.setdefault((b["d"], b["H"], b["scale"], b["seed"]), b)
+        boxes = [merged[k] for k in sorted(merged)]
+        command = "; ".join(run["command"] for run in runs)
+        stem = Path(args.out_dir) / f"head_count_{args.label}"
+        stem.with_suffix(".json").write_text(json.dumps(
+            {"command": command, "numpy": np.__version__, "boxes": boxes}, indent=1))
+        stem.with_suffix(".md").write_text(markdown(boxes, command, args.label))
         return
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from threadpoolctl import threadpool_limits

@@ -635,6 +635,8 @@ class _Extraction:
             found.append(scan(scale * w))
         self.spend("base rows", before)
         counts = [c for c in self.votes(found) if c is not None]
+        if not counts:       # every fitted row out of the window: their counts, as before
+            counts = [c for c in self.votes(found, window=False) if c is not None]
         if not counts:
             rms = min(f[2].rms / f[3] for f in found)
             hint = ("" if self.heads_told else
@@ -662,7 +664,7 @@ class _Extraction:
         self.adopt_base(chosen[1], chosen[2])
         return heads
 
-    def votes(self, found) -> list:
+    def votes(self, found, window: bool = True) -> list:
         """The base rows' head counts as votes. A flat row (count 0) says no head only
         when v = sum_h v_h is 0 too: with v nonzero some head exists, and a flat row
         has its steps outside the window (a scale set by another row), so it does not
@@ -670,7 +672,20 @@ class _Extraction:
         heights = [float(np.sum(np.abs(f[2].c))) / max(float(np.linalg.norm(f[1])), 1e-300)
                    for f in found if f[0] and f[2] is not None]
         v_nonzero = bool(heights) and float(np.linalg.norm(self.v)) > 1e-8 * max(heights)
-        return [f[0] for f in found if not (v_nonzero and f[0] == 0)]
+        return [f[0] for f in found if not (v_nonzero and f[0] == 0)
+                and (not window or self.in_window(f))]
+
+    def in_window(self, found_row) -> bool:
+        """Whether a base row's fitted steps (those with a height above 1e-3 of the
+        largest) lie within a unit of the window. A row whose head sits far outside shows
+        only a sigmoid's tail, which a few spurious steps fit as well as one: such a row
+        does not vote (d = 8, H = 1, s = 3: rows at |t| = 14 to 3.5e6 gave 3 and 3 and
+        outvoted seven rows of 1)."""
+        count, _, steps, _ = found_row
+        if not count or steps is None:
+            return True
+        strong = np.abs(steps.c) > 1e-3 * np.max(np.abs(steps.c))
+        return bool(np.all(np.abs(steps.t[strong]) <= self.half_window + 1.0))
 
     def adopt_base(self, u: np.ndarray, steps) -> None:
         """Make (u, its fitted steps) the base row and report how well it is pinned."""
