@@ -365,15 +365,16 @@ class _Extraction:
         if self.tolerance is None:
             self.tolerance = min(0.5, max(DEFAULT_TOLERANCE, ROUNDED_TOLERANCE * self.relative_rounding))
         # a step is told from the rounding when NOISE_FACTOR times the rounding of a base
-        # scan stays well below the answers: bfloat16 (2^-8) and float16 (2^-11) answers
-        # put that above 2.2 and 0.28 of them, so every row looked flat (bfloat16: a
+        # scan stays well below the answers: a bfloat16 (2^-8) or float16 (2^-11) pass
+        # puts that at 2.2 and 0.28 of them, so every row looked flat (bfloat16: a
         # model with no heads, refused as a held-out mismatch that blamed the box)
         share = (NOISE_FACTOR * polish.length_factor(design.base_length(self.max_heads), 0.0)
                  * self.precision)
-        if share > COARSEST_SHARE:
-            how = "stated" if self.output_dtype is not None else "detected from the answers"
+        # (stated only: answers that all happen to be float16 numbers, such as a constant
+        # box's 0.5, are detected as float16 and still run)
+        if self.output_dtype is not None and share > COARSEST_SHARE:
             self.refuse(f"answers in {self.precision_name} (relative rounding "
-                        f"{self.precision:.1e}, {how}) are too coarse for this learner: it "
+                        f"{self.precision:.1e}, stated) are too coarse for this learner: it "
                         f"tells a sigmoid step from the rounding when {NOISE_FACTOR:.0f} times "
                         f"the rounding of a base scan stays below {COARSEST_SHARE:g} of the "
                         f"answers, and here it is {share:.2f} of them; answers in float32 or "
@@ -681,8 +682,8 @@ class _Extraction:
         only a sigmoid's tail, which a few spurious steps fit as well as one: such a row
         does not vote (d = 8, H = 1, s = 3: rows at |t| = 14 to 3.5e6 gave 3 and 3 and
         outvoted seven rows of 1)."""
-        count, _, steps, _ = found_row
-        if not count or steps is None:
+        count, steps = found_row[0], found_row[2]
+        if not count or getattr(steps, "t", None) is None:
             return True
         strong = np.abs(steps.c) > 1e-3 * np.max(np.abs(steps.c))
         return bool(np.all(np.abs(steps.t[strong]) <= self.half_window + 1.0))
