@@ -88,3 +88,33 @@ def test_stated_precision_too_coarse_for_the_steps_is_refused_after_the_single_t
         extract_multi_head(oracle, heads=2, seed=0, output_dtype=dtype)
     assert dtype in str(refusal.value)
     assert oracle.queries == d
+
+
+def test_rows_with_a_step_far_beyond_the_window_do_not_vote():
+    """A row whose head sits far outside the window shows a sigmoid's tail, which spurious
+    steps fit: its count does not vote. Steps up to WINDOW_MARGIN beyond the edge still
+    show (float32 rows of 4 real steps at |t| = 9 to 12.4 with a window of 7.6)."""
+    from types import SimpleNamespace
+    from attnextract.learners.multi_head import WINDOW_MARGIN, _Extraction
+    run = _Extraction.__new__(_Extraction)
+    run.v, run.half_window = np.ones(8), 7.6
+    row = lambda count, t, c: (count, np.ones(8), SimpleNamespace(t=np.array(t), c=np.array(c)), 1.0)
+    rows = [row(1, [-6.1], [3.9]),
+            row(3, [-3.5e6, -32.0, -14.1], [5.7, 18.3, 0.0]),     # far: no vote
+            row(3, [-866.0, -15.0, -4.0], [45.5, 0.0, 0.0]),      # far: no vote
+            row(1, [7.7], [-4.7]),
+            row(4, [-9.5, -4.0, -1.5, 7.6 + WINDOW_MARGIN - 0.1], [1.0, 2.0, 1.0, 1.0]),
+            row(2, [0.1, 7.6 + WINDOW_MARGIN + 0.1], [1.0, 1e-4])]  # a negligible far step
+    assert run.votes(rows) == [1, 1, 4, 2]
+    assert run.votes(rows, window=False) == [1, 3, 3, 1, 4, 2]
+
+
+def test_one_head_whose_rows_mostly_miss_the_window_is_counted_as_one():
+    """d = 8, H = 1, s = 3 (the grid's target seed 3) with a learner seed whose base rows
+    put the head at |t| = 14 to 3.5e6 in most rows: two of them fitted 3 spurious steps and
+    outvoted seven rows of 1 (refused, error bar inf). Not told H, the head comes back."""
+    d = 8
+    box = random_multi_head(1, d, seed=10_000 + 100 * d + 3, w_scale=3 / np.sqrt(d))
+    result = extract_multi_head(Oracle(box, d), seed=770732276)
+    assert result.model.heads == 1
+    assert canonical_error(result.model, box) <= 1e-10
