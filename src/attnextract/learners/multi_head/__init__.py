@@ -625,7 +625,7 @@ class _Extraction:
         # until two agree, COUNT_EXTRA_SCANS beyond the share of paper 2's count at most
         extra = 0 if self.heads_told else COUNT_EXTRA_SCANS
         for w in directions[1:]:
-            agreed = _agreed_count(self.votes(found))
+            agreed = self.agreed(found)
             if agreed is not None and (agreed == 0 or min(
                     base_quality(f[2], self.half_window) for f in found if f[0] == agreed)
                     <= BASE_QUALITY):
@@ -650,7 +650,11 @@ class _Extraction:
             self.refuse(f"the black box is not multi-head attention with at most {H} heads: "
                         f"no base row fits {H} sigmoid steps (residual {rms:.1e} times the "
                         f"output precision){hint}")
-        heads = _agreed_count(counts)
+        heads = self.agreed(found)
+        if heads is None and not self.heads_told:
+            # rows beyond the window agreeing among themselves still beat a refusal (d = 8,
+            # H = 5: four rows of 5 with a fitted step beyond the margin, none inside)
+            heads = _agreed_count([c for c in self.votes(found, window=False) if c is not None])
         if heads is None and not self.heads_told:
             self.refuse(f"the head count could not be found: {len(found)} base rows gave "
                         f"{[f[0] for f in found]} sigmoid steps (None: more than {H} or no "
@@ -668,6 +672,20 @@ class _Extraction:
         chosen = min((f for f in found if f[0] == heads), key=lambda f: base_quality(f[2], self.half_window))
         self.adopt_base(chosen[1], chosen[2])
         return heads
+
+    def agreed(self, found) -> int | None:
+        """The head count the base rows agree on (None if none): the largest count two
+        voting rows share (:func:`_agreed_count`). Told H, only rows within the window
+        vote (:meth:`in_window`). Not told, a row beyond the window may confirm the count
+        of a row within it: a single head whose scale, set on one row, puts it far
+        outside most others needed up to 10 rows (2.25x the queries of a told run) when
+        only rows within the window voted."""
+        if self.heads_told:
+            return _agreed_count(self.votes(found))
+        inside = {f[0] for f in found if f[0] is not None and self.in_window(f)}
+        counts = [c for c in self.votes(found, window=False) if c is not None]
+        shared = [c for c in set(counts) if counts.count(c) >= 2 and c in inside]
+        return max(shared) if shared else None
 
     def votes(self, found, window: bool = True) -> list:
         """The base rows' head counts as votes. A flat row (count 0) says no head only
