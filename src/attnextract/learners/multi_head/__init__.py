@@ -113,8 +113,8 @@ ERROR_BAR_FACTOR = 4.0    # error bar = this times the predicted rms relative er
 NOISE_FACTOR = 30.0       # a residual this far above the output precision is a misfit
 DEFAULT_TOLERANCE = 1e-6  # largest error bar accepted (float64 outputs; rounded: ROUNDED_TOLERANCE)
 ROUNDED_TOLERANCE = 1.6e5 # ... in units of the output rounding (9.5e-3 for float32): a float32
-                          # forward pass at d = 16 gives bars of 2e-4 to 1.6e-3 at H = 2, up to
-                          # 8e-3 at H = 4 (nn.MultiheadAttention; errors 0.1 to 0.3 x the bar)
+                          # forward pass at d = 16 gives bars up to 1e-3 at H = 2 and 6.2e-3 at
+                          # H = 4 (nn.MultiheadAttention; errors at most 0.64 x the bar)
 COARSEST_SHARE = 0.05     # largest NOISE_FACTOR x base-scan rounding / answer accepted
                           # (float32: 3.4e-5; float16: 0.28 and bfloat16: 2.2 are refused)
 EXTRA_COLUMNS = 1         # columns beyond the d that determine each z_h (0 or 1)
