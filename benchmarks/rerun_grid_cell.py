@@ -2,6 +2,7 @@
 with the same boxes and the same learner seeds, and compare each run with the recorded one.
 
 Run:  python benchmarks/rerun_grid_cell.py RESULT.json --heads 8 [--dim 8] [--markdown OUT.md]
+          [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ def main() -> None:
     parser.add_argument("--heads", type=int, required=True)
     parser.add_argument("--dim", type=int)
     parser.add_argument("--markdown")
+    parser.add_argument("--json")
     args = parser.parse_args()
     recorded = json.load(open(args.result))["rows"]
     lines = ["| d | H | W scale | target seed | outcome | canonical error | queries | recorded |",
              "|---|---|---|---|---|---|---|---|"]
     good = total = 0
+    runs = []
     with threadpool_limits(1):
         for row in recorded:
             H, d, scale = row["H"], row["d"], row["scale"]
@@ -48,16 +51,29 @@ def main() -> None:
                     error, outcome = None, type(exc).__name__
                     queries = exc.result.queries if exc.result is not None else None
                 total += 1
+                runs.append({"d": d, "H": H, "scale": scale, "seed": run["seed"],
+                             "learner_seed": run["learner_seed"], "outcome": outcome,
+                             "error": error, "queries": queries,
+                             "paper2_count": 4 * H * d * d - 2 * H + 1,
+                             "seconds": time.perf_counter() - start,
+                             "recorded": run["refused"] or run["error"]})
                 good += error is not None and error <= 1e-10
                 before = run["refused"] or f"{run['error']:.1e}"
                 lines.append(f"| {d} | {H} | {scale:g} | {run['seed']} | {outcome} | "
                              f"{'-' if error is None else f'{error:.1e}'} | {queries} | {before} |")
                 print(lines[-1], f"{time.perf_counter() - start:.1f} s", flush=True)
-    summary = f"{good} of {total} within 1e-10 (command: rerun_grid_cell.py {args.result} --heads {args.heads})"
+    summary = (f"{good} of {total} within 1e-10, {sum(r['outcome'] != 'recovered' for r in runs)} "
+               f"refused, most queries {max((r['queries'] or 0) for r in runs)} (command: "
+               f"rerun_grid_cell.py {args.result} --heads {args.heads})")
     print(summary)
     if args.markdown:
         with open(args.markdown, "w") as fh:
             fh.write(f"{summary}\n\n" + "\n".join(lines) + "\n")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"command": " ".join(["benchmarks/rerun_grid_cell.py", args.result,
+                                            "--heads", str(args.heads)]),
+                       "summary": summary, "runs": runs}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -94,7 +94,7 @@ def test_biased_single_head_at_the_floor(d, seed):
     floor = d * d + 2 * d + 1
     assert result.report.floor == floor
     assert result.report.breakdown["recovery"] == floor
-    assert result.queries == oracle.queries == floor + verification_count(floor)
+    assert result.queries == oracle.queries == floor + verification_count(floor, floor)
 
 
 @pytest.mark.slow
@@ -178,6 +178,36 @@ def test_biased_low_rank_heads(seed):
     assert abs(m.c - truth.c) <= 1e-12 * np.linalg.norm(truth.v)
     assert result.report.floor == H * (d + r * (2 * d - r) + r) + 1
     assert result.report.verification.passed
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("shape", [(2, 16, 2), (4, 32, 4)])
+def test_biased_low_rank_heads_with_biases_ten_times_w(shape, seed):
+    """|b_h| = 10 |W_h| (in W_h's column space, as in a real layer): every query-space row's
+    bias logit is about 100 times its W part, and the isolation offsets saturated at c = 1
+    (refused 'weights outside (0, 1)' on 8 of 8 seeds at H = 2, d = 16), the isolation
+    background carried the common root's error times |q_0| (1e-8 at H = 4, d = 32)."""
+    H, d, r = shape
+    heads = random_low_rank_multi_head(H, d, r, seed)
+    truth = with_biases(heads, seed + 100, bias_scale=10 * np.linalg.norm(heads.W[0]))
+    result = extract_multi_head_low_rank(Oracle(truth, d), H, r, seed=seed, biases=True)
+    m = result.model
+    assert result.report.verification.passed and m.W.shape[0] == H
+    for h in range(H):
+        k = int(np.argmin([np.linalg.norm(m.W[g] - truth.W[h]) for g in range(H)]))
+        assert relative(m.W[k], truth.W[h]) <= 1e-9
+        assert relative(m.b[k], truth.b[h]) <= 1e-9
+        assert relative(m.v[k], truth.v[h]) <= 1e-9
+    assert abs(m.c - truth.c) <= 1e-12 * np.linalg.norm(truth.v)
+    # the error bar the learner states covers what it achieved
+    error = max(relative(m.W[k], truth.W[h]) for h, k in enumerate(
+        [int(np.argmin([np.linalg.norm(m.W[g] - truth.W[h]) for g in range(H)]))
+         for h in range(H)]))
+    assert error <= result.report.details["conditioning_numbers"]["predicted_error"]
+    # queries: the bias-free learner's on the same heads, plus 1 + 2 sum_h (r_h + 1) + H d
+    plain = extract_multi_head_low_rank(Oracle(heads, d), H, r, seed=seed)
+    assert result.report.breakdown["recovery"] <= 1.1 * (
+        plain.report.breakdown["recovery"] + 1 + 2 * H * (r + 1) + H * d)
 
 
 def test_biased_low_rank_heads_refused_without_biases():
@@ -320,11 +350,17 @@ def test_isolation_offsets_are_measured_first_and_rows_scaled_by_them():
             self.last_scale, self.last_outputs = scale, logits
             return logits / scale
 
+        def measure_shortening(self, rows, height, background, scale):
+            # offsets within the precise range here: no row is shortened
+            return self.measure(rows, np.zeros_like(rows), height, background,
+                                scale), np.ones(len(rows))
+
     rows = np.repeat(U, r, axis=0)
     cols = np.tile(Z.T, (d, 1))
     G = 100.0
-    T, scales, _ = mhlr._offset_first(Meter(), rows, cols, np.ones(d * r), np.zeros(d * r),
-                                      G, d, r)
+    T, scales, _, lengths = mhlr._offset_first(Meter(), rows, cols, np.ones(d * r),
+                                               np.zeros(d * r), G, d, r)
+    assert np.all(lengths == 1.0)
     first, rest = Meter.calls
     assert first.size == d and rest.size == d * (r - 1)             # d + d (r - 1) probes
     c_G = split_scale(G)[0]
@@ -339,3 +375,27 @@ def test_isolation_offsets_are_measured_first_and_rows_scaled_by_them():
     s = split_scale(scales.reshape(d, r))[1]
     recovered = T[:, :-1] - T[:, -1:] * s[:, -1:] / s[:, :-1]
     np.testing.assert_allclose(recovered, Wz, rtol=1e-12, atol=1e-14)
+
+
+def test_bias_probes_beyond_the_precise_range_shorten_their_rows():
+    """[c u; 0] has the logit c u^T b: rescaling G below 1 leaves c = 1, so a bias logit of
+    30 stays there (measure refuses); measure_shortening halves the row instead, exactly."""
+    from attnextract.learners import multi_head_low_rank as mhlr
+    from attnextract.learners.single_head import split_scale
+    rng = np.random.default_rng(2)
+    d = 16
+    W = rng.standard_normal((d, d)) / d
+    b = W @ rng.standard_normal(d)
+    U = np.linalg.qr(rng.standard_normal((d, d)))[0].T[:6]
+    b *= 30.0 / np.max(np.abs(U @ b))                  # the largest |u^T b| is 30
+    truth = BiasedMultiHeadAttention(W[None], rng.standard_normal((1, d)), b[None], 0.7)
+    view = mhlr._Translated(Oracle(truth, d), np.zeros(d), 0.7)
+    meter = mhlr.LogitMeter(view, truth.v[0])
+    height = U @ truth.v[0]
+    with pytest.raises(ModelMismatchError, match="outside"):
+        meter.measure(U, np.zeros_like(U), height, np.zeros(len(U)), 1.0)
+    t, lengths = meter.measure_shortening(U, height, np.zeros(len(U)), 1.0)
+    beta = t * split_scale(meter.last_scale)[1] / lengths
+    assert lengths.min() < 1.0 and np.all(np.log2(lengths) == np.round(np.log2(lengths)))
+    assert np.all(lengths * np.abs(U @ b) <= mhlr.PRECISE_LOGIT)
+    np.testing.assert_allclose(beta, U @ b, rtol=1e-11, atol=1e-11)

@@ -19,6 +19,7 @@ from attnextract.adapters.journal import (CHALLENGES, RESUME_SAMPLE, QueryJourna
                                           sequence_digests)
 from attnextract.errors import JournalError
 from attnextract.adapters.targets import random_single_head
+from attnextract.report import verification_count
 
 
 class CountingBox:
@@ -38,7 +39,8 @@ def test_second_run_is_answered_by_the_journal(tmp_path):
         path.unlink(missing_ok=True)
         target = random_single_head(7, seed=seed)
         first_box, second_box = CountingBox(target), CountingBox(target)
-        learner, verification = 7 * 7 + 7, 64
+        learner = 7 * 7 + 7
+        verification = verification_count(learner, learner)
         with QueryJournal(path) as journal:
             first_oracle = Oracle(first_box, 7, journal=journal, max_batch=10)
             first = extract_single_head(first_oracle, seed=seed)
@@ -175,7 +177,7 @@ def test_sigkill_then_resume_loses_and_repeats_nothing(tmp_path):
     target = tmp_path / "slow.py"
     target.write_text(SLOW_TARGET)
     journal = tmp_path / "run.sqlite"
-    total = 6 * 6 + 6 + 64
+    total = 6 * 6 + 6 + verification_count(42, 42)
     args = ["extract", "--target", f"{target}:slow", "--dim", "6", "--max-batch", "3",
             "--journal", str(journal), "--no-progress", "--json"]
 

@@ -52,7 +52,8 @@ def test_adaptive_ranks_seeds_and_query_bound(d):
             checks = 0 if r == d else 1 + CONFIRM_PROBES
             assert report.breakdown["rank checks"] <= checks
             assert spent(result) <= bound(d, r), (d, r, seed, report.breakdown)
-            assert report.breakdown["verification"] == verification_count(low_rank_floor(d, r))
+            assert report.breakdown["verification"] == verification_count(low_rank_floor(d, r),
+                                                                          low_rank_floor(d, r))
             assert result.queries == oracle.queries
             assert report.verification.passed
             assert report.floor == low_rank_floor(d, r)
@@ -158,7 +159,9 @@ def test_v_zero_is_not_identifiable():
 
 def test_budget_too_small_sends_nothing():
     d = 16
-    oracle = Oracle(low_rank_head(d, 1, 0), d, budget=low_rank_floor(d, 1) + 70)
+    floor = low_rank_floor(d, 1)
+    need = floor + 1 + CONFIRM_PROBES + verification_count(floor, floor)   # the plan
+    oracle = Oracle(low_rank_head(d, 1, 0), d, budget=need - 1)
     with pytest.raises(BudgetExceededError):
         extract_low_rank(oracle)
     assert oracle.queries == 0

@@ -134,7 +134,8 @@ def test_random_error_bar_holds_over_many_seeds(repeats):
                                seed=seed)
         (eW, ev), (bW, bv) = errors(result, target), bars(result)
         misses += (eW > bW) + (ev > bv)
-        assert result.queries == repeats * (d * d + d) + verification_count(d * d + d)
+        assert result.queries == repeats * (d * d + d) + verification_count(
+            d * d + d, repeats * (d * d + d))
     assert misses <= 0.01 * 2 * trials
 
 
@@ -185,7 +186,7 @@ def test_paper_method_bound_holds_and_default_is_10x_better_at_equal_queries():
         box = BoundedNoise(target, tau, "sign", seed=seed)
         paper = extract_noisy(Oracle(box, d), tolerance=tau, method="paper", norm_bound=B, seed=seed)
         robust = extract_noisy(Oracle(box, d), tolerance=tau, norm_bound=B, seed=seed)
-        assert paper.queries == robust.queries == d * d + d + verification_count(d * d + d)
+        assert paper.queries == robust.queries == d * d + d + verification_count(d * d + d, d * d + d)
         eP, eR = errors(paper, target)[0], errors(robust, target)[0]
         mu = float(np.min(np.abs(paper.model.v))) - tau
         assert eP <= paper_bound(d, tau * (1 + 1e-9), B, mu)[0]
@@ -346,7 +347,7 @@ def test_cli_tolerance_paper_and_sign_only(tmp_path):
     proc = extract_in(tmp_path, "--target", "t.py:noisy", "--tolerance", "1e-6")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert out["ok"] and out["queries"] == 42 + 64
+    assert out["ok"] and out["queries"] == 42 + verification_count(42, 42)
     assert np.linalg.norm(np.load(tmp_path / "r.npz")["W"] - target.W) <= out["details"]["error_bar_W"]
 
     proc = extract_in(tmp_path, "--target", "t.py:noisy", "--tolerance", "1e-6", "--noise-method", "paper",
@@ -399,7 +400,7 @@ def test_noise_model_bound_covers_the_observed_side(rng):
 def test_budget_is_checked_before_any_query():
     from attnextract import BudgetExceededError
     target = random_single_head(4, seed=0)
-    need = 3 * 20 + verification_count(20)
+    need = 3 * 20 + verification_count(20, 3 * 20)
     oracle = Oracle(GaussianNoise(target, 1e-6, seed=0), 4, budget=need - 1)
     with pytest.raises(BudgetExceededError):
         extract_noisy(oracle, tolerance=1e-6, noise="random", repeats=3)

@@ -22,13 +22,14 @@ from attnextract import BudgetExceededError, InputError, Oracle, extract_single_
 from attnextract.adapters.remote import HttpBlackBox
 from attnextract.adapters.server import ServerState, make_server
 from attnextract.adapters.targets import random_single_head
+from attnextract.report import verification_count
 
 from conftest import rel_err, run_cli
 from netfaults import (Dribbler, LossyProxy, fill_answer_cache, just_under, request_bytes,
                        rss_mb, send_at_once)
 
 D = 5
-NEEDED = D * D + D + 64          # single-head extraction: floor + held-out verification
+NEEDED = D * D + D + verification_count(D * D + D, D * D + D)   # floor + held-out check
 
 
 @pytest.fixture
@@ -373,7 +374,8 @@ def test_restarts_sigterm_and_kill_9_mid_extraction_through_a_lossy_network(tmp_
     extraction.start()
     stops = []
     try:
-        for threshold, signum in ((25, signal.SIGTERM), (55, signal.SIGKILL)):
+        # a quarter and three fifths of the way: both restarts land mid-extraction
+        for threshold, signum in ((NEEDED // 4, signal.SIGTERM), (3 * NEEDED // 5, signal.SIGKILL)):
             for _ in range(6000):                # until the server has charged that many
                 if server.health()["served"] >= threshold or not extraction.is_alive():
                     break

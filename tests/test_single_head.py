@@ -24,7 +24,7 @@ def test_exact_recovery_and_query_count(d, seeds):
         result, oracle = extract(target)
         assert rel_err(result.model.W, target.W) <= 1e-9, (d, seed)
         assert rel_err(result.model.v, target.v) <= 1e-12, (d, seed)
-        n_verify = verification_count(d * d + d)
+        n_verify = verification_count(d * d + d, d * d + d)
         assert result.report.breakdown == {"recovery": d * d + d, "rescaling": 0,
                                            "verification": n_verify}
         assert result.queries == oracle.queries == d * d + d + n_verify
@@ -104,14 +104,16 @@ def test_v_zero_is_not_identifiable():
 
 
 def test_budget_too_small_sends_nothing():
-    oracle = Oracle(random_single_head(8, seed=0), 8, budget=8 * 8 + 8 + 63)
+    need = 8 * 8 + 8 + verification_count(8 * 8 + 8, 8 * 8 + 8)
+    oracle = Oracle(random_single_head(8, seed=0), 8, budget=need - 1)
     with pytest.raises(BudgetExceededError):
         extract_single_head(oracle)
     assert oracle.queries == 0
 
 
 def test_budget_exactly_enough():
-    oracle = Oracle(random_single_head(8, seed=0), 8, budget=8 * 8 + 8 + 64)
+    need = 8 * 8 + 8 + verification_count(8 * 8 + 8, 8 * 8 + 8)
+    oracle = Oracle(random_single_head(8, seed=0), 8, budget=need)
     result = extract_single_head(oracle)
     assert result.queries == oracle.budget and oracle.remaining == 0
 

@@ -22,10 +22,10 @@ from attnextract.errors import (BlackBoxError, InputError, JournalError, Malform
                                 ModelMismatchError, RecoveryFailedError)
 from attnextract.models import MultiHeadAttention
 from attnextract.oracle import validate_outputs
-from attnextract.report import mismatch_reason
-from attnextract.verification import (DEFAULT_LONGEST, SEARCH_SHARE, answers_look_rounded,
-                                      design, length_grid, safe_norm, safe_rms,
-                                      scaled_relative_errors, verify_model)
+from attnextract.report import mismatch_reason, verification_count
+from attnextract.verification import (DEFAULT_LONGEST, SEARCH_MIN, SEARCH_SHARE,
+                                      answers_look_rounded, design, length_grid, safe_norm,
+                                      safe_rms, scaled_relative_errors, verify_model)
 
 # an overflow anywhere in a comparison is a bug here, not a warning to scroll past
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
@@ -87,9 +87,10 @@ def test_verification_respects_max_length_and_reports_the_domain():
     check = result.report.verification
     assert check.passed and check.max_length == 500 and check.lengths[1] == 500
     assert check.norms[0] > 0 and check.norms[1] > 100 * check.norms[0]
-    assert check.search_queries == int(SEARCH_SHARE * 64)
+    count = verification_count(D * D + D, D * D + D)
+    assert check.search_queries == max(SEARCH_MIN, int(SEARCH_SHARE * count))
     assert check.own_probes > 0
-    assert result.queries == D * D + D + 64            # the search is inside the count
+    assert result.queries == D * D + D + count         # the search is inside the count
     assert "domain" in result.report.render()
 
 
@@ -209,11 +210,99 @@ def test_learners_accept_honest_models_at_output_scales_1e_minus_300_to_1e300(le
     assert check is not None and check.passed and check.max_relative_error <= check.tolerance
 
 
+# outputs of 1e300 x the two-head boxes overflow the box's own answers at the large
+# tokens these learners probe with (1e298 does not): that is the top scale for them
+SCALED_LEARNERS = ["noisy", "transformer-layer", "multi-head H<=1", "multi-head H<=2",
+                   "multi-head H<=2 --biases", "multi-head-low-rank",
+                   "multi-head-low-rank --biases"]
+
+
+@pytest.mark.parametrize("factor", [1e-300, 1e-150, 1e150, 1e298])
+@pytest.mark.parametrize("learner", SCALED_LEARNERS)
+def test_every_learner_accepts_honest_models_at_extreme_output_scales(learner, factor):
+    """The learners that work in absolute numbers (thresholds, squared sums, LAPACK)
+    run on answers rescaled exactly by a power of two (oracle.ScaledOutputs): before,
+    the Transformer layer refused outputs x 1e-6 or x 1e50, multi-head x 1e-150 (NaN in
+    the fits) and x 1e300, the noisy learner x 1e-300. The noisy learner is told its
+    noise in the box's units (tolerance x factor)."""
+    from attnextract.adapters.impostors import NOISY_TOLERANCE
+    honest, run, _ = LEARNER_CASES[learner]
+    model = honest(D, 2)
+    box = _Scaled(model, factor)
+    if learner == "noisy":
+        result = extract(Oracle(box, D), "single-head", tolerance=NOISY_TOLERANCE * factor, seed=0)
+        bar = result.report.details["error_bar_v"]          # in the box's units
+        assert safe_norm(result.model.v - factor * model.v) <= bar <= 1e-6 * factor
+    else:
+        result = run(Oracle(box, D), 0)
+    check = result.report.verification
+    assert check.passed and check.max_relative_error <= check.tolerance
+    # the model is in the box's units: its outputs are the box's, not the rescaled ones
+    X = np.random.default_rng(0).standard_normal((16, 5, D)) * 0.5
+    assert np.max(np.abs(result.model(X) - box(X))) <= 1e-6 * np.max(np.abs(box(X)))
+
+
+def test_scaled_outputs_view_is_exact_and_the_identity_at_ordinary_scales():
+    from attnextract.models import scale_outputs
+    from attnextract.oracle import ScaledOutputs
+    model = random_multi_head(2, D, 0)
+    X = np.random.default_rng(1).standard_normal((6, 4, D))
+    ordinary = ScaledOutputs(Oracle(model, D))
+    assert np.array_equal(ordinary.query(X), model(X)) and ordinary.exponent == 0
+    tiny = ScaledOutputs(Oracle(_Scaled(model, 1e-200), D))
+    assert tiny.query(np.zeros((2, 3, D))).tolist() == [0.0, 0.0]   # zeros fix nothing
+    assert tiny.exponent is None
+    y = tiny.query(X)
+    assert tiny.exponent < -600 and 2.0 ** -10 <= np.abs(y).max() <= 2.0 ** 10
+    assert np.array_equal(y * tiny.factor, 1e-200 * model(X))        # every bit kept
+    assert tiny.queries == 8 and tiny.longest_probes[0][1] * tiny.factor == \
+        tiny.base.longest_probes[0][1]
+    back = scale_outputs(model, 1e-200)
+    assert np.allclose(back(X), 1e-200 * model(X), rtol=1e-14, atol=0)
+
+
+def test_a_small_check_keeps_every_family_and_the_search():
+    """verification_count with the recovery: within 5% of it, never below 24; a check
+    of 24 still has every family (the hull 4, norms and far one at each end) and the
+    adversarial search (6 queries), and still refuses what the zoo's 64 did."""
+    from attnextract.report import MIN_VERIFY_COUNT
+    assert verification_count(32 * 32 + 32, 32 * 32 + 32) == 52       # 4.9% of 1,056
+    assert verification_count(480, 480) == 24 == MIN_VERIFY_COUNT    # rank 8 at d = 32
+    assert verification_count(72, 72) == 24                            # d = 8: the least
+    assert verification_count(64 * 64 + 64) == verification_count(64 * 64 + 64, 10 ** 6) == 64
+    for d in (32, 64, 128):
+        assert verification_count(d * d + d, d * d + d) <= 0.05 * (d * d + d)
+    model = random_single_head(D, 4)
+    check = verify_model(Oracle(model, D), model, count=24, seed=0)
+    assert check.passed and check.sequences == 24 and check.search_queries == SEARCH_MIN
+    assert {"ordinary", "long", "repeated", "norms", "sparse", "peaked", "far", "hull",
+            "steps", "search"} <= set(check.family_errors)
+    assert check.lengths[1] == DEFAULT_LONGEST
+    held = design(D, 15, np.random.default_rng(0), 0.5, model=model)
+    norms = [float(np.abs(x).max()) for x, f in zip(held.sequences, held.family) if f == "norms"]
+    assert len(norms) == 2 and max(norms) / min(norms) > 1e4             # both ends
+    for seed in range(3):
+        for name in ("truncation 257", "norm trigger", "sink far below", "cubic scores"):
+            box = make_impostor(name, model, np.random.default_rng([seed, 7]), 72)
+            assert not verify_model(Oracle(box, D), model, count=24, seed=seed).passed, name
+
+
 def test_single_head_is_held_to_its_own_error_bar():
     model = random_single_head(D, 6)
     result = extract(Oracle(model, D), "single-head", seed=0)
     check = result.report.verification
     assert check.tolerance < 1e-7 and check.requested_tolerance == 1e-7
+
+
+@pytest.mark.parametrize("bar", [0.5, 744.0, float("inf")])
+def test_a_huge_error_bar_does_not_widen_the_check(bar):
+    """A model whose own bar says it is unknown is held to the flat tolerance: a head
+    with a wrong W must fail however large the bar it claims."""
+    from attnextract.verification import verify_model
+    truth = random_single_head(D, 3)
+    wrong = type(truth)(truth.W + 0.5 * np.linalg.norm(truth.W) / D, truth.v)
+    check = verify_model(Oracle(truth, D), wrong, count=64, seed=0, expected_error=bar)
+    assert not check.passed and check.error_bar == 0.0 and check.tolerance == 1e-7
 
 
 LOW_RANK_TARGET = """
@@ -278,7 +367,7 @@ def test_journal_fingerprint_queries_are_counted_and_budgeted(tmp_path):
         result = extract(oracle, "single-head", seed=0)
         need = oracle.queries + oracle.check_queries
         assert oracle.check_queries > 0
-        assert result.queries == D * D + D + 64 + oracle.check_queries
+        assert result.queries == D * D + D + verification_count(D * D + D, D * D + D) + oracle.check_queries
     served = []
 
     def box(X):

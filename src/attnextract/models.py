@@ -490,3 +490,25 @@ class TransformerLayer(Regressor):
 MODEL_CLASSES = {cls.kind: cls for cls in (SingleHeadAttention, MultiHeadAttention, ReLUNetwork,
                                            OneLayerTransformer, ResidualOneLayer, TransformerLayer,
                                            BiasedSingleHeadAttention, BiasedMultiHeadAttention)}
+
+
+# the parameters a model's output is linear in (values and output constants): x a
+# factor, they give the model whose every output is that factor times the model's
+OUTPUT_PARAMETERS = {"single-head": ("v",), "multi-head": ("v",),
+                     "biased-single-head": ("v", "c"), "biased-multi-head": ("v", "c"),
+                     "one-layer": ("w",), "one-layer-residual": ("w",), "relu-network": ("w",),
+                     "transformer-layer": ("w", "c0")}
+
+
+def scale_outputs(model, factor: float):
+    """The model whose outputs are ``factor`` times ``model``'s (a new model of the same
+    class: its value and output parameters x factor, scores unchanged). Used to map a
+    model learned on rescaled answers back (:class:`attnextract.oracle.ScaledOutputs`)."""
+    names = OUTPUT_PARAMETERS.get(getattr(model, "kind", ""))
+    if names is None:
+        raise InputError(f"scale_outputs: no output parameters known for {type(model).__name__}")
+    params = dict(model.parameters())
+    for name in names:
+        params[name] = np.asarray(params[name], dtype=float) * factor
+    return type(model)(**params)
+

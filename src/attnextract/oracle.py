@@ -14,6 +14,7 @@ sequences to an :class:`Oracle`, which
 from __future__ import annotations
 
 import logging
+import math
 import time
 from contextlib import contextmanager, nullcontext
 from typing import Callable, Sequence
@@ -392,6 +393,93 @@ class OracleView:
 
     def plan(self, n: int, what: str = "the extraction") -> None:
         self.base.plan(n, self._named(what))
+
+
+class ScaledOutputs(OracleView):
+    """A learner's view of an oracle whose answers are divided by 2^k, chosen once from
+    the first answers that are not all zero so that their largest is of order one; a
+    learner working in absolute numbers (thresholds, squared sums, LAPACK) then sees
+    outputs of 1 whether the black box answers 1e-300 or 1e300.
+
+    Powers of two are exact: y / 2^k has every bit of y (a normal number stays normal),
+    so nothing is lost or rounded, and a model recovered on the view is mapped back by
+    :func:`attnextract.models.scale_outputs` (values and output constants x 2^k).
+    Answers whose largest lies within BAND are left as they are (k = 0, the view is the
+    oracle itself): at ordinary scales a learner runs exactly as without the view.
+
+    ``replay`` and ``longest_probes`` are the base Oracle's pairs in the view's units,
+    so held-out verification on the view compares the learner's own answers too.
+    """
+
+    BAND = (2.0 ** -10, 2.0 ** 10)
+
+    def __init__(self, base, what: str | None = None):
+        super().__init__(base, what)
+        self.exponent: int | None = None         # k; None until an answer is not zero
+
+    @property
+    def factor(self) -> float:
+        """2^k (1.0 until fixed)."""
+        return math.ldexp(1.0, self.exponent or 0)
+
+    def _scaled(self, y: np.ndarray) -> np.ndarray:
+        if self.exponent is None:
+            finite = np.abs(y[np.isfinite(y)])
+            top = float(finite.max()) if finite.size else 0.0
+            if top > 0:
+                inside = self.BAND[0] <= top <= self.BAND[1]
+                self.exponent = 0 if inside else int(round(math.log2(top)))
+                if self.exponent:
+                    log.info("answers of size %.3g: the learner works on them / 2^%d",
+                             top, self.exponent)
+        return np.ldexp(y, -self.exponent) if self.exponent else y
+
+    def query(self, X, **kwargs) -> np.ndarray:
+        return self._scaled(self.base.query(X, **kwargs))
+
+    def query_ragged(self, sequences, **kwargs) -> np.ndarray:
+        return self._scaled(self.base.query_ragged(sequences, **kwargs))
+
+    def phase(self, text: str) -> None:
+        phase = getattr(self.base, "phase", None)
+        if phase is not None:
+            phase(text)
+
+    def _pairs(self, name: str) -> list:
+        pairs = getattr(self.base, name, None) or []
+        k = self.exponent or 0
+        return [(x, math.ldexp(y, -k)) for x, y in pairs]
+
+    @property
+    def replay(self) -> list:
+        return self._pairs("replay")
+
+    @property
+    def longest_probes(self) -> list:
+        return self._pairs("longest_probes")
+
+
+def on_scaled_outputs(oracle, run):
+    """``run(view)`` on a :class:`ScaledOutputs` view of ``oracle``; the model of its
+    result (or of a refusal's ``result``) is mapped back to the black box's units, and
+    the report says by how much the answers were divided. Returns the result."""
+    from .errors import RefusalWithResult
+    from .models import scale_outputs
+    view = ScaledOutputs(oracle)
+
+    def back(result):
+        if result is not None and view.exponent:
+            result.model = scale_outputs(result.model, view.factor)
+            result.report.notes.append(
+                f"the answers were divided by 2^{view.exponent} (exact) while learning, "
+                f"the model's outputs mapped back")
+        return result
+
+    try:
+        return back(run(view))
+    except RefusalWithResult as exc:
+        back(exc.result)
+        raise
 
 
 def live_queries(oracle):

@@ -77,9 +77,26 @@ class Verification:
                 f"{'<=' if self.passed else '>'} {self.tolerance:.0e}>")
 
 
-def verification_count(free_parameters: int) -> int:
-    """Held-out queries: max(64, 1% of the parameter count)."""
-    return max(64, free_parameters // 100)
+VERIFY_COUNT = 64             # held-out queries of a full check (or 1% of the parameters)
+VERIFY_SHARE = 0.05           # ... at most this share of the recovery's queries, when given,
+MIN_VERIFY_COUNT = 24         # ... but never fewer (every family, the search: see design)
+
+
+def verification_count(free_parameters: int, recovery_queries: int | None = None) -> int:
+    """Held-out queries: max(64, 1% of the parameter count).
+
+    ``recovery_queries`` (a learner whose recovery is cheap: a single head, low rank,
+    noisy) caps the count at VERIFY_SHARE = 5% of them, but never below
+    MIN_VERIFY_COUNT = 24, the smallest check that still holds every family of
+    :func:`attnextract.verification.design` and the adversarial search (6 queries). A
+    single head at d = 32 (1,056 queries) gets 52, a rank-8 head at d = 32 (480) 24;
+    d = 8 (72 queries) 24. Pass a lower bound on the recovery (its floor), so that the
+    share holds whatever rescaling the learner adds.
+    """
+    full = max(VERIFY_COUNT, free_parameters // 100)
+    if recovery_queries is None:
+        return full
+    return max(MIN_VERIFY_COUNT, min(full, int(VERIFY_SHARE * recovery_queries)))
 
 
 def token_scale(model) -> float:

@@ -14,9 +14,9 @@ each built by one small function (``_family_<name>``):
                temperatures or offsets that depend on the length;
 ``repeated``   long sequences built from one to three distinct tokens: position
                and count effects (a window or a sink shows at full strength);
-``norms``      every sequence scaled by 10^U(-3, 3) (half with tokens of mixed
-               norms inside one sequence): biases show at small norms, norm
-               triggers, clipping and saturation at large ones;
+``norms``      every sequence scaled by 10^U(-3, 3), both ends always (half with
+               tokens of mixed norms inside one sequence): biases show at small
+               norms, norm triggers, clipping and saturation at large ones;
 ``sparse``     one-hot and two-hot tokens, and Gaussian tokens sharing one constant
                coordinate (a bias-like direction);
 ``peaked``     tokens scaled so that the model's own scores span about 30: attention
@@ -105,6 +105,11 @@ FAMILIES = {"ordinary": 0.1, "long": 0.2, "repeated": 0.1, "norms": 0.14, "spars
 SECOND_LAYER = {"hull", "steps", "heads"}   # families that need the model (see design)
 HEADS_OVERSAMPLE = 8          # candidates drawn per "heads" sequence kept
 HULL_CANDIDATES = 6           # candidate orders drawn per hull sequence kept
+# sequences a family gets at least (1 for the others): the hull 2 pool tokens and 2
+# sequences of them; norms and far one at each end (tiny and huge tokens; scores far
+# below and far above zero), so that a small check still spans the whole domain
+FAMILY_MIN = {"hull": 4, "norms": 2, "far": 2}
+SMALLEST_DESIGN = 12          # the second layer needs a design of at least this many
 SEARCH_SHARE = 0.2            # share of the count the adversarial search asks
 SEARCH_ROUNDS = 3
 SEARCH_MIN = 6                # a count below this searches nothing
@@ -113,6 +118,9 @@ REPLAY_FRACTION = 0.125       # at most this share of the check re-asks learner 
 CONSISTENCY_FACTOR = 1e3
 CONSISTENCY_FLOOR = 1e-10
 SENSITIVITY = 4.0
+# a bar above this (a model known to worse than 10%) is no bar: its allowance would
+# accept any box (a refused multi-head model wrong by 36 passed at 2.7e-12 with a bar of 744)
+MAX_ERROR_BAR = 0.1
 # expected_error="measured" (learners without an error bar of their own): the bar is the
 # model's error on the learner's own answered queries, at least MEASURED_ROUNDING d eps_64,
 # and the tolerance at least MEASURED_FLOOR (held-out errors of honest models run up to
@@ -163,12 +171,21 @@ def longest_length(probe_length: int | None = None, max_length: int | None = Non
 
 
 def _split(count: int, second: set) -> dict[str, int]:
+    """Sequences per family: ``count`` x the family's weight, every family at least
+    FAMILY_MIN (1 unless listed); the rest to ``ordinary``. A count below the minimums
+    is all ``ordinary``."""
     weights = {k: w for k, w in FAMILIES.items() if k not in SECOND_LAYER or k in second}
-    if count < 2 * len(weights):
+    least = {k: FAMILY_MIN.get(k, 1) for k in weights}
+    if count < sum(least.values()) + 1:
         return {"ordinary": count}
     total = sum(weights.values())
-    sizes = {k: max(1, int(count * w / total)) for k, w in weights.items()}
+    sizes = {k: max(least[k], int(count * w / total)) for k, w in weights.items()}
     sizes["ordinary"] += count - sum(sizes.values())
+    if sizes["ordinary"] < 1:            # the minimums took more than the weights gave
+        for k in sorted(sizes, key=lambda k: sizes[k] - least[k], reverse=True):
+            while sizes["ordinary"] < 1 and sizes[k] > least[k]:
+                sizes[k] -= 1
+                sizes["ordinary"] += 1
     return sizes
 
 
@@ -256,9 +273,12 @@ def _family_repeated(dom: _Domain, n: int) -> list:
 
 
 def _family_norms(dom: _Domain, n: int) -> list:
-    """Per-sequence factor 10^U(-3, 3), stratified; half with mixed norms inside."""
+    """Per-sequence factor 10^U(-3, 3), stratified, 10^-3 and 10^3 always; half with
+    mixed norms inside."""
     out = []
     exponents = -3.0 + 6.0 * (dom.rng.permutation(n) + dom.rng.uniform(size=n)) / max(n, 1)
+    if n >= 2:       # both ends always (as ``long`` reaches L): a small check spans them too
+        exponents[np.argmax(exponents)], exponents[np.argmin(exponents)] = 3.0, -3.0
     for i, k in enumerate(dom.lengths(1, 64, n)):
         x = dom.low * 10.0 ** exponents[i] * dom.rng.standard_normal((int(k), dom.d))
         if i % 2:
@@ -435,7 +455,7 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
         elif W.shape[0] > 1:
             heads = (np.asarray(W, dtype=float), np.asarray(v, dtype=float))
     single = (W is not None and v is not None and np.ndim(W) == 2 and np.ndim(v) == 1
-              and d >= 2 and np.any(v) and count >= 16)
+              and d >= 2 and np.any(v) and count >= SMALLEST_DESIGN)
     ffn = ffn_view(model) if not single and d >= 2 and count >= 16 else None
     if ffn is not None:
         W = ffn[0]
@@ -880,9 +900,10 @@ def run_check(oracle, model, held: HeldOutSet, *, tolerance: float = 1e-7,
 def compare_own_probes(oracle, model, check: Check, judge: _Judge) -> None:
     """The learner's longest answered probes (``Oracle.longest_probes``, no new query)
     against the model, added to ``check`` as the ``own`` family. Only for an Oracle
-    passed itself (a learner's view may change what its answers mean)."""
-    from .oracle import Oracle, evaluate_ragged
-    if not isinstance(oracle, Oracle) or not oracle.longest_probes:
+    (or its :class:`attnextract.oracle.ScaledOutputs` view): other views may change what
+    their answers mean (:func:`keeps_own_answers`)."""
+    from .oracle import evaluate_ragged
+    if not keeps_own_answers(oracle) or not oracle.longest_probes:
         return
     xs = [x for x, _ in oracle.longest_probes]
     answers = np.array([y for _, y in oracle.longest_probes])
@@ -980,13 +1001,22 @@ def adversarial_search(oracle, model, check: Check, held: HeldOutSet, judge: _Ju
         check.norms = (min(check.norms[0], float(positive.min())), max(check.norms[1], float(n.max())))
 
 
+def keeps_own_answers(oracle) -> bool:
+    """Whether ``oracle``'s ``replay`` and ``longest_probes`` are answers in the units the
+    model is in: an Oracle, or a :class:`attnextract.oracle.ScaledOutputs` view of one
+    (other views may change what a query means)."""
+    from .oracle import Oracle, ScaledOutputs
+    return isinstance(oracle, Oracle) or (isinstance(oracle, ScaledOutputs)
+                                          and isinstance(oracle.base, Oracle))
+
+
 def measured_error_bar(oracle, model) -> float | None:
     """The model's largest relative error on the answers the learner was given (the
     oracle's ``replay`` sample and ``longest_probes``; no query), at least
-    MEASURED_ROUNDING d eps_64; None when ``oracle`` is a learner's view (its answers
-    mean something else) or kept nothing."""
-    from .oracle import Oracle, evaluate_ragged
-    if not isinstance(oracle, Oracle):
+    MEASURED_ROUNDING d eps_64; None when ``oracle`` is a learner's view whose answers
+    mean something else (:func:`keeps_own_answers`) or kept nothing."""
+    from .oracle import evaluate_ragged
+    if not keeps_own_answers(oracle):
         return None
     pairs = list(oracle.replay) + list(oracle.longest_probes)
     if not pairs:
@@ -1021,7 +1051,8 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
     ``expected_error`` e (the learner's own predicted relative parameter error) tightens
     the tolerance to max(CONSISTENCY_FACTOR x e, CONSISTENCY_FLOOR) when that is
     smaller, and widens each sequence's allowance by SENSITIVITY x e x the reach of the
-    model's scores on it (:func:`score_reach`). The errors reported are scaled to the
+    model's scores on it (:func:`score_reach`); e above MAX_ERROR_BAR is not used (the
+    flat tolerance). The errors reported are scaled to the
     tolerance (error x tolerance / allowance). ``expected_error="measured"`` (a learner
     without a bar of its own): e is :func:`measured_error_bar` and the tolerance at
     least MEASURED_FLOOR; a measured e above tolerance / CONSISTENCY_FACTOR is not used
@@ -1041,7 +1072,7 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
         if expected_error is not None and CONSISTENCY_FACTOR * expected_error > tolerance:
             expected_error = None
     bar = expected_error if expected_error is not None and math.isfinite(expected_error) \
-        and expected_error >= 0 else None
+        and 0 <= expected_error <= MAX_ERROR_BAR else None
     if bar is not None:
         floor = floor if tolerance_floor is None else tolerance_floor
         tolerance = min(tolerance, max(CONSISTENCY_FACTOR * bar, floor))
@@ -1058,7 +1089,9 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
         with live_queries(oracle):                 # the live black box, never a journal
             hull_v = oracle.query(np.eye(oracle.dim)[:, None, :])
     replays = min(len(getattr(root, "replay", None) or []), int(REPLAY_FRACTION * count))
-    searched = int(SEARCH_SHARE * count) if search and count >= 4 * SEARCH_MIN else 0
+    # a small check (MIN_VERIFY_COUNT = 24) still searches: SEARCH_MIN queries, 2 a round
+    searched = (max(SEARCH_MIN, int(SEARCH_SHARE * count)) if search and count >= 4 * SEARCH_MIN
+                else 0)
     held = add_replays(design(oracle.dim, count - replays - searched, rng, scale,
                               probe_length=probe_length, max_length=max_length,
                               model=model, hull_v=hull_v), oracle, replays)

@@ -792,7 +792,8 @@ def extract_low_rank(oracle: Oracle, rank: int | None = None, method: str = "ada
         planned = low_rank_floor(d, planned_rank) + (1 + CONFIRM_PROBES if planned_rank < d else 0)
         if biases:
             planned += planned_rank + 1 + 2 * SCOUT_PROBES
-    oracle.plan(planned + verification_count(low_rank_floor(d, planned_rank)),
+    oracle.plan(planned + verification_count(low_rank_floor(d, planned_rank),
+                                             low_rank_floor(d, planned_rank)),
                 f"low-rank extraction ({method})")
 
     log.info("low-rank (%s) at d = %d: v from %d single tokens", method, d, d)
@@ -813,7 +814,7 @@ def extract_low_rank(oracle: Oracle, rank: int | None = None, method: str = "ada
     log.info("rank %d recovered with %d queries; held-out verification", found, oracle.queries - start_queries)
     _phase(oracle, "held-out verification")
     floor = low_rank_floor(d, found) + (found + 1 if biases else 0)
-    n_verify = verification_count(floor)
+    n_verify = verification_count(floor, floor)    # within 5% of the recovery (d >= 32)
     recovery_total = sum(breakdown.values())
     verification = verify_model(oracle, model, count=n_verify, seed=seeds[1],
                                 tolerance=verify_tolerance,

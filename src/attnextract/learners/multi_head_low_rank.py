@@ -122,6 +122,11 @@ BIASED_REFINE_ITERATIONS = 12   # biases: the root q_0 converges with the heads 
                                 # layer 2: changes 3.8e-5, 1.7e-4, 1.4e-8, 3.8e-10, ...)
 BIASED_RANK_TOL = 1e-7   # biases: first-pass rank tolerance (a bias of 5 |W| costs the values
                          # ~100x: a row's 9th singular value measured at 1.2e-9, d = 96, H = 12)
+ISOLATION_TARGET = 0.5   # biases: isolation blocks put the scouts' peak at this x TARGET_LOGIT
+BIAS_BAR = 10.0          # biases: predicted error x dilution x shortening x this covered
+                         # every measured error (240 random runs, |b_h| up to 10 |W_h|,
+                         # benchmarks/results/mhlr_large_biases.md: at most 0.68 of the
+                         # bar, median 0.13; without the 10, up to 6.8 times the bar)
 BLOCK_FLOATS = 1 << 21   # probe floats per oracle batch (16 MB)
 
 
@@ -356,6 +361,60 @@ class LogitMeter:
             f"the black box is not multi-head attention with these heads: {int(bad.sum())} "
             f"single-head probe(s) imply attention weights outside (0, 1) after "
             f"{MAX_RESCALES} rescalings")
+
+    def _shortened_logits(self, U, height, background, scale):
+        """Raw logits c lengths u^T beta of probes [c lengths u; 0] (see
+        :meth:`measure_shortening`): (logits (n,), scales (n,), lengths (n,), outputs (n,))."""
+        n = len(U)
+        scale = np.broadcast_to(np.asarray(scale, dtype=float), (n,)).copy()
+        lengths = np.ones(n)
+        zeros = np.zeros_like(U)
+        t = self._logits(U, zeros, height, background, scale)
+        outputs = self.outputs
+        precise = min(PRECISE_LOGIT, self.tol.max_logit)
+        for _ in range(MAX_RESCALES):
+            bad = ~(np.abs(t) <= precise)
+            if not bad.any():
+                break
+            ok = np.isfinite(t[bad])
+            with np.errstate(divide="ignore", invalid="ignore"):
+                factor = np.where(ok, 2.0 ** np.floor(np.log2(
+                    TARGET_LOGIT / np.abs(np.where(ok, t[bad], 1.0)))), 2.0 ** -8)
+            # the logit is c lengths u^T beta: shrink c (G above 1) first, then the row
+            multiplier = split_scale(scale[bad])[0] * lengths[bad] * factor
+            scale[bad] = np.maximum(multiplier, 1.0)
+            lengths[bad] = np.minimum(multiplier, 1.0)
+            m = lengths[bad]
+            t[bad] = self._logits(m[:, None] * U[bad], zeros[bad], m * height[bad],
+                                  m * background[bad], scale[bad])
+            outputs[bad] = self.outputs
+            self.rescued += int(bad.sum())
+        bad = ~(np.abs(t) <= precise)
+        if bad.any():
+            raise ModelMismatchError(
+                f"the black box is not multi-head attention with these heads: "
+                f"{int(bad.sum())} bias probe(s) [c u; 0] imply attention weights outside "
+                f"(0, 1) for rows shortened {MAX_RESCALES} times")
+        return t, scale, lengths, outputs
+
+    def measure_shortening(self, U, height, background, scale) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`measure` on the column q = 0 (biases: u^T b_h; offsets: u^T W_h (o_h - q_0)).
+
+        The probe [c u; 0] has the logit c u^T beta, with no part that the column's s
+        could shrink, and c >= 1 (:func:`single_head.split_scale`): a bias logit beyond
+        PRECISE_LOGIT at c = 1 (a bias 10 |W| long: |u^T b_h| up to 30 on unit rows)
+        would stay there through every rescaling of G. Here c is lowered first, then the
+        row itself is shortened, by powers of two (exact), until the logit is precise.
+        Returns (t (n,), lengths (n,)): t as :meth:`measure` returns it for the rows
+        ``lengths[:, None] * U`` (their heights and backgrounds scale with them), the
+        lengths powers of two <= 1.
+        """
+        t, scale, lengths, outputs = self._shortened_logits(U, height, background, scale)
+        self.last_scale, self.last_outputs = scale, outputs
+        self.steepest = max(self.steepest, float(np.max(np.abs(t), initial=0.0)))
+        self.sensitivity += float(np.sum(_sensitivity(t) ** 2))
+        self.entries += len(t)
+        return t / scale, lengths
 
 
 # ---------------------------------------------------------------------------
@@ -620,17 +679,17 @@ def query_space(meter: LogitMeter, values, h, columns, rank, rng, biases=False):
     while True:
         U = _rows_in(space, values[h], count, rng)
         height = U @ values[h]
-        if biases:      # u^T b_h on the column q = 0 (G = 1: c = s = 1, the logit is u^T b_h)
-            beta = meter.measure(U, np.zeros_like(U), height, np.zeros(count), 1.0)
-            beta = beta * split_scale(meter.last_scale)[1]
+        if biases:      # u^T b_h on the column q = 0 (the logit is c u^T b_h)
+            beta, lengths = meter.measure_shortening(U, height, np.zeros(count), 1.0)
+            beta = beta * split_scale(meter.last_scale)[1] / lengths
             peak = float(np.max(np.abs(beta)))
+            shortening = max(1.0, peak / BIAS_LOGIT)
             if peak > BIAS_LOGIT:
                 # a bias logit near saturation would cost every probe of these rows its
-                # precision (a(1 - a) ~ e^-|u^T b_h|): shorter rows, measured again
+                # precision (a(1 - a) ~ e^-|u^T b_h|): shorter rows (one length for all,
+                # which keeps the rows' spread)
                 U, height = U * (BIAS_LOGIT / peak), height * (BIAS_LOGIT / peak)
-                beta = meter.measure(U, np.zeros_like(U), height, np.zeros(count), 1.0)
-                beta = beta * split_scale(meter.last_scale)[1]
-                meter.rescued += count
+                beta = beta * (BIAS_LOGIT / peak)
             # every row's bias again at its own scale c ~ BIAS_LOGIT / |u^T b_h|: the
             # logit's rounding shrinks by c, and it is taken off every entry of the row
             # (an error common to the row does not average out over its d columns)
@@ -645,7 +704,11 @@ def query_space(meter: LogitMeter, values, h, columns, rank, rng, biases=False):
         scale = meter.scale_for(rows, cols, hts, bg, rng)
         T = meter.measure(rows, cols, hts, bg, scale)
         if biases:
+            total = T * meter.last_scale                    # the logits measured
             T = T - np.repeat(beta, d) / split_scale(meter.last_scale)[1]
+            # the W part is read beside the bias logit c u^T b_h: each logit's rounding
+            # is this many times larger against it than against a logit of W alone
+            dilution = max(1.0, safe_rms(total) / max(safe_rms(T * meter.last_scale), 1e-300))
         T = T.reshape(count, d) @ columns.T                                 # rows u^T W_h
         block = Block(h, U, columns, meter.last_scale, meter.last_outputs)
         s = np.linalg.svd(T, compute_uv=False)
@@ -672,6 +735,7 @@ def query_space(meter: LogitMeter, values, h, columns, rank, rng, biases=False):
             "height": float(np.min(np.abs(height)) / safe_norm(values[h]))}
     if biases:
         info["bias"], info["bias block"], info["row logits"] = beta, bias_block, T
+        info["dilution"], info["shortening"] = dilution, shortening
     return Vt[:found].T, block, info
 
 
@@ -701,12 +765,16 @@ def matrix_from_logits(block: Block, T: np.ndarray, P: np.ndarray) -> np.ndarray
     the offset u^T W_h (o_h - q_0)) measured that offset alone there: t_k0 = off_k / s_k0,
     and every entry t_kj = u_k^T W_h z_j + off_k / s_kj loses it first.
     """
-    Z = block.cols
+    Z, U = block.cols, block.rows
     if getattr(block, "offset_column", False):
         s = split_scale(block.scale)[1]
         T = T[:, :-1] - T[:, -1:] * s[:, -1:] / s[:, :-1]
         Z = Z[:, :-1]
-    return (block.rows.T @ T) @ np.linalg.solve(P.T @ Z, P.T)
+    lengths = getattr(block, "row_lengths", None)
+    if lengths is not None:
+        # rows lengths_k u_k (shortened by powers of two: exact): u_k^T W_h z = t_k / lengths_k
+        U, T = U / lengths[:, None], T / lengths[:, None]
+    return (U.T @ T) @ np.linalg.solve(P.T @ Z, P.T)
 
 
 def common_root(spaces, row_list, bias_list, dim):
@@ -732,6 +800,49 @@ def common_root(spaces, row_list, bias_list, dim):
     stack = np.hstack(spaces).T                              # (sum r_h, d)
     root = np.linalg.lstsq(stack, -np.concatenate(kappas), rcond=None)[0]
     return root, misfit, kappas
+
+
+def kappas_from_offsets(blocks, values, W, spaces, kappas) -> list:
+    """kappa_h (r_h,) of every head, from the offset columns of all isolation blocks at once.
+
+    Every block ran translated by the same origin o (the first estimate of q_0), where
+    head g's query is W_g o + b_g = W_g P_g a_g, a_g = P_g^T o + kappa_g: within the
+    estimate's error of 0, so the offset probes [o + c u; o] see no bias, and their
+    answers c sum_g c_g(u) sigma(c u^T W_g P_g a_g) give every a_g as precisely as logits
+    of W alone (Gauss-Newton from ``kappas``; the logits are tiny, so two steps reach
+    the rounding). The query-space rows give kappa_h only to their own precision, read
+    beside bias logits |b_h| / |W_h| times larger than their W part, and at o every head
+    then keeps a query of that error times |q_0|: each isolation block's background
+    (the other heads) carries it, amplified at its steep entries (|b_h| = 10 |W_h|,
+    d = 32, H = 4: heads at 1e-8). One head's offsets cannot be fitted alone: the
+    other heads' heights are as large in its rows. Returns kappas in the bases ``spaces``.
+    """
+    origin = blocks[0].origin
+    A = [Wg @ P for Wg, P in zip(W, spaces)]                 # W_g P_g, (d, r_g)
+    a = np.concatenate([P.T @ origin + k for P, k in zip(spaces, kappas)])
+    rows = np.vstack([b.rows for b in blocks])               # (H d, d)
+    c = np.concatenate([split_scale(b.scale[:, -1])[0] for b in blocks])
+    out = np.concatenate([b.outputs[:, -1] for b in blocks])
+    heights = rows @ values.T                                # (H d, H)
+    RA = [rows @ Ag for Ag in A]                             # (H d, r_g)
+    cuts = np.cumsum([Ag.shape[1] for Ag in A])[:-1]
+    for _ in range(3):
+        x = [c * (R @ ag) for R, ag in zip(RA, np.split(a, cuts))]
+        resid = out - c * sum(heights[:, g] * expit(x[g]) for g in range(len(A)))
+        J = np.hstack([(c * c * heights[:, g] * expit(x[g]) * expit(-x[g]))[:, None] * RA[g]
+                       for g in range(len(A))])
+        step = np.linalg.lstsq(J, resid, rcond=None)[0]
+        if not np.all(np.isfinite(step)):
+            return kappas
+        a = a + step
+    return [ag - P.T @ origin for ag, P in zip(np.split(a, cuts), spaces)]
+
+
+def common_root_of(spaces, kappas, dim) -> np.ndarray:
+    """q_0 (d,): the minimum-norm token with P_h^T q_0 = -kappa_h for every head."""
+    if not spaces:
+        return np.zeros(dim)
+    return np.linalg.lstsq(np.hstack(spaces).T, -np.concatenate(kappas), rcond=None)[0]
 
 
 def query_offsets(W, spaces, kappas, origin) -> np.ndarray:
@@ -789,13 +900,23 @@ def head_matrix(meter: LogitMeter, v, values, spaces, h, rng, offset_column=Fals
     height = rows @ values[h]
     background = 0.5 * (rows @ v - height)
     scale = meter.scale_for(rows, cols, height, background, rng)
+    block_rows, lengths = U.T, None
     if offset_column:
-        T, scales, outputs = _offset_first(meter, rows, cols, height, background, scale, d, r)
+        # from q_0 nothing but W_h's part is left in these logits, and it spreads more
+        # widely over the d random rows than SCOUT entries show: at the scouts' peak
+        # TARGET_LOGIT, 1,230 of MiniLM layer 1's 152,064 isolation entries went beyond
+        # PRECISE_LOGIT and were measured again (1.1017x the floor); at half of it, in 4
+        # real heads of 4 layers through a 128-dim subspace, 0 .. 3 of 16,896 (from
+        # 0 .. 242), the heads' errors unchanged
+        scale *= ISOLATION_TARGET
+        T, scales, outputs, lengths = _offset_first(meter, rows, cols, height, background,
+                                                    scale, d, r)
+        block_rows = lengths[:, None] * U.T
     else:
         T = meter.measure(rows, cols, height, background, scale).reshape(d, r)
         scales, outputs = meter.last_scale, meter.last_outputs
-    block = Block(h, U.T, Z, scales, outputs)
-    block.offset_column = offset_column
+    block = Block(h, block_rows, Z, scales, outputs)
+    block.offset_column, block.row_lengths = offset_column, lengths
     return matrix_from_logits(block, T, P), block, separation
 
 
@@ -807,18 +928,26 @@ def _offset_first(meter: LogitMeter, rows, cols, height, background, scale: floa
     the offset part is common to row k and grows with c, not with the columns. One scale
     for the whole block (set by a few random entries) leaves the rows whose offset is
     large beyond PRECISE_LOGIT, each entry measured again smaller (MiniLM layer 5: 2,505
-    of 152,064 isolation entries, 3,847 probes). So the offset column (z = 0, the last)
-    is measured first, at the block's scale; a row whose offset logit there exceeds
+    of 152,064 isolation entries, 3,847 probes, when the block ran from o_h rather than
+    q_0). So the offset column (z = 0, the last) is measured first, at the block's
+    scale, and a row whose offset logit there exceeds
     PRECISE_LOGIT / 2 has its other entries measured at the scale that brings the offset
-    to TARGET_LOGIT (c shrinks with G above G = 1). Same probes, two batches. Returns (T (d, r), scales, outputs) in the
-    block's entry order (row-major, offset column last).
+    to TARGET_LOGIT (c shrinks with G above G = 1). An offset still beyond the precise
+    range at c = 1 (a bias 10 |W_h| long) shortens its row by a power of two
+    (:meth:`LogitMeter.measure_shortening`); that row's entries keep c = 1 and the
+    largest s <= 1 that keeps their W part at the block's. Same probes, two batches.
+    Returns (T (d, r), scales, outputs, row lengths (d,)) in the block's entry order
+    (row-major, offset column last), T for the shortened rows.
     """
     at = np.arange(d * r).reshape(d, r)
     last, rest = at[:, -1], at[:, :-1].ravel()
     T = np.empty((d, r))
     scales, outputs = np.empty(d * r), np.empty(d * r)
-    T[:, -1] = meter.measure(rows[last], cols[last], height[last], background[last], scale)
+    T[:, -1], lengths = meter.measure_shortening(rows[last], height[last], background[last],
+                                                 scale)
     scales[last], outputs[last] = meter.last_scale, meter.last_outputs
+    each = np.repeat(lengths, r)
+    rows, height, background = each[:, None] * rows, each * height, each * background
     # t_k0 = u_k^T w_h / s: the offset u_k^T w_h, whose logit at scale G is c(G) u_k^T w_h.
     # A row whose offset takes more than half of PRECISE_LOGIT at G is brought to
     # TARGET_LOGIT (c(G_k) |u_k^T w_h| in [1, 2)); the others keep G (a smaller scale
@@ -829,10 +958,13 @@ def _offset_first(meter: LogitMeter, rows, cols, height, background, scale: floa
         row_scale = np.where(at_block_scale > 0.5 * PRECISE_LOGIT,
                              np.minimum(scale, TARGET_LOGIT / offset), scale)
     row_scale = np.where(np.isfinite(row_scale) & (row_scale > 0), row_scale, scale)
+    # shortened rows (their offset at c = 1 is within [TARGET / 2, TARGET]): c = 1, and
+    # s = G / lengths up to 1 gives their W part the block's logit
+    row_scale = np.where(lengths < 1.0, np.minimum(1.0, scale / lengths), row_scale)
     T[:, :-1] = meter.measure(rows[rest], cols[rest], height[rest], background[rest],
                               np.repeat(row_scale, r - 1)).reshape(d, r - 1)
     scales[rest], outputs[rest] = meter.last_scale, meter.last_outputs
-    return T, scales, outputs
+    return T, scales, outputs, lengths
 
 
 def exact_heights(oracle: Oracle, v, values, W, rng) -> np.ndarray:
@@ -995,19 +1127,16 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
                                   "no column isolates a head (use the full-rank learner)")
     root, root_misfit, origins = None, 0.0, [None] * H
     if biases:
-        # the common root q_0 (W_h q_0 + b_h = 0 for every h), and for each head the
-        # shortest token o_h where every OTHER head's biased query vanishes: translated by
-        # o_h the others have no biases, the isolation columns make their logits 0
-        # again, and head h keeps the known offset W_h (o_h - q_0). |o_h| is far below
-        # |q_0| (MiniLM layer 0: about 30 against 176), and the translated answers,
-        # which carry v^T o_h and scores of tokens of norm |o_h|, round the less.
+        # the common root q_0 (W_h q_0 + b_h = 0 for every h): translated by q_0 no head has
+        # a bias, and the isolation columns of every head run from there. Translating only
+        # as far as the other heads' queries vanish (the shortest such o_h) leaves head h
+        # the offset W_h (o_h - q_0), as long as the bias: its W part must then be read
+        # beside a logit |b_h| / |W_h| times larger. Measured, heads' errors: MiniLM layer 0
+        # (|q_0| = 176, |o_h| <= 39) 1.3e-8 -> 7.1e-10; random rank-2 heads with
+        # |b_h| = 10 |W_h|, d = 16, 8 seeds: 6e-12 .. 3.2e-10 -> 8e-13 .. 1.8e-11.
         root, root_misfit, kappas = common_root(spaces, [i["row logits"] for i in space_info],
                                                 [i["bias"] for i in space_info], d)
-        for h in range(H):
-            others = [spaces[g] for g in range(H) if g != h and spaces[g].shape[1]]
-            stack = np.hstack(others).T if others else np.zeros((0, d))
-            origins[h] = (np.linalg.lstsq(stack, stack @ root, rcond=None)[0] if others
-                          else np.zeros(d))
+        origins = [root] * H
     say("isolation columns")
     before = oracle.queries
     W, separations, column_blocks = np.zeros((H, d, d)), [], []
@@ -1046,9 +1175,16 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
             if biases:
                 root, root_misfit, new_kappas = common_root(
                     new_spaces, [T @ b.cols.T for b, T in zip(space_blocks, logits)], betas, d)
-                new_W = np.array([matrix_from_logits(
-                    b, resolve(b, v, values, W, query_offsets(W, spaces, kappas, b.origin)), P)
-                    for b, P in zip(column_blocks, new_spaces)])
+                column_logits = [resolve(b, v, values, W, query_offsets(W, spaces, kappas,
+                                                                        b.origin))
+                                 for b in column_blocks]
+                new_W = np.array([matrix_from_logits(b, T, P) for b, T, P in
+                                  zip(column_blocks, column_logits, new_spaces)])
+                if np.all(np.isfinite(new_W)) and all(np.all(np.isfinite(T))
+                                                      for T in column_logits):
+                    new_kappas = kappas_from_offsets(column_blocks, values, new_W,
+                                                     new_spaces, new_kappas)
+                    root = common_root_of(new_spaces, new_kappas, d)
                 spaces, kappas = new_spaces, new_kappas     # kappa_h = P_h^T p_h: one basis
             else:
                 new_W = np.array([matrix_from_logits(b, resolve(b, v, values, W), P)
@@ -1107,12 +1243,19 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
         predicted = max(predicted, LOW_PRECISION_BAR * measured * spread / min_sep)
         verify_tolerance = max(verify_tolerance, min(MAX_VERIFY_NOISY, 30.0 * max(
             tol.noise, precision.relative) + 2.0 * predicted))
+    bias_factors = {}
     if biases and H:
-        # answers to translated probes carry v^T o_h: their rounding, over the smallest
-        # height |v_h| / sqrt(d) of the isolation rows, grows by about this factor
-        translation = 1.0 + max(abs(float(v @ o)) for o in origins) * math.sqrt(d) / float(
-            norms.min())
-        predicted, first_pass = predicted * translation, first_pass * translation
+        # the query-space rows read u^T W_h q beside u^T b_h (|b_h| = 10 |W_h|, d = 16: a W
+        # part 1/50 .. 1/150 of the logit), on rows shortened until |u^T b_h| <= BIAS_LOGIT
+        # (heights as much smaller): their rounding grows by both ratios. The isolation
+        # blocks run from q_0 and take their offsets from their own probes
+        # (kappas_from_offsets): they add no factor of their own (MiniLM layer 0, |q_0| =
+        # 176: heads within 6.2e-11 against 3.6e-11 without either factor)
+        dilution = max(i["dilution"] for i in space_info)
+        shortening = max(i["shortening"] for i in space_info)
+        bias_factors = {"dilution": dilution, "shortening": shortening}
+        factor = BIAS_BAR * dilution * shortening
+        predicted, first_pass = predicted * factor, first_pass * factor
     if predicted > tol.max_predicted:
         raise RecoveryFailedError(
             f"the heads are too close to pin down: predicted parameter error {predicted:.1e} "
@@ -1152,8 +1295,7 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
         breakdown = {"constant": 1, **breakdown}
         details["biases"] = (f"c = f([0]); two probes [c u; 0] per query-space row; common root "
                              f"|q_0| = {float(safe_norm(root)) if root is not None else 0.0:.3g}, "
-                             f"isolation origins |o_h| <= "
-                             f"{max((float(safe_norm(o)) for o in origins), default=0.0):.3g}, "
+                             f"isolation columns translated by q_0, "
                              f"bias-fit residual {root_misfit:.1e} (token units)")
     report = Report(kind=model.kind, dim=d, queries=oracle.queries - q0,
                     breakdown=breakdown, floor=floor, verification=verification,
@@ -1169,4 +1311,7 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
         "predicted_error": float(predicted), "first_pass_error": float(first_pass),
         "query_space_residual": residual, "noise": float(tol.noise),
         "steepest_logit": float(meter.steepest)}
+    if biases and H:
+        report.details["conditioning_numbers"].update(
+            {"bias_" + k: float(x) for k, x in bias_factors.items()})
     return checked_result(model, report, f"multi-head attention with {H} low-rank head(s)")

@@ -60,13 +60,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import SingleHeadAttention, softmax
-from ..oracle import Oracle, by_length
+from ..oracle import Oracle, by_length, on_scaled_outputs
 from ..report import ExtractionResult, Report, Verification, verification_count
 from ..verification import (design, max_length_of, output_scale, safe_norm,
                             scaled_relative_errors, token_norms)
@@ -103,6 +103,9 @@ class NoiseModel:
     relative_tolerance: float = 0.0
     kind: str = "bounded"
     forward: bool = False     # rounding of a whole forward pass (see extract_low_precision)
+    # a ScaledOutputs view the answers come through: ``tolerance`` is in the black box's
+    # units, the answers bound() sees in the view's (divided by its factor 2^k)
+    unit: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         for name in ("tolerance", "relative_tolerance"):
@@ -123,7 +126,8 @@ class NoiseModel:
         """
         y = np.abs(observed)
         rho = self.relative_tolerance
-        return (self.tolerance + rho * y) / (1.0 - rho) * (1.0 + FLOAT_SLACK) + FLOAT_SLACK * y
+        tau = self.tolerance if self.unit is None else self.tolerance / self.unit.factor
+        return (tau + rho * y) / (1.0 - rho) * (1.0 + FLOAT_SLACK) + FLOAT_SLACK * y
 
 
 @dataclass
@@ -296,9 +300,25 @@ def extract_noisy(oracle: Oracle, *, tolerance: float, relative_tolerance: float
         raise InputError("measured error bars need repeats >= 3 (the spread of the repeats)")
     # a box outside the class can drive the probe design to overflow; the result is then
     # refused (non-finite W or error bars), without warnings on the way
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        return _extract_robust(oracle, model_noise, int(repeats), norm_bound, float(token_norm),
-                               seed, float(verify_tolerance), error_bars)
+    def learn(view):
+        # on answers rescaled to order one (exactly, by a power of two): outputs of 1e-300
+        # underflowed in the error bars; the noise bound follows the view's units
+        def bar_back(result):
+            if result is not None and view.exponent:
+                details = result.report.details
+                details["error_bar_v"] = details["error_bar_v"] * view.factor
+            return result
+
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            try:
+                return bar_back(_extract_robust(
+                    view, replace(model_noise, unit=view), int(repeats), norm_bound,
+                    float(token_norm), seed, float(verify_tolerance), error_bars))
+            except ModelMismatchError as exc:
+                bar_back(exc.result)
+                raise
+
+    return on_scaled_outputs(oracle, learn)
 
 
 # -- the robust default ----------------------------------------------------------
@@ -335,7 +355,7 @@ class _Round:
 def _extract_robust(oracle, noise, r, norm_bound, R, seed, verify_tolerance, error_bars="model"):
     start, start_queries, start_bb = time.perf_counter(), oracle.queries, oracle.black_box_seconds
     d = oracle.dim
-    n_verify = verification_count(d * d + d)
+    n_verify = verification_count(d * d + d, r * (d * d + d))   # within 5% of the recovery
     oracle.plan(r * (d * d + d) + n_verify, "noisy single-head extraction")
     rng = np.random.default_rng(seed)
 
@@ -711,7 +731,7 @@ def paper_bound(d: int, tau: float, norm_bound: float, margin: float) -> tuple[f
 def _extract_paper(oracle, noise, B, margin, seed, verify_tolerance):
     start, start_queries, start_bb = time.perf_counter(), oracle.queries, oracle.black_box_seconds
     d = oracle.dim
-    n_verify = verification_count(d * d + d)
+    n_verify = verification_count(d * d + d, d * d + d)   # within 5% of the recovery
     oracle.plan(d * d + d + n_verify, "Theorem 6.1 extraction (d^2 + d + verification)")
     eye = np.eye(d)
     v = oracle.query(eye[:, None, :])

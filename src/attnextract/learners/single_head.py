@@ -257,7 +257,7 @@ def extract_single_head(oracle: Oracle, *, seed=None,
     start_bb = oracle.black_box_seconds
     d = oracle.dim
     floor = d * d + 2 * d + 1 if biases else d * d + d
-    n_verify = verification_count(floor)
+    n_verify = verification_count(floor, floor)    # within 5% of the recovery (d >= 32)
     oracle.plan(floor + n_verify, "single-head extraction (d^2 + d recovery + verification)"
                 if not biases else "biased single-head extraction (d^2 + 2d + 1 + verification)")
 

@@ -109,7 +109,7 @@ import numpy as np
 from ..errors import (InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError,
                       RefusalWithResult)
 from ..models import TransformerLayer
-from ..oracle import Oracle, OracleView
+from ..oracle import Oracle, OracleView, on_scaled_outputs
 from ..precision import precision_of, stated_precision
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                       token_scale, verification_count, verify_model)
@@ -365,8 +365,14 @@ def extract_transformer_layer(oracle: Oracle, heads: int = 1, *, seed=None,
     """
     precision_notes: list[str] = []
     try:
-        result = _extract_layer(oracle, heads, seed, verify_tolerance, scale, output_dtype,
-                                decimals, precision_notes)
+        # on answers rescaled to order one (exactly, by a power of two): the learner's
+        # thresholds are absolute; answers of 1e-300 or 1e300 must not move them. Not
+        # with decimals, an absolute rounding in the black box's own units.
+        result = (_extract_layer(oracle, heads, seed, verify_tolerance, scale, output_dtype,
+                                 decimals, precision_notes) if decimals is not None else
+                  on_scaled_outputs(oracle, lambda view: _extract_layer(
+                      view, heads, seed, verify_tolerance, scale, output_dtype, decimals,
+                      precision_notes)))
     except RefusalWithResult as exc:
         if exc.result is not None:
             exc.result.report.notes.extend(precision_notes)
