@@ -1,6 +1,6 @@
 """float32 PyTorch attention: nn.MultiheadAttention in float32 behind a fixed readout.
 
-Run:  python benchmarks/bench_float32_torch.py [--heads 2 4] [--dim 16] [--trials 100]
+Run:  python benchmarks/bench_float32_torch.py [--heads 2 4] [--dim 16] [--trials 100] [--first-trial 0]
           [--learner multi-head] [--modes auto stated] [--label NAME] [--out-dir DIR]
 
 Per trial: a fresh ``torch.nn.MultiheadAttention(d, H, bias=False)`` with PyTorch's own
@@ -47,6 +47,11 @@ def parse():
     parser.add_argument("--heads", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--trials", type=int, default=100)
+    parser.add_argument("--first-trial", type=int, default=0,
+                        help="trials first .. first + trials - 1 (to split a run over processes)")
+    parser.add_argument("--combine", nargs="+", metavar="LABEL",
+                        help="only merge the JSONs of these labels (same learner) into --label, "
+                             "one row per trial (a trial run twice is counted once)")
     parser.add_argument("--learner", default="multi-head",
                         choices=["multi-head", "multi-head-low-rank"])
     parser.add_argument("--modes", nargs="+", default=["auto", "stated"],
@@ -117,8 +122,38 @@ def summarise(rows: list[dict]) -> dict:
                                 for (t, k), c in refusals.most_common()]}
 
 
+def combine(args) -> None:
+    """Merge the cells of runs (labels) into one table under ``args.label``."""
+    stem = f"float32_torch_{args.learner.replace('-', '_')}"
+    merged: dict = {}
+    for label in args.combine:
+        data = json.loads((Path(args.out_dir) / f"{stem}_{label}.json").read_text())
+        for c in data["cells"]:
+            if c.get("accepted", True):
+                rows = merged.setdefault((c["heads"], c["mode"]), {})
+                for r in c["rows"]:
+                    rows.setdefault(r["trial"], r)
+    cells = [{"heads": H, "mode": mode, "accepted": True,
+              **summarise([rows[t] for t in sorted(rows)]),
+              "rows": [rows[t] for t in sorted(rows)]}
+             for (H, mode), rows in sorted(merged.items())]
+    args.heads = sorted({c["heads"] for c in cells})
+    args.modes = sorted({c["mode"] for c in cells})
+    args.trials = max(c["trials"] for c in cells)
+    args.command = (f"python benchmarks/bench_float32_torch.py --learner {args.learner} "
+                    f"--combine {' '.join(args.combine)} --label {args.label}; the runs: "
+                    + "; ".join(json.loads((Path(args.out_dir) / f"{stem}_{label}.json")
+                                           .read_text())["meta"].get("command", label)
+                                for label in args.combine))
+    write(args, cells)
+
+
 def main() -> None:
     args = parse()
+    if args.combine:
+        import torch                         # noqa: F401  (its version goes in the JSON)
+        combine(args)
+        return
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     import torch
     torch.set_num_threads(1)
@@ -132,27 +167,42 @@ def main() -> None:
                       flush=True)
                 continue
             options = {"output_dtype": "float32"} if mode == "stated" else {}
-            rows = [one_trial(args.learner, args.dim, heads, t, options)
-                    for t in range(args.trials)]
+            rows = []
+            for t in range(args.first_trial, args.first_trial + args.trials):
+                rows.append(one_trial(args.learner, args.dim, heads, t, options))
+                # written after every trial: a run stopped early keeps what it measured
+                write(args, cells + [{"heads": heads, "mode": mode, "accepted": True,
+                                      **summarise(rows), "rows": rows}])
             cell = {"heads": heads, "mode": mode, "accepted": True, **summarise(rows),
                     "rows": rows}
             cells.append(cell)
             print(f"H = {heads} {mode}: within {cell['within']}, outside {cell['outside']}, "
                   f"refused {cell['refused']}, crashed {cell['crashed']} of {cell['trials']}",
                   flush=True)
+    write(args, cells)
+    print(f"wrote {args.out_dir}/float32_torch_*_{args.label}.json, .md")
+
+
+def write(args, cells: list[dict]) -> None:
+    """The JSON and markdown table of ``cells`` (a cell's "trials" counts those run)."""
+    import torch
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"float32_torch_{args.learner.replace('-', '_')}_{args.label}"
+    command = getattr(args, "command", None) or (
+        f"python benchmarks/bench_float32_torch.py --heads "
+        f"{' '.join(map(str, args.heads))} --dim {args.dim} --trials {args.trials} "
+        f"--first-trial {args.first_trial} --learner {args.learner} --modes "
+        f"{' '.join(args.modes)} --label {args.label}")
     meta = {"learner": args.learner, "dim": args.dim, "trials": args.trials,
-            "label": args.label, "torch": torch.__version__, "numpy": np.__version__}
+            "label": args.label, "torch": torch.__version__, "numpy": np.__version__,
+            "command": command}
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "cells": cells}, indent=1))
     lines = [f"# float32 nn.MultiheadAttention, d = {args.dim}, learner {args.learner} "
              f"({args.label})", "",
-             f"{args.trials} trials per row (torch.manual_seed(trial), default init, "
-             f"bias=False, readout seed = trial); command: `python "
-             f"benchmarks/bench_float32_torch.py --heads {' '.join(map(str, args.heads))} "
-             f"--dim {args.dim} --trials {args.trials} --learner {args.learner} --modes "
-             f"{' '.join(args.modes)} --label {args.label}`", "",
+             f"{args.trials} trials per row asked (the table counts those run; "
+             f"torch.manual_seed(trial), default init, "
+             f"bias=False, readout seed = trial); command: `{command}`", "",
              "| H | mode | within bar | outside bar | refused | crashed (untyped error) "
              "| refusals naming the option | median error | median bar | median queries "
              "| median s |",
@@ -173,7 +223,6 @@ def main() -> None:
             lines.append(f"- H = {c['heads']} {c['mode']}: {r['count']} x {r['type']}: "
                          f"{r['reason']}")
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out / stem}.json, .md")
 
 
 if __name__ == "__main__":

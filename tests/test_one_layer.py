@@ -79,8 +79,10 @@ def check_one_layer(result, truth, oracle):
     assert result.queries == oracle.queries == result.report.queries
     b = result.report.breakdown
     assert b["ffn"] + b["attention"] + b["verification"] == result.queries
-    # the attention stage: d^2 + d probes (+ rescaling) plus the head's verification, x2
-    assert b["attention"] >= 2 * (d * d + d) and b["attention"] % 2 == 0
+    # the attention stage: d^2 + d probes (+ rescaling) plus the head's verification, x2,
+    # but for the replays: the head's check re-asks up to 1/8 of its count of the black
+    # box itself (one query each), so the stage's count need not be even
+    assert b["attention"] >= 2 * (d * d + d)
     assert result.report.floor == d * d + m * d
     return out
 

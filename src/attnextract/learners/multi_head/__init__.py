@@ -22,7 +22,10 @@ Algorithm.
    output precision is the number of canonical heads. The logits are linear in u, so
    one fit tells the scale that puts the outermost step at the window's edge. Candidate
    rows are scanned until two agree on the count and one pins its steps well (logit
-   error per smallest gap); that one is kept.
+   error per smallest gap); that one is kept. A row with a step more than WINDOW_MARGIN
+   beyond the window does not vote (a tail fits spurious steps). Not told H, a few rows
+   beyond paper 2's share settle a disputed count, and without two rows that agree the
+   run is refused suggesting heads=.
 3. Base perturbations u_0 + eps w_k (k = 1..d-1) on a uniform lambda grid, eps a
    fraction of the smallest gap: the steps keep their labels and give every head's
    W_h q_0 and v_h to about 1e-4 (variable projection, heights solved linearly).
@@ -105,6 +108,9 @@ __all__ = ["extract_multi_head", "canonical_form", "canonical_error", "match_hea
 
 MAX_HEADS = 12            # largest H searched when no bound is given
 COUNT_FIRST = 8           # ... searched first (the base window for 8 heads is 16x shorter)
+MORE_STEPS_VOTES = 3      # rows none of whose fits reach the noise that end the search
+WINDOW_MARGIN = 4.0       # a base row with a step farther beyond the window does not vote
+COUNT_EXTRA_SCANS = 4     # base rows scanned beyond paper 2's share when no two agree (no H)
 MAX_DESIGNS = 4           # designs (base row, perturbations, main rows) tried at most
 BASE_CANDIDATES = 10      # candidate base rows at most; the search stops at a well-conditioned one
 BASE_QUALITY = 1e-7       # a base row whose logit error / smallest gap is below this
@@ -114,8 +120,11 @@ SCALE_ROUNDS = 4          # base scans to bring the steps into the window
 ERROR_BAR_FACTOR = 4.0    # error bar = this times the predicted rms relative error
 NOISE_FACTOR = 30.0       # a residual this far above the output precision is a misfit
 DEFAULT_TOLERANCE = 1e-6  # largest error bar accepted (float64 outputs; rounded: ROUNDED_TOLERANCE)
-ROUNDED_TOLERANCE = 3e4   # ... in units of the output rounding: a float32 forward pass at
-                          # d = 16 gives bars of 2e-4 to 1.6e-3 (float32 nn.MultiheadAttention)
+ROUNDED_TOLERANCE = 1.6e5 # ... in units of the output rounding (9.5e-3 for float32): a float32
+                          # forward pass at d = 16 gives bars up to 1e-3 at H = 2 and 6.2e-3 at
+                          # H = 4 (nn.MultiheadAttention; errors at most 0.64 x the bar)
+COARSEST_SHARE = 0.05     # largest NOISE_FACTOR x base-scan rounding / answer accepted
+                          # (float32: 3.4e-5; float16: 0.28 and bfloat16: 2.2 are refused)
 EXTRA_COLUMNS = 1         # columns beyond the d that determine each z_h (0 or 1)
 COLUMN_MOVE = 0.08        # column step s = this x gap x sqrt(d) / |u_k| |W_h q_0|: moves
                           # measured at 0.18 of the gap (median), 0.33 at most over 40
@@ -125,11 +134,15 @@ REFINE_ABOVE = 2.5e-11    # predicted error above which round 3 (wide columns) r
                           # error bar (4x) above 1e-10
 WIDE_ROUNDS = 3           # wide-column rounds at most (after the first, only while the
                           # predicted error exceeds REFINE_ABOVE and the count has room)
-WIDE_COLUMNS_UP_TO = 1e-3 # ... and below which the logits are predicted well enough for it
+WIDE_COLUMNS_UP_TO = 1e-2 # ... and below which the logits are predicted well enough for it
+                          # (|t| <= 7: 0.07 off against a step spacing above 1.4; float32
+                          # nn.MultiheadAttention at H = 4 predicts 1e-3 to 3e-3 before it)
 RECENTRE_ABOVE = 3e-3     # predicted relative error of the base estimate of W_h q_0 above
                           # which a base row with evenly spaced steps is designed from it
 PERTURBATION_MOVE = 0.003 # base perturbations move the steps by about this x the smallest
                           # gap (labels kept; the estimate's error scales with 1 / this)
+PERTURBATION_NOISE_MOVES = 30.0  # ... or this x the base row's largest logit error,
+PERTURBATION_MAX_MOVE = 0.25     # ... at most this x the smallest gap
 RECENTRE_TRIES = 3        # recentred base rows at most per design
 ILL_ROW_FACTOR = 30.0     # a main row whose parameters are pinned this much worse than the
                           # median row's is redesigned
@@ -344,11 +357,13 @@ class _Extraction:
         rms = safe_rms(f_values)
         if floor and self.precision_name != "float64":
             return 0.6 * self.precision * max(rms, 1e-300) + 0.3 * self.absolute_noise
-        # the coarse forward pass's law for a stated dtype; detected rounding may be one
-        # rounding of a float64 pass, or a derived box's differences (the Transformer
-        # layer's odd part), and is judged by the float64 law at its own precision
-        coarse = self.precision if self.output_dtype is not None else 0.0
-        relative = polish.length_factor(self.length, coarse) * self.precision * max(
+        # the thresholds use the float64 law (8 + log2 N roundings) at the box's own
+        # precision, stated or detected: a coarse forward pass errs more on long sums
+        # (0.35 N^0.83 roundings, the polish's weights), but thresholds NOISE_FACTOR = 30
+        # times that law let a fit with a step too few pass (float32
+        # nn.MultiheadAttention, d = 16, H = 4: 11 of 13 within the bar with it, 15 of 16
+        # with detection's law; H = 2: 20 of 20 with detection's law)
+        relative = polish.length_factor(self.length, 0.0) * self.precision * max(
             rms + heights, 1e-300)
         return relative + self.absolute_noise
 
@@ -374,6 +389,21 @@ class _Extraction:
                               f"{self.absolute_noise:.1e})")
         if self.tolerance is None:
             self.tolerance = min(0.5, max(DEFAULT_TOLERANCE, ROUNDED_TOLERANCE * self.relative_rounding))
+        # a step is told from the rounding when NOISE_FACTOR times the rounding of a base
+        # scan stays well below the answers: a bfloat16 (2^-8) or float16 (2^-11) pass
+        # puts that at 2.2 and 0.28 of them, so every row looked flat (bfloat16: a
+        # model with no heads, refused as a held-out mismatch that blamed the box)
+        share = (NOISE_FACTOR * polish.length_factor(design.base_length(self.max_heads), 0.0)
+                 * self.precision)
+        # (stated only: answers that all happen to be float16 numbers, such as a constant
+        # box's 0.5, are detected as float16 and still run)
+        if self.output_dtype is not None and share > COARSEST_SHARE:
+            self.refuse(f"answers in {self.precision_name} (relative rounding "
+                        f"{self.precision:.1e}, stated) are too coarse for this learner: it "
+                        f"tells a sigmoid step from the rounding when {NOISE_FACTOR:.0f} times "
+                        f"the rounding of a base scan stays below {COARSEST_SHARE:g} of the "
+                        f"answers, and here it is {share:.2f} of them; answers in float32 or "
+                        f"finer are needed", RecoveryFailedError)
 
     # -- stages --------------------------------------------------------------
     def run(self) -> ExtractionResult:
@@ -425,7 +455,7 @@ class _Extraction:
                 raise
             self.max_heads = min(self.d, MAX_HEADS)
             self.set_window(design.base_length(self.max_heads))
-            self.scans_left = 2     # the long window is slow to query: two rows decide
+            self.scans_left = 3     # the long window is slow to query: a few rows decide
             heads = self.base_row(4 * self.max_heads + 8)
         if heads:
             self.max_heads = heads
@@ -480,6 +510,9 @@ class _Extraction:
         room = ("no design left to try" if len(failures) >= MAX_DESIGNS else
                 f"paper 2's count {paper2_count(self.max_heads, d)} and the budget leave no "
                 f"room for another design")
+        if not self.heads_told:
+            room += (f"; the head count {self.max_heads} was found by the learner (base rows "
+                     f"agreed on it): if the box's head count is known, give heads= (--heads)")
         if len(failures) == 1:
             message = f"{failures[0]}; {room}"
         else:
@@ -531,11 +564,13 @@ class _Extraction:
         (a retry's fresh design); several draws when a draw's fit misses the noise."""
         d = self.d
         self.set_window(design.base_length(self.max_heads))
+        u = None
         for _ in range(3):
-            self.q_0 = self.rng.standard_normal(d)
-            self.q_0 /= np.linalg.norm(self.q_0)
-            u = self.rng.standard_normal(d)
-            u *= self.details["base scale"] / np.linalg.norm(u)
+            if u is None:
+                self.q_0 = self.rng.standard_normal(d)
+                self.q_0 /= np.linalg.norm(self.q_0)
+                u = self.rng.standard_normal(d)
+                u *= self.details["base scale"] / np.linalg.norm(u)
             before = self.oracle.queries
             lam, g = self.measure(np.repeat(u[None], self.base_grid.size, 0),
                                   np.repeat(self.q_0[None], self.base_grid.size, 0),
@@ -544,10 +579,15 @@ class _Extraction:
             noise = self.noise(g + self.q_0 @ self.v)
             steps = fit.fit_free_steps(lam, g, u @ self.v, heads, self.half_window, noise,
                                        counts=[heads])[-1]
-            if (steps.rms <= NOISE_FACTOR * self.noise(g + self.q_0 @ self.v, np.sum(np.abs(steps.c)))
-                    and np.isfinite(base_quality(steps, self.half_window))):
+            fits = steps.rms <= NOISE_FACTOR * self.noise(g + self.q_0 @ self.v,
+                                                          np.sum(np.abs(steps.c)))
+            if fits and np.isfinite(base_quality(steps, self.half_window)):
                 self.adopt_base(u, steps)
                 return
+            edge = float(np.max(np.abs(steps.t)))
+            # a step at the window's edge (the scale was set on another row): the logits
+            # are linear in u, so a shorter row pulls it inside; otherwise a new draw
+            u = u * (self.half_window - 1.5) / edge if fits and edge > 1.0 else None
         raise _Redesign(RecoveryFailedError, "no fresh base row fit its steps")
 
     def set_window(self, length: int) -> None:
@@ -615,17 +655,27 @@ class _Extraction:
 
         before = self.oracle.queries
         found = [first]
+        # not told H: the count is what independent rows agree on, so rows are scanned
+        # until two agree, COUNT_EXTRA_SCANS beyond the share of paper 2's count at most
+        extra = 0 if self.heads_told else COUNT_EXTRA_SCANS
         for w in directions[1:]:
-            if self.scans_left <= 0:
-                break
-            agreed = _agreed_count(self.votes(found))
+            agreed = self.agreed(found)
             if agreed is not None and (agreed == 0 or min(
                     base_quality(f[2], self.half_window) for f in found if f[0] == agreed)
                     <= BASE_QUALITY):
                 break         # two rows agree on the count, one of them well pinned: stop
+            if (not self.heads_told and len(found) >= MORE_STEPS_VOTES
+                    and all(f[0] is None for f in found)):
+                break         # rows agree that no count up to H fits: more heads, or no box
+            if self.scans_left <= 0:
+                if agreed is not None or extra <= 0:
+                    break
+                extra -= 1
             found.append(scan(scale * w))
         self.spend("base rows", before)
         counts = [c for c in self.votes(found) if c is not None]
+        if not counts:       # every fitted row out of the window: their counts, as before
+            counts = [c for c in self.votes(found, window=False) if c is not None]
         if not counts:
             rms = min(f[2].rms / f[3] for f in found)
             hint = ("" if self.heads_told else
@@ -634,7 +684,17 @@ class _Extraction:
             self.refuse(f"the black box is not multi-head attention with at most {H} heads: "
                         f"no base row fits {H} sigmoid steps (residual {rms:.1e} times the "
                         f"output precision){hint}")
-        heads = _agreed_count(counts)
+        heads = self.agreed(found)
+        if heads is None and not self.heads_told:
+            # rows beyond the window agreeing among themselves still beat a refusal (d = 8,
+            # H = 5: four rows of 5 with a fitted step beyond the margin, none inside)
+            heads = _agreed_count([c for c in self.votes(found, window=False) if c is not None])
+        if heads is None and not self.heads_told:
+            self.refuse(f"the head count could not be found: {len(found)} base rows gave "
+                        f"{[f[0] for f in found]} sigmoid steps (None: more than {H} or no "
+                        f"fit) and no two agree, as the rows of a box with at most {H} "
+                        f"canonical heads would; if its head count is known, give heads= "
+                        f"(--heads)", RecoveryFailedError)
         if heads is None:
             heads = max(counts)
             self.notes.append(f"the head count {heads} rests on one base row (the rows "
@@ -647,7 +707,21 @@ class _Extraction:
         self.adopt_base(chosen[1], chosen[2])
         return heads
 
-    def votes(self, found) -> list:
+    def agreed(self, found) -> int | None:
+        """The head count the base rows agree on (None if none): the largest count two
+        voting rows share (:func:`_agreed_count`). Told H, only rows within the window
+        vote (:meth:`in_window`). Not told, a row beyond the window may confirm the count
+        of a row within it: a single head whose scale, set on one row, puts it far
+        outside most others needed up to 10 rows (2.25x the queries of a told run) when
+        only rows within the window voted."""
+        if self.heads_told:
+            return _agreed_count(self.votes(found))
+        inside = {f[0] for f in found if f[0] is not None and self.in_window(f)}
+        counts = [c for c in self.votes(found, window=False) if c is not None]
+        shared = [c for c in set(counts) if counts.count(c) >= 2 and c in inside]
+        return max(shared) if shared else None
+
+    def votes(self, found, window: bool = True) -> list:
         """The base rows' head counts as votes. A flat row (count 0) says no head only
         when v = sum_h v_h is 0 too: with v nonzero some head exists, and a flat row
         has its steps outside the window (a scale set by another row), so it does not
@@ -655,7 +729,21 @@ class _Extraction:
         heights = [float(np.sum(np.abs(f[2].c))) / max(float(np.linalg.norm(f[1])), 1e-300)
                    for f in found if f[0] and f[2] is not None]
         v_nonzero = bool(heights) and float(np.linalg.norm(self.v)) > 1e-8 * max(heights)
-        return [f[0] for f in found if not (v_nonzero and f[0] == 0)]
+        return [f[0] for f in found if not (v_nonzero and f[0] == 0)
+                and (not window or self.in_window(f))]
+
+    def in_window(self, found_row) -> bool:
+        """Whether a base row's fitted steps (those with a height above 1e-3 of the
+        largest) lie within WINDOW_MARGIN of the window. A step farther out shows less than
+        e^-4 of its height, a tail which a few spurious steps fit as well as one: such a
+        row does not vote (d = 8, H = 1, s = 3: rows at |t| = 14 to 3.5e6 gave 3 and 3 and
+        outvoted seven rows of 1). A margin of 1 dropped float32 rows of 4 real steps at
+        |t| = 9 to 12.4 and left 3 heads agreed (nn.MultiheadAttention, H = 4, trial 51)."""
+        count, steps = found_row[0], found_row[2]
+        if not count or getattr(steps, "t", None) is None:
+            return True
+        strong = np.abs(steps.c) > 1e-3 * np.max(np.abs(steps.c))
+        return bool(np.all(np.abs(steps.t[strong]) <= self.half_window + WINDOW_MARGIN))
 
     def adopt_base(self, u: np.ndarray, steps) -> None:
         """Make (u, its fitted steps) the base row and report how well it is pinned."""
@@ -776,7 +864,13 @@ class _Extraction:
         H = t0.size
         gap = float(np.min(np.diff(t0))) if H > 1 else 2.0
         spread = float(np.sqrt(np.mean(t0 ** 2))) + 0.5
-        eps = float(np.clip(PERTURBATION_MOVE * gap / spread, 1e-12, 0.5))
+        # a coarse box pins the base steps to about 1e-2 (float32 forward pass, H = 4):
+        # a move of PERTURBATION_MOVE gaps would measure that noise, so the steps move
+        # by PERTURBATION_NOISE_MOVES logit errors, still well within their gap (labels)
+        move = max(PERTURBATION_MOVE * gap, min(
+            PERTURBATION_NOISE_MOVES * float(np.max(self.base_fit.t_std)),
+            PERTURBATION_MAX_MOVE * gap))
+        eps = float(np.clip(move / spread, 1e-12, 0.5))
         W_perp = design.orthonormal_complement(self.u_0, self.rng) * np.linalg.norm(self.u_0)
         rows = self.u_0[None] + eps * W_perp                          # (d - 1, d)
         lam_t = design.base_lambdas(3 * H + 3, self.half_window)
