@@ -278,12 +278,12 @@ def test_a_small_check_keeps_every_family_and_the_search():
     assert {"ordinary", "long", "repeated", "norms", "sparse", "peaked", "far", "hull",
             "steps", "search"} <= set(check.family_errors)
     assert check.lengths[1] == DEFAULT_LONGEST
-    for seed in range(5):                   # both ends, every token there (none mixed in)
+    for seed in range(5):                   # the top end, every token there (none mixed in)
         held = design(D, 15, np.random.default_rng(seed), 0.5, model=model)
         ends = [safe_norm(x, axis=1) for x, f in zip(held.sequences, held.family) if f == "norms"]
         assert len(ends) == 2
         low, high = sorted(ends, key=np.max)
-        assert high.min() > 1e4 * low.max() and high.min() > 50.0 and low.max() < 0.05
+        assert high.min() > 30 * low.max() and high.min() > 50.0
     for seed in range(3):
         for name in ("truncation 257", "norm trigger", "sink far below", "cubic scores"):
             box = make_impostor(name, model, np.random.default_rng([seed, 7]), 72)
