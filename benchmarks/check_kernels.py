@@ -31,8 +31,9 @@ import sys
 import time
 
 DEFAULT_TESTS = ["tests/test_multi_head.py", "tests/test_multi_head_polish.py",
-                 "tests/test_multi_head_low_rank.py",
-                 "tests/test_low_precision.py"]
+                 "tests/test_multi_head_low_rank.py", "tests/test_multi_head_labels.py",
+                 "tests/test_multi_head_count.py", "tests/test_multi_head_biases.py",
+                 "tests/test_low_precision.py", "tests/test_biases.py"]
 
 PROBE = """
 import json, numpy, threadpoolctl
