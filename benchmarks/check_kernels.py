@@ -109,10 +109,11 @@ def run(name: str, env: dict, command: list[str]) -> dict:
 
 
 def markdown(rows: list[dict], tests: list[str], numpy_version: str,
-             pytest_args: tuple = ()) -> str:
+             pytest_args: tuple = (), slow: bool = False) -> str:
     lines = [f"# Numerical tests under every OpenBLAS kernel and numpy SIMD level", "",
              f"Tests: {', '.join(tests)} (numpy {numpy_version}); command: "
-             f"`python benchmarks/check_kernels.py"
+             f"`python benchmarks/check_kernels.py{' --slow' if slow else ''} --tests "
+             f"{' '.join(tests)}"
              + "".join(f" {a!r}" if " " in a else f" {a}" for a in
                        (("--", *pytest_args) if pytest_args else ()))
              + "` (each configuration in its own subprocess, tests marked slow left out "
@@ -146,23 +147,26 @@ def main() -> None:
     base.pop("OPENBLAS_CORETYPE", None)
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args.tests,
                *([] if args.slow else ["-m", "not slow"]), *args.pytest_args]
-    rows = []
-    if not args.no_openblas:
-        for kernel in kernels():
-            rows.append(run(f"OpenBLAS {kernel}", {**base, "OPENBLAS_CORETYPE": kernel},
-                            command))
-    if not args.no_simd:
-        for name, disabled in simd_levels(base):
-            rows.append(run(f"numpy SIMD {name}", {**base, "NPY_DISABLE_CPU_FEATURES": disabled},
-                            command))
     numpy_version = probe(base).get("numpy", "?")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"tests": args.tests, "pytest_args": args.pytest_args,
-                       "numpy": numpy_version, "rows": rows}, fh, indent=1)
-    if args.md:
-        with open(args.md, "w") as fh:
-            fh.write(markdown(rows, args.tests, numpy_version, tuple(args.pytest_args)))
+    configurations = []
+    if not args.no_openblas:
+        configurations += [(f"OpenBLAS {kernel}", {**base, "OPENBLAS_CORETYPE": kernel})
+                           for kernel in kernels()]
+    if not args.no_simd:
+        configurations += [(f"numpy SIMD {name}", {**base, "NPY_DISABLE_CPU_FEATURES": disabled})
+                           for name, disabled in simd_levels(base)]
+    rows = []
+    for name, env in configurations:
+        rows.append(run(name, env, command))
+        # written after every configuration: a long --slow run that is stopped keeps its rows
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"tests": args.tests, "pytest_args": args.pytest_args,
+                           "numpy": numpy_version, "rows": rows}, fh, indent=1)
+        if args.md:
+            with open(args.md, "w") as fh:
+                fh.write(markdown(rows, args.tests, numpy_version, tuple(args.pytest_args),
+                                  slow=args.slow))
     sys.exit(0 if rows and all(r["passed"] for r in rows) else 1)
 
 
