@@ -19,6 +19,7 @@ from attnextract.models import (BiasedMultiHeadAttention, BiasedSingleHeadAttent
                                 MultiHeadAttention, SingleHeadAttention, softmax)
 from attnextract.oracle import Oracle
 from attnextract.report import load_model, save_result, verification_count
+from conftest import grid
 
 
 def relative(a, b, reference=None):
@@ -98,7 +99,7 @@ def test_biased_single_head_at_the_floor(d, seed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("seed", grid(range(20), range(3)))    # each of the 3 bias sizes
 def test_biased_single_head_at_d_256(seed):
     d = 256
     truth = biased_head(d, seed, bias=(0.0, 5.1, 1.0)[seed % 3])

@@ -11,7 +11,7 @@ from attnextract.learners.biased_relu import extract_biased_relu
 from attnextract.learners.transformer_layer import (compare_transformer_layer, free_parameters,
                                                     random_transformer_layer)
 from attnextract.models import attention_output
-from conftest import run_cli
+from conftest import grid, run_cli
 
 TOL = 1e-8
 
@@ -62,7 +62,7 @@ def test_each_case_small(case, options, seed):
 
 # --------------------------------------------------------------------------- (1) bias-free
 @pytest.mark.parametrize("width", [16, 32])
-@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("seed", grid(range(20), range(4)))
 @pytest.mark.slow
 def test_bias_free_single_head(width, seed):
     truth = random_transformer_layer(16, width, seed=seed)
@@ -202,7 +202,7 @@ def test_large_token_view_is_the_bias_free_odd_part():
 
 # --------------------------------------------------------------------------- (2) biases
 @pytest.mark.parametrize("bias_scale", [1.0, 1e-3, 1e-6])
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", grid(range(6), range(2)))
 @pytest.mark.slow
 def test_biases_single_head(bias_scale, seed):
     truth = random_transformer_layer(32, 32, seed=seed, bias_scale=bias_scale, c0=0.7 - 0.4 * seed)
@@ -223,7 +223,7 @@ def test_output_bias_only(seed):
 
 # --------------------------------------------------------------------------- (3) residual
 @pytest.mark.parametrize("bias_scale", [1.0, 0.0])
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", grid(range(6), range(3)))
 @pytest.mark.slow
 def test_residual(bias_scale, seed):
     truth = random_transformer_layer(16, 32, seed=seed, bias_scale=bias_scale, c0=0.3,
