@@ -497,6 +497,9 @@ def test_ctrl_c_prints_one_line_with_the_queries_and_how_to_resume(tmp_path):
     assert f"journal {journal}" in lines[0] and "rerun the same command" in lines[0]
     spent = int(lines[0].split("interrupted after ")[1].split()[0])
     assert spent >= 9 and not (tmp_path / "r.npz").exists()
+    # the process ends without the interpreter's shutdown (issue 22: within 1 s): no
+    # temporary file is left, and the journal resumes below
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
     resumed = subprocess.run(args[:-1] + ["--json"], env=dict(env, SLEEP="0"),
                              capture_output=True, text=True, timeout=120)
     assert resumed.returncode == 0, resumed.stderr
