@@ -18,7 +18,8 @@ process only; the subprocess also reports what took effect (OpenBLAS's core type
 enabled dispatch features). The report gives pass/fail per configuration.
 
 Run:  python benchmarks/check_kernels.py [--tests tests/test_multi_head.py ...] [--slow]
-          [--no-openblas] [--no-simd] [--json FILE] [--md FILE] [-- extra pytest args]
+          [--no-openblas] [--no-simd] [--only NAME ...] [--json FILE] [--md FILE]
+          [-- extra pytest args]
 """
 
 from __future__ import annotations
@@ -109,11 +110,11 @@ def run(name: str, env: dict, command: list[str]) -> dict:
 
 
 def markdown(rows: list[dict], tests: list[str], numpy_version: str,
-             pytest_args: tuple = (), slow: bool = False) -> str:
+             pytest_args: tuple = (), slow: bool = False, only=None) -> str:
     lines = [f"# Numerical tests under every OpenBLAS kernel and numpy SIMD level", "",
              f"Tests: {', '.join(tests)} (numpy {numpy_version}); command: "
              f"`python benchmarks/check_kernels.py{' --slow' if slow else ''} --tests "
-             f"{' '.join(tests)}"
+             f"{' '.join(tests)}" + (f" --only {' '.join(only)}" if only else "")
              + "".join(f" {a!r}" if " " in a else f" {a}" for a in
                        (("--", *pytest_args) if pytest_args else ()))
              + "` (each configuration in its own subprocess, tests marked slow left out "
@@ -138,6 +139,9 @@ def main() -> None:
     parser.add_argument("--slow", action="store_true", help="include tests marked slow")
     parser.add_argument("--no-openblas", action="store_true", help="skip the OpenBLAS kernels")
     parser.add_argument("--no-simd", action="store_true", help="skip the numpy SIMD levels")
+    parser.add_argument("--only", nargs="+", metavar="TEXT",
+                        help="only the configurations whose name contains one of these "
+                        "(e.g. Haswell Zen X86_V3)")
     parser.add_argument("--json")
     parser.add_argument("--md")
     parser.add_argument("pytest_args", nargs="*")
@@ -155,6 +159,9 @@ def main() -> None:
     if not args.no_simd:
         configurations += [(f"numpy SIMD {name}", {**base, "NPY_DISABLE_CPU_FEATURES": disabled})
                            for name, disabled in simd_levels(base)]
+    if args.only:
+        configurations = [(name, env) for name, env in configurations
+                          if any(text in name for text in args.only)]
     rows = []
     for name, env in configurations:
         rows.append(run(name, env, command))
@@ -166,7 +173,7 @@ def main() -> None:
         if args.md:
             with open(args.md, "w") as fh:
                 fh.write(markdown(rows, args.tests, numpy_version, tuple(args.pytest_args),
-                                  slow=args.slow))
+                                  slow=args.slow, only=args.only))
     sys.exit(0 if rows and all(r["passed"] for r in rows) else 1)
 
 
