@@ -76,10 +76,9 @@ def served(layer: int) -> dict:
         secret = Path(tmp) / f"layer{layer}-secret.npz"
         subprocess.run(CLI + ["minilm", "--layer", str(layer), "--all-heads", "--save-target",
                               str(secret)], check=True, env=ENV, capture_output=True)
-        timing = Path(tmp) / "server.time"
-        server = subprocess.Popen(["/usr/bin/time", "-v", "-o", str(timing), *CLI, "serve",
-                                   "--secret", str(secret), "--port", "0", "--workers", "2",
-                                   "--threads", "1"], stdout=subprocess.PIPE, text=True, env=ENV)
+        server = subprocess.Popen(CLI + ["serve", "--secret", str(secret), "--port", "0",
+                                         "--workers", "2", "--threads", "1"],
+                                  stdout=subprocess.PIPE, text=True, env=ENV)
         try:
             line = server.stdout.readline()
             url = re.search(r"http://\S+", line).group(0).rstrip(").,")
@@ -90,12 +89,12 @@ def served(layer: int) -> dict:
                                            "--threads", "1", "--target", url,
                                            "--http-timeout", "600"])
             seconds = time.perf_counter() - start
+            # the server's own CPU time (user + system, clock ticks) before it is stopped
+            fields = Path(f"/proc/{server.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            server_cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         finally:
             server.terminate()          # the server this script started, by its handle
             server.wait(timeout=60)
-        text = timing.read_text()
-    server_cpu = (float(re.search(r"User time \(seconds\): ([\d.]+)", text).group(1))
-                  + float(re.search(r"System time \(seconds\): ([\d.]+)", text).group(1)))
     row = _row(layer, out, cpu, wall, (round(load, 1), round(os.getloadavg()[0], 1)))
     row.update({"served": True, "server_cpu_s": round(server_cpu, 2),
                 "client_waited_s": round(out.get("black_box_seconds", float("nan")), 1),
@@ -119,27 +118,12 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, nargs="*", default=[0, 5])
-    parser.add_argument("--serve", type=int, nargs="*", default=[])
-    parser.add_argument("--out", default="minilm_biases4")
-    args = parser.parse_args()
-    path = RESULTS / f"{args.out}.json"
-    rows = json.loads(path.read_text())["rows"] if path.exists() else []
-    for layer in args.layers:
-        rows = [r for r in rows if (r["layer"], r.get("served", False)) != (layer, False)]
-        rows.append(local(layer))
-        print(table(rows[-1:]), flush=True)
-        path.write_text(json.dumps({"rows": rows}, indent=1))
-    for layer in args.serve:
-        rows = [r for r in rows if (r["layer"], r.get("served", False)) != (layer, True)]
-        rows.append(served(layer))
-        print(table(rows[-1:]), flush=True)
-        path.write_text(json.dumps({"rows": rows}, indent=1))
+def write(rows: list[dict], name: str) -> None:
+    """NAME.json (every row) and NAME.md (the command and the table)."""
+    (RESULTS / f"{name}.json").write_text(json.dumps({"rows": rows}, indent=1))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=RESULTS).stdout.strip()
-    (RESULTS / f"{args.out}.md").write_text(
+    (RESULTS / f"{name}.md").write_text(
         "# all-MiniLM-L6-v2, every bias (benchmarks/bench_minilm_biases.py)\n\n"
         f"Run: `OPENBLAS_NUM_THREADS=1 PYTHONPATH=src nice -n 10 python "
         f"benchmarks/bench_minilm_biases.py {' '.join(sys.argv[1:])}` (last run at commit "
@@ -148,11 +132,29 @@ def main():
         "--no-journal --threads 1` (learner seed 0, readout seed 0); served: the layer saved "
         "with `--save-target`, `attnextract serve --secret FILE --port 0 --workers 2 "
         "--threads 1`, and `--target http://127.0.0.1:PORT --http-timeout 600`. CPU s = user "
-        "+ system of the process under /usr/bin/time -v (server apart); wall times are "
-        "inflated by the shared 2-core machine's load (1-minute load average before and "
-        "after each run in the last column). Errors are relative, per head, against the "
-        "layer's own weights; \"exact\" means c equals the float64 truth.\n\n"
+        "+ system of the process under /usr/bin/time -v (the server's from /proc); wall "
+        "times are inflated by the shared 2-core machine's load (1-minute load average "
+        "before and after each run in the last column). Errors are relative, per head, "
+        "against the layer's own weights; \"exact\" means c equals the float64 truth.\n\n"
         + table(rows) + "\n")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="*", default=[0, 5])
+    parser.add_argument("--serve", type=int, nargs="*", default=[])
+    parser.add_argument("--out", default="minilm_biases4")
+    args = parser.parse_args()
+    path = RESULTS / f"{args.out}.json"
+    rows = json.loads(path.read_text())["rows"] if path.exists() else []
+    for layer, serve in [(layer, False) for layer in args.layers] + [(l, True) for l in args.serve]:
+        # re-read: several runs may add layers to one file
+        rows = json.loads(path.read_text())["rows"] if path.exists() else []
+        row = served(layer) if serve else local(layer)
+        rows = [r for r in rows if (r["layer"], r.get("served", False)) != (layer, serve)]
+        rows.append(row)
+        print(table(rows[-1:]), flush=True)
+        write(rows, args.out)
 
 
 if __name__ == "__main__":
