@@ -63,8 +63,9 @@ def test_biased_heads_recovered(H, d, seed):
                                         (4, 16, grid(20, 10)), (8, 16, grid(20, 5))])
 def test_biased_heads_over_twenty_seeds(H, d, seeds):
     """20 seeds (in CI 10 and 5 at d = 16 with 4 and 8 heads, all 20 in
-    benchmarks/test_grids.py and bench_multi_head_biases.py): every run within its own error bar and within the learner's cap (paper
-    2's count + H d + 1, verification included); within 1e-10 everywhere but at
+    benchmarks/test_grids.py and bench_multi_head_biases.py): every run within its own
+    error bar and within the learner's cap (paper 2's count + H d + 1, verification
+    included); within 1e-10 everywhere but at
     H = d = 8 (no free direction in the designed rows), where one of 20 seeds lands at
     2.7e-10, within its bar (benchmarks/results/mh3_biases_h8_d8.md, and with the polish
     of b_h and c mh_biases4.md, where every condition below holds; four of 20 at
