@@ -137,6 +137,10 @@ WIDE_ROUNDS = 3           # wide-column rounds at most (after the first, only wh
 WIDE_COLUMNS_UP_TO = 1e-2 # ... and below which the logits are predicted well enough for it
                           # (|t| <= 7: 0.07 off against a step spacing above 1.4; float32
                           # nn.MultiheadAttention at H = 4 predicts 1e-3 to 3e-3 before it)
+COARSE_ROUNDING = 2.0 ** -30  # relative rounding from which answers count as coarse
+                          # (float32, a few decimals): base rows are scaled one by one
+PINNED_STEPS = 0.1         # coarse answers: a base row whose logit error is below this x its
+                          # smallest step gap has as many heads as fitted steps at least
 RECENTRE_ABOVE = 3e-3     # predicted relative error of the base estimate of W_h q_0 above
                           # which a base row with evenly spaced steps is designed from it
 PERTURBATION_MOVE = 0.003 # base perturbations move the steps by about this x the smallest
@@ -311,6 +315,7 @@ class _Extraction:
         self.notes: list[str] = []
         self.biases, self.c = False, 0.0      # biases: set by extract_multi_head, c = f([0])
         self.labels_trusted, self.label_misfit = False, math.inf   # set by main's relabel
+        self.coarse = False                   # set by set_precision
         self.set_window(design.base_length(self.max_heads))   # the base stages; main() switches
         from ...verification import max_length_of
         needed = max(self.length, design.window_length(self.max_heads))
@@ -384,6 +389,7 @@ class _Extraction:
         self.absolute_noise = 0.0 if self.decimals is None else 0.5 * 10.0 ** -self.decimals
         scale = max(safe_rms(self.v), 1e-300)
         self.relative_rounding = self.precision + self.absolute_noise / scale
+        self.coarse = self.relative_rounding >= COARSE_ROUNDING
         if self.decimals is not None:
             self.notes.append(f"outputs rounded to {self.decimals} decimals (absolute "
                               f"{self.absolute_noise:.1e})")
@@ -419,11 +425,13 @@ class _Extraction:
         s0 = 4 * H + 8
         rest = d + self.biases + self.perturbation_cost(H) + self.main_cost(H)
         # the base search (scale rounds and candidate rows) spends at most what paper 2's
-        # count leaves after the rest of the plan, and at least three scans
+        # count leaves after the rest of the plan and the held-out verification (a rounded
+        # box, whose rows never pin their steps to BASE_QUALITY, spent all of it: --decimals
+        # 5 at d = 8, H = 2 used 495 + 64 verification = 559 of 509), and at least three scans
+        rest += verification_count(self.parameters(H))
         self.scans_left = max(3, min(SCALE_ROUNDS + BASE_CANDIDATES,
                                      (self.count_cap(H) - rest) // s0))
-        self.oracle.plan(rest + self.scans_left * s0 + verification_count(self.parameters(H)),
-                         "multi-head extraction")
+        self.oracle.plan(rest + self.scans_left * s0, "multi-head extraction")
         before = self.oracle.queries
         self.c, self.v = constant_and_values(self.oracle, self.biases)
         self.spend("v tokens" + (" and c = f([0])" if self.biases else ""), before)
@@ -584,10 +592,15 @@ class _Extraction:
             if fits and np.isfinite(base_quality(steps, self.half_window)):
                 self.adopt_base(u, steps)
                 return
-            edge = float(np.max(np.abs(steps.t)))
+            edge, steps_u = float(np.max(np.abs(steps.t))), u
             # a step at the window's edge (the scale was set on another row): the logits
             # are linear in u, so a shorter row pulls it inside; otherwise a new draw
             u = u * (self.half_window - 1.5) / edge if fits and edge > 1.0 else None
+            if u is None and self.coarse and np.isfinite(edge) and not fits:
+                # coarse answers: steps beyond the window sink below the rounding, so
+                # the row is rescanned at its own scale (:meth:`base_row`)
+                u = steps_u * float(np.clip((self.half_window - 1.5) / max(edge, 1e-3),
+                                            1e-2, 1e2))
         raise _Redesign(RecoveryFailedError, "no fresh base row fit its steps")
 
     def set_window(self, length: int) -> None:
@@ -672,6 +685,18 @@ class _Extraction:
                     break
                 extra -= 1
             found.append(scan(scale * w))
+            if self.coarse and self.scans_left > 0:
+                # coarse answers (float32): a step a few units beyond the window sinks
+                # below the rounding and two steps 0.3 apart merge, so a row scaled by
+                # another row's spread shows too few steps (float32
+                # nn.MultiheadAttention, d = 16, H = 4: rows at 0.01 to 50x the target
+                # spread, 3 of 4 heads seen). The logits are linear in u: each row is
+                # rescanned at its own scale, its outermost fitted step at the target
+                steps = found[-1][2]
+                if steps is not None and np.all(np.isfinite(steps.t)):
+                    factor = target_spread / max(spread(found[-1]), 1e-3)
+                    if not (self.in_window(found[-1]) and 0.6 <= factor <= 1.6):
+                        found[-1] = scan(float(np.clip(factor, 1e-2, 1e2)) * scale * w)
         self.spend("base rows", before)
         counts = [c for c in self.votes(found) if c is not None]
         if not counts:       # every fitted row out of the window: their counts, as before
@@ -699,6 +724,18 @@ class _Extraction:
             heads = max(counts)
             self.notes.append(f"the head count {heads} rests on one base row (the rows "
                               f"scanned gave {sorted(counts)})")
+        if self.coarse:
+            # coarse answers only hide steps (a step beyond the window sinks below the
+            # rounding, two close steps merge), so a row whose every step is pinned to
+            # a fraction of its smallest gap proves its count, agreed or not (float32
+            # nn.MultiheadAttention, d = 16, H = 4: rows of 3, 3, 3 and one of 4 steps)
+            pinned = [f[0] for f in found if f[0] and self.in_window(f)
+                      and base_quality(f[2], self.half_window) <= PINNED_STEPS]
+            if pinned and max(pinned) > heads:
+                self.notes.append(f"the head count {max(pinned)} rests on a base row whose "
+                                  f"steps are pinned (the rows scanned gave "
+                                  f"{[f[0] for f in found]})")
+                heads = max(pinned)
         self.details["canonical heads"] = heads
         self.details["head counts of the base rows"] = [f[0] for f in found]
         if heads == 0:
@@ -766,7 +803,13 @@ class _Extraction:
         d, H = Y0.shape
         half = self.half_window - 3.0       # room for steps the rough estimate misplaces
         spacing = 2.0 * half / (H - 1) if H > 1 else 2.0
-        u = design.least_uncertain_row(Y0, V0, self.base_covariance,
+        covariance = self.base_covariance
+        if not np.all(np.isfinite(covariance)):
+            # a perturbed row with a step its samples do not pin (infinite logit error;
+            # it reached LAPACK as NaN: "SVD did not converge"): no weights, the
+            # shortest row that places the steps
+            covariance = np.eye(d)
+        u = design.least_uncertain_row(Y0, V0, covariance,
                                        design.step_positions(H, half), self.rng,
                                        jitter=0.25 * spacing)
         heights = float(np.sum(np.abs(u @ V0)))
@@ -896,6 +939,16 @@ class _Extraction:
             T_std.append(steps.t_std)
             C_std.append(steps.c_std)
         if worst > 1.0:
+            quality = base_quality(self.base_fit, self.half_window)
+            if quality > PINNED_STEPS or (self.coarse and H < self.max_heads):
+                # the base row's own fit is to blame: its steps were pinned loosely, or
+                # coarse answers hid a step of it (fewer steps than the heads asked)
+                raise _Redesign(RecoveryFailedError,
+                                f"a perturbed base row does not fit {H} steps (residual "
+                                f"{worst:.1e} times the allowed misfit) refitted from a base "
+                                f"row whose fit was the learner's failure ({H} of at most "
+                                f"{self.max_heads} steps, logit error {quality:.1e} of the "
+                                f"smallest gap): the black box is not judged")
             raise _Redesign(ModelMismatchError,
                             f"a perturbed base row does not fit {H} steps (residual {worst:.1e} "
                             f"times the allowed misfit): the black box is not multi-head "
