@@ -289,7 +289,7 @@ class Float32MultiHeadBlackBox:
 
     Per head, with projections Q_h, K_h, V_h (hd, d), hd = d / H, an output projection O
     (d, d) and a readout r (d,): f(X) = r^T O concat_h(softmax(X K_h^T Q_h x_N / sqrt(hd))^T
-    X V_h^T), every product, the softmax and the sums in float32; the answers are float32
+    X V_h^T), every product, the softmax and the sums (one token at a time) in float32; the answers are float32
     numbers returned as float64 (B,) for X (B, N, d). The parameters are drawn as
     PyTorch's default initialisation draws them (in-projection Xavier-uniform over
     (3d, d), output projection uniform +-1/sqrt(d)) and r is a random unit vector: the
@@ -324,7 +324,10 @@ class Float32MultiHeadBlackBox:
         scores = np.einsum("bhna,bha->bhn", k, q)
         scores -= scores.max(axis=2, keepdims=True)
         weights = np.exp(scores)
-        weights /= weights.sum(axis=2, keepdims=True)
+        # sums over the tokens accumulated one token at a time, in float32 (as a plain
+        # loop would): their rounding grows with N like a real forward pass's, where
+        # numpy's pairwise sums would be the most accurate float32 can be
+        weights /= np.cumsum(weights, axis=2)[:, :, -1:]
         values = np.einsum("had,bnd->bhna", self.V, X)
-        heads = np.einsum("bhn,bhna->bha", weights, values).reshape(X.shape[0], -1)
+        heads = np.cumsum(weights[..., None] * values, axis=2)[:, :, -1].reshape(X.shape[0], -1)
         return ((heads @ self.O.T) @ self.r).astype(np.float64)
