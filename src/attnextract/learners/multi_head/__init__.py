@@ -437,6 +437,11 @@ class _Extraction:
         self.spend("v tokens" + (" and c = f([0])" if self.biases else ""), before)
         self.answers = [(np.zeros((d, d)), np.eye(d), np.zeros(d), self.v, 1)]  # the polish's
         self.set_precision()
+        if self.coarse:
+            # coarse answers: a candidate row costs up to two scans (its own scale), so
+            # twice the candidates' scans, within what paper 2's count leaves
+            self.scans_left = max(3, min(2 * (SCALE_ROUNDS + BASE_CANDIDATES),
+                                         (self.count_cap(H) - rest) // s0))
         self.say("base row")
         try:
             heads = self.count_heads(s0)
@@ -621,7 +626,7 @@ class _Extraction:
         lam_target = self.base_grid = design.base_lambdas(s0, self.half_window)
         self.q_0 = rng.standard_normal(d)
         self.q_0 /= np.linalg.norm(self.q_0)
-        directions = rng.standard_normal((BASE_CANDIDATES, d))
+        directions = rng.standard_normal((BASE_CANDIDATES * (2 if self.coarse else 1), d))
         directions /= np.linalg.norm(directions, axis=1, keepdims=True)
         target_spread = self.half_window - 1.5
 
@@ -673,6 +678,11 @@ class _Extraction:
         extra = 0 if self.heads_told else COUNT_EXTRA_SCANS
         for w in directions[1:]:
             agreed = self.agreed(found)
+            if self.coarse and self.heads_told and sum(
+                    f[0] == H and self.in_window(f)
+                    and base_quality(f[2], self.half_window) <= PINNED_STEPS
+                    for f in found) >= 2:
+                break         # coarse: two pinned rows show every head asked for
             if agreed is not None and (agreed == 0 or min(
                     base_quality(f[2], self.half_window) for f in found if f[0] == agreed)
                     <= BASE_QUALITY):
