@@ -678,11 +678,6 @@ class _Extraction:
         extra = 0 if self.heads_told else COUNT_EXTRA_SCANS
         for w in directions[1:]:
             agreed = self.agreed(found)
-            if self.coarse and self.heads_told and sum(
-                    f[0] == H and self.in_window(f)
-                    and base_quality(f[2], self.half_window) <= PINNED_STEPS
-                    for f in found) >= 2:
-                break         # coarse: two pinned rows show every head asked for
             if agreed is not None and (agreed == 0 or min(
                     base_quality(f[2], self.half_window) for f in found if f[0] == agreed)
                     <= BASE_QUALITY):
