@@ -137,6 +137,13 @@ WIDE_ROUNDS = 3           # wide-column rounds at most (after the first, only wh
 WIDE_COLUMNS_UP_TO = 1e-2 # ... and below which the logits are predicted well enough for it
                           # (|t| <= 7: 0.07 off against a step spacing above 1.4; float32
                           # nn.MultiheadAttention at H = 4 predicts 1e-3 to 3e-3 before it)
+SHORT_LENGTH = 2          # tokens of the short probes ([q + u; q], lambda = 0)
+SHORT_HALF_WIDTH = 6.0    # ... whose columns spread the heads' logits over +- this: wide
+                          # enough that some heads saturate and pin their heights (d = 8,
+                          # H = 6, 4 seeds, median error: +-2 7e-14, +-3 2.5e-14, +-5
+                          # 1.4e-14, +-7 1.3e-14)
+SHORT_OVERSAMPLE = 1.25   # ... at least this x each row's H (d + 1) unknowns (else skipped)
+SHORT_ROW_CANDIDATES = 64 # draws per short row (:func:`.design.even_height_rows`)
 RECENTRE_ABOVE = 3e-3     # predicted relative error of the base estimate of W_h q_0 above
                           # which a base row with evenly spaced steps is designed from it
 PERTURBATION_MOVE = 0.003 # base perturbations move the steps by about this x the smallest
@@ -324,17 +331,19 @@ class _Extraction:
     def spend(self, stage: str, before: int) -> None:
         self.breakdown[stage] = self.breakdown.get(stage, 0) + self.oracle.queries - before
 
-    def measure(self, u, q, lam):
-        """g at the nearest realisable lambdas; returns (realised lambda, g).
+    def measure(self, u, q, lam, length: int | None = None):
+        """g at the nearest realisable lambdas of sequences of ``length`` tokens (default
+        the current window's); returns (realised lambda, g).
 
         A design built from answers no multi-head box gives can be non-finite: that is
         a mismatch, refused before anything is sent."""
         if not (np.all(np.isfinite(u)) and np.all(np.isfinite(q)) and np.all(np.isfinite(lam))):
             raise _Redesign(RecoveryFailedError, "a fit gave a non-finite probe design")
-        m = design.copy_counts(lam, self.length)
-        lam = design.realised_lambda(m, self.length)
-        g = design.measure(self.oracle, self.v, u, q, m, self.length) - self.c
-        self.answers.append((u, q, lam, g + q @ self.v, self.length))   # for the polish
+        length = self.length if length is None else length
+        m = design.copy_counts(lam, length)
+        lam = design.realised_lambda(m, length)
+        g = design.measure(self.oracle, self.v, u, q, m, length) - self.c
+        self.answers.append((u, q, lam, g + q @ self.v, length))   # for the polish
         return lam, g
 
     def noise(self, f_values, heights=0.0, *, floor: bool = False) -> float:
@@ -1107,9 +1116,16 @@ class _Extraction:
         model, predicted, sigma, measured_sigma = self.assemble(U, rows, noise_floor)
         self.details["predicted relative error (small moves)"] = predicted
         refine_above = 0.0 if self.full_precision else REFINE_ABOVE
+        short_kept = False
+        if self.full_precision and predicted <= WIDE_COLUMNS_UP_TO:
+            # round 3 as short probes on fresh rows (full precision, float64 answers)
+            short_model, short_predicted, short_kept = self.short_probes(
+                model, predicted, NOISE_FACTOR)
         # as many wide columns per row as paper 2's count and the budget leave (all d
-        # when they can; fewer still sharpen every row's fit)
-        n_wide = next((n for n in range(d, 0, -1) if self.affordable(d * n * (H + COLUMN_SPARES), H)), 0)
+        # when they can; fewer still sharpen every row's fit); none after kept short
+        # probes (they replace the main rows' heads)
+        n_wide = 0 if short_kept else next(
+            (n for n in range(d, 0, -1) if self.affordable(d * n * (H + COLUMN_SPARES), H)), 0)
         wide_rounds = 0
         while (refine_above < predicted <= WIDE_COLUMNS_UP_TO and n_wide
                and wide_rounds < WIDE_ROUNDS):
@@ -1128,6 +1144,8 @@ class _Extraction:
                            if self.affordable(d * n * (H + COLUMN_SPARES), H)), 0)
         if wide_rounds > 1:
             self.details["wide column rounds"] = wide_rounds
+        if short_kept:
+            model, predicted = short_model, short_predicted
         model, predicted = self.polished(model, predicted)
         bar = ERROR_BAR_FACTOR * predicted
         cond = max(float(r.jacobian_singular_values[0]
@@ -1270,6 +1288,102 @@ class _Extraction:
             refitted.append(fit.fit_row(held[-1][1], held[-1][2], held[-1][3], held[-1][0],
                                         r.c, r.z))
         return refitted, held
+
+    def short_probes(self, model, predicted, misfit):
+        """Round 3 (``precision="full"``, float64 answers): the rest of paper 2's count as
+        short probes on d fresh orthogonal rows, designed from the row fits' heads.
+
+        Identity. A probe of two tokens [q + u; q] has lambda = 0 and answers
+        g = sum_h c_h sigma(z_h^T q), c_h = u^T v_h, z_h = W_h^T u, so every row u is
+        an independent block of H (d + 1) unknowns (8448 parameters at d = 32, H = 8
+        are 32 blocks of 264), fitted by Gauss-Newton from the heads as they stand.
+        With the heads known to the row fits' 1e-10, any row can be placed: its columns q
+        put every head's logit z_h^T q within +-SHORT_HALF_WIDTH (evenly spaced, a
+        random order and shift per column), so the rows need not place steps
+        themselves and are orthonormal: W_h = U^T Z_h does not amplify the rows' errors
+        (the main rows' cond(U) is 20 to 80 at d = 8, H = 6, and amplified their 1e-14
+        to 4e-13). Why short: a sum over 2 tokens rounds to about 1.4 roundings of its
+        terms against about 28 at N = 512 and 76 at N = 2048 (the polish's law
+        0.25 N^0.75 + 1), so one short probe carries the information of hundreds of the
+        window's. |u| and |q| are balanced (u scaled by a, q by 1 / a: the logits stay)
+        so that the heights and the q terms round alike.
+
+        The heads from these rows replace the row fits' only when their predicted error
+        is lower and every row's residual stays within ``misfit``. Skipped with biases,
+        for rounded answers (their rounding does not shrink with the length) and when
+        fewer than SHORT_OVERSAMPLE x H (d + 1) probes per row are left.
+
+        Returns (model, predicted error, whether kept)."""
+        d, H = self.d, model.heads
+        if self.biases or self.precision_name != "float64" or self.decimals is not None:
+            self.details["short probes"] = "skipped (" + (
+                "query biases" if self.biases else "rounded answers") + ")"
+            return model, predicted, False
+        verify = verification_count(self.parameters(H))
+        room = min(self.count_cap(self.max_heads) - self.spent() - verify,
+                   _budget_left(self.oracle) - verify)
+        per_row = int(max(room, 0) // d)
+        unknowns = H * (d + 1)
+        if per_row < SHORT_OVERSAMPLE * unknowns or not self.affordable(d * per_row, H):
+            self.details["short probes"] = (f"skipped ({per_row} per row left in paper 2's "
+                                            f"count, {unknowns} unknowns per row)")
+            return model, predicted, False
+        held = sum(record[0].shape[0] for record in self.answers) + d * per_row
+        if not polish.fits(held, H * (d * d + d)):
+            # the rows alone pin the heights c_h no better than the wide columns (at
+            # d = 32, H = 8: 5.4e-12 against 5.9e-12, 5x the CPU time): the gain comes
+            # from the joint polish over every answer, which runs at dense sizes only
+            self.details["short probes"] = "skipped (no joint polish at this size)"
+            return model, predicted, False
+        self.say("short probes")
+        W, V = model.W, model.v.T                                            # V (d, H)
+        # every head with a height of the same size in every row (a row where head h
+        # has almost none pins its z_h badly), rows as far from each other as the
+        # draws allow
+        U = design.even_height_rows(V, self.rng, SHORT_ROW_CANDIDATES)
+        U /= np.linalg.norm(U, axis=1, keepdims=True)
+        self.details["short rows condition"] = float(np.linalg.cond(U))
+        Z = np.einsum("kd,hde->khe", U, W)                                 # (d, H, d)
+        positions = design.step_positions(H, SHORT_HALF_WIDTH)
+        jitter = 0.5 * (positions[1] - positions[0]) if H > 1 else SHORT_HALF_WIDTH
+        columns = np.array([design.design_rows(Z[k].T, None, positions, self.rng,
+                                               jitter=jitter, count=per_row)
+                            for k in range(d)])                              # (d, n, d)
+        # balance |u| and |q| (u a, q / a leave every logit): heights and q terms
+        # round alike
+        a = np.sqrt(np.median(np.linalg.norm(columns, axis=2), axis=1))     # (d,)
+        U, columns = U * a[:, None], columns / a[:, None, None]
+        before = self.oracle.queries
+        lam_s, g_s = self.measure(np.repeat(U, per_row, 0), columns.reshape(-1, d),
+                                  np.zeros(d * per_row), length=SHORT_LENGTH)
+        self.spend("short probes", before)
+        lam_s, g_s = lam_s.reshape(d, per_row, 1), g_s.reshape(d, per_row, 1)
+        rows, floors, worst = [], [], 0.0
+        for k in range(d):
+            samples = polish.Samples(np.broadcast_to(U[k], columns[k].shape), columns[k],
+                                     np.zeros(per_row), np.zeros(per_row),
+                                     np.full(per_row, float(SHORT_LENGTH)))
+            noise = polish.noise_of(samples, model.v, self.precision, 0.0)
+            reference = float(np.median(noise))
+            rows.append(fit.fit_row(lam_s[k], g_s[k], (reference / noise)[:, None], columns[k],
+                                    U[k] @ V, Z[k] * a[k]))
+            floors.append(reference)
+            worst = max(worst, safe_rms(rows[-1].residual) / reference)
+        # rows of different scales: each row's residual in units of its own expected
+        # rounding (the floor: the polish's law, a residual below it is luck)
+        rows = [fit.RowFit(c=r.c, z=r.z, c_std=r.c_std * f, z_std=r.z_std * f,
+                           residual=r.residual / f, jacobian_singular_values=r.jacobian_singular_values)
+                for r, f in zip(rows, floors)]
+        new_model, new_predicted, _, _ = self.assemble(U, rows, 1.0)
+        self.details["predicted relative error (before short probes)"] = predicted
+        if not (new_predicted < predicted and worst <= misfit):
+            self.details["short probes"] = (
+                f"{d * per_row} sent, not kept (predicted {new_predicted:.1e}, residual "
+                f"{worst:.1e} x the expected rounding)")
+            return model, predicted, False
+        self.details["short probes"] = (f"{d * per_row} sent ({per_row} per row, residual "
+                                        f"{worst:.2f} x the expected rounding), kept")
+        return new_model, new_predicted, True
 
     def refuse(self, message: str, kind=ModelMismatchError):
         """Raise ``kind`` (the box is not in the class, or RecoveryFailedError: the

@@ -174,6 +174,38 @@ def design_rows(Y0: np.ndarray, V: np.ndarray, positions: np.ndarray, rng: np.ra
     return np.array(rows)
 
 
+def even_height_rows(V: np.ndarray, rng: np.random.Generator, candidates: int = 64) -> np.ndarray:
+    """Rows u_k (d, d) whose heights u_k^T v_h / |v_h| are all +-1 (random signs), the
+    component orthogonal to span(v_h) random of the same size; among ``candidates``
+    draws per row the one farthest from the rows already chosen is kept (the rows
+    must span R^d, well conditioned).
+
+    Parameters
+    ----------
+    V : array (d, H)
+        The heads' v_h (columns), H <= d.
+    """
+    d, H = V.shape
+    unit = V / (np.linalg.norm(V, axis=0) + 1e-300)
+    pinv = np.linalg.pinv(unit.T)                                   # (d, H)
+    P_perp = np.eye(d) - unit @ np.linalg.pinv(unit)
+    rows: list[np.ndarray] = []
+    for _ in range(d):
+        signs = rng.choice([-1.0, 1.0], size=(candidates, H))
+        cand = signs @ pinv.T                                          # (C, d)
+        if H < d:
+            z = rng.standard_normal((candidates, d)) @ P_perp
+            z *= (np.linalg.norm(cand, axis=1, keepdims=True)
+                  / (np.linalg.norm(z, axis=1, keepdims=True) + 1e-300))
+            cand = cand + z
+        score = np.ones(candidates)
+        if rows:
+            R = np.linalg.qr(np.array(rows).T)[0]
+            score = np.linalg.norm(cand - (cand @ R) @ R.T, axis=1) / np.linalg.norm(cand, axis=1)
+        rows.append(cand[int(np.argmax(score))])
+    return np.array(rows)
+
+
 def least_uncertain_row(Y0: np.ndarray, V: np.ndarray, Y_cov: np.ndarray,
                         positions: np.ndarray, rng: np.random.Generator,
                         candidates: int = 24, jitter: float = 0.25) -> np.ndarray:
