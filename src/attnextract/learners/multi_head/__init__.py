@@ -138,10 +138,10 @@ WIDE_COLUMNS_UP_TO = 1e-2 # ... and below which the logits are predicted well en
                           # (|t| <= 7: 0.07 off against a step spacing above 1.4; float32
                           # nn.MultiheadAttention at H = 4 predicts 1e-3 to 3e-3 before it)
 SHORT_LENGTH = 2          # tokens of the short probes ([q + u; q], lambda = 0)
-SHORT_HALF_WIDTH = 6.0    # ... whose columns spread the heads' logits over +- this: wide
-                          # enough that some heads saturate and pin their heights (d = 8,
-                          # H = 6, 4 seeds, median error: +-2 7e-14, +-3 2.5e-14, +-5
-                          # 1.4e-14, +-7 1.3e-14)
+SHORT_SPACING = 5.0       # ... whose columns put the heads' logits this far apart: about one
+                          # head per column on its slope, the others saturated (they pin
+                          # the heights); d = 8, H = 6, 3 seeds, rows alone: spacing 3
+                          # 3.8e-14, 4 1.9e-14, 5 1.3e-14, 6 1.2e-14, 8 2.0e-14 (median)
 SHORT_OVERSAMPLE = 1.25   # ... at least this x each row's H (d + 1) unknowns (else skipped)
 SHORT_ROW_CANDIDATES = 64 # draws per short row (:func:`.design.even_height_rows`)
 RECENTRE_ABOVE = 3e-3     # predicted relative error of the base estimate of W_h q_0 above
@@ -1328,13 +1328,6 @@ class _Extraction:
             self.details["short probes"] = (f"skipped ({per_row} per row left in paper 2's "
                                             f"count, {unknowns} unknowns per row)")
             return model, predicted, False
-        held = sum(record[0].shape[0] for record in self.answers) + d * per_row
-        if not polish.fits(held, H * (d * d + d)):
-            # the rows alone pin the heights c_h no better than the wide columns (at
-            # d = 32, H = 8: 5.4e-12 against 5.9e-12, 5x the CPU time): the gain comes
-            # from the joint polish over every answer, which runs at dense sizes only
-            self.details["short probes"] = "skipped (no joint polish at this size)"
-            return model, predicted, False
         self.say("short probes")
         W, V = model.W, model.v.T                                            # V (d, H)
         # every head with a height of the same size in every row (a row where head h
@@ -1344,10 +1337,7 @@ class _Extraction:
         U /= np.linalg.norm(U, axis=1, keepdims=True)
         self.details["short rows condition"] = float(np.linalg.cond(U))
         Z = np.einsum("kd,hde->khe", U, W)                                 # (d, H, d)
-        positions = design.step_positions(H, SHORT_HALF_WIDTH)
-        jitter = 0.5 * (positions[1] - positions[0]) if H > 1 else SHORT_HALF_WIDTH
-        columns = np.array([design.design_rows(Z[k].T, None, positions, self.rng,
-                                               jitter=jitter, count=per_row)
+        columns = np.array([design.short_columns(Z[k], SHORT_SPACING, per_row, self.rng)
                             for k in range(d)])                              # (d, n, d)
         # balance |u| and |q| (u a, q / a leave every logit): heights and q terms
         # round alike

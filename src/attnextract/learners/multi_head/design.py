@@ -206,6 +206,34 @@ def even_height_rows(V: np.ndarray, rng: np.random.Generator, candidates: int = 
     return np.array(rows)
 
 
+def short_columns(Z: np.ndarray, spacing: float, count: int,
+                  rng: np.random.Generator) -> np.ndarray:
+    """Columns q (count, d) of one short row: head h's logit z_h^T q at a position of
+    an evenly spaced ladder (``spacing`` apart, centred on 0, a random order and a
+    random shift of up to half a spacing per column), so that about one head per column
+    sits on its sigmoid's slope and the others saturate (they pin the heights). The
+    component outside span(z_h) is random, of the size of the part within.
+
+    Parameters
+    ----------
+    Z : array (H, d)
+        The row's z_h = W_h^T u (rows), H <= d.
+    """
+    H, d = Z.shape
+    ladder = (np.arange(H) - 0.5 * (H - 1)) * spacing
+    orders = np.argsort(rng.random((count, H)), axis=1)
+    targets = ladder[orders] + rng.uniform(-0.5 * spacing, 0.5 * spacing, size=(count, 1))
+    pinv = np.linalg.pinv(Z)                                         # (d, H)
+    q = targets @ pinv.T                                             # (count, d)
+    if H < d:
+        free = rng.standard_normal((count, d))
+        free -= (free @ pinv) @ Z                                    # out of span(z_h)
+        free *= (np.linalg.norm(q, axis=1, keepdims=True)
+                 / (np.linalg.norm(free, axis=1, keepdims=True) + 1e-300))
+        q = q + free
+    return q
+
+
 def least_uncertain_row(Y0: np.ndarray, V: np.ndarray, Y_cov: np.ndarray,
                         positions: np.ndarray, rng: np.random.Generator,
                         candidates: int = 24, jitter: float = 0.25) -> np.ndarray:

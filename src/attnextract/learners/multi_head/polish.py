@@ -86,11 +86,6 @@ class Polished:
     reason: str
 
 
-def fits(samples: int, parameters: int) -> bool:
-    """Whether a polish of ``parameters`` on ``samples`` answers runs (dense sizes only)."""
-    return samples * float(parameters) ** 2 <= MAX_WORK and parameters <= MAX_PARAMETERS
-
-
 def collect(records: list[tuple]) -> Samples:
     """Stack recorded batches (u (P, d), q (P, d), lambda (P,), f (P,), N)."""
     u = np.concatenate([r[0] for r in records])
