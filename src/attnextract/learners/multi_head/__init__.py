@@ -142,6 +142,10 @@ SHORT_SPACING = 5.0       # ... whose columns put the heads' logits this far apa
                           # head per column on its slope, the others saturated (they pin
                           # the heights); d = 8, H = 6, 3 seeds, rows alone: spacing 3
                           # 3.8e-14, 4 1.9e-14, 5 1.3e-14, 6 1.2e-14, 8 2.0e-14 (median)
+SHORT_BALANCE = 16.0      # ... |u| / |q| (u a, q / a leave every logit): the sensitivity to W
+                          # grows with |u| (heights c_h), the rounding with |u| and |q|;
+                          # d = 8, H = 6, 4 seeds, rows alone: 1 1.5e-14, 4 1.1e-14,
+                          # 16 8.8e-15, 64 9.6e-15, 1024 9.5e-15 (median)
 SHORT_OVERSAMPLE = 1.25   # ... at least this x each row's H (d + 1) unknowns (else skipped)
 SHORT_ROW_CANDIDATES = 64 # draws per short row (:func:`.design.even_height_rows`)
 RECENTRE_ABOVE = 3e-3     # predicted relative error of the base estimate of W_h q_0 above
@@ -1290,28 +1294,36 @@ class _Extraction:
         return refitted, held
 
     def short_probes(self, model, predicted, misfit):
-        """Round 3 (``precision="full"``, float64 answers): the rest of paper 2's count as
-        short probes on d fresh orthogonal rows, designed from the row fits' heads.
+        """Short probes (``precision="full"``, float64 answers): the rest of paper 2's
+        count as two-token probes on d fresh rows, designed from the row fits' heads.
 
-        Identity. A probe of two tokens [q + u; q] has lambda = 0 and answers
-        g = sum_h c_h sigma(z_h^T q), c_h = u^T v_h, z_h = W_h^T u, so every row u is
-        an independent block of H (d + 1) unknowns (8448 parameters at d = 32, H = 8
-        are 32 blocks of 264), fitted by Gauss-Newton from the heads as they stand.
-        With the heads known to the row fits' 1e-10, any row can be placed: its columns q
-        put every head's logit z_h^T q within +-SHORT_HALF_WIDTH (evenly spaced, a
-        random order and shift per column), so the rows need not place steps
-        themselves and are orthonormal: W_h = U^T Z_h does not amplify the rows' errors
-        (the main rows' cond(U) is 20 to 80 at d = 8, H = 6, and amplified their 1e-14
-        to 4e-13). Why short: a sum over 2 tokens rounds to about 1.4 roundings of its
-        terms against about 28 at N = 512 and 76 at N = 2048 (the polish's law
-        0.25 N^0.75 + 1), so one short probe carries the information of hundreds of the
-        window's. |u| and |q| are balanced (u scaled by a, q by 1 / a: the logits stay)
-        so that the heights and the q terms round alike.
+        Identity. A probe [q + u; q] has lambda = 0 and answers
+        g = sum_h c_h sigma(z_h^T q), c_h = u^T v_h, z_h = W_h^T u, so every row u is an
+        independent block of H (d + 1) unknowns (8448 parameters at d = 32, H = 8 are
+        32 blocks of 264), fitted by Gauss-Newton from the heads as they stand (their
+        1e-10 places any probe). W_h = U^-1 Z_h, v_h = U^-1 C_h.
+
+        Design. Why short: a sum over 2 tokens rounds to about 0.5 roundings of its
+        terms (measured: residuals 0.3 to 0.4 of the polish's law 0.25 N^0.75 + 1 = 1.4)
+        against about 13 at N = 512 and 50 to 100 at N = 2048, so one short probe carries
+        the information of hundreds of the window's. No lambda: the columns q move the
+        steps. Column q of row u puts the logits z_h^T q on a ladder SHORT_SPACING apart
+        (random order and shift, :func:`.design.short_columns`): about one head sits on
+        its slope, the others saturate, and the saturated heads pin the heights (logits
+        within +-2 leave c_h and the scale of z_h nearly degenerate, sigma being nearly
+        linear there: 1e-12 against 1.3e-14 at d = 8, H = 6). The rows need not place
+        steps, so they are chosen for the fit: every head with height +-|v_h| in every
+        row (a row where a head has almost none pins its z_h badly), the rows spread
+        (:func:`.design.even_height_rows`; the main rows' cond(U) of 20 to 80 amplified
+        their 1e-14 to 4e-13). u is scaled by a and q by 1 / a (the logits stay) so that
+        |u| is SHORT_BALANCE times |q|: the heights, which carry the sensitivity to W_h,
+        grow with |u|, the rounding with |u| and |q|.
 
         The heads from these rows replace the row fits' only when their predicted error
-        is lower and every row's residual stays within ``misfit``. Skipped with biases,
-        for rounded answers (their rounding does not shrink with the length) and when
-        fewer than SHORT_OVERSAMPLE x H (d + 1) probes per row are left.
+        is lower and every row's residual stays within ``misfit``; the wide columns do
+        not run after them. Skipped with biases, for rounded answers (their rounding
+        does not shrink with the length) and when fewer than SHORT_OVERSAMPLE x H (d + 1)
+        probes per row are left.
 
         Returns (model, predicted error, whether kept)."""
         d, H = self.d, model.heads
@@ -1339,9 +1351,8 @@ class _Extraction:
         Z = np.einsum("kd,hde->khe", U, W)                                 # (d, H, d)
         columns = np.array([design.short_columns(Z[k], SHORT_SPACING, per_row, self.rng)
                             for k in range(d)])                              # (d, n, d)
-        # balance |u| and |q| (u a, q / a leave every logit): heights and q terms
-        # round alike
-        a = np.sqrt(np.median(np.linalg.norm(columns, axis=2), axis=1))     # (d,)
+        # |u| = SHORT_BALANCE |q| in the median (u a, q / a leave every logit)
+        a = np.sqrt(SHORT_BALANCE * np.median(np.linalg.norm(columns, axis=2), axis=1))
         U, columns = U * a[:, None], columns / a[:, None, None]
         before = self.oracle.queries
         lam_s, g_s = self.measure(np.repeat(U, per_row, 0), columns.reshape(-1, d),
