@@ -61,7 +61,20 @@ Algorithm.
    samples; further such rounds (from the refitted z) while the predicted error bar
    still exceeds 1e-10 and the count leaves room.
 
-8. Joint polish (:mod:`.polish`, no query): Gauss-Newton on all H (d^2 + d) canonical
+   With ``precision="full"`` and float64 answers, short probes (below) take the
+   count first and, when kept, replace round 3.
+
+8. Short probes (``precision="full"``, float64 answers, no biases; :meth:`short_probes`):
+   the rest of paper 2's count as two-token probes [q + u; q] (lambda = 0), which
+   answer g = sum_h c_h sigma(z_h^T q) with z_h = W_h^T u: d fresh rows u with every
+   head's height +-|v_h| (well spread, so W_h = U^-1 Z_h amplifies little), their
+   columns q designed from the heads so far with the logits on a ladder 5 apart (one
+   head on its slope, the others saturated: they pin the heights), |u| = 16 |q|. Each
+   row is one weighted fit of H (d + 1) unknowns, so it scales to d = 32, H = 8. A sum
+   over 2 tokens rounds to about half a rounding of its terms against about 13 at 512
+   tokens: measured median error at d = 8, H = 6 1.1e-12 -> under 1e-14, at d = 32,
+   H = 8 5.9e-12 -> about 5e-15 (benchmarks/results/mh4_*.md).
+9. Joint polish (:mod:`.polish`, no query): Gauss-Newton on all H (d^2 + d) canonical
    parameters over every answer held, weighted by each answer's expected rounding;
    kept only when it lowers the weighted residual, keeps the predicted error within
    1.5x and moves no head beyond the row fits' error bar (dense: up to 1600 parameters).
@@ -81,7 +94,9 @@ Queries: d + base (3 to 14 scans of 4H + 8 samples, within what paper 2's count 
 (d - 1)(3H + 3) perturbations, twice with one or two more scans when recentred)
 + d (2H + 1) + d^2 (H + 1) main probes, plus d^2 (H + 1) when round 3 runs: the floor H(d^2 + d) (the canonical form's free parameters) plus
 about d^2 + Hd + base (twice the columns with round 3), never above paper 2's count
-4Hd^2 - 2H + 1.
+4Hd^2 - 2H + 1. With ``precision="full"`` and float64 answers, the short probes spend
+what that count leaves after the verification (to within d - 1 queries) when it leaves
+at least 1.25 H (d + 1) per row.
 """
 
 from __future__ import annotations
