@@ -78,6 +78,8 @@ Algorithm.
    parameters over every answer held, weighted by each answer's expected rounding;
    kept only when it lowers the weighted residual, keeps the predicted error within
    1.5x and moves no head beyond the row fits' error bar (dense: up to 1600 parameters).
+   With biases it refits b_h and c too (H (d^2 + 2d) + 1 parameters, f([0]) = c one
+   more sample).
 
 Conditioning. Each row fit's Jacobian and the pooled residual give the covariance of
 (c, z), propagated through U^-1 to a predicted relative error of every W_h and v_h. The
@@ -1222,18 +1224,27 @@ class _Extraction:
     def polished(self, model: MultiHeadAttention, predicted: float):
         """The joint polish of all heads on every answer held (:mod:`.polish`); returns
         (model, predicted error), the row fits' own when the polish is not kept."""
-        if getattr(self, "biases", False):
-            self.details["joint polish"] = "skipped (query biases)"
-            return model, predicted
-        result = polish.polish(polish.collect(self.answers), model.W, model.v,
-                               self.precision, self.absolute_noise, predicted,
-                               ERROR_BAR_FACTOR * predicted)
+        records = self.answers
+        if self.biases:
+            # the answer f([0]) = c is a sample too (u = q = 0); the polish refits c
+            # with the heads on the answers as the box gave them (c added back)
+            d = self.d
+            records = records + [(np.zeros((1, d)), np.zeros((1, d)), np.zeros(1),
+                                  np.zeros(1), 1)]
+        samples = polish.collect(records)
+        if self.biases:
+            samples.f = samples.f + self.c
+        result = polish.polish(samples, model.W, model.v, self.precision, self.absolute_noise,
+                               predicted, ERROR_BAR_FACTOR * predicted,
+                               *((model.b, self.c) if self.biases else ()))
         self.details["joint polish"] = result.reason
         if not result.kept:
             return model, predicted
         self.details["predicted relative error (row fits)"] = predicted
         self.details["weighted residual (row fits, polished)"] = (result.cost_before,
                                                                   result.cost_after)
+        if self.biases:
+            return BiasedMultiHeadAttention(result.W, result.v, result.b, result.c), result.predicted
         return MultiHeadAttention(result.W, result.v), result.predicted
 
     def assemble(self, U, rows, noise_floor):
