@@ -45,8 +45,11 @@ def run(H: int, d: int, seed: int) -> dict:
            "floor": H * (d * d + 2 * d) + 1}
     plain = Oracle(MultiHeadAttention(truth.W, truth.v), d)
     try:
-        extract_multi_head(plain, H, seed=seed)
+        plain_result = extract_multi_head(plain, H, seed=seed)
         row["bias-free queries"] = plain.queries
+        row["bias-free breakdown"] = dict(plain_result.report.breakdown)
+        row["bias-free wide rounds"] = plain_result.report.details.get(
+            "wide column rounds", int("main wide columns" in plain_result.report.breakdown))
     except AttnExtractError as exc:
         row["bias-free queries"], row["bias-free refused"] = plain.queries, type(exc).__name__
     oracle = Oracle(truth, d)
@@ -57,6 +60,10 @@ def run(H: int, d: int, seed: int) -> dict:
         row.update({k: errors[k] for k in ("W", "b", "v", "c")})
         row["error bar"] = result.report.details["error bar"]
         row["recovery"] = result.report.breakdown["recovery"]
+        row["breakdown"] = dict(result.report.breakdown)
+        row["wide rounds"] = result.report.details.get(
+            "wide column rounds", int("main wide columns" in result.report.breakdown))
+        row["polish"] = result.report.details.get("joint polish")
     except AttnExtractError as exc:
         row["refused"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     row["queries"] = oracle.queries
@@ -67,14 +74,14 @@ def run(H: int, d: int, seed: int) -> dict:
 
 def summary(rows) -> str:
     out = ["| H | d | runs | refused | worst W | worst b | worst v | worst c | max error / bar "
-           "| within 1e-10 | median queries (biased) | median bias-free + Hd | max ratio "
-           "| floor | median CPU s |", "|" + "---|" * 15]
+           "| within 1e-10 | polish kept | median queries (biased) | median bias-free + Hd "
+           "| median ratio | max ratio | floor | median CPU s |", "|" + "---|" * 17]
     for H, d in sorted({(r["H"], r["d"]) for r in rows}, key=lambda x: (x[1], x[0])):
         cell = [r for r in rows if (r["H"], r["d"]) == (H, d)]
         ok = [r for r in cell if "refused" not in r]
         err = [max(r["W"], r["b"], r["v"], r["c"]) for r in ok]
-        out.append("| {} | {} | {} | {} | {:.1e} | {:.1e} | {:.1e} | {:.1e} | {:.2f} | {} | {:.0f} "
-                   "| {:.0f} | {:.3f} | {} | {:.1f} |".format(
+        out.append("| {} | {} | {} | {} | {:.1e} | {:.1e} | {:.1e} | {:.1e} | {:.2f} | {} | {} "
+                   "| {:.0f} | {:.0f} | {:.3f} | {:.3f} | {} | {:.1f} |".format(
                        H, d, len(cell), len(cell) - len(ok),
                        max((r["W"] for r in ok), default=np.nan),
                        max((r["b"] for r in ok), default=np.nan),
@@ -82,8 +89,10 @@ def summary(rows) -> str:
                        max((r["c"] for r in ok), default=np.nan),
                        max((e / r["error bar"] for e, r in zip(err, ok)), default=np.nan),
                        sum(e <= GOAL for e in err),
+                       sum(r.get("polish") == "kept" for r in ok),
                        np.median([r["queries"] for r in cell]),
                        np.median([r["bias-free queries"] + H * d for r in cell]),
+                       np.median([r["ratio"] for r in cell]),
                        max(r["ratio"] for r in cell), cell[0]["floor"],
                        np.median([r["cpu s"] for r in cell])))
     return "\n".join(out)
@@ -109,8 +118,15 @@ def main():
     results = Path(__file__).parent / "results"
     (results / f"{args.out}.json").write_text(json.dumps(rows, indent=1))
     table = summary(rows)
+    import subprocess
+    import sys
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=Path(__file__).parent).stdout.strip()
     (results / f"{args.out}.md").write_text(
         "# multi-head --biases grid (benchmarks/bench_multi_head_biases.py)\n\n"
+        f"Run: `OPENBLAS_NUM_THREADS=1 nice -n 10 python benchmarks/bench_multi_head_biases.py "
+        f"{' '.join(sys.argv[1:])}` (commit {commit}; CPU s on a shared 2-core machine).\n"
+        "polish kept: runs whose joint polish (with b_h and c) was kept.\n"
         "queries include the 64 verification queries of each run (biased and bias-free);\n"
         "ratio = biased queries / (bias-free queries + H d).\n\n" + table + "\n")
     print(table)

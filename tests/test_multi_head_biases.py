@@ -63,7 +63,8 @@ def test_biased_heads_over_twenty_seeds(H, d):
     """20 seeds: every run within its own error bar and within the learner's cap (paper
     2's count + H d + 1, verification included); within 1e-10 everywhere but at
     H = d = 8 (no free direction in the designed rows), where one of 20 seeds lands at
-    2.7e-10, within its bar (benchmarks/results/mh3_biases_h8_d8.md; four of 20 at
+    2.7e-10, within its bar (benchmarks/results/mh3_biases_h8_d8.md, and with the polish
+    of b_h and c mh_biases4.md, where every condition below holds; four of 20 at
     1.2e-10 .. 5.3e-10 before the label check and further wide rounds), all below 1e-9
     here; the median count within 1.1x of the bias-free
     learner's on the same heads plus H d (single runs vary with the base rows drawn,

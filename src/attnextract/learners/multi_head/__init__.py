@@ -61,10 +61,25 @@ Algorithm.
    samples; further such rounds (from the refitted z) while the predicted error bar
    still exceeds 1e-10 and the count leaves room.
 
-8. Joint polish (:mod:`.polish`, no query): Gauss-Newton on all H (d^2 + d) canonical
+   With ``precision="full"`` and float64 answers, short probes (below) take the
+   count first and, when kept, replace round 3.
+
+8. Short probes (``precision="full"``, float64 answers, no biases; :meth:`short_probes`):
+   the rest of paper 2's count as two-token probes [q + u; q] (lambda = 0), which
+   answer g = sum_h c_h sigma(z_h^T q) with z_h = W_h^T u: d fresh rows u with every
+   head's height +-|v_h| (well spread, so W_h = U^-1 Z_h amplifies little), their
+   columns q designed from the heads so far with the logits on a ladder 5 apart (one
+   head on its slope, the others saturated: they pin the heights), |u| = 16 |q|. Each
+   row is one weighted fit of H (d + 1) unknowns, so it scales to d = 32, H = 8. A sum
+   over 2 tokens rounds to about half a rounding of its terms against about 13 at 512
+   tokens: measured median error at d = 8, H = 6 1.1e-12 -> under 1e-14, at d = 32,
+   H = 8 5.9e-12 -> about 5e-15 (benchmarks/results/mh4_*.md).
+9. Joint polish (:mod:`.polish`, no query): Gauss-Newton on all H (d^2 + d) canonical
    parameters over every answer held, weighted by each answer's expected rounding;
    kept only when it lowers the weighted residual, keeps the predicted error within
    1.5x and moves no head beyond the row fits' error bar (dense: up to 1600 parameters).
+   With biases it refits b_h and c too (H (d^2 + 2d) + 1 parameters, f([0]) = c one
+   more sample).
 
 Conditioning. Each row fit's Jacobian and the pooled residual give the covariance of
 (c, z), propagated through U^-1 to a predicted relative error of every W_h and v_h. The
@@ -81,7 +96,9 @@ Queries: d + base (3 to 14 scans of 4H + 8 samples, within what paper 2's count 
 (d - 1)(3H + 3) perturbations, twice with one or two more scans when recentred)
 + d (2H + 1) + d^2 (H + 1) main probes, plus d^2 (H + 1) when round 3 runs: the floor H(d^2 + d) (the canonical form's free parameters) plus
 about d^2 + Hd + base (twice the columns with round 3), never above paper 2's count
-4Hd^2 - 2H + 1.
+4Hd^2 - 2H + 1. With ``precision="full"`` and float64 answers, the short probes spend
+what that count leaves after the verification (to within d - 1 queries) when it leaves
+at least 1.25 H (d + 1) per row.
 """
 
 from __future__ import annotations
@@ -141,6 +158,17 @@ COARSE_ROUNDING = 2.0 ** -30  # relative rounding from which answers count as co
                           # (float32, a few decimals): base rows are scaled one by one
 PINNED_STEPS = 0.1         # coarse answers: a base row whose logit error is below this x its
                           # smallest step gap has as many heads as fitted steps at least
+SHORT_LENGTH = 2          # tokens of the short probes ([q + u; q], lambda = 0)
+SHORT_SPACING = 5.0       # ... whose columns put the heads' logits this far apart: about one
+                          # head per column on its slope, the others saturated (they pin
+                          # the heights); d = 8, H = 6, 3 seeds, rows alone: spacing 3
+                          # 3.8e-14, 4 1.9e-14, 5 1.3e-14, 6 1.2e-14, 8 2.0e-14 (median)
+SHORT_BALANCE = 16.0      # ... |u| / |q| (u a, q / a leave every logit): the sensitivity to W
+                          # grows with |u| (heights c_h), the rounding with |u| and |q|;
+                          # d = 8, H = 6, 4 seeds, rows alone: 1 1.5e-14, 4 1.1e-14,
+                          # 16 8.8e-15, 64 9.6e-15, 1024 9.5e-15 (median)
+SHORT_OVERSAMPLE = 1.25   # ... at least this x each row's H (d + 1) unknowns (else skipped)
+SHORT_ROW_CANDIDATES = 64 # draws per short row (:func:`.design.even_height_rows`)
 RECENTRE_ABOVE = 3e-3     # predicted relative error of the base estimate of W_h q_0 above
                           # which a base row with evenly spaced steps is designed from it
 PERTURBATION_MOVE = 0.003 # base perturbations move the steps by about this x the smallest
@@ -330,17 +358,19 @@ class _Extraction:
     def spend(self, stage: str, before: int) -> None:
         self.breakdown[stage] = self.breakdown.get(stage, 0) + self.oracle.queries - before
 
-    def measure(self, u, q, lam):
-        """g at the nearest realisable lambdas; returns (realised lambda, g).
+    def measure(self, u, q, lam, length: int | None = None):
+        """g at the nearest realisable lambdas of sequences of ``length`` tokens (default
+        the current window's); returns (realised lambda, g).
 
         A design built from answers no multi-head box gives can be non-finite: that is
         a mismatch, refused before anything is sent."""
         if not (np.all(np.isfinite(u)) and np.all(np.isfinite(q)) and np.all(np.isfinite(lam))):
             raise _Redesign(RecoveryFailedError, "a fit gave a non-finite probe design")
-        m = design.copy_counts(lam, self.length)
-        lam = design.realised_lambda(m, self.length)
-        g = design.measure(self.oracle, self.v, u, q, m, self.length) - self.c
-        self.answers.append((u, q, lam, g + q @ self.v, self.length))   # for the polish
+        length = self.length if length is None else length
+        m = design.copy_counts(lam, length)
+        lam = design.realised_lambda(m, length)
+        g = design.measure(self.oracle, self.v, u, q, m, length) - self.c
+        self.answers.append((u, q, lam, g + q @ self.v, length))   # for the polish
         return lam, g
 
     def noise(self, f_values, heights=0.0, *, floor: bool = False) -> float:
@@ -1173,9 +1203,16 @@ class _Extraction:
         model, predicted, sigma, measured_sigma = self.assemble(U, rows, noise_floor)
         self.details["predicted relative error (small moves)"] = predicted
         refine_above = 0.0 if self.full_precision else REFINE_ABOVE
+        short_kept = False
+        if self.full_precision and predicted <= WIDE_COLUMNS_UP_TO:
+            # round 3 as short probes on fresh rows (full precision, float64 answers)
+            short_model, short_predicted, short_kept = self.short_probes(
+                model, predicted, NOISE_FACTOR)
         # as many wide columns per row as paper 2's count and the budget leave (all d
-        # when they can; fewer still sharpen every row's fit)
-        n_wide = next((n for n in range(d, 0, -1) if self.affordable(d * n * (H + COLUMN_SPARES), H)), 0)
+        # when they can; fewer still sharpen every row's fit); none after kept short
+        # probes (they replace the main rows' heads)
+        n_wide = 0 if short_kept else next(
+            (n for n in range(d, 0, -1) if self.affordable(d * n * (H + COLUMN_SPARES), H)), 0)
         wide_rounds = 0
         while (refine_above < predicted <= WIDE_COLUMNS_UP_TO and n_wide
                and wide_rounds < WIDE_ROUNDS):
@@ -1194,6 +1231,8 @@ class _Extraction:
                            if self.affordable(d * n * (H + COLUMN_SPARES), H)), 0)
         if wide_rounds > 1:
             self.details["wide column rounds"] = wide_rounds
+        if short_kept:
+            model, predicted = short_model, short_predicted
         model, predicted = self.polished(model, predicted)
         bar = ERROR_BAR_FACTOR * predicted
         cond = max(float(r.jacobian_singular_values[0]
@@ -1251,18 +1290,27 @@ class _Extraction:
     def polished(self, model: MultiHeadAttention, predicted: float):
         """The joint polish of all heads on every answer held (:mod:`.polish`); returns
         (model, predicted error), the row fits' own when the polish is not kept."""
-        if getattr(self, "biases", False):
-            self.details["joint polish"] = "skipped (query biases)"
-            return model, predicted
-        result = polish.polish(polish.collect(self.answers), model.W, model.v,
-                               self.precision, self.absolute_noise, predicted,
-                               ERROR_BAR_FACTOR * predicted)
+        records = self.answers
+        if self.biases:
+            # the answer f([0]) = c is a sample too (u = q = 0); the polish refits c
+            # with the heads on the answers as the box gave them (c added back)
+            d = self.d
+            records = records + [(np.zeros((1, d)), np.zeros((1, d)), np.zeros(1),
+                                  np.zeros(1), 1)]
+        samples = polish.collect(records)
+        if self.biases:
+            samples.f = samples.f + self.c
+        result = polish.polish(samples, model.W, model.v, self.precision, self.absolute_noise,
+                               predicted, ERROR_BAR_FACTOR * predicted,
+                               *((model.b, self.c) if self.biases else ()))
         self.details["joint polish"] = result.reason
         if not result.kept:
             return model, predicted
         self.details["predicted relative error (row fits)"] = predicted
         self.details["weighted residual (row fits, polished)"] = (result.cost_before,
                                                                   result.cost_after)
+        if self.biases:
+            return BiasedMultiHeadAttention(result.W, result.v, result.b, result.c), result.predicted
         return MultiHeadAttention(result.W, result.v), result.predicted
 
     def assemble(self, U, rows, noise_floor):
@@ -1336,6 +1384,99 @@ class _Extraction:
             refitted.append(fit.fit_row(held[-1][1], held[-1][2], held[-1][3], held[-1][0],
                                         r.c, r.z))
         return refitted, held
+
+    def short_probes(self, model, predicted, misfit):
+        """Short probes (``precision="full"``, float64 answers): the rest of paper 2's
+        count as two-token probes on d fresh rows, designed from the row fits' heads.
+
+        Identity. A probe [q + u; q] has lambda = 0 and answers
+        g = sum_h c_h sigma(z_h^T q), c_h = u^T v_h, z_h = W_h^T u, so every row u is an
+        independent block of H (d + 1) unknowns (8448 parameters at d = 32, H = 8 are
+        32 blocks of 264), fitted by Gauss-Newton from the heads as they stand (their
+        1e-10 places any probe). W_h = U^-1 Z_h, v_h = U^-1 C_h.
+
+        Design. Why short: a sum over 2 tokens rounds to about 0.5 roundings of its
+        terms (measured: residuals 0.3 to 0.4 of the polish's law 0.25 N^0.75 + 1 = 1.4)
+        against about 13 at N = 512 and 50 to 100 at N = 2048, so one short probe carries
+        the information of hundreds of the window's. No lambda: the columns q move the
+        steps. Column q of row u puts the logits z_h^T q on a ladder SHORT_SPACING apart
+        (random order and shift, :func:`.design.short_columns`): about one head sits on
+        its slope, the others saturate, and the saturated heads pin the heights (logits
+        within +-2 leave c_h and the scale of z_h nearly degenerate, sigma being nearly
+        linear there: 1e-12 against 1.3e-14 at d = 8, H = 6). The rows need not place
+        steps, so they are chosen for the fit: every head with height +-|v_h| in every
+        row (a row where a head has almost none pins its z_h badly), the rows spread
+        (:func:`.design.even_height_rows`; the main rows' cond(U) of 20 to 80 amplified
+        their 1e-14 to 4e-13). u is scaled by a and q by 1 / a (the logits stay) so that
+        |u| is SHORT_BALANCE times |q|: the heights, which carry the sensitivity to W_h,
+        grow with |u|, the rounding with |u| and |q|.
+
+        The heads from these rows replace the row fits' only when their predicted error
+        is lower and every row's residual stays within ``misfit``; the wide columns do
+        not run after them. Skipped with biases, for rounded answers (their rounding
+        does not shrink with the length) and when fewer than SHORT_OVERSAMPLE x H (d + 1)
+        probes per row are left.
+
+        Returns (model, predicted error, whether kept)."""
+        d, H = self.d, model.heads
+        if self.biases or self.precision_name != "float64" or self.decimals is not None:
+            self.details["short probes"] = "skipped (" + (
+                "query biases" if self.biases else "rounded answers") + ")"
+            return model, predicted, False
+        verify = verification_count(self.parameters(H))
+        room = min(self.count_cap(self.max_heads) - self.spent() - verify,
+                   _budget_left(self.oracle) - verify)
+        per_row = int(max(room, 0) // d)
+        unknowns = H * (d + 1)
+        if per_row < SHORT_OVERSAMPLE * unknowns or not self.affordable(d * per_row, H):
+            self.details["short probes"] = (f"skipped ({per_row} per row left in paper 2's "
+                                            f"count, {unknowns} unknowns per row)")
+            return model, predicted, False
+        self.say("short probes")
+        W, V = model.W, model.v.T                                            # V (d, H)
+        # every head with a height of the same size in every row (a row where head h
+        # has almost none pins its z_h badly), rows as far from each other as the
+        # draws allow
+        U = design.even_height_rows(V, self.rng, SHORT_ROW_CANDIDATES)
+        U /= np.linalg.norm(U, axis=1, keepdims=True)
+        self.details["short rows condition"] = float(np.linalg.cond(U))
+        Z = np.einsum("kd,hde->khe", U, W)                                 # (d, H, d)
+        columns = np.array([design.short_columns(Z[k], SHORT_SPACING, per_row, self.rng)
+                            for k in range(d)])                              # (d, n, d)
+        # |u| = SHORT_BALANCE |q| in the median (u a, q / a leave every logit)
+        a = np.sqrt(SHORT_BALANCE * np.median(np.linalg.norm(columns, axis=2), axis=1))
+        U, columns = U * a[:, None], columns / a[:, None, None]
+        before = self.oracle.queries
+        lam_s, g_s = self.measure(np.repeat(U, per_row, 0), columns.reshape(-1, d),
+                                  np.zeros(d * per_row), length=SHORT_LENGTH)
+        self.spend("short probes", before)
+        lam_s, g_s = lam_s.reshape(d, per_row, 1), g_s.reshape(d, per_row, 1)
+        rows, floors, worst = [], [], 0.0
+        for k in range(d):
+            samples = polish.Samples(np.broadcast_to(U[k], columns[k].shape), columns[k],
+                                     np.zeros(per_row), np.zeros(per_row),
+                                     np.full(per_row, float(SHORT_LENGTH)))
+            noise = polish.noise_of(samples, model.v, self.precision, 0.0)
+            reference = float(np.median(noise))
+            rows.append(fit.fit_row(lam_s[k], g_s[k], (reference / noise)[:, None], columns[k],
+                                    U[k] @ V, Z[k] * a[k]))
+            floors.append(reference)
+            worst = max(worst, safe_rms(rows[-1].residual) / reference)
+        # rows of different scales: each row's residual in units of its own expected
+        # rounding (the floor: the polish's law, a residual below it is luck)
+        rows = [fit.RowFit(c=r.c, z=r.z, c_std=r.c_std * f, z_std=r.z_std * f,
+                           residual=r.residual / f, jacobian_singular_values=r.jacobian_singular_values)
+                for r, f in zip(rows, floors)]
+        new_model, new_predicted, _, _ = self.assemble(U, rows, 1.0)
+        self.details["predicted relative error (before short probes)"] = predicted
+        if not (new_predicted < predicted and worst <= misfit):
+            self.details["short probes"] = (
+                f"{d * per_row} sent, not kept (predicted {new_predicted:.1e}, residual "
+                f"{worst:.1e} x the expected rounding)")
+            return model, predicted, False
+        self.details["short probes"] = (f"{d * per_row} sent ({per_row} per row, residual "
+                                        f"{worst:.2f} x the expected rounding), kept")
+        return new_model, new_predicted, True
 
     def refuse(self, message: str, kind=ModelMismatchError):
         """Raise ``kind`` (the box is not in the class, or RecoveryFailedError: the
