@@ -44,6 +44,7 @@ def test_float32_box_is_a_float32_forward_pass():
     assert np.linalg.matrix_rank(box.truth.W[0]) == 4   # rank hd = d / H, as in PyTorch
 
 
+@pytest.mark.slow        # 4 s: the hook's fast multi-head tests stay within 50 s
 @pytest.mark.parametrize("seed", [18, 31])
 def test_coarse_base_rows_see_every_head(monkeypatch, seed):
     """Base rows scaled by another row's spread showed too few float32 steps (the others
@@ -60,6 +61,7 @@ def test_coarse_base_rows_see_every_head(monkeypatch, seed):
     assert multi_head.base_quality(run.base_fit, run.half_window) <= multi_head.PINNED_STEPS
 
 
+@pytest.mark.slow
 def test_recentring_with_an_unpinned_perturbation_reaches_no_lapack_nan(monkeypatch):
     """A perturbed base row with a step its samples do not pin has an infinite logit
     error; its covariance reached LAPACK as NaN ("SVD did not converge") and cost a
