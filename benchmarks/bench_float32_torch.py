@@ -1,7 +1,7 @@
 """float32 PyTorch attention: nn.MultiheadAttention in float32 behind a fixed readout.
 
 Run:  python benchmarks/bench_float32_torch.py [--heads 2 4] [--dim 16] [--trials 100] [--first-trial 0]
-          [--learner multi-head] [--modes auto stated] [--label NAME] [--out-dir DIR]
+          [--trial-list T ...] [--learner multi-head] [--modes auto stated] [--label NAME] [--out-dir DIR]
 
 Per trial: a fresh ``torch.nn.MultiheadAttention(d, H, bias=False)`` with PyTorch's own
 random initialisation (``torch.manual_seed(trial)``), in float32 (PyTorch's default
@@ -49,6 +49,8 @@ def parse():
     parser.add_argument("--trials", type=int, default=100)
     parser.add_argument("--first-trial", type=int, default=0,
                         help="trials first .. first + trials - 1 (to split a run over processes)")
+    parser.add_argument("--trial-list", type=int, nargs="+", metavar="TRIAL",
+                        help="run these trials (e.g. earlier refusals) instead of a range")
     parser.add_argument("--combine", nargs="+", metavar="LABEL",
                         help="only merge the JSONs of these labels (same learner) into --label, "
                              "one row per trial (a trial run twice is counted once)")
@@ -168,7 +170,7 @@ def main() -> None:
                 continue
             options = {"output_dtype": "float32"} if mode == "stated" else {}
             rows = []
-            for t in range(args.first_trial, args.first_trial + args.trials):
+            for t in (args.trial_list or range(args.first_trial, args.first_trial + args.trials)):
                 rows.append(one_trial(args.learner, args.dim, heads, t, options))
                 # written after every trial: a run stopped early keeps what it measured
                 write(args, cells + [{"heads": heads, "mode": mode, "accepted": True,
@@ -191,8 +193,11 @@ def write(args, cells: list[dict]) -> None:
     stem = f"float32_torch_{args.learner.replace('-', '_')}_{args.label}"
     command = getattr(args, "command", None) or (
         f"python benchmarks/bench_float32_torch.py --heads "
-        f"{' '.join(map(str, args.heads))} --dim {args.dim} --trials {args.trials} "
-        f"--first-trial {args.first_trial} --learner {args.learner} --modes "
+        f"{' '.join(map(str, args.heads))} --dim {args.dim} "
+        + (f"--trial-list {' '.join(map(str, args.trial_list))} "
+           if getattr(args, "trial_list", None)
+           else f"--trials {args.trials} --first-trial {args.first_trial} ")
+        + f"--learner {args.learner} --modes "
         f"{' '.join(args.modes)} --label {args.label}")
     meta = {"learner": args.learner, "dim": args.dim, "trials": args.trials,
             "label": args.label, "torch": torch.__version__, "numpy": np.__version__,

@@ -227,8 +227,9 @@ def _add_learner_options(ex) -> None:
                             "heads (default: detected)")
     multi.add_argument("--precision", choices=["full", "fast"],
                        help="multi-head: full spends what paper 2's count leaves on a last "
-                            "round of wide columns for the smallest error; fast runs it only "
-                            "when the error bar would exceed 1e-10 (default: full)")
+                            "round (short probes for float64 answers, else wide columns) for "
+                            "the smallest error; fast runs only wide columns, and only when "
+                            "the error bar would exceed 1e-10 (default: full)")
     ffn = ex.add_argument_group("--model relu-network, one-layer, one-layer-residual")
     ffn.add_argument("--no-polish", action="store_false", dest="polish",
                      help="skip measuring each hidden unit alone (m d fewer queries, fewer "

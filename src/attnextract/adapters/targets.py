@@ -281,3 +281,53 @@ def with_biases(model, seed=None, *, bias_scale: float = 1.0, c: float | None = 
     if W.ndim == 2:
         return BiasedSingleHeadAttention(W, model.v, b[0], c)
     return BiasedMultiHeadAttention(W, model.v, b, c)
+
+
+class Float32MultiHeadBlackBox:
+    """A multi-head attention layer computed in float32, as PyTorch computes
+    ``nn.MultiheadAttention(d, H, bias=False)`` by default, in numpy (no torch needed).
+
+    Per head, with projections Q_h, K_h, V_h (hd, d), hd = d / H, an output projection O
+    (d, d) and a readout r (d,): f(X) = r^T O concat_h(softmax(X K_h^T Q_h x_N / sqrt(hd))^T
+    X V_h^T), every product, the softmax and the sums (one token at a time) in float32; the answers are float32
+    numbers returned as float64 (B,) for X (B, N, d). The parameters are drawn as
+    PyTorch's default initialisation draws them (in-projection Xavier-uniform over
+    (3d, d), output projection uniform +-1/sqrt(d)) and r is a random unit vector: the
+    heads' W_h = K_h^T Q_h / sqrt(hd) have rank hd. :attr:`truth` is the canonical
+    model in float64 (W_h, v_h = V_h^T O_h^T r).
+    """
+
+    def __init__(self, heads: int, dim: int, seed=None):
+        from ..models import MultiHeadAttention
+        if heads < 1 or dim % heads:
+            raise InputError(f"need heads >= 1 dividing dim, got heads={heads}, dim={dim}")
+        rng = np.random.default_rng(seed)
+        bound = np.sqrt(6.0 / (4 * dim))
+        self.Q, self.K, self.V = (rng.uniform(-bound, bound, (heads, dim // heads, dim))
+                                  .astype(np.float32) for _ in range(3))
+        self.O = rng.uniform(-1, 1, (dim, dim)).astype(np.float32) / np.float32(np.sqrt(dim))
+        r = rng.standard_normal(dim)
+        self.r = (r / np.linalg.norm(r)).astype(np.float32)
+        hd = dim // heads
+        O_h = self.O.astype(np.float64).reshape(dim, heads, hd).transpose(1, 0, 2)  # (H, d, hd)
+        W = np.einsum("hai,haj->hij", self.K.astype(np.float64),
+                      self.Q.astype(np.float64)) / np.sqrt(hd)
+        v = np.einsum("hai,hba,b->hi", self.V.astype(np.float64), O_h,
+                      self.r.astype(np.float64))
+        self.truth = MultiHeadAttention(W, v)
+        self.scale = np.float32(1.0 / np.sqrt(hd))
+
+    def __call__(self, X: np.ndarray) -> np.ndarray:
+        X = np.asarray(X, dtype=np.float32)
+        q = np.einsum("had,bd->bha", self.Q, X[:, -1]) * self.scale          # (B, H, hd)
+        k = np.einsum("had,bnd->bhna", self.K, X)                            # (B, H, N, hd)
+        scores = np.einsum("bhna,bha->bhn", k, q)
+        scores -= scores.max(axis=2, keepdims=True)
+        weights = np.exp(scores)
+        # sums over the tokens accumulated one token at a time, in float32 (as a plain
+        # loop would): their rounding grows with N like a real forward pass's, where
+        # numpy's pairwise sums would be the most accurate float32 can be
+        weights /= np.cumsum(weights, axis=2)[:, :, -1:]
+        values = np.einsum("had,bnd->bhna", self.V, X)
+        heads = np.cumsum(weights[..., None] * values, axis=2)[:, :, -1].reshape(X.shape[0], -1)
+        return ((heads @ self.O.T) @ self.r).astype(np.float64)

@@ -61,7 +61,20 @@ Algorithm.
    samples; further such rounds (from the refitted z) while the predicted error bar
    still exceeds 1e-10 and the count leaves room.
 
-8. Joint polish (:mod:`.polish`, no query): Gauss-Newton on all H (d^2 + d) canonical
+   With ``precision="full"`` and float64 answers, short probes (below) take the
+   count first and, when kept, replace round 3.
+
+8. Short probes (``precision="full"``, float64 answers, no biases; :meth:`short_probes`):
+   the rest of paper 2's count as two-token probes [q + u; q] (lambda = 0), which
+   answer g = sum_h c_h sigma(z_h^T q) with z_h = W_h^T u: d fresh rows u with every
+   head's height +-|v_h| (well spread, so W_h = U^-1 Z_h amplifies little), their
+   columns q designed from the heads so far with the logits on a ladder 5 apart (one
+   head on its slope, the others saturated: they pin the heights), |u| = 16 |q|. Each
+   row is one weighted fit of H (d + 1) unknowns, so it scales to d = 32, H = 8. A sum
+   over 2 tokens rounds to about half a rounding of its terms against about 13 at 512
+   tokens: measured median error at d = 8, H = 6 1.1e-12 -> under 1e-14, at d = 32,
+   H = 8 5.9e-12 -> about 5e-15 (benchmarks/results/mh4_*.md).
+9. Joint polish (:mod:`.polish`, no query): Gauss-Newton on all H (d^2 + d) canonical
    parameters over every answer held, weighted by each answer's expected rounding;
    kept only when it lowers the weighted residual, keeps the predicted error within
    1.5x and moves no head beyond the row fits' error bar (dense: up to 1600 parameters).
@@ -83,7 +96,9 @@ Queries: d + base (3 to 14 scans of 4H + 8 samples, within what paper 2's count 
 (d - 1)(3H + 3) perturbations, twice with one or two more scans when recentred)
 + d (2H + 1) + d^2 (H + 1) main probes, plus d^2 (H + 1) when round 3 runs: the floor H(d^2 + d) (the canonical form's free parameters) plus
 about d^2 + Hd + base (twice the columns with round 3), never above paper 2's count
-4Hd^2 - 2H + 1.
+4Hd^2 - 2H + 1. With ``precision="full"`` and float64 answers, the short probes spend
+what that count leaves after the verification (to within d - 1 queries) when it leaves
+at least 1.25 H (d + 1) per row.
 """
 
 from __future__ import annotations
@@ -139,6 +154,21 @@ WIDE_ROUNDS = 3           # wide-column rounds at most (after the first, only wh
 WIDE_COLUMNS_UP_TO = 1e-2 # ... and below which the logits are predicted well enough for it
                           # (|t| <= 7: 0.07 off against a step spacing above 1.4; float32
                           # nn.MultiheadAttention at H = 4 predicts 1e-3 to 3e-3 before it)
+COARSE_ROUNDING = 2.0 ** -30  # relative rounding from which answers count as coarse
+                          # (float32, a few decimals): base rows are scaled one by one
+PINNED_STEPS = 0.1         # coarse answers: a base row whose logit error is below this x its
+                          # smallest step gap has as many heads as fitted steps at least
+SHORT_LENGTH = 2          # tokens of the short probes ([q + u; q], lambda = 0)
+SHORT_SPACING = 5.0       # ... whose columns put the heads' logits this far apart: about one
+                          # head per column on its slope, the others saturated (they pin
+                          # the heights); d = 8, H = 6, 3 seeds, rows alone: spacing 3
+                          # 3.8e-14, 4 1.9e-14, 5 1.3e-14, 6 1.2e-14, 8 2.0e-14 (median)
+SHORT_BALANCE = 16.0      # ... |u| / |q| (u a, q / a leave every logit): the sensitivity to W
+                          # grows with |u| (heights c_h), the rounding with |u| and |q|;
+                          # d = 8, H = 6, 4 seeds, rows alone: 1 1.5e-14, 4 1.1e-14,
+                          # 16 8.8e-15, 64 9.6e-15, 1024 9.5e-15 (median)
+SHORT_OVERSAMPLE = 1.25   # ... at least this x each row's H (d + 1) unknowns (else skipped)
+SHORT_ROW_CANDIDATES = 64 # draws per short row (:func:`.design.even_height_rows`)
 RECENTRE_ABOVE = 3e-3     # predicted relative error of the base estimate of W_h q_0 above
                           # which a base row with evenly spaced steps is designed from it
 PERTURBATION_MOVE = 0.003 # base perturbations move the steps by about this x the smallest
@@ -313,6 +343,8 @@ class _Extraction:
         self.notes: list[str] = []
         self.biases, self.c = False, 0.0      # biases: set by extract_multi_head, c = f([0])
         self.labels_trusted, self.label_misfit = False, math.inf   # set by main's relabel
+        self.coarse = False                   # set by set_precision
+        self.coarse_extra_scans = 0
         self.set_window(design.base_length(self.max_heads))   # the base stages; main() switches
         from ...verification import max_length_of
         needed = max(self.length, design.window_length(self.max_heads))
@@ -326,17 +358,19 @@ class _Extraction:
     def spend(self, stage: str, before: int) -> None:
         self.breakdown[stage] = self.breakdown.get(stage, 0) + self.oracle.queries - before
 
-    def measure(self, u, q, lam):
-        """g at the nearest realisable lambdas; returns (realised lambda, g).
+    def measure(self, u, q, lam, length: int | None = None):
+        """g at the nearest realisable lambdas of sequences of ``length`` tokens (default
+        the current window's); returns (realised lambda, g).
 
         A design built from answers no multi-head box gives can be non-finite: that is
         a mismatch, refused before anything is sent."""
         if not (np.all(np.isfinite(u)) and np.all(np.isfinite(q)) and np.all(np.isfinite(lam))):
             raise _Redesign(RecoveryFailedError, "a fit gave a non-finite probe design")
-        m = design.copy_counts(lam, self.length)
-        lam = design.realised_lambda(m, self.length)
-        g = design.measure(self.oracle, self.v, u, q, m, self.length) - self.c
-        self.answers.append((u, q, lam, g + q @ self.v, self.length))   # for the polish
+        length = self.length if length is None else length
+        m = design.copy_counts(lam, length)
+        lam = design.realised_lambda(m, length)
+        g = design.measure(self.oracle, self.v, u, q, m, length) - self.c
+        self.answers.append((u, q, lam, g + q @ self.v, length))   # for the polish
         return lam, g
 
     def noise(self, f_values, heights=0.0, *, floor: bool = False) -> float:
@@ -386,6 +420,7 @@ class _Extraction:
         self.absolute_noise = 0.0 if self.decimals is None else 0.5 * 10.0 ** -self.decimals
         scale = max(safe_rms(self.v), 1e-300)
         self.relative_rounding = self.precision + self.absolute_noise / scale
+        self.coarse = self.relative_rounding >= COARSE_ROUNDING
         if self.decimals is not None:
             self.notes.append(f"outputs rounded to {self.decimals} decimals (absolute "
                               f"{self.absolute_noise:.1e})")
@@ -421,16 +456,26 @@ class _Extraction:
         s0 = 4 * H + 8
         rest = d + self.biases + self.perturbation_cost(H) + self.main_cost(H)
         # the base search (scale rounds and candidate rows) spends at most what paper 2's
-        # count leaves after the rest of the plan, and at least three scans
+        # count leaves after the rest of the plan and the held-out verification (a rounded
+        # box, whose rows never pin their steps to BASE_QUALITY, spent all of it: --decimals
+        # 5 at d = 8, H = 2 used 495 + 64 verification = 559 of 509), and at least three scans
+        rest += verification_count(self.parameters(H))
         self.scans_left = max(3, min(SCALE_ROUNDS + BASE_CANDIDATES,
                                      (self.count_cap(H) - rest) // s0))
-        self.oracle.plan(rest + self.scans_left * s0 + verification_count(self.parameters(H)),
-                         "multi-head extraction")
+        self.oracle.plan(rest + self.scans_left * s0, "multi-head extraction")
         before = self.oracle.queries
         self.c, self.v = constant_and_values(self.oracle, self.biases)
         self.spend("v tokens" + (" and c = f([0])" if self.biases else ""), before)
         self.answers = [(np.zeros((d, d)), np.eye(d), np.zeros(d), self.v, 1)]  # the polish's
         self.set_precision()
+        # coarse answers, told H: a candidate row costs up to two scans (its own scale),
+        # so up to as many scans again, within what paper 2's count leaves, spent only
+        # while no pinned row shows H steps (spent always, they cut the wide columns:
+        # median bar 3.3e-3 against 9.3e-4, float32 nn.MultiheadAttention, H = 4)
+        self.coarse_extra_scans = (max(0, min(SCALE_ROUNDS + BASE_CANDIDATES,
+                                              (self.count_cap(H) - rest) // s0
+                                              - self.scans_left))
+                                   if self.coarse and self.heads_told else 0)
         self.say("base row")
         try:
             heads = self.count_heads(s0)
@@ -586,10 +631,15 @@ class _Extraction:
             if fits and np.isfinite(base_quality(steps, self.half_window)):
                 self.adopt_base(u, steps)
                 return
-            edge = float(np.max(np.abs(steps.t)))
+            edge, steps_u = float(np.max(np.abs(steps.t))), u
             # a step at the window's edge (the scale was set on another row): the logits
             # are linear in u, so a shorter row pulls it inside; otherwise a new draw
             u = u * (self.half_window - 1.5) / edge if fits and edge > 1.0 else None
+            if u is None and self.coarse and np.isfinite(edge) and not fits:
+                # coarse answers: steps beyond the window sink below the rounding, so
+                # the row is rescanned at its own scale (:meth:`base_row`)
+                u = steps_u * float(np.clip((self.half_window - 1.5) / max(edge, 1e-3),
+                                            1e-2, 1e2))
         raise _Redesign(RecoveryFailedError, "no fresh base row fit its steps")
 
     def set_window(self, length: int) -> None:
@@ -610,7 +660,7 @@ class _Extraction:
         lam_target = self.base_grid = design.base_lambdas(s0, self.half_window)
         self.q_0 = rng.standard_normal(d)
         self.q_0 /= np.linalg.norm(self.q_0)
-        directions = rng.standard_normal((BASE_CANDIDATES, d))
+        directions = rng.standard_normal((BASE_CANDIDATES * (2 if self.coarse else 1), d))
         directions /= np.linalg.norm(directions, axis=1, keepdims=True)
         target_spread = self.half_window - 1.5
 
@@ -669,11 +719,27 @@ class _Extraction:
             if (not self.heads_told and len(found) >= MORE_STEPS_VOTES
                     and all(f[0] is None for f in found)):
                 break         # rows agree that no count up to H fits: more heads, or no box
+            if self.scans_left <= 0 and self.coarse_extra_scans > 0 and not any(
+                    f[0] == H and self.in_window(f)
+                    and base_quality(f[2], self.half_window) <= PINNED_STEPS for f in found):
+                self.scans_left, self.coarse_extra_scans = self.coarse_extra_scans, 0
             if self.scans_left <= 0:
                 if agreed is not None or extra <= 0:
                     break
                 extra -= 1
             found.append(scan(scale * w))
+            if self.coarse and self.scans_left > 0:
+                # coarse answers (float32): a step a few units beyond the window sinks
+                # below the rounding and two steps 0.3 apart merge, so a row scaled by
+                # another row's spread shows too few steps (float32
+                # nn.MultiheadAttention, d = 16, H = 4: rows at 0.01 to 50x the target
+                # spread, 3 of 4 heads seen). The logits are linear in u: each row is
+                # rescanned at its own scale, its outermost fitted step at the target
+                steps = found[-1][2]
+                if steps is not None and np.all(np.isfinite(steps.t)):
+                    factor = target_spread / max(spread(found[-1]), 1e-3)
+                    if not (self.in_window(found[-1]) and 0.6 <= factor <= 1.6):
+                        found[-1] = scan(float(np.clip(factor, 1e-2, 1e2)) * scale * w)
         self.spend("base rows", before)
         counts = [c for c in self.votes(found) if c is not None]
         if not counts:       # every fitted row out of the window: their counts, as before
@@ -701,6 +767,18 @@ class _Extraction:
             heads = max(counts)
             self.notes.append(f"the head count {heads} rests on one base row (the rows "
                               f"scanned gave {sorted(counts)})")
+        if self.coarse:
+            # coarse answers only hide steps (a step beyond the window sinks below the
+            # rounding, two close steps merge), so a row whose every step is pinned to
+            # a fraction of its smallest gap proves its count, agreed or not (float32
+            # nn.MultiheadAttention, d = 16, H = 4: rows of 3, 3, 3 and one of 4 steps)
+            pinned = [f[0] for f in found if f[0] and self.in_window(f)
+                      and base_quality(f[2], self.half_window) <= PINNED_STEPS]
+            if pinned and max(pinned) > heads:
+                self.notes.append(f"the head count {max(pinned)} rests on a base row whose "
+                                  f"steps are pinned (the rows scanned gave "
+                                  f"{[f[0] for f in found]})")
+                heads = max(pinned)
         self.details["canonical heads"] = heads
         self.details["head counts of the base rows"] = [f[0] for f in found]
         if heads == 0:
@@ -768,7 +846,13 @@ class _Extraction:
         d, H = Y0.shape
         half = self.half_window - 3.0       # room for steps the rough estimate misplaces
         spacing = 2.0 * half / (H - 1) if H > 1 else 2.0
-        u = design.least_uncertain_row(Y0, V0, self.base_covariance,
+        covariance = self.base_covariance
+        if not np.all(np.isfinite(covariance)):
+            # a perturbed row with a step its samples do not pin (infinite logit error;
+            # it reached LAPACK as NaN: "SVD did not converge"): no weights, the
+            # shortest row that places the steps
+            covariance = np.eye(d)
+        u = design.least_uncertain_row(Y0, V0, covariance,
                                        design.step_positions(H, half), self.rng,
                                        jitter=0.25 * spacing)
         heights = float(np.sum(np.abs(u @ V0)))
@@ -898,6 +982,16 @@ class _Extraction:
             T_std.append(steps.t_std)
             C_std.append(steps.c_std)
         if worst > 1.0:
+            quality = base_quality(self.base_fit, self.half_window)
+            if quality > PINNED_STEPS or (self.coarse and H < self.max_heads):
+                # the base row's own fit is to blame: its steps were pinned loosely, or
+                # coarse answers hid a step of it (fewer steps than the heads asked)
+                raise _Redesign(RecoveryFailedError,
+                                f"a perturbed base row does not fit {H} steps (residual "
+                                f"{worst:.1e} times the allowed misfit) refitted from a base "
+                                f"row whose fit was the learner's failure ({H} of at most "
+                                f"{self.max_heads} steps, logit error {quality:.1e} of the "
+                                f"smallest gap): the black box is not judged")
             raise _Redesign(ModelMismatchError,
                             f"a perturbed base row does not fit {H} steps (residual {worst:.1e} "
                             f"times the allowed misfit): the black box is not multi-head "
@@ -1109,9 +1203,16 @@ class _Extraction:
         model, predicted, sigma, measured_sigma = self.assemble(U, rows, noise_floor)
         self.details["predicted relative error (small moves)"] = predicted
         refine_above = 0.0 if self.full_precision else REFINE_ABOVE
+        short_kept = False
+        if self.full_precision and predicted <= WIDE_COLUMNS_UP_TO:
+            # round 3 as short probes on fresh rows (full precision, float64 answers)
+            short_model, short_predicted, short_kept = self.short_probes(
+                model, predicted, NOISE_FACTOR)
         # as many wide columns per row as paper 2's count and the budget leave (all d
-        # when they can; fewer still sharpen every row's fit)
-        n_wide = next((n for n in range(d, 0, -1) if self.affordable(d * n * (H + COLUMN_SPARES), H)), 0)
+        # when they can; fewer still sharpen every row's fit); none after kept short
+        # probes (they replace the main rows' heads)
+        n_wide = 0 if short_kept else next(
+            (n for n in range(d, 0, -1) if self.affordable(d * n * (H + COLUMN_SPARES), H)), 0)
         wide_rounds = 0
         while (refine_above < predicted <= WIDE_COLUMNS_UP_TO and n_wide
                and wide_rounds < WIDE_ROUNDS):
@@ -1130,6 +1231,8 @@ class _Extraction:
                            if self.affordable(d * n * (H + COLUMN_SPARES), H)), 0)
         if wide_rounds > 1:
             self.details["wide column rounds"] = wide_rounds
+        if short_kept:
+            model, predicted = short_model, short_predicted
         model, predicted = self.polished(model, predicted)
         bar = ERROR_BAR_FACTOR * predicted
         cond = max(float(r.jacobian_singular_values[0]
@@ -1281,6 +1384,99 @@ class _Extraction:
             refitted.append(fit.fit_row(held[-1][1], held[-1][2], held[-1][3], held[-1][0],
                                         r.c, r.z))
         return refitted, held
+
+    def short_probes(self, model, predicted, misfit):
+        """Short probes (``precision="full"``, float64 answers): the rest of paper 2's
+        count as two-token probes on d fresh rows, designed from the row fits' heads.
+
+        Identity. A probe [q + u; q] has lambda = 0 and answers
+        g = sum_h c_h sigma(z_h^T q), c_h = u^T v_h, z_h = W_h^T u, so every row u is an
+        independent block of H (d + 1) unknowns (8448 parameters at d = 32, H = 8 are
+        32 blocks of 264), fitted by Gauss-Newton from the heads as they stand (their
+        1e-10 places any probe). W_h = U^-1 Z_h, v_h = U^-1 C_h.
+
+        Design. Why short: a sum over 2 tokens rounds to about 0.5 roundings of its
+        terms (measured: residuals 0.3 to 0.4 of the polish's law 0.25 N^0.75 + 1 = 1.4)
+        against about 13 at N = 512 and 50 to 100 at N = 2048, so one short probe carries
+        the information of hundreds of the window's. No lambda: the columns q move the
+        steps. Column q of row u puts the logits z_h^T q on a ladder SHORT_SPACING apart
+        (random order and shift, :func:`.design.short_columns`): about one head sits on
+        its slope, the others saturate, and the saturated heads pin the heights (logits
+        within +-2 leave c_h and the scale of z_h nearly degenerate, sigma being nearly
+        linear there: 1e-12 against 1.3e-14 at d = 8, H = 6). The rows need not place
+        steps, so they are chosen for the fit: every head with height +-|v_h| in every
+        row (a row where a head has almost none pins its z_h badly), the rows spread
+        (:func:`.design.even_height_rows`; the main rows' cond(U) of 20 to 80 amplified
+        their 1e-14 to 4e-13). u is scaled by a and q by 1 / a (the logits stay) so that
+        |u| is SHORT_BALANCE times |q|: the heights, which carry the sensitivity to W_h,
+        grow with |u|, the rounding with |u| and |q|.
+
+        The heads from these rows replace the row fits' only when their predicted error
+        is lower and every row's residual stays within ``misfit``; the wide columns do
+        not run after them. Skipped with biases, for rounded answers (their rounding
+        does not shrink with the length) and when fewer than SHORT_OVERSAMPLE x H (d + 1)
+        probes per row are left.
+
+        Returns (model, predicted error, whether kept)."""
+        d, H = self.d, model.heads
+        if self.biases or self.precision_name != "float64" or self.decimals is not None:
+            self.details["short probes"] = "skipped (" + (
+                "query biases" if self.biases else "rounded answers") + ")"
+            return model, predicted, False
+        verify = verification_count(self.parameters(H))
+        room = min(self.count_cap(self.max_heads) - self.spent() - verify,
+                   _budget_left(self.oracle) - verify)
+        per_row = int(max(room, 0) // d)
+        unknowns = H * (d + 1)
+        if per_row < SHORT_OVERSAMPLE * unknowns or not self.affordable(d * per_row, H):
+            self.details["short probes"] = (f"skipped ({per_row} per row left in paper 2's "
+                                            f"count, {unknowns} unknowns per row)")
+            return model, predicted, False
+        self.say("short probes")
+        W, V = model.W, model.v.T                                            # V (d, H)
+        # every head with a height of the same size in every row (a row where head h
+        # has almost none pins its z_h badly), rows as far from each other as the
+        # draws allow
+        U = design.even_height_rows(V, self.rng, SHORT_ROW_CANDIDATES)
+        U /= np.linalg.norm(U, axis=1, keepdims=True)
+        self.details["short rows condition"] = float(np.linalg.cond(U))
+        Z = np.einsum("kd,hde->khe", U, W)                                 # (d, H, d)
+        columns = np.array([design.short_columns(Z[k], SHORT_SPACING, per_row, self.rng)
+                            for k in range(d)])                              # (d, n, d)
+        # |u| = SHORT_BALANCE |q| in the median (u a, q / a leave every logit)
+        a = np.sqrt(SHORT_BALANCE * np.median(np.linalg.norm(columns, axis=2), axis=1))
+        U, columns = U * a[:, None], columns / a[:, None, None]
+        before = self.oracle.queries
+        lam_s, g_s = self.measure(np.repeat(U, per_row, 0), columns.reshape(-1, d),
+                                  np.zeros(d * per_row), length=SHORT_LENGTH)
+        self.spend("short probes", before)
+        lam_s, g_s = lam_s.reshape(d, per_row, 1), g_s.reshape(d, per_row, 1)
+        rows, floors, worst = [], [], 0.0
+        for k in range(d):
+            samples = polish.Samples(np.broadcast_to(U[k], columns[k].shape), columns[k],
+                                     np.zeros(per_row), np.zeros(per_row),
+                                     np.full(per_row, float(SHORT_LENGTH)))
+            noise = polish.noise_of(samples, model.v, self.precision, 0.0)
+            reference = float(np.median(noise))
+            rows.append(fit.fit_row(lam_s[k], g_s[k], (reference / noise)[:, None], columns[k],
+                                    U[k] @ V, Z[k] * a[k]))
+            floors.append(reference)
+            worst = max(worst, safe_rms(rows[-1].residual) / reference)
+        # rows of different scales: each row's residual in units of its own expected
+        # rounding (the floor: the polish's law, a residual below it is luck)
+        rows = [fit.RowFit(c=r.c, z=r.z, c_std=r.c_std * f, z_std=r.z_std * f,
+                           residual=r.residual / f, jacobian_singular_values=r.jacobian_singular_values)
+                for r, f in zip(rows, floors)]
+        new_model, new_predicted, _, _ = self.assemble(U, rows, 1.0)
+        self.details["predicted relative error (before short probes)"] = predicted
+        if not (new_predicted < predicted and worst <= misfit):
+            self.details["short probes"] = (
+                f"{d * per_row} sent, not kept (predicted {new_predicted:.1e}, residual "
+                f"{worst:.1e} x the expected rounding)")
+            return model, predicted, False
+        self.details["short probes"] = (f"{d * per_row} sent ({per_row} per row, residual "
+                                        f"{worst:.2f} x the expected rounding), kept")
+        return new_model, new_predicted, True
 
     def refuse(self, message: str, kind=ModelMismatchError):
         """Raise ``kind`` (the box is not in the class, or RecoveryFailedError: the

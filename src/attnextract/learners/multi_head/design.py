@@ -174,6 +174,66 @@ def design_rows(Y0: np.ndarray, V: np.ndarray, positions: np.ndarray, rng: np.ra
     return np.array(rows)
 
 
+def even_height_rows(V: np.ndarray, rng: np.random.Generator, candidates: int = 64) -> np.ndarray:
+    """Rows u_k (d, d) whose heights u_k^T v_h / |v_h| are all +-1 (random signs), the
+    component orthogonal to span(v_h) random of the same size; among ``candidates``
+    draws per row the one farthest from the rows already chosen is kept (the rows
+    must span R^d, well conditioned).
+
+    Parameters
+    ----------
+    V : array (d, H)
+        The heads' v_h (columns), H <= d.
+    """
+    d, H = V.shape
+    unit = V / (np.linalg.norm(V, axis=0) + 1e-300)
+    pinv = np.linalg.pinv(unit.T)                                   # (d, H)
+    P_perp = np.eye(d) - unit @ np.linalg.pinv(unit)
+    rows: list[np.ndarray] = []
+    for _ in range(d):
+        signs = rng.choice([-1.0, 1.0], size=(candidates, H))
+        cand = signs @ pinv.T                                          # (C, d)
+        if H < d:
+            z = rng.standard_normal((candidates, d)) @ P_perp
+            z *= (np.linalg.norm(cand, axis=1, keepdims=True)
+                  / (np.linalg.norm(z, axis=1, keepdims=True) + 1e-300))
+            cand = cand + z
+        score = np.ones(candidates)
+        if rows:
+            R = np.linalg.qr(np.array(rows).T)[0]
+            score = np.linalg.norm(cand - (cand @ R) @ R.T, axis=1) / np.linalg.norm(cand, axis=1)
+        rows.append(cand[int(np.argmax(score))])
+    return np.array(rows)
+
+
+def short_columns(Z: np.ndarray, spacing: float, count: int,
+                  rng: np.random.Generator) -> np.ndarray:
+    """Columns q (count, d) of one short row: head h's logit z_h^T q at a position of
+    an evenly spaced ladder (``spacing`` apart, centred on 0, a random order and a
+    random shift of up to half a spacing per column), so that about one head per column
+    sits on its sigmoid's slope and the others saturate (they pin the heights). The
+    component outside span(z_h) is random, of the size of the part within.
+
+    Parameters
+    ----------
+    Z : array (H, d)
+        The row's z_h = W_h^T u (rows), H <= d.
+    """
+    H, d = Z.shape
+    ladder = (np.arange(H) - 0.5 * (H - 1)) * spacing
+    orders = np.argsort(rng.random((count, H)), axis=1)
+    targets = ladder[orders] + rng.uniform(-0.5 * spacing, 0.5 * spacing, size=(count, 1))
+    pinv = np.linalg.pinv(Z)                                         # (d, H)
+    q = targets @ pinv.T                                             # (count, d)
+    if H < d:
+        free = rng.standard_normal((count, d))
+        free -= (free @ pinv) @ Z                                    # out of span(z_h)
+        free *= (np.linalg.norm(q, axis=1, keepdims=True)
+                 / (np.linalg.norm(free, axis=1, keepdims=True) + 1e-300))
+        q = q + free
+    return q
+
+
 def least_uncertain_row(Y0: np.ndarray, V: np.ndarray, Y_cov: np.ndarray,
                         positions: np.ndarray, rng: np.random.Generator,
                         candidates: int = 24, jitter: float = 0.25) -> np.ndarray:

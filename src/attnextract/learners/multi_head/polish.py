@@ -44,7 +44,9 @@ Measured (d = 8, H = 6, float64 numpy boxes, 8 seeds): the error drops 1.1x to 1
 the data's own Cramer-Rao bound (this covariance) is within 2x of the row fits'
 error, so no polish of these answers reaches 1e-14: the black box's rounding of its
 512-token sums (about 30 ulps of f, measured against a long-double evaluation) times
-the design's amplification limits it.
+the design's amplification limits it. The short probes (two tokens, the learner's
+``short_probes``) are the design change that does: with them among the samples the
+polish takes d = 8, H = 6 below 1e-14.
 """
 
 from __future__ import annotations
