@@ -194,10 +194,7 @@ def even_height_rows(V: np.ndarray, rng: np.random.Generator, candidates: int = 
         signs = rng.choice([-1.0, 1.0], size=(candidates, H))
         cand = signs @ pinv.T                                          # (C, d)
         if H < d:
-            z = rng.standard_normal((candidates, d)) @ P_perp
-            z *= (np.linalg.norm(cand, axis=1, keepdims=True)
-                  / (np.linalg.norm(z, axis=1, keepdims=True) + 1e-300))
-            cand = cand + z
+            cand = cand + _free_part(rng.standard_normal((candidates, d)) @ P_perp, cand)
         score = np.ones(candidates)
         if rows:
             R = np.linalg.qr(np.array(rows).T)[0]
@@ -227,11 +224,15 @@ def short_columns(Z: np.ndarray, spacing: float, count: int,
     q = targets @ pinv.T                                             # (count, d)
     if H < d:
         free = rng.standard_normal((count, d))
-        free -= (free @ pinv) @ Z                                    # out of span(z_h)
-        free *= (np.linalg.norm(q, axis=1, keepdims=True)
-                 / (np.linalg.norm(free, axis=1, keepdims=True) + 1e-300))
-        q = q + free
+        q = q + _free_part(free - (free @ pinv) @ Z, q)              # out of span(z_h)
     return q
+
+
+def _free_part(free: np.ndarray, part: np.ndarray) -> np.ndarray:
+    """``free`` (n, d), each row rescaled to the norm of the same row of ``part``: the
+    random component outside the designed span, of the size of the designed one."""
+    return free * (np.linalg.norm(part, axis=1, keepdims=True)
+                   / (np.linalg.norm(free, axis=1, keepdims=True) + 1e-300))
 
 
 def least_uncertain_row(Y0: np.ndarray, V: np.ndarray, Y_cov: np.ndarray,
