@@ -23,7 +23,7 @@ import numpy as np
 
 from attnextract.adapters.targets import random_multi_head, with_biases
 from attnextract.errors import AttnExtractError
-from attnextract.learners.multi_head import extract_multi_head
+from attnextract.learners.multi_head import canonical_error, extract_multi_head
 from attnextract.learners.multi_head.canonical import biased_canonical_errors
 from attnextract.models import MultiHeadAttention
 from attnextract.oracle import Oracle
@@ -47,6 +47,8 @@ def run(H: int, d: int, seed: int) -> dict:
     try:
         plain_result = extract_multi_head(plain, H, seed=seed)
         row["bias-free queries"] = plain.queries
+        row["bias-free error"] = float(canonical_error(plain_result.model, MultiHeadAttention(truth.W, truth.v)))
+        row["bias-free short probes"] = plain_result.report.details.get("short probes")
         row["bias-free breakdown"] = dict(plain_result.report.breakdown)
         row["bias-free wide rounds"] = plain_result.report.details.get(
             "wide column rounds", int("main wide columns" in plain_result.report.breakdown))
@@ -64,6 +66,7 @@ def run(H: int, d: int, seed: int) -> dict:
         row["wide rounds"] = result.report.details.get(
             "wide column rounds", int("main wide columns" in result.report.breakdown))
         row["polish"] = result.report.details.get("joint polish")
+        row["short probes"] = result.report.details.get("short probes")
     except AttnExtractError as exc:
         row["refused"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     row["queries"] = oracle.queries
@@ -72,16 +75,22 @@ def run(H: int, d: int, seed: int) -> dict:
     return row
 
 
+def short_kept(detail) -> bool:
+    """Whether a run's report says its short probes were sent and kept."""
+    return isinstance(detail, str) and detail.endswith("kept") and "not kept" not in detail
+
+
 def summary(rows) -> str:
     out = ["| H | d | runs | refused | worst W | worst b | worst v | worst c | max error / bar "
            "| within 1e-10 | polish kept | median queries (biased) | median bias-free + Hd "
-           "| median ratio | max ratio | floor | median CPU s |", "|" + "---|" * 17]
+           "| median ratio | max ratio | floor | median CPU s | short probes kept (biased, bias-free) "
+           "| bias-free within 1e-10 |", "|" + "---|" * 19]
     for H, d in sorted({(r["H"], r["d"]) for r in rows}, key=lambda x: (x[1], x[0])):
         cell = [r for r in rows if (r["H"], r["d"]) == (H, d)]
         ok = [r for r in cell if "refused" not in r]
         err = [max(r["W"], r["b"], r["v"], r["c"]) for r in ok]
         out.append("| {} | {} | {} | {} | {:.1e} | {:.1e} | {:.1e} | {:.1e} | {:.2f} | {} | {} "
-                   "| {:.0f} | {:.0f} | {:.3f} | {:.3f} | {} | {:.1f} |".format(
+                   "| {:.0f} | {:.0f} | {:.3f} | {:.3f} | {} | {:.1f} | {}, {} | {} |".format(
                        H, d, len(cell), len(cell) - len(ok),
                        max((r["W"] for r in ok), default=np.nan),
                        max((r["b"] for r in ok), default=np.nan),
@@ -94,7 +103,19 @@ def summary(rows) -> str:
                        np.median([r["bias-free queries"] + H * d for r in cell]),
                        np.median([r["ratio"] for r in cell]),
                        max(r["ratio"] for r in cell), cell[0]["floor"],
-                       np.median([r["cpu s"] for r in cell])))
+                       np.median([r["cpu s"] for r in cell]),
+                       sum(short_kept(r.get("short probes")) for r in cell),
+                       sum(short_kept(r.get("bias-free short probes")) for r in cell),
+                       sum(r.get("bias-free error", np.inf) <= GOAL for r in cell)))
+    misses = [r for r in rows if "refused" in r or max(r["W"], r["b"], r["v"], r["c"]) > GOAL]
+    if misses:
+        out += ["", "Runs beyond 1e-10 (or refused):", ""]
+        out += [f"- H = {r['H']}, d = {r['d']}, seed {r['seed']}: " + (
+            r["refused"] if "refused" in r else
+            f"W {r['W']:.1e} b {r['b']:.1e} v {r['v']:.1e} c {r['c']:.1e} "
+            f"(bar {r['error bar']:.1e}); bias-free learner on the same heads "
+            f"{r.get('bias-free error', np.nan):.1e}; short probes: {r.get('short probes')}")
+            for r in misses]
     return "\n".join(out)
 
 

@@ -1419,15 +1419,14 @@ class _Extraction:
 
         Returns (model, predicted error, whether kept)."""
         d, H = self.d, model.heads
-        if self.biases or self.precision_name != "float64" or self.decimals is not None:
-            self.details["short probes"] = "skipped (" + (
-                "query biases" if self.biases else "rounded answers") + ")"
+        if self.precision_name != "float64" or self.decimals is not None:
+            self.details["short probes"] = "skipped (rounded answers)"
             return model, predicted, False
         verify = verification_count(self.parameters(H))
         room = min(self.count_cap(self.max_heads) - self.spent() - verify,
                    _budget_left(self.oracle) - verify)
         per_row = int(max(room, 0) // d)
-        unknowns = H * (d + 1)
+        unknowns = H * (d + 1 + self.biases)
         if per_row < SHORT_OVERSAMPLE * unknowns or not self.affordable(d * per_row, H):
             self.details["short probes"] = (f"skipped ({per_row} per row left in paper 2's "
                                             f"count, {unknowns} unknowns per row)")
@@ -1445,6 +1444,12 @@ class _Extraction:
                             for k in range(d)])                              # (d, n, d)
         # |u| = SHORT_BALANCE |q| in the median (u a, q / a leave every logit)
         a = np.sqrt(SHORT_BALANCE * np.median(np.linalg.norm(columns, axis=2), axis=1))
+        if self.biases:
+            # ... but not the intercepts u^T b_h, which grow with a: the columns are
+            # designed again for the scaled rows, the ladder met with a u^T b_h included
+            B = a[:, None] * (U @ model.b.T)                                 # (d, H)
+            columns = np.array([design.short_columns(Z[k], SHORT_SPACING, per_row, self.rng,
+                                                     shift=B[k]) for k in range(d)])
         U, columns = U * a[:, None], columns / a[:, None, None]
         before = self.oracle.queries
         lam_s, g_s = self.measure(np.repeat(U, per_row, 0), columns.reshape(-1, d),
@@ -1456,10 +1461,13 @@ class _Extraction:
             samples = polish.Samples(np.broadcast_to(U[k], columns[k].shape), columns[k],
                                      np.zeros(per_row), np.zeros(per_row),
                                      np.full(per_row, float(SHORT_LENGTH)))
-            noise = polish.noise_of(samples, model.v, self.precision, 0.0)
+            noise = polish.noise_of(samples, model.v, self.precision, 0.0,
+                                    *((self.c, model.W, model.b) if self.biases else ()))
             reference = float(np.median(noise))
-            rows.append(fit.fit_row(lam_s[k], g_s[k], (reference / noise)[:, None], columns[k],
-                                    U[k] @ V, Z[k] * a[k]))
+            # with biases z_h = [W_h^T u; u^T b_h] on the columns [q, 1]
+            z0 = np.hstack([Z[k] * a[k], B[k][:, None]]) if self.biases else Z[k] * a[k]
+            rows.append(fit.fit_row(lam_s[k], g_s[k], (reference / noise)[:, None],
+                                    self.affine(columns[k]), U[k] @ V, z0))
             floors.append(reference)
             worst = max(worst, safe_rms(rows[-1].residual) / reference)
         # rows of different scales: each row's residual in units of its own expected

@@ -204,7 +204,7 @@ def even_height_rows(V: np.ndarray, rng: np.random.Generator, candidates: int = 
 
 
 def short_columns(Z: np.ndarray, spacing: float, count: int,
-                  rng: np.random.Generator) -> np.ndarray:
+                  rng: np.random.Generator, shift: np.ndarray | None = None) -> np.ndarray:
     """Columns q (count, d) of one short row: head h's logit z_h^T q at a position of
     an evenly spaced ladder (``spacing`` apart, centred on 0, a random order and a
     random shift of up to half a spacing per column), so that about one head per column
@@ -215,12 +215,19 @@ def short_columns(Z: np.ndarray, spacing: float, count: int,
     ----------
     Z : array (H, d)
         The row's z_h = W_h^T u (rows), H <= d.
+    shift : array (H,), optional
+        Affine logits z_h^T q + shift_h (biased heads: shift_h = u^T b_h); the ladder
+        is met with the shift included.
     """
     H, d = Z.shape
     ladder = (np.arange(H) - 0.5 * (H - 1)) * spacing
     orders = np.argsort(rng.random((count, H)), axis=1)
     targets = ladder[orders] + rng.uniform(-0.5 * spacing, 0.5 * spacing, size=(count, 1))
-    pinv = np.linalg.pinv(Z)                                         # (d, H)
+    if shift is not None:
+        targets = targets - shift[None, :]
+    # biased: heads with equal W_h (different b_h) have equal z_h up to the fit's error;
+    # their ladder targets are met in least squares (as in design_rows)
+    pinv = np.linalg.pinv(Z, rcond=1e-15 if shift is None else 1e-8)  # (d, H)
     q = targets @ pinv.T                                             # (count, d)
     if H < d:
         free = rng.standard_normal((count, d))
