@@ -64,7 +64,7 @@ Algorithm.
    With ``precision="full"`` and float64 answers, short probes (below) take the
    count first and, when kept, replace round 3.
 
-8. Short probes (``precision="full"``, float64 answers, no biases; :meth:`short_probes`):
+8. Short probes (``precision="full"``, float64 answers; :meth:`short_probes`):
    the rest of paper 2's count as two-token probes [q + u; q] (lambda = 0), which
    answer g = sum_h c_h sigma(z_h^T q) with z_h = W_h^T u: d fresh rows u with every
    head's height +-|v_h| (well spread, so W_h = U^-1 Z_h amplifies little), their
@@ -73,7 +73,11 @@ Algorithm.
    row is one weighted fit of H (d + 1) unknowns, so it scales to d = 32, H = 8. A sum
    over 2 tokens rounds to about half a rounding of its terms against about 13 at 512
    tokens: measured median error at d = 8, H = 6 1.1e-12 -> under 1e-14, at d = 32,
-   H = 8 5.9e-12 -> about 5e-15 (benchmarks/results/mh4_*.md).
+   H = 8 5.9e-12 -> about 5e-15 (benchmarks/results/mh4_*.md). With biases the probe
+   answers g = sum_h c_h sigma(z_h^T q + u^T b_h) (c = f([0]) taken off), so each row
+   fit is affine in [q, 1] with H (d + 2) unknowns, the ladder is met with the
+   intercepts included, and the expected rounding counts the rounding of the box's
+   scores, which the intercepts make large (:func:`.polish.noise_of`).
 9. Joint polish (:mod:`.polish`, no query): Gauss-Newton on all H (d^2 + d) canonical
    parameters over every answer held, weighted by each answer's expected rounding;
    kept only when it lowers the weighted residual, keeps the predicted error within
@@ -98,7 +102,8 @@ Queries: d + base (3 to 14 scans of 4H + 8 samples, within what paper 2's count 
 about d^2 + Hd + base (twice the columns with round 3), never above paper 2's count
 4Hd^2 - 2H + 1. With ``precision="full"`` and float64 answers, the short probes spend
 what that count leaves after the verification (to within d - 1 queries) when it leaves
-at least 1.25 H (d + 1) per row.
+at least 1.25 H (d + 1) per row. With biases the count is paper 2's + H d + 1 and the
+short probes need 1.25 H (d + 2) per row.
 """
 
 from __future__ import annotations
@@ -1413,9 +1418,16 @@ class _Extraction:
 
         The heads from these rows replace the row fits' only when their predicted error
         is lower and every row's residual stays within ``misfit``; the wide columns do
-        not run after them. Skipped with biases, for rounded answers (their rounding
-        does not shrink with the length) and when fewer than SHORT_OVERSAMPLE x H (d + 1)
-        probes per row are left.
+        not run after them. Skipped for rounded answers (their rounding does not
+        shrink with the length) and when fewer than SHORT_OVERSAMPLE x the row's
+        unknowns are left per row.
+
+        Biases. The probe answers g = sum_h c_h sigma(z_h^T q + u^T b_h): each row fit
+        is affine in [q, 1] (z_h = [W_h^T u; u^T b_h], H (d + 2) unknowns), b_h = U^-1 of
+        the intercepts. The scale a (u a, q / a) keeps z_h^T q but multiplies u^T b_h,
+        so the columns are designed for the scaled rows, the ladder met with
+        a u^T b_h included. Those intercepts make the box's scores large (hundreds at
+        |b_h| = 5), so the expected rounding includes the scores' rounding.
 
         Returns (model, predicted error, whether kept)."""
         d, H = self.d, model.heads
