@@ -21,6 +21,13 @@ from attnextract.learners.multi_head import extract_multi_head
 from attnextract.learners.multi_head.canonical import canonical_error
 
 
+# the stages a run went through (which paths of the learner it took)
+DETAILS = ("head counts of the base rows", "canonical heads",
+           "base estimate relative error (first row)", "base estimate relative error",
+           "base perturbation passes", "recentred base rows", "designs tried",
+           "failed designs", "short probes", "predicted relative error")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("result")
@@ -46,17 +53,19 @@ def main() -> None:
                 try:
                     result = extract_multi_head(Oracle(box, d), H, seed=run["learner_seed"])
                     error, outcome = canonical_error(result.model, box), "recovered"
-                    queries = result.queries
+                    queries, details = result.queries, result.report.details
                 except RefusalWithResult as exc:
                     error, outcome = None, type(exc).__name__
                     queries = exc.result.queries if exc.result is not None else None
+                    details = exc.result.report.details if exc.result is not None else {}
                 total += 1
                 runs.append({"d": d, "H": H, "scale": scale, "seed": run["seed"],
                              "learner_seed": run["learner_seed"], "outcome": outcome,
                              "error": error, "queries": queries,
                              "paper2_count": 4 * H * d * d - 2 * H + 1,
                              "seconds": time.perf_counter() - start,
-                             "recorded": run["refused"] or run["error"]})
+                             "recorded": run["refused"] or run["error"],
+                             "details": {key: details[key] for key in DETAILS if key in details}})
                 good += error is not None and error <= 1e-10
                 before = run["refused"] or f"{run['error']:.1e}"
                 lines.append(f"| {d} | {H} | {scale:g} | {run['seed']} | {outcome} | "
@@ -73,7 +82,7 @@ def main() -> None:
         with open(args.json, "w") as fh:
             json.dump({"command": " ".join(["benchmarks/rerun_grid_cell.py", args.result,
                                             "--heads", str(args.heads)]),
-                       "summary": summary, "runs": runs}, fh, indent=1)
+                       "summary": summary, "runs": runs}, fh, indent=1, default=float)
 
 
 if __name__ == "__main__":
