@@ -25,15 +25,18 @@ Algorithm.
    error per smallest gap); that one is kept. A row with a step more than WINDOW_MARGIN
    beyond the window does not vote (a tail fits spurious steps). Not told H, a few rows
    beyond paper 2's share settle a disputed count, and without two rows that agree the
-   run is refused suggesting heads=.
+   run is refused suggesting heads=. Told H, a count below H needs three rows (a row
+   hides a head whose height is small there and whose step falls near another's).
 3. Base perturbations u_0 + eps w_k (k = 1..d-1) on a uniform lambda grid, eps a
    fraction of the smallest gap: the steps keep their labels and give every head's
    W_h q_0 and v_h to about 1e-4 (variable projection, heights solved linearly).
    Random rows put their steps at Gaussian positions, which crowd; when two crowd so
-   that the predicted error of W_h q_0 exceeds 3e-3, a base row with evenly spaced
-   steps is designed from that estimate (its free directions where the estimate is
-   surest, :func:`.design.least_uncertain_row`) and the perturbations are repeated
-   around it (only with room for round 3 left within paper 2's count).
+   that the predicted error of W_h q_0 exceeds 3e-3, the perturbations are repeated
+   around the same row with the larger moves the estimate predicts (t is linear in u,
+   so each refit starts at its predicted steps), or a base row with evenly spaced
+   steps is designed from that estimate, placing only the heads it pins (its free
+   directions where the estimate is surest, :func:`.design.least_uncertain_row`), and
+   perturbed again (only with room for round 3 left within paper 2's count).
 4. Main rows u_k (d of them) place head h's step at an evenly spaced position, a
    random order and a random shift of up to half a spacing per row (the shifts keep
    U = [u_k] well conditioned). Round 1 samples each row on column q_0 at its
@@ -126,6 +129,8 @@ __all__ = ["extract_multi_head", "canonical_form", "canonical_error", "match_hea
 MAX_HEADS = 12            # largest H searched when no bound is given
 COUNT_FIRST = 8           # ... searched first (the base window for 8 heads is 16x shorter)
 MORE_STEPS_VOTES = 3      # rows none of whose fits reach the noise that end the search
+BELOW_TOLD_VOTES = 3      # told H, rows that must agree on a count below H (two may hide
+                          # the same head: a small height there, a step near another's)
 WINDOW_MARGIN = 4.0       # a base row with a step farther beyond the window does not vote
 COUNT_EXTRA_SCANS = 4     # base rows scanned beyond paper 2's share when no two agree (no H)
 MAX_DESIGNS = 4           # designs (base row, perturbations, main rows) tried at most
@@ -761,9 +766,9 @@ class _Extraction:
                     base_quality(f[2], self.half_window) for f in found if f[0] == agreed)
                     <= BASE_QUALITY) and (
                         not self.heads_told or agreed == H
-                        or self.votes(found).count(agreed) >= MORE_STEPS_VOTES):
+                        or self.votes(found).count(agreed) >= BELOW_TOLD_VOTES):
                 # two rows agree on the count, one of them well pinned: stop. Told H, a
-                # count below it needs MORE_STEPS_VOTES rows: a row hides a head whose
+                # count below it needs BELOW_TOLD_VOTES rows: a row hides a head whose
                 # height there is small and whose step falls near another's (d = 16,
                 # H = 8, s = 3: two of the first two rows showed 7 steps)
                 break
