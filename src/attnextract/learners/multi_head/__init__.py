@@ -183,6 +183,9 @@ PERTURBATION_MAX_MOVE = 0.25     # ... at most this x the smallest gap
 RECENTRE_TRIES = 3        # recentred base rows at most per design
 PINNED_COLUMN = 0.1       # a recentred base row places the heads whose W_h q_0 the estimate
                           # gives to this relative error (a tenth of a spacing of position)
+REFINE_UP_TO = 0.1        # ... from an estimate at most this far off (from 1.6e-2 and
+                          # 3.6e-3 one pass gained 90x and 9x; from 0.27 to 0.61 at most
+                          # 7x, once none: a recentring does better there)
 REFINE_GAIN = 10.0        # a perturbation pass with predicted moves is repeated while the
                           # last one cut the predicted error by this factor
 ILL_ROW_FACTOR = 30.0     # a main row whose parameters are pinned this much worse than the
@@ -484,9 +487,10 @@ class _Extraction:
             # at d = 8, H = 8, none pinned to BASE_QUALITY) leaves the main rows' 1e-10
             # where the short probes give 1e-14: the search keeps their share (binding
             # where the count is tight, d = 8)
-            short = d * math.ceil(SHORT_OVERSAMPLE * H * (d + 1))
-            self.scans_left = max(3, min(self.scans_left,
-                                         (self.count_cap(H) - rest - short) // s0))
+            short = d * SHORT_OVERSAMPLE * H * (d + 1)
+            if math.isfinite(short):
+                self.scans_left = max(3, min(self.scans_left,
+                                             int((self.count_cap(H) - rest - short) // s0)))
         # coarse answers, told H: a candidate row costs up to two scans (its own scale),
         # so up to as many scans again, within what paper 2's count leaves, spent only
         # while no pinned row shows H steps (spent always, they cut the wide columns:
@@ -609,7 +613,7 @@ class _Extraction:
         # misplaced rows are designed again from it (cheaper than a recentring)
         after = self.perturbation_cost(H) + self.main_cost(H) + self.d * (2 * H + 1)
         while best[0] > RECENTRE_ABOVE:
-            if refine and best[0] < 1.0 and self.affordable(after, H):
+            if refine and best[0] <= REFINE_UP_TO and self.affordable(after, H):
                 # the same base row, its steps moved as far as the estimate predicts them
                 self.say("base perturbations (predicted moves)")
                 self.adopt_base(best[3], best[4])
