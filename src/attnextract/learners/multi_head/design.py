@@ -275,7 +275,12 @@ def least_uncertain_row(Y0: np.ndarray, V: np.ndarray, Y_cov: np.ndarray,
         z = np.linalg.lstsq(N.T @ M @ N, -(rows @ M @ N).T, rcond=None)[0].T   # (C, d - H)
         rows = rows + z @ N.T
     heights = np.abs(rows @ V) / (np.linalg.norm(V, axis=0) + 1e-300)
-    return rows[int(np.argmax(heights.min(axis=1)))]
+    score = heights.min(axis=1)
+    if placed is not None and not np.all(placed):
+        # the heads not placed fall at u^T y_h, which grows with |u|: the shortest
+        # rows keep them inside the window (relative heights, per unit length)
+        score = score / np.linalg.norm(rows, axis=1) ** 2
+    return rows[int(np.argmax(score))]
 
 
 def row_lambdas(positions_row: np.ndarray, half_window: float) -> np.ndarray:
