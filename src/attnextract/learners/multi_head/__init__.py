@@ -357,6 +357,7 @@ class _Extraction:
         self.labels_trusted, self.label_misfit = False, math.inf   # set by main's relabel
         self.coarse = False                   # set by set_precision
         self.coarse_extra_scans = 0
+        self.base_candidates: list = []      # other base rows of the count (base_row)
         self.set_window(design.base_length(self.max_heads))   # the base stages; main() switches
         from ...verification import max_length_of
         needed = max(self.length, design.window_length(self.max_heads))
@@ -613,6 +614,23 @@ class _Extraction:
         # misplaced rows are designed again from it (cheaper than a recentring)
         after = self.perturbation_cost(H) + self.main_cost(H) + self.d * (2 * H + 1)
         while best[0] > RECENTRE_ABOVE:
+            if (np.mean(best[8] <= PINNED_COLUMN) < 0.5 and self.base_candidates
+                    and self.affordable(after, H)):
+                # an estimate that pins fewer than half the heads is no guide to a
+                # design (a row placing only those lands the others anywhere): the next
+                # base row scanned, perturbed as the first (d = 16, H = 8, s = 3: two of
+                # eight columns pinned, three recentred rows from it no better)
+                self.say("base perturbations (next base row)")
+                self.adopt_base(*self.base_candidates.pop(0))
+                try:
+                    Y0, V0, error = self.base_perturbations()
+                except _Redesign:
+                    continue
+                self.details["base rows perturbed"] = self.details.get("base rows perturbed", 1) + 1
+                if error < best[0]:
+                    best = self.base_state(error, Y0, V0)
+                    refine = True
+                continue
             if refine and best[0] <= REFINE_UP_TO and self.affordable(after, H):
                 # the same base row, its steps moved as far as the estimate predicts them
                 self.say("base perturbations (predicted moves)")
@@ -660,6 +678,7 @@ class _Extraction:
         hidden in all of them: the main rows then fit no design of that count)."""
         d = self.d
         self.set_window(design.base_length(self.max_heads))
+        self.base_candidates = []          # scanned with another q_0
         u = None
         for _ in range(3):
             if u is None:
@@ -843,8 +862,13 @@ class _Extraction:
         self.details["head counts of the base rows"] = [f[0] for f in found]
         if heads == 0:
             return 0
-        chosen = min((f for f in found if f[0] == heads), key=lambda f: base_quality(f[2], self.half_window))
-        self.adopt_base(chosen[1], chosen[2])
+        ranked = sorted((f for f in found if f[0] == heads),
+                        key=lambda f: base_quality(f[2], self.half_window))
+        self.adopt_base(ranked[0][1], ranked[0][2])
+        # the other rows of that count, scanned already: a base row to perturb instead
+        # when the chosen one's estimate pins too few heads (:meth:`base_estimate`)
+        self.base_candidates = [(f[1], f[2]) for f in ranked[1:]
+                                if np.isfinite(base_quality(f[2], self.half_window))]
         return heads
 
     def agreed(self, found) -> int | None:
