@@ -1,8 +1,8 @@
 """Rerun one cell of a multi-head grid result (bench_multi_head.py --json) on the current code,
 with the same boxes and the same learner seeds, and compare each run with the recorded one.
 
-Run:  python benchmarks/rerun_grid_cell.py RESULT.json --heads 8 [--dim 8] [--markdown OUT.md]
-          [--json OUT.json]
+Run:  python benchmarks/rerun_grid_cell.py RESULT.json --heads 8 [--dim 8] [--scale 3]
+          [--markdown OUT.md] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("result")
     parser.add_argument("--heads", type=int, required=True)
     parser.add_argument("--dim", type=int)
+    parser.add_argument("--scale", type=float, help="only this W scale (default all)")
     parser.add_argument("--markdown")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -44,7 +45,8 @@ def main() -> None:
     with threadpool_limits(1):
         for row in recorded:
             H, d, scale = row["H"], row["d"], row["scale"]
-            if H != args.heads or (args.dim and d != args.dim) or row.get("rank"):
+            if (H != args.heads or (args.dim and d != args.dim) or row.get("rank")
+                    or (args.scale is not None and scale != args.scale)):
                 continue
             for run in row["runs"]:
                 box = random_multi_head(H, d, seed=10_000 * H + 100 * d + run["seed"],
@@ -81,7 +83,10 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"command": " ".join(["benchmarks/rerun_grid_cell.py", args.result,
-                                            "--heads", str(args.heads)]),
+                                            "--heads", str(args.heads)]
+                                           + (["--dim", str(args.dim)] if args.dim else [])
+                                           + (["--scale", f"{args.scale:g}"]
+                                              if args.scale is not None else [])),
                        "summary": summary, "runs": runs}, fh, indent=1, default=float)
 
 
