@@ -597,13 +597,15 @@ class _Extraction:
         return (4 * H + 8) + self.perturbation_cost(H) + self.main_cost(H)
 
     def base_estimate(self):
-        """W_h q_0 and v_h (d, H) from the base perturbations; while the predicted error
-        of that estimate exceeds RECENTRE_ABOVE, the perturbations are measured again
-        around the same base row with the larger moves the estimate predicts
-        (:meth:`base_perturbations`), while each such pass gains REFINE_GAIN; otherwise a
-        base row with evenly spaced steps is designed from the best estimate so far and
-        perturbed again. The estimate whose predicted error is smallest is kept (the
-        error is measured, not guessed from the row's steps)."""
+        """W_h q_0 and v_h (d, H) from the base perturbations. While the predicted error
+        of the best estimate exceeds RECENTRE_ABOVE: an estimate pinning fewer than half
+        the heads is followed by the next base row already scanned; one within
+        REFINE_UP_TO by the perturbations measured again around the same base row with
+        the larger moves it predicts (:meth:`base_perturbations`), while each such pass
+        gains REFINE_GAIN; otherwise a base row with evenly spaced steps is designed from
+        it (:meth:`recentred_base`) and perturbed again. The estimate kept pins the most
+        heads, then has the smallest predicted error (:meth:`better`; measured, not
+        guessed from the row's steps)."""
         Y0, V0, error = self.base_perturbations()
         self.details.setdefault("base estimate relative error (first row)", error)
         best = self.base_state(error, Y0, V0)
