@@ -35,6 +35,7 @@ DEFAULT_TESTS = ["tests/test_multi_head.py", "tests/test_multi_head_polish.py",
                  "tests/test_multi_head_low_rank.py", "tests/test_multi_head_labels.py",
                  "tests/test_multi_head_count.py", "tests/test_multi_head_biases.py",
                  "tests/test_multi_head_short.py", "tests/test_multi_head_float32.py",
+                 "tests/test_multi_head_crowded.py",
                  "tests/test_low_precision.py", "tests/test_biases.py"]
 
 PROBE = """

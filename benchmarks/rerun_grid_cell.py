@@ -1,8 +1,8 @@
 """Rerun one cell of a multi-head grid result (bench_multi_head.py --json) on the current code,
 with the same boxes and the same learner seeds, and compare each run with the recorded one.
 
-Run:  python benchmarks/rerun_grid_cell.py RESULT.json --heads 8 [--dim 8] [--markdown OUT.md]
-          [--json OUT.json]
+Run:  python benchmarks/rerun_grid_cell.py RESULT.json --heads 8 [--dim 8] [--scale 3]
+          [--markdown OUT.md] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -21,11 +21,19 @@ from attnextract.learners.multi_head import extract_multi_head
 from attnextract.learners.multi_head.canonical import canonical_error
 
 
+# the stages a run went through (which paths of the learner it took)
+DETAILS = ("head counts of the base rows", "canonical heads",
+           "base estimate relative error (first row)", "base estimate relative error",
+           "base perturbation passes", "recentred base rows", "designs tried",
+           "failed designs", "short probes", "predicted relative error")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("result")
     parser.add_argument("--heads", type=int, required=True)
     parser.add_argument("--dim", type=int)
+    parser.add_argument("--scale", type=float, help="only this W scale (default all)")
     parser.add_argument("--markdown")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -37,7 +45,8 @@ def main() -> None:
     with threadpool_limits(1):
         for row in recorded:
             H, d, scale = row["H"], row["d"], row["scale"]
-            if H != args.heads or (args.dim and d != args.dim) or row.get("rank"):
+            if (H != args.heads or (args.dim and d != args.dim) or row.get("rank")
+                    or (args.scale is not None and scale != args.scale)):
                 continue
             for run in row["runs"]:
                 box = random_multi_head(H, d, seed=10_000 * H + 100 * d + run["seed"],
@@ -46,17 +55,19 @@ def main() -> None:
                 try:
                     result = extract_multi_head(Oracle(box, d), H, seed=run["learner_seed"])
                     error, outcome = canonical_error(result.model, box), "recovered"
-                    queries = result.queries
+                    queries, details = result.queries, result.report.details
                 except RefusalWithResult as exc:
                     error, outcome = None, type(exc).__name__
                     queries = exc.result.queries if exc.result is not None else None
+                    details = exc.result.report.details if exc.result is not None else {}
                 total += 1
                 runs.append({"d": d, "H": H, "scale": scale, "seed": run["seed"],
                              "learner_seed": run["learner_seed"], "outcome": outcome,
                              "error": error, "queries": queries,
                              "paper2_count": 4 * H * d * d - 2 * H + 1,
                              "seconds": time.perf_counter() - start,
-                             "recorded": run["refused"] or run["error"]})
+                             "recorded": run["refused"] or run["error"],
+                             "details": {key: details[key] for key in DETAILS if key in details}})
                 good += error is not None and error <= 1e-10
                 before = run["refused"] or f"{run['error']:.1e}"
                 lines.append(f"| {d} | {H} | {scale:g} | {run['seed']} | {outcome} | "
@@ -72,8 +83,11 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"command": " ".join(["benchmarks/rerun_grid_cell.py", args.result,
-                                            "--heads", str(args.heads)]),
-                       "summary": summary, "runs": runs}, fh, indent=1)
+                                            "--heads", str(args.heads)]
+                                           + (["--dim", str(args.dim)] if args.dim else [])
+                                           + (["--scale", f"{args.scale:g}"]
+                                              if args.scale is not None else [])),
+                       "summary": summary, "runs": runs}, fh, indent=1, default=float)
 
 
 if __name__ == "__main__":

@@ -598,13 +598,14 @@ def test_crowded_base_row_is_recentred(seed):
     the estimate kept is the one whose measured error bar is smallest (orders of
     magnitude apart, so no kernel's last bits decide it: seed 15 failed under the
     Haswell and Zen kernels when a proxy decided), and the recovery stays within paper
-    2's count and its own error bar."""
+    2's count and its own error bar. (The perturbations may first be repeated around
+    the same row with the moves the estimate predicts.)"""
     d, H = 12, 8
     M = random_multi_head(H, d, seed=1000 * H + 10 * d + seed)
     result = check_extraction(M, seed, heads=H)
     det, b = result.report.details, result.report.breakdown
     assert det["base estimate relative error (first row)"] > 1e-2
-    assert det["recentred base rows"] >= 1
+    assert det.get("recentred base rows", 0) + det.get("base perturbation passes", 1) >= 2
     assert (det["base estimate relative error"]
             < 1e-2 * det["base estimate relative error (first row)"])
     per_row = (d - 1) * (3 * H + 3)

@@ -66,13 +66,23 @@ def test_coarse_base_rows_see_every_head(monkeypatch, seed):
 def test_recentring_with_an_unpinned_perturbation_reaches_no_lapack_nan(monkeypatch):
     """A perturbed base row with a step its samples do not pin has an infinite logit
     error; its covariance reached LAPACK as NaN ("SVD did not converge") and cost a
-    whole design. The recentred row is now designed without weights."""
+    whole design. Such a step's error is now bounded by the window: the estimate's
+    covariance and predicted error stay finite, and the recentred row is designed
+    with them."""
     box = Float32MultiHeadBlackBox(4, 16, seed=3)
     run = _base_stage(monkeypatch, box, 4, 3, output_dtype="float32").run
-    Y0 = np.stack([W @ run.q_0 for W in box.truth.W], axis=1)       # (d, H)
-    V0 = box.truth.v.T
-    run.base_covariance = np.full((16, 16), np.inf)
-    assert run.recentred_base(Y0, V0) in (True, False)
+    real = multi_head.fit.refit_steps
+
+    def unpinned(*args, **kwargs):
+        steps = real(*args, **kwargs)
+        steps.t_std[0] = np.inf
+        return steps
+
+    monkeypatch.setattr(multi_head.fit, "refit_steps", unpinned)
+    Y0, V0, error = run.base_perturbations()
+    assert np.all(np.isfinite(run.base_covariance)) and np.isfinite(error)
+    assert run.recentred_base(Y0, V0, run.base_covariance,
+                              run.base_column_error) in (True, False)
     assert np.all(np.isfinite(run.u_0))
 
 

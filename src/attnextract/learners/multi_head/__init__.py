@@ -25,15 +25,18 @@ Algorithm.
    error per smallest gap); that one is kept. A row with a step more than WINDOW_MARGIN
    beyond the window does not vote (a tail fits spurious steps). Not told H, a few rows
    beyond paper 2's share settle a disputed count, and without two rows that agree the
-   run is refused suggesting heads=.
+   run is refused suggesting heads=. Told H, a count below H needs three rows (a row
+   hides a head whose height is small there and whose step falls near another's).
 3. Base perturbations u_0 + eps w_k (k = 1..d-1) on a uniform lambda grid, eps a
    fraction of the smallest gap: the steps keep their labels and give every head's
    W_h q_0 and v_h to about 1e-4 (variable projection, heights solved linearly).
    Random rows put their steps at Gaussian positions, which crowd; when two crowd so
-   that the predicted error of W_h q_0 exceeds 3e-3, a base row with evenly spaced
-   steps is designed from that estimate (its free directions where the estimate is
-   surest, :func:`.design.least_uncertain_row`) and the perturbations are repeated
-   around it (only with room for round 3 left within paper 2's count).
+   that the predicted error of W_h q_0 exceeds 3e-3, the perturbations are repeated
+   around the same row with the larger moves the estimate predicts (t is linear in u,
+   so each refit starts at its predicted steps), or a base row with evenly spaced
+   steps is designed from that estimate, placing only the heads it pins (its free
+   directions where the estimate is surest, :func:`.design.least_uncertain_row`), and
+   perturbed again (only with room for round 3 left within paper 2's count).
 4. Main rows u_k (d of them) place head h's step at an evenly spaced position, a
    random order and a random shift of up to half a spacing per row (the shifts keep
    U = [u_k] well conditioned). Round 1 samples each row on column q_0 at its
@@ -131,6 +134,8 @@ __all__ = ["extract_multi_head", "canonical_form", "canonical_error", "match_hea
 MAX_HEADS = 12            # largest H searched when no bound is given
 COUNT_FIRST = 8           # ... searched first (the base window for 8 heads is 16x shorter)
 MORE_STEPS_VOTES = 3      # rows none of whose fits reach the noise that end the search
+BELOW_TOLD_VOTES = 3      # told H, rows that must agree on a count below H (two may hide
+                          # the same head: a small height there, a step near another's)
 WINDOW_MARGIN = 4.0       # a base row with a step farther beyond the window does not vote
 COUNT_EXTRA_SCANS = 4     # base rows scanned beyond paper 2's share when no two agree (no H)
 MAX_DESIGNS = 4           # designs (base row, perturbations, main rows) tried at most
@@ -187,6 +192,13 @@ PERTURBATION_MOVE = 0.003 # base perturbations move the steps by about this x th
 PERTURBATION_NOISE_MOVES = 30.0  # ... or this x the base row's largest logit error,
 PERTURBATION_MAX_MOVE = 0.25     # ... at most this x the smallest gap
 RECENTRE_TRIES = 3        # recentred base rows at most per design
+PINNED_COLUMN = 0.1       # a recentred base row places the heads whose W_h q_0 the estimate
+                          # gives to this relative error (a tenth of a spacing of position)
+REFINE_UP_TO = 0.1        # ... from an estimate at most this far off (from 1.6e-2 and
+                          # 3.6e-3 one pass gained 90x and 9x; from 0.27 to 0.61 at most
+                          # 7x, once none: a recentring does better there)
+REFINE_GAIN = 10.0        # a perturbation pass with predicted moves is repeated while the
+                          # last one cut the predicted error by this factor
 ILL_ROW_FACTOR = 30.0     # a main row whose parameters are pinned this much worse than the
                           # median row's is redesigned
 LABEL_MISFIT = 100.0      # chi^2 per entry of the base rows' predictions (1 expected)
@@ -358,6 +370,7 @@ class _Extraction:
         self.labels_trusted, self.label_misfit = False, math.inf   # set by main's relabel
         self.coarse = False                   # set by set_precision
         self.coarse_extra_scans = 0
+        self.base_candidates: list = []      # other base rows of the count (base_row)
         self.set_window(design.base_length(self.max_heads))   # the base stages; main() switches
         from ...verification import max_length_of
         needed = max(self.length, design.window_length(self.max_heads))
@@ -481,6 +494,17 @@ class _Extraction:
         self.spend("v tokens" + (" and c = f([0])" if self.biases else ""), before)
         self.answers = [(np.zeros((d, d)), np.eye(d), np.zeros(d), self.v, 1)]  # the polish's
         self.set_precision()
+        if (self.heads_told and self.full_precision and not self.biases
+                and self.precision_name == "float64" and self.decimals is None):
+            # the short probes need SHORT_OVERSAMPLE x H (d + 1) per row of what paper
+            # 2's count leaves; a base search that spends it (ten crowded candidate rows
+            # at d = 8, H = 8, none pinned to BASE_QUALITY) leaves the main rows' 1e-10
+            # where the short probes give 1e-14: the search keeps their share (binding
+            # where the count is tight, d = 8)
+            short = d * SHORT_OVERSAMPLE * H * (d + 1)
+            if math.isfinite(short):
+                self.scans_left = max(3, min(self.scans_left,
+                                             int((self.count_cap(H) - rest - short) // s0)))
         # coarse answers, told H: a candidate row costs up to two scans (its own scale),
         # so up to as many scans again, within what paper 2's count leaves, spent only
         # while no pinned row shows H steps (spent always, they cut the wide columns:
@@ -534,7 +558,8 @@ class _Extraction:
             try:
                 try:
                     if failures:
-                        self.fresh_base_row(heads)
+                        heads = self.fresh_base_row(heads)
+                        self.details["canonical heads"] = heads
                     Y0, V0 = self.base_estimate()
                     self.say("main probes")
                     return self.main(Y0, V0)
@@ -585,45 +610,98 @@ class _Extraction:
         return (4 * H + 8) + self.perturbation_cost(H) + self.main_cost(H)
 
     def base_estimate(self):
-        """W_h q_0 and v_h (d, H) from the base perturbations; while the predicted error
-        of that estimate exceeds RECENTRE_ABOVE, a base row with evenly spaced steps is
-        designed from the best estimate so far and perturbed again, and the estimate
-        whose predicted error is smallest is kept (the error is measured, not guessed
-        from the row's steps)."""
+        """W_h q_0 and v_h (d, H) from the base perturbations. While the predicted error
+        of the best estimate exceeds RECENTRE_ABOVE: an estimate pinning fewer than half
+        the heads is followed by the next base row already scanned; one within
+        REFINE_UP_TO by the perturbations measured again around the same base row with
+        the larger moves it predicts (:meth:`base_perturbations`), while each such pass
+        gains REFINE_GAIN; otherwise a base row with evenly spaced steps is designed from
+        it (:meth:`recentred_base`) and perturbed again. The estimate kept pins the most
+        heads, then has the smallest predicted error (:meth:`better`; measured, not
+        guessed from the row's steps)."""
         Y0, V0, error = self.base_perturbations()
         self.details.setdefault("base estimate relative error (first row)", error)
-        best = (error, Y0, V0, self.u_0, self.base_fit, self.base_covariance,
-                        self.details.get("base perturbation eps"), self.base_reference)
+        best = self.base_state(error, Y0, V0)
         H = Y0.shape[1]
-        for _ in range(RECENTRE_TRIES):
-            # room kept for the main rows to be measured on q_0 twice: with their labels
-            # confirmed, the first pass gives the estimate to the rows' precision and
-            # the misplaced rows are designed again from it (cheaper than a recentring)
-            if best[0] <= RECENTRE_ABOVE or not self.affordable(
-                    2 * (4 * H + 8) + self.perturbation_cost(H) + self.main_cost(H)
-                    + self.d * (2 * H + 1), H):
+        refine, recentred = True, 0
+        # room kept for the main rows to be measured on q_0 twice: with their labels
+        # confirmed, the first pass gives the estimate to the rows' precision and the
+        # misplaced rows are designed again from it (cheaper than a recentring)
+        after = self.perturbation_cost(H) + self.main_cost(H) + self.d * (2 * H + 1)
+        while best[0] > RECENTRE_ABOVE:
+            if (np.mean(best[8] <= PINNED_COLUMN) < 0.5 and self.base_candidates
+                    and self.affordable(after, H)):
+                # an estimate that pins fewer than half the heads is no guide to a
+                # design (a row placing only those lands the others anywhere): the next
+                # base row scanned, perturbed as the first (d = 16, H = 8, s = 3: two of
+                # eight columns pinned, three recentred rows from it no better)
+                self.say("base perturbations (next base row)")
+                self.adopt_base(*self.base_candidates.pop(0))
+                try:
+                    Y0, V0, error = self.base_perturbations()
+                except _Redesign:
+                    continue
+                self.details["base rows perturbed"] = self.details.get("base rows perturbed", 1) + 1
+                if self.better(error, best):
+                    best = self.base_state(error, Y0, V0)
+                    refine = True
+                continue
+            if refine and best[0] <= REFINE_UP_TO and self.affordable(after, H):
+                # the same base row, its steps moved as far as the estimate predicts them
+                self.say("base perturbations (predicted moves)")
+                self.adopt_base(best[3], best[4])
+                try:
+                    Y0, V0, error = self.base_perturbations(prior=(best[1], best[0]))
+                except _Redesign:
+                    error = math.inf
+                self.details["base perturbation passes"] = (
+                    self.details.get("base perturbation passes", 1) + 1)
+                refine = error <= best[0] / REFINE_GAIN
+                if self.better(error, best):
+                    best = self.base_state(error, Y0, V0)
+                continue
+            if recentred >= RECENTRE_TRIES or not self.affordable(2 * (4 * H + 8) + after, H):
                 break
-            if not self.recentred_base(best[1], best[2]):
+            recentred += 1
+            if not self.recentred_base(best[1], best[2], best[5], best[8]):
                 continue             # its scan did not fit: another order and offset
             self.say("base perturbations (recentred row)")
             try:
                 Y0, V0, error = self.base_perturbations()
             except _Redesign:
                 continue
-            if error < best[0]:
-                best = (error, Y0, V0, self.u_0, self.base_fit, self.base_covariance,
-                        self.details.get("base perturbation eps"), self.base_reference)
-        error, Y0, V0, u_0, base_fit, self.base_covariance, eps, self.base_reference = best
+            if self.better(error, best):
+                best = self.base_state(error, Y0, V0)
+                refine = True
+        error, Y0, V0, u_0, base_fit, self.base_covariance, eps, self.base_reference, _ = best
         self.adopt_base(u_0, base_fit)
         self.details["base perturbation eps"] = eps
         self.details["base estimate relative error"] = error
         return Y0, V0
 
-    def fresh_base_row(self, heads: int) -> None:
+    def better(self, error: float, best: tuple) -> bool:
+        """Whether the last perturbation pass beats ``best``: more heads pinned (to
+        PINNED_COLUMN), then a smaller predicted error. The worst column alone misleads:
+        a recentred row at 0.40 with four columns near 1 replaced a base row at 0.55 with
+        two, and the main rows' labels failed (d = H = 8, s = 3)."""
+        unpinned = int(np.sum(~(self.base_column_error <= PINNED_COLUMN)))
+        return (unpinned, error) < (int(np.sum(~(best[8] <= PINNED_COLUMN))), best[0])
+
+    def base_state(self, error, Y0, V0) -> tuple:
+        """What :meth:`base_estimate` keeps of a perturbation pass (the best so far)."""
+        return (error, Y0, V0, self.u_0, self.base_fit, self.base_covariance,
+                self.details.get("base perturbation eps"), self.base_reference,
+                self.base_column_error)
+
+    def fresh_base_row(self, heads: int) -> int:
         """A new random base row (and q_0) at the scale found, its steps fitted freely
-        (a retry's fresh design); several draws when a draw's fit misses the noise."""
+        (a retry's fresh design); several draws when a draw's fit misses the noise.
+        Returns its count of steps: the fewest from ``heads`` up to the heads asked that
+        fit to the noise (the count the first rows agreed on may have missed a head
+        hidden in all of them: the main rows then fit no design of that count)."""
         d = self.d
         self.set_window(design.base_length(self.max_heads))
+        self.base_candidates = []          # scanned with another q_0
         u = None
         for _ in range(3):
             if u is None:
@@ -637,13 +715,18 @@ class _Extraction:
                                   self.base_grid)
             self.spend("base rows", before)
             noise = self.noise(g + self.q_0 @ self.v)
-            steps = fit.fit_free_steps(lam, g, u @ self.v, heads, self.half_window, noise,
-                                       counts=[heads])[-1]
-            fits = steps.rms <= NOISE_FACTOR * self.noise(g + self.q_0 @ self.v,
-                                                          np.sum(np.abs(steps.c)))
+
+            def fits_to_noise(steps):
+                return steps.rms <= NOISE_FACTOR * self.noise(g + self.q_0 @ self.v,
+                                                              np.sum(np.abs(steps.c)))
+
+            steps = fit.fit_free_steps(lam, g, u @ self.v, self.max_heads, self.half_window,
+                                       noise, counts=range(heads, self.max_heads + 1),
+                                       enough=fits_to_noise)[-1]
+            fits = fits_to_noise(steps)
             if fits and np.isfinite(base_quality(steps, self.half_window)):
                 self.adopt_base(u, steps)
-                return
+                return steps.t.size
             edge, steps_u = float(np.max(np.abs(steps.t))), u
             # a step at the window's edge (the scale was set on another row): the logits
             # are linear in u, so a shorter row pulls it inside; otherwise a new draw
@@ -727,8 +810,14 @@ class _Extraction:
             agreed = self.agreed(found)
             if agreed is not None and (agreed == 0 or min(
                     base_quality(f[2], self.half_window) for f in found if f[0] == agreed)
-                    <= BASE_QUALITY):
-                break         # two rows agree on the count, one of them well pinned: stop
+                    <= BASE_QUALITY) and (
+                        not self.heads_told or agreed == H
+                        or self.votes(found).count(agreed) >= BELOW_TOLD_VOTES):
+                # two rows agree on the count, one of them well pinned: stop. Told H, a
+                # count below it needs BELOW_TOLD_VOTES rows: a row hides a head whose
+                # height there is small and whose step falls near another's (d = 16,
+                # H = 8, s = 3: two of the first two rows showed 7 steps)
+                break
             if (not self.heads_told and len(found) >= MORE_STEPS_VOTES
                     and all(f[0] is None for f in found)):
                 break         # rows agree that no count up to H fits: more heads, or no box
@@ -796,8 +885,13 @@ class _Extraction:
         self.details["head counts of the base rows"] = [f[0] for f in found]
         if heads == 0:
             return 0
-        chosen = min((f for f in found if f[0] == heads), key=lambda f: base_quality(f[2], self.half_window))
-        self.adopt_base(chosen[1], chosen[2])
+        ranked = sorted((f for f in found if f[0] == heads),
+                        key=lambda f: base_quality(f[2], self.half_window))
+        self.adopt_base(ranked[0][1], ranked[0][2])
+        # the other rows of that count, scanned already: a base row to perturb instead
+        # when the chosen one's estimate pins too few heads (:meth:`base_estimate`)
+        self.base_candidates = [(f[1], f[2]) for f in ranked[1:]
+                                if np.isfinite(base_quality(f[2], self.half_window))]
         return heads
 
     def agreed(self, found) -> int | None:
@@ -845,7 +939,8 @@ class _Extraction:
         self.details["base row smallest step gap"] = float(gaps.min()) if gaps.size else math.inf
         self.details["base row logit error"] = float(np.max(steps.t_std))
 
-    def recentred_base(self, Y0: np.ndarray, V0: np.ndarray) -> bool:
+    def recentred_base(self, Y0: np.ndarray, V0: np.ndarray, covariance: np.ndarray,
+                       column_error: np.ndarray) -> bool:
         """Adopt a base row designed from an estimate, its steps evenly spaced.
 
         Random rows put their steps at Gaussian positions, which crowd in the middle;
@@ -855,19 +950,22 @@ class _Extraction:
         the main rows) and scanned (one or two scans); :meth:`base_estimate` perturbs
         it and keeps whichever estimate is predicted better. Returns whether the new
         row's steps fit (and it was adopted).
+
+        Only the heads whose W_h q_0 the estimate pins (``column_error``, relative, below
+        PINNED_COLUMN) are placed; the others fall where the row puts them. Two steps
+        that crowd in the base row leave their two columns 30 to 80x off while the
+        others are known to 1e-5 (d = 8, H = 8, s = 3): placing them too gave rows of
+        |u| 15x the base row's, every scan's fit missing the noise.
         """
         d, H = Y0.shape
+        pinned = column_error <= PINNED_COLUMN
+        if not np.any(pinned):
+            return False
         half = self.half_window - 3.0       # room for steps the rough estimate misplaces
         spacing = 2.0 * half / (H - 1) if H > 1 else 2.0
-        covariance = self.base_covariance
-        if not np.all(np.isfinite(covariance)):
-            # a perturbed row with a step its samples do not pin (infinite logit error;
-            # it reached LAPACK as NaN: "SVD did not converge"): no weights, the
-            # shortest row that places the steps
-            covariance = np.eye(d)
         u = design.least_uncertain_row(Y0, V0, covariance,
                                        design.step_positions(H, half), self.rng,
-                                       jitter=0.25 * spacing)
+                                       jitter=0.25 * spacing, placed=pinned)
         heights = float(np.sum(np.abs(u @ V0)))
         t_start = np.sort(u @ Y0)
         for _ in range(2):
@@ -952,9 +1050,18 @@ class _Extraction:
         """Queries of round 3 (wide columns)."""
         return self.d * self.d * (H + COLUMN_SPARES)
 
-    def base_perturbations(self):
+    def base_perturbations(self, prior=None):
         """W_h q_0 and v_h (rough) from rows u_0 + eps w_k, each sampled on a uniform
         grid of 3H + 3 lambdas (not at the steps: two close steps stay pinned).
+
+        ``prior``: (Y (d, H), its predicted relative error) from an earlier pass around
+        the same base row. The logits are linear in u, so that estimate predicts where
+        each perturbed row's steps go: the moves grow until their predicted error is
+        PERTURBATION_MAX_MOVE of the smallest gap (each refit starts from its predicted
+        steps, labels kept), every step at least one unit inside the window. A crowded
+        base row pins its close steps to 1e-6 to 1e-4, so moves of 0.003 gaps gave
+        estimates 0.3 to 1 off (d = 8 to 16, H = 8 to 10, s = 3); the error shrinks
+        like the move grows.
 
         Returns (Y0 (d, H), V0 (d, H), predicted relative error of the worst column of
         Y0): each row fit's logit errors propagated through the rows' inverse."""
@@ -971,6 +1078,15 @@ class _Extraction:
             PERTURBATION_MAX_MOVE * gap))
         eps = float(np.clip(move / spread, 1e-12, 0.5))
         W_perp = design.orthonormal_complement(self.u_0, self.rng) * np.linalg.norm(self.u_0)
+        starts = np.repeat(t0[None], d - 1, 0)                       # (d - 1, H)
+        if prior is not None:
+            Y_prior, prior_error = prior
+            D = W_perp @ Y_prior                     # (d - 1, H): predicted moves per unit eps
+            labels_kept = PERTURBATION_MAX_MOVE * gap / max(prior_error * float(np.max(np.abs(D))),
+                                                            1e-300)
+            room = (self.half_window - 1.0 - np.sign(D) * t0[None]) / np.maximum(np.abs(D), 1e-300)
+            eps = max(eps, min(labels_kept, float(np.min(room)), 1.0))
+            starts = t0[None] + eps * D
         rows = self.u_0[None] + eps * W_perp                          # (d - 1, d)
         lam_t = design.base_lambdas(3 * H + 3, self.half_window)
         S = lam_t.size
@@ -983,7 +1099,7 @@ class _Extraction:
         worst = 0.0
         for k in range(d - 1):
             noise = self.noise(g[k] + self.q_0 @ self.v, float(np.sum(np.abs(c0))))
-            steps = fit.refit_steps(lam[k], g[k], rows[k] @ self.v, t0, floor=noise)
+            steps = fit.refit_steps(lam[k], g[k], rows[k] @ self.v, starts[k], floor=noise)
             # the perturbed rows only steer the design: a fit to 1e-5 of the signal (1e4
             # roundings when coarser) is in the right basin (a wrong one misses by percents)
             allowed = max(NOISE_FACTOR * self.noise(g[k] + self.q_0 @ self.v),
@@ -1020,11 +1136,21 @@ class _Extraction:
         P = np.vstack([self.u_0[None], rows])
         Y0, V0 = np.linalg.solve(P, np.array(T)), np.linalg.solve(P, np.array(C))
         P_inv = np.linalg.inv(P)
-        Y_std = np.sqrt(np.square(P_inv) @ np.square(np.array(T_std)))          # (d, H)
+        # a step its row's samples do not pin (infinite logit error: a singular fit) is
+        # still known to lie within the window: the error is bounded by it, so the
+        # estimate's error and the recentring's weights stay finite
+        T_var = np.square(np.minimum(np.nan_to_num(np.array(T_std), nan=np.inf),
+                                     self.half_window))
+        Y_std = np.sqrt(np.square(P_inv) @ T_var)                                # (d, H)
         # sum_h Cov(W_h q_0): each row's logit errors independent
-        self.base_covariance = np.einsum("ik,kh,jk->ij", P_inv, np.square(np.array(T_std)), P_inv)
-        Y_error = float(np.max(np.linalg.norm(Y_std, axis=0)
-                               / np.maximum(np.linalg.norm(Y0, axis=0), 1e-300)))
+        self.base_covariance = np.einsum("ik,kh,jk->ij", P_inv, T_var, P_inv)
+        # relative to the smaller of each column's norm and the median column's: a
+        # column the samples do not pin comes out far too long (50 to 80x, d = 16, H = 8,
+        # two steps 0.08 apart), which would hide its error
+        norms = np.linalg.norm(Y0, axis=0)
+        self.base_column_error = (np.linalg.norm(Y_std, axis=0)
+                                  / np.maximum(np.minimum(norms, np.median(norms)), 1e-300))
+        Y_error = float(np.max(self.base_column_error))
         self.details["base perturbation eps"] = eps
         self.details["base estimate relative error"] = Y_error
         # the base rows' own measurements, in the base row's labels: the main rows'

@@ -244,7 +244,8 @@ def _free_part(free: np.ndarray, part: np.ndarray) -> np.ndarray:
 
 def least_uncertain_row(Y0: np.ndarray, V: np.ndarray, Y_cov: np.ndarray,
                         positions: np.ndarray, rng: np.random.Generator,
-                        candidates: int = 24, jitter: float = 0.25) -> np.ndarray:
+                        candidates: int = 24, jitter: float = 0.25,
+                        placed: np.ndarray | None = None) -> np.ndarray:
     """A row u (d,) placing head h's step at a designed position, whose positions the
     estimate predicts best.
 
@@ -260,10 +261,16 @@ def least_uncertain_row(Y0: np.ndarray, V: np.ndarray, Y_cov: np.ndarray,
     Y_cov : array (d, d)
         sum_h Cov(y_h).
     positions : array (H,)
+    placed : array (H,) of bool, optional
+        The heads whose steps are placed (default all); the others take no target
+        (their columns of Y0 are not known well enough to place them).
     """
-    d, H = Y0.shape
-    orders = np.array([rng.permutation(H) for _ in range(candidates)])
+    d = Y0.shape[0]
+    orders = np.array([rng.permutation(Y0.shape[1]) for _ in range(candidates)])
     targets = positions[orders] + rng.uniform(-jitter, jitter, size=candidates)[:, None]
+    if placed is not None:
+        Y0, targets = Y0[:, placed], targets[:, placed]
+    H = Y0.shape[1]
     # null-space method (stable where the normal equations of generalised least squares
     # are not: the covariance spans many decades, and at H = d the rows are fixed):
     # u = u_p + N z with Y0^T u_p = targets, N a basis of null(Y0^T), z minimising u^T M u
@@ -275,7 +282,12 @@ def least_uncertain_row(Y0: np.ndarray, V: np.ndarray, Y_cov: np.ndarray,
         z = np.linalg.lstsq(N.T @ M @ N, -(rows @ M @ N).T, rcond=None)[0].T   # (C, d - H)
         rows = rows + z @ N.T
     heights = np.abs(rows @ V) / (np.linalg.norm(V, axis=0) + 1e-300)
-    return rows[int(np.argmax(heights.min(axis=1)))]
+    score = heights.min(axis=1)
+    if placed is not None and not np.all(placed):
+        # the heads not placed fall at u^T y_h, which grows with |u|: the shortest
+        # rows keep them inside the window (relative heights, per unit length)
+        score = score / np.linalg.norm(rows, axis=1) ** 2
+    return rows[int(np.argmax(score))]
 
 
 def row_lambdas(positions_row: np.ndarray, half_window: float) -> np.ndarray:
