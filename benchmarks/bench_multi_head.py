@@ -17,7 +17,7 @@ times (median success, whole cell, longest failure). --no-heads runs without tel
 --plot draws success rate and median error against H; --scatter draws every run's
 queries / floor against its error (matplotlib, imported only then). Each run's wall and CPU
 seconds and the load average are in the JSON and printed as it ends; --per-run also puts
-them in the markdown, one row per run.
+them in the markdown, one row per run. The files are rewritten after every cell.
 """
 
 from __future__ import annotations
@@ -32,6 +32,18 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from multi_head_grid import (grid_cell, grid_markdown, grid_plot, queries_error_plot,  # noqa: E402
                              runs_markdown)
+
+
+def write(args, rows: list[dict]) -> str:
+    """Write the cells so far to --json and --markdown; returns the markdown table."""
+    table = grid_markdown(rows) + ("\n" + runs_markdown(rows) if args.per_run else "")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"command": " ".join(sys.argv), "rows": rows}, fh, indent=1, default=str)
+    if args.markdown:
+        with open(args.markdown, "w") as fh:
+            fh.write(f"Command: `{' '.join(sys.argv)}`\n\n" + table)
+    return table
 
 
 def main() -> None:
@@ -74,9 +86,11 @@ def main() -> None:
                                               f"  d={d} H={H} scale={scale:g} seed "
                                               f"{run['seed']} (learner {run['learner_seed']}): "
                                               f"{run['refused'] or run.get('error')}, "
+                                              f"{run['queries']} queries, "
                                               f"{run['wall']:.1f} s wall, {run['cpu']:.1f} s "
                                               f"CPU, load {run['load']:.2f}", flush=True)))
                     r = rows[-1]
+                    write(args, rows)          # after every cell: a stopped grid keeps its cells
                     print(f"d={d} H={H} scale={scale:g}: success {r['success_rate']:.0%} "
                           f"(first try {r['first_try_rate']:.0%}, retries {r['retries']}, rows "
                           f"redesigned {r['rows_redesigned']}), refusals {r['refusals']}, wrong "
@@ -91,14 +105,7 @@ def main() -> None:
                 rows.append(grid_cell(H, d, args.seeds, scale, rank=r))
                 print(f"d={d} H={H} r={r} scale={scale:g}: success "
                       f"{rows[-1]['success_rate']:.0%}", flush=True)
-    table = grid_markdown(rows) + ("\n" + runs_markdown(rows) if args.per_run else "")
-    print(table)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"command": " ".join(sys.argv), "rows": rows}, fh, indent=1, default=str)
-    if args.markdown:
-        with open(args.markdown, "w") as fh:
-            fh.write(f"Command: `{' '.join(sys.argv)}`\n\n" + table)
+    print(write(args, rows))
     if args.plot:
         grid_plot(rows, args.plot)
     if args.scatter:
