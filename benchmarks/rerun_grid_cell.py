@@ -5,6 +5,7 @@ Run:  python benchmarks/rerun_grid_cell.py RESULT.json --heads 8 [--dim 8] [--sc
           [--seed 9 10] [--markdown OUT.md] [--json OUT.json]
 
 --scale and --seed (target seed indices) rerun only those runs of the cell, e.g. its failures.
+A cell run without --heads (told H = no) is rerun without telling H.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def main() -> None:
                                         w_scale=scale / np.sqrt(d))
                 start = time.perf_counter()
                 try:
-                    result = extract_multi_head(Oracle(box, d), H, seed=run["learner_seed"])
+                    result = extract_multi_head(Oracle(box, d), H if row.get("told", True)
+                                                else None, seed=run["learner_seed"])
                     error, outcome = canonical_error(result.model, box), "recovered"
                     queries = result.queries
                 except RefusalWithResult as exc:
