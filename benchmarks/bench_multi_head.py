@@ -4,6 +4,7 @@ Run:  nice -n 10 python benchmarks/bench_multi_head.py [--heads 1 2 4 6 8] [--di
           [--seeds 20] [--scales 1 3] [--learner-seed random|target] [--no-heads]
           [--precision full|fast] [--float32] [--threads 1] [--json FILE]
           [--markdown FILE] [--plot FILE.png] [--scatter FILE.png] [--low-rank 64:8:8]
+          [--per-run]
 
 Targets: independent numpy black boxes, W_h entries N(0, s^2 / d) (s in --scales),
 v_h entries N(0, 1). The learner's seed is drawn at random per run by default (recorded
@@ -14,7 +15,9 @@ whose error exceeds its own error bar: must be 0), median recovery queries again
 2's count 4Hd^2 - 2H + 1 and the floor H(d^2 + d), median and worst canonical error, wall
 times (median success, whole cell, longest failure). --no-heads runs without telling H.
 --plot draws success rate and median error against H; --scatter draws every run's
-queries / floor against its error (matplotlib, imported only then).
+queries / floor against its error (matplotlib, imported only then). Each run's wall and CPU
+seconds and the load average are in the JSON and printed as it ends; --per-run also puts
+them in the markdown, one row per run. The files are rewritten after every cell.
 """
 
 from __future__ import annotations
@@ -27,7 +30,20 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from multi_head_grid import grid_cell, grid_markdown, grid_plot, queries_error_plot  # noqa: E402
+from multi_head_grid import (grid_cell, grid_markdown, grid_plot, queries_error_plot,  # noqa: E402
+                             runs_markdown)
+
+
+def write(args, rows: list[dict]) -> str:
+    """Write the cells so far to --json and --markdown; returns the markdown table."""
+    table = grid_markdown(rows) + ("\n" + runs_markdown(rows) if args.per_run else "")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"command": " ".join(sys.argv), "rows": rows}, fh, indent=1, default=str)
+    if args.markdown:
+        with open(args.markdown, "w") as fh:
+            fh.write(f"Command: `{' '.join(sys.argv)}`\n\n" + table)
+    return table
 
 
 def main() -> None:
@@ -49,6 +65,8 @@ def main() -> None:
     parser.add_argument("--markdown")
     parser.add_argument("--plot")
     parser.add_argument("--scatter")
+    parser.add_argument("--per-run", action="store_true",
+                        help="also write one markdown row per run (seeds, outcome, seconds)")
     args = parser.parse_args()
     from threadpoolctl import threadpool_limits
     draw = np.random.default_rng()
@@ -63,8 +81,16 @@ def main() -> None:
                              if args.learner_seed == "random" else None)
                     rows.append(grid_cell(H, d, args.seeds, scale, args.float32,
                                           learner_seeds=seeds, told=not args.no_heads,
-                                          precision=args.precision))
+                                          precision=args.precision,
+                                          on_run=lambda run, d=d, H=H, scale=scale: print(
+                                              f"  d={d} H={H} scale={scale:g} seed "
+                                              f"{run['seed']} (learner {run['learner_seed']}): "
+                                              f"{run['refused'] or run.get('error')}, "
+                                              f"{run['queries']} queries, "
+                                              f"{run['wall']:.1f} s wall, {run['cpu']:.1f} s "
+                                              f"CPU, load {run['load']:.2f}", flush=True)))
                     r = rows[-1]
+                    write(args, rows)          # after every cell: a stopped grid keeps its cells
                     print(f"d={d} H={H} scale={scale:g}: success {r['success_rate']:.0%} "
                           f"(first try {r['first_try_rate']:.0%}, retries {r['retries']}, rows "
                           f"redesigned {r['rows_redesigned']}), refusals {r['refusals']}, wrong "
@@ -79,14 +105,7 @@ def main() -> None:
                 rows.append(grid_cell(H, d, args.seeds, scale, rank=r))
                 print(f"d={d} H={H} r={r} scale={scale:g}: success "
                       f"{rows[-1]['success_rate']:.0%}", flush=True)
-    table = grid_markdown(rows)
-    print(table)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"command": " ".join(sys.argv), "rows": rows}, fh, indent=1, default=str)
-    if args.markdown:
-        with open(args.markdown, "w") as fh:
-            fh.write(f"Command: `{' '.join(sys.argv)}`\n\n" + table)
+    print(write(args, rows))
     if args.plot:
         grid_plot(rows, args.plot)
     if args.scatter:

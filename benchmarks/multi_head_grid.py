@@ -13,6 +13,7 @@ benchmarks/bench_multi_head.py (the full grid).
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -26,12 +27,14 @@ LOW_RANK_GOAL = 1e-8  # ... low-rank heads (issue 12, item 2)
 
 def grid_cell(H: int, d: int, seeds: int, scale: float = 1.0, float32: bool = False,
               rank: int | None = None, learner_seeds=None, told: bool = True,
-              precision: str = "full") -> dict:
+              precision: str = "full", on_run=None) -> dict:
     """One grid cell over ``seeds`` seeds; returns its summary row (see module doc).
 
     ``learner_seeds``: the learner's seed per target seed (default: the target seed);
     ``told``: the learner is given H (else it finds the count); ``precision``: the
-    learner's option."""
+    learner's option; ``on_run``: called with each run's record as it ends (progress).
+    Each run records its wall and CPU seconds and the machine's 1-minute load average
+    when it ended."""
     from attnextract.adapters.targets import random_low_rank_multi_head, random_multi_head
     from attnextract.learners.multi_head import canonical_error, extract_multi_head, paper2_count
     runs = []
@@ -43,7 +46,7 @@ def grid_cell(H: int, d: int, seeds: int, scale: float = 1.0, float32: bool = Fa
         else:
             target = random_low_rank_multi_head(H, d, rank, seed=seed, scale=scale)
         oracle = Oracle(RoundedOutputs(target) if float32 else target, d)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         try:
             if rank is None:
                 result = extract_multi_head(oracle, heads=H if told else None,
@@ -55,8 +58,9 @@ def grid_cell(H: int, d: int, seeds: int, scale: float = 1.0, float32: bool = Fa
         except AttnExtractError as error:
             exc = error
             result, outcome = getattr(exc, "result", None), type(exc).__name__
-        wall = time.perf_counter() - start
-        run = {"seed": seed, "learner_seed": learner_seed, "wall": wall, "refused": outcome,
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        run = {"seed": seed, "learner_seed": learner_seed, "wall": wall, "cpu": cpu,
+               "load": os.getloadavg()[0], "refused": outcome,
                "queries": oracle.queries, "black_box": oracle.black_box_seconds}
         details = result.report.details if result is not None else {}
         run.update(designs=int(details.get("designs tried", 1)),
@@ -75,6 +79,8 @@ def grid_cell(H: int, d: int, seeds: int, scale: float = 1.0, float32: bool = Fa
         else:
             run.update(success=False, wrong=False)
         runs.append(run)
+        if on_run is not None:
+            on_run(run)
     ok = [r for r in runs if r["success"]]
     done = [r for r in runs if r["refused"] is None]
     refusals: dict[str, int] = {}
@@ -125,6 +131,22 @@ def grid_markdown(rows: list[dict]) -> str:
                    f"{fmt(r['error_median'], '.1e')} | {fmt(r['error_worst'], '.1e')} | "
                    f"{fmt(r['wall_success_median'], '.1f')} | {fmt(r.get('wall_total'), '.0f')} | "
                    f"{fmt(r['wall_failure_max'], '.1f')} |")
+    return "\n".join(out) + "\n"
+
+
+def runs_markdown(rows: list[dict]) -> str:
+    """Every run of the cells as one markdown table: outcome, error, queries, wall and CPU
+    seconds, and the 1-minute load average when the run ended."""
+    out = ["| d | H | W scale | target seed | learner seed | outcome | canonical error | "
+           "recovery queries | designs | s (wall) | s (CPU) | load |", "|" + "---|" * 12]
+    for r in rows:
+        for run in r.get("runs", []):
+            outcome = run["refused"] or ("recovered" if run["success"] else "above goal")
+            error = format(run["error"], ".1e") if "error" in run else "-"
+            out.append(f"| {r['d']} | {r['H']} | {r['scale']:g} | {run['seed']} | "
+                       f"{run['learner_seed']} | {outcome} | {error} | "
+                       f"{run.get('recovery', '-')} | {run['designs']} | {run['wall']:.1f} | "
+                       f"{run['cpu']:.1f} | {run['load']:.2f} |")
     return "\n".join(out) + "\n"
 
 

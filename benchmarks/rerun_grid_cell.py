@@ -2,13 +2,17 @@
 with the same boxes and the same learner seeds, and compare each run with the recorded one.
 
 Run:  python benchmarks/rerun_grid_cell.py RESULT.json --heads 8 [--dim 8] [--scale 3]
-          [--markdown OUT.md] [--json OUT.json]
+          [--seed 9 10] [--markdown OUT.md] [--json OUT.json]
+
+--scale and --seed (target seed indices) rerun only those runs of the cell, e.g. its failures.
+A cell run without --heads (told H = no) is rerun without telling H.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import numpy as np
@@ -33,7 +37,8 @@ def main() -> None:
     parser.add_argument("result")
     parser.add_argument("--heads", type=int, required=True)
     parser.add_argument("--dim", type=int)
-    parser.add_argument("--scale", type=float, help="only this W scale (default all)")
+    parser.add_argument("--scale", type=float, help="only the cell of this W scale")
+    parser.add_argument("--seed", type=int, nargs="+", help="only these target seeds")
     parser.add_argument("--markdown")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -49,11 +54,14 @@ def main() -> None:
                     or (args.scale is not None and scale != args.scale)):
                 continue
             for run in row["runs"]:
+                if args.seed is not None and run["seed"] not in args.seed:
+                    continue
                 box = random_multi_head(H, d, seed=10_000 * H + 100 * d + run["seed"],
                                         w_scale=scale / np.sqrt(d))
                 start = time.perf_counter()
                 try:
-                    result = extract_multi_head(Oracle(box, d), H, seed=run["learner_seed"])
+                    result = extract_multi_head(Oracle(box, d), H if row.get("told", True)
+                                                else None, seed=run["learner_seed"])
                     error, outcome = canonical_error(result.model, box), "recovered"
                     queries, details = result.queries, result.report.details
                 except RefusalWithResult as exc:
@@ -75,18 +83,14 @@ def main() -> None:
                 print(lines[-1], f"{time.perf_counter() - start:.1f} s", flush=True)
     summary = (f"{good} of {total} within 1e-10, {sum(r['outcome'] != 'recovered' for r in runs)} "
                f"refused, most queries {max((r['queries'] or 0) for r in runs)} (command: "
-               f"rerun_grid_cell.py {args.result} --heads {args.heads})")
+               f"rerun_grid_cell.py {' '.join(sys.argv[1:])})")
     print(summary)
     if args.markdown:
         with open(args.markdown, "w") as fh:
             fh.write(f"{summary}\n\n" + "\n".join(lines) + "\n")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"command": " ".join(["benchmarks/rerun_grid_cell.py", args.result,
-                                            "--heads", str(args.heads)]
-                                           + (["--dim", str(args.dim)] if args.dim else [])
-                                           + (["--scale", f"{args.scale:g}"]
-                                              if args.scale is not None else [])),
+            json.dump({"command": " ".join(["benchmarks/rerun_grid_cell.py", *sys.argv[1:]]),
                        "summary": summary, "runs": runs}, fh, indent=1, default=float)
 
 
