@@ -331,7 +331,8 @@ def section_biases(quick: bool, log) -> list[dict]:
                             lambda oracle: extract(oracle, "multi-head", heads=H, biases=True,
                                                    seed=d),
                             floor=H * (d * d + 2 * d) + 1,
-                            paper_count=4 * H * d * d - 2 * H + 1, heads=H,
+                            # paper 2's count plus the Hd + 1 biases: the learner's own cap
+                            paper_count=4 * H * d * d - 2 * H + 1 + H * d + 1, heads=H,
                             error=errors(target)))
         log(f"multi-head --biases H={H} d={d}: {rows[-1]['recovery_queries']} queries "
             f"(floor {rows[-1]['floor']}), error {rows[-1]['W_error']:.1e}")
