@@ -208,14 +208,16 @@ def refit_steps(lam: np.ndarray, g: np.ndarray, total: float, t0: np.ndarray,
     scale = max(float(np.max(np.abs(g))), abs(total), 1e-300)
     gs, ts = g / scale, total / scale
     H = t0.size
+    target = np.append(gs, ts)                  # built once: the search evaluates
+    A = np.ones((lam.size + 1, H))              # heights() thousands of times
 
     def heights(t):
-        A = np.vstack([expit(t[None, :] + lam[:, None]), np.ones((1, H))])
-        return A, np.linalg.lstsq(A, np.append(gs, ts), rcond=None)[0]
+        A[:-1] = expit(t[None, :] + lam[:, None])
+        return A, np.linalg.lstsq(A, target, rcond=None)[0]
 
     def projected(t):
         A, c = heights(t)
-        return A @ c - np.append(gs, ts)
+        return A @ c - target
 
     t = _solve(projected, t0)
     fun = _steps_residual(lam, gs, ts, 1.0)
