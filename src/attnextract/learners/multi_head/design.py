@@ -32,10 +32,7 @@ import math
 
 import numpy as np
 
-PROBE_FLOATS = 1 << 21          # floats of probe tokens per oracle call (16 MB: a batch
-                                # of 32 MB and the oracle's copy of it are each freshly
-                                # mapped by glibc, whose heap stops at 32 MB, and every
-                                # page faulted in: measured 1.4x the CPU per query)
+PROBE_FLOATS = 1 << 22          # floats of probe tokens per oracle call (32 MB)
 ROW_FRACTIONS = (0.5,)
 
 
