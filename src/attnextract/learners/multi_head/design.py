@@ -75,14 +75,17 @@ def measure(oracle, v: np.ndarray, u: np.ndarray, q: np.ndarray, m: np.ndarray,
     """
     P, d = u.shape
     a = q + u
-    positions = np.arange(length)
     step = max(1, PROBE_FLOATS // (length * d))
     out = np.empty(P)
     for lo in range(0, P, step):
-        sl = slice(lo, min(P, lo + step))
-        first = (positions[None, :] < m[sl, None])[..., None]
-        X = np.where(first, a[sl, None, :], q[sl, None, :])
-        out[sl] = oracle.query(X)
+        hi = min(P, lo + step)
+        # filled probe by probe: two broadcast copies each write the tokens at memory
+        # speed (a masked select over the batch took 2x to 4x longer)
+        X = np.empty((hi - lo, length, d))
+        for i, p in enumerate(range(lo, hi)):
+            X[i, :m[p]] = a[p]
+            X[i, m[p]:] = q[p]
+        out[lo:hi] = oracle.query(X)
     return out - q @ v
 
 

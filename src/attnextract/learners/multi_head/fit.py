@@ -37,21 +37,26 @@ def levenberg_marquardt(fun, x: np.ndarray, iterations: int = 200):
     """
     cache = {}
 
+    def evaluate(x):
+        # one evaluation per point: the solver asks for r and J at the same x, and the
+        # start and the solution are asked for again here
+        if "x" not in cache or not np.array_equal(cache["x"], x):
+            cache["x"], (cache["r"], cache["J"]) = x.copy(), fun(x)
+
     def residual(x):
-        cache["x"], (cache["r"], cache["J"]) = x.copy(), fun(x)
+        evaluate(x)
         return cache["r"]
 
     def jacobian(x):
-        if "x" not in cache or not np.array_equal(cache["x"], x):
-            residual(x)
+        evaluate(x)
         return cache["J"]
 
     x = np.asarray(x, dtype=np.float64)
-    if fun(x)[0].size < x.size:
+    if residual(x).size < x.size:
         raise ValueError("fewer samples than parameters")
     x_opt = _solve(residual, x, jacobian, iterations)
-    r, J = fun(x_opt)
-    return x_opt, r, J
+    evaluate(x_opt)
+    return x_opt, cache["r"], cache["J"]
 
 
 def _solve(residual, x0: np.ndarray, jacobian="2-point", iterations: int | None = None):
@@ -71,12 +76,17 @@ def unit_std(J: np.ndarray) -> np.ndarray:
     Directions the samples do not pin down (singular values below 1e-15 of the
     largest) give inf.
     """
+    return _std_and_singular_values(J)[0]
+
+
+def _std_and_singular_values(J: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`unit_std` and the singular values of J, from one SVD."""
     if not np.all(np.isfinite(J)):
-        return np.full(J.shape[1], np.inf)
+        return np.full(J.shape[1], np.inf), np.linalg.svd(J, compute_uv=False)
     _, s, Vt = np.linalg.svd(J, full_matrices=False)
     if s.size == 0 or s[-1] <= s[0] * 1e-15:
-        return np.full(J.shape[1], np.inf)
-    return np.sqrt(np.einsum("ij,i->j", Vt ** 2, 1.0 / s ** 2))
+        return np.full(J.shape[1], np.inf), s
+    return np.sqrt(np.einsum("ij,i->j", Vt ** 2, 1.0 / s ** 2)), s
 
 
 def residual_sigma(r: np.ndarray, parameters: int, floor: float = 0.0) -> float:
@@ -198,14 +208,16 @@ def refit_steps(lam: np.ndarray, g: np.ndarray, total: float, t0: np.ndarray,
     scale = max(float(np.max(np.abs(g))), abs(total), 1e-300)
     gs, ts = g / scale, total / scale
     H = t0.size
+    target = np.append(gs, ts)                  # built once: the search evaluates
+    A = np.ones((lam.size + 1, H))              # heights() thousands of times
 
     def heights(t):
-        A = np.vstack([expit(t[None, :] + lam[:, None]), np.ones((1, H))])
-        return A, np.linalg.lstsq(A, np.append(gs, ts), rcond=None)[0]
+        A[:-1] = expit(t[None, :] + lam[:, None])
+        return A, np.linalg.lstsq(A, target, rcond=None)[0]
 
     def projected(t):
         A, c = heights(t)
-        return A @ c - np.append(gs, ts)
+        return A @ c - target
 
     t = _solve(projected, t0)
     fun = _steps_residual(lam, gs, ts, 1.0)
@@ -308,20 +320,22 @@ def fit_row(lam: np.ndarray, g: np.ndarray, mask: np.ndarray, columns: np.ndarra
         Start.
     """
     H, d = z0.shape
-    w = mask.astype(np.float64)
+    # only the samples that exist (a masked one is a zero row of the Jacobian, which
+    # every step's SVD would pay for: half the rows of a column-padded row)
+    keep = mask > 0
+    probe = np.nonzero(keep)[0]                                     # (M,) its probe j
+    lam_m, g_m, w = lam[keep], g[keep], mask[keep].astype(np.float64)
+    q_m = columns[probe]                                            # (M, d)
 
     def fun(x):
         c, z = x[:H], x[H:].reshape(H, d)
         t = columns @ z.T                                          # (J, H)
-        s, ds = sigmoid_and_slope(t[:, None, :] + lam[:, :, None])  # (J, S, H)
-        r = (np.einsum("jsh,h->js", s, c) - g) * w
-        Jc = s * w[..., None]                                       # (J, S, H)
-        Jz = (ds * c[None, None, :] * w[..., None])[..., None] * columns[:, None, None, :]
-        return r.ravel(), np.concatenate([Jc.reshape(-1, H), Jz.reshape(-1, H * d)], axis=1)
+        s, ds = sigmoid_and_slope(t[probe] + lam_m[:, None])        # (M, H)
+        r = (s @ c - g_m) * w
+        Jz = (ds * (c * w[:, None]))[:, :, None] * q_m[:, None, :]  # (M, H, d)
+        return r, np.concatenate([s * w[:, None], Jz.reshape(-1, H * d)], axis=1)
 
     x, r, J = levenberg_marquardt(fun, np.concatenate([c0, z0.ravel()]))
-    keep = w.ravel() > 0
-    J, r = J[keep], r[keep]
-    std = unit_std(J)
+    std, singular_values = _std_and_singular_values(J)
     return RowFit(c=x[:H], z=x[H:].reshape(H, d), c_std=std[:H], z_std=std[H:].reshape(H, d),
-                  residual=r, jacobian_singular_values=np.linalg.svd(J, compute_uv=False))
+                  residual=r, jacobian_singular_values=singular_values)
