@@ -76,6 +76,8 @@ def unit_std(J: np.ndarray) -> np.ndarray:
     Directions the samples do not pin down (singular values below 1e-15 of the
     largest) give inf.
     """
+    if not np.all(np.isfinite(J)):
+        return np.full(J.shape[1], np.inf)      # no SVD of a non-finite matrix
     return _std_and_singular_values(J)[0]
 
 

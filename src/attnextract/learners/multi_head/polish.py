@@ -231,7 +231,8 @@ def polish(samples: Samples, W: np.ndarray, v: np.ndarray, precision: float,
     if P <= n:
         return unchanged(f"skipped (only {P} samples for {n} parameters)")
     x0 = np.concatenate([W.ravel(), v.ravel()] + ([b.ravel(), [c]] if biases else []))
-    noise = noise_of(samples, v, precision, absolute, c, *((W, b) if biases else ()))
+    expected = noise_of(samples, v, precision, absolute, c, *((W, b) if biases else ()))
+    noise = expected.copy()                 # rescaled per length below
     # least noise per answer: a weighted residual below it is luck. float64: the
     # expected rounding itself (weight 1); coarser answers: one rounding of the answer
     # (their forward pass's larger errors show in the residual), as the row fits' floor
@@ -247,8 +248,7 @@ def polish(samples: Samples, W: np.ndarray, v: np.ndarray, precision: float,
             group = samples.length == length
             noise[group] *= max(float(np.sqrt(np.mean((r[group] / noise[group]) ** 2))),
                                 float(np.sqrt(np.mean(least[group] ** 2))))
-        least = least * noise_of(samples, v, precision, absolute, c,
-                                 *((W, b) if biases else ())) / noise
+        least = least * expected / noise
         x, cost, A, scale = _gauss_newton(samples, x, noise, H, d, biases)
     except LinAlgError as exc:
         return unchanged(f"skipped ({exc})")
