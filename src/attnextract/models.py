@@ -345,6 +345,125 @@ class BiasedMultiHeadAttention(Regressor):
         return f"BiasedMultiHeadAttention(H={self.heads}, d={self.dim})"
 
 
+def layer_norm(X: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float) -> np.ndarray:
+    """LN(x) = gamma * (x - mean(x)) / sqrt(var(x) + eps) + beta per token (last axis)."""
+    centred = X - X.mean(axis=-1, keepdims=True)
+    return gamma * centred / np.sqrt((centred * centred).mean(axis=-1, keepdims=True) + eps) + beta
+
+
+class PreLayerNormAttention(Regressor):
+    """A pre-LayerNorm (GPT-2 style) attention block, read at the last token by r.
+
+    f(X) = r^T x_N + sum_h softmax(Y (W_h y_N + b_h))^T Y v_h + c,  Y = LN(X) per token,
+
+    the residual stream plus biased multi-head attention on the normalised tokens
+    (W_h, b_h, v_h, c merged as in :class:`BiasedMultiHeadAttention`). A black box can
+    only tell :meth:`on_sphere` of it (docs/algorithms.md, "Pre-LayerNorm layer").
+
+    Parameters
+    ----------
+    gamma, beta : array (d,)
+        LayerNorm scale and shift.
+    W : array (H, d, d);  b, v : array (H, d);  c : float
+        The attention's merged parameters, acting on LN(x).
+    r : array (d,)
+        Readout of the residual stream x_N.
+    eps : float
+        LayerNorm's variance floor (> 0; torch's default 1e-5).
+    """
+
+    kind = "pre-ln-attention"
+    PARAMETERS = ("gamma", "beta", "W", "b", "v", "c", "r", "eps")
+
+    def __init__(self, gamma, beta, W, b, v, c=0.0, r=None, eps=1e-5):
+        self.attention = BiasedMultiHeadAttention(W, v, b, c)
+        self.W, self.v, self.b, self.c = (self.attention.W, self.attention.v,
+                                          self.attention.b, self.attention.c)
+        d = self.dim
+        self.gamma, self.beta = (np.array(a, dtype=np.float64) for a in (gamma, beta))
+        self.r = np.zeros(d) if r is None else np.array(r, dtype=np.float64)
+        self.eps = float(np.asarray(eps, dtype=np.float64).reshape(()))
+        if any(a.shape != (d,) or not np.all(np.isfinite(a))
+               for a in (self.gamma, self.beta, self.r)):
+            raise InputError(f"PreLayerNormAttention: gamma, beta and r must be finite ({d},)")
+        if not (np.isfinite(self.eps) and self.eps > 0):
+            raise InputError(f"PreLayerNormAttention: eps must be positive, got {self.eps}")
+
+    @property
+    def dim(self) -> int:
+        return self.W.shape[1]
+
+    def outputs(self, X: np.ndarray) -> np.ndarray:
+        Y = layer_norm(X, self.gamma, self.beta, self.eps)
+        return X[:, -1, :] @ self.r + self.attention.outputs(Y)
+
+    def on_sphere(self, radius: float) -> "SphereAttention":
+        """What the box computes on tokens with zero mean and norm ``radius``: there
+        LN(x) = A x + beta with A = diag(gamma) / s, s = sqrt(radius^2 / d + eps), so
+        the block is a biased head in x with W_h' = A W_h A, b_h' = A (W_h beta + b_h),
+        v_h' = A v_h, c' = c + sum_h beta^T v_h (beta^T W_h (A x_N + beta) is the same for
+        every key and cancels in the softmax), plus r^T x_N."""
+        A = self.gamma / np.sqrt(radius ** 2 / self.dim + self.eps)
+        return SphereAttention(A[None, :, None] * self.W * A[None, None, :],
+                               A * (self.W @ self.beta + self.b), A * self.v,
+                               self.c + float(np.sum(self.v @ self.beta)), self.r, radius)
+
+    def __repr__(self) -> str:
+        return f"PreLayerNormAttention(H={self.W.shape[0]}, d={self.dim})"
+
+
+SPHERE_TOLERANCE = 1e-9    # relative: how far off the sphere a token may be
+
+
+class SphereAttention(Regressor):
+    """A pre-LayerNorm block as far as it is identifiable: on the sphere
+    S = {x : 1^T x = 0, |x| = radius},
+
+    f(X) = r^T x_N + sum_h softmax(X (W_h x_N + b_h))^T X v_h + c,   x_i in S.
+
+    Only the restriction to the hyperplane 1^T x = 0 of each parameter is seen, so
+    they are stored projected: W_h <- P W_h P, b_h <- P b_h, v_h <- P v_h, r <- P r,
+    P = I - 1 1^T / d. Tokens off S raise :class:`InputError`: nothing is known there.
+    """
+
+    kind, PARAMETERS = "pre-ln-sphere", ("W", "b", "v", "c", "r", "radius")
+
+    def __init__(self, W, b, v, c, r, radius):
+        heads = BiasedMultiHeadAttention(W, v, b, c)
+        d = heads.dim
+        P = np.eye(d) - 1.0 / d
+        self.radius = float(np.asarray(radius, dtype=np.float64).reshape(()))
+        r = np.array(r, dtype=np.float64)
+        if r.shape != (d,) or not np.all(np.isfinite(r)):
+            raise InputError(f"SphereAttention: r must be finite ({d},), got shape {r.shape}")
+        if not (np.isfinite(self.radius) and self.radius > 0):
+            raise InputError(f"SphereAttention: radius must be positive, got {self.radius}")
+        self.W, self.b, self.v = P @ heads.W @ P, heads.b @ P, heads.v @ P
+        self.c, self.r = heads.c, P @ r
+        self.heads_model = BiasedMultiHeadAttention(self.W, self.v, self.b, self.c)
+
+    @property
+    def dim(self) -> int:
+        return self.W.shape[1]
+
+    @property
+    def heads(self) -> int:
+        return self.W.shape[0]
+
+    def outputs(self, X: np.ndarray) -> np.ndarray:
+        means = np.abs(X.sum(axis=-1)) / np.sqrt(self.dim)
+        norms = np.linalg.norm(X, axis=-1)
+        if np.any(means > SPHERE_TOLERANCE * self.radius) or np.any(
+                np.abs(norms - self.radius) > SPHERE_TOLERANCE * self.radius):
+            raise InputError(f"SphereAttention is known only on tokens with zero mean and "
+                             f"norm {self.radius:.6g}; a pre-LayerNorm box is not identified "
+                             f"elsewhere")
+        return X[:, -1, :] @ self.r + self.heads_model.outputs(X)
+
+    def __repr__(self) -> str:
+        return f"SphereAttention(H={self.heads}, d={self.dim}, radius={self.radius:.6g})"
+
+
 class ResidualOneLayer(Regressor):
     """One-layer Transformer with a residual connection, in merged form.
 
@@ -489,7 +608,8 @@ class TransformerLayer(Regressor):
 # kind -> class: how report.load_model rebuilds a model from a result file
 MODEL_CLASSES = {cls.kind: cls for cls in (SingleHeadAttention, MultiHeadAttention, ReLUNetwork,
                                            OneLayerTransformer, ResidualOneLayer, TransformerLayer,
-                                           BiasedSingleHeadAttention, BiasedMultiHeadAttention)}
+                                           BiasedSingleHeadAttention, BiasedMultiHeadAttention,
+                                           PreLayerNormAttention, SphereAttention)}
 
 
 # the parameters a model's output is linear in (values and output constants): x a
@@ -497,7 +617,8 @@ MODEL_CLASSES = {cls.kind: cls for cls in (SingleHeadAttention, MultiHeadAttenti
 OUTPUT_PARAMETERS = {"single-head": ("v",), "multi-head": ("v",),
                      "biased-single-head": ("v", "c"), "biased-multi-head": ("v", "c"),
                      "one-layer": ("w",), "one-layer-residual": ("w",), "relu-network": ("w",),
-                     "transformer-layer": ("w", "c0")}
+                     "transformer-layer": ("w", "c0"), "pre-ln-attention": ("v", "c", "r"),
+                     "pre-ln-sphere": ("v", "c", "r")}
 
 
 def scale_outputs(model, factor: float):

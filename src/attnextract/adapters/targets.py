@@ -331,3 +331,27 @@ class Float32MultiHeadBlackBox:
         values = np.einsum("had,bnd->bhna", self.V, X)
         heads = np.cumsum(weights[..., None] * values, axis=2)[:, :, -1].reshape(X.shape[0], -1)
         return ((heads @ self.O.T) @ self.r).astype(np.float64)
+
+
+def random_pre_layer_norm(heads: int, dim: int, seed=None, *, eps: float = 1e-5,
+                          ln_spread: float = 0.3):
+    """A generic pre-LayerNorm block like GPT-2's (heads of width d / H, every bias):
+    gamma = 1 + ln_spread N(0, 1), beta = ln_spread N(0, 1); per head Q_h, K_h, V_h
+    (d / H, d) and the output projection with entries N(0, 1 / d) (scores of order one on
+    LN's unit-variance tokens), query and value biases N(0, 1), a unit residual readout r
+    and c ~ N(0, 1). Returns a :class:`attnextract.models.PreLayerNormAttention`."""
+    from ..models import PreLayerNormAttention
+    if heads < 1 or dim < 2 or dim % heads:
+        raise InputError(f"need heads >= 1 dividing dim >= 2, got heads={heads}, dim={dim}")
+    rng = np.random.default_rng(seed)
+    hd = dim // heads
+    Q, K, V, O = (rng.standard_normal((heads, hd, dim)) / np.sqrt(dim) for _ in range(4))
+    b_q = rng.standard_normal((heads, hd))
+    r = rng.standard_normal(dim)
+    r /= np.linalg.norm(r)
+    W = np.einsum("hai,haj->hij", K, Q) / np.sqrt(hd)
+    b = np.einsum("hai,ha->hi", K, b_q) / np.sqrt(hd)
+    v = np.einsum("hai,haj,j->hi", V, O, r)          # O_h (hd, d) maps the head to d
+    return PreLayerNormAttention(1.0 + ln_spread * rng.standard_normal(dim),
+                                 ln_spread * rng.standard_normal(dim), W, b, v,
+                                 float(rng.standard_normal()), r, eps)

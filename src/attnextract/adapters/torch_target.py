@@ -163,3 +163,79 @@ class TorchAttentionBlackBox:
     def __repr__(self) -> str:
         which = "all heads" if self.head is None else f"head {self.head}"
         return f"TorchAttentionBlackBox(E={self.dim}, {which})"
+
+
+class TorchPreLayerNormBlackBox:
+    """A pre-LayerNorm (GPT-2 style) block as a black box, in float64:
+
+        f(X) = r^T (x_N + MultiheadAttention(LN(x_N), LN(X), LN(X))),
+
+    the residual stream plus attention on the normalised tokens, read at the last token.
+    ``layer_norm`` is a ``torch.nn.LayerNorm(E)`` (affine), ``attention`` a
+    ``torch.nn.MultiheadAttention`` (biases allowed, no ``add_bias_kv``); both are
+    copied. :meth:`merged_parameters` is the same block as a
+    :class:`attnextract.models.PreLayerNormAttention` (docs/algorithms.md,
+    "Pre-LayerNorm layer").
+    """
+
+    kind = "torch-pre-ln-attention"
+
+    def __init__(self, layer_norm, attention, readout=None):
+        torch = _torch()
+        _check_module(attention, torch)
+        if not isinstance(layer_norm, torch.nn.LayerNorm) or tuple(
+                layer_norm.normalized_shape) != (attention.embed_dim,) or layer_norm.weight is None:
+            raise InputError(f"expected an affine torch.nn.LayerNorm({attention.embed_dim})")
+        if attention.bias_k is not None or attention.add_zero_attn:
+            raise InputError("add_bias_kv and add_zero_attn are outside the class")
+        self.torch, self.dim = torch, attention.embed_dim
+        self.norm = copy.deepcopy(layer_norm).to(torch.float64).eval()
+        self.attention = copy.deepcopy(attention).to(torch.float64).eval()
+        self.readout = _readout(readout, self.dim)
+        self._r = torch.from_numpy(self.readout)
+
+    def __call__(self, X) -> np.ndarray:
+        X = np.asarray(X, dtype=np.float64)
+        if X.ndim != 3 or X.shape[2] != self.dim or X.shape[1] < 1:
+            raise InputError(f"expected a batch (B, N, {self.dim}), got shape {X.shape}")
+        torch = self.torch
+        with torch.no_grad():
+            seq = torch.tensor(X)
+            Y = self.norm(seq)
+            query = Y[:, -1:, :]
+            if not self.attention.batch_first:
+                Y, query = Y.transpose(0, 1), query.transpose(0, 1)
+            out, _ = self.attention(query, Y, Y, need_weights=False)
+            if not self.attention.batch_first:
+                out = out.transpose(0, 1)
+            return ((seq[:, -1, :] + out[:, 0, :]) @ self._r).numpy()
+
+    def merged_parameters(self):
+        """The block as a :class:`attnextract.models.PreLayerNormAttention`: per head
+        W_h = K_h^T Q_h / sqrt(hd), b_h = K_h^T b_q,h / sqrt(hd), v_h = V_h^T O_h^T r,
+        c = (O b_v + b_o)^T r (the key bias cancels in the softmax)."""
+        from ..models import PreLayerNormAttention
+        torch, module = self.torch, self.attention
+        E, H = self.dim, module.num_heads
+        hd, r = E // H, self.readout
+        with torch.no_grad():
+            weights, out = (t.detach().numpy() for t in (module.in_proj_weight,
+                                                         module.out_proj.weight))
+            zero = np.zeros(3 * E)
+            bias = zero if module.in_proj_bias is None else module.in_proj_bias.detach().numpy()
+            out_bias = (np.zeros(E) if module.out_proj.bias is None
+                        else module.out_proj.bias.detach().numpy())
+            gamma, beta = (t.detach().numpy() for t in (self.norm.weight, self.norm.bias))
+        W, b, v = [], [], []
+        for h in range(H):
+            rows = slice(h * hd, (h + 1) * hd)
+            Q, K, V = (weights[i * E:(i + 1) * E][rows] for i in range(3))
+            W.append(K.T @ Q / math.sqrt(hd))
+            b.append(K.T @ bias[:E][rows] / math.sqrt(hd))
+            v.append(V.T @ (out[:, rows].T @ r))
+        c = float((out @ bias[2 * E:] + out_bias) @ r)
+        return PreLayerNormAttention(gamma, beta, np.array(W), np.array(b), np.array(v), c, r,
+                                     self.norm.eps)
+
+    def __repr__(self) -> str:
+        return f"TorchPreLayerNormBlackBox(E={self.dim}, H={self.attention.num_heads})"
