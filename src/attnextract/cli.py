@@ -47,7 +47,7 @@ MODEL_OPTIONS = {"rank": "rank", "method": "method", "oversampling": "oversampli
                  "relative_tolerance": "relative_tolerance", "noise": "noise",
                  "noise_method": "method", "repeats": "repeats", "norm_bound": "norm_bound",
                  "margin": "margin", "bits": "bits", "threshold": "threshold",
-                 "biases": "biases"}
+                 "biases": "biases", "radius": "radius"}
 NOISE_OPTIONS = ("relative_tolerance", "noise", "noise_method", "repeats", "norm_bound", "margin")
 LABEL_OPTIONS = ("bits", "threshold")
 # their defaults on the command line (the learners' own): equal to it counts as not given
@@ -230,6 +230,10 @@ def _add_learner_options(ex) -> None:
                             "round (short probes for float64 answers, else wide columns) for "
                             "the smallest error; fast runs only wide columns, and only when "
                             "the error bar would exceed 1e-10 (default: full)")
+    pre = ex.add_argument_group("--model pre-ln")
+    pre.add_argument("--radius", type=float, metavar="R",
+                     help="norm of every probe token, all with zero mean: the sphere where "
+                          "LayerNorm is affine and the model is defined (default sqrt(d))")
     ffn = ex.add_argument_group("--model relu-network, one-layer, one-layer-residual")
     ffn.add_argument("--no-polish", action="store_false", dest="polish",
                      help="skip measuring each hidden unit alone (m d fewer queries, fewer "

@@ -239,6 +239,9 @@ register("multi-head-low-rank", _L + "multi_head_low_rank:extract_multi_head_low
 register("transformer-layer", _L + "transformer_layer:extract_transformer_layer",
          "multi-head attention then a ReLU feed-forward network, biases detected "
          "(optionally residual)")
+register("pre-ln", _L + "pre_layer_norm:extract_pre_layer_norm",
+         "a pre-LayerNorm attention head (GPT-2 style) on the sphere where LayerNorm is "
+         "affine, at d^2 + d - 1 queries")
 register("noisy", _L + "noisy:extract_noisy",
          "one head from outputs accurate to +-tolerance, with error bars", hidden=True)
 register("sign-only", _L + "sign_only:extract_sign_only",
