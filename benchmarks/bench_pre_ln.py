@@ -1,0 +1,161 @@
+"""Pre-LayerNorm attention heads on the sphere (issue 26, stretch): `--model pre-ln` on a grid.
+
+For every d in {8, 16, 32, 64} and 20 seeds: a random GPT-2 style block with one head
+(targets.random_pre_layer_norm: gamma = 1 + 0.3 N(0, 1), beta = 0.3 N(0, 1), eps = 1e-5,
+every bias, a unit residual readout), and at d = 16 the same through torch
+(nn.LayerNorm + nn.MultiheadAttention in float64, random LN parameters and biases). The
+learner runs at the default radius sqrt(d); recorded per run: the relative errors of the
+identified parts (P W P, P b, P v, P r, c; c against max(|c|, |v|)) against
+PreLayerNormAttention.on_sphere, queries against the floor d^2 + d - 1, the rescaling,
+the held-out error and CPU seconds. Then boxes outside the class at d = 8 and 16, 20
+seeds each (post-LN, plain biased attention plus the residual, two pre-LN heads): each
+must be refused.
+
+Run:  nice -n 10 python benchmarks/bench_pre_ln.py [--seeds 20] [--out mh7_pre_ln]
+(1 BLAS thread: OPENBLAS_NUM_THREADS=1). Writes benchmarks/results/NAME.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from attnextract import extract
+from attnextract.adapters.targets import random_pre_layer_norm, random_single_head, with_biases
+from attnextract.errors import AttnExtractError
+from attnextract.models import layer_norm
+from attnextract.oracle import Oracle
+
+GOAL = 1e-10
+
+
+def torch_box(d: int, seed: int):
+    import torch
+    from attnextract.adapters.torch_target import TorchPreLayerNormBlackBox
+    torch.manual_seed(seed)
+    norm = torch.nn.LayerNorm(d)
+    attention = torch.nn.MultiheadAttention(d, 1, bias=True, batch_first=True)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(d))
+        norm.bias.copy_(0.3 * torch.randn(d))
+        attention.in_proj_bias.copy_(torch.randn(3 * d))
+        attention.out_proj.bias.copy_(torch.randn(d))
+    box = TorchPreLayerNormBlackBox(norm, attention, readout=seed)
+    return box, box.merged_parameters()
+
+
+def identified_errors(model, truth) -> dict:
+    out = {name: float(np.linalg.norm(getattr(model, name) - getattr(truth, name))
+                       / np.linalg.norm(getattr(truth, name))) for name in "Wbvr"}
+    out["c"] = abs(model.c - truth.c) / max(abs(truth.c), float(np.linalg.norm(truth.v)))
+    return out
+
+
+def run(kind: str, d: int, seed: int) -> dict:
+    box, truth = (torch_box(d, seed) if kind == "torch" else
+                  (lambda b: (b, b))(random_pre_layer_norm(1, d, seed)))
+    row = {"target": kind, "d": d, "seed": seed, "floor": d * d + d - 1}
+    oracle = Oracle(box, d)
+    start = time.process_time()
+    try:
+        result = extract(oracle, "pre-ln", seed=seed)
+    except AttnExtractError as exc:
+        row.update(refused=f"{type(exc).__name__}: {exc}"[:200], queries=oracle.queries)
+        return row
+    row["cpu_s"] = time.process_time() - start
+    report = result.report
+    errors = identified_errors(result.model, truth.on_sphere(result.model.radius))
+    row.update(queries=result.queries, rescaling=report.breakdown["rescaling"],
+               verification=report.breakdown["verification"],
+               held_out_error=report.verification.max_relative_error,
+               worst_family=report.verification.worst_family,
+               errors=errors, error=max(errors.values()))
+    return row
+
+
+def impostor(kind: str, d: int, seed: int):
+    pre = random_pre_layer_norm(1, d, seed)
+    if kind == "post-LN":
+        def box(X):
+            X = np.asarray(X)
+            y = X[:, -1, :] + pre.attention.outputs(X)[:, None] * pre.r
+            return layer_norm(y, pre.gamma, pre.beta, pre.eps) @ pre.r
+        return box
+    if kind == "plain attention + residual":
+        head = with_biases(random_single_head(d, seed), seed)
+        return lambda X: head(X) + np.asarray(X)[:, -1] @ pre.r
+    return random_pre_layer_norm(2, d, seed)
+
+
+def refusal(kind: str, d: int, seed: int) -> dict:
+    oracle = Oracle(impostor(kind, d, seed), d)
+    row = {"impostor": kind, "d": d, "seed": seed}
+    try:
+        result = extract(oracle, "pre-ln", seed=seed)
+        row.update(refused=False, held_out_error=result.report.verification.max_relative_error)
+    except AttnExtractError as exc:
+        row.update(refused=True, error=f"{type(exc).__name__}: {exc}"[:240])
+    row["queries"] = oracle.queries
+    return row
+
+
+def table(rows: list) -> list[str]:
+    lines = ["| target | d | runs | recovered | max error | median error | queries / floor "
+             "(median, max) | rescaling (max) | max held-out | CPU s (median) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    cells = sorted({(r["target"], r["d"]) for r in rows}, key=lambda c: (c[0] != "random", c[1]))
+    for kind, d in cells:
+        cell = [r for r in rows if r["target"] == kind and r["d"] == d]
+        ok = [r for r in cell if "error" in r]
+        good = [r for r in ok if r["error"] < GOAL]
+        errs = [r["error"] for r in ok]
+        ratio = [(r["queries"] - r["verification"]) / r["floor"] for r in ok]
+        lines.append(f"| {kind} | {d} | {len(cell)} | {len(good)} | {max(errs):.1e} | "
+                     f"{np.median(errs):.1e} | {np.median(ratio):.3f}, {max(ratio):.3f} | "
+                     f"{max(r['rescaling'] for r in ok)} | "
+                     f"{max(r['held_out_error'] for r in ok):.1e} | "
+                     f"{np.median([r['cpu_s'] for r in ok]):.3f} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--dims", type=int, nargs="+", default=[8, 16, 32, 64])
+    parser.add_argument("--out", default="mh7_pre_ln")
+    args = parser.parse_args()
+    rows = [run("random", d, s) for d in args.dims for s in range(args.seeds)]
+    rows += [run("torch", 16, s) for s in range(args.seeds)]
+    refusals = [refusal(k, d, s) for k in ("post-LN", "plain attention + residual", "two heads")
+                for d in (8, 16) for s in range(args.seeds)]
+    out = Path(__file__).parent / "results" / args.out
+    meta = {"command": f"OPENBLAS_NUM_THREADS=1 nice -n 10 python benchmarks/bench_pre_ln.py "
+                       f"--seeds {args.seeds} --dims {' '.join(map(str, args.dims))} --out {args.out}",
+            "threads": os.environ.get("OPENBLAS_NUM_THREADS"), "machine": platform.machine(),
+            "load": os.getloadavg()}
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "runs": rows,
+                                                    "refusals": refusals}, indent=1))
+    refused = {}
+    for r in refusals:
+        refused.setdefault((r["impostor"], r["d"]), []).append(r["refused"])
+    lines = [f"# Pre-LayerNorm heads on the sphere (`--model pre-ln`), {args.seeds} seeds per cell",
+             "", f"Command: `{meta['command']}` (load average at the end {meta['load'][0]:.1f}; "
+             "CPU seconds are process time, one BLAS thread).", "",
+             "Errors: the largest relative error of P W P, P b, P v, P r and c against "
+             "`PreLayerNormAttention.on_sphere`; queries / floor counts recovery and "
+             "rescaling against d^2 + d - 1 (verification apart).", ""] + table(rows) + [
+             "", "Boxes outside the class (each must be refused):", "",
+             "| impostor | d | refused |", "|---|---|---|"]
+    lines += [f"| {k} | {d} | {sum(v)} of {len(v)} |" for (k, d), v in refused.items()]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
