@@ -165,3 +165,19 @@ def test_the_command_line_extracts_a_pre_ln_box_and_the_result_refuses_off_the_s
     assert max(identified_errors(model, truth).values()) < 1e-10
     with pytest.raises(InputError):
         model(np.ones((3, 6)))
+
+
+def test_attnextract_verify_checks_a_saved_pre_ln_model_on_its_sphere(tmp_path):
+    target = tmp_path / "box.py"
+    target.write_text("from attnextract.adapters.targets import random_pre_layer_norm\n"
+                      "box = random_pre_layer_norm(1, 6, seed=5)\n"
+                      "other = random_pre_layer_norm(1, 6, seed=6)\n")
+    out = tmp_path / "r.npz"
+    run_cli("extract", "--target", f"{target}:box", "--dim", 6, "--model", "pre-ln",
+            "--seed", 2, "--out", out, "--no-progress", check=0)
+    match = run_cli("verify", "--target", f"{target}:box", "--result", out, "--seed", 3,
+                    "--no-progress", check=0)
+    assert "MATCH" in match.stdout
+    mismatch = run_cli("verify", "--target", f"{target}:other", "--result", out, "--seed", 3,
+                       "--no-progress", check=1)
+    assert "MISMATCH" in mismatch.stderr

@@ -1066,6 +1066,11 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
     """
     from .report import DEFAULT_VERIFY_TOLERANCE, Verification, token_scale
     tolerance = DEFAULT_VERIFY_TOLERANCE if tolerance is None else tolerance
+    if getattr(model, "kind", "") == "pre-ln-sphere":     # defined on its sphere only
+        from .learners.pre_layer_norm import INVARIANCE_SHARE, verify_on_sphere
+        return verify_on_sphere(oracle, model, count=count, rng=np.random.default_rng(seed),
+                                invariance=max(4, int(INVARIANCE_SHARE * count)),
+                                tolerance=tolerance)
     requested = tolerance
     floor = CONSISTENCY_FLOOR
     if isinstance(expected_error, str):
