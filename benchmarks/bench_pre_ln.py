@@ -75,7 +75,9 @@ def run(kind: str, d: int, seed: int) -> dict:
                verification=report.breakdown["verification"],
                held_out_error=report.verification.max_relative_error,
                worst_family=report.verification.worst_family,
-               errors=errors, error=max(errors.values()))
+               errors=errors, error=max(errors.values()),
+               error_bar_W=report.details["error_bar_W"],
+               error_bar_v=report.details["error_bar_v"])
     return row
 
 
@@ -106,9 +108,9 @@ def refusal(kind: str, d: int, seed: int) -> dict:
 
 
 def table(rows: list) -> list[str]:
-    lines = ["| target | d | runs | recovered | max error | median error | queries / floor "
-             "(median, max) | rescaling (max) | max held-out | CPU s (median) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| target | d | runs | recovered | max error | median error | W error / its bar "
+             "(max) | queries / floor (median, max) | rescaling (max) | max held-out | "
+             "CPU s (median) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     cells = sorted({(r["target"], r["d"]) for r in rows}, key=lambda c: (c[0] != "random", c[1]))
     for kind, d in cells:
         cell = [r for r in rows if r["target"] == kind and r["d"] == d]
@@ -117,7 +119,9 @@ def table(rows: list) -> list[str]:
         errs = [r["error"] for r in ok]
         ratio = [(r["queries"] - r["verification"]) / r["floor"] for r in ok]
         lines.append(f"| {kind} | {d} | {len(cell)} | {len(good)} | {max(errs):.1e} | "
-                     f"{np.median(errs):.1e} | {np.median(ratio):.3f}, {max(ratio):.3f} | "
+                     f"{np.median(errs):.1e} | "
+                     f"{max(r['errors']['W'] / r['error_bar_W'] for r in ok):.3f} | "
+                     f"{np.median(ratio):.3f}, {max(ratio):.3f} | "
                      f"{max(r['rescaling'] for r in ok)} | "
                      f"{max(r['held_out_error'] for r in ok):.1e} | "
                      f"{np.median([r['cpu_s'] for r in ok]):.3f} |")

@@ -92,6 +92,27 @@ def test_a_pre_ln_head_is_recovered_on_the_sphere_at_the_floor(dim, seed):
     assert result.queries == oracle.queries == floor + report.breakdown["rescaling"] + \
         report.breakdown["verification"]
     assert report.verification.passed
+    assert report.details["error_bar_W"] < 1e-10 and errors["W"] <= report.details["error_bar_W"]
+
+
+@pytest.mark.parametrize("dim, seed", [(8, 0), (16, 1)])
+@pytest.mark.parametrize("hostile", ["W x100", "W x1e-6", "v x1e-8", "residual x100"])
+def test_hostile_blocks_are_recovered_within_their_error_bars(dim, seed, hostile):
+    """Saturating or vanishing scores, heights drowned by the residual: the sphere leaves no
+    scale knob, so the precision is what it is, and the report's bars must cover it."""
+    block = random_pre_layer_norm(1, dim, seed)
+    factor = float(hostile.split("x")[1])
+    parts = block.parameters()
+    name = {"W": "W", "v": "v", "residual": "r"}[hostile.split()[0]]
+    parts[name] = factor * parts[name]
+    box = PreLayerNormAttention(**parts)
+    result = extract(Oracle(box, dim), "pre-ln", seed=seed)
+    truth, bars = box.on_sphere(result.model.radius), result.report.details
+    errors = identified_errors(result.model, truth)
+    b_error = np.linalg.norm(result.model.b - truth.b) / max(
+        np.linalg.norm(truth.b), truth.radius * np.linalg.norm(truth.W))
+    assert errors["W"] <= bars["error_bar_W"] and errors["v"] <= bars["error_bar_v"], errors
+    assert b_error <= bars["error_bar_b"], (b_error, bars)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -62,7 +62,9 @@ INVARIANCE_SHARE = 0.25
 LONG_LENGTH = 64
 SMALL_HEIGHT = 1.0 / 8   # column 0's probes with |h_k| below this x the largest: re-probed
 TILT = 0.5               # ... tilted this much towards v's tangential part
-VALUE_ROUNDING = 64.0    # pair answers within this many ulps of c + q^T w: v = 0
+VALUE_ROUNDING = 64.0
+ROUNDING = 4.0           # error bars: ulps of rounding per answer
+EPS = np.finfo(float).eps    # pair answers within this many ulps of c + q^T w: v = 0
 
 
 def hyperplane_rotation(dim: int, rng: np.random.Generator) -> np.ndarray:
@@ -204,10 +206,24 @@ def extract_pre_layer_norm(oracle: Oracle, *, seed=None,
     Y = np.empty((d, d))            # columns y_j = W q_j + b (in 1^perp)
     rescaled = 0
 
-    def measure(j: int, copies: int, tangents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    basis = np.linalg.qr(np.eye(d)[:, :-1] - 1.0 / d)[0]        # (d, m), spans 1^perp
+    offset = float(np.abs(singles).max()) + abs(c)             # rounding of c and q^T w
+
+    def measure(j: int, copies: int, tangents: np.ndarray):
+        """u_k (k, d), g_k = f - c - q^T w, and the answers' rounding (k,)."""
         A = column_probes(Q[:, j], tangents, chords[j])
         out = oracle.query(copy_sequences(A, Q[:, j], copies))
-        return A - Q[:, j], out - c - Q[:, j] @ w
+        rounding = ROUNDING * EPS * (np.abs(out) + offset + abs(Q[:, j] @ w))
+        return A - Q[:, j], out - c - Q[:, j] @ w, rounding
+
+    def one_count_logits(U, g, rounding):
+        """t_k = logit(g_k / h_k), h_k = u_k^T v, and their error bars (answers, v)."""
+        h = U @ v
+        share = g / h                                          # sigma(t_k)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            error = (rounding / (np.abs(h) * share * (1.0 - share))
+                     + np.linalg.norm(U, axis=1) * v_error / np.abs(h * (1.0 - share)))
+        return logit(share), error
 
     def balanced(j: int) -> np.ndarray:          # v known: no small height u_k^T v
         q = Q[:, j] / R
@@ -218,8 +234,8 @@ def extract_pre_layer_norm(oracle: Oracle, *, seed=None,
 
     # column 0 at two counts: the heights h_k = u_k^T v and the logits at once
     for attempt in range(MAX_RESCALES + 1):
-        U, g1 = measure(0, 1, tangent_simplex(Q, 0))
-        _, g2 = measure(0, 2, tangent_simplex(Q, 0))
+        U, g1, round1 = measure(0, 1, tangent_simplex(Q, 0))
+        _, g2, round2 = measure(0, 2, tangent_simplex(Q, 0))
         h, t = two_count_logits(g1, g2)
         peak = float(np.max(np.abs(t))) if np.all(np.isfinite(t)) else math.inf
         if peak <= MAX_LOGIT or attempt == MAX_RESCALES:
@@ -232,7 +248,11 @@ def extract_pre_layer_norm(oracle: Oracle, *, seed=None,
         raise NotIdentifiableError("P v = 0 (v orthogonal to the sphere's hyperplane): the "
                                    "outputs never depend on W or b")
     _require_finite(t, "column 0", g1, g2)
-    v = _solve_on_hyperplane(U, h)
+    v, spread = _solve_on_hyperplane(U, h, basis)
+    # first-order error bars of the two-count solve (see two_count_logits)
+    D, E = 2.0 * g1 - g2, g2 - g1
+    t_error = round1 * np.abs(2.0 / D + 1.0 / E) + round2 * np.abs(1.0 / D + 1.0 / E)
+    v_error = spread * float(np.linalg.norm((round1 * g2 * g2 + round2 * 2.0 * g1 * g1) / (D * D)))
     # the logits of probes with a small height |h_k| carry its rounding magnified: those
     # probes are replaced by ones tilted towards v (their other rows are kept)
     small = np.flatnonzero(np.abs(h) < SMALL_HEIGHT * np.abs(h).max())
@@ -242,30 +262,39 @@ def extract_pre_layer_norm(oracle: Oracle, *, seed=None,
         E = tangent_simplex(Q, 0)[:, small]
         E += TILT * np.where(z @ E < 0, -1.0, 1.0) * (z / np.linalg.norm(z))[:, None]
         E /= np.linalg.norm(E, axis=0)
-        U_small, g = measure(0, 1, E)
-        U[small], t[small] = U_small, logit(g / (U_small @ v))
+        U[small], g, rounding = measure(0, 1, E)
+        t[small], t_error[small] = one_count_logits(U[small], g, rounding)
         rescaled += small.size
     _require_finite(t, "column 0", g1, g2)
-    Y[:, 0] = _solve_on_hyperplane(U, t)
+    Y[:, 0], spread = _solve_on_hyperplane(U, t, basis)
+    Y_error = np.empty(d)           # |error of y_j|, first order
+    Y_error[0] = spread * np.linalg.norm(t_error)
     chords[1:] = chords[0]
 
     log.info("W q_j + b at %d more vertices: %d probes of length 2", m, m * m)
     for j in range(1, d):
         for attempt in range(MAX_RESCALES + 1):
-            U, g = measure(j, 1, balanced(j))
-            t = logit(g / (U @ v))
+            U, g, rounding = measure(j, 1, balanced(j))
+            t, t_error = one_count_logits(U, g, rounding)
             peak = float(np.max(np.abs(t))) if np.all(np.isfinite(t)) else math.inf
             if peak <= MAX_LOGIT or attempt == MAX_RESCALES:
                 break
             chords[j] = _shorter(chords[j], peak)
             rescaled += m
         _require_finite(t, f"column {j}", g, U @ v)
-        Y[:, j] = _solve_on_hyperplane(U, t)
+        Y[:, j], spread = _solve_on_hyperplane(U, t, basis)
+        Y_error[j] = spread * np.linalg.norm(t_error)
 
     # y_j = W q_j + b at the vertices: sum_j q_j = 0, sum_j q_j q_j^T = R^2 d / m P
     b = Y.mean(axis=1)
     W = (m / (R * R * d)) * (Y @ Q.T)
     model = SphereAttention(W[None], b[None], v[None], c, w - v, R)
+    # W = m / (R^2 d) Y Q^T with |Q|_2 = R sqrt(d / m); b = Y 1 / d; b against R |W| (b may be 0)
+    W_norm = max(float(np.linalg.norm(W)), np.finfo(float).tiny)
+    bars = {"error_bar_W": math.sqrt(m / d) * float(np.linalg.norm(Y_error)) / R / W_norm,
+            "error_bar_b": float(np.linalg.norm(Y_error)) / math.sqrt(d)
+            / max(float(np.linalg.norm(b)), R * W_norm),
+            "error_bar_v": v_error / float(np.linalg.norm(v))}
     recovery = oracle.queries - start_queries
     assert recovery == floor + rescaled
     verification = verify_on_sphere(oracle, model, count=n_verify, invariance=n_invariance,
@@ -280,7 +309,8 @@ def extract_pre_layer_norm(oracle: Oracle, *, seed=None,
                            f"defined there only)",
                  "chord |a - q| / R": f"{chords.min():.3g} .. {chords.max():.3g}",
                  "identified": "P W P, P b, P v, P r and c of the head on the sphere "
-                               "(gamma, beta, eps and the raw weights are not identifiable)"})
+                               "(gamma, beta, eps and the raw weights are not identifiable)",
+                 **bars})
     try:
         return checked_result(model, report, "a pre-LayerNorm attention head")
     except ModelMismatchError as exc:
@@ -298,11 +328,12 @@ def _shorter(chord: float, peak: float) -> float:
     return chord * (TARGET_LOGIT / peak if math.isfinite(peak) else 0.125)
 
 
-def _solve_on_hyperplane(U: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """y in 1^perp with U y = t (U (m, d), rows in 1^perp, independent)."""
-    d = U.shape[1]
-    basis = np.linalg.qr(np.eye(d)[:, :-1] - 1.0 / d)[0]
-    return basis @ np.linalg.solve(U @ basis, t)
+def _solve_on_hyperplane(U: np.ndarray, t: np.ndarray, basis: np.ndarray):
+    """y in 1^perp with U y = t (U (m, d), rows in 1^perp, independent; ``basis`` (d, m)
+    orthonormal in 1^perp), and 1 / sigma_min(U): how much U magnifies an error of t."""
+    restricted = U @ basis
+    return (basis @ np.linalg.solve(restricted, t),
+            1.0 / np.linalg.svd(restricted, compute_uv=False)[-1])
 
 
 def _require_finite(t: np.ndarray, where: str, *answers) -> None:
