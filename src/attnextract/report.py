@@ -284,7 +284,7 @@ LABEL_WIDTH = 34          # labels longer than this push their value right, not 
 _LABELS = {"error_bar_W": "error bar of W", "error_bar_W_columns": "error bar of W's columns",
            "error_bar_W_rows": "error bar of W's rows",
            "error_bar_W_relative": "error bar of W, relative",
-           "error_bar_v": "error bar of v", "error_bar_v_relative": "error bar of v, relative",
+           "error_bar_v": "error bar of v", "error_bar_b": "error bar of b", "error_bar_v_relative": "error bar of v, relative",
            "error_bar_v_direction": "error bar of v's direction",
            "relative_error_W": "relative error of W", "relative_error_v": "relative error of v",
            "black_box_queries": "answered by the black box",

@@ -359,6 +359,7 @@ def held_out_on_sphere(count: int, dim: int, radius: float, rng: np.random.Gener
     for i in range(count):
         kind = ("ordinary", "long", "close")[i % 3]
         n = int(rng.integers(1, 17)) if kind != "long" else int(rng.integers(2, longest + 1))
+        n = 1 if i == 0 else n                 # one single token: c + x^T (v + r)
         X = sphere_tokens(n, dim, radius, rng)
         if kind == "close":
             near = X[-1] + rng.uniform(0.01, 0.3) * X
