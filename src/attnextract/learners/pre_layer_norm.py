@@ -47,7 +47,7 @@ from ..models import SphereAttention
 from ..oracle import Oracle, live_queries
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, Verification,
                       checked_result, verification_count)
-from ..verification import max_length_of
+from ..verification import length_grid, longest_length, max_length_of, root_oracle
 from .single_head import logit
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,6 @@ MAX_RESCALES = 8
 # the attention unchanged up to LayerNorm's eps (relative change ~ eps d / R^2)
 INVARIANCE_TOLERANCE = 1e-3
 INVARIANCE_SHARE = 0.25
-LONG_LENGTH = 64
 SMALL_HEIGHT = 1.0 / 8   # column 0's probes with |h_k| below this x the largest: re-probed
 TILT = 0.5               # ... tilted this much towards v's tangential part
 VALUE_ROUNDING = 64.0
@@ -352,22 +351,29 @@ def sphere_tokens(count: int, dim: int, radius: float, rng: np.random.Generator)
 
 def held_out_on_sphere(count: int, dim: int, radius: float, rng: np.random.Generator,
                        longest: int) -> tuple[list, list]:
-    """Held-out sequences on the sphere and their family: "ordinary" (lengths 1..16),
-    "long" (up to ``longest``), "close" (tokens a small angle from the last one: their
-    scores differ little, the softmax at its most sensitive)."""
-    sequences, family = [], []
-    for i in range(count):
-        kind = ("ordinary", "long", "close")[i % 3]
-        n = int(rng.integers(1, 17)) if kind != "long" else int(rng.integers(2, longest + 1))
-        n = 1 if i == 0 else n                 # one single token: c + x^T (v + r)
+    """Held-out sequences on the sphere and their family: "ordinary" (lengths 1..16, the
+    first a single token), "long" (lengths stratified in log over 2..L, L itself first)
+    and "close" (tokens a small angle from the last one: their scores differ little, the
+    softmax at its most sensitive)."""
+    kinds = [("ordinary", "long", "close")[i % 3] for i in range(count)]
+    n_long = kinds.count("long")
+    grid = length_grid(longest)
+    spots = math.log(2) + (math.log(max(longest, 2)) - math.log(2)) * (
+        rng.permutation(n_long) + rng.uniform(size=n_long)) / max(n_long, 1)
+    long_lengths = list(grid[np.abs(np.log(grid)[None, :] - spots[:, None]).argmin(axis=1)])
+    if long_lengths:
+        long_lengths[0] = longest
+    sequences = []
+    for i, kind in enumerate(kinds):
+        n = (int(max(long_lengths.pop(), 2)) if kind == "long"
+             else 1 if i == 0 else int(rng.integers(1, 17)))
         X = sphere_tokens(n, dim, radius, rng)
         if kind == "close":
             near = X[-1] + rng.uniform(0.01, 0.3) * X
             near -= near.mean(axis=1, keepdims=True)
             X = radius * near / np.linalg.norm(near, axis=1, keepdims=True)
         sequences.append(X)
-        family.append(kind)
-    return sequences, family
+    return sequences, kinds
 
 
 def verify_on_sphere(oracle, model: SphereAttention, *, count: int, invariance: int,
@@ -381,7 +387,8 @@ def verify_on_sphere(oracle, model: SphereAttention, *, count: int, invariance: 
     scaled by tolerance / INVARIANCE_TOLERANCE (LayerNorm's eps moves them slightly).
     """
     d, R = model.dim, model.radius
-    longest = min(max_length_of(oracle) or LONG_LENGTH, LONG_LENGTH)
+    root = root_oracle(oracle)
+    longest = longest_length(getattr(root, "longest", None), max_length_of(oracle), d)
     sequences, family = held_out_on_sphere(count, d, R, rng, longest)
     moved, last_scale = [], rng.uniform(0.5, 2.0, size=invariance)
     for X, lam in zip(sequences[:invariance], last_scale):
