@@ -9,7 +9,9 @@ identified parts (P W P, P b, P v, P r, c; c against max(|c|, |v|)) against
 PreLayerNormAttention.on_sphere, queries against the floor d^2 + d - 1, the rescaling,
 the held-out error and CPU seconds. Then boxes outside the class at d = 8 and 16, 20
 seeds each (post-LN, plain biased attention plus the residual, two pre-LN heads): each
-must be refused.
+must be refused. Last, the impostor zoo (adapters/impostors.py) behind a LayerNorm
+(impostors.BehindLayerNorm: r^T x_N + impostor(LN(X))), d = 8 and 16, 20 seeds: refused,
+unless its difference never shows on LayerNorm's image (then it is the block itself).
 
 Run:  nice -n 10 python benchmarks/bench_pre_ln.py [--seeds 20] [--out mh7_pre_ln]
 (1 BLAS thread: OPENBLAS_NUM_THREADS=1). Writes benchmarks/results/NAME.json and .md.
@@ -107,6 +109,37 @@ def refusal(kind: str, d: int, seed: int) -> dict:
     return row
 
 
+def in_class_on_image(box) -> bool:
+    """Whether the impostor's difference can never show on LayerNorm's image at R = sqrt(d)
+    (then the box is the block): y = A x + beta, |x| = R, A = gamma / sqrt(1 + eps).
+    Clipping at level C never engages when C >= max |c + beta^T v +- R |P A v||, the
+    extremes of the attention output; the norm trigger (tokens of norm > 20) never fires
+    when R max|A| + |beta| <= 20. Every other impostor changes the block."""
+    block, inner, d = box.block, box.inner, box.dim
+    A = block.gamma / np.sqrt(1.0 + block.eps)
+    R = np.sqrt(d)
+    if type(inner).__name__ == "Clipping":
+        v = block.v[0]
+        middle, half = block.c + block.beta @ v, R * np.linalg.norm(A * v - np.mean(A * v))
+        return bool(inner.clip >= max(abs(middle + half), abs(middle - half)))
+    if type(inner).__name__ == "NormTrigger":
+        return bool(R * np.abs(A).max() + np.linalg.norm(block.beta) <= 20.0)
+    return False
+
+
+def zoo_run(name: str, d: int, seed: int) -> dict:
+    from attnextract.adapters.impostors import BehindLayerNorm
+    rng = np.random.default_rng([seed, d, sum(map(ord, name))])
+    box = BehindLayerNorm(random_pre_layer_norm(1, d, seed), name, rng, d * d + d - 1)
+    row = {"zoo": name, "d": d, "seed": seed, "in_class": in_class_on_image(box)}
+    try:
+        result = extract(Oracle(box, d), "pre-ln", seed=seed)
+        row.update(refused=False, held_out_error=result.report.verification.max_relative_error)
+    except AttnExtractError as exc:
+        row.update(refused=True, error=type(exc).__name__)
+    return row
+
+
 def table(rows: list) -> list[str]:
     lines = ["| target | d | runs | recovered | max error | median error | W error / its bar "
              "(max) | queries / floor (median, max) | rescaling (max) | max held-out | "
@@ -138,13 +171,18 @@ def main() -> None:
     rows += [run("torch", 16, s) for s in range(args.seeds)]
     refusals = [refusal(k, d, s) for k in ("post-LN", "plain attention + residual", "two heads")
                 for d in (8, 16) for s in range(args.seeds)]
+    from attnextract.adapters.impostors import zoo
+    from attnextract.models import BiasedSingleHeadAttention
+    names = list(zoo(BiasedSingleHeadAttention(np.eye(4), np.ones(4), np.ones(4), 0.0)))
+    zoo_rows = [zoo_run(n, d, s) for n in names for d in (8, 16) for s in range(args.seeds)]
     out = Path(__file__).parent / "results" / args.out
     meta = {"command": f"OPENBLAS_NUM_THREADS=1 nice -n 10 python benchmarks/bench_pre_ln.py "
                        f"--seeds {args.seeds} --dims {' '.join(map(str, args.dims))} --out {args.out}",
             "threads": os.environ.get("OPENBLAS_NUM_THREADS"), "machine": platform.machine(),
             "load": os.getloadavg()}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "runs": rows,
-                                                    "refusals": refusals}, indent=1))
+                                                    "refusals": refusals, "zoo": zoo_rows},
+                                                   indent=1))
     refused = {}
     for r in refusals:
         refused.setdefault((r["impostor"], r["d"]), []).append(r["refused"])
@@ -157,6 +195,19 @@ def main() -> None:
              "", "Boxes outside the class (each must be refused):", "",
              "| impostor | d | refused |", "|---|---|---|"]
     lines += [f"| {k} | {d} | {sum(v)} of {len(v)} |" for (k, d), v in refused.items()]
+    lines += ["", "The impostor zoo behind a LayerNorm: refused of runs, and of those outside "
+              "the class (an impostor whose difference never shows on LayerNorm's image is "
+              "the block itself, computed exactly for clipping and the norm trigger; every "
+              "other impostor is outside). Wrong verdicts (accepted outside the class, or "
+              "refused inside it) in the last column.", "",
+              "| impostor | d = 8 refused | d = 8 outside | d = 16 refused | d = 16 outside "
+              "| wrong verdicts |", "|---|---|---|---|---|---|"]
+    for name in names:
+        cells = [[r for r in zoo_rows if r["zoo"] == name and r["d"] == d] for d in (8, 16)]
+        wrong = sum(r["refused"] == r["in_class"] for c in cells for r in c)
+        lines.append(f"| {name} | " + " | ".join(
+            f"{sum(r['refused'] for r in c)} | {sum(not r['in_class'] for r in c)}"
+            for c in cells) + f" | {wrong} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

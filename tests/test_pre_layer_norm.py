@@ -158,6 +158,27 @@ def test_boxes_that_are_not_a_pre_ln_head_are_refused(dim, seed, impostor):
         assert "no LayerNorm in front" in str(info.value)
 
 
+@pytest.mark.parametrize("name", ["second head 1e-8", "two heads x1e200", "attention sink",
+                                  "sliding window 16", "cubic scores"])
+def test_zoo_impostors_behind_a_layer_norm_are_refused(name):
+    from attnextract.adapters.impostors import BehindLayerNorm
+    box = BehindLayerNorm(random_pre_layer_norm(1, 8, 2), name, np.random.default_rng(2), 71)
+    with pytest.raises(ModelMismatchError):
+        extract(Oracle(box, 8), "pre-ln", seed=2)
+
+
+@pytest.mark.parametrize("factor", [1e200, 1e-200])
+def test_huge_and_tiny_outputs_are_recovered(factor):
+    from attnextract.models import scale_outputs
+    from attnextract.verification import safe_norm
+    box = scale_outputs(random_pre_layer_norm(1, 8, 1), factor)
+    result = extract(Oracle(box, 8), "pre-ln", seed=1)
+    truth = box.on_sphere(result.model.radius)
+    for name in "Wbvr":
+        error = safe_norm(getattr(result.model, name) - getattr(truth, name))
+        assert error <= 1e-10 * safe_norm(getattr(truth, name)), name
+
+
 def test_a_value_along_the_ones_direction_is_not_identifiable():
     box = random_pre_layer_norm(1, 8, 0)
     flat = PreLayerNormAttention(np.ones(8), box.beta, box.W, box.b, np.ones((1, 8)), box.c,

@@ -1070,7 +1070,8 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
         from .learners.pre_layer_norm import INVARIANCE_SHARE, verify_on_sphere
         return verify_on_sphere(oracle, model, count=count, rng=np.random.default_rng(seed),
                                 invariance=max(4, int(INVARIANCE_SHARE * count)),
-                                tolerance=tolerance)
+                                tolerance=tolerance, error_bar=expected_error
+                                if isinstance(expected_error, (int, float)) else None)
     requested = tolerance
     floor = CONSISTENCY_FLOOR
     if isinstance(expected_error, str):

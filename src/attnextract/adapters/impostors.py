@@ -718,3 +718,22 @@ def run_impostor(learner: str, name: str, d: int, seed: int, recovery: int):
         return f"refused: {type(exc).__name__}", None, box
     except Exception as exc:            # a bug: reported, never counted as a refusal
         return f"crash: {type(exc).__name__}: {exc}"[:200], None, box
+
+
+class BehindLayerNorm:
+    """A zoo impostor as the attention of a pre-LayerNorm block:
+    f(X) = r^T x_N + impostor(LN(X)), with the block's LN and residual readout. An
+    impostor whose difference never shows on LayerNorm's image (tokens of norm about
+    sqrt(d) |gamma|) is then the block itself, and is in the ``pre-ln`` class."""
+
+    def __init__(self, block, name: str, rng: np.random.Generator, recovery_queries: int):
+        from ..models import layer_norm
+        head = BiasedSingleHeadAttention(block.W[0], block.v[0], block.b[0], block.c)
+        self.block, self.layer_norm, self.dim = block, layer_norm, block.dim
+        self.inner = make_impostor(name, head, rng, recovery_queries)
+        self.reason = self.inner.reason
+
+    def __call__(self, X):
+        X = np.asarray(X, dtype=np.float64)
+        b = self.block
+        return X[:, -1] @ b.r + self.inner(self.layer_norm(X, b.gamma, b.beta, b.eps))
