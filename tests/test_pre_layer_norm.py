@@ -223,3 +223,21 @@ def test_attnextract_verify_checks_a_saved_pre_ln_model_on_its_sphere(tmp_path):
     mismatch = run_cli("verify", "--target", f"{target}:other", "--result", out, "--seed", 3,
                        "--no-progress", check=1)
     assert "MISMATCH" in mismatch.stderr
+
+
+def test_a_served_pre_ln_block_is_extracted_over_http():
+    import threading
+    from attnextract.adapters.remote import HttpBlackBox
+    from attnextract.adapters.server import make_server
+    block = random_pre_layer_norm(1, 8, seed=9)
+    server = make_server(block, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                     daemon=True).start()
+    try:
+        host, port = server.server_address[:2]
+        result = extract(Oracle(HttpBlackBox(f"http://{host}:{port}"), 8), "pre-ln", seed=9)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert max(identified_errors(result.model, block.on_sphere(result.model.radius)).values()) \
+        < 1e-10

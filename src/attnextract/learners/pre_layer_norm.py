@@ -32,6 +32,13 @@ space at q (at the simplex angle, a_k are the other vertices). The logits grow w
 chord |a - q|, so a column whose largest |t_k| exceeds MAX_LOGIT is probed again at a
 shorter chord (reported as "rescaling"); a short chord leaves the normal direction
 q_hat with a component |a - q|^2 / (2R) only, so it is shortened no more than needed.
+Once v is known, each column's simplex is reflected so that no height h_k is small
+(:func:`balanced_tangents`); column 0's probes with a small height are probed again,
+tilted towards v.
+
+Verification (:func:`verify_on_sphere`): held-out sequences on S against the model, at
+10 x its error bound, and rescaled or shifted copies off S against the box's own answers
+(a box with LayerNorm in front cannot see either). Several heads are not modelled.
 """
 
 from __future__ import annotations
@@ -66,14 +73,19 @@ INVARIANCE_SHARE = 0.25
 BOUND_FACTOR = 10.0
 SMALL_HEIGHT = 1.0 / 8   # column 0's probes with |h_k| below this x the largest: re-probed
 TILT = 0.5               # ... tilted this much towards v's tangential part
-VALUE_ROUNDING = 64.0
+VALUE_ROUNDING = 64.0    # pair answers within this many ulps of c + q^T w: P v = 0
 ROUNDING = 4.0           # error bars: ulps of rounding per answer
-EPS = np.finfo(float).eps    # pair answers within this many ulps of c + q^T w: v = 0
+EPS = np.finfo(float).eps
+
+
+def hyperplane_basis(dim: int) -> np.ndarray:
+    """An orthonormal basis (d, d - 1) of the hyperplane 1^T x = 0."""
+    return np.linalg.qr(np.eye(dim)[:, :-1] - 1.0 / dim)[0]
 
 
 def hyperplane_rotation(dim: int, rng: np.random.Generator) -> np.ndarray:
     """A random orthogonal (d, d) that fixes the all-ones direction (maps 1^T x = 0 to itself)."""
-    basis = np.linalg.qr(np.eye(dim)[:, :-1] - 1.0 / dim)[0]          # (d, d-1), spans 1^perp
+    basis = hyperplane_basis(dim)
     G, R = np.linalg.qr(rng.standard_normal((dim - 1, dim - 1)))
     G *= np.sign(np.diag(R))
     return basis @ G @ basis.T + 1.0 / dim
@@ -210,7 +222,7 @@ def extract_pre_layer_norm(oracle: Oracle, *, seed=None,
     Y = np.empty((d, d))            # columns y_j = W q_j + b (in 1^perp)
     rescaled = 0
 
-    basis = np.linalg.qr(np.eye(d)[:, :-1] - 1.0 / d)[0]        # (d, m), spans 1^perp
+    basis = hyperplane_basis(d)
     offset = float(np.abs(singles).max()) + abs(c)             # rounding of c and q^T w
 
     def measure(j: int, copies: int, tangents: np.ndarray):
