@@ -937,6 +937,7 @@ class _Extraction:
                 heads = max(pinned)
         self.details["canonical heads"] = heads
         self.details["head counts of the base rows"] = [f[0] for f in found]
+        self.details["base scans"] = self.scans_made
         if heads == 0:
             return 0
         ranked = sorted((f for f in found if f[0] == heads),
