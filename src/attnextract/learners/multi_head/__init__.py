@@ -786,7 +786,8 @@ class _Extraction:
         count a row has shown) and, while no fit of up to k steps reaches the noise,
         k grows by one and the row gets the samples of the larger grid it lacks
         (:func:`_more_lambdas`), up to ``max_heads``: one row of an H-head box costs
-        4H + 8 samples, whatever the bound searched.
+        4 (H + COUNT_MARGIN) + 8 samples, whatever the bound searched. A larger grid
+        fits only the counts the smaller one could not decide.
         """
         d, H, rng = self.d, self.max_heads, self.rng
         self.base_grid = design.base_lambdas(_scan_size(H), self.half_window)
@@ -801,7 +802,7 @@ class _Extraction:
             self.scans_left -= 1
             self.scans_made += 1
             level = max(1, min(H, self.count_level))
-            lam, g = np.zeros(0), np.zeros(0)
+            lam, g, fewest = np.zeros(0), np.zeros(0), 1
             while True:
                 size = _scan_size(min(H, level + (0 if self.heads_told else COUNT_MARGIN)))
                 more = _more_lambdas(lam, size, self.half_window, self.length)
@@ -821,15 +822,17 @@ class _Extraction:
                     return steps.rms <= NOISE_FACTOR * self.noise(f_values,
                                                                   np.sum(np.abs(steps.c)))
 
+                # fewer steps than ``fewest`` missed the noise on a subset of these
+                # samples: more samples only add to a fit's squared residual
                 fits = fit.fit_free_steps(lam, g, u @ self.v, level, self.half_window, noise,
-                                          enough=fits_to_noise)
-                count = next((h + 1 for h, f in enumerate(fits) if fits_to_noise(f)), None)
+                                          counts=range(fewest, level + 1), enough=fits_to_noise)
+                count = next((fewest + h for h, f in enumerate(fits) if fits_to_noise(f)), None)
                 if count is not None or level >= H:
                     break
-                level += 1
+                level, fewest = level + 1, level + 1
             if count:
                 self.count_level = max(self.count_level, count)
-            return count, u, fits[count - 1] if count else fits[-1], noise
+            return count, u, fits[count - fewest] if count else fits[-1], noise
 
         def spread(found):
             steps = found[2]
