@@ -23,10 +23,13 @@ Algorithm.
    one fit tells the scale that puts the outermost step at the window's edge. Candidate
    rows are scanned until two agree on the count and one pins its steps well (logit
    error per smallest gap); that one is kept. A row with a step more than WINDOW_MARGIN
-   beyond the window does not vote (a tail fits spurious steps). Not told H, a few rows
-   beyond paper 2's share settle a disputed count, and without two rows that agree the
-   run is refused suggesting heads=. Told H, a count below H needs three rows (a row
-   hides a head whose height is small there and whose step falls near another's).
+   beyond the window does not vote (a tail fits spurious steps). Not told H, a row's
+   scan grows with the count it shows (4 (k + 1) + 8 samples read a count k, the larger
+   grid's points added to the smaller's), so a box of few heads is counted at a told
+   run's cost; once two rows agree, the search stops where a run told that count would;
+   a few rows beyond paper 2's share settle a disputed count, and without two rows that
+   agree the run is refused suggesting heads=. Told H, a count below H needs three rows
+   (a row hides a head whose height is small there and whose step falls near another's).
 3. Base perturbations u_0 + eps w_k (k = 1..d-1) on a uniform lambda grid, eps a
    fraction of the smallest gap: the steps keep their labels and give every head's
    W_h q_0 and v_h to about 1e-4 (variable projection, heights solved linearly).
