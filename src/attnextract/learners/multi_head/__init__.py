@@ -542,9 +542,9 @@ class _Extraction:
         is tight, d = 8)."""
         s0, left = _scan_size(H), self.count_cap(H) - self.rest_cost(H)
         scans = max(3, min(SCALE_ROUNDS + BASE_CANDIDATES, left // s0))
-        if short_share:
-            scans = max(3, min(scans, int((left - self.d * SHORT_OVERSAMPLE * H * (self.d + 1))
-                                          // s0)))
+        short = self.d * SHORT_OVERSAMPLE * H * (self.d + 1)
+        if short_share and math.isfinite(short):       # (no short probes: infinite)
+            scans = max(3, min(scans, int((left - short) // s0)))
         return scans
 
     def count_heads(self) -> int:
