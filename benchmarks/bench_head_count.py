@@ -36,9 +36,13 @@ def run_once(target, d: int, heads, seed: int) -> dict:
     try:
         result = extract_multi_head(oracle, heads=heads, seed=seed)
     except AttnExtractError as exc:
+        # a refusal after the count (a later stage failed) still reports the count found
+        details = exc.result.report.details if getattr(exc, "result", None) else {}
         return {"refused": type(exc).__name__, "message": str(exc)[:300],
                 "queries": oracle.queries, "seconds": time.perf_counter() - start,
-                "cpu_seconds": time.process_time() - cpu, "heads_found": None,
+                "cpu_seconds": time.process_time() - cpu,
+                "heads_found": details.get("canonical heads"),
+                "base_counts": details.get("head counts of the base rows"),
                 "success": False}
     error = canonical_error(result.model, target)
     return {"refused": None, "queries": result.report.queries,
