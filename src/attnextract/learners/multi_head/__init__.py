@@ -142,9 +142,10 @@ BELOW_TOLD_VOTES = 3      # told H, rows that must agree on a count below H (two
 WINDOW_MARGIN = 4.0       # a base row with a step farther beyond the window does not vote
 COUNT_MARGIN = 1          # not told H, a count k is read from a scan that could show k + 1
                           # steps (4 (k + 1) + 8 samples): a told run knows no more exist
-                          # (a smooth box outside the class, tanh and sin of 2 heads at d = 6,
-                          # fit 4 to 6 steps to the noise on 4k + 8 samples in rows of 2 runs
-                          # of 12, 1 run with the margin)
+                          # (tanh and sine of a 2-head box at d = 6, outside the class:
+                          # rows fitted 4 to 6 steps to the noise on 4k + 8 samples and 2 of
+                          # 12 runs reached the main rows before their refusal; 1 of 12
+                          # with the margin, 0 of 12 with 40-sample scans)
 COUNT_EXTRA_SCANS = 4     # base rows scanned beyond paper 2's share when no two agree (no H)
 MAX_DESIGNS = 4           # designs (base row, perturbations, main rows) tried at most
 BASE_CANDIDATES = 10      # candidate base rows at most; the search stops at a well-conditioned one
@@ -553,10 +554,11 @@ class _Extraction:
         fits that few steps; afterwards the run plans for the count found (its paper-2
         count, its base scans), as a run told that count would.
 
-        Not told, a row's scan grows with the count it needs (:meth:`base_row`): a
-        scan of 4k + 8 samples decides counts up to k, as a run told k scans, so a
-        box of few heads is counted at a told run's cost (scans sized for COUNT_FIRST
-        heads made a 1-head box at d = 8 cost 1.28x the queries of a told run)."""
+        Not told, a row's scan grows with the count it needs (:meth:`base_row`): counts
+        up to k are read from 4 (k + COUNT_MARGIN) + 8 samples, where a run told k
+        scans 4k + 8, so a box of few heads is counted at about a told run's cost
+        (scans sized for COUNT_FIRST heads made a 1-head box at d = 8 cost 1.28x the
+        queries of a told run; now 1.04x)."""
         self.count_level = self.max_heads if self.heads_told else 1
         if self.heads_told:
             return self.base_row()
@@ -784,7 +786,8 @@ class _Extraction:
         steps are pinned best (smallest predicted logit error) is kept.
 
         A scan of 4k + 8 samples on the uniform grid decides counts up to k (fits of
-        up to k steps, the fewest that reach the noise). Each row starts at k =
+        up to k steps, the fewest that reach the noise; not told H, COUNT_MARGIN more
+        steps' samples). Each row starts at k =
         ``count_level`` (told H: H, one scan as before; not told: 1, then the largest
         count a row has shown) and, while no fit of up to k steps reaches the noise,
         k grows by one and the row gets the samples of the larger grid it lacks
