@@ -1,7 +1,7 @@
 """Head count without --heads: each box run twice, told H and not told, same learner seed.
 
 Run:  nice -n 10 python benchmarks/bench_head_count.py [--dims 8 16] [--heads 1 .. 8]
-          [--scales 1 3] [--seeds 5] [--label NAME] [--out-dir DIR]
+          [--scales 1 3] [--seeds 5] [--label NAME] [--out-dir DIR] [--name STEM]
 
 Targets as the multi-head grid (benchmarks/multi_head_grid.py): independent numpy boxes,
 W_h entries N(0, s^2 / d), v_h entries N(0, 1), target seed 10000 H + 100 d + seed. The
@@ -36,9 +36,13 @@ def run_once(target, d: int, heads, seed: int) -> dict:
     try:
         result = extract_multi_head(oracle, heads=heads, seed=seed)
     except AttnExtractError as exc:
+        # a refusal after the count (a later stage failed) still reports the count found
+        details = exc.result.report.details if getattr(exc, "result", None) else {}
         return {"refused": type(exc).__name__, "message": str(exc)[:300],
                 "queries": oracle.queries, "seconds": time.perf_counter() - start,
-                "cpu_seconds": time.process_time() - cpu, "heads_found": None,
+                "cpu_seconds": time.process_time() - cpu,
+                "heads_found": details.get("canonical heads"),
+                "base_counts": details.get("head counts of the base rows"),
                 "success": False}
     error = canonical_error(result.model, target)
     return {"refused": None, "queries": result.report.queries,
@@ -101,6 +105,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--label", default="current")
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--name", help="file stem in --out-dir (default head_count_LABEL)")
     parser.add_argument("--markdown-from", metavar="JSON", nargs="+",
                         help="only write the table of (partial) runs' JSONs: one JSON's next "
                              "to it, several merged (a box run twice counted once) into "
@@ -131,11 +136,11 @@ def main() -> None:
     boxes = []
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"head_count_{args.label}"
+    stem = out / (args.name or f"head_count_{args.label}")
     command = ("python benchmarks/bench_head_count.py --dims " + " ".join(map(str, args.dims))
                + " --heads " + " ".join(map(str, args.heads)) + " --scales "
                + " ".join(f"{s:g}" for s in args.scales) + f" --seeds {args.seeds} --label "
-               + args.label)
+               + args.label + (f" --name {args.name}" if args.name else ""))
     with threadpool_limits(1):
         for d in args.dims:
             for H in args.heads:

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import grid
 
 from attnextract import Oracle
 from attnextract.adapters.targets import random_multi_head
 from attnextract.errors import ModelMismatchError, RecoveryFailedError
 from attnextract.learners.multi_head import canonical_error, extract_multi_head
-from attnextract.learners.multi_head import MORE_STEPS_VOTES, SCALE_ROUNDS, _agreed_count
+from attnextract.learners.multi_head import (COUNT_MARGIN, MORE_STEPS_VOTES, SCALE_ROUNDS,
+                                             _agreed_count, _more_lambdas, _scan_size)
+from attnextract.learners.multi_head.design import base_lambdas, copy_counts, realised_lambda
 from attnextract.models import MultiHeadAttention
 
 
@@ -20,6 +23,45 @@ def test_agreed_count_is_the_largest_count_two_rows_give():
     assert _agreed_count([2, 3, None, 5]) is None
     assert _agreed_count([None, None]) is None
     assert _agreed_count([0, 0, 1]) == 0
+
+
+def test_a_scan_grows_by_the_larger_grid_points_it_lacks():
+    """A row scanned for k steps and then for k + 1 keeps its samples and gets the larger
+    grid's points it has no copy count for, farthest first: nothing measured twice, no gap
+    wider than the smaller grid's spacing, the same length as the larger grid."""
+    length, half = 2048, np.log(2047)
+    assert np.array_equal(_more_lambdas(np.zeros(0), 12, half, length), base_lambdas(12, half))
+    measured = realised_lambda(copy_counts(base_lambdas(12, half), length), length)
+    for size in (16, 20, 40):
+        more = _more_lambdas(measured, size, half, length)
+        assert more.size == size - measured.size
+        both = np.sort(np.append(measured, more))
+        assert not set(copy_counts(more, length)) & set(copy_counts(measured, length))
+        assert np.all(np.abs(more) <= half)
+        assert np.max(np.diff(both)) <= np.max(np.diff(measured)) + 1e-12
+    assert _more_lambdas(measured, 12, half, length).size == 0
+
+
+@pytest.mark.parametrize("seed,scale", [(s, w) for s in grid(range(10), range(2))
+                                        for w in grid((1, 3), (1,))])
+def test_one_head_counted_at_about_a_told_runs_cost(seed, scale):
+    """d = 8, H = 1 (the grid's boxes): the count search's scans held 4 x 8 + 8 = 40
+    samples (sized for 8 heads), 1.28x (up to 1.54x) the queries of a run told H = 1 on
+    the same box. A scan now holds the samples of the count it shows plus COUNT_MARGIN
+    steps: only the base scans cost more than told (the rows must agree without H, where
+    a told run may accept one), and the run stays within 1.15x of the told one."""
+    d = 8
+    box = random_multi_head(1, d, seed=10_000 + 100 * d + seed, w_scale=scale / np.sqrt(d))
+    told = extract_multi_head(Oracle(box, d), heads=1, seed=seed)
+    free = extract_multi_head(Oracle(box, d), seed=seed)
+    assert free.model.heads == 1
+    assert canonical_error(free.model, box) <= 1e-10
+    base = ("base scale", "base rows", "recovery")
+    later = lambda r: {k: n for k, n in r.report.breakdown.items() if k not in base}
+    assert later(free) == later(told)
+    assert free.report.queries <= 1.15 * told.report.queries
+    if free.report.details["head counts of the base rows"] == [1, 1]:   # the first rows agree
+        assert free.report.queries == told.report.queries + 3 * 4 * COUNT_MARGIN
 
 
 def test_more_heads_than_searched_is_refused_after_a_few_rows(seed=0):

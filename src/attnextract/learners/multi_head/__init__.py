@@ -23,10 +23,13 @@ Algorithm.
    one fit tells the scale that puts the outermost step at the window's edge. Candidate
    rows are scanned until two agree on the count and one pins its steps well (logit
    error per smallest gap); that one is kept. A row with a step more than WINDOW_MARGIN
-   beyond the window does not vote (a tail fits spurious steps). Not told H, a few rows
-   beyond paper 2's share settle a disputed count, and without two rows that agree the
-   run is refused suggesting heads=. Told H, a count below H needs three rows (a row
-   hides a head whose height is small there and whose step falls near another's).
+   beyond the window does not vote (a tail fits spurious steps). Not told H, a row's
+   scan grows with the count it shows (4 (k + 1) + 8 samples read a count k, the larger
+   grid's points added to the smaller's), so a box of few heads is counted at a told
+   run's cost; once two rows agree, the search stops where a run told that count would;
+   a few rows beyond paper 2's share settle a disputed count, and without two rows that
+   agree the run is refused suggesting heads=. Told H, a count below H needs three rows
+   (a row hides a head whose height is small there and whose step falls near another's).
 3. Base perturbations u_0 + eps w_k (k = 1..d-1) on a uniform lambda grid, eps a
    fraction of the smallest gap: the steps keep their labels and give every head's
    W_h q_0 and v_h to about 1e-4 (variable projection, heights solved linearly).
@@ -137,6 +140,12 @@ MORE_STEPS_VOTES = 3      # rows none of whose fits reach the noise that end the
 BELOW_TOLD_VOTES = 3      # told H, rows that must agree on a count below H (two may hide
                           # the same head: a small height there, a step near another's)
 WINDOW_MARGIN = 4.0       # a base row with a step farther beyond the window does not vote
+COUNT_MARGIN = 1          # not told H, a count k is read from a scan that could show k + 1
+                          # steps (4 (k + 1) + 8 samples): a told run knows no more exist
+                          # (tanh and sine of a 2-head box at d = 6, outside the class:
+                          # rows fitted 4 to 6 steps to the noise on 4k + 8 samples and 2 of
+                          # 12 runs reached the main rows before their refusal; 1 of 12
+                          # with the margin, 0 of 12 with 40-sample scans)
 COUNT_EXTRA_SCANS = 4     # base rows scanned beyond paper 2's share when no two agree (no H)
 MAX_DESIGNS = 4           # designs (base row, perturbations, main rows) tried at most
 BASE_CANDIDATES = 10      # candidate base rows at most; the search stops at a well-conditioned one
@@ -371,6 +380,8 @@ class _Extraction:
         self.coarse = False                   # set by set_precision
         self.coarse_extra_scans = 0
         self.base_candidates: list = []      # other base rows of the count (base_row)
+        self.count_level = self.max_heads    # steps a base scan decides first (count_heads)
+        self.scans_made = 0                  # base scans of the count search (base_row)
         self.set_window(design.base_length(self.max_heads))   # the base stages; main() switches
         from ...verification import max_length_of
         needed = max(self.length, design.window_length(self.max_heads))
@@ -479,32 +490,16 @@ class _Extraction:
                         f"with {H} heads); if it has at most {d} canonical heads (heads with "
                         f"equal W merge, heads with v = 0 drop), run with heads <= {d}",
                         RecoveryFailedError)
-        s0 = 4 * H + 8
-        rest = d + self.biases + self.perturbation_cost(H) + self.main_cost(H)
-        # the base search (scale rounds and candidate rows) spends at most what paper 2's
-        # count leaves after the rest of the plan and the held-out verification (a rounded
-        # box, whose rows never pin their steps to BASE_QUALITY, spent all of it: --decimals
-        # 5 at d = 8, H = 2 used 495 + 64 verification = 559 of 509), and at least three scans
-        rest += verification_count(self.parameters(H))
-        self.scans_left = max(3, min(SCALE_ROUNDS + BASE_CANDIDATES,
-                                     (self.count_cap(H) - rest) // s0))
+        s0, rest = _scan_size(H), self.rest_cost(H)
+        self.scans_left = self.base_scans(H, short_share=False)
         self.oracle.plan(rest + self.scans_left * s0, "multi-head extraction")
         before = self.oracle.queries
         self.c, self.v = constant_and_values(self.oracle, self.biases)
         self.spend("v tokens" + (" and c = f([0])" if self.biases else ""), before)
         self.answers = [(np.zeros((d, d)), np.eye(d), np.zeros(d), self.v, 1)]  # the polish's
         self.set_precision()
-        if (self.heads_told and self.full_precision and not self.biases
-                and self.precision_name == "float64" and self.decimals is None):
-            # the short probes need SHORT_OVERSAMPLE x H (d + 1) per row of what paper
-            # 2's count leaves; a base search that spends it (ten crowded candidate rows
-            # at d = 8, H = 8, none pinned to BASE_QUALITY) leaves the main rows' 1e-10
-            # where the short probes give 1e-14: the search keeps their share (binding
-            # where the count is tight, d = 8)
-            short = d * SHORT_OVERSAMPLE * H * (d + 1)
-            if math.isfinite(short):
-                self.scans_left = max(3, min(self.scans_left,
-                                             int((self.count_cap(H) - rest - short) // s0)))
+        if self.heads_told:
+            self.scans_left = self.base_scans(H, self.short_share())
         # coarse answers, told H: a candidate row costs up to two scans (its own scale),
         # so up to as many scans again, within what paper 2's count leaves, spent only
         # while no pinned row shows H steps (spent always, they cut the wide columns:
@@ -515,7 +510,7 @@ class _Extraction:
                                    if self.coarse and self.heads_told else 0)
         self.say("base row")
         try:
-            heads = self.count_heads(s0)
+            heads = self.count_heads()
         except _Redesign as exc:
             self.give_up(exc, [exc.message])
         except np.linalg.LinAlgError as error:            # a fit on non-finite samples
@@ -525,24 +520,62 @@ class _Extraction:
             return self.finish(self.no_heads(), None)
         return self.attempts(heads)
 
-    def count_heads(self, s0: int) -> int:
+    def rest_cost(self, H: int) -> int:
+        """Queries of a run told H beyond its base scans: v (and c), the perturbations,
+        rounds 1 and 2 and the held-out verification."""
+        return (self.d + self.biases + self.perturbation_cost(H) + self.main_cost(H)
+                + verification_count(self.parameters(H)))
+
+    def short_share(self) -> bool:
+        """Whether the base search keeps the short probes' share of paper 2's count
+        (``precision="full"`` on float64 answers without biases or decimals)."""
+        return (self.full_precision and not self.biases and self.precision_name == "float64"
+                and self.decimals is None)
+
+    def base_scans(self, H: int, short_share: bool) -> int:
+        """Base scans (scale rounds and candidate rows) of a run told H, at least three:
+        what paper 2's count leaves after :meth:`rest_cost` (a rounded box, whose rows
+        never pin their steps to BASE_QUALITY, spent all of it: --decimals 5 at d = 8,
+        H = 2 used 495 + 64 verification = 559 of 509). ``short_share``: also after the
+        short probes' SHORT_OVERSAMPLE x H (d + 1) per row; a base search that spends it
+        (ten crowded candidate rows at d = 8, H = 8, none pinned to BASE_QUALITY) leaves
+        the main rows' 1e-10 where the short probes give 1e-14 (binding where the count
+        is tight, d = 8)."""
+        s0, left = _scan_size(H), self.count_cap(H) - self.rest_cost(H)
+        scans = max(3, min(SCALE_ROUNDS + BASE_CANDIDATES, left // s0))
+        short = self.d * SHORT_OVERSAMPLE * H * (self.d + 1)
+        if short_share and math.isfinite(short):       # (no short probes: infinite)
+            scans = max(3, min(scans, int((left - short) // s0)))
+        return scans
+
+    def count_heads(self) -> int:
         """The base row and the number of canonical heads (:meth:`base_row`). Told H:
         at most H. Not told: at most COUNT_FIRST, then min(d, MAX_HEADS) when no row
         fits that few steps; afterwards the run plans for the count found (its paper-2
-        count, its window), as a run told that count would."""
+        count, its base scans), as a run told that count would.
+
+        Not told, a row's scan grows with the count it needs (:meth:`base_row`): counts
+        up to k are read from 4 (k + COUNT_MARGIN) + 8 samples, where a run told k
+        scans 4k + 8, so a box of few heads is counted at about a told run's cost
+        (scans sized for COUNT_FIRST heads made a 1-head box at d = 8 cost 1.28x the
+        queries of a told run; now 1.04x)."""
+        self.count_level = self.max_heads if self.heads_told else 1
         if self.heads_told:
-            return self.base_row(s0)
+            return self.base_row()
         try:
-            heads = self.base_row(s0)
+            heads = self.base_row()
         except ModelMismatchError:
             if self.max_heads >= min(self.d, MAX_HEADS):
                 raise
+            self.count_level = self.max_heads + 1   # fewer steps fit no row (or refused)
             self.max_heads = min(self.d, MAX_HEADS)
             self.set_window(design.base_length(self.max_heads))
             self.scans_left = 3     # the long window is slow to query: a few rows decide
-            heads = self.base_row(4 * self.max_heads + 8)
+            heads = self.base_row()
         if heads:
             self.max_heads = heads
+            # later base scans (a recentred or fresh row) as a run told the count scans
+            self.base_grid = design.base_lambdas(_scan_size(heads), self.half_window)
         return heads
 
     def attempts(self, heads: int) -> ExtractionResult:
@@ -744,16 +777,26 @@ class _Extraction:
         self.half_window = math.log(length - 1)
         self.base_grid = design.base_lambdas(4 * self.max_heads + 8, self.half_window)
 
-    def base_row(self, s0: int) -> int:
+    def base_row(self) -> int:
         """Scale and pick the base row; returns the number of canonical heads found.
 
         The logits are linear in u, so one fitted scan of a row tells the scale that
         puts its outermost step at ``half_window - 1.5``; the rescaled scan is that
         row's candidate. The other candidates use the same scale, and the one whose
         steps are pinned best (smallest predicted logit error) is kept.
+
+        A scan of 4k + 8 samples on the uniform grid decides counts up to k (fits of
+        up to k steps, the fewest that reach the noise; not told H, COUNT_MARGIN more
+        steps' samples). Each row starts at k =
+        ``count_level`` (told H: H, one scan as before; not told: 1, then the largest
+        count a row has shown) and, while no fit of up to k steps reaches the noise,
+        k grows by one and the row gets the samples of the larger grid it lacks
+        (:func:`_more_lambdas`), up to ``max_heads``: one row of an H-head box costs
+        4 (H + COUNT_MARGIN) + 8 samples, whatever the bound searched. A larger grid
+        fits only the counts the smaller one could not decide.
         """
         d, H, rng = self.d, self.max_heads, self.rng
-        lam_target = self.base_grid = design.base_lambdas(s0, self.half_window)
+        self.base_grid = design.base_lambdas(_scan_size(H), self.half_window)
         self.q_0 = rng.standard_normal(d)
         self.q_0 /= np.linalg.norm(self.q_0)
         directions = rng.standard_normal((BASE_CANDIDATES * (2 if self.coarse else 1), d))
@@ -763,22 +806,39 @@ class _Extraction:
         def scan(u):
             """(count, u, fit, noise) of row u; count None when no fit reaches the noise."""
             self.scans_left -= 1
-            lam, g = self.measure(np.repeat(u[None], lam_target.size, 0),
-                                  np.repeat(self.q_0[None], lam_target.size, 0), lam_target)
-            noise = self.noise(g + self.q_0 @ self.v)
-            if np.max(np.abs(g)) <= NOISE_FACTOR * noise:
-                return 0, u, None, noise
-            f_values = g + self.q_0 @ self.v
+            self.scans_made += 1
+            level = max(1, min(H, self.count_level))
+            lam, g, fewest = np.zeros(0), np.zeros(0), 1
+            while True:
+                size = _scan_size(min(H, level + (0 if self.heads_told else COUNT_MARGIN)))
+                more = _more_lambdas(lam, size, self.half_window, self.length)
+                if more.size:
+                    lam_more, g_more = self.measure(np.repeat(u[None], more.size, 0),
+                                                    np.repeat(self.q_0[None], more.size, 0),
+                                                    more)
+                    lam, g = np.append(lam, lam_more), np.append(g, g_more)
+                noise = self.noise(g + self.q_0 @ self.v)
+                if np.max(np.abs(g)) <= NOISE_FACTOR * noise:
+                    return 0, u, None, noise
+                f_values = g + self.q_0 @ self.v
 
-            def fits_to_noise(steps):
-                # the count of heads: the fewest steps that fit to the rounding of a box
-                # with these heights (a looser test lets two close steps pass as one)
-                return steps.rms <= NOISE_FACTOR * self.noise(f_values, np.sum(np.abs(steps.c)))
+                def fits_to_noise(steps):
+                    # the count of heads: the fewest steps that fit to the rounding of a
+                    # box with these heights (a looser test lets two close steps pass as one)
+                    return steps.rms <= NOISE_FACTOR * self.noise(f_values,
+                                                                  np.sum(np.abs(steps.c)))
 
-            fits = fit.fit_free_steps(lam, g, u @ self.v, H, self.half_window, noise,
-                                      enough=fits_to_noise)
-            count = next((h + 1 for h, f in enumerate(fits) if fits_to_noise(f)), None)
-            return count, u, fits[count - 1] if count else fits[-1], noise
+                # fewer steps than ``fewest`` missed the noise on a subset of these
+                # samples: more samples only add to a fit's squared residual
+                fits = fit.fit_free_steps(lam, g, u @ self.v, level, self.half_window, noise,
+                                          counts=range(fewest, level + 1), enough=fits_to_noise)
+                count = next((fewest + h for h, f in enumerate(fits) if fits_to_noise(f)), None)
+                if count is not None or level >= H:
+                    break
+                level, fewest = level + 1, level + 1
+            if count:
+                self.count_level = max(self.count_level, count)
+            return count, u, fits[count - fewest] if count else fits[-1], noise
 
         def spread(found):
             steps = found[2]
@@ -825,6 +885,9 @@ class _Extraction:
                     f[0] == H and self.in_window(f)
                     and base_quality(f[2], self.half_window) <= PINNED_STEPS for f in found):
                 self.scans_left, self.coarse_extra_scans = self.coarse_extra_scans, 0
+            if (not self.heads_told and agreed is not None
+                    and self.scans_made >= self.base_scans(agreed, self.short_share())):
+                break         # the count agreed, as many scans as a run told it makes
             if self.scans_left <= 0:
                 if agreed is not None or extra <= 0:
                     break
@@ -883,6 +946,7 @@ class _Extraction:
                 heads = max(pinned)
         self.details["canonical heads"] = heads
         self.details["head counts of the base rows"] = [f[0] for f in found]
+        self.details["base scans"] = self.scans_made
         if heads == 0:
             return 0
         ranked = sorted((f for f in found if f[0] == heads),
@@ -1761,6 +1825,36 @@ def base_quality(steps, half_window: float) -> float:
         return math.inf
     gap = float(np.min(np.diff(steps.t))) if steps.t.size > 1 else 1.0
     return float(np.max(steps.t_std)) / max(gap, 1e-300)
+
+
+def _scan_size(heads: int) -> int:
+    """Samples of a base scan that decides head counts up to ``heads``."""
+    return 4 * heads + 8
+
+
+def _more_lambdas(measured: np.ndarray, count: int, half_window: float,
+                  length: int) -> np.ndarray:
+    """Lambdas that bring a row's scan at ``measured`` (realised) lambdas up to ``count``
+    samples spread like the uniform base grid of ``count`` (:func:`.design.base_lambdas`):
+    that grid itself when nothing is measured; else, of its points whose copy counts are
+    not measured yet, the farthest from every sample taken first (a larger grid's points
+    fill the largest gaps of the smaller one, and the row keeps its samples).
+
+    Returns an array (count - measured.size,) or shorter (sorted)."""
+    grid = design.base_lambdas(count, half_window)
+    if measured.size == 0:
+        return grid
+    copies = design.copy_counts(grid, length)
+    fresh = ~np.isin(copies, design.copy_counts(measured, length))
+    candidates = grid[fresh][np.unique(copies[fresh], return_index=True)[1]]
+    points, chosen = list(measured), []
+    while len(chosen) < count - measured.size and candidates.size:
+        gaps = np.min(np.abs(candidates[:, None] - np.array(points)[None, :]), axis=1)
+        pick = int(np.argmax(gaps))
+        chosen.append(candidates[pick])
+        points.append(candidates[pick])
+        candidates = np.delete(candidates, pick)
+    return np.sort(np.array(chosen))
 
 
 def _agreed_count(counts) -> int | None:
