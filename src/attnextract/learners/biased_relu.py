@@ -44,13 +44,15 @@ it); so about m (d + 1) for the affine pieces, against the floor m (d + 1) + 1.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import ModelMismatchError, NotIdentifiableError
 from ..oracle import Oracle
 from ..verification import safe_norm
-from .relu_network import ROOT_SLACK, _find_kinks, _Path, _query_vectors, _resolve_signs
+from .relu_network import (CHORD, EPS, ROOT_SLACK, SLOPE_NOISE, _find_kinks, _Path,
+                           _query_vectors, _resolve_signs)
 
 LINE_REACH = 4.0        # half length of a line, in units of its scale * sqrt(d)
 MIN_LINES = 2
@@ -65,6 +67,54 @@ MAX_MERGED = 4          # units beyond the far count looked at as merged kinks (
 SAME_UNIT = 1e-6        # two measured hyperplanes closer than this are the same unit
 POLISH_AGREEMENT = 1e-5  # a polished unit must agree with the first pass this well
 AFFINE_TOLERANCE = 1e-7  # lambda, c from all intervals must agree this well (relative)
+# rounded answers (relative noise nu per answer, e.g. float32):
+KINK_SIGMAS = 8.0       # a slope change counts as a kink beyond this many nu max|F| / chord
+KINK_RESOLUTION = 1e-3  # ... which the chord sets to this fraction of max|F| per unit t
+MAX_CHORD = 0.02        # longer chords (of t in [0, 2]) merge too many kinks: too noisy
+NOISY_SAME_UNIT = 1e4   # two hyperplanes within this x nu (at most 1e-2) are one unit
+NOISY_AFFINE = 30.0     # lambda, c of every interval within this many expected errors
+NOISY_POLISH = 1e-2     # a polished unit agrees with the first pass this well
+NOISE_FLOOR = 0.1       # rounding never below this x the largest answers' (line, fit)
+MAX_NOISY_ANGLE = 1e-2  # a jump whose direction is less certain than this (rad) is not a unit
+NOISY_FIT = 30.0        # the joint fit's weighted residual may exceed the noise this much
+ERROR_BAR_SIGMAS = 5.0  # the joint fit's bar: this many standard errors of its worst parameter
+REFINE_ROUNDS = 12      # Gauss-Newton rounds of the joint fit to every answer
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """Thresholds of the stage. ``noise`` is the relative error nu of one answer: 0 for
+    float64 answers (the defaults, exact up to eps), else :func:`noisy_tolerances`."""
+
+    noise: float = 0.0
+    chord: float = CHORD
+    kink_noise: float = SLOPE_NOISE * EPS
+    same_unit: float = SAME_UNIT
+    repeat: float = REPEAT_TOLERANCE
+    polish: float = POLISH_AGREEMENT
+    affine: float = AFFINE_TOLERANCE
+
+
+def noisy_tolerances(noise: float) -> Tolerances:
+    """Thresholds for answers off by ``noise`` relative (rounded or computed in float32).
+
+    A kink is a change of slope, and slopes come from chords: rounding nu |F| makes a
+    chord of length h off by about nu |F| / h, while a ReLU network is exactly linear
+    between its kinks, so a long chord costs nothing there. The chord is chosen so that
+    KINK_SIGMAS times its rounding is KINK_RESOLUTION of max |F| per unit t: slope jumps
+    smaller than that (relative) are not seen on that line. Raises
+    :class:`RecoveryFailedError` when that chord would exceed MAX_CHORD.
+    """
+    from ..errors import RecoveryFailedError
+
+    kink_noise = KINK_SIGMAS * noise
+    chord = kink_noise / KINK_RESOLUTION
+    if chord > MAX_CHORD:
+        raise RecoveryFailedError(
+            f"answers off by {noise:.1e} relative are too coarse for the critical-point search "
+            f"of the single-token FFN: its chords would have to be {chord:.2g} of a line")
+    same = min(1e-2, NOISY_SAME_UNIT * noise)
+    return Tolerances(noise, chord, kink_noise, same, 10.0 * same, NOISY_POLISH, NOISY_AFFINE)
 
 
 class BiasedReLUNetwork:
@@ -120,28 +170,42 @@ def affine_pieces(oracle: Oracle, points: np.ndarray, steps: np.ndarray,
 
 
 class _Units:
-    """Hyperplanes found so far: jumps J (k, d), offsets j (k,), signs sigma (k,)."""
+    """Hyperplanes found so far: jumps J (k, d), offsets j (k,), signs sigma (k,), and for
+    rounded answers the expected errors dJ (k,) (2-norm) and dj (k,) of J and j."""
 
-    def __init__(self, d: int):
+    def __init__(self, d: int, tol: Tolerances = Tolerances()):
         self.J, self.j, self.sigma = np.empty((0, d)), np.empty(0), np.empty(0)
+        self.dJ, self.dj = np.empty(0), np.empty(0)
+        self.tol = tol
 
     def normals(self) -> tuple[np.ndarray, np.ndarray]:
         norm = safe_norm(self.J, axis=1)
         return self.J / norm[:, None], self.j / norm
 
-    def known(self, n: np.ndarray, beta: float) -> bool:
+    def known(self, n: np.ndarray, beta: float, dn: float = 0.0, dbeta: float = 0.0) -> bool:
+        """Is the hyperplane n^T x + beta = 0 (unit n; its expected errors dn in angle and
+        dbeta in offset, rounded answers only) one of the units found?"""
         if not len(self.j):
             return False
         N, B = self.normals()
         cos = N @ n
-        same = np.abs(np.abs(cos) - 1.0) <= SAME_UNIT
-        close = np.abs(B - np.sign(cos) * beta) <= SAME_UNIT * (1.0 + abs(beta))
+        if self.tol.noise:
+            norm = safe_norm(self.J, axis=1)
+            dN, dB = self.dJ / norm, (self.dj + np.abs(self.j) * self.dJ / norm) / norm
+            angle = np.sqrt(np.maximum(2.0 * (1.0 - np.abs(cos)), 0.0))
+            same = angle <= ROOT_SLACK * (dn + dN) + self.tol.same_unit
+            close = (np.abs(B - np.sign(cos) * beta)
+                     <= ROOT_SLACK * (dbeta + dB) + self.tol.same_unit * (1.0 + abs(beta)))
+            return bool(np.any(same & close))
+        same = np.abs(np.abs(cos) - 1.0) <= self.tol.same_unit
+        close = np.abs(B - np.sign(cos) * beta) <= self.tol.same_unit * (1.0 + abs(beta))
         return bool(np.any(same & close))
 
-    def add(self, J, j, sigma) -> None:
+    def add(self, J, j, sigma, dJ: float = 0.0, dj: float = 0.0) -> None:
         self.J = np.vstack([self.J, J[None]])
         self.j = np.append(self.j, j)
         self.sigma = np.append(self.sigma, sigma)
+        self.dJ, self.dj = np.append(self.dJ, dJ), np.append(self.dj, dj)
 
     def sum_triple(self):
         """Three units (k, i, j) with T_k = +-T_i +-T_j (T = (J, j)), or None.
@@ -166,14 +230,15 @@ class _Units:
             same = (idx[:, None] == idx[None, :]) | (idx[:, None] == k) | (idx[None, :] == k)
             gap[same] = np.inf
             a, b = np.unravel_index(np.argmin(gap), gap.shape)
-            if gap[a, b] <= SAME_UNIT * norm[k]:
+            if gap[a, b] <= self.tol.same_unit * norm[k]:
                 return k, int(idx[a]), int(idx[b])
         return None
 
     def without(self, k: int) -> "_Units":
-        out = _Units(self.J.shape[1])
+        out = _Units(self.J.shape[1], self.tol)
         keep = np.arange(len(self.j)) != k
         out.J, out.j, out.sigma = self.J[keep], self.j[keep], self.sigma[keep]
+        out.dJ, out.dj = self.dJ[keep], self.dj[keep]
         return out
 
     def near_pair(self):
@@ -188,7 +253,7 @@ class _Units:
             1.0 + np.abs(B)[:, None])
         np.fill_diagonal(gap, np.inf)
         i, k = np.unravel_index(np.argmin(gap), gap.shape)
-        return (int(i), int(k)) if gap[i, k] <= REPEAT_TOLERANCE else None
+        return (int(i), int(k)) if gap[i, k] <= self.tol.repeat else None
 
     def drop_merged(self, samples, limit: int) -> int:
         """Remove merged kinks and repeats (at most ``limit``): of each dependent triple
@@ -196,9 +261,11 @@ class _Units:
         residual. Returns how many were removed."""
         dropped = 0
         while dropped < limit and (triple := self.sum_triple() or self.near_pair()) is not None:
-            best = min(triple, key=lambda k: _affine_residual(self.without(k), samples)[2])
+            best = min(triple, key=lambda k: _affine_residual(self.without(k), samples,
+                                                              self.tol)[2])
             reduced = self.without(best)
             self.J, self.j, self.sigma = reduced.J, reduced.j, reduced.sigma
+            self.dJ, self.dj = reduced.dJ, reduced.dj
             dropped += 1
         return dropped
 
@@ -218,8 +285,10 @@ def _walk_line(oracle, line: _Line, rng, units: _Units, basis, counts) -> list:
     Returns the measured (points, g, e) of this line (for the lambda check).
     """
     before = oracle.queries
+    tol = units.tol
     kinks, kink_error, _ = _find_kinks(oracle, line, rng, homogeneous=False,
-                                          max_kinks=MAX_KINKS)
+                                       max_kinks=MAX_KINKS, chord=tol.chord,
+                                       noise=tol.kink_noise)
     counts["kink search"] = counts.get("kink search", 0) + oracle.queries - before
     K = len(kinks)
     ends = np.concatenate([[0.0], kinks, [2.0]])
@@ -257,7 +326,16 @@ def _walk_line(oracle, line: _Line, rng, units: _Units, basis, counts) -> list:
             beta = jj / norms
             offset = (np.abs(np.einsum("kd,kd->k", n, kink_points[new_k]) + beta)
                       / np.abs(n @ tangent))
-        bad = ~(offset <= ROOT_SLACK * kink_error[new_k] + 1e-12) | (norms == 0)
+        slack = ROOT_SLACK * kink_error[new_k] + 1e-12
+        if tol.noise:
+            # the jump's own rounding: both gradients, carried from their points to the kink
+            dg = _gradient_noise(tol, g, e, points, steps)
+            lo, hi = [slot[k] for k in new_k], [slot[k + 1] for k in new_k]
+            reach = (dg[lo] * safe_norm(kink_points[new_k] - points[lo], axis=1)
+                     + dg[hi] * safe_norm(kink_points[new_k] - points[hi], axis=1))
+            with np.errstate(divide="ignore", invalid="ignore"):
+                slack = slack + ROOT_SLACK * reach / (norms * np.abs(n @ tangent))
+        bad = ~(offset <= slack) | (norms == 0)
         # margins of the measured points to every hyperplane known or just measured
         planes_n = np.vstack([units.normals()[0], n[~bad]]) if len(units.j) else n[~bad]
         planes_b = np.concatenate([units.normals()[1], beta[~bad]]) if len(units.j) else beta[~bad]
@@ -272,25 +350,54 @@ def _walk_line(oracle, line: _Line, rng, units: _Units, basis, counts) -> list:
                 previous_bad is not None and bad.sum() >= previous_bad > 0 and not too_far.any()):
             break
         previous_bad = int(bad.sum())
+        if tol.noise:
+            # rounded answers: a shorter step only adds rounding; a kink that fails its
+            # location check is left to the other lines (its intervals are not trusted)
+            redo = too_far
+            if not redo.any():
+                break
         steps = np.where(too_far, STEP_FRACTION * margins, np.where(redo, steps / 16.0, steps))
         steps = np.maximum(steps, 1e-12)
         r = np.flatnonzero(redo)
         oracle.require(len(r) * (oracle.dim + 1), "re-measuring affine pieces")
         g[r], e[r] = affine_pieces(oracle, points[r], steps[r], basis)
         counts["re-measured"] = counts.get("re-measured", 0) + len(r) * (oracle.dim + 1)
+    dJ, dj = np.zeros(len(new_k)), np.zeros(len(new_k))
+    if tol.noise and len(new_k):
+        dg = _gradient_noise(tol, g, e, points, steps)
+        de = dg * safe_norm(points, axis=1) + tol.noise * np.abs(e + np.einsum(
+            "rd,rd->r", g, points))
+        lo, hi = [slot[k] for k in new_k], [slot[k + 1] for k in new_k]
+        dJ, dj = np.hypot(dg[lo], dg[hi]), de[lo] + de[hi]
     for i, k in enumerate(new_k):
-        if bad[i] or units.known(n[i], beta[i]):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            dn, dbeta = dJ[i] / norms[i], (dj[i] + abs(jj[i]) * dJ[i] / norms[i]) / norms[i]
+        if bad[i] or dn > MAX_NOISY_ANGLE or units.known(n[i], beta[i], dn, dbeta):
             continue            # merged kinks (another line separates them) or a repeat
-        units.add(J[i], jj[i], float(np.sign(J[i] @ line.q)))
+        units.add(J[i], jj[i], float(np.sign(J[i] @ line.q)), dJ[i], dj[i])
     # intervals next to a rejected kink may straddle an unseen hyperplane: not used
     trusted = np.ones(len(idx), dtype=bool)
     for k, b_ in zip(new_k, bad):
         if b_:
             trusted[slot[k]] = trusted[slot[k + 1]] = False
+    if tol.noise:
+        return [(points[trusted], g[trusted], e[trusted],
+                 _gradient_noise(tol, g, e, points, steps)[trusted])]
     return [(points[trusted], g[trusted], e[trusted])]
 
 
-def _count_far(oracle: Oracle, rng, scale: float, counts: dict) -> int:
+def _gradient_noise(tol: Tolerances, g, e, points, steps) -> np.ndarray:
+    """Expected error (2-norm) of gradients from d forward differences of rounded answers
+    (relative noise tol.noise), per measured point (R,)."""
+    F = np.abs(e + np.einsum("rd,rd->r", g, points))
+    # a forward pass rounds its terms, not its sum: where F nearly cancels, the error is
+    # that of the line's larger answers
+    F = np.maximum(F, NOISE_FLOOR * F.max(initial=0.0))
+    return math.sqrt(2.0 * points.shape[1]) * tol.noise * F / steps
+
+
+def _count_far(oracle: Oracle, rng, scale: float, counts: dict,
+               tol: Tolerances = Tolerances()) -> int:
     """Units seen on a half circle of radius FAR_RADIUS * scale: far out the biases hardly
     move the kinks, and a half circle meets every hyperplane's direction once, so this
     counts the units (generically) however far from the origin their hyperplanes lie."""
@@ -298,13 +405,16 @@ def _count_far(oracle: Oracle, rng, scale: float, counts: dict) -> int:
     radius = FAR_RADIUS * scale
     path = _Path(radius * frame[:, 0], radius * frame[:, 1])
     before = oracle.queries
-    kinks, _, _ = _find_kinks(oracle, path, rng, homogeneous=False, max_kinks=MAX_KINKS)
+    kinks, _, _ = _find_kinks(oracle, path, rng, homogeneous=False, max_kinks=MAX_KINKS,
+                              chord=tol.chord, noise=tol.kink_noise)
     counts["far count"] = counts.get("far count", 0) + oracle.queries - before
     return len(kinks)
 
 
-def _affine_residual(units: _Units, samples) -> tuple[np.ndarray, float, float]:
-    """lambda, c from every measured interval, and their spread (relative)."""
+def _affine_residual(units: _Units, samples,
+                     tol: Tolerances = Tolerances()) -> tuple[np.ndarray, float, float]:
+    """lambda, c from every measured interval, and their spread: relative for exact
+    answers; in expected errors of each interval's gradient for rounded ones."""
     X = np.vstack([s[0] for s in samples])
     G = np.vstack([s[1] for s in samples])
     E = np.concatenate([s[2] for s in samples])
@@ -321,14 +431,22 @@ def _affine_residual(units: _Units, samples) -> tuple[np.ndarray, float, float]:
     scale_g = max(float(np.abs(G).max(initial=0.0)),
                   float(np.abs(units.J).max(initial=0.0)) if len(units.j) else 0.0, 1e-300)
     scale_f = max(float(np.abs(F).max(initial=0.0)), 1e-300)
+    if tol.noise:
+        # each interval's gradient error plus every unit's (their phi_k enter lambda, c)
+        dg = np.concatenate([s[3] for s in samples]) + safe_norm(units.dJ)
+        dc = dg * safe_norm(X, axis=1) + units.dj.sum() + tol.noise * np.abs(F)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            spread = max(float(np.max(safe_norm(lam_r - lam, axis=1) / dg, initial=0.0)),
+                         float(np.max(np.abs(c_r - c) / dc, initial=0.0)))
+        return lam, c, spread
     spread = max(float(np.abs(lam_r - lam).max(initial=0.0)) / scale_g,
                  float(np.abs(c_r - c).max(initial=0.0)) / scale_f)
     return lam, c, spread
 
 
 def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: float = 1.0,
-                        counts: dict | None = None,
-                        polish: bool = True) -> tuple[BiasedReLUNetwork, dict]:
+                        counts: dict | None = None, polish: bool = True,
+                        tolerances: Tolerances = Tolerances()) -> tuple[BiasedReLUNetwork, dict]:
     """Recover F(x) = w^T ReLU(P x + b) + c0 from single-vector queries.
 
     Parameters
@@ -345,6 +463,12 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
     polish : bool
         Measure every unit again across its hyperplane far from the others
         (:func:`_polish`, 2 m (d + 1) queries): from about 2^-28 to about 2^-40.
+    tolerances : Tolerances
+        The stage's thresholds; the default is for float64 answers. For rounded answers
+        (:func:`noisy_tolerances`) the chords are longer, the checks allow the measured
+        gradients' rounding, and every answer of the stage then enters one joint
+        least-squares fit of all parameters (:func:`refine_network`, no extra queries);
+        ``info["error bar"]`` is its bound on the largest canonical parameter error.
 
     Returns
     -------
@@ -362,9 +486,12 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
         position.
     """
     counts = {} if counts is None else counts
+    tol = tolerances
+    if tol.noise:
+        oracle = _Recorder(oracle)           # every answer enters the joint fit at the end
     d = oracle.dim
-    m_far = _count_far(oracle, rng, scale, counts)
-    units = _Units(d)
+    m_far = _count_far(oracle, rng, scale, counts, tol)
+    units = _Units(d, tol)
     samples = []
     spread = math.inf
     lines = merged = 0
@@ -379,21 +506,22 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
         lines += 1
         if m_far < len(units.j) <= m_far + MAX_MERGED:   # one more per merged kink
             merged += units.drop_merged(samples, len(units.j) - m_far)
-        lam, c, spread = _affine_residual(units, samples)
-        if lines >= MIN_LINES and spread <= AFFINE_TOLERANCE and len(units.j) >= m_far:
+        lam, c, spread = _affine_residual(units, samples, tol)
+        if lines >= MIN_LINES and spread <= tol.affine and len(units.j) >= m_far:
             break
     m = len(units.j)
     if m == 0:
-        if spread <= AFFINE_TOLERANCE and not np.any(lam):
+        if spread <= tol.affine and not np.any(lam):
             raise NotIdentifiableError("F is constant on every line: no hidden unit can be identified")
         raise ModelMismatchError("F has no kink on any line but is not constant: not a ReLU network")
-    if spread > AFFINE_TOLERANCE or m < m_far:
+    if spread > tol.affine or m < m_far:
         raise ModelMismatchError(
             f"after {lines} lines the {m} units found (of {m_far} seen far out) leave a residual "
             f"that is not one affine function (spread {spread:.1e}): not a one-hidden-layer "
             f"ReLU network")
     try:
-        s, method = _resolve_signs(units.J.T, lam)
+        s, method = (_resolve_signs(units.J.T, lam) if not tol.noise else
+                     _closest_signs(units.J.T, lam))
     except Exception as exc:       # the bias-free learner's plane failure: no 0/1 pattern
         raise ModelMismatchError(f"no sign pattern of the {m} units explains the linear part of F "
                                  f"({exc})") from exc
@@ -408,7 +536,16 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
             "merged kinks dropped": merged,
             "affine residual spread": f"{spread:.1e}"}
     if polish:
-        net, info["polish"] = _polish(oracle, net, rng, scale, counts)
+        net, info["polish"] = _polish(oracle, net, rng, scale, counts, tol.polish)
+    if tol.noise:
+        X, F = oracle.answers()
+        net, fit = refine_network(net, X, F, tol.noise)
+        info.update(fit)
+        if not fit["measured noise"] <= NOISY_FIT * tol.noise:
+            raise ModelMismatchError(
+                f"the {m} units found do not fit the answers to their rounding (weighted "
+                f"residual {fit['measured noise']:.1e}, rounding {tol.noise:.1e}): not a "
+                f"one-hidden-layer ReLU network, or its units were not all found")
     return net, info
 
 
@@ -442,7 +579,8 @@ def crossing_points(net: BiasedReLUNetwork, rng, scale: float):
     return np.array(units, dtype=int), np.array(points).reshape(-1, d), np.array(radii)
 
 
-def _polish(oracle: Oracle, net: BiasedReLUNetwork, rng, scale: float, counts: dict):
+def _polish(oracle: Oracle, net: BiasedReLUNetwork, rng, scale: float, counts: dict,
+            agreement: float = POLISH_AGREEMENT):
     """Measure every unit again across its hyperplane, at the point farthest from the others.
 
     For unit k a linear program finds y on p_k^T y + b_k = 0, inside the cell of the
@@ -467,7 +605,7 @@ def _polish(oracle: Oracle, net: BiasedReLUNetwork, rng, scale: float, counts: d
     first = net.w[units, None] * np.hstack([net.P[units], net.b[units, None]])
     new = np.hstack([Jp, jp[:, None]])
     agree = (safe_norm(new - first, axis=1)
-             <= POLISH_AGREEMENT * safe_norm(first, axis=1))
+             <= agreement * safe_norm(first, axis=1))
     P, b, w = net.P.copy(), net.b.copy(), net.w.copy()
     keep = units[agree]
     size = safe_norm(Jp[agree], axis=1)
@@ -480,3 +618,120 @@ def _polish(oracle: Oracle, net: BiasedReLUNetwork, rng, scale: float, counts: d
     return BiasedReLUNetwork(P, b, w, c0), (
         f"{int(agree.sum())} of {m} units measured across their hyperplanes "
         f"(steps {steps.min():.3g} .. {steps.max():.3g})")
+
+
+def _closest_signs(J: np.ndarray, g0: np.ndarray) -> tuple[np.ndarray, str]:
+    """Rounded answers: the 0/1 vector s minimising |J s + g0|_1 (J (d, m) the jumps as
+    columns), a mixed-integer program. No tolerance decides: a unit with a small |w_i|
+    moves J s by little, and any fixed tolerance would admit both its signs (the joint
+    fit that follows tells a wrong pattern by its misfit). Returns (s, method)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    from .relu_network import MILP_SECONDS
+
+    d, m = J.shape
+    # variables (s (m), e (d)): minimise sum e with -e <= J s + g0 <= e
+    eye = np.eye(d)
+    rows = np.vstack([np.hstack([J, -eye]), np.hstack([J, eye])])
+    bounds = np.concatenate([np.full(d, -np.inf), -g0]), np.concatenate([-g0, np.full(d, np.inf)])
+    res = milp(np.concatenate([np.zeros(m), np.ones(d)]),
+               constraints=LinearConstraint(rows, bounds[0], bounds[1]),
+               integrality=np.concatenate([np.ones(m), np.zeros(d)]),
+               bounds=Bounds(np.concatenate([np.zeros(m), np.zeros(d)]),
+                             np.concatenate([np.ones(m), np.full(d, np.inf)])),
+               options={"time_limit": MILP_SECONDS})
+    if res.x is None:
+        raise ModelMismatchError(f"no sign pattern of the units found ({res.message})")
+    return np.round(res.x[:m]), "closest 0/1 pattern (L1)"
+
+
+class _Recorder:
+    """The oracle, keeping every single-token probe and its answer (for the joint fit)."""
+
+    def __init__(self, oracle):
+        self.base, self.dim = oracle, oracle.dim
+        self._x, self._f = [], []
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def query(self, X) -> np.ndarray:
+        X = np.asarray(X, dtype=np.float64)
+        f = self.base.query(X)
+        self._x.append(X[:, -1, :].copy())
+        self._f.append(np.asarray(f, dtype=np.float64).copy())
+        return f
+
+    def answers(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every probe x (n, d) and its answer (n,)."""
+        return np.vstack(self._x), np.concatenate(self._f)
+
+
+def refine_network(net: BiasedReLUNetwork, X: np.ndarray, F: np.ndarray, noise: float):
+    """Joint least-squares fit of every parameter to the answers F (n,) at X (n, d).
+
+    Rounding of relative size ``noise`` is at most a few bits per answer, so the fit
+    weights each answer by 1 / (|F| + median |F| / 10) (relative rounding, with a floor
+    where F passes through zero). Gauss-Newton from ``net`` (whose hyperplanes must
+    already be close: samples on the wrong side of one are few and move as it moves);
+    the unit scale is fixed after every step (rows of P of unit norm).
+
+    Returns (network, info) with ``info["measured noise"]`` the weighted residual's rms
+    (the answers' relative error, measured) and ``info["error bar"]`` ERROR_BAR_SIGMAS
+    standard errors of the worst canonical parameter (P entries, w relative to max |w|,
+    b relative to max(max |b|, 1), c0 relative to max(|c0|, max |w|)), from the fit's
+    covariance at the measured noise.
+    """
+    m, d = net.P.shape
+    keep = np.all(np.isfinite(X), axis=1) & np.isfinite(F)
+    X, F = X[keep], F[keep]
+    weight = 1.0 / (np.abs(F) + NOISE_FLOOR * np.median(np.abs(F)) + 1e-300)
+    P, b, w, c0 = net.P.copy(), net.b.copy(), net.w.copy(), net.c0
+
+    def jacobian(P, b, w):
+        z = X @ P.T + b
+        on = (z > 0).astype(float)
+        cols = [(w * on)[:, :, None] * X[:, None, :], w * on, np.maximum(z, 0.0),
+                np.ones((len(X), 1))]
+        return np.hstack([cols[0].reshape(len(X), m * d), cols[1], cols[2], cols[3]])
+
+    def residual(P, b, w, c0):
+        return (F - (np.maximum(X @ P.T + b, 0.0) @ w + c0)) * weight
+
+    r = residual(P, b, w, c0)
+    cost = float(r @ r)
+    for _ in range(REFINE_ROUNDS):
+        J = jacobian(P, b, w) * weight[:, None]
+        step = np.linalg.lstsq(J, r, rcond=None)[0]
+        Pn = P + step[:m * d].reshape(m, d)
+        bn, wn = b + step[m * d:m * d + m], w + step[m * d + m:m * d + 2 * m]
+        c0n = c0 + step[-1]
+        norm = safe_norm(Pn, axis=1)
+        Pn, bn, wn = Pn / norm[:, None], bn / norm, wn * norm
+        rn = residual(Pn, bn, wn, c0n)
+        new_cost = float(rn @ rn)
+        if not new_cost < cost:
+            break
+        done = new_cost > 0.999 * cost
+        P, b, w, c0, r, cost = Pn, bn, wn, c0n, rn, new_cost
+        if done:
+            break
+    J = jacobian(P, b, w) * weight[:, None]
+    # the scale of each unit is fixed (unit rows): drop that direction from the covariance
+    gauge = np.zeros((m, J.shape[1]))
+    for i in range(m):
+        gauge[i, i * d:(i + 1) * d] = P[i]
+        gauge[i, m * d + i] = b[i]
+        gauge[i, m * d + m + i] = -w[i]
+    Jg = np.vstack([J, gauge])
+    u, sv, vt = np.linalg.svd(Jg, full_matrices=False)
+    dof = max(len(X) - (m * (d + 1) + 1), 1)
+    sigma = math.sqrt(cost / dof)
+    std = sigma * np.sqrt(((vt / sv[:, None]) ** 2).sum(axis=0))
+    worst = max(float(std[:m * d].max()),
+                float(std[m * d:m * d + m].max()) / max(float(np.abs(b).max()), 1.0),
+                float(std[m * d + m:m * d + 2 * m].max()) / float(np.abs(w).max()),
+                float(std[-1]) / max(abs(c0), float(np.abs(w).max())))
+    info = {"joint fit": f"{len(X)} answers, {m * (d + 2) + 1} parameters",
+            "measured noise": sigma, "error bar": ERROR_BAR_SIGMAS * worst}
+    return BiasedReLUNetwork(P, b, w, c0), info
