@@ -69,16 +69,23 @@ POLISH_AGREEMENT = 1e-5  # a polished unit must agree with the first pass this w
 AFFINE_TOLERANCE = 1e-7  # lambda, c from all intervals must agree this well (relative)
 # rounded answers (relative noise nu per answer, e.g. float32):
 KINK_SIGMAS = 8.0       # a slope change counts as a kink beyond this many nu max|F| / chord
-KINK_RESOLUTION = 1e-3  # ... which the chord sets to this fraction of max|F| per unit t
-MAX_CHORD = 0.02        # longer chords (of t in [0, 2]) merge too many kinks: too noisy
+KINK_RESOLUTION = 1e-4  # ... which the chord sets to this fraction of max|F| per unit t,
+LONG_CHORD = 2e-3       # ... unless longer than this (of t in [0, 2]; more merged kinks),
+COARSE_RESOLUTION = 1e-3  # ... when it may grow until the fraction is this
+MAX_CHORD = 0.02        # longer chords merge too many kinks: too noisy
 NOISY_SAME_UNIT = 1e4   # two hyperplanes within this x nu (at most 1e-2) are one unit
 NOISY_AFFINE = 30.0     # lambda, c of every interval within this many expected errors
-NOISY_POLISH = 1e-2     # a polished unit agrees with the first pass this well
+NOISY_POLISH = 0.1      # a polished unit agrees with the first pass this well
 NOISE_FLOOR = 0.1       # rounding never below this x the largest answers' (line, fit)
+CONFIRM_AGREEMENT = 0.1  # a unit's jump across its own hyperplane agrees this well (relative)
+NOISY_MIN_LINES = 4     # rounded answers: at least this many lines, and with a far count
+NOISY_LINES = 8         # not met, this many (the joint fit's misfit then judges)
 MAX_NOISY_ANGLE = 1e-2  # a jump whose direction is less certain than this (rad) is not a unit
 NOISY_FIT = 30.0        # the joint fit's weighted residual may exceed the noise this much
 ERROR_BAR_SIGMAS = 5.0  # the joint fit's bar: this many standard errors of its worst parameter
-REFINE_ROUNDS = 12      # Gauss-Newton rounds of the joint fit to every answer
+REFINE_ROUNDS = 40      # Gauss-Newton rounds of the joint fit to every answer,
+REFINE_TRIES = 8        # ... each with up to this many dampings
+NEAR_PLANE = 1e-3       # the joint fit starts without answers this close to a hyperplane
 
 
 @dataclass(frozen=True)
@@ -100,15 +107,17 @@ def noisy_tolerances(noise: float) -> Tolerances:
 
     A kink is a change of slope, and slopes come from chords: rounding nu |F| makes a
     chord of length h off by about nu |F| / h, while a ReLU network is exactly linear
-    between its kinks, so a long chord costs nothing there. The chord is chosen so that
-    KINK_SIGMAS times its rounding is KINK_RESOLUTION of max |F| per unit t: slope jumps
-    smaller than that (relative) are not seen on that line. Raises
+    between its kinks, so a long chord costs nothing there, but two kinks closer than a
+    few chords merge. The chord is chosen so that KINK_SIGMAS times its rounding is
+    KINK_RESOLUTION of max |F| per unit t (slope jumps smaller than that, relative, are
+    not seen on that line), unless that chord is longer than LONG_CHORD: then it is
+    LONG_CHORD, or as long as COARSE_RESOLUTION needs. Raises
     :class:`RecoveryFailedError` when that chord would exceed MAX_CHORD.
     """
     from ..errors import RecoveryFailedError
 
     kink_noise = KINK_SIGMAS * noise
-    chord = kink_noise / KINK_RESOLUTION
+    chord = min(kink_noise / KINK_RESOLUTION, max(LONG_CHORD, kink_noise / COARSE_RESOLUTION))
     if chord > MAX_CHORD:
         raise RecoveryFailedError(
             f"answers off by {noise:.1e} relative are too coarse for the critical-point search "
@@ -176,6 +185,7 @@ class _Units:
     def __init__(self, d: int, tol: Tolerances = Tolerances()):
         self.J, self.j, self.sigma = np.empty((0, d)), np.empty(0), np.empty(0)
         self.dJ, self.dj = np.empty(0), np.empty(0)
+        self.confirmed = np.empty(0, dtype=bool)
         self.tol = tol
 
     def normals(self) -> tuple[np.ndarray, np.ndarray]:
@@ -190,8 +200,7 @@ class _Units:
         N, B = self.normals()
         cos = N @ n
         if self.tol.noise:
-            norm = safe_norm(self.J, axis=1)
-            dN, dB = self.dJ / norm, (self.dj + np.abs(self.j) * self.dJ / norm) / norm
+            dN, dB = self.plane_errors()
             angle = np.sqrt(np.maximum(2.0 * (1.0 - np.abs(cos)), 0.0))
             same = angle <= ROOT_SLACK * (dn + dN) + self.tol.same_unit
             close = (np.abs(B - np.sign(cos) * beta)
@@ -201,11 +210,17 @@ class _Units:
         close = np.abs(B - np.sign(cos) * beta) <= self.tol.same_unit * (1.0 + abs(beta))
         return bool(np.any(same & close))
 
+    def plane_errors(self) -> tuple[np.ndarray, np.ndarray]:
+        """Expected errors of the unit normals (angle) and offsets (rounded answers)."""
+        norm = safe_norm(self.J, axis=1)
+        return self.dJ / norm, (self.dj + np.abs(self.j) * self.dJ / norm) / norm
+
     def add(self, J, j, sigma, dJ: float = 0.0, dj: float = 0.0) -> None:
         self.J = np.vstack([self.J, J[None]])
         self.j = np.append(self.j, j)
         self.sigma = np.append(self.sigma, sigma)
         self.dJ, self.dj = np.append(self.dJ, dJ), np.append(self.dj, dj)
+        self.confirmed = np.append(self.confirmed, False)
 
     def sum_triple(self):
         """Three units (k, i, j) with T_k = +-T_i +-T_j (T = (J, j)), or None.
@@ -222,6 +237,7 @@ class _Units:
         if n < 3:
             return None
         norm = safe_norm(T, axis=1)
+        err = np.hypot(self.dJ, self.dj)          # rounded answers: the jumps' own errors
         signed = np.vstack([T, -T])                                       # (2n, d + 1)
         idx = np.tile(np.arange(n), 2)
         for k in range(n):
@@ -230,7 +246,8 @@ class _Units:
             same = (idx[:, None] == idx[None, :]) | (idx[:, None] == k) | (idx[None, :] == k)
             gap[same] = np.inf
             a, b = np.unravel_index(np.argmin(gap), gap.shape)
-            if gap[a, b] <= self.tol.same_unit * norm[k]:
+            if gap[a, b] <= self.tol.same_unit * norm[k] + ROOT_SLACK * (
+                    err[k] + err[idx[a]] + err[idx[b]]):
                 return k, int(idx[a]), int(idx[b])
         return None
 
@@ -238,7 +255,7 @@ class _Units:
         out = _Units(self.J.shape[1], self.tol)
         keep = np.arange(len(self.j)) != k
         out.J, out.j, out.sigma = self.J[keep], self.j[keep], self.sigma[keep]
-        out.dJ, out.dj = self.dJ[keep], self.dj[keep]
+        out.dJ, out.dj, out.confirmed = self.dJ[keep], self.dj[keep], self.confirmed[keep]
         return out
 
     def near_pair(self):
@@ -265,7 +282,7 @@ class _Units:
                                                               self.tol)[2])
             reduced = self.without(best)
             self.J, self.j, self.sigma = reduced.J, reduced.j, reduced.sigma
-            self.dJ, self.dj = reduced.dJ, reduced.dj
+            self.dJ, self.dj, self.confirmed = reduced.dJ, reduced.dj, reduced.confirmed
             dropped += 1
         return dropped
 
@@ -382,7 +399,7 @@ def _walk_line(oracle, line: _Line, rng, units: _Units, basis, counts) -> list:
             trusted[slot[k]] = trusted[slot[k + 1]] = False
     if tol.noise:
         return [(points[trusted], g[trusted], e[trusted],
-                 _gradient_noise(tol, g, e, points, steps)[trusted])]
+                 _gradient_noise(tol, g, e, points, steps)[trusted], steps[trusted])]
     return [(points[trusted], g[trusted], e[trusted])]
 
 
@@ -415,6 +432,15 @@ def _affine_residual(units: _Units, samples,
                      tol: Tolerances = Tolerances()) -> tuple[np.ndarray, float, float]:
     """lambda, c from every measured interval, and their spread: relative for exact
     answers; in expected errors of each interval's gradient for rounded ones."""
+    if tol.noise and len(units.j):
+        # rounded answers: a piece measured across a hyperplane found since (its steps
+        # reach it, allowing for the hyperplanes' own errors) is no sample (exact
+        # answers re-measure such pieces while walking)
+        N, B = units.normals()
+        dN, dB = units.plane_errors()
+        samples = [(s[0][k], s[1][k], s[2][k], s[3][k], s[4][k]) for s in samples
+                   for k in [np.all(np.abs(s[0] @ N.T + B) - ROOT_SLACK * (
+                       dB + np.outer(safe_norm(s[0], axis=1), dN)) > s[4][:, None], axis=1)]]
     X = np.vstack([s[0] for s in samples])
     G = np.vstack([s[1] for s in samples])
     E = np.concatenate([s[2] for s in samples])
@@ -495,57 +521,71 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
     samples = []
     spread = math.inf
     lines = merged = 0
-    while lines < MAX_LINES:
-        line_scale = scale * 2.0 ** (lines // 2)
-        centre = line_scale * rng.standard_normal(d)
-        direction = rng.standard_normal(d)
-        direction /= safe_norm(direction)
-        basis = np.linalg.qr(rng.standard_normal((d, d)))[0]
-        line = _Line(centre, direction, LINE_REACH * line_scale * math.sqrt(d))
-        samples += _walk_line(oracle, line, rng, units, basis, counts)
-        lines += 1
-        if m_far < len(units.j) <= m_far + MAX_MERGED:   # one more per merged kink
-            merged += units.drop_merged(samples, len(units.j) - m_far)
-        lam, c, spread = _affine_residual(units, samples, tol)
-        if lines >= MIN_LINES and spread <= tol.affine and len(units.j) >= m_far:
-            break
-    m = len(units.j)
-    if m == 0:
-        if spread <= tol.affine and not np.any(lam):
-            raise NotIdentifiableError("F is constant on every line: no hidden unit can be identified")
-        raise ModelMismatchError("F has no kink on any line but is not constant: not a ReLU network")
-    if spread > tol.affine or m < m_far:
-        raise ModelMismatchError(
-            f"after {lines} lines the {m} units found (of {m_far} seen far out) leave a residual "
-            f"that is not one affine function (spread {spread:.1e}): not a one-hidden-layer "
-            f"ReLU network")
-    try:
-        s, method = (_resolve_signs(units.J.T, lam) if not tol.noise else
-                     _closest_signs(units.J.T, lam))
-    except Exception as exc:       # the bias-free learner's plane failure: no 0/1 pattern
-        raise ModelMismatchError(f"no sign pattern of the {m} units explains the linear part of F "
-                                 f"({exc})") from exc
-    norm = safe_norm(units.J, axis=1)
-    orient = units.sigma * (1.0 - 2.0 * s)
-    P = orient[:, None] * units.J / norm[:, None]
-    b = orient * units.j / norm
-    w = units.sigma * norm
-    c0 = c + float(units.j @ s)
-    net = BiasedReLUNetwork(P, b, w, c0)
-    info = {"hidden units": m, "units far out": m_far, "lines": lines, "signs": method,
-            "merged kinks dropped": merged,
-            "affine residual spread": f"{spread:.1e}"}
-    if polish:
-        net, info["polish"] = _polish(oracle, net, rng, scale, counts, tol.polish)
-    if tol.noise:
-        X, F = oracle.answers()
-        net, fit = refine_network(net, X, F, tol.noise)
-        info.update(fit)
-        if not fit["measured noise"] <= NOISY_FIT * tol.noise:
+    min_lines = NOISY_MIN_LINES
+    while True:     # once for exact answers; rounded ones may walk more lines
+        while lines < MAX_LINES:
+            line_scale = scale * 2.0 ** (lines // 2)
+            centre = line_scale * rng.standard_normal(d)
+            direction = rng.standard_normal(d)
+            direction /= safe_norm(direction)
+            basis = np.linalg.qr(rng.standard_normal((d, d)))[0]
+            line = _Line(centre, direction, LINE_REACH * line_scale * math.sqrt(d))
+            samples += _walk_line(oracle, line, rng, units, basis, counts)
+            lines += 1
+            if m_far < len(units.j) <= m_far + MAX_MERGED:   # one more per merged kink
+                merged += units.drop_merged(samples, len(units.j) - m_far)
+            lam, c, spread = _affine_residual(units, samples, tol)
+            if (tol.noise and lines >= MIN_LINES and spread > tol.affine and len(units.j) >= m_far
+                    and _confirm_units(oracle, units, rng, scale, counts)):
+                lam, c, spread = _affine_residual(units, samples, tol)
+            if lines >= MIN_LINES and spread <= tol.affine and len(units.j) >= m_far and (
+                    not tol.noise or lines >= min_lines):
+                break
+            if tol.noise and lines >= max(NOISY_LINES, min_lines) and spread <= tol.affine:
+                break       # rounded answers: the far count may miss a weak kink or see two
+        m = len(units.j)
+        if m == 0:
+            if spread <= tol.affine and not np.any(lam):
+                raise NotIdentifiableError("F is constant on every line: no hidden unit can be identified")
+            raise ModelMismatchError("F has no kink on any line but is not constant: not a ReLU network")
+        if spread > tol.affine or (m < m_far and not tol.noise):
             raise ModelMismatchError(
-                f"the {m} units found do not fit the answers to their rounding (weighted "
-                f"residual {fit['measured noise']:.1e}, rounding {tol.noise:.1e}): not a "
-                f"one-hidden-layer ReLU network, or its units were not all found")
+                f"after {lines} lines the {m} units found (of {m_far} seen far out) leave a residual "
+                f"that is not one affine function (spread {spread:.1e}): not a one-hidden-layer "
+                f"ReLU network")
+        try:
+            s, method = (_resolve_signs(units.J.T, lam) if not tol.noise else
+                         _closest_signs(units.J.T, lam))
+        except Exception as exc:       # the bias-free learner's plane failure: no 0/1 pattern
+            raise ModelMismatchError(f"no sign pattern of the {m} units explains the linear part of F "
+                                     f"({exc})") from exc
+        norm = safe_norm(units.J, axis=1)
+        orient = units.sigma * (1.0 - 2.0 * s)
+        P = orient[:, None] * units.J / norm[:, None]
+        b = orient * units.j / norm
+        w = units.sigma * norm
+        c0 = c + float(units.j @ s)
+        net = BiasedReLUNetwork(P, b, w, c0)
+        info = {"hidden units": m, "units far out": m_far, "lines": lines, "signs": method,
+                "merged kinks dropped": merged,
+                "affine residual spread": f"{spread:.1e}"}
+        if polish:
+            net, info["polish"] = _polish(oracle, net, rng, scale, counts, tol.polish)
+        if tol.noise:
+            X, F = oracle.answers()
+            net, fit = refine_network(net, X, F, tol.noise)
+            info.update(fit)
+            if not fit["measured noise"] <= NOISY_FIT * tol.noise and lines < MAX_LINES:
+                # a unit too weak for the lines so far (its jump within their rounding), or
+                # one taken for two: more lines, until one more unit is found
+                m_far, min_lines = max(m_far, m + 1), lines + NOISY_MIN_LINES
+                continue
+            if not fit["measured noise"] <= NOISY_FIT * tol.noise:
+                raise ModelMismatchError(
+                    f"the {m} units found do not fit the answers to their rounding (weighted "
+                    f"residual {fit['measured noise']:.1e}, rounding {tol.noise:.1e}): not a "
+                    f"one-hidden-layer ReLU network, or its units were not all found")
+        break
     return net, info
 
 
@@ -591,17 +631,10 @@ def _polish(oracle: Oracle, net: BiasedReLUNetwork, rng, scale: float, counts: d
     polished unit replaces the first one only if the two agree to POLISH_AGREEMENT.
     """
     m, d = net.P.shape
-    units, y, r = crossing_points(net, rng, scale)
-    if not len(units):
+    measured = _across(oracle, net, rng, scale, counts, "polish")
+    if measured is None:
         return net, "skipped (no cell found)"
-    half = 0.5 * r[:, None] * net.P[units]
-    points = np.stack([y + half, y - half], axis=1).reshape(-1, d)
-    steps = np.repeat(STEP_FRACTION * r, 2)
-    oracle.require(len(points) * (d + 1), "polishing the hidden units")
-    basis = np.linalg.qr(rng.standard_normal((d, d)))[0]
-    g, e = affine_pieces(oracle, points, steps, basis)
-    counts["polish"] = counts.get("polish", 0) + len(points) * (d + 1)
-    Jp, jp = g[0::2] - g[1::2], e[0::2] - e[1::2]           # w_k (p_k, b_k)
+    units, points, steps, g, e, Jp, jp = measured
     first = net.w[units, None] * np.hstack([net.P[units], net.b[units, None]])
     new = np.hstack([Jp, jp[:, None]])
     agree = (safe_norm(new - first, axis=1)
@@ -618,6 +651,53 @@ def _polish(oracle: Oracle, net: BiasedReLUNetwork, rng, scale: float, counts: d
     return BiasedReLUNetwork(P, b, w, c0), (
         f"{int(agree.sum())} of {m} units measured across their hyperplanes "
         f"(steps {steps.min():.3g} .. {steps.max():.3g})")
+
+
+def _across(oracle: Oracle, net: BiasedReLUNetwork, rng, scale: float, counts: dict,
+            name: str):
+    """The affine pieces either side of each unit's hyperplane, at the point farthest
+    from the others (:func:`crossing_points`): 2 (d + 1) queries per unit found a cell,
+    steps a quarter of its room, counted as ``name``. Returns None (no cell) or (units,
+    points (2k, d), steps (2k,), g, e, Jp (k, d), jp (k,)) with (Jp, jp) = w_k (p_k, b_k)
+    measured."""
+    d = net.P.shape[1]
+    units, y, r = crossing_points(net, rng, scale)
+    if not len(units):
+        return None
+    half = 0.5 * r[:, None] * net.P[units]
+    points = np.stack([y + half, y - half], axis=1).reshape(-1, d)
+    steps = np.repeat(STEP_FRACTION * r, 2)
+    oracle.require(len(points) * (d + 1), "measuring the hidden units across their hyperplanes")
+    basis = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    g, e = affine_pieces(oracle, points, steps, basis)
+    counts[name] = counts.get(name, 0) + len(points) * (d + 1)
+    return units, points, steps, g, e, g[0::2] - g[1::2], e[0::2] - e[1::2]
+
+
+def _confirm_units(oracle: Oracle, units: _Units, rng, scale: float, counts: dict) -> int:
+    """Rounded answers: every unit not yet confirmed is measured across its own hyperplane
+    far from the others (:func:`_across`); one whose jump there is not its own (within
+    CONFIRM_AGREEMENT) is removed. A kink where two hyperplanes cross a line at nearly one
+    point has the sum of both jumps and passes the location check when the check is as
+    loose as far-out rounding makes it; across its own "hyperplane" elsewhere it jumps
+    by nothing like that sum. Returns the number removed."""
+    todo = np.flatnonzero(~units.confirmed)
+    if not len(todo):
+        return 0
+    N, B = units.normals()
+    net = BiasedReLUNetwork(N, B, safe_norm(units.J, axis=1), 0.0)
+    measured = _across(oracle, net, rng, scale, counts, "confirming units")
+    if measured is None:
+        return 0
+    found, Jp = measured[0], measured[5]
+    own = units.J[found]
+    off = np.minimum(safe_norm(Jp - own, axis=1), safe_norm(Jp + own, axis=1))
+    wrong = set(found[off > CONFIRM_AGREEMENT * safe_norm(own, axis=1)].tolist())
+    units.confirmed[found] = True
+    for k in sorted(wrong, reverse=True):
+        reduced = units.without(k)
+        units.__dict__.update(reduced.__dict__)
+    return len(wrong)
 
 
 def _closest_signs(J: np.ndarray, g0: np.ndarray) -> tuple[np.ndarray, str]:
@@ -682,9 +762,19 @@ def refine_network(net: BiasedReLUNetwork, X: np.ndarray, F: np.ndarray, noise: 
     b relative to max(max |b|, 1), c0 relative to max(|c0|, max |w|)), from the fit's
     covariance at the measured noise.
     """
-    m, d = net.P.shape
     keep = np.all(np.isfinite(X), axis=1) & np.isfinite(F)
     X, F = X[keep], F[keep]
+    # first without the answers within NEAR_PLANE of a hyperplane (relative to |x|): the
+    # kink search put many there, and the side a start a little off gives them pulls
+    # the whole fit into a wrong minimum; then with every answer
+    near = np.abs(net.pre_activations(X)).min(axis=1) < NEAR_PLANE * (1.0 + safe_norm(X, axis=1))
+    net, _ = _joint_fit(net, X[~near], F[~near])
+    return _joint_fit(net, X, F)
+
+
+def _joint_fit(net: BiasedReLUNetwork, X: np.ndarray, F: np.ndarray):
+    """:func:`refine_network` on the answers given."""
+    m, d = net.P.shape
     weight = 1.0 / (np.abs(F) + NOISE_FLOOR * np.median(np.abs(F)) + 1e-300)
     P, b, w, c0 = net.P.copy(), net.b.copy(), net.w.copy(), net.c0
 
@@ -700,19 +790,30 @@ def refine_network(net: BiasedReLUNetwork, X: np.ndarray, F: np.ndarray, noise: 
 
     r = residual(P, b, w, c0)
     cost = float(r @ r)
+    damping = 0.0
     for _ in range(REFINE_ROUNDS):
         J = jacobian(P, b, w) * weight[:, None]
-        step = np.linalg.lstsq(J, r, rcond=None)[0]
-        Pn = P + step[:m * d].reshape(m, d)
-        bn, wn = b + step[m * d:m * d + m], w + step[m * d + m:m * d + 2 * m]
-        c0n = c0 + step[-1]
-        norm = safe_norm(Pn, axis=1)
-        Pn, bn, wn = Pn / norm[:, None], bn / norm, wn * norm
-        rn = residual(Pn, bn, wn, c0n)
-        new_cost = float(rn @ rn)
-        if not new_cost < cost:
+        scale = safe_norm(J, axis=0) + 1e-300
+        for _ in range(REFINE_TRIES):
+            # Levenberg-Marquardt: a sample that changes sides of a hyperplane makes the
+            # Gauss-Newton step overshoot; damping shortens it until the misfit drops
+            A = np.vstack([J, math.sqrt(damping) * np.diag(scale)]) if damping else J
+            rhs = np.concatenate([r, np.zeros(len(scale))]) if damping else r
+            step = np.linalg.lstsq(A, rhs, rcond=None)[0]
+            Pn = P + step[:m * d].reshape(m, d)
+            bn, wn = b + step[m * d:m * d + m], w + step[m * d + m:m * d + 2 * m]
+            c0n = c0 + step[-1]
+            norm = safe_norm(Pn, axis=1)
+            Pn, bn, wn = Pn / norm[:, None], bn / norm, wn * norm
+            rn = residual(Pn, bn, wn, c0n)
+            new_cost = float(rn @ rn)
+            if new_cost < cost:
+                break
+            damping = max(10.0 * damping, 1e-4)
+        else:
             break
-        done = new_cost > 0.999 * cost
+        damping /= 10.0 if damping > 1e-4 else math.inf
+        done = new_cost > (1.0 - 1e-6) * cost
         P, b, w, c0, r, cost = Pn, bn, wn, c0n, rn, new_cost
         if done:
             break

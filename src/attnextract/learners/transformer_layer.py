@@ -168,6 +168,7 @@ def random_transformer_layer(dim: int, width: int, seed=None, *, heads: int = 1,
 MAX_RELATIVE_NOISE = 1e-13
 NOISE_POINTS = 16            # low precision: second differences at this many points measure
 NOISE_STEP = 1e-4            # the answers' noise (step in units of scale; 3 queries each)
+NOISE_BOUND = 4.0            # the noise is at least the stated or detected bound / this
 RESIDUAL_NOISE = 1e3         # low precision: the residual test's gap allows this x the noise
 SIGNAL_NOISE = 1e3           # low precision: copy-probe signals must exceed this x the noise
 VERIFY_NOISE = 30.0          # low precision: held-out tolerance, this x (noise + error bar)
@@ -617,10 +618,12 @@ def _low_precision(oracle, precision, noise, seeds, scale, heads, gap, spent, no
         _refuse_low_precision(precision, f"{heads} heads asked for", spent)
     measured = _stage(oracle, counts, "noise", lambda: _measure_noise(
         oracle, np.random.default_rng(seeds[0].spawn(1)[0]), scale))
-    noise = max(noise if not precision.forward else 2.0 ** -24, measured)
+    # the measured spread, not the stated or detected bound: one rounding to float32 is
+    # off by at most 6e-8 relative but by 2.5e-8 typically; a forward pass by more
+    noise = max((noise if not precision.forward else 2.0 ** -24) / NOISE_BOUND, measured)
     if gap > RESIDUAL_NOISE * noise:
         _refuse_low_precision(precision, f"a residual connection (f([p; 0]) and f([p / 2]) "
-                              f"differ by {gap:.1e})", oracle.queries - spent)
+                              f"differ by {gap:.1e})", spent + 3 * NOISE_POINTS)
     try:
         tolerances = noisy_tolerances(noise)
     except RecoveryFailedError as exc:
