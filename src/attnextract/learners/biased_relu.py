@@ -78,13 +78,17 @@ NOISY_AFFINE = 30.0     # lambda, c of every interval within this many expected 
 NOISY_POLISH = 0.1      # a polished unit agrees with the first pass this well
 NOISE_FLOOR = 0.1       # rounding never below this x the largest answers' (line, fit)
 CONFIRM_AGREEMENT = 0.1  # a unit's jump across its own hyperplane agrees this well (relative)
+NOISY_KINKS = 2         # rounded answers: more kinks on a line than this x the far count + d:
+                        # not a ReLU network (a smooth F shows kinks wherever the chords go)
+NOISY_RETRIES = 2       # more lines after a joint fit that misses a unit, at most this often
 NOISY_MIN_LINES = 4     # rounded answers: at least this many lines, and with a far count
 NOISY_LINES = 8         # not met, this many (the joint fit's misfit then judges)
 MAX_NOISY_ANGLE = 1e-2  # a jump whose direction is less certain than this (rad) is not a unit
 NOISY_FIT = 30.0        # the joint fit's weighted residual may exceed the noise this much
 ERROR_BAR_SIGMAS = 5.0  # the joint fit's bar: this many standard errors of its worst parameter
-REFINE_ROUNDS = 40      # Gauss-Newton rounds of the joint fit to every answer,
+REFINE_ROUNDS = 20      # Gauss-Newton rounds of the joint fit to every answer,
 REFINE_TRIES = 8        # ... each with up to this many dampings
+FIT_ANSWERS = 20        # the joint fit uses at most this many answers per parameter
 NEAR_PLANE = 1e-3       # the joint fit starts without answers this close to a hyperplane
 
 
@@ -296,7 +300,8 @@ class _Units:
         return (self.sigma[None] * np.maximum(self.sigma[None] * u, 0.0)).sum(axis=1)
 
 
-def _walk_line(oracle, line: _Line, rng, units: _Units, basis, counts) -> list:
+def _walk_line(oracle, line: _Line, rng, units: _Units, basis, counts,
+               max_kinks: int = MAX_KINKS) -> list:
     """Kinks of one line; measures the intervals next to unexplained kinks; adds their units.
 
     Returns the measured (points, g, e) of this line (for the lambda check).
@@ -304,7 +309,7 @@ def _walk_line(oracle, line: _Line, rng, units: _Units, basis, counts) -> list:
     before = oracle.queries
     tol = units.tol
     kinks, kink_error, _ = _find_kinks(oracle, line, rng, homogeneous=False,
-                                       max_kinks=MAX_KINKS, chord=tol.chord,
+                                       max_kinks=max_kinks, chord=tol.chord,
                                        noise=tol.kink_noise)
     counts["kink search"] = counts.get("kink search", 0) + oracle.queries - before
     K = len(kinks)
@@ -521,7 +526,7 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
     samples = []
     spread = math.inf
     lines = merged = 0
-    min_lines = NOISY_MIN_LINES
+    min_lines, retries = NOISY_MIN_LINES, 0
     while True:     # once for exact answers; rounded ones may walk more lines
         while lines < MAX_LINES:
             line_scale = scale * 2.0 ** (lines // 2)
@@ -530,7 +535,8 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
             direction /= safe_norm(direction)
             basis = np.linalg.qr(rng.standard_normal((d, d)))[0]
             line = _Line(centre, direction, LINE_REACH * line_scale * math.sqrt(d))
-            samples += _walk_line(oracle, line, rng, units, basis, counts)
+            samples += _walk_line(oracle, line, rng, units, basis, counts,
+                                  NOISY_KINKS * m_far + d if tol.noise else MAX_KINKS)
             lines += 1
             if m_far < len(units.j) <= m_far + MAX_MERGED:   # one more per merged kink
                 merged += units.drop_merged(samples, len(units.j) - m_far)
@@ -575,7 +581,9 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
             X, F = oracle.answers()
             net, fit = refine_network(net, X, F, tol.noise)
             info.update(fit)
-            if not fit["measured noise"] <= NOISY_FIT * tol.noise and lines < MAX_LINES:
+            retries += 1
+            if (not fit["measured noise"] <= NOISY_FIT * tol.noise and lines < MAX_LINES
+                    and retries <= NOISY_RETRIES):
                 # a unit too weak for the lines so far (its jump within their rounding), or
                 # one taken for two: more lines, until one more unit is found
                 m_far, min_lines = max(m_far, m + 1), lines + NOISY_MIN_LINES
@@ -764,6 +772,11 @@ def refine_network(net: BiasedReLUNetwork, X: np.ndarray, F: np.ndarray, noise: 
     """
     keep = np.all(np.isfinite(X), axis=1) & np.isfinite(F)
     X, F = X[keep], F[keep]
+    m, d = net.P.shape
+    cap = FIT_ANSWERS * (m * (d + 2) + 1)
+    if len(X) > cap:        # evenly spaced in the order asked: every stage keeps its share
+        pick = np.linspace(0, len(X) - 1, cap).astype(int)
+        X, F = X[pick], F[pick]
     # first without the answers within NEAR_PLANE of a hyperplane (relative to |x|): the
     # kink search put many there, and the side a start a little off gives them pulls
     # the whole fit into a wrong minimum; then with every answer
@@ -793,13 +806,13 @@ def _joint_fit(net: BiasedReLUNetwork, X: np.ndarray, F: np.ndarray):
     damping = 0.0
     for _ in range(REFINE_ROUNDS):
         J = jacobian(P, b, w) * weight[:, None]
-        scale = safe_norm(J, axis=0) + 1e-300
+        # normal equations: one product per round, the dampings then cost little
+        JtJ, Jtr = J.T @ J, J.T @ r
+        diag = np.diag(JtJ).copy()
         for _ in range(REFINE_TRIES):
             # Levenberg-Marquardt: a sample that changes sides of a hyperplane makes the
             # Gauss-Newton step overshoot; damping shortens it until the misfit drops
-            A = np.vstack([J, math.sqrt(damping) * np.diag(scale)]) if damping else J
-            rhs = np.concatenate([r, np.zeros(len(scale))]) if damping else r
-            step = np.linalg.lstsq(A, rhs, rcond=None)[0]
+            step = np.linalg.lstsq(JtJ + damping * np.diag(diag), Jtr, rcond=None)[0]
             Pn = P + step[:m * d].reshape(m, d)
             bn, wn = b + step[m * d:m * d + m], w + step[m * d + m:m * d + 2 * m]
             c0n = c0 + step[-1]

@@ -172,6 +172,7 @@ NOISE_BOUND = 4.0            # the noise is at least the stated or detected boun
 RESIDUAL_NOISE = 1e3         # low precision: the residual test's gap allows this x the noise
 SIGNAL_NOISE = 1e3           # low precision: copy-probe signals must exceed this x the noise
 VERIFY_NOISE = 30.0          # low precision: held-out tolerance, this x (noise + error bar)
+MAX_NOISY_BAR = 1e-2         # low precision: a larger error bar is refused
 FIT_PROBES = 4               # low precision: W fitted jointly to this x d^2 sequences
 FIT_ROUNDS = 10              # ... by at most this many Gauss-Newton rounds
 FIT_LOGIT = 1.0              # ... whose tokens make the median |logit| about this
@@ -573,6 +574,12 @@ def _extract_layer(oracle, heads, seed, verify_tolerance, scale, output_dtype, d
                 f"residual {fit_info['W fit noise']:.1e}, noise {noise:.1e}, the FFN's error "
                 f"bar {bar:.1e}): not an attention layer followed by a ReLU FFN")
         bar = max(bar, fit_info["W error bar"])
+        if not bar <= MAX_NOISY_BAR:
+            raise RecoveryFailedError(
+                f"the layer's error bar is {bar:.1e} (largest canonical parameter error, from "
+                f"the fits at the measured noise {noise:.1e}), above {MAX_NOISY_BAR:.0e}: the "
+                f"answers are too coarse for this layer; nothing is returned. Serve the black "
+                f"box in float64")
         verify_tolerance = max(verify_tolerance, VERIFY_NOISE * (noise + bar))
         details["measured noise"] = f"{noise:.1e} relative"
         details["error bar"] = bar
