@@ -95,3 +95,12 @@ def test_residual_term_in_low_precision_is_refused_with_the_reason():
     with pytest.raises(RecoveryFailedError, match=r"residual connection.*--heads 1|--heads 1"
                                                  r".*residual connection"):
         extract(Oracle(RoundedOutputs(layer), 8), "transformer-layer", seed=3)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_stated_half_precision_is_refused_before_any_query(dtype):
+    oracle = Oracle(random_transformer_layer(8, 8, 3), 8)
+    with pytest.raises(RecoveryFailedError, match=rf"too coarse.*{dtype} \(stated.*refused after "
+                                                  rf"0 queries"):
+        extract(oracle, "transformer-layer", output_dtype=dtype, seed=3)
+    assert oracle.queries == 0

@@ -168,6 +168,7 @@ def random_transformer_layer(dim: int, width: int, seed=None, *, heads: int = 1,
 MAX_RELATIVE_NOISE = 1e-13
 NOISE_POINTS = 16            # low precision: second differences at this many points measure
 NOISE_STEP = 1e-4            # the answers' noise (step in units of scale; 3 queries each)
+UNIT_ROUNDING = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -9, "float16": 2.0 ** -12}
 NOISE_BOUND = 4.0            # the noise is at least the stated or detected bound / this
 RESIDUAL_NOISE = 1e3         # low precision: the residual test's gap allows this x the noise
 SIGNAL_NOISE = 1e3           # low precision: copy-probe signals must exceed this x the noise
@@ -495,8 +496,11 @@ def _extract_layer(oracle, heads, seed, verify_tolerance, scale, output_dtype, d
     if d < 2:
         raise InputError("the Transformer layer learner needs d >= 2")
     stated = stated_precision(output_dtype, decimals)    # bad options before any query
-    if stated is not None and stated.forward and heads > 1:   # refused before any query
-        _refuse_low_precision(stated, "several heads", 0)
+    if stated is not None and stated.forward:            # refused before any query:
+        if heads > 1:                                    # several heads,
+            _refuse_low_precision(stated, "several heads", 0)
+        floor = UNIT_ROUNDING[stated.name]               # or a dtype too coarse at its best
+        _noisy_tolerances(floor / NOISE_BOUND, stated, floor, 0)
     seeds = np.random.SeedSequence(seed).spawn(5)
     counts: dict[str, int] = {}
 
@@ -623,24 +627,31 @@ def _low_precision(oracle, precision, noise, seeds, scale, heads, gap, spent, no
     term are refused (:class:`RecoveryFailedError`). Returns (tolerances, noise)."""
     if heads > 1:
         _refuse_low_precision(precision, f"{heads} heads asked for", spent)
+    if precision.forward:
+        noise = UNIT_ROUNDING[precision.name]
     measured = _stage(oracle, counts, "noise", lambda: _measure_noise(
         oracle, np.random.default_rng(seeds[0].spawn(1)[0]), scale))
     # the measured spread, not the stated or detected bound: one rounding to float32 is
     # off by at most 6e-8 relative but by 2.5e-8 typically; a forward pass by more
-    noise = max((noise if not precision.forward else 2.0 ** -24) / NOISE_BOUND, measured)
+    noise = max(noise / NOISE_BOUND, measured)
     if gap > RESIDUAL_NOISE * noise:
         _refuse_low_precision(precision, f"a residual connection (f([p; 0]) and f([p / 2]) "
                               f"differ by {gap:.1e})", spent + 3 * NOISE_POINTS)
-    try:
-        tolerances = noisy_tolerances(noise)
-    except RecoveryFailedError as exc:
-        raise RecoveryFailedError(f"{exc} ({precision.describe()}, measured {measured:.1e}); "
-                                  f"refused, nothing is returned. Serve the black box in "
-                                  f"float64 or float32 with float64 answers") from None
+    tolerances = _noisy_tolerances(noise, precision, measured, spent + 3 * NOISE_POINTS)
     notes.append(f"{precision.describe()}; measured noise {measured:.1e} relative: the "
                  f"single-token stage ran with chords of {tolerances.chord:.2g} and a joint "
                  f"least-squares fit")
     return tolerances, noise
+
+
+def _noisy_tolerances(noise, precision, measured, spent):
+    """:func:`noisy_tolerances`, its refusal naming the precision and the queries spent."""
+    try:
+        return noisy_tolerances(noise)
+    except RecoveryFailedError as exc:
+        raise RecoveryFailedError(f"{exc} ({precision.describe()}, noise {measured:.1e}); "
+                                  f"refused after {spent} queries, nothing is returned. Serve "
+                                  f"the black box in float64, or in float32") from None
 
 
 def _measure_noise(oracle, rng, scale: float) -> float:
