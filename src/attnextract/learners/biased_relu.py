@@ -589,10 +589,13 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
                 m_far, min_lines = max(m_far, m + 1), lines + NOISY_MIN_LINES
                 continue
             if not fit["measured noise"] <= NOISY_FIT * tol.noise:
-                raise ModelMismatchError(
+                from ..errors import RecoveryFailedError
+                raise RecoveryFailedError(
                     f"the {m} units found do not fit the answers to their rounding (weighted "
-                    f"residual {fit['measured noise']:.1e}, rounding {tol.noise:.1e}): not a "
-                    f"one-hidden-layer ReLU network, or its units were not all found")
+                    f"residual {fit['measured noise']:.1e}, rounding {tol.noise:.1e}) after "
+                    f"{lines} lines: a unit whose kinks stay within the rounding on every line "
+                    f"(the learner's limit at this precision), or not a one-hidden-layer ReLU "
+                    f"network; nothing is returned. Answers in float64 avoid the limit")
         break
     return net, info
 
