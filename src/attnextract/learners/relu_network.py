@@ -333,19 +333,16 @@ def _cone_gradients(oracle: Oracle, centres: np.ndarray, steps: np.ndarray) -> n
     return grads
 
 
-def _resolve_signs(J: np.ndarray, g0: np.ndarray, relative: float = 1e-7,
-                   integral: float = SIGN_TOLERANCE) -> tuple[np.ndarray, str]:
-    """0/1 vector s with J s = -g0 (J (d, m) jumps as columns), to ``relative`` of the
-    sums of |J| and |g0| (the linear solve's s within ``integral`` of 0/1). Returns
-    (s, method)."""
+def _resolve_signs(J: np.ndarray, g0: np.ndarray) -> tuple[np.ndarray, str]:
+    """0/1 vector s with J s = -g0 (J (d, m) jumps as columns). Returns (s, method)."""
     d, m = J.shape
     target = -g0
     scale = np.abs(J).sum(axis=1) + np.abs(target)
-    tol = relative * scale + 1e-300
+    tol = 1e-7 * scale + 1e-300
     if m <= d:
         s, *_ = np.linalg.lstsq(J, target, rcond=None)
         rounded = np.round(s)
-        ok = (np.all(np.abs(s - rounded) <= integral) and np.all((rounded == 0) | (rounded == 1))
+        ok = (np.all(np.abs(s - rounded) <= SIGN_TOLERANCE) and np.all((rounded == 0) | (rounded == 1))
               and np.all(np.abs(J @ rounded - target) <= tol))
         if ok:
             return rounded, "linear solve"
