@@ -95,6 +95,7 @@ DEFAULT_NUMBERS = 1 << 20     # ... cut to this many numbers per sequence for wi
                               # (a served endpoint's request limit: 2,730 tokens at d = 384)
 ORDINARY_LENGTH = 16
 HULL_FRACTION = 1e-4          # hull tolerance = this x the output tolerance
+HULL_NOISE = 30.0             # ... or this x the answers' measured noise, when larger
 HULL_MIN_SPREAD = 1e-2        # hull violations relative to at least this x the token norm
 SCALE_CAP = 100.0            # token scales stop at this x d^-1/4
 PEAK_SPREAD = 30.0            # model scores span about this on the "peaked" family
@@ -1037,7 +1038,7 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
                  scale: float | None = None, probe_length: int | None = None,
                  max_length: int | None = None, measure_v: bool = False,
                  expected_error: float | None = None, search: bool = True,
-                 tolerance_floor: float | None = None):
+                 tolerance_floor: float | None = None, answer_noise: float = 0.0):
     """Compare ``model`` with the black box on ``count`` queries: the held-out sequences
     of :func:`design` over lengths 1..L and tiny to huge tokens, for a single head the
     hull pairs, the learner's own longest probes (no query), and the adversarial search
@@ -1063,6 +1064,8 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
     least MEASURED_FLOOR; a measured e above tolerance / CONSISTENCY_FACTOR is not used
     (an impostor's misfit must not widen the allowance). ``tolerance_floor`` replaces
     that floor (re-verifying a saved result: the tolerance its learner was held to).
+    ``answer_noise`` (relative, measured by a learner on rounded answers) widens the hull
+    check, which holds to the black box's own rounding, to HULL_NOISE times it.
     """
     from .report import DEFAULT_VERIFY_TOLERANCE, Verification, token_scale
     tolerance = DEFAULT_VERIFY_TOLERANCE if tolerance is None else tolerance
@@ -1123,7 +1126,7 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
                         lengths=check.lengths,
                         hull_violation=float(check.hull.max(initial=0.0)),
                         # the hull holds to the box's own rounding, not the model's bar
-                        hull_tolerance=HULL_FRACTION * requested,
+                        hull_tolerance=max(HULL_FRACTION * requested, HULL_NOISE * answer_noise),
                         worst_family=check.worst_family(), family_errors=check.family_errors(),
                         requested_tolerance=requested if tolerance < requested else 0.0,
                         norms=check.norms, max_length=int(held.longest),

@@ -355,3 +355,37 @@ def random_pre_layer_norm(heads: int, dim: int, seed=None, *, eps: float = 1e-5,
     return PreLayerNormAttention(1.0 + ln_spread * rng.standard_normal(dim),
                                  ln_spread * rng.standard_normal(dim), W, b, v,
                                  float(rng.standard_normal()), r, eps)
+
+
+class Float32TransformerLayerBlackBox:
+    """A Transformer layer (:class:`attnextract.models.TransformerLayer`) computed in
+    float32, in numpy: the parameters of ``layer`` rounded to float32 and every product,
+    exponential and sum of the forward pass in float32 (sums over the tokens one token at
+    a time); the answers are float32 numbers returned as float64 (B,) for X (B, N, d).
+    :attr:`truth` is the layer with the float32 parameters, in float64.
+    """
+
+    def __init__(self, layer):
+        from ..models import TransformerLayer
+        single = lambda a: np.asarray(a, dtype=np.float32)            # noqa: E731
+        self.W, self.V, self.A, self.b, self.w = (single(layer.W), single(layer.V),
+                                                  single(layer.A), single(layer.b),
+                                                  single(layer.w))
+        self.c0, self.residual = np.float32(layer.c0), bool(layer.residual)
+        wide = lambda a: a.astype(np.float64)                          # noqa: E731
+        self.truth = TransformerLayer(wide(self.W), wide(self.V), wide(self.A), wide(self.b),
+                                      wide(self.w), float(self.c0), self.residual)
+
+    def __call__(self, X: np.ndarray) -> np.ndarray:
+        X = np.asarray(X, dtype=np.float32)
+        last = X[:, -1]
+        scores = np.einsum("bnd,hde,be->bhn", X, self.W, last)
+        scores -= scores.max(axis=2, keepdims=True)
+        weights = np.exp(scores)
+        weights /= np.cumsum(weights, axis=2)[:, :, -1:]
+        mixed = np.cumsum(weights[..., None] * X[:, None], axis=2)[:, :, -1]     # (B, H, d)
+        y = np.einsum("hed,bhd->be", self.V, mixed)
+        if self.residual:
+            y = y + last
+        hidden = np.maximum(y @ self.A.T + self.b, np.float32(0.0))
+        return (hidden @ self.w + self.c0).astype(np.float64)

@@ -44,13 +44,15 @@ it); so about m (d + 1) for the affine pieces, against the floor m (d + 1) + 1.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import ModelMismatchError, NotIdentifiableError
 from ..oracle import Oracle
 from ..verification import safe_norm
-from .relu_network import ROOT_SLACK, _find_kinks, _Path, _query_vectors, _resolve_signs
+from .relu_network import (CHORD, EPS, ROOT_SLACK, SLOPE_NOISE, _find_kinks, _Path,
+                           _query_vectors, _resolve_signs)
 
 LINE_REACH = 4.0        # half length of a line, in units of its scale * sqrt(d)
 MIN_LINES = 2
@@ -65,6 +67,67 @@ MAX_MERGED = 4          # units beyond the far count looked at as merged kinks (
 SAME_UNIT = 1e-6        # two measured hyperplanes closer than this are the same unit
 POLISH_AGREEMENT = 1e-5  # a polished unit must agree with the first pass this well
 AFFINE_TOLERANCE = 1e-7  # lambda, c from all intervals must agree this well (relative)
+# rounded answers (relative noise nu per answer, e.g. float32):
+KINK_SIGMAS = 8.0       # a slope change counts as a kink beyond this many nu max|F| / chord
+KINK_RESOLUTION = 1e-4  # ... which the chord sets to this fraction of max|F| per unit t,
+LONG_CHORD = 2e-3       # ... unless longer than this (of t in [0, 2]; more merged kinks),
+COARSE_RESOLUTION = 1e-3  # ... when it may grow until the fraction is this
+MAX_CHORD = 0.02        # longer chords merge too many kinks: too noisy
+NOISY_SAME_UNIT = 1e4   # two hyperplanes within this x nu (at most 1e-2) are one unit
+NOISY_AFFINE = 30.0     # lambda, c of every interval within this many expected errors
+NOISY_POLISH = 0.1      # a polished unit agrees with the first pass this well
+NOISE_FLOOR = 0.1       # rounding never below this x the largest answers' (line, fit)
+CONFIRM_AGREEMENT = 0.1  # a unit's jump across its own hyperplane agrees this well (relative)
+NOISY_KINKS = 2         # rounded answers: more kinks on a line than this x the far count + d:
+                        # not a ReLU network (a smooth F shows kinks wherever the chords go)
+NOISY_RETRIES = 2       # more lines after a joint fit that misses a unit, at most this often
+NOISY_MIN_LINES = 4     # rounded answers: at least this many lines, and with a far count
+NOISY_LINES = 8         # not met, this many (the joint fit's misfit then judges)
+MAX_NOISY_ANGLE = 1e-2  # a jump whose direction is less certain than this (rad) is not a unit
+NOISY_FIT = 30.0        # the joint fit's weighted residual may exceed the noise this much
+ERROR_BAR_SIGMAS = 5.0  # the joint fit's bar: this many standard errors of its worst parameter
+REFINE_ROUNDS = 20      # Gauss-Newton rounds of the joint fit to every answer,
+REFINE_TRIES = 8        # ... each with up to this many dampings
+FIT_ANSWERS = 20        # the joint fit uses at most this many answers per parameter
+NEAR_PLANE = 1e-3       # the joint fit starts without answers this close to a hyperplane
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """Thresholds of the stage. ``noise`` is the relative error nu of one answer: 0 for
+    float64 answers (the defaults, exact up to eps), else :func:`noisy_tolerances`."""
+
+    noise: float = 0.0
+    chord: float = CHORD
+    kink_noise: float = SLOPE_NOISE * EPS
+    same_unit: float = SAME_UNIT
+    repeat: float = REPEAT_TOLERANCE
+    polish: float = POLISH_AGREEMENT
+    affine: float = AFFINE_TOLERANCE
+
+
+def noisy_tolerances(noise: float) -> Tolerances:
+    """Thresholds for answers off by ``noise`` relative (rounded or computed in float32).
+
+    A kink is a change of slope, and slopes come from chords: rounding nu |F| makes a
+    chord of length h off by about nu |F| / h, while a ReLU network is exactly linear
+    between its kinks, so a long chord costs nothing there, but two kinks closer than a
+    few chords merge. The chord is chosen so that KINK_SIGMAS times its rounding is
+    KINK_RESOLUTION of max |F| per unit t (slope jumps smaller than that, relative, are
+    not seen on that line), unless that chord is longer than LONG_CHORD: then it is
+    LONG_CHORD, or as long as COARSE_RESOLUTION needs. Raises
+    :class:`RecoveryFailedError` when that chord would exceed MAX_CHORD.
+    """
+    from ..errors import RecoveryFailedError
+
+    kink_noise = KINK_SIGMAS * noise
+    chord = min(kink_noise / KINK_RESOLUTION, max(LONG_CHORD, kink_noise / COARSE_RESOLUTION))
+    if chord > MAX_CHORD:
+        raise RecoveryFailedError(
+            f"answers off by {noise:.1e} relative are too coarse for the critical-point search "
+            f"of the single-token FFN: its chords would have to be {chord:.2g} of a line")
+    same = min(1e-2, NOISY_SAME_UNIT * noise)
+    return Tolerances(noise, chord, kink_noise, same, 10.0 * same, NOISY_POLISH, NOISY_AFFINE)
 
 
 class BiasedReLUNetwork:
@@ -120,28 +183,48 @@ def affine_pieces(oracle: Oracle, points: np.ndarray, steps: np.ndarray,
 
 
 class _Units:
-    """Hyperplanes found so far: jumps J (k, d), offsets j (k,), signs sigma (k,)."""
+    """Hyperplanes found so far: jumps J (k, d), offsets j (k,), signs sigma (k,), and for
+    rounded answers the expected errors dJ (k,) (2-norm) and dj (k,) of J and j."""
 
-    def __init__(self, d: int):
+    def __init__(self, d: int, tol: Tolerances = Tolerances()):
         self.J, self.j, self.sigma = np.empty((0, d)), np.empty(0), np.empty(0)
+        self.dJ, self.dj = np.empty(0), np.empty(0)
+        self.confirmed = np.empty(0, dtype=bool)
+        self.tol = tol
 
     def normals(self) -> tuple[np.ndarray, np.ndarray]:
         norm = safe_norm(self.J, axis=1)
         return self.J / norm[:, None], self.j / norm
 
-    def known(self, n: np.ndarray, beta: float) -> bool:
+    def known(self, n: np.ndarray, beta: float, dn: float = 0.0, dbeta: float = 0.0) -> bool:
+        """Is the hyperplane n^T x + beta = 0 (unit n; its expected errors dn in angle and
+        dbeta in offset, rounded answers only) one of the units found?"""
         if not len(self.j):
             return False
         N, B = self.normals()
         cos = N @ n
-        same = np.abs(np.abs(cos) - 1.0) <= SAME_UNIT
-        close = np.abs(B - np.sign(cos) * beta) <= SAME_UNIT * (1.0 + abs(beta))
+        if self.tol.noise:
+            dN, dB = self.plane_errors()
+            angle = np.sqrt(np.maximum(2.0 * (1.0 - np.abs(cos)), 0.0))
+            same = angle <= ROOT_SLACK * (dn + dN) + self.tol.same_unit
+            close = (np.abs(B - np.sign(cos) * beta)
+                     <= ROOT_SLACK * (dbeta + dB) + self.tol.same_unit * (1.0 + abs(beta)))
+            return bool(np.any(same & close))
+        same = np.abs(np.abs(cos) - 1.0) <= self.tol.same_unit
+        close = np.abs(B - np.sign(cos) * beta) <= self.tol.same_unit * (1.0 + abs(beta))
         return bool(np.any(same & close))
 
-    def add(self, J, j, sigma) -> None:
+    def plane_errors(self) -> tuple[np.ndarray, np.ndarray]:
+        """Expected errors of the unit normals (angle) and offsets (rounded answers)."""
+        norm = safe_norm(self.J, axis=1)
+        return self.dJ / norm, (self.dj + np.abs(self.j) * self.dJ / norm) / norm
+
+    def add(self, J, j, sigma, dJ: float = 0.0, dj: float = 0.0) -> None:
         self.J = np.vstack([self.J, J[None]])
         self.j = np.append(self.j, j)
         self.sigma = np.append(self.sigma, sigma)
+        self.dJ, self.dj = np.append(self.dJ, dJ), np.append(self.dj, dj)
+        self.confirmed = np.append(self.confirmed, False)
 
     def sum_triple(self):
         """Three units (k, i, j) with T_k = +-T_i +-T_j (T = (J, j)), or None.
@@ -158,6 +241,7 @@ class _Units:
         if n < 3:
             return None
         norm = safe_norm(T, axis=1)
+        err = np.hypot(self.dJ, self.dj)          # rounded answers: the jumps' own errors
         signed = np.vstack([T, -T])                                       # (2n, d + 1)
         idx = np.tile(np.arange(n), 2)
         for k in range(n):
@@ -166,14 +250,16 @@ class _Units:
             same = (idx[:, None] == idx[None, :]) | (idx[:, None] == k) | (idx[None, :] == k)
             gap[same] = np.inf
             a, b = np.unravel_index(np.argmin(gap), gap.shape)
-            if gap[a, b] <= SAME_UNIT * norm[k]:
+            if gap[a, b] <= self.tol.same_unit * norm[k] + ROOT_SLACK * (
+                    err[k] + err[idx[a]] + err[idx[b]]):
                 return k, int(idx[a]), int(idx[b])
         return None
 
     def without(self, k: int) -> "_Units":
-        out = _Units(self.J.shape[1])
+        out = _Units(self.J.shape[1], self.tol)
         keep = np.arange(len(self.j)) != k
         out.J, out.j, out.sigma = self.J[keep], self.j[keep], self.sigma[keep]
+        out.dJ, out.dj, out.confirmed = self.dJ[keep], self.dj[keep], self.confirmed[keep]
         return out
 
     def near_pair(self):
@@ -188,7 +274,7 @@ class _Units:
             1.0 + np.abs(B)[:, None])
         np.fill_diagonal(gap, np.inf)
         i, k = np.unravel_index(np.argmin(gap), gap.shape)
-        return (int(i), int(k)) if gap[i, k] <= REPEAT_TOLERANCE else None
+        return (int(i), int(k)) if gap[i, k] <= self.tol.repeat else None
 
     def drop_merged(self, samples, limit: int) -> int:
         """Remove merged kinks and repeats (at most ``limit``): of each dependent triple
@@ -196,9 +282,11 @@ class _Units:
         residual. Returns how many were removed."""
         dropped = 0
         while dropped < limit and (triple := self.sum_triple() or self.near_pair()) is not None:
-            best = min(triple, key=lambda k: _affine_residual(self.without(k), samples)[2])
+            best = min(triple, key=lambda k: _affine_residual(self.without(k), samples,
+                                                              self.tol)[2])
             reduced = self.without(best)
             self.J, self.j, self.sigma = reduced.J, reduced.j, reduced.sigma
+            self.dJ, self.dj, self.confirmed = reduced.dJ, reduced.dj, reduced.confirmed
             dropped += 1
         return dropped
 
@@ -212,14 +300,17 @@ class _Units:
         return (self.sigma[None] * np.maximum(self.sigma[None] * u, 0.0)).sum(axis=1)
 
 
-def _walk_line(oracle, line: _Line, rng, units: _Units, basis, counts) -> list:
+def _walk_line(oracle, line: _Line, rng, units: _Units, basis, counts,
+               max_kinks: int = MAX_KINKS) -> list:
     """Kinks of one line; measures the intervals next to unexplained kinks; adds their units.
 
     Returns the measured (points, g, e) of this line (for the lambda check).
     """
     before = oracle.queries
+    tol = units.tol
     kinks, kink_error, _ = _find_kinks(oracle, line, rng, homogeneous=False,
-                                          max_kinks=MAX_KINKS)
+                                       max_kinks=max_kinks, chord=tol.chord,
+                                       noise=tol.kink_noise)
     counts["kink search"] = counts.get("kink search", 0) + oracle.queries - before
     K = len(kinks)
     ends = np.concatenate([[0.0], kinks, [2.0]])
@@ -257,7 +348,16 @@ def _walk_line(oracle, line: _Line, rng, units: _Units, basis, counts) -> list:
             beta = jj / norms
             offset = (np.abs(np.einsum("kd,kd->k", n, kink_points[new_k]) + beta)
                       / np.abs(n @ tangent))
-        bad = ~(offset <= ROOT_SLACK * kink_error[new_k] + 1e-12) | (norms == 0)
+        slack = ROOT_SLACK * kink_error[new_k] + 1e-12
+        if tol.noise:
+            # the jump's own rounding: both gradients, carried from their points to the kink
+            dg = _gradient_noise(tol, g, e, points, steps)
+            lo, hi = [slot[k] for k in new_k], [slot[k + 1] for k in new_k]
+            reach = (dg[lo] * safe_norm(kink_points[new_k] - points[lo], axis=1)
+                     + dg[hi] * safe_norm(kink_points[new_k] - points[hi], axis=1))
+            with np.errstate(divide="ignore", invalid="ignore"):
+                slack = slack + ROOT_SLACK * reach / (norms * np.abs(n @ tangent))
+        bad = ~(offset <= slack) | (norms == 0)
         # margins of the measured points to every hyperplane known or just measured
         planes_n = np.vstack([units.normals()[0], n[~bad]]) if len(units.j) else n[~bad]
         planes_b = np.concatenate([units.normals()[1], beta[~bad]]) if len(units.j) else beta[~bad]
@@ -272,25 +372,54 @@ def _walk_line(oracle, line: _Line, rng, units: _Units, basis, counts) -> list:
                 previous_bad is not None and bad.sum() >= previous_bad > 0 and not too_far.any()):
             break
         previous_bad = int(bad.sum())
+        if tol.noise:
+            # rounded answers: a shorter step only adds rounding; a kink that fails its
+            # location check is left to the other lines (its intervals are not trusted)
+            redo = too_far
+            if not redo.any():
+                break
         steps = np.where(too_far, STEP_FRACTION * margins, np.where(redo, steps / 16.0, steps))
         steps = np.maximum(steps, 1e-12)
         r = np.flatnonzero(redo)
         oracle.require(len(r) * (oracle.dim + 1), "re-measuring affine pieces")
         g[r], e[r] = affine_pieces(oracle, points[r], steps[r], basis)
         counts["re-measured"] = counts.get("re-measured", 0) + len(r) * (oracle.dim + 1)
+    dJ, dj = np.zeros(len(new_k)), np.zeros(len(new_k))
+    if tol.noise and len(new_k):
+        dg = _gradient_noise(tol, g, e, points, steps)
+        de = dg * safe_norm(points, axis=1) + tol.noise * np.abs(e + np.einsum(
+            "rd,rd->r", g, points))
+        lo, hi = [slot[k] for k in new_k], [slot[k + 1] for k in new_k]
+        dJ, dj = np.hypot(dg[lo], dg[hi]), de[lo] + de[hi]
     for i, k in enumerate(new_k):
-        if bad[i] or units.known(n[i], beta[i]):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            dn, dbeta = dJ[i] / norms[i], (dj[i] + abs(jj[i]) * dJ[i] / norms[i]) / norms[i]
+        if bad[i] or dn > MAX_NOISY_ANGLE or units.known(n[i], beta[i], dn, dbeta):
             continue            # merged kinks (another line separates them) or a repeat
-        units.add(J[i], jj[i], float(np.sign(J[i] @ line.q)))
+        units.add(J[i], jj[i], float(np.sign(J[i] @ line.q)), dJ[i], dj[i])
     # intervals next to a rejected kink may straddle an unseen hyperplane: not used
     trusted = np.ones(len(idx), dtype=bool)
     for k, b_ in zip(new_k, bad):
         if b_:
             trusted[slot[k]] = trusted[slot[k + 1]] = False
+    if tol.noise:
+        return [(points[trusted], g[trusted], e[trusted],
+                 _gradient_noise(tol, g, e, points, steps)[trusted], steps[trusted])]
     return [(points[trusted], g[trusted], e[trusted])]
 
 
-def _count_far(oracle: Oracle, rng, scale: float, counts: dict) -> int:
+def _gradient_noise(tol: Tolerances, g, e, points, steps) -> np.ndarray:
+    """Expected error (2-norm) of gradients from d forward differences of rounded answers
+    (relative noise tol.noise), per measured point (R,)."""
+    F = np.abs(e + np.einsum("rd,rd->r", g, points))
+    # a forward pass rounds its terms, not its sum: where F nearly cancels, the error is
+    # that of the line's larger answers
+    F = np.maximum(F, NOISE_FLOOR * F.max(initial=0.0))
+    return math.sqrt(2.0 * points.shape[1]) * tol.noise * F / steps
+
+
+def _count_far(oracle: Oracle, rng, scale: float, counts: dict,
+               tol: Tolerances = Tolerances()) -> int:
     """Units seen on a half circle of radius FAR_RADIUS * scale: far out the biases hardly
     move the kinks, and a half circle meets every hyperplane's direction once, so this
     counts the units (generically) however far from the origin their hyperplanes lie."""
@@ -298,13 +427,25 @@ def _count_far(oracle: Oracle, rng, scale: float, counts: dict) -> int:
     radius = FAR_RADIUS * scale
     path = _Path(radius * frame[:, 0], radius * frame[:, 1])
     before = oracle.queries
-    kinks, _, _ = _find_kinks(oracle, path, rng, homogeneous=False, max_kinks=MAX_KINKS)
+    kinks, _, _ = _find_kinks(oracle, path, rng, homogeneous=False, max_kinks=MAX_KINKS,
+                              chord=tol.chord, noise=tol.kink_noise)
     counts["far count"] = counts.get("far count", 0) + oracle.queries - before
     return len(kinks)
 
 
-def _affine_residual(units: _Units, samples) -> tuple[np.ndarray, float, float]:
-    """lambda, c from every measured interval, and their spread (relative)."""
+def _affine_residual(units: _Units, samples,
+                     tol: Tolerances = Tolerances()) -> tuple[np.ndarray, float, float]:
+    """lambda, c from every measured interval, and their spread: relative for exact
+    answers; in expected errors of each interval's gradient for rounded ones."""
+    if tol.noise and len(units.j):
+        # rounded answers: a piece measured across a hyperplane found since (its steps
+        # reach it, allowing for the hyperplanes' own errors) is no sample (exact
+        # answers re-measure such pieces while walking)
+        N, B = units.normals()
+        dN, dB = units.plane_errors()
+        samples = [(s[0][k], s[1][k], s[2][k], s[3][k], s[4][k]) for s in samples
+                   for k in [np.all(np.abs(s[0] @ N.T + B) - ROOT_SLACK * (
+                       dB + np.outer(safe_norm(s[0], axis=1), dN)) > s[4][:, None], axis=1)]]
     X = np.vstack([s[0] for s in samples])
     G = np.vstack([s[1] for s in samples])
     E = np.concatenate([s[2] for s in samples])
@@ -321,14 +462,22 @@ def _affine_residual(units: _Units, samples) -> tuple[np.ndarray, float, float]:
     scale_g = max(float(np.abs(G).max(initial=0.0)),
                   float(np.abs(units.J).max(initial=0.0)) if len(units.j) else 0.0, 1e-300)
     scale_f = max(float(np.abs(F).max(initial=0.0)), 1e-300)
+    if tol.noise:
+        # each interval's gradient error plus every unit's (their phi_k enter lambda, c)
+        dg = np.concatenate([s[3] for s in samples]) + safe_norm(units.dJ)
+        dc = dg * safe_norm(X, axis=1) + units.dj.sum() + tol.noise * np.abs(F)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            spread = max(float(np.max(safe_norm(lam_r - lam, axis=1) / dg, initial=0.0)),
+                         float(np.max(np.abs(c_r - c) / dc, initial=0.0)))
+        return lam, c, spread
     spread = max(float(np.abs(lam_r - lam).max(initial=0.0)) / scale_g,
                  float(np.abs(c_r - c).max(initial=0.0)) / scale_f)
     return lam, c, spread
 
 
 def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: float = 1.0,
-                        counts: dict | None = None,
-                        polish: bool = True) -> tuple[BiasedReLUNetwork, dict]:
+                        counts: dict | None = None, polish: bool = True,
+                        tolerances: Tolerances = Tolerances()) -> tuple[BiasedReLUNetwork, dict]:
     """Recover F(x) = w^T ReLU(P x + b) + c0 from single-vector queries.
 
     Parameters
@@ -345,6 +494,12 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
     polish : bool
         Measure every unit again across its hyperplane far from the others
         (:func:`_polish`, 2 m (d + 1) queries): from about 2^-28 to about 2^-40.
+    tolerances : Tolerances
+        The stage's thresholds; the default is for float64 answers. For rounded answers
+        (:func:`noisy_tolerances`) the chords are longer, the checks allow the measured
+        gradients' rounding, and every answer of the stage then enters one joint
+        least-squares fit of all parameters (:func:`refine_network`, no extra queries);
+        ``info["error bar"]`` is its bound on the largest canonical parameter error.
 
     Returns
     -------
@@ -362,53 +517,86 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
         position.
     """
     counts = {} if counts is None else counts
+    tol = tolerances
+    if tol.noise:
+        oracle = _Recorder(oracle)           # every answer enters the joint fit at the end
     d = oracle.dim
-    m_far = _count_far(oracle, rng, scale, counts)
-    units = _Units(d)
+    m_far = _count_far(oracle, rng, scale, counts, tol)
+    units = _Units(d, tol)
     samples = []
     spread = math.inf
     lines = merged = 0
-    while lines < MAX_LINES:
-        line_scale = scale * 2.0 ** (lines // 2)
-        centre = line_scale * rng.standard_normal(d)
-        direction = rng.standard_normal(d)
-        direction /= safe_norm(direction)
-        basis = np.linalg.qr(rng.standard_normal((d, d)))[0]
-        line = _Line(centre, direction, LINE_REACH * line_scale * math.sqrt(d))
-        samples += _walk_line(oracle, line, rng, units, basis, counts)
-        lines += 1
-        if m_far < len(units.j) <= m_far + MAX_MERGED:   # one more per merged kink
-            merged += units.drop_merged(samples, len(units.j) - m_far)
-        lam, c, spread = _affine_residual(units, samples)
-        if lines >= MIN_LINES and spread <= AFFINE_TOLERANCE and len(units.j) >= m_far:
-            break
-    m = len(units.j)
-    if m == 0:
-        if spread <= AFFINE_TOLERANCE and not np.any(lam):
-            raise NotIdentifiableError("F is constant on every line: no hidden unit can be identified")
-        raise ModelMismatchError("F has no kink on any line but is not constant: not a ReLU network")
-    if spread > AFFINE_TOLERANCE or m < m_far:
-        raise ModelMismatchError(
-            f"after {lines} lines the {m} units found (of {m_far} seen far out) leave a residual "
-            f"that is not one affine function (spread {spread:.1e}): not a one-hidden-layer "
-            f"ReLU network")
-    try:
-        s, method = _resolve_signs(units.J.T, lam)
-    except Exception as exc:       # the bias-free learner's plane failure: no 0/1 pattern
-        raise ModelMismatchError(f"no sign pattern of the {m} units explains the linear part of F "
-                                 f"({exc})") from exc
-    norm = safe_norm(units.J, axis=1)
-    orient = units.sigma * (1.0 - 2.0 * s)
-    P = orient[:, None] * units.J / norm[:, None]
-    b = orient * units.j / norm
-    w = units.sigma * norm
-    c0 = c + float(units.j @ s)
-    net = BiasedReLUNetwork(P, b, w, c0)
-    info = {"hidden units": m, "units far out": m_far, "lines": lines, "signs": method,
-            "merged kinks dropped": merged,
-            "affine residual spread": f"{spread:.1e}"}
-    if polish:
-        net, info["polish"] = _polish(oracle, net, rng, scale, counts)
+    min_lines, retries = NOISY_MIN_LINES, 0
+    while True:     # once for exact answers; rounded ones may walk more lines
+        while lines < MAX_LINES:
+            line_scale = scale * 2.0 ** (lines // 2)
+            centre = line_scale * rng.standard_normal(d)
+            direction = rng.standard_normal(d)
+            direction /= safe_norm(direction)
+            basis = np.linalg.qr(rng.standard_normal((d, d)))[0]
+            line = _Line(centre, direction, LINE_REACH * line_scale * math.sqrt(d))
+            samples += _walk_line(oracle, line, rng, units, basis, counts,
+                                  NOISY_KINKS * m_far + d if tol.noise else MAX_KINKS)
+            lines += 1
+            if m_far < len(units.j) <= m_far + MAX_MERGED:   # one more per merged kink
+                merged += units.drop_merged(samples, len(units.j) - m_far)
+            lam, c, spread = _affine_residual(units, samples, tol)
+            if (tol.noise and lines >= MIN_LINES and spread > tol.affine and len(units.j) >= m_far
+                    and _confirm_units(oracle, units, rng, scale, counts)):
+                lam, c, spread = _affine_residual(units, samples, tol)
+            if lines >= MIN_LINES and spread <= tol.affine and len(units.j) >= m_far and (
+                    not tol.noise or lines >= min_lines):
+                break
+            if tol.noise and lines >= max(NOISY_LINES, min_lines) and spread <= tol.affine:
+                break       # rounded answers: the far count may miss a weak kink or see two
+        m = len(units.j)
+        if m == 0:
+            if spread <= tol.affine and not np.any(lam):
+                raise NotIdentifiableError("F is constant on every line: no hidden unit can be identified")
+            raise ModelMismatchError("F has no kink on any line but is not constant: not a ReLU network")
+        if spread > tol.affine or (m < m_far and not tol.noise):
+            raise ModelMismatchError(
+                f"after {lines} lines the {m} units found (of {m_far} seen far out) leave a residual "
+                f"that is not one affine function (spread {spread:.1e}): not a one-hidden-layer "
+                f"ReLU network")
+        try:
+            s, method = (_resolve_signs(units.J.T, lam) if not tol.noise else
+                         _closest_signs(units.J.T, lam))
+        except Exception as exc:       # the bias-free learner's plane failure: no 0/1 pattern
+            raise ModelMismatchError(f"no sign pattern of the {m} units explains the linear part of F "
+                                     f"({exc})") from exc
+        norm = safe_norm(units.J, axis=1)
+        orient = units.sigma * (1.0 - 2.0 * s)
+        P = orient[:, None] * units.J / norm[:, None]
+        b = orient * units.j / norm
+        w = units.sigma * norm
+        c0 = c + float(units.j @ s)
+        net = BiasedReLUNetwork(P, b, w, c0)
+        info = {"hidden units": m, "units far out": m_far, "lines": lines, "signs": method,
+                "merged kinks dropped": merged,
+                "affine residual spread": f"{spread:.1e}"}
+        if polish:
+            net, info["polish"] = _polish(oracle, net, rng, scale, counts, tol.polish)
+        if tol.noise:
+            X, F = oracle.answers()
+            net, fit = refine_network(net, X, F, tol.noise)
+            info.update(fit)
+            retries += 1
+            if (not fit["measured noise"] <= NOISY_FIT * tol.noise and lines < MAX_LINES
+                    and retries <= NOISY_RETRIES):
+                # a unit too weak for the lines so far (its jump within their rounding), or
+                # one taken for two: more lines, until one more unit is found
+                m_far, min_lines = max(m_far, m + 1), lines + NOISY_MIN_LINES
+                continue
+            if not fit["measured noise"] <= NOISY_FIT * tol.noise:
+                from ..errors import RecoveryFailedError
+                raise RecoveryFailedError(
+                    f"the {m} units found do not fit the answers to their rounding (weighted "
+                    f"residual {fit['measured noise']:.1e}, rounding {tol.noise:.1e}) after "
+                    f"{lines} lines: a unit whose kinks stay within the rounding on every line "
+                    f"(the learner's limit at this precision), or not a one-hidden-layer ReLU "
+                    f"network; nothing is returned. Answers in float64 avoid the limit")
+        break
     return net, info
 
 
@@ -442,7 +630,8 @@ def crossing_points(net: BiasedReLUNetwork, rng, scale: float):
     return np.array(units, dtype=int), np.array(points).reshape(-1, d), np.array(radii)
 
 
-def _polish(oracle: Oracle, net: BiasedReLUNetwork, rng, scale: float, counts: dict):
+def _polish(oracle: Oracle, net: BiasedReLUNetwork, rng, scale: float, counts: dict,
+            agreement: float = POLISH_AGREEMENT):
     """Measure every unit again across its hyperplane, at the point farthest from the others.
 
     For unit k a linear program finds y on p_k^T y + b_k = 0, inside the cell of the
@@ -453,21 +642,14 @@ def _polish(oracle: Oracle, net: BiasedReLUNetwork, rng, scale: float, counts: d
     polished unit replaces the first one only if the two agree to POLISH_AGREEMENT.
     """
     m, d = net.P.shape
-    units, y, r = crossing_points(net, rng, scale)
-    if not len(units):
+    measured = _across(oracle, net, rng, scale, counts, "polish")
+    if measured is None:
         return net, "skipped (no cell found)"
-    half = 0.5 * r[:, None] * net.P[units]
-    points = np.stack([y + half, y - half], axis=1).reshape(-1, d)
-    steps = np.repeat(STEP_FRACTION * r, 2)
-    oracle.require(len(points) * (d + 1), "polishing the hidden units")
-    basis = np.linalg.qr(rng.standard_normal((d, d)))[0]
-    g, e = affine_pieces(oracle, points, steps, basis)
-    counts["polish"] = counts.get("polish", 0) + len(points) * (d + 1)
-    Jp, jp = g[0::2] - g[1::2], e[0::2] - e[1::2]           # w_k (p_k, b_k)
+    units, points, steps, g, e, Jp, jp = measured
     first = net.w[units, None] * np.hstack([net.P[units], net.b[units, None]])
     new = np.hstack([Jp, jp[:, None]])
     agree = (safe_norm(new - first, axis=1)
-             <= POLISH_AGREEMENT * safe_norm(first, axis=1))
+             <= agreement * safe_norm(first, axis=1))
     P, b, w = net.P.copy(), net.b.copy(), net.w.copy()
     keep = units[agree]
     size = safe_norm(Jp[agree], axis=1)
@@ -480,3 +662,193 @@ def _polish(oracle: Oracle, net: BiasedReLUNetwork, rng, scale: float, counts: d
     return BiasedReLUNetwork(P, b, w, c0), (
         f"{int(agree.sum())} of {m} units measured across their hyperplanes "
         f"(steps {steps.min():.3g} .. {steps.max():.3g})")
+
+
+def _across(oracle: Oracle, net: BiasedReLUNetwork, rng, scale: float, counts: dict,
+            name: str):
+    """The affine pieces either side of each unit's hyperplane, at the point farthest
+    from the others (:func:`crossing_points`): 2 (d + 1) queries per unit found a cell,
+    steps a quarter of its room, counted as ``name``. Returns None (no cell) or (units,
+    points (2k, d), steps (2k,), g, e, Jp (k, d), jp (k,)) with (Jp, jp) = w_k (p_k, b_k)
+    measured."""
+    d = net.P.shape[1]
+    units, y, r = crossing_points(net, rng, scale)
+    if not len(units):
+        return None
+    half = 0.5 * r[:, None] * net.P[units]
+    points = np.stack([y + half, y - half], axis=1).reshape(-1, d)
+    steps = np.repeat(STEP_FRACTION * r, 2)
+    oracle.require(len(points) * (d + 1), "measuring the hidden units across their hyperplanes")
+    basis = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    g, e = affine_pieces(oracle, points, steps, basis)
+    counts[name] = counts.get(name, 0) + len(points) * (d + 1)
+    return units, points, steps, g, e, g[0::2] - g[1::2], e[0::2] - e[1::2]
+
+
+def _confirm_units(oracle: Oracle, units: _Units, rng, scale: float, counts: dict) -> int:
+    """Rounded answers: every unit not yet confirmed is measured across its own hyperplane
+    far from the others (:func:`_across`); one whose jump there is not its own (within
+    CONFIRM_AGREEMENT) is removed. A kink where two hyperplanes cross a line at nearly one
+    point has the sum of both jumps and passes the location check when the check is as
+    loose as far-out rounding makes it; across its own "hyperplane" elsewhere it jumps
+    by nothing like that sum. Returns the number removed."""
+    todo = np.flatnonzero(~units.confirmed)
+    if not len(todo):
+        return 0
+    N, B = units.normals()
+    net = BiasedReLUNetwork(N, B, safe_norm(units.J, axis=1), 0.0)
+    measured = _across(oracle, net, rng, scale, counts, "confirming units")
+    if measured is None:
+        return 0
+    found, Jp = measured[0], measured[5]
+    own = units.J[found]
+    off = np.minimum(safe_norm(Jp - own, axis=1), safe_norm(Jp + own, axis=1))
+    wrong = set(found[off > CONFIRM_AGREEMENT * safe_norm(own, axis=1)].tolist())
+    units.confirmed[found] = True
+    for k in sorted(wrong, reverse=True):
+        reduced = units.without(k)
+        units.__dict__.update(reduced.__dict__)
+    return len(wrong)
+
+
+def _closest_signs(J: np.ndarray, g0: np.ndarray) -> tuple[np.ndarray, str]:
+    """Rounded answers: the 0/1 vector s minimising |J s + g0|_1 (J (d, m) the jumps as
+    columns), a mixed-integer program. No tolerance decides: a unit with a small |w_i|
+    moves J s by little, and any fixed tolerance would admit both its signs (the joint
+    fit that follows tells a wrong pattern by its misfit). Returns (s, method)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    from .relu_network import MILP_SECONDS
+
+    d, m = J.shape
+    # variables (s (m), e (d)): minimise sum e with -e <= J s + g0 <= e
+    eye = np.eye(d)
+    rows = np.vstack([np.hstack([J, -eye]), np.hstack([J, eye])])
+    bounds = np.concatenate([np.full(d, -np.inf), -g0]), np.concatenate([-g0, np.full(d, np.inf)])
+    res = milp(np.concatenate([np.zeros(m), np.ones(d)]),
+               constraints=LinearConstraint(rows, bounds[0], bounds[1]),
+               integrality=np.concatenate([np.ones(m), np.zeros(d)]),
+               bounds=Bounds(np.concatenate([np.zeros(m), np.zeros(d)]),
+                             np.concatenate([np.ones(m), np.full(d, np.inf)])),
+               options={"time_limit": MILP_SECONDS})
+    if res.x is None:
+        raise ModelMismatchError(f"no sign pattern of the units found ({res.message})")
+    return np.round(res.x[:m]), "closest 0/1 pattern (L1)"
+
+
+class _Recorder:
+    """The oracle, keeping every single-token probe and its answer (for the joint fit)."""
+
+    def __init__(self, oracle):
+        self.base, self.dim = oracle, oracle.dim
+        self._x, self._f = [], []
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def query(self, X) -> np.ndarray:
+        X = np.asarray(X, dtype=np.float64)
+        f = self.base.query(X)
+        self._x.append(X[:, -1, :].copy())
+        self._f.append(np.asarray(f, dtype=np.float64).copy())
+        return f
+
+    def answers(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every probe x (n, d) and its answer (n,)."""
+        return np.vstack(self._x), np.concatenate(self._f)
+
+
+def refine_network(net: BiasedReLUNetwork, X: np.ndarray, F: np.ndarray, noise: float):
+    """Joint least-squares fit of every parameter to the answers F (n,) at X (n, d).
+
+    Rounding of relative size ``noise`` is at most a few bits per answer, so the fit
+    weights each answer by 1 / (|F| + median |F| / 10) (relative rounding, with a floor
+    where F passes through zero). Gauss-Newton from ``net`` (whose hyperplanes must
+    already be close: samples on the wrong side of one are few and move as it moves);
+    the unit scale is fixed after every step (rows of P of unit norm).
+
+    Returns (network, info) with ``info["measured noise"]`` the weighted residual's rms
+    (the answers' relative error, measured) and ``info["error bar"]`` ERROR_BAR_SIGMAS
+    standard errors of the worst canonical parameter (P entries, w relative to max |w|,
+    b relative to max(max |b|, 1), c0 relative to max(|c0|, max |w|)), from the fit's
+    covariance at the measured noise.
+    """
+    keep = np.all(np.isfinite(X), axis=1) & np.isfinite(F)
+    X, F = X[keep], F[keep]
+    m, d = net.P.shape
+    cap = FIT_ANSWERS * (m * (d + 2) + 1)
+    if len(X) > cap:        # evenly spaced in the order asked: every stage keeps its share
+        pick = np.linspace(0, len(X) - 1, cap).astype(int)
+        X, F = X[pick], F[pick]
+    # first without the answers within NEAR_PLANE of a hyperplane (relative to |x|): the
+    # kink search put many there, and the side a start a little off gives them pulls
+    # the whole fit into a wrong minimum; then with every answer
+    near = np.abs(net.pre_activations(X)).min(axis=1) < NEAR_PLANE * (1.0 + safe_norm(X, axis=1))
+    net, _ = _joint_fit(net, X[~near], F[~near])
+    return _joint_fit(net, X, F)
+
+
+def _joint_fit(net: BiasedReLUNetwork, X: np.ndarray, F: np.ndarray):
+    """:func:`refine_network` on the answers given."""
+    m, d = net.P.shape
+    weight = 1.0 / (np.abs(F) + NOISE_FLOOR * np.median(np.abs(F)) + 1e-300)
+    P, b, w, c0 = net.P.copy(), net.b.copy(), net.w.copy(), net.c0
+
+    def jacobian(P, b, w):
+        z = X @ P.T + b
+        on = (z > 0).astype(float)
+        cols = [(w * on)[:, :, None] * X[:, None, :], w * on, np.maximum(z, 0.0),
+                np.ones((len(X), 1))]
+        return np.hstack([cols[0].reshape(len(X), m * d), cols[1], cols[2], cols[3]])
+
+    def residual(P, b, w, c0):
+        return (F - (np.maximum(X @ P.T + b, 0.0) @ w + c0)) * weight
+
+    r = residual(P, b, w, c0)
+    cost = float(r @ r)
+    damping = 0.0
+    for _ in range(REFINE_ROUNDS):
+        J = jacobian(P, b, w) * weight[:, None]
+        # normal equations: one product per round, the dampings then cost little
+        JtJ, Jtr = J.T @ J, J.T @ r
+        diag = np.diag(JtJ).copy()
+        for _ in range(REFINE_TRIES):
+            # Levenberg-Marquardt: a sample that changes sides of a hyperplane makes the
+            # Gauss-Newton step overshoot; damping shortens it until the misfit drops
+            step = np.linalg.lstsq(JtJ + damping * np.diag(diag), Jtr, rcond=None)[0]
+            Pn = P + step[:m * d].reshape(m, d)
+            bn, wn = b + step[m * d:m * d + m], w + step[m * d + m:m * d + 2 * m]
+            c0n = c0 + step[-1]
+            norm = safe_norm(Pn, axis=1)
+            Pn, bn, wn = Pn / norm[:, None], bn / norm, wn * norm
+            rn = residual(Pn, bn, wn, c0n)
+            new_cost = float(rn @ rn)
+            if new_cost < cost:
+                break
+            damping = max(10.0 * damping, 1e-4)
+        else:
+            break
+        damping /= 10.0 if damping > 1e-4 else math.inf
+        done = new_cost > (1.0 - 1e-6) * cost
+        P, b, w, c0, r, cost = Pn, bn, wn, c0n, rn, new_cost
+        if done:
+            break
+    J = jacobian(P, b, w) * weight[:, None]
+    # the scale of each unit is fixed (unit rows): drop that direction from the covariance
+    gauge = np.zeros((m, J.shape[1]))
+    for i in range(m):
+        gauge[i, i * d:(i + 1) * d] = P[i]
+        gauge[i, m * d + i] = b[i]
+        gauge[i, m * d + m + i] = -w[i]
+    Jg = np.vstack([J, gauge])
+    u, sv, vt = np.linalg.svd(Jg, full_matrices=False)
+    dof = max(len(X) - (m * (d + 1) + 1), 1)
+    sigma = math.sqrt(cost / dof)
+    std = sigma * np.sqrt(((vt / sv[:, None]) ** 2).sum(axis=0))
+    worst = max(float(std[:m * d].max()),
+                float(std[m * d:m * d + m].max()) / max(float(np.abs(b).max()), 1.0),
+                float(std[m * d + m:m * d + 2 * m].max()) / float(np.abs(w).max()),
+                float(std[-1]) / max(abs(c0), float(np.abs(w).max())))
+    info = {"joint fit": f"{len(X)} answers, {m * (d + 2) + 1} parameters",
+            "measured noise": sigma, "error bar": ERROR_BAR_SIGMAS * worst}
+    return BiasedReLUNetwork(P, b, w, c0), info

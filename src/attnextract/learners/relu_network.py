@@ -197,33 +197,37 @@ def _query_vectors(oracle: Oracle, x: np.ndarray) -> np.ndarray:
     return oracle.query(x[:, None, :])
 
 
-def _sample(oracle: Oracle, path: _Path, t: np.ndarray):
+def _sample(oracle: Oracle, path: _Path, t: np.ndarray, chord: float = CHORD):
     """F(x(t)) and its left and right chord slopes at each t: 3 queries per point, one batch."""
     t = np.asarray(t, float)
-    grid = np.concatenate([t - CHORD, t, t + CHORD])
+    grid = np.concatenate([t - chord, t, t + chord])
     # The chord on the far side of the vertex t = 1 must use the second segment:
     # x(t) handles that, since the formulas switch at t = 1.
     f = _query_vectors(oracle, path.points(grid)).reshape(3, len(t))
-    left = (f[1] - f[0]) / CHORD
-    right = (f[2] - f[1]) / CHORD
+    left = (f[1] - f[0]) / chord
+    right = (f[2] - f[1]) / chord
     return f[1], left, right
 
 
 def _find_kinks(oracle: Oracle, path: _Path, rng: np.random.Generator, *,
-                homogeneous: bool = True, max_kinks: int | None = None):
+                homogeneous: bool = True, max_kinks: int | None = None,
+                chord: float = CHORD, noise: float = SLOPE_NOISE * EPS):
     """Locate every kink of F on the path (bisection on slope changes, batched per round).
 
     ``path`` is any object whose ``points(t)`` is piecewise linear in t on [0, 1] and
     [1, 2]; ``homogeneous=False`` skips the F(2x) = 2 F(x) check (biased networks);
     more than ``max_kinks`` kinks (a smooth F looks like kinks everywhere) is a mismatch.
+    ``chord`` is the length of the slope chords (in t) and ``noise`` the error of one answer
+    allowed for, relative to max |F| (defaults: float64 answers; rounded answers need a
+    chord long enough that noise / chord stays below the smallest slope jump).
 
     Returns (sorted kink parameters t_k, their location errors, number of rounds).
     """
     interior = [np.sort(rng.uniform(0.02, 0.98, INITIAL_POINTS)) + offset for offset in (0.0, 1.0)]
     t0 = np.concatenate([[0.0], interior[0], [1.0], interior[1], [2.0]])
-    f0, left0, right0 = _sample(oracle, path, t0)
+    f0, left0, right0 = _sample(oracle, path, t0, chord)
     magnitude = max(float(np.abs(f0).max()), float(np.abs(np.concatenate([left0, right0])).max())
-                    * CHORD)
+                    * chord)
     if magnitude == 0.0:
         return np.empty(0), np.empty(0), 1
     # F must be positively homogeneous (no biases): F(2x) = 2 F(x), up to rounding
@@ -234,7 +238,7 @@ def _find_kinks(oracle: Oracle, path: _Path, rng: np.random.Generator, *,
             f"F(2x) differs from 2 F(x) by {gap / magnitude:.2e} relative to max |F|: the "
             f"black box is not positively homogeneous, so not a bias-free ReLU network "
             f"(biases?)")
-    slope_tol = SLOPE_NOISE * EPS * magnitude / CHORD
+    slope_tol = noise * magnitude / chord
     # open intervals: (a, b, F(a), F(b), right slope at a, left slope at b); t = 1 is a
     # sample point, so no interval straddles the vertex of the polyline
     intervals = [(t0[i], t0[i + 1], f0[i], f0[i + 1], right0[i], left0[i + 1])
@@ -257,14 +261,14 @@ def _find_kinks(oracle: Oracle, path: _Path, rng: np.random.Generator, *,
         for a, b, fa, fb, sa, sb in open_:
             # intersection of the end lines fa + sa (t - a) and fb + sb (t - b)
             t_star = a + (fb - fa - sb * (b - a)) / (sa - sb)
-            if b - a > 4 * CHORD and a + 0.5 * CHORD < t_star < b - 0.5 * CHORD:
+            if b - a > 4 * chord and a + 0.5 * chord < t_star < b - 0.5 * chord:
                 cut.append(t_star)
                 predicted.append(fa + sa * (t_star - a))
             else:
                 cut.append(0.5 * (a + b))
                 predicted.append(math.nan)
         cut = np.array(cut)
-        f, left, right = _sample(oracle, path, cut)
+        f, left, right = _sample(oracle, path, cut, chord)
         rounds += 1
         next_intervals = [iv for iv in intervals if abs(iv[5] - iv[4]) <= slope_tol]
         for (a, b, fa, fb, sa, sb), tc, fc, lc, rc, pc in zip(open_, cut, f, left, right,
@@ -272,18 +276,18 @@ def _find_kinks(oracle: Oracle, path: _Path, rng: np.random.Generator, *,
             # One kink at tc: F(tc) is on both end lines AND the chords on either side of
             # tc have the end slopes. (The value alone is not enough: beyond the last of
             # several kinks F follows the second line, which meets the first at tc.)
-            value_tol = slope_tol * (b - a) + SLOPE_NOISE * EPS * magnitude
+            value_tol = slope_tol * (b - a) + noise * magnitude
             chord_tol = slope_tol + CHORD_MIX * abs(sb - sa)
             if (not math.isnan(pc) and abs(fc - pc) <= value_tol
                     and abs(lc - sa) <= chord_tol and abs(rc - sb) <= chord_tol):
                 # located to within the slope noise over the interval; a chord that
                 # straddles the kink tells how far from tc it is (in chords)
                 straddle = max(abs(lc - sa), abs(rc - sb)) / abs(sb - sa)
-                error = slope_tol * (b - a) / abs(sb - sa) + 2.0 * straddle * CHORD
-                if min(tc - a, b - tc) < 1.5 * CHORD:
-                    error += CHORD       # cut one chord past an end whose chord straddled it
+                error = slope_tol * (b - a) / abs(sb - sa) + 2.0 * straddle * chord
+                if min(tc - a, b - tc) < 1.5 * chord:
+                    error += chord       # cut one chord past an end whose chord straddled it
                 kinks.append((float(tc), error))  # exactly one kink in (a, b), at tc
-            elif b - a <= 4 * CHORD:
+            elif b - a <= 4 * chord:
                 kinks.append((float(tc), b - a))  # bracketed to within a few chords
             else:
                 next_intervals += [(a, tc, fa, fc, sa, lc), (tc, b, fc, fb, rc, sb)]

@@ -114,7 +114,8 @@ from ..precision import precision_of, stated_precision
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                       token_scale, verification_count, verify_model)
 from ..verification import safe_norm, safe_rms
-from .biased_relu import BiasedReLUNetwork, crossing_points, extract_biased_relu
+from .biased_relu import (ERROR_BAR_SIGMAS, NOISY_FIT, BiasedReLUNetwork, Tolerances, crossing_points,
+                          extract_biased_relu, noisy_tolerances)
 from .residual import (_MappedOracle, _ResidualOddOracle, counted_stage,
                        extract_one_layer_residual)
 from .single_head import probe_basis
@@ -159,11 +160,23 @@ def random_transformer_layer(dim: int, width: int, seed=None, *, heads: int = 1,
     return TransformerLayer(W, V, A, b, w, c0, residual)
 
 
-# answers rounded (or computed) coarser than this, relative, are refused: the single-token
-# stage fits exact affine pieces between the FFN's kinks, and rounding makes kinks of its
-# own (float32-rounded answers at d = 8, m = 8: 500-900 "units" found for 8 real ones;
+# answers rounded (or computed) coarser than this, relative, take the low-precision path
+# (one head, no residual term; else refused): the float64 single-token stage fits exact
+# affine pieces between the FFN's kinks, and rounding makes kinks of its own
+# (float32-rounded answers at d = 8, m = 8: 500-900 "units" found for 8 real ones;
 # 12 decimals already fail, 13 mostly pass)
 MAX_RELATIVE_NOISE = 1e-13
+NOISE_POINTS = 16            # low precision: second differences at this many points measure
+NOISE_STEP = 1e-4            # the answers' noise (step in units of scale; 3 queries each)
+UNIT_ROUNDING = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -9, "float16": 2.0 ** -12}
+NOISE_BOUND = 4.0            # the noise is at least the stated or detected bound / this
+RESIDUAL_NOISE = 1e3         # low precision: the residual test's gap allows this x the noise
+SIGNAL_NOISE = 1e3           # low precision: copy-probe signals must exceed this x the noise
+VERIFY_NOISE = 30.0          # low precision: held-out tolerance, this x (noise + error bar)
+MAX_NOISY_BAR = 1e-2         # low precision: a larger error bar is refused
+FIT_PROBES = 4               # low precision: W fitted jointly to this x d^2 sequences
+FIT_ROUNDS = 10              # ... by at most this many Gauss-Newton rounds
+FIT_LOGIT = 1.0              # ... whose tokens make the median |logit| about this
 
 
 def _detect_residual(oracle: Oracle, rng) -> tuple[bool, float, np.ndarray]:
@@ -235,10 +248,14 @@ def _roomy_points(ffn: _FFN, rng, radius: float, d: int):
     return None
 
 
-def _measure_columns(oracle: Oracle, ffn: _FFN, Q: np.ndarray, counts: dict):
+def _measure_columns(oracle: Oracle, ffn: _FFN, Q: np.ndarray, counts: dict,
+                     noise: float = 0.0):
     """Logits t_jk = s_jk u_jk^T W q_j of the copy probes at the rows q_j of Q (n, d).
 
-    Returns (t (n, d), s (n, d), U (n, d, d)) with U[j][:, k] = u_jk.
+    ``noise``: the answers' relative error (0: float64); a probe's signal must then
+    exceed SIGNAL_NOISE times it, and its logit's error is propagated.
+    Returns (t (n, d), s (n, d), U (n, d, d), dt (n, d)) with U[j][:, k] = u_jk and dt the
+    logits' expected errors (0 for float64).
     """
     n, d = Q.shape
     pre = Q @ (ffn.R + ffn.B).T + ffn.b                         # (n, m): pi at each q_j
@@ -254,6 +271,8 @@ def _measure_columns(oracle: Oracle, ffn: _FFN, Q: np.ndarray, counts: dict):
     F0 = oracle.query(Q[:, None, :])
     counts["copy probes"] = counts.get("copy probes", 0) + n
     t = np.full((n, d), np.nan)
+    dt = np.zeros((n, d))
+    floor = max(SIGNAL_FLOOR, SIGNAL_NOISE * noise)
     todo = np.ones((n, d), dtype=bool)
     for _ in range(MAX_PROBE_ROUNDS):
         jj, kk = np.nonzero(todo)
@@ -270,40 +289,123 @@ def _measure_columns(oracle: Oracle, ffn: _FFN, Q: np.ndarray, counts: dict):
             t_new = np.log((2.0 - rho) / (2.0 * rho - 2.0))
         # a saturated probe (weight on q + u near 0 or 1 for both copy counts) leaves y1,
         # y2 - y1 at the outputs' rounding, and its ratio is noise: probed again, smaller
-        level = SIGNAL_FLOOR * np.maximum(np.abs(F0[jj]), np.abs(y1 + F0[jj]))
+        size = np.maximum(np.maximum(np.abs(F0[jj]), np.abs(y1 + F0[jj])), np.abs(y2 + F0[jj]))
+        level = floor * size
         good = (np.isfinite(t_new) & (np.abs(t_new) <= WELL_CONDITIONED_LOGIT)
                 & (np.abs(y1) > level) & (np.abs(y2 - y1) > level))
         t[jj[good], kk[good]] = t_new[good]
+        if noise:
+            # each answer off by noise * size: rho = y2 / y1, dt / drho = -1/(2 - rho) -
+            # 1/(rho - 1)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                drho = noise * size * np.sqrt(2.0 + 2.0 * rho * rho) / np.abs(y1)
+                dt_new = drho * (1.0 / np.abs(2.0 - rho) + 1.0 / np.abs(rho - 1.0))
+            dt[jj[good], kk[good]] = dt_new[good]
         todo[jj[good], kk[good]] = False
         s[jj[~good], kk[~good]] /= 8.0
     if todo.any():
         raise ModelMismatchError(
             f"{int(todo.sum())} copy probes gave no logit (the ratio of two copy counts must lie "
             f"in (1, 2)): not an attention layer followed by a ReLU FFN")
-    return t, s, U
+    return t, s, U, dt
 
 
-def _copy_logits(oracle: Oracle, ffn: _FFN, rng, scale: float, counts: dict):
+def _copy_logits(oracle: Oracle, ffn: _FFN, rng, scale: float, counts: dict,
+                 noise: float = 0.0):
     """W from the copy probes of identity 3: 2 d^2 + d queries, plus a pilot column.
 
     The pilot column (2 d + 1 queries) sets the probe radius: far from the origin the
     FFN's pieces are wider (their room grows with |q|) and the logits grow like |q|^2,
     so the radius is raised until the median logit is about TARGET_LOGIT.
-    Returns (W (d, d), details).
+    ``noise`` (the answers' relative error, 0 for float64) also gives the details
+    "W error bar": ERROR_BAR_SIGMAS times the logits' propagated error, relative to max |W|.
+    Returns (W (d, d), the largest probe radius, details).
     """
     d = oracle.dim
     Q, radius = _probe_points(ffn, rng, scale, d)
-    t, s, U = _measure_columns(oracle, ffn, Q[:1], counts)
+    t, s, U, _ = _measure_columns(oracle, ffn, Q[:1], counts, noise)
     typical = float(np.median(np.abs(t)))
     radius *= float(np.clip(math.sqrt(TARGET_LOGIT / max(typical, 1e-300)), 1.0, MAX_RADIUS))
     Q, radius = _probe_points(ffn, rng, radius, d)
-    t, s, U = _measure_columns(oracle, ffn, Q, counts)
+    t, s, U, dt = _measure_columns(oracle, ffn, Q, counts, noise)
     # column j: W q_j = U_j (t_j / s_j); W = (W Q^T) (Q^T)^{-1}
     WQ = np.einsum("jek,jk->ej", U, t / s)
     W = np.linalg.solve(Q, WQ.T).T
-    return W, radius, {"copy probe radius": f"{radius:.3g}",
+    details = {"copy probe radius": f"{radius:.3g}",
                "copy probe steps": f"{s.min():.3g} .. {s.max():.3g}",
                "copy probe logits": f"{np.abs(t).min():.2g} .. {np.abs(t).max():.2g}"}
+    if noise:
+        # U_j orthonormal: column j of W Q^T is off by |dt_j / s_j|; W by at most that
+        # (Frobenius) times |Q^{-1}|
+        column = safe_norm(dt / s, axis=1)
+        spread = safe_norm(column) / np.linalg.svd(Q, compute_uv=False)[-1]
+        details["W error bar"] = ERROR_BAR_SIGMAS * float(spread) / float(np.abs(W).max())
+    return W, radius, details
+
+
+def _fit_logits(oracle: Oracle, ffn: _FFN, W: np.ndarray, rng, noise: float):
+    """W fitted to FIT_PROBES d^2 random sequences (lengths 2 and 3) with the FFN known
+    (rounded answers: one head, V = I, pre-activations R x_N + B y + b).
+
+    The copy probes keep to one linear piece of the FFN, so their signal is a small part
+    of each answer, and rounding of relative size ``noise`` spoils their logits by
+    1e-5 to 1e-3. Once the FFN is known to about 1e-6, nothing needs to stay in one piece:
+    f(X) = w^T ReLU(R x_N + B X^T softmax(X W x_N) + b) + c0 is fitted to sequences of
+    tokens whose logits are of order FIT_LOGIT, where the attention moves each answer by
+    as much as the answer itself (Gauss-Newton from the copy probes' W, each answer
+    weighted by 1 / (|f| + median |f| / 10)). Returns (W, details) with "W fit noise" the
+    weighted residual's rms and "W error bar" ERROR_BAR_SIGMAS standard errors of the
+    worst entry of W relative to max |W|, at that measured noise.
+    """
+    d = oracle.dim
+    n = FIT_PROBES * d * d
+    lengths = np.where(np.arange(n) % 2 == 0, 2, 3)
+    Z = rng.standard_normal((n, 3, d)) / math.sqrt(d)
+    # token size: median |logit| about FIT_LOGIT under the copy probes' W
+    logits = np.abs(np.einsum("nid,de,ne->ni", Z[:, :2], W, Z[:, -1]))
+    Z *= math.sqrt(FIT_LOGIT / max(float(np.median(logits)), 1e-300))
+    seqs = [z[3 - L:] for z, L in zip(Z, lengths)]
+    oracle.require(n, "fitting W to the answers")
+    f = np.asarray(oracle.query_ragged(seqs), dtype=np.float64)
+    weight = 1.0 / (np.abs(f) + 0.1 * float(np.median(np.abs(f))) + 1e-300)
+    mask = np.ones((n, 3), dtype=bool)
+    mask[lengths == 2, 0] = False                 # Z[:, 0] is padding for length 2
+    last = Z[:, -1]
+
+    def model(W):
+        s = np.einsum("nid,de,ne->ni", Z, W, last)
+        s = np.where(mask, s, -np.inf)
+        a = np.exp(s - s.max(axis=1, keepdims=True))
+        a /= a.sum(axis=1, keepdims=True)
+        y = np.einsum("ni,nid->nd", a, Z)
+        pre = last @ ffn.R.T + y @ ffn.B.T + ffn.b
+        out = np.maximum(pre, 0.0) @ ffn.w + ffn.c0
+        g = ((pre > 0) * ffn.w) @ ffn.B                           # (n, d): df / dy
+        # df / dW = sum_i a_i (g^T (z_i - y)) z_i last^T
+        coef = a * np.einsum("nd,nid->ni", g, Z - y[:, None, :])
+        J = np.einsum("ni,nid,ne->nde", coef, Z, last).reshape(n, d * d)
+        return out, J
+
+    out, J = model(W)
+    r = (f - out) * weight
+    cost = float(r @ r)
+    for _ in range(FIT_ROUNDS):
+        step = np.linalg.lstsq(J * weight[:, None], r, rcond=None)[0].reshape(d, d)
+        out_new, J_new = model(W + step)
+        r_new = (f - out_new) * weight
+        new_cost = float(r_new @ r_new)
+        if not new_cost < cost:
+            break
+        done = new_cost > 0.999 * cost
+        W, J, r, cost = W + step, J_new, r_new, new_cost
+        if done:
+            break
+    sigma = math.sqrt(cost / max(n - d * d, 1))
+    sv = np.linalg.svd(J * weight[:, None], full_matrices=False)
+    std = sigma * np.sqrt(((sv[2] / sv[1][:, None]) ** 2).sum(axis=0))
+    return W, {"W fit": f"{n} sequences of lengths 2, 3",
+               "W fit noise": sigma,
+               "W error bar": ERROR_BAR_SIGMAS * float(std.max()) / float(np.abs(W).max())}
 
 
 def _match_by_bias(net1: BiasedReLUNetwork, net2: BiasedReLUNetwork):
@@ -394,8 +496,11 @@ def _extract_layer(oracle, heads, seed, verify_tolerance, scale, output_dtype, d
     if d < 2:
         raise InputError("the Transformer layer learner needs d >= 2")
     stated = stated_precision(output_dtype, decimals)    # bad options before any query
-    if stated is not None and stated.forward:            # refused before any query
-        _check_precision(np.ones(1), output_dtype, None, verify_tolerance, 0, [])
+    if stated is not None and stated.forward:            # refused before any query:
+        if heads > 1:                                    # several heads,
+            _refuse_low_precision(stated, "several heads", 0)
+        floor = UNIT_ROUNDING[stated.name]               # or a dtype too coarse at its best
+        _noisy_tolerances(floor / NOISE_BOUND, stated, floor, 0)
     seeds = np.random.SeedSequence(seed).spawn(5)
     counts: dict[str, int] = {}
 
@@ -403,15 +508,28 @@ def _extract_layer(oracle, heads, seed, verify_tolerance, scale, output_dtype, d
 
     residual, gap, answers = stage("residual check", lambda: _detect_residual(
         oracle, np.random.default_rng(seeds[0])))
-    verify_tolerance = _check_precision(answers, output_dtype, decimals, verify_tolerance,
-                                        oracle.queries - start_queries, precision_notes)
+    precision = precision_of(answers, output_dtype, decimals)
+    noise = _relative_noise(precision, answers)
+    tolerances = Tolerances()
+    if noise > MAX_RELATIVE_NOISE:
+        tolerances, noise = _low_precision(oracle, precision, noise, seeds, scale, heads, gap,
+                                           oracle.queries - start_queries, precision_notes,
+                                           counts)
+        residual = False          # _low_precision refuses a residual term
+    elif not precision.exact:
+        verify_tolerance = max(verify_tolerance, 30.0 * noise)
+        precision_notes.append(f"{precision.describe()}: {noise:.1e} relative, within what "
+                               f"this learner needs; held-out tolerance widened to "
+                               f"{verify_tolerance:.1e}")
     if heads > 1:
         return _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries,
                               start_bb, verify_tolerance, scale)
     ffn_counts: dict[str, int] = {}
     net1, info1 = stage("single tokens", lambda: extract_biased_relu(
-        oracle, np.random.default_rng(seeds[1]), scale=scale, counts=ffn_counts))
-    biased = bool(np.abs(net1.b).max() > BIAS_ZERO * scale)
+        oracle, np.random.default_rng(seeds[1]), scale=scale, counts=ffn_counts,
+        tolerances=tolerances))
+    bar = info1.get("error bar", 0.0)              # low precision: the joint fit's bar
+    biased = bool(np.abs(net1.b).max() > max(BIAS_ZERO * scale, bar))
     if not biased:
         net1 = stage("single tokens", lambda: _without_biases(oracle, net1))
     details = {"hidden units": net1.width, "residual": f"{residual} (f([p; 0]) vs f([p/2]): "
@@ -445,8 +563,35 @@ def _extract_layer(oracle, heads, seed, verify_tolerance, scale, output_dtype, d
         B, R = net1.P, np.zeros_like(net1.P)
     ffn = _FFN(R, B, net1.b, net1.w, net1.c0)
     W, reach, probe_info = stage("copy probes", lambda: _copy_logits(
-        oracle, ffn, np.random.default_rng(seeds[3]), scale, {}))
+        oracle, ffn, np.random.default_rng(seeds[3]), scale, {}, tolerances.noise))
     details.update(probe_info)
+    expected = "measured"
+    if tolerances.noise:
+        W, fit_info = stage("joint fit of W", lambda: _fit_logits(
+            oracle, ffn, W, np.random.default_rng(seeds[3].spawn(1)[0]), noise))
+        probe_info.pop("W error bar")
+        details.update(fit_info)
+        # the FFN's own error (its bar) enters every answer of the fit besides the rounding
+        if not fit_info["W fit noise"] <= NOISY_FIT * (noise + bar):
+            raise ModelMismatchError(
+                f"no W fits the answers to their rounding with the FFN found (weighted "
+                f"residual {fit_info['W fit noise']:.1e}, noise {noise:.1e}, the FFN's error "
+                f"bar {bar:.1e}): not an attention layer followed by a ReLU FFN")
+        bar = max(bar, fit_info["W error bar"])
+        if not bar <= MAX_NOISY_BAR:
+            raise RecoveryFailedError(
+                f"the layer's error bar is {bar:.1e} (largest canonical parameter error, from "
+                f"the fits at the measured noise {noise:.1e}), above {MAX_NOISY_BAR:.0e}: the "
+                f"answers are too coarse for this layer; nothing is returned. Serve the black "
+                f"box in float64")
+        verify_tolerance = max(verify_tolerance, VERIFY_NOISE * (noise + bar))
+        details["measured noise"] = f"{noise:.1e} relative"
+        details["error bar"] = bar
+        expected = bar
+        precision_notes.append(
+            f"error bar {bar:.1e} (largest canonical parameter error, {ERROR_BAR_SIGMAS:g} "
+            f"standard errors of the fits at the measured noise {noise:.1e}); held-out "
+            f"tolerance {verify_tolerance:.1e}")
     if residual:
         V = np.linalg.lstsq(R, B, rcond=None)[0]
         model = TransformerLayer(W, V, R, net1.b, net1.w, net1.c0, residual=True)
@@ -454,31 +599,74 @@ def _extract_layer(oracle, heads, seed, verify_tolerance, scale, output_dtype, d
         model = TransformerLayer(W, np.eye(d), B, net1.b, net1.w, net1.c0)
     details["FFN queries"] = ", ".join(f"{k} {v}" for k, v in ffn_counts.items())
     return _finish(oracle, model, counts, details, seeds, start, start_queries, start_bb,
-                   verify_tolerance, reach)
+                   verify_tolerance, reach, expected, tolerances.noise)
 
 
-def _check_precision(answers, output_dtype, decimals, verify_tolerance: float,
-                     spent: int, notes: list) -> float:
-    """The held-out tolerance for answers of the stated (or detected) precision; answers
-    coarser than MAX_RELATIVE_NOISE are refused (:class:`RecoveryFailedError`). A
-    precision short of float64 but fine enough is said in ``notes`` (appended)."""
-    precision = precision_of(answers, output_dtype, decimals)
+def _relative_noise(precision, answers) -> float:
+    """The answers' relative error as stated or detected (0 for float64)."""
     if precision.exact:
-        return verify_tolerance
+        return 0.0
     size = safe_rms(answers)        # answers of 1e200 would overflow when squared
-    noise = precision.relative + precision.absolute / max(size, 1e-300)
-    if noise > MAX_RELATIVE_NOISE:
-        raise RecoveryFailedError(
-            f"the transformer-layer learner needs answers accurate to "
-            f"{MAX_RELATIVE_NOISE:.0e} relative (its single-token stage fits exact affine "
-            f"pieces between the FFN's kinks, and rounding makes kinks of its own): "
-            f"{precision.describe()} is {noise:.1e}; refused after {spent} queries, nothing "
-            f"is returned. Serve the black box in float64"
-            + ("" if precision.stated else "; stating --output-dtype float32|bfloat16 (API "
-               "output_dtype=) refuses before any query"))
-    notes.append(f"{precision.describe()}: {noise:.1e} relative, within what this learner "
-                 f"needs; held-out tolerance widened to {30.0 * noise:.1e}")
-    return max(verify_tolerance, 30.0 * noise)
+    return precision.relative + precision.absolute / max(size, 1e-300)
+
+
+def _refuse_low_precision(precision, why: str, spent: int):
+    raise RecoveryFailedError(
+        f"the transformer-layer learner takes low-precision answers ({precision.describe()}) "
+        f"only for one head without a residual connection (--heads 1): its other stages "
+        f"need answers accurate to {MAX_RELATIVE_NOISE:.0e} relative, and this layer has "
+        f"{why}; refused after {spent} queries, nothing is returned. Serve the black box "
+        f"in float64" + ("" if precision.stated else "; stating --output-dtype "
+                         "float32|bfloat16 or --decimals K (API output_dtype=, decimals=) "
+                         "refuses before any query"))
+
+
+def _low_precision(oracle, precision, noise, seeds, scale, heads, gap, spent, notes, counts):
+    """Answers coarser than MAX_RELATIVE_NOISE: the noise measured, the single-token
+    stage's thresholds set from it (:func:`noisy_tolerances`); several heads or a residual
+    term are refused (:class:`RecoveryFailedError`). Returns (tolerances, noise)."""
+    if heads > 1:
+        _refuse_low_precision(precision, f"{heads} heads asked for", spent)
+    if precision.forward:
+        noise = UNIT_ROUNDING[precision.name]
+    measured = _stage(oracle, counts, "noise", lambda: _measure_noise(
+        oracle, np.random.default_rng(seeds[0].spawn(1)[0]), scale))
+    # the measured spread, not the stated or detected bound: one rounding to float32 is
+    # off by at most 6e-8 relative but by 2.5e-8 typically; a forward pass by more
+    noise = max(noise / NOISE_BOUND, measured)
+    if gap > RESIDUAL_NOISE * noise:
+        _refuse_low_precision(precision, f"a residual connection (f([p; 0]) and f([p / 2]) "
+                              f"differ by {gap:.1e})", spent + 3 * NOISE_POINTS)
+    tolerances = _noisy_tolerances(noise, precision, measured, spent + 3 * NOISE_POINTS)
+    notes.append(f"{precision.describe()}; measured noise {measured:.1e} relative: the "
+                 f"single-token stage ran with chords of {tolerances.chord:.2g} and a joint "
+                 f"least-squares fit")
+    return tolerances, noise
+
+
+def _noisy_tolerances(noise, precision, measured, spent):
+    """:func:`noisy_tolerances`, its refusal naming the precision and the queries spent."""
+    try:
+        return noisy_tolerances(noise)
+    except RecoveryFailedError as exc:
+        raise RecoveryFailedError(f"{exc} ({precision.describe()}, noise {measured:.1e}); "
+                                  f"refused after {spent} queries, nothing is returned. Serve "
+                                  f"the black box in float64, or in float32") from None
+
+
+def _measure_noise(oracle, rng, scale: float) -> float:
+    """The answers' relative noise: second differences F(x + h u) - 2 F(x) + F(x - h u) of
+    single tokens vanish for a piecewise-linear F except across a kink (rare at a short
+    step h), so their median is rounding alone. 3 NOISE_POINTS queries."""
+    d = oracle.dim
+    x = scale * rng.standard_normal((NOISE_POINTS, d))
+    u = rng.standard_normal((NOISE_POINTS, d))
+    u *= NOISE_STEP * scale / safe_norm(u, axis=1)[:, None]
+    oracle.require(3 * NOISE_POINTS, "measuring the answers' noise")
+    f = oracle.query(np.concatenate([x - u, x, x + u])[:, None, :]).reshape(3, NOISE_POINTS)
+    second = np.abs(f[0] - 2.0 * f[1] + f[2]) / np.maximum(np.abs(f).max(axis=0), 1e-300)
+    # |D| of three independent errors of std s has median 0.6745 sqrt(6) s
+    return float(np.median(second)) / (0.6745 * math.sqrt(6.0))
 
 
 def free_parameters(model: TransformerLayer) -> int:
@@ -489,7 +677,8 @@ def free_parameters(model: TransformerLayer) -> int:
 
 
 def _finish(oracle, model, counts, details, seeds, start, start_queries, start_bb,
-            verify_tolerance, reach: float = 0.0) -> ExtractionResult:
+            verify_tolerance, reach: float = 0.0, expected="measured",
+            noise: float = 0.0) -> ExtractionResult:
     """Held-out verification (also far out, where the probes or the FFN's hyperplanes
     were, when that is beyond the usual token scale), the report, the checked result."""
     from ..report import Verification
@@ -503,11 +692,13 @@ def _finish(oracle, model, counts, details, seeds, start, start_queries, start_b
     n_far = n_verify // 2 if far > 2.0 * near else 0
     oracle.require(n_verify + n_far, "held-out verification of the Transformer layer")
     verification = verify_model(oracle, model, count=n_verify, seed=rng,
-                                tolerance=verify_tolerance, scale=near, expected_error="measured")
+                                tolerance=verify_tolerance, scale=near, expected_error=expected,
+                                answer_noise=noise)
     if n_far:
         # a unit active only far out is invisible near the origin: look where it is
         far_check = verify_model(oracle, model, count=n_far, seed=rng,
-                                 tolerance=verify_tolerance, scale=far, expected_error="measured")
+                                 tolerance=verify_tolerance, scale=far, expected_error=expected,
+                                 answer_noise=noise)
         verification = Verification(
             sequences=n_verify + n_far,
             max_relative_error=max(verification.max_relative_error,

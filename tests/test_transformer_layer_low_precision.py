@@ -1,0 +1,106 @@
+"""The Transformer-layer learner on low-precision answers (one head, no residual term):
+float32-rounded answers, a float32 forward pass, K decimals; refusals that name why."""
+
+import numpy as np
+import pytest
+
+from attnextract import Oracle, extract
+from attnextract.adapters.targets import Float32TransformerLayerBlackBox
+from attnextract.errors import ModelMismatchError, RecoveryFailedError
+from attnextract.learners.transformer_layer import (compare_transformer_layer,
+                                                    random_transformer_layer)
+from attnextract.oracle import RoundedOutputs
+from conftest import grid
+
+
+def _within_bar(result, truth):
+    """The canonical error of the result against the truth, its stated bar."""
+    bar = result.report.details["error bar"]
+    error = compare_transformer_layer(result.model, truth)["max_error"]
+    assert result.report.verification.passed
+    assert error <= bar, (error, bar)
+    return error, bar
+
+
+@pytest.mark.parametrize("bias", [0.0, 1.0])
+@pytest.mark.parametrize("seed", grid(range(10), range(3)))
+def test_float32_rounded_layer_is_recovered_within_its_bar(seed, bias):
+    layer = random_transformer_layer(8, 8, seed, bias_scale=bias, c0=0.5 if bias else 0.0)
+    result = extract(Oracle(RoundedOutputs(layer), 8), "transformer-layer", seed=seed)
+    error, bar = _within_bar(result, layer)
+    assert bar <= 1e-3                   # float32 answers: about 1e-6 to 1e-4 measured
+    assert any("rounded to float32 (detected" in note for note in result.report.notes)
+    assert any(note.startswith("error bar") for note in result.report.notes)
+
+
+@pytest.mark.parametrize("seed", grid(range(10), range(2)))
+def test_float32_forward_pass_is_recovered_within_its_bar(seed):
+    """Every product and sum in float32 (stated): the measured noise sets the chords."""
+    box = Float32TransformerLayerBlackBox(random_transformer_layer(8, 8, seed, bias_scale=1.0,
+                                                                   c0=0.5))
+    result = extract(Oracle(box, 8), "transformer-layer", output_dtype="float32", seed=seed)
+    _within_bar(result, box.truth)
+    assert any("a forward pass in float32 (stated" in note for note in result.report.notes)
+
+
+def test_float32_torch_forward_pass_is_recovered_within_its_bar_or_refused():
+    """torch float32 operations (PyTorch's default dtype): a model within its bar, or a
+    typed refusal (a weak unit the float32 chords miss), never a model outside its bar."""
+    torch = pytest.importorskip("torch")
+    recovered = 0
+    for seed in range(3):
+        truth = Float32TransformerLayerBlackBox(random_transformer_layer(
+            8, 8, seed, bias_scale=1.0, c0=0.2)).truth                 # float32 parameters
+        W, A, b, w = (torch.tensor(a, dtype=torch.float32) for a in
+                      (truth.W[0], truth.A @ truth.V[0], truth.b, truth.w))
+
+        def box(X):
+            with torch.no_grad():
+                X = torch.as_tensor(X, dtype=torch.float32)
+                alpha = torch.softmax(torch.einsum("bnd,de,be->bn", X, W, X[:, -1]), dim=1)
+                y = torch.einsum("bn,bnd->bd", alpha, X)
+                return (torch.relu(y @ A.T + b) @ w + truth.c0).double().numpy()
+
+        try:
+            result = extract(Oracle(box, 8), "transformer-layer", output_dtype="float32",
+                             seed=seed)
+        except (RecoveryFailedError, ModelMismatchError):
+            continue
+        _within_bar(result, truth)
+        recovered += 1
+    assert recovered >= 2
+
+
+def test_decimals_stated_or_detected_give_the_same_model():
+    layer = random_transformer_layer(8, 8, 3, bias_scale=1.0, c0=0.5)
+    stated = extract(Oracle(RoundedOutputs(layer, decimals=8), 8), "transformer-layer",
+                     decimals=8, seed=3)
+    detected = extract(Oracle(RoundedOutputs(layer, decimals=8), 8), "transformer-layer",
+                       seed=3)
+    error, bar = _within_bar(stated, layer)
+    assert bar <= 1e-5
+    assert np.array_equal(stated.model.W, detected.model.W)
+
+
+def test_too_coarse_answers_are_refused_naming_the_option():
+    layer = random_transformer_layer(8, 8, 3)
+    oracle = Oracle(RoundedOutputs(layer, decimals=4), 8)
+    with pytest.raises(RecoveryFailedError, match=r"too coarse.*4 decimals \(detected"):
+        extract(oracle, "transformer-layer", seed=3)
+    assert oracle.queries < 100
+
+
+def test_residual_term_in_low_precision_is_refused_with_the_reason():
+    layer = random_transformer_layer(8, 8, 3, residual=True, bias_scale=1.0)
+    with pytest.raises(RecoveryFailedError, match=r"residual connection.*--heads 1|--heads 1"
+                                                 r".*residual connection"):
+        extract(Oracle(RoundedOutputs(layer), 8), "transformer-layer", seed=3)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_stated_half_precision_is_refused_before_any_query(dtype):
+    oracle = Oracle(random_transformer_layer(8, 8, 3), 8)
+    with pytest.raises(RecoveryFailedError, match=rf"too coarse.*{dtype} \(stated.*refused after "
+                                                  rf"0 queries"):
+        extract(oracle, "transformer-layer", output_dtype=dtype, seed=3)
+    assert oracle.queries == 0
