@@ -194,6 +194,10 @@ PERTURBATION_MOVE = 0.003 # base perturbations move the steps by about this x th
 PERTURBATION_NOISE_MOVES = 30.0  # ... or this x the base row's largest logit error,
 PERTURBATION_MAX_MOVE = 0.25     # ... at most this x the smallest gap
 DESIGNED_SCANS = 3         # scans of designed columns of the base row at most
+RANDOM_COLUMNS = 1         # random columns beyond H scanned (with q_0, H + 1 + this: none
+                           # left d = 16, H = 10, s = 3 seeds 10 and 16 crowded, one does not)
+CROWDED_GAP = 0.5          # a base row whose smallest step gap is below this x the evenly
+                           # spaced gap moves to a designed column
 COLUMN_SCAN_NORM = 0.7     # |q_j| of the base row's random columns (|q_0| = 1, which the
                            # row's scale puts 1.5 inside the window's edge)
 ILL_ROW_FACTOR = 30.0     # a main row whose parameters are pinned this much worse than the
@@ -619,7 +623,8 @@ class _Extraction:
         In row u_0 the heights c_h = u_0^T v_h do not depend on the column, while the
         positions t_h(q) = z_h^T q (z_h = W_h^T u_0) are linear in it. Random columns
         crowd different pairs of steps, so u_0 is scanned at H + 1 more random columns
-        (:func:`column_samples` each); each column's steps are labelled by matching
+        (:func:`column_samples` each) when its smallest step gap is below CROWDED_GAP of
+        the evenly spaced gap; each column's steps are labelled by matching
         their heights to those of the best pinned fit (:func:`.labels.match_heights`).
         A combination q* = q_0 + sum_j a_j (q_j - q_0) of the H + 2 columns has the
         steps t_h(q*) = t_h(q_0) + sum_j a_j (t_h(q_j) - t_h(q_0)) (exact also where the
@@ -639,7 +644,11 @@ class _Extraction:
             return                                  # one step never crowds
         first_gap = float(np.min(np.diff(self.base_fit.t)))
         self.details["base row smallest step gap (first row)"] = first_gap
-        k = H + 1
+        half = self.half_window - 2.0       # room for the predicted positions' error
+        spacing = 2.0 * half / (H - 1)
+        if first_gap >= CROWDED_GAP * spacing:
+            return                          # not crowded: the perturbations split its steps
+        k = H + RANDOM_COLUMNS
         columns = self.rng.standard_normal((k, d))
         # a little shorter than q_0: the scale of u_0 puts q_0's outermost step 1.5
         # inside the window's edge, and other columns spread their steps as far
@@ -661,8 +670,6 @@ class _Extraction:
                         key=lambda f: base_quality(f, self.half_window))
         Q = np.vstack([self.q_0[None], columns])                         # (k + 1, d)
         T, T_var = self.column_positions(fits, reference)
-        half = self.half_window - 2.0       # room for the predicted positions' error
-        spacing = 2.0 * half / (H - 1)
         u_0, best = self.u_0, (first_gap, self.u_0, self.q_0, self.base_fit)
         scan_cost = column_samples(H)
         after = (self.perturbation_cost(H) - self.column_cost(H)) + self.main_cost(H)
@@ -695,7 +702,7 @@ class _Extraction:
             gap = float(np.min(np.diff(steps.t)))
             if gap > best[0]:
                 best = (gap, u_0 * norm, self.q_0, steps)
-            if gap >= 0.5 * spacing:
+            if gap >= CROWDED_GAP * spacing:
                 break
             # its column joins the others (heights per unit of u_0)
             Q = np.vstack([Q, self.q_0[None] * norm])
@@ -1034,7 +1041,7 @@ class _Extraction:
     def column_cost(self, H: int) -> int:
         """Queries of the designed column (:meth:`designed_column`, H >= 2): the random
         columns and one designed scan."""
-        return (H + 2) * column_samples(H) if H > 1 else 0
+        return (H + RANDOM_COLUMNS + 1) * column_samples(H) if H > 1 else 0
 
     def perturbation_cost(self, H: int) -> int:
         """Queries of the base estimate: the designed column and the base perturbations."""
