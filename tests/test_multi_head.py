@@ -207,10 +207,10 @@ def test_query_counts_are_exact_per_stage():
     assert b["main columns"] == d * d * (H + 1)      # d columns a row, H steps + a spare
     assert b["base perturbations"] == (d - 1) * (2 * H + 3)   # a uniform grid
     assert b["base scale"] % s0 == 0 and b["base rows"] % s0 == 0
-    # a crowded base row: H + 1 random columns and one to three designed ones, 3H + 3 each
+    # a crowded base row: H + 1 random columns and one to three designed ones, 3H + 1 each
     columns = b.get("base columns", 0)
-    assert columns == 0 or (columns % (3 * H + 3) == 0
-                            and H + 2 <= columns // (3 * H + 3) <= H + 4)
+    assert columns == 0 or (columns % (3 * H + 1) == 0
+                            and H + 2 <= columns // (3 * H + 1) <= H + 4)
     assert b["recovery"] == sum(v for k, v in b.items() if k not in ("recovery", "verification"))
     assert b["verification"] == max(64, H * (d * d + d) // 100)
 
