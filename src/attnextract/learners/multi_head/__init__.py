@@ -29,13 +29,14 @@ Algorithm.
    hides a head whose height is small there and whose step falls near another's).
 3. Designed column. Random rows put their steps at Gaussian positions, which crowd,
    and two close steps leave the perturbations (below) unable to split them (first
-   order sees only c_1 a_1 + c_2 a_2). In row u_0 the heights c_h do not depend on the
-   column while the positions t_h(q) = z_h^T q are linear in it, so u_0 is scanned at
-   H + 1 random columns (each crowds other pairs), their steps labelled by matching
-   heights, and the combination q* of the columns that puts the steps at evenly
-   spaced positions with the least predicted error is scanned (again, with that scan
-   among the columns, while its steps still crowd): (u_0 |q*|, q* / |q*|) is the base
-   row from here on (q_0 := q*).
+   order sees only c_1 a_1 + c_2 a_2: W_h q_0 came out 0.3 to 80x off). A base row whose
+   smallest gap is below half the evenly spaced gap moves: in row u_0 the heights c_h
+   do not depend on the column while the positions t_h(q) = z_h^T q are linear in it,
+   so u_0 is scanned at H + 1 random columns (each crowds other pairs), their steps
+   labelled by matching heights, and the combination q* of the columns that puts the
+   steps at evenly spaced positions with the least predicted error is scanned (again,
+   with that scan among the columns, while its steps still crowd): (u_0 |q*|,
+   q* / |q*|) is the base row from here on (q_0 := q*).
    Base perturbations u_0 + eps w_k (k = 1..d-1) on a uniform lambda grid, eps a
    fraction of the smallest gap: the steps keep their labels and give every head's
    W_h q_0 and v_h (variable projection, heights solved linearly), to about 1e-7
@@ -103,8 +104,8 @@ grows with H, N up to 32768 tokens) and the black box's own rounding, which grow
 the heights sum_h |c_h|.
 
 Queries: d + base (3 to 14 scans of 4H + 8 samples, within what paper 2's count leaves;
-(H + 1)(3H + 3) column samples and one to three designed scans; (d - 1)(3H + 3)
-perturbations)
+a crowded row's H + 1 random and one to three designed columns of 3H + 1;
+(d - 1)(2H + 3) perturbations)
 + d (2H + 1) + d^2 (H + 1) main probes, plus d^2 (H + 1) when round 3 runs: the floor H(d^2 + d) (the canonical form's free parameters) plus
 about d^2 + Hd + base (twice the columns with round 3), never above paper 2's count
 4Hd^2 - 2H + 1. With ``precision="full"`` and float64 answers, the short probes spend
@@ -1052,8 +1053,8 @@ class _Extraction:
         return self.d * self.d * (H + COLUMN_SPARES)
 
     def base_perturbations(self):
-        """W_h q_0 and v_h (rough) from rows u_0 + eps w_k, each sampled on a uniform
-        grid of 3H + 3 lambdas (not at the steps: two close steps stay pinned).
+        """W_h q_0 and v_h from rows u_0 + eps w_k, each sampled on a uniform grid of
+        :func:`perturbation_samples` lambdas.
 
         Returns (Y0 (d, H), V0 (d, H), predicted relative error of the worst column of
         Y0): each row fit's logit errors propagated through the rows' inverse."""
