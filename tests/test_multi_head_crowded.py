@@ -54,7 +54,8 @@ def test_column_steps_are_labelled_by_their_heights():
 @pytest.mark.parametrize("seed, learner_seed", [(4, 503014685), (9, 1314360737)])
 def test_crowded_base_row_moves_to_a_designed_column(monkeypatch, seed, learner_seed):
     """d = H = 8, s = 3: the first base row's close steps (seed 4: 0.07 apart, seed 9:
-    0.006) left W_h q_0 0.4 to 6 off from the perturbations. The same row scanned at
+    0.006 with the Haswell kernel, 0.22 with Zen) left W_h q_0 0.4 to 6 off from the
+    perturbations. The same row scanned at
     random columns, its steps labelled by their heights, gives a column that spaces
     them evenly: the perturbations around it give W_h q* to 1e-6 at most, the truth
     within 10x of that prediction, within paper 2's count with room for the rest."""
@@ -65,8 +66,9 @@ def test_crowded_base_row_moves_to_a_designed_column(monkeypatch, seed, learner_
     Y0, _ = run.base_estimate()
     det = run.details
     spacing = 2.0 * (run.half_window - 2.0) / (H - 1)
-    assert det["base row smallest step gap (first row)"] < 0.1
-    assert det["designed column smallest step gap"] >= 0.5 * spacing
+    # (which row the base search keeps depends on the last bits: crowded in any case)
+    assert det["base row smallest step gap (first row)"] < multi_head.CROWDED_GAP * spacing
+    assert det["designed column smallest step gap"] >= multi_head.CROWDED_GAP * spacing
     assert np.allclose(run.u_0 / np.linalg.norm(run.u_0), first_u / np.linalg.norm(first_u))
     predicted = det["base estimate relative error"]
     assert predicted <= 1e-6
