@@ -632,8 +632,8 @@ class _Extraction:
         positions are affine in q, with biases): the a that puts them at evenly spaced
         positions (random order) with the least predicted error (each step's variance
         from its fit; steps whose heights match no head, such as two crowded steps
-        splitting their heights anyhow, are off by at most their span; a fit that
-        misses the noise, by the window) gives q* (:func:`.design.least_uncertain_row`
+        splitting their heights anyhow, are off by at most their span; a column whose
+        fit misses the noise is replaced by another, once) gives q* (:func:`.design.least_uncertain_row`
         in the columns' coordinates). Row (u_0 |q*|, q* / |q*|) (with biases (u_0, q*))
         is scanned; while its steps still crowd (below half the designed spacing), its
         column joins the others and q* is designed again (DESIGNED_SCANS scans at most,
@@ -649,31 +649,47 @@ class _Extraction:
         spacing = 2.0 * half / (H - 1)
         if first_gap >= CROWDED_GAP * spacing:
             return                          # not crowded: the perturbations split its steps
-        k = H + RANDOM_COLUMNS
-        columns = self.rng.standard_normal((k, d))
-        # a little shorter than q_0: the scale of u_0 puts q_0's outermost step 1.5
-        # inside the window's edge, and other columns spread their steps as far
-        columns *= COLUMN_SCAN_NORM / np.linalg.norm(columns, axis=1, keepdims=True)
         lam_c = design.base_lambdas(column_samples(H), self.half_window)
         S = lam_c.size
-        before = self.oracle.queries
-        lam, g = self.measure(np.repeat(self.u_0[None], k * S, 0), np.repeat(columns, S, 0),
-                              np.tile(lam_c, k))
-        self.spend("base columns", before)
-        lam, g = lam.reshape(k, S), g.reshape(k, S)
-        fits = [self.base_fit]
-        for j in range(k):
-            noise = self.noise(g[j] + columns[j] @ self.v, float(np.sum(np.abs(self.base_fit.c))))
-            steps = fit.fit_free_steps(lam[j], g[j], self.u_0 @ self.v, H, self.half_window,
-                                       noise, counts=[H])[-1]
-            fits.append(steps if steps.rms <= NOISE_FACTOR * noise else None)
-        reference = min((f for f in fits if f is not None),
-                        key=lambda f: base_quality(f, self.half_window))
-        Q = np.vstack([self.q_0[None], columns])                         # (k + 1, d)
-        T, T_var = self.column_positions(fits, reference)
-        u_0, best = self.u_0, (first_gap, self.u_0, self.q_0, self.base_fit)
         scan_cost = column_samples(H)
         after = (self.perturbation_cost(H) - self.column_cost(H)) + self.main_cost(H)
+        fits, Q = [self.base_fit], [self.q_0]
+        # random columns until H + RANDOM_COLUMNS fit to the noise (a column whose fit
+        # misses it tells no position; crowded columns do, 2 of 9 at d = H = 8), one
+        # batch of the missing ones after the first, within the count
+        for batch in range(2):
+            k = H + RANDOM_COLUMNS - (len(fits) - 1)
+            if k <= 0 or (batch and not self.affordable(k * scan_cost + after, H)):
+                break
+            columns = self.rng.standard_normal((k, d))
+            # a little shorter than q_0: the scale of u_0 puts q_0's outermost step 1.5
+            # inside the window's edge, and other columns spread their steps as far
+            columns *= COLUMN_SCAN_NORM / np.linalg.norm(columns, axis=1, keepdims=True)
+            before = self.oracle.queries
+            lam, g = self.measure(np.repeat(self.u_0[None], k * S, 0),
+                                  np.repeat(columns, S, 0), np.tile(lam_c, k))
+            self.spend("base columns", before)
+            lam, g = lam.reshape(k, S), g.reshape(k, S)
+            for j in range(k):
+                noise = self.noise(g[j] + columns[j] @ self.v,
+                                   float(np.sum(np.abs(self.base_fit.c))))
+                steps = fit.fit_free_steps(
+                    lam[j], g[j], self.u_0 @ self.v, self.max_heads, self.half_window,
+                    noise, counts=range(H, self.max_heads + 1),
+                    enough=lambda f: f.rms <= NOISE_FACTOR * noise)[-1]
+                if steps.rms <= NOISE_FACTOR * noise and steps.t.size > H:
+                    # the base row hid a head (a small height there, its step near
+                    # another's) that this column shows: a fresh design counts again
+                    raise _Redesign(RecoveryFailedError,
+                                    f"a column of the base row shows {steps.t.size} steps "
+                                    f"where the base row fitted {H}")
+                if steps.rms <= NOISE_FACTOR * noise:
+                    fits.append(steps)
+                    Q.append(columns[j])
+        reference = min(fits, key=lambda f: base_quality(f, self.half_window))
+        Q = np.array(Q)                                                 # (columns, d)
+        T, T_var = self.column_positions(fits, reference)
+        u_0, best = self.u_0, (first_gap, self.u_0, self.q_0, self.base_fit)
         for scan in range(DESIGNED_SCANS):
             if scan and not self.affordable(scan_cost + after, H):
                 break
@@ -699,7 +715,7 @@ class _Extraction:
             self.details["designed column scans"] = scan + 1
             if not (steps.rms <= NOISE_FACTOR * noise
                     and np.isfinite(base_quality(steps, self.half_window))):
-                continue
+                continue              # (its positions unknown: it does not join)
             gap = float(np.min(np.diff(steps.t)))
             if gap > best[0]:
                 best = (gap, u_0 * norm, self.q_0, steps)
@@ -716,15 +732,13 @@ class _Extraction:
         self.details["designed column smallest step gap"] = gap
 
     def column_positions(self, fits, reference):
-        """Positions (H, n) of each head in the columns of ``fits`` (StepFit or None: a
-        fit that missed the noise), labelled by their heights against ``reference``, and
-        their variances (H, n) for the design of :meth:`designed_column`."""
+        """Positions (H, n) of each head in the n columns of ``fits`` (StepFits that
+        reach the noise), labelled by their heights against ``reference``, and their
+        variances (H, n) for the design of :meth:`designed_column`."""
         H = reference.t.size
         T = np.zeros((H, len(fits)))
         T_var = np.full((H, len(fits)), self.half_window ** 2)
         for j, f in enumerate(fits):
-            if f is None:
-                continue
             order, matched = labels.match_heights(reference.c, reference.c_std, f.c, f.c_std)
             t, t_std = f.t[order], f.t_std[order]
             T[:, j] = t
