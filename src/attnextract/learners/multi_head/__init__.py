@@ -36,7 +36,8 @@ Algorithm.
    labelled by matching heights, and the combination q* of the columns that puts the
    steps at evenly spaced positions with the least predicted error is scanned (again,
    with that scan among the columns, while its steps still crowd): (u_0 |q*|,
-   q* / |q*|) is the base row from here on (q_0 := q*).
+   q* / |q*|) is the base row from here on (q_0 := q*). A column that shows more
+   steps than the base row (a head hidden there) draws a fresh design.
    Base perturbations u_0 + eps w_k (k = 1..d-1) on a uniform lambda grid, eps a
    fraction of the smallest gap: the steps keep their labels and give every head's
    W_h q_0 and v_h (variable projection, heights solved linearly), to about 1e-7
@@ -638,7 +639,9 @@ class _Extraction:
         is scanned; while its steps still crowd (below half the designed spacing), its
         column joins the others and q* is designed again (DESIGNED_SCANS scans at most,
         within the count). The scan with the widest smallest gap becomes the base row
-        when it beats the first one's.
+        when it beats the first one's. A column whose fit needs more steps than the base
+        row's (up to the heads asked) proves that row hid a head: a fresh design
+        (:class:`_Redesign`).
         """
         H, d = self.base_fit.t.size, self.d
         if H < 2:
