@@ -200,8 +200,9 @@ RANDOM_COLUMNS = 1         # random columns beyond H scanned (with q_0, H + 1 + 
                            # none, d = 16, H = 10, s = 3: seed 16 refused, seed 10 crowded)
 CROWDED_GAP = 0.5          # a base row whose smallest step gap is below this x the evenly
                            # spaced gap moves to a designed column
-COLUMN_SCAN_NORM = 0.7     # |q_j| of the base row's random columns (|q_0| = 1, which the
-                           # row's scale puts 1.5 inside the window's edge)
+COLUMN_SPREAD = 2.0        # the base row's random columns put their outermost step this many
+                           # deviations of the positions out (about the largest of H <= 12
+                           # Gaussian positions)
 ILL_ROW_FACTOR = 30.0     # a main row whose parameters are pinned this much worse than the
                           # median row's is redesigned
 LABEL_MISFIT = 100.0      # chi^2 per entry of the base rows' predictions (1 expected)
@@ -657,6 +658,14 @@ class _Extraction:
         scan_cost = column_samples(H)
         after = (self.perturbation_cost(H) - self.column_cost(H)) + self.main_cost(H)
         fits, Q = [self.base_fit], [self.q_0]
+        # a random unit column puts head h's step at z_h^T q ~ N(0, |z_h|^2 / d), whose
+        # spread q_0's own positions estimate: the columns are scaled so that their
+        # outermost step lies about COLUMN_SPREAD deviations out, 1.5 inside the window
+        # (q_0's spread alone is one draw: at d = 16, H = 10, s = 1 unit columns put ten
+        # steps within +-3.5 of a window of +-9, and none fitted)
+        deviation = float(np.sqrt(np.mean(np.square(self.base_fit.t))))
+        norm = float(np.clip((self.half_window - 1.5) / (COLUMN_SPREAD * max(deviation, 1e-300)),
+                             0.1, 10.0))
         # random columns until H + RANDOM_COLUMNS fit to the noise (a column whose fit
         # misses it tells no position; crowded columns do, 2 of 9 at d = H = 8), one
         # batch of the missing ones after the first, within the count
@@ -665,9 +674,7 @@ class _Extraction:
             if k <= 0 or (batch and not self.affordable(k * scan_cost + after, H)):
                 break
             columns = self.rng.standard_normal((k, d))
-            # a little shorter than q_0: the scale of u_0 puts q_0's outermost step 1.5
-            # inside the window's edge, and other columns spread their steps as far
-            columns *= COLUMN_SCAN_NORM / np.linalg.norm(columns, axis=1, keepdims=True)
+            columns *= norm / np.linalg.norm(columns, axis=1, keepdims=True)
             before = self.oracle.queries
             lam, g = self.measure(np.repeat(self.u_0[None], k * S, 0),
                                   np.repeat(columns, S, 0), np.tile(lam_c, k))
