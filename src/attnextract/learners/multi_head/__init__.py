@@ -664,8 +664,8 @@ class _Extraction:
         # (q_0's spread alone is one draw: at d = 16, H = 10, s = 1 unit columns put ten
         # steps within +-3.5 of a window of +-9, and none fitted)
         deviation = float(np.sqrt(np.mean(np.square(self.base_fit.t))))
-        norm = float(np.clip((self.half_window - 1.5) / (COLUMN_SPREAD * max(deviation, 1e-300)),
-                             0.1, 10.0))
+        column_norm = float(np.clip((self.half_window - 1.5)
+                                    / (COLUMN_SPREAD * max(deviation, 1e-300)), 0.1, 10.0))
         # random columns until H + RANDOM_COLUMNS fit to the noise (a column whose fit
         # misses it tells no position; crowded columns do, 2 of 9 at d = H = 8), one
         # batch of the missing ones after the first, within the count
@@ -674,7 +674,7 @@ class _Extraction:
             if k <= 0 or (batch and not self.affordable(k * scan_cost + after, H)):
                 break
             columns = self.rng.standard_normal((k, d))
-            columns *= norm / np.linalg.norm(columns, axis=1, keepdims=True)
+            columns *= column_norm / np.linalg.norm(columns, axis=1, keepdims=True)
             before = self.oracle.queries
             lam, g = self.measure(np.repeat(self.u_0[None], k * S, 0),
                                   np.repeat(columns, S, 0), np.tile(lam_c, k))
