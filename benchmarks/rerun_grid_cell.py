@@ -27,9 +27,9 @@ from attnextract.learners.multi_head.canonical import canonical_error
 
 # the stages a run went through (which paths of the learner it took)
 DETAILS = ("head counts of the base rows", "canonical heads",
-           "base estimate relative error (first row)", "base estimate relative error",
-           "base perturbation passes", "recentred base rows", "designs tried",
-           "failed designs", "short probes", "predicted relative error")
+           "base row smallest step gap (first row)", "designed column scans",
+           "designed column smallest step gap", "base estimate relative error",
+           "designs tried", "failed designs", "short probes", "predicted relative error")
 
 
 def main() -> None:

@@ -205,8 +205,12 @@ def test_query_counts_are_exact_per_stage():
     assert b["v tokens"] == d
     assert b["main rows"] == d * (2 * H + 1)         # steps, midpoints and both ends
     assert b["main columns"] == d * d * (H + 1)      # d columns a row, H steps + a spare
-    assert b["base perturbations"] == (d - 1) * (3 * H + 3)   # a uniform grid
+    assert b["base perturbations"] == (d - 1) * (2 * H + 3)   # a uniform grid
     assert b["base scale"] % s0 == 0 and b["base rows"] % s0 == 0
+    # a crowded base row: H + 1 random columns and one to three designed ones, 3H + 1 each
+    columns = b.get("base columns", 0)
+    assert columns == 0 or (columns % (3 * H + 1) == 0
+                            and H + 2 <= columns // (3 * H + 1) <= H + 4)
     assert b["recovery"] == sum(v for k, v in b.items() if k not in ("recovery", "verification"))
     assert b["verification"] == max(64, H * (d * d + d) // 100)
 
@@ -571,7 +575,7 @@ def test_float32_large_tokens_judged_at_the_models_own_precision(seed):
 
 
 def test_least_uncertain_row_hits_its_positions_where_the_estimate_is_sure():
-    """The recentred base row: u^T y_h are the designed positions (one order, one
+    """A row designed from an estimate: u^T y_h are the designed positions (one order, one
     offset), and the free directions avoid those where the estimate of y_h is unsure:
     its predicted position variance is far below a row designed without the covariance."""
     from attnextract.learners.multi_head.design import design_rows, least_uncertain_row
@@ -591,25 +595,21 @@ def test_least_uncertain_row_hits_its_positions_where_the_estimate_is_sure():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [15, 19])
-def test_crowded_base_row_is_recentred(seed):
-    """Eight heads at d = 12: the first base row's steps crowd (W_h q_0 predicted to
-    0.04-0.7 only, far above the 3e-3 that triggers it), so a row with evenly spaced
-    steps is designed from that estimate and the perturbations run again around it;
-    the estimate kept is the one whose measured error bar is smallest (orders of
-    magnitude apart, so no kernel's last bits decide it: seed 15 failed under the
-    Haswell and Zen kernels when a proxy decided), and the recovery stays within paper
-    2's count and its own error bar. (The perturbations may first be repeated around
-    the same row with the moves the estimate predicts.)"""
+def test_crowded_base_row_moves_to_a_designed_column(seed):
+    """Eight heads at d = 12: the first base row's steps crowd (perturbations around it
+    gave W_h q_0 to 0.04-0.7 only), so the row is scanned at random columns and moved
+    to a column that spaces its steps evenly; the perturbations run once, around it,
+    and the recovery stays within paper 2's count and its own error bar. (Seed 15
+    failed under the Haswell and Zen kernels when the estimate of the crowded row
+    decided the design.)"""
     d, H = 12, 8
     M = random_multi_head(H, d, seed=1000 * H + 10 * d + seed)
     result = check_extraction(M, seed, heads=H)
     det, b = result.report.details, result.report.breakdown
-    assert det["base estimate relative error (first row)"] > 1e-2
-    assert det.get("recentred base rows", 0) + det.get("base perturbation passes", 1) >= 2
-    assert (det["base estimate relative error"]
-            < 1e-2 * det["base estimate relative error (first row)"])
-    per_row = (d - 1) * (3 * H + 3)
-    assert b["base perturbations"] % per_row == 0 and b["base perturbations"] >= 2 * per_row
+    assert (det["designed column smallest step gap"]
+            > det["base row smallest step gap (first row)"])
+    assert det["base estimate relative error"] <= 1e-5
+    assert b["base perturbations"] == (d - 1) * (2 * H + 3)         # one pass
     assert canonical_error(result.model, M) <= det["error bar"]
 
 
@@ -735,7 +735,10 @@ def test_precision_and_rounding_options():
     fast = check_extraction(M, seed=0, heads=H, precision="fast")
     full = check_extraction(M, seed=0, heads=H, precision="full")
     # full: the rest of paper 2's count as short probes (float64 answers, room for them)
-    assert "short probes" in full.report.breakdown and "short probes" not in fast.report.breakdown
+    # or, where a crowded base row's designed column leaves too few, as wide columns
+    assert "short probes" not in fast.report.breakdown
+    assert ("short probes" in full.report.breakdown
+            or "main wide columns" in full.report.breakdown)
     assert full.report.queries >= fast.report.queries
     assert full.report.details["error bar"] <= fast.report.details["error bar"]
     told = extract_multi_head(Oracle(RoundedOutputs(M), d), heads=H, seed=0,

@@ -30,16 +30,21 @@ Algorithm.
    a few rows beyond paper 2's share settle a disputed count, and without two rows that
    agree the run is refused suggesting heads=. Told H, a count below H needs three rows
    (a row hides a head whose height is small there and whose step falls near another's).
-3. Base perturbations u_0 + eps w_k (k = 1..d-1) on a uniform lambda grid, eps a
+3. Designed column. Random rows put their steps at Gaussian positions, which crowd,
+   and two close steps leave the perturbations (below) unable to split them (first
+   order sees only c_1 a_1 + c_2 a_2: W_h q_0 came out 0.3 to 80x off). A base row whose
+   smallest gap is below half the evenly spaced gap moves: in row u_0 the heights c_h
+   do not depend on the column while the positions t_h(q) = z_h^T q are linear in it,
+   so u_0 is scanned at H + 1 random columns (each crowds other pairs), their steps
+   labelled by matching heights, and the combination q* of the columns that puts the
+   steps at evenly spaced positions with the least predicted error is scanned (again,
+   with that scan among the columns, while its steps still crowd): (u_0 |q*|,
+   q* / |q*|) is the base row from here on (q_0 := q*). A column that shows more
+   steps than the base row (a head hidden there) draws a fresh design.
+   Base perturbations u_0 + eps w_k (k = 1..d-1) on a uniform lambda grid, eps a
    fraction of the smallest gap: the steps keep their labels and give every head's
-   W_h q_0 and v_h to about 1e-4 (variable projection, heights solved linearly).
-   Random rows put their steps at Gaussian positions, which crowd; when two crowd so
-   that the predicted error of W_h q_0 exceeds 3e-3, the perturbations are repeated
-   around the same row with the larger moves the estimate predicts (t is linear in u,
-   so each refit starts at its predicted steps), or a base row with evenly spaced
-   steps is designed from that estimate, placing only the heads it pins (its free
-   directions where the estimate is surest, :func:`.design.least_uncertain_row`), and
-   perturbed again (only with room for round 3 left within paper 2's count).
+   W_h q_0 and v_h (variable projection, heights solved linearly), to about 1e-7
+   around a designed column.
 4. Main rows u_k (d of them) place head h's step at an evenly spaced position, a
    random order and a random shift of up to half a spacing per row (the shifts keep
    U = [u_k] well conditioned). Round 1 samples each row on column q_0 at its
@@ -103,7 +108,8 @@ grows with H, N up to 32768 tokens) and the black box's own rounding, which grow
 the heights sum_h |c_h|.
 
 Queries: d + base (3 to 14 scans of 4H + 8 samples, within what paper 2's count leaves;
-(d - 1)(3H + 3) perturbations, twice with one or two more scans when recentred)
+a crowded row's H + 1 random and one to three designed columns of 3H + 1;
+(d - 1)(2H + 3) perturbations)
 + d (2H + 1) + d^2 (H + 1) main probes, plus d^2 (H + 1) when round 3 runs: the floor H(d^2 + d) (the canonical form's free parameters) plus
 about d^2 + Hd + base (twice the columns with round 3), never above paper 2's count
 4Hd^2 - 2H + 1. With ``precision="full"`` and float64 answers, the short probes spend
@@ -194,20 +200,18 @@ SHORT_BALANCE = 16.0      # ... |u| / |q| (u a, q / a leave every logit): the se
                           # 16 8.8e-15, 64 9.6e-15, 1024 9.5e-15 (median)
 SHORT_OVERSAMPLE = 1.25   # ... at least this x each row's H (d + 1) unknowns (else skipped)
 SHORT_ROW_CANDIDATES = 64 # draws per short row (:func:`.design.even_height_rows`)
-RECENTRE_ABOVE = 3e-3     # predicted relative error of the base estimate of W_h q_0 above
-                          # which a base row with evenly spaced steps is designed from it
 PERTURBATION_MOVE = 0.003 # base perturbations move the steps by about this x the smallest
                           # gap (labels kept; the estimate's error scales with 1 / this)
 PERTURBATION_NOISE_MOVES = 30.0  # ... or this x the base row's largest logit error,
 PERTURBATION_MAX_MOVE = 0.25     # ... at most this x the smallest gap
-RECENTRE_TRIES = 3        # recentred base rows at most per design
-PINNED_COLUMN = 0.1       # a recentred base row places the heads whose W_h q_0 the estimate
-                          # gives to this relative error (a tenth of a spacing of position)
-REFINE_UP_TO = 0.1        # ... from an estimate at most this far off (from 1.6e-2 and
-                          # 3.6e-3 one pass gained 90x and 9x; from 0.27 to 0.61 at most
-                          # 7x, once none: a recentring does better there)
-REFINE_GAIN = 10.0        # a perturbation pass with predicted moves is repeated while the
-                          # last one cut the predicted error by this factor
+DESIGNED_SCANS = 3         # scans of designed columns of the base row at most
+RANDOM_COLUMNS = 1         # random columns beyond H scanned (with q_0, H + 1 + this; with
+                           # none, d = 16, H = 10, s = 3: seed 16 refused, seed 10 crowded)
+CROWDED_GAP = 0.5          # a base row whose smallest step gap is below this x the evenly
+                           # spaced gap moves to a designed column
+COLUMN_SPREAD = 2.0        # the base row's random columns put their outermost step this many
+                           # deviations of the positions out (about the largest of H <= 12
+                           # Gaussian positions)
 ILL_ROW_FACTOR = 30.0     # a main row whose parameters are pinned this much worse than the
                           # median row's is redesigned
 LABEL_MISFIT = 100.0      # chi^2 per entry of the base rows' predictions (1 expected)
@@ -379,7 +383,6 @@ class _Extraction:
         self.labels_trusted, self.label_misfit = False, math.inf   # set by main's relabel
         self.coarse = False                   # set by set_precision
         self.coarse_extra_scans = 0
-        self.base_candidates: list = []      # other base rows of the count (base_row)
         self.count_level = self.max_heads    # steps a base scan decides first (count_heads)
         self.scans_made = 0                  # base scans of the count search (base_row)
         self.set_window(design.base_length(self.max_heads))   # the base stages; main() switches
@@ -643,88 +646,154 @@ class _Extraction:
         return (4 * H + 8) + self.perturbation_cost(H) + self.main_cost(H)
 
     def base_estimate(self):
-        """W_h q_0 and v_h (d, H) from the base perturbations. While the predicted error
-        of the best estimate exceeds RECENTRE_ABOVE: an estimate pinning fewer than half
-        the heads is followed by the next base row already scanned; one within
-        REFINE_UP_TO by the perturbations measured again around the same base row with
-        the larger moves it predicts (:meth:`base_perturbations`), while each such pass
-        gains REFINE_GAIN; otherwise a base row with evenly spaced steps is designed from
-        it (:meth:`recentred_base`) and perturbed again. The estimate kept pins the most
-        heads, then has the smallest predicted error (:meth:`better`; measured, not
-        guessed from the row's steps)."""
+        """W_h q_0 and v_h (d, H) from the base perturbations around a base row whose
+        steps are evenly spaced by design (:meth:`designed_column`)."""
+        self.designed_column()
         Y0, V0, error = self.base_perturbations()
-        self.details.setdefault("base estimate relative error (first row)", error)
-        best = self.base_state(error, Y0, V0)
-        H = Y0.shape[1]
-        refine, recentred = True, 0
-        # room kept for the main rows to be measured on q_0 twice: with their labels
-        # confirmed, the first pass gives the estimate to the rows' precision and the
-        # misplaced rows are designed again from it (cheaper than a recentring)
-        after = self.perturbation_cost(H) + self.main_cost(H) + self.d * (2 * H + 1)
-        while best[0] > RECENTRE_ABOVE:
-            if (np.mean(best[8] <= PINNED_COLUMN) < 0.5 and self.base_candidates
-                    and self.affordable(after, H)):
-                # an estimate that pins fewer than half the heads is no guide to a
-                # design (a row placing only those lands the others anywhere): the next
-                # base row scanned, perturbed as the first (d = 16, H = 8, s = 3: two of
-                # eight columns pinned, three recentred rows from it no better)
-                self.say("base perturbations (next base row)")
-                self.adopt_base(*self.base_candidates.pop(0))
-                try:
-                    Y0, V0, error = self.base_perturbations()
-                except _Redesign:
-                    continue
-                self.details["base rows perturbed"] = self.details.get("base rows perturbed", 1) + 1
-                if self.better(error, best):
-                    best = self.base_state(error, Y0, V0)
-                    refine = True
-                continue
-            if refine and best[0] <= REFINE_UP_TO and self.affordable(after, H):
-                # the same base row, its steps moved as far as the estimate predicts them
-                self.say("base perturbations (predicted moves)")
-                self.adopt_base(best[3], best[4])
-                try:
-                    Y0, V0, error = self.base_perturbations(prior=(best[1], best[0]))
-                except _Redesign:
-                    error = math.inf
-                self.details["base perturbation passes"] = (
-                    self.details.get("base perturbation passes", 1) + 1)
-                refine = error <= best[0] / REFINE_GAIN
-                if self.better(error, best):
-                    best = self.base_state(error, Y0, V0)
-                continue
-            if recentred >= RECENTRE_TRIES or not self.affordable(2 * (4 * H + 8) + after, H):
-                break
-            recentred += 1
-            if not self.recentred_base(best[1], best[2], best[5], best[8]):
-                continue             # its scan did not fit: another order and offset
-            self.say("base perturbations (recentred row)")
-            try:
-                Y0, V0, error = self.base_perturbations()
-            except _Redesign:
-                continue
-            if self.better(error, best):
-                best = self.base_state(error, Y0, V0)
-                refine = True
-        error, Y0, V0, u_0, base_fit, self.base_covariance, eps, self.base_reference, _ = best
-        self.adopt_base(u_0, base_fit)
-        self.details["base perturbation eps"] = eps
         self.details["base estimate relative error"] = error
         return Y0, V0
 
-    def better(self, error: float, best: tuple) -> bool:
-        """Whether the last perturbation pass beats ``best``: more heads pinned (to
-        PINNED_COLUMN), then a smaller predicted error. The worst column alone misleads:
-        a recentred row at 0.40 with four columns near 1 replaced a base row at 0.55 with
-        two, and the main rows' labels failed (d = H = 8, s = 3)."""
-        unpinned = int(np.sum(~(self.base_column_error <= PINNED_COLUMN)))
-        return (unpinned, error) < (int(np.sum(~(best[8] <= PINNED_COLUMN))), best[0])
+    def designed_column(self) -> None:
+        """Move the base row to a column q* that spreads its steps evenly (stage 3).
 
-    def base_state(self, error, Y0, V0) -> tuple:
-        """What :meth:`base_estimate` keeps of a perturbation pass (the best so far)."""
-        return (error, Y0, V0, self.u_0, self.base_fit, self.base_covariance,
-                self.details.get("base perturbation eps"), self.base_reference,
-                self.base_column_error)
+        In row u_0 the heights c_h = u_0^T v_h do not depend on the column, while the
+        positions t_h(q) = z_h^T q (z_h = W_h^T u_0) are linear in it. Random columns
+        crowd different pairs of steps, so u_0 is scanned at H + 1 more random columns
+        (:func:`column_samples` each) when its smallest step gap is below CROWDED_GAP of
+        the evenly spaced gap; each column's steps are labelled by matching
+        their heights to those of the best pinned fit (:func:`.labels.match_heights`).
+        A combination q* = q_0 + sum_j a_j (q_j - q_0) of the H + 2 columns has the
+        steps t_h(q*) = t_h(q_0) + sum_j a_j (t_h(q_j) - t_h(q_0)) (exact also where the
+        positions are affine in q, with biases): the a that puts them at evenly spaced
+        positions (random order) with the least predicted error (each step's variance
+        from its fit; steps whose heights match no head, such as two crowded steps
+        splitting their heights anyhow, are off by at most their span; a column whose
+        fit misses the noise is replaced by another, once) gives q* (:func:`.design.least_uncertain_row`
+        in the columns' coordinates). Row (u_0 |q*|, q* / |q*|) (with biases (u_0, q*))
+        is scanned; while its steps still crowd (below half the designed spacing), its
+        column joins the others and q* is designed again (DESIGNED_SCANS scans at most,
+        within the count). The scan with the widest smallest gap becomes the base row
+        when it beats the first one's. A column whose fit needs more steps than the base
+        row's (up to the heads asked) proves that row hid a head: a fresh design
+        (:class:`_Redesign`).
+        """
+        H, d = self.base_fit.t.size, self.d
+        if H < 2:
+            return                                  # one step never crowds
+        first_gap = float(np.min(np.diff(self.base_fit.t)))
+        self.details["base row smallest step gap (first row)"] = first_gap
+        half = self.half_window - 2.0       # room for the predicted positions' error
+        spacing = 2.0 * half / (H - 1)
+        if first_gap >= CROWDED_GAP * spacing:
+            return                          # not crowded: the perturbations split its steps
+        lam_c = design.base_lambdas(column_samples(H), self.half_window)
+        S = lam_c.size
+        scan_cost = column_samples(H)
+        after = (self.perturbation_cost(H) - self.column_cost(H)) + self.main_cost(H)
+        fits, Q = [self.base_fit], [self.q_0]
+        # a random unit column puts head h's step at z_h^T q ~ N(0, |z_h|^2 / d), whose
+        # spread q_0's own positions estimate: the columns are scaled so that their
+        # outermost step lies about COLUMN_SPREAD deviations out, 1.5 inside the window
+        # (q_0's spread alone is one draw: at d = 16, H = 10, s = 1 unit columns put ten
+        # steps within +-3.5 of a window of +-9, and none fitted)
+        deviation = float(np.sqrt(np.mean(np.square(self.base_fit.t))))
+        column_norm = float(np.clip((self.half_window - 1.5)
+                                    / (COLUMN_SPREAD * max(deviation, 1e-300)), 0.1, 10.0))
+        # random columns until H + RANDOM_COLUMNS fit to the noise (a column whose fit
+        # misses it tells no position; crowded columns do, 2 of 9 at d = H = 8), one
+        # batch of the missing ones after the first, within the count
+        for batch in range(2):
+            k = H + RANDOM_COLUMNS - (len(fits) - 1)
+            if k <= 0 or (batch and not self.affordable(k * scan_cost + after, H)):
+                break
+            columns = self.rng.standard_normal((k, d))
+            columns *= column_norm / np.linalg.norm(columns, axis=1, keepdims=True)
+            before = self.oracle.queries
+            lam, g = self.measure(np.repeat(self.u_0[None], k * S, 0),
+                                  np.repeat(columns, S, 0), np.tile(lam_c, k))
+            self.spend("base columns", before)
+            lam, g = lam.reshape(k, S), g.reshape(k, S)
+            for j in range(k):
+                noise = self.noise(g[j] + columns[j] @ self.v,
+                                   float(np.sum(np.abs(self.base_fit.c))))
+                steps = fit.fit_free_steps(
+                    lam[j], g[j], self.u_0 @ self.v, self.max_heads, self.half_window,
+                    noise, counts=range(H, self.max_heads + 1),
+                    enough=lambda f: f.rms <= NOISE_FACTOR * noise)[-1]
+                if steps.rms <= NOISE_FACTOR * noise and steps.t.size > H:
+                    # the base row hid a head (a small height there, its step near
+                    # another's) that this column shows: a fresh design counts again
+                    raise _Redesign(RecoveryFailedError,
+                                    f"a column of the base row shows {steps.t.size} steps "
+                                    f"where the base row fitted {H}")
+                if steps.rms <= NOISE_FACTOR * noise:
+                    fits.append(steps)
+                    Q.append(columns[j])
+        reference = min(fits, key=lambda f: base_quality(f, self.half_window))
+        Q = np.array(Q)                                                 # (columns, d)
+        T, T_var = self.column_positions(fits, reference)
+        u_0, best = self.u_0, (first_gap, self.u_0, self.q_0, self.base_fit)
+        for scan in range(DESIGNED_SCANS):
+            if scan and not self.affordable(scan_cost + after, H):
+                break
+            # the combination's predicted variance sum_h sum_j a_j^2 var_hj (a floor of
+            # 1e-3 per column: among well pinned columns the shortest combination)
+            weights = np.diag(np.sum(np.maximum(T_var[:, 1:], 1e-6), axis=0))
+            try:
+                a = design.least_uncertain_row(
+                    (T[:, 1:] - T[:, :1]).T, None, weights, design.step_positions(H, half),
+                    self.rng, jitter=0.25 * spacing, shift=T[:, 0])
+            except np.linalg.LinAlgError:
+                break                 # fewer than H columns tell the heads apart
+            q_star = Q[0] + a @ (Q[1:] - Q[:1])
+            predicted = T[:, 0] + (T[:, 1:] - T[:, :1]) @ a
+            # |q*| = 1 as q_0's, u_0 scaled to keep the positions (not with biases:
+            # u^T b_h would scale with u)
+            norm = 1.0 if self.biases else float(np.linalg.norm(q_star))
+            if not (np.all(np.isfinite(q_star)) and norm > 0):
+                break
+            self.q_0 = q_star / norm
+            steps, noise = self.scan_row(u_0 * norm, predicted,
+                                         norm * float(np.sum(np.abs(reference.c))))
+            self.details["designed column scans"] = scan + 1
+            if not (steps.rms <= NOISE_FACTOR * noise
+                    and np.isfinite(base_quality(steps, self.half_window))):
+                continue              # (its positions unknown: it does not join)
+            gap = float(np.min(np.diff(steps.t)))
+            if gap > best[0]:
+                best = (gap, u_0 * norm, self.q_0, steps)
+            if gap >= CROWDED_GAP * spacing:
+                break
+            # its column joins the others (heights per unit of u_0)
+            Q = np.vstack([Q, self.q_0[None] * norm])
+            more, more_var = self.column_positions([fit.StepFit(
+                t=steps.t, c=steps.c / norm, rms=steps.rms, t_std=steps.t_std,
+                c_std=steps.c_std / norm)], reference)
+            T, T_var = np.hstack([T, more]), np.hstack([T_var, more_var])
+        gap, u, self.q_0, steps = best
+        self.adopt_base(u, steps)
+        self.details["designed column smallest step gap"] = gap
+
+    def column_positions(self, fits, reference):
+        """Positions (H, n) of each head in the n columns of ``fits`` (StepFits that
+        reach the noise), labelled by their heights against ``reference``, and their
+        variances (H, n) for the design of :meth:`designed_column`."""
+        H = reference.t.size
+        T = np.zeros((H, len(fits)))
+        T_var = np.full((H, len(fits)), self.half_window ** 2)
+        for j, f in enumerate(fits):
+            order, matched = labels.match_heights(reference.c, reference.c_std, f.c, f.c_std)
+            t, t_std = f.t[order], f.t_std[order]
+            T[:, j] = t
+            pinned = matched & np.isfinite(t_std)
+            T_var[pinned, j] = np.square(t_std[pinned])
+            if np.count_nonzero(~pinned) > 1:
+                # labelled among themselves: each off by at most their span
+                T_var[~pinned, j] = float(np.ptp(t[~pinned])) ** 2 + np.square(
+                    np.minimum(np.nan_to_num(t_std[~pinned], nan=np.inf), 1.0))
+            # a step beyond the window is located by its tail only
+            T_var[:, j] += np.where(np.abs(t) > self.half_window - 0.5, 1.0, 0.0)
+        return T, np.minimum(T_var, self.half_window ** 2)
 
     def fresh_base_row(self, heads: int) -> int:
         """A new random base row (and q_0) at the scale found, its steps fitted freely
@@ -734,7 +803,6 @@ class _Extraction:
         hidden in all of them: the main rows then fit no design of that count)."""
         d = self.d
         self.set_window(design.base_length(self.max_heads))
-        self.base_candidates = []          # scanned with another q_0
         u = None
         for _ in range(3):
             if u is None:
@@ -952,10 +1020,6 @@ class _Extraction:
         ranked = sorted((f for f in found if f[0] == heads),
                         key=lambda f: base_quality(f[2], self.half_window))
         self.adopt_base(ranked[0][1], ranked[0][2])
-        # the other rows of that count, scanned already: a base row to perturb instead
-        # when the chosen one's estimate pins too few heads (:meth:`base_estimate`)
-        self.base_candidates = [(f[1], f[2]) for f in ranked[1:]
-                                if np.isfinite(base_quality(f[2], self.half_window))]
         return heads
 
     def agreed(self, found) -> int | None:
@@ -1003,58 +1067,15 @@ class _Extraction:
         self.details["base row smallest step gap"] = float(gaps.min()) if gaps.size else math.inf
         self.details["base row logit error"] = float(np.max(steps.t_std))
 
-    def recentred_base(self, Y0: np.ndarray, V0: np.ndarray, covariance: np.ndarray,
-                       column_error: np.ndarray) -> bool:
-        """Adopt a base row designed from an estimate, its steps evenly spaced.
-
-        Random rows put their steps at Gaussian positions, which crowd in the middle;
-        two steps a small gap apart pin their positions badly (the Jacobian's condition
-        grows like gap^-4), and so do the perturbations around them. With W_h q_0 known
-        roughly, a row is designed whose steps are evenly spaced over the window (like
-        the main rows) and scanned (one or two scans); :meth:`base_estimate` perturbs
-        it and keeps whichever estimate is predicted better. Returns whether the new
-        row's steps fit (and it was adopted).
-
-        Only the heads whose W_h q_0 the estimate pins (``column_error``, relative, below
-        PINNED_COLUMN) are placed; the others fall where the row puts them. Two steps
-        that crowd in the base row leave their two columns 30 to 80x off while the
-        others are known to 1e-5 (d = 8, H = 8, s = 3): placing them too gave rows of
-        |u| 15x the base row's, every scan's fit missing the noise.
-        """
-        d, H = Y0.shape
-        pinned = column_error <= PINNED_COLUMN
-        if not np.any(pinned):
-            return False
-        half = self.half_window - 3.0       # room for steps the rough estimate misplaces
-        spacing = 2.0 * half / (H - 1) if H > 1 else 2.0
-        u = design.least_uncertain_row(Y0, V0, covariance,
-                                       design.step_positions(H, half), self.rng,
-                                       jitter=0.25 * spacing, placed=pinned)
-        heights = float(np.sum(np.abs(u @ V0)))
-        t_start = np.sort(u @ Y0)
-        for _ in range(2):
-            steps, noise = self.scan_row(u, t_start, heights)
-            edge = float(np.max(np.abs(steps.t)))
-            if not (steps.rms <= NOISE_FACTOR * noise and edge > self.half_window - 1.5):
-                break
-            # a step the estimate misplaced towards the edge: the logits are linear in
-            # u, so a shorter row pulls every step inside (once, within the cost)
-            factor = (self.half_window - 2.0) / edge
-            u, t_start, heights = factor * u, factor * steps.t, factor * heights
-        if not (steps.rms <= NOISE_FACTOR * noise
-                and np.isfinite(base_quality(steps, self.half_window))):
-            return False
-        self.adopt_base(u, steps)
-        self.details["recentred base rows"] = self.details.get("recentred base rows", 0) + 1
-        return True
-
     def scan_row(self, u: np.ndarray, t_start: np.ndarray, heights: float):
-        """Scan row u on the base grid and fit its steps from ``t_start`` (a free fit
-        when that start does not reach the noise); returns (sorted StepFit, noise)."""
+        """Scan row u at column q_0 on a uniform grid of :func:`column_samples` lambdas
+        and fit its steps from ``t_start`` (a free fit when that start does not reach
+        the noise); returns (sorted StepFit, noise)."""
+        lam_grid = design.base_lambdas(column_samples(t_start.size), self.half_window)
         before = self.oracle.queries
-        lam, g = self.measure(np.repeat(u[None], self.base_grid.size, 0),
-                              np.repeat(self.q_0[None], self.base_grid.size, 0), self.base_grid)
-        self.spend("base rows", before)
+        lam, g = self.measure(np.repeat(u[None], lam_grid.size, 0),
+                              np.repeat(self.q_0[None], lam_grid.size, 0), lam_grid)
+        self.spend("base columns", before)
         noise = self.noise(g + self.q_0 @ self.v, heights)
         steps, _ = fit.fit_steps_from(lam, g, u @ self.v, t_start, self.half_window, noise,
                                       NOISE_FACTOR * noise)
@@ -1106,26 +1127,22 @@ class _Extraction:
         d = self.d
         return d * (2 * H + 1) + d * (d - 1 + EXTRA_COLUMNS) * (H + COLUMN_SPARES)
 
+    def column_cost(self, H: int) -> int:
+        """Queries of the designed column (:meth:`designed_column`, H >= 2): the random
+        columns and one designed scan."""
+        return (H + RANDOM_COLUMNS + 1) * column_samples(H) if H > 1 else 0
+
     def perturbation_cost(self, H: int) -> int:
-        """Queries of the base perturbations."""
-        return (self.d - 1) * (3 * H + 3)
+        """Queries of the base estimate: the designed column and the base perturbations."""
+        return self.column_cost(H) + (self.d - 1) * perturbation_samples(H)
 
     def wide_cost(self, H: int) -> int:
         """Queries of round 3 (wide columns)."""
         return self.d * self.d * (H + COLUMN_SPARES)
 
-    def base_perturbations(self, prior=None):
-        """W_h q_0 and v_h (rough) from rows u_0 + eps w_k, each sampled on a uniform
-        grid of 3H + 3 lambdas (not at the steps: two close steps stay pinned).
-
-        ``prior``: (Y (d, H), its predicted relative error) from an earlier pass around
-        the same base row. The logits are linear in u, so that estimate predicts where
-        each perturbed row's steps go: the moves grow until their predicted error is
-        PERTURBATION_MAX_MOVE of the smallest gap (each refit starts from its predicted
-        steps, labels kept), every step at least one unit inside the window. A crowded
-        base row pins its close steps to 1e-6 to 1e-4, so moves of 0.003 gaps gave
-        estimates 0.3 to 1 off (d = 8 to 16, H = 8 to 10, s = 3); the error shrinks
-        like the move grows.
+    def base_perturbations(self):
+        """W_h q_0 and v_h from rows u_0 + eps w_k, each sampled on a uniform grid of
+        :func:`perturbation_samples` lambdas.
 
         Returns (Y0 (d, H), V0 (d, H), predicted relative error of the worst column of
         Y0): each row fit's logit errors propagated through the rows' inverse."""
@@ -1143,16 +1160,8 @@ class _Extraction:
         eps = float(np.clip(move / spread, 1e-12, 0.5))
         W_perp = design.orthonormal_complement(self.u_0, self.rng) * np.linalg.norm(self.u_0)
         starts = np.repeat(t0[None], d - 1, 0)                       # (d - 1, H)
-        if prior is not None:
-            Y_prior, prior_error = prior
-            D = W_perp @ Y_prior                     # (d - 1, H): predicted moves per unit eps
-            labels_kept = PERTURBATION_MAX_MOVE * gap / max(prior_error * float(np.max(np.abs(D))),
-                                                            1e-300)
-            room = (self.half_window - 1.0 - np.sign(D) * t0[None]) / np.maximum(np.abs(D), 1e-300)
-            eps = max(eps, min(labels_kept, float(np.min(room)), 1.0))
-            starts = t0[None] + eps * D
         rows = self.u_0[None] + eps * W_perp                          # (d - 1, d)
-        lam_t = design.base_lambdas(3 * H + 3, self.half_window)
+        lam_t = design.base_lambdas(perturbation_samples(H), self.half_window)
         S = lam_t.size
         before = self.oracle.queries
         lam, g = self.measure(np.repeat(rows, S, 0), np.repeat(self.q_0[None], (d - 1) * S, 0),
@@ -1202,21 +1211,17 @@ class _Extraction:
         P_inv = np.linalg.inv(P)
         # a step its row's samples do not pin (infinite logit error: a singular fit) is
         # still known to lie within the window: the error is bounded by it, so the
-        # estimate's error and the recentring's weights stay finite
+        # estimate's error stays finite
         T_var = np.square(np.minimum(np.nan_to_num(np.array(T_std), nan=np.inf),
                                      self.half_window))
         Y_std = np.sqrt(np.square(P_inv) @ T_var)                                # (d, H)
-        # sum_h Cov(W_h q_0): each row's logit errors independent
-        self.base_covariance = np.einsum("ik,kh,jk->ij", P_inv, T_var, P_inv)
         # relative to the smaller of each column's norm and the median column's: a
         # column the samples do not pin comes out far too long (50 to 80x, d = 16, H = 8,
         # two steps 0.08 apart), which would hide its error
         norms = np.linalg.norm(Y0, axis=0)
-        self.base_column_error = (np.linalg.norm(Y_std, axis=0)
-                                  / np.maximum(np.minimum(norms, np.median(norms)), 1e-300))
-        Y_error = float(np.max(self.base_column_error))
+        Y_error = float(np.max(np.linalg.norm(Y_std, axis=0)
+                               / np.maximum(np.minimum(norms, np.median(norms)), 1e-300)))
         self.details["base perturbation eps"] = eps
-        self.details["base estimate relative error"] = Y_error
         # the base rows' own measurements, in the base row's labels: the main rows'
         # labels are checked against them (:mod:`.labels`)
         self.base_reference = (P, np.array(T), np.array(C), np.array(T_std), np.array(C_std))
@@ -1855,6 +1860,21 @@ def _more_lambdas(measured: np.ndarray, count: int, half_window: float,
         points.append(candidates[pick])
         candidates = np.delete(candidates, pick)
     return np.sort(np.array(chosen))
+
+
+def perturbation_samples(H: int) -> int:
+    """Samples of each perturbed base row: 2H + 3 on a uniform grid (its H steps are
+    evenly spaced by the designed column, 2H unknowns; 3H + 3 around crowded rows left
+    the short probes too few queries at d = H = 8)."""
+    return 2 * H + 3
+
+
+def column_samples(H: int) -> int:
+    """Samples of each column scan of the base row (:meth:`_Extraction.designed_column`):
+    3H + 1 on a uniform grid (2H + 3 left the free fits of crowded columns in a wrong
+    basin: at d = 16, H = 10 four of eleven columns missed the noise; 3H + 3 left the
+    short probes 98 of the 100 queries per row they need at d = H = 8 with biases)."""
+    return 3 * H + 1
 
 
 def _agreed_count(counts) -> int | None:

@@ -245,34 +245,41 @@ def _free_part(free: np.ndarray, part: np.ndarray) -> np.ndarray:
                    / (np.linalg.norm(free, axis=1, keepdims=True) + 1e-300))
 
 
-def least_uncertain_row(Y0: np.ndarray, V: np.ndarray, Y_cov: np.ndarray,
+def least_uncertain_row(Y0: np.ndarray, V: np.ndarray | None, Y_cov: np.ndarray,
                         positions: np.ndarray, rng: np.random.Generator,
                         candidates: int = 24, jitter: float = 0.25,
-                        placed: np.ndarray | None = None) -> np.ndarray:
+                        shift: np.ndarray | None = None) -> np.ndarray:
     """A row u (d,) placing head h's step at a designed position, whose positions the
     estimate predicts best.
 
     u^T y_h = positions[pi(h)] + o (a random order pi, offset o) and, among such rows,
     the least predicted variance sum_h u^T Cov(y_h) u (generalised least squares: the
     d - H free directions are spent where the estimate is sure). Among ``candidates``
-    orders the row with the most even heights u^T v_h is kept.
+    orders the row with the most even heights u^T v_h is kept (with V None, the least
+    predicted variance u^T Y_cov u).
+
+    The base row's designed column (a combination a of measured columns whose heads'
+    positions are T (H, n): T a = positions) is the same problem with Y0 = T^T.
 
     Parameters
     ----------
-    Y0, V : arrays (d, H)
-        Estimates of W_h q_0 and v_h.
+    Y0 : array (d, H)
+        Estimate of W_h q_0.
+    V : array (d, H) or None
+        Estimate of v_h, or None (the heights do not depend on the row chosen).
     Y_cov : array (d, d)
         sum_h Cov(y_h).
     positions : array (H,)
-    placed : array (H,) of bool, optional
-        The heads whose steps are placed (default all); the others take no target
-        (their columns of Y0 are not known well enough to place them).
+    shift : array (H,), optional
+        Subtracted from head h's target after the order is drawn: head h's designed
+        position is then u^T y_h + shift_h (a combination of columns measured in
+        differences from an anchor whose positions are ``shift``).
     """
     d = Y0.shape[0]
     orders = np.array([rng.permutation(Y0.shape[1]) for _ in range(candidates)])
     targets = positions[orders] + rng.uniform(-jitter, jitter, size=candidates)[:, None]
-    if placed is not None:
-        Y0, targets = Y0[:, placed], targets[:, placed]
+    if shift is not None:
+        targets = targets - shift[None]
     H = Y0.shape[1]
     # null-space method (stable where the normal equations of generalised least squares
     # are not: the covariance spans many decades, and at H = d the rows are fixed):
@@ -284,13 +291,10 @@ def least_uncertain_row(Y0: np.ndarray, V: np.ndarray, Y_cov: np.ndarray,
         M = Y_cov / max(float(np.trace(Y_cov)) / d, 1e-300)
         z = np.linalg.lstsq(N.T @ M @ N, -(rows @ M @ N).T, rcond=None)[0].T   # (C, d - H)
         rows = rows + z @ N.T
+    if V is None:
+        return rows[int(np.argmin(np.einsum("cd,de,ce->c", rows, Y_cov, rows)))]
     heights = np.abs(rows @ V) / (np.linalg.norm(V, axis=0) + 1e-300)
-    score = heights.min(axis=1)
-    if placed is not None and not np.all(placed):
-        # the heads not placed fall at u^T y_h, which grows with |u|: the shortest
-        # rows keep them inside the window (relative heights, per unit length)
-        score = score / np.linalg.norm(rows, axis=1) ** 2
-    return rows[int(np.argmax(score))]
+    return rows[int(np.argmax(heights.min(axis=1)))]
 
 
 def row_lambdas(positions_row: np.ndarray, half_window: float) -> np.ndarray:

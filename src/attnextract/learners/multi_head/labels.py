@@ -172,3 +172,42 @@ def _weights(std: np.ndarray) -> np.ndarray:
     std = np.asarray(std, dtype=np.float64)
     ok = np.isfinite(std) & (std > 0)
     return np.where(ok, 1.0 / np.where(ok, std, 1.0), 0.0)
+
+
+HEIGHT_MATCH = 5.0   # deviations within which a step's height matches a head's
+
+
+def match_heights(c_ref: np.ndarray, c_ref_std: np.ndarray, c: np.ndarray,
+                  c_std: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Label one column's steps of a row by their heights (which the column leaves).
+
+    In a row u the heights c_h = u^T v_h are the same in every column q, so the steps
+    of another column are labelled by the assignment (Hungarian) that best matches
+    their heights to the reference's, each difference in units of the two fits'
+    deviations (with a floor of 1e-9 of the largest height: fits to the rounding).
+
+    Parameters
+    ----------
+    c_ref, c_ref_std : arrays (H,)
+        Reference heights (a well pinned column of the row) and their deviations.
+    c, c_std : arrays (H,)
+        The column's fitted heights and deviations.
+
+    Returns
+    -------
+    order : array (H,) of int
+        Head h is the column's step order[h].
+    matched : array (H,) of bool
+        Whether head h's height matches within HEIGHT_MATCH deviations (a step that
+        two crowded steps share, or a wrong fit, does not).
+    """
+    floor = 1e-9 * float(np.max(np.abs(c_ref)))
+    with np.errstate(over="ignore", invalid="ignore"):
+        scale = np.hypot(c_ref_std[:, None], c_std[None, :]) + floor
+        z = np.abs(c_ref[:, None] - c[None, :]) / np.maximum(scale, 1e-300)
+    # a step whose height its fit does not pin matches nothing: one cost for every head
+    # (the heads left after the pinned steps are matched are those it may be)
+    z = np.where(np.isfinite(scale), z, np.inf)
+    cost = np.where(np.isfinite(z), np.square(np.minimum(z, 1e6)), 1e12)
+    order = linear_sum_assignment(cost)[1]
+    return order, z[np.arange(c_ref.size), order] <= HEIGHT_MATCH
