@@ -99,6 +99,14 @@ What limits it: the steps' spacing in the lambda window (2 (ln N - 1.5) / H; the
 grows with H, N up to 32768 tokens) and the black box's own rounding, which grows with
 the heights sum_h |c_h|.
 
+Cost. The black box's work grows with the tokens it is sent, so every copy probe is only
+as long as its lambda needs (:func:`.design.probe_lengths`: the window only near its
+edges, down to window / 32 near lambda = 0); a round goes to the box in one batch per
+length. Shorter sums also round less: the thresholds of the main rounds and the error
+bar's floor use each probe's own length (the base stages' thresholds the window's, an
+upper bound), the polish weights every answer by its own length. At d = 32, H = 12 this
+sends a quarter of the tokens of window-long probes (151 against 604 million).
+
 Queries: d + base (3 to 14 scans of 4H + 8 samples, within what paper 2's count leaves;
 (d - 1)(3H + 3) perturbations, twice with one or two more scans when recentred)
 + d (2H + 1) + d^2 (H + 1) main probes, plus d^2 (H + 1) when round 3 runs: the floor H(d^2 + d) (the canonical form's free parameters) plus

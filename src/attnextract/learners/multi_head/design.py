@@ -7,8 +7,12 @@ with t_h = u^T W_h q and lambda = ln(m / (N - m)), so
     g(u, q, lambda) := f - v^T q = sum_h c_h sigma(t_h + lambda),   c_h = u^T v_h,
 
 with v = sum_h v_h read from d single tokens. Each head is a sigmoid step centred at
-lambda = -t_h with height c_h. Every probe has the same length N, so a round of probes
-is one array (B, N, d); lambda ranges over +-ln(N - 1).
+lambda = -t_h with height c_h. A stage's window N sets the range +-ln(N - 1) of lambda;
+each probe is only as long as its own lambda needs (:func:`probe_lengths`: window / 2^k
+tokens, with RARE_COPIES copies of the rarer token at least), since the identity holds
+for any length and the black box's cost grows with the tokens: steps spread over the
+window take about a third of the window's tokens. A round's probes go to the box in one
+batch per length (:func:`measure`).
 
 The design keeps the steps apart on purpose:
 
