@@ -105,7 +105,7 @@ edges, down to window / 32 near lambda = 0); a round goes to the box in one batc
 length. Shorter sums also round less: the thresholds of the main rounds and the error
 bar's floor use each probe's own length (the base stages' thresholds the window's, an
 upper bound), the polish weights every answer by its own length. At d = 32, H = 12 this
-sends a quarter of the tokens of window-long probes (151 against 604 million).
+sends a quarter of the tokens of window-long probes (157 against 604 million).
 
 Queries: d + base (3 to 14 scans of 4H + 8 samples, within what paper 2's count leaves;
 (d - 1)(3H + 3) perturbations, twice with one or two more scans when recentred)
