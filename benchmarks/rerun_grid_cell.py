@@ -5,6 +5,8 @@ Run:  python benchmarks/rerun_grid_cell.py RESULT.json --heads 8 [--dim 8] [--sc
           [--seed 9 10] [--markdown OUT.md] [--json OUT.json]
 
 --scale and --seed (target seed indices) rerun only those runs of the cell, e.g. its failures.
+Each run's wall and CPU seconds (process time, 1 BLAS thread), the tokens sent and the
+1-minute load average at its end are printed and kept in --json.
 A cell run without --heads (told H = no) is rerun without telling H.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -58,9 +61,10 @@ def main() -> None:
                     continue
                 box = random_multi_head(H, d, seed=10_000 * H + 100 * d + run["seed"],
                                         w_scale=scale / np.sqrt(d))
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
+                oracle = Oracle(box, d)
                 try:
-                    result = extract_multi_head(Oracle(box, d), H if row.get("told", True)
+                    result = extract_multi_head(oracle, H if row.get("told", True)
                                                 else None, seed=run["learner_seed"])
                     error, outcome = canonical_error(result.model, box), "recovered"
                     queries, details = result.queries, result.report.details
@@ -74,13 +78,17 @@ def main() -> None:
                              "error": error, "queries": queries,
                              "paper2_count": 4 * H * d * d - 2 * H + 1,
                              "seconds": time.perf_counter() - start,
+                             "cpu_seconds": time.process_time() - cpu,
+                             "tokens": oracle.tokens, "load": os.getloadavg()[0],
                              "recorded": run["refused"] or run["error"],
                              "details": {key: details[key] for key in DETAILS if key in details}})
                 good += error is not None and error <= 1e-10
                 before = run["refused"] or f"{run['error']:.1e}"
                 lines.append(f"| {d} | {H} | {scale:g} | {run['seed']} | {outcome} | "
                              f"{'-' if error is None else f'{error:.1e}'} | {queries} | {before} |")
-                print(lines[-1], f"{time.perf_counter() - start:.1f} s", flush=True)
+                print(lines[-1], f"{time.perf_counter() - start:.1f} s wall, "
+                      f"{runs[-1]['cpu_seconds']:.1f} s CPU, {oracle.tokens} tokens, "
+                      f"load {runs[-1]['load']:.1f}", flush=True)
     summary = (f"{good} of {total} within 1e-10, {sum(r['outcome'] != 'recovered' for r in runs)} "
                f"refused, most queries {max((r['queries'] or 0) for r in runs)} (command: "
                f"rerun_grid_cell.py {' '.join(sys.argv[1:])})")

@@ -20,7 +20,10 @@ from attnextract.errors import NotIdentifiableError, RecoveryFailedError
 from attnextract.learners.multi_head import (canonical_error, canonical_form, extract_multi_head,
                                              match_heads, non_identifiable_twin, output_precision,
                                              twin_difference)
-from attnextract.learners.multi_head.design import copy_counts, realised_lambda
+from attnextract.learners.multi_head import design
+from attnextract.learners.multi_head.design import (LENGTH_CLASSES, RARE_COPIES, copy_counts,
+                                                    probe_lengths, realised_lambda,
+                                                    window_length)
 from attnextract.oracle import RoundedOutputs
 from attnextract.report import load_model
 from attnextract.adapters.targets import hostile_multi_heads, random_multi_head
@@ -76,6 +79,53 @@ def test_copy_counts_realise_the_nearest_lambda():
     step = np.abs(realised_lambda(m + 1, N) - got)
     assert np.all(np.abs(got - lam) <= step)
     assert copy_counts(np.array([-50.0, 50.0]), N).tolist() == [1, N - 1]
+
+
+@pytest.mark.parametrize("window", [128, 512, 2048, 8192, 32768, 3000])
+def test_probes_are_as_long_as_their_lambda_needs(window):
+    """Each copy probe is window / 2^k tokens (k < LENGTH_CLASSES), the shortest such that
+    the rarer token keeps RARE_COPIES copies; the window only near its edge."""
+    lam = np.linspace(-np.log(window - 1), np.log(window - 1), 2001)
+    N = probe_lengths(lam, window)
+    classes = [window // 2 ** k for k in range(LENGTH_CLASSES)]
+    assert set(N.tolist()) <= set(classes) and N.max() == window
+    assert np.array_equal(N, probe_lengths(-lam, window))                 # symmetric
+    assert np.all(np.diff(N[lam >= 0]) >= 0)                               # grows with |lambda|
+    m = copy_counts(lam, N)
+    rare = np.minimum(m, N - m)
+    short = N < window
+    assert np.all(rare[short] >= RARE_COPIES)
+    # ... and half of it would not leave them (unless the classes stop it)
+    halved = N > classes[-1]
+    need = RARE_COPIES * (1 + np.exp(np.abs(lam)))
+    assert np.all(need[halved] > N[halved] / 2)
+    # the realised lambda is exact for its counts and near the designed one
+    got = realised_lambda(m, N)
+    assert np.allclose(np.log(m / (N - m)), got, rtol=0, atol=1e-12)
+    assert np.all(np.abs(got[short] - lam[short]) <= 1.0 / RARE_COPIES)
+    # the cost is in the long probes: steps spread over the window's lambdas take a
+    # fraction of the window's tokens
+    assert N.mean() <= 0.75 * window
+
+
+def test_probes_of_several_lengths_answer_as_built_one_by_one():
+    """design.measure sends one batch per length (in rising order) and returns the
+    answers in the probes' order, each the box's answer to its own sequence."""
+    rng = np.random.default_rng(3)
+    d, P = 4, 30
+    M = random_multi_head(2, d, seed=3)
+    calls = []
+    box = lambda X: (calls.append(X.shape[:2]), M(X))[1]
+    u, q = rng.standard_normal((P, d)), rng.standard_normal((P, d))
+    lengths = rng.choice([16, 64, 256], size=P)
+    m = rng.integers(1, 16, size=P)
+    g = design.measure(Oracle(box, d), M.v.sum(0), u, q, m, lengths)
+    assert [n for _, n in calls] == [16, 64, 256]
+    assert sum(b for b, _ in calls) == P
+    for p in range(P):
+        X = np.array([q[p] + u[p]] * m[p] + [q[p]] * (lengths[p] - m[p]))
+        expected = M(X) - q[p] @ M.v.sum(0)
+        assert abs(g[p] - expected) <= 1e-12 * (1 + abs(expected))
 
 
 # ---------------------------------------------------------------------------
@@ -215,11 +265,25 @@ def test_query_counts_are_exact_per_stage():
     assert b["verification"] == max(64, H * (d * d + d) // 100)
 
 
-def test_probes_are_batched():
+def test_probes_are_batched(monkeypatch):
+    """Every round of copy probes is one design.measure: one call to the box per probe
+    length in it (at most LENGTH_CLASSES, rising), and the rounds are few and large."""
     d, H = 8, 2
     oracle = Oracle(random_multi_head(H, d, seed=6), d)
+    rounds, sent = [], design.measure
+
+    def measure(view, v, u, q, m, length):
+        calls = oracle.calls
+        out = sent(view, v, u, q, m, length)
+        rounds.append((oracle.calls - calls, np.unique(length).size, len(m)))
+        return out
+
+    monkeypatch.setattr(design, "measure", measure)
     result = extract_multi_head(oracle, heads=H, seed=0)
-    assert oracle.calls <= 40 and result.queries > 10 * oracle.calls
+    assert all(calls == lengths <= LENGTH_CLASSES for calls, lengths, _ in rounds)
+    assert len(rounds) <= 40 and result.queries > 10 * len(rounds)
+    b = result.report.breakdown
+    assert sum(p for _, _, p in rounds) == b["recovery"] - b["v tokens"]
 
 
 def test_report_states_conditioning_and_counts():

@@ -225,8 +225,9 @@ def test_biased_polish_in_the_learner_is_kept_and_does_not_worsen(monkeypatch):
     the short probes now take the row fits to the rounding, 5e-15 to 2e-14, and the
     polish has nothing left to lower): the polish of W, b, v and c is kept, sends no
     query, and the returned model is within its bar and within the polish's own
-    uncertainty of the row fits' error; over the seeds the median error drops (measured
-    0.58x to 1.08x the row fits' per seed)."""
+    uncertainty of the row fits' error; over the seeds the error drops (geometric mean
+    of the per-seed ratios; with each probe as long as its lambda needs measured 0.55x
+    to 1.54x per seed here, 0.76x over 16 seeds, where it is better on 11)."""
     calls = []
     original = polish.polish
 
@@ -257,4 +258,4 @@ def test_biased_polish_in_the_learner_is_kept_and_does_not_worsen(monkeypatch):
         assert e_out <= e_rows + 4 * out.predicted, (seed, e_rows, e_out, out.predicted)
         rows.append(e_rows)
         polished.append(e_out)
-    assert np.median(polished) < np.median(rows), (rows, polished)
+    assert np.mean(np.log(np.array(polished) / np.array(rows))) < 0.0, (rows, polished)

@@ -107,6 +107,14 @@ What limits it: the steps' spacing in the lambda window (2 (ln N - 1.5) / H; the
 grows with H, N up to 32768 tokens) and the black box's own rounding, which grows with
 the heights sum_h |c_h|.
 
+Cost. The black box's work grows with the tokens it is sent, so every copy probe is only
+as long as its lambda needs (:func:`.design.probe_lengths`: the window only near its
+edges, down to window / 32 near lambda = 0); a round goes to the box in one batch per
+length. Shorter sums also round less: the thresholds of the main rounds and the error
+bar's floor use each probe's own length (the base stages' thresholds the window's, an
+upper bound), the polish weights every answer by its own length. At d = 32, H = 12 this
+sends a quarter of the tokens of window-long probes (157 against 604 million).
+
 Queries: d + base (3 to 14 scans of 4H + 8 samples, within what paper 2's count leaves;
 a crowded row's H + 1 random and one to three designed columns of 3H + 1;
 (d - 1)(2H + 3) perturbations)
@@ -400,25 +408,34 @@ class _Extraction:
 
     def measure(self, u, q, lam, length: int | None = None):
         """g at the nearest realisable lambdas of sequences of ``length`` tokens (default
-        the current window's); returns (realised lambda, g).
+        each probe as long as its lambda needs within the current window,
+        :meth:`lengths`); returns (realised lambda, g).
 
         A design built from answers no multi-head box gives can be non-finite: that is
         a mismatch, refused before anything is sent."""
         if not (np.all(np.isfinite(u)) and np.all(np.isfinite(q)) and np.all(np.isfinite(lam))):
             raise _Redesign(RecoveryFailedError, "a fit gave a non-finite probe design")
-        length = self.length if length is None else length
-        m = design.copy_counts(lam, length)
-        lam = design.realised_lambda(m, length)
-        g = design.measure(self.oracle, self.v, u, q, m, length) - self.c
-        self.answers.append((u, q, lam, g + q @ self.v, length))   # for the polish
+        lengths = self.lengths(lam) if length is None else np.full(np.shape(lam), length)
+        m = design.copy_counts(lam, lengths)
+        lam = design.realised_lambda(m, lengths)
+        g = design.measure(self.oracle, self.v, u, q, m, lengths) - self.c
+        self.answers.append((u, q, lam, g + q @ self.v, lengths))   # for the polish
         return lam, g
 
-    def noise(self, f_values, heights=0.0, *, floor: bool = False) -> float:
-        """Absolute output noise expected from the precision, for outputs like ``f_values``.
+    def lengths(self, lam) -> np.ndarray:
+        """Tokens of the copy probes :meth:`measure` sends for the designed lambdas
+        ``lam`` (any shape) in the current window (:func:`.design.probe_lengths`)."""
+        return design.probe_lengths(lam, self.length)
+
+    def noise(self, f_values, heights=0.0, *, floor: bool = False, lengths=None) -> float:
+        """Absolute output noise expected from the precision, for outputs like ``f_values``
+        of probes of ``lengths`` tokens (default the window's, the longest a copy probe
+        has: an upper bound).
 
         A black box computing in precision p rounds its own softmax sums: the terms are
         as large as the heights |c_h| = |u^T v_h| (which cancel in g), summed over N
-        tokens, so its rounding grows with sum_h |c_h| and log2 N. This holds for a
+        tokens, so its rounding grows with sum_h |c_h| and log2 N (rms over the probes'
+        own lengths). This holds for a
         float32 forward pass (PyTorch's default) as for float64; outputs rounded once
         to float32 after a float64 pass err less, and are judged the same (their
         error bars are the looser for it). Outputs rounded to K decimals add half a
@@ -439,8 +456,9 @@ class _Extraction:
         # times that law let a fit with a step too few pass (float32
         # nn.MultiheadAttention, d = 16, H = 4: 11 of 13 within the bar with it, 15 of 16
         # with detection's law; H = 2: 20 of 20 with detection's law)
-        relative = polish.length_factor(self.length, 0.0) * self.precision * max(
-            rms + heights, 1e-300)
+        factor = safe_rms(polish.length_factor(
+            np.asarray(self.length if lengths is None else lengths, dtype=np.float64), 0.0))
+        relative = factor * self.precision * max(rms + heights, 1e-300)
         return relative + self.absolute_noise
 
     def set_precision(self) -> None:
@@ -1247,6 +1265,7 @@ class _Extraction:
         NC = d - 1 + EXTRA_COLUMNS
         S2 = H + COLUMN_SPARES
         lam, g = np.empty((d, S1)), np.empty((d, S1))
+        tokens_1 = np.empty((d, S1))                                 # probe lengths of round 1
         t_row, c_row, misfit = np.empty((d, H)), np.empty((d, H)), np.full(d, np.inf)
         t_row_std, c_row_std = np.full(d, np.inf), np.full(d, np.inf)
         R = np.linalg.qr(rng.standard_normal((d, d)))[0].T[:NC]       # (NC, d), NC <= d
@@ -1290,8 +1309,10 @@ class _Extraction:
                                           lam_1.ravel())
                 self.spend("main rows", before)
                 lam[todo], g[todo] = lam_t.reshape(-1, S1), g_t.reshape(-1, S1)
+                tokens_1[todo] = self.lengths(lam_1)
                 for k in todo:
-                    noise = self.noise(g[k] + self.q_0 @ self.v, float(np.sum(np.abs(C0[k]))))
+                    noise = self.noise(g[k] + self.q_0 @ self.v, float(np.sum(np.abs(C0[k]))),
+                                       lengths=tokens_1[k])
                     # two starts: the designed steps (labelled) and, where the design
                     # missed by more than the fit can walk, the rational fit's poles
                     steps, started = fit.fit_steps_from(lam[k], g[k], U[k] @ self.v, tau[k],
@@ -1350,7 +1371,8 @@ class _Extraction:
                                     np.zeros((NC + 1, S1)))
                 lam_k[0], g_k[0], mask[0] = lam[k], g[k], 1.0
                 lam_k[1:, :S2], g_k[1:, :S2], mask[1:, :S2] = lam2[i], g2[i], 1.0
-                probes[k] = (cols_k, lam_k, g_k, mask, g2[i] + (columns[k] @ self.v)[:, None])
+                probes[k] = (cols_k, lam_k, g_k, mask, g2[i] + (columns[k] @ self.v)[:, None],
+                             self.lengths(lam_cols[i]))
                 z0 = np.linalg.lstsq(cols_k, np.vstack([t_row[k][None], t_cols[i]]),
                                      rcond=None)[0].T
                 rows[k] = fit.fit_row(lam_k, g_k, mask, cols_k, c_row[k], z0)
@@ -1410,7 +1432,9 @@ class _Extraction:
         for _ in range(ROW_REDESIGNS + 1):
             f_all = np.concatenate([g.ravel() + self.q_0 @ self.v]
                                    + [p[4].ravel() for p in probes])
-            noise = self.noise(f_all, float(np.mean(np.sum(np.abs(c_row), axis=1))))
+            tokens_all = np.concatenate([tokens_1.ravel()] + [p[5].ravel() for p in probes])
+            noise = self.noise(f_all, float(np.mean(np.sum(np.abs(c_row), axis=1))),
+                               lengths=tokens_all)
             spread = np.array([max(float(np.max(r.z_std)) / max(float(np.linalg.norm(r.z)), 1e-300),
                                    float(np.max(r.c_std)) / max(float(np.linalg.norm(r.c)), 1e-300))
                                for r in rows])
@@ -1435,7 +1459,8 @@ class _Extraction:
         self.details["column moves / gap (median, max)"] = (float(np.median(moves)),
                                                             float(moves.max()))
         probes = [p[:4] for p in probes]
-        noise_floor = self.noise(f_all, float(np.mean(np.sum(np.abs(c_row), axis=1))), floor=True)
+        noise_floor = self.noise(f_all, float(np.mean(np.sum(np.abs(c_row), axis=1))),
+                                 floor=True, lengths=tokens_all)
         model, predicted, sigma, measured_sigma = self.assemble(U, rows, noise_floor)
         self.details["predicted relative error (small moves)"] = predicted
         refine_above = 0.0 if self.full_precision else REFINE_ABOVE
@@ -1476,7 +1501,7 @@ class _Extraction:
                          / max(r.jacobian_singular_values[-1], 1e-300)) for r in rows)
         sep = _smallest_separation(model)
         self.details.update({
-            "lambda window": f"+-{self.half_window:.2f} (sequences of {self.length} tokens)",
+            "lambda window": f"+-{self.half_window:.2f} (sequences of up to {self.length} tokens)",
             "designed step spacing": spacing,
             "smallest step gap in a main row": float(np.min(gaps)) if H > 1 else math.inf,
             "column step s (median)": float(np.median(s_k)),

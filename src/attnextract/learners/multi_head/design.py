@@ -7,8 +7,12 @@ with t_h = u^T W_h q and lambda = ln(m / (N - m)), so
     g(u, q, lambda) := f - v^T q = sum_h c_h sigma(t_h + lambda),   c_h = u^T v_h,
 
 with v = sum_h v_h read from d single tokens. Each head is a sigmoid step centred at
-lambda = -t_h with height c_h. Every probe has the same length N, so a round of probes
-is one array (B, N, d); lambda ranges over +-ln(N - 1).
+lambda = -t_h with height c_h. A stage's window N sets the range +-ln(N - 1) of lambda;
+each probe is only as long as its own lambda needs (:func:`probe_lengths`: window / 2^k
+tokens, with RARE_COPIES copies of the rarer token at least), since the identity holds
+for any length and the black box's cost grows with the tokens: steps spread over the
+window take about a third of the window's tokens. A round's probes go to the box in one
+batch per length (:func:`measure`).
 
 The design keeps the steps apart on purpose:
 
@@ -33,6 +37,8 @@ import math
 import numpy as np
 
 PROBE_FLOATS = 1 << 22          # floats of probe tokens per oracle call (32 MB)
+RARE_COPIES = 8                 # copies of the rarer token a copy probe has at least
+LENGTH_CLASSES = 6              # probe lengths per window at most: window / 2^k, k < this
 ROW_FRACTIONS = (0.5,)
 
 
@@ -52,40 +58,69 @@ def base_length(heads: int) -> int:
     return 2048 if heads <= 8 else window_length(heads)
 
 
-def copy_counts(lam: np.ndarray, length: int) -> np.ndarray:
-    """Copies m in 1..N-1 of the first token whose lambda = ln(m / (N - m)) is nearest ``lam``."""
+def probe_lengths(lam: np.ndarray, window: int) -> np.ndarray:
+    """Sequence length N_p of each copy probe (P,): as long as its lambda needs.
+
+    lambda = ln(m / (N - m)) needs N >= 1 + e^|lambda| tokens, and the rarer token's
+    copies min(m, N - m) set how finely lambda is realised (about 1 / that count). The
+    length is the window divided by the largest power of two (below 2^LENGTH_CLASSES)
+    that leaves RARE_COPIES copies of the rarer token: the window only within about
+    ln(window / RARE_COPIES) of its edge. The realised lambda is exact whatever the
+    length, and a shorter sum rounds less. A round's probes go in one batch per length,
+    so at most LENGTH_CLASSES batches; the cost is in the long probes (the length grows
+    like e^|lambda|), so the shortest class (window / 32) costs little: steps spread
+    evenly over the window's lambdas take about 0.3 of the window's tokens.
+    """
+    lam = np.abs(np.asarray(lam, dtype=np.float64))
+    need = RARE_COPIES * (1.0 + np.exp(np.minimum(lam, 700.0)))
+    halvings = np.floor(np.log2(np.maximum(window / need, 1.0)))
+    halvings = np.minimum(halvings, min(LENGTH_CLASSES - 1, math.floor(math.log2(window))))
+    return np.maximum(window // 2 ** halvings.astype(np.int64), 1)
+
+
+def copy_counts(lam: np.ndarray, length) -> np.ndarray:
+    """Copies m in 1..N-1 of the first token whose lambda = ln(m / (N - m)) is nearest
+    ``lam``; ``length`` N one for all or one per probe."""
     m = np.rint(length / (1.0 + np.exp(-np.asarray(lam, dtype=np.float64))))
-    return np.clip(m, 1, length - 1).astype(np.int64)
+    return np.clip(m, 1, np.asarray(length) - 1).astype(np.int64)
 
 
-def realised_lambda(m: np.ndarray, length: int) -> np.ndarray:
-    """lambda = ln(m / (N - m)) of copy counts m."""
+def realised_lambda(m: np.ndarray, length) -> np.ndarray:
+    """lambda = ln(m / (N - m)) of copy counts m (N one for all or one per probe)."""
     m = np.asarray(m, dtype=np.float64)
     return np.log(m) - np.log(length - m)
 
 
 def measure(oracle, v: np.ndarray, u: np.ndarray, q: np.ndarray, m: np.ndarray,
-            length: int) -> np.ndarray:
-    """Send the copy probes (u_p, q_p, m_p) of length N; returns g_p = f_p - v^T q_p.
+            length) -> np.ndarray:
+    """Send the copy probes (u_p, q_p, m_p) of length N_p; returns g_p = f_p - v^T q_p.
+
+    The probes of one length go in one batch (several where they exceed PROBE_FLOATS
+    floats), lengths in increasing order; the answers come back in the probes' order.
 
     Parameters
     ----------
     u, q : arrays (P, d)
     m : int array (P,)
+    length : int or int array (P,)
+        N for every probe, or each probe's own N_p.
     """
     P, d = u.shape
     a = q + u
-    step = max(1, PROBE_FLOATS // (length * d))
+    lengths = np.broadcast_to(np.asarray(length, dtype=np.int64), (P,))
     out = np.empty(P)
-    for lo in range(0, P, step):
-        hi = min(P, lo + step)
-        # filled probe by probe: two broadcast copies each write the tokens at memory
-        # speed (a masked select over the batch took 2x to 4x longer)
-        X = np.empty((hi - lo, length, d))
-        for i, p in enumerate(range(lo, hi)):
-            X[i, :m[p]] = a[p]
-            X[i, m[p]:] = q[p]
-        out[lo:hi] = oracle.query(X)
+    for n in np.unique(lengths):
+        group = np.flatnonzero(lengths == n)
+        step = max(1, PROBE_FLOATS // (int(n) * d))
+        for lo in range(0, group.size, step):
+            batch = group[lo:lo + step]
+            # filled probe by probe: two broadcast copies each write the tokens at memory
+            # speed (a masked select over the batch took 2x to 4x longer)
+            X = np.empty((batch.size, int(n), d))
+            for i, p in enumerate(batch):
+                X[i, :m[p]] = a[p]
+                X[i, m[p]:] = q[p]
+            out[batch] = oracle.query(X)
     return out - q @ v
 
 

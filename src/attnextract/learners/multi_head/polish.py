@@ -98,12 +98,14 @@ class Polished:
 
 
 def collect(records: list[tuple]) -> Samples:
-    """Stack recorded batches (u (P, d), q (P, d), lambda (P,), f (P,), N)."""
+    """Stack recorded batches (u (P, d), q (P, d), lambda (P,), f (P,), N (one for the
+    batch or (P,), each probe's own))."""
     u = np.concatenate([r[0] for r in records])
     q = np.concatenate([r[1] for r in records])
     lam = np.concatenate([r[2] for r in records])
     f = np.concatenate([r[3] for r in records])
-    length = np.concatenate([np.full(r[0].shape[0], r[4], dtype=np.float64) for r in records])
+    length = np.concatenate([np.broadcast_to(np.asarray(r[4], dtype=np.float64), r[0].shape[:1])
+                             for r in records])
     return Samples(u, q, lam, f, length)
 
 
