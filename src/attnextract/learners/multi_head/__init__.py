@@ -755,7 +755,7 @@ class _Extraction:
             if scan and not self.affordable(scan_cost + after, H):
                 break
             # the combination's predicted variance sum_h sum_j a_j^2 var_hj (a floor of
-            # 1e-3 per column: among well pinned columns the shortest combination)
+            # 1e-6 per column: among well pinned columns the shortest combination)
             weights = np.diag(np.sum(np.maximum(T_var[:, 1:], 1e-6), axis=0))
             try:
                 a = design.least_uncertain_row(
