@@ -58,6 +58,14 @@ def _check_module(module, torch):
                          "(kdim = vdim = embed_dim): one sequence is the query, keys and values")
 
 
+def _batch(X, dim: int) -> np.ndarray:
+    """X as a float64 batch (B, N, dim) of at least one token, else InputError."""
+    X = np.asarray(X, dtype=np.float64)
+    if X.ndim != 3 or X.shape[2] != dim or X.shape[1] < 1:
+        raise InputError(f"expected a batch (B, N, {dim}), got shape {X.shape}")
+    return X
+
+
 def _readout(readout, dim: int) -> np.ndarray:
     if readout is None or isinstance(readout, (int, np.integer)):
         r = np.random.default_rng(readout).standard_normal(dim)
@@ -140,9 +148,7 @@ class TorchAttentionBlackBox:
         self.dim = E
 
     def __call__(self, X) -> np.ndarray:
-        X = np.asarray(X, dtype=np.float64)
-        if X.ndim != 3 or X.shape[2] != self.dim or X.shape[1] < 1:
-            raise InputError(f"expected a batch (B, N, {self.dim}), got shape {X.shape}")
+        X = _batch(X, self.dim)
         torch = self.torch
         with torch.no_grad():
             seq = torch.tensor(X, dtype=self.dtype)      # a copy, cast to the module's dtype
@@ -195,9 +201,7 @@ class TorchPreLayerNormBlackBox:
         self._r = torch.from_numpy(self.readout)
 
     def __call__(self, X) -> np.ndarray:
-        X = np.asarray(X, dtype=np.float64)
-        if X.ndim != 3 or X.shape[2] != self.dim or X.shape[1] < 1:
-            raise InputError(f"expected a batch (B, N, {self.dim}), got shape {X.shape}")
+        X = _batch(X, self.dim)
         torch = self.torch
         with torch.no_grad():
             seq = torch.tensor(X)
