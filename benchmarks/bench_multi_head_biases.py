@@ -5,8 +5,10 @@ N(0, 1/d), v_h N(0, 1), the multi-head grid's target seeds) with query biases b_
 output constant c (targets.with_biases: |b_h| cycling through 1, 5.1 (MiniLM's |b_q|),
 0 (exactly), 0.3 by seed; c = 0 on every fifth seed). The biased learner runs on it, and
 the bias-free learner on the same box without its biases (today's count). Recorded per
-run: the canonical errors of W_h, b_h, v_h and c, the error bar, recovery queries
-against the bias-free run's, the floor H(d^2 + 2d) + 1 and CPU seconds.
+run: the canonical errors of W_h, b_h, v_h and c, the error bar, queries against the
+bias-free run's + H d and against paper 2's count + H d (the bias-free learner's cap), the
+biased learner's own count (biased_count: 4Hd(d + 1) - 2H + 2, paper 2's with affine
+columns), whether the short probes ran, the floor H(d^2 + 2d) + 1 and CPU seconds.
 
 Run:  nice -n 10 python benchmarks/bench_multi_head_biases.py [--seeds 20] [--out NAME]
 (1 BLAS thread: OPENBLAS_NUM_THREADS=1). Writes benchmarks/results/NAME.json and .md.
@@ -23,7 +25,8 @@ import numpy as np
 
 from attnextract.adapters.targets import random_multi_head, with_biases
 from attnextract.errors import AttnExtractError
-from attnextract.learners.multi_head import canonical_error, extract_multi_head
+from attnextract.learners.multi_head import (biased_count, canonical_error, extract_multi_head,
+                                              paper2_count)
 from attnextract.learners.multi_head.canonical import biased_canonical_errors
 from attnextract.models import MultiHeadAttention
 from attnextract.oracle import Oracle
@@ -72,6 +75,8 @@ def run(H: int, d: int, seed: int) -> dict:
     row["queries"] = oracle.queries
     row["cpu s"] = time.process_time() - start
     row["ratio"] = row["queries"] / (row["bias-free queries"] + H * d)
+    row["ratio to paper 2 + Hd"] = row["queries"] / (paper2_count(H, d) + H * d)
+    row["count"] = biased_count(H, d)
     return row
 
 
@@ -80,30 +85,44 @@ def short_kept(detail) -> bool:
     return isinstance(detail, str) and detail.endswith("kept") and "not kept" not in detail
 
 
+def short_sent(detail) -> bool:
+    """Whether a run's report says its short probes were sent (kept or not)."""
+    return isinstance(detail, str) and " sent " in detail
+
+
 def summary(rows) -> str:
-    out = ["| H | d | runs | refused | worst W | worst b | worst v | worst c | max error / bar "
+    out = ["| H | d | runs | refused | worst W | worst b | worst v | worst c | median error "
+           "| max error / bar "
            "| within 1e-10 | polish kept | median queries (biased) | median bias-free + Hd "
-           "| median ratio | max ratio | floor | median CPU s | short probes kept (biased, bias-free) "
-           "| bias-free within 1e-10 |", "|" + "---|" * 19]
+           "| median ratio | max ratio | biased count | paper 2 + Hd | max queries / (paper 2 + Hd) "
+           "| floor | median CPU s | short probes sent (biased) "
+           "| short probes kept (biased, bias-free) "
+           "| bias-free within 1e-10 |", "|" + "---|" * 24]
     for H, d in sorted({(r["H"], r["d"]) for r in rows}, key=lambda x: (x[1], x[0])):
         cell = [r for r in rows if (r["H"], r["d"]) == (H, d)]
         ok = [r for r in cell if "refused" not in r]
         err = [max(r["W"], r["b"], r["v"], r["c"]) for r in ok]
-        out.append("| {} | {} | {} | {} | {:.1e} | {:.1e} | {:.1e} | {:.1e} | {:.2f} | {} | {} "
-                   "| {:.0f} | {:.0f} | {:.3f} | {:.3f} | {} | {:.1f} | {}, {} | {} |".format(
+        out.append("| {} | {} | {} | {} | {:.1e} | {:.1e} | {:.1e} | {:.1e} | {:.1e} | {:.2f} "
+                   "| {} | {} | {:.0f} | {:.0f} | {:.3f} | {:.3f} | {} | {} | {:.3f} | {} "
+                   "| {:.1f} | {} | {}, {} | {} |".format(
                        H, d, len(cell), len(cell) - len(ok),
                        max((r["W"] for r in ok), default=np.nan),
                        max((r["b"] for r in ok), default=np.nan),
                        max((r["v"] for r in ok), default=np.nan),
                        max((r["c"] for r in ok), default=np.nan),
+                       np.median(err) if err else np.nan,
                        max((e / r["error bar"] for e, r in zip(err, ok)), default=np.nan),
                        sum(e <= GOAL for e in err),
                        sum(r.get("polish") == "kept" for r in ok),
                        np.median([r["queries"] for r in cell]),
                        np.median([r["bias-free queries"] + H * d for r in cell]),
                        np.median([r["ratio"] for r in cell]),
-                       max(r["ratio"] for r in cell), cell[0]["floor"],
+                       max(r["ratio"] for r in cell), biased_count(H, d),
+                       paper2_count(H, d) + H * d,
+                       max(r["queries"] / (paper2_count(H, d) + H * d) for r in cell),
+                       cell[0]["floor"],
                        np.median([r["cpu s"] for r in cell]),
+                       sum(short_sent(r.get("short probes")) for r in cell),
                        sum(short_kept(r.get("short probes")) for r in cell),
                        sum(short_kept(r.get("bias-free short probes")) for r in cell),
                        sum(r.get("bias-free error", np.inf) <= GOAL for r in cell)))
@@ -149,7 +168,9 @@ def main():
         f"{' '.join(sys.argv[1:])}` (commit {commit}; CPU s on a shared 2-core machine).\n"
         "polish kept: runs whose joint polish (with b_h and c) was kept.\n"
         "queries include the 64 verification queries of each run (biased and bias-free);\n"
-        "ratio = biased queries / (bias-free queries + H d).\n\n" + table + "\n")
+        "ratio = biased queries / (bias-free queries + H d) on the same heads; the biased\n"
+        "count (the learner's cap, verification included) is 4Hd(d + 1) - 2H + 2, paper 2's\n"
+        "count 4Hd^2 - 2H + 1 with affine columns [q, 1].\n\n" + table + "\n")
     print(table)
 
 
