@@ -210,6 +210,8 @@ SHORT_BALANCE = 16.0      # ... |u| / |q| (u a, q / a leave every logit): the se
                           # d = 8, H = 6, 4 seeds, rows alone: 1 1.5e-14, 4 1.1e-14,
                           # 16 8.8e-15, 64 9.6e-15, 1024 9.5e-15 (median)
 SHORT_OVERSAMPLE = 1.25   # ... at least this x each row's H (d + 1) unknowns (else skipped)
+SHORT_INTERCEPTS = 0.5    # ... with biases, the intercepts a u^T b_h at most this x the
+                          # ladder's half span (a shrinks)
 SHORT_ROW_CANDIDATES = 64 # draws per short row (:func:`.design.even_height_rows`)
 PERTURBATION_MOVE = 0.003 # base perturbations move the steps by about this x the smallest
                           # gap (labels kept; the estimate's error scales with 1 / this)
@@ -1746,7 +1748,14 @@ class _Extraction:
         a = np.sqrt(SHORT_BALANCE * np.median(np.linalg.norm(columns, axis=2), axis=1))
         if self.biases:
             # ... but not the intercepts u^T b_h, which grow with a: the columns are
-            # designed again for the scaled rows, the ladder met with a u^T b_h included
+            # designed again for the scaled rows, the ladder met with a u^T b_h included.
+            # Columns that cancel intercepts beyond the ladder share a common offset
+            # larger than their spread, nearly collinear with the constant column of
+            # [q, 1]: a shrinks until the intercepts stay within SHORT_INTERCEPTS of the
+            # ladder's half span
+            half_span = 0.5 * SHORT_SPACING * max(H - 1, 1)
+            reach = a * np.max(np.abs(U @ model.b.T), axis=1)
+            a = a * np.minimum(1.0, SHORT_INTERCEPTS * half_span / np.maximum(reach, 1e-300))
             B = a[:, None] * (U @ model.b.T)                                 # (d, H)
             columns = np.array([design.short_columns(Z[k], SHORT_SPACING, per_row, self.rng,
                                                      shift=B[k]) for k in range(d)])
