@@ -32,7 +32,30 @@ from attnextract.learners.multi_head.canonical import canonical_error
 DETAILS = ("head counts of the base rows", "canonical heads",
            "base row smallest step gap (first row)", "designed column scans",
            "designed column smallest step gap", "base estimate relative error",
+           "base estimate relative error (first row)", "base scans", "main rows redesigned",
+           "main rows relabelled", "label misfit (before, after)", "held-out error",
            "designs tried", "failed designs", "short probes", "predicted relative error")
+
+
+def _plain(value):
+    """A JSON value for a numpy number or array in a run's details."""
+    return value.tolist() if hasattr(value, "tolist") else str(value)
+
+
+def _recorded_cells(result: dict) -> list[dict]:
+    """The cells of a recorded result: bench_multi_head.py's "rows", or this script's own
+    --json output ("runs", one per box) grouped back into cells, so a rerun can be rerun."""
+    if "rows" in result:
+        return result["rows"]
+    cells: dict = {}
+    for run in result["runs"]:
+        cell = cells.setdefault((run["H"], run["d"], run["scale"]),
+                                {"H": run["H"], "d": run["d"], "scale": run["scale"],
+                                 "told": run.get("told", True), "runs": []})
+        cell["runs"].append({"seed": run["seed"], "learner_seed": run["learner_seed"],
+                             "error": run["error"],
+                             "refused": None if run["outcome"] == "recovered" else run["outcome"]})
+    return list(cells.values())
 
 
 def main() -> None:
@@ -45,7 +68,7 @@ def main() -> None:
     parser.add_argument("--markdown")
     parser.add_argument("--json")
     args = parser.parse_args()
-    recorded = json.load(open(args.result))["rows"]
+    recorded = _recorded_cells(json.load(open(args.result)))
     lines = ["| d | H | W scale | target seed | outcome | canonical error | queries | recorded |",
              "|---|---|---|---|---|---|---|---|"]
     good = total = 0
@@ -74,14 +97,15 @@ def main() -> None:
                     details = exc.result.report.details if exc.result is not None else {}
                 total += 1
                 runs.append({"d": d, "H": H, "scale": scale, "seed": run["seed"],
-                             "learner_seed": run["learner_seed"], "outcome": outcome,
+                             "learner_seed": run["learner_seed"], "told": row.get("told", True),
+                             "outcome": outcome,
                              "error": error, "queries": queries,
                              "paper2_count": 4 * H * d * d - 2 * H + 1,
                              "seconds": time.perf_counter() - start,
                              "cpu_seconds": time.process_time() - cpu,
                              "tokens": oracle.tokens, "load": os.getloadavg()[0],
                              "recorded": run["refused"] or run["error"],
-                             "details": {key: details[key] for key in DETAILS if key in details}})
+                             "details": {key: details[key] for key in details}})
                 good += error is not None and error <= 1e-10
                 before = run["refused"] or f"{run['error']:.1e}"
                 lines.append(f"| {d} | {H} | {scale:g} | {run['seed']} | {outcome} | "
@@ -89,6 +113,8 @@ def main() -> None:
                 print(lines[-1], f"{time.perf_counter() - start:.1f} s wall, "
                       f"{runs[-1]['cpu_seconds']:.1f} s CPU, {oracle.tokens} tokens, "
                       f"load {runs[-1]['load']:.1f}", flush=True)
+                print("    stages:", {key: details[key] for key in DETAILS if key in details},
+                      flush=True)
     summary = (f"{good} of {total} within 1e-10, {sum(r['outcome'] != 'recovered' for r in runs)} "
                f"refused, most queries {max((r['queries'] or 0) for r in runs)} (command: "
                f"rerun_grid_cell.py {' '.join(sys.argv[1:])})")
@@ -99,7 +125,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"command": " ".join(["benchmarks/rerun_grid_cell.py", *sys.argv[1:]]),
-                       "summary": summary, "runs": runs}, fh, indent=1, default=float)
+                       "summary": summary, "runs": runs}, fh, indent=1, default=_plain)
 
 
 if __name__ == "__main__":
