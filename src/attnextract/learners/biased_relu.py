@@ -89,6 +89,15 @@ ERROR_BAR_SIGMAS = 5.0  # the joint fit's bar: this many standard errors of its 
 REFINE_ROUNDS = 20      # Gauss-Newton rounds of the joint fit to every answer,
 REFINE_TRIES = 8        # ... each with up to this many dampings
 FIT_ANSWERS = 20        # the joint fit uses at most this many answers per parameter
+MAX_WEAK_UNITS = 2      # units sought between known kinks (too weak for the kink search)
+WEAK_LINES = 1          # ... on this many x d lines, each sampled at 2 m + WEAK_POINTS
+WEAK_POINTS = 24        # ... evenly spaced points; a line counts where one free knot
+WEAK_EXPLAINED = 0.1    # ... leaves at most this share of the known knots' misfit
+KNOT_MOVE = 0.02        # ... the known knots free to move this far (of t in [-1, 1])
+LOCAL_POINTS = 16       # answers per short line around a weak unit's kink
+LOCAL_ROOM = 1e-2       # ... whose ball free of known kinks is at least this (x |y0|, >= 1)
+LOCAL_TRIES = 3         # candidates tried (the roomiest first)
+WEAK_PLANE = 1e-2       # the short lines' knots lie on one hyperplane this well (x the room)
 NEAR_PLANE = 1e-3       # the joint fit starts without answers this close to a hyperplane
 
 
@@ -582,6 +591,20 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
             net, fit = refine_network(net, X, F, tol.noise)
             info.update(fit)
             retries += 1
+            weak = 0
+            while not fit["measured noise"] <= NOISY_FIT * tol.noise and weak < MAX_WEAK_UNITS:
+                # a unit too weak for the kink search, sought where the others' kinks are known
+                found = _weak_unit(oracle, net, rng, scale, tol, counts)
+                if found is None:
+                    break
+                X, F = oracle.answers()
+                net, fit = min((refine_network(start, X, F, tol.noise) for start in found),
+                               key=lambda out: out[1]["measured noise"])
+                info.update(fit)
+                weak += 1
+            if weak:
+                info["hidden units"] = net.width
+                info["weak units found between known kinks"] = weak
             if (not fit["measured noise"] <= NOISY_FIT * tol.noise and lines < MAX_LINES
                     and retries <= NOISY_RETRIES):
                 # a unit too weak for the lines so far (its jump within their rounding), or
@@ -591,13 +614,148 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
             if not fit["measured noise"] <= NOISY_FIT * tol.noise:
                 from ..errors import RecoveryFailedError
                 raise RecoveryFailedError(
-                    f"the {m} units found do not fit the answers to their rounding (weighted "
-                    f"residual {fit['measured noise']:.1e}, rounding {tol.noise:.1e}) after "
-                    f"{lines} lines: a unit whose kinks stay within the rounding on every line "
+                    f"the {net.width} units found do not fit the answers to their rounding "
+                    f"(weighted residual {fit['measured noise']:.1e}, rounding {tol.noise:.1e}) "
+                    f"after {lines} lines and the search between known kinks: a unit whose "
+                    f"kinks stay within the rounding on every line "
                     f"(the learner's limit at this precision), or not a one-hidden-layer ReLU "
                     f"network; nothing is returned. Answers in float64 avoid the limit")
         break
     return net, info
+
+
+def _weak_unit(oracle, net: BiasedReLUNetwork, rng, scale: float, tol: Tolerances,
+               counts: dict):
+    """Rounded answers: one unit the kink search missed, found between the known kinks.
+
+    A unit with a small |w_i| changes the slope of F by less than the kink search can
+    tell from the rounding of F (its threshold is relative to max |F| on a line, and two
+    kinks within a chord merge). Once the other units are known, so are their crossings
+    of any line: on WEAK_LINES d random lines, each sampled at 2 m + WEAK_POINTS evenly
+    spaced points, F is fitted by the continuous piecewise-linear function with knots at
+    those crossings (each free to move by KNOT_MOVE: the fitted units are pulled off by
+    the missing one), then with one more free knot. Where that knot explains most of the
+    misfit and leaves only the rounding, it is a candidate point on the missing unit's
+    hyperplane. Around the candidate farthest from the known hyperplanes,
+    :func:`_local_plane` measures the hyperplane and w on short lines.
+    Returns the two networks with the unit added (active on either side of its
+    hyperplane: the joint fit tells them apart), or None.
+    """
+    from scipy.optimize import least_squares
+
+    m, d = net.P.shape
+    n_lines = WEAK_LINES * d
+    centres = scale * rng.standard_normal((n_lines, d))
+    dirs = rng.standard_normal((n_lines, d))
+    dirs /= safe_norm(dirs, axis=1)[:, None]
+    half = LINE_REACH * scale * math.sqrt(d)
+    n_points = 2 * m + WEAK_POINTS
+    t = np.linspace(-1.0, 1.0, n_points)
+    X = centres[:, None, :] + (half * t)[None, :, None] * dirs[:, None, :]
+    oracle.require(n_lines * n_points, "seeking a weak unit on lines with known kinks")
+    F = _query_vectors(oracle, X.reshape(-1, d)).reshape(n_lines, n_points)
+    counts["weak-unit lines"] = counts.get("weak-unit lines", 0) + n_lines * n_points
+    weight = 1.0 / (np.abs(F) + NOISE_FLOOR * np.median(np.abs(F)) + 1e-300)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        knots = -(centres @ net.P.T + net.b) / (half * dirs @ net.P.T)      # (lines, m)
+    points, qs = [], []
+    for line in range(n_lines):
+        wl, f = weight[line], F[line] * weight[line]
+        known = knots[line][np.abs(knots[line]) < 1.0]
+
+        def fit(s):
+            """Weighted residual and coefficients of the spline with knots s."""
+            M = np.column_stack([np.ones_like(t), t, np.maximum(t[:, None] - s[None], 0.0)])
+            M = M * wl[:, None]
+            c = np.linalg.lstsq(M, f, rcond=None)[0]
+            return M @ c - f, c
+
+        def free(s0):
+            """The knots s0 moved (each by at most KNOT_MOVE) to fit F best."""
+            if not len(s0):
+                return s0
+            return least_squares(lambda s: fit(s)[0], s0, bounds=(s0 - KNOT_MOVE, s0 + KNOT_MOVE),
+                                 x_scale=KNOT_MOVE, xtol=1e-12).x
+
+        known = free(known)
+        spline = float(np.sum(fit(known)[0] ** 2))
+        mids = 0.5 * (t[1:-2] + t[2:-1])
+        extra = mids[int(np.argmin([np.sum(fit(np.append(known, s))[0] ** 2) for s in mids]))]
+        knots_all = free(np.append(known, extra))
+        sse = float(np.sum(fit(knots_all)[0] ** 2))
+        dof = max(n_points - len(knots_all) * 2 - 2, 1)
+        if (sse <= WEAK_EXPLAINED * spline
+                and spline > (KINK_SIGMAS * tol.noise) ** 2 * dof
+                and sse <= (NOISY_FIT * tol.noise) ** 2 * dof):
+            points.append(centres[line] + half * knots_all[-1] * dirs[line])
+            qs.append(dirs[line])
+    # the candidates farthest from every known hyperplane first: the short lines around
+    # them see no other kink
+    norm = safe_norm(net.P, axis=1)
+    room = [float((np.abs(net.P @ y + net.b) / norm).min()) for y in points]
+    for k in np.argsort(room)[::-1][:LOCAL_TRIES]:
+        found = _local_plane(oracle, net, points[k], qs[k], tol, counts)
+        if found is not None:
+            n, beta, w = found
+            break
+    else:
+        return None
+    # w ReLU(z) and w ReLU(-z) have the same kinks (they differ by the affine w z)
+    return [BiasedReLUNetwork(np.vstack([net.P, sign * n]), np.append(net.b, sign * beta),
+                              np.append(net.w, w), net.c0) for sign in (1.0, -1.0)]
+
+
+def _local_plane(oracle, net: BiasedReLUNetwork, y0, q, tol: Tolerances, counts: dict):
+    """The hyperplane of the one kink near y0 along q, from short lines around it.
+
+    ``room``, y0's distance to the known hyperplanes, bounds a ball with no other kink:
+    the lines y0 +- rho v_k + s q (v_k an orthonormal basis of q's complement, rho a fifth
+    of the room, |s| up to 0.7 of it) each cross the new hyperplane once; one hinge
+    fitted to each (LOCAL_POINTS answers) gives 2 d - 1 points on it, and total least
+    squares the plane (n (d,), beta). None when the room is too small, fewer than d + 1
+    lines show their hinge at the rounding, or the points lie on no one hyperplane.
+    """
+    from scipy.optimize import minimize_scalar
+
+    d = len(y0)
+    norm = safe_norm(net.P, axis=1)
+    room = float((np.abs(net.P @ y0 + net.b) / norm).min())
+    if not room > LOCAL_ROOM * max(1.0, safe_norm(y0)):
+        return None
+    V = np.linalg.svd(np.eye(d) - np.outer(q, q))[0][:, :d - 1]        # q's complement
+    rho, reach = 0.2 * room, 0.7 * room
+    starts = np.vstack([y0, y0 + rho * V.T, y0 - rho * V.T])             # (2d - 1, d)
+    s = np.linspace(-reach, reach, LOCAL_POINTS)
+    X = starts[:, None, :] + s[None, :, None] * q[None, None, :]
+    oracle.require(X.shape[0] * LOCAL_POINTS, "measuring a weak unit's hyperplane")
+    F = _query_vectors(oracle, X.reshape(-1, d)).reshape(X.shape[:2])
+    counts["weak-unit lines"] = counts.get("weak-unit lines", 0) + X.size // d
+    points, slopes = [], []
+    for f in F:
+        wl = 1.0 / (np.abs(f) + NOISE_FLOOR * np.median(np.abs(f)) + 1e-300)
+
+        def misfit(knot, slope=False):
+            M = np.column_stack([np.ones_like(s), s, np.maximum(s - knot, 0.0)]) * wl[:, None]
+            c = np.linalg.lstsq(M, f * wl, rcond=None)[0]
+            return c[-1] if slope else float(np.sum((M @ c - f * wl) ** 2))
+
+        mids = 0.5 * (s[1:-2] + s[2:-1])
+        j = int(np.argmin([misfit(k) for k in mids]))
+        knot = float(minimize_scalar(misfit, bounds=(s[j], s[j + 3]), method="bounded",
+                                     options={"xatol": 1e-12 * reach}).x)
+        fits = misfit(knot) <= (NOISY_FIT * tol.noise) ** 2 * (LOCAL_POINTS - 4)
+        points.append(knot if fits else np.nan)
+        slopes.append(misfit(knot, slope=True))
+    ok = np.isfinite(points)
+    if ok.sum() < d + 1:
+        return None
+    Y = starts[ok] + np.array(points)[ok, None] * q[None]
+    mean = Y.mean(axis=0)
+    n = np.linalg.svd(Y - mean, full_matrices=False)[2][-1]
+    if not np.abs((Y - mean) @ n).max() <= WEAK_PLANE * room:
+        return None
+    # the hinge's slope change along q is w (n^T q) (either side active)
+    return n, -float(n @ mean), float(np.median(np.array(slopes)[ok]) / (n @ q))
 
 
 def crossing_points(net: BiasedReLUNetwork, rng, scale: float):
