@@ -90,6 +90,8 @@ REFINE_ROUNDS = 20      # Gauss-Newton rounds of the joint fit to every answer,
 REFINE_TRIES = 8        # ... each with up to this many dampings
 FIT_ANSWERS = 20        # the joint fit uses at most this many answers per parameter
 MAX_WEAK_UNITS = 2      # units sought between known kinks (too weak for the kink search)
+WEAK_FIT = 3.0          # ... when the joint fit misfits by more than this x the noise,
+WEAK_GAIN = 0.5         # ... and kept when they bring its misfit down by this factor
 WEAK_LINES = 1          # ... on this many x d lines, each sampled at 2 m + WEAK_POINTS
 WEAK_POINTS = 24        # ... evenly spaced points; a line counts where one free knot
 WEAK_EXPLAINED = 0.1    # ... leaves at most this share of the known knots' misfit
@@ -98,6 +100,7 @@ LOCAL_POINTS = 16       # answers per short line around a weak unit's kink
 LOCAL_ROOM = 1e-2       # ... whose ball free of known kinks is at least this (x |y0|, >= 1)
 LOCAL_TRIES = 3         # candidates tried (the roomiest first)
 WEAK_PLANE = 1e-2       # the short lines' knots lie on one hyperplane this well (x the room)
+NEAR_ADDED = 10.0       # ... and this x the offset error of a unit just added
 NEAR_PLANE = 1e-3       # the joint fit starts without answers this close to a hyperplane
 
 
@@ -592,14 +595,20 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
             info.update(fit)
             retries += 1
             weak = 0
-            while not fit["measured noise"] <= NOISY_FIT * tol.noise and weak < MAX_WEAK_UNITS:
-                # a unit too weak for the kink search, sought where the others' kinks are known
+            while not fit["measured noise"] <= WEAK_FIT * tol.noise and weak < MAX_WEAK_UNITS:
+                # a unit too weak for the kink search, sought where the others' kinks are
+                # known; kept only if the fit improves by WEAK_GAIN (a forward pass in low
+                # precision also misfits by several times the stated rounding)
                 found = _weak_unit(oracle, net, rng, scale, tol, counts)
                 if found is None:
                     break
                 X, F = oracle.answers()
-                net, fit = min((refine_network(start, X, F, tol.noise) for start in found),
-                               key=lambda out: out[1]["measured noise"])
+                better, refit = min((refine_network(start, X, F, tol.noise, found[1])
+                                     for start in found[0]),
+                                    key=lambda out: out[1]["measured noise"])
+                if not refit["measured noise"] <= WEAK_GAIN * fit["measured noise"]:
+                    break
+                net, fit = better, refit
                 info.update(fit)
                 weak += 1
             if weak:
@@ -638,8 +647,9 @@ def _weak_unit(oracle, net: BiasedReLUNetwork, rng, scale: float, tol: Tolerance
     misfit and leaves only the rounding, it is a candidate point on the missing unit's
     hyperplane. Around the candidate farthest from the known hyperplanes,
     :func:`_local_plane` measures the hyperplane and w on short lines.
-    Returns the two networks with the unit added (active on either side of its
-    hyperplane: the joint fit tells them apart), or None.
+    Returns (the two networks with the unit added, active on either side of its
+    hyperplane: the joint fit tells them apart; the largest offset of the short lines'
+    knots from the fitted hyperplane), or None.
     """
     from scipy.optimize import least_squares
 
@@ -696,13 +706,13 @@ def _weak_unit(oracle, net: BiasedReLUNetwork, rng, scale: float, tol: Tolerance
     for k in np.argsort(room)[::-1][:LOCAL_TRIES]:
         found = _local_plane(oracle, net, points[k], qs[k], tol, counts)
         if found is not None:
-            n, beta, w = found
+            n, beta, w, off = found
             break
     else:
         return None
     # w ReLU(z) and w ReLU(-z) have the same kinks (they differ by the affine w z)
     return [BiasedReLUNetwork(np.vstack([net.P, sign * n]), np.append(net.b, sign * beta),
-                              np.append(net.w, w), net.c0) for sign in (1.0, -1.0)]
+                              np.append(net.w, w), net.c0) for sign in (1.0, -1.0)], off
 
 
 def _local_plane(oracle, net: BiasedReLUNetwork, y0, q, tol: Tolerances, counts: dict):
@@ -712,8 +722,9 @@ def _local_plane(oracle, net: BiasedReLUNetwork, y0, q, tol: Tolerances, counts:
     the lines y0 +- rho v_k + s q (v_k an orthonormal basis of q's complement, rho a fifth
     of the room, |s| up to 0.7 of it) each cross the new hyperplane once; one hinge
     fitted to each (LOCAL_POINTS answers) gives 2 d - 1 points on it, and total least
-    squares the plane (n (d,), beta). None when the room is too small, fewer than d + 1
-    lines show their hinge at the rounding, or the points lie on no one hyperplane.
+    squares the plane (n (d,), beta). Returns (n, beta, w, the knots' largest offset from
+    it); None when the room is too small, fewer than d + 1 lines show their hinge at the
+    rounding, or the points lie on no one hyperplane.
     """
     from scipy.optimize import minimize_scalar
 
@@ -754,8 +765,10 @@ def _local_plane(oracle, net: BiasedReLUNetwork, y0, q, tol: Tolerances, counts:
     n = np.linalg.svd(Y - mean, full_matrices=False)[2][-1]
     if not np.abs((Y - mean) @ n).max() <= WEAK_PLANE * room:
         return None
-    # the hinge's slope change along q is w (n^T q) (either side active)
-    return n, -float(n @ mean), float(np.median(np.array(slopes)[ok]) / (n @ q))
+    # the hinge's slope change along q is w (n^T q) (either side active); the plane's
+    # offset is known to a few knots' errors, at most WEAK_PLANE of the room
+    return (n, -float(n @ mean), float(np.median(np.array(slopes)[ok]) / (n @ q)),
+            WEAK_PLANE * room)
 
 
 def crossing_points(net: BiasedReLUNetwork, rng, scale: float):
@@ -916,7 +929,8 @@ class _Recorder:
         return np.vstack(self._x), np.concatenate(self._f)
 
 
-def refine_network(net: BiasedReLUNetwork, X: np.ndarray, F: np.ndarray, noise: float):
+def refine_network(net: BiasedReLUNetwork, X: np.ndarray, F: np.ndarray, noise: float,
+                   last_unit_error: float = 0.0):
     """Joint least-squares fit of every parameter to the answers F (n,) at X (n, d).
 
     Rounding of relative size ``noise`` is at most a few bits per answer, so the fit
@@ -929,7 +943,8 @@ def refine_network(net: BiasedReLUNetwork, X: np.ndarray, F: np.ndarray, noise: 
     (the answers' relative error, measured) and ``info["error bar"]`` ERROR_BAR_SIGMAS
     standard errors of the worst canonical parameter (P entries, w relative to max |w|,
     b relative to max(max |b|, 1), c0 relative to max(|c0|, max |w|)), from the fit's
-    covariance at the measured noise.
+    covariance at the measured noise; ``info["unit bars"]`` the same per unit, absolute:
+    (largest P entry's (m,), w's (m,)).
     """
     keep = np.all(np.isfinite(X), axis=1) & np.isfinite(F)
     X, F = X[keep], F[keep]
@@ -941,7 +956,11 @@ def refine_network(net: BiasedReLUNetwork, X: np.ndarray, F: np.ndarray, noise: 
     # first without the answers within NEAR_PLANE of a hyperplane (relative to |x|): the
     # kink search put many there, and the side a start a little off gives them pulls
     # the whole fit into a wrong minimum; then with every answer
-    near = np.abs(net.pre_activations(X)).min(axis=1) < NEAR_PLANE * (1.0 + safe_norm(X, axis=1))
+    pre = np.abs(net.pre_activations(X))
+    near = pre.min(axis=1) < NEAR_PLANE * (1.0 + safe_norm(X, axis=1))
+    # a unit just added (``last_unit_error``: its hyperplane's expected offset error) has
+    # the answers measured around it within that error: they wait for the second fit too
+    near |= pre[:, -1] < NEAR_ADDED * last_unit_error
     net, _ = _joint_fit(net, X[~near], F[~near])
     return _joint_fit(net, X, F)
 
@@ -969,11 +988,16 @@ def _joint_fit(net: BiasedReLUNetwork, X: np.ndarray, F: np.ndarray):
         J = jacobian(P, b, w) * weight[:, None]
         # normal equations: one product per round, the dampings then cost little
         JtJ, Jtr = J.T @ J, J.T @ r
-        diag = np.diag(JtJ).copy()
+        # columns scaled to unit norm: a unit with a tiny |w| has columns of order |w|,
+        # and unscaled normal equations would drop its direction as rounding (it would
+        # then move by a sliver per round)
+        unit = 1.0 / np.sqrt(np.maximum(np.diag(JtJ), 1e-300))
+        scaled, rhs = unit[:, None] * JtJ * unit[None, :], unit * Jtr
         for _ in range(REFINE_TRIES):
             # Levenberg-Marquardt: a sample that changes sides of a hyperplane makes the
             # Gauss-Newton step overshoot; damping shortens it until the misfit drops
-            step = np.linalg.lstsq(JtJ + damping * np.diag(diag), Jtr, rcond=None)[0]
+            step = unit * np.linalg.lstsq(scaled + damping * np.eye(len(unit)), rhs,
+                                          rcond=None)[0]
             Pn = P + step[:m * d].reshape(m, d)
             bn, wn = b + step[m * d:m * d + m], w + step[m * d + m:m * d + 2 * m]
             c0n = c0 + step[-1]
@@ -1008,5 +1032,8 @@ def _joint_fit(net: BiasedReLUNetwork, X: np.ndarray, F: np.ndarray):
                 float(std[m * d + m:m * d + 2 * m].max()) / float(np.abs(w).max()),
                 float(std[-1]) / max(abs(c0), float(np.abs(w).max())))
     info = {"joint fit": f"{len(X)} answers, {m * (d + 2) + 1} parameters",
-            "measured noise": sigma, "error bar": ERROR_BAR_SIGMAS * worst}
+            "measured noise": sigma, "error bar": ERROR_BAR_SIGMAS * worst,
+            # per unit, absolute: the largest P entry's and w's (for derived parameters)
+            "unit bars": (ERROR_BAR_SIGMAS * std[:m * d].reshape(m, d).max(axis=1),
+                          ERROR_BAR_SIGMAS * std[m * d + m:m * d + 2 * m])}
     return BiasedReLUNetwork(P, b, w, c0), info
