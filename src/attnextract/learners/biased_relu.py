@@ -1027,6 +1027,11 @@ def _joint_fit(net: BiasedReLUNetwork, X: np.ndarray, F: np.ndarray):
     dof = max(len(X) - (m * (d + 1) + 1), 1)
     sigma = math.sqrt(cost / dof)
     std = sigma * np.sqrt(((vt / sv[:, None]) ** 2).sum(axis=0))
+    # a forward pass in low precision rounds its terms, not F: its errors are not one
+    # size relative to |F| as the weights assume. The sandwich (heteroscedasticity-
+    # consistent) covariance uses each answer's own residual; the larger of the two counts
+    influence = (vt.T / sv) @ u[:len(X)].T                      # (parameters, answers)
+    std = np.maximum(std, np.sqrt((influence ** 2) @ (r * r) * len(X) / dof))
     worst = max(float(std[:m * d].max()),
                 float(std[m * d:m * d + m].max()) / max(float(np.abs(b).max()), 1.0),
                 float(std[m * d + m:m * d + 2 * m].max()) / float(np.abs(w).max()),
