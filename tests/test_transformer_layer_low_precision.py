@@ -156,6 +156,16 @@ def test_float32_forward_pass_with_a_weak_unit_at_d16():
     assert result.model.width == 16
 
 
+def test_smooth_impostor_in_float32_is_refused():
+    """A GELU FFN, answers rounded to float32: a line with too many kinks is searched once
+    more allowing 4 times the noise, and a smooth F still shows kinks everywhere."""
+    from test_transformer_layer import impostors
+    oracle = Oracle(RoundedOutputs(impostors(d=8, m=8, seed=0)["GELU FFN"]), 8)
+    with pytest.raises(ModelMismatchError, match="kinks on one path"):
+        extract(oracle, "transformer-layer", seed=0)
+    assert oracle.queries < 1000
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_stated_half_precision_is_refused_before_any_query(dtype):
     oracle = Oracle(random_transformer_layer(8, 8, 3), 8)
