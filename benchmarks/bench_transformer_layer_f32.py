@@ -1,6 +1,6 @@
 """The Transformer-layer learner on float32 (and K-decimal) answers: one head, with or without a residual term.
 
-Run:  python benchmarks/bench_transformer_layer_f32.py [--seeds 20] [--label mh8_transformer_layer_f32]
+Run:  python benchmarks/bench_transformer_layer_f32.py [--seeds 20] [--first-seed 0] [--label mh8_transformer_layer_f32]
           [--cells NAME,...]
 
 Cells (random_transformer_layer(d, m, seed), W, V, A ~ N(0, 1/d), w ~ N(0, 1); "biases":
@@ -125,6 +125,7 @@ def summary(rows, cell):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--label", default="mh8_transformer_layer_f32")
     parser.add_argument("--cells", default=",".join(CELLS))
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
@@ -132,12 +133,13 @@ def main() -> None:
     cells = args.cells.split(",")
     command = (f"OPENBLAS_NUM_THREADS=1 python benchmarks/bench_transformer_layer_f32.py "
                f"--seeds {args.seeds} --label {args.label}"
+               + (f" --first-seed {args.first_seed}" if args.first_seed else "")
                + ("" if cells == list(CELLS) else f" --cells '{args.cells}'"))
     out = Path(args.out_dir)
     rows = []
     load = os.getloadavg()
     for cell in cells:
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             rows.append(trial(cell, seed))
             print(json.dumps(rows[-1]), flush=True)
         (out / f"{args.label}.json").write_text(json.dumps(

@@ -623,8 +623,17 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
                 net, fit = better, refit
                 info.update(fit)
                 weak += 1
-            if weak:
+            # a unit whose w_i is within its own bar explains nothing (a false kink, or one
+            # unit taken twice): dropped, and the rest fitted again
+            keep = np.abs(net.w) > fit["unit bars"][1]
+            if not keep.all() and keep.any():
+                net = BiasedReLUNetwork(net.P[keep], net.b[keep], net.w[keep], net.c0)
+                net, fit = refine_network(net, *oracle.answers(), tol.noise)
+                info.update(fit)
+                info["units dropped (w within its bar)"] = int((~keep).sum())
+            if weak or not keep.all():
                 info["hidden units"] = net.width
+            if weak:
                 info["weak units found between known kinks"] = weak
             if (not fit["measured noise"] <= NOISY_FIT * tol.noise and lines < MAX_LINES
                     and retries <= NOISY_RETRIES):
