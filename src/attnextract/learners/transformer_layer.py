@@ -162,7 +162,8 @@ def random_transformer_layer(dim: int, width: int, seed=None, *, heads: int = 1,
 
 
 # answers rounded (or computed) coarser than this, relative, take the low-precision path
-# (one head, no residual term; else refused): the float64 single-token stage fits exact
+# (one head; a residual term only with FFN biases; else refused): the float64
+# single-token stage fits exact
 # affine pieces between the FFN's kinks, and rounding makes kinks of its own
 # (float32-rounded answers at d = 8, m = 8: 500-900 "units" found for 8 real ones;
 # 12 decimals already fail, 13 mostly pass)
@@ -444,10 +445,15 @@ def extract_transformer_layer(oracle: Oracle, heads: int = 1, *, seed=None,
     output_dtype, decimals : optional
         The precision of the black box's answers (a forward pass in float32 / bfloat16 /
         float16, or answers rounded to k decimals); without them, rounding is detected in
-        the first answers. This learner needs answers accurate to MAX_RELATIVE_NOISE
-        (1e-13) relative: coarser ones are refused (:class:`RecoveryFailedError`; a
-        stated ``output_dtype`` before any query, rounding after the first 8 queries), finer ones (e.g. 14 decimals) widen the held-out
-        tolerance by their level and are stated in the report's notes.
+        the first answers. Answers coarser than MAX_RELATIVE_NOISE (1e-13) relative take
+        the low-precision path (one head; a residual connection only with FFN biases):
+        the noise is measured, the FFN and W are fitted to the answers, and
+        ``report.details["error bar"]`` bounds the canonical parameter error. Several
+        heads, a residual connection without FFN biases and answers too coarse for the
+        chords (bfloat16, float16, fewer than about 6 decimals) are refused
+        (:class:`RecoveryFailedError`; several heads or a coarse dtype before any query
+        when ``output_dtype`` is stated). Finer rounding (e.g. 14 decimals) widens the
+        held-out tolerance by its level and is stated in the report's notes.
 
     Returns
     -------
