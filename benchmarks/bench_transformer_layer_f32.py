@@ -1,6 +1,6 @@
-"""The Transformer-layer learner on float32 (and K-decimal) answers: one head, no residual term.
+"""The Transformer-layer learner on float32 (and K-decimal) answers: one head, with or without a residual term.
 
-Run:  python benchmarks/bench_transformer_layer_f32.py [--seeds 20] [--label mh7_transformer_layer_f32]
+Run:  python benchmarks/bench_transformer_layer_f32.py [--seeds 20] [--first-seed 0] [--label mh8_transformer_layer_f32]
           [--cells NAME,...]
 
 Cells (random_transformer_layer(d, m, seed), W, V, A ~ N(0, 1/d), w ~ N(0, 1); "biases":
@@ -11,7 +11,10 @@ b ~ N(0, 1) and c0 = 0.5):
   product, exponential and sum in float32), ``output_dtype="float32"`` stated; the truth
   is the layer with float32 parameters;
 - ``torch``: the same layer as torch float32 operations (PyTorch's default dtype), stated;
-- ``decimals K``: answers rounded to K decimals, detected.
+- ``decimals K``: answers rounded to K decimals, detected;
+- ``residual``: the layer with its residual connection (the float32 path takes it when
+  the FFN has biases; without biases it is refused);
+- ``H2``: two heads, ``heads=2`` (refused in low precision, with the reason).
 
 Per trial: ``within`` (a model came back, verified on held-out sequences, and its
 canonical parameter error, :func:`compare_transformer_layer`'s max_error, is at most
@@ -38,7 +41,7 @@ from attnextract.learners.transformer_layer import (compare_transformer_layer,
                                                     random_transformer_layer)
 from attnextract.oracle import RoundedOutputs
 
-CELLS = {   # name: (d, m, biases, box kind)
+CELLS = {   # name: (d, m, biases, box kind[, residual, heads])
     "rounded d8 m8": (8, 8, False, "rounded"),
     "rounded d8 m8 biases": (8, 8, True, "rounded"),
     "forward d8 m8": (8, 8, False, "forward"),
@@ -49,6 +52,13 @@ CELLS = {   # name: (d, m, biases, box kind)
     "rounded d16 m32 biases": (16, 32, True, "rounded"),
     "decimals 6 d8 m8 biases": (8, 8, True, 6),
     "decimals 8 d8 m8 biases": (8, 8, True, 8),
+    "rounded d8 m8 biases residual": (8, 8, True, "rounded", True, 1),
+    "forward d8 m8 biases residual": (8, 8, True, "forward", True, 1),
+    "rounded d16 m16 biases residual": (16, 16, True, "rounded", True, 1),
+    "forward d16 m16 biases residual": (16, 16, True, "forward", True, 1),
+    "rounded d8 m8 residual": (8, 8, False, "rounded", True, 1),
+    "rounded d8 m8 biases H2": (8, 8, True, "rounded", False, 2),
+    "forward d16 m16 biases H2": (16, 16, True, "forward", False, 2),
 }
 
 
@@ -68,10 +78,11 @@ def torch_box(truth):
 
 
 def trial(cell: str, seed: int) -> dict:
-    d, m, biases, kind = CELLS[cell]
+    d, m, biases, kind, residual, heads = (CELLS[cell] + (False, 1))[:6]
     layer = random_transformer_layer(d, m, seed, bias_scale=1.0 if biases else 0.0,
-                                     c0=0.5 if biases else 0.0)
-    options = {}
+                                     c0=0.5 if biases else 0.0, residual=residual,
+                                     heads=heads)
+    options = {"heads": heads}
     if kind == "rounded":
         box, truth = RoundedOutputs(layer), layer
     elif isinstance(kind, int):
@@ -93,7 +104,7 @@ def trial(cell: str, seed: int) -> dict:
                    held_out=result.report.verification.max_relative_error,
                    tolerance=result.report.verification.tolerance)
     except AttnExtractError as exc:
-        row.update(outcome="refused", error_type=type(exc).__name__, reason=str(exc)[:160])
+        row.update(outcome="refused", error_type=type(exc).__name__, reason=str(exc)[:400])
     row.update(queries=oracle.queries, cpu_seconds=round(time.process_time() - start, 2))
     return row
 
@@ -114,19 +125,21 @@ def summary(rows, cell):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=20)
-    parser.add_argument("--label", default="mh7_transformer_layer_f32")
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--label", default="mh8_transformer_layer_f32")
     parser.add_argument("--cells", default=",".join(CELLS))
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     cells = args.cells.split(",")
     command = (f"OPENBLAS_NUM_THREADS=1 python benchmarks/bench_transformer_layer_f32.py "
                f"--seeds {args.seeds} --label {args.label}"
+               + (f" --first-seed {args.first_seed}" if args.first_seed else "")
                + ("" if cells == list(CELLS) else f" --cells '{args.cells}'"))
     out = Path(args.out_dir)
     rows = []
     load = os.getloadavg()
     for cell in cells:
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             rows.append(trial(cell, seed))
             print(json.dumps(rows[-1]), flush=True)
         (out / f"{args.label}.json").write_text(json.dumps(

@@ -80,6 +80,7 @@ NOISE_FLOOR = 0.1       # rounding never below this x the largest answers' (line
 CONFIRM_AGREEMENT = 0.1  # a unit's jump across its own hyperplane agrees this well (relative)
 NOISY_KINKS = 2         # rounded answers: more kinks on a line than this x the far count + d:
                         # not a ReLU network (a smooth F shows kinks wherever the chords go)
+NOISY_RETRY_NOISE = 4.0  # a line with too many kinks is searched again allowing this x the noise
 NOISY_RETRIES = 2       # more lines after a joint fit that misses a unit, at most this often
 NOISY_MIN_LINES = 4     # rounded answers: at least this many lines, and with a far count
 NOISY_LINES = 8         # not met, this many (the joint fit's misfit then judges)
@@ -89,6 +90,18 @@ ERROR_BAR_SIGMAS = 5.0  # the joint fit's bar: this many standard errors of its 
 REFINE_ROUNDS = 20      # Gauss-Newton rounds of the joint fit to every answer,
 REFINE_TRIES = 8        # ... each with up to this many dampings
 FIT_ANSWERS = 20        # the joint fit uses at most this many answers per parameter
+MAX_WEAK_UNITS = 2      # units sought between known kinks (too weak for the kink search)
+WEAK_FIT = 3.0          # ... when the joint fit misfits by more than this x the noise,
+WEAK_GAIN = 0.5         # ... and kept when they bring its misfit down by this factor
+WEAK_LINES = 1          # ... on this many x d lines, each sampled at 2 m + WEAK_POINTS
+WEAK_POINTS = 24        # ... evenly spaced points; a line counts where one free knot
+WEAK_EXPLAINED = 0.1    # ... leaves at most this share of the known knots' misfit
+KNOT_MOVE = 0.02        # ... the known knots free to move this far (of t in [-1, 1])
+LOCAL_POINTS = 16       # answers per short line around a weak unit's kink
+LOCAL_ROOM = 1e-2       # ... whose ball free of known kinks is at least this (x |y0|, >= 1)
+LOCAL_TRIES = 3         # candidates tried (the roomiest first)
+WEAK_PLANE = 1e-2       # the short lines' knots lie on one hyperplane this well (x the room)
+NEAR_ADDED = 10.0       # ... and this x the offset error of a unit just added
 NEAR_PLANE = 1e-3       # the joint fit starts without answers this close to a hyperplane
 
 
@@ -308,9 +321,20 @@ def _walk_line(oracle, line: _Line, rng, units: _Units, basis, counts,
     """
     before = oracle.queries
     tol = units.tol
-    kinks, kink_error, _ = _find_kinks(oracle, line, rng, homogeneous=False,
-                                       max_kinks=max_kinks, chord=tol.chord,
-                                       noise=tol.kink_noise)
+    try:
+        kinks, kink_error, _ = _find_kinks(oracle, line, rng, homogeneous=False,
+                                           max_kinks=max_kinks, chord=tol.chord,
+                                           noise=tol.kink_noise)
+    except ModelMismatchError:
+        if not tol.noise:
+            raise
+        # a forward pass in low precision rounds its terms: where they cancel, F is
+        # rounded by more than the measured noise relative to it and false kinks appear.
+        # The line is searched once more allowing NOISY_RETRY_NOISE times the noise (a
+        # smooth F still shows its kinks everywhere and is refused)
+        kinks, kink_error, _ = _find_kinks(oracle, line, rng, homogeneous=False,
+                                           max_kinks=max_kinks, chord=tol.chord,
+                                           noise=NOISY_RETRY_NOISE * tol.kink_noise)
     counts["kink search"] = counts.get("kink search", 0) + oracle.queries - before
     K = len(kinks)
     ends = np.concatenate([[0.0], kinks, [2.0]])
@@ -582,6 +606,35 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
             net, fit = refine_network(net, X, F, tol.noise)
             info.update(fit)
             retries += 1
+            weak = 0
+            while not fit["measured noise"] <= WEAK_FIT * tol.noise and weak < MAX_WEAK_UNITS:
+                # a unit too weak for the kink search, sought where the others' kinks are
+                # known; kept only if the fit improves by WEAK_GAIN (a forward pass in low
+                # precision also misfits by several times the stated rounding)
+                found = _weak_unit(oracle, net, rng, scale, tol, counts)
+                if found is None:
+                    break
+                X, F = oracle.answers()
+                better, refit = min((refine_network(start, X, F, tol.noise, found[1])
+                                     for start in found[0]),
+                                    key=lambda out: out[1]["measured noise"])
+                if not refit["measured noise"] <= WEAK_GAIN * fit["measured noise"]:
+                    break
+                net, fit = better, refit
+                info.update(fit)
+                weak += 1
+            # a unit whose w_i is within its own bar explains nothing (a false kink, or one
+            # unit taken twice): dropped, and the rest fitted again
+            keep = np.abs(net.w) > fit["unit bars"][1]
+            if not keep.all() and keep.any():
+                net = BiasedReLUNetwork(net.P[keep], net.b[keep], net.w[keep], net.c0)
+                net, fit = refine_network(net, *oracle.answers(), tol.noise)
+                info.update(fit)
+                info["units dropped (w within its bar)"] = int((~keep).sum())
+            if weak or not keep.all():
+                info["hidden units"] = net.width
+            if weak:
+                info["weak units found between known kinks"] = weak
             if (not fit["measured noise"] <= NOISY_FIT * tol.noise and lines < MAX_LINES
                     and retries <= NOISY_RETRIES):
                 # a unit too weak for the lines so far (its jump within their rounding), or
@@ -591,13 +644,152 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
             if not fit["measured noise"] <= NOISY_FIT * tol.noise:
                 from ..errors import RecoveryFailedError
                 raise RecoveryFailedError(
-                    f"the {m} units found do not fit the answers to their rounding (weighted "
-                    f"residual {fit['measured noise']:.1e}, rounding {tol.noise:.1e}) after "
-                    f"{lines} lines: a unit whose kinks stay within the rounding on every line "
+                    f"the {net.width} units found do not fit the answers to their rounding "
+                    f"(weighted residual {fit['measured noise']:.1e}, rounding {tol.noise:.1e}) "
+                    f"after {lines} lines and the search between known kinks: a unit whose "
+                    f"kinks stay within the rounding on every line "
                     f"(the learner's limit at this precision), or not a one-hidden-layer ReLU "
                     f"network; nothing is returned. Answers in float64 avoid the limit")
         break
     return net, info
+
+
+def _weak_unit(oracle, net: BiasedReLUNetwork, rng, scale: float, tol: Tolerances,
+               counts: dict):
+    """Rounded answers: one unit the kink search missed, found between the known kinks.
+
+    A unit with a small |w_i| changes the slope of F by less than the kink search can
+    tell from the rounding of F (its threshold is relative to max |F| on a line, and two
+    kinks within a chord merge). Once the other units are known, so are their crossings
+    of any line: on WEAK_LINES d random lines, each sampled at 2 m + WEAK_POINTS evenly
+    spaced points, F is fitted by the continuous piecewise-linear function with knots at
+    those crossings (each free to move by KNOT_MOVE: the fitted units are pulled off by
+    the missing one), then with one more free knot. Where that knot explains most of the
+    misfit and leaves only the rounding, it is a candidate point on the missing unit's
+    hyperplane. Around the candidate farthest from the known hyperplanes,
+    :func:`_local_plane` measures the hyperplane and w on short lines.
+    Returns (the two networks with the unit added, active on either side of its
+    hyperplane: the joint fit tells them apart; the largest offset of the short lines'
+    knots from the fitted hyperplane), or None.
+    """
+    from scipy.optimize import least_squares
+
+    m, d = net.P.shape
+    n_lines = WEAK_LINES * d
+    centres = scale * rng.standard_normal((n_lines, d))
+    dirs = rng.standard_normal((n_lines, d))
+    dirs /= safe_norm(dirs, axis=1)[:, None]
+    half = LINE_REACH * scale * math.sqrt(d)
+    n_points = 2 * m + WEAK_POINTS
+    t = np.linspace(-1.0, 1.0, n_points)
+    X = centres[:, None, :] + (half * t)[None, :, None] * dirs[:, None, :]
+    oracle.require(n_lines * n_points, "seeking a weak unit on lines with known kinks")
+    F = _query_vectors(oracle, X.reshape(-1, d)).reshape(n_lines, n_points)
+    counts["weak-unit lines"] = counts.get("weak-unit lines", 0) + n_lines * n_points
+    weight = 1.0 / (np.abs(F) + NOISE_FLOOR * np.median(np.abs(F)) + 1e-300)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        knots = -(centres @ net.P.T + net.b) / (half * dirs @ net.P.T)      # (lines, m)
+    points, qs = [], []
+    for line in range(n_lines):
+        wl, f = weight[line], F[line] * weight[line]
+        known = knots[line][np.abs(knots[line]) < 1.0]
+
+        def fit(s):
+            """Weighted residual and coefficients of the spline with knots s."""
+            M = np.column_stack([np.ones_like(t), t, np.maximum(t[:, None] - s[None], 0.0)])
+            M = M * wl[:, None]
+            c = np.linalg.lstsq(M, f, rcond=None)[0]
+            return M @ c - f, c
+
+        def free(s0):
+            """The knots s0 moved (each by at most KNOT_MOVE) to fit F best."""
+            if not len(s0):
+                return s0
+            return least_squares(lambda s: fit(s)[0], s0, bounds=(s0 - KNOT_MOVE, s0 + KNOT_MOVE),
+                                 x_scale=KNOT_MOVE, xtol=1e-12).x
+
+        known = free(known)
+        spline = float(np.sum(fit(known)[0] ** 2))
+        mids = 0.5 * (t[1:-2] + t[2:-1])
+        extra = mids[int(np.argmin([np.sum(fit(np.append(known, s))[0] ** 2) for s in mids]))]
+        knots_all = free(np.append(known, extra))
+        sse = float(np.sum(fit(knots_all)[0] ** 2))
+        dof = max(n_points - len(knots_all) * 2 - 2, 1)
+        if (sse <= WEAK_EXPLAINED * spline
+                and spline > (KINK_SIGMAS * tol.noise) ** 2 * dof
+                and sse <= (NOISY_FIT * tol.noise) ** 2 * dof):
+            points.append(centres[line] + half * knots_all[-1] * dirs[line])
+            qs.append(dirs[line])
+    # the candidates farthest from every known hyperplane first: the short lines around
+    # them see no other kink
+    norm = safe_norm(net.P, axis=1)
+    room = [float((np.abs(net.P @ y + net.b) / norm).min()) for y in points]
+    for k in np.argsort(room)[::-1][:LOCAL_TRIES]:
+        found = _local_plane(oracle, net, points[k], qs[k], tol, counts)
+        if found is not None:
+            n, beta, w, off = found
+            break
+    else:
+        return None
+    # w ReLU(z) and w ReLU(-z) have the same kinks (they differ by the affine w z)
+    return [BiasedReLUNetwork(np.vstack([net.P, sign * n]), np.append(net.b, sign * beta),
+                              np.append(net.w, w), net.c0) for sign in (1.0, -1.0)], off
+
+
+def _local_plane(oracle, net: BiasedReLUNetwork, y0, q, tol: Tolerances, counts: dict):
+    """The hyperplane of the one kink near y0 along q, from short lines around it.
+
+    ``room``, y0's distance to the known hyperplanes, bounds a ball with no other kink:
+    the lines y0 +- rho v_k + s q (v_k an orthonormal basis of q's complement, rho a fifth
+    of the room, |s| up to 0.7 of it) each cross the new hyperplane once; one hinge
+    fitted to each (LOCAL_POINTS answers) gives 2 d - 1 points on it, and total least
+    squares the plane (n (d,), beta). Returns (n, beta, w, the knots' largest offset from
+    it); None when the room is too small, fewer than d + 1 lines show their hinge at the
+    rounding, or the points lie on no one hyperplane.
+    """
+    from scipy.optimize import minimize_scalar
+
+    d = len(y0)
+    norm = safe_norm(net.P, axis=1)
+    room = float((np.abs(net.P @ y0 + net.b) / norm).min())
+    if not room > LOCAL_ROOM * max(1.0, safe_norm(y0)):
+        return None
+    V = np.linalg.svd(np.eye(d) - np.outer(q, q))[0][:, :d - 1]        # q's complement
+    rho, reach = 0.2 * room, 0.7 * room
+    starts = np.vstack([y0, y0 + rho * V.T, y0 - rho * V.T])             # (2d - 1, d)
+    s = np.linspace(-reach, reach, LOCAL_POINTS)
+    X = starts[:, None, :] + s[None, :, None] * q[None, None, :]
+    oracle.require(X.shape[0] * LOCAL_POINTS, "measuring a weak unit's hyperplane")
+    F = _query_vectors(oracle, X.reshape(-1, d)).reshape(X.shape[:2])
+    counts["weak-unit lines"] = counts.get("weak-unit lines", 0) + X.size // d
+    points, slopes = [], []
+    for f in F:
+        wl = 1.0 / (np.abs(f) + NOISE_FLOOR * np.median(np.abs(f)) + 1e-300)
+
+        def misfit(knot, slope=False):
+            M = np.column_stack([np.ones_like(s), s, np.maximum(s - knot, 0.0)]) * wl[:, None]
+            c = np.linalg.lstsq(M, f * wl, rcond=None)[0]
+            return c[-1] if slope else float(np.sum((M @ c - f * wl) ** 2))
+
+        mids = 0.5 * (s[1:-2] + s[2:-1])
+        j = int(np.argmin([misfit(k) for k in mids]))
+        knot = float(minimize_scalar(misfit, bounds=(s[j], s[j + 3]), method="bounded",
+                                     options={"xatol": 1e-12 * reach}).x)
+        fits = misfit(knot) <= (NOISY_FIT * tol.noise) ** 2 * (LOCAL_POINTS - 4)
+        points.append(knot if fits else np.nan)
+        slopes.append(misfit(knot, slope=True))
+    ok = np.isfinite(points)
+    if ok.sum() < d + 1:
+        return None
+    Y = starts[ok] + np.array(points)[ok, None] * q[None]
+    mean = Y.mean(axis=0)
+    n = np.linalg.svd(Y - mean, full_matrices=False)[2][-1]
+    if not np.abs((Y - mean) @ n).max() <= WEAK_PLANE * room:
+        return None
+    # the hinge's slope change along q is w (n^T q) (either side active); the plane's
+    # offset is known to a few knots' errors, at most WEAK_PLANE of the room
+    return (n, -float(n @ mean), float(np.median(np.array(slopes)[ok]) / (n @ q)),
+            WEAK_PLANE * room)
 
 
 def crossing_points(net: BiasedReLUNetwork, rng, scale: float):
@@ -758,7 +950,8 @@ class _Recorder:
         return np.vstack(self._x), np.concatenate(self._f)
 
 
-def refine_network(net: BiasedReLUNetwork, X: np.ndarray, F: np.ndarray, noise: float):
+def refine_network(net: BiasedReLUNetwork, X: np.ndarray, F: np.ndarray, noise: float,
+                   last_unit_error: float = 0.0):
     """Joint least-squares fit of every parameter to the answers F (n,) at X (n, d).
 
     Rounding of relative size ``noise`` is at most a few bits per answer, so the fit
@@ -771,7 +964,8 @@ def refine_network(net: BiasedReLUNetwork, X: np.ndarray, F: np.ndarray, noise: 
     (the answers' relative error, measured) and ``info["error bar"]`` ERROR_BAR_SIGMAS
     standard errors of the worst canonical parameter (P entries, w relative to max |w|,
     b relative to max(max |b|, 1), c0 relative to max(|c0|, max |w|)), from the fit's
-    covariance at the measured noise.
+    covariance at the measured noise; ``info["unit bars"]`` the same per unit, absolute:
+    (largest P entry's (m,), w's (m,)).
     """
     keep = np.all(np.isfinite(X), axis=1) & np.isfinite(F)
     X, F = X[keep], F[keep]
@@ -783,7 +977,11 @@ def refine_network(net: BiasedReLUNetwork, X: np.ndarray, F: np.ndarray, noise: 
     # first without the answers within NEAR_PLANE of a hyperplane (relative to |x|): the
     # kink search put many there, and the side a start a little off gives them pulls
     # the whole fit into a wrong minimum; then with every answer
-    near = np.abs(net.pre_activations(X)).min(axis=1) < NEAR_PLANE * (1.0 + safe_norm(X, axis=1))
+    pre = np.abs(net.pre_activations(X))
+    near = pre.min(axis=1) < NEAR_PLANE * (1.0 + safe_norm(X, axis=1))
+    # a unit just added (``last_unit_error``: its hyperplane's expected offset error) has
+    # the answers measured around it within that error: they wait for the second fit too
+    near |= pre[:, -1] < NEAR_ADDED * last_unit_error
     net, _ = _joint_fit(net, X[~near], F[~near])
     return _joint_fit(net, X, F)
 
@@ -811,11 +1009,16 @@ def _joint_fit(net: BiasedReLUNetwork, X: np.ndarray, F: np.ndarray):
         J = jacobian(P, b, w) * weight[:, None]
         # normal equations: one product per round, the dampings then cost little
         JtJ, Jtr = J.T @ J, J.T @ r
-        diag = np.diag(JtJ).copy()
+        # columns scaled to unit norm: a unit with a tiny |w| has columns of order |w|,
+        # and unscaled normal equations would drop its direction as rounding (it would
+        # then move by a sliver per round)
+        unit = 1.0 / np.sqrt(np.maximum(np.diag(JtJ), 1e-300))
+        scaled, rhs = unit[:, None] * JtJ * unit[None, :], unit * Jtr
         for _ in range(REFINE_TRIES):
             # Levenberg-Marquardt: a sample that changes sides of a hyperplane makes the
             # Gauss-Newton step overshoot; damping shortens it until the misfit drops
-            step = np.linalg.lstsq(JtJ + damping * np.diag(diag), Jtr, rcond=None)[0]
+            step = unit * np.linalg.lstsq(scaled + damping * np.eye(len(unit)), rhs,
+                                          rcond=None)[0]
             Pn = P + step[:m * d].reshape(m, d)
             bn, wn = b + step[m * d:m * d + m], w + step[m * d + m:m * d + 2 * m]
             c0n = c0 + step[-1]
@@ -845,10 +1048,18 @@ def _joint_fit(net: BiasedReLUNetwork, X: np.ndarray, F: np.ndarray):
     dof = max(len(X) - (m * (d + 1) + 1), 1)
     sigma = math.sqrt(cost / dof)
     std = sigma * np.sqrt(((vt / sv[:, None]) ** 2).sum(axis=0))
+    # a forward pass in low precision rounds its terms, not F: its errors are not one
+    # size relative to |F| as the weights assume. The sandwich (heteroscedasticity-
+    # consistent) covariance uses each answer's own residual; the larger of the two counts
+    influence = (vt.T / sv) @ u[:len(X)].T                      # (parameters, answers)
+    std = np.maximum(std, np.sqrt((influence ** 2) @ (r * r) * len(X) / dof))
     worst = max(float(std[:m * d].max()),
                 float(std[m * d:m * d + m].max()) / max(float(np.abs(b).max()), 1.0),
                 float(std[m * d + m:m * d + 2 * m].max()) / float(np.abs(w).max()),
                 float(std[-1]) / max(abs(c0), float(np.abs(w).max())))
     info = {"joint fit": f"{len(X)} answers, {m * (d + 2) + 1} parameters",
-            "measured noise": sigma, "error bar": ERROR_BAR_SIGMAS * worst}
+            "measured noise": sigma, "error bar": ERROR_BAR_SIGMAS * worst,
+            # per unit, absolute: the largest P entry's and w's (for derived parameters)
+            "unit bars": (ERROR_BAR_SIGMAS * std[:m * d].reshape(m, d).max(axis=1),
+                          ERROR_BAR_SIGMAS * std[m * d + m:m * d + 2 * m])}
     return BiasedReLUNetwork(P, b, w, c0), info

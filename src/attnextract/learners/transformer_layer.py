@@ -133,6 +133,7 @@ MAX_RADIUS = 1e3             # largest probe radius, in units of scale
 RADIUS_DOUBLINGS = 30        # probe points further out while no active unit reads the attention
 SPLIT_LOGIT = 3.0            # head-split probes: logits uniform in [-this, this] per head
 MATCH_TOLERANCE = 1e-6       # w_i b_i of matched units agree this well (relative to max)
+MATCH_BARS = 10.0            # ... plus this x the two FFN fits' error bars (rounded answers)
 KINK_MARGIN = 1.25           # large-token probes: L |p_i^T z_N| >= this times (|b_i| + the
                              # attention term's bound), so no unit is near a kink
 HEAD_BOUND = 3.0             # bound on |P_h,i z| / (|z| |p_i|) assumed for that margin
@@ -161,7 +162,8 @@ def random_transformer_layer(dim: int, width: int, seed=None, *, heads: int = 1,
 
 
 # answers rounded (or computed) coarser than this, relative, take the low-precision path
-# (one head, no residual term; else refused): the float64 single-token stage fits exact
+# (one head; a residual term only with FFN biases; else refused): the float64
+# single-token stage fits exact
 # affine pieces between the FFN's kinks, and rounding makes kinks of its own
 # (float32-rounded answers at d = 8, m = 8: 500-900 "units" found for 8 real ones;
 # 12 decimals already fail, 13 mostly pass)
@@ -443,10 +445,15 @@ def extract_transformer_layer(oracle: Oracle, heads: int = 1, *, seed=None,
     output_dtype, decimals : optional
         The precision of the black box's answers (a forward pass in float32 / bfloat16 /
         float16, or answers rounded to k decimals); without them, rounding is detected in
-        the first answers. This learner needs answers accurate to MAX_RELATIVE_NOISE
-        (1e-13) relative: coarser ones are refused (:class:`RecoveryFailedError`; a
-        stated ``output_dtype`` before any query, rounding after the first 8 queries), finer ones (e.g. 14 decimals) widen the held-out
-        tolerance by their level and are stated in the report's notes.
+        the first answers. Answers coarser than MAX_RELATIVE_NOISE (1e-13) relative take
+        the low-precision path (one head; a residual connection only with FFN biases):
+        the noise is measured, the FFN and W are fitted to the answers, and
+        ``report.details["error bar"]`` bounds the canonical parameter error. Several
+        heads, a residual connection without FFN biases and answers too coarse for the
+        chords (bfloat16, float16, fewer than about 6 decimals) are refused
+        (:class:`RecoveryFailedError`; several heads or a coarse dtype before any query
+        when ``output_dtype`` is stated). Finer rounding (e.g. 14 decimals) widens the
+        held-out tolerance by its level and is stated in the report's notes.
 
     Returns
     -------
@@ -512,10 +519,9 @@ def _extract_layer(oracle, heads, seed, verify_tolerance, scale, output_dtype, d
     noise = _relative_noise(precision, answers)
     tolerances = Tolerances()
     if noise > MAX_RELATIVE_NOISE:
-        tolerances, noise = _low_precision(oracle, precision, noise, seeds, scale, heads, gap,
-                                           oracle.queries - start_queries, precision_notes,
-                                           counts)
-        residual = False          # _low_precision refuses a residual term
+        tolerances, noise, residual = _low_precision(
+            oracle, precision, noise, seeds, scale, heads, gap, oracle.queries - start_queries,
+            precision_notes, counts)
     elif not precision.exact:
         verify_tolerance = max(verify_tolerance, 30.0 * noise)
         precision_notes.append(f"{precision.describe()}: {noise:.1e} relative, within what "
@@ -538,27 +544,38 @@ def _extract_layer(oracle, heads, seed, verify_tolerance, scale, output_dtype, d
                             else "none detected"),
                "output bias c0": f"{net1.c0:.6g}",
                "FFN lines": info1["lines"], "FFN signs": info1["signs"]}
+    if "weak units found between known kinks" in info1:
+        details["FFN weak units"] = info1["weak units found between known kinks"]
+    if residual and not biased and tolerances.noise:
+        _refuse_low_precision(precision, "a residual connection and no FFN biases (the "
+                              "bias-free residual learner's stages need float64 answers)",
+                              oracle.queries - start_queries, early=False)
     if residual and not biased:
         return _bias_free_residual(oracle, net1, seeds, counts, details, start, start_queries,
                                    start_bb, verify_tolerance)
     if residual:
         zero_last = _MappedOracle(oracle, lambda P: np.stack([P, np.zeros_like(P)], axis=1),
                                   "sequences [p; 0]")
-        net2, _ = stage("last token zero", lambda: extract_biased_relu(
-            zero_last, np.random.default_rng(seeds[2]), scale=scale, counts={}))
+        net2, info2 = stage("last token zero", lambda: extract_biased_relu(
+            zero_last, np.random.default_rng(seeds[2]), scale=scale, counts={},
+            tolerances=tolerances))
         if net2.width != net1.width:
             raise NotIdentifiableError(
                 f"{net1.width} units see single tokens but {net2.width} see [p; 0]: units that "
                 f"read only the residual stream or only the attention output are not supported")
         perm, mismatch = _match_by_bias(net1, net2)
+        bar2 = info2.get("error bar", 0.0)
         details["unit matching"] = f"w_i b_i agree to {mismatch:.1e}"
-        if mismatch > MATCH_TOLERANCE:
+        # rounded answers: w_i b_i of either network is off by about its fit's bar
+        if mismatch > MATCH_TOLERANCE + MATCH_BARS * (bar + bar2):
             raise ModelMismatchError(
                 f"not a residual Transformer layer: the units of [x] and [p; 0] do not share "
                 f"their w_i b_i (worst {mismatch:.1e})")
         # net1: w1 (p1, b1) = w ((R + B)_i, b_i); net2: w2 (p2, b2) = w (B_i / 2, b_i)
         B = 2.0 * (net2.w[perm, None] * net2.P[perm]) / net1.w[:, None]
         R = net1.P - B
+        if tolerances.noise:
+            bar = max(bar, bar2, _residual_bar(net1, net2, perm, B, R, info1, info2))
     else:
         B, R = net1.P, np.zeros_like(net1.P)
     ffn = _FFN(R, B, net1.b, net1.w, net1.c0)
@@ -602,6 +619,20 @@ def _extract_layer(oracle, heads, seed, verify_tolerance, scale, output_dtype, d
                    verify_tolerance, reach, expected, tolerances.noise)
 
 
+def _residual_bar(net1, net2, perm, B, R, info1: dict, info2: dict) -> float:
+    """Rounded answers, residual term: the error bar of B = 2 w2 P2 / w1 and R = P1 - B
+    in the canonical form (rows of R + B = P1 of unit norm), from the two FFN fits' bars
+    per unit (``unit bars`` of :func:`attnextract.learners.biased_relu.refine_network`):
+    B_i is off by |B_i| (dw2_i / |w2_i| + dw1_i / |w1_i|) + 2 |w2_i / w1_i| dP2_i and R_i
+    by that plus dP1_i; each relative to the largest entry of B, R."""
+    (dP1, dw1), (dP2, dw2) = info1["unit bars"], info2["unit bars"]
+    dP2, dw2 = dP2[perm], dw2[perm]
+    w1, w2 = np.abs(net1.w), np.abs(net2.w[perm])
+    off = safe_norm(B, axis=1) * (dw2 / w2 + dw1 / w1) + 2.0 * w2 / w1 * dP2      # (m,)
+    return float(max(off.max() / np.abs(B).max(),
+                     (off + dP1).max() / max(np.abs(R).max(), 1e-300)))
+
+
 def _relative_noise(precision, answers) -> float:
     """The answers' relative error as stated or detected (0 for float64)."""
     if precision.exact:
@@ -610,21 +641,27 @@ def _relative_noise(precision, answers) -> float:
     return precision.relative + precision.absolute / max(size, 1e-300)
 
 
-def _refuse_low_precision(precision, why: str, spent: int):
+def _refuse_low_precision(precision, why: str, spent: int, early: bool = True):
+    """RecoveryFailedError for a layer outside the low-precision path; ``early``: stating
+    the precision would have refused it before any query (several heads)."""
     raise RecoveryFailedError(
         f"the transformer-layer learner takes low-precision answers ({precision.describe()}) "
-        f"only for one head without a residual connection (--heads 1): its other stages "
-        f"need answers accurate to {MAX_RELATIVE_NOISE:.0e} relative, and this layer has "
-        f"{why}; refused after {spent} queries, nothing is returned. Serve the black box "
-        f"in float64" + ("" if precision.stated else "; stating --output-dtype "
-                         "float32|bfloat16 or --decimals K (API output_dtype=, decimals=) "
-                         "refuses before any query"))
+        f"only for one head (--heads 1), with a residual connection only when the FFN has "
+        f"biases: its other stages (the odd part of large tokens, whose rounding grows like "
+        f"the square of their size, the per-cell head split, the bias-free residual "
+        f"learner) need answers accurate to {MAX_RELATIVE_NOISE:.0e} relative, and this "
+        f"layer has {why}; refused after {spent} queries, nothing is returned. Serve the "
+        f"black box in float64" + (
+            "" if precision.stated or not early else
+            "; stating --output-dtype float32|bfloat16 or --decimals K (API output_dtype=, "
+            "decimals=) refuses before any query"))
 
 
 def _low_precision(oracle, precision, noise, seeds, scale, heads, gap, spent, notes, counts):
     """Answers coarser than MAX_RELATIVE_NOISE: the noise measured, the single-token
-    stage's thresholds set from it (:func:`noisy_tolerances`); several heads or a residual
-    term are refused (:class:`RecoveryFailedError`). Returns (tolerances, noise)."""
+    stage's thresholds set from it (:func:`noisy_tolerances`); several heads are refused
+    (:class:`RecoveryFailedError`). Returns (tolerances, noise, residual term present:
+    the residual check's gap beyond RESIDUAL_NOISE times the noise)."""
     if heads > 1:
         _refuse_low_precision(precision, f"{heads} heads asked for", spent)
     if precision.forward:
@@ -634,14 +671,12 @@ def _low_precision(oracle, precision, noise, seeds, scale, heads, gap, spent, no
     # the measured spread, not the stated or detected bound: one rounding to float32 is
     # off by at most 6e-8 relative but by 2.5e-8 typically; a forward pass by more
     noise = max(noise / NOISE_BOUND, measured)
-    if gap > RESIDUAL_NOISE * noise:
-        _refuse_low_precision(precision, f"a residual connection (f([p; 0]) and f([p / 2]) "
-                              f"differ by {gap:.1e})", spent + 3 * NOISE_POINTS)
     tolerances = _noisy_tolerances(noise, precision, measured, spent + 3 * NOISE_POINTS)
     notes.append(f"{precision.describe()}; measured noise {measured:.1e} relative: the "
                  f"single-token stage ran with chords of {tolerances.chord:.2g} and a joint "
                  f"least-squares fit")
-    return tolerances, noise
+    # f([p; 0]) = f([p / 2]) up to the rounding exactly when there is no residual term
+    return tolerances, noise, gap > RESIDUAL_NOISE * noise
 
 
 def _noisy_tolerances(noise, precision, measured, spent):
@@ -649,7 +684,11 @@ def _noisy_tolerances(noise, precision, measured, spent):
     try:
         return noisy_tolerances(noise)
     except RecoveryFailedError as exc:
-        raise RecoveryFailedError(f"{exc} ({precision.describe()}, noise {measured:.1e}); "
+        bits = {"float32": 24, "bfloat16": 8, "float16": 11}.get(precision.name)
+        why = (f" ({precision.name} keeps {bits} significant bits: a kink must change the "
+               f"slope by more than the rounding over a chord, and two kinks within a chord "
+               f"merge)" if precision.forward and bits else "")
+        raise RecoveryFailedError(f"{exc}{why} ({precision.describe()}, noise {measured:.1e}); "
                                   f"refused after {spent} queries, nothing is returned. Serve "
                                   f"the black box in float64, or in float32") from None
 
