@@ -160,6 +160,8 @@ COUNT_MARGIN = 1          # not told H, a count k is read from a scan that could
                           # rows fitted 4 to 6 steps to the noise on 4k + 8 samples and 2 of
                           # 12 runs reached the main rows before their refusal; 1 of 12
                           # with the margin, 0 of 12 with 40-sample scans)
+UNRESOLVED_HEIGHT = 3.0   # not told H, a row's step whose height is within this many of its
+                          # standard deviations is tried away (:func:`_fewest_steps`)
 COUNT_EXTRA_SCANS = 4     # base rows scanned beyond paper 2's share when no two agree (no H)
 MAX_DESIGNS = 4           # designs (base row, perturbations, main rows) tried at most
 BASE_CANDIDATES = 10      # candidate base rows at most; the search stops at a well-conditioned one
@@ -889,8 +891,10 @@ class _Extraction:
         directions /= np.linalg.norm(directions, axis=1, keepdims=True)
         target_spread = self.half_window - 1.5
 
-        def scan(u):
-            """(count, u, fit, noise) of row u; count None when no fit reaches the noise."""
+        def scan(u, reduce=True):
+            """(count, u, fit, noise) of row u; count None when no fit reaches the noise.
+            ``reduce``: not told H, the count is checked by :func:`_fewest_steps` (not in
+            the scale rounds, whose rows at the first scale crowd their steps near 0)."""
             self.scans_left -= 1
             self.scans_made += 1
             level = max(1, min(H, self.count_level))
@@ -923,7 +927,8 @@ class _Extraction:
                     break
                 level, fewest = level + 1, level + 1
             steps = fits[count - fewest] if count else fits[-1]
-            if count and not self.heads_told:
+            samples[id(u)] = (lam, g, fits_to_noise)
+            if count and reduce and not self.heads_told:
                 # not told H, a row's count is read as it stands only when no fit of one
                 # step fewer, started from its own steps, reaches the noise too
                 steps = _fewest_steps(lam, g, u @ self.v, steps, noise, fits_to_noise)
@@ -938,11 +943,11 @@ class _Extraction:
             return float(np.max(np.abs(steps.t[strong])))
 
         scale, before = 1.0, self.oracle.queries
-        first = None
+        first, samples = None, {}
         for _ in range(SCALE_ROUNDS):
             if first is not None and self.scans_left <= 1:
                 break
-            first = scan(scale * directions[0])
+            first = scan(scale * directions[0], reduce=False)
             if first[0] == 0:
                 scale *= 30.0                 # no step at all (yet): larger tokens
                 continue
@@ -952,6 +957,11 @@ class _Extraction:
             scale *= min(factor, 1e3)
         self.details["base scale"] = scale
         self.spend("base scale", before)
+        if first[0] and not self.heads_told:      # the row at the scale kept votes as others
+            steps = _fewest_steps(samples[id(first[1])][0], samples[id(first[1])][1],
+                                  first[1] @ self.v, first[2], first[3],
+                                  samples[id(first[1])][2])
+            first = (steps.t.size, first[1], steps, first[3])
 
         before = self.oracle.queries
         found = [first]
@@ -1866,9 +1876,12 @@ def base_quality(steps, half_window: float) -> float:
 def _fewest_steps(lam: np.ndarray, g: np.ndarray, total: float, steps, noise: float,
                   fits_to_noise):
     """The fit of fewest steps reachable from ``steps`` (a row's fit of k steps that
-    reaches the noise) by dropping one step at a time: each step left out in turn, the
-    rest refitted (:func:`.fit.refit_steps`, heights solved linearly), the best kept
-    while it still fits to the noise (``fits_to_noise``).
+    reaches the noise) by dropping one step at a time while a step's height is not
+    told from zero (|c| <= UNRESOLVED_HEIGHT x its standard deviation, the fit's own
+    covariance): each step left out in turn, the rest refitted
+    (:func:`.fit.refit_steps`, heights solved linearly), the best kept while it still
+    fits to the noise (``fits_to_noise``). Rows whose every step is resolved (nearly
+    all float64 rows) are read as they stand, at no cost.
 
     A free fit of k - 1 steps starts from the rational fit's poles and can end in a
     wrong basin (two steps on one place with large opposite heights): then k steps,
@@ -1877,10 +1890,14 @@ def _fewest_steps(lam: np.ndarray, g: np.ndarray, total: float, steps, noise: fl
     5 steps with two at the same logit and a k - 1 = 4 fit at 190x the noise, which
     refitted without the duplicate reaches 3.4x). Returns a StepFit, steps sorted.
     """
-    while steps.t.size > 1:
+    while steps.t.size > 1 and np.all(np.isfinite(steps.t)) and not np.all(
+            np.abs(steps.c) > UNRESOLVED_HEIGHT * steps.c_std):
         best = None
         for drop in range(steps.t.size):
-            trial = fit.refit_steps(lam, g, total, np.delete(steps.t, drop), floor=noise)
+            try:
+                trial = fit.refit_steps(lam, g, total, np.delete(steps.t, drop), floor=noise)
+            except (np.linalg.LinAlgError, ValueError):      # a search that left the reals
+                continue
             if np.all(np.isfinite(trial.t)) and (best is None or trial.rms < best.rms):
                 best = trial
         if best is None or not fits_to_noise(best):
