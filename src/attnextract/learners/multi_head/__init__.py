@@ -28,7 +28,11 @@ Algorithm.
    grid's points added to the smaller's), so a box of few heads is counted at a told
    run's cost; once two rows agree, the search stops where a run told that count would;
    a few rows beyond paper 2's share settle a disputed count, and without two rows that
-   agree the run is refused suggesting heads=. Told H, a count below H needs three rows
+   agree the run is refused suggesting heads=. Not told H, a row whose fit has a step
+   whose height is within 3 of its standard deviations is refitted with each step left
+   out (:func:`_fewest_steps`), and counts one fewer when that fit reaches the noise
+   too: a free fit started from the rational fit's poles can end in a wrong basin, and
+   a float32 row then read one step more (a duplicate), which two rows could share. Told H, a count below H needs three rows
    (a row hides a head whose height is small there and whose step falls near another's).
 3. Designed column. Random rows put their steps at Gaussian positions, which crowd,
    and two close steps leave the perturbations (below) unable to split them (first
