@@ -13,7 +13,10 @@ truth by the rounding of the whole forward pass.
 
 Modes: ``auto`` runs the learner with no precision option (it may detect float32
 answers by itself); ``stated`` passes ``output_dtype="float32"`` (``--output-dtype
-float32``), only when the learner accepts it (otherwise the row says "not accepted").
+float32``), only when the learner accepts it (otherwise the row says "not accepted");
+``no-heads`` is ``auto`` without the head count (``heads=None``, no ``--heads``): the
+learner finds the count itself, and the row also counts the trials whose count came
+out right (a model of another count is never "within").
 
 Outcomes per trial: ``within`` (a model came back and its canonical error, the worst
 head's relative error after matching, is at most the learner's stated error bar
@@ -57,7 +60,7 @@ def parse():
     parser.add_argument("--learner", default="multi-head",
                         choices=["multi-head", "multi-head-low-rank"])
     parser.add_argument("--modes", nargs="+", default=["auto", "stated"],
-                        choices=["auto", "stated"])
+                        choices=["auto", "stated", "no-heads"])
     parser.add_argument("--label", default="current", help="file name part of the results")
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     return parser.parse_args()
@@ -84,10 +87,11 @@ def reason_kind(message: str) -> str:
 def one_trial(learner: str, dim: int, heads: int, trial: int, options: dict) -> dict:
     box, truth = float32_box(dim, heads, trial)
     oracle = Oracle(box, dim)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     extra = {"rank": dim // heads} if learner == "multi-head-low-rank" else {}
     try:
-        result = extract(oracle, learner, heads=heads, seed=trial, **extra, **options)
+        result = extract(oracle, learner, heads=None if options.pop("no_heads", False)
+                         else heads, seed=trial, **extra, **options)
     except InputError:
         raise
     except Exception as exc:           # a typed refusal, or the learner crashed
@@ -97,14 +101,18 @@ def one_trial(learner: str, dim: int, heads: int, trial: int, options: dict) -> 
                 "error_type": type(exc).__name__,
                 "reason": message, "names_option": bool(re.search(
                     r"--output-dtype|output_dtype", message)),
-                "queries": oracle.queries, "seconds": time.perf_counter() - start}
-    error = canonical_error(result.model, truth)
+                "queries": oracle.queries, "seconds": time.perf_counter() - start,
+                "cpu_seconds": time.process_time() - cpu}
+    found = result.model.heads
+    error = canonical_error(result.model, truth) if found == heads else float("inf")
     bar = float(result.report.details.get("error bar") or np.nan)
     return {"trial": trial, "outcome": "within" if error <= bar else "outside",
             "error": float(error), "bar": bar, "queries": oracle.queries,
             "held_out": result.report.verification.max_relative_error,
-            "notes": list(result.report.notes),
-            "seconds": time.perf_counter() - start}
+            "notes": list(result.report.notes), "heads found": int(found),
+            "base row counts": result.report.details.get("head counts of the base rows"),
+            "seconds": time.perf_counter() - start,
+            "cpu_seconds": time.process_time() - cpu}
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -114,12 +122,15 @@ def summarise(rows: list[dict]) -> dict:
                                    for r in rows if r["outcome"] in ("refused", "crashed"))
     return {"trials": len(rows), "within": count["within"], "outside": count["outside"],
             "refused": count["refused"], "crashed": count["crashed"],
+            "count right": sum(r.get("heads found") == r.get("heads") for r in rows),
             "refusals naming the option": sum(r.get("names_option", False) for r in rows),
             "median error": float(np.median([r["error"] for r in done])) if done else None,
             "largest error": max((r["error"] for r in done), default=None),
             "median bar": float(np.median([r["bar"] for r in done])) if done else None,
             "median queries": float(np.median([r["queries"] for r in rows])),
             "median seconds": float(np.median([r["seconds"] for r in rows])),
+            "median cpu seconds": float(np.median([r.get("cpu_seconds", np.nan)
+                                                   for r in rows])),
             "refusal reasons": [{"type": t, "reason": k, "count": c}
                                 for (t, k), c in refusals.most_common()]}
 
@@ -168,10 +179,12 @@ def main() -> None:
                 print(f"H = {heads} {mode}: {args.learner} does not accept output_dtype",
                       flush=True)
                 continue
-            options = {"output_dtype": "float32"} if mode == "stated" else {}
             rows = []
             for t in (args.trial_list or range(args.first_trial, args.first_trial + args.trials)):
-                rows.append(one_trial(args.learner, args.dim, heads, t, options))
+                options = ({"output_dtype": "float32"} if mode == "stated" else
+                           {"no_heads": True} if mode == "no-heads" else {})
+                rows.append({"heads": heads,
+                             **one_trial(args.learner, args.dim, heads, t, options)})
                 # written after every trial: a run stopped early keeps what it measured
                 write(args, cells + [{"heads": heads, "mode": mode, "accepted": True,
                                       **summarise(rows), "rows": rows}])
@@ -209,19 +222,36 @@ def write(args, cells: list[dict]) -> None:
              f"torch.manual_seed(trial), default init, "
              f"bias=False, readout seed = trial); command: `{command}`", "",
              "| H | mode | within bar | outside bar | refused | crashed (untyped error) "
-             "| refusals naming the option | median error | median bar | median queries "
-             "| median s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| refusals naming the option | count right | median error | median bar "
+             "| median queries | median s | median CPU s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         if not c["accepted"]:
             lines.append(f"| {c['heads']} | {c['mode']} | (output_dtype not accepted by "
-                         f"this learner) | | | | | | | | |")
+                         f"this learner) | | | | | | | | | | |")
             continue
         fmt = (lambda x: "-" if x is None else f"{x:.1e}")
         lines.append(f"| {c['heads']} | {c['mode']} | {c['within']} | {c['outside']} | "
                      f"{c['refused']} | {c['crashed']} | {c['refusals naming the option']} | "
+                     f"{c.get('count right', '-')} | "
                      f"{fmt(c['median error'])} | {fmt(c['median bar'])} | "
-                     f"{c['median queries']:.0f} | {c['median seconds']:.1f} |")
+                     f"{c['median queries']:.0f} | {c['median seconds']:.1f} | "
+                     f"{c.get('median cpu seconds', float('nan')):.1f} |")
+    for c in cells:
+        told = next((t for t in cells if t["heads"] == c["heads"] and t["mode"] == "auto"
+                     and t.get("accepted", True)), None)
+        if c["mode"] != "no-heads" or told is None:
+            continue
+        pairs = [(r, t) for r in c["rows"] for t in told["rows"] if t["trial"] == r["trial"]]
+        if pairs:
+            queries = [r["queries"] / t["queries"] for r, t in pairs]
+            cpu = [r["cpu_seconds"] / t["cpu_seconds"] for r, t in pairs
+                   if r.get("cpu_seconds") and t.get("cpu_seconds")]
+            lines += ["", f"H = {c['heads']}, no-heads against auto (told H), same trials "
+                      f"({len(pairs)}): queries median {np.median(queries):.2f}x, largest "
+                      f"{max(queries):.2f}x"
+                      + (f"; CPU seconds median {np.median(cpu):.2f}x, largest {max(cpu):.2f}x"
+                         if cpu else "")]
     lines += ["", "Refusals and crashes (numbers blanked as #):", ""]
     for c in cells:
         for r in c.get("refusal reasons", []):

@@ -28,7 +28,11 @@ Algorithm.
    grid's points added to the smaller's), so a box of few heads is counted at a told
    run's cost; once two rows agree, the search stops where a run told that count would;
    a few rows beyond paper 2's share settle a disputed count, and without two rows that
-   agree the run is refused suggesting heads=. Told H, a count below H needs three rows
+   agree the run is refused suggesting heads=. Not told H, a row whose fit has a step
+   whose height is within 3 of its standard deviations is refitted with each step left
+   out (:func:`_fewest_steps`), and counts one fewer when that fit reaches the noise
+   too: a free fit started from the rational fit's poles can end in a wrong basin, and
+   a float32 row then read one step more (a duplicate), which two rows could share. Told H, a count below H needs three rows
    (a row hides a head whose height is small there and whose step falls near another's).
 3. Designed column. Random rows put their steps at Gaussian positions, which crowd,
    and two close steps leave the perturbations (below) unable to split them (first
@@ -163,6 +167,8 @@ COUNT_MARGIN = 1          # not told H, a count k is read from a scan that could
                           # rows fitted 4 to 6 steps to the noise on 4k + 8 samples and 2 of
                           # 12 runs reached the main rows before their refusal; 1 of 12
                           # with the margin, 0 of 12 with 40-sample scans)
+UNRESOLVED_HEIGHT = 3.0   # not told H, a row's step whose height is within this many of its
+                          # standard deviations is tried away (:func:`_fewest_steps`)
 COUNT_EXTRA_SCANS = 4     # base rows scanned beyond paper 2's share when no two agree (no H)
 MAX_DESIGNS = 4           # designs (base row, perturbations, main rows) tried at most
 BASE_CANDIDATES = 10      # candidate base rows at most; the search stops at a well-conditioned one
@@ -919,8 +925,10 @@ class _Extraction:
         directions /= np.linalg.norm(directions, axis=1, keepdims=True)
         target_spread = self.half_window - 1.5
 
-        def scan(u):
-            """(count, u, fit, noise) of row u; count None when no fit reaches the noise."""
+        def scan(u, reduce=True):
+            """(count, u, fit, noise) of row u; count None when no fit reaches the noise.
+            ``reduce``: not told H, the count is checked by :func:`_fewest_steps` (not in
+            the scale rounds, whose rows at the first scale crowd their steps near 0)."""
             self.scans_left -= 1
             self.scans_made += 1
             level = max(1, min(H, self.count_level))
@@ -952,9 +960,16 @@ class _Extraction:
                 if count is not None or level >= H:
                     break
                 level, fewest = level + 1, level + 1
+            steps = fits[count - fewest] if count else fits[-1]
+            samples[id(u)] = (lam, g, fits_to_noise)
+            if count and reduce and not self.heads_told:
+                # not told H, a row's count is read as it stands only when no fit of one
+                # step fewer, started from its own steps, reaches the noise too
+                steps = _fewest_steps(lam, g, u @ self.v, steps, noise, fits_to_noise)
+                count = steps.t.size
             if count:
                 self.count_level = max(self.count_level, count)
-            return count, u, fits[count - fewest] if count else fits[-1], noise
+            return count, u, steps, noise
 
         def spread(found):
             steps = found[2]
@@ -962,11 +977,11 @@ class _Extraction:
             return float(np.max(np.abs(steps.t[strong])))
 
         scale, before = 1.0, self.oracle.queries
-        first = None
+        first, samples = None, {}
         for _ in range(SCALE_ROUNDS):
             if first is not None and self.scans_left <= 1:
                 break
-            first = scan(scale * directions[0])
+            first = scan(scale * directions[0], reduce=False)
             if first[0] == 0:
                 scale *= 30.0                 # no step at all (yet): larger tokens
                 continue
@@ -976,6 +991,11 @@ class _Extraction:
             scale *= min(factor, 1e3)
         self.details["base scale"] = scale
         self.spend("base scale", before)
+        if first[0] and not self.heads_told:      # the row at the scale kept votes as others
+            steps = _fewest_steps(samples[id(first[1])][0], samples[id(first[1])][1],
+                                  first[1] @ self.v, first[2], first[3],
+                                  samples[id(first[1])][2])
+            first = (steps.t.size, first[1], steps, first[3])
 
         before = self.oracle.queries
         found = [first]
@@ -1894,6 +1914,41 @@ def base_quality(steps, half_window: float) -> float:
         return math.inf
     gap = float(np.min(np.diff(steps.t))) if steps.t.size > 1 else 1.0
     return float(np.max(steps.t_std)) / max(gap, 1e-300)
+
+
+def _fewest_steps(lam: np.ndarray, g: np.ndarray, total: float, steps, noise: float,
+                  fits_to_noise):
+    """The fit of fewest steps reachable from ``steps`` (a row's fit of k steps that
+    reaches the noise) by dropping one step at a time while a step's height is not
+    told from zero (|c| <= UNRESOLVED_HEIGHT x its standard deviation, the fit's own
+    covariance): each step left out in turn, the rest refitted
+    (:func:`.fit.refit_steps`, heights solved linearly), the best kept while it still
+    fits to the noise (``fits_to_noise``). Rows whose every step is resolved (nearly
+    all float64 rows) are read as they stand, at no cost.
+
+    A free fit of k - 1 steps starts from the rational fit's poles and can end in a
+    wrong basin (two steps on one place with large opposite heights): then k steps,
+    one of them a duplicate or a wiggle of the rounding, are the first to reach the
+    noise, and the row overcounts (float32 nn.MultiheadAttention, d = 16, H = 4: rows of
+    5 steps with two at the same logit and a k - 1 = 4 fit at 190x the noise, which
+    refitted without the duplicate reaches 3.4x). Returns a StepFit, steps sorted.
+    """
+    while steps.t.size > 1 and np.all(np.isfinite(steps.t)) and not np.all(
+            np.abs(steps.c) > UNRESOLVED_HEIGHT * steps.c_std):
+        best = None
+        for drop in range(steps.t.size):
+            try:
+                trial = fit.refit_steps(lam, g, total, np.delete(steps.t, drop), floor=noise)
+            except (np.linalg.LinAlgError, ValueError):      # a search that left the reals
+                continue
+            if np.all(np.isfinite(trial.t)) and (best is None or trial.rms < best.rms):
+                best = trial
+        if best is None or not fits_to_noise(best):
+            break
+        order = np.argsort(best.t)
+        steps = fit.StepFit(t=best.t[order], c=best.c[order], rms=best.rms,
+                            t_std=best.t_std[order], c_std=best.c_std[order])
+    return steps
 
 
 def _scan_size(heads: int) -> int:
