@@ -35,12 +35,16 @@ Algorithm.
    order sees only c_1 a_1 + c_2 a_2: W_h q_0 came out 0.3 to 80x off). A base row whose
    smallest gap is below half the evenly spaced gap moves: in row u_0 the heights c_h
    do not depend on the column while the positions t_h(q) = z_h^T q are linear in it,
-   so u_0 is scanned at H + 1 random columns (each crowds other pairs), their steps
-   labelled by matching heights, and the combination q* of the columns that puts the
-   steps at evenly spaced positions with the least predicted error is scanned (again,
-   with that scan among the columns, while its steps still crowd): (u_0 |q*|,
-   q* / |q*|) is the base row from here on (q_0 := q*). A column that shows more
-   steps than the base row (a head hidden there) draws a fresh design.
+   so u_0 is scanned at H + 1 nudged columns q_0 + s r_j (s moving the steps by a fifth
+   of the smallest gap: every step keeps its place, so the labels follow from heights
+   and nearness; random columns of full spread crowd other pairs, and at H = 12 their
+   fits reached the noise with steps 1 to 3 off), and the combination q* of the columns
+   that puts the steps at evenly spaced positions with the least predicted error is
+   scanned (again, with that scan among the columns, while its steps still crowd; a
+   scan whose design error put a step beyond the window is shrunk into it, u scaled,
+   no query): (u_0 |q*|, q* / |q*|) is the base row from here on (q_0 := q*). A scan
+   that fits more steps than the base row (a head hidden there) becomes the base row,
+   and the design starts again from it.
    Base perturbations u_0 + eps w_k (k = 1..d-1) on a uniform lambda grid, eps a
    fraction of the smallest gap: the steps keep their labels and give every head's
    W_h q_0 and v_h (variable projection, heights solved linearly), to about 1e-7
@@ -116,7 +120,7 @@ upper bound), the polish weights every answer by its own length. At d = 32, H = 
 sends a quarter of the tokens of window-long probes (157 against 604 million).
 
 Queries: d + base (3 to 14 scans of 4H + 8 samples, within what paper 2's count leaves;
-a crowded row's H + 1 random and one to three designed columns of 3H + 1;
+a crowded row's H + 1 nudged and one to three designed columns of 3H + 1;
 (d - 1)(2H + 3) perturbations)
 + d (2H + 1) + d^2 (H + 1) main probes, plus d^2 (H + 1) when round 3 runs: the floor H(d^2 + d) (the canonical form's free parameters) plus
 about d^2 + Hd + base (twice the columns with round 3), never above paper 2's count
@@ -790,10 +794,7 @@ class _Extraction:
             # beyond the window's edge is pulled inside by a shorter row, whose fit is
             # this one scaled (no query; d = H = 8, s = 3: two steps that crowded the
             # first row 0.006 apart came out at -8.1 and 10.9, the other six in place)
-            shrink = min(1.0, (self.half_window - 1.5) / float(np.max(np.abs(steps.t))))
-            shrunk = fit.StepFit(t=shrink * steps.t, c=shrink * steps.c,
-                                 rms=shrink * steps.rms, t_std=shrink * steps.t_std,
-                                 c_std=shrink * steps.c_std)
+            shrink, shrunk = _shrunk(steps, self.half_window)
             gap = float(np.min(np.diff(shrunk.t)))
             if gap > best[0] and np.isfinite(base_quality(shrunk, self.half_window)):
                 best = (gap, u_0 * norm * shrink, self.q_0, shrunk)
@@ -821,7 +822,8 @@ class _Extraction:
         steps = fit.fit_free_steps(lam, g, u @ self.v, self.max_heads, self.half_window,
                                    noise, counts=range(H + 1, self.max_heads + 1),
                                    enough=lambda f: f.rms <= NOISE_FACTOR * noise)[-1]
-        if not (steps.rms <= NOISE_FACTOR * noise
+        shrink, steps = _shrunk(steps, self.half_window)
+        if not (steps.rms <= shrink * NOISE_FACTOR * noise
                 and np.isfinite(base_quality(steps, self.half_window))):
             return False
         H_more = steps.t.size
@@ -833,7 +835,7 @@ class _Extraction:
         self.notes.append(f"a column of the base row showed {H_more} steps where the base "
                           f"row fitted {H}: that column became the base row")
         self.q_0 = q
-        self.adopt_base(u, steps)
+        self.adopt_base(u * shrink, steps)
         self.details["canonical heads"] = H_more
         return True
 
@@ -1202,7 +1204,7 @@ class _Extraction:
         return d * (2 * H + 1) + d * (d - 1 + EXTRA_COLUMNS) * (H + COLUMN_SPARES)
 
     def column_cost(self, H: int) -> int:
-        """Queries of the designed column (:meth:`designed_column`, H >= 2): the random
+        """Queries of the designed column (:meth:`designed_column`, H >= 2): the nudged
         columns and one designed scan."""
         return (H + RANDOM_COLUMNS + 1) * column_samples(H) if H > 1 else 0
 
@@ -1911,6 +1913,15 @@ def base_quality(steps, half_window: float) -> float:
         return math.inf
     gap = float(np.min(np.diff(steps.t))) if steps.t.size > 1 else 1.0
     return float(np.max(steps.t_std)) / max(gap, 1e-300)
+
+
+def _shrunk(steps, half_window: float):
+    """(k, the fit of row k u) for a row u's fit: the logits and heights are linear in
+    u, so a shorter row (k = (half_window - 1.5) / its outermost step, when below 1)
+    pulls every step inside the window with no query."""
+    k = min(1.0, (half_window - 1.5) / max(float(np.max(np.abs(steps.t))), 1e-300))
+    return k, fit.StepFit(t=k * steps.t, c=k * steps.c, rms=k * steps.rms,
+                          t_std=k * steps.t_std, c_std=k * steps.c_std)
 
 
 def _scan_size(heads: int) -> int:
