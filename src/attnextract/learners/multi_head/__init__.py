@@ -221,11 +221,6 @@ RANDOM_COLUMNS = 1         # nudged columns beyond H scanned (with q_0, H + 1 + 
                            # none, d = 16, H = 10, s = 3: seed 16 refused, seed 10 crowded)
 CROWDED_GAP = 0.5          # a base row whose smallest step gap is below this x the evenly
                            # spaced gap moves to a designed column
-BIASED_COLUMN_NORM = 4.0   # with biases a designed column longer than this (q_0 has norm 1)
-                           # is not taken: u^T b_h does not move with q, so spreading steps
-                           # that large biases place needs a long column, around which the
-                           # main rounds' moves are a smaller share of a gap (|q*| = 28:
-                           # 0.004 against 0.009, the error 4e-12 -> 1.1e-10)
 COLUMN_NUDGE = 0.2         # nudged columns move the steps by about this x the smallest gap
                            # (a pair's relative move about 0.3 of its gap: labels kept)
 ILL_ROW_FACTOR = 30.0     # a main row whose parameters are pinned this much worse than the
@@ -779,8 +774,6 @@ class _Extraction:
             # u^T b_h would scale with u)
             norm = 1.0 if self.biases else float(np.linalg.norm(q_star))
             if not (np.all(np.isfinite(q_star)) and norm > 0):
-                break
-            if self.biases and np.linalg.norm(q_star) > BIASED_COLUMN_NORM:
                 break
             q_0, self.q_0 = self.q_0, q_star / norm
             steps, noise, lam, g = self.scan_row(u_0 * norm, predicted, norm * heights)
@@ -1403,7 +1396,10 @@ class _Extraction:
             # well pinned)
             gaps = np.diff(np.sort(t_row[todo], axis=1), axis=1).min(axis=1) if H > 1 \
                 else np.full(todo.size, 2.0)
-            y_norm = float(np.max(np.linalg.norm(estimate[0], axis=0)))
+            # |W_h q_0| per unit of q_0 (with biases q_0 keeps the designed column's
+            # length, up to 43 at d = H = 8, which made the moves that many times smaller)
+            y_norm = (float(np.max(np.linalg.norm(estimate[0], axis=0)))
+                      / float(np.linalg.norm(self.q_0)))
             z_norm = np.linalg.norm(U[todo], axis=1) * y_norm           # about |W_h^T u_k|
             s_k[todo] = COLUMN_MOVE * np.minimum(gaps, spacing) * math.sqrt(d) / z_norm
             columns[todo] = self.q_0[None, None] + s_k[todo, None, None] * R[None]
