@@ -39,12 +39,16 @@ Algorithm.
    order sees only c_1 a_1 + c_2 a_2: W_h q_0 came out 0.3 to 80x off). A base row whose
    smallest gap is below half the evenly spaced gap moves: in row u_0 the heights c_h
    do not depend on the column while the positions t_h(q) = z_h^T q are linear in it,
-   so u_0 is scanned at H + 1 random columns (each crowds other pairs), their steps
-   labelled by matching heights, and the combination q* of the columns that puts the
-   steps at evenly spaced positions with the least predicted error is scanned (again,
-   with that scan among the columns, while its steps still crowd): (u_0 |q*|,
-   q* / |q*|) is the base row from here on (q_0 := q*). A column that shows more
-   steps than the base row (a head hidden there) draws a fresh design.
+   so u_0 is scanned at H + 1 nudged columns q_0 + s r_j (s moving the steps by a fifth
+   of the smallest gap: every step keeps its place, so the labels follow from heights
+   and nearness; random columns of full spread crowd other pairs, and at H = 12 their
+   fits reached the noise with steps 1 to 3 off), and the combination q* of the columns
+   that puts the steps at evenly spaced positions with the least predicted error is
+   scanned (again, with that scan among the columns, while its steps still crowd; a
+   scan whose design error put a step beyond the window is shrunk into it, u scaled,
+   no query): (u_0 |q*|, q* / |q*|) is the base row from here on (q_0 := q*). A scan
+   that fits more steps than the base row (a head hidden there) becomes the base row,
+   and the design starts again from it.
    Base perturbations u_0 + eps w_k (k = 1..d-1) on a uniform lambda grid, eps a
    fraction of the smallest gap: the steps keep their labels and give every head's
    W_h q_0 and v_h (variable projection, heights solved linearly), to about 1e-7
@@ -120,7 +124,7 @@ upper bound), the polish weights every answer by its own length. At d = 32, H = 
 sends a quarter of the tokens of window-long probes (157 against 604 million).
 
 Queries: d + base (3 to 14 scans of 4H + 8 samples, within what paper 2's count leaves;
-a crowded row's H + 1 random and one to three designed columns of 3H + 1;
+a crowded row's H + 1 nudged and one to three designed columns of 3H + 1;
 (d - 1)(2H + 3) perturbations)
 + d (2H + 1) + d^2 (H + 1) main probes, plus d^2 (H + 1) when round 3 runs: the floor H(d^2 + d) (the canonical form's free parameters) plus
 about d^2 + Hd + base (twice the columns with round 3), never above paper 2's count
@@ -224,13 +228,12 @@ PERTURBATION_MOVE = 0.003 # base perturbations move the steps by about this x th
 PERTURBATION_NOISE_MOVES = 30.0  # ... or this x the base row's largest logit error,
 PERTURBATION_MAX_MOVE = 0.25     # ... at most this x the smallest gap
 DESIGNED_SCANS = 3         # scans of designed columns of the base row at most
-RANDOM_COLUMNS = 1         # random columns beyond H scanned (with q_0, H + 1 + this; with
+RANDOM_COLUMNS = 1         # nudged columns beyond H scanned (with q_0, H + 1 + this; with
                            # none, d = 16, H = 10, s = 3: seed 16 refused, seed 10 crowded)
 CROWDED_GAP = 0.5          # a base row whose smallest step gap is below this x the evenly
                            # spaced gap moves to a designed column
-COLUMN_SPREAD = 2.0        # the base row's random columns put their outermost step this many
-                           # deviations of the positions out (about the largest of H <= 12
-                           # Gaussian positions)
+COLUMN_NUDGE = 0.2         # nudged columns move the steps by about this x the smallest gap
+                           # (a pair's relative move about 0.3 of its gap: labels kept)
 ILL_ROW_FACTOR = 30.0     # a main row whose parameters are pinned this much worse than the
                           # median row's is redesigned
 LABEL_MISFIT = 100.0      # chi^2 per entry of the base rows' predictions (1 expected)
@@ -711,25 +714,29 @@ class _Extraction:
         """Move the base row to a column q* that spreads its steps evenly (stage 3).
 
         In row u_0 the heights c_h = u_0^T v_h do not depend on the column, while the
-        positions t_h(q) = z_h^T q (z_h = W_h^T u_0) are linear in it. Random columns
-        crowd different pairs of steps, so u_0 is scanned at H + 1 more random columns
-        (:func:`column_samples` each) when its smallest step gap is below CROWDED_GAP of
-        the evenly spaced gap; each column's steps are labelled by matching
-        their heights to those of the best pinned fit (:func:`.labels.match_heights`).
-        A combination q* = q_0 + sum_j a_j (q_j - q_0) of the H + 2 columns has the
-        steps t_h(q*) = t_h(q_0) + sum_j a_j (t_h(q_j) - t_h(q_0)) (exact also where the
-        positions are affine in q, with biases): the a that puts them at evenly spaced
-        positions (random order) with the least predicted error (each step's variance
-        from its fit; steps whose heights match no head, such as two crowded steps
-        splitting their heights anyhow, are off by at most their span; a column whose
-        fit misses the noise is replaced by another, once) gives q* (:func:`.design.least_uncertain_row`
-        in the columns' coordinates). Row (u_0 |q*|, q* / |q*|) (with biases (u_0, q*))
-        is scanned; while its steps still crowd (below half the designed spacing), its
-        column joins the others and q* is designed again (DESIGNED_SCANS scans at most,
-        within the count). The scan with the widest smallest gap becomes the base row
-        when it beats the first one's. A column whose fit needs more steps than the base
-        row's (up to the heads asked) proves that row hid a head: a fresh design
-        (:class:`_Redesign`).
+        positions t_h(q) = z_h^T q (z_h = W_h^T u_0) are linear in it. When the base
+        row's smallest step gap is below CROWDED_GAP of the evenly spaced gap, u_0 is
+        scanned (:func:`column_samples` each) at H + RANDOM_COLUMNS nudged columns
+        q_j = q_0 + s r_j (r_j random unit directions orthogonal to q_0, s moving the
+        steps by about COLUMN_NUDGE of the smallest gap): every step stays within a
+        fraction of its gap of where the base row put it, so each nudged column is
+        fitted from the base row's steps and keeps their labels (random columns of full
+        spread crowd other pairs instead: at d = 32, H = 12 three of four did, and their
+        fits, labelled by heights, reached the noise with steps 1 to 3 off). A
+        combination q* = q_0 + sum_j a_j (q_j - q_0) has the steps t_h(q*) = t_h(q_0)
+        + sum_j a_j (t_h(q_j) - t_h(q_0)) (exact, also where the positions are affine
+        in q, with biases): the a that puts them at evenly spaced positions (random
+        order) with the least predicted error (each step's variance from its fit) gives
+        q* (:func:`.design.least_uncertain_row` in the columns' coordinates). Row
+        (u_0 |q*|, q* / |q*|) (with biases (u_0, q*)) is scanned; while its steps still
+        crowd (below half the designed spacing), its column joins the others, its steps
+        labelled by their heights (:func:`.labels.match_heights`), and q* is designed
+        again (DESIGNED_SCANS scans at most, within the count): a joined column moves
+        the steps by spacings, so it pins the combination far better than the nudges.
+        The scan with the widest smallest gap becomes the base row when it beats the
+        first one's. A scan that fits more steps than the base row (up to the heads
+        asked; a head the base row hid, its height small there and its step near
+        another's) becomes the base row itself, and the design starts again from it.
         """
         H, d = self.base_fit.t.size, self.d
         if H < 2:
@@ -744,48 +751,46 @@ class _Extraction:
         S = lam_c.size
         scan_cost = column_samples(H)
         after = (self.perturbation_cost(H) - self.column_cost(H)) + self.main_cost(H)
-        fits, Q = [self.base_fit], [self.q_0]
-        # a random unit column puts head h's step at z_h^T q ~ N(0, |z_h|^2 / d), whose
-        # spread q_0's own positions estimate: the columns are scaled so that their
-        # outermost step lies about COLUMN_SPREAD deviations out, 1.5 inside the window
-        # (q_0's spread alone is one draw: at d = 16, H = 10, s = 1 unit columns put ten
-        # steps within +-3.5 of a window of +-9, and none fitted)
-        deviation = float(np.sqrt(np.mean(np.square(self.base_fit.t))))
-        column_norm = float(np.clip((self.half_window - 1.5)
-                                    / (COLUMN_SPREAD * max(deviation, 1e-300)), 0.1, 10.0))
-        # random columns until H + RANDOM_COLUMNS fit to the noise (a column whose fit
-        # misses it tells no position; crowded columns do, 2 of 9 at d = H = 8), one
-        # batch of the missing ones after the first, within the count
+        reference = self.base_fit
+        heights = float(np.sum(np.abs(reference.c)))
+        fits, Q, moves = [reference], [self.q_0], [None]
+        # a random unit direction moves head h's step by z_h^T r ~ N(0, |z_h|^2 / d),
+        # whose spread q_0's own positions estimate (q_0 is a random unit column too)
+        deviation = float(np.sqrt(np.mean(np.square(reference.t))))
+        move = max(COLUMN_NUDGE * first_gap,
+                   min(PERTURBATION_NOISE_MOVES * float(np.max(reference.t_std)),
+                       PERTURBATION_MAX_MOVE * first_gap))
+        nudge = move / max(deviation, 1e-300)
+        # nudged columns until H + RANDOM_COLUMNS fit to the noise, one batch of the
+        # missing ones after the first, within the count
         for batch in range(2):
             k = H + RANDOM_COLUMNS - (len(fits) - 1)
             if k <= 0 or (batch and not self.affordable(k * scan_cost + after, H)):
                 break
-            columns = self.rng.standard_normal((k, d))
-            columns *= column_norm / np.linalg.norm(columns, axis=1, keepdims=True)
+            directions = self.rng.standard_normal((k, d))
+            directions -= np.outer(directions @ self.q_0, self.q_0) / (self.q_0 @ self.q_0)
+            directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+            columns = self.q_0[None] + nudge * directions
             before = self.oracle.queries
             lam, g = self.measure(np.repeat(self.u_0[None], k * S, 0),
                                   np.repeat(columns, S, 0), np.tile(lam_c, k))
             self.spend("base columns", before)
             lam, g = lam.reshape(k, S), g.reshape(k, S)
             for j in range(k):
-                noise = self.noise(g[j] + columns[j] @ self.v,
-                                   float(np.sum(np.abs(self.base_fit.c))))
-                steps = fit.fit_free_steps(
-                    lam[j], g[j], self.u_0 @ self.v, self.max_heads, self.half_window,
-                    noise, counts=range(H, self.max_heads + 1),
-                    enough=lambda f: f.rms <= NOISE_FACTOR * noise)[-1]
-                if steps.rms <= NOISE_FACTOR * noise and steps.t.size > H:
-                    # the base row hid a head (a small height there, its step near
-                    # another's) that this column shows: a fresh design counts again
-                    raise _Redesign(RecoveryFailedError,
-                                    f"a column of the base row shows {steps.t.size} steps "
-                                    f"where the base row fitted {H}")
+                noise = self.noise(g[j] + columns[j] @ self.v, heights)
+                # (the refit from the base row's steps often stops short at H = 12,
+                # where the free fit, labelled by :meth:`column_positions`, does not)
+                steps, _ = fit.fit_steps_from(
+                    lam[j], g[j], self.u_0 @ self.v, reference.t, self.half_window, noise,
+                    NOISE_FACTOR * noise)
                 if steps.rms <= NOISE_FACTOR * noise:
                     fits.append(steps)
                     Q.append(columns[j])
-        reference = min(fits, key=lambda f: base_quality(f, self.half_window))
+                    moves.append(3.0 * move)
+                elif self.more_steps(lam[j], g[j], self.u_0, columns[j], noise, H):
+                    return self.designed_column()     # a hidden head shown: start again
         Q = np.array(Q)                                                 # (columns, d)
-        T, T_var = self.column_positions(fits, reference)
+        T, T_var = self.column_positions(fits, reference, moves)
         u_0, best = self.u_0, (first_gap, self.u_0, self.q_0, self.base_fit)
         for scan in range(DESIGNED_SCANS):
             if scan and not self.affordable(scan_cost + after, H):
@@ -806,43 +811,89 @@ class _Extraction:
             norm = 1.0 if self.biases else float(np.linalg.norm(q_star))
             if not (np.all(np.isfinite(q_star)) and norm > 0):
                 break
-            self.q_0 = q_star / norm
-            steps, noise = self.scan_row(u_0 * norm, predicted,
-                                         norm * float(np.sum(np.abs(reference.c))))
+            q_0, self.q_0 = self.q_0, q_star / norm
+            steps, noise, lam, g = self.scan_row(u_0 * norm, predicted, norm * heights)
             self.details["designed column scans"] = scan + 1
-            if not (steps.rms <= NOISE_FACTOR * noise
-                    and np.isfinite(base_quality(steps, self.half_window))):
+            if not steps.rms <= NOISE_FACTOR * noise:
+                if self.more_steps(lam, g, u_0 * norm, self.q_0, noise, H):
+                    return self.designed_column()     # a hidden head shown: start again
+                self.q_0 = q_0
                 continue              # (its positions unknown: it does not join)
-            gap = float(np.min(np.diff(steps.t)))
-            if gap > best[0]:
-                best = (gap, u_0 * norm, self.q_0, steps)
-            if gap >= CROWDED_GAP * spacing:
+            # the logits and heights are linear in u: a step the design's error put
+            # beyond the window's edge is pulled inside by a shorter row, whose fit is
+            # this one scaled (no query; d = H = 8, s = 3: two steps that crowded the
+            # first row 0.006 apart came out at -8.1 and 10.9, the other six in place)
+            shrink, shrunk = _shrunk(steps, self.half_window)
+            gap = float(np.min(np.diff(shrunk.t)))
+            if gap > best[0] and np.isfinite(base_quality(shrunk, self.half_window)):
+                best = (gap, u_0 * norm * shrink, self.q_0, shrunk)
+            self.q_0 = q_0
+            if best[0] >= CROWDED_GAP * spacing:
                 break
             # its column joins the others (heights per unit of u_0)
-            Q = np.vstack([Q, self.q_0[None] * norm])
+            Q = np.vstack([Q, q_star[None]])
             more, more_var = self.column_positions([fit.StepFit(
                 t=steps.t, c=steps.c / norm, rms=steps.rms, t_std=steps.t_std,
-                c_std=steps.c_std / norm)], reference)
+                c_std=steps.c_std / norm)], reference, [None])
             T, T_var = np.hstack([T, more]), np.hstack([T_var, more_var])
         gap, u, self.q_0, steps = best
         self.adopt_base(u, steps)
         self.details["designed column smallest step gap"] = gap
 
-    def column_positions(self, fits, reference):
+    def more_steps(self, lam, g, u, q, noise, H: int) -> bool:
+        """Whether the scan (lam, g) of row (u, q), which H steps do not fit, fits more
+        (up to the heads asked) to the noise: a head the base row hid (a small height
+        in u, its step near another's there) that this column shows. Such a scan is a
+        better base row: it becomes the base row (q_0 := q) when the count leaves room
+        for a new column design from it, which the caller then starts."""
+        if H >= self.max_heads:
+            return False
+        steps = fit.fit_free_steps(lam, g, u @ self.v, self.max_heads, self.half_window,
+                                   noise, counts=range(H + 1, self.max_heads + 1),
+                                   enough=lambda f: f.rms <= NOISE_FACTOR * noise)[-1]
+        shrink, steps = _shrunk(steps, self.half_window)
+        if not (steps.rms <= shrink * NOISE_FACTOR * noise
+                and np.isfinite(base_quality(steps, self.half_window))):
+            return False
+        H_more = steps.t.size
+        cost = (self.perturbation_cost(H_more) + self.main_cost(H_more))
+        if not self.affordable(cost, H_more):
+            raise _Redesign(RecoveryFailedError,
+                            f"a column of the base row shows {H_more} steps where the base "
+                            f"row fitted {H}, and the count leaves no room to design from it")
+        self.notes.append(f"a column of the base row showed {H_more} steps where the base "
+                          f"row fitted {H}: that column became the base row")
+        self.q_0 = q
+        self.adopt_base(u * shrink, steps)
+        self.details["canonical heads"] = H_more
+        return True
+
+    def column_positions(self, fits, reference, moves):
         """Positions (H, n) of each head in the n columns of ``fits`` (StepFits that
-        reach the noise), labelled by their heights against ``reference``, and their
-        variances (H, n) for the design of :meth:`designed_column`."""
+        reach the noise) and their variances (H, n) for the design of
+        :meth:`designed_column`.
+
+        Steps are labelled by matching their heights to the reference's
+        (:func:`.labels.match_heights`; heights are pinned far better than a nudge
+        moves the steps: labels from positions first permuted three steps 0.5 apart
+        that a nudge moved by up to half of that, d = H = 8). A nudged column (its
+        entry of ``moves`` the largest move expected, else None) adds the distance from
+        the reference's positions in units of that move, which decides where heights
+        do not (two crowded steps whose heights the reference's fit split anyhow), and
+        its labels are kept. Elsewhere steps whose heights match no head are labelled
+        among themselves, each off by at most their span."""
         H = reference.t.size
         T = np.zeros((H, len(fits)))
         T_var = np.full((H, len(fits)), self.half_window ** 2)
-        for j, f in enumerate(fits):
-            order, matched = labels.match_heights(reference.c, reference.c_std, f.c, f.c_std)
+        for j, (f, move) in enumerate(zip(fits, moves)):
+            order, matched = labels.match_heights(
+                reference.c, reference.c_std, f.c, f.c_std,
+                moved=None if move is None else (reference.t, f.t, move))
             t, t_std = f.t[order], f.t_std[order]
             T[:, j] = t
-            pinned = matched & np.isfinite(t_std)
+            pinned = (matched | (move is not None)) & np.isfinite(t_std)
             T_var[pinned, j] = np.square(t_std[pinned])
             if np.count_nonzero(~pinned) > 1:
-                # labelled among themselves: each off by at most their span
                 T_var[~pinned, j] = float(np.ptp(t[~pinned])) ** 2 + np.square(
                     np.minimum(np.nan_to_num(t_std[~pinned], nan=np.inf), 1.0))
             # a step beyond the window is located by its tail only
@@ -1138,7 +1189,7 @@ class _Extraction:
     def scan_row(self, u: np.ndarray, t_start: np.ndarray, heights: float):
         """Scan row u at column q_0 on a uniform grid of :func:`column_samples` lambdas
         and fit its steps from ``t_start`` (a free fit when that start does not reach
-        the noise); returns (sorted StepFit, noise)."""
+        the noise); returns (sorted StepFit, noise, lambdas, answers less v^T q_0)."""
         lam_grid = design.base_lambdas(column_samples(t_start.size), self.half_window)
         before = self.oracle.queries
         lam, g = self.measure(np.repeat(u[None], lam_grid.size, 0),
@@ -1149,7 +1200,7 @@ class _Extraction:
                                       NOISE_FACTOR * noise)
         order = np.argsort(steps.t)
         return fit.StepFit(t=steps.t[order], c=steps.c[order], rms=steps.rms,
-                           t_std=steps.t_std[order], c_std=steps.c_std[order]), noise
+                           t_std=steps.t_std[order], c_std=steps.c_std[order]), noise, lam, g
 
     def affordable(self, queries: int, H: int) -> bool:
         """Whether ``queries`` more and the held-out verification stay within paper 2's
@@ -1199,7 +1250,7 @@ class _Extraction:
         return d * (2 * H + 1) + d * (d - 1 + EXTRA_COLUMNS) * (H + COLUMN_SPARES)
 
     def column_cost(self, H: int) -> int:
-        """Queries of the designed column (:meth:`designed_column`, H >= 2): the random
+        """Queries of the designed column (:meth:`designed_column`, H >= 2): the nudged
         columns and one designed scan."""
         return (H + RANDOM_COLUMNS + 1) * column_samples(H) if H > 1 else 0
 
@@ -1398,7 +1449,10 @@ class _Extraction:
             # well pinned)
             gaps = np.diff(np.sort(t_row[todo], axis=1), axis=1).min(axis=1) if H > 1 \
                 else np.full(todo.size, 2.0)
-            y_norm = float(np.max(np.linalg.norm(estimate[0], axis=0)))
+            # |W_h q_0| per unit of q_0 (with biases q_0 keeps the designed column's
+            # length, up to 43 at d = H = 8, which made the moves that many times smaller)
+            y_norm = (float(np.max(np.linalg.norm(estimate[0], axis=0)))
+                      / float(np.linalg.norm(self.q_0)))
             z_norm = np.linalg.norm(U[todo], axis=1) * y_norm           # about |W_h^T u_k|
             s_k[todo] = COLUMN_MOVE * np.minimum(gaps, spacing) * math.sqrt(d) / z_norm
             columns[todo] = self.q_0[None, None] + s_k[todo, None, None] * R[None]
@@ -1949,6 +2003,15 @@ def _fewest_steps(lam: np.ndarray, g: np.ndarray, total: float, steps, noise: fl
         steps = fit.StepFit(t=best.t[order], c=best.c[order], rms=best.rms,
                             t_std=best.t_std[order], c_std=best.c_std[order])
     return steps
+
+
+def _shrunk(steps, half_window: float):
+    """(k, the fit of row k u) for a row u's fit: the logits and heights are linear in
+    u, so a shorter row (k = (half_window - 1.5) / its outermost step, when below 1)
+    pulls every step inside the window with no query."""
+    k = min(1.0, (half_window - 1.5) / max(float(np.max(np.abs(steps.t))), 1e-300))
+    return k, fit.StepFit(t=k * steps.t, c=k * steps.c, rms=k * steps.rms,
+                          t_std=k * steps.t_std, c_std=k * steps.c_std)
 
 
 def _scan_size(heads: int) -> int:

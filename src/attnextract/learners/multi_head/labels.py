@@ -178,7 +178,7 @@ HEIGHT_MATCH = 5.0   # deviations within which a step's height matches a head's
 
 
 def match_heights(c_ref: np.ndarray, c_ref_std: np.ndarray, c: np.ndarray,
-                  c_std: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                  c_std: np.ndarray, moved=None) -> tuple[np.ndarray, np.ndarray]:
     """Label one column's steps of a row by their heights (which the column leaves).
 
     In a row u the heights c_h = u^T v_h are the same in every column q, so the steps
@@ -192,6 +192,11 @@ def match_heights(c_ref: np.ndarray, c_ref_std: np.ndarray, c: np.ndarray,
         Reference heights (a well pinned column of the row) and their deviations.
     c, c_std : arrays (H,)
         The column's fitted heights and deviations.
+    moved : tuple (t_ref (H,), t (H,), move), optional
+        A column that moved every step by about ``move`` at most (a nudge): the squared
+        distance from each reference position in units of ``move`` is added to the
+        cost, which decides where heights do not (two steps whose heights the
+        reference's fit did not pin, both far off in deviations).
 
     Returns
     -------
@@ -209,5 +214,8 @@ def match_heights(c_ref: np.ndarray, c_ref_std: np.ndarray, c: np.ndarray,
     # (the heads left after the pinned steps are matched are those it may be)
     z = np.where(np.isfinite(scale), z, np.inf)
     cost = np.where(np.isfinite(z), np.square(np.minimum(z, 1e6)), 1e12)
+    if moved is not None:
+        t_ref, t, move = moved
+        cost = cost + np.square((t_ref[:, None] - t[None, :]) / move)
     order = linear_sum_assignment(cost)[1]
     return order, z[np.arange(c_ref.size), order] <= HEIGHT_MATCH
