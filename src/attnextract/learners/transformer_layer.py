@@ -613,9 +613,9 @@ def _extract_layer(oracle, heads, seed, verify_tolerance, scale, output_dtype, d
         precision_notes.append(
             f"detection limit {bar:.1e}: hidden units whose output weight |w_i| is below "
             f"{bar:.1e} of the largest (canonical form, rows of unit norm) are within the "
-            f"error bar of a zero weight and are not seen at this precision; {net1.width} "
-            f"units found. The error bar covers the units found and, for a unit not seen, "
-            f"its weight taken as zero")
+            f"error bar of a zero weight: this precision cannot tell them from no unit, and "
+            f"they may be missing; {net1.width} units found. The error bar covers the units "
+            f"found and, for a unit missing, its weight taken as zero")
     if residual:
         V = np.linalg.lstsq(R, B, rcond=None)[0]
         model = TransformerLayer(W, V, R, net1.b, net1.w, net1.c0, residual=True)
