@@ -18,7 +18,9 @@ b ~ N(0, 1) and c0 = 0.5):
 
 Per trial: ``within`` (a model came back, verified on held-out sequences, and its
 canonical parameter error, :func:`compare_transformer_layer`'s max_error, is at most
-the error bar the report states), ``outside`` (a model whose error exceeds its bar: must
+the error bar the report states; a true unit not returned counts as a zero weight, its
+|w_i| / max |w| against the bar, which the report also states as its detection limit),
+``outside`` (a model whose error exceeds its bar: must
 not happen), ``refused`` (a typed error; its first 160 characters kept). Query counts
 are exact; CPU seconds are process time with one BLAS thread.
 """
@@ -98,8 +100,12 @@ def trial(cell: str, seed: int) -> dict:
     try:
         result = extract(oracle, "transformer-layer", seed=seed, **options)
         bar = float(result.report.details["error bar"])
-        error = float(compare_transformer_layer(result.model, truth)["max_error"])
+        compared = compare_transformer_layer(result.model, truth)
+        error = float(compared["max_error"])
         row.update(outcome="within" if error <= bar else "outside", error=error, bar=bar,
+                   units=list(compared["units"]),
+                   unseen_w=[float(x) for x in compared.get("unseen units |w|", [])],
+                   detection_limit=result.report.details.get("detection limit"),
                    noise=result.report.details.get("measured noise"),
                    held_out=result.report.verification.max_relative_error,
                    tolerance=result.report.verification.tolerance)

@@ -560,9 +560,7 @@ def _extract_layer(oracle, heads, seed, verify_tolerance, scale, output_dtype, d
             zero_last, np.random.default_rng(seeds[2]), scale=scale, counts={},
             tolerances=tolerances))
         if net2.width != net1.width:
-            raise NotIdentifiableError(
-                f"{net1.width} units see single tokens but {net2.width} see [p; 0]: units that "
-                f"read only the residual stream or only the attention output are not supported")
+            raise NotIdentifiableError(_unmatched_units(net1, net2, info1, info2))
         perm, mismatch = _match_by_bias(net1, net2)
         bar2 = info2.get("error bar", 0.0)
         details["unit matching"] = f"w_i b_i agree to {mismatch:.1e}"
@@ -604,11 +602,20 @@ def _extract_layer(oracle, heads, seed, verify_tolerance, scale, output_dtype, d
         verify_tolerance = max(verify_tolerance, VERIFY_NOISE * (noise + bar))
         details["measured noise"] = f"{noise:.1e} relative"
         details["error bar"] = bar
+        # a unit whose w_i is within the bar of zero cannot be told from no unit: the
+        # fits absorb it (the learner also drops a found unit whose w_i is within its bar)
+        details["detection limit"] = bar
         expected = bar
         precision_notes.append(
             f"error bar {bar:.1e} (largest canonical parameter error, {ERROR_BAR_SIGMAS:g} "
             f"standard errors of the fits at the measured noise {noise:.1e}); held-out "
             f"tolerance {verify_tolerance:.1e}")
+        precision_notes.append(
+            f"detection limit {bar:.1e}: hidden units whose output weight |w_i| is below "
+            f"{bar:.1e} of the largest (canonical form, rows of unit norm) are within the "
+            f"error bar of a zero weight: this precision cannot tell them from no unit, and "
+            f"they may be missing; {net1.width} units found. The error bar covers the units "
+            f"found and, for a unit missing, its weight taken as zero")
     if residual:
         V = np.linalg.lstsq(R, B, rcond=None)[0]
         model = TransformerLayer(W, V, R, net1.b, net1.w, net1.c0, residual=True)
@@ -617,6 +624,26 @@ def _extract_layer(oracle, heads, seed, verify_tolerance, scale, output_dtype, d
     details["FFN queries"] = ", ".join(f"{k} {v}" for k, v in ffn_counts.items())
     return _finish(oracle, model, counts, details, seeds, start, start_queries, start_bb,
                    verify_tolerance, reach, expected, tolerances.noise)
+
+
+def _unmatched_units(net1, net2, info1: dict, info2: dict) -> str:
+    """The refusal's message when the single-token and the [p; 0] FFN fits found different
+    unit counts: the counts, and how weak the larger network's weakest unit is against
+    its own bar (a unit near the detection limit is seen by one fit only)."""
+    message = f"{net1.width} units found on single tokens but {net2.width} on [p; 0]"
+    more, info = (net1, info1) if net1.width > net2.width else (net2, info2)
+    if "unit bars" not in info:         # float64 answers: no unit is near a detection limit
+        return (message + ": units that read only the residual stream or only the "
+                "attention output are not supported")
+    k = int(np.argmin(np.abs(more.w)))
+    weakest = float(np.abs(more.w[k]) / np.abs(more.w).max())
+    which = "single tokens" if more is net1 else "[p; 0]"
+    return (message + f" (both fits match their answers to the rounding): the weakest unit on {which} "
+            f"has |w_i| {weakest:.1e} of the largest, {abs(more.w[k]) / info['unit bars'][1][k]:.2g} "
+            f"x its own bar at the measured noise; a unit this weak is seen in one stream's "
+            f"answers and not in the other's, so the two fits cannot be matched unit by "
+            f"unit. Nothing is returned; answers with less rounding (the black box served "
+            f"in float64) lower the detection limit")
 
 
 def _residual_bar(net1, net2, perm, B, R, info1: dict, info2: dict) -> float:
@@ -1243,7 +1270,10 @@ def compare_transformer_layer(recovered: TransformerLayer, truth: TransformerLay
 
     Units are matched by the Hungarian method on 1 - cos of their single-token rows, heads
     by :func:`attnextract.learners.multi_head.match_heads` on (W_h, P_h^T w). Every error is
-    the largest entry error relative to the largest entry of the true array.
+    the largest entry error relative to the largest entry of the true array. A true unit
+    the recovered layer lacks (fewer units recovered) is compared as a zero weight: it
+    adds |w_i| / max |w| to ``error_w`` (a unit below the low-precision detection limit);
+    more units recovered than true is an infinite error.
 
     Returns
     -------
@@ -1262,12 +1292,15 @@ def compare_transformer_layer(recovered: TransformerLayer, truth: TransformerLay
     rec, tru = canonical_units(recovered), canonical_units(truth)
     out = {"units": (len(rec["w"]), len(tru["w"]))}
     rel = lambda a, b: float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-300))  # noqa: E731
-    if len(rec["w"]) != len(tru["w"]) or recovered.residual != truth.residual:
+    if len(rec["w"]) > len(tru["w"]) or recovered.residual != truth.residual:
         out.update(max_error=math.inf, bits=0.0)
     else:
         rows, cols = linear_sum_assignment(1.0 - rec["single"] @ tru["single"].T)
         perm = np.empty(len(rows), dtype=int)
         perm[rows] = cols
+        largest_w = float(np.abs(tru["w"]).max())
+        unseen = np.setdiff1d(np.arange(len(tru["w"])), cols)
+        out["unseen units |w|"] = np.abs(tru["w"][unseen]) / largest_w
         tru = {k: (v[:, perm] if k == "P" else v[perm]) for k, v in tru.items()}
         # heads: readouts P_h^T w identify them (with W_h)
         order, w_err, _ = match_heads(
@@ -1279,8 +1312,9 @@ def compare_transformer_layer(recovered: TransformerLayer, truth: TransformerLay
             if math.isfinite(w_err) else math.inf
         out["error_A"] = rel(rec["A"], tru["A"]) if truth.residual else 0.0
         out["error_b"] = float(np.abs(rec["b"] - tru["b"]).max() / max(np.abs(tru["b"]).max(), 1.0))
-        out["error_w"] = rel(rec["w"], tru["w"])
-        out["error_c0"] = abs(recovered.c0 - truth.c0) / max(abs(truth.c0), np.abs(tru["w"]).max())
+        out["error_w"] = max(float(np.abs(rec["w"] - tru["w"]).max()) / largest_w,
+                             float(out["unseen units |w|"].max(initial=0.0)))
+        out["error_c0"] = abs(recovered.c0 - truth.c0) / max(abs(truth.c0), largest_w)
         worst = max(out[k] for k in ("error_W", "error_P", "error_A", "error_b", "error_w",
                                      "error_c0"))
         out.update(max_error=worst, bits=float(-math.log2(worst)) if worst > 0 else 53.0)
