@@ -978,17 +978,30 @@ class _Extraction:
 
         scale, before = 1.0, self.oracle.queries
         first, samples = None, {}
+        # scales at which the first row showed steps / was flat: a flat scan above a
+        # scale that showed steps overshot (its steps left the window and, in coarse
+        # answers, sank below the rounding), so the next scale lies between the two
+        # (float32, d = 16, H = 2: two steps 0.01 apart with opposite heights read as
+        # one step at 0.005, the 1e3x scale put both at |t| > 20 and every later
+        # scale, 30x larger each, was flat too: 0 heads, refused as a mismatch)
+        shown, flat_above = 0.0, math.inf
         for _ in range(SCALE_ROUNDS):
             if first is not None and self.scans_left <= 1:
                 break
             first = scan(scale * directions[0], reduce=False)
             if first[0] == 0:
-                scale *= 30.0                 # no step at all (yet): larger tokens
+                flat_above = scale if shown else flat_above
+                # no step at all (yet): larger tokens; after an overshoot, between
+                scale = math.sqrt(shown * scale) if shown else 30.0 * scale
                 continue
+            shown = max(shown, scale)
             factor = target_spread / max(spread(first), 1e-3)
             if 0.8 <= factor <= 1.25 and first[0] is not None:
                 break
             scale *= min(factor, 1e3)
+            if scale >= flat_above:
+                scale = math.sqrt(shown * flat_above)
+        self.saw_steps = bool(shown)
         self.details["base scale"] = scale
         self.spend("base scale", before)
         if first[0] and not self.heads_told:      # the row at the scale kept votes as others
@@ -1083,6 +1096,15 @@ class _Extraction:
         self.details["canonical heads"] = heads
         self.details["head counts of the base rows"] = [f[0] for f in found]
         self.details["base scans"] = self.scans_made
+        if heads == 0 and self.saw_steps:
+            # a scan showed steps, so the box has heads: rows flat at the scale chosen
+            # are the learner's failure to place them in the window, not the box's
+            self.refuse(f"every base row was flat at the scale chosen although a scan of "
+                        f"the first row showed sigmoid steps: the learner could not bring "
+                        f"them into its window above the {self.precision_name} rounding "
+                        f"(relative {self.precision:.1e}) of the answers, and the black box "
+                        f"was not judged; run with another seed, or state the answers' "
+                        f"precision with output_dtype= (--output-dtype)", RecoveryFailedError)
         if heads == 0:
             return 0
         ranked = sorted((f for f in found if f[0] == heads),
