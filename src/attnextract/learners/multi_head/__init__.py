@@ -906,6 +906,10 @@ class _Extraction:
         puts its outermost step at ``half_window - 1.5``; the rescaled scan is that
         row's candidate. The other candidates use the same scale, and the one whose
         steps are pinned best (smallest predicted logit error) is kept.
+        A flat scan above a scale that showed steps overshot (the
+        steps left the window; coarse answers then hide them): the next scale lies
+        between the two, and rows flat at the scale chosen after steps were seen refuse
+        as the learner's failure (RecoveryFailedError), not as a box of no heads.
 
         A scan of 4k + 8 samples on the uniform grid decides counts up to k (fits of
         up to k steps, the fewest that reach the noise; not told H, COUNT_MARGIN more
