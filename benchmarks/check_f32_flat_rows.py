@@ -10,7 +10,7 @@ float32, PyTorch's default initialisation); the learner's seed is the box's seed
 output option (float32 is detected). Outcomes: within (canonical error <= the stated
 bar), OUTSIDE (must never happen), refused-learner (RecoveryFailedError), refused-box
 (ModelMismatchError: wrong for these in-class boxes), CRASH (untyped). CPU seconds per
-run (process time, one BLAS thread).
+run (process time, one BLAS thread). ``--no-heads``: the count is searched.
 """
 from __future__ import annotations
 
@@ -28,13 +28,13 @@ from attnextract.learners.multi_head import canonical_error, extract_multi_head 
 from attnextract.oracle import Oracle  # noqa: E402
 
 
-def one_run(H: int, seed: int, d: int = 16) -> dict:
+def one_run(H: int, seed: int, d: int = 16, told: bool = True) -> dict:
     box = Float32MultiHeadBlackBox(H, d, seed=seed)
     oracle = Oracle(box, d)
     row = {"H": H, "seed": seed}
     cpu = time.process_time()
     try:
-        result = extract_multi_head(oracle, heads=H, seed=seed)
+        result = extract_multi_head(oracle, heads=H if told else None, seed=seed)
     except ModelMismatchError as exc:
         row.update(outcome="refused-box", message=str(exc)[:300])
     except RecoveryFailedError as exc:
@@ -54,18 +54,20 @@ def main():
     parser.add_argument("--seeds", default="0-39")
     parser.add_argument("--label", default="mh8_f32flat")
     parser.add_argument("--out-dir", default="benchmarks/results")
+    parser.add_argument("--no-heads", action="store_true", help="not told H (count searched)")
     args = parser.parse_args()
     lo, hi = (int(x) for x in args.seeds.split("-"))
     rows, out = [], Path(args.out_dir)
     for H in args.heads:
         for seed in range(lo, hi + 1):
-            rows.append(one_run(H, seed))
+            rows.append(one_run(H, seed, told=not args.no_heads))
             print(json.dumps(rows[-1]), flush=True)
             (out / f"{args.label}.json").write_text(json.dumps(rows, indent=1))
-    lines = [f"# multi-head on Float32MultiHeadBlackBox(H, 16), told H ({args.label})", "",
+    lines = [f"# multi-head on Float32MultiHeadBlackBox(H, 16), {'not told H' if args.no_heads else 'told H'} ({args.label})", "",
              "Command: `OPENBLAS_NUM_THREADS=1 nice -n 10 python "
              f"benchmarks/check_f32_flat_rows.py --heads {' '.join(map(str, args.heads))} "
-             f"--seeds {args.seeds} --label {args.label}`", "",
+             f"--seeds {args.seeds} --label {args.label}"
+             f"{' --no-heads' if args.no_heads else ''}`", "",
              "| H | runs | within | OUTSIDE | refused (learner) | refused (box) | crash | "
              "median error | median bar | median CPU s |", "|---|---|---|---|---|---|---|---|---|---|"]
     import numpy as np
