@@ -994,8 +994,9 @@ class _Extraction:
                 break
             first = scan(scale * directions[0], reduce=False)
             if first[0] == 0:
-                flat_above = scale if shown else flat_above
-                # no step at all (yet): larger tokens; after an overshoot, between
+                if scale > shown > 0:
+                    flat_above = min(flat_above, scale)
+                # no step at all (yet): larger tokens; after steps were shown, between
                 scale = math.sqrt(shown * scale) if shown else 30.0 * scale
                 continue
             shown = max(shown, scale)
