@@ -323,3 +323,24 @@ def test_multi_head_float32_torch_forward_pass_stated():
         bar = result.report.details["error bar"]
         outcomes.append("within" if canonical_error(result.model, truth) <= bar else "outside")
     assert outcomes.count("outside") == 0 and outcomes.count("within") >= 4, outcomes
+
+
+@pytest.mark.parametrize("H", [2, 4])
+def test_bfloat16_answers_detected_as_float16_are_not_called_0_heads(H):
+    """bfloat16 answers, nothing stated: every one is a float16 number, so float16 is
+    detected and the half circle, judged at float16's rounding, showed no crossing. That
+    was returned as a model of 0 heads and refused as "not multi-head attention with 0
+    low-rank heads" (blaming the box). v = sum_h v_h != 0 proves a head: the learner
+    refuses for itself, naming the detected precision and --output-dtype."""
+    d = 16 if H == 2 else 8
+    M = random_low_rank_multi_head(H, d, d // H, seed=0)
+
+    def box(X):
+        y = np.asarray(M(X), dtype=np.float64).astype(np.float32)
+        return (y.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32).astype(np.float64)
+
+    with pytest.raises(RecoveryFailedError) as refused:
+        extract(Oracle(box, d), "multi-head-low-rank", heads=H, rank=d // H, seed=0)
+    message = str(refused.value)
+    assert "--output-dtype" in message and "float16 (detected" in message
+    assert "0 low-rank" not in message and "not multi-head attention" not in message

@@ -145,3 +145,47 @@ def test_traded_base_estimate_gives_way_to_a_fresh_design(monkeypatch):
     assert "the learner's base estimate failed" in failures
     assert len(traded) >= 2                        # a second design was measured
     assert oracle.queries <= paper2_count(H, d)
+
+
+def test_overshot_scale_comes_back_between(monkeypatch):
+    """Float32MultiHeadBlackBox(2, 16, seed=14): the first row's two steps sit 0.01 apart
+    with opposite heights (the sum 0.0026) and were read as one step near 0; the scale
+    that followed (1e3x) put both beyond the window and below float32's rounding, and the
+    scale rounds, reading a flat row as too small tokens, grew it 30x each time: every
+    row flat, 0 heads, refused as a held-out mismatch. A flat row above a scale that
+    showed steps now overshot: the next scale lies between the two."""
+    box = Float32MultiHeadBlackBox(2, 16, seed=14)
+    stage = _base_stage(monkeypatch, box, 2, 14)
+    run = stage.run
+    assert stage.heads == 2, run.details["head counts of the base rows"]
+    assert run.coarse and run.saw_steps
+    assert run.details["base scale"] < 1e3        # between the shown 1 and the flat 1e3
+    assert run.in_window((2, run.u_0, run.base_fit))
+
+
+@pytest.mark.slow        # 1 s
+def test_overshot_scale_box_is_recovered_within_its_bar():
+    box = Float32MultiHeadBlackBox(2, 16, seed=14)
+    result = extract_multi_head(Oracle(box, 16), heads=2, seed=14)
+    assert canonical_error(result.model, box.truth) <= result.report.details["error bar"]
+
+
+def test_rows_flat_after_steps_were_seen_blame_the_learner():
+    """A box whose answers stay flat (g = 0) once any token is long, after the first
+    scan showed steps: every row at the scale chosen is flat. Steps were seen, so the
+    box has heads: the refusal is the learner's (RecoveryFailedError naming
+    --output-dtype), never a model of no heads refused as a mismatch."""
+    inner = Float32MultiHeadBlackBox(2, 16, seed=14)
+
+    def box(X):
+        X = np.asarray(X, dtype=np.float64)
+        y = inner(X)
+        long_tokens = np.max(np.linalg.norm(X, axis=2), axis=1) > 3.0
+        last = (X[:, -1] @ inner.truth.v.sum(axis=0)).astype(np.float32).astype(np.float64)
+        return np.where(long_tokens, last, y)
+
+    with pytest.raises(RecoveryFailedError) as refused:
+        extract_multi_head(Oracle(box, 16), heads=2, seed=14)
+    message = str(refused.value)
+    assert "--output-dtype" in message and "was not judged" in message
+    assert "is not multi-head attention" not in message

@@ -1106,6 +1106,24 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
     tol = value_info["tolerances"]
     value_queries = oracle.queries - before
     H = len(values)
+    if H == 0:
+        # v = sum_h v_h is nonzero (checked above), so the box has a head: a half circle
+        # with no crossing means the answers hid them (bfloat16 answers detected as
+        # float16 were judged at float16's rounding and showed none), not "0 heads"
+        if precision.exact:
+            raise ModelMismatchError(
+                "the black box is not multi-head attention with low-rank heads: its "
+                "single-token answers v = sum_h v_h are nonzero, yet no head's logit "
+                "crosses zero on the saturated half circle")
+        raise RecoveryFailedError(
+            f"no head's crossing could be told from the rounding on the saturated half "
+            f"circle, although the single-token answers (v = sum_h v_h nonzero) show the "
+            f"box has heads: answers in {precision.name} "
+            f"({'stated' if precision.stated else 'detected'}, relative "
+            f"{precision.relative:.1e}) are too coarse for this learner here, and the black "
+            f"box was not judged; if it runs its forward pass in a coarser precision than "
+            f"detected, state it with --output-dtype float32|bfloat16 (API: output_dtype=); "
+            f"float32 or finer answers are needed")
     norms = safe_norm(values, axis=1)
     value_sep = (float(np.linalg.svd(values / norms[:, None], compute_uv=False)[-1])
                  if H else 1.0)

@@ -957,6 +957,10 @@ class _Extraction:
         puts its outermost step at ``half_window - 1.5``; the rescaled scan is that
         row's candidate. The other candidates use the same scale, and the one whose
         steps are pinned best (smallest predicted logit error) is kept.
+        A flat scan above a scale that showed steps overshot (the
+        steps left the window; coarse answers then hide them): the next scale lies
+        between the two, and rows flat at the scale chosen after steps were seen refuse
+        as the learner's failure (RecoveryFailedError), not as a box of no heads.
 
         A scan of 4k + 8 samples on the uniform grid decides counts up to k (fits of
         up to k steps, the fewest that reach the noise; not told H, COUNT_MARGIN more
@@ -1029,17 +1033,31 @@ class _Extraction:
 
         scale, before = 1.0, self.oracle.queries
         first, samples = None, {}
+        # scales at which the first row showed steps / was flat: a flat scan above a
+        # scale that showed steps overshot (its steps left the window and, in coarse
+        # answers, sank below the rounding), so the next scale lies between the two
+        # (float32, d = 16, H = 2: two steps 0.01 apart with opposite heights read as
+        # one step at 0.005, the 1e3x scale put both at |t| > 20 and every later
+        # scale, 30x larger each, was flat too: 0 heads, refused as a mismatch)
+        shown, flat_above = 0.0, math.inf
         for _ in range(SCALE_ROUNDS):
             if first is not None and self.scans_left <= 1:
                 break
             first = scan(scale * directions[0], reduce=False)
             if first[0] == 0:
-                scale *= 30.0                 # no step at all (yet): larger tokens
+                if scale > shown > 0:
+                    flat_above = min(flat_above, scale)
+                # no step at all (yet): larger tokens; after steps were shown, between
+                scale = math.sqrt(shown * scale) if shown else 30.0 * scale
                 continue
+            shown = max(shown, scale)
             factor = target_spread / max(spread(first), 1e-3)
             if 0.8 <= factor <= 1.25 and first[0] is not None:
                 break
             scale *= min(factor, 1e3)
+            if scale >= flat_above:
+                scale = math.sqrt(shown * flat_above)
+        self.saw_steps = bool(shown)
         self.details["base scale"] = scale
         self.spend("base scale", before)
         if first[0] and not self.heads_told:      # the row at the scale kept votes as others
@@ -1134,6 +1152,15 @@ class _Extraction:
         self.details["canonical heads"] = heads
         self.details["head counts of the base rows"] = [f[0] for f in found]
         self.details["base scans"] = self.scans_made
+        if heads == 0 and self.saw_steps:
+            # a scan showed steps, so the box has heads: rows flat at the scale chosen
+            # are the learner's failure to place them in the window, not the box's
+            self.refuse(f"every base row was flat at the scale chosen although a scan of "
+                        f"the first row showed sigmoid steps: the learner could not bring "
+                        f"them into its window above the {self.precision_name} rounding "
+                        f"(relative {self.precision:.1e}) of the answers, and the black box "
+                        f"was not judged; run with another seed, or state the answers' "
+                        f"precision with output_dtype= (--output-dtype)", RecoveryFailedError)
         if heads == 0:
             return 0
         ranked = sorted((f for f in found if f[0] == heads),
