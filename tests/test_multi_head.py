@@ -281,6 +281,21 @@ def test_one_head_stays_within_paper2_count(seed):
     assert b["verification"] == 64
 
 
+@pytest.mark.parametrize("d", [6, 7])
+def test_one_head_below_d8_takes_the_single_head_identities(d):
+    """At d = 6 and 7 the smallest one-head design (185, 207) exceeds paper 2's count (143,
+    195) while the floor plus the verification fit it: a run told H = 1 on float64
+    answers takes the d^2 two-token probes of the single-head identities, exactly
+    d + d^2 + 64 queries, within its bar; a two-head box told H = 1 is refused."""
+    for seed in range(3):
+        M = random_multi_head(1, d, seed=10_000 + 100 * d + seed, w_scale=1 / np.sqrt(d))
+        result = check_extraction(M, seed, heads=1)
+        assert result.queries == d * d + d + 64 <= paper2_count(1, d)
+        assert result.report.breakdown["two-token probes"] == d * d
+    with pytest.raises(ModelMismatchError):
+        extract_multi_head(Oracle(random_multi_head(2, d, seed=0), d), heads=1, seed=0)
+
+
 def test_float32_one_head_within_its_bar_and_the_count():
     """A float32 one-head layer (as nn.MultiheadAttention(8, 1) computes it): within its
     error bar and paper 2's count; its hull check holds to float32 rounding (a model

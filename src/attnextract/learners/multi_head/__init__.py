@@ -122,7 +122,9 @@ sends a quarter of the tokens of window-long probes (157 against 604 million).
 Queries: d + base (3 to 14 scans of 4H + 8 samples, within what paper 2's count leaves;
 a crowded row's H + 1 random and one to three designed columns of 3H + 1;
 (d - 1)(2H + 3) perturbations)
-+ d (2H + 1) + d^2 (H + 1) main probes (one head: d^2, :func:`column_spares`), plus d^2 (H + 1) when round 3 runs: the floor H(d^2 + d) (the canonical form's free parameters) plus
++ d (2H + 1) + d^2 (H + 1) main probes (one head: d^2, :func:`column_spares`; told one
+head on float64 answers where that design exceeds paper 2's count but the floor plus the
+verification fit it, d = 6 and 7: the single-head identities, d + d^2), plus d^2 (H + 1) when round 3 runs: the floor H(d^2 + d) (the canonical form's free parameters) plus
 about d^2 + Hd + base (twice the columns with round 3), never above paper 2's count
 4Hd^2 - 2H + 1. With ``precision="full"`` and float64 answers, the short probes spend
 what that count leaves after the verification (to within d - 1 queries) when it leaves
@@ -145,7 +147,7 @@ from ...oracle import Oracle, on_scaled_outputs
 from ...verification import safe_rms
 from ...report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                        token_scale, verification_count, verify_model)
-from ..single_head import constant_and_values
+from ..single_head import _model_error_bar, constant_and_values, measure_weights, probe_basis
 from . import design, fit, labels, polish
 from .canonical import (canonical_error, canonical_form, match_heads, non_identifiable_twin,
                         twin_difference)
@@ -548,6 +550,8 @@ class _Extraction:
         self.spend("v tokens" + (" and c = f([0])" if self.biases else ""), before)
         self.answers = [(np.zeros((d, d)), np.eye(d), np.zeros(d), self.v, 1)]  # the polish's
         self.set_precision()
+        if self.identities_fit():
+            return self.one_head_identities()
         if self.heads_told:
             self.scans_left = self.base_scans(H, self.short_share())
         # coarse answers, told H: a candidate row costs up to two scans (its own scale),
@@ -569,6 +573,37 @@ class _Extraction:
         if heads == 0:
             return self.finish(self.no_heads(), None)
         return self.attempts(heads)
+
+    def smallest_design(self, H: int) -> int:
+        """Queries of the smallest design told H, verification included: v, three base
+        scans, the base estimate and the main rounds."""
+        return (self.d + 3 * _scan_size(H) + self.perturbation_cost(H) + self.main_cost(H)
+                + verification_count(self.parameters(H)))
+
+    def identities_fit(self) -> bool:
+        """Whether a run told one head takes the single-head identities (paper 1, d^2 + d
+        queries) instead of the designed rows: float64 answers, no biases, v != 0, and the
+        smallest design above paper 2's count where the floor plus the verification fit
+        it (d = 6: 185 against 143, floor 42 + 64; from d = 8 the design fits)."""
+        H = self.max_heads
+        if not (self.heads_told and H == 1 and not self.biases and np.any(self.v)
+                and self.precision_name == "float64" and self.decimals is None):
+            return False
+        return (self.parameters(H) + verification_count(self.parameters(H))
+                <= self.count_cap(H) < self.smallest_design(H))
+
+    def one_head_identities(self) -> ExtractionResult:
+        """One head by the single-head identities: with v known, the d^2 two-token probes
+        [q + u; q] give u^T W q = logit((f - v^T q) / v^T u) (:func:`.single_head.
+        measure_weights`; its float64 rounding bars are the error bar)."""
+        before = self.oracle.queries
+        self.say("W from two-token probes")
+        W, _, bars, _ = measure_weights(self.oracle, probe_basis(self.v), self.v)
+        self.spend("two-token probes", before)
+        bar = _model_error_bar(bars)
+        self.method = "single-head identities (d^2 two-token probes, paper 1)"
+        self.details.update({"predicted relative error": bar, "error bar": bar})
+        return self.finish(MultiHeadAttention(W[None], self.v[None]), bar)
 
     def rest_cost(self, H: int) -> int:
         """Queries of a run told H beyond its base scans: v (and c), the perturbations,
@@ -1858,7 +1893,8 @@ class _Extraction:
         total = self.oracle.queries - self.q0
         spent = self.spent()                 # with a journal's binding checks
         self.details.update({
-            "method": "copy probes at designed step positions, row-wise joint fits",
+            "method": getattr(self, "method", "copy probes at designed step positions, "
+                                                "row-wise joint fits"),
             ("heads asked" if self.heads_told else "heads searched up to") if refused
             else "heads": self.max_heads if refused else model.heads,
             "recovery queries": recovery,
@@ -1871,8 +1907,7 @@ class _Extraction:
         if verification is not None:
             self.details["held-out error"] = verification.max_relative_error
         if spent > count and not any(self.count_name() in n for n in self.notes):
-            smallest = (d + 3 * (4 * H + 8) + self.perturbation_cost(H) + self.main_cost(H)
-                        + n_verify)
+            smallest = self.smallest_design(H)
             why = (f"the count is below the floor plus the verification ({floor} + "
                    f"{n_verify}) at d = {d}" if count < floor + n_verify else
                    f"the smallest design this learner runs needs {smallest} at d = {d}"
