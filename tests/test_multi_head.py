@@ -294,6 +294,16 @@ def test_one_head_below_d8_takes_the_single_head_identities(d):
         assert result.report.breakdown["two-token probes"] == d * d
     with pytest.raises(ModelMismatchError):
         extract_multi_head(Oracle(random_multi_head(2, d, seed=0), d), heads=1, seed=0)
+    # not told: after a search that found one head the identities replace the design,
+    # within the count at d = 7; at d = 6 the search leaves too little and the note says so
+    M = random_multi_head(1, d, seed=10_000 + 100 * d, w_scale=1 / np.sqrt(d))
+    free = check_extraction(M, 0)
+    assert free.report.breakdown["two-token probes"] == d * d
+    if d == 7:
+        assert free.queries <= paper2_count(1, d)
+    else:
+        assert free.queries > paper2_count(1, d)
+        assert "the head count search" in free.report.notes[-1]
 
 
 def test_float32_one_head_within_its_bar_and_the_count():

@@ -572,6 +572,8 @@ class _Extraction:
             self.give_up(exc, [exc.message])
         if heads == 0:
             return self.finish(self.no_heads(), None)
+        if not self.heads_told and heads == 1 and self.identities_fit(counted=True):
+            return self.one_head_identities()
         return self.attempts(heads)
 
     def smallest_design(self, H: int) -> int:
@@ -580,16 +582,23 @@ class _Extraction:
         return (self.d + 3 * _scan_size(H) + self.perturbation_cost(H) + self.main_cost(H)
                 + verification_count(self.parameters(H)))
 
-    def identities_fit(self) -> bool:
-        """Whether a run told one head takes the single-head identities (paper 1, d^2 + d
-        queries) instead of the designed rows: float64 answers, no biases, v != 0, and the
-        smallest design above paper 2's count where the floor plus the verification fit
-        it (d = 6: 185 against 143, floor 42 + 64; from d = 8 the design fits)."""
+    def identities_fit(self, counted: bool = False) -> bool:
+        """Whether a one-head run takes the single-head identities (paper 1, d^2 + d
+        queries) instead of the designed rows: float64 answers, no biases, v != 0, and
+        the design above paper 2's count. Told H = 1 (before any base scan): the smallest
+        design exceeds the count where the floor plus the verification fit it (d = 6: 185
+        against 143, floor 42 + 64; from d = 8 the design fits). ``counted`` (not told,
+        the search found one head): the design from here (base estimate, main rounds,
+        verification) would exceed the count (d = 7: 7 + 48 + 158 + 64 = 277 of 195)."""
         H = self.max_heads
-        if not (self.heads_told and H == 1 and not self.biases and np.any(self.v)
+        if not (H == 1 and not self.biases and np.any(self.v)
                 and self.precision_name == "float64" and self.decimals is None):
             return False
-        return (self.parameters(H) + verification_count(self.parameters(H))
+        verify = verification_count(self.parameters(H))
+        if counted:
+            return (self.spent() + self.perturbation_cost(H) + self.main_cost(H) + verify
+                    > self.count_cap(H))
+        return (self.heads_told and self.parameters(H) + verify
                 <= self.count_cap(H) < self.smallest_design(H))
 
     def one_head_identities(self) -> ExtractionResult:
@@ -1911,7 +1920,7 @@ class _Extraction:
             why = (f"the count is below the floor plus the verification ({floor} + "
                    f"{n_verify}) at d = {d}" if count < floor + n_verify else
                    f"the smallest design this learner runs needs {smallest} at d = {d}"
-                   if smallest > count else
+                   if smallest > count and not hasattr(self, "method") else
                    "the head count search (give heads= to plan for H)" if not self.heads_told
                    else "the redesigns")
             self.notes.append(f"{spent} queries (verification and journal checks included), "
