@@ -11,7 +11,7 @@ from conftest import grid
 from attnextract import Oracle
 from attnextract.adapters.targets import random_multi_head
 from attnextract.errors import ModelMismatchError, RecoveryFailedError
-from attnextract.learners.multi_head import canonical_error, extract_multi_head
+from attnextract.learners.multi_head import canonical_error, extract_multi_head, paper2_count
 from attnextract.learners.multi_head import (COUNT_MARGIN, MORE_STEPS_VOTES, SCALE_ROUNDS,
                                              _agreed_count, _more_lambdas, _scan_size)
 from attnextract.learners.multi_head.design import base_lambdas, copy_counts, realised_lambda
@@ -56,14 +56,20 @@ def test_one_head_counted_at_about_a_told_runs_cost(seed, scale):
     free = extract_multi_head(Oracle(box, d), seed=seed)
     assert free.model.heads == 1
     assert canonical_error(free.model, box) <= 1e-10
-    base = ("base scale", "base rows", "recovery")
+    # the wide columns (d probes each) take what paper 2's count leaves after the rest
+    base = ("base scale", "base rows", "recovery", "main wide columns")
     later = lambda r: {k: n for k, n in r.report.breakdown.items() if k not in base}
     assert later(free) == later(told)
     assert free.report.queries <= 1.15 * told.report.queries
+    wide = lambda r: r.report.breakdown.get("main wide columns", 0)
+    assert told.report.queries <= paper2_count(1, d) and wide(told) % d == 0
     if (free.report.details["head counts of the base rows"] == [1, 1]   # the first rows agree
             and free.report.breakdown["base rows"] == _scan_size(1 + COUNT_MARGIN)):
         # (each read at the first size: a row whose 1-step fit first missed grows its scan)
-        assert free.report.queries == told.report.queries + 3 * 4 * COUNT_MARGIN
+        # the search's 3 x 4 COUNT_MARGIN more base samples leave fewer wide columns
+        assert (free.report.queries - wide(free)
+                == told.report.queries - wide(told) + 3 * 4 * COUNT_MARGIN)
+        assert free.report.queries <= paper2_count(1, d)
 
 
 def test_more_heads_than_searched_is_refused_after_a_few_rows(seed=0):

@@ -278,30 +278,8 @@ def extract_single_head(oracle: Oracle, *, seed=None,
         peak_bias = float(np.max(np.abs(beta)))
         max_c = BIAS_LOGIT / peak_bias if peak_bias > 0 else np.inf
     log.info("W column by column: %d probes of length 2", d * d)
-
-    # Columns in blocks of at most BLOCK_FLOATS probe floats; the first block is a
-    # single column, so that its measured logits set the scale of all later blocks.
-    T = np.empty((d, d))
-    scale = np.empty(d)
-    block = min(d, max(1, BLOCK_FLOATS // (2 * d * d)))
-    probes = ColumnProbes(U, block, const, beta, max_c)
-    starts = [0] + list(range(1, d, block))
-    rescaled = bias_rescaled
-    for b, lo in enumerate(starts):
-        cols = np.arange(lo, min(d, lo + block) if b else 1)
-        scale[cols] = _next_scale(T[:, :lo], scale[:lo])
-        T[:, cols] = column_logits(oracle, probes, v, cols, scale[cols])
-        rescaled += _rescue_columns(oracle, probes, v, T, scale, cols, first=(lo == 0))
-
-    if d > 1:
-        rescaled += _grow_small_columns(oracle, probes, v, T, scale)
-
-    W = np.linalg.solve(U.T, T / scale[None, :])
-    bars = rounding_bars(W, scale)
-    if d > 1:
-        W, extra, row_bars = _reprobe_small_rows(oracle, v, W, const, bias)
-        rescaled += extra
-        bars["W_rows"] = np.where(np.isnan(row_bars), bars["W_rows"], row_bars)
+    W, scale, bars, rescaled = measure_weights(oracle, U, v, const, bias, beta, max_c)
+    rescaled += bias_rescaled
     model = BiasedSingleHeadAttention(W, v, bias, const) if biases else SingleHeadAttention(W, v)
     log.info("W recovered (%d columns re-probed); held-out verification on %d sequences",
              rescaled // d, n_verify)
@@ -328,6 +306,41 @@ def extract_single_head(oracle: Oracle, *, seed=None,
     assert recovery == floor + rescaled   # rescaling includes re-probed small columns
     return checked_result(model, report, "a biased single-head attention regressor" if biases
                           else "a single-head attention regressor")
+
+
+def measure_weights(oracle: Oracle, U: np.ndarray, v: np.ndarray, const: float = 0.0,
+                    bias=None, beta=None, max_c: float = np.inf):
+    """W from the d^2 probes P(c u_k, s e_j) (with biases, u_k^T b known as ``beta``).
+
+    Columns go in blocks of at most BLOCK_FLOATS probe floats; the first block is a
+    single column, so that its measured logits set the scale of all later blocks.
+
+    Returns W (d, d), the logit scales (d,), the float64 rounding bars
+    (:func:`rounding_bars`) and the queries beyond d^2 (rescaled and re-probed columns
+    and rows)."""
+    d = U.shape[0]
+    T = np.empty((d, d))
+    scale = np.empty(d)
+    block = min(d, max(1, BLOCK_FLOATS // (2 * d * d)))
+    probes = ColumnProbes(U, block, const, beta, max_c)
+    starts = [0] + list(range(1, d, block))
+    rescaled = 0
+    for b, lo in enumerate(starts):
+        cols = np.arange(lo, min(d, lo + block) if b else 1)
+        scale[cols] = _next_scale(T[:, :lo], scale[:lo])
+        T[:, cols] = column_logits(oracle, probes, v, cols, scale[cols])
+        rescaled += _rescue_columns(oracle, probes, v, T, scale, cols, first=(lo == 0))
+
+    if d > 1:
+        rescaled += _grow_small_columns(oracle, probes, v, T, scale)
+
+    W = np.linalg.solve(U.T, T / scale[None, :])
+    bars = rounding_bars(W, scale)
+    if d > 1:
+        W, extra, row_bars = _reprobe_small_rows(oracle, v, W, const, bias)
+        rescaled += extra
+        bars["W_rows"] = np.where(np.isnan(row_bars), bars["W_rows"], row_bars)
+    return W, scale, bars, rescaled
 
 
 def _grow_small_columns(oracle, probes, v, T, scale) -> int:
