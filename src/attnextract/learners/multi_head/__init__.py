@@ -234,6 +234,7 @@ RANDOM_COLUMNS = 1         # nudged columns beyond H scanned (with q_0, H + 1 + 
                            # none, d = 16, H = 10, s = 3: seed 16 refused, seed 10 crowded)
 CROWDED_GAP = 0.5          # a base row whose smallest step gap is below this x the evenly
                            # spaced gap moves to a designed column
+COLUMN_SPREAD = 2.0        # spread columns (nudges missed): outermost step this many deviations out
 COLUMN_NUDGE = 0.2         # nudged columns move the steps by about this x the smallest gap
                            # (a pair's relative move about 0.3 of its gap: labels kept)
 ILL_ROW_FACTOR = 30.0     # a main row whose parameters are pinned this much worse than the
@@ -807,14 +808,28 @@ class _Extraction:
         nudge = move / max(deviation, 1e-300)
         # nudged columns until H + RANDOM_COLUMNS fit to the noise, one batch of the
         # missing ones after the first, within the count
+        # A nudge keeps a crowded pair crowded: where its fits miss the noise (d = 8,
+        # H = 5 and d = 16, H = 10: every nudged column 50 to 2e3 x the noise, steps
+        # 0.2 apart near the window's edge) the missing columns are drawn at full
+        # spread instead, random columns scaled so their outermost step lies about
+        # COLUMN_SPREAD deviations out, 1.5 inside the window; they are labelled by
+        # heights alone (their steps move by more than the gaps).
+        spread = float(np.clip((self.half_window - 1.5)
+                               / (COLUMN_SPREAD * max(deviation, 1e-300)), 0.1, 10.0))
         for batch in range(2):
             k = H + RANDOM_COLUMNS - (len(fits) - 1)
             if k <= 0 or (batch and not self.affordable(k * scan_cost + after, H)):
                 break
             directions = self.rng.standard_normal((k, d))
-            directions -= np.outer(directions @ self.q_0, self.q_0) / (self.q_0 @ self.q_0)
-            directions /= np.linalg.norm(directions, axis=1, keepdims=True)
-            columns = self.q_0[None] + nudge * directions
+            if batch:
+                self.details["designed column spread columns"] = k
+                columns = spread * directions / np.linalg.norm(directions, axis=1,
+                                                                keepdims=True)
+            else:
+                directions -= np.outer(directions @ self.q_0, self.q_0) / (
+                    self.q_0 @ self.q_0)
+                directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+                columns = self.q_0[None] + nudge * directions
             before = self.oracle.queries
             lam, g = self.measure(np.repeat(self.u_0[None], k * S, 0),
                                   np.repeat(columns, S, 0), np.tile(lam_c, k))
@@ -824,13 +839,18 @@ class _Extraction:
                 noise = self.noise(g[j] + columns[j] @ self.v, heights)
                 # (the refit from the base row's steps often stops short at H = 12,
                 # where the free fit, labelled by :meth:`column_positions`, does not)
-                steps, _ = fit.fit_steps_from(
-                    lam[j], g[j], self.u_0 @ self.v, reference.t, self.half_window, noise,
-                    NOISE_FACTOR * noise)
+                if batch:
+                    steps = fit.fit_free_steps(
+                        lam[j], g[j], self.u_0 @ self.v, H, self.half_window, noise,
+                        counts=[H])[-1]
+                else:
+                    steps, _ = fit.fit_steps_from(
+                        lam[j], g[j], self.u_0 @ self.v, reference.t, self.half_window,
+                        noise, NOISE_FACTOR * noise)
                 if steps.rms <= NOISE_FACTOR * noise:
                     fits.append(steps)
                     Q.append(columns[j])
-                    moves.append(3.0 * move)
+                    moves.append(None if batch else 3.0 * move)
                 elif self.more_steps(lam[j], g[j], self.u_0, columns[j], noise, H):
                     return self.designed_column()     # a hidden head shown: start again
         Q = np.array(Q)                                                 # (columns, d)
