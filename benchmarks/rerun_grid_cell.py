@@ -31,7 +31,8 @@ from attnextract.learners.multi_head.canonical import canonical_error
 # the stages a run went through (which paths of the learner it took)
 DETAILS = ("head counts of the base rows", "canonical heads",
            "base row smallest step gap (first row)", "designed column scans",
-           "designed column smallest step gap", "base estimate relative error",
+           "designed column smallest step gap", "designed column spread columns",
+           "base estimate relative error",
            "base estimate relative error (first row)", "base scans", "main rows redesigned",
            "main rows relabelled", "label misfit (before, after)", "held-out error",
            "designs tried", "failed designs", "short probes", "predicted relative error")
