@@ -120,6 +120,27 @@ def test_column_showing_a_hidden_head_becomes_the_base_row(monkeypatch):
     assert run.affordable(run.main_cost(H), H)
 
 
+@pytest.mark.parametrize("d, H, scale, seed, learner_seed",
+                         [(8, 5, 3.0, 13, 1576770728), (16, 10, 1.0, 11, 316350932)])
+def test_crowded_pair_that_nudges_keep_crowded_is_spread(monkeypatch, d, H, scale, seed,
+                                                         learner_seed):
+    """Grid boxes whose crowded base row (steps 0.16 to 0.23 apart near the window's edge)
+    no nudged column could fit (50 to 2e3 x the noise): the design then had fewer than H
+    columns, kept the crowded row, and the base estimate came out 4e3 to 2e4 off
+    (refused). The missing columns are drawn at full spread, which splits the pair."""
+    box = _grid_box(d, H, scale, seed)
+    run = _base_stage(monkeypatch, box, H, learner_seed).run
+    Y0, _ = run.base_estimate()
+    assert run.details["designed column spread columns"] >= 1
+    spacing = 2.0 * (run.half_window - 2.0) / (H - 1)
+    assert run.details["designed column smallest step gap"] >= multi_head.CROWDED_GAP * spacing
+    predicted = run.details["base estimate relative error"]
+    assert predicted <= 1e-4
+    actual = np.linalg.norm(Y0 - _true_columns(run, box), axis=0) / np.linalg.norm(Y0, axis=0)
+    assert np.max(actual) <= 10 * predicted
+    assert run.affordable(run.main_cost(H), H)
+
+
 @pytest.mark.slow      # 25 s: the base stage of a d = 32, H = 12 box
 def test_crowded_h12_base_row_moves_in_one_designed_scan(monkeypatch):
     """d = 32, H = 12, s = 1, seed 6: random columns of full spread crowded three of four
