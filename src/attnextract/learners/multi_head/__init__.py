@@ -767,7 +767,9 @@ class _Extraction:
         fraction of its gap of where the base row put it, so each nudged column is
         fitted from the base row's steps and keeps their labels (random columns of full
         spread crowd other pairs instead: at d = 32, H = 12 three of four did, and their
-        fits, labelled by heights, reached the noise with steps 1 to 3 off). A
+        fits, labelled by heights, reached the noise with steps 1 to 3 off). Columns
+        whose fits miss the noise are replaced once by columns of full spread (a nudge
+        keeps a crowded pair crowded), labelled by heights alone. A
         combination q* = q_0 + sum_j a_j (q_j - q_0) has the steps t_h(q*) = t_h(q_0)
         + sum_j a_j (t_h(q_j) - t_h(q_0)) (exact, also where the positions are affine
         in q, with biases): the a that puts them at evenly spaced positions (random
