@@ -102,7 +102,8 @@ def test_biased_short_probes_at_eight_heads_with_a_crowded_base_row():
     assert result.report.breakdown["base columns"] > 0       # the designed column ran
     assert biased_count(H, d) - d < oracle.queries <= biased_count(H, d)
     errors = biased_canonical_errors(result.model, truth)
-    assert max(errors["W"], errors["b"], errors["v"], errors["c"]) <= 1e-12, errors
+    worst = max(errors["W"], errors["b"], errors["v"], errors["c"])
+    assert worst <= min(1e-11, result.report.details["error bar"]), errors
 
 
 def test_biased_short_probes_with_large_intercepts():
@@ -110,7 +111,8 @@ def test_biased_short_probes_with_large_intercepts():
     make the box's scores hundreds, whose rounding the expected rounding includes
     (without that term this run's row residual measured 18.7x the expected rounding and
     seed 11's 33x, above the misfit allowed; with it 1.6x and 2.1x). Kept, the count
-    spent to within d - 1, within 1e-12."""
+    spent to within d - 1, within its error bar and 1e-11 (1.1e-12 with numpy's SIMD at
+    X86_V3 or below, 7e-13 above; with the short probes skipped 1e-10)."""
     import re
     H, d, seed = 8, 8, 9
     assert BIAS_SCALES[seed % 4] == 5.1
@@ -120,7 +122,8 @@ def test_biased_short_probes_with_large_intercepts():
     assert short.endswith(", kept"), short
     assert float(re.search(r"residual ([0-9.]+) x", short).group(1)) <= 4.0
     errors = biased_canonical_errors(result.model, truth)
-    assert max(errors["W"], errors["b"], errors["v"], errors["c"]) <= 1e-12, errors
+    worst = max(errors["W"], errors["b"], errors["v"], errors["c"])
+    assert worst <= min(1e-11, result.report.details["error bar"]), errors
 
 
 @pytest.mark.slow
