@@ -135,9 +135,10 @@ def test_biased_heads_over_twenty_seeds(H, d, seeds):
     its own error bar, within the biased count (verification included), and with the
     short probes kept wherever the count leaves them 1.25 H (d + 2) per row after a
     crowded base row's designed column (H >= 4 at d = 8, every H at d = 16; at H = 2,
-    d = 8 21 per row of 25 are left). benchmarks/results/mh8_biases.md: 120 of 120
-    within 1e-10 (worst 1.6e-12, every error within 0.37 of its bar), short probes kept in
-    every such run."""
+    d = 8 21 per row of 25 are left) and no second design spent them (H = d = 8 seed 1: its
+    first design's perturbed row missed 8 steps, the retry left 66 per row of 80, and it
+    ends at 8.6e-12). benchmarks/results/mh9_biases.md: 120 of 120 within 1e-10, short
+    probes kept in every such run of one design."""
     for seed in range(seeds):
         truth = biased_heads(H, d, seed)
         oracle = Oracle(truth, d)
@@ -147,7 +148,7 @@ def test_biased_heads_over_twenty_seeds(H, d, seeds):
         assert errors["heads"] == (H, H), seed
         assert worst <= min(1e-10, result.report.details["error bar"]), (seed, errors)
         assert oracle.queries <= biased_count(H, d), seed
-        if H >= 4 or d >= 16:
+        if (H >= 4 or d >= 16) and result.report.details.get("designs tried", 1) == 1:
             assert result.report.details["short probes"].endswith(", kept"), seed
 
 
