@@ -137,8 +137,9 @@ def test_biased_heads_over_twenty_seeds(H, d, seeds):
     crowded base row's designed column (H >= 4 at d = 8, every H at d = 16; at H = 2,
     d = 8 21 per row of 25 are left) and no second design spent them (H = d = 8 seed 1: its
     first design's perturbed row missed 8 steps, the retry left 66 per row of 80, and it
-    ends at 8.6e-12). benchmarks/results/mh9_biases.md: 120 of 120 within 1e-10, short
-    probes kept in every such run of one design."""
+    ends at 8.6e-12). Sent, they are kept when their fit predicts better than the
+    rows' (seed 4 here: not kept, 2.9e-12). benchmarks/results/mh9_biases.md: 120 of 120
+    within 1e-10, short probes sent in every such run of one design."""
     for seed in range(seeds):
         truth = biased_heads(H, d, seed)
         oracle = Oracle(truth, d)
@@ -149,7 +150,7 @@ def test_biased_heads_over_twenty_seeds(H, d, seeds):
         assert worst <= min(1e-10, result.report.details["error bar"]), (seed, errors)
         assert oracle.queries <= biased_count(H, d), seed
         if (H >= 4 or d >= 16) and result.report.details.get("designs tried", 1) == 1:
-            assert result.report.details["short probes"].endswith(", kept"), seed
+            assert not result.report.details["short probes"].startswith("skipped"), seed
 
 
 def test_a_bias_free_box_is_learned_with_biases_too():
