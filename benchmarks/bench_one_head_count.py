@@ -12,9 +12,9 @@ float32). Every run's CPU seconds (process time, 1 BLAS thread) are kept in --js
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -25,6 +25,9 @@ from attnextract.errors import RefusalWithResult
 from attnextract.learners.multi_head import extract_multi_head, paper2_count
 from attnextract.learners.multi_head.canonical import canonical_error
 from attnextract.report import verification_count
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rerun_grid_cell import write_results  # noqa: E402
 
 
 def run(box, truth, d, told, seed):
@@ -88,14 +91,7 @@ def main() -> None:
                f"where floor + verification <= paper 2's count: "
                f"{sum(r['queries'] <= r['paper2_count'] for r in fits)} of {len(fits)} within "
                f"the count (command: bench_one_head_count.py {' '.join(sys.argv[1:])})")
-    print(summary)
-    if args.markdown:
-        with open(args.markdown, "w") as fh:
-            fh.write(f"{summary}\n\n" + "\n".join(lines) + "\n")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"command": " ".join(["benchmarks/bench_one_head_count.py", *sys.argv[1:]]),
-                       "summary": summary, "runs": runs}, fh, indent=1)
+    write_results("bench_one_head_count.py", summary, lines, runs, args.markdown, args.json)
 
 
 if __name__ == "__main__":

@@ -119,13 +119,20 @@ def main() -> None:
     summary = (f"{good} of {total} within 1e-10, {sum(r['outcome'] != 'recovered' for r in runs)} "
                f"refused, most queries {max((r['queries'] or 0) for r in runs)} (command: "
                f"rerun_grid_cell.py {' '.join(sys.argv[1:])})")
+    write_results("rerun_grid_cell.py", summary, lines, runs, args.markdown, args.json)
+
+
+def write_results(script: str, summary: str, lines: list[str], runs: list[dict],
+                  markdown: str | None, json_path: str | None) -> None:
+    """Print a run table's summary and write it with the table (markdown) and the runs
+    (JSON, with the command that made them), as the benchmarks' result files."""
     print(summary)
-    if args.markdown:
-        with open(args.markdown, "w") as fh:
+    if markdown:
+        with open(markdown, "w") as fh:
             fh.write(f"{summary}\n\n" + "\n".join(lines) + "\n")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"command": " ".join(["benchmarks/rerun_grid_cell.py", *sys.argv[1:]]),
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump({"command": " ".join([f"benchmarks/{script}", *sys.argv[1:]]),
                        "summary": summary, "runs": runs}, fh, indent=1, default=_plain)
 
 
