@@ -642,7 +642,7 @@ def test_row_and_column_samples_sit_at_steps_and_midpoints():
 
 
 def test_base_rows_with_a_step_at_the_window_edge_are_not_chosen():
-    from attnextract.learners.multi_head import base_quality
+    from attnextract.learners.multi_head.base_row import base_quality
     from attnextract.learners.multi_head.fit import StepFit
     inside = StepFit(t=np.array([-3.0, 0.0, 3.0]), c=np.ones(3), rms=0.0,
                      t_std=np.full(3, 1e-9), c_std=np.zeros(3))
@@ -658,7 +658,8 @@ def test_wide_columns_run_when_small_moves_limit_the_precision(monkeypatch):
     queries (d (H + 1) per column per row), and the total stays within paper 2's count.
     (Short probes, which take the count first when it leaves room, are switched off.)"""
     import attnextract.learners.multi_head as multi_head
-    monkeypatch.setattr(multi_head, "SHORT_OVERSAMPLE", np.inf)
+    for module in (multi_head.budget, multi_head.short_probes):   # both read it
+        monkeypatch.setattr(module, "SHORT_OVERSAMPLE", np.inf)
     d, H = 8, 8
     M = random_multi_head(H, d, seed=80_800)
     oracle = Oracle(M, d)

@@ -12,8 +12,9 @@ from attnextract import Oracle
 from attnextract.adapters.targets import random_multi_head
 from attnextract.errors import ModelMismatchError, RecoveryFailedError
 from attnextract.learners.multi_head import canonical_error, extract_multi_head, paper2_count
-from attnextract.learners.multi_head import (COUNT_MARGIN, MORE_STEPS_VOTES, SCALE_ROUNDS,
-                                             _agreed_count, _more_lambdas, _scan_size)
+from attnextract.learners.multi_head.base_row import _agreed_count, _more_lambdas
+from attnextract.learners.multi_head.budget import _scan_size
+from attnextract.learners.multi_head.constants import COUNT_MARGIN, MORE_STEPS_VOTES, SCALE_ROUNDS
 from attnextract.learners.multi_head.design import base_lambdas, copy_counts, realised_lambda
 from attnextract.models import MultiHeadAttention
 
@@ -145,7 +146,8 @@ def test_rows_with_a_step_far_beyond_the_window_do_not_vote():
     steps fit: its count does not vote. Steps up to WINDOW_MARGIN beyond the edge still
     show (float32 rows of 4 real steps at |t| = 9 to 12.4 with a window of 7.6)."""
     from types import SimpleNamespace
-    from attnextract.learners.multi_head import WINDOW_MARGIN, _Extraction
+    from attnextract.learners.multi_head import _Extraction
+    from attnextract.learners.multi_head.constants import WINDOW_MARGIN
     run = _Extraction.__new__(_Extraction)
     run.v, run.half_window = np.ones(8), 7.6
     row = lambda count, t, c: (count, np.ones(8), SimpleNamespace(t=np.array(t), c=np.array(c)), 1.0)
@@ -186,7 +188,8 @@ def test_a_row_with_a_duplicated_step_counts_one_fewer():
     covariance. _fewest_steps refits 4 from it without one of them, which reaches the
     noise: the row counts 4, at the true steps. A row whose steps are all resolved is
     read as it stands (5 real steps stay 5; 4 steps fitted as 4 stay 4)."""
-    from attnextract.learners.multi_head import NOISE_FACTOR, _fewest_steps
+    from attnextract.learners.multi_head.base_row import _fewest_steps
+    from attnextract.learners.multi_head.constants import NOISE_FACTOR
     from attnextract.learners.multi_head.fit import refit_steps
     rng = np.random.default_rng(3)
     t, c, noise = np.array([-6.9, -6.0, 0.76, 5.4]), np.array([0.03, 0.2, 0.17, 0.84]), 1e-6

@@ -36,7 +36,7 @@ def _assert_designed_base(run, box, Y0, H, bound):
     """The designed column left the base row uncrowded, its predicted base error within
     ``bound`` and the actual within 10x the predicted, and room for the main rounds."""
     spacing = 2.0 * (run.half_window - 2.0) / (H - 1)
-    assert run.details["designed column smallest step gap"] >= multi_head.CROWDED_GAP * spacing
+    assert run.details["designed column smallest step gap"] >= multi_head.constants.CROWDED_GAP * spacing
     predicted = run.details["base estimate relative error"]
     assert predicted <= bound
     actual = np.linalg.norm(Y0 - _true_columns(run, box), axis=0) / np.linalg.norm(Y0, axis=0)
@@ -81,7 +81,7 @@ def test_crowded_base_row_moves_to_a_designed_column(monkeypatch, seed, learner_
     det = run.details
     spacing = 2.0 * (run.half_window - 2.0) / (H - 1)
     # (which row the base search keeps depends on the last bits: crowded in any case)
-    assert det["base row smallest step gap (first row)"] < multi_head.CROWDED_GAP * spacing
+    assert det["base row smallest step gap (first row)"] < multi_head.constants.CROWDED_GAP * spacing
     # widened (seed 9 under the Haswell kernel to 0.76, just below the crowded mark
     # 0.80: its best scan, shrunk into the window), and the estimate pinned as before
     assert det["designed column smallest step gap"] >= 0.4 * spacing
@@ -151,7 +151,7 @@ def test_crowded_h12_base_row_moves_in_one_designed_scan(monkeypatch):
     run = _base_stage(monkeypatch, box, H, 761420473).run
     Y0, _ = run.base_estimate()
     spacing = 2.0 * (run.half_window - 2.0) / (H - 1)
-    assert run.details["designed column smallest step gap"] >= multi_head.CROWDED_GAP * spacing
+    assert run.details["designed column smallest step gap"] >= multi_head.constants.CROWDED_GAP * spacing
     predicted = run.details["base estimate relative error"]
     assert predicted <= 1e-5
     actual = np.linalg.norm(Y0 - _true_columns(run, box), axis=0) / np.linalg.norm(Y0, axis=0)

@@ -59,7 +59,7 @@ def test_coarse_base_rows_see_every_head(monkeypatch, seed):
     run = stage.run
     assert run.coarse
     # the kept row's steps all inside the window, pinned to a fraction of their gap
-    assert multi_head.base_quality(run.base_fit, run.half_window) <= multi_head.PINNED_STEPS
+    assert multi_head.base_row.base_quality(run.base_fit, run.half_window) <= multi_head.constants.PINNED_STEPS
 
 
 @pytest.mark.slow

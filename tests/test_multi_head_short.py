@@ -32,7 +32,8 @@ def test_short_probes_lower_the_error_within_paper2_count(monkeypatch):
     assert error <= det["error bar"]
 
     # the same run without them: the wide columns take the count
-    monkeypatch.setattr(multi_head, "SHORT_OVERSAMPLE", np.inf)
+    for module in (multi_head.budget, multi_head.short_probes):   # both read it
+        monkeypatch.setattr(module, "SHORT_OVERSAMPLE", np.inf)
     plain = extract_multi_head(Oracle(target, d), heads=H, seed=seed)
     assert "short probes" not in plain.report.breakdown
     assert error < canonical_error(plain.model, target) / 2     # measured 3.6x

@@ -220,3 +220,13 @@ def biased_canonical_errors(recovered, truth, tol: float = 1e-9) -> dict:
                               / np.maximum(np.linalg.norm(bt, axis=1), w_norm))),
             "v": float(np.max(np.linalg.norm(a.v[order] - t.v, axis=1)
                               / np.maximum(np.linalg.norm(t.v, axis=1), 1e-300)))}
+
+
+def smallest_separation(model: MultiHeadAttention) -> float:
+    """min over head pairs of |W_g - W_h|_F / max_h |W_h|_F (inf for one head)."""
+    if model.heads < 2:
+        return math.inf
+    norm = float(np.max(np.linalg.norm(model.W, axis=(1, 2))))
+    diffs = np.linalg.norm(model.W[:, None] - model.W[None], axis=(2, 3))
+    diffs[np.diag_indices(model.heads)] = np.inf
+    return float(diffs.min() / max(norm, 1e-300))

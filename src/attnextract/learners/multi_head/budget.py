@@ -1,0 +1,194 @@
+"""Query budget of a multi-head run: paper 2's count, the biased count and each stage's
+share, and the redesign a failed design triggers while the count allows.
+
+Queries: d + base (3 to 14 scans of 4H + 8 samples, within what paper 2's count leaves;
+a crowded row's H + 1 nudged and one to three designed columns of 3H + 1;
+(d - 1)(2H + 3) perturbations)
++ d (2H + 1) + d^2 (H + 1) main probes (one head: d^2, :func:`column_spares`; told one
+head on float64 answers where that design exceeds paper 2's count but the floor plus the
+verification fit it, d = 6 and 7: the single-head identities, d + d^2), plus d^2 (H + 1) when round 3 runs: the floor H(d^2 + d) (the canonical form's free parameters) plus
+about d^2 + Hd + base (twice the columns with round 3), never above paper 2's count
+4Hd^2 - 2H + 1. With ``precision="full"`` and float64 answers, the short probes spend
+what that count leaves after the verification (to within d - 1 queries) when it leaves
+at least 1.25 H (d + 1) per row. With biases the count is paper 2's with affine
+columns, 4Hd(d + 1) - 2H + 2 (:func:`biased_count`: at most 1.1x paper 2's + Hd, binding
+below d = 8), the base stage keeps paper 2's share and the short probes need
+1.25 H (d + 2) per row.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ...report import verification_count
+from .constants import (BASE_CANDIDATES, BIASED_COUNT_BOUND, COLUMN_SPARES, EXTRA_COLUMNS,
+                        RANDOM_COLUMNS, SCALE_ROUNDS, SHORT_OVERSAMPLE)
+
+
+class _Redesign(Exception):
+    """A design failed (a fit that misses the noise, an error bar too large, a held-out
+    mismatch): draw another while the count allows, else refuse with ``kind``."""
+
+    def __init__(self, kind, message: str, model=None, bar=None, result=None):
+        super().__init__(message)
+        self.kind, self.message, self.model, self.bar = kind, message, model, bar
+        self.result = result          # already verified (a held-out mismatch)
+
+
+def paper2_count(heads: int, dim: int) -> int:
+    """Paper 2's query count 4 H d^2 - 2H + 1."""
+    return 4 * heads * dim * dim - 2 * heads + 1
+
+
+def biased_count(heads: int, dim: int) -> int:
+    """The biased learner's query count: paper 2's with affine columns, at most
+    BIASED_COUNT_BOUND x (paper 2's count + H d).
+
+    Paper 2's count is linear in H and in the d x d (row, column) coordinate pairs of
+    the bilinear logits u^T W_h q: 4 H d^2 - 2H + 1. With biases the logits
+    u^T (W_h q + b_h) = u^T [W_h | b_h] [q; 1] are bilinear in the row and the affine
+    column, d x (d + 1) pairs, so the same count is 4 H d (d + 1) - 2H + 1, and
+    c = f([0]) is one query more: 4 H d (d + 1) - 2H + 2 = paper 2's + 4 H d + 1 (the
+    H d entries of the b_h at paper 2's four queries per entry of the W_h). From d = 8
+    on that is within 1.1x paper 2's count + H d (1.093 at d = 8, 1.047 at d = 16);
+    below d = 8 it is capped there (d = 4, H = 2: 158, capped at 146)."""
+    derived = 4 * heads * dim * (dim + 1) - 2 * heads + 2
+    bound = paper2_count(heads, dim) + heads * dim
+    return min(derived, int(BIASED_COUNT_BOUND * bound))
+
+
+def _check_queries(oracle) -> int:
+    """A journal's binding queries so far (0 without one), through oracle views."""
+    from ...verification import root_oracle
+    return int(getattr(root_oracle(oracle), "check_queries", 0))
+
+
+def _budget_left(oracle) -> float:
+    """Queries the budget still allows (inf without one), through oracle views."""
+    from ...verification import root_oracle
+    root = root_oracle(oracle)
+    budget = getattr(root, "budget", None)
+    return math.inf if budget is None else budget - root.queries
+
+
+def _scan_size(heads: int) -> int:
+    """Samples of a base scan that decides head counts up to ``heads``."""
+    return 4 * heads + 8
+
+
+def perturbation_samples(H: int) -> int:
+    """Samples of each perturbed base row: 2H + 3 on a uniform grid (its H steps are
+    evenly spaced by the designed column, 2H unknowns; 3H + 3 around crowded rows left
+    the short probes too few queries at d = H = 8)."""
+    return 2 * H + 3
+
+
+def column_spares(H: int) -> int:
+    """Samples per column probe of the main rows (rounds 2 and 3) beyond its H steps:
+    COLUMN_SPARES midpoints, which pin the row's heights. One head has no midpoint and
+    its row's height is pinned by the row's first probe (3 samples, 2 unknowns), so
+    none: with a spare the smallest one-head design at d = 8 needed 295 queries with
+    the verification, above paper 2's count 255."""
+    return COLUMN_SPARES if H > 1 else 0
+
+
+def column_samples(H: int) -> int:
+    """Samples of each column scan of the base row (:meth:`_Extraction.designed_column`):
+    3H + 1 on a uniform grid (2H + 3 left the free fits of crowded columns in a wrong
+    basin: at d = 16, H = 10 four of eleven columns missed the noise; 3H + 3 left the
+    short probes 98 of the 100 queries per row they need at d = H = 8 with biases)."""
+    return 3 * H + 1
+
+
+class Budget:
+    """Stage methods of :class:`_Extraction` (budget)."""
+
+    def smallest_design(self, H: int) -> int:
+        """Queries of the smallest design told H, verification included: v, three base
+        scans, the base estimate and the main rounds."""
+        return (self.d + 3 * _scan_size(H) + self.perturbation_cost(H) + self.main_cost(H)
+                + verification_count(self.parameters(H)))
+
+    def rest_cost(self, H: int) -> int:
+        """Queries of a run told H beyond its base scans: v (and c), the perturbations,
+        rounds 1 and 2 and the held-out verification."""
+        return (self.d + self.biases + self.perturbation_cost(H) + self.main_cost(H)
+                + verification_count(self.parameters(H)))
+
+    def short_share(self) -> bool:
+        """Whether the base search keeps the short probes' share of the count
+        (``precision="full"`` on float64 answers without decimals)."""
+        return (self.full_precision and self.precision_name == "float64"
+                and self.decimals is None)
+
+    def base_scans(self, H: int, short_share: bool) -> int:
+        """Base scans (scale rounds and candidate rows) of a run told H, at least three:
+        what paper 2's count leaves after :meth:`rest_cost` (a rounded box, whose rows
+        never pin their steps to BASE_QUALITY, spent all of it: --decimals 5 at d = 8,
+        H = 2 used 495 + 64 verification = 559 of 509). ``short_share``: also after the
+        short probes' SHORT_OVERSAMPLE x H (d + 1) per row (with biases H (d + 2)); a
+        base search that spends it (ten crowded candidate rows at d = 8, H = 8, none
+        pinned to BASE_QUALITY) leaves the main rows' 1e-10 where the short probes give
+        1e-14 (binding where the count is tight, d = 8).
+
+        With biases the base stage's share is still what paper 2's count leaves: the
+        biased count's 4 H d + 1 more queries (:func:`biased_count`) are the share of c
+        and of the unknowns the biases add to the row fits (spent by the short probes
+        or wide columns), not more base rows (a base search that spent them, crowded
+        rows at d = H = 8, left the short probes 86 to 99 of their 100 per row in 6 of
+        20 runs)."""
+        s0, left = _scan_size(H), paper2_count(H, self.d) - self.rest_cost(H)
+        scans = max(3, min(SCALE_ROUNDS + BASE_CANDIDATES, left // s0))
+        short = self.d * SHORT_OVERSAMPLE * H * (self.d + 1 + self.biases)
+        if short_share and math.isfinite(short):       # (no short probes: infinite)
+            scans = max(3, min(scans, int((left - short) // s0)))
+        return scans
+
+    def attempt_cost(self, H: int) -> int:
+        """Queries of one more design: a base scan, the perturbations and the main rounds."""
+        return (4 * H + 8) + self.perturbation_cost(H) + self.main_cost(H)
+
+    def affordable(self, queries: int, H: int) -> bool:
+        """Whether ``queries`` more and the held-out verification stay within paper 2's
+        count and the budget."""
+        verify = verification_count(self.parameters(H))
+        return (self.spent() + queries + verify <= self.count_cap(self.max_heads)
+                and queries + verify <= _budget_left(self.oracle))
+
+    def spent(self) -> int:
+        """Queries this run has cost so far: its own and a journal's binding checks (the
+        fingerprint queries, counted apart by the oracle but answered by the black box)."""
+        return self.oracle.queries - self.q0 + _check_queries(self.oracle) - self.cq0
+
+    def parameters(self, H: int) -> int:
+        """Free parameters of H canonical heads: the floor H(d^2 + d), with biases
+        H(d^2 + 2d) + 1 (b_h and c)."""
+        d = self.d
+        return H * (d * d + 2 * d) + 1 if self.biases else H * (d * d + d)
+
+    def count_cap(self, H: int) -> int:
+        """Queries this learner never exceeds: paper 2's count, with biases
+        :func:`biased_count` (every row fit has one more unknown per head)."""
+        return biased_count(H, self.d) if self.biases else paper2_count(H, self.d)
+
+    def count_name(self) -> str:
+        """How reports name :meth:`count_cap`."""
+        return "the biased count" if self.biases else "paper 2's count"
+
+    def main_cost(self, H: int) -> int:
+        """Queries of rounds 1 and 2 (the main rows and their columns)."""
+        d = self.d
+        return d * (2 * H + 1) + d * (d - 1 + EXTRA_COLUMNS) * (H + column_spares(H))
+
+    def column_cost(self, H: int) -> int:
+        """Queries of the designed column (:meth:`designed_column`, H >= 2): the nudged
+        columns and one designed scan."""
+        return (H + RANDOM_COLUMNS + 1) * column_samples(H) if H > 1 else 0
+
+    def perturbation_cost(self, H: int) -> int:
+        """Queries of the base estimate: the designed column and the base perturbations."""
+        return self.column_cost(H) + (self.d - 1) * perturbation_samples(H)
+
+    def wide_cost(self, H: int) -> int:
+        """Queries of round 3 (wide columns)."""
+        return self.d * self.d * (H + column_spares(H))

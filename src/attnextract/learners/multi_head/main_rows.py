@@ -1,0 +1,469 @@
+"""Main rows and columns of the multi-head learner (steps 4 to 7 of
+:mod:`attnextract.learners.multi_head`).
+
+4. Main rows u_k (d of them) place head h's step at an evenly spaced position, a
+   random order and a random shift of up to half a spacing per row (the shifts keep
+   U = [u_k] well conditioned). Round 1 samples each row on column q_0 at its
+   predicted steps, the midpoints and both ends (2H + 1 queries) and fits its steps
+   freely, so a row is measured where its steps really are.
+   Labels: which measured step is which head comes from the design's prediction,
+   which a rough base estimate can miss by a gap; with every row fitted, the labelling
+   that best predicts the base rows' own measurements is taken (:mod:`.labels`: each row
+   against the base estimate, then all rows with the base row's precise positions). With
+   the labels confirmed, U^-1 T and U^-1 C give W_h q_0 and v_h to the rows' precision,
+   and rows whose steps the rough estimate placed closer than half the designed spacing
+   are designed again from it and measured on q_0 again before round 2.
+5. Round 2: d columns q_0 + s_k r_j (one more than z needs), s_k moving the steps by
+   about a third of the row's smallest gap, each sampled at the row's measured steps
+   plus one midpoint (H + 1 queries): the midpoints pin the heights, the extra column
+   averages the q_0 direction.
+6. Row fits: in row k the heights c_h(k) = u_k^T v_h are shared by every column and
+   t_h(k, j) = z_hk^T q_j with z_hk = W_h^T u_k, so each row is one least-squares
+   problem with H (d + 1) unknowns and (2H + 1) + d (H + 1) samples; rows are
+   independent. W_h = U^-1 Z_h, v_h = U^-1 C_h.
+7. Round 3 (wide columns), only when the predicted error bar exceeds 1e-10 and paper
+   2's count and the budget allow: the small column moves limit the precision; with
+   every z_hk known, d columns per row are designed like rows (the row's steps spread
+   evenly over the window), H + 1 samples each, and every row is refitted on all its
+   samples; further such rounds (from the refitted z) while the predicted error bar
+   still exceeds 1e-10 and the count leaves room.
+
+   With ``precision="full"`` and float64 answers, short probes (below) take the
+   count first and, when kept, replace round 3.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ...errors import ModelMismatchError, RecoveryFailedError
+from ...models import BiasedMultiHeadAttention, MultiHeadAttention
+from ...verification import safe_rms
+from ...report import ExtractionResult
+from . import design, fit, labels, polish
+from .budget import _Redesign, column_spares
+from .canonical import smallest_separation
+from .constants import (COLUMN_MOVE, ERROR_BAR_FACTOR, EXTRA_COLUMNS, ILL_ROW_FACTOR, LABEL_MISFIT,
+                        MISPLACED_GAP, MISPLACED_SHARE, NOISE_FACTOR, PINNED_STEPS, REFINE_ABOVE,
+                        ROW_REDESIGNS, WIDE_COLUMNS_UP_TO, WIDE_COLUMNS_UP_TO_COARSE, WIDE_ROUNDS)
+
+
+def _corrected(Y0, V0, U_fit, T_fit, C_fit):
+    """The estimates (d, H) corrected by rows that fit: their measured positions and
+    heights are exactly U_fit Y0 and U_fit V0, so the least change that agrees with
+    them (in the span of those rows) is added."""
+    if U_fit.shape[0] == 0:
+        return Y0, V0
+    pinv = np.linalg.pinv(U_fit)
+    return Y0 + pinv @ (T_fit - U_fit @ Y0), V0 + pinv @ (C_fit - U_fit @ V0)
+
+
+class MainRowStage:
+    """Stage methods of :class:`_Extraction` (main rows)."""
+
+    def main(self, Y0: np.ndarray, V0: np.ndarray) -> ExtractionResult:
+        d, rng = self.d, self.rng
+        H = Y0.shape[1]
+        self.set_window(design.window_length(H))
+        # evenly spaced steps, every row shifted by up to half a spacing: the shifts make
+        # the rows span the direction sum_h positions that symmetric positions miss
+        spacing = 2.0 * (self.half_window - 1.5) / H if H > 1 else 2.0
+        positions = design.step_positions(H, self.half_window - 1.5 - 0.5 * spacing)
+        U = design.design_rows(Y0, V0, positions, rng, jitter=0.5 * spacing)
+        tau, C0 = U @ Y0, U @ V0                                      # (d, H) predicted
+
+        # round 1: every row on column q_0 at its predicted steps, the midpoints between
+        # them and beyond both ends (2H + 1 samples); free fits give each row's positions
+        # and heights however far the design missed them. A row whose steps still do
+        # not fit (two fell too close) is replaced by a new designed row, the estimate
+        # first corrected by the rows that fit (their measured positions are u_k^T Y0)
+        S1 = 2 * H + 1
+        NC = d - 1 + EXTRA_COLUMNS
+        S2 = H + column_spares(H)
+        lam, g = np.empty((d, S1)), np.empty((d, S1))
+        tokens_1 = np.empty((d, S1))                                 # probe lengths of round 1
+        t_row, c_row, misfit = np.empty((d, H)), np.empty((d, H)), np.full(d, np.inf)
+        t_row_std, c_row_std = np.full(d, np.inf), np.full(d, np.inf)
+        R = np.linalg.qr(rng.standard_normal((d, d)))[0].T[:NC]       # (NC, d), NC <= d
+        columns = np.empty((d, NC, d))
+        s_k, moves = np.empty(d), np.zeros(d)
+        probes, rows = [None] * d, [None] * d
+        estimate = [Y0, V0]
+        self.labels_trusted = False
+
+        def redesign(idx):
+            # coarse answers: a row whose fit merged two steps (a head without height
+            # there, the other step split into opposite heights) fits the noise with
+            # positions it does not pin; only rows that pin theirs correct the estimate
+            pinned = (~(t_row_std > PINNED_STEPS * spacing) if self.coarse
+                      else np.ones(d, dtype=bool))
+            if self.labels_trusted and np.all(misfit <= 1.0) and np.all(pinned):
+                # every row fitted on q_0 with labels the base rows confirm: W_h q_0 and
+                # v_h are known to the rows' precision (1e-8, not the base estimate's
+                # 1e-2 to 0.3), so the new rows' steps land where they are designed
+                estimate[:] = [np.linalg.solve(U, t_row), np.linalg.solve(U, c_row)]
+                good = np.setdiff1d(np.arange(d), idx)
+            else:
+                good = np.setdiff1d(np.arange(d), idx)
+                good = good[(misfit[good] <= 1.0) & pinned[good]]
+                estimate[:] = _corrected(*estimate, U[good], t_row[good], c_row[good])
+            U[idx] = design.design_rows(*estimate, positions, rng, jitter=0.5 * spacing,
+                                        count=idx.size, keep=U[good])
+            tau[idx], C0[idx] = U[idx] @ estimate[0], U[idx] @ estimate[1]
+            self.details["main rows redesigned"] = (
+                self.details.get("main rows redesigned", 0) + int(idx.size))
+
+        def round_1(todo, reserve):
+            # reserve: queries that must stay for the columns of round 2 afterwards
+            for again in range(ROW_REDESIGNS + 1):
+                if again:
+                    redesign(todo)
+                lam_1 = np.array([design.row_lambdas(tau[k], self.half_window) for k in todo])
+                before = self.oracle.queries
+                lam_t, g_t = self.measure(np.repeat(U[todo], S1, 0),
+                                          np.repeat(self.q_0[None], todo.size * S1, 0),
+                                          lam_1.ravel())
+                self.spend("main rows", before)
+                lam[todo], g[todo] = lam_t.reshape(-1, S1), g_t.reshape(-1, S1)
+                tokens_1[todo] = self.lengths(lam_1)
+                for k in todo:
+                    noise = self.noise(g[k] + self.q_0 @ self.v, float(np.sum(np.abs(C0[k]))),
+                                       lengths=tokens_1[k])
+                    # two starts: the designed steps (labelled) and, where the design
+                    # missed by more than the fit can walk, the rational fit's poles
+                    steps, started = fit.fit_steps_from(lam[k], g[k], U[k] @ self.v, tau[k],
+                                                        self.half_window, noise,
+                                                        NOISE_FACTOR * noise)
+                    t, c = steps.t, steps.c
+                    if not started:
+                        order = fit.label_steps(t, c, tau[k], C0[k], spacing)
+                        t, c = t[order], c[order]
+                    misfit[k] = steps.rms / (NOISE_FACTOR * noise)
+                    t_row_std[k], c_row_std[k] = np.max(steps.t_std), np.max(steps.c_std)
+                    t_row[k], c_row[k] = t, c
+                todo = todo[~(misfit[todo] <= 1.0)]
+                if todo.size == 0 or not self.affordable(todo.size * S1 + reserve, H):
+                    break
+            worst = float(np.max(misfit))
+            if not worst <= 1.0:
+                raise _Redesign(
+                    RecoveryFailedError,
+                    f"{todo.size} main row(s) do not fit {H} steps (residual "
+                    f"{worst * NOISE_FACTOR:.1e} times the output precision, base estimate "
+                    f"error {self.details['base estimate relative error']:.1e}): two steps "
+                    f"fell too close in a row, or the black box is not multi-head attention "
+                    f"with {H} canonical heads")
+
+        def round_2(todo):
+            # d columns q_0 + s_k r_j per row (one more than z_hk needs), sampled at row
+            # k's measured steps plus a midpoint; s_k moves the steps by about a fifth of
+            # the row's smallest gap, at most about half of it (labels stay, logits stay
+            # well pinned)
+            gaps = np.diff(np.sort(t_row[todo], axis=1), axis=1).min(axis=1) if H > 1 \
+                else np.full(todo.size, 2.0)
+            # |W_h q_0| per unit of q_0 (with biases q_0 keeps the designed column's
+            # length, up to 43 at d = H = 8, which made the moves that many times smaller)
+            y_norm = (float(np.max(np.linalg.norm(estimate[0], axis=0)))
+                      / float(np.linalg.norm(self.q_0)))
+            z_norm = np.linalg.norm(U[todo], axis=1) * y_norm           # about |W_h^T u_k|
+            s_k[todo] = COLUMN_MOVE * np.minimum(gaps, spacing) * math.sqrt(d) / z_norm
+            columns[todo] = self.q_0[None, None] + s_k[todo, None, None] * R[None]
+            lam_cols = np.array([[design.column_lambdas(t_row[k], j, self.half_window,
+                                                        column_spares(H)) for j in range(NC)]
+                                 for k in todo])                          # (n, NC, S2)
+            before = self.oracle.queries
+            kk = np.repeat(todo, NC * S2)
+            lam2, g2 = self.measure(U[kk], np.repeat(columns[todo].reshape(-1, d), S2, 0),
+                                    lam_cols.ravel())
+            self.spend("main columns", before)
+            lam2, g2 = lam2.reshape(-1, NC, S2), g2.reshape(-1, NC, S2)
+            # starts: each column's logits with the row's heights, then z by least squares
+            t_cols = fit.fit_logits(lam2.reshape(-1, S2), g2.reshape(-1, S2),
+                                    np.repeat(c_row[todo], NC, 0), np.repeat(t_row[todo], NC, 0),
+                                    bound=float(np.min(gaps)) if H > 1 else np.inf)
+            t_cols = t_cols.reshape(-1, NC, H)
+            moves[todo] = (np.max(np.abs(t_cols - t_row[todo, None, :]), axis=(1, 2))
+                           / np.minimum(gaps, spacing))
+            for i, k in enumerate(todo):
+                cols_k = self.affine(np.vstack([self.q_0[None], columns[k]]))   # (NC + 1, d [+ 1])
+                lam_k, g_k, mask = (np.zeros((NC + 1, S1)), np.zeros((NC + 1, S1)),
+                                    np.zeros((NC + 1, S1)))
+                lam_k[0], g_k[0], mask[0] = lam[k], g[k], 1.0
+                lam_k[1:, :S2], g_k[1:, :S2], mask[1:, :S2] = lam2[i], g2[i], 1.0
+                probes[k] = (cols_k, lam_k, g_k, mask, g2[i] + (columns[k] @ self.v)[:, None],
+                             self.lengths(lam_cols[i]))
+                z0 = np.linalg.lstsq(cols_k, np.vstack([t_row[k][None], t_cols[i]]),
+                                     rcond=None)[0].T
+                rows[k] = fit.fit_row(lam_k, g_k, mask, cols_k, c_row[k], z0)
+
+        def relabel():
+            # the design's labels can be off by a gap where the base estimate was
+            # rough; with every row fitted, the labelling that best predicts the base
+            # rows' own measurements is taken (:mod:`.labels`)
+            out = labels.relabel_rows(U, t_row, c_row, t_row_std, c_row_std,
+                                      *self.base_reference)
+            for k in np.flatnonzero(np.any(out.order != np.arange(H), axis=1)):
+                o = out.order[k]
+                t_row[k], c_row[k] = t_row[k, o], c_row[k, o]
+                if rows[k] is not None:
+                    r = rows[k]
+                    rows[k] = fit.RowFit(c=r.c[o], z=r.z[o], c_std=r.c_std[o],
+                                         z_std=r.z_std[o], residual=r.residual,
+                                         jacobian_singular_values=r.jacobian_singular_values)
+            self.details["main rows relabelled"] = (
+                self.details.get("main rows relabelled", 0) + out.rows_changed)
+            self.details["label misfit (before, after)"] = (out.misfit_before, out.misfit_after)
+            self.label_misfit = out.misfit_after
+            # (one head has no labelling to get wrong)
+            self.labels_trusted = bool(out.misfit_after <= LABEL_MISFIT or H == 1)
+
+        everything = np.arange(d)
+        round_1(everything, d * NC * S2)
+        relabel()
+        # rows whose steps a rough base estimate placed too close together pin their
+        # parameters badly (the fit's condition grows like gap^-4): with the labels
+        # confirmed they are redesigned from the rows' precise estimate before their
+        # columns are measured (2H + 1 queries each instead of d (H + 1) more later)
+        found_gaps = np.diff(np.sort(t_row, axis=1), axis=1).min(axis=1) if H > 1 \
+            else np.full(d, np.inf)
+        misplaced = np.flatnonzero(found_gaps < MISPLACED_GAP * spacing)
+        if (self.coarse and misplaced.size > d * MISPLACED_SHARE
+                and self.affordable(self.attempt_cost(H), H)):
+            # coarse answers: the base estimate missed the main rows' steps (measured:
+            # float32 nn.MultiheadAttention, H = 4, where two base steps lay about one
+            # logit apart the estimate traded their heights, and 10 to 15 of 16 rows
+            # merged two steps; rows redesigned from it merged again): a fresh design
+            # costs less than the main rounds on these rows
+            raise _Redesign(RecoveryFailedError,
+                            f"{misplaced.size} of {d} main rows placed two steps within "
+                            f"{MISPLACED_GAP:g} of the designed spacing: the learner's base "
+                            f"estimate failed (the black box is not judged)")
+        if (self.labels_trusted and misplaced.size
+                and self.affordable(misplaced.size * S1 + d * NC * S2, H)):
+            redesign(misplaced)
+            round_1(misplaced, d * NC * S2)
+            relabel()
+        round_2(everything)
+        # a row whose joint fit misses the noise (a wrong basin), or pins its parameters
+        # far worse than the median row (a head almost without height in that row, two
+        # steps still close), spoils every head through U^-1: such rows are redesigned
+        # and measured again (the other rows' samples are kept) while the count allows
+        for _ in range(ROW_REDESIGNS + 1):
+            f_all = np.concatenate([g.ravel() + self.q_0 @ self.v]
+                                   + [p[4].ravel() for p in probes])
+            tokens_all = np.concatenate([tokens_1.ravel()] + [p[5].ravel() for p in probes])
+            noise = self.noise(f_all, float(np.mean(np.sum(np.abs(c_row), axis=1))),
+                               lengths=tokens_all)
+            spread = np.array([max(float(np.max(r.z_std)) / max(float(np.linalg.norm(r.z)), 1e-300),
+                                   float(np.max(r.c_std)) / max(float(np.linalg.norm(r.c)), 1e-300))
+                               for r in rows])
+            rms = np.array([safe_rms(r.residual) for r in rows])
+            ill = ~(spread <= ILL_ROW_FACTOR * np.median(spread))
+            if np.count_nonzero(ill) > d // 2:
+                ill[:] = False                 # the median row is no reference then
+            if self.coarse:
+                # a row whose fit does not pin its parameters at all (two float32 steps
+                # merged: a NaN or infinite spread, which also voids the median) is
+                # redesigned whatever the other rows do
+                ill |= ~np.isfinite(spread)
+            bad = np.flatnonzero(ill | ~(rms <= NOISE_FACTOR * noise))
+            if bad.size == 0 or not self.affordable(
+                    bad.size * (S1 + NC * S2), H):
+                break
+            redesign(bad)
+            round_1(bad, bad.size * NC * S2)
+            relabel()
+            round_2(bad)
+        gaps = np.diff(np.sort(t_row, axis=1), axis=1).min(axis=1) if H > 1 else np.full(d, 2.0)
+        self.details["column moves / gap (median, max)"] = (float(np.median(moves)),
+                                                            float(moves.max()))
+        probes = [p[:4] for p in probes]
+        noise_floor = self.noise(f_all, float(np.mean(np.sum(np.abs(c_row), axis=1))),
+                                 floor=True, lengths=tokens_all)
+        model, predicted, sigma, measured_sigma = self.assemble(U, rows, noise_floor)
+        self.details["predicted relative error (small moves)"] = predicted
+        refine_above = 0.0 if self.full_precision else REFINE_ABOVE
+        short_kept = False
+        if self.full_precision and predicted <= WIDE_COLUMNS_UP_TO:
+            # round 3 as short probes on fresh rows (full precision, float64 answers)
+            short_model, short_predicted, short_kept = self.short_probes(
+                model, predicted, NOISE_FACTOR)
+        # as many wide columns per row as paper 2's count and the budget leave (all d
+        # when they can; fewer still sharpen every row's fit); none after kept short
+        # probes (they replace the main rows' heads)
+        n_wide = 0 if short_kept else next(
+            (n for n in range(d, 0, -1) if self.affordable(d * n * (H + column_spares(H)), H)), 0)
+        wide_rounds = 0
+        wide_up_to = WIDE_COLUMNS_UP_TO_COARSE if self.coarse else WIDE_COLUMNS_UP_TO
+        while (refine_above < predicted <= wide_up_to and n_wide
+               and wide_rounds < WIDE_ROUNDS):
+            # round 3: the small column moves limit the precision (z from differences
+            # of nearby logits); with every row's z known, columns can be designed like
+            # rows, each spreading the row's steps over the whole window. It runs only
+            # within paper 2's count (which this learner never exceeds) and the budget.
+            # Further wide columns (designed from the refitted z) follow while the error
+            # bar would exceed 1e-10 and the count leaves room (the rounds' samples add).
+            self.say("wide columns")
+            rows, probes = self.wide_columns(U, rows, probes, spacing, n_wide)
+            model, predicted, sigma, measured_sigma = self.assemble(U, rows, noise_floor)
+            wide_rounds += 1
+            refine_above = REFINE_ABOVE
+            n_wide = next((n for n in range(d, 0, -1)
+                           if self.affordable(d * n * (H + column_spares(H)), H)), 0)
+        if wide_rounds > 1:
+            self.details["wide column rounds"] = wide_rounds
+        if short_kept:
+            model, predicted = short_model, short_predicted
+        model, predicted = self.polished(model, predicted)
+        bar = ERROR_BAR_FACTOR * predicted
+        cond = max(float(r.jacobian_singular_values[0]
+                         / max(r.jacobian_singular_values[-1], 1e-300)) for r in rows)
+        sep = smallest_separation(model)
+        self.details.update({
+            "lambda window": f"+-{self.half_window:.2f} (sequences of up to {self.length} tokens)",
+            "designed step spacing": spacing,
+            "smallest step gap in a main row": float(np.min(gaps)) if H > 1 else math.inf,
+            "column step s (median)": float(np.median(s_k)),
+            "row design condition": float(np.linalg.cond(U)),
+            "row fit condition (max)": cond,
+            "residual rms": measured_sigma,
+            "noise floor": noise,
+            "smallest head separation": sep,
+            "predicted relative error": predicted,
+            "error bar": bar,
+        })
+        if measured_sigma > NOISE_FACTOR * noise:
+            # every main row fitted its steps on q_0 with labels the base rows confirm:
+            # the box answered as H heads do, and the column fit is the learner's failure
+            why = ("a row fit stopped in a wrong basin (the learner's own fit failed: every "
+                   "main row fitted its steps on q_0 and the base rows confirm their labels; "
+                   "the black box is not judged)" if self.labels_trusted else
+                   f"a row fit stopped in a wrong basin, or the black box is not multi-head "
+                   f"attention with {H} canonical heads")
+            raise _Redesign(
+                RecoveryFailedError,
+                f"the row fits leave a residual {measured_sigma:.1e}, {measured_sigma / noise:.0f} "
+                f"times the output precision {noise:.1e}: {why}", model, bar)
+        if not bar <= self.tolerance:
+            raise _Redesign(
+                RecoveryFailedError,
+                f"the samples do not pin the heads down: predicted relative parameter error "
+                f"{predicted:.1e} (error bar {bar:.1e}) exceeds the tolerance "
+                f"{self.tolerance:.0e}; smallest head separation {sep:.2e}, row fit "
+                f"condition {cond:.1e}", model, bar)
+        try:
+            return self.finish(model, bar)
+        except ModelMismatchError as exc:
+            if self.labels_trusted:
+                raise _Redesign(ModelMismatchError, str(exc), model, bar, exc.result) from None
+            # every fit reached the noise but the main rows' labels disagree with the base
+            # rows: the heads were assembled from a wrong labelling, the learner's failure
+            held_out = getattr(getattr(getattr(exc.result, "report", None), "verification", None),
+                               "max_relative_error", math.nan)
+            raise _Redesign(
+                RecoveryFailedError,
+                f"held-out relative error {held_out:.1e} although every row fit reached the "
+                f"output precision: the main "
+                f"rows' step labels disagree with the base rows (label misfit "
+                f"{self.label_misfit:.1e}), so the learner's own labelling failed; the "
+                f"black box is not judged", model, bar, exc.result) from None
+
+    def assemble(self, U, rows, noise_floor):
+        """The heads from the row fits, W_h = U^-1 Z_h and v_h = U^-1 C_h, and their
+        predicted rms relative error (rows are independent: each fit's covariance
+        propagated through U^-1). Returns (model, predicted, sigma, measured sigma)."""
+        d = self.d
+        H = rows[0].c.size
+        residual = np.concatenate([r.residual for r in rows])
+        params = H * (rows[0].z.shape[1] + 1) * d
+        sigma = fit.residual_sigma(residual, params, noise_floor)
+        measured_sigma = fit.residual_sigma(residual, params)
+        Z = np.array([r.z for r in rows])                              # (d, H, d [+ 1])
+        Cm = np.array([r.c for r in rows])                             # (d, H)
+        Uinv = np.linalg.inv(U)
+        W = np.einsum("ik,kha->hia", Uinv, Z)                          # (H, d, d [+ 1])
+        v = (Uinv @ Cm).T
+        if not (np.all(np.isfinite(W)) and np.all(np.isfinite(v))):
+            raise _Redesign(
+                RecoveryFailedError,
+                "the samples do not pin the heads down: a row fit diverged or the designed "
+                "rows are singular (a head too weak to be located); error bar inf")
+        z_var = np.array([r.z_std ** 2 for r in rows]) * sigma ** 2    # (d, H, d [+ 1])
+        c_var = np.array([r.c_std ** 2 for r in rows]) * sigma ** 2    # (d, H)
+        W_var = np.einsum("ik,kha->h", Uinv ** 2, z_var)
+        v_var = np.einsum("ik,kh->h", Uinv ** 2, c_var)
+        # with biases [W_h | b_h]: the error of both relative to |W_h| (b_h may be 0;
+        # its logits are on W's scale)
+        W_rel = np.sqrt(W_var) / np.maximum(np.linalg.norm(W[:, :, :d], axis=(1, 2)), 1e-300)
+        v_rel = np.sqrt(v_var) / np.maximum(np.linalg.norm(v, axis=1), 1e-300)
+        predicted = float(np.max(np.maximum(W_rel, v_rel)))
+        if self.biases:
+            model = BiasedMultiHeadAttention(W[:, :, :d], v, W[:, :, d], self.c)
+        else:
+            model = MultiHeadAttention(W, v)
+        return model, predicted, sigma, measured_sigma
+
+    def wide_columns(self, U, rows, probes, spacing, count):
+        """Round 3: ``count`` (up to d) designed columns per row, each with the row's
+        steps evenly spread (positions z_hk^T q predicted from the row's fit), H + 1
+        samples each; every row is refitted on all its samples. Returns (row fits, each
+        row's samples (columns, lambda, g, mask) with the new ones added)."""
+        d = self.d
+        H = rows[0].c.size
+        positions = design.step_positions(H, self.half_window - 1.5 - 0.5 * spacing)
+        # with biases z = [W_h^T u_k; u_k^T b_h]: the columns place z[:d]^T q + z[d]
+        columns = np.array([design.design_rows(r.z[:, :d].T, None, positions, self.rng,
+                                               jitter=0.5 * spacing, count=count,
+                                               shift=r.z[:, d] if self.biases else None)
+                            for r in rows])                              # (d, count, d)
+        t_pred = np.einsum("kjd,khd->kjh", self.affine(columns.reshape(-1, d)).reshape(
+            d, count, -1), np.array([r.z for r in rows]))
+        lam_w = np.array([[design.column_lambdas(t_pred[k, j], j, self.half_window,
+                                                 column_spares(H)) for j in range(count)]
+                          for k in range(d)])                          # (d, count, S3)
+        S3 = lam_w.shape[2]
+        before = self.oracle.queries
+        kk = np.repeat(np.arange(d), count * S3)
+        lam3, g3 = self.measure(U[kk], np.repeat(columns.reshape(-1, d), S3, 0), lam_w.ravel())
+        self.spend("main wide columns", before)
+        lam3, g3 = lam3.reshape(d, count, S3), g3.reshape(d, count, S3)
+        refitted, held = [], []
+        for k, ((cols_k, lam_k, g_k, mask), r) in enumerate(zip(probes, rows)):
+            S = max(lam_k.shape[1], S3)
+            pad = lambda a: np.pad(a, ((0, 0), (0, S - a.shape[1])))
+            wide = np.zeros((count, S))
+            wide[:, :S3] = 1.0
+            held.append((np.vstack([cols_k, self.affine(columns[k])]),
+                         np.vstack([pad(lam_k), pad(lam3[k])]),
+                         np.vstack([pad(g_k), pad(g3[k])]), np.vstack([pad(mask), wide])))
+            refitted.append(fit.fit_row(held[-1][1], held[-1][2], held[-1][3], held[-1][0],
+                                        r.c, r.z))
+        return refitted, held
+
+    def polished(self, model: MultiHeadAttention, predicted: float):
+        """The joint polish of all heads on every answer held (:mod:`.polish`); returns
+        (model, predicted error), the row fits' own when the polish is not kept."""
+        records = self.answers
+        if self.biases:
+            # the answer f([0]) = c is a sample too (u = q = 0); the polish refits c
+            # with the heads on the answers as the box gave them (c added back)
+            d = self.d
+            records = records + [(np.zeros((1, d)), np.zeros((1, d)), np.zeros(1),
+                                  np.zeros(1), 1)]
+        samples = polish.collect(records)
+        if self.biases:
+            samples.f = samples.f + self.c
+        result = polish.polish(samples, model.W, model.v, self.precision, self.absolute_noise,
+                               predicted, ERROR_BAR_FACTOR * predicted,
+                               *((model.b, self.c) if self.biases else ()))
+        self.details["joint polish"] = result.reason
+        if not result.kept:
+            return model, predicted
+        self.details["predicted relative error (row fits)"] = predicted
+        self.details["weighted residual (row fits, polished)"] = (result.cost_before,
+                                                                  result.cost_after)
+        if self.biases:
+            return BiasedMultiHeadAttention(result.W, result.v, result.b, result.c), result.predicted
+        return MultiHeadAttention(result.W, result.v), result.predicted
