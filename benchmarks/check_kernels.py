@@ -17,8 +17,9 @@ Each configuration runs pytest in its own subprocess with the variables set for 
 process only; the subprocess also reports what took effect (OpenBLAS's core type, numpy's
 enabled dispatch features). The report gives pass/fail per configuration.
 
-Run:  python benchmarks/check_kernels.py [--tests tests/test_multi_head.py ...] [--slow]
+Run:  python benchmarks/check_kernels.py [--tests tests/test_multi_head.py ... | --all] [--slow]
           [--no-openblas] [--no-simd] [--only NAME ...] [--json FILE] [--md FILE]
+          [--log-dir DIR]
           [-- extra pytest args]
 """
 
@@ -31,12 +32,30 @@ import subprocess
 import sys
 import time
 
+# Every test file that runs a learner (its outcome can depend on rounding): the fast part of
+# DEFAULT_TESTS takes about a minute per configuration at low load; --all adds the rest.
 DEFAULT_TESTS = ["tests/test_multi_head.py", "tests/test_multi_head_polish.py",
                  "tests/test_multi_head_low_rank.py", "tests/test_multi_head_labels.py",
                  "tests/test_multi_head_count.py", "tests/test_multi_head_biases.py",
                  "tests/test_multi_head_short.py", "tests/test_multi_head_float32.py",
                  "tests/test_multi_head_crowded.py",
-                 "tests/test_low_precision.py", "tests/test_biases.py"]
+                 "tests/test_low_precision.py", "tests/test_biases.py",
+                 "tests/test_transformer_layer.py", "tests/test_transformer_layer_low_precision.py",
+                 "tests/test_pre_layer_norm.py", "tests/test_low_rank.py",
+                 "tests/test_single_head.py"]
+MORE_TESTS = ["tests/test_noisy.py", "tests/test_one_layer.py", "tests/test_residual.py",
+              "tests/test_relu_network.py", "tests/test_error_bars.py", "tests/test_impostors.py",
+              "tests/test_impostors_learners.py", "tests/test_verification_domain.py",
+              "tests/test_minilm.py", "tests/test_models.py", "tests/test_torch_target.py"]
+ALL_TESTS = DEFAULT_TESTS + MORE_TESTS
+# Test files of plumbing (transport, journal, CLI, docs, packaging): they run learners only on
+# easy single-head boxes that tests/test_single_head.py covers, or none at all.
+NOT_NUMERICAL = ["tests/test_bench.py", "tests/test_check_kernels.py", "tests/test_cli.py",
+                 "tests/test_docs.py", "tests/test_examples.py", "tests/test_http.py",
+                 "tests/test_journal.py", "tests/test_journal_binding.py",
+                 "tests/test_lossy_network.py", "tests/test_oracle.py", "tests/test_packaging.py",
+                 "tests/test_remote_adapters.py", "tests/test_server_hardening.py",
+                 "tests/test_server_state.py", "tests/test_ux.py"]
 
 PROBE = """
 import json, numpy, threadpoolctl
@@ -91,9 +110,13 @@ def simd_levels(base_env: dict) -> list[tuple[str, str]]:
     return levels
 
 
-def run(name: str, env: dict, command: list[str]) -> dict:
+def run(name: str, env: dict, command: list[str], log_dir: str | None = None) -> dict:
     start = time.perf_counter()
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
+    if log_dir:                       # the whole pytest output: failure messages, --durations
+        os.makedirs(log_dir, exist_ok=True)
+        with open(os.path.join(log_dir, name.replace(" ", "_") + ".log"), "w") as fh:
+            fh.write(proc.stdout + proc.stderr)
     summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
     seen = probe(env)
     row = {"configuration": name, "OPENBLAS_CORETYPE": env.get("OPENBLAS_CORETYPE", "(preset)"),
@@ -137,7 +160,11 @@ def markdown(rows: list[dict], tests: list[str], numpy_version: str,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tests", nargs="+", default=DEFAULT_TESTS)
+    parser.add_argument("--tests", nargs="+",
+                        help="test files (default: DEFAULT_TESTS, the learners' main tests)")
+    parser.add_argument("--all", action="store_true",
+                        help="every test file that runs a learner (ALL_TESTS) instead of "
+                        "DEFAULT_TESTS")
     parser.add_argument("--slow", action="store_true", help="include tests marked slow")
     parser.add_argument("--no-openblas", action="store_true", help="skip the OpenBLAS kernels")
     parser.add_argument("--no-simd", action="store_true", help="skip the numpy SIMD levels")
@@ -146,8 +173,13 @@ def main() -> None:
                         "(e.g. Haswell Zen X86_V3)")
     parser.add_argument("--json")
     parser.add_argument("--md")
+    parser.add_argument("--log-dir", help="write each configuration's pytest output to "
+                        "DIR/<configuration>.log")
     parser.add_argument("pytest_args", nargs="*")
     args = parser.parse_args()
+    if args.tests and args.all:
+        parser.error("--tests and --all exclude each other")
+    args.tests = args.tests or (ALL_TESTS if args.all else DEFAULT_TESTS)
     base = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     base.pop("NPY_DISABLE_CPU_FEATURES", None)
     base.pop("OPENBLAS_CORETYPE", None)
@@ -166,7 +198,7 @@ def main() -> None:
                           if any(text in name for text in args.only)]
     rows = []
     for name, env in configurations:
-        rows.append(run(name, env, command))
+        rows.append(run(name, env, command, args.log_dir))
         # written after every configuration: a long --slow run that is stopped keeps its rows
         if args.json:
             with open(args.json, "w") as fh:

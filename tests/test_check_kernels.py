@@ -40,3 +40,12 @@ def test_markdown_table_lists_every_configuration():
     table = kernels.markdown(rows, ["tests/x.py"], "2.4")
     assert "| OpenBLAS Zen | Zen | - | Haswell | X86_V3 | FAIL |" in table
     assert "FAILED tests/x.py::t" in table
+
+
+def test_every_test_file_is_classified():
+    """A new test file must be put in the kernel check (or said not to be numerical)."""
+    kernels = load()
+    files = {f"tests/{p.name}" for p in (SCRIPT.parents[1] / "tests").glob("test_*.py")}
+    assert not set(kernels.ALL_TESTS) & set(kernels.NOT_NUMERICAL)
+    assert files == set(kernels.ALL_TESTS) | set(kernels.NOT_NUMERICAL)
+    assert {f for f in files if f.startswith("tests/test_multi_head")} <= set(kernels.DEFAULT_TESTS)
