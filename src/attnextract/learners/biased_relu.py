@@ -202,7 +202,8 @@ class _Units:
     def __init__(self, d: int, tol: Tolerances = Tolerances()):
         self.J, self.j, self.sigma = np.empty((0, d)), np.empty(0), np.empty(0)
         self.dJ, self.dj = np.empty(0), np.empty(0)
-        self.confirmed = np.empty(0, dtype=bool)
+        # 0: not checked, 1: has a jump across its own hyperplane, 2: its own jump
+        self.confirmed = np.empty(0, dtype=int)
         self.tol = tol
 
     def normals(self) -> tuple[np.ndarray, np.ndarray]:
@@ -237,7 +238,7 @@ class _Units:
         self.j = np.append(self.j, j)
         self.sigma = np.append(self.sigma, sigma)
         self.dJ, self.dj = np.append(self.dJ, dJ), np.append(self.dj, dj)
-        self.confirmed = np.append(self.confirmed, False)
+        self.confirmed = np.append(self.confirmed, 0)
 
     def sum_triple(self):
         """Three units (k, i, j) with T_k = +-T_i +-T_j (T = (J, j)), or None.
@@ -573,6 +574,10 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
                 break
             if tol.noise and lines >= max(NOISY_LINES, min_lines) and spread <= tol.affine:
                 break       # rounded answers: the far count may miss a weak kink or see two
+        if tol.noise and _confirm_units(oracle, units, rng, scale, counts, ghosts=True):
+            # a unit with no jump across its own hyperplane (a false kink of the rounding)
+            # would start the joint fit from a wrong minimum
+            lam, c, spread = _affine_residual(units, samples, tol)
         m = len(units.j)
         if m == 0:
             if spread <= tol.affine and not np.any(lam):
@@ -946,14 +951,19 @@ def _across(oracle: Oracle, net: BiasedReLUNetwork, rng, scale: float, counts: d
     return units, points, steps, g, e, g[0::2] - g[1::2], e[0::2] - e[1::2]
 
 
-def _confirm_units(oracle: Oracle, units: _Units, rng, scale: float, counts: dict) -> int:
+def _confirm_units(oracle: Oracle, units: _Units, rng, scale: float, counts: dict,
+                   ghosts: bool = False) -> int:
     """Rounded answers: every unit not yet confirmed is measured across its own hyperplane
     far from the others (:func:`_across`); one whose jump there is not its own (within
     CONFIRM_AGREEMENT) is removed. A kink where two hyperplanes cross a line at nearly one
     point has the sum of both jumps and passes the location check when the check is as
     loose as far-out rounding makes it; across its own "hyperplane" elsewhere it jumps
-    by nothing like that sum. Returns the number removed."""
-    todo = np.flatnonzero(~units.confirmed)
+    by nothing like that sum. ``ghosts``: only a unit whose jump there is within
+    ROOT_SLACK x its rounding of zero is removed (no kink at all: a false kink of the
+    rounding); a real unit far from every other crossing still jumps. Returns the number
+    removed."""
+    level = 1 if ghosts else 2
+    todo = np.flatnonzero(units.confirmed < level)
     if not len(todo):
         return 0
     N, B = units.normals()
@@ -961,11 +971,15 @@ def _confirm_units(oracle: Oracle, units: _Units, rng, scale: float, counts: dic
     measured = _across(oracle, net, rng, scale, counts, "confirming units")
     if measured is None:
         return 0
-    found, Jp = measured[0], measured[5]
+    found, points, steps, g, e, Jp = measured[:6]
     own = units.J[found]
     off = np.minimum(safe_norm(Jp - own, axis=1), safe_norm(Jp + own, axis=1))
-    wrong = set(found[off > CONFIRM_AGREEMENT * safe_norm(own, axis=1)].tolist())
-    units.confirmed[found] = True
+    wrong = off > CONFIRM_AGREEMENT * safe_norm(own, axis=1)
+    if ghosts:
+        dg = _gradient_noise(units.tol, g, e, points, steps)
+        wrong &= safe_norm(Jp, axis=1) <= ROOT_SLACK * np.hypot(dg[0::2], dg[1::2])
+    wrong = set(found[wrong].tolist())
+    units.confirmed[found] = np.maximum(units.confirmed[found], level)
     for k in sorted(wrong, reverse=True):
         reduced = units.without(k)
         units.__dict__.update(reduced.__dict__)
