@@ -100,6 +100,7 @@ KNOT_MOVE = 0.02        # ... the known knots free to move this far (of t in [-1
 LOCAL_POINTS = 16       # answers per short line around a weak unit's kink
 LOCAL_ROOM = 1e-2       # ... whose ball free of known kinks is at least this (x |y0|, >= 1)
 LOCAL_TRIES = 3         # candidates tried (the roomiest first)
+LOCAL_NEAR = 0.05        # ... first this close to the candidate (x the room), then a fifth of it
 WEAK_SIGNIFICANCE = 10.0  # ... one hinge fitted to all of them, its w this many standard errors
 NEAR_ADDED = 10.0       # ... and this x the offset error of a unit just added
 NEAR_PLANE = 1e-3       # the joint fit starts without answers this close to a hyperplane
@@ -755,29 +756,61 @@ def _local_plane(oracle, net: BiasedReLUNetwork, y0, q, tol: Tolerances, counts:
     """The hyperplane of the one kink near y0 along q, from short lines around it.
 
     ``room``, y0's distance to the known hyperplanes, bounds a ball with no other kink:
-    the lines y0 +- rho v_k + s q (v_k an orthonormal basis of q's complement, rho a fifth
-    of the room, |s| up to 0.7 of it) each cross the new hyperplane once; one hinge
-    fitted to each (LOCAL_POINTS answers) gives 2 d - 1 points on it, total least squares
-    a first plane, and one hinge fitted to all answers at once the plane (n (d,), beta)
-    (:func:`_joint_hinge`). Returns (n, beta, w, the bar of its offset at y0); None when the
-    room is too small, fewer than d + 1 lines show their hinge at the rounding, or the
-    joint fit finds no hinge.
+    the lines y0 +- rho v_k + s q (v_k an orthonormal basis of q's complement, rho
+    LOCAL_NEAR of the room, |s| up to 0.7 of it) each cross the new hyperplane once; one
+    hinge fitted to each (LOCAL_POINTS answers) gives 2 d - 1 points on it, total least
+    squares a first plane, and one hinge fitted to all answers at once a better one
+    (:func:`_joint_hinge`). 2 d - 2 more lines a fifth of the room out, each centred on
+    that plane, and the joint fit to every answer give (n (d,), beta). Returns (n, beta,
+    w, the bar of its offset at y0); None when the room is too small, fewer than d + 1
+    lines show their hinge at the rounding, or a joint fit finds no hinge.
     """
-    from scipy.optimize import minimize_scalar
-
     d = len(y0)
     norm = safe_norm(net.P, axis=1)
     room = float((np.abs(net.P @ y0 + net.b) / norm).min())
     if not room > LOCAL_ROOM * max(1.0, safe_norm(y0)):
         return None
     V = np.linalg.svd(np.eye(d) - np.outer(q, q))[0][:, :d - 1]        # q's complement
-    rho, reach = 0.2 * room, 0.7 * room
-    starts = np.vstack([y0, y0 + rho * V.T, y0 - rho * V.T])             # (2d - 1, d)
+    reach = 0.7 * room
     s = np.linspace(-reach, reach, LOCAL_POINTS)
-    X = starts[:, None, :] + s[None, :, None] * q[None, None, :]
-    oracle.require(X.shape[0] * LOCAL_POINTS, "measuring a weak unit's hyperplane")
-    F = _query_vectors(oracle, X.reshape(-1, d)).reshape(X.shape[:2])
-    counts["weak-unit lines"] = counts.get("weak-unit lines", 0) + X.size // d
+
+    def short_lines(starts):
+        X = starts[:, None, :] + s[None, :, None] * q[None, None, :]
+        oracle.require(X.shape[0] * LOCAL_POINTS, "measuring a weak unit's hyperplane")
+        F = _query_vectors(oracle, X.reshape(-1, d)).reshape(X.shape[:2])
+        counts["weak-unit lines"] = counts.get("weak-unit lines", 0) + X.size // d
+        return X, F
+
+    # first lines close to y0 (LOCAL_NEAR of the room): a hyperplane at a small angle to q
+    # still crosses each within its reach (one it misses leaves n's component along that
+    # line's offset free, and a wrong plane fits as well)
+    starts = np.vstack([y0, y0 + LOCAL_NEAR * room * V.T, y0 - LOCAL_NEAR * room * V.T])
+    X, F = short_lines(starts)
+    first = _knot_plane(X, F, s, q, starts, tol)
+    if first is None:
+        return None
+    first = _joint_hinge(X, F, s, *first, y0, tol)
+    if first is None:
+        return None
+    # then lines a fifth of the room out, each moved along q to cross the plane found at
+    # its middle: the plane's direction from knots farther apart, fitted to all answers
+    n1, beta1 = first[:2]
+    starts = np.vstack([y0 + 0.2 * room * V.T, y0 - 0.2 * room * V.T])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        shift = -(starts @ n1 + beta1) / (n1 @ q)
+    starts = starts + np.clip(np.nan_to_num(shift), -0.5 * reach, 0.5 * reach)[:, None] * q[None]
+    X2, F2 = short_lines(starts)
+    return _joint_hinge(np.concatenate([X, X2]), np.concatenate([F, F2]), s, *first[:3], y0, tol)
+
+
+def _knot_plane(X, F, s, q, starts, tol: Tolerances):
+    """One hinge fitted to each short line alone, total least squares through its knots:
+    the start (n, beta, w) of :func:`_joint_hinge`, or None (fewer than d + 1 lines show
+    their hinge at the rounding)."""
+    from scipy.optimize import minimize_scalar
+
+    d = X.shape[2]
+    reach = float(s[-1])
     points, slopes = [], []
     for f in F:
         wl = 1.0 / (np.abs(f) + NOISE_FLOOR * np.median(np.abs(f)) + 1e-300)
@@ -800,11 +833,9 @@ def _local_plane(oracle, net: BiasedReLUNetwork, y0, q, tol: Tolerances, counts:
     Y = starts[ok] + np.array(points)[ok, None] * q[None]
     mean = Y.mean(axis=0)
     n = np.linalg.svd(Y - mean, full_matrices=False)[2][-1]
-    w0 = float(np.median(np.array(slopes)[ok]) / (n @ q))
     # each knot alone is located only to the rounding over the hinge's slope change, which
-    # for a weak unit is a sizeable share of the room: the hyperplane is fitted to every
-    # answer of the short lines at once (one hinge shared by all, an affine part per line)
-    return _joint_hinge(X, F, s, n, -float(n @ mean), w0, y0, tol)
+    # for a weak unit is a sizeable share of the room: this is a start only
+    return n, -float(n @ mean), float(np.median(np.array(slopes)[ok]) / (n @ q))
 
 
 def _joint_hinge(X, F, s, n0, beta0, w0, y0, tol: Tolerances):
