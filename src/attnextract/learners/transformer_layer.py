@@ -677,9 +677,9 @@ def _refuse_low_precision(precision, why: str, spent: int, early: bool = True,
         "its stages for several heads (the odd part of large tokens, whose rounding grows "
         "like the square of their size, the multi-head learner, the per-cell head split) "
         "have no low-precision path: measured with answers off by e relative (e = 1e-14 to "
-        "1e-10, d = 8 and 16, two heads), they return parameters off by 1e4 e to 1e6 e and "
-        "refuse most layers from e = 1e-11 on, while float32 answers are off by 6e-8 (one "
-        "rounding) or more (a forward pass)"
+        "1e-10, d = 8 and 16, two heads), they return parameters off by 1e4 e to 2e6 e and "
+        "refuse most layers from e = 1e-11 on (at d = 16 from 1e-13), while float32 answers "
+        "are off by 6e-8 (one rounding) or more (a forward pass)"
         if heads else
         f"its other stages (the bias-free residual learner) need answers accurate to "
         f"{MAX_RELATIVE_NOISE:.0e} relative")
