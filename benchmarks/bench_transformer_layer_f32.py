@@ -132,6 +132,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--seed-list", default=None,
+                        help="comma-separated seeds, in this order (instead of --seeds)")
     parser.add_argument("--label", default="mh8_transformer_layer_f32")
     parser.add_argument("--cells", default=",".join(CELLS))
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
@@ -140,12 +142,15 @@ def main() -> None:
     command = (f"OPENBLAS_NUM_THREADS=1 python benchmarks/bench_transformer_layer_f32.py "
                f"--seeds {args.seeds} --label {args.label}"
                + (f" --first-seed {args.first_seed}" if args.first_seed else "")
+               + (f" --seed-list {args.seed_list}" if args.seed_list else "")
                + ("" if cells == list(CELLS) else f" --cells '{args.cells}'"))
     out = Path(args.out_dir)
     rows = []
     load = os.getloadavg()
     for cell in cells:
-        for seed in range(args.first_seed, args.first_seed + args.seeds):
+        seeds = ([int(x) for x in args.seed_list.split(",")] if args.seed_list else
+                 range(args.first_seed, args.first_seed + args.seeds))
+        for seed in seeds:
             rows.append(trial(cell, seed))
             print(json.dumps(rows[-1]), flush=True)
         (out / f"{args.label}.json").write_text(json.dumps(

@@ -262,10 +262,15 @@ def test_transformer_layer_refuses_rounded_answers_for_two_heads_early():
 
 
 def test_transformer_layer_stated_float32_with_two_heads_is_refused_before_any_query():
+    """The refusal names both options and the several-head stages' measured limit."""
     oracle = Oracle(random_transformer_layer(8, 8, 4, heads=2), 8)
-    with pytest.raises(RecoveryFailedError, match=r"float32 \(stated.*refused after 0 queries"):
+    with pytest.raises(RecoveryFailedError,
+                       match=r"float32 \(stated.*refused after 0 queries") as info:
         extract(oracle, "transformer-layer", heads=2, output_dtype="float32", seed=4)
     assert oracle.queries == 0
+    message = str(info.value)
+    assert "--heads 1" in message and "without --output-dtype" in message
+    assert "refuse most layers from e = 1e-11 on" in message
 
 
 def test_transformer_layer_fine_rounding_is_stated_and_passes():

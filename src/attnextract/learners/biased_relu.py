@@ -100,7 +100,8 @@ KNOT_MOVE = 0.02        # ... the known knots free to move this far (of t in [-1
 LOCAL_POINTS = 16       # answers per short line around a weak unit's kink
 LOCAL_ROOM = 1e-2       # ... whose ball free of known kinks is at least this (x |y0|, >= 1)
 LOCAL_TRIES = 3         # candidates tried (the roomiest first)
-WEAK_PLANE = 1e-2       # the short lines' knots lie on one hyperplane this well (x the room)
+LOCAL_NEAR = 0.05        # ... first this close to the candidate (x the room), then a fifth of it
+WEAK_SIGNIFICANCE = 10.0  # ... one hinge fitted to all of them, its w this many standard errors
 NEAR_ADDED = 10.0       # ... and this x the offset error of a unit just added
 NEAR_PLANE = 1e-3       # the joint fit starts without answers this close to a hyperplane
 
@@ -202,7 +203,8 @@ class _Units:
     def __init__(self, d: int, tol: Tolerances = Tolerances()):
         self.J, self.j, self.sigma = np.empty((0, d)), np.empty(0), np.empty(0)
         self.dJ, self.dj = np.empty(0), np.empty(0)
-        self.confirmed = np.empty(0, dtype=bool)
+        # 0: not checked, 1: has a jump across its own hyperplane, 2: its own jump
+        self.confirmed = np.empty(0, dtype=int)
         self.tol = tol
 
     def normals(self) -> tuple[np.ndarray, np.ndarray]:
@@ -237,7 +239,7 @@ class _Units:
         self.j = np.append(self.j, j)
         self.sigma = np.append(self.sigma, sigma)
         self.dJ, self.dj = np.append(self.dJ, dJ), np.append(self.dj, dj)
-        self.confirmed = np.append(self.confirmed, False)
+        self.confirmed = np.append(self.confirmed, 0)
 
     def sum_triple(self):
         """Three units (k, i, j) with T_k = +-T_i +-T_j (T = (J, j)), or None.
@@ -573,6 +575,10 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
                 break
             if tol.noise and lines >= max(NOISY_LINES, min_lines) and spread <= tol.affine:
                 break       # rounded answers: the far count may miss a weak kink or see two
+        if tol.noise and _confirm_units(oracle, units, rng, scale, counts, ghosts=True):
+            # a unit with no jump across its own hyperplane (a false kink of the rounding)
+            # would start the joint fit from a wrong minimum
+            lam, c, spread = _affine_residual(units, samples, tol)
         m = len(units.j)
         if m == 0:
             if spread <= tol.affine and not np.any(lam):
@@ -603,6 +609,10 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
             net, info["polish"] = _polish(oracle, net, rng, scale, counts, tol.polish)
         if tol.noise:
             X, F = oracle.answers()
+            # the hyperplanes as measured, before the joint fit: a fit that lacks a unit
+            # pulls the others off to absorb it, and their knots then leave a misfit that
+            # the search between known kinks takes for a new unit
+            measured = net
             net, fit = refine_network(net, X, F, tol.noise)
             info.update(fit)
             retries += 1
@@ -611,15 +621,18 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
                 # a unit too weak for the kink search, sought where the others' kinks are
                 # known; kept only if the fit improves by WEAK_GAIN (a forward pass in low
                 # precision also misfits by several times the stated rounding)
-                found = _weak_unit(oracle, net, rng, scale, tol, counts)
+                found = _weak_unit(oracle, measured, rng, scale, tol, counts)
                 if found is None:
                     break
                 X, F = oracle.answers()
+                starts = [_with_unit(base, sign, *found[0]) for base in (measured, net)
+                          for sign in (1.0, -1.0)]
                 better, refit = min((refine_network(start, X, F, tol.noise, found[1])
-                                     for start in found[0]),
+                                     for start in starts),
                                     key=lambda out: out[1]["measured noise"])
                 if not refit["measured noise"] <= WEAK_GAIN * fit["measured noise"]:
                     break
+                measured = starts[0]
                 net, fit = better, refit
                 info.update(fit)
                 weak += 1
@@ -668,9 +681,7 @@ def _weak_unit(oracle, net: BiasedReLUNetwork, rng, scale: float, tol: Tolerance
     misfit and leaves only the rounding, it is a candidate point on the missing unit's
     hyperplane. Around the candidate farthest from the known hyperplanes,
     :func:`_local_plane` measures the hyperplane and w on short lines.
-    Returns (the two networks with the unit added, active on either side of its
-    hyperplane: the joint fit tells them apart; the largest offset of the short lines'
-    knots from the fitted hyperplane), or None.
+    Returns ((n, beta, w) of the unit, unit normal n (d,); the bar of its offset), or None.
     """
     from scipy.optimize import least_squares
 
@@ -731,37 +742,75 @@ def _weak_unit(oracle, net: BiasedReLUNetwork, rng, scale: float, tol: Tolerance
             break
     else:
         return None
-    # w ReLU(z) and w ReLU(-z) have the same kinks (they differ by the affine w z)
-    return [BiasedReLUNetwork(np.vstack([net.P, sign * n]), np.append(net.b, sign * beta),
-                              np.append(net.w, w), net.c0) for sign in (1.0, -1.0)], off
+    return (n, beta, w), off
+
+
+def _with_unit(net: BiasedReLUNetwork, sign: float, n, beta: float, w: float):
+    """``net`` with the unit w ReLU(sign (n^T x + beta)) added: w ReLU(z) and w ReLU(-z)
+    have the same kinks (they differ by the affine w z), the joint fit tells them apart."""
+    return BiasedReLUNetwork(np.vstack([net.P, sign * n]), np.append(net.b, sign * beta),
+                             np.append(net.w, w), net.c0)
 
 
 def _local_plane(oracle, net: BiasedReLUNetwork, y0, q, tol: Tolerances, counts: dict):
     """The hyperplane of the one kink near y0 along q, from short lines around it.
 
     ``room``, y0's distance to the known hyperplanes, bounds a ball with no other kink:
-    the lines y0 +- rho v_k + s q (v_k an orthonormal basis of q's complement, rho a fifth
-    of the room, |s| up to 0.7 of it) each cross the new hyperplane once; one hinge
-    fitted to each (LOCAL_POINTS answers) gives 2 d - 1 points on it, and total least
-    squares the plane (n (d,), beta). Returns (n, beta, w, the knots' largest offset from
-    it); None when the room is too small, fewer than d + 1 lines show their hinge at the
-    rounding, or the points lie on no one hyperplane.
+    the lines y0 +- rho v_k + s q (v_k an orthonormal basis of q's complement, rho
+    LOCAL_NEAR of the room, |s| up to 0.7 of it) each cross the new hyperplane once; one
+    hinge fitted to each (LOCAL_POINTS answers) gives 2 d - 1 points on it, total least
+    squares a first plane, and one hinge fitted to all answers at once a better one
+    (:func:`_joint_hinge`). 2 d - 2 more lines a fifth of the room out, each centred on
+    that plane, and the joint fit to every answer give (n (d,), beta). Returns (n, beta,
+    w, the bar of its offset at y0); None when the room is too small, fewer than d + 1
+    lines show their hinge at the rounding, or a joint fit finds no hinge.
     """
-    from scipy.optimize import minimize_scalar
-
     d = len(y0)
     norm = safe_norm(net.P, axis=1)
     room = float((np.abs(net.P @ y0 + net.b) / norm).min())
     if not room > LOCAL_ROOM * max(1.0, safe_norm(y0)):
         return None
     V = np.linalg.svd(np.eye(d) - np.outer(q, q))[0][:, :d - 1]        # q's complement
-    rho, reach = 0.2 * room, 0.7 * room
-    starts = np.vstack([y0, y0 + rho * V.T, y0 - rho * V.T])             # (2d - 1, d)
+    reach = 0.7 * room
     s = np.linspace(-reach, reach, LOCAL_POINTS)
-    X = starts[:, None, :] + s[None, :, None] * q[None, None, :]
-    oracle.require(X.shape[0] * LOCAL_POINTS, "measuring a weak unit's hyperplane")
-    F = _query_vectors(oracle, X.reshape(-1, d)).reshape(X.shape[:2])
-    counts["weak-unit lines"] = counts.get("weak-unit lines", 0) + X.size // d
+
+    def short_lines(starts):
+        X = starts[:, None, :] + s[None, :, None] * q[None, None, :]
+        oracle.require(X.shape[0] * LOCAL_POINTS, "measuring a weak unit's hyperplane")
+        F = _query_vectors(oracle, X.reshape(-1, d)).reshape(X.shape[:2])
+        counts["weak-unit lines"] = counts.get("weak-unit lines", 0) + X.size // d
+        return X, F
+
+    # first lines close to y0 (LOCAL_NEAR of the room): a hyperplane at a small angle to q
+    # still crosses each within its reach (one it misses leaves n's component along that
+    # line's offset free, and a wrong plane fits as well)
+    starts = np.vstack([y0, y0 + LOCAL_NEAR * room * V.T, y0 - LOCAL_NEAR * room * V.T])
+    X, F = short_lines(starts)
+    first = _knot_plane(X, F, s, q, starts, tol)
+    if first is None:
+        return None
+    first = _joint_hinge(X, F, s, *first, y0, tol)
+    if first is None:
+        return None
+    # then lines a fifth of the room out, each moved along q to cross the plane found at
+    # its middle: the plane's direction from knots farther apart, fitted to all answers
+    n1, beta1 = first[:2]
+    starts = np.vstack([y0 + 0.2 * room * V.T, y0 - 0.2 * room * V.T])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        shift = -(starts @ n1 + beta1) / (n1 @ q)
+    starts = starts + np.clip(np.nan_to_num(shift), -0.5 * reach, 0.5 * reach)[:, None] * q[None]
+    X2, F2 = short_lines(starts)
+    return _joint_hinge(np.concatenate([X, X2]), np.concatenate([F, F2]), s, *first[:3], y0, tol)
+
+
+def _knot_plane(X, F, s, q, starts, tol: Tolerances):
+    """One hinge fitted to each short line alone, total least squares through its knots:
+    the start (n, beta, w) of :func:`_joint_hinge`, or None (fewer than d + 1 lines show
+    their hinge at the rounding)."""
+    from scipy.optimize import minimize_scalar
+
+    d = X.shape[2]
+    reach = float(s[-1])
     points, slopes = [], []
     for f in F:
         wl = 1.0 / (np.abs(f) + NOISE_FLOOR * np.median(np.abs(f)) + 1e-300)
@@ -784,12 +833,68 @@ def _local_plane(oracle, net: BiasedReLUNetwork, y0, q, tol: Tolerances, counts:
     Y = starts[ok] + np.array(points)[ok, None] * q[None]
     mean = Y.mean(axis=0)
     n = np.linalg.svd(Y - mean, full_matrices=False)[2][-1]
-    if not np.abs((Y - mean) @ n).max() <= WEAK_PLANE * room:
+    # each knot alone is located only to the rounding over the hinge's slope change, which
+    # for a weak unit is a sizeable share of the room: this is a start only
+    return n, -float(n @ mean), float(np.median(np.array(slopes)[ok]) / (n @ q))
+
+
+def _joint_hinge(X, F, s, n0, beta0, w0, y0, tol: Tolerances):
+    """One hinge w ReLU(n^T x + beta) shared by the short lines X (L, P, d) with answers F
+    (L, P) at positions s (P,) along each, plus an affine part per line, fitted to all
+    answers (weighted like :func:`refine_network`), from (n0, beta0, w0).
+
+    Returns (n, beta, w, the offset's bar at y0: ERROR_BAR_SIGMAS standard errors of
+    n^T y0 + beta) or None: the fit misfits beyond NOISY_FIT x the noise, w is within
+    WEAK_SIGNIFICANCE standard errors of zero (no hinge there: a knot of the rounding), or
+    the hyperplane does not cross the lines.
+    """
+    from scipy.optimize import least_squares
+
+    L, npts, d = X.shape
+    x = X.reshape(-1, d)
+    f = F.reshape(-1)
+    weight = 1.0 / (np.abs(f) + NOISE_FLOOR * np.median(np.abs(f)) + 1e-300)
+    line = np.repeat(np.arange(L), npts)
+    ss = np.tile(s, L)
+    design = np.zeros((len(f), 2 * L))
+    design[np.arange(len(f)), line] = 1.0
+    design[np.arange(len(f)), L + line] = ss
+
+    def split(theta):
+        nn = theta[:d] / safe_norm(theta[:d])
+        return nn, theta[d], theta[d + 1], theta[d + 2:]
+
+    def residual(theta):
+        nn, beta, w, affine = split(theta)
+        return (design @ affine + w * np.maximum(x @ nn + beta, 0.0) - f) * weight
+
+    def jacobian(theta):
+        nn, beta, w, _ = split(theta)
+        on = (x @ nn + beta > 0).astype(float)
+        dn = (w * on)[:, None] * (x - np.outer(x @ nn, nn)) / safe_norm(theta[:d])
+        return np.column_stack([dn, w * on, np.maximum(x @ nn + beta, 0.0),
+                                design]) * weight[:, None]
+
+    hinge = np.maximum(x @ n0 + beta0, 0.0)
+    affine0 = np.linalg.lstsq(design, f - w0 * hinge, rcond=None)[0]
+    fit = least_squares(residual, np.concatenate([n0, [beta0, w0], affine0]), jac=jacobian,
+                        x_scale="jac", xtol=1e-12, ftol=1e-12)
+    nn, beta, w, _ = split(fit.x)
+    dof = max(len(f) - (d + 2 * L + 1), 1)
+    sigma = math.sqrt(2.0 * fit.cost / dof)
+    if not sigma <= NOISY_FIT * tol.noise:
         return None
-    # the hinge's slope change along q is w (n^T q) (either side active); the plane's
-    # offset is known to a few knots' errors, at most WEAK_PLANE of the room
-    return (n, -float(n @ mean), float(np.median(np.array(slopes)[ok]) / (n @ q)),
-            WEAK_PLANE * room)
+    J = jacobian(fit.x)
+    # the norm of n is a gauge: its direction dropped from the covariance
+    gauge = np.concatenate([nn, np.zeros(J.shape[1] - d)])
+    cov = sigma ** 2 * np.linalg.pinv(J.T @ J + np.outer(gauge, gauge) * float(np.sum(J ** 2)))
+    dw = math.sqrt(max(cov[d + 1, d + 1], 0.0))
+    grad = np.concatenate([y0 - (y0 @ nn) * nn, [1.0]])       # of n^T y0 + beta in (n, beta)
+    doff = math.sqrt(max(float(grad @ cov[:d + 1, :d + 1] @ grad), 0.0))
+    if not abs(w) > WEAK_SIGNIFICANCE * dw or not np.any(x @ nn + beta > 0) or np.all(
+            x @ nn + beta > 0):
+        return None
+    return nn, float(beta), float(w), ERROR_BAR_SIGMAS * doff
 
 
 def crossing_points(net: BiasedReLUNetwork, rng, scale: float):
@@ -877,14 +982,19 @@ def _across(oracle: Oracle, net: BiasedReLUNetwork, rng, scale: float, counts: d
     return units, points, steps, g, e, g[0::2] - g[1::2], e[0::2] - e[1::2]
 
 
-def _confirm_units(oracle: Oracle, units: _Units, rng, scale: float, counts: dict) -> int:
+def _confirm_units(oracle: Oracle, units: _Units, rng, scale: float, counts: dict,
+                   ghosts: bool = False) -> int:
     """Rounded answers: every unit not yet confirmed is measured across its own hyperplane
     far from the others (:func:`_across`); one whose jump there is not its own (within
     CONFIRM_AGREEMENT) is removed. A kink where two hyperplanes cross a line at nearly one
     point has the sum of both jumps and passes the location check when the check is as
     loose as far-out rounding makes it; across its own "hyperplane" elsewhere it jumps
-    by nothing like that sum. Returns the number removed."""
-    todo = np.flatnonzero(~units.confirmed)
+    by nothing like that sum. ``ghosts``: only a unit whose jump there is within
+    ROOT_SLACK x its rounding of zero is removed (no kink at all: a false kink of the
+    rounding); a real unit far from every other crossing still jumps. Returns the number
+    removed."""
+    level = 1 if ghosts else 2
+    todo = np.flatnonzero(units.confirmed < level)
     if not len(todo):
         return 0
     N, B = units.normals()
@@ -892,11 +1002,15 @@ def _confirm_units(oracle: Oracle, units: _Units, rng, scale: float, counts: dic
     measured = _across(oracle, net, rng, scale, counts, "confirming units")
     if measured is None:
         return 0
-    found, Jp = measured[0], measured[5]
+    found, points, steps, g, e, Jp = measured[:6]
     own = units.J[found]
     off = np.minimum(safe_norm(Jp - own, axis=1), safe_norm(Jp + own, axis=1))
-    wrong = set(found[off > CONFIRM_AGREEMENT * safe_norm(own, axis=1)].tolist())
-    units.confirmed[found] = True
+    wrong = off > CONFIRM_AGREEMENT * safe_norm(own, axis=1)
+    if ghosts:
+        dg = _gradient_noise(units.tol, g, e, points, steps)
+        wrong &= safe_norm(Jp, axis=1) <= ROOT_SLACK * np.hypot(dg[0::2], dg[1::2])
+    wrong = set(found[wrong].tolist())
+    units.confirmed[found] = np.maximum(units.confirmed[found], level)
     for k in sorted(wrong, reverse=True):
         reduced = units.without(k)
         units.__dict__.update(reduced.__dict__)
