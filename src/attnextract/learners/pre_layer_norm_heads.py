@@ -80,6 +80,10 @@ LEAST_GAP = 0.05         # if at least this
 MOVE = 0.15              # perturbations move a step by at most this x the smallest gap
 MAX_ATTEMPTS = 24        # base scans per column (chord rescaled or direction redrawn)
 FIT_NOISE = 256.0        # a fit reaches the answers' precision: rms <= this x ulps
+FIXED_SHARE = 0.75       # a designed key's part fixed by its steps: at most this x R (the
+                         # free rest, in the steps' null space, keeps the keys' U conditioned)
+GOOD_GAP = 1.5           # designed steps this far apart (in lambda) are apart enough
+DESIGN_CANDIDATES = 256  # random keys scored per designed key
 CANDIDATES = 32          # random free parts tried per designed key
 EPS = np.finfo(float).eps
 
@@ -149,6 +153,50 @@ def _around(t: np.ndarray, half: float) -> np.ndarray:
 def _smallest_gap(x: np.ndarray) -> float:
     """The smallest distance between two entries of x (inf for one entry)."""
     return float(np.min(np.diff(np.sort(x)))) if x.size > 1 else math.inf
+
+
+def design_keys(q: np.ndarray, Y: np.ndarray, V: np.ndarray, chord: float, count: int,
+                half: float, rng: np.random.Generator) -> np.ndarray:
+    """``count`` keys (count, d) on q's sphere for pairs with the column q (d,), chosen
+    greedily among random ones (no query): each maximises the product of its predicted
+    steps' smallest gap (t_h = (a - q)^T y_h; up to GOOD_GAP, and within 0.8 of the best
+    candidate's: close steps are what no fit splits), then its smallest height |(a - q)^T v_h| / |v_h| (against R chord / 4) and the part of
+    u = a - q outside the span of the keys chosen before (against |u|).
+
+    Linear conditions cannot place the steps: the part of a they fix is about q's part
+    in span(y_h), often most of R, and the rest (the keys' spread outside that span)
+    would be too small for U to be well conditioned. Random keys at chords around the
+    base pair's (whose steps were inside the window) need no such part.
+    """
+    d = q.size
+    R = float(np.linalg.norm(q))
+    H = Y.shape[0]
+    v_norm = np.maximum(np.linalg.norm(V, axis=1), 1e-300)
+    chosen = np.zeros((0, d))
+    for _ in range(count):
+        E = np.array([_tangent(q, rng.standard_normal(d)) for _ in range(DESIGN_CANDIDATES)])
+        chords = np.minimum(chord * rng.uniform(0.5, 1.5, DESIGN_CANDIDATES), 1.95)
+        A = np.array([column_probes(q, e[:, None], k)[0] for e, k in zip(E, chords)])
+        U = A - q
+        T = U @ Y.T                                                   # (C, H)
+        peak = np.max(np.abs(T), axis=1)
+        if H > 1:
+            gaps = np.min(np.diff(np.sort(T, axis=1), axis=1), axis=1)
+            gap_score = np.minimum(gaps / GOOD_GAP, 1.0)
+        else:
+            gap_score = np.ones(len(A))
+        height = np.min(np.abs(U @ V.T) / v_norm, axis=1) / (R * chord / 4.0)
+        if chosen.shape[0]:
+            B = np.linalg.qr(chosen.T)[0]
+            outside = np.linalg.norm(U - (U @ B) @ B.T, axis=1) / np.linalg.norm(U, axis=1)
+        else:
+            outside = np.ones(len(A))
+        inside = peak <= half - EDGE
+        # the steps' gap first (close steps are what a fit cannot split), then the rest
+        apart = inside & (gap_score >= 0.8 * np.max(np.where(inside, gap_score, 0.0)))
+        score = np.where(apart, np.minimum(height, 1.0) * outside, -1.0)
+        chosen = np.vstack([chosen, U[int(np.argmax(score))]])
+    return chosen + q
 
 
 def _tangent(q: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -328,34 +376,17 @@ def extract_pre_layer_norm_heads(oracle: Oracle, heads: int, *, seed=None,
         if todo.size:
             raise RecoveryFailedError(f"column {j}: perturbed pairs lost their steps' labels")
         y_rough = solve(Urows, T)                             # (count, d)
+        log.debug("column %d: base gap %.3g, eps %s, rough y %s", j, gap, eps.min(),
+                  np.round(y_rough @ q, 4))
         if V_rough is None:
             V_rough = solve(Urows, C)
-        # 3. designed pairs: head h's step at an evenly spaced position
-        keys, lams = [], []
-        spacing = 2 * SPREAD * half / max(count - 1, 1)
-        M = y_rough @ basis                                   # (count, m)
-        for _ in range(m):
-            spread = SPREAD * half
-            for _ in range(20):
-                target = np.linspace(-spread, spread, count)[rng.permutation(count)]
-                target = target + rng.uniform(-0.25, 0.25) * spacing * spread / (SPREAD * half)
-                alpha0 = np.linalg.lstsq(M, target + y_rough @ q, rcond=None)[0]
-                if np.linalg.norm(alpha0) < R * 0.98:
-                    break
-                spread *= 0.8
-            else:
-                raise RecoveryFailedError(f"column {j}: no key on the sphere puts the steps apart")
-            null = np.linalg.svd(M)[2][count:].T                # (m, m - count)
-            best, key = -1.0, None
-            for _ in range(CANDIDATES):
-                z = null @ rng.standard_normal(null.shape[1])
-                alpha = alpha0 + math.sqrt(R * R - alpha0 @ alpha0) * z / np.linalg.norm(z)
-                a = basis @ alpha
-                score = np.min(np.abs(V_rough @ (a - q)) / np.linalg.norm(V_rough, axis=1))
-                if score > best:
-                    best, key = score, a
-            keys.append(key)
-            lams.append(_around(y_rough @ (key - q), half))
+        # 3. designed pairs: steps apart, heights not small, U well conditioned
+        chord = float(np.linalg.norm(a0 - q)) / R
+        keys = design_keys(q, y_rough, V_rough, chord, m, half, rng)
+        log.debug("column %d designed: cond %.3g, smallest gap %.3g", j,
+                  np.linalg.cond((keys - q) @ basis),
+                  min(_smallest_gap(y_rough @ (k - q)) for k in keys))
+        lams = [_around(y_rough @ (key - q), half) for key in keys]
         keys = np.array(keys)
         lam, g, rounding = _send(oracle, w, c, keys, q, np.array(lams))
         counts["designed"] += lam.size
