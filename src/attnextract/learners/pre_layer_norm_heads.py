@@ -74,8 +74,8 @@ log = logging.getLogger(__name__)
 LENGTH = 2048            # longest probe: lambda in +-ln(2047) = +-7.6
 EDGE = 1.5               # steps kept this far inside the window
 SPREAD = 0.6             # designed steps span +-SPREAD x the half window
-MIN_GAP = 0.9            # a base pair's steps closer than this (in lambda) crowd
-CROWDED_TRIES = 8        # ... the widest gap after this many scans is taken,
+MIN_GAP = 0.6            # a base pair's steps closer than this (in lambda) crowd
+CROWDED_TRIES = 4        # ... the widest gap after this many scans is taken,
 LEAST_GAP = 0.05         # if at least this
 MOVE = 0.15              # perturbations move a step by at most this x the smallest gap
 MAX_ATTEMPTS = 24        # base scans per column (chord rescaled or direction redrawn)
