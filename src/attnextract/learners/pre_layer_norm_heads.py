@@ -65,7 +65,8 @@ from ..oracle import Oracle
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report,
                       checked_result, verification_count)
 from .multi_head.design import copy_counts, measure, probe_lengths, realised_lambda
-from .multi_head.fit import fit_logits, levenberg_marquardt, rational_steps, sigmoid_and_slope
+from .multi_head.fit import (fit_logits, levenberg_marquardt, rational_steps,
+                             sigmoid_and_slope, unit_std)
 from .pre_layer_norm import (INVARIANCE_SHARE, column_probes, hyperplane_basis,
                              simplex_columns, verify_on_sphere)
 
@@ -82,6 +83,8 @@ MAX_ATTEMPTS = 24        # base scans per column (chord rescaled or direction re
 FIT_NOISE = 256.0        # a fit reaches the answers' precision: rms <= this x ulps
 FIXED_SHARE = 0.75       # a designed key's part fixed by its steps: at most this x R (the
                          # free rest, in the steps' null space, keeps the keys' U conditioned)
+MAX_RELABEL = 6          # rounds of relabelling the designed pairs from their solves
+EXTRA_KEYS = 1.0         # designed keys per column: (1 + this) m
 GOOD_GAP = 1.5           # designed steps this far apart (in lambda) are apart enough
 DESIGN_CANDIDATES = 256  # random keys scored per designed key
 CANDIDATES = 32          # random free parts tried per designed key
@@ -92,6 +95,12 @@ def parameter_count(heads: int, dim: int) -> int:
     """Numbers identified on the sphere: H (m^2 + 2m) + m + 1, m = d - 1."""
     m = dim - 1
     return heads * (m * m + 2 * m) + m + 1
+
+
+def design_count(m: int) -> int:
+    """Designed keys per column: more than the m a square solve needs, so that U (random
+    keys, greedily chosen) is well conditioned in least squares."""
+    return m + math.ceil(EXTRA_KEYS * m)
 
 
 def base_samples(heads: int) -> int:
@@ -148,6 +157,30 @@ def _around(t: np.ndarray, half: float) -> np.ndarray:
     s = np.sort(-t)
     lam = np.concatenate([s - 0.6, s + 0.6, (s[1:] + s[:-1]) / 2, [-half + 0.3, half - 0.3]])
     return np.sort(np.clip(lam, -half, half))
+
+
+def _label(t: np.ndarray, h: np.ndarray, t_pred: np.ndarray, h_pred: np.ndarray):
+    """Fitted steps (n, H) of n pairs, reordered so that column k is head k's: the
+    assignment to the predicted steps (positions, and heights against the pair's largest
+    predicted height) of least total distance."""
+    t, h = t.copy(), h.copy()
+    for i in range(len(t)):
+        top = max(float(np.abs(h_pred[i]).max()), 1e-300)
+        _, order = linear_sum_assignment(np.abs(t_pred[i][:, None] - t[i][None, :])
+                                         + np.abs(h_pred[i][:, None] - h[i][None, :]) / top)
+        t[i], h[i] = t[i][order], h[i][order]
+    return t, h
+
+
+def _step_std(lam: np.ndarray, t: np.ndarray, h: np.ndarray, noise: float,
+              heights: bool = True):
+    """First-order standard deviations of one pair's steps (t (H,), h (H,)) at output
+    noise ``noise``: (std_t, std_h), or std_t alone with the heights known."""
+    s, ds = sigmoid_and_slope(t[None, :] + lam[:, None])
+    J = np.hstack([ds * h[None, :], s]) if heights else ds * h[None, :]
+    std = np.maximum(unit_std(J), 1e-300) * max(noise, 1e-300)
+    H = t.size
+    return (std[:H], std[H:]) if heights else std
 
 
 def _smallest_gap(x: np.ndarray) -> float:
@@ -272,8 +305,9 @@ def extract_pre_layer_norm_heads(oracle: Oracle, heads: int, *, seed=None,
     designed = []                           # per column: (keys, lam, g, rounding)
 
     def solve(U, T):
-        """y (k, d) in 1^perp with U y_i = T[:, i] (U (m, d) rows in 1^perp)."""
-        return (basis @ np.linalg.solve(U @ basis, T)).T
+        """y (k, d) in 1^perp with U y_i = T[:, i] (U (n, d), n >= m rows spanning 1^perp;
+        least squares for n > m)."""
+        return (basis @ np.linalg.lstsq(U @ basis, T, rcond=None)[0]).T
 
     for j in range(d):
         q = Q[:, j]
@@ -382,7 +416,7 @@ def extract_pre_layer_norm_heads(oracle: Oracle, heads: int, *, seed=None,
             V_rough = solve(Urows, C)
         # 3. designed pairs: steps apart, heights not small, U well conditioned
         chord = float(np.linalg.norm(a0 - q)) / R
-        keys = design_keys(q, y_rough, V_rough, chord, m, half, rng)
+        keys = design_keys(q, y_rough, V_rough, chord, design_count(m), half, rng)
         log.debug("column %d designed: cond %.3g, smallest gap %.3g", j,
                   np.linalg.cond((keys - q) @ basis),
                   min(_smallest_gap(y_rough @ (k - q)) for k in keys))
@@ -392,28 +426,66 @@ def extract_pre_layer_norm_heads(oracle: Oracle, heads: int, *, seed=None,
         counts["designed"] += lam.size
         designed.append((keys, lam, g, rounding, y_rough))
 
-    # 4. heights from every designed pair, then the logits with the heights known
-    U_all, C_all, T_all = [], [], []
+    # 4. labels, heights and logits. Each pair is fitted from its predicted steps (free
+    # when that start was too far off); which fitted step is which head is the assignment
+    # to the prediction (position and height at once), first from the rough estimates,
+    # then, until no label changes, from the solves of every column's pairs (more pairs
+    # than unknowns: a mislabelled pair disagrees with the others)
+    raw = []                                 # per column: U (n, d), t (n, H), h (n, H)
     for j, (keys, lam, g, rounding, y_rough) in enumerate(designed):
         U = keys - Q[:, j]
+        t_col, h_col = np.empty((len(keys), count)), np.empty((len(keys), count))
         for i in range(len(keys)):
-            t_pred = U[i] @ y_rough.T
-            t, h, rms = _fit(lam[i], g[i], t_pred, V_rough @ U[i])
-            if rms > FIT_NOISE * rounding[i].max() or np.max(np.abs(t - t_pred)) > 0.4:
-                raise RecoveryFailedError(
-                    f"column {j}: a designed pair's steps did not fit where predicted "
-                    f"(rms {rms:.2g}, steps off by {np.max(np.abs(t - t_pred)):.2g})")
-            U_all.append(U[i]); C_all.append(h); T_all.append(t)
-    U_all, C_all = np.array(U_all), np.array(C_all)
-    V = (basis @ np.linalg.lstsq(U_all @ basis, C_all, rcond=None)[0]).T      # (count, d)
-    T_all = np.array(T_all)
-    offset = 0
-    for j, (keys, lam, g, rounding, _) in enumerate(designed):
-        U = keys - Q[:, j]
-        heights = U @ V.T
-        t = fit_logits(lam, g, heights, T_all[offset:offset + m], bound=0.4)
-        offset += m
-        Y[j, :count] = solve(U, t)
+            t_pred, h_pred = U[i] @ y_rough.T, V_rough @ U[i]
+            t, h, rms = _fit(lam[i], g[i], t_pred, h_pred)
+            if rms > FIT_NOISE * rounding[i].max():       # a start too far off: free fit
+                free = _free_fit(lam[i], g[i], count, half)
+                if free[2] < rms:
+                    t, h, rms = free
+            if rms > FIT_NOISE * rounding[i].max():
+                raise ModelMismatchError(
+                    f"the black box is not a pre-LayerNorm block of at most {H} heads: a "
+                    f"pair's copy-count scan at column {j} fits no {count} sigmoid steps "
+                    f"(rms {rms:.2g} against a precision of {rounding[i].max():.2g})")
+            t_col[i], h_col[i] = t, h
+        raw.append((U, t_col, h_col))
+    lams = [lam for _, lam, _, _, _ in designed]
+    noises = [rounding.max(axis=1) for _, _, _, rounding, _ in designed]
+
+    def weighted(U, T, S):
+        """y (k, d) in 1^perp from U y_k = T[:, k], row i weighted by 1 / S[i, k]: a pair
+        whose steps nearly coincide pins their logits and heights poorly."""
+        out = np.empty((T.shape[1], d))
+        for k in range(T.shape[1]):
+            w8 = 1.0 / S[:, k]
+            out[k] = basis @ np.linalg.lstsq((U @ basis) * w8[:, None], T[:, k] * w8,
+                                             rcond=None)[0]
+        return out
+
+    def stds(j, T, C):
+        both = [_step_std(lams[j][i], T[i], C[i], noises[j][i]) for i in range(len(T))]
+        return np.array([b[0] for b in both]), np.array([b[1] for b in both])
+
+    labelled = [(U, *_label(t_col, h_col, U @ y_rough.T, U @ V_rough.T))
+                for (U, t_col, h_col), (_, _, _, _, y_rough) in zip(raw, designed)]
+    for _ in range(MAX_RELABEL):
+        spreads = [stds(j, T, C) for j, (_, T, C) in enumerate(labelled)]
+        V = weighted(np.concatenate([U for U, _, _ in labelled]),
+                     np.concatenate([C for _, _, C in labelled]),
+                     np.concatenate([sc for _, sc in spreads]))
+        relabelled = [(U, *_label(t_col, h_col, U @ weighted(U, T, st).T, U @ V.T))
+                      for (U, t_col, h_col), (_, T, _), (st, _) in zip(raw, labelled, spreads)]
+        changed = any(np.any(a[1] != b[1]) for a, b in zip(relabelled, labelled))
+        labelled = relabelled
+        if not changed:
+            break
+    for j, ((keys, lam, g, rounding, _), (U, T, _)) in enumerate(zip(designed, labelled)):
+        t = fit_logits(lam, g, U @ V.T, T, bound=0.5)
+        st = np.array([_step_std(lam[i], t[i], U[i] @ V.T, noises[j][i], heights=False)
+                       for i in range(len(t))])
+        Y[j, :count] = weighted(U, t, st)
+        log.debug("column %d: largest weighted residual of the pairs' logits %.2g", j,
+                  np.max(np.abs(U @ Y[j, :count].T - t) / st))
     Y = Y[:, :count]
     b = Y.mean(axis=0)                                        # (count, d)
     W = (m / (R * R * d)) * np.einsum("jhd,ej->hde", Y, Q)
