@@ -84,7 +84,7 @@ FIT_NOISE = 256.0        # a fit reaches the answers' precision: rms <= this x u
 FIXED_SHARE = 0.75       # a designed key's part fixed by its steps: at most this x R (the
                          # free rest, in the steps' null space, keeps the keys' U conditioned)
 MAX_RELABEL = 6          # rounds of relabelling the designed pairs from their solves
-EXTRA_KEYS = 1.0         # designed keys per column: (1 + this) m
+EXTRA_KEYS = 0.5         # designed keys per column: (1 + this) m
 GOOD_GAP = 1.5           # designed steps this far apart (in lambda) are apart enough
 DESIGN_CANDIDATES = 256  # random keys scored per designed key
 CANDIDATES = 32          # random free parts tried per designed key
@@ -289,7 +289,7 @@ def extract_pre_layer_norm_heads(oracle: Oracle, heads: int, *, seed=None,
     basis = hyperplane_basis(d)
     Q = simplex_columns(d, R, rng)
     floor = parameter_count(H, d)
-    planned = d + d * (base_samples(H) + (m - 1) * (3 * H + 2) + m * (3 * H + 1))
+    planned = d + d * (base_samples(H) + (m - 1) * (3 * H + 2) + design_count(m) * (3 * H + 1))
     n_verify = verification_count(floor, floor)
     n_invariance = max(4, int(INVARIANCE_SHARE * n_verify))
     oracle.plan(planned + n_verify + n_invariance,
