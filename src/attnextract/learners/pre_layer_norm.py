@@ -343,14 +343,17 @@ def extract_pre_layer_norm(oracle: Oracle, heads: int | None = None, *, seed=Non
     try:
         return checked_result(model, report, "a pre-LayerNorm attention head")
     except ModelMismatchError as exc:
-        if verification.family_errors.get("invariance", 0.0) > verification.tolerance:
-            exc.args = (f"{exc.args[0]}; off the sphere, rescaling the tokens or shifting "
-                        f"them along (1, ..., 1) changed the answers: no LayerNorm in front "
-                        f"of the attention, or an eps too large for tokens of norm {R:.3g} "
-                        f"(try a larger --radius)",)
-        else:
-            exc.args = (f"{exc.args[0]}; a block with several heads needs heads=H "
-                        f"(--heads H)",)
+        families = verification.family_errors
+        on_sphere = max((e for f, e in families.items() if f != "invariance"), default=0.0)
+        hints = []
+        if on_sphere > verification.tolerance:
+            hints.append("if the block has several heads, pass heads=H (--heads H)")
+        if families.get("invariance", 0.0) > verification.tolerance:
+            hints.append(f"off the sphere, rescaling the tokens or shifting them along "
+                         f"(1, ..., 1) changed the answers: no LayerNorm in front of the "
+                         f"attention, or an eps too large for tokens of norm {R:.3g} (try a "
+                         f"larger --radius)")
+        exc.args = ("; ".join([exc.args[0]] + hints),)
         raise
 
 
@@ -372,8 +375,8 @@ def _require_finite(t: np.ndarray, where: str, *answers) -> None:
     if not np.all(np.isfinite(t)):
         raise ModelMismatchError(
             f"the black box is not a pre-LayerNorm attention head: its pair probes of "
-            f"{where} imply no attention weight in (0, 1) (or saturate at every chord); a "
-            f"block with several heads needs heads=H (--heads H)")
+            f"{where} imply no attention weight in (0, 1) (or saturate at every chord); if the "
+            f"block has several heads, pass heads=H (--heads H)")
 
 
 def sphere_tokens(count: int, dim: int, radius: float, rng: np.random.Generator) -> np.ndarray:
