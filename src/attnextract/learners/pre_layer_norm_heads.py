@@ -191,10 +191,12 @@ def _smallest_gap(x: np.ndarray) -> float:
 def design_keys(q: np.ndarray, Y: np.ndarray, V: np.ndarray, chord: float, count: int,
                 half: float, rng: np.random.Generator) -> np.ndarray:
     """``count`` keys (count, d) on q's sphere for pairs with the column q (d,), chosen
-    greedily among random ones (no query): each maximises the product of its predicted
-    steps' smallest gap (t_h = (a - q)^T y_h; up to GOOD_GAP, and within 0.8 of the best
-    candidate's: close steps are what no fit splits), then its smallest height |(a - q)^T v_h| / |v_h| (against R chord / 4) and the part of
-    u = a - q outside the span of the keys chosen before (against |u|).
+    greedily among random ones (no query), from Y (H, d) = rough y_h(q) and V (H, d) =
+    rough v_h. Each key first keeps its predicted steps apart (t_h = (a - q)^T y_h:
+    smallest gap up to GOOD_GAP, within 0.8 of the best candidate's, all inside the
+    window; close steps are what no fit splits), then maximises its smallest height
+    |(a - q)^T v_h| / |v_h| (against R chord / 4) times the part of u = a - q outside
+    the span of the keys chosen before (against |u|).
 
     Linear conditions cannot place the steps: the part of a they fix is about q's part
     in span(y_h), often most of R, and the rest (the keys' spread outside that span)
@@ -345,13 +347,14 @@ def extract_pre_layer_norm_heads(oracle: Oracle, heads: int, *, seed=None,
                 if fits[k][2] <= allowed:
                     break
             k, (t, h, rms) = min(fits.items(), key=lambda item: item[1][2])
-            log.debug("column %d attempt %d kappa %.3g: %d steps t %s h %s rms %.3g allowed %.3g", j, attempt, kappa, k, t, h, rms, allowed)
+            log.debug("column %d, scan %d at chord %.3g: %d steps at %s, rms %.2g (allowed %.2g)",
+                      j, attempt, kappa, k, np.round(-t, 2), rms, allowed)
             if rms > allowed:
                 # steps beyond the window fit badly: a shorter chord (or not the class)
-                if attempt >= MAX_ATTEMPTS // 2 and count is None:
+                if attempt >= MAX_ATTEMPTS // 2:
                     raise ModelMismatchError(
                         f"the black box is not a pre-LayerNorm block of at most {H} heads: "
-                        f"no pair's copy-count scan fits {H} sigmoid steps (rms {rms:.2g} "
+                        f"no pair's copy-count scan fits {count or H} sigmoid steps (rms {rms:.2g} "
                         f"against a precision of {allowed:.2g})")
                 kappa *= 0.5
                 continue
@@ -385,9 +388,10 @@ def extract_pre_layer_norm_heads(oracle: Oracle, heads: int, *, seed=None,
         gap = _smallest_gap(t0) if count > 1 else 1.0
         u0 = a0 - q
         ynorm = 3.0 * float(np.max(np.abs(t0))) / np.linalg.norm(u0) + 1e-300
-        tangents = np.linalg.qr(np.column_stack([a0, np.ones(d), rng.standard_normal((d, m - 1))]))[0][:, 2:]
+        frame = np.column_stack([a0, np.ones(d), rng.standard_normal((d, m - 1))])
+        tangents = np.linalg.qr(frame)[0][:, 2:]            # orthogonal to a0 and to 1
         eps = np.full(m - 1, MOVE * gap / (R * ynorm))
-        T = np.empty((m, count)); C = np.empty((m, count)); Urows = np.empty((m, d))
+        T, C, Urows = np.empty((m, count)), np.empty((m, count)), np.empty((m, d))
         T[0], C[0], Urows[0] = t0, h0, u0
         todo = np.arange(m - 1)
         for _ in range(8):
@@ -410,8 +414,8 @@ def extract_pre_layer_norm_heads(oracle: Oracle, heads: int, *, seed=None,
         if todo.size:
             raise RecoveryFailedError(f"column {j}: perturbed pairs lost their steps' labels")
         y_rough = solve(Urows, T)                             # (count, d)
-        log.debug("column %d: base gap %.3g, eps %s, rough y %s", j, gap, eps.min(),
-                  np.round(y_rough @ q, 4))
+        log.debug("column %d: base steps' smallest gap %.3g, perturbations %.2g", j, gap,
+                  eps.min())
         if V_rough is None:
             V_rough = solve(Urows, C)
         # 3. designed pairs: steps apart, heights not small, U well conditioned
