@@ -14,8 +14,8 @@ plain biased multi-head attention plus the residual (no LayerNorm), and a block 
 LayerNorm (impostors.BehindLayerNorm on the H-head block), d = 8, a few seeds: refused,
 unless its difference never shows on LayerNorm's image.
 
-Run:  nice -n 10 python benchmarks/bench_pre_ln_heads.py [--seeds 20] [--zoo-seeds 3]
-      [--out preln_heads]
+Run:  nice -n 10 python benchmarks/bench_pre_ln_heads.py [--seeds 20] [--refusal-seeds 20]
+      [--zoo-seeds 3] [--parts grid refusals zoo] [--out preln_heads]
 (1 BLAS thread: OPENBLAS_NUM_THREADS=1). Writes benchmarks/results/NAME.json and .md.
 """
 
@@ -175,24 +175,30 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--heads", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--dims", type=int, nargs="+", default=[8, 16])
+    parser.add_argument("--refusal-seeds", type=int, default=20)
     parser.add_argument("--zoo-seeds", type=int, default=3)
+    parser.add_argument("--parts", nargs="+", default=["grid", "refusals", "zoo"],
+                        choices=["grid", "refusals", "zoo"])
     parser.add_argument("--out", default="preln_heads")
     args = parser.parse_args()
     cells = [(H, d) for H in args.heads for d in args.dims]
-    rows = [run(H, d, s) for H, d in cells for s in range(args.seeds)]
-    refusals = [refusal(k, H, d, s)
-                for k in ("post-LN", "plain attention + residual", "twice the heads told")
-                for H, d in cells for s in range(args.seeds)]
+    rows = ([run(H, d, s) for H, d in cells for s in range(args.seeds)]
+            if "grid" in args.parts else [])
+    refusals = ([refusal(k, H, d, s)
+                 for k in ("post-LN", "plain attention + residual", "twice the heads told")
+                 for H, d in cells for s in range(args.refusal_seeds)]
+                if "refusals" in args.parts else [])
     from attnextract.adapters.impostors import zoo
     names = list(zoo(BiasedMultiHeadAttention(np.stack([np.eye(4)] * 2), np.ones((2, 4)),
                                               np.ones((2, 4)), 0.0)))
-    zoo_rows = [zoo_run(n, H, 8, s) for n in names for H in args.heads
-                for s in range(args.zoo_seeds)]
+    zoo_rows = ([zoo_run(n, H, 8, s) for n in names for H in args.heads
+                 for s in range(args.zoo_seeds)] if "zoo" in args.parts else [])
     out = Path(__file__).parent / "results" / args.out
     meta = {"command": f"OPENBLAS_NUM_THREADS=1 nice -n 10 python benchmarks/bench_pre_ln_heads.py "
                        f"--seeds {args.seeds} --heads {' '.join(map(str, args.heads))} "
-                       f"--dims {' '.join(map(str, args.dims))} --zoo-seeds {args.zoo_seeds} "
-                       f"--out {args.out}",
+                       f"--dims {' '.join(map(str, args.dims))} --refusal-seeds "
+                       f"{args.refusal_seeds} --zoo-seeds {args.zoo_seeds} "
+                       f"--parts {' '.join(args.parts)} --out {args.out}",
             "threads": os.environ.get("OPENBLAS_NUM_THREADS"), "machine": platform.machine(),
             "load": os.getloadavg()}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "runs": rows,
@@ -201,15 +207,17 @@ def main() -> None:
     refused = {}
     for r in refusals:
         refused.setdefault((r["impostor"], r["H"], r["d"]), []).append(r["refused"])
+    title = (f"{args.seeds} seeds per cell" if rows else
+             f"boxes outside the class, {args.refusal_seeds} seeds per cell")
     lines = [f"# Pre-LayerNorm blocks with several heads on the sphere "
-             f"(`--model pre-ln --heads H`), {args.seeds} seeds per cell", "",
+             f"(`--model pre-ln --heads H`), {title}", "",
              f"Command: `{meta['command']}` (load average at the end {meta['load'][0]:.1f} "
              "on 2 shared cores; CPU seconds are process time, one BLAS thread, "
              "verification included).", "",
              "Errors: the largest relative error of P W_h P, P b_h, P v_h (heads matched), "
              "P r and c against `PreLayerNormAttention.on_sphere`; queries / identified "
              "counts the recovery (verification apart) against H (m^2 + 2m) + m + 1.", ""]
-    lines += table(rows)
+    lines += table(rows) if rows else ["(grid not run in this part)"]
     failed = [r for r in rows if "refused" in r]
     if failed:
         lines += ["", "Refused in-class runs:", ""]
@@ -225,7 +233,7 @@ def main() -> None:
               "", "| impostor | " + " | ".join(f"H = {H} refused | H = {H} outside"
                                               for H in args.heads) + " | wrong verdicts |",
               "|---|" + "---|---|" * len(args.heads) + "---|"]
-    for name in names:
+    for name in (names if zoo_rows else []):
         cells_z = [[r for r in zoo_rows if r["zoo"] == name and r["H"] == H] for H in args.heads]
         wrong = sum((r["in_class"] is False and not r["refused"])
                     or (r["in_class"] is True and r["refused"]) for c in cells_z for r in c)
