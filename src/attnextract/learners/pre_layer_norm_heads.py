@@ -24,10 +24,11 @@ points of S, the only knob the angle to q (LayerNorm divides each token by its n
 Algorithm, per column q_j (the d vertices of a random regular simplex on S):
 
 1. Base pair: a key a_0 at chord |a_0 - q_j| = kappa R in a random tangent direction,
-   scanned on a uniform lambda grid (BASE_SAMPLES(H) probes of up to LENGTH tokens);
+   scanned on a uniform lambda grid (8H + 8 probes of up to LENGTH tokens);
    the fewest steps that fit to the answers' precision is the count (column 0 sets it,
    every other column must agree). The chord is rescaled (new scan) until the steps
-   lie inside the window, and the direction redrawn until no two crowd.
+   lie inside the window, and the direction redrawn while two crowd (after
+   CROWDED_TRIES scans the widest gap seen is taken: the sphere bounds the logits).
 2. Perturbations: m - 1 keys a_k = a_0 moved by eps R along an orthonormal tangent
    basis at a_0, sampled around the base steps (3H + 2 probes each) and fitted from the
    base steps, so every step keeps its label; the pairs' differences u_k = a_k - q_j
@@ -35,14 +36,20 @@ Algorithm, per column q_j (the d vertices of a random regular simplex on S):
    and v_h (to about the answers' precision over eps). Columns j >= 1 label their base
    steps by their heights predicted from column 0's v_h (the base key is chosen among
    random ones for well separated predicted heights).
-3. Designed pairs: m keys per column placed so that head h's step falls at an evenly
-   spaced position (a random order and shift per key): the keys solve
-   a^T y_h = t_h + q_j^T y_h (H linear conditions), 1^T a = 0 and |a| = R, the free
-   part drawn for the largest smallest height. Each is sampled at its predicted steps
-   +-0.6, the midpoints and both ends (3H + 1 probes) and fitted from the prediction.
-4. v_h by least squares over every designed pair's heights; the logits refitted with
-   those heights; y_h(q_j) = U_j^-1 t_h; then b_h = mean_j y_h(q_j) and
-   W_h = m / (R^2 d) sum_j y_h(q_j) q_j^T (the simplex's exact affine solve), r = w - sum_h v_h.
+3. Designed pairs: ceil(1.5 m) keys per column, chosen greedily among random keys
+   (:func:`design_keys`, no query) for predicted steps apart, heights not small and a
+   well conditioned U. Each is sampled at its predicted steps +-0.6, the midpoints and
+   both ends (3H + 1 probes) and fitted from the prediction (free when that start
+   ends above the answers' precision).
+4. Labels: each pair's fitted steps are assigned to heads by position and height
+   against the prediction (:func:`_label`), first the rough one, then, until no label
+   changes, the solves of all pairs (more pairs than unknowns: a mislabelled pair
+   disagrees). Every solve is weighted by each fit's first-order standard deviation
+   (:func:`_step_std`): two nearly coincident steps pin their logits and heights poorly.
+   v_h from every pair's heights; the logits refitted with the heights known;
+   y_h(q_j) per column; then b_h = mean_j y_h(q_j) and
+   W_h = m / (R^2 d) sum_j y_h(q_j) q_j^T (the simplex's exact affine solve),
+   r = w - sum_h v_h.
 
 Verification as for one head (:func:`.pre_layer_norm.verify_on_sphere`): held-out
 sequences on S against the model, and rescaled or shifted copies off S against the
