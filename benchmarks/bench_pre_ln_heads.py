@@ -16,6 +16,7 @@ unless its difference never shows on LayerNorm's image.
 
 Run:  nice -n 10 python benchmarks/bench_pre_ln_heads.py [--seeds 20] [--refusal-seeds 20]
       [--zoo-seeds 3] [--parts grid refusals zoo] [--out preln_heads]
+      [--markdown RESULT.json] (only the markdown again)
 (1 BLAS thread: OPENBLAS_NUM_THREADS=1). Writes benchmarks/results/NAME.json and .md.
 """
 
@@ -180,7 +181,13 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", default=["grid", "refusals", "zoo"],
                         choices=["grid", "refusals", "zoo"])
     parser.add_argument("--out", default="preln_heads")
+    parser.add_argument("--markdown", metavar="JSON",
+                        help="only write the markdown of this results file again")
     args = parser.parse_args()
+    if args.markdown:
+        path = Path(args.markdown)
+        path.with_suffix(".md").write_text(render(json.loads(path.read_text())))
+        return
     cells = [(H, d) for H in args.heads for d in args.dims]
     rows = ([run(H, d, s) for H, d in cells for s in range(args.seeds)]
             if "grid" in args.parts else [])
@@ -204,45 +211,68 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "runs": rows,
                                                     "refusals": refusals, "zoo": zoo_rows},
                                                    indent=1, default=str))
-    refused = {}
-    for r in refusals:
-        refused.setdefault((r["impostor"], r["H"], r["d"]), []).append(r["refused"])
-    title = (f"{args.seeds} seeds per cell" if rows else
-             f"boxes outside the class, {args.refusal_seeds} seeds per cell")
+    out.with_suffix(".md").write_text(render({"meta": meta, "runs": rows,
+                                              "refusals": refusals, "zoo": zoo_rows}))
+    print(out.with_suffix(".md").read_text())
+
+
+def render(data: dict) -> str:
+    """The markdown of a results file (its JSON: meta, runs, refusals, zoo); parts not
+    run are left out."""
+    meta, rows, refusals, zoo_rows = data["meta"], data["runs"], data["refusals"], data["zoo"]
+    what = []
+    if rows:
+        what.append(f"{len({r['seed'] for r in rows})} seeds per cell")
+    if refusals:
+        what.append(f"boxes outside the class ({len({r['seed'] for r in refusals})} seeds "
+                    f"per cell)")
+    if zoo_rows:
+        what.append("the impostor zoo")
     lines = [f"# Pre-LayerNorm blocks with several heads on the sphere "
-             f"(`--model pre-ln --heads H`), {title}", "",
+             f"(`--model pre-ln --heads H`): {', '.join(what)}", "",
              f"Command: `{meta['command']}` (load average at the end {meta['load'][0]:.1f} "
              "on 2 shared cores; CPU seconds are process time, one BLAS thread, "
-             "verification included).", "",
-             "Errors: the largest relative error of P W_h P, P b_h, P v_h (heads matched), "
-             "P r and c against `PreLayerNormAttention.on_sphere`; queries / identified "
-             "counts the recovery (verification apart) against H (m^2 + 2m) + m + 1.", ""]
-    lines += table(rows) if rows else ["(grid not run in this part)"]
-    failed = [r for r in rows if "refused" in r]
-    if failed:
-        lines += ["", "Refused in-class runs:", ""]
-        lines += [f"- H = {r['H']}, d = {r['d']}, seed {r['seed']}: {r['refused']}"
-                  for r in failed]
-    lines += ["", "Boxes outside the class (each must be refused):", "",
-              "| impostor | H | d | refused |", "|---|---|---|---|"]
-    lines += [f"| {k} | {H} | {d} | {sum(v)} of {len(v)} |" for (k, H, d), v in refused.items()]
-    lines += ["", f"The impostor zoo behind the block's LayerNorm, d = 8, {args.zoo_seeds} "
-              "seeds per H: refused of runs; outside = the impostor surely changes the block "
-              "on LayerNorm's image (clipping whose level may engage is left undecided). "
-              "Wrong verdicts: accepted while surely outside, or refused while surely inside.",
-              "", "| impostor | " + " | ".join(f"H = {H} refused | H = {H} outside"
-                                              for H in args.heads) + " | wrong verdicts |",
-              "|---|" + "---|---|" * len(args.heads) + "---|"]
-    for name in (names if zoo_rows else []):
-        cells_z = [[r for r in zoo_rows if r["zoo"] == name and r["H"] == H] for H in args.heads]
-        wrong = sum((r["in_class"] is False and not r["refused"])
-                    or (r["in_class"] is True and r["refused"]) for c in cells_z for r in c)
-        lines.append(f"| {name} | " + " | ".join(
-            f"{sum(r['refused'] for r in c)} of {len(c)} | "
-            f"{sum(r['in_class'] is False for c_ in [c] for r in c_)}" for c in cells_z)
-            + f" | {wrong} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+             "verification included).", ""]
+    if rows:
+        lines += ["Errors: the largest relative error of P W_h P, P b_h, P v_h (heads "
+                  "matched), P r and c against `PreLayerNormAttention.on_sphere`; queries / "
+                  "identified counts the recovery (verification apart) against "
+                  "H (m^2 + 2m) + m + 1.", ""] + table(rows)
+        failed = [r for r in rows if "refused" in r]
+        if failed:
+            lines += ["", "Refused in-class runs:", ""]
+            lines += [f"- H = {r['H']}, d = {r['d']}, seed {r['seed']}: {r['refused']}"
+                      for r in failed]
+    if refusals:
+        refused = {}
+        for r in refusals:
+            refused.setdefault((r["impostor"], r["H"], r["d"]), []).append(r)
+        lines += ["", "Boxes outside the class (each must be refused), and the refusals' "
+                  "types:", "", "| impostor | H | d | refused | as |", "|---|---|---|---|---|"]
+        for (k, H, d), cell in refused.items():
+            kinds = sorted({r["error"].split(":")[0] for r in cell if r["refused"]})
+            lines.append(f"| {k} | {H} | {d} | {sum(r['refused'] for r in cell)} of "
+                         f"{len(cell)} | {', '.join(kinds)} |")
+    if zoo_rows:
+        heads = sorted({r["H"] for r in zoo_rows})
+        names = list(dict.fromkeys(r["zoo"] for r in zoo_rows))
+        seeds = len({r["seed"] for r in zoo_rows})
+        lines += ["", f"The impostor zoo behind the block's LayerNorm, d = 8, {seeds} "
+                  "seed(s) per H: refused of runs; outside = the impostor surely changes the "
+                  "block on LayerNorm's image (clipping whose level may engage is left "
+                  "undecided). Wrong verdicts: accepted while surely outside, or refused "
+                  "while surely inside.", "",
+                  "| impostor | " + " | ".join(f"H = {H} refused | H = {H} outside"
+                                                for H in heads) + " | wrong verdicts |",
+                  "|---|" + "---|---|" * len(heads) + "---|"]
+        for name in names:
+            cells = [[r for r in zoo_rows if r["zoo"] == name and r["H"] == H] for H in heads]
+            wrong = sum((r["in_class"] is False and not r["refused"])
+                        or (r["in_class"] is True and r["refused"]) for c in cells for r in c)
+            lines.append(f"| {name} | " + " | ".join(
+                f"{sum(r['refused'] for r in c)} of {len(c)} | "
+                f"{sum(r['in_class'] is False for r in c)}" for c in cells) + f" | {wrong} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
