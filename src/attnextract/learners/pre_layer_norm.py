@@ -200,7 +200,7 @@ def extract_pre_layer_norm(oracle: Oracle, heads: int | None = None, *, seed=Non
         or the held-out check on the sphere, or off it (token scale and shift along 1
         must not matter), failed; ``.result`` holds the extraction.
     """
-    if heads is not None and int(heads) != heads or (heads is not None and heads < 1):
+    if heads is not None and (int(heads) != heads or heads < 1):
         raise InputError(f"heads must be a positive integer, got {heads!r}")
     if heads is not None and heads >= 2:
         from .pre_layer_norm_heads import extract_pre_layer_norm_heads
