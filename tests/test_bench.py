@@ -61,6 +61,10 @@ def test_bench_quick_writes_json_table_and_plots(tmp_path):
     for name, prefix in rows_of.items():
         rows = [r for r in summary["rows"] if r["learner"].startswith(prefix)]
         assert rows and all(r["W_error"] < 1e-9 and r["c_error"] < 1e-9 for r in rows), name
+    pre_ln = [r for r in summary["rows"] if r["learner"].startswith("pre-ln")]
+    assert {r["heads"] for r in pre_ln} == {1, 2, 4}
+    assert all(r["W_error"] < 1e-9 and r["c_error"] < 1e-9 for r in pre_ln)
+    assert all(r["recovery_queries"] <= 1.3 * r["floor"] for r in pre_ln if r["heads"] == 1)
     one_layer = [r for r in summary["rows"] if r["learner"] == "one-layer"]
     assert one_layer and max(r["W_error"] for r in one_layer) < 1e-9
     table = (out / "bench.md").read_text()

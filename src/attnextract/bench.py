@@ -343,6 +343,46 @@ def section_biases(quick: bool, log) -> list[dict]:
 SECTIONS["biases"] = section_biases
 
 
+def section_pre_ln(quick: bool, log) -> list[dict]:
+    """Pre-LayerNorm blocks (GPT-2 style, every bias) on the sphere where LayerNorm is
+    affine (--model pre-ln [--heads H]): what is identified there, P W_h P, P b_h, P v_h
+    (heads matched), P r and c, against H (m^2 + 2m) + m + 1 (m = d - 1; d^2 + d - 1
+    for one head). ``W_error`` is the largest of those relative errors."""
+    import itertools
+    from .adapters.targets import random_pre_layer_norm
+
+    def errors(target):
+        truth = target.on_sphere(np.sqrt(target.dim))
+
+        def run(model):
+            if model.heads != truth.heads:
+                return {"W_error": float("inf")}
+            best = min((max(_rel(model.W[list(p)], truth.W), _rel(model.b[list(p)], truth.b),
+                            _rel(model.v[list(p)], truth.v))
+                        for p in itertools.permutations(range(truth.heads))))
+            return {"W_error": max(best, _rel(model.r, truth.r)),
+                    "c_error": abs(model.c - truth.c) / max(abs(truth.c),
+                                                           float(np.linalg.norm(truth.v)))}
+        return run
+
+    rows = []
+    cells = ([(1, 8), (1, 16), (2, 8), (4, 16)] if quick else
+             [(1, 8), (1, 16), (1, 32), (1, 64), (2, 8), (2, 16), (4, 8), (4, 16)])
+    for H, d in cells:
+        target = random_pre_layer_norm(H, d, seed=d)
+        m = d - 1
+        rows.append(measure("pre-ln" if H == 1 else f"pre-ln (H = {H})", d, target,
+                            lambda oracle: extract(oracle, "pre-ln", heads=H, seed=d),
+                            floor=H * (m * m + 2 * m) + m + 1, paper_count=None, heads=H,
+                            error=errors(target)))
+        log(f"pre-ln H={H} d={d}: {rows[-1]['recovery_queries']} queries "
+            f"(identified {rows[-1]['floor']}), error {rows[-1]['W_error']:.1e}")
+    return rows
+
+
+SECTIONS["pre-ln"] = section_pre_ln
+
+
 def markdown(rows: list[dict]) -> str:
     """Markdown tables: one per learner (by d), then the surrogate comparison."""
     out = []

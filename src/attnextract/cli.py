@@ -221,10 +221,11 @@ def _add_learner_options(ex) -> None:
                           "paper's Gaussian rank-one projections (default: adaptive)")
     low.add_argument("--oversampling", type=float, metavar="C",
                      help="rop: C in m = C r 2d measurements (default 2)")
-    multi = ex.add_argument_group("--model multi-head, transformer-layer")
+    multi = ex.add_argument_group("--model multi-head, transformer-layer, pre-ln")
     multi.add_argument("--heads", type=_positive_int,
                        help="the model's number of heads, an upper bound on the canonical "
-                            "heads (default: detected)")
+                            "heads (default: detected; pre-ln: 1, a block with more is "
+                            "refused)")
     multi.add_argument("--precision", choices=["full", "fast"],
                        help="multi-head: full spends what paper 2's count leaves on a last "
                             "round (short probes for float64 answers, else wide columns) for "

@@ -240,8 +240,8 @@ register("transformer-layer", _L + "transformer_layer:extract_transformer_layer"
          "multi-head attention then a ReLU feed-forward network, biases detected "
          "(optionally residual)")
 register("pre-ln", _L + "pre_layer_norm:extract_pre_layer_norm",
-         "a pre-LayerNorm attention head (GPT-2 style) on the sphere where LayerNorm is "
-         "affine, at d^2 + d - 1 queries")
+         "a pre-LayerNorm attention block (GPT-2 style) on the sphere where LayerNorm is "
+         "affine: one head at d^2 + d - 1 queries, or H heads (heads=H)")
 register("noisy", _L + "noisy:extract_noisy",
          "one head from outputs accurate to +-tolerance, with error bars", hidden=True)
 register("sign-only", _L + "sign_only:extract_sign_only",

@@ -721,14 +721,16 @@ def run_impostor(learner: str, name: str, d: int, seed: int, recovery: int):
 
 
 class BehindLayerNorm:
-    """A zoo impostor as the attention of a pre-LayerNorm block:
+    """A zoo impostor as the attention of a pre-LayerNorm block (one head or several):
     f(X) = r^T x_N + impostor(LN(X)), with the block's LN and residual readout. An
     impostor whose difference never shows on LayerNorm's image (tokens of norm about
     sqrt(d) |gamma|) is then the block itself, and is in the ``pre-ln`` class."""
 
     def __init__(self, block, name: str, rng: np.random.Generator, recovery_queries: int):
-        from ..models import layer_norm
-        head = BiasedSingleHeadAttention(block.W[0], block.v[0], block.b[0], block.c)
+        from ..models import BiasedMultiHeadAttention, layer_norm
+        head = (BiasedSingleHeadAttention(block.W[0], block.v[0], block.b[0], block.c)
+                if block.W.shape[0] == 1 else
+                BiasedMultiHeadAttention(block.W, block.v, block.b, block.c))
         self.block, self.layer_norm, self.dim = block, layer_norm, block.dim
         self.inner = make_impostor(name, head, rng, recovery_queries)
         self.reason = self.inner.reason

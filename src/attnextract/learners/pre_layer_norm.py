@@ -38,7 +38,8 @@ tilted towards v.
 
 Verification (:func:`verify_on_sphere`): held-out sequences on S against the model, at
 10 x its error bound, and rescaled or shifted copies off S against the box's own answers
-(a box with LayerNorm in front cannot see either). Several heads are not modelled.
+(a box with LayerNorm in front cannot see either). Several heads:
+:mod:`.pre_layer_norm_heads` (``heads`` >= 2).
 """
 
 from __future__ import annotations
@@ -161,16 +162,21 @@ def two_count_logits(g1: np.ndarray, g2: np.ndarray) -> tuple[np.ndarray, np.nda
     return h, t
 
 
-def extract_pre_layer_norm(oracle: Oracle, *, seed=None,
+def extract_pre_layer_norm(oracle: Oracle, heads: int | None = None, *, seed=None,
                            verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                            radius: float | None = None) -> ExtractionResult:
-    """Recover a pre-LayerNorm attention block (one head) on the sphere where LN is affine.
+    """Recover a pre-LayerNorm attention block on the sphere where LN is affine.
+
+    One head (``heads`` None or 1) here, at d^2 + d - 1 queries; ``heads`` >= 2 runs
+    :func:`attnextract.learners.pre_layer_norm_heads.extract_pre_layer_norm_heads`.
 
     Parameters
     ----------
     oracle : Oracle
         Door to the black box f(X) = r^T x_N + softmax(Y (W y_N + b))^T Y v + c with
         Y = LN(X) (:class:`attnextract.models.PreLayerNormAttention`, one head).
+    heads : int, optional
+        The block's number of heads (default 1: a block with more is refused).
     seed : int, optional
         Seed of the simplex's rotation and of the held-out verification.
     verify_tolerance : float
@@ -194,6 +200,12 @@ def extract_pre_layer_norm(oracle: Oracle, *, seed=None,
         or the held-out check on the sphere, or off it (token scale and shift along 1
         must not matter), failed; ``.result`` holds the extraction.
     """
+    if heads is not None and (int(heads) != heads or heads < 1):
+        raise InputError(f"heads must be a positive integer, got {heads!r}")
+    if heads is not None and heads >= 2:
+        from .pre_layer_norm_heads import extract_pre_layer_norm_heads
+        return extract_pre_layer_norm_heads(oracle, int(heads), seed=seed,
+                                            verify_tolerance=verify_tolerance, radius=radius)
     start, start_queries, start_bb = time.perf_counter(), oracle.queries, oracle.black_box_seconds
     d = oracle.dim
     if d < 3:
@@ -331,11 +343,17 @@ def extract_pre_layer_norm(oracle: Oracle, *, seed=None,
     try:
         return checked_result(model, report, "a pre-LayerNorm attention head")
     except ModelMismatchError as exc:
-        if verification.family_errors.get("invariance", 0.0) > verification.tolerance:
-            exc.args = (f"{exc.args[0]}; off the sphere, rescaling the tokens or shifting "
-                        f"them along (1, ..., 1) changed the answers: no LayerNorm in front "
-                        f"of the attention, or an eps too large for tokens of norm {R:.3g} "
-                        f"(try a larger --radius)",)
+        families = verification.family_errors
+        on_sphere = max((e for f, e in families.items() if f != "invariance"), default=0.0)
+        hints = []
+        if on_sphere > verification.tolerance:
+            hints.append("if the block has several heads, pass heads=H (--heads H)")
+        if families.get("invariance", 0.0) > verification.tolerance:
+            hints.append(f"off the sphere, rescaling the tokens or shifting them along "
+                         f"(1, ..., 1) changed the answers: no LayerNorm in front of the "
+                         f"attention, or an eps too large for tokens of norm {R:.3g} (try a "
+                         f"larger --radius)")
+        exc.args = ("; ".join([exc.args[0]] + hints),)
         raise
 
 
@@ -357,7 +375,8 @@ def _require_finite(t: np.ndarray, where: str, *answers) -> None:
     if not np.all(np.isfinite(t)):
         raise ModelMismatchError(
             f"the black box is not a pre-LayerNorm attention head: its pair probes of "
-            f"{where} imply no attention weight in (0, 1) (or saturate at every chord)")
+            f"{where} imply no attention weight in (0, 1) (or saturate at every chord); if the "
+            f"block has several heads, pass heads=H (--heads H)")
 
 
 def sphere_tokens(count: int, dim: int, radius: float, rng: np.random.Generator) -> np.ndarray:
