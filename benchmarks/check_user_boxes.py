@@ -258,8 +258,18 @@ def main(argv=None):
     ap.add_argument("--only", default="", help="run the cases whose id contains this")
     ap.add_argument("--out", required=True, help="results stem: writes STEM.md and STEM.json")
     ap.add_argument("--slow-limit", type=float, default=300.0)
+    ap.add_argument("--merge", nargs="+", metavar="RUN.json",
+                    help="write STEM.md/json from earlier runs' JSON (a later run's box "
+                         "replaces an earlier one's), in the order of the cases")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.merge:
+        by_id = {}
+        for run in args.merge:
+            by_id.update({r["id"]: r for r in json.loads(Path(run).read_text())})
+        order = [c["id"] for c in cases()]
+        write([by_id[i] for i in order if i in by_id], args.out, argv)
+        return 0
     if args.one:
         c = json.loads(args.one)
         print("RESULT " + json.dumps(run_one(c), default=str))

@@ -86,6 +86,9 @@ class Oracle:
     def __init__(self, black_box: BlackBox, dim: int, *, budget: int | None = None,
                  max_batch: int | None = None, progress=None, journal=None,
                  max_length: int | None = None):
+        if _is_torch_module(black_box):        # numpy in, a tensor's numbers out
+            from .adapters.torch_target import module_black_box
+            black_box = module_black_box(black_box)
         if not callable(black_box):
             raise InputError(f"black box must be callable, got {type(black_box).__name__}")
         if not isinstance(dim, (int, np.integer)) or dim < 1:
@@ -353,7 +356,7 @@ class Oracle:
         one sequence (N, d) with one number; else ``failure`` is raised, saying what the
         single sequence gave. Decided once, at the box's first answer."""
         try:
-            first = self.black_box(X[0].copy())
+            first = _from_tensor(self.black_box(X[0].copy()))
             single = np.asarray(first)
         except Exception as exc:                 # neither a batch nor a sequence works
             note = f"; given one sequence ({X.shape[1]}, {self.dim}) it raised " \
@@ -592,9 +595,27 @@ def evaluate_ragged(fn, sequences) -> np.ndarray:
     return out
 
 
+def _is_torch_module(obj) -> bool:
+    """Whether obj is a ``torch.nn.Module`` (without importing torch)."""
+    return any(f"{c.__module__}.{c.__qualname__}" == "torch.nn.modules.module.Module"
+               for c in type(obj).__mro__)
+
+
+def _from_tensor(answer):
+    """A torch tensor answer as a numpy array (detached, on the CPU, bfloat16 and float16
+    widened exactly); anything else unchanged."""
+    if type(answer).__module__.startswith("torch") and hasattr(answer, "detach"):
+        tensor = answer.detach().cpu()
+        if str(tensor.dtype) in ("torch.bfloat16", "torch.float16"):
+            tensor = tensor.float()              # numpy has no bfloat16; exact in float32
+        return tensor.numpy()
+    return answer
+
+
 def _one_number(answer):
     """A per-sequence box's answer as one number: a Python or numpy scalar, a 0-d array or
     an array of one element; anything else is :class:`MalformedOutputError`."""
+    answer = _from_tensor(answer)
     arr = np.asarray(answer) if not isinstance(answer, (int, float)) else None
     if arr is None:
         return answer
@@ -630,7 +651,7 @@ def validate_outputs(raw, batch: int) -> np.ndarray:
     strings (even "1.5"), None and integers beyond float64's range are
     :class:`MalformedOutputError`, never converted silently."""
     try:
-        arr = np.asarray(raw)
+        arr = np.asarray(_from_tensor(raw))
     except (TypeError, ValueError, OverflowError) as exc:
         raise MalformedOutputError(
             f"black box returned {type(raw).__name__} that is not an array of numbers: {exc}"
