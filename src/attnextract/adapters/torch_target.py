@@ -19,9 +19,11 @@ weights, for checking an extraction against the truth. ``head=h`` keeps head h
 alone by zeroing the other heads' columns of ``out_proj`` in a private copy of the
 module; ``head=None`` serves the whole module (H heads: a multi-head target).
 
-Biases are not in the model class: a key bias adds a term linear in x_i to the
-scores and value/output biases add a constant to the output, so a module with
-biases is a different black box and an extraction of it reports a mismatch.
+Biases: PyTorch starts ``in_proj_bias`` and ``out_proj.bias`` at zero, so a module as
+built is bias-free. Nonzero biases (a trained module) add the query bias's term
+x_i^T b_h to the scores and a constant c to the output (the key bias cancels in the
+softmax): the biased class, extracted with ``biases=True`` (``--biases``,
+docs/biases.md); a bias-free learner refuses it and names ``--biases``.
 
 torch is an optional extra (``pip install torch==2.13.0``, the CPU build), imported
 only when this module is used. The copy runs in float64 by default: in float32
