@@ -45,7 +45,11 @@ class Oracle:
     Parameters
     ----------
     black_box : callable
-        Takes a float64 array (B, N, d) and returns B real numbers.
+        Takes a float64 array (B, N, d) and returns B real numbers (a (B, 1) column or a
+        torch tensor will do). A box written for one sequence, (N, d) -> one number, is
+        found at its first answer and then asked one sequence at a time
+        (``per_sequence``). A ``torch.nn.Module`` taking a batch tensor is served through
+        :class:`~attnextract.adapters.torch_target.TorchModuleBlackBox`.
     dim : int
         Token width d the black box accepts.
     budget : int, optional
