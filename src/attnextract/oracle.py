@@ -363,8 +363,9 @@ class Oracle:
             first = _from_tensor(self.black_box(X[0].copy()))
             single = np.asarray(first)
         except Exception as exc:                 # neither a batch nor a sequence works
-            note = f"; given one sequence ({X.shape[1]}, {self.dim}) it raised " \
-                   f"{type(exc).__name__}: {exc}"
+            own = " ".join(f"{type(exc).__name__}: {exc}".split())
+            note = (f"; given one sequence ({X.shape[1]}, {self.dim}) it raised "
+                    f"{own if len(own) <= 120 else own[:117] + '...'}")
             single = None
         else:
             note = (f"; given one sequence ({X.shape[1]}, {self.dim}) it returned "
@@ -378,7 +379,9 @@ class Oracle:
                 f"(B, N, d) with B numbers, or one sequence (N, d) with one); a batch "
                 f"{X.shape} failed: {own if len(own) <= 160 else own[:157] + '...'}") from failure
         if single is None or single.size != 1 or single.dtype.kind not in "biuf":
-            if failure.args and isinstance(failure.args[0], str):
+            # a first-batch hint (a wrong --dim) already says what to fix
+            if failure.args and isinstance(failure.args[0], str) and not getattr(
+                    failure, "first_batch", False):
                 failure.args = (failure.args[0] + note,) + failure.args[1:]
             raise failure
         self.per_sequence = True
