@@ -180,7 +180,7 @@ def _extract_parser(command) -> None:
     ex = command("extract", "extract a model from a black box")
     ex.epilog = model_table()
     ex.add_argument("--target", required=True,
-                    help="FILE.py:NAME (a callable (B, N, d) -> (B,)) or http://HOST:PORT")
+                    help="FILE.py:NAME or MODULE:NAME (a callable (B, N, d) -> (B,), or (N, d) -> one number) or http://HOST:PORT")
     ex.add_argument("--dim", required=True, type=_positive_int, help="token width d")
     ex.add_argument("--model", default="single-head", choices=learner_names(), metavar="MODEL",
                     help="the model class the black box is assumed to be (the table below)")
@@ -365,7 +365,7 @@ def _verify_parser(command) -> None:
     """verify: a saved result against a black box."""
     ve = command("verify", "compare a saved result with a black box")
     ve.add_argument("--target", required=True,
-                    help="FILE.py:NAME (a callable (B, N, d) -> (B,)) or http://HOST:PORT")
+                    help="FILE.py:NAME or MODULE:NAME (a callable (B, N, d) -> (B,), or (N, d) -> one number) or http://HOST:PORT")
     ve.add_argument("--result", required=True, metavar="RESULT.npz",
                     help="result file written by extract")
     ve.add_argument("--count", type=_positive_int,

@@ -45,7 +45,11 @@ class Oracle:
     Parameters
     ----------
     black_box : callable
-        Takes a float64 array (B, N, d) and returns B real numbers.
+        Takes a float64 array (B, N, d) and returns B real numbers (a (B, 1) column or a
+        torch tensor will do). A box written for one sequence, (N, d) -> one number, is
+        found at its first answer and then asked one sequence at a time
+        (``per_sequence``). A ``torch.nn.Module`` taking a batch tensor is served through
+        :class:`~attnextract.adapters.torch_target.TorchModuleBlackBox`.
     dim : int
         Token width d the black box accepts.
     budget : int, optional
@@ -86,6 +90,9 @@ class Oracle:
     def __init__(self, black_box: BlackBox, dim: int, *, budget: int | None = None,
                  max_batch: int | None = None, progress=None, journal=None,
                  max_length: int | None = None):
+        if _is_torch_module(black_box):        # numpy in, a tensor's numbers out
+            from .adapters.torch_target import module_black_box
+            black_box = module_black_box(black_box)
         if not callable(black_box):
             raise InputError(f"black box must be callable, got {type(black_box).__name__}")
         if not isinstance(dim, (int, np.integer)) or dim < 1:
@@ -124,6 +131,9 @@ class Oracle:
         # again by held-out verification: a black box that changed during the run shows
         self.replay = []
         self._replay_rng = np.random.default_rng(REPLAY_SEED)
+        # None until the box's first answer: True for a box written for one sequence
+        # (N, d) -> one number, asked one sequence at a time; False for a batched box
+        self.per_sequence = None
 
     # -- budget -------------------------------------------------------------
     @property
@@ -320,7 +330,67 @@ class Oracle:
             pass
 
     def _ask_black_box(self, X: np.ndarray) -> np.ndarray:
-        """One call to the black box with the batch X (B, N, d); validated outputs (B,)."""
+        """One call to the black box with the batch X (B, N, d); validated outputs (B,).
+
+        A box written for one sequence (N, d) -> one number is asked one sequence at a
+        time: :meth:`_ask_batched` finds out which kind the box is at its first call."""
+        if self.per_sequence:
+            start = time.perf_counter()
+            try:
+                return self._ask_each(X)
+            finally:
+                self.black_box_seconds += time.perf_counter() - start
+        return self._ask_batched(X)
+
+    def _ask_each(self, X: np.ndarray) -> np.ndarray:
+        """A per-sequence box's answers to the batch X (B, N, d), one call per sequence."""
+        try:
+            answers = [self.black_box(x.copy()) for x in X]
+        except (BudgetExceededError, BlackBoxError):
+            raise
+        except Exception as exc:
+            raise BlackBoxError(f"black box raised {type(exc).__name__}: {exc}") from exc
+        except SystemExit as exc:
+            raise BlackBoxError(f"black box called sys.exit({exc.code!r}) (a target must "
+                                f"return its answers, not exit)") from None
+        return validate_outputs([_one_number(a) for a in answers], len(X))
+
+    def _per_sequence_answers(self, X: np.ndarray, failure: Exception) -> np.ndarray:
+        """The answers to X when the box, which failed the batch with ``failure``, answers
+        one sequence (N, d) with one number; else ``failure`` is raised, saying what the
+        single sequence gave. Decided once, at the box's first answer."""
+        try:
+            first = _from_tensor(self.black_box(X[0].copy()))
+            single = np.asarray(first)
+        except Exception as exc:                 # neither a batch nor a sequence works
+            own = " ".join(f"{type(exc).__name__}: {exc}".split())
+            note = (f"; given one sequence ({X.shape[1]}, {self.dim}) it raised "
+                    f"{own if len(own) <= 120 else own[:117] + '...'}")
+            single = None
+        else:
+            note = (f"; given one sequence ({X.shape[1]}, {self.dim}) it returned "
+                    f"{_describe(first)}, not one number")
+        if single is not None and single.size > 1 and single.dtype.kind in "biuf":
+            # answers, but several for one sequence: say that first, the batch's failure after
+            own = " ".join(str(failure).split())
+            raise MalformedOutputError(
+                f"black box returned {single.size} numbers ({_describe(first)}) for one sequence "
+                f"({X.shape[1]}, {self.dim}); expected one number (a box answers a batch "
+                f"(B, N, d) with B numbers, or one sequence (N, d) with one); a batch "
+                f"{X.shape} failed: {own if len(own) <= 160 else own[:157] + '...'}") from failure
+        if single is None or single.size != 1 or single.dtype.kind not in "biuf":
+            # a first-batch hint (a wrong --dim) already says what to fix
+            if failure.args and isinstance(failure.args[0], str) and not getattr(
+                    failure, "first_batch", False):
+                failure.args = (failure.args[0] + note,) + failure.args[1:]
+            raise failure
+        self.per_sequence = True
+        log.info("the black box answers one sequence (N, d) with one number: it is asked "
+                 "one sequence at a time")
+        rest = self._ask_each(X[1:]) if len(X) > 1 else np.empty(0)
+        return np.concatenate([validate_outputs([_one_number(first)], 1), rest])
+
+    def _ask_batched(self, X: np.ndarray) -> np.ndarray:
         start = time.perf_counter()
         try:
             # the black box gets its own writable copy: it cannot change the learner's
@@ -332,15 +402,37 @@ class Oracle:
             self.queries -= len(X) - answered
             self.tokens -= (len(X) - answered) * X.shape[1]
             raise
-        except BlackBoxError:
+        except BlackBoxError as exc:
+            if self.per_sequence is None and getattr(exc, "first_batch", False):
+                # a Python target's first batch failed: it may be written for one sequence
+                return self._per_sequence_answers(X, exc)
             raise                  # already typed (e.g. an HTTP black box unreachable)
         except Exception as exc:   # the black box's own failure, typed and chained
-            raise BlackBoxError(f"black box raised {type(exc).__name__}: {exc}") from exc
+            error = BlackBoxError(f"black box raised {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            if self.per_sequence is None:
+                return self._per_sequence_answers(X, error)
+            raise error from exc
         except SystemExit as exc:  # sys.exit() in a target must not end the run as success
             raise BlackBoxError(f"black box called sys.exit({exc.code!r}) (a target must "
                                 f"return its answers, not exit)") from None
         finally:
             self.black_box_seconds += time.perf_counter() - start
+        if self.per_sequence is None:
+            try:
+                out = validate_outputs(raw, len(X))
+            except MalformedOutputError as exc:
+                if isinstance(exc, NonFiniteOutputError) or _shape_of(raw) == (len(X),):
+                    raise
+                # not B answers (one number for a batch, say): a per-sequence box?
+                start = time.perf_counter()
+                try:
+                    return self._per_sequence_answers(X, exc)
+                finally:
+                    self.black_box_seconds += time.perf_counter() - start
+            if len(X) >= 2:
+                self.per_sequence = False         # a batch answered: the box is batched
+            return out
         return validate_outputs(raw, len(X))
 
     def phase(self, text: str) -> None:
@@ -510,6 +602,55 @@ def evaluate_ragged(fn, sequences) -> np.ndarray:
     return out
 
 
+def _is_torch_module(obj) -> bool:
+    """Whether obj is a ``torch.nn.Module`` (without importing torch)."""
+    return any(f"{c.__module__}.{c.__qualname__}" == "torch.nn.modules.module.Module"
+               for c in type(obj).__mro__)
+
+
+def _from_tensor(answer):
+    """A torch tensor answer as a numpy array (detached, on the CPU, bfloat16 and float16
+    widened exactly); anything else unchanged."""
+    if type(answer).__module__.startswith("torch") and hasattr(answer, "detach"):
+        tensor = answer.detach().cpu()
+        if str(tensor.dtype) in ("torch.bfloat16", "torch.float16"):
+            tensor = tensor.float()              # numpy has no bfloat16; exact in float32
+        return tensor.numpy()
+    return answer
+
+
+def _one_number(answer):
+    """A per-sequence box's answer as one number: a Python or numpy scalar, a 0-d array or
+    an array of one element; anything else is :class:`MalformedOutputError`."""
+    answer = _from_tensor(answer)
+    arr = np.asarray(answer) if not isinstance(answer, (int, float)) else None
+    if arr is None:
+        return answer
+    if arr.size != 1:
+        raise MalformedOutputError(f"black box answered one sequence with {_describe(answer)}; "
+                                   f"expected one number")
+    return arr.reshape(())[()]
+
+
+def _shape_of(answer):
+    """The shape of a box's answer, None when it has none (ragged lists, objects)."""
+    try:
+        return np.shape(answer)
+    except Exception:
+        return None
+
+
+def _describe(answer) -> str:
+    """What a box returned, for a message: "a list of 2 numbers", "shape (3, 2)"."""
+    try:
+        arr = np.asarray(answer)
+    except Exception:
+        return f"a {type(answer).__name__}"
+    if isinstance(answer, (list, tuple)):
+        return f"a {type(answer).__name__} of {len(answer)}"
+    return f"a {type(answer).__name__} of shape {arr.shape}"
+
+
 def validate_outputs(raw, batch: int) -> np.ndarray:
     """Check a black box's answer to a batch of ``batch`` sequences; returns float64 (B,).
 
@@ -517,11 +658,13 @@ def validate_outputs(raw, batch: int) -> np.ndarray:
     strings (even "1.5"), None and integers beyond float64's range are
     :class:`MalformedOutputError`, never converted silently."""
     try:
-        arr = np.asarray(raw)
+        arr = np.asarray(_from_tensor(raw))
     except (TypeError, ValueError, OverflowError) as exc:
         raise MalformedOutputError(
             f"black box returned {type(raw).__name__} that is not an array of numbers: {exc}"
         ) from exc
+    if arr.shape == (batch, 1):         # a column (B, 1), as out[:, -1] @ r[:, None] gives
+        arr = arr[:, 0]
     if arr.shape != (batch,):
         raise MalformedOutputError(
             f"black box returned shape {arr.shape} for a batch of {batch} sequences; "

@@ -141,6 +141,18 @@ def _answers_may_be_rounded(root) -> bool:
     return len(answers) < 4 or answers_look_rounded(np.array(answers))
 
 
+def _zero_token_answer(root) -> float | None:
+    """The black box's answer to one zero token (0 for attention without biases, c with
+    them), asked live after a refusal; None when it cannot be asked (budget, failure)."""
+    import numpy as np
+
+    from .errors import AttnExtractError
+    try:
+        return float(root.query(np.zeros((1, 1, root.dim)), live=True)[0])
+    except (AttnExtractError, AttributeError, TypeError):
+        return None
+
+
 def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=None,
             tolerance=None, sign_only: bool = False, **options) -> ExtractionResult:
     """Extract ``model`` from the black box behind ``oracle``.
@@ -205,6 +217,17 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
                 name_the_options(exc, stated)
         if (isinstance(exc, (ModelMismatchError, RecoveryFailedError)) and "biases" in accepted
                 and not options.get("biases") and exc.args):
+            constant = _zero_token_answer(root)
+            if constant:
+                # measured: the box adds a constant, so it is outside the bias-free class,
+                # whatever the learner's own stage said when it stopped
+                raise ModelMismatchError(
+                    f"the black box answers {constant:.6g} for one zero token, where "
+                    f"attention without biases answers 0: it adds a constant (value or "
+                    f"output biases, as deployed layers and trained PyTorch modules have) "
+                    f"and is outside the bias-free class: extract with --biases (API: "
+                    f"biases=True); the bias-free learner had stopped at: {exc.args[0]}",
+                    result=getattr(exc, "result", None)) from exc
             exc.args = (f"{exc.args[0]}; {BIASES_HINT}",) + exc.args[1:]
         raise
     fingerprint = getattr(root, "check_queries", 0) - checks

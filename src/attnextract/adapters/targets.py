@@ -69,14 +69,36 @@ def hostile_single_heads(dim: int, seed=None) -> dict[str, SingleHeadAttention]:
     }
 
 
-def load_target(spec: str):
-    """Load the callable NAME from FILE.py given as ``"FILE.py:NAME"``."""
-    path, sep, name = spec.rpartition(":")
-    if not sep or not path or not name:
-        raise TargetLoadError(f"target must be FILE.py:NAME, got {spec!r}")
-    file = Path(path)
-    if not file.is_file():
-        raise TargetLoadError(f"target file {file} does not exist")
+def _module_name(path: str) -> bool:
+    """Whether ``path`` reads as a dotted module name (``pkg.boxes``), not a file."""
+    return not path.endswith(".py") and all(part.isidentifier() for part in path.split("."))
+
+
+def _import_module(dotted: str):
+    """Import the module ``dotted``, with the current directory on the path (as
+    ``python -m`` has it), its prints sent to stderr."""
+    import importlib
+    import os
+    added = os.getcwd() not in sys.path
+    if added:
+        sys.path.insert(0, os.getcwd())
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            return importlib.import_module(dotted)
+    except ModuleNotFoundError as exc:
+        raise TargetLoadError(f"no file {dotted} and no module {dotted!r} to import "
+                              f"({exc})") from None
+    except SystemExit as exc:
+        raise TargetLoadError(f"importing {dotted} called sys.exit({exc.code!r})") from None
+    except Exception as exc:
+        raise TargetLoadError(f"importing {dotted} failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        if added:
+            sys.path.remove(os.getcwd())
+
+
+def _import_file(file: Path):
+    """Import FILE.py as a fresh module (its prints sent to stderr)."""
     module_name = f"_attnextract_target_{abs(hash(str(file.resolve())))}"
     try:
         module_spec = importlib.util.spec_from_file_location(module_name, file)
@@ -92,6 +114,23 @@ def load_target(spec: str):
         raise TargetLoadError(f"importing {file} called sys.exit({exc.code!r})") from None
     except Exception as exc:
         raise TargetLoadError(f"importing {file} failed: {type(exc).__name__}: {exc}") from exc
+    return module
+
+
+def load_target(spec: str):
+    """Load the callable NAME from ``"FILE.py:NAME"`` or ``"package.module:NAME"`` (an
+    importable module, the current directory first). A ``torch.nn.Module`` is served as
+    a black box (:func:`attnextract.adapters.torch_target.module_black_box`)."""
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path or not name:
+        raise TargetLoadError(f"target must be FILE.py:NAME or MODULE:NAME, got {spec!r}")
+    file = Path(path)
+    if not file.is_file() and _module_name(path):
+        module, file = _import_module(path), path
+    elif not file.is_file():
+        raise TargetLoadError(f"target file {file} does not exist")
+    else:
+        module = _import_file(file)
     if not hasattr(module, name):
         raise TargetLoadError(f"{file} defines no {name!r}")
     target = getattr(module, name)
@@ -99,6 +138,13 @@ def load_target(spec: str):
         raise TargetLoadError(f"{name} in {file} is a class; export an instance or a function")
     if not callable(target):
         raise TargetLoadError(f"{name} in {file} is a {type(target).__name__}, not callable")
+    from ..oracle import _is_torch_module
+    if _is_torch_module(target):             # a module takes tensors: serve it as a black box
+        from .torch_target import module_black_box
+        try:
+            return module_black_box(target)
+        except InputError as exc:
+            raise TargetLoadError(f"{name} in {file}: {exc}") from None
     return target
 
 

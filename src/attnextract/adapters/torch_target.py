@@ -19,9 +19,11 @@ weights, for checking an extraction against the truth. ``head=h`` keeps head h
 alone by zeroing the other heads' columns of ``out_proj`` in a private copy of the
 module; ``head=None`` serves the whole module (H heads: a multi-head target).
 
-Biases are not in the model class: a key bias adds a term linear in x_i to the
-scores and value/output biases add a constant to the output, so a module with
-biases is a different black box and an extraction of it reports a mismatch.
+Biases: PyTorch starts ``in_proj_bias`` and ``out_proj.bias`` at zero, so a module as
+built is bias-free. Nonzero biases (a trained module) add the query bias's term
+x_i^T b_h to the scores and a constant c to the output (the key bias cancels in the
+softmax): the biased class, extracted with ``biases=True`` (``--biases``,
+docs/biases.md); a bias-free learner refuses it and names ``--biases``.
 
 torch is an optional extra (``pip install torch==2.13.0``, the CPU build), imported
 only when this module is used. The copy runs in float64 by default: in float32
@@ -97,6 +99,50 @@ def merged_head_parameters(module, readout, head: int) -> tuple[np.ndarray, np.n
 
 
 TORCH_DTYPES = ("float64", "float32", "bfloat16", "float16")
+
+
+def module_black_box(module):
+    """A ``torch.nn.Module`` handed over as a black box, made one.
+
+    A module whose ``forward`` takes a batch (B, N, d) tensor and returns B numbers is
+    served by :class:`TorchModuleBlackBox` (a copy in eval mode, inputs in its own dtype).
+    A bare ``nn.MultiheadAttention`` answers vectors, not one number per sequence, and
+    needs a readout: InputError naming :class:`TorchAttentionBlackBox`.
+    """
+    torch = _torch()
+    if isinstance(module, torch.nn.MultiheadAttention):
+        raise InputError(
+            "a torch.nn.MultiheadAttention answers a sequence of vectors, not one number per "
+            "sequence: wrap it as TorchAttentionBlackBox(layer, readout=0) (from "
+            "attnextract.adapters.torch_target; readout=0 reads the last token with a "
+            "random unit vector of seed 0), see docs/bring-your-own-model.md")
+    return TorchModuleBlackBox(module)
+
+
+class TorchModuleBlackBox:
+    """A user's ``torch.nn.Module`` (B, N, d) -> (B,) as a black box: a private copy in
+    eval mode (dropout off), run under ``no_grad`` on inputs cast to its own dtype (its
+    first parameter's, float64 when it has none); outputs read back as float64."""
+
+    kind = "torch-module"
+
+    def __init__(self, module):
+        torch = _torch()
+        self.torch, self.module = torch, copy.deepcopy(module).eval()
+        first = next(self.module.parameters(), None)
+        self.dtype = torch.float64 if first is None else first.dtype
+        self.dtype_name = str(self.dtype).removeprefix("torch.")
+        self.device = None if first is None else first.device
+
+    def __call__(self, X):
+        torch = self.torch
+        with torch.no_grad():
+            out = self.module(torch.as_tensor(np.asarray(X), dtype=self.dtype,
+                                              device=self.device))
+        return out.detach().cpu().to(torch.float64).numpy()
+
+    def __repr__(self) -> str:
+        return f"TorchModuleBlackBox({type(self.module).__name__}, {self.dtype_name})"
 
 
 class TorchAttentionBlackBox:
