@@ -189,3 +189,19 @@ def test_rows_flat_after_steps_were_seen_blame_the_learner():
     message = str(refused.value)
     assert "--output-dtype" in message and "was not judged" in message
     assert "is not multi-head attention" not in message
+
+
+def test_row_with_a_step_at_the_edge_is_scanned_again_inside(monkeypatch):
+    """Float32MultiHeadBlackBox(4, 16, seed=15), not told H: 6 of 7 base rows hid a head
+    (a height of 0.01 % to 2 % of the row's there, or two steps 0.04 to 0.45 apart), and
+    the one row of 4 steps had its fourth (0.2 % of the heights) at 8.0, beyond the
+    window's 6.2, too near the edge to be pinned: the rows agreed on 3 and every design
+    failed. That row is now scanned again shorter, all four steps inside and pinned,
+    and proves the count."""
+    box = Float32MultiHeadBlackBox(4, 16, seed=15)
+    stage = _base_stage(monkeypatch, box, None, 15)
+    run = stage.run
+    assert stage.heads == 4 and run.coarse
+    assert run.details["head counts of the base rows"] == [3, 3, 4, 2, 3, 3, 3, 4]
+    assert run.in_window((4, run.u_0, run.base_fit))
+    assert run.oracle.queries == 592
