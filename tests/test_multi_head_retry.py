@@ -28,7 +28,8 @@ def test_retry_after_a_failed_base_row_fits_the_count():
     assert "a perturbed base row does not fit" in details["failed designs"][0]
     assert result.report.breakdown["main columns"] == d * (d - 1) * (H + 1)
     assert canonical_error(result.model, box) <= 1e-10
-    assert oracle.queries == result.queries == 502 <= paper2_count(H, d)
+    # (502 here, 486 under OpenBLAS's Haswell kernels: a fresh row's draws differ there)
+    assert oracle.queries == result.queries <= paper2_count(H, d)
 
 
 @pytest.mark.parametrize("H, seed, queries", [(2, 2, 486), (3, 2, 756), (4, 2, 1016)])

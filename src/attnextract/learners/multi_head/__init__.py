@@ -516,6 +516,9 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         if not self.heads_told:
             room += (f"; the head count {self.max_heads} was found by the learner (base rows "
                      f"agreed on it): if the box's head count is known, give heads= (--heads)")
+        # a failed base-row search before the designs is listed with them
+        failures = [f for f in self.details.get("count searches failed", [])
+                    if f not in failures] + failures
         if len(failures) == 1:
             message = f"{failures[0]}; {room}"
         else:

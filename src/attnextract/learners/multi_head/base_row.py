@@ -663,8 +663,9 @@ class BaseRowStage:
                             f"every base row was flat at the scale chosen although a scan "
                             f"of the first row showed sigmoid steps: the learner could not "
                             f"bring them into its window above the {self.precision_name} "
-                            f"rounding (relative {self.precision:.1e}) of the answers (the "
-                            f"black box is not judged)")
+                            f"rounding (relative {self.precision:.1e}) of the answers, and "
+                            f"the black box was not judged; if the answers' precision is "
+                            f"known, state it with output_dtype= (--output-dtype)")
         if heads == 0:
             return 0
         ranked = sorted((f for f in found if f[0] == heads),
