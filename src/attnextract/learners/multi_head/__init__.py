@@ -463,8 +463,12 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         """Designs until one gives a verified model: a fit that fails, an error bar too
         large, or a held-out mismatch with a small bar draws a fresh design (base row,
         perturbations, main rows) and measures again while paper 2's count and the
-        budget allow. The head count and v are kept; every attempt's failure is
-        reported. Without room for another attempt the last failure is raised."""
+        budget allow. The head count, v and the base rows scanned are kept
+        (:meth:`fresh_base_row`), and a retry fits the rest of the count: it is tried when
+        its least design (:meth:`attempt_cost` with ``least``, d - 1 main columns per
+        row) fits, and its main rounds take the columns the count leaves
+        (:meth:`main_columns`). Every attempt's failure is reported. Without room for
+        another attempt the last failure is raised."""
         failures: list[str] = []
         while True:
             self.say("base perturbations" if not failures else
