@@ -173,8 +173,9 @@ def test_overshot_scale_box_is_recovered_within_its_bar():
 def test_rows_flat_after_steps_were_seen_blame_the_learner():
     """A box whose answers stay flat (g = 0) once any token is long, after the first
     scan showed steps: every row at the scale chosen is flat. Steps were seen, so the
-    box has heads: the refusal is the learner's (RecoveryFailedError naming
-    --output-dtype), never a model of no heads refused as a mismatch."""
+    box has heads: the learner searches again (new rows and scales) while the count
+    allows, then refuses as its own failure (RecoveryFailedError naming --output-dtype),
+    never a model of no heads refused as a mismatch."""
     inner = Float32MultiHeadBlackBox(2, 16, seed=14)
 
     def box(X):
@@ -184,8 +185,29 @@ def test_rows_flat_after_steps_were_seen_blame_the_learner():
         last = (X[:, -1] @ inner.truth.v.sum(axis=0)).astype(np.float32).astype(np.float64)
         return np.where(long_tokens, last, y)
 
+    oracle = Oracle(box, 16)
     with pytest.raises(RecoveryFailedError) as refused:
-        extract_multi_head(Oracle(box, 16), heads=2, seed=14)
+        extract_multi_head(oracle, heads=2, seed=14)
     message = str(refused.value)
     assert "--output-dtype" in message and "was not judged" in message
     assert "is not multi-head attention" not in message
+    # the learner searched again by itself, within paper 2's count, and asks for no seed
+    assert "seed" not in message and "every base row was flat" in message
+    assert len(refused.value.result.report.details["count searches failed"]) >= 1
+    assert oracle.queries <= paper2_count(2, 16)
+
+
+def test_row_with_a_step_at_the_edge_is_scanned_again_inside(monkeypatch):
+    """Float32MultiHeadBlackBox(4, 16, seed=15), not told H: 6 of 7 base rows hid a head
+    (a height of 0.01 % to 2 % of the row's there, or two steps 0.04 to 0.45 apart), and
+    the one row of 4 steps had its fourth (0.2 % of the heights) at 8.0, beyond the
+    window's 6.2, too near the edge to be pinned: the rows agreed on 3 and every design
+    failed. That row is now scanned again shorter, all four steps inside and pinned,
+    and proves the count."""
+    box = Float32MultiHeadBlackBox(4, 16, seed=15)
+    stage = _base_stage(monkeypatch, box, None, 15)
+    run = stage.run
+    assert stage.heads == 4 and run.coarse
+    assert run.details["head counts of the base rows"] == [3, 3, 4, 2, 3, 3, 3, 4]
+    assert run.in_window((4, run.u_0, run.base_fit))
+    assert run.oracle.queries == 592

@@ -226,6 +226,8 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         self.coarse_extra_scans = 0
         self.count_level = self.max_heads    # steps a base scan decides first (count_heads)
         self.scans_made = 0                  # base scans of the count search (base_row)
+        self.designs_failed = 0              # failed designs so far (attempts)
+        self.spare_rows = []                 # candidate base rows not used yet (base_row)
         self.set_window(design.base_length(self.max_heads))   # the base stages; main() switches
         from ...verification import max_length_of
         needed = max(self.length, design.window_length(self.max_heads))
@@ -367,8 +369,6 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         self.say("base row")
         try:
             heads = self.count_heads()
-        except _Redesign as exc:
-            self.give_up(exc, [exc.message])
         except np.linalg.LinAlgError as error:            # a fit on non-finite samples
             exc = _Redesign(RecoveryFailedError, f"a base row's fit failed numerically ({error})")
             self.give_up(exc, [exc.message])
@@ -411,6 +411,25 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         return self.finish(MultiHeadAttention(W[None], self.v[None]), bar)
 
     def count_heads(self) -> int:
+        """The base row and the number of canonical heads (:meth:`search_count`). A
+        search that fails for the learner's own reasons (every row flat at the scale
+        it chose after steps were seen, a non-finite design) is followed by a new one
+        (new rows, new scale rounds; v and the answers kept) while paper 2's count and
+        the budget leave three base scans and the rest of a design
+        (:meth:`Budget.search_scans`), else refused (:meth:`give_up`)."""
+        failures: list[str] = []
+        while True:
+            try:
+                return self.search_count()
+            except _Redesign as exc:
+                failures.append(exc.message)
+                self.details["count searches failed"] = list(failures)
+                scans = self.search_scans(self.max_heads)
+                if len(failures) >= MAX_DESIGNS or scans < 3:
+                    self.give_up(exc, failures)
+                self.scans_left = scans
+
+    def search_count(self) -> int:
         """The base row and the number of canonical heads (:meth:`base_row`). Told H:
         at most H. Not told: at most COUNT_FIRST, then min(d, MAX_HEADS) when no row
         fits that few steps; afterwards the run plans for the count found (its paper-2
@@ -444,8 +463,12 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         """Designs until one gives a verified model: a fit that fails, an error bar too
         large, or a held-out mismatch with a small bar draws a fresh design (base row,
         perturbations, main rows) and measures again while paper 2's count and the
-        budget allow. The head count and v are kept; every attempt's failure is
-        reported. Without room for another attempt the last failure is raised."""
+        budget allow. The head count, v and the base rows scanned are kept
+        (:meth:`fresh_base_row`), and a retry fits the rest of the count: it is tried when
+        its least design (:meth:`attempt_cost` with ``least``, d - 1 main columns per
+        row) fits, and its main rounds take the columns the count leaves
+        (:meth:`main_columns`). Every attempt's failure is reported. Without room for
+        another attempt the last failure is raised."""
         failures: list[str] = []
         while True:
             self.say("base perturbations" if not failures else
@@ -463,10 +486,12 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
                                     f"a fit failed numerically ({error})") from None
             except _Redesign as exc:
                 failures.append(exc.message)
+                self.designs_failed = len(failures)
                 self.details["designs tried"] = len(failures)
                 self.details["failed designs"] = list(failures)
+                # a retry sizes its main rounds to what the count leaves (least columns)
                 if (len(failures) >= MAX_DESIGNS
-                        or not self.affordable(self.attempt_cost(heads), heads)):
+                        or not self.affordable(self.attempt_cost(heads, least=True), heads)):
                     self.give_up(exc, failures)
                 self.details["designs tried"] = len(failures) + 1
 
@@ -487,12 +512,17 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
             details["recovery / floor"] = details["recovery queries"] / self.parameters(H)
         else:
             self.finish(model, exc.bar, check=False)
-        room = ("no design left to try" if len(failures) >= MAX_DESIGNS else
-                f"{self.count_name()} {self.count_cap(self.max_heads)} and the budget leave "
-                f"no room for another design")
+        H = self.max_heads
+        room = (f"no design left to try (H = {H}: {self.count_name()} {self.count_cap(H)}, "
+                f"the floor {self.parameters(H)})" if len(failures) >= MAX_DESIGNS else
+                f"{self.count_name()} {self.count_cap(H)} for H = {H} (the floor "
+                f"{self.parameters(H)}) and the budget leave no room for another design")
         if not self.heads_told:
             room += (f"; the head count {self.max_heads} was found by the learner (base rows "
                      f"agreed on it): if the box's head count is known, give heads= (--heads)")
+        # a failed base-row search before the designs is listed with them
+        failures = [f for f in self.details.get("count searches failed", [])
+                    if f not in failures] + failures
         if len(failures) == 1:
             message = f"{failures[0]}; {room}"
         else:

@@ -144,9 +144,21 @@ class Budget:
             scans = max(3, min(scans, int((left - short) // s0)))
         return scans
 
-    def attempt_cost(self, H: int) -> int:
-        """Queries of one more design: a base scan, the perturbations and the main rounds."""
-        return (4 * H + 8) + self.perturbation_cost(H) + self.main_cost(H)
+    def attempt_cost(self, H: int, least: bool = False) -> int:
+        """Queries of one more design: a base scan, the perturbations and the main rounds
+        (``least``: with :meth:`least_columns` per main row, the smallest design a retry
+        sizes itself down to, :meth:`main_columns`)."""
+        columns = self.least_columns() if least else None
+        return _scan_size(H) + self.perturbation_cost(H) + self.main_cost(H, columns)
+
+    def search_scans(self, H: int) -> int:
+        """Base scans a new count search may make (:meth:`count_heads`): as many as
+        paper 2's count and the budget leave after a design of the least main rounds
+        (:meth:`attempt_cost`, one scan included), SCALE_ROUNDS + BASE_CANDIDATES at
+        most; 0 when none fits."""
+        s0, least = _scan_size(H), self.attempt_cost(H, least=True)
+        return next((k for k in range(SCALE_ROUNDS + BASE_CANDIDATES, 0, -1)
+                     if self.affordable(least + (k - 1) * s0, H)), 0)
 
     def affordable(self, queries: int, H: int) -> bool:
         """Whether ``queries`` more and the held-out verification stay within paper 2's
@@ -175,10 +187,33 @@ class Budget:
         """How reports name :meth:`count_cap`."""
         return "the biased count" if self.biases else "paper 2's count"
 
-    def main_cost(self, H: int) -> int:
-        """Queries of rounds 1 and 2 (the main rows and their columns)."""
+    def main_cost(self, H: int, columns: int | None = None) -> int:
+        """Queries of rounds 1 and 2: the main rows and their ``columns`` columns each
+        (default d - 1 + EXTRA_COLUMNS)."""
         d = self.d
-        return d * (2 * H + 1) + d * (d - 1 + EXTRA_COLUMNS) * (H + column_spares(H))
+        columns = d - 1 + EXTRA_COLUMNS if columns is None else columns
+        return d * (2 * H + 1) + d * columns * (H + column_spares(H))
+
+    def least_columns(self) -> int:
+        """Fewest round-2 columns per main row: d - 1, which with q_0 give the d columns
+        that determine z_hk (with biases the affine z_hk has d + 1 entries: d)."""
+        return min(self.d - 1 + EXTRA_COLUMNS, self.d - 1 + self.biases)
+
+    def main_columns(self, H: int) -> int:
+        """Round-2 columns per main row: d - 1 + EXTRA_COLUMNS when the main rounds with
+        them and the verification fit in paper 2's count and the budget, else
+        :meth:`least_columns`. A first design always fits them (:meth:`base_scans` keeps
+        their share); a retry after a failed design has spent a base row, a designed
+        column and perturbations more, and fits the rest of the count instead (d = 8,
+        H = 2, s = 3, seed 12: the extra columns took a retry to 526 of 509)."""
+        full = self.d - 1 + EXTRA_COLUMNS
+        return full if self.affordable(self.main_cost(H, full), H) else self.least_columns()
+
+    def design_rest_cost(self, H: int) -> int:
+        """Queries of a design after its designed column: the base perturbations and the
+        main rounds, the latter as a retry sizes them (:meth:`least_columns`)."""
+        columns = self.least_columns() if self.designs_failed else None
+        return (self.perturbation_cost(H) - self.column_cost(H)) + self.main_cost(H, columns)
 
     def column_cost(self, H: int) -> int:
         """Queries of the designed column (:meth:`designed_column`, H >= 2): the nudged

@@ -45,7 +45,7 @@ from ...report import ExtractionResult
 from . import design, fit, labels, polish
 from .budget import _Redesign, column_spares
 from .canonical import smallest_separation
-from .constants import (COLUMN_MOVE, ERROR_BAR_FACTOR, EXTRA_COLUMNS, ILL_ROW_FACTOR, LABEL_MISFIT,
+from .constants import (COLUMN_MOVE, ERROR_BAR_FACTOR, ILL_ROW_FACTOR, LABEL_MISFIT,
                         MISPLACED_GAP, MISPLACED_SHARE, NOISE_FACTOR, PINNED_STEPS, REFINE_ABOVE,
                         ROW_REDESIGNS, WIDE_COLUMNS_UP_TO, WIDE_COLUMNS_UP_TO_COARSE, WIDE_ROUNDS)
 
@@ -80,7 +80,7 @@ class MainRowStage:
         # not fit (two fell too close) is replaced by a new designed row, the estimate
         # first corrected by the rows that fit (their measured positions are u_k^T Y0)
         S1 = 2 * H + 1
-        NC = d - 1 + EXTRA_COLUMNS
+        NC = self.main_columns(H)             # a retry's: what the count leaves
         S2 = H + column_spares(H)
         lam, g = np.empty((d, S1)), np.empty((d, S1))
         tokens_1 = np.empty((d, S1))                                 # probe lengths of round 1
