@@ -164,10 +164,10 @@ def test_biased_heads_over_twenty_seeds(H, d, seeds):
     benchmarks/test_grids.py and bench_multi_head_biases.py): every run within 1e-10 and
     its own error bar, within the biased count (verification included), and with the
     short probes sent at d = 16 in every run of one design. At d = 8 they run where the
-    bias-free run's would (1.25 H (d + 1) + H + 1 per row left): at H = 2 and 4 rarely,
-    at H = 8 in 13 of 20 runs (benchmarks/results/biasrun_after.md); elsewhere the
-    wide columns (weighted by their answers' rounding with biases) take the rows to
-    1e-11 to 1e-13."""
+    bias-free run's would (1.25 H (d + 1) + H + 1 per row left): in 0, 3 and 12 of 20
+    runs at H = 2, 4 and 8 (the bias-free runs keep them in 0, 6 and 9;
+    benchmarks/results/biasrun_after.md); elsewhere the wide columns (weighted by their
+    answers' rounding with biases) take the boxes to 2e-14 to 4e-11."""
     for seed in range(seeds):
         truth = biased_heads(H, d, seed)
         oracle = Oracle(truth, d)

@@ -51,14 +51,15 @@ def biased_count(heads: int, dim: int) -> int:
     columns) fit, H + 1 more samples: the row's H more unknowns (the intercepts
     u^T b_h of the affine column [q; 1]) and one that keeps the row's fit as
     overdetermined as the bias-free one. So the biased run spends at most (H + 1) d + 1
-    more than the bias-free run on the same heads that spends its count, 1.004x to
-    1.02x of it plus H d at d = 8 and 16; where the bias-free run leaves part of its
+    more than the bias-free run on the same heads that spends its count (median 1.002x
+    to 1.018x the bias-free run's + H d at d = 8 and 16, at most 1.065x:
+    benchmarks/results/biasrun_after.md); where the bias-free run leaves part of its
     count unspent (short probes that do not fit) the biased run leaves the same part
     (:meth:`Budget.short_need`). The count paper 2 would give affine columns,
     4 H d (d + 1) - 2H + 2 = paper 2's + 4 H d + 1, spent 1.09x to 1.16x the bias-free
     run's + H d at d = 8 (benchmarks/results/mh9_biases.md). It stays above the floor
-    H(d^2 + 2d) + 1 plus the verification from d = 5 on, as paper 2's count does above
-    the bias-free floor (d = 4 with two heads or more)."""
+    H(d^2 + 2d) + 1 plus the verification from d = 5 on (d = 4 with two heads or more),
+    as paper 2's count does above the bias-free floor."""
     derived = paper2_count(heads, dim) + (heads + 1) * dim + 1
     bound = paper2_count(heads, dim) + heads * dim
     return min(derived, int(BIASED_COUNT_BOUND * bound))
