@@ -332,7 +332,7 @@ def section_biases(quick: bool, log) -> list[dict]:
                             lambda oracle: extract(oracle, "multi-head", heads=H, biases=True,
                                                    seed=d),
                             floor=H * (d * d + 2 * d) + 1,
-                            # paper 2's count with affine columns: the learner's own cap
+                            # paper 2's count + (H + 1) d + 1: the learner's own cap
                             paper_count=biased_count(H, d), heads=H,
                             error=errors(target)))
         log(f"multi-head --biases H={H} d={d}: {rows[-1]['recovery_queries']} queries "
