@@ -7,8 +7,9 @@ output constant c (targets.with_biases: |b_h| cycling through 1, 5.1 (MiniLM's |
 the bias-free learner on the same box without its biases (today's count). Recorded per
 run: the canonical errors of W_h, b_h, v_h and c, the error bar, queries against the
 bias-free run's + H d and against paper 2's count + H d (the bias-free learner's cap), the
-biased learner's own count (biased_count: 4Hd(d + 1) - 2H + 2, paper 2's with affine
-columns), whether the short probes ran, the floor H(d^2 + 2d) + 1 and CPU seconds.
+biased learner's own count (biased_count: paper 2's + (H + 1) d + 1, c and H + 1 more
+samples per short-probe row), whether the short probes ran, the floor H(d^2 + 2d) + 1 and
+CPU seconds.
 
 Run:  nice -n 10 python benchmarks/bench_multi_head_biases.py [--seeds 20] [--out NAME]
 (1 BLAS thread: OPENBLAS_NUM_THREADS=1). Writes benchmarks/results/NAME.json and .md.
@@ -169,8 +170,8 @@ def main():
         "polish kept: runs whose joint polish (with b_h and c) was kept.\n"
         "queries include the 64 verification queries of each run (biased and bias-free);\n"
         "ratio = biased queries / (bias-free queries + H d) on the same heads; the biased\n"
-        "count (the learner's cap, verification included) is 4Hd(d + 1) - 2H + 2, paper 2's\n"
-        "count 4Hd^2 - 2H + 1 with affine columns [q, 1].\n\n" + table + "\n")
+        "count (the learner's cap, verification included) is paper 2's count 4Hd^2 - 2H + 1\n"
+        "plus (H + 1) d + 1 (c and H + 1 more samples per short-probe row).\n\n" + table + "\n")
     print(table)
 
 

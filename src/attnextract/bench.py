@@ -332,7 +332,7 @@ def section_biases(quick: bool, log) -> list[dict]:
                             lambda oracle: extract(oracle, "multi-head", heads=H, biases=True,
                                                    seed=d),
                             floor=H * (d * d + 2 * d) + 1,
-                            # paper 2's count with affine columns: the learner's own cap
+                            # paper 2's count + (H + 1) d + 1: the learner's own cap
                             paper_count=biased_count(H, d), heads=H,
                             error=errors(target)))
         log(f"multi-head --biases H={H} d={d}: {rows[-1]['recovery_queries']} queries "
@@ -397,8 +397,8 @@ def markdown(rows: list[dict]) -> str:
                        f"{r['wall_s']:.3f} | {r['black_box_s']:.3f} | {r['learner_s']:.3f} |")
         out.append("\npaper: d^2 + d (paper 1, Thm 4.1); d + C r 2d with the measured C = 2 "
                    "(paper 1, Thm 5.1 states no C); 4Hd^2 - 2H + 1 (paper 2; with biases "
-                   "4Hd(d + 1) - 2H + 2, its count with affine columns); - where no count "
-                   "is stated. floor: free parameters.")
+                   "4Hd^2 - 2H + 1 + (H + 1) d + 1, its count plus c and H + 1 per "
+                   "short-probe row); - where no count is stated. floor: free parameters.")
         for learner in dict.fromkeys(r["learner"] for r in scaling):
             sub = [r for r in scaling if r["learner"] == learner]
             if len(sub) >= 2:

@@ -50,7 +50,7 @@ upper bound), the polish weights every answer by its own length. At d = 32, H = 
 sends a quarter of the tokens of window-long probes (157 against 604 million).
 
 Queries: see :mod:`.budget` (never above paper 2's count 4Hd^2 - 2H + 1; with biases
-4Hd(d + 1) - 2H + 2).
+that + (H + 1) d + 1).
 """
 
 from __future__ import annotations

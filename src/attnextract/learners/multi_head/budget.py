@@ -10,10 +10,10 @@ verification fit it, d = 6 and 7: the single-head identities, d + d^2), plus d^2
 about d^2 + Hd + base (twice the columns with round 3), never above paper 2's count
 4Hd^2 - 2H + 1. With ``precision="full"`` and float64 answers, the short probes spend
 what that count leaves after the verification (to within d - 1 queries) when it leaves
-at least 1.25 H (d + 1) per row. With biases the count is paper 2's with affine
-columns, 4Hd(d + 1) - 2H + 2 (:func:`biased_count`: at most 1.1x paper 2's + Hd, binding
-below d = 8), the base stage keeps paper 2's share and the short probes need
-1.25 H (d + 2) per row.
+at least 1.25 H (d + 1) per row. With biases the count is paper 2's plus what the biases
+add, 4Hd^2 - 2H + 1 + (H + 1) d + 1 (:func:`biased_count`: c and H + 1 more samples per
+short-probe row), the base stage keeps the bias-free run's share and the short probes
+need 1.25 H (d + 1) + H + 1 per row (sent when the bias-free run's would be).
 """
 
 from __future__ import annotations
@@ -41,20 +41,34 @@ def paper2_count(heads: int, dim: int) -> int:
 
 
 def biased_count(heads: int, dim: int) -> int:
-    """The biased learner's query count: paper 2's with affine columns, at most
-    BIASED_COUNT_BOUND x (paper 2's count + H d).
+    """The biased learner's query count: paper 2's count plus what the biases add,
+    4 H d^2 - 2H + 1 + (H + 1) d + 1 (at most BIASED_COUNT_BOUND x (paper 2's count
+    + H d), binding only at d <= 3 with one head).
 
-    Paper 2's count is linear in H and in the d x d (row, column) coordinate pairs of
-    the bilinear logits u^T W_h q: 4 H d^2 - 2H + 1. With biases the logits
-    u^T (W_h q + b_h) = u^T [W_h | b_h] [q; 1] are bilinear in the row and the affine
-    column, d x (d + 1) pairs, so the same count is 4 H d (d + 1) - 2H + 1, and
-    c = f([0]) is one query more: 4 H d (d + 1) - 2H + 2 = paper 2's + 4 H d + 1 (the
-    H d entries of the b_h at paper 2's four queries per entry of the W_h). From d = 8
-    on that is within 1.1x paper 2's count + H d (1.093 at d = 8, 1.047 at d = 16);
-    below d = 8 it is capped there (d = 4, H = 2: 158, capped at 146)."""
-    derived = 4 * heads * dim * (dim + 1) - 2 * heads + 2
+    The biased run's stages are the bias-free run's (its base stage keeps paper 2's
+    share, its main rounds are the same size); what b_h and c need beyond them is
+    c = f([0]) (1 query) and, in each of the d rows that the short probes (or wide
+    columns) fit, H + 1 more samples: the row's H more unknowns (the intercepts
+    u^T b_h of the affine column [q; 1]) and one that keeps the row's fit as
+    overdetermined as the bias-free one. So the biased run spends at most (H + 1) d + 1
+    more than the bias-free run on the same heads that spends its count (median 1.002x
+    to 1.018x the bias-free run's + H d at d = 8 and 16, at most 1.065x:
+    benchmarks/results/biasrun_after.md); where the bias-free run leaves part of its
+    count unspent (short probes that do not fit) the biased run leaves the same part
+    (:meth:`Budget.short_need`). The count paper 2 would give affine columns,
+    4 H d (d + 1) - 2H + 2 = paper 2's + 4 H d + 1, spent 1.09x to 1.16x the bias-free
+    run's + H d at d = 8 (benchmarks/results/mh9_biases.md). It stays above the floor
+    H(d^2 + 2d) + 1 plus the verification from d = 5 on (d = 4 with two heads or more),
+    as paper 2's count does above the bias-free floor."""
+    derived = paper2_count(heads, dim) + (heads + 1) * dim + 1
     bound = paper2_count(heads, dim) + heads * dim
     return min(derived, int(BIASED_COUNT_BOUND * bound))
+
+
+def bias_share_per_row(heads: int) -> int:
+    """Queries per short-probe row the biased count adds to the bias-free run's: the
+    row's H intercepts and one more sample (:func:`biased_count`)."""
+    return heads + 1
 
 
 def _check_queries(oracle) -> int:
@@ -126,23 +140,32 @@ class Budget:
         what paper 2's count leaves after :meth:`rest_cost` (a rounded box, whose rows
         never pin their steps to BASE_QUALITY, spent all of it: --decimals 5 at d = 8,
         H = 2 used 495 + 64 verification = 559 of 509). ``short_share``: also after the
-        short probes' SHORT_OVERSAMPLE x H (d + 1) per row (with biases H (d + 2)); a
-        base search that spends it (ten crowded candidate rows at d = 8, H = 8, none
-        pinned to BASE_QUALITY) leaves the main rows' 1e-10 where the short probes give
-        1e-14 (binding where the count is tight, d = 8).
+        short probes' SHORT_OVERSAMPLE x H (d + 1) per row; a base search that spends it
+        (ten crowded candidate rows at d = 8, H = 8, none pinned to BASE_QUALITY) leaves
+        the main rows' 1e-10 where the short probes give 1e-14 (binding where the count
+        is tight, d = 8).
 
-        With biases the base stage's share is still what paper 2's count leaves: the
-        biased count's 4 H d + 1 more queries (:func:`biased_count`) are the share of c
-        and of the unknowns the biases add to the row fits (spent by the short probes
-        or wide columns), not more base rows (a base search that spent them, crowded
-        rows at d = H = 8, left the short probes 86 to 99 of their 100 per row in 6 of
-        20 runs)."""
-        s0, left = _scan_size(H), paper2_count(H, self.d) - self.rest_cost(H)
+        With biases the base stage's share is the bias-free run's: the biased count's
+        (H + 1) d + 1 more queries (:func:`biased_count`) pay for c and the short
+        probes' H + 1 more per row, not for more base rows (a base search that spent the
+        biases' share, crowded rows at d = H = 8, left the short probes 86 to 99 of
+        their 100 per row in 6 of 20 runs)."""
+        s0 = _scan_size(H)
+        left = paper2_count(H, self.d) - (self.rest_cost(H) - self.biases)    # c apart
         scans = max(3, min(SCALE_ROUNDS + BASE_CANDIDATES, left // s0))
-        short = self.d * SHORT_OVERSAMPLE * H * (self.d + 1 + self.biases)
+        short = self.d * SHORT_OVERSAMPLE * H * (self.d + 1)
         if short_share and math.isfinite(short):       # (no short probes: infinite)
             scans = max(3, min(scans, int((left - short) // s0)))
         return scans
+
+    def short_need(self, H: int) -> float:
+        """Queries per row the short probes need: SHORT_OVERSAMPLE x the bias-free row's
+        H (d + 1) unknowns, with biases H + 1 more (the biased count's share per row,
+        :func:`bias_share_per_row`), so that a biased run sends them exactly when the
+        bias-free run on the same spending would (1.24x its H (d + 2) unknowns at
+        d = H = 8)."""
+        need = SHORT_OVERSAMPLE * H * (self.d + 1)
+        return need + bias_share_per_row(H) if self.biases else need
 
     def attempt_cost(self, H: int, least: bool = False) -> int:
         """Queries of one more design: a base scan, the perturbations and the main rounds
@@ -180,7 +203,7 @@ class Budget:
 
     def count_cap(self, H: int) -> int:
         """Queries this learner never exceeds: paper 2's count, with biases
-        :func:`biased_count` (every row fit has one more unknown per head)."""
+        :func:`biased_count` (c and H + 1 more samples per row)."""
         return biased_count(H, self.d) if self.biases else paper2_count(H, self.d)
 
     def count_name(self) -> str:

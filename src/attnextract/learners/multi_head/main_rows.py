@@ -434,13 +434,33 @@ class MainRowStage:
             S = max(lam_k.shape[1], S3)
             pad = lambda a: np.pad(a, ((0, 0), (0, S - a.shape[1])))
             wide = np.zeros((count, S))
-            wide[:, :S3] = 1.0
+            wide[:, :S3] = self.wide_weights(cols_k, g_k, mask, columns[k], g3[k], r) \
+                if self.biases else 1.0
             held.append((np.vstack([cols_k, self.affine(columns[k])]),
                          np.vstack([pad(lam_k), pad(lam3[k])]),
                          np.vstack([pad(g_k), pad(g3[k])]), np.vstack([pad(mask), wide])))
             refitted.append(fit.fit_row(held[-1][1], held[-1][2], held[-1][3], held[-1][0],
                                         r.c, r.z))
         return refitted, held
+
+    def wide_weights(self, cols_k, g_k, mask, columns, g3, row) -> np.ndarray:
+        """With biases, the weights (count, S3) of a row's wide samples: the row's
+        earlier answers' expected rounding over each sample's own (at most 1), by the
+        law of :meth:`noise` (|f| + the row's heights).
+
+        Why: the biased rows keep |q_0| = 1 (:meth:`designed_column`), so |u_k| is
+        smaller than bias-free and at H = d a row's wide columns, solved for H positions
+        in d coordinates, reach |q| in the hundreds on an ill-conditioned row; their
+        answers (|q^T v_h| among the box's terms) round hundreds of times more than the
+        row's earlier ones. Unweighted, such a row's residual measured 24x the noise
+        floor at H = d = 8 (|q| up to 2334, the other rows' at most 9) and the run was
+        refused as a wrong basin, its z_hk within 2e-10."""
+        d, c = self.d, self.c
+        heights = float(np.sum(np.abs(row.c)))
+        earlier = (g_k + (cols_k[:, :d] @ self.v)[:, None])[mask > 0] + c
+        reference = safe_rms(earlier) + heights
+        answers = g3 + (columns @ self.v)[:, None] + c                        # (count, S3)
+        return np.minimum(1.0, reference / (np.abs(answers) + heights))
 
     def polished(self, model: MultiHeadAttention, predicted: float):
         """The joint polish of all heads on every answer held (:mod:`.polish`); returns

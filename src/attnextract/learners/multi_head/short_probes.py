@@ -24,7 +24,7 @@ from ...verification import safe_rms
 from ...report import verification_count
 from . import design, fit, polish
 from .budget import _budget_left
-from .constants import (SHORT_BALANCE, SHORT_INTERCEPTS, SHORT_LENGTH, SHORT_OVERSAMPLE,
+from .constants import (SHORT_BALANCE, SHORT_INTERCEPTS, SHORT_LENGTH,
                         SHORT_ROW_CANDIDATES, SHORT_SPACING)
 
 
@@ -60,8 +60,9 @@ class ShortProbeStage:
         The heads from these rows replace the row fits' only when their predicted error
         is lower and every row's residual stays within ``misfit``; the wide columns do
         not run after them. Skipped for rounded answers (their rounding does not
-        shrink with the length) and when fewer than SHORT_OVERSAMPLE x the row's
-        unknowns are left per row.
+        shrink with the length) and when fewer than :meth:`.Budget.short_need` are left
+        per row (SHORT_OVERSAMPLE x the bias-free row's unknowns, with biases H + 1
+        more: a biased run sends them when the bias-free run would).
 
         Biases. The probe answers g = sum_h c_h sigma(z_h^T q + u^T b_h): each row fit
         is affine in [q, 1] (z_h = [W_h^T u; u^T b_h], H (d + 2) unknowns), b_h = U^-1 of
@@ -79,10 +80,11 @@ class ShortProbeStage:
         room = min(self.count_cap(self.max_heads) - self.spent() - verify,
                    _budget_left(self.oracle) - verify)
         per_row = int(max(room, 0) // d)
-        unknowns = H * (d + 1 + self.biases)
-        if per_row < SHORT_OVERSAMPLE * unknowns or not self.affordable(d * per_row, H):
-            self.details["short probes"] = (f"skipped ({per_row} per row left in "
-                                            f"{self.count_name()}, {unknowns} unknowns per row)")
+        unknowns, need = H * (d + 1 + self.biases), self.short_need(H)
+        if per_row < need or not self.affordable(d * per_row, H):
+            self.details["short probes"] = (
+                f"skipped ({per_row} per row left in {self.count_name()}, {unknowns} "
+                f"unknowns per row" + (f", {need:g} needed)" if self.biases else ")"))
             return model, predicted, False
         self.say("short probes")
         W, V = model.W, model.v.T                                            # V (d, H)

@@ -14,7 +14,7 @@ import numpy as np
 from ...errors import InputError, ModelMismatchError, NotIdentifiableError
 from ...models import MultiHeadAttention
 from ...oracle import Oracle
-from ...report import Report, checked_result, verification_count, verify_model
+from ...report import ExtractionResult, Report, checked_result, verification_count, verify_model
 from ..single_head import extract_single_head
 
 def subspace_bases(subspaces, d: int) -> list[np.ndarray]:
