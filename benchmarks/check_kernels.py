@@ -38,15 +38,17 @@ DEFAULT_TESTS = ["tests/test_multi_head.py", "tests/test_multi_head_polish.py",
                  "tests/test_multi_head_low_rank.py", "tests/test_multi_head_labels.py",
                  "tests/test_multi_head_count.py", "tests/test_multi_head_biases.py",
                  "tests/test_multi_head_short.py", "tests/test_multi_head_float32.py",
-                 "tests/test_multi_head_crowded.py",
+                 "tests/test_multi_head_crowded.py", "tests/test_multi_head_retry.py",
                  "tests/test_low_precision.py", "tests/test_biases.py",
                  "tests/test_transformer_layer.py", "tests/test_transformer_layer_low_precision.py",
-                 "tests/test_pre_layer_norm.py", "tests/test_low_rank.py",
+                 "tests/test_pre_layer_norm.py", "tests/test_pre_layer_norm_heads.py",
+                 "tests/test_low_rank.py",
                  "tests/test_single_head.py"]
 MORE_TESTS = ["tests/test_noisy.py", "tests/test_one_layer.py", "tests/test_residual.py",
               "tests/test_relu_network.py", "tests/test_error_bars.py", "tests/test_impostors.py",
               "tests/test_impostors_learners.py", "tests/test_verification_domain.py",
-              "tests/test_minilm.py", "tests/test_models.py", "tests/test_torch_target.py"]
+              "tests/test_minilm.py", "tests/test_models.py", "tests/test_torch_target.py",
+              "tests/test_user_boxes.py"]
 ALL_TESTS = DEFAULT_TESTS + MORE_TESTS
 # Test files of plumbing (transport, journal, CLI, docs, packaging): they run learners only on
 # easy single-head boxes that tests/test_single_head.py covers, or none at all.
