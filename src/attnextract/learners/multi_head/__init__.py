@@ -228,6 +228,7 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         self.scans_made = 0                  # base scans of the count search (base_row)
         self.designs_failed = 0              # failed designs so far (attempts)
         self.spare_rows = []                 # candidate base rows not used yet (base_row)
+        self.column_gain = None              # |W_h^T u| / |u| measured (designed_column)
         self.set_window(design.base_length(self.max_heads))   # the base stages; main() switches
         from ...verification import max_length_of
         needed = max(self.length, design.window_length(self.max_heads))

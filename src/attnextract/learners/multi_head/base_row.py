@@ -190,6 +190,7 @@ class BaseRowStage:
         another's) becomes the base row itself, and the design starts again from it.
         """
         H, d = self.base_fit.t.size, self.d
+        self.column_gain = None            # measured below when the columns are scanned
         if H < 2:
             return                                  # one step never crowds
         first_gap = float(np.min(np.diff(self.base_fit.t)))
@@ -261,6 +262,7 @@ class BaseRowStage:
                     return self.designed_column()     # a hidden head shown: start again
         Q = np.array(Q)                                                 # (columns, d)
         T, T_var = self.column_positions(fits, reference, moves)
+        self.column_gain = column_gain(T, Q, self.u_0)
         u_0, best = self.u_0, (first_gap, self.u_0, self.q_0, self.base_fit)
         for scan in range(DESIGNED_SCANS):
             if scan and not self.affordable(scan_cost + after, H):
@@ -822,3 +824,17 @@ class BaseRowStage:
         # labels are checked against them (:mod:`.labels`)
         self.base_reference = (P, np.array(T), np.array(C), np.array(T_std), np.array(C_std))
         return Y0, V0, Y_error
+
+
+def column_gain(T: np.ndarray, Q: np.ndarray, u: np.ndarray) -> float:
+    """The largest |W_h^T u| / |u| over the heads (the steps' move per unit of column
+    move per unit of row), from the positions T (H, n) of row u in the columns Q (n, d)
+    (Q[0] the reference). The columns moved from Q[0] in random directions r, and a
+    random direction moves head h's step by z_h^T r with mean square |z_h|^2 / d
+    (z_h = W_h^T u), so |z_h|^2 is about d times the mean squared move per unit of
+    column move."""
+    steps = Q[1:] - Q[:1]                                              # (n - 1, d)
+    length = np.linalg.norm(steps, axis=1)
+    moved = (T[:, 1:] - T[:, :1]) / np.maximum(length, 1e-300)          # (H, n - 1)
+    z_norm = np.sqrt(Q.shape[1] * np.mean(np.square(moved), axis=1))    # (H,)
+    return float(np.max(z_norm)) / max(float(np.linalg.norm(u)), 1e-300)

@@ -167,6 +167,13 @@ class MainRowStage:
             # length, up to 43 at d = H = 8, which made the moves that many times smaller)
             y_norm = (float(np.max(np.linalg.norm(estimate[0], axis=0)))
                       / float(np.linalg.norm(self.q_0)))
+            if self.biases and self.column_gain is not None:
+                # with biases W_h q_0 + b_h can nearly cancel on the designed column (|q_0|
+                # 66, |W_h q_0 + b_h| / |q_0| 17x below |W_h| for trained-bias heads of
+                # head_dim 1 at d = H = 8): the moves came out 2 to 4 gaps, the steps
+                # crossed and the row fits stopped in wrong basins. The base columns'
+                # measured |W_h^T u_0| / |u_0| bounds the moves then.
+                y_norm = max(y_norm, self.column_gain)
             z_norm = np.linalg.norm(U[todo], axis=1) * y_norm           # about |W_h^T u_k|
             s_k[todo] = COLUMN_MOVE * np.minimum(gaps, spacing) * math.sqrt(d) / z_norm
             columns[todo] = self.q_0[None, None] + s_k[todo, None, None] * R[None]
