@@ -56,9 +56,8 @@ from .budget import _Redesign, _scan_size, column_samples, perturbation_samples
 from .constants import (BASE_CANDIDATES, BASE_QUALITY, BELOW_TOLD_VOTES, COLUMN_NUDGE,
                         COLUMN_SPREAD, COUNT_EXTRA_SCANS, COUNT_MARGIN, CROWDED_GAP,
                         DESIGNED_SCANS, MORE_STEPS_VOTES, NOISE_FACTOR, PERTURBATION_MAX_MOVE,
-                        PERTURBATION_MOVE, PERTURBATION_NOISE_MOVES, PILOT_COLUMNS,
-                        PINNED_STEPS, RANDOM_COLUMNS, SCALE_ROUNDS, UNRESOLVED_HEIGHT,
-                        WINDOW_MARGIN)
+                        PERTURBATION_MOVE, PERTURBATION_NOISE_MOVES, PINNED_STEPS, RANDOM_COLUMNS,
+                        SCALE_ROUNDS, UNRESOLVED_HEIGHT, WINDOW_MARGIN)
 
 
 def base_quality(steps, half_window: float) -> float:
@@ -224,22 +223,10 @@ class BaseRowStage:
         # heights alone (their steps move by more than the gaps).
         spread = float(np.clip((self.half_window - 1.5)
                                / (COLUMN_SPREAD * max(deviation, 1e-300)), 0.1, 10.0))
-        # With biases the positions t_h = u_0^T (W_h q_0 + b_h) spread with |b_h| too, which
-        # the nudges do not move: their spread overstates |z_h| (trained-bias heads of
-        # head_dim 1, d = H = 8: the nudges moved the steps by 0.005 to 0.15 of a 0.2 gap,
-        # q* came out 17 long and its scans missed their predicted positions by 1 to 4).
-        # A pilot of PILOT_COLUMNS nudged columns measures the moves and sizes the
-        # other nudges (no query more: they are among the H + RANDOM_COLUMNS).
-        batches = (("pilot", "nudged", "spread") if self.biases else ("nudged", "spread"))
-        for kind in batches:
-            batch = kind == "spread"
+        for batch in range(2):
             k = H + RANDOM_COLUMNS - (len(fits) - 1)
-            if kind == "pilot":
-                k = min(k, PILOT_COLUMNS)
             if k <= 0 or (batch and not self.affordable(k * scan_cost + after, H)):
                 break
-            if kind == "nudged" and len(fits) > 1:
-                nudge = self.measured_nudge(fits, reference, moves, nudge, move)
             directions = self.rng.standard_normal((k, d))
             if batch:
                 self.details["designed column spread columns"] = k
@@ -324,17 +311,6 @@ class BaseRowStage:
         gap, u, self.q_0, steps = best
         self.adopt_base(u, steps)
         self.details["designed column smallest step gap"] = gap
-
-    def measured_nudge(self, fits, reference, moves, nudge: float, move: float) -> float:
-        """The nudge that moves the steps by ``move`` (rms), from the pilot columns'
-        measured moves (``fits[1:]``, nudged by ``nudge``; their steps labelled by
-        :meth:`column_positions`). Only ever larger: the measured moves include the
-        fits' own errors (a base row pinned to 0.13 showed moves 4.8x the assumed, and
-        nudges made that much smaller left the design to its errors: d = H = 8)."""
-        T, _ = self.column_positions(fits, reference, moves)
-        moved = float(np.sqrt(np.mean(np.square(T[:, 1:] - T[:, :1]))))
-        self.details["designed column nudge measured / assumed"] = moved / move
-        return nudge * max(1.0, move / moved) if moved > 0 else nudge
 
     def more_steps(self, lam, g, u, q, noise, H: int) -> bool:
         """Whether the scan (lam, g) of row (u, q), which H steps do not fit, fits more
