@@ -173,6 +173,7 @@ class MainRowStage:
                 # head_dim 1 at d = H = 8): the moves came out 2 to 4 gaps, the steps
                 # crossed and the row fits stopped in wrong basins. The base columns'
                 # measured |W_h^T u_0| / |u_0| bounds the moves then.
+                self.details["column gain measured / assumed"] = self.column_gain / y_norm
                 y_norm = max(y_norm, self.column_gain)
             z_norm = np.linalg.norm(U[todo], axis=1) * y_norm           # about |W_h^T u_k|
             s_k[todo] = COLUMN_MOVE * np.minimum(gaps, spacing) * math.sqrt(d) / z_norm
