@@ -262,7 +262,7 @@ class BaseRowStage:
                     return self.designed_column()     # a hidden head shown: start again
         Q = np.array(Q)                                                 # (columns, d)
         T, T_var = self.column_positions(fits, reference, moves)
-        self.column_gain = column_gain(T, Q, self.u_0)
+        self.column_gain = column_gain(T, T_var, Q, self.u_0)
         u_0, best = self.u_0, (first_gap, self.u_0, self.q_0, self.base_fit)
         for scan in range(DESIGNED_SCANS):
             if scan and not self.affordable(scan_cost + after, H):
@@ -826,16 +826,22 @@ class BaseRowStage:
         return Y0, V0, Y_error
 
 
-def column_gain(T: np.ndarray, Q: np.ndarray, u: np.ndarray) -> float:
+def column_gain(T: np.ndarray, T_var: np.ndarray, Q: np.ndarray, u: np.ndarray) -> float:
     """The largest |W_h^T u| / |u| over the heads (the steps' move per unit of column
     move per unit of row), from the positions T (H, n) of row u in the columns Q (n, d)
-    (Q[0] the reference). The columns moved from Q[0] in random directions r, and a
-    random direction moves head h's step by z_h^T r ~ N(0, |z_h|^2 / d) (z_h = W_h^T u),
-    so |z_h|^2 is about d times the median squared move per unit of column move over
-    the median of chi-square(1), 0.455 (the median: a step mislabelled in one column
-    does not count)."""
-    steps = Q[1:] - Q[:1]                                              # (n - 1, d)
-    length = np.linalg.norm(steps, axis=1)
-    moved = (T[:, 1:] - T[:, :1]) / np.maximum(length, 1e-300)          # (H, n - 1)
-    z_norm = np.sqrt(Q.shape[1] * np.median(np.square(moved), axis=1) / 0.455)   # (H,)
+    (Q[0] the reference) and their variances T_var (H, n).
+
+    The columns moved from Q[0] in random directions r, and a random direction moves
+    head h's step by z_h^T r ~ N(0, |z_h|^2 / d) (z_h = W_h^T u), so |z_h|^2 is about d
+    times the median squared move per unit of column move over the median of
+    chi-square(1), 0.455. Robust to what is not a move: the moves are taken about
+    their median (a reference step fitted 0.23 off made every column seem to move it
+    by that, 220x the nudges' real moves, d = H = 8), each squared move less its
+    variance (a step beyond the window is located by its tail), and the median over
+    the columns (a step mislabelled in one column does not count)."""
+    length = np.maximum(np.linalg.norm(Q[1:] - Q[:1], axis=1), 1e-300)  # (n - 1,)
+    moved = (T[:, 1:] - T[:, :1]) / length                              # (H, n - 1)
+    moved = moved - np.median(moved, axis=1, keepdims=True)
+    square = np.maximum(np.square(moved) - T_var[:, 1:] / length ** 2, 0.0)
+    z_norm = np.sqrt(Q.shape[1] * np.median(square, axis=1) / 0.455)   # (H,)
     return float(np.max(z_norm)) / max(float(np.linalg.norm(u)), 1e-300)
