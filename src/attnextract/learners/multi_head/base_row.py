@@ -56,8 +56,9 @@ from .budget import _Redesign, _scan_size, column_samples, perturbation_samples
 from .constants import (BASE_CANDIDATES, BASE_QUALITY, BELOW_TOLD_VOTES, COLUMN_NUDGE,
                         COLUMN_SPREAD, COUNT_EXTRA_SCANS, COUNT_MARGIN, CROWDED_GAP,
                         DESIGNED_SCANS, MORE_STEPS_VOTES, NOISE_FACTOR, PERTURBATION_MAX_MOVE,
-                        PERTURBATION_MOVE, PERTURBATION_NOISE_MOVES, PINNED_STEPS, RANDOM_COLUMNS,
-                        SCALE_ROUNDS, UNRESOLVED_HEIGHT, WINDOW_MARGIN)
+                        PERTURBATION_MOVE, PERTURBATION_NOISE_MOVES, PILOT_COLUMNS,
+                        PINNED_STEPS, RANDOM_COLUMNS, SCALE_ROUNDS, UNRESOLVED_HEIGHT,
+                        WINDOW_MARGIN)
 
 
 def base_quality(steps, half_window: float) -> float:
@@ -223,10 +224,22 @@ class BaseRowStage:
         # heights alone (their steps move by more than the gaps).
         spread = float(np.clip((self.half_window - 1.5)
                                / (COLUMN_SPREAD * max(deviation, 1e-300)), 0.1, 10.0))
-        for batch in range(2):
+        # With biases the positions t_h = u_0^T (W_h q_0 + b_h) spread with the logits'
+        # bias part too, which no nudge moves: their spread overstates |z_h| (trained-bias
+        # heads of head_dim 1, d = H = 8: the nudges moved the steps by 0.002 where 0.014
+        # was meant, q* came out 68 long and its scans missed their positions by 10).
+        # A pilot of PILOT_COLUMNS nudged columns measures |z_h| (:func:`column_gain`)
+        # and sizes the other nudges (no query more: they are among H + RANDOM_COLUMNS).
+        kinds = ("pilot", "nudged", "spread") if self.biases else ("nudged", "spread")
+        for kind in kinds:
+            batch = kind == "spread"
             k = H + RANDOM_COLUMNS - (len(fits) - 1)
+            if kind == "pilot":
+                k = min(k, PILOT_COLUMNS)
             if k <= 0 or (batch and not self.affordable(k * scan_cost + after, H)):
                 break
+            if kind == "nudged" and len(fits) > 1:
+                nudge = self.measured_nudge(fits, reference, moves, Q, nudge, move)
             directions = self.rng.standard_normal((k, d))
             if batch:
                 self.details["designed column spread columns"] = k
@@ -311,6 +324,17 @@ class BaseRowStage:
         gap, u, self.q_0, steps = best
         self.adopt_base(u, steps)
         self.details["designed column smallest step gap"] = gap
+
+    def measured_nudge(self, fits, reference, moves, Q, nudge: float, move: float) -> float:
+        """The nudge that moves the fastest head's step by about ``move`` (rms over
+        random directions), from the pilot columns ``fits[1:]`` at ``Q[1:]``
+        (:func:`column_gain`); never smaller than ``nudge`` (the positions' spread
+        understates |z_h| only where the biases add to it)."""
+        T, T_var = self.column_positions(fits, reference, moves)
+        gain = column_gain(T, T_var, np.array(Q), self.u_0) * float(np.linalg.norm(self.u_0))
+        measured = move * math.sqrt(self.d) / gain if gain > 0 else nudge
+        self.details["designed column nudge measured / assumed"] = measured / nudge
+        return max(nudge, measured)
 
     def more_steps(self, lam, g, u, q, noise, H: int) -> bool:
         """Whether the scan (lam, g) of row (u, q), which H steps do not fit, fits more

@@ -71,6 +71,8 @@ PERTURBATION_MAX_MOVE = 0.25     # ... at most this x the smallest gap
 DESIGNED_SCANS = 3         # scans of designed columns of the base row at most
 RANDOM_COLUMNS = 1         # nudged columns beyond H scanned (with q_0, H + 1 + this; with
                            # none, d = 16, H = 10, s = 3: seed 16 refused, seed 10 crowded)
+PILOT_COLUMNS = 2          # with biases: nudged columns scanned first, their moves size the
+                           # other nudges (:meth:`.base_row.BaseRowStage.designed_column`)
 CROWDED_GAP = 0.5          # a base row whose smallest step gap is below this x the evenly
                            # spaced gap moves to a designed column
 COLUMN_SPREAD = 2.0        # spread columns (nudges missed): outermost step this many deviations out
