@@ -32,7 +32,9 @@ perturbations, every head's W_h q_0 and v_h.
    and nearness; random columns of full spread crowd other pairs, and at H = 12 their
    fits reached the noise with steps 1 to 3 off), and the combination q* of the columns
    that puts the steps at evenly spaced positions with the least predicted error is
-   scanned (again, with that scan among the columns, while its steps still crowd; a
+   scanned (with biases the nudges are sized from two pilot columns' measured moves,
+   :func:`column_gain`: the positions' spread holds the bias part u_0^T b_h, which no
+   nudge moves; again, with that scan among the columns, while its steps still crowd; a
    scan whose design error put a step beyond the window is shrunk into it, u scaled,
    no query): (u_0 |q*|, q* / |q*|) is the base row from here on (q_0 := q*). A scan
    that fits more steps than the base row (a head hidden there) becomes the base row,

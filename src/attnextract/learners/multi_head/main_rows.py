@@ -14,7 +14,9 @@
    and rows whose steps the rough estimate placed closer than half the designed spacing
    are designed again from it and measured on q_0 again before round 2.
 5. Round 2: d columns q_0 + s_k r_j (one more than z needs), s_k moving the steps by
-   about a third of the row's smallest gap, each sampled at the row's measured steps
+   about a third of the row's smallest gap (with biases at most by what the base
+   columns' measured |W_h^T u_0| / |u_0| predicts: W_h q_0 + b_h can cancel on the
+   designed column), each sampled at the row's measured steps
    plus one midpoint (H + 1 queries): the midpoints pin the heights, the extra column
    averages the q_0 direction.
 6. Row fits: in row k the heights c_h(k) = u_k^T v_h are shared by every column and
