@@ -248,8 +248,14 @@ class BaseRowStage:
                 columns = spread * directions / np.linalg.norm(directions, axis=1,
                                                                 keepdims=True)
             else:
-                directions -= np.outer(directions @ self.q_0, self.q_0) / (
-                    self.q_0 @ self.q_0)
+                # with biases the positions u_0^T (W_h q + b_h) are affine in q: moving q
+                # along q_0 is not a rescaling of the row, and nudges orthogonal to q_0
+                # left the columns' moves of rank d - 1 < H at H = d (the design then
+                # combined them with coefficients of 6e5 and missed three positions by
+                # 1 to 2, d = H = 8)
+                if not self.biases:
+                    directions -= np.outer(directions @ self.q_0, self.q_0) / (
+                        self.q_0 @ self.q_0)
                 directions /= np.linalg.norm(directions, axis=1, keepdims=True)
                 columns = self.q_0[None] + nudge * directions
             before = self.oracle.queries
