@@ -169,7 +169,9 @@ class BaseRowStage:
         positions t_h(q) = z_h^T q (z_h = W_h^T u_0) are linear in it. When the base
         row's smallest step gap is below CROWDED_GAP of the evenly spaced gap, u_0 is
         scanned (:func:`column_samples` each) at H + RANDOM_COLUMNS nudged columns
-        q_j = q_0 + s r_j (r_j random unit directions orthogonal to q_0, s moving the
+        q_j = q_0 + s r_j (r_j random unit directions, orthogonal to q_0 without biases,
+        where moving along q_0 only rescales the row; with biases s from two pilot
+        columns' moves, :func:`column_gain`; s moving the
         steps by about COLUMN_NUDGE of the smallest gap): every step stays within a
         fraction of its gap of where the base row put it, so each nudged column is
         fitted from the base row's steps and keeps their labels (random columns of full
@@ -229,7 +231,7 @@ class BaseRowStage:
         # With biases the positions t_h = u_0^T (W_h q_0 + b_h) spread with the logits'
         # bias part too, which no nudge moves: their spread overstates |z_h| (trained-bias
         # heads of head_dim 1, d = H = 8: the nudges moved the steps by 0.002 where 0.014
-        # was meant, q* came out 68 long and its scans missed their positions by 10).
+        # was meant).
         # A pilot of PILOT_COLUMNS nudged columns measures |z_h| (:func:`column_gain`)
         # and sizes the other nudges (no query more: they are among H + RANDOM_COLUMNS).
         kinds = ("pilot", "nudged", "spread") if self.biases else ("nudged", "spread")
@@ -283,7 +285,8 @@ class BaseRowStage:
                     return self.designed_column()     # a hidden head shown: start again
         Q = np.array(Q)                                                 # (columns, d)
         T, T_var = self.column_positions(fits, reference, moves)
-        self.column_gain = column_gain(T, T_var, Q, self.u_0)
+        if self.biases:                     # (round 2 reads it with biases only)
+            self.column_gain = column_gain(T, T_var, Q, self.u_0)
         u_0, best = self.u_0, (first_gap, self.u_0, self.q_0, self.base_fit)
         for scan in range(DESIGNED_SCANS):
             if scan and not self.affordable(scan_cost + after, H):
