@@ -214,6 +214,7 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         self.max_heads = int(heads) if heads is not None else min(oracle.dim, COUNT_FIRST)
         self.rng = np.random.default_rng(seed)
         self.seed, self.tolerance, self.verify_tolerance = seed, tolerance, verify_tolerance
+        self.tolerance_given = tolerance is not None         # max_error_bar= (set_precision)
         self.say = progress or (lambda message: None)
         self.start, self.q0, self.bb0 = time.perf_counter(), oracle.queries, oracle.black_box_seconds
         self.cq0 = _check_queries(oracle)
@@ -528,7 +529,57 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         else:
             listed = "; ".join(f"({i + 1}) {f}" for i, f in enumerate(failures))
             message = f"{len(failures)} designs failed: {listed}; {room}"
-        raise exc.kind(message, result=self.result)
+        raise exc.kind(message + self.rounding_limit(exc), result=self.result)
+
+    def rounding_limit(self, exc: "_Redesign") -> str:
+        """For a refusal on rounded answers (float32, decimals) that the rounding
+        explains, the limit this run measured and what lets a box through ("" else).
+
+        - Told H, most base rows showed fewer steps than H: on coarse answers close
+          steps merge and small ones sink below the rounding, so the base stage cannot
+          locate every head (float32 ``nn.MultiheadAttention`` with head dimension 1 or
+          2 at H = 8: 4 to 7 of 8 steps per row at d = 8 and 16, every trial refused).
+          No option of this learner helps; a float64 forward pass does.
+        - The last design's error bar was finite but above the bar accepted: the count's
+          samples pin the heads only that well at this rounding (float32
+          ``nn.MultiheadAttention``, d = 8, H = 4: bars 1.3e-2 to 2.6e-2 against 9.5e-3);
+          ``max_error_bar`` above it returns that model, its bar stated.
+        Both name ``--output-dtype`` as changing nothing (the learner already allows for
+        a forward pass in the detected dtype), which keeps the registry's precision
+        hint, meant for undetected rounding, off the message."""
+        if self.precision_name == "float64" and self.decimals is None:
+            return ""
+        how = "stated" if (self.output_dtype is not None or self.decimals is not None) \
+            else "detected"
+        name = (self.precision_name if self.decimals is None
+                else f"{self.decimals} decimals")
+        counts = [c for c in self.details.get("head counts of the base rows", [])
+                  if c is not None]
+        H = self.max_heads
+        below = [c for c in counts if c < H]
+        if self.coarse and self.heads_told and counts and 2 * len(below) > len(counts):
+            return (f"; this learner's limit at this rounding ({name}, {how}): {len(below)} "
+                    f"of {len(counts)} base rows showed fewer steps than the {H} heads asked "
+                    f"(counts {sorted(counts)}): on answers this coarse, steps that lie close "
+                    f"together in the base window +-{math.log(design.base_length(H) - 1):.1f} merge and heads with "
+                    f"little height in a row sink below the rounding, so the learner cannot "
+                    f"locate every head (the black box is not judged); no option of this "
+                    f"learner lets it through (stating --output-dtype changes nothing, a "
+                    f"larger max_error_bar does not help); answers from a float64 forward "
+                    f"pass do (a torch module served in float64: TorchAttentionBlackBox's "
+                    f"default dtype=\"float64\", or module.double())")
+        bar = exc.bar
+        if (exc.kind is RecoveryFailedError and bar is not None and math.isfinite(bar)
+                and self.tolerance < bar < 0.5):
+            suggest = float(f"{2.0 * bar:.0e}")         # one digit, rounded from 2x the bar
+            default = "" if self.tolerance_given else f", the default for {name} answers"
+            return (f"; at this rounding ({name}, {how}) the samples paper 2's count allows "
+                    f"pin these heads to an error bar of {bar:.1e} (the measured residual "
+                    f"through the fits' conditioning), above the largest accepted "
+                    f"{self.tolerance:.1e}{default}; to accept a model with a bar that size, "
+                    f"pass max_error_bar={suggest:g} (--max-error-bar {suggest:g}): the "
+                    f"held-out check allows for it (stating --output-dtype changes nothing)")
+        return ""
 
     def no_heads(self):
         """The model with no canonical heads (f = c)."""
