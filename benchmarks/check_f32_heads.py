@@ -58,8 +58,11 @@ def one_run(d: int, H: int, trial: int, told: bool, float64: bool, **options) ->
         found = result.model.heads
         error = canonical_error(result.model, truth) if found == H else float("inf")
         bar = float(result.report.details["error bar"])
+        details = result.report.details
         row.update(outcome="within" if error <= bar else "OUTSIDE", error=float(error), bar=bar,
-                   heads_found=int(found), notes=list(result.report.notes))
+                   heads_found=int(found), notes=list(result.report.notes),
+                   predicted_small_moves=details.get("predicted relative error (small moves)"),
+                   residual=details.get("residual rms"), noise=details.get("noise floor"))
     row.update(queries=oracle.queries, cpu=round(time.process_time() - cpu, 2))
     return row
 
@@ -70,6 +73,9 @@ def main():
     parser.add_argument("--trials", default="0-3")
     parser.add_argument("--modes", nargs="+", default=["told", "no-heads"])
     parser.add_argument("--float64", action="store_true")
+    parser.add_argument("--precision", choices=["full", "fast"], default="full",
+                        help="the learner's precision= (fast: no short probes on float64 "
+                             "answers, the design float32 answers get)")
     parser.add_argument("--out", required=True, help="results stem (writes .md and .json)")
     args = parser.parse_args()
     import torch
@@ -80,11 +86,12 @@ def main():
         d, H = (int(x) for x in cell.split("x"))
         for mode in args.modes:
             for trial in range(lo, hi + 1):
-                row = one_run(d, H, trial, mode == "told", args.float64)
+                extra = {"precision": args.precision} if args.precision != "full" else {}
+                row = one_run(d, H, trial, mode == "told", args.float64, **extra)
                 hint = re.search(r"max_error_bar=([0-9.e+-]+)", row.get("message", ""))
                 if hint:
                     row["with option"] = one_run(d, H, trial, mode == "told", args.float64,
-                                                 max_error_bar=float(hint.group(1)))
+                                                 max_error_bar=float(hint.group(1)), **extra)
                 rows.append(row)
                 again = row.get("with option", {})
                 print(f"d={d} H={H} {mode} {trial}: {row['outcome']} {row.get('error', '')} "
@@ -101,12 +108,12 @@ def write(rows, args) -> None:
     Path(args.out + ".json").write_text(json.dumps({"command": command, "load": load,
                                                     "rows": rows}, indent=1))
     lines = [f"# multi-head on {'float64-served' if args.float64 else 'float32'} "
-             f"nn.MultiheadAttention, small head dimensions", "",
+             f"nn.MultiheadAttention, small head dimensions (precision={args.precision})", "",
              f"Command: `{command}`; load average at the last row "
              f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on 2 shared cores.", "",
-             "| d | H | mode | trial | outcome | error | bar | queries | CPU s "
-             "| with the max_error_bar named | message |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| d | H | mode | trial | outcome | error | bar | predicted (small moves) "
+             "| queries | CPU s | with the max_error_bar named | message |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = (lambda x: "" if x is None else f"{x:.1e}")
     for r in rows:
         again = r.get("with option")
@@ -114,7 +121,8 @@ def write(rows, args) -> None:
                       f"{fmt(again.get('error'))} (bar {fmt(again.get('bar'))})" if again else "")
         message = r.get("message", "").replace("|", "/")
         lines.append(f"| {r['d']} | {r['H']} | {r['mode']} | {r['trial']} | {r['outcome']} | "
-                     f"{fmt(r.get('error'))} | {fmt(r.get('bar'))} | {r['queries']} | "
+                     f"{fmt(r.get('error'))} | {fmt(r.get('bar'))} | "
+                     f"{fmt(r.get('predicted_small_moves'))} | {r['queries']} | "
                      f"{r['cpu']} | {again_text} | {message[:700]} |")
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
 
