@@ -546,8 +546,8 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
           ``nn.MultiheadAttention``, d = 8, H = 4: bars 1.5e-2 and 2.6e-2 against 9.5e-3);
           ``max_error_bar`` above it returns that model, its bar stated (offered for
           bars up to ROUNDED_BAR_OFFERED).
-        - Not told H, the base rows' counts differ by two or more: the count read from
-          them may be low for the same reason.
+        - Not told H, the base rows' counts differ (coarse answers only hide steps):
+          the count read from them may be low for the same reason.
         Each names ``--output-dtype`` as changing nothing (the learner already allows for
         a forward pass in the detected dtype), which keeps the registry's precision
         hint, meant for undetected rounding, off the message."""
@@ -586,7 +586,7 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
                     f"{self.tolerance:.1e}{default}; to accept a model with a bar that size, "
                     f"pass max_error_bar={suggest:g} (--max-error-bar {suggest:g}): the "
                     f"held-out check allows for it (stating --output-dtype changes nothing)")
-        if self.coarse and not self.heads_told and counts and max(counts) - min(counts) >= 2:
+        if self.coarse and not self.heads_told and counts and max(counts) > min(counts):
             return (f"; on answers this coarse ({name}, {how}) base rows hide heads whose "
                     f"steps crowd or whose heights sink below the rounding (the rows showed "
                     f"{sorted(counts)} steps), so the count {H} may be low and this learner "
