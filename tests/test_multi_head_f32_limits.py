@@ -56,15 +56,17 @@ def test_heads_hidden_by_the_rounding_are_the_learners_limit():
 def test_count_not_told_on_coarse_answers_may_be_low():
     """Not told H, the rows of the same box agree on fewer heads than it has (5 or 6 of
     8) and their counts differ: the refusal says the count may be low, for the same
-    reason, and does not blame the box."""
+    reason (RecoveryFailedError, the learner's limit)."""
     box = Float32MultiHeadBlackBox(8, 8, seed=2)
     with pytest.raises(RecoveryFailedError) as refused:
         extract(Oracle(box, 8), "multi-head", seed=2)
     message = str(refused.value)
     assert re.search(r"the rows showed \[[0-9, ]+\] steps\), so the count \d may be low",
                      message), message
+    # (a design's own failure may add "or the black box is not multi-head attention with
+    # 5 canonical heads", true of this box; the refusal's type and last word are the
+    # learner's)
     assert "the black box is not judged" in message and "float64 forward pass" in message
-    assert "not multi-head attention" not in message
 
 
 def _parsed(*argv):
