@@ -47,7 +47,7 @@ MODEL_OPTIONS = {"rank": "rank", "method": "method", "oversampling": "oversampli
                  "relative_tolerance": "relative_tolerance", "noise": "noise",
                  "noise_method": "method", "repeats": "repeats", "norm_bound": "norm_bound",
                  "margin": "margin", "bits": "bits", "threshold": "threshold",
-                 "biases": "biases", "radius": "radius"}
+                 "biases": "biases", "radius": "radius", "max_error_bar": "max_error_bar"}
 NOISE_OPTIONS = ("relative_tolerance", "noise", "noise_method", "repeats", "norm_bound", "margin")
 LABEL_OPTIONS = ("bits", "threshold")
 # their defaults on the command line (the learners' own): equal to it counts as not given
@@ -231,6 +231,10 @@ def _add_learner_options(ex) -> None:
                             "round (short probes for float64 answers, else wide columns) for "
                             "the smallest error; fast runs only wide columns, and only when "
                             "the error bar would exceed 1e-10 (default: full)")
+    multi.add_argument("--max-error-bar", type=float, metavar="BAR",
+                       help="multi-head: the largest error bar (relative parameter error) "
+                            "accepted, in (0, 1); a larger one is refused and the refusal "
+                            "states it (default 1e-6; 9.5e-3 for float32 answers)")
     pre = ex.add_argument_group("--model pre-ln")
     pre.add_argument("--radius", type=float, metavar="R",
                      help="norm of every probe token, all with zero mean: the sphere where "

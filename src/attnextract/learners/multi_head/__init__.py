@@ -77,7 +77,7 @@ from .main_rows import MainRowStage
 from .short_probes import ShortProbeStage
 from .constants import (BASE_CANDIDATES, COARSEST_SHARE, COARSE_ROUNDING, COUNT_FIRST,
                         DEFAULT_TOLERANCE, DTYPE_PRECISION, MAX_DESIGNS, MAX_HEADS, NOISE_FACTOR,
-                        PRECISIONS, ROUNDED_TOLERANCE, SCALE_ROUNDS)
+                        PRECISIONS, ROUNDED_BAR_OFFERED, ROUNDED_TOLERANCE, SCALE_ROUNDS)
 
 __all__ = ["extract_multi_head", "canonical_form", "canonical_error", "match_heads",
            "non_identifiable_twin", "twin_difference", "output_precision", "paper2_count",
@@ -214,6 +214,7 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         self.max_heads = int(heads) if heads is not None else min(oracle.dim, COUNT_FIRST)
         self.rng = np.random.default_rng(seed)
         self.seed, self.tolerance, self.verify_tolerance = seed, tolerance, verify_tolerance
+        self.tolerance_given = tolerance is not None         # max_error_bar= (set_precision)
         self.say = progress or (lambda message: None)
         self.start, self.q0, self.bb0 = time.perf_counter(), oracle.queries, oracle.black_box_seconds
         self.cq0 = _check_queries(oracle)
@@ -529,7 +530,71 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         else:
             listed = "; ".join(f"({i + 1}) {f}" for i, f in enumerate(failures))
             message = f"{len(failures)} designs failed: {listed}; {room}"
-        raise exc.kind(message, result=self.result)
+        raise exc.kind(message + self.rounding_limit(exc), result=self.result)
+
+    def rounding_limit(self, exc: "_Redesign") -> str:
+        """For a refusal on rounded answers (float32, decimals) that the rounding
+        explains, the limit this run measured and what lets a box through ("" else).
+
+        - Told H, most base rows showed fewer steps than H: on coarse answers close
+          steps merge and small ones sink below the rounding, so the base stage cannot
+          locate every head (float32 ``nn.MultiheadAttention`` with head dimension 1 or
+          2 at H = 8: 4 to 7 of 8 steps per row at d = 8 and 16, every trial refused).
+          No option of this learner helps; a float64 forward pass resolves them (d = 16,
+          H = 8: 4 of 4 trials within their bars).
+        - The last design's error bar was finite but above the bar accepted: the count's
+          samples pin the heads only that well at this rounding (float32
+          ``nn.MultiheadAttention``, d = 8, H = 4: bars 1.5e-2 and 2.6e-2 against 9.5e-3);
+          ``max_error_bar`` above it returns that model, its bar stated (offered for
+          bars up to ROUNDED_BAR_OFFERED).
+        - Not told H, the base rows' counts differ (coarse answers only hide steps):
+          the count read from them may be low for the same reason.
+        Each names ``--output-dtype`` as changing nothing (the learner already allows for
+        a forward pass in the detected dtype), which keeps the registry's precision
+        hint, meant for undetected rounding, off the message."""
+        if self.precision_name == "float64" and self.decimals is None:
+            return ""
+        how = "stated" if (self.output_dtype is not None or self.decimals is not None) \
+            else "detected"
+        name = (self.precision_name if self.decimals is None
+                else f"{self.decimals} decimals")
+        counts = [c for c in self.details.get("head counts of the base rows", [])
+                  if c is not None]
+        H = self.max_heads
+        below = [c for c in counts if c < H]
+        if self.coarse and self.heads_told and counts and 2 * len(below) > len(counts):
+            half = math.log(design.base_length(H) - 1)
+            return (f"; this learner's limit at this rounding ({name}, {how}): {len(below)} "
+                    f"of {len(counts)} base rows showed fewer steps than the {H} heads asked "
+                    f"(counts {sorted(counts)}): on answers this coarse, steps that lie close "
+                    f"together in the base window +-{half:.1f} merge and heads with little "
+                    f"height in a row sink below the rounding, so the learner cannot "
+                    f"locate every head (the black box is not judged); no option of this "
+                    f"learner lets it through (stating --output-dtype changes nothing, a "
+                    f"larger max_error_bar does not help); answers from a float64 forward "
+                    f"pass resolve them (a torch module served in float64: "
+                    f"TorchAttentionBlackBox's default dtype=\"float64\", or module.double())")
+        bar = exc.bar
+        # (a bar of 5e-2 lets the held-out check allow half the answers' size: larger
+        # bars are not offered, a model missing a head could pass with them)
+        if (exc.kind is RecoveryFailedError and bar is not None and math.isfinite(bar)
+                and self.tolerance < bar <= ROUNDED_BAR_OFFERED):
+            suggest = float(f"{2.0 * bar:.0e}")         # one digit, rounded from 2x the bar
+            default = "" if self.tolerance_given else f", the default for {name} answers"
+            return (f"; at this rounding ({name}, {how}) the samples paper 2's count allows "
+                    f"pin these heads to an error bar of {bar:.1e} (the measured residual "
+                    f"through the fits' conditioning), above the largest accepted "
+                    f"{self.tolerance:.1e}{default}; to accept a model with a bar that size, "
+                    f"pass max_error_bar={suggest:g} (--max-error-bar {suggest:g}): the "
+                    f"held-out check allows for it (stating --output-dtype changes nothing)")
+        if self.coarse and not self.heads_told and counts and max(counts) > min(counts):
+            return (f"; on answers this coarse ({name}, {how}) base rows hide heads whose "
+                    f"steps crowd or whose heights sink below the rounding (the rows showed "
+                    f"{sorted(counts)} steps), so the count {H} may be low and this learner "
+                    f"may not locate every head (its limit at this rounding, the black box "
+                    f"is not judged; stating --output-dtype changes nothing); answers from a "
+                    f"float64 forward pass avoid it")
+        return ""
 
     def no_heads(self):
         """The model with no canonical heads (f = c)."""

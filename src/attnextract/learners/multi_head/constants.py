@@ -27,6 +27,11 @@ DEFAULT_TOLERANCE = 1e-6  # largest error bar accepted (float64 outputs; rounded
 ROUNDED_TOLERANCE = 1.6e5 # ... in units of the output rounding (9.5e-3 for float32): a float32
                           # forward pass at d = 16 gives bars up to 1e-3 at H = 2 and 6.2e-3 at
                           # H = 4 (nn.MultiheadAttention; errors at most 0.64 x the bar)
+ROUNDED_BAR_OFFERED = 5e-2  # rounded answers: a refusal whose bar is above the tolerance
+                          # and at most this names max_error_bar (float32
+                          # nn.MultiheadAttention, d = 8, H = 4: bars 1.5e-2 and 2.6e-2,
+                          # errors 3.0e-3 and 5.7e-3 with the option; the held-out check
+                          # allows 10x the bar, so larger bars are not offered)
 COARSEST_SHARE = 0.05     # largest NOISE_FACTOR x base-scan rounding / answer accepted
                           # (float32: 3.4e-5; float16: 0.28 and bfloat16: 2.2 are refused)
 EXTRA_COLUMNS = 1         # columns beyond the d that determine each z_h (0 or 1)
