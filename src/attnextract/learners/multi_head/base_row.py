@@ -430,9 +430,15 @@ class BaseRowStage:
             # a step at the window's edge (the scale was set on another row): the logits
             # are linear in u, so a shorter row pulls it inside; otherwise a new draw
             u = u * (self.half_window - 1.5) / edge if fits and edge > 1.0 else None
-            if u is None and self.coarse and np.isfinite(edge) and not fits:
+            if u is None and np.isfinite(edge) and not fits and (
+                    self.coarse or edge > self.half_window):
                 # coarse answers: steps beyond the window sink below the rounding, so
-                # the row is rescanned at its own scale (:meth:`base_row`)
+                # the row is rescanned at its own scale (:meth:`base_row`); any answers:
+                # a fit that misses the noise with a step beyond the window fitted a tail,
+                # and the row is rescanned shorter (d = 8, H = 2, s = 3: a row with its
+                # steps at 64 and 74, window 7.6, fitted 19 and 31 under OpenBLAS's
+                # Sandybridge kernels, shrunk by that to 13 and 15, missed the noise, and
+                # was dropped: the retry's last draw missed too and the box was refused)
                 u = steps_u * float(np.clip((self.half_window - 1.5) / max(edge, 1e-3),
                                             1e-2, 1e2))
         raise _Redesign(RecoveryFailedError, "no fresh base row fit its steps")
