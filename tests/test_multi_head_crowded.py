@@ -144,16 +144,28 @@ def test_crowded_h12_base_row_moves_in_one_designed_scan(monkeypatch):
     """d = 32, H = 12, s = 1, seed 6: random columns of full spread crowded three of four
     times (steps 0.002 to 0.03 apart), their fits reached the noise with steps 1 to 3
     off, too few were labelled, and the base row stayed crowded (four designs failed,
-    refused). Nudged columns keep the labels: one designed scan spaces the steps evenly
-    and the perturbations give W_h q* to 1e-5."""
+    refused). Nudged columns keep the labels: a designed scan spaces the steps and the
+    perturbations give W_h q* to 1e-5. One or two of the 13 nudged columns miss the
+    noise (by 1.2 to 1.8 x the allowed misfit, which ones depends on the last bits); with
+    numpy's SIMD up to X86_V3 or baseline and OpenBLAS's Sandybridge kernels two did, and
+    the columns of full spread that replaced them missed too (500 to 7000 x): 11 columns
+    for 12 heads, no design, the base estimate 7e3 off, and the whole run took three
+    designs to 2.4e-10. The missing columns are now nudged again."""
     d, H = 32, 12
     box = _grid_box(d, H, 1.0, 6)
     run = _base_stage(monkeypatch, box, H, 761420473).run
     Y0, _ = run.base_estimate()
+    det = run.details
     spacing = 2.0 * (run.half_window - 2.0) / (H - 1)
-    assert run.details["designed column smallest step gap"] >= multi_head.constants.CROWDED_GAP * spacing
-    predicted = run.details["base estimate relative error"]
-    assert predicted <= 1e-5
+    first_gap = det["base row smallest step gap (first row)"]
+    assert first_gap < multi_head.constants.CROWDED_GAP * spacing       # crowded (0.21)
+    # moved by a designed scan (one kept only when it widens the row: 1.4 to 1.5 here)
+    # of nudged columns alone
+    assert det["designed column scans"] >= 1
+    assert det["designed column smallest step gap"] > first_gap
+    assert "designed column spread columns" not in det
+    predicted = det["base estimate relative error"]
+    assert predicted <= 1e-5                    # (2.9e-6 and 3.3e-6 measured)
     actual = np.linalg.norm(Y0 - _true_columns(run, box), axis=0) / np.linalg.norm(Y0, axis=0)
     assert np.max(actual) <= 10 * predicted
     assert run.affordable(run.main_cost(H), H)

@@ -203,11 +203,14 @@ def test_row_with_a_step_at_the_edge_is_scanned_again_inside(monkeypatch):
     the one row of 4 steps had its fourth (0.2 % of the heights) at 8.0, beyond the
     window's 6.2, too near the edge to be pinned: the rows agreed on 3 and every design
     failed. That row is now scanned again shorter, all four steps inside and pinned,
-    and proves the count."""
+    and proves the count. (Which rows hide a head depends on the last bits: the rows
+    give [3, 3, 4, 2, 3, 3, 3, 4] in 592 queries by default and under Haswell and numpy's
+    SIMD up to X86_V3, [4, 4, 4, 2, 3, 3, 3, 4, 4, 4] in 448 under OpenBLAS's
+    Sandybridge kernels; the count, the kept row and the room left do not.)"""
     box = Float32MultiHeadBlackBox(4, 16, seed=15)
     stage = _base_stage(monkeypatch, box, None, 15)
     run = stage.run
     assert stage.heads == 4 and run.coarse
-    assert run.details["head counts of the base rows"] == [3, 3, 4, 2, 3, 3, 3, 4]
     assert run.in_window((4, run.u_0, run.base_fit))
-    assert run.oracle.queries == 592
+    assert multi_head.base_row.base_quality(run.base_fit, run.half_window) <= multi_head.constants.PINNED_STEPS
+    assert run.affordable(run.attempt_cost(4, least=True), 4)
