@@ -154,7 +154,7 @@ class MainRowStage:
                 raise _Redesign(
                     RecoveryFailedError,
                     f"{todo.size} main row(s) do not fit {H} steps (residual "
-                    f"{worst * NOISE_FACTOR:.1e} times the output precision, base estimate "
+                    f"{worst * NOISE_FACTOR:.1e} times the rounding noise expected, base estimate "
                     f"error {self.details['base estimate relative error']:.1e}): two steps "
                     f"fell too close in a row, or the black box is not multi-head attention "
                     f"with {H} canonical heads")
@@ -358,7 +358,8 @@ class MainRowStage:
             raise _Redesign(
                 RecoveryFailedError,
                 f"the row fits leave a residual {measured_sigma:.1e}, {measured_sigma / noise:.0f} "
-                f"times the output precision {noise:.1e}: {why}", model, bar)
+                f"times the noise {noise:.1e} that {self.precision_name} rounding of these "
+                f"answers' sums makes (absolute): {why}", model, bar)
         if not bar <= self.tolerance:
             raise _Redesign(
                 RecoveryFailedError,
