@@ -169,8 +169,8 @@ class BaseRowStage:
         positions t_h(q) = z_h^T q (z_h = W_h^T u_0) are linear in it. When the base
         row's smallest step gap is below CROWDED_GAP of the evenly spaced gap, u_0 is
         scanned (:func:`column_samples` each) at H + RANDOM_COLUMNS nudged columns
-        q_j = q_0 + s r_j (r_j random unit directions, orthogonal to q_0 without biases
-        and H < d, where moving along q_0 only rescales the row; with biases s from two pilot
+        q_j = q_0 + s r_j (r_j random unit directions, orthogonal to q_0 without biases,
+        where moving along q_0 only rescales the row; with biases s from two pilot
         columns' moves, :func:`column_gain`; s moving the
         steps by about COLUMN_NUDGE of the smallest gap): every step stays within a
         fraction of its gap of where the base row put it, so each nudged column is
@@ -255,13 +255,7 @@ class BaseRowStage:
                 # left the columns' moves of rank d - 1 < H at H = d (the design then
                 # combined them with coefficients of 6e5 and missed three positions by
                 # 1 to 2, d = H = 8)
-                # Bias-free the same at H = d: orthogonal nudges reach positions
-                # t(q_0) + (d - 1 directions), and the offset of the targets is drawn, not
-                # solved, so H = d targets need q_0's direction too (a rescaling of the
-                # positions); without it the design's coefficients reached 5e8, q* came out
-                # 10 to 170 long and missed positions by 1 to 5e4 (nn.MultiheadAttention(8,
-                # 8), head_dim 1, float64, seeds 1 and 19). Below H = d the d - 1 suffice.
-                if not self.biases and H < d:
+                if not self.biases:
                     directions -= np.outer(directions @ self.q_0, self.q_0) / (
                         self.q_0 @ self.q_0)
                 directions /= np.linalg.norm(directions, axis=1, keepdims=True)
