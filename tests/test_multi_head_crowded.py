@@ -220,3 +220,27 @@ def test_grid_box_with_a_hidden_head_is_recovered():
     assert canonical_error(result.model, box) <= 1e-10
     spent = result.report.breakdown["recovery"] + result.report.breakdown["verification"]
     assert spent <= paper2_count(H, d) == 4 * H * d * d - 2 * H + 1
+
+
+def test_head_dim_one_designed_column_bounds_round_2_moves():
+    """nn.MultiheadAttention(8, 8) (head_dim 1, PyTorch's init, seed 1) without biases,
+    as float64 heads (issue 22). Its crowded base row moved to a designed column q* 170
+    long, scaled to |q_0| = 1 with u_0 lengthened to match, so |W_h q_0| / |q_0| sat 60x
+    below |W_h^T u_0| / |u_0| and round 2's column moves, sized from it, came out at the
+    gap (steps crossed, the row fits stopped in wrong basins: refused before, residual
+    1.3e1 with no room for another design; checked under Haswell and SIMD baseline). The base columns' measured gain bounds the
+    moves without biases too. (The same heads answered by numpy's formula take another
+    path, whose designed column needs no bound: the box's last bits choose the rows.)"""
+    pytest.importorskip("torch")
+    import user_boxes as ub
+    from attnextract.adapters.torch_target import TorchAttentionBlackBox
+    layer = ub.torch_layer(8, 8, seed=1, bias=False, float64=True)
+    box = TorchAttentionBlackBox(layer, readout=1)       # the last token only: fast
+    truth = multi_head.MultiHeadAttention(*ub.torch_truth(layer, box.readout)[:2])
+    oracle = Oracle(box, 8)
+    result = extract_multi_head(oracle, heads=8, seed=1)
+    details = result.report.details
+    assert details["column gain measured / assumed"] > 10.0     # the bound applied
+    assert details["column moves / gap (median, max)"][1] <= 0.5
+    assert canonical_error(result.model, truth) <= details["error bar"] <= 1e-8
+    assert oracle.queries <= paper2_count(8, 8)

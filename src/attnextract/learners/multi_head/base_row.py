@@ -295,8 +295,7 @@ class BaseRowStage:
                     return self.designed_column()     # a hidden head shown: start again
         Q = np.array(Q)                                                 # (columns, d)
         T, T_var = self.column_positions(fits, reference, moves)
-        if self.biases:                     # (round 2 reads it with biases only)
-            self.column_gain = column_gain(T, T_var, Q, self.u_0)
+        self.column_gain = column_gain(T, T_var, Q, self.u_0)
         u_0, best = self.u_0, (first_gap, self.u_0, self.q_0, self.base_fit)
         for scan in range(DESIGNED_SCANS):
             if scan and not self.affordable(scan_cost + after, H):

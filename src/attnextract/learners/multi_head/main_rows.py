@@ -14,9 +14,10 @@
    and rows whose steps the rough estimate placed closer than half the designed spacing
    are designed again from it and measured on q_0 again before round 2.
 5. Round 2: d columns q_0 + s_k r_j (one more than z needs), s_k moving the steps by
-   about a third of the row's smallest gap (with biases at most by what the base
-   columns' measured |W_h^T u_0| / |u_0| predicts: W_h q_0 + b_h can cancel on the
-   designed column), each sampled at the row's measured steps
+   about a third of the row's smallest gap (after a designed column at most by what the
+   base columns' measured |W_h^T u_0| / |u_0| predicts: the designed column is chosen to
+   place the steps, so |W_h q_0| can sit far below it, and with biases W_h q_0 + b_h can
+   cancel on it), each sampled at the row's measured steps
    plus one midpoint (H + 1 queries): the midpoints pin the heights, the extra column
    averages the q_0 direction.
 6. Row fits: in row k the heights c_h(k) = u_k^T v_h are shared by every column and
@@ -153,7 +154,7 @@ class MainRowStage:
                 raise _Redesign(
                     RecoveryFailedError,
                     f"{todo.size} main row(s) do not fit {H} steps (residual "
-                    f"{worst * NOISE_FACTOR:.1e} times the output precision, base estimate "
+                    f"{worst * NOISE_FACTOR:.1e} times the rounding noise expected, base estimate "
                     f"error {self.details['base estimate relative error']:.1e}): two steps "
                     f"fell too close in a row, or the black box is not multi-head attention "
                     f"with {H} canonical heads")
@@ -169,12 +170,14 @@ class MainRowStage:
             # length, up to 43 at d = H = 8, which made the moves that many times smaller)
             y_norm = (float(np.max(np.linalg.norm(estimate[0], axis=0)))
                       / float(np.linalg.norm(self.q_0)))
-            if self.biases and self.column_gain is not None:
-                # with biases W_h q_0 + b_h can nearly cancel on the designed column (|q_0|
-                # 66, |W_h q_0 + b_h| / |q_0| 17x below |W_h| for trained-bias heads of
-                # head_dim 1 at d = H = 8): the moves came out 2 to 4 gaps, the steps
-                # crossed and the row fits stopped in wrong basins. The base columns'
-                # measured |W_h^T u_0| / |u_0| bounds the moves then.
+            if self.column_gain is not None:
+                # the designed column (a crowded base row moved) is not a random column:
+                # it is chosen to place the steps, so |W_h q_0| / |q_0| can sit far below
+                # |W_h^T u| / |u|. Bias-free, q* came out long, was scaled to |q_0| = 1 and
+                # u_0 lengthened (head_dim 1, d = H = 8: 60x below; the moves came out at
+                # the gap's bound, the steps crossed and the row fits stopped in wrong
+                # basins); with biases W_h q_0 + b_h can nearly cancel on it (17x below).
+                # The base columns' measured |W_h^T u_0| / |u_0| bounds the moves then.
                 self.details["column gain measured / assumed"] = self.column_gain / y_norm
                 y_norm = max(y_norm, self.column_gain)
             z_norm = np.linalg.norm(U[todo], axis=1) * y_norm           # about |W_h^T u_k|
@@ -355,7 +358,8 @@ class MainRowStage:
             raise _Redesign(
                 RecoveryFailedError,
                 f"the row fits leave a residual {measured_sigma:.1e}, {measured_sigma / noise:.0f} "
-                f"times the output precision {noise:.1e}: {why}", model, bar)
+                f"times the noise {noise:.1e} that {self.precision_name} rounding of these "
+                f"answers' sums makes (absolute): {why}", model, bar)
         if not bar <= self.tolerance:
             raise _Redesign(
                 RecoveryFailedError,
