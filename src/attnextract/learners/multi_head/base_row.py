@@ -594,9 +594,7 @@ class BaseRowStage:
         extra = 0 if self.heads_told else COUNT_EXTRA_SCANS
         for w in directions[1:]:
             agreed = self.agreed(found)
-            if agreed is not None and (agreed == 0 or min(
-                    base_quality(f[2], self.half_window) for f in found if f[0] == agreed)
-                    <= BASE_QUALITY) and (
+            if agreed is not None and (agreed == 0 or self.pinned_enough(found, agreed)) and (
                         not self.heads_told or agreed == H
                         or self.votes(found).count(agreed) >= BELOW_TOLD_VOTES):
                 # two rows agree on the count, one of them well pinned: stop. Told H, a
@@ -725,6 +723,28 @@ class BaseRowStage:
         counts = [c for c in self.votes(found, window=False) if c is not None]
         shared = [c for c in set(counts) if counts.count(c) >= 2 and c in inside]
         return max(shared) if shared else None
+
+    def pinned_enough(self, found, agreed: int) -> bool:
+        """Whether a base row of the agreed count is pinned well enough to end the base
+        search: to BASE_QUALITY (:func:`base_quality`), or on coarse answers, whose rows
+        never reach it, to PINNED_STEPS once the count is sure (told H, or not told,
+        BELOW_TOLD_VOTES rows agree), the row shortened to pull its steps inside the
+        window as the base stage does (:func:`_shrunk`, no query), so the scans left go
+        to the main rows' wide columns.
+
+        Why: float32 nn.MultiheadAttention, d = 8, H = 4, told, 12 seeds: searching on
+        to BASE_QUALITY spent 12 to 14 scans (288 to 336 of 1017 queries) and left one
+        or two wide columns per row; with the row design below
+        (:func:`.design.best_conditioned_rows`) 3 of 12 were refused with bars 1.1e-2 to
+        4.6e-2, ending here 0 of 12 (benchmarks/results/f32rows_after.md). Not told,
+        two agreeing rows can hide the same head (a box of 4 heads ended at 3)."""
+        rows = [f[2] for f in found if f[0] == agreed]
+        if min(base_quality(steps, self.half_window) for steps in rows) <= BASE_QUALITY:
+            return True
+        return (self.coarse and (self.heads_told
+                                 or self.votes(found).count(agreed) >= BELOW_TOLD_VOTES)
+                and min(base_quality(_shrunk(steps, self.half_window)[1], self.half_window)
+                        for steps in rows) <= PINNED_STEPS)
 
     def votes(self, found, window: bool = True) -> list:
         """The base rows' head counts as votes. A flat row (count 0) says no head only

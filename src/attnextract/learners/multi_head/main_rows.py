@@ -47,7 +47,7 @@ from ...report import ExtractionResult
 from . import design, fit, labels, polish
 from .budget import _Redesign, column_spares
 from .canonical import smallest_separation
-from .constants import (COLUMN_MOVE, ERROR_BAR_FACTOR, ILL_ROW_FACTOR, LABEL_MISFIT,
+from .constants import (COARSE_ROW_DRAWS, COLUMN_MOVE, ERROR_BAR_FACTOR, ILL_ROW_FACTOR, LABEL_MISFIT,
                         MISPLACED_GAP, MISPLACED_SHARE, NOISE_FACTOR, PINNED_STEPS, REFINE_ABOVE,
                         ROW_REDESIGNS, WIDE_COLUMNS_UP_TO, WIDE_COLUMNS_UP_TO_COARSE, WIDE_ROUNDS)
 
@@ -73,7 +73,11 @@ class MainRowStage:
         # the rows span the direction sum_h positions that symmetric positions miss
         spacing = 2.0 * (self.half_window - 1.5) / H if H > 1 else 2.0
         positions = design.step_positions(H, self.half_window - 1.5 - 0.5 * spacing)
-        U = design.design_rows(Y0, V0, positions, rng, jitter=0.5 * spacing)
+        # coarse answers: the bar is the rows' rounding through U^-1, so the best
+        # conditioned of several designs is measured (float64 keeps its single draw)
+        U = (design.best_conditioned_rows(Y0, V0, positions, rng, COARSE_ROW_DRAWS,
+                                          jitter=0.5 * spacing) if self.coarse else
+             design.design_rows(Y0, V0, positions, rng, jitter=0.5 * spacing))
         tau, C0 = U @ Y0, U @ V0                                      # (d, H) predicted
 
         # round 1: every row on column q_0 at its predicted steps, the midpoints between
