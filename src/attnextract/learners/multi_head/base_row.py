@@ -703,8 +703,14 @@ class BaseRowStage:
                             f"known, state it with output_dtype= (--output-dtype)")
         if heads == 0:
             return 0
-        ranked = sorted((f for f in found if f[0] == heads),
-                        key=lambda f: base_quality(f[2], self.half_window))
+        rows = [f for f in found if f[0] == heads]
+        if self.coarse:
+            # coarse answers: a row whose outermost step lies at the window's edge is kept
+            # shortened, its steps pulled inside (:func:`_shrunk`, no query), as the
+            # search judged it (:meth:`pinned_enough`)
+            rows = [(f[0], _shrunk(f[2], self.half_window)[0] * f[1],
+                     _shrunk(f[2], self.half_window)[1]) + tuple(f[3:]) for f in rows]
+        ranked = sorted(rows, key=lambda f: base_quality(f[2], self.half_window))
         self.adopt_base(ranked[0][1], ranked[0][2])
         # the others are a retry's base rows, measured already (:meth:`fresh_base_row`)
         self.spare_rows = [(f[1], f[2], self.q_0) for f in ranked[1:]]
@@ -726,23 +732,22 @@ class BaseRowStage:
 
     def pinned_enough(self, found, agreed: int) -> bool:
         """Whether a base row of the agreed count is pinned well enough to end the base
-        search: to BASE_QUALITY (:func:`base_quality`), or on coarse answers, whose rows
-        never reach it, to PINNED_STEPS once the count is sure (told H, or not told,
-        BELOW_TOLD_VOTES rows agree), the row shortened to pull its steps inside the
-        window as the base stage does (:func:`_shrunk`, no query), so the scans left go
-        to the main rows' wide columns.
+        search: to BASE_QUALITY (:func:`base_quality`), or on coarse answers told H,
+        whose rows never reach it, to PINNED_STEPS, the row shortened to pull its steps
+        inside the window (:func:`_shrunk`, no query, as it is kept), so the scans left
+        go to the main rows' wide columns.
 
-        Why: float32 nn.MultiheadAttention, d = 8, H = 4, told, 12 seeds: searching on
-        to BASE_QUALITY spent 12 to 14 scans (288 to 336 of 1017 queries) and left one
-        or two wide columns per row; with the row design below
-        (:func:`.design.best_conditioned_rows`) 3 of 12 were refused with bars 1.1e-2 to
-        4.6e-2, ending here 0 of 12 (benchmarks/results/f32rows_after.md). Not told,
-        two agreeing rows can hide the same head (a box of 4 heads ended at 3)."""
+        Why: float32 nn.MultiheadAttention, d = 8, H = 4, told, trials 0 to 11:
+        searching on to BASE_QUALITY spent 12 to 14 scans (288 to 336 of 1017 queries)
+        and left one to three wide columns per row; with the row design of
+        :func:`.design.best_conditioned_rows` alone 3 of 12 were refused (bars 1.1e-2 to
+        4.6e-2), with this 0 of 12 (benchmarks/results/f32rows_after.md). Not told, the
+        count is not sure: rows agreeing on a count hide the same head (3 rows of 3
+        steps, a box of 4 heads, ended at 3 and was refused), so the search goes on."""
         rows = [f[2] for f in found if f[0] == agreed]
         if min(base_quality(steps, self.half_window) for steps in rows) <= BASE_QUALITY:
             return True
-        return (self.coarse and (self.heads_told
-                                 or self.votes(found).count(agreed) >= BELOW_TOLD_VOTES)
+        return (self.coarse and self.heads_told
                 and min(base_quality(_shrunk(steps, self.half_window)[1], self.half_window)
                         for steps in rows) <= PINNED_STEPS)
 
