@@ -732,22 +732,23 @@ class BaseRowStage:
 
     def pinned_enough(self, found, agreed: int) -> bool:
         """Whether a base row of the agreed count is pinned well enough to end the base
-        search: to BASE_QUALITY (:func:`base_quality`), or on coarse answers told H,
-        whose rows never reach it, to PINNED_STEPS, the row shortened to pull its steps
-        inside the window (:func:`_shrunk`, no query, as it is kept), so the scans left
-        go to the main rows' wide columns.
+        search: to BASE_QUALITY (:func:`base_quality`), or on coarse answers, whose rows
+        never reach it, told H, a row of H steps to PINNED_STEPS, the row shortened to
+        pull its steps inside the window (:func:`_shrunk`, no query, as it is kept), so
+        the scans left go to the main rows' wide columns.
 
         Why: float32 nn.MultiheadAttention, d = 8, H = 4, told, trials 0 to 11:
         searching on to BASE_QUALITY spent 12 to 14 scans (288 to 336 of 1017 queries)
         and left one to three wide columns per row; with the row design of
         :func:`.design.best_conditioned_rows` alone 3 of 12 were refused (bars 1.1e-2 to
         4.6e-2), with this 0 of 12 (benchmarks/results/f32rows_after.md). Not told, the
-        count is not sure: rows agreeing on a count hide the same head (3 rows of 3
-        steps, a box of 4 heads, ended at 3 and was refused), so the search goes on."""
+        count is not sure, nor told a count below H: rows agreeing on a count hide the
+        same head (3 rows of 3 steps, a box of 4 heads, ended at 3 and was refused), so
+        the search goes on."""
         rows = [f[2] for f in found if f[0] == agreed]
         if min(base_quality(steps, self.half_window) for steps in rows) <= BASE_QUALITY:
             return True
-        return (self.coarse and self.heads_told
+        return (self.coarse and self.heads_told and agreed == self.max_heads
                 and min(base_quality(_shrunk(steps, self.half_window)[1], self.half_window)
                         for steps in rows) <= PINNED_STEPS)
 
