@@ -154,13 +154,18 @@ class MainRowStage:
                     break
             worst = float(np.max(misfit))
             if not worst <= 1.0:
+                # told more heads than the base rows showed: rows with the hidden heads'
+                # steps do not fit H, which says nothing against the box
+                why = (f"the design has {H} of the {self.max_heads} heads told (the base "
+                       f"rows hid the others; the black box is not judged)"
+                       if self.heads_told and H < self.max_heads else
+                       f"two steps fell too close in a row, or the black box is not "
+                       f"multi-head attention with {H} canonical heads")
                 raise _Redesign(
                     RecoveryFailedError,
                     f"{todo.size} main row(s) do not fit {H} steps (residual "
                     f"{worst * NOISE_FACTOR:.1e} times the output precision, base estimate "
-                    f"error {self.details['base estimate relative error']:.1e}): two steps "
-                    f"fell too close in a row, or the black box is not multi-head attention "
-                    f"with {H} canonical heads")
+                    f"error {self.details['base estimate relative error']:.1e}): {why}")
 
         def round_2(todo):
             # d columns q_0 + s_k r_j per row (one more than z_hk needs), sampled at row
