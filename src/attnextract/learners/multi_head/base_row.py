@@ -609,9 +609,7 @@ class BaseRowStage:
         extra = 0 if self.heads_told else COUNT_EXTRA_SCANS
         for w in directions[1:]:
             agreed = self.agreed(found)
-            if agreed is not None and (agreed == 0 or min(
-                    base_quality(f[2], self.half_window) for f in found if f[0] == agreed)
-                    <= BASE_QUALITY) and (
+            if agreed is not None and (agreed == 0 or self.pinned_enough(found, agreed)) and (
                         not self.heads_told or agreed == H
                         or self.votes(found).count(agreed) >= BELOW_TOLD_VOTES):
                 # two rows agree on the count, one of them well pinned: stop. Told H, a
@@ -720,8 +718,14 @@ class BaseRowStage:
                             f"known, state it with output_dtype= (--output-dtype)")
         if heads == 0:
             return 0
-        ranked = sorted((f for f in found if f[0] == heads),
-                        key=lambda f: base_quality(f[2], self.half_window))
+        rows = [f for f in found if f[0] == heads]
+        if self.coarse:
+            # coarse answers: a row whose outermost step lies at the window's edge is kept
+            # shortened, its steps pulled inside (:func:`_shrunk`, no query), as the
+            # search judged it (:meth:`pinned_enough`)
+            rows = [(f[0], _shrunk(f[2], self.half_window)[0] * f[1],
+                     _shrunk(f[2], self.half_window)[1]) + tuple(f[3:]) for f in rows]
+        ranked = sorted(rows, key=lambda f: base_quality(f[2], self.half_window))
         self.adopt_base(ranked[0][1], ranked[0][2])
         # the others are a retry's base rows, measured already (:meth:`fresh_base_row`)
         self.spare_rows = [(f[1], f[2], self.q_0) for f in ranked[1:]]
@@ -740,6 +744,28 @@ class BaseRowStage:
         counts = [c for c in self.votes(found, window=False) if c is not None]
         shared = [c for c in set(counts) if counts.count(c) >= 2 and c in inside]
         return max(shared) if shared else None
+
+    def pinned_enough(self, found, agreed: int) -> bool:
+        """Whether a base row of the agreed count is pinned well enough to end the base
+        search: to BASE_QUALITY (:func:`base_quality`), or on coarse answers, whose rows
+        never reach it, told H, a row of H steps to PINNED_STEPS, the row shortened to
+        pull its steps inside the window (:func:`_shrunk`, no query, as it is kept), so
+        the scans left go to the main rows' wide columns.
+
+        Why: float32 nn.MultiheadAttention, d = 8, H = 4, told, trials 0 to 11:
+        searching on to BASE_QUALITY spent 12 to 14 scans (288 to 336 of 1017 queries)
+        and left one to three wide columns per row; with the row design of
+        :func:`.design.best_conditioned_rows` alone 3 of 12 were refused (bars 1.1e-2 to
+        4.6e-2), with this 0 of 12 (benchmarks/results/f32rows_after.md). Not told, the
+        count is not sure, nor told a count below H: rows agreeing on a count hide the
+        same head (3 rows of 3 steps, a box of 4 heads, ended at 3 and was refused), so
+        the search goes on."""
+        rows = [f[2] for f in found if f[0] == agreed]
+        if min(base_quality(steps, self.half_window) for steps in rows) <= BASE_QUALITY:
+            return True
+        return (self.coarse and self.heads_told and agreed == self.max_heads
+                and min(base_quality(_shrunk(steps, self.half_window)[1], self.half_window)
+                        for steps in rows) <= PINNED_STEPS)
 
     def votes(self, found, window: bool = True) -> list:
         """The base rows' head counts as votes. A flat row (count 0) says no head only

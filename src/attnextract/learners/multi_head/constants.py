@@ -83,6 +83,8 @@ CROWDED_GAP = 0.5          # a base row whose smallest step gap is below this x 
 COLUMN_SPREAD = 2.0        # spread columns (nudges missed): outermost step this many deviations out
 COLUMN_NUDGE = 0.2         # nudged columns move the steps by about this x the smallest gap
                            # (a pair's relative move about 0.3 of its gap: labels kept)
+COARSE_ROW_DRAWS = 32      # coarse answers: main row designs drawn, the best conditioned
+                          # measured (:func:`.design.best_conditioned_rows`)
 ILL_ROW_FACTOR = 30.0     # a main row whose parameters are pinned this much worse than the
                           # median row's is redesigned
 LABEL_MISFIT = 100.0      # chi^2 per entry of the base rows' predictions (1 expected)

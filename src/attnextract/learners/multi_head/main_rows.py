@@ -48,7 +48,7 @@ from ...report import ExtractionResult
 from . import design, fit, labels, polish
 from .budget import _Redesign, column_spares
 from .canonical import smallest_separation
-from .constants import (COLUMN_MOVE, ERROR_BAR_FACTOR, ILL_ROW_FACTOR, LABEL_MISFIT,
+from .constants import (COARSE_ROW_DRAWS, COLUMN_MOVE, ERROR_BAR_FACTOR, ILL_ROW_FACTOR, LABEL_MISFIT,
                         MISPLACED_GAP, MISPLACED_SHARE, NOISE_FACTOR, PINNED_STEPS, REFINE_ABOVE,
                         ROW_REDESIGNS, WIDE_COLUMNS_UP_TO, WIDE_COLUMNS_UP_TO_COARSE, WIDE_ROUNDS)
 
@@ -74,7 +74,11 @@ class MainRowStage:
         # the rows span the direction sum_h positions that symmetric positions miss
         spacing = 2.0 * (self.half_window - 1.5) / H if H > 1 else 2.0
         positions = design.step_positions(H, self.half_window - 1.5 - 0.5 * spacing)
-        U = design.design_rows(Y0, V0, positions, rng, jitter=0.5 * spacing)
+        # coarse answers: the bar is the rows' rounding through U^-1, so the best
+        # conditioned of several designs is measured (float64 keeps its single draw)
+        U = (design.best_conditioned_rows(Y0, V0, positions, rng, COARSE_ROW_DRAWS,
+                                          jitter=0.5 * spacing) if self.coarse else
+             design.design_rows(Y0, V0, positions, rng, jitter=0.5 * spacing))
         tau, C0 = U @ Y0, U @ V0                                      # (d, H) predicted
 
         # round 1: every row on column q_0 at its predicted steps, the midpoints between
@@ -151,13 +155,18 @@ class MainRowStage:
                     break
             worst = float(np.max(misfit))
             if not worst <= 1.0:
+                # told more heads than the base rows showed: rows with the hidden heads'
+                # steps do not fit H, which says nothing against the box
+                why = (f"the design has {H} of the {self.max_heads} heads told (the base "
+                       f"rows hid the others; the black box is not judged)"
+                       if self.heads_told and H < self.max_heads else
+                       f"two steps fell too close in a row, or the black box is not "
+                       f"multi-head attention with {H} canonical heads")
                 raise _Redesign(
                     RecoveryFailedError,
                     f"{todo.size} main row(s) do not fit {H} steps (residual "
                     f"{worst * NOISE_FACTOR:.1e} times the rounding noise expected, base estimate "
-                    f"error {self.details['base estimate relative error']:.1e}): two steps "
-                    f"fell too close in a row, or the black box is not multi-head attention "
-                    f"with {H} canonical heads")
+                    f"error {self.details['base estimate relative error']:.1e}): {why}")
 
         def round_2(todo):
             # d columns q_0 + s_k r_j per row (one more than z_hk needs), sampled at row
