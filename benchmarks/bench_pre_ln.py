@@ -132,8 +132,14 @@ def zoo_run(name: str, d: int, seed: int) -> dict:
     rng = np.random.default_rng([seed, d, sum(map(ord, name))])
     box = BehindLayerNorm(random_pre_layer_norm(1, d, seed), name, rng, d * d + d - 1)
     row = {"zoo": name, "d": d, "seed": seed, "in_class": in_class_on_image(box)}
+    return zoo_verdict(row, box, d, seed=seed)
+
+
+def zoo_verdict(row: dict, box, d: int, **options) -> dict:
+    """``row`` with the pre-ln learner's verdict on the zoo box: refused (and the error's
+    type) or not (and the held-out error)."""
     try:
-        result = extract(Oracle(box, d), "pre-ln", seed=seed)
+        result = extract(Oracle(box, d), "pre-ln", **options)
         row.update(refused=False, held_out_error=result.report.verification.max_relative_error)
     except AttnExtractError as exc:
         row.update(refused=True, error=type(exc).__name__)

@@ -37,6 +37,7 @@ from attnextract.adapters.targets import random_multi_head, random_pre_layer_nor
 from attnextract.errors import AttnExtractError
 from attnextract.models import BiasedMultiHeadAttention, layer_norm
 from attnextract.oracle import Oracle
+from bench_pre_ln import zoo_verdict
 
 GOAL = 1e-8
 
@@ -141,12 +142,7 @@ def zoo_run(name: str, H: int, d: int, seed: int) -> dict:
         "recovery queries"]) if "switch" in name else 0
     box = BehindLayerNorm(block, name, rng, recovery)
     row = {"zoo": name, "H": H, "d": d, "seed": seed, "in_class": in_class_on_image(box)}
-    try:
-        result = extract(Oracle(box, d), "pre-ln", heads=H, seed=seed)
-        row.update(refused=False, held_out_error=result.report.verification.max_relative_error)
-    except AttnExtractError as exc:
-        row.update(refused=True, error=type(exc).__name__)
-    return row
+    return zoo_verdict(row, box, d, heads=H, seed=seed)
 
 
 def table(rows: list) -> list[str]:

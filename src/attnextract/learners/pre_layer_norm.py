@@ -79,6 +79,14 @@ ROUNDING = 4.0           # error bars: ulps of rounding per answer
 EPS = np.finfo(float).eps
 
 
+def sphere_radius(d: int, radius) -> float:
+    """The tokens' norm R on the sphere (sqrt(d), LayerNorm's image, unless given)."""
+    R = math.sqrt(d) if radius is None else float(radius)
+    if not (math.isfinite(R) and R > 0):
+        raise InputError(f"radius must be positive and finite, got {radius!r}")
+    return R
+
+
 def hyperplane_basis(dim: int) -> np.ndarray:
     """An orthonormal basis (d, d - 1) of the hyperplane 1^T x = 0."""
     return np.linalg.qr(np.eye(dim)[:, :-1] - 1.0 / dim)[0]
@@ -211,9 +219,7 @@ def extract_pre_layer_norm(oracle: Oracle, heads: int | None = None, *, seed=Non
     if d < 3:
         raise NotIdentifiableError(f"the sphere of 1^T x = 0 in d = {d} holds two tokens only")
     m = d - 1
-    R = math.sqrt(d) if radius is None else float(radius)
-    if not (math.isfinite(R) and R > 0):
-        raise InputError(f"radius must be positive and finite, got {radius!r}")
+    R = sphere_radius(d, radius)
     floor = m * m + 3 * m + 1
     n_verify = verification_count(floor, floor)
     n_invariance = max(4, int(INVARIANCE_SHARE * n_verify))

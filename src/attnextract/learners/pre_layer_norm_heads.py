@@ -74,7 +74,7 @@ from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report,
 from .multi_head.design import copy_counts, measure, probe_lengths, realised_lambda
 from .multi_head.fit import (fit_logits, levenberg_marquardt, rational_steps,
                              sigmoid_and_slope, unit_std)
-from .pre_layer_norm import (INVARIANCE_SHARE, column_probes, hyperplane_basis,
+from .pre_layer_norm import (INVARIANCE_SHARE, column_probes, hyperplane_basis, sphere_radius,
                              simplex_columns, verify_on_sphere)
 
 log = logging.getLogger(__name__)
@@ -290,9 +290,7 @@ def extract_pre_layer_norm_heads(oracle: Oracle, heads: int, *, seed=None,
     if d < 4:
         raise NotIdentifiableError(f"several heads on the sphere of 1^T x = 0 need d >= 4, got {d}")
     m = d - 1
-    R = math.sqrt(d) if radius is None else float(radius)
-    if not (math.isfinite(R) and R > 0):
-        raise InputError(f"radius must be positive and finite, got {radius!r}")
+    R = sphere_radius(d, radius)
     half = math.log(LENGTH - 1)
     rng = np.random.default_rng(seed)
     basis = hyperplane_basis(d)
