@@ -349,10 +349,9 @@ class Oracle:
         except (BudgetExceededError, BlackBoxError):
             raise
         except Exception as exc:
-            raise BlackBoxError(f"black box raised {type(exc).__name__}: {exc}") from exc
+            raise _box_failure(exc) from exc
         except SystemExit as exc:
-            raise BlackBoxError(f"black box called sys.exit({exc.code!r}) (a target must "
-                                f"return its answers, not exit)") from None
+            raise _box_failure(exc) from None
         return validate_outputs([_one_number(a) for a in answers], len(X))
 
     def _per_sequence_answers(self, X: np.ndarray, failure: Exception) -> np.ndarray:
@@ -408,14 +407,13 @@ class Oracle:
                 return self._per_sequence_answers(X, exc)
             raise                  # already typed (e.g. an HTTP black box unreachable)
         except Exception as exc:   # the black box's own failure, typed and chained
-            error = BlackBoxError(f"black box raised {type(exc).__name__}: {exc}")
+            error = _box_failure(exc)
             error.__cause__ = exc
             if self.per_sequence is None:
                 return self._per_sequence_answers(X, error)
             raise error from exc
         except SystemExit as exc:  # sys.exit() in a target must not end the run as success
-            raise BlackBoxError(f"black box called sys.exit({exc.code!r}) (a target must "
-                                f"return its answers, not exit)") from None
+            raise _box_failure(exc) from None
         finally:
             self.black_box_seconds += time.perf_counter() - start
         if self.per_sequence is None:
@@ -600,6 +598,15 @@ def evaluate_ragged(fn, sequences) -> np.ndarray:
     for idx, batch in by_length(sequences):
         out[idx] = fn(batch)
     return out
+
+
+def _box_failure(exc: BaseException) -> BlackBoxError:
+    """The black box's own failure, an exception or ``sys.exit()`` (which must not end
+    the run as a success), as a :class:`BlackBoxError` saying which."""
+    if isinstance(exc, SystemExit):
+        return BlackBoxError(f"black box called sys.exit({exc.code!r}) (a target must "
+                             f"return its answers, not exit)")
+    return BlackBoxError(f"black box raised {type(exc).__name__}: {exc}")
 
 
 def _is_torch_module(obj) -> bool:
