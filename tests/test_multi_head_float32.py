@@ -142,7 +142,11 @@ def test_traded_base_estimate_gives_way_to_a_fresh_design(monkeypatch):
     else:
         assert canonical_error(result.model, box.truth) <= result.report.details["error bar"]
         failures = result.report.details["failed designs"][0]
-    assert "the learner's base estimate failed" in failures
+    # the traded estimate shows either in the base estimate's own check or as row fits
+    # that do not pin the heads (under OpenBLAS Sandybridge); never as the box's fault
+    assert ("the learner's base estimate failed" in failures
+            or "the samples do not pin the heads down" in failures), failures
+    assert "is not multi-head attention" not in failures
     assert len(traded) >= 2                        # a second design was measured
     assert oracle.queries <= paper2_count(H, d)
 
