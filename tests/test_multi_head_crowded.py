@@ -36,7 +36,11 @@ def _assert_designed_base(run, box, Y0, H, bound):
     """The designed column left the base row uncrowded, its predicted base error within
     ``bound`` and the actual within 10x the predicted, and room for the main rounds."""
     spacing = 2.0 * (run.half_window - 2.0) / (H - 1)
-    assert run.details["designed column smallest step gap"] >= multi_head.constants.CROWDED_GAP * spacing
+    # (a designed scan that shows a hidden head becomes the base row; the design starts
+    # again from it, unless that row does not crowd)
+    gap = run.details.get("designed column smallest step gap",
+                          run.details["base row smallest step gap"])
+    assert gap >= multi_head.constants.CROWDED_GAP * spacing
     predicted = run.details["base estimate relative error"]
     assert predicted <= bound
     actual = np.linalg.norm(Y0 - _true_columns(run, box), axis=0) / np.linalg.norm(Y0, axis=0)
@@ -115,7 +119,9 @@ def test_column_showing_a_hidden_head_becomes_the_base_row(monkeypatch):
     """d = H = 8, s = 3, seed 2: the base row fits 7 steps (two heads 0.05 apart, one of
     them small) and crowds; the designed scan shows the eighth step. That scan becomes
     the base row and the column design starts again from it, within the count (a fresh
-    design, as before, left paper 2's count no room for a third one: refused)."""
+    design, as before, left paper 2's count no room for a third one: refused); with the
+    linear column design (bias-free) that row's steps no longer crowd (gap 0.91, the
+    crowded mark 0.80) and no second design runs."""
     d, H = 8, 8
     box = _grid_box(d, H, 3.0, 2)
     run = _base_stage(monkeypatch, box, H, 1259476969).run
@@ -222,25 +228,38 @@ def test_grid_box_with_a_hidden_head_is_recovered():
     assert spent <= paper2_count(H, d) == 4 * H * d * d - 2 * H + 1
 
 
-def test_head_dim_one_designed_column_bounds_round_2_moves():
-    """nn.MultiheadAttention(8, 8) (head_dim 1, PyTorch's init, seed 1) without biases,
-    as float64 heads (issue 22). Its crowded base row moved to a designed column q* 170
-    long, scaled to |q_0| = 1 with u_0 lengthened to match, so |W_h q_0| / |q_0| sat 60x
-    below |W_h^T u_0| / |u_0| and round 2's column moves, sized from it, came out at the
-    gap (steps crossed, the row fits stopped in wrong basins: refused before, residual
-    1.3e1 with no room for another design; checked under Haswell and SIMD baseline). The base columns' measured gain bounds the
-    moves without biases too. (The same heads answered by numpy's formula take another
-    path, whose designed column needs no bound: the box's last bits choose the rows.)"""
+@pytest.mark.parametrize("seed", [1, 19])
+def test_head_dim_one_designed_column_bounds_round_2_moves(seed):
+    """nn.MultiheadAttention(8, 8) (head_dim 1, PyTorch's init) without biases, as
+    float64 heads (issue 22; seed s: torch seed, readout and learner seed s, as trial s
+    of benchmarks/check_f32_heads.py).
+
+    H = d: the designed column was an affine combination q_0 + sum_j a_j (q_j - q_0) of
+    nudges orthogonal to q_0, which reach d - 1 directions of the H positions: the
+    design's coefficients reached 7e8 to 3e9 (seed 1: q* 170 long) and 3e8 (seed 19:
+    refused, a designed scan left the base row crowded and the main rows' labelling
+    failed). Bias-free the positions are linear in q, so q* is a linear combination of
+    every column, q_0's included: coefficients 680 and 61, the steps evenly spaced in
+    one scan.
+
+    Seed 1 also: a crowded base row's designed column is not a random column, so
+    |W_h q_0| / |q_0| can sit far below |W_h^T u_0| / |u_0| (60x with the long q*; 20x
+    now) and round 2's column moves, sized from it, came out at the gap (steps crossed,
+    the row fits stopped in wrong basins). The base columns' measured gain bounds the
+    moves (the moves as the rows' joint fits find them: the true moves' largest 0.204
+    of the gap). (The same heads answered by numpy's formula take another path.)"""
     pytest.importorskip("torch")
     import user_boxes as ub
     from attnextract.adapters.torch_target import TorchAttentionBlackBox
-    layer = ub.torch_layer(8, 8, seed=1, bias=False, float64=True)
-    box = TorchAttentionBlackBox(layer, readout=1)       # the last token only: fast
+    layer = ub.torch_layer(8, 8, seed=seed, bias=False, float64=True)
+    box = TorchAttentionBlackBox(layer, readout=seed)
     truth = multi_head.MultiHeadAttention(*ub.torch_truth(layer, box.readout)[:2])
     oracle = Oracle(box, 8)
-    result = extract_multi_head(oracle, heads=8, seed=1)
+    result = extract_multi_head(oracle, heads=8, seed=seed)
     details = result.report.details
-    assert details["column gain measured / assumed"] > 10.0     # the bound applied
-    assert details["column moves / gap (median, max)"][1] <= 0.5
+    assert max(details["designed column largest coefficients"]) <= 1e4
+    if seed == 1:
+        assert details["column gain measured / assumed"] > 10.0     # the bound applied
+        assert details["column moves / gap (median, max)"][1] <= 0.5
     assert canonical_error(result.model, truth) <= details["error bar"] <= 1e-8
     assert oracle.queries <= paper2_count(8, 8)

@@ -10,7 +10,8 @@ import pytest
 from attnextract import Oracle
 from attnextract.adapters.targets import random_multi_head, with_biases
 from attnextract.errors import ModelMismatchError, RecoveryFailedError
-from attnextract.learners.multi_head import canonical_error, extract_multi_head, polish
+from attnextract.learners.multi_head import canonical_error, design, extract_multi_head, polish
+from attnextract.learners.multi_head.constants import SHORT_BALANCE, SHORT_SPACING
 from attnextract.learners.multi_head.canonical import biased_canonical_errors
 from attnextract.models import BiasedMultiHeadAttention, MultiHeadAttention
 from attnextract.report import verification_count
@@ -63,6 +64,52 @@ def test_polish_from_a_perturbed_start_lands_within_its_prediction(seed):
     after = canonical_error(MultiHeadAttention(out.W, out.v), M)
     assert after <= 4 * out.predicted, (after, out.predicted)
     assert after < start / 10
+
+
+def test_expected_rounding_covers_a_factored_box_on_short_probes():
+    """nn.MultiheadAttention(8, 8) (head_dim 1) in float64 forms its scores through the
+    projections, (W_q q)_h (W_k x)_h: on two-token probes with |u| about 6e3 whose q
+    lies near a head's query null space, that rounding moved the answers 1e3 to 1e4 x
+    the value terms' rounding (the learner's short probes, torch trial 6); weighted as
+    precise, they pulled the joint polish 5 x beyond its predicted error (the model
+    came back outside its bar). With the heads' W the expected rounding covers the
+    answers' error (against a long-double evaluation); without, it fell 500 x short."""
+    torch = pytest.importorskip("torch")
+    if np.finfo(np.longdouble).eps > 1e-18:
+        pytest.skip("no extended precision for the exact evaluation")
+    from attnextract.adapters.torch_target import TorchAttentionBlackBox, merged_head_parameters
+    torch.manual_seed(6)
+    layer = torch.nn.MultiheadAttention(8, 8, bias=False, batch_first=True)
+    box = TorchAttentionBlackBox(layer, readout=6, dtype="float64")
+    W, v = (np.array(x) for x in zip(*[merged_head_parameters(box.module, box.readout, h)
+                                       for h in range(8)]))
+    rng = np.random.default_rng(0)
+    d, per_row = 8, 50
+    # the learner's short probes (:meth:`.ShortProbes.short_probes`): unit rows of even
+    # heights, columns putting the logits z_h^T q (z_h = W_h^T u) on a ladder (one head
+    # on its slope), u a and q / a with |u| = SHORT_BALANCE |q|
+    U = design.even_height_rows(v.T, rng)
+    U /= np.linalg.norm(U, axis=1, keepdims=True)
+    columns = np.array([design.short_columns(np.einsum("hij,i->hj", W, U[k]), SHORT_SPACING,
+                                             per_row, rng) for k in range(d)])
+    scale = np.sqrt(SHORT_BALANCE * np.median(np.linalg.norm(columns, axis=2), axis=1))
+    u = np.repeat(U * scale[:, None], per_row, axis=0)
+    q = (columns / scale[:, None, None]).reshape(-1, d)
+    P = u.shape[0]
+    a = q + u
+    f = box(np.stack([a, q], axis=1))                                   # m = 1 of N = 2
+    L = np.longdouble
+    u_box = a.astype(L) - q.astype(L)                                   # what the box saw
+    x = np.einsum("pi,hij,pj->ph", u_box, W.astype(L), q.astype(L))
+    exact = q.astype(L) @ v.sum(0).astype(L) + np.sum(u_box @ v.T.astype(L) / (1 + np.exp(-x)), 1)
+    error = np.abs(f - exact.astype(np.float64))
+    samples = polish.Samples(u, q, np.zeros(P), f, np.full(P, 2.0))
+    precision = float(np.finfo(np.float64).eps) / 2
+    with_scores = error / polish.noise_of(samples, v, precision, 0.0, None, W)
+    without = error / polish.noise_of(samples, v, precision, 0.0)
+    # (measured: with the heads' W rms 0.18, max 1.3; without rms 520, max 5e3)
+    assert np.sqrt(np.mean(with_scores ** 2)) <= 0.5 and np.max(with_scores) <= 3.0
+    assert np.sqrt(np.mean(without ** 2)) > 100.0
 
 
 def test_polish_is_not_kept_when_it_would_move_beyond_the_bar():

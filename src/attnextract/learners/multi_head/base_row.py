@@ -31,9 +31,9 @@ perturbations, every head's W_h q_0 and v_h.
    of the smallest gap: every step keeps its place, so the labels follow from heights
    and nearness; random columns of full spread crowd other pairs, and at H = 12 their
    fits reached the noise with steps 1 to 3 off), and the combination q* of the columns
-   that puts the steps at evenly spaced positions with the least predicted error is
-   scanned (with biases the nudges are sized from two pilot columns' measured moves,
-   :func:`column_gain`: the positions' spread holds the bias part u_0^T b_h, which no
+   (linear without biases, q_0 among them; affine with) that puts the steps at evenly
+   spaced positions with the least predicted error is scanned (with biases the nudges
+   are sized from two pilot columns' measured moves, :func:`column_gain`: the positions' spread holds the bias part u_0^T b_h, which no
    nudge moves; again, with that scan among the columns, while its steps still crowd; a
    scan whose design error put a step beyond the window is shrunk into it, u scaled,
    no query): (u_0 |q*|, q* / |q*|) is the base row from here on (q_0 := q*). A scan
@@ -50,6 +50,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from scipy.optimize import linear_sum_assignment
 
 from ...errors import ModelMismatchError, RecoveryFailedError
 from ...report import verification_count
@@ -143,6 +144,32 @@ def _more_lambdas(measured: np.ndarray, count: int, half_window: float,
     return np.sort(np.array(chosen))
 
 
+def _near_predicted(order: np.ndarray, matched: np.ndarray, predicted: np.ndarray,
+                    t: np.ndarray):
+    """Labels of a designed column's scan (``order``, ``matched`` from its heights) with
+    the steps whose heights match no head labelled by nearness to the design's
+    ``predicted`` positions (H,): among those heads, the assignment of least squared
+    distance; such a head counts as matched where its step lies nearer its own
+    prediction than half the distance to any other head's.
+
+    A crowded pair's heights, which the first base row's fit split anyhow, match no
+    head in the designed scans, whose steps the design put within 0.01 of their
+    predictions but for that pair's (missed by 0.7 to 2; d = H = 8, s = 3): unlabelled,
+    those scans' columns told the design nothing about the pair."""
+    free = np.flatnonzero(~matched)
+    if free.size == 0 or predicted.size < 2:
+        return order, matched
+    steps = order[free]
+    cost = np.square(predicted[free][:, None] - t[steps][None, :])
+    pick = linear_sum_assignment(cost)[1]
+    order, matched = order.copy(), matched.copy()
+    order[free] = steps[pick]
+    sep = np.abs(predicted[free][:, None] - predicted[None, :])
+    sep[np.arange(free.size), free] = np.inf
+    matched[free] = np.abs(t[order[free]] - predicted[free]) < 0.5 * sep.min(axis=1)
+    return order, matched
+
+
 def _agreed_count(counts) -> int | None:
     """The largest head count that two base rows agree on (None if none does): a row
     whose fit at the true count misses the noise gives a larger count alone."""
@@ -179,15 +206,23 @@ class BaseRowStage:
         fits, labelled by heights, reached the noise with steps 1 to 3 off). Columns
         whose fits miss the noise are replaced once: by nudged columns again where most
         nudged columns fitted (a single fit stopped short), else by columns of full
-        spread (a nudge keeps a crowded pair crowded), labelled by heights alone. A
-        combination q* = q_0 + sum_j a_j (q_j - q_0) has the steps t_h(q*) = t_h(q_0)
-        + sum_j a_j (t_h(q_j) - t_h(q_0)) (exact, also where the positions are affine
-        in q, with biases): the a that puts them at evenly spaced positions (random
-        order) with the least predicted error (each step's variance from its fit) gives
-        q* (:func:`.design.least_uncertain_row` in the columns' coordinates). Row
+        spread (a nudge keeps a crowded pair crowded), labelled by heights alone.
+        Without biases the positions are linear in q: a combination q* = sum_j a_j q_j
+        of all the columns (q_0 included) has the steps t_h(q*) = sum_j a_j t_h(q_j)
+        (q_0's weight rescales them, which u_0's scaling below undoes; the affine
+        combinations q_0 + sum_j a_j (q_j - q_0) of nudges orthogonal to q_0 reached
+        only d - 1 directions of the H positions, rank-deficient at H = d, and took
+        coefficients up to 3e9). With biases they are affine in q: q* = q_0 + sum_j
+        a_j (q_j - q_0) has the steps t_h(q_0) + sum_j a_j (t_h(q_j) - t_h(q_0)). The a
+        that puts them at evenly spaced positions (random order) with the least
+        predicted error (each step's variance from its fit) gives q*
+        (:func:`.design.least_uncertain_row` in the columns' coordinates). Row
         (u_0 |q*|, q* / |q*|) (with biases (u_0, q*)) is scanned; while its steps still
         crowd (below half the designed spacing), its column joins the others, its steps
-        labelled by their heights (:func:`.labels.match_heights`), and q* is designed
+        labelled by their heights (:func:`.labels.match_heights`) and, bias-free,
+        nearness to the design's prediction (where heights match no head; their labels
+        unknown, a crowded pair's positions in the joined scans told the design
+        nothing, d = H = 8: :func:`_near_predicted`), and q* is designed
         again (DESIGNED_SCANS scans at most, within the count): a joined column moves
         the steps by spacings, so it pins the combination far better than the nudges.
         The scan with the widest smallest gap becomes the base row when it beats the
@@ -302,15 +337,34 @@ class BaseRowStage:
                 break
             # the combination's predicted variance sum_h sum_j a_j^2 var_hj (a floor of
             # 1e-6 per column: among well pinned columns the shortest combination)
-            weights = np.diag(np.sum(np.maximum(T_var[:, 1:], 1e-6), axis=0))
+            # Bias-free the positions are linear in q: q* = sum_j a_j q_j over every
+            # column, q_0 included (its weight rescales the positions, which u_0's
+            # scaling below undoes). The affine combination q_0 + sum_j a_j (q_j - q_0)
+            # of nudges orthogonal to q_0 reaches only q_0 + (d - 1 directions): at H = d
+            # the targets (their offset drawn) lie off that plane, and the design
+            # combined the nudges with coefficients up to 5e8 (nn.MultiheadAttention(8,
+            # 8), head_dim 1, float64: q* 170 long, steps missed by up to 5e4).
+            # With biases the positions are affine in q: the affine combination.
+            weights = np.diag(np.sum(np.maximum(T_var, 1e-6), axis=0))
             try:
-                a = design.least_uncertain_row(
-                    (T[:, 1:] - T[:, :1]).T, None, weights, design.step_positions(H, half),
-                    self.rng, jitter=0.25 * spacing, shift=T[:, 0])
+                if self.biases:
+                    a = design.least_uncertain_row(
+                        (T[:, 1:] - T[:, :1]).T, None, weights[1:, 1:],
+                        design.step_positions(H, half), self.rng, jitter=0.25 * spacing,
+                        shift=T[:, 0])
+                else:
+                    a = design.least_uncertain_row(
+                        T.T, None, weights, design.step_positions(H, half), self.rng,
+                        jitter=0.25 * spacing)
             except np.linalg.LinAlgError:
                 break                 # fewer than H columns tell the heads apart
-            q_star = Q[0] + a @ (Q[1:] - Q[:1])
-            predicted = T[:, 0] + (T[:, 1:] - T[:, :1]) @ a
+            self.details.setdefault("designed column largest coefficients", []).append(
+                float(np.max(np.abs(a))))
+            if self.biases:
+                q_star = Q[0] + a @ (Q[1:] - Q[:1])
+                predicted = T[:, 0] + (T[:, 1:] - T[:, :1]) @ a
+            else:
+                q_star, predicted = a @ Q, T @ a
             # |q*| = 1 as q_0's, u_0 scaled to keep the positions (not with biases:
             # u^T b_h would scale with u)
             norm = 1.0 if self.biases else float(np.linalg.norm(q_star))
@@ -335,11 +389,13 @@ class BaseRowStage:
             self.q_0 = q_0
             if best[0] >= CROWDED_GAP * spacing:
                 break
-            # its column joins the others (heights per unit of u_0)
+            # its column joins the others (heights per unit of u_0); bias-free, steps
+            # whose heights match no head are labelled by the design's predicted
+            # positions (not measured with biases: their heights are labelled alone)
             Q = np.vstack([Q, q_star[None]])
             more, more_var = self.column_positions([fit.StepFit(
                 t=steps.t, c=steps.c / norm, rms=steps.rms, t_std=steps.t_std,
-                c_std=steps.c_std / norm)], reference, [None])
+                c_std=steps.c_std / norm)], reference, [None if self.biases else predicted])
             T, T_var = np.hstack([T, more]), np.hstack([T_var, more_var])
         gap, u, self.q_0, steps = best
         self.adopt_base(u, steps)
@@ -396,18 +452,26 @@ class BaseRowStage:
         entry of ``moves`` the largest move expected, else None) adds the distance from
         the reference's positions in units of that move, which decides where heights
         do not (two crowded steps whose heights the reference's fit split anyhow), and
-        its labels are kept. Elsewhere steps whose heights match no head are labelled
-        among themselves, each off by at most their span."""
+        its labels are kept. A designed column's scan (its entry the design's predicted
+        positions (H,)) adds the distance from those in units of the designed spacing,
+        and its steps whose heights match no head are labelled by that nearness
+        (:func:`_near_predicted`). Elsewhere steps whose heights match no head are
+        labelled among themselves, each off by at most their span."""
         H = reference.t.size
+        spacing = 2.0 * (self.half_window - 2.0) / max(H - 1, 1)     # the designed one
         T = np.zeros((H, len(fits)))
         T_var = np.full((H, len(fits)), self.half_window ** 2)
         for j, (f, move) in enumerate(zip(fits, moves)):
+            designed = move is not None and np.ndim(move) == 1
             order, matched = labels.match_heights(
                 reference.c, reference.c_std, f.c, f.c_std,
-                moved=None if move is None else (reference.t, f.t, move))
+                moved=None if move is None else (move, f.t, spacing) if designed
+                else (reference.t, f.t, move))
+            if designed:
+                order, matched = _near_predicted(order, matched, move, f.t)
             t, t_std = f.t[order], f.t_std[order]
             T[:, j] = t
-            pinned = (matched | (move is not None)) & np.isfinite(t_std)
+            pinned = (matched | (move is not None and not designed)) & np.isfinite(t_std)
             T_var[pinned, j] = np.square(t_std[pinned])
             if np.count_nonzero(~pinned) > 1:
                 T_var[~pinned, j] = float(np.ptp(t[~pinned])) ** 2 + np.square(

@@ -2,7 +2,7 @@
 share, and the redesign a failed design triggers while the count allows.
 
 Queries: d + base (3 to 14 scans of 4H + 8 samples, within what paper 2's count leaves;
-a crowded row's H + 1 nudged and one to three designed columns of 3H + 1;
+a crowded row's H + 1 nudged and one to five designed columns of 3H + 1;
 (d - 1)(2H + 3) perturbations)
 + d (2H + 1) + d^2 (H + 1) main probes (one head: d^2, :func:`column_spares`; told one
 head on float64 answers where that design exceeds paper 2's count but the floor plus the

@@ -73,7 +73,11 @@ PERTURBATION_MOVE = 0.003 # base perturbations move the steps by about this x th
                           # gap (labels kept; the estimate's error scales with 1 / this)
 PERTURBATION_NOISE_MOVES = 30.0  # ... or this x the base row's largest logit error,
 PERTURBATION_MAX_MOVE = 0.25     # ... at most this x the smallest gap
-DESIGNED_SCANS = 3         # scans of designed columns of the base row at most
+DESIGNED_SCANS = 5         # scans of designed columns of the base row at most (each
+                           # 3H + 1 queries, within the count): where 9 nudges of a fifth
+                           # of a 0.003 gap cannot pin the pair's separation the scans
+                           # missed it by 0.7 to 6 (d = H = 8); 3 scans left that row
+                           # crowded in 7 of 13 design draws
 RANDOM_COLUMNS = 1         # nudged columns beyond H scanned (with q_0, H + 1 + this; with
                            # none, d = 16, H = 10, s = 3: seed 16 refused, seed 10 crowded)
 PILOT_COLUMNS = 2          # with biases: nudged columns scanned first, their moves size the

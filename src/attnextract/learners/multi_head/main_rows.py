@@ -219,6 +219,12 @@ class MainRowStage:
                 z0 = np.linalg.lstsq(cols_k, np.vstack([t_row[k][None], t_cols[i]]),
                                      rcond=None)[0].T
                 rows[k] = fit.fit_row(lam_k, g_k, mask, cols_k, c_row[k], z0)
+                # the moves as the row's joint fit finds them (a column's start fit can
+                # stop at its bound, the gap, where the column moved the steps by 0.06:
+                # nn.MultiheadAttention(8, 8), head_dim 1, one column of one row)
+                fitted = float(np.max(np.abs((cols_k[1:] - cols_k[:1]) @ rows[k].z.T)))
+                if np.isfinite(fitted):
+                    moves[k] = fitted / min(float(gaps[i]), spacing)
 
         def relabel():
             # the design's labels can be off by a gap where the base estimate was

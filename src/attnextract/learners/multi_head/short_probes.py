@@ -124,7 +124,8 @@ class ShortProbeStage:
                                      np.zeros(per_row), np.zeros(per_row),
                                      np.full(per_row, float(SHORT_LENGTH)))
             noise = polish.noise_of(samples, model.v, self.precision, 0.0,
-                                    *((self.c, model.W, model.b) if self.biases else ()))
+                                    *((self.c, model.W, model.b) if self.biases
+                                      else (None, model.W)))
             reference = float(np.median(noise))
             # with biases z_h = [W_h^T u; u^T b_h] on the columns [q, 1]
             z0 = np.hstack([Z[k] * a[k], B[k][:, None]]) if self.biases else Z[k] * a[k]
