@@ -67,16 +67,16 @@ def test_column_steps_are_labelled_by_their_heights():
     assert not matched[1] and not matched[4] and matched.sum() == 4
 
 
-@pytest.mark.parametrize("seed, learner_seed", [(4, 503014685), (9, 1314360737)])
+@pytest.mark.parametrize("seed, learner_seed", [(4, 503014685)])
 def test_crowded_base_row_moves_to_a_designed_column(monkeypatch, seed, learner_seed):
-    """d = H = 8, s = 3: the first base row's close steps (seed 4: 0.07 apart, seed 9:
-    0.006 with the Haswell kernel, 0.22 with Zen) left W_h q_0 0.4 to 6 off from the
-    perturbations. The same row scanned at nudged columns (its steps moved by a fraction
-    of their gap, labelled by heights and nearness) gives a column that spaces them
-    evenly (seed 9: the pair at 0.006 has near-opposite heights the base row's fit
-    split anyhow): the perturbations around it give W_h q* to 1e-4 at most (the main
-    rows correct less precise estimates: 0.01 to 0.3 recovered), the truth within 10x of
-    that prediction, within paper 2's count with room for the rest."""
+    """d = H = 8, s = 3, seed 4: the first base row's close steps (0.07 apart) left W_h q_0
+    0.4 to 6 off from the perturbations. The same row scanned at nudged columns (its
+    steps moved by a fraction of their gap, labelled by heights and nearness) gives a
+    column that spaces them evenly: the perturbations around it give W_h q* to 1e-4 at
+    most (the main rows correct less precise estimates: 0.01 to 0.3 recovered), the
+    truth within 10x of that prediction, within paper 2's count with room for the rest.
+    (Seed 9's pair, 0.003 apart, is spaced by one design only on some draws: its whole
+    run is test_grid_box_with_a_near_merged_pair_is_recovered.)"""
     d, H = 8, 8
     box = _grid_box(d, H, 3.0, seed)
     run = _base_stage(monkeypatch, box, H, learner_seed).run
@@ -86,12 +86,11 @@ def test_crowded_base_row_moves_to_a_designed_column(monkeypatch, seed, learner_
     spacing = 2.0 * (run.half_window - 2.0) / (H - 1)
     # (which row the base search keeps depends on the last bits: crowded in any case)
     assert det["base row smallest step gap (first row)"] < multi_head.constants.CROWDED_GAP * spacing
-    # widened (seed 9 under the Haswell kernel to 0.76, just below the crowded mark
-    # 0.80: its best scan, shrunk into the window), and the estimate pinned as before
+    # widened, and the estimate pinned as before
     assert det["designed column smallest step gap"] >= 0.4 * spacing
     assert np.allclose(run.u_0 / np.linalg.norm(run.u_0), first_u / np.linalg.norm(first_u))
     predicted = det["base estimate relative error"]
-    assert predicted <= 1e-4       # (3e-5 for seed 9 under Haswell and Zen, 6e-7 else)
+    assert predicted <= 1e-4
     actual = np.linalg.norm(Y0 - _true_columns(run, box), axis=0) / np.linalg.norm(Y0, axis=0)
     assert np.max(actual) <= 10 * predicted
     assert run.affordable(run.main_cost(H), H)
@@ -175,6 +174,22 @@ def test_crowded_h12_base_row_moves_in_one_designed_scan(monkeypatch):
     actual = np.linalg.norm(Y0 - _true_columns(run, box), axis=0) / np.linalg.norm(Y0, axis=0)
     assert np.max(actual) <= 10 * predicted
     assert run.affordable(run.main_cost(H), H)
+
+
+@pytest.mark.slow
+def test_grid_box_with_a_near_merged_pair_is_recovered():
+    """d = H = 8, s = 3, seed 9: the first base row's pair lies 0.003 to 0.0065 apart
+    (by kernel) and the nudges move steps by about 6e-4, so whether one designed column
+    spaces that pair is a draw (redrawn 13 times: 5 to 8 of 13 under the default
+    kernel; under numpy's SIMD up to X86_V3 the test's own draw left a gap of 0.62 and
+    a base estimate 2.1 off). What the learner promises is the whole run: the main
+    rows correct the estimate, within 1e-10 and paper 2's count under every kernel."""
+    d, H = 8, 8
+    box = _grid_box(d, H, 3.0, 9)
+    result = extract_multi_head(Oracle(box, d), heads=H, seed=1314360737)
+    assert canonical_error(result.model, box) <= min(1e-10, result.report.details["error bar"])
+    spent = result.report.breakdown["recovery"] + result.report.breakdown["verification"]
+    assert spent <= paper2_count(H, d)
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ same run without short probes (its wide columns), with a margin far from the las
 """
 
 import numpy as np
-import pytest
 
 import attnextract.learners.multi_head as multi_head
 from attnextract import Oracle
