@@ -258,9 +258,11 @@ def test_polish_predicting_more_than_the_row_fits_sets_the_bar():
     the row fits (2x to 2.5x in the runs whose error came nearest the bar, float32
     nn.MultiheadAttention, d = 8, H = 2, not told; one outside at 1.04x its bar) is a
     second estimate of the same uncertainty: the larger sets the bar
-    (benchmarks/results/f32bar_summary.md). Here 5.1e-5 against 3.1e-5."""
-    box = Float32MultiHeadBlackBox(2, 8, seed=10)
-    result = extract_multi_head(Oracle(box, 8), seed=10)
+    (benchmarks/results/f32bar_summary.md). Here 3.4e-4 to 3.9e-4 against 7.9e-5 to
+    8.6e-5 under the OpenBLAS and SIMD configurations (a box where the polish predicts
+    far more: seed 10's 1.65x fell below GROWTH = 1.5 under some, and the polish was kept)."""
+    box = Float32MultiHeadBlackBox(2, 8, seed=16)
+    result = extract_multi_head(Oracle(box, 8), seed=16)
     details = result.report.details
     polished = details["predicted relative error (polish, not kept)"]
     assert polished > details["predicted relative error (row fits)"]
