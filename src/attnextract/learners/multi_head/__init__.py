@@ -36,7 +36,9 @@ learner refuses (:class:`RecoveryFailedError`) when that prediction exceeds
 ``max_error_bar`` or when a main row's fit does not reach the output precision (it
 cannot tell a box outside the class from two steps that fell too close in one row),
 reports a mismatch (:class:`ModelMismatchError`) when no base row fits at most H steps
-or held-out verification fails, and otherwise states the prediction as the error bar.
+or held-out verification fails, and otherwise states the prediction as the error bar
+(on coarse answers, float32 or decimals, the larger of it and the joint polish's own
+prediction when the polish is not kept: :meth:`.main_rows.MainRowStage.polished`).
 What limits it: the steps' spacing in the lambda window (2 (ln N - 1.5) / H; the window
 grows with H, N up to 32768 tokens) and the black box's own rounding, which grows with
 the heights sum_h |c_h|.

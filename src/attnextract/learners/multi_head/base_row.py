@@ -14,7 +14,9 @@ perturbations, every head's W_h q_0 and v_h.
    beyond the window does not vote (a tail fits spurious steps). Not told H, a row's
    scan grows with the count it shows (4 (k + 1) + 8 samples read a count k, the larger
    grid's points added to the smaller's), so a box of few heads is counted at a told
-   run's cost; once two rows agree, the search stops where a run told that count would;
+   run's cost; once two rows agree, the search stops where a run told that count would
+   (on coarse answers, whose rows never reach BASE_QUALITY, at three rows that agree, one
+   pinned to PINNED_STEPS and none showing more: :meth:`BaseRowStage.pinned_enough`);
    a few rows beyond paper 2's share settle a disputed count, and without two rows that
    agree the run is refused suggesting heads=. Not told H, a row whose fit has a step
    whose height is within 3 of its standard deviations is refitted with each step left
