@@ -62,7 +62,11 @@ def one_run(d: int, H: int, trial: int, told: bool, float64: bool, **options) ->
         row.update(outcome="within" if error <= bar else "OUTSIDE", error=float(error), bar=bar,
                    heads_found=int(found), notes=list(result.report.notes),
                    predicted_small_moves=details.get("predicted relative error (small moves)"),
-                   residual=details.get("residual rms"), noise=details.get("noise floor"))
+                   residual=details.get("residual rms"), noise=details.get("noise floor"),
+                   predicted=details.get("predicted relative error"),
+                   predicted_rows=details.get("predicted relative error (row fits)"),
+                   polish=details.get("joint polish"),
+                   least_noise=details.get("least noise (error bar)"))
     row.update(queries=oracle.queries, cpu=round(time.process_time() - cpu, 2))
     return row
 

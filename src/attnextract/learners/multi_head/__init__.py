@@ -36,7 +36,9 @@ learner refuses (:class:`RecoveryFailedError`) when that prediction exceeds
 ``max_error_bar`` or when a main row's fit does not reach the output precision (it
 cannot tell a box outside the class from two steps that fell too close in one row),
 reports a mismatch (:class:`ModelMismatchError`) when no base row fits at most H steps
-or held-out verification fails, and otherwise states the prediction as the error bar.
+or held-out verification fails, and otherwise states the prediction as the error bar
+(on coarse answers, float32 or decimals, the larger of it and the joint polish's own
+prediction when the polish is not kept: :meth:`.main_rows.MainRowStage.polished`).
 What limits it: the steps' spacing in the lambda window (2 (ln N - 1.5) / H; the window
 grows with H, N up to 32768 tokens) and the black box's own rounding, which grows with
 the heights sum_h |c_h|.
@@ -225,6 +227,8 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         self.labels_trusted, self.label_misfit = False, math.inf   # set by main's relabel
         self.coarse = False                   # set by set_precision
         self.coarse_extra_scans = 0
+        self.count_ended_early = False        # not told, coarse: the count search ended
+                                              # at agreeing pinned rows (pinned_enough)
         self.count_level = self.max_heads    # steps a base scan decides first (count_heads)
         self.scans_made = 0                  # base scans of the count search (base_row)
         self.designs_failed = 0              # failed designs so far (attempts)
@@ -547,8 +551,9 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
           ``nn.MultiheadAttention``, d = 8, H = 4: bars 1.5e-2 and 2.6e-2 against 9.5e-3);
           ``max_error_bar`` above it returns that model, its bar stated (offered for
           bars up to ROUNDED_BAR_OFFERED).
-        - Not told H, the base rows' counts differ (coarse answers only hide steps):
-          the count read from them may be low for the same reason.
+        - Not told H, the base rows' counts differ (coarse answers only hide steps), or
+          the search ended at a few rows that agree (:meth:`.base_row.BaseRowStage.
+          pinned_enough`): the count read from them may be low for the same reason.
         Each names ``--output-dtype`` as changing nothing (the learner already allows for
         a forward pass in the detected dtype), which keeps the registry's precision
         hint, meant for undetected rounding, off the message."""
@@ -587,7 +592,8 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
                     f"{self.tolerance:.1e}{default}; to accept a model with a bar that size, "
                     f"pass max_error_bar={suggest:g} (--max-error-bar {suggest:g}): the "
                     f"held-out check allows for it (stating --output-dtype changes nothing)")
-        if self.coarse and not self.heads_told and counts and max(counts) > min(counts):
+        if self.coarse and not self.heads_told and counts and (
+                max(counts) > min(counts) or self.count_ended_early):
             return (f"; on answers this coarse ({name}, {how}) base rows hide heads whose "
                     f"steps crowd or whose heights sink below the rounding (the rows showed "
                     f"{sorted(counts)} steps), so the count {H} may be low and this learner "

@@ -14,7 +14,9 @@ perturbations, every head's W_h q_0 and v_h.
    beyond the window does not vote (a tail fits spurious steps). Not told H, a row's
    scan grows with the count it shows (4 (k + 1) + 8 samples read a count k, the larger
    grid's points added to the smaller's), so a box of few heads is counted at a told
-   run's cost; once two rows agree, the search stops where a run told that count would;
+   run's cost; once two rows agree, the search stops where a run told that count would
+   (on coarse answers, whose rows never reach BASE_QUALITY, at three rows that agree, one
+   pinned to PINNED_STEPS and none showing more: :meth:`BaseRowStage.pinned_enough`);
    a few rows beyond paper 2's share settle a disputed count, and without two rows that
    agree the run is refused suggesting heads=. Not told H, a row whose fit has a step
    whose height is within 3 of its standard deviations is refitted with each step left
@@ -820,16 +822,33 @@ class BaseRowStage:
         searching on to BASE_QUALITY spent 12 to 14 scans (288 to 336 of 1017 queries)
         and left one to three wide columns per row; with the row design of
         :func:`.design.best_conditioned_rows` alone 3 of 12 were refused (bars 1.1e-2 to
-        4.6e-2), with this 0 of 12 (benchmarks/results/f32rows_after.md). Not told, the
-        count is not sure, nor told a count below H: rows agreeing on a count hide the
-        same head (3 rows of 3 steps, a box of 4 heads, ended at 3 and was refused), so
-        the search goes on."""
+        4.6e-2), with this 0 of 12 (benchmarks/results/f32rows_after.md). Told a count
+        below H the search goes on: rows agreeing on a count hide the same head.
+
+        Not told, on coarse answers: BELOW_TOLD_VOTES rows agree on the count, none
+        within the window shows more, and one is pinned to PINNED_STEPS. Searching on to
+        BASE_QUALITY spent 14 scans (336 queries) and left the main rows few wide
+        columns. Float32 nn.MultiheadAttention, d = 8, H = 4, not told, trials 0-119:
+        106 within (98 searching on), 14 refused (22), median bar 0.59x, at most 1017
+        queries (1100); 3 of them read 3 heads from three rows of 3 (also seen searching
+        on, where later rows showed 4) and were refused, the refusal saying the count
+        may be low (:meth:`rounding_limit`). d = 8, H = 2: 120 of 120 within (118, one
+        outside its bar); d = 16, H = 2 and 4, trials 0-24: 50 of 50 as before, median
+        bar 0.83x to 0.90x (benchmarks/results/f32bar_summary.md)."""
         rows = [f[2] for f in found if f[0] == agreed]
         if min(base_quality(steps, self.half_window) for steps in rows) <= BASE_QUALITY:
             return True
-        return (self.coarse and self.heads_told and agreed == self.max_heads
-                and min(base_quality(_shrunk(steps, self.half_window)[1], self.half_window)
-                        for steps in rows) <= PINNED_STEPS)
+        if not (self.coarse and min(base_quality(_shrunk(steps, self.half_window)[1],
+                                                 self.half_window)
+                                    for steps in rows) <= PINNED_STEPS):
+            return False
+        if self.heads_told:
+            return agreed == self.max_heads
+        shown = [f[0] for f in found if f[0] is not None and self.in_window(f)]
+        early = (self.votes(found).count(agreed) >= BELOW_TOLD_VOTES
+                 and max(shown, default=0) <= agreed)
+        self.count_ended_early = self.count_ended_early or early
+        return early
 
     def votes(self, found, window: bool = True) -> list:
         """The base rows' head counts as votes. A flat row (count 0) says no head only

@@ -95,6 +95,8 @@ class Polished:
     reason: str
     b: np.ndarray | None = None
     c: float | None = None
+    own_predicted: float = np.nan   # the polish's own predicted error, kept or not (nan
+                                    # when it was skipped before its covariance)
 
 
 def collect(records: list[tuple]) -> Samples:
@@ -255,8 +257,8 @@ def polish(samples: Samples, W: np.ndarray, v: np.ndarray, precision: float,
     biases = b is not None
     n = H * (d * d + d) + (H * d + 1 if biases else 0)
     P = samples.f.size
-    unchanged = lambda reason, before=np.nan, after=np.nan: Polished(
-        W, v, predicted, before, after, False, reason, b, c)
+    unchanged = lambda reason, before=np.nan, after=np.nan, own=np.nan: Polished(
+        W, v, predicted, before, after, False, reason, b, c, own)
     if P * float(n) ** 2 > MAX_WORK or n > MAX_PARAMETERS:
         return unchanged(f"skipped ({P} samples x {n} parameters: too large for a dense fit)")
     if P <= n:
@@ -308,11 +310,11 @@ def polish(samples: Samples, W: np.ndarray, v: np.ndarray, precision: float,
                 if biases else 0.0)
     if not new_predicted <= GROWTH * predicted:
         return unchanged(f"not kept (predicted error {new_predicted:.1e}, the row fits' "
-                         f"{predicted:.1e})", cost0, cost)
+                         f"{predicted:.1e})", cost0, cost, new_predicted)
     if not moved <= bar:
         return unchanged(f"not kept (it moved a head by {moved:.1e}, beyond the row fits' "
-                         f"error bar {bar:.1e})", cost0, cost)
-    return Polished(W1, v1, new_predicted, cost0, cost, True, "kept", b1, c1)
+                         f"error bar {bar:.1e})", cost0, cost, new_predicted)
+    return Polished(W1, v1, new_predicted, cost0, cost, True, "kept", b1, c1, new_predicted)
 
 
 def _split(x: np.ndarray, H: int, d: int, biases: bool = False):
