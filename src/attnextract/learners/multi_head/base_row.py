@@ -339,14 +339,9 @@ class BaseRowStage:
                 break
             # the combination's predicted variance sum_h sum_j a_j^2 var_hj (a floor of
             # 1e-6 per column: among well pinned columns the shortest combination)
-            # Bias-free the positions are linear in q: q* = sum_j a_j q_j over every
-            # column, q_0 included (its weight rescales the positions, which u_0's
-            # scaling below undoes). The affine combination q_0 + sum_j a_j (q_j - q_0)
-            # of nudges orthogonal to q_0 reaches only q_0 + (d - 1 directions): at H = d
-            # the targets (their offset drawn) lie off that plane, and the design
-            # combined the nudges with coefficients up to 5e8 (nn.MultiheadAttention(8,
-            # 8), head_dim 1, float64: q* 170 long, steps missed by up to 5e4).
-            # With biases the positions are affine in q: the affine combination.
+            # bias-free a linear combination of every column, q_0 included (affine
+            # ones of nudges orthogonal to q_0 are rank-deficient at H = d: see the
+            # docstring); with biases the positions are affine in q
             weights = np.diag(np.sum(np.maximum(T_var, 1e-6), axis=0))
             try:
                 if self.biases:
