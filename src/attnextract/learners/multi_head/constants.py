@@ -16,6 +16,11 @@ UNRESOLVED_HEIGHT = 3.0   # not told H, a row's step whose height is within this
                           # standard deviations is tried away (:func:`_fewest_steps`)
 COUNT_EXTRA_SCANS = 4     # base rows scanned beyond paper 2's share when no two agree (no H)
 MAX_DESIGNS = 4           # designs (base row, perturbations, main rows) tried at most
+BASE_ERROR_CORRECTED = 1.0  # a base estimate predicted this far off (relative) says nothing
+                            # of W_h q_0: a fresh design where the count leaves room for it
+                            # (main rows corrected estimates 0.01 to 0.3 off; d = H = 8 seed 0
+                            # under OpenBLAS Haswell, 1.4 off, spent 1900 of 2033 on main rows
+                            # that could not label their steps, and was refused)
 BASE_CANDIDATES = 10      # candidate base rows at most; the search stops at a well-conditioned one
 BASE_QUALITY = 1e-7       # a base row whose logit error / smallest gap is below this
                           # ends the search (the perturbations' error scales with it)
