@@ -107,3 +107,12 @@ def test_canonical_error_takes_a_users_own_truth():
     assert canonical_error(model, (W, v)) < 1e-15 and canonical_error(model, truth) < 1e-15
     with pytest.raises(InputError, match=r"a \(W, v\) pair"):
         canonical_error(model, "W")
+
+
+def test_more_heads_than_d_is_not_sent_to_heads():
+    # not told the count at d = 4 the search stops at d heads; "give heads=" led to a
+    # refusal (heads above d), so the message names the learner's limit instead
+    W, v = _heads(5, 4, 2)
+    with pytest.raises(ModelMismatchError, match="beyond this learner") as info:
+        attnextract.extract(Oracle(_batched(W, v), 4), "multi-head", seed=1)
+    assert "give heads=" not in str(info.value)
