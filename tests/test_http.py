@@ -359,3 +359,18 @@ def test_verification_never_sends_what_the_server_refuses(serve):
     assert narrow.max_length == 50 and Oracle(narrow, D).max_length == 50
     assert Oracle(box, D, max_length=20).max_length == 20     # asked for: kept
     assert HttpBlackBox("http://127.0.0.1:1", retries=0).max_length is None
+
+
+def test_a_model_failing_on_the_server_is_not_called_unreachable(serve):
+    # newuser3 (issue 22): a served box that fails every batch answers HTTP 500; the
+    # client said "unreachable", which sends a user looking at the network
+    class Failing:
+        dim, kind = D, "custom"
+
+        def __call__(self, X):
+            raise ValueError("a user's bug")
+    server = serve(Failing())
+    box = HttpBlackBox(server.url, retries=1, backoff=0.01)
+    with pytest.raises(BlackBoxError, match="answered a server error to all 2 attempt") as info:
+        Oracle(box, D).query(np.ones((2, 1, D)))
+    assert "unreachable" not in str(info.value) and "HTTP 500" in str(info.value)

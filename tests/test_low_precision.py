@@ -70,6 +70,7 @@ def test_registry_names_the_options_in_any_refusal_of_a_learner_that_takes_them(
 
     def refusing(oracle, *, seed=None, verify_tolerance=None, output_dtype=None,
                  decimals=None):
+        oracle.query(np.ones((1, 2, 4)))      # (a refusal before any query gets no hint)
         raise ModelMismatchError("no base row fits 2 sigmoid steps")
 
     register("refusing-for-test", refusing, "a stand-in", hidden=True)

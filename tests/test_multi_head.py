@@ -754,7 +754,7 @@ def test_refusals_after_measuring_keep_the_best_effort():
     assert det["paper-2 count"] == paper2_count(H, d)
     assert det["floor H(d^2 + d)"] == H * (d * d + d)
     assert det["designs tried"] == len(det["failed designs"]) >= 1
-    assert "exceeds the tolerance" in str(info.value) and "no room for another" in str(info.value)
+    assert "exceeds the largest error bar accepted (max_error_bar" in str(info.value) and "no room for another" in str(info.value)
     spent = result.report.breakdown["recovery"] + result.report.breakdown["verification"]
     assert spent <= paper2_count(H, d)
     text = result.report.render()

@@ -41,6 +41,10 @@ BIASES_HINT = ("a black box with query, value or output biases (as deployed laye
                "e.g. f([0]) != 0) is outside the bias-free class: extract with --biases "
                "(API: biases=True)")
 
+# learners that detect float16/float32 answers but not rounding to K decimals: their
+# refusals of answers that are all multiples of 10^-K name --decimals K first
+DETECTS_NO_DECIMALS = ("multi-head",)
+
 # keyword arguments every learner takes; not "options"
 COMMON = ("oracle", "seed", "verify_tolerance")
 
@@ -141,16 +145,33 @@ def _answers_may_be_rounded(root) -> bool:
     return len(answers) < 4 or answers_look_rounded(np.array(answers))
 
 
-def _zero_token_answer(root) -> float | None:
-    """The black box's answer to one zero token (0 for attention without biases, c with
-    them), asked live after a refusal; None when it cannot be asked (budget, failure)."""
+def _zero_token_answers(root) -> tuple[float, float] | None:
+    """The black box's answers to one zero token, asked twice in one batch (0 for
+    attention without biases, c with them; two different answers: the box is not
+    deterministic), live after a refusal; None when they cannot be asked (budget,
+    failure)."""
     import numpy as np
 
     from .errors import AttnExtractError
     try:
-        return float(root.query(np.zeros((1, 1, root.dim)), live=True)[0])
-    except (AttnExtractError, AttributeError, TypeError):
+        first, second = root.query(np.zeros((2, 1, root.dim)), live=True)
+    except (AttnExtractError, AttributeError, TypeError, ValueError):
         return None
+    return float(first), float(second)
+
+
+def _detected_decimals(root) -> int | None:
+    """K when every kept answer of the root oracle (at least 4 nonzero ones) is a
+    multiple of 10^-K (K <= 12) and not a float16/float32 number: the box rounds its
+    answers to K decimals. None otherwise."""
+    import numpy as np
+
+    from .precision import detect_precision
+    answers = [answer for _, answer in getattr(root, "replay", [])]
+    if len(answers) < 4:
+        return None
+    name = detect_precision(np.array(answers)).name
+    return int(name.split()[0]) if name.endswith(" decimals") else None
 
 
 def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=None,
@@ -204,20 +225,47 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
     from .verification import root_oracle
     root = root_oracle(oracle)
     checks = getattr(root, "check_queries", 0)
+    if "output_dtype" in accepted:         # bad values, or both: refused before any query
+        from .precision import check_precision_options
+        check_precision_options(options.get("output_dtype"), options.get("decimals"))
+    sent = getattr(root, "queries", 0)
     try:
         result = entry.function(oracle, seed=seed, **options)
     except RefusalWithResult as exc:
+        if getattr(root, "queries", 0) == sent:
+            # refused before any query (a limit of the learner's, such as heads > d): the
+            # box was not asked, so no hint about its precision or biases applies, and
+            # no zero token is sent to find one
+            raise
+        decimals = None
         if "output_dtype" in accepted:     # a learner that can be told the precision
             from .precision import name_the_options, stated_precision
-            try:
-                stated = stated_precision(options.get("output_dtype"), options.get("decimals"))
-            except InputError:             # the learner's own values: say nothing about them
-                stated = None
-            if stated is not None or _answers_may_be_rounded(root):
+            stated = stated_precision(options.get("output_dtype"), options.get("decimals"))
+            if stated is None and entry.name in DETECTS_NO_DECIMALS:
+                decimals = _detected_decimals(root)
+            if decimals is not None and exc.args and isinstance(exc.args[0], str):
+                # measured: every answer is a multiple of 10^-K; say so first (the
+                # learner, not told, judged them as float64 answers)
+                exc.args = (f"every answer is a multiple of 1e-{decimals}: if the black box "
+                            f"rounds its outputs to {decimals} decimals, say so with "
+                            f"--decimals {decimals} (API: decimals={decimals}); this learner "
+                            f"does not detect decimals by itself, and stopped at: "
+                            f"{exc.args[0]}",) + exc.args[1:]
+            elif stated is not None or _answers_may_be_rounded(root):
                 name_the_options(exc, stated)
         if (isinstance(exc, (ModelMismatchError, RecoveryFailedError)) and "biases" in accepted
-                and not options.get("biases") and exc.args):
-            constant = _zero_token_answer(root)
+                and not options.get("biases") and exc.args and decimals is None):
+            zero = _zero_token_answers(root)
+            if zero is not None and zero[0] != zero[1]:
+                # measured: the same sequence got two answers; a constant cannot be told
+                raise ModelMismatchError(
+                    f"the black box answers one zero token twice with different numbers "
+                    f"({zero[0]:.6g} and {zero[1]:.6g}): its answers are not a function of "
+                    f"the sequence (noise, sampling or state), which is outside every exact "
+                    f"class; noisy outputs are extracted with --tolerance (single-head); "
+                    f"the learner had stopped at: {exc.args[0]}",
+                    result=getattr(exc, "result", None)) from exc
+            constant = zero[0] if zero is not None else None
             if constant:
                 # measured: the box adds a constant, so it is outside the bias-free class,
                 # whatever the learner's own stage said when it stopped

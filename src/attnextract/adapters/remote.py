@@ -345,6 +345,12 @@ class HttpBlackBox:
                 failure = f"HTTP {status}: {reason}"  # retry is safe (same Idempotency-Key)
                 continue
             raise _Refused(status, reason, error, reply.get("server", ""))
+        if failure.startswith("HTTP 5"):
+            # the server answered, with its own error (a model that fails every batch):
+            # "unreachable" sent users looking at the network
+            raise BlackBoxError(f"{self.url} answered a server error to all "
+                                f"{self.retries + 1} attempt(s), last: {failure} (the server "
+                                f"is reachable: its log says why)")
         raise BlackBoxError(f"{self.url} unreachable: {self.retries + 1} attempt(s) failed, "
                             f"last: {failure}")
 

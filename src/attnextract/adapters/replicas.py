@@ -63,7 +63,24 @@ def load_spec(spec: str):
     model = load_target(spec)
     if not hasattr(model, "dim"):
         raise TargetLoadError(f"{spec} has no dim: a served black box must say its token width")
-    return model
+    return ServedBox(model)
+
+
+class ServedBox:
+    """A ``FILE.py:NAME`` black box as the server calls it: a batch (B, N, d) in, B float64
+    numbers out, asked the way :class:`attnextract.oracle.Oracle` asks it. So a function
+    written for one sequence (N, d) -> one number, a box answering a list, float32 or a
+    torch tensor (even one that requires grad) and a ``torch.nn.Module`` are served as
+    they are extracted from, not failed with HTTP 500 on their first batch."""
+
+    def __init__(self, box):
+        from ..oracle import Oracle
+        self.box, self.dim = box, int(box.dim)
+        self.kind = getattr(box, "kind", "custom")
+        self._oracle = Oracle(box, self.dim)
+
+    def __call__(self, X) -> np.ndarray:
+        return self._oracle._ask_black_box(np.asarray(X, dtype=np.float64))
 
 
 class RayReplicas:

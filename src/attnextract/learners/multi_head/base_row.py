@@ -722,9 +722,15 @@ class BaseRowStage:
             counts = [c for c in self.votes(found, window=False) if c is not None]
         if not counts:
             rms = min(f[2].rms / f[3] for f in found)
-            hint = ("" if self.heads_told else
-                    "; if the model has more heads (or its count is known), give heads= "
-                    "(--heads)")
+            if self.heads_told:
+                hint = ""
+            elif H < self.d:
+                hint = ("; if the model has more heads (or its count is known), give heads= "
+                        "(--heads)")
+            else:       # heads= above d is refused: that hint would lead nowhere
+                hint = (f"; a box with more than d = {self.d} canonical heads would also "
+                        f"give this, and is beyond this learner (it recovers at most d "
+                        f"heads; heads= above d is refused)")
             self.refuse(f"the black box is not multi-head attention with at most {H} heads: "
                         f"no base row fits {H} sigmoid steps (residual {rms:.1e} times the "
                         f"output precision){hint}")

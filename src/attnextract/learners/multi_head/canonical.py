@@ -21,11 +21,24 @@ from ...models import MultiHeadAttention, SingleHeadAttention
 from ...report import held_out_sequences, token_scale
 
 def _check_multi(model) -> MultiHeadAttention:
+    """``model`` as a MultiHeadAttention: that, a single head, a (W, v) pair of arrays or
+    any object with arrays ``W`` (H, d, d) and ``v`` (H, d) (a user's own truth)."""
     if isinstance(model, SingleHeadAttention):
         return MultiHeadAttention(model.W[None], model.v[None])
-    if not isinstance(model, MultiHeadAttention):
-        raise InputError(f"expected a MultiHeadAttention model, got {type(model).__name__}")
-    return model
+    if isinstance(model, MultiHeadAttention):
+        return model
+    if isinstance(model, (tuple, list)) and len(model) == 2:
+        W, v = model
+    elif hasattr(model, "W") and hasattr(model, "v"):
+        W, v = model.W, model.v
+    else:
+        raise InputError(f"expected a MultiHeadAttention model (attnextract."
+                         f"MultiHeadAttention(W, v)), a (W, v) pair or an object with arrays "
+                         f"W (H, d, d) and v (H, d), got {type(model).__name__}")
+    W, v = np.asarray(W, dtype=np.float64), np.asarray(v, dtype=np.float64)
+    if W.ndim == 2 and v.ndim == 1:      # one head
+        W, v = W[None], v[None]
+    return MultiHeadAttention(W, v)
 
 
 def canonical_form(model, tol: float = 1e-9) -> MultiHeadAttention:
