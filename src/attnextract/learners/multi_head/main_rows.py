@@ -380,8 +380,8 @@ class MainRowStage:
                 RecoveryFailedError,
                 f"the samples do not pin the heads down: predicted relative parameter error "
                 f"{predicted:.1e} (error bar {bar:.1e}) exceeds the largest error bar accepted "
-                f"(max_error_bar, --max-error-bar) {self.tolerance:.0e}; smallest head separation {sep:.2e}, row fit "
-                f"condition {cond:.1e}", model, bar)
+                f"(max_error_bar, --max-error-bar) {self.tolerance:.0e}; smallest head "
+                f"separation {sep:.2e}, row fit condition {cond:.1e}", model, bar)
         try:
             return self.finish(model, bar)
         except ModelMismatchError as exc:
