@@ -125,8 +125,10 @@ def test_cli_output_dtype_and_help(tmp_path):
         "m = torch.nn.MultiheadAttention(6, 1, bias=False, batch_first=True).double()\n"
         "box = TorchAttentionBlackBox(m, 3, head=0, dtype='float32')\n")
     out = tmp_path / "r.npz"
+    # a fixed learner seed: the CLI's default is random, and 1 of 200 seeds is refused
+    # here (held-out 1.02 x the allowance; benchmarks/results/lead3_summary.md)
     proc = run_cli("extract", "--target", f"{target}:box", "--dim", 6, "--output-dtype", "float32",
-                   "--out", out, "--json", check=0)
+                   "--seed", 1, "--out", out, "--json", check=0)
     assert '"error_bar_W"' in proc.stdout and out.exists()
     plain = run_cli("extract", "--target", f"{target}:box", "--dim", 6, "--out",
                     tmp_path / "p.npz", check=1)
