@@ -951,3 +951,21 @@ def test_flat_base_rows_do_not_vote_for_zero_heads():
     assert run.votes(rows) == [0, 1]
     run.v = np.ones(8)
     assert run.votes(rows) == [1]
+
+
+@pytest.mark.parametrize("ratio, seed", [(1e-3, 2), (1e-3, 5), (1e-4, 0), (1e-4, 3)])
+def test_head_a_thousand_times_weaker_is_recovered(ratio, seed):
+    """d = 8, H = 2, one head's value 1e-3 or 1e-4 of the other's: every step fit pins the
+    weak step (1e-11 where the strong one is 2e-14), but the column fits freed both
+    logits at once and the weak one absorbed the strong one's misfit (the row fits then
+    walked off: refused as a wrong basin, 10 of 12 such boxes). Heads freed strongest
+    first (fit.fit_logits): recovered within the bar, which grows as 1 / ratio."""
+    M = random_multi_head(2, 8, seed=700 + seed)
+    v = M.v.copy()
+    v[1] *= ratio
+    box = MultiHeadAttention(M.W, v)
+    oracle = Oracle(box, 8)
+    result = extract_multi_head(oracle, heads=2, seed=seed)
+    bar = result.report.details["error bar"]
+    assert canonical_error(result.model, box) <= min(bar, 1e-7)
+    assert oracle.queries <= paper2_count(2, 8)

@@ -16,19 +16,21 @@ from attnextract.learners.multi_head.budget import _Redesign
 
 def test_retry_after_a_failed_base_row_fits_the_count():
     """Grid box d = 8, H = 2, W scale 3, seed 12 (mh9_grid_d8_h2.json): its first base
-    row's perturbations miss the noise, and the retry's fresh base row took three draws
-    that the retry's budget did not count: 526 queries of paper 2's 509. The retry now
-    sizes its main rounds to what the count leaves (d - 1 columns per row, not d)."""
+    row's perturbations missed the noise, and the retry's fresh base row took three draws
+    that the retry's budget did not count: 526 queries of paper 2's 509. A retry sizes
+    its main rounds to what the count leaves (d - 1 columns per row, not d;
+    test_first_design_failure_is_retried_within_the_count forces one). Since the base
+    row's scale counts every pinned step (a weak head's too), its first design may fit:
+    either way the box is recovered within paper 2's count."""
     H, d = 2, 8
     box = random_multi_head(H, d, seed=10_000 * H + 100 * d + 12, w_scale=3 / np.sqrt(d))
     oracle = Oracle(box, d)
     result = extract_multi_head(oracle, H, seed=386898257)
     details = result.report.details
-    assert details["designs tried"] == 2
-    assert "a perturbed base row does not fit" in details["failed designs"][0]
-    assert result.report.breakdown["main columns"] == d * (d - 1) * (H + 1)
+    if details.get("designs tried", 1) > 1:
+        assert "a perturbed base row does not fit" in details["failed designs"][0]
+        assert result.report.breakdown["main columns"] == d * (d - 1) * (H + 1)
     assert canonical_error(result.model, box) <= 1e-10
-    # (502 here, 486 under OpenBLAS's Haswell kernels: a fresh row's draws differ there)
     assert oracle.queries == result.queries <= paper2_count(H, d)
 
 

@@ -635,9 +635,13 @@ class BaseRowStage:
             return count, u, steps, noise
 
         def spread(found):
+            # every step the fit pins counts, however low: a well-pinned step 7e-4 of
+            # the largest height, left out, let the scale grow to 133 and pushed it to
+            # 42, far outside the window (no row then fitted 2 steps: refused as a mismatch)
             steps = found[2]
-            strong = np.abs(steps.c) > 1e-3 * np.max(np.abs(steps.c))
-            return float(np.max(np.abs(steps.t[strong])))
+            seen = ((np.abs(steps.c) > 1e-3 * np.max(np.abs(steps.c)))
+                    | (steps.t_std < 0.1))
+            return float(np.max(np.abs(steps.t[seen])))
 
         scale, before = 1.0, self.oracle.queries
         first, samples = None, {}
