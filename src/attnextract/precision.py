@@ -70,6 +70,11 @@ class OutputPrecision:
         """float64 outputs (nothing stated, no rounding detected)."""
         return self.name == "float64"
 
+    @property
+    def decimals(self) -> int | None:
+        """K for outputs rounded to K decimals, else None."""
+        return int(self.name.split()[0]) if self.name.endswith(" decimals") else None
+
     def level(self, scale: float) -> float:
         """The absolute error of an answer of size ``scale``."""
         return self.relative * abs(scale) + self.absolute

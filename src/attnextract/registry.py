@@ -170,8 +170,7 @@ def _detected_decimals(root) -> int | None:
     answers = [answer for _, answer in getattr(root, "replay", [])]
     if len(answers) < 4:
         return None
-    name = detect_precision(np.array(answers)).name
-    return int(name.split()[0]) if name.endswith(" decimals") else None
+    return detect_precision(np.array(answers)).decimals
 
 
 def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=None,
