@@ -476,12 +476,13 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         (:meth:`main_columns`). Every attempt's failure is reported. Without room for
         another attempt the last failure is raised."""
         failures: list[str] = []
+        reopened = False
         while True:
             self.say("base perturbations" if not failures else
                      f"new design (attempt {len(failures) + 1})")
             try:
                 try:
-                    if failures:
+                    if failures and not reopened:
                         heads = self.fresh_base_row(heads)
                         self.details["canonical heads"] = heads
                     Y0, V0 = self.base_estimate()
@@ -495,6 +496,14 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
                 self.designs_failed = len(failures)
                 self.details["designs tried"] = len(failures)
                 self.details["failed designs"] = list(failures)
+                # not told H: a failure that says the count may be low reopens it when a
+                # measurement shows more steps (:meth:`.base_row.BaseRowStage.reopen_count`)
+                more = self.reopen_count(heads, exc) if len(failures) < MAX_DESIGNS else 0
+                reopened = bool(more)
+                if more:
+                    heads = more
+                    self.details["designs tried"] = len(failures) + 1
+                    continue
                 # a retry sizes its main rounds to what the count leaves (least columns)
                 if (len(failures) >= MAX_DESIGNS
                         or not self.affordable(self.attempt_cost(heads, least=True), heads)):
@@ -523,7 +532,13 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
                 f"the floor {self.parameters(H)})" if len(failures) >= MAX_DESIGNS else
                 f"{self.count_name()} {self.count_cap(H)} for H = {H} (the floor "
                 f"{self.parameters(H)}) and the budget leave no room for another design")
-        if not self.heads_told:
+        reopened = self.details.get("head count reopened")
+        if not self.heads_told and reopened:
+            room += (f"; the head count {self.max_heads} was found by the learner (base rows "
+                     f"agreed on {reopened[0][0]}, a scan after a failed design showed "
+                     f"{self.max_heads} steps): if the box's head count is known, give "
+                     f"heads= (--heads)")
+        elif not self.heads_told:
             room += (f"; the head count {self.max_heads} was found by the learner (base rows "
                      f"agreed on it): if the box's head count is known, give heads= (--heads)")
         # a failed base-row search before the designs is listed with them

@@ -59,7 +59,7 @@ from ...report import verification_count
 from . import design, fit, labels
 from .budget import _Redesign, _scan_size, column_samples, perturbation_samples
 from .constants import (BASE_CANDIDATES, BASE_ERROR_CORRECTED, BASE_QUALITY,
-                        BELOW_TOLD_VOTES, COLUMN_NUDGE, COLUMN_SPREAD, COUNT_EXTRA_SCANS, COUNT_MARGIN, CROWDED_GAP,
+                        BELOW_TOLD_VOTES, MAX_HEADS, COLUMN_NUDGE, COLUMN_SPREAD, COUNT_EXTRA_SCANS, COUNT_MARGIN, CROWDED_GAP,
                         DESIGNED_SCANS, MORE_STEPS_VOTES, NOISE_FACTOR, PERTURBATION_MAX_MOVE,
                         PERTURBATION_MOVE, PERTURBATION_NOISE_MOVES, PILOT_COLUMNS,
                         PINNED_STEPS, RANDOM_COLUMNS, SCALE_ROUNDS, UNRESOLVED_HEIGHT,
@@ -190,6 +190,7 @@ class BaseRowStage:
         where the count leaves room for one: main rows designed from it cannot label
         their steps (a crowded pair 0.025 apart that five designed scans left at 0.27:
         estimate 1.4 off, 1900 of 2033 queries spent, refused)."""
+        self.missed_scans = []         # column scans that missed the noise (more_steps)
         self.designed_column()
         Y0, V0, error = self.base_perturbations()
         self.details["base estimate relative error"] = error
@@ -199,7 +200,8 @@ class BaseRowStage:
             raise _Redesign(RecoveryFailedError,
                             f"the base estimate's predicted relative error {error:.1e} "
                             f"exceeds what the main rows correct ({BASE_ERROR_CORRECTED:g}): "
-                            f"the learner's base estimate failed (the black box is not judged)")
+                            f"the learner's base estimate failed (the black box is not judged)",
+                            low_count=True)
         return Y0, V0
 
     def designed_column(self) -> None:
@@ -426,6 +428,8 @@ class BaseRowStage:
         in u, its step near another's there) that this column shows. Such a scan is a
         better base row: it becomes the base row (q_0 := q) when the count leaves room
         for a new column design from it, which the caller then starts."""
+        # kept for a reopened count (not told H, after the design failed: :meth:`reopen_count`)
+        self.missed_scans.append((lam, g, u, q))
         if H >= self.max_heads:
             return False
         steps = fit.fit_free_steps(lam, g, u @ self.v, self.max_heads, self.half_window,
@@ -551,6 +555,146 @@ class BaseRowStage:
                 u = steps_u * float(np.clip((self.half_window - 1.5) / max(edge, 1e-3),
                                             1e-2, 1e2))
         raise _Redesign(RecoveryFailedError, "no fresh base row fit its steps")
+
+    def reopen_count(self, heads: int, exc) -> int:
+        """Not told H, after a design of ``heads`` steps failed in a way that says the
+        count may be low (``exc.low_count``: a main row, a perturbed base row or the base
+        estimate fits worse than ``heads`` steps predict): the count is reopened when a
+        measurement shows more steps, else 0 (the caller retries or refuses as before).
+
+        Evidence, in order: (1) a row of the count search (:meth:`base_row`, kept at no
+        query) whose fewest steps that reach the noise exceed ``heads`` (within the
+        window; the agreement rule let two rows that hid the same head outvote it:
+        torch nn.MultiheadAttention(8, 8) trial 9 read [7, 6, 6] and settled on 6);
+        (2) the main rows that missed the noise (``exc.rows``), rescanned on a uniform
+        grid of the base window that decides counts up to ``heads`` + 1 + COUNT_MARGIN
+        (a designed row spreads the known steps, so a hidden head's step stands apart
+        there: float32 nn.MultiheadAttention(8, 4), rows of 3 steps, 4.4e3 times the
+        noise), the fewest steps reaching the noise read as :meth:`base_row` reads them
+        (:func:`_fewest_steps`). A row showing k > ``heads`` steps becomes the base row
+        and the run continues under k's paper-2 count (``max_heads`` = k: a later
+        failure may reopen it again, up to min(d, MAX_HEADS)), when that count and the
+        budget leave room for a design of k steps (:meth:`reopen_room`). A row fitting
+        ``heads`` steps is no evidence: the count stays (a box of H heads is never
+        designed with more than the steps a row of it shows)."""
+        bound = min(self.d, MAX_HEADS)
+        if (self.heads_told or heads >= bound or not getattr(exc, "low_count", False)
+                or not hasattr(self, "count_rows")):
+            return 0
+        # the rows that missed (else the design's base row, whose known steps its
+        # designed column spread) before the count search's rows, which crowd
+        rows = exc.rows if exc.rows is not None else (
+            self.u_0[None].copy(), self.q_0.copy(), np.zeros((1, 0)), np.zeros((1, 0)))
+        window, grid = self.length, self.base_grid
+        self.set_window(max(self.count_window, design.base_length(heads + 1)))
+        shown = [r for lam, g, u, q in getattr(self, "missed_scans", [])
+                 for r in self.more_steps_shown(lam, g, u, q, heads, "a column of the base "
+                                                "row that missed the noise")]
+        if not shown:
+            shown = self.rescan_rows(heads, *rows)
+        for count, u, steps in ([] if shown else self.count_rows):
+            if not (count and count > heads and steps is not None
+                    and self.in_window((count, u, steps))):
+                continue
+            k, steps = _shrunk(steps, self.half_window)
+            if np.isfinite(base_quality(steps, self.half_window)):
+                shown.append((count, k * u, steps, self.count_q0, "a base row of the count "
+                              "search"))
+        shown = [r for r in shown if r[0] <= bound and self.reopen_room(
+            r[0], crowded=self.crowded(r[2]))]
+        if not shown:
+            self.set_window(window)        # the retry or refusal goes on as before
+            self.base_grid = grid
+            return 0
+        count, u, steps, q, where = max(shown, key=lambda r: (
+            r[0], -base_quality(r[2], self.half_window)))
+        self.max_heads = self.count_level = count
+        self.q_0 = q.copy()
+        self.adopt_base(u, steps)
+        self.base_grid = design.base_lambdas(_scan_size(count), self.half_window)
+        self.spare_rows = [(r[1], r[2], r[3]) for r in shown
+                           if r[0] == count and r[2] is not steps]
+        self.details["canonical heads"] = count
+        self.details.setdefault("head count reopened", []).append((heads, count))
+        self.notes.append(f"the head count {heads} the base rows agreed on was reopened: "
+                          f"after a design of {heads} steps failed, {where} showed {count} "
+                          f"steps, and the run went on under paper 2's count for {count}")
+        return count
+
+    def reopen_room(self, count: int, scans: int = 0, crowded: bool = True) -> bool:
+        """Whether ``scans`` queries more and a design of ``count`` steps (the designed
+        column, the perturbations, the main rows with the fewest columns) and the
+        held-out verification fit in paper 2's count for ``count`` and the budget."""
+        from .budget import _budget_left
+        need = (scans + self.perturbation_cost(count) - (0 if crowded else self.column_cost(count))
+                + self.main_cost(count, self.least_columns())
+                + verification_count(self.parameters(count)))
+        return (self.spent() + need <= self.count_cap(count)
+                and need <= _budget_left(self.oracle))
+
+    def crowded(self, steps) -> bool:
+        """Whether a base row's smallest step gap is below CROWDED_GAP of the evenly
+        spaced gap: its design moves it to a designed column (:meth:`designed_column`)."""
+        H = steps.t.size
+        if H < 2:
+            return False
+        spacing = 2.0 * (self.half_window - 2.0) / (H - 1)
+        return float(np.min(np.diff(steps.t))) < CROWDED_GAP * spacing
+
+    def rescan_rows(self, heads: int, U: np.ndarray, q: np.ndarray, lam0: np.ndarray,
+                    g0: np.ndarray) -> list:
+        """Rows (u, q) that missed the noise with ``heads`` steps (their samples lam0, g0
+        kept), rescanned one at a time (three at most, one batch each) up to the samples
+        of a uniform base grid deciding counts up to ``heads`` + 1 (+ COUNT_MARGIN, the
+        grid's points they lack, :func:`_more_lambdas`), until one shows more steps
+        (:meth:`more_steps_shown`); each scan only while the count of ``heads`` + 1
+        leaves room for it and the least design after it. Returns what
+        :meth:`more_steps_shown` does for the row that showed more, else []."""
+        size = _scan_size(min(self.d, MAX_HEADS, heads + 1 + COUNT_MARGIN))
+        for u, lam_k, g_k in list(zip(U, lam0, g0))[:3]:
+            more = _more_lambdas(lam_k, size, self.half_window, self.length)
+            if not self.reopen_room(heads + 1, more.size, crowded=False):
+                break
+            if more.size:
+                before = self.oracle.queries
+                lam_m, g_m = self.measure(np.repeat(u[None], more.size, 0),
+                                          np.repeat(q[None], more.size, 0), more)
+                self.spend("base rows", before)
+                lam_k, g_k = np.append(lam_k, lam_m), np.append(g_k, g_m)
+            shown = self.more_steps_shown(lam_k, g_k, u, q, heads, "a main row that missed "
+                                          "the noise, rescanned," if lam_k.size > more.size
+                                          else "the base row, rescanned,")
+            if shown:
+                return shown
+        return []
+
+    def more_steps_shown(self, lam, g, u, q, heads: int, where: str) -> list:
+        """[(count, u, fit, q, where)] when the scan (lam, g) of row (u, q) shows more
+        than ``heads`` steps: its fewest steps reaching the noise (up to what its samples
+        and min(d, MAX_HEADS) allow, read as :meth:`base_row` reads a row,
+        :func:`_fewest_steps`) exceed ``heads``, within the window (the row shortened to
+        pull them inside, no query) and pinned (finite :func:`base_quality`); else []."""
+        # (at least three samples beyond a fit's 2k unknowns; a few counts above heads)
+        top = min(self.d, MAX_HEADS, (lam.size - 3) // 2, heads + 2 + COUNT_MARGIN)
+        f_values = g + q @ self.v
+        noise = self.noise(f_values)
+        if top <= heads or np.max(np.abs(g)) <= NOISE_FACTOR * noise:
+            return []
+
+        def fits_to_noise(steps):
+            return steps.rms <= NOISE_FACTOR * self.noise(f_values, np.sum(np.abs(steps.c)))
+
+        fits = fit.fit_free_steps(lam, g, u @ self.v, top, self.half_window, noise,
+                                  counts=range(heads, top + 1), enough=fits_to_noise)
+        if not fits_to_noise(fits[-1]) or fits[-1].t.size <= heads:
+            return []
+        steps = _fewest_steps(lam, g, u @ self.v, fits[-1], noise, fits_to_noise)
+        if steps.t.size <= heads or not self.in_window((steps.t.size, u, steps)):
+            return []
+        k, steps = _shrunk(steps, self.half_window)
+        if not np.isfinite(base_quality(steps, self.half_window)):
+            return []
+        return [(steps.t.size, k * u, steps, q, where)]
 
     def set_window(self, length: int) -> None:
         """Sequence length N of the copy probes that follow (lambda in +-ln(N - 1))."""
@@ -784,6 +928,9 @@ class BaseRowStage:
                                   f"{[f[0] for f in found]})")
                 heads = max(pinned)
         self.details["canonical heads"] = heads
+        # the count search's rows, kept for a reopened count (:meth:`reopen_count`)
+        self.count_rows = [(f[0], f[1], f[2]) for f in found]
+        self.count_window, self.count_q0 = self.length, self.q_0.copy()
         self.details["head counts of the base rows"] = [f[0] for f in found]
         self.details["base scans"] = self.scans_made
         if heads == 0 and self.saw_steps:
@@ -973,12 +1120,12 @@ class BaseRowStage:
                 raise _Redesign(RecoveryFailedError,
                                 f"a perturbed base row does not fit {H} steps (residual "
                                 f"{worst:.1e} times the allowed misfit) refitted from "
-                                f"{whose}: the black box is not judged")
+                                f"{whose}: the black box is not judged", low_count=True)
             raise _Redesign(ModelMismatchError,
                             f"a perturbed base row does not fit {H} steps (residual {worst:.1e} "
                             f"times the allowed misfit): the black box is not multi-head "
                             f"attention with {H} canonical heads, or the fit from the base "
-                            f"row's steps failed")
+                            f"row's steps failed", low_count=True)
         P = np.vstack([self.u_0[None], rows])
         Y0, V0 = np.linalg.solve(P, np.array(T)), np.linalg.solve(P, np.array(C))
         P_inv = np.linalg.inv(P)

@@ -29,10 +29,16 @@ class _Redesign(Exception):
     """A design failed (a fit that misses the noise, an error bar too large, a held-out
     mismatch): draw another while the count allows, else refuse with ``kind``."""
 
-    def __init__(self, kind, message: str, model=None, bar=None, result=None):
+    def __init__(self, kind, message: str, model=None, bar=None, result=None,
+                 low_count: bool = False, rows=None):
         super().__init__(message)
         self.kind, self.message, self.model, self.bar = kind, message, model, bar
         self.result = result          # already verified (a held-out mismatch)
+        # the failure says the head count may be low (a fit of the count's steps misses
+        # the noise): not told H, the count is reopened when measurements show more steps
+        # (:meth:`.base_row.BaseRowStage.reopen_count`); ``rows``: (u (n, d), q (d,),
+        # lambdas (n, S), g (n, S)) the rows that missed and their samples, rescanned
+        self.low_count, self.rows = low_count, rows
 
 
 def paper2_count(heads: int, dim: int) -> int:

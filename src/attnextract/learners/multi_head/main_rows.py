@@ -166,7 +166,9 @@ class MainRowStage:
                     RecoveryFailedError,
                     f"{todo.size} main row(s) do not fit {H} steps (residual "
                     f"{worst * NOISE_FACTOR:.1e} times the rounding noise expected, base estimate "
-                    f"error {self.details['base estimate relative error']:.1e}): {why}")
+                    f"error {self.details['base estimate relative error']:.1e}): {why}",
+                    low_count=True,
+                    rows=(U[todo].copy(), self.q_0.copy(), lam[todo].copy(), g[todo].copy()))
 
         def round_2(todo):
             # d columns q_0 + s_k r_j per row (one more than z_hk needs), sampled at row
@@ -374,7 +376,8 @@ class MainRowStage:
                 RecoveryFailedError,
                 f"the row fits leave a residual {measured_sigma:.1e}, {measured_sigma / noise:.0f} "
                 f"times the noise {noise:.1e} that {self.precision_name} rounding of these "
-                f"answers' sums makes (absolute): {why}", model, bar)
+                f"answers' sums makes (absolute): {why}", model, bar,
+                low_count=not self.labels_trusted)
         if not bar <= self.tolerance:
             raise _Redesign(
                 RecoveryFailedError,
