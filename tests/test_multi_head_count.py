@@ -220,3 +220,72 @@ def test_float32_box_without_heads_finds_its_count(monkeypatch, seed):
     from attnextract.adapters.targets import Float32MultiHeadBlackBox
     stage = _base_stage(monkeypatch, Float32MultiHeadBlackBox(4, 16, seed=seed), None, seed)
     assert stage.heads == 4, stage.run.details["head counts of the base rows"]
+
+
+def _hide_a_head(monkeypatch):
+    """Make the count search settle one head low by design: its result is read as the
+    base row with its smallest-height step left out (a row that hid a head, as the rows
+    of torch nn.MultiheadAttention(8, 8) trial 9 hid two: [7, 6, 6] agreed on 6), and
+    every row it scanned as showing that count."""
+    from attnextract.learners.multi_head import _Extraction, design, fit
+    search = _Extraction.search_count
+
+    def low(self):
+        heads = search(self)
+        keep = np.argsort(np.abs(self.base_fit.c))[1:]
+        keep.sort()
+        b = self.base_fit
+        hidden = fit.StepFit(t=b.t[keep], c=b.c[keep], rms=b.rms, t_std=b.t_std[keep],
+                             c_std=b.c_std[keep])
+        self.adopt_base(self.u_0, hidden)
+        self.count_rows = [(heads - 1, self.u_0, hidden)]
+        self.spare_rows = []
+        self.max_heads = self.count_level = heads - 1
+        self.base_grid = design.base_lambdas(_scan_size(heads - 1), self.half_window)
+        return heads - 1
+
+    monkeypatch.setattr(_Extraction, "search_count", low)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_count_found_low_is_reopened_after_its_design_fails(monkeypatch, seed):
+    """Not told H, base rows that agreed on one head too few (by construction) make a
+    design of H - 1 steps fail; a scan measured after it (a missed column, the base row
+    or a main row rescanned) shows H steps, and the run goes on under H's paper-2 count
+    and recovers the box (before: refused, the refusal naming the learner's count)."""
+    d, H = 8, 3
+    box = random_multi_head(H, d, seed=300 + seed)
+    _hide_a_head(monkeypatch)
+    result = extract_multi_head(Oracle(box, d), seed=seed)
+    details = result.report.details
+    assert details["head count reopened"] == [(H - 1, H)]
+    assert result.model.heads == H
+    assert canonical_error(result.model, box) <= details["error bar"] <= 1e-6
+    assert result.report.queries <= paper2_count(H, d)
+    assert any("reopened" in note for note in result.report.notes)
+
+
+def test_a_design_failing_at_the_right_count_does_not_raise_it(monkeypatch):
+    """A not-told design that fails as a low count would (a base estimate refused) on a
+    box whose count is right: the scans after it show no more steps, so the count stays,
+    the retry recovers H heads (never more)."""
+    from attnextract.learners.multi_head import _Extraction
+    from attnextract.learners.multi_head.budget import _Redesign
+    d, H = 8, 3
+    box = random_multi_head(H, d, seed=300)
+    estimate, calls = _Extraction.base_estimate, []
+
+    def fails_once(self):
+        calls.append(1)
+        if len(calls) == 1:
+            self.designed_column()
+            raise _Redesign(RecoveryFailedError, "a base estimate refused (test)",
+                            low_count=True)
+        return estimate(self)
+
+    monkeypatch.setattr(_Extraction, "base_estimate", fails_once)
+    result = extract_multi_head(Oracle(box, d), seed=0)
+    assert len(calls) == 2
+    assert "head count reopened" not in result.report.details
+    assert result.model.heads == H
+    assert canonical_error(result.model, box) <= result.report.details["error bar"]

@@ -473,7 +473,10 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         (:meth:`fresh_base_row`), and a retry fits the rest of the count: it is tried when
         its least design (:meth:`attempt_cost` with ``least``, d - 1 main columns per
         row) fits, and its main rounds take the columns the count leaves
-        (:meth:`main_columns`). Every attempt's failure is reported. Without room for
+        (:meth:`main_columns`). Not told H, a failure that says the count may be low
+        reopens it when a scan shows more steps (:meth:`.base_row.BaseRowStage.
+        reopen_count`): the next design starts from that scan's row under the higher
+        count's paper-2 count. Every attempt's failure is reported. Without room for
         another attempt the last failure is raised."""
         failures: list[str] = []
         reopened = False
@@ -541,6 +544,12 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         elif not self.heads_told:
             room += (f"; the head count {self.max_heads} was found by the learner (base rows "
                      f"agreed on it): if the box's head count is known, give heads= (--heads)")
+        shown = self.details.get("steps shown after a failed design", 0)
+        if not self.heads_told and shown > self.max_heads:
+            room += (f"; a scan after the failed design showed {shown} steps, but after the "
+                     f"{self.spent()} queries spent {self.count_name()} for H = {shown} "
+                     f"({self.count_cap(shown)}) leaves no room for a design of {shown} heads "
+                     f"(the count {self.max_heads} is likely low: heads={shown} plans for it)")
         # a failed base-row search before the designs is listed with them
         failures = [f for f in self.details.get("count searches failed", [])
                     if f not in failures] + failures

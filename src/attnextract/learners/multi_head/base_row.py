@@ -600,6 +600,8 @@ class BaseRowStage:
             if np.isfinite(base_quality(steps, self.half_window)):
                 shown.append((count, k * u, steps, self.count_q0, "a base row of the count "
                               "search"))
+        if shown:
+            self.details["steps shown after a failed design"] = max(r[0] for r in shown)
         shown = [r for r in shown if r[0] <= bound and self.reopen_room(
             r[0], crowded=self.crowded(r[2]))]
         if not shown:
