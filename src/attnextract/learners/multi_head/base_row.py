@@ -57,7 +57,8 @@ from scipy.optimize import linear_sum_assignment
 from ...errors import ModelMismatchError, RecoveryFailedError
 from ...report import verification_count
 from . import design, fit, labels
-from .budget import _Redesign, _scan_size, column_samples, perturbation_samples
+from .budget import (_Redesign, _budget_left, _scan_size, column_samples,
+                     perturbation_samples)
 from .constants import (BASE_CANDIDATES, BASE_ERROR_CORRECTED, BASE_QUALITY,
                         BELOW_TOLD_VOTES, MAX_HEADS, COLUMN_NUDGE, COLUMN_SPREAD, COUNT_EXTRA_SCANS, COUNT_MARGIN, CROWDED_GAP,
                         DESIGNED_SCANS, MORE_STEPS_VOTES, NOISE_FACTOR, PERTURBATION_MAX_MOVE,
@@ -562,21 +563,27 @@ class BaseRowStage:
         estimate fits worse than ``heads`` steps predict): the count is reopened when a
         measurement shows more steps, else 0 (the caller retries or refuses as before).
 
-        Evidence, in order: (1) a row of the count search (:meth:`base_row`, kept at no
-        query) whose fewest steps that reach the noise exceed ``heads`` (within the
-        window; the agreement rule let two rows that hid the same head outvote it:
-        torch nn.MultiheadAttention(8, 8) trial 9 read [7, 6, 6] and settled on 6);
-        (2) the main rows that missed the noise (``exc.rows``), rescanned on a uniform
-        grid of the base window that decides counts up to ``heads`` + 1 + COUNT_MARGIN
-        (a designed row spreads the known steps, so a hidden head's step stands apart
-        there: float32 nn.MultiheadAttention(8, 4), rows of 3 steps, 4.4e3 times the
-        noise), the fewest steps reaching the noise read as :meth:`base_row` reads them
-        (:func:`_fewest_steps`). A row showing k > ``heads`` steps becomes the base row
-        and the run continues under k's paper-2 count (``max_heads`` = k: a later
-        failure may reopen it again, up to min(d, MAX_HEADS)), when that count and the
-        budget leave room for a design of k steps (:meth:`reopen_room`). A row fitting
-        ``heads`` steps is no evidence: the count stays (a box of H heads is never
-        designed with more than the steps a row of it shows)."""
+        Evidence, in order (each when the one before shows nothing):
+        (1) the columns of the base row that missed the noise (:meth:`more_steps` keeps
+        them, no query): a column design spreads the known steps, so a hidden head's
+        step stands apart there (torch nn.MultiheadAttention(8, 8) in float64, trial 9:
+        the base rows read [7, 6, 6] and agreed on 6, three steps lying within 0.07; a
+        missed column fitted 8 steps to the noise);
+        (2) the rows that missed (``exc.rows``, else the design's base row), rescanned
+        up to a uniform base grid deciding counts up to ``heads`` + 1 + COUNT_MARGIN
+        (:meth:`rescan_rows`; float32 nn.MultiheadAttention(8, 4), main rows of 3 steps
+        at 160 to 3.3e4 times the noise fitted 4 steps at 1.2 to 9 times);
+        (3) a row of the count search (:meth:`base_row`, no query) that showed more
+        steps than the rows that agreed.
+        A row shows more steps when its fewest steps reaching the noise exceed ``heads``
+        (read as :meth:`base_row` reads a row, :func:`_fewest_steps`,
+        :meth:`more_steps_shown`). It becomes the base row and the run continues under
+        that count's paper-2 count (``max_heads`` := the count: a later failure may
+        reopen it again, up to min(d, MAX_HEADS)), when that count and the budget leave
+        room for a design of it (:meth:`reopen_room`). No row showing more steps is no
+        evidence: the count stays (a box of H heads is never designed with more steps
+        than a row of it shows), the window is restored and the caller retries or
+        refuses as before."""
         bound = min(self.d, MAX_HEADS)
         if (self.heads_told or heads >= bound or not getattr(exc, "low_count", False)
                 or not hasattr(self, "count_rows")):
@@ -627,7 +634,6 @@ class BaseRowStage:
         """Whether ``scans`` queries more and a design of ``count`` steps (the designed
         column, the perturbations, the main rows with the fewest columns) and the
         held-out verification fit in paper 2's count for ``count`` and the budget."""
-        from .budget import _budget_left
         need = (scans + self.perturbation_cost(count) - (0 if crowded else self.column_cost(count))
                 + self.main_cost(count, self.least_columns())
                 + verification_count(self.parameters(count)))
