@@ -103,6 +103,8 @@ class NoiseModel:
     relative_tolerance: float = 0.0
     kind: str = "bounded"
     forward: bool = False     # rounding of a whole forward pass (see extract_low_precision)
+    # forward passes: unit roundoff of the sums over the sequence (ACCUMULATION_UNIT)
+    accumulation: float = 0.0
     # a ScaledOutputs view the answers come through: ``tolerance`` is in the black box's
     # units, the answers bound() sees in the view's (divided by its factor 2^k)
     unit: object = field(default=None, compare=False, repr=False)
@@ -166,6 +168,16 @@ def random_orthogonal_fixing_ones(d: int, rng: np.random.Generator) -> np.ndarra
 # relative to the output scale are ~2e-6 float32, ~3e-2 bfloat16, ~5e-3 float16). The
 # error bars do not use them: they come from the spread of the repeats.
 FORWARD_RHO = {"float32": 64 * 2.0 ** -24, "bfloat16": 2 * 2.0 ** -8, "float16": 4 * 2.0 ** -11}
+# The two sums over the N tokens of a sequence (the softmax's normaliser and the
+# attention-weighted sum of the values) round once per token: a long sequence's answer
+# is off by up to gamma_{N-1} = (N - 1) u times the magnitudes summed (first order, for
+# any summation order; Higham, "Accuracy and Stability of Numerical Algorithms", 4.2),
+# which no per-answer level states: float32 answers to 4096 repeated tokens are off by
+# up to 1.0e-4 relative (benchmarks/results/single32_summary.md). u is the unit roundoff of
+# the accumulator: float32 for bfloat16 and float16 forward passes too (torch accumulates
+# their reductions in float32; a box that accumulates in bfloat16 is off by up to N 2^-8
+# and is not described by output_dtype). Used by the held-out allowance only.
+ACCUMULATION_UNIT = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -24, "float16": 2.0 ** -24}
 LOW_PRECISION_REPEATS = 4
 
 
@@ -201,7 +213,8 @@ def extract_low_precision(oracle: Oracle, *, output_dtype: str | None = None,
     if output_dtype is not None:
         if output_dtype not in FORWARD_RHO:
             raise InputError(f"output_dtype must be one of {sorted(FORWARD_RHO)}, got {output_dtype!r}")
-        noise = NoiseModel(0.0, FORWARD_RHO[output_dtype], "random", forward=True)
+        noise = NoiseModel(0.0, FORWARD_RHO[output_dtype], "random", forward=True,
+                           accumulation=ACCUMULATION_UNIT[output_dtype])
     else:
         if not isinstance(decimals, (int, np.integer)) or decimals < 0:
             raise InputError(f"decimals must be an integer >= 0, got {decimals!r}")
@@ -802,6 +815,13 @@ def output_gradient_norms(model: SingleHeadAttention, X: np.ndarray):
     return f, grad_W, safe_norm(grad_v, axis=1)
 
 
+def summed_magnitudes(model: SingleHeadAttention, X: np.ndarray) -> np.ndarray:
+    """sum_i alpha_i |v^T x_i| of the model at a batch X (B, N, d), (B,): the size of the
+    terms the attention-weighted sum of the values adds up, per unit of the weights."""
+    scores = np.einsum("bnd,bd->bn", X, X[:, -1, :] @ model.W.T)
+    return np.einsum("bn,bn->b", softmax(scores), np.abs(X @ model.v))
+
+
 def sampled_spread(model: SingleHeadAttention, sequences, W_bar, v_bar, rng,
                    samples: int = SPREAD_SAMPLES) -> np.ndarray:
     """Largest |f_model' - f_model| over models W + dW, v + dv with random directions of
@@ -829,8 +849,12 @@ def verify_noisy(oracle, model, noise: NoiseModel, W_bar, v_bar, *, count, seed,
     sequences, count = held.sequences, len(held.sequences)
     observed = oracle.query_ragged(sequences)
     predicted, gW, gv = np.empty(count), np.empty(count), np.empty(count)
+    summed, length = np.zeros(count), np.zeros(count)
     for idx, batch in by_length(sequences):
         predicted[idx], gW[idx], gv[idx] = output_gradient_norms(model, batch)
+        length[idx] = batch.shape[1]
+        if noise.accumulation:
+            summed[idx] = summed_magnitudes(model, batch)
     norms = token_norms(sequences)
     ref = np.array([f != "hull" for f in held.family])
     rel = scaled_relative_errors(predicted, observed, norms, ref)
@@ -843,6 +867,11 @@ def verify_noisy(oracle, model, noise: NoiseModel, W_bar, v_bar, *, count, seed,
         # perturbation rho of W and v seen through the output's gradients
         bound = sigmas * (noise.bound(denom) + noise.relative_tolerance * (
             gW * safe_norm(model.W) + gv * safe_norm(model.v)))
+        # plus the rounding of the two sums over the N tokens (ACCUMULATION_UNIT), a
+        # worst-case bound, not times sigmas: (N - 1) u times the magnitudes summed, the
+        # values' sum_i alpha_i |v^T x_i| and, for the normaliser and for the parts each
+        # value is a sum of (of the output's scale s K), denom
+        bound = bound + noise.accumulation * (length - 1) * (summed + denom)
     else:
         bound = sigmas * noise.bound(observed)
     model_part = gW * W_bar + gv * v_bar
@@ -878,8 +907,9 @@ def _finish(oracle, model, noise, W_bar, v_bar, n_verify, seed, verify_tolerance
                                 nonlinear=True)
     details["verification bound"] = (
         f"max |f_hat - y| / allowed = {verification.worst_ratio:.3g} (passes at <= 1; allowed = "
-        f"noise bound{' x 5' if noise.kind == 'random' else ''} + {MODEL_SLACK} x output "
-        f"gradient . error bars)")
+        f"noise bound{' x 5' if noise.kind == 'random' else ''}"
+        f"{' + (N - 1) u (sums over the N tokens)' if noise.accumulation else ''} + "
+        f"{MODEL_SLACK} x output gradient . error bars)")
     report = Report(kind=SingleHeadAttention.kind, dim=d, queries=oracle.queries - start_queries,
                     breakdown=breakdown, floor=d * d + d, verification=verification,
                     seconds=time.perf_counter() - start,
