@@ -29,10 +29,14 @@ class _Redesign(Exception):
     """A design failed (a fit that misses the noise, an error bar too large, a held-out
     mismatch): draw another while the count allows, else refuse with ``kind``."""
 
-    def __init__(self, kind, message: str, model=None, bar=None, result=None):
+    def __init__(self, kind, message: str, model=None, bar=None, result=None,
+                 fitted: bool = False):
         super().__init__(message)
         self.kind, self.message, self.model, self.bar = kind, message, model, bar
         self.result = result          # already verified (a held-out mismatch)
+        # every fit reached the answers' noise (an error bar above the one accepted, a
+        # labelling of the learner's): the answers are not evidence against the class
+        self.fitted = fitted
 
 
 def paper2_count(heads: int, dim: int) -> int:
