@@ -34,7 +34,8 @@ def _measuring_run(self):
     try:
         return _run(self)
     finally:
-        if "single-token misfit" not in self.details and hasattr(self, "precision"):
+        if ("single-token misfit" not in self.details and hasattr(self, "precision")
+                and hasattr(self, "single_token_misfit")):   # (not on the code before)
             self.single_token_misfit()
         _seen.update(self.details)
 
@@ -86,9 +87,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--where", choices=("in", "out"), help="only in-class or out-of-class boxes")
     args = parser.parse_args(argv)
     rows = []
     for where, name, box, d, told, seed, options in boxes(args.quick):
+        if args.where and where != args.where:
+            continue
         _seen.clear()
         oracle = Oracle(box, d)
         start = time.process_time()
@@ -114,8 +118,8 @@ def main(argv=None):
             json.dump(rows, f, indent=1, default=float)
     inside = [r["single"] for r in rows if r["where"] == "in" and r["single"] is not None]
     outside = [r["single"] for r in rows if r["where"] == "out" and r["single"] is not None]
-    print(f"single-token misfit: in-class at most {max(inside):.1e} ({len(inside)} runs), "
-          f"out-of-class at least {min(outside):.1e} ({len(outside)} runs)")
+    print(f"single-token misfit: in-class at most {max(inside, default=0):.1e} ({len(inside)} "
+          f"runs), out-of-class at least {min(outside, default=0):.1e} ({len(outside)} runs)")
     for where in ("in", "out"):
         print(f"{where}: outcomes", {o: sum(r["outcome"] == o for r in rows if r["where"] == where)
                                     for o in sorted({r["outcome"] for r in rows})})

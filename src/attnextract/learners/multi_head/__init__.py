@@ -570,8 +570,8 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         asked): multi-head attention answers one token x with x^T v (+ c) exactly, its
         softmax over one token being 1, whatever its heads (v = sum_h v_h, measured from
         the d tokens e_i at the start). Tokens x and 3x of two random unit directions go
-        in one batch (4 queries, asked only when a refusal is due and paper 2's count
-        leaves room for them and the ``reserved`` queries still to come); ReLU or sigmoid
+        in one batch (4 queries, asked only when a refusal is due and, told H, paper 2's
+        count leaves room for them and the ``reserved`` queries still to come); ReLU or sigmoid
         attention answers them act(x^T W_h x) x^T v_h, not linear in x.
 
         The rounding of an in-class answer grows with sum_h |v_h|, which v hides when the
@@ -585,8 +585,9 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         (benchmarks/results/verdict_summary.md): in-class boxes at most 1.3e-7 (float32
         nn.MultiheadAttention), out-of-class ReLU and sigmoid attention at least 1.6e-1."""
         d = self.d
-        if self.spent() + 4 + reserved > self.count_cap(self.max_heads):
+        if self.heads_told and self.spent() + 4 + reserved > self.count_cap(self.max_heads):
             return None                      # the count is spent: not asked, not decided
+                                             # (not told, a search may pass it already)
         rng = np.random.default_rng([0 if self.seed is None else int(self.seed), 22])
         x = rng.standard_normal((2, d))
         x /= np.linalg.norm(x, axis=1, keepdims=True)
