@@ -116,3 +116,86 @@ def test_more_heads_than_d_is_not_sent_to_heads():
     with pytest.raises(ModelMismatchError, match="beyond this learner") as info:
         attnextract.extract(Oracle(_batched(W, v), 4), "multi-head", seed=1)
     assert "give heads=" not in str(info.value)
+
+
+def _outside(W, v, act="softmax", residual=False, dtype=np.float64, post=1.0):
+    """Attention with act(X W_h x_N) / N in place of the softmax (ReLU, sigmoid), or a
+    residual x_N^T r added, or a softmax forward pass in float32 (dtype) whose readout is
+    multiplied by ``post`` in float64: boxes of benchmarks/check_newuser3_boxes.py."""
+    r = np.random.default_rng(7).standard_normal(W.shape[1])
+    W, v = W.astype(dtype), v.astype(dtype)
+
+    def box(X):
+        X = X.astype(dtype)
+        out = np.zeros(len(X), dtype=dtype)
+        for W_h, v_h in zip(W, v):
+            s = np.einsum("bnd,de,be->bn", X, W_h, X[:, -1])
+            if act == "relu":
+                a = np.maximum(s, 0) / X.shape[1]
+            elif act == "sigmoid":
+                a = 1 / (1 + np.exp(-s)) / X.shape[1]
+            else:
+                a = np.exp(s - s.max(1, keepdims=True))
+                a /= a.sum(1, keepdims=True)
+            out += np.einsum("bn,bn->b", a, X @ v_h)
+        out = out.astype(np.float64) * post
+        return out + X[:, -1].astype(np.float64) @ r if residual else out
+    return box
+
+
+@pytest.mark.parametrize("act, heads, seed", [("relu", 2, 1), ("sigmoid", 2, 1),
+                                              ("relu", None, 5)])
+def test_attention_that_is_not_a_softmax_is_a_mismatch(act, heads, seed, capfd):
+    # ReLU and sigmoid attention were refused as the learner's failure ("the black box
+    # is not judged"); one token x shows it: multi-head attention answers x^T v
+    # there, these boxes act(x^T W_h x) x^T v_h. Not told, seed 5 also printed LAPACK's
+    # "On entry to DLASCL parameter number 4 had an illegal value" 6 times (a NaN step)
+    box = _outside(*_heads(2, 8, 1), act=act)
+    with pytest.raises(ModelMismatchError, match="answers to single tokens miss it") as info:
+        attnextract.extract(Oracle(box, 8), "multi-head", heads=heads, seed=seed)
+    message = str(info.value)
+    assert "not judged" not in message and "--biases" not in message
+    assert "DLASCL" not in capfd.readouterr().err
+
+
+def test_a_residual_not_told_may_be_outside_the_class():
+    # a residual x_N^T r answers single tokens linearly: the learner cannot tell it from
+    # its own failure, so the refusal stays its own and says the box may be outside
+    box = _outside(*_heads(2, 8, 1), residual=True)
+    with pytest.raises(RecoveryFailedError, match="outside the class .* may also end here") \
+            as info:
+        attnextract.extract(Oracle(box, 8), "multi-head", seed=1)
+    assert "are linear in the token" in str(info.value) and "--biases" in str(info.value)
+    assert info.value.result.report.details["single-token misfit"] < 1e-12
+
+
+def test_an_error_bar_refusal_names_no_box_and_no_biases():
+    # max_error_bar below what the fits give is the user's choice, the box is in the
+    # class: no biases hint (it ended every bias-free refusal), no "outside the class",
+    # and its single tokens fit to float64 rounding
+    with pytest.raises(RecoveryFailedError, match="max_error_bar") as info:
+        attnextract.extract(Oracle(_batched(*_heads(2, 8, 1)), 8), "multi-head", heads=2,
+                            seed=1, max_error_bar=1e-17)
+    message = str(info.value)
+    assert "--biases" not in message and "outside the class" not in message
+    assert info.value.result.report.details["single-token misfit"] < 1e-14
+
+
+def test_a_float32_pass_read_out_in_float64_is_named():
+    # float64 answers hide a float32 forward pass from detection; the base rows' misfit
+    # (relative 1e-6, a float32 pass's) names --output-dtype float32, and stated, it runs
+    W, v = _heads(2, 8, 3)
+    box = _outside(W, v, dtype=np.float32, post=1 + 1e-7)
+    with pytest.raises(ModelMismatchError, match="--output-dtype float32") as info:
+        attnextract.extract(Oracle(box, 8), "multi-head", heads=2, seed=1)
+    assert 1e-8 <= info.value.result.report.details["base rows' relative misfit"] <= 1e-5
+    result = attnextract.extract(Oracle(box, 8), "multi-head", heads=2, seed=1,
+                                 output_dtype="float32")
+    assert canonical_error(result.model, (W, v)) <= result.report.details["error bar"]
+    # a float64 box whose rows miss by far less than a float32 pass (a residual, 7e-5 of
+    # its noise) gets no such hint
+    with pytest.raises(ModelMismatchError) as info:
+        attnextract.extract(Oracle(_outside(*_heads(2, 8, 1), residual=True), 8),
+                            "multi-head", heads=2, seed=1)
+    assert info.value.result.report.details["base rows' misfit in float32 noise"] < 1e-3
+    assert "--output-dtype" not in str(info.value)

@@ -40,6 +40,11 @@ log = logging.getLogger(__name__)
 BIASES_HINT = ("a black box with query, value or output biases (as deployed layers have, "
                "e.g. f([0]) != 0) is outside the bias-free class: extract with --biases "
                "(API: biases=True)")
+# ... when the box answered one zero token with 0 (no value or output bias)
+QUERY_BIASES_HINT = ("the black box answers 0 for one zero token, so it adds no constant "
+                     "(no value or output bias), but query biases alone (as deployed layers "
+                     "have) also put a box outside the bias-free class: extract with "
+                     "--biases (API: biases=True)")
 
 # learners that detect float16/float32 answers but not rounding to K decimals: their
 # refusals of answers that are all multiples of 10^-K name --decimals K first
@@ -275,7 +280,14 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
                     f"and is outside the bias-free class: extract with --biases (API: "
                     f"biases=True); the bias-free learner had stopped at: {exc.args[0]}",
                     result=getattr(exc, "result", None)) from exc
-            exc.args = (f"{exc.args[0]}; {BIASES_HINT}",) + exc.args[1:]
+            if ((isinstance(exc, ModelMismatchError) or getattr(exc, "box_may_be_outside", False))
+                    and not getattr(exc, "biases_ruled_out", False)):
+                # f([0]) = 0 rules out a constant; a query bias is still possible where the
+                # answers are not the class's (a mismatch) or may not be (a fit failure the
+                # learner could not place); not on a refusal of the learner's own (an
+                # error bar above max_error_bar, its limit at a rounding): the answers fit
+                hint = BIASES_HINT if zero is None else QUERY_BIASES_HINT
+                exc.args = (f"{exc.args[0]}; {hint}",) + exc.args[1:]
         raise
     fingerprint = getattr(root, "check_queries", 0) - checks
     if fingerprint:

@@ -56,6 +56,7 @@ from scipy.optimize import linear_sum_assignment
 
 from ...errors import ModelMismatchError, RecoveryFailedError
 from ...report import verification_count
+from ...verification import safe_rms
 from . import design, fit, labels
 from .budget import (_Redesign, _budget_left, _scan_size, column_samples,
                      perturbation_samples)
@@ -63,8 +64,8 @@ from .constants import (BASE_CANDIDATES, BASE_ERROR_CORRECTED, BASE_QUALITY,
                         BELOW_TOLD_VOTES, MAX_HEADS, COLUMN_NUDGE, COLUMN_SPREAD, COUNT_EXTRA_SCANS, COUNT_MARGIN, CROWDED_GAP,
                         DESIGNED_SCANS, MORE_STEPS_VOTES, NOISE_FACTOR, PERTURBATION_MAX_MOVE,
                         PERTURBATION_MOVE, PERTURBATION_NOISE_MOVES, PILOT_COLUMNS,
-                        PINNED_STEPS, RANDOM_COLUMNS, SCALE_ROUNDS, UNRESOLVED_HEIGHT,
-                        WINDOW_MARGIN)
+                        DTYPE_PRECISION, F32_MISFIT, PINNED_STEPS, RANDOM_COLUMNS,
+                        SCALE_ROUNDS, UNRESOLVED_HEIGHT, WINDOW_MARGIN)
 
 
 def base_quality(steps, half_window: float) -> float:
@@ -887,6 +888,30 @@ class BaseRowStage:
                 hint = (f"; a box with more than d = {self.d} canonical heads would also "
                         f"give this, and is beyond this learner (it recovers at most d "
                         f"heads; heads= above d is refused)")
+            # the rows' misfit in units of the noise a float32 forward pass makes on
+            # them (the law :meth:`noise` applies when float32 is stated): a float32
+            # pass whose output is post-processed in float64 leaves about one (9.7e8
+            # float64 roundings, relative 1e-7 to 7e-5), hidden from detection by the
+            # float64 answers; boxes outside the class miss by far more or far less
+            f32 = DTYPE_PRECISION["float32"] / self.precision
+            misfits = [(f[2].rms / (f32 * self.noise(samples[id(f[1])][1] + self.q_0 @ self.v,
+                                                     float(np.sum(np.abs(f[2].c))))),
+                        f[2].rms / max(safe_rms(samples[id(f[1])][1] + self.q_0 @ self.v
+                                                + self.c), 1e-300))
+                       for f in found if f[2] is not None and id(f[1]) in samples]
+            if misfits:
+                in_f32, relative = min(misfits)
+                self.details["base rows' misfit in float32 noise"] = in_f32
+                self.details["base rows' relative misfit"] = relative
+                if (self.precision_name == "float64" and self.output_dtype is None
+                        and self.decimals is None
+                        and F32_MISFIT[0] <= in_f32 <= F32_MISFIT[1]):
+                    hint += (f"; the rows miss by {relative:.1e} of the answers, "
+                             f"{in_f32:.2g} times the rounding a float32 forward pass makes "
+                             f"on them: if the box computes in float32 and only its output "
+                             f"is float64 (a float32 module post-processed in float64), "
+                             f"state it with --output-dtype float32 (API: "
+                             f"output_dtype=\"float32\")")
             self.refuse(f"the black box is not multi-head attention with at most {H} heads: "
                         f"no base row fits {H} sigmoid steps (residual {rms:.1e} times the "
                         f"output precision){hint}")
@@ -900,7 +925,7 @@ class BaseRowStage:
                         f"{[f[0] for f in found]} sigmoid steps (None: more than {H} or no "
                         f"fit) and no two agree, as the rows of a box with at most {H} "
                         f"canonical heads would; if its head count is known, give heads= "
-                        f"(--heads)", RecoveryFailedError)
+                        f"(--heads)", RecoveryFailedError, judge=True)
         if heads is None:
             heads = max(counts)
             self.notes.append(f"the head count {heads} rests on one base row (the rows "

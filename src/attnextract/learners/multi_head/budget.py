@@ -30,7 +30,7 @@ class _Redesign(Exception):
     mismatch): draw another while the count allows, else refuse with ``kind``."""
 
     def __init__(self, kind, message: str, model=None, bar=None, result=None,
-                 low_count: bool = False, rows=None):
+                 low_count: bool = False, rows=None, fitted: bool = False):
         super().__init__(message)
         self.kind, self.message, self.model, self.bar = kind, message, model, bar
         self.result = result          # already verified (a held-out mismatch)
@@ -39,6 +39,9 @@ class _Redesign(Exception):
         # (:meth:`.base_row.BaseRowStage.reopen_count`); ``rows``: (u (n, d), q (d,),
         # lambdas (n, S), g (n, S)) the rows that missed and their samples, rescanned
         self.low_count, self.rows = low_count, rows
+        # every fit reached the answers' noise (an error bar above the one accepted, a
+        # labelling of the learner's): the answers are not evidence against the class
+        self.fitted = fitted
 
 
 def paper2_count(heads: int, dim: int) -> int:

@@ -27,6 +27,13 @@ BASE_QUALITY = 1e-7       # a base row whose logit error / smallest gap is below
                           # is in the right basin (a missing head misses by far more)
 SCALE_ROUNDS = 4          # base scans to bring the steps into the window
 ERROR_BAR_FACTOR = 4.0    # error bar = this times the predicted rms relative error
+SINGLE_TOKEN_MISFIT = 1e-3   # a refusal's single tokens (:meth:`single_token_misfit`) missing
+                             # x^T v by more (relative) show a box outside the class
+F32_MISFIT = (1e-3, 30.0)   # base rows missing float64 answers by this many times the noise of
+                            # a float32 pass name --output-dtype float32 (:meth:`.base_row.
+                            # BaseRowStage.base_row`): float32 nn.MultiheadAttention read out
+                            # in float64 missed by 0.0033 to 15 (32 refusals, d = 8 and 16,
+                            # H = 2 and 4; 30 = NOISE_FACTOR, what a float32 fit may leave)
 NOISE_FACTOR = 30.0       # a residual this far above the output precision is a misfit
 DEFAULT_TOLERANCE = 1e-6  # largest error bar accepted (float64 outputs; rounded: ROUNDED_TOLERANCE)
 ROUNDED_TOLERANCE = 1.6e5 # ... in units of the output rounding (9.5e-3 for float32): a float32

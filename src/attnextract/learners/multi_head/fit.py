@@ -215,6 +215,13 @@ def refit_steps(lam: np.ndarray, g: np.ndarray, total: float, t0: np.ndarray,
 
     def heights(t):
         A[:-1] = expit(t[None, :] + lam[:, None])
+        if not np.all(np.isfinite(A)):
+            # a trial point the search reached through a non-finite Jacobian (a box
+            # outside the class: ReLU attention printed "On entry to DLASCL parameter
+            # number 4 had an illegal value" 6 times): no LAPACK call on it; the
+            # non-finite residual makes the solver shrink its step, as the NaN
+            # heights LAPACK gave back did
+            return A, np.full(H, np.nan)
         return A, np.linalg.lstsq(A, target, rcond=None)[0]
 
     def projected(t):

@@ -384,7 +384,7 @@ class MainRowStage:
                 f"the samples do not pin the heads down: predicted relative parameter error "
                 f"{predicted:.1e} (error bar {bar:.1e}) exceeds the largest error bar accepted "
                 f"(max_error_bar, --max-error-bar) {self.tolerance:.0e}; smallest head "
-                f"separation {sep:.2e}, row fit condition {cond:.1e}", model, bar)
+                f"separation {sep:.2e}, row fit condition {cond:.1e}", model, bar, fitted=True)
         try:
             return self.finish(model, bar)
         except ModelMismatchError as exc:
@@ -400,7 +400,7 @@ class MainRowStage:
                 f"output precision: the main "
                 f"rows' step labels disagree with the base rows (label misfit "
                 f"{self.label_misfit:.1e}), so the learner's own labelling failed; the "
-                f"black box is not judged", model, bar, exc.result) from None
+                f"black box is not judged", model, bar, exc.result, fitted=True) from None
 
     def assemble(self, U, rows, noise_floor):
         """The heads from the row fits, W_h = U^-1 Z_h and v_h = U^-1 C_h, and their
