@@ -7,7 +7,7 @@ the error over the allowance without the length term (``current``: 5 (rho s K + 
 (sum_i alpha_i |v^T x_i| + s K), --variant 2; --variant 1 uses |f| for s K), and the
 error over the length term alone (``acc``).
 
-    PYTHONPATH=src OPENBLAS_NUM_THREADS=1 python benchmarks/single32_box_error.py --seeds 10 \
+    PYTHONPATH=src OPENBLAS_NUM_THREADS=1 python benchmarks/check_low_precision_box_error.py --seeds 10 \
         --boxes 0 1 2 3 4 5
 (benchmarks/results/single32_summary.md)
 """

@@ -6,7 +6,7 @@ seed s: extract_low_precision(Oracle(box, d), seed=s, ...); records whether it w
 refused, the held-out check's worst |f_hat - y| / allowed (``ratio``) and its family,
 the W error against the head's float64 weights and the bar ``error_bar_W``.
 
-    PYTHONPATH=src OPENBLAS_NUM_THREADS=1 python benchmarks/single32_runs.py --dim 6 \
+    PYTHONPATH=src OPENBLAS_NUM_THREADS=1 python benchmarks/check_single_head_low_precision.py --dim 6 \
         --box 3 --seeds 0-199 --out runs.json
 (benchmarks/results/single32_summary.md)
 """

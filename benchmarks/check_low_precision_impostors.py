@@ -4,7 +4,7 @@ The base is the float32 torch head (d = 6, torch seed 3); "second head" adds eps
 second float32 head (torch seed 11), "length drift" multiplies the answer by
 1 + eps log(N) / log(4096) (eps at N = 4096).
 
-    PYTHONPATH=src OPENBLAS_NUM_THREADS=1 python benchmarks/single32_impostors.py out.json
+    PYTHONPATH=src OPENBLAS_NUM_THREADS=1 python benchmarks/check_low_precision_impostors.py out.json
 (benchmarks/results/single32_summary.md)
 """
 import sys, json, numpy as np, torch
