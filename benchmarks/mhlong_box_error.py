@@ -140,6 +140,8 @@ def main():
     p.add_argument("--cells", nargs="+", default=["8x2"])
     p.add_argument("--trials", default="0-3")
     p.add_argument("--mode", default="told", choices=["told", "no-heads", "stated"])
+    p.add_argument("--decimals", type=int, default=None,
+                   help="box: the float64 truth rounded once to K decimals (stated), not float32")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     lo, hi = (int(x) for x in a.trials.split("-"))
@@ -149,14 +151,18 @@ def main():
         d, H = (int(x) for x in cell.split("x"))
         for trial in range(lo, hi + 1):
             box, truth = build(a.learner, d, H, trial, a.mode)
+            if a.decimals is not None:
+                from attnextract.oracle import RoundedOutputs
+                box = RoundedOutputs(truth, decimals=a.decimals)
             calls.clear()
             options = {}
             if a.learner == "multi-head-low-rank":
                 options = {"rank": d // H, "output_dtype": "float32"}
-            elif a.learner == "transformer-layer":
+            elif a.learner == "transformer-layer" or a.mode == "stated":
                 options = {"output_dtype": "float32"}
-            elif a.mode == "stated":
-                options = {"output_dtype": "float32"}
+            if a.decimals is not None:
+                options.pop("output_dtype", None)
+                options["decimals"] = a.decimals
             heads = None if a.mode == "no-heads" else H
             if a.learner == "transformer-layer":
                 heads = 1
@@ -170,7 +176,8 @@ def main():
                 outcome, message, worst = type(exc).__name__, str(exc)[:300], None
             for call in calls:
                 row = judge_truth(call, truth, box, d)
-                row.update(learner=a.learner, d=d, H=H, trial=trial, mode=a.mode,
+                row.update(learner=a.learner, d=d, H=H, trial=trial,
+                           mode=a.mode if a.decimals is None else f"{a.decimals} decimals",
                            outcome=outcome, message=message, run_worst=worst,
                            cpu=round(time.process_time() - cpu, 2))
                 rows.append(row)
