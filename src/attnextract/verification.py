@@ -96,6 +96,9 @@ DEFAULT_NUMBERS = 1 << 20     # ... cut to this many numbers per sequence for wi
 ORDINARY_LENGTH = 16
 HULL_FRACTION = 1e-4          # hull tolerance = this x the output tolerance
 HULL_NOISE = 30.0             # ... or this x the answers' measured noise, when larger
+# answers rounded to an absolute a (K decimals) are off by up to a; twice that is
+# allowed per sequence (:class:`_Judge`)
+ABSOLUTE_NOISE_FACTOR = 2.0
 HULL_MIN_SPREAD = 1e-2        # hull violations relative to at least this x the token norm
 SCALE_CAP = 100.0            # token scales stop at this x d^-1/4
 PEAK_SPREAD = 30.0            # model scores span about this on the "peaked" family
@@ -780,6 +783,13 @@ def _difference(predicted, observed) -> np.ndarray:
     return diff
 
 
+def error_scale(observed, norms, K: float) -> np.ndarray:
+    """max(|observed|, s K) per sequence: what a difference is relative to."""
+    observed, norms = np.asarray(observed, dtype=float), np.asarray(norms, dtype=float)
+    with np.errstate(over="ignore"):
+        return np.maximum(np.abs(observed), np.maximum(norms * K, np.finfo(float).tiny))
+
+
 def scaled_relative_errors(predicted, observed, norms, reference=None, K=None) -> np.ndarray:
     """|predicted - observed| / max(|observed|, s K) per sequence (see the module docstring).
 
@@ -790,8 +800,7 @@ def scaled_relative_errors(predicted, observed, norms, reference=None, K=None) -
     if K is None:
         K = output_scale(observed[reference] if reference is not None else observed,
                          norms[reference] if reference is not None else norms)
-    with np.errstate(over="ignore"):
-        denom = np.maximum(np.abs(observed), np.maximum(norms * K, np.finfo(float).tiny))
+    denom = error_scale(observed, norms, K)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         out = _difference(predicted, observed) / denom
         # a difference beyond the float64 range: compare halves (an error > 1 anyway)
@@ -853,23 +862,33 @@ class Check:
 
 class _Judge:
     """Errors of sequences against a fixed K, each scaled to the tolerance by its
-    allowance (tolerance + SENSITIVITY e reach) when the model has an error bar e."""
+    allowance: tolerance + SENSITIVITY e reach when the model has an error bar e, plus
+    ABSOLUTE_NOISE_FACTOR a / max(|y|, s K) for answers rounded to an absolute a (K
+    decimals: a = 10^-K / 2, which no relative level states at small tokens, where the
+    answers are small: a model exact to 1e-15 missed 6-decimal answers by 15.9 times
+    the tolerance on tokens of norm 1e-6)."""
 
-    def __init__(self, model, K: float, tolerance: float, bar: float | None):
+    def __init__(self, model, K: float, tolerance: float, bar: float | None,
+                 absolute_noise: float = 0.0):
         self.model, self.K, self.tolerance, self.bar = model, K, tolerance, bar
+        self.absolute_noise = absolute_noise
 
     def __call__(self, sequences, predicted, observed) -> np.ndarray:
         if is_biased(self.model):               # judged without the output constant c
             predicted, observed = predicted - self.model.c, observed - self.model.c
-        errors = scaled_relative_errors(predicted, observed, token_norms(sequences), K=self.K)
+        norms = token_norms(sequences)
+        errors = scaled_relative_errors(predicted, observed, norms, K=self.K)
+        allowance = self.tolerance
         if self.bar:
-            reach = score_reach(self.model, sequences)
-            errors = errors * self.tolerance / (self.tolerance + SENSITIVITY * self.bar * reach)
-        return errors
+            allowance = allowance + SENSITIVITY * self.bar * score_reach(self.model, sequences)
+        if self.absolute_noise:
+            allowance = allowance + (ABSOLUTE_NOISE_FACTOR * self.absolute_noise
+                                     / error_scale(observed, norms, self.K))
+        return errors * self.tolerance / allowance
 
 
 def run_check(oracle, model, held: HeldOutSet, *, tolerance: float = 1e-7,
-              bar: float | None = None) -> Check:
+              bar: float | None = None, absolute_noise: float = 0.0) -> Check:
     """Ask the black box every held-out sequence (one batch per length); compare."""
     from .oracle import evaluate_ragged
     with live_queries(oracle):          # the live black box, never a journal's answers
@@ -883,7 +902,7 @@ def run_check(oracle, model, held: HeldOutSet, *, tolerance: float = 1e-7,
     # and the hull intervals are unchanged by a common shift
     offset = float(model.c) if is_biased(model) else 0.0
     K = output_scale(observed[reference] - offset, norms[reference])
-    judge = _Judge(model, K, tolerance, bar)
+    judge = _Judge(model, K, tolerance, bar, absolute_noise)
     errors = judge(held.sequences, predicted, observed)
     hull = hull_violations(held, observed - offset, norms)
     family = list(held.family)
@@ -1038,7 +1057,8 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
                  scale: float | None = None, probe_length: int | None = None,
                  max_length: int | None = None, measure_v: bool = False,
                  expected_error: float | None = None, search: bool = True,
-                 tolerance_floor: float | None = None, answer_noise: float = 0.0):
+                 tolerance_floor: float | None = None, answer_noise: float = 0.0,
+                 absolute_noise: float = 0.0):
     """Compare ``model`` with the black box on ``count`` queries: the held-out sequences
     of :func:`design` over lengths 1..L and tiny to huge tokens, for a single head the
     hull pairs, the learner's own longest probes (no query), and the adversarial search
@@ -1066,6 +1086,9 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
     that floor (re-verifying a saved result: the tolerance its learner was held to).
     ``answer_noise`` (relative, measured by a learner on rounded answers) widens the hull
     check, which holds to the black box's own rounding, to HULL_NOISE times it.
+    ``absolute_noise`` a (answers rounded to K decimals: a = 10^-K / 2, in the black
+    box's units) widens each sequence's allowance by ABSOLUTE_NOISE_FACTOR a over the
+    size its error is relative to (:class:`_Judge`).
     """
     from .report import DEFAULT_VERIFY_TOLERANCE, Verification, token_scale
     tolerance = DEFAULT_VERIFY_TOLERANCE if tolerance is None else tolerance
@@ -1110,12 +1133,13 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
                               probe_length=probe_length, max_length=max_length,
                               model=model, hull_v=hull_v), oracle, replays)
     oracle.require(len(held.sequences) + len(held.replay) + searched, "held-out verification")
-    check = run_check(oracle, model, held, tolerance=tolerance, bar=bar)
+    check = run_check(oracle, model, held, tolerance=tolerance, bar=bar,
+                      absolute_noise=absolute_noise)
     norms = token_norms(held.sequences)
     reference = np.array([f != "hull" for f in held.family])
     offset = float(model.c) if is_biased(model) else 0.0      # as in run_check
     K = output_scale(check.observed[:len(held.sequences)][reference] - offset, norms[reference])
-    judge = _Judge(model, K, tolerance, bar)
+    judge = _Judge(model, K, tolerance, bar, absolute_noise)
     compare_own_probes(oracle, model, check, judge)
     adversarial_search(oracle, model, check, held, judge, searched, rng)
     asked = (len(held.sequences) + len(held.replay) + check.search_queries

@@ -791,6 +791,7 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
             scale = token_scale(model) if model.heads else 1.0
             verification = verify_model(self.oracle, model, count=n_verify, seed=self.seed,
                                         tolerance=tol, scale=scale, answer_noise=answer_noise,
+                                        absolute_noise=self.absolute_noise,
                                         # a refused model's bar is not trusted: with a
                                         # bar of 744 the check scales the error it reports
                                         # (a model wrong by 36 showed 2.7e-12)
