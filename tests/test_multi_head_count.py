@@ -289,3 +289,21 @@ def test_a_design_failing_at_the_right_count_does_not_raise_it(monkeypatch):
     assert "head count reopened" not in result.report.details
     assert result.model.heads == H
     assert canonical_error(result.model, box) <= result.report.details["error bar"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rows_that_never_agree_give_the_count_of_their_best_pinned_row(monkeypatch, seed):
+    """Not told H, base rows that never agree (d = 16, H = 8, W scale 3 gave [8, None x 5,
+    6, None, 7, None]: most rows' steps beyond the window) were refused; a row within the
+    window whose steps are pinned to PINNED_STEPS of their gap shows no more steps than
+    the box has heads, so the largest such row gives the count. Here no two rows may
+    agree (by construction): the run is recovered at H, never above it."""
+    from attnextract.learners.multi_head import base_row
+    monkeypatch.setattr(base_row, "_agreed_count", lambda counts: None)
+    monkeypatch.setattr(base_row.BaseRowStage, "agreed", lambda self, found: None)
+    d, H = 8, 3
+    box = random_multi_head(H, d, seed=400 + seed)
+    result = extract_multi_head(Oracle(box, d), seed=seed)
+    assert result.model.heads == H
+    assert canonical_error(result.model, box) <= result.report.details["error bar"] <= 1e-6
+    assert any("no two base rows agreed" in note for note in result.report.notes)

@@ -921,6 +921,22 @@ class BaseRowStage:
             # H = 5: four rows of 5 with a fitted step beyond the margin, none inside)
             heads = _agreed_count([c for c in self.votes(found, window=False) if c is not None])
         if heads is None and not self.heads_told:
+            # a row within the window whose every step is pinned to PINNED_STEPS of its
+            # smallest gap has as many heads as steps at least (the rule below, for
+            # coarse answers), so the largest such row is the count; a design that then
+            # fails reopens it when a scan shows more (:meth:`reopen_count`). d = 16,
+            # H = 8, W scale 3: ten rows gave [8, None x 5, 6, None, 7, None] (steps
+            # beyond the window), the row of 8 pinned to 1.8e-4 of its gaps, and the box
+            # was refused; told 8, that row alone gives 2.5e-15
+            pinned = [f[0] for f in found if f[0] and self.in_window(f)
+                      and base_quality(f[2], self.half_window) <= PINNED_STEPS]
+            if pinned:
+                heads = max(pinned)
+                self.notes.append(f"no two base rows agreed on a head count (they gave "
+                                  f"{[f[0] for f in found]}); the count {heads} rests on "
+                                  f"the row of most steps, pinned to {PINNED_STEPS:g} of "
+                                  f"their smallest gap")
+        if heads is None and not self.heads_told:
             self.refuse(f"the head count could not be found: {len(found)} base rows gave "
                         f"{[f[0] for f in found]} sigmoid steps (None: more than {H} or no "
                         f"fit) and no two agree, as the rows of a box with at most {H} "
