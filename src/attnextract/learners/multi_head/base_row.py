@@ -586,7 +586,7 @@ class BaseRowStage:
         than a row of it shows), the window is restored and the caller retries or
         refuses as before."""
         bound = min(self.d, MAX_HEADS)
-        if (self.heads_told or heads >= bound or not getattr(exc, "low_count", False)
+        if (self.heads_told or heads >= bound or not exc.low_count
                 or not hasattr(self, "count_rows")):
             return 0
         # the rows that missed (else the design's base row, whose known steps its
@@ -849,9 +849,8 @@ class BaseRowStage:
             if (not self.heads_told and len(found) >= MORE_STEPS_VOTES
                     and all(f[0] is None for f in found)):
                 break         # rows agree that no count up to H fits: more heads, or no box
-            if self.scans_left <= 0 and self.coarse_extra_scans > 0 and not any(
-                    f[0] == H and self.in_window(f)
-                    and base_quality(f[2], self.half_window) <= PINNED_STEPS for f in found):
+            if (self.scans_left <= 0 and self.coarse_extra_scans > 0
+                    and H not in self.pinned_counts(found)):
                 self.scans_left, self.coarse_extra_scans = self.coarse_extra_scans, 0
             if (not self.heads_told and agreed is not None
                     and self.scans_made >= self.base_scans(agreed, self.short_share())):
@@ -928,8 +927,7 @@ class BaseRowStage:
             # H = 8, W scale 3: ten rows gave [8, None x 5, 6, None, 7, None] (steps
             # beyond the window), the row of 8 pinned to 1.8e-4 of its gaps, and the box
             # was refused; told 8, that row alone gives 2.5e-15
-            pinned = [f[0] for f in found if f[0] and self.in_window(f)
-                      and base_quality(f[2], self.half_window) <= PINNED_STEPS]
+            pinned = self.pinned_counts(found)
             if pinned:
                 heads = max(pinned)
                 self.notes.append(f"no two base rows agreed on a head count (they gave "
@@ -969,8 +967,7 @@ class BaseRowStage:
             # rounding, two close steps merge), so a row whose every step is pinned to
             # a fraction of its smallest gap proves its count, agreed or not (float32
             # nn.MultiheadAttention, d = 16, H = 4: rows of 3, 3, 3 and one of 4 steps)
-            pinned = [f[0] for f in found if f[0] and self.in_window(f)
-                      and base_quality(f[2], self.half_window) <= PINNED_STEPS]
+            pinned = self.pinned_counts(found)
             if pinned and max(pinned) > heads:
                 self.notes.append(f"the head count {max(pinned)} rests on a base row whose "
                                   f"steps are pinned (the rows scanned gave "
@@ -1022,6 +1019,13 @@ class BaseRowStage:
         counts = [c for c in self.votes(found, window=False) if c is not None]
         shared = [c for c in set(counts) if counts.count(c) >= 2 and c in inside]
         return max(shared) if shared else None
+
+    def pinned_counts(self, found) -> list:
+        """The counts of the base rows within the window whose every step is pinned to
+        PINNED_STEPS of their smallest gap: each shows no more steps than the box has
+        heads, so each is a lower bound on the count."""
+        return [f[0] for f in found if f[0] and self.in_window(f)
+                and base_quality(f[2], self.half_window) <= PINNED_STEPS]
 
     def pinned_enough(self, found, agreed: int) -> bool:
         """Whether a base row of the agreed count is pinned well enough to end the base
