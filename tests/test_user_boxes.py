@@ -53,7 +53,10 @@ def test_boxes_outside_the_class_are_refused_with_typed_errors():
     W, v = ub.draw_heads(4, 2, seed=1)
     X = _probes(4)
     with pytest.raises(MalformedOutputError, match="2 numbers .* for one sequence"):
-        Oracle(ub.outside_box("two numbers", W, v), 4).query(X)
+        Oracle(ub.outside_box("two numbers", W, v), 4, outputs="scalar").query(X)
+    # not stated: two numbers per sequence are a vector answer (m = 2), held to from then on
+    two = Oracle(ub.outside_box("two numbers", W, v), 4)
+    assert two.query(X).shape == (len(X), 2) and (two.outputs, two.out_dim) == ("last", 2)
     nan_once = Oracle(ub.outside_box("NaN once", W, v), 4)
     for _ in range(9):                    # 45 sequences answered one at a time
         nan_once.query(X)

@@ -18,6 +18,11 @@ imports another to dispatch:
   ``with_tolerance`` learner runs instead (single-head -> ``noisy``, with error bars).
 - ``sign_only=True``: the black box answers labels 1{f(X) > threshold}; the model's
   ``with_sign_only`` learner runs instead (single-head -> ``sign-only``, bisection).
+- vector answers: when the oracle's black box answers the output vector (at the last
+  position or at every position), the model's ``with_vectors`` learner runs instead
+  (single-head -> ``vector-single-head``, ...). A box of unknown kind is found out at
+  its first answer: if that is vectors, the scalar learner stops there and the vector
+  learner runs (the first batch is counted in the result's queries).
 
 The mathematics of each learner is in ``docs/algorithms.md``.
 """
@@ -31,7 +36,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .errors import InputError, ModelMismatchError, RecoveryFailedError, RefusalWithResult
+from .errors import (InputError, ModelMismatchError, RecoveryFailedError, RefusalWithResult,
+                     VectorAnswersFound)
 from .report import ExtractionResult
 
 log = logging.getLogger(__name__)
@@ -67,6 +73,8 @@ class Learner:
     description: str
     with_tolerance: str | None = None
     with_sign_only: str | None = None
+    with_vectors: str | None = None  # the learner for boxes that answer vectors
+    vectors: bool = False           # this learner reads vector answers
     hidden: bool = False            # a variant reached through tolerance= / sign_only=
     _function: Callable | None = field(default=None, repr=False)
 
@@ -115,9 +123,24 @@ def get_learner(name: str) -> Learner:
     raise InputError(f"unknown model {name!r}{hint} (known: {', '.join(learner_names())})")
 
 
-def resolve(model: str = "single-head", *, tolerance=None, sign_only: bool = False) -> Learner:
-    """The learner that runs for ``model`` given the kind of outputs (noisy, labels)."""
+def resolve(model: str = "single-head", *, tolerance=None, sign_only: bool = False,
+            outputs: str | None = None) -> Learner:
+    """The learner that runs for ``model`` given the kind of outputs (noisy, labels,
+    vectors: ``outputs`` "last" or "all", see :class:`attnextract.oracle.Oracle`)."""
     entry = get_learner(model)
+    if outputs in ("last", "all") and not entry.vectors:
+        if sign_only:
+            raise InputError("sign-only answers are labels, one per sequence; this black box "
+                             "answers vectors")
+        if entry.with_vectors is None:
+            raise InputError(f"the black box answers vectors ({outputs} position"
+                             f"{'s' if outputs == 'all' else ''}); {model!r} reads one number "
+                             f"per sequence. Vector learners: "
+                             f"{', '.join(n for n in learner_names() if LEARNERS[n].vectors)}")
+        return get_learner(entry.with_vectors)
+    if outputs in ("scalar",) and entry.vectors:
+        raise InputError(f"{model!r} reads vector answers; this black box answers one number "
+                         f"per sequence (use {_scalar_twin(model) or 'a scalar learner'})")
     if sign_only:
         if tolerance is not None:
             raise InputError("sign-only answers are labels: tolerance does not apply")
@@ -131,6 +154,21 @@ def resolve(model: str = "single-head", *, tolerance=None, sign_only: bool = Fal
                              f"not {model!r}")
         return get_learner(entry.with_tolerance)
     return entry
+
+
+def _scalar_twin(name: str) -> str | None:
+    """The scalar learner whose vector twin ``name`` is."""
+    return next((repr(n) for n, e in LEARNERS.items() if e.with_vectors == name), None)
+
+
+def _vector_tolerance(entry: Learner, tolerance, options: dict):
+    """Vector learners take ``tolerance`` as their own option (noisy vector answers);
+    returns what is left for the scalar dispatch (None)."""
+    if tolerance is not None:
+        if "tolerance" not in entry.options:
+            raise InputError(f"tolerance does not apply to {entry.name!r}")
+        options["tolerance"] = tolerance
+    return None
 
 
 def _supporting(attribute: str) -> str:
@@ -209,7 +247,12 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
     ExtractionResult
         With ``options`` recording the model and the options used (saved with it).
     """
-    entry = resolve(model, tolerance=tolerance, sign_only=sign_only)
+    from .verification import root_oracle
+    root = root_oracle(oracle)
+    entry = resolve(model, tolerance=tolerance, sign_only=sign_only,
+                    outputs=getattr(root, "outputs", None))
+    if entry.vectors:
+        tolerance = _vector_tolerance(entry, tolerance, options)
     accepted = entry.options
     if tolerance is not None:
         options["tolerance"] = tolerance
@@ -226,15 +269,31 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
     log.info("extracting %s (learner %s) at d = %d with %s", model, entry.name, oracle.dim,
              {k: v for k, v in options.items() if k != "fit_progress"} or "default options")
     # a journal's fingerprint queries are the box's answers too: counted in the result
-    from .verification import root_oracle
-    root = root_oracle(oracle)
     checks = getattr(root, "check_queries", 0)
     if "output_dtype" in accepted:         # bad values, or both: refused before any query
         from .precision import check_precision_options
         check_precision_options(options.get("output_dtype"), options.get("decimals"))
     sent = getattr(root, "queries", 0)
+    spent = 0                   # queries of a scalar learner before vectors were found
     try:
-        result = entry.function(oracle, seed=seed, **options)
+        if getattr(root, "outputs", "") is None and entry.with_vectors and not sign_only:
+            root.detect_vectors = True
+        try:
+            result = entry.function(oracle, seed=seed, **options)
+        except VectorAnswersFound:
+            root.detect_vectors = False
+            spent = root.queries - sent
+            vector = get_learner(entry.with_vectors)
+            log.info("the black box answers vectors: %s runs instead of %s (%d queries spent "
+                     "finding out)", vector.name, entry.name, spent)
+            options = {k: v for k, v in options.items() if k in vector.options
+                       or k == "verify_tolerance"}
+            entry = vector
+            sent = root.queries
+            result = entry.function(oracle, seed=seed, **options)
+        finally:
+            if hasattr(root, "detect_vectors"):
+                root.detect_vectors = False
     except RefusalWithResult as exc:
         if getattr(root, "queries", 0) == sent:
             # refused before any query (a limit of the learner's, such as heads > d): the
@@ -289,6 +348,14 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
                 hint = BIASES_HINT if zero is None else QUERY_BIASES_HINT
                 exc.args = (f"{exc.args[0]}; {hint}",) + exc.args[1:]
         raise
+    if spent:
+        result.queries += spent
+        result.report.queries += spent
+        result.report.breakdown["answers found to be vectors"] = spent
+        result.report.notes.append(
+            f"{spent} queries were spent before the answers were found to be vectors; "
+            f"state the kind of answers (--outputs last|all, API: Oracle(..., outputs=...)) "
+            f"to save them")
     fingerprint = getattr(root, "check_queries", 0) - checks
     if fingerprint:
         result.queries += fingerprint
