@@ -348,6 +348,11 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
                 hint = BIASES_HINT if zero is None else QUERY_BIASES_HINT
                 exc.args = (f"{exc.args[0]}; {hint}",) + exc.args[1:]
         raise
+    numbers, tokens = getattr(root, "numbers", None), getattr(root, "tokens", None)
+    if numbers is not None and getattr(root, "outputs", None) not in (None, "scalar"):
+        # vector answers: the cost in the three units (sequences, numbers, tokens)
+        result.report.details.setdefault("numbers received", int(numbers))
+        result.report.details.setdefault("tokens sent", int(tokens))
     if spent:
         result.queries += spent
         result.report.queries += spent
@@ -371,11 +376,13 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
 _L = "attnextract.learners."
 register("single-head", _L + "single_head:extract_single_head",
          "one attention head, W (d, d) and v (d,), exactly at d^2 + d queries",
-         with_tolerance="noisy", with_sign_only="sign-only")
+         with_tolerance="noisy", with_sign_only="sign-only", with_vectors="vector-single-head")
 register("low-rank", _L + "low_rank:extract_low_rank",
-         "one head whose W has rank r << d, at d + r(2d - r) queries (or paper 1's ROP)")
+         "one head whose W has rank r << d, at d + r(2d - r) queries (or paper 1's ROP)",
+         with_vectors="vector-single-head")
 register("multi-head", _L + "multi_head:extract_multi_head",
-         "H heads summed, recovered up to the canonical form (copy-count probes)")
+         "H heads summed, recovered up to the canonical form (copy-count probes)",
+         with_vectors="vector-multi-head")
 register("relu-network", _L + "relu_network:extract_relu_network",
          "a one-hidden-layer ReLU network on single tokens")
 register("one-layer", _L + "one_layer:extract_one_layer",
@@ -384,17 +391,20 @@ register("one-layer-residual", _L + "residual:extract_one_layer_residual",
          "a one-layer Transformer with a residual connection")
 register("multi-head-low-rank", _L + "multi_head_low_rank:extract_multi_head_low_rank",
          "H low-rank heads summed, like a real layer (H r <= d), at about the floor "
-         "H(d + r(2d - r))")
+         "H(d + r(2d - r))", with_vectors="vector-layer")
 register("transformer-layer", _L + "transformer_layer:extract_transformer_layer",
          "multi-head attention then a ReLU feed-forward network, biases detected "
          "(optionally residual)")
 register("pre-ln", _L + "pre_layer_norm:extract_pre_layer_norm",
          "a pre-LayerNorm attention block (GPT-2 style) on the sphere where LayerNorm is "
-         "affine: one head at d^2 + d - 1 queries, or H heads (heads=H)")
+         "affine: one head at d^2 + d - 1 queries, or H heads (heads=H)",
+         with_vectors="vector-pre-ln")
 register("noisy", _L + "noisy:extract_noisy",
-         "one head from outputs accurate to +-tolerance, with error bars", hidden=True)
+         "one head from outputs accurate to +-tolerance, with error bars", hidden=True,
+         with_vectors="vector-single-head")
 register("sign-only", _L + "sign_only:extract_sign_only",
          "one head from labels 1{f(X) > threshold}, by bisection", hidden=True)
 register("low-precision", _L + "noisy:extract_low_precision",
          "one head from a forward pass in float32/bfloat16/float16 or outputs rounded to "
-         "k decimals, error bars from repeated dithered probes", hidden=True)
+         "k decimals, error bars from repeated dithered probes", hidden=True,
+         with_vectors="vector-single-head")
