@@ -459,11 +459,14 @@ class Oracle:
                 self.outputs, self.out_dim, self.per_sequence = kind, m, True
                 log.info("the black box answers one sequence (N, d) with %s: it is asked one "
                          "sequence at a time", OUTPUT_MEANINGS[kind])
+                out = validate_answers(_stacked([first]), 1, X.shape[1], kind, m)
+                if len(X) > 1:
+                    out = np.concatenate([out, self._ask_each(X[1:])])
                 if self.detect_vectors:
+                    self.numbers += out.size          # received, though no learner reads them
                     raise VectorAnswersFound(f"the black box answers {OUTPUT_MEANINGS[kind]} "
                                              f"(m = {m})", spent=len(X))
-                rest = [self.black_box(x.copy()) for x in X[1:]] if len(X) > 1 else []
-                return validate_answers(_stacked([first] + rest), len(X), X.shape[1], kind, m)
+                return out
         if single is not None and single.size > 1 and single.dtype.kind in "biuf":
             # answers, but several for one sequence: say that first, the batch's failure after
             own = " ".join(str(failure).split())
@@ -566,6 +569,7 @@ class Oracle:
             if kind != "scalar":
                 log.info("the black box answers %s (m = %d)", OUTPUT_MEANINGS[kind], m)
                 if self.detect_vectors:
+                    self.numbers += out.size          # received, though no learner reads them
                     raise VectorAnswersFound(f"the black box answers {OUTPUT_MEANINGS[kind]} "
                                              f"(m = {m})", spent=B)
         return out

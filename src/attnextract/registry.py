@@ -273,7 +273,7 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
     if "output_dtype" in accepted:         # bad values, or both: refused before any query
         from .precision import check_precision_options
         check_precision_options(options.get("output_dtype"), options.get("decimals"))
-    sent = getattr(root, "queries", 0)
+    sent = first_sent = getattr(root, "queries", 0)
     spent = 0                   # queries of a scalar learner before vectors were found
     try:
         if getattr(root, "outputs", "") is None and entry.with_vectors and not sign_only:
@@ -354,8 +354,10 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
         result.report.details.setdefault("numbers received", int(numbers))
         result.report.details.setdefault("tokens sent", int(tokens))
     if spent:
-        result.queries += spent
-        result.report.queries += spent
+        if result.queries + spent <= root.queries - first_sent:
+            # a learner counting its own queries only: the first batch is spent too
+            result.queries += spent
+            result.report.queries += spent
         result.report.breakdown["answers found to be vectors"] = spent
         result.report.notes.append(
             f"{spent} queries were spent before the answers were found to be vectors; "
