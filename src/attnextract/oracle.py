@@ -951,7 +951,8 @@ class OutputWrapper:
         self.calls = 0
 
     def clean(self, X: np.ndarray) -> np.ndarray:
-        """The wrapped black box's exact outputs, float64 (B,)."""
+        """The wrapped black box's exact outputs, float64 (B,) (or (B, m), (B, N, m) for a
+        box that answers vectors: every number is treated alike)."""
         X = np.asarray(X, dtype=np.float64)
         single = X.ndim == 2
         return np.atleast_1d(np.asarray(self.black_box(X[None] if single else X), dtype=np.float64))
@@ -962,7 +963,9 @@ class OutputWrapper:
         batch = X[None] if single else X
         out = self.transform(batch, self.clean(batch))
         self.calls += 1
-        return float(out[0]) if single else out
+        if single:
+            return float(out[0]) if out.ndim == 1 else out[0]
+        return out
 
     def transform(self, X: np.ndarray, clean: np.ndarray) -> np.ndarray:
         """Post-process the clean outputs (B,); the base class answers them unchanged."""
@@ -1004,15 +1007,16 @@ class BoundedNoise(OutputWrapper):
     def transform(self, X, clean):
         B, tau = clean.shape[0], self.tolerance
         if self.pattern == "uniform":
-            eta = self.rng.uniform(-tau, tau, size=B)
+            eta = self.rng.uniform(-tau, tau, size=clean.shape)
         elif self.pattern == "sign":
-            eta = tau * self.rng.choice([-1.0, 1.0], size=B)
+            eta = tau * self.rng.choice([-1.0, 1.0], size=clean.shape)
         elif self.pattern == "plus":
-            eta = np.full(B, tau)
+            eta = np.full(clean.shape, tau)
         elif self.pattern == "minus":
-            eta = np.full(B, -tau)
+            eta = np.full(clean.shape, -tau)
         elif self.pattern == "alternating":
             eta = tau * (1.0 - 2.0 * ((self.sent + np.arange(B)) % 2))
+            eta = eta.reshape((B,) + (1,) * (clean.ndim - 1)) * np.ones(clean.shape)
         else:  # outward
             eta = tau * np.where(clean >= 0.0, 1.0, -1.0)
         self.sent += B
@@ -1062,7 +1066,7 @@ class GaussianNoise(OutputWrapper):
         self.rng = np.random.default_rng(seed)
 
     def transform(self, X, clean):
-        return clean + self.std * self.rng.standard_normal(clean.shape[0])
+        return clean + self.std * self.rng.standard_normal(clean.shape)
 
 
 class RoundedOutputs(OutputWrapper):
