@@ -422,3 +422,100 @@ def test_journal_resume_after_sigkill_is_bit_identical(tmp_path):
     assert int(resumed[1]) == int(clean[1]) - kept   # journaled answers were not asked again
 
 
+
+
+# -- the command line ------------------------------------------------------------------
+
+def save_secret(path, model):
+    np.savez(path, **model.parameters(), kind=np.str_(model.kind))
+    return str(path)
+
+
+@pytest.fixture
+def boxes(tmp_path, monkeypatch):
+    """boxes.py: a causal every-position model, its bidirectional twin, its last position;
+    secret.npz: the model saved."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "boxes.py").write_text(textwrap.dedent("""
+        from attnextract.adapters.targets import random_vector_attention
+        model = random_vector_attention(2, 6, 4, seed=3, positions="all", causal=True)
+        other = random_vector_attention(2, 6, 4, seed=3, positions="all", causal=False)
+        def last(X):
+            return model(X)[:, -1]
+    """))
+    from attnextract.adapters.targets import random_vector_attention
+    save_secret(tmp_path / "secret.npz",
+                random_vector_attention(2, 6, 4, seed=3, positions="all", causal=True))
+    return tmp_path
+
+
+def test_cli_verify_a_saved_vector_model(boxes, capsys):
+    from attnextract.cli import main
+    args = ["verify", "--result", "secret.npz", "--no-progress", "--seed", "0", "--count", "16",
+            "--max-length", "32"]
+    assert main(args + ["--target", "boxes.py:model"]) == 0
+    # bidirectional answers for a causal model: a mismatch (exit 1)
+    assert main(args + ["--target", "boxes.py:other"]) == 1
+    # last-position answers for an every-position model: the box's error (exit 3)
+    assert main(args + ["--target", "boxes.py:last"]) == 3
+    assert "MalformedOutputError" in capsys.readouterr().err
+
+
+def test_cli_extract_vector_flags(boxes, capsys):
+    from attnextract.cli import main
+    base = ["extract", "--target", "boxes.py:last", "--dim", "6", "--out", "r.npz",
+            "--no-journal", "--no-progress"]
+    assert main(base + ["--outputs", "scalar"]) == 3          # the box answers vectors
+    assert main(base + ["--out-dim", "3"]) == 3               # m = 4, not 3
+    assert main(base + ["--outputs", "scalar", "--out-dim", "3"]) == 2
+    assert main(base + ["--outputs", "last", "--causal"]) == 2
+    err = capsys.readouterr().err
+    assert "m = 4" in err and "--causal" in err and "contradicts" in err
+
+
+def test_cli_cost_in_three_units():
+    from attnextract.cli import _note_cost
+
+    class Report:
+        queries, floor, details = 10, 75, {}
+    oracle = Oracle(vector_model("last", m=4), D)
+    oracle.query(batches()[1])
+    report = Report()
+    _note_cost(report, oracle)
+    assert report.details["cost"] == "10 queries, 24 numbers received, 30 tokens sent"
+    assert report.details["floor in queries"].startswith("19 (75 free parameters / m = 4")
+
+
+def test_cli_twins_of_a_vector_model(capsys):
+    from attnextract.cli import main
+    for outputs in ("last", "all"):
+        assert main(["twins", "--outputs", outputs, "--seed", "2", "--count", "50",
+                     "--out-dim", "3", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert (out["heads"], out["twin_heads"], out["twin_canonical_heads"]) == (3, 5, 3)
+        assert out["canonical_error"] < 1e-12 and out["max_relative_output_difference"] < 1e-12
+        assert out["largest_O_mismatch"] > 0.1
+
+
+def test_cli_serve_a_saved_vector_model(boxes):
+    env = {**os.environ, "PYTHONPATH": SRC}
+    server = subprocess.Popen([sys.executable, "-m", "attnextract", "serve", "--secret",
+                               "secret.npz", "--port", "0", "--outputs", "last"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env, cwd=boxes)
+    try:
+        line = server.stdout.readline()
+        url = next(word for word in line.split() if word.startswith("http://"))
+        box = HttpBlackBox(url)
+        assert (box.output_kind, box.out_dim) == ("last", 4)
+        from attnextract.report import load_model
+        saved = load_model(str(boxes / "secret.npz"))
+        X = np.random.default_rng(0).standard_normal((3, 5, 6))
+        assert np.array_equal(Oracle(box, 6).query(X), saved(X)[:, -1])
+    finally:
+        server.terminate()
+        server.wait(30)
+    # --outputs on a scalar secret: bad input (exit 2)
+    save_secret(boxes / "scalar.npz", random_single_head(6, seed=0))
+    from attnextract.cli import main
+    assert main(["serve", "--secret", "scalar.npz", "--port", "0", "--outputs", "all"]) == 2
