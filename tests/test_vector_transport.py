@@ -519,3 +519,42 @@ def test_cli_serve_a_saved_vector_model(boxes):
     save_secret(boxes / "scalar.npz", random_single_head(6, seed=0))
     from attnextract.cli import main
     assert main(["serve", "--secret", "scalar.npz", "--port", "0", "--outputs", "all"]) == 2
+
+
+# -- typed errors of Python boxes, and a refusal's partial answers ----------------------
+
+def test_python_box_typed_errors_for_bad_vector_answers():
+    model = vector_model("last")
+    X = batches()[1]
+    answers = iter([model(X), model(X)[:, :2]])
+    oracle = Oracle(lambda X: next(answers), D)
+    oracle.query(X)
+    with pytest.raises(MalformedOutputError, match="m = 3"):     # m changed between calls
+        oracle.query(X)
+    for bad, error in (([["a", "b", "c"]] * 6, MalformedOutputError),        # strings
+                       ([[1.0, 2.0, 3.0]] * 5 + [[1.0, [2.0], 3.0]], MalformedOutputError),
+                       (np.where(np.arange(3) == 1, np.nan, model(X)), NonFiniteOutputError)):
+        with pytest.raises(error):
+            Oracle(lambda X, bad=bad: bad, D, outputs="last").query(X)
+
+
+def test_refused_batch_journals_the_vector_answers_it_did_get(tmp_path):
+    """A box refused mid-batch (a server's budget) hands back the answers (k, m) it got:
+    they are journaled."""
+    from attnextract.errors import BudgetExceededError
+    model = vector_model("last")
+    X = batches()[1]
+
+    def refusing(X):
+        if len(X) != 6:                            # the journal's fingerprint: answered
+            return model(X)
+        error = BudgetExceededError("budget", needed=len(X), remaining=2)
+        error.partial_outputs = model(X)[:2]
+        raise error
+    refusing.output_kind = "last"
+    path = tmp_path / "j.sqlite"
+    with QueryJournal(path) as journal, pytest.raises(BudgetExceededError) as caught:
+        Oracle(refusing, D, journal=journal).query(X)
+    assert caught.value.journaled == 2
+    entries = read_entries(path)
+    assert len(entries) == 2 and np.array_equal(entries[1][2], model(X)[1])

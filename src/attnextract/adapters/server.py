@@ -1,7 +1,7 @@
 """Serve a model as an HTTP black box: ``attnextract serve --secret FILE.npz --port P``.
 
-The black box a remote API would be: it answers one number per sequence and
-nothing else, charges what it serves exactly once, enforces its own query budget,
+The black box a remote API would be: it answers one number per sequence (or, for a
+vector model, the output vectors) and nothing else, charges what it serves exactly once, enforces its own query budget,
 keeps its books (``--state FILE.sqlite``: a restart, a crash or ``kill -9`` loses
 nothing) and survives any request a client can send. docs/serving.md is the user's
 guide; in short:
