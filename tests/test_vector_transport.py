@@ -15,6 +15,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from test_remote_adapters import FakeRay
 
 from attnextract import Oracle
 from attnextract.adapters.journal import QueryJournal, read_entries
@@ -22,12 +23,13 @@ from attnextract.adapters.remote import HttpBlackBox, JsonApiBlackBox, json_numb
 from attnextract.adapters.replicas import RayReplicas, ServedBox
 from attnextract.adapters.server import ANSWER_BYTES, make_server
 from attnextract.adapters.targets import load_target, random_single_head
-from attnextract.errors import (BlackBoxError, JournalMismatchError, MalformedOutputError,
-                                NonFiniteOutputError)
+from attnextract.errors import (
+    BlackBoxError,
+    JournalMismatchError,
+    MalformedOutputError,
+    NonFiniteOutputError,
+)
 from attnextract.models import VectorAttention
-
-from conftest import run_cli
-from test_remote_adapters import FakeRay
 
 D, M, H = 5, 3, 2
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
@@ -336,18 +338,17 @@ def test_journal_stores_and_answers_vectors(tmp_path, positions):
     # another vector model, the other kind, and a scalar box: all refused
     for other in (vector_model(positions, seed=9), vector_model(
             "all" if positions == "last" else "last"), random_single_head(D, seed=1)):
-        with QueryJournal(path) as journal:
-            with pytest.raises(JournalMismatchError):
-                Oracle(other, D, journal=journal).query(batches()[0])
+        with QueryJournal(path) as journal, pytest.raises(JournalMismatchError):
+            Oracle(other, D, journal=journal).query(batches()[0])
 
 
 def test_scalar_journal_refused_for_a_vector_box(tmp_path):
     path = tmp_path / "j.sqlite"
     with QueryJournal(path) as journal:
         Oracle(random_single_head(D, seed=1), D, journal=journal).query(batches()[0])
-    with QueryJournal(path) as journal:
-        with pytest.raises(JournalMismatchError, match="one number per sequence"):
-            Oracle(vector_model("last"), D, journal=journal).query(batches()[0])
+    with QueryJournal(path) as journal, pytest.raises(JournalMismatchError,
+                                                      match="one number per sequence"):
+        Oracle(vector_model("last"), D, journal=journal).query(batches()[0])
 
 
 def test_journal_row_shape_is_in_its_checksum(tmp_path):
