@@ -383,12 +383,16 @@ class Oracle:
         if partial is None:
             return
         try:
-            values = np.asarray(partial, dtype=np.float64).ravel()
+            values = np.asarray(partial, dtype=np.float64)
         except (TypeError, ValueError):
             return
+        if values.ndim <= 1:
+            values = values.ravel()
         if len(values) > len(keys):
             return                           # breaks the contract: trust none of it
-        received = np.flatnonzero(np.isfinite(values))
+        # a vector answer is received when every one of its numbers is
+        received = (np.flatnonzero(np.isfinite(values.reshape(len(values), -1)).all(axis=1))
+                    if values.size else np.empty(0, dtype=int))
         if len(received):
             self.journal.record([keys[i] for i in received], values[received], X[received])
             if exc.args and isinstance(exc.args[0], str):     # said in the error's one line
