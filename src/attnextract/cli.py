@@ -289,7 +289,11 @@ def _add_http_client_options(ex) -> None:
     http = ex.add_argument_group("http:// targets")
     client = _http_defaults()
     http.add_argument("--http-timeout", type=float, metavar="SECONDS",
-                      help=f"seconds per HTTP request (default: {client['timeout']:g})")
+                      help="seconds one attempt of an HTTP request may take in all: connect, "
+                           f"send and the whole answer (default: {client['timeout']:g})")
+    http.add_argument("--http-token-file", metavar="FILE",
+                      help="send the bearer token in FILE (the server's --token-file) on "
+                           "every request")
     http.add_argument("--http-retries", type=_nonnegative_int,
                       help=f"retries of timeouts and 5xx answers (default: {client['retries']})")
     http.add_argument("--http-concurrency", type=_positive_int,
@@ -550,10 +554,12 @@ def _fail(args, exc: Exception, code: int) -> int:
 def _open_target(spec: str, dim: int | None = None, args=None):
     """A black box from FILE.py:NAME, or from an HTTP endpoint http://HOST:PORT."""
     if spec.startswith(("http://", "https://")):
-        from .adapters.remote import HttpBlackBox
+        from .adapters.remote import HttpBlackBox, read_token_file
         options = {k: getattr(args, f"http_{k}")
                    for k in ("timeout", "retries", "concurrency", "transport")
                    if getattr(args, f"http_{k}", None) is not None}
+        if getattr(args, "http_token_file", None) is not None:
+            options["token"] = read_token_file(args.http_token_file)
         black_box = HttpBlackBox(spec, **options)
         if dim is not None:
             black_box.check_dim(dim)       # also fails early, typed, when unreachable
