@@ -335,6 +335,15 @@ def _serve_parser(command) -> None:
                     help="seconds a body may wait for memory before a 503")
     se.add_argument("--min-body-rate", type=float, default=256.0, metavar="KIB_PER_S",
                     help="KiB/s a body must average after its idle-timeout grace (else 408)")
+    se.add_argument("--token-file", metavar="FILE",
+                    help="bearer tokens, one a line: a query without one gets 401 and "
+                         "/health says only that it is alive (default: no tokens)")
+    se.add_argument("--max-client-connections", type=_positive_int, metavar="N",
+                    help="connections one address may hold at once, more get 503 "
+                         "(default: --max-connections / 8)")
+    se.add_argument("--max-client-rate", type=float, metavar="PER_S",
+                    help="requests a second one address may send (bursts of twice that), "
+                         "more get 503 (default: no limit)")
 
 
 def _minilm_parser(command) -> None:
@@ -947,7 +956,7 @@ def cmd_twins(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from .adapters.server import make_server
+    from .adapters.server import make_server, read_tokens
     from .adapters.replicas import load_spec
     model = load_spec(args.secret)         # FILE.npz, or FILE.py:NAME (a black box with dim)
     if args.replicas is not None:
@@ -957,6 +966,10 @@ def cmd_serve(args) -> int:
         raise InputError("--ray-address needs --replicas N")
     if min(args.slot_timeout, args.min_body_rate, args.idle_timeout) <= 0:
         raise InputError("--slot-timeout, --min-body-rate and --idle-timeout must be > 0")
+    if args.max_client_rate is not None and args.max_client_rate <= 0:
+        raise InputError("--max-client-rate must be > 0")
+    # a server bound beyond loopback without tokens logs a warning (make_server)
+    tokens = None if args.token_file is None else read_tokens(args.token_file)
     try:
         server = make_server(model, args.host, args.port, budget=args.budget,
                              round_digits=args.round_digits, verbose=args.verbose > 0,
@@ -965,7 +978,9 @@ def cmd_serve(args) -> int:
                              state=args.state, body_memory=args.body_memory << 20,
                              cache_bytes=args.cache_memory << 20,
                              slot_timeout=args.slot_timeout,
-                             min_body_rate=args.min_body_rate * 1024)
+                             min_body_rate=args.min_body_rate * 1024, tokens=tokens,
+                             max_client_connections=args.max_client_connections,
+                             max_client_rate=args.max_client_rate)
     except BaseException as exc:
         if args.replicas is not None:
             model.close()

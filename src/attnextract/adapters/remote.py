@@ -448,7 +448,11 @@ class HttpBlackBox:
 
     def check_dim(self, dim: int) -> None:
         """Raise InputError unless the server takes tokens of width ``dim``."""
-        served = self.health().get("dim")
+        health = self.health()
+        if "dim" not in health and health.get("auth") == "bearer":
+            raise BlackBoxError(f"{self.url} needs a bearer token: give the server's token "
+                                f"with --http-token-file (HttpBlackBox(..., token=...))")
+        served = health.get("dim")
         if served is not None and (not isinstance(served, int) or isinstance(served, bool)):
             raise MalformedOutputError(f"{self.url} answered /health with dim "
                                        f"{_describe(served)}, not an integer")

@@ -51,10 +51,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import io
+import ipaddress
 import json
 import logging
 import re
+import time
 import signal
 import socket
 import threading
@@ -80,6 +83,10 @@ MIN_BODY_RATE = 256 << 10        # bytes/s a body must average after its grace (
 WRITE_TIMEOUT = 30.0             # seconds a client may take to read an answer
 SLOT_TIMEOUT = 10.0              # seconds a body may wait for memory (else 503, unread)
 SHUTDOWN_GRACE = 5.0             # seconds the requests being answered get at shutdown
+LINGER_TIMEOUT = 2.0             # seconds a refused request's unread body is drained
+LINGER_BYTES = MAX_BODY_BYTES    # most bytes drained (discarded) after a refusal
+CLIENT_SHARE = 8                 # one address may hold 1/CLIENT_SHARE of the connections
+MIN_TOKEN_LENGTH = 16            # characters of a bearer token (guessing must not pay)
 MAX_HEADER_BYTES = 16 << 10
 BODY_MEMORY = 96 << 20           # bytes all bodies being answered may hold (body_cost)
 CACHE_BYTES = 32 << 20           # bytes of answers kept for their Idempotency-Keys
@@ -97,7 +104,8 @@ NPY = "application/x-npy"
 RAW = "application/octet-stream"
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
            408: "Request Timeout", 411: "Length Required", 413: "Content Too Large",
-           415: "Unsupported Media Type", 422: "Unprocessable Content",
+           401: "Unauthorized", 415: "Unsupported Media Type", 417: "Expectation Failed",
+           422: "Unprocessable Content",
            429: "Too Many Requests", 431: "Request Header Fields Too Large",
            500: "Internal Server Error", 503: "Service Unavailable",
            505: "HTTP Version Not Supported"}
@@ -751,6 +759,123 @@ class ServerState:
             self.ledger.close()
 
 
+# -- access control: tokens and per-client limits -----------------------------------
+
+def read_tokens(path) -> list[bytes]:
+    """The bearer tokens of a ``--token-file``: one a line (several let a token be
+    rotated), blank lines and ``#`` comments ignored.
+
+    Raises
+    ------
+    InputError
+        The file cannot be read, holds no token, or a token is shorter than
+        MIN_TOKEN_LENGTH or not visible ASCII (the token itself is never shown).
+    """
+    try:
+        with open(path, encoding="ascii") as f:
+            lines = f.read(1 << 20).splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"--token-file {path}: cannot read it ({type(exc).__name__})") from None
+    tokens = []
+    for number, line in enumerate(lines, 1):
+        token = line.strip()
+        if not token or token.startswith("#"):
+            continue
+        if len(token) < MIN_TOKEN_LENGTH or not all(33 <= ord(c) <= 126 for c in token):
+            raise InputError(f"--token-file {path}, line {number}: a token must be at least "
+                             f"{MIN_TOKEN_LENGTH} visible ASCII characters without spaces "
+                             f"(e.g. python3 -c 'import secrets; "
+                             f"print(secrets.token_urlsafe(32))')")
+        tokens.append(token.encode())
+    if not tokens:
+        raise InputError(f"--token-file {path} holds no token")
+    return tokens
+
+
+def token_matches(header: str | None, tokens: list[bytes]) -> bool:
+    """Whether an ``Authorization`` header carries one of ``tokens`` (``Bearer TOKEN``).
+
+    Every token is compared with :func:`hmac.compare_digest`, all of them every time,
+    so the time taken says nothing about how much of a token was right."""
+    if header is None:
+        return False
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    given_bytes = given.strip().encode("latin-1")
+    found = False
+    for token in tokens:
+        found |= hmac.compare_digest(given_bytes, token)
+    return found
+
+
+def exposure_warning(host: str, tokens) -> str | None:
+    """The warning for a server bound beyond loopback without tokens, or None."""
+    if tokens:
+        return None
+    try:
+        loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:                  # a name: loopback only if it is localhost
+        loopback = host == "localhost"
+    if loopback:
+        return None
+    return (f"serving on {host or 'every address'} without --token-file: anyone who can "
+            f"reach this port can query the model, spend its budget and read /health")
+
+
+class ClientLimits:
+    """Per-address limits: connections held at once and requests a second.
+
+    Used from the server's one event loop only (no lock). A token bucket per address
+    (``rate`` requests a second, bursts of ``burst``); buckets of addresses with no
+    connection left are dropped once full, so the table stays small."""
+
+    def __init__(self, max_connections: int | None, rate: float | None = None,
+                 burst: float | None = None):
+        self.max_connections = max_connections
+        self.rate = rate if rate else None
+        self.burst = float(burst if burst else (2 * rate if rate else 0))
+        self.open: dict[str, int] = {}
+        self.buckets: dict[str, tuple[float, float]] = {}   # address -> (tokens, time)
+        self.refused_connections = 0
+        self.refused_requests = 0
+
+    def connect(self, address: str) -> bool:
+        """Count a new connection of ``address``; False (not counted) past its cap."""
+        held = self.open.get(address, 0)
+        if self.max_connections is not None and held >= self.max_connections:
+            self.refused_connections += 1
+            return False
+        self.open[address] = held + 1
+        return True
+
+    def disconnect(self, address: str) -> None:
+        held = self.open.get(address, 0) - 1
+        if held > 0:
+            self.open[address] = held
+            return
+        self.open.pop(address, None)
+        if len(self.buckets) > 4096:          # forget full buckets of gone addresses
+            now = time.monotonic()
+            for other, (tokens, then) in list(self.buckets.items()):
+                if other not in self.open and tokens + (now - then) * self.rate >= self.burst:
+                    del self.buckets[other]
+
+    def allow_request(self, address: str) -> bool:
+        """Take one request from ``address``'s bucket; False if it is empty."""
+        if self.rate is None:
+            return True
+        now = time.monotonic()
+        tokens, then = self.buckets.get(address, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - then) * self.rate)
+        if tokens < 1:
+            self.buckets[address] = (tokens, now)
+            self.refused_requests += 1
+            return False
+        self.buckets[address] = (tokens - 1, now)
+        return True
+
+
 # -- the server ------------------------------------------------------------------------
 
 class ByteBudget:
@@ -821,6 +946,12 @@ class BlackBoxServer:
     ``serve_forever()`` runs it (in a thread for tests), ``shutdown()`` stops it from
     another thread, ``server_close()`` releases the socket, the model's threads and the
     ledger.
+
+    Access control: ``tokens`` (bearer tokens, bytes) make every ``/query`` without one
+    a 401 that charges nothing, and ``/health`` say only ``{"ok": true, "auth":
+    "bearer"}``; one address holds at most ``max_client_connections`` connections
+    (default ``max_connections // CLIENT_SHARE``) and sends at most
+    ``max_client_rate`` requests a second (default: no limit), else a 503.
     """
 
     def __init__(self, address, state: ServerState, *, verbose: bool = False,
@@ -828,7 +959,9 @@ class BlackBoxServer:
                  header_timeout: float = HEADER_TIMEOUT, idle_timeout: float = IDLE_TIMEOUT,
                  workers: int = WORKERS, keepalive_timeout: float = KEEPALIVE_TIMEOUT,
                  body_memory: int = BODY_MEMORY, slot_timeout: float = SLOT_TIMEOUT,
-                 min_body_rate: float = MIN_BODY_RATE):
+                 min_body_rate: float = MIN_BODY_RATE, tokens: list[bytes] | None = None,
+                 max_client_connections: int | None = None,
+                 max_client_rate: float | None = None):
         if body_memory < 1 or slot_timeout <= 0 or min_body_rate <= 0 or idle_timeout <= 0:
             raise InputError("body_memory >= 1, slot_timeout > 0, min_body_rate > 0 and "
                              "idle_timeout > 0 are required")
@@ -838,6 +971,13 @@ class BlackBoxServer:
         self.keepalive_timeout = keepalive_timeout
         self.body_memory, self.slot_timeout = body_memory, slot_timeout
         self.min_body_rate = min_body_rate
+        self.tokens = list(tokens or [])
+        if max_client_connections is None:
+            max_client_connections = max(1, max_connections // CLIENT_SHARE)
+        if max_client_connections < 1 or (max_client_rate is not None and max_client_rate < 0):
+            raise InputError("max_client_connections >= 1 and max_client_rate >= 0 are "
+                             "required")
+        self.clients = ClientLimits(max_client_connections, max_client_rate)
         self.socket = socket.create_server(address, backlog=backlog)
         self.server_address = self.socket.getsockname()
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="attnextract-model")
@@ -922,19 +1062,28 @@ class BlackBoxServer:
         # stream holds 2 x MAX_HEADER_BYTES: a connection buffers at most
         # CONNECTION_BUFFER bytes that no body reservation counts
         writer.transport.max_size = READ_SIZE
+        peer = writer.get_extra_info("peername")
+        address = str(peer[0]) if peer else "?"
         try:
             if self.connections >= self.max_connections:
                 self.rejected_connections += 1
-                await self._send(writer, 503, {"error": "too many connections; retry later"},
-                                 close=True)
+                await self._refuse_connection(reader, writer, "too many connections; retry "
+                                                              "later")
+                return
+            if not self.clients.connect(address):
+                self.rejected_connections += 1
+                await self._refuse_connection(
+                    reader, writer, f"too many connections from {address} (at most "
+                                    f"{self.clients.max_connections} per address); retry later")
                 return
             self.connections += 1
             self.peak_connections = max(self.peak_connections, self.connections)
             try:
-                while not self._stopping and await self._request(reader, writer):
+                while not self._stopping and await self._request(reader, writer, address):
                     pass
             finally:
                 self.connections -= 1
+                self.clients.disconnect(address)
         except (ConnectionError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutError,
                 asyncio.CancelledError):
             pass
@@ -943,7 +1092,34 @@ class BlackBoxServer:
             self._busy.discard(task)
             writer.close()
 
-    async def _request(self, reader, writer) -> bool:
+    async def _refuse_connection(self, reader, writer, reason: str) -> None:
+        """A 503 to a connection over a cap, then a short linger: a client that already
+        sent its request reads the refusal, not a reset."""
+        await self._send(writer, 503, {"error": reason}, close=True,
+                         extra={"Retry-After": 1})
+        await self._linger(reader, writer, LINGER_TIMEOUT / 4)
+
+    async def _linger(self, reader, writer, timeout: float = LINGER_TIMEOUT) -> None:
+        """After a refusal: close our side, then read and discard what the client still
+        sends (at most LINGER_BYTES, ``timeout`` seconds). Closing with its body unread
+        would make the kernel answer with a reset, which can reach the client before
+        the refusal does (it then sees ECONNRESET, not the reason)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        left = LINGER_BYTES
+        try:
+            if writer.can_write_eof():
+                writer.write_eof()
+            while left > 0 and loop.time() < end:
+                async with asyncio.timeout(end - loop.time()):
+                    chunk = await reader.read(min(READ_SIZE, left))
+                if not chunk:
+                    return
+                left -= len(chunk)
+        except (TimeoutError, ConnectionError, OSError, RuntimeError):
+            pass
+
+    async def _request(self, reader, writer, address: str = "?") -> bool:
         """Read and answer one request; False when the connection must close."""
         task = asyncio.current_task()
         try:                                         # an idle keep-alive connection may wait
@@ -965,17 +1141,21 @@ class BlackBoxServer:
             except asyncio.IncompleteReadError:
                 return False
             method, path, version, headers = _parse_head(head)
+            if not self.clients.allow_request(address):
+                raise RequestError(503, f"too many requests from {address} (at most "
+                                        f"{self.clients.rate:g} a second); retry later")
             keep_alive = (version == "HTTP/1.1" and not self._stopping
                           and "close" not in headers.get("connection", [""])[0].lower())
-            return await self._route(reader, writer, method, path, headers, keep_alive)
+            return await self._route(reader, writer, method, path, headers, keep_alive,
+                                     version)
         except ClientGone:
             return False
         except RequestError as exc:
             self.state.refuse()
             await self._send(writer, exc.status, {"error": exc.reason, **exc.extra},
                              close=True, head_only=method == "HEAD",
-                             allow=exc.extra.get("allow"),
-                             extra={"Retry-After": 1} if exc.status == 503 else None)
+                             allow=exc.extra.get("allow"), extra=_refusal_headers(exc.status))
+            await self._linger(reader, writer)
             return False
         finally:
             self._busy.discard(task)
@@ -1018,7 +1198,8 @@ class BlackBoxServer:
         sequences = min(numbers // state.dim + 1, state.max_sequences)
         return 16 * numbers + sequences * ANSWER_BYTES + min(length, CONNECTION_BUFFER)
 
-    async def _route(self, reader, writer, method, path, headers, keep_alive) -> bool:
+    async def _route(self, reader, writer, method, path, headers, keep_alive,
+                     version="HTTP/1.1") -> bool:
         state = self.state
         has_body = "content-length" in headers or "transfer-encoding" in headers
         if path not in ("/query", "/health"):
@@ -1026,16 +1207,28 @@ class BlackBoxServer:
         wanted = "POST" if path == "/query" else "GET"
         if method != wanted:
             raise RequestError(405, f"{path} takes {wanted}, not {method}", allow=wanted)
+        authorized = self._authorized(headers)
         if path == "/health":
-            await self._send(writer, 200, state.health(), close=not keep_alive or has_body)
+            # without a token: alive, and that a token is needed; nothing about the budget
+            health = state.health() if authorized else {"ok": True, "auth": "bearer"}
+            await self._send(writer, 200, health, close=not keep_alive or has_body)
+            if has_body:
+                await self._linger(reader, writer)
             return keep_alive and not has_body
+        if not authorized:                      # before a byte of the body: nothing charged
+            raise RequestError(401, "a bearer token is required: send Authorization: "
+                                    "Bearer TOKEN (attnextract: --http-token-file)")
+        continue_first = _expects_continue(headers, version)
         content_type = headers.get("content-type", ["application/json"])[0].split(";")[0]
         content_type = content_type.strip().lower()
         if content_type not in (JSON, NPY, RAW):
             raise RequestError(415, f"Content-Type {content_type!r}: send {JSON}, {NPY} or "
                                     f"{RAW} (with X-Shape: B,N,d)")
         binary_answer = NPY in headers.get("accept", [""])[0].lower()
-        key = headers.get("idempotency-key", [None])[0]
+        keys = headers.get("idempotency-key", [])
+        if len(keys) > 1:                        # which one would be charged? neither
+            raise RequestError(400, f"{len(keys)} Idempotency-Key headers; send one")
+        key = keys[0] if keys else None
         if key is not None and not KEY_PATTERN.match(key):
             raise RequestError(400, "Idempotency-Key must be 1-128 visible ASCII characters")
         length = _content_length(headers, state.max_body)
@@ -1050,6 +1243,10 @@ class BlackBoxServer:
             raise RequestError(503, f"server busy: no room for a body of {length} bytes "
                                     f"within {self.slot_timeout} s; retry") from None
         try:
+            if continue_first:                  # admitted: now the client may send it
+                writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                async with asyncio.timeout(WRITE_TIMEOUT):
+                    await writer.drain()
             await self._read_body(reader, parser, length)
             X = parser.finish()
             del parser                                  # its pieces: X holds the numbers
@@ -1078,6 +1275,13 @@ class BlackBoxServer:
             return keep_alive
         finally:
             held.release()
+
+    def _authorized(self, headers: dict) -> bool:
+        """True without tokens; else whether the one Authorization header holds one."""
+        if not self.tokens:
+            return True
+        values = headers.get("authorization", [])
+        return len(values) == 1 and token_matches(values[0], self.tokens)
 
     async def _read_body(self, reader, parser, length: int) -> None:
         """Read a body at no less than min_body_rate bytes/s (after idle_timeout seconds
@@ -1136,6 +1340,27 @@ class BlackBoxServer:
             await writer.drain()
         if self.verbose:
             LOG.info("%s %d bytes", status, len(data))
+
+
+def _refusal_headers(status: int) -> dict | None:
+    """Headers a refusal carries: when to retry (503), how to authenticate (401)."""
+    if status == 503:
+        return {"Retry-After": 1}
+    if status == 401:
+        return {"WWW-Authenticate": 'Bearer realm="attnextract"'}
+    return None
+
+
+def _expects_continue(headers: dict, version: str) -> bool:
+    """Whether the client waits for ``100 Continue`` before its body (HTTP/1.1 only); a
+    417 for any other expectation."""
+    values = headers.get("expect")
+    if values is None:
+        return False
+    if len(values) != 1 or values[0].strip().lower() != "100-continue":
+        raise RequestError(417, f"Expect {values[0][:40]!r} is not supported; only "
+                                f"100-continue")
+    return version == "HTTP/1.1"
 
 
 def _parse_head(head: bytes):
@@ -1200,7 +1425,8 @@ def peak_rss_bound(idle_rss: int, *, connections: int, body_memory: int = BODY_M
 
 
 SERVER_OPTIONS = ("max_connections", "backlog", "header_timeout", "idle_timeout", "workers",
-                  "keepalive_timeout", "body_memory", "slot_timeout", "min_body_rate")
+                  "keepalive_timeout", "body_memory", "slot_timeout", "min_body_rate",
+                  "tokens", "max_client_connections", "max_client_rate")
 
 
 def make_server(model, host: str = "127.0.0.1", port: int = 0, *, verbose: bool = False,
@@ -1211,10 +1437,15 @@ def make_server(model, host: str = "127.0.0.1", port: int = 0, *, verbose: bool 
     ``round_digits``, ``max_body``, ``max_sequences``, ``max_floats``, ``max_length``,
     ``cache_bytes``, ``state``: the ledger file) and of :class:`BlackBoxServer`
     (``max_connections``, ``backlog``, ``header_timeout``, ``idle_timeout``, ``workers``,
-    ``keepalive_timeout``, ``body_memory``, ``slot_timeout``, ``min_body_rate``).
+    ``keepalive_timeout``, ``body_memory``, ``slot_timeout``, ``min_body_rate``,
+    ``tokens``, ``max_client_connections``, ``max_client_rate``). A server bound beyond
+    loopback without ``tokens`` logs :func:`exposure_warning`.
     Call ``serve_forever()`` (in a thread for tests), ``shutdown()`` and ``server_close()``.
     """
     options = {k: limits.pop(k) for k in SERVER_OPTIONS if k in limits}
+    warning = exposure_warning(host, options.get("tokens"))
+    if warning:
+        LOG.warning("%s", warning)
     state = ServerState(model, **limits)
     try:
         return BlackBoxServer((host, port), state, verbose=verbose, **options)
