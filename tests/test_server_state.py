@@ -110,7 +110,7 @@ def test_a_ledger_refuses_another_model(serve, tmp_path):
     with pytest.raises(InputError, match="width 5, not 4"):
         make_server(random_single_head(4, seed=1), state=ledger)
     (tmp_path / "junk.sqlite").write_bytes(b"not a database at all" * 100)
-    with pytest.raises(InputError, match="not a usable SQLite ledger"):
+    with pytest.raises(InputError, match=r"not a ledger \(not an SQLite file\)"):
         make_server(random_single_head(D, seed=1), state=tmp_path / "junk.sqlite")
     secret = random_single_head(D, seed=1)
     np.savez(tmp_path / "secret.npz", W=secret.W, v=secret.v)

@@ -326,7 +326,11 @@ def _serve_parser(command) -> None:
     se.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one)")
     se.add_argument("--state", metavar="FILE.sqlite",
                     help="keep the budget, charges and recent answers in this SQLite ledger: "
-                         "a restart, a crash or kill -9 loses nothing (default: in memory)")
+                         "a restart, a crash or kill -9 loses nothing (default: in memory); "
+                         "a damaged, empty or foreign file is refused, never reset")
+    se.add_argument("--state-new", action="store_true",
+                    help="--state names a new ledger: create it (a missing or empty file; "
+                         "a file with bytes is never overwritten)")
     se.add_argument("--body-memory", type=_positive_int, default=96, metavar="MIB",
                     help="MiB all request bodies being answered may hold (others wait)")
     se.add_argument("--cache-memory", type=_nonnegative_int, default=32, metavar="MIB",
@@ -970,12 +974,15 @@ def cmd_serve(args) -> int:
         raise InputError("--max-client-rate must be > 0")
     # a server bound beyond loopback without tokens logs a warning (make_server)
     tokens = None if args.token_file is None else read_tokens(args.token_file)
+    if args.state_new and args.state is None:
+        raise InputError("--state-new needs --state FILE.sqlite")
     try:
         server = make_server(model, args.host, args.port, budget=args.budget,
                              round_digits=args.round_digits, verbose=args.verbose > 0,
                              max_connections=args.max_connections,
                              idle_timeout=args.idle_timeout, workers=args.workers,
-                             state=args.state, body_memory=args.body_memory << 20,
+                             state=args.state, state_new=args.state_new,
+                             body_memory=args.body_memory << 20,
                              cache_bytes=args.cache_memory << 20,
                              slot_timeout=args.slot_timeout,
                              min_body_rate=args.min_body_rate * 1024, tokens=tokens,

@@ -50,23 +50,28 @@ their answers do (the extraction then meets a noisy black box).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import io
 import ipaddress
 import json
 import logging
+import os
 import re
-import time
 import signal
 import socket
+import sqlite3
 import threading
+import time
+import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from ..errors import InputError
+from .journal import checksum as journal_checksum
 
 LOG = logging.getLogger("attnextract.server")
 
@@ -403,17 +408,119 @@ def npy_bytes(array: np.ndarray) -> bytes:
 # -- the ledger: budget, charges and recent answers ----------------------------------------
 
 LEDGER_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value);
+CREATE TABLE IF NOT EXISTS meta (
+    name TEXT PRIMARY KEY,       -- the header (version, dim, fingerprint), budget, counters
+    value,
+    checksum BLOB NOT NULL       -- of name and value (ledger_checksum)
+);
 CREATE TABLE IF NOT EXISTS answers (
     key TEXT PRIMARY KEY,        -- the Idempotency-Key
     digest BLOB NOT NULL,        -- SHA-256 of the batch's shape and numbers
     outputs BLOB NOT NULL,       -- float64 answers, as sent (rounded if --round)
-    used INTEGER NOT NULL        -- LRU clock: the newest use is the largest
+    used INTEGER NOT NULL,       -- LRU clock: the newest use is the largest
+    checksum BLOB NOT NULL       -- of key, digest, outputs and used
 );
 CREATE INDEX IF NOT EXISTS answers_used ON answers (used);
 """
-LEDGER_VERSION = 1
+LEDGER_VERSION = 2               # 2: checksums on every row, an application id, open marks
+LEDGER_APPLICATION_ID = 0x6178_6C67   # "axlg" in the SQLite header (offset 68)
 COUNTERS = ("served", "replayed", "abandoned", "cache_bytes", "clock")
+HEADER = ("version", "dim", "fingerprint", "budget")
+OPEN_MARK = "open:"              # meta rows of the servers using the ledger now
+
+
+class LedgerError(InputError):
+    """A ledger file that cannot be trusted (damaged, cut short, foreign, its WAL lost):
+    refused at start, never reset (exit 2)."""
+
+
+def _value_bytes(value) -> bytes:
+    """A meta value's bytes for its checksum, its type included (1 and "1" differ)."""
+    if value is None:
+        return b"n"
+    if isinstance(value, bytes):
+        return b"b" + value
+    if isinstance(value, int):
+        return b"i" + str(value).encode()
+    if isinstance(value, float):
+        return b"f" + repr(value).encode()
+    return b"s" + str(value).encode()
+
+
+def ledger_checksum(*parts) -> bytes:
+    """The checksum of a ledger row (the journal's: SHA-256 of length-prefixed parts)."""
+    return journal_checksum(*(_value_bytes(p) for p in parts))
+
+
+def check_ledger_file(path: str, *, new: bool = False) -> bool:
+    """Whether ``path`` is to be created; raises LedgerError unless it is a whole ledger
+    of this server's, read from its raw header before SQLite opens (and writes) it.
+
+    A missing file is created; an empty one only with ``new`` (``--state-new``); a
+    file that is not SQLite, another SQLite file (a client's query journal, say) or a
+    ledger cut short is refused, and ``new`` never overwrites a file that has bytes."""
+    where = f"--state {path}"
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        raise LedgerError(f"{where}: cannot read it: {exc}") from None
+    if size == 0:
+        if new:
+            return True
+        raise LedgerError(f"{where} is an empty file, not a ledger: its budget and charges "
+                          f"are not there (was it emptied?); to start a new ledger in it, "
+                          f"add --state-new")
+    if new:
+        raise LedgerError(f"{where} already exists ({size} bytes): --state-new creates a "
+                          f"new ledger and never overwrites a file; drop --state-new to use "
+                          f"it, or give another file")
+    with open(path, "rb") as f:
+        header = f.read(100)
+    if len(header) < 100 or not header.startswith(b"SQLite format 3\x00"):
+        raise LedgerError(f"{where} is not a ledger (not an SQLite file)")
+    page = int.from_bytes(header[16:18], "big")
+    page = 65536 if page == 1 else page
+    if page < 512 or page & (page - 1) or size % page:
+        raise LedgerError(f"{where} was cut short or damaged: {size} bytes is not a whole "
+                          f"number of {page}-byte pages")
+    pages = int.from_bytes(header[28:32], "big")
+    if header[24:28] == header[92:96] and pages * page > size:   # the page count is valid
+        raise LedgerError(f"{where} was cut short: its header counts {pages} pages of "
+                          f"{page} bytes, the file holds {size // page}")
+    application = int.from_bytes(header[68:72], "big")
+    if application != LEDGER_APPLICATION_ID:
+        raise LedgerError(f"{where} is not an attnextract ledger ({_foreign(path)}); "
+                          f"give the server a file of its own")
+    return False
+
+
+def _foreign(path: str) -> str:
+    """What a foreign SQLite file holds, read without writing to it."""
+    try:
+        # immutable: no lock, no -wal or -shm created beside someone else's file
+        uri = "file:" + os.path.abspath(path) + "?mode=ro&immutable=1"
+        with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
+            tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE "
+                                                "type = 'table' ORDER BY name").fetchall()]
+    except sqlite3.Error:
+        return "an SQLite file it cannot read"
+    if {"batches", "fingerprint"} <= set(tables):
+        return "a client's query journal: tables " + ", ".join(tables)
+    if "meta" in tables and "answers" in tables:
+        return "a ledger of an older attnextract, without checksums"
+    return "tables " + (", ".join(tables[:8]) or "none")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:                    # alive, another user's
+        return True
+    return True
 
 
 class Ledger:
@@ -433,27 +540,111 @@ class Ledger:
 
     The file is bound to its model: it stores the model's token width and its answers
     to fixed challenge sequences, and refuses (InputError) to serve another model.
+
+    **Integrity.** Every row (the header: version, d, the model's fingerprint; the
+    budget and counters; every kept answer) carries a checksum, and the file an
+    application id. At start the file is checked (:func:`check_ledger_file`, SQLite's
+    ``integrity_check``, every row's checksum) and a damaged, cut-short, empty or
+    foreign file is refused with :class:`LedgerError` naming the row and the reason,
+    never reset; a row read later that fails its checksum refuses the request (500).
+    Each server marks the ledger open (a row, checkpointed into the file) and unmarks
+    it when it closes: a mark of a process that is gone, with no ``-wal`` file beside
+    the ledger, is a crash whose write-ahead log was lost, and is refused too.
     """
 
     def __init__(self, path=None, *, cache_bytes: int, budget=None, dim: int,
-                 fingerprint: bytes | None = None):
-        import sqlite3
+                 fingerprint: bytes | None = None, new: bool = False):
         self.path = None if path is None else str(path)
         self.cache_bytes = int(cache_bytes)
+        self.mark = None
+        self.recovered: list[str] = []     # open marks of crashed servers, cleared
+        creating = True if self.path is None else check_ledger_file(self.path, new=new)
+        wal_present = self.path is not None and os.path.exists(self.path + "-wal")
         try:
             self.db = sqlite3.connect(self.path or ":memory:", isolation_level=None,
                                       check_same_thread=False, timeout=30.0)
+        except sqlite3.Error as exc:
+            raise LedgerError(f"--state {self.path}: cannot open it: {exc}") from None
+        try:
             if self.path is not None:
                 mode = self.db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
                 if mode.lower() != "wal":
                     raise InputError(f"--state {self.path}: SQLite cannot use WAL there "
                                      f"(journal mode {mode})")
                 self.db.execute("PRAGMA synchronous=NORMAL")
-            self.db.executescript(LEDGER_SCHEMA)
+            if creating:
+                self.db.execute(f"PRAGMA application_id = {LEDGER_APPLICATION_ID}")
+                self.db.executescript(LEDGER_SCHEMA)
+            else:
+                self._verify(wal_present)
             with self._transaction():
                 self._bind(dim, fingerprint, budget)
+                if self.path is not None:
+                    self.mark = f"{OPEN_MARK}{uuid.uuid4().hex}"
+                    self._set(self.mark, f"{os.getpid()}@{socket.gethostname()}")
+            if self.path is not None:     # the mark (and a new header) into the file itself
+                self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         except sqlite3.DatabaseError as exc:
-            raise InputError(f"--state {self.path}: not a usable SQLite ledger: {exc}") from None
+            self.db.close()
+            raise LedgerError(f"--state {self.path}: not a usable ledger (damaged?): "
+                              f"{exc}") from None
+        except BaseException:
+            self.db.close()
+            raise
+
+    def _verify(self, wal_present: bool) -> None:
+        """Refuse a ledger whose pages, rows or open marks are not what was written."""
+        where = f"--state {self.path}"
+        problems = [r[0] for r in self.db.execute("PRAGMA integrity_check(5)").fetchall()]
+        if problems != ["ok"]:
+            first = " ".join(str(problems[0]).split())[:200]     # one line
+            raise LedgerError(f"{where} is damaged (SQLite integrity check): {first}")
+        tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master")}
+        if not {"meta", "answers"} <= tables:
+            raise LedgerError(f"{where} is not a ledger: tables {sorted(tables)}")
+        rows = self.db.execute("SELECT rowid, name, value, checksum FROM meta").fetchall()
+        names = set()
+        for rowid, name, value, stored in rows:
+            if stored != ledger_checksum(name, value):
+                raise LedgerError(f"{where} is damaged: header row {rowid} "
+                                  f"({str(name)[:40]!r}) fails its checksum; refused, "
+                                  f"not reset: restore the file from a copy")
+            names.add(name)
+        missing = [n for n in (*HEADER, *COUNTERS) if n not in names]
+        if missing:
+            raise LedgerError(f"{where} is damaged: its header has no {missing[0]!r} row")
+        for rowid, key, digest, outputs, used, stored in self.db.execute(
+                "SELECT rowid, key, digest, outputs, used, checksum FROM answers"):
+            if stored != ledger_checksum(key, digest, outputs, used):
+                raise LedgerError(f"{where} is damaged: kept answer row {rowid} fails its "
+                                  f"checksum; refused, not reset: restore the file from a "
+                                  f"copy")
+        version = self._get("version")
+        if version != LEDGER_VERSION:
+            raise LedgerError(f"{where}: ledger version {version}, this server reads "
+                              f"{LEDGER_VERSION}")
+        dead = []
+        for name in names:
+            if not str(name).startswith(OPEN_MARK):
+                continue
+            owner = str(self._get(name))
+            pid, _, host = owner.partition("@")
+            if host == socket.gethostname() and pid.isdigit() and not _process_alive(int(pid)):
+                dead.append((name, owner))
+        if dead and not wal_present:
+            raise LedgerError(
+                f"{where}: the server that used it last (pid {dead[0][1]}) stopped without "
+                f"closing it, and its write-ahead log {self.path}-wal is missing: the "
+                f"charges it committed since its last checkpoint are lost, so the counts "
+                f"in the file may be too low. Put {os.path.basename(self.path)}-wal back "
+                f"beside it, or start a new ledger (another file, --state-new)")
+        if dead:                         # SQLite replayed the log: the marks are stale
+            with self._transaction():
+                for name, owner in dead:
+                    self.db.execute("DELETE FROM meta WHERE name = ?", (name,))
+                    self.recovered.append(owner)
+            LOG.warning("--state %s: recovered after an unclean stop of %s", self.path,
+                        ", ".join(o for _, o in dead))
 
     # -- plumbing ----------------------------------------------------------------------
     def _transaction(self):
@@ -469,14 +660,22 @@ class Ledger:
         return _Tx()
 
     def _get(self, name, default=None):
-        row = self.db.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()
-        return default if row is None else row[0]
+        row = self.db.execute("SELECT value, checksum FROM meta WHERE name = ?",
+                              (name,)).fetchone()
+        if row is None:
+            return default
+        if row[1] != ledger_checksum(name, row[0]):
+            LOG.error("--state %s: header row %r fails its checksum", self.path, name)
+            raise RequestError(500, "internal error: the server's ledger is damaged; "
+                                    "not charged")
+        return row[0]
 
     def _set(self, name, value) -> None:
-        self.db.execute("INSERT OR REPLACE INTO meta (name, value) VALUES (?, ?)", (name, value))
+        self.db.execute("INSERT OR REPLACE INTO meta (name, value, checksum) VALUES (?, ?, ?)",
+                        (name, value, ledger_checksum(name, value)))
 
     def _add(self, name, amount: int) -> None:
-        self.db.execute("UPDATE meta SET value = value + ? WHERE name = ?", (amount, name))
+        self._set(name, self._get(name) + amount)
 
     def _bind(self, dim: int, fingerprint, budget) -> None:
         version = self._get("version")
@@ -503,9 +702,8 @@ class Ledger:
 
     # -- reading -----------------------------------------------------------------------
     def counters(self) -> dict:
-        rows = dict(self.db.execute("SELECT name, value FROM meta WHERE name IN "
-                                    "('budget', 'served', 'replayed', 'abandoned', "
-                                    "'cache_bytes')").fetchall())
+        rows = {name: self._get(name) for name in ("budget", "served", "replayed",
+                                                   "abandoned", "cache_bytes")}
         rows["cached_keys"] = self.db.execute("SELECT count(*) FROM answers").fetchone()[0]
         return rows
 
@@ -518,19 +716,37 @@ class Ledger:
         return self._get("served", 0)
 
     # -- writing (each one transaction) --------------------------------------------------
+    def _kept(self, key: str):
+        """(digest, outputs) kept for ``key``, checked against its checksum, or None."""
+        row = self.db.execute("SELECT digest, outputs, used, checksum FROM answers WHERE "
+                              "key = ?", (key,)).fetchone()
+        if row is None:
+            return None
+        digest, blob, used, stored = row
+        if stored != ledger_checksum(key, digest, blob, used) or len(blob) % 8:
+            LOG.error("--state %s: the answer kept for a key fails its checksum", self.path)
+            raise RequestError(500, "internal error: the server's ledger is damaged; not "
+                                    "charged")
+        return digest, blob
+
+    def _keep(self, key: str, digest: bytes, blob: bytes) -> None:
+        """Keep (or touch) the answer of ``key`` with the next clock value."""
+        clock = self._get("clock") + 1
+        self._set("clock", clock)
+        self.db.execute("INSERT OR REPLACE INTO answers (key, digest, outputs, used, checksum) "
+                        "VALUES (?, ?, ?, ?, ?)",
+                        (key, digest, blob, clock, ledger_checksum(key, digest, blob, clock)))
+
     def replay(self, key: str, digest: bytes):
         """The answer kept for ``key`` (counted as replayed), or None if not kept."""
         with self._transaction():
-            row = self.db.execute("SELECT digest, outputs FROM answers WHERE key = ?",
-                                  (key,)).fetchone()
+            row = self._kept(key)
             if row is None:
                 return None
             if row[0] != digest:
                 raise RequestError(422, "Idempotency-Key reused with a different batch")
             outputs = np.frombuffer(row[1], dtype="<f8").copy()
-            self._add("clock", 1)
-            self.db.execute("UPDATE answers SET used = (SELECT value FROM meta WHERE name = "
-                            "'clock') WHERE key = ?", (key,))
+            self._keep(key, row[0], row[1])
             self._add("replayed", len(outputs))
         return outputs
 
@@ -545,8 +761,7 @@ class Ledger:
         blob = np.ascontiguousarray(outputs, dtype="<f8").tobytes()
         with self._transaction():
             if key is not None:
-                row = self.db.execute("SELECT digest, outputs FROM answers WHERE key = ?",
-                                      (key,)).fetchone()
+                row = self._kept(key)
                 if row is not None:
                     if row[0] != digest:
                         raise RequestError(422, "Idempotency-Key reused with a different "
@@ -560,10 +775,7 @@ class Ledger:
                                    remaining=max(0, budget - served))
             self._add("served", n)
             if key is not None and len(blob) <= self.cache_bytes:
-                self._add("clock", 1)
-                self.db.execute("INSERT INTO answers (key, digest, outputs, used) VALUES "
-                                "(?, ?, ?, (SELECT value FROM meta WHERE name = 'clock'))",
-                                (key, digest, blob))
+                self._keep(key, digest, blob)
                 self._add("cache_bytes", len(blob))
                 self._evict()
         return "charged", outputs
@@ -583,7 +795,17 @@ class Ledger:
             self._add(name, amount)
 
     def close(self) -> None:
-        self.db.close()
+        """Unmark the ledger open (a clean stop), then close it: SQLite checkpoints the
+        log into the file and removes it when the last server closes."""
+        try:
+            if self.mark is not None:
+                with self._transaction():
+                    self.db.execute("DELETE FROM meta WHERE name = ?", (self.mark,))
+                self.mark = None
+        except sqlite3.Error as exc:     # a full disk, say: the next start says so
+            LOG.error("--state %s: could not mark the ledger closed: %s", self.path, exc)
+        finally:
+            self.db.close()
 
 
 def model_fingerprint(model, dim: int) -> bytes:
@@ -611,7 +833,7 @@ class ServerState:
     def __init__(self, model, *, budget: int | None = None, round_digits: int | None = None,
                  max_body: int = MAX_BODY_BYTES, max_sequences: int = MAX_SEQUENCES,
                  max_floats: int = MAX_FLOATS, max_length: int = MAX_LENGTH,
-                 cache_bytes: int = CACHE_BYTES, state=None):
+                 cache_bytes: int = CACHE_BYTES, state=None, state_new: bool = False):
         if budget is not None and budget < 0:
             raise InputError(f"budget must be >= 0, got {budget}")
         if cache_bytes < 0:
@@ -624,7 +846,7 @@ class ServerState:
         self.lock = threading.Lock()
         fingerprint = None if state is None else model_fingerprint(model, self.dim)
         self.ledger = Ledger(state, cache_bytes=cache_bytes, budget=budget, dim=self.dim,
-                             fingerprint=fingerprint)
+                             fingerprint=fingerprint, new=state_new)
         self.reserved = 0            # sequences being evaluated (checked against the budget)
         self.refused = 0             # requests refused, since the process started
         self.inflight: dict[str, threading.Event] = {}
