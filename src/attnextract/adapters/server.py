@@ -22,10 +22,17 @@ Protocol (HTTP/1.0 and 1.1, keep-alive):
 - Every answer carries ``X-Charged``, ``X-Replayed`` (0/1), ``X-Served`` and
   ``X-Remaining``. ``GET /health`` -> ``{"ok", "kind", "dim", "served", "charged",
   "replayed", "budget", "remaining", "binary", "state"}``.
-- Refusals: ``{"error": reason}`` with 400 (malformed; a bare LF at once), 404, 405,
+- Access control (:class:`BlackBoxServer`): with ``tokens`` a query needs
+  ``Authorization: Bearer TOKEN`` (else 401, nothing charged) and ``/health`` without
+  one says only ``{"ok": true, "auth": "bearer"}``; one address holds at most
+  ``max_client_connections`` connections and ``max_client_rate`` requests a second.
+  ``Expect: 100-continue`` is answered once the body has room. A refusal is followed
+  by a bounded drain of what the client still sends (:meth:`BlackBoxServer._linger`).
+- Refusals: ``{"error": reason}`` with 400 (malformed; a bare LF at once; two
+  Idempotency-Keys), 401, 404, 405,
   408 (headers over ``header_timeout``; a body that pauses over ``idle_timeout`` or
   falls below ``min_body_rate``), 411, 413, 415, 422, 429 (the budget cannot cover the
-  whole batch), 431, 500 (the model failed: not charged, its text only in the log),
+  whole batch), 417, 431, 500 (the model failed: not charged, its text only in the log),
   503 (too many connections; no room for a body within ``slot_timeout``), 505 (an HTTP
   version other than 1.0 and 1.1).
 
