@@ -162,6 +162,8 @@ QUERY_CASES = [
     ("a list, not an object", answering(lambda B: json.dumps([0.1] * B).encode()),
      MalformedOutputError, "list of .* without \"outputs\""),
     ("not JSON", answering(b"<html>hello</html>"), MalformedOutputError, "not JSON"),
+    ("nesting 30 000 deep", answering(b'{"outputs": ' + b"[" * 30000 + b"]" * 30000 + b"}"),
+     MalformedOutputError, "not JSON"),
     ("huge integer", answering(lambda B: b'{"outputs": [' + b"1, " * (B - 1) + b"9" * 400
                                + b"]}"), MalformedOutputError, "beyond float64"),
     ("npy of the wrong shape", answering(npy(np.zeros((3, 2))), "application/x-npy"),
@@ -248,9 +250,10 @@ def test_a_dripping_server_is_cut_at_the_whole_request_deadline(behave, journal_
 @pytest.mark.parametrize("health, message", [
     (b"[1, 2, 3]", "/health with a list of 3, not a JSON object"),
     (b"not json at all", "/health with something that is not JSON"),
+    (b"[" * 30000 + b"]" * 30000, "/health with something that is not JSON"),
     (b'{"dim": "4"}', "dim a string '4', not an integer"),
     (b"9" * 100_000, "announced 100000 bytes for its /health"),
-], ids=["list", "not JSON", "string dim", "100 kB"])
+], ids=["list", "not JSON", "nested 30 000 deep", "string dim", "100 kB"])
 def test_a_bad_health_answer_is_a_typed_error(health, message):
     server = HostileServer(lambda conn, path, body: reply(conn, "200 OK", health))
     try:

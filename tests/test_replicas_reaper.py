@@ -10,13 +10,15 @@ import time
 import numpy as np
 import pytest
 
+from attnextract.adapters import reaper as reaper_module
 from attnextract.adapters.reaper import REAP_INTERVAL, descendants
 
 # a server stand-in: a reaper, then children like Ray's (one in a session of its own,
 # with a child of its own), then it waits to be killed
 SERVER = """
 import subprocess, sys, time
-from attnextract.adapters.reaper import ProcessReaper
+sys.path.insert(0, {folder!r})     # the stdlib-only module alone: no package import
+from reaper import ProcessReaper
 reaper = ProcessReaper()
 plain = subprocess.Popen(["sleep", "300"])
 agent = subprocess.Popen([sys.executable, "-c",
@@ -51,8 +53,9 @@ def kill_all(pids):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
 @pytest.mark.parametrize("how", ["kill -9", "stop"])
 def test_the_reaper_kills_what_a_dead_server_leaves(how):
-    server = subprocess.Popen([sys.executable, "-c", SERVER.format(settle=3 * REAP_INTERVAL),
-                               "stop" if how == "stop" else "kill"],
+    code = SERVER.format(settle=3 * REAP_INTERVAL,
+                         folder=os.path.dirname(reaper_module.__file__))
+    server = subprocess.Popen([sys.executable, "-c", code, "stop" if how == "stop" else "kill"],
                               stdout=subprocess.PIPE, text=True)
     plain, agent, reaper = map(int, server.stdout.readline().split())
     deadline = time.monotonic() + 30

@@ -7,11 +7,14 @@ import json
 import logging
 import secrets
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import numpy as np
 import pytest
+from conftest import run_cli
 
 from attnextract import BlackBoxError, InputError
 from attnextract.adapters.remote import HttpBlackBox, read_token_file
@@ -259,3 +262,31 @@ def test_two_idempotency_keys_are_a_400(serve):
         answer = read_answer(sock)
     assert answer.startswith(b"HTTP/1.1 400 ")
     assert b"2 Idempotency-Key headers" in answer and server.state.served == 0
+
+
+@pytest.mark.slow
+def test_tokens_on_the_command_line(tmp_path):
+    """serve --token-file, extract with and without --http-token-file."""
+    secret = random_single_head(D, seed=4)
+    np.savez(tmp_path / "secret.npz", W=secret.W, v=secret.v)
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    server = subprocess.Popen([sys.executable, "-m", "attnextract", "serve", "--secret",
+                               str(tmp_path / "secret.npz"), "--port", "0", "--token-file",
+                               str(tmp_path / "token"), "--budget", "1000"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = server.stdout.readline()
+        url = banner.split(" on ")[1].split()[0]
+        common = ("extract", "--target", url, "--dim", D, "--no-journal", "--no-progress",
+                  "--http-retries", 0)
+        refused = run_cli(*common, "--out", tmp_path / "a.npz", cwd=tmp_path, timeout=120)
+        assert refused.returncode == 3, refused.stderr
+        assert "needs a bearer token" in refused.stderr.strip().splitlines()[-1]
+        assert HttpBlackBox(url, token=TOKEN).health()["served"] == 0
+        done = run_cli(*common, "--out", tmp_path / "b.npz", "--http-token-file",
+                       tmp_path / "token", cwd=tmp_path, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert HttpBlackBox(url, token=TOKEN).health()["served"] > 0
+    finally:
+        server.terminate()
+        server.communicate(timeout=60)

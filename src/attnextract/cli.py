@@ -364,8 +364,12 @@ def _minilm_parser(command) -> None:
                     help="--all-heads: query this http:// endpoint serving the layer "
                          "(see --save-target) instead of the local weights")
     mi.add_argument("--http-timeout", type=float, metavar="SECONDS",
-                    help="--target: seconds per HTTP request (a loaded server answering "
-                         "batches of 12 heads at d = 384 may need more than the default)")
+                    help="--target: seconds one attempt of an HTTP request may take in all "
+                         "(a loaded server answering batches of 12 heads at d = 384 may "
+                         "need more than the default)")
+    mi.add_argument("--http-token-file", metavar="FILE",
+                    help="--target: send the bearer token in FILE (the server's "
+                         "--token-file) on every request")
     mi.add_argument("--save-target", metavar="FILE.npz",
                     help="--all-heads: write the layer's 12 heads as a model file for "
                          "'attnextract serve --secret FILE.npz' and stop")
@@ -387,6 +391,9 @@ def _verify_parser(command) -> None:
     ve = command("verify", "compare a saved result with a black box")
     ve.add_argument("--target", required=True,
                     help="FILE.py:NAME or MODULE:NAME (a callable (B, N, d) -> (B,), or (N, d) -> one number) or http://HOST:PORT")
+    ve.add_argument("--http-token-file", metavar="FILE",
+                    help="http:// targets: send the bearer token in FILE (the server's "
+                         "--token-file) on every request")
     ve.add_argument("--result", required=True, metavar="RESULT.npz",
                     help="result file written by extract")
     ve.add_argument("--count", type=_positive_int,

@@ -137,7 +137,7 @@ class _DeadlineSocket:
             return
         left = deadline - time.monotonic()
         if left <= 0:
-            raise _DeadlineExceeded(f"no complete answer within the {self._owner.budget:g} s "
+            raise _DeadlineExceeded(f"no complete answer within the {self._owner.allowed:g} s "
                                     f"deadline")
         self._sock.settimeout(left)
 
@@ -178,7 +178,7 @@ class _DeadlineSocket:
         if self._closing and self._readers == 0:
             self._sock.close()
 
-    def __getattr__(self, name):     # fileno, recv (the stale check), close, setsockopt...
+    def __getattr__(self, name):     # fileno, recv (the stale check), setsockopt...
         return getattr(self._sock, name)
 
 
@@ -201,12 +201,12 @@ class _DeadlineReader(io.RawIOBase):
 class _DeadlineConnection(http.client.HTTPConnection):
     """An HTTP connection whose attempt (connect, send, receive) ends at ``deadline``."""
 
-    deadline: float | None = None
-    budget: float = 0.0
+    deadline: float | None = None     # time.monotonic() at which the attempt ends
+    allowed: float = 0.0              # the attempt's seconds, for the message
 
     def start(self, seconds: float) -> None:
         """Begin an attempt of at most ``seconds``, the connection (if any) reused."""
-        self.budget = seconds
+        self.allowed = seconds
         self.deadline = time.monotonic() + seconds
 
     def connect(self):
@@ -417,9 +417,9 @@ class HttpBlackBox:
             raise self._refusal(exc, 0) from None
         try:
             health = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):   # RecursionError: [[[[... nested deep
             raise MalformedOutputError(f"{self.url} answered /health with something that is "
-                                       f"not JSON: {data[:40]!r}") from None
+                                       f"not JSON (or nested too deep): {data[:40]!r}") from None
         if not isinstance(health, dict):
             raise MalformedOutputError(f"{self.url} answered /health with {_describe(health)}"
                                        f", not a JSON object: not an attnextract server?")
@@ -509,9 +509,10 @@ class HttpBlackBox:
             return out.astype(np.float64)
         try:
             answer = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise MalformedOutputError(
-                f"{self.url} answered something that is not JSON: {data[:80]!r}") from None
+                f"{self.url} answered something that is not JSON (or nested too deep): "
+                f"{data[:80]!r}") from None
         if not isinstance(answer, dict) or "outputs" not in answer:
             raise MalformedOutputError(f"{self.url} answered {_describe(answer)} without "
                                        f"\"outputs\" for {batch} sequences")
@@ -641,7 +642,7 @@ class HttpBlackBox:
                 return data, reply
             try:
                 error = json.loads(data)
-            except ValueError:
+            except (ValueError, RecursionError):
                 error = {}
             error = error if isinstance(error, dict) else {}
             reason = str(error.get("error", response.reason))[:200]
@@ -762,9 +763,10 @@ class JsonApiBlackBox(HttpBlackBox):
     def _decode(self, data, content_type, batch):
         try:
             answer = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise MalformedOutputError(
-                f"{self.url} answered something that is not JSON: {data[:80]!r}") from None
+                f"{self.url} answered something that is not JSON (or nested too deep): "
+                f"{data[:80]!r}") from None
         try:
             out = np.asarray(self.decode_answer(answer), dtype=np.float64).reshape(-1)
         except Exception as exc:     # the user's decoder met an answer it did not expect

@@ -1084,7 +1084,8 @@ class ClientLimits:
             self.open[address] = held
             return
         self.open.pop(address, None)
-        if len(self.buckets) > 4096:          # forget full buckets of gone addresses
+        # forget the full buckets of addresses that have gone: the table stays small
+        if self.rate is not None and len(self.buckets) > 4096:
             now = time.monotonic()
             for other, (tokens, then) in list(self.buckets.items()):
                 if other not in self.open and tokens + (now - then) * self.rate >= self.burst:
