@@ -79,6 +79,7 @@ import numpy as np
 
 from ..errors import InputError
 from .journal import checksum as journal_checksum
+from .reaper import alive, start_time
 
 LOG = logging.getLogger("attnextract.server")
 
@@ -489,13 +490,18 @@ def check_ledger_file(path: str, *, new: bool = False) -> bool:
         raise LedgerError(f"{where} is not a ledger (not an SQLite file)")
     page = int.from_bytes(header[16:18], "big")
     page = 65536 if page == 1 else page
-    if page < 512 or page & (page - 1) or size % page:
-        raise LedgerError(f"{where} was cut short or damaged: {size} bytes is not a whole "
-                          f"number of {page}-byte pages")
-    pages = int.from_bytes(header[28:32], "big")
-    if header[24:28] == header[92:96] and pages * page > size:   # the page count is valid
-        raise LedgerError(f"{where} was cut short: its header counts {pages} pages of "
-                          f"{page} bytes, the file holds {size // page}")
+    if page < 512 or page & (page - 1):
+        raise LedgerError(f"{where} is damaged: its header gives pages of {page} bytes")
+    # with a -wal beside it another server may be checkpointing into the file now (its
+    # size and page count in flux): SQLite's integrity check judges it then
+    if not os.path.exists(path + "-wal"):
+        if size % page:
+            raise LedgerError(f"{where} was cut short or damaged: {size} bytes is not a "
+                              f"whole number of {page}-byte pages")
+        pages = int.from_bytes(header[28:32], "big")
+        if header[24:28] == header[92:96] and pages * page > size:   # the count is valid
+            raise LedgerError(f"{where} was cut short: its header counts {pages} pages of "
+                              f"{page} bytes, the file holds {size // page}")
     application = int.from_bytes(header[68:72], "big")
     if application != LEDGER_APPLICATION_ID:
         raise LedgerError(f"{where} is not an attnextract ledger ({_foreign(path)}); "
@@ -520,14 +526,24 @@ def _foreign(path: str) -> str:
     return "tables " + (", ".join(tables[:8]) or "none")
 
 
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+def _process_mark(pid: int) -> str:
+    """``PID@HOST@START``: a process, told apart from a later one with its pid by its start
+    time (Linux; empty elsewhere)."""
+    start = start_time(pid)
+    return f"{pid}@{socket.gethostname()}@{'' if start is None else start}"
+
+
+def _mark_gone(mark: str) -> bool:
+    """Whether the process of an open mark (``_process_mark``) is gone; marks of other
+    hosts are not judged (False)."""
+    pid, _, rest = mark.partition("@")
+    host, _, start = rest.partition("@")
+    if host != socket.gethostname() or not pid.isdigit():
         return False
-    except OSError:                    # alive, another user's
+    if not alive(int(pid)):
         return True
-    return True
+    now = start_time(int(pid))
+    return bool(start) and now is not None and str(now) != start   # the pid was reused
 
 
 class Ledger:
@@ -588,7 +604,7 @@ class Ledger:
                 self._bind(dim, fingerprint, budget)
                 if self.path is not None:
                     self.mark = f"{OPEN_MARK}{uuid.uuid4().hex}"
-                    self._set(self.mark, f"{os.getpid()}@{socket.gethostname()}")
+                    self._set(self.mark, _process_mark(os.getpid()))
             if self.path is not None:     # the mark (and a new header) into the file itself
                 self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         except sqlite3.DatabaseError as exc:
@@ -632,12 +648,8 @@ class Ledger:
                               f"{LEDGER_VERSION}")
         dead = []
         for name in names:
-            if not str(name).startswith(OPEN_MARK):
-                continue
-            owner = str(self._get(name))
-            pid, _, host = owner.partition("@")
-            if host == socket.gethostname() and pid.isdigit() and not _process_alive(int(pid)):
-                dead.append((name, owner))
+            if str(name).startswith(OPEN_MARK) and _mark_gone(str(self._get(name))):
+                dead.append((name, str(self._get(name)).split("@")[0]))
         if dead and not wal_present:
             raise LedgerError(
                 f"{where}: the server that used it last (pid {dead[0][1]}) stopped without "
