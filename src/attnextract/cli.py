@@ -309,7 +309,11 @@ def _add_http_client_options(ex) -> None:
     http = ex.add_argument_group("http:// targets")
     client = _http_defaults()
     http.add_argument("--http-timeout", type=float, metavar="SECONDS",
-                      help=f"seconds per HTTP request (default: {client['timeout']:g})")
+                      help="seconds one attempt of an HTTP request may take in all: connect, "
+                           f"send and the whole answer (default: {client['timeout']:g})")
+    http.add_argument("--http-token-file", metavar="FILE",
+                      help="send the bearer token in FILE (the server's --token-file) on "
+                           "every request")
     http.add_argument("--http-retries", type=_nonnegative_int,
                       help=f"retries of timeouts and 5xx answers (default: {client['retries']})")
     http.add_argument("--http-concurrency", type=_positive_int,
@@ -342,7 +346,11 @@ def _serve_parser(command) -> None:
     se.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one)")
     se.add_argument("--state", metavar="FILE.sqlite",
                     help="keep the budget, charges and recent answers in this SQLite ledger: "
-                         "a restart, a crash or kill -9 loses nothing (default: in memory)")
+                         "a restart, a crash or kill -9 loses nothing (default: in memory); "
+                         "a damaged, empty or foreign file is refused, never reset")
+    se.add_argument("--state-new", action="store_true",
+                    help="--state names a new ledger: create it (a missing or empty file; "
+                         "a file with bytes is never overwritten)")
     se.add_argument("--body-memory", type=_positive_int, default=96, metavar="MIB",
                     help="MiB all request bodies being answered may hold (others wait)")
     se.add_argument("--cache-memory", type=_nonnegative_int, default=32, metavar="MIB",
@@ -356,6 +364,15 @@ def _serve_parser(command) -> None:
                     help="with --outputs all: a causal mask (default: as saved)")
     se.add_argument("--min-body-rate", type=float, default=256.0, metavar="KIB_PER_S",
                     help="KiB/s a body must average after its idle-timeout grace (else 408)")
+    se.add_argument("--token-file", metavar="FILE",
+                    help="bearer tokens, one a line: a query without one gets 401 and "
+                         "/health says only that it is alive (default: no tokens)")
+    se.add_argument("--max-client-connections", type=_positive_int, metavar="N",
+                    help="connections one address may hold at once, more get 503 "
+                         "(default: --max-connections / 8)")
+    se.add_argument("--max-client-rate", type=float, metavar="PER_S",
+                    help="requests a second one address may send (bursts of twice that), "
+                         "more get 503 (default: no limit)")
 
 
 def _minilm_parser(command) -> None:
@@ -372,8 +389,12 @@ def _minilm_parser(command) -> None:
                     help="--all-heads: query this http:// endpoint serving the layer "
                          "(see --save-target) instead of the local weights")
     mi.add_argument("--http-timeout", type=float, metavar="SECONDS",
-                    help="--target: seconds per HTTP request (a loaded server answering "
-                         "batches of 12 heads at d = 384 may need more than the default)")
+                    help="--target: seconds one attempt of an HTTP request may take in all "
+                         "(a loaded server answering batches of 12 heads at d = 384 may "
+                         "need more than the default)")
+    mi.add_argument("--http-token-file", metavar="FILE",
+                    help="--target: send the bearer token in FILE (the server's "
+                         "--token-file) on every request")
     mi.add_argument("--save-target", metavar="FILE.npz",
                     help="--all-heads: write the layer's 12 heads as a model file for "
                          "'attnextract serve --secret FILE.npz' and stop")
@@ -399,6 +420,9 @@ def _verify_parser(command) -> None:
     ve = command("verify", "compare a saved result with a black box")
     ve.add_argument("--target", required=True,
                     help="FILE.py:NAME or MODULE:NAME (a callable (B, N, d) -> (B,), or (N, d) -> one number) or http://HOST:PORT")
+    ve.add_argument("--http-token-file", metavar="FILE",
+                    help="http:// targets: send the bearer token in FILE (the server's "
+                         "--token-file) on every request")
     ve.add_argument("--result", required=True, metavar="RESULT.npz",
                     help="result file written by extract")
     ve.add_argument("--count", type=_positive_int,
@@ -585,10 +609,12 @@ def _fail(args, exc: Exception, code: int) -> int:
 def _open_target(spec: str, dim: int | None = None, args=None):
     """A black box from FILE.py:NAME, or from an HTTP endpoint http://HOST:PORT."""
     if spec.startswith(("http://", "https://")):
-        from .adapters.remote import HttpBlackBox
+        from .adapters.remote import HttpBlackBox, read_token_file
         options = {k: getattr(args, f"http_{k}")
                    for k in ("timeout", "retries", "concurrency", "transport")
                    if getattr(args, f"http_{k}", None) is not None}
+        if getattr(args, "http_token_file", None) is not None:
+            options["token"] = read_token_file(args.http_token_file)
         black_box = HttpBlackBox(spec, **options)
         if dim is not None:
             black_box.check_dim(dim)       # also fails early, typed, when unreachable
@@ -1065,7 +1091,7 @@ def _vector_twins(args, seed: int) -> int:
 
 
 def cmd_serve(args) -> int:
-    from .adapters.server import make_server
+    from .adapters.server import make_server, read_tokens
     from .adapters.replicas import load_spec
     model = load_spec(args.secret)         # FILE.npz, or FILE.py:NAME (a black box with dim)
     model = _served_positions(model, args)
@@ -1079,15 +1105,24 @@ def cmd_serve(args) -> int:
         raise InputError("--ray-address needs --replicas N")
     if min(args.slot_timeout, args.min_body_rate, args.idle_timeout) <= 0:
         raise InputError("--slot-timeout, --min-body-rate and --idle-timeout must be > 0")
+    if args.max_client_rate is not None and args.max_client_rate <= 0:
+        raise InputError("--max-client-rate must be > 0")
+    # a server bound beyond loopback without tokens logs a warning (make_server)
+    tokens = None if args.token_file is None else read_tokens(args.token_file)
+    if args.state_new and args.state is None:
+        raise InputError("--state-new needs --state FILE.sqlite")
     try:
         server = make_server(model, args.host, args.port, budget=args.budget,
                              round_digits=args.round_digits, verbose=args.verbose > 0,
                              max_connections=args.max_connections,
                              idle_timeout=args.idle_timeout, workers=args.workers,
-                             state=args.state, body_memory=args.body_memory << 20,
+                             state=args.state, state_new=args.state_new,
+                             body_memory=args.body_memory << 20,
                              cache_bytes=args.cache_memory << 20,
                              slot_timeout=args.slot_timeout,
-                             min_body_rate=args.min_body_rate * 1024)
+                             min_body_rate=args.min_body_rate * 1024, tokens=tokens,
+                             max_client_connections=args.max_client_connections,
+                             max_client_rate=args.max_client_rate)
     except BaseException as exc:
         if args.replicas is not None:
             model.close()
