@@ -410,3 +410,6 @@ register("low-precision", _L + "noisy:extract_low_precision",
          "one head from a forward pass in float32/bfloat16/float16 or outputs rounded to "
          "k decimals, error bars from repeated dithered probes", hidden=True,
          with_vectors="vector-single-head")
+register("vector-single-head", _L + "vector_single_head:extract_vector_single_head",
+         "one head from vector answers (last or every position): W, b, O, c in 2d + 2 "
+         "queries (d + 2 at every position)", vectors=True)
