@@ -57,12 +57,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InputError, ModelMismatchError, NotIdentifiableError
+from ..errors import (
+    InputError,
+    ModelMismatchError,
+    NotIdentifiableError,
+    RecoveryFailedError,
+)
 from ..models import VectorAttention
 from ..oracle import Oracle
 from ..precision import check_precision_options
-from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
-                      verification_count, verify_model)
+from ..report import (
+    DEFAULT_VERIFY_TOLERANCE,
+    ExtractionResult,
+    Report,
+    checked_result,
+    verification_count,
+    verify_model,
+)
 from ..verification import root_oracle, safe_norm
 from .noisy import FORWARD_RHO
 
@@ -77,11 +88,15 @@ MAX_TRIES = 8             # re-probes of one point before the box is refused
 MAX_GROWTH = 1e6          # largest growth of a scale in one step
 SHRINK_UNREADABLE = 1e-3  # scale factor for a probe whose weights are unreadable
 NOISE_FACTOR = 8.0        # logits within this x their bar are noise (a bias of 0)
-RANK_GAP = 1e3            # singular values of O below this x their error bar are 0
-SAFETY = 4.0              # rounding bars: this many units per operation
+RANK_GAP = 30.0           # singular values of O below this x their error level are 0
+SAFETY = 4.0              # rounding levels: this many units per operation
+BAR_FACTOR = 10.0         # error bars: this x the first-order error estimate
+MAX_BAR = 0.1             # a head known to worse than this is not returned (verification's limit)
+LOW_PRECISION_VERIFY = 30.0   # held-out tolerance: this x a low precision's level
 PILOT_SCALE = 1.0         # the pilots' token scales before anything is known
 # a forward pass in a low precision: its relative level per number (design level of the
 # scalar learners) plus the accumulation over the N tokens of a sequence (unit roundoff)
+ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -9, "float16": 2.0 ** -11}
 ACCUMULATION = {"float64": EPS / 2, "float32": 2.0 ** -24, "bfloat16": 2.0 ** -24,
                 "float16": 2.0 ** -24}
 
@@ -98,6 +113,8 @@ class AnswerPrecision:
     per_token: float = 0.0
     score: float = SAFETY * EPS
 
+    unit: float = EPS / 2     # the unit roundoff of the answers (rank decisions)
+
     def level(self, magnitude: float, tokens: int) -> float:
         return (self.relative + tokens * self.per_token) * magnitude + self.absolute
 
@@ -109,12 +126,13 @@ def answer_precision(output_dtype=None, tolerance=None) -> AnswerPrecision:
         if not (isinstance(tolerance, (int, float, np.floating)) and math.isfinite(tolerance)
                 and tolerance >= 0):
             raise InputError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
-        return AnswerPrecision(f"+-{float(tolerance):.3g}", SAFETY * EPS, float(tolerance),
-                               SAFETY * EPS)
+        return AnswerPrecision(f"+-{float(tolerance):.3g}", relative=SAFETY * EPS,
+                               absolute=float(tolerance), unit=float(tolerance))
     if output_dtype in (None, "float64"):
-        return AnswerPrecision("float64", SAFETY * EPS, 0.0, SAFETY * EPS)
+        return AnswerPrecision("float64", relative=SAFETY * EPS)
     rho = FORWARD_RHO[output_dtype]
-    return AnswerPrecision(output_dtype, rho, 0.0, SAFETY * ACCUMULATION[output_dtype], rho)
+    return AnswerPrecision(output_dtype, relative=rho, per_token=SAFETY * ACCUMULATION[output_dtype],
+                           score=rho, unit=ROUNDOFF[output_dtype])
 
 
 @dataclass
@@ -123,7 +141,8 @@ class Readout:
 
     ``P`` (r, m) = S_r^{-1} U_r^T; ``V`` (d, r); ``Z`` (J, r, d) the token directions of
     the J queries per point (V_r^T z = e_i); ``Zinv`` (d, J r) the solve for g from
-    the J r functionals; ``O_error`` the 2-norm bound of O's error; ``pinv_norm`` ||O^+||.
+    the J r functionals; ``O_error`` and ``c_error`` the error levels of their entries
+    (per number); ``pinv_norm`` ||O^+||.
     """
 
     c: np.ndarray
@@ -139,6 +158,8 @@ class Readout:
     pinv_norm: float
     precision: AnswerPrecision
     O_norm: float = 0.0
+    P_norm: float = 0.0       # ||P||_F: the readout's gain on independent answer errors
+    calibration: float = 1.0  # measured error / estimated error (low precision: dithered repeats)
 
     @property
     def blocks(self) -> int:
@@ -169,7 +190,11 @@ def make_readout(c, O, precision: AnswerPrecision, O_error: float, c_error: floa
     m, d = O.shape
     Uo, sv, Vt = np.linalg.svd(O, full_matrices=True)
     if rank is None:
-        r = int(np.sum(sv > max(RANK_GAP * O_error, 64 * EPS * sv[0])))
+        # ~ ||error of O||_2 at the answers' unit roundoff (the design level of a low
+        # precision is far above what it rounds: cond(O) of 1e3 must stay full rank)
+        level = O_error * precision.unit / max(precision.relative, precision.unit)
+        noise = level * (math.sqrt(m) + math.sqrt(d))
+        r = int(np.sum(sv > max(RANK_GAP * noise, 64 * EPS * sv[0])))
     else:
         r = int(rank)
     if r < 1 or not np.any(O):
@@ -191,20 +216,19 @@ def make_readout(c, O, precision: AnswerPrecision, O_error: float, c_error: floa
     return Readout(c=c, O=O, rank=r, V=V, P=P, Z=Z, Zinv=Zinv, A_inv=np.linalg.inv(A),
                    O_error=O_error,
                    c_error=c_error, pinv_norm=float(1.0 / sv[r - 1]), precision=precision,
-                   O_norm=float(sv[0]))
+                   O_norm=float(sv[0]), P_norm=float(np.linalg.norm(P)))
 
 
 def measure_single_tokens(oracle, precision: AnswerPrecision, last) -> tuple:
     """c = F([0]) and O e_k = F([e_k]) - c: d + 1 one-token queries, one batch.
 
-    Returns (c (m,), O (m, d), error bound of O (2-norm), error bound of c (2-norm))."""
+    Returns (c (m,), O (m, d), the error level of O's entries and of c's)."""
     d = oracle.dim
     X = np.concatenate([np.zeros((1, 1, d)), np.eye(d)[:, None, :]])
     F = last(oracle.query(X))
     c, O = F[0], (F[1:] - F[0]).T
-    m = F.shape[1]
-    level = precision.level(max(float(np.abs(F).max()), 1.0 * float(np.abs(F - F[0]).max())), 1)
-    return c, O, 2.0 * level * math.sqrt(m * d), level * math.sqrt(m)
+    level = precision.level(float(np.abs(F).max()), 1)
+    return c, O, math.sqrt(2.0) * level, level
 
 
 @dataclass
@@ -237,22 +261,34 @@ def measure_points(oracle, R: Readout, q: np.ndarray, t: np.ndarray, last) -> Po
     ok = readable.all(axis=1)
     peak = np.where(ok, np.abs(logits).max(axis=(1, 2)), np.inf)
     g = (logits.reshape(n, J * r) / t[:, None]) @ R.Zinv.T
-    # error bound (first order): answers off by their precision, O by O_error
+    # error estimate (first order, errors independent per number): an answer number is
+    # off by sigma_F, O's entries and c's by their levels; through y = P (F - c) (rows of
+    # P of norm <= ||O^+||), alpha = A^-1 (y - V^T q) / t, the logits' Jacobian
+    # L = diag(1 / alpha) + 1 1^T / alpha_N, and g = Zinv (logits / t)
     p = R.precision
     mag_x = np.linalg.norm(q, axis=1) + t * float(np.linalg.norm(R.Z, axis=2).max())
     # an answer's rounding is relative to the sizes summed in it, not to its own size
     answer = np.maximum(np.abs(F).max(axis=(1, 2)), R.O_norm * mag_x + float(np.abs(R.c).max()))
-    level = np.array([p.level(a, r + 1) for a in answer])
-    XTa = np.linalg.norm(q, axis=1) + t * math.sqrt(r)           # |X^T alpha| bound
-    m = F.shape[2]
-    dy = R.pinv_norm * (math.sqrt(m) * (level + R.c_error / math.sqrt(m))
-                        + R.O_error * XTa)
-    a_min = np.where(ok, np.minimum(alpha.min(axis=(1, 2)), alpha_N.min(axis=1)), 1.0)
-    dscore = p.score * math.sqrt(d) * mag_x * np.linalg.norm(
-        np.where(np.isfinite(g), g, 0.0), axis=1)
-    spread = float(np.linalg.norm(R.A_inv, 2)) + float(np.linalg.norm(R.A_inv.sum(axis=0)))
-    dlogit = spread * dy / (t * a_min) + 2.0 * dscore
-    bound = float(np.linalg.norm(R.Zinv, 2)) * math.sqrt(J * r) * dlogit / t
+    XTa = np.linalg.norm(q, axis=1) + t                           # |X^T alpha| <= this
+    sigma = np.sqrt(np.array([p.level(a, r + 1) for a in answer]) ** 2 + R.c_error ** 2
+                    + (R.O_error * XTa) ** 2)
+    safe_alpha = np.where(readable[:, :, None], alpha, 1.0)
+    safe_N = np.where(readable, alpha_N, 1.0)
+    # ||L A^-1||_F^2 = sum_i |a_i|^2 / alpha_i^2 + 2 (a_i . s) / (alpha_i alpha_N)
+    #                  + r |s|^2 / alpha_N^2, a_i the rows of A^-1, s their sum
+    rows2 = np.sum(R.A_inv ** 2, axis=1)
+    colsum = R.A_inv.sum(axis=0)
+    cross = R.A_inv @ colsum
+    N_ = safe_N[..., None]
+    gain2 = (rows2 / safe_alpha ** 2 + 2 * cross / (safe_alpha * N_)).sum(axis=2) \
+        + r * float(colsum @ colsum) / safe_N ** 2
+    gain = np.sqrt(np.maximum(gain2, 0.0).sum(axis=1))           # ||blockdiag(L A^-1)||_F
+    zinv = float(np.linalg.norm(R.Zinv, 2))
+    # independent errors: ||L A^-1 P||_F ~ ||L A^-1||_F ||P||_F / sqrt(r)
+    from_answers = zinv * gain * R.P_norm * sigma / (math.sqrt(r) * t ** 2)
+    # the box's own score rounding: eps |x_i| |W q + b| per logit
+    dscore = p.score * mag_x * np.linalg.norm(np.where(np.isfinite(g), g, 0.0), axis=1)
+    bound = R.calibration * np.hypot(from_answers, zinv * math.sqrt(2 * J * r) * dscore / t)
     return Points(q=q, t=t, g=np.where(ok[:, None], g, np.nan), peak=peak, bound=bound)
 
 
@@ -364,7 +400,7 @@ def measure_columns(oracle, R: Readout, b: np.ndarray, b_bound: float, beta_know
     counts["columns"] += d * R.blocks
     counts["rescaling"] += asked - d * R.blocks
     W = ((g - b) / s[:, None]).T
-    return W, s, (bound + b_bound) / s
+    return W, s, np.hypot(bound, b_bound) / s
 
 
 def _balanced(s, s_design) -> np.ndarray:
@@ -395,74 +431,77 @@ def measure_bias(oracle, R: Readout, last, counts: dict) -> Points:
 
 # -- every position ------------------------------------------------------------------
 
+def simplex_vertices(d: int) -> np.ndarray:
+    """Z (d + 1, d): the vertices z_k of a regular simplex of unit circumradius centred at
+    0 (sum_k z_k = 0, Z^T Z = (d + 1) / d I)."""
+    A = simplex_edges(d)
+    z0 = -A.sum(axis=1) / (d + 1)                   # sum_k z_k = 0 fixes z_0
+    return np.vstack([z0, z0 + A.T])
+
+
 def every_position_probe(oracle, R: Readout, t: float, causal: bool):
-    """g at t e_1, ..., t e_d (W t e_k + b, rows 0..d-1) and at 0 (b, row d) from the
-    tokens t e_1, ..., t e_d, 0: one query (bidirectional) or two (causal, both
-    orders). Returns (G (d + 1, d), largest |logit|, 2-norm error bound per row)."""
+    """g(t z_k) = t W z_k + b at the d + 1 vertices of a regular simplex (rows of G),
+    from the tokens t z_0, ..., t z_d: one query (bidirectional) or two (causal: both
+    orders).
+
+    At position k, ln alpha_i = t z_i^T g_k + const, and since sum_i z_i = 0 and
+    Z^T Z = (d + 1) / d I, g_k = d / ((d + 1) t) Z^T ln alpha: no token is the
+    reference, so no weight carries the others' rounding. Bidirectional: alpha from
+    y = O^+ (F_k - c) = t Z^T alpha, sum alpha = 1 (orthogonal parts). Causal: position
+    k of the forward order sees tokens 0..k, of the reversed order tokens k..d; the two
+    sets of log-weights share token k, which aligns their constants.
+
+    Returns (G (d + 1, d), largest |t z_i^T g_k|, error estimate of each row (d + 1,))."""
     d = oracle.dim
-    tokens = np.vstack([t * np.eye(d), np.zeros((1, d))])          # (d + 1, d)
-    if causal:
-        X = np.stack([tokens, tokens[::-1]])
-    else:
-        X = tokens[None]
+    Z = simplex_vertices(d)
+    tokens = t * Z
+    X = np.stack([tokens, tokens[::-1]]) if causal else tokens[None]
     F = np.asarray(oracle.query(X))                                 # (B, d + 1, m)
-    Y = (F - R.c) @ R.P.T                                           # (B, d + 1, d)
-    p = R.precision
-    m = F.shape[2]
-    level = p.level(max(float(np.abs(F).max()), R.O_norm * t + float(np.abs(R.c).max())), d + 1)
-    dy = R.pinv_norm * (math.sqrt(m) * level + R.c_error + R.O_error * t * math.sqrt(d))
-    G = np.full((d + 1, d), np.nan)
-    worst = 0.0
-    a_min = 1.0
+    Y = (F - R.c) @ R.P.T / t                                       # Z^T alpha per position
+    logs = np.full((d + 1, d + 1), np.nan)                          # ln alpha_i at position k
+    amin = np.zeros(d + 1)                                          # smallest weight read
     with np.errstate(divide="ignore", invalid="ignore"):
         if not causal:
-            alpha = Y[0] / t                                        # (positions, d)
-            alpha0 = 1.0 - alpha.sum(axis=1)
-            ok = np.all(alpha > 0, axis=1) & (alpha0 > 0)
-            L = np.log(alpha) - np.log(alpha0)[:, None]
-            G = np.where(ok[:, None], L / t, np.nan)
-            worst = float(np.abs(L).max()) if ok.all() else np.inf
-            a_min = float(min(alpha.min(), alpha0.min())) if ok.all() else 0.0
+            alpha = (d / (d + 1)) * Y[0] @ Z.T + 1.0 / (d + 1)      # (k, i)
+            logs = np.log(np.where(alpha > 0, alpha, np.nan))
+            amin = alpha.min(axis=1)
         else:
-            fwd = Y[0] / t               # position k (0-based) sees tokens 0..k
-            rev = Y[1] / t               # position j holds token d - j (0: the zero token)
-            ok = True
-            # b from the forward pass's last position (every token seen)
-            a_last, a0 = fwd[d], 1.0 - fwd[d].sum()
-            ok &= bool(np.all(a_last > 0) and a0 > 0)
-            G[d] = (np.log(a_last) - np.log(a0)) / t
-            logs = [np.abs(np.log(a_last) - np.log(a0)).max()] if ok else []
-            mins = [a_last.min(), a0] if ok else []
-            for k in range(d):
-                af = fwd[k, :k + 1]                                  # tokens 0..k
-                pos = d - k                                          # token k's position
-                ar = rev[pos, k:]                                    # tokens k..d-1
-                ar0 = 1.0 - ar.sum()
-                if not (np.all(af > 0) and np.all(ar > 0) and ar0 > 0):
-                    ok = False
-                    continue
-                gkk = -(np.log(ar0) - np.log(ar[0])) / t
-                row = np.empty(d)
-                row[k] = gkk
-                row[:k] = (np.log(af[:k]) - np.log(af[k])) / t + gkk
-                row[k + 1:] = (np.log(ar[1:]) - np.log(ar[0])) / t + gkk
-                G[k] = row
-                logs.append(max(np.abs(t * row).max(), abs(t * gkk)))
-                mins += [af.min(), ar.min(), ar0]
-            worst = float(max(logs)) if ok else np.inf
-            a_min = float(min(mins)) if ok else 0.0
-    g_norm = float(np.linalg.norm(np.where(np.isfinite(G), G, 0.0), axis=1).max())
-    dscore = p.score * math.sqrt(d) * 2.0 * t * g_norm
-    factor = 3.0 if causal else 2.0          # causal rows chain two logits
-    dlogit = factor * math.sqrt(d) * dy / (t * max(a_min, np.finfo(float).tiny)) + 2 * dscore
-    bound = np.full(d + 1, math.sqrt(d) * dlogit / t)
-    return G, worst, bound
+            fwd, rev = Y[0], Y[1][::-1]        # rev[k]: the position holding token k
+            for k in range(d + 1):
+                part = []
+                for seen, y in ((np.arange(k + 1), fwd[k]), (np.arange(k, d + 1), rev[k])):
+                    M = np.vstack([Z[seen].T, np.ones((1, seen.size))])
+                    a = np.linalg.lstsq(M, np.append(y, 1.0), rcond=None)[0]
+                    la = np.log(np.where(a > 0, a, np.nan))
+                    part.append((seen, la - la[0 if seen[0] == k else -1]))
+                    amin[k] = min(amin[k], a.min()) if amin[k] > 0 else a.min()
+                for seen, la in part:
+                    logs[k, seen] = la
+    ok = bool(np.all(np.isfinite(logs)))
+    G = (d / ((d + 1) * t)) * logs @ Z                              # rows g_k
+    worst = float(np.abs(t * G @ Z.T).max()) if ok else np.inf
+    # error estimate: d ln alpha_i = d alpha_i / alpha_i, alpha's rows from y through
+    # sqrt(d / (d + 1)) Z (orthonormal columns scaled), y = P (F - c) / t
+    p = R.precision
+    level = p.level(max(float(np.abs(F).max()), R.O_norm * t + float(np.abs(R.c).max())), d + 1)
+    sigma = math.sqrt(level ** 2 + R.c_error ** 2 + (R.O_error * t) ** 2)
+    inv_alpha = 1.0 / np.maximum(amin, np.finfo(float).tiny)
+    chain = 2.0 if causal else 1.0         # causal rows join two solves
+    da = R.P_norm * sigma / t
+    dlog = chain * inv_alpha * da
+    g_norm = np.linalg.norm(np.where(np.isfinite(G), G, 0.0), axis=1)
+    dscore = p.score * t * g_norm
+    bound = R.calibration * math.sqrt(d / (d + 1)) * np.hypot(dlog, 2 * math.sqrt(d) * dscore) / t
+    return np.where(ok, G, np.nan), worst, bound
 
 
 def every_position_scale(W: np.ndarray, b: np.ndarray) -> float:
-    """t with max_k,i |t (t W_ik + b_i)| = TARGET_LOGIT (bisection in log t)."""
+    """t with max_k,i |t z_i^T (t W z_k + b)| = TARGET_LOGIT (bisection in log t)."""
+    Z = simplex_vertices(W.shape[0])
+    ZWZ, Zb = Z @ W @ Z.T, Z @ b
+
     def peak(t):
-        return float(np.abs(t * (t * W + b[:, None])).max())
+        return float(np.abs(t * (t * ZWZ + Zb[:, None])).max())
     if not (np.any(W) or np.any(b)):
         return PILOT_SCALE * MAX_GROWTH
     lo, hi = 1e-300, 1e300
@@ -489,8 +528,9 @@ def measure_every_position(oracle, R: Readout, causal: bool, counts: dict):
         if LOW_LOGIT <= worst <= HIGH_LOGIT:
             break
         if np.isfinite(worst):
-            b = G[d]
-            W = (G[:d] - b).T / t
+            Z = simplex_vertices(d)
+            b = G.mean(axis=0)
+            W = (d / ((d + 1) * t)) * G.T @ Z
             if worst <= NOISE_FACTOR * bound.max() * t and worst < LOW_LOGIT:
                 new = t * MAX_GROWTH ** 0.5            # W, b at the noise: look larger
             else:
@@ -580,6 +620,8 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
             f"biases=None (detect) or biases=True")
     R = make_readout(c, O, precision, O_error, c_error, rank)
     notes = []
+    # low precision: the error level is measured from dithered repeats, not assumed
+    calibrate = output_dtype not in (None, "float64")
     causal = bool(root.causal) if every and root.causal is not None else None
     if every and causal is None:
         causal = _detect_causal(oracle, R, counts)
@@ -588,18 +630,28 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
                      f"causal= to skip this query)")
     if every and R.rank == d:
         G, t, bound = measure_every_position(oracle, R, causal, counts)
-        b_raw, b_bound = G[d], float(bound[d])
-        peak_b = float(np.abs(t * b_raw).max())
-        b_zero = biases is False or (biases is None and peak_b <= NOISE_FACTOR * b_bound * t)
+        if calibrate:
+            G, bound, note = _calibrate_every(oracle, R, causal, t, G, bound, counts)
+            notes.append(note)
+        Z = simplex_vertices(d)
+        # g_k = t W z_k + b: b is the mean (sum_k z_k = 0), W = d / ((d + 1) t) G^T Z
+        b_raw = G.mean(axis=0)
+        b_bound = float(np.linalg.norm(bound)) / (d + 1)
+        b_zero = biases is False or (biases is None and float(np.abs(t * b_raw).max())
+                                     <= NOISE_FACTOR * b_bound * t)
         b = np.zeros(d) if b_zero else b_raw
-        W = (G[:d] - b).T / t
-        col_bounds = (bound[:d] + (0.0 if b_zero else b_bound)) / t
-        design = (f"tokens t e_1 .. t e_d, 0 at t = {t:.3g} "
+        W = (d / ((d + 1) * t)) * G.T @ Z
+        # each column of W is a combination of every row of G with weights |z_k| ~ 1
+        col_bounds = np.full(d, (d / ((d + 1) * t)) * float(np.linalg.norm(bound))
+                             / math.sqrt(d))
+        design = (f"tokens t z_k at the vertices of a regular simplex, t = {t:.3g} "
                   f"({'both orders (causal)' if causal else 'one query'})")
     else:
         if every:
             notes.append(f"rank(O) = {R.rank} < d = {d}: every-position answers read at the "
                          f"last position only")
+        if calibrate:
+            notes.append(_calibrate_last(oracle, R, last, counts))
         if biases is False:
             b, b_bound, b_zero = np.zeros(d), 0.0, True
         else:
@@ -611,31 +663,52 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
         design = (f"points q = s_k e_k at s {s.min():.3g} .. {s.max():.3g}, "
                   f"{R.blocks} quer{'y' if R.blocks == 1 else 'ies'} of {R.rank + 1} tokens "
                   f"per point")
-    if biases is None and c_noise and b_zero:
-        c = np.zeros(m)
-    elif biases is False:
+    if biases is None and c_noise and b_zero or biases is False:
         c = np.zeros(m)
     biased = not (b_zero and not np.any(c))
     model = VectorAttention(W[None], R.O[None], b[None], c, positions=oracle.outputs,
                             causal=bool(causal) if every else False)
 
-    # error bars (relative, per part) and the model's bar for verification
-    W_norm = float(np.linalg.norm(W))
-    col_rel = col_bounds / np.maximum(np.linalg.norm(W, axis=0), np.finfo(float).tiny)
-    bars = {"W": float(np.linalg.norm(col_bounds)) / max(W_norm, np.finfo(float).tiny),
-            "O": R.O_error / max(float(np.linalg.norm(R.O, 2)), np.finfo(float).tiny),
-            "b": 0.0 if b_zero else b_bound / max(float(np.linalg.norm(b)), W_norm * 1e-300,
-                                                  np.finfo(float).tiny),
-            "c": 0.0 if not np.any(c) else R.c_error / float(np.linalg.norm(c))}
-    bar = max(bars["W"], bars["O"], min(bars["b"], 1.0), min(bars["c"], 1.0))
+    # error bars (relative, per part): BAR_FACTOR x the first-order error estimates; the
+    # model's bar for verification takes b and c against the sizes they are judged at
+    # (b beside the scores' |W| |x| at the token scale sqrt(2 / |W|), c beside O)
+    tiny = np.finfo(float).tiny
+    W_norm, O_norm = float(np.linalg.norm(W)), float(np.linalg.norm(R.O))
+    col_rel = BAR_FACTOR * col_bounds / np.maximum(np.linalg.norm(W, axis=0), tiny)
+    O_abs = BAR_FACTOR * R.O_error * math.sqrt(m * d)
+    b_abs = 0.0 if b_zero else BAR_FACTOR * b_bound
+    c_abs = 0.0 if not np.any(c) else BAR_FACTOR * R.c_error * math.sqrt(m)
+    bars = {"W": BAR_FACTOR * float(np.linalg.norm(col_bounds)) / max(W_norm, tiny),
+            "O": O_abs / max(O_norm, tiny),
+            "b": b_abs / max(float(np.linalg.norm(b)), tiny) if b_abs else 0.0,
+            "c": c_abs / max(float(np.linalg.norm(c)), tiny) if c_abs else 0.0}
+    bar = max(bars["W"], bars["O"], b_abs / max(float(np.linalg.norm(b)),
+                                                math.sqrt(2 * W_norm), tiny),
+              c_abs / max(float(np.linalg.norm(c)), O_norm, tiny))
     rank_params = R.rank * (m + d - R.rank)
     parameters = d * d + rank_params + ((d + m) if biased else 0)
     per_query = m * (d + 1) if every else m
     floor = math.ceil(parameters / per_query)
     recovery = oracle.queries - start_queries
     n_verify = verification_count(parameters, recovery)
+    if not bar <= MAX_BAR:
+        raise RecoveryFailedError(
+            f"the error bar of the recovered head is {bar:.1e} (W {bars['W']:.1e}, b "
+            f"{bars['b']:.1e}, O {bars['O']:.1e}; condition of O "
+            f"{float(np.linalg.norm(R.O, 2)) * R.pinv_norm:.3g}), above {MAX_BAR:.0e}: the "
+            f"answers ({precision.name}) are too coarse for this head; nothing is returned")
+    verify_bar = bar
+    if output_dtype not in (None, "float64") or tolerance is not None:
+        # rounded answers: the box itself is off from any exact model by its precision
+        # (held-out tolerance LOW_PRECISION_VERIFY x it, plus twice the bar), and by its
+        # score rounding, which grows with the scores (the bar is at least that level:
+        # verification widens each sequence's allowance by bar x the scores' reach)
+        level = precision.relative + (precision.absolute / max(float(np.abs(R.O).max()), tiny)
+                                      if precision.absolute else 0.0)
+        verify_tolerance = max(verify_tolerance, LOW_PRECISION_VERIFY * level + 2.0 * bar)
+        verify_bar = max(bar, precision.score)
     verification = verify_model(oracle, model, count=n_verify, seed=seed,
-                                tolerance=verify_tolerance, expected_error=bar)
+                                tolerance=verify_tolerance, expected_error=verify_bar)
     breakdown = {k: v for k, v in counts.items() if v}
     breakdown["verification"] = verification.sequences
     assert sum(v for k, v in counts.items()) == recovery, (counts, recovery)
@@ -658,6 +731,46 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
                  "error_bar_b": bars["b"], "error_bar_O": bars["O"], "error_bar_c": bars["c"],
                  "error_bar": bar})
     return checked_result(model, report, "a single attention head with vector answers")
+
+
+DITHER = 0.8125           # repeats for calibration: scales x this (new roundings)
+MIN_CALIBRATION = 1e-4    # a measured level this far below the estimate is not believed
+
+
+def _calibrate_last(oracle, R: Readout, last, counts: dict) -> str:
+    """Measure g(0) = b twice, at token scales 1 and DITHER: the difference of the two is
+    the answers' real error; ``R.calibration`` becomes its ratio to the estimated one
+    (a forward pass in low precision rounds far less than its assumed level, or more).
+    2 J queries."""
+    d = oracle.dim
+    a = measure_points(oracle, R, np.zeros((2, d)), np.array([1.0, DITHER]), last)
+    counts["calibration"] = counts.get("calibration", 0) + 2 * R.blocks
+    if not np.all(np.isfinite(a.peak)):
+        return "calibration probes unreadable: the assumed precision level is kept"
+    ratio = float(np.linalg.norm(a.g[0] - a.g[1]) / np.hypot(a.bound[0], a.bound[1]))
+    R.calibration = max(ratio, MIN_CALIBRATION)
+    return (f"error level measured from two bias probes at scales 1 and {DITHER}: "
+            f"{R.calibration:.2g} x the level assumed for {R.precision.name}")
+
+
+def _calibrate_every(oracle, R: Readout, causal: bool, t: float, G, bound, counts: dict):
+    """The every-position probe again at t x DITHER: W and b from both, their difference
+    against the estimated errors sets ``R.calibration``; returns the first probe's G and
+    bounds rescaled, and a note."""
+    d = oracle.dim
+    Z = simplex_vertices(d)
+    G2, worst, bound2 = every_position_probe(oracle, R, t * DITHER, causal)
+    counts["calibration"] = counts.get("calibration", 0) + (2 if causal else 1)
+    if not np.isfinite(worst):
+        return G, bound, "calibration probe unreadable: the assumed precision level is kept"
+    W1, W2 = (d / ((d + 1) * t)) * G.T @ Z, (d / ((d + 1) * t * DITHER)) * G2.T @ Z
+    diff = math.hypot(float(np.linalg.norm(W1 - W2)) * t,
+                      float(np.linalg.norm(G.mean(axis=0) - G2.mean(axis=0))))
+    pred = math.hypot(float(np.linalg.norm(bound)), float(np.linalg.norm(bound2)))
+    R.calibration = max(diff / pred, MIN_CALIBRATION)
+    return G, bound * R.calibration, (
+        f"error level measured from a repeat at scale x {DITHER}: {R.calibration:.2g} x "
+        f"the level assumed for {R.precision.name}")
 
 
 def _detect_causal(oracle, R: Readout, counts: dict) -> bool:
