@@ -485,14 +485,16 @@ def every_position_probe(oracle, R: Readout, t: float, causal: bool):
     p = R.precision
     level = p.level(max(float(np.abs(F).max()), R.O_norm * t + float(np.abs(R.c).max())), d + 1)
     sigma = math.sqrt(level ** 2 + R.c_error ** 2 + (R.O_error * t) ** 2)
+    if not ok:                             # unreadable: no estimate
+        return G, worst, np.full(d + 1, np.inf)
     inv_alpha = 1.0 / np.maximum(amin, np.finfo(float).tiny)
     chain = 2.0 if causal else 1.0         # causal rows join two solves
     da = R.P_norm * sigma / t
     dlog = chain * inv_alpha * da
-    g_norm = np.linalg.norm(np.where(np.isfinite(G), G, 0.0), axis=1)
+    g_norm = np.linalg.norm(G, axis=1)
     dscore = p.score * t * g_norm
     bound = R.calibration * math.sqrt(d / (d + 1)) * np.hypot(dlog, 2 * math.sqrt(d) * dscore) / t
-    return np.where(ok, G, np.nan), worst, bound
+    return G, worst, bound
 
 
 def every_position_scale(W: np.ndarray, b: np.ndarray) -> float:
