@@ -50,12 +50,12 @@ def test_last_position_at_2d_plus_2(d, m):
     worst = 0.0
     for seed in range(6):
         box = head(d, m, seed)
-        oracle, result = run(box, d)
+        _, result = run(box, d)
         report = result.report
         assert report.recovery_queries == 2 * d + 2              # c, O, b, d columns
         assert report.breakdown["constant and O"] == d + 1
-        assert report.details["numbers received"] == m * (2 * d + 2)   # m per answer
-        assert report.details["tokens sent"] == (d + 1) + (d + 1) ** 2
+        assert report.details["numbers received (recovery)"] == m * (2 * d + 2)   # m per answer
+        assert report.details["tokens sent (recovery)"] == (d + 1) + (d + 1) ** 2
         assert report.floor == -(-(d * d + d + m * d + m) // m)
         errors = vector_canonical_errors(result.model, box)
         assert errors["max"] <= report.details["error_bar"]

@@ -692,6 +692,7 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
     per_query = m * (d + 1) if every else m
     floor = math.ceil(parameters / per_query)
     recovery = oracle.queries - start_queries
+    numbers, tokens = oracle.numbers - start_numbers, oracle.tokens - start_tokens
     n_verify = verification_count(parameters, recovery)
     if not bar <= MAX_BAR:
         raise RecoveryFailedError(
@@ -723,8 +724,8 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
                  "rank of O": R.rank, "condition of O": float(np.linalg.norm(R.O, 2)
                                                              * R.pinv_norm),
                  "design": design, "precision": precision.name,
-                 "numbers received": int(oracle.numbers - start_numbers),
-                 "tokens sent": int(oracle.tokens - start_tokens),
+                 "numbers received (recovery)": int(numbers),
+                 "tokens sent (recovery)": int(tokens),
                  "parameters": parameters,
                  "floor": f"ceil({parameters} parameters / {per_query} numbers per query)",
                  "biases": ("detected" if biased else "none detected (b = 0, c = 0 exactly)")
