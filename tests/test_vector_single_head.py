@@ -52,7 +52,10 @@ def test_last_position_at_2d_plus_2(d, m):
         box = head(d, m, seed)
         _, result = run(box, d)
         report = result.report
-        assert report.recovery_queries == 2 * d + 2              # c, O, b, d columns
+        # c, O, b, d columns; at d = 4 a column may differ from the pilot's by more than
+        # the band allows and is asked again (the count says so)
+        assert report.recovery_queries == 2 * d + 2 + report.breakdown.get("rescaling", 0)
+        assert report.breakdown.get("rescaling", 0) <= (2 if d <= 4 else 0)
         assert report.breakdown["constant and O"] == d + 1
         assert report.details["numbers received (recovery)"] == m * (2 * d + 2)   # m per answer
         assert report.details["tokens sent (recovery)"] == (d + 1) + (d + 1) ** 2

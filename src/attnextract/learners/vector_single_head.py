@@ -80,9 +80,11 @@ from .noisy import FORWARD_RHO
 log = logging.getLogger(__name__)
 
 EPS = float(np.finfo(float).eps)
-TARGET_LOGIT = 1.0        # aim the largest |logit| of a probe here: alpha ratios <= e^2
+TARGET_LOGIT = 2.0        # aim the largest |logit| of a probe here: alpha ratios <= e^4
 LOW_LOGIT = 0.05          # a probe whose largest |logit| is below is probed again larger
-HIGH_LOGIT = 6.0          # ... above, smaller (a probe is readable to ~30)
+HIGH_LOGIT = 6.0          # ... above, smaller: alpha ratios of e^12 cost their precision
+# every position: the one probe that carries W and b is asked again unless this close
+EVERY_BAND = (0.25 * TARGET_LOGIT, HIGH_LOGIT)
 BALANCE = 8.0             # a column probed at s more than this x off its design: again
 MAX_TRIES = 8             # re-probes of one point before the box is refused
 MAX_GROWTH = 1e6          # largest growth of a scale in one step
@@ -324,7 +326,8 @@ def _last_answer(oracle):
 
 def _noise(points: Points) -> np.ndarray:
     """Whether a point's logits are rounding noise (g indistinguishable from 0)."""
-    return np.isfinite(points.peak) & (points.peak <= NOISE_FACTOR * points.bound * points.t)
+    return (np.isfinite(points.peak) & (points.peak < LOW_LOGIT)
+            & (points.peak <= NOISE_FACTOR * points.bound * points.t))
 
 
 def measure_columns(oracle, R: Readout, b: np.ndarray, b_bound: float, beta_known: bool,
@@ -353,7 +356,7 @@ def measure_columns(oracle, R: Readout, b: np.ndarray, b_bound: float, beta_know
     def column_noise():
         # |s W e_k| within its bar: W e_k = 0 as far as these probes tell
         size = np.linalg.norm(np.where(np.isfinite(g), g - b, np.inf), axis=1)
-        return np.isfinite(peak) & (size <= NOISE_FACTOR * (bound + b_bound))
+        return np.isfinite(peak) & (peak <= HIGH_LOGIT) & (size <= NOISE_FACTOR * (bound + b_bound))
 
     first = np.array([0])
     ask(first)
@@ -527,7 +530,7 @@ def measure_every_position(oracle, R: Readout, causal: bool, counts: dict):
     G, worst, bound = every_position_probe(oracle, R, t, causal)
     counts["every-position probes"] = per
     for _ in range(MAX_TRIES):
-        if LOW_LOGIT <= worst <= HIGH_LOGIT:
+        if EVERY_BAND[0] <= worst <= EVERY_BAND[1]:
             break
         if np.isfinite(worst):
             Z = simplex_vertices(d)
