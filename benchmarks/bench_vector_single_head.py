@@ -24,7 +24,7 @@ from attnextract.models import VectorAttention
 from attnextract.oracle import Oracle
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_vector_single_head import Impostor, torch_head  # noqa: E402
+from test_vector_single_head import Impostor, torch_head
 
 OUT = Path(__file__).resolve().parent / "results" / "vector_single_head.md"
 
@@ -150,20 +150,20 @@ def main():
     args = parser.parse_args()
     quick = args.quick
     many = 10 if quick else 50
-    lines = [f"# vector-single-head benchmark\n",
-             f"- command: `OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', '')} "
+    lines = ["# vector-single-head benchmark\n",
+             (f"- command: `OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', '')} "
              f"PYTHONPATH=src python3 benchmarks/bench_vector_single_head.py"
-             f"{' --quick' if quick else ''}`",
-             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
-             f"- machine: {platform.machine()}, {platform.processor() or 'cpu'}, "
+             f"{' --quick' if quick else ''}`"),
+             f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}",
+             (f"- machine: {platform.machine()}, {platform.processor() or 'cpu'}, "
              f"{os.cpu_count()} cores, Python {platform.python_version()}, numpy "
-             f"{np.__version__}",
+             f"{np.__version__}"),
              "",
-             "Boxes: W ~ N(0, 1/d), O ~ N(0, 1/d) (m x d), b ~ N(0, 0.09), c ~ N(0, 0.09) unless "
+             ("Boxes: W ~ N(0, 1/d), O ~ N(0, 1/d) (m x d), b ~ N(0, 0.09), c ~ N(0, 0.09) unless "
              "stated; errors are `vector_canonical_errors(...)['max']` (relative, worst of W, b, "
              "O, c); 'within bar' counts seeds whose error is at most the reported error bar. "
              "Held-out verification lengths are capped by the oracle's max_length (every-position "
-             "models cost N^2 per sequence). Recovery queries exclude verification.",
+             "models cost N^2 per sequence). Recovery queries exclude verification."),
              "", "## Float64 boxes", "", HEADER]
     grid = [("last position", d, d, many, {}) for d in (8, 16, 32, 64)]
     grid += [("last position", 128, 128, 5 if quick else 10, {}),
@@ -181,12 +181,12 @@ def main():
             print(lines[-1], flush=True)
     lines += ["", "## Adversarial boxes (last position unless stated)", "", HEADER]
     adversarial = [
-        ("W x 1e-4, no biases", dict(W_scale=1e-4, b_scale=0.0, c_scale=0.0)),
-        ("W x 1e3", dict(W_scale=1e3)),
-        ("W x 1e-2, b ~ N(0, 1)", dict(W_scale=1e-2, b_scale=1.0)),
-        ("b ~ N(0, 25), c ~ N(0, 1e4)", dict(b_scale=5.0, c_scale=100.0)),
-        ("biases 0", dict(b_scale=0.0, c_scale=0.0)),
-        ("cond(O) = 1e6", dict(cond=1e6)),
+        ("W x 1e-4, no biases", {"W_scale": 1e-4, "b_scale": 0.0, "c_scale": 0.0}),
+        ("W x 1e3", {"W_scale": 1e3}),
+        ("W x 1e-2, b ~ N(0, 1)", {"W_scale": 1e-2, "b_scale": 1.0}),
+        ("b ~ N(0, 25), c ~ N(0, 1e4)", {"b_scale": 5.0, "c_scale": 100.0}),
+        ("biases 0", {"b_scale": 0.0, "c_scale": 0.0}),
+        ("cond(O) = 1e6", {"cond": 1e6}),
     ]
     for name, kw in adversarial:
         for d in (16, 32):
@@ -200,8 +200,8 @@ def main():
     lines.append(run_grid("every position, m = d / 4 (read at the last)", 16, 4,
                           5 if quick else 10, lambda s: random_head(16, 4, s, "all"), 40))
     lines += ["", "## Float32 PyTorch heads (a forward pass in float32, `output_dtype='float32'`)",
-              "", "| box | positions | seeds | queries | median error | worst error | median bar "
-              "| within bar | refused |", "|---|---|---|---|---|---|---|---|---|"]
+              "", ("| box | positions | seeds | queries | median error | worst error | median bar "
+              "| within bar | refused |"), "|---|---|---|---|---|---|---|---|---|"]
     try:
         lines += float32_rows(quick)
     except AttnExtractError as exc:         # pragma: no cover - torch missing or broken

@@ -57,8 +57,9 @@ def test_last_position_at_2d_plus_2(d, m):
         assert report.recovery_queries == 2 * d + 2 + report.breakdown.get("rescaling", 0)
         assert report.breakdown.get("rescaling", 0) <= (2 if d <= 4 else 0)
         assert report.breakdown["constant and O"] == d + 1
-        assert report.details["numbers received (recovery)"] == m * (2 * d + 2)   # m per answer
-        assert report.details["tokens sent (recovery)"] == (d + 1) + (d + 1) ** 2
+        n = report.recovery_queries
+        assert report.details["numbers received (recovery)"] == m * n       # m per answer
+        assert report.details["tokens sent (recovery)"] == (d + 1) + (d + 1) * (n - d - 1)
         assert report.floor == -(-(d * d + d + m * d + m) // m)
         errors = vector_canonical_errors(result.model, box)
         assert errors["max"] <= report.details["error_bar"]
