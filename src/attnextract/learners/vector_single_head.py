@@ -94,6 +94,7 @@ RANK_GAP = 30.0           # singular values of O below this x their error level 
 SAFETY = 4.0              # rounding levels: this many units per operation
 BAR_FACTOR = 10.0         # error bars: this x the first-order error estimate
 MAX_BAR = 0.1             # a head known to worse than this is not returned (verification's limit)
+LOW_PRECISION_CONDITION = 30.0   # low precision: the readout's largest condition number
 LOW_PRECISION_VERIFY = 30.0   # held-out tolerance: this x a low precision's level
 PILOT_SCALE = 1.0         # the pilots' token scales before anything is known
 # a forward pass in a low precision: its relative level per number (design level of the
@@ -186,9 +187,17 @@ def simplex_edges(r: int) -> np.ndarray:
 
 
 def make_readout(c, O, precision: AnswerPrecision, O_error: float, c_error: float,
-                 rank=None) -> Readout:
+                 rank=None, max_condition: float = math.inf) -> Readout:
     """SVD of O, its numerical rank (singular values above RANK_GAP x O's error bar, or
-    ``rank`` when stated) and the token directions for the functionals of g."""
+    ``rank`` when stated) and the token directions for the functionals of g.
+
+    ``max_condition``: the readout uses only the right singular directions whose singular
+    value is at least sigma_1 / max_condition (r' of them) and reaches the others through
+    the kernel-like offsets w_i (O w_i lies in the left singular directions the readout
+    drops, so it reads them as 0 exactly): ceil(d / r') queries per point instead of
+    1, and the readout's condition number at most max_condition. Low precision answers
+    use it: a forward pass in float32 read through cond(O) = 1e4 loses 1e4 x (d + 1)
+    of its 6e-8."""
     m, d = O.shape
     Uo, sv, Vt = np.linalg.svd(O, full_matrices=True)
     if rank is None:
@@ -199,6 +208,7 @@ def make_readout(c, O, precision: AnswerPrecision, O_error: float, c_error: floa
         r = int(np.sum(sv > max(RANK_GAP * noise, 64 * EPS * sv[0])))
     else:
         r = int(rank)
+    r = min(r, max(1, int(np.sum(sv >= sv[0] / max_condition))))
     if r < 1 or not np.any(O):
         raise NotIdentifiableError("O = 0: no answer depends on the attention, so W and b "
                                    "cannot be identified")
@@ -615,6 +625,9 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
     last = _last_answer(oracle)
     counts = {"constant and O": d + 1, "rescaling": 0, "columns": 0}
 
+    notes = []
+    # low precision: the error level is measured from dithered repeats, not assumed
+    calibrate = output_dtype not in (None, "float64")
     c, O, O_error, c_error = measure_single_tokens(oracle, precision, last)
     m = O.shape[0]
     c_noise = not np.any(c) if tolerance is None else bool(np.abs(c).max() <= 3 * tolerance)
@@ -623,10 +636,8 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
             f"the black box answers F([0]) = c with |c| = {safe_norm(c):.3g} where a head "
             f"without biases answers 0: it has value or output biases; extract with "
             f"biases=None (detect) or biases=True")
-    R = make_readout(c, O, precision, O_error, c_error, rank)
-    notes = []
-    # low precision: the error level is measured from dithered repeats, not assumed
-    calibrate = output_dtype not in (None, "float64")
+    R = make_readout(c, O, precision, O_error, c_error, rank,
+                     LOW_PRECISION_CONDITION if calibrate or tolerance is not None else math.inf)
     causal = bool(root.causal) if every and root.causal is not None else None
     if every and causal is None:
         causal = _detect_causal(oracle, R, counts)
