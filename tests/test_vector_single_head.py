@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 
 from attnextract import extract
-from attnextract.errors import InputError, ModelMismatchError, RecoveryFailedError
+from attnextract.errors import (
+    BudgetExceededError,
+    InputError,
+    ModelMismatchError,
+    RecoveryFailedError,
+)
 from attnextract.learners.vector_canonical import vector_canonical_errors
 from attnextract.learners.vector_single_head import (
     extract_vector_single_head,
@@ -129,6 +134,30 @@ def test_adversarial_scales(W_scale, b_scale, c_scale, limit):
         errors = vector_canonical_errors(result.model, box)
         assert errors["max"] <= result.report.details["error_bar"]
         assert errors["max"] < limit
+
+
+def test_max_condition_trades_queries_for_conditioning():
+    d = 16
+    O = np.diag(np.geomspace(1.0, 1e-6, d))                   # cond(O) = 1e6
+    box = head(d, d, 3, O=O)
+    _, plain = run(box, d)
+    _, limited = run(box, d, max_condition=100.0)
+    assert plain.report.recovery_queries == 2 * d + 2
+    assert "condition number" in " ".join(plain.report.notes)
+    r = int(np.sum(np.geomspace(1.0, 1e-6, d) >= 1e-2))
+    blocks = 1 + -(-(d - r) // r)
+    assert limited.report.recovery_queries == 1 + d + (d + 1) * blocks
+    assert vector_canonical_errors(limited.model, box)["max"] < 1e-11
+    assert (vector_canonical_errors(limited.model, box)["max"]
+            < vector_canonical_errors(plain.model, box)["max"])
+
+
+def test_budget_refused_before_any_query():
+    d = 8
+    oracle = Oracle(head(d, 8, 0), d, budget=2 * d, max_length=LENGTH)
+    with pytest.raises(BudgetExceededError):
+        extract_vector_single_head(oracle)
+    assert oracle.queries == 0
 
 
 def test_bias_free_box_gets_exact_zeros():

@@ -94,6 +94,7 @@ RANK_GAP = 30.0           # singular values of O below this x their error level 
 SAFETY = 4.0              # rounding levels: this many units per operation
 BAR_FACTOR = 10.0         # error bars: this x the first-order error estimate
 MAX_BAR = 0.1             # a head known to worse than this is not returned (verification's limit)
+CONDITION_NOTE = 1e3      # a readout this ill-conditioned is said in the report
 LOW_PRECISION_CONDITION = 30.0   # low precision: the readout's largest condition number
 LOW_PRECISION_VERIFY = 30.0   # held-out tolerance: this x a low precision's level
 PILOT_SCALE = 1.0         # the pilots' token scales before anything is known
@@ -569,7 +570,8 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
                                verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                                biases: bool | None = None, rank: int | None = None,
                                output_dtype: str | None = None,
-                               tolerance: float | None = None) -> ExtractionResult:
+                               tolerance: float | None = None,
+                               max_condition: float | None = None) -> ExtractionResult:
     """Recover (W, b, O, c) of one attention head whose box answers vectors.
 
     Parameters
@@ -592,6 +594,12 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
         The box runs its forward pass in this dtype: error bars from its precision.
     tolerance : float, optional
         Every answer number is accurate to +-tolerance.
+    max_condition : float, optional
+        Largest condition number of the readout through O (:func:`make_readout`): the
+        directions of O below sigma_1 / max_condition are reached through offsets the
+        readout drops, at ceil(d / r') queries per point. Default: no limit for float64
+        answers (2d + 2 queries; the error grows with cond(O)), LOW_PRECISION_CONDITION
+        for low precision or noisy answers.
 
     Returns
     -------
@@ -624,6 +632,9 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
     every = oracle.outputs == "all"
     last = _last_answer(oracle)
     counts = {"constant and O": d + 1, "rescaling": 0, "columns": 0}
+    # the nominal count (full-rank O, pilots in band) and the held-out check must fit
+    oracle.plan((d + 2 if every else 2 * d + 2) + verification_count(d * d, 2 * d + 2),
+                "vector single-head extraction (recovery + verification)")
 
     notes = []
     # low precision: the error level is measured from dithered repeats, not assumed
@@ -636,8 +647,18 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
             f"the black box answers F([0]) = c with |c| = {safe_norm(c):.3g} where a head "
             f"without biases answers 0: it has value or output biases; extract with "
             f"biases=None (detect) or biases=True")
-    R = make_readout(c, O, precision, O_error, c_error, rank,
-                     LOW_PRECISION_CONDITION if calibrate or tolerance is not None else math.inf)
+    if max_condition is None:
+        max_condition = (LOW_PRECISION_CONDITION if calibrate or tolerance is not None
+                         else math.inf)
+    elif not (isinstance(max_condition, (int, float)) and max_condition >= 1):
+        raise InputError(f"max_condition must be a number >= 1, got {max_condition!r}")
+    R = make_readout(c, O, precision, O_error, c_error, rank, float(max_condition))
+    condition = float(np.linalg.norm(R.O, 2)) * R.pinv_norm
+    if condition > CONDITION_NOTE and math.isinf(max_condition):
+        notes.append(f"the readout through O has condition number {condition:.3g}: the errors "
+                     f"grow with it (d = 64, cond 1e3 to 1e4: 1e-11 to 5e-11); "
+                     f"max_condition=100 reads the ill-conditioned directions through extra "
+                     f"offsets (d = 64: 2d + 2 to 3d + 3 queries, errors below 1e-12)")
     causal = bool(root.causal) if every and root.causal is not None else None
     if every and causal is None:
         causal = _detect_causal(oracle, R, counts)
@@ -683,7 +704,7 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
         c = np.zeros(m)
     biased = not (b_zero and not np.any(c))
     model = VectorAttention(W[None], R.O[None], b[None], c, positions=oracle.outputs,
-                            causal=bool(causal) if every else False)
+                            causal=bool(causal) if every else bool(root.causal))
 
     # error bars (relative, per part): BAR_FACTOR x the first-order error estimates; the
     # model's bar for verification takes b and c against the sizes they are judged at
