@@ -249,6 +249,14 @@ def test_impostors_refused_every_position(kind):
                                           max_length=LENGTH), seed=0)
 
 
+def test_impostor_refused_through_extract():
+    """extract() runs the vector twin and refuses with a typed error (its hints for
+    scalar learners, such as asking one zero token, are not applied to vectors)."""
+    box = Impostor(head(8, 8, 4, W_scale=3.0), "relu")
+    with pytest.raises(ModelMismatchError):
+        extract(Oracle(box, 8, outputs="last", max_length=LENGTH), model="single-head", seed=0)
+
+
 def test_second_hidden_head_refused():
     d = 8
     one = head(d, 8, 6)

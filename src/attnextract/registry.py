@@ -316,8 +316,10 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
                             f"{exc.args[0]}",) + exc.args[1:]
             elif stated is not None or _answers_may_be_rounded(root):
                 name_the_options(exc, stated)
+        # (a vector learner detects biases itself: c = F([0]) is one of its answers)
         if (isinstance(exc, (ModelMismatchError, RecoveryFailedError)) and "biases" in accepted
-                and not options.get("biases") and exc.args and decimals is None):
+                and not entry.vectors and not options.get("biases") and exc.args
+                and decimals is None):
             zero = _zero_token_answers(root)
             if zero is not None and zero[0] != zero[1]:
                 # measured: the same sequence got two answers; a constant cannot be told
