@@ -41,15 +41,32 @@ def random_head(d, m, seed, positions="last", causal=False, W_scale=1.0, b_scale
                            rng.standard_normal(m) * c_scale, positions=positions, causal=causal)
 
 
+class Noisy:
+    """A head whose every answer number is off by up to tau (uniform or +-tau)."""
+
+    def __init__(self, model, tau, pattern, seed):
+        self.model, self.tau, self.pattern = model, tau, pattern
+        self.rng = np.random.default_rng(seed + 1000)
+        self.positions, self.causal = model.positions, model.causal
+        self.W, self.O, self.b, self.c = model.W, model.O, model.b, model.c
+
+    def __call__(self, X):
+        out = self.model(X)
+        if self.pattern == "sign":
+            return out + self.tau * self.rng.choice([-1.0, 1.0], out.shape)
+        return out + self.rng.uniform(-self.tau, self.tau, out.shape)
+
+
 def run_grid(name, d, m, seeds, make, length, **options):
     rows = []
     for seed in range(seeds):
         box = make(seed)
-        oracle = Oracle(box, d, max_length=length,
+        oracle = Oracle(box, d, max_length=length, outputs=box.positions,
                         **({"causal": box.causal} if box.positions == "all" else {}))
         start = time.perf_counter()
         result = extract_vector_single_head(oracle, seed=seed, **options)
-        rows.append((result, vector_canonical_errors(result.model, box),
+        truth = getattr(box, "model", box)
+        rows.append((result, vector_canonical_errors(result.model, truth),
                      time.perf_counter() - start))
     queries = [r.report.recovery_queries for r, _, _ in rows]
     errors = np.array([e["max"] for _, e, _ in rows])
@@ -172,9 +189,12 @@ def main():
     for name, d, m, seeds, extra in grid:
         lines.append(run_grid(name, d, m, seeds, lambda s, d=d, m=m: random_head(d, m, s), 2 * d + 2))
         print(lines[-1], flush=True)
+    lines.append(run_grid("last position, max_condition=100", 64, 64, many,
+                          lambda s: random_head(64, 64, s), 4 * 64, max_condition=100.0))
+    print(lines[-1], flush=True)
     for causal in (False, True):
-        for d in (8, 16, 32, 64):
-            seeds = 5 if quick else (20 if d <= 32 else 10)
+        for d in (8, 16, 32, 64, 128):
+            seeds = 2 if quick or d > 64 else (20 if d <= 32 else 10)
             lines.append(run_grid(f"every position{', causal' if causal else ''}", d, d, seeds,
                                   lambda s, d=d, c=causal: random_head(d, d, s, "all", c),
                                   2 * d + 2))
@@ -199,6 +219,15 @@ def main():
         print(lines[-1], flush=True)
     lines.append(run_grid("every position, m = d / 4 (read at the last)", 16, 4,
                           5 if quick else 10, lambda s: random_head(16, 4, s, "all"), 40))
+    lines += ["", "## Noisy answers (`tolerance=tau`, every number off by up to tau)", "",
+              HEADER]
+    for tau, pattern in ((1e-9, "uniform"), (1e-6, "uniform"), (1e-6, "sign")):
+        for d in (16, 32):
+            lines.append(run_grid(f"tau = {tau:g}, {pattern} noise", d, d, 5 if quick else 20,
+                                  lambda s, d=d, tau=tau, p=pattern: Noisy(random_head(d, d, s),
+                                                                           tau, p, s),
+                                  2 * d + 2, tolerance=tau))
+            print(lines[-1], flush=True)
     lines += ["", "## Float32 PyTorch heads (a forward pass in float32, `output_dtype='float32'`)",
               "", ("| box | positions | seeds | queries | median error | worst error | median bar "
               "| within bar | refused |"), "|---|---|---|---|---|---|---|---|---|"]
