@@ -217,7 +217,8 @@ class Impostor:
             a = np.where(np.isfinite(scores), a, 0.0)
             return a / a.sum(axis=-1, keepdims=True)
         if self.kind == "sigmoid":
-            return np.where(np.isfinite(scores), 1.0 / (1.0 + np.exp(-scores)), 0.0)
+            safe = np.clip(np.where(np.isfinite(scores), scores, -700.0), -700.0, 700.0)
+            return np.where(np.isfinite(scores), 1.0 / (1.0 + np.exp(-safe)), 0.0)
         return softmax(scores)
 
     def __call__(self, X):
