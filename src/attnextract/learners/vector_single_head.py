@@ -9,43 +9,52 @@ and at every position j the same with x_N replaced by x_j (causal: over i <= j o
 
 Identities. One token: F([x]) = O x + c, so c = F([0]) and O e_k = F([e_k]) - c
 (d + 1 queries, one batch). Let r = rank(O), O = U_r S_r V_r^T, and send the tokens
-x_i = q + t z_i (i = 1..r) then x_N = q, with V_r^T z_i = e_i. Then
+x_i = q + t z_i (i = 1..r) then x_N = q, with V_r^T z_i = a_i, the edges z_i - z_0 of a
+regular simplex (columns of A, :func:`simplex_edges`). Then
 
-    S_r^{-1} U_r^T (F - c) = V_r^T X^T alpha = V_r^T q + t (alpha_1, ..., alpha_r),
+    S_r^{-1} U_r^T (F - c) = V_r^T X^T alpha = V_r^T q + t A (alpha_1, ..., alpha_r),
     alpha_N = 1 - sum_i alpha_i,   ln(alpha_i / alpha_N) = t z_i^T (W q + b),
 
 the common score q^T (W q + b) cancelling in the ratio. So ONE query of r + 1 tokens
-gives r linear functionals of the vector g(q) = W q + b. Full rank (r = d, m >= d):
-z_i = e_i and one query gives the whole g(q). Rank r < d (m < d, or W_v rank
-deficient): z_i = v_i + w_i with w_i in the kernel of O (invisible in the answer but
-not in the scores), ceil(d / r) queries per point. Then q = 0 gives b and q = s e_k
-gives s W e_k + b: d + 1 points, [W | b] exactly (Theorem: for a single head with O of
-rank r, the 1 + d + (d + 1) ceil(d / r) queries above determine (W, b, O, c), and
-every head agreeing with the box on them equals it; at r = d that is 2d + 2, against
-d^2 + 2d + 1 for one number per sequence).
+gives r linear functionals of the vector g(q) = W q + b. Full rank (r = d, m >= d): one
+query gives the whole g(q). Rank r < d (m < d, or W_v rank deficient): z_i = V_r a_i +
+w_i with w_i in the kernel of O (invisible in the answer, not in the scores),
+ceil(d / r) queries per point. Then q = 0 gives b and q = s_k e_k gives s_k W e_k + b:
+d + 1 points, [W | b] exactly.
 
-Every position, r = d: the tokens t e_1, ..., t e_d, 0 in one query give at position k
-ln(alpha_i / alpha_0) = t (W t e_k + b)_i for every i, at the zero token t b_i: W and b
+Theorem (identifiability and count). For one head with O of rank r the
+1 + d + (d + 1) ceil(d / r) queries above determine (W, b, O, c) (b, c: the canonical
+query bias and output constant; W, b never identifiable beyond this since the key bias
+cancels); at r = d that is 2d + 2, against d^2 + 2d + 1 for one number per sequence,
+and the floor is ceil((d^2 + d + r(m + d - r) + m) / m) queries (2d + 2 at m = d).
+
+Every position, r = d: the tokens t z_0, ..., t z_d at the vertices of a regular simplex
+(sum z_k = 0, Z^T Z = (d + 1)/d I) in one query give at position k the log-weights
+ln alpha_i = t z_i^T g(t z_k) + const, so g(t z_k) = d / ((d + 1) t) Z^T ln alpha with
+no reference token; b is the mean of the g's and W = d / ((d + 1) t) G^T Z: W and b
 from ONE query (d + 2 in all). Causal: position k sees only its prefix, so the same
-tokens are sent in both orders (forward: the functionals i < k, and b at the last
-position; reversed: those with i > k and the zero token): d + 3 queries.
+tokens are sent in both orders (token k sees 0..k in one, k..d in the other; the two
+share token k, which aligns their constants): d + 3 queries.
 
 Conditioning by design. A logit is read from alpha_i / alpha_N, so every alpha must stay
 far above the rounding: the probe scales are set so that the largest |logit| of each
-probe is TARGET_LOGIT, from a pilot (the bias probe and the first column, kept as
+probe is TARGET_LOGIT, from pilots (the bias probe and the first column, kept as
 measurements when they land in [LOW_LOGIT, HIGH_LOGIT]). A point's scale s (q = s e_k)
 is balanced against the bias: s |W e_k| >= |b| where possible, and s^2 |W e_k| ~ 1,
 since the box's own score rounding is eps |x_i| |W q + b| while the signal is
 t s |W e_k|. Probes outside the band, or far from their column's balance, are asked
 again at the designed scale (counted as "rescaling"). The readout solve uses the
-orthonormal V_r and S_r^{-1}: its error is cond(O) times the answers' rounding.
+orthonormal V_r and S_r^{-1}: its error is cond(O) times the answers' rounding, so
+``max_condition`` (default for low precision) reads the ill-conditioned directions
+through kernel-like offsets instead, at more queries.
 
-Error bars. Every answer number is taken to be off by at most its precision (float64
-rounding, the stated ``tolerance``, or a forward pass in ``output_dtype``) times the
-answer's magnitude; that is propagated to first order through the readout (||O^+||, the
-error of O from the single tokens), the ratio alpha_i / alpha_N, the functional solve
-and the division by the point scale s. The bars are per part (W's columns, b, O, c) and
-the largest is the model's bar given to held-out verification.
+Error bars. Every answer number is taken to be off by its precision (float64 rounding,
+the stated ``tolerance``, or a forward pass in ``output_dtype``, whose level is then
+measured from dithered repeats) times the magnitudes summed in it; that is propagated
+to first order through the readout (||O^+||, the error of O from the single tokens), the
+log-weights' Jacobian, the functional solve and the division by the point scale s, and
+multiplied by BAR_FACTOR. The bars are per part (W's columns, b, O, c); the largest is
+the model's bar given to held-out verification.
 """
 
 from __future__ import annotations
