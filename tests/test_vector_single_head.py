@@ -160,6 +160,20 @@ def test_budget_refused_before_any_query():
     assert oracle.queries == 0
 
 
+def test_rank_of_W_as_stated_to_the_low_rank_twin():
+    d = 10
+    box = head(d, d, 2)
+    rng = np.random.default_rng(2)
+    box.W[0] = rng.standard_normal((d, 3)) @ rng.standard_normal((3, d)) / d
+    oracle = Oracle(box, d, max_length=LENGTH)
+    result = extract(oracle, model="low-rank", rank=3, seed=0)      # the vector twin
+    assert result.options["model"] == "vector-single-head"
+    assert result.report.recovery_queries == 2 * d + 2
+    assert vector_canonical_errors(result.model, box)["max"] < 1e-11
+    with pytest.raises(ModelMismatchError, match="rank above"):
+        run(head(d, d, 2), d, rank=3)                              # a full-rank W
+
+
 def test_bias_free_box_gets_exact_zeros():
     d = 8
     box = head(d, 8, 2, b_scale=0.0, c_scale=0.0)

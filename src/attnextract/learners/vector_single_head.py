@@ -578,6 +578,7 @@ def measure_every_position(oracle, R: Readout, causal: bool, counts: dict):
 def extract_vector_single_head(oracle: Oracle, *, seed=None,
                                verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                                biases: bool | None = None, rank: int | None = None,
+                               output_rank: int | None = None,
                                output_dtype: str | None = None,
                                tolerance: float | None = None,
                                max_condition: float | None = None) -> ExtractionResult:
@@ -598,6 +599,11 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
         them gets b = 0 and c = 0 exactly). False: b = c = 0 (a box with c != 0 is
         refused). True: measure b and c whatever they are.
     rank : int, optional
+        rank(W) as stated to the low-rank learner (whose vector twin this is): W is
+        measured whole whatever its rank (d + 1 points serve any W), and a W whose
+        singular value sigma_{rank+1} stands above its error bar is refused
+        (``ModelMismatchError``: not a head of that rank).
+    output_rank : int, optional
         rank(O) when known (default: the numerical rank of the measured O).
     output_dtype : {"float64", "float32", "bfloat16", "float16"}, optional
         The box runs its forward pass in this dtype: error bars from its precision.
@@ -661,7 +667,13 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
                          else math.inf)
     elif not (isinstance(max_condition, (int, float)) and max_condition >= 1):
         raise InputError(f"max_condition must be a number >= 1, got {max_condition!r}")
-    R = make_readout(c, O, precision, O_error, c_error, rank, float(max_condition))
+    if rank is not None and not (isinstance(rank, (int, np.integer)) and 1 <= rank <= d):
+        raise InputError(f"rank must be an integer in 1..{d}, got {rank!r}")
+    if output_rank is not None and not (isinstance(output_rank, (int, np.integer))
+                                        and 1 <= output_rank <= min(d, O.shape[0])):
+        raise InputError(f"output_rank must be an integer in 1..{min(d, O.shape[0])}, got "
+                         f"{output_rank!r}")
+    R = make_readout(c, O, precision, O_error, c_error, output_rank, float(max_condition))
     condition = float(np.linalg.norm(R.O, 2)) * R.pinv_norm
     if condition > CONDITION_NOTE and math.isinf(max_condition):
         notes.append(f"the readout through O has condition number {condition:.3g}: the errors "
@@ -712,6 +724,17 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
     if biases is None and c_noise and b_zero or biases is False:
         c = np.zeros(m)
     biased = not (b_zero and not np.any(c))
+    if rank is not None and rank < d:
+        sv = np.linalg.svd(W, compute_uv=False)
+        # W is known to ||dW|| <= bar ||W||: a larger sigma_{rank+1} is W's, not the error's
+        bar_W = BAR_FACTOR * float(np.linalg.norm(col_bounds))
+        if sv[rank] > RANK_GAP * bar_W:
+            raise ModelMismatchError(
+                f"the black box's W has rank above the stated {rank}: singular value "
+                f"{rank + 1} is {sv[rank]:.3g} against an error bar of {bar_W:.1e} (of "
+                f"{sv[0]:.3g}); extract without rank= (W is measured whole anyway)")
+        notes.append(f"rank(W) <= {rank} as stated: sigma_{rank + 1} = {sv[rank]:.2g} is "
+                     f"within the error bar")
     model = VectorAttention(W[None], R.O[None], b[None], c, positions=oracle.outputs,
                             causal=bool(causal) if every else bool(root.causal))
 
