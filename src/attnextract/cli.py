@@ -857,8 +857,10 @@ def _note_cost(report, oracle: Oracle) -> None:
                                       f"received, {oracle.tokens} tokens sent")
     where = (f"m = {m} numbers per query" if oracle.outputs == "last" else
              f"m N = {m} x {max(1, oracle.longest)} numbers per query of the longest probes")
+    # a vector learner states its parameter count (its Report.floor is already in queries)
+    parameters = report.details.get("parameters", report.floor)
     report.details.setdefault("floor in queries",
-                              f"{math.ceil(report.floor / per)} ({report.floor} free "
+                              f"{math.ceil(parameters / per)} ({parameters} free "
                               f"parameters / {where})")
 
 

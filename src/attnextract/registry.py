@@ -316,8 +316,10 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
                             f"{exc.args[0]}",) + exc.args[1:]
             elif stated is not None or _answers_may_be_rounded(root):
                 name_the_options(exc, stated)
+        # (a vector learner detects biases itself: c = F([0]) is one of its answers)
         if (isinstance(exc, (ModelMismatchError, RecoveryFailedError)) and "biases" in accepted
-                and not options.get("biases") and exc.args and decimals is None):
+                and not entry.vectors and not options.get("biases") and exc.args
+                and decimals is None):
             zero = _zero_token_answers(root)
             if zero is not None and zero[0] != zero[1]:
                 # measured: the same sequence got two answers; a constant cannot be told
@@ -410,3 +412,6 @@ register("low-precision", _L + "noisy:extract_low_precision",
          "one head from a forward pass in float32/bfloat16/float16 or outputs rounded to "
          "k decimals, error bars from repeated dithered probes", hidden=True,
          with_vectors="vector-single-head")
+register("vector-single-head", _L + "vector_single_head:extract_vector_single_head",
+         "one head from vector answers (last or every position): W, b, O, c in 2d + 2 "
+         "queries (d + 2 at every position)", vectors=True)

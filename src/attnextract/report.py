@@ -240,7 +240,11 @@ class Report:
         rows += [("", f"{n:>{width}}  {name}") for name, n in self.breakdown.items()]
         recovery = ("recovery used" if self.recovery is None else
                     f"recovery ({self.recovery} queries, the parts' own checks left out) used")
-        rows.append(("floor", f"{self.floor} free parameters; {recovery} "
+        # vector learners state their parameter count: their floor is in queries
+        what = ("free parameters" if "parameters" not in self.details else
+                f"queries ({self.details['parameters']} free parameters over the numbers "
+                f"one query brings)")
+        rows.append(("floor", f"{self.floor} {what}; {recovery} "
                               f"{human_number(self.recovery_queries / self.floor)}x"))
         if v is not None:
             rows.append(("verification",
