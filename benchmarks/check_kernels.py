@@ -49,7 +49,9 @@ MORE_TESTS = ["tests/test_noisy.py", "tests/test_one_layer.py", "tests/test_resi
               "tests/test_relu_network.py", "tests/test_error_bars.py", "tests/test_impostors.py",
               "tests/test_impostors_learners.py", "tests/test_verification_domain.py",
               "tests/test_minilm.py", "tests/test_models.py", "tests/test_torch_target.py",
-              "tests/test_user_boxes.py", "tests/test_newuser3_ux.py", "tests/test_vector_oracle.py"]
+              "tests/test_user_boxes.py", "tests/test_newuser3_ux.py", "tests/test_vector_oracle.py",
+              "tests/test_vector_single_head.py", "tests/test_vector_layer.py",
+              "tests/test_vector_multi_head.py"]
 ALL_TESTS = DEFAULT_TESTS + MORE_TESTS
 # Test files of plumbing (transport, journal, CLI, docs, packaging): they run learners only on
 # easy single-head boxes that tests/test_single_head.py covers, or none at all.
