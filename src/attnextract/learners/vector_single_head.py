@@ -642,10 +642,12 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
                          "(B, m) or (B, N, m) (Oracle(..., outputs='last' or 'all'))")
     precision = answer_precision(output_dtype, tolerance)
     start, start_queries = time.perf_counter(), oracle.queries
-    start_bb, start_numbers, start_tokens = oracle.black_box_seconds, oracle.numbers, oracle.tokens
+    # what the box answers and the cost in numbers and tokens live on the root Oracle
+    # (a learner's view of it need not carry them)
+    start_bb, start_numbers, start_tokens = root.black_box_seconds, root.numbers, root.tokens
     d = oracle.dim
-    every = oracle.outputs == "all"
-    last = _last_answer(oracle)
+    every = root.outputs == "all"
+    last = _last_answer(root)
     counts = {"constant and O": d + 1, "rescaling": 0, "columns": 0}
     # the nominal count (full-rank O, pilots in band) and the held-out check must fit
     oracle.plan((d + 2 if every else 2 * d + 2) + verification_count(d * d, 2 * d + 2),
@@ -735,7 +737,7 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
                 f"{sv[0]:.3g}); extract without rank= (W is measured whole anyway)")
         notes.append(f"rank(W) <= {rank} as stated: sigma_{rank + 1} = {sv[rank]:.2g} is "
                      f"within the error bar")
-    model = VectorAttention(W[None], R.O[None], b[None], c, positions=oracle.outputs,
+    model = VectorAttention(W[None], R.O[None], b[None], c, positions=root.outputs,
                             causal=bool(causal) if every else bool(root.causal))
 
     # error bars (relative, per part): BAR_FACTOR x the first-order error estimates; the
@@ -759,7 +761,7 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
     per_query = m * (d + 1) if every else m
     floor = math.ceil(parameters / per_query)
     recovery = oracle.queries - start_queries
-    numbers, tokens = oracle.numbers - start_numbers, oracle.tokens - start_tokens
+    numbers, tokens = root.numbers - start_numbers, root.tokens - start_tokens
     n_verify = verification_count(parameters, recovery)
     if not bar <= MAX_BAR:
         raise RecoveryFailedError(
@@ -785,7 +787,7 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
     report = Report(
         kind=model.kind, dim=d, queries=oracle.queries - start_queries, breakdown=breakdown,
         floor=floor, verification=verification, seconds=time.perf_counter() - start,
-        black_box_seconds=oracle.black_box_seconds - start_bb, notes=notes,
+        black_box_seconds=root.black_box_seconds - start_bb, notes=notes,
         recovery=recovery,
         details={"outputs": f"{'every position' + (' (causal)' if causal else '') if every else 'last position'}, m = {m}",
                  "rank of O": R.rank, "condition of O": float(np.linalg.norm(R.O, 2)
