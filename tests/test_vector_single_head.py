@@ -174,6 +174,17 @@ def test_rank_of_W_as_stated_to_the_low_rank_twin():
         run(head(d, d, 2), d, rank=3)                              # a full-rank W
 
 
+def test_zero_W_is_exactly_zero():
+    """Uniform attention (W = 0, with or without b): columns within their bar of 0 are 0."""
+    d = 8
+    for b_scale in (0.0, 0.3):
+        box = head(d, d, 0, b_scale=b_scale)
+        box.W[0][:] = 0.0
+        _, result = run(box, d)
+        assert not np.any(result.model.W)
+        assert vector_canonical_errors(result.model, box)["max"] < 1e-11
+
+
 def test_bias_free_box_gets_exact_zeros():
     d = 8
     box = head(d, 8, 2, b_scale=0.0, c_scale=0.0)

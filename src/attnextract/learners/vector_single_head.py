@@ -422,7 +422,9 @@ def measure_columns(oracle, R: Readout, b: np.ndarray, b_bound: float, beta_know
             f"outside (0, 1)")
     counts["columns"] += d * R.blocks
     counts["rescaling"] += asked - d * R.blocks
-    W = ((g - b) / s[:, None]).T
+    # columns whose s W e_k is within its bar of 0 are 0 (as a bias at its noise is):
+    # the probes cannot tell them from 0, and an exact 0 is what a W = 0 box has
+    W = np.where(column_noise()[None, :], 0.0, ((g - b) / s[:, None]).T)
     return W, s, np.hypot(bound, b_bound) / s
 
 
@@ -642,10 +644,12 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
                          "(B, m) or (B, N, m) (Oracle(..., outputs='last' or 'all'))")
     precision = answer_precision(output_dtype, tolerance)
     start, start_queries = time.perf_counter(), oracle.queries
-    start_bb, start_numbers, start_tokens = oracle.black_box_seconds, oracle.numbers, oracle.tokens
+    # what the box answers and the cost in numbers and tokens live on the root Oracle
+    # (a learner's view of it need not carry them)
+    start_bb, start_numbers, start_tokens = root.black_box_seconds, root.numbers, root.tokens
     d = oracle.dim
-    every = oracle.outputs == "all"
-    last = _last_answer(oracle)
+    every = root.outputs == "all"
+    last = _last_answer(root)
     counts = {"constant and O": d + 1, "rescaling": 0, "columns": 0}
     # the nominal count (full-rank O, pilots in band) and the held-out check must fit
     oracle.plan((d + 2 if every else 2 * d + 2) + verification_count(d * d, 2 * d + 2),
@@ -699,6 +703,7 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
                                      <= NOISE_FACTOR * b_bound * t)
         b = np.zeros(d) if b_zero else b_raw
         W = (d / ((d + 1) * t)) * G.T @ Z
+        W_ref = TARGET_LOGIT / t ** 2
         # each column of W is a combination of every row of G with weights |z_k| ~ 1
         col_bounds = np.full(d, (d / ((d + 1) * t)) * float(np.linalg.norm(bound))
                              / math.sqrt(d))
@@ -718,6 +723,8 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
             b = np.zeros(d) if b_zero else pts.g[0]
             b_bound = 0.0 if b_zero else float(pts.bound[0])
         W, s, col_bounds = measure_columns(oracle, R, b, b_bound, not b_zero, last, counts)
+        # the size of W that scores of order one at the probes' scales would reveal
+        W_ref = TARGET_LOGIT / float(s.max() * max(float(np.abs(R.Z).max()), 1.0))
         design = (f"points q = s_k e_k at s {s.min():.3g} .. {s.max():.3g}, "
                   f"{R.blocks} quer{'y' if R.blocks == 1 else 'ies'} of {R.rank + 1} tokens "
                   f"per point")
@@ -735,7 +742,7 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
                 f"{sv[0]:.3g}); extract without rank= (W is measured whole anyway)")
         notes.append(f"rank(W) <= {rank} as stated: sigma_{rank + 1} = {sv[rank]:.2g} is "
                      f"within the error bar")
-    model = VectorAttention(W[None], R.O[None], b[None], c, positions=oracle.outputs,
+    model = VectorAttention(W[None], R.O[None], b[None], c, positions=root.outputs,
                             causal=bool(causal) if every else bool(root.causal))
 
     # error bars (relative, per part): BAR_FACTOR x the first-order error estimates; the
@@ -743,11 +750,13 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
     # (b beside the scores' |W| |x| at the token scale sqrt(2 / |W|), c beside O)
     tiny = np.finfo(float).tiny
     W_norm, O_norm = float(np.linalg.norm(W)), float(np.linalg.norm(R.O))
-    col_rel = BAR_FACTOR * col_bounds / np.maximum(np.linalg.norm(W, axis=0), tiny)
+    col_rel = BAR_FACTOR * col_bounds / np.maximum(np.linalg.norm(W, axis=0), W_ref / math.sqrt(d))
     O_abs = BAR_FACTOR * R.O_error * math.sqrt(m * d)
     b_abs = 0.0 if b_zero else BAR_FACTOR * b_bound
     c_abs = 0.0 if not np.any(c) else BAR_FACTOR * R.c_error * math.sqrt(m)
-    bars = {"W": BAR_FACTOR * float(np.linalg.norm(col_bounds)) / max(W_norm, tiny),
+    # W's bar is relative to |W|, or to the W that the probes' scales would show (a W far
+    # below it, W = 0 included, is known to its absolute error there, not relatively)
+    bars = {"W": BAR_FACTOR * float(np.linalg.norm(col_bounds)) / max(W_norm, W_ref, tiny),
             "O": O_abs / max(O_norm, tiny),
             "b": b_abs / max(float(np.linalg.norm(b)), tiny) if b_abs else 0.0,
             "c": c_abs / max(float(np.linalg.norm(c)), tiny) if c_abs else 0.0}
@@ -759,7 +768,7 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
     per_query = m * (d + 1) if every else m
     floor = math.ceil(parameters / per_query)
     recovery = oracle.queries - start_queries
-    numbers, tokens = oracle.numbers - start_numbers, oracle.tokens - start_tokens
+    numbers, tokens = root.numbers - start_numbers, root.tokens - start_tokens
     n_verify = verification_count(parameters, recovery)
     if not bar <= MAX_BAR:
         raise RecoveryFailedError(
@@ -785,7 +794,7 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
     report = Report(
         kind=model.kind, dim=d, queries=oracle.queries - start_queries, breakdown=breakdown,
         floor=floor, verification=verification, seconds=time.perf_counter() - start,
-        black_box_seconds=oracle.black_box_seconds - start_bb, notes=notes,
+        black_box_seconds=root.black_box_seconds - start_bb, notes=notes,
         recovery=recovery,
         details={"outputs": f"{'every position' + (' (causal)' if causal else '') if every else 'last position'}, m = {m}",
                  "rank of O": R.rank, "condition of O": float(np.linalg.norm(R.O, 2)
@@ -798,6 +807,8 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
                  "biases": ("detected" if biased else "none detected (b = 0, c = 0 exactly)")
                  if biases is None else ("measured" if biases else "none (stated)"),
                  "error_bar_W": bars["W"], "error_bar_W_columns": float(col_rel.max()),
+                 "W reference": (f"{W_ref:.3g}: W's bar is relative to max(|W|, this), the "
+                                 f"W whose scores are of order one at the probes' scales"),
                  "error_bar_b": bars["b"], "error_bar_O": bars["O"], "error_bar_c": bars["c"],
                  "error_bar": bar})
     return checked_result(model, report, "a single attention head with vector answers")
