@@ -38,6 +38,7 @@ from typing import Callable
 
 from .errors import (InputError, ModelMismatchError, RecoveryFailedError, RefusalWithResult,
                      VectorAnswersFound)
+from .oracle import root_oracle
 from .report import ExtractionResult
 
 log = logging.getLogger(__name__)
@@ -247,7 +248,6 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
     ExtractionResult
         With ``options`` recording the model and the options used (saved with it).
     """
-    from .verification import root_oracle
     root = root_oracle(oracle)
     entry = resolve(model, tolerance=tolerance, sign_only=sign_only,
                     outputs=getattr(root, "outputs", None))
@@ -270,6 +270,7 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
              {k: v for k, v in options.items() if k != "fit_progress"} or "default options")
     # a journal's fingerprint queries are the box's answers too: counted in the result
     checks = getattr(root, "check_queries", 0)
+    held_out = getattr(root, "held_out_journal_queries", 0)
     if "output_dtype" in accepted:         # bad values, or both: refused before any query
         from .precision import check_precision_options
         check_precision_options(options.get("output_dtype"), options.get("decimals"))
@@ -363,6 +364,13 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
             f"{spent} queries were spent before the answers were found to be vectors; "
             f"state the kind of answers (--outputs last|all, API: Oracle(..., outputs=...)) "
             f"to save them")
+    answered = getattr(root, "held_out_journal_queries", 0) - held_out
+    if answered:
+        result.report.notes.append(
+            f"{answered} of the held-out verification's answers came from the journal "
+            f"{getattr(root.journal, 'path', '')} (recorded by an earlier run against a black "
+            f"box that answers the journal's checks the same now); the journal vouches for "
+            f"them, not the live black box: attnextract verify without --journal asks it")
     fingerprint = getattr(root, "check_queries", 0) - checks
     if fingerprint:
         result.queries += fingerprint

@@ -93,7 +93,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .oracle import live_queries
+from .oracle import live_queries, root_oracle
 
 DEFAULT_LONGEST = 4096        # held-out lengths reach at least this (unless max_length) ...
 DEFAULT_NUMBERS = 1 << 20     # ... cut to this many numbers per sequence for wide tokens
@@ -700,14 +700,6 @@ def _separating_sequences(W: np.ndarray, v: np.ndarray, count: int, rng, scale: 
     return [cands[i] for i in np.argsort(merit)[::-1][:count]]
 
 
-def root_oracle(oracle):
-    """The :class:`attnextract.oracle.Oracle` under a learner's view of it (``.base``)."""
-    from .oracle import Oracle
-    while not isinstance(oracle, Oracle) and hasattr(oracle, "base"):
-        oracle = oracle.base
-    return oracle
-
-
 def add_replays(held: HeldOutSet, oracle, count: int) -> HeldOutSet:
     """Add up to ``count`` of the root oracle's kept (sequence, answer) pairs
     (:attr:`attnextract.oracle.Oracle.replay`) as the ``replay`` family: asked again of
@@ -967,7 +959,7 @@ def run_check(oracle, model, held: HeldOutSet, *, tolerance: float = 1e-7,
               bar: float | None = None, absolute_noise: float = 0.0) -> Check:
     """Ask the black box every held-out sequence (one batch per length); compare."""
     from .oracle import evaluate_ragged
-    with live_queries(oracle):          # the live black box, never a journal's answers
+    with live_queries(oracle):          # held-out checks: kept for no replay
         observed = oracle.query_ragged(held.sequences)
     predicted = evaluate_ragged(model, held.sequences)
     norms = token_norms(held.sequences)
@@ -1199,7 +1191,7 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
     hull_v = None
     if measure_v and getattr(model, "kind", "") == "single-head":
         oracle.require(count + oracle.dim, "held-out verification")
-        with live_queries(oracle):                 # the live black box, never a journal
+        with live_queries(oracle):                 # held-out checks: kept for no replay
             hull_v = oracle.query(np.eye(oracle.dim)[:, None, :])
     replays = min(len(getattr(root, "replay", None) or []), int(REPLAY_FRACTION * count))
     # a small check (MIN_VERIFY_COUNT = 24) still searches: SEARCH_MIN queries, 2 a round

@@ -74,7 +74,7 @@ from . import design, polish
 from .canonical import (canonical_error, canonical_form, match_heads, non_identifiable_twin,
                         twin_difference)
 from .subspaces import extract_in_subspaces
-from .budget import Budget, _Redesign, _check_queries, _scan_size, biased_count, paper2_count
+from .budget import Budget, _Redesign, _scan_size, biased_count, paper2_count
 from .base_row import BaseRowStage
 from .main_rows import MainRowStage
 from .short_probes import ShortProbeStage
@@ -224,7 +224,6 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         self.tolerance_given = tolerance is not None         # max_error_bar= (set_precision)
         self.say = progress or (lambda message: None)
         self.start, self.q0, self.bb0 = time.perf_counter(), oracle.queries, oracle.black_box_seconds
-        self.cq0 = _check_queries(oracle)
         self.breakdown: dict[str, int] = {}
         self.details: dict = {}
         self.notes: list[str] = []
@@ -800,7 +799,7 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         floor = self.parameters(H)
         count = self.count_cap(H)
         total = self.oracle.queries - self.q0
-        spent = self.spent()                 # with a journal's binding checks
+        spent = self.spent()
         self.details.update({
             "method": getattr(self, "method", "copy probes at designed step positions, "
                                                 "row-wise joint fits"),
@@ -823,7 +822,7 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
                    if smallest > count and not hasattr(self, "method") else
                    "the head count search (give heads= to plan for H)" if not self.heads_told
                    else "the redesigns")
-            self.notes.append(f"{spent} queries (verification and journal checks included), "
+            self.notes.append(f"{spent} queries (verification included), "
                               f"above {self.count_name()} {count} for H = {H}, d = {d}: {why}")
         report = Report(kind=model.kind, dim=d, queries=total,
                         breakdown={**self.breakdown, "recovery": recovery,
