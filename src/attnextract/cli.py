@@ -539,9 +539,15 @@ def _fail(args, exc: Exception, code: int) -> int:
     reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if getattr(args, "json", False):
         out = {"ok": False, "error": type(exc).__name__, "reason": reason}
+        oracle = _RUN.get("oracle")
+        if oracle is not None:
+            # every sequence the black box answered, whether a result exists or not
+            out["queries"] = oracle.queries + oracle.check_queries
         result = getattr(exc, "result", None)
         if result is not None:
             out["report"] = result.report.to_dict()
+            if oracle is not None:
+                out["report"]["queries"] = out["queries"]
         print(json.dumps(out))
     print(f"attnextract: {type(exc).__name__}: {reason}", file=sys.stderr)
     return code

@@ -226,9 +226,13 @@ class Oracle:
                 f"{what} needs {n} queries but only {left} of the budget of {self.budget} "
                 f"remain", needed=n, remaining=left)
 
-    def plan(self, n: int, what: str = "the extraction") -> None:
-        """Announce ``n`` upcoming queries: checks the budget, sets the progress total."""
-        self.require(n, what)
+    def plan(self, n: int, what: str = "the extraction", need: int | None = None) -> None:
+        """Announce ``n`` upcoming queries: sets the progress total and checks the budget
+        for ``need`` of them (default all ``n``). A learner whose ``n`` is an upper bound
+        (a count search sized for more heads than it may find) gives the least it can
+        succeed with as ``need``, so that a budget equal to what a run spent lets that
+        run through; its later stages check the budget themselves."""
+        self.require(n if need is None else min(int(need), int(n)), what)
         self.planned = self.queries + int(n)
         log.info("%s: %d queries planned (%d sent so far)", what, n, self.queries)
 
@@ -632,8 +636,8 @@ class OracleView:
     def require(self, n: int, what: str = "this step") -> None:
         self.base.require(n, self._named(what))
 
-    def plan(self, n: int, what: str = "the extraction") -> None:
-        self.base.plan(n, self._named(what))
+    def plan(self, n: int, what: str = "the extraction", need: int | None = None) -> None:
+        self.base.plan(n, self._named(what), need)
 
 
 class ScaledOutputs(OracleView):

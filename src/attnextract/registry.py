@@ -249,6 +249,25 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
         With ``options`` recording the model and the options used (saved with it).
     """
     root = root_oracle(oracle)
+    first, checks = getattr(root, "queries", 0), getattr(root, "check_queries", 0)
+    try:
+        return _extract(oracle, model, seed=seed, verify_tolerance=verify_tolerance,
+                        tolerance=tolerance, sign_only=sign_only, **options)
+    except RefusalWithResult as exc:
+        # a refusal reports every query the box answered for it: the learner's, the
+        # journal's checks, and what was asked after the learner stopped (the zero token
+        # that tells a constant)
+        result = getattr(exc, "result", None)
+        if result is not None and isinstance(getattr(root, "queries", None), int):
+            spent = root.queries - first + getattr(root, "check_queries", 0) - checks
+            result.queries = result.report.queries = spent
+        raise
+
+
+def _extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=None,
+             tolerance=None, sign_only: bool = False, **options) -> ExtractionResult:
+    """:func:`extract` itself (the refusal's count is completed by the caller)."""
+    root = root_oracle(oracle)
     entry = resolve(model, tolerance=tolerance, sign_only=sign_only,
                     outputs=getattr(root, "outputs", None))
     if entry.vectors:

@@ -358,7 +358,12 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
                         RecoveryFailedError)
         s0, rest = _scan_size(H), self.rest_cost(H)
         self.scans_left = self.base_scans(H, short_share=False)
-        self.oracle.plan(rest + self.scans_left * s0, "multi-head extraction")
+        # not told H, the plan is sized for the most heads the search may count; the
+        # budget need only hold the smallest design of the fewest (one head): every later
+        # stage checks what it spends against the budget (Budget.affordable)
+        least = H if self.heads_told else 1
+        self.oracle.plan(rest + self.scans_left * s0, "multi-head extraction",
+                         need=min(rest + self.scans_left * s0, self.least_run(least)))
         before = self.oracle.queries
         self.c, self.v = constant_and_values(self.oracle, self.biases)
         self.spend("v tokens" + (" and c = f([0])" if self.biases else ""), before)

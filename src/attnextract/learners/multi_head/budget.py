@@ -133,6 +133,13 @@ class Budget:
         return (self.d + 3 * _scan_size(H) + self.perturbation_cost(H) + self.main_cost(H)
                 + verification_count(self.parameters(H)))
 
+    def least_run(self, H: int) -> int:
+        """Queries of the least run told H that can succeed: v (and c), three base scans,
+        the base estimate, the main rounds with :meth:`least_columns` and the held-out
+        verification. A budget below it is refused before any query."""
+        return (self.d + self.biases + 2 * _scan_size(H) + self.attempt_cost(H, least=True)
+                + verification_count(self.parameters(H)))
+
     def rest_cost(self, H: int) -> int:
         """Queries of a run told H beyond its base scans: v (and c), the perturbations,
         rounds 1 and 2 and the held-out verification."""
