@@ -55,8 +55,11 @@ class Verification:
     family_errors: dict = field(default_factory=dict)
     # the tolerance asked for, when the model's own error bar made ``tolerance`` tighter
     requested_tolerance: float = 0.0
-    # the domain covered: token norms sent (smallest, largest) and L, the longest length
-    # the design could use (the deployment's max_length, or the default)
+    # the domain verified: the norms (smallest, largest) of the tokens whose treatment
+    # the answers showed (given a share of the model's attention at the query, or the
+    # query token: attnextract.verification.weighted_tokens), ``lengths`` up to the
+    # longest such reach, and L, the longest length the design could use (the
+    # deployment's max_length, or the default); ``norms_sent``: every token sent
     norms: tuple = (0.0, 0.0)
     max_length: int = 0
     search_queries: int = 0        # of ``sequences``: the adversarial search's queries
@@ -65,6 +68,7 @@ class Verification:
     # the model's own relative parameter error bar the check allowed for (0: none); a
     # saved result is re-verified against the same bar (``attnextract verify``)
     error_bar: float = 0.0
+    norms_sent: tuple = (0.0, 0.0)
 
     @property
     def passed(self) -> bool:
@@ -213,6 +217,7 @@ class Report:
             check = {k: v for k, v in state["verification"].items() if k in fields}
             check["lengths"] = tuple(check.get("lengths", (1, MAX_VERIFY_LENGTH)))
             check["norms"] = tuple(check.get("norms", (0.0, 0.0)))
+            check["norms_sent"] = tuple(check.get("norms_sent", (0.0, 0.0)))
             state["verification"] = Verification(**check)
         known = cls.__dataclass_fields__
         return cls(**{k: v for k, v in state.items() if k in known})
@@ -253,7 +258,11 @@ class Report:
                 rows.append(("verified domain",
                              f"lengths {v.lengths[0]}-{v.lengths[1]} of up to {v.max_length}, "
                              f"token norms {human_number(v.norms[0])} .. "
-                             f"{human_number(v.norms[1])}; {v.search_queries} of the sequences "
+                             f"{human_number(v.norms[1])} (tokens the answers read: the query "
+                             f"token and keys given attention weight)"
+                             + (f", sent {human_number(v.norms_sent[0])} .. "
+                                f"{human_number(v.norms_sent[1])}" if any(v.norms_sent) else "")
+                             + f"; {v.search_queries} of the sequences "
                              f"from the adversarial search, {v.own_probes} own longest probes "
                              f"compared"))
             if v.hull_tolerance > 0:

@@ -93,6 +93,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .models import PreLayerNormAttention, VectorAttention, layer_norm, softmax
 from .oracle import live_queries, root_oracle
 
 DEFAULT_LONGEST = 4096        # held-out lengths reach at least this (unless max_length) ...
@@ -136,6 +137,76 @@ MAX_ERROR_BAR = 0.1
 # ~1e4 x their error on the probes: 1.3e-10 measured on a Transformer layer at d = 8)
 MEASURED_ROUNDING = 100.0
 MEASURED_FLOOR = 1e-9
+# The verified domain: a token counts (its norm, its distance from the end) only where the
+# model's attention at the query gives it at least WEIGHT_SHARE of a head's weight, or
+# half an even share (0.5 / N: a long sequence of equal weights is read in full), or it
+# is the query token. A token that carries no weight cannot show in the answer what the
+# box does with it, so its norm is no evidence.
+WEIGHT_SHARE = 1e-3
+# the norms family places one extreme token where it must show: as the query token, or
+# as a key the query attends to while every other score sits KEY_GAP below it
+KEY_GAP = (4.0, 8.0)
+
+
+def _attention_heads(model):
+    """(W (H, d, d), b (H, d) or None, layer norm (gamma, beta, eps) or None) of the
+    model's attention at the query token; None for a model without attention (a ReLU
+    network on single tokens) or one that reads every position (every token is a query
+    token there)."""
+    if isinstance(model, VectorAttention) and model.positions != "last":
+        return None
+    W = getattr(model, "W", None)
+    if W is None or np.ndim(W) not in (2, 3):
+        return None
+    W = np.asarray(W, dtype=float)
+    W = W[None] if W.ndim == 2 else W
+    b = None
+    # query biases only of the classes that have them (a Transformer layer's b is its
+    # feed-forward bias)
+    if is_biased(model) or isinstance(model, (PreLayerNormAttention, VectorAttention)):
+        b = getattr(model, "b", None)
+        b = None if b is None else np.asarray(b, dtype=float).reshape(len(W), -1)
+    ln = ((model.gamma, model.beta, model.eps) if isinstance(model, PreLayerNormAttention)
+          else None)
+    return W, b, ln
+
+
+def weighted_tokens(model, X: np.ndarray) -> np.ndarray:
+    """Which tokens of X (N, d) the model's answer reads: those given at least
+    min(WEIGHT_SHARE, 0.5 / N) of some head's attention at the query token, and the
+    query token itself. Boolean (N,); every token for models without attention at one
+    query (see :func:`_attention_heads`)."""
+    X = np.asarray(X, dtype=float)
+    heads = _attention_heads(model)
+    if heads is None or len(X) == 1:
+        return np.ones(len(X), dtype=bool)
+    W, b, ln = heads
+    Y = X if ln is None else layer_norm(X, *ln)
+    with np.errstate(over="ignore", invalid="ignore"):
+        scores = np.einsum("nd,hde,e->hn", Y, W, Y[-1])
+        if b is not None:
+            scores = scores + b @ Y.T
+        alpha = softmax(np.where(np.isfinite(scores), scores, -np.inf))
+    keep = np.nan_to_num(alpha).max(axis=0) >= min(WEIGHT_SHARE, 0.5 / len(X))
+    keep[-1] = True
+    return keep
+
+
+def verified_domain(model, sequences) -> tuple[tuple[float, float], int]:
+    """((smallest, largest) norm of the tokens the model's answers read, the longest
+    reach): over ``sequences``, the tokens of :func:`weighted_tokens`, and the largest
+    N - i over sequences of length N whose token i (0-based) carries weight. Norms of 0
+    are left out of the smallest."""
+    lo, hi, reach = math.inf, 0.0, 1
+    for X in sequences:
+        keep = weighted_tokens(model, X)
+        norms = _safe_norm(X)[keep]
+        positive = norms[norms > 0]
+        if positive.size:
+            lo = min(lo, float(positive.min()))
+        hi = max(hi, float(norms.max()))
+        reach = max(reach, len(X) - int(np.argmax(keep)))
+    return ((0.0 if not math.isfinite(lo) else lo), hi), reach
 
 
 @dataclass
@@ -282,23 +353,77 @@ def _family_repeated(dom: _Domain, n: int) -> list:
 
 
 def _family_norms(dom: _Domain, n: int) -> list:
-    """Per-sequence factor 10^U(-3, 3), stratified, 10^3 always (all its tokens); half
-    with mixed norms inside. The bottom stays drawn: tokens all at 10^-3 give outputs
-    that a box rounded to k decimals (absolute) cannot answer to the tolerance."""
+    """Per-sequence factor 10^U(-3, 3), stratified, 10^3 always (all its tokens). The
+    others take turns: one token at the sequence's norm as a key the query attends to
+    (every other score KEY_GAP below it, so a tiny token too carries most of the weight),
+    as the query token among ordinary keys, all tokens at that norm with mixed norms
+    inside (10^U(-2, 2)), all tokens at it. The bottom stays drawn: tokens all at 10^-3
+    give outputs that a box rounded to k decimals (absolute) cannot answer to the
+    tolerance."""
     out = []
     exponents = -3.0 + 6.0 * (dom.rng.permutation(n) + dom.rng.uniform(size=n)) / max(n, 1)
     top = -1
     if n >= 2:       # the top end always (as ``long`` reaches L): a small check reaches it
         top = int(np.argmax(exponents))
         exponents[top] = 3.0
-    for i, k in enumerate(dom.lengths(1, 64, n)):
-        x = dom.low * 10.0 ** exponents[i] * dom.rng.standard_normal((int(k), dom.d))
-        if i % 2:
-            mixed = 10.0 ** dom.rng.uniform(-2, 2, size=(int(k), 1))
-            if i != top:         # the top keeps every token there (a mix moved them in by
-                x *= mixed       # 10^-2: a norm-20 trigger slipped past at d = 8, 1 of 20)
+    heads = dom.score_heads()
+    roles = ("key", "query", "mixed", "plain")
+    turn = 0
+    for i, k in enumerate(dom.lengths(2, 64, n)):
+        k = int(k)
+        factor = 10.0 ** exponents[i]
+        x = dom.low * factor * dom.rng.standard_normal((k, dom.d))
+        if i == top:     # every token there (a mix moved them in by 10^-2: a norm-20
+            out.append(x)    # trigger slipped past at d = 8, 1 of 20)
+            continue
+        role = roles[turn % len(roles)]
+        if role in ("key", "query"):
+            # one token at an end of the norm range, tiny and large in turn (the key starts
+            # tiny: a box that takes tiny tokens for padding shows only where one carries
+            # the weight), 10^-3..10^-2 or 10^2..10^3
+            low_end = (turn // len(roles)) % 2 == (0 if role == "key" else 1)
+            factor = 10.0 ** ((-3.0 if low_end else 2.0) + dom.rng.uniform())
+            x = dom.low * factor * dom.rng.standard_normal((k, dom.d))
+        turn += 1
+        if role == "mixed":
+            x *= 10.0 ** dom.rng.uniform(-2, 2, size=(k, 1))
+        elif role == "query":
+            x[:-1] = dom.scale * dom.rng.standard_normal((k - 1, dom.d))
+        elif role == "key":
+            x = _attended_key(dom, heads, k, factor, i)
         out.append(x)
     return out
+
+
+def _attended_key(dom: _Domain, heads, k: int, factor: float, i: int) -> np.ndarray:
+    """A sequence (k, d) of ordinary tokens and one key at ``factor`` times the low token
+    scale (per coordinate) that the query attends to: along W_h q, the other keys' scores
+    set KEY_GAP below its own (as the ``far`` family sets scores). Without heads, the
+    key at a random place among ordinary tokens."""
+    rng, d = dom.rng, dom.d
+    X = dom.scale * rng.standard_normal((k, d))
+    key = dom.low * factor * rng.standard_normal(d)
+    if heads is None or k < 2:
+        X[rng.integers(0, k)] = key
+        return X
+    q = X[-1]
+    w = heads[i % len(heads)] @ q
+    ww = float(w @ w)
+    if not (ww > 0 and math.isfinite(ww)):
+        X[0] = key
+        return X
+    # the key along +w (its score positive, or ~0 for a tiny key); the others below it
+    key = safe_norm(key) * w / math.sqrt(ww)
+    top = float(key @ w)
+    R = X[:-1]
+    t = min(top, 0.0) - rng.uniform(*KEY_GAP, k - 1)
+    R = R + ((t - R @ w) / ww)[:, None] * w[None, :]
+    # no token beyond the far family's cap: where W ~ 0 (known only to its noise) the
+    # gap would need tokens of any size, and there the model itself is not known
+    if np.all(np.isfinite(R)) and float(_safe_norm(R).max()) <= 1e3 * dom.low * math.sqrt(d):
+        X[:-1] = R
+    X[rng.integers(0, k - 1)] = key
+    return X
 
 
 def _family_sparse(dom: _Domain, n: int) -> list:
@@ -684,7 +809,6 @@ def _separating_sequences(W: np.ndarray, v: np.ndarray, count: int, rng, scale: 
     scales where attention is sharper), the ``count`` with the largest
     max_{g != h} |(alpha_g - alpha_h)^T X v_h| / (s |v_h|) are kept.
     """
-    from .models import softmax
     H, d = W.shape[0], W.shape[1]
     vn = np.maximum(safe_norm(v, axis=1), np.finfo(float).tiny)
     cands, merit = [], []
@@ -810,6 +934,13 @@ def _safe_norm(X: np.ndarray) -> np.ndarray:
     return safe_norm(np.atleast_2d(X), axis=1)
 
 
+def _norm_range(sequences) -> tuple[float, float]:
+    """(smallest nonzero, largest) norm of every token of ``sequences`` (0 when none)."""
+    norms = np.concatenate([_safe_norm(X) for X in sequences]) if len(sequences) else np.zeros(1)
+    positive = norms[norms > 0]
+    return (float(positive.min()) if positive.size else 0.0), float(norms.max())
+
+
 def token_norms(sequences) -> np.ndarray:
     """Largest token norm of each sequence, shape (len(sequences),)."""
     return np.array([float(_safe_norm(s).max()) for s in sequences])
@@ -913,10 +1044,11 @@ class Check:
     hull: np.ndarray
     observed: np.ndarray
     predicted: np.ndarray
-    lengths: tuple
-    norms: tuple = (0.0, 0.0)       # smallest and largest token norm sent
+    lengths: tuple                  # shortest length, longest reach (verified_domain)
+    norms: tuple = (0.0, 0.0)       # smallest and largest norm of tokens that were read
     search_queries: int = 0
     own_probes: int = 0
+    sent_norms: tuple = (0.0, 0.0)  # smallest and largest token norm sent (search bound)
 
     def worst_family(self) -> str:
         return self.family[int(np.argmax(self.errors))] if self.errors.size else ""
@@ -984,10 +1116,10 @@ def run_check(oracle, model, held: HeldOutSet, *, tolerance: float = 1e-7,
         errors = np.concatenate([errors, scaled_relative_errors(now, then, token_norms(xs))])
         observed, predicted = np.concatenate([observed, now]), np.concatenate([predicted, then])
         family += ["replay"] * len(xs)
-    positive = norms[norms > 0]
+    read, reach = verified_domain(model, held.sequences)
     return Check(errors=errors, family=family, hull=hull, observed=observed,
-                 predicted=predicted, lengths=held.lengths,
-                 norms=(float(positive.min()) if positive.size else 0.0, float(norms.max())))
+                 predicted=predicted, lengths=(held.lengths[0], reach), norms=read,
+                 sent_norms=_norm_range(held.sequences))
 
 
 def compare_own_probes(oracle, model, check: Check, judge: _Judge) -> None:
@@ -1059,13 +1191,13 @@ def adversarial_search(oracle, model, check: Check, held: HeldOutSet, judge: _Ju
     if not eligible:
         return
     errors = check.errors[:len(held.sequences)]
-    domain = check.norms                 # the search stays within the design's token norms
+    domain = check.sent_norms            # the search stays within the design's token norms
     per_round = max(1, queries // SEARCH_ROUNDS)
     parents = [(float(errors[i]), held.sequences[i]) for i in eligible]
     parents.sort(key=lambda p: -p[0] if math.isfinite(p[0]) else -math.inf)
     pool = parents[:max(1, per_round // 4)]
     asked = 0
-    all_errors, lengths, norms = [], [], []
+    all_errors, children_asked = [], []
     for r in range(SEARCH_ROUNDS):
         budget = queries - asked if r == SEARCH_ROUNDS - 1 else min(per_round, queries - asked)
         children = _children(pool, rng, held.longest, r, budget, domain)
@@ -1076,8 +1208,7 @@ def adversarial_search(oracle, model, check: Check, held: HeldOutSet, judge: _Ju
         asked += len(children)
         errs = judge(children, evaluate_ragged(model, children), observed)
         all_errors.append(errs)
-        lengths += [len(c) for c in children]
-        norms.append(token_norms(children))
+        children_asked += children
         ranked = sorted(pool + list(zip(errs.tolist(), children)),
                         key=lambda p: -p[0] if math.isfinite(p[0]) else -math.inf)
         pool = ranked[:len(pool)]
@@ -1087,11 +1218,15 @@ def adversarial_search(oracle, model, check: Check, held: HeldOutSet, judge: _Ju
     check.errors = np.concatenate([check.errors, errs])
     check.family += ["search"] * len(errs)
     check.search_queries = asked
-    n = np.concatenate(norms)
-    check.lengths = (min(check.lengths[0], min(lengths)), max(check.lengths[1], max(lengths)))
-    positive = n[n > 0]
-    if positive.size:
-        check.norms = (min(check.norms[0], float(positive.min())), max(check.norms[1], float(n.max())))
+    lo_sent, hi_sent = _norm_range(children_asked)
+    check.sent_norms = (min(x for x in (check.sent_norms[0], lo_sent, math.inf) if x > 0)
+                        if max(check.sent_norms[0], lo_sent) > 0 else 0.0,
+                        max(check.sent_norms[1], hi_sent))
+    (lo, hi), reach = verified_domain(model, children_asked)
+    check.lengths = (min(check.lengths[0], min(len(c) for c in children_asked)),
+                     max(check.lengths[1], reach))
+    check.norms = (min(x for x in (check.norms[0], lo) if x > 0) if max(check.norms[0], lo) > 0
+                   else 0.0, max(check.norms[1], hi))
 
 
 def keeps_own_answers(oracle) -> bool:
@@ -1222,7 +1357,8 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
                         hull_tolerance=max(HULL_FRACTION * requested, HULL_NOISE * answer_noise),
                         worst_family=check.worst_family(), family_errors=check.family_errors(),
                         requested_tolerance=requested if tolerance < requested else 0.0,
-                        norms=check.norms, max_length=int(held.longest),
+                        norms=check.norms, norms_sent=check.sent_norms,
+                        max_length=int(held.longest),
                         search_queries=check.search_queries, own_probes=check.own_probes,
                         rounded_answers=answers_look_rounded(check.observed),
                         error_bar=0.0 if bar is None else float(bar))

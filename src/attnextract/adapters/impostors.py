@@ -537,6 +537,36 @@ class HugeTwoHeads(SecondHead):
         return self.SCALE * super().__call__(X)
 
 
+class LargeTokenClip(Impostor):
+    reason = ("the values of tokens longer than 100 x an ordinary token are clipped to that "
+              "norm (a norm clip in the value path): the same model wherever such tokens "
+              "carry no attention weight")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.limit = 100.0 * token_scale_of(model) * math.sqrt(self.dim)
+
+    def values(self, X):
+        norms = np.linalg.norm(X, axis=2, keepdims=True)
+        return X * np.minimum(1.0, self.limit / np.maximum(norms, 1e-300))
+
+
+class TinyPadding(Impostor):
+    reason = ("tokens shorter than 1e-2 x an ordinary token are taken for padding and "
+              "masked out of the softmax (unless every token is): the same model on "
+              "sequences without such tokens")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.limit = 1e-2 * token_scale_of(model) * math.sqrt(self.dim)
+
+    def scores(self, X, W):
+        s = super().scores(X, W)
+        pad = np.linalg.norm(X, axis=2) < self.limit
+        pad &= ~pad.all(axis=1, keepdims=True)
+        return np.where(pad, -np.inf, s)
+
+
 def zoo(model=None) -> dict:
     """name -> factory (model, rng, recovery_queries) -> impostor, for this kind of model.
 
@@ -574,6 +604,9 @@ def zoo(model=None) -> dict:
         "cubic scores": lambda m, r, q: CubicScores(m, r),
         "quadratic values": lambda m, r, q: QuadraticValues(m, r),
         "two heads x1e200": lambda m, r, q: HugeTwoHeads(m, r),
+        # the verified domain: tokens outside the ordinary norms, with weight on them
+        "large-token clip": lambda m, r, q: LargeTokenClip(m, r),
+        "tiny tokens as padding": lambda m, r, q: TinyPadding(m, r),
     }
     if model is None or isinstance(model, (OneLayerTransformer, TransformerLayer)):
         out["GELU FFN"] = lambda m, r, q: GeluFFN(m, r)

@@ -513,9 +513,13 @@ class QueryJournal:
         chosen = rng.choice(ids, size=min(k, len(ids)), replace=False)
         out = []
         for row_id in sorted(int(i) for i in chosen):
-            length, blob, y, stored_checksum = self._read(
+            row = self._read(
                 "SELECT length, sequence, output, checksum FROM samples WHERE id = ?",
                 (row_id,), f"kept sequence {row_id}", one=True)
+            if row is None:                  # listed but gone: a damaged index page
+                raise JournalError(f"journal {self.path}: kept sequence {row_id} is missing "
+                                   f"(damaged?)", path=self.path)
+            length, blob, y, stored_checksum = row
             if not (isinstance(blob, bytes) and isinstance(stored_checksum, bytes)
                     and isinstance(length, int) and isinstance(y, float)):
                 raise JournalError(f"journal {self.path}: kept sequence {row_id} is malformed",

@@ -898,8 +898,9 @@ class LargeTokenOddOracle(OracleView):
     def require(self, n: int, what: str = "this step") -> None:
         self.base.require(4 * n, self._named(f"{what} (four queries per probe)"))
 
-    def plan(self, n: int, what: str = "the extraction") -> None:
-        self.base.plan(4 * n, self._named(f"{what} (four queries per probe)"))
+    def plan(self, n: int, what: str = "the extraction", need: int | None = None) -> None:
+        self.base.plan(4 * n, self._named(f"{what} (four queries per probe)"),
+                       None if need is None else 4 * need)
 
     def shifts(self, Z: np.ndarray) -> np.ndarray:
         """L per probe (B,): every biased unit's kink out of reach of the attention term."""
