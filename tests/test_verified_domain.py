@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
 from attnextract import Oracle
 from attnextract.adapters.targets import random_multi_head, random_single_head
@@ -87,3 +88,56 @@ def test_the_report_states_the_domain_read_and_sent():
     out = report.to_dict()["verification"]
     assert out["norms"] == [lo, hi] and out["norms_sent"] == [sent_lo, sent_hi]
     assert token_norms([np.ones((1, D))])[0] == math.sqrt(D)
+
+
+def test_coverage_is_stated_per_family_and_more_sequences_buy_a_stronger_one():
+    from attnextract.report import coverage_share, draws_for_coverage
+    assert abs(coverage_share(24) - (1 - 0.05 ** (1 / 24))) < 1e-15
+    assert draws_for_coverage(coverage_share(59)) == 59
+    model = random_single_head(D, seed=5)
+    small = verify_model(Oracle(model, D), model, count=64, seed=0)
+    oracle = Oracle(model, D)
+    oracle.verify_sequences = 640
+    large = verify_model(oracle, model, count=64, seed=0)
+    assert small.passed and large.passed and large.sequences >= 640
+    for name, n in small.family_sequences.items():
+        assert small.coverage[name] == coverage_share(n)
+    assert small.family_sequences["all"] == small.sequences
+    assert large.coverage["ordinary"] < small.coverage["ordinary"] / 4
+    report = Report(kind="single-head", dim=D, queries=64, floor=72, breakdown={}, seconds=0.0,
+                    black_box_seconds=0.0, verification=small)
+    assert "95% confidence" in report.render()
+    assert report.to_dict()["verification"]["coverage"] == small.coverage
+
+
+@pytest.mark.parametrize("d", [8, 16])
+def test_a_region_of_five_percent_is_refused_or_honestly_reported(d):
+    """A deviation on about 5% of inputs (a cone of query tokens): a small check may miss
+    it, and then its report must not claim a coverage that would have caught it; a
+    check bought to cover 1% refuses it."""
+    from attnextract.adapters.impostors import Cone
+    from attnextract.report import draws_for_coverage
+    for seed in range(3):
+        model = random_single_head(d, seed=seed)
+        box = Cone(model, np.random.default_rng(seed), 0.05)
+        small = verify_model(Oracle(box, d), model, count=24, seed=seed)
+        assert not small.passed or small.coverage["all"] > 0.05
+        oracle = Oracle(box, d)
+        oracle.verify_sequences = draws_for_coverage(0.01)
+        large = verify_model(oracle, model, count=24, seed=seed)
+        assert large.coverage["all"] <= 0.01 and not large.passed
+
+
+def test_cli_verify_sequences_buys_the_stated_coverage(tmp_path):
+    import json
+
+    from conftest import run_cli
+    target = tmp_path / "box.py"
+    target.write_text("from attnextract.adapters.targets import random_single_head\n"
+                      "box = random_single_head(4, 1)\n")
+    proc = run_cli("extract", "--target", f"{target}:box", "--dim", 4, "--out",
+                   tmp_path / "r.npz", "--json", "--no-progress", "--no-journal",
+                   "--verify-sequences", 300, check=0, timeout=120)
+    check = json.loads(proc.stdout)["verification"]
+    assert check["sequences"] >= 300 and check["family_sequences"]["all"] == check["sequences"]
+    assert check["coverage"]["all"] < 0.01

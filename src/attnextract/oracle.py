@@ -181,6 +181,9 @@ class Oracle:
         self.journal = journal
         self.journal_queries = 0  # queries answered by the journal, not the black box
         self.check_queries = 0    # queries binding the journal to the black box (budgeted)
+        # held-out sequences the verification asks at least (a stronger coverage
+        # statement, ``--verify-sequences``); None: each learner's own count
+        self.verify_sequences: int | None = None
         # held-out checks the journal answered (a rerun of a finished run): the report says
         # so, since the journal, not the live black box, vouched for them
         self.held_out_journal_queries = 0

@@ -69,6 +69,16 @@ class Verification:
     # saved result is re-verified against the same bar (``attnextract verify``)
     error_bar: float = 0.0
     norms_sent: tuple = (0.0, 0.0)
+    # sequences asked per family, and the coverage each buys (:func:`coverage_share`): a
+    # deviation on at least that share of the family's inputs is caught with 95%
+    # confidence; a check that states no families: one entry "all"
+    family_sequences: dict = field(default_factory=dict)
+    coverage: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.coverage and self.sequences > 0:
+            self.family_sequences = self.family_sequences or {"all": int(self.sequences)}
+            self.coverage = {k: coverage_share(n) for k, n in self.family_sequences.items()}
 
     @property
     def passed(self) -> bool:
@@ -79,6 +89,24 @@ class Verification:
         return (f"<Verification {'PASSED' if self.passed else 'FAILED'}: {self.sequences} "
                 f"held-out sequences, max relative error {self.max_relative_error:.2e} "
                 f"{'<=' if self.passed else '>'} {self.tolerance:.0e}>")
+
+
+COVERAGE_CONFIDENCE = 0.95
+
+
+def coverage_share(n: int, confidence: float = COVERAGE_CONFIDENCE) -> float:
+    """The smallest share p of a family's inputs a deviation must cover to be caught with
+    probability ``confidence`` by ``n`` independent draws from that family:
+    1 - (1 - p)^n >= confidence, so p = 1 - (1 - confidence)^(1/n) (1.0 for n = 0).
+    24 draws: 11.8%; 64: 4.6%; 600: 0.5%."""
+    return 1.0 if n <= 0 else 1.0 - (1.0 - confidence) ** (1.0 / n)
+
+
+def draws_for_coverage(p: float, confidence: float = COVERAGE_CONFIDENCE) -> int:
+    """Draws from one family that catch a deviation on a share ``p`` of its inputs with
+    probability ``confidence`` (the inverse of :func:`coverage_share`)."""
+    # less a hair: coverage_share(n) maps back to n, not n + 1 by rounding
+    return math.ceil(math.log(1.0 - confidence) / math.log1p(-p) - 1e-9)
 
 
 VERIFY_COUNT = 64             # held-out queries of a full check (or 1% of the parameters)
@@ -265,6 +293,8 @@ class Report:
                              + f"; {v.search_queries} of the sequences "
                              f"from the adversarial search, {v.own_probes} own longest probes "
                              f"compared"))
+            if v.coverage:
+                rows.append(("coverage", _coverage_text(v)))
             if v.hull_tolerance > 0:
                 rows.append(("hull check", f"answers outside their tokens' interval by at most "
                                            f"{human_number(v.hull_violation)} (tolerance "
@@ -284,6 +314,17 @@ class Report:
         column = min(max(len(label) for label, _ in rows), LABEL_WIDTH) + 2
         return "\n".join((f"{label:<{column}}" if len(label) < column else label + "  ")
                          + text for label, text in rows)
+
+
+def _coverage_text(v: Verification) -> str:
+    """One line: the share of each family's inputs a deviation must cover to be caught
+    with 95% confidence, the weakest first."""
+    parts = sorted(v.coverage.items(), key=lambda item: -item[1])
+    shown = ", ".join(f"{name} {100 * p:.3g}% ({v.family_sequences.get(name, 0)})"
+                      for name, p in parts)
+    return (f"a deviation on at least this share of a family's inputs is caught with "
+            f"{100 * COVERAGE_CONFIDENCE:.0f}% confidence: {shown}; more held-out sequences "
+            f"(--verify-sequences N) buy smaller shares")
 
 
 # -- the human rendering of values -----------------------------------------------------

@@ -1293,7 +1293,7 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
     box's units) widens each sequence's allowance by ABSOLUTE_NOISE_FACTOR a over the
     size its error is relative to (:class:`_Judge`).
     """
-    from .report import DEFAULT_VERIFY_TOLERANCE, Verification, token_scale
+    from .report import DEFAULT_VERIFY_TOLERANCE, Verification, coverage_share, token_scale
     tolerance = DEFAULT_VERIFY_TOLERANCE if tolerance is None else tolerance
     if getattr(model, "kind", "") == "pre-ln-sphere":     # defined on its sphere only
         from .learners.pre_layer_norm import INVARIANCE_SHARE, verify_on_sphere
@@ -1317,6 +1317,8 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
         floor = floor if tolerance_floor is None else tolerance_floor
         tolerance = min(tolerance, max(CONSISTENCY_FACTOR * bar, floor))
     root = root_oracle(oracle)
+    # a stronger coverage statement asked for (--verify-sequences N): never fewer
+    count = max(int(count), int(getattr(root, "verify_sequences", None) or 0))
     if max_length is None:
         max_length = getattr(root, "max_length", None)
     if probe_length is None:
@@ -1349,7 +1351,19 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
     asked = (len(held.sequences) + len(held.replay) + check.search_queries
              + (0 if hull_v is None else oracle.dim))
     worst = float(np.max(check.errors)) if check.errors.size else 0.0
-    return Verification(sequences=asked, max_relative_error=worst,
+    # the draws of each family that were asked of the black box (the own probes are the
+    # learner's choice, not draws): what the coverage statement rests on
+    drawn = {}
+    for name in check.family:
+        if name != "own":
+            drawn[name] = drawn.get(name, 0) + 1
+    if hull_v is not None:
+        drawn["hull"] = drawn.get("hull", 0) + oracle.dim
+    # a deviation on a share of every family's inputs (a region of query tokens, say)
+    # meets every draw: the whole check's statement
+    drawn["all"] = sum(drawn.values())
+    return Verification(sequences=asked, family_sequences=drawn,
+                        coverage={k: coverage_share(n) for k, n in drawn.items()}, max_relative_error=worst,
                         median_relative_error=float(np.median(check.errors)), tolerance=tolerance,
                         lengths=check.lengths,
                         hull_violation=float(check.hull.max(initial=0.0)),

@@ -567,6 +567,28 @@ class TinyPadding(Impostor):
         return np.where(pad, -np.inf, s)
 
 
+class Cone(Impostor):
+    reason = ("answers differ by 1e-3 of their size where the query token lies in a cone "
+              "holding `share` of Gaussian directions: a region of the domain, not a "
+              "measure-zero trigger, that a small sample can miss")
+
+    def __init__(self, model, rng, share: float = 0.05):
+        super().__init__(model, rng)
+        self.u = rng.standard_normal(self.dim)
+        self.u /= np.linalg.norm(self.u)
+        sample = rng.standard_normal((20000, self.dim))
+        cosines = sample @ self.u / np.linalg.norm(sample, axis=1)
+        self.cos = float(np.quantile(cosines, 1.0 - share))
+
+    def __call__(self, X):
+        X = np.asarray(X, dtype=np.float64)
+        out = self.honest(X)
+        last = X[:, -1, :]
+        norms = np.linalg.norm(last, axis=1)
+        inside = (last @ self.u) > self.cos * np.where(norms > 0, norms, np.inf)
+        return np.where(inside, out * (1.0 + 1e-3), out)
+
+
 def zoo(model=None) -> dict:
     """name -> factory (model, rng, recovery_queries) -> impostor, for this kind of model.
 
