@@ -100,3 +100,27 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_target_output_at_descriptor_1_never_reaches_json_stdout(tmp_path):
+    """A target writing to file descriptor 1 itself (a C extension, os.write) while it
+    answers: with --json, stdout is one JSON object and the noise goes to stderr."""
+    target = tmp_path / "noisy_target.py"
+    target.write_text(textwrap.dedent("""
+        import os
+        from attnextract.adapters.targets import random_single_head
+        os.write(1, b"noise at import\\n")
+        BOX = random_single_head(4, 0)
+
+        def box(X):
+            os.write(1, b"noise\\n")
+            return BOX(X)
+    """))
+    for command in (["extract", "--out", tmp_path / "r.npz", "--no-journal"],):
+        proc = run_cli(*command[:1], "--target", f"{target}:box", "--dim", 4, "--seed", 1,
+                       *command[1:], "--json", "--no-progress", check=0, timeout=120)
+        assert json.loads(proc.stdout)["ok"] is True
+        assert "noise" not in proc.stdout and "noise" in proc.stderr
+    proc = run_cli("verify", "--target", f"{target}:box", "--result", tmp_path / "r.npz",
+                   "--json", "--no-progress", check=0, timeout=120)
+    assert json.loads(proc.stdout)["ok"] is True and "noise" in proc.stderr

@@ -168,6 +168,7 @@ class Oracle:
                 max_length = declared
         self.max_length = None if max_length is None else int(max_length)
         self.longest = 0          # longest sequence answered outside live()
+        self.largest_batch = 0    # largest batch answered outside live() (the learner's)
         self.longest_probes = []  # up to LONGEST_KEEP (sequence, answer), the longest
         self.budget = None if budget is None else int(budget)
         self.max_batch = None if max_batch is None else int(max_batch)
@@ -369,6 +370,7 @@ class Oracle:
         """Keep the LONGEST_KEEP longest answered sequences (the first ones of a length)."""
         N = X.shape[1]
         self.longest = max(self.longest, N)
+        self.largest_batch = max(self.largest_batch, len(X))
         kept = self.longest_probes
         if len(kept) >= LONGEST_KEEP and N <= min(len(x) for x, _ in kept):
             return

@@ -264,6 +264,21 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
         raise
 
 
+def _count_the_whole_check(result: ExtractionResult, span: int) -> None:
+    """A learner's report names the verification count it planned; the check may ask
+    another (``--verify-sequences``; a batch-invariance share the batch limits cut): the
+    breakdown says what it asked, and the result counts every query the learner's run
+    sent (``span``)."""
+    report = result.report
+    check = report.verification
+    planned = report.breakdown.get("verification")
+    if check is not None and isinstance(planned, int) and check.sequences != planned:
+        report.breakdown["verification"] = int(check.sequences)
+    if report.queries < span:
+        result.queries += span - report.queries
+        report.queries = span
+
+
 def _extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=None,
              tolerance=None, sign_only: bool = False, **options) -> ExtractionResult:
     """:func:`extract` itself (the refusal's count is completed by the caller)."""
@@ -368,6 +383,7 @@ def _extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=
                 hint = BIASES_HINT if zero is None else QUERY_BIASES_HINT
                 exc.args = (f"{exc.args[0]}; {hint}",) + exc.args[1:]
         raise
+    _count_the_whole_check(result, getattr(root, "queries", sent) - sent)
     numbers, tokens = getattr(root, "numbers", None), getattr(root, "tokens", None)
     if numbers is not None and getattr(root, "outputs", None) not in (None, "scalar"):
         # vector answers: the cost in the three units (sequences, numbers, tokens)

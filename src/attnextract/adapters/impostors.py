@@ -254,6 +254,21 @@ class BatchDependent(Impostor):
         return out - 1e-3 * out.mean()
 
 
+class Float32AboveBatch(Impostor):
+    reason = ("batches of more than `largest` sequences are computed in float32 (another "
+              "kernel), smaller ones in float64: an answer depends on the batch it is sent "
+              "in, so no precision describes the box")
+
+    def __init__(self, model, rng, largest: int = 8):
+        super().__init__(model, rng)
+        self.largest = largest
+
+    def __call__(self, X):
+        X = np.asarray(X, dtype=np.float64)
+        out = self.honest(X)
+        return out.astype(np.float32).astype(np.float64) if len(X) > self.largest else out
+
+
 class AttentionSink(Impostor):
     reason = ("an extra key with score 0 and value 0 in the softmax: f = sum e^s v^T x / "
               "(1 + sum e^s), not a convex combination of the values")
@@ -567,6 +582,22 @@ class TinyPadding(Impostor):
         return np.where(pad, -np.inf, s)
 
 
+class MeanPoolHead(Impostor):
+    reason = ("a hidden extra head of relative size `size` that attends evenly (mean "
+              "pooling) and shares the heads' value path: outside the class by `size`")
+
+    def __init__(self, model, rng, size: float):
+        super().__init__(model, rng)
+        self.size = float(size)
+
+    def honest(self, X):
+        values = self.values(X)
+        pooled = values.mean(axis=1)
+        Z = np.stack([np.einsum("bn,bnd->bd", self.weights(X, W), values) + self.size * pooled
+                      for W in self._head_list], axis=1)
+        return readout(self.model, Z, X, self.ffn)
+
+
 class Cone(Impostor):
     reason = ("answers differ by 1e-3 of their size where the query token lies in a cone "
               "holding `share` of Gaussian directions: a region of the domain, not a "
@@ -606,6 +637,7 @@ def zoo(model=None) -> dict:
         "position embedding": lambda m, r, q: PositionEmbedding(m, r),
         "rotary positions": lambda m, r, q: RotaryPositions(m, r),
         "batch-dependent": lambda m, r, q: BatchDependent(m, r),
+        "float32 above batch 8": lambda m, r, q: Float32AboveBatch(m, r, 8),
         "attention sink": lambda m, r, q: AttentionSink(m, r),
         "sigmoid attention": lambda m, r, q: SigmoidAttention(m, r),
         "query bias": lambda m, r, q: QueryBias(m, r),

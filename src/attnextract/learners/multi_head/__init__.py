@@ -128,8 +128,9 @@ def extract_multi_head(oracle: Oracle, heads=None, *, subspaces=None, seed=None,
         Seed of the random design and of the held-out verification sequences.
     max_error_bar : float, optional
         Largest error bar (relative parameter error, ERROR_BAR_FACTOR times the
-        predicted rms error) accepted; above it the learner refuses. Default 1e-6, or
-        3e4 times the output precision for rounded outputs (1.8e-3 for float32).
+        predicted rms error) accepted; above it the learner refuses. Default 1e-6
+        (DEFAULT_TOLERANCE), or ROUNDED_TOLERANCE = 1.6e5 times the output precision for
+        rounded outputs (9.5e-3 for float32, at most 0.5).
     verify_tolerance : float
         Largest held-out relative output error accepted as a match (float64 outputs;
         rounded outputs add their precision).

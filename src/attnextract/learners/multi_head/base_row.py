@@ -1213,7 +1213,11 @@ def column_gain(T: np.ndarray, T_var: np.ndarray, Q: np.ndarray, u: np.ndarray) 
     their median (a reference step fitted 0.23 off made every column seem to move it
     by that, 220x the nudges' real moves, d = H = 8), each squared move less its
     variance (a step beyond the window is located by its tail), and the median over
-    the columns (a step mislabelled in one column does not count)."""
+    the columns (a step mislabelled in one column does not count). No column besides
+    the reference (every other one refused): 0, nothing measured (callers keep their
+    assumed gain)."""
+    if T.ndim != 2 or T.shape[0] == 0 or T.shape[1] < 2:
+        return 0.0
     length = np.maximum(np.linalg.norm(Q[1:] - Q[:1], axis=1), 1e-300)  # (n - 1,)
     moved = (T[:, 1:] - T[:, :1]) / length                              # (H, n - 1)
     moved = moved - np.median(moved, axis=1, keepdims=True)
