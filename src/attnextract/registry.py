@@ -381,6 +381,13 @@ def _extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=
                 # learner could not place); not on a refusal of the learner's own (an
                 # error bar above max_error_bar, its limit at a rounding): the answers fit
                 hint = BIASES_HINT if zero is None else QUERY_BIASES_HINT
+                told = options.get("heads")
+                if isinstance(told, int) and not isinstance(told, bool):
+                    # told H: a box with more heads than H fails the same way, and is the
+                    # likelier reading than biases when nothing rules either out
+                    hint = (f"if the black box has more than {told} head"
+                            f"{'s' if told > 1 else ''}, give a larger --heads (API: heads=), "
+                            f"or leave it out to have the heads counted; otherwise {hint}")
                 exc.args = (f"{exc.args[0]}; {hint}",) + exc.args[1:]
         raise
     _count_the_whole_check(result, getattr(root, "queries", sent) - sent)

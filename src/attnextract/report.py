@@ -78,6 +78,9 @@ class Verification:
     # allowance (0: not stated); ``tolerance`` is then the largest error the check
     # accepted, never less than this: every error met the tolerance printed
     judged_tolerance: float = 0.0
+    # the largest error scaled to its sequence's allowance (error x judged_tolerance /
+    # allowance): what was compared with judged_tolerance
+    judged_error: float = 0.0
     # why the black box's answers depend on the batch they are asked in ("" when they do
     # not: the same sequences alone and at the end of a large batch agreed to the
     # rounding), and the batch sizes those re-asks were compared in

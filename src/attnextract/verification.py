@@ -146,6 +146,7 @@ MEASURED_FLOOR = 1e-9
 # ~3.5e-7 with its batch); answers rounded in one batch shape and not in another are a
 # precision that depends on the batch.
 BATCH_REASKS = 4
+REASKED = "batch re-asks"     # family_sequences entry of the re-asks (not random draws)
 BATCH_CAP = 256
 BATCH_FRACTION = 0.1
 BATCH_ROUNDING = 1e-6
@@ -1549,12 +1550,13 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
     # meets every draw: the whole check's statement
     drawn["all"] = sum(drawn.values())
     if check.reasks:
-        drawn["batch re-asks"] = check.reasks      # not draws: left out of "all"
+        drawn[REASKED] = check.reasks      # not draws: out of "all" and the coverage
     return Verification(sequences=asked, family_sequences=drawn,
-                        coverage={k: coverage_share(n) for k, n in drawn.items()},
+                        coverage={k: coverage_share(n) for k, n in drawn.items()
+                                  if k != REASKED},
                         max_relative_error=worst,
                         median_relative_error=float(np.median(raw)) if raw.size else 0.0,
-                        tolerance=stated, judged_tolerance=tolerance,
+                        tolerance=stated, judged_tolerance=tolerance, judged_error=judged,
                         batch_dependence=dependence, batch_sizes=batch_sizes,
                         lengths=check.lengths,
                         hull_violation=float(check.hull.max(initial=0.0)),
@@ -1593,6 +1595,7 @@ def merge_verifications(near, far):
         tolerance=tolerance, judged_tolerance=min(near.judged_tolerance or math.inf,
                                                   far.judged_tolerance or math.inf)
         if near.judged_tolerance or far.judged_tolerance else 0.0,
+        judged_error=max(near.judged_error, far.judged_error),
         requested_tolerance=max(near.requested_tolerance, far.requested_tolerance),
         lengths=(min(near.lengths[0], far.lengths[0]), max(near.lengths[1], far.lengths[1])),
         norms=(lowest(near.norms[0], far.norms[0]), max(near.norms[1], far.norms[1])),
@@ -1607,7 +1610,8 @@ def merge_verifications(near, far):
         worst_family=worst.worst_family,
         family_errors={**far.family_errors, **near.family_errors},
         rounded_answers=near.rounded_answers or far.rounded_answers,
-        family_sequences=drawn, coverage={k: coverage_share(n) for k, n in drawn.items()})
+        family_sequences=drawn,
+        coverage={k: coverage_share(n) for k, n in drawn.items() if k != REASKED})
 
 
 def float32_share(answers) -> float:

@@ -942,8 +942,14 @@ class BaseRowStage:
                         f"(--heads)", RecoveryFailedError, judge=True)
         if heads is None:
             heads = max(counts)
-            self.notes.append(f"the head count {heads} rests on one base row (the rows "
-                              f"scanned gave {sorted(counts)})")
+            if not self.heads_told:
+                self.notes.append(f"the head count {heads} rests on one base row (the rows "
+                                  f"scanned gave {sorted(counts)})")
+            elif heads < H:
+                # told at most H: the count is not a finding of one row but the largest
+                # the rows showed below the bound given
+                self.notes.append(f"told at most {H} heads, the rows scanned showed at most "
+                                  f"{heads} sigmoid steps ({sorted(counts)}): {heads} heads")
         if self.coarse and not self.heads_told:
             # coarse answers, not told H: a row that shows more steps than the count
             # agreed on, one of them at the window's edge (too near it to be pinned, so
