@@ -408,3 +408,6 @@ register("low-precision", _L + "noisy:extract_low_precision",
          "one head from a forward pass in float32/bfloat16/float16 or outputs rounded to "
          "k decimals, error bars from repeated dithered probes", hidden=True,
          with_vectors="vector-single-head")
+register("vector-layer", _L + "vector_layer:extract_vector_layer",
+         "a standard attention layer from vector answers (heads with independent output "
+         "ranges, biases): every head's W_h, b_h, O_h and c", vectors=True)
