@@ -73,9 +73,11 @@ SELECTORS = 192           # selector tokens per set (heads picking one token sha
 MAX_SETS = 4              # selector sets at most (the last one must split nothing)
 SELECT_LOGIT = 4e4        # typical score of a selector token (margins far above 40)
 PAYLOAD = 1e-3            # payload size beside a selector (its score moves <= 1e-3 of it)
+PAYLOAD_CUT = 30.0        # a set that failed is asked again with a payload this much smaller
 EIGEN_SLACK = 1e-2        # eigenvalue this far (x the gap of the mu) from every mu: refuse
 TARGET_LOGIT = 2.0        # largest |logit| of a score probe
-PILOT_SCALES = 2.0 ** np.arange(-40, 41, 4)   # pilot token scales (x the token norm)
+PEAK_BAND = 2.0           # a row whose largest |logit| exceeds PEAK_BAND x it is asked again
+PILOT_SCALES = 2.0 ** np.arange(-40, 41, 5)   # pilot token scales (x the token norm)
 TOKEN_SHARE = 0.75        # score probes resolve this share of the narrowest head's rank:
                           # C_h U is then a tall, well-conditioned r_h x p matrix
 OVERSAMPLE = 1.5          # W-stage frames read 1.5 rho numbers of a rank-rho column space
@@ -153,8 +155,8 @@ def logit_scale(oracle: Oracle, O: np.ndarray, c: np.ndarray, q: np.ndarray,
     S = y.sum(axis=1) - 2 * (c + O @ q)
     rho = np.linalg.norm(S, axis=1) / (ts * np.linalg.norm(O @ u))
     usable = np.flatnonzero((rho > 1e-6) & (rho < 0.05))
-    if usable.size:
-        return float(np.median(2 * rho[usable] / ts[usable]))
+    if usable.size:     # the largest such scale: smaller ones are read through rounding
+        return float(2 * rho[usable[-1]] / ts[usable[-1]])
     saturated = np.flatnonzero(rho >= 0.05)
     if saturated.size:                       # the smallest scale already saturates
         return float(2 * 0.05 / ts[saturated[0]] * 1e3)
@@ -202,6 +204,19 @@ def random_selectors(rng, n: int, d: int, scale: float) -> np.ndarray:
     return Delta * (scale / np.linalg.norm(Delta, axis=1, keepdims=True))
 
 
+def payload_directions(rng, d: int, C: list[np.ndarray]) -> np.ndarray:
+    """Orthonormal payload directions (d, p): every block k must see its whole range
+    through C_k P (k_k x p). One block (the first set): p = d, a rotation (cond(O P) =
+    cond(O)). Several: p = OVERSAMPLE x the widest (at most d), the best of FRAME_TRIES
+    random sets by the worst cond(C_k P)."""
+    widest = max(Ck.shape[0] for Ck in C)
+    if len(C) == 1:
+        return _rotation(rng, d)
+    p = min(d, math.ceil(OVERSAMPLE * widest))
+    tries = [_rotation(rng, d)[:, :p] for _ in range(FRAME_TRIES)]
+    return min(tries, key=lambda P: max(_cond(Ck @ P) for Ck in C))
+
+
 def block_eigenspaces(M: np.ndarray, mu: np.ndarray) -> list[tuple[float, np.ndarray]]:
     """Eigenspaces of M (k, k), whose eigenvalues must lie in the set ``mu``: (value, basis).
 
@@ -225,21 +240,18 @@ def block_eigenspaces(M: np.ndarray, mu: np.ndarray) -> list[tuple[float, np.nda
 
 
 def split_ranges(oracle: Oracle, O: np.ndarray, c: np.ndarray, blocks: Blocks, rng,
-                 q: np.ndarray, scale: float) -> tuple[bool, int]:
-    """One selector set: refine every block by the eigenspaces of its A O^+.
-
-    Payloads: as many as the widest block (random directions mapped through O), so that
-    every block sees its whole range. Returns (whether a block split, queries)."""
+                 q: np.ndarray, scale: float, payload: float = PAYLOAD) -> tuple[bool, int]:
+    """One selector set: refine every block by the eigenspaces of its A O^+ (in the block:
+    (L_k A P)(L_k O P)^+). Returns (whether a block split, queries)."""
     d, E = oracle.dim, blocks.E
-    p = max(blocks.widths)
-    mu = np.linspace(1.0, 2.0, SELECTORS)
-    mu = np.concatenate([[0.0], rng.permutation(mu)])          # 0: the query token wins
-    P = PAYLOAD * scale * _rotation(rng, d)[:, :p]       # orthonormal: cond(O P) <= cond(O)
-    X = selector_probes(random_selectors(rng, SELECTORS, d, scale), q, P, mu[1:])
+    L = blocks.left_inverse()
+    n = min(SELECTORS, (oracle.max_length or SELECTORS + 1) - 1)   # within the box's limit
+    mu = np.concatenate([[0.0], rng.permutation(np.linspace(1.0, 2.0, n))])   # 0: q wins
+    P = payload * scale * payload_directions(rng, d, [Lk @ E.T @ O for Lk in L])
+    X = selector_probes(random_selectors(rng, n, d, scale), q, P, mu[1:])
     y = _last(oracle, X)
     Y = E.T @ (y[1:] - y[0]).T                                   # (D, p): A delta_j
     Z = E.T @ (O @ P)                                            # (D, p): O delta_j
-    L = blocks.left_inverse()
     split, new = False, []
     for Rk, Lk in zip(blocks.R, L):
         Mk = (Lk @ Y) @ np.linalg.pinv(Lk @ Z)                     # k x k, diag(kappa) in R_h
@@ -351,12 +363,19 @@ class ScoreReads:
                 for h in range(len(C))]
 
 
-def frame_blocks(rng, d: int, p: int) -> list[np.ndarray]:
-    """A random orthonormal frame of R^d cut into ceil(d / p) blocks of p columns (the last
-    filled up with columns of another random rotation)."""
+def frame_blocks(rng, d: int, p: int, C: list[np.ndarray]) -> list[np.ndarray]:
+    """An orthonormal frame of R^d cut into ceil(d / p) blocks of p columns (the last filled
+    up with columns of another rotation): the best of FRAME_TRIES random ones by the worst
+    condition number of C_h U_j over heads and blocks (each block reads every head)."""
     nb = -(-d // p)
-    F = np.concatenate([_rotation(rng, d), _rotation(rng, d)[:, : nb * p - d]], axis=1)
-    return [F[:, k * p:(k + 1) * p] for k in range(nb)]
+    best, best_cond = None, np.inf
+    for _ in range(FRAME_TRIES):
+        F = np.concatenate([_rotation(rng, d), _rotation(rng, d)[:, : nb * p - d]], axis=1)
+        blocks = [F[:, k * p:(k + 1) * p] for k in range(nb)]
+        worst = max(_cond(Ch @ U) for Ch in C for U in blocks)
+        if worst < best_cond:
+            best, best_cond = blocks, worst
+    return best
 
 
 def scaled_reads(reads: ScoreReads, q: np.ndarray, guess: float, L, C) -> np.ndarray:
@@ -368,7 +387,7 @@ def scaled_reads(reads: ScoreReads, q: np.ndarray, guess: float, L, C) -> np.nda
         tau = reads.tau[rows]
         peak = np.max([np.abs(s).max(axis=1) for s in reads.scores(L, C, rows)], axis=0) * tau
         tiny = peak * 1e12 < TARGET_LOGIT                      # g ~ 0: any scale reads it
-        bad = ~np.isfinite(peak) | (peak > 4 * TARGET_LOGIT) | ((peak < TARGET_LOGIT / 64)
+        bad = ~np.isfinite(peak) | (peak > PEAK_BAND * TARGET_LOGIT) | ((peak < TARGET_LOGIT / 64)
                                                                 & ~tiny)
         if not bad.any():
             return rows
@@ -408,7 +427,7 @@ class ScorePlan:
         self.p = max(1, int(TOKEN_SHARE * min(widths)))
         self.K = min(max(widths) + 1, d)
         self.Qq = _rotation(rng, d)
-        self.k_reads = ScoreReads(oracle, c, frame_blocks(rng, d, self.p))
+        self.k_reads = ScoreReads(oracle, c, frame_blocks(rng, d, self.p, C))
         scaled_reads(self.k_reads, np.stack([np.zeros(d), self.Qq[:, 0]]), kappa, L, C)
         b, w1 = self._first(L, C)
         omega = float(np.max(np.linalg.norm(w1, axis=1)))
@@ -589,9 +608,17 @@ def rough_ranges(oracle, O, c, E, rng, q, scale) -> tuple[Blocks, int]:
     """Identity 2 with random selectors: a first set with payloads spanning R^d, then sets
     with as many payloads as the widest block until one splits nothing (at most MAX_SETS).
     Returns the blocks and the number of sets."""
-    blocks = Blocks(E)
+    blocks, retried = Blocks(E), False
     for sets in range(1, MAX_SETS + 1):
-        split, _ = split_ranges(oracle, O, c, blocks, rng, q, scale)
+        try:
+            split, _ = split_ranges(oracle, O, c, blocks, rng, q, scale)
+        except ModelMismatchError:
+            # random selectors leave a margin below the payload's reach now and then: one
+            # more set, with new selectors and a payload PAYLOAD_CUT times smaller
+            if retried:
+                raise
+            retried = True
+            split, _ = split_ranges(oracle, O, c, blocks, rng, q, scale, PAYLOAD / PAYLOAD_CUT)
         if sets > 1 and not split:
             break
     return blocks, sets
