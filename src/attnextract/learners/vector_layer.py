@@ -312,20 +312,27 @@ def score_probes(q: np.ndarray, U: np.ndarray, tau: np.ndarray) -> np.ndarray:
     return X
 
 
-def read_logits(y, c, q, U, tau, L, C) -> list[np.ndarray]:
-    """Per head, the logits ln(a_i / alpha_N) = tau u_i^T g_h (B, p) of answers y (B, m).
+def weight_logits(a: np.ndarray) -> np.ndarray:
+    """ln(a_i / alpha_N) (B, p) from the weights a (B, p) of the first p tokens
+    (alpha_N = 1 - sum a); a weight outside (0, 1) gives NaN."""
+    last = 1.0 - a.sum(axis=1, keepdims=True)
+    ok = (a > 0) & (last > 0)
+    return np.where(ok, np.log(np.where(ok, a, 1.0) / np.where(last > 0, last, 1.0)), np.nan)
 
-    L_h (y - c) - C_h q = tau C_h U a; a by least squares (p < r_h), alpha_N = 1 - sum a.
-    A weight outside (0, 1) gives NaN."""
-    out = []
-    for Lh, Ch in zip(L, C):
-        w = (Lh @ (y - c).T - Ch @ q.T) / tau                   # (r_h, B)
-        a = np.linalg.lstsq(Ch @ U, w, rcond=None)[0].T          # (B, p)
-        last = 1.0 - a.sum(axis=1, keepdims=True)
-        ok = (a > 0) & (last > 0)
-        out.append(np.where(ok, np.log(np.where(ok, a, 1.0) / np.where(last > 0, last, 1.0)),
-                            np.nan))
-    return out
+
+class Projected:
+    """Reads every head's weights through the oblique projectors: L_h (y - c) - C_h q =
+    tau C_h U a, a by least squares (p < r_h)."""
+
+    def __init__(self, c, L, C):
+        self.c, self.L, self.C = c, L, C
+
+    def __call__(self, y, q, U, tau) -> list[np.ndarray]:
+        out = []
+        for Lh, Ch in zip(self.L, self.C):
+            w = (Lh @ (y - self.c).T - Ch @ q.T) / tau            # (r_h, B)
+            out.append(weight_logits(np.linalg.lstsq(Ch @ U, w, rcond=None)[0].T))
+        return out
 
 
 class ScoreReads:
@@ -354,13 +361,13 @@ class ScoreReads:
         self.tau[rows] = tau
         self.y[:, rows] = self._answers(self.q[rows], tau)
 
-    def scores(self, L, C, rows=slice(None)) -> list[np.ndarray]:
-        """Per head, frame^T g_h(q) (B, frame width) for the given rows."""
+    def scores(self, reader, rows=slice(None)) -> list[np.ndarray]:
+        """Per head, frame^T g_h(q) (B, frame width) for the given rows, the weights read
+        by ``reader`` (:class:`Projected`)."""
         q, tau = self.q[rows], self.tau[rows]
-        per_block = [read_logits(y, self.c, q, U, tau, L, C)
-                     for U, y in zip(self.blocks, self.y[:, rows])]
+        per_block = [reader(y, q, U, tau) for U, y in zip(self.blocks, self.y[:, rows])]
         return [np.concatenate([b[h] for b in per_block], axis=1) / tau[:, None]
-                for h in range(len(C))]
+                for h in range(len(per_block[0]))]
 
 
 def frame_blocks(rng, d: int, p: int, C: list[np.ndarray]) -> list[np.ndarray]:
@@ -380,20 +387,24 @@ def frame_blocks(rng, d: int, p: int, C: list[np.ndarray]) -> list[np.ndarray]:
 
 def scaled_reads(reads: ScoreReads, q: np.ndarray, guess: float, L, C) -> np.ndarray:
     """Ask the rows q with tau set so that the largest |logit| is about TARGET_LOGIT: first
-    tau = TARGET_LOGIT / guess, then rows whose logits came out saturated (NaN) or far from
-    the target asked again at their measured scale. Returns the rows."""
+    tau = TARGET_LOGIT / guess, then rows whose logits came out unreadable (a weight outside
+    (0, 1): saturated, or a small weight swamped by the first projectors' error) or far from
+    the target asked again: at the measured scale, never again at or above a scale that
+    failed. Returns the rows."""
     rows = reads.ask(q, np.full(len(q), TARGET_LOGIT / guess))
+    failed = np.full(len(q), np.inf)              # smallest tau that gave unreadable weights
     for _ in range(MAX_RESCALES):
         tau = reads.tau[rows]
-        peak = np.max([np.abs(s).max(axis=1) for s in reads.scores(L, C, rows)], axis=0) * tau
+        scores = reads.scores(Projected(reads.c, L, C), rows)
+        peak = np.max([np.abs(s).max(axis=1) for s in scores], axis=0) * tau
         tiny = peak * 1e12 < TARGET_LOGIT                      # g ~ 0: any scale reads it
-        bad = ~np.isfinite(peak) | (peak > PEAK_BAND * TARGET_LOGIT) | ((peak < TARGET_LOGIT / 64)
-                                                                & ~tiny)
+        lost = ~np.isfinite(peak)
+        failed[lost] = np.minimum(failed[lost], tau[lost])
+        bad = lost | (peak > PEAK_BAND * TARGET_LOGIT) | ((peak < TARGET_LOGIT / 64) & ~tiny)
         if not bad.any():
             return rows
-        grow = np.where(np.isfinite(peak[bad]), TARGET_LOGIT / np.maximum(peak[bad], 1e-300),
-                        1e-3)
-        reads.reask(rows[bad], tau[bad] * grow)
+        want = np.where(lost, tau / 4, TARGET_LOGIT * tau / np.maximum(peak, 1e-300))
+        reads.reask(rows[bad], np.minimum(want, failed / 2)[bad])
     raise ModelMismatchError("score probes imply attention weights outside (0, 1), or "
                              "logits far from their target, at every scale tried: not "
                              "softmax attention")
@@ -436,7 +447,7 @@ class ScorePlan:
         self.s = Q_SCALE / math.sqrt(omega)
         guess = float(np.max(np.abs(self.k_reads.frame.T @ (b + self.s * w1).T)))
         scaled_reads(self.k_reads, (self.Qq[:, 1:self.K] * self.s).T, guess, L, C)
-        bases = self.column_spaces(L, C)[1]
+        bases = self.column_spaces(Projected(c, L, C))[1]
         rho = max(B.shape[1] for B in bases)
         width = min(-(-math.ceil(OVERSAMPLE * rho) // self.p), -(-d // self.p)) * self.p
         blocks, self.cond_W = best_frame(rng, d, width, bases, C, self.p)
@@ -446,28 +457,29 @@ class ScorePlan:
 
     def _first(self, L, C):
         solve = np.linalg.pinv(self.k_reads.frame.T)
-        first = self.k_reads.scores(L, C, slice(0, 2))
+        first = self.k_reads.scores(Projected(self.k_reads.c, L, C), slice(0, 2))
         b = np.stack([solve @ f[0] for f in first])
         return b, np.stack([solve @ f[1] for f in first]) - b
 
-    def column_spaces(self, L, C):
+    def column_spaces(self, reader):
         """b (H, d), the K-stage columns W_h q_k (H, d, K) and bases of their spans (a span
         as wide as K: no rank deficiency seen, the whole R^d)."""
         d = self.Qq.shape[0]
         solve = np.linalg.pinv(self.k_reads.frame.T)
-        g = [s @ solve.T for s in self.k_reads.scores(L, C)]       # (K + 1, d) per head
+        g = [s @ solve.T for s in self.k_reads.scores(reader)]       # (K + 1, d) per head
         b = np.stack([gh[0] for gh in g])
         cols = np.stack([(gh[1:] - gh[0]).T for gh in g])
         bases = [_column_space(ch) for ch in cols]
         return b, [B if B.shape[1] < self.K else np.eye(d) for B in bases], cols
 
-    def solve(self, L, C):
-        """W (H, d, d), b (H, d) and the ranks of the W_h, from every read."""
-        b, bases, cols = self.column_spaces(L, C)
+    def solve(self, reader):
+        """W (H, d, d), b (H, d) and the ranks of the W_h, from every read (weights read
+        by ``reader``)."""
+        b, bases, cols = self.column_spaces(reader)
         F = self.w_reads.frame
-        more = self.w_reads.scores(L, C)
+        more = self.w_reads.scores(reader)
         norms = np.concatenate([[1.0], np.full(len(self.Qq) - 1, self.s)])
-        W = np.empty((len(C),) + self.Qq.shape)
+        W = np.empty((len(b),) + self.Qq.shape)
         for h, (B, seen) in enumerate(zip(bases, more)):
             beta = np.linalg.lstsq(F.T @ B, (seen - F.T @ b[h]).T, rcond=None)[0]
             W[h] = (np.concatenate([cols[h], B @ beta], axis=1) / norms) @ self.Qq.T
@@ -574,15 +586,15 @@ def extract_vector_layer(oracle: Oracle, *, seed=None,
     L, C, _ = projectors(E, blocks, O)
     plan = ScorePlan(oracle, c, L, C, rng, kappa, widths)
     counts["scores (W_h, b_h)"] = oracle.queries - start_q - sum(counts.values())
-    W, b, _ = plan.solve(L, C)
+    W, b, _ = plan.solve(Projected(c, L, C))
     blocks.R, _ = fine_ranges(oracle, O, E, W, b, widths, rng, plan.s)
     counts["ranges (designed selectors)"] = oracle.queries - start_q - sum(counts.values())
     L, C, R = projectors(E, blocks, O)
-    W, b, ranks_W = plan.solve(L, C)          # the same answers, read with the final ranges
+    O_h = np.stack([Rh @ Ch for Rh, Ch in zip(R, C)])
+    W, b, ranks_W = plan.solve(Projected(c, L, C))   # the same answers, final ranges
     check_found(widths, heads, ranks, c, b, biases, float(np.max(np.abs(W))))
     positions = "all" if oracle.outputs == "all" else "last"
-    model = VectorAttention(W, np.stack([Rh @ Ch for Rh, Ch in zip(R, C)]), b, c,
-                            positions=positions,
+    model = VectorAttention(W, O_h, b, c, positions=positions,
                             causal=bool(oracle.causal) if positions == "all" else False)
     has_biases = bool(np.any(c) or np.any(b)) if biases is None else biases
     params = parameter_count(d, O.shape[0], widths, ranks_W, has_biases)
@@ -606,10 +618,14 @@ def extract_vector_layer(oracle: Oracle, *, seed=None,
 
 def rough_ranges(oracle, O, c, E, rng, q, scale) -> tuple[Blocks, int]:
     """Identity 2 with random selectors: a first set with payloads spanning R^d, then sets
-    with as many payloads as the widest block until one splits nothing (at most MAX_SETS).
+    (each at a new unit query token) with payloads for the widest block, until one splits
+    nothing (at most MAX_SETS).
     Returns the blocks and the number of sets."""
     blocks, retried = Blocks(E), False
     for sets in range(1, MAX_SETS + 1):
+        if sets > 1:    # a new query token: heads whose scores agree at one q part at another
+            q = rng.standard_normal(len(q))
+            q /= np.linalg.norm(q)
         try:
             split, _ = split_ranges(oracle, O, c, blocks, rng, q, scale)
         except ModelMismatchError:
