@@ -73,17 +73,18 @@ SELECTORS = 192           # selector tokens per set (heads picking one token sha
 MAX_SETS = 4              # selector sets at most (the last one must split nothing)
 SELECT_LOGIT = 4e4        # typical score of a selector token (margins far above 40)
 PAYLOAD = 1e-3            # payload size beside a selector (its score moves <= 1e-3 of it)
+PAYLOAD_OVERSAMPLE = 1.25  # later random sets: payloads per block width
 PAYLOAD_CUT = 30.0        # a set that failed is asked again with a payload this much smaller
 EIGEN_SLACK = 1e-2        # eigenvalue this far (x the gap of the mu) from every mu: refuse
 TARGET_LOGIT = 2.0        # largest |logit| of a score probe
 PEAK_BAND = 2.0           # a row whose largest |logit| exceeds PEAK_BAND x it is asked again
-PILOT_SCALES = 2.0 ** np.arange(-40, 41, 5)   # pilot token scales (x the token norm)
+PILOT_SCALES = 2.0 ** np.arange(-40, 41, 8)   # pilot token scales (x the token norm)
 TOKEN_SHARE = 0.75        # score probes resolve this share of the narrowest head's rank:
                           # C_h U is then a tall, well-conditioned r_h x p matrix
 OVERSAMPLE = 1.5          # W-stage frames read 1.5 rho numbers of a rank-rho column space
 Q_SCALE = 1.0             # query tokens of norm Q_SCALE / sqrt(|W_h q| / |q|)
 FRAME_TRIES = 16          # random frames tried for the W-stage; the best conditioned kept
-BAR_SAFETY = 64.0         # rounding bar: this many ulps per amplification
+BAR_SAFETY = 10.0         # error bar: this many times the measured misfit
 MAX_RESCALES = 4
 
 
@@ -207,12 +208,12 @@ def random_selectors(rng, n: int, d: int, scale: float) -> np.ndarray:
 def payload_directions(rng, d: int, C: list[np.ndarray]) -> np.ndarray:
     """Orthonormal payload directions (d, p): every block k must see its whole range
     through C_k P (k_k x p). One block (the first set): p = d, a rotation (cond(O P) =
-    cond(O)). Several: p = OVERSAMPLE x the widest (at most d), the best of FRAME_TRIES
+    cond(O)). Several: p = PAYLOAD_OVERSAMPLE x the widest (at most d), the best of FRAME_TRIES
     random sets by the worst cond(C_k P)."""
     widest = max(Ck.shape[0] for Ck in C)
     if len(C) == 1:
         return _rotation(rng, d)
-    p = min(d, math.ceil(OVERSAMPLE * widest))
+    p = min(d, math.ceil(PAYLOAD_OVERSAMPLE * widest))
     tries = [_rotation(rng, d)[:, :p] for _ in range(FRAME_TRIES)]
     return min(tries, key=lambda P: max(_cond(Ck @ P) for Ck in C))
 
@@ -480,9 +481,15 @@ class ScorePlan:
         more = self.w_reads.scores(reader)
         norms = np.concatenate([[1.0], np.full(len(self.Qq) - 1, self.s)])
         W = np.empty((len(b),) + self.Qq.shape)
+        self.spread = 0.0
         for h, (B, seen) in enumerate(zip(bases, more)):
-            beta = np.linalg.lstsq(F.T @ B, (seen - F.T @ b[h]).T, rcond=None)[0]
+            target = (seen - F.T @ b[h]).T                        # F^T W_h q, (width, B)
+            beta = np.linalg.lstsq(F.T @ B, target, rcond=None)[0]
             W[h] = (np.concatenate([cols[h], B @ beta], axis=1) / norms) @ self.Qq.T
+            # the misfit of width numbers by rank(W_h) unknowns: the reads' own noise,
+            # amplified by cond(F^T B) into beta
+            misfit = np.linalg.norm(F.T @ B @ beta - target) / np.linalg.norm(target)
+            self.spread = max(self.spread, misfit * _cond(F.T @ B))
         return W, b, [B.shape[1] for B in bases]
 
     @property
@@ -567,6 +574,7 @@ def extract_vector_layer(oracle: Oracle, *, seed=None,
     """
     check_options(oracle, heads, biases, ranks)
     start, start_q, start_bb = time.perf_counter(), oracle.queries, oracle.black_box_seconds
+    start_numbers, start_tokens = oracle.numbers, oracle.tokens
     rng = np.random.default_rng(seed)
     d = oracle.dim
     c, O = constant_and_outputs(oracle)
@@ -599,7 +607,7 @@ def extract_vector_layer(oracle: Oracle, *, seed=None,
     has_biases = bool(np.any(c) or np.any(b)) if biases is None else biases
     params = parameter_count(d, O.shape[0], widths, ranks_W, has_biases)
     counts["recovery"] = oracle.queries - start_q
-    bar = error_bar(O, blocks, plan.condition)
+    bar = error_bar(plan)
     n_verify = verification_count(params, counts["recovery"])
     verification = verify_model(oracle, model, count=n_verify, seed=seed,
                                 tolerance=verify_tolerance, expected_error=bar)
@@ -608,7 +616,9 @@ def extract_vector_layer(oracle: Oracle, *, seed=None,
         breakdown={**counts, "verification": n_verify}, floor=-(-params // O.shape[0]),
         verification=verification, seconds=time.perf_counter() - start,
         black_box_seconds=oracle.black_box_seconds - start_bb,
-        details={"heads found": len(widths), "output ranks r_h": widths,
+        details={"numbers received": oracle.numbers - start_numbers,
+                 "tokens sent": oracle.tokens - start_tokens,
+                 "heads found": len(widths), "output ranks r_h": widths,
                  "ranks of W_h": ranks_W, "random selector sets": sets,
                  "parameters": params, "error bar": bar, "frame condition": plan.condition,
                  "floor": f"{params} parameters / {O.shape[0]} numbers per query"})
@@ -647,11 +657,9 @@ def projectors(E: np.ndarray, blocks: Blocks, O: np.ndarray):
     return L, [Lh @ O for Lh in L], [E @ Rk for Rk in blocks.R]
 
 
-def error_bar(O: np.ndarray, blocks: Blocks, frame_cond: float) -> float:
-    """Relative parameter error bar from the measured amplifications: rounding (eps) times
-    cond(O) (every O_h and C_h come through it), the condition of the ranges' bases (the
-    oblique projectors) and the score frames' condition (C_h U, U^T K_h)."""
-    s = np.linalg.svd(O, compute_uv=False)
-    cond_O = float(s[0] / s[s > RANK_TOL * s[0]][-1])
-    cond_R = _cond(np.concatenate(blocks.R, axis=1))
-    return float(BAR_SAFETY * EPS * cond_O * cond_R * frame_cond)
+def error_bar(plan: ScorePlan) -> float:
+    """Relative parameter error bar, measured: the W-stage reads more numbers (OVERSAMPLE x
+    the rank) than each W_h q has unknowns, so their misfit is the reads' own noise (range
+    errors leaking through the projectors, rounding), amplified by cond(F^T K_h) into W.
+    BAR_SAFETY covers the K-stage columns and b, read by the same probes."""
+    return float(BAR_SAFETY * max(plan.spread, EPS))
