@@ -62,6 +62,7 @@ import math
 import time
 
 import numpy as np
+import scipy.linalg
 
 from ..errors import InputError, ModelMismatchError, RecoveryFailedError
 from ..models import VectorAttention
@@ -83,11 +84,15 @@ RANK_TOL = 1e-9           # singular values below this x the largest: no directi
 SPAN_GAP = 1e3            # W_h's column space ends at a drop of its singular values this big
 DESIGN_MARGIN = 200.0     # designed selectors: each head's winning score margin
 SELECTORS = 192           # selector tokens per set (heads picking one token share a block)
+ROUGH_RETRIES = 2         # a random selector set that fails is asked again this often
 MAX_SETS = 4              # selector sets at most (the last one must split nothing)
 SELECT_LOGIT = 4e4        # typical score of a selector token (margins far above 40)
 PAYLOAD = 1e-3            # payload size beside a selector (its score moves <= 1e-3 of it)
+LINEARITY_CHECKS = 2      # payloads beyond the widest block: their misfit tests linearity
+LINEARITY_TOL = 1e-4      # ... relative misfit above which a set is refused (then retried)
 PAYLOAD_OVERSAMPLE = 1.25  # later random sets: payloads per block width
-PAYLOAD_CUT = 30.0        # a set that failed is asked again with a payload this much smaller
+PAYLOAD_CUT = 3.0        # a set that failed is asked again with a payload this much smaller
+ROUGH_SLACK = 0.25        # ... for random selectors (read through rough projectors)
 EIGEN_SLACK = 1e-2        # eigenvalue this far (x the gap of the mu) from every mu: refuse
 TARGET_LOGIT = 2.0        # largest |logit| of a score probe
 PEAK_BAND = 2.0           # a row whose largest |logit| exceeds PEAK_BAND x it is asked again
@@ -126,6 +131,11 @@ def _column_space(A: np.ndarray) -> np.ndarray:
     drops = s[:-1] / np.maximum(s[1:], s[0] * 1e-300)
     k = int(np.argmax(drops)) + 1
     return U[:, :k] if drops[k - 1] > SPAN_GAP else U
+
+
+def _unit(rng, d: int) -> np.ndarray:
+    v = rng.standard_normal(d)
+    return v / np.linalg.norm(v)
 
 
 def _rotation(rng: np.random.Generator, d: int) -> np.ndarray:
@@ -224,14 +234,19 @@ def payload_directions(rng, d: int, C: list[np.ndarray]) -> np.ndarray:
     cond(O)). Several: p = PAYLOAD_OVERSAMPLE x the widest (at most d), the best of FRAME_TRIES
     random sets by the worst cond(C_k P)."""
     widest = max(Ck.shape[0] for Ck in C)
-    if len(C) == 1:
-        return _rotation(rng, d)
-    p = min(d, math.ceil(PAYLOAD_OVERSAMPLE * widest))
+    if len(C) == 1:         # a rotation, and LINEARITY_CHECKS more: the misfit shows
+        extra = rng.standard_normal((d, LINEARITY_CHECKS))
+        return np.concatenate([_rotation(rng, d), extra / np.linalg.norm(extra, axis=0)], 1)
+    p = min(d + LINEARITY_CHECKS, math.ceil(PAYLOAD_OVERSAMPLE * widest) + LINEARITY_CHECKS)
+    if p > d:
+        extra = rng.standard_normal((d, p - d))
+        return np.concatenate([_rotation(rng, d), extra / np.linalg.norm(extra, axis=0)], 1)
     tries = [_rotation(rng, d)[:, :p] for _ in range(FRAME_TRIES)]
     return min(tries, key=lambda P: max(_cond(Ck @ P) for Ck in C))
 
 
-def block_eigenspaces(M: np.ndarray, mu: np.ndarray) -> list[tuple[float, np.ndarray]]:
+def block_eigenspaces(M: np.ndarray, mu: np.ndarray,
+                      slack: float = EIGEN_SLACK) -> list[tuple[float, np.ndarray]]:
     """Eigenspaces of M (k, k), whose eigenvalues must lie in the set ``mu``: (value, basis).
 
     Each eigenvalue is matched to the nearest mu; a distance above EIGEN_SLACK times the
@@ -240,7 +255,7 @@ def block_eigenspaces(M: np.ndarray, mu: np.ndarray) -> list[tuple[float, np.nda
     spacing = float(np.min(np.diff(np.sort(mu))))
     nearest = mu[np.argmin(np.abs(values[:, None] - mu[None, :]), axis=1)]
     off = float(np.max(np.abs(values - nearest))) / spacing
-    if off > EIGEN_SLACK:
+    if off > slack:
         raise ModelMismatchError(
             f"the answers to saturated selector probes are not linear in the payload with "
             f"one coefficient per head: an eigenvalue lies {off:.2g} spacings from every "
@@ -248,7 +263,9 @@ def block_eigenspaces(M: np.ndarray, mu: np.ndarray) -> list[tuple[float, np.nda
     spaces = []
     for value in np.unique(nearest.real):
         k = int(np.sum(nearest.real == value))
-        _, _, Vt = np.linalg.svd(M - value * np.eye(len(M)))
+        # gesvd: the divide-and-conquer driver fails to converge on some nearly
+        # defective matrices, and these are nearly defective by design (repeated values)
+        _, _, Vt = scipy.linalg.svd(M - value * np.eye(len(M)), lapack_driver="gesvd")
         spaces.append((float(value), Vt[-k:].T))
     return spaces
 
@@ -269,7 +286,12 @@ def split_ranges(oracle: Oracle, O: np.ndarray, c: np.ndarray, blocks: Blocks, r
     split, new = False, []
     for Rk, Lk in zip(blocks.R, L):
         Mk = (Lk @ Y) @ np.linalg.pinv(Lk @ Z)                     # k x k, diag(kappa) in R_h
-        spaces = block_eigenspaces(Mk, mu)
+        misfit = np.linalg.norm(Lk @ Y - Mk @ (Lk @ Z)) / np.linalg.norm(Lk @ Y)
+        if not misfit <= LINEARITY_TOL:       # more payloads than the block is wide
+            raise ModelMismatchError(
+                f"the answers to selector probes are not linear in the payload (misfit "
+                f"{misfit:.1e}): a weight moved with it (no saturation, or not softmax)")
+        spaces = block_eigenspaces(Mk, mu, ROUGH_SLACK)
         split |= len(spaces) > 1
         new.extend(Rk @ S for _, S in spaces)
     blocks.R = new
@@ -644,20 +666,22 @@ def rough_ranges(oracle, O, c, E, rng, q, scale) -> tuple[Blocks, int]:
     (each at a new unit query token) with payloads for the widest block, until one splits
     nothing (at most MAX_SETS).
     Returns the blocks and the number of sets."""
-    blocks, retried = Blocks(E), False
+    blocks, retries = Blocks(E), 0
     for sets in range(1, MAX_SETS + 1):
         if sets > 1:    # a new query token: heads whose scores agree at one q part at another
-            q = rng.standard_normal(len(q))
-            q /= np.linalg.norm(q)
-        try:
-            split, _ = split_ranges(oracle, O, c, blocks, rng, q, scale)
-        except ModelMismatchError:
-            # random selectors leave a margin below the payload's reach now and then: one
-            # more set, with new selectors and a payload PAYLOAD_CUT times smaller
-            if retried:
-                raise
-            retried = True
-            split, _ = split_ranges(oracle, O, c, blocks, rng, q, scale, PAYLOAD / PAYLOAD_CUT)
+            q = _unit(rng, len(q))
+        for attempt in range(ROUGH_RETRIES + 1):
+            try:
+                split, _ = split_ranges(oracle, O, c, blocks, rng, q, scale,
+                                        PAYLOAD / PAYLOAD_CUT ** attempt)
+                break
+            except ModelMismatchError:
+                # random selectors leave a margin below the payload's reach now and then:
+                # new selectors at a new q, a smaller payload; an impostor fails every time
+                retries += 1
+                if attempt == ROUGH_RETRIES:
+                    raise
+                q = _unit(rng, len(q))
         if sets > 1 and not split:
             break
     return blocks, sets
