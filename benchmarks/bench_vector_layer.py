@@ -1,0 +1,173 @@
+"""vector-layer: a standard attention layer from vector answers (issue 38's numbers).
+
+1. all-MiniLM-L6-v2, every layer asked: the layer's attention sublayer with its biases
+   (W_h = K_h^T Q_h / sqrt(32), b_h = K_h^T b_q,h / sqrt(32), O_h = W_o,h V_h,
+   c = W_o b_v + b_o, from the bundled weights) as a numpy VectorAttention box answering
+   last-position vectors (m = 384). Recorded: queries against the floor (parameters / 384
+   numbers per query), the canonical errors against the real weights
+   (vector_canonical_errors), the stated error bar, the held-out check, CPU seconds.
+2. Random standard layers, d = 16..64, H = 2..8, r_h = d / H, with and without biases,
+   SEEDS seeds each: the largest canonical error, refusals, queries / floor.
+3. Impostors (tests/test_vector_layer.py's zoo): ReLU and sigmoid attention, soft-capped
+   logits, a hidden fifth head writing into another head's range, a causal box told
+   bidirectional: each must be refused (ModelMismatchError / RecoveryFailedError).
+
+Run:  OPENBLAS_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_vector_layer.py
+      [--layers 0 1 2 3 4 5] [--seeds 20]
+Writes benchmarks/results/vector_layer.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+from test_vector_layer import IMPOSTORS, standard_layer
+
+from attnextract.adapters.minilm import minilm_vector_layer
+from attnextract.errors import ModelMismatchError, RecoveryFailedError
+from attnextract.learners.vector_canonical import vector_canonical_errors
+from attnextract.learners.vector_layer import extract_vector_layer
+from attnextract.models import VectorAttention
+from attnextract.oracle import Oracle
+
+GRID = [(16, 2), (16, 4), (32, 4), (32, 8), (64, 4), (64, 8)]
+
+
+def run_minilm(layer: int) -> dict:
+    box = minilm_vector_layer(layer)
+    oracle = Oracle(box, box.dim)
+    cpu = time.process_time()
+    result = extract_vector_layer(oracle, seed=0)
+    cpu = time.process_time() - cpu
+    errors = vector_canonical_errors(result.model, box)
+    report = result.report
+    return {"layer": layer, "queries": result.queries, "floor": report.floor,
+            "recovery": report.breakdown["recovery"], "errors": errors, "cpu": cpu,
+            "bar": report.details["error bar"], "heads": report.details["heads found"],
+            "check": report.verification.max_relative_error, "numbers": oracle.numbers,
+            "tokens": oracle.tokens, "breakdown": report.breakdown}
+
+
+def run_grid(seeds: int) -> list[dict]:
+    rows = []
+    for d, H in GRID:
+        for biases in (True, False):
+            worst, refused, ratios = 0.0, 0, []
+            for seed in range(seeds):
+                box = standard_layer(seed, d, H, biases=biases)
+                try:
+                    result = extract_vector_layer(Oracle(box, d), seed=seed)
+                except (ModelMismatchError, RecoveryFailedError):
+                    refused += 1
+                    continue
+                worst = max(worst, vector_canonical_errors(result.model, box)["max"])
+                ratios.append(result.queries / result.report.floor)
+            rows.append({"d": d, "H": H, "biases": biases, "seeds": seeds, "worst": worst,
+                         "refused": refused, "ratio": (min(ratios), max(ratios))})
+    return rows
+
+
+def run_impostors(seeds: int) -> list[dict]:
+    rows = []
+    zoo = {**IMPOSTORS, "hidden head in another's range": hidden_head,
+           "causal box told bidirectional": None}
+    for name, make in zoo.items():
+        refused = 0
+        for seed in range(seeds):
+            if make is None:
+                box = standard_layer(seed, 16, 4, positions="all", causal=True)
+                oracle = Oracle(box, 16, causal=False, max_length=48)
+            else:
+                oracle = Oracle(make(standard_layer(seed, 16, 4)), 16, outputs="last")
+            try:
+                extract_vector_layer(oracle, seed=seed)
+            except (ModelMismatchError, RecoveryFailedError):
+                refused += 1
+        rows.append({"name": name, "seeds": seeds, "refused": refused})
+    return rows
+
+
+def hidden_head(box: VectorAttention) -> VectorAttention:
+    """``box`` with a fifth head writing into head 0's range (ranges not independent)."""
+    rng = np.random.default_rng(100)
+    d = box.dim
+    R0 = np.linalg.svd(box.O[0])[0][:, : np.linalg.matrix_rank(box.O[0])]
+    extra_O = R0 @ rng.standard_normal((R0.shape[1], d)) / 4
+    return VectorAttention(np.concatenate([box.W, rng.standard_normal((1, d, d)) / 4]),
+                           np.concatenate([box.O, extra_O[None]]),
+                           np.concatenate([box.b, np.zeros((1, d))]), box.c)
+
+
+def machine() -> str:
+    with open("/proc/cpuinfo") as info:
+        cpu = next((line.split(":", 1)[1].strip() for line in info
+                    if line.startswith("model name")), platform.processor())
+    return (f"{platform.node()}: {cpu}, {os.cpu_count()} cores (shared), "
+            f"load {os.getloadavg()[0]:.1f}, numpy {np.__version__}, "
+            f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}")
+
+
+def render(args, minilm, grid, impostors, wall) -> str:
+    command = (f"OPENBLAS_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_vector_layer.py "
+               f"--layers {' '.join(map(str, args.layers))} --seeds {args.seeds}")
+    when = f"{datetime.now(UTC):%Y-%m-%d %H:%M UTC}"
+    header = ("| layer | queries (recovery + check) | floor | x floor | heads | W err | b err | "
+              "O err | c err | error bar | held-out | numbers | tokens | CPU s |")
+    out = ["# vector-layer: a standard attention layer from vector answers", "",
+           f"Command: `{command}`", "",
+           f"Date: {when}; machine: {machine()}; wall {wall:.0f} s.", "",
+           "## all-MiniLM-L6-v2 attention layers, biases kept, last-position vectors (m = 384)",
+           "", header, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in minilm:
+        e = r["errors"]
+        out.append(f"| {r['layer']} | {r['queries']} ({r['recovery']} + "
+                   f"{r['queries'] - r['recovery']}) | {r['floor']} | "
+                   f"{r['queries'] / r['floor']:.2f} | {r['heads']} | {e['W']:.1e} | "
+                   f"{e['b']:.1e} | {e['O']:.1e} | {e['c']:.1e} | {r['bar']:.1e} | "
+                   f"{r['check']:.1e} | {r['numbers']:,} | {r['tokens']:,} | {r['cpu']:.1f} |")
+    if minilm:
+        out += ["", f"Breakdown (layer {minilm[0]['layer']}): {minilm[0]['breakdown']}"]
+    out += ["", f"## Random standard layers (r_h = d / H), {args.seeds} seeds each", "",
+            "| d | H | biases | worst canonical error | refused | queries / floor |",
+            "|---|---|---|---|---|---|"]
+    for r in grid:
+        out.append(f"| {r['d']} | {r['H']} | {r['biases']} | {r['worst']:.1e} | "
+                   f"{r['refused']} / {r['seeds']} | {r['ratio'][0]:.2f} .. "
+                   f"{r['ratio'][1]:.2f} |")
+    out += ["", "## Impostors (d = 16, H = 4)", "", "| impostor | refused |", "|---|---|"]
+    out += [f"| {r['name']} | {r['refused']} / {r['seeds']} |" for r in impostors]
+    return "\n".join(out) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="*", default=list(range(6)))
+    parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--out", default=str(HERE / "results" / "vector_layer.md"))
+    args = parser.parse_args()
+    start = time.time()
+    minilm = []
+    for layer in args.layers:
+        minilm.append(run_minilm(layer))
+        print(f"layer {layer}: {minilm[-1]['queries']} queries, max error "
+              f"{minilm[-1]['errors']['max']:.1e}, {minilm[-1]['cpu']:.1f} s CPU", flush=True)
+    grid = run_grid(args.seeds)
+    impostors = run_impostors(max(5, args.seeds // 4))
+    text = render(args, minilm, grid, impostors, time.time() - start)
+    Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,702 @@
+"""A standard attention layer from vector answers: every head's QK and OV circuits.
+
+Model (docs/algorithms.md, "Vector outputs", several heads). At the last position
+
+    F(X) = sum_h O_h X^T softmax(X (W_h x_N + b_h)) + c        in R^m,
+
+with O_h = W_o,h W_v,h (m x d, rank r_h) whose ranges R_h = range(O_h) are independent
+(sum_h r_h <= m: true when W_o is invertible, as in BERT and MiniLM), and
+W_h = W_k,h^T W_q,h / sqrt(d_h), b_h = W_k,h^T b_q,h / sqrt(d_h). Every-position answers
+are read at their last position, which sees every token whether the box is causal or not;
+the model returned answers as the box does (held-out verification compares every position).
+
+Identities used, in order:
+
+1. Single tokens: F([0]) = c, (F([t e_k]) - c) / t = O e_k with O = sum_h O_h (d + 1
+   queries; one token takes every head's whole weight, so this is exact for any t).
+2. Ranges by selectors. A sequence of n "selector" tokens x_i = q + Delta_i + mu_i delta
+   (|Delta_i| huge) and the query token q: each head's softmax is saturated on one token
+   i(h) (its largest score Delta_i^T (W_h q + b_h), or q itself), and a small payload
+   delta does not move any saturated weight (a change of exp(-margin)). So
+
+       F(delta) - F(0) = sum_h mu_i(h) O_h delta = A delta,   A = sum_h kappa_h O_h,
+
+   exactly linear in delta, with kappa_h in the known set {0, mu_1, ..., mu_n}. In the
+   coordinates of range(O), M = (A P)(O P)^+ has eigenvalue kappa_h on R_h: the
+   eigenspaces are the ranges. Random selectors (rough ranges): heads that pick the same
+   token share an eigenspace, later sets (new q, payloads for the widest block only)
+   split them; H is the number found. Eigenvalues off the set {mu} mean the answers are
+   not saturated softmax attention: refused.
+3. Projectors. With R = [R_1 ... R_H] and L = R^+, C_h = L_h O, so O_h = R_h C_h and
+   L_h (F - c) = C_h X^T alpha^h: H single-head problems measured by the same queries.
+4. Scores. For X = [q + tau u_1, ..., q + tau u_p, q] (p < r_h),
+   C_h U a = (L_h (F - c) - C_h q) / tau gives the p weights a (alpha_N = 1 - sum a), and
+   ln(a_i / alpha_N) = tau u_i^T (W_h q + b_h): p logits of every head from one query.
+   q = 0 gives b_h; q = s q_k gives W_h q_k. W_h has rank <= r_h: K = max r_h + 1
+   directions, each read whole through a frame of ceil(d / p) blocks, give its column
+   space K_h; every other direction costs ceil(1.5 rank / p) queries through a frame
+   conditioned against every K_h.
+5. Designed selectors (fine ranges). With every g_h = W_h q + b_h known, selectors
+   Delta = margin G^+ make head h pick token h alone, and payloads orthogonal to every
+   g_h(q) move no score at all, so they are as large as the selectors (no precision lost
+   to F(delta) - F(0)); two query tokens q_1, q_2 cover R^d with d + 2 queries. The score
+   answers of 4 are then read again through the final projectors (no new query).
+
+Conditioning by design: scales come from a pilot (the even part of two-token answers
+gives the logit scale), probe logits are kept of order one, frames and payloads are
+orthonormal and chosen by the condition numbers of C_h U and U^T K_h. The error bar is
+measured: the W-stage reads 1.5x as many numbers as W_h q has unknowns, and their misfit
+times cond(U^T K_h) bounds what reaches W.
+
+Limits: every-position answers are read at their last row only (the cost is that of the
+last position); the precision of W is limited by the oblique projectors (cond(R) x the
+ranges' error leaks into every head's reads): about 1e-9 on MiniLM layers, whose O has
+condition number ~1e5.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+
+import numpy as np
+import scipy.linalg
+
+from ..errors import InputError, ModelMismatchError, RecoveryFailedError
+from ..models import VectorAttention
+from ..oracle import Oracle
+from ..report import (
+    DEFAULT_VERIFY_TOLERANCE,
+    ExtractionResult,
+    Report,
+    checked_result,
+    verification_count,
+    verify_model,
+)
+
+log = logging.getLogger(__name__)
+
+EPS = np.finfo(float).eps
+SINGLE_SCALE = 1024.0     # single tokens t e_k: c's rounding is 1/t of O's
+RANK_TOL = 1e-9           # singular values below this x the largest: no direction
+SPAN_GAP = 1e3            # W_h's column space ends at a drop of its singular values this big
+DESIGN_MARGIN = 200.0     # designed selectors: each head's winning score margin
+SELECTORS = 192           # selector tokens per set (heads picking one token share a block)
+ROUGH_RETRIES = 2         # a random selector set that fails is asked again this often
+MAX_SETS = 4              # selector sets at most (the last one must split nothing)
+SELECT_LOGIT = 4e4        # typical score of a selector token (margins far above 40)
+PAYLOAD = 1e-3            # payload size beside a selector (its score moves <= 1e-3 of it)
+LINEARITY_CHECKS = 2      # payloads beyond the widest block: their misfit tests linearity
+LINEARITY_TOL = 1e-4      # ... relative misfit above which a set is refused (then retried)
+PAYLOAD_OVERSAMPLE = 1.25  # later random sets: payloads per block width
+PAYLOAD_CUT = 3.0        # a set that failed is asked again with a payload this much smaller
+ROUGH_SLACK = 0.25        # ... for random selectors (read through rough projectors)
+EIGEN_SLACK = 1e-2        # eigenvalue this far (x the gap of the mu) from every mu: refuse
+TARGET_LOGIT = 2.0        # largest |logit| of a score probe
+PEAK_BAND = 2.0           # a row whose largest |logit| exceeds PEAK_BAND x it is asked again
+PILOT_SCALES = 2.0 ** np.arange(-40, 41, 8)   # pilot token scales (x the token norm)
+TOKEN_SHARE = 0.75        # score probes resolve this share of the narrowest head's rank:
+                          # C_h U is then a tall, well-conditioned r_h x p matrix
+OVERSAMPLE = 1.5          # W-stage frames read 1.5 rho numbers of a rank-rho column space
+Q_SCALE = 1.0             # query tokens of norm Q_SCALE / sqrt(|W_h q| / |q|)
+FRAME_TRIES = 16          # random frames tried for the W-stage; the best conditioned kept
+BAR_SAFETY = 10.0         # error bar: this many times the measured misfit
+MAX_RESCALES = 4
+
+
+# -- small helpers ---------------------------------------------------------------------
+
+def _last(oracle: Oracle, X: np.ndarray) -> np.ndarray:
+    """Answers at the last position, (B, m), whatever the box answers (every position:
+    its last row, which sees every token, causal or not)."""
+    out = oracle.query(X)
+    return out[:, -1, :] if out.ndim == 3 else out
+
+
+def _orth(A: np.ndarray, tol: float = RANK_TOL) -> np.ndarray:
+    """Orthonormal basis (n, k) of the column space of A (relative rank tolerance)."""
+    U, s, _ = np.linalg.svd(A, full_matrices=False)
+    return U[:, : int(np.sum(s > tol * s[0]))] if s.size and s[0] > 0 else U[:, :0]
+
+
+def _column_space(A: np.ndarray) -> np.ndarray:
+    """Orthonormal basis of the column space of A (d, K) measured with noise: cut at the
+    largest drop of the singular values if it exceeds SPAN_GAP (the noise floor lies far
+    below the signal), else every column."""
+    U, s, _ = np.linalg.svd(A, full_matrices=False)
+    if s[0] == 0:
+        return U[:, :0]
+    drops = s[:-1] / np.maximum(s[1:], s[0] * 1e-300)
+    k = int(np.argmax(drops)) + 1
+    return U[:, :k] if drops[k - 1] > SPAN_GAP else U
+
+
+def _unit(rng, d: int) -> np.ndarray:
+    v = rng.standard_normal(d)
+    return v / np.linalg.norm(v)
+
+
+def _rotation(rng: np.random.Generator, d: int) -> np.ndarray:
+    """A random orthogonal (d, d) matrix."""
+    Q, R = np.linalg.qr(rng.standard_normal((d, d)))
+    return Q * np.sign(np.diag(R))
+
+
+def _cond(A: np.ndarray) -> float:
+    s = np.linalg.svd(A, compute_uv=False)
+    return float(s[0] / s[-1]) if s.size and s[-1] > 0 else np.inf
+
+
+# -- stage 1: c and O ------------------------------------------------------------------
+
+def constant_and_outputs(oracle: Oracle) -> tuple[np.ndarray, np.ndarray]:
+    """c = F([0]) (m,) and O = sum_h O_h (m, d) from (F([t e_k]) - c) / t: d + 1 queries,
+    one batch. One token takes all of every head's weight, so the answer is exactly linear
+    in t; a large t (a power of two: exact division) keeps c's rounding out of O's small
+    directions."""
+    d = oracle.dim
+    tokens = SINGLE_SCALE * np.eye(d)[:, None, :]
+    out = _last(oracle, np.concatenate([np.zeros((1, 1, d)), tokens]))
+    return out[0], (out[1:] - out[0]).T / SINGLE_SCALE
+
+
+# -- pilot: the logit scale --------------------------------------------------------------
+
+def logit_scale(oracle: Oracle, O: np.ndarray, c: np.ndarray, q: np.ndarray,
+                u: np.ndarray) -> float:
+    """kappa with scores (tau u)^T (W_h q + b_h) about tau kappa, from two-token probes.
+
+    The even part S = F([q + t u; q]) + F([q - t u; q]) - 2 (c + O q) equals
+    t sum_h tanh(t u^T g_h / 2) O_h u, g_h = W_h q + b_h: about t^2/2 (u^T g) |O u| while
+    the logits are small, and t |O u| once saturated. Over a ladder of t, the ratio
+    rho = |S| / (t |O u|) read where it is small but far above rounding gives kappa ~ 2 rho / t.
+    """
+    ts = PILOT_SCALES
+    X = np.stack([np.stack([q + s * t * u, q]) for t in ts for s in (1.0, -1.0)])
+    y = _last(oracle, X).reshape(len(ts), 2, -1)
+    S = y.sum(axis=1) - 2 * (c + O @ q)
+    rho = np.linalg.norm(S, axis=1) / (ts * np.linalg.norm(O @ u))
+    usable = np.flatnonzero((rho > 1e-6) & (rho < 0.05))
+    if usable.size:     # the largest such scale: smaller ones are read through rounding
+        return float(2 * rho[usable[-1]] / ts[usable[-1]])
+    saturated = np.flatnonzero(rho >= 0.05)
+    if saturated.size:                       # the smallest scale already saturates
+        return float(2 * 0.05 / ts[saturated[0]] * 1e3)
+    raise RecoveryFailedError(
+        "the answers of two-token probes show no dependence on the scores at any scale "
+        f"from {ts[0]:.0e} to {ts[-1]:.0e} (every head attends uniformly?)")
+
+
+# -- stage 2: the ranges -----------------------------------------------------------------
+
+class Blocks:
+    """A split of range(O) into independent blocks, in coordinates of an orthonormal basis
+    E (m, D) of range(O): block k has coordinate basis R[k] (D, k_k)."""
+
+    def __init__(self, E: np.ndarray):
+        self.E = E
+        self.R = [np.eye(E.shape[1])]
+
+    @property
+    def widths(self) -> list[int]:
+        return [R.shape[1] for R in self.R]
+
+    def left_inverse(self) -> list[np.ndarray]:
+        """L_k (k_k, D): coordinates of a vector of range(O) in block k's basis."""
+        L = np.linalg.inv(np.concatenate(self.R, axis=1))
+        bounds = np.cumsum([0] + self.widths)
+        return [L[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def selector_probes(Delta: np.ndarray, q: np.ndarray, payloads: np.ndarray,
+                    mu: np.ndarray) -> np.ndarray:
+    """Sequences [q + Delta_i + mu_i delta_j (i = 1..n); q] for delta_0 = 0 and every
+    payload delta_j (columns of ``payloads``): shape (1 + p, n + 1, d)."""
+    n, d = Delta.shape
+    deltas = np.concatenate([np.zeros((1, d)), payloads.T])          # (1 + p, d)
+    X = np.empty((len(deltas), n + 1, d))
+    X[:, :n] = q + Delta[None] + mu[None, :, None] * deltas[:, None, :]
+    X[:, n] = q
+    return X
+
+
+def random_selectors(rng, n: int, d: int, scale: float) -> np.ndarray:
+    """n random selectors (n, d) of norm ``scale``."""
+    Delta = rng.standard_normal((n, d))
+    return Delta * (scale / np.linalg.norm(Delta, axis=1, keepdims=True))
+
+
+def payload_directions(rng, d: int, C: list[np.ndarray]) -> np.ndarray:
+    """Orthonormal payload directions (d, p): every block k must see its whole range
+    through C_k P (k_k x p). One block (the first set): p = d, a rotation (cond(O P) =
+    cond(O)). Several: p = PAYLOAD_OVERSAMPLE x the widest (at most d), the best of FRAME_TRIES
+    random sets by the worst cond(C_k P)."""
+    widest = max(Ck.shape[0] for Ck in C)
+    if len(C) == 1:         # a rotation, and LINEARITY_CHECKS more: the misfit shows
+        extra = rng.standard_normal((d, LINEARITY_CHECKS))
+        return np.concatenate([_rotation(rng, d), extra / np.linalg.norm(extra, axis=0)], 1)
+    p = min(d + LINEARITY_CHECKS, math.ceil(PAYLOAD_OVERSAMPLE * widest) + LINEARITY_CHECKS)
+    if p > d:
+        extra = rng.standard_normal((d, p - d))
+        return np.concatenate([_rotation(rng, d), extra / np.linalg.norm(extra, axis=0)], 1)
+    tries = [_rotation(rng, d)[:, :p] for _ in range(FRAME_TRIES)]
+    return min(tries, key=lambda P: max(_cond(Ck @ P) for Ck in C))
+
+
+def block_eigenspaces(M: np.ndarray, mu: np.ndarray,
+                      slack: float = EIGEN_SLACK) -> list[tuple[float, np.ndarray]]:
+    """Eigenspaces of M (k, k), whose eigenvalues must lie in the set ``mu``: (value, basis).
+
+    Each eigenvalue is matched to the nearest mu; a distance above EIGEN_SLACK times the
+    spacing of the mu (or a complex pair) is not a sum of saturated heads: ModelMismatch."""
+    values = np.linalg.eigvals(M)
+    spacing = float(np.min(np.diff(np.sort(mu))))
+    nearest = mu[np.argmin(np.abs(values[:, None] - mu[None, :]), axis=1)]
+    off = float(np.max(np.abs(values - nearest))) / spacing
+    if off > slack:
+        raise ModelMismatchError(
+            f"the answers to saturated selector probes are not linear in the payload with "
+            f"one coefficient per head: an eigenvalue lies {off:.2g} spacings from every "
+            f"selector weight (softmax attention gives exactly one)")
+    spaces = []
+    for value in np.unique(nearest.real):
+        k = int(np.sum(nearest.real == value))
+        # gesvd: the divide-and-conquer driver fails to converge on some nearly
+        # defective matrices, and these are nearly defective by design (repeated values)
+        _, _, Vt = scipy.linalg.svd(M - value * np.eye(len(M)), lapack_driver="gesvd")
+        spaces.append((float(value), Vt[-k:].T))
+    return spaces
+
+
+def split_ranges(oracle: Oracle, O: np.ndarray, c: np.ndarray, blocks: Blocks, rng,
+                 q: np.ndarray, scale: float, payload: float = PAYLOAD) -> tuple[bool, int]:
+    """One selector set: refine every block by the eigenspaces of its A O^+ (in the block:
+    (L_k A P)(L_k O P)^+). Returns (whether a block split, queries)."""
+    d, E = oracle.dim, blocks.E
+    L = blocks.left_inverse()
+    n = min(SELECTORS, (oracle.max_length or SELECTORS + 1) - 1)   # within the box's limit
+    mu = np.concatenate([[0.0], rng.permutation(np.linspace(1.0, 2.0, n))])   # 0: q wins
+    P = payload * scale * payload_directions(rng, d, [Lk @ E.T @ O for Lk in L])
+    X = selector_probes(random_selectors(rng, n, d, scale), q, P, mu[1:])
+    y = _last(oracle, X)
+    Y = E.T @ (y[1:] - y[0]).T                                   # (D, p): A delta_j
+    Z = E.T @ (O @ P)                                            # (D, p): O delta_j
+    split, new = False, []
+    for Rk, Lk in zip(blocks.R, L):
+        Mk = (Lk @ Y) @ np.linalg.pinv(Lk @ Z)                     # k x k, diag(kappa) in R_h
+        misfit = np.linalg.norm(Lk @ Y - Mk @ (Lk @ Z)) / np.linalg.norm(Lk @ Y)
+        if not misfit <= LINEARITY_TOL:       # more payloads than the block is wide
+            raise ModelMismatchError(
+                f"the answers to selector probes are not linear in the payload (misfit "
+                f"{misfit:.1e}): a weight moved with it (no saturation, or not softmax)")
+        spaces = block_eigenspaces(Mk, mu, ROUGH_SLACK)
+        split |= len(spaces) > 1
+        new.extend(Rk @ S for _, S in spaces)
+    blocks.R = new
+    return split, len(X)
+
+
+def designed_selectors(G: np.ndarray, margin: float) -> np.ndarray:
+    """Selectors Delta (H, d) with Delta_i^T g_h = margin [i = h] for the columns g_h of
+    G (d, H): head h's largest score is on token h, ``margin`` above every other."""
+    return margin * np.linalg.pinv(G)
+
+
+def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float):
+    """The ranges again, now that every g_h = W_h q + b_h is known (identity 2 by design).
+
+    Two selector sets at query tokens q_1, q_2, selector h scoring DESIGN_MARGIN on head h
+    alone, payload mu_h = h + 1 on it. Payloads orthogonal to every g_h(q_k) do not move
+    any score, so they are as large as the selectors (no precision is lost to the
+    difference F(delta) - F(0)): set 1 spans g(q_1)^perp, set 2 the rest of R^d from
+    g(q_2)^perp. Then M = (A P)(O P)^+ = sum_h mu_h P_h: R_h = ker(M - mu_h). d + 2 queries.
+    Returns the blocks' coordinate bases and the queries."""
+    H, d = len(widths), oracle.dim
+    mu = 1.0 + np.arange(H)
+    qs = s * np.stack([v / np.linalg.norm(v) for v in rng.standard_normal((2, d))])
+    G = [(W @ q + b).T for q in qs]                                  # (d, H) each
+    full = np.linalg.svd(G[0], full_matrices=True)[0]
+    # set 2: g(q_1)'s directions, made orthogonal to g(q_2)
+    payloads = [full[:, H:], _orth(G[0] - G[1] @ np.linalg.lstsq(G[1], G[0], rcond=None)[0])]
+    Y, Z, asked = [], [], 0
+    for q, Gk, P in zip(qs, G, payloads):
+        Delta = designed_selectors(Gk, DESIGN_MARGIN)
+        P = P * np.max(np.linalg.norm(Delta, axis=1))
+        y = _last(oracle, selector_probes(Delta, q, P, mu))
+        Y.append(E.T @ (y[1:] - y[0]).T)
+        Z.append(E.T @ (O @ P))
+        asked += len(y)
+    M = np.concatenate(Y, axis=1) @ np.linalg.pinv(np.concatenate(Z, axis=1))
+    spaces = dict(block_eigenspaces(M, np.concatenate([[0.0], mu])))
+    counts = [spaces[m].shape[1] if m in spaces else 0 for m in mu]
+    if counts != list(widths):
+        raise ModelMismatchError(f"designed selectors give ranks {counts} where the first "
+                                 f"selectors found {list(widths)}: not independent heads")
+    return [spaces[m] for m in mu], asked
+
+
+# -- stage 3: the scores ------------------------------------------------------------------
+
+def score_probes(q: np.ndarray, U: np.ndarray, tau: np.ndarray) -> np.ndarray:
+    """[q_b + tau_b u_1, ..., q_b + tau_b u_p, q_b] for every row q_b: (B, p + 1, d)."""
+    B, d = q.shape
+    X = np.empty((B, U.shape[1] + 1, d))
+    X[:, :-1] = q[:, None, :] + tau[:, None, None] * U.T[None]
+    X[:, -1] = q
+    return X
+
+
+def weight_logits(a: np.ndarray) -> np.ndarray:
+    """ln(a_i / alpha_N) (B, p) from the weights a (B, p) of the first p tokens
+    (alpha_N = 1 - sum a); a weight outside (0, 1) gives NaN."""
+    last = 1.0 - a.sum(axis=1, keepdims=True)
+    ok = (a > 0) & (last > 0)
+    return np.where(ok, np.log(np.where(ok, a, 1.0) / np.where(last > 0, last, 1.0)), np.nan)
+
+
+class Projected:
+    """Reads every head's weights through the oblique projectors: L_h (y - c) - C_h q =
+    tau C_h U a, a by least squares (p < r_h)."""
+
+    def __init__(self, c, L, C):
+        self.c, self.L, self.C = c, L, C
+
+    def __call__(self, y, q, U, tau) -> list[np.ndarray]:
+        out = []
+        for Lh, Ch in zip(self.L, self.C):
+            w = (Lh @ (y - self.c).T - Ch @ q.T) / tau            # (r_h, B)
+            out.append(weight_logits(np.linalg.lstsq(Ch @ U, w, rcond=None)[0].T))
+        return out
+
+
+class ScoreReads:
+    """Score probes of many q's through the blocks U_j of a frame, one query per (q, block),
+    kept (q, tau, answers): they are read again once the projectors are known better."""
+
+    def __init__(self, oracle: Oracle, c: np.ndarray, blocks: list[np.ndarray]):
+        self.oracle, self.c, self.blocks = oracle, c, blocks
+        self.frame = np.concatenate(blocks, axis=1)
+        self.q = np.empty((0, oracle.dim))
+        self.tau = np.empty(0)
+        self.y = np.empty((len(blocks), 0, len(c)))
+
+    def _answers(self, q, tau) -> np.ndarray:
+        X = np.concatenate([score_probes(q, U, tau) for U in self.blocks])
+        return _last(self.oracle, X).reshape(len(self.blocks), len(q), -1)
+
+    def ask(self, q: np.ndarray, tau: np.ndarray) -> np.ndarray:
+        """Ask every block for the rows q (B, d); returns their row indices."""
+        rows = np.arange(len(self.q), len(self.q) + len(q))
+        self.q, self.tau = np.concatenate([self.q, q]), np.concatenate([self.tau, tau])
+        self.y = np.concatenate([self.y, self._answers(q, tau)], axis=1)
+        return rows
+
+    def reask(self, rows: np.ndarray, tau: np.ndarray) -> None:
+        self.tau[rows] = tau
+        self.y[:, rows] = self._answers(self.q[rows], tau)
+
+    def scores(self, reader, rows=slice(None)) -> list[np.ndarray]:
+        """Per head, frame^T g_h(q) (B, frame width) for the given rows, the weights read
+        by ``reader`` (:class:`Projected`)."""
+        q, tau = self.q[rows], self.tau[rows]
+        per_block = [reader(y, q, U, tau) for U, y in zip(self.blocks, self.y[:, rows])]
+        return [np.concatenate([b[h] for b in per_block], axis=1) / tau[:, None]
+                for h in range(len(per_block[0]))]
+
+
+def frame_blocks(rng, d: int, p: int, C: list[np.ndarray]) -> list[np.ndarray]:
+    """An orthonormal frame of R^d cut into ceil(d / p) blocks of p columns (the last filled
+    up with columns of another rotation): the best of FRAME_TRIES random ones by the worst
+    condition number of C_h U_j over heads and blocks (each block reads every head)."""
+    nb = -(-d // p)
+    best, best_cond = None, np.inf
+    for _ in range(FRAME_TRIES):
+        F = np.concatenate([_rotation(rng, d), _rotation(rng, d)[:, : nb * p - d]], axis=1)
+        blocks = [F[:, k * p:(k + 1) * p] for k in range(nb)]
+        worst = max(_cond(Ch @ U) for Ch in C for U in blocks)
+        if worst < best_cond:
+            best, best_cond = blocks, worst
+    return best
+
+
+def scaled_reads(reads: ScoreReads, q: np.ndarray, guess: float, L, C) -> np.ndarray:
+    """Ask the rows q with tau set so that the largest |logit| is about TARGET_LOGIT: first
+    tau = TARGET_LOGIT / guess, then rows whose logits came out unreadable (a weight outside
+    (0, 1): saturated, or a small weight swamped by the first projectors' error) or far from
+    the target asked again: at the measured scale, never again at or above a scale that
+    failed. Returns the rows."""
+    rows = reads.ask(q, np.full(len(q), TARGET_LOGIT / guess))
+    failed = np.full(len(q), np.inf)              # smallest tau that gave unreadable weights
+    for _ in range(MAX_RESCALES):
+        tau = reads.tau[rows]
+        scores = reads.scores(Projected(reads.c, L, C), rows)
+        peak = np.max([np.abs(s).max(axis=1) for s in scores], axis=0) * tau
+        tiny = peak * 1e12 < TARGET_LOGIT                      # g ~ 0: any scale reads it
+        lost = ~np.isfinite(peak)
+        failed[lost] = np.minimum(failed[lost], tau[lost])
+        bad = lost | (peak > PEAK_BAND * TARGET_LOGIT) | ((peak < TARGET_LOGIT / 64) & ~tiny)
+        if not bad.any():
+            return rows
+        want = np.where(lost, tau / 4, TARGET_LOGIT * tau / np.maximum(peak, 1e-300))
+        reads.reask(rows[bad], np.minimum(want, failed / 2)[bad])
+    raise ModelMismatchError("score probes imply attention weights outside (0, 1), or "
+                             "logits far from their target, at every scale tried: not "
+                             "softmax attention")
+
+
+def best_frame(rng, d: int, width: int, bases: list[np.ndarray], C: list[np.ndarray],
+               p: int) -> tuple[list[np.ndarray], float]:
+    """width / p blocks of p orthonormal columns, the best of FRAME_TRIES random ones by the
+    worst condition number of U^T B_h (reading g_h in its column space) and C_h U_j
+    (reading a head's weights). Returns (blocks, that condition number)."""
+    best, best_cond = None, np.inf
+    for _ in range(FRAME_TRIES):
+        F = np.concatenate([_rotation(rng, d), _rotation(rng, d)], axis=1)[:, :width]
+        blocks = [F[:, k * p:(k + 1) * p] for k in range(width // p)]
+        worst = max([_cond(F.T @ B) for B in bases if B.shape[1]]
+                    + [_cond(Ch @ U) for Ch in C for U in blocks])
+        if worst < best_cond:
+            best, best_cond = blocks, worst
+    return best, best_cond
+
+
+class ScorePlan:
+    """The score probes of identity 4 (K-stage and W-stage reads) and how to solve them.
+
+    K-stage: q = 0 (b_h) and K = max r_h + 1 directions s q_k, each read whole through a
+    frame of ceil(d / p) blocks; W_h q_k spans W_h's column space K_h. W-stage: every other
+    direction, read through a frame conditioned against every K_h (OVERSAMPLE x rank)."""
+
+    def __init__(self, oracle: Oracle, c, L, C, rng, kappa: float, widths: list[int]):
+        d = oracle.dim
+        self.p = max(1, int(TOKEN_SHARE * min(widths)))
+        self.K = min(max(widths) + 1, d)
+        self.Qq = _rotation(rng, d)
+        self.k_reads = ScoreReads(oracle, c, frame_blocks(rng, d, self.p, C))
+        scaled_reads(self.k_reads, np.stack([np.zeros(d), self.Qq[:, 0]]), kappa, L, C)
+        b, w1 = self._first(L, C)
+        omega = float(np.max(np.linalg.norm(w1, axis=1)))
+        if omega == 0:
+            raise RecoveryFailedError("the scores do not depend on the query token (W = 0)")
+        self.s = Q_SCALE / math.sqrt(omega)
+        guess = float(np.max(np.abs(self.k_reads.frame.T @ (b + self.s * w1).T)))
+        scaled_reads(self.k_reads, (self.Qq[:, 1:self.K] * self.s).T, guess, L, C)
+        bases = self.column_spaces(Projected(c, L, C))[1]
+        rho = max(B.shape[1] for B in bases)
+        width = min(-(-math.ceil(OVERSAMPLE * rho) // self.p), -(-d // self.p)) * self.p
+        blocks, self.cond_W = best_frame(rng, d, width, bases, C, self.p)
+        self.w_reads = ScoreReads(oracle, c, blocks)
+        scaled_reads(self.w_reads, (self.Qq[:, self.K:] * self.s).T, guess, L, C)
+        self.cond_K = max(_cond(Ch @ U) for Ch in C for U in self.k_reads.blocks)
+
+    def _first(self, L, C):
+        solve = np.linalg.pinv(self.k_reads.frame.T)
+        first = self.k_reads.scores(Projected(self.k_reads.c, L, C), slice(0, 2))
+        b = np.stack([solve @ f[0] for f in first])
+        return b, np.stack([solve @ f[1] for f in first]) - b
+
+    def column_spaces(self, reader):
+        """b (H, d), the K-stage columns W_h q_k (H, d, K) and bases of their spans (a span
+        as wide as K: no rank deficiency seen, the whole R^d)."""
+        d = self.Qq.shape[0]
+        solve = np.linalg.pinv(self.k_reads.frame.T)
+        g = [s @ solve.T for s in self.k_reads.scores(reader)]       # (K + 1, d) per head
+        b = np.stack([gh[0] for gh in g])
+        cols = np.stack([(gh[1:] - gh[0]).T for gh in g])
+        bases = [_column_space(ch) for ch in cols]
+        return b, [B if B.shape[1] < self.K else np.eye(d) for B in bases], cols
+
+    def solve(self, reader):
+        """W (H, d, d), b (H, d) and the ranks of the W_h, from every read (weights read
+        by ``reader``)."""
+        b, bases, cols = self.column_spaces(reader)
+        F = self.w_reads.frame
+        more = self.w_reads.scores(reader)
+        norms = np.concatenate([[1.0], np.full(len(self.Qq) - 1, self.s)])
+        W = np.empty((len(b),) + self.Qq.shape)
+        self.spread = 0.0
+        for h, (B, seen) in enumerate(zip(bases, more)):
+            target = (seen - F.T @ b[h]).T                        # F^T W_h q, (width, B)
+            beta = np.linalg.lstsq(F.T @ B, target, rcond=None)[0]
+            W[h] = (np.concatenate([cols[h], B @ beta], axis=1) / norms) @ self.Qq.T
+            # the misfit of width numbers by rank(W_h) unknowns: the reads' own noise,
+            # amplified by cond(F^T B) into beta
+            misfit = np.linalg.norm(F.T @ B @ beta - target) / np.linalg.norm(target)
+            self.spread = max(self.spread, misfit * _cond(F.T @ B))
+        return W, b, [B.shape[1] for B in bases]
+
+    @property
+    def condition(self) -> float:
+        return max(self.cond_K, self.cond_W)
+
+
+def check_options(oracle: Oracle, heads, biases, ranks) -> None:
+    if oracle.outputs == "scalar":
+        raise InputError("vector-layer reads vector answers; this black box answers one "
+                         "number per sequence (use multi-head-low-rank)")
+    if heads is not None and (not isinstance(heads, (int, np.integer)) or heads < 1):
+        raise InputError(f"heads must be a positive integer, got {heads!r}")
+    if biases not in (None, True, False):
+        raise InputError(f"biases must be True, False or None (found), got {biases!r}")
+    if ranks is not None and (np.ndim(ranks) > 1 or np.any(np.asarray(ranks) < 1)):
+        raise InputError(f"ranks must be a positive integer or one per head, got {ranks!r}")
+
+
+def check_found(widths: list[int], heads, ranks, c, b, biases, W_scale) -> None:
+    """What was found against what the user stated: refuse a contradiction."""
+    if heads is not None and len(widths) != heads:
+        raise ModelMismatchError(f"{len(widths)} independent output ranges were found where "
+                                 f"{heads} heads were stated")
+    if ranks is not None:
+        stated = sorted(np.broadcast_to(np.asarray(ranks), (len(widths),)).tolist()) \
+            if np.ndim(ranks) == 0 or len(np.atleast_1d(ranks)) == len(widths) else None
+        if stated is None or stated != sorted(widths):
+            raise ModelMismatchError(f"the heads' output ranks are {sorted(widths)}, not "
+                                     f"the stated {ranks}")
+    if biases is False and (np.any(np.abs(c) > 0) or np.max(np.abs(b)) > 1e-9 * W_scale):
+        raise ModelMismatchError("the black box has biases (F([0]) != 0 or query biases) "
+                                 "where none were stated: extract with biases=None or True")
+
+
+def parameter_count(d: int, m: int, widths, ranks_W, biases: bool) -> int:
+    """Free parameters of the canonical layer: per head r(m + d - r) for O_h,
+    rho(2d - rho) for W_h (rank rho), rho for b_h; m for c."""
+    total = m
+    for r, rho in zip(widths, ranks_W):
+        total += r * (m + d - r) + rho * (2 * d - rho) + (rho if biases else 0)
+    return total
+
+
+def extract_vector_layer(oracle: Oracle, *, seed=None,
+                         verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE, heads=None,
+                         biases=None, ranks=None) -> ExtractionResult:
+    """Recover a standard attention layer (several heads, independent output ranges) from
+    vector answers: every head's canonical W_h, b_h, O_h and the constant c.
+
+    Parameters
+    ----------
+    oracle : Oracle
+        Door to the black box: answers (B, m) at the last position or (B, N, m) at every
+        position (then ``oracle.causal`` must be stated).
+    seed : int, optional
+        Seed of the random probe designs and of the held-out verification.
+    verify_tolerance : float
+        Largest held-out relative output error accepted as a match.
+    heads : int, optional
+        H, if known: the number of ranges found is checked against it.
+    biases : bool, optional
+        None: found (c and b_h are measured either way); False: a box with biases is
+        refused; True: biases expected.
+    ranks : int or sequence of int, optional
+        The heads' output ranks r_h, if known: checked against those found.
+
+    Returns
+    -------
+    ExtractionResult
+        ``model`` a :class:`VectorAttention` with W (H, d, d), O (H, m, d), b (H, d),
+        c (m,), answering as the box does (last or every position, causal as stated).
+
+    Raises
+    ------
+    ModelMismatchError
+        The answers are not those of such a layer (selector probes not linear in the
+        payload, weights outside (0, 1), held-out verification failed, a stated H or
+        rank contradicted).
+    RecoveryFailedError
+        The answers show no dependence on the scores, or W = 0.
+    """
+    check_options(oracle, heads, biases, ranks)
+    start, start_q, start_bb = time.perf_counter(), oracle.queries, oracle.black_box_seconds
+    start_numbers, start_tokens = oracle.numbers, oracle.tokens
+    rng = np.random.default_rng(seed)
+    d = oracle.dim
+    c, O = constant_and_outputs(oracle)
+    if oracle.outputs == "all" and oracle.causal is None:
+        raise InputError("every-position answers: state whether the box is causal "
+                         "(Oracle(..., causal=True/False), --causal)")
+    E = _orth(O)
+    if E.shape[1] == 0:
+        raise RecoveryFailedError("O = 0: every head's output is zero, nothing to recover")
+    counts = {"c and O (single tokens)": oracle.queries - start_q}
+    q_pilot, u_pilot = (v / np.linalg.norm(v) for v in rng.standard_normal((2, d)))
+    kappa = logit_scale(oracle, O, c, q_pilot, u_pilot)
+    counts["pilot"] = oracle.queries - start_q - sum(counts.values())
+    blocks, sets = rough_ranges(oracle, O, c, E, rng, q_pilot, SELECT_LOGIT / kappa)
+    counts["ranges (random selectors)"] = oracle.queries - start_q - sum(counts.values())
+    widths = blocks.widths
+    L, C, _ = projectors(E, blocks, O)
+    plan = ScorePlan(oracle, c, L, C, rng, kappa, widths)
+    counts["scores (W_h, b_h)"] = oracle.queries - start_q - sum(counts.values())
+    W, b, _ = plan.solve(Projected(c, L, C))
+    blocks.R, _ = fine_ranges(oracle, O, E, W, b, widths, rng, plan.s)
+    counts["ranges (designed selectors)"] = oracle.queries - start_q - sum(counts.values())
+    L, C, R = projectors(E, blocks, O)
+    O_h = np.stack([Rh @ Ch for Rh, Ch in zip(R, C)])
+    W, b, ranks_W = plan.solve(Projected(c, L, C))   # the same answers, final ranges
+    check_found(widths, heads, ranks, c, b, biases, float(np.max(np.abs(W))))
+    positions = "all" if oracle.outputs == "all" else "last"
+    model = VectorAttention(W, O_h, b, c, positions=positions,
+                            causal=bool(oracle.causal) if positions == "all" else False)
+    has_biases = bool(np.any(c) or np.any(b)) if biases is None else biases
+    params = parameter_count(d, O.shape[0], widths, ranks_W, has_biases)
+    counts["recovery"] = oracle.queries - start_q
+    bar = error_bar(plan)
+    n_verify = verification_count(params, counts["recovery"])
+    verification = verify_model(oracle, model, count=n_verify, seed=seed,
+                                tolerance=verify_tolerance, expected_error=bar)
+    report = Report(
+        kind=model.kind, dim=d, queries=oracle.queries - start_q,
+        breakdown={**counts, "verification": n_verify}, floor=-(-params // O.shape[0]),
+        verification=verification, seconds=time.perf_counter() - start,
+        black_box_seconds=oracle.black_box_seconds - start_bb,
+        details={"numbers received": oracle.numbers - start_numbers,
+                 "tokens sent": oracle.tokens - start_tokens,
+                 "heads found": len(widths), "output ranks r_h": widths,
+                 "ranks of W_h": ranks_W, "random selector sets": sets,
+                 "parameters": params, "error bar": bar, "frame condition": plan.condition,
+                 "floor": f"{params} parameters / {O.shape[0]} numbers per query"})
+    return checked_result(model, report, "a standard attention layer with independent "
+                          "head output ranges")
+
+
+def rough_ranges(oracle, O, c, E, rng, q, scale) -> tuple[Blocks, int]:
+    """Identity 2 with random selectors: a first set with payloads spanning R^d, then sets
+    (each at a new unit query token) with payloads for the widest block, until one splits
+    nothing (at most MAX_SETS).
+    Returns the blocks and the number of sets."""
+    blocks, retries = Blocks(E), 0
+    for sets in range(1, MAX_SETS + 1):
+        if sets > 1:    # a new query token: heads whose scores agree at one q part at another
+            q = _unit(rng, len(q))
+        for attempt in range(ROUGH_RETRIES + 1):
+            try:
+                split, _ = split_ranges(oracle, O, c, blocks, rng, q, scale,
+                                        PAYLOAD / PAYLOAD_CUT ** attempt)
+                break
+            except ModelMismatchError:
+                # random selectors leave a margin below the payload's reach now and then:
+                # new selectors at a new q, a smaller payload; an impostor fails every time
+                retries += 1
+                if attempt == ROUGH_RETRIES:
+                    raise
+                q = _unit(rng, len(q))
+        if sets > 1 and not split:
+            break
+    return blocks, sets
+
+
+def projectors(E: np.ndarray, blocks: Blocks, O: np.ndarray):
+    """L_h (r_h, m) with L_h O_g = 0 for g != h, C_h = L_h O (r_h, d) and range bases
+    R_h (m, r_h): O_h = R_h C_h."""
+    L = [Lk @ E.T for Lk in blocks.left_inverse()]
+    return L, [Lh @ O for Lh in L], [E @ Rk for Rk in blocks.R]
+
+
+def error_bar(plan: ScorePlan) -> float:
+    """Relative parameter error bar, measured: the W-stage reads more numbers (OVERSAMPLE x
+    the rank) than each W_h q has unknowns, so their misfit is the reads' own noise (range
+    errors leaking through the projectors, rounding), amplified by cond(F^T K_h) into W.
+    BAR_SAFETY covers the K-stage columns and b, read by the same probes."""
+    return float(BAR_SAFETY * max(plan.spread, EPS))
