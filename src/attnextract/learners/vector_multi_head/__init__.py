@@ -1,0 +1,465 @@
+"""Full-rank multi-head attention from vector answers: heads read by shared sigmoid steps.
+
+Model (docs/algorithms.md, "Vector outputs"): at the last position
+
+    F(X) = sum_h O_h X^T softmax(X (W_h x_N + b_h)) + c            in R^m,
+
+H <= m / 2 heads whose O_h (m, d) may all have full rank d, so that their ranges overlap
+and no output subspace separates them. Only the canonical form is identifiable
+(:mod:`attnextract.learners.vector_canonical`): heads with equal attention merge their
+O_h, heads with O_h = 0 drop, any order.
+
+Identities.
+
+- One token: F([x]) = O x + c, O = sum_h O_h (c = F([0])): d + 1 queries.
+- Copy scans (:mod:`.steps`): n copies of q_0 + t v, then L - n copies of q_0, give
+  (F - c - O q_0) / t = sum_h sigma(lambda + p_h) O_h v, lambda = ln(n / (L - n)),
+  p_h = t v^T (W_h q_0 + b_h). Each head is ONE sigmoid step shared by all m channels:
+  the K answers (m, K) have rank H (the head count) and each step is a zero of the
+  distance from sigma(lambda + p) to their row space: no pole fit. A scan of each of d
+  directions v_k (K = H + 4 queries each) gives every head's v_k^T z_h and O_h v_k.
+- Labels (:mod:`.labels`): mixed probes of direction 1 and direction k are linear in
+  the permutation pairing their steps: H / 2 + 2 queries per direction.
+  Then z_h = V^-T a_h and O_h = [O_h v_k]_k V^-1 for every head.
+- Query-key circuits (:mod:`.qk`): with every O_h known, one probe of n + 1 tokens
+  q + t u_i, q resolves n logits of every head at once (a linear solve in the H n
+  attention weights, n <= m / H): (d + 1) ceil(d / n) queries give every W_h and b_h.
+- Polish (no query): O_h, c refitted by least squares on every answer given W_h, b_h,
+  and the logits solved again with them (POLISH_ROUNDS alternations).
+
+Cost at d = m = 16, H = 4: about 17 + 128 + 60 + 68 queries against the floor
+(H (d^2 + d + m d) + m) / m = 133; the scalar learner needs thousands.
+
+Error bar: the largest condition number of the logit solves times the measured noise
+(the rms misfit of the final model to every answer it rests on, at least float64's
+rounding), times ERROR_BAR_FACTOR. Refusals: a scan that needs more steps than H (told)
+or that no H steps fit to the noise, labels that are not a permutation and a final
+misfit above the noise are :class:`ModelMismatchError`; steps that cannot be brought
+into the window or separated are :class:`RecoveryFailedError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...errors import InputError, ModelMismatchError, RecoveryFailedError
+from ...models import VectorAttention, biased_attention_weights
+from ...oracle import Oracle
+from ...precision import stated_precision
+from ...report import (
+    DEFAULT_VERIFY_TOLERANCE,
+    ExtractionResult,
+    Report,
+    checked_result,
+    token_scale,
+    verification_count,
+    verify_model,
+)
+from . import labels, outputs, qk, refine, steps
+
+log = logging.getLogger(__name__)
+
+EXTRA_SAMPLES = 4          # scan samples beyond the H steps
+SCAN_ROUNDS = 6            # scans of one direction at most (scale changes, new directions)
+LOW_SHARE = 0.1            # a scan whose steps all lie within this share of the edge grows
+EDGE_SHARE = 0.6           # aim the largest step at this share of the window's edge
+REDRAW_SHRINK = 0.7        # a redrawn direction's scale, in case a step was beyond the window
+MIN_GAP = 0.02             # steps closer than this in one scan: the direction is redrawn
+FIT_NOISE = 1e3            # a scan fit or solve missing by more than this x the rounding
+                           # of the answers is a misfit (outside the class)
+MISFIT_LIMIT = 1e7          # final misfit above this x the rounding: not the class
+ERROR_BAR_FACTOR = 10.0
+MAX_ERROR_BAR = 1e-6
+
+
+class _Asker:
+    """Asks the oracle one batch per round, reads the last position, and keeps every
+    (probe, answer) for the polish."""
+
+    def __init__(self, oracle: Oracle):
+        self.oracle = oracle
+        self.kept: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def __call__(self, X: np.ndarray) -> np.ndarray:
+        F = np.asarray(self.oracle.query(X), dtype=np.float64)
+        if F.ndim == 3:                       # every position: the last one carries all
+            F = F[:, -1, :]
+        if F.ndim != 2:
+            raise InputError("vector-multi-head reads vector answers; this black box "
+                             "answers one number per sequence (use 'multi-head')")
+        self.kept.append((X, F))
+        return F
+
+
+def _values(ask: _Asker, d: int, biases: bool) -> tuple[np.ndarray, np.ndarray]:
+    """c = F([0]) (0 without biases) and O (m, d) from the single tokens e_k."""
+    tokens = np.eye(d)[:, None, :]
+    if not biases:
+        F = ask(tokens)
+        return np.zeros(F.shape[1]), F.T
+    F = ask(np.concatenate([np.zeros((1, 1, d)), tokens]))
+    return F[0], (F[1:] - F[0]).T
+
+
+class _Scans:
+    """Stage 2: copy scans of d directions at q_0 (every head's v_k^T z_h, O_h v_k)."""
+
+    def __init__(self, ask, c, O, q0, V, noise, heads, rng):
+        self.ask, self.c, self.O, self.q0, self.V = ask, c, O, q0, V.copy()
+        self.noise, self.heads, self.rng = noise, heads, rng
+        self.H = heads
+        self.n = None
+        self.queries = 0
+
+    def scan(self, idx, t):
+        """Y (len(idx), m, K) of directions idx at scales t."""
+        X = steps.scan_probes(self.q0, self.V[:, idx], t, self.n)
+        F = self.ask(X).reshape(len(idx), len(self.n), -1)
+        self.queries += len(X)
+        base = self.c + self.O @ self.q0
+        return ((F - base) / t[:, None, None]).transpose(0, 2, 1)
+
+    def pilot(self):
+        """Direction 0 alone: the head count (not told) and the scale of the steps."""
+        K = (self.heads or 4) + EXTRA_SAMPLES
+        t = np.array([1.0 / max(np.linalg.norm(self.q0), 1e-300)])
+        for _ in range(SCAN_ROUNDS):
+            self.n = steps.scan_counts(max(K, 2 * (self.H or 0) + EXTRA_SAMPLES))
+            Y = self.scan([0], t)[0]
+            rank = steps.scan_rank(Y, self._count_tolerance())
+            if self.heads is None and rank >= K - EXTRA_SAMPLES // 2:
+                K = 2 * rank + EXTRA_SAMPLES           # the scan may hide more: widen
+                continue
+            if self.heads is not None and rank > self.heads:
+                raise ModelMismatchError(
+                    f"a copy scan along one direction has rank {rank}: more than the "
+                    f"{self.heads} heads told (or not attention)")
+            self.H = self.heads or rank
+            if self.H == 0:
+                raise RecoveryFailedError("the copy scans see no head (every O_h v = 0)")
+            p = self._fit(Y)
+            verdict, t = self._judge(p, t)
+            if verdict == "redraw":
+                self.V[:, 0] = self._new_direction()
+            if verdict == "ok":
+                self.n = steps.scan_counts(self.H + EXTRA_SAMPLES)
+                return float(t[0]), np.max(np.abs(p)) / t[0]
+        raise RecoveryFailedError("the copy scans could not bring the heads' steps into "
+                                  "the lambda window")
+
+    def _count_tolerance(self):
+        return max(steps.COUNT_TOLERANCE, FIT_NOISE * self.noise)
+
+    def _fit(self, Y):
+        p = steps.step_positions(Y, self.lam, self.H)
+        if p is None:
+            return None
+        misfit = np.linalg.norm(steps.projection_residual(Y, self.lam, p)) / np.linalg.norm(Y)
+        if misfit > FIT_NOISE * self.noise * math.sqrt(Y.size):
+            raise ModelMismatchError(
+                f"{self.H} sigmoid steps miss a copy scan by {misfit:.2e} (relative): the "
+                f"black box is not softmax attention with {self.H} heads")
+        return p
+
+    @property
+    def lam(self):
+        return steps.copy_lambdas(self.n)
+
+    def _judge(self, p, t):
+        edge = float(np.max(np.abs(self.lam)))
+        if p is None:          # two steps merged (or one flat beyond the window)
+            return "redraw", t * REDRAW_SHRINK
+        if np.max(np.abs(p)) > edge:
+            return "rescale", t * EDGE_SHARE * edge / np.max(np.abs(p))
+        if np.max(np.abs(p)) < LOW_SHARE * edge:
+            return "rescale", t * EDGE_SHARE * edge / max(np.max(np.abs(p)), 1e-3)
+        if len(p) > 1 and np.min(np.diff(p)) < MIN_GAP:
+            return "redraw", t
+        return "ok", t
+
+    def all_directions(self, t0, reach):
+        """Scan every direction; returns positions (d, H), heights (d, m, H), scales (d,)."""
+        d = self.V.shape[1]
+        edge = float(np.max(np.abs(self.lam)))
+        # a random direction's logits are about |z| / sqrt(d): aim at the window
+        t = np.full(d, t0 if d == 1 else EDGE_SHARE * edge / (reach * 1.0))
+        t[0] = t0
+        P, Wv = np.zeros((d, self.H)), np.zeros((d, self.O.shape[0], self.H))
+        todo = np.arange(d)
+        for _ in range(SCAN_ROUNDS):
+            Ys = self.scan(todo, t[todo])
+            again = []
+            for k, Y in zip(todo, Ys):
+                if steps.scan_rank(Y, self._count_tolerance()) > self.H:
+                    raise ModelMismatchError(
+                        f"a copy scan along direction {k} has more than the {self.H} steps "
+                        f"the others show: a head the count missed, or not attention")
+                p = self._fit(Y)
+                verdict, scale = self._judge(p, t[k:k + 1])
+                t[k] = scale[0]
+                if verdict == "redraw":
+                    self.V[:, k] = self._new_direction()
+                if verdict != "ok":
+                    again.append(k)
+                    continue
+                P[k], Wv[k] = p, steps.step_heights(Y, self.lam, p)
+            if not again:
+                return P, Wv, t
+            todo = np.array(again)
+        raise RecoveryFailedError(
+            f"{len(todo)} direction(s) never showed {self.H} separate steps inside the "
+            f"window (heads with nearly equal attention there, or steps out of reach)")
+
+    def _new_direction(self):
+        v = self.rng.standard_normal(self.V.shape[0])
+        return v / np.linalg.norm(v)
+
+
+def _label(ask, scans, P, Wv, t, rng):
+    """Stage 3: the permutation of every direction's steps onto direction 0's heads.
+    Returns z (H, d) = W_h q_0 + b_h and O_h (H, m, d)."""
+    H, d = scans.H, scans.V.shape[1]
+    z_dir, O_dir = np.zeros((H, d)), np.zeros((H, scans.O.shape[0], d))
+    z_dir[:, 0], O_dir[:, :, 0] = P[0] / t[0], Wv[0].T
+    if d > 1:
+        L = steps.WINDOW_LENGTH
+        counts = labels.label_design([(P[k], Wv[k], t[k]) for k in range(d)], rng, L)
+        J = len(counts)
+        X = labels.label_probes(scans.q0, scans.V[:, 0], t[0], scans.V[:, 1:], t[1:], counts, L)
+        F = ask(X).reshape(d - 1, J, -1) - scans.c - scans.O @ scans.q0
+        ref = (P[0], Wv[0], t[0])
+        for k in range(1, d):
+            perm, gap = labels.match(ref, (P[k], Wv[k], t[k]), counts, F[k - 1])
+            if perm is None:
+                raise ModelMismatchError(
+                    f"mixed probes of directions 0 and {k} do not pair their steps (nearest "
+                    f"permutation {gap:.2e} away): not {H} softmax heads")
+            z_dir[:, k], O_dir[:, :, k] = P[k, perm] / t[k], Wv[k][:, perm].T
+    Vinv = np.linalg.inv(scans.V)
+    return z_dir @ Vinv, O_dir @ Vinv
+
+
+def _query_key(ask, O, c, biases, q_scale, z_scale, rng):
+    """Stage 4: W (H, d, d) and b (H, d) from the logit solves; also the design
+    (U, n, condition), the probes' answers and the last tokens Q with their scales."""
+    d = O.shape[2]
+    U, n, cond = qk.design_basis(O, rng)
+    Q = q_scale * np.eye(d)
+    if biases:
+        Q = np.concatenate([np.zeros((1, d)), Q])
+    t = np.full(len(Q), qk.TARGET_LOGIT / max(z_scale, 1e-300))
+    answers = None
+    todo = np.arange(len(Q))
+    for _ in range(qk.RESCALE_ROUNDS):
+        F = ask(qk.qk_probes(Q[todo], t[todo], U, n))
+        answers = F if answers is None else _replace(answers, F, todo, len(Q))
+        _, peak, _ = qk.solve_logits(answers, Q, t, O, c, U, n)
+        redo = np.flatnonzero(qk.needs_rescale(peak) & (np.arange(len(Q)) >= int(biases)))
+        if biases and not np.isfinite(peak[0]):
+            redo = np.concatenate([[0], redo])
+        if not redo.size:
+            break
+        t[redo] = qk.next_scales(t[redo], peak[redo])
+        todo = redo
+    return U, n, cond, Q, t, answers
+
+
+def _replace(answers, F, todo, count):
+    per = len(answers) // count
+    out = answers.reshape(count, per, -1).copy()
+    out[todo] = F.reshape(len(todo), per, -1)
+    return out.reshape(count * per, -1)
+
+
+def _circuits(g, Q, U, biases, q_scale):
+    """W (H, d, d), b (H, d) from logits g (len(Q), H, d) in U's basis."""
+    Z = g @ U.T                                          # z_h(q) in coordinates, (Q, H, d)
+    b = Z[0] if biases else np.zeros(Z.shape[1:])
+    cols = Z[int(biases):] - b[None]
+    return cols.transpose(1, 2, 0) / q_scale, b
+
+
+def _pooled(X, W, b):
+    """X^T softmax(X (W_h x_N + b_h)) of every head: (B, H, d)."""
+    return np.stack([np.einsum("bn,bnd->bd", biased_attention_weights(X, Wh, bh), X)
+                     for Wh, bh in zip(W, b)], axis=1)
+
+
+def extract_vector_multi_head(oracle: Oracle, *, seed=None,
+                              verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
+                              heads: int | None = None, biases: bool | None = None,
+                              output_dtype: str | None = None,
+                              max_error_bar: float = MAX_ERROR_BAR) -> ExtractionResult:
+    """Recover the canonical heads (W_h, b_h, O_h) and c of multi-head attention from
+    vector answers, heads separated by their shared sigmoid steps.
+
+    Parameters
+    ----------
+    oracle : Oracle
+        Door to a black box answering (B, m) (last position) or (B, N, m) (every
+        position; the last one is read); ``oracle.dim`` is d.
+    seed : int, optional
+        Seed of the random directions, designs and held-out verification.
+    verify_tolerance : float
+        Largest held-out relative output error accepted.
+    heads : int, optional
+        H when known; else found as the rank of the first copy scan.
+    biases : bool, optional
+        False: the box has no biases (b_h = 0, c = 0 assumed, one query fewer per
+        direction set). None or True: b_h and c are recovered (0 when absent).
+    output_dtype : {"float64", "float32", "bfloat16", "float16"}, optional
+        The precision of the answers: sets the noise the fits are judged against.
+    max_error_bar : float
+        Largest stated relative error bar accepted; above it the result is refused.
+
+    Returns
+    -------
+    ExtractionResult
+        ``model`` a :class:`VectorAttention` (W (H, d, d), O (H, m, d), b (H, d), c (m,)).
+
+    Raises
+    ------
+    ModelMismatchError
+        The answers are not H softmax heads (scans, labels, misfit, verification).
+    RecoveryFailedError
+        Steps that could not be placed or separated; an error bar above max_error_bar.
+    """
+    if getattr(oracle, "outputs", None) == "scalar":
+        raise InputError("vector-multi-head reads vector answers; this black box answers "
+                         "one number per sequence (use 'multi-head')")
+    begin = _Start(oracle)
+    precision = stated_precision(output_dtype)
+    noise = precision.relative if precision is not None else float(np.finfo(float).eps)
+    rng = np.random.default_rng(seed)
+    ask = _Asker(oracle)
+    fit = _recover(ask, heads, biases is not False, noise, rng)
+    return _finish(oracle, begin, fit, seed=seed, verify_tolerance=verify_tolerance,
+                   max_error_bar=max_error_bar)
+
+
+@dataclass
+class _Start:
+    """The oracle's counters when the learner started."""
+
+    oracle: Oracle
+    seconds: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self):
+        o = self.oracle
+        self.queries, self.black_box = o.queries, o.black_box_seconds
+        self.numbers, self.tokens = o.numbers, o.tokens
+
+
+@dataclass
+class _Fit:
+    """What the stages recovered, with their measured conditioning."""
+
+    W: np.ndarray
+    b: np.ndarray
+    O: np.ndarray
+    c: np.ndarray
+    biases: bool
+    noise: float
+    misfit: float
+    condition: float
+    tokens_per_probe: int
+    stage: dict
+
+
+def _recover(ask: _Asker, heads, biases: bool, noise: float, rng) -> _Fit:
+    """The stages in order (values, scans, labels, outputs, refinement, logits)."""
+    oracle, d = ask.oracle, ask.oracle.dim
+    count = _Counter(oracle)
+    c, O = _values(ask, d, biases)
+    m = O.shape[0]
+    count("values")
+    q0 = rng.standard_normal(d) / math.sqrt(d)
+    V = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    scans = _Scans(ask, c, O, q0, V, noise, heads, rng)
+    t0, reach = scans.pilot()
+    log.info("vector multi-head at d = %d, m = %d: %d heads", d, m, scans.H)
+    P, Wv, t = scans.all_directions(t0, reach * math.sqrt(d) / 3.0 if d > 1 else reach)
+    count("copy scans")
+    z0, O_heads = _label(ask, scans, P, Wv, t, rng)
+    count("labels")
+    H = scans.H
+    if H > m // 2:
+        raise RecoveryFailedError(f"{H} heads need m >= {2 * H} numbers per answer (pairs "
+                                  f"of heads' outputs must be independent); m = {m}")
+    G, tg, cond_O = outputs.design(z0, rng)
+    O_heads = outputs.solve(z0, G, tg, ask(outputs.probes(q0, G, tg)) - c - O @ q0)[0]
+    count("outputs")
+    at_q0 = [(X, A) for X, A in ask.kept if X.shape[1] > 1 and np.all(X[:, -1] == q0)]
+    z0, O_heads, c, _ = refine.refine([X for X, _ in at_q0],
+                                      np.concatenate([A for _, A in at_q0]), z0, biases)
+    q_scale = float(np.linalg.norm(q0))
+    U, n, cond, Q, tq, answers = _query_key(ask, O_heads, c, biases, q_scale,
+                                            float(np.max(np.abs(z0))) * q_scale, rng)
+    count("logits")
+    W, b = _circuits(qk.solve_logits(answers, Q, tq, O_heads, c, U, n)[0], Q, U, biases,
+                     q_scale)
+    return _Fit(W, b, O_heads, c, biases, noise, _misfit(ask.kept, W, b, O_heads, c),
+                max(cond, cond_O), n, count.stage)
+
+
+class _Counter:
+    """Queries per stage: ``count(name)`` books those sent since the last call."""
+
+    def __init__(self, oracle):
+        self.oracle, self.last, self.stage = oracle, oracle.queries, {}
+
+    def __call__(self, name):
+        self.stage[name] = self.oracle.queries - self.last
+        self.last = self.oracle.queries
+
+
+def _misfit(kept, W, b, O, c) -> float:
+    """Relative rms misfit of the model to every kept answer (no query)."""
+    num = den = 0.0
+    for X, answer in kept:
+        predicted = c + np.einsum("bhd,hmd->bm", _pooled(X, W, b), O)
+        num += float(np.sum((predicted - answer) ** 2))
+        den += float(np.sum(answer ** 2))
+    return math.sqrt(num / max(den, 1e-300))
+
+
+def _finish(oracle, begin: _Start, fit: _Fit, *, seed, verify_tolerance,
+            max_error_bar) -> ExtractionResult:
+    """Misfit check, error bar, held-out verification and the report."""
+    H, m, d = fit.O.shape
+    if not np.all(np.isfinite(fit.W)) or not np.all(np.isfinite(fit.b)):
+        raise RecoveryFailedError("the logit solves left weights outside (0, 1)")
+    if fit.misfit > MISFIT_LIMIT * fit.noise:
+        raise ModelMismatchError(
+            f"{H} softmax heads miss the answers they rest on by {fit.misfit:.2e} "
+            f"(relative): the black box is not multi-head attention with {H} heads")
+    # an answer's error becomes a logit error through the worst solve's conditioning
+    bar = ERROR_BAR_FACTOR * fit.condition * max(fit.misfit, fit.noise)
+    if bar > max_error_bar:
+        raise RecoveryFailedError(f"the stated error bar {bar:.2e} exceeds max_error_bar "
+                                  f"{max_error_bar:.0e}")
+    model = VectorAttention(fit.W, fit.O, fit.b if fit.biases else None,
+                            fit.c if fit.biases else None)
+    params = H * (d * d + m * d + (d if fit.biases else 0)) + (m if fit.biases else 0)
+    n_verify = verification_count(params, oracle.queries - begin.queries)
+    verification = verify_model(oracle, model, count=n_verify, seed=seed,
+                                tolerance=verify_tolerance, scale=token_scale(model),
+                                expected_error=bar)
+    report = Report(
+        kind=model.kind, dim=d, queries=oracle.queries - begin.queries,
+        breakdown={**fit.stage, "verification": n_verify}, floor=-(-params // m),
+        verification=verification, seconds=time.perf_counter() - begin.seconds,
+        black_box_seconds=oracle.black_box_seconds - begin.black_box,
+        details={"heads": H, "out_dim": m, "error_bar": bar,
+                 "logit tokens per probe": fit.tokens_per_probe,
+                 "logit condition": fit.condition, "misfit": fit.misfit,
+                 "parameters": params,
+                 "numbers received": int(oracle.numbers - begin.numbers),
+                 "tokens sent": int(oracle.tokens - begin.tokens)})
+    return checked_result(model, report, f"multi-head attention with {H} heads "
+                          f"(vector answers)")
