@@ -68,6 +68,7 @@ EXTRA_SAMPLES = 4          # scan samples beyond the H steps
 SCAN_ROUNDS = 6            # scans of one direction at most (scale changes, new directions)
 LOW_SHARE = 0.1            # a scan whose steps all lie within this share of the edge grows
 EDGE_SHARE = 0.6           # aim the largest step at this share of the window's edge
+BEYOND_SHRINK = 0.25       # a scan that sees no step: its scale shrinks this much
 REDRAW_SHRINK = 0.7        # a redrawn direction's scale, in case a step was beyond the window
 MIN_GAP = 0.02             # steps closer than this in one scan: the direction is redrawn
 FIT_NOISE = 1e3            # a scan fit or solve missing by more than this x the rounding
@@ -131,7 +132,10 @@ class _Scans:
         for _ in range(SCAN_ROUNDS):
             self.n = steps.scan_counts(max(K, 2 * (self.H or 0) + EXTRA_SAMPLES))
             Y = self.scan([0], t)[0]
-            rank = steps.scan_rank(Y, self._count_tolerance())
+            rank = self._rank(Y, 0)
+            if rank == 0:                           # every step beyond the window
+                t = t * BEYOND_SHRINK
+                continue
             if self.heads is None and rank >= K - EXTRA_SAMPLES // 2:
                 K = 2 * rank + EXTRA_SAMPLES           # the scan may hide more: widen
                 continue
@@ -147,13 +151,15 @@ class _Scans:
             if verdict == "redraw":
                 self.V[:, 0] = self._new_direction()
             if verdict == "ok":
+                first = (p, steps.step_heights(Y, self.lam, p))
                 self.n = steps.scan_counts(self.H + EXTRA_SAMPLES)
-                return float(t[0]), np.max(np.abs(p)) / t[0]
+                return float(t[0]), np.max(np.abs(p)) / t[0], first
         raise RecoveryFailedError("the copy scans could not bring the heads' steps into "
                                   "the lambda window")
 
-    def _count_tolerance(self):
-        return max(steps.COUNT_TOLERANCE, FIT_NOISE * self.noise)
+    def _rank(self, Y, k):
+        tolerance = max(steps.COUNT_TOLERANCE, FIT_NOISE * self.noise)
+        return steps.scan_rank(Y, tolerance, float(np.linalg.norm(self.O @ self.V[:, k])))
 
     def _fit(self, Y):
         p = steps.step_positions(Y, self.lam, self.H)
@@ -182,25 +188,32 @@ class _Scans:
             return "redraw", t
         return "ok", t
 
-    def all_directions(self, t0, reach):
-        """Scan every direction; returns positions (d, H), heights (d, m, H), scales (d,)."""
+    def all_directions(self, t0, reach, first):
+        """Scan every direction but the pilot's (``first``: its positions and heights);
+        returns positions (d, H), heights (d, m, H), scales (d,)."""
         d = self.V.shape[1]
         edge = float(np.max(np.abs(self.lam)))
         # a random direction's logits are about |z| / sqrt(d): aim at the window
-        t = np.full(d, t0 if d == 1 else EDGE_SHARE * edge / (reach * 1.0))
+        t = np.full(d, EDGE_SHARE * edge / reach)
         t[0] = t0
         P, Wv = np.zeros((d, self.H)), np.zeros((d, self.O.shape[0], self.H))
-        todo = np.arange(d)
+        P[0], Wv[0] = first
+        todo = np.arange(1, d)
         for _ in range(SCAN_ROUNDS):
+            if not todo.size:
+                return P, Wv, t
             Ys = self.scan(todo, t[todo])
             again = []
             for k, Y in zip(todo, Ys):
-                if steps.scan_rank(Y, self._count_tolerance()) > self.H:
+                rank = self._rank(Y, k)
+                if rank > self.H:
                     raise ModelMismatchError(
                         f"a copy scan along direction {k} has more than the {self.H} steps "
                         f"the others show: a head the count missed, or not attention")
-                p = self._fit(Y)
+                p = self._fit(Y) if rank == self.H else None
                 verdict, scale = self._judge(p, t[k:k + 1])
+                if rank == 0:                       # every step beyond the window
+                    verdict, scale = "rescale", t[k:k + 1] * BEYOND_SHRINK
                 t[k] = scale[0]
                 if verdict == "redraw":
                     self.V[:, k] = self._new_direction()
@@ -208,9 +221,9 @@ class _Scans:
                     again.append(k)
                     continue
                 P[k], Wv[k] = p, steps.step_heights(Y, self.lam, p)
-            if not again:
-                return P, Wv, t
-            todo = np.array(again)
+            todo = np.array(again, dtype=int)
+        if not todo.size:
+            return P, Wv, t
         raise RecoveryFailedError(
             f"{len(todo)} direction(s) never showed {self.H} separate steps inside the "
             f"window (heads with nearly equal attention there, or steps out of reach)")
@@ -224,9 +237,7 @@ def _label(ask, scans, P, Wv, t, rng):
     """Stage 3: the permutation of every direction's steps onto direction 0's heads.
     Returns z (H, d) = W_h q_0 + b_h and O_h (H, m, d)."""
     H, d = scans.H, scans.V.shape[1]
-    z_dir, O_dir = np.zeros((H, d)), np.zeros((H, scans.O.shape[0], d))
-    z_dir[:, 0], O_dir[:, :, 0] = P[0] / t[0], Wv[0].T
-    if d > 1:
+    if d > 1 and H > 1:            # one head: nothing to pair
         L = steps.WINDOW_LENGTH
         counts = labels.label_design([(P[k], Wv[k], t[k]) for k in range(d)], rng, L)
         J = len(counts)
@@ -239,7 +250,8 @@ def _label(ask, scans, P, Wv, t, rng):
                 raise ModelMismatchError(
                     f"mixed probes of directions 0 and {k} do not pair their steps (nearest "
                     f"permutation {gap:.2e} away): not {H} softmax heads")
-            z_dir[:, k], O_dir[:, :, k] = P[k, perm] / t[k], Wv[k][:, perm].T
+            P[k], Wv[k] = P[k, perm], Wv[k][:, perm]
+    z_dir, O_dir = (P / t[:, None]).T, Wv.transpose(2, 1, 0)
     Vinv = np.linalg.inv(scans.V)
     return z_dir @ Vinv, O_dir @ Vinv
 
@@ -381,9 +393,9 @@ def _recover(ask: _Asker, heads, biases: bool, noise: float, rng) -> _Fit:
     q0 = rng.standard_normal(d) / math.sqrt(d)
     V = np.linalg.qr(rng.standard_normal((d, d)))[0]
     scans = _Scans(ask, c, O, q0, V, noise, heads, rng)
-    t0, reach = scans.pilot()
+    t0, reach, first = scans.pilot()
     log.info("vector multi-head at d = %d, m = %d: %d heads", d, m, scans.H)
-    P, Wv, t = scans.all_directions(t0, reach * math.sqrt(d) / 3.0 if d > 1 else reach)
+    P, Wv, t = scans.all_directions(t0, reach * math.sqrt(d) / 3.0 if d > 1 else reach, first)
     count("copy scans")
     z0, O_heads = _label(ask, scans, P, Wv, t, rng)
     count("labels")

@@ -21,7 +21,7 @@ from scipy.optimize import linear_sum_assignment
 from scipy.special import softmax
 
 LABEL_TOLERANCE = 1e-3     # largest |P - permutation| accepted
-MAX_CONDITION = 1e6        # of the least-squares system for P
+MAX_CONDITION = 1e8        # of the least-squares system for P
 DRAWS = 8                  # random count sets tried per J (no query)
 
 

@@ -20,6 +20,7 @@ from scipy.special import softmax
 
 MAX_CONDITION = 1e4
 DRAWS = 20
+SHARE = 0.5                # probes per unknown column of [O_1 .. O_H]
 SPARE = 4                  # probes beyond H d: the fit's misfit says whether it holds
 LOGIT_RANGE = (1.0, 3.0)   # largest |t g^T z_h| of a probe, drawn in this range
 
@@ -36,7 +37,7 @@ def regressors(z: np.ndarray, G: np.ndarray, t: np.ndarray) -> np.ndarray:
 def design(z: np.ndarray, rng: np.random.Generator):
     """Tokens G (B, d, d), scales t (B,) and the regressor matrix's condition number."""
     H, d = z.shape
-    B = H * d + SPARE
+    B = int(SHARE * H * d) + SPARE
     reach = max(float(np.max(np.linalg.norm(z, axis=1))), 1e-300)
     best = None
     for _ in range(DRAWS):

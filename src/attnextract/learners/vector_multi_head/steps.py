@@ -87,7 +87,11 @@ def step_heights(Y: np.ndarray, lam: np.ndarray, p: np.ndarray) -> np.ndarray:
     return np.linalg.lstsq(step_matrix(lam, p).T, Y.T, rcond=None)[0].T
 
 
-def scan_rank(Y: np.ndarray, tolerance: float = COUNT_TOLERANCE) -> int:
-    """Number of singular values of Y above ``tolerance`` x the largest."""
+def scan_rank(Y: np.ndarray, tolerance: float = COUNT_TOLERANCE, full: float = 0.0) -> int:
+    """Number of singular values of Y above ``tolerance`` x the largest, or x ``full``
+    (|O v|: the size of Y when every head attends to the copies) when that is larger,
+    so that a scan whose steps all lie far beyond the window reads as rank 0, not as
+    a matrix of rounding noise."""
     s = np.linalg.svd(Y, compute_uv=False)
-    return int(np.sum(s > tolerance * s[0])) if s.size and s[0] > 0 else 0
+    top = max(float(s[0]) if s.size else 0.0, full)
+    return int(np.sum(s > tolerance * top)) if top > 0 else 0
