@@ -65,12 +65,15 @@ from . import labels, outputs, qk, refine, steps
 log = logging.getLogger(__name__)
 
 EXTRA_SAMPLES = 4          # scan samples beyond the H steps
+CROWDED = 4                # ... and one more per head beyond this many (crowded windows:
+                           # 12 samples for 8 heads at d = 16 met local minima)
+MISFIT_TRIES = 2           # misfitting scans of one direction (redrawn) before a mismatch
 SCAN_ROUNDS = 6            # scans of one direction at most (scale changes, new directions)
 LOW_SHARE = 0.1            # a scan whose steps all lie within this share of the edge grows
 EDGE_SHARE = 0.6           # aim the largest step at this share of the window's edge
 BEYOND_SHRINK = 0.25       # a scan that sees no step: its scale shrinks this much
 REDRAW_SHRINK = 0.7        # a redrawn direction's scale, in case a step was beyond the window
-MIN_GAP = 0.02             # steps closer than this in one scan: the direction is redrawn
+MIN_GAP = 0.005            # steps closer than this in one scan: the direction is redrawn
 FIT_NOISE = 1e3            # a scan fit or solve missing by more than this x the rounding
                            # of the answers is a misfit (outside the class)
 MISFIT_LIMIT = 1e7          # final misfit above this x the rounding: not the class
@@ -107,6 +110,11 @@ def _values(ask: _Asker, d: int, biases: bool) -> tuple[np.ndarray, np.ndarray]:
     return F[0], (F[1:] - F[0]).T
 
 
+def samples(H: int) -> int:
+    """Copy scan samples for H steps."""
+    return H + EXTRA_SAMPLES + max(0, H - CROWDED)
+
+
 class _Scans:
     """Stage 2: copy scans of d directions at q_0 (every head's v_k^T z_h, O_h v_k)."""
 
@@ -115,62 +123,90 @@ class _Scans:
         self.noise, self.heads, self.rng = noise, heads, rng
         self.H = heads
         self.n = None
+        self.misfits: dict[int, int] = {}
         self.queries = 0
 
     def scan(self, idx, t):
-        """Y (len(idx), m, K) of directions idx at scales t."""
+        """Y (len(idx), m, K) of directions idx at scales t; also each scan's rounding
+        floor (len(idx),): the answers' rounding divided by t (Y is a difference of
+        answers of size |F|, so it carries their rounding, not its own)."""
         X = steps.scan_probes(self.q0, self.V[:, idx], t, self.n)
         F = self.ask(X).reshape(len(idx), len(self.n), -1)
         self.queries += len(X)
         base = self.c + self.O @ self.q0
-        return ((F - base) / t[:, None, None]).transpose(0, 2, 1)
+        floor = self.noise * np.max(np.abs(F), axis=(1, 2)) / t
+        return ((F - base) / t[:, None, None]).transpose(0, 2, 1), floor
 
     def pilot(self):
-        """Direction 0 alone: the head count (not told) and the scale of the steps."""
-        K = (self.heads or 4) + EXTRA_SAMPLES
+        """Direction 0 alone: the head count (not told) and the scale of the steps.
+        Returns (t_0, the largest |v_0^T z_h|, (positions, heights) of direction 0)."""
+        K = samples(self.heads or 4)
         t = np.array([1.0 / max(np.linalg.norm(self.q0), 1e-300)])
         for _ in range(SCAN_ROUNDS):
-            self.n = steps.scan_counts(max(K, 2 * (self.H or 0) + EXTRA_SAMPLES))
-            Y = self.scan([0], t)[0]
-            rank = self._rank(Y, 0)
-            if rank == 0:                           # every step beyond the window
-                t = t * BEYOND_SHRINK
-                continue
+            self.n = steps.scan_counts(K)
+            Ys, floors = self.scan([0], t)
+            rank = self._rank(Ys[0], floors[0])
             if self.heads is None and rank >= K - EXTRA_SAMPLES // 2:
-                K = 2 * rank + EXTRA_SAMPLES           # the scan may hide more: widen
+                K = samples(2 * rank)                   # the scan may hide more: widen
                 continue
-            if self.heads is not None and rank > self.heads:
-                raise ModelMismatchError(
-                    f"a copy scan along one direction has rank {rank}: more than the "
-                    f"{self.heads} heads told (or not attention)")
-            self.H = self.heads or rank
-            if self.H == 0:
-                raise RecoveryFailedError("the copy scans see no head (every O_h v = 0)")
-            p = self._fit(Y)
-            verdict, t = self._judge(p, t)
+            if self.H is None and rank > 0:
+                self.H = self.heads or rank
+                self.n = steps.scan_counts(samples(self.H))
+                if len(self.n) != K:                    # the count's own samples
+                    K = len(self.n)
+                    continue
+            verdict, p, t = self._assess(Ys[0], floors[0], 0, t)
             if verdict == "redraw":
                 self.V[:, 0] = self._new_direction()
             if verdict == "ok":
-                first = (p, steps.step_heights(Y, self.lam, p))
-                self.n = steps.scan_counts(self.H + EXTRA_SAMPLES)
-                return float(t[0]), np.max(np.abs(p)) / t[0], first
+                return float(t[0]), np.max(np.abs(p)) / t[0], \
+                    (p, steps.step_heights(Ys[0], self.lam, p))
         raise RecoveryFailedError("the copy scans could not bring the heads' steps into "
                                   "the lambda window")
 
-    def _rank(self, Y, k):
-        tolerance = max(steps.COUNT_TOLERANCE, FIT_NOISE * self.noise)
-        return steps.scan_rank(Y, tolerance, float(np.linalg.norm(self.O @ self.V[:, k])))
+    def _assess(self, Y, floor, k, t):
+        """Verdict on one scan: ("ok", positions, t), or "rescale" / "redraw" with the
+        next scale. A rank above H is a mismatch; so is a second misfit of direction k."""
+        H = self.H if self.H is not None else self.heads
+        rank = self._rank(Y, floor)
+        if H is not None and rank > H:
+            raise ModelMismatchError(
+                f"a copy scan along direction {k} has rank {rank}: more steps than the {H} "
+                f"heads {'told' if self.heads else 'the first scan shows'} (a head the "
+                f"count missed, or not attention)")
+        if rank == 0:                               # every step beyond the window
+            return "rescale", None, t * BEYOND_SHRINK
+        if rank < H:                                # steps merged here, or beyond
+            return "redraw", None, t * REDRAW_SHRINK
+        p, ratio = self._fit(Y, floor)
+        if p is None:
+            return "redraw", None, t * REDRAW_SHRINK
+        edge = float(np.max(np.abs(self.lam)))
+        if ratio > FIT_NOISE and np.max(np.abs(p)) > edge - 1.0:
+            # steps at or beyond the window's edge fit poorly: bring them in first
+            return "rescale", None, t * EDGE_SHARE * edge / np.max(np.abs(p))
+        if ratio > FIT_NOISE:
+            self.misfits[k] = self.misfits.get(k, 0) + 1
+            if self.misfits[k] >= MISFIT_TRIES:
+                raise ModelMismatchError(
+                    f"{H} sigmoid steps miss copy scans along direction {k} by {ratio:.2e} "
+                    f"times their rounding: the black box is not softmax attention with "
+                    f"{H} heads")
+            return "redraw", None, t
+        verdict, t = self._judge(p, t)
+        return verdict, p, t
 
-    def _fit(self, Y):
+    def _rank(self, Y, floor):
+        return steps.scan_rank(Y, steps.COUNT_FACTOR * floor)
+
+    def _fit(self, Y, floor):
+        """The H step positions of one scan (None: fewer separate minima) and the fit's
+        rms misfit in units of the scan's rounding floor."""
         p = steps.step_positions(Y, self.lam, self.H)
         if p is None:
-            return None
-        misfit = np.linalg.norm(steps.projection_residual(Y, self.lam, p)) / np.linalg.norm(Y)
-        if misfit > FIT_NOISE * self.noise * math.sqrt(Y.size):
-            raise ModelMismatchError(
-                f"{self.H} sigmoid steps miss a copy scan by {misfit:.2e} (relative): the "
-                f"black box is not softmax attention with {self.H} heads")
-        return p
+            return None, np.inf
+        misfit = np.linalg.norm(steps.projection_residual(Y, self.lam, p)) / math.sqrt(Y.size)
+        return p, misfit / max(floor, np.finfo(float).tiny)
 
     @property
     def lam(self):
@@ -202,18 +238,10 @@ class _Scans:
         for _ in range(SCAN_ROUNDS):
             if not todo.size:
                 return P, Wv, t
-            Ys = self.scan(todo, t[todo])
+            Ys, floors = self.scan(todo, t[todo])
             again = []
-            for k, Y in zip(todo, Ys):
-                rank = self._rank(Y, k)
-                if rank > self.H:
-                    raise ModelMismatchError(
-                        f"a copy scan along direction {k} has more than the {self.H} steps "
-                        f"the others show: a head the count missed, or not attention")
-                p = self._fit(Y) if rank == self.H else None
-                verdict, scale = self._judge(p, t[k:k + 1])
-                if rank == 0:                       # every step beyond the window
-                    verdict, scale = "rescale", t[k:k + 1] * BEYOND_SHRINK
+            for k, Y, floor in zip(todo, Ys, floors):
+                verdict, p, scale = self._assess(Y, floor, k, t[k:k + 1])
                 t[k] = scale[0]
                 if verdict == "redraw":
                     self.V[:, k] = self._new_direction()
@@ -455,8 +483,12 @@ def _finish(oracle, begin: _Start, fit: _Fit, *, seed, verify_tolerance,
     if bar > max_error_bar:
         raise RecoveryFailedError(f"the stated error bar {bar:.2e} exceeds max_error_bar "
                                   f"{max_error_bar:.0e}")
+    # every-position answers: the model answers them too, so verification compares
+    # every position (causal as the oracle states it; the learner read the last only)
+    every = getattr(oracle, "outputs", None) == "all"
     model = VectorAttention(fit.W, fit.O, fit.b if fit.biases else None,
-                            fit.c if fit.biases else None)
+                            fit.c if fit.biases else None, positions="all" if every else "last",
+                            causal=bool(getattr(oracle, "causal", False)) if every else False)
     params = H * (d * d + m * d + (d if fit.biases else 0)) + (m if fit.biases else 0)
     n_verify = verification_count(params, oracle.queries - begin.queries)
     verification = verify_model(oracle, model, count=n_verify, seed=seed,

@@ -21,6 +21,7 @@ from scipy.optimize import linear_sum_assignment
 from scipy.special import softmax
 
 LABEL_TOLERANCE = 1e-3     # largest |P - permutation| accepted
+PAIRED_MISFIT = 1e-6       # ... or a rounded pairing that predicts the answers this well
 MAX_CONDITION = 1e8        # of the least-squares system for P
 DRAWS = 8                  # random count sets tried per J (no query)
 
@@ -91,4 +92,8 @@ def match(ref, other, counts, answers) -> tuple[np.ndarray | None, float]:
     target = np.zeros((H, H))
     target[rows, cols] = 1.0
     gap = float(np.max(np.abs(P - target)))
-    return (perm if gap <= LABEL_TOLERANCE else None), gap
+    # an ill-conditioned relaxation may still round to the pairing: its own prediction
+    # of the answers decides
+    paired = np.einsum("jmhk,hk->jm", f, target)
+    miss = float(np.linalg.norm(paired - answers) / np.linalg.norm(answers))
+    return (perm if gap <= LABEL_TOLERANCE or miss <= PAIRED_MISFIT else None), gap

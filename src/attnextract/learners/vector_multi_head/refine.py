@@ -27,7 +27,7 @@ def _design(batches, z, biases):
     for X in batches:
         a = softmax(np.einsum("bnd,hd->bhn", X, z), axis=2)           # (b, H, N)
         pooled = np.einsum("bhn,bnd->bhd", a, X)
-        second = np.einsum("bhn,bnd,bne->bhde", a, X, X)
+        second = (a[:, :, :, None] * X[:, None]).transpose(0, 1, 3, 2) @ X[:, None]
         jac.append(second - pooled[:, :, :, None] * pooled[:, :, None, :])
         row = pooled.reshape(len(X), -1)
         rows.append(np.concatenate([row, np.ones((len(X), 1))], axis=1) if biases else row)
