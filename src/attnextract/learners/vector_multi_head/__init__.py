@@ -67,10 +67,12 @@ log = logging.getLogger(__name__)
 EXTRA_SAMPLES = 4          # scan samples beyond the H steps
 CROWDED = 4                # ... and one more per head beyond this many (crowded windows:
                            # 12 samples for 8 heads at d = 16 met local minima)
+FIRST_WAVE = 3             # directions scanned at the pilot's scale, before the rest
 MISFIT_TRIES = 2           # misfitting scans of one direction (redrawn) before a mismatch
 SCAN_ROUNDS = 6            # scans of one direction at most (scale changes, new directions)
 LOW_SHARE = 0.1            # a scan whose steps all lie within this share of the edge grows
-EDGE_SHARE = 0.6           # aim the largest step at this share of the window's edge
+MAX_TOKEN = 64.0           # largest scan scale t, in units of |q_0|
+EDGE_SHARE = 0.45          # aim the largest step at this share of the window's edge
 BEYOND_SHRINK = 0.25       # a scan that sees no step: its scale shrinks this much
 REDRAW_SHRINK = 0.7        # a redrawn direction's scale, in case a step was beyond the window
 MIN_GAP = 0.005            # steps closer than this in one scan: the direction is redrawn
@@ -82,21 +84,23 @@ MAX_ERROR_BAR = 1e-6
 
 
 class _Asker:
-    """Asks the oracle one batch per round, reads the last position, and keeps every
-    (probe, answer) for the polish."""
+    """Asks the oracle one batch per round, reads the last position, and keeps the
+    (probe, answer) pairs the fits rest on (``keep=False``: the caller keeps the rows it
+    uses; a scan asked again at another scale is not one of them)."""
 
     def __init__(self, oracle: Oracle):
         self.oracle = oracle
         self.kept: list[tuple[np.ndarray, np.ndarray]] = []
 
-    def __call__(self, X: np.ndarray) -> np.ndarray:
+    def __call__(self, X: np.ndarray, keep: bool = True) -> np.ndarray:
         F = np.asarray(self.oracle.query(X), dtype=np.float64)
         if F.ndim == 3:                       # every position: the last one carries all
             F = F[:, -1, :]
         if F.ndim != 2:
             raise InputError("vector-multi-head reads vector answers; this black box "
                              "answers one number per sequence (use 'multi-head')")
-        self.kept.append((X, F))
+        if keep:
+            self.kept.append((X, F))
         return F
 
 
@@ -131,8 +135,9 @@ class _Scans:
         floor (len(idx),): the answers' rounding divided by t (Y is a difference of
         answers of size |F|, so it carries their rounding, not its own)."""
         X = steps.scan_probes(self.q0, self.V[:, idx], t, self.n)
-        F = self.ask(X).reshape(len(idx), len(self.n), -1)
+        F = self.ask(X, keep=False).reshape(len(idx), len(self.n), -1)
         self.queries += len(X)
+        self.last = (X.reshape(len(idx), len(self.n), *X.shape[1:]), F)
         base = self.c + self.O @ self.q0
         floor = self.noise * np.max(np.abs(F), axis=(1, 2)) / t
         return ((F - base) / t[:, None, None]).transpose(0, 2, 1), floor
@@ -159,6 +164,7 @@ class _Scans:
             if verdict == "redraw":
                 self.V[:, 0] = self._new_direction()
             if verdict == "ok":
+                self._keep(0)
                 return float(t[0]), np.max(np.abs(p)) / t[0], \
                     (p, steps.step_heights(Ys[0], self.lam, p))
         raise RecoveryFailedError("the copy scans could not bring the heads' steps into "
@@ -213,48 +219,79 @@ class _Scans:
         return steps.copy_lambdas(self.n)
 
     def _judge(self, p, t):
+        """Verdict on fitted positions: inside the window and separated ("ok"), or the
+        scale to try next. Steps are spread (scale grown) only to separate them, never
+        beyond MAX_TOKEN x |q_0| (a direction almost orthogonal to every z_h would ask
+        for huge tokens, whose answers no fit can use): there the direction is redrawn."""
         edge = float(np.max(np.abs(self.lam)))
         if p is None:          # two steps merged (or one flat beyond the window)
             return "redraw", t * REDRAW_SHRINK
-        if np.max(np.abs(p)) > edge:
-            return "rescale", t * EDGE_SHARE * edge / np.max(np.abs(p))
-        if np.max(np.abs(p)) < LOW_SHARE * edge:
-            return "rescale", t * EDGE_SHARE * edge / max(np.max(np.abs(p)), 1e-3)
+        peak = float(np.max(np.abs(p)))
+        if peak > edge:
+            return "rescale", t * EDGE_SHARE * edge / peak
+        if len(p) > 1 and peak < LOW_SHARE * edge:
+            grown = t * EDGE_SHARE * edge / max(peak, 1e-3)
+            limit = MAX_TOKEN * float(np.linalg.norm(self.q0))
+            return ("rescale", grown) if grown[0] <= limit else ("redraw", t)
         if len(p) > 1 and np.min(np.diff(p)) < MIN_GAP:
             return "redraw", t
         return "ok", t
 
     def all_directions(self, t0, reach, first):
         """Scan every direction but the pilot's (``first``: its positions and heights);
-        returns positions (d, H), heights (d, m, H), scales (d,)."""
+        returns positions (d, H), heights (d, m, H), scales (d,).
+
+        A few directions go first (FIRST_WAVE) at the pilot's scale; the rest at the
+        scale their median reach asks for (one pilot direction with unusually small
+        logits would otherwise send every scan beyond the window); scans that miss go
+        again with their own new scale, in the same batch as the next wave."""
         d = self.V.shape[1]
         edge = float(np.max(np.abs(self.lam)))
-        # a random direction's logits are about |z| / sqrt(d): aim at the window
         t = np.full(d, EDGE_SHARE * edge / reach)
         t[0] = t0
         P, Wv = np.zeros((d, self.H)), np.zeros((d, self.O.shape[0], self.H))
         P[0], Wv[0] = first
-        todo = np.arange(1, d)
-        for _ in range(SCAN_ROUNDS):
+        reaches = [reach]
+        pending, again = list(range(1, d)), []
+        for _ in range(SCAN_ROUNDS + 1):
+            wave = pending[:FIRST_WAVE] if len(pending) == d - 1 else pending
+            pending = pending[len(wave):]
+            t[wave] = min(EDGE_SHARE * edge / float(np.median(reaches)),
+                          MAX_TOKEN * float(np.linalg.norm(self.q0)))
+            todo = np.array(again + wave, dtype=int)
             if not todo.size:
                 return P, Wv, t
-            Ys, floors = self.scan(todo, t[todo])
-            again = []
-            for k, Y, floor in zip(todo, Ys, floors):
-                verdict, p, scale = self._assess(Y, floor, k, t[k:k + 1])
-                t[k] = scale[0]
-                if verdict == "redraw":
-                    self.V[:, k] = self._new_direction()
-                if verdict != "ok":
-                    again.append(k)
-                    continue
-                P[k], Wv[k] = p, steps.step_heights(Y, self.lam, p)
-            todo = np.array(again, dtype=int)
-        if not todo.size:
+            again = self._scan_round(todo, t, P, Wv, reaches)
+        if not again and not pending:
             return P, Wv, t
         raise RecoveryFailedError(
-            f"{len(todo)} direction(s) never showed {self.H} separate steps inside the "
+            f"{len(again)} direction(s) never showed {self.H} separate steps inside the "
             f"window (heads with nearly equal attention there, or steps out of reach)")
+
+    def _scan_round(self, todo, t, P, Wv, reaches) -> list[int]:
+        """One batch of scans; fills P, Wv for accepted directions (their reach appended
+        to ``reaches``), updates t; returns the directions to scan again."""
+        Ys, floors = self.scan(todo, t[todo])
+        again = []
+        for k, Y, floor in zip(todo, Ys, floors):
+            verdict, p, scale = self._assess(Y, floor, k, t[k:k + 1])
+            if verdict == "redraw":
+                self.V[:, k] = self._new_direction()
+            if verdict != "ok":
+                if verdict == "rescale":    # the new scale is aimed at this scan's reach
+                    reaches.append(EDGE_SHARE * float(np.max(np.abs(self.lam))) / scale[0])
+                t[k] = scale[0]
+                again.append(int(k))
+                continue
+            P[k], Wv[k] = p, steps.step_heights(Y, self.lam, p)
+            self._keep(int(np.flatnonzero(todo == k)[0]))
+            reaches.append(float(np.max(np.abs(p))) / t[k])
+        return again
+
+    def _keep(self, row):
+        """Keep scan ``row`` of the last batch (accepted) for the joint fit."""
+        X, F = self.last
+        self.ask.kept.append((X[row], F[row]))
 
     def _new_direction(self):
         v = self.rng.standard_normal(self.V.shape[0])
@@ -372,6 +409,11 @@ def extract_vector_multi_head(oracle: Oracle, *, seed=None,
     if getattr(oracle, "outputs", None) == "scalar":
         raise InputError("vector-multi-head reads vector answers; this black box answers "
                          "one number per sequence (use 'multi-head')")
+    longest = getattr(oracle, "max_length", None)
+    if longest is not None and longest < steps.WINDOW_LENGTH:
+        raise InputError(f"vector-multi-head sends copy scans of {steps.WINDOW_LENGTH} tokens; "
+                         f"the black box accepts at most {longest} (max_length): nothing "
+                         f"was sent")
     begin = _Start(oracle)
     precision = stated_precision(output_dtype)
     noise = precision.relative if precision is not None else float(np.finfo(float).eps)

@@ -37,7 +37,7 @@ def regressors(z: np.ndarray, G: np.ndarray, t: np.ndarray) -> np.ndarray:
 def design(z: np.ndarray, rng: np.random.Generator):
     """Tokens G (B, d, d), scales t (B,) and the regressor matrix's condition number."""
     H, d = z.shape
-    B = int(SHARE * H * d) + SPARE
+    B = max(int(SHARE * H * d), d) + SPARE
     reach = max(float(np.max(np.linalg.norm(z, axis=1))), 1e-300)
     best = None
     for _ in range(DRAWS):
