@@ -19,20 +19,27 @@ Identities.
   distance from sigma(lambda + p) to their row space: no pole fit. A scan of each of d
   directions v_k (K = H + 4 queries each) gives every head's v_k^T z_h and O_h v_k.
 - Labels (:mod:`.labels`): mixed probes of direction 1 and direction k are linear in
-  the permutation pairing their steps: H / 2 + 2 queries per direction.
-  Then z_h = V^-T a_h and O_h = [O_h v_k]_k V^-1 for every head.
+  the permutation pairing their steps: about H / 2 + 2 queries per direction (designed
+  without a query until the least-squares system pins the pairing). Then
+  z_h = V^-T a_h and O_h = [O_h v_k]_k V^-1 for every head.
+- Outputs (:mod:`.outputs`, :mod:`.refine`): with every z_h known the probes
+  q_0 + t g_i, q_0 are linear in [O_1 .. O_H]: max(H d / 2, d) + 4 designed probes; then
+  z_h, O_h and c are fitted jointly (variable projection, no query) to every probe that
+  ends with q_0. The scans' heights alone carry the conditioning of their sigmoid
+  matrices (O_h to 1e-10 at d = 16, H = 4); the joint fit brings them to the rounding.
 - Query-key circuits (:mod:`.qk`): with every O_h known, one probe of n + 1 tokens
   q + t u_i, q resolves n logits of every head at once (a linear solve in the H n
   attention weights, n <= m / H): (d + 1) ceil(d / n) queries give every W_h and b_h.
-- Polish (no query): O_h, c refitted by least squares on every answer given W_h, b_h,
-  and the logits solved again with them (POLISH_ROUNDS alternations).
+  The solve is square when n = m / H, so these answers say nothing of O_h: the error
+  of W_h is the condition number of that solve times the error of O_h.
 
-Cost at d = m = 16, H = 4: about 17 + 128 + 60 + 68 queries against the floor
-(H (d^2 + d + m d) + m) / m = 133; the scalar learner needs thousands.
+Cost at d = m = 16, H = 4: 17 + 128 + 60 + 36 + 68 = 309 queries plus rescans and
+verification (333 to 381 measured) against the floor (H (d^2 + d + m d) + m) / m = 133;
+the scalar learner spends 4,156 on the same boxes.
 
-Error bar: the largest condition number of the logit solves times the measured noise
-(the rms misfit of the final model to every answer it rests on, at least float64's
-rounding), times ERROR_BAR_FACTOR. Refusals: a scan that needs more steps than H (told)
+Error bar: ERROR_BAR_FACTOR x the largest condition number of the designed solves (logits,
+outputs) x the measured noise (the rms misfit of the final model to every answer it
+rests on, at least the answers' rounding). Refusals: a scan that needs more steps than H (told)
 or that no H steps fit to the noise, labels that are not a permutation and a final
 misfit above the noise are :class:`ModelMismatchError`; steps that cannot be brought
 into the window or separated are :class:`RecoveryFailedError`.
