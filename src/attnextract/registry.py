@@ -437,6 +437,9 @@ register("low-rank", _L + "low_rank:extract_low_rank",
 register("multi-head", _L + "multi_head:extract_multi_head",
          "H heads summed, recovered up to the canonical form (copy-count probes)",
          with_vectors="vector-multi-head")
+register("vector-multi-head", _L + "vector_multi_head:extract_vector_multi_head",
+         "H full-rank heads from vector answers (overlapping O_h ranges): shared "
+         "sigmoid steps read across all m channels", vectors=True)
 register("relu-network", _L + "relu_network:extract_relu_network",
          "a one-hidden-layer ReLU network on single tokens")
 register("one-layer", _L + "one_layer:extract_one_layer",
