@@ -51,7 +51,7 @@ MORE_TESTS = ["tests/test_noisy.py", "tests/test_one_layer.py", "tests/test_resi
               "tests/test_minilm.py", "tests/test_models.py", "tests/test_torch_target.py",
               "tests/test_user_boxes.py", "tests/test_newuser3_ux.py", "tests/test_vector_oracle.py",
               "tests/test_vector_single_head.py", "tests/test_vector_layer.py",
-              "tests/test_vector_multi_head.py"]
+              "tests/test_vector_multi_head.py", "tests/test_vector_pre_layer_norm.py"]
 ALL_TESTS = DEFAULT_TESTS + MORE_TESTS
 # Test files of plumbing (transport, journal, CLI, docs, packaging): they run learners only on
 # easy single-head boxes that tests/test_single_head.py covers, or none at all.

@@ -153,11 +153,12 @@ def extract_vector_pre_layer_norm(oracle: Oracle, heads: int | None = None, *, s
     InputError
         The oracle does not answer vectors at the last position, or ``heads`` >= 2.
     NotIdentifiableError
-        d < 3, or O' P = 0 (the answers never depend on W or b).
+        d < 3, answers narrower than d - 1, or O' P = 0 (the answers never depend on
+        W or b).
     ModelMismatchError
         The box is not a pre-LayerNorm head: its three-token probes imply no attention
-        weight, or held-out verification (on the sphere, or off it) failed; ``.result``
-        holds the extraction.
+        weight or an O' P of rank below d - 1 (not covered), or held-out verification
+        (on the sphere, or off it) failed; ``.result`` holds the extraction.
     """
     if heads is not None and (int(heads) != heads or heads < 1):
         raise InputError(f"heads must be a positive integer, got {heads!r}")
@@ -189,6 +190,9 @@ def extract_vector_pre_layer_norm(oracle: Oracle, heads: int | None = None, *, s
     m = singles.shape[1]
     c = singles.mean(axis=0)
     M = (n / (rho * rho * d)) * (singles - c).T @ Q.T                      # (m, d): (R + O) P
+    if m < n:
+        raise NotIdentifiableError(f"answers of width m = {m} < d - 1 = {n}: one query "
+                                   f"cannot read the d - 1 attention weights of vector-pre-ln")
     scale = float(np.abs(singles).max()) + float(np.abs(c).max())          # answers' size
 
     def differences(out: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -237,11 +241,12 @@ def extract_vector_pre_layer_norm(oracle: Oracle, heads: int | None = None, *, s
     Y_error[0] = spread * safe_norm(t_error)
     R = M - O
     sv = np.linalg.svd(O, compute_uv=False)
-    if sv.size < n or sv[n - 1] <= 1e3 * O_error:
-        raise NotIdentifiableError(
-            f"O' restricted to the hyperplane has rank below d - 1 = {n} (sigma_min "
-            f"{sv[min(n, sv.size) - 1]:.3g} against its error {O_error:.3g}): one query "
-            f"cannot read every attention weight (m = {m})")
+    if sv[n - 1] <= 1e3 * O_error:
+        raise ModelMismatchError(
+            f"the black box is not a pre-LayerNorm attention head whose O' has full rank "
+            f"d - 1 = {n} on the hyperplane: its probes imply sigma_min(O' P) = "
+            f"{sv[n - 1]:.3g} against an error of {O_error:.3g} (a head of lower output "
+            f"rank is not covered: one query could not read every attention weight)")
 
     # stage 3: every other vertex in one query of d tokens, one batch per round
     log.info("W q_j + b at %d more vertices: one query of %d tokens each", n, d)
