@@ -59,7 +59,9 @@ def block(d, m, seed, residual=True, norm="ln", activation="softmax"):
 
 
 def canonical_error(model: VectorSphereAttention, truth: dict) -> float:
-    return max(np.linalg.norm(np.squeeze(getattr(model, k)) - v) / max(np.linalg.norm(v), 1.0)
+    """The largest relative (Frobenius) error of W, b, O, c, R (R = 0: absolute)."""
+    return max(np.linalg.norm(np.squeeze(getattr(model, k)) - v)
+               / (np.linalg.norm(v) if np.linalg.norm(v) > 0 else 1.0)
                for k, v in truth.items())
 
 
@@ -119,11 +121,12 @@ def test_gpt2_block_attention_recovered():
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
     d = 16
-    config = transformers.GPT2Config(n_embd=d, n_head=1, n_layer=1, initializer_range=0.25,
-                                     attn_implementation="eager")
+    config = transformers.GPT2Config(n_embd=d, n_head=1, n_layer=1, attn_implementation="eager")
     torch.manual_seed(0)
     gpt = GPT2Block(config, layer_idx=0).double().eval()
-    with torch.no_grad():
+    with torch.no_grad():      # weights of a trained layer's size (Conv1D's init is 0.02)
+        gpt.attn.c_attn.weight.copy_(0.3 * torch.randn(d, 3 * d, dtype=torch.float64))
+        gpt.attn.c_proj.weight.copy_(0.3 * torch.randn(d, d, dtype=torch.float64))
         gpt.ln_1.weight.copy_(1 + 0.3 * torch.randn(d, dtype=torch.float64))
         gpt.ln_1.bias.copy_(0.2 * torch.randn(d, dtype=torch.float64))
         gpt.attn.c_attn.bias.copy_(0.2 * torch.randn(3 * d, dtype=torch.float64))
