@@ -170,3 +170,13 @@ def test_refuses_scalar_oracles_and_several_heads():
         extract_vector_pre_layer_norm(Oracle(box, d, outputs="last"), heads=2)
     with pytest.raises(InputError):
         extract_vector_pre_layer_norm(Oracle(lambda X: box(X)[:, 0], d, outputs="scalar"))
+
+
+def test_an_oracle_not_told_finds_the_vectors_and_switches():
+    d = 8
+    box, truth = block(d, d, 0)
+    result = extract(Oracle(box, d), model="pre-ln", seed=0)
+    spent = result.report.breakdown["answers found to be vectors"]
+    assert spent == d              # the scalar learner's first batch: d single tokens
+    assert result.queries == spent + 4 * d - 3 + result.report.breakdown["verification"]
+    assert canonical_error(result.model, truth) <= CANONICAL_TOLERANCE
