@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -14,7 +16,9 @@ from attnextract.learners.vector_pre_layer_norm import (
 from attnextract.models import VectorSphereAttention
 from attnextract.oracle import Oracle
 from attnextract.report import ExtractionResult
+from attnextract.verification import verify_model
 
+TESTS = Path(__file__).resolve().parent
 # a stored result's W etc. against the truth on the sphere, relative (Frobenius)
 CANONICAL_TOLERANCE = 1e-9
 
@@ -180,3 +184,21 @@ def test_an_oracle_not_told_finds_the_vectors_and_switches():
     assert spent == d              # the scalar learner's first batch: d single tokens
     assert result.queries == spent + 4 * d - 3 + result.report.breakdown["verification"]
     assert canonical_error(result.model, truth) <= CANONICAL_TOLERANCE
+
+
+def test_a_saved_model_is_verified_on_its_sphere_by_the_cli_and_the_api(tmp_path):
+    from conftest import run_cli
+
+    target = tmp_path / "box.py"
+    target.write_text(f"import sys\nsys.path.insert(0, {str(TESTS)!r})\n"
+                      "from test_vector_pre_layer_norm import block\n"
+                      "box = block(8, 8, 3)[0]\n")
+    out = tmp_path / "r.npz"
+    result = extract(Oracle(block(8, 8, 3)[0], 8, outputs="last"), model="pre-ln", seed=2)
+    result.save(out)
+    match = run_cli("verify", "--target", f"{target}:box", "--result", out, "--seed", 3,
+                    "--no-progress", check=0)
+    assert "MATCH" in match.stdout and "vector-pre-ln-sphere" in match.stdout
+    other = Oracle(block(8, 8, 4)[0], 8, outputs="last")
+    check = verify_model(other, ExtractionResult.load(out).model, count=30, seed=3)
+    assert not check.passed and check.sequences == 30 + 7
