@@ -271,11 +271,13 @@ def extract_vector_pre_layer_norm(oracle: Oracle, heads: int | None = None, *, s
                 again.append(j)
                 continue
             _require_finite(tj, f"q_{j}")
-            weights_error = (level[0] + O_error * safe_norm(U.T @ weights)) / \
-                np.linalg.svd(L, compute_uv=False)[-1]
-            tj_error = weights_error * (1.0 / np.abs(weights) + math.sqrt(n) / abs(last))
-            Y[:, j], spread = _solve_on_hyperplane(U, tj, basis)
-            Y_error[j] = spread * safe_norm(tj_error)
+            Y[:, j], _ = _solve_on_hyperplane(U, tj, basis)
+            # first order: y = B (U B)^{-1} t(w), w = L^+ g; dt_k / dw_i = [k = i] / w_k +
+            # 1 / alpha_N; an error of g (rounding, and O's error times U^T w) maps
+            # through their product, bounded by its 2-norm
+            J = np.diag(1.0 / weights) + 1.0 / last
+            E = basis @ np.linalg.solve(U @ basis, J @ np.linalg.pinv(L))
+            Y_error[j] = np.linalg.norm(E, 2) * (level[0] + O_error * safe_norm(U.T @ weights))
         if not again:
             break
         rescaled += len(again)
