@@ -261,7 +261,8 @@ def extract_vector_pre_layer_norm(oracle: Oracle, heads: int | None = None, *, s
             g, level = differences(answer[None], Q[:, j])
             U = P - Q[:, j]
             L = O @ U.T                                                    # (m, n)
-            weights = np.linalg.lstsq(L, g[0], rcond=None)[0]
+            left, sigma, right = np.linalg.svd(L, full_matrices=False)      # one SVD
+            weights = right.T @ ((left.T @ g[0]) / sigma)                  # L^+ g
             last = 1.0 - weights.sum()
             with np.errstate(divide="ignore", invalid="ignore"):
                 tj = np.log(weights / last)
@@ -274,10 +275,11 @@ def extract_vector_pre_layer_norm(oracle: Oracle, heads: int | None = None, *, s
             Y[:, j], _ = _solve_on_hyperplane(U, tj, basis)
             # first order: y = B (U B)^{-1} t(w), w = L^+ g; dt_k / dw_i = [k = i] / w_k +
             # 1 / alpha_N; an error of g (rounding, and O's error times U^T w) maps
-            # through their product, bounded by its 2-norm
+            # through their product, bounded by its Frobenius norm (L^+'s left factor is
+            # orthonormal and drops out)
             J = np.diag(1.0 / weights) + 1.0 / last
-            E = basis @ np.linalg.solve(U @ basis, J @ np.linalg.pinv(L))
-            Y_error[j] = np.linalg.norm(E, 2) * (level[0] + O_error * safe_norm(U.T @ weights))
+            E = np.linalg.solve(U @ basis, J @ right.T) / sigma
+            Y_error[j] = safe_norm(E) * (level[0] + O_error * safe_norm(U.T @ weights))
         if not again:
             break
         rescaled += len(again)
