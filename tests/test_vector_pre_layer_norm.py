@@ -23,12 +23,13 @@ TESTS = Path(__file__).resolve().parent
 CANONICAL_TOLERANCE = 1e-9
 
 
-def block(d, m, seed, residual=True, norm="ln", activation="softmax"):
+def block(d, m, seed, residual=True, norm="ln", activation="softmax", every=False):
     """A numpy pre-LN block read at the last position, and its parameters on the sphere.
 
     norm "ln" (gamma, beta, eps), "rms" (RMSNorm: an impostor) or "none"; activation
-    "softmax" or "relu" (ReLU attention: an impostor). Returns (box, truth) with the box
-    mapping (B, N, d) to (B, m) and truth the projected W, b, O, c, R at radius sqrt(d)."""
+    "softmax" or "relu" (ReLU attention: an impostor); ``every``: answers at every
+    position under a causal mask, (B, N, m). Returns (box, truth) with the box mapping
+    (B, N, d) to (B, m) and truth the projected W, b, O, c, R at radius sqrt(d)."""
     rng = np.random.default_rng(seed)
     gamma, beta, eps = 1 + 0.3 * rng.standard_normal(d), 0.2 * rng.standard_normal(d), 1e-5
     Wq, Wk, Wv = (rng.standard_normal((d, d)) / np.sqrt(d) for _ in range(3))
@@ -52,7 +53,15 @@ def block(d, m, seed, residual=True, norm="ln", activation="softmax"):
             a /= a.sum(1, keepdims=True)
         else:
             a = np.maximum(s, 0.0) / X.shape[1]
-        return X[:, -1] @ Rm.T + np.einsum("bn,bnd->bd", a, V) @ Wo.T + bo
+        out = X[:, -1] @ Rm.T + np.einsum("bn,bnd->bd", a, V) @ Wo.T + bo
+        if not every:
+            return out
+        N = X.shape[1]
+        S = np.einsum("bid,bjd->bji", Y @ Wk.T + bk, Y @ Wq.T + bq) / np.sqrt(d)
+        S = np.where(np.triu(np.ones((N, N), dtype=bool), 1), -np.inf, S)
+        a = np.exp(S - S.max(-1, keepdims=True))
+        a /= a.sum(-1, keepdims=True)
+        return X @ Rm.T + np.einsum("bji,bid->bjd", a, V) @ Wo.T + bo
 
     A = gamma / np.sqrt(1.0 + eps)                 # radius sqrt(d): rho^2 / d = 1
     W, b, O = Wk.T @ Wq / np.sqrt(d), Wk.T @ bq / np.sqrt(d), Wo @ Wv
@@ -202,3 +211,12 @@ def test_a_saved_model_is_verified_on_its_sphere_by_the_cli_and_the_api(tmp_path
     other = Oracle(block(8, 8, 4)[0], 8, outputs="last")
     check = verify_model(other, ExtractionResult.load(out).model, count=30, seed=3)
     assert not check.passed and check.sequences == 30 + 7
+
+
+def test_every_position_answers_are_read_at_the_last_position():
+    d = 8
+    box, truth = block(d, d, 6, every=True)
+    result = extract(Oracle(box, d, outputs="all", causal=True), model="pre-ln", seed=0)
+    assert canonical_error(result.model, truth) <= CANONICAL_TOLERANCE
+    assert result.queries == 4 * d - 3 + result.report.breakdown["rescaling"] \
+        + result.report.breakdown["verification"]

@@ -100,6 +100,16 @@ ROUNDING = 4.0           # error bars: ulps of rounding per answer number
 VALUE_ROUNDING = 64.0    # g within this many ulps of the answers' size: O' P = 0
 
 
+def last_answers(answers) -> np.ndarray:
+    """Answers (B, m) at the last position: from (B, m), (B, N, m), or an object array of
+    B every-position answers (N_i, m) (sequences of mixed lengths)."""
+    answers = np.asarray(answers)
+    if answers.dtype == object:
+        return np.stack([np.asarray(a, dtype=float)[-1] for a in answers])
+    answers = answers.astype(float)
+    return answers[:, -1, :] if answers.ndim == 3 else answers
+
+
 def three_token_sequences(A: np.ndarray, q: np.ndarray) -> np.ndarray:
     """(2k, 3, d): [a_k, a_k, q] for every probe a_k (A (k, d)), then [a_k, q, q]."""
     k = A.shape[0]
@@ -131,7 +141,8 @@ def extract_vector_pre_layer_norm(oracle: Oracle, heads: int | None = None, *, s
     oracle : Oracle
         Door to the black box, answering (B, m) at the last position
         (``Oracle(..., outputs="last")``): F(X) = R x_N + O Y^T softmax(Y (W y_N + b)) + c,
-        Y = LN(X), one head.
+        Y = LN(X), one head; a box answering every position (``outputs="all"``, causal or
+        not) is read at its last position.
     heads : int, optional
         The block's number of heads: 1 (the default) only.
     seed : int, optional
@@ -151,7 +162,7 @@ def extract_vector_pre_layer_norm(oracle: Oracle, heads: int | None = None, *, s
     Raises
     ------
     InputError
-        The oracle does not answer vectors at the last position, or ``heads`` >= 2.
+        The oracle does not answer vectors, or ``heads`` >= 2.
     NotIdentifiableError
         d < 3, answers narrower than d - 1, or O' P = 0 (the answers never depend on
         W or b).
@@ -166,9 +177,14 @@ def extract_vector_pre_layer_norm(oracle: Oracle, heads: int | None = None, *, s
         raise InputError("vector-pre-ln recovers one head (heads=1); a block with several "
                          "heads is not covered yet")
     root = root_oracle(oracle)
-    if getattr(root, "outputs", None) != "last":
-        raise InputError("vector-pre-ln reads vector answers at the last position: the "
-                         "oracle must answer (B, m) (Oracle(..., outputs='last'))")
+    if getattr(root, "outputs", None) not in ("last", "all"):
+        raise InputError("vector-pre-ln reads vector answers: the oracle must answer (B, m) "
+                         "or (B, N, m) (Oracle(..., outputs='last' or 'all'))")
+
+    def ask(X: np.ndarray) -> np.ndarray:
+        """The answers (B, m) at the last position of a batch (B, N, d) (every-position
+        answers are read there: the causal mask changes nothing at the last token)."""
+        return last_answers(oracle.query(X))
     start, start_queries, start_bb = time.perf_counter(), oracle.queries, oracle.black_box_seconds
     d = oracle.dim
     if d < 3:
@@ -186,7 +202,7 @@ def extract_vector_pre_layer_norm(oracle: Oracle, heads: int | None = None, *, s
 
     log.info("vector pre-LN head at d = %d, tokens of norm %.3g: c and R + O from %d single "
              "tokens", d, rho, d)
-    singles = np.asarray(oracle.query(Q.T[:, None, :]), dtype=float)        # (d, m)
+    singles = ask(Q.T[:, None, :])        # (d, m)
     m = singles.shape[1]
     c = singles.mean(axis=0)
     M = (n / (rho * rho * d)) * (singles - c).T @ Q.T                      # (m, d): (R + O) P
@@ -208,7 +224,7 @@ def extract_vector_pre_layer_norm(oracle: Oracle, heads: int | None = None, *, s
     q0 = Q[:, 0]
     for attempt in range(MAX_RESCALES + 1):
         A = column_probes(q0, tangent_simplex(Q, 0), chords[0])
-        out = np.asarray(oracle.query(three_token_sequences(A, q0)), dtype=float)
+        out = ask(three_token_sequences(A, q0))
         g, level = differences(out, q0)
         gA, gB = g[:n], g[n:]
         h, t, k = three_token_solve(gA, gB)
@@ -255,7 +271,7 @@ def extract_vector_pre_layer_norm(oracle: Oracle, heads: int | None = None, *, s
     for attempt in range(MAX_RESCALES + 1):
         probes = [column_probes(Q[:, j], tangent_simplex(Q, j), chords[j]) for j in todo]
         X = np.stack([np.vstack([P, Q[:, j]]) for P, j in zip(probes, todo)])
-        out = np.asarray(oracle.query(X), dtype=float)
+        out = ask(X)
         again = []
         for P, j, answer in zip(probes, todo, out):
             g, level = differences(answer[None], Q[:, j])
@@ -391,7 +407,7 @@ def verify_vector_on_sphere(oracle, model: VectorSphereAttention, *, count: int,
         moved.append(scales[:, None] * X + shifts[:, None])
     oracle.require(count + invariance, "held-out verification on the sphere")
     with live_queries(oracle):
-        observed = np.asarray(oracle.query_ragged(sequences + moved), dtype=float)
+        observed = last_answers(oracle.query_ragged(sequences + moved))
     on_sphere, off_sphere = observed[:count], observed[count:]
     predicted = np.stack([model(X) for X in sequences])
     K = max(safe_rms(on_sphere - model.c), np.finfo(float).tiny)
