@@ -40,7 +40,8 @@ ceil((n^2 + n + 2 m n + m) / m), about 3d at m = d). Conditioning: the logits gr
 the chord, so a round whose largest |t_k| exceeds MAX_LOGIT is asked again at a shorter
 chord (counted as "rescaling"). Error bars are first-order from the answers' rounding
 through the measured conditioning (|k| near 1/4 or 1, sigma_min of U and of O' U^T).
-One head; several heads are not covered here (``heads`` >= 2 is refused).
+One head; several heads are not covered here (``heads`` >= 2 is refused). A box
+answering every position is read at its last one (the causal mask changes nothing there).
 
 Verification (:func:`verify_vector_on_sphere`): held-out sequences on S against the
 model, every channel, at 10 x its error bound, and rescaled or shifted copies off S
