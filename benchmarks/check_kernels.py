@@ -54,7 +54,8 @@ MORE_TESTS = ["tests/test_noisy.py", "tests/test_one_layer.py", "tests/test_resi
               "tests/test_vector_multi_head.py", "tests/test_multi_head_hints.py",
               "tests/test_stated_tolerance.py", "tests/test_verified_domain.py",
               "tests/test_batch_invariance.py", "tests/test_accounting.py",
-              "tests/test_journal_transparency.py"]
+              "tests/test_journal_transparency.py",
+              "tests/test_vector_pre_layer_norm.py"]
 ALL_TESTS = DEFAULT_TESTS + MORE_TESTS
 # Test files of plumbing (transport, journal, CLI, docs, packaging): they run learners only on
 # easy single-head boxes that tests/test_single_head.py covers, or none at all.

@@ -917,12 +917,14 @@ def _note_cost(report, oracle: Oracle) -> None:
 
 
 def _vector_oracle_options(model) -> dict:
-    """What a saved VectorAttention says its black box answers (the Oracle holds the box
-    to it: a box answering the other kind, or causal when told bidirectional, fails)."""
-    if not isinstance(model, VectorAttention):
+    """What a saved vector model (a VectorAttention, a VectorSphereAttention) says its
+    black box answers (the Oracle holds the box to it: a box answering the other kind, or
+    causal when told bidirectional, fails)."""
+    kind = getattr(model, "output_kind", None)
+    if kind not in ("last", "all"):
         return {}
-    return {"outputs": model.positions, "out_dim": model.out_dim,
-            "causal": model.causal if model.positions == "all" else None}
+    return {"outputs": kind, "out_dim": model.out_dim,
+            "causal": bool(model.causal) if kind == "all" else None}
 
 
 def _open_query_journal(args, target: str, dim: int):

@@ -724,12 +724,90 @@ class VectorAttention(Regressor):
         return f"VectorAttention(H={self.heads}, d={self.dim}, m={self.out_dim}, {where})"
 
 
+class VectorSphereAttention(Regressor):
+    """A pre-LayerNorm block answering vectors, as far as it is identifiable: on the sphere
+    S = {x : 1^T x = 0, |x| = radius}, at the last position,
+
+    F(X) = R x_N + sum_h O_h X^T softmax(X (W_h x_N + b_h)) + c   in R^m,   x_i in S,
+
+    with R the residual map (identity when the box adds its input, 0 when it answers the
+    sublayer alone). Only the restrictions to the hyperplane 1^T x = 0 are seen, so the
+    parameters are stored projected: W_h <- P W_h P, b_h <- P b_h, O_h <- O_h P,
+    R <- R P, P = I - 1 1^T / d. Tokens off S raise :class:`InputError`.
+
+    Parameters
+    ----------
+    W : array (H, d, d);  b : array (H, d);  O : array (H, m, d);  c : array (m,)
+        The heads' parameters in x (LayerNorm's affine map on S folded in).
+    R : array (m, d)
+        The residual map applied to x_N.
+    radius : float
+        The norm of every token of S.
+    """
+
+    kind = "vector-pre-ln-sphere"
+    PARAMETERS = ("W", "b", "O", "c", "R", "radius")
+
+    def __init__(self, W, b, O, c, R, radius):
+        heads = VectorAttention(W, O, b, c)
+        d, m = heads.dim, heads.out_dim
+        P = np.eye(d) - 1.0 / d
+        self.radius = float(np.asarray(radius, dtype=np.float64).reshape(()))
+        R = np.array(R, dtype=np.float64)
+        if R.shape != (m, d) or not np.all(np.isfinite(R)):
+            raise InputError(f"VectorSphereAttention: R must be finite ({m}, {d}), "
+                             f"got shape {R.shape}")
+        if not (np.isfinite(self.radius) and self.radius > 0):
+            raise InputError(f"VectorSphereAttention: radius must be positive, "
+                             f"got {self.radius}")
+        self.W, self.b, self.O = P @ heads.W @ P, heads.b @ P, heads.O @ P
+        self.c, self.R = heads.c, R @ P
+        self.heads_model = VectorAttention(self.W, self.O, self.b, self.c)
+
+    @property
+    def dim(self) -> int:
+        return self.W.shape[1]
+
+    @property
+    def heads(self) -> int:
+        return self.W.shape[0]
+
+    @property
+    def out_dim(self) -> int:
+        """m, the width of every answer."""
+        return self.O.shape[1]
+
+    @property
+    def output_kind(self) -> str:
+        """What the model answers, declared to an Oracle: the last position's vector."""
+        return "last"
+
+    def outputs(self, X: np.ndarray) -> np.ndarray:
+        means = np.abs(X.sum(axis=-1)) / np.sqrt(self.dim)
+        norms = np.linalg.norm(X, axis=-1)
+        if np.any(means > SPHERE_TOLERANCE * self.radius) or np.any(
+                np.abs(norms - self.radius) > SPHERE_TOLERANCE * self.radius):
+            raise InputError(f"VectorSphereAttention is known only on tokens with zero mean "
+                             f"and norm {self.radius:.6g}; a pre-LayerNorm box is not "
+                             f"identified elsewhere")
+        return X[:, -1, :] @ self.R.T + self.heads_model.outputs(X)
+
+    def __call__(self, X):
+        X, single = as_sequences(X, self.dim)
+        out = self.outputs(X)
+        return out[0] if single else out
+
+    def __repr__(self) -> str:
+        return (f"VectorSphereAttention(H={self.heads}, d={self.dim}, m={self.out_dim}, "
+                f"radius={self.radius:.6g})")
+
+
 # kind -> class: how report.load_model rebuilds a model from a result file
 MODEL_CLASSES = {cls.kind: cls for cls in (SingleHeadAttention, MultiHeadAttention, ReLUNetwork,
                                            OneLayerTransformer, ResidualOneLayer, TransformerLayer,
                                            BiasedSingleHeadAttention, BiasedMultiHeadAttention,
                                            PreLayerNormAttention, SphereAttention,
-                                           VectorAttention)}
+                                           VectorAttention, VectorSphereAttention)}
 
 
 # the parameters a model's output is linear in (values and output constants): x a
@@ -738,7 +816,8 @@ OUTPUT_PARAMETERS = {"single-head": ("v",), "multi-head": ("v",),
                      "biased-single-head": ("v", "c"), "biased-multi-head": ("v", "c"),
                      "one-layer": ("w",), "one-layer-residual": ("w",), "relu-network": ("w",),
                      "transformer-layer": ("w", "c0"), "pre-ln-attention": ("v", "c", "r"),
-                     "pre-ln-sphere": ("v", "c", "r"), "vector-attention": ("O", "c")}
+                     "pre-ln-sphere": ("v", "c", "r"), "vector-attention": ("O", "c"),
+                     "vector-pre-ln-sphere": ("O", "c", "R")}
 
 
 def scale_outputs(model, factor: float):

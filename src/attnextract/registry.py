@@ -471,3 +471,7 @@ register("vector-single-head", _L + "vector_single_head:extract_vector_single_he
 register("vector-layer", _L + "vector_layer:extract_vector_layer",
          "a standard attention layer from vector answers (heads with independent output "
          "ranges, biases): every head's W_h, b_h, O_h and c", vectors=True)
+register("vector-pre-ln", _L + "vector_pre_layer_norm:extract_vector_pre_layer_norm",
+         "a pre-LayerNorm attention block answering vectors (last position, residual R "
+         "x_N or none), on the sphere where LayerNorm is affine: one head at 4d - 3 queries",
+         vectors=True)

@@ -88,6 +88,7 @@ a model known to 1e-13 that misses the black box by 1e-8 is not the black box's 
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass, field
 
@@ -127,6 +128,12 @@ REPLAY_FRACTION = 0.125       # at most this share of the check re-asks learner 
 # the error bar (see the module docstring)
 CONSISTENCY_FACTOR = 1e3
 CONSISTENCY_FLOOR = 1e-10
+# models defined on a sphere of their own: kind -> "module:function" of their held-out
+# check, loaded when needed (as the registry loads learners), and the share of the
+# held-out count sent off the sphere (rescaled, shifted copies)
+DOMAIN_VERIFIERS = {"vector-pre-ln-sphere":
+                    "attnextract.learners.vector_pre_layer_norm:verify_vector_on_sphere"}
+DOMAIN_INVARIANCE_SHARE = 0.25
 SENSITIVITY = 4.0
 # a bar above this (a model known to worse than 10%) is no bar: its allowance would
 # accept any box (a refused multi-head model wrong by 36 passed at 2.7e-12 with a bar of 744)
@@ -886,7 +893,7 @@ def is_biased(model) -> bool:
 def output_offset(model):
     """The output constant c a model's answers are judged without: a float for the biased
     scalar classes, an array (m,) for a vector model, else 0.0."""
-    if getattr(model, "kind", "") == "vector-attention":
+    if getattr(model, "kind", "") in ("vector-attention", "vector-pre-ln-sphere"):
         return np.asarray(model.c, dtype=float)
     return float(model.c) if is_biased(model) else 0.0
 
@@ -1473,6 +1480,14 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
                                 invariance=max(4, int(INVARIANCE_SHARE * count)),
                                 tolerance=tolerance, error_bar=expected_error
                                 if isinstance(expected_error, (int, float)) else None)
+    domain = DOMAIN_VERIFIERS.get(getattr(model, "kind", ""))
+    if domain is not None:                                # defined on its sphere only
+        module, name = domain.split(":")
+        check = getattr(importlib.import_module(module), name)
+        return check(oracle, model, count=count, rng=np.random.default_rng(seed),
+                     invariance=max(4, int(DOMAIN_INVARIANCE_SHARE * count)),
+                     tolerance=tolerance, error_bar=expected_error
+                     if isinstance(expected_error, (int, float)) else None)
     requested = tolerance
     floor = CONSISTENCY_FLOOR
     if isinstance(expected_error, str):
