@@ -120,7 +120,7 @@ def test_cli_single_head_keeps_its_low_precision_learner():
 
 @pytest.mark.parametrize("argv, match", [
     (["--model", "low-rank", "--output-dtype", "float32"],
-     r"apply to --model single-head, .*multi-head-low-rank, transformer-layer, not low-rank"),
+     r"apply to --model single-head, .*multi-head-low-rank, transformer-layer, .*not low-rank"),
     (["--model", "relu-network", "--decimals", "3"], "not relu-network"),
     (["--model", "multi-head-low-rank", "--output-dtype", "float32", "--tolerance", "1e-3"],
      "do not go with --tolerance"),
