@@ -11,15 +11,18 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import run_cli
 
 from attnextract.adapters.checkpoint import (
     Checkpoint,
+    LayerBlackBox,
     RotaryModelError,
     inspect_checkpoint,
     parse_layers,
 )
-from attnextract.errors import InputError, TargetLoadError
+from attnextract.adapters.checkpoint_export import compare, export_state_dict
+from attnextract.checkpoint import CheckpointResult, extract_checkpoint
+from attnextract.cli import main
+from attnextract.errors import BlackBoxError, InputError, TargetLoadError
 
 
 def _save(model, path):
@@ -101,18 +104,19 @@ def test_families_from_config(bert_folder, gpt2_folder):
             parse_layers(bad, 6)
 
 
-def test_a_rotary_checkpoint_is_refused_before_any_query(llama_folder, tmp_path):
+def test_a_rotary_checkpoint_is_refused_before_any_query(llama_folder, tmp_path, capsys):
     with pytest.raises(RotaryModelError, match="rotary"):
         inspect_checkpoint(llama_folder)
     # refused from config.json alone: the weights are never read
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral"}))
     with pytest.raises(RotaryModelError):
         inspect_checkpoint(tmp_path)
-    proc = run_cli("checkpoint", llama_folder, "--no-progress", check=1, timeout=120)
-    assert "rotary" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert main(["checkpoint", str(llama_folder), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "rotary" in err and len(err.strip().splitlines()) == 1
 
 
-def test_bad_folders_get_one_line_and_exit_2(tmp_path, bert_folder):
+def test_bad_folders_get_one_line_and_exit_2(tmp_path, capsys):
     with pytest.raises(TargetLoadError, match="not a folder"):
         inspect_checkpoint(tmp_path / "missing")
     with pytest.raises(TargetLoadError, match="no config.json"):
@@ -126,6 +130,105 @@ def test_bad_folders_get_one_line_and_exit_2(tmp_path, bert_folder):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(TargetLoadError, match="JSON"):
         inspect_checkpoint(tmp_path)
-    for folder in (tmp_path / "missing", tmp_path):
-        proc = run_cli("checkpoint", folder, "--no-progress", check=2, timeout=120)
-        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    for folder in (tmp_path / "missing", tmp_path, tmp_path / "config.json"):
+        assert main(["checkpoint", str(folder), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("attnextract: TargetLoadError") and err.count("\n") == 1, err
+
+
+@pytest.fixture(scope="module")
+def gpt2_one_head_folder(tmp_path_factory):
+    """A GPT-2 of one head per layer (the pre-LN learner's single-head path: short probes)."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=16, n_head=1, n_layer=2, vocab_size=64,
+                                     n_positions=64, initializer_range=0.1)
+    model = _randomise_biases(transformers.GPT2Model(config), 3)
+    return _save(model, tmp_path_factory.mktemp("gpt2one"))
+
+
+@pytest.fixture(scope="module")
+def bert_result(bert_folder, tmp_path_factory):
+    run = tmp_path_factory.mktemp("bert-run")
+    return extract_checkpoint(bert_folder, outputs="last", run_dir=run / "run",
+                              check_against=bert_folder, out=run / "result.json"), run
+
+
+def test_every_bert_layer_from_last_position_vectors(bert_result):
+    result, run = bert_result
+    assert [e["layer"] for e in result.layers] == [0, 1] and not result.failed
+    for entry in result.layers:
+        assert entry["verification"]["passed"]
+        assert entry["check"]["canonical_error"] <= 1e-9
+        assert entry["heads_found"] == 4 and entry["values_stage"]["held_out_error"] < 1e-9
+        assert entry["cpu_seconds"] > 0 and entry["wall_seconds"] > 0
+    heads = result.heads(1)
+    assert heads["W"].shape == (4, 32, 32) and heads["O"].shape == (4, 32, 32)
+    again = CheckpointResult.load(run / "result.json")
+    np.testing.assert_array_equal(again.heads(1)["O"], heads["O"])
+
+
+def test_export_and_compare_round_trip(bert_folder, bert_result, tmp_path, capsys):
+    result, _ = bert_result
+    path = export_state_dict(result, tmp_path / "bert.safetensors")
+    report = compare(bert_folder, path)
+    assert report["recovered_layers"] == "0,1"
+    assert report["max_abs_difference"] <= 1e-9
+    assert main(["checkpoint", str(bert_folder), "--compare", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["max_abs_difference"] <= 1e-9
+
+
+def test_gpt2_layers_on_the_sphere_and_its_export(gpt2_one_head_folder, tmp_path):
+    """GPT-2: ln_1 + attention, on the sphere where ln_1 is affine; exported with ln_1's
+    scale 1 and shift 0 it computes what the original computes on every input."""
+    result = extract_checkpoint(gpt2_one_head_folder, outputs="last", run_dir=tmp_path / "r",
+                                check_against=gpt2_one_head_folder)
+    for entry in result.layers:
+        assert entry["check"]["canonical_error"] <= 1e-9, entry["check"]
+    report = compare(gpt2_one_head_folder, export_state_dict(result, tmp_path / "g.st"))
+    assert report["max_abs_difference"] <= 1e-9
+
+
+def test_scalar_outputs_and_no_export_from_them(gpt2_one_head_folder, tmp_path):
+    result = extract_checkpoint(gpt2_one_head_folder, layers="1", outputs="scalar",
+                                run_dir=tmp_path / "r", check_against=gpt2_one_head_folder)
+    (entry,) = result.layers
+    assert entry["check"]["canonical_error"] <= 1e-9 and "v" in entry["heads"]
+    with pytest.raises(InputError, match="--outputs last"):
+        export_state_dict(result, tmp_path / "x.safetensors")
+    with pytest.raises(InputError, match="every position"):
+        extract_checkpoint(gpt2_one_head_folder, outputs="all", run_dir=tmp_path / "r")
+
+
+def test_a_failed_layer_is_reported_then_resumed_from_its_journal(bert_folder, tmp_path,
+                                                                  monkeypatch):
+    """A box that fails mid-run stops the layer twice (retried once, the retry resuming from
+    the journal): the bundle names it. The rerun in the same run folder answers what was
+    paid from the journal and returns what a fresh run returns, bit for bit."""
+    original = LayerBlackBox.forward
+    calls = [0]
+
+    def failing(self, X):
+        calls[0] += 1
+        if calls[0] % 40 == 0:
+            raise BlackBoxError("the box went away")
+        return original(self, X)
+
+    run = tmp_path / "run"
+    monkeypatch.setattr(LayerBlackBox, "forward", failing)
+    stopped = extract_checkpoint(bert_folder, layers="0", run_dir=run)
+    (entry,) = stopped.failed
+    assert entry["layer"] == 0 and entry["attempts"] == 2
+    assert "BlackBoxError" in entry["error"]
+    monkeypatch.setattr(LayerBlackBox, "forward", original)
+    resumed = extract_checkpoint(bert_folder, layers="0", run_dir=run)
+    (done,) = resumed.layers
+    assert done["journal_queries"] > 0
+    fresh = extract_checkpoint(bert_folder, layers="0", run_dir=tmp_path / "fresh")
+    assert done["heads"] == fresh.layers[0]["heads"]
+    # no query lost or asked twice: the learner asked the same ones, part from the journal
+    assert done["learner_queries"] == fresh.layers[0]["learner_queries"]
+    assert done["journal_queries"] + done["black_box_queries"] - done["check_queries"] \
+        == done["learner_queries"]
+    # a finished layer is kept: a third run asks nothing
+    assert extract_checkpoint(bert_folder, layers="0", run_dir=run).layers[0] == done

@@ -160,7 +160,11 @@ def run_layer(job: LayerJob) -> dict:
            "readout_seed": job.readout_seed, "seed": job.seed,
            "queries": int(result.queries), "recovery_queries": int(report.recovery_queries),
            "floor": int(report.floor),
+           # the learner's queries, answered live or by the journal (a resumed run asks
+           # the same ones); the journal's own checks of the box apart
+           "learner_queries": int(oracle.queries),
            "journal_queries": int(oracle.journal_queries),
+           "check_queries": int(oracle.check_queries),
            "black_box_queries": int(oracle.black_box_queries + oracle.check_queries),
            "error_bar": _error_bar(report),
            "verification": None if report.verification is None else {
