@@ -55,7 +55,7 @@ def test_plan_checks_budget():
     (lambda X: np.array([np.inf, 0.0, 0.0]), NonFiniteOutputError, "non-finite"),
 ])
 def test_malformed_outputs_are_typed_errors(answer, error, match):
-    oracle = Oracle(answer, 2)
+    oracle = Oracle(answer, 2, outputs="scalar")
     with pytest.raises(error, match=match):
         oracle.query(np.ones((3, 1, 2)))
 

@@ -7,8 +7,8 @@ import pytest
 
 import attnextract
 from attnextract import Oracle
-from attnextract.errors import (BlackBoxError, InputError, MalformedOutputError,
-                                ModelMismatchError, NonFiniteOutputError, TargetLoadError)
+from attnextract.errors import (BlackBoxError, MalformedOutputError, ModelMismatchError,
+                                NonFiniteOutputError)
 
 import user_boxes as ub
 from conftest import run_cli
@@ -53,7 +53,10 @@ def test_boxes_outside_the_class_are_refused_with_typed_errors():
     W, v = ub.draw_heads(4, 2, seed=1)
     X = _probes(4)
     with pytest.raises(MalformedOutputError, match="2 numbers .* for one sequence"):
-        Oracle(ub.outside_box("two numbers", W, v), 4).query(X)
+        Oracle(ub.outside_box("two numbers", W, v), 4, outputs="scalar").query(X)
+    # not stated: two numbers per sequence are a vector answer (m = 2), held to from then on
+    two = Oracle(ub.outside_box("two numbers", W, v), 4)
+    assert two.query(X).shape == (len(X), 2) and (two.outputs, two.out_dim) == ("last", 2)
     nan_once = Oracle(ub.outside_box("NaN once", W, v), 4)
     for _ in range(9):                    # 45 sequences answered one at a time
         nan_once.query(X)
@@ -145,18 +148,19 @@ def test_torch_modules_handed_over_directly():
     with torch.no_grad():
         expected = module(torch.as_tensor(X, dtype=torch.float32)).double().numpy()
     assert np.array_equal(oracle.query(X), expected)
-    with pytest.raises(InputError, match="TorchAttentionBlackBox"):
-        Oracle(module.attention, 4)
+    # a bare MultiheadAttention needs no readout: it answers its vectors, (B, N, 4)
+    vectors = Oracle(module.attention, 4)
+    assert vectors.query(X).shape == X.shape and vectors.outputs == "all"
     # a box that returns a tensor needing grad, in bfloat16
     bf16 = Oracle(lambda X: torch.as_tensor(X.sum((1, 2)), dtype=torch.bfloat16)
                   .requires_grad_(), 4)
     assert bf16.query(X).dtype == np.float64
 
 
-def test_a_bare_multihead_attention_on_the_command_line_names_the_wrapper(tmp_path):
+def test_a_bare_multihead_attention_on_the_command_line_answers_vectors(tmp_path):
     pytest.importorskip("torch")
     (tmp_path / "layer.py").write_text(
         "import torch\nlayer = torch.nn.MultiheadAttention(8, 2)\n")
-    with pytest.raises(TargetLoadError, match="TorchAttentionBlackBox"):
-        from attnextract.adapters.targets import load_target
-        load_target(f"{tmp_path / 'layer.py'}:layer")
+    from attnextract.adapters.targets import load_target
+    box = load_target(f"{tmp_path / 'layer.py'}:layer")
+    assert (box.output_kind, box.out_dim, box.dtype_name) == ("all", 8, "float32")

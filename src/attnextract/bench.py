@@ -20,6 +20,7 @@ landed adds one. ``--quick`` runs small sizes (under two minutes on 2 cores).
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -28,9 +29,9 @@ import numpy as np
 
 from .errors import InputError
 from .oracle import Oracle
-from .registry import extract
+from .registry import LEARNERS, extract
 from .learners.surrogate import train_surrogate
-from .adapters.targets import random_single_head
+from .adapters.targets import random_single_head, random_vector_attention
 
 
 def _rel(a, b) -> float:
@@ -383,6 +384,89 @@ def section_pre_ln(quick: bool, log) -> list[dict]:
 SECTIONS["pre-ln"] = section_pre_ln
 
 
+# The scalar learner and its vector twin, on the same boxes: the vector learner asks the
+# layer's output vector, the scalar one its readout r^T F (what one number per sequence
+# shows). (label, scalar learner and options, vector learner, heads, biases, sizes).
+VECTOR_CASES = (("single head, biases", "single-head", {"biases": True}, "vector-single-head",
+                 1, True, ([8, 16], [8, 16, 32, 64])),
+                ("full-rank multi-head", "multi-head", {}, "vector-multi-head", 4, False,
+                 ([8], [8, 16])))
+
+
+def _readout_box(truth, r):
+    """The scalar box r^T F of a VectorAttention at the last position, as the scalar
+    model class it is (a biased single head, or H bias-free heads)."""
+    from .models import BiasedSingleHeadAttention, MultiHeadAttention
+    v = truth.O.transpose(0, 2, 1) @ r                                   # (H, d)
+    if truth.heads == 1 and (truth.b.any() or truth.c.any()):
+        return BiasedSingleHeadAttention(truth.W[0], v[0], truth.b[0], float(truth.c @ r))
+    return MultiHeadAttention(truth.W, v)
+
+
+def _vector_row(label: str, d: int, heads: int, target, learner: str, options: dict,
+                error, parameters: int, per_query: int) -> dict:
+    """One row of the scalar/vector comparison: queries, numbers received, floor in
+    queries (parameters / numbers per query), canonical error."""
+    oracle = Oracle(target, d)
+    start = time.perf_counter()
+    result = extract(oracle, learner, seed=d, **options)
+    wall = time.perf_counter() - start
+    return {"vector_compare": label, "learner": learner, "d": d, "heads": heads,
+            "queries": result.queries, "numbers": oracle.numbers, "tokens": oracle.tokens,
+            "floor_queries": -(-parameters // per_query),
+            "canonical_error": error(result.model),
+            "output_error": result.report.verification.max_relative_error, "wall_s": wall}
+
+
+def _scalar_error(truth, model) -> float:
+    """A scalar learner's error: canonical (heads matched) for several heads, else the
+    largest relative error of W, v and b."""
+    from .learners.multi_head import canonical_error
+    if getattr(truth, "heads", 1) > 1:
+        return canonical_error(model, truth)
+    return max(_rel(model.W, truth.W), _rel(model.v, truth.v), _rel(model.b, truth.b))
+
+
+def _vector_error(truth, model) -> float:
+    """A vector learner's canonical error (heads matched): the largest of W, b, O, c."""
+    from .learners.vector_canonical import vector_canonical_errors
+    return vector_canonical_errors(model, truth)["max"]
+
+
+def section_vector(quick: bool, log) -> list[dict]:
+    """Scalar and vector learners on the same boxes: a VectorAttention answering its
+    output at the last position (m = d), and its readout r^T F for the scalar learner.
+    Runs when the vector learners are registered; skipped with a message otherwise."""
+    missing = sorted({case[3] for case in VECTOR_CASES} - set(LEARNERS))
+    if missing:
+        message = (f"skipped: the vector learners {', '.join(missing)} are not registered "
+                   f"in this version")
+        log(f"vector vs scalar: {message}")
+        return [{"vector_skipped": message}]
+    rows = []
+    for label, scalar, options, vector, H, biases, sizes in VECTOR_CASES:
+        for d in sizes[0] if quick else sizes[1]:
+            truth = random_vector_attention(H, d, d, seed=d, biases=biases)
+            r = np.random.default_rng(d).standard_normal(d)
+            box = _readout_box(truth, r / np.linalg.norm(r))
+            # free parameters: W, O (m x d) and, with biases, b and c, per head
+            parameters = H * (d * d + d * d + (d if biases else 0)) + (d if biases else 0)
+            scalar_parameters = H * (d * d + d + (d if biases else 0)) + int(biases)
+            rows.append(_vector_row(label, d, H, box, scalar,
+                                    {"heads": H} if H > 1 else options,
+                                    functools.partial(_scalar_error, box),
+                                    scalar_parameters, 1))
+            rows.append(_vector_row(label, d, H, truth, vector, {},
+                                    functools.partial(_vector_error, truth), parameters, d))
+            log(f"vector vs scalar, {label} d={d}: {rows[-2]['queries']} scalar queries, "
+                f"{rows[-1]['queries']} vector queries ({rows[-1]['numbers']} numbers), "
+                f"error {rows[-1]['canonical_error']:.1e}")
+    return rows
+
+
+SECTIONS["vector"] = section_vector
+
+
 def markdown(rows: list[dict]) -> str:
     """Markdown tables: one per learner (by d), then the surrogate comparison."""
     out = []
@@ -429,6 +513,7 @@ def markdown(rows: list[dict]) -> str:
         for r in noisy:
             out.append(f"| {r['learner']} | {r['tau']:.0e} | {r['queries']} | "
                        f"{r['W_abs_error']:.1e} | {r['error_bar_W']:.1e} |")
+    out += _vector_markdown(rows)
     compare = [r for r in rows if "label" in r]
     if compare:
         out += ["", f"Exact extraction vs the surrogate baseline (d = {compare[0]['d']}):", "",
@@ -443,6 +528,27 @@ def markdown(rows: list[dict]) -> str:
                    "queries." if reached else "Surrogate does not reach 1e-3 held-out output "
                    f"error with up to {max(r['queries'] for r in compare)} queries.")
     return "\n".join(out) + "\n"
+
+
+def _vector_markdown(rows: list[dict]) -> list[str]:
+    """The scalar/vector comparison table (or the reason it was skipped)."""
+    skipped = [r["vector_skipped"] for r in rows if "vector_skipped" in r]
+    vector = [r for r in rows if "vector_compare" in r]
+    if skipped:
+        return ["", f"Scalar and vector learners on the same boxes: {skipped[0]}."]
+    if not vector:
+        return []
+    out = ["", ("Scalar and vector learners on the same boxes (the vector learner reads the "
+                "output at the last position, m = d; the scalar one its readout r^T F): "
+                "floor = free parameters / numbers per query."), "",
+           ("| box | learner | d | queries | numbers received | tokens sent | floor (queries) "
+            "| canonical error | output error | wall s |"),
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in vector:
+        out.append(f"| {r['vector_compare']} | {r['learner']} | {r['d']} | {r['queries']} | "
+                   f"{r['numbers']} | {r['tokens']} | {r['floor_queries']} | "
+                   f"{r['canonical_error']:.1e} | {r['output_error']:.1e} | {r['wall_s']:.2f} |")
+    return out
 
 
 # one colour per learner in every plot (a label's longest matching prefix picks it);

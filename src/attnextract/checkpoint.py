@@ -179,14 +179,30 @@ def run_layer(job: LayerJob) -> dict:
         from .learners.pre_layer_norm import hyperplane_basis
         from .learners.values_given_scores import extract_values
         basis = hyperplane_basis(info.width) if info.pre_layer_norm else None
-        values = extract_values(box, heads["W"], heads["b"], seed=job.seed, basis=basis,
-                                radius=out.get("radius"))
+        # the vectors through their own oracle (counted, validated) and journal (a journal
+        # holds one kind of answer: the scalar stage's is another file)
+        vectors_journal = None if run_dir is None else QueryJournal(
+            run_dir / f"layer-{job.layer}.vectors.sqlite", context={
+                "target": f"checkpoint {info.path} layer {job.layer} vectors",
+                "dim": info.width, "seed": job.seed})
+        vectors = Oracle(box, info.width, outputs="last", out_dim=info.width,
+                         journal=vectors_journal)
+        try:
+            values = extract_values(vectors.query, heads["W"], heads["b"], seed=job.seed,
+                                    basis=basis, radius=out.get("radius"))
+        finally:
+            if vectors_journal is not None:
+                vectors_journal.close()
+        out["journal_queries"] += int(vectors.journal_queries)
+        out["check_queries"] += int(vectors.check_queries)
+        out["black_box_queries"] += int(vectors.check_queries)
+        out["black_box_seconds"] += float(vectors.black_box_seconds)
         heads.update(O=values["O"], c=values["c"])
         heads.pop("v")
         out["values_stage"] = {k: values[k] for k in ("queries", "condition", "error_bar",
                                                       "held_out_error")}
-        out["queries"] += values["queries"]
-        out["black_box_queries"] += values["queries"]
+        out["queries"] += values["queries"] + vectors.check_queries
+        out["black_box_queries"] += vectors.black_box_queries
         # the value stage's unknowns [c | O_1 .. O_H] over the m numbers of an answer
         out["floor"] = int(out["floor"]) + info.heads * info.width + 1
     out["heads"] = {k: pack(v) for k, v in heads.items()}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import math
 import os
 import re
 import sys
@@ -31,9 +32,10 @@ from . import __version__
 from .errors import (AttnExtractError, BlackBoxError, BudgetExceededError, InputError,
                      JournalError, NotIdentifiableError, RefusalWithResult, TargetLoadError)
 from .adapters.journal import QueryJournal
-from .oracle import Oracle
+from .models import VectorAttention
+from .oracle import OUTPUT_KINDS, Oracle
 from .progress import ProgressBar, configure_logging, thread_limits
-from .registry import extract, get_learner, learner_names, resolve
+from .registry import LEARNERS, extract, get_learner, learner_names, resolve
 from .report import (DEFAULT_VERIFY_TOLERANCE, human_number, load_model, load_result,
                      mismatch_reason, verification_count, verify_model)
 from .adapters.targets import FirstBatchHint, load_target, random_single_head
@@ -169,8 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=help, parents=[common],
                               formatter_class=HelpFormatter)
 
-    for add in (_extract_parser, _serve_parser, _checkpoint_parser, _minilm_parser, _verify_parser, _demo_parser,
-                _bench_parser, _twins_parser):
+    for add in (_extract_parser, _serve_parser, _checkpoint_parser, _minilm_parser,
+                _verify_parser, _demo_parser, _bench_parser, _twins_parser):
         add(command)
     return parser
 
@@ -206,9 +208,27 @@ def _extract_parser(command) -> None:
                          "do: f = sum_h softmax(X (W_h x_N + b_h))^T X v_h + c; recovers b_h "
                          "and c too (single-head, low-rank, multi-head, multi-head-low-rank; "
                          "see docs/biases.md)")
+    _add_vector_options(ex)
     _add_learner_options(ex)
     _add_noise_options(ex)
     _add_http_client_options(ex)
+
+
+def _add_vector_options(ex) -> None:
+    """extract: what the black box answers (one number, or output vectors)."""
+    vec = ex.add_argument_group("vector answers (docs/vector-outputs.md)")
+    vec.add_argument("--outputs", choices=OUTPUT_KINDS,
+                     help="what the black box answers per sequence: one number (scalar), the "
+                          "output vector (m,) at the last position (last), or the output "
+                          "vectors (N, m) at every position (all) (default: found from its "
+                          "first answer)")
+    vec.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
+                     help="--outputs all: position j sees positions i <= j only (a decoder); "
+                          "--no-causal: every position sees every other (an encoder) "
+                          "(default: not stated; a learner that needs to know refuses)")
+    vec.add_argument("--out-dim", type=_positive_int, metavar="M",
+                     help="m, the width of a vector answer (default: found from the first "
+                          "answer; a box answering another m is a black-box error, exit 3)")
 
 
 def _add_learner_options(ex) -> None:
@@ -329,6 +349,11 @@ def _serve_parser(command) -> None:
                     help="MiB of answers kept for their Idempotency-Keys (replays are free)")
     se.add_argument("--slot-timeout", type=float, default=10.0, metavar="SECONDS",
                     help="seconds a body may wait for memory before a 503")
+    se.add_argument("--outputs", choices=["last", "all"],
+                    help="serve a saved vector model (VectorAttention) at the last position "
+                         "or at every position (default: as saved)")
+    se.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
+                    help="with --outputs all: a causal mask (default: as saved)")
     se.add_argument("--min-body-rate", type=float, default=256.0, metavar="KIB_PER_S",
                     help="KiB/s a body must average after its idle-timeout grace (else 408)")
 
@@ -393,6 +418,10 @@ def _minilm_parser(command) -> None:
     mi.add_argument("--save-target", metavar="FILE.npz",
                     help="--all-heads: write the layer's 12 heads as a model file for "
                          "'attnextract serve --secret FILE.npz' and stop")
+    mi.add_argument("--outputs", choices=["last", "all"],
+                    help="with --save-target: save the whole layer (all 12 heads, biases, "
+                         "the full OV circuit) as a vector model answering its output at "
+                         "the last position or at every position")
     mi.add_argument("--no-biases", action="store_false", dest="biases",
                     help="--all-heads: leave the layer's query, key, value and output biases "
                          "out (the bias-free layer of earlier versions); the biases are kept "
@@ -463,6 +492,12 @@ def _twins_parser(command) -> None:
     tw.add_argument("--seed", type=int, help="seed of the random model (default: random)")
     tw.add_argument("--count", type=_positive_int, default=1000,
                     help="random sequences compared")
+    tw.add_argument("--outputs", choices=OUTPUT_KINDS, default="scalar",
+                    help="the models answer one number per sequence (scalar), or the output "
+                         "vector at the last position (last) or at every position (all): "
+                         "a vector model's twin splits a head's O between two heads")
+    tw.add_argument("--out-dim", type=_positive_int, metavar="M",
+                    help="m, the width of vector answers (default: d)")
     tw.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -650,14 +685,30 @@ def _learner_and_options(args):
     return learner, options
 
 
+def _check_vector_options(args) -> None:
+    """--outputs, --out-dim and --causal that contradict one another: InputError (exit 2)."""
+    if args.outputs == "scalar" and args.out_dim not in (None, 1):
+        raise InputError(f"--out-dim {args.out_dim} contradicts --outputs scalar (one number "
+                         f"per sequence)")
+    if args.causal is not None and args.outputs in ("scalar", "last"):
+        raise InputError(f"--causal / --no-causal apply to --outputs all, not --outputs "
+                         f"{args.outputs}")
+    twin = get_learner(args.model).with_vectors
+    if args.outputs in ("last", "all") and twin is not None and twin not in LEARNERS:
+        raise InputError(f"--outputs {args.outputs}: the learner for vector answers of --model "
+                         f"{args.model} ({twin}) is not installed in this version")
+
+
 def cmd_extract(args) -> int:
+    _check_vector_options(args)
     learner, options = _learner_and_options(args)     # option errors before any work
     args.out = _prepare_out(args.out)                 # an unwritable --out before any query
     black_box = _open_target(args.target, args.dim, args)
     journal = _open_journal(args)
     bar = _progress(args)
     oracle = Oracle(black_box, args.dim, budget=args.budget, max_batch=args.max_batch,
-                    progress=bar, journal=journal, max_length=args.max_length)
+                    progress=bar, journal=journal, max_length=args.max_length,
+                    outputs=args.outputs, out_dim=args.out_dim, causal=args.causal)
     _RUN.update(oracle=oracle, journal=journal)
     try:
         result = extract(oracle, learner.name, seed=args.seed, tolerance=args.tolerance,
@@ -667,6 +718,7 @@ def cmd_extract(args) -> int:
         bar.close()
         _close_journal(oracle)
     _note_sources(result.report, oracle)
+    _note_cost(result.report, oracle)
     written = _save_atomically(result, args.out)
     if args.json:
         print(json.dumps({"ok": True, "out": str(written), **result.report.to_dict()}))
@@ -808,6 +860,32 @@ def _note_sources(report, oracle: Oracle) -> None:
         report.details["journal"] = oracle.journal.path
 
 
+def _note_cost(report, oracle: Oracle) -> None:
+    """Vector answers: the cost in three units (queries, numbers received, tokens sent)
+    and the floor in queries, the free parameters over the numbers one query brings
+    (m at the last position; m per token at every position, at the longest probe)."""
+    if oracle.outputs not in ("last", "all"):
+        return
+    m = oracle.out_dim
+    per = m if oracle.outputs == "last" else m * max(1, oracle.longest)
+    report.details.setdefault("cost", f"{report.queries} queries, {oracle.numbers} numbers "
+                                      f"received, {oracle.tokens} tokens sent")
+    where = (f"m = {m} numbers per query" if oracle.outputs == "last" else
+             f"m N = {m} x {max(1, oracle.longest)} numbers per query of the longest probes")
+    report.details.setdefault("floor in queries",
+                              f"{math.ceil(report.floor / per)} ({report.floor} free "
+                              f"parameters / {where})")
+
+
+def _vector_oracle_options(model) -> dict:
+    """What a saved VectorAttention says its black box answers (the Oracle holds the box
+    to it: a box answering the other kind, or causal when told bidirectional, fails)."""
+    if not isinstance(model, VectorAttention):
+        return {}
+    return {"outputs": model.positions, "out_dim": model.out_dim,
+            "causal": model.causal if model.positions == "all" else None}
+
+
 def _open_query_journal(args, target: str, dim: int):
     """--journal of verify or demo: the journal keeps this subcommand's seed
     (``verify_seed``, ``demo_seed``) beside an extraction's, so one file serves both."""
@@ -832,7 +910,7 @@ def cmd_verify(args) -> int:
     journal = _open_query_journal(args, args.target, model.dim)
     oracle = Oracle(_open_target(args.target, model.dim, args), model.dim, budget=args.budget,
                     journal=journal, progress=_progress(args, "verifying"),
-                    max_length=args.max_length)
+                    max_length=args.max_length, **_vector_oracle_options(model))
     _RUN.update(oracle=oracle)
     count = args.count or verification_count(sum(np.size(p) for p in model.parameters().values()))
     bar, tolerance, floor = _saved_error_bar(args.result, args.verify_tolerance)
@@ -948,6 +1026,10 @@ def cmd_twins(args) -> int:
     from .learners.multi_head import canonical_error, canonical_form, non_identifiable_twin, twin_difference
     from .adapters.targets import random_multi_head
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    if args.outputs != "scalar":
+        return _vector_twins(args, seed)
+    if args.out_dim is not None:
+        raise InputError("--out-dim goes with --outputs last or all")
     model = random_multi_head(args.heads, args.dim, seed)
     twin = non_identifiable_twin(model, seed + 1)
     diff = twin_difference(model, twin, count=args.count, seed=seed + 2)
@@ -981,11 +1063,57 @@ def cmd_twins(args) -> int:
     return 0
 
 
+def _vector_twins(args, seed: int) -> int:
+    """twins --outputs last|all: a random VectorAttention and its twin (a head's O split
+    between two heads with the same W and b, a dead head, permuted)."""
+    from .adapters.targets import random_vector_attention
+    from .learners.multi_head import non_identifiable_twin, twin_difference
+    from .learners.vector_canonical import vector_canonical_errors
+    from .learners.vector_canonical import vector_canonical_form as canonical
+
+    model = random_vector_attention(args.heads, args.dim, args.out_dim, seed,
+                                    positions=args.outputs)
+    twin = non_identifiable_twin(model, seed + 1)
+    diff = twin_difference(model, twin, count=args.count, seed=seed + 2)
+    errors = vector_canonical_errors(twin, model)
+    # some twin head's O is far from every original O: the parameters differ
+    O_gap = float(np.linalg.norm(twin.O[:, None] - model.O[None], axis=(2, 3)).min(axis=1).max())
+    out = {"ok": True, "seed": seed, "outputs": args.outputs, "heads": model.heads,
+           "twin_heads": twin.heads, "dim": args.dim, "out_dim": model.out_dim,
+           "twin_canonical_heads": canonical(twin).heads,
+           "canonical_error": errors["max"], "largest_O_mismatch": O_gap,
+           "max_output_difference": diff["max_abs"],
+           "max_relative_output_difference": diff["max_relative"],
+           "sequences": diff["sequences"]}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    where = "the last position" if args.outputs == "last" else "every position"
+    print(f"attnextract twins: a random attention layer answering its output vector at {where} "
+          f"(H = {model.heads}, d = {args.dim}, m = {model.out_dim}, seed {seed}) and a twin "
+          f"built from it.\n")
+    print(f"  the twin has {twin.heads} heads: one head's O split over two heads with the same "
+          f"W and b,\n  a dead head (random W and b, O = 0), all permuted. Some twin head's O "
+          f"is {O_gap:.2f} away from every original O.")
+    print(f"  canonical forms (merge equal W and b, drop O = 0): {model.heads} and "
+          f"{out['twin_canonical_heads']} heads, agreeing to {errors['max']:.1e} after "
+          f"matching.")
+    print(f"\n  largest output difference over {diff['sequences']} random sequences (lengths "
+          f"1-16), every channel{' and position' if args.outputs == 'all' else ''}: "
+          f"{diff['max_abs']:.2e} (relative {diff['max_relative']:.2e})")
+    print("  -> no black-box query can tell them apart: only the canonical form is identifiable.")
+    return 0
+
+
 def cmd_serve(args) -> int:
     from .adapters.server import make_server
     from .adapters.replicas import load_spec
     model = load_spec(args.secret)         # FILE.npz, or FILE.py:NAME (a black box with dim)
+    model = _served_positions(model, args)
     if args.replicas is not None:
+        if args.outputs is not None or args.causal is not None:
+            raise InputError("--outputs and --causal do not go with --replicas (each replica "
+                             "loads the model as saved): save it with its positions")
         from .adapters.replicas import RayReplicas
         model = RayReplicas(args.secret, args.replicas, address=args.ray_address)
     elif args.ray_address is not None:
@@ -1070,12 +1198,40 @@ def cmd_checkpoint(args) -> int:
     return 0
 
 
+def _served_positions(model, args):
+    """The secret served at the positions --outputs / --causal ask (a VectorAttention)."""
+    if args.outputs is None and args.causal is None:
+        return model
+    if not isinstance(model, VectorAttention):
+        raise InputError(f"--outputs and --causal serve a saved vector model "
+                         f"(vector-attention); {args.secret} holds a "
+                         f"{getattr(model, 'kind', type(model).__name__)} model")
+    positions = args.outputs or model.positions
+    if args.causal is not None and positions != "all":
+        raise InputError("--causal / --no-causal apply to every-position answers "
+                         "(--outputs all)")
+    causal = model.causal if args.causal is None else args.causal
+    return VectorAttention(model.W, model.O, model.b, model.c, positions,
+                           causal and positions == "all")
+
+
 def cmd_minilm(args) -> int:
     from .adapters.minilm import extract_minilm_head, extract_minilm_layer
     if args.all_heads == (args.head is not None):
         raise InputError("give either --head H or --all-heads")
     if not args.all_heads and (args.target or args.save_target or args.subspace):
         raise InputError("--subspace, --target and --save-target go with --all-heads")
+    if args.outputs is not None and not args.save_target:
+        raise InputError("--outputs goes with --save-target (a vector model of the layer)")
+    if args.save_target and args.outputs is not None:
+        from .adapters.minilm import save_vector_layer_target
+        save_vector_layer_target(args.save_target, args.layer, args.outputs,
+                                 biases=args.biases)
+        print(f"wrote {args.save_target}: layer {args.layer}, 12 heads"
+              f"{' with their biases' if args.biases else ''} as a vector model answering "
+              f"{'the last position' if args.outputs == 'last' else 'every position'} (serve "
+              f"it with attnextract serve --secret {args.save_target})")
+        return 0
     if args.save_target:
         from .adapters.minilm import save_layer_target
         save_layer_target(args.save_target, args.layer, args.readout_seed, biases=args.biases)

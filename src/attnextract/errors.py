@@ -92,3 +92,14 @@ class JournalMismatchError(JournalError):
     def __init__(self, message: str, *, path=None, difference=None):
         super().__init__(message, path=path)
         self.difference = difference
+
+
+class VectorAnswersFound(AttnExtractError):
+    """Raised by an :class:`~attnextract.oracle.Oracle` in ``detect_vectors`` mode when the
+    black box's first answer turns out to be vectors while a scalar learner is running:
+    :func:`attnextract.extract` catches it and runs the model's vector learner instead
+    (the first batch was spent and is counted). Never reaches a user."""
+
+    def __init__(self, message: str, *, spent: int = 0):
+        super().__init__(message)
+        self.spent = spent

@@ -1,8 +1,9 @@
 """What a black box computes.
 
 Every model maps a batch of token sequences ``X`` of shape (B, N, d) to one real
-number per sequence, the output read at the last token, shape (B,). A single
-sequence (N, d) gives a float. The same classes serve as targets and as recovered
+number per sequence, the output read at the last token, shape (B,) (a single
+sequence (N, d) gives a float), except :class:`VectorAttention`, which answers the
+layer's whole output vector: (B, m) at the last position, (B, N, m) at every one. The same classes serve as targets and as recovered
 models.
 """
 
@@ -605,11 +606,130 @@ class TransformerLayer(Regressor):
                 f"{', residual' if self.residual else ''})")
 
 
+POSITIONS = ("last", "all")      # where a vector model answers: the last position, every one
+
+
+class VectorAttention(Regressor):
+    """Multi-head attention answering the layer's whole output vector (canonical form).
+
+    At the last position (``positions="last"``), for X (N, d):
+
+        F(X) = sum_h O_h X^T softmax(X (W_h x_N + b_h)) + c        in R^m
+
+    and at every position (``positions="all"``), F_j(X) for j = 1..N with x_N replaced
+    by x_j; ``causal=True``: position j attends to positions i <= j only. With a
+    standard layer's projections, W_h = W_k,h^T W_q,h / sqrt(d_h), b_h = W_k,h^T b_q,h /
+    sqrt(d_h) (the key bias cancels in the softmax), O_h = W_o,h W_v,h (m x d, rank
+    d_h) and c = W_o b_v + b_o. Heads with equal (W_h, b_h) merge their O_h, and a head
+    with O_h = 0 is no head: that canonical form is what queries determine.
+
+    Parameters
+    ----------
+    W : array (H, d, d)
+        Merged query-key matrix of every head.
+    O : array (H, m, d)
+        Merged output-value matrix of every head.
+    b : array (H, d), optional
+        Merged query bias of every head (default 0).
+    c : array (m,), optional
+        Output constant (default 0).
+    positions : {"last", "all"}
+        Answer at the last position, (B, m), or at every position, (B, N, m).
+    causal : bool
+        Every-position answers under a causal mask (meaningless at the last position,
+        where the mask changes nothing).
+    """
+
+    kind = "vector-attention"
+    PARAMETERS = ("W", "O", "b", "c", "positions", "causal")
+
+    def __init__(self, W, O, b=None, c=None, positions="last", causal=False):
+        W = np.array(W, dtype=np.float64)
+        O = np.array(O, dtype=np.float64)
+        if W.ndim == 2:                              # one head
+            W = W[None]
+        if O.ndim == 2:
+            O = O[None]
+        if W.ndim != 3 or W.shape[1] != W.shape[2] or W.shape[1] < 1:
+            raise InputError(f"VectorAttention: W must have shape (H, d, d) with d >= 1, "
+                             f"got {W.shape}")
+        H, d = W.shape[0], W.shape[1]
+        if O.ndim != 3 or O.shape[0] != H or O.shape[2] != d or O.shape[1] < 1:
+            raise InputError(f"VectorAttention: O must have shape ({H}, m, {d}) with m >= 1, "
+                             f"got {O.shape}")
+        m = O.shape[1]
+        b = np.zeros((H, d)) if b is None else np.array(b, dtype=np.float64).reshape(
+            (H, d) if np.size(b) == H * d else np.shape(b))
+        if b.shape != (H, d):
+            raise InputError(f"VectorAttention: b must have shape ({H}, {d}), got {b.shape}")
+        c = np.zeros(m) if c is None else np.array(c, dtype=np.float64).reshape(-1)
+        if c.shape != (m,):
+            raise InputError(f"VectorAttention: c must have shape ({m},), got {c.shape}")
+        if not all(np.all(np.isfinite(a)) for a in (W, O, b, c)):
+            raise InputError("VectorAttention: W, O, b and c must be finite")
+        positions = str(np.asarray(positions).reshape(()))
+        if positions not in POSITIONS:
+            raise InputError(f"VectorAttention: positions must be one of {POSITIONS}, "
+                             f"got {positions!r}")
+        self.W, self.O, self.b, self.c = W, O, b, c
+        self.positions, self.causal = positions, bool(np.asarray(causal).reshape(()))
+
+    @property
+    def dim(self) -> int:
+        return self.W.shape[1]
+
+    @property
+    def heads(self) -> int:
+        return self.W.shape[0]
+
+    @property
+    def out_dim(self) -> int:
+        """m, the width of every answer."""
+        return self.O.shape[1]
+
+    @property
+    def output_kind(self) -> str:
+        """What the model answers, declared to an Oracle: "last" or "all"."""
+        return self.positions
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        return {"W": self.W, "O": self.O, "b": self.b, "c": self.c,
+                "positions": np.str_(self.positions), "causal": np.bool_(self.causal)}
+
+    def outputs(self, X: np.ndarray) -> np.ndarray:
+        B, N, _ = X.shape
+        if self.positions == "last":
+            out = np.broadcast_to(self.c, (B, self.out_dim)).copy()
+            for W, O, b in zip(self.W, self.O, self.b):   # H is small: one pass per head
+                alpha = biased_attention_weights(X, W, b)                  # (B, N)
+                out += np.einsum("bn,bnd->bd", alpha, X) @ O.T
+            return out
+        out = np.broadcast_to(self.c, (B, N, self.out_dim)).copy()
+        mask = np.triu(np.ones((N, N), dtype=bool), 1) if self.causal else None
+        for W, O, b in zip(self.W, self.O, self.b):
+            scores = np.einsum("bid,bjd->bji", X, X @ W.T + b)           # (B, j, i)
+            if mask is not None:
+                scores = np.where(mask, -np.inf, scores)
+            out += np.einsum("bji,bid->bjd", softmax(scores), X) @ O.T
+        return out
+
+    def __call__(self, X):
+        X, single = as_sequences(X, self.dim)
+        out = self.outputs(X)
+        return out[0] if single else out
+
+    def __repr__(self) -> str:
+        where = "every position" + (", causal" if self.causal else "") \
+            if self.positions == "all" else "last position"
+        return f"VectorAttention(H={self.heads}, d={self.dim}, m={self.out_dim}, {where})"
+
+
 # kind -> class: how report.load_model rebuilds a model from a result file
 MODEL_CLASSES = {cls.kind: cls for cls in (SingleHeadAttention, MultiHeadAttention, ReLUNetwork,
                                            OneLayerTransformer, ResidualOneLayer, TransformerLayer,
                                            BiasedSingleHeadAttention, BiasedMultiHeadAttention,
-                                           PreLayerNormAttention, SphereAttention)}
+                                           PreLayerNormAttention, SphereAttention,
+                                           VectorAttention)}
 
 
 # the parameters a model's output is linear in (values and output constants): x a
@@ -618,7 +738,7 @@ OUTPUT_PARAMETERS = {"single-head": ("v",), "multi-head": ("v",),
                      "biased-single-head": ("v", "c"), "biased-multi-head": ("v", "c"),
                      "one-layer": ("w",), "one-layer-residual": ("w",), "relu-network": ("w",),
                      "transformer-layer": ("w", "c0"), "pre-ln-attention": ("v", "c", "r"),
-                     "pre-ln-sphere": ("v", "c", "r")}
+                     "pre-ln-sphere": ("v", "c", "r"), "vector-attention": ("O", "c")}
 
 
 def scale_outputs(model, factor: float):

@@ -6,9 +6,11 @@ sequences to an :class:`Oracle`, which
 - validates the batch (shape (B, N, d), finite float64),
 - refuses, before sending anything, a batch that would exceed the budget,
 - sends it (split into chunks of at most ``max_batch`` sequences if asked),
-- validates the answer (shape (B,), finite numbers) and
-- counts queries (one query = one sequence), tokens, calls and the time spent
-  inside the black box.
+- validates the answer (finite real numbers of one of three shapes, fixed at the first
+  answer: (B,) one number per sequence, (B, m) the output vector at the last position,
+  (B, N, m) the output vector at every position) and
+- counts queries (one query = one sequence), tokens, numbers received, calls and the
+  time spent inside the black box.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .errors import (
     InputError,
     MalformedOutputError,
     NonFiniteOutputError,
+    VectorAnswersFound,
 )
 
 BlackBox = Callable[[np.ndarray], np.ndarray]
@@ -37,6 +40,12 @@ log = logging.getLogger(__name__)
 REPLAY_KEEP = 16      # learner queries kept to be asked again at verification
 REPLAY_SEED = 0x5EED
 LONGEST_KEEP = 8      # the learner's longest answered queries, compared with its model
+
+# what a black box answers per sequence (``Oracle.outputs``)
+OUTPUT_KINDS = ("scalar", "last", "all")
+OUTPUT_MEANINGS = {"scalar": "one number per sequence", "last": "a vector (m,) per sequence, "
+                   "the output at the last position", "all": "an array (N, m) per sequence, "
+                   "the output at every position"}
 
 
 class Oracle:
@@ -52,6 +61,18 @@ class Oracle:
         :class:`~attnextract.adapters.torch_target.TorchModuleBlackBox`.
     dim : int
         Token width d the black box accepts.
+    outputs : {"scalar", "last", "all"}, optional
+        What the black box answers per sequence: one number (the papers' readout), the
+        output vector (m,) at the last position, or the output vectors (N, m) at every
+        position. Default: found from the first answer's shape ((B,) or (B, 1):
+        scalar; (B, m): last; (B, N, m): all), then held to for every later answer.
+    out_dim : int, optional
+        m, the width of a vector answer; default: found from the first answer.
+    causal : bool, optional
+        For every-position answers: whether position j sees only positions i <= j
+        (a decoder), or every position (an encoder). Stated by the user; learners that
+        need to know refuse without it, and verification refuses a box that answers
+        the other way.
     budget : int, optional
         Hard limit on the number of queries (sequences). A batch that would
         exceed it raises :class:`BudgetExceededError` before it is sent.
@@ -79,6 +100,9 @@ class Oracle:
         result's ``queries``. Queries asked in :meth:`live` (held-out verification)
         always reach the black box and are not journaled.
 
+    Answers are counted in three units: ``queries`` (sequences), ``tokens`` (tokens sent)
+    and ``numbers`` (numbers received: 1, m or N m per sequence).
+
     ``replay`` holds a uniform sample (REPLAY_KEEP pairs, reservoir sampling) of the
     sequences answered outside :meth:`live` and their answers; held-out verification
     asks them again, so that a black box that changed during the run is refused.
@@ -89,7 +113,8 @@ class Oracle:
 
     def __init__(self, black_box: BlackBox, dim: int, *, budget: int | None = None,
                  max_batch: int | None = None, progress=None, journal=None,
-                 max_length: int | None = None):
+                 max_length: int | None = None, outputs: str | None = None,
+                 out_dim: int | None = None, causal: bool | None = None):
         if _is_torch_module(black_box):        # numpy in, a tensor's numbers out
             from .adapters.torch_target import module_black_box
             black_box = module_black_box(black_box)
@@ -104,8 +129,35 @@ class Oracle:
         if max_length is not None and (not isinstance(max_length, (int, np.integer))
                                        or isinstance(max_length, bool) or max_length < 1):
             raise InputError(f"max_length must be a positive integer, got {max_length!r}")
+        if outputs is not None and outputs not in OUTPUT_KINDS:
+            raise InputError(f"outputs must be one of {', '.join(OUTPUT_KINDS)}, got {outputs!r}")
+        if out_dim is not None and (not isinstance(out_dim, (int, np.integer))
+                                    or isinstance(out_dim, bool) or out_dim < 1):
+            raise InputError(f"out_dim must be a positive integer, got {out_dim!r}")
+        if outputs == "scalar" and out_dim not in (None, 1):
+            raise InputError(f"a scalar box answers one number per sequence; out_dim "
+                             f"{out_dim} contradicts outputs='scalar'")
+        if causal is not None and not isinstance(causal, (bool, np.bool_)):
+            raise InputError(f"causal must be True or False, got {causal!r}")
         self.black_box = black_box
         self.dim = int(dim)
+        # what the box answers: stated, or fixed at its first answer (None until then)
+        self.outputs = outputs
+        self.out_dim = None if out_dim is None else int(out_dim)
+        if outputs == "scalar":
+            self.out_dim = 1
+        self.causal = None if causal is None else bool(causal)
+        if outputs is None:
+            # a box that declares what it answers (a VectorAttention model, a served
+            # layer) is held to it from the first query
+            declared = getattr(black_box, "output_kind", None)
+            if declared in OUTPUT_KINDS:
+                self.outputs = declared
+                if causal is None and isinstance(getattr(black_box, "causal", None), bool):
+                    self.causal = black_box.causal
+        # set by attnextract.extract while a scalar learner runs on a box of unknown kind:
+        # vector answers at the first batch raise VectorAnswersFound
+        self.detect_vectors = False
         if max_length is None:
             # a box that declares its limit (a server's longest sequence) is never sent more
             declared = getattr(black_box, "max_length", None)
@@ -120,6 +172,7 @@ class Oracle:
         self.progress = progress
         self.queries = 0          # sequences sent
         self.tokens = 0           # tokens sent (sum of lengths)
+        self.numbers = 0          # numbers received (1, m or N m per sequence)
         self.calls = 0            # calls made to the black box
         self.black_box_seconds = 0.0
         self.planned = 0          # queries announced by the running learner
@@ -134,6 +187,19 @@ class Oracle:
         # None until the box's first answer: True for a box written for one sequence
         # (N, d) -> one number, asked one sequence at a time; False for a batched box
         self.per_sequence = None
+
+    def answer_shape(self, length: int) -> tuple[int, ...]:
+        """The shape of one answer to a sequence of ``length`` tokens: () for a scalar
+        box (or one not yet asked), (m,) at the last position, (length, m) at every one."""
+        if self.outputs in (None, "scalar"):
+            return ()
+        return (self.out_dim,) if self.outputs == "last" else (length, self.out_dim)
+
+    @property
+    def numbers_per_query(self) -> int | None:
+        """Numbers in one answer at the last position: 1 or m (every position: m per
+        token); None before the first answer."""
+        return None if self.outputs is None else (self.out_dim or 1)
 
     # -- budget -------------------------------------------------------------
     @property
@@ -208,7 +274,7 @@ class Oracle:
             raise InputError("queries contain NaN or infinity")
         B = X.shape[0]
         if B == 0:
-            return np.empty(0)
+            return np.empty((0,) + self.answer_shape(X.shape[1]))
         self.check_length(X.shape[1])
         self.require(B, f"a batch of {B} sequences")
         step = self.max_batch or B
@@ -242,7 +308,8 @@ class Oracle:
             out = self._ask_black_box(X)
         else:
             keys, out = self.journal.lookup(X)
-            missing = np.isnan(out)
+            # a journal answers (B,) or (B,) + the answer's shape, NaN where it has none
+            missing = np.isnan(out.reshape(B, -1)).any(axis=1)
             self.journal_queries += B - int(missing.sum())
             self.queries += B
             self.tokens += B * N
@@ -257,7 +324,10 @@ class Oracle:
                     raise
                 # written (committed) before the learner sees them
                 self.journal.record(keys, answers, asked)
+                if out.shape[1:] != answers.shape[1:]:   # the journal held none of them
+                    out = np.full((B,) + answers.shape[1:], np.nan)
                 out[missing] = answers
+        self.numbers += out.size
         if not self._live:
             self._keep_for_replay(X, out)
             self._keep_longest(X, out)
@@ -273,7 +343,7 @@ class Oracle:
         t = first + np.arange(B)
         slot = np.where(t < REPLAY_KEEP, t, self._replay_rng.integers(0, t + 1))
         for i in np.flatnonzero(slot < REPLAY_KEEP):
-            pair = (np.array(X[i]), float(out[i]))
+            pair = (np.array(X[i]), _kept(out[i]))
             if slot[i] < len(self.replay):
                 self.replay[slot[i]] = pair
             else:
@@ -287,7 +357,7 @@ class Oracle:
         if len(kept) >= LONGEST_KEEP and N <= min(len(x) for x, _ in kept):
             return
         take = min(len(X), LONGEST_KEEP)
-        kept.extend((np.array(X[i]), float(out[i])) for i in range(take))
+        kept.extend((np.array(X[i]), _kept(out[i])) for i in range(take))
         kept.sort(key=lambda pair: -len(pair[0]))
         del kept[LONGEST_KEEP:]
 
@@ -313,12 +383,16 @@ class Oracle:
         if partial is None:
             return
         try:
-            values = np.asarray(partial, dtype=np.float64).ravel()
+            values = np.asarray(partial, dtype=np.float64)
         except (TypeError, ValueError):
             return
+        if values.ndim <= 1:
+            values = values.ravel()
         if len(values) > len(keys):
             return                           # breaks the contract: trust none of it
-        received = np.flatnonzero(np.isfinite(values))
+        # a vector answer is received when every one of its numbers is
+        received = (np.flatnonzero(np.isfinite(values.reshape(len(values), -1)).all(axis=1))
+                    if values.size else np.empty(0, dtype=int))
         if len(received):
             self.journal.record([keys[i] for i in received], values[received], X[received])
             if exc.args and isinstance(exc.args[0], str):     # said in the error's one line
@@ -352,7 +426,10 @@ class Oracle:
             raise _box_failure(exc) from exc
         except SystemExit as exc:
             raise _box_failure(exc) from None
-        return validate_outputs([_one_number(a) for a in answers], len(X))
+        if self.outputs in (None, "scalar"):
+            return validate_outputs([_one_number(a) for a in answers], len(X))
+        return validate_answers(_stacked(answers), len(X), X.shape[1], self.outputs,
+                                self.out_dim or 1)
 
     def _per_sequence_answers(self, X: np.ndarray, failure: Exception) -> np.ndarray:
         """The answers to X when the box, which failed the batch with ``failure``, answers
@@ -369,6 +446,31 @@ class Oracle:
         else:
             note = (f"; given one sequence ({X.shape[1]}, {self.dim}) it returned "
                     f"{_describe(first)}, not one number")
+        if (single is not None and single.size >= 1 and single.dtype.kind in "biuf"
+                and self.outputs != "scalar" and (single.size > 1 or self.outputs)):
+            # a vector (m,) or one vector per position (N, m): a box for one sequence
+            # that answers vectors
+            found = answer_kind((1,) + single.shape, 1, X.shape[1])
+            if found is not None and found[0] != "scalar" or self.outputs in ("last", "all"):
+                kind, m = found if found is not None and found[0] != "scalar" else (
+                    self.outputs, int(single.shape[-1]) if single.ndim else 1)
+                if self.outputs is not None and kind != self.outputs or (
+                        self.out_dim is not None and m != self.out_dim):
+                    raise MalformedOutputError(
+                        f"black box answered one sequence ({X.shape[1]}, {self.dim}) with "
+                        f"{_describe(first)}; expected {OUTPUT_MEANINGS[self.outputs or kind]}"
+                        + (f" with m = {self.out_dim}" if self.out_dim else "")) from failure
+                self.outputs, self.out_dim, self.per_sequence = kind, m, True
+                log.info("the black box answers one sequence (N, d) with %s: it is asked one "
+                         "sequence at a time", OUTPUT_MEANINGS[kind])
+                out = validate_answers(_stacked([first]), 1, X.shape[1], kind, m)
+                if len(X) > 1:
+                    out = np.concatenate([out, self._ask_each(X[1:])])
+                if self.detect_vectors:
+                    self.numbers += out.size          # received, though no learner reads them
+                    raise VectorAnswersFound(f"the black box answers {OUTPUT_MEANINGS[kind]} "
+                                             f"(m = {m})", spent=len(X))
+                return out
         if single is not None and single.size > 1 and single.dtype.kind in "biuf":
             # answers, but several for one sequence: say that first, the batch's failure after
             own = " ".join(str(failure).split())
@@ -384,6 +486,7 @@ class Oracle:
                 failure.args = (failure.args[0] + note,) + failure.args[1:]
             raise failure
         self.per_sequence = True
+        self.outputs, self.out_dim = "scalar", 1
         log.info("the black box answers one sequence (N, d) with one number: it is asked "
                  "one sequence at a time")
         rest = self._ask_each(X[1:]) if len(X) > 1 else np.empty(0)
@@ -418,10 +521,13 @@ class Oracle:
             self.black_box_seconds += time.perf_counter() - start
         if self.per_sequence is None:
             try:
-                out = validate_outputs(raw, len(X))
+                out = self._first_answers(raw, X)
             except MalformedOutputError as exc:
-                if isinstance(exc, NonFiniteOutputError) or _shape_of(raw) == (len(X),):
-                    raise
+                shape = _shape_of(_from_tensor(raw))
+                if isinstance(exc, NonFiniteOutputError) or shape == (len(X),) or getattr(
+                        exc, "kind_known", False) or (self.outputs is not None and answer_kind(
+                            shape, len(X), X.shape[1]) is not None):
+                    raise               # answers, of a kind other than stated
                 # not B answers (one number for a batch, say): a per-sequence box?
                 start = time.perf_counter()
                 try:
@@ -431,7 +537,46 @@ class Oracle:
             if len(X) >= 2:
                 self.per_sequence = False         # a batch answered: the box is batched
             return out
-        return validate_outputs(raw, len(X))
+        return validate_answers(raw, len(X), X.shape[1], self.outputs or "scalar",
+                                self.out_dim or 1)
+
+    def _first_answers(self, raw, X: np.ndarray) -> np.ndarray:
+        """Validate the answer to the first batch X that the box answered; it fixes the
+        kind of answers (and m) where they were not stated."""
+        B, N = X.shape[:2]
+        if self.outputs is not None and self.out_dim is not None:
+            return validate_answers(raw, B, N, self.outputs, self.out_dim)
+        shape = _shape_of(_from_tensor(raw))
+        found = answer_kind(shape, B, N)
+        if found is None:
+            return validate_answers(raw, B, N, self.outputs or "scalar", self.out_dim or 1)
+        kind, m = found
+        if self.outputs is not None:
+            kind = self.outputs
+        elif kind == "last" and m == N and self.per_sequence is None and not getattr(
+                self.black_box, "outputs", None):
+            # (B, N) may be one number per position of a box written for one sequence
+            # ((N, d) @ v on a batch): such a box answers one sequence with one number
+            if _answers_one_number(self.black_box, X[0]):
+                raise MalformedOutputError(
+                    f"black box answered a batch {X.shape} with shape {shape}, one number per "
+                    f"position of a box written for one sequence")
+        if self.out_dim is not None and m != self.out_dim:
+            error = MalformedOutputError(
+                f"black box answered vectors of width m = {m}; out_dim {self.out_dim} was "
+                f"stated")
+            error.kind_known = True
+            raise error
+        out = validate_answers(raw, B, N, kind, m)
+        if (kind, m) != ("scalar", 1) or self.outputs is None:
+            self.outputs, self.out_dim = kind, m
+            if kind != "scalar":
+                log.info("the black box answers %s (m = %d)", OUTPUT_MEANINGS[kind], m)
+                if self.detect_vectors:
+                    self.numbers += out.size          # received, though no learner reads them
+                    raise VectorAnswersFound(f"the black box answers {OUTPUT_MEANINGS[kind]} "
+                                             f"(m = {m})", spent=B)
+        return out
 
     def phase(self, text: str) -> None:
         """Tell the progress display what the learner is doing ("columns 37/384, rank 12").
@@ -452,7 +597,8 @@ class Oracle:
                 f"{self.calls} calls, {self.black_box_seconds:.3g} s in the black box{journal}>")
 
     def summary(self) -> dict:
-        return {"queries": self.queries, "tokens": self.tokens, "calls": self.calls,
+        return {"queries": self.queries, "tokens": self.tokens, "numbers": self.numbers,
+                "outputs": self.outputs, "out_dim": self.out_dim, "calls": self.calls,
                 "black_box_seconds": self.black_box_seconds, "budget": self.budget,
                 "journal_queries": self.journal_queries,
                 "black_box_queries": self.black_box_queries,
@@ -513,6 +659,8 @@ class ScaledOutputs(OracleView):
         return math.ldexp(1.0, self.exponent or 0)
 
     def _scaled(self, y: np.ndarray) -> np.ndarray:
+        if y.dtype == object:                    # answers at every position, ragged
+            return np.array([None] + [self._scaled(a) for a in y], dtype=object)[1:]
         if self.exponent is None:
             finite = np.abs(y[np.isfinite(y)])
             top = float(finite.max()) if finite.size else 0.0
@@ -538,7 +686,8 @@ class ScaledOutputs(OracleView):
     def _pairs(self, name: str) -> list:
         pairs = getattr(self.base, name, None) or []
         k = self.exponent or 0
-        return [(x, math.ldexp(y, -k)) for x, y in pairs]
+        return [(x, math.ldexp(y, -k) if np.ndim(y) == 0 else np.ldexp(y, -k))
+                for x, y in pairs]
 
     @property
     def replay(self) -> list:
@@ -593,11 +742,27 @@ def by_length(sequences) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 def evaluate_ragged(fn, sequences) -> np.ndarray:
-    """``fn`` (a batch (b, N, d) -> (b,)) on sequences of mixed lengths, one call per length."""
-    out = np.empty(len(sequences))
-    for idx, batch in by_length(sequences):
-        out[idx] = fn(batch)
+    """``fn`` (a batch (b, N, d) -> (b,), (b, m) or (b, N, m)) on sequences of mixed
+    lengths, one call per length. Returns (B,) or (B, m) in the sequences' order; answers
+    at every position, whose shapes differ with the length, as an object array of B
+    arrays (N_i, m)."""
+    parts = [(idx, np.asarray(fn(batch))) for idx, batch in by_length(sequences)]
+    if any(part.ndim >= 3 for _, part in parts):
+        out = np.empty(len(sequences), dtype=object)
+        for idx, part in parts:
+            for i, answer in zip(idx, part):
+                out[i] = answer
+        return out
+    tail = parts[0][1].shape[1:] if parts else ()
+    out = np.empty((len(sequences),) + tail)
+    for idx, part in parts:
+        out[idx] = part
     return out
+
+
+def _kept(answer):
+    """One answer as kept for replay: a float (scalar boxes), or a copy of the vector."""
+    return float(answer) if np.ndim(answer) == 0 else np.array(answer)
 
 
 def _box_failure(exc: BaseException) -> BlackBoxError:
@@ -639,6 +804,28 @@ def _one_number(answer):
     return arr.reshape(())[()]
 
 
+def _answers_one_number(black_box, x: np.ndarray) -> bool:
+    """Whether ``black_box`` answers the one sequence x (N, d) with one number (any
+    failure: no)."""
+    try:
+        answer = np.asarray(_from_tensor(black_box(x.copy())))
+    except Exception:
+        return False
+    return answer.size == 1 and answer.dtype.kind in "biuf"
+
+
+def _stacked(answers: list) -> np.ndarray:
+    """A per-sequence box's vector answers as one array (B, ...); answers of different
+    shapes are :class:`MalformedOutputError`."""
+    arrays = [np.asarray(_from_tensor(a)) for a in answers]
+    shapes = {a.shape for a in arrays}
+    if len(shapes) > 1:
+        raise MalformedOutputError(
+            f"black box answered sequences of one batch with arrays of different shapes "
+            f"({', '.join(str(s) for s in sorted(shapes))})")
+    return np.stack(arrays) if arrays else np.empty(0)
+
+
 def _shape_of(answer):
     """The shape of a box's answer, None when it has none (ragged lists, objects)."""
     try:
@@ -658,8 +845,31 @@ def _describe(answer) -> str:
     return f"a {type(answer).__name__} of shape {arr.shape}"
 
 
-def validate_outputs(raw, batch: int) -> np.ndarray:
-    """Check a black box's answer to a batch of ``batch`` sequences; returns float64 (B,).
+def answer_kind(shape, batch: int, length: int) -> tuple[str, int] | None:
+    """The kind of answer a first answer's ``shape`` shows for a batch (batch, length, d):
+    ("scalar", 1) for (B,) or (B, 1), ("last", m) for (B, m), ("all", m) for
+    (B, N, m); None for any other shape."""
+    if shape is None or not shape or shape[0] != batch:
+        return None
+    if len(shape) == 1 or (len(shape) == 2 and shape[1] == 1):
+        return "scalar", 1
+    if len(shape) == 2 and shape[1] >= 1:
+        return "last", int(shape[1])
+    if len(shape) == 3 and shape[1] == length and shape[2] >= 1:
+        return "all", int(shape[2])
+    return None
+
+
+def expected_shape(kind: str, batch: int, length: int, m: int) -> tuple[int, ...]:
+    """The answer shape of ``kind`` for a batch (batch, length, d) with outputs of width m."""
+    return {"scalar": (batch,), "last": (batch, m), "all": (batch, length, m)}[kind]
+
+
+def validate_answers(raw, batch: int, length: int = 1, kind: str = "scalar",
+                     m: int = 1) -> np.ndarray:
+    """Check a black box's answer to a batch (batch, length, d) of the ``kind`` it answers
+    (:data:`OUTPUT_KINDS`, outputs of width m); returns float64 of
+    :func:`expected_shape`. A scalar box may answer a column (B, 1).
 
     Only real numbers are answers: complex values (an imaginary part would be lost),
     strings (even "1.5"), None and integers beyond float64's range are
@@ -670,12 +880,19 @@ def validate_outputs(raw, batch: int) -> np.ndarray:
         raise MalformedOutputError(
             f"black box returned {type(raw).__name__} that is not an array of numbers: {exc}"
         ) from exc
-    if arr.shape == (batch, 1):         # a column (B, 1), as out[:, -1] @ r[:, None] gives
+    want = expected_shape(kind, batch, length, m)
+    if kind == "scalar" and arr.shape == (batch, 1):   # a column, as out[:, -1] @ r[:, None]
         arr = arr[:, 0]
-    if arr.shape != (batch,):
+    if arr.shape != want:
+        found = answer_kind(arr.shape, batch, length)
+        what = ("" if found is None or found == (kind, m) else
+                f" ({OUTPUT_MEANINGS[found[0]]}" + (f", m = {found[1]}" if found[0] != "scalar"
+                                                    else "") + ")")
+        meant = OUTPUT_MEANINGS[kind] + (f", m = {m}" if kind != "scalar" else "")
         raise MalformedOutputError(
-            f"black box returned shape {arr.shape} for a batch of {batch} sequences; "
-            f"expected ({batch},)")
+            f"black box returned shape {arr.shape}{what} for a batch of {batch} sequences of "
+            f"{length} tokens; expected {want} ({meant}, as it answered before or as "
+            f"stated)")
     kind = arr.dtype.kind
     if kind == "O":                     # Python objects: real numbers only, each in range
         items = arr.ravel().tolist()
@@ -700,11 +917,19 @@ def validate_outputs(raw, batch: int) -> np.ndarray:
     out = arr.astype(np.float64)
     bad = ~np.isfinite(out)
     if bad.any():
-        first = int(np.flatnonzero(bad)[0])
+        rows = bad.reshape(batch, -1).any(axis=1)
+        first = int(np.flatnonzero(rows)[0])
         raise NonFiniteOutputError(
-            f"black box returned {int(bad.sum())} non-finite value(s) of {batch} "
-            f"(first at index {first}: {out[first]})")
+            f"black box returned {int(bad.sum())} non-finite value(s) in {int(rows.sum())} "
+            f"of {batch} answers (first at index {first}: "
+            f"{out.reshape(batch, -1)[first][bad.reshape(batch, -1)[first]][0]})")
     return out
+
+
+def validate_outputs(raw, batch: int) -> np.ndarray:
+    """Check a scalar black box's answer to a batch of ``batch`` sequences; returns
+    float64 (B,) (see :func:`validate_answers`)."""
+    return validate_answers(raw, batch)
 
 
 # -- black boxes that answer like real endpoints -------------------------------
@@ -730,7 +955,8 @@ class OutputWrapper:
         self.calls = 0
 
     def clean(self, X: np.ndarray) -> np.ndarray:
-        """The wrapped black box's exact outputs, float64 (B,)."""
+        """The wrapped black box's exact outputs, float64 (B,) (or (B, m), (B, N, m) for a
+        box that answers vectors: every number is treated alike)."""
         X = np.asarray(X, dtype=np.float64)
         single = X.ndim == 2
         return np.atleast_1d(np.asarray(self.black_box(X[None] if single else X), dtype=np.float64))
@@ -741,7 +967,9 @@ class OutputWrapper:
         batch = X[None] if single else X
         out = self.transform(batch, self.clean(batch))
         self.calls += 1
-        return float(out[0]) if single else out
+        if single:
+            return float(out[0]) if out.ndim == 1 else out[0]
+        return out
 
     def transform(self, X: np.ndarray, clean: np.ndarray) -> np.ndarray:
         """Post-process the clean outputs (B,); the base class answers them unchanged."""
@@ -783,15 +1011,16 @@ class BoundedNoise(OutputWrapper):
     def transform(self, X, clean):
         B, tau = clean.shape[0], self.tolerance
         if self.pattern == "uniform":
-            eta = self.rng.uniform(-tau, tau, size=B)
+            eta = self.rng.uniform(-tau, tau, size=clean.shape)
         elif self.pattern == "sign":
-            eta = tau * self.rng.choice([-1.0, 1.0], size=B)
+            eta = tau * self.rng.choice([-1.0, 1.0], size=clean.shape)
         elif self.pattern == "plus":
-            eta = np.full(B, tau)
+            eta = np.full(clean.shape, tau)
         elif self.pattern == "minus":
-            eta = np.full(B, -tau)
+            eta = np.full(clean.shape, -tau)
         elif self.pattern == "alternating":
             eta = tau * (1.0 - 2.0 * ((self.sent + np.arange(B)) % 2))
+            eta = eta.reshape((B,) + (1,) * (clean.ndim - 1)) * np.ones(clean.shape)
         else:  # outward
             eta = tau * np.where(clean >= 0.0, 1.0, -1.0)
         self.sent += B
@@ -841,7 +1070,7 @@ class GaussianNoise(OutputWrapper):
         self.rng = np.random.default_rng(seed)
 
     def transform(self, X, clean):
-        return clean + self.std * self.rng.standard_normal(clean.shape[0])
+        return clean + self.std * self.rng.standard_normal(clean.shape)
 
 
 class RoundedOutputs(OutputWrapper):

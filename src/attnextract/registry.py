@@ -18,6 +18,11 @@ imports another to dispatch:
   ``with_tolerance`` learner runs instead (single-head -> ``noisy``, with error bars).
 - ``sign_only=True``: the black box answers labels 1{f(X) > threshold}; the model's
   ``with_sign_only`` learner runs instead (single-head -> ``sign-only``, bisection).
+- vector answers: when the oracle's black box answers the output vector (at the last
+  position or at every position), the model's ``with_vectors`` learner runs instead
+  (single-head -> ``vector-single-head``, ...). A box of unknown kind is found out at
+  its first answer: if that is vectors, the scalar learner stops there and the vector
+  learner runs (the first batch is counted in the result's queries).
 
 The mathematics of each learner is in ``docs/algorithms.md``.
 """
@@ -31,7 +36,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .errors import InputError, ModelMismatchError, RecoveryFailedError, RefusalWithResult
+from .errors import (InputError, ModelMismatchError, RecoveryFailedError, RefusalWithResult,
+                     VectorAnswersFound)
 from .report import ExtractionResult
 
 log = logging.getLogger(__name__)
@@ -67,6 +73,8 @@ class Learner:
     description: str
     with_tolerance: str | None = None
     with_sign_only: str | None = None
+    with_vectors: str | None = None  # the learner for boxes that answer vectors
+    vectors: bool = False           # this learner reads vector answers
     hidden: bool = False            # a variant reached through tolerance= / sign_only=
     _function: Callable | None = field(default=None, repr=False)
 
@@ -115,9 +123,24 @@ def get_learner(name: str) -> Learner:
     raise InputError(f"unknown model {name!r}{hint} (known: {', '.join(learner_names())})")
 
 
-def resolve(model: str = "single-head", *, tolerance=None, sign_only: bool = False) -> Learner:
-    """The learner that runs for ``model`` given the kind of outputs (noisy, labels)."""
+def resolve(model: str = "single-head", *, tolerance=None, sign_only: bool = False,
+            outputs: str | None = None) -> Learner:
+    """The learner that runs for ``model`` given the kind of outputs (noisy, labels,
+    vectors: ``outputs`` "last" or "all", see :class:`attnextract.oracle.Oracle`)."""
     entry = get_learner(model)
+    if outputs in ("last", "all") and not entry.vectors:
+        if sign_only:
+            raise InputError("sign-only answers are labels, one per sequence; this black box "
+                             "answers vectors")
+        if entry.with_vectors is None:
+            raise InputError(f"the black box answers vectors ({outputs} position"
+                             f"{'s' if outputs == 'all' else ''}); {model!r} reads one number "
+                             f"per sequence. Vector learners: "
+                             f"{', '.join(n for n in learner_names() if LEARNERS[n].vectors)}")
+        return get_learner(entry.with_vectors)
+    if outputs in ("scalar",) and entry.vectors:
+        raise InputError(f"{model!r} reads vector answers; this black box answers one number "
+                         f"per sequence (use {_scalar_twin(model) or 'a scalar learner'})")
     if sign_only:
         if tolerance is not None:
             raise InputError("sign-only answers are labels: tolerance does not apply")
@@ -131,6 +154,21 @@ def resolve(model: str = "single-head", *, tolerance=None, sign_only: bool = Fal
                              f"not {model!r}")
         return get_learner(entry.with_tolerance)
     return entry
+
+
+def _scalar_twin(name: str) -> str | None:
+    """The scalar learner whose vector twin ``name`` is."""
+    return next((repr(n) for n, e in LEARNERS.items() if e.with_vectors == name), None)
+
+
+def _vector_tolerance(entry: Learner, tolerance, options: dict):
+    """Vector learners take ``tolerance`` as their own option (noisy vector answers);
+    returns what is left for the scalar dispatch (None)."""
+    if tolerance is not None:
+        if "tolerance" not in entry.options:
+            raise InputError(f"tolerance does not apply to {entry.name!r}")
+        options["tolerance"] = tolerance
+    return None
 
 
 def _supporting(attribute: str) -> str:
@@ -209,7 +247,12 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
     ExtractionResult
         With ``options`` recording the model and the options used (saved with it).
     """
-    entry = resolve(model, tolerance=tolerance, sign_only=sign_only)
+    from .verification import root_oracle
+    root = root_oracle(oracle)
+    entry = resolve(model, tolerance=tolerance, sign_only=sign_only,
+                    outputs=getattr(root, "outputs", None))
+    if entry.vectors:
+        tolerance = _vector_tolerance(entry, tolerance, options)
     accepted = entry.options
     if tolerance is not None:
         options["tolerance"] = tolerance
@@ -226,15 +269,31 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
     log.info("extracting %s (learner %s) at d = %d with %s", model, entry.name, oracle.dim,
              {k: v for k, v in options.items() if k != "fit_progress"} or "default options")
     # a journal's fingerprint queries are the box's answers too: counted in the result
-    from .verification import root_oracle
-    root = root_oracle(oracle)
     checks = getattr(root, "check_queries", 0)
     if "output_dtype" in accepted:         # bad values, or both: refused before any query
         from .precision import check_precision_options
         check_precision_options(options.get("output_dtype"), options.get("decimals"))
-    sent = getattr(root, "queries", 0)
+    sent = first_sent = getattr(root, "queries", 0)
+    spent = 0                   # queries of a scalar learner before vectors were found
     try:
-        result = entry.function(oracle, seed=seed, **options)
+        if getattr(root, "outputs", "") is None and entry.with_vectors and not sign_only:
+            root.detect_vectors = True
+        try:
+            result = entry.function(oracle, seed=seed, **options)
+        except VectorAnswersFound:
+            root.detect_vectors = False
+            spent = root.queries - sent
+            vector = get_learner(entry.with_vectors)
+            log.info("the black box answers vectors: %s runs instead of %s (%d queries spent "
+                     "finding out)", vector.name, entry.name, spent)
+            options = {k: v for k, v in options.items() if k in vector.options
+                       or k == "verify_tolerance"}
+            entry = vector
+            sent = root.queries
+            result = entry.function(oracle, seed=seed, **options)
+        finally:
+            if hasattr(root, "detect_vectors"):
+                root.detect_vectors = False
     except RefusalWithResult as exc:
         if getattr(root, "queries", 0) == sent:
             # refused before any query (a limit of the learner's, such as heads > d): the
@@ -289,6 +348,21 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
                 hint = BIASES_HINT if zero is None else QUERY_BIASES_HINT
                 exc.args = (f"{exc.args[0]}; {hint}",) + exc.args[1:]
         raise
+    numbers, tokens = getattr(root, "numbers", None), getattr(root, "tokens", None)
+    if numbers is not None and getattr(root, "outputs", None) not in (None, "scalar"):
+        # vector answers: the cost in the three units (sequences, numbers, tokens)
+        result.report.details.setdefault("numbers received", int(numbers))
+        result.report.details.setdefault("tokens sent", int(tokens))
+    if spent:
+        if result.queries + spent <= root.queries - first_sent:
+            # a learner counting its own queries only: the first batch is spent too
+            result.queries += spent
+            result.report.queries += spent
+        result.report.breakdown["answers found to be vectors"] = spent
+        result.report.notes.append(
+            f"{spent} queries were spent before the answers were found to be vectors; "
+            f"state the kind of answers (--outputs last|all, API: Oracle(..., outputs=...)) "
+            f"to save them")
     fingerprint = getattr(root, "check_queries", 0) - checks
     if fingerprint:
         result.queries += fingerprint
@@ -304,11 +378,13 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
 _L = "attnextract.learners."
 register("single-head", _L + "single_head:extract_single_head",
          "one attention head, W (d, d) and v (d,), exactly at d^2 + d queries",
-         with_tolerance="noisy", with_sign_only="sign-only")
+         with_tolerance="noisy", with_sign_only="sign-only", with_vectors="vector-single-head")
 register("low-rank", _L + "low_rank:extract_low_rank",
-         "one head whose W has rank r << d, at d + r(2d - r) queries (or paper 1's ROP)")
+         "one head whose W has rank r << d, at d + r(2d - r) queries (or paper 1's ROP)",
+         with_vectors="vector-single-head")
 register("multi-head", _L + "multi_head:extract_multi_head",
-         "H heads summed, recovered up to the canonical form (copy-count probes)")
+         "H heads summed, recovered up to the canonical form (copy-count probes)",
+         with_vectors="vector-multi-head")
 register("relu-network", _L + "relu_network:extract_relu_network",
          "a one-hidden-layer ReLU network on single tokens")
 register("one-layer", _L + "one_layer:extract_one_layer",
@@ -317,17 +393,20 @@ register("one-layer-residual", _L + "residual:extract_one_layer_residual",
          "a one-layer Transformer with a residual connection")
 register("multi-head-low-rank", _L + "multi_head_low_rank:extract_multi_head_low_rank",
          "H low-rank heads summed, like a real layer (H r <= d), at about the floor "
-         "H(d + r(2d - r))")
+         "H(d + r(2d - r))", with_vectors="vector-layer")
 register("transformer-layer", _L + "transformer_layer:extract_transformer_layer",
          "multi-head attention then a ReLU feed-forward network, biases detected "
          "(optionally residual)")
 register("pre-ln", _L + "pre_layer_norm:extract_pre_layer_norm",
          "a pre-LayerNorm attention block (GPT-2 style) on the sphere where LayerNorm is "
-         "affine: one head at d^2 + d - 1 queries, or H heads (heads=H)")
+         "affine: one head at d^2 + d - 1 queries, or H heads (heads=H)",
+         with_vectors="vector-pre-ln")
 register("noisy", _L + "noisy:extract_noisy",
-         "one head from outputs accurate to +-tolerance, with error bars", hidden=True)
+         "one head from outputs accurate to +-tolerance, with error bars", hidden=True,
+         with_vectors="vector-single-head")
 register("sign-only", _L + "sign_only:extract_sign_only",
          "one head from labels 1{f(X) > threshold}, by bisection", hidden=True)
 register("low-precision", _L + "noisy:extract_low_precision",
          "one head from a forward pass in float32/bfloat16/float16 or outputs rounded to "
-         "k decimals, error bars from repeated dithered probes", hidden=True)
+         "k decimals, error bars from repeated dithered probes", hidden=True,
+         with_vectors="vector-single-head")

@@ -65,6 +65,11 @@ model: it holds for every single head, up to the black box's float64 rounding
 (about eps_64 (d + N) of the token norm times |v|). ``HULL_FRACTION`` of the
 tolerance is allowed (1e-11 relative at the default 1e-7).
 
+Vector answers. A black box that answers the output vector (m,) at the last position,
+or (N, m) at every position, is compared on every number it answers: |.| below is the
+Euclidean norm of a sequence's whole answer (every channel, every position), so a
+deviation in one channel or at one position counts as in a scalar answer.
+
 Relative error. The error of sequence i is |f_hat_i - f_i| / max(|f_i|, s_i K), with
 s_i the largest token norm of the sequence and K the root mean square of f_j / s_j
 over the set: outputs scale with the tokens, so an honest model's error relative to
@@ -458,13 +463,16 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
     W = getattr(model, "W", None)
     v = getattr(model, "v", None)
     heads = None
+    O = getattr(model, "O", None)
+    if W is not None and v is None and O is not None and np.ndim(O) == 3:
+        v = vector_readouts(O)        # a vector model's heads, read along their top outputs
     if W is not None and v is not None and np.ndim(W) == 3 and np.ndim(v) == 2:
         if W.shape[0] == 1:                     # one head: the single-head families
             W, v = W[0], v[0]
         elif W.shape[0] > 1:
             heads = (np.asarray(W, dtype=float), np.asarray(v, dtype=float))
     single = (W is not None and v is not None and np.ndim(W) == 2 and np.ndim(v) == 1
-              and d >= 2 and np.any(v) and count >= SMALLEST_DESIGN)
+              and d >= 2 and np.any(v) and count >= SMALLEST_DESIGN and O is None)
     ffn = ffn_view(model) if not single and d >= 2 and count >= 16 else None
     if ffn is not None:
         W = ffn[0]
@@ -512,6 +520,18 @@ def design(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0, *
             hull_slope.append(0.0)
             add("hull", [P[pick]])
     return HeldOutSet(sequences=seqs, family=fam, hull=hull, hull_slope=hull_slope, longest=L)
+
+
+def vector_readouts(O: np.ndarray) -> np.ndarray:
+    """v_h (H, d) for the design's head families of a vector model: each head's O_h
+    (m, d) read along its own largest output direction (the top right singular vector
+    times its singular value), so v_h's size is the head's."""
+    out = np.zeros((O.shape[0], O.shape[2]))
+    for h, Oh in enumerate(np.asarray(O, dtype=float)):
+        if np.any(Oh):
+            _, sv, Vt = np.linalg.svd(Oh, full_matrices=False)
+            out[h] = sv[0] * Vt[0]
+    return out
 
 
 def _soft_pick(W: np.ndarray, P: np.ndarray, k: int, rng, candidates: int = HULL_CANDIDATES):
@@ -695,13 +715,57 @@ def add_replays(held: HeldOutSet, oracle, count: int) -> HeldOutSet:
     answers the same (to its rounding); a black box that switched behaviour during the
     run does not, even where the new behaviour is itself a member of the class."""
     pairs = list(getattr(root_oracle(oracle), "replay", None) or [])[:max(0, int(count))]
-    held.replay.extend((np.ascontiguousarray(x, dtype=np.float64), float(y)) for x, y in pairs)
+    held.replay.extend((np.ascontiguousarray(x, dtype=np.float64),
+                        float(y) if np.ndim(y) == 0 else np.array(y, dtype=np.float64))
+                       for x, y in pairs)
     return held
 
 
 def is_biased(model) -> bool:
     """True for the biased attention classes (query biases b, output constant c)."""
     return str(getattr(model, "kind", "")).startswith("biased-")
+
+
+def output_offset(model):
+    """The output constant c a model's answers are judged without: a float for the biased
+    scalar classes, an array (m,) for a vector model, else 0.0."""
+    if getattr(model, "kind", "") == "vector-attention":
+        return np.asarray(model.c, dtype=float)
+    return float(model.c) if is_biased(model) else 0.0
+
+
+def answers_array(answers: list) -> np.ndarray:
+    """Answers of several sequences as one array: (B,) or (B, m); answers at every
+    position (N_i, m), whose shapes differ, as an object array of B arrays."""
+    arrays = [np.asarray(a, dtype=float) for a in answers]
+    if not arrays:
+        return np.empty(0)
+    if arrays[0].ndim >= 2:
+        out = np.empty(len(arrays), dtype=object)
+        for i, a in enumerate(arrays):
+            out[i] = a
+        return out
+    return np.array(arrays, dtype=float)
+
+
+def shifted(answers: np.ndarray, offset) -> np.ndarray:
+    """answers - offset for every sequence (offset a float, or (m,) for vector answers)."""
+    if np.ndim(offset) == 0 and float(offset) == 0.0:
+        return answers
+    if answers.dtype == object:
+        return answers_array([a - offset for a in answers])
+    return answers - offset
+
+
+def answer_norms(answers) -> np.ndarray:
+    """|f| per sequence, shape (B,): the absolute value of a scalar answer, the Euclidean
+    norm (scale-safe) of a vector answer over every channel and position."""
+    if isinstance(answers, np.ndarray) and answers.dtype == object:
+        return np.array([safe_norm(a) for a in answers], dtype=float)
+    answers = np.asarray(answers, dtype=float)
+    if answers.ndim <= 1:
+        return np.abs(answers)
+    return safe_norm(answers.reshape(len(answers), -1), axis=1)
 
 
 def _head_norms(model) -> np.ndarray | None:
@@ -762,7 +826,7 @@ def token_norms(sequences) -> np.ndarray:
 def output_scale(observed: np.ndarray, norms: np.ndarray) -> float:
     """K = rms of f_j / s_j: the black box's output per unit of token norm (computed on
     values scaled by their largest, so outputs of 1e300 do not overflow)."""
-    observed, norms = np.asarray(observed, dtype=float), np.asarray(norms, dtype=float)
+    observed, norms = answer_norms(observed), np.asarray(norms, dtype=float)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         r = np.where(norms > 0, observed / np.where(norms > 0, norms, 1.0), 0.0)
     r = r[np.isfinite(r)]
@@ -773,7 +837,17 @@ def output_scale(observed: np.ndarray, norms: np.ndarray) -> float:
 
 
 def _difference(predicted, observed) -> np.ndarray:
-    """|predicted - observed| without overflow (halved first where the difference is inf)."""
+    """|predicted - observed| without overflow (halved first where the difference is inf);
+    for vector answers the norm of the difference per sequence, shape (B,)."""
+    if (isinstance(observed, np.ndarray) and (observed.dtype == object or observed.ndim > 1)) \
+            or (isinstance(predicted, np.ndarray) and (predicted.dtype == object
+                                                       or predicted.ndim > 1)):
+        with np.errstate(over="ignore", invalid="ignore"):
+            # halves first: the difference of two answers near the float64 maximum is finite
+            halves = answer_norms(answers_array([0.5 * np.asarray(p, dtype=float)
+                                                 - 0.5 * np.asarray(o, dtype=float)
+                                                 for p, o in zip(predicted, observed)]))
+            return 2.0 * halves
     predicted = np.atleast_1d(np.asarray(predicted, dtype=float))
     observed = np.atleast_1d(np.asarray(observed, dtype=float))
     with np.errstate(over="ignore", invalid="ignore"):
@@ -785,9 +859,9 @@ def _difference(predicted, observed) -> np.ndarray:
 
 def error_scale(observed, norms, K: float) -> np.ndarray:
     """max(|observed|, s K) per sequence: what a difference is relative to."""
-    observed, norms = np.asarray(observed, dtype=float), np.asarray(norms, dtype=float)
+    observed, norms = answer_norms(observed), np.asarray(norms, dtype=float)
     with np.errstate(over="ignore"):
-        return np.maximum(np.abs(observed), np.maximum(norms * K, np.finfo(float).tiny))
+        return np.maximum(observed, np.maximum(norms * K, np.finfo(float).tiny))
 
 
 def scaled_relative_errors(predicted, observed, norms, reference=None, K=None) -> np.ndarray:
@@ -796,7 +870,9 @@ def scaled_relative_errors(predicted, observed, norms, reference=None, K=None) -
     ``reference`` (boolean mask) picks the sequences K is computed from (default all);
     the hull family, built to answer ~0, is left out of it. ``K`` given: used as is.
     Scale-safe: outputs from 1e-300 to 1e300 give the same errors as outputs of 1."""
-    observed, norms = np.asarray(observed, dtype=float), np.asarray(norms, dtype=float)
+    if not (isinstance(observed, np.ndarray) and observed.dtype == object):
+        observed = np.asarray(observed, dtype=float)
+    norms = np.asarray(norms, dtype=float)
     if K is None:
         K = output_scale(observed[reference] if reference is not None else observed,
                          norms[reference] if reference is not None else norms)
@@ -805,7 +881,7 @@ def scaled_relative_errors(predicted, observed, norms, reference=None, K=None) -
         out = _difference(predicted, observed) / denom
         # a difference beyond the float64 range: compare halves (an error > 1 anyway)
         big = ~np.isfinite(out)
-        out[big] = np.where(np.isfinite(np.asarray(predicted, dtype=float)[big]), 2.0, np.inf)
+        out[big] = np.where(np.isfinite(answer_norms(predicted)[big]), 2.0, np.inf)
     return out
 
 
@@ -874,8 +950,8 @@ class _Judge:
         self.absolute_noise = absolute_noise
 
     def __call__(self, sequences, predicted, observed) -> np.ndarray:
-        if is_biased(self.model):               # judged without the output constant c
-            predicted, observed = predicted - self.model.c, observed - self.model.c
+        offset = output_offset(self.model)       # judged without the output constant c
+        predicted, observed = shifted(predicted, offset), shifted(observed, offset)
         norms = token_norms(sequences)
         errors = scaled_relative_errors(predicted, observed, norms, K=self.K)
         allowance = self.tolerance
@@ -900,17 +976,17 @@ def run_check(oracle, model, held: HeldOutSet, *, tolerance: float = 1e-7,
     # the errors are then judged against the part that scales with the tokens (a box
     # whose constant differs shows at small tokens, where its f - c does not vanish),
     # and the hull intervals are unchanged by a common shift
-    offset = float(model.c) if is_biased(model) else 0.0
-    K = output_scale(observed[reference] - offset, norms[reference])
+    offset = output_offset(model)
+    K = output_scale(shifted(observed[reference], offset), norms[reference])
     judge = _Judge(model, K, tolerance, bar, absolute_noise)
     errors = judge(held.sequences, predicted, observed)
-    hull = hull_violations(held, observed - offset, norms)
+    hull = hull_violations(held, shifted(observed, offset), norms)
     family = list(held.family)
     if held.replay:
         # the answer now against the answer the learner was given (root oracle, live)
         root = root_oracle(oracle)
         xs = [x for x, _ in held.replay]
-        then = np.array([y for _, y in held.replay])
+        then = answers_array([y for _, y in held.replay])
         with live_queries(root):
             now = root.query_ragged(xs)
         errors = np.concatenate([errors, scaled_relative_errors(now, then, token_norms(xs))])
@@ -931,7 +1007,7 @@ def compare_own_probes(oracle, model, check: Check, judge: _Judge) -> None:
     if not keeps_own_answers(oracle) or not oracle.longest_probes:
         return
     xs = [x for x, _ in oracle.longest_probes]
-    answers = np.array([y for _, y in oracle.longest_probes])
+    answers = answers_array([y for _, y in oracle.longest_probes])
     errors = judge(xs, evaluate_ragged(model, xs), answers)
     check.errors = np.concatenate([check.errors, errors])
     check.family += ["own"] * len(xs)
@@ -1047,7 +1123,7 @@ def measured_error_bar(oracle, model) -> float | None:
     if not pairs:
         return None
     xs = [x for x, _ in pairs]
-    answers = np.array([y for _, y in pairs])
+    answers = answers_array([y for _, y in pairs])
     residual = float(np.max(scaled_relative_errors(evaluate_ragged(model, xs), answers,
                                                    token_norms(xs))))
     return max(residual, MEASURED_ROUNDING * oracle.dim * np.finfo(float).eps)
@@ -1137,8 +1213,9 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
                       absolute_noise=absolute_noise)
     norms = token_norms(held.sequences)
     reference = np.array([f != "hull" for f in held.family])
-    offset = float(model.c) if is_biased(model) else 0.0      # as in run_check
-    K = output_scale(check.observed[:len(held.sequences)][reference] - offset, norms[reference])
+    offset = output_offset(model)                              # as in run_check
+    K = output_scale(shifted(check.observed[:len(held.sequences)][reference], offset),
+                     norms[reference])
     judge = _Judge(model, K, tolerance, bar, absolute_noise)
     compare_own_probes(oracle, model, check, judge)
     adversarial_search(oracle, model, check, held, judge, searched, rng)
@@ -1164,7 +1241,9 @@ def answers_look_rounded(observed) -> bool:
     representable in float32 (so also bfloat16, float16), or whole multiples of 10^-K
     for some K <= 12. Float64 answers of a real computation almost never are; only
     then does a failed check suggest ``--output-dtype`` / ``--decimals``."""
-    y = np.asarray(observed, dtype=float)
+    if isinstance(observed, np.ndarray) and observed.dtype == object:
+        observed = np.concatenate([np.ravel(a) for a in observed]) if len(observed) else []
+    y = np.ravel(np.asarray(observed, dtype=float))
     y = y[np.isfinite(y) & (y != 0)]
     if y.size < 4:
         return False

@@ -40,6 +40,14 @@ are asked in other batches than the first time, which moves a float32 forward pa
 ~1e-7: they are allowed 1e-6 relative (``SAMPLE_SLACK``) on top. A black box whose
 answers depend on their batch by more must state it as noise.
 
+**Vector answers.** A black box that answers a vector (m,) per sequence (the output at
+the last position) or an array (N, m) (every position) is journaled the same way: each
+batch row holds its answers' shape beside their numbers, inside the row's checksum;
+the fingerprint stores what the box answers (the kind and m) and every number of its
+answers to the challenges, so a journal recorded against a box answering one number
+is refused for a box answering vectors, and the reverse, before anything is answered
+from it.
+
 **Checked when read.** Every row carries a checksum (SHA-256 of its blobs); a row that
 fails it, holds a non-finite answer, or has blobs of inconsistent lengths, and a file
 that is not a whole number of pages (cut short), raise :class:`JournalError`, as does
@@ -115,7 +123,17 @@ CREATE TABLE IF NOT EXISTS fingerprint (
     checksum BLOB NOT NULL
 );
 CREATE TABLE IF NOT EXISTS context (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS answer_kind (  -- absent: one number per sequence
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    kind TEXT NOT NULL,          -- "last": a vector (m,) per sequence; "all": (N, m)
+    width INTEGER NOT NULL,      -- m
+    checksum BLOB NOT NULL
+);
 """
+# Columns vector answers add (NULL for one number per sequence); added to journals
+# written before them, whose rows stay valid as they are.
+VECTOR_COLUMNS = (("batches", "shape"),     # int64 shape of one answer: (m,) or (N, m)
+                  ("samples", "answer"))    # float64 numbers of the kept answer
 
 
 def sequence_digests(X: np.ndarray) -> list[bytes]:
@@ -195,38 +213,64 @@ def answers_agree(stored: np.ndarray, live: np.ndarray, scale: float, tolerance:
 
 
 def read_entries(path) -> list[tuple[bytes, int, float]]:
-    """Every (digest, occurrence, output) in the journal file, opened read-only (checked)."""
+    """Every (digest, occurrence, output) in the journal file, opened read-only (checked);
+    a vector answer is an array (m,) or (N, m)."""
     uri = "file:" + os.path.abspath(os.fspath(path)) + "?mode=ro"
     try:
         with sqlite3.connect(uri, uri=True) as db:
-            rows = db.execute("SELECT id, digests, occurrences, outputs, checksum FROM batches "
-                              "ORDER BY id").fetchall()
+            rows = db.execute(f"SELECT id, digests, occurrences, outputs, checksum"
+                              f"{_shape_column(db)} FROM batches ORDER BY id").fetchall()
     except sqlite3.Error as exc:
         raise JournalError(f"cannot read journal {path}: {exc}", path=os.fspath(path)) from exc
     return [entry for row in rows for entry in _unpack(os.fspath(path), *row)]
 
 
+def _shape_column(db) -> str:
+    """", shape" where the batches table has the column (journals older than vector
+    answers have not)."""
+    columns = [row[1] for row in db.execute("PRAGMA table_info(batches)")]
+    return ", shape" if "shape" in columns else ""
+
+
+def _answer_shape(shape: bytes | None, where: str, path: str) -> tuple[int, ...]:
+    """The shape of one answer a row's ``shape`` blob states: () when NULL (scalars)."""
+    if shape is None:
+        return ()
+    dims = np.frombuffer(shape, dtype=np.int64) if isinstance(shape, bytes) and \
+        len(shape) % 8 == 0 else None
+    if dims is None or not 1 <= len(dims) <= 2 or np.any(dims < 1):
+        raise JournalError(f"{where} states a malformed answer shape", path=path)
+    return tuple(int(n) for n in dims)
+
+
 def _unpack(path: str, row_id: int, digests: bytes, occurrences: bytes, outputs: bytes,
-            stored_checksum: bytes):
-    """The (digest, occurrence, output) entries of one batch row, checked."""
+            stored_checksum: bytes, shape: bytes | None = None):
+    """The (digest, occurrence, output) entries of one batch row, checked; a vector
+    answer is an array of the row's answer shape (the shape blob is in the checksum)."""
     where = f"journal {path}: row {row_id} of its batches"
     if not all(isinstance(b, bytes) for b in (digests, occurrences, outputs, stored_checksum)):
         raise JournalError(f"{where} is malformed (a field that should be bytes is not)",
                            path=path)
-    if stored_checksum != checksum(digests, occurrences, outputs):
+    blobs = (digests, occurrences, outputs) + (() if shape is None else (shape,))
+    if stored_checksum != checksum(*blobs):
         raise JournalError(f"{where} fails its checksum (the file was changed or cut short); "
                            f"delete the journal or use another one", path=path)
     if len(occurrences) % 8 or len(outputs) % 8:
         raise JournalError(f"{where} has blobs of inconsistent lengths", path=path)
     occ = np.frombuffer(occurrences, dtype=np.int64)
     out = np.frombuffer(outputs, dtype=np.float64)
-    if len(digests) != DIGEST_BYTES * len(occ) or len(out) != len(occ):
+    each = _answer_shape(shape, where, path)
+    if len(digests) != DIGEST_BYTES * len(occ) or len(out) != len(occ) * math.prod(each):
         raise JournalError(f"{where} has blobs of inconsistent lengths", path=path)
     if not np.all(np.isfinite(out)):
         raise JournalError(f"{where} holds a non-finite answer "
                            f"({out[~np.isfinite(out)][0]})", path=path)
     if np.any(occ < 0):
         raise JournalError(f"{where} holds a negative occurrence", path=path)
+    if each:
+        answers = out.reshape((len(occ),) + each).copy()
+        return [(digests[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES], int(k), answers[i])
+                for i, k in enumerate(occ)]
     return [(digests[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES], int(k), float(y))
             for i, (k, y) in enumerate(zip(occ, out))]
 
@@ -281,7 +325,8 @@ class QueryJournal:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._check_schema()
             self._db.executescript(SCHEMA)
-            rows = self._db.execute("SELECT id, digests, occurrences, outputs, checksum "
+            self._add_vector_columns()
+            rows = self._db.execute("SELECT id, digests, occurrences, outputs, checksum, shape "
                                     "FROM batches").fetchall()
             stored_context = dict(self._db.execute("SELECT key, value FROM context"))
             self._answers = {(d, k): y for row in rows for d, k, y in _unpack(self.path, *row)}
@@ -350,20 +395,28 @@ class QueryJournal:
                                f"(no checksums, no fingerprint of its black box) and cannot be "
                                f"trusted; delete it or use another one", path=self.path)
 
+    def _add_vector_columns(self) -> None:
+        """Add the columns of vector answers to a journal written before them."""
+        for table, column in VECTOR_COLUMNS:
+            columns = [row[1] for row in self._db.execute(f"PRAGMA table_info({table})")]
+            if column not in columns:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} BLOB")
+
     def _import_sidecars(self) -> None:
         """Answers a failed write saved beside the journal are written into it now."""
         for sidecar in sorted(glob.glob(glob.escape(self.path) + ".unsaved-*.npz")):
             with np.load(sidecar, allow_pickle=False) as data:
                 keys = [(bytes(d), int(k)) for d, k in zip(data["digests"], data["occurrences"])]
                 outputs = np.asarray(data["outputs"], dtype=np.float64)
-            if outputs.shape != (len(keys),) or not np.all(np.isfinite(outputs)):
+            if (outputs.ndim > 3 or outputs.shape[:1] != (len(keys),)
+                    or not np.all(np.isfinite(outputs))):
                 raise JournalError(f"sidecar {sidecar} of journal {self.path} is malformed",
                                    path=self.path)
             new = [i for i, key in enumerate(keys) if key not in self._answers]
             if new:
                 self._insert([keys[i] for i in new], outputs[new], sample=None)
                 for i in new:
-                    self._answers[keys[i]] = float(outputs[i])
+                    self._answers[keys[i]] = _entry(outputs[i])
             os.remove(sidecar)
 
     # -- context ------------------------------------------------------------
@@ -383,7 +436,7 @@ class QueryJournal:
         """Delete the fingerprint and kept sequences (and the ``also`` tables)."""
         try:
             with self._db:
-                for table in ("fingerprint", "samples", *also):
+                for table in ("fingerprint", "samples", "answer_kind", *also):
                     self._db.execute(f"DELETE FROM {table}")
         except sqlite3.Error as exc:
             raise JournalError(f"cannot write to journal {self.path}: {exc}",
@@ -427,7 +480,7 @@ class QueryJournal:
                                f"black box; it cannot be checked: delete it or use another one",
                                path=self.path)
         try:
-            live = _ask_ragged(ask, challenges)
+            answers = _answers_ragged(ask, challenges)
         except BlackBoxError as exc:          # a box that refuses long sequences, say
             if getattr(exc, "first_batch", False):
                 raise                         # already says what to fix (a wrong --dim)
@@ -435,38 +488,80 @@ class QueryJournal:
                             f"{len(challenges)} challenge sequences (lengths 1-256): "
                             f"{exc}") from exc
         spent = len(challenges)
+        kind = _kind_of(answers)
+        # every number of every answer, in order: for one number per sequence, the 8
+        # answers exactly as journals have always stored them
+        live = np.concatenate([np.ravel(a) for a in answers])
         scale = float(np.sqrt(np.mean(live ** 2)))
         if stored is None:
             outputs = live.tobytes()
             self._write("INSERT INTO fingerprint VALUES (?, ?, ?, ?)",
                         (FINGERPRINT_VERSION, int(dim), outputs, checksum(outputs)),
                         "the fingerprint of its black box")
+            if kind[0] != "scalar":
+                self._write("INSERT OR REPLACE INTO answer_kind VALUES (1, ?, ?, ?)",
+                            (kind[0], kind[1], _kind_checksum(*kind)),
+                            "what its black box answers")
             self.bound = True
             return spent
         stored_dim, stored_outputs = stored
         if stored_dim != dim:
             raise InputError(f"journal {self.path} was recorded with d = {stored_dim}, not {dim}")
+        self._check_kind(kind)
+        sizes = np.cumsum([0] + [np.size(a) for a in answers])
+        if len(stored_outputs) != sizes[-1]:
+            self._mismatch("the challenge sequences (answers of another size)",
+                           len(stored_outputs), sizes[-1])
         ok = answers_agree(stored_outputs, live, scale, tau, rho)
         if not ok.all():
-            i = int(np.flatnonzero(~ok)[0])
-            self._mismatch(f"challenge sequence {i} (length {len(challenges[i])})",
-                           stored_outputs[i], live[i])
+            k = int(np.flatnonzero(~ok)[0])
+            i = int(np.searchsorted(sizes, k, side="right") - 1)
+            self._mismatch(f"challenge sequence {i} (length {len(challenges[i])})"
+                           + (f", number {k - sizes[i]} of its answer" if kind[0] != "scalar"
+                              else ""), stored_outputs[k], live[k])
         sample = self._sample(RESUME_SAMPLE)
         if sample:
-            again = _ask_ragged(ask, [x for _, x, _ in sample])
+            again = _answers_ragged(ask, [x for _, x, _ in sample])
             spent += len(sample)
-            ok = answers_agree(np.array([y for _, _, y in sample]), again, scale, tau, rho,
-                               FLOAT_SLACK + SAMPLE_SLACK)
-            if not ok.all():
-                i = int(np.flatnonzero(~ok)[0])
-                row, x, y = sample[i]
-                self._mismatch(f"journaled query {row} (a sequence of length {len(x)})", y,
-                               again[i])
+            for (row, x, y), live_y in zip(sample, again):
+                y, live_y = np.ravel(y), np.ravel(live_y)
+                ok = (answers_agree(y, live_y, scale, tau, rho, FLOAT_SLACK + SAMPLE_SLACK)
+                      if y.shape == live_y.shape else np.zeros(1, dtype=bool))
+                if not ok.all():
+                    k = int(np.flatnonzero(~ok)[0])
+                    self._mismatch(f"journaled query {row} (a sequence of length {len(x)})",
+                                   y[k] if k < len(y) else np.nan,
+                                   live_y[k] if k < len(live_y) else np.nan)
         self.bound = True
         return spent
 
+    def answer_kind(self) -> tuple[str, int]:
+        """What the journal's black box answers: ("scalar", 1), ("last", m) or ("all", m)."""
+        row = self._read("SELECT kind, width, checksum FROM answer_kind WHERE id = 1", (),
+                         "what its black box answers", one=True)
+        if row is None:
+            return "scalar", 1
+        kind, width, stored_checksum = row
+        if (kind not in ("last", "all") or not isinstance(width, int) or width < 1
+                or stored_checksum != _kind_checksum(kind, width)):
+            raise JournalError(f"journal {self.path}: what its black box answers is "
+                               f"malformed or fails its checksum", path=self.path)
+        return kind, width
+
+    def _check_kind(self, live: tuple[str, int]) -> None:
+        """JournalMismatchError unless the live box answers what the journal's did."""
+        stored = self.answer_kind()
+        if stored == live:
+            return
+        raise JournalMismatchError(
+            f"journal {self.path} was recorded against a black box answering "
+            f"{_kind_words(stored)}; the live black box answers {_kind_words(live)}; nothing "
+            f"more was asked. Use another journal (or --no-journal) for this black box",
+            path=self.path, difference={"query": "what the black box answers",
+                                        "journaled": list(stored), "live": list(live)})
+
     def _mismatch(self, what: str, stored: float, live: float):
-        stored, live = float(stored), float(live)
+        stored, live = float(stored), float(live)   # one number of the answers
         difference = {"query": what, "journaled": stored, "live": live}
         hint = ""
         if abs(stored - live) <= 1e-3 * max(abs(stored), abs(live)):
@@ -498,14 +593,19 @@ class QueryJournal:
             raise JournalError(f"journal {self.path}: its fingerprint is malformed",
                                path=self.path)
         values = np.frombuffer(outputs, dtype=np.float64) if len(outputs) % 8 == 0 else None
-        if (stored_checksum != checksum(outputs) or values is None
-                or values.shape != (CHALLENGES,) or not np.all(np.isfinite(values))):
+        kind, width = self.answer_kind()
+        # one number per challenge; vectors: m (last) or N m (every position) each
+        sized = values is not None and (values.shape == (CHALLENGES,) if kind == "scalar" else
+                                        len(values) >= CHALLENGES and len(values) % width == 0)
+        if (stored_checksum != checksum(outputs) or not sized
+                or not np.all(np.isfinite(values))):
             raise JournalError(f"journal {self.path}: its fingerprint fails its checksum or "
                                f"shape check; delete it or use another one", path=self.path)
         return int(dim), values
 
     def _sample(self, k: int) -> list[tuple[int, np.ndarray, float]]:
-        """Up to k kept sequences, drawn afresh at random: [(row id, (N, d), answer)]."""
+        """Up to k kept sequences, drawn afresh at random: [(row id, (N, d), answer)]; a
+        vector answer as its numbers, flat."""
         ids = [row[0] for row in self._read("SELECT id FROM samples", (), "its kept sequences")]
         if not ids:
             return []
@@ -513,20 +613,24 @@ class QueryJournal:
         chosen = rng.choice(ids, size=min(k, len(ids)), replace=False)
         out = []
         for row_id in sorted(int(i) for i in chosen):
-            length, blob, y, stored_checksum = self._read(
-                "SELECT length, sequence, output, checksum FROM samples WHERE id = ?",
+            length, blob, y, stored_checksum, answer = self._read(
+                "SELECT length, sequence, output, checksum, answer FROM samples WHERE id = ?",
                 (row_id,), f"kept sequence {row_id}", one=True)
             if not (isinstance(blob, bytes) and isinstance(stored_checksum, bytes)
-                    and isinstance(length, int) and isinstance(y, float)):
+                    and isinstance(length, int) and isinstance(y, float)
+                    and (answer is None or isinstance(answer, bytes) and len(answer) % 8 == 0)):
                 raise JournalError(f"journal {self.path}: kept sequence {row_id} is malformed",
                                    path=self.path)
             x = np.frombuffer(blob, dtype=np.float64) if len(blob) % 8 == 0 else np.empty(0)
-            if (stored_checksum != checksum(blob, np.float64(y).tobytes())
+            blobs = (blob, np.float64(y).tobytes()) + (() if answer is None else (answer,))
+            vector = None if answer is None else np.frombuffer(answer, dtype=np.float64).copy()
+            if (stored_checksum != checksum(*blobs)
                     or length < 1 or x.size % length or not np.all(np.isfinite(x))
-                    or not math.isfinite(y)):
+                    or not math.isfinite(y)
+                    or vector is not None and not np.all(np.isfinite(vector))):
                 raise JournalError(f"journal {self.path}: kept sequence {row_id} fails its "
                                    f"checks (checksum, shape or finite values)", path=self.path)
-            out.append((row_id, x.reshape(length, -1), float(y)))
+            out.append((row_id, x.reshape(length, -1), float(y) if vector is None else vector))
         return out
 
     # -- queries ------------------------------------------------------------
@@ -539,7 +643,21 @@ class QueryJournal:
         for digest in sequence_digests(X):
             keys.append((digest, self._seen[digest]))
             self._seen[digest] += 1
-        known = np.array([self._answers.get(key, np.nan) for key in keys])
+        found = [self._answers.get(key) for key in keys]
+        shapes = {np.shape(y) for y in found if y is not None}
+        if shapes - {()}:
+            # vector answers: (B,) + the answer's shape, NaN rows where unknown (the
+            # journal's answers to one batch share its length, so one shape)
+            if len(shapes) > 1:
+                raise JournalError(f"journal {self.path} holds answers of different shapes "
+                                   f"({sorted(shapes)}) for one batch", path=self.path)
+            known = np.full((len(keys),) + shapes.pop(), np.nan)
+            for i, y in enumerate(found):
+                if y is not None:
+                    known[i] = y
+            self.hits += sum(y is not None for y in found)
+            return keys, known
+        known = np.array([np.nan if y is None else y for y in found], dtype=np.float64)
         self.hits += int(np.count_nonzero(~np.isnan(known)))
         return keys, known
 
@@ -559,30 +677,38 @@ class QueryJournal:
         # MAX_KEPT / batches, in a random slot, so the kept set stays small and uniform
         slot = (self._batch_count - 1 if self._batch_count <= MAX_KEPT
                 else int(rng.integers(self._batch_count)))
-        if X is not None and len(X) and slot < MAX_KEPT and X[0].size <= MAX_KEPT_NUMBERS:
+        if X is not None and len(X) and slot < MAX_KEPT and X[0].size <= MAX_KEPT_NUMBERS \
+                and outputs[:1].size <= MAX_KEPT_NUMBERS:
             i = int(rng.integers(len(X)))
-            sample = (slot + 1, np.ascontiguousarray(X[i], dtype=np.float64), float(outputs[i]))
+            sample = (slot + 1, np.ascontiguousarray(X[i], dtype=np.float64), outputs[i])
         try:
             self._insert(keys, outputs, sample)
         except (sqlite3.Error, OSError) as exc:
             raise self._write_failed(keys, outputs, exc) from exc
-        for key, y in zip(keys, outputs.tolist()):
-            self._answers[key] = y
+        for key, y in zip(keys, outputs):
+            self._answers[key] = _entry(y)
         self.recorded += len(keys)
 
     def _insert(self, keys, outputs: np.ndarray, sample) -> None:
+        outputs = np.ascontiguousarray(outputs, dtype=np.float64)
         blobs = (b"".join(d for d, _ in keys), np.array([k for _, k in keys], np.int64).tobytes(),
-                 np.ascontiguousarray(outputs, dtype=np.float64).tobytes())
+                 outputs.tobytes())
+        # vector answers: the shape of one answer, inside the checksum (NULL for scalars,
+        # whose rows are as they always were)
+        shape = np.array(outputs.shape[1:], np.int64).tobytes() if outputs.ndim > 1 else None
+        checked = blobs + (() if shape is None else (shape,))
         with self._db:                       # one transaction, committed on leaving
             self._db.execute("BEGIN")
-            self._db.execute("INSERT INTO batches (digests, occurrences, outputs, checksum) "
-                             "VALUES (?, ?, ?, ?)", (*blobs, checksum(*blobs)))
+            self._db.execute("INSERT INTO batches (digests, occurrences, outputs, checksum, "
+                             "shape) VALUES (?, ?, ?, ?, ?)", (*blobs, checksum(*checked), shape))
             if sample is not None:
                 slot, x, y = sample
-                blob = x.tobytes()
+                blob, first = x.tobytes(), float(np.ravel(y)[0])
+                answer = None if np.ndim(y) == 0 else np.ascontiguousarray(y, np.float64).tobytes()
+                kept = (blob, np.float64(first).tobytes()) + (() if answer is None else (answer,))
                 self._db.execute("INSERT OR REPLACE INTO samples (id, length, sequence, output, "
-                                 "checksum) VALUES (?, ?, ?, ?, ?)",
-                                 (slot, len(x), blob, y, checksum(blob, np.float64(y).tobytes())))
+                                 "checksum, answer) VALUES (?, ?, ?, ?, ?, ?)",
+                                 (slot, len(x), blob, first, checksum(*kept), answer))
 
     def _write(self, sql: str, row: tuple, what: str) -> None:
         try:
@@ -648,11 +774,41 @@ class QueryJournal:
         self.close()
 
 
-def _ask_ragged(ask, sequences: list[np.ndarray]) -> np.ndarray:
-    """Answers to sequences of mixed lengths, one call of ``ask`` per length."""
+def _answers_ragged(ask, sequences: list[np.ndarray]) -> list:
+    """Answers to sequences of mixed lengths, one call of ``ask`` per length: a list of
+    floats (one number per sequence) or of arrays (m,) or (N_i, m), in order."""
     lengths = np.array([len(s) for s in sequences])
-    out = np.empty(len(sequences))
+    out: list = [None] * len(sequences)
     for n in np.unique(lengths):
         idx = np.flatnonzero(lengths == n)
-        out[idx] = ask(np.stack([sequences[i] for i in idx]))
+        answers = np.asarray(ask(np.stack([sequences[i] for i in idx])), dtype=np.float64)
+        for i, y in zip(idx, answers):
+            out[i] = _entry(y)
     return out
+
+
+def _entry(y):
+    """One answer as the journal keeps it in memory: a float, or a copy of the array."""
+    return float(y) if np.ndim(y) == 0 else np.array(y, dtype=np.float64)
+
+
+def _kind_of(answers: list) -> tuple[str, int]:
+    """What answers to the challenges show the box answers: ("scalar", 1), ("last", m)
+    for vectors (m,), ("all", m) for arrays (N, m)."""
+    first = np.shape(answers[0])
+    if not first:
+        return "scalar", 1
+    return ("last" if len(first) == 1 else "all"), int(first[-1])
+
+
+def _kind_checksum(kind: str, width: int) -> bytes:
+    return checksum(kind.encode(), int(width).to_bytes(8, "little"))
+
+
+def _kind_words(kind: tuple[str, int]) -> str:
+    """("last", 4) -> "a vector of m = 4 numbers per sequence (the last position)"."""
+    name, m = kind
+    if name == "scalar":
+        return "one number per sequence"
+    return (f"a vector of m = {m} numbers per sequence (the last position)" if name == "last"
+            else f"m = {m} numbers at every position of each sequence")

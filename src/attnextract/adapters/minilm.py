@@ -363,3 +363,29 @@ def save_layer_target(path, layer: int, readout_seed=0, biases: bool = False) ->
     (12, 384) and c) as a model file, for ``attnextract serve --secret PATH``."""
     truth = minilm_layer_target(layer, readout_seed, biases=biases)
     np.savez(path, **truth.parameters(), kind=np.str_(truth.kind))
+
+
+def minilm_vector_layer(layer: int, positions: str = "last", biases: bool = True):
+    """A layer's attention as it answers vectors: a
+    :class:`~attnextract.models.VectorAttention` with every head's W_h = K_h^T Q_h /
+    sqrt(32), b_h = K_h^T b_q,h / sqrt(32) and its whole OV circuit O_h = W_o,h V_h
+    (384 x 384, rank 32), c = W_o b_v + b_o (without ``biases``: b = 0, c = 0)."""
+    from ..models import VectorAttention
+    weights = load_attention_weights(layer, biases)
+    W, b, O = [], [], []
+    for h in range(HEADS):
+        rows = slice(h * HEAD_DIM, (h + 1) * HEAD_DIM)
+        W.append(weights["key"][rows].T @ weights["query"][rows] / math.sqrt(HEAD_DIM))
+        O.append(weights["output"][:, rows] @ weights["value"][rows])
+        b.append(head_biases(weights, h) if biases else np.zeros(WIDTH))
+    c = (weights["output"] @ weights["value_bias"] + weights["output_bias"] if biases
+         else np.zeros(WIDTH))
+    return VectorAttention(np.array(W), np.array(O), np.array(b), c, positions)
+
+
+def save_vector_layer_target(path, layer: int, positions: str = "last",
+                             biases: bool = True) -> None:
+    """Write a layer as a vector model (:func:`minilm_vector_layer`), for ``attnextract
+    serve --secret PATH``."""
+    truth = minilm_vector_layer(layer, positions, biases)
+    np.savez(path, **truth.parameters(), kind=np.str_(truth.kind))

@@ -23,6 +23,13 @@ only (``http.client``, one keep-alive connection per sending thread):
   unreachable raises :class:`BlackBoxError` naming the URL and the last failure, and
   an answer of the wrong shape raises :class:`MalformedOutputError`.
 
+A server of a vector model answers (B, m) (the output at the last position) or
+(B, N, m) (every position), in npy or as nested JSON lists, and says so in ``/health``
+(``outputs``, ``out_dim``, ``causal``): the client declares it (``output_kind``,
+``out_dim``, ``causal``, read by :class:`~attnextract.oracle.Oracle`) and refuses, as
+:class:`MalformedOutputError`, answers whose kind or m disagree with the declaration or
+change between calls, and JSON answers holding strings, booleans, nulls or ragged lists.
+
 :meth:`HttpBlackBox.accounting` says what was sent and what the server charged
 (from its ``X-Charged`` header, each key counted once).
 
@@ -47,6 +54,7 @@ import numpy as np
 
 from ..errors import (AttnExtractError, BlackBoxError, BudgetExceededError, InputError,
                       MalformedOutputError)
+from ..oracle import OUTPUT_KINDS, answer_kind
 
 MAX_BACKOFF = 30.0
 NPY = "application/x-npy"
@@ -171,7 +179,7 @@ class HttpBlackBox:
         default ``max_length``, so verification never sends what the server refuses."""
         if getattr(self, "_max_length", False) is False:
             try:
-                health = self.health()
+                health = self._health_once()
             except (AttnExtractError, ValueError):
                 return None
             if not isinstance(health, dict):
@@ -182,6 +190,70 @@ class HttpBlackBox:
                 bounds.append(max(1, self.max_floats // dim))
             self._max_length = min(bounds) if bounds else None
         return self._max_length
+
+    # -- what the server answers (vector models declare it in /health) ------------------
+    def _health_once(self) -> dict:
+        """``/health`` asked once for what does not change (limits, the kind of answers):
+        ``max_length`` and ``output_kind`` share one request."""
+        if getattr(self, "_static_health", None) is None:
+            self._static_health = self.health()
+        return self._static_health
+
+    def _declared(self) -> dict:
+        """The server's declaration of its answers, from ``/health`` once: {} when it
+        declares none (a scalar server, an older one) or cannot be asked."""
+        if getattr(self, "_declaration", None) is None:
+            try:
+                health = self._health_once()
+            except (AttnExtractError, ValueError):
+                health = {}          # asked once: the first query reports what is wrong
+            health = health if isinstance(health, dict) else {}
+            kind, m = health.get("outputs"), health.get("out_dim")
+            ok = kind in OUTPUT_KINDS and isinstance(m, int) and not isinstance(m, bool) \
+                and m >= 1
+            self._declaration = {"outputs": kind, "out_dim": m,
+                                 "causal": health.get("causal")} if ok else {}
+        return self._declaration
+
+    @property
+    def output_kind(self) -> str | None:
+        """What the server declares it answers ("scalar", "last", "all"), or None."""
+        return self._declared().get("outputs")
+
+    @property
+    def out_dim(self) -> int | None:
+        """m, the width of the server's vector answers, as it declares it (or None)."""
+        return self._declared().get("out_dim")
+
+    @property
+    def causal(self) -> bool | None:
+        """Whether the server's every-position answers are causal, as it declares it."""
+        causal = self._declared().get("causal")
+        return causal if isinstance(causal, bool) else None
+
+    def _check_answers(self, out: np.ndarray, X: np.ndarray) -> np.ndarray:
+        """``out`` unless its shape is not (B,), (B, m) or (B, N, m) for the batch X, or
+        its kind or m disagree with the server's declaration or an earlier answer
+        (MalformedOutputError)."""
+        B, N = X.shape[:2]
+        found = answer_kind(out.shape, B, N)
+        if found is None:
+            raise MalformedOutputError(f"{self.url} answered shape {out.shape} for a batch of "
+                                       f"{B} sequences of {N} tokens; expected ({B},), "
+                                       f"({B}, m) or ({B}, {N}, m)")
+        declared = getattr(self, "_declaration", None) or {}   # if asked: no extra request
+        if declared and found != (declared["outputs"], declared["out_dim"]):
+            raise MalformedOutputError(
+                f"{self.url} answered shape {out.shape}, {_kind_words(found)}; its /health "
+                f"declares {_kind_words((declared['outputs'], declared['out_dim']))}")
+        with self._lock:
+            held = getattr(self, "_answers_kind", None)
+            if held is not None and held != found:
+                raise MalformedOutputError(
+                    f"{self.url} answered shape {out.shape}, {_kind_words(found)}; it answered "
+                    f"{_kind_words(held)} before")
+            self._answers_kind = found
+        return out
 
     def check_dim(self, dim: int) -> None:
         """Raise InputError unless the server takes tokens of width ``dim``."""
@@ -233,7 +305,7 @@ class HttpBlackBox:
                 out = np.lib.format.read_array(io.BytesIO(data), allow_pickle=False)
             except (ValueError, OSError, EOFError) as exc:
                 raise MalformedOutputError(f"{self.url} answered a bad npy: {exc}") from None
-            if out.shape != (batch,) or out.dtype.kind != "f":
+            if not out.shape or out.shape[0] != batch or out.ndim > 3 or out.dtype.kind != "f":
                 raise MalformedOutputError(f"{self.url} answered an npy of shape {out.shape} "
                                            f"and dtype {out.dtype} for {batch} sequences")
             return out.astype(np.float64)
@@ -247,12 +319,7 @@ class HttpBlackBox:
             raise MalformedOutputError(
                 f"{self.url} answered {type(outputs).__name__} of length "
                 f"{len(outputs) if isinstance(outputs, list) else '-'} for {batch} sequences")
-        if any(isinstance(o, bool) for o in outputs):
-            raise MalformedOutputError(f"{self.url} answered booleans, not numbers")
-        try:
-            return np.array(outputs, dtype=np.float64)
-        except (TypeError, ValueError) as exc:
-            raise MalformedOutputError(f"{self.url} answered non-numbers: {exc}") from None
+        return json_numbers(outputs, self.url)
 
     def _query(self, X: np.ndarray) -> np.ndarray:
         transport = self.transport
@@ -278,6 +345,7 @@ class HttpBlackBox:
                 self.transport = "json"
                 self.fallbacks += 1
         out = self._decode(data, reply.get("content-type", "").split(";")[0].strip(), len(X))
+        out = self._check_answers(out, X)
         charged = reply.get("x-charged")
         with self._lock:
             self.answered += len(X)
@@ -358,6 +426,33 @@ class HttpBlackBox:
         return f"{type(self).__name__}({self.url!r})"
 
 
+def json_numbers(outputs: list, url: str) -> np.ndarray:
+    """A JSON answer's ``outputs`` (B numbers, or nested lists (B, m) or (B, N, m)) as
+    float64; strings, booleans, nulls, objects and ragged lists are
+    :class:`MalformedOutputError`, never converted."""
+    try:
+        arr = np.array(outputs, dtype=object)   # rectangular nesting becomes axes
+    except ValueError as exc:
+        raise MalformedOutputError(f"{url} answered ragged nested lists: {exc}") from None
+    for item in arr.ravel():
+        if type(item) not in (int, float):      # exact types: bool is an int subclass
+            what = ("ragged nested lists" if isinstance(item, list) else
+                    "booleans" if isinstance(item, bool) else f"a {type(item).__name__}")
+            raise MalformedOutputError(f"{url} answered {what} among its outputs "
+                                       f"({item!r:.40}); expected numbers")
+    try:
+        return arr.astype(np.float64)
+    except OverflowError:
+        raise MalformedOutputError(f"{url} answered a number beyond the float64 range") from None
+
+
+def _kind_words(kind: tuple[str, int]) -> str:
+    name, m = kind
+    return ("one number per sequence" if name == "scalar" else
+            f"vectors of m = {m} at the last position" if name == "last" else
+            f"vectors of m = {m} at every position")
+
+
 def _stale(sock: socket.socket) -> bool:
     """True if an idle keep-alive socket was closed by the server (readable at EOF)."""
     import select
@@ -426,14 +521,19 @@ class JsonApiBlackBox(HttpBlackBox):
             raise MalformedOutputError(
                 f"{self.url} answered something that is not JSON: {data[:80]!r}") from None
         try:
-            out = np.asarray(self.decode_answer(answer), dtype=np.float64).reshape(-1)
+            out = np.asarray(self.decode_answer(answer), dtype=np.float64)
+            # vectors (b, m) or (b, N, m) keep their shape; numbers any way they come
+            out = out if out.ndim >= 2 and out.shape[0] == batch else out.reshape(-1)
         except Exception as exc:     # the user's decoder met an answer it did not expect
             raise MalformedOutputError(f"decode failed on the answer of {self.url}: "
                                        f"{type(exc).__name__}: {exc}") from None
-        if out.shape != (batch,):
+        if out.ndim == 1 and out.shape != (batch,):
             raise MalformedOutputError(f"decode gave {out.shape[0]} numbers for {batch} "
                                        f"sequences")
         return out
+
+    def _declared(self) -> dict:
+        return {}                    # a foreign API declares nothing: the oracle finds out
 
     def health(self) -> dict:
         return {"url": self.url,

@@ -4,7 +4,9 @@
 target spec (``FILE.npz``, ``FILE.py:NAME``) and is itself such a callable: every
 batch is cut into N contiguous parts, part i is evaluated by actor i, and the answers
 are put back in order. The HTTP server calls it from its worker threads, so several
-requests keep all actors busy.
+requests keep all actors busy. Vector answers, (B, m) or (B, N, m), are put back in order
+the same way, and what the model declares (``output_kind``, ``out_dim``, ``causal``) is
+declared by the replicas.
 
 Ray is an optional extra (``pip install 'attnextract[ray]'``), imported only here. With
 no ``address`` a single-machine cluster of N CPUs is started; with ``address`` (e.g.
@@ -66,6 +68,19 @@ def load_spec(spec: str):
     return ServedBox(model)
 
 
+DECLARED = ("output_kind", "out_dim", "causal")   # what a vector model says it answers
+
+
+def joined(answers: list, vectors: bool = False) -> np.ndarray:
+    """The parts' answers in order: B numbers (each part's flattened, as always), or the
+    vectors (b_i, m) / (b_i, N, m) of each part stacked along the batch (``vectors``: the
+    model declares them; else found from the parts' shapes)."""
+    parts = [np.asarray(a, dtype=np.float64) for a in answers]
+    if vectors or any(p.ndim >= 2 and p.shape[1:] != (1,) for p in parts):
+        return np.concatenate(parts)
+    return np.concatenate([p.reshape(-1) for p in parts])
+
+
 class ServedBox:
     """A ``FILE.py:NAME`` black box as the server calls it: a batch (B, N, d) in, B float64
     numbers out, asked the way :class:`attnextract.oracle.Oracle` asks it. So a function
@@ -78,6 +93,9 @@ class ServedBox:
         self.box, self.dim = box, int(box.dim)
         self.kind = getattr(box, "kind", "custom")
         self._oracle = Oracle(box, self.dim)
+        # what the box declares it answers (vectors), passed on to the server
+        for name in DECLARED:
+            setattr(self, name, getattr(box, name, None))
 
     def __call__(self, X) -> np.ndarray:
         return self._oracle._ask_black_box(np.asarray(X, dtype=np.float64))
@@ -106,6 +124,8 @@ class RayReplicas:
             raise InputError("a replicated model must be callable and have a dim")
         self.ray = ray = ray_module or _ray()
         self.dim, self.kind = int(local.dim), getattr(local, "kind", "custom")
+        for name in DECLARED:
+            setattr(self, name, getattr(local, name, None))
         self.replicas = replicas
         self.started = False
         if not ray.is_initialized():
@@ -123,7 +143,7 @@ class RayReplicas:
             answers = self.ray.get([a.evaluate.remote(p) for a, p in zip(self.actors, parts)])
         except Exception as exc:      # an actor died or the model raised on a node
             raise BlackBoxError(f"a Ray replica failed: {type(exc).__name__}: {exc}") from exc
-        return np.concatenate([np.asarray(a, dtype=np.float64).reshape(-1) for a in answers])
+        return joined(answers, self.output_kind in ("last", "all"))
 
     def close(self) -> None:
         """Stop the actors (and the local cluster this object started)."""

@@ -1,7 +1,7 @@
 """Serve a model as an HTTP black box: ``attnextract serve --secret FILE.npz --port P``.
 
-The black box a remote API would be: it answers one number per sequence and
-nothing else, charges what it serves exactly once, enforces its own query budget,
+The black box a remote API would be: it answers one number per sequence (or, for a
+vector model, the output vectors) and nothing else, charges what it serves exactly once, enforces its own query budget,
 keeps its books (``--state FILE.sqlite``: a restart, a crash or ``kill -9`` loses
 nothing) and survives any request a client can send. docs/serving.md is the user's
 guide; in short:
@@ -43,6 +43,13 @@ come first served); bodies parsed as they arrive into float64 arrays, refused th
 moment they pass a limit (``max_floats`` numbers, not bytes); npy headers parsed with
 ``numpy.lib.format`` (no pickles). Peak memory: :func:`peak_rss_bound`.
 
+Vector models (a saved :class:`~attnextract.models.VectorAttention`, or any model that
+declares ``output_kind`` "last" or "all" and ``out_dim``) answer (B, m) or (B, N, m):
+nested JSON lists or one npy array of that shape. ``/health`` then adds ``outputs``,
+``out_dim`` and ``causal``. A model that declares nothing has its kind fixed by its
+first answer; an answer of another shape later is a 500 (not charged). Every byte
+bound counts the m (last position) or N m (every position) numbers of each answer.
+
 ``--round DIGITS`` rounds every output to that many decimals, as APIs that print
 their answers do (the extraction then meets a noisy black box).
 """
@@ -64,6 +71,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ..errors import InputError
+from ..oracle import OUTPUT_KINDS, answer_kind
 
 LOG = logging.getLogger("attnextract.server")
 
@@ -88,6 +96,9 @@ READ_SIZE = 64 << 10             # bytes the server reads from a socket at once
 CONNECTION_BUFFER = 2 * MAX_HEADER_BYTES + READ_SIZE   # most a connection's stream buffers
 ANSWER_BYTES = 100               # bytes an answer takes per sequence while it is encoded
                                  # (JSON: 94.5 measured with tracemalloc at B = 100 000)
+                                 # and per number of a vector answer (77-81 at 320 000)
+LIST_BYTES = 200                 # and per innermost list of a vector answer's JSON (its
+                                 # object, pointers and brackets: 65-175 measured)
 CONNECTION_COST = CONNECTION_BUFFER + (16 << 10)   # a connection's buffers and objects
 RSS_SLACK = 16 << 20             # allocator slack, SQLite's page cache, the model's temporaries
 READ_CHUNK = 1 << 16             # pieces of a body given to the parser at once (parse())
@@ -510,8 +521,9 @@ class Ledger:
         return self._get("served", 0)
 
     # -- writing (each one transaction) --------------------------------------------------
-    def replay(self, key: str, digest: bytes):
-        """The answer kept for ``key`` (counted as replayed), or None if not kept."""
+    def replay(self, key: str, digest: bytes, shape: tuple | None = None):
+        """The answer kept for ``key`` (counted as replayed, reshaped to ``shape`` when
+        given), or None if not kept."""
         with self._transaction():
             row = self.db.execute("SELECT digest, outputs FROM answers WHERE key = ?",
                                   (key,)).fetchone()
@@ -519,7 +531,8 @@ class Ledger:
                 return None
             if row[0] != digest:
                 raise RequestError(422, "Idempotency-Key reused with a different batch")
-            outputs = np.frombuffer(row[1], dtype="<f8").copy()
+            # vector answers: the batch's shape (the digest checked it is the same batch)
+            outputs = np.frombuffer(row[1], dtype="<f8").copy().reshape(shape or -1)
             self._add("clock", 1)
             self.db.execute("UPDATE answers SET used = (SELECT value FROM meta WHERE name = "
                             "'clock') WHERE key = ?", (key,))
@@ -544,7 +557,8 @@ class Ledger:
                         raise RequestError(422, "Idempotency-Key reused with a different "
                                                 "batch")
                     self._add("replayed", n)
-                    return "replayed", np.frombuffer(row[1], dtype="<f8").copy()
+                    return "replayed", np.frombuffer(row[1], dtype="<f8").copy().reshape(
+                        outputs.shape)
             budget, served = self._get("budget"), self._get("served")
             if budget is not None and served + n > budget:
                 raise RequestError(429, f"budget exhausted: {n} sequences asked, "
@@ -582,10 +596,23 @@ def model_fingerprint(model, dim: int) -> bytes:
     """The model's float64 answers to the journal's challenge sequences (its identity for a
     ledger): a ledger kept for one model is never used to answer for another."""
     from .journal import challenge_sequences
-    outputs = [np.asarray(model(X[None]), dtype=np.float64).reshape(1)
-               for X in challenge_sequences(dim)]
+    # every number of each answer (one for a scalar model: the bytes ledgers always had)
+    outputs = np.concatenate([np.asarray(model(X[None]), dtype=np.float64).reshape(-1)
+                              for X in challenge_sequences(dim)])
     # rounded to 12 significant digits: a float32 model batched differently still agrees
-    return np.array([float(f"{o[0]:.12g}") for o in outputs]).tobytes()
+    return np.array([float(f"{o:.12g}") for o in outputs]).tobytes()
+
+
+def declared_answers(model) -> tuple[str | None, int | None, bool | None]:
+    """(outputs, m, causal) a served model declares (``output_kind``, ``out_dim``,
+    ``causal``); (None, None, None) when it declares nothing (fixed by its first answer)."""
+    kind, m = getattr(model, "output_kind", None), getattr(model, "out_dim", None)
+    if kind == "scalar":
+        return "scalar", 1, None
+    if kind in OUTPUT_KINDS and isinstance(m, (int, np.integer)) and m >= 1:
+        causal = getattr(model, "causal", None)
+        return kind, int(m), bool(causal) if isinstance(causal, (bool, np.bool_)) else None
+    return None, None, None
 
 
 class ClientGone(Exception):
@@ -614,6 +641,8 @@ class ServerState:
         self.max_body, self.max_sequences = max_body, max_sequences
         self.max_floats, self.max_length = max_floats, max_length
         self.lock = threading.Lock()
+        # what the model answers: declared, or fixed by its first answer
+        self.outputs, self.out_dim, self.causal = declared_answers(model)
         fingerprint = None if state is None else model_fingerprint(model, self.dim)
         self.ledger = Ledger(state, cache_bytes=cache_bytes, budget=budget, dim=self.dim,
                              fingerprint=fingerprint)
@@ -683,7 +712,7 @@ class ServerState:
         for _ in range(3):           # a repeat of a key in flight waits for its answer
             with self.lock:
                 if key is not None:
-                    kept = self.ledger.replay(key, digest)
+                    kept = self.ledger.replay(key, digest, self.answer_shape(X))
                     if kept is not None:
                         return self._answer(kept, True)
                 waiting = self.inflight.get(key) if key is not None else None
@@ -703,7 +732,9 @@ class ServerState:
         reserved = n                 # released in the same lock section as the charge: in
         try:                         # between, others would see the batch counted twice
             try:
-                out = np.asarray(self.model(X), dtype=np.float64).reshape(n)
+                out = self._evaluate(X)
+            except RequestError:
+                raise
             except Exception as exc:
                 # the reason stays in the server's log: a model's exception text may tell
                 # a client more than the outputs would (paths, shapes, weights)
@@ -729,6 +760,54 @@ class ServerState:
                 if key is not None:
                     self.inflight.pop(key).set()
 
+    def answer_shape(self, X: np.ndarray) -> tuple | None:
+        """The shape of the answer to the batch X: (B,), (B, m) or (B, N, m); None while
+        the kind is not known (no answer yet from a model that declares nothing)."""
+        if self.outputs is None:
+            return None
+        B, N = X.shape[:2]
+        return {"scalar": (B,), "last": (B, self.out_dim),
+                "all": (B, N, self.out_dim)}[self.outputs]
+
+    def answer_numbers(self, sequences: int, tokens: int) -> int:
+        """Numbers in the answer to ``sequences`` sequences of ``tokens`` tokens in all: one
+        per sequence, m per sequence (last position) or m per token (every position)."""
+        if self.outputs == "last":
+            return sequences * self.out_dim
+        if self.outputs == "all":
+            return tokens * self.out_dim
+        return sequences
+
+    def answer_bytes(self, sequences: int, tokens: int) -> int:
+        """Bytes the answer to ``sequences`` sequences of ``tokens`` tokens may take while it
+        is encoded: ANSWER_BYTES per number, and LIST_BYTES per list of a vector answer
+        (one per sequence at the last position; one per token and one per sequence at
+        every position)."""
+        lists = {"last": sequences, "all": tokens + sequences}.get(self.outputs, 0)
+        return self.answer_numbers(sequences, tokens) * ANSWER_BYTES + lists * LIST_BYTES
+
+    def _evaluate(self, X: np.ndarray) -> np.ndarray:
+        """The model's answer to X, float64 of :meth:`answer_shape` (a scalar model's B
+        numbers may come in any shape, as always); a vector answer of another shape than
+        the model's earlier ones is a 500, not charged."""
+        n = len(X)
+        out = np.asarray(self.model(X), dtype=np.float64)
+        if self.outputs in (None, "scalar") and out.size == n and out.ndim <= 2:
+            if self.outputs is None and out.ndim == 1:
+                self.outputs, self.out_dim = "scalar", 1
+            if self.outputs == "scalar" or out.ndim == 1:
+                return out.reshape(n)
+        found = answer_kind(out.shape, n, X.shape[1])
+        if found is not None and self.outputs is None:
+            with self.lock:
+                self.outputs, self.out_dim = found
+        if found is None or found != (self.outputs, self.out_dim):
+            LOG.error("the model answered shape %s to a batch of shape %s; expected %s",
+                      out.shape, X.shape, self.answer_shape(X))
+            raise RequestError(500, "internal error: the model answered an array of another "
+                                    "shape than before; not charged")
+        return out.reshape(self.answer_shape(X))
+
     def _answer(self, outputs, replayed: bool) -> dict:
         budget = self.ledger.budget
         return {"outputs": outputs,
@@ -744,7 +823,13 @@ class ServerState:
                 "budget": budget, "remaining": None if budget is None else max(0, budget - served),
                 "binary": True, "state": self.ledger.path is not None,
                 "max_length": min(self.max_length, self.max_floats // self.dim),
-                "max_numbers": self.max_floats}
+                "max_numbers": self.max_floats, **self._declaration()}
+
+    def _declaration(self) -> dict:
+        """/health's declaration of vector answers (nothing for one number per sequence)."""
+        if self.outputs not in ("last", "all"):
+            return {}
+        return {"outputs": self.outputs, "out_dim": self.out_dim, "causal": self.causal}
 
     def close(self) -> None:
         with self.lock:
@@ -1016,7 +1101,9 @@ class BlackBoxServer:
         per_number = 8 if content_type in (NPY, RAW) else 2    # JSON: "0," is a number
         numbers = min(length // per_number + 1, state.max_floats)
         sequences = min(numbers // state.dim + 1, state.max_sequences)
-        return 16 * numbers + sequences * ANSWER_BYTES + min(length, CONNECTION_BUFFER)
+        # the answer: one number per sequence, or m per sequence, or m per token
+        answer = state.answer_bytes(sequences, numbers // state.dim + 1)
+        return 16 * numbers + answer + min(length, CONNECTION_BUFFER)
 
     async def _route(self, reader, writer, method, path, headers, keep_alive) -> bool:
         state = self.state

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import inspect
+import math
 import sys
 import threading
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InputError, TargetLoadError
-from ..models import SingleHeadAttention
+from ..models import SingleHeadAttention, VectorAttention
 
 
 def random_single_head(dim: int, seed=None, *, w_scale: float | None = None,
@@ -297,6 +298,21 @@ class FirstBatchHint:
 
     def __getattr__(self, name):
         return getattr(self.target, name)
+def random_vector_attention(heads: int, dim: int, out_dim: int | None = None, seed=None, *,
+                            positions: str = "last", causal: bool = False,
+                            biases: bool = True):
+    """A random :class:`~attnextract.models.VectorAttention`: W (H, d, d) entries
+    N(0, 9/d) (scores of order one for unit tokens), O (H, m, d) entries
+    N(0, 1/d), b (H, d) and c (m,) N(0, 1) (zero without ``biases``); m = d by default."""
+    rng = np.random.default_rng(seed)
+    m = dim if out_dim is None else int(out_dim)
+    W = 3.0 * rng.standard_normal((heads, dim, dim)) / math.sqrt(dim)
+    O = rng.standard_normal((heads, m, dim)) / math.sqrt(dim)
+    b = rng.standard_normal((heads, dim)) if biases else None
+    c = rng.standard_normal(m) if biases else None
+    return VectorAttention(W, O, b, c, positions=positions, causal=causal)
+
+
 def random_low_rank_multi_head(heads: int, dim: int, rank: int, seed=None, *,
                                scale: float = 1.0, v_scale: float = 1.0):
     """H generic rank-r heads like a real layer: W_h = scale * A_h B_h^T / sqrt(d r) with

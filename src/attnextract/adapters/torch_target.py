@@ -6,6 +6,14 @@ at the last token with a readout vector r:
 
     f(X) = r^T MHA(query = x_N, key = X, value = X)
 
+or, without a readout, answers the output vectors themselves: MHA(x_N, X, X) (B, E) at
+the last position, or self-attention MHA(X, X, X) (B, N, E) at every position (causal
+on request), in the module's own dtype unless asked otherwise. A bare
+``nn.MultiheadAttention`` handed to an :class:`~attnextract.oracle.Oracle` (or named by a
+``FILE.py:NAME`` target) is served that way, at every position; any other module may
+answer (B,), (B, m) or (B, N, m) (:class:`TorchModuleBlackBox`). :func:`vector_attention`
+gives the :class:`~attnextract.models.VectorAttention` a module computes.
+
 For a bias-free module (``bias=False``, no ``add_bias_kv``, no ``add_zero_attn``) one
 head h with rows Q_h, K_h, V_h of ``in_proj_weight`` (head_dim x E each) and columns
 O_h of ``out_proj.weight`` is a single-head attention regressor
@@ -104,25 +112,32 @@ TORCH_DTYPES = ("float64", "float32", "bfloat16", "float16")
 def module_black_box(module):
     """A ``torch.nn.Module`` handed over as a black box, made one.
 
-    A module whose ``forward`` takes a batch (B, N, d) tensor and returns B numbers is
-    served by :class:`TorchModuleBlackBox` (a copy in eval mode, inputs in its own dtype).
-    A bare ``nn.MultiheadAttention`` answers vectors, not one number per sequence, and
-    needs a readout: InputError naming :class:`TorchAttentionBlackBox`.
+    A bare ``nn.MultiheadAttention`` answers vectors: it is served as self-attention,
+    ``module(X, X, X)``, answering the output at every position (B, N, E), in its own
+    dtype (:class:`TorchAttentionBlackBox` with ``readout=None, positions="all"``). Any
+    other module whose ``forward`` takes a batch (B, N, d) tensor is served by
+    :class:`TorchModuleBlackBox` (a copy in eval mode, inputs in its own dtype): it may
+    answer B numbers, (B, m) or (B, N, m) (a tuple's first element is the answer).
     """
     torch = _torch()
     if isinstance(module, torch.nn.MultiheadAttention):
-        raise InputError(
-            "a torch.nn.MultiheadAttention answers a sequence of vectors, not one number per "
-            "sequence: wrap it as TorchAttentionBlackBox(layer, readout=0) (from "
-            "attnextract.adapters.torch_target; readout=0 reads the last token with a "
-            "random unit vector of seed 0), see docs/bring-your-own-model.md")
+        return TorchAttentionBlackBox(module, positions="all", dtype=None)
     return TorchModuleBlackBox(module)
 
 
+def _answer_tensor(out):
+    """A module's answer: the first element of a tuple (``nn.MultiheadAttention`` returns
+    (output, weights)), else the output itself."""
+    return out[0] if isinstance(out, (tuple, list)) and out and hasattr(out[0], "detach") \
+        else out
+
+
 class TorchModuleBlackBox:
-    """A user's ``torch.nn.Module`` (B, N, d) -> (B,) as a black box: a private copy in
-    eval mode (dropout off), run under ``no_grad`` on inputs cast to its own dtype (its
-    first parameter's, float64 when it has none); outputs read back as float64."""
+    """A user's ``torch.nn.Module`` as a black box: a private copy in eval mode (dropout
+    off), run under ``no_grad`` on inputs (B, N, d) cast to its own dtype (its first
+    parameter's, float64 when it has none); its answer, (B,), (B, m) or (B, N, m) (the
+    first element of a tuple), read back as float64. The oracle finds which kind at the
+    first answer."""
 
     kind = "torch-module"
 
@@ -139,37 +154,63 @@ class TorchModuleBlackBox:
         with torch.no_grad():
             out = self.module(torch.as_tensor(np.asarray(X), dtype=self.dtype,
                                               device=self.device))
-        return out.detach().cpu().to(torch.float64).numpy()
+        return _answer_tensor(out).detach().cpu().to(torch.float64).numpy()
 
     def __repr__(self) -> str:
         return f"TorchModuleBlackBox({type(self.module).__name__}, {self.dtype_name})"
 
 
+POSITIONS = ("last", "all")
+
+
 class TorchAttentionBlackBox:
-    """f(X) = r^T MultiheadAttention(x_N, X, X), batched: (B, N, E) -> (B,).
+    """A ``torch.nn.MultiheadAttention`` as a black box, batched (B, N, E).
+
+    With a readout r, one number per sequence: f(X) = r^T MHA(x_N, X, X), (B,).
+    Without one (``readout=None``), the output vectors themselves: at the last position
+    MHA(x_N, X, X), (B, E), or (``positions="all"``) self-attention MHA(X, X, X) at every
+    position, (B, N, E) (``causal=True``: position j attends to i <= j only).
 
     Parameters
     ----------
     module : torch.nn.MultiheadAttention
         The layer to query (``batch_first`` either way). It is copied, never changed.
     readout : array (E,) or int, optional
-        The readout vector r, or a seed for a random unit r (default seed None: random).
+        The readout vector r, or a seed for a random unit r; None (default): no readout,
+        the box answers vectors.
     head : int, optional
         Serve head ``head`` alone (the other heads' output columns zeroed in the copy);
         None serves every head.
-    dtype : str or None
-        ``"float64"`` (default), ``"float32"``, ``"bfloat16"`` or ``"float16"``: the
-        precision of the copy's forward pass (inputs are cast to it, the output read
-        back as float64); None: the module's own dtype (``self.dtype_name`` says which). In low precision every output is off by the rounding of the
-        whole forward pass, not one rounding of the output: extract such a target with
-        ``output_dtype=`` (``--output-dtype``).
+    dtype : str or None, optional
+        ``"float64"``, ``"float32"``, ``"bfloat16"`` or ``"float16"``: the precision of the
+        copy's forward pass (inputs are cast to it, the output read back as float64);
+        None: the module's own dtype (``self.dtype_name`` says which). Default: float64
+        with a readout (exact extraction), the module's own dtype for vectors (the
+        layer answers as it is deployed). In low precision every output is off by the
+        rounding of the whole forward pass, not one rounding of the output: extract such
+        a target with ``output_dtype=`` (``--output-dtype``).
+    positions : {"last", "all"}
+        Vector answers at the last position or at every position (no readout only).
+    causal : bool
+        Every-position answers under a causal mask.
+
+    ``output_kind`` ("scalar", "last" or "all"), ``out_dim`` and ``causal`` declare what
+    the box answers to an :class:`~attnextract.oracle.Oracle`.
     """
 
     kind = "torch-multihead-attention"
 
-    def __init__(self, module, readout=None, *, head: int | None = None, dtype: str = "float64"):
+    def __init__(self, module, readout=None, *, head: int | None = None, dtype: str = "default",
+                 positions: str = "last", causal: bool = False):
         torch = _torch()
         _check_module(module, torch)
+        if positions not in POSITIONS:
+            raise InputError(f"positions must be one of {POSITIONS}, got {positions!r}")
+        if readout is not None and (positions != "last" or causal):
+            raise InputError("a readout gives one number per sequence, read at the last "
+                             "position: positions='all' and causal=True go with readout=None")
+        if dtype == "default":        # exact extraction reads numbers; vectors as deployed
+            dtype = "float64" if readout is not None else None
         if dtype is None:                 # the module's own dtype (its first parameter's)
             dtype = str(next(module.parameters()).dtype).removeprefix("torch.")
         if dtype not in TORCH_DTYPES:
@@ -187,34 +228,100 @@ class TorchAttentionBlackBox:
                 keep[head * hd:(head + 1) * hd] = True
                 self.module.out_proj.weight[:, ~keep] = 0.0
         self.head = head
+        self.dim = E
+        self.positions, self.causal = positions, bool(causal)
+        if readout is None:
+            self._r = self.readout = None
+            self.output_kind, self.out_dim = positions, E
+            return
         # the readout as the forward pass holds it (rounded to the dtype), so that
         # merged_parameters() describes what the box computes
         self._r = torch.from_numpy(_readout(readout, E)).to(self.dtype)
         self.readout = self._r.to(torch.float64).numpy()
-        self.dim = E
+        self.output_kind, self.out_dim = "scalar", 1
 
     def __call__(self, X) -> np.ndarray:
         X = _batch(X, self.dim)
         torch = self.torch
+        every = self.output_kind == "all"
         with torch.no_grad():
             seq = torch.tensor(X, dtype=self.dtype)      # a copy, cast to the module's dtype
-            query = seq[:, -1:, :]
+            query = seq if every else seq[:, -1:, :]
             if not self.module.batch_first:          # torch wants (N, B, E) then
                 seq, query = seq.transpose(0, 1), query.transpose(0, 1)
-            out, _ = self.module(query, seq, seq, need_weights=False)
+            mask = None
+            if self.causal:                          # True where j may not see i > j
+                N = X.shape[1]
+                mask = torch.ones(N, N, dtype=torch.bool).triu(1)
+            out, _ = self.module(query, seq, seq, need_weights=False, attn_mask=mask)
             if not self.module.batch_first:
                 out = out.transpose(0, 1)
+            if every:
+                return out.to(torch.float64).numpy()
+            if self._r is None:
+                return out[:, 0, :].to(torch.float64).numpy()
             return (out[:, 0, :] @ self._r).to(torch.float64).numpy()
 
     def merged_parameters(self) -> tuple[np.ndarray, np.ndarray]:
         """(W, v) of the served head, from the weights (for checking; needs ``head``)."""
         if self.head is None and self.module.num_heads > 1:
             raise InputError("the whole module has several heads; give head= to get one (W, v)")
+        if self.readout is None:
+            raise InputError("this box answers vectors (no readout): vector_model() gives "
+                             "what it computes")
         return merged_head_parameters(self.module, self.readout, self.head or 0)
+
+    def vector_model(self):
+        """What the box computes, as a :class:`attnextract.models.VectorAttention` (every
+        served head, biases included, in float64 from the copy's weights)."""
+        return vector_attention(self.module, positions=self.positions, causal=self.causal,
+                                heads=None if self.head is None else [self.head])
 
     def __repr__(self) -> str:
         which = "all heads" if self.head is None else f"head {self.head}"
-        return f"TorchAttentionBlackBox(E={self.dim}, {which})"
+        what = "" if self._r is not None else f", vectors at {self.positions} position" + (
+            "s" if self.positions == "all" else "")
+        return f"TorchAttentionBlackBox(E={self.dim}, {which}{what})"
+
+
+def vector_attention(module, *, positions: str = "last", causal: bool = False,
+                     heads=None):
+    """A ``torch.nn.MultiheadAttention`` as the :class:`attnextract.models.VectorAttention`
+    it computes, in float64: per head h with rows Q_h, K_h, V_h of ``in_proj_weight``
+    (hd x E), query bias b_q,h and output columns W_o,h,
+
+        W_h = K_h^T Q_h / sqrt(hd),  b_h = K_h^T b_q,h / sqrt(hd),  O_h = W_o,h V_h (E x E),
+
+    and c = W_o b_v + b_o (the key bias cancels in the softmax). ``heads`` keeps only
+    those heads (default: all). ``add_bias_kv`` and ``add_zero_attn`` are outside the
+    class (InputError)."""
+    from ..models import VectorAttention
+    torch = _torch()
+    _check_module(module, torch)
+    if module.bias_k is not None or module.add_zero_attn:
+        raise InputError("add_bias_kv and add_zero_attn are outside the VectorAttention class")
+    E, H = module.embed_dim, module.num_heads
+    hd = E // H
+    with torch.no_grad():
+        weights = module.in_proj_weight.detach().to(torch.float64).cpu().numpy()
+        out = module.out_proj.weight.detach().to(torch.float64).cpu().numpy()
+        bias = (np.zeros(3 * E) if module.in_proj_bias is None
+                else module.in_proj_bias.detach().to(torch.float64).cpu().numpy())
+        out_bias = (np.zeros(E) if module.out_proj.bias is None
+                    else module.out_proj.bias.detach().to(torch.float64).cpu().numpy())
+    W, b, O = [], [], []
+    for h in (range(H) if heads is None else heads):
+        rows = slice(h * hd, (h + 1) * hd)
+        Q, K, V = (weights[i * E:(i + 1) * E][rows] for i in range(3))
+        W.append(K.T @ Q / math.sqrt(hd))
+        b.append(K.T @ bias[:E][rows] / math.sqrt(hd))
+        O.append(out[:, rows] @ V)
+    # a served head alone keeps only its own share of the value bias
+    kept = np.zeros(E, dtype=bool)
+    for h in (range(H) if heads is None else heads):
+        kept[h * hd:(h + 1) * hd] = True
+    c = out[:, kept] @ bias[2 * E:][kept] + out_bias
+    return VectorAttention(np.array(W), np.array(O), np.array(b), c, positions, causal)
 
 
 class TorchPreLayerNormBlackBox:

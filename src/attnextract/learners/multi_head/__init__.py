@@ -72,7 +72,7 @@ from ...report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, check
 from ..single_head import _model_error_bar, constant_and_values, measure_weights, probe_basis
 from . import design, polish
 from .canonical import (canonical_error, canonical_form, match_heads, non_identifiable_twin,
-                        twin_difference)
+                        non_identifiable_vector_twin, twin_difference)
 from .subspaces import extract_in_subspaces
 from .budget import Budget, _Redesign, _check_queries, _scan_size, biased_count, paper2_count
 from .base_row import BaseRowStage
@@ -84,8 +84,8 @@ from .constants import (BASE_CANDIDATES, COARSEST_SHARE, COARSE_ROUNDING, COUNT_
                         SINGLE_TOKEN_MISFIT)
 
 __all__ = ["extract_multi_head", "canonical_form", "canonical_error", "match_heads",
-           "non_identifiable_twin", "twin_difference", "output_precision", "paper2_count",
-           "biased_count"]
+           "non_identifiable_twin", "non_identifiable_vector_twin", "twin_difference",
+           "output_precision", "paper2_count", "biased_count"]
 
 
 

@@ -17,8 +17,9 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 from ...errors import InputError
-from ...models import MultiHeadAttention, SingleHeadAttention
+from ...models import MultiHeadAttention, SingleHeadAttention, VectorAttention
 from ...report import held_out_sequences, token_scale
+from ..vector_canonical import vector_canonical_errors, vector_canonical_form
 
 def _check_multi(model) -> MultiHeadAttention:
     """``model`` as a MultiHeadAttention: that, a single head, a (W, v) pair of arrays or
@@ -44,6 +45,10 @@ def _check_multi(model) -> MultiHeadAttention:
 def canonical_form(model, tol: float = 1e-9) -> MultiHeadAttention:
     """Merge heads with equal W (adding their v), then drop heads whose v is 0.
 
+    A :class:`~attnextract.models.VectorAttention` gets its own canonical form (heads
+    with equal W and b merge their O; O = 0 drops):
+    :func:`attnextract.learners.vector_canonical.vector_canonical_form`.
+
     Parameters
     ----------
     model : MultiHeadAttention
@@ -57,6 +62,8 @@ def canonical_form(model, tol: float = 1e-9) -> MultiHeadAttention:
     MultiHeadAttention
         The canonical heads, W (H', d, d), v (H', d), H' <= H, in order of first appearance.
     """
+    if isinstance(model, VectorAttention):
+        return vector_canonical_form(model, tol)
     model = _check_multi(model)
     if tol < 0 or not np.isfinite(tol):
         raise InputError(f"tol must be a non-negative number, got {tol}")
@@ -113,6 +120,8 @@ def match_heads(recovered, truth) -> tuple[np.ndarray, float, float]:
 
 def canonical_error(recovered, truth, tol: float = 1e-9) -> float:
     """Largest relative error between the canonical forms after matching heads."""
+    if isinstance(recovered, VectorAttention) or isinstance(truth, VectorAttention):
+        return vector_canonical_errors(recovered, truth, tol)["max"]
     _, w_err, v_err = match_heads(canonical_form(recovered, tol), canonical_form(truth, tol))
     return max(w_err, v_err)
 
@@ -132,8 +141,11 @@ def non_identifiable_twin(model, seed=None) -> MultiHeadAttention:
     Returns
     -------
     MultiHeadAttention
-        W (H + 2, d, d), v (H + 2, d).
+        W (H + 2, d, d), v (H + 2, d); for a VectorAttention (O (H, m, d)),
+        :func:`non_identifiable_vector_twin`.
     """
+    if isinstance(model, VectorAttention):
+        return non_identifiable_vector_twin(model, seed)
     model = _check_multi(model)
     if model.heads == 0:
         raise InputError("a model with no heads has no twin to build from its heads")
@@ -173,15 +185,60 @@ def twin_difference(model_a, model_b, count: int = 256, seed=None,
     rng = np.random.default_rng(seed)
     seqs = held_out_sequences(model_a.dim, count, rng, token_scale(model_a), max_length)
     lengths = np.array([len(s) for s in seqs])
-    fa, fb = np.empty(count), np.empty(count)
+    # answers of any shape per sequence: one number, a vector (m,) or (N, m) (vector
+    # models compare every channel and position)
+    diff, squares, numbers = 0.0, 0.0, 0
     for n in np.unique(lengths):
-        idx = np.flatnonzero(lengths == n)
-        batch = np.stack([seqs[i] for i in idx])
-        fa[idx], fb[idx] = model_a(batch), model_b(batch)
-    rms = float(np.sqrt(np.mean(fa ** 2)))
-    diff = float(np.max(np.abs(fa - fb)))
+        batch = np.stack([seqs[i] for i in np.flatnonzero(lengths == n)])
+        fa, fb = np.asarray(model_a(batch)), np.asarray(model_b(batch))
+        if fa.shape != fb.shape:
+            raise InputError(f"the models answer shapes {fa.shape} and {fb.shape}")
+        diff = max(diff, float(np.max(np.abs(fa - fb))))
+        squares, numbers = squares + float(np.sum(fa ** 2)), numbers + fa.size
+    rms = math.sqrt(squares / numbers)
     return {"max_abs": diff, "max_relative": diff / rms if rms > 0 else diff,
             "rms_output": rms, "sequences": count}
+
+
+def non_identifiable_vector_twin(model: VectorAttention, seed=None) -> VectorAttention:
+    """A VectorAttention with other parameters and exactly the same answers.
+
+    One head's O is split between two heads with the same W and b (O_h = A + (O_h - A),
+    A random), a dead head (random W and b, O = 0) is added, and the heads are permuted
+    (never the identity). Its canonical form
+    (:func:`~attnextract.learners.vector_canonical.vector_canonical_form`) is the model's.
+
+    Parameters
+    ----------
+    model : VectorAttention
+        W (H, d, d), O (H, m, d), b (H, d), c (m,) with H >= 1.
+
+    Returns
+    -------
+    VectorAttention
+        W (H + 2, d, d), O (H + 2, m, d), b (H + 2, d), the same c, positions and causal.
+    """
+    if model.heads == 0:
+        raise InputError("a model with no heads has no twin to build from its heads")
+    rng = np.random.default_rng(seed)
+    d, m = model.dim, model.out_dim
+    W, O, b = list(model.W.copy()), list(model.O.copy()), list(model.b.copy())
+    h = int(rng.integers(model.heads))
+    split = rng.uniform(0.2, 0.8) * O[h] + rng.standard_normal((m, d)) * (
+        np.linalg.norm(O[h]) / math.sqrt(m * d) + 1.0)
+    W.append(W[h].copy())
+    b.append(b[h].copy())
+    O.append(O[h] - split)
+    O[h] = split
+    scale = float(np.linalg.norm(model.W) / math.sqrt(model.heads * d)) or 1.0
+    W.append(scale * rng.standard_normal((d, d)))   # dead head: any W and b, O = 0
+    b.append(rng.standard_normal(d))
+    O.append(np.zeros((m, d)))
+    order = rng.permutation(len(W))
+    while np.all(order == np.arange(len(W))):
+        order = rng.permutation(len(W))
+    return VectorAttention(np.array(W)[order], np.array(O)[order], np.array(b)[order],
+                           model.c, positions=model.positions, causal=model.causal)
 
 
 def _augmented(model) -> MultiHeadAttention:
