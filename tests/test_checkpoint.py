@@ -232,3 +232,17 @@ def test_a_failed_layer_is_reported_then_resumed_from_its_journal(bert_folder, t
         == done["learner_queries"]
     # a finished layer is kept: a third run asks nothing
     assert extract_checkpoint(bert_folder, layers="0", run_dir=run).layers[0] == done
+
+
+@pytest.mark.slow
+def test_ray_and_serial_runs_are_identical_bit_for_bit(bert_folder, bert_result, tmp_path):
+    """Every layer a Ray task on a local cluster: the same heads, bit for bit, and the same
+    queries as the serial run (Ray's start alone takes tens of seconds on a loaded machine)."""
+    pytest.importorskip("ray")
+    serial, _ = bert_result
+    on_ray = extract_checkpoint(bert_folder, outputs="last", run_dir=tmp_path / "run",
+                                ray=True)
+    assert on_ray.data["ray"] == "local" and not on_ray.failed
+    for a, b in zip(serial.layers, on_ray.layers):
+        assert a["heads"] == b["heads"]
+        assert a["queries"] == b["queries"] and a["learner_queries"] == b["learner_queries"]
