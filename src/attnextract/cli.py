@@ -403,7 +403,9 @@ def _minilm_parser(command) -> None:
     """minilm: a real all-MiniLM-L6-v2 head or layer."""
     mi = command("minilm", "extract a real head of all-MiniLM-L6-v2 (offline weights)")
     mi.add_argument("--layer", required=True, type=_nonnegative_int, help="layer 0..5")
-    mi.add_argument("--head", type=_nonnegative_int, help="head 0..11 (or --all-heads)")
+    mi.add_argument("--head", type=_nonnegative_int,
+                    help="head 0..11 (or --all-heads; neither: the layer through 'checkpoint' "
+                         "on the MiniLM folder, run by the model's own code)")
     mi.add_argument("--all-heads", action="store_true",
                     help="the layer's 12 heads as one multi-head target (multi-head learner)")
     mi.add_argument("--subspace", type=_positive_int, metavar="K",
@@ -1215,10 +1217,30 @@ def _served_positions(model, args):
                            causal and positions == "all")
 
 
+def _minilm_as_checkpoint(args) -> int:
+    """``minilm --layer L`` alone: ``checkpoint`` on the MiniLM folder, that layer, checked
+    against its own weights (the layer's box is the model's own code, vectors with
+    ``--outputs last``)."""
+    if args.target or args.subspace or args.save_target:
+        raise InputError("--subspace, --target and --save-target go with --all-heads")
+    if args.outputs == "all":
+        raise InputError("minilm --layer L runs checkpoint: --outputs scalar or last")
+    from .adapters.minilm import minilm_weights_path
+    folder = str(minilm_weights_path().parent)
+    forwarded = argparse.Namespace(
+        path=folder, layers=str(args.layer), outputs=args.outputs or "scalar",
+        learner=None, seed=args.seed, readout_seed=args.readout_seed, budget=args.budget,
+        run_dir=None, ray=None, out=args.out, check_against=folder, export=None,
+        compare=None, save_target=None, json=args.json, no_progress=args.no_progress)
+    return cmd_checkpoint(forwarded)
+
+
 def cmd_minilm(args) -> int:
     from .adapters.minilm import extract_minilm_head, extract_minilm_layer
-    if args.all_heads == (args.head is not None):
+    if args.all_heads and args.head is not None:
         raise InputError("give either --head H or --all-heads")
+    if not args.all_heads and args.head is None:
+        return _minilm_as_checkpoint(args)
     if not args.all_heads and (args.target or args.save_target or args.subspace):
         raise InputError("--subspace, --target and --save-target go with --all-heads")
     if args.outputs is not None and not args.save_target:
