@@ -58,8 +58,8 @@ try:
     from transformers import AutoModel
     from transformers.masking_utils import create_causal_mask
 except ImportError as exc:          # an optional extra: say how to get it
-    raise TargetLoadError("checkpoints are run by their own code: pip install torch "
-                          "transformers safetensors") from exc
+    raise TargetLoadError("checkpoints are run by their own code: pip install "
+                          "'attnextract[checkpoint]' (torch, transformers, safetensors)") from exc
 
 transformers.utils.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
