@@ -11,15 +11,17 @@ weights are computable, and they are: F(X) = M phi(X) with
 phi(X) = [1; X^T alpha_1(X); ...; X^T alpha_H(X)]. So O and c follow from one batch of
 n >= 1 + H d sequences by least squares (docs/algorithms.md, "Vector outputs").
 
-Design (no query spent on it): two-token sequences [q + u; q] with q ~ N(0, I) and u
-scaled per sequence so that the largest head logit |u^T (W_h q + b_h)| is LOGIT (the
-attention weights sigma(t_h) then differ across heads, which is what separates the heads'
-blocks of phi; saturated weights would make them coincide). The condition number of phi
-is computed before anything is sent and sets the error bar.
+Free tokens (a post-LN layer such as BERT's): the unknowns separate by direction. c from
+one zero token, O = sum_h O_h from d single tokens, then for each direction u_k of a
+random orthonormal basis 2H pairs [q_j + u_k; q_j] give F - c - O q_j =
+sum_h sigma_h(q_j) O_h u_k, a 2H x H solve for the vectors O_h u_k (:func:`_by_directions`:
+1 + d + 2Hd queries, 9601 for a MiniLM layer, and d small solves). The logits are spread
+to LOGIT (sigmoids that all saturate would make the heads' columns coincide).
 
 On the sphere of a pre-LayerNorm layer (``basis`` given: tokens of zero mean and norm R)
-the pairs are drawn on the sphere and phi is written in the hyperplane's coordinates:
-only O_h P is identified there.
+single tokens and free directions are not available (a pair q, q + u stays on the sphere
+only if q^T u = -|u|^2 / 2): pairs are drawn on the sphere, phi is written in the
+hyperplane's coordinates and solved whole by least squares (only O_h P is identified).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from scipy.linalg.lapack import dtrcon
 from ..errors import ModelMismatchError, RecoveryFailedError
 
 LOGIT = 2.0          # the largest head logit of a designed pair
-OVERSAMPLE = 2.0     # sequences per unknown column of phi
+OVERSAMPLE = 2.0     # sequences per unknown column of phi (on the sphere)
+PAIRS_PER_HEAD = 2   # pairs per direction u_k and head (free tokens)
 HELD_OUT = 64        # held-out sequences of the check
 EPS = np.finfo(float).eps
 
@@ -47,15 +50,6 @@ def attention_features(X: np.ndarray, W: np.ndarray, b: np.ndarray) -> np.ndarra
     alpha /= alpha.sum(axis=-1, keepdims=True)
     mixed = np.einsum("bhn,bnd->bhd", alpha, X).reshape(len(X), -1)
     return np.hstack([np.ones((len(X), 1)), mixed])
-
-
-def _pairs_free(W, b, count, rng):
-    d = W.shape[1]
-    q = rng.standard_normal((count, d))
-    u = rng.standard_normal((count, d))
-    t = np.abs(np.einsum("bd,hde,be->bh", u, W, q) + u @ b.T).max(axis=1)
-    u *= (LOGIT / np.maximum(t, 1e-300))[:, None]
-    return np.stack([q + u, q], axis=1)
 
 
 def _pairs_on_sphere(W, b, count, rng, basis, radius):
@@ -111,11 +105,11 @@ def extract_values(ask, W: np.ndarray, b: np.ndarray, *, seed=None, basis=None,
     """
     start = time.perf_counter()
     rng = np.random.default_rng(seed)
-    H, d = W.shape[0], W.shape[1]
-    k = d if basis is None else basis.shape[1]
+    if basis is None:
+        return _by_directions(ask, W, b, rng, verify_tolerance, start)
+    H, k = W.shape[0], basis.shape[1]
     count = math.ceil(OVERSAMPLE * (1 + H * k))
-    X = (_pairs_free(W, b, count, rng) if basis is None
-         else _pairs_on_sphere(W, b, count, rng, basis, radius))
+    X = _pairs_on_sphere(W, b, count, rng, basis, radius)
     phi = _features(X, W, b, basis)
     # least squares by QR (an SVD of phi costs several times more at MiniLM's 9218 x 4609),
     # its condition estimated from the triangular factor in O(n^2) (LAPACK trcon)
@@ -131,9 +125,60 @@ def extract_values(ask, W: np.ndarray, b: np.ndarray, *, seed=None, basis=None,
     O = M[1:].reshape(H, k, -1).transpose(0, 2, 1)       # (H, m, k)
     if basis is not None:
         O = O @ basis.T                                   # O_h P in the token coordinates
-    # held-out: sequences of 1 to 16 tokens at the designed scale, never asked before
-    lengths = rng.integers(1, 17, size=HELD_OUT)
     scale = float(np.median(np.linalg.norm(X[:, 1], axis=1)))
+    held_out = _held_out(ask, W, b, M, basis, radius, scale, rng, verify_tolerance)
+    bar = float(condition * EPS * math.sqrt(count))
+    return {"O": O, "c": c, "queries": count + HELD_OUT, "condition": condition,
+            "error_bar": bar, "held_out_error": held_out,
+            "seconds": time.perf_counter() - start}
+
+
+def _by_directions(ask, W, b, rng, verify_tolerance, start) -> dict:
+    """Free tokens (no LayerNorm in front): c from one zero token, O = sum_h O_h from d
+    single tokens (each head attends to its one token whole), then per direction u_k of a
+    random orthonormal basis J = 2H pairs [q_j + u_k; q_j]:
+
+        F - c - O q_j = sum_h sigma(u_k^T (W_h q_j + b_h)) O_h u_k,
+
+    a J x H solve for the H vectors O_h u_k (the sigmoids are known). O_h = [O_h u_k] U^T.
+    1 + d + 2 H d queries and d solves of J x H: no (H d)-wide least squares."""
+    H, d = W.shape[0], W.shape[1]
+    J = PAIRS_PER_HEAD * H
+    U = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    q = rng.standard_normal((d, J, d))
+    # logits t[k, j, h] = a_k u_k^T (W_h q_j + b_h): a_k sets their spread to LOGIT
+    t = np.einsum("dk,hde,kje->kjh", U, W, q) + np.einsum("dk,hd->kh", U, b)[:, None, :]
+    a = LOGIT / np.maximum(t.std(axis=(1, 2)), 1e-300)
+    t *= a[:, None, None]
+    scale = float(np.sqrt(d))                       # the pairs' query tokens have norm ~ sqrt(d)
+    singles = np.vstack([np.zeros((1, d)), scale * np.eye(d)])[:, None, :]
+    pairs = np.stack([q + (a[:, None] * U.T)[:, None, :], q], axis=2).reshape(d * J, 2, d)
+    F = np.asarray(ask(singles), dtype=np.float64)
+    c = F[0]
+    O = (F[1:] - c).T / scale                        # (m, d) = sum_h O_h
+    Y = np.asarray(ask(pairs), dtype=np.float64).reshape(d, J, -1)
+    Y = Y - c - np.einsum("md,kjd->kjm", O, q)
+    S = 1.0 / (1.0 + np.exp(-t))                    # (d, J, H)
+    Z = np.stack([np.linalg.lstsq(S[k], Y[k], rcond=None)[0] for k in range(d)])  # (d, H, m)
+    conditions = np.linalg.cond(S)
+    condition = float(conditions.max())
+    if not np.isfinite(condition) or condition > 1e8:
+        raise RecoveryFailedError(f"the value stage's pairs do not separate the heads "
+                                  f"(condition {condition:.1e}): two heads attend alike")
+    Ou = Z / a[:, None, None]                        # O_h u_k
+    O_heads = np.einsum("khm,dk->hmd", Ou, U)        # O_h = [O_h u_k] U^T
+    M = np.vstack([c[None, :], O_heads.transpose(0, 2, 1).reshape(H * d, -1)])
+    held_out = _held_out(ask, W, b, M, None, None, scale, rng, verify_tolerance)
+    return {"O": O_heads, "c": c, "queries": 1 + d + d * J + HELD_OUT,
+            "condition": condition, "error_bar": float(condition * EPS * math.sqrt(J)),
+            "held_out_error": held_out, "seconds": time.perf_counter() - start}
+
+
+def _held_out(ask, W, b, M, basis, radius, scale, rng, verify_tolerance) -> float:
+    """Largest relative error of the model's output vectors on HELD_OUT sequences of 1 to
+    16 tokens at the probes' scale, never asked before; refused above the tolerance."""
+    d = W.shape[1]
+    lengths = rng.integers(1, 17, size=HELD_OUT)
     errors = []
     for n in map(int, np.unique(lengths)):
         Z = rng.standard_normal((int(np.sum(lengths == n)), n, d))
@@ -145,14 +190,11 @@ def extract_values(ask, W: np.ndarray, b: np.ndarray, *, seed=None, basis=None,
         errors.append(np.linalg.norm(model - truth, axis=1)
                       / np.maximum(np.linalg.norm(truth, axis=1), 1e-300))
     held_out = float(np.max(np.concatenate(errors)))
-    bar = float(condition * EPS * math.sqrt(count))
     if not held_out <= verify_tolerance:
         raise ModelMismatchError(f"the layer's output vectors are not those of its heads: "
                                  f"held-out relative error {held_out:.2e} > "
                                  f"{verify_tolerance:.0e}")
-    return {"O": O, "c": c, "queries": count + HELD_OUT, "condition": condition,
-            "error_bar": bar, "held_out_error": held_out,
-            "seconds": time.perf_counter() - start}
+    return held_out
 
 
 def _features(X, W, b, basis):
