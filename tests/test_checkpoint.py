@@ -257,3 +257,17 @@ def test_minilm_layer_alone_is_checkpoint_on_its_folder(tmp_path, capsys, monkey
     out = json.loads(capsys.readouterr().out)
     assert code == 1 and not out["ok"] and out["model_type"] == "bert"
     assert out["layers"][0]["layer"] == 2 and "BudgetExceededError" in out["layers"][0]["error"]
+
+
+def test_one_progress_display_for_every_layer(tmp_path):
+    import io
+
+    from attnextract.checkpoint import _Display
+    (tmp_path / "layer-1.progress").write_text("50 200")
+    stream = io.StringIO()
+    display = _Display([0, 1, 2], tmp_path, stream=stream, enabled=True)
+    display.mark(0, "done")
+    display.mark(1, "running")
+    display.mark(2, "FAILED")
+    display.close()
+    assert stream.getvalue().splitlines()[-1].endswith("layers 0:done  1:25%  2:FAILED\x1b[K")
