@@ -271,3 +271,18 @@ def test_one_progress_display_for_every_layer(tmp_path):
     display.mark(2, "FAILED")
     display.close()
     assert stream.getvalue().splitlines()[-1].endswith("layers 0:done  1:25%  2:FAILED\x1b[K")
+
+
+@pytest.mark.parametrize("which", ["bert_folder", "gpt2_folder"])
+def test_save_target_writes_a_layer_for_serve(which, request, tmp_path, capsys):
+    from attnextract.adapters.checkpoint import ScalarReadout, readout_vector
+    from attnextract.report import load_model
+    folder = request.getfixturevalue(which)
+    path = tmp_path / "layer1.npz"
+    assert main(["checkpoint", str(folder), "--layers", "1", "--save-target", str(path),
+                 "--readout-seed", "4"]) == 0
+    served = load_model(path)
+    box = ScalarReadout(Checkpoint(folder).black_box(1), readout_vector(32, 4))
+    X = np.random.default_rng(2).standard_normal((5, 7, 32))
+    np.testing.assert_allclose(served(X), box(X), rtol=1e-12, atol=1e-13)
+    assert main(["checkpoint", str(folder), "--save-target", str(path)]) == 2
