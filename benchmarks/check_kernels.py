@@ -49,7 +49,12 @@ MORE_TESTS = ["tests/test_noisy.py", "tests/test_one_layer.py", "tests/test_resi
               "tests/test_relu_network.py", "tests/test_error_bars.py", "tests/test_impostors.py",
               "tests/test_impostors_learners.py", "tests/test_verification_domain.py",
               "tests/test_minilm.py", "tests/test_models.py", "tests/test_torch_target.py",
-              "tests/test_user_boxes.py", "tests/test_newuser3_ux.py", "tests/test_vector_oracle.py"]
+              "tests/test_user_boxes.py", "tests/test_newuser3_ux.py", "tests/test_vector_oracle.py",
+              "tests/test_vector_single_head.py", "tests/test_vector_layer.py",
+              "tests/test_vector_multi_head.py", "tests/test_multi_head_hints.py",
+              "tests/test_stated_tolerance.py", "tests/test_verified_domain.py",
+              "tests/test_batch_invariance.py", "tests/test_accounting.py",
+              "tests/test_journal_transparency.py"]
 ALL_TESTS = DEFAULT_TESTS + MORE_TESTS
 # Test files of plumbing (transport, journal, CLI, docs, packaging): they run learners only on
 # easy single-head boxes that tests/test_single_head.py covers, or none at all.
@@ -59,7 +64,9 @@ NOT_NUMERICAL = ["tests/test_bench.py", "tests/test_check_kernels.py", "tests/te
                  "tests/test_lossy_network.py", "tests/test_oracle.py", "tests/test_packaging.py",
                  "tests/test_remote_adapters.py", "tests/test_server_hardening.py",
                  "tests/test_server_state.py", "tests/test_ux.py", "tests/test_vector_transport.py",
-                 "tests/test_vector_bench.py"]
+                 "tests/test_vector_bench.py", "tests/test_hostile_server.py",
+                 "tests/test_ledger_faults.py", "tests/test_replicas_reaper.py",
+                 "tests/test_server_access.py"]
 
 PROBE = """
 import json, numpy, threadpoolctl

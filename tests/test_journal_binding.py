@@ -16,7 +16,7 @@ import numpy as np
 from attnextract.verification import REPLAY_FRACTION
 import pytest
 
-from attnextract import ModelMismatchError, Oracle, extract_single_head
+from attnextract import Oracle, extract, extract_single_head, verify_model
 from attnextract.adapters.journal import (CHALLENGES, QueryJournal, challenge_sequences,
                                           checksum, read_entries, sequence_digests)
 from attnextract.adapters.targets import random_single_head
@@ -100,10 +100,12 @@ def test_a_box_that_only_knows_the_challenges_is_caught_by_the_resume_sample(tmp
         assert oracle.queries == 0
 
 
-def test_verification_asks_the_live_box_even_when_the_journal_would_pass(tmp_path):
+def test_a_box_that_knows_the_journal_is_refused_by_a_live_verification(tmp_path):
     """Issue 13's scenario at its strongest: the new box agrees with the journal on every
-    journaled query and every challenge, and differs everywhere else. The journal's
-    answers rebuild the old model; held-out verification, asked live, refuses it."""
+    journaled query and every challenge, and differs everywhere else. A rerun asks it only
+    the journal's checks, so the journal's answers rebuild the old model and its report
+    says that the journal vouched for the held-out answers; a verification without the
+    journal, asked live, refuses the box."""
     path = tmp_path / "j.sqlite"
     head = random_single_head(D, seed=5)
     record_run(path, head)
@@ -115,15 +117,17 @@ def test_verification_asks_the_live_box_even_when_the_journal_would_pass(tmp_pat
         agree = np.array([d in known for d in sequence_digests(X)])
         return np.where(agree, head(X), other(X))
 
+    learner, held_out = D * D + D, verification_count(D * D + D, D * D + D)
     with QueryJournal(path) as journal:
         oracle = Oracle(replica_of_the_journal, D, journal=journal)
-        with pytest.raises(ModelMismatchError):
-            extract_single_head(oracle, seed=0)
-        assert oracle.journal_queries == D * D + D          # the learner, from the journal
-        assert oracle.black_box_queries == verification_count(D * D + D, D * D + D)   # live
+        result = extract(oracle, "single-head", seed=0)
+        assert oracle.journal_queries == learner + held_out and oracle.black_box_queries == 0
+    assert any("came from the journal" in note for note in result.report.notes)
+    live = verify_model(Oracle(replica_of_the_journal, D), result.model, count=held_out, seed=1)
+    assert not live.passed
 
 
-def test_live_queries_bypass_the_journal_and_are_not_recorded(tmp_path):
+def test_held_out_queries_are_journaled_and_not_kept_for_replay(tmp_path):
     box = CountingBox(random_single_head(D, seed=7))
     X = np.random.default_rng(1).standard_normal((5, 3, D))
     with QueryJournal(tmp_path / "j.sqlite") as journal:
@@ -133,9 +137,10 @@ def test_live_queries_bypass_the_journal_and_are_not_recorded(tmp_path):
         again = oracle.query(X, live=True)
         with oracle.live():
             oracle.query(X)
-        assert len(box.asked) == asked + 10 and len(journal) == 5
+        assert len(box.asked) == asked + 10 and len(journal) == 15
         np.testing.assert_array_equal(first, again)
         assert (oracle.journal_queries, oracle.black_box_queries) == (0, 15)
+        assert len(oracle.replay) == 5
 
 
 @pytest.mark.parametrize("wrapper", [
@@ -571,9 +576,9 @@ def test_the_checks_respect_max_batch(tmp_path):
             np.testing.assert_allclose(oracle.query(X), head(X), rtol=1e-12)
 
 
-def test_verification_through_a_learners_view_of_the_oracle_is_live(tmp_path):
-    """Learners wrap the oracle (e.g. the odd part f(X) - f(-X)); verification through the
-    wrapper still reaches the live black box, unjournaled."""
+def test_verification_through_a_learners_view_of_the_oracle_is_journaled(tmp_path):
+    """Learners wrap the oracle (e.g. the odd part f(X) - f(-X)); held-out checks through the
+    wrapper reach the black box once and are answered by the journal on a rerun."""
     from attnextract.learners.one_layer import OddPartOracle
     from attnextract.oracle import live_queries
     box = CountingBox(random_single_head(D, seed=15))
@@ -585,12 +590,14 @@ def test_verification_through_a_learners_view_of_the_oracle_is_live(tmp_path):
         asked = len(box.asked)
         with live_queries(odd):
             np.testing.assert_array_equal(odd.query(X), first)
-        assert len(box.asked) == asked + 8 and len(journal) == 8
+        assert len(box.asked) == asked + 8 and len(journal) == 16
         assert (oracle.journal_queries, oracle.black_box_queries) == (0, 16)
-    with QueryJournal(tmp_path / "j.sqlite") as journal:     # a rerun replays the first ask
+    with QueryJournal(tmp_path / "j.sqlite") as journal:     # a rerun replays both asks
         oracle = Oracle(box, D, journal=journal)
         np.testing.assert_array_equal(OddPartOracle(oracle).query(X), first)
-        assert (oracle.journal_queries, oracle.black_box_queries) == (8, 0)
+        with live_queries(oracle):
+            np.testing.assert_array_equal(OddPartOracle(oracle).query(X), first)
+        assert (oracle.journal_queries, oracle.black_box_queries) == (16, 0)
 
 
 def test_kept_sequences_stay_a_small_uniform_reservoir(tmp_path, monkeypatch):

@@ -75,9 +75,9 @@ def test_extraction_over_a_lossy_network_is_charged_exactly_once(network, drop_b
 class KeylessBox(HttpBlackBox):
     """The old client: retries without an Idempotency-Key."""
 
-    def _request(self, method, path, body, headers, batch=0):
+    def _request(self, method, path, body, headers, batch=0, **options):
         headers = {k: v for k, v in headers.items() if k != "Idempotency-Key"}
-        return super()._request(method, path, body, headers, batch)
+        return super()._request(method, path, body, headers, batch, **options)
 
 
 def test_without_idempotency_keys_lost_answers_are_charged_again(network):

@@ -296,8 +296,9 @@ def test_big_bodies_are_refused_by_their_number_count_without_being_read(serve):
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(big, range(8)))
     for sent, answer in results:
-        assert sent < 16 << 20                    # refused long before the announced size
-        if answer:                                # (a reset may beat the answer to the client)
+        # refused after 2^16 numbers; the rest of the body is drained (discarded, at most
+        # LINGER_TIMEOUT s) so the 413 reaches a client that writes its whole body first
+        if answer:                                # (a drain cut at its bound may still reset)
             status, body, _ = status_and_json(answer)
             assert status == 413 and "more than 65536 numbers" in body["error"]
     assert server.state.served == 0 and HttpBlackBox(server.url).health()["ok"]

@@ -131,7 +131,7 @@ def scripted(answers, declared=None):
     box._declaration = declared or {}
     replies = iter(answers)
 
-    def request(method, path, body, headers, batch=0):
+    def request(method, path, body, headers, batch=0, cap=None):
         if path == "/health":
             return b"{}", {"content-type": "application/json"}
         return json.dumps({"outputs": next(replies)}).encode(), {
@@ -143,27 +143,31 @@ def scripted(answers, declared=None):
 
 def test_http_typed_errors_for_bad_vector_answers():
     X = np.zeros((2, 3, D))
+    last2 = {"outputs": "last", "out_dim": 2}
+    # vectors from a server that declares none in /health: nested lists, refused
+    with pytest.raises(MalformedOutputError, match="nested lists"):
+        scripted([[[1.0, 2.0], [3.0, 4.0]]])(X)
     # a shape that changes between calls
-    box = scripted([[[1.0, 2.0], [3.0, 4.0]], [[1.0, 2.0, 3.0], [3.0, 4.0, 5.0]]])
+    box = scripted([[[1.0, 2.0], [3.0, 4.0]], [[1.0, 2.0, 3.0], [3.0, 4.0, 5.0]]], last2)
     assert box(X).shape == (2, 2)
-    with pytest.raises(MalformedOutputError, match="before"):
+    with pytest.raises(MalformedOutputError, match="length 3"):
         box(X)
     # m that disagrees with what the server declared
     box = scripted([[[1.0, 2.0], [3.0, 4.0]]], {"outputs": "last", "out_dim": 4})
-    with pytest.raises(MalformedOutputError, match="declares"):
+    with pytest.raises(MalformedOutputError, match="length 2"):
         box(X)
     # strings, booleans, nulls, ragged nested lists: never converted
     for bad, what in (([["1.5", 2.0], [3.0, 4.0]], "str"), ([[True, 2.0], [3.0, 4.0]], "bool"),
-                      ([[None, 2.0], [3.0, 4.0]], "NoneType"),
-                      ([[1.0, 2.0], [3.0]], "ragged"), ([[[1.0], [2.0, 3.0]], [[1.0], [2.0]]],
-                                                         "ragged")):
+                      ([[None, 2.0], [3.0, 4.0]], "null"),
+                      ([[1.0, 2.0], [3.0]], "length 1"), ([[[1.0], [2.0, 3.0]], [[1.0], [2.0]]],
+                                                           "nested lists")):
         with pytest.raises(MalformedOutputError, match=what):
-            scripted([bad])(X)
+            scripted([bad], last2)(X)
     # NaN (JSON's NaN token) is the oracle's NonFiniteOutputError
-    oracle = Oracle(scripted([[[float("nan"), 2.0], [3.0, 4.0]]]), D)
+    oracle = Oracle(scripted([[[float("nan"), 2.0], [3.0, 4.0]]], last2), D)
     with pytest.raises(NonFiniteOutputError):
         oracle.query(X)
-    assert json_numbers([[1, 2.5]], "u").dtype == np.float64
+    assert json_numbers([[1, 2.5]], (1, 2), "u").dtype == np.float64
 
 
 def test_stated_m_that_disagrees_is_refused_through_http(serve):
@@ -177,7 +181,7 @@ def test_json_api_decoder_may_answer_vectors():
     model = vector_model("all")
     box = JsonApiBlackBox("http://127.0.0.1:9/score", lambda X: X.tolist(),
                           lambda answer: answer["y"])
-    box._request = lambda method, path, body, headers, batch=0: (
+    box._request = lambda method, path, body, headers, batch=0, cap=None: (
         json.dumps({"y": model(np.array(json.loads(body))).tolist()}).encode(),
         {"content-type": "application/json"})
     X = batches()[1]

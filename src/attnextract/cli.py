@@ -17,6 +17,7 @@ black box); 130 interrupted (Ctrl-C).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import json
 import math
@@ -201,6 +202,11 @@ def _extract_parser(command) -> None:
                          "default 0)")
     ex.add_argument("--tolerance-verify", type=float, dest="verify_tolerance",
                     action=Renamed, new="--verify-tolerance", help=argparse.SUPPRESS)
+    ex.add_argument("--verify-sequences", type=_positive_int, dest="verify_sequences",
+                    metavar="N", help="held-out sequences asked at least (default: the "
+                    "learner's count); more buy a stronger coverage statement: n draws of "
+                    "a family catch a deviation on a share 1 - 0.05^(1/n) of its inputs "
+                    "with 95%% confidence")
     ex.add_argument("--json", action="store_true", help="print one JSON object")
     _add_journal(ex)
     ex.add_argument("--biases", action="store_true",
@@ -309,7 +315,11 @@ def _add_http_client_options(ex) -> None:
     http = ex.add_argument_group("http:// targets")
     client = _http_defaults()
     http.add_argument("--http-timeout", type=float, metavar="SECONDS",
-                      help=f"seconds per HTTP request (default: {client['timeout']:g})")
+                      help="seconds one attempt of an HTTP request may take in all: connect, "
+                           f"send and the whole answer (default: {client['timeout']:g})")
+    http.add_argument("--http-token-file", metavar="FILE",
+                      help="send the bearer token in FILE (the server's --token-file) on "
+                           "every request")
     http.add_argument("--http-retries", type=_nonnegative_int,
                       help=f"retries of timeouts and 5xx answers (default: {client['retries']})")
     http.add_argument("--http-concurrency", type=_positive_int,
@@ -342,7 +352,11 @@ def _serve_parser(command) -> None:
     se.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one)")
     se.add_argument("--state", metavar="FILE.sqlite",
                     help="keep the budget, charges and recent answers in this SQLite ledger: "
-                         "a restart, a crash or kill -9 loses nothing (default: in memory)")
+                         "a restart, a crash or kill -9 loses nothing (default: in memory); "
+                         "a damaged, empty or foreign file is refused, never reset")
+    se.add_argument("--state-new", action="store_true",
+                    help="--state names a new ledger: create it (a missing or empty file; "
+                         "a file with bytes is never overwritten)")
     se.add_argument("--body-memory", type=_positive_int, default=96, metavar="MIB",
                     help="MiB all request bodies being answered may hold (others wait)")
     se.add_argument("--cache-memory", type=_nonnegative_int, default=32, metavar="MIB",
@@ -356,6 +370,15 @@ def _serve_parser(command) -> None:
                     help="with --outputs all: a causal mask (default: as saved)")
     se.add_argument("--min-body-rate", type=float, default=256.0, metavar="KIB_PER_S",
                     help="KiB/s a body must average after its idle-timeout grace (else 408)")
+    se.add_argument("--token-file", metavar="FILE",
+                    help="bearer tokens, one a line: a query without one gets 401 and "
+                         "/health says only that it is alive (default: no tokens)")
+    se.add_argument("--max-client-connections", type=_positive_int, metavar="N",
+                    help="connections one address may hold at once, more get 503 "
+                         "(default: --max-connections / 8)")
+    se.add_argument("--max-client-rate", type=float, metavar="PER_S",
+                    help="requests a second one address may send (bursts of twice that), "
+                         "more get 503 (default: no limit)")
 
 
 def _checkpoint_parser(command) -> None:
@@ -415,8 +438,12 @@ def _minilm_parser(command) -> None:
                     help="--all-heads: query this http:// endpoint serving the layer "
                          "(see --save-target) instead of the local weights")
     mi.add_argument("--http-timeout", type=float, metavar="SECONDS",
-                    help="--target: seconds per HTTP request (a loaded server answering "
-                         "batches of 12 heads at d = 384 may need more than the default)")
+                    help="--target: seconds one attempt of an HTTP request may take in all "
+                         "(a loaded server answering batches of 12 heads at d = 384 may "
+                         "need more than the default)")
+    mi.add_argument("--http-token-file", metavar="FILE",
+                    help="--target: send the bearer token in FILE (the server's "
+                         "--token-file) on every request")
     mi.add_argument("--save-target", metavar="FILE.npz",
                     help="--all-heads: write the layer's 12 heads as a model file for "
                          "'attnextract serve --secret FILE.npz' and stop")
@@ -442,6 +469,9 @@ def _verify_parser(command) -> None:
     ve = command("verify", "compare a saved result with a black box")
     ve.add_argument("--target", required=True,
                     help="FILE.py:NAME or MODULE:NAME (a callable (B, N, d) -> (B,), or (N, d) -> one number) or http://HOST:PORT")
+    ve.add_argument("--http-token-file", metavar="FILE",
+                    help="http:// targets: send the bearer token in FILE (the server's "
+                         "--token-file) on every request")
     ve.add_argument("--result", required=True, metavar="RESULT.npz",
                     help="result file written by extract")
     ve.add_argument("--count", type=_positive_int,
@@ -524,6 +554,45 @@ def _http_defaults() -> dict:
     return {k: parameters[k].default for k in ("timeout", "retries", "concurrency")}
 
 
+# subcommands that run a target (Python code, a C extension, a model library) in-process
+TARGET_COMMANDS = ("extract", "verify", "demo", "minilm")
+
+
+@contextlib.contextmanager
+def _descriptor_1_to_stderr(enabled: bool = True):
+    """While the block runs, file descriptor 1 writes to stderr and ``sys.stdout`` to the
+    real standard output (a duplicate of the old descriptor 1).
+
+    A target's Python prints are sent to stderr by its guard, but a C extension, a
+    subprocess or ``os.write(1, ...)`` writes to descriptor 1 itself: with ``--json``
+    that would break the one JSON object on stdout. The command's own output (the
+    report, the JSON) goes through ``sys.stdout`` and reaches the real stdout; descriptor
+    1 is restored on leaving. Without real descriptors (a captured test run) nothing is
+    changed."""
+    try:
+        out_fd, err_fd = sys.stdout.fileno(), sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        out_fd = err_fd = None
+    if not enabled or out_fd is None or out_fd == err_fd:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(out_fd)
+    previous = sys.stdout
+    os.dup2(err_fd, out_fd)
+    sys.stdout = os.fdopen(saved, "w", encoding=getattr(previous, "encoding", None) or "utf-8",
+                           closefd=False)
+    try:
+        yield
+    finally:
+        try:
+            sys.stdout.flush()
+        finally:
+            sys.stdout = previous
+            os.dup2(saved, out_fd)
+            os.close(saved)
+
+
 def main(argv=None) -> int:
     """The ``attnextract`` program: run ``argv`` (default ``sys.argv[1:]``), return the exit code.
 
@@ -542,7 +611,7 @@ def main(argv=None) -> int:
                "minilm": cmd_minilm, "checkpoint": cmd_checkpoint}[args.command]
     _RUN.clear()
     try:
-        with thread_limits(args.threads):
+        with thread_limits(args.threads), _descriptor_1_to_stderr(args.command in TARGET_COMMANDS):
             code = handler(args) or 0
         sys.stdout.flush()          # a closed pipe shows here, inside the handler below
         return code
@@ -617,9 +686,15 @@ def _fail(args, exc: Exception, code: int) -> int:
     reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if getattr(args, "json", False):
         out = {"ok": False, "error": type(exc).__name__, "reason": reason}
+        oracle = _RUN.get("oracle")
+        if oracle is not None:
+            # every sequence the black box answered, whether a result exists or not
+            out["queries"] = oracle.queries + oracle.check_queries
         result = getattr(exc, "result", None)
         if result is not None:
             out["report"] = result.report.to_dict()
+            if oracle is not None:
+                out["report"]["queries"] = out["queries"]
         print(json.dumps(out))
     print(f"attnextract: {type(exc).__name__}: {reason}", file=sys.stderr)
     return code
@@ -628,10 +703,12 @@ def _fail(args, exc: Exception, code: int) -> int:
 def _open_target(spec: str, dim: int | None = None, args=None):
     """A black box from FILE.py:NAME, or from an HTTP endpoint http://HOST:PORT."""
     if spec.startswith(("http://", "https://")):
-        from .adapters.remote import HttpBlackBox
+        from .adapters.remote import HttpBlackBox, read_token_file
         options = {k: getattr(args, f"http_{k}")
                    for k in ("timeout", "retries", "concurrency", "transport")
                    if getattr(args, f"http_{k}", None) is not None}
+        if getattr(args, "http_token_file", None) is not None:
+            options["token"] = read_token_file(args.http_token_file)
         black_box = HttpBlackBox(spec, **options)
         if dim is not None:
             black_box.check_dim(dim)       # also fails early, typed, when unreachable
@@ -711,6 +788,7 @@ def cmd_extract(args) -> int:
     oracle = Oracle(black_box, args.dim, budget=args.budget, max_batch=args.max_batch,
                     progress=bar, journal=journal, max_length=args.max_length,
                     outputs=args.outputs, out_dim=args.out_dim, causal=args.causal)
+    oracle.verify_sequences = args.verify_sequences
     _RUN.update(oracle=oracle, journal=journal)
     try:
         result = extract(oracle, learner.name, seed=args.seed, tolerance=args.tolerance,
@@ -874,8 +952,10 @@ def _note_cost(report, oracle: Oracle) -> None:
                                       f"received, {oracle.tokens} tokens sent")
     where = (f"m = {m} numbers per query" if oracle.outputs == "last" else
              f"m N = {m} x {max(1, oracle.longest)} numbers per query of the longest probes")
+    # a vector learner states its parameter count (its Report.floor is already in queries)
+    parameters = report.details.get("parameters", report.floor)
     report.details.setdefault("floor in queries",
-                              f"{math.ceil(report.floor / per)} ({report.floor} free "
+                              f"{math.ceil(parameters / per)} ({parameters} free "
                               f"parameters / {where})")
 
 
@@ -930,10 +1010,16 @@ def cmd_verify(args) -> int:
                           "max_relative_error": verification.max_relative_error,
                           "median_relative_error": verification.median_relative_error,
                           "tolerance": verification.tolerance,
+                          "judged_tolerance": verification.judged_tolerance,
+                          "batch_sizes": list(verification.batch_sizes),
+                          "batch_dependence": verification.batch_dependence,
                           "hull_violation": verification.hull_violation,
                           "worst_family": verification.worst_family,
                           "lengths": list(verification.lengths),
                           "norms": list(verification.norms),
+                          "norms_sent": list(verification.norms_sent),
+                          "family_sequences": verification.family_sequences,
+                          "coverage": verification.coverage,
                           "max_length": verification.max_length,
                           "search_queries": verification.search_queries,
                           "error_bar": verification.error_bar}))
@@ -970,7 +1056,10 @@ def _saved_error_bar(path, tolerance):
         return None, DEFAULT_VERIFY_TOLERANCE if tolerance is None else tolerance, None
     if tolerance is not None:
         return bar, tolerance, None
-    return bar, saved.requested_tolerance or saved.tolerance, saved.tolerance
+    # the tolerance the saved check judged by (its printed one may be the larger error it
+    # achieved, where the bar widened an allowance)
+    judged = getattr(saved, "judged_tolerance", 0.0) or saved.tolerance
+    return bar, saved.requested_tolerance or judged, judged
 
 
 def cmd_demo(args) -> int:
@@ -1108,7 +1197,7 @@ def _vector_twins(args, seed: int) -> int:
 
 
 def cmd_serve(args) -> int:
-    from .adapters.server import make_server
+    from .adapters.server import make_server, read_tokens
     from .adapters.replicas import load_spec
     model = load_spec(args.secret)         # FILE.npz, or FILE.py:NAME (a black box with dim)
     model = _served_positions(model, args)
@@ -1122,15 +1211,24 @@ def cmd_serve(args) -> int:
         raise InputError("--ray-address needs --replicas N")
     if min(args.slot_timeout, args.min_body_rate, args.idle_timeout) <= 0:
         raise InputError("--slot-timeout, --min-body-rate and --idle-timeout must be > 0")
+    if args.max_client_rate is not None and args.max_client_rate <= 0:
+        raise InputError("--max-client-rate must be > 0")
+    # a server bound beyond loopback without tokens logs a warning (make_server)
+    tokens = None if args.token_file is None else read_tokens(args.token_file)
+    if args.state_new and args.state is None:
+        raise InputError("--state-new needs --state FILE.sqlite")
     try:
         server = make_server(model, args.host, args.port, budget=args.budget,
                              round_digits=args.round_digits, verbose=args.verbose > 0,
                              max_connections=args.max_connections,
                              idle_timeout=args.idle_timeout, workers=args.workers,
-                             state=args.state, body_memory=args.body_memory << 20,
+                             state=args.state, state_new=args.state_new,
+                             body_memory=args.body_memory << 20,
                              cache_bytes=args.cache_memory << 20,
                              slot_timeout=args.slot_timeout,
-                             min_body_rate=args.min_body_rate * 1024)
+                             min_body_rate=args.min_body_rate * 1024, tokens=tokens,
+                             max_client_connections=args.max_client_connections,
+                             max_client_rate=args.max_client_rate)
     except BaseException as exc:
         if args.replicas is not None:
             model.close()

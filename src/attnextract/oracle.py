@@ -97,8 +97,10 @@ class Oracle:
         when the journal is resumed); those queries are counted in ``check_queries``
         (apart from ``queries``, the learner's count) and against the budget like every
         query the black box answers; :func:`attnextract.extract` adds them to the
-        result's ``queries``. Queries asked in :meth:`live` (held-out verification)
-        always reach the black box and are not journaled.
+        result's ``queries``. The binding checks are never part of a learner's plan:
+        ``queries`` and every answer a learner sees are the same with a journal, without
+        one and on a resumed run. Queries asked in :meth:`live` (held-out verification)
+        are journaled too: a rerun of a finished run asks the black box only the checks.
 
     Answers are counted in three units: ``queries`` (sequences), ``tokens`` (tokens sent)
     and ``numbers`` (numbers received: 1, m or N m per sequence).
@@ -166,6 +168,7 @@ class Oracle:
                 max_length = declared
         self.max_length = None if max_length is None else int(max_length)
         self.longest = 0          # longest sequence answered outside live()
+        self.largest_batch = 0    # largest batch answered outside live() (the learner's)
         self.longest_probes = []  # up to LONGEST_KEEP (sequence, answer), the longest
         self.budget = None if budget is None else int(budget)
         self.max_batch = None if max_batch is None else int(max_batch)
@@ -179,7 +182,13 @@ class Oracle:
         self.journal = journal
         self.journal_queries = 0  # queries answered by the journal, not the black box
         self.check_queries = 0    # queries binding the journal to the black box (budgeted)
-        self._live = 0            # > 0 inside live(): the journal is bypassed
+        # held-out sequences the verification asks at least (a stronger coverage
+        # statement, ``--verify-sequences``); None: each learner's own count
+        self.verify_sequences: int | None = None
+        # held-out checks the journal answered (a rerun of a finished run): the report says
+        # so, since the journal, not the live black box, vouched for them
+        self.held_out_journal_queries = 0
+        self._live = 0            # > 0 inside live(): held-out checks, kept for no replay
         # a uniform sample of the (sequence, answer) pairs the learner was given, asked
         # again by held-out verification: a black box that changed during the run shows
         self.replay = []
@@ -221,9 +230,13 @@ class Oracle:
                 f"{what} needs {n} queries but only {left} of the budget of {self.budget} "
                 f"remain", needed=n, remaining=left)
 
-    def plan(self, n: int, what: str = "the extraction") -> None:
-        """Announce ``n`` upcoming queries: checks the budget, sets the progress total."""
-        self.require(n, what)
+    def plan(self, n: int, what: str = "the extraction", need: int | None = None) -> None:
+        """Announce ``n`` upcoming queries: sets the progress total and checks the budget
+        for ``need`` of them (default all ``n``). A learner whose ``n`` is an upper bound
+        (a count search sized for more heads than it may find) gives the least it can
+        succeed with as ``need``, so that a budget equal to what a run spent lets that
+        run through; its later stages check the budget themselves."""
+        self.require(n if need is None else min(int(need), int(n)), what)
         self.planned = self.queries + int(n)
         log.info("%s: %d queries planned (%d sent so far)", what, n, self.queries)
 
@@ -249,8 +262,10 @@ class Oracle:
     # -- queries ------------------------------------------------------------
     @contextmanager
     def live(self):
-        """Within this block every query is asked of the live black box, never answered by
-        the journal, and not journaled (held-out verification must see the black box)."""
+        """Within this block queries are held-out checks (verification): their answers are
+        not kept for replay nor among the longest probes. With a journal they are
+        journaled like the learner's, so a rerun of a finished run asks the black box only
+        the journal's binding checks (which are what vouch for the journal's answers)."""
         self._live += 1
         try:
             yield self
@@ -260,7 +275,7 @@ class Oracle:
     def query(self, X, *, live: bool = False) -> np.ndarray:
         """Send a batch (B, N, d) (or one sequence (N, d)); returns the outputs (B,).
 
-        ``live=True`` bypasses the journal (as within :meth:`live`)."""
+        ``live=True``: a held-out check (as within :meth:`live`)."""
         if live:
             with self.live():
                 return self.query(X)
@@ -283,7 +298,7 @@ class Oracle:
     def query_ragged(self, sequences: Sequence[np.ndarray], *, live: bool = False) -> np.ndarray:
         """Send sequences of different lengths: one batch per length, answers in order.
 
-        ``live=True`` bypasses the journal (as within :meth:`live`)."""
+        ``live=True``: a held-out check (as within :meth:`live`)."""
         if live:
             with self.live():
                 return self.query_ragged(sequences)
@@ -296,12 +311,12 @@ class Oracle:
 
     def _send(self, X: np.ndarray) -> np.ndarray:
         B, N, _ = X.shape
-        if self.journal is not None and not self._live and not self.journal.bound:
+        if self.journal is not None and not self.journal.bound:
             # refuses a journal of another black box; its queries are counted and budgeted
             self.bind_journal()
         self.require(B, f"a batch of {B} sequences")
         # a sent query is spent, whatever comes back: counted before sending
-        if self.journal is None or self._live:
+        if self.journal is None:
             self.queries += B
             self.tokens += B * N
             self.calls += 1
@@ -311,6 +326,8 @@ class Oracle:
             # a journal answers (B,) or (B,) + the answer's shape, NaN where it has none
             missing = np.isnan(out.reshape(B, -1)).any(axis=1)
             self.journal_queries += B - int(missing.sum())
+            if self._live:
+                self.held_out_journal_queries += B - int(missing.sum())
             self.queries += B
             self.tokens += B * N
             if missing.any():
@@ -353,6 +370,7 @@ class Oracle:
         """Keep the LONGEST_KEEP longest answered sequences (the first ones of a length)."""
         N = X.shape[1]
         self.longest = max(self.longest, N)
+        self.largest_batch = max(self.largest_batch, len(X))
         kept = self.longest_probes
         if len(kept) >= LONGEST_KEEP and N <= min(len(x) for x, _ in kept):
             return
@@ -627,8 +645,8 @@ class OracleView:
     def require(self, n: int, what: str = "this step") -> None:
         self.base.require(n, self._named(what))
 
-    def plan(self, n: int, what: str = "the extraction") -> None:
-        self.base.plan(n, self._named(what))
+    def plan(self, n: int, what: str = "the extraction", need: int | None = None) -> None:
+        self.base.plan(n, self._named(what), need)
 
 
 class ScaledOutputs(OracleView):
@@ -721,16 +739,21 @@ def on_scaled_outputs(oracle, run):
         raise
 
 
+def root_oracle(oracle):
+    """The :class:`Oracle` under a learner's view of it (``.base``); anything else as is."""
+    while not isinstance(oracle, Oracle) and hasattr(oracle, "base"):
+        oracle = oracle.base
+    return oracle
+
+
 def live_queries(oracle):
-    """Context: queries through ``oracle`` reach the live black box, never a journal.
+    """Context: queries through ``oracle`` are held-out checks (:meth:`Oracle.live`).
 
     ``oracle`` may be an :class:`Oracle` or a learner's view of one (an object with the
     Oracle's query interface and the underlying oracle as ``base``, e.g. the odd-part
     oracle); the innermost Oracle's :meth:`Oracle.live` is used. Held-out verification
     runs inside it."""
-    root = oracle
-    while not isinstance(root, Oracle) and hasattr(root, "base"):
-        root = root.base
+    root = root_oracle(oracle)
     return root.live() if isinstance(root, Oracle) else nullcontext(oracle)
 
 

@@ -38,6 +38,7 @@ from typing import Callable
 
 from .errors import (InputError, ModelMismatchError, RecoveryFailedError, RefusalWithResult,
                      VectorAnswersFound)
+from .oracle import root_oracle
 from .report import ExtractionResult
 
 log = logging.getLogger(__name__)
@@ -247,7 +248,40 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
     ExtractionResult
         With ``options`` recording the model and the options used (saved with it).
     """
-    from .verification import root_oracle
+    root = root_oracle(oracle)
+    first, checks = getattr(root, "queries", 0), getattr(root, "check_queries", 0)
+    try:
+        return _extract(oracle, model, seed=seed, verify_tolerance=verify_tolerance,
+                        tolerance=tolerance, sign_only=sign_only, **options)
+    except RefusalWithResult as exc:
+        # a refusal reports every query the box answered for it: the learner's, the
+        # journal's checks, and what was asked after the learner stopped (the zero token
+        # that tells a constant)
+        result = getattr(exc, "result", None)
+        if result is not None and isinstance(getattr(root, "queries", None), int):
+            spent = root.queries - first + getattr(root, "check_queries", 0) - checks
+            result.queries = result.report.queries = spent
+        raise
+
+
+def _count_the_whole_check(result: ExtractionResult, span: int) -> None:
+    """A learner's report names the verification count it planned; the check may ask
+    another (``--verify-sequences``; a batch-invariance share the batch limits cut): the
+    breakdown says what it asked, and the result counts every query the learner's run
+    sent (``span``)."""
+    report = result.report
+    check = report.verification
+    planned = report.breakdown.get("verification")
+    if check is not None and isinstance(planned, int) and check.sequences != planned:
+        report.breakdown["verification"] = int(check.sequences)
+    if report.queries < span:
+        result.queries += span - report.queries
+        report.queries = span
+
+
+def _extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=None,
+             tolerance=None, sign_only: bool = False, **options) -> ExtractionResult:
+    """:func:`extract` itself (the refusal's count is completed by the caller)."""
     root = root_oracle(oracle)
     entry = resolve(model, tolerance=tolerance, sign_only=sign_only,
                     outputs=getattr(root, "outputs", None))
@@ -270,6 +304,7 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
              {k: v for k, v in options.items() if k != "fit_progress"} or "default options")
     # a journal's fingerprint queries are the box's answers too: counted in the result
     checks = getattr(root, "check_queries", 0)
+    held_out = getattr(root, "held_out_journal_queries", 0)
     if "output_dtype" in accepted:         # bad values, or both: refused before any query
         from .precision import check_precision_options
         check_precision_options(options.get("output_dtype"), options.get("decimals"))
@@ -316,8 +351,10 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
                             f"{exc.args[0]}",) + exc.args[1:]
             elif stated is not None or _answers_may_be_rounded(root):
                 name_the_options(exc, stated)
+        # (a vector learner detects biases itself: c = F([0]) is one of its answers)
         if (isinstance(exc, (ModelMismatchError, RecoveryFailedError)) and "biases" in accepted
-                and not options.get("biases") and exc.args and decimals is None):
+                and not entry.vectors and not options.get("biases") and exc.args
+                and decimals is None):
             zero = _zero_token_answers(root)
             if zero is not None and zero[0] != zero[1]:
                 # measured: the same sequence got two answers; a constant cannot be told
@@ -346,8 +383,16 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
                 # learner could not place); not on a refusal of the learner's own (an
                 # error bar above max_error_bar, its limit at a rounding): the answers fit
                 hint = BIASES_HINT if zero is None else QUERY_BIASES_HINT
+                told = options.get("heads")
+                if isinstance(told, int) and not isinstance(told, bool):
+                    # told H: a box with more heads than H fails the same way, and is the
+                    # likelier reading than biases when nothing rules either out
+                    hint = (f"if the black box has more than {told} head"
+                            f"{'s' if told > 1 else ''}, give a larger --heads (API: heads=), "
+                            f"or leave it out to have the heads counted; otherwise {hint}")
                 exc.args = (f"{exc.args[0]}; {hint}",) + exc.args[1:]
         raise
+    _count_the_whole_check(result, getattr(root, "queries", sent) - sent)
     numbers, tokens = getattr(root, "numbers", None), getattr(root, "tokens", None)
     if numbers is not None and getattr(root, "outputs", None) not in (None, "scalar"):
         # vector answers: the cost in the three units (sequences, numbers, tokens)
@@ -363,6 +408,13 @@ def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=N
             f"{spent} queries were spent before the answers were found to be vectors; "
             f"state the kind of answers (--outputs last|all, API: Oracle(..., outputs=...)) "
             f"to save them")
+    answered = getattr(root, "held_out_journal_queries", 0) - held_out
+    if answered:
+        result.report.notes.append(
+            f"{answered} of the held-out verification's answers came from the journal "
+            f"{getattr(root.journal, 'path', '')} (recorded by an earlier run against a black "
+            f"box that answers the journal's checks the same now); the journal vouches for "
+            f"them, not the live black box: attnextract verify without --journal asks it")
     fingerprint = getattr(root, "check_queries", 0) - checks
     if fingerprint:
         result.queries += fingerprint
@@ -410,3 +462,6 @@ register("low-precision", _L + "noisy:extract_low_precision",
          "one head from a forward pass in float32/bfloat16/float16 or outputs rounded to "
          "k decimals, error bars from repeated dithered probes", hidden=True,
          with_vectors="vector-single-head")
+register("vector-single-head", _L + "vector_single_head:extract_vector_single_head",
+         "one head from vector answers (last or every position): W, b, O, c in 2d + 2 "
+         "queries (d + 2 at every position)", vectors=True)

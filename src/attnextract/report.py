@@ -55,8 +55,11 @@ class Verification:
     family_errors: dict = field(default_factory=dict)
     # the tolerance asked for, when the model's own error bar made ``tolerance`` tighter
     requested_tolerance: float = 0.0
-    # the domain covered: token norms sent (smallest, largest) and L, the longest length
-    # the design could use (the deployment's max_length, or the default)
+    # the domain verified: the norms (smallest, largest) of the tokens whose treatment
+    # the answers showed (given a share of the model's attention at the query, or the
+    # query token: attnextract.verification.weighted_tokens), ``lengths`` up to the
+    # longest such reach, and L, the longest length the design could use (the
+    # deployment's max_length, or the default); ``norms_sent``: every token sent
     norms: tuple = (0.0, 0.0)
     max_length: int = 0
     search_queries: int = 0        # of ``sequences``: the adversarial search's queries
@@ -65,16 +68,58 @@ class Verification:
     # the model's own relative parameter error bar the check allowed for (0: none); a
     # saved result is re-verified against the same bar (``attnextract verify``)
     error_bar: float = 0.0
+    norms_sent: tuple = (0.0, 0.0)
+    # sequences asked per family, and the coverage each buys (:func:`coverage_share`): a
+    # deviation on at least that share of the family's inputs is caught with 95%
+    # confidence; a check that states no families: one entry "all"
+    family_sequences: dict = field(default_factory=dict)
+    coverage: dict = field(default_factory=dict)
+    # the tolerance each sequence was judged by before the model's error bar widened its
+    # allowance (0: not stated); ``tolerance`` is then the largest error the check
+    # accepted, never less than this: every error met the tolerance printed
+    judged_tolerance: float = 0.0
+    # the largest error scaled to its sequence's allowance (error x judged_tolerance /
+    # allowance): what was compared with judged_tolerance
+    judged_error: float = 0.0
+    # why the black box's answers depend on the batch they are asked in ("" when they do
+    # not: the same sequences alone and at the end of a large batch agreed to the
+    # rounding), and the batch sizes those re-asks were compared in
+    batch_dependence: str = ""
+    batch_sizes: tuple = ()
+
+    def __post_init__(self):
+        if not self.coverage and self.sequences > 0:
+            self.family_sequences = self.family_sequences or {"all": int(self.sequences)}
+            self.coverage = {k: coverage_share(n) for k, n in self.family_sequences.items()}
 
     @property
     def passed(self) -> bool:
         return bool(self.max_relative_error <= self.tolerance
-                    and self.hull_violation <= self.hull_tolerance)
+                    and self.hull_violation <= self.hull_tolerance
+                    and not self.batch_dependence)
 
     def __repr__(self) -> str:
         return (f"<Verification {'PASSED' if self.passed else 'FAILED'}: {self.sequences} "
                 f"held-out sequences, max relative error {self.max_relative_error:.2e} "
                 f"{'<=' if self.passed else '>'} {self.tolerance:.0e}>")
+
+
+COVERAGE_CONFIDENCE = 0.95
+
+
+def coverage_share(n: int, confidence: float = COVERAGE_CONFIDENCE) -> float:
+    """The smallest share p of a family's inputs a deviation must cover to be caught with
+    probability ``confidence`` by ``n`` independent draws from that family:
+    1 - (1 - p)^n >= confidence, so p = 1 - (1 - confidence)^(1/n) (1.0 for n = 0).
+    24 draws: 11.8%; 64: 4.6%; 600: 0.5%."""
+    return 1.0 if n <= 0 else 1.0 - (1.0 - confidence) ** (1.0 / n)
+
+
+def draws_for_coverage(p: float, confidence: float = COVERAGE_CONFIDENCE) -> int:
+    """Draws from one family that catch a deviation on a share ``p`` of its inputs with
+    probability ``confidence`` (the inverse of :func:`coverage_share`)."""
+    # less a hair: coverage_share(n) maps back to n, not n + 1 by rounding
+    return math.ceil(math.log(1.0 - confidence) / math.log1p(-p) - 1e-9)
 
 
 VERIFY_COUNT = 64             # held-out queries of a full check (or 1% of the parameters)
@@ -213,6 +258,8 @@ class Report:
             check = {k: v for k, v in state["verification"].items() if k in fields}
             check["lengths"] = tuple(check.get("lengths", (1, MAX_VERIFY_LENGTH)))
             check["norms"] = tuple(check.get("norms", (0.0, 0.0)))
+            check["norms_sent"] = tuple(check.get("norms_sent", (0.0, 0.0)))
+            check["batch_sizes"] = tuple(check.get("batch_sizes", ()))
             state["verification"] = Verification(**check)
         known = cls.__dataclass_fields__
         return cls(**{k: v for k, v in state.items() if k in known})
@@ -240,7 +287,11 @@ class Report:
         rows += [("", f"{n:>{width}}  {name}") for name, n in self.breakdown.items()]
         recovery = ("recovery used" if self.recovery is None else
                     f"recovery ({self.recovery} queries, the parts' own checks left out) used")
-        rows.append(("floor", f"{self.floor} free parameters; {recovery} "
+        # vector learners state their parameter count: their floor is in queries
+        what = ("free parameters" if "parameters" not in self.details else
+                f"queries ({self.details['parameters']} free parameters over the numbers "
+                f"one query brings)")
+        rows.append(("floor", f"{self.floor} {what}; {recovery} "
                               f"{human_number(self.recovery_queries / self.floor)}x"))
         if v is not None:
             rows.append(("verification",
@@ -248,14 +299,27 @@ class Report:
                          f"sequences (lengths {v.lengths[0]}-{v.lengths[1]}), largest relative "
                          f"error {human_number(v.max_relative_error)}, median "
                          f"{human_number(v.median_relative_error)}, tolerance "
-                         f"{human_number(v.tolerance)}"))
+                         f"{human_number(v.tolerance)}"
+                         + (f" (widened from {human_number(v.judged_tolerance)} by the model's "
+                            f"error bar on sequences of large score reach)"
+                            if v.judged_tolerance and v.tolerance > v.judged_tolerance else "")))
             if v.max_length:
                 rows.append(("verified domain",
                              f"lengths {v.lengths[0]}-{v.lengths[1]} of up to {v.max_length}, "
                              f"token norms {human_number(v.norms[0])} .. "
-                             f"{human_number(v.norms[1])}; {v.search_queries} of the sequences "
+                             f"{human_number(v.norms[1])} (tokens the answers read: the query "
+                             f"token and keys given attention weight)"
+                             + (f", sent {human_number(v.norms_sent[0])} .. "
+                                f"{human_number(v.norms_sent[1])}" if any(v.norms_sent) else "")
+                             + f"; {v.search_queries} of the sequences "
                              f"from the adversarial search, {v.own_probes} own longest probes "
                              f"compared"))
+            if v.coverage:
+                rows.append(("coverage", _coverage_text(v)))
+            if v.batch_sizes:
+                rows.append(("batch invariance",
+                             v.batch_dependence or f"held-out sequences asked again alone and "
+                             f"in a batch of {v.batch_sizes[-1]}: the same answers"))
             if v.hull_tolerance > 0:
                 rows.append(("hull check", f"answers outside their tokens' interval by at most "
                                            f"{human_number(v.hull_violation)} (tolerance "
@@ -275,6 +339,17 @@ class Report:
         column = min(max(len(label) for label, _ in rows), LABEL_WIDTH) + 2
         return "\n".join((f"{label:<{column}}" if len(label) < column else label + "  ")
                          + text for label, text in rows)
+
+
+def _coverage_text(v: Verification) -> str:
+    """One line: the share of each family's inputs a deviation must cover to be caught
+    with 95% confidence, the weakest first."""
+    parts = sorted(v.coverage.items(), key=lambda item: -item[1])
+    shown = ", ".join(f"{name} {100 * p:.3g}% ({v.family_sequences.get(name, 0)})"
+                      for name, p in parts)
+    return (f"a deviation on at least this share of a family's inputs is caught with "
+            f"{100 * COVERAGE_CONFIDENCE:.0f}% confidence: {shown}; more held-out sequences "
+            f"(--verify-sequences N) buy smaller shares")
 
 
 # -- the human rendering of values -----------------------------------------------------
@@ -414,6 +489,8 @@ def machine_value(value):
 def mismatch_reason(check: Verification) -> str:
     """Why a held-out check failed, with a hint when the error looks like output rounding."""
     from .verification import looks_like_rounding
+    if check.batch_dependence:
+        return check.batch_dependence
     if check.max_relative_error > check.tolerance:
         where = f" (worst on {check.worst_family} sequences)" if check.worst_family else ""
         text = (f"held-out relative error {check.max_relative_error:.2e} > tolerance "

@@ -254,6 +254,21 @@ class BatchDependent(Impostor):
         return out - 1e-3 * out.mean()
 
 
+class Float32AboveBatch(Impostor):
+    reason = ("batches of more than `largest` sequences are computed in float32 (another "
+              "kernel), smaller ones in float64: an answer depends on the batch it is sent "
+              "in, so no precision describes the box")
+
+    def __init__(self, model, rng, largest: int = 8):
+        super().__init__(model, rng)
+        self.largest = largest
+
+    def __call__(self, X):
+        X = np.asarray(X, dtype=np.float64)
+        out = self.honest(X)
+        return out.astype(np.float32).astype(np.float64) if len(X) > self.largest else out
+
+
 class AttentionSink(Impostor):
     reason = ("an extra key with score 0 and value 0 in the softmax: f = sum e^s v^T x / "
               "(1 + sum e^s), not a convex combination of the values")
@@ -537,6 +552,74 @@ class HugeTwoHeads(SecondHead):
         return self.SCALE * super().__call__(X)
 
 
+class LargeTokenClip(Impostor):
+    reason = ("the values of tokens longer than 100 x an ordinary token are clipped to that "
+              "norm (a norm clip in the value path): the same model wherever such tokens "
+              "carry no attention weight")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.limit = 100.0 * token_scale_of(model) * math.sqrt(self.dim)
+
+    def values(self, X):
+        norms = np.linalg.norm(X, axis=2, keepdims=True)
+        return X * np.minimum(1.0, self.limit / np.maximum(norms, 1e-300))
+
+
+class TinyPadding(Impostor):
+    reason = ("tokens shorter than 1e-2 x an ordinary token are taken for padding and "
+              "masked out of the softmax (unless every token is): the same model on "
+              "sequences without such tokens")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.limit = 1e-2 * token_scale_of(model) * math.sqrt(self.dim)
+
+    def scores(self, X, W):
+        s = super().scores(X, W)
+        pad = np.linalg.norm(X, axis=2) < self.limit
+        pad &= ~pad.all(axis=1, keepdims=True)
+        return np.where(pad, -np.inf, s)
+
+
+class MeanPoolHead(Impostor):
+    reason = ("a hidden extra head of relative size `size` that attends evenly (mean "
+              "pooling) and shares the heads' value path: outside the class by `size`")
+
+    def __init__(self, model, rng, size: float):
+        super().__init__(model, rng)
+        self.size = float(size)
+
+    def honest(self, X):
+        values = self.values(X)
+        pooled = values.mean(axis=1)
+        Z = np.stack([np.einsum("bn,bnd->bd", self.weights(X, W), values) + self.size * pooled
+                      for W in self._head_list], axis=1)
+        return readout(self.model, Z, X, self.ffn)
+
+
+class Cone(Impostor):
+    reason = ("answers differ by 1e-3 of their size where the query token lies in a cone "
+              "holding `share` of Gaussian directions: a region of the domain, not a "
+              "measure-zero trigger, that a small sample can miss")
+
+    def __init__(self, model, rng, share: float = 0.05):
+        super().__init__(model, rng)
+        self.u = rng.standard_normal(self.dim)
+        self.u /= np.linalg.norm(self.u)
+        sample = rng.standard_normal((20000, self.dim))
+        cosines = sample @ self.u / np.linalg.norm(sample, axis=1)
+        self.cos = float(np.quantile(cosines, 1.0 - share))
+
+    def __call__(self, X):
+        X = np.asarray(X, dtype=np.float64)
+        out = self.honest(X)
+        last = X[:, -1, :]
+        norms = np.linalg.norm(last, axis=1)
+        inside = (last @ self.u) > self.cos * np.where(norms > 0, norms, np.inf)
+        return np.where(inside, out * (1.0 + 1e-3), out)
+
+
 def zoo(model=None) -> dict:
     """name -> factory (model, rng, recovery_queries) -> impostor, for this kind of model.
 
@@ -554,6 +637,7 @@ def zoo(model=None) -> dict:
         "position embedding": lambda m, r, q: PositionEmbedding(m, r),
         "rotary positions": lambda m, r, q: RotaryPositions(m, r),
         "batch-dependent": lambda m, r, q: BatchDependent(m, r),
+        "float32 above batch 8": lambda m, r, q: Float32AboveBatch(m, r, 8),
         "attention sink": lambda m, r, q: AttentionSink(m, r),
         "sigmoid attention": lambda m, r, q: SigmoidAttention(m, r),
         "query bias": lambda m, r, q: QueryBias(m, r),
@@ -574,6 +658,9 @@ def zoo(model=None) -> dict:
         "cubic scores": lambda m, r, q: CubicScores(m, r),
         "quadratic values": lambda m, r, q: QuadraticValues(m, r),
         "two heads x1e200": lambda m, r, q: HugeTwoHeads(m, r),
+        # the verified domain: tokens outside the ordinary norms, with weight on them
+        "large-token clip": lambda m, r, q: LargeTokenClip(m, r),
+        "tiny tokens as padding": lambda m, r, q: TinyPadding(m, r),
     }
     if model is None or isinstance(model, (OneLayerTransformer, TransformerLayer)):
         out["GELU FFN"] = lambda m, r, q: GeluFFN(m, r)

@@ -613,9 +613,13 @@ class QueryJournal:
         chosen = rng.choice(ids, size=min(k, len(ids)), replace=False)
         out = []
         for row_id in sorted(int(i) for i in chosen):
-            length, blob, y, stored_checksum, answer = self._read(
+            row = self._read(
                 "SELECT length, sequence, output, checksum, answer FROM samples WHERE id = ?",
                 (row_id,), f"kept sequence {row_id}", one=True)
+            if row is None:                  # listed but gone: a damaged index page
+                raise JournalError(f"journal {self.path}: kept sequence {row_id} is missing "
+                                   f"(damaged?)", path=self.path)
+            length, blob, y, stored_checksum, answer = row
             if not (isinstance(blob, bytes) and isinstance(stored_checksum, bytes)
                     and isinstance(length, int) and isinstance(y, float)
                     and (answer is None or isinstance(answer, bytes) and len(answer) % 8 == 0)):

@@ -15,13 +15,32 @@ shipped once to the object store (``ray.put``) and every actor reads it from the
 spec string is loaded by each actor on its own node (the file must exist there: see
 docs/distributed.md). Each actor pins its BLAS and torch to one thread, so N replicas
 use N cores.
+
+**Replicas stop with the server.** A local cluster's processes (Ray's own agents and
+the actors) would outlive a ``kill -9`` of the server and keep evaluating batches nobody
+is charged for. So a server that starts a local cluster also starts a
+:class:`ProcessReaper`: a small watchdog process, in a session of its own, that notes
+the server's descendant processes every REAP_INTERVAL seconds and kills them all the
+moment the server is gone (its end of a pipe closes, whatever killed it; see
+:mod:`attnextract.adapters.reaper`). Each actor
+also watches the server's pid and exits when it is gone, so an evaluation in progress
+is abandoned. A joined cluster (``address``) is left to Ray: its actors are owned by
+the server and die with it, its nodes are not the server's to stop.
 """
 
 from __future__ import annotations
 
+import os
+import socket
+import threading
+import time
+
 import numpy as np
 
 from ..errors import BlackBoxError, InputError
+from .reaper import ProcessReaper, alive
+
+OWNER_POLL = 0.5             # seconds between an actor's checks that its server lives
 
 
 def _ray():
@@ -34,9 +53,15 @@ def _ray():
 
 
 class _Replica:
-    """One actor: the model, loaded or unpickled once, evaluated on parts of batches."""
+    """One actor: the model, loaded or unpickled once, evaluated on parts of batches.
 
-    def __init__(self, model):
+    ``owner`` (pid, host) is the server's: an actor on the same host exits when that
+    process is gone, abandoning any evaluation in progress."""
+
+    def __init__(self, model, owner: tuple[int, str] | None = None):
+        if owner is not None and owner[1] == socket.gethostname():
+            threading.Thread(target=_exit_with, args=(owner[0],), daemon=True,
+                             name="attnextract-owner").start()
         try:
             from threadpoolctl import threadpool_limits
             threadpool_limits(1)
@@ -53,6 +78,13 @@ class _Replica:
 
     def evaluate(self, X):
         return np.asarray(self.model(X), dtype=np.float64)
+
+
+def _exit_with(pid: int) -> None:
+    """End this process as soon as process ``pid`` is gone (an actor's watch)."""
+    while alive(pid):
+        time.sleep(OWNER_POLL)
+    os._exit(0)
 
 
 def load_spec(spec: str):
@@ -114,9 +146,13 @@ class RayReplicas:
         An existing Ray cluster; None starts a local one with ``replicas`` CPUs.
     ray_module : module, optional
         Ray itself (default: ``import ray``); tests pass a stand-in.
+    reap : bool, optional
+        Start a :class:`ProcessReaper` and have each actor watch this process, so that
+        the local cluster stops with it (default: when this object starts the cluster).
     """
 
-    def __init__(self, model, replicas: int, *, address: str | None = None, ray_module=None):
+    def __init__(self, model, replicas: int, *, address: str | None = None, ray_module=None,
+                 reap: bool | None = None):
         if not isinstance(replicas, int) or replicas < 1:
             raise InputError(f"replicas must be a positive integer, got {replicas!r}")
         local = load_spec(model) if isinstance(model, str) else model
@@ -128,13 +164,25 @@ class RayReplicas:
             setattr(self, name, getattr(local, name, None))
         self.replicas = replicas
         self.started = False
+        self.reaper = None
         if not ray.is_initialized():
             options = {"address": address} if address else {"num_cpus": replicas}
-            ray.init(include_dashboard=False, log_to_driver=False, **options)
+            # a stand-in (ray_module) has no processes of its own to reap
+            if reap if reap is not None else (not address and ray_module is None):
+                # before ray.init: the cluster's processes are noted from their first second
+                self.reaper = ProcessReaper()
+            try:
+                ray.init(include_dashboard=False, log_to_driver=False, **options)
+            except BaseException:
+                if self.reaper is not None:
+                    self.reaper.stop()
+                raise
             self.started = True
+        owner = (os.getpid(), socket.gethostname()) if self.reaper is not None else None
         actor = ray.remote(num_cpus=1)(_Replica)
         shipped = model if isinstance(model, str) else ray.put(local)
-        self.actors = [actor.remote(shipped) for _ in range(replicas)]
+        watch = (owner,) if owner is not None else ()
+        self.actors = [actor.remote(shipped, *watch) for _ in range(replicas)]
 
     def __call__(self, X) -> np.ndarray:
         X = np.asarray(X, dtype=np.float64)
@@ -152,6 +200,9 @@ class RayReplicas:
         self.actors = []
         if self.started:
             self.ray.shutdown()
+        if self.reaper is not None:
+            self.reaper.stop()
+            self.reaper = None
 
     def __repr__(self) -> str:
         return f"RayReplicas({self.replicas} actors, d={self.dim})"

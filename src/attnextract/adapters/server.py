@@ -22,10 +22,17 @@ Protocol (HTTP/1.0 and 1.1, keep-alive):
 - Every answer carries ``X-Charged``, ``X-Replayed`` (0/1), ``X-Served`` and
   ``X-Remaining``. ``GET /health`` -> ``{"ok", "kind", "dim", "served", "charged",
   "replayed", "budget", "remaining", "binary", "state"}``.
-- Refusals: ``{"error": reason}`` with 400 (malformed; a bare LF at once), 404, 405,
+- Access control (:class:`BlackBoxServer`): with ``tokens`` a query needs
+  ``Authorization: Bearer TOKEN`` (else 401, nothing charged) and ``/health`` without
+  one says only ``{"ok": true, "auth": "bearer"}``; one address holds at most
+  ``max_client_connections`` connections and ``max_client_rate`` requests a second.
+  ``Expect: 100-continue`` is answered once the body has room. A refusal is followed
+  by a bounded drain of what the client still sends (:meth:`BlackBoxServer._linger`).
+- Refusals: ``{"error": reason}`` with 400 (malformed; a bare LF at once; two
+  Idempotency-Keys), 401, 404, 405,
   408 (headers over ``header_timeout``; a body that pauses over ``idle_timeout`` or
   falls below ``min_body_rate``), 411, 413, 415, 422, 429 (the budget cannot cover the
-  whole batch), 431, 500 (the model failed: not charged, its text only in the log),
+  whole batch), 417, 431, 500 (the model failed: not charged, its text only in the log),
   503 (too many connections; no room for a body within ``slot_timeout``), 505 (an HTTP
   version other than 1.0 and 1.1).
 
@@ -57,14 +64,21 @@ their answers do (the extraction then meets a noisy black box).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import hmac
 import io
+import ipaddress
 import json
 import logging
+import os
 import re
 import signal
 import socket
+import sqlite3
 import threading
+import time
+import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -72,6 +86,8 @@ import numpy as np
 
 from ..errors import InputError
 from ..oracle import OUTPUT_KINDS, answer_kind
+from .journal import checksum as journal_checksum
+from .reaper import alive, start_time
 
 LOG = logging.getLogger("attnextract.server")
 
@@ -88,6 +104,10 @@ MIN_BODY_RATE = 256 << 10        # bytes/s a body must average after its grace (
 WRITE_TIMEOUT = 30.0             # seconds a client may take to read an answer
 SLOT_TIMEOUT = 10.0              # seconds a body may wait for memory (else 503, unread)
 SHUTDOWN_GRACE = 5.0             # seconds the requests being answered get at shutdown
+LINGER_TIMEOUT = 2.0             # seconds a refused request's unread body is drained
+LINGER_BYTES = MAX_BODY_BYTES    # most bytes drained (discarded) after a refusal
+CLIENT_SHARE = 8                 # one address may hold 1/CLIENT_SHARE of the connections
+MIN_TOKEN_LENGTH = 16            # characters of a bearer token (guessing must not pay)
 MAX_HEADER_BYTES = 16 << 10
 BODY_MEMORY = 96 << 20           # bytes all bodies being answered may hold (body_cost)
 CACHE_BYTES = 32 << 20           # bytes of answers kept for their Idempotency-Keys
@@ -108,7 +128,8 @@ NPY = "application/x-npy"
 RAW = "application/octet-stream"
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
            408: "Request Timeout", 411: "Length Required", 413: "Content Too Large",
-           415: "Unsupported Media Type", 422: "Unprocessable Content",
+           401: "Unauthorized", 415: "Unsupported Media Type", 417: "Expectation Failed",
+           422: "Unprocessable Content",
            429: "Too Many Requests", 431: "Request Header Fields Too Large",
            500: "Internal Server Error", 503: "Service Unavailable",
            505: "HTTP Version Not Supported"}
@@ -406,17 +427,134 @@ def npy_bytes(array: np.ndarray) -> bytes:
 # -- the ledger: budget, charges and recent answers ----------------------------------------
 
 LEDGER_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value);
+CREATE TABLE IF NOT EXISTS meta (
+    name TEXT PRIMARY KEY,       -- the header (version, dim, fingerprint), budget, counters
+    value,
+    checksum BLOB NOT NULL       -- of name and value (ledger_checksum)
+);
 CREATE TABLE IF NOT EXISTS answers (
     key TEXT PRIMARY KEY,        -- the Idempotency-Key
     digest BLOB NOT NULL,        -- SHA-256 of the batch's shape and numbers
     outputs BLOB NOT NULL,       -- float64 answers, as sent (rounded if --round)
-    used INTEGER NOT NULL        -- LRU clock: the newest use is the largest
+    used INTEGER NOT NULL,       -- LRU clock: the newest use is the largest
+    checksum BLOB NOT NULL       -- of key, digest, outputs and used
 );
 CREATE INDEX IF NOT EXISTS answers_used ON answers (used);
 """
-LEDGER_VERSION = 1
+LEDGER_VERSION = 2               # 2: checksums on every row, an application id, open marks
+LEDGER_APPLICATION_ID = 0x6178_6C67   # "axlg" in the SQLite header (offset 68)
 COUNTERS = ("served", "replayed", "abandoned", "cache_bytes", "clock")
+HEADER = ("version", "dim", "fingerprint", "budget")
+OPEN_MARK = "open:"              # meta rows of the servers using the ledger now
+
+
+class LedgerError(InputError):
+    """A ledger file that cannot be trusted (damaged, cut short, foreign, its WAL lost):
+    refused at start, never reset (exit 2)."""
+
+
+def _value_bytes(value) -> bytes:
+    """A meta value's bytes for its checksum, its type included (1 and "1" differ)."""
+    if value is None:
+        return b"n"
+    if isinstance(value, bytes):
+        return b"b" + value
+    if isinstance(value, int):
+        return b"i" + str(value).encode()
+    if isinstance(value, float):
+        return b"f" + repr(value).encode()
+    return b"s" + str(value).encode()
+
+
+def ledger_checksum(*parts) -> bytes:
+    """The checksum of a ledger row (the journal's: SHA-256 of length-prefixed parts)."""
+    return journal_checksum(*(_value_bytes(p) for p in parts))
+
+
+def check_ledger_file(path: str, *, new: bool = False) -> bool:
+    """Whether ``path`` is to be created; raises LedgerError unless it is a whole ledger
+    of this server's, read from its raw header before SQLite opens (and writes) it.
+
+    A missing file is created; an empty one only with ``new`` (``--state-new``); a
+    file that is not SQLite, another SQLite file (a client's query journal, say) or a
+    ledger cut short is refused, and ``new`` never overwrites a file that has bytes."""
+    where = f"--state {path}"
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        raise LedgerError(f"{where}: cannot read it: {exc}") from None
+    if size == 0:
+        if new:
+            return True
+        raise LedgerError(f"{where} is an empty file, not a ledger: its budget and charges "
+                          f"are not there (was it emptied?); to start a new ledger in it, "
+                          f"add --state-new")
+    if new:
+        raise LedgerError(f"{where} already exists ({size} bytes): --state-new creates a "
+                          f"new ledger and never overwrites a file; drop --state-new to use "
+                          f"it, or give another file")
+    with open(path, "rb") as f:
+        header = f.read(100)
+    if len(header) < 100 or not header.startswith(b"SQLite format 3\x00"):
+        raise LedgerError(f"{where} is not a ledger (not an SQLite file)")
+    page = int.from_bytes(header[16:18], "big")
+    page = 65536 if page == 1 else page
+    if page < 512 or page & (page - 1):
+        raise LedgerError(f"{where} is damaged: its header gives pages of {page} bytes")
+    # with a -wal beside it another server may be checkpointing into the file now (its
+    # size and page count in flux): SQLite's integrity check judges it then
+    if not os.path.exists(path + "-wal"):
+        if size % page:
+            raise LedgerError(f"{where} was cut short or damaged: {size} bytes is not a "
+                              f"whole number of {page}-byte pages")
+        pages = int.from_bytes(header[28:32], "big")
+        if header[24:28] == header[92:96] and pages * page > size:   # the count is valid
+            raise LedgerError(f"{where} was cut short: its header counts {pages} pages of "
+                              f"{page} bytes, the file holds {size // page}")
+    application = int.from_bytes(header[68:72], "big")
+    if application != LEDGER_APPLICATION_ID:
+        raise LedgerError(f"{where} is not an attnextract ledger ({_foreign(path)}); "
+                          f"give the server a file of its own")
+    return False
+
+
+def _foreign(path: str) -> str:
+    """What a foreign SQLite file holds, read without writing to it."""
+    try:
+        # immutable: no lock, no -wal or -shm created beside someone else's file
+        uri = "file:" + os.path.abspath(path) + "?mode=ro&immutable=1"
+        with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
+            tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE "
+                                                "type = 'table' ORDER BY name").fetchall()]
+    except sqlite3.Error:
+        return "an SQLite file it cannot read"
+    if {"batches", "fingerprint"} <= set(tables):
+        return "a client's query journal: tables " + ", ".join(tables)
+    if "meta" in tables and "answers" in tables:
+        return "a ledger of an older attnextract, without checksums"
+    return "tables " + (", ".join(tables[:8]) or "none")
+
+
+def _process_mark(pid: int) -> str:
+    """``PID@HOST@START``: a process, told apart from a later one with its pid by its start
+    time (Linux; empty elsewhere)."""
+    start = start_time(pid)
+    return f"{pid}@{socket.gethostname()}@{'' if start is None else start}"
+
+
+def _mark_gone(mark: str) -> bool:
+    """Whether the process of an open mark (``_process_mark``) is gone; marks of other
+    hosts are not judged (False)."""
+    pid, _, rest = mark.partition("@")
+    host, _, start = rest.partition("@")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    if not alive(int(pid)):
+        return True
+    now = start_time(int(pid))
+    return bool(start) and now is not None and str(now) != start   # the pid was reused
 
 
 class Ledger:
@@ -436,27 +574,107 @@ class Ledger:
 
     The file is bound to its model: it stores the model's token width and its answers
     to fixed challenge sequences, and refuses (InputError) to serve another model.
+
+    **Integrity.** Every row (the header: version, d, the model's fingerprint; the
+    budget and counters; every kept answer) carries a checksum, and the file an
+    application id. At start the file is checked (:func:`check_ledger_file`, SQLite's
+    ``integrity_check``, every row's checksum) and a damaged, cut-short, empty or
+    foreign file is refused with :class:`LedgerError` naming the row and the reason,
+    never reset; a row read later that fails its checksum refuses the request (500).
+    Each server marks the ledger open (a row, checkpointed into the file) and unmarks
+    it when it closes: a mark of a process that is gone, with no ``-wal`` file beside
+    the ledger, is a crash whose write-ahead log was lost, and is refused too.
     """
 
     def __init__(self, path=None, *, cache_bytes: int, budget=None, dim: int,
-                 fingerprint: bytes | None = None):
-        import sqlite3
+                 fingerprint: bytes | None = None, new: bool = False):
         self.path = None if path is None else str(path)
         self.cache_bytes = int(cache_bytes)
+        self.mark = None
+        self.recovered: list[str] = []     # open marks of crashed servers, cleared
+        creating = True if self.path is None else check_ledger_file(self.path, new=new)
+        wal_present = self.path is not None and os.path.exists(self.path + "-wal")
         try:
             self.db = sqlite3.connect(self.path or ":memory:", isolation_level=None,
                                       check_same_thread=False, timeout=30.0)
+        except sqlite3.Error as exc:
+            raise LedgerError(f"--state {self.path}: cannot open it: {exc}") from None
+        try:
             if self.path is not None:
                 mode = self.db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
                 if mode.lower() != "wal":
                     raise InputError(f"--state {self.path}: SQLite cannot use WAL there "
                                      f"(journal mode {mode})")
                 self.db.execute("PRAGMA synchronous=NORMAL")
-            self.db.executescript(LEDGER_SCHEMA)
+            if creating:
+                self.db.execute(f"PRAGMA application_id = {LEDGER_APPLICATION_ID}")
+                self.db.executescript(LEDGER_SCHEMA)
+            else:
+                self._verify(wal_present)
             with self._transaction():
                 self._bind(dim, fingerprint, budget)
+                if self.path is not None:
+                    self.mark = f"{OPEN_MARK}{uuid.uuid4().hex}"
+                    self._set(self.mark, _process_mark(os.getpid()))
+            if self.path is not None:     # the mark (and a new header) into the file itself
+                self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         except sqlite3.DatabaseError as exc:
-            raise InputError(f"--state {self.path}: not a usable SQLite ledger: {exc}") from None
+            self.db.close()
+            raise LedgerError(f"--state {self.path}: not a usable ledger (damaged?): "
+                              f"{exc}") from None
+        except BaseException:
+            self.db.close()
+            raise
+
+    def _verify(self, wal_present: bool) -> None:
+        """Refuse a ledger whose pages, rows or open marks are not what was written."""
+        where = f"--state {self.path}"
+        problems = [r[0] for r in self.db.execute("PRAGMA integrity_check(5)").fetchall()]
+        if problems != ["ok"]:
+            first = " ".join(str(problems[0]).split())[:200]     # one line
+            raise LedgerError(f"{where} is damaged (SQLite integrity check): {first}")
+        tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master")}
+        if not {"meta", "answers"} <= tables:
+            raise LedgerError(f"{where} is not a ledger: tables {sorted(tables)}")
+        rows = self.db.execute("SELECT rowid, name, value, checksum FROM meta").fetchall()
+        names = set()
+        for rowid, name, value, stored in rows:
+            if stored != ledger_checksum(name, value):
+                raise LedgerError(f"{where} is damaged: header row {rowid} "
+                                  f"({str(name)[:40]!r}) fails its checksum; refused, "
+                                  f"not reset: restore the file from a copy")
+            names.add(name)
+        missing = [n for n in (*HEADER, *COUNTERS) if n not in names]
+        if missing:
+            raise LedgerError(f"{where} is damaged: its header has no {missing[0]!r} row")
+        for rowid, key, digest, outputs, used, stored in self.db.execute(
+                "SELECT rowid, key, digest, outputs, used, checksum FROM answers"):
+            if stored != ledger_checksum(key, digest, outputs, used):
+                raise LedgerError(f"{where} is damaged: kept answer row {rowid} fails its "
+                                  f"checksum; refused, not reset: restore the file from a "
+                                  f"copy")
+        version = self._get("version")
+        if version != LEDGER_VERSION:
+            raise LedgerError(f"{where}: ledger version {version}, this server reads "
+                              f"{LEDGER_VERSION}")
+        dead = []
+        for name in names:
+            if str(name).startswith(OPEN_MARK) and _mark_gone(str(self._get(name))):
+                dead.append((name, str(self._get(name)).split("@")[0]))
+        if dead and not wal_present:
+            raise LedgerError(
+                f"{where}: the server that used it last (pid {dead[0][1]}) stopped without "
+                f"closing it, and its write-ahead log {self.path}-wal is missing: the "
+                f"charges it committed since its last checkpoint are lost, so the counts "
+                f"in the file may be too low. Put {os.path.basename(self.path)}-wal back "
+                f"beside it, or start a new ledger (another file, --state-new)")
+        if dead:                         # SQLite replayed the log: the marks are stale
+            with self._transaction():
+                for name, owner in dead:
+                    self.db.execute("DELETE FROM meta WHERE name = ?", (name,))
+                    self.recovered.append(owner)
+            LOG.warning("--state %s: recovered after an unclean stop of %s", self.path,
+                        ", ".join(o for _, o in dead))
 
     # -- plumbing ----------------------------------------------------------------------
     def _transaction(self):
@@ -472,14 +690,22 @@ class Ledger:
         return _Tx()
 
     def _get(self, name, default=None):
-        row = self.db.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()
-        return default if row is None else row[0]
+        row = self.db.execute("SELECT value, checksum FROM meta WHERE name = ?",
+                              (name,)).fetchone()
+        if row is None:
+            return default
+        if row[1] != ledger_checksum(name, row[0]):
+            LOG.error("--state %s: header row %r fails its checksum", self.path, name)
+            raise RequestError(500, "internal error: the server's ledger is damaged; "
+                                    "not charged")
+        return row[0]
 
     def _set(self, name, value) -> None:
-        self.db.execute("INSERT OR REPLACE INTO meta (name, value) VALUES (?, ?)", (name, value))
+        self.db.execute("INSERT OR REPLACE INTO meta (name, value, checksum) VALUES (?, ?, ?)",
+                        (name, value, ledger_checksum(name, value)))
 
     def _add(self, name, amount: int) -> None:
-        self.db.execute("UPDATE meta SET value = value + ? WHERE name = ?", (amount, name))
+        self._set(name, self._get(name) + amount)
 
     def _bind(self, dim: int, fingerprint, budget) -> None:
         version = self._get("version")
@@ -506,9 +732,8 @@ class Ledger:
 
     # -- reading -----------------------------------------------------------------------
     def counters(self) -> dict:
-        rows = dict(self.db.execute("SELECT name, value FROM meta WHERE name IN "
-                                    "('budget', 'served', 'replayed', 'abandoned', "
-                                    "'cache_bytes')").fetchall())
+        rows = {name: self._get(name) for name in ("budget", "served", "replayed",
+                                                   "abandoned", "cache_bytes")}
         rows["cached_keys"] = self.db.execute("SELECT count(*) FROM answers").fetchone()[0]
         return rows
 
@@ -521,21 +746,39 @@ class Ledger:
         return self._get("served", 0)
 
     # -- writing (each one transaction) --------------------------------------------------
+    def _kept(self, key: str):
+        """(digest, outputs) kept for ``key``, checked against its checksum, or None."""
+        row = self.db.execute("SELECT digest, outputs, used, checksum FROM answers WHERE "
+                              "key = ?", (key,)).fetchone()
+        if row is None:
+            return None
+        digest, blob, used, stored = row
+        if stored != ledger_checksum(key, digest, blob, used) or len(blob) % 8:
+            LOG.error("--state %s: the answer kept for a key fails its checksum", self.path)
+            raise RequestError(500, "internal error: the server's ledger is damaged; not "
+                                    "charged")
+        return digest, blob
+
+    def _keep(self, key: str, digest: bytes, blob: bytes) -> None:
+        """Keep (or touch) the answer of ``key`` with the next clock value."""
+        clock = self._get("clock") + 1
+        self._set("clock", clock)
+        self.db.execute("INSERT OR REPLACE INTO answers (key, digest, outputs, used, checksum) "
+                        "VALUES (?, ?, ?, ?, ?)",
+                        (key, digest, blob, clock, ledger_checksum(key, digest, blob, clock)))
+
     def replay(self, key: str, digest: bytes, shape: tuple | None = None):
         """The answer kept for ``key`` (counted as replayed, reshaped to ``shape`` when
         given), or None if not kept."""
         with self._transaction():
-            row = self.db.execute("SELECT digest, outputs FROM answers WHERE key = ?",
-                                  (key,)).fetchone()
+            row = self._kept(key)
             if row is None:
                 return None
             if row[0] != digest:
                 raise RequestError(422, "Idempotency-Key reused with a different batch")
             # vector answers: the batch's shape (the digest checked it is the same batch)
             outputs = np.frombuffer(row[1], dtype="<f8").copy().reshape(shape or -1)
-            self._add("clock", 1)
-            self.db.execute("UPDATE answers SET used = (SELECT value FROM meta WHERE name = "
-                            "'clock') WHERE key = ?", (key,))
+            self._keep(key, row[0], row[1])
             self._add("replayed", len(outputs))
         return outputs
 
@@ -550,8 +793,7 @@ class Ledger:
         blob = np.ascontiguousarray(outputs, dtype="<f8").tobytes()
         with self._transaction():
             if key is not None:
-                row = self.db.execute("SELECT digest, outputs FROM answers WHERE key = ?",
-                                      (key,)).fetchone()
+                row = self._kept(key)
                 if row is not None:
                     if row[0] != digest:
                         raise RequestError(422, "Idempotency-Key reused with a different "
@@ -566,10 +808,7 @@ class Ledger:
                                    remaining=max(0, budget - served))
             self._add("served", n)
             if key is not None and len(blob) <= self.cache_bytes:
-                self._add("clock", 1)
-                self.db.execute("INSERT INTO answers (key, digest, outputs, used) VALUES "
-                                "(?, ?, ?, (SELECT value FROM meta WHERE name = 'clock'))",
-                                (key, digest, blob))
+                self._keep(key, digest, blob)
                 self._add("cache_bytes", len(blob))
                 self._evict()
         return "charged", outputs
@@ -589,7 +828,17 @@ class Ledger:
             self._add(name, amount)
 
     def close(self) -> None:
-        self.db.close()
+        """Unmark the ledger open (a clean stop), then close it: SQLite checkpoints the
+        log into the file and removes it when the last server closes."""
+        try:
+            if self.mark is not None:
+                with self._transaction():
+                    self.db.execute("DELETE FROM meta WHERE name = ?", (self.mark,))
+                self.mark = None
+        except sqlite3.Error as exc:     # a full disk, say: the next start says so
+            LOG.error("--state %s: could not mark the ledger closed: %s", self.path, exc)
+        finally:
+            self.db.close()
 
 
 def model_fingerprint(model, dim: int) -> bytes:
@@ -630,7 +879,7 @@ class ServerState:
     def __init__(self, model, *, budget: int | None = None, round_digits: int | None = None,
                  max_body: int = MAX_BODY_BYTES, max_sequences: int = MAX_SEQUENCES,
                  max_floats: int = MAX_FLOATS, max_length: int = MAX_LENGTH,
-                 cache_bytes: int = CACHE_BYTES, state=None):
+                 cache_bytes: int = CACHE_BYTES, state=None, state_new: bool = False):
         if budget is not None and budget < 0:
             raise InputError(f"budget must be >= 0, got {budget}")
         if cache_bytes < 0:
@@ -645,7 +894,7 @@ class ServerState:
         self.outputs, self.out_dim, self.causal = declared_answers(model)
         fingerprint = None if state is None else model_fingerprint(model, self.dim)
         self.ledger = Ledger(state, cache_bytes=cache_bytes, budget=budget, dim=self.dim,
-                             fingerprint=fingerprint)
+                             fingerprint=fingerprint, new=state_new)
         self.reserved = 0            # sequences being evaluated (checked against the budget)
         self.refused = 0             # requests refused, since the process started
         self.inflight: dict[str, threading.Event] = {}
@@ -836,6 +1085,124 @@ class ServerState:
             self.ledger.close()
 
 
+# -- access control: tokens and per-client limits -----------------------------------
+
+def read_tokens(path) -> list[bytes]:
+    """The bearer tokens of a ``--token-file``: one a line (several let a token be
+    rotated), blank lines and ``#`` comments ignored.
+
+    Raises
+    ------
+    InputError
+        The file cannot be read, holds no token, or a token is shorter than
+        MIN_TOKEN_LENGTH or not visible ASCII (the token itself is never shown).
+    """
+    try:
+        with open(path, encoding="ascii") as f:
+            lines = f.read(1 << 20).splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"--token-file {path}: cannot read it ({type(exc).__name__})") from None
+    tokens = []
+    for number, line in enumerate(lines, 1):
+        token = line.strip()
+        if not token or token.startswith("#"):
+            continue
+        if len(token) < MIN_TOKEN_LENGTH or not all(33 <= ord(c) <= 126 for c in token):
+            raise InputError(f"--token-file {path}, line {number}: a token must be at least "
+                             f"{MIN_TOKEN_LENGTH} visible ASCII characters without spaces "
+                             f"(e.g. python3 -c 'import secrets; "
+                             f"print(secrets.token_urlsafe(32))')")
+        tokens.append(token.encode())
+    if not tokens:
+        raise InputError(f"--token-file {path} holds no token")
+    return tokens
+
+
+def token_matches(header: str | None, tokens: list[bytes]) -> bool:
+    """Whether an ``Authorization`` header carries one of ``tokens`` (``Bearer TOKEN``).
+
+    Every token is compared with :func:`hmac.compare_digest`, all of them every time,
+    so the time taken says nothing about how much of a token was right."""
+    if header is None:
+        return False
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    given_bytes = given.strip().encode("latin-1")
+    found = False
+    for token in tokens:
+        found |= hmac.compare_digest(given_bytes, token)
+    return found
+
+
+def exposure_warning(host: str, tokens) -> str | None:
+    """The warning for a server bound beyond loopback without tokens, or None."""
+    if tokens:
+        return None
+    try:
+        loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:                  # a name: loopback only if it is localhost
+        loopback = host == "localhost"
+    if loopback:
+        return None
+    return (f"serving on {host or 'every address'} without --token-file: anyone who can "
+            f"reach this port can query the model, spend its budget and read /health")
+
+
+class ClientLimits:
+    """Per-address limits: connections held at once and requests a second.
+
+    Used from the server's one event loop only (no lock). A token bucket per address
+    (``rate`` requests a second, bursts of ``burst``); buckets of addresses with no
+    connection left are dropped once full, so the table stays small."""
+
+    def __init__(self, max_connections: int | None, rate: float | None = None,
+                 burst: float | None = None):
+        self.max_connections = max_connections
+        self.rate = rate if rate else None
+        self.burst = float(burst if burst else (2 * rate if rate else 0))
+        self.open: dict[str, int] = {}
+        self.buckets: dict[str, tuple[float, float]] = {}   # address -> (tokens, time)
+        self.refused_connections = 0
+        self.refused_requests = 0
+
+    def connect(self, address: str) -> bool:
+        """Count a new connection of ``address``; False (not counted) past its cap."""
+        held = self.open.get(address, 0)
+        if self.max_connections is not None and held >= self.max_connections:
+            self.refused_connections += 1
+            return False
+        self.open[address] = held + 1
+        return True
+
+    def disconnect(self, address: str) -> None:
+        held = self.open.get(address, 0) - 1
+        if held > 0:
+            self.open[address] = held
+            return
+        self.open.pop(address, None)
+        # forget the full buckets of addresses that have gone: the table stays small
+        if self.rate is not None and len(self.buckets) > 4096:
+            now = time.monotonic()
+            for other, (tokens, then) in list(self.buckets.items()):
+                if other not in self.open and tokens + (now - then) * self.rate >= self.burst:
+                    del self.buckets[other]
+
+    def allow_request(self, address: str) -> bool:
+        """Take one request from ``address``'s bucket; False if it is empty."""
+        if self.rate is None:
+            return True
+        now = time.monotonic()
+        tokens, then = self.buckets.get(address, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - then) * self.rate)
+        if tokens < 1:
+            self.buckets[address] = (tokens, now)
+            self.refused_requests += 1
+            return False
+        self.buckets[address] = (tokens - 1, now)
+        return True
+
+
 # -- the server ------------------------------------------------------------------------
 
 class ByteBudget:
@@ -906,6 +1273,12 @@ class BlackBoxServer:
     ``serve_forever()`` runs it (in a thread for tests), ``shutdown()`` stops it from
     another thread, ``server_close()`` releases the socket, the model's threads and the
     ledger.
+
+    Access control: ``tokens`` (bearer tokens, bytes) make every ``/query`` without one
+    a 401 that charges nothing, and ``/health`` say only ``{"ok": true, "auth":
+    "bearer"}``; one address holds at most ``max_client_connections`` connections
+    (default ``max_connections // CLIENT_SHARE``) and sends at most
+    ``max_client_rate`` requests a second (default: no limit), else a 503.
     """
 
     def __init__(self, address, state: ServerState, *, verbose: bool = False,
@@ -913,7 +1286,9 @@ class BlackBoxServer:
                  header_timeout: float = HEADER_TIMEOUT, idle_timeout: float = IDLE_TIMEOUT,
                  workers: int = WORKERS, keepalive_timeout: float = KEEPALIVE_TIMEOUT,
                  body_memory: int = BODY_MEMORY, slot_timeout: float = SLOT_TIMEOUT,
-                 min_body_rate: float = MIN_BODY_RATE):
+                 min_body_rate: float = MIN_BODY_RATE, tokens: list[bytes] | None = None,
+                 max_client_connections: int | None = None,
+                 max_client_rate: float | None = None):
         if body_memory < 1 or slot_timeout <= 0 or min_body_rate <= 0 or idle_timeout <= 0:
             raise InputError("body_memory >= 1, slot_timeout > 0, min_body_rate > 0 and "
                              "idle_timeout > 0 are required")
@@ -923,6 +1298,13 @@ class BlackBoxServer:
         self.keepalive_timeout = keepalive_timeout
         self.body_memory, self.slot_timeout = body_memory, slot_timeout
         self.min_body_rate = min_body_rate
+        self.tokens = list(tokens or [])
+        if max_client_connections is None:
+            max_client_connections = max(1, max_connections // CLIENT_SHARE)
+        if max_client_connections < 1 or (max_client_rate is not None and max_client_rate < 0):
+            raise InputError("max_client_connections >= 1 and max_client_rate >= 0 are "
+                             "required")
+        self.clients = ClientLimits(max_client_connections, max_client_rate)
         self.socket = socket.create_server(address, backlog=backlog)
         self.server_address = self.socket.getsockname()
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="attnextract-model")
@@ -1007,19 +1389,28 @@ class BlackBoxServer:
         # stream holds 2 x MAX_HEADER_BYTES: a connection buffers at most
         # CONNECTION_BUFFER bytes that no body reservation counts
         writer.transport.max_size = READ_SIZE
+        peer = writer.get_extra_info("peername")
+        address = str(peer[0]) if peer else "?"
         try:
             if self.connections >= self.max_connections:
                 self.rejected_connections += 1
-                await self._send(writer, 503, {"error": "too many connections; retry later"},
-                                 close=True)
+                await self._refuse_connection(reader, writer, "too many connections; retry "
+                                                              "later")
+                return
+            if not self.clients.connect(address):
+                self.rejected_connections += 1
+                await self._refuse_connection(
+                    reader, writer, f"too many connections from {address} (at most "
+                                    f"{self.clients.max_connections} per address); retry later")
                 return
             self.connections += 1
             self.peak_connections = max(self.peak_connections, self.connections)
             try:
-                while not self._stopping and await self._request(reader, writer):
+                while not self._stopping and await self._request(reader, writer, address):
                     pass
             finally:
                 self.connections -= 1
+                self.clients.disconnect(address)
         except (ConnectionError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutError,
                 asyncio.CancelledError):
             pass
@@ -1028,7 +1419,34 @@ class BlackBoxServer:
             self._busy.discard(task)
             writer.close()
 
-    async def _request(self, reader, writer) -> bool:
+    async def _refuse_connection(self, reader, writer, reason: str) -> None:
+        """A 503 to a connection over a cap, then a short linger: a client that already
+        sent its request reads the refusal, not a reset."""
+        await self._send(writer, 503, {"error": reason}, close=True,
+                         extra={"Retry-After": 1})
+        await self._linger(reader, writer, LINGER_TIMEOUT / 4)
+
+    async def _linger(self, reader, writer, timeout: float = LINGER_TIMEOUT) -> None:
+        """After a refusal: close our side, then read and discard what the client still
+        sends (at most LINGER_BYTES, ``timeout`` seconds). Closing with its body unread
+        would make the kernel answer with a reset, which can reach the client before
+        the refusal does (it then sees ECONNRESET, not the reason)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        left = LINGER_BYTES
+        try:
+            if writer.can_write_eof():
+                writer.write_eof()
+            while left > 0 and loop.time() < end:
+                async with asyncio.timeout(end - loop.time()):
+                    chunk = await reader.read(min(READ_SIZE, left))
+                if not chunk:
+                    return
+                left -= len(chunk)
+        except (TimeoutError, ConnectionError, OSError, RuntimeError):
+            pass
+
+    async def _request(self, reader, writer, address: str = "?") -> bool:
         """Read and answer one request; False when the connection must close."""
         task = asyncio.current_task()
         try:                                         # an idle keep-alive connection may wait
@@ -1050,17 +1468,21 @@ class BlackBoxServer:
             except asyncio.IncompleteReadError:
                 return False
             method, path, version, headers = _parse_head(head)
+            if not self.clients.allow_request(address):
+                raise RequestError(503, f"too many requests from {address} (at most "
+                                        f"{self.clients.rate:g} a second); retry later")
             keep_alive = (version == "HTTP/1.1" and not self._stopping
                           and "close" not in headers.get("connection", [""])[0].lower())
-            return await self._route(reader, writer, method, path, headers, keep_alive)
+            return await self._route(reader, writer, method, path, headers, keep_alive,
+                                     version)
         except ClientGone:
             return False
         except RequestError as exc:
             self.state.refuse()
             await self._send(writer, exc.status, {"error": exc.reason, **exc.extra},
                              close=True, head_only=method == "HEAD",
-                             allow=exc.extra.get("allow"),
-                             extra={"Retry-After": 1} if exc.status == 503 else None)
+                             allow=exc.extra.get("allow"), extra=_refusal_headers(exc.status))
+            await self._linger(reader, writer)
             return False
         finally:
             self._busy.discard(task)
@@ -1105,7 +1527,8 @@ class BlackBoxServer:
         answer = state.answer_bytes(sequences, numbers // state.dim + 1)
         return 16 * numbers + answer + min(length, CONNECTION_BUFFER)
 
-    async def _route(self, reader, writer, method, path, headers, keep_alive) -> bool:
+    async def _route(self, reader, writer, method, path, headers, keep_alive,
+                     version="HTTP/1.1") -> bool:
         state = self.state
         has_body = "content-length" in headers or "transfer-encoding" in headers
         if path not in ("/query", "/health"):
@@ -1113,16 +1536,28 @@ class BlackBoxServer:
         wanted = "POST" if path == "/query" else "GET"
         if method != wanted:
             raise RequestError(405, f"{path} takes {wanted}, not {method}", allow=wanted)
+        authorized = self._authorized(headers)
         if path == "/health":
-            await self._send(writer, 200, state.health(), close=not keep_alive or has_body)
+            # without a token: alive, and that a token is needed; nothing about the budget
+            health = state.health() if authorized else {"ok": True, "auth": "bearer"}
+            await self._send(writer, 200, health, close=not keep_alive or has_body)
+            if has_body:
+                await self._linger(reader, writer)
             return keep_alive and not has_body
+        if not authorized:                      # before a byte of the body: nothing charged
+            raise RequestError(401, "a bearer token is required: send Authorization: "
+                                    "Bearer TOKEN (attnextract: --http-token-file)")
+        continue_first = _expects_continue(headers, version)
         content_type = headers.get("content-type", ["application/json"])[0].split(";")[0]
         content_type = content_type.strip().lower()
         if content_type not in (JSON, NPY, RAW):
             raise RequestError(415, f"Content-Type {content_type!r}: send {JSON}, {NPY} or "
                                     f"{RAW} (with X-Shape: B,N,d)")
         binary_answer = NPY in headers.get("accept", [""])[0].lower()
-        key = headers.get("idempotency-key", [None])[0]
+        keys = headers.get("idempotency-key", [])
+        if len(keys) > 1:                        # which one would be charged? neither
+            raise RequestError(400, f"{len(keys)} Idempotency-Key headers; send one")
+        key = keys[0] if keys else None
         if key is not None and not KEY_PATTERN.match(key):
             raise RequestError(400, "Idempotency-Key must be 1-128 visible ASCII characters")
         length = _content_length(headers, state.max_body)
@@ -1137,6 +1572,10 @@ class BlackBoxServer:
             raise RequestError(503, f"server busy: no room for a body of {length} bytes "
                                     f"within {self.slot_timeout} s; retry") from None
         try:
+            if continue_first:                  # admitted: now the client may send it
+                writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                async with asyncio.timeout(WRITE_TIMEOUT):
+                    await writer.drain()
             await self._read_body(reader, parser, length)
             X = parser.finish()
             del parser                                  # its pieces: X holds the numbers
@@ -1165,6 +1604,13 @@ class BlackBoxServer:
             return keep_alive
         finally:
             held.release()
+
+    def _authorized(self, headers: dict) -> bool:
+        """True without tokens; else whether the one Authorization header holds one."""
+        if not self.tokens:
+            return True
+        values = headers.get("authorization", [])
+        return len(values) == 1 and token_matches(values[0], self.tokens)
 
     async def _read_body(self, reader, parser, length: int) -> None:
         """Read a body at no less than min_body_rate bytes/s (after idle_timeout seconds
@@ -1223,6 +1669,27 @@ class BlackBoxServer:
             await writer.drain()
         if self.verbose:
             LOG.info("%s %d bytes", status, len(data))
+
+
+def _refusal_headers(status: int) -> dict | None:
+    """Headers a refusal carries: when to retry (503), how to authenticate (401)."""
+    if status == 503:
+        return {"Retry-After": 1}
+    if status == 401:
+        return {"WWW-Authenticate": 'Bearer realm="attnextract"'}
+    return None
+
+
+def _expects_continue(headers: dict, version: str) -> bool:
+    """Whether the client waits for ``100 Continue`` before its body (HTTP/1.1 only); a
+    417 for any other expectation."""
+    values = headers.get("expect")
+    if values is None:
+        return False
+    if len(values) != 1 or values[0].strip().lower() != "100-continue":
+        raise RequestError(417, f"Expect {values[0][:40]!r} is not supported; only "
+                                f"100-continue")
+    return version == "HTTP/1.1"
 
 
 def _parse_head(head: bytes):
@@ -1287,7 +1754,8 @@ def peak_rss_bound(idle_rss: int, *, connections: int, body_memory: int = BODY_M
 
 
 SERVER_OPTIONS = ("max_connections", "backlog", "header_timeout", "idle_timeout", "workers",
-                  "keepalive_timeout", "body_memory", "slot_timeout", "min_body_rate")
+                  "keepalive_timeout", "body_memory", "slot_timeout", "min_body_rate",
+                  "tokens", "max_client_connections", "max_client_rate")
 
 
 def make_server(model, host: str = "127.0.0.1", port: int = 0, *, verbose: bool = False,
@@ -1298,10 +1766,15 @@ def make_server(model, host: str = "127.0.0.1", port: int = 0, *, verbose: bool 
     ``round_digits``, ``max_body``, ``max_sequences``, ``max_floats``, ``max_length``,
     ``cache_bytes``, ``state``: the ledger file) and of :class:`BlackBoxServer`
     (``max_connections``, ``backlog``, ``header_timeout``, ``idle_timeout``, ``workers``,
-    ``keepalive_timeout``, ``body_memory``, ``slot_timeout``, ``min_body_rate``).
+    ``keepalive_timeout``, ``body_memory``, ``slot_timeout``, ``min_body_rate``,
+    ``tokens``, ``max_client_connections``, ``max_client_rate``). A server bound beyond
+    loopback without ``tokens`` logs :func:`exposure_warning`.
     Call ``serve_forever()`` (in a thread for tests), ``shutdown()`` and ``server_close()``.
     """
     options = {k: limits.pop(k) for k in SERVER_OPTIONS if k in limits}
+    warning = exposure_warning(host, options.get("tokens"))
+    if warning:
+        LOG.warning("%s", warning)
     state = ServerState(model, **limits)
     try:
         return BlackBoxServer((host, port), state, verbose=verbose, **options)

@@ -820,7 +820,8 @@ def extract_low_rank(oracle: Oracle, rank: int | None = None, method: str = "ada
                                 tolerance=verify_tolerance,
                                 scale=min(token_scale(model), np.sqrt(max(largest_scale, 1e-300))),
                                 expected_error="measured")
-    breakdown["verification"] = n_verify
+    # the check's own count: --verify-sequences and the batch-invariance re-asks add to it
+    breakdown["verification"] = verification.sequences
     details = {"method": method, **details,
                "floors": (f"d + r(2d - r) + r + 1 = {floor} (rank {found}, biases)" if biases
                           else f"d + r(2d - r) = {floor} (rank {found})")
@@ -836,5 +837,5 @@ def extract_low_rank(oracle: Oracle, rank: int | None = None, method: str = "ada
                     seconds=time.perf_counter() - start,
                     black_box_seconds=oracle.black_box_seconds - start_bb,
                     notes=notes, details=details)
-    assert report.queries == recovery_total + n_verify
+    assert report.queries == recovery_total + verification.sequences
     return checked_result(model, report, "a single-head attention regressor of this kind")

@@ -66,9 +66,11 @@ import numpy as np
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import SingleHeadAttention, softmax
-from ..oracle import Oracle, by_length, on_scaled_outputs
+from ..oracle import Oracle, by_length, on_scaled_outputs, root_oracle
 from ..report import ExtractionResult, Report, Verification, verification_count
-from ..verification import (design, max_length_of, output_scale, safe_norm,
+from ..verification import (BATCH_BIG_MIN, BATCH_REASKS, batch_dependence, design,
+                            max_length_of,
+                            output_scale, reask_in_other_batches, safe_norm,
                             scaled_relative_errors, token_norms)
 from .single_head import logit, probe_basis
 
@@ -146,7 +148,7 @@ class NoisyVerification(Verification):
 
     @property
     def passed(self) -> bool:
-        return bool(self.worst_ratio <= 1.0)
+        return bool(self.worst_ratio <= 1.0 and not self.batch_dependence)
 
 
 def random_orthogonal_fixing_ones(d: int, rng: np.random.Generator) -> np.ndarray:
@@ -844,8 +846,12 @@ def verify_noisy(oracle, model, noise: NoiseModel, W_bar, v_bar, *, count, seed,
                  extra_relative=0.0, nonlinear=False) -> NoisyVerification:
     """Held-out comparison allowing noise plus the model's own error bars."""
     rng = np.random.default_rng(seed)
-    held = design(oracle.dim, count, rng, scale, model=model, max_length=max_length_of(oracle),
-                  exclude=("far",))
+    # a stronger coverage statement asked for (--verify-sequences N): never fewer
+    count = max(int(count), int(getattr(root_oracle(oracle), "verify_sequences", None) or 0))
+    # the batch-invariance check's part of the count (a check of 40 or more)
+    batched = min(count // 4, BATCH_BIG_MIN + 2 * BATCH_REASKS) if count >= 40 else 0
+    held = design(oracle.dim, count - batched, rng, scale, model=model,
+                  max_length=max_length_of(oracle), exclude=("far",))
     sequences, count = held.sequences, len(held.sequences)
     observed = oracle.query_ragged(sequences)
     predicted, gW, gv = np.empty(count), np.empty(count), np.empty(count)
@@ -885,7 +891,20 @@ def verify_noisy(oracle, model, noise: NoiseModel, W_bar, v_bar, *, count, seed,
                   / (bound[i] + bound[s].max() + (extra_relative + FLOAT_SLACK * 16) * denom[i])
                   for i, s in held.hull]
     worst = max(float(ratio.max()), max(hull_ratio, default=0.0))
+    # batch invariance: the same sequences alone and in a large batch agree within the
+    # noise of both answers (a box rounded in one batch shape only is refused: its
+    # precision is not the one stated or found)
+    reasked = reask_in_other_batches(oracle, sequences, held.family, rng, scale, batched)
+    dependence = ""
+    if reasked is not None:
+        firsts = observed[reasked.picks]
+        dependence = batch_dependence(
+            reasked, firsts, lambda answers: np.abs(np.asarray(answers) - firsts),
+            2.0 * bound[reasked.picks] + FLOAT_SLACK * 16 * denom[reasked.picks])
+        count += reasked.queries
     return NoisyVerification(sequences=count, max_relative_error=float(rel.max()),
+                             batch_dependence=dependence,
+                             batch_sizes=() if reasked is None else reasked.sizes,
                              median_relative_error=float(np.median(rel)),
                              tolerance=float(np.max(allowed / denom)),
                              worst_ratio=worst, lengths=held.lengths,

@@ -96,8 +96,9 @@ class OddPartOracle:
     def require(self, n: int, what: str = "this step") -> None:
         self.base.require(2 * n, f"{what} (two queries per probe of the odd part)")
 
-    def plan(self, n: int, what: str = "the extraction") -> None:
-        self.base.plan(2 * n, f"{what} (two queries per probe of the odd part)")
+    def plan(self, n: int, what: str = "the extraction", need: int | None = None) -> None:
+        self.base.plan(2 * n, f"{what} (two queries per probe of the odd part)",
+                       None if need is None else 2 * need)
 
     def query(self, X) -> np.ndarray:
         """g on a batch (B, N, d) (or one sequence (N, d)) -> (B,); 2B queries in one batch."""

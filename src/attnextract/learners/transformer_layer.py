@@ -113,7 +113,7 @@ from ..oracle import Oracle, OracleView, on_scaled_outputs
 from ..precision import precision_of, stated_precision
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                       token_scale, verification_count, verify_model)
-from ..verification import safe_norm, safe_rms
+from ..verification import merge_verifications, safe_norm, safe_rms
 from .biased_relu import (ERROR_BAR_SIGMAS, NOISY_FIT, BiasedReLUNetwork, Tolerances, crossing_points,
                           extract_biased_relu, noisy_tolerances)
 from .residual import (_MappedOracle, _ResidualOddOracle, counted_stage,
@@ -756,7 +756,6 @@ def _finish(oracle, model, counts, details, seeds, start, start_queries, start_b
             noise: float = 0.0) -> ExtractionResult:
     """Held-out verification (also far out, where the probes or the FFN's hyperplanes
     were, when that is beyond the usual token scale), the report, the checked result."""
-    from ..report import Verification
 
     d = oracle.dim
     floor = free_parameters(model)
@@ -774,30 +773,7 @@ def _finish(oracle, model, counts, details, seeds, start, start_queries, start_b
         far_check = verify_model(oracle, model, count=n_far, seed=rng,
                                  tolerance=verify_tolerance, scale=far, expected_error=expected,
                                  answer_noise=noise)
-        verification = Verification(
-            sequences=n_verify + n_far,
-            max_relative_error=max(verification.max_relative_error,
-                                   far_check.max_relative_error),
-            median_relative_error=max(verification.median_relative_error,
-                                      far_check.median_relative_error),
-            tolerance=min(verification.tolerance, far_check.tolerance),
-            requested_tolerance=max(verification.requested_tolerance,
-                                    far_check.requested_tolerance),
-            lengths=(min(verification.lengths[0], far_check.lengths[0]),
-                     max(verification.lengths[1], far_check.lengths[1])),
-            norms=(min(verification.norms[0], far_check.norms[0]),
-                   max(verification.norms[1], far_check.norms[1])),
-            max_length=verification.max_length,
-            search_queries=verification.search_queries + far_check.search_queries,
-            own_probes=verification.own_probes,
-            error_bar=max(verification.error_bar, far_check.error_bar),
-            # the near check's second layer (the hull) and families are kept, not dropped
-            hull_violation=max(verification.hull_violation, far_check.hull_violation),
-            hull_tolerance=max(verification.hull_tolerance, far_check.hull_tolerance),
-            worst_family=(verification.worst_family
-                          if verification.max_relative_error >= far_check.max_relative_error
-                          else far_check.worst_family),
-            family_errors={**far_check.family_errors, **verification.family_errors})
+        verification = merge_verifications(verification, far_check)
         details["far verification"] = (f"{n_far} sequences at token scale {far:.3g}: max "
                                        f"relative error {far_check.max_relative_error:.1e}")
     n_verify += n_far
@@ -898,8 +874,9 @@ class LargeTokenOddOracle(OracleView):
     def require(self, n: int, what: str = "this step") -> None:
         self.base.require(4 * n, self._named(f"{what} (four queries per probe)"))
 
-    def plan(self, n: int, what: str = "the extraction") -> None:
-        self.base.plan(4 * n, self._named(f"{what} (four queries per probe)"))
+    def plan(self, n: int, what: str = "the extraction", need: int | None = None) -> None:
+        self.base.plan(4 * n, self._named(f"{what} (four queries per probe)"),
+                       None if need is None else 4 * need)
 
     def shifts(self, Z: np.ndarray) -> np.ndarray:
         """L per probe (B,): every biased unit's kink out of reach of the attention term."""

@@ -74,7 +74,7 @@ from . import design, polish
 from .canonical import (canonical_error, canonical_form, match_heads, non_identifiable_twin,
                         non_identifiable_vector_twin, twin_difference)
 from .subspaces import extract_in_subspaces
-from .budget import Budget, _Redesign, _check_queries, _scan_size, biased_count, paper2_count
+from .budget import Budget, _Redesign, _scan_size, biased_count, paper2_count
 from .base_row import BaseRowStage
 from .main_rows import MainRowStage
 from .short_probes import ShortProbeStage
@@ -128,8 +128,9 @@ def extract_multi_head(oracle: Oracle, heads=None, *, subspaces=None, seed=None,
         Seed of the random design and of the held-out verification sequences.
     max_error_bar : float, optional
         Largest error bar (relative parameter error, ERROR_BAR_FACTOR times the
-        predicted rms error) accepted; above it the learner refuses. Default 1e-6, or
-        3e4 times the output precision for rounded outputs (1.8e-3 for float32).
+        predicted rms error) accepted; above it the learner refuses. Default 1e-6
+        (DEFAULT_TOLERANCE), or ROUNDED_TOLERANCE = 1.6e5 times the output precision for
+        rounded outputs (9.5e-3 for float32, at most 0.5).
     verify_tolerance : float
         Largest held-out relative output error accepted as a match (float64 outputs;
         rounded outputs add their precision).
@@ -224,7 +225,6 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         self.tolerance_given = tolerance is not None         # max_error_bar= (set_precision)
         self.say = progress or (lambda message: None)
         self.start, self.q0, self.bb0 = time.perf_counter(), oracle.queries, oracle.black_box_seconds
-        self.cq0 = _check_queries(oracle)
         self.breakdown: dict[str, int] = {}
         self.details: dict = {}
         self.notes: list[str] = []
@@ -359,7 +359,12 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
                         RecoveryFailedError)
         s0, rest = _scan_size(H), self.rest_cost(H)
         self.scans_left = self.base_scans(H, short_share=False)
-        self.oracle.plan(rest + self.scans_left * s0, "multi-head extraction")
+        # not told H, the plan is sized for the most heads the search may count; the
+        # budget need only hold the smallest design of the fewest (one head): every later
+        # stage checks what it spends against the budget (Budget.affordable)
+        least = H if self.heads_told else 1
+        self.oracle.plan(rest + self.scans_left * s0, "multi-head extraction",
+                         need=min(rest + self.scans_left * s0, self.least_run(least)))
         before = self.oracle.queries
         self.c, self.v = constant_and_values(self.oracle, self.biases)
         self.spend("v tokens" + (" and c = f([0])" if self.biases else ""), before)
@@ -800,7 +805,7 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         floor = self.parameters(H)
         count = self.count_cap(H)
         total = self.oracle.queries - self.q0
-        spent = self.spent()                 # with a journal's binding checks
+        spent = self.spent()
         self.details.update({
             "method": getattr(self, "method", "copy probes at designed step positions, "
                                                 "row-wise joint fits"),
@@ -823,7 +828,7 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
                    if smallest > count and not hasattr(self, "method") else
                    "the head count search (give heads= to plan for H)" if not self.heads_told
                    else "the redesigns")
-            self.notes.append(f"{spent} queries (verification and journal checks included), "
+            self.notes.append(f"{spent} queries (verification included), "
                               f"above {self.count_name()} {count} for H = {H}, d = {d}: {why}")
         report = Report(kind=model.kind, dim=d, queries=total,
                         breakdown={**self.breakdown, "recovery": recovery,

@@ -942,8 +942,14 @@ class BaseRowStage:
                         f"(--heads)", RecoveryFailedError, judge=True)
         if heads is None:
             heads = max(counts)
-            self.notes.append(f"the head count {heads} rests on one base row (the rows "
-                              f"scanned gave {sorted(counts)})")
+            if not self.heads_told:
+                self.notes.append(f"the head count {heads} rests on one base row (the rows "
+                                  f"scanned gave {sorted(counts)})")
+            elif heads < H:
+                # told at most H: the count is not a finding of one row but the largest
+                # the rows showed below the bound given
+                self.notes.append(f"told at most {H} heads, the rows scanned showed at most "
+                                  f"{heads} sigmoid steps ({sorted(counts)}): {heads} heads")
         if self.coarse and not self.heads_told:
             # coarse answers, not told H: a row that shows more steps than the count
             # agreed on, one of them at the window's edge (too near it to be pinned, so
@@ -1213,7 +1219,11 @@ def column_gain(T: np.ndarray, T_var: np.ndarray, Q: np.ndarray, u: np.ndarray) 
     their median (a reference step fitted 0.23 off made every column seem to move it
     by that, 220x the nudges' real moves, d = H = 8), each squared move less its
     variance (a step beyond the window is located by its tail), and the median over
-    the columns (a step mislabelled in one column does not count)."""
+    the columns (a step mislabelled in one column does not count). No column besides
+    the reference (every other one refused): 0, nothing measured (callers keep their
+    assumed gain)."""
+    if T.ndim != 2 or T.shape[0] == 0 or T.shape[1] < 2:
+        return 0.0
     length = np.maximum(np.linalg.norm(Q[1:] - Q[:1], axis=1), 1e-300)  # (n - 1,)
     moved = (T[:, 1:] - T[:, :1]) / length                              # (H, n - 1)
     moved = moved - np.median(moved, axis=1, keepdims=True)

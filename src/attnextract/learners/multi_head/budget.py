@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 
+from ...oracle import root_oracle
 from ...report import verification_count
 from .constants import (BASE_CANDIDATES, BIASED_COUNT_BOUND, COLUMN_SPARES, EXTRA_COLUMNS,
                         RANDOM_COLUMNS, SCALE_ROUNDS, SHORT_OVERSAMPLE)
@@ -82,16 +83,16 @@ def bias_share_per_row(heads: int) -> int:
 
 def _check_queries(oracle) -> int:
     """A journal's binding queries so far (0 without one), through oracle views."""
-    from ...verification import root_oracle
     return int(getattr(root_oracle(oracle), "check_queries", 0))
 
 
 def _budget_left(oracle) -> float:
-    """Queries the budget still allows (inf without one), through oracle views."""
-    from ...verification import root_oracle
+    """Queries the budget still allows (inf without one), through oracle views: a
+    journal's binding checks are answered by the black box, so they are within the
+    budget (as :meth:`attnextract.oracle.Oracle.require` counts them)."""
     root = root_oracle(oracle)
     budget = getattr(root, "budget", None)
-    return math.inf if budget is None else budget - root.queries
+    return math.inf if budget is None else budget - root.queries - _check_queries(root)
 
 
 def _scan_size(heads: int) -> int:
@@ -130,6 +131,13 @@ class Budget:
         """Queries of the smallest design told H, verification included: v, three base
         scans, the base estimate and the main rounds."""
         return (self.d + 3 * _scan_size(H) + self.perturbation_cost(H) + self.main_cost(H)
+                + verification_count(self.parameters(H)))
+
+    def least_run(self, H: int) -> int:
+        """Queries of the least run told H that can succeed: v (and c), three base scans,
+        the base estimate, the main rounds with :meth:`least_columns` and the held-out
+        verification. A budget below it is refused before any query."""
+        return (self.d + self.biases + 2 * _scan_size(H) + self.attempt_cost(H, least=True)
                 + verification_count(self.parameters(H)))
 
     def rest_cost(self, H: int) -> int:
@@ -200,9 +208,11 @@ class Budget:
                 and queries + verify <= _budget_left(self.oracle))
 
     def spent(self) -> int:
-        """Queries this run has cost so far: its own and a journal's binding checks (the
-        fingerprint queries, counted apart by the oracle but answered by the black box)."""
-        return self.oracle.queries - self.q0 + _check_queries(self.oracle) - self.cq0
+        """Queries this run's plan has cost so far. A journal's binding checks are not in
+        it: they are counted apart (in the total and within the budget, see
+        :func:`_budget_left`), so the plan, and every bit of the result, is the same with
+        a journal, without one and on a resumed run (whose checks are more)."""
+        return self.oracle.queries - self.q0
 
     def parameters(self, H: int) -> int:
         """Free parameters of H canonical heads: the floor H(d^2 + d), with biases

@@ -1,0 +1,869 @@
+"""One attention head from vector answers: W, b, O = W_o W_v and c in about 2d queries.
+
+Model (docs/algorithms.md, "Vector outputs"; ALGORITHMS.md section 10). At the last
+position a single head answers
+
+    F(X) = O X^T alpha + c,   alpha = softmax(X (W x_N + b)),        F in R^m,
+
+and at every position j the same with x_N replaced by x_j (causal: over i <= j only).
+
+Identities. One token: F([x]) = O x + c, so c = F([0]) and O e_k = F([e_k]) - c
+(d + 1 queries, one batch). Let r = rank(O), O = U_r S_r V_r^T, and send the tokens
+x_i = q + t z_i (i = 1..r) then x_N = q, with V_r^T z_i = a_i, the edges z_i - z_0 of a
+regular simplex (columns of A, :func:`simplex_edges`). Then
+
+    S_r^{-1} U_r^T (F - c) = V_r^T X^T alpha = V_r^T q + t A (alpha_1, ..., alpha_r),
+    alpha_N = 1 - sum_i alpha_i,   ln(alpha_i / alpha_N) = t z_i^T (W q + b),
+
+the common score q^T (W q + b) cancelling in the ratio. So ONE query of r + 1 tokens
+gives r linear functionals of the vector g(q) = W q + b. Full rank (r = d, m >= d): one
+query gives the whole g(q). Rank r < d (m < d, or W_v rank deficient): z_i = V_r a_i +
+w_i with w_i in the kernel of O (invisible in the answer, not in the scores),
+ceil(d / r) queries per point. Then q = 0 gives b and q = s_k e_k gives s_k W e_k + b:
+d + 1 points, [W | b] exactly.
+
+Theorem (identifiability and count). For one head with O of rank r the
+1 + d + (d + 1) ceil(d / r) queries above determine (W, b, O, c) (b, c: the canonical
+query bias and output constant; W, b never identifiable beyond this since the key bias
+cancels); at r = d that is 2d + 2, against d^2 + 2d + 1 for one number per sequence,
+and the floor is ceil((d^2 + d + r(m + d - r) + m) / m) queries (2d + 2 at m = d).
+
+Every position, r = d: the tokens t z_0, ..., t z_d at the vertices of a regular simplex
+(sum z_k = 0, Z^T Z = (d + 1)/d I) in one query give at position k the log-weights
+ln alpha_i = t z_i^T g(t z_k) + const, so g(t z_k) = d / ((d + 1) t) Z^T ln alpha with
+no reference token; b is the mean of the g's and W = d / ((d + 1) t) G^T Z: W and b
+from ONE query (d + 2 in all). Causal: position k sees only its prefix, so the same
+tokens are sent in both orders (token k sees 0..k in one, k..d in the other; the two
+share token k, which aligns their constants): d + 3 queries.
+
+Conditioning by design. A logit is read from alpha_i / alpha_N, so every alpha must stay
+far above the rounding: the probe scales are set so that the largest |logit| of each
+probe is TARGET_LOGIT, from pilots (the bias probe and the first column, kept as
+measurements when they land in [LOW_LOGIT, HIGH_LOGIT]). A point's scale s (q = s e_k)
+is balanced against the bias: s |W e_k| >= |b| where possible, and s^2 |W e_k| ~ 1,
+since the box's own score rounding is eps |x_i| |W q + b| while the signal is
+t s |W e_k|. Probes outside the band, or far from their column's balance, are asked
+again at the designed scale (counted as "rescaling"). The readout solve uses the
+orthonormal V_r and S_r^{-1}: its error is cond(O) times the answers' rounding, so
+``max_condition`` (default for low precision) reads the ill-conditioned directions
+through kernel-like offsets instead, at more queries.
+
+Error bars. Every answer number is taken to be off by its precision (float64 rounding,
+the stated ``tolerance``, or a forward pass in ``output_dtype``, whose level is then
+measured from dithered repeats) times the magnitudes summed in it; that is propagated
+to first order through the readout (||O^+||, the error of O from the single tokens), the
+log-weights' Jacobian, the functional solve and the division by the point scale s, and
+multiplied by BAR_FACTOR. The bars are per part (W's columns, b, O, c); the largest is
+the model's bar given to held-out verification.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import (
+    InputError,
+    ModelMismatchError,
+    NotIdentifiableError,
+    RecoveryFailedError,
+)
+from ..models import VectorAttention
+from ..oracle import Oracle
+from ..precision import check_precision_options
+from ..report import (
+    DEFAULT_VERIFY_TOLERANCE,
+    ExtractionResult,
+    Report,
+    checked_result,
+    verification_count,
+    verify_model,
+)
+from ..verification import root_oracle, safe_norm
+from .noisy import FORWARD_RHO
+
+log = logging.getLogger(__name__)
+
+EPS = float(np.finfo(float).eps)
+TARGET_LOGIT = 2.0        # aim the largest |logit| of a probe here: alpha ratios <= e^4
+LOW_LOGIT = 0.05          # a probe whose largest |logit| is below is probed again larger
+HIGH_LOGIT = 6.0          # ... above, smaller: alpha ratios of e^12 cost their precision
+# every position: the one probe that carries W and b is asked again unless this close
+EVERY_BAND = (0.25 * TARGET_LOGIT, HIGH_LOGIT)
+BALANCE = 8.0             # a column probed at s more than this x off its design: again
+MAX_TRIES = 8             # re-probes of one point before the box is refused
+MAX_GROWTH = 1e6          # largest growth of a scale in one step
+SHRINK_UNREADABLE = 1e-3  # scale factor for a probe whose weights are unreadable
+NOISE_FACTOR = 8.0        # logits within this x their bar are noise (a bias of 0)
+RANK_GAP = 30.0           # singular values of O below this x their error level are 0
+SAFETY = 4.0              # rounding levels: this many units per operation
+BAR_FACTOR = 10.0         # error bars: this x the first-order error estimate
+MAX_BAR = 0.1             # a head known to worse than this is not returned (verification's limit)
+CONDITION_NOTE = 1e3      # a readout this ill-conditioned is said in the report
+LOW_PRECISION_CONDITION = 30.0   # low precision: the readout's largest condition number
+LOW_PRECISION_VERIFY = 30.0   # held-out tolerance: this x a low precision's level
+PILOT_SCALE = 1.0         # the pilots' token scales before anything is known
+# a forward pass in a low precision: its relative level per number (design level of the
+# scalar learners) plus the accumulation over the N tokens of a sequence (unit roundoff)
+ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -9, "float16": 2.0 ** -11}
+ACCUMULATION = {"float64": EPS / 2, "float32": 2.0 ** -24, "bfloat16": 2.0 ** -24,
+                "float16": 2.0 ** -24}
+
+
+@dataclass(frozen=True)
+class AnswerPrecision:
+    """What one answer number may be off by: ``relative`` x the answer's magnitude
+    (per token of the sequence, ``per_token``) + ``absolute``; ``score`` the relative
+    rounding of the box's scores (eps |x_i| |W q + b|)."""
+
+    name: str
+    relative: float
+    absolute: float = 0.0
+    per_token: float = 0.0
+    score: float = SAFETY * EPS
+
+    unit: float = EPS / 2     # the unit roundoff of the answers (rank decisions)
+
+    def level(self, magnitude: float, tokens: int) -> float:
+        return (self.relative + tokens * self.per_token) * magnitude + self.absolute
+
+
+def answer_precision(output_dtype=None, tolerance=None) -> AnswerPrecision:
+    """The precision model for float64 answers, a forward pass in ``output_dtype``, or
+    answers accurate to +-``tolerance`` per number."""
+    if tolerance is not None:
+        if not (isinstance(tolerance, (int, float, np.floating)) and math.isfinite(tolerance)
+                and tolerance >= 0):
+            raise InputError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
+        return AnswerPrecision(f"+-{float(tolerance):.3g}", relative=SAFETY * EPS,
+                               absolute=float(tolerance), unit=float(tolerance))
+    if output_dtype in (None, "float64"):
+        return AnswerPrecision("float64", relative=SAFETY * EPS)
+    rho = FORWARD_RHO[output_dtype]
+    return AnswerPrecision(output_dtype, relative=rho, per_token=SAFETY * ACCUMULATION[output_dtype],
+                           score=rho, unit=ROUNDOFF[output_dtype])
+
+
+@dataclass
+class Readout:
+    """c, O and what reads V_r^T X^T alpha back from an answer.
+
+    ``P`` (r, m) = S_r^{-1} U_r^T; ``V`` (d, r); ``Z`` (J, r, d) the token directions of
+    the J queries per point (V_r^T z = e_i); ``Zinv`` (d, J r) the solve for g from
+    the J r functionals; ``O_error`` and ``c_error`` the error levels of their entries
+    (per number); ``pinv_norm`` ||O^+||.
+    """
+
+    c: np.ndarray
+    O: np.ndarray
+    rank: int
+    V: np.ndarray
+    P: np.ndarray
+    Z: np.ndarray
+    Zinv: np.ndarray
+    A_inv: np.ndarray
+    O_error: float
+    c_error: float
+    pinv_norm: float
+    precision: AnswerPrecision
+    O_norm: float = 0.0
+    P_norm: float = 0.0       # ||P||_F: the readout's gain on independent answer errors
+    calibration: float = 1.0  # measured error / estimated error (low precision: dithered repeats)
+
+    @property
+    def blocks(self) -> int:
+        return self.Z.shape[0]
+
+
+def simplex_edges(r: int) -> np.ndarray:
+    """A (r, r): column i is z_i - z_0 for the vertices z_0..z_r of a regular simplex
+    of unit circumradius centred at 0 in R^r.
+
+    Why a simplex and not the corner q + t e_i: the weight of the query token, alpha_N =
+    1 - sum_i alpha_i, collects the rounding of every other weight, so with the corner
+    design every logit shares an error sqrt(r) times theirs; with the tokens at the
+    vertices of a regular simplex every weight is read alike (the system [A; 1^T] has
+    orthogonal rows of nearly equal norm)."""
+    n = r + 1
+    w = np.ones(n) / math.sqrt(n)
+    w[-1] -= 1.0                      # Householder reflection taking 1/sqrt(n) to e_n
+    H = np.eye(n) - 2.0 * np.outer(w, w) / (w @ w)
+    vertices = (np.eye(n) - 1.0 / n) @ H[:, :r] * math.sqrt(n / r)   # (n, r), rows z_i
+    return (vertices[1:] - vertices[0]).T
+
+
+def make_readout(c, O, precision: AnswerPrecision, O_error: float, c_error: float,
+                 rank=None, max_condition: float = math.inf) -> Readout:
+    """SVD of O, its numerical rank (singular values above RANK_GAP x O's error bar, or
+    ``rank`` when stated) and the token directions for the functionals of g.
+
+    ``max_condition``: the readout uses only the right singular directions whose singular
+    value is at least sigma_1 / max_condition (r' of them) and reaches the others through
+    the kernel-like offsets w_i (O w_i lies in the left singular directions the readout
+    drops, so it reads them as 0 exactly): ceil(d / r') queries per point instead of
+    1, and the readout's condition number at most max_condition. Low precision answers
+    use it: a forward pass in float32 read through cond(O) = 1e4 loses 1e4 x (d + 1)
+    of its 6e-8."""
+    m, d = O.shape
+    Uo, sv, Vt = np.linalg.svd(O, full_matrices=True)
+    if rank is None:
+        # ~ ||error of O||_2 at the answers' unit roundoff (the design level of a low
+        # precision is far above what it rounds: cond(O) of 1e3 must stay full rank)
+        level = O_error * precision.unit / max(precision.relative, precision.unit)
+        noise = level * (math.sqrt(m) + math.sqrt(d))
+        r = int(np.sum(sv > max(RANK_GAP * noise, 64 * EPS * sv[0])))
+    else:
+        r = int(rank)
+    r = min(r, max(1, int(np.sum(sv >= sv[0] / max_condition))))
+    if r < 1 or not np.any(O):
+        raise NotIdentifiableError("O = 0: no answer depends on the attention, so W and b "
+                                   "cannot be identified")
+    if r == d:                       # full column rank: no kernel to reach
+        V = np.eye(d)
+    else:
+        V = Vt[:r].T
+    K = Vt[r:].T                     # kernel of O: seen by the scores, not by the answers
+    A = simplex_edges(r)             # (r, r): V^T of the r token offsets of one query
+    J = 1 + math.ceil((d - r) / r)
+    Z = np.repeat((V @ A).T[None], J, axis=0)
+    for j in range(1, J):
+        cols = K[:, (j - 1) * r: j * r]
+        Z[j, :cols.shape[1]] += cols.T
+    P = V.T @ Vt[:r].T @ (Uo[:, :r] / sv[:r]).T      # V^T O^+, shape (r, m)
+    Zinv = np.linalg.pinv(Z.reshape(-1, d))
+    return Readout(c=c, O=O, rank=r, V=V, P=P, Z=Z, Zinv=Zinv, A_inv=np.linalg.inv(A),
+                   O_error=O_error,
+                   c_error=c_error, pinv_norm=float(1.0 / sv[r - 1]), precision=precision,
+                   O_norm=float(sv[0]), P_norm=float(np.linalg.norm(P)))
+
+
+def measure_single_tokens(oracle, precision: AnswerPrecision, last) -> tuple:
+    """c = F([0]) and O e_k = F([e_k]) - c: d + 1 one-token queries, one batch.
+
+    Returns (c (m,), O (m, d), the error level of O's entries and of c's)."""
+    d = oracle.dim
+    X = np.concatenate([np.zeros((1, 1, d)), np.eye(d)[:, None, :]])
+    F = last(oracle.query(X))
+    c, O = F[0], (F[1:] - F[0]).T
+    level = precision.level(float(np.abs(F).max()), 1)
+    return c, O, math.sqrt(2.0) * level, level
+
+
+@dataclass
+class Points:
+    """Measurements of g(q) = W q + b at points q."""
+
+    q: np.ndarray            # (n, d)
+    t: np.ndarray            # (n,) token scale of each point's probes
+    g: np.ndarray            # (n, d)
+    peak: np.ndarray         # (n,) largest |logit|, inf where unreadable
+    bound: np.ndarray        # (n,) 2-norm error bound of g
+
+
+def measure_points(oracle, R: Readout, q: np.ndarray, t: np.ndarray, last) -> Points:
+    """g(q_p) for each point q_p (n, d) at token scale t_p: J queries of r + 1 tokens
+    per point (x_i = q + t z_i, then q), all in one batch."""
+    n, d = q.shape
+    J, r = R.Z.shape[0], R.rank
+    X = np.empty((n, J, r + 1, d))
+    X[:, :, :r, :] = q[:, None, None, :] + t[:, None, None, None] * R.Z[None]
+    X[:, :, r, :] = q[:, None, :]
+    F = last(oracle.query(X.reshape(n * J, r + 1, d))).reshape(n, J, -1)
+    y = (F - R.c) @ R.P.T                                         # (n, J, r)
+    alpha = ((y - (q @ R.V)[:, None, :]) @ R.A_inv.T) / t[:, None, None]
+    alpha_N = 1.0 - alpha.sum(axis=2)
+    readable = np.all(alpha > 0, axis=2) & (alpha_N > 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logits = np.log(np.where(alpha > 0, alpha, 1.0)) - np.log(
+            np.where(alpha_N > 0, alpha_N, 1.0))[:, :, None]
+    ok = readable.all(axis=1)
+    peak = np.where(ok, np.abs(logits).max(axis=(1, 2)), np.inf)
+    g = (logits.reshape(n, J * r) / t[:, None]) @ R.Zinv.T
+    # error estimate (first order, errors independent per number): an answer number is
+    # off by sigma_F, O's entries and c's by their levels; through y = P (F - c) (rows of
+    # P of norm <= ||O^+||), alpha = A^-1 (y - V^T q) / t, the logits' Jacobian
+    # L = diag(1 / alpha) + 1 1^T / alpha_N, and g = Zinv (logits / t)
+    p = R.precision
+    mag_x = np.linalg.norm(q, axis=1) + t * float(np.linalg.norm(R.Z, axis=2).max())
+    # an answer's rounding is relative to the sizes summed in it, not to its own size
+    answer = np.maximum(np.abs(F).max(axis=(1, 2)), R.O_norm * mag_x + float(np.abs(R.c).max()))
+    XTa = np.linalg.norm(q, axis=1) + t                           # |X^T alpha| <= this
+    sigma = np.sqrt(np.array([p.level(a, r + 1) for a in answer]) ** 2 + R.c_error ** 2
+                    + (R.O_error * XTa) ** 2)
+    safe_alpha = np.where(readable[:, :, None], alpha, 1.0)
+    safe_N = np.where(readable, alpha_N, 1.0)
+    # ||L A^-1||_F^2 = sum_i |a_i|^2 / alpha_i^2 + 2 (a_i . s) / (alpha_i alpha_N)
+    #                  + r |s|^2 / alpha_N^2, a_i the rows of A^-1, s their sum
+    rows2 = np.sum(R.A_inv ** 2, axis=1)
+    colsum = R.A_inv.sum(axis=0)
+    cross = R.A_inv @ colsum
+    N_ = safe_N[..., None]
+    gain2 = (rows2 / safe_alpha ** 2 + 2 * cross / (safe_alpha * N_)).sum(axis=2) \
+        + r * float(colsum @ colsum) / safe_N ** 2
+    gain = np.sqrt(np.maximum(gain2, 0.0).sum(axis=1))           # ||blockdiag(L A^-1)||_F
+    zinv = float(np.linalg.norm(R.Zinv, 2))
+    # independent errors: ||L A^-1 P||_F ~ ||L A^-1||_F ||P||_F / sqrt(r)
+    from_answers = zinv * gain * R.P_norm * sigma / (math.sqrt(r) * t ** 2)
+    # the box's own score rounding: eps |x_i| |W q + b| per logit
+    dscore = p.score * mag_x * np.linalg.norm(np.where(np.isfinite(g), g, 0.0), axis=1)
+    bound = R.calibration * np.hypot(from_answers, zinv * math.sqrt(2 * J * r) * dscore / t)
+    return Points(q=q, t=t, g=np.where(ok[:, None], g, np.nan), peak=peak, bound=bound)
+
+
+def _band(peak: np.ndarray) -> np.ndarray:
+    return (peak >= LOW_LOGIT) & (peak <= HIGH_LOGIT)
+
+
+def _rescaled(t: np.ndarray, peak: np.ndarray) -> np.ndarray:
+    """The token scale that puts a probe's largest logit at TARGET_LOGIT when its logits
+    are linear in t (fixed q); unreadable probes shrink by SHRINK_UNREADABLE."""
+    finite = np.isfinite(peak) & (peak > 0)
+    factor = np.where(finite, TARGET_LOGIT / np.where(finite, peak, 1.0), SHRINK_UNREADABLE)
+    return t * np.clip(factor, 1.0 / MAX_GROWTH, MAX_GROWTH)
+
+
+def column_design(w: np.ndarray, beta: float) -> tuple[np.ndarray, np.ndarray]:
+    """(s, t) for columns with |W e_k|_inf = w (k,) beside a bias of |b|_inf = beta.
+
+    s^2 w ~ TARGET (the score rounding eps (s + t) |g| against the signal t s w is then
+    balanced), raised to beta / w where the bias is larger (W e_k = (g - b) / s must not
+    drown in b); t puts the largest logit t |s W e_k + b| at TARGET."""
+    w = np.maximum(w, np.finfo(float).tiny)
+    s = np.maximum(np.sqrt(TARGET_LOGIT / w), beta / w)
+    t = TARGET_LOGIT / (s * w + beta)
+    return s, t
+
+
+def _last_answer(oracle):
+    if oracle.outputs == "all":
+        return lambda F: np.asarray(F)[:, -1, :]
+    return lambda F: np.asarray(F)
+
+
+def _noise(points: Points) -> np.ndarray:
+    """Whether a point's logits are rounding noise (g indistinguishable from 0)."""
+    return (np.isfinite(points.peak) & (points.peak < LOW_LOGIT)
+            & (points.peak <= NOISE_FACTOR * points.bound * points.t))
+
+
+def measure_columns(oracle, R: Readout, b: np.ndarray, b_bound: float, beta_known: bool,
+                    last, counts: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """W e_k from g(s_k e_k) = s_k W e_k + b for every k: a pilot (column 0 at the
+    pilot scale), then every other column at the scales designed from it (column 0
+    again unless the pilot was in band and balanced), then columns out of band or off
+    their balance asked again. Returns W (d, d), s (d,), the 2-norm error bound of
+    each column (d,); ``counts`` gets "columns" (d J) and the rest as "rescaling"."""
+    d = oracle.dim
+    beta = float(np.abs(b).max()) if beta_known else 0.0
+    eye = np.eye(d)
+    s, t = np.full(d, PILOT_SCALE), np.full(d, PILOT_SCALE)
+    if beta > 0:                   # the bias alone would put the logits at TARGET / 2
+        t[:] = 0.5 * TARGET_LOGIT / beta
+    g = np.full((d, d), np.nan)
+    peak, bound = np.full(d, np.inf), np.full(d, np.inf)
+    asked = 0
+
+    def ask(cols):
+        nonlocal asked
+        pts = measure_points(oracle, R, s[cols, None] * eye[cols], t[cols], last)
+        g[cols], peak[cols], bound[cols] = pts.g, pts.peak, pts.bound
+        asked += len(cols) * R.blocks
+
+    def column_noise():
+        # |s W e_k| within its bar: W e_k = 0 as far as these probes tell
+        size = np.linalg.norm(np.where(np.isfinite(g), g - b, np.inf), axis=1)
+        return np.isfinite(peak) & (peak <= HIGH_LOGIT) & (size <= NOISE_FACTOR * (bound + b_bound))
+
+    first = np.array([0])
+    ask(first)
+    # the pilot sets the design of the others: grow or shrink it until readable
+    for _ in range(MAX_TRIES):
+        if np.isfinite(peak[0]) and (peak[0] >= LOW_LOGIT or column_noise()[0]):
+            break
+        if np.isfinite(peak[0]):
+            factor = _rescaled(t[:1], peak[:1])[0] / t[0]
+            s[0], t[0] = s[0] * math.sqrt(factor), t[0] * math.sqrt(factor)
+        else:
+            s[0], t[0] = s[0] * SHRINK_UNREADABLE, t[0] * SHRINK_UNREADABLE
+        ask(first)
+    readable0 = bool(np.isfinite(peak[0]))
+    w0 = float(np.abs((g[0] - b) / s[0]).max()) if readable0 and not column_noise()[0] else 0.0
+    s_design, t_design = column_design(np.full(d, w0 if w0 > 0 else 1.0 / beta
+                                               if beta > 0 else 1.0), beta)
+    keep0 = readable0 and bool(_band(peak[:1])[0]) and bool(_balanced(s[0], s_design[0]))
+    todo = np.arange(1 if keep0 else 0, d)
+    s[todo], t[todo] = s_design[todo], t_design[todo]
+    if todo.size:
+        ask(todo)
+    for _ in range(MAX_TRIES):
+        readable = np.isfinite(peak)
+        zero = column_noise()
+        w = np.where(readable & ~zero, np.abs((g - b) / s[:, None]).max(axis=1), np.nan)
+        sd, td = column_design(w, beta)
+        fix = readable & ~zero
+        redo = ~readable | (fix & (~_band(peak) | ~_balanced(s, sd)))
+        cols = np.flatnonzero(redo)
+        if not cols.size:
+            break
+        s[cols] = np.where(fix[cols], sd[cols], s[cols] * np.where(readable[cols], 1.0,
+                                                                    SHRINK_UNREADABLE))
+        t[cols] = np.where(fix[cols], td[cols], t[cols] * np.where(readable[cols], 1.0,
+                                                                    SHRINK_UNREADABLE))
+        ask(cols)
+    bad = int(np.sum(~np.isfinite(peak)))
+    if bad:
+        raise ModelMismatchError(
+            f"the black box is not a single attention head: after {MAX_TRIES} "
+            f"rescalings, probes of {bad} column(s) still imply attention weights "
+            f"outside (0, 1)")
+    counts["columns"] += d * R.blocks
+    counts["rescaling"] += asked - d * R.blocks
+    # columns whose s W e_k is within its bar of 0 are 0 (as a bias at its noise is):
+    # the probes cannot tell them from 0, and an exact 0 is what a W = 0 box has
+    W = np.where(column_noise()[None, :], 0.0, ((g - b) / s[:, None]).T)
+    return W, s, np.hypot(bound, b_bound) / s
+
+
+def _balanced(s, s_design) -> np.ndarray:
+    ratio = np.asarray(s) / np.asarray(s_design)
+    with np.errstate(invalid="ignore"):
+        return ~((ratio > BALANCE) | (ratio < 1.0 / BALANCE))
+
+
+def measure_bias(oracle, R: Readout, last, counts: dict) -> Points:
+    """g(0) = b: J queries of the tokens t z_i and 0; t from the pilot scale, then
+    rescaled exactly (the logits t z_i^T b are linear in t) until in band or noise."""
+    d = oracle.dim
+    t = np.array([PILOT_SCALE])
+    pts = measure_points(oracle, R, np.zeros((1, d)), t, last)
+    counts["bias"] = R.blocks
+    for _ in range(MAX_TRIES):
+        if _band(pts.peak)[0] or _noise(pts)[0]:
+            return pts
+        t = _rescaled(t, pts.peak)
+        pts = measure_points(oracle, R, np.zeros((1, d)), t, last)
+        counts["rescaling"] += R.blocks
+    if not np.isfinite(pts.peak[0]):
+        raise ModelMismatchError(
+            f"the black box is not a single attention head: after {MAX_TRIES} rescalings "
+            f"the bias probe still implies attention weights outside (0, 1)")
+    return pts
+
+
+# -- every position ------------------------------------------------------------------
+
+def simplex_vertices(d: int) -> np.ndarray:
+    """Z (d + 1, d): the vertices z_k of a regular simplex of unit circumradius centred at
+    0 (sum_k z_k = 0, Z^T Z = (d + 1) / d I)."""
+    A = simplex_edges(d)
+    z0 = -A.sum(axis=1) / (d + 1)                   # sum_k z_k = 0 fixes z_0
+    return np.vstack([z0, z0 + A.T])
+
+
+def every_position_probe(oracle, R: Readout, t: float, causal: bool):
+    """g(t z_k) = t W z_k + b at the d + 1 vertices of a regular simplex (rows of G),
+    from the tokens t z_0, ..., t z_d: one query (bidirectional) or two (causal: both
+    orders).
+
+    At position k, ln alpha_i = t z_i^T g_k + const, and since sum_i z_i = 0 and
+    Z^T Z = (d + 1) / d I, g_k = d / ((d + 1) t) Z^T ln alpha: no token is the
+    reference, so no weight carries the others' rounding. Bidirectional: alpha from
+    y = O^+ (F_k - c) = t Z^T alpha, sum alpha = 1 (orthogonal parts). Causal: position
+    k of the forward order sees tokens 0..k, of the reversed order tokens k..d; the two
+    sets of log-weights share token k, which aligns their constants.
+
+    Returns (G (d + 1, d), largest |t z_i^T g_k|, error estimate of each row (d + 1,))."""
+    d = oracle.dim
+    Z = simplex_vertices(d)
+    tokens = t * Z
+    X = np.stack([tokens, tokens[::-1]]) if causal else tokens[None]
+    F = np.asarray(oracle.query(X))                                 # (B, d + 1, m)
+    Y = (F - R.c) @ R.P.T / t                                       # Z^T alpha per position
+    logs = np.full((d + 1, d + 1), np.nan)                          # ln alpha_i at position k
+    amin = np.zeros(d + 1)                                          # smallest weight read
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if not causal:
+            alpha = (d / (d + 1)) * Y[0] @ Z.T + 1.0 / (d + 1)      # (k, i)
+            logs = np.log(np.where(alpha > 0, alpha, np.nan))
+            amin = alpha.min(axis=1)
+        else:
+            fwd, rev = Y[0], Y[1][::-1]        # rev[k]: the position holding token k
+            for k in range(d + 1):
+                part = []
+                for seen, y in ((np.arange(k + 1), fwd[k]), (np.arange(k, d + 1), rev[k])):
+                    M = np.vstack([Z[seen].T, np.ones((1, seen.size))])
+                    a = np.linalg.lstsq(M, np.append(y, 1.0), rcond=None)[0]
+                    la = np.log(np.where(a > 0, a, np.nan))
+                    part.append((seen, la - la[0 if seen[0] == k else -1]))
+                    amin[k] = min(amin[k], a.min()) if amin[k] > 0 else a.min()
+                for seen, la in part:
+                    logs[k, seen] = la
+    ok = bool(np.all(np.isfinite(logs)))
+    G = (d / ((d + 1) * t)) * logs @ Z                              # rows g_k
+    worst = float(np.abs(t * G @ Z.T).max()) if ok else np.inf
+    # error estimate: d ln alpha_i = d alpha_i / alpha_i, alpha's rows from y through
+    # sqrt(d / (d + 1)) Z (orthonormal columns scaled), y = P (F - c) / t
+    p = R.precision
+    level = p.level(max(float(np.abs(F).max()), R.O_norm * t + float(np.abs(R.c).max())), d + 1)
+    sigma = math.sqrt(level ** 2 + R.c_error ** 2 + (R.O_error * t) ** 2)
+    if not ok:                             # unreadable: no estimate
+        return G, worst, np.full(d + 1, np.inf)
+    inv_alpha = 1.0 / np.maximum(amin, np.finfo(float).tiny)
+    chain = 2.0 if causal else 1.0         # causal rows join two solves
+    da = R.P_norm * sigma / t
+    dlog = chain * inv_alpha * da
+    g_norm = np.linalg.norm(G, axis=1)
+    dscore = p.score * t * g_norm
+    bound = R.calibration * math.sqrt(d / (d + 1)) * np.hypot(dlog, 2 * math.sqrt(d) * dscore) / t
+    return G, worst, bound
+
+
+def every_position_scale(W: np.ndarray, b: np.ndarray) -> float:
+    """t with max_k,i |t z_i^T (t W z_k + b)| = TARGET_LOGIT (bisection in log t)."""
+    Z = simplex_vertices(W.shape[0])
+    ZWZ, Zb = Z @ W @ Z.T, Z @ b
+
+    def peak(t):
+        return float(np.abs(t * (t * ZWZ + Zb[:, None])).max())
+    if not (np.any(W) or np.any(b)):
+        return PILOT_SCALE * MAX_GROWTH
+    lo, hi = 1e-300, 1e300
+    for _ in range(200):
+        mid = math.sqrt(lo * hi)
+        if peak(mid) > TARGET_LOGIT:
+            hi = mid
+        else:
+            lo = mid
+        if hi / lo < 1 + 1e-6:
+            break
+    return lo
+
+
+def measure_every_position(oracle, R: Readout, causal: bool, counts: dict):
+    """W, b from the every-position probes: a pilot at PILOT_SCALE, kept when its
+    largest logit is in band, else asked again at the scale designed from it."""
+    d = oracle.dim
+    per = 2 if causal else 1
+    t = PILOT_SCALE
+    G, worst, bound = every_position_probe(oracle, R, t, causal)
+    counts["every-position probes"] = per
+    for _ in range(MAX_TRIES):
+        if EVERY_BAND[0] <= worst <= EVERY_BAND[1]:
+            break
+        if np.isfinite(worst):
+            Z = simplex_vertices(d)
+            b = G.mean(axis=0)
+            W = (d / ((d + 1) * t)) * G.T @ Z
+            if worst <= NOISE_FACTOR * bound.max() * t and worst < LOW_LOGIT:
+                new = t * MAX_GROWTH ** 0.5            # W, b at the noise: look larger
+            else:
+                new = every_position_scale(W, b)
+                new = min(max(new, t / MAX_GROWTH), t * MAX_GROWTH)
+        else:
+            new = t * SHRINK_UNREADABLE
+        t = new
+        G, worst, bound = every_position_probe(oracle, R, t, causal)
+        counts["rescaling"] += per
+    if not np.isfinite(worst):
+        raise ModelMismatchError(
+            f"the black box is not a single attention head: after {MAX_TRIES} rescalings "
+            f"the every-position probes still imply attention weights outside (0, 1)")
+    return G, t, bound
+
+
+# -- the learner ----------------------------------------------------------------------
+
+def extract_vector_single_head(oracle: Oracle, *, seed=None,
+                               verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
+                               biases: bool | None = None, rank: int | None = None,
+                               output_rank: int | None = None,
+                               output_dtype: str | None = None,
+                               tolerance: float | None = None,
+                               max_condition: float | None = None) -> ExtractionResult:
+    """Recover (W, b, O, c) of one attention head whose box answers vectors.
+
+    Parameters
+    ----------
+    oracle : Oracle
+        Door to the black box; ``oracle.outputs`` is "last" (answers (B, m)) or "all"
+        (answers (B, N, m), ``oracle.causal`` stated or found at the first probe).
+    seed : int, optional
+        Seed of the held-out verification.
+    verify_tolerance : float
+        Largest held-out relative output error accepted (tightened to the model's error
+        bar, see :func:`attnextract.verification.verify_model`).
+    biases : bool, optional
+        None: detect them (c = F([0]) != 0, b != 0 beyond its error bar; a box without
+        them gets b = 0 and c = 0 exactly). False: b = c = 0 (a box with c != 0 is
+        refused). True: measure b and c whatever they are.
+    rank : int, optional
+        rank(W) as stated to the low-rank learner (whose vector twin this is): W is
+        measured whole whatever its rank (d + 1 points serve any W), and a W whose
+        singular value sigma_{rank+1} stands above its error bar is refused
+        (``ModelMismatchError``: not a head of that rank).
+    output_rank : int, optional
+        rank(O) when known (default: the numerical rank of the measured O).
+    output_dtype : {"float64", "float32", "bfloat16", "float16"}, optional
+        The box runs its forward pass in this dtype: error bars from its precision.
+    tolerance : float, optional
+        Every answer number is accurate to +-tolerance.
+    max_condition : float, optional
+        Largest condition number of the readout through O (:func:`make_readout`): the
+        directions of O below sigma_1 / max_condition are reached through offsets the
+        readout drops, at ceil(d / r') queries per point. Default: no limit for float64
+        answers (2d + 2 queries; the error grows with cond(O)), LOW_PRECISION_CONDITION
+        for low precision or noisy answers.
+
+    Returns
+    -------
+    ExtractionResult
+        ``model`` a :class:`VectorAttention` with one head: W (1, d, d), O (1, m, d),
+        b (1, d), c (m,), positions and causal as the box answers.
+
+    Raises
+    ------
+    NotIdentifiableError
+        O = 0 (no answer depends on the attention).
+    ModelMismatchError
+        The box is not one attention head (unreadable weights, c != 0 with
+        ``biases=False``, or held-out verification failed); ``.result`` holds the
+        best-effort extraction.
+    """
+    check_precision_options(output_dtype, None)
+    if output_dtype is not None and tolerance is not None:
+        raise InputError("give output_dtype= or tolerance=, not both")
+    if biases not in (None, True, False):
+        raise InputError(f"biases must be True, False or None, got {biases!r}")
+    root = root_oracle(oracle)
+    if getattr(root, "outputs", None) not in ("last", "all"):
+        raise InputError("vector-single-head reads vector answers: the oracle must answer "
+                         "(B, m) or (B, N, m) (Oracle(..., outputs='last' or 'all'))")
+    precision = answer_precision(output_dtype, tolerance)
+    start, start_queries = time.perf_counter(), oracle.queries
+    # what the box answers and the cost in numbers and tokens live on the root Oracle
+    # (a learner's view of it need not carry them)
+    start_bb, start_numbers, start_tokens = root.black_box_seconds, root.numbers, root.tokens
+    d = oracle.dim
+    every = root.outputs == "all"
+    last = _last_answer(root)
+    counts = {"constant and O": d + 1, "rescaling": 0, "columns": 0}
+    # the nominal count (full-rank O, pilots in band) and the held-out check must fit
+    oracle.plan((d + 2 if every else 2 * d + 2) + verification_count(d * d, 2 * d + 2),
+                "vector single-head extraction (recovery + verification)")
+
+    notes = []
+    # low precision: the error level is measured from dithered repeats, not assumed
+    calibrate = output_dtype not in (None, "float64")
+    c, O, O_error, c_error = measure_single_tokens(oracle, precision, last)
+    m = O.shape[0]
+    c_noise = not np.any(c) if tolerance is None else bool(np.abs(c).max() <= 3 * tolerance)
+    if biases is False and not c_noise:
+        raise ModelMismatchError(
+            f"the black box answers F([0]) = c with |c| = {safe_norm(c):.3g} where a head "
+            f"without biases answers 0: it has value or output biases; extract with "
+            f"biases=None (detect) or biases=True")
+    if max_condition is None:
+        max_condition = (LOW_PRECISION_CONDITION if calibrate or tolerance is not None
+                         else math.inf)
+    elif not (isinstance(max_condition, (int, float)) and max_condition >= 1):
+        raise InputError(f"max_condition must be a number >= 1, got {max_condition!r}")
+    if rank is not None and not (isinstance(rank, (int, np.integer)) and 1 <= rank <= d):
+        raise InputError(f"rank must be an integer in 1..{d}, got {rank!r}")
+    if output_rank is not None and not (isinstance(output_rank, (int, np.integer))
+                                        and 1 <= output_rank <= min(d, O.shape[0])):
+        raise InputError(f"output_rank must be an integer in 1..{min(d, O.shape[0])}, got "
+                         f"{output_rank!r}")
+    R = make_readout(c, O, precision, O_error, c_error, output_rank, float(max_condition))
+    condition = float(np.linalg.norm(R.O, 2)) * R.pinv_norm
+    if condition > CONDITION_NOTE and math.isinf(max_condition):
+        notes.append(f"the readout through O has condition number {condition:.3g}: the errors "
+                     f"grow with it (d = 64, cond 1e3 to 1e4: 1e-11 to 5e-11); "
+                     f"max_condition=100 reads the ill-conditioned directions through extra "
+                     f"offsets (d = 64: 2d + 2 to 3d + 3 queries, errors below 1e-12)")
+    causal = bool(root.causal) if every and root.causal is not None else None
+    if every and causal is None:
+        causal = _detect_causal(oracle, R, counts)
+        notes.append(f"causal mask {'found' if causal else 'absent'}: position 1's answer "
+                     f"{'equals' if causal else 'differs from'} its token's own (state "
+                     f"causal= to skip this query)")
+    if every and R.rank == d:
+        G, t, bound = measure_every_position(oracle, R, causal, counts)
+        if calibrate:
+            G, bound, note = _calibrate_every(oracle, R, causal, t, G, bound, counts)
+            notes.append(note)
+        Z = simplex_vertices(d)
+        # g_k = t W z_k + b: b is the mean (sum_k z_k = 0), W = d / ((d + 1) t) G^T Z
+        b_raw = G.mean(axis=0)
+        b_bound = float(np.linalg.norm(bound)) / (d + 1)
+        b_zero = biases is False or (biases is None and float(np.abs(t * b_raw).max())
+                                     <= NOISE_FACTOR * b_bound * t)
+        b = np.zeros(d) if b_zero else b_raw
+        W = (d / ((d + 1) * t)) * G.T @ Z
+        W_ref = TARGET_LOGIT / t ** 2
+        # each column of W is a combination of every row of G with weights |z_k| ~ 1
+        col_bounds = np.full(d, (d / ((d + 1) * t)) * float(np.linalg.norm(bound))
+                             / math.sqrt(d))
+        design = (f"tokens t z_k at the vertices of a regular simplex, t = {t:.3g} "
+                  f"({'both orders (causal)' if causal else 'one query'})")
+    else:
+        if every:
+            notes.append(f"rank(O) = {R.rank} < d = {d}: every-position answers read at the "
+                         f"last position only")
+        if calibrate:
+            notes.append(_calibrate_last(oracle, R, last, counts))
+        if biases is False:
+            b, b_bound, b_zero = np.zeros(d), 0.0, True
+        else:
+            pts = measure_bias(oracle, R, last, counts)
+            b_zero = biases is None and bool(_noise(pts)[0])
+            b = np.zeros(d) if b_zero else pts.g[0]
+            b_bound = 0.0 if b_zero else float(pts.bound[0])
+        W, s, col_bounds = measure_columns(oracle, R, b, b_bound, not b_zero, last, counts)
+        # the size of W that scores of order one at the probes' scales would reveal
+        W_ref = TARGET_LOGIT / float(s.max() * max(float(np.abs(R.Z).max()), 1.0))
+        design = (f"points q = s_k e_k at s {s.min():.3g} .. {s.max():.3g}, "
+                  f"{R.blocks} quer{'y' if R.blocks == 1 else 'ies'} of {R.rank + 1} tokens "
+                  f"per point")
+    if biases is None and c_noise and b_zero or biases is False:
+        c = np.zeros(m)
+    biased = not (b_zero and not np.any(c))
+    if rank is not None and rank < d:
+        sv = np.linalg.svd(W, compute_uv=False)
+        # W is known to ||dW|| <= bar ||W||: a larger sigma_{rank+1} is W's, not the error's
+        bar_W = BAR_FACTOR * float(np.linalg.norm(col_bounds))
+        if sv[rank] > RANK_GAP * bar_W:
+            raise ModelMismatchError(
+                f"the black box's W has rank above the stated {rank}: singular value "
+                f"{rank + 1} is {sv[rank]:.3g} against an error bar of {bar_W:.1e} (of "
+                f"{sv[0]:.3g}); extract without rank= (W is measured whole anyway)")
+        notes.append(f"rank(W) <= {rank} as stated: sigma_{rank + 1} = {sv[rank]:.2g} is "
+                     f"within the error bar")
+    model = VectorAttention(W[None], R.O[None], b[None], c, positions=root.outputs,
+                            causal=bool(causal) if every else bool(root.causal))
+
+    # error bars (relative, per part): BAR_FACTOR x the first-order error estimates; the
+    # model's bar for verification takes b and c against the sizes they are judged at
+    # (b beside the scores' |W| |x| at the token scale sqrt(2 / |W|), c beside O)
+    tiny = np.finfo(float).tiny
+    W_norm, O_norm = float(np.linalg.norm(W)), float(np.linalg.norm(R.O))
+    col_rel = BAR_FACTOR * col_bounds / np.maximum(np.linalg.norm(W, axis=0), W_ref / math.sqrt(d))
+    O_abs = BAR_FACTOR * R.O_error * math.sqrt(m * d)
+    b_abs = 0.0 if b_zero else BAR_FACTOR * b_bound
+    c_abs = 0.0 if not np.any(c) else BAR_FACTOR * R.c_error * math.sqrt(m)
+    # W's bar is relative to |W|, or to the W that the probes' scales would show (a W far
+    # below it, W = 0 included, is known to its absolute error there, not relatively)
+    bars = {"W": BAR_FACTOR * float(np.linalg.norm(col_bounds)) / max(W_norm, W_ref, tiny),
+            "O": O_abs / max(O_norm, tiny),
+            "b": b_abs / max(float(np.linalg.norm(b)), tiny) if b_abs else 0.0,
+            "c": c_abs / max(float(np.linalg.norm(c)), tiny) if c_abs else 0.0}
+    bar = max(bars["W"], bars["O"], b_abs / max(float(np.linalg.norm(b)),
+                                                math.sqrt(2 * W_norm), tiny),
+              c_abs / max(float(np.linalg.norm(c)), O_norm, tiny))
+    rank_params = R.rank * (m + d - R.rank)
+    parameters = d * d + rank_params + ((d + m) if biased else 0)
+    per_query = m * (d + 1) if every else m
+    floor = math.ceil(parameters / per_query)
+    recovery = oracle.queries - start_queries
+    numbers, tokens = root.numbers - start_numbers, root.tokens - start_tokens
+    n_verify = verification_count(parameters, recovery)
+    if not bar <= MAX_BAR:
+        raise RecoveryFailedError(
+            f"the error bar of the recovered head is {bar:.1e} (W {bars['W']:.1e}, b "
+            f"{bars['b']:.1e}, O {bars['O']:.1e}; condition of O "
+            f"{float(np.linalg.norm(R.O, 2)) * R.pinv_norm:.3g}), above {MAX_BAR:.0e}: the "
+            f"answers ({precision.name}) are too coarse for this head; nothing is returned")
+    verify_bar = bar
+    if output_dtype not in (None, "float64") or tolerance is not None:
+        # rounded answers: the box itself is off from any exact model by its precision
+        # (held-out tolerance LOW_PRECISION_VERIFY x it, plus twice the bar), and by its
+        # score rounding, which grows with the scores (the bar is at least that level:
+        # verification widens each sequence's allowance by bar x the scores' reach)
+        level = precision.relative + (precision.absolute / max(float(np.abs(R.O).max()), tiny)
+                                      if precision.absolute else 0.0)
+        verify_tolerance = max(verify_tolerance, LOW_PRECISION_VERIFY * level + 2.0 * bar)
+        verify_bar = max(bar, precision.score)
+    verification = verify_model(oracle, model, count=n_verify, seed=seed,
+                                tolerance=verify_tolerance, expected_error=verify_bar)
+    breakdown = {k: v for k, v in counts.items() if v}
+    breakdown["verification"] = verification.sequences
+    assert sum(v for k, v in counts.items()) == recovery, (counts, recovery)
+    report = Report(
+        kind=model.kind, dim=d, queries=oracle.queries - start_queries, breakdown=breakdown,
+        floor=floor, verification=verification, seconds=time.perf_counter() - start,
+        black_box_seconds=root.black_box_seconds - start_bb, notes=notes,
+        recovery=recovery,
+        details={"outputs": f"{'every position' + (' (causal)' if causal else '') if every else 'last position'}, m = {m}",
+                 "rank of O": R.rank, "condition of O": float(np.linalg.norm(R.O, 2)
+                                                             * R.pinv_norm),
+                 "design": design, "precision": precision.name,
+                 "numbers received (recovery)": int(numbers),
+                 "tokens sent (recovery)": int(tokens),
+                 "parameters": parameters,
+                 "floor": f"ceil({parameters} parameters / {per_query} numbers per query)",
+                 "biases": ("detected" if biased else "none detected (b = 0, c = 0 exactly)")
+                 if biases is None else ("measured" if biases else "none (stated)"),
+                 "error_bar_W": bars["W"], "error_bar_W_columns": float(col_rel.max()),
+                 "W reference": (f"{W_ref:.3g}: W's bar is relative to max(|W|, this), the "
+                                 f"W whose scores are of order one at the probes' scales"),
+                 "error_bar_b": bars["b"], "error_bar_O": bars["O"], "error_bar_c": bars["c"],
+                 "error_bar": bar})
+    return checked_result(model, report, "a single attention head with vector answers")
+
+
+DITHER = 0.8125           # repeats for calibration: scales x this (new roundings)
+MIN_CALIBRATION = 1e-4    # a measured level this far below the estimate is not believed
+
+
+def _calibrate_last(oracle, R: Readout, last, counts: dict) -> str:
+    """Measure g(0) = b twice, at token scales 1 and DITHER: the difference of the two is
+    the answers' real error; ``R.calibration`` becomes its ratio to the estimated one
+    (a forward pass in low precision rounds far less than its assumed level, or more).
+    2 J queries."""
+    d = oracle.dim
+    a = measure_points(oracle, R, np.zeros((2, d)), np.array([1.0, DITHER]), last)
+    counts["calibration"] = counts.get("calibration", 0) + 2 * R.blocks
+    if not np.all(np.isfinite(a.peak)):
+        return "calibration probes unreadable: the assumed precision level is kept"
+    ratio = float(np.linalg.norm(a.g[0] - a.g[1]) / np.hypot(a.bound[0], a.bound[1]))
+    R.calibration = max(ratio, MIN_CALIBRATION)
+    return (f"error level measured from two bias probes at scales 1 and {DITHER}: "
+            f"{R.calibration:.2g} x the level assumed for {R.precision.name}")
+
+
+def _calibrate_every(oracle, R: Readout, causal: bool, t: float, G, bound, counts: dict):
+    """The every-position probe again at t x DITHER: W and b from both, their difference
+    against the estimated errors sets ``R.calibration``; returns the first probe's G and
+    bounds rescaled, and a note."""
+    d = oracle.dim
+    Z = simplex_vertices(d)
+    G2, worst, bound2 = every_position_probe(oracle, R, t * DITHER, causal)
+    counts["calibration"] = counts.get("calibration", 0) + (2 if causal else 1)
+    if not np.isfinite(worst):
+        return G, bound, "calibration probe unreadable: the assumed precision level is kept"
+    W1, W2 = (d / ((d + 1) * t)) * G.T @ Z, (d / ((d + 1) * t * DITHER)) * G2.T @ Z
+    diff = math.hypot(float(np.linalg.norm(W1 - W2)) * t,
+                      float(np.linalg.norm(G.mean(axis=0) - G2.mean(axis=0))))
+    pred = math.hypot(float(np.linalg.norm(bound)), float(np.linalg.norm(bound2)))
+    R.calibration = max(diff / pred, MIN_CALIBRATION)
+    return G, bound * R.calibration, (
+        f"error level measured from a repeat at scale x {DITHER}: {R.calibration:.2g} x "
+        f"the level assumed for {R.precision.name}")
+
+
+def _detect_causal(oracle, R: Readout, counts: dict) -> bool:
+    """One query [a; b] (two unit tokens): a causal box answers O a + c at position 1
+    (it attends to a alone), a bidirectional one mixes in b (their scores differ unless
+    W and b vanish on them; then either answer is the model's)."""
+    d = oracle.dim
+    rng = np.random.default_rng(0x0CA5)
+    X = rng.standard_normal((1, 2, d))
+    X /= np.linalg.norm(X, axis=2, keepdims=True)
+    F = np.asarray(oracle.query(X))[0]
+    counts["causal test"] = 1
+    alone = R.O @ X[0, 0] + R.c
+    level = R.precision.level(float(np.abs(F).max()), 2) * 1e3 + R.O_error
+    return bool(np.abs(F[0] - alone).max() <= level)
