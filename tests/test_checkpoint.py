@@ -286,3 +286,23 @@ def test_save_target_writes_a_layer_for_serve(which, request, tmp_path, capsys):
     X = np.random.default_rng(2).standard_normal((5, 7, 32))
     np.testing.assert_allclose(served(X), box(X), rtol=1e-12, atol=1e-13)
     assert main(["checkpoint", str(folder), "--save-target", str(path)]) == 2
+
+
+def test_a_registered_vector_learner_takes_the_last_position(tmp_path):
+    """A one-head BERT: --outputs last runs the vector single-head learner on the box's
+    vectors (tens of queries a layer), and the export computes what the original does."""
+    from attnextract.registry import LEARNERS
+    if "vector-single-head" not in LEARNERS:
+        pytest.skip("no vector single-head learner registered")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=16, num_attention_heads=1, num_hidden_layers=2,
+                                     intermediate_size=32, vocab_size=64,
+                                     max_position_embeddings=32)
+    folder = _save(_randomise_biases(transformers.BertModel(config), 5), tmp_path / "bert1")
+    result = extract_checkpoint(folder, outputs="last", run_dir=tmp_path / "run",
+                                check_against=folder)
+    for entry in result.layers:
+        assert entry["learner"] == "vector-single-head" and entry["queries"] < 200
+        assert entry["check"]["canonical_error"] <= 1e-9
+    report = compare(folder, export_state_dict(result, tmp_path / "b.safetensors"))
+    assert report["max_abs_difference"] <= 1e-9

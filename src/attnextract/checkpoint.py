@@ -24,8 +24,9 @@ What each layer's job runs (``outputs``):
 - ``"last"``: the output vectors at the last position. The score circuits (W_h, b_h)
   come from the scalar learner above (one readout of the same vectors), then the whole
   O_h and c from one designed batch of vectors
-  (:mod:`attnextract.learners.values_given_scores`). The learner is one parameter
-  (``learner=``): a registered vector learner replaces both stages.
+  (:mod:`attnextract.learners.values_given_scores`). Where the family's vector learner is
+  registered (:data:`VECTOR_LEARNERS`: ``vector-single-head`` for one head today) it
+  replaces both stages; ``learner=`` names another registered learner.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ OUTPUTS = ("scalar", "last", "all")
 # the scalar learner of each family and its options (the layer's H is added)
 SCALAR_LEARNERS = {"bert": ("multi-head-low-rank", {"biases": True}),
                    "gpt2": ("pre-ln", {})}
+# the vector learner of each family at the last position (by its head count), used as
+# soon as it is registered; until then a scalar stage and the value stage stand in for it
+VECTOR_LEARNERS = {"bert": lambda heads: "vector-single-head" if heads == 1 else "vector-layer",
+                   "gpt2": lambda heads: "vector-pre-ln"}
 RETRIES = 1
 # singular values of a head's W_h or O_h below this x the largest are rounding (a learner's
 # rank-d_h product, a least-squares fit's noise near 1e-15): the bundle stores the factors
@@ -157,6 +162,13 @@ def run_layer(job: LayerJob) -> dict:
         journal = QueryJournal(run_dir / f"layer-{job.layer}.sqlite", context={
             "target": f"checkpoint {info.path} layer {job.layer} readout {job.readout_seed}",
             "dim": info.width, "seed": job.seed})
+    progress_file = run_dir / f"layer-{job.layer}.progress" if run_dir else None
+    vector_learner = VECTOR_LEARNERS[info.family](info.heads)
+    if job.outputs == "last" and job.learner is None and vector_learner in registry.LEARNERS:
+        if journal is not None:
+            journal.close()
+        return _run_vector_learner(job, ck, box, vector_learner, run_dir, progress_file,
+                                   cpu, wall)
     r = readout_vector(info.width, job.readout_seed)
     progress = _progress_writer(run_dir / f"layer-{job.layer}.progress" if run_dir else None,
                                 job.layer)
@@ -229,6 +241,50 @@ def run_layer(job: LayerJob) -> dict:
     out["cpu_seconds"] = time.process_time() - cpu
     out["wall_seconds"] = time.perf_counter() - wall
     return out
+
+
+def _run_vector_learner(job: LayerJob, ck, box, name: str, run_dir, progress_file, cpu,
+                        wall) -> dict:
+    """One layer through a registered vector learner: the box's output vectors at the last
+    position, through a vector Oracle with the layer's vectors journal."""
+    from . import registry
+    from .adapters.journal import QueryJournal
+    from .oracle import Oracle
+
+    info = ck.info
+    journal = None if run_dir is None else QueryJournal(
+        run_dir / f"layer-{job.layer}.vectors.sqlite", context={
+            "target": f"checkpoint {info.path} layer {job.layer} vectors",
+            "dim": info.width, "seed": job.seed})
+    oracle = Oracle(box, info.width, outputs="last", out_dim=info.width, journal=journal,
+                    budget=job.budget,
+                    progress=_progress_writer(progress_file, job.layer))
+    try:
+        result = registry.extract(oracle, model=name, seed=job.seed, **job.options)
+    finally:
+        if journal is not None:
+            journal.close()
+    report, model = result.report, result.model
+    heads = {"W": np.asarray(model.W), "b": np.asarray(model.b), "O": np.asarray(model.O),
+             "c": np.asarray(model.c)}
+    return {"layer": job.layer, "outputs": job.outputs, "learner": name,
+            "options": dict(job.options), "readout_seed": job.readout_seed, "seed": job.seed,
+            "queries": int(result.queries), "recovery_queries": int(report.recovery_queries),
+            "floor": int(report.floor), "learner_queries": int(oracle.queries),
+            "journal_queries": int(oracle.journal_queries),
+            "check_queries": int(oracle.check_queries),
+            "black_box_queries": int(oracle.black_box_queries + oracle.check_queries),
+            "error_bar": _error_bar(report),
+            "verification": None if report.verification is None else {
+                "passed": bool(report.verification.passed),
+                "max_relative_error": float(report.verification.max_relative_error),
+                "queries": int(report.breakdown.get("verification", 0))},
+            "black_box_seconds": float(oracle.black_box_seconds),
+            "heads": {k: pack_low_rank(v) if k in ("W", "O") else pack(v)
+                      for k, v in heads.items()},
+            "heads_found": int(heads["W"].shape[0]),
+            "cpu_seconds": time.process_time() - cpu,
+            "wall_seconds": time.perf_counter() - wall}
 
 
 def _scalar_heads(model) -> dict:
