@@ -306,3 +306,19 @@ def test_a_registered_vector_learner_takes_the_last_position(tmp_path):
         assert entry["check"]["canonical_error"] <= 1e-9
     report = compare(folder, export_state_dict(result, tmp_path / "b.safetensors"))
     assert report["max_abs_difference"] <= 1e-9
+
+
+@pytest.mark.slow
+def test_a_gpt2_layer_of_two_heads(tmp_path):
+    """Several heads of a pre-LN layer: the pre-LN learner's copy-count scans through the
+    framework's causal attention (about a minute of CPU at d = 16, H = 2)."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=16, n_head=2, n_layer=1, vocab_size=64,
+                                     n_positions=64, initializer_range=0.1)
+    folder = _save(_randomise_biases(transformers.GPT2Model(config), 6), tmp_path / "gpt2")
+    result = extract_checkpoint(folder, outputs="last", run_dir=tmp_path / "run",
+                                check_against=folder)
+    (entry,) = result.layers
+    assert entry["heads_found"] == 2 and entry["check"]["canonical_error"] <= 1e-9
+    report = compare(folder, export_state_dict(result, tmp_path / "g.safetensors"))
+    assert report["max_abs_difference"] <= 1e-9
