@@ -37,13 +37,15 @@ import math
 import os
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from . import registry
+from .adapters.journal import QueryJournal
 from .errors import AttnExtractError, InputError
+from .oracle import Oracle
 
 RESULT_SCHEMA = 1
 OUTPUTS = ("scalar", "last", "all")
@@ -121,7 +123,7 @@ def _pin_threads() -> None:
     torch.set_num_threads(1)
 
 
-def _progress_writer(path: Path | None, layer: int):
+def _progress_writer(path: Path | None):
     """A progress callback writing ``done total`` to the layer's progress file (throttled)."""
     if path is None:
         return None
@@ -146,10 +148,7 @@ def run_layer(job: LayerJob) -> dict:
     _pin_threads()
     # imported here, not at the top: transformers and torch are optional, and importing
     # attnextract.checkpoint must not need them (the CLI's --help, the docs)
-    from . import registry
     from .adapters.checkpoint import Checkpoint, ScalarReadout, readout_vector
-    from .adapters.journal import QueryJournal
-    from .oracle import Oracle
 
     cpu, wall = time.process_time(), time.perf_counter()
     ck = Checkpoint(job.path)
@@ -170,8 +169,7 @@ def run_layer(job: LayerJob) -> dict:
         return _run_vector_learner(job, ck, box, vector_learner, run_dir, progress_file,
                                    cpu, wall)
     r = readout_vector(info.width, job.readout_seed)
-    progress = _progress_writer(run_dir / f"layer-{job.layer}.progress" if run_dir else None,
-                                job.layer)
+    progress = _progress_writer(progress_file)
     oracle = Oracle(ScalarReadout(box, r), info.width, journal=journal, progress=progress,
                     budget=job.budget)
     model, options = SCALAR_LEARNERS[info.family]
@@ -247,10 +245,6 @@ def _run_vector_learner(job: LayerJob, ck, box, name: str, run_dir, progress_fil
                         wall) -> dict:
     """One layer through a registered vector learner: the box's output vectors at the last
     position, through a vector Oracle with the layer's vectors journal."""
-    from . import registry
-    from .adapters.journal import QueryJournal
-    from .oracle import Oracle
-
     info = ck.info
     journal = None if run_dir is None else QueryJournal(
         run_dir / f"layer-{job.layer}.vectors.sqlite", context={
@@ -258,7 +252,7 @@ def _run_vector_learner(job: LayerJob, ck, box, name: str, run_dir, progress_fil
             "dim": info.width, "seed": job.seed})
     oracle = Oracle(box, info.width, outputs="last", out_dim=info.width, journal=journal,
                     budget=job.budget,
-                    progress=_progress_writer(progress_file, job.layer))
+                    progress=_progress_writer(progress_file))
     try:
         result = registry.extract(oracle, model=name, seed=job.seed, **job.options)
     finally:
@@ -674,7 +668,3 @@ def _run_on_ray(jobs: list[LayerJob], address: str | None, display: _Display) ->
         if started:
             ray.shutdown()
     return entries
-
-
-def format_exception(exc: BaseException) -> str:      # pragma: no cover - debugging aid
-    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
