@@ -10,7 +10,7 @@ SOURCE = "\n".join(p.read_text() for p in (ROOT / "src" / "attnextract").rglob("
 # distribution name -> the module it is imported as
 MODULE = {"torch": "torch", "safetensors": "safetensors", "cvxpy": "cvxpy", "ray": "ray",
           "matplotlib": "matplotlib", "numpy": "numpy", "scipy": "scipy", "tqdm": "tqdm",
-          "threadpoolctl": "threadpoolctl"}
+          "threadpoolctl": "threadpoolctl", "transformers": "transformers"}
 
 
 def _name(requirement: str) -> str:

@@ -1,4 +1,4 @@
-"""Command-line interface: ``attnextract extract | verify | demo | twins | minilm | serve | bench``.
+"""Command-line interface: ``attnextract extract | verify | demo | twins | checkpoint | minilm | serve | bench``.
 
 One vocabulary across subcommands: every option shows its default in ``--help``;
 ``-v``/``--log-level``, ``--no-progress`` and ``--threads`` exist everywhere;
@@ -172,8 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=help, parents=[common],
                               formatter_class=HelpFormatter)
 
-    for add in (_extract_parser, _serve_parser, _minilm_parser, _verify_parser, _demo_parser,
-                _bench_parser, _twins_parser):
+    for add in (_extract_parser, _serve_parser, _checkpoint_parser, _minilm_parser,
+                _verify_parser, _demo_parser, _bench_parser, _twins_parser):
         add(command)
     return parser
 
@@ -381,11 +381,54 @@ def _serve_parser(command) -> None:
                          "more get 503 (default: no limit)")
 
 
+def _checkpoint_parser(command) -> None:
+    """checkpoint: every attention layer of a local model folder."""
+    ck = command("checkpoint", "extract every attention layer of a local model folder "
+                               "(config.json + model.safetensors), run by its own code")
+    ck.add_argument("path", metavar="PATH", help="the model folder (nothing is downloaded)")
+    ck.add_argument("--layers", default="all", metavar="all|0,3,5",
+                    help="which layers (default: all)")
+    ck.add_argument("--outputs", choices=["scalar", "last", "all"], default="scalar",
+                    help="what the layer's black box answers: r^T F at the last position "
+                         "(seeded readout r), the whole vector F at the last position, or "
+                         "at every position (not available yet)")
+    ck.add_argument("--model", dest="learner", metavar="LEARNER",
+                    help="a registered learner instead of the family's own (BERT-style: "
+                         "multi-head-low-rank with biases; GPT-2: pre-ln)")
+    ck.add_argument("--seed", type=int, default=0, help="seed of the learners")
+    ck.add_argument("--readout-seed", type=int, default=0, help="seed of the readout vector r")
+    ck.add_argument("--budget", type=_nonnegative_int, help="query budget of each layer")
+    ck.add_argument("--run-dir", metavar="DIR",
+                    help="journals, progress and finished layers; a rerun resumes it "
+                         "(default: <folder name>.attnextract-run)")
+    ck.add_argument("--ray", nargs="?", const=True, default=None, metavar="ADDRESS",
+                    help="every layer a Ray task: on a local cluster started for the run "
+                         "(as many CPUs as cores), or on the cluster at ADDRESS")
+    ck.add_argument("--out", metavar="RESULT.json",
+                    help="the bundle: per layer the canonical heads, queries, floor, error "
+                         "bar, verification, CPU and wall time (default: in the run folder)")
+    ck.add_argument("--check-against", metavar="PATH",
+                    help="a model folder with the true weights (usually PATH): canonical "
+                         "error per layer")
+    ck.add_argument("--export", metavar="FILE.safetensors",
+                    help="write the model back: the original state dict with the recovered "
+                         "attention re-factored in (needs --outputs last)")
+    ck.add_argument("--compare", metavar="EXPORTED",
+                    help="load PATH, swap in EXPORTED's tensors, report the largest "
+                         "difference of the outputs on real inputs, and stop")
+    ck.add_argument("--save-target", metavar="FILE.npz",
+                    help="write one layer (--layers L) read out by r as a model file for "
+                         "'attnextract serve --secret FILE.npz', and stop")
+    ck.add_argument("--json", action="store_true", help="print one JSON object (no heads)")
+
+
 def _minilm_parser(command) -> None:
     """minilm: a real all-MiniLM-L6-v2 head or layer."""
     mi = command("minilm", "extract a real head of all-MiniLM-L6-v2 (offline weights)")
     mi.add_argument("--layer", required=True, type=_nonnegative_int, help="layer 0..5")
-    mi.add_argument("--head", type=_nonnegative_int, help="head 0..11 (or --all-heads)")
+    mi.add_argument("--head", type=_nonnegative_int,
+                    help="head 0..11 (or --all-heads; neither: the layer through 'checkpoint' "
+                         "on the MiniLM folder, run by the model's own code)")
     mi.add_argument("--all-heads", action="store_true",
                     help="the layer's 12 heads as one multi-head target (multi-head learner)")
     mi.add_argument("--subspace", type=_positive_int, metavar="K",
@@ -565,7 +608,7 @@ def main(argv=None) -> int:
     configure_logging(args.verbose, args.log_level)
     handler = {"extract": cmd_extract, "verify": cmd_verify, "demo": cmd_demo,
                "bench": cmd_bench, "twins": cmd_twins, "serve": cmd_serve,
-               "minilm": cmd_minilm}[args.command]
+               "minilm": cmd_minilm, "checkpoint": cmd_checkpoint}[args.command]
     _RUN.clear()
     try:
         with thread_limits(args.threads), _descriptor_1_to_stderr(args.command in TARGET_COMMANDS):
@@ -1210,6 +1253,53 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_checkpoint(args) -> int:
+    from .checkpoint import extract_checkpoint
+
+    if args.compare:
+        from .adapters.checkpoint_export import compare
+        report = compare(args.path, args.compare)
+        if args.json:
+            print(json.dumps({"ok": True, **report}))
+        else:
+            print(f"{args.path} with {args.compare}'s attention (layers "
+                  f"{report['recovered_layers']}): largest difference "
+                  f"{report['max_abs_difference']:.3e} (relative "
+                  f"{report['max_relative_difference']:.3e}) on {report['inputs']}")
+        return 0
+    if args.save_target:
+        from .adapters.checkpoint import save_layer_target
+        written = save_layer_target(args.path, args.layers, args.save_target,
+                                    readout_seed=args.readout_seed)
+        print(f"wrote {written} (serve it with attnextract serve --secret {written})")
+        return 0
+    result = extract_checkpoint(
+        args.path, layers=args.layers, outputs=args.outputs, seed=args.seed,
+        readout_seed=args.readout_seed, learner=args.learner, run_dir=args.run_dir,
+        ray=args.ray, check_against=args.check_against, budget=args.budget,
+        progress=False if args.no_progress else None)
+    out = Path(args.out) if args.out else Path(result.data["run_dir"]) / "result.json"
+    result.save(out)
+    exported = None
+    if args.export and not result.failed:
+        from .adapters.checkpoint_export import export_state_dict
+        exported = export_state_dict(result, args.export)
+    if args.json:
+        layers = [{k: v for k, v in e.items() if k != "heads"} for e in result.layers]
+        print(json.dumps({"ok": not result.failed, "out": str(out),
+                          "export": exported and str(exported),
+                          **{k: v for k, v in result.data.items() if k != "layers"},
+                          "layers": layers}))
+    else:
+        print(result.summary())
+        print(f"wrote {out}" + (f" and {exported}" if exported else ""))
+    if result.failed:
+        print(f"attnextract: layer(s) {', '.join(str(e['layer']) for e in result.failed)} "
+              f"failed twice (see {out})", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _served_positions(model, args):
     """The secret served at the positions --outputs / --causal ask (a VectorAttention)."""
     if args.outputs is None and args.causal is None:
@@ -1227,10 +1317,30 @@ def _served_positions(model, args):
                            causal and positions == "all")
 
 
+def _minilm_as_checkpoint(args) -> int:
+    """``minilm --layer L`` alone: ``checkpoint`` on the MiniLM folder, that layer, checked
+    against its own weights (the layer's box is the model's own code, vectors with
+    ``--outputs last``)."""
+    if args.target or args.subspace or args.save_target:
+        raise InputError("--subspace, --target and --save-target go with --all-heads")
+    if args.outputs == "all":
+        raise InputError("minilm --layer L runs checkpoint: --outputs scalar or last")
+    from .adapters.minilm import minilm_weights_path
+    folder = str(minilm_weights_path().parent)
+    forwarded = argparse.Namespace(
+        path=folder, layers=str(args.layer), outputs=args.outputs or "scalar",
+        learner=None, seed=args.seed, readout_seed=args.readout_seed, budget=args.budget,
+        run_dir=None, ray=None, out=args.out, check_against=folder, export=None,
+        compare=None, save_target=None, json=args.json, no_progress=args.no_progress)
+    return cmd_checkpoint(forwarded)
+
+
 def cmd_minilm(args) -> int:
     from .adapters.minilm import extract_minilm_head, extract_minilm_layer
-    if args.all_heads == (args.head is not None):
+    if args.all_heads and args.head is not None:
         raise InputError("give either --head H or --all-heads")
+    if not args.all_heads and args.head is None:
+        return _minilm_as_checkpoint(args)
     if not args.all_heads and (args.target or args.save_target or args.subspace):
         raise InputError("--subspace, --target and --save-target go with --all-heads")
     if args.outputs is not None and not args.save_target:
