@@ -25,8 +25,9 @@ What each layer's job runs (``outputs``):
   come from the scalar learner above (one readout of the same vectors), then the whole
   O_h and c from one designed batch of vectors
   (:mod:`attnextract.learners.values_given_scores`). Where the family's vector learner is
-  registered (:data:`VECTOR_LEARNERS`: ``vector-single-head`` for one head today) it
-  replaces both stages; ``learner=`` names another registered learner.
+  registered (:data:`VECTOR_LEARNERS`: ``vector-single-head`` for a one-head BERT-style
+  layer, ``vector-layer`` for several heads, ``vector-pre-ln`` for a one-head GPT-2
+  layer) it replaces both stages; ``learner=`` names another registered learner.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ SCALAR_LEARNERS = {"bert": ("multi-head-low-rank", {"biases": True}),
 # the vector learner of each family at the last position (by its head count), used as
 # soon as it is registered; until then a scalar stage and the value stage stand in for it
 VECTOR_LEARNERS = {"bert": lambda heads: "vector-single-head" if heads == 1 else "vector-layer",
-                   "gpt2": lambda heads: "vector-pre-ln"}
+                   "gpt2": lambda heads: "vector-pre-ln" if heads == 1 else None}
 RETRIES = 1
 # singular values of a head's W_h or O_h below this x the largest are rounding (a learner's
 # rank-d_h product, a least-squares fit's noise near 1e-15): the bundle stores the factors
