@@ -160,7 +160,7 @@ def test_every_bert_layer_from_last_position_vectors(bert_result):
     for entry in result.layers:
         assert entry["verification"]["passed"]
         assert entry["check"]["canonical_error"] <= 1e-9
-        assert entry["heads_found"] == 4 and entry["values_stage"]["held_out_error"] < 1e-9
+        assert entry["heads_found"] == 4 and entry["learner"] == "vector-layer"
         assert entry["cpu_seconds"] > 0 and entry["wall_seconds"] > 0
     heads = result.heads(1)
     assert heads["W"].shape == (4, 32, 32) and heads["O"].shape == (4, 32, 32)

@@ -26,8 +26,8 @@ What each layer's job runs (``outputs``):
   O_h and c from one designed batch of vectors
   (:mod:`attnextract.learners.values_given_scores`). Where the family's vector learner is
   registered (:data:`VECTOR_LEARNERS`: ``vector-single-head`` for a one-head BERT-style
-  layer, ``vector-layer`` for several heads, ``vector-pre-ln`` for a one-head GPT-2
-  layer) it replaces both stages; ``learner=`` names another registered learner.
+  layer, ``vector-layer`` for several heads; GPT-2 layers keep both stages) it replaces
+  both stages; ``learner=`` names another registered learner.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ SCALAR_LEARNERS = {"bert": ("multi-head-low-rank", {"biases": True}),
 # the vector learner of each family at the last position (by its head count), used as
 # soon as it is registered; until then a scalar stage and the value stage stand in for it
 VECTOR_LEARNERS = {"bert": lambda heads: "vector-single-head" if heads == 1 else "vector-layer",
-                   "gpt2": lambda heads: "vector-pre-ln" if heads == 1 else None}
+                   # vector-pre-ln's sphere model is not yet mapped to a GPT-2 export
+                   "gpt2": lambda heads: None}
 RETRIES = 1
 # singular values of a head's W_h or O_h below this x the largest are rounding (a learner's
 # rank-d_h product, a least-squares fit's noise near 1e-15): the bundle stores the factors
