@@ -443,7 +443,8 @@ def extreme_sequences(model: SphereAttention, rng: np.random.Generator) -> list:
 
 def verify_on_sphere(oracle, model: SphereAttention, *, count: int, invariance: int,
                      rng: np.random.Generator, tolerance: float,
-                     error_bar: float | None = None) -> Verification:
+                     error_bar: float | None = None, extremes=None, residual=None,
+                     answers=None) -> Verification:
     """The held-out check of a pre-LN model: ``count`` sequences on its sphere against the
     model, then ``invariance`` of them with every token rescaled (x 1/2 .. 2) and the
     keys shifted along 1 (a box with LayerNorm in front cannot see either, except the
@@ -455,16 +456,23 @@ def verify_on_sphere(oracle, model: SphereAttention, *, count: int, invariance: 
     sphere to max(BOUND_FACTOR e, CONSISTENCY_FLOOR), as
     :func:`attnextract.verification.verify_model` does with its estimates: a model known
     to 1e-12 that misses the box by 1e-8 is not the box's model.
+
+    The same check serves a model answering vectors: ``extremes(model, rng)`` builds its
+    extreme sequences (default :func:`extreme_sequences`), ``residual(X)`` is the residual
+    term of the last token (default r^T x_N), ``answers(observed)`` reads the box's
+    answers (default as they come); a sequence's error is then its largest channel error.
     """
+    extremes = extreme_sequences if extremes is None else extremes
+    residual = (lambda X: X[-1] @ model.r) if residual is None else residual
     requested = tolerance
     if error_bar is not None and math.isfinite(error_bar) and 0 <= error_bar <= MAX_ERROR_BAR:
         tolerance = min(tolerance, max(BOUND_FACTOR * error_bar, CONSISTENCY_FLOOR))
     d, R = model.dim, model.radius
     root = root_oracle(oracle)
     longest = longest_length(getattr(root, "longest", None), max_length_of(oracle), d)
-    extremes = extreme_sequences(model, rng)
-    sequences, family = held_out_on_sphere(count - len(extremes), d, R, rng, longest)
-    sequences, family = sequences + extremes, family + ["extreme"] * len(extremes)
+    extreme = extremes(model, rng)
+    sequences, family = held_out_on_sphere(count - len(extreme), d, R, rng, longest)
+    sequences, family = sequences + extreme, family + ["extreme"] * len(extreme)
     moved, last_scale = [], rng.uniform(0.5, 2.0, size=invariance)
     for X, lam in zip(sequences[:invariance], last_scale):
         scales = rng.uniform(0.5, 2.0, size=len(X))
@@ -475,14 +483,22 @@ def verify_on_sphere(oracle, model: SphereAttention, *, count: int, invariance: 
     oracle.require(count + invariance, "held-out verification on the sphere")
     with live_queries(oracle):
         observed = oracle.query_ragged(sequences + moved)
+    if answers is not None:
+        observed = answers(observed)
     on_sphere, off_sphere = observed[:count], observed[count:]
     predicted = np.array([model(X) for X in sequences])
     # scale-safe: answers of 1e200 must not overflow into an infinite K (every error 0)
     K = max(safe_rms(on_sphere - model.c), np.finfo(float).tiny)
-    errors = np.abs(predicted - on_sphere) / K
-    expected = on_sphere[:invariance] + (last_scale - 1.0) * np.array(
-        [X[-1] @ model.r for X in sequences[:invariance]])
-    drift = np.abs(off_sphere - expected) / K * (tolerance / INVARIANCE_TOLERANCE)
+
+    def worst(difference):                 # per sequence: the largest channel's error
+        difference = np.abs(difference)
+        return difference.max(axis=1) if difference.ndim == 2 else difference
+
+    errors = worst(predicted - on_sphere) / K
+    grow = (last_scale - 1.0).reshape((-1,) + (1,) * (on_sphere.ndim - 1))
+    expected = on_sphere[:invariance] + grow * np.array(
+        [residual(X) for X in sequences[:invariance]])
+    drift = worst(off_sphere - expected) / K * (tolerance / INVARIANCE_TOLERANCE)
     errors, family = np.concatenate([errors, drift]), family + ["invariance"] * invariance
     family_errors: dict = {}
     for f, e in zip(family, errors):

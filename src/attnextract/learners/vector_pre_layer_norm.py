@@ -59,7 +59,7 @@ import numpy as np
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import VectorSphereAttention
-from ..oracle import Oracle, live_queries
+from ..oracle import Oracle
 from ..report import (
     DEFAULT_VERIFY_TOLERANCE,
     ExtractionResult,
@@ -69,29 +69,22 @@ from ..report import (
     verification_count,
 )
 from ..verification import (
-    CONSISTENCY_FLOOR,
-    MAX_ERROR_BAR,
-    longest_length,
-    max_length_of,
     root_oracle,
     safe_norm,
-    safe_rms,
 )
 from .pre_layer_norm import (
-    BOUND_FACTOR,
     INVARIANCE_SHARE,
-    INVARIANCE_TOLERANCE,
     MAX_LOGIT,
     MAX_RESCALES,
-    _shorter,
-    _solve_on_hyperplane,
     column_probes,
-    held_out_on_sphere,
     hyperplane_basis,
+    _shorter,
     simplex_columns,
+    _solve_on_hyperplane,
     sphere_radius,
     sphere_tokens,
     tangent_simplex,
+    verify_on_sphere,
 )
 
 log = logging.getLogger(__name__)
@@ -390,44 +383,7 @@ def verify_vector_on_sphere(oracle, model: VectorSphereAttention, *, count: int,
     INVARIANCE_TOLERANCE. The model's error bar e tightens the tolerance on the sphere
     to max(BOUND_FACTOR e, CONSISTENCY_FLOOR), as :func:`.pre_layer_norm.verify_on_sphere`.
     """
-    requested = tolerance
-    if error_bar is not None and math.isfinite(error_bar) and 0 <= error_bar <= MAX_ERROR_BAR:
-        tolerance = min(tolerance, max(BOUND_FACTOR * error_bar, CONSISTENCY_FLOOR))
-    d, rho = model.dim, model.radius
-    root = root_oracle(oracle)
-    longest = longest_length(getattr(root, "longest", None), max_length_of(oracle), d)
-    extremes = extreme_vector_sequences(model, rng)
-    sequences, family = held_out_on_sphere(count - len(extremes), d, rho, rng, longest)
-    sequences, family = sequences + extremes, family + ["extreme"] * len(extremes)
-    moved, last_scale = [], rng.uniform(0.5, 2.0, size=invariance)
-    for X, lam in zip(sequences[:invariance], last_scale):
-        scales = rng.uniform(0.5, 2.0, size=len(X))
-        scales[-1] = lam
-        shifts = rng.uniform(-1.0, 1.0, size=len(X)) * rho / math.sqrt(d)
-        shifts[-1] = 0.0                   # the residual would see a shift of x_N along 1
-        moved.append(scales[:, None] * X + shifts[:, None])
-    oracle.require(count + invariance, "held-out verification on the sphere")
-    with live_queries(oracle):
-        observed = last_answers(oracle.query_ragged(sequences + moved))
-    on_sphere, off_sphere = observed[:count], observed[count:]
-    predicted = np.stack([model(X) for X in sequences])
-    K = max(safe_rms(on_sphere - model.c), np.finfo(float).tiny)
-    errors = np.abs(predicted - on_sphere).max(axis=1) / K
-    expected = on_sphere[:invariance] + (last_scale - 1.0)[:, None] * np.stack(
-        [model.R @ X[-1] for X in sequences[:invariance]])
-    drift = np.abs(off_sphere - expected).max(axis=1) / K * (tolerance / INVARIANCE_TOLERANCE)
-    errors, family = np.concatenate([errors, drift]), family + ["invariance"] * invariance
-    family_errors: dict = {}
-    for f, e in zip(family, errors):
-        family_errors[f] = max(family_errors.get(f, 0.0), float(e))
-    lengths = [len(X) for X in sequences]
-    norms = [np.linalg.norm(X, axis=1) for X in sequences + moved]
-    return Verification(sequences=count + invariance, max_relative_error=float(errors.max()),
-                        median_relative_error=float(np.median(errors)), tolerance=tolerance,
-                        requested_tolerance=requested if tolerance < requested else 0.0,
-                        error_bar=0.0 if error_bar is None else float(error_bar),
-                        lengths=(min(lengths), max(lengths)),
-                        worst_family=family[int(np.argmax(errors))], family_errors=family_errors,
-                        norms=(float(min(x.min() for x in norms)),
-                               float(max(x.max() for x in norms))),
-                        max_length=longest)
+    return verify_on_sphere(oracle, model, count=count, invariance=invariance, rng=rng,
+                            tolerance=tolerance, error_bar=error_bar,
+                            extremes=extreme_vector_sequences,
+                            residual=lambda X: model.R @ X[-1], answers=last_answers)
