@@ -320,21 +320,36 @@ def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float):
     full = np.linalg.svd(G[0], full_matrices=True)[0]
     # set 2: g(q_1)'s directions, made orthogonal to g(q_2)
     payloads = [full[:, H:], _orth(G[0] - G[1] @ np.linalg.lstsq(G[1], G[0], rcond=None)[0])]
-    Y, Z, asked = [], [], 0
+    Y, Z, Ps, asked = [], [], [], 0
     for q, Gk, P in zip(qs, G, payloads):
         Delta = designed_selectors(Gk, DESIGN_MARGIN)
         P = P * np.max(np.linalg.norm(Delta, axis=1))
         y = _last(oracle, selector_probes(Delta, q, P, mu))
         Y.append(E.T @ (y[1:] - y[0]).T)
         Z.append(E.T @ (O @ P))
+        Ps.append(P)
         asked += len(y)
-    M = np.concatenate(Y, axis=1) @ np.linalg.pinv(np.concatenate(Z, axis=1))
+    Y = np.concatenate(Y, axis=1)
+    M = Y @ np.linalg.pinv(np.concatenate(Z, axis=1))
     spaces = dict(block_eigenspaces(M, np.concatenate([[0.0], mu])))
     counts = [spaces[m].shape[1] if m in spaces else 0 for m in mu]
     if counts != list(widths):
         raise ModelMismatchError(f"designed selectors give ranks {counts} where the first "
                                  f"selectors found {list(widths)}: not independent heads")
-    return [spaces[m] for m in mu], asked
+    return kernel_blocks(Y @ np.linalg.pinv(np.concatenate(Ps, axis=1)), E.T @ O, mu,
+                         widths), asked
+
+
+def kernel_blocks(A: np.ndarray, O: np.ndarray, mu: np.ndarray, widths) -> list[np.ndarray]:
+    """The blocks' coordinate bases from A = sum_h mu_h O_h and O = sum_h O_h (range
+    coordinates, (D, d) each) without inverting O: A - mu_h O = sum_g (mu_g - mu_h) O_g has
+    range the other heads' ranges, so its r_h smallest left singular vectors are L_h (up to
+    a basis change), with L_h O_g = 0 for g != h up to rounding of A (M = A (O P)^+ instead
+    reads every range through O^{-1}: cond(O) x that rounding). R = [L_1; ...; L_H]^-1."""
+    L = [np.linalg.svd(A - m * O)[0][:, O.shape[0] - w:].T for m, w in zip(mu, widths)]
+    R = np.linalg.inv(np.concatenate(L, axis=0))
+    bounds = np.cumsum([0] + list(widths))
+    return [R[:, a:b] for a, b in itertools.pairwise(bounds)]
 
 
 # -- stage 3: the scores ------------------------------------------------------------------
