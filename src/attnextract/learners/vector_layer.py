@@ -104,6 +104,7 @@ Q_SCALE = 1.0             # query tokens of norm Q_SCALE / sqrt(|W_h q| / |q|)
 FRAME_TRIES = 16          # random frames tried for the W-stage; the best conditioned kept
 BAR_SAFETY = 10.0         # error bar: this many times the measured misfit
 MAX_RESCALES = 4
+K_EXTRA = 3               # K-stage directions beyond the widest rank
 
 
 # -- small helpers ---------------------------------------------------------------------
@@ -346,7 +347,8 @@ def kernel_blocks(A: np.ndarray, O: np.ndarray, mu: np.ndarray, widths) -> list[
     range the other heads' ranges, so its r_h smallest left singular vectors are L_h (up to
     a basis change), with L_h O_g = 0 for g != h up to rounding of A (M = A (O P)^+ instead
     reads every range through O^{-1}: cond(O) x that rounding). R = [L_1; ...; L_H]^-1."""
-    L = [np.linalg.svd(A - m * O)[0][:, O.shape[0] - w:].T for m, w in zip(mu, widths)]
+    L = [scipy.linalg.svd(A - m * O, lapack_driver="gesvd")[0][:, O.shape[0] - w:].T
+         for m, w in zip(mu, widths)]        # gesvd: gesdd may fail to converge here
     R = np.linalg.inv(np.concatenate(L, axis=0))
     bounds = np.cumsum([0] + list(widths))
     return [R[:, a:b] for a, b in itertools.pairwise(bounds)]
@@ -487,7 +489,7 @@ class ScorePlan:
     def __init__(self, oracle: Oracle, c, L, C, rng, kappa: float, widths: list[int]):
         d = oracle.dim
         self.p = max(1, int(TOKEN_SHARE * min(widths)))
-        self.K = min(max(widths) + 1, d)
+        self.K = min(max(widths) + K_EXTRA, d)
         self.Qq = _rotation(rng, d)
         self.k_reads = ScoreReads(oracle, c, frame_blocks(rng, d, self.p, C))
         scaled_reads(self.k_reads, np.stack([np.zeros(d), self.Qq[:, 0]]), kappa, L, C)
