@@ -32,15 +32,26 @@ Identities used, in order:
 4. Scores. For X = [q + tau u_1, ..., q + tau u_p, q] (p < r_h),
    C_h U a = (L_h (F - c) - C_h q) / tau gives the p weights a (alpha_N = 1 - sum a), and
    ln(a_i / alpha_N) = tau u_i^T (W_h q + b_h): p logits of every head from one query.
-   q = 0 gives b_h; q = s q_k gives W_h q_k. W_h has rank <= r_h: K = max r_h + 1
+   q = 0 gives b_h; q = s q_k gives W_h q_k. W_h has rank <= r_h: K = max r_h + 3
    directions, each read whole through a frame of ceil(d / p) blocks, give its column
-   space K_h; every other direction costs ceil(1.5 rank / p) queries through a frame
+   space K_h (3 columns beyond the rank: the smallest singular value of the K columns
+   in K_h is ~7x that of rank + 1 columns, and K_h's error is what the W-stage carries
+   into W); every other direction costs ceil(1.5 rank / p) queries through a frame
    conditioned against every K_h.
 5. Designed selectors (fine ranges). With every g_h = W_h q + b_h known, selectors
    Delta = margin G^+ make head h pick token h alone, and payloads orthogonal to every
    g_h(q) move no score at all, so they are as large as the selectors (no precision lost
-   to F(delta) - F(0)); two query tokens q_1, q_2 cover R^d with d + 2 queries. The score
-   answers of 4 are then read again through the final projectors (no new query).
+   to F(delta) - F(0)); two query tokens q_1, q_2 cover R^d with d + 2 queries. These
+   answers give A = sum_h mu_h O_h (payloads well conditioned), and
+
+       A - mu_h O = sum_{g != h} (mu_g - mu_h) O_g
+
+   has range the other heads' ranges: its r_h smallest left singular vectors are L_h
+   (L_h O_g = 0 for g != h up to A's rounding), and R = [L_1; ...; L_H]^-1. No O^{-1}
+   is involved (M = A (O P)^+ reads every range through cond(O) ~1e5 on MiniLM: a head's
+   read leaked 2e-12 of the others, now 1e-13). The eigenvalues of M still check the
+   ranks. The score answers of 4 are then read again through the final projectors (no
+   new query).
 
 Conditioning by design: scales come from a pilot (the even part of two-token answers
 gives the logit scale), probe logits are kept of order one, frames and payloads are
@@ -49,9 +60,13 @@ measured: the W-stage reads 1.5x as many numbers as W_h q has unknowns, and thei
 times cond(U^T K_h) bounds what reaches W.
 
 Limits: every-position answers are read at their last row only (the cost is that of the
-last position); the precision of W is limited by the oblique projectors (cond(R) x the
-ranges' error leaks into every head's reads): about 1e-9 on MiniLM layers, whose O has
-condition number ~1e5.
+last position). On MiniLM (cond(O) ~1e5) W's error is 2e-11 .. 6e-10 (layer 5, whose
+ranges are the most oblique: cond(R) ~7e4, |L_h| ~1.5e4); what remains is K_h's error
+(the W-stage with the true K_h: 2e-10 on layer 5) and the leak through the oblique
+projectors. A head-isolating probe design (tokens in
+K_h = cap_{g != h} ker O_g: the other heads vanish from the answer) reads only r_h
+numbers per query, 12x too few for the 2x budget; an alternating least-squares refit of
+K_h from W-stage frames covering R^d did not help (measured).
 """
 
 from __future__ import annotations
