@@ -537,7 +537,9 @@ class ScorePlan:
         g = [s @ solve.T for s in self.k_reads.scores(reader)]       # (K + 1, d) per head
         b = np.stack([gh[0] for gh in g])
         cols = np.stack([(gh[1:] - gh[0]).T for gh in g])
-        bases = [_column_space(ch) for ch in cols]
+        # b_h = W_k,h^T b_q,h / sqrt(d_h) lies in W_h's column space: one more column
+        bases = [_column_space(np.concatenate([ch, bh[:, None]], axis=1))
+                 for ch, bh in zip(cols, b)]
         return b, [B if B.shape[1] < self.K else np.eye(d) for B in bases], cols
 
     def solve(self, reader):
