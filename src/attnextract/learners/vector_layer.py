@@ -33,7 +33,8 @@ Identities used, in order:
    C_h U a = (L_h (F - c) - C_h q) / tau gives the p weights a (alpha_N = 1 - sum a), and
    ln(a_i / alpha_N) = tau u_i^T (W_h q + b_h): p logits of every head from one query.
    q = 0 gives b_h; q = s q_k gives W_h q_k. W_h has rank <= r_h: K = max r_h + 3
-   directions, each read whole through a frame of ceil(d / p) blocks, give its column
+   directions, each read whole through a frame of ceil(d / p) blocks, and b_h (which is
+   W_k,h^T b_q,h / sqrt(d_h), in the same space) give its column
    space K_h (3 columns beyond the rank: the smallest singular value of the K columns
    in K_h is ~7x that of rank + 1 columns, and K_h's error is what the W-stage carries
    into W); every other direction costs ceil(1.5 rank / p) queries through a frame
@@ -60,9 +61,9 @@ measured: the W-stage reads 1.5x as many numbers as W_h q has unknowns, and thei
 times cond(U^T K_h) bounds what reaches W.
 
 Limits: every-position answers are read at their last row only (the cost is that of the
-last position). On MiniLM (cond(O) ~1e5) W's error is 2e-11 .. 6e-10 (layer 5, whose
-ranges are the most oblique: cond(R) ~7e4, |L_h| ~1.5e4); what remains is K_h's error
-(the W-stage with the true K_h: 2e-10 on layer 5) and the leak through the oblique
+last position). On MiniLM (cond(O) ~1e5) W's error is 2e-11 .. 5e-10 (layer 0: 1.1e-10;
+layer 5, whose ranges are the most oblique: cond(R) ~7e4, |L_h| ~1.5e4, 5e-10); what
+remains is K_h's error (the W-stage with the true K_h: 2e-10 on layer 5) and the leak through the oblique
 projectors. A head-isolating probe design (tokens in
 K_h = cap_{g != h} ker O_g: the other heads vanish from the answer) reads only r_h
 numbers per query, 12x too few for the 2x budget; an alternating least-squares refit of
@@ -119,6 +120,7 @@ Q_SCALE = 1.0             # query tokens of norm Q_SCALE / sqrt(|W_h q| / |q|)
 FRAME_TRIES = 16          # random frames tried for the W-stage; the best conditioned kept
 BAR_SAFETY = 10.0         # error bar: this many times the measured misfit
 MAX_RESCALES = 4
+BIAS_COLUMN = 1e-3        # b_h joins W_h's K-stage columns above this x their size
 K_EXTRA = 3               # K-stage directions beyond the widest rank
 
 
@@ -538,8 +540,11 @@ class ScorePlan:
         b = np.stack([gh[0] for gh in g])
         cols = np.stack([(gh[1:] - gh[0]).T for gh in g])
         # b_h = W_k,h^T b_q,h / sqrt(d_h) lies in W_h's column space: one more column
-        bases = [_column_space(np.concatenate([ch, bh[:, None]], axis=1))
-                 for ch, bh in zip(cols, b)]
+        # when it is of the columns' size (a b_h ~ 0 read as rounding would add a
+        # direction of noise to the span, and W-stage width with it)
+        bases = [_column_space(np.concatenate([ch, bh[:, None]], axis=1)
+                               if np.linalg.norm(bh) > BIAS_COLUMN * np.abs(ch).max()
+                               else ch) for ch, bh in zip(cols, b)]
         return b, [B if B.shape[1] < self.K else np.eye(d) for B in bases], cols
 
     def solve(self, reader):
