@@ -32,15 +32,27 @@ Identities used, in order:
 4. Scores. For X = [q + tau u_1, ..., q + tau u_p, q] (p < r_h),
    C_h U a = (L_h (F - c) - C_h q) / tau gives the p weights a (alpha_N = 1 - sum a), and
    ln(a_i / alpha_N) = tau u_i^T (W_h q + b_h): p logits of every head from one query.
-   q = 0 gives b_h; q = s q_k gives W_h q_k. W_h has rank <= r_h: K = max r_h + 1
-   directions, each read whole through a frame of ceil(d / p) blocks, give its column
-   space K_h; every other direction costs ceil(1.5 rank / p) queries through a frame
+   q = 0 gives b_h; q = s q_k gives W_h q_k. W_h has rank <= r_h: K = max r_h + 3
+   directions, each read whole through a frame of ceil(d / p) blocks, and b_h (which is
+   W_k,h^T b_q,h / sqrt(d_h), in the same space) give its column
+   space K_h (3 columns beyond the rank: the smallest singular value of the K columns
+   in K_h is ~7x that of rank + 1 columns, and K_h's error is what the W-stage carries
+   into W); every other direction costs ceil(1.5 rank / p) queries through a frame
    conditioned against every K_h.
 5. Designed selectors (fine ranges). With every g_h = W_h q + b_h known, selectors
    Delta = margin G^+ make head h pick token h alone, and payloads orthogonal to every
    g_h(q) move no score at all, so they are as large as the selectors (no precision lost
-   to F(delta) - F(0)); two query tokens q_1, q_2 cover R^d with d + 2 queries. The score
-   answers of 4 are then read again through the final projectors (no new query).
+   to F(delta) - F(0)); two query tokens q_1, q_2 cover R^d with d + 2 queries. These
+   answers give A = sum_h mu_h O_h (payloads well conditioned), and
+
+       A - mu_h O = sum_{g != h} (mu_g - mu_h) O_g
+
+   has range the other heads' ranges: its r_h smallest left singular vectors are L_h
+   (L_h O_g = 0 for g != h up to A's rounding), and R = [L_1; ...; L_H]^-1. No O^{-1}
+   is involved (M = A (O P)^+ reads every range through cond(O) ~1e5 on MiniLM: a head's
+   read leaked 2e-12 of the others, now 1e-13). The eigenvalues of M still check the
+   ranks. The score answers of 4 are then read again through the final projectors (no
+   new query).
 
 Conditioning by design: scales come from a pilot (the even part of two-token answers
 gives the logit scale), probe logits are kept of order one, frames and payloads are
@@ -49,9 +61,13 @@ measured: the W-stage reads 1.5x as many numbers as W_h q has unknowns, and thei
 times cond(U^T K_h) bounds what reaches W.
 
 Limits: every-position answers are read at their last row only (the cost is that of the
-last position); the precision of W is limited by the oblique projectors (cond(R) x the
-ranges' error leaks into every head's reads): about 1e-9 on MiniLM layers, whose O has
-condition number ~1e5.
+last position). On MiniLM (cond(O) ~1e5) W's error is 2e-11 .. 5e-10 (layer 0: 1.1e-10;
+layer 5, whose ranges are the most oblique: cond(R) ~7e4, |L_h| ~1.5e4, 5e-10); what
+remains is K_h's error (the W-stage with the true K_h: 2e-10 on layer 5) and the leak through the oblique
+projectors. A head-isolating probe design (tokens in
+K_h = cap_{g != h} ker O_g: the other heads vanish from the answer) reads only r_h
+numbers per query, 12x too few for the 2x budget; an alternating least-squares refit of
+K_h from W-stage frames covering R^d did not help (measured).
 """
 
 from __future__ import annotations
@@ -104,6 +120,8 @@ Q_SCALE = 1.0             # query tokens of norm Q_SCALE / sqrt(|W_h q| / |q|)
 FRAME_TRIES = 16          # random frames tried for the W-stage; the best conditioned kept
 BAR_SAFETY = 10.0         # error bar: this many times the measured misfit
 MAX_RESCALES = 4
+BIAS_COLUMN = 1e-3        # b_h joins W_h's K-stage columns above this x their size
+K_EXTRA = 3               # K-stage directions beyond the widest rank
 
 
 # -- small helpers ---------------------------------------------------------------------
@@ -320,21 +338,37 @@ def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float):
     full = np.linalg.svd(G[0], full_matrices=True)[0]
     # set 2: g(q_1)'s directions, made orthogonal to g(q_2)
     payloads = [full[:, H:], _orth(G[0] - G[1] @ np.linalg.lstsq(G[1], G[0], rcond=None)[0])]
-    Y, Z, asked = [], [], 0
+    Y, Z, Ps, asked = [], [], [], 0
     for q, Gk, P in zip(qs, G, payloads):
         Delta = designed_selectors(Gk, DESIGN_MARGIN)
         P = P * np.max(np.linalg.norm(Delta, axis=1))
         y = _last(oracle, selector_probes(Delta, q, P, mu))
         Y.append(E.T @ (y[1:] - y[0]).T)
         Z.append(E.T @ (O @ P))
+        Ps.append(P)
         asked += len(y)
-    M = np.concatenate(Y, axis=1) @ np.linalg.pinv(np.concatenate(Z, axis=1))
+    Y = np.concatenate(Y, axis=1)
+    M = Y @ np.linalg.pinv(np.concatenate(Z, axis=1))
     spaces = dict(block_eigenspaces(M, np.concatenate([[0.0], mu])))
     counts = [spaces[m].shape[1] if m in spaces else 0 for m in mu]
     if counts != list(widths):
         raise ModelMismatchError(f"designed selectors give ranks {counts} where the first "
                                  f"selectors found {list(widths)}: not independent heads")
-    return [spaces[m] for m in mu], asked
+    return kernel_blocks(Y @ np.linalg.pinv(np.concatenate(Ps, axis=1)), E.T @ O, mu,
+                         widths), asked
+
+
+def kernel_blocks(A: np.ndarray, O: np.ndarray, mu: np.ndarray, widths) -> list[np.ndarray]:
+    """The blocks' coordinate bases from A = sum_h mu_h O_h and O = sum_h O_h (range
+    coordinates, (D, d) each) without inverting O: A - mu_h O = sum_g (mu_g - mu_h) O_g has
+    range the other heads' ranges, so its r_h smallest left singular vectors are L_h (up to
+    a basis change), with L_h O_g = 0 for g != h up to rounding of A (M = A (O P)^+ instead
+    reads every range through O^{-1}: cond(O) x that rounding). R = [L_1; ...; L_H]^-1."""
+    L = [scipy.linalg.svd(A - m * O, lapack_driver="gesvd")[0][:, O.shape[0] - w:].T
+         for m, w in zip(mu, widths)]        # gesvd: gesdd may fail to converge here
+    R = np.linalg.inv(np.concatenate(L, axis=0))
+    bounds = np.cumsum([0] + list(widths))
+    return [R[:, a:b] for a, b in itertools.pairwise(bounds)]
 
 
 # -- stage 3: the scores ------------------------------------------------------------------
@@ -472,7 +506,7 @@ class ScorePlan:
     def __init__(self, oracle: Oracle, c, L, C, rng, kappa: float, widths: list[int]):
         d = oracle.dim
         self.p = max(1, int(TOKEN_SHARE * min(widths)))
-        self.K = min(max(widths) + 1, d)
+        self.K = min(max(widths) + K_EXTRA, d)
         self.Qq = _rotation(rng, d)
         self.k_reads = ScoreReads(oracle, c, frame_blocks(rng, d, self.p, C))
         scaled_reads(self.k_reads, np.stack([np.zeros(d), self.Qq[:, 0]]), kappa, L, C)
@@ -505,7 +539,12 @@ class ScorePlan:
         g = [s @ solve.T for s in self.k_reads.scores(reader)]       # (K + 1, d) per head
         b = np.stack([gh[0] for gh in g])
         cols = np.stack([(gh[1:] - gh[0]).T for gh in g])
-        bases = [_column_space(ch) for ch in cols]
+        # b_h = W_k,h^T b_q,h / sqrt(d_h) lies in W_h's column space: one more column
+        # when it is of the columns' size (a b_h ~ 0 read as rounding would add a
+        # direction of noise to the span, and W-stage width with it)
+        bases = [_column_space(np.concatenate([ch, bh[:, None]], axis=1)
+                               if np.linalg.norm(bh) > BIAS_COLUMN * np.abs(ch).max()
+                               else ch) for ch, bh in zip(cols, b)]
         return b, [B if B.shape[1] < self.K else np.eye(d) for B in bases], cols
 
     def solve(self, reader):
