@@ -231,7 +231,7 @@ def weighted_tokens(model, X: np.ndarray) -> np.ndarray:
     W, b, ln = heads
     Y = X if ln is None else layer_norm(X, *ln)
     with np.errstate(over="ignore", invalid="ignore"):
-        scores = np.einsum("nd,hde,e->hn", Y, W, Y[-1])
+        scores = (W @ Y[-1]) @ Y.T                  # (H, N): W x_N first, then one product
         if b is not None:
             scores = scores + b @ Y.T
         alpha = softmax(np.where(np.isfinite(scores), scores, -np.inf))
