@@ -41,7 +41,7 @@ def test_bench_quick_writes_json_table_and_plots(tmp_path):
             assert r["queries"] == noisy[("noisy (paper)", tau)]["queries"]
             assert 10 * r["W_abs_error"] < noisy[("noisy (paper)", tau)]["W_abs_error"]
     for r in summary["rows"]:
-        if r["learner"].startswith("multi-head"):
+        if r["learner"].startswith("multi-head") and "vector_compare" not in r:
             assert r["recovery_queries"] <= r["paper_count"] and r["W_error"] < 1e-8
         if r["learner"] == "low-rank adaptive":
             assert r["recovery_queries"] <= 1.05 * r["floor"] + 32 and r["W_error"] < 1e-9

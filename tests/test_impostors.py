@@ -51,10 +51,20 @@ def test_impostor_refused(learner, name, d, seed):
 @pytest.mark.parametrize("name", NAMES)
 def test_impostor_refused_on_more_seeds(name, learner, d):
     """Seeds 3-6 in CI (FAST has seeds 0-2); all 20 in benchmarks/test_grids.py, and the
-    zoo over every learner in benchmarks/bench_impostors.py (results/impostors.md)."""
+    zoo over every learner in benchmarks/bench_impostors.py (results/impostors.md).
+    KNOWN_MISSES are measured limits, kept visible: the assertion fails if one is refused
+    too (then it leaves the list) or if anything else is accepted."""
     missed = [seed for seed in grid(range(20), range(3, 7))
               if not refused(learner, name, d, seed)]
+    if (learner, name, d) in KNOWN_MISSES:
+        assert missed, f"{learner} now refuses {name} at d = {d}: drop it from KNOWN_MISSES"
+        return
     assert not missed, f"{learner} accepted {name} at d = {d} on seeds {missed}"
+
+
+# a check under about 40 held-out sequences (low-rank at d = 8) asks no sequence again in
+# a large batch, so a box that answers batches above 8 in float32 is not seen there
+KNOWN_MISSES = {("low-rank", "float32 above batch 8", 8)}
 
 
 @pytest.mark.slow
