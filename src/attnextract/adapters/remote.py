@@ -657,10 +657,12 @@ class HttpBlackBox:
         return 1 if name == "scalar" else m if name == "last" else m * max(1, length)
 
     def _json_shape(self, batch: int, length: int) -> tuple[int, ...]:
-        """The shape a JSON answer's ``outputs`` must have: (B,) unless the server declares
-        vector answers in ``/health`` ((B, m) or (B, N, m)); json_numbers checks every
-        element against it, so nested lists from a server that declared none are refused."""
-        declared = self._declared()
+        """The shape a JSON answer's ``outputs`` must have: (B,) unless the server declared
+        vector answers in ``/health`` ((B, m) or (B, N, m); an Oracle asks it at its
+        start, a bare box on ``output_kind``); json_numbers checks every element against
+        it, so nested lists from a server that declared none are refused."""
+        # as declared when asked (the Oracle asks at its start): no request of its own
+        declared = getattr(self, "_declaration", None) or {}
         if not declared or declared["outputs"] == "scalar":
             return (batch,)
         m = declared["out_dim"]
