@@ -121,20 +121,6 @@ def output_constant(weights: dict[str, np.ndarray], readout: np.ndarray) -> floa
     return float((weights["output"] @ weights["value_bias"] + weights["output_bias"]) @ readout)
 
 
-def minilm_vector_layer(layer: int, positions: str = "last") -> VectorAttention:
-    """The attention sublayer of ``layer`` as it answers vectors (m = 384), biases kept: the
-    canonical truth W_h = K_h^T Q_h / sqrt(32), b_h = K_h^T b_q,h / sqrt(32),
-    O_h = W_o,h V_h (384 x 384, rank 32), c = W_o b_v + b_o (docs/algorithms.md, "Vector
-    outputs"; the key bias cancels in the softmax)."""
-    weights = load_attention_weights(layer, biases=True)
-    rows = [slice(h * HEAD_DIM, (h + 1) * HEAD_DIM) for h in range(HEADS)]
-    W = np.stack([head_parameters(weights, h, np.zeros(WIDTH))[0] for h in range(HEADS)])
-    b = np.stack([head_biases(weights, h) for h in range(HEADS)])
-    O = np.stack([weights["output"][:, s] @ weights["value"][s] for s in rows])
-    c = weights["output"] @ weights["value_bias"] + weights["output_bias"]
-    return VectorAttention(W, O, b, c, positions=positions)
-
-
 def minilm_head(layer: int, head: int, readout_seed=0) -> SingleHeadAttention:
     """The black box of head ``head`` of layer ``layer`` of MiniLM-L6, read out by r(seed)."""
     W, v = head_parameters(load_attention_weights(layer), head, readout_vector(readout_seed))
@@ -379,12 +365,12 @@ def save_layer_target(path, layer: int, readout_seed=0, biases: bool = False) ->
     np.savez(path, **truth.parameters(), kind=np.str_(truth.kind))
 
 
-def minilm_vector_layer(layer: int, positions: str = "last", biases: bool = True):
+def minilm_vector_layer(layer: int, positions: str = "last",
+                        biases: bool = True) -> VectorAttention:
     """A layer's attention as it answers vectors: a
     :class:`~attnextract.models.VectorAttention` with every head's W_h = K_h^T Q_h /
     sqrt(32), b_h = K_h^T b_q,h / sqrt(32) and its whole OV circuit O_h = W_o,h V_h
     (384 x 384, rank 32), c = W_o b_v + b_o (without ``biases``: b = 0, c = 0)."""
-    from ..models import VectorAttention
     weights = load_attention_weights(layer, biases)
     W, b, O = [], [], []
     for h in range(HEADS):
