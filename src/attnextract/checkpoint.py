@@ -183,25 +183,10 @@ def run_layer(job: LayerJob) -> dict:
     finally:
         if journal is not None:
             journal.close()
-    report = result.report
     heads = _scalar_heads(result.model)
-    out = {"layer": job.layer, "outputs": job.outputs, "learner": result.options["model"],
-           "options": {k: v for k, v in result.options.items() if k not in ("model", "seed")},
-           "readout_seed": job.readout_seed, "seed": job.seed,
-           "queries": int(result.queries), "recovery_queries": int(report.recovery_queries),
-           "floor": int(report.floor),
-           # the learner's queries, answered live or by the journal (a resumed run asks
-           # the same ones); the journal's own checks of the box apart
-           "learner_queries": int(oracle.queries),
-           "journal_queries": int(oracle.journal_queries),
-           "check_queries": int(oracle.check_queries),
-           "black_box_queries": int(oracle.black_box_queries + oracle.check_queries),
-           "error_bar": _error_bar(report),
-           "verification": None if report.verification is None else {
-               "passed": bool(report.verification.passed),
-               "max_relative_error": float(report.verification.max_relative_error),
-               "queries": int(report.breakdown.get("verification", 0))},
-           "black_box_seconds": float(oracle.black_box_seconds)}
+    out = _layer_entry(job, result.options["model"],
+                       {k: v for k, v in result.options.items() if k not in ("model", "seed")},
+                       result, oracle)
     if info.pre_layer_norm:
         out["radius"] = float(result.model.radius)
         out["residual_readout_norm"] = float(np.linalg.norm(result.model.r))
@@ -260,11 +245,24 @@ def _run_vector_learner(job: LayerJob, ck, box, name: str, run_dir, progress_fil
     finally:
         if journal is not None:
             journal.close()
-    report, model = result.report, result.model
+    model = result.model
     heads = {"W": np.asarray(model.W), "b": np.asarray(model.b), "O": np.asarray(model.O),
              "c": np.asarray(model.c)}
-    return {"layer": job.layer, "outputs": job.outputs, "learner": name,
-            "options": dict(job.options), "readout_seed": job.readout_seed, "seed": job.seed,
+    return {**_layer_entry(job, name, dict(job.options), result, oracle),
+            "heads": {k: pack_low_rank(v) if k in ("W", "O") else pack(v)
+                      for k, v in heads.items()},
+            "heads_found": int(heads["W"].shape[0]),
+            "cpu_seconds": time.process_time() - cpu,
+            "wall_seconds": time.perf_counter() - wall}
+
+
+def _layer_entry(job, learner: str, options: dict, result, oracle) -> dict:
+    """What every layer's entry in the bundle states: the job, the learner, its queries
+    (the learner's, answered live or by the journal, a resumed run asking the same ones;
+    the journal's own checks of the box apart), error bar and verification."""
+    report = result.report
+    return {"layer": job.layer, "outputs": job.outputs, "learner": learner,
+            "options": options, "readout_seed": job.readout_seed, "seed": job.seed,
             "queries": int(result.queries), "recovery_queries": int(report.recovery_queries),
             "floor": int(report.floor), "learner_queries": int(oracle.queries),
             "journal_queries": int(oracle.journal_queries),
@@ -275,12 +273,7 @@ def _run_vector_learner(job: LayerJob, ck, box, name: str, run_dir, progress_fil
                 "passed": bool(report.verification.passed),
                 "max_relative_error": float(report.verification.max_relative_error),
                 "queries": int(report.breakdown.get("verification", 0))},
-            "black_box_seconds": float(oracle.black_box_seconds),
-            "heads": {k: pack_low_rank(v) if k in ("W", "O") else pack(v)
-                      for k, v in heads.items()},
-            "heads_found": int(heads["W"].shape[0]),
-            "cpu_seconds": time.process_time() - cpu,
-            "wall_seconds": time.perf_counter() - wall}
+            "black_box_seconds": float(oracle.black_box_seconds)}
 
 
 def _scalar_heads(model) -> dict:

@@ -200,7 +200,7 @@ class TorchAttentionBlackBox:
 
     kind = "torch-multihead-attention"
 
-    def __init__(self, module, readout=None, *, head: int | None = None, dtype: str = "default",
+    def __init__(self, module, readout=None, *, head: int | None = None, dtype: str | None = "default",
                  positions: str = "last", causal: bool = False):
         torch = _torch()
         _check_module(module, torch)

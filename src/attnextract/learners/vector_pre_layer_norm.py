@@ -6,7 +6,7 @@ identity when m = d, or 0 for a box that answers the sublayer alone):
     F(X) = R x_N + O LN(X)^T softmax(LN(X) (W LN(x_N) + b)) + c          in R^m.
 
 On the sphere S = {x : 1^T x = 0, |x| = rho} LayerNorm is affine, LN(x) = A x + beta, so
-there (ALGORITHMS.md sections 9-11; :meth:`PreLayerNormAttention.on_sphere` for scalars)
+there (docs/learners/pre-ln.md; :meth:`PreLayerNormAttention.on_sphere` for scalars)
 
     F(X) = R x_N + O' X^T alpha + c',   alpha = softmax(X (W' x_N + b')),   x_i in S,
 

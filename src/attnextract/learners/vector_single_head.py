@@ -1,6 +1,6 @@
 """One attention head from vector answers: W, b, O = W_o W_v and c in about 2d queries.
 
-Model (docs/algorithms.md, "Vector outputs"; ALGORITHMS.md section 10). At the last
+Model (docs/vector-outputs.md and docs/learners/vector-single-head.md). At the last
 position a single head answers
 
     F(X) = O X^T alpha + c,   alpha = softmax(X (W x_N + b)),        F in R^m,
