@@ -1,6 +1,7 @@
 """The benchmark command's quick form, and the surrogate baseline it compares with."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -73,6 +74,35 @@ def test_bench_quick_writes_json_table_and_plots(tmp_path):
     assert "old" not in text and "| single-head | 64 | 4160 |" in text and text.endswith("rest\n")
 
 
+def test_bench_quick_runs_from_an_installed_package_without_the_source_tree(tmp_path):
+    """A normal (non-editable) install has the package and nothing of the repository: the
+    package alone, copied where no benchmarks/ folder is near, runs the quick multi-head
+    grid (the section that once needed the checkout) and writes into --out-dir."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import attnextract
+    site = tmp_path / "site"
+    shutil.copytree(Path(attnextract.__file__).parent, site / "attnextract",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "PYTHONPATH": str(site), "OPENBLAS_NUM_THREADS": "1"}
+    where = subprocess.run([sys.executable, "-c", "import attnextract.bench as b; "
+                            "print(b.__file__)"], capture_output=True, text=True,
+                           cwd=tmp_path, env=env, check=True).stdout.strip()
+    assert Path(where).is_relative_to(site)
+    assert not any((parent / "benchmarks").exists() for parent in Path(where).parents)
+    out = tmp_path / "out"
+    proc = run_cli("bench", "--quick", "--sections", "multi-head-grid", "--out-dir", out,
+                   cwd=tmp_path, env=env, check=0)
+    summary = json.loads((out / "bench.json").read_text())
+    grid = [r for r in summary["rows"] if r.get("grid")]
+    assert [(r["H"], r["d"]) for r in grid] == [(2, 8), (4, 8)]
+    assert all(r["success_rate"] == 1.0 and r["wrong_models"] == 0 for r in grid)
+    assert "| 8 | 2 | full |" in (out / "bench.md").read_text()
+    assert "wrote" in proc.stdout
+
+
 def test_fitted_slope():
     ds = np.array([4, 8, 16, 32])
     assert abs(fitted_slope(ds, 3 * ds ** 2.0) - 2.0) < 1e-12
@@ -141,7 +171,6 @@ def test_plots_are_readable_one_colour_per_series_legends_that_fit_integer_heads
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from attnextract import bench
-    multi_head_grid = bench._grid_module()          # benchmarks/multi_head_grid.py
     seen = {}
     original = bench._save
 

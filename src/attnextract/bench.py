@@ -27,11 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import InputError
 from .oracle import Oracle
 from .registry import LEARNERS, extract
 from .learners.surrogate import train_surrogate
 from .adapters.targets import random_single_head, random_vector_attention
+from .bench_grid import grid_cell, grid_markdown, grid_plot
 
 
 def _rel(a, b) -> float:
@@ -168,27 +168,9 @@ def section_multi_head(quick: bool, log) -> list[dict]:
     return rows
 
 
-def _grid_module():
-    """benchmarks/multi_head_grid.py of the source checkout: the grid is a benchmark,
-    not part of the library, so this section needs the repository."""
-    import importlib.util
-    import sys
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "multi_head_grid.py"
-    if not path.exists():
-        raise InputError("the multi-head-grid section runs benchmarks/multi_head_grid.py "
-                         "of a source checkout, which this installation does not have")
-    if "multi_head_grid" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("multi_head_grid", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["multi_head_grid"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["multi_head_grid"]
-
-
 def section_multi_head_grid(quick: bool, log) -> list[dict]:
     """Issue 12's grid at a few seeds per cell: full-rank heads H = 1..8 at d = 8 and 16
     (and H = 4, 8 at d = 32), low-rank layers (d, H, r) = (64, 8, 8) and (96, 12, 8)."""
-    grid_cell = _grid_module().grid_cell
     cells = ([(H, 8, 1, None) for H in (2, 4)] if quick else
              [(H, d, 3, None) for d in (8, 16) for H in range(1, 9)]
              + [(4, 32, 1, None), (8, 32, 1, None), (8, 64, 1, 8), (12, 96, 1, 8)])
@@ -490,7 +472,6 @@ def markdown(rows: list[dict]) -> str:
                            f"{fitted_slope([r['d'] for r in sub], [r['recovery_queries'] for r in sub]):.3f}")
     grid = [r for r in rows if r.get("grid")]
     if grid:
-        grid_markdown = _grid_module().grid_markdown
         out += ["", "Multi-head grid (success: canonical error <= 1e-10 for full-rank heads, "
                 "<= 1e-8 for low-rank; benchmarks/bench_multi_head.py runs 20 seeds per cell):",
                 "", grid_markdown(grid)]
@@ -637,7 +618,6 @@ def plots(rows: list[dict], out: Path) -> list[str]:
     learners = list(dict.fromkeys(r["learner"] for r in scaling))
     grid = [r for r in rows if r.get("grid")]
     if grid:
-        grid_plot = _grid_module().grid_plot
         written += [Path(f).name for f in grid_plot(grid, out / "multi_head_grid.png")]
 
     if scaling:

@@ -7,19 +7,23 @@ within the error bar for rounded outputs), refusals by type, wrong models (a ret
 model whose error exceeds its own error bar: must be 0), median recovery queries against
 paper 2's count 4Hd^2 - 2H + 1 and the floor, median and worst canonical error, wall
 times, first-try success (one design, no main row redesigned) and the redesigns. Used by
-``attnextract bench`` (a few seeds, through its source checkout) and
-benchmarks/bench_multi_head.py (the full grid).
+``attnextract bench`` (a few seeds per cell) and the repository's benchmark scripts
+(benchmarks/bench_multi_head.py runs the full grid).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 
-from attnextract.errors import AttnExtractError
-from attnextract.oracle import Oracle, RoundedOutputs
+from .errors import AttnExtractError
+from .oracle import Oracle, RoundedOutputs
+from .adapters.targets import random_low_rank_multi_head, random_multi_head
+from .learners.multi_head import canonical_error, extract_multi_head, paper2_count
+from .learners.multi_head_low_rank import extract_multi_head_low_rank
 
 GOAL = 1e-10          # canonical error of a success, full-rank heads
 LOW_RANK_GOAL = 1e-8  # ... low-rank heads (issue 12, item 2)
@@ -35,8 +39,6 @@ def grid_cell(H: int, d: int, seeds: int, scale: float = 1.0, float32: bool = Fa
     learner's option; ``on_run``: called with each run's record as it ends (progress).
     Each run records its wall and CPU seconds and the machine's 1-minute load average
     when it ended."""
-    from attnextract.adapters.targets import random_low_rank_multi_head, random_multi_head
-    from attnextract.learners.multi_head import canonical_error, extract_multi_head, paper2_count
     runs = []
     for seed in range(seeds):
         learner_seed = seed if learner_seeds is None else int(learner_seeds[seed])
@@ -52,7 +54,6 @@ def grid_cell(H: int, d: int, seeds: int, scale: float = 1.0, float32: bool = Fa
                 result = extract_multi_head(oracle, heads=H if told else None,
                                             seed=learner_seed, precision=precision)
             else:
-                from attnextract.learners.multi_head_low_rank import extract_multi_head_low_rank
                 result = extract_multi_head_low_rank(oracle, H, rank, seed=learner_seed)
             outcome = None
         except AttnExtractError as error:
@@ -157,7 +158,6 @@ def queries_error_plot(rows: list[dict], path) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from pathlib import Path
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colours = {}
     for r in rows:
@@ -194,7 +194,6 @@ def grid_plot(rows: list[dict], path) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from pathlib import Path
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     full = [r for r in rows if r["rank"] is None and not r["float32"]]
     for d in sorted({r["d"] for r in full}):
