@@ -9,7 +9,7 @@ With --diagnose, a run still alive 0.5 s after the signal dumps every thread's P
 Run (one BLAS thread, a shared machine):
 
     OPENBLAS_NUM_THREADS=1 python benchmarks/bench_ctrl_c.py --tries 20 --longest 60 \
-        --md benchmarks/results/ctrl_c.md
+        (writes benchmarks/results/bench_ctrl_c.md)
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+import _results
 
 TARGET = """
 from attnextract.adapters.targets import random_multi_head
@@ -113,9 +115,14 @@ def main() -> None:
     parser.add_argument("--src", nargs="+", default=[HERE],
                         help="source trees to compare (PYTHONPATH of the runs): each try runs "
                         "each tree in turn with the same signal time (default: this checkout's)")
-    parser.add_argument("--json")
-    parser.add_argument("--md")
+    _results.add_out_option(parser, __file__)
     args = parser.parse_args()
+    with _results.Run(__file__, args.out) as results:
+        results.add(measure(args))
+
+
+def measure(args) -> str:
+    """The tries, printed as JSON lines; returns the summary and per-try tables."""
     chooser = random.Random(args.seed)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -130,27 +137,21 @@ def main() -> None:
                 rows.append(row)
     summaries = {src: summarize([r for r in rows if r["src"] == src]) for src in args.src}
     print(json.dumps(summaries))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"summary": summaries, "rows": rows}, indent=1))
-    if args.md:
-        lines = ["# Ctrl-C latency of `attnextract extract --model multi-head` with a journal",
-                 "", f"d = {args.dim}, H = {args.heads}, {args.tries} tries, SIGINT at a "
-                 f"uniform time in [0, {args.longest}] s after the journal appears. Command: "
-                 f"`OPENBLAS_NUM_THREADS=1 python benchmarks/bench_ctrl_c.py "
-                 f"--dim {args.dim} --heads {args.heads} --tries {args.tries} --longest "
-                 f"{args.longest}" + (f" --src {' '.join(args.src)}" if args.src != [HERE] else "")
-                 + "`. Seconds are wall-clock on a shared, loaded 2-core machine.",
-                 "", "| source tree | " + " | ".join(next(iter(summaries.values()))) + " |",
-                 "|---" * (1 + len(next(iter(summaries.values())))) + "|"]
-        lines += [f"| {src} | " + " | ".join(str(v) for v in summary.values()) + " |"
-                  for src, summary in summaries.items()]
-        lines += ["", "| source tree | try | signal at (s after journal) | exit code | "
-                  "to message (s) | to exit (s) |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['src']} | {r['try']} | "
-                  f"{r.get('seconds_after_journal', 'finished first')} | "
-                  f"{r['returncode']} | {r.get('to_message')} | {r.get('to_exit')} |"
-                  for r in rows]
-        Path(args.md).write_text("\n".join(lines) + "\n")
+    lines = ["Ctrl-C latency of `attnextract extract --model multi-head` with a journal: "
+             f"d = {args.dim}, H = {args.heads}, {args.tries} tries, SIGINT at a "
+             f"uniform time in [0, {args.longest}] s after the journal appears. "
+             "Seconds are wall-clock.",
+             "", "| source tree | " + " | ".join(next(iter(summaries.values()))) + " |",
+             "|---" * (1 + len(next(iter(summaries.values())))) + "|"]
+    lines += [f"| {src} | " + " | ".join(str(v) for v in summary.values()) + " |"
+              for src, summary in summaries.items()]
+    lines += ["", "| source tree | try | signal at (s after journal) | exit code | "
+              "to message (s) | to exit (s) |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['src']} | {r['try']} | "
+              f"{r.get('seconds_after_journal', 'finished first')} | "
+              f"{r['returncode']} | {r.get('to_message')} | {r.get('to_exit')} |"
+              for r in rows]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ to K decimals (``RoundedOutputs(decimals=K)``).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
@@ -22,6 +21,8 @@ import numpy as np
 from attnextract import ModelMismatchError, Oracle, SingleHeadAttention
 from attnextract.learners.noisy import extract_low_precision
 from attnextract.oracle import RoundedOutputs
+
+import _results
 
 
 def torch_head(d: int, seed: int, dtype: str):
@@ -84,12 +85,11 @@ def main():
     parser.add_argument("--dim", type=int, default=8)
     parser.add_argument("--decimals", type=int, default=6)
     parser.add_argument("--cases", nargs="+", default=["float32", "bfloat16", "decimals"])
-    parser.add_argument("--json", help="write the summary here")
+    _results.add_out_option(parser, __file__)
     args = parser.parse_args()
-    summary = run(args.cases, args.dim, args.trials, args.decimals)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(summary, fh, indent=1)
+    with _results.Run(__file__, args.out) as results:
+        results.capture()
+        run(args.cases, args.dim, args.trials, args.decimals)
 
 
 if __name__ == "__main__":

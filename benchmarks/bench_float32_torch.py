@@ -1,7 +1,7 @@
 """float32 PyTorch attention: nn.MultiheadAttention in float32 behind a fixed readout.
 
 Run:  python benchmarks/bench_float32_torch.py [--heads 2 4] [--dim 16] [--trials 100] [--first-trial 0]
-          [--trial-list T ...] [--learner multi-head] [--modes auto stated] [--label NAME] [--out-dir DIR]
+          [--trial-list T ...] [--learner multi-head] [--modes auto stated] [--out FILE.md]
 
 Per trial: a fresh ``torch.nn.MultiheadAttention(d, H, bias=False)`` with PyTorch's own
 random initialisation (``torch.manual_seed(trial)``), in float32 (PyTorch's default
@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import re
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -43,6 +41,8 @@ from attnextract.learners.multi_head import canonical_error
 from attnextract.models import MultiHeadAttention
 from attnextract.oracle import Oracle
 from attnextract.registry import extract, get_learner
+
+import _results
 
 
 def parse():
@@ -54,15 +54,11 @@ def parse():
                         help="trials first .. first + trials - 1 (to split a run over processes)")
     parser.add_argument("--trial-list", type=int, nargs="+", metavar="TRIAL",
                         help="run these trials (e.g. earlier refusals) instead of a range")
-    parser.add_argument("--combine", nargs="+", metavar="LABEL",
-                        help="only merge the JSONs of these labels (same learner) into --label, "
-                             "one row per trial (a trial run twice is counted once)")
     parser.add_argument("--learner", default="multi-head",
                         choices=["multi-head", "multi-head-low-rank"])
     parser.add_argument("--modes", nargs="+", default=["auto", "stated"],
                         choices=["auto", "stated", "no-heads"])
-    parser.add_argument("--label", default="current", help="file name part of the results")
-    parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    _results.add_out_option(parser, __file__)
     return parser.parse_args()
 
 
@@ -135,38 +131,14 @@ def summarise(rows: list[dict]) -> dict:
                                 for (t, k), c in refusals.most_common()]}
 
 
-def combine(args) -> None:
-    """Merge the cells of runs (labels) into one table under ``args.label``."""
-    stem = f"float32_torch_{args.learner.replace('-', '_')}"
-    merged: dict = {}
-    for label in args.combine:
-        data = json.loads((Path(args.out_dir) / f"{stem}_{label}.json").read_text())
-        for c in data["cells"]:
-            if c.get("accepted", True):
-                rows = merged.setdefault((c["heads"], c["mode"]), {})
-                for r in c["rows"]:
-                    rows.setdefault(r["trial"], r)
-    cells = [{"heads": H, "mode": mode, "accepted": True,
-              **summarise([rows[t] for t in sorted(rows)]),
-              "rows": [rows[t] for t in sorted(rows)]}
-             for (H, mode), rows in sorted(merged.items())]
-    args.heads = sorted({c["heads"] for c in cells})
-    args.modes = sorted({c["mode"] for c in cells})
-    args.trials = max(c["trials"] for c in cells)
-    args.command = (f"python benchmarks/bench_float32_torch.py --learner {args.learner} "
-                    f"--combine {' '.join(args.combine)} --label {args.label}; the runs: "
-                    + "; ".join(json.loads((Path(args.out_dir) / f"{stem}_{label}.json")
-                                           .read_text())["meta"].get("command", label)
-                                for label in args.combine))
-    write(args, cells)
-
-
 def main() -> None:
     args = parse()
-    if args.combine:
-        import torch                         # noqa: F401  (its version goes in the JSON)
-        combine(args)
-        return
+    with _results.Run(__file__, args.out) as results:
+        measure(args, results)
+
+
+def measure(args, results) -> None:
+    """Every cell's trials; the results file is saved after every trial."""
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     import torch
     torch.set_num_threads(1)
@@ -186,7 +158,7 @@ def main() -> None:
                 rows.append({"heads": heads,
                              **one_trial(args.learner, args.dim, heads, t, options)})
                 # written after every trial: a run stopped early keeps what it measured
-                write(args, cells + [{"heads": heads, "mode": mode, "accepted": True,
+                write(results, args, cells + [{"heads": heads, "mode": mode, "accepted": True,
                                       **summarise(rows), "rows": rows}])
             cell = {"heads": heads, "mode": mode, "accepted": True, **summarise(rows),
                     "rows": rows}
@@ -194,33 +166,17 @@ def main() -> None:
             print(f"H = {heads} {mode}: within {cell['within']}, outside {cell['outside']}, "
                   f"refused {cell['refused']}, crashed {cell['crashed']} of {cell['trials']}",
                   flush=True)
-    write(args, cells)
-    print(f"wrote {args.out_dir}/float32_torch_*_{args.label}.json, .md")
+    write(results, args, cells)
 
 
-def write(args, cells: list[dict]) -> None:
-    """The JSON and markdown table of ``cells`` (a cell's "trials" counts those run)."""
+def write(results, args, cells: list[dict]) -> None:
+    """The Markdown table of ``cells`` into the results file (a cell's "trials" counts
+    those run)."""
     import torch
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"float32_torch_{args.learner.replace('-', '_')}_{args.label}"
-    command = getattr(args, "command", None) or (
-        f"python benchmarks/bench_float32_torch.py --heads "
-        f"{' '.join(map(str, args.heads))} --dim {args.dim} "
-        + (f"--trial-list {' '.join(map(str, args.trial_list))} "
-           if getattr(args, "trial_list", None)
-           else f"--trials {args.trials} --first-trial {args.first_trial} ")
-        + f"--learner {args.learner} --modes "
-        f"{' '.join(args.modes)} --label {args.label}")
-    meta = {"learner": args.learner, "dim": args.dim, "trials": args.trials,
-            "label": args.label, "torch": torch.__version__, "numpy": np.__version__,
-            "command": command}
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "cells": cells}, indent=1))
-    lines = [f"# float32 nn.MultiheadAttention, d = {args.dim}, learner {args.learner} "
-             f"({args.label})", "",
-             f"{args.trials} trials per row asked (the table counts those run; "
-             f"torch.manual_seed(trial), default init, "
-             f"bias=False, readout seed = trial); command: `{command}`", "",
+    lines = [f"float32 nn.MultiheadAttention (torch {torch.__version__}), d = {args.dim}, "
+             f"learner {args.learner}: {args.trials} trials per row asked (the table counts "
+             f"those run; torch.manual_seed(trial), default init, bias=False, readout seed = "
+             f"trial).", "",
              "| H | mode | within bar | outside bar | refused | crashed (untyped error) "
              "| refusals naming the option | count right | median error | median bar "
              "| median queries | median s | median CPU s |",
@@ -257,7 +213,8 @@ def write(args, cells: list[dict]) -> None:
         for r in c.get("refusal reasons", []):
             lines.append(f"- H = {c['heads']} {c['mode']}: {r['count']} x {r['type']}: "
                          f"{r['reason']}")
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    results.parts = ["\n".join(lines)]
+    results.save()
 
 
 if __name__ == "__main__":

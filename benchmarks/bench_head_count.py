@@ -1,9 +1,9 @@
 """Head count without --heads: each box run twice, told H and not told, same learner seed.
 
 Run:  nice -n 10 python benchmarks/bench_head_count.py [--dims 8 16] [--heads 1 .. 8]
-          [--scales 1 3] [--seeds 5] [--label NAME] [--out-dir DIR] [--name STEM]
+          [--scales 1 3] [--seeds 5] [--out FILE.md]
 
-Targets as the multi-head grid (benchmarks/multi_head_grid.py): independent numpy boxes,
+Targets as the multi-head grid (attnextract.bench_grid): independent numpy boxes,
 W_h entries N(0, s^2 / d), v_h entries N(0, 1), target seed 10000 H + 100 d + seed. The
 learner's seed is drawn at random per box (recorded) and used for both runs, so the two
 runs differ only in whether H is given. Per box: the count found without H (must be H),
@@ -16,13 +16,13 @@ which the load of a shared machine does not inflate as it does wall time (also r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
+
+import _results
 
 GOAL = 1e-10
 
@@ -53,17 +53,11 @@ def run_once(target, d: int, heads, seed: int) -> dict:
             "notes": list(result.report.notes)}
 
 
-def markdown(boxes: list[dict], command: str, label: str) -> str:
-    """The per-cell table of ``boxes`` (a run's JSON "boxes"); a run that recorded no CPU
-    times (an older JSON) shows wall-time ratios."""
-    cpu = all("cpu_seconds" in b["told"] for b in boxes)
-    kind = "CPU" if cpu else "wall"
-    seconds = "cpu_seconds" if cpu else "seconds"
-    lines = [f"# Head count without --heads ({label})", "",
-             f"Command: `nice -n 10 {command}`" + " (one BLAS thread, shared 2-core machine; "
-             + ("times are CPU seconds of the process, which the load inflates less than "
-              "wall time)." if cpu else "times are wall seconds, inflated by the load)."),
-             "",
+def markdown(boxes: list[dict]) -> str:
+    """The per-cell table of ``boxes``."""
+    kind, seconds = "CPU", "cpu_seconds"
+    lines = ["Times are CPU seconds of the process (one BLAS thread), which the load "
+             "inflates less than wall time.", "",
              "Each box is run told H and not told, with the same random learner seed. "
              "found: the count without H equals H; success: canonical error <= 1e-10.", "",
              f"| d | H | s | boxes | count found | success told | success not told | "
@@ -103,44 +97,19 @@ def main() -> None:
     parser.add_argument("--heads", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8])
     parser.add_argument("--scales", type=float, nargs="+", default=[1.0, 3.0])
     parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--label", default="current")
-    parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
-    parser.add_argument("--name", help="file stem in --out-dir (default head_count_LABEL)")
-    parser.add_argument("--markdown-from", metavar="JSON", nargs="+",
-                        help="only write the table of (partial) runs' JSONs: one JSON's next "
-                             "to it, several merged (a box run twice counted once) into "
-                             "head_count_LABEL in --out-dir")
+    _results.add_out_option(parser, __file__)
     args = parser.parse_args()
-    if args.markdown_from:
-        runs = [json.loads(Path(f).read_text()) for f in args.markdown_from]
-        if len(runs) == 1:
-            label = Path(args.markdown_from[0]).stem.removeprefix("head_count_")
-            Path(args.markdown_from[0]).with_suffix(".md").write_text(
-                markdown(runs[0]["boxes"], runs[0]["command"], label))
-            return
-        merged: dict = {}
-        for run in runs:
-            for b in run["boxes"]:
-                merged.setdefault((b["d"], b["H"], b["scale"], b["seed"]), b)
-        boxes = [merged[k] for k in sorted(merged)]
-        command = "; ".join(run["command"] for run in runs)
-        stem = Path(args.out_dir) / f"head_count_{args.label}"
-        stem.with_suffix(".json").write_text(json.dumps(
-            {"command": command, "numpy": np.__version__, "boxes": boxes}, indent=1))
-        stem.with_suffix(".md").write_text(markdown(boxes, command, args.label))
-        return
+    with _results.Run(__file__, args.out) as results:
+        measure(args, results)
+
+
+def measure(args, results) -> None:
+    """Every box told and not told; the results file is saved after every box."""
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from threadpoolctl import threadpool_limits
     from attnextract.adapters.targets import random_multi_head
     draw = np.random.default_rng()
     boxes = []
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / (args.name or f"head_count_{args.label}")
-    command = ("python benchmarks/bench_head_count.py --dims " + " ".join(map(str, args.dims))
-               + " --heads " + " ".join(map(str, args.heads)) + " --scales "
-               + " ".join(f"{s:g}" for s in args.scales) + f" --seeds {args.seeds} --label "
-               + args.label + (f" --name {args.name}" if args.name else ""))
     with threadpool_limits(1):
         for d in args.dims:
             for H in args.heads:
@@ -166,11 +135,8 @@ def main() -> None:
                               f"{box['query_ratio']:.2f}, time x{box['time_ratio']:.2f} "
                               f"(CPU {told['cpu_seconds']:.1f} / {free['cpu_seconds']:.1f} s)",
                               flush=True)
-                        stem.with_suffix(".json").write_text(json.dumps(
-                            {"command": command, "numpy": np.__version__, "boxes": boxes},
-                            indent=1))
-    stem.with_suffix(".md").write_text(markdown(boxes, command, args.label))
-    print(f"wrote {stem}.json, .md")
+                        results.parts = [markdown(boxes)]
+                        results.save()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ share an interpreter lock. Run with one BLAS thread per process:
     ... bench_http.py bounded       # answer cache full + 400 bodies of just under 1 MiB: peak RSS
     ... bench_http.py dribble       # 4 dribbling 64 MiB bodies: latency of legal requests
 
-Sections print one JSON line per measurement.
+Sections print one JSON line per measurement; each run replaces its section of
+benchmarks/results/bench_http.md (--out).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from attnextract.adapters.remote import HttpBlackBox
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from netfaults import (Dribbler, fill_answer_cache, just_under,  # noqa: E402 (shared
                        request_bytes, send_at_once)                  # with the tests)
+
+import _results  # noqa: E402
 
 TARGETS = '''
 import numpy as np
@@ -552,8 +555,11 @@ def main(argv=None):
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    _results.add_out_option(parser, __file__)
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
+    with _results.Run(__file__, args.out, section=args.section) as results, \
+            tempfile.TemporaryDirectory() as tmp:
+        results.capture()
         globals()[args.section](args, Path(tmp))
 
 

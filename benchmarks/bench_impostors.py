@@ -8,7 +8,10 @@ error on 256 fresh sequences of the verification design; for labels, the fractio
 that disagree). "honest" runs the model itself: it must be accepted.
 
     OPENBLAS_NUM_THREADS=1 python benchmarks/bench_impostors.py [--seeds 20] [--dims 8 32]
-        [--learners single-head,noisy,...] [--out benchmarks/results/impostors.md]
+        [--learners single-head,noisy,...] [--out FILE.md]
+
+Each learner is one section of benchmarks/results/bench_impostors.md (``--cost`` one more),
+so learners may be run one at a time.
 
 ``--cost`` instead measures what verification costs each learner on its honest model
 (seed 0): recovery queries, verification queries (the adversarial search's share
@@ -22,7 +25,6 @@ import json
 import math
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -30,6 +32,8 @@ from attnextract.adapters.impostors import (LEARNER_CASES, SAME_LABELS, impostor
                                             recovery_queries, run_impostor)
 from attnextract.oracle import evaluate_ragged
 from attnextract.verification import design, scaled_relative_errors, token_norms
+
+import _results
 
 LEARNERS = LEARNER_CASES
 
@@ -84,10 +88,8 @@ def cost_rows(learners, dims):
     return rows
 
 
-def write_cost(rows, path, command):
-    lines = ["# What verification costs each learner (honest model, seed 0)", "",
-             "Measured with OPENBLAS_NUM_THREADS=1 on a shared, loaded 2-core machine "
-             "(wall times inflated by the load):", "", f"    {command}", "",
+def cost_markdown(rows) -> str:
+    lines = ["What verification costs each learner (honest model, seed 0).", "",
              "search = queries of the adversarial search (part of the verification count); "
              "own = the learner's longest probes compared with the model (no query); "
              "share = search / recovery; check = verification / recovery (the whole check).", "",
@@ -107,8 +109,7 @@ def write_cost(rows, path, command):
                      f"{r['lengths'][1]} (L {r['max_length']}) | {r['norms'][0]:.1e} .. "
                      f"{r['norms'][1]:.1e} | {r['tolerance']:.0e} | {r['error']:.1e} | "
                      f"{r['seconds']:.1f} |")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines)
 
 
 def main(argv=None):
@@ -122,111 +123,49 @@ def main(argv=None):
                         help="learner=N;...: fewer seeds for slow learners at d >= 32")
     parser.add_argument("--seeds-at-8", type=str, default="",
                         help="learner=N;...: fewer seeds for slow learners at d < 32")
-    parser.add_argument("--out", default="benchmarks/results/impostors.md")
-    parser.add_argument("--json", default="")
     parser.add_argument("--cost", action="store_true",
                         help="measure verification's cost per learner instead (honest models)")
-    parser.add_argument("--merge", nargs="+", default=None,
-                        help="write --out from these --json files of earlier runs (no runs)")
+    _results.add_out_option(parser, __file__)
     args = parser.parse_args(argv)
     if args.cost:
-        rows = cost_rows(args.learners.split(","), args.dims)
-        command = "python benchmarks/bench_impostors.py --cost " + " ".join(
-            repr(a) if " " in a else a for a in (argv if argv is not None else sys.argv[1:])
-            if a != "--cost")
-        write_cost(rows, Path(args.out), command)
-        if args.json:
-            Path(args.json).write_text(json.dumps({"rows": rows, "command": command}, indent=1))
-        return
-    if args.merge:
-        rows, elapsed, commands = [], 0.0, []
-        for name in args.merge:
-            part = json.loads(Path(name).read_text())
-            rows = merge_rows(rows, part["rows"])
-            elapsed += part["seconds"]
-            commands += part.get("commands", [part.get("command", "")])
-        order = list(LEARNERS)
-        rows.sort(key=lambda r: (order.index(r["learner"]), r["d"]))
-        write_markdown(rows, Path(args.out), elapsed, args, commands)
-        if args.json:
-            Path(args.json).write_text(json.dumps({"rows": rows, "seconds": elapsed,
-                                                   "commands": commands}))
+        with _results.Run(__file__, args.out, section="verification cost") as results:
+            results.add(cost_markdown(cost_rows(args.learners.split(","), args.dims)))
         return
     fewer = {32: dict(item.rsplit("=", 1) for item in args.seeds_at_32.split(";") if item),
              8: dict(item.rsplit("=", 1) for item in args.seeds_at_8.split(";") if item)}
-    rows, started = [], time.perf_counter()
-    for learner in args.learners.split(","):
-        for d in args.dims:
-            t0 = time.perf_counter()
-            recovery = recovery_queries(learner, d)
-            names = ["honest"] + impostor_names(learner, d)
-            if args.impostors:
-                names = [n for n in names if n in args.impostors.split(",")]
-            n_seeds = int(fewer[32 if d >= 32 else 8].get(learner, args.seeds))
-            seeds = range(args.first_seed, args.first_seed + n_seeds)
-            for name in names:
-                t_cell = time.perf_counter()
-                outcomes = [one_run(learner, name, d, s, recovery) for s in seeds]
-                refused = sum(o[0].startswith("refused") for o in outcomes)
-                accepted = [(s, o[1]) for s, o in zip(seeds, outcomes) if o[0] == "accepted"]
-                crashes = [(s, o[0]) for s, o in zip(seeds, outcomes) if o[0].startswith("crash")]
-                kinds = sorted({o[0][9:] for o in outcomes if o[0].startswith("refused")})
-                row = {"learner": learner, "impostor": name, "d": d, "seeds": len(seeds),
-                       "refused": refused, "accepted": accepted, "crashes": crashes,
-                       "refusal_kinds": kinds, "seed_ranges": [[seeds.start, seeds.stop]],
-                       "seconds": time.perf_counter() - t_cell}
-                rows.append(row)
-                if args.json:         # after every cell: a run stopped early keeps its cells
-                    write_json(rows, time.perf_counter() - started, argv, args.json, done=False)
-                flag = ("" if (name == "honest") == (refused == 0) and not crashes else "  <-- MISS")
-                print(f"{learner:20s} d={d:3d} {name:26s} refused {refused}/{len(seeds)}"
-                      f"{' accepted ' + str([(s, f'{e:.1e}') for s, e in accepted]) if accepted and name != 'honest' else ''}"
-                      f"{' crashes ' + str(crashes) if crashes else ''}{flag}", flush=True)
-            print(f"# {learner} d={d}: {time.perf_counter() - t0:.1f} s", flush=True)
-    elapsed = time.perf_counter() - started
-    write_markdown(rows, Path(args.out), elapsed, args)
-    if args.json:
-        write_json(rows, elapsed, argv, args.json, done=True)
+    for learner in args.learners.split(","):      # one section per learner
+        with _results.Run(__file__, args.out, section=f"zoo: {learner}") as results:
+            results.add(zoo_markdown(zoo_rows(learner, args, fewer)))
 
 
-def write_json(rows, elapsed, argv, path, done):
-    command = "python benchmarks/bench_impostors.py " + " ".join(
-        repr(a) if " " in a or "<" in a else a for a in (argv if argv is not None else sys.argv[1:]))
-    if not done:
-        command += " (stopped early: the cells it finished)"
-    Path(path).write_text(json.dumps({"rows": rows, "seconds": elapsed, "command": command},
-                                     indent=1))
-
-
-def seed_ranges(row) -> list:
-    """The row's seeds as [first, stop) ranges (rows of older runs: seeds 0 .. n-1)."""
-    return row.get("seed_ranges", [[row.get("first_seed", 0), row.get("first_seed", 0) + row["seeds"]]])
-
-
-def merge_rows(rows, new_rows) -> list:
-    """Rows of a later run added to earlier ones: the same (learner, impostor, d) on other
-    seeds adds up (seeds, refusals, accepted seeds, crashes); on overlapping seeds the
-    later run replaces the earlier."""
-    index = {(r["learner"], r["impostor"], r["d"]): i for i, r in enumerate(rows)}
-    rows = list(rows)
-    for r in new_rows:
-        key = (r["learner"], r["impostor"], r["d"])
-        if key not in index:
-            index[key] = len(rows)
-            rows.append(r)
-            continue
-        old = rows[index[key]]
-        seen = {s for a, b in seed_ranges(old) for s in range(a, b)}
-        if seen & {s for a, b in seed_ranges(r) for s in range(a, b)}:
-            rows[index[key]] = r
-            continue
-        rows[index[key]] = {**old, "seeds": old["seeds"] + r["seeds"],
-                            "refused": old["refused"] + r["refused"],
-                            "accepted": old["accepted"] + r["accepted"],
-                            "crashes": old["crashes"] + r["crashes"],
-                            "refusal_kinds": sorted(set(old["refusal_kinds"]) | set(r["refusal_kinds"])),
-                            "seed_ranges": seed_ranges(old) + seed_ranges(r),
-                            "seconds": old.get("seconds", 0.0) + r.get("seconds", 0.0)}
+def zoo_rows(learner, args, fewer) -> list[dict]:
+    """The learner against every impostor of its class, at every d."""
+    rows = []
+    for d in args.dims:
+        t0 = time.perf_counter()
+        recovery = recovery_queries(learner, d)
+        names = ["honest"] + impostor_names(learner, d)
+        if args.impostors:
+            names = [n for n in names if n in args.impostors.split(",")]
+        n_seeds = int(fewer[32 if d >= 32 else 8].get(learner, args.seeds))
+        seeds = range(args.first_seed, args.first_seed + n_seeds)
+        for name in names:
+            t_cell = time.perf_counter()
+            outcomes = [one_run(learner, name, d, s, recovery) for s in seeds]
+            refused = sum(o[0].startswith("refused") for o in outcomes)
+            accepted = [(s, o[1]) for s, o in zip(seeds, outcomes) if o[0] == "accepted"]
+            crashes = [(s, o[0]) for s, o in zip(seeds, outcomes) if o[0].startswith("crash")]
+            kinds = sorted({o[0][9:] for o in outcomes if o[0].startswith("refused")})
+            row = {"learner": learner, "impostor": name, "d": d, "seeds": len(seeds),
+                   "refused": refused, "accepted": accepted, "crashes": crashes,
+                   "refusal_kinds": kinds, "seed_ranges": [[seeds.start, seeds.stop]],
+                   "seconds": time.perf_counter() - t_cell}
+            rows.append(row)
+            flag = ("" if (name == "honest") == (refused == 0) and not crashes else "  <-- MISS")
+            print(f"{learner:20s} d={d:3d} {name:26s} refused {refused}/{len(seeds)}"
+                  f"{' accepted ' + str([(s, f'{e:.1e}') for s, e in accepted]) if accepted and name != 'honest' else ''}"
+                  f"{' crashes ' + str(crashes) if crashes else ''}{flag}", flush=True)
+        print(f"# {learner} d={d}: {time.perf_counter() - t0:.1f} s", flush=True)
     return rows
 
 
@@ -253,14 +192,8 @@ def summary_lines(rows) -> list:
     return lines
 
 
-def write_markdown(rows, path, elapsed, args, commands=None):
-    if not commands:
-        commands = [f"python benchmarks/bench_impostors.py --seeds {args.seeds} --dims "
-                    f"{' '.join(map(str, args.dims))}"]
-    lines = ["# Impostor zoo against every learner", "",
-             "Run with OPENBLAS_NUM_THREADS=1 (" + f"{elapsed:.0f} s in all on a shared, loaded "
-             "2-core machine):", "", *[f"    {c}" for c in commands], "",
-             "refused = a typed refusal (ModelMismatchError, NotIdentifiableError, "
+def zoo_markdown(rows) -> str:
+    lines = ["refused = a typed refusal (ModelMismatchError, NotIdentifiableError, "
              "RecoveryFailedError); an ACCEPTED impostor is listed with its seed and the "
              "accepted model's held-out error against it (labels: fraction that disagree). "
              "`honest` is the model itself: it must be accepted (refused 0). The sign-only "
@@ -277,8 +210,7 @@ def write_markdown(rows, path, elapsed, args, commands=None):
             acc += (" " if acc else "") + "CRASH " + "; ".join(f"{s}: {c}" for s, c in r["crashes"])
         lines.append(f"| {r['learner']} | {r['impostor']} | {r['d']} | {r['refused']}/{r['seeds']} "
                      f"| {acc} |")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

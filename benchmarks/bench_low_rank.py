@@ -2,7 +2,7 @@
 
 Run:  python benchmarks/bench_low_rank.py [--dims 64 128 256 384 1024] [--repeats 2]
           [--sweep-c] [--c-dims 32 64 128] [--c-values 1 1.25 1.5 2 3] [--c-seeds 20]
-          [--threads N] [--json out.json]
+          [--threads N] [--out FILE.md]
 
 Part 1 (always): for each d, a generic rank-r target (W = G1 G2^T / sqrt(d r)), both
 methods. The adaptive learner gets r = d/16 (at least 2; r = 32 at d = 384 and r = 64 at
@@ -23,10 +23,11 @@ contended machine multithreaded BLAS can be much slower than one thread).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
+
+import _results
 
 
 def parse():
@@ -44,7 +45,7 @@ def parse():
                         default=[1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0])
     parser.add_argument("--c-seeds", type=int, default=20)
     parser.add_argument("--threads", type=int)
-    parser.add_argument("--json", help="also write all rows to this JSON file")
+    _results.add_out_option(parser, __file__)
     return parser.parse_args()
 
 
@@ -147,12 +148,11 @@ def part2():
 
 
 def main():
-    out = {"part1": part1()}
-    if ARGS.sweep_c:
-        out["sweep_c"] = part2()
-    if ARGS.json:
-        with open(ARGS.json, "w") as fh:
-            json.dump(out, fh, indent=2)
+    with _results.Run(__file__, ARGS.out) as results:
+        results.capture()
+        part1()
+        if ARGS.sweep_c:
+            part2()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Low-rank multi-head attention with large query biases (issue 26): success, error, queries.
 
 Run:  python benchmarks/bench_mhlr_large_biases.py [--cases 16:2:2 16:4:2 ...] [--seeds 10]
-          [--bias-scales 1 5 10] [--json out.json] [--md out.md] [--label text]
+          [--bias-scales 1 5 10] [--out FILE.md]
 
 Targets: ``random_low_rank_multi_head(H, d, r, seed)`` with
 ``with_biases(m, seed + 100, bias_scale=s |W_0|)``: b_h = W_h p_h (in W_h's column space,
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 import numpy as np
@@ -30,6 +29,8 @@ from attnextract import Oracle, extract
 from attnextract.adapters.targets import random_low_rank_multi_head, with_biases
 from attnextract.errors import ModelMismatchError, RecoveryFailedError
 from attnextract.learners.multi_head.canonical import biased_canonical_errors
+
+import _results
 
 TARGET = 1e-9
 
@@ -41,9 +42,7 @@ def parse():
                                  "32:2:2", "32:2:4", "32:4:2", "32:4:4"], help="d:H:r")
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--bias-scales", type=float, nargs="+", default=[1.0, 5.0, 10.0])
-    parser.add_argument("--json", help="write all rows to this JSON file")
-    parser.add_argument("--md", help="write the summary table to this Markdown file")
-    parser.add_argument("--label", default="", help="what was measured (e.g. a commit)")
+    _results.add_out_option(parser, __file__)
     return parser.parse_args()
 
 
@@ -70,10 +69,8 @@ def one_run(d, H, r, scale, seed):
             "seconds": time.perf_counter() - start}
 
 
-def summary(rows, label, command):
-    lines = [f"# Low-rank multi-head learner, large query biases ({label})", "",
-             f"Command: `{command}`", "",
-             "Targets: random_low_rank_multi_head(H, d, r, seed), with_biases(m, seed + 100, "
+def summary(rows):
+    lines = ["Targets: random_low_rank_multi_head(H, d, r, seed), with_biases(m, seed + 100, "
              "bias_scale = s |W_0|). Recovered: verified and W_h, b_h, v_h, c all within "
              f"{TARGET:.0e} (canonical, relative). Floor: sum_h (d + r(2d - r) + r) + 1. Wall "
              "times on a shared, loaded 2-core machine.", "",
@@ -103,6 +100,12 @@ def summary(rows, label, command):
 
 def main():
     args = parse()
+    with _results.Run(__file__, args.out) as results:
+        results.add(measure(args))
+
+
+def measure(args) -> str:
+    """Every run (a JSON line each); returns the summary."""
     rows = []
     for case in args.cases:
         d, H, r = (int(x) for x in case.split(":"))
@@ -110,15 +113,9 @@ def main():
             for seed in range(args.seeds):
                 rows.append(one_run(d, H, r, scale, seed))
                 print(json.dumps(rows[-1]), flush=True)
-    command = "python " + " ".join(sys.argv)
-    text = summary(rows, args.label or "this checkout", command)
+    text = summary(rows)
     print(text)
-    if args.md:
-        with open(args.md, "w") as handle:
-            handle.write(text)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"command": command, "label": args.label, "rows": rows}, handle, indent=1)
+    return text
 
 
 if __name__ == "__main__":

@@ -12,9 +12,9 @@ machine is shared: wall times are upper bounds).
 ``attnextract serve --secret ... --workers 2 --threads 1`` and extracted with
 ``--target http://127.0.0.1:PORT``; the server's CPU seconds too.
 
-Run:  nice -n 10 python benchmarks/bench_minilm_biases.py --layers 0 5 [--serve 5] [--out NAME]
-(with OPENBLAS_NUM_THREADS=1 and PYTHONPATH=src). Writes benchmarks/results/NAME.json
-and .md (merging layers already in NAME.json, so layers may be run one at a time).
+Run:  nice -n 10 python benchmarks/bench_minilm_biases.py --layers 0 5 [--serve 5] [--out FILE.md]
+(with OPENBLAS_NUM_THREADS=1 and PYTHONPATH=src). Each layer (and path) is one section of
+benchmarks/results/bench_minilm_biases.md, so layers may be run one at a time.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import _results
+
 FLOOR = 287_617
-RESULTS = Path(__file__).parent / "results"
 ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
        "MKL_NUM_THREADS": "1"}
 CLI = [sys.executable, "-m", "attnextract"]
@@ -118,43 +119,29 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write(rows: list[dict], name: str) -> None:
-    """NAME.json (every row) and NAME.md (the command and the table)."""
-    (RESULTS / f"{name}.json").write_text(json.dumps({"rows": rows}, indent=1))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=RESULTS).stdout.strip()
-    (RESULTS / f"{name}.md").write_text(
-        "# all-MiniLM-L6-v2, every bias (benchmarks/bench_minilm_biases.py)\n\n"
-        f"Run: `OPENBLAS_NUM_THREADS=1 PYTHONPATH=src nice -n 10 python "
-        f"benchmarks/bench_minilm_biases.py {' '.join(sys.argv[1:])}` (last run at commit "
-        f"{commit}; layers may come from several runs of the same code, see the JSON).\n"
-        "Each layer: `attnextract minilm --layer L --all-heads --json --no-progress "
+NOTE = ("Each layer: `attnextract minilm --layer L --all-heads --json --no-progress "
         "--no-journal --threads 1` (learner seed 0, readout seed 0); served: the layer saved "
         "with `--save-target`, `attnextract serve --secret FILE --port 0 --workers 2 "
         "--threads 1`, and `--target http://127.0.0.1:PORT --http-timeout 600`. CPU s = user "
         "+ system of the process under /usr/bin/time -v (the server's from /proc); wall "
-        "times are inflated by the shared 2-core machine's load (1-minute load average "
-        "before and after each run in the last column). Errors are relative, per head, "
-        "against the layer's own weights; \"exact\" means c equals the float64 truth.\n\n"
-        + table(rows) + "\n")
+        "times depend on the machine's load (1-minute load average before and after each "
+        "run in the last column). Errors are relative, per head, against the layer's own "
+        "weights; \"exact\" means c equals the float64 truth.")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="*", default=[0, 5])
     parser.add_argument("--serve", type=int, nargs="*", default=[])
-    parser.add_argument("--out", default="minilm_biases4")
+    _results.add_out_option(parser, __file__)
     args = parser.parse_args()
-    path = RESULTS / f"{args.out}.json"
-    rows = json.loads(path.read_text())["rows"] if path.exists() else []
     for layer, serve in [(layer, False) for layer in args.layers] + [(l, True) for l in args.serve]:
-        # re-read: several runs may add layers to one file
-        rows = json.loads(path.read_text())["rows"] if path.exists() else []
-        row = served(layer) if serve else local(layer)
-        rows = [r for r in rows if (r["layer"], r.get("served", False)) != (layer, serve)]
-        rows.append(row)
-        print(table(rows[-1:]), flush=True)
-        write(rows, args.out)
+        # one section per layer and path: layers may be run one at a time
+        name = f"layer {layer}, {'served' if serve else 'local'}"
+        with _results.Run(__file__, args.out, section=name) as results:
+            row = served(layer) if serve else local(layer)
+            print(table([row]), flush=True)
+            results.add(NOTE + "\n\n" + table([row]))
 
 
 if __name__ == "__main__":

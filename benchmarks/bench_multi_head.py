@@ -2,13 +2,12 @@
 
 Run:  nice -n 10 python benchmarks/bench_multi_head.py [--heads 1 2 4 6 8] [--dims 8 16 32]
           [--seeds 20] [--scales 1 3] [--learner-seed random|target] [--no-heads]
-          [--precision full|fast] [--float32] [--threads 1] [--json FILE]
-          [--markdown FILE] [--plot FILE.png] [--scatter FILE.png] [--low-rank 64:8:8]
-          [--per-run]
+          [--precision full|fast] [--float32] [--threads 1] [--out FILE.md]
+          [--plot FILE.svg] [--scatter FILE.svg] [--low-rank 64:8:8] [--per-run]
 
 Targets: independent numpy black boxes, W_h entries N(0, s^2 / d) (s in --scales),
-v_h entries N(0, 1). The learner's seed is drawn at random per run by default (recorded
-in the JSON). Each cell: success rate (canonical error <= 1e-10, or within the error bar
+v_h entries N(0, 1). The learner's seed is drawn at random per run by default (printed
+as each run ends; --per-run puts it in the table). Each cell: success rate (canonical error <= 1e-10, or within the error bar
 for --float32), first-try success (one design, no main row redesigned), retries (designs
 beyond the first, and main rows redesigned), refusals by type, wrong models (a success
 whose error exceeds its own error bar: must be 0), median recovery queries against paper
@@ -16,33 +15,27 @@ whose error exceeds its own error bar: must be 0), median recovery queries again
 times (median success, whole cell, longest failure). --no-heads runs without telling H.
 --plot draws success rate and median error against H; --scatter draws every run's
 queries / floor against its error (matplotlib, imported only then). Each run's wall and CPU
-seconds and the load average are in the JSON and printed as it ends; --per-run also puts
-them in the markdown, one row per run. The files are rewritten after every cell.
+seconds and the load average are printed as it ends; --per-run also puts them in the
+results file, one row per run. The results file is rewritten after every cell.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from multi_head_grid import (grid_cell, grid_markdown, grid_plot, queries_error_plot,  # noqa: E402
-                             runs_markdown)
+from attnextract.bench_grid import (grid_cell, grid_markdown, grid_plot, queries_error_plot,
+                                    runs_markdown)
+
+import _results
 
 
-def write(args, rows: list[dict]) -> str:
-    """Write the cells so far to --json and --markdown; returns the markdown table."""
+def write(args, results, rows: list[dict]) -> str:
+    """Save the cells so far to the results file; returns the markdown table."""
     table = grid_markdown(rows) + ("\n" + runs_markdown(rows) if args.per_run else "")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"command": " ".join(sys.argv), "rows": rows}, fh, indent=1, default=str)
-    if args.markdown:
-        with open(args.markdown, "w") as fh:
-            fh.write(f"Command: `{' '.join(sys.argv)}`\n\n" + table)
+    results.parts = [table]
+    results.save()
     return table
 
 
@@ -61,13 +54,18 @@ def main() -> None:
     parser.add_argument("--low-rank", nargs="*", default=[], metavar="d:H:r",
                         help="low-rank cells (the low-rank multi-head learner), e.g. 64:8:8")
     parser.add_argument("--threads", type=int, default=1, help="BLAS threads")
-    parser.add_argument("--json")
-    parser.add_argument("--markdown")
-    parser.add_argument("--plot")
-    parser.add_argument("--scatter")
+    parser.add_argument("--plot", metavar="FILE.svg", help="success and error against H")
+    parser.add_argument("--scatter", metavar="FILE.svg", help="every run's queries and error")
+    _results.add_out_option(parser, __file__)
     parser.add_argument("--per-run", action="store_true",
                         help="also write one markdown row per run (seeds, outcome, seconds)")
     args = parser.parse_args()
+    with _results.Run(__file__, args.out) as results:
+        measure(args, results)
+
+
+def measure(args, results) -> None:
+    """The grid's cells, saved after every cell (a stopped grid keeps its cells)."""
     from threadpoolctl import threadpool_limits
     draw = np.random.default_rng()
     rows = []
@@ -90,7 +88,7 @@ def main() -> None:
                                               f"{run['wall']:.1f} s wall, {run['cpu']:.1f} s "
                                               f"CPU, load {run['load']:.2f}", flush=True)))
                     r = rows[-1]
-                    write(args, rows)          # after every cell: a stopped grid keeps its cells
+                    write(args, results, rows)
                     print(f"d={d} H={H} scale={scale:g}: success {r['success_rate']:.0%} "
                           f"(first try {r['first_try_rate']:.0%}, retries {r['retries']}, rows "
                           f"redesigned {r['rows_redesigned']}), refusals {r['refusals']}, wrong "
@@ -105,7 +103,7 @@ def main() -> None:
                 rows.append(grid_cell(H, d, args.seeds, scale, rank=r))
                 print(f"d={d} H={H} r={r} scale={scale:g}: success "
                       f"{rows[-1]['success_rate']:.0%}", flush=True)
-    print(write(args, rows))
+    print(write(args, results, rows))
     if args.plot:
         grid_plot(rows, args.plot)
     if args.scatter:

@@ -11,16 +11,14 @@ biased learner's own count (biased_count: paper 2's + (H + 1) d + 1, c and H + 1
 samples per short-probe row), whether the short probes ran, the floor H(d^2 + 2d) + 1 and
 CPU seconds.
 
-Run:  nice -n 10 python benchmarks/bench_multi_head_biases.py [--seeds 20] [--out NAME]
-(1 BLAS thread: OPENBLAS_NUM_THREADS=1). Writes benchmarks/results/NAME.json and .md.
+Run:  nice -n 10 python benchmarks/bench_multi_head_biases.py [--seeds 20] [--out FILE.md]
+(1 BLAS thread: OPENBLAS_NUM_THREADS=1). Writes benchmarks/results/bench_multi_head_biases.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -31,6 +29,8 @@ from attnextract.learners.multi_head import (biased_count, canonical_error, extr
 from attnextract.learners.multi_head.canonical import biased_canonical_errors
 from attnextract.models import MultiHeadAttention
 from attnextract.oracle import Oracle
+
+import _results
 
 BIAS_SCALES = (1.0, 5.1, 0.0, 0.3)
 GOAL = 1e-10
@@ -144,8 +144,14 @@ def main():
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--heads", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--dims", type=int, nargs="+", default=[8, 16])
-    parser.add_argument("--out", default="mh_biases")
+    _results.add_out_option(parser, __file__)
     args = parser.parse_args()
+    with _results.Run(__file__, args.out) as results:
+        results.add(measure(args))
+
+
+def measure(args) -> str:
+    """Every run (a line each); returns the notes and the summary table."""
     rows = []
     for d in args.dims:
         for H in args.heads:
@@ -156,23 +162,14 @@ def main():
                       f"W {r['W']:.1e} b {r['b']:.1e} v {r['v']:.1e} c {r['c']:.1e} "
                       f"bar {r['error bar']:.1e}", r["queries"], r["bias-free queries"],
                       f"{r['cpu s']:.1f}s", flush=True)
-    results = Path(__file__).parent / "results"
-    (results / f"{args.out}.json").write_text(json.dumps(rows, indent=1))
     table = summary(rows)
-    import subprocess
-    import sys
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=Path(__file__).parent).stdout.strip()
-    (results / f"{args.out}.md").write_text(
-        "# multi-head --biases grid (benchmarks/bench_multi_head_biases.py)\n\n"
-        f"Run: `OPENBLAS_NUM_THREADS=1 nice -n 10 python benchmarks/bench_multi_head_biases.py "
-        f"{' '.join(sys.argv[1:])}` (commit {commit}; CPU s on a shared 2-core machine).\n"
+    print(table)
+    return (
         "polish kept: runs whose joint polish (with b_h and c) was kept.\n"
         "queries include the 64 verification queries of each run (biased and bias-free);\n"
         "ratio = biased queries / (bias-free queries + H d) on the same heads; the biased\n"
         "count (the learner's cap, verification included) is paper 2's count 4Hd^2 - 2H + 1\n"
-        "plus (H + 1) d + 1 (c and H + 1 more samples per short-probe row).\n\n" + table + "\n")
-    print(table)
+        "plus (H + 1) d + 1 (c and H + 1 more samples per short-probe row).\n\n" + table)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Low-rank multi-head attention (H r = d, like a real layer): success, queries, error, conditioning, time.
 
 Run:  python benchmarks/bench_multi_head_low_rank.py [--cases 64:8:8 96:12:8] [--seeds 10]
-          [--scales 1 3] [--minilm 0 3] [--threads 1 2] [--json out.json]
+          [--scales 1 3] [--minilm 0 3] [--threads 1 2] [--out FILE.md]
 
 Part 1: random low-rank heads (``random_low_rank_multi_head``: W_h = s A_h B_h^T / sqrt(d r),
 A_h, B_h Gaussian, v_h ~ N(0, I)) for every case d:H:r, scale s and seed. A seed succeeds
@@ -23,7 +23,6 @@ Times are wall-clock on whatever else the machine runs: say so when quoting them
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
@@ -36,6 +35,8 @@ from attnextract.learners.multi_head_low_rank import (extract_multi_head_low_ran
                                                       paper_two_count)
 from attnextract.oracle import Oracle
 
+import _results
+
 
 def parse():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -45,7 +46,7 @@ def parse():
     parser.add_argument("--scales", type=float, nargs="+", default=[1.0, 3.0])
     parser.add_argument("--minilm", type=int, nargs="*", default=[], help="layers")
     parser.add_argument("--threads", type=int, nargs="+", default=[1])
-    parser.add_argument("--json", help="also write all rows to this JSON file")
+    _results.add_out_option(parser, __file__)
     return parser.parse_args()
 
 
@@ -118,13 +119,12 @@ def minilm_layers(args, rows):
 def main():
     args = parse()
     rows = []
-    if args.cases:
-        random_cases(args, rows)
-    if args.minilm:
-        minilm_layers(args, rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1, default=float)
+    with _results.Run(__file__, args.out) as results:
+        results.capture(markdown=True)
+        if args.cases:
+            random_cases(args, rows)
+        if args.minilm:
+            minilm_layers(args, rows)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Noisy black boxes: ||W_hat - W||_F against tau, the paper's method vs the default.
 
-Run:  python benchmarks/bench_noisy.py [--dims 16 64] [--seeds 4] [--plot FILE.png] [--json]
+Run:  python benchmarks/bench_noisy.py [--dims 16 64] [--seeds 4] [--plot FILE.svg] [--out FILE.md]
 
 Error-vs-tau table: for tau = 1e-10 .. 1e-3 and each d, every trial is one random
 target (entries of W ~ N(0, 1/d), v ~ N(0, I)) behind one bounded-noise black box
@@ -17,7 +17,6 @@ repeats, and sign-only bisection (queries and precision vs d).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
@@ -28,6 +27,8 @@ from attnextract.oracle import (AdversarialNoise, BoundedNoise, GaussianNoise, R
                                 SignOnly)
 from attnextract.learners.sign_only import extract_sign_only
 from attnextract.adapters.targets import random_single_head
+
+import _results
 
 TAUS = [1e-10, 1e-9, 1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3]
 
@@ -184,21 +185,24 @@ def plot(rows, path):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dims", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--seeds", type=int, default=4)
-    parser.add_argument("--plot", default="benchmarks/noisy_error_vs_tau.png")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--plot", help="also draw error vs tau here (FILE.svg or .png)")
+    _results.add_out_option(parser, __file__)
     args = parser.parse_args()
+    with _results.Run(__file__, args.out) as results:
+        results.capture(markdown=True)
+        tables(args)
+
+
+def tables(args) -> None:
+    """Run the four measurements and print their Markdown tables."""
     start = time.perf_counter()
     rows = error_vs_tau(args.dims, args.seeds)
     rounding = rounding_table(args.seeds)
     gauss = gaussian_table(max(args.seeds, 10))
     signs = sign_only_table([2, 4, 8, 16, 32, 64])
-    if args.json:
-        print(json.dumps({"error_vs_tau": rows, "rounding": rounding, "gaussian": gauss,
-                          "sign_only": signs}, indent=1))
-        return
     print("Bounded noise |eta| <= tau, 5 noise kinds (2 adversarial) x seeds; equal queries "
           "(d^2 + d recovery each)\n")
     print("| d | tau | paper err | paper bound | default err | default bar | ratio median | ratio worst "

@@ -2,11 +2,11 @@
 included) against paper 2's count 4Hd^2 - 2H + 1 = 4d^2 - 1, told H = 1 and not told.
 
 Run:  python benchmarks/bench_one_head_count.py [--dims 4 6 8 12 16 32] [--seeds 5]
-          [--float32-seeds 5] [--markdown OUT.md] [--json OUT.json]
+          [--float32-seeds 5] [--out FILE.md]
 
 Float64 boxes: random_multi_head(1, d) (W scale 1 / sqrt(d)); float32 boxes:
 Float32MultiHeadBlackBox(1, d) (numpy, as nn.MultiheadAttention(d, 1, bias=False) in
-float32). Every run's CPU seconds (process time, 1 BLAS thread) are kept in --json.
+float32). Writes benchmarks/results/bench_one_head_count.md.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -26,8 +25,7 @@ from attnextract.learners.multi_head import extract_multi_head, paper2_count
 from attnextract.learners.multi_head.canonical import canonical_error
 from attnextract.report import verification_count
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rerun_grid_cell import write_results  # noqa: E402
+import _results
 
 
 def run(box, truth, d, told, seed):
@@ -51,9 +49,16 @@ def main() -> None:
     parser.add_argument("--dims", type=int, nargs="+", default=[4, 6, 8, 12, 16, 32])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--float32-seeds", type=int, default=5)
-    parser.add_argument("--markdown")
-    parser.add_argument("--json")
+    _results.add_out_option(parser, __file__)
     args = parser.parse_args()
+    with _results.Run(__file__, args.out) as results:
+        lines = table(args)
+        results.add(lines[0])
+        results.add("\n".join(lines[1:]))
+
+
+def table(args) -> list[str]:
+    """The summary line, then the table of every run."""
     lines = ["| box | d | told | seed | outcome | canonical error | error bar | queries | "
              "paper 2's count | floor + verification | note |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -85,13 +90,14 @@ def main() -> None:
                         f"{'-' if bar is None else f'{bar:.1e}'} | {queries} | "
                         f"{row['paper2_count']} | {row['floor_plus_verification']} | "
                         f"{'; '.join(notes)} |")
-                    print(lines[-1], f"{cpu:.1f} s CPU", flush=True)
+                    print(lines[-1], f"{cpu:.1f} s CPU", flush=True, file=sys.stderr)
     fits = [r for r in runs if r["floor_plus_verification"] <= r["paper2_count"]]
     summary = (f"{sum(r['outcome'] == 'recovered' for r in runs)} of {len(runs)} recovered; "
                f"where floor + verification <= paper 2's count: "
                f"{sum(r['queries'] <= r['paper2_count'] for r in fits)} of {len(fits)} within "
-               f"the count (command: bench_one_head_count.py {' '.join(sys.argv[1:])})")
-    write_results("bench_one_head_count.py", summary, lines, runs, args.markdown, args.json)
+               f"the count")
+    print(summary)
+    return [summary] + lines
 
 
 if __name__ == "__main__":

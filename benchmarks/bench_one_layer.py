@@ -35,6 +35,8 @@ from attnextract.learners.relu_network import (align_relu_networks, extract_relu
 from attnextract.report import held_out_sequences, relative_errors, token_scale  # noqa: E402
 from attnextract.learners.residual import extract_one_layer_residual, random_residual_one_layer  # noqa: E402
 
+import _results
+
 
 def timed_extractions(make_target, learn, d: int, m: int, seeds: int):
     """(seed, truth, result, wall seconds) of ``learn(oracle, seed=...)`` on each seed's target."""
@@ -103,8 +105,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--no-large", action="store_true", help="skip the 784-128-1 network")
+    _results.add_out_option(parser, __file__)
     args = parser.parse_args()
+    with _results.Run(__file__, args.out) as results:
+        results.capture(markdown=True)
+        tables(args)
 
+
+def tables(args) -> None:
+    """Print the three Markdown tables."""
     print("One-layer Transformer, end to end (median of", args.seeds, "seeds; errors: worst)\n")
     print("| d | m | parameters | queries | FFN | attention | verification | FFN bits | "
           "rel. error W | held-out output error | wall s | in black box s | learner s |")

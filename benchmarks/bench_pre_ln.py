@@ -13,18 +13,14 @@ must be refused. Last, the impostor zoo (adapters/impostors.py) behind a LayerNo
 (impostors.BehindLayerNorm: r^T x_N + impostor(LN(X))), d = 8 and 16, 20 seeds: refused,
 unless its difference never shows on LayerNorm's image (then it is the block itself).
 
-Run:  nice -n 10 python benchmarks/bench_pre_ln.py [--seeds 20] [--out mh7_pre_ln]
-(1 BLAS thread: OPENBLAS_NUM_THREADS=1). Writes benchmarks/results/NAME.json and .md.
+Run:  nice -n 10 python benchmarks/bench_pre_ln.py [--seeds 20] [--out FILE.md]
+(1 BLAS thread: OPENBLAS_NUM_THREADS=1). Writes benchmarks/results/bench_pre_ln.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -33,6 +29,8 @@ from attnextract.adapters.targets import random_pre_layer_norm, random_single_he
 from attnextract.errors import AttnExtractError
 from attnextract.models import layer_norm
 from attnextract.oracle import Oracle
+
+import _results
 
 GOAL = 1e-10
 
@@ -171,8 +169,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--dims", type=int, nargs="+", default=[8, 16, 32, 64])
-    parser.add_argument("--out", default="mh7_pre_ln")
+    _results.add_out_option(parser, __file__)
     args = parser.parse_args()
+    with _results.Run(__file__, args.out) as results:
+        results.add(measure(args))
+
+
+def measure(args) -> str:
+    """The grid, the refusals and the zoo; returns their tables."""
     rows = [run("random", d, s) for d in args.dims for s in range(args.seeds)]
     rows += [run("torch", 16, s) for s in range(args.seeds)]
     refusals = [refusal(k, d, s) for k in ("post-LN", "plain attention + residual", "two heads")
@@ -181,20 +185,11 @@ def main() -> None:
     from attnextract.models import BiasedSingleHeadAttention
     names = list(zoo(BiasedSingleHeadAttention(np.eye(4), np.ones(4), np.ones(4), 0.0)))
     zoo_rows = [zoo_run(n, d, s) for n in names for d in (8, 16) for s in range(args.seeds)]
-    out = Path(__file__).parent / "results" / args.out
-    meta = {"command": f"OPENBLAS_NUM_THREADS=1 nice -n 10 python benchmarks/bench_pre_ln.py "
-                       f"--seeds {args.seeds} --dims {' '.join(map(str, args.dims))} --out {args.out}",
-            "threads": os.environ.get("OPENBLAS_NUM_THREADS"), "machine": platform.machine(),
-            "load": os.getloadavg()}
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "runs": rows,
-                                                    "refusals": refusals, "zoo": zoo_rows},
-                                                   indent=1))
     refused = {}
     for r in refusals:
         refused.setdefault((r["impostor"], r["d"]), []).append(r["refused"])
-    lines = [f"# Pre-LayerNorm heads on the sphere (`--model pre-ln`), {args.seeds} seeds per cell",
-             "", f"Command: `{meta['command']}` (load average at the end {meta['load'][0]:.1f}; "
-             "CPU seconds are process time, one BLAS thread).", "",
+    lines = [f"Pre-LayerNorm heads on the sphere (`--model pre-ln`), {args.seeds} seeds per "
+             "cell; CPU seconds are process time, one BLAS thread.", "",
              "Errors: the largest relative error of P W P, P b, P v, P r and c against "
              "`PreLayerNormAttention.on_sphere`; queries / floor counts recovery and "
              "rescaling against d^2 + d - 1 (verification apart).", ""] + table(rows) + [
@@ -214,8 +209,8 @@ def main() -> None:
         lines.append(f"| {name} | " + " | ".join(
             f"{sum(r['refused'] for r in c)} | {sum(not r['in_class'] for r in c)}"
             for c in cells) + f" | {wrong} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

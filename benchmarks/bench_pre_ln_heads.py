@@ -15,29 +15,28 @@ LayerNorm (impostors.BehindLayerNorm on the H-head block), d = 8, a few seeds: r
 unless its difference never shows on LayerNorm's image.
 
 Run:  nice -n 10 python benchmarks/bench_pre_ln_heads.py [--seeds 20] [--refusal-seeds 20]
-      [--zoo-seeds 3] [--parts grid refusals zoo] [--out preln_heads]
-      [--markdown RESULT.json] (only the markdown again)
-(1 BLAS thread: OPENBLAS_NUM_THREADS=1). Writes benchmarks/results/NAME.json and .md.
+      [--zoo-seeds 3] [--parts grid refusals zoo] [--out FILE.md]
+(1 BLAS thread: OPENBLAS_NUM_THREADS=1). Each part is one section of
+benchmarks/results/bench_pre_ln_heads.md (a run replaces the sections of its parts).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
-import platform
 import time
-from pathlib import Path
 
 import numpy as np
 
 from attnextract import extract
+from attnextract.adapters.impostors import zoo
 from attnextract.adapters.targets import random_multi_head, random_pre_layer_norm
 from attnextract.errors import AttnExtractError
 from attnextract.models import BiasedMultiHeadAttention, layer_norm
 from attnextract.oracle import Oracle
 from bench_pre_ln import zoo_verdict
+
+import _results
 
 GOAL = 1e-8
 
@@ -176,46 +175,32 @@ def main() -> None:
     parser.add_argument("--zoo-seeds", type=int, default=3)
     parser.add_argument("--parts", nargs="+", default=["grid", "refusals", "zoo"],
                         choices=["grid", "refusals", "zoo"])
-    parser.add_argument("--out", default="preln_heads")
-    parser.add_argument("--markdown", metavar="JSON",
-                        help="only write the markdown of this results file again")
+    _results.add_out_option(parser, __file__)
     args = parser.parse_args()
-    if args.markdown:
-        path = Path(args.markdown)
-        path.with_suffix(".md").write_text(render(json.loads(path.read_text())))
-        return
     cells = [(H, d) for H in args.heads for d in args.dims]
-    rows = ([run(H, d, s) for H, d in cells for s in range(args.seeds)]
-            if "grid" in args.parts else [])
-    refusals = ([refusal(k, H, d, s)
-                 for k in ("post-LN", "plain attention + residual", "twice the heads told")
-                 for H, d in cells for s in range(args.refusal_seeds)]
-                if "refusals" in args.parts else [])
-    from attnextract.adapters.impostors import zoo
-    names = list(zoo(BiasedMultiHeadAttention(np.stack([np.eye(4)] * 2), np.ones((2, 4)),
-                                              np.ones((2, 4)), 0.0)))
-    zoo_rows = ([zoo_run(n, H, 8, s) for n in names for H in args.heads
-                 for s in range(args.zoo_seeds)] if "zoo" in args.parts else [])
-    out = Path(__file__).parent / "results" / args.out
-    meta = {"command": f"OPENBLAS_NUM_THREADS=1 nice -n 10 python benchmarks/bench_pre_ln_heads.py "
-                       f"--seeds {args.seeds} --heads {' '.join(map(str, args.heads))} "
-                       f"--dims {' '.join(map(str, args.dims))} --refusal-seeds "
-                       f"{args.refusal_seeds} --zoo-seeds {args.zoo_seeds} "
-                       f"--parts {' '.join(args.parts)} --out {args.out}",
-            "threads": os.environ.get("OPENBLAS_NUM_THREADS"), "machine": platform.machine(),
-            "load": os.getloadavg()}
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "runs": rows,
-                                                    "refusals": refusals, "zoo": zoo_rows},
-                                                   indent=1, default=str))
-    out.with_suffix(".md").write_text(render({"meta": meta, "runs": rows,
-                                              "refusals": refusals, "zoo": zoo_rows}))
-    print(out.with_suffix(".md").read_text())
+    for part in args.parts:          # one section of the results file per part
+        with _results.Run(__file__, args.out, section=part) as results:
+            data = {"runs": [], "refusals": [], "zoo": []}
+            if part == "grid":
+                data["runs"] = [run(H, d, s) for H, d in cells for s in range(args.seeds)]
+            elif part == "refusals":
+                data["refusals"] = [refusal(k, H, d, s) for k in
+                                    ("post-LN", "plain attention + residual",
+                                     "twice the heads told")
+                                    for H, d in cells for s in range(args.refusal_seeds)]
+            else:
+                names = list(zoo(BiasedMultiHeadAttention(
+                    np.stack([np.eye(4)] * 2), np.ones((2, 4)), np.ones((2, 4)), 0.0)))
+                data["zoo"] = [zoo_run(n, H, 8, s) for n in names for H in args.heads
+                               for s in range(args.zoo_seeds)]
+            text = render(data)
+            print(text)
+            results.add(text)
 
 
 def render(data: dict) -> str:
-    """The markdown of a results file (its JSON: meta, runs, refusals, zoo); parts not
-    run are left out."""
-    meta, rows, refusals, zoo_rows = data["meta"], data["runs"], data["refusals"], data["zoo"]
+    """The markdown of the parts run (runs, refusals, zoo); parts not run are left out."""
+    rows, refusals, zoo_rows = data["runs"], data["refusals"], data["zoo"]
     what = []
     if rows:
         what.append(f"{len({r['seed'] for r in rows})} seeds per cell")
@@ -224,11 +209,9 @@ def render(data: dict) -> str:
                     f"per cell)")
     if zoo_rows:
         what.append("the impostor zoo")
-    lines = [f"# Pre-LayerNorm blocks with several heads on the sphere "
-             f"(`--model pre-ln --heads H`): {', '.join(what)}", "",
-             f"Command: `{meta['command']}` (load average at the end {meta['load'][0]:.1f} "
-             "on 2 shared cores; CPU seconds are process time, one BLAS thread, "
-             "verification included).", ""]
+    lines = [f"Pre-LayerNorm blocks with several heads on the sphere "
+             f"(`--model pre-ln --heads H`): {', '.join(what)}. CPU seconds are process "
+             "time, one BLAS thread, verification included.", ""]
     if rows:
         lines += ["Errors: the largest relative error of P W_h P, P b_h, P v_h (heads "
                   "matched), P r and c against `PreLayerNormAttention.on_sphere`; queries / "

@@ -1,7 +1,7 @@
 """Real targets: HTTP endpoint, query journal, PyTorch head, MiniLM heads.
 
 Run:  python benchmarks/bench_real_targets.py [--http-dims 32 64] [--journal-dim 128]
-                                              [--minilm 0:0 1:5 ...] [--json]
+                                              [--minilm 0:0 1:5 ...] [--out FILE.md]
 
 Measures, on this machine:
 - HTTP: a single head served on loopback by ``attnextract.adapters.server``, extracted through
@@ -15,7 +15,6 @@ Measures, on this machine:
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import threading
 import time
@@ -28,6 +27,8 @@ from attnextract.adapters.journal import QueryJournal
 from attnextract.adapters.remote import HttpBlackBox
 from attnextract.adapters.server import make_server
 from attnextract.adapters.targets import random_single_head
+
+import _results
 
 
 def rel(a, b):
@@ -121,19 +122,19 @@ def table(rows):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--http-dims", type=int, nargs="*", default=[32, 64])
     parser.add_argument("--journal-dim", type=int, default=128)
     parser.add_argument("--minilm", nargs="*", default=["0:0", "1:5", "2:11", "3:7", "4:2", "5:9"])
-    parser.add_argument("--json", action="store_true")
+    _results.add_out_option(parser, __file__)
     args = parser.parse_args()
-    results = {"http": bench_http(args.http_dims), "journal": bench_journal(args.journal_dim),
-               "torch": bench_torch(), "minilm": bench_minilm(args.minilm)}
-    if args.json:
-        print(json.dumps(results, indent=1))
-        return
-    for name, rows in results.items():
-        print(f"\n### {name}\n\n{table(rows)}")
+    with _results.Run(__file__, args.out) as results:
+        measured = {"http": bench_http(args.http_dims),
+                    "journal": bench_journal(args.journal_dim),
+                    "torch": bench_torch(), "minilm": bench_minilm(args.minilm)}
+        for name, rows in measured.items():
+            print(f"\n### {name}\n\n{table(rows)}")
+            results.add(f"## {name}\n\n{table(rows)}")
 
 
 if __name__ == "__main__":

@@ -10,13 +10,14 @@ the median over the repeats (fresh target each time).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
 
 from attnextract import Oracle, extract_single_head
 from attnextract.adapters.targets import random_single_head
+
+import _results
 
 
 def run(dims, repeats):
@@ -52,9 +53,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dims", type=int, nargs="+", default=[16, 64, 256, 512])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", help="also write the rows to this JSON file")
+    _results.add_out_option(parser, __file__)
     args = parser.parse_args()
-    rows = run(args.dims, args.repeats)
+    with _results.Run(__file__, args.out) as results:
+        results.capture()
+        table(run(args.dims, args.repeats))
+
+
+def table(rows) -> None:
+    """Print the rows as one aligned table."""
     print(f"{'d':>5} {'floor':>8} {'recovery':>9} {'all q':>8} {'W err':>9} {'out err':>9} "
           f"{'wall s':>8} {'box s':>8} {'learner s':>9} {'learner/box':>11}")
     for r in rows:
@@ -62,9 +69,6 @@ def main():
               f"{r['W_error']:>9.1e} {r['output_error']:>9.1e} {r['wall_s']:>8.3f} "
               f"{r['black_box_s']:>8.3f} {r['learner_s']:>9.3f} "
               f"{r['learner_s'] / r['black_box_s']:>11.2f}")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Benchmark: Transformer layer (attention + ReLU FFN with biases, issue 14) over seeds.
 
     PYTHONPATH=src python3 benchmarks/bench_transformer_layer.py [--seeds 20] [--quick]
-        [--out benchmarks/results/transformer_layer.md]
+        [--out FILE.md]
 
 One row per case of issue 14's "Done means" items 1-3 (bias-free H = 1..4, d = 16,
 m = 16 and 32; biases N(0, 1) and 1e-6 with c0, one head at d = m = 32 and H = 3 at
@@ -18,7 +18,6 @@ the median wall time. Failures (any exception) are counted and listed, never hid
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -31,6 +30,8 @@ from attnextract import Oracle  # noqa: E402
 from attnextract.learners.transformer_layer import (compare_transformer_layer,  # noqa: E402
                                                     extract_transformer_layer, free_parameters,
                                                     random_transformer_layer)
+
+import _results
 
 TOL = 1e-8
 
@@ -96,12 +97,7 @@ def table(results, seeds) -> list[str]:
     return lines
 
 
-HEADER = """# Transformer layer (issue 14): {seeds} seeds per case
-
-    PYTHONPATH=src OPENBLAS_NUM_THREADS=1 python3 benchmarks/bench_transformer_layer.py \\
-        --seeds {seeds} --out benchmarks/results/transformer_layer.md
-
-Per case, seeds 0..{last} of `random_transformer_layer` (W_h, V_h, A ~ N(0, 1/d),
+HEADER = """Per case, seeds 0..{last} of `random_transformer_layer` (W_h, V_h, A ~ N(0, 1/d),
 w ~ N(0, 1), b ~ N(0, bias^2)); the learner never sees them. Success: no refusal,
 held-out output error <= 1e-8 and attention canonically equal to the truth (W error
 <= 1e-8). Queries: the recovery (held-out verification excluded), median, against the
@@ -124,9 +120,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="2 seeds, the first case of each item")
-    parser.add_argument("--out", help="write the markdown table (and a .json next to it) here")
     parser.add_argument("--only", help="run only the cases whose label contains this")
+    _results.add_out_option(parser, __file__)
     args = parser.parse_args()
+    with _results.Run(__file__, args.out) as results:
+        results.add(measure(args))
+
+
+def measure(args) -> str:
+    """Every case over the seeds; returns the table."""
     cases = CASES if not args.quick else [CASES[0], CASES[8], CASES[10], CASES[12]]
     if args.only:
         cases = [c for c in cases if args.only in c[0]]
@@ -138,13 +140,7 @@ def main() -> None:
         print(table([results[-1]], seeds)[-1], flush=True)
     text = render(results, seeds)
     print(text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text)
-        with open(os.path.splitext(args.out)[0] + ".json", "w") as fh:
-            json.dump([{"case": label, "d": d, "m": m, "options": options, "rows": rows,
-                        "failures": failures}
-                       for label, d, m, options, rows, failures in results], fh, indent=1)
+    return text
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Why the Transformer-layer learner refuses float32 answers: its single-token stage's chords.
 
 Run:  python benchmarks/bench_transformer_layer_chords.py [--dim 8] [--width 8] [--seeds 5]
-          [--label NAME]
+          [--out FILE.md]
 
 The learner's first stage reads f([x]) (a biased ReLU network of x) on lines and finds
 the FFN's kinks from chord slopes (F(x + h e) - F(x)) / h with h = 2^-20
@@ -18,13 +18,13 @@ thresholds use elsewhere.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import numpy as np
 
 from attnextract.learners.relu_network import CHORD
 from attnextract.learners.transformer_layer import random_transformer_layer
+
+import _results
 
 
 def parse():
@@ -32,8 +32,7 @@ def parse():
     parser.add_argument("--dim", type=int, default=8)
     parser.add_argument("--width", type=int, default=8)
     parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--label", default="current")
-    parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    _results.add_out_option(parser, __file__)
     return parser.parse_args()
 
 
@@ -61,23 +60,21 @@ def one_line(dim: int, width: int, seed: int) -> dict:
 
 def main() -> None:
     args = parse()
-    rows = [one_line(args.dim, args.width, s) for s in range(args.seeds)]
-    command = (f"python benchmarks/bench_transformer_layer_chords.py --dim {args.dim} "
-               f"--width {args.width} --seeds {args.seeds} --label {args.label}")
-    out = Path(args.out_dir)
-    stem = f"transformer_layer_chords_{args.label}"
-    (out / f"{stem}.json").write_text(json.dumps({"command": command, "chord": CHORD,
-                                                  "rows": rows}, indent=1))
-    lines = [f"# Transformer layer, single-token stage: chord slopes on float32 answers "
-             f"({args.label})", "",
-             f"d = {args.dim}, m = {args.width}, H = 1, chord h = 2^-20; command: `{command}`",
+    with _results.Run(__file__, args.out) as results:
+        rows = [one_line(args.dim, args.width, s) for s in range(args.seeds)]
+        results.add(markdown(args, rows))
+
+
+def markdown(args, rows) -> str:
+    lines = ["Transformer layer, single-token stage: chord slopes on float32 answers.", "",
+             f"d = {args.dim}, m = {args.width}, H = 1, chord h = 2^-20.",
              "", "| seed | rms F | slope rounding (median) | slope rounding (max) | smallest "
              "kink | median kink | chord needed (float32) |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['seed']} | {r['rms |F|']:.2f} | {r['slope rounding median']:.1e} | "
               f"{r['slope rounding max']:.1e} | {r['smallest kink']:.1e} | "
               f"{r['median kink']:.1e} | {r['chord needed']:.1e} |" for r in rows]
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

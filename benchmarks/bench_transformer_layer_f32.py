@@ -1,6 +1,6 @@
 """The Transformer-layer learner on float32 (and K-decimal) answers: one head, with or without a residual term.
 
-Run:  python benchmarks/bench_transformer_layer_f32.py [--seeds 20] [--first-seed 0] [--label mh8_transformer_layer_f32]
+Run:  python benchmarks/bench_transformer_layer_f32.py [--seeds 20] [--first-seed 0] [--out FILE.md]
           [--cells NAME,...]
 
 Cells (random_transformer_layer(d, m, seed), W, V, A ~ N(0, 1/d), w ~ N(0, 1); "biases":
@@ -29,10 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -42,6 +39,8 @@ from attnextract.errors import AttnExtractError
 from attnextract.learners.transformer_layer import (compare_transformer_layer,
                                                     random_transformer_layer)
 from attnextract.oracle import RoundedOutputs
+
+import _results
 
 CELLS = {   # name: (d, m, biases, box kind[, residual, heads])
     "rounded d8 m8": (8, 8, False, "rounded"),
@@ -134,32 +133,24 @@ def main() -> None:
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--seed-list", default=None,
                         help="comma-separated seeds, in this order (instead of --seeds)")
-    parser.add_argument("--label", default="mh8_transformer_layer_f32")
     parser.add_argument("--cells", default=",".join(CELLS))
-    parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    _results.add_out_option(parser, __file__)
     args = parser.parse_args()
+    with _results.Run(__file__, args.out) as results:
+        results.add(measure(args))
+
+
+def measure(args) -> str:
+    """Every cell and seed (a JSON line each); returns the table."""
     cells = args.cells.split(",")
-    command = (f"OPENBLAS_NUM_THREADS=1 python benchmarks/bench_transformer_layer_f32.py "
-               f"--seeds {args.seeds} --label {args.label}"
-               + (f" --first-seed {args.first_seed}" if args.first_seed else "")
-               + (f" --seed-list {args.seed_list}" if args.seed_list else "")
-               + ("" if cells == list(CELLS) else f" --cells '{args.cells}'"))
-    out = Path(args.out_dir)
     rows = []
-    load = os.getloadavg()
     for cell in cells:
         seeds = ([int(x) for x in args.seed_list.split(",")] if args.seed_list else
                  range(args.first_seed, args.first_seed + args.seeds))
         for seed in seeds:
             rows.append(trial(cell, seed))
             print(json.dumps(rows[-1]), flush=True)
-        (out / f"{args.label}.json").write_text(json.dumps(
-            {"command": command, "machine": platform.processor() or platform.machine(),
-             "load at start": load, "rows": rows}, indent=1))
-    lines = [f"# Transformer layer on float32 answers ({args.label})", "",
-             f"Command: `{command}`", "",
-             f"Machine: {os.cpu_count()} cores ({platform.machine()}), load average at start "
-             f"{load[0]:.1f}, one BLAS thread; CPU seconds are process time.", "",
+    lines = ["Transformer layer on float32 answers; CPU seconds are process time.", "",
              "| cell | trials | within bar | outside | refused | median error | median bar | "
              "worst error/bar | median queries | median CPU s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -169,7 +160,7 @@ def main() -> None:
         lines += ["", "Not within the bar:", ""]
         lines += [f"- {r['cell']}, seed {r['seed']}: {r['outcome']} "
                   f"({r.get('error_type', '')}: {r.get('reason', '')})" for r in refused]
-    (out / f"{args.label}.md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Which answer precision the Transformer-layer learner needs: layers rounded on purpose.
 
 Run:  python benchmarks/bench_transformer_layer_precision.py [--dim 8] [--width 8]
-          [--heads 1] [--seeds 5] [--label NAME]
+          [--heads 1] [--seeds 5] [--out FILE.md]
 
 Per seed: ``random_transformer_layer(d, m, seed, heads=H)`` (float64), its answers
 rounded once to float32, or to K decimals (K = 10..14), and run through the learner
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -28,6 +27,8 @@ from attnextract.learners import transformer_layer as tl
 from attnextract.oracle import Oracle
 from attnextract.registry import extract
 
+import _results
+
 
 def parse():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -35,8 +36,7 @@ def parse():
     parser.add_argument("--width", type=int, default=8)
     parser.add_argument("--heads", type=int, default=1)
     parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--label", default="current")
-    parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    _results.add_out_option(parser, __file__)
     return parser.parse_args()
 
 
@@ -51,6 +51,12 @@ def rounded(layer, how):
 
 def main() -> None:
     args = parse()
+    with _results.Run(__file__, args.out) as results:
+        results.add(measure(args))
+
+
+def measure(args) -> str:
+    """Every rounding and seed (a JSON line each); returns the table."""
     tl.MAX_RELATIVE_NOISE = 1.0          # the gate lifted: what the stages do below it
     rows = []
     for how in ROUNDINGS:
@@ -72,15 +78,8 @@ def main() -> None:
                         "seconds": time.perf_counter() - start})
             rows.append(row)
             print(json.dumps(row), flush=True)
-    command = (f"python benchmarks/bench_transformer_layer_precision.py --dim {args.dim} "
-               f"--width {args.width} --heads {args.heads} --seeds {args.seeds} "
-               f"--label {args.label}")
-    out = Path(args.out_dir)
-    stem = f"transformer_layer_precision_{args.label}"
-    (out / f"{stem}.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
-    lines = [f"# Transformer layer: answers rounded on purpose, precision gate lifted ({args.label})",
-             "", f"d = {args.dim}, m = {args.width}, H = {args.heads}, {args.seeds} seeds; "
-             f"command: `{command}`", "",
+    lines = ["Transformer layer: answers rounded on purpose, precision gate lifted.",
+             "", f"d = {args.dim}, m = {args.width}, H = {args.heads}, {args.seeds} seeds.", "",
              "| rounding | accepted | refused | crashed | median queries | refusal (first) |",
              "|---|---|---|---|---|---|"]
     for how in ROUNDINGS:
@@ -90,8 +89,7 @@ def main() -> None:
         name = how if how == "float32" else f"{how} decimals"
         lines.append(f"| {name} | {count['accepted']} | {count['refused']} | {count['crashed']} "
                      f"| {int(np.median([r['queries'] for r in cell]))} | {first} |")
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out}/{stem}.md")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -14,17 +14,14 @@
 
 Run:  OPENBLAS_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_vector_layer.py
       [--layers 0 1 2 3 4 5] [--seeds 20]
-Writes benchmarks/results/vector_layer.md.
+Writes benchmarks/results/bench_vector_layer.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +37,8 @@ from attnextract.learners.vector_canonical import vector_canonical_errors
 from attnextract.learners.vector_layer import extract_vector_layer
 from attnextract.models import VectorAttention
 from attnextract.oracle import Oracle
+
+import _results
 
 GRID = [(16, 2), (16, 4), (32, 4), (32, 8), (64, 4), (64, 8)]
 
@@ -109,24 +108,10 @@ def hidden_head(box: VectorAttention) -> VectorAttention:
                            np.concatenate([box.b, np.zeros((1, d))]), box.c)
 
 
-def machine() -> str:
-    with open("/proc/cpuinfo") as info:
-        cpu = next((line.split(":", 1)[1].strip() for line in info
-                    if line.startswith("model name")), platform.processor())
-    return (f"{platform.node()}: {cpu}, {os.cpu_count()} cores (shared), "
-            f"load {os.getloadavg()[0]:.1f}, numpy {np.__version__}, "
-            f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}")
-
-
-def render(args, minilm, grid, impostors, wall) -> str:
-    command = (f"OPENBLAS_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_vector_layer.py "
-               f"--layers {' '.join(map(str, args.layers))} --seeds {args.seeds}")
-    when = f"{datetime.now(UTC):%Y-%m-%d %H:%M UTC}"
+def render(args, minilm, grid, impostors) -> str:
     header = ("| layer | queries (recovery + check) | floor | x floor | heads | W err | b err | "
               "O err | c err | error bar | held-out | numbers | tokens | CPU s |")
-    out = ["# vector-layer: a standard attention layer from vector answers", "",
-           f"Command: `{command}`", "",
-           f"Date: {when}; machine: {machine()}; wall {wall:.0f} s.", "",
+    out = ["vector-layer: a standard attention layer from vector answers.", "",
            "## all-MiniLM-L6-v2 attention layers, biases kept, last-position vectors (m = 384)",
            "", header, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in minilm:
@@ -154,9 +139,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="*", default=list(range(6)))
     parser.add_argument("--seeds", type=int, default=20)
-    parser.add_argument("--out", default=str(HERE / "results" / "vector_layer.md"))
+    _results.add_out_option(parser, __file__)
     args = parser.parse_args()
-    start = time.time()
+    with _results.Run(__file__, args.out) as results:
+        results.add(measure(args))
+
+
+def measure(args) -> str:
+    """MiniLM's layers, the random grid and the impostors; returns the tables."""
     minilm = []
     for layer in args.layers:
         minilm.append(run_minilm(layer))
@@ -164,9 +154,9 @@ def main():
               f"{minilm[-1]['errors']['max']:.1e}, {minilm[-1]['cpu']:.1f} s CPU", flush=True)
     grid = run_grid(args.seeds)
     impostors = run_impostors(max(5, args.seeds // 4))
-    text = render(args, minilm, grid, impostors, time.time() - start)
-    Path(args.out).write_text(text)
+    text = render(args, minilm, grid, impostors)
     print(text)
+    return text
 
 
 if __name__ == "__main__":

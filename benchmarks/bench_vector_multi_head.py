@@ -2,7 +2,7 @@
 
 Run:  OPENBLAS_NUM_THREADS=1 nice -n 10 python benchmarks/bench_vector_multi_head.py
           [--seeds 20] [--big-seeds 3] [--scalar-seeds 20] [--quick]
-          [--markdown benchmarks/results/vector_multi_head.md]
+          [--out FILE.md]
 
 Boxes: VectorAttention with W_h entries N(0, 1/d), O_h (m = d) entries N(0, 1) (full
 rank: every head's output range is all of R^m), b_h entries N(0, 1/4), c N(0, 1).
@@ -22,12 +22,7 @@ error bar; "wrong" a returned model outside its bar (must be 0).
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 from scipy.special import expit, softmax
@@ -37,6 +32,8 @@ from attnextract.errors import AttnExtractError, ModelMismatchError, RecoveryFai
 from attnextract.learners.vector_canonical import vector_canonical_errors
 from attnextract.learners.vector_multi_head import extract_vector_multi_head
 from attnextract.models import VectorAttention
+
+import _results
 
 REFUSED = (ModelMismatchError, RecoveryFailedError)
 
@@ -113,36 +110,27 @@ HEADER = ("| cell | runs | in bound | refused | wrong | queries median (min..max
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--big-seeds", type=int, default=3)
     ap.add_argument("--scalar-seeds", type=int, default=20)
     ap.add_argument("--big-heads", type=int, nargs="+", default=[1, 2, 4, 8],
                     help="H at d = 32 (16 is slow: 32-sample scans of 1024 tokens)")
     ap.add_argument("--quick", action="store_true", help="d = 16, H = 4 comparison only")
-    ap.add_argument("--impostors-only", action="store_true",
-                    help="section 4 only, appended to --markdown")
-    ap.add_argument("--markdown", default="benchmarks/results/vector_multi_head.md")
+    _results.add_out_option(ap, __file__)
     args = ap.parse_args()
-    lines = ["# vector-multi-head: full-rank heads from vector answers", "",
-             (f"Command: `OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', '')} "
-             f"python {' '.join(sys.argv)}`  "),
-             f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}  ",
-             (f"Machine: {platform.machine()}, {os.cpu_count()} CPUs (shared), "
-             f"{platform.platform()}, numpy {np.__version__}"), ""]
+    with _results.Run(__file__, args.out) as results:
+        measure(args, results)
 
-    if args.impostors_only:            # appended to the file of an earlier run
-        lines = Path(args.markdown).read_text().rstrip("\n").split("\n") + [
-            "", (f"Section 4 appended by: `python {' '.join(sys.argv)}` at "
-                f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}")]
+
+def measure(args, results) -> None:
+    """The sections, the results file saved after every row."""
+    lines = ["vector-multi-head: full-rank heads from vector answers.", ""]
 
     def flush():
-        Path(args.markdown).write_text("\n".join(lines) + "\n")
+        results.parts = ["\n".join(lines)]
+        results.save()
         print(lines[-1], flush=True)
-
-    if args.impostors_only:
-        impostor_section(lines, flush)
-        return
 
     # 1. the comparison
     vec = [vector_run(s, 16, 4) for s in range(args.seeds)]

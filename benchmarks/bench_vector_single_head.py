@@ -1,6 +1,6 @@
 """Benchmark of vector-single-head: query counts, canonical errors and error bars.
 
-Writes benchmarks/results/vector_single_head.md (command, date, machine first).
+Writes benchmarks/results/bench_vector_single_head.md (command, date, machine first).
 
     OPENBLAS_NUM_THREADS=1 PYTHONPATH=src python3 benchmarks/bench_vector_single_head.py [--quick]
 """
@@ -8,9 +8,6 @@ Writes benchmarks/results/vector_single_head.md (command, date, machine first).
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -26,7 +23,8 @@ from attnextract.oracle import Oracle
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_vector_single_head import Impostor, torch_head
 
-OUT = Path(__file__).resolve().parent / "results" / "vector_single_head.md"
+import _results
+
 
 
 def random_head(d, m, seed, positions="last", causal=False, W_scale=1.0, b_scale=0.3,
@@ -162,21 +160,18 @@ def impostor_rows(quick):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    _results.add_out_option(parser, __file__)
     args = parser.parse_args()
-    quick = args.quick
+    with _results.Run(__file__, args.out) as results:
+        results.add(measure(args.quick))
+
+
+def measure(quick: bool) -> str:
+    """The float64 grid, the adversarial boxes and the rest; returns the tables."""
     many = 10 if quick else 50
-    lines = ["# vector-single-head benchmark\n",
-             (f"- command: `OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', '')} "
-             f"PYTHONPATH=src python3 benchmarks/bench_vector_single_head.py"
-             f"{' --quick' if quick else ''}`"),
-             f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}",
-             (f"- machine: {platform.machine()}, {platform.processor() or 'cpu'}, "
-             f"{os.cpu_count()} cores, Python {platform.python_version()}, numpy "
-             f"{np.__version__}"),
-             "",
-             ("Boxes: W ~ N(0, 1/d), O ~ N(0, 1/d) (m x d), b ~ N(0, 0.09), c ~ N(0, 0.09) unless "
+    lines = [("Boxes: W ~ N(0, 1/d), O ~ N(0, 1/d) (m x d), b ~ N(0, 0.09), c ~ N(0, 0.09) unless "
              "stated; errors are `vector_canonical_errors(...)['max']` (relative, worst of W, b, "
              "O, c); 'within bar' counts seeds whose error is at most the reported error bar. "
              "Held-out verification lengths are capped by the oracle's max_length (every-position "
@@ -250,8 +245,7 @@ def main():
     lines += ["", "## Impostors (every one must be refused)", "",
               "| box | positions | refused |", "|---|---|---|"]
     lines += impostor_rows(quick)
-    OUT.write_text("\n".join(lines) + "\n")
-    print(f"wrote {OUT}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ each run returns a model within its stated error bar or refuses with a typed err
 does not blame the box (issue 22, items 4 and 6).
 
 Run:  nice -n 10 python benchmarks/check_f32_flat_rows.py [--heads 2 4] [--seeds 0-39]
-          [--label mh8_f32flat] [--out-dir benchmarks/results]
+          [--no-heads] [--out FILE.md]
 
 Box: Float32MultiHeadBlackBox(H, 16, seed=seed) (nn.MultiheadAttention's arithmetic in
 float32, PyTorch's default initialisation); the learner's seed is the box's seed, no
@@ -18,14 +18,17 @@ import argparse
 import json
 import os
 import time
-from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
 
 from attnextract.adapters.targets import Float32MultiHeadBlackBox  # noqa: E402
 from attnextract.errors import ModelMismatchError, RecoveryFailedError  # noqa: E402
 from attnextract.learners.multi_head import canonical_error, extract_multi_head  # noqa: E402
 from attnextract.oracle import Oracle  # noqa: E402
+
+import _results  # noqa: E402
 
 
 def one_run(H: int, seed: int, d: int = 16, told: bool = True) -> dict:
@@ -49,28 +52,28 @@ def one_run(H: int, seed: int, d: int = 16, told: bool = True) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--seeds", default="0-39")
-    parser.add_argument("--label", default="mh8_f32flat")
-    parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--no-heads", action="store_true", help="not told H (count searched)")
+    _results.add_out_option(parser, __file__)
     args = parser.parse_args()
+    with _results.Run(__file__, args.out) as results:
+        results.add(measure(args))
+
+
+def measure(args) -> str:
+    """Every run (a JSON line each); returns the table."""
     lo, hi = (int(x) for x in args.seeds.split("-"))
-    rows, out = [], Path(args.out_dir)
+    rows = []
     for H in args.heads:
         for seed in range(lo, hi + 1):
             rows.append(one_run(H, seed, told=not args.no_heads))
             print(json.dumps(rows[-1]), flush=True)
-            (out / f"{args.label}.json").write_text(json.dumps(rows, indent=1))
-    lines = [f"# multi-head on Float32MultiHeadBlackBox(H, 16), {'not told H' if args.no_heads else 'told H'} ({args.label})", "",
-             "Command: `OPENBLAS_NUM_THREADS=1 nice -n 10 python "
-             f"benchmarks/check_f32_flat_rows.py --heads {' '.join(map(str, args.heads))} "
-             f"--seeds {args.seeds} --label {args.label}"
-             f"{' --no-heads' if args.no_heads else ''}`", "",
+    lines = [f"multi-head on Float32MultiHeadBlackBox(H, 16), "
+             f"{'not told H' if args.no_heads else 'told H'}.", "",
              "| H | runs | within | OUTSIDE | refused (learner) | refused (box) | crash | "
              "median error | median bar | median CPU s |", "|---|---|---|---|---|---|---|---|---|---|"]
-    import numpy as np
     for H in args.heads:
         cell = [r for r in rows if r["H"] == H]
         n = {k: sum(r["outcome"] == k for r in cell)
@@ -82,7 +85,7 @@ def main():
                      f"{med('error')} | {med('bar')} | {np.median([r['cpu'] for r in cell]):.2f} |")
     lines += ["", "Refusals:", ""] + [f"- H = {r['H']}, seed {r['seed']}: {r['outcome']}: "
                                        f"{r['message']}" for r in rows if "message" in r]
-    (out / f"{args.label}.md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

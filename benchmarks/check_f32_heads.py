@@ -4,7 +4,7 @@ refusal that names ``max_error_bar=X`` is run again with that option (what a use
 would do) and its outcome recorded beside the first.
 
 Run:  nice -n 10 python benchmarks/check_f32_heads.py --cells 8x4 8x8 16x8 --trials 0-3
-          [--modes told no-heads] [--float64] --out benchmarks/results/f32heads_small_heads
+          [--modes told no-heads] [--float64] [--out FILE.md]
 
 Box: ``torch.nn.MultiheadAttention(d, H, bias=False, batch_first=True)`` after
 ``torch.manual_seed(trial)``, read out by a unit vector (seed = trial), served in its own
@@ -16,7 +16,6 @@ happen), refused (the error type and message), CRASH (untyped). CPU seconds per 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -33,6 +32,8 @@ from attnextract.errors import AttnExtractError  # noqa: E402
 from attnextract.learners.multi_head import canonical_error  # noqa: E402
 from attnextract.oracle import Oracle  # noqa: E402
 from attnextract.registry import extract  # noqa: E402
+
+import _results
 
 
 def one_run(d: int, H: int, trial: int, told: bool, float64: bool, **options) -> dict:
@@ -80,8 +81,14 @@ def main():
     parser.add_argument("--precision", choices=["full", "fast"], default="full",
                         help="the learner's precision= (fast: no short probes on float64 "
                              "answers, the design float32 answers get)")
-    parser.add_argument("--out", required=True, help="results stem (writes .md and .json)")
+    _results.add_out_option(parser, __file__)
     args = parser.parse_args()
+    with _results.Run(__file__, args.out) as results:
+        measure(args, results)
+
+
+def measure(args, results) -> None:
+    """Every cell, mode and trial; the results file is saved after every run."""
     import torch
     torch.set_num_threads(1)
     lo, hi = (int(x) for x in args.trials.split("-"))
@@ -103,18 +110,13 @@ def main():
                       + (f" | with max_error_bar: {again['outcome']} {again.get('error', '')} "
                          f"{again.get('bar', '')}" if again else "")
                       + f" {row.get('message', '')[:160]}", flush=True)
-                write(rows, args)
+                write(rows, args, results)
 
 
-def write(rows, args) -> None:
-    command = "nice -n 10 python benchmarks/check_f32_heads.py " + " ".join(sys.argv[1:])
-    load = os.getloadavg()
-    Path(args.out + ".json").write_text(json.dumps({"command": command, "load": load,
-                                                    "rows": rows}, indent=1))
-    lines = [f"# multi-head on {'float64-served' if args.float64 else 'float32'} "
-             f"nn.MultiheadAttention, small head dimensions (precision={args.precision})", "",
-             f"Command: `{command}`; load average at the last row "
-             f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on 2 shared cores.", "",
+def write(rows, args, results) -> None:
+    """The table of the runs so far into the results file."""
+    lines = [f"multi-head on {'float64-served' if args.float64 else 'float32'} "
+             f"nn.MultiheadAttention, small head dimensions (precision={args.precision}).", "",
              "| d | H | mode | trial | outcome | error | bar | predicted (small moves) "
              "| queries | CPU s | with the max_error_bar named | message |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -128,7 +130,8 @@ def write(rows, args) -> None:
                      f"{fmt(r.get('error'))} | {fmt(r.get('bar'))} | "
                      f"{fmt(r.get('predicted_small_moves'))} | {r['queries']} | "
                      f"{r['cpu']} | {again_text} | {message[:700]} |")
-    Path(args.out + ".md").write_text("\n".join(lines) + "\n")
+    results.parts = ["\n".join(lines)]
+    results.save()
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ process only; the subprocess also reports what took effect (OpenBLAS's core type
 enabled dispatch features). The report gives pass/fail per configuration.
 
 Run:  python benchmarks/check_kernels.py [--tests tests/test_multi_head.py ... | --all] [--slow]
-          [--no-openblas] [--no-simd] [--only NAME ...] [--json FILE] [--md FILE]
+          [--no-openblas] [--no-simd] [--only NAME ...] [--out FILE.md]
           [--log-dir DIR]
           [-- extra pytest args]
 """
@@ -31,6 +31,10 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))     # the tests load this file
+import _results  # noqa: E402
 
 # Every test file that runs a learner (its outcome can depend on rounding): the fast part of
 # DEFAULT_TESTS takes about a minute per configuration at low load; --all adds the rest.
@@ -148,7 +152,7 @@ def run(name: str, env: dict, command: list[str], log_dir: str | None = None) ->
 
 def markdown(rows: list[dict], tests: list[str], numpy_version: str,
              pytest_args: tuple = (), slow: bool = False, only=None) -> str:
-    lines = [f"# Numerical tests under every OpenBLAS kernel and numpy SIMD level", "",
+    lines = ["Numerical tests under every OpenBLAS kernel and numpy SIMD level.", "",
              f"Tests: {', '.join(tests)} (numpy {numpy_version}); command: "
              f"`python benchmarks/check_kernels.py{' --slow' if slow else ''} --tests "
              f"{' '.join(tests)}" + (f" --only {' '.join(only)}" if only else "")
@@ -183,8 +187,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", metavar="TEXT",
                         help="only the configurations whose name contains one of these "
                         "(e.g. Haswell Zen X86_V3)")
-    parser.add_argument("--json")
-    parser.add_argument("--md")
+    _results.add_out_option(parser, __file__)
     parser.add_argument("--log-dir", help="write each configuration's pytest output to "
                         "DIR/<configuration>.log")
     parser.add_argument("pytest_args", nargs="*")
@@ -209,17 +212,13 @@ def main() -> None:
         configurations = [(name, env) for name, env in configurations
                           if any(text in name for text in args.only)]
     rows = []
-    for name, env in configurations:
-        rows.append(run(name, env, command, args.log_dir))
-        # written after every configuration: a long --slow run that is stopped keeps its rows
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump({"tests": args.tests, "pytest_args": args.pytest_args,
-                           "numpy": numpy_version, "rows": rows}, fh, indent=1)
-        if args.md:
-            with open(args.md, "w") as fh:
-                fh.write(markdown(rows, args.tests, numpy_version, tuple(args.pytest_args),
-                                  slow=args.slow, only=args.only))
+    with _results.Run(__file__, args.out) as results:
+        for name, env in configurations:
+            rows.append(run(name, env, command, args.log_dir))
+            # saved after every configuration: a long --slow run that is stopped keeps its rows
+            results.parts = [markdown(rows, args.tests, numpy_version, tuple(args.pytest_args),
+                                      slow=args.slow, only=args.only)]
+            results.save()
     sys.exit(0 if rows and all(r["passed"] for r in rows) else 1)
 
 

@@ -2,7 +2,7 @@
 a model within its stated error bar or refuses with a typed error naming the option.
 
 Run:  nice -n 10 python benchmarks/check_low_precision_mh.py [--dims 8 16] [--heads 2 4]
-          [--seeds 0] [--label mh8] [--out-dir DIR]
+          [--seeds 0] [--out FILE.md]
 
 Boxes: random_multi_head(H, d) (multi-head) and random_low_rank_multi_head(H, d, d / H)
 (multi-head-low-rank, rank d / H as in nn.MultiheadAttention), seed = seed. Answers:
@@ -16,11 +16,9 @@ happen), refused (typed; whether the message names --output-dtype / --decimals),
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -31,6 +29,8 @@ from attnextract.errors import AttnExtractError  # noqa: E402
 from attnextract.learners.multi_head import canonical_error  # noqa: E402
 from attnextract.oracle import Oracle  # noqa: E402
 from attnextract.registry import extract  # noqa: E402
+
+import _results
 
 MODES = ["bf16-stated", "bf16-auto", "decimals 4", "decimals 6", "decimals 8"]
 
@@ -80,15 +80,15 @@ def main() -> None:
     parser.add_argument("--heads", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--learners", nargs="+", default=["multi-head", "multi-head-low-rank"])
-    parser.add_argument("--label", default="current")
-    parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    _results.add_out_option(parser, __file__)
     args = parser.parse_args()
-    command = ("nice -n 10 python benchmarks/check_low_precision_mh.py --dims "
-               f"{' '.join(map(str, args.dims))} --heads {' '.join(map(str, args.heads))} "
-               f"--seeds {' '.join(map(str, args.seeds))} --learners {' '.join(args.learners)} "
-               f"--label {args.label}")
+    with _results.Run(__file__, args.out) as results:
+        measure(args, results)
+
+
+def measure(args, results) -> None:
+    """Every learner, size, seed and answer mode; saved after every run."""
     rows = []
-    out = Path(args.out_dir)
     for learner in args.learners:
         for d in args.dims:
             for H in args.heads:
@@ -96,15 +96,12 @@ def main() -> None:
                     for mode in MODES:
                         rows.append(one_run(learner, d, H, seed, mode))
                         print({k: v for k, v in rows[-1].items() if k != "notes"}, flush=True)
-                        write(out, args.label, command, rows)
+                        results.parts = [markdown(rows)]
+                        results.save()
 
 
-def write(out: Path, label: str, command: str, rows: list[dict]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"low_precision_{label}.json").write_text(
-        json.dumps({"command": command, "rows": rows}, indent=1))
-    lines = [f"# Low precision, multi-head and multi-head-low-rank ({label})", "",
-             f"Command: `{command}` (one BLAS thread, shared 2-core machine, CPU seconds).", "",
+def markdown(rows: list[dict]) -> str:
+    lines = ["Low precision, multi-head and multi-head-low-rank (CPU seconds).", "",
              "| learner | d | H | seed | answers | outcome | error | bar | names the option "
              "| queries | CPU s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda x: "-" if x is None else f"{x:.1e}"          # noqa: E731
@@ -116,7 +113,7 @@ def write(out: Path, label: str, command: str, rows: list[dict]) -> None:
     lines += ["", "Refusals:", ""]
     lines += [f"- {r['learner']} d = {r['d']}, H = {r['H']}, {r['mode']}: {r.get('type', '')}: "
               f"{r['reason']}" for r in rows if r["outcome"] in ("refused", "CRASH")]
-    (out / f"low_precision_{label}.md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ CPU seconds are judged, wall seconds stated) and reports its outcome: recovered
 error type and message), crashed (a traceback or an untyped error) or timed out;
 seconds and queries against paper 2's count 4Hd^2 - 2H + 1.
 
-    python3 benchmarks/check_user_boxes.py --out benchmarks/results/newuser_boxes
-    python3 benchmarks/check_user_boxes.py --only torch-d8 --out /tmp/x   # a subset
+    python3 benchmarks/check_user_boxes.py            # writes benchmarks/results/check_user_boxes.md
+    python3 benchmarks/check_user_boxes.py --only torch-d8 --out /tmp/x.md   # a subset
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import numpy as np  # noqa: E402
+
+import _results
 
 
 def paper2(H, d):
@@ -269,36 +271,32 @@ def limit_for(c, slow_limit):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="run the cases whose id contains this")
-    ap.add_argument("--out", required=True, help="results stem: writes STEM.md and STEM.json")
+    _results.add_out_option(ap, __file__)
     ap.add_argument("--slow-limit", type=float, default=300.0,
                     help="CPU seconds allowed where the 60 s of issue 22 do not apply")
     ap.add_argument("--wall-limit", type=float, default=900.0,
                     help="wall seconds before a box's process is stopped (the machine is "
                          "shared: its CPU seconds are what is judged)")
-    ap.add_argument("--merge", nargs="+", metavar="RUN.json",
-                    help="write STEM.md/json from earlier runs' JSON (a later run's box "
-                         "replaces an earlier one's), in the order of the cases")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.merge:
-        by_id = {}
-        for run in args.merge:
-            by_id.update({r["id"]: r for r in json.loads(Path(run).read_text())})
-        order = [c["id"] for c in cases()]
-        extra = [i for i in by_id if i not in order]       # boxes of earlier case lists
-        write([by_id[i] for i in order + extra if i in by_id], args.out, argv)
-        return 0
     if args.one:
         c = json.loads(args.one)
         print("RESULT " + json.dumps(run_one(c), default=str))
         return 0
+    with _results.Run(__file__, args.out, argv=argv) as run:
+        every_box(args, run)
+    return 0
+
+
+def every_box(args, run) -> None:
+    """Each case in its own process; the results file is saved after every box."""
     results = []
     todo = [c for c in cases() if args.only in c["id"]]
     for i, c in enumerate(todo):
         limit = args.wall_limit
         start = time.perf_counter()
         try:
-            p = subprocess.run([sys.executable, __file__, "--out", "-", "--one", json.dumps(c)],
+            p = subprocess.run([sys.executable, __file__, "--one", json.dumps(c)],
                                capture_output=True, text=True, timeout=limit,
                                env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
             line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
@@ -317,8 +315,8 @@ def main(argv=None):
               f"{r.get('error', '')} {r.get('queries', '')} {r.get('seconds', r['wall'])}s "
               f"cpu {r.get('cpu', '')} "
               f"{(r.get('message') or '')[:200]}", flush=True)
-        write(results, args.out, argv)             # after every box: a stopped run keeps them
-    return 0
+        run.parts = [markdown(results)]             # a stopped run keeps its boxes
+        run.save()
 
 
 def verdict(r) -> str:
@@ -342,18 +340,11 @@ def verdict(r) -> str:
     return "BUG"
 
 
-def write(results, stem, argv):
-    if stem == "-":
-        return
-    Path(stem).parent.mkdir(parents=True, exist_ok=True)
+def markdown(results) -> str:
+    """The boxes' table and the count of those not ok."""
     for r in results:
         r["verdict"] = verdict(r)
-    Path(stem + ".json").write_text(json.dumps(results, indent=1, default=str))
-    load = os.getloadavg()
-    lines = [f"# User-written boxes (issue 22)", "",
-             f"`python3 benchmarks/check_user_boxes.py {' '.join(argv or sys.argv[1:])}`; "
-             f"load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on 2 cores. "
-             "Errors are canonical (heads merged and matched), relative, against the truth "
+    lines = ["User-written boxes. Errors are canonical (heads merged and matched), relative, against the truth "
              "from the box's own weights; queries include verification; paper 2 = 4Hd^2 - 2H + 1.",
              "", "| box | outcome | verdict | error | queries | paper 2 | wall s | CPU s | message |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -366,7 +357,7 @@ def write(results, stem, argv):
                      f"{msg} |")
     bugs = sum(r["verdict"] != "ok" for r in results)
     lines += ["", f"{len(results)} boxes, {bugs} not ok."]
-    Path(stem + ".md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ at a refusal; here also after every run, to measure it on in-class boxes) and th
 relative misfit of a "no base row fits" refusal (the float32 hint).
 
     OPENBLAS_NUM_THREADS=1 nice -n 10 python benchmarks/check_verdict_separation.py \
-        --json /tmp/sep.json [--quick]
+        [--quick] [--out FILE.md]
 
 Each run's outcome type, the single-token misfit and, where measured, the base rows'
 relative misfit are printed; the summary gives the largest in-class single-token misfit
@@ -14,7 +14,6 @@ and the smallest out-of-class one (the margin).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
@@ -24,6 +23,8 @@ from attnextract import Oracle
 from attnextract.adapters.targets import random_multi_head
 from attnextract.learners import multi_head
 from check_newuser3_boxes import draw, numpy_box, torch_box
+
+import _results
 
 _seen = {}
 _run = multi_head._Extraction.run
@@ -85,10 +86,18 @@ def boxes(quick: bool):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", required=True)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--where", choices=("in", "out"), help="only in-class or out-of-class boxes")
+    _results.add_out_option(parser, __file__)
     args = parser.parse_args(argv)
+    with _results.Run(__file__, args.out, argv=argv) as results:
+        results.capture()
+        measure(args)
+    return 0
+
+
+def measure(args) -> None:
+    """Every box (a line each), then the margin and the outcomes."""
     rows = []
     for where, name, box, d, told, seed, options in boxes(args.quick):
         if args.where and where != args.where:
@@ -114,8 +123,6 @@ def main(argv=None):
         print(f"{where} | {name} | told {told} | seed {seed} | {outcome} | single "
               f"{row['single']} | base {row['base']} ({row['base_f32']} f32 noise) | f32 hint {row['f32_hint']} | "
               f"{row['queries']} q | {row['cpu']:.1f} s", flush=True)
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1, default=float)
     inside = [r["single"] for r in rows if r["where"] == "in" and r["single"] is not None]
     outside = [r["single"] for r in rows if r["where"] == "out" and r["single"] is not None]
     print(f"single-token misfit: in-class at most {max(inside, default=0):.1e} ({len(inside)} "
@@ -123,7 +130,6 @@ def main(argv=None):
     for where in ("in", "out"):
         print(f"{where}: outcomes", {o: sum(r["outcome"] == o for r in rows if r["where"] == where)
                                     for o in sorted({r["outcome"] for r in rows})})
-    return 0
 
 
 if __name__ == "__main__":

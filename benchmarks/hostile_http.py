@@ -3,7 +3,7 @@
 Runs against any server speaking the attnextract protocol for a model of token width 4
 (docs/serving.md), e.g. the prototypes in benchmarks/parsers/:
 
-    python benchmarks/hostile_http.py --port P [--json]
+    python benchmarks/hostile_http.py --port P [--out FILE.md]
 
 Each case opens a fresh connection, sends raw bytes (some slowly, some not at all) and
 reads until the server closes or ``--wait`` seconds pass. A case holds when the status
@@ -18,9 +18,14 @@ import argparse
 import io
 import json
 import socket
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))     # the tests load this file
+import _results  # noqa: E402
 
 D = 4
 
@@ -154,6 +159,7 @@ def main(argv=None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--wait", type=float, default=20.0,
                         help="seconds a case may take (header/idle timeouts set below it)")
+    _results.add_out_option(parser, __file__)
     args = parser.parse_args(argv)
     held = 0
     for name, data, expected, *mode in CASES:
@@ -177,4 +183,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with _results.Run(__file__, _results.out_from_argv(__file__)) as results:
+        results.capture()
+        status = main()
+    raise SystemExit(status)

@@ -8,13 +8,12 @@ runs the same tests, with the same assertions, over their full grids
 Run (one BLAS thread, a shared machine):
 
     OPENBLAS_NUM_THREADS=1 nice -n 10 python benchmarks/test_grids.py \
-        --md benchmarks/results/test_grids.md [--only NAME ...] [-- extra pytest args]
+        [--only NAME ...] [--out FILE.md] [-- extra pytest args]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -22,6 +21,8 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+
+import _results
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,10 +46,17 @@ GRIDS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", help="test functions (substrings) to run")
-    parser.add_argument("--md")
-    parser.add_argument("--json")
+    _results.add_out_option(parser, __file__)
     parser.add_argument("pytest_args", nargs="*")
     args = parser.parse_args()
+    with _results.Run(__file__, args.out) as results:
+        returncode, text = measure(args)
+        results.add(text)
+    sys.exit(returncode)
+
+
+def measure(args) -> tuple[int, str]:
+    """pytest over the full grids; returns its exit code and the table."""
     tests = [t for t in GRIDS if not args.only or any(o in t for o in args.only)]
     env = {**os.environ, "ATTNEXTRACT_FULL_GRIDS": "1", "OPENBLAS_NUM_THREADS": "1",
            "OMP_NUM_THREADS": "1"}
@@ -75,28 +83,18 @@ def main() -> None:
              "tests": count.get(t, 0), "passed": outcome.get(t, {}).get("PASSED", 0),
              "failed": outcome.get(t, {}).get("FAILED", 0) + outcome.get(t, {}).get("ERROR", 0),
              "seconds": round(seconds.get(t, 0.0), 1)} for t in tests]
-    if args.json:
-        Path(args.json).write_text(json.dumps({"summary": summary, "rows": rows,
-                                               "seconds": round(elapsed, 1)}, indent=1))
-    if args.md:
-        shown = " ".join(["python benchmarks/test_grids.py"]
-                         + (["--only", *args.only] if args.only else [])
-                         + (["--", *args.pytest_args] if args.pytest_args else []))
-        lines = ["# Full seed grids of the grid-like slow tests", "",
-                 f"Command: `OPENBLAS_NUM_THREADS=1 nice -n 10 {shown}` "
-                 f"(ATTNEXTRACT_FULL_GRIDS=1; {elapsed:.0f} s wall in all on a shared, "
-                 "loaded 2-core machine: seconds are inflated by the load). CI runs the "
-                 "subset in the third column with the same assertions.", "",
-                 f"pytest: {summary}", "",
-                 "| test | full grid | CI runs | tests | passed | failed | s |",
-                 "|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['test']} | {r['full grid']} | {r['CI runs']} | {r['tests']} | "
-                  f"{r['passed']} | {r['failed']} | {r['seconds']} |" for r in rows]
-        failures = [line for line in proc.stdout.splitlines() if line.startswith("FAILED")]
-        if failures:
-            lines += ["", "Failures:", ""] + [f"- `{f}`" for f in failures]
-        Path(args.md).write_text("\n".join(lines) + "\n")
-    sys.exit(proc.returncode)
+    lines = ["Full seed grids of the grid-like slow tests (ATTNEXTRACT_FULL_GRIDS=1, "
+             f"{elapsed:.0f} s of pytest). CI runs the subset in the third column with "
+             "the same assertions.", "",
+             f"pytest: {summary}", "",
+             "| test | full grid | CI runs | tests | passed | failed | s |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['test']} | {r['full grid']} | {r['CI runs']} | {r['tests']} | "
+              f"{r['passed']} | {r['failed']} | {r['seconds']} |" for r in rows]
+    failures = [line for line in proc.stdout.splitlines() if line.startswith("FAILED")]
+    if failures:
+        lines += ["", "Failures:", ""] + [f"- `{f}`" for f in failures]
+    return proc.returncode, "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 """Prototype measurement: request heads of the hostile suite judged by h11 (the sans-IO
 parser under uvicorn and httpx) and by the server's own head parser. Run with h11:
 
-    PYTHONPATH=src python benchmarks/parsers/h11_heads.py
+    PYTHONPATH=src python benchmarks/parsers/h11_heads.py [--out FILE.md]
+
+(writes benchmarks/results/h11_heads.md)
 
 For each case: h11's verdict (it passes the head, refuses it with a status, or waits for
 more data) against the server's (the same three), given all the bytes at once.
 """
 
+import argparse
 import asyncio
 import json
 import sys
@@ -18,6 +21,7 @@ from attnextract.adapters.server import (MAX_BODY_BYTES, MAX_HEADER_BYTES, Black
                                          RequestError, _content_length, _parse_head)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _results  # noqa: E402
 from hostile_http import CASES  # noqa: E402
 
 
@@ -64,6 +68,15 @@ async def ours_async(data: bytes):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    _results.add_out_option(parser, __file__)
+    args = parser.parse_args()
+    with _results.Run(__file__, args.out) as results:
+        results.capture()
+        compare()
+
+
+def compare():
     agree = 0
     for name, data, expected, *mode in CASES:
         mine = asyncio.run(ours_async(data))
@@ -75,4 +88,5 @@ def main():
     print(json.dumps({"agree": agree, "cases": len(CASES)}))
 
 
-main()
+if __name__ == "__main__":
+    main()
