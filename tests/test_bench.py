@@ -164,44 +164,63 @@ def _rows_with_many_series():
     return rows
 
 
-def test_plots_are_readable_one_colour_per_series_legends_that_fit_integer_heads(
+def test_plots_one_colour_and_marker_per_series_legends_outside_log_axes_svg(
         tmp_path, monkeypatch):
+    """Every axes of every plot: no two labelled series share a colour or a marker, the
+    legend lies right of the data and inside the figure, log scales where the values span
+    decades; SVG (and PNG, PDF) written; the grid's heads axis has whole-number ticks."""
     pytest.importorskip("matplotlib")
     import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from attnextract import bench
-    seen = {}
-    original = bench._save
+    from matplotlib.colors import to_hex
+    from attnextract import bench, bench_grid, plotting
+    figures = {}
+    original = plotting.save
 
-    def inspect(fig, out, name, written):
+    def inspect(fig, path, *args, **kwargs):
         fig.canvas.draw()
-        figure = fig.bbox
+        series = []
         for ax in fig.axes:
+            lines = [line for line in ax.get_lines()
+                     if line.get_label() and not line.get_label().startswith("_")
+                     and line.get_marker() not in ("None", "", None)]
+            styles = [(to_hex(line.get_color()), line.get_marker()) for line in lines]
+            assert len({c for c, _ in styles}) == len(styles), (path, styles)
+            assert len({m for _, m in styles}) == len(styles), (path, styles)
+            series += [line.get_label() for line in lines]
             legend = ax.get_legend()
-            if legend is not None:        # the legend fits in the figure's height
-                box = legend.get_window_extent()
-                assert box.height <= figure.height + 1, (name, box.height, figure.height)
-                assert box.y0 >= -1, (name, box.y0)
-            colours = [line.get_color() for line in ax.get_lines()
-                       if line.get_label() and not line.get_label().startswith("_")]
-            seen[name] = colours
-        original(fig, out, name, written)
+            if legend is not None:
+                box, axes_box = legend.get_window_extent(), ax.get_window_extent()
+                assert box.x0 >= axes_box.x1 - 1, (path, box.x0, axes_box.x1)
+                assert box.height <= fig.bbox.height + 1 and box.y0 >= -1, path
+        figures[Path(path).stem] = (fig, series)
+        return original(fig, path, *args, **kwargs)
 
-    monkeypatch.setattr(bench, "_save", inspect)
-    grid_figures, close = [], plt.close
-    monkeypatch.setattr(plt, "close", lambda fig=None: grid_figures.append(fig))
-    written = bench.plots(_rows_with_many_series(), tmp_path)
-    # every series has its own colour (the seven transformer-layer variants included)
-    assert len(seen["queries_vs_d"]) == len(set(seen["queries_vs_d"])) >= 11
-    # SVG and PDF beside every PNG
-    for name in [w for w in written if w.endswith(".png")]:
-        stem = tmp_path / name[:-4]
-        assert b"<svg" in stem.with_suffix(".svg").read_bytes()[:2000]
-        assert stem.with_suffix(".pdf").read_bytes()[:5] == b"%PDF-"
+    monkeypatch.setattr(bench, "save", inspect)
+    monkeypatch.setattr(bench_grid, "save", inspect)
+    rows = _rows_with_many_series()
+    written = bench.plots(rows, tmp_path)
+    # every learner is a series of the queries plot, its panel's axes log-log
+    fig, series = figures["queries_vs_d"]
+    learners = {r["learner"] for r in rows if "floor" in r and not r.get("grid")}
+    assert {label.split(" (slope")[0] for label in series} == learners
+    assert all(ax.get_xscale() == ax.get_yscale() == "log" for ax in fig.axes)
+    # the time split spans decades (0.001 s to 0.09 s): a log time axis
+    assert figures["time_split"][0].axes[0].get_yscale() == "log"
+    # SVG, PNG and PDF of every plot
+    for stem in figures:
+        assert {f"{stem}.svg", f"{stem}.png", f"{stem}.pdf"} <= set(written)
+        assert b"<svg" in (tmp_path / f"{stem}.svg").read_bytes()[:2000]
+        assert (tmp_path / f"{stem}.pdf").read_bytes()[:5] == b"%PDF-"
     # the multi-head grid's heads axis has whole-number ticks only
-    grid = next(f for f in grid_figures if f is not None and len(f.axes) == 2)
-    for ax in grid.axes:
-        assert [t for t in ax.get_xticks()] == [1, 2, 4]
-    for fig in grid_figures:
-        close(fig)
+    for ax in figures["multi_head_grid"][0].axes:
+        assert list(ax.get_xticks()) == [1, 2, 4]
+
+
+def test_series_styles_refuse_more_series_than_stay_distinguishable():
+    from attnextract.plotting import MARKERS, series_styles, spans_decades
+    styles = series_styles(f"s{i}" for i in range(len(MARKERS)))
+    assert len({s["color"] for s in styles.values()}) == len(MARKERS)
+    with pytest.raises(ValueError, match="split them"):
+        series_styles(f"s{i}" for i in range(len(MARKERS) + 1))
+    assert spans_decades([1e-3, 1.0]) and not spans_decades([1.0, 20.0])

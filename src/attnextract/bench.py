@@ -5,11 +5,12 @@ One run writes into ``--out-dir DIR``:
 - ``bench.json``: every measured row (labelled by learner; the baseline rows say
   ``"surrogate"``);
 - ``bench.md``: the Markdown tables;
-- plots, PNG and SVG side by side (with matplotlib installed): queries vs d
-  (log-log, with the floors and the papers' counts, fitted slopes in the legend),
-  parameter and output error vs d, wall time split between the black box and the
-  learner, and the surrogate comparison. A learner has one colour in every plot
-  (:data:`PALETTE`); legends sit outside the data.
+- plots, SVG (for the docs), PNG and PDF side by side (with matplotlib installed):
+  queries vs d (log-log, one panel per family of learners, with the floors and the
+  papers' counts, fitted slopes in the legend), parameter and output error vs d, wall
+  time of the learner and of the black box, error vs noise tolerance, the surrogate
+  comparison and the multi-head grid. In every axes each series has its own colour and
+  marker, and the legend sits outside the data (:mod:`attnextract.plotting`).
 
 Learners run through :func:`attnextract.registry.extract`, the same entry point as
 the CLI and the API.
@@ -32,6 +33,7 @@ from .registry import LEARNERS, extract
 from .learners.surrogate import train_surrogate
 from .adapters.targets import random_single_head, random_vector_attention
 from .bench_grid import grid_cell, grid_markdown, grid_plot
+from .plotting import REFERENCE, legend_outside, log_axes, save, series_styles, spans_decades
 
 
 def _rel(a, b) -> float:
@@ -532,177 +534,156 @@ def _vector_markdown(rows: list[dict]) -> list[str]:
     return out
 
 
-# one colour per learner in every plot (a label's longest matching prefix picks it);
-# a learner added later registers its colour here
-PALETTE = {"single-head": "#1f77b4", "low-rank adaptive": "#ff7f0e", "low-rank rop": "#d62728",
-           "low-rank": "#ff7f0e", "one-layer": "#2ca02c", "multi-head": "#9467bd",
-           "noisy (robust)": "#8c564b", "noisy (paper)": "#e377c2", "noisy": "#8c564b",
-           "surrogate": "#7f7f7f", "transformer-layer": "#bcbd22",
-           "multi-head low-rank": "#17becf", "floor": "#000000"}
-_SPARE = ["#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d"]
-# matplotlib's tab20 and tab20b: colours for series beyond the palette's
-_DISTINCT = ["#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#2ca02c", "#98df8a", "#d62728",
-             "#ff9896", "#9467bd", "#c5b0d5", "#8c564b", "#c49c94", "#e377c2", "#f7b6d2",
-             "#7f7f7f", "#c7c7c7", "#bcbd22", "#dbdb8d", "#17becf", "#9edae5", "#393b79",
-             "#637939", "#8c6d31", "#843c39", "#7b4173", "#5254a3", "#8ca252", "#bd9e39",
-             "#ad494a", "#a55194"]
+# The scaling plots have one panel per family of learners, so that no axes holds more
+# series than stay distinguishable (every --quick row at once made 23 legend entries).
+FAMILIES = (("one head", ("single-head", "one-layer", "noisy")),
+            ("low rank", ("low-rank", "multi-head low-rank")),
+            ("several heads", ("multi-head",)),
+            ("pre-LayerNorm", ("pre-ln",)),
+            ("Transformer layer", ("transformer-layer",)))
 
 
-def colour(learner: str) -> str:
-    """The learner's colour in every plot (a stable spare colour for an unknown learner)."""
-    matches = [k for k in PALETTE if learner == k or learner.startswith(k + " ")
-               or learner.startswith(k + " (")]
-    if matches:
-        return PALETTE[max(matches, key=len)]
-    return _SPARE[sum(map(ord, learner)) % len(_SPARE)]
+def family(learner: str) -> str:
+    """The panel of a learner's rows: the family whose longest name prefixes its label."""
+    best, length = "other", 0
+    for name, prefixes in FAMILIES:
+        for prefix in prefixes:
+            if (learner == prefix or learner.startswith(prefix + " ")) and len(prefix) > length:
+                best, length = name, len(prefix)
+    return best
 
 
-def _log_axes(ax, x_base: int = 10) -> None:
-    """Log-log axes with plain tick labels (4, 8, 16 / 10, 100, 1000) and no minor labels."""
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-    ax.set_xscale("log", base=x_base)
-    ax.set_yscale("log")
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.yaxis.set_major_locator(LogLocator(base=10, numticks=12))
-    ax.yaxis.set_minor_formatter(NullFormatter())
+def _panels(rows: list[dict]) -> list[tuple[str, list[str]]]:
+    """(family, its learners in order) for the families present in ``rows``."""
+    learners = list(dict.fromkeys(r["learner"] for r in rows))
+    order = [name for name, _ in FAMILIES] + ["other"]
+    return [(name, [lr for lr in learners if family(lr) == name]) for name in order
+            if any(family(lr) == name for lr in learners)]
 
 
-def series_colours(names) -> dict[str, str]:
-    """One colour per series: the learner's own (:func:`colour`) unless an earlier series
-    took it (variants of one learner, e.g. seven transformer-layer models), then the next
-    unused one of a 20-colour qualitative palette."""
-    spare = [c for c in _DISTINCT if c not in PALETTE.values()]
-    taken, out = set(), {}
-    for name in dict.fromkeys(names):
-        wanted = colour(name)
-        if wanted in taken:
-            wanted = next((c for c in spare if c not in taken), wanted)
-        taken.add(wanted)
-        out[name] = wanted
-    return out
-
-
-def _legend_outside(ax, extra=()) -> None:
-    """The legend right of the axes; the figure grows taller when it would not fit."""
-    handles, labels = ax.get_legend_handles_labels()
-    handles, labels = handles + [h for h, _ in extra], labels + [t for _, t in extra]
-    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.02, 1.0),
-              borderaxespad=0.0, fontsize=7, frameon=False)
-    fig = ax.figure
-    needed = 0.16 * len(labels) + 0.9          # inches: 7-point entries and the margins
-    width, height = fig.get_size_inches()
-    if needed > height:
-        fig.set_size_inches(width, needed)
-
-
-def _save(fig, out: Path, name: str, written: list[str]) -> None:
-    """PNG, SVG and PDF side by side (the legend outside the axes is kept by bbox_inches)."""
+def _scaling_figure(rows: list[dict], draw, ylabel: str, title: str, extra=()):
+    """One panel per family (stacked, a shared d axis, log-log), each with its legend
+    outside; ``draw(ax, learner, sub, style)`` plots one learner's rows."""
     import matplotlib.pyplot as plt
-    for suffix, options in ((".png", {"dpi": 110}), (".svg", {}), (".pdf", {})):
-        fig.savefig(out / (name + suffix), bbox_inches="tight", **options)
-    plt.close(fig)
-    written += [name + ".png", name + ".svg", name + ".pdf"]
+    panels = _panels(rows)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7.5, 2.4 * len(panels)), sharex=True,
+                             squeeze=False, layout="constrained")
+    all_d = sorted({r["d"] for r in rows})
+    for i, (ax, (name, learners)) in enumerate(zip(axes[:, 0], panels)):
+        styles = series_styles(learners)
+        for learner in learners:
+            draw(ax, learner, [r for r in rows if r["learner"] == learner], styles[learner])
+        log_axes(ax, x_base=2)
+        ax.set_ylabel(ylabel)
+        ax.set_title(name, fontsize=9, loc="left")
+        legend_outside(ax, extra if i == 0 else ())     # the line styles explained once
+    axes[-1, 0].set_xticks(all_d)
+    axes[-1, 0].set_xlabel("d")
+    fig.suptitle(title)
+    return fig
 
 
 def plots(rows: list[dict], out: Path) -> list[str]:
-    """Write the plots (PNG and SVG); returns their file names ([] without matplotlib)."""
+    """Write the plots (SVG, PNG and PDF); returns their file names ([] without matplotlib).
+
+    Every axes gives each series its own colour and marker, keeps its legend outside the
+    data and uses log scales where the values span decades."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
     except ImportError:
         return []
     written: list[str] = []
     scaling = [r for r in rows if "floor" in r and not r.get("grid")]
-    learners = list(dict.fromkeys(r["learner"] for r in scaling))
     grid = [r for r in rows if r.get("grid")]
     if grid:
-        written += [Path(f).name for f in grid_plot(grid, out / "multi_head_grid.png")]
+        written += grid_plot(grid, out / "multi_head_grid.png")
 
     if scaling:
-        from matplotlib.lines import Line2D
-        colours = series_colours(learners)
-        fig, ax = plt.subplots(figsize=(6, 4.5))
-        papers = False
-        for learner in learners:
-            sub = [r for r in scaling if r["learner"] == learner]
+        def queries(ax, learner, sub, style):
             ds, qs = [r["d"] for r in sub], [r["recovery_queries"] for r in sub]
             label = learner + (f" (slope {fitted_slope(ds, qs):.2f})" if len(sub) >= 2 else "")
-            ax.plot(ds, qs, "o-", color=colours[learner], label=label)
+            ax.plot(ds, qs, "-", label=label, **style)
             if all(r["paper_count"] is not None for r in sub):
-                papers = True          # one legend entry for every paper count (dotted)
-                ax.plot(ds, [r["paper_count"] for r in sub], ":", color=colours[learner])
-        all_d = sorted({r["d"] for r in scaling})
-        ax.plot(all_d, [d * d + d for d in all_d], "--", color=PALETTE["floor"],
-                label="floor d² + d")
-        _log_axes(ax, x_base=2)
-        ax.set_xlabel("d"), ax.set_ylabel("queries"), ax.set_title("queries vs d")
-        _legend_outside(ax, [(Line2D([], [], ls=":", color="gray"),
-                              "dotted: the paper's count (same colour)")] if papers else [])
-        _save(fig, out, "queries_vs_d", written)
+                ax.plot(ds, [r["paper_count"] for r in sub], ":", color=style["color"])
+            ax.plot(ds, [r["floor"] for r in sub], "--", color=REFERENCE, lw=0.8,
+                    marker="_", ms=10)
+        fig = _scaling_figure(scaling, queries, "queries", "recovery queries against d",
+                              [(Line2D([], [], ls="--", color=REFERENCE, lw=0.8, marker="_"),
+                                "dashed: the free parameters (floor)"),
+                               (Line2D([], [], ls=":", color="gray"),
+                                "dotted: the paper's count (the series' colour)")])
+        written += save(fig, out / "queries_vs_d")
 
-        fig, ax = plt.subplots(figsize=(6, 4.5))
-        for learner in learners:
-            sub = [r for r in scaling if r["learner"] == learner]
-            ax.plot([r["d"] for r in sub], [max(r["W_error"], 1e-17) for r in sub], "o-",
-                    color=colours[learner], label=learner)
-            ax.plot([r["d"] for r in sub], [max(r["output_error"], 1e-17) for r in sub], "s--",
-                    color=colours[learner], alpha=0.6)
-        _log_axes(ax, x_base=2)
-        ax.set_xlabel("d"), ax.set_ylabel("relative error"), ax.set_title("error vs d")
-        _legend_outside(ax, [(Line2D([], [], marker="o", color="gray"), "solid: parameter error"),
-                             (Line2D([], [], marker="s", ls="--", color="gray", alpha=0.6),
-                              "dashed: held-out output error")])
-        _save(fig, out, "error_vs_d", written)
+        def errors(ax, learner, sub, style):
+            ds = [r["d"] for r in sub]
+            ax.plot(ds, [max(r["W_error"], 1e-17) for r in sub], "-", label=learner, **style)
+            ax.plot(ds, [max(r["output_error"], 1e-17) for r in sub], "--",
+                    color=style["color"], marker=style["marker"], mfc="none", alpha=0.7)
+        fig = _scaling_figure(scaling, errors, "relative error", "parameter and output error "
+                              "against d",
+                              [(Line2D([], [], marker="o", color="gray"),
+                                "solid, filled: parameter error"),
+                               (Line2D([], [], marker="o", mfc="none", ls="--", color="gray"),
+                                "dashed, open: held-out output error")])
+        written += save(fig, out / "error_vs_d")
 
-        fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(scaling) + 2), 4.5))
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.3 * len(scaling) + 2), 4.5))
         x = np.arange(len(scaling))
-        black_box = [r["black_box_s"] for r in scaling]
-        ax.bar(x, black_box, color="#c7c7c7", label="inside the black box")
-        ax.bar(x, [r["learner_s"] for r in scaling], bottom=black_box,
-               color=[colours[r["learner"]] for r in scaling], label="learner (its colour)")
-        step = max(1, len(scaling) // 24)         # at most ~24 labels, rotated: none overlap
+        black_box = [max(r["black_box_s"], 1e-6) for r in scaling]
+        learner_s = [max(r["learner_s"], 1e-6) for r in scaling]
+        styles = series_styles(["learner", "inside the black box"])
+        ax.bar(x - 0.2, learner_s, width=0.4, color=styles["learner"]["color"],
+               label="learner")
+        ax.bar(x + 0.2, black_box, width=0.4, color=styles["inside the black box"]["color"],
+               label="inside the black box", hatch="//", edgecolor="white")
+        if spans_decades(black_box + learner_s):
+            log_axes(ax, x=False)
+        step = max(1, len(scaling) // 30)         # at most ~30 labels, rotated: none overlap
         ax.set_xticks(x[::step], [f"{r['learner']} d={r['d']}" for r in scaling][::step],
-                      rotation=60, ha="right", fontsize=7)
-        ax.set_ylabel("seconds"), ax.set_title("wall time split")
-        _legend_outside(ax)
-        _save(fig, out, "time_split", written)
+                      rotation=70, ha="right", fontsize=6)
+        ax.set_ylabel("seconds"), ax.set_title("wall time: the learner and the black box")
+        legend_outside(ax)
+        written += save(fig, out / "time_split")
 
     noisy = [r for r in rows if "tau" in r]
     if noisy:
         fig, ax = plt.subplots(figsize=(6, 4.5))
-        noisy_colours = series_colours(r["learner"] for r in noisy)
-        for learner in noisy_colours:
+        learners = list(dict.fromkeys(r["learner"] for r in noisy))
+        names = [f"{lr}: {part}" for lr in learners for part in ("error", "bound / error bar")]
+        styles = series_styles(names)
+        for learner in learners:
             sub = [r for r in noisy if r["learner"] == learner]
-            ax.plot([r["tau"] for r in sub], [r["W_abs_error"] for r in sub], "o-",
-                    color=noisy_colours[learner], label=f"{learner}: error")
-            ax.plot([r["tau"] for r in sub], [r["error_bar_W"] for r in sub], "--",
-                    color=noisy_colours[learner], label=f"{learner}: bound / error bar")
-        _log_axes(ax)
+            taus = [r["tau"] for r in sub]
+            ax.plot(taus, [r["W_abs_error"] for r in sub], "-", label=f"{learner}: error",
+                    **styles[f"{learner}: error"])
+            ax.plot(taus, [r["error_bar_W"] for r in sub], "--",
+                    label=f"{learner}: bound / error bar",
+                    **styles[f"{learner}: bound / error bar"])
+        log_axes(ax)
         ax.xaxis.set_major_formatter(matplotlib.ticker.LogFormatterSciNotation())
         ax.set_xlabel("tau"), ax.set_ylabel("‖W_hat − W‖_F")
-        ax.set_title(f"error vs noise tolerance, d = {noisy[0]['d']}")
-        _legend_outside(ax)
-        _save(fig, out, "error_vs_tau", written)
+        ax.set_title(f"error against the noise tolerance, d = {noisy[0]['d']}")
+        legend_outside(ax)
+        written += save(fig, out / "error_vs_tau")
 
     compare = [r for r in rows if "label" in r]
     if compare:
         fig, ax = plt.subplots(figsize=(6, 4.5))
+        styles = series_styles(r["label"] for r in compare)
         for r in compare:
-            y = max(r["output_error"], 1e-17)
-            ax.plot(r["queries"], y, "*" if r["learner"] != "surrogate" else "o",
-                    color=colour(r["learner"]), ms=9)
-            ax.annotate(r["label"], (r["queries"], y), xytext=(7, 5),
-                        textcoords="offset points", fontsize=7)
-        ax.axhline(1e-3, color="gray", ls=":", label="1e-3 output error")
-        _log_axes(ax)
-        ax.margins(x=0.25)          # room for the labels beside the last markers
+            ax.plot(r["queries"], max(r["output_error"], 1e-17), ls="none", ms=8,
+                    label=r["label"], **styles[r["label"]])
+        ax.axhline(1e-3, color=REFERENCE, ls=":", lw=0.8, label="1e-3 output error")
+        log_axes(ax)
+        ax.margins(x=0.15)
         ax.set_xlabel("queries"), ax.set_ylabel("held-out output error")
-        ax.set_title(f"exact extraction vs surrogate, d = {compare[0]['d']}")
-        _legend_outside(ax)
-        _save(fig, out, "surrogate", written)
-    return written
+        ax.set_title(f"exact extraction against the surrogate, d = {compare[0]['d']}")
+        legend_outside(ax)
+        written += save(fig, out / "surrogate")
+    return [Path(f).name for f in written]
 
 
 def run_bench(out_dir, quick: bool = False, sections=None, log=print,

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import numpy as np
 
 from .errors import AttnExtractError
 from .oracle import Oracle, RoundedOutputs
+from .plotting import REFERENCE, legend_outside, log_axes, save, series_styles
 from .adapters.targets import random_low_rank_multi_head, random_multi_head
 from .learners.multi_head import canonical_error, extract_multi_head, paper2_count
 from .learners.multi_head_low_rank import extract_multi_head_low_rank
@@ -153,74 +153,64 @@ def runs_markdown(rows: list[dict]) -> str:
 
 def queries_error_plot(rows: list[dict], path) -> list[str]:
     """Every returned run as a point: recovery queries / floor against canonical error,
-    one colour per d, filled for H told and open for H found; writes ``path`` (PNG) and
-    the same with .svg. Returns the files written."""
+    one series (colour and marker) per d, precision and whether H was told; writes
+    ``path`` as SVG, PNG and PDF. Returns the files written."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    colours = {}
+    series = {}
     for r in rows:
         if r["rank"] is not None:
             continue
-        colour = colours.setdefault(r["d"], f"C{len(colours)}")
-        pts = [(run["recovery"] / r["floor"], max(run["error"], 1e-17))
-               for run in r.get("runs", []) if "error" in run]
-        if not pts:
-            continue
-        x, y = zip(*pts)
-        told = r.get("told", True)
-        ax.scatter(x, y, s=12, color=colour if told else "none", edgecolors=colour,
-                   label=f"d = {r['d']}, precision {r.get('precision', 'full')}"
-                         f"{'' if told else ', H found'}")
-    handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles))
-    ax.set(xlabel="recovery queries / floor H(d^2 + d)", ylabel="canonical error", yscale="log")
-    ax.axhline(GOAL, color="gray", ls=":")
-    ax.legend(unique.values(), unique.keys(), fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    written = []
-    for out in (path, path.with_suffix(".svg")):
-        fig.savefig(out, dpi=120, bbox_inches="tight")
-        written.append(str(out))
-    plt.close(fig)
-    return written
+        label = (f"d = {r['d']}, precision {r.get('precision', 'full')}"
+                 f"{'' if r.get('told', True) else ', H found'}")
+        series.setdefault(label, []).extend(
+            (run["recovery"] / r["floor"], max(run["error"], 1e-17))
+            for run in r.get("runs", []) if "error" in run)
+    styles = series_styles(series)
+    for label, points in series.items():
+        if points:
+            x, y = zip(*points)
+            ax.plot(x, y, ls="none", ms=4, label=label, **styles[label])
+    ax.set(xlabel="recovery queries / floor H(d^2 + d)", ylabel="canonical error")
+    log_axes(ax, x=False)
+    ax.axhline(GOAL, color=REFERENCE, ls=":", lw=0.8, label=f"goal {GOAL:g}")
+    legend_outside(ax)
+    return save(fig, path)
 
 
 def grid_plot(rows: list[dict], path) -> list[str]:
-    """Success rate and median canonical error against H, one line per (d, scale);
-    writes ``path`` (PNG) and the same with .svg and .pdf. Returns the files written."""
+    """Success rate and median canonical error against H, one series (colour and
+    marker) per (d, scale); writes ``path`` as SVG, PNG and PDF. Returns the files
+    written."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     full = [r for r in rows if r["rank"] is None and not r["float32"]]
+    cells = {}
     for d in sorted({r["d"] for r in full}):
         for scale in sorted({r["scale"] for r in full}):
             cell = sorted((r for r in full if r["d"] == d and r["scale"] == scale),
                           key=lambda r: r["H"])
-            if not cell:
-                continue
-            label = f"d = {d}, W ~ N(0, {scale ** 2:g}/d)"
-            ax1.plot([r["H"] for r in cell], [r["success_rate"] for r in cell], "o-",
-                     label=label)
-            pts = [(r["H"], r["error_median"]) for r in cell if r["error_median"] is not None]
-            if pts:
-                ax2.semilogy(*zip(*pts), "o-", label=label)
+            if cell:
+                cells[f"d = {d}, W ~ N(0, {scale ** 2:g}/d)"] = cell
+    styles = series_styles(cells)
+    for label, cell in cells.items():
+        ax1.plot([r["H"] for r in cell], [r["success_rate"] for r in cell], "-",
+                 label=label, **styles[label])
+        pts = [(r["H"], r["error_median"]) for r in cell if r["error_median"] is not None]
+        if pts:
+            ax2.plot(*zip(*pts), "-", label=label, **styles[label])
     ax1.set(xlabel="heads H", ylabel="success rate (canonical error <= 1e-10)",
             ylim=(-0.05, 1.05))
     ax2.set(xlabel="heads H", ylabel="median canonical error")
+    log_axes(ax2, x=False)
     heads = sorted({r["H"] for r in full})
     for ax in (ax1, ax2):              # heads are whole numbers: ticks at the H measured
         ax.set_xticks(heads)
-    ax2.axhline(GOAL, color="gray", ls=":", label="goal 1e-10")
-    ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    ax2.axhline(GOAL, color=REFERENCE, ls=":", lw=0.8, label=f"goal {GOAL:g}")
+    legend_outside(ax2)
     fig.tight_layout()
-    path = Path(path)
-    written = []
-    for out in (path, path.with_suffix(".svg"), path.with_suffix(".pdf")):
-        fig.savefig(out, dpi=120, bbox_inches="tight")
-        written.append(str(out))
-    plt.close(fig)
-    return written
+    return save(fig, path)
