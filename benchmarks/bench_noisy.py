@@ -17,6 +17,7 @@ repeats, and sign-only bisection (queries and precision vs d).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
@@ -27,6 +28,7 @@ from attnextract.oracle import (AdversarialNoise, BoundedNoise, GaussianNoise, R
                                 SignOnly)
 from attnextract.learners.sign_only import extract_sign_only
 from attnextract.adapters.targets import random_single_head
+from attnextract.plotting import legend_outside, log_axes, save, series_styles
 
 import _results
 
@@ -159,6 +161,8 @@ def fmt(x):
 
 
 def plot(rows, path):
+    """Error against tau (log-log): per d, the paper's error and bound and the default's
+    error and bar, each its own series; written as SVG, PNG and PDF beside ``path``."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -166,22 +170,24 @@ def plot(rows, path):
     except ImportError:
         print(f"matplotlib is not installed: skipping the plot {path}")
         return
+    parts = (("paper", "paper_err", "--"), ("paper bound", "paper_bound", ":"),
+             ("default", "robust_err", "-"), ("default error bar", "robust_bar", "-."))
+    dims = sorted({r["d"] for r in rows})
+    styles = series_styles(f"{name}, d={d}" for d in dims for name, _, _ in parts)
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for d, color in zip(sorted({r["d"] for r in rows}), ("tab:blue", "tab:red", "tab:green")):
+    for d in dims:
         rr = [r for r in rows if r["d"] == d]
         taus = [r["tau"] for r in rr]
-        ax.loglog(taus, [r["paper_err"] or np.nan for r in rr], "s--", color=color, label=f"paper, d={d}")
-        ax.loglog(taus, [r["paper_bound"] for r in rr], ":", color=color, label=f"paper bound, d={d}")
-        ax.loglog(taus, [r["robust_err"] for r in rr], "o-", color=color, label=f"default, d={d}")
-        ax.loglog(taus, [r["robust_bar"] for r in rr], "-", color=color, alpha=0.35, lw=4,
-                  label=f"default error bar, d={d}")
+        for name, key, line in parts:
+            ax.plot(taus, [r[key] or np.nan for r in rr], line, label=f"{name}, d={d}",
+                    **styles[f"{name}, d={d}"])
+    log_axes(ax)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.LogFormatterSciNotation())
     ax.set_xlabel("tau (output tolerance)")
     ax.set_ylabel("||W_hat - W||_F (median)")
     ax.set_title("bounded noise, d^2 + d queries each")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    legend_outside(ax)
+    print("wrote", ", ".join(save(fig, path)), file=sys.stderr)
 
 
 def main():

@@ -51,7 +51,7 @@ def test_impostor_refused(learner, name, d, seed):
 @pytest.mark.parametrize("name", NAMES)
 def test_impostor_refused_on_more_seeds(name, learner, d):
     """Seeds 3-6 in CI (FAST has seeds 0-2); all 20 in benchmarks/test_grids.py, and the
-    zoo over every learner in benchmarks/bench_impostors.py (results/impostors.md).
+    zoo over every learner in benchmarks/bench_impostors.py (results/bench_impostors.md).
     KNOWN_MISSES are measured limits, kept visible: the assertion fails if one is refused
     too (then it leaves the list) or if anything else is accepted."""
     missed = [seed for seed in grid(range(20), range(3, 7))

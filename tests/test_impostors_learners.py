@@ -5,7 +5,7 @@ the reason it is outside the class. A learner must refuse it (a typed error), ne
 return it, and must accept the honest model. The fast set runs a few impostors per
 learner (rotating through the zoo); the slow set the whole zoo at d = 8 on one seed.
 The 20-seed sweeps at d in {8, 32} are benchmarks/bench_impostors.py
-(benchmarks/results/impostors.md).
+(benchmarks/results/bench_impostors.md).
 """
 
 import math

@@ -121,7 +121,7 @@ def test_more_heads_than_d_is_not_sent_to_heads():
 def _outside(W, v, act="softmax", residual=False, dtype=np.float64, post=1.0):
     """Attention with act(X W_h x_N) / N in place of the softmax (ReLU, sigmoid), or a
     residual x_N^T r added, or a softmax forward pass in float32 (dtype) whose readout is
-    multiplied by ``post`` in float64: boxes of benchmarks/check_newuser3_boxes.py."""
+    multiplied by ``post`` in float64: out-of-class boxes of a new user's audit."""
     r = np.random.default_rng(7).standard_normal(W.shape[1])
     W, v = W.astype(dtype), v.astype(dtype)
 

@@ -1,6 +1,6 @@
 """Issue 22: boxes written by a user, outside the project (tests/user_boxes.py), through the
 API and the command line. The whole set is benchmarks/check_user_boxes.py
-(benchmarks/results/newuser_boxes.md)."""
+(benchmarks/results/check_user_boxes.md)."""
 
 import numpy as np
 import pytest

@@ -4,7 +4,7 @@ Nothing here comes from ``attnextract.adapters.targets``: the heads are drawn wi
 the formula f(X) = sum_h softmax(X W_h x_N)^T X v_h is written out by hand, and the
 PyTorch boxes call ``nn.MultiheadAttention`` directly. ``tests/test_user_boxes.py`` runs
 a few of them; ``benchmarks/check_user_boxes.py`` runs all of them through the API and
-the command line (results in ``benchmarks/results/newuser_boxes.md``).
+the command line (results in ``benchmarks/results/check_user_boxes.md``).
 """
 
 from __future__ import annotations
