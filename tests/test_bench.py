@@ -136,7 +136,7 @@ def _rows_with_many_series():
 
 def test_plots_are_readable_one_colour_per_series_legends_that_fit_integer_heads(
         tmp_path, monkeypatch):
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401  (a test-all package: see conftest.py)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
