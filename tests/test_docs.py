@@ -236,3 +236,14 @@ def test_cli_reference_picks_up_a_new_option():
     text = hook.cli_reference_markdown(parser)
     row = next(l for l in text.splitlines() if "`--brand-new-option`" in l)
     assert "| 7 |" in row and "a \\| pipe and &lt;angle&gt; text" in row
+
+
+def test_readme_links_are_absolute_and_reach_a_page_of_the_site():
+    """The README is also the package index's page, where relative links break: every link
+    is absolute, and each one into the docs site names a page the site builds."""
+    site = re.search(r"^site_url: (\S+)$", (ROOT / "mkdocs.yml").read_text(), re.M).group(1)
+    links = re.findall(r"\]\(([^)]+)\)", (ROOT / "README.md").read_text())
+    assert links and all(link.startswith("https://") for link in links), links
+    for link in (link for link in links if link.startswith(site)):
+        page = link[len(site):].split("#")[0].rstrip("/") or "index"
+        assert (ROOT / "docs" / f"{page}.md").is_file(), link
