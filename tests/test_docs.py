@@ -7,6 +7,12 @@ instead (a target file used by the blocks after it), and bash blocks run with
 ``attnextract`` on the PATH. A block that must not run (it installs packages, starts a
 server or needs a remote API) is preceded by the line ``<!-- not run: REASON -->``.
 ```text blocks (command synopses with placeholders) are not run.
+
+A page's numbers stay its commands' numbers: a ```text block preceded by the line
+``<!-- output -->`` is the output of the run block just before it, and each of its lines
+(but ``...``, which stands for lines left out) must appear, in order and with the same
+words and numbers, in what that block printed; a line ending in ``...`` stands for the
+printed line that starts with it (the rest, e.g. an error in the last bits, not shown).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ PAGES = [ROOT / "README.md"] + sorted(p for p in (ROOT / "docs").rglob("*.md")
                                       if p.parent.name != "bench")
 FENCE = re.compile(r"^```(\w*)\s*$")
 NOT_RUN = re.compile(r"^<!-- not run: .+ -->$")
+OUTPUT = "<!-- output -->"
 TARGET_FILE = re.compile(r"^# ([\w.-]+\.py)\s*$")
 
 
@@ -43,13 +50,47 @@ def code_blocks(path: Path) -> list[dict]:
             i += 1
         before = next((line.strip() for line in reversed(lines[:start]) if line.strip()), "")
         blocks.append({"lang": opening.group(1), "code": "\n".join(lines[start + 1:i]) + "\n",
-                       "line": start + 1, "run": not NOT_RUN.match(before)})
+                       "line": start + 1, "run": not NOT_RUN.match(before),
+                       "output": before == OUTPUT})
         i += 1
     return blocks
 
 
 def runnable(path: Path) -> list[dict]:
-    return [b for b in code_blocks(path) if b["run"] and b["lang"] in ("python", "bash")]
+    """The blocks that run, each with the output block that follows it (or None)."""
+    blocks = code_blocks(path)
+    runs = []
+    for k, block in enumerate(blocks):
+        if block["run"] and block["lang"] in ("python", "bash"):
+            shown = blocks[k + 1] if k + 1 < len(blocks) and blocks[k + 1]["output"] else None
+            runs.append(dict(block, shown=shown))
+    return runs
+
+
+def _words(line: str) -> list[str]:
+    return line.split()
+
+
+def _same(shown: list[str], printed: list[str]) -> bool:
+    """A shown line ending in ``...`` stands for every printed line that starts with it."""
+    if shown and shown[-1] == "...":
+        return printed[:len(shown) - 1] == shown[:-1]
+    return printed == shown
+
+
+def assert_shown_in(shown: dict, printed: str, where: str) -> None:
+    """Each line of the page's output block (but ``...``) appears in the printed output, in
+    order: the page's numbers are the command's."""
+    actual = [_words(line) for line in printed.splitlines() if line.strip()]
+    k = 0
+    for line in shown["code"].splitlines():
+        if not line.strip() or line.strip() == "...":
+            continue
+        while k < len(actual) and not _same(_words(line), actual[k]):
+            k += 1
+        assert k < len(actual), (f"{where}: the page shows a line its command did not print "
+                                 f"(or not in this order):\n  {line}\nprinted:\n{printed}")
+        k += 1
 
 
 def _shim(folder: Path) -> dict:
@@ -77,8 +118,6 @@ SLOW_PAGES = {"docs/bring-your-own-model.md"}
     for p in PAGES if runnable(p)], ids=lambda p: str(p.relative_to(ROOT)))
 def test_code_blocks_run(page, tmp_path, monkeypatch, capsys):
     blocks = runnable(page)
-    if any(re.search(r"^\s*import torch", b["code"], re.M) for b in blocks):
-        pytest.importorskip("torch")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     env = _shim(tmp_path)
@@ -89,7 +128,10 @@ def test_code_blocks_run(page, tmp_path, monkeypatch, capsys):
         if block["lang"] == "python" and TARGET_FILE.match(first):
             (tmp_path / TARGET_FILE.match(first).group(1)).write_text(block["code"])
         elif block["lang"] == "python":
+            capsys.readouterr()
             exec(compile(block["code"], where, "exec"), namespace)
+            if block["shown"]:
+                assert_shown_in(block["shown"], capsys.readouterr().out, where)
         else:
             assert not re.search(r"\bpip3?\b.*\binstall\b", block["code"]), \
                 f"{where}: an install command in a block that runs; mark it <!-- not run: ... -->"
@@ -97,7 +139,32 @@ def test_code_blocks_run(page, tmp_path, monkeypatch, capsys):
                                   cwd=tmp_path, env=env, capture_output=True, text=True,
                                   timeout=600)
             assert proc.returncode == 0, f"{where} exited {proc.returncode}:\n{proc.stderr}"
+            if block["shown"]:
+                assert_shown_in(block["shown"], proc.stdout, where)
     capsys.readouterr()
+
+
+def test_every_output_block_follows_a_block_that_runs():
+    """An output block after a block that does not run would never be checked."""
+    for page in PAGES:
+        blocks = code_blocks(page)
+        for k, block in enumerate(blocks):
+            if block["output"]:
+                assert block["lang"] == "text", f"{page}:{block['line']}: an output block is ```text"
+                before = blocks[k - 1] if k else None
+                assert before and before["run"] and before["lang"] in ("python", "bash"), \
+                    f"{page}:{block['line']}: output of a block that does not run"
+
+
+def test_a_changed_number_in_an_output_block_fails():
+    """The check is not vacuous: one digit changed in a shown line, or the lines swapped,
+    is caught."""
+    printed = "queries: 296 (recovery 272)\nerror 2.1e-14\nPASSED\n"
+    assert_shown_in({"code": "queries: 296 (recovery 272)\n...\nPASSED\n"}, printed, "t")
+    assert_shown_in({"code": "queries: 296 ...\n"}, printed, "t")
+    for wrong in ("queries: 336 (recovery 272)\n", "PASSED\nerror 2.1e-14\n", "queries: 336 ...\n"):
+        with pytest.raises(AssertionError):
+            assert_shown_in({"code": wrong}, printed, "t")
 
 
 def test_every_block_is_run_or_marked():
@@ -169,3 +236,14 @@ def test_cli_reference_picks_up_a_new_option():
     text = hook.cli_reference_markdown(parser)
     row = next(l for l in text.splitlines() if "`--brand-new-option`" in l)
     assert "| 7 |" in row and "a \\| pipe and &lt;angle&gt; text" in row
+
+
+def test_readme_links_are_absolute_and_reach_a_page_of_the_site():
+    """The README is also the package index's page, where relative links break: every link
+    is absolute, and each one into the docs site names a page the site builds."""
+    site = re.search(r"^site_url: (\S+)$", (ROOT / "mkdocs.yml").read_text(), re.M).group(1)
+    links = re.findall(r"\]\(([^)]+)\)", (ROOT / "README.md").read_text())
+    assert links and all(link.startswith("https://") for link in links), links
+    for link in (link for link in links if link.startswith(site)):
+        page = link[len(site):].split("#")[0].rstrip("/") or "index"
+        assert (ROOT / "docs" / f"{page}.md").is_file(), link

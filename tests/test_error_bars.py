@@ -74,7 +74,7 @@ def test_rounded_to_decimals():
 
 
 def torch_head(d, seed, dtype):
-    torch = pytest.importorskip("torch")
+    import torch
     from attnextract.adapters.torch_target import TorchAttentionBlackBox
     torch.manual_seed(seed)
     module = torch.nn.MultiheadAttention(d, 1, bias=False, batch_first=True).double()
@@ -149,7 +149,7 @@ def test_float32_forward_pass_is_refused_with_a_hint():
 
 @pytest.mark.slow
 def test_cli_output_dtype_and_help(tmp_path):
-    pytest.importorskip("torch")
+    import torch  # noqa: F401  (a test-all package: see conftest.py)
     target = tmp_path / "target.py"
     target.write_text(
         "import torch\n"

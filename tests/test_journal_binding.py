@@ -537,7 +537,7 @@ def test_a_float32_torch_head_resumes_and_another_is_refused(tmp_path, monkeypat
     """A float32 forward pass answers a sequence differently in another batch (~1e-7;
     here a kept sequence asked alone, a batch of one): the same module still resumes its
     journal; another module is refused."""
-    torch = pytest.importorskip("torch")
+    import torch
     import attnextract.adapters.journal as journal_module
     monkeypatch.setattr(journal_module, "RESUME_SAMPLE", 1)
     from attnextract.adapters.torch_target import TorchAttentionBlackBox

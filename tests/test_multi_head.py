@@ -882,7 +882,7 @@ def test_precision_and_rounding_options():
 
 
 def _torch_box(seed, dtype, heads=2, dim=16):
-    torch = pytest.importorskip("torch")
+    import torch
     from attnextract.adapters.torch_target import TorchAttentionBlackBox, merged_head_parameters
     torch.manual_seed(seed)
     module = torch.nn.MultiheadAttention(dim, heads, bias=False)

@@ -85,7 +85,7 @@ def test_trained_bias_heads_of_head_dim_one(seed, heads):
     bounds the moves. Seed 14 (told): the base row's nudged columns were orthogonal to
     q_0, which with biases left their moves of rank d - 1 < H (the designed column
     missed, base estimate error 1.9, two designs refused); they span q_0 too now."""
-    pytest.importorskip("torch")
+    import torch  # noqa: F401  (a test-all package: see conftest.py)
     import user_boxes as ub
     layer = ub.torch_layer(8, 8, seed=seed, float64=True, trained_biases=True)
     truth = BiasedMultiHeadAttention(*ub.torch_truth(layer, ub.unit_readout(8, 0)))

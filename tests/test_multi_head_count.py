@@ -102,7 +102,7 @@ def test_count_found_without_heads_within_the_queries_of_a_told_run():
 
 
 def _torch_box(seed, heads, dtype):
-    torch = pytest.importorskip("torch")
+    import torch
     from attnextract.adapters.torch_target import TorchAttentionBlackBox, merged_head_parameters
     torch.manual_seed(seed)
     module = torch.nn.MultiheadAttention(16, heads, bias=False, batch_first=True)

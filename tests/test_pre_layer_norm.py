@@ -30,7 +30,7 @@ def identified_errors(model: SphereAttention, truth: SphereAttention) -> dict:
 
 @pytest.mark.parametrize("heads, dim", [(1, 8), (2, 16)])
 def test_the_merged_model_and_its_sphere_form_are_torch_forward_pass(heads, dim):
-    torch = pytest.importorskip("torch")
+    import torch
     from attnextract.adapters.torch_target import TorchPreLayerNormBlackBox
     torch.manual_seed(heads * 100 + dim)
     norm = torch.nn.LayerNorm(dim, eps=1e-5)
@@ -117,7 +117,7 @@ def test_hostile_blocks_are_recovered_within_their_error_bars(dim, seed, hostile
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_torch_pre_ln_block_with_a_custom_radius(seed):
-    torch = pytest.importorskip("torch")
+    import torch
     from attnextract.adapters.torch_target import TorchPreLayerNormBlackBox
     torch.manual_seed(seed)
     dim = 8

@@ -88,7 +88,7 @@ def test_the_reaper_kills_what_a_dead_server_leaves(how):
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
 def test_no_ray_process_of_a_killed_server_is_left_after_5_s(tmp_path):
-    pytest.importorskip("ray")
+    import ray  # noqa: F401  (a test-all package: see conftest.py)
     np.savez(tmp_path / "secret.npz", W=np.eye(4) / 3, v=np.ones(4))
     server = subprocess.Popen([sys.executable, "-m", "attnextract", "serve", "--secret",
                                str(tmp_path / "secret.npz"), "--port", "0", "--replicas", "2"],

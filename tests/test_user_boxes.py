@@ -94,7 +94,7 @@ def test_module_name_targets_on_the_command_line(tmp_path):
 # -- PyTorch -------------------------------------------------------------------------------
 
 def test_default_torch_layer_float64_copy_no_heads_told():
-    pytest.importorskip("torch")
+    import torch  # noqa: F401  (a test-all package: see conftest.py)
     from attnextract.adapters.torch_target import TorchAttentionBlackBox
     layer = ub.torch_layer(8, 2)            # PyTorch's defaults: float32, zero biases
     box = TorchAttentionBlackBox(layer, readout=0)
@@ -105,7 +105,7 @@ def test_default_torch_layer_float64_copy_no_heads_told():
 
 
 def test_trained_biases_name_biases_and_are_recovered_with_them():
-    pytest.importorskip("torch")
+    import torch  # noqa: F401  (a test-all package: see conftest.py)
     from attnextract.adapters.torch_target import TorchAttentionBlackBox
     layer = ub.torch_layer(8, 2, trained_biases=True)
     box = TorchAttentionBlackBox(layer, readout=0)
@@ -118,7 +118,7 @@ def test_trained_biases_name_biases_and_are_recovered_with_them():
 
 
 def test_a_float32_layer_in_the_users_own_wrapper():
-    pytest.importorskip("torch")
+    import torch  # noqa: F401  (a test-all package: see conftest.py)
     layer = ub.torch_layer(8, 2, batch_first=True)
     r = ub.unit_readout(8, 1)
     result = attnextract.extract(Oracle(ub.torch_user_box(layer, r), 8), model="multi-head",
@@ -129,7 +129,7 @@ def test_a_float32_layer_in_the_users_own_wrapper():
 
 
 def test_torch_modules_handed_over_directly():
-    torch = pytest.importorskip("torch")
+    import torch
 
     class Readout(torch.nn.Module):       # a user's module: (B, N, d) -> (B,)
         def __init__(self):
@@ -158,7 +158,7 @@ def test_torch_modules_handed_over_directly():
 
 
 def test_a_bare_multihead_attention_on_the_command_line_answers_vectors(tmp_path):
-    pytest.importorskip("torch")
+    import torch  # noqa: F401  (a test-all package: see conftest.py)
     (tmp_path / "layer.py").write_text(
         "import torch\nlayer = torch.nn.MultiheadAttention(8, 2)\n")
     from attnextract.adapters.targets import load_target

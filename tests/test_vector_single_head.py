@@ -306,7 +306,7 @@ def test_causal_mismatch_refused(told):
 # -- low precision ---------------------------------------------------------------------------
 
 def torch_head(d, seed, positions="last", causal=False, biases=True):
-    torch = pytest.importorskip("torch")
+    import torch
     torch.manual_seed(seed)
     mha = torch.nn.MultiheadAttention(d, 1, batch_first=True).eval()
     if biases:

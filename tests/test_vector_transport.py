@@ -272,7 +272,7 @@ def test_file_targets_answering_vectors(tmp_path):
 # -- torch -----------------------------------------------------------------------------
 
 def test_torch_multihead_attention_answers_vectors():
-    torch = pytest.importorskip("torch")
+    import torch
     from attnextract.adapters.torch_target import TorchAttentionBlackBox
     torch.manual_seed(0)
     layer = torch.nn.MultiheadAttention(8, 2, batch_first=True)
@@ -301,7 +301,7 @@ def test_torch_multihead_attention_answers_vectors():
 
 
 def test_torch_module_returning_vectors_or_a_tuple():
-    torch = pytest.importorskip("torch")
+    import torch
 
     class Layer(torch.nn.Module):
         def __init__(self):

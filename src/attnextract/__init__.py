@@ -1,7 +1,7 @@
 """attnextract: exact recovery of attention-model parameters from black-box queries.
 
 Start with :func:`extract` (``attnextract.extract(Oracle(black_box, dim), model="low-rank")``);
-the algorithms are described in docs/algorithms.md.
+the algorithms are described at https://attnextract.github.io/attnextract/algorithms/.
 """
 
 from .errors import (AttnExtractError, BlackBoxError, BudgetExceededError, InputError,

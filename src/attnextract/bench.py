@@ -463,8 +463,9 @@ def markdown(rows: list[dict]) -> str:
             out.append(f"| {r['learner']} | {r['d']} | {r['recovery_queries']} | {r['floor']} | "
                        f"{paper} | {r['W_error']:.1e} | {r['output_error']:.1e} | "
                        f"{r['wall_s']:.3f} | {r['black_box_s']:.3f} | {r['learner_s']:.3f} |")
-        out.append("\npaper: d^2 + d (paper 1, Thm 4.1); d + C r 2d with the measured C = 2 "
-                   "(paper 1, Thm 5.1 states no C); 4Hd^2 - 2H + 1 (paper 2; with biases "
+        out.append("\npaper: d^2 + d (the single-head paper, Thm 4.1); d + C r 2d with the "
+                   "measured C = 2 (the single-head paper, Thm 5.1 states no C); 4Hd^2 - 2H + 1 "
+                   "(the multi-head paper; with biases "
                    "4Hd^2 - 2H + 1 + (H + 1) d + 1, its count plus c and H + 1 per "
                    "short-probe row); - where no count is stated. floor: free parameters.")
         for learner in dict.fromkeys(r["learner"] for r in scaling):

@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="attnextract", formatter_class=HelpFormatter,
         description="Recover attention-model parameters from black-box query access. "
-                    "The algorithms: docs/algorithms.md.")
+                    "Documentation: https://attnextract.github.io/attnextract/")
     parser.add_argument("--version", action="version", version=f"attnextract {__version__}")
     parser.epilog = "attnextract COMMAND --help lists a command's options and their defaults."
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -213,7 +213,7 @@ def _extract_parser(command) -> None:
                     help="the attention has query, value and output biases, as deployed layers "
                          "do: f = sum_h softmax(X (W_h x_N + b_h))^T X v_h + c; recovers b_h "
                          "and c too (single-head, low-rank, multi-head, multi-head-low-rank; "
-                         "see docs/biases.md)")
+                         "see https://attnextract.github.io/attnextract/biases/)")
     _add_vector_options(ex)
     _add_learner_options(ex)
     _add_noise_options(ex)
@@ -222,7 +222,8 @@ def _extract_parser(command) -> None:
 
 def _add_vector_options(ex) -> None:
     """extract: what the black box answers (one number, or output vectors)."""
-    vec = ex.add_argument_group("vector answers (docs/vector-outputs.md)")
+    vec = ex.add_argument_group(
+        "vector answers (https://attnextract.github.io/attnextract/vector-outputs/)")
     vec.add_argument("--outputs", choices=OUTPUT_KINDS,
                      help="what the black box answers per sequence: one number (scalar), the "
                           "output vector (m,) at the last position (last), or the output "
@@ -253,7 +254,8 @@ def _add_learner_options(ex) -> None:
                             "heads (default: detected; pre-ln: 1, a block with more is "
                             "refused)")
     multi.add_argument("--precision", choices=["full", "fast"],
-                       help="multi-head: full spends what paper 2's count leaves on a last "
+                       help="multi-head: full spends what the multi-head paper's count "
+                            "(4Hd^2 - 2H + 1) leaves on a last "
                             "round (short probes for float64 answers, else wide columns) for "
                             "the smallest error; fast runs only wide columns, and only when "
                             "the error bar would exceed 1e-10 (default: full)")
