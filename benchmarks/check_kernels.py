@@ -65,6 +65,7 @@ ALL_TESTS = DEFAULT_TESTS + MORE_TESTS
 # easy single-head boxes that tests/test_single_head.py covers, or none at all.
 NOT_NUMERICAL = ["tests/test_bench.py", "tests/test_check_kernels.py", "tests/test_cli.py",
                  "tests/test_docs.py", "tests/test_examples.py", "tests/test_http.py",
+                 "tests/test_import_graph.py",
                  "tests/test_journal.py", "tests/test_journal_binding.py",
                  "tests/test_lossy_network.py", "tests/test_oracle.py", "tests/test_packaging.py",
                  "tests/test_remote_adapters.py", "tests/test_server_hardening.py",

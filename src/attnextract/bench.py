@@ -28,12 +28,21 @@ from pathlib import Path
 
 import numpy as np
 
-from .oracle import Oracle
-from .registry import LEARNERS, extract
-from .learners.surrogate import train_surrogate
-from .adapters.targets import random_single_head, random_vector_attention
+from .learners.low_rank import low_rank_floor
+from .learners.multi_head import biased_count, canonical_error
+from .learners.one_layer import compare_one_layer, random_one_layer
+from .learners.transformer_layer import (compare_transformer_layer, extract_transformer_layer,
+                                         free_parameters, random_transformer_layer)
+from .learners.vector_canonical import vector_canonical_errors
+from .models import BiasedSingleHeadAttention, MultiHeadAttention
+from .oracle import BoundedNoise, Oracle
 from .bench_grid import grid_cell, grid_markdown, grid_plot
 from .plotting import REFERENCE, legend_outside, log_axes, save, series_styles, spans_decades
+from .registry import LEARNERS, extract
+from .learners.surrogate import train_surrogate
+from .adapters.targets import (random_low_rank_head, random_low_rank_multi_head,
+                               random_multi_head, random_pre_layer_norm, random_single_head,
+                               random_vector_attention, with_biases)
 
 
 def _rel(a, b) -> float:
@@ -110,7 +119,6 @@ def section_surrogate(quick: bool, log) -> list[dict]:
 
 def section_one_layer(quick: bool, log) -> list[dict]:
     """One-layer Transformer end to end (paper 1 reduction + the ReLU FFN learner), m = d."""
-    from .learners.one_layer import compare_one_layer, random_one_layer
     rows = []
     for d in ([4, 8, 16] if quick else [4, 8, 16, 32, 64]):
         target = random_one_layer(d, d, seed=d)
@@ -129,8 +137,6 @@ def section_one_layer(quick: bool, log) -> list[dict]:
 
 def section_low_rank(quick: bool, log) -> list[dict]:
     """Rank-r heads, r = d/8: the adaptive learner (floor d + r(2d - r)) and paper 1's ROP."""
-    from .learners.low_rank import low_rank_floor
-    from .adapters.targets import random_low_rank_head
     rows = []
     for method in ("adaptive", "rop"):
         for d in ([16, 32, 64] if quick else [16, 32, 64, 128, 256, 512]):
@@ -154,8 +160,6 @@ def section_multi_head(quick: bool, log) -> list[dict]:
 
     The full grid (H <= 8, d in {8, 16, 32}, 20 seeds) is benchmarks/bench_multi_head.py.
     """
-    from .learners.multi_head import canonical_error
-    from .adapters.targets import random_multi_head
     rows = []
     for H, d in ([(2, 8), (2, 16)] if quick else [(2, 8), (2, 16), (2, 32), (4, 16), (4, 32)]):
         target = random_multi_head(H, d, seed=d)
@@ -189,7 +193,6 @@ def section_multi_head_grid(quick: bool, log) -> list[dict]:
 
 def section_noisy(quick: bool, log) -> list[dict]:
     """Error vs noise tolerance tau: the robust default and paper 1's Theorem 6.1, equal queries."""
-    from .oracle import BoundedNoise
     rows = []
     d = 16
     target = random_single_head(d, seed=3)
@@ -230,8 +233,6 @@ def transformer_layer_variants(quick: bool) -> list[tuple[str, int, int, dict]]:
 
 def section_transformer_layer(quick: bool, log) -> list[dict]:
     """Attention + ReLU FFN with biases (issue 14): queries vs the floor, bits, time."""
-    from .learners.transformer_layer import (compare_transformer_layer, extract_transformer_layer,
-                                             free_parameters, random_transformer_layer)
     rows = []
     for label, d, m, options in transformer_layer_variants(quick):
         target = random_transformer_layer(d, m, seed=d + m, **options)
@@ -259,10 +260,6 @@ def section_biases(quick: bool, log) -> list[dict]:
     low-rank heads at sum_h (d + r_h (2d - r_h) + r_h) + 1 and full-rank heads against
     H(d^2 + 2d) + 1. ``W_error`` is the largest of
     the W, b and v errors (b measured against |W| where b is 0)."""
-    from .adapters.targets import (random_low_rank_head, random_low_rank_multi_head,
-                                   random_multi_head, with_biases)
-    from .learners.low_rank import low_rank_floor
-    from .learners.multi_head import biased_count
 
     def errors(target):
         def run(model):
@@ -334,7 +331,6 @@ def section_pre_ln(quick: bool, log) -> list[dict]:
     (heads matched), P r and c, against H (m^2 + 2m) + m + 1 (m = d - 1; d^2 + d - 1
     for one head). ``W_error`` is the largest of those relative errors."""
     import itertools
-    from .adapters.targets import random_pre_layer_norm
 
     def errors(target):
         truth = target.on_sphere(np.sqrt(target.dim))
@@ -380,7 +376,6 @@ VECTOR_CASES = (("single head, biases", "single-head", {"biases": True}, "vector
 def _readout_box(truth, r):
     """The scalar box r^T F of a VectorAttention at the last position, as the scalar
     model class it is (a biased single head, or H bias-free heads)."""
-    from .models import BiasedSingleHeadAttention, MultiHeadAttention
     v = truth.O.transpose(0, 2, 1) @ r                                   # (H, d)
     if truth.heads == 1 and (truth.b.any() or truth.c.any()):
         return BiasedSingleHeadAttention(truth.W[0], v[0], truth.b[0], float(truth.c @ r))
@@ -405,7 +400,6 @@ def _vector_row(label: str, d: int, heads: int, target, learner: str, options: d
 def _scalar_error(truth, model) -> float:
     """A scalar learner's error: canonical (heads matched) for several heads, else the
     largest relative error of W, v and b."""
-    from .learners.multi_head import canonical_error
     if getattr(truth, "heads", 1) > 1:
         return canonical_error(model, truth)
     return max(_rel(model.W, truth.W), _rel(model.v, truth.v), _rel(model.b, truth.b))
@@ -413,7 +407,6 @@ def _scalar_error(truth, model) -> float:
 
 def _vector_error(truth, model) -> float:
     """A vector learner's canonical error (heads matched): the largest of W, b, O, c."""
-    from .learners.vector_canonical import vector_canonical_errors
     return vector_canonical_errors(model, truth)["max"]
 
 

@@ -46,7 +46,9 @@ import numpy as np
 from . import registry
 from .adapters.journal import QueryJournal
 from .errors import AttnExtractError, InputError
+from .learners.values_given_scores import extract_values
 from .oracle import Oracle
+from .sphere import hyperplane_basis
 
 RESULT_SCHEMA = 1
 OUTPUTS = ("scalar", "last", "all")
@@ -191,8 +193,6 @@ def run_layer(job: LayerJob) -> dict:
         out["radius"] = float(result.model.radius)
         out["residual_readout_norm"] = float(np.linalg.norm(result.model.r))
     if job.outputs in ("last", "all"):
-        from .learners.pre_layer_norm import hyperplane_basis
-        from .learners.values_given_scores import extract_values
         basis = hyperplane_basis(info.width) if info.pre_layer_norm else None
         # the vectors through their own oracle (counted, validated) and journal (a journal
         # holds one kind of answer: the scalar stage's is another file)

@@ -30,16 +30,27 @@ from pathlib import Path
 import numpy as np
 
 from . import __version__
+from .adapters.minilm import (extract_minilm_head, extract_minilm_layer, minilm_weights_path,
+                              save_layer_target, save_vector_layer_target)
+from .adapters.remote import HttpBlackBox, read_token_file
+from .adapters.replicas import RayReplicas, load_spec
+from .adapters.server import make_server, read_tokens
+from .bench import SECTIONS, readme_summary, run_bench, update_readme
+from .checkpoint import extract_checkpoint
 from .errors import (AttnExtractError, BlackBoxError, BudgetExceededError, InputError,
                      JournalError, NotIdentifiableError, RefusalWithResult, TargetLoadError)
 from .adapters.journal import QueryJournal
+from .learners.multi_head import (canonical_error, canonical_form, non_identifiable_twin,
+                                  twin_difference)
+from .learners.vector_canonical import vector_canonical_errors, vector_canonical_form
 from .models import VectorAttention
 from .oracle import OUTPUT_KINDS, Oracle
 from .progress import ProgressBar, configure_logging, thread_limits
 from .registry import LEARNERS, extract, get_learner, learner_names, resolve
 from .report import (DEFAULT_VERIFY_TOLERANCE, human_number, load_model, load_result,
                      mismatch_reason, verification_count, verify_model)
-from .adapters.targets import FirstBatchHint, load_target, random_single_head
+from .adapters.targets import (FirstBatchHint, load_target, random_multi_head, random_single_head,
+                               random_vector_attention)
 
 __all__ = ["main", "build_parser", "ProgressBar"]
 
@@ -551,7 +562,6 @@ def model_table() -> str:
 def _http_defaults() -> dict:
     """The HTTP client's own defaults, shown in --help (the options pass None to keep them)."""
     import inspect
-    from .adapters.remote import HttpBlackBox
     parameters = inspect.signature(HttpBlackBox).parameters
     return {k: parameters[k].default for k in ("timeout", "retries", "concurrency")}
 
@@ -705,7 +715,6 @@ def _fail(args, exc: Exception, code: int) -> int:
 def _open_target(spec: str, dim: int | None = None, args=None):
     """A black box from FILE.py:NAME, or from an HTTP endpoint http://HOST:PORT."""
     if spec.startswith(("http://", "https://")):
-        from .adapters.remote import HttpBlackBox, read_token_file
         options = {k: getattr(args, f"http_{k}")
                    for k in ("timeout", "retries", "concurrency", "transport")
                    if getattr(args, f"http_{k}", None) is not None}
@@ -1096,7 +1105,6 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import SECTIONS, readme_summary, run_bench, update_readme
     unknown = set(args.sections or ()) - set(SECTIONS)
     if unknown:
         raise InputError(f"unknown bench section(s) {sorted(unknown)}; known: {sorted(SECTIONS)}")
@@ -1118,8 +1126,6 @@ def cmd_bench(args) -> int:
 
 
 def cmd_twins(args) -> int:
-    from .learners.multi_head import canonical_error, canonical_form, non_identifiable_twin, twin_difference
-    from .adapters.targets import random_multi_head
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     if args.outputs != "scalar":
         return _vector_twins(args, seed)
@@ -1161,10 +1167,6 @@ def cmd_twins(args) -> int:
 def _vector_twins(args, seed: int) -> int:
     """twins --outputs last|all: a random VectorAttention and its twin (a head's O split
     between two heads with the same W and b, a dead head, permuted)."""
-    from .adapters.targets import random_vector_attention
-    from .learners.multi_head import non_identifiable_twin, twin_difference
-    from .learners.vector_canonical import vector_canonical_errors
-    from .learners.vector_canonical import vector_canonical_form as canonical
 
     model = random_vector_attention(args.heads, args.dim, args.out_dim, seed,
                                     positions=args.outputs)
@@ -1175,7 +1177,7 @@ def _vector_twins(args, seed: int) -> int:
     O_gap = float(np.linalg.norm(twin.O[:, None] - model.O[None], axis=(2, 3)).min(axis=1).max())
     out = {"ok": True, "seed": seed, "outputs": args.outputs, "heads": model.heads,
            "twin_heads": twin.heads, "dim": args.dim, "out_dim": model.out_dim,
-           "twin_canonical_heads": canonical(twin).heads,
+           "twin_canonical_heads": vector_canonical_form(twin).heads,
            "canonical_error": errors["max"], "largest_O_mismatch": O_gap,
            "max_output_difference": diff["max_abs"],
            "max_relative_output_difference": diff["max_relative"],
@@ -1201,15 +1203,12 @@ def _vector_twins(args, seed: int) -> int:
 
 
 def cmd_serve(args) -> int:
-    from .adapters.server import make_server, read_tokens
-    from .adapters.replicas import load_spec
     model = load_spec(args.secret)         # FILE.npz, or FILE.py:NAME (a black box with dim)
     model = _served_positions(model, args)
     if args.replicas is not None:
         if args.outputs is not None or args.causal is not None:
             raise InputError("--outputs and --causal do not go with --replicas (each replica "
                              "loads the model as saved): save it with its positions")
-        from .adapters.replicas import RayReplicas
         model = RayReplicas(args.secret, args.replicas, address=args.ray_address)
     elif args.ray_address is not None:
         raise InputError("--ray-address needs --replicas N")
@@ -1256,7 +1255,6 @@ def cmd_serve(args) -> int:
 
 
 def cmd_checkpoint(args) -> int:
-    from .checkpoint import extract_checkpoint
 
     if args.compare:
         from .adapters.checkpoint_export import compare
@@ -1270,9 +1268,9 @@ def cmd_checkpoint(args) -> int:
                   f"{report['max_relative_difference']:.3e}) on {report['inputs']}")
         return 0
     if args.save_target:
-        from .adapters.checkpoint import save_layer_target
-        written = save_layer_target(args.path, args.layers, args.save_target,
-                                    readout_seed=args.readout_seed)
+        from .adapters.checkpoint import save_layer_target as save_checkpoint_target
+        written = save_checkpoint_target(args.path, args.layers, args.save_target,
+                                         readout_seed=args.readout_seed)
         print(f"wrote {written} (serve it with attnextract serve --secret {written})")
         return 0
     result = extract_checkpoint(
@@ -1327,7 +1325,6 @@ def _minilm_as_checkpoint(args) -> int:
         raise InputError("--subspace, --target and --save-target go with --all-heads")
     if args.outputs == "all":
         raise InputError("minilm --layer L runs checkpoint: --outputs scalar or last")
-    from .adapters.minilm import minilm_weights_path
     folder = str(minilm_weights_path().parent)
     forwarded = argparse.Namespace(
         path=folder, layers=str(args.layer), outputs=args.outputs or "scalar",
@@ -1338,7 +1335,6 @@ def _minilm_as_checkpoint(args) -> int:
 
 
 def cmd_minilm(args) -> int:
-    from .adapters.minilm import extract_minilm_head, extract_minilm_layer
     if args.all_heads and args.head is not None:
         raise InputError("give either --head H or --all-heads")
     if not args.all_heads and args.head is None:
@@ -1348,7 +1344,6 @@ def cmd_minilm(args) -> int:
     if args.outputs is not None and not args.save_target:
         raise InputError("--outputs goes with --save-target (a vector model of the layer)")
     if args.save_target and args.outputs is not None:
-        from .adapters.minilm import save_vector_layer_target
         save_vector_layer_target(args.save_target, args.layer, args.outputs,
                                  biases=args.biases)
         print(f"wrote {args.save_target}: layer {args.layer}, 12 heads"
@@ -1357,7 +1352,6 @@ def cmd_minilm(args) -> int:
               f"it with attnextract serve --secret {args.save_target})")
         return 0
     if args.save_target:
-        from .adapters.minilm import save_layer_target
         save_layer_target(args.save_target, args.layer, args.readout_seed, biases=args.biases)
         print(f"wrote {args.save_target}: layer {args.layer}, 12 heads"
               f"{' with their biases' if args.biases else ''}, readout seed "

@@ -23,14 +23,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .errors import (
-    BlackBoxError,
-    BudgetExceededError,
-    InputError,
-    MalformedOutputError,
-    NonFiniteOutputError,
-    VectorAnswersFound,
-)
+from .adapters.torch_target import module_black_box
+from .errors import (BlackBoxError, BudgetExceededError, InputError, MalformedOutputError,
+                     NonFiniteOutputError, RefusalWithResult, VectorAnswersFound)
+from .models import scale_outputs
 
 BlackBox = Callable[[np.ndarray], np.ndarray]
 
@@ -118,7 +114,6 @@ class Oracle:
                  max_length: int | None = None, outputs: str | None = None,
                  out_dim: int | None = None, causal: bool | None = None):
         if _is_torch_module(black_box):        # numpy in, a tensor's numbers out
-            from .adapters.torch_target import module_black_box
             black_box = module_black_box(black_box)
         if not callable(black_box):
             raise InputError(f"black box must be callable, got {type(black_box).__name__}")
@@ -720,8 +715,6 @@ def on_scaled_outputs(oracle, run):
     """``run(view)`` on a :class:`ScaledOutputs` view of ``oracle``; the model of its
     result (or of a refusal's ``result``) is mapped back to the black box's units, and
     the report says by how much the answers were divided. Returns the result."""
-    from .errors import RefusalWithResult
-    from .models import scale_outputs
     view = ScaledOutputs(oracle)
 
     def back(result):

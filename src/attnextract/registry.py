@@ -36,10 +36,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .errors import (InputError, ModelMismatchError, RecoveryFailedError, RefusalWithResult,
-                     VectorAnswersFound)
+from .errors import (AttnExtractError, InputError, ModelMismatchError, RecoveryFailedError,
+                     RefusalWithResult, VectorAnswersFound)
 from .oracle import root_oracle
+from .precision import (check_precision_options, detect_precision, name_the_options,
+                        stated_precision)
 from .report import ExtractionResult
+from .verification import answers_look_rounded
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +187,6 @@ def _answers_may_be_rounded(root) -> bool:
     an impostor (issue 23)."""
     import numpy as np
 
-    from .verification import answers_look_rounded
     answers = [answer for _, answer in getattr(root, "replay", [])]
     return len(answers) < 4 or answers_look_rounded(np.array(answers))
 
@@ -196,7 +198,6 @@ def _zero_token_answers(root) -> tuple[float, float] | None:
     failure)."""
     import numpy as np
 
-    from .errors import AttnExtractError
     try:
         first, second = root.query(np.zeros((2, 1, root.dim)), live=True)
     except (AttnExtractError, AttributeError, TypeError, ValueError):
@@ -210,7 +211,6 @@ def _detected_decimals(root) -> int | None:
     answers to K decimals. None otherwise."""
     import numpy as np
 
-    from .precision import detect_precision
     answers = [answer for _, answer in getattr(root, "replay", [])]
     if len(answers) < 4:
         return None
@@ -306,7 +306,6 @@ def _extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=
     checks = getattr(root, "check_queries", 0)
     held_out = getattr(root, "held_out_journal_queries", 0)
     if "output_dtype" in accepted:         # bad values, or both: refused before any query
-        from .precision import check_precision_options
         check_precision_options(options.get("output_dtype"), options.get("decimals"))
     sent = first_sent = getattr(root, "queries", 0)
     spent = 0                   # queries of a scalar learner before vectors were found
@@ -337,7 +336,6 @@ def _extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=
             raise
         decimals = None
         if "output_dtype" in accepted:     # a learner that can be told the precision
-            from .precision import name_the_options, stated_precision
             stated = stated_precision(options.get("output_dtype"), options.get("decimals"))
             if stated is None and entry.name in DETECTS_NO_DECIMALS:
                 decimals = _detected_decimals(root)

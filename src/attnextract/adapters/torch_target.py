@@ -49,6 +49,7 @@ import math
 import numpy as np
 
 from ..errors import InputError
+from ..models import PreLayerNormAttention, VectorAttention
 
 
 def _torch():
@@ -295,7 +296,6 @@ def vector_attention(module, *, positions: str = "last", causal: bool = False,
     and c = W_o b_v + b_o (the key bias cancels in the softmax). ``heads`` keeps only
     those heads (default: all). ``add_bias_kv`` and ``add_zero_attn`` are outside the
     class (InputError)."""
-    from ..models import VectorAttention
     torch = _torch()
     _check_module(module, torch)
     if module.bias_k is not None or module.add_zero_attn:
@@ -371,7 +371,6 @@ class TorchPreLayerNormBlackBox:
         """The block as a :class:`attnextract.models.PreLayerNormAttention`: per head
         W_h = K_h^T Q_h / sqrt(hd), b_h = K_h^T b_q,h / sqrt(hd), v_h = V_h^T O_h^T r,
         c = (O b_v + b_o)^T r (the key bias cancels in the softmax)."""
-        from ..models import PreLayerNormAttention
         torch, module = self.torch, self.attention
         E, H = self.dim, module.num_heads
         hd, r = E // H, self.readout

@@ -48,11 +48,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ModelMismatchError, NotIdentifiableError
+from ..errors import ModelMismatchError, NotIdentifiableError, RecoveryFailedError
 from ..oracle import Oracle
 from ..verification import safe_norm
-from .relu_network import (CHORD, EPS, ROOT_SLACK, SLOPE_NOISE, _find_kinks, _Path,
-                           _query_vectors, _resolve_signs)
+from .relu_network import (_find_kinks, _Path, _query_vectors, _resolve_signs, CHORD, EPS,
+                           MILP_SECONDS, ROOT_SLACK, SLOPE_NOISE)
 
 LINE_REACH = 4.0        # half length of a line, in units of its scale * sqrt(d)
 MIN_LINES = 2
@@ -132,7 +132,6 @@ def noisy_tolerances(noise: float) -> Tolerances:
     LONG_CHORD, or as long as COARSE_RESOLUTION needs. Raises
     :class:`RecoveryFailedError` when that chord would exceed MAX_CHORD.
     """
-    from ..errors import RecoveryFailedError
 
     kink_noise = KINK_SIGMAS * noise
     chord = min(kink_noise / KINK_RESOLUTION, max(LONG_CHORD, kink_noise / COARSE_RESOLUTION))
@@ -655,7 +654,6 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
                 m_far, min_lines = max(m_far, m + 1), lines + NOISY_MIN_LINES
                 continue
             if not fit["measured noise"] <= NOISY_FIT * tol.noise:
-                from ..errors import RecoveryFailedError
                 raise RecoveryFailedError(
                     f"the {net.width} units found do not fit the answers to their rounding "
                     f"(weighted residual {fit['measured noise']:.1e}, rounding {tol.noise:.1e}) "
@@ -1024,7 +1022,6 @@ def _closest_signs(J: np.ndarray, g0: np.ndarray) -> tuple[np.ndarray, str]:
     fit that follows tells a wrong pattern by its misfit). Returns (s, method)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
 
-    from .relu_network import MILP_SECONDS
 
     d, m = J.shape
     # variables (s (m), e (d)): minimise sum e with -e <= J s + g0 <= e

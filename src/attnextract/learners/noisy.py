@@ -66,7 +66,7 @@ import numpy as np
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import SingleHeadAttention, softmax
-from ..oracle import Oracle, by_length, on_scaled_outputs, root_oracle
+from ..oracle import by_length, evaluate_ragged, on_scaled_outputs, Oracle, root_oracle
 from ..report import ExtractionResult, Report, Verification, verification_count
 from ..verification import (BATCH_BIG_MIN, BATCH_REASKS, batch_dependence, design,
                             max_length_of,
@@ -829,7 +829,6 @@ def sampled_spread(model: SingleHeadAttention, sequences, W_bar, v_bar, rng,
     """Largest |f_model' - f_model| over models W + dW, v + dv with random directions of
     norm W_bar and v_bar, per sequence (len(sequences),). Where attention is near one-hot
     an error of W can move it to another token: the gradient misses that, this does not."""
-    from ..oracle import evaluate_ragged
     base = evaluate_ragged(model, sequences)
     worst = np.zeros(len(sequences))
     d = model.dim

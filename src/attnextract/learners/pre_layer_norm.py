@@ -36,7 +36,7 @@ Once v is known, each column's simplex is reflected so that no height h_k is sma
 (:func:`balanced_tangents`); column 0's probes with a small height are probed again,
 tilted towards v.
 
-Verification (:func:`verify_on_sphere`): held-out sequences on S against the model, at
+Verification (:func:`attnextract.verification.verify_on_sphere`): held-out sequences on S against the model, at
 10 x its error bound, and rescaled or shifted copies off S against the box's own answers
 (a box with LayerNorm in front cannot see either). Several heads:
 :mod:`.pre_layer_norm_heads` (``heads`` >= 2).
@@ -52,11 +52,14 @@ import numpy as np
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import SphereAttention
-from ..oracle import Oracle, live_queries
-from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, Verification,
-                      checked_result, verification_count)
-from ..verification import (CONSISTENCY_FLOOR, MAX_ERROR_BAR, length_grid,
-                            longest_length, max_length_of, root_oracle, safe_norm, safe_rms)
+from ..numerics import safe_norm
+from ..oracle import Oracle
+from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
+                      verification_count)
+from ..sphere import (column_probes, hyperplane_basis, simplex_columns, sphere_radius,
+                      tangent_simplex)
+from ..verification import INVARIANCE_SHARE, verify_on_sphere
+from .pre_layer_norm_heads import extract_pre_layer_norm_heads
 from .single_head import logit
 
 log = logging.getLogger(__name__)
@@ -64,62 +67,11 @@ log = logging.getLogger(__name__)
 TARGET_LOGIT = 2.0       # a rescaled column aims its largest |t_k| at this
 MAX_LOGIT = 4.0          # beyond it sigma' < 0.02: the column is probed again, shorter chord
 MAX_RESCALES = 8
-# held-out check off the sphere: rescaling tokens and shifting them along 1 must leave
-# the attention unchanged up to LayerNorm's eps (relative change ~ eps d / R^2)
-INVARIANCE_TOLERANCE = 1e-3
-INVARIANCE_SHARE = 0.25
-# the error bars here are first-order bounds, not estimates: honest held-out errors on the
-# sphere were at most 0.035 of the bar (median 0.006; 60 runs, d = 8, 16, 32), so the
-# tolerance is tightened to 10 x the bar (the other learners' estimates get 1000 x)
-BOUND_FACTOR = 10.0
 SMALL_HEIGHT = 1.0 / 8   # column 0's probes with |h_k| below this x the largest: re-probed
 TILT = 0.5               # ... tilted this much towards v's tangential part
 VALUE_ROUNDING = 64.0    # pair answers within this many ulps of c + q^T w: P v = 0
 ROUNDING = 4.0           # error bars: ulps of rounding per answer
 EPS = np.finfo(float).eps
-
-
-def sphere_radius(d: int, radius) -> float:
-    """The tokens' norm R on the sphere (sqrt(d), LayerNorm's image, unless given)."""
-    R = math.sqrt(d) if radius is None else float(radius)
-    if not (math.isfinite(R) and R > 0):
-        raise InputError(f"radius must be positive and finite, got {radius!r}")
-    return R
-
-
-def hyperplane_basis(dim: int) -> np.ndarray:
-    """An orthonormal basis (d, d - 1) of the hyperplane 1^T x = 0."""
-    return np.linalg.qr(np.eye(dim)[:, :-1] - 1.0 / dim)[0]
-
-
-def hyperplane_rotation(dim: int, rng: np.random.Generator) -> np.ndarray:
-    """A random orthogonal (d, d) that fixes the all-ones direction (maps 1^T x = 0 to itself)."""
-    basis = hyperplane_basis(dim)
-    G, R = np.linalg.qr(rng.standard_normal((dim - 1, dim - 1)))
-    G *= np.sign(np.diag(R))
-    return basis @ G @ basis.T + 1.0 / dim
-
-
-def simplex_columns(dim: int, radius: float, rng: np.random.Generator) -> np.ndarray:
-    """The d vertices (d, d), one per column, of a randomly rotated regular simplex on
-    S: q_j = radius * Rot (e_j - 1/d) / sqrt(1 - 1/d); q_i^T q_j = -radius^2 / (d - 1)."""
-    vertices = (np.eye(dim) - 1.0 / dim) / math.sqrt(1.0 - 1.0 / dim)
-    return radius * hyperplane_rotation(dim, rng) @ vertices
-
-
-def tangent_simplex(Q: np.ndarray, j: int) -> np.ndarray:
-    """A regular m-simplex (d, m) of unit vectors in the tangent space at q_j (orthogonal
-    to q_j and to 1): the other vertices' components orthogonal to q_j, normalised."""
-    unit = Q / np.linalg.norm(Q[:, j])
-    m = Q.shape[1] - 1
-    return (np.delete(unit, j, axis=1) + unit[:, [j]] / m) / math.sqrt(1.0 - 1.0 / m ** 2)
-
-
-def column_probes(q: np.ndarray, tangents: np.ndarray, chord: float) -> np.ndarray:
-    """Probe tokens a_k (k, d) of column q at chord |a_k - q| = chord |q|: q rotated
-    towards the unit tangents e_k (d, k) by the angle 2 asin(chord / 2)."""
-    theta = 2.0 * math.asin(min(chord / 2.0, 1.0))
-    return math.cos(theta) * q[None] + np.linalg.norm(q) * math.sin(theta) * tangents.T
 
 
 def balanced_tangents(E: np.ndarray, z: np.ndarray, spread: float, shift: float) -> np.ndarray:
@@ -211,7 +163,6 @@ def extract_pre_layer_norm(oracle: Oracle, heads: int | None = None, *, seed=Non
     if heads is not None and (int(heads) != heads or heads < 1):
         raise InputError(f"heads must be a positive integer, got {heads!r}")
     if heads is not None and heads >= 2:
-        from .pre_layer_norm_heads import extract_pre_layer_norm_heads
         return extract_pre_layer_norm_heads(oracle, int(heads), seed=seed,
                                             verify_tolerance=verify_tolerance, radius=radius)
     start, start_queries, start_bb = time.perf_counter(), oracle.queries, oracle.black_box_seconds
@@ -383,133 +334,3 @@ def _require_finite(t: np.ndarray, where: str, *answers) -> None:
             f"the black box is not a pre-LayerNorm attention head: its pair probes of "
             f"{where} imply no attention weight in (0, 1) (or saturate at every chord); if the "
             f"block has several heads, pass heads=H (--heads H)")
-
-
-def sphere_tokens(count: int, dim: int, radius: float, rng: np.random.Generator) -> np.ndarray:
-    """``count`` random tokens (count, d) with zero mean and norm ``radius``."""
-    X = rng.standard_normal((count, dim))
-    X -= X.mean(axis=1, keepdims=True)
-    return radius * X / np.linalg.norm(X, axis=1, keepdims=True)
-
-
-def held_out_on_sphere(count: int, dim: int, radius: float, rng: np.random.Generator,
-                       longest: int) -> tuple[list, list]:
-    """Held-out sequences on the sphere and their family: "ordinary" (lengths 1..16, the
-    first a single token), "long" (lengths stratified in log over 2..L, L itself first)
-    and "close" (tokens a small angle from the last one: their scores differ little, the
-    softmax at its most sensitive)."""
-    kinds = [("ordinary", "long", "close")[i % 3] for i in range(count)]
-    n_long = kinds.count("long")
-    grid = length_grid(longest)
-    spots = math.log(2) + (math.log(max(longest, 2)) - math.log(2)) * (
-        rng.permutation(n_long) + rng.uniform(size=n_long)) / max(n_long, 1)
-    long_lengths = list(grid[np.abs(np.log(grid)[None, :] - spots[:, None]).argmin(axis=1)])
-    if long_lengths:
-        long_lengths[0] = longest
-    sequences = []
-    for i, kind in enumerate(kinds):
-        n = (int(max(long_lengths.pop(), 2)) if kind == "long"
-             else 1 if i == 0 else int(rng.integers(1, 17)))
-        X = sphere_tokens(n, dim, radius, rng)
-        if kind == "close":
-            near = X[-1] + rng.uniform(0.01, 0.3) * X
-            near -= near.mean(axis=1, keepdims=True)
-            X = radius * near / np.linalg.norm(near, axis=1, keepdims=True)
-        sequences.append(X)
-    return sequences, kinds
-
-
-def extreme_sequences(model: SphereAttention, rng: np.random.Generator) -> list:
-    """Sequences where the model's output is at its extremes on the sphere: the single
-    tokens +-R v_hat and +-R w_hat (w = v + r: f([x]) = c + x^T w), and 16 keys near
-    +-R v_hat before a random query (the attention output y^T v + c at its ends). A box
-    that differs only at large outputs (clipping) shows there if anywhere."""
-    d, R = model.dim, model.radius
-    v = model.v.sum(axis=0)
-    out = []
-    for u in (v, v + model.r):
-        norm = safe_norm(u)
-        if norm > 0:
-            out += [R * u[None] / norm, -R * u[None] / norm]
-    norm = safe_norm(v)
-    if norm > 0:
-        for sign in (1.0, -1.0):
-            keys = sign * v / norm + 0.05 * sphere_tokens(16, d, 1.0, rng)
-            keys -= keys.mean(axis=1, keepdims=True)
-            keys = R * keys / np.linalg.norm(keys, axis=1, keepdims=True)
-            out.append(np.concatenate([keys, sphere_tokens(1, d, R, rng)]))
-    return out
-
-
-def verify_on_sphere(oracle, model: SphereAttention, *, count: int, invariance: int,
-                     rng: np.random.Generator, tolerance: float,
-                     error_bar: float | None = None, extremes=None, residual=None,
-                     answers=None) -> Verification:
-    """The held-out check of a pre-LN model: ``count`` sequences on its sphere against the
-    model, then ``invariance`` of them with every token rescaled (x 1/2 .. 2) and the
-    keys shifted along 1 (a box with LayerNorm in front cannot see either, except the
-    residual r^T x_N of the rescaled last token), against the box's own answers.
-
-    Errors are relative to the RMS of f - c over the set; the invariance errors are
-    scaled by tolerance / INVARIANCE_TOLERANCE (LayerNorm's eps moves them slightly).
-    The model's own relative error bar e (``error_bar``) tightens the tolerance on the
-    sphere to max(BOUND_FACTOR e, CONSISTENCY_FLOOR), as
-    :func:`attnextract.verification.verify_model` does with its estimates: a model known
-    to 1e-12 that misses the box by 1e-8 is not the box's model.
-
-    The same check serves a model answering vectors: ``extremes(model, rng)`` builds its
-    extreme sequences (default :func:`extreme_sequences`), ``residual(X)`` is the residual
-    term of the last token (default r^T x_N), ``answers(observed)`` reads the box's
-    answers (default as they come); a sequence's error is then its largest channel error.
-    """
-    extremes = extreme_sequences if extremes is None else extremes
-    residual = (lambda X: X[-1] @ model.r) if residual is None else residual
-    requested = tolerance
-    if error_bar is not None and math.isfinite(error_bar) and 0 <= error_bar <= MAX_ERROR_BAR:
-        tolerance = min(tolerance, max(BOUND_FACTOR * error_bar, CONSISTENCY_FLOOR))
-    d, R = model.dim, model.radius
-    root = root_oracle(oracle)
-    longest = longest_length(getattr(root, "longest", None), max_length_of(oracle), d)
-    extreme = extremes(model, rng)
-    sequences, family = held_out_on_sphere(count - len(extreme), d, R, rng, longest)
-    sequences, family = sequences + extreme, family + ["extreme"] * len(extreme)
-    moved, last_scale = [], rng.uniform(0.5, 2.0, size=invariance)
-    for X, lam in zip(sequences[:invariance], last_scale):
-        scales = rng.uniform(0.5, 2.0, size=len(X))
-        scales[-1] = lam
-        shifts = rng.uniform(-1.0, 1.0, size=len(X)) * R / math.sqrt(d)
-        shifts[-1] = 0.0                   # the residual would see a shift of x_N along 1
-        moved.append(scales[:, None] * X + shifts[:, None])
-    oracle.require(count + invariance, "held-out verification on the sphere")
-    with live_queries(oracle):
-        observed = oracle.query_ragged(sequences + moved)
-    if answers is not None:
-        observed = answers(observed)
-    on_sphere, off_sphere = observed[:count], observed[count:]
-    predicted = np.array([model(X) for X in sequences])
-    # scale-safe: answers of 1e200 must not overflow into an infinite K (every error 0)
-    K = max(safe_rms(on_sphere - model.c), np.finfo(float).tiny)
-
-    def worst(difference):                 # per sequence: the largest channel's error
-        difference = np.abs(difference)
-        return difference.max(axis=1) if difference.ndim == 2 else difference
-
-    errors = worst(predicted - on_sphere) / K
-    grow = (last_scale - 1.0).reshape((-1,) + (1,) * (on_sphere.ndim - 1))
-    expected = on_sphere[:invariance] + grow * np.array(
-        [residual(X) for X in sequences[:invariance]])
-    drift = worst(off_sphere - expected) / K * (tolerance / INVARIANCE_TOLERANCE)
-    errors, family = np.concatenate([errors, drift]), family + ["invariance"] * invariance
-    family_errors: dict = {}
-    for f, e in zip(family, errors):
-        family_errors[f] = max(family_errors.get(f, 0.0), float(e))
-    lengths = [len(X) for X in sequences]
-    norms = [np.linalg.norm(X, axis=1) for X in sequences + moved]
-    return Verification(sequences=count + invariance, max_relative_error=float(errors.max()),
-                        median_relative_error=float(np.median(errors)), tolerance=tolerance,
-                        requested_tolerance=requested if tolerance < requested else 0.0,
-                        error_bar=0.0 if error_bar is None else float(error_bar),
-                        lengths=(min(lengths), max(lengths)),
-                        worst_family=family[int(np.argmax(errors))], family_errors=family_errors,
-                        norms=(float(min(n.min() for n in norms)), float(max(n.max() for n in norms))),
-                        max_length=longest)

@@ -51,7 +51,7 @@ Algorithm, per column q_j (the d vertices of a random regular simplex on S):
    W_h = m / (R^2 d) sum_j y_h(q_j) q_j^T (the simplex's exact affine solve),
    r = w - sum_h v_h.
 
-Verification as for one head (:func:`.pre_layer_norm.verify_on_sphere`): held-out
+Verification as for one head (:func:`attnextract.verification.verify_on_sphere`): held-out
 sequences on S against the model, and rescaled or shifted copies off S against the
 box's own answers.
 """
@@ -71,11 +71,11 @@ from ..models import SphereAttention
 from ..oracle import Oracle
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report,
                       checked_result, verification_count)
+from ..sphere import column_probes, hyperplane_basis, simplex_columns, sphere_radius
+from ..verification import INVARIANCE_SHARE, verify_on_sphere
 from .multi_head.design import copy_counts, measure, probe_lengths, realised_lambda
 from .multi_head.fit import (fit_logits, levenberg_marquardt, rational_steps,
                              sigmoid_and_slope, unit_std)
-from .pre_layer_norm import (INVARIANCE_SHARE, column_probes, hyperplane_basis, sphere_radius,
-                             simplex_columns, verify_on_sphere)
 
 log = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ from ..models import SingleHeadAttention
 from .noisy import FLOAT_SLACK, NoisyVerification, output_gradient_norms
 from ..oracle import Oracle, evaluate_ragged
 from ..report import ExtractionResult, Report, verification_count
-from ..verification import (BOUNDARY_FRACTION, boundary_shift, design, max_length_of,
+from ..verification import (_soft_pick, BOUNDARY_FRACTION, boundary_shift, design, max_length_of,
                             near_boundary)
 from .single_head import logit, probe_basis
 
@@ -384,7 +384,6 @@ def label_hull(model, count: int, rng, scale: float, threshold: float, v_bar: fl
     Returns a list of (X (N, d), singles): singles None for a pool token, else the pool
     positions (0-based within the returned list) of X's tokens.
     """
-    from ..verification import _soft_pick
     d = model.dim
     v = np.asarray(model.v, dtype=float)
     v_norm = float(np.linalg.norm(v))

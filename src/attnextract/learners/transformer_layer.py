@@ -108,14 +108,17 @@ import numpy as np
 
 from ..errors import (InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError,
                       RefusalWithResult)
-from ..models import TransformerLayer
-from ..oracle import Oracle, OracleView, on_scaled_outputs
+from ..models import MultiHeadAttention, TransformerLayer
+from ..oracle import evaluate_ragged, on_scaled_outputs, Oracle, OracleView
 from ..precision import precision_of, stated_precision
-from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
-                      token_scale, verification_count, verify_model)
+from ..report import (checked_result, DEFAULT_VERIFY_TOLERANCE, ExtractionResult,
+                      held_out_output_error, Report, token_scale, verification_count,
+                      verify_model)
 from ..verification import merge_verifications, safe_norm, safe_rms
 from .biased_relu import (ERROR_BAR_SIGMAS, NOISY_FIT, BiasedReLUNetwork, Tolerances, crossing_points,
                           extract_biased_relu, noisy_tolerances)
+from .multi_head import extract_multi_head, match_heads
+from .one_layer import OddPartOracle
 from .residual import (_MappedOracle, _ResidualOddOracle, counted_stage,
                        extract_one_layer_residual)
 from .single_head import probe_basis
@@ -943,7 +946,6 @@ class LargeTokenOddOracle(OracleView):
         return g if self.u is None else g - Z[:, -1] @ self.u
 
     def query_ragged(self, sequences) -> np.ndarray:
-        from ..oracle import evaluate_ragged
         return evaluate_ragged(self.query, [np.asarray(s, dtype=np.float64) for s in sequences])
 
 
@@ -981,8 +983,6 @@ def _stage(oracle, counts: dict, name: str, run):
 def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries, start_bb,
                    verify_tolerance, scale) -> ExtractionResult:
     """H > 1: FFN from single tokens, heads from the odd part, then the P_h split per unit."""
-    from .multi_head import extract_multi_head
-    from .one_layer import OddPartOracle
 
     d = oracle.dim
 
@@ -1271,9 +1271,6 @@ def compare_transformer_layer(recovered: TransformerLayer, truth: TransformerLay
     """
     from scipy.optimize import linear_sum_assignment
 
-    from ..models import MultiHeadAttention
-    from ..report import held_out_output_error
-    from .multi_head import match_heads
 
     rec, tru = canonical_units(recovered), canonical_units(truth)
     out = {"units": (len(rec["w"]), len(tru["w"]))}

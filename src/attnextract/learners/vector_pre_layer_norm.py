@@ -43,7 +43,7 @@ through the measured conditioning (|k| near 1/4 or 1, sigma_min of U and of O' U
 One head; several heads are not covered here (``heads`` >= 2 is refused). A box
 answering every position is read at its last one (the causal mask changes nothing there).
 
-Verification (:func:`verify_vector_on_sphere`): held-out sequences on S against the
+Verification (:func:`attnextract.verification.verify_vector_on_sphere`): held-out sequences on S against the
 model, every channel, at 10 x its error bound, and rescaled or shifted copies off S
 against the box's own answers (a box with LayerNorm in front sees neither, except the
 residual of the rescaled last token).
@@ -59,32 +59,28 @@ import numpy as np
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import VectorSphereAttention
-from ..oracle import Oracle
+from ..numerics import safe_norm
+from ..oracle import Oracle, root_oracle
 from ..report import (
     DEFAULT_VERIFY_TOLERANCE,
     ExtractionResult,
     Report,
-    Verification,
     checked_result,
     verification_count,
 )
-from ..verification import (
-    root_oracle,
-    safe_norm,
-)
-from .pre_layer_norm import (
-    INVARIANCE_SHARE,
-    MAX_LOGIT,
-    MAX_RESCALES,
+from ..sphere import (
     column_probes,
     hyperplane_basis,
-    _shorter,
     simplex_columns,
-    _solve_on_hyperplane,
     sphere_radius,
-    sphere_tokens,
     tangent_simplex,
-    verify_on_sphere,
+)
+from ..verification import INVARIANCE_SHARE, last_answers, verify_vector_on_sphere
+from .pre_layer_norm import (
+    MAX_LOGIT,
+    MAX_RESCALES,
+    _shorter,
+    _solve_on_hyperplane,
 )
 
 log = logging.getLogger(__name__)
@@ -92,16 +88,6 @@ log = logging.getLogger(__name__)
 EPS = float(np.finfo(float).eps)
 ROUNDING = 4.0           # error bars: ulps of rounding per answer number
 VALUE_ROUNDING = 64.0    # g within this many ulps of the answers' size: O' P = 0
-
-
-def last_answers(answers) -> np.ndarray:
-    """Answers (B, m) at the last position: from (B, m), (B, N, m), or an object array of
-    B every-position answers (N_i, m) (sequences of mixed lengths)."""
-    answers = np.asarray(answers)
-    if answers.dtype == object:
-        return np.stack([np.asarray(a, dtype=float)[-1] for a in answers])
-    answers = answers.astype(float)
-    return answers[:, -1, :] if answers.ndim == 3 else answers
 
 
 def three_token_sequences(A: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -348,42 +334,3 @@ def _require_finite(t: np.ndarray, where: str) -> None:
         raise ModelMismatchError(
             f"the black box is not a pre-LayerNorm attention head: its probes at {where} "
             f"imply no attention weights in (0, 1) (or saturate at every chord)")
-
-
-def extreme_vector_sequences(model: VectorSphereAttention, rng: np.random.Generator) -> list:
-    """Sequences where the answers are at their extremes on the sphere: single tokens
-    +-rho along the top right singular vectors of O P and (R + O) P, and 16 keys near
-    +-rho times O's before a random query."""
-    d, rho = model.dim, model.radius
-    O = model.O.sum(axis=0)
-    out = []
-    tops = [np.linalg.svd(T)[2][0] for T in (O, O + model.R) if safe_norm(T) > 0]
-    for u in tops:
-        out += [rho * u[None], -rho * u[None]]
-    if safe_norm(O) > 0:
-        u = tops[0]
-        for sign in (1.0, -1.0):
-            keys = sign * u + 0.05 * sphere_tokens(16, d, 1.0, rng)
-            keys -= keys.mean(axis=1, keepdims=True)
-            keys = rho * keys / np.linalg.norm(keys, axis=1, keepdims=True)
-            out.append(np.concatenate([keys, sphere_tokens(1, d, rho, rng)]))
-    return out
-
-
-def verify_vector_on_sphere(oracle, model: VectorSphereAttention, *, count: int,
-                            invariance: int, rng: np.random.Generator, tolerance: float,
-                            error_bar: float | None = None) -> Verification:
-    """The held-out check of a vector pre-LN model: ``count`` sequences on its sphere
-    against the model (every channel), then ``invariance`` of them with every token
-    rescaled (x 1/2 .. 2) and the keys shifted along 1 against the box's own answers
-    (LayerNorm sees neither; the residual R x_N of the rescaled last token is added).
-
-    A sequence's error is its largest channel error relative to the RMS of F - c over
-    the set (answers (count, m)); the invariance errors are scaled by tolerance /
-    INVARIANCE_TOLERANCE. The model's error bar e tightens the tolerance on the sphere
-    to max(BOUND_FACTOR e, CONSISTENCY_FLOOR), as :func:`.pre_layer_norm.verify_on_sphere`.
-    """
-    return verify_on_sphere(oracle, model, count=count, invariance=invariance, rng=rng,
-                            tolerance=tolerance, error_bar=error_bar,
-                            extremes=extreme_vector_sequences,
-                            residual=lambda X: model.R @ X[-1], answers=last_answers)

@@ -66,7 +66,7 @@ import numpy as np
 from ...errors import AttnExtractError, InputError, ModelMismatchError, RecoveryFailedError
 from ...models import BiasedMultiHeadAttention, MultiHeadAttention
 from ...oracle import Oracle, on_scaled_outputs
-from ...verification import safe_rms
+from ...verification import max_length_of, safe_rms
 from ...report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                        token_scale, verification_count, verify_model)
 from ..single_head import _model_error_bar, constant_and_values, measure_weights, probe_basis
@@ -240,7 +240,6 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         self.spare_rows = []                 # candidate base rows not used yet (base_row)
         self.column_gain = None              # |W_h^T u| / |u| measured (designed_column)
         self.set_window(design.base_length(self.max_heads))   # the base stages; main() switches
-        from ...verification import max_length_of
         needed = max(self.length, design.window_length(self.max_heads))
         limit = max_length_of(oracle)
         if limit is not None and limit < needed:
