@@ -33,14 +33,17 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SECTION_MARK = "<!-- section: "
 BLAS_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
+
 def default_path(script: str | os.PathLike) -> Path:
     """benchmarks/results/<script stem>.md."""
     return RESULTS / (Path(script).stem + ".md")
+
 
 def add_out_option(parser, script: str | os.PathLike) -> None:
     """``--out FILE``: where the results go (default benchmarks/results/<stem>.md)."""
     parser.add_argument("--out", default=str(default_path(script)), metavar="FILE.md",
                         help="the results file (default: %(default)s)")
+
 
 def out_from_argv(script: str | os.PathLike, argv: list[str] | None = None) -> Path:
     """The ``--out`` of a command line (the default path without one), for a script whose
@@ -48,6 +51,7 @@ def out_from_argv(script: str | os.PathLike, argv: list[str] | None = None) -> P
     parser = argparse.ArgumentParser(add_help=False)
     add_out_option(parser, script)
     return Path(parser.parse_known_args(sys.argv[1:] if argv is None else argv)[0].out)
+
 
 def command_line(script: str | os.PathLike, argv: list[str] | None = None) -> str:
     """The command that ran the script, as a user would type it from the repository."""
@@ -59,6 +63,7 @@ def command_line(script: str | os.PathLike, argv: list[str] | None = None) -> st
     blas = [f"{v}={os.environ[v]}" for v in BLAS_VARIABLES if v in os.environ]
     return " ".join(blas + ["python", shlex.quote(str(shown))] + [shlex.quote(a) for a in argv])
 
+
 def cpu_model() -> str:
     """The CPU's model name (from /proc/cpuinfo where there is one)."""
     try:
@@ -69,17 +74,19 @@ def cpu_model() -> str:
         pass
     return platform.processor() or platform.machine()
 
+
 def blas_threads() -> str:
     """The BLAS thread count numpy's BLAS uses (threadpoolctl when installed), and the
     environment variables that pin it."""
     pinned = ", ".join(f"{v}={os.environ[v]}" for v in BLAS_VARIABLES if v in os.environ)
     try:
-        from threadpoolctl import threadpool_info     # optional: the live pool sizes
+        from threadpoolctl import threadpool_info  # optional: the live pool sizes
         pools = sorted({f"{p.get('internal_api')} {p.get('num_threads')}" for p in threadpool_info()
                         if p.get("user_api") == "blas"})
     except ImportError:
         pools = []
     return "; ".join(filter(None, [", ".join(pools), pinned or "not pinned"]))
+
 
 def numpy_version() -> str:
     """The version of the numpy the script loaded (not imported here: a script may set
@@ -87,12 +94,14 @@ def numpy_version() -> str:
     numpy = sys.modules.get("numpy")
     return numpy.__version__ if numpy is not None else "not loaded"
 
+
 def load() -> str:
     """The 1, 5 and 15-minute load averages."""
     try:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
         return "unknown"
+
 
 def header(command: str, started: float, seconds: float, load_start: str,
            load_end: str) -> str:
@@ -108,6 +117,7 @@ def header(command: str, started: float, seconds: float, load_start: str,
         f"BLAS threads: {blas_threads()}",
     ])
 
+
 class _Tee(io.TextIOBase):
     """A stdout that also keeps what is written."""
 
@@ -120,6 +130,7 @@ class _Tee(io.TextIOBase):
 
     def flush(self):
         self.stream.flush()
+
 
 class Run:
     """One run of a script, written to its results file when the ``with`` block ends

@@ -72,7 +72,7 @@ NOT_NUMERICAL = ["tests/test_bench.py", "tests/test_check_kernels.py", "tests/te
                  "tests/test_server_state.py", "tests/test_ux.py", "tests/test_vector_transport.py",
                  "tests/test_vector_bench.py", "tests/test_hostile_server.py",
                  "tests/test_ledger_faults.py", "tests/test_replicas_reaper.py",
-                 "tests/test_server_access.py"]
+                 "tests/test_server_access.py", "tests/test_benchmark_results.py"]
 
 PROBE = """
 import json, numpy, threadpoolctl

@@ -22,9 +22,68 @@ import attnextract
 from attnextract import Oracle
 from attnextract.adapters.targets import random_multi_head
 from attnextract.learners import multi_head
-from check_newuser3_boxes import draw, numpy_box, torch_box
 
 import _results
+
+
+
+def draw(H, d, seed, s=1.0):
+    """H random heads: W_h entries N(0, s^2 / d), v_h entries N(0, 1)."""
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((H, d, d)) * s / np.sqrt(d), rng.standard_normal((H, d))
+
+
+def numpy_box(W, v, act="softmax", residual=False, noise=0.0):
+    """(B, N, d) -> (B,): the sum over heads of act(X W_h x_N)-weighted X v_h, written
+    as a user writes it; ``act`` relu or sigmoid (divided by N), a residual x_N^T r or
+    Gaussian output noise put the box outside the class."""
+    rng = np.random.default_rng(1000)
+    r = np.random.default_rng(7).standard_normal(W.shape[1])
+
+    def box(X):
+        out = np.zeros(len(X))
+        for W_h, v_h in zip(W, v):
+            s = np.einsum("bnd,de,be->bn", X, W_h, X[:, -1])
+            if act == "softmax":
+                a = np.exp(s - s.max(1, keepdims=True))
+                a /= a.sum(1, keepdims=True)
+            elif act == "relu":
+                a = np.maximum(s, 0) / X.shape[1]
+            else:                                  # sigmoid attention
+                a = 1 / (1 + np.exp(-s)) / X.shape[1]
+            out += np.einsum("bn,bn->b", a, X @ v_h)
+        if residual:
+            out += X[:, -1] @ r
+        return out + noise * rng.standard_normal(len(out))
+    return box
+
+
+def torch_box(d, H, seed, dtype, post=None):
+    """nn.MultiheadAttention(bias=False), the last token as query, a unit readout;
+    returns the box and the truth from its weights: W_h = K_h^T Q_h / sqrt(d/H),
+    v_h = V_h^T O_h^T r."""
+    import torch                         # optional: only the torch boxes need it
+    torch.manual_seed(seed)
+    mha = torch.nn.MultiheadAttention(d, H, bias=False, batch_first=True).to(dtype)
+    r = torch.nn.functional.normalize(torch.randn(d, dtype=dtype), dim=0)
+
+    def box(X):
+        x = torch.as_tensor(X, dtype=dtype)
+        with torch.no_grad():
+            out, _ = mha(x[:, -1:], x, x, need_weights=False)
+        y = (out[:, -1] @ r).double().numpy()
+        return y if post is None else post(y)
+    hd = d // H
+    Wi = mha.in_proj_weight.detach().double().numpy()
+    Q, K, V = Wi[:d], Wi[d:2 * d], Wi[2 * d:]
+    O = mha.out_proj.weight.detach().double().numpy()
+    rr = r.detach().double().numpy()
+    W = np.array([K[h * hd:(h + 1) * hd].T @ Q[h * hd:(h + 1) * hd] / np.sqrt(hd)
+                  for h in range(H)])
+    v = np.array([V[h * hd:(h + 1) * hd].T @ O[:, h * hd:(h + 1) * hd].T @ rr
+                  for h in range(H)])
+    return box, (W, v)
+
 
 _seen = {}
 _run = multi_head._Extraction.run

@@ -602,11 +602,11 @@ def plots(rows: list[dict], out: Path) -> list[str]:
             ax.plot(ds, qs, "-", label=label, **style)
             if all(r["paper_count"] is not None for r in sub):
                 ax.plot(ds, [r["paper_count"] for r in sub], ":", color=style["color"])
-            ax.plot(ds, [r["floor"] for r in sub], "--", color=REFERENCE, lw=0.8,
+            ax.plot(ds, [r["floor"] for r in sub], "--", color=style["color"], lw=0.8,
                     marker="_", ms=10)
         fig = _scaling_figure(scaling, queries, "queries", "recovery queries against d",
-                              [(Line2D([], [], ls="--", color=REFERENCE, lw=0.8, marker="_"),
-                                "dashed: the free parameters (floor)"),
+                              [(Line2D([], [], ls="--", color="gray", lw=0.8, marker="_"),
+                                "dashed, bars: the free parameters (floor)"),
                                (Line2D([], [], ls=":", color="gray"),
                                 "dotted: the paper's count (the series' colour)")])
         written += save(fig, out / "queries_vs_d")

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import numpy as np
 
-from .errors import AttnExtractError
-from .oracle import Oracle, RoundedOutputs
-from .plotting import REFERENCE, legend_outside, log_axes, save, series_styles
 from .adapters.targets import random_low_rank_multi_head, random_multi_head
+from .errors import AttnExtractError
 from .learners.multi_head import canonical_error, extract_multi_head, paper2_count
 from .learners.multi_head_low_rank import extract_multi_head_low_rank
+from .oracle import Oracle, RoundedOutputs
+from .plotting import REFERENCE, legend_outside, log_axes, save, series_styles
 
 GOAL = 1e-10          # canonical error of a success, full-rank heads
 LOW_RANK_GOAL = 1e-8  # ... low-rank heads (issue 12, item 2)
@@ -39,7 +40,7 @@ def grid_cell(H: int, d: int, seeds: int, scale: float = 1.0, float32: bool = Fa
     learner's option; ``on_run``: called with each run's record as it ends (progress).
     Each run records its wall and CPU seconds and the machine's 1-minute load average
     when it ended."""
-    runs = []
+    runs: list[dict[str, Any]] = []
     for seed in range(seeds):
         learner_seed = seed if learner_seeds is None else int(learner_seeds[seed])
         if rank is None:
@@ -49,6 +50,7 @@ def grid_cell(H: int, d: int, seeds: int, scale: float = 1.0, float32: bool = Fa
             target = random_low_rank_multi_head(H, d, rank, seed=seed, scale=scale)
         oracle = Oracle(RoundedOutputs(target) if float32 else target, d)
         start, cpu_start = time.perf_counter(), time.process_time()
+        result: Any                      # the learner's result, or a refusal's (or None)
         try:
             if rank is None:
                 result = extract_multi_head(oracle, heads=H if told else None,
@@ -60,9 +62,10 @@ def grid_cell(H: int, d: int, seeds: int, scale: float = 1.0, float32: bool = Fa
             exc = error
             result, outcome = getattr(exc, "result", None), type(exc).__name__
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        run = {"seed": seed, "learner_seed": learner_seed, "wall": wall, "cpu": cpu,
-               "load": os.getloadavg()[0], "refused": outcome,
-               "queries": oracle.queries, "black_box": oracle.black_box_seconds}
+        run: dict[str, Any] = {"seed": seed, "learner_seed": learner_seed, "wall": wall,
+                               "cpu": cpu, "load": os.getloadavg()[0], "refused": outcome,
+                               "queries": oracle.queries,
+                               "black_box": oracle.black_box_seconds}
         details = result.report.details if result is not None else {}
         run.update(designs=int(details.get("designs tried", 1)),
                    rows_redesigned=int(details.get("main rows redesigned", 0)),
@@ -115,9 +118,10 @@ def grid_cell(H: int, d: int, seeds: int, scale: float = 1.0, float32: bool = Fa
 
 def grid_markdown(rows: list[dict]) -> str:
     """The cells as one markdown table."""
-    out = ["| d | H | r | W scale | H told | success | first try | retries (rows) | refusals | "
-           "wrong | median queries | paper 2 | floor | queries / floor | median error | "
-           "worst error | s (success, median) | s (cell) | s (failure, max) |",
+    out = [("| d | H | r | W scale | H told | success | first try | retries (rows) | "
+            "refusals | wrong | median queries | paper 2 | floor | queries / floor | "
+            "median error | worst error | s (success, median) | s (cell) | "
+            "s (failure, max) |"),
            "|" + "---|" * 19]
     fmt = lambda x, f: "-" if x is None else format(x, f)
     for r in rows:
@@ -138,8 +142,8 @@ def grid_markdown(rows: list[dict]) -> str:
 def runs_markdown(rows: list[dict]) -> str:
     """Every run of the cells as one markdown table: outcome, error, queries, wall and CPU
     seconds, and the 1-minute load average when the run ended."""
-    out = ["| d | H | W scale | target seed | learner seed | outcome | canonical error | "
-           "recovery queries | designs | s (wall) | s (CPU) | load |", "|" + "---|" * 12]
+    out = [("| d | H | W scale | target seed | learner seed | outcome | canonical error | "
+            "recovery queries | designs | s (wall) | s (CPU) | load |"), "|" + "---|" * 12]
     for r in rows:
         for run in r.get("runs", []):
             outcome = run["refused"] or ("recovered" if run["success"] else "above goal")
@@ -159,7 +163,7 @@ def queries_error_plot(rows: list[dict], path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    series = {}
+    series: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
         if r["rank"] is not None:
             continue
