@@ -134,7 +134,7 @@ def in_class_on_image(box) -> bool | None:
 
 
 def zoo_run(name: str, H: int, d: int, seed: int) -> dict:
-    from attnextract.adapters.impostors import BehindLayerNorm
+    from attnextract.testing.impostors import BehindLayerNorm
     rng = np.random.default_rng([seed, d, sum(map(ord, name))])
     block = random_pre_layer_norm(H, d, seed)
     # the switches land inside the run: this seed's own recovery count on the honest block
@@ -191,7 +191,7 @@ def main() -> None:
                  for k in ("post-LN", "plain attention + residual", "twice the heads told")
                  for H, d in cells for s in range(args.refusal_seeds)]
                 if "refusals" in args.parts else [])
-    from attnextract.adapters.impostors import zoo
+    from attnextract.testing.impostors import zoo
     names = list(zoo(BiasedMultiHeadAttention(np.stack([np.eye(4)] * 2), np.ones((2, 4)),
                                               np.ones((2, 4)), 0.0)))
     zoo_rows = ([zoo_run(n, H, 8, s) for n in names for H in args.heads
