@@ -1,6 +1,6 @@
 """The impostor zoo against every learner: refusals over seeds at d in {8, 32}.
 
-Each impostor (``attnextract.adapters.impostors``) is built on an honest model of the
+Each impostor (``attnextract.testing.impostors``) is built on an honest model of the
 learner's class (seeded), and the learner runs against it. A refusal is a typed
 error (ModelMismatchError, NotIdentifiableError, RecoveryFailedError); anything
 returned is ACCEPTED and gets its held-out error against the impostor (max relative
@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from attnextract.adapters.impostors import (LEARNER_CASES, SAME_LABELS, impostor_names,
+from attnextract.testing.impostors import (LEARNER_CASES, SAME_LABELS, impostor_names,
                                             recovery_queries, run_impostor)
 from attnextract.oracle import evaluate_ragged
 from attnextract.verification import design, scaled_relative_errors, token_norms

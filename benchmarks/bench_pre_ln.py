@@ -9,7 +9,7 @@ identified parts (P W P, P b, P v, P r, c; c against max(|c|, |v|)) against
 PreLayerNormAttention.on_sphere, queries against the floor d^2 + d - 1, the rescaling,
 the held-out error and CPU seconds. Then boxes outside the class at d = 8 and 16, 20
 seeds each (post-LN, plain biased attention plus the residual, two pre-LN heads): each
-must be refused. Last, the impostor zoo (adapters/impostors.py) behind a LayerNorm
+must be refused. Last, the impostor zoo (attnextract.testing.impostors) behind a LayerNorm
 (impostors.BehindLayerNorm: r^T x_N + impostor(LN(X))), d = 8 and 16, 20 seeds: refused,
 unless its difference never shows on LayerNorm's image (then it is the block itself).
 
@@ -126,7 +126,7 @@ def in_class_on_image(box) -> bool:
 
 
 def zoo_run(name: str, d: int, seed: int) -> dict:
-    from attnextract.adapters.impostors import BehindLayerNorm
+    from attnextract.testing.impostors import BehindLayerNorm
     rng = np.random.default_rng([seed, d, sum(map(ord, name))])
     box = BehindLayerNorm(random_pre_layer_norm(1, d, seed), name, rng, d * d + d - 1)
     row = {"zoo": name, "d": d, "seed": seed, "in_class": in_class_on_image(box)}
@@ -181,7 +181,7 @@ def measure(args) -> str:
     rows += [run("torch", 16, s) for s in range(args.seeds)]
     refusals = [refusal(k, d, s) for k in ("post-LN", "plain attention + residual", "two heads")
                 for d in (8, 16) for s in range(args.seeds)]
-    from attnextract.adapters.impostors import zoo
+    from attnextract.testing.impostors import zoo
     from attnextract.models import BiasedSingleHeadAttention
     names = list(zoo(BiasedSingleHeadAttention(np.eye(4), np.ones(4), np.ones(4), 0.0)))
     zoo_rows = [zoo_run(n, d, s) for n in names for d in (8, 16) for s in range(args.seeds)]

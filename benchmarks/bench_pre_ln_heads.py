@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from attnextract import extract
-from attnextract.adapters.impostors import zoo
+from attnextract.testing.impostors import zoo
 from attnextract.adapters.targets import random_multi_head, random_pre_layer_norm
 from attnextract.errors import AttnExtractError
 from attnextract.models import BiasedMultiHeadAttention, layer_norm
@@ -133,7 +133,7 @@ def in_class_on_image(box) -> bool | None:
 
 
 def zoo_run(name: str, H: int, d: int, seed: int) -> dict:
-    from attnextract.adapters.impostors import BehindLayerNorm
+    from attnextract.testing.impostors import BehindLayerNorm
     rng = np.random.default_rng([seed, d, sum(map(ord, name))])
     block = random_pre_layer_norm(H, d, seed)
     # the switches land inside the run: this seed's own recovery count on the honest block

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from attnextract import ModelMismatchError, Oracle
-from attnextract.adapters.impostors import BatchDependent, Float32AboveBatch
+from attnextract.testing.impostors import BatchDependent, Float32AboveBatch
 from attnextract.adapters.targets import random_single_head
 from attnextract.errors import AttnExtractError
 from attnextract.oracle import RoundedOutputs

@@ -1,4 +1,4 @@
-"""The impostor zoo (attnextract.adapters.impostors) against the single-head class.
+"""The impostor zoo (attnextract.testing.impostors) against the single-head class.
 
 Every impostor answers like a single head (W, v) on the short, ordinary sequences a
 learner probes, and differs somewhere else; each carries the reason it is not a
@@ -12,7 +12,7 @@ tests/test_impostors_learners.py.
 import pytest
 
 from attnextract import Oracle
-from attnextract.adapters.impostors import impostor_names, recovery_queries, run_impostor
+from attnextract.testing.impostors import impostor_names, recovery_queries, run_impostor
 from attnextract.adapters.targets import (hostile_single_heads, random_low_rank_head,
                                           random_single_head)
 from attnextract.learners.single_head import extract_single_head

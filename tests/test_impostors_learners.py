@@ -1,4 +1,4 @@
-"""Every learner against the impostor zoo (attnextract.adapters.impostors).
+"""Every learner against the impostor zoo (attnextract.testing.impostors).
 
 Each impostor changes one thing of an honest model of the learner's class and carries
 the reason it is outside the class. A learner must refuse it (a typed error), never
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from attnextract import ModelMismatchError, MultiHeadAttention, Oracle
-from attnextract.adapters import impostors
-from attnextract.adapters.impostors import (LEARNER_CASES, SAME_LABELS, impostor_names,
+from attnextract.testing import impostors
+from attnextract.testing.impostors import (LEARNER_CASES, SAME_LABELS, impostor_names,
                                             make_impostor, recovery_queries, run_impostor, zoo)
 from attnextract.adapters.targets import random_single_head
 from attnextract.learners.one_layer import random_one_layer

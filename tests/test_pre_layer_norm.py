@@ -161,7 +161,7 @@ def test_boxes_that_are_not_a_pre_ln_head_are_refused(dim, seed, impostor):
 @pytest.mark.parametrize("name", ["second head 1e-8", "two heads x1e200", "attention sink",
                                   "sliding window 16", "cubic scores"])
 def test_zoo_impostors_behind_a_layer_norm_are_refused(name):
-    from attnextract.adapters.impostors import BehindLayerNorm
+    from attnextract.testing.impostors import BehindLayerNorm
     box = BehindLayerNorm(random_pre_layer_norm(1, 8, 2), name, np.random.default_rng(2), 71)
     with pytest.raises(ModelMismatchError):
         extract(Oracle(box, 8), "pre-ln", seed=2)

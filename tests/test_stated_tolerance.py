@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from attnextract import Oracle
-from attnextract.adapters.impostors import MeanPoolHead
+from attnextract.testing.impostors import MeanPoolHead
 from attnextract.adapters.targets import random_single_head
 from attnextract.report import Report, Verification, verify_model
 from attnextract.verification import merge_verifications

@@ -284,17 +284,39 @@ def test_out_names_the_file_actually_written(tmp_path, target_file, capsys):
     assert len(model_line) - len(model_line[5:].lstrip()) == wrote_line.index(str(tmp_path))
 
 
-def test_a_wrong_dim_on_a_python_target_names_dim_and_the_expected_width(tmp_path, target_file,
-                                                                         capsys):
-    assert main(["extract", "--target", f"{target_file}:by_hand", "--dim", "5",
-                 "--out", str(tmp_path / "r.npz")]) == 3
+@pytest.mark.parametrize("name", ["by_hand", "head"])
+@pytest.mark.parametrize("journal", [[], ["--no-journal"]])
+def test_a_wrong_dim_on_a_python_target_is_a_usage_error_naming_its_width(tmp_path, target_file,
+                                                                          capsys, name, journal):
+    """A numpy function with d = 4 baked in (its broadcast error) and a model object (its own
+    shape check): exit 2, one short line naming the width the box answers for, and no
+    journal left behind."""
+    assert main(["extract", "--target", f"{target_file}:{name}", "--dim", "5",
+                 "--out", str(tmp_path / "r.npz"), *journal]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    last = err[-1]
-    assert "--dim 5 does not match the target" in last and "expects tokens of width 4" in last
-    assert "give --dim 4" in last and "--no-journal" not in last
-    # the hint first, numpy's broadcasting text last and cut short, all on one line
-    assert last.index("give --dim 4") < last.index("ValueError") and len(last) < 400
-    assert not any("broadcast" in line for line in err[:-1])
+    assert len(err) == 1, err
+    assert err[0] == ("attnextract: DimensionError: --dim 5 does not match the target, which "
+                      "answers for d = 4: give --dim 4")
+    assert "broadcast" not in err[0] and "challenge" not in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target.py"]
+
+
+def test_a_wrong_dim_keeps_a_journal_that_was_there(tmp_path, target_file, capsys):
+    """Only a journal the failed run created goes: one an earlier run wrote stays, and
+    still resumes that run."""
+    out = str(tmp_path / "r.npz")
+    assert main(["extract", "--target", f"{target_file}:head", "--dim", "4", "--out", out,
+                 "--seed", "3"]) == 0
+    journal = tmp_path / "r.journal.sqlite"
+    kept = journal.read_bytes()
+    assert main(["extract", "--target", f"{target_file}:head", "--dim", "5", "--out", out,
+                 "--seed", "3"]) == 2
+    assert journal.read_bytes() == kept
+    capsys.readouterr()
+    assert main(["extract", "--target", f"{target_file}:head", "--dim", "4", "--out", out,
+                 "--seed", "3", "--json"]) == 0
+    details = json.loads(capsys.readouterr().out)["details"]
+    assert details["black_box_queries"] == 0 and details["journal_queries"] > 0   # resumed
 
 
 def test_a_rounding_mismatch_names_the_tolerance_options_and_they_work(tmp_path, target_file,
@@ -395,11 +417,11 @@ def test_demo_and_verify_help_do_not_mention_an_out_they_lack(command, capsys):
 
 def test_a_wrong_dim_then_the_right_dim_succeeds_with_the_default_journal(tmp_path,
                                                                          target_file, capsys):
-    """The failed first run leaves a journal with no answers: it never blocks the rerun."""
+    """The failed first run leaves no journal: nothing blocks the rerun."""
     out = str(tmp_path / "r.npz")
     assert main(["extract", "--target", f"{target_file}:by_hand", "--dim", "5",
-                 "--out", out, "--no-progress"]) == 3
-    assert (tmp_path / "r.journal.sqlite").exists()          # the default journal was made
+                 "--out", out, "--no-progress"]) == 2
+    assert not (tmp_path / "r.journal.sqlite").exists()
     assert main(["extract", "--target", f"{target_file}:by_hand", "--dim", "4",
                  "--out", out, "--no-progress"]) == 0
     assert rel_err(load_model(out).W, np.load(out)["W"]) == 0
@@ -407,7 +429,7 @@ def test_a_wrong_dim_then_the_right_dim_succeeds_with_the_default_journal(tmp_pa
     # and the same with an explicit --seed that differs from the failed run's
     out2 = str(tmp_path / "s.npz")
     assert main(["extract", "--target", f"{target_file}:by_hand", "--dim", "5", "--seed", "1",
-                 "--out", out2, "--no-progress"]) == 3
+                 "--out", out2, "--no-progress"]) == 2
     assert main(["extract", "--target", f"{target_file}:by_hand", "--dim", "4", "--seed", "2",
                  "--out", out2, "--no-progress"]) == 0
 

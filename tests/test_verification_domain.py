@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from attnextract import Oracle, extract
-from attnextract.adapters.impostors import (LEARNER_CASES, make_impostor, recovery_queries,
+from attnextract.testing.impostors import (LEARNER_CASES, make_impostor, recovery_queries,
                                             run_impostor)
 from attnextract.adapters.journal import QueryJournal
 from attnextract.adapters.targets import random_multi_head, random_single_head
@@ -225,7 +225,7 @@ def test_every_learner_accepts_honest_models_at_extreme_output_scales(learner, f
     the Transformer layer refused outputs x 1e-6 or x 1e50, multi-head x 1e-150 (NaN in
     the fits) and x 1e300, the noisy learner x 1e-300. The noisy learner is told its
     noise in the box's units (tolerance x factor)."""
-    from attnextract.adapters.impostors import NOISY_TOLERANCE
+    from attnextract.testing.impostors import NOISY_TOLERANCE
     honest, run, _ = LEARNER_CASES[learner]
     model = honest(D, 2)
     box = _Scaled(model, factor)

@@ -116,7 +116,7 @@ def test_a_region_of_five_percent_is_refused_or_honestly_reported(d):
     """A deviation on about 5% of inputs (a cone of query tokens): a small check may miss
     it, and then its report must not claim a coverage that would have caught it; a
     check bought to cover 1% refuses it."""
-    from attnextract.adapters.impostors import Cone
+    from attnextract.testing.impostors import Cone
     from attnextract.report import draws_for_coverage
     for seed in range(3):
         model = random_single_head(d, seed=seed)

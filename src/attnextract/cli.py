@@ -794,6 +794,7 @@ def cmd_extract(args) -> int:
     learner, options = _learner_and_options(args)     # option errors before any work
     args.out = _prepare_out(args.out)                 # an unwritable --out before any query
     black_box = _open_target(args.target, args.dim, args)
+    created = _journal_path(args) is not None and not os.path.exists(_journal_path(args))
     journal = _open_journal(args)
     bar = _progress(args)
     oracle = Oracle(black_box, args.dim, budget=args.budget, max_batch=args.max_batch,
@@ -805,6 +806,14 @@ def cmd_extract(args) -> int:
         result = extract(oracle, learner.name, seed=args.seed, tolerance=args.tolerance,
                          sign_only=args.sign_only, verify_tolerance=args.verify_tolerance,
                          **options)
+    except InputError:
+        # a usage error (a wrong --dim, found at the first batch): a journal this run
+        # created holds nothing a rerun could use, and is not left behind
+        if created and journal is not None and not len(journal):
+            journal.close()
+            _remove_journal(journal.path)
+            _RUN["journal"] = None
+        raise
     finally:
         bar.close()
         _close_journal(oracle)
@@ -897,6 +906,15 @@ def _journal_path(args) -> str | None:
         return args.journal
     out = getattr(args, "out", None)
     return None if out is None else str(Path(out).with_suffix("")) + ".journal.sqlite"
+
+
+def _remove_journal(path) -> None:
+    """Delete a journal this run created and nothing rests on (and SQLite's side files)."""
+    for name in (str(path), f"{path}-journal", f"{path}-wal", f"{path}-shm"):
+        try:
+            os.remove(name)
+        except FileNotFoundError:
+            pass
 
 
 def _open_journal(args):

@@ -28,6 +28,16 @@ class BlackBoxError(AttnExtractError):
     """The black box itself failed: raised an exception, or cannot be reached."""
 
 
+class DimensionError(InputError, BlackBoxError):
+    """The black box takes tokens of another width than the one given (``dim``,
+    ``--dim``): a usage error, found at its first batch. ``expected`` is the width the
+    black box answers for."""
+
+    def __init__(self, message: str, *, expected: int):
+        super().__init__(message)
+        self.expected = expected
+
+
 class MalformedOutputError(BlackBoxError):
     """The black box answered, but its answer has the wrong type or shape."""
 

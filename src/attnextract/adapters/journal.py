@@ -482,7 +482,7 @@ class QueryJournal:
         try:
             answers = _answers_ragged(ask, challenges)
         except BlackBoxError as exc:          # a box that refuses long sequences, say
-            if getattr(exc, "first_batch", False):
+            if getattr(exc, "first_batch", False) or isinstance(exc, InputError):
                 raise                         # already says what to fix (a wrong --dim)
             raise type(exc)(f"the black box failed on the run's first queries, the journal's "
                             f"{len(challenges)} challenge sequences (lengths 1-256): "

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import AttnExtractError, BlackBoxError, InputError, TargetLoadError
+from ..errors import AttnExtractError, BlackBoxError, DimensionError, InputError, TargetLoadError
 from ..models import (BiasedMultiHeadAttention, BiasedSingleHeadAttention, MultiHeadAttention,
                       PreLayerNormAttention, SingleHeadAttention, TransformerLayer,
                       VectorAttention)
@@ -252,14 +252,15 @@ def guarded_call(target, X, timeout: float | None = None):
 
 class FirstBatchHint:
     """A Python target under guard (:func:`guarded_call`: stdout to stderr, an optional
-    ``timeout`` in seconds per call) whose first batch failing with a shape-like error
-    names ``--dim``.
+    ``timeout`` in seconds per call) whose first batch failing names ``--dim``.
 
     A wrong ``--dim`` reaches a target as a numpy broadcast or shape error ("operands
     could not be broadcast together ..."), which says nothing about the cause. If the
-    very first batch raises ValueError, IndexError or TypeError, the error says so and
-    gives the width the target expects when :func:`expected_width` can tell. Later
-    failures pass through unchanged (the oracle types them as :class:`BlackBoxError`).
+    very first batch fails and :func:`expected_width` reads another width off the
+    target, that is a usage error (:class:`DimensionError`, one line naming the width);
+    if it fails with ValueError, IndexError or TypeError and the width is unknown, the
+    error says to check ``--dim``. Later failures pass through unchanged (the oracle
+    types them as :class:`BlackBoxError`).
     """
 
     def __init__(self, target, spec: str, timeout: float | None = None):
@@ -272,22 +273,21 @@ class FirstBatchHint:
             return guarded_call(self.target, X, self.timeout)
         try:
             out = guarded_call(self.target, X, self.timeout)
-        except (ValueError, IndexError, TypeError) as exc:
-            if isinstance(exc, AttnExtractError):
-                raise
+        except Exception as exc:
             width, sent = expected_width(self.target), np.shape(X)[-1]
-            if width == sent:
+            if width and width != sent:
+                # a usage error, in one short line: the target's own text says no more
+                raise DimensionError(f"--dim {sent} does not match the target, which answers "
+                                     f"for d = {width}: give --dim {width}",
+                                     expected=width) from exc
+            if isinstance(exc, AttnExtractError) or not isinstance(
+                    exc, (ValueError, IndexError, TypeError)) or width == sent:
                 raise
             # the cause first, in one line; the target's own (numpy) text last and short
             own = " ".join(f"{type(exc).__name__}: {exc}".split())
             own = own if len(own) <= 100 else own[:97] + "..."
-            if width:
-                error = BlackBoxError(f"--dim {sent} does not match the target: {self.spec} "
-                                      f"expects tokens of width {width}, give --dim {width} "
-                                      f"(its first batch raised {own})")
-            else:
-                error = BlackBoxError(f"the target failed on its first batch, tokens of width "
-                                      f"{sent}: check --dim against the target (it raised {own})")
+            error = BlackBoxError(f"the target failed on its first batch, tokens of width "
+                                  f"{sent}: check --dim against the target (it raised {own})")
             error.first_batch = True          # says what to fix: nothing to add to it
             raise error from exc
         self.answered = True

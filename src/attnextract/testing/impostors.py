@@ -4,7 +4,7 @@ Every impostor is built on an honest model of one of the learners' classes (a si
 head, H heads, a one-layer Transformer, a Transformer layer) and changes one thing.
 It answers like the honest model on the short, ordinary sequences a learner probes
 and differs somewhere else: on long sequences, on tiny or huge tokens, on sparse
-tokens, by 1e-8 of the output, or after some number of queries. The issue-23 classes
+tokens, by 1e-8 of the output, or after some number of queries. Some classes
 differ only beyond some length (truncation at 257 or 1,000 tokens, ln N score scaling
 or an offset beyond a length drawn per seed), only where every score is far below zero
 (a sink logit at -8 .. -20), by small smooth terms that grow with length or norm (a slow
@@ -37,7 +37,7 @@ import math
 
 import numpy as np
 
-from . import targets
+from ..adapters import targets
 from ..errors import (BudgetExceededError, InputError, ModelMismatchError, NotIdentifiableError,
                       RecoveryFailedError)
 from ..learners.one_layer import random_one_layer
