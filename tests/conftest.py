@@ -168,6 +168,19 @@ def _deselect_missing(config, items):
         _left_out["tests"] = len(dropped)
 
 
+def pytest_sessionfinish(session):
+    """Under pytest-xdist a worker collects: it hands what it left out to the controller."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["attnextract_left_out"] = dict(_left_out)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: every worker collected the same tests, so one report does."""
+    _left_out.update(getattr(node, "workeroutput", {}).get("attnextract_left_out", {}))
+
+
 def pytest_terminal_summary(terminalreporter):
     if _left_out:
         modules = sorted(k for k in _left_out if k != "tests")
