@@ -92,8 +92,9 @@ def _imported_names(tree: ast.AST) -> dict[str, str]:
 def _needs_of_nodes(nodes, imported: dict[str, str], functions: dict | None = None,
                     seen: set | None = None) -> set[str]:
     """The optional packages that these statements import or importorskip, or reach through
-    a name imported from an attnextract module that uses them, or through a function of
-    the same test module that they call."""
+    a name imported from an attnextract module that uses them, through a function of the
+    same test module that they call, or through a file they write (its imports, in a
+    string)."""
     functions, seen = functions or {}, seen if seen is not None else set()
     needs = set()
     for node in (n for top in nodes for n in ast.walk(top)):
@@ -106,6 +107,11 @@ def _needs_of_nodes(nodes, imported: dict[str, str], functions: dict | None = No
             modules = [a.value for a in node.args[:1] if isinstance(a, ast.Constant)]
         elif isinstance(node, ast.Name) and node.id in imported:
             modules = [imported[node.id]]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            # a target file the test writes: its imports
+            for pattern, packages in TEXT_NEEDS[:len(OPTIONAL) + len(THROUGH)]:
+                if pattern.search(node.value):
+                    needs.update(packages)
         elif isinstance(node, ast.Name) and node.id in functions and node.id not in seen:
             seen.add(node.id)
             needs |= _needs_of_nodes([functions[node.id]], imported, functions, seen)
