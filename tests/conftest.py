@@ -92,8 +92,9 @@ def _imported_names(tree: ast.AST) -> dict[str, str]:
 def _needs_of_nodes(nodes, imported: dict[str, str], functions: dict | None = None,
                     seen: set | None = None) -> set[str]:
     """The optional packages that these statements import or importorskip, or reach through
-    a name imported from an attnextract module that uses them, or through a function of
-    the same test module that they call."""
+    a name imported from an attnextract module that uses them, through a function of the
+    same test module that they call, or through a file they write (its imports, in a
+    string)."""
     functions, seen = functions or {}, seen if seen is not None else set()
     needs = set()
     for node in (n for top in nodes for n in ast.walk(top)):
@@ -106,6 +107,11 @@ def _needs_of_nodes(nodes, imported: dict[str, str], functions: dict | None = No
             modules = [a.value for a in node.args[:1] if isinstance(a, ast.Constant)]
         elif isinstance(node, ast.Name) and node.id in imported:
             modules = [imported[node.id]]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            # a target file the test writes: its imports
+            for pattern, packages in TEXT_NEEDS[:len(OPTIONAL) + len(THROUGH)]:
+                if pattern.search(node.value):
+                    needs.update(packages)
         elif isinstance(node, ast.Name) and node.id in functions and node.id not in seen:
             seen.add(node.id)
             needs |= _needs_of_nodes([functions[node.id]], imported, functions, seen)
@@ -166,6 +172,19 @@ def _deselect_missing(config, items):
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
         _left_out["tests"] = len(dropped)
+
+
+def pytest_sessionfinish(session):
+    """Under pytest-xdist a worker collects: it hands what it left out to the controller."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["attnextract_left_out"] = dict(_left_out)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: every worker collected the same tests, so one report does."""
+    _left_out.update(getattr(node, "workeroutput", {}).get("attnextract_left_out", {}))
 
 
 def pytest_terminal_summary(terminalreporter):
