@@ -19,6 +19,7 @@ need 1.25 H (d + 1) + H + 1 per row (sent when the bias-free run's would be).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from ...oracle import root_oracle
 from ...report import verification_count
@@ -124,7 +125,13 @@ def column_samples(H: int) -> int:
     return 3 * H + 1
 
 
-class Budget:
+if TYPE_CHECKING:
+    from .state import RunState
+else:
+    RunState = object     # the run's attributes, a type only (state.py)
+
+
+class Budget(RunState):
     """Stage methods of :class:`_Extraction` (budget)."""
 
     def smallest_design(self, H: int) -> int:

@@ -110,7 +110,7 @@ class _Check:
         for values, ref, w in ((T, self.T_ref, self.wT), (C, self.C_ref, self.wC)):
             r = (self.M @ np.take_along_axis(values, order, axis=1) - ref) * w
             total += float(np.sum(np.square(r)))
-        return total / max(np.count_nonzero(self.wT) + np.count_nonzero(self.wC), 1)
+        return total / max(int(np.count_nonzero(self.wT) + np.count_nonzero(self.wC)), 1)
 
     def descend(self, T, C, order, prior) -> np.ndarray:
         """Change ``order`` in place, one row at a time: every row's best labelling given

@@ -62,7 +62,10 @@ def extract_in_subspaces(oracle: Oracle, subspaces, seed, verify_tolerance) -> E
     for i, B in enumerate(bases):
         # The restricted view: tokens y in R^r are sent as B y; every query goes through
         # the outer oracle, so its counter and budget see each one.
-        view = Oracle(lambda Y, B=B: oracle.query(Y @ B.T), B.shape[1])
+        def restricted(Y: np.ndarray, B: np.ndarray = B) -> np.ndarray:
+            return oracle.query(Y @ B.T)
+
+        view = Oracle(restricted, B.shape[1])
         try:
             inner = extract_single_head(view, seed=None if seed is None else seed + i,
                                         verify_tolerance=verify_tolerance)
