@@ -20,11 +20,12 @@ import re
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import numpy as np
 
 from .errors import InputError, ModelMismatchError, TargetLoadError
-from .models import MODEL_CLASSES
+from .models import MODEL_CLASSES, Regressor
 from .oracle import Oracle, live_queries
 
 DEFAULT_VERIFY_TOLERANCE = 1e-7
@@ -417,11 +418,17 @@ def human_value(value) -> str:
     return human_value(str(value))
 
 
-@dataclass
-class ExtractionResult:
-    """A recovered model, the number of queries it rests on, and the report."""
+ModelT = TypeVar("ModelT", bound=Regressor)
 
-    model: object
+
+@dataclass
+class ExtractionResult(Generic[ModelT]):
+    """A recovered model, the number of queries it rests on, and the report.
+
+    ``ExtractionResult[M]`` holds a model of class M; a bare ``ExtractionResult`` (what
+    :func:`attnextract.extract` returns, any model class) types its model as Any."""
+
+    model: ModelT
     queries: int
     report: Report
     options: dict = field(default_factory=dict)   # model name and options it ran with
