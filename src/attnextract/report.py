@@ -20,7 +20,8 @@ import re
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Generic, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -88,7 +89,7 @@ class Verification:
     batch_dependence: str = ""
     batch_sizes: tuple = ()
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not self.coverage and self.sequences > 0:
             self.family_sequences = self.family_sequences or {"all": int(self.sequences)}
             self.coverage = {k: coverage_share(n) for k, n in self.family_sequences.items()}
@@ -145,7 +146,7 @@ def verification_count(free_parameters: int, recovery_queries: int | None = None
     return max(MIN_VERIFY_COUNT, min(full, int(VERIFY_SHARE * recovery_queries)))
 
 
-def token_scale(model) -> float:
+def token_scale(model: object) -> float:
     """Token scale c with scores x^T W y of order one for x, y ~ N(0, c^2 I)."""
     W = getattr(model, "W", None)
     if W is None or np.size(W) == 0:        # no heads (f = 0): any scale
@@ -175,7 +176,7 @@ def held_out_batches(dim: int, count: int, rng: np.random.Generator, scale: floa
 def held_out_sequences(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0,
                        max_length: int = MAX_VERIFY_LENGTH) -> list[np.ndarray]:
     """The sequences of :func:`held_out_batches` as a list (N_i, d), in order."""
-    out = [None] * count
+    out: list[Any] = [None] * count          # every entry is set below
     for idx, batch in held_out_batches(dim, count, rng, scale, max_length):
         for i, x in zip(idx, batch):
             out[i] = x
@@ -189,7 +190,8 @@ def relative_errors(predicted: np.ndarray, observed: np.ndarray) -> np.ndarray:
     return np.abs(predicted - observed) / denom
 
 
-def held_out_output_error(recovered, truth, *, count: int = 256, seed=0) -> float:
+def held_out_output_error(recovered: Callable[[np.ndarray], Any], truth: Regressor, *,
+                          count: int = 256, seed: int | None = 0) -> float:
     """Largest :func:`relative_errors` of ``recovered`` against a known ``truth`` model on
     ``count`` held-out sequences at the truth's token scale (bench and tests; one batch
     per length)."""
@@ -275,7 +277,7 @@ class Report:
         return (f"<Report {self.kind} d={self.dim}: {self.queries} queries (floor {self.floor}), "
                 f"{check}, {self.seconds:.3g} s>")
 
-    def render(self, extra: list[tuple[str, str]] = ()) -> str:
+    def render(self, extra: Sequence[tuple[str, str]] = ()) -> str:
         """The report for people: aligned labels in words, numbers to 3 significant digits.
 
         Exact counts stay integers; ``to_dict()`` (``--json``) keeps full precision.
@@ -382,7 +384,7 @@ def human_label(key: str) -> str:
     return key
 
 
-def human_number(x) -> str:
+def human_number(x: float | np.generic) -> str:
     """An integer as itself, any other number to 3 significant digits."""
     if isinstance(x, (bool, np.bool_)):
         return "yes" if x else "no"
@@ -394,7 +396,7 @@ def human_number(x) -> str:
     return f"{x:.3g}"
 
 
-def human_value(value) -> str:
+def human_value(value: object) -> str:
     """A detail value for people: numbers to 3 digits, mappings and sequences in words."""
     if value is None:
         return "none"
@@ -450,7 +452,7 @@ class ExtractionResult(Generic[ModelT]):
         return f"<ExtractionResult {model} d={self.report.dim}: {self.queries} queries, {check}>"
 
 
-def checked_result(model, report: Report, claim: str) -> ExtractionResult:
+def checked_result(model: Any, report: Report, claim: str) -> ExtractionResult:
     """The extraction result, or :class:`ModelMismatchError` if held-out verification failed.
 
     ``claim`` says what the black box was assumed to be ("a single-head attention
@@ -480,7 +482,7 @@ def snake_case(key: str) -> str:
     return re.sub(r"[^0-9a-z]+", "_", key.lower()).strip("_") or "value"
 
 
-def machine_value(value):
+def machine_value(value: object) -> object:
     """A detail for programs: "0.0156 .. 1.41" -> [0.0156, 1.41]; "0.177 (every probe)" -> 0.177."""
     if isinstance(value, str):
         match = _RANGE.match(value)
@@ -518,7 +520,7 @@ def mismatch_reason(check: Verification) -> str:
     return text
 
 
-def parameter_errors(model, truth) -> dict:
+def parameter_errors(model: Any, truth: Any) -> dict[str, Any]:
     """Errors per part of a recovered single head against the truth (bench and tests).
 
     Returns ``W_columns`` (d,) |W_hat e_j - W e_j| / |W e_j|, ``W_rows`` (d,) the same
@@ -531,7 +533,7 @@ def parameter_errors(model, truth) -> dict:
     v_hat, v = np.asarray(model.v, float), np.asarray(truth.v, float)
     tiny = np.finfo(float).tiny
 
-    def part(diff, ref, whole):
+    def part(diff: np.ndarray, ref: np.ndarray, whole: float) -> np.ndarray:
         return diff / np.where(ref > 0, ref, max(whole, tiny))
 
     W_norm, v_norm = float(safe_norm(W)), float(safe_norm(v))
@@ -545,7 +547,7 @@ def parameter_errors(model, truth) -> dict:
             "v_relative": float(safe_norm(v_hat - v) / max(v_norm, tiny))}
 
 
-def _jsonable(obj):
+def _jsonable(obj: object) -> Any:
     if isinstance(obj, dict):
         return {str(k): _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -562,19 +564,19 @@ def _jsonable(obj):
 _STRUCTURE_KEYS = ("queries", "kind", "report", "report_state", "options")
 
 
-def result_path(path) -> Path:
+def result_path(path: str | os.PathLike[str]) -> Path:
     """The file a result is written to: ``path``, with ``.npz`` appended if missing."""
     path = Path(path)
     return path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
 
 
-def save_result(path, result: ExtractionResult) -> Path:
+def save_result(path: str | os.PathLike[str], result: ExtractionResult) -> Path:
     """Write the model's parameters, ``queries``, ``kind``, the report (JSON: ``report`` for
     programs, ``report_state`` for an exact reload) and ``options`` to an npz file.
 
     Returns the path written (``.npz`` appended if ``path`` lacks it)."""
     path = result_path(path)
-    arrays = {k: np.asarray(v) for k, v in result.model.parameters().items()}
+    arrays: dict[str, Any] = {k: np.asarray(v) for k, v in result.model.parameters().items()}
     with open(path, "wb") as handle:
         np.savez(handle, **arrays, queries=np.int64(result.queries),
                  kind=np.str_(result.report.kind),
@@ -584,7 +586,7 @@ def save_result(path, result: ExtractionResult) -> Path:
     return path
 
 
-def _read(path):
+def _read(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     """The arrays of a result file. Never unpickles: a result holds numbers and text only,
     so any file that is not such an npz is refused in one line, whatever it holds."""
     what = "an .npz written by attnextract extract"
@@ -605,7 +607,7 @@ def _read(path):
                               f"{' '.join(str(exc).split())[:100]}") from exc
 
 
-def load_result(path) -> ExtractionResult:
+def load_result(path: str | os.PathLike[str]) -> ExtractionResult:
     """Read a result file written by :func:`save_result`: model, report, queries, options.
 
     Files written before reports were stored whole get a report rebuilt from the
@@ -623,14 +625,14 @@ def load_result(path) -> ExtractionResult:
     return ExtractionResult(model=model, queries=queries, report=report, options=options)
 
 
-def load_model(path):
+def load_model(path: str | os.PathLike[str]) -> Regressor:
     """Rebuild the model stored in a result file written by :func:`save_result`."""
     return _model_from(path, _read(path))
 
 
-def _model_from(path, data: dict):
+def _model_from(path: str | os.PathLike[str], data: dict[str, np.ndarray]) -> Regressor:
     kind = str(data["kind"]) if "kind" in data else "single-head"
-    arrays = {k: v for k, v in data.items() if k not in _STRUCTURE_KEYS}
+    arrays: dict[str, Any] = {k: v for k, v in data.items() if k not in _STRUCTURE_KEYS}
     if kind not in MODEL_CLASSES:
         raise TargetLoadError(f"result file {path} holds an unknown model kind {kind!r}")
     if "kind" not in data and not {"W", "v"} <= set(arrays):
