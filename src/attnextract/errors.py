@@ -10,6 +10,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from .report import ExtractionResult
 
 
@@ -22,7 +24,12 @@ class InputError(AttnExtractError, ValueError):
 
 
 class BudgetExceededError(AttnExtractError):
-    """Sending the next batch would exceed the query budget (raised before sending)."""
+    """Sending the next batch would exceed the query budget (raised before sending).
+
+    ``partial_outputs`` (set by a black box that answered part of a batch before the
+    budget stopped it): the answers it did deliver, journaled by the Oracle."""
+
+    partial_outputs: np.ndarray
 
     def __init__(self, message: str, *, needed: int, remaining: int):
         super().__init__(message)
@@ -31,7 +38,12 @@ class BudgetExceededError(AttnExtractError):
 
 
 class BlackBoxError(AttnExtractError):
-    """The black box itself failed: raised an exception, or cannot be reached."""
+    """The black box itself failed: raised an exception, or cannot be reached.
+
+    ``partial_outputs`` (set by a black box that failed mid-batch): the answers it did
+    deliver, journaled by the Oracle."""
+
+    partial_outputs: np.ndarray
 
 
 class MalformedOutputError(BlackBoxError):
