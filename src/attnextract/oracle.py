@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from .adapters.journal import QueryJournal
     from .report import ExtractionResult
 
-BlackBox = Callable[[np.ndarray], np.ndarray]
+# a black box: a batch (B, N, d) in, its answers out (any form the Oracle validates)
+BlackBox = Callable[[np.ndarray], Any]
 # a query kept for replay or among the longest: the sequence (N, d) and its answer
 Answered = tuple[np.ndarray, float | np.ndarray]
 
@@ -639,7 +640,8 @@ class Oracle:
 
 class QueryAccess(Protocol):
     """What a learner uses of an oracle: an :class:`Oracle`, or a learner's view of one
-    that answers queries (:class:`ScaledOutputs`)."""
+    that answers queries (:class:`ScaledOutputs`, a learner's own reduction such as the
+    odd part of a box), which sends them through the Oracle underneath."""
 
     @property
     def dim(self) -> int: ...
@@ -647,9 +649,8 @@ class QueryAccess(Protocol):
     def queries(self) -> int: ...
     @property
     def black_box_seconds(self) -> float: ...
-    def query(self, X: ArrayLike, *, live: bool = False) -> np.ndarray: ...
-    def query_ragged(self, sequences: Sequence[np.ndarray], *,
-                     live: bool = False) -> np.ndarray: ...
+    def query(self, X: ArrayLike) -> np.ndarray: ...
+    def query_ragged(self, sequences: Sequence[np.ndarray]) -> np.ndarray: ...
     def require(self, n: int, what: str = "this step") -> None: ...
     def plan(self, n: int, what: str = "the extraction", need: int | None = None) -> None: ...
 

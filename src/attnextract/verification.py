@@ -1438,7 +1438,7 @@ def measured_error_bar(oracle, model) -> float | None:
 def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | None = None,
                  scale: float | None = None, probe_length: int | None = None,
                  max_length: int | None = None, measure_v: bool = False,
-                 expected_error: float | None = None, search: bool = True,
+                 expected_error: float | str | None = None, search: bool = True,
                  tolerance_floor: float | None = None, answer_noise: float = 0.0,
                  absolute_noise: float = 0.0):
     """Compare ``model`` with the black box on ``count`` queries: the held-out sequences

@@ -74,7 +74,7 @@ from scipy.linalg import solve_triangular
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError
 from ..models import BiasedSingleHeadAttention, SingleHeadAttention
-from ..oracle import Oracle
+from ..oracle import QueryAccess
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, token_scale,
                      verification_count, verify_model)
 from .single_head import (FIRST_SCALE, MAX_GROWTH, MAX_LOGIT, MAX_RESCALES, MIN_FIRST_LOGIT,
@@ -147,7 +147,7 @@ class BilinearMeter:
     ``rescued`` counts those extra queries.
     """
 
-    def __init__(self, oracle: Oracle, v: np.ndarray, const: float = 0.0):
+    def __init__(self, oracle: QueryAccess, v: np.ndarray, const: float = 0.0):
         self.oracle, self.v = oracle, v
         self.const = const                      # biases: the output constant c = f([0])
         self.fixed_s = None                     # biases: every column token at this scale
@@ -588,6 +588,8 @@ def rop_solve(A: np.ndarray, B: np.ndarray, t: np.ndarray, rank: int,
         res = _rowdot(AX, BY).astype(np.float64) - t
         fit = synced = best = float(np.linalg.norm(res)) / norm_t
         exact, best_at, PX, history = False, 0, None, [fit]
+        # the previous iteration's direction and gradient: read from the second on
+        PY, zg_old, gX_old, gY_old = None, 0.0, np.zeros_like(X), np.zeros_like(Y)
         for it in range(1, max_iterations + 1):
             res32 = res.astype(np.float32)
             gX = (A32.T @ np.multiply(res32[:, None], BY, out=work)).astype(np.float64)
@@ -710,7 +712,7 @@ def _extract_rop(oracle, v, rank, oversampling, solver, rng, fit_progress=None):
 
 # --------------------------------------------------------------------------------------
 
-def extract_low_rank(oracle: Oracle, rank: int | None = None, method: str = "adaptive", *,
+def extract_low_rank(oracle: QueryAccess, rank: int | None = None, method: str = "adaptive", *,
                      seed=None, verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                      oversampling: float = DEFAULT_OVERSAMPLING,
                      solver: str = "ncg", fit_progress=None,

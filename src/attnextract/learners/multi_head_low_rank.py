@@ -82,7 +82,7 @@ from scipy.special import expit
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError
 from ..models import BiasedMultiHeadAttention, MultiHeadAttention
-from ..oracle import Oracle
+from ..oracle import QueryAccess
 from ..precision import OutputPrecision, name_the_options, precision_of
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                       token_scale, verification_count, verify_model)
@@ -215,7 +215,7 @@ def paper_two_count(d: int, heads: int) -> int:
 # probes
 # ---------------------------------------------------------------------------
 
-def _pair_outputs(oracle: Oracle, first: np.ndarray, last: np.ndarray) -> np.ndarray:
+def _pair_outputs(oracle: QueryAccess, first: np.ndarray, last: np.ndarray) -> np.ndarray:
     """f([first_l; last_l]) for rows (n, d) each, in batches of BLOCK_FLOATS floats."""
     n, d = first.shape
     out = np.empty(n)
@@ -229,7 +229,7 @@ def _pair_outputs(oracle: Oracle, first: np.ndarray, last: np.ndarray) -> np.nda
     return out
 
 
-def _copy_gap(oracle: Oracle, v: np.ndarray, q: np.ndarray, U: np.ndarray) -> np.ndarray:
+def _copy_gap(oracle: QueryAccess, v: np.ndarray, q: np.ndarray, U: np.ndarray) -> np.ndarray:
     """g(u_l, q) = f([q + u_l; q]) - v^T q for rows U (n, d) and one q (d,)."""
     last = np.broadcast_to(q, U.shape)
     return _pair_outputs(oracle, q + U, last) - q @ v
@@ -298,7 +298,7 @@ class LogitMeter:
     RMS sensitivity 1 / (a (1 - a)) of the kept entries enter the error bar).
     """
 
-    def __init__(self, oracle: Oracle, v: np.ndarray, tol: Tolerances = EXACT):
+    def __init__(self, oracle: QueryAccess, v: np.ndarray, tol: Tolerances = EXACT):
         self.oracle, self.v, self.tol = oracle, v, tol
         self.rescued = 0
         self.steepest = 0.0     # largest |G t| of a kept entry
@@ -522,7 +522,7 @@ def _adjacent_cells(theta, jumps) -> np.ndarray:
     return out
 
 
-def find_values(oracle: Oracle, v: np.ndarray, heads: int, rng: np.random.Generator,
+def find_values(oracle: QueryAccess, v: np.ndarray, heads: int, rng: np.random.Generator,
                 tol: Tolerances = EXACT, noise_floor: float | None = None):
     """The canonical heads' values v_h (H', d) from the gradient jumps along a saturated half circle.
 
@@ -967,7 +967,7 @@ def _offset_first(meter: LogitMeter, rows, cols, height, background, scale: floa
     return T, scales, outputs, lengths
 
 
-def exact_heights(oracle: Oracle, v, values, W, rng) -> np.ndarray:
+def exact_heights(oracle: QueryAccess, v, values, W, rng) -> np.ndarray:
     """The heads' values again, each height measured alone in one saturated query.
 
     For a row u_k and head j, the column q_kj solves u_k^T W_h q = SATURATED (2 [h = j] - 1)
@@ -993,7 +993,7 @@ def exact_heights(oracle: Oracle, v, values, W, rng) -> np.ndarray:
 # the learner
 # ---------------------------------------------------------------------------
 
-def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
+def extract_multi_head_low_rank(oracle: QueryAccess, heads: int | None = None,
                                 rank: int | None = None, *,
                                 seed=None, progress=None,
                                 verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,

@@ -52,7 +52,7 @@ import numpy as np
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import SphereAttention
-from ..oracle import Oracle, live_queries
+from ..oracle import QueryAccess, live_queries
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, Verification,
                       checked_result, verification_count)
 from ..verification import (CONSISTENCY_FLOOR, MAX_ERROR_BAR, length_grid,
@@ -170,7 +170,7 @@ def two_count_logits(g1: np.ndarray, g2: np.ndarray) -> tuple[np.ndarray, np.nda
     return h, t
 
 
-def extract_pre_layer_norm(oracle: Oracle, heads: int | None = None, *, seed=None,
+def extract_pre_layer_norm(oracle: QueryAccess, heads: int | None = None, *, seed=None,
                            verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                            radius: float | None = None) -> ExtractionResult:
     """Recover a pre-LayerNorm attention block on the sphere where LN is affine.

@@ -68,7 +68,7 @@ from scipy.special import expit
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError
 from ..models import SphereAttention
-from ..oracle import Oracle
+from ..oracle import QueryAccess
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report,
                       checked_result, verification_count)
 from .multi_head.design import copy_counts, measure, probe_lengths, realised_lambda
@@ -248,7 +248,7 @@ def _tangent(q: np.ndarray, x: np.ndarray) -> np.ndarray:
     return x / np.linalg.norm(x)
 
 
-def extract_pre_layer_norm_heads(oracle: Oracle, heads: int, *, seed=None,
+def extract_pre_layer_norm_heads(oracle: QueryAccess, heads: int, *, seed=None,
                                  verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                                  radius: float | None = None) -> ExtractionResult:
     """Recover a pre-LayerNorm block with several heads on the sphere where LN is affine.

@@ -62,12 +62,13 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Protocol
 
 import numpy as np
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import ReLUNetwork
-from ..oracle import Oracle
+from ..oracle import QueryAccess
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, Verification,
                      verification_count)
 from ..verification import design, safe_norm, scaled_relative_errors
@@ -162,6 +163,13 @@ def align_relu_networks(recovered, truth) -> dict:
 
 
 # --------------------------------------------------------------------------- the path
+class _KinkPath(Protocol):
+    """What the kink search reads of a path: its points x(t) (n, d) at t (n,) in [0, 2]
+    (:class:`_Path`, or the biased learner's straight lines)."""
+
+    def points(self, t: np.ndarray) -> np.ndarray: ...
+
+
 class _Path:
     """The polyline p -> q -> -p, t in [0, 2], and its conversion to angles.
 
@@ -192,12 +200,12 @@ class _Path:
         return np.cos(theta)[:, None] * self.p[None] + np.sin(theta)[:, None] * self.q[None]
 
 
-def _query_vectors(oracle: Oracle, x: np.ndarray) -> np.ndarray:
+def _query_vectors(oracle: QueryAccess, x: np.ndarray) -> np.ndarray:
     """F at the rows of x (n, d): one batch of length-1 sequences."""
     return oracle.query(x[:, None, :])
 
 
-def _sample(oracle: Oracle, path: _Path, t: np.ndarray, chord: float = CHORD):
+def _sample(oracle: QueryAccess, path: _KinkPath, t: np.ndarray, chord: float = CHORD):
     """F(x(t)) and its left and right chord slopes at each t: 3 queries per point, one batch."""
     t = np.asarray(t, float)
     grid = np.concatenate([t - chord, t, t + chord])
@@ -209,7 +217,7 @@ def _sample(oracle: Oracle, path: _Path, t: np.ndarray, chord: float = CHORD):
     return f[1], left, right
 
 
-def _find_kinks(oracle: Oracle, path: _Path, rng: np.random.Generator, *,
+def _find_kinks(oracle: QueryAccess, path: _KinkPath, rng: np.random.Generator, *,
                 homogeneous: bool = True, max_kinks: int | None = None,
                 chord: float = CHORD, noise: float = SLOPE_NOISE * EPS):
     """Locate every kink of F on the path (bisection on slope changes, batched per round).
@@ -312,7 +320,7 @@ def _complement_bases(x: np.ndarray) -> np.ndarray:
     return H[:, :, 1:]
 
 
-def _cone_gradients(oracle: Oracle, centres: np.ndarray, steps: np.ndarray) -> np.ndarray:
+def _cone_gradients(oracle: QueryAccess, centres: np.ndarray, steps: np.ndarray) -> np.ndarray:
     """Gradients (R, d) of F on the cones around unit centres (R, d): d queries per cone.
 
     Probes of a cone: its centre x and x + h u_k for an orthonormal basis u_k of x^perp.
@@ -364,7 +372,7 @@ class _PlaneFailure(Exception):
     """One random plane gave an inconsistent picture (merged kinks, unexplained jumps)."""
 
 
-def extract_relu_network(oracle: Oracle, *, seed=None,
+def extract_relu_network(oracle: QueryAccess, *, seed=None,
                          verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                          polish: bool = True, max_norm: float | None = None) -> ExtractionResult:
     """Recover F(x) = w^T ReLU(A x) (bias-free) from single-vector queries.
@@ -455,7 +463,7 @@ def extract_relu_network(oracle: Oracle, *, seed=None,
         f"{len(failures)} random plane(s) failed ({'; '.join(failures)})", result=result)
 
 
-def _extract_on_plane(oracle: Oracle, rng: np.random.Generator, counts: dict,
+def _extract_on_plane(oracle: QueryAccess, rng: np.random.Generator, counts: dict,
                       polish: bool):
     """Kinks on one random half circle, cone gradients, jumps, signs: (model, details).
 
@@ -547,7 +555,7 @@ def _extract_on_plane(oracle: Oracle, rng: np.random.Generator, counts: dict,
     return ReLUNetwork(A, w), info
 
 
-def _polish(oracle: Oracle, A: np.ndarray, w: np.ndarray, counts: dict):
+def _polish(oracle: QueryAccess, A: np.ndarray, w: np.ndarray, counts: dict):
     """Measure every unit alone: on the cone where only unit k is active, grad F = w_k a_k.
 
     For m <= d every activation pattern is a non-empty cone; x_k = A^+ sigma_k with
@@ -579,7 +587,7 @@ def _polish(oracle: Oracle, A: np.ndarray, w: np.ndarray, counts: dict):
                           f"{steps.min():.3g} .. {steps.max():.3g})")
 
 
-def _polish_wide(oracle: Oracle, A: np.ndarray, w: np.ndarray, counts: dict):
+def _polish_wide(oracle: QueryAccess, A: np.ndarray, w: np.ndarray, counts: dict):
     """Polish for m > d: each unit's jump measured across its hyperplane at a fat point.
 
     For unit k a linear program finds y on the hyperplane a_k^T y = 0, inside the cell
@@ -633,7 +641,7 @@ def _polish_wide(oracle: Oracle, A: np.ndarray, w: np.ndarray, counts: dict):
                   f"(steps {steps.min():.3g} .. {steps.max():.3g})")
 
 
-def verify_relu(oracle: Oracle, model: ReLUNetwork, *, count: int, seed=None,
+def verify_relu(oracle: QueryAccess, model: ReLUNetwork, *, count: int, seed=None,
                 tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                 max_norm: float | None = None) -> Verification:
     """Compare ``model`` with the black box on ``count`` held-out single vectors: the last

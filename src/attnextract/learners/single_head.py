@@ -44,7 +44,7 @@ import numpy as np
 
 from ..errors import ModelMismatchError, NotIdentifiableError
 from ..models import BiasedSingleHeadAttention, SingleHeadAttention
-from ..oracle import Oracle
+from ..oracle import QueryAccess
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, token_scale,
                      verification_count, verify_model)
 from ..verification import safe_norm
@@ -67,7 +67,7 @@ ROUNDING_SAFETY = 4.0      # rounding bars: this many ulps per operation, d oper
 BIAS_LOGIT = 1.0           # biases: largest bias logit c |u_k^T b| in a probe of W
 
 
-def constant_and_values(oracle: Oracle, biases: bool) -> tuple[float, np.ndarray]:
+def constant_and_values(oracle: QueryAccess, biases: bool) -> tuple[float, np.ndarray]:
     """Length-1 identities f([x]) = x^T v + c in one batch: c = f([0]) (0 without
     ``biases``) and v (d,) from the d single tokens e_i. d queries, d + 1 with biases."""
     d = oracle.dim
@@ -158,7 +158,7 @@ class ColumnProbes:
         return X[:n].reshape(n * U.shape[0], 2, U.shape[0])
 
 
-def column_logits(oracle: Oracle, probes: ColumnProbes, v: np.ndarray, columns: np.ndarray,
+def column_logits(oracle: QueryAccess, probes: ColumnProbes, v: np.ndarray, columns: np.ndarray,
                   scale: np.ndarray) -> np.ndarray:
     """Measure t_kj = G_j u_k^T W e_j for the given columns, shape (d, len(columns)).
 
@@ -173,7 +173,7 @@ def column_logits(oracle: Oracle, probes: ColumnProbes, v: np.ndarray, columns: 
     return (t - c[:, None] * probes.bias_logits[None, :]).T
 
 
-def bias_logits(oracle: Oracle, U: np.ndarray, v: np.ndarray, const: float) -> tuple[np.ndarray, int]:
+def bias_logits(oracle: QueryAccess, U: np.ndarray, v: np.ndarray, const: float) -> tuple[np.ndarray, int]:
     """u_k^T b for every column u_k of U (d, n): probes [a u_k; 0] (q = 0), shape (n,).
 
     The logit of [a u; 0] is a u^T b, read from (f - c) / (a u^T v). The first round
@@ -215,7 +215,7 @@ def bias_logits(oracle: Oracle, U: np.ndarray, v: np.ndarray, const: float) -> t
         f"imply attention weights outside (0, 1)")
 
 
-def extract_single_head(oracle: Oracle, *, seed=None,
+def extract_single_head(oracle: QueryAccess, *, seed=None,
                         verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                         biases: bool = False) -> ExtractionResult:
     """Recover (W, v) of a single-head attention black box with d^2 + d queries.
@@ -308,7 +308,7 @@ def extract_single_head(oracle: Oracle, *, seed=None,
                           else "a single-head attention regressor")
 
 
-def measure_weights(oracle: Oracle, U: np.ndarray, v: np.ndarray, const: float = 0.0,
+def measure_weights(oracle: QueryAccess, U: np.ndarray, v: np.ndarray, const: float = 0.0,
                     bias=None, beta=None, max_c: float = np.inf):
     """W from the d^2 probes P(c u_k, s e_j) (with biases, u_k^T b known as ``beta``).
 

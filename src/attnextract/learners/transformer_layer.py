@@ -109,7 +109,7 @@ import numpy as np
 from ..errors import (InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError,
                       RefusalWithResult)
 from ..models import TransformerLayer
-from ..oracle import Oracle, OracleView, on_scaled_outputs
+from ..oracle import OracleView, QueryAccess, on_scaled_outputs
 from ..precision import precision_of, stated_precision
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                       token_scale, verification_count, verify_model)
@@ -181,7 +181,7 @@ FIT_ROUNDS = 10              # ... by at most this many Gauss-Newton rounds
 FIT_LOGIT = 1.0              # ... whose tokens make the median |logit| about this
 
 
-def _detect_residual(oracle: Oracle, rng) -> tuple[bool, float, np.ndarray]:
+def _detect_residual(oracle: QueryAccess, rng) -> tuple[bool, float, np.ndarray]:
     """f([p; 0]) = f([p / 2]) for every p exactly when there is no residual term.
     Returns (residual present, relative gap, the answers (2 RESIDUAL_PROBES,))."""
     d = oracle.dim
@@ -194,7 +194,7 @@ def _detect_residual(oracle: Oracle, rng) -> tuple[bool, float, np.ndarray]:
     return gap > RESIDUAL_TOLERANCE, gap, np.concatenate([pairs, halves])
 
 
-def _without_biases(oracle: Oracle, net: BiasedReLUNetwork) -> BiasedReLUNetwork:
+def _without_biases(oracle: QueryAccess, net: BiasedReLUNetwork) -> BiasedReLUNetwork:
     """The FFN with b = 0 (detected absent) and c0 = f([0]), exact then (one query).
 
     The fitted c0 is a few eps off; f - c0 would then not be homogeneous at tiny
@@ -250,7 +250,7 @@ def _roomy_points(ffn: _FFN, rng, radius: float, d: int):
     return None
 
 
-def _measure_columns(oracle: Oracle, ffn: _FFN, Q: np.ndarray, counts: dict,
+def _measure_columns(oracle: QueryAccess, ffn: _FFN, Q: np.ndarray, counts: dict,
                      noise: float = 0.0):
     """Logits t_jk = s_jk u_jk^T W q_j of the copy probes at the rows q_j of Q (n, d).
 
@@ -312,7 +312,7 @@ def _measure_columns(oracle: Oracle, ffn: _FFN, Q: np.ndarray, counts: dict,
     return t, s, U, dt
 
 
-def _copy_logits(oracle: Oracle, ffn: _FFN, rng, scale: float, counts: dict,
+def _copy_logits(oracle: QueryAccess, ffn: _FFN, rng, scale: float, counts: dict,
                  noise: float = 0.0):
     """W from the copy probes of identity 3: 2 d^2 + d queries, plus a pilot column.
 
@@ -345,7 +345,7 @@ def _copy_logits(oracle: Oracle, ffn: _FFN, rng, scale: float, counts: dict,
     return W, radius, details
 
 
-def _fit_logits(oracle: Oracle, ffn: _FFN, W: np.ndarray, rng, noise: float):
+def _fit_logits(oracle: QueryAccess, ffn: _FFN, W: np.ndarray, rng, noise: float):
     """W fitted to FIT_PROBES d^2 random sequences (lengths 2 and 3) with the FFN known
     (rounded answers: one head, V = I, pre-activations R x_N + B y + b).
 
@@ -422,7 +422,7 @@ def _match_by_bias(net1: BiasedReLUNetwork, net2: BiasedReLUNetwork):
     return perm, float(cost[rows, cols].max() / max(np.abs(o1).max(), 1e-300))
 
 
-def extract_transformer_layer(oracle: Oracle, heads: int = 1, *, seed=None,
+def extract_transformer_layer(oracle: QueryAccess, heads: int = 1, *, seed=None,
                               verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                               scale: float = 1.0, output_dtype: str | None = None,
                               decimals: int | None = None) -> ExtractionResult:
@@ -818,7 +818,7 @@ def _bias_free_residual(oracle, net1, seeds, counts, details, start, start_queri
 class _ShiftedOracle(OracleView):
     """The black box minus a constant, behind the Oracle interface (same query counts)."""
 
-    def __init__(self, oracle: Oracle, offset: float):
+    def __init__(self, oracle: QueryAccess, offset: float):
         super().__init__(oracle)
         self.offset = offset
 
@@ -864,7 +864,7 @@ class LargeTokenOddOracle(OracleView):
     (the oracle's own budget check still holds).
     """
 
-    def __init__(self, oracle: Oracle, net: BiasedReLUNetwork, residual_readout=None):
+    def __init__(self, oracle: QueryAccess, net: BiasedReLUNetwork, residual_readout=None):
         super().__init__(oracle, "large-token odd part")
         self.P, self.b = net.P, net.b
         self.u = residual_readout
@@ -947,7 +947,7 @@ class LargeTokenOddOracle(OracleView):
         return evaluate_ragged(self.query, [np.asarray(s, dtype=np.float64) for s in sequences])
 
 
-def _uniform_readout(oracle: Oracle, net: BiasedReLUNetwork, rng) -> np.ndarray:
+def _uniform_readout(oracle: QueryAccess, net: BiasedReLUNetwork, rng) -> np.ndarray:
     """sum_h v_h = sum_h P_h^T w from [s p; 0] (a zero last token: uniform attention).
 
     pi([s p; 0]) = (s / 2) P p + b with P = sum_h P_h (the residual term sees x_N = 0).
@@ -993,6 +993,7 @@ def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries,
     biased = bool(np.abs(net.b).max() > BIAS_ZERO * scale)
     if not biased:
         net = stage("single tokens", lambda: _without_biases(oracle, net))
+    heads_oracle: QueryAccess                  # the heads' view of the box (below)
     if biased and residual:
         # u = A^T w from single tokens ((A + sum_h P_h)^T w) minus sum_h v_h, read off
         # [s p; 0] (uniform attention) past every kink at two scales
@@ -1051,7 +1052,7 @@ def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries,
                    verify_tolerance, reach)
 
 
-def _split_heads(oracle: Oracle, net: BiasedReLUNetwork, W: np.ndarray, rng, scale: float,
+def _split_heads(oracle: QueryAccess, net: BiasedReLUNetwork, W: np.ndarray, rng, scale: float,
                  known_sum: bool = True, refine: bool = False):
     """P_h = A V_h per unit, once the heads W_h (H, d, d) and P = sum_h P_h are known.
 

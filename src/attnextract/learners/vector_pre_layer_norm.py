@@ -59,7 +59,7 @@ import numpy as np
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import VectorSphereAttention
-from ..oracle import Oracle
+from ..oracle import QueryAccess
 from ..report import (
     DEFAULT_VERIFY_TOLERANCE,
     ExtractionResult,
@@ -125,7 +125,7 @@ def three_token_solve(gA: np.ndarray, gB: np.ndarray):
     return h, t, k
 
 
-def extract_vector_pre_layer_norm(oracle: Oracle, heads: int | None = None, *, seed=None,
+def extract_vector_pre_layer_norm(oracle: QueryAccess, heads: int | None = None, *, seed=None,
                                   verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                                   radius: float | None = None) -> ExtractionResult:
     """Recover a pre-LayerNorm attention block answering vectors, on the sphere.

@@ -67,7 +67,7 @@ import numpy as np
 from ...errors import (AttnExtractError, InputError, ModelMismatchError, RecoveryFailedError,
                        RefusalWithResult)
 from ...models import BiasedMultiHeadAttention, MultiHeadAttention
-from ...oracle import Oracle, on_scaled_outputs
+from ...oracle import QueryAccess, on_scaled_outputs
 from ...verification import safe_rms
 from ...report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                        token_scale, verification_count, verify_model)
@@ -108,7 +108,7 @@ def output_precision(values: np.ndarray) -> tuple[float, str]:
     return 2.0 ** -53, "float64"
 
 
-def extract_multi_head(oracle: Oracle, heads=None, *, subspaces=None, seed=None,
+def extract_multi_head(oracle: QueryAccess, heads=None, *, subspaces=None, seed=None,
                        max_error_bar: float | None = None,
                        verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                        precision: str = "full", output_dtype: str | None = None,

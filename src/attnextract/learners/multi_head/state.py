@@ -19,7 +19,7 @@ import numpy as np
 
 from ...errors import RefusalWithResult
 from ...models import BiasedMultiHeadAttention, MultiHeadAttention
-from ...oracle import Oracle
+from ...oracle import QueryAccess
 from ...report import ExtractionResult
 from .fit import StepFit
 
@@ -35,7 +35,7 @@ class RunState:
     """Attributes and cross-stage methods of one run (``_Extraction``)."""
 
     # set at the start (``_Extraction.__init__``, ``extract_multi_head``)
-    oracle: Oracle
+    oracle: QueryAccess
     d: int
     max_heads: int
     heads_told: bool

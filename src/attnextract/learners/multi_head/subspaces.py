@@ -13,7 +13,7 @@ import numpy as np
 
 from ...errors import InputError, ModelMismatchError, NotIdentifiableError
 from ...models import MultiHeadAttention
-from ...oracle import Oracle
+from ...oracle import Oracle, QueryAccess
 from ...report import ExtractionResult, Report, checked_result, verification_count, verify_model
 from ..single_head import extract_single_head
 
@@ -48,7 +48,7 @@ def subspace_bases(subspaces, d: int) -> list[np.ndarray]:
     return bases
 
 
-def extract_in_subspaces(oracle: Oracle, subspaces, seed, verify_tolerance) -> ExtractionResult:
+def extract_in_subspaces(oracle: QueryAccess, subspaces, seed, verify_tolerance) -> ExtractionResult:
     start, q0, bb0 = time.perf_counter(), oracle.queries, oracle.black_box_seconds
     d = oracle.dim
     bases = subspace_bases(subspaces, d)
