@@ -349,8 +349,8 @@ def _walk_line(oracle, line: _Line, rng, units: _Units, basis, counts,
         N, B = units.normals()
         with np.errstate(divide="ignore", invalid="ignore"):
             t_pred = 1.0 - (N @ line.centre + B) / (line.L * (N @ line.q))
-        for k in range(K):
-            new[k] = not np.any(np.abs(t_pred - kinks[k]) <= ROOT_SLACK * kink_error[k] + 1e-12)
+        for j in range(K):
+            new[j] = not np.any(np.abs(t_pred - kinks[j]) <= ROOT_SLACK * kink_error[j] + 1e-12)
     measure = np.zeros(K + 1, dtype=bool)
     measure[0] = True
     measure[:-1] |= new
@@ -417,7 +417,7 @@ def _walk_line(oracle, line: _Line, rng, units: _Units, basis, counts,
             "rd,rd->r", g, points))
         lo, hi = [slot[k] for k in new_k], [slot[k + 1] for k in new_k]
         dJ, dj = np.hypot(dg[lo], dg[hi]), de[lo] + de[hi]
-    for i, k in enumerate(new_k):
+    for i in range(len(new_k)):
         with np.errstate(divide="ignore", invalid="ignore"):
             dn, dbeta = dJ[i] / norms[i], (dj[i] + abs(jj[i]) * dJ[i] / norms[i]) / norms[i]
         if bad[i] or dn > MAX_NOISY_ANGLE or units.known(n[i], beta[i], dn, dbeta):

@@ -73,6 +73,7 @@ refused); the held-out check allows 30 e + 2 x bar (at most 1e-2). Measured nois
 from __future__ import annotations
 
 import math
+from typing import Any
 import time
 from dataclasses import dataclass
 
@@ -251,6 +252,10 @@ class Block:
     other heads (:func:`resolve`) without new queries.
     """
 
+    # set by head_matrix: a block with an offset column, its rows' shortening (or None)
+    offset_column: bool
+    row_lengths: np.ndarray | None
+
     def __init__(self, head, rows, cols, scale, outputs, origin=None):
         self.head, self.rows, self.cols = head, rows, cols
         self.scale, self.outputs = scale.reshape(len(rows), -1), outputs.reshape(len(rows), -1)
@@ -330,7 +335,7 @@ class LogitMeter:
             return scale * TARGET_LOGIT / peak
         return scale
 
-    def measure(self, U, Qc, height, background, scale: float) -> np.ndarray:
+    def measure(self, U, Qc, height, background, scale: float | np.ndarray) -> np.ndarray:
         """t_h(u_l, q_l) for rows U, Qc (n, d), heights c_h(u_l) (n,), background (n,)."""
         scale = np.broadcast_to(np.asarray(scale, dtype=float), (len(U),)).copy()
         t = self._logits(U, Qc, height, background, scale)
@@ -533,7 +538,7 @@ def find_values(oracle: QueryAccess, v: np.ndarray, heads: int, rng: np.random.G
     Returns (values (H', d), info dict with the crossing brackets and conditioning;
     ``info["tolerances"]`` the thresholds used).
     """
-    d = v.shape[0]
+    d = int(v.shape[0])
     if heads == 1:                       # one head at most: its value is v
         return v[None].copy(), {"crossings": 0, "smallest gap": math.pi, "sign misfit": 0.0,
                                 "gradient step": 1.0, "circle queries": 0, "tolerances": tol}
@@ -1059,7 +1064,7 @@ def extract_multi_head_low_rank(oracle: QueryAccess, heads: int | None = None,
     A refusal names ``output_dtype`` / ``decimals`` in its message (the precision
     detected or stated, and what to state).
     """
-    precision = []       # filled once the first answers are in
+    precision: list[OutputPrecision] = []       # filled once the first answers are in
     try:
         return _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_tolerance,
                                        output_dtype, decimals, precision, biases)
@@ -1102,7 +1107,7 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
     tol, noise_floor = (EXACT, None) if precision.exact else _tolerances(precision, v)
     say("values of the heads (saturated half circle)")
     before = oracle.queries
-    values, value_info = find_values(view, v, heads, rng, tol, noise_floor)
+    values, value_info = find_values(view, v, int(heads), rng, tol, noise_floor)
     tol = value_info["tolerances"]
     value_queries = oracle.queries - before
     H = len(values)
@@ -1223,8 +1228,9 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
                                  f"head(s): its answers give no finite heads")
     if biases:
         # b_h = W_h P_h kappa_h (= -W_h q_0, without q_0's length)
-        model = BiasedMultiHeadAttention(W, values, query_offsets(W, spaces, kappas, np.zeros(d))
-                                         if H else np.zeros((0, d)), const)
+        model: MultiHeadAttention | BiasedMultiHeadAttention = BiasedMultiHeadAttention(
+            W, values, query_offsets(W, spaces, kappas, np.zeros(d)) if H else np.zeros((0, d)),
+            const)
     else:
         model = MultiHeadAttention(W, values)
 
@@ -1284,7 +1290,7 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
                                 tolerance=verify_tolerance,
                                 scale=token_scale(model) if H else None,
                                 expected_error=predicted if H >= 2 else None)
-    paper = paper_two_count(d, heads)
+    paper = paper_two_count(d, int(heads))
     details = {
         "method": "saturated crossings (values), single-head rows (query spaces), "
                   "isolation columns (W_h)",

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -142,7 +142,7 @@ def align_relu_networks(recovered, truth) -> dict:
 
     Ar, wr = canonical_relu(recovered.A, recovered.w)
     At, wt = canonical_relu(truth.A, truth.w)
-    out = {"units": (len(wr), len(wt))}
+    out: dict[str, Any] = {"units": (len(wr), len(wt))}
     if len(wr) != len(wt):
         out.update(permutation=None, max_error_A=math.inf, max_error_w=math.inf,
                    relative_error_A=math.inf, relative_error_w=math.inf, max_error=math.inf,
@@ -265,17 +265,17 @@ def _find_kinks(oracle: QueryAccess, path: _KinkPath, rng: np.random.Generator, 
             raise ModelMismatchError(
                 f"kink search did not converge in {MAX_ROUNDS} rounds: F is not piecewise "
                 f"linear with finitely many kinks on the path")
-        cut, predicted = [], []
+        cuts, predicted = [], []
         for a, b, fa, fb, sa, sb in open_:
             # intersection of the end lines fa + sa (t - a) and fb + sb (t - b)
             t_star = a + (fb - fa - sb * (b - a)) / (sa - sb)
             if b - a > 4 * chord and a + 0.5 * chord < t_star < b - 0.5 * chord:
-                cut.append(t_star)
+                cuts.append(t_star)
                 predicted.append(fa + sa * (t_star - a))
             else:
-                cut.append(0.5 * (a + b))
+                cuts.append(0.5 * (a + b))
                 predicted.append(math.nan)
-        cut = np.array(cut)
+        cut = np.array(cuts)
         f, left, right = _sample(oracle, path, cut, chord)
         rounds += 1
         next_intervals = [iv for iv in intervals if abs(iv[5] - iv[4]) <= slope_tol]
@@ -348,8 +348,8 @@ def _resolve_signs(J: np.ndarray, g0: np.ndarray) -> tuple[np.ndarray, str]:
     scale = np.abs(J).sum(axis=1) + np.abs(target)
     tol = 1e-7 * scale + 1e-300
     if m <= d:
-        s, *_ = np.linalg.lstsq(J, target, rcond=None)
-        rounded = np.round(s)
+        s = np.linalg.lstsq(J, target, rcond=None)[0]
+        rounded = s.round()
         ok = (np.all(np.abs(s - rounded) <= SIGN_TOLERANCE) and np.all((rounded == 0) | (rounded == 1))
               and np.all(np.abs(J @ rounded - target) <= tol))
         if ok:
@@ -602,7 +602,7 @@ def _polish_wide(oracle: QueryAccess, A: np.ndarray, w: np.ndarray, counts: dict
     from scipy.optimize import linprog
 
     m, d = A.shape
-    points, margins, units = [], [], []
+    found_points, margins, found_units = [], [], []
     total = A.sum(axis=0)
     for k in range(m):
         others = np.delete(np.arange(m), k)
@@ -616,19 +616,19 @@ def _polish_wide(oracle: QueryAccess, A: np.ndarray, w: np.ndarray, counts: dict
         if res.status != 0 or not res.x[-1] > 0:
             continue
         y, r = res.x[:d], res.x[-1]
-        units.append(k)
-        points += [y + 0.5 * r * A[k], y - 0.5 * r * A[k]]
+        found_units.append(k)
+        found_points += [y + 0.5 * r * A[k], y - 0.5 * r * A[k]]
         margins += [0.5 * r] * 2      # distance of y +- (r/2) a_k to every hyperplane >= r/2
-    if not units:
+    if not found_units:
         return A, w, "skipped (no cell found)"
-    points = np.array(points)
+    points = np.array(found_points)
     reach = safe_norm(points, axis=1)
     centres = points / reach[:, None]
     steps = STEP_FRACTION * np.array(margins) / reach
     oracle.require(len(points) * d, "polishing the hidden units")
     grads = _cone_gradients(oracle, centres, steps)
     counts["polish"] = counts.get("polish", 0) + len(points) * d
-    units = np.array(units)
+    units = np.array(found_units)
     v = grads[0::2] - grads[1::2]                     # w_k a_k for the polished units
     first = w[units, None] * A[units]
     agree = safe_norm(v - first, axis=1) <= POLISH_AGREEMENT * safe_norm(first, axis=1)

@@ -91,7 +91,8 @@ def probe_basis(v: np.ndarray) -> np.ndarray:
     return np.eye(d) - (2.0 / (w @ w)) * np.outer(w, w)
 
 
-def split_scale(scale: np.ndarray, max_c: float = np.inf) -> tuple[np.ndarray, np.ndarray]:
+def split_scale(scale: float | np.ndarray,
+                max_c: float = np.inf) -> tuple[np.ndarray, np.ndarray]:
     """Split logit scales G = c s of probes P(c u, s q): (c, s), each of shape of ``scale``.
 
     c = 1, s = G for G <= 1; above, c is the power of two with s = G / c in (1/2, 1].

@@ -102,6 +102,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 import time
 
 import numpy as np
@@ -333,7 +334,7 @@ def _copy_logits(oracle: QueryAccess, ffn: _FFN, rng, scale: float, counts: dict
     # column j: W q_j = U_j (t_j / s_j); W = (W Q^T) (Q^T)^{-1}
     WQ = np.einsum("jek,jk->ej", U, t / s)
     W = np.linalg.solve(Q, WQ.T).T
-    details = {"copy probe radius": f"{radius:.3g}",
+    details: dict[str, Any] = {"copy probe radius": f"{radius:.3g}",
                "copy probe steps": f"{s.min():.3g} .. {s.max():.3g}",
                "copy probe logits": f"{np.abs(t).min():.2g} .. {np.abs(t).max():.2g}"}
     if noise:
@@ -1025,6 +1026,7 @@ def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries,
         oracle, net, attention.W, np.random.default_rng(seeds[3]), scale,
         known_sum=not residual, refine=biased))
     if biased:
+        assert isinstance(heads_oracle, LargeTokenOddOracle)      # the biased branches' view
         split_info["largest token shift L"] = f"{heads_oracle.largest_shift:.3g}"
         split_info["probes extrapolated off a hyperplane"] = heads_oracle.moved
     if residual:
@@ -1277,7 +1279,7 @@ def compare_transformer_layer(recovered: TransformerLayer, truth: TransformerLay
     from .multi_head import match_heads
 
     rec, tru = canonical_units(recovered), canonical_units(truth)
-    out = {"units": (len(rec["w"]), len(tru["w"]))}
+    out: dict[str, Any] = {"units": (len(rec["w"]), len(tru["w"]))}
     rel = lambda a, b: float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-300))  # noqa: E731
     if len(rec["w"]) > len(tru["w"]) or recovered.residual != truth.residual:
         out.update(max_error=math.inf, bits=0.0)
