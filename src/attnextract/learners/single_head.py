@@ -281,7 +281,7 @@ def extract_single_head(oracle: QueryAccess, *, seed=None,
     log.info("W column by column: %d probes of length 2", d * d)
     W, scale, bars, rescaled = measure_weights(oracle, U, v, const, bias, beta, max_c)
     rescaled += bias_rescaled
-    model = BiasedSingleHeadAttention(W, v, bias, const) if biases else SingleHeadAttention(W, v)
+    model = BiasedSingleHeadAttention(W, v, bias, const) if bias is not None else SingleHeadAttention(W, v)
     log.info("W recovered (%d columns re-probed); held-out verification on %d sequences",
              rescaled // d, n_verify)
     recovery = oracle.queries - start_queries
@@ -300,7 +300,7 @@ def extract_single_head(oracle: QueryAccess, *, seed=None,
                  "error_bar_W_columns": float(bars["W_columns"].max()),
                  "error_bar_W_rows": float(bars["W_rows"].max()),
                  "|v^T u_k|": f"{safe_norm(v) / np.sqrt(d):.3g} (every probe)"})
-    if biases:
+    if beta is not None:                            # biases
         report.details["biases"] = (f"c = f([0]); b from {d} probes [a u_k; 0], largest "
                                     f"|u_k^T b| = {float(np.max(np.abs(beta))):.3g}; floor "
                                     f"d^2 + 2d + 1 = {floor}")
