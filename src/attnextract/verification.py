@@ -567,10 +567,13 @@ def _family_far(dom: _Domain, n: int) -> list:
 def _family_steps(dom: _Domain, n: int) -> list:
     if dom.longest < 4:                 # no room for a copy probe's counts
         return _family_ordinary(dom, n)
-    return _step_sequences(dom.score_heads(), n, dom.rng, dom.scale, dom.longest, dom.grid)
+    heads = dom.score_heads()
+    assert heads is not None            # the family is drawn for models with score heads
+    return _step_sequences(heads, n, dom.rng, dom.scale, dom.longest, dom.grid)
 
 
 def _family_heads(dom: _Domain, n: int) -> list:
+    assert dom.heads is not None        # the family is drawn for multi-head models
     return _separating_sequences(dom.heads[0], dom.heads[1], n, dom.rng, dom.scale, dom.grid)
 
 
@@ -598,6 +601,7 @@ def _hull_single(dom: _Domain, n: int, v, hull_v):
     # where it is near one-hot
     top = np.where(np.arange(pool_size) % 2 == 0, 0.5, 1.5)[:, None]
     P *= max(dom.scale, dom.anchor) * math.sqrt(d) * 10.0 ** rng.uniform(-0.5, top, (pool_size, 1))
+    assert dom.W is not None            # the hull family of a single head
     picks = [_soft_pick(dom.W, P, int(k), rng) for k in dom.lengths(2, min(dom.longest, 64), n_seq)]
     return P, picks
 
@@ -1107,7 +1111,7 @@ class Check:
         return self.family[int(np.argmax(self.errors))] if self.errors.size else ""
 
     def family_errors(self) -> dict:
-        out = {}
+        out: dict[str, float] = {}
         for f, e in zip(self.family, self.errors):
             out[f] = max(out.get(f, 0.0), float(e))
         return out
@@ -1133,7 +1137,7 @@ class _Judge:
         predicted, observed = shifted(predicted, offset), shifted(observed, offset)
         norms = token_norms(sequences)
         errors = scaled_relative_errors(predicted, observed, norms, K=self.K)
-        allowance = self.tolerance
+        allowance: float | np.ndarray = self.tolerance
         if self.bar:
             allowance = allowance + SENSITIVITY * self.bar * score_reach(self.model, sequences)
         if self.absolute_noise:
@@ -1321,7 +1325,7 @@ def reask_in_other_batches(oracle, sequences, family, rng, scale: float,
     if queries < BATCH_LEAST:
         return None
     root = root_oracle(oracle)
-    lengths = {}
+    lengths: dict[int, list[int]] = {}
     for i, (X, name) in enumerate(zip(sequences, family)):
         if name != "hull" and len(X) <= BATCH_LONGEST:
             lengths.setdefault(len(X), []).append(i)
@@ -1555,7 +1559,7 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
     stated = max(tolerance, worst) if judged <= tolerance else tolerance
     # the draws of each family that were asked of the black box (the own probes are the
     # learner's choice, not draws): what the coverage statement rests on
-    drawn = {}
+    drawn: dict[str, int] = {}
     for name in check.family:
         if name != "own":
             drawn[name] = drawn.get(name, 0) + 1
@@ -1734,7 +1738,7 @@ def near_boundary(model, count: int, rng: np.random.Generator, scale: float, thr
         lengths = np.minimum(lengths, int(longest))
     seeds = [scale * rng.standard_normal((int(n), model.dim)) for n in lengths]
     on = boundary_shift(model, seeds, np.full(count, float(threshold)))
-    k = np.exp(rng.uniform(*np.log(BOUNDARY_REACH), count)) * rng.choice([-1.0, 1.0], count)
+    k = np.exp(rng.uniform(np.log(BOUNDARY_REACH[0]), np.log(BOUNDARY_REACH[1]), count)) * rng.choice([-1.0, 1.0], count)
     room = np.array([float(allowance(X[None])[0]) for X in on])
     # an infinite allowance (a model with unbounded error bars) leaves nothing to check
     keep = np.flatnonzero(np.isfinite(room) & (room > 0))

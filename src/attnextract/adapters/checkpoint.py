@@ -510,6 +510,7 @@ def save_layer_target(path, layers, out, readout_seed=0) -> Path:
     ck = Checkpoint(path)
     truth = ck.truth(chosen[0])
     W, v, b, c = truth.read_out(readout_vector(info.width, readout_seed))
+    model: BiasedMultiHeadAttention | PreLayerNormAttention
     if truth.norm is None:
         model = BiasedMultiHeadAttention(W, v, b, c)
     else:

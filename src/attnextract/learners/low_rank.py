@@ -606,7 +606,10 @@ def rop_solve(A: np.ndarray, B: np.ndarray, t: np.ndarray, rank: int,
             beta = 0.0
             if PX is not None and zg_old > 0:
                 beta = max(0.0, (zg - float(np.sum(zX * gX_old) + np.sum(zY * gY_old))) / zg_old)
-            PX, PY = (-zX, -zY) if beta == 0.0 else (beta * PX - zX, beta * PY - zY)
+            if beta == 0.0 or PX is None:             # (beta > 0 needs the previous PX)
+                PX, PY = -zX, -zY
+            else:
+                PX, PY = beta * PX - zX, beta * PY - zY
             if np.sum(PX * gX) + np.sum(PY * gY) >= 0.0:      # not downhill: steepest descent
                 PX, PY = -zX, -zY
             zg_old, gX_old, gY_old = zg, gX, gY

@@ -152,7 +152,7 @@ def extract_one_layer_residual(oracle: QueryAccess, *, seed=None,
     if d < 4:
         raise InputError("the residual learner needs d >= 4 (it splits R^d into two subspaces)")
     seeds = np.random.SeedSequence(seed).spawn(5)
-    counts = {}
+    counts: dict[str, int] = {}
 
     def stage(name, run):
         return counted_stage(oracle, counts, name, run, "a residual one-layer Transformer")
