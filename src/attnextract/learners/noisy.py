@@ -66,7 +66,7 @@ import numpy as np
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import SingleHeadAttention, softmax
-from ..oracle import QueryAccess, by_length, on_scaled_outputs, root_oracle
+from ..oracle import QueryAccess, ScaledOutputs, by_length, on_scaled_outputs, root_oracle
 from ..report import ExtractionResult, Report, Verification, verification_count
 from ..verification import (BATCH_BIG_MIN, BATCH_REASKS, batch_dependence, design,
                             max_length_of,
@@ -109,7 +109,7 @@ class NoiseModel:
     accumulation: float = 0.0
     # a ScaledOutputs view the answers come through: ``tolerance`` is in the black box's
     # units, the answers bound() sees in the view's (divided by its factor 2^k)
-    unit: object = field(default=None, compare=False, repr=False)
+    unit: ScaledOutputs | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         for name in ("tolerance", "relative_tolerance"):

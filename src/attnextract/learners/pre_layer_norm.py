@@ -51,7 +51,7 @@ import time
 import numpy as np
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
-from ..models import SphereAttention
+from ..models import SphereAttention, VectorSphereAttention
 from ..oracle import QueryAccess, live_queries
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, Verification,
                       checked_result, verification_count)
@@ -441,7 +441,7 @@ def extreme_sequences(model: SphereAttention, rng: np.random.Generator) -> list:
     return out
 
 
-def verify_on_sphere(oracle, model: SphereAttention, *, count: int, invariance: int,
+def verify_on_sphere(oracle, model: SphereAttention | VectorSphereAttention, *, count: int, invariance: int,
                      rng: np.random.Generator, tolerance: float,
                      error_bar: float | None = None, extremes=None, residual=None,
                      answers=None) -> Verification:
@@ -463,7 +463,12 @@ def verify_on_sphere(oracle, model: SphereAttention, *, count: int, invariance: 
     answers (default as they come); a sequence's error is then its largest channel error.
     """
     extremes = extreme_sequences if extremes is None else extremes
-    residual = (lambda X: X[-1] @ model.r) if residual is None else residual
+    if residual is None:
+        assert isinstance(model, SphereAttention)     # a vector model passes its own
+        r = model.r
+
+        def residual(X: np.ndarray) -> np.ndarray:
+            return X[-1] @ r
     requested = tolerance
     if error_bar is not None and math.isfinite(error_bar) and 0 <= error_bar <= MAX_ERROR_BAR:
         tolerance = min(tolerance, max(BOUND_FACTOR * error_bar, CONSISTENCY_FLOOR))

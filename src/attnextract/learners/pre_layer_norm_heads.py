@@ -440,6 +440,7 @@ def extract_pre_layer_norm_heads(oracle: QueryAccess, heads: int, *, seed=None,
     # to the prediction (position and height at once), first from the rough estimates,
     # then, until no label changes, from the solves of every column's pairs (more pairs
     # than unknowns: a mislabelled pair disagrees with the others)
+    assert count is not None and V_rough is not None     # set by the first column
     raw = []                                 # per column: U (n, d), t (n, H), h (n, H)
     for j, (keys, lam, g, rounding, y_rough) in enumerate(designed):
         U = keys - Q[:, j]

@@ -206,7 +206,8 @@ def extract_sign_only(oracle: QueryAccess, *, bits: int = 40, bits_v: int = 48, 
     # lam_kj = s_j^2 T_kj - c s_j sum_j' T_kj' (c = offset length / sqrt(d)): the matrix
     # D^2 - c s 1^T is singular at c sum 1/s_j = 1; halving s moves away from it (and keeps
     # every bracket: lam only shrinks towards 0)
-    c_off = (threshold / np.linalg.norm(v_scaled)) / math.sqrt(d) if threshold != 0.0 else 0.0
+    c_off = (float(threshold / np.linalg.norm(v_scaled)) / math.sqrt(d) if threshold != 0.0
+             else 0.0)
     while abs(1.0 - c_off * np.sum(1.0 / s)) < 0.25:
         s /= 2.0
     lo = np.full((d, d), KAPPA_LOW)               # [column j, k]

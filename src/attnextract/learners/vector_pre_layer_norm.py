@@ -263,7 +263,7 @@ def extract_vector_pre_layer_norm(oracle: QueryAccess, heads: int | None = None,
     chords[1:] = chords[0]
     todo = np.arange(1, d)
     for attempt in range(MAX_RESCALES + 1):
-        probes = [column_probes(Q[:, j], tangent_simplex(Q, j), chords[j]) for j in todo]
+        probes = [column_probes(Q[:, j], tangent_simplex(Q, int(j)), chords[j]) for j in todo]
         X = np.stack([np.vstack([P, Q[:, j]]) for P, j in zip(probes, todo)])
         out = ask(X)
         again = []
