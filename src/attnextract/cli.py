@@ -26,6 +26,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -573,7 +574,7 @@ def _descriptor_1_to_stderr(enabled: bool = True):
         out_fd, err_fd = sys.stdout.fileno(), sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):
         out_fd = err_fd = None
-    if not enabled or out_fd is None or out_fd == err_fd:
+    if not enabled or out_fd is None or err_fd is None or out_fd == err_fd:
         yield
         return
     sys.stdout.flush()
@@ -685,7 +686,7 @@ def _rounding_hint(report, args) -> str | None:
 def _fail(args, exc: Exception, code: int) -> int:
     reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if getattr(args, "json", False):
-        out = {"ok": False, "error": type(exc).__name__, "reason": reason}
+        out: dict[str, Any] = {"ok": False, "error": type(exc).__name__, "reason": reason}
         oracle = _RUN.get("oracle")
         if oracle is not None:
             # every sequence the black box answered, whether a result exists or not
@@ -922,9 +923,9 @@ def _close_journal(oracle: Oracle) -> None:
     """Close the oracle's journal; a failed extraction's report still says who answered."""
     if oracle.journal is None:
         return
-    failure = sys.exc_info()[1]
-    if getattr(failure, "result", None) is not None:
-        _note_sources(failure.result.report, oracle)
+    result = getattr(sys.exc_info()[1], "result", None)
+    if result is not None:
+        _note_sources(result.report, oracle)
     oracle.journal.close()
 
 
@@ -947,6 +948,7 @@ def _note_cost(report, oracle: Oracle) -> None:
     if oracle.outputs not in ("last", "all"):
         return
     m = oracle.out_dim
+    assert m is not None                        # fixed with the outputs
     per = m if oracle.outputs == "last" else m * max(1, oracle.longest)
     report.details.setdefault("cost", f"{report.queries} queries, {oracle.numbers} numbers "
                                       f"received, {oracle.tokens} tokens sent")
@@ -992,8 +994,9 @@ def _open_query_journal(args, target: str, dim: int):
 def cmd_verify(args) -> int:
     model = load_model(args.result)
     journal = _open_query_journal(args, args.target, model.dim)
+    bar = _progress(args, "verifying")
     oracle = Oracle(_open_target(args.target, model.dim, args), model.dim, budget=args.budget,
-                    journal=journal, progress=_progress(args, "verifying"),
+                    journal=journal, progress=bar,
                     max_length=args.max_length, **_vector_oracle_options(model))
     _RUN.update(oracle=oracle)
     count = args.count or verification_count(sum(np.size(p) for p in model.parameters().values()))
@@ -1003,7 +1006,7 @@ def cmd_verify(args) -> int:
                                     tolerance=tolerance, measure_v=True, expected_error=bar,
                                     tolerance_floor=floor)
     finally:
-        oracle.progress.close()
+        bar.close()
         _close_journal(oracle)
     if args.json:
         print(json.dumps({"ok": verification.passed,
@@ -1113,6 +1116,7 @@ def cmd_bench(args) -> int:
           "".join(f", {p}" for p in summary["plots"]) + f" in {summary['seconds']:.1f} s")
     if args.update_readme:       # the README shows the first table; the docs show them all
         update_readme(args.update_readme, readme_summary(table), None)
+    return 0
 
 
 def cmd_twins(args) -> int:

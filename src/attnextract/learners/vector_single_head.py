@@ -691,6 +691,7 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
                      f"{'equals' if causal else 'differs from'} its token's own (state "
                      f"causal= to skip this query)")
     if every and R.rank == d:
+        assert causal is not None             # stated, or detected above
         G, t, bound = measure_every_position(oracle, R, causal, counts)
         if calibrate:
             G, bound, note = _calibrate_every(oracle, R, causal, t, G, bound, counts)
