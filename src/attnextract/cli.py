@@ -644,9 +644,6 @@ def main(argv=None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
-    except KeyboardInterrupt:
-        print("attnextract: interrupted", file=sys.stderr)
-        return 130
 
 
 def _exit_now(code: int) -> None:

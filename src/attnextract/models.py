@@ -3,7 +3,8 @@
 Every model maps a batch of token sequences ``X`` of shape (B, N, d) to one real
 number per sequence, the output read at the last token, shape (B,) (a single
 sequence (N, d) gives a float), except :class:`VectorAttention`, which answers the
-layer's whole output vector: (B, m) at the last position, (B, N, m) at every one. The same classes serve as targets and as recovered
+layer's whole output vector: (B, m) at the last position, (B, N, m) at every one. The
+same classes serve as targets and as recovered
 models.
 """
 

@@ -800,7 +800,7 @@ def _ffn_hull(ffn, n: int, rng, scale: float, longest: int, grid):
     n_centres = max(1, min(FFN_CENTRES, n // 6))
     pool_size = max(2, min(n // (2 * n_centres), 2 * d))
     pools, pairs, slopes = [], [], []
-    for c in range(n_centres):
+    for _c in range(n_centres):
         p = rng.standard_normal(d)
         p *= scale * math.sqrt(d) / safe_norm(p)
         for _ in range(4):                    # scores scale like |p|^2 (a cone for b = 0)
@@ -861,7 +861,7 @@ def _separating_sequences(W: np.ndarray, v: np.ndarray, count: int, rng, scale: 
     scales where attention is sharper), the ``count`` with the largest
     max_{g != h} |(alpha_g - alpha_h)^T X v_h| / (s |v_h|) are kept.
     """
-    H, d = W.shape[0], W.shape[1]
+    d = W.shape[1]
     vn = np.maximum(safe_norm(v, axis=1), np.finfo(float).tiny)
     cands, merit = [], []
     for k in _log_uniform_int(rng, 2, 64, HEADS_OVERSAMPLE * count, grid):
@@ -1738,7 +1738,8 @@ def near_boundary(model, count: int, rng: np.random.Generator, scale: float, thr
         lengths = np.minimum(lengths, int(longest))
     seeds = [scale * rng.standard_normal((int(n), model.dim)) for n in lengths]
     on = boundary_shift(model, seeds, np.full(count, float(threshold)))
-    k = np.exp(rng.uniform(np.log(BOUNDARY_REACH[0]), np.log(BOUNDARY_REACH[1]), count)) * rng.choice([-1.0, 1.0], count)
+    k = (np.exp(rng.uniform(np.log(BOUNDARY_REACH[0]), np.log(BOUNDARY_REACH[1]), count))
+         * rng.choice([-1.0, 1.0], count))
     room = np.array([float(allowance(X[None])[0]) for X in on])
     # an infinite allowance (a model with unbounded error bars) leaves nothing to check
     keep = np.flatnonzero(np.isfinite(room) & (room > 0))

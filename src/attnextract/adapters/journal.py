@@ -387,7 +387,8 @@ class QueryJournal:
             self._lock.close()
             self._lock = None
             raise JournalError(f"journal {self.path} is in use by another run (locked); "
-                               f"wait for it or use another journal file", path=self.path)
+                               f"wait for it or use another journal file",
+                               path=self.path) from None
 
     def _check_schema(self) -> None:
         columns = [row[1] for row in self._connection.execute("PRAGMA table_info(batches)")]

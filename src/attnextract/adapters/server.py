@@ -315,6 +315,9 @@ class JsonBatchParser:
         return X
 
 
+LITTLE_F8 = np.dtype("<f8")      # the wire's float64 (little-endian)
+
+
 class NpyBatchParser:
     """One npy array (B, N, d) of float64, its header checked before any data is read."""
 
@@ -373,7 +376,7 @@ class NpyBatchParser:
         rest, self.head = head[start + header_len:], b""
         return rest
 
-    def _allocate(self, shape, fortran: bool, header_bytes: int, dtype=np.dtype("<f8")) -> None:
+    def _allocate(self, shape, fortran: bool, header_bytes: int, dtype=LITTLE_F8) -> None:
         """Check a batch's shape against the limits and the Content-Length; allocate it."""
         if len(shape) != 3 or shape[0] < 1 or shape[1] < 1:
             raise RequestError(400, _SHAPE.format(d=self.dim) + f"; got shape {list(shape)}")

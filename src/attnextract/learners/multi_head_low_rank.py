@@ -73,7 +73,6 @@ refused); the held-out check allows 30 e + 2 x bar (at most 1e-2). Measured nois
 from __future__ import annotations
 
 import math
-from typing import Any
 import time
 from dataclasses import dataclass
 

@@ -489,7 +489,7 @@ def extract_pre_layer_norm_heads(oracle: QueryAccess, heads: int, *, seed=None,
         labelled = relabelled
         if not changed:
             break
-    for j, ((keys, lam, g, rounding, _), (U, T, _)) in enumerate(zip(designed, labelled)):
+    for j, ((_keys, lam, g, _rounding, _), (U, T, _)) in enumerate(zip(designed, labelled)):
         t = fit_logits(lam, g, U @ V.T, T, bound=0.5)
         st = np.array([_step_std(lam[i], t[i], U[i] @ V.T, noises[j][i], heights=False)
                        for i in range(len(t))])

@@ -352,7 +352,7 @@ def _verify_labels(oracle, model, W_bar, v_bar, threshold, *, count, seed, extra
     wrong = (predicted > threshold) != observed
     ratio = np.where(wrong, np.abs(predicted - threshold) / allowed, 0.0)
     # a hull sequence must take the label its tokens take alone, whatever W is
-    for j, (X, singles) in enumerate(hull):
+    for j, (_X, singles) in enumerate(hull):
         i = first_hull + j
         if singles is not None:
             side = observed[first_hull + np.asarray(singles)]

@@ -217,7 +217,8 @@ def _probe_points(ffn: _FFN, rng, radius: float, d: int) -> tuple[np.ndarray, fl
     """d well-spread probe points q_j (rows) with large room rho(q) = min_i |pi_i(q)| / |B_i|.
 
     Candidates: CANDIDATE_BASES random orthonormal bases scaled to ``radius``, those where
-    some active unit reads the attention output; the roomiest are taken greedily, each keeping at least half its norm orthogonal to
+    some active unit reads the attention output; the roomiest are taken greedily, each
+    keeping at least half its norm orthogonal to
     those already taken (so the q_j stay well conditioned). Where too few candidates see
     the attention output the radius doubles. Returns (Q (d, d), the radius used).
     """

@@ -797,7 +797,8 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
         floor=floor, verification=verification, seconds=time.perf_counter() - start,
         black_box_seconds=root.black_box_seconds - start_bb, notes=notes,
         recovery=recovery,
-        details={"outputs": f"{'every position' + (' (causal)' if causal else '') if every else 'last position'}, m = {m}",
+        details={"outputs": ("every position" + (" (causal)" if causal else "") if every
+                             else "last position") + f", m = {m}",
                  "rank of O": R.rank, "condition of O": float(np.linalg.norm(R.O, 2)
                                                              * R.pinv_norm),
                  "design": design, "precision": precision.name,

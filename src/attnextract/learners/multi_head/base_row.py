@@ -22,7 +22,8 @@ perturbations, every head's W_h q_0 and v_h.
    whose height is within 3 of its standard deviations is refitted with each step left
    out (:func:`_fewest_steps`), and counts one fewer when that fit reaches the noise
    too: a free fit started from the rational fit's poles can end in a wrong basin, and
-   a float32 row then read one step more (a duplicate), which two rows could share. Told H, a count below H needs three rows
+   a float32 row then read one step more (a duplicate), which two rows could share.
+   Told H, a count below H needs three rows
    (a row hides a head whose height is small there and whose step falls near another's).
 3. Designed column. Random rows put their steps at Gaussian positions, which crowd,
    and two close steps leave the perturbations (below) unable to split them (first
@@ -35,7 +36,8 @@ perturbations, every head's W_h q_0 and v_h.
    fits reached the noise with steps 1 to 3 off), and the combination q* of the columns
    (linear without biases, q_0 among them; affine with) that puts the steps at evenly
    spaced positions with the least predicted error is scanned (with biases the nudges
-   are sized from two pilot columns' measured moves, :func:`column_gain`: the positions' spread holds the bias part u_0^T b_h, which no
+   are sized from two pilot columns' measured moves, :func:`column_gain`: the positions'
+   spread holds the bias part u_0^T b_h, which no
    nudge moves; again, with that scan among the columns, while its steps still crowd; a
    scan whose design error put a step beyond the window is shrunk into it, u scaled,
    no query): (u_0 |q*|, q* / |q*|) is the base row from here on (q_0 := q*). A scan

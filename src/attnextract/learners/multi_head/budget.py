@@ -6,7 +6,8 @@ a crowded row's H + 1 nudged and one to five designed columns of 3H + 1;
 (d - 1)(2H + 3) perturbations)
 + d (2H + 1) + d^2 (H + 1) main probes (one head: d^2, :func:`column_spares`; told one
 head on float64 answers where that design exceeds paper 2's count but the floor plus the
-verification fit it, d = 6 and 7: the single-head identities, d + d^2), plus d^2 (H + 1) when round 3 runs: the floor H(d^2 + d) (the canonical form's free parameters) plus
+verification fit it, d = 6 and 7: the single-head identities, d + d^2), plus d^2 (H + 1)
+when round 3 runs: the floor H(d^2 + d) (the canonical form's free parameters) plus
 about d^2 + Hd + base (twice the columns with round 3), never above paper 2's count
 4Hd^2 - 2H + 1. With ``precision="full"`` and float64 answers, the short probes spend
 what that count leaves after the verification (to within d - 1 queries) when it leaves

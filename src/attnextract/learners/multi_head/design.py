@@ -186,7 +186,7 @@ def design_rows(Y0: np.ndarray, V: np.ndarray, positions: np.ndarray, rng: np.ra
     v_norm = np.linalg.norm(V, axis=0) + 1e-300 if V is not None else None
     rows: list[np.ndarray] = []
     kept = [] if keep is None else list(keep)
-    for k in range(d if count is None else count):
+    for _k in range(d if count is None else count):
         orders = np.array([rng.permutation(H) for _ in range(candidates)])
         offsets = rng.uniform(-jitter, jitter, size=candidates)
         targets = positions[orders] + offsets[:, None]           # (C, H)

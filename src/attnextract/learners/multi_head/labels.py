@@ -114,7 +114,8 @@ class _Check:
 
     def descend(self, T, C, order, prior) -> np.ndarray:
         """Change ``order`` in place, one row at a time: every row's best labelling given
-        the others (and its own cost ``prior`` (d, H, H)), and only the row whose change lowers chi^2 most is changed (changing
+        the others (and its own cost ``prior`` (d, H, H)), and only the row whose change
+        lowers chi^2 most is changed (changing
         the first row that gains a little leads astray). Returns the rows changed."""
         d, H = T.shape
         M = self.M

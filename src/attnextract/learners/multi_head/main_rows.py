@@ -474,7 +474,10 @@ class MainRowStage(RunState):
         refitted, held = [], []
         for k, ((cols_k, lam_k, g_k, mask), r) in enumerate(zip(probes, rows)):
             S = max(lam_k.shape[1], S3)
-            pad = lambda a: np.pad(a, ((0, 0), (0, S - a.shape[1])))
+
+            def pad(a: np.ndarray) -> np.ndarray:
+                return np.pad(a, ((0, 0), (0, S - a.shape[1])))
+
             wide = np.zeros((count, S))
             wide[:, :S3] = self.wide_weights(cols_k, g_k, mask, columns[k], g3[k], r) \
                 if self.biases else 1.0

@@ -258,8 +258,11 @@ def polish(samples: Samples, W: np.ndarray, v: np.ndarray, precision: float,
     biases = b is not None
     n = H * (d * d + d) + (H * d + 1 if biases else 0)
     P = samples.f.size
-    unchanged = lambda reason, before=np.nan, after=np.nan, own=np.nan: Polished(
-        W, v, predicted, before, after, False, reason, b, c, own)
+
+    def unchanged(reason: str, before: float = np.nan, after: float = np.nan,
+                  own: float = np.nan) -> Polished:
+        return Polished(W, v, predicted, before, after, False, reason, b, c, own)
+
     if P * float(n) ** 2 > MAX_WORK or n > MAX_PARAMETERS:
         return unchanged(f"skipped ({P} samples x {n} parameters: too large for a dense fit)")
     if P <= n:
