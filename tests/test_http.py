@@ -251,6 +251,10 @@ def test_unreachable_server_is_a_typed_error():
         box.check_dim(D)
     with pytest.raises(InputError):
         HttpBlackBox("ftp://example")
+    # a URL without a host is refused when the client is made, not at its first query
+    for url in ("http:///predict", "https://:8000", "http://"):
+        with pytest.raises(InputError, match="must name its host"):
+            HttpBlackBox(url)
 
 
 def test_malformed_answers_and_wrong_dimension(serve):

@@ -183,3 +183,16 @@ def test_extract_runs_the_vector_twin_and_counts_the_first_batch(monkeypatch):
     finally:
         LEARNERS.clear()
         LEARNERS.update(saved)
+
+
+def test_empty_batch_before_a_declared_vector_box_answers():
+    """A box that declares vector answers but not their width: an empty batch asked
+    before its first answer is an empty array (m is not known yet), not a failure."""
+    def box(X):
+        return np.zeros((len(X), 3))
+    box.output_kind = "last"
+    oracle = Oracle(box, 2)
+    out = oracle.query(np.empty((0, 4, 2)))
+    assert out.shape == (0,) and oracle.queries == 0
+    assert oracle.query(np.ones((2, 4, 2))).shape == (2, 3)     # then m is known
+    assert oracle.query(np.empty((0, 4, 2))).shape == (0, 3)

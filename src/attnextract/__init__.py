@@ -20,7 +20,7 @@ from .learners.relu_network import extract_relu_network
 from .learners.sign_only import extract_sign_only
 from .learners.low_rank import extract_low_rank
 from .registry import extract, learner_names, register
-from . import progress          # ProgressBar, configure_logging, thread_limits
+from . import progress as progress   # ProgressBar, configure_logging, thread_limits
 from .models import TransformerLayer
 from .learners.transformer_layer import extract_transformer_layer
 

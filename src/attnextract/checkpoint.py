@@ -359,6 +359,7 @@ class _Display:
     def draw(self, force: bool = False) -> None:
         if not self.enabled:
             return
+        assert self.run_dir is not None       # enabled only with a run folder
         parts = []
         for i in self.layers:
             text = self.state[i]

@@ -26,6 +26,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -585,7 +586,7 @@ def _descriptor_1_to_stderr(enabled: bool = True):
         out_fd, err_fd = sys.stdout.fileno(), sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):
         out_fd = err_fd = None
-    if not enabled or out_fd is None or out_fd == err_fd:
+    if not enabled or out_fd is None or err_fd is None or out_fd == err_fd:
         yield
         return
     sys.stdout.flush()
@@ -655,9 +656,6 @@ def main(argv=None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
-    except KeyboardInterrupt:
-        print("attnextract: interrupted", file=sys.stderr)
-        return 130
 
 
 def _exit_now(code: int) -> None:
@@ -697,7 +695,7 @@ def _rounding_hint(report, args) -> str | None:
 def _fail(args, exc: Exception, code: int) -> int:
     reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if getattr(args, "json", False):
-        out = {"ok": False, "error": type(exc).__name__, "reason": reason}
+        out: dict[str, Any] = {"ok": False, "error": type(exc).__name__, "reason": reason}
         oracle = _RUN.get("oracle")
         if oracle is not None:
             # every sequence the black box answered, whether a result exists or not
@@ -794,7 +792,8 @@ def cmd_extract(args) -> int:
     learner, options = _learner_and_options(args)     # option errors before any work
     args.out = _prepare_out(args.out)                 # an unwritable --out before any query
     black_box = _open_target(args.target, args.dim, args)
-    created = _journal_path(args) is not None and not os.path.exists(_journal_path(args))
+    journal_path = _journal_path(args)
+    created = journal_path is not None and not os.path.exists(journal_path)
     journal = _open_journal(args)
     bar = _progress(args)
     oracle = Oracle(black_box, args.dim, budget=args.budget, max_batch=args.max_batch,
@@ -951,9 +950,9 @@ def _close_journal(oracle: Oracle) -> None:
     """Close the oracle's journal; a failed extraction's report still says who answered."""
     if oracle.journal is None:
         return
-    failure = sys.exc_info()[1]
-    if getattr(failure, "result", None) is not None:
-        _note_sources(failure.result.report, oracle)
+    result = getattr(sys.exc_info()[1], "result", None)
+    if result is not None:
+        _note_sources(result.report, oracle)
     oracle.journal.close()
 
 
@@ -976,6 +975,7 @@ def _note_cost(report, oracle: Oracle) -> None:
     if oracle.outputs not in ("last", "all"):
         return
     m = oracle.out_dim
+    assert m is not None                        # fixed with the outputs
     per = m if oracle.outputs == "last" else m * max(1, oracle.longest)
     report.details.setdefault("cost", f"{report.queries} queries, {oracle.numbers} numbers "
                                       f"received, {oracle.tokens} tokens sent")
@@ -1021,8 +1021,9 @@ def _open_query_journal(args, target: str, dim: int):
 def cmd_verify(args) -> int:
     model = load_model(args.result)
     journal = _open_query_journal(args, args.target, model.dim)
+    bar = _progress(args, "verifying")
     oracle = Oracle(_open_target(args.target, model.dim, args), model.dim, budget=args.budget,
-                    journal=journal, progress=_progress(args, "verifying"),
+                    journal=journal, progress=bar,
                     max_length=args.max_length, **_vector_oracle_options(model))
     _RUN.update(oracle=oracle)
     count = args.count or verification_count(sum(np.size(p) for p in model.parameters().values()))
@@ -1032,7 +1033,7 @@ def cmd_verify(args) -> int:
                                     tolerance=tolerance, measure_v=True, expected_error=bar,
                                     tolerance_floor=floor)
     finally:
-        oracle.progress.close()
+        bar.close()
         _close_journal(oracle)
     if args.json:
         print(json.dumps({"ok": verification.passed,
@@ -1141,6 +1142,7 @@ def cmd_bench(args) -> int:
           "".join(f", {p}" for p in summary["plots"]) + f" in {summary['seconds']:.1f} s")
     if args.update_readme:       # the README shows the first table; the docs show them all
         update_readme(args.update_readme, readme_summary(table), None)
+    return 0
 
 
 def cmd_twins(args) -> int:

@@ -6,6 +6,14 @@ everything the library raises on purpose.
 
 from __future__ import annotations
 
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from .report import ExtractionResult
+
 
 class AttnExtractError(Exception):
     """Base class of every error attnextract raises on purpose."""
@@ -16,7 +24,12 @@ class InputError(AttnExtractError, ValueError):
 
 
 class BudgetExceededError(AttnExtractError):
-    """Sending the next batch would exceed the query budget (raised before sending)."""
+    """Sending the next batch would exceed the query budget (raised before sending).
+
+    ``partial_outputs`` (set by a black box that answered part of a batch before the
+    budget stopped it): the answers it did deliver, journaled by the Oracle."""
+
+    partial_outputs: np.ndarray
 
     def __init__(self, message: str, *, needed: int, remaining: int):
         super().__init__(message)
@@ -25,7 +38,12 @@ class BudgetExceededError(AttnExtractError):
 
 
 class BlackBoxError(AttnExtractError):
-    """The black box itself failed: raised an exception, or cannot be reached."""
+    """The black box itself failed: raised an exception, or cannot be reached.
+
+    ``partial_outputs`` (set by a black box that failed mid-batch): the answers it did
+    deliver, journaled by the Oracle."""
+
+    partial_outputs: np.ndarray
 
 
 class DimensionError(InputError, BlackBoxError):
@@ -39,7 +57,12 @@ class DimensionError(InputError, BlackBoxError):
 
 
 class MalformedOutputError(BlackBoxError):
-    """The black box answered, but its answer has the wrong type or shape."""
+    """The black box answered, but its answer has the wrong type or shape.
+
+    ``kind_known`` (set when True): what the box answers was stated, and the answer
+    contradicts it."""
+
+    kind_known: bool
 
 
 class NonFiniteOutputError(MalformedOutputError):
@@ -53,9 +76,16 @@ class NotIdentifiableError(AttnExtractError):
 class RefusalWithResult(AttnExtractError):
     """A refusal after measuring: ``result`` holds the best-effort extraction (with its
     report) when one was computed, so that nothing measured is lost; it must not be
-    used as a model."""
+    used as a model.
 
-    def __init__(self, message: str, result=None):
+    Learners may set ``box_may_be_outside`` (a refusal that did not rule out a box
+    outside the class) and ``biases_ruled_out`` (the answers exclude a query bias);
+    :func:`attnextract.extract` reads them for its hint, absent meaning False."""
+
+    box_may_be_outside: bool
+    biases_ruled_out: bool
+
+    def __init__(self, message: str, result: ExtractionResult | None = None):
         super().__init__(message)
         self.result = result
 
@@ -85,7 +115,8 @@ class JournalError(AttnExtractError):
     they could only be kept in memory, in ``QueryJournal.unsaved``).
     """
 
-    def __init__(self, message: str, *, path=None, batch=None, sidecar=None):
+    def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None,
+                 batch: int | None = None, sidecar: str | None = None):
         super().__init__(message)
         self.path = path
         self.batch = batch
@@ -99,7 +130,8 @@ class JournalMismatchError(JournalError):
     ``difference`` describes the first differing answer (which query, journaled and live
     values)."""
 
-    def __init__(self, message: str, *, path=None, difference=None):
+    def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None,
+                 difference: dict[str, Any] | None = None):
         super().__init__(message, path=path)
         self.difference = difference
 

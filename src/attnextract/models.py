@@ -3,13 +3,17 @@
 Every model maps a batch of token sequences ``X`` of shape (B, N, d) to one real
 number per sequence, the output read at the last token, shape (B,) (a single
 sequence (N, d) gives a float), except :class:`VectorAttention`, which answers the
-layer's whole output vector: (B, m) at the last position, (B, N, m) at every one. The same classes serve as targets and as recovered
+layer's whole output vector: (B, m) at the last position, (B, N, m) at every one. The
+same classes serve as targets and as recovered
 models.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+from numpy.typing import ArrayLike
 
 from .errors import InputError
 
@@ -21,7 +25,7 @@ def softmax(scores: np.ndarray) -> np.ndarray:
     return weights / weights.sum(axis=-1, keepdims=True)
 
 
-def as_sequences(X, dim: int) -> tuple[np.ndarray, bool]:
+def as_sequences(X: ArrayLike, dim: int) -> tuple[np.ndarray, bool]:
     """Validate X as (N, d) or (B, N, d) float64; returns (batch, was_single)."""
     X = np.asarray(X, dtype=np.float64)
     single = X.ndim == 2
@@ -48,25 +52,30 @@ def attention_output(X: np.ndarray, W: np.ndarray) -> np.ndarray:
 class Regressor:
     """What every model shares: called on one sequence (N, d) it returns a float, on a
     batch (B, N, d) an array (B,); ``parameters()`` returns the arrays named in
-    PARAMETERS (the keys of a result file). A subclass sets ``kind``, PARAMETERS and
+    PARAMETERS (the keys of a result file: arrays, and numpy scalars for options such as
+    ``positions``). A subclass sets ``kind``, PARAMETERS and
     ``dim`` and computes ``outputs(X)`` on a validated batch."""
 
     kind = ""
     PARAMETERS: tuple[str, ...] = ()
 
+    @property
+    def dim(self) -> int:
+        raise NotImplementedError
+
     def outputs(self, X: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
-    def __call__(self, X):
+    def __call__(self, X: ArrayLike) -> float | np.ndarray:
         X, single = as_sequences(X, self.dim)
         out = self.outputs(X)
         return float(out[0]) if single else out
 
-    def parameters(self) -> dict[str, np.ndarray]:
+    def parameters(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.PARAMETERS}
 
 
-def _square_matrix(W, what: str) -> np.ndarray:
+def _square_matrix(W: ArrayLike, what: str) -> np.ndarray:
     """Validate a finite square query-key matrix W (d, d)."""
     W = np.array(W, dtype=np.float64)
     if W.ndim != 2 or W.shape[0] != W.shape[1]:
@@ -91,7 +100,7 @@ class SingleHeadAttention(Regressor):
 
     kind, PARAMETERS = "single-head", ("W", "v")
 
-    def __init__(self, W, v):
+    def __init__(self, W: ArrayLike, v: ArrayLike) -> None:
         W = _square_matrix(W, "SingleHeadAttention")
         v = np.array(v, dtype=np.float64)
         if v.shape != (W.shape[0],):
@@ -111,7 +120,7 @@ class SingleHeadAttention(Regressor):
         return f"SingleHeadAttention(d={self.dim})"
 
 
-def _relu_parameters(A, w, what: str) -> tuple[np.ndarray, np.ndarray]:
+def _relu_parameters(A: ArrayLike, w: ArrayLike, what: str) -> tuple[np.ndarray, np.ndarray]:
     """Validate the feed-forward parameters A (m, d), w (m,) of a bias-free ReLU layer."""
     A = np.array(A, dtype=np.float64)
     w = np.array(w, dtype=np.float64)
@@ -140,7 +149,7 @@ class ReLUNetwork(Regressor):
 
     kind, PARAMETERS = "relu-network", ("A", "w")
 
-    def __init__(self, A, w):
+    def __init__(self, A: ArrayLike, w: ArrayLike) -> None:
         self.A, self.w = _relu_parameters(A, w, "ReLUNetwork")
 
     @property
@@ -181,7 +190,7 @@ class OneLayerTransformer(Regressor):
 
     kind, PARAMETERS = "one-layer", ("W", "A", "w")
 
-    def __init__(self, W, A, w):
+    def __init__(self, W: ArrayLike, A: ArrayLike, w: ArrayLike) -> None:
         W = _square_matrix(W, "OneLayerTransformer")
         A, w = _relu_parameters(A, w, "OneLayerTransformer")
         if A.shape[1] != W.shape[0]:
@@ -222,7 +231,7 @@ class MultiHeadAttention(Regressor):
 
     kind, PARAMETERS = "multi-head", ("W", "v")
 
-    def __init__(self, W, v):
+    def __init__(self, W: ArrayLike, v: ArrayLike) -> None:
         W = np.array(W, dtype=np.float64)
         v = np.array(v, dtype=np.float64)
         if W.ndim != 3 or W.shape[1] != W.shape[2] or W.shape[1] < 1:
@@ -251,7 +260,7 @@ class MultiHeadAttention(Regressor):
         return f"MultiHeadAttention(H={self.heads}, d={self.dim})"
 
 
-def _biases(b, c, shape, what: str) -> tuple[np.ndarray, float]:
+def _biases(b: ArrayLike, c: ArrayLike, shape: tuple[int, ...], what: str) -> tuple[np.ndarray, float]:
     """Validate finite query biases b of ``shape`` and a finite scalar output bias c."""
     b = np.array(b, dtype=np.float64)
     if b.shape != shape:
@@ -290,7 +299,7 @@ class BiasedSingleHeadAttention(Regressor):
 
     kind, PARAMETERS = "biased-single-head", ("W", "v", "b", "c")
 
-    def __init__(self, W, v, b, c=0.0):
+    def __init__(self, W: ArrayLike, v: ArrayLike, b: ArrayLike, c: float = 0.0) -> None:
         head = SingleHeadAttention(W, v)
         self.W, self.v = head.W, head.v
         self.b, self.c = _biases(b, c, self.v.shape, "BiasedSingleHeadAttention")
@@ -323,7 +332,7 @@ class BiasedMultiHeadAttention(Regressor):
 
     kind, PARAMETERS = "biased-multi-head", ("W", "v", "b", "c")
 
-    def __init__(self, W, v, b, c=0.0):
+    def __init__(self, W: ArrayLike, v: ArrayLike, b: ArrayLike, c: float = 0.0) -> None:
         heads = MultiHeadAttention(W, v)
         self.W, self.v = heads.W, heads.v
         self.b, self.c = _biases(b, c, self.v.shape, "BiasedMultiHeadAttention")
@@ -376,7 +385,9 @@ class PreLayerNormAttention(Regressor):
     kind = "pre-ln-attention"
     PARAMETERS = ("gamma", "beta", "W", "b", "v", "c", "r", "eps")
 
-    def __init__(self, gamma, beta, W, b, v, c=0.0, r=None, eps=1e-5):
+    def __init__(self, gamma: ArrayLike, beta: ArrayLike, W: ArrayLike, b: ArrayLike,
+                 v: ArrayLike, c: float = 0.0, r: ArrayLike | None = None,
+                 eps: float = 1e-5) -> None:
         self.attention = BiasedMultiHeadAttention(W, v, b, c)
         self.W, self.v, self.b, self.c = (self.attention.W, self.attention.v,
                                           self.attention.b, self.attention.c)
@@ -429,7 +440,8 @@ class SphereAttention(Regressor):
 
     kind, PARAMETERS = "pre-ln-sphere", ("W", "b", "v", "c", "r", "radius")
 
-    def __init__(self, W, b, v, c, r, radius):
+    def __init__(self, W: ArrayLike, b: ArrayLike, v: ArrayLike, c: float, r: ArrayLike,
+                 radius: float) -> None:
         heads = BiasedMultiHeadAttention(W, v, b, c)
         d = heads.dim
         P = np.eye(d) - 1.0 / d
@@ -484,7 +496,7 @@ class ResidualOneLayer(Regressor):
 
     kind, PARAMETERS = "one-layer-residual", ("W", "A", "B", "w")
 
-    def __init__(self, W, A, B, w):
+    def __init__(self, W: ArrayLike, A: ArrayLike, B: ArrayLike, w: ArrayLike) -> None:
         W = _square_matrix(W, "ResidualOneLayer")
         A, w = _relu_parameters(A, w, "ResidualOneLayer")
         B = np.array(B, dtype=np.float64)
@@ -494,7 +506,7 @@ class ResidualOneLayer(Regressor):
         self.W, self.A, self.B, self.w = W, A, B, w
 
     @classmethod
-    def from_value_matrix(cls, W, V, A, w) -> "ResidualOneLayer":
+    def from_value_matrix(cls, W: ArrayLike, V: ArrayLike, A: ArrayLike, w: ArrayLike) -> "ResidualOneLayer":
         """The model with h(X) = x_N + V^T X^T softmax(X W x_N), f = w^T ReLU(A h)."""
         A = np.asarray(A, dtype=np.float64)
         return cls(W, A, A @ np.asarray(V, dtype=np.float64).T, w)
@@ -548,7 +560,8 @@ class TransformerLayer(Regressor):
     kind = "transformer-layer"
     PARAMETERS = ("W", "V", "A", "b", "w", "c0", "residual")
 
-    def __init__(self, W, V, A, b, w, c0=0.0, residual=False):
+    def __init__(self, W: ArrayLike, V: ArrayLike, A: ArrayLike, b: ArrayLike, w: ArrayLike,
+                 c0: ArrayLike = 0.0, residual: bool = False) -> None:
         W = np.array(W, dtype=np.float64)
         V = np.array(V, dtype=np.float64)
         if W.ndim == 2:
@@ -643,7 +656,9 @@ class VectorAttention(Regressor):
     kind = "vector-attention"
     PARAMETERS = ("W", "O", "b", "c", "positions", "causal")
 
-    def __init__(self, W, O, b=None, c=None, positions="last", causal=False):
+    def __init__(self, W: ArrayLike, O: ArrayLike, b: ArrayLike | None = None,
+                 c: ArrayLike | None = None, positions: str = "last",
+                 causal: bool = False) -> None:
         W = np.array(W, dtype=np.float64)
         O = np.array(O, dtype=np.float64)
         if W.ndim == 2:                              # one head
@@ -692,7 +707,7 @@ class VectorAttention(Regressor):
         """What the model answers, declared to an Oracle: "last" or "all"."""
         return self.positions
 
-    def parameters(self) -> dict[str, np.ndarray]:
+    def parameters(self) -> dict[str, Any]:
         return {"W": self.W, "O": self.O, "b": self.b, "c": self.c,
                 "positions": np.str_(self.positions), "causal": np.bool_(self.causal)}
 
@@ -713,7 +728,7 @@ class VectorAttention(Regressor):
             out += (softmax(scores) @ X) @ O.T
         return out
 
-    def __call__(self, X):
+    def __call__(self, X: ArrayLike) -> np.ndarray:
         X, single = as_sequences(X, self.dim)
         out = self.outputs(X)
         return out[0] if single else out
@@ -748,7 +763,8 @@ class VectorSphereAttention(Regressor):
     kind = "vector-pre-ln-sphere"
     PARAMETERS = ("W", "b", "O", "c", "R", "radius")
 
-    def __init__(self, W, b, O, c, R, radius):
+    def __init__(self, W: ArrayLike, b: ArrayLike, O: ArrayLike, c: ArrayLike, R: ArrayLike,
+                 radius: float) -> None:
         heads = VectorAttention(W, O, b, c)
         d, m = heads.dim, heads.out_dim
         P = np.eye(d) - 1.0 / d
@@ -792,7 +808,7 @@ class VectorSphereAttention(Regressor):
                              f"identified elsewhere")
         return X[:, -1, :] @ self.R.T + self.heads_model.outputs(X)
 
-    def __call__(self, X):
+    def __call__(self, X: ArrayLike) -> np.ndarray:
         X, single = as_sequences(X, self.dim)
         out = self.outputs(X)
         return out[0] if single else out
@@ -820,7 +836,7 @@ OUTPUT_PARAMETERS = {"single-head": ("v",), "multi-head": ("v",),
                      "vector-pre-ln-sphere": ("O", "c", "R")}
 
 
-def scale_outputs(model, factor: float):
+def scale_outputs(model: Regressor, factor: float) -> Regressor:
     """The model whose outputs are ``factor`` times ``model``'s (a new model of the same
     class: its value and output parameters x factor, scores unchanged). Used to map a
     model learned on rescaled answers back (:class:`attnextract.oracle.ScaledOutputs`)."""

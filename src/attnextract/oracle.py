@@ -18,17 +18,26 @@ from __future__ import annotations
 import logging
 import math
 import time
-from contextlib import contextmanager, nullcontext
-from typing import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from .adapters.torch_target import module_black_box
 from .errors import (BlackBoxError, BudgetExceededError, InputError, MalformedOutputError,
                      NonFiniteOutputError, RefusalWithResult, VectorAnswersFound)
 from .models import scale_outputs
 
-BlackBox = Callable[[np.ndarray], np.ndarray]
+if TYPE_CHECKING:
+    from .adapters.journal import QueryJournal
+    from .report import ExtractionResult
+
+# a black box: a batch (B, N, d) in, its answers out (any form the Oracle validates)
+BlackBox = Callable[[np.ndarray], Any]
+# a query kept for replay or among the longest: the sequence (N, d) and its answer
+Answered = tuple[np.ndarray, float | np.ndarray]
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +119,10 @@ class Oracle:
     """
 
     def __init__(self, black_box: BlackBox, dim: int, *, budget: int | None = None,
-                 max_batch: int | None = None, progress=None, journal=None,
+                 max_batch: int | None = None, progress: Callable[[int, int], None] | None = None,
+                 journal: QueryJournal | None = None,
                  max_length: int | None = None, outputs: str | None = None,
-                 out_dim: int | None = None, causal: bool | None = None):
+                 out_dim: int | None = None, causal: bool | None = None) -> None:
         if _is_torch_module(black_box):        # numpy in, a tensor's numbers out
             black_box = module_black_box(black_box)
         if not callable(black_box):
@@ -150,8 +160,9 @@ class Oracle:
             declared = getattr(black_box, "output_kind", None)
             if declared in OUTPUT_KINDS:
                 self.outputs = declared
-                if causal is None and isinstance(getattr(black_box, "causal", None), bool):
-                    self.causal = black_box.causal
+                declared_causal = getattr(black_box, "causal", None)
+                if causal is None and isinstance(declared_causal, bool):
+                    self.causal = declared_causal
         # set by attnextract.extract while a scalar learner runs on a box of unknown kind:
         # vector answers at the first batch raise VectorAnswersFound
         self.detect_vectors = False
@@ -160,11 +171,11 @@ class Oracle:
             declared = getattr(black_box, "max_length", None)
             if isinstance(declared, (int, np.integer)) and not isinstance(declared, bool) \
                     and declared >= 1:
-                max_length = declared
+                max_length = int(declared)
         self.max_length = None if max_length is None else int(max_length)
         self.longest = 0          # longest sequence answered outside live()
         self.largest_batch = 0    # largest batch answered outside live() (the learner's)
-        self.longest_probes = []  # up to LONGEST_KEEP (sequence, answer), the longest
+        self.longest_probes: list[Answered] = []  # up to LONGEST_KEEP (sequence, answer), the longest
         self.budget = None if budget is None else int(budget)
         self.max_batch = None if max_batch is None else int(max_batch)
         self.progress = progress
@@ -186,16 +197,16 @@ class Oracle:
         self._live = 0            # > 0 inside live(): held-out checks, kept for no replay
         # a uniform sample of the (sequence, answer) pairs the learner was given, asked
         # again by held-out verification: a black box that changed during the run shows
-        self.replay = []
+        self.replay: list[Answered] = []
         self._replay_rng = np.random.default_rng(REPLAY_SEED)
         # None until the box's first answer: True for a box written for one sequence
         # (N, d) -> one number, asked one sequence at a time; False for a batched box
-        self.per_sequence = None
+        self.per_sequence: bool | None = None
 
     def answer_shape(self, length: int) -> tuple[int, ...]:
         """The shape of one answer to a sequence of ``length`` tokens: () for a scalar
-        box (or one not yet asked), (m,) at the last position, (length, m) at every one."""
-        if self.outputs in (None, "scalar"):
+        box (or one not yet asked: its m unknown), (m,) at the last position, (length, m) at every one."""
+        if self.outputs in (None, "scalar") or self.out_dim is None:
             return ()
         return (self.out_dim,) if self.outputs == "last" else (length, self.out_dim)
 
@@ -256,7 +267,7 @@ class Oracle:
 
     # -- queries ------------------------------------------------------------
     @contextmanager
-    def live(self):
+    def live(self) -> Iterator[Oracle]:
         """Within this block queries are held-out checks (verification): their answers are
         not kept for replay nor among the longest probes. With a journal they are
         journaled like the learner's, so a rerun of a finished run asks the black box only
@@ -267,7 +278,7 @@ class Oracle:
         finally:
             self._live -= 1
 
-    def query(self, X, *, live: bool = False) -> np.ndarray:
+    def query(self, X: ArrayLike, *, live: bool = False) -> np.ndarray:
         """Send a batch (B, N, d) (or one sequence (N, d)); returns the outputs (B,).
 
         ``live=True``: a held-out check (as within :meth:`live`)."""
@@ -385,13 +396,15 @@ class Oracle:
         return np.concatenate([self._ask_black_box(X[i:i + step])
                                for i in range(0, len(X), step)])
 
-    def _journal_partial(self, exc: Exception, keys, X: np.ndarray) -> None:
+    def _journal_partial(self, exc: Exception, keys: list[tuple[bytes, int]],
+                         X: np.ndarray) -> None:
         """Journal the answers a failed call did deliver (``exc.partial_outputs``).
 
         Contract with black boxes (e.g. an HTTP client refused mid-batch): the exception
         may carry ``partial_outputs``, either the answers to the first k <= B sequences
         of the batch, or B values with NaN where no answer came. Finite ones are journaled
         (they were paid for); ``exc.journaled`` says how many."""
+        assert self.journal is not None         # called on a journaled batch only
         partial = getattr(exc, "partial_outputs", None)
         if partial is None:
             return
@@ -412,7 +425,8 @@ class Oracle:
                 exc.args = (f"{exc.args[0]} ({len(received)} answers received before it were "
                             f"journaled in {self.journal.path})",) + exc.args[1:]
         try:
-            exc.journaled = len(received)
+            # any exception the box raised: the count rides on it as an attribute
+            exc.journaled = len(received)  # type: ignore[attr-defined]
         except AttributeError:
             pass
 
@@ -467,6 +481,7 @@ class Oracle:
             if found is not None and found[0] != "scalar" or self.outputs in ("last", "all"):
                 kind, m = found if found is not None and found[0] != "scalar" else (
                     self.outputs, int(single.shape[-1]) if single.ndim else 1)
+                assert kind is not None           # found, or the answers stated
                 if self.outputs is not None and kind != self.outputs or (
                         self.out_dim is not None and m != self.out_dim):
                     raise MalformedOutputError(
@@ -553,7 +568,7 @@ class Oracle:
         return validate_answers(raw, len(X), X.shape[1], self.outputs or "scalar",
                                 self.out_dim or 1)
 
-    def _first_answers(self, raw, X: np.ndarray) -> np.ndarray:
+    def _first_answers(self, raw: Any, X: np.ndarray) -> np.ndarray:
         """Validate the answer to the first batch X that the box answered; it fixes the
         kind of answers (and m) where they were not stated."""
         B, N = X.shape[:2]
@@ -618,12 +633,29 @@ class Oracle:
                 "check_queries": self.check_queries}
 
 
+class QueryAccess(Protocol):
+    """What a learner uses of an oracle: an :class:`Oracle`, or a learner's view of one
+    that answers queries (:class:`ScaledOutputs`, a learner's own reduction such as the
+    odd part of a box), which sends them through the Oracle underneath."""
+
+    @property
+    def dim(self) -> int: ...
+    @property
+    def queries(self) -> int: ...
+    @property
+    def black_box_seconds(self) -> float: ...
+    def query(self, X: ArrayLike) -> np.ndarray: ...
+    def query_ragged(self, sequences: Sequence[np.ndarray]) -> np.ndarray: ...
+    def require(self, n: int, what: str = "this step") -> None: ...
+    def plan(self, n: int, what: str = "the extraction", need: int | None = None) -> None: ...
+
+
 class OracleView:
     """A learner's view of an oracle: queries go through ``base`` (counted, budgeted and
     journaled there); subclasses change what a query means by overriding ``query``.
     ``what`` names the view in budget messages."""
 
-    def __init__(self, base, what: str | None = None):
+    def __init__(self, base: QueryAccess, what: str | None = None) -> None:
         self.base, self.what, self.dim = base, what, base.dim
 
     @property
@@ -662,7 +694,7 @@ class ScaledOutputs(OracleView):
 
     BAND = (2.0 ** -10, 2.0 ** 10)
 
-    def __init__(self, base, what: str | None = None):
+    def __init__(self, base: QueryAccess, what: str | None = None) -> None:
         super().__init__(base, what)
         self.exponent: int | None = None         # k; None until an answer is not zero
 
@@ -685,10 +717,10 @@ class ScaledOutputs(OracleView):
                              top, self.exponent)
         return np.ldexp(y, -self.exponent) if self.exponent else y
 
-    def query(self, X, **kwargs) -> np.ndarray:
+    def query(self, X: ArrayLike, **kwargs: Any) -> np.ndarray:
         return self._scaled(self.base.query(X, **kwargs))
 
-    def query_ragged(self, sequences, **kwargs) -> np.ndarray:
+    def query_ragged(self, sequences: Sequence[np.ndarray], **kwargs: Any) -> np.ndarray:
         return self._scaled(self.base.query_ragged(sequences, **kwargs))
 
     def phase(self, text: str) -> None:
@@ -711,13 +743,14 @@ class ScaledOutputs(OracleView):
         return self._pairs("longest_probes")
 
 
-def on_scaled_outputs(oracle, run):
+def on_scaled_outputs(oracle: QueryAccess,
+                      run: Callable[[ScaledOutputs], ExtractionResult]) -> ExtractionResult:
     """``run(view)`` on a :class:`ScaledOutputs` view of ``oracle``; the model of its
     result (or of a refusal's ``result``) is mapped back to the black box's units, and
     the report says by how much the answers were divided. Returns the result."""
     view = ScaledOutputs(oracle)
 
-    def back(result):
+    def back(result: ExtractionResult | None) -> ExtractionResult | None:
         if result is not None and view.exponent:
             result.model = scale_outputs(result.model, view.factor)
             result.report.notes.append(
@@ -726,20 +759,22 @@ def on_scaled_outputs(oracle, run):
         return result
 
     try:
-        return back(run(view))
+        result = run(view)
+        back(result)
+        return result
     except RefusalWithResult as exc:
         back(exc.result)
         raise
 
 
-def root_oracle(oracle):
+def root_oracle(oracle: Any) -> Any:
     """The :class:`Oracle` under a learner's view of it (``.base``); anything else as is."""
     while not isinstance(oracle, Oracle) and hasattr(oracle, "base"):
         oracle = oracle.base
     return oracle
 
 
-def live_queries(oracle):
+def live_queries(oracle: Any) -> AbstractContextManager[Any]:
     """Context: queries through ``oracle`` are held-out checks (:meth:`Oracle.live`).
 
     ``oracle`` may be an :class:`Oracle` or a learner's view of one (an object with the
@@ -750,14 +785,14 @@ def live_queries(oracle):
     return root.live() if isinstance(root, Oracle) else nullcontext(oracle)
 
 
-def by_length(sequences) -> list[tuple[np.ndarray, np.ndarray]]:
+def by_length(sequences: Sequence[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
     """Group sequences (N_i, d) by length: [(indices, batch (b, N, d))], one entry per length."""
     lengths = np.array([len(s) for s in sequences])
-    return [(idx, np.stack([sequences[i] for i in idx]))
+    return [(idx, np.stack([sequences[int(i)] for i in idx]))
             for idx in (np.flatnonzero(lengths == n) for n in np.unique(lengths))]
 
 
-def evaluate_ragged(fn, sequences) -> np.ndarray:
+def evaluate_ragged(fn: Callable[[np.ndarray], Any], sequences: Sequence[np.ndarray]) -> np.ndarray:
     """``fn`` (a batch (b, N, d) -> (b,), (b, m) or (b, N, m)) on sequences of mixed
     lengths, one call per length. Returns (B,) or (B, m) in the sequences' order; answers
     at every position, whose shapes differ with the length, as an object array of B
@@ -776,7 +811,7 @@ def evaluate_ragged(fn, sequences) -> np.ndarray:
     return out
 
 
-def _kept(answer):
+def _kept(answer: Any) -> float | np.ndarray:
     """One answer as kept for replay: a float (scalar boxes), or a copy of the vector."""
     return float(answer) if np.ndim(answer) == 0 else np.array(answer)
 
@@ -790,13 +825,13 @@ def _box_failure(exc: BaseException) -> BlackBoxError:
     return BlackBoxError(f"black box raised {type(exc).__name__}: {exc}")
 
 
-def _is_torch_module(obj) -> bool:
+def _is_torch_module(obj: object) -> bool:
     """Whether obj is a ``torch.nn.Module`` (without importing torch)."""
     return any(f"{c.__module__}.{c.__qualname__}" == "torch.nn.modules.module.Module"
                for c in type(obj).__mro__)
 
 
-def _from_tensor(answer):
+def _from_tensor(answer: Any) -> Any:
     """A torch tensor answer as a numpy array (detached, on the CPU, bfloat16 and float16
     widened exactly); anything else unchanged."""
     if type(answer).__module__.startswith("torch") and hasattr(answer, "detach"):
@@ -807,7 +842,7 @@ def _from_tensor(answer):
     return answer
 
 
-def _one_number(answer):
+def _one_number(answer: Any) -> Any:
     """A per-sequence box's answer as one number: a Python or numpy scalar, a 0-d array or
     an array of one element; anything else is :class:`MalformedOutputError`."""
     answer = _from_tensor(answer)
@@ -820,7 +855,7 @@ def _one_number(answer):
     return arr.reshape(())[()]
 
 
-def _answers_one_number(black_box, x: np.ndarray) -> bool:
+def _answers_one_number(black_box: BlackBox, x: np.ndarray) -> bool:
     """Whether ``black_box`` answers the one sequence x (N, d) with one number (any
     failure: no)."""
     try:
@@ -842,7 +877,7 @@ def _stacked(answers: list) -> np.ndarray:
     return np.stack(arrays) if arrays else np.empty(0)
 
 
-def _shape_of(answer):
+def _shape_of(answer: Any) -> tuple[int, ...] | None:
     """The shape of a box's answer, None when it has none (ragged lists, objects)."""
     try:
         return np.shape(answer)
@@ -850,7 +885,7 @@ def _shape_of(answer):
         return None
 
 
-def _describe(answer) -> str:
+def _describe(answer: Any) -> str:
     """What a box returned, for a message: "a list of 2 numbers", "shape (3, 2)"."""
     try:
         arr = np.asarray(answer)
@@ -861,7 +896,7 @@ def _describe(answer) -> str:
     return f"a {type(answer).__name__} of shape {arr.shape}"
 
 
-def answer_kind(shape, batch: int, length: int) -> tuple[str, int] | None:
+def answer_kind(shape: tuple[int, ...] | None, batch: int, length: int) -> tuple[str, int] | None:
     """The kind of answer a first answer's ``shape`` shows for a batch (batch, length, d):
     ("scalar", 1) for (B,) or (B, 1), ("last", m) for (B, m), ("all", m) for
     (B, N, m); None for any other shape."""
@@ -881,7 +916,7 @@ def expected_shape(kind: str, batch: int, length: int, m: int) -> tuple[int, ...
     return {"scalar": (batch,), "last": (batch, m), "all": (batch, length, m)}[kind]
 
 
-def validate_answers(raw, batch: int, length: int = 1, kind: str = "scalar",
+def validate_answers(raw: Any, batch: int, length: int = 1, kind: str = "scalar",
                      m: int = 1) -> np.ndarray:
     """Check a black box's answer to a batch (batch, length, d) of the ``kind`` it answers
     (:data:`OUTPUT_KINDS`, outputs of width m); returns float64 of
@@ -942,7 +977,7 @@ def validate_answers(raw, batch: int, length: int = 1, kind: str = "scalar",
     return out
 
 
-def validate_outputs(raw, batch: int) -> np.ndarray:
+def validate_outputs(raw: Any, batch: int) -> np.ndarray:
     """Check a scalar black box's answer to a batch of ``batch`` sequences; returns
     float64 (B,) (see :func:`validate_answers`)."""
     return validate_answers(raw, batch)
@@ -964,7 +999,7 @@ class OutputWrapper:
     tolerance: float | None = 0.0
     relative_tolerance: float = 0.0
 
-    def __init__(self, black_box: BlackBox):
+    def __init__(self, black_box: BlackBox) -> None:
         if not callable(black_box):
             raise InputError(f"black box must be callable, got {type(black_box).__name__}")
         self.black_box = black_box
@@ -977,7 +1012,7 @@ class OutputWrapper:
         single = X.ndim == 2
         return np.atleast_1d(np.asarray(self.black_box(X[None] if single else X), dtype=np.float64))
 
-    def __call__(self, X):
+    def __call__(self, X: ArrayLike) -> float | np.ndarray:
         X = np.asarray(X, dtype=np.float64)
         single = X.ndim == 2
         batch = X[None] if single else X
@@ -992,11 +1027,11 @@ class OutputWrapper:
         return clean
 
     @property
-    def dim(self):
+    def dim(self) -> int | None:
         return getattr(self.black_box, "dim", None)
 
 
-def _check_tau(tau, name="tau") -> float:
+def _check_tau(tau: float, name: str = "tau") -> float:
     tau = float(tau)
     if not (np.isfinite(tau) and tau >= 0.0):
         raise InputError(f"{name} must be a finite number >= 0, got {tau!r}")
@@ -1015,7 +1050,10 @@ class BoundedNoise(OutputWrapper):
     Random patterns are seeded and reproducible.
     """
 
-    def __init__(self, black_box: BlackBox, tau: float, pattern: str = "uniform", seed=None):
+    tolerance: float
+
+    def __init__(self, black_box: BlackBox, tau: float, pattern: str = "uniform",
+                 seed: int | None = None) -> None:
         super().__init__(black_box)
         if pattern not in BOUNDED_PATTERNS:
             raise InputError(f"pattern must be one of {BOUNDED_PATTERNS}, got {pattern!r}")
@@ -1024,8 +1062,9 @@ class BoundedNoise(OutputWrapper):
         self.rng = np.random.default_rng(seed)
         self.sent = 0
 
-    def transform(self, X, clean):
+    def transform(self, X: np.ndarray, clean: np.ndarray) -> np.ndarray:
         B, tau = clean.shape[0], self.tolerance
+        eta: np.ndarray
         if self.pattern == "uniform":
             eta = self.rng.uniform(-tau, tau, size=clean.shape)
         elif self.pattern == "sign":
@@ -1055,7 +1094,10 @@ class AdversarialNoise(OutputWrapper):
     away from what the reference expects.
     """
 
-    def __init__(self, black_box: BlackBox, tau: float, *, decoy=None, against=None):
+    tolerance: float
+
+    def __init__(self, black_box: BlackBox, tau: float, *, decoy: BlackBox | None = None,
+                 against: BlackBox | None = None) -> None:
         super().__init__(black_box)
         if (decoy is None) == (against is None):
             raise InputError("give exactly one of decoy= (a model to impersonate) or against= "
@@ -1066,11 +1108,12 @@ class AdversarialNoise(OutputWrapper):
         self.tolerance = _check_tau(tau)
         self.decoy, self.against = decoy, against
 
-    def transform(self, X, clean):
+    def transform(self, X: np.ndarray, clean: np.ndarray) -> np.ndarray:
         tau = self.tolerance
         if self.decoy is not None:
             goal = np.asarray(self.decoy(X), dtype=np.float64)
             return clean + np.clip(goal - clean, -tau, tau)
+        assert self.against is not None       # exactly one of decoy, against (__init__)
         expected = np.asarray(self.against(X), dtype=np.float64)
         return clean + tau * np.where(clean >= expected, 1.0, -1.0)
 
@@ -1080,12 +1123,12 @@ class GaussianNoise(OutputWrapper):
 
     tolerance = None
 
-    def __init__(self, black_box: BlackBox, std: float, seed=None):
+    def __init__(self, black_box: BlackBox, std: float, seed: int | None = None) -> None:
         super().__init__(black_box)
         self.std = _check_tau(std, "std")
         self.rng = np.random.default_rng(seed)
 
-    def transform(self, X, clean):
+    def transform(self, X: np.ndarray, clean: np.ndarray) -> np.ndarray:
         return clean + self.std * self.rng.standard_normal(clean.shape)
 
 
@@ -1099,9 +1142,11 @@ class RoundedOutputs(OutputWrapper):
     Outputs beyond the float16 range become infinite (the oracle rejects them).
     """
 
-    def __init__(self, black_box: BlackBox, precision="float32", *, decimals: int | None = None):
+    def __init__(self, black_box: BlackBox, precision: str | int = "float32", *,
+                 decimals: int | None = None) -> None:
         super().__init__(black_box)
-        self.decimals = None
+        self.decimals: int | None = None
+        self.precision: str | int
         if decimals is not None:         # k decimals: |error| <= 0.5 10^-k, absolute
             if not isinstance(decimals, (int, np.integer)) or not 0 <= decimals <= 300:
                 raise InputError(f"decimals must be an integer in 0..300, got {decimals!r}")
@@ -1123,7 +1168,7 @@ class RoundedOutputs(OutputWrapper):
             self.relative_tolerance = 0.5 * 10.0 ** (1 - digits)
             self.tolerance = 0.0
 
-    def transform(self, X, clean):
+    def transform(self, X: np.ndarray, clean: np.ndarray) -> np.ndarray:
         if self.decimals is not None:
             return np.round(clean, self.decimals)
         if self.precision == "float32":
@@ -1133,7 +1178,7 @@ class RoundedOutputs(OutputWrapper):
                 return clean.astype(np.float16).astype(np.float64)
         with np.errstate(divide="ignore"):
             exponent = np.floor(np.log10(np.abs(np.where(clean == 0.0, 1.0, clean))))
-        unit = 10.0 ** (exponent - (self.precision - 1))
+        unit = 10.0 ** (exponent - (int(self.precision) - 1))   # significant digits
         return np.where(clean == 0.0, 0.0, np.round(clean / unit) * unit)
 
 
@@ -1149,5 +1194,5 @@ class SignOnly(OutputWrapper):
             raise InputError(f"threshold must be finite, got {threshold!r}")
         self.threshold = threshold
 
-    def transform(self, X, clean):
+    def transform(self, X: np.ndarray, clean: np.ndarray) -> np.ndarray:
         return (clean > self.threshold).astype(np.float64)

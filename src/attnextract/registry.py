@@ -34,11 +34,11 @@ import importlib
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from .errors import (AttnExtractError, InputError, ModelMismatchError, RecoveryFailedError,
                      RefusalWithResult, VectorAnswersFound)
-from .oracle import root_oracle
+from .oracle import QueryAccess, root_oracle
 from .precision import (check_precision_options, detect_precision, name_the_options,
                         stated_precision)
 from .report import ExtractionResult
@@ -107,7 +107,7 @@ class Learner:
 LEARNERS: dict[str, Learner] = {}
 
 
-def register(name: str, target: Callable | str, description: str, **settings) -> Learner:
+def register(name: str, target: Callable | str, description: str, **settings: Any) -> Learner:
     """Register (or replace) the learner ``name``; see :class:`Learner` for ``settings``."""
     LEARNERS[name] = Learner(name, target, description, **settings)
     return LEARNERS[name]
@@ -127,7 +127,7 @@ def get_learner(name: str) -> Learner:
     raise InputError(f"unknown model {name!r}{hint} (known: {', '.join(learner_names())})")
 
 
-def resolve(model: str = "single-head", *, tolerance=None, sign_only: bool = False,
+def resolve(model: str = "single-head", *, tolerance: float | None = None, sign_only: bool = False,
             outputs: str | None = None) -> Learner:
     """The learner that runs for ``model`` given the kind of outputs (noisy, labels,
     vectors: ``outputs`` "last" or "all", see :class:`attnextract.oracle.Oracle`)."""
@@ -165,9 +165,9 @@ def _scalar_twin(name: str) -> str | None:
     return next((repr(n) for n, e in LEARNERS.items() if e.with_vectors == name), None)
 
 
-def _vector_tolerance(entry: Learner, tolerance, options: dict):
-    """Vector learners take ``tolerance`` as their own option (noisy vector answers);
-    returns what is left for the scalar dispatch (None)."""
+def _vector_tolerance(entry: Learner, tolerance: float | None, options: dict[str, Any]) -> None:
+    """Vector learners take ``tolerance`` as their own option (noisy vector answers),
+    put in ``options``; the scalar dispatch then gets none."""
     if tolerance is not None:
         if "tolerance" not in entry.options:
             raise InputError(f"tolerance does not apply to {entry.name!r}")
@@ -180,7 +180,7 @@ def _supporting(attribute: str) -> str:
     return " and ".join(repr(n) for n in names) or "no registered model"
 
 
-def _answers_may_be_rounded(root) -> bool:
+def _answers_may_be_rounded(root: Any) -> bool:
     """Whether a refusal may be a precision problem: the oracle's kept answers (its replay
     sample) show rounding, or too few were asked to tell. Float64 answers of a box that
     was refused are a mismatch: naming --output-dtype there invites loosening the check on
@@ -191,7 +191,7 @@ def _answers_may_be_rounded(root) -> bool:
     return len(answers) < 4 or answers_look_rounded(np.array(answers))
 
 
-def _zero_token_answers(root) -> tuple[float, float] | None:
+def _zero_token_answers(root: Any) -> tuple[float, float] | None:
     """The black box's answers to one zero token, asked twice in one batch (0 for
     attention without biases, c with them; two different answers: the box is not
     deterministic), live after a refusal; None when they cannot be asked (budget,
@@ -205,7 +205,7 @@ def _zero_token_answers(root) -> tuple[float, float] | None:
     return float(first), float(second)
 
 
-def _detected_decimals(root) -> int | None:
+def _detected_decimals(root: Any) -> int | None:
     """K when every kept answer of the root oracle (at least 4 nonzero ones) is a
     multiple of 10^-K (K <= 12) and not a float16/float32 number: the box rounds its
     answers to K decimals. None otherwise."""
@@ -217,8 +217,9 @@ def _detected_decimals(root) -> int | None:
     return detect_precision(np.array(answers)).decimals
 
 
-def extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=None,
-            tolerance=None, sign_only: bool = False, **options) -> ExtractionResult:
+def extract(oracle: QueryAccess, model: str = "single-head", *, seed: int | None = None,
+            verify_tolerance: float | None = None, tolerance: float | None = None,
+            sign_only: bool = False, **options: Any) -> ExtractionResult:
     """Extract ``model`` from the black box behind ``oracle``.
 
     Parameters
@@ -279,14 +280,16 @@ def _count_the_whole_check(result: ExtractionResult, span: int) -> None:
         report.queries = span
 
 
-def _extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=None,
-             tolerance=None, sign_only: bool = False, **options) -> ExtractionResult:
+def _extract(oracle: QueryAccess, model: str = "single-head", *, seed: int | None = None,
+             verify_tolerance: float | None = None, tolerance: float | None = None,
+             sign_only: bool = False, **options: Any) -> ExtractionResult:
     """:func:`extract` itself (the refusal's count is completed by the caller)."""
     root = root_oracle(oracle)
     entry = resolve(model, tolerance=tolerance, sign_only=sign_only,
                     outputs=getattr(root, "outputs", None))
     if entry.vectors:
-        tolerance = _vector_tolerance(entry, tolerance, options)
+        _vector_tolerance(entry, tolerance, options)
+        tolerance = None                  # the vector learner's own option now
     accepted = entry.options
     if tolerance is not None:
         options["tolerance"] = tolerance
@@ -317,6 +320,7 @@ def _extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=
         except VectorAnswersFound:
             root.detect_vectors = False
             spent = root.queries - sent
+            assert entry.with_vectors is not None     # only then are vectors detected
             vector = get_learner(entry.with_vectors)
             log.info("the black box answers vectors: %s runs instead of %s (%d queries spent "
                      "finding out)", vector.name, entry.name, spent)
@@ -392,7 +396,8 @@ def _extract(oracle, model: str = "single-head", *, seed=None, verify_tolerance=
         raise
     _count_the_whole_check(result, getattr(root, "queries", sent) - sent)
     numbers, tokens = getattr(root, "numbers", None), getattr(root, "tokens", None)
-    if numbers is not None and getattr(root, "outputs", None) not in (None, "scalar"):
+    if (numbers is not None and tokens is not None
+            and getattr(root, "outputs", None) not in (None, "scalar")):
         # vector answers: the cost in the three units (sequences, numbers, tokens)
         result.report.details.setdefault("numbers received", int(numbers))
         result.report.details.setdefault("tokens sent", int(tokens))

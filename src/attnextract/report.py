@@ -20,13 +20,15 @@ import re
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
 from .errors import InputError, ModelMismatchError, TargetLoadError
-from .models import MODEL_CLASSES
+from .models import MODEL_CLASSES, Regressor
 from .numerics import looks_like_rounding, safe_norm
-from .oracle import Oracle, evaluate_ragged, live_queries
+from .oracle import evaluate_ragged
 from .verification import MAX_VERIFY_LENGTH, Verification, token_scale
 # the check's outcome and its defaults belong to verification.py; results and learners
 # read them here, beside the report they go into
@@ -79,7 +81,7 @@ def held_out_batches(dim: int, count: int, rng: np.random.Generator, scale: floa
 def held_out_sequences(dim: int, count: int, rng: np.random.Generator, scale: float = 1.0,
                        max_length: int = MAX_VERIFY_LENGTH) -> list[np.ndarray]:
     """The sequences of :func:`held_out_batches` as a list (N_i, d), in order."""
-    out = [None] * count
+    out: list[Any] = [None] * count          # every entry is set below
     for idx, batch in held_out_batches(dim, count, rng, scale, max_length):
         for i, x in zip(idx, batch):
             out[i] = x
@@ -93,7 +95,8 @@ def relative_errors(predicted: np.ndarray, observed: np.ndarray) -> np.ndarray:
     return np.abs(predicted - observed) / denom
 
 
-def held_out_output_error(recovered, truth, *, count: int = 256, seed=0) -> float:
+def held_out_output_error(recovered: Callable[[np.ndarray], Any], truth: Regressor, *,
+                          count: int = 256, seed: int | None = 0) -> float:
     """Largest :func:`relative_errors` of ``recovered`` against a known ``truth`` model on
     ``count`` held-out sequences at the truth's token scale (bench and tests; one batch
     per length)."""
@@ -178,7 +181,7 @@ class Report:
         return (f"<Report {self.kind} d={self.dim}: {self.queries} queries (floor {self.floor}), "
                 f"{check}, {self.seconds:.3g} s>")
 
-    def render(self, extra: list[tuple[str, str]] = ()) -> str:
+    def render(self, extra: Sequence[tuple[str, str]] = ()) -> str:
         """The report for people: aligned labels in words, numbers to 3 significant digits.
 
         Exact counts stay integers; ``to_dict()`` (``--json``) keeps full precision.
@@ -263,7 +266,8 @@ LABEL_WIDTH = 34          # labels longer than this push their value right, not 
 _LABELS = {"error_bar_W": "error bar of W", "error_bar_W_columns": "error bar of W's columns",
            "error_bar_W_rows": "error bar of W's rows",
            "error_bar_W_relative": "error bar of W, relative",
-           "error_bar_v": "error bar of v", "error_bar_b": "error bar of b", "error_bar_v_relative": "error bar of v, relative",
+           "error_bar_v": "error bar of v", "error_bar_b": "error bar of b",
+           "error_bar_v_relative": "error bar of v, relative",
            "error_bar_v_direction": "error bar of v's direction",
            "relative_error_W": "relative error of W", "relative_error_v": "relative error of v",
            "black_box_queries": "answered by the black box",
@@ -285,7 +289,7 @@ def human_label(key: str) -> str:
     return key
 
 
-def human_number(x) -> str:
+def human_number(x: float | np.generic) -> str:
     """An integer as itself, any other number to 3 significant digits."""
     if isinstance(x, (bool, np.bool_)):
         return "yes" if x else "no"
@@ -297,7 +301,7 @@ def human_number(x) -> str:
     return f"{x:.3g}"
 
 
-def human_value(value) -> str:
+def human_value(value: object) -> str:
     """A detail value for people: numbers to 3 digits, mappings and sequences in words."""
     if value is None:
         return "none"
@@ -321,11 +325,17 @@ def human_value(value) -> str:
     return human_value(str(value))
 
 
-@dataclass
-class ExtractionResult:
-    """A recovered model, the number of queries it rests on, and the report."""
+ModelT = TypeVar("ModelT", bound=Regressor)
 
-    model: object
+
+@dataclass
+class ExtractionResult(Generic[ModelT]):
+    """A recovered model, the number of queries it rests on, and the report.
+
+    ``ExtractionResult[M]`` holds a model of class M; a bare ``ExtractionResult`` (what
+    :func:`attnextract.extract` returns, any model class) types its model as Any."""
+
+    model: ModelT
     queries: int
     report: Report
     options: dict = field(default_factory=dict)   # model name and options it ran with
@@ -347,7 +357,7 @@ class ExtractionResult:
         return f"<ExtractionResult {model} d={self.report.dim}: {self.queries} queries, {check}>"
 
 
-def checked_result(model, report: Report, claim: str) -> ExtractionResult:
+def checked_result(model: Any, report: Report, claim: str) -> ExtractionResult:
     """The extraction result, or :class:`ModelMismatchError` if held-out verification failed.
 
     ``claim`` says what the black box was assumed to be ("a single-head attention
@@ -377,7 +387,7 @@ def snake_case(key: str) -> str:
     return re.sub(r"[^0-9a-z]+", "_", key.lower()).strip("_") or "value"
 
 
-def machine_value(value):
+def machine_value(value: object) -> object:
     """A detail for programs: "0.0156 .. 1.41" -> [0.0156, 1.41]; "0.177 (every probe)" -> 0.177."""
     if isinstance(value, str):
         match = _RANGE.match(value)
@@ -414,7 +424,7 @@ def mismatch_reason(check: Verification) -> str:
     return text
 
 
-def parameter_errors(model, truth) -> dict:
+def parameter_errors(model: Any, truth: Any) -> dict[str, Any]:
     """Errors per part of a recovered single head against the truth (bench and tests).
 
     Returns ``W_columns`` (d,) |W_hat e_j - W e_j| / |W e_j|, ``W_rows`` (d,) the same
@@ -427,7 +437,7 @@ def parameter_errors(model, truth) -> dict:
     v_hat, v = np.asarray(model.v, float), np.asarray(truth.v, float)
     tiny = np.finfo(float).tiny
 
-    def part(diff, ref, whole):
+    def part(diff: np.ndarray, ref: np.ndarray, whole: float) -> np.ndarray:
         return diff / np.where(ref > 0, ref, max(whole, tiny))
 
     W_norm, v_norm = float(safe_norm(W)), float(safe_norm(v))
@@ -441,7 +451,7 @@ def parameter_errors(model, truth) -> dict:
             "v_relative": float(safe_norm(v_hat - v) / max(v_norm, tiny))}
 
 
-def _jsonable(obj):
+def _jsonable(obj: object) -> Any:
     if isinstance(obj, dict):
         return {str(k): _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -458,19 +468,19 @@ def _jsonable(obj):
 _STRUCTURE_KEYS = ("queries", "kind", "report", "report_state", "options")
 
 
-def result_path(path) -> Path:
+def result_path(path: str | os.PathLike[str]) -> Path:
     """The file a result is written to: ``path``, with ``.npz`` appended if missing."""
     path = Path(path)
     return path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
 
 
-def save_result(path, result: ExtractionResult) -> Path:
+def save_result(path: str | os.PathLike[str], result: ExtractionResult) -> Path:
     """Write the model's parameters, ``queries``, ``kind``, the report (JSON: ``report`` for
     programs, ``report_state`` for an exact reload) and ``options`` to an npz file.
 
     Returns the path written (``.npz`` appended if ``path`` lacks it)."""
     path = result_path(path)
-    arrays = {k: np.asarray(v) for k, v in result.model.parameters().items()}
+    arrays: dict[str, Any] = {k: np.asarray(v) for k, v in result.model.parameters().items()}
     with open(path, "wb") as handle:
         np.savez(handle, **arrays, queries=np.int64(result.queries),
                  kind=np.str_(result.report.kind),
@@ -480,7 +490,7 @@ def save_result(path, result: ExtractionResult) -> Path:
     return path
 
 
-def _read(path):
+def _read(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     """The arrays of a result file. Never unpickles: a result holds numbers and text only,
     so any file that is not such an npz is refused in one line, whatever it holds."""
     what = "an .npz written by attnextract extract"
@@ -501,7 +511,7 @@ def _read(path):
                               f"{' '.join(str(exc).split())[:100]}") from exc
 
 
-def load_result(path) -> ExtractionResult:
+def load_result(path: str | os.PathLike[str]) -> ExtractionResult:
     """Read a result file written by :func:`save_result`: model, report, queries, options.
 
     Files written before reports were stored whole get a report rebuilt from the
@@ -519,14 +529,14 @@ def load_result(path) -> ExtractionResult:
     return ExtractionResult(model=model, queries=queries, report=report, options=options)
 
 
-def load_model(path):
+def load_model(path: str | os.PathLike[str]) -> Regressor:
     """Rebuild the model stored in a result file written by :func:`save_result`."""
     return _model_from(path, _read(path))
 
 
-def _model_from(path, data: dict):
+def _model_from(path: str | os.PathLike[str], data: dict[str, np.ndarray]) -> Regressor:
     kind = str(data["kind"]) if "kind" in data else "single-head"
-    arrays = {k: v for k, v in data.items() if k not in _STRUCTURE_KEYS}
+    arrays: dict[str, Any] = {k: v for k, v in data.items() if k not in _STRUCTURE_KEYS}
     if kind not in MODEL_CLASSES:
         raise TargetLoadError(f"result file {path} holds an unknown model kind {kind!r}")
     if "kind" not in data and not {"W", "v"} <= set(arrays):

@@ -90,6 +90,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -670,10 +671,13 @@ def _family_far(dom: _Domain, n: int) -> list:
 def _family_steps(dom: _Domain, n: int) -> list:
     if dom.longest < 4:                 # no room for a copy probe's counts
         return _family_ordinary(dom, n)
-    return _step_sequences(dom.score_heads(), n, dom.rng, dom.scale, dom.longest, dom.grid)
+    heads = dom.score_heads()
+    assert heads is not None            # the family is drawn for models with score heads
+    return _step_sequences(heads, n, dom.rng, dom.scale, dom.longest, dom.grid)
 
 
 def _family_heads(dom: _Domain, n: int) -> list:
+    assert dom.heads is not None        # the family is drawn for multi-head models
     return _separating_sequences(dom.heads[0], dom.heads[1], n, dom.rng, dom.scale, dom.grid)
 
 
@@ -701,6 +705,7 @@ def _hull_single(dom: _Domain, n: int, v, hull_v):
     # where it is near one-hot
     top = np.where(np.arange(pool_size) % 2 == 0, 0.5, 1.5)[:, None]
     P *= max(dom.scale, dom.anchor) * math.sqrt(d) * 10.0 ** rng.uniform(-0.5, top, (pool_size, 1))
+    assert dom.W is not None            # the hull family of a single head
     picks = [_soft_pick(dom.W, P, int(k), rng) for k in dom.lengths(2, min(dom.longest, 64), n_seq)]
     return P, picks
 
@@ -899,7 +904,7 @@ def _ffn_hull(ffn, n: int, rng, scale: float, longest: int, grid):
     n_centres = max(1, min(FFN_CENTRES, n // 6))
     pool_size = max(2, min(n // (2 * n_centres), 2 * d))
     pools, pairs, slopes = [], [], []
-    for c in range(n_centres):
+    for _c in range(n_centres):
         p = rng.standard_normal(d)
         p *= scale * math.sqrt(d) / safe_norm(p)
         for _ in range(4):                    # scores scale like |p|^2 (a cone for b = 0)
@@ -960,7 +965,7 @@ def _separating_sequences(W: np.ndarray, v: np.ndarray, count: int, rng, scale: 
     scales where attention is sharper), the ``count`` with the largest
     max_{g != h} |(alpha_g - alpha_h)^T X v_h| / (s |v_h|) are kept.
     """
-    H, d = W.shape[0], W.shape[1]
+    d = W.shape[1]
     vn = np.maximum(safe_norm(v, axis=1), np.finfo(float).tiny)
     cands, merit = [], []
     for k in _log_uniform_int(rng, 2, 64, HEADS_OVERSAMPLE * count, grid):
@@ -1190,7 +1195,7 @@ class Check:
         return self.family[int(np.argmax(self.errors))] if self.errors.size else ""
 
     def family_errors(self) -> dict:
-        out = {}
+        out: dict[str, float] = {}
         for f, e in zip(self.family, self.errors):
             out[f] = max(out.get(f, 0.0), float(e))
         return out
@@ -1216,7 +1221,7 @@ class _Judge:
         predicted, observed = shifted(predicted, offset), shifted(observed, offset)
         norms = token_norms(sequences)
         errors = scaled_relative_errors(predicted, observed, norms, K=self.K)
-        allowance = self.tolerance
+        allowance: float | np.ndarray = self.tolerance
         if self.bar:
             allowance = allowance + SENSITIVITY * self.bar * score_reach(self.model, sequences)
         if self.absolute_noise:
@@ -1401,7 +1406,7 @@ def reask_in_other_batches(oracle, sequences, family, rng, scale: float,
     if queries < BATCH_LEAST:
         return None
     root = root_oracle(oracle)
-    lengths = {}
+    lengths: dict[int, list[int]] = {}
     for i, (X, name) in enumerate(zip(sequences, family)):
         if name != "hull" and len(X) <= BATCH_LONGEST:
             lengths.setdefault(len(X), []).append(i)
@@ -1515,7 +1520,7 @@ def measured_error_bar(oracle, model) -> float | None:
 def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | None = None,
                  scale: float | None = None, probe_length: int | None = None,
                  max_length: int | None = None, measure_v: bool = False,
-                 expected_error: float | None = None, search: bool = True,
+                 expected_error: float | str | None = None, search: bool = True,
                  tolerance_floor: float | None = None, answer_noise: float = 0.0,
                  absolute_noise: float = 0.0):
     """Compare ``model`` with the black box on ``count`` queries: the held-out sequences
@@ -1623,7 +1628,7 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
     stated = max(tolerance, worst) if judged <= tolerance else tolerance
     # the draws of each family that were asked of the black box (the own probes are the
     # learner's choice, not draws): what the coverage statement rests on
-    drawn = {}
+    drawn: dict[str, int] = {}
     for name in check.family:
         if name != "own":
             drawn[name] = drawn.get(name, 0) + 1
@@ -1760,7 +1765,8 @@ def extreme_sequences(model: SphereAttention, rng: np.random.Generator) -> list:
     return out
 
 
-def verify_on_sphere(oracle, model: SphereAttention, *, count: int, invariance: int,
+def verify_on_sphere(oracle, model: SphereAttention | VectorSphereAttention, *, count: int,
+                     invariance: int,
                      rng: np.random.Generator, tolerance: float,
                      error_bar: float | None = None, extremes=None, residual=None,
                      answers=None) -> Verification:
@@ -1782,7 +1788,13 @@ def verify_on_sphere(oracle, model: SphereAttention, *, count: int, invariance: 
     answers (default as they come); a sequence's error is then its largest channel error.
     """
     extremes = extreme_sequences if extremes is None else extremes
-    residual = (lambda X: X[-1] @ model.r) if residual is None else residual
+    if residual is None:
+        if not isinstance(model, SphereAttention):
+            raise TypeError("a vector pre-LN model's check needs its residual term R x_N")
+        r = model.r
+
+        def residual(X: np.ndarray) -> np.ndarray:
+            return X[-1] @ r
     requested = tolerance
     if error_bar is not None and math.isfinite(error_bar) and 0 <= error_bar <= MAX_ERROR_BAR:
         tolerance = min(tolerance, max(BOUND_FACTOR * error_bar, CONSISTENCY_FLOOR))
@@ -1884,7 +1896,8 @@ def verify_vector_on_sphere(oracle, model: VectorSphereAttention, *, count: int,
 
 
 # the held-out check of each model defined on a sphere of its own, by its kind
-SPHERE_CHECKS = {"pre-ln-sphere": verify_on_sphere,
+SPHERE_CHECKS: dict[str, Callable[..., Verification]] = {
+                 "pre-ln-sphere": verify_on_sphere,
                  "vector-pre-ln-sphere": verify_vector_on_sphere}
 
 
@@ -1948,7 +1961,8 @@ def near_boundary(model, count: int, rng: np.random.Generator, scale: float, thr
         lengths = np.minimum(lengths, int(longest))
     seeds = [scale * rng.standard_normal((int(n), model.dim)) for n in lengths]
     on = boundary_shift(model, seeds, np.full(count, float(threshold)))
-    k = np.exp(rng.uniform(*np.log(BOUNDARY_REACH), count)) * rng.choice([-1.0, 1.0], count)
+    k = (np.exp(rng.uniform(np.log(BOUNDARY_REACH[0]), np.log(BOUNDARY_REACH[1]), count))
+         * rng.choice([-1.0, 1.0], count))
     room = np.array([float(allowance(X[None])[0]) for X in on])
     # an infinite allowance (a model with unbounded error bars) leaves nothing to check
     keep = np.flatnonzero(np.isfinite(room) & (room > 0))

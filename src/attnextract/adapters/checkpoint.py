@@ -196,9 +196,11 @@ def inspect_checkpoint(path) -> CheckpointInfo:
             heads, eps = int(config["num_attention_heads"]), float(config.get("layer_norm_eps",
                                                                                 1e-12))
         else:
-            layers = int(config.get("n_layer", config.get("num_hidden_layers")))
-            width = int(config.get("n_embd", config.get("hidden_size")))
-            heads = int(config.get("n_head", config.get("num_attention_heads")))
+            # GPT-2's names, else the common ones (neither: KeyError, reported below)
+            layers = int(config["n_layer"] if "n_layer" in config else config["num_hidden_layers"])
+            width = int(config["n_embd"] if "n_embd" in config else config["hidden_size"])
+            heads = int(config["n_head"] if "n_head" in config
+                        else config["num_attention_heads"])
             eps = float(config.get("layer_norm_epsilon", 1e-5))
     except (KeyError, TypeError, ValueError) as exc:
         raise TargetLoadError(f"{config_file} lacks the layer, width or head count: {exc}") \
@@ -510,6 +512,7 @@ def save_layer_target(path, layers, out, readout_seed=0) -> Path:
     ck = Checkpoint(path)
     truth = ck.truth(chosen[0])
     W, v, b, c = truth.read_out(readout_vector(info.width, readout_seed))
+    model: BiasedMultiHeadAttention | PreLayerNormAttention
     if truth.norm is None:
         model = BiasedMultiHeadAttention(W, v, b, c)
     else:

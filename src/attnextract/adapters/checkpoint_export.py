@@ -80,8 +80,10 @@ def _names(info, layer: int) -> dict[str, str]:
             "ln_1.weight": p + "ln_1.weight", "ln_1.bias": p + "ln_1.bias"}
 
 
-def recovered_state_dict(result: CheckpointResult, ck: Checkpoint) -> dict[str, np.ndarray]:
-    """The original's state dict (float64) with every recovered layer's attention replaced."""
+def recovered_state_dict(result: CheckpointResult,
+                         ck: Checkpoint) -> tuple[dict[str, np.ndarray], list[int]]:
+    """The original's state dict (float64) with every recovered layer's attention replaced,
+    and the indices of those layers."""
     info = ck.info
     if result.data["outputs"] == "scalar":
         raise InputError("a scalar extraction knows each head's values along one readout "

@@ -74,6 +74,7 @@ import os
 import sqlite3
 import tempfile
 from collections import Counter
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -82,7 +83,7 @@ from ..errors import BlackBoxError, InputError, JournalError, JournalMismatchErr
 try:                       # POSIX only; elsewhere two runs sharing a journal are not stopped
     import fcntl
 except ImportError:        # pragma: no cover
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]  # no such module off POSIX: no locking
 
 DIGEST_BYTES = 16
 CHECKSUM_BYTES = 16
@@ -311,8 +312,8 @@ class QueryJournal:
         self.tolerance, self.relative_tolerance = tolerance, relative_tolerance
         self.unsaved: list[dict] = []
         self.bound = False
-        self._db = None
-        self._lock = None
+        self._db: sqlite3.Connection | None = None     # None once closed
+        self._lock: BinaryIO | None = None
         self._batches_recorded = 0
         if os.path.isdir(self.path):
             raise JournalError(f"journal {self.path} is a directory", path=self.path)
@@ -386,10 +387,11 @@ class QueryJournal:
             self._lock.close()
             self._lock = None
             raise JournalError(f"journal {self.path} is in use by another run (locked); "
-                               f"wait for it or use another journal file", path=self.path)
+                               f"wait for it or use another journal file",
+                               path=self.path) from None
 
     def _check_schema(self) -> None:
-        columns = [row[1] for row in self._db.execute("PRAGMA table_info(batches)")]
+        columns = [row[1] for row in self._connection.execute("PRAGMA table_info(batches)")]
         if columns and "checksum" not in columns:
             raise JournalError(f"journal {self.path} was written by an older attnextract "
                                f"(no checksums, no fingerprint of its black box) and cannot be "
@@ -398,9 +400,9 @@ class QueryJournal:
     def _add_vector_columns(self) -> None:
         """Add the columns of vector answers to a journal written before them."""
         for table, column in VECTOR_COLUMNS:
-            columns = [row[1] for row in self._db.execute(f"PRAGMA table_info({table})")]
+            columns = [row[1] for row in self._connection.execute(f"PRAGMA table_info({table})")]
             if column not in columns:
-                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} BLOB")
+                self._connection.execute(f"ALTER TABLE {table} ADD COLUMN {column} BLOB")
 
     def _import_sidecars(self) -> None:
         """Answers a failed write saved beside the journal are written into it now."""
@@ -435,9 +437,9 @@ class QueryJournal:
     def _forget_black_box(self, also: tuple[str, ...] = ()) -> None:
         """Delete the fingerprint and kept sequences (and the ``also`` tables)."""
         try:
-            with self._db:
+            with self._connection:
                 for table in ("fingerprint", "samples", "answer_kind", *also):
-                    self._db.execute(f"DELETE FROM {table}")
+                    self._connection.execute(f"DELETE FROM {table}")
         except sqlite3.Error as exc:
             raise JournalError(f"cannot write to journal {self.path}: {exc}",
                                path=self.path) from exc
@@ -447,8 +449,8 @@ class QueryJournal:
         if not context:
             return
         try:
-            with self._db:
-                self._db.executemany("INSERT OR IGNORE INTO context VALUES (?, ?)",
+            with self._connection:
+                self._connection.executemany("INSERT OR IGNORE INTO context VALUES (?, ?)",
                                      [(k, json.dumps(v)) for k, v in context.items()])
         except sqlite3.Error as exc:
             raise JournalError(f"cannot write to journal {self.path}: {exc}",
@@ -523,8 +525,8 @@ class QueryJournal:
         if sample:
             again = _answers_ragged(ask, [x for _, x, _ in sample])
             spent += len(sample)
-            for (row, x, y), live_y in zip(sample, again):
-                y, live_y = np.ravel(y), np.ravel(live_y)
+            for (row, x, kept), live_y in zip(sample, again):
+                y, live_y = np.ravel(kept), np.ravel(live_y)
                 ok = (answers_agree(y, live_y, scale, tau, rho, FLOAT_SLACK + SAMPLE_SLACK)
                       if y.shape == live_y.shape else np.zeros(1, dtype=bool))
                 if not ok.all():
@@ -576,7 +578,7 @@ class QueryJournal:
     def _read(self, sql: str, row: tuple = (), what: str = "its rows", one: bool = False):
         """A SELECT on the journal; any SQLite error (a damaged page) is a JournalError."""
         try:
-            cursor = self._db.execute(sql, row)
+            cursor = self._connection.execute(sql, row)
             return cursor.fetchone() if one else cursor.fetchall()
         except sqlite3.Error as exc:
             raise JournalError(f"cannot read {what} from journal {self.path} (damaged?): {exc}",
@@ -603,7 +605,7 @@ class QueryJournal:
                                f"shape check; delete it or use another one", path=self.path)
         return int(dim), values
 
-    def _sample(self, k: int) -> list[tuple[int, np.ndarray, float]]:
+    def _sample(self, k: int) -> list[tuple[int, np.ndarray, float | np.ndarray]]:
         """Up to k kept sequences, drawn afresh at random: [(row id, (N, d), answer)]; a
         vector answer as its numbers, flat."""
         ids = [row[0] for row in self._read("SELECT id FROM samples", (), "its kept sequences")]
@@ -701,23 +703,23 @@ class QueryJournal:
         # whose rows are as they always were)
         shape = np.array(outputs.shape[1:], np.int64).tobytes() if outputs.ndim > 1 else None
         checked = blobs + (() if shape is None else (shape,))
-        with self._db:                       # one transaction, committed on leaving
-            self._db.execute("BEGIN")
-            self._db.execute("INSERT INTO batches (digests, occurrences, outputs, checksum, "
+        with self._connection:                       # one transaction, committed on leaving
+            self._connection.execute("BEGIN")
+            self._connection.execute("INSERT INTO batches (digests, occurrences, outputs, checksum, "
                              "shape) VALUES (?, ?, ?, ?, ?)", (*blobs, checksum(*checked), shape))
             if sample is not None:
                 slot, x, y = sample
                 blob, first = x.tobytes(), float(np.ravel(y)[0])
                 answer = None if np.ndim(y) == 0 else np.ascontiguousarray(y, np.float64).tobytes()
                 kept = (blob, np.float64(first).tobytes()) + (() if answer is None else (answer,))
-                self._db.execute("INSERT OR REPLACE INTO samples (id, length, sequence, output, "
+                self._connection.execute("INSERT OR REPLACE INTO samples (id, length, sequence, output, "
                                  "checksum, answer) VALUES (?, ?, ?, ?, ?, ?)",
                                  (slot, len(x), blob, first, checksum(*kept), answer))
 
     def _write(self, sql: str, row: tuple, what: str) -> None:
         try:
-            with self._db:
-                self._db.execute(sql, row)
+            with self._connection:
+                self._connection.execute(sql, row)
         except sqlite3.Error as exc:
             raise JournalError(f"cannot record {what} in journal {self.path}: {exc}",
                                path=self.path) from exc
@@ -725,7 +727,7 @@ class QueryJournal:
     def _write_failed(self, keys, outputs: np.ndarray, exc: Exception) -> JournalError:
         """Save a batch the journal could not take; the JournalError that says where."""
         batch = self._batches_recorded
-        arrays = {"digests": np.frombuffer(b"".join(d for d, _ in keys), np.uint8)
+        arrays: dict[str, Any] = {"digests": np.frombuffer(b"".join(d for d, _ in keys), np.uint8)
                   .reshape(len(keys), DIGEST_BYTES),
                   "occurrences": np.array([k for _, k in keys], np.int64), "outputs": outputs}
         name = f"{os.path.basename(self.path)}.unsaved-{batch}.npz"
@@ -759,6 +761,13 @@ class QueryJournal:
 
     def __len__(self) -> int:
         return len(self._answers)
+
+    @property
+    def _connection(self) -> sqlite3.Connection:
+        """The journal's open database (JournalError after :meth:`close`)."""
+        if self._db is None:
+            raise JournalError(f"journal {self.path} is closed", path=self.path)
+        return self._db
 
     def close(self) -> None:
         if self._db is not None:

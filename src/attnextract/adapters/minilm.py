@@ -334,7 +334,7 @@ def extract_minilm_layer(layer: int, *, readout_seed=0, subspace: int | None = N
             details["per-head error"] = [max(a, b) for a, b in zip(W_err, v_err)]
             if biased:
                 b_err = [float(np.linalg.norm(result.model.b[o] - truth.b[h])
-                               / max(np.linalg.norm(truth.b[h]), 1e-300))
+                               / max(float(np.linalg.norm(truth.b[h])), 1e-300))
                          for h, o in enumerate(order)]
                 details["per-head bias error"] = b_err
                 details["per-head error"] = [max(a, b) for a, b in

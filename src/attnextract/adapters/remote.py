@@ -238,7 +238,8 @@ def _read_bounded(response: http.client.HTTPResponse, cap: int) -> bytes:
     (an announced Content-Length over the cap before a byte is read)."""
     if response.length is not None and response.length > cap:
         raise _TooLarge(response.length, cap, True)
-    pieces, size = [], 0
+    pieces: list[bytes] = []
+    size = 0
     while True:
         piece = response.read(min(READ_PIECE, cap + 1 - size))
         if not piece:
@@ -364,6 +365,8 @@ class HttpBlackBox:
         self.answer_cap = max_answer_bytes
         self.url = url.rstrip("/")
         parts = urllib.parse.urlsplit(self.url)
+        if not parts.hostname:
+            raise InputError(f"an HTTP target must name its host (http://HOST:PORT), got {url!r}")
         self._scheme, self._host, self._port = parts.scheme, parts.hostname, parts.port
         self._base_path = parts.path
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
@@ -379,7 +382,7 @@ class HttpBlackBox:
         self.fallbacks = 0
         self._lock = threading.Lock()
         self._local = threading.local()
-        self._pool = None
+        self._pool: ThreadPoolExecutor | None = None
 
     # -- public ------------------------------------------------------------------------
     def __call__(self, X) -> np.ndarray:
@@ -563,13 +566,15 @@ class HttpBlackBox:
         error.partial_outputs = partial
         return error
 
-    def _encode(self, X: np.ndarray, transport: str) -> tuple[bytes, dict]:
+    def _encode(self, X: np.ndarray,
+                transport: str) -> tuple[bytes | list[bytes | memoryview], dict[str, str]]:
         if transport == "npy":       # the npy header, then the array's own bytes (no copy)
             stream = io.BytesIO()
             np.lib.format.write_array_header_1_0(stream, {
                 "descr": "<f8", "fortran_order": False, "shape": X.shape})
             header = stream.getvalue()
-            data = memoryview(np.ascontiguousarray(X, dtype="<f8")).cast("B")
+            # an ndarray exports the buffer protocol (numpy's stubs do not say so)
+            data = memoryview(np.ascontiguousarray(X, dtype="<f8")).cast("B")  # type: ignore[arg-type]
             return [header, data], {"Content-Type": NPY, "Accept": NPY,
                                     "Content-Length": str(len(header) + len(data))}
         return (json.dumps({"sequences": X.tolist()}).encode(),

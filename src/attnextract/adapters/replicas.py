@@ -150,6 +150,11 @@ class RayReplicas:
         the local cluster stops with it (default: when this object starts the cluster).
     """
 
+    # what the model declares (DECLARED), copied from it at the start (None: not declared)
+    output_kind: str | None
+    out_dim: int | None
+    causal: bool | None
+
     def __init__(self, model, replicas: int, *, address: str | None = None, ray_module=None,
                  reap: bool | None = None):
         if not isinstance(replicas, int) or replicas < 1:

@@ -189,7 +189,7 @@ class JsonBatchParser:
         self.after_open = False
         self.sequences = 0           # sequences finished
         self.tokens = 0              # tokens of the current sequence
-        self.length = None           # N, from the first sequence
+        self.length: int | None = None   # N, from the first sequence
         self.numbers = 0
         self.parts: list[np.ndarray] = []
         self.max_tail = 64 * 1024 + 32 * dim
@@ -307,11 +307,15 @@ class JsonBatchParser:
                 else RequestError(400, "body is not valid JSON: it ends inside the sequences")
         if not _SUFFIX.match(self.tail):
             raise RequestError(400, _NOT_OBJECT)
+        assert self.length is not None           # the parts are non-empty sequences
         X = np.concatenate(self.parts).reshape(self.sequences, self.length, self.dim)
         if not np.isfinite(X).all():
             raise RequestError(400, "sequences contain NaN or infinity (numbers beyond "
                                     "float64)")
         return X
+
+
+LITTLE_F8 = np.dtype("<f8")      # the wire's float64 (little-endian)
 
 
 class NpyBatchParser:
@@ -323,7 +327,7 @@ class NpyBatchParser:
         self.max_floats, self.max_sequences, self.max_length = (max_floats, max_sequences,
                                                                 max_length)
         self.head = b""
-        self.data = None             # preallocated once the header is known
+        self.data: np.ndarray | None = None   # preallocated once the header is known
         self.filled = 0
 
     kind = "npy"
@@ -334,7 +338,8 @@ class NpyBatchParser:
             chunk = self._header()
             if self.data is None:
                 return
-        view = memoryview(self.data.reshape(-1).view(np.uint8))
+        # an ndarray exports the buffer protocol (numpy's stubs do not say so)
+        view = memoryview(self.data.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
         n = min(len(chunk), len(view) - self.filled)
         view[self.filled:self.filled + n] = chunk[:n]
         self.filled += n
@@ -371,7 +376,7 @@ class NpyBatchParser:
         rest, self.head = head[start + header_len:], b""
         return rest
 
-    def _allocate(self, shape, fortran: bool, header_bytes: int, dtype=np.dtype("<f8")) -> None:
+    def _allocate(self, shape, fortran: bool, header_bytes: int, dtype=LITTLE_F8) -> None:
         """Check a batch's shape against the limits and the Content-Length; allocate it."""
         if len(shape) != 3 or shape[0] < 1 or shape[1] < 1:
             raise RequestError(400, _SHAPE.format(d=self.dim) + f"; got shape {list(shape)}")
@@ -662,6 +667,7 @@ class Ledger:
             if str(name).startswith(OPEN_MARK) and _mark_gone(str(self._get(name))):
                 dead.append((name, str(self._get(name)).split("@")[0]))
         if dead and not wal_present:
+            assert self.path is not None         # an in-memory ledger has no log to miss
             raise LedgerError(
                 f"{where}: the server that used it last (pid {dead[0][1]}) stopped without "
                 f"closing it, and its write-ahead log {self.path}-wal is missing: the "
@@ -1021,8 +1027,10 @@ class ServerState:
         """Numbers in the answer to ``sequences`` sequences of ``tokens`` tokens in all: one
         per sequence, m per sequence (last position) or m per token (every position)."""
         if self.outputs == "last":
+            assert self.out_dim is not None      # fixed with the outputs
             return sequences * self.out_dim
         if self.outputs == "all":
+            assert self.out_dim is not None
             return tokens * self.out_dim
         return sequences
 
@@ -1031,7 +1039,7 @@ class ServerState:
         is encoded: ANSWER_BYTES per number, and LIST_BYTES per list of a vector answer
         (one per sequence at the last position; one per token and one per sequence at
         every position)."""
-        lists = {"last": sequences, "all": tokens + sequences}.get(self.outputs, 0)
+        lists = {"last": sequences, "all": tokens + sequences}.get(self.outputs or "", 0)
         return self.answer_numbers(sequences, tokens) * ANSWER_BYTES + lists * LIST_BYTES
 
     def _evaluate(self, X: np.ndarray) -> np.ndarray:
@@ -1313,8 +1321,8 @@ class BlackBoxServer:
         self.slot_timeouts = 0       # bodies refused 503: no memory for them in time
         self.slow_bodies = 0         # bodies cut 408: slower than min_body_rate
         self.bodies: ByteBudget | None = None     # made inside the loop
-        self._loop = None
-        self._stop = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
         self._stopping = False
         self._stopped = threading.Event()
         self._stop_requested = threading.Event()
@@ -1339,9 +1347,13 @@ class BlackBoxServer:
 
     def shutdown(self) -> None:
         self._stop_requested.set()       # seen by a loop that has not started yet
+        def stop() -> None:
+            if self._stop is not None:
+                self._stop.set()
+
         if self._loop is not None and not self._stopped.is_set():
             try:
-                self._loop.call_soon_threadsafe(lambda: self._stop and self._stop.set())
+                self._loop.call_soon_threadsafe(stop)
             except RuntimeError:     # the loop closed meanwhile
                 pass
             self._stopped.wait(30)
@@ -1387,7 +1399,8 @@ class BlackBoxServer:
         # the transport reads at most READ_SIZE bytes at a time, and pauses once the
         # stream holds 2 x MAX_HEADER_BYTES: a connection buffers at most
         # CONNECTION_BUFFER bytes that no body reservation counts
-        writer.transport.max_size = READ_SIZE
+        # read by asyncio's selector transports (no public setter)
+        writer.transport.max_size = READ_SIZE  # type: ignore[attr-defined]
         peer = writer.get_extra_info("peername")
         address = str(peer[0]) if peer else "?"
         try:
@@ -1489,7 +1502,7 @@ class BlackBoxServer:
     async def _read_head(self, reader, first: bytes) -> bytes:
         """The request line and headers, each line ending in CRLF (a bare LF is a 400 at
         once), at most MAX_HEADER_BYTES in all (else 431)."""
-        head = []
+        head: list[bytes] = []
         size = 0
         line = first
         while True:
@@ -1563,6 +1576,7 @@ class BlackBoxServer:
         parser = state.parser(content_type, length, headers.get("x-shape", [None])[0])
         # the body is read only once its memory is reserved: until then it waits unread
         # in the client's socket, for at most slot_timeout
+        assert self.bodies is not None           # made when the loop started (_main)
         try:
             held = await self.bodies.acquire(self.body_cost(length, content_type),
                                              self.slot_timeout)

@@ -129,9 +129,9 @@ def load_target(spec: str):
     path, sep, name = spec.rpartition(":")
     if not sep or not path or not name:
         raise TargetLoadError(f"target must be FILE.py:NAME or MODULE:NAME, got {spec!r}")
-    file = Path(path)
+    file = Path(path)           # (a module name prints as itself)
     if not file.is_file() and _module_name(path):
-        module, file = _import_module(path), path
+        module = _import_module(path)
     elif not file.is_file():
         raise TargetLoadError(f"target file {file} does not exist")
     else:

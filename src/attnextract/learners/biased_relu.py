@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ModelMismatchError, NotIdentifiableError, RecoveryFailedError
-from ..oracle import Oracle
+from ..oracle import QueryAccess
 from ..verification import safe_norm
 from .relu_network import (_find_kinks, _Path, _query_vectors, _resolve_signs, CHORD, EPS,
                            MILP_SECONDS, ROOT_SLACK, SLOPE_NOISE)
@@ -180,7 +180,7 @@ class _Line:
         return self.centre[None] + ((t - 1.0) * self.L)[:, None] * self.q[None]
 
 
-def affine_pieces(oracle: Oracle, points: np.ndarray, steps: np.ndarray,
+def affine_pieces(oracle: QueryAccess, points: np.ndarray, steps: np.ndarray,
                   basis: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Affine piece (g, e) of F at each row of ``points`` (R, d): F(x) = g^T x + e nearby.
 
@@ -348,8 +348,8 @@ def _walk_line(oracle, line: _Line, rng, units: _Units, basis, counts,
         N, B = units.normals()
         with np.errstate(divide="ignore", invalid="ignore"):
             t_pred = 1.0 - (N @ line.centre + B) / (line.L * (N @ line.q))
-        for k in range(K):
-            new[k] = not np.any(np.abs(t_pred - kinks[k]) <= ROOT_SLACK * kink_error[k] + 1e-12)
+        for j in range(K):
+            new[j] = not np.any(np.abs(t_pred - kinks[j]) <= ROOT_SLACK * kink_error[j] + 1e-12)
     measure = np.zeros(K + 1, dtype=bool)
     measure[0] = True
     measure[:-1] |= new
@@ -416,7 +416,7 @@ def _walk_line(oracle, line: _Line, rng, units: _Units, basis, counts,
             "rd,rd->r", g, points))
         lo, hi = [slot[k] for k in new_k], [slot[k + 1] for k in new_k]
         dJ, dj = np.hypot(dg[lo], dg[hi]), de[lo] + de[hi]
-    for i, k in enumerate(new_k):
+    for i in range(len(new_k)):
         with np.errstate(divide="ignore", invalid="ignore"):
             dn, dbeta = dJ[i] / norms[i], (dj[i] + abs(jj[i]) * dJ[i] / norms[i]) / norms[i]
         if bad[i] or dn > MAX_NOISY_ANGLE or units.known(n[i], beta[i], dn, dbeta):
@@ -443,7 +443,7 @@ def _gradient_noise(tol: Tolerances, g, e, points, steps) -> np.ndarray:
     return math.sqrt(2.0 * points.shape[1]) * tol.noise * F / steps
 
 
-def _count_far(oracle: Oracle, rng, scale: float, counts: dict,
+def _count_far(oracle: QueryAccess, rng, scale: float, counts: dict,
                tol: Tolerances = Tolerances()) -> int:
     """Units seen on a half circle of radius FAR_RADIUS * scale: far out the biases hardly
     move the kinks, and a half circle meets every hyperplane's direction once, so this
@@ -500,7 +500,7 @@ def _affine_residual(units: _Units, samples,
     return lam, c, spread
 
 
-def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: float = 1.0,
+def extract_biased_relu(oracle: QueryAccess, rng: np.random.Generator, *, scale: float = 1.0,
                         counts: dict | None = None, polish: bool = True,
                         tolerances: Tolerances = Tolerances()) -> tuple[BiasedReLUNetwork, dict]:
     """Recover F(x) = w^T ReLU(P x + b) + c0 from single-vector queries.
@@ -607,6 +607,7 @@ def extract_biased_relu(oracle: Oracle, rng: np.random.Generator, *, scale: floa
         if polish:
             net, info["polish"] = _polish(oracle, net, rng, scale, counts, tol.polish)
         if tol.noise:
+            assert isinstance(oracle, _Recorder)     # wrapped above when tol.noise
             X, F = oracle.answers()
             # the hyperplanes as measured, before the joint fit: a fit that lacks a unit
             # pulls the others off to absorb it, and their knots then leave a misfit that
@@ -787,7 +788,7 @@ def _local_plane(oracle, net: BiasedReLUNetwork, y0, q, tol: Tolerances, counts:
     first = _knot_plane(X, F, s, q, starts, tol)
     if first is None:
         return None
-    first = _joint_hinge(X, F, s, *first, y0, tol)
+    first = _joint_hinge(X, F, s, first[0], first[1], first[2], y0, tol)     # from (n, beta, w)
     if first is None:
         return None
     # then lines a fifth of the room out, each moved along q to cross the plane found at
@@ -798,7 +799,8 @@ def _local_plane(oracle, net: BiasedReLUNetwork, y0, q, tol: Tolerances, counts:
         shift = -(starts @ n1 + beta1) / (n1 @ q)
     starts = starts + np.clip(np.nan_to_num(shift), -0.5 * reach, 0.5 * reach)[:, None] * q[None]
     X2, F2 = short_lines(starts)
-    return _joint_hinge(np.concatenate([X, X2]), np.concatenate([F, F2]), s, *first[:3], y0, tol)
+    return _joint_hinge(np.concatenate([X, X2]), np.concatenate([F, F2]), s,
+                        first[0], first[1], first[2], y0, tol)
 
 
 def _knot_plane(X, F, s, q, starts, tol: Tolerances):
@@ -925,7 +927,7 @@ def crossing_points(net: BiasedReLUNetwork, rng, scale: float):
     return np.array(units, dtype=int), np.array(points).reshape(-1, d), np.array(radii)
 
 
-def _polish(oracle: Oracle, net: BiasedReLUNetwork, rng, scale: float, counts: dict,
+def _polish(oracle: QueryAccess, net: BiasedReLUNetwork, rng, scale: float, counts: dict,
             agreement: float = POLISH_AGREEMENT):
     """Measure every unit again across its hyperplane, at the point farthest from the others.
 
@@ -959,7 +961,7 @@ def _polish(oracle: Oracle, net: BiasedReLUNetwork, rng, scale: float, counts: d
         f"(steps {steps.min():.3g} .. {steps.max():.3g})")
 
 
-def _across(oracle: Oracle, net: BiasedReLUNetwork, rng, scale: float, counts: dict,
+def _across(oracle: QueryAccess, net: BiasedReLUNetwork, rng, scale: float, counts: dict,
             name: str):
     """The affine pieces either side of each unit's hyperplane, at the point farthest
     from the others (:func:`crossing_points`): 2 (d + 1) queries per unit found a cell,
@@ -980,7 +982,7 @@ def _across(oracle: Oracle, net: BiasedReLUNetwork, rng, scale: float, counts: d
     return units, points, steps, g, e, g[0::2] - g[1::2], e[0::2] - e[1::2]
 
 
-def _confirm_units(oracle: Oracle, units: _Units, rng, scale: float, counts: dict,
+def _confirm_units(oracle: QueryAccess, units: _Units, rng, scale: float, counts: dict,
                    ghosts: bool = False) -> int:
     """Rounded answers: every unit not yet confirmed is measured across its own hyperplane
     far from the others (:func:`_across`); one whose jump there is not its own (within

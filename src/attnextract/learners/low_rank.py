@@ -74,7 +74,7 @@ from scipy.linalg import solve_triangular
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError
 from ..models import BiasedSingleHeadAttention, SingleHeadAttention
-from ..oracle import Oracle
+from ..oracle import QueryAccess
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, token_scale,
                      verification_count, verify_model)
 from .single_head import (FIRST_SCALE, MAX_GROWTH, MAX_LOGIT, MAX_RESCALES, MIN_FIRST_LOGIT,
@@ -147,10 +147,10 @@ class BilinearMeter:
     ``rescued`` counts those extra queries.
     """
 
-    def __init__(self, oracle: Oracle, v: np.ndarray, const: float = 0.0):
+    def __init__(self, oracle: QueryAccess, v: np.ndarray, const: float = 0.0):
         self.oracle, self.v = oracle, v
         self.const = const                      # biases: the output constant c = f([0])
-        self.fixed_s = None                     # biases: every column token at this scale
+        self.fixed_s: float | None = None       # biases: every column token at this scale
         self.rescued = 0
         self.largest_scale = 0.0
         self.last_scale = np.empty(0)           # scales finally used by the last measure()
@@ -376,6 +376,7 @@ def _extract_adaptive(oracle, v, rng, const=None):
             beta = K[:, J] @ np.linalg.solve(K[np.ix_(I, J)], beta_I)
         else:
             beta = np.zeros(d)
+        assert meter.fixed_s is not None      # set by the scouts (biases)
         K = K - beta[:, None] / meter.fixed_s
         bias = state.U @ beta
     W = state.U @ K @ state.E.T
@@ -569,7 +570,8 @@ def rop_solve(A: np.ndarray, B: np.ndarray, t: np.ndarray, rank: int,
     if norm_t == 0.0:
         X = np.zeros((d, rank))
         return X, X.copy(), 0.0, 0, np.zeros(m)
-    total, best_fit = 0, None
+    total = 0
+    best_fit: tuple[np.ndarray, np.ndarray, float, np.ndarray] | None = None
     # (m, r) float32 buffers reused by every iteration (64 MB each at d = 1024)
     work, APX, BPY = (np.empty((m, rank), np.float32) for _ in range(3))
     for attempt in range(restarts + 1):
@@ -588,6 +590,8 @@ def rop_solve(A: np.ndarray, B: np.ndarray, t: np.ndarray, rank: int,
         res = _rowdot(AX, BY).astype(np.float64) - t
         fit = synced = best = float(np.linalg.norm(res)) / norm_t
         exact, best_at, PX, history = False, 0, None, [fit]
+        # the previous iteration's direction and gradient: read from the second on
+        PY, zg_old, gX_old, gY_old = np.zeros_like(Y), 0.0, np.zeros_like(X), np.zeros_like(Y)
         for it in range(1, max_iterations + 1):
             res32 = res.astype(np.float32)
             gX = (A32.T @ np.multiply(res32[:, None], BY, out=work)).astype(np.float64)
@@ -602,7 +606,10 @@ def rop_solve(A: np.ndarray, B: np.ndarray, t: np.ndarray, rank: int,
             beta = 0.0
             if PX is not None and zg_old > 0:
                 beta = max(0.0, (zg - float(np.sum(zX * gX_old) + np.sum(zY * gY_old))) / zg_old)
-            PX, PY = (-zX, -zY) if beta == 0.0 else (beta * PX - zX, beta * PY - zY)
+            if beta == 0.0 or PX is None:             # (beta > 0 needs the previous PX)
+                PX, PY = -zX, -zY
+            else:
+                PX, PY = beta * PX - zX, beta * PY - zY
             if np.sum(PX * gX) + np.sum(PY * gY) >= 0.0:      # not downhill: steepest descent
                 PX, PY = -zX, -zY
             zg_old, gX_old, gY_old = zg, gX, gY
@@ -641,6 +648,7 @@ def rop_solve(A: np.ndarray, B: np.ndarray, t: np.ndarray, rank: int,
             best_fit = (X, Y, fit, res)
         if fit <= NOISE_FIT:    # stalled this low: the data's noise, which a restart meets again
             break
+    assert best_fit is not None                # at least one attempt ran
     X, Y, fit, res = best_fit
     return X, Y, fit, total, res
 
@@ -710,7 +718,7 @@ def _extract_rop(oracle, v, rank, oversampling, solver, rng, fit_progress=None):
 
 # --------------------------------------------------------------------------------------
 
-def extract_low_rank(oracle: Oracle, rank: int | None = None, method: str = "adaptive", *,
+def extract_low_rank(oracle: QueryAccess, rank: int | None = None, method: str = "adaptive", *,
                      seed=None, verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                      oversampling: float = DEFAULT_OVERSAMPLING,
                      solver: str = "ncg", fit_progress=None,
@@ -787,6 +795,7 @@ def extract_low_rank(oracle: Oracle, rank: int | None = None, method: str = "ada
     rng = np.random.default_rng(seeds[0])
     planned_rank = rank or 1
     if method == "rop":
+        assert rank is not None                # checked above
         planned = d + int(math.ceil(oversampling * rank * 2 * d)) + ROP_HOLDOUT
     else:
         planned = low_rank_floor(d, planned_rank) + (1 + CONFIRM_PROBES if planned_rank < d else 0)
@@ -797,6 +806,7 @@ def extract_low_rank(oracle: Oracle, rank: int | None = None, method: str = "ada
                 f"low-rank extraction ({method})")
 
     log.info("low-rank (%s) at d = %d: v from %d single tokens", method, d, d)
+    const: float | None
     const, v = constant_and_values(oracle, biases)
     const = const if biases else None           # None: the bias-free path
     if not np.any(v):
@@ -810,7 +820,9 @@ def extract_low_rank(oracle: Oracle, rank: int | None = None, method: str = "ada
         W, found, breakdown, details, largest_scale = _extract_rop(
             oracle, v, rank, float(oversampling), solver, rng, fit_progress)
 
-    model = BiasedSingleHeadAttention(W, v, bias, const) if biases else SingleHeadAttention(W, v)
+    # bias and const are measured exactly when biases (the adaptive path)
+    model = (BiasedSingleHeadAttention(W, v, bias, const) if bias is not None and const is not None
+             else SingleHeadAttention(W, v))
     log.info("rank %d recovered with %d queries; held-out verification", found, oracle.queries - start_queries)
     _phase(oracle, "held-out verification")
     floor = low_rank_floor(d, found) + (found + 1 if biases else 0)

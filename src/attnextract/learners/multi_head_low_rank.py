@@ -82,7 +82,7 @@ from scipy.special import expit
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError
 from ..models import BiasedMultiHeadAttention, MultiHeadAttention
-from ..oracle import Oracle
+from ..oracle import QueryAccess
 from ..precision import OutputPrecision, name_the_options, precision_of
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                       token_scale, verification_count, verify_model)
@@ -215,7 +215,7 @@ def paper_two_count(d: int, heads: int) -> int:
 # probes
 # ---------------------------------------------------------------------------
 
-def _pair_outputs(oracle: Oracle, first: np.ndarray, last: np.ndarray) -> np.ndarray:
+def _pair_outputs(oracle: QueryAccess, first: np.ndarray, last: np.ndarray) -> np.ndarray:
     """f([first_l; last_l]) for rows (n, d) each, in batches of BLOCK_FLOATS floats."""
     n, d = first.shape
     out = np.empty(n)
@@ -229,7 +229,7 @@ def _pair_outputs(oracle: Oracle, first: np.ndarray, last: np.ndarray) -> np.nda
     return out
 
 
-def _copy_gap(oracle: Oracle, v: np.ndarray, q: np.ndarray, U: np.ndarray) -> np.ndarray:
+def _copy_gap(oracle: QueryAccess, v: np.ndarray, q: np.ndarray, U: np.ndarray) -> np.ndarray:
     """g(u_l, q) = f([q + u_l; q]) - v^T q for rows U (n, d) and one q (d,)."""
     last = np.broadcast_to(q, U.shape)
     return _pair_outputs(oracle, q + U, last) - q @ v
@@ -250,6 +250,10 @@ class Block:
     answer, kept so that the entries can be solved again with better knowledge of the
     other heads (:func:`resolve`) without new queries.
     """
+
+    # set by head_matrix: a block with an offset column, its rows' shortening (or None)
+    offset_column: bool
+    row_lengths: np.ndarray | None
 
     def __init__(self, head, rows, cols, scale, outputs, origin=None):
         self.head, self.rows, self.cols = head, rows, cols
@@ -298,7 +302,7 @@ class LogitMeter:
     RMS sensitivity 1 / (a (1 - a)) of the kept entries enter the error bar).
     """
 
-    def __init__(self, oracle: Oracle, v: np.ndarray, tol: Tolerances = EXACT):
+    def __init__(self, oracle: QueryAccess, v: np.ndarray, tol: Tolerances = EXACT):
         self.oracle, self.v, self.tol = oracle, v, tol
         self.rescued = 0
         self.steepest = 0.0     # largest |G t| of a kept entry
@@ -330,7 +334,7 @@ class LogitMeter:
             return scale * TARGET_LOGIT / peak
         return scale
 
-    def measure(self, U, Qc, height, background, scale: float) -> np.ndarray:
+    def measure(self, U, Qc, height, background, scale: float | np.ndarray) -> np.ndarray:
         """t_h(u_l, q_l) for rows U, Qc (n, d), heights c_h(u_l) (n,), background (n,)."""
         scale = np.broadcast_to(np.asarray(scale, dtype=float), (len(U),)).copy()
         t = self._logits(U, Qc, height, background, scale)
@@ -522,7 +526,7 @@ def _adjacent_cells(theta, jumps) -> np.ndarray:
     return out
 
 
-def find_values(oracle: Oracle, v: np.ndarray, heads: int, rng: np.random.Generator,
+def find_values(oracle: QueryAccess, v: np.ndarray, heads: int, rng: np.random.Generator,
                 tol: Tolerances = EXACT, noise_floor: float | None = None):
     """The canonical heads' values v_h (H', d) from the gradient jumps along a saturated half circle.
 
@@ -533,7 +537,7 @@ def find_values(oracle: Oracle, v: np.ndarray, heads: int, rng: np.random.Genera
     Returns (values (H', d), info dict with the crossing brackets and conditioning;
     ``info["tolerances"]`` the thresholds used).
     """
-    d = v.shape[0]
+    d = int(v.shape[0])
     if heads == 1:                       # one head at most: its value is v
         return v[None].copy(), {"crossings": 0, "smallest gap": math.pi, "sign misfit": 0.0,
                                 "gradient step": 1.0, "circle queries": 0, "tolerances": tol}
@@ -967,7 +971,7 @@ def _offset_first(meter: LogitMeter, rows, cols, height, background, scale: floa
     return T, scales, outputs, lengths
 
 
-def exact_heights(oracle: Oracle, v, values, W, rng) -> np.ndarray:
+def exact_heights(oracle: QueryAccess, v, values, W, rng) -> np.ndarray:
     """The heads' values again, each height measured alone in one saturated query.
 
     For a row u_k and head j, the column q_kj solves u_k^T W_h q = SATURATED (2 [h = j] - 1)
@@ -993,7 +997,7 @@ def exact_heights(oracle: Oracle, v, values, W, rng) -> np.ndarray:
 # the learner
 # ---------------------------------------------------------------------------
 
-def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
+def extract_multi_head_low_rank(oracle: QueryAccess, heads: int | None = None,
                                 rank: int | None = None, *,
                                 seed=None, progress=None,
                                 verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
@@ -1059,7 +1063,7 @@ def extract_multi_head_low_rank(oracle: Oracle, heads: int | None = None,
     A refusal names ``output_dtype`` / ``decimals`` in its message (the precision
     detected or stated, and what to state).
     """
-    precision = []       # filled once the first answers are in
+    precision: list[OutputPrecision] = []       # filled once the first answers are in
     try:
         return _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_tolerance,
                                        output_dtype, decimals, precision, biases)
@@ -1102,7 +1106,7 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
     tol, noise_floor = (EXACT, None) if precision.exact else _tolerances(precision, v)
     say("values of the heads (saturated half circle)")
     before = oracle.queries
-    values, value_info = find_values(view, v, heads, rng, tol, noise_floor)
+    values, value_info = find_values(view, v, int(heads), rng, tol, noise_floor)
     tol = value_info["tolerances"]
     value_queries = oracle.queries - before
     H = len(values)
@@ -1223,8 +1227,9 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
                                  f"head(s): its answers give no finite heads")
     if biases:
         # b_h = W_h P_h kappa_h (= -W_h q_0, without q_0's length)
-        model = BiasedMultiHeadAttention(W, values, query_offsets(W, spaces, kappas, np.zeros(d))
-                                         if H else np.zeros((0, d)), const)
+        model: MultiHeadAttention | BiasedMultiHeadAttention = BiasedMultiHeadAttention(
+            W, values, query_offsets(W, spaces, kappas, np.zeros(d)) if H else np.zeros((0, d)),
+            const)
     else:
         model = MultiHeadAttention(W, values)
 
@@ -1284,7 +1289,7 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
                                 tolerance=verify_tolerance,
                                 scale=token_scale(model) if H else None,
                                 expected_error=predicted if H >= 2 else None)
-    paper = paper_two_count(d, heads)
+    paper = paper_two_count(d, int(heads))
     details = {
         "method": "saturated crossings (values), single-head rows (query spaces), "
                   "isolation columns (W_h)",

@@ -66,7 +66,8 @@ import numpy as np
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import SingleHeadAttention, softmax
-from ..oracle import by_length, evaluate_ragged, on_scaled_outputs, Oracle, root_oracle
+from ..oracle import (QueryAccess, ScaledOutputs, by_length, evaluate_ragged, on_scaled_outputs,
+                      root_oracle)
 from ..report import ExtractionResult, Report, Verification, verification_count
 from ..verification import (BATCH_BIG_MIN, BATCH_REASKS, batch_dependence, design,
                             max_length_of,
@@ -109,7 +110,7 @@ class NoiseModel:
     accumulation: float = 0.0
     # a ScaledOutputs view the answers come through: ``tolerance`` is in the black box's
     # units, the answers bound() sees in the view's (divided by its factor 2^k)
-    unit: object = field(default=None, compare=False, repr=False)
+    unit: ScaledOutputs | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         for name in ("tolerance", "relative_tolerance"):
@@ -183,7 +184,7 @@ ACCUMULATION_UNIT = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -24, "float16": 2
 LOW_PRECISION_REPEATS = 4
 
 
-def extract_low_precision(oracle: Oracle, *, output_dtype: str | None = None,
+def extract_low_precision(oracle: QueryAccess, *, output_dtype: str | None = None,
                           decimals: int | None = None, repeats: int = LOW_PRECISION_REPEATS,
                           seed=None, verify_tolerance: float = 0.0,
                           token_norm: float = 1.0) -> ExtractionResult:
@@ -239,7 +240,7 @@ def _check_options(tolerance, relative_tolerance, noise, repeats, norm_bound, ma
     return model
 
 
-def extract_noisy(oracle: Oracle, *, tolerance: float, relative_tolerance: float = 0.0,
+def extract_noisy(oracle: QueryAccess, *, tolerance: float, relative_tolerance: float = 0.0,
                   noise: str = "bounded", method: str = "robust", repeats: int = 1,
                   norm_bound: float | None = None, margin: float | None = None,
                   token_norm: float = 1.0, seed=None,

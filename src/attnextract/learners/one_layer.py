@@ -39,7 +39,7 @@ import numpy as np
 
 from ..errors import ModelMismatchError, NotIdentifiableError
 from ..models import OneLayerTransformer
-from ..oracle import Oracle, evaluate_ragged
+from ..oracle import QueryAccess, evaluate_ragged
 from .relu_network import align_relu_networks, extract_relu_network
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                      held_out_output_error, token_scale, verification_count, verify_model)
@@ -84,7 +84,7 @@ class OddPartOracle:
         The door to the black box f.
     """
 
-    def __init__(self, oracle: Oracle):
+    def __init__(self, oracle: QueryAccess):
         self.base = oracle
         self.dim = oracle.dim
         self.queries = 0
@@ -115,7 +115,7 @@ class OddPartOracle:
         return evaluate_ragged(self.query, [np.asarray(s, dtype=np.float64) for s in sequences])
 
 
-def extract_one_layer(oracle: Oracle, *, seed=None,
+def extract_one_layer(oracle: QueryAccess, *, seed=None,
                       verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                       polish: bool = True) -> ExtractionResult:
     """Recover (W, A, w) of a one-layer Transformer black box end to end.

@@ -53,7 +53,7 @@ import numpy as np
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import SphereAttention
 from ..numerics import safe_norm
-from ..oracle import Oracle
+from ..oracle import QueryAccess
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                       verification_count)
 from ..sphere import (column_probes, hyperplane_basis, simplex_columns, sphere_radius,
@@ -122,7 +122,7 @@ def two_count_logits(g1: np.ndarray, g2: np.ndarray) -> tuple[np.ndarray, np.nda
     return h, t
 
 
-def extract_pre_layer_norm(oracle: Oracle, heads: int | None = None, *, seed=None,
+def extract_pre_layer_norm(oracle: QueryAccess, heads: int | None = None, *, seed=None,
                            verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                            radius: float | None = None) -> ExtractionResult:
     """Recover a pre-LayerNorm attention block on the sphere where LN is affine.

@@ -68,7 +68,7 @@ from scipy.special import expit
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError
 from ..models import SphereAttention
-from ..oracle import Oracle
+from ..oracle import QueryAccess
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report,
                       checked_result, verification_count)
 from ..sphere import column_probes, hyperplane_basis, simplex_columns, sphere_radius
@@ -248,7 +248,7 @@ def _tangent(q: np.ndarray, x: np.ndarray) -> np.ndarray:
     return x / np.linalg.norm(x)
 
 
-def extract_pre_layer_norm_heads(oracle: Oracle, heads: int, *, seed=None,
+def extract_pre_layer_norm_heads(oracle: QueryAccess, heads: int, *, seed=None,
                                  verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                                  radius: float | None = None) -> ExtractionResult:
     """Recover a pre-LayerNorm block with several heads on the sphere where LN is affine.
@@ -440,6 +440,7 @@ def extract_pre_layer_norm_heads(oracle: Oracle, heads: int, *, seed=None,
     # to the prediction (position and height at once), first from the rough estimates,
     # then, until no label changes, from the solves of every column's pairs (more pairs
     # than unknowns: a mislabelled pair disagrees with the others)
+    assert count is not None and V_rough is not None     # set by the first column
     raw = []                                 # per column: U (n, d), t (n, H), h (n, H)
     for j, (keys, lam, g, rounding, y_rough) in enumerate(designed):
         U = keys - Q[:, j]
@@ -488,7 +489,7 @@ def extract_pre_layer_norm_heads(oracle: Oracle, heads: int, *, seed=None,
         labelled = relabelled
         if not changed:
             break
-    for j, ((keys, lam, g, rounding, _), (U, T, _)) in enumerate(zip(designed, labelled)):
+    for j, ((_keys, lam, g, _rounding, _), (U, T, _)) in enumerate(zip(designed, labelled)):
         t = fit_logits(lam, g, U @ V.T, T, bound=0.5)
         st = np.array([_step_std(lam[i], t[i], U[i] @ V.T, noises[j][i], heights=False)
                        for i in range(len(t))])

@@ -62,12 +62,13 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import ReLUNetwork
-from ..oracle import Oracle
+from ..oracle import QueryAccess
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, Verification,
                      verification_count)
 from ..verification import design, safe_norm, scaled_relative_errors
@@ -141,7 +142,7 @@ def align_relu_networks(recovered, truth) -> dict:
 
     Ar, wr = canonical_relu(recovered.A, recovered.w)
     At, wt = canonical_relu(truth.A, truth.w)
-    out = {"units": (len(wr), len(wt))}
+    out: dict[str, Any] = {"units": (len(wr), len(wt))}
     if len(wr) != len(wt):
         out.update(permutation=None, max_error_A=math.inf, max_error_w=math.inf,
                    relative_error_A=math.inf, relative_error_w=math.inf, max_error=math.inf,
@@ -162,6 +163,13 @@ def align_relu_networks(recovered, truth) -> dict:
 
 
 # --------------------------------------------------------------------------- the path
+class _KinkPath(Protocol):
+    """What the kink search reads of a path: its points x(t) (n, d) at t (n,) in [0, 2]
+    (:class:`_Path`, or the biased learner's straight lines)."""
+
+    def points(self, t: np.ndarray) -> np.ndarray: ...
+
+
 class _Path:
     """The polyline p -> q -> -p, t in [0, 2], and its conversion to angles.
 
@@ -192,12 +200,12 @@ class _Path:
         return np.cos(theta)[:, None] * self.p[None] + np.sin(theta)[:, None] * self.q[None]
 
 
-def _query_vectors(oracle: Oracle, x: np.ndarray) -> np.ndarray:
+def _query_vectors(oracle: QueryAccess, x: np.ndarray) -> np.ndarray:
     """F at the rows of x (n, d): one batch of length-1 sequences."""
     return oracle.query(x[:, None, :])
 
 
-def _sample(oracle: Oracle, path: _Path, t: np.ndarray, chord: float = CHORD):
+def _sample(oracle: QueryAccess, path: _KinkPath, t: np.ndarray, chord: float = CHORD):
     """F(x(t)) and its left and right chord slopes at each t: 3 queries per point, one batch."""
     t = np.asarray(t, float)
     grid = np.concatenate([t - chord, t, t + chord])
@@ -209,7 +217,7 @@ def _sample(oracle: Oracle, path: _Path, t: np.ndarray, chord: float = CHORD):
     return f[1], left, right
 
 
-def _find_kinks(oracle: Oracle, path: _Path, rng: np.random.Generator, *,
+def _find_kinks(oracle: QueryAccess, path: _KinkPath, rng: np.random.Generator, *,
                 homogeneous: bool = True, max_kinks: int | None = None,
                 chord: float = CHORD, noise: float = SLOPE_NOISE * EPS):
     """Locate every kink of F on the path (bisection on slope changes, batched per round).
@@ -257,17 +265,17 @@ def _find_kinks(oracle: Oracle, path: _Path, rng: np.random.Generator, *,
             raise ModelMismatchError(
                 f"kink search did not converge in {MAX_ROUNDS} rounds: F is not piecewise "
                 f"linear with finitely many kinks on the path")
-        cut, predicted = [], []
+        cuts, predicted = [], []
         for a, b, fa, fb, sa, sb in open_:
             # intersection of the end lines fa + sa (t - a) and fb + sb (t - b)
             t_star = a + (fb - fa - sb * (b - a)) / (sa - sb)
             if b - a > 4 * chord and a + 0.5 * chord < t_star < b - 0.5 * chord:
-                cut.append(t_star)
+                cuts.append(t_star)
                 predicted.append(fa + sa * (t_star - a))
             else:
-                cut.append(0.5 * (a + b))
+                cuts.append(0.5 * (a + b))
                 predicted.append(math.nan)
-        cut = np.array(cut)
+        cut = np.array(cuts)
         f, left, right = _sample(oracle, path, cut, chord)
         rounds += 1
         next_intervals = [iv for iv in intervals if abs(iv[5] - iv[4]) <= slope_tol]
@@ -312,7 +320,7 @@ def _complement_bases(x: np.ndarray) -> np.ndarray:
     return H[:, :, 1:]
 
 
-def _cone_gradients(oracle: Oracle, centres: np.ndarray, steps: np.ndarray) -> np.ndarray:
+def _cone_gradients(oracle: QueryAccess, centres: np.ndarray, steps: np.ndarray) -> np.ndarray:
     """Gradients (R, d) of F on the cones around unit centres (R, d): d queries per cone.
 
     Probes of a cone: its centre x and x + h u_k for an orthonormal basis u_k of x^perp.
@@ -340,8 +348,8 @@ def _resolve_signs(J: np.ndarray, g0: np.ndarray) -> tuple[np.ndarray, str]:
     scale = np.abs(J).sum(axis=1) + np.abs(target)
     tol = 1e-7 * scale + 1e-300
     if m <= d:
-        s, *_ = np.linalg.lstsq(J, target, rcond=None)
-        rounded = np.round(s)
+        s = np.linalg.lstsq(J, target, rcond=None)[0]
+        rounded = s.round()
         ok = (np.all(np.abs(s - rounded) <= SIGN_TOLERANCE) and np.all((rounded == 0) | (rounded == 1))
               and np.all(np.abs(J @ rounded - target) <= tol))
         if ok:
@@ -364,7 +372,7 @@ class _PlaneFailure(Exception):
     """One random plane gave an inconsistent picture (merged kinks, unexplained jumps)."""
 
 
-def extract_relu_network(oracle: Oracle, *, seed=None,
+def extract_relu_network(oracle: QueryAccess, *, seed=None,
                          verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                          polish: bool = True, max_norm: float | None = None) -> ExtractionResult:
     """Recover F(x) = w^T ReLU(A x) (bias-free) from single-vector queries.
@@ -455,7 +463,7 @@ def extract_relu_network(oracle: Oracle, *, seed=None,
         f"{len(failures)} random plane(s) failed ({'; '.join(failures)})", result=result)
 
 
-def _extract_on_plane(oracle: Oracle, rng: np.random.Generator, counts: dict,
+def _extract_on_plane(oracle: QueryAccess, rng: np.random.Generator, counts: dict,
                       polish: bool):
     """Kinks on one random half circle, cone gradients, jumps, signs: (model, details).
 
@@ -547,7 +555,7 @@ def _extract_on_plane(oracle: Oracle, rng: np.random.Generator, counts: dict,
     return ReLUNetwork(A, w), info
 
 
-def _polish(oracle: Oracle, A: np.ndarray, w: np.ndarray, counts: dict):
+def _polish(oracle: QueryAccess, A: np.ndarray, w: np.ndarray, counts: dict):
     """Measure every unit alone: on the cone where only unit k is active, grad F = w_k a_k.
 
     For m <= d every activation pattern is a non-empty cone; x_k = A^+ sigma_k with
@@ -579,7 +587,7 @@ def _polish(oracle: Oracle, A: np.ndarray, w: np.ndarray, counts: dict):
                           f"{steps.min():.3g} .. {steps.max():.3g})")
 
 
-def _polish_wide(oracle: Oracle, A: np.ndarray, w: np.ndarray, counts: dict):
+def _polish_wide(oracle: QueryAccess, A: np.ndarray, w: np.ndarray, counts: dict):
     """Polish for m > d: each unit's jump measured across its hyperplane at a fat point.
 
     For unit k a linear program finds y on the hyperplane a_k^T y = 0, inside the cell
@@ -594,7 +602,7 @@ def _polish_wide(oracle: Oracle, A: np.ndarray, w: np.ndarray, counts: dict):
     from scipy.optimize import linprog
 
     m, d = A.shape
-    points, margins, units = [], [], []
+    found_points, margins, found_units = [], [], []
     total = A.sum(axis=0)
     for k in range(m):
         others = np.delete(np.arange(m), k)
@@ -608,19 +616,19 @@ def _polish_wide(oracle: Oracle, A: np.ndarray, w: np.ndarray, counts: dict):
         if res.status != 0 or not res.x[-1] > 0:
             continue
         y, r = res.x[:d], res.x[-1]
-        units.append(k)
-        points += [y + 0.5 * r * A[k], y - 0.5 * r * A[k]]
+        found_units.append(k)
+        found_points += [y + 0.5 * r * A[k], y - 0.5 * r * A[k]]
         margins += [0.5 * r] * 2      # distance of y +- (r/2) a_k to every hyperplane >= r/2
-    if not units:
+    if not found_units:
         return A, w, "skipped (no cell found)"
-    points = np.array(points)
+    points = np.array(found_points)
     reach = safe_norm(points, axis=1)
     centres = points / reach[:, None]
     steps = STEP_FRACTION * np.array(margins) / reach
     oracle.require(len(points) * d, "polishing the hidden units")
     grads = _cone_gradients(oracle, centres, steps)
     counts["polish"] = counts.get("polish", 0) + len(points) * d
-    units = np.array(units)
+    units = np.array(found_units)
     v = grads[0::2] - grads[1::2]                     # w_k a_k for the polished units
     first = w[units, None] * A[units]
     agree = safe_norm(v - first, axis=1) <= POLISH_AGREEMENT * safe_norm(first, axis=1)
@@ -633,7 +641,7 @@ def _polish_wide(oracle: Oracle, A: np.ndarray, w: np.ndarray, counts: dict):
                   f"(steps {steps.min():.3g} .. {steps.max():.3g})")
 
 
-def verify_relu(oracle: Oracle, model: ReLUNetwork, *, count: int, seed=None,
+def verify_relu(oracle: QueryAccess, model: ReLUNetwork, *, count: int, seed=None,
                 tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                 max_norm: float | None = None) -> Verification:
     """Compare ``model`` with the black box on ``count`` held-out single vectors: the last

@@ -43,7 +43,7 @@ import numpy as np
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import ResidualOneLayer
 from .one_layer import OddPartOracle
-from ..oracle import Oracle, OracleView
+from ..oracle import OracleView, QueryAccess
 from .relu_network import extract_relu_network
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, token_scale,
                      verification_count, verify_model)
@@ -114,7 +114,7 @@ def counted_stage(oracle, counts: dict, name: str, run, what: str):
         counts[name] = counts.get(name, 0) + oracle.queries - before
 
 
-def extract_one_layer_residual(oracle: Oracle, *, seed=None,
+def extract_one_layer_residual(oracle: QueryAccess, *, seed=None,
                                verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                                polish: bool = True) -> ExtractionResult:
     """Recover a one-layer Transformer with a residual connection up to functional equivalence.
@@ -152,7 +152,7 @@ def extract_one_layer_residual(oracle: Oracle, *, seed=None,
     if d < 4:
         raise InputError("the residual learner needs d >= 4 (it splits R^d into two subspaces)")
     seeds = np.random.SeedSequence(seed).spawn(5)
-    counts = {}
+    counts: dict[str, int] = {}
 
     def stage(name, run):
         return counted_stage(oracle, counts, name, run, "a residual one-layer Transformer")

@@ -45,7 +45,7 @@ import numpy as np
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import SingleHeadAttention
 from .noisy import FLOAT_SLACK, NoisyVerification, output_gradient_norms
-from ..oracle import Oracle, evaluate_ragged
+from ..oracle import QueryAccess, evaluate_ragged
 from ..report import ExtractionResult, Report, verification_count
 from ..verification import (_soft_pick, BOUNDARY_FRACTION, boundary_shift, design, max_length_of,
                             near_boundary)
@@ -59,7 +59,7 @@ LABEL_HULL_FRACTION = 0.375         # share of a label check spent on the label 
 LABEL_HULL_MARGIN = 300.0           # hull tokens sit this x their own uncertainty off the threshold
 
 
-def _labels(oracle: Oracle, X: np.ndarray) -> np.ndarray:
+def _labels(oracle: QueryAccess, X: np.ndarray) -> np.ndarray:
     """Send a batch, return booleans; answers must be labels (0/1 or -1/1)."""
     y = oracle.query(X)
     if not np.all((y == 0.0) | (y == 1.0) | (y == -1.0)):
@@ -96,7 +96,7 @@ def _complement(b0: np.ndarray) -> np.ndarray:
     return Q[:, 1:].T
 
 
-def extract_sign_only(oracle: Oracle, *, bits: int = 40, bits_v: int = 48, seed=None,
+def extract_sign_only(oracle: QueryAccess, *, bits: int = 40, bits_v: int = 48, seed=None,
                       threshold: float = 0.0, verify_tolerance: float = 0.0) -> ExtractionResult:
     """Recover W and v (its direction when threshold = 0) from labels 1{f(X) > t} by bisection.
 
@@ -206,7 +206,8 @@ def extract_sign_only(oracle: Oracle, *, bits: int = 40, bits_v: int = 48, seed=
     # lam_kj = s_j^2 T_kj - c s_j sum_j' T_kj' (c = offset length / sqrt(d)): the matrix
     # D^2 - c s 1^T is singular at c sum 1/s_j = 1; halving s moves away from it (and keeps
     # every bracket: lam only shrinks towards 0)
-    c_off = (threshold / np.linalg.norm(v_scaled)) / math.sqrt(d) if threshold != 0.0 else 0.0
+    c_off = (float(threshold / np.linalg.norm(v_scaled)) / math.sqrt(d) if threshold != 0.0
+             else 0.0)
     while abs(1.0 - c_off * np.sum(1.0 / s)) < 0.25:
         s /= 2.0
     lo = np.full((d, d), KAPPA_LOW)               # [column j, k]
@@ -351,7 +352,7 @@ def _verify_labels(oracle, model, W_bar, v_bar, threshold, *, count, seed, extra
     wrong = (predicted > threshold) != observed
     ratio = np.where(wrong, np.abs(predicted - threshold) / allowed, 0.0)
     # a hull sequence must take the label its tokens take alone, whatever W is
-    for j, (X, singles) in enumerate(hull):
+    for j, (_X, singles) in enumerate(hull):
         i = first_hull + j
         if singles is not None:
             side = observed[first_hull + np.asarray(singles)]

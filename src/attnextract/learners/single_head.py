@@ -44,7 +44,7 @@ import numpy as np
 
 from ..errors import ModelMismatchError, NotIdentifiableError
 from ..models import BiasedSingleHeadAttention, SingleHeadAttention
-from ..oracle import Oracle
+from ..oracle import QueryAccess
 from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, token_scale,
                      verification_count, verify_model)
 from ..verification import safe_norm
@@ -67,7 +67,7 @@ ROUNDING_SAFETY = 4.0      # rounding bars: this many ulps per operation, d oper
 BIAS_LOGIT = 1.0           # biases: largest bias logit c |u_k^T b| in a probe of W
 
 
-def constant_and_values(oracle: Oracle, biases: bool) -> tuple[float, np.ndarray]:
+def constant_and_values(oracle: QueryAccess, biases: bool) -> tuple[float, np.ndarray]:
     """Length-1 identities f([x]) = x^T v + c in one batch: c = f([0]) (0 without
     ``biases``) and v (d,) from the d single tokens e_i. d queries, d + 1 with biases."""
     d = oracle.dim
@@ -91,7 +91,8 @@ def probe_basis(v: np.ndarray) -> np.ndarray:
     return np.eye(d) - (2.0 / (w @ w)) * np.outer(w, w)
 
 
-def split_scale(scale: np.ndarray, max_c: float = np.inf) -> tuple[np.ndarray, np.ndarray]:
+def split_scale(scale: float | np.ndarray,
+                max_c: float = np.inf) -> tuple[np.ndarray, np.ndarray]:
     """Split logit scales G = c s of probes P(c u, s q): (c, s), each of shape of ``scale``.
 
     c = 1, s = G for G <= 1; above, c is the power of two with s = G / c in (1/2, 1].
@@ -158,7 +159,7 @@ class ColumnProbes:
         return X[:n].reshape(n * U.shape[0], 2, U.shape[0])
 
 
-def column_logits(oracle: Oracle, probes: ColumnProbes, v: np.ndarray, columns: np.ndarray,
+def column_logits(oracle: QueryAccess, probes: ColumnProbes, v: np.ndarray, columns: np.ndarray,
                   scale: np.ndarray) -> np.ndarray:
     """Measure t_kj = G_j u_k^T W e_j for the given columns, shape (d, len(columns)).
 
@@ -173,7 +174,7 @@ def column_logits(oracle: Oracle, probes: ColumnProbes, v: np.ndarray, columns: 
     return (t - c[:, None] * probes.bias_logits[None, :]).T
 
 
-def bias_logits(oracle: Oracle, U: np.ndarray, v: np.ndarray, const: float) -> tuple[np.ndarray, int]:
+def bias_logits(oracle: QueryAccess, U: np.ndarray, v: np.ndarray, const: float) -> tuple[np.ndarray, int]:
     """u_k^T b for every column u_k of U (d, n): probes [a u_k; 0] (q = 0), shape (n,).
 
     The logit of [a u; 0] is a u^T b, read from (f - c) / (a u^T v). The first round
@@ -215,7 +216,7 @@ def bias_logits(oracle: Oracle, U: np.ndarray, v: np.ndarray, const: float) -> t
         f"imply attention weights outside (0, 1)")
 
 
-def extract_single_head(oracle: Oracle, *, seed=None,
+def extract_single_head(oracle: QueryAccess, *, seed=None,
                         verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                         biases: bool = False) -> ExtractionResult:
     """Recover (W, v) of a single-head attention black box with d^2 + d queries.
@@ -280,7 +281,7 @@ def extract_single_head(oracle: Oracle, *, seed=None,
     log.info("W column by column: %d probes of length 2", d * d)
     W, scale, bars, rescaled = measure_weights(oracle, U, v, const, bias, beta, max_c)
     rescaled += bias_rescaled
-    model = BiasedSingleHeadAttention(W, v, bias, const) if biases else SingleHeadAttention(W, v)
+    model = BiasedSingleHeadAttention(W, v, bias, const) if bias is not None else SingleHeadAttention(W, v)
     log.info("W recovered (%d columns re-probed); held-out verification on %d sequences",
              rescaled // d, n_verify)
     recovery = oracle.queries - start_queries
@@ -299,7 +300,7 @@ def extract_single_head(oracle: Oracle, *, seed=None,
                  "error_bar_W_columns": float(bars["W_columns"].max()),
                  "error_bar_W_rows": float(bars["W_rows"].max()),
                  "|v^T u_k|": f"{safe_norm(v) / np.sqrt(d):.3g} (every probe)"})
-    if biases:
+    if beta is not None:                            # biases
         report.details["biases"] = (f"c = f([0]); b from {d} probes [a u_k; 0], largest "
                                     f"|u_k^T b| = {float(np.max(np.abs(beta))):.3g}; floor "
                                     f"d^2 + 2d + 1 = {floor}")
@@ -308,7 +309,7 @@ def extract_single_head(oracle: Oracle, *, seed=None,
                           else "a single-head attention regressor")
 
 
-def measure_weights(oracle: Oracle, U: np.ndarray, v: np.ndarray, const: float = 0.0,
+def measure_weights(oracle: QueryAccess, U: np.ndarray, v: np.ndarray, const: float = 0.0,
                     bias=None, beta=None, max_c: float = np.inf):
     """W from the d^2 probes P(c u_k, s e_j) (with biases, u_k^T b known as ``beta``).
 

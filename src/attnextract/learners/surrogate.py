@@ -19,7 +19,7 @@ import numpy as np
 from scipy.optimize import minimize
 
 from ..models import SingleHeadAttention, softmax
-from ..oracle import Oracle, by_length, evaluate_ragged
+from ..oracle import QueryAccess, by_length, evaluate_ragged
 from ..report import (ExtractionResult, Report, Verification, held_out_sequences,
                      relative_errors, verification_count)
 
@@ -40,7 +40,7 @@ def _loss_and_grad(theta, groups, targets, d):
     return loss / count, np.concatenate([gW.ravel(), gv]) / count
 
 
-def train_surrogate(oracle: Oracle, queries: int, *, seed=None, max_iter: int = 3000,
+def train_surrogate(oracle: QueryAccess, queries: int, *, seed=None, max_iter: int = 3000,
                     test_queries: int | None = None) -> ExtractionResult:
     """Fit a single head to ``queries`` random query/answer pairs by L-BFGS.
 

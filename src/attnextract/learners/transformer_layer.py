@@ -102,6 +102,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 import time
 
 import numpy as np
@@ -109,7 +110,7 @@ import numpy as np
 from ..errors import (InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError,
                       RefusalWithResult)
 from ..models import MultiHeadAttention, TransformerLayer
-from ..oracle import evaluate_ragged, on_scaled_outputs, Oracle, OracleView
+from ..oracle import OracleView, QueryAccess, evaluate_ragged, on_scaled_outputs
 from ..precision import precision_of, stated_precision
 from ..report import (checked_result, DEFAULT_VERIFY_TOLERANCE, ExtractionResult,
                       held_out_output_error, Report, token_scale, verification_count,
@@ -184,7 +185,7 @@ FIT_ROUNDS = 10              # ... by at most this many Gauss-Newton rounds
 FIT_LOGIT = 1.0              # ... whose tokens make the median |logit| about this
 
 
-def _detect_residual(oracle: Oracle, rng) -> tuple[bool, float, np.ndarray]:
+def _detect_residual(oracle: QueryAccess, rng) -> tuple[bool, float, np.ndarray]:
     """f([p; 0]) = f([p / 2]) for every p exactly when there is no residual term.
     Returns (residual present, relative gap, the answers (2 RESIDUAL_PROBES,))."""
     d = oracle.dim
@@ -197,7 +198,7 @@ def _detect_residual(oracle: Oracle, rng) -> tuple[bool, float, np.ndarray]:
     return gap > RESIDUAL_TOLERANCE, gap, np.concatenate([pairs, halves])
 
 
-def _without_biases(oracle: Oracle, net: BiasedReLUNetwork) -> BiasedReLUNetwork:
+def _without_biases(oracle: QueryAccess, net: BiasedReLUNetwork) -> BiasedReLUNetwork:
     """The FFN with b = 0 (detected absent) and c0 = f([0]), exact then (one query).
 
     The fitted c0 is a few eps off; f - c0 would then not be homogeneous at tiny
@@ -219,7 +220,8 @@ def _probe_points(ffn: _FFN, rng, radius: float, d: int) -> tuple[np.ndarray, fl
     """d well-spread probe points q_j (rows) with large room rho(q) = min_i |pi_i(q)| / |B_i|.
 
     Candidates: CANDIDATE_BASES random orthonormal bases scaled to ``radius``, those where
-    some active unit reads the attention output; the roomiest are taken greedily, each keeping at least half its norm orthogonal to
+    some active unit reads the attention output; the roomiest are taken greedily, each
+    keeping at least half its norm orthogonal to
     those already taken (so the q_j stay well conditioned). Where too few candidates see
     the attention output the radius doubles. Returns (Q (d, d), the radius used).
     """
@@ -253,7 +255,7 @@ def _roomy_points(ffn: _FFN, rng, radius: float, d: int):
     return None
 
 
-def _measure_columns(oracle: Oracle, ffn: _FFN, Q: np.ndarray, counts: dict,
+def _measure_columns(oracle: QueryAccess, ffn: _FFN, Q: np.ndarray, counts: dict,
                      noise: float = 0.0):
     """Logits t_jk = s_jk u_jk^T W q_j of the copy probes at the rows q_j of Q (n, d).
 
@@ -315,7 +317,7 @@ def _measure_columns(oracle: Oracle, ffn: _FFN, Q: np.ndarray, counts: dict,
     return t, s, U, dt
 
 
-def _copy_logits(oracle: Oracle, ffn: _FFN, rng, scale: float, counts: dict,
+def _copy_logits(oracle: QueryAccess, ffn: _FFN, rng, scale: float, counts: dict,
                  noise: float = 0.0):
     """W from the copy probes of identity 3: 2 d^2 + d queries, plus a pilot column.
 
@@ -336,7 +338,7 @@ def _copy_logits(oracle: Oracle, ffn: _FFN, rng, scale: float, counts: dict,
     # column j: W q_j = U_j (t_j / s_j); W = (W Q^T) (Q^T)^{-1}
     WQ = np.einsum("jek,jk->ej", U, t / s)
     W = np.linalg.solve(Q, WQ.T).T
-    details = {"copy probe radius": f"{radius:.3g}",
+    details: dict[str, Any] = {"copy probe radius": f"{radius:.3g}",
                "copy probe steps": f"{s.min():.3g} .. {s.max():.3g}",
                "copy probe logits": f"{np.abs(t).min():.2g} .. {np.abs(t).max():.2g}"}
     if noise:
@@ -348,7 +350,7 @@ def _copy_logits(oracle: Oracle, ffn: _FFN, rng, scale: float, counts: dict,
     return W, radius, details
 
 
-def _fit_logits(oracle: Oracle, ffn: _FFN, W: np.ndarray, rng, noise: float):
+def _fit_logits(oracle: QueryAccess, ffn: _FFN, W: np.ndarray, rng, noise: float):
     """W fitted to FIT_PROBES d^2 random sequences (lengths 2 and 3) with the FFN known
     (rounded answers: one head, V = I, pre-activations R x_N + B y + b).
 
@@ -425,7 +427,7 @@ def _match_by_bias(net1: BiasedReLUNetwork, net2: BiasedReLUNetwork):
     return perm, float(cost[rows, cols].max() / max(np.abs(o1).max(), 1e-300))
 
 
-def extract_transformer_layer(oracle: Oracle, heads: int = 1, *, seed=None,
+def extract_transformer_layer(oracle: QueryAccess, heads: int = 1, *, seed=None,
                               verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                               scale: float = 1.0, output_dtype: str | None = None,
                               decimals: int | None = None) -> ExtractionResult:
@@ -821,7 +823,7 @@ def _bias_free_residual(oracle, net1, seeds, counts, details, start, start_queri
 class _ShiftedOracle(OracleView):
     """The black box minus a constant, behind the Oracle interface (same query counts)."""
 
-    def __init__(self, oracle: Oracle, offset: float):
+    def __init__(self, oracle: QueryAccess, offset: float):
         super().__init__(oracle)
         self.offset = offset
 
@@ -867,7 +869,7 @@ class LargeTokenOddOracle(OracleView):
     (the oracle's own budget check still holds).
     """
 
-    def __init__(self, oracle: Oracle, net: BiasedReLUNetwork, residual_readout=None):
+    def __init__(self, oracle: QueryAccess, net: BiasedReLUNetwork, residual_readout=None):
         super().__init__(oracle, "large-token odd part")
         self.P, self.b = net.P, net.b
         self.u = residual_readout
@@ -949,7 +951,7 @@ class LargeTokenOddOracle(OracleView):
         return evaluate_ragged(self.query, [np.asarray(s, dtype=np.float64) for s in sequences])
 
 
-def _uniform_readout(oracle: Oracle, net: BiasedReLUNetwork, rng) -> np.ndarray:
+def _uniform_readout(oracle: QueryAccess, net: BiasedReLUNetwork, rng) -> np.ndarray:
     """sum_h v_h = sum_h P_h^T w from [s p; 0] (a zero last token: uniform attention).
 
     pi([s p; 0]) = (s / 2) P p + b with P = sum_h P_h (the residual term sees x_N = 0).
@@ -993,6 +995,7 @@ def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries,
     biased = bool(np.abs(net.b).max() > BIAS_ZERO * scale)
     if not biased:
         net = stage("single tokens", lambda: _without_biases(oracle, net))
+    heads_oracle: QueryAccess                  # the heads' view of the box (below)
     if biased and residual:
         # u = A^T w from single tokens ((A + sum_h P_h)^T w) minus sum_h v_h, read off
         # [s p; 0] (uniform attention) past every kink at two scales
@@ -1024,6 +1027,7 @@ def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries,
         oracle, net, attention.W, np.random.default_rng(seeds[3]), scale,
         known_sum=not residual, refine=biased))
     if biased:
+        assert isinstance(heads_oracle, LargeTokenOddOracle)      # the biased branches' view
         split_info["largest token shift L"] = f"{heads_oracle.largest_shift:.3g}"
         split_info["probes extrapolated off a hyperplane"] = heads_oracle.moved
     if residual:
@@ -1051,7 +1055,7 @@ def _extract_heads(oracle, heads, residual, seeds, counts, start, start_queries,
                    verify_tolerance, reach)
 
 
-def _split_heads(oracle: Oracle, net: BiasedReLUNetwork, W: np.ndarray, rng, scale: float,
+def _split_heads(oracle: QueryAccess, net: BiasedReLUNetwork, W: np.ndarray, rng, scale: float,
                  known_sum: bool = True, refine: bool = False):
     """P_h = A V_h per unit, once the heads W_h (H, d, d) and P = sum_h P_h are known.
 
@@ -1273,7 +1277,7 @@ def compare_transformer_layer(recovered: TransformerLayer, truth: TransformerLay
 
 
     rec, tru = canonical_units(recovered), canonical_units(truth)
-    out = {"units": (len(rec["w"]), len(tru["w"]))}
+    out: dict[str, Any] = {"units": (len(rec["w"]), len(tru["w"]))}
     rel = lambda a, b: float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-300))  # noqa: E731
     if len(rec["w"]) > len(tru["w"]) or recovered.residual != truth.residual:
         out.update(max_error=math.inf, bits=0.0)

@@ -301,7 +301,8 @@ def split_ranges(oracle: Oracle, O: np.ndarray, c: np.ndarray, blocks: Blocks, r
     y = _last(oracle, X)
     Y = E.T @ (y[1:] - y[0]).T                                   # (D, p): A delta_j
     Z = E.T @ (O @ P)                                            # (D, p): O delta_j
-    split, new = False, []
+    split = False
+    new: list[np.ndarray] = []
     for Rk, Lk in zip(blocks.R, L):
         Mk = (Lk @ Y) @ np.linalg.pinv(Lk @ Z)                     # k x k, diag(kappa) in R_h
         misfit = np.linalg.norm(Lk @ Y - Mk @ (Lk @ Z)) / np.linalg.norm(Lk @ Y)
@@ -338,16 +339,16 @@ def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float):
     full = np.linalg.svd(G[0], full_matrices=True)[0]
     # set 2: g(q_1)'s directions, made orthogonal to g(q_2)
     payloads = [full[:, H:], _orth(G[0] - G[1] @ np.linalg.lstsq(G[1], G[0], rcond=None)[0])]
-    Y, Z, Ps, asked = [], [], [], 0
+    Ys, Z, Ps, asked = [], [], [], 0
     for q, Gk, P in zip(qs, G, payloads):
         Delta = designed_selectors(Gk, DESIGN_MARGIN)
         P = P * np.max(np.linalg.norm(Delta, axis=1))
         y = _last(oracle, selector_probes(Delta, q, P, mu))
-        Y.append(E.T @ (y[1:] - y[0]).T)
+        Ys.append(E.T @ (y[1:] - y[0]).T)
         Z.append(E.T @ (O @ P))
         Ps.append(P)
         asked += len(y)
-    Y = np.concatenate(Y, axis=1)
+    Y = np.concatenate(Ys, axis=1)
     M = Y @ np.linalg.pinv(np.concatenate(Z, axis=1))
     spaces = dict(block_eigenspaces(M, np.concatenate([[0.0], mu])))
     counts = [spaces[m].shape[1] if m in spaces else 0 for m in mu]
@@ -452,6 +453,7 @@ def frame_blocks(rng, d: int, p: int, C: list[np.ndarray]) -> list[np.ndarray]:
         worst = max(_cond(Ch @ U) for Ch in C for U in blocks)
         if worst < best_cond:
             best, best_cond = blocks, worst
+    assert best is not None                 # some frame has a finite condition number
     return best
 
 
@@ -493,6 +495,7 @@ def best_frame(rng, d: int, width: int, bases: list[np.ndarray], C: list[np.ndar
                     + [_cond(Ch @ U) for Ch in C for U in blocks])
         if worst < best_cond:
             best, best_cond = blocks, worst
+    assert best is not None                 # some frame has a finite condition number
     return best, best_cond
 
 

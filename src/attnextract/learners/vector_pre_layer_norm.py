@@ -60,7 +60,7 @@ import numpy as np
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import VectorSphereAttention
 from ..numerics import safe_norm
-from ..oracle import Oracle, root_oracle
+from ..oracle import QueryAccess, root_oracle
 from ..report import (
     DEFAULT_VERIFY_TOLERANCE,
     ExtractionResult,
@@ -111,7 +111,7 @@ def three_token_solve(gA: np.ndarray, gB: np.ndarray):
     return h, t, k
 
 
-def extract_vector_pre_layer_norm(oracle: Oracle, heads: int | None = None, *, seed=None,
+def extract_vector_pre_layer_norm(oracle: QueryAccess, heads: int | None = None, *, seed=None,
                                   verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                                   radius: float | None = None) -> ExtractionResult:
     """Recover a pre-LayerNorm attention block answering vectors, on the sphere.
@@ -249,7 +249,7 @@ def extract_vector_pre_layer_norm(oracle: Oracle, heads: int | None = None, *, s
     chords[1:] = chords[0]
     todo = np.arange(1, d)
     for attempt in range(MAX_RESCALES + 1):
-        probes = [column_probes(Q[:, j], tangent_simplex(Q, j), chords[j]) for j in todo]
+        probes = [column_probes(Q[:, j], tangent_simplex(Q, int(j)), chords[j]) for j in todo]
         X = np.stack([np.vstack([P, Q[:, j]]) for P, j in zip(probes, todo)])
         out = ask(X)
         again = []

@@ -691,6 +691,7 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
                      f"{'equals' if causal else 'differs from'} its token's own (state "
                      f"causal= to skip this query)")
     if every and R.rank == d:
+        assert causal is not None             # stated, or detected above
         G, t, bound = measure_every_position(oracle, R, causal, counts)
         if calibrate:
             G, bound, note = _calibrate_every(oracle, R, causal, t, G, bound, counts)
@@ -796,7 +797,8 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
         floor=floor, verification=verification, seconds=time.perf_counter() - start,
         black_box_seconds=root.black_box_seconds - start_bb, notes=notes,
         recovery=recovery,
-        details={"outputs": f"{'every position' + (' (causal)' if causal else '') if every else 'last position'}, m = {m}",
+        details={"outputs": ("every position" + (" (causal)" if causal else "") if every
+                             else "last position") + f", m = {m}",
                  "rank of O": R.rank, "condition of O": float(np.linalg.norm(R.O, 2)
                                                              * R.pinv_norm),
                  "design": design, "precision": precision.name,

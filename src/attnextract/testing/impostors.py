@@ -34,6 +34,7 @@ Use::
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -98,7 +99,7 @@ def token_scale_of(model) -> float:
 
 def redraw(model, rng: np.random.Generator):
     """Another member of the model's class: every array redrawn at its own spread."""
-    params = {}
+    params: dict[str, Any] = {}
     for name, p in model.parameters().items():
         p = np.asarray(p)
         if p.dtype == bool or p.ndim == 0 and name == "residual":
@@ -788,6 +789,7 @@ def run_impostor(learner: str, name: str, d: int, seed: int, recovery: int):
     rng = np.random.default_rng([seed, d, sum(map(ord, name))])
     box = model if name == "honest" else make_impostor(name, model, rng, recovery)
     if run is None and name == "switch at verification":
+        assert isinstance(box, Stateful)
         box.after = 1                   # verify alone: a switch in the middle of the check
     oracle = Oracle(SignOnly(box) if labels else box, d)
     try:

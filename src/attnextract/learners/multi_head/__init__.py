@@ -60,12 +60,14 @@ from __future__ import annotations
 import math
 import re
 import time
+from typing import NoReturn
 
 import numpy as np
 
-from ...errors import AttnExtractError, InputError, ModelMismatchError, RecoveryFailedError
+from ...errors import (AttnExtractError, InputError, ModelMismatchError, RecoveryFailedError,
+                       RefusalWithResult)
 from ...models import BiasedMultiHeadAttention, MultiHeadAttention
-from ...oracle import Oracle, on_scaled_outputs
+from ...oracle import QueryAccess, on_scaled_outputs
 from ...verification import max_length_of, safe_rms
 from ...report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
                        token_scale, verification_count, verify_model)
@@ -78,6 +80,7 @@ from .budget import Budget, _Redesign, _scan_size, biased_count, paper2_count
 from .base_row import BaseRowStage
 from .main_rows import MainRowStage
 from .short_probes import ShortProbeStage
+from .state import MultiHeadModel
 from .constants import (BASE_CANDIDATES, COARSEST_SHARE, COARSE_ROUNDING, COUNT_FIRST,
                         DEFAULT_TOLERANCE, DTYPE_PRECISION, MAX_DESIGNS, MAX_HEADS, NOISE_FACTOR,
                         PRECISIONS, ROUNDED_BAR_OFFERED, ROUNDED_TOLERANCE, SCALE_ROUNDS,
@@ -105,7 +108,7 @@ def output_precision(values: np.ndarray) -> tuple[float, str]:
     return 2.0 ** -53, "float64"
 
 
-def extract_multi_head(oracle: Oracle, heads=None, *, subspaces=None, seed=None,
+def extract_multi_head(oracle: QueryAccess, heads=None, *, subspaces=None, seed=None,
                        max_error_bar: float | None = None,
                        verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                        precision: str = "full", output_dtype: str | None = None,
@@ -741,7 +744,8 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
             return columns
         return np.hstack([columns, np.ones((columns.shape[0], 1))])
 
-    def refuse(self, message: str, kind=ModelMismatchError, judge: bool = False):
+    def refuse(self, message: str, kind: type[RefusalWithResult] = ModelMismatchError,
+               judge: bool = False) -> NoReturn:
         """Raise ``kind`` (the box is not in the class, or RecoveryFailedError: the
         learner cannot do it) with the run's report and no heads. ``judge`` (a
         RecoveryFailedError after fits that missed the answers): single tokens decide
@@ -753,8 +757,9 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         outside = self.single_token_misfit() if judge else None
         self.finish(self.no_heads(), None, check=False)
         if outside is not None:
-            error = ModelMismatchError(f"{outside}; the learner's fits had failed on its "
-                                       f"answers: {message}", result=self.result)
+            error: RefusalWithResult = ModelMismatchError(
+                f"{outside}; the learner's fits had failed on its "
+                f"answers: {message}", result=self.result)
             error.biases_ruled_out = True    # a query bias keeps single tokens linear
             raise error
         if judge:
@@ -772,7 +777,8 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         return (f"; a black box outside the class (not softmax attention, or with a "
                 f"residual, bias or other term) may also end here: {checked}")
 
-    def finish(self, model: MultiHeadAttention, bar, check: bool = True):
+    def finish(self, model: MultiHeadModel, bar: float | None,
+               check: bool = True) -> ExtractionResult:
         """Verify ``model`` on held-out sequences and build the result and its report.
 
         A returned model is counted for its canonical heads; a refusal (``check``

@@ -22,7 +22,8 @@ perturbations, every head's W_h q_0 and v_h.
    whose height is within 3 of its standard deviations is refitted with each step left
    out (:func:`_fewest_steps`), and counts one fewer when that fit reaches the noise
    too: a free fit started from the rational fit's poles can end in a wrong basin, and
-   a float32 row then read one step more (a duplicate), which two rows could share. Told H, a count below H needs three rows
+   a float32 row then read one step more (a duplicate), which two rows could share.
+   Told H, a count below H needs three rows
    (a row hides a head whose height is small there and whose step falls near another's).
 3. Designed column. Random rows put their steps at Gaussian positions, which crowd,
    and two close steps leave the perturbations (below) unable to split them (first
@@ -35,7 +36,8 @@ perturbations, every head's W_h q_0 and v_h.
    fits reached the noise with steps 1 to 3 off), and the combination q* of the columns
    (linear without biases, q_0 among them; affine with) that puts the steps at evenly
    spaced positions with the least predicted error is scanned (with biases the nudges
-   are sized from two pilot columns' measured moves, :func:`column_gain`: the positions' spread holds the bias part u_0^T b_h, which no
+   are sized from two pilot columns' measured moves, :func:`column_gain`: the positions'
+   spread holds the bias part u_0^T b_h, which no
    nudge moves; again, with that scan among the columns, while its steps still crowd; a
    scan whose design error put a step beyond the window is shrunk into it, u scaled,
    no query): (u_0 |q*|, q* / |q*|) is the base row from here on (q_0 := q*). A scan
@@ -50,6 +52,8 @@ perturbations, every head's W_h q_0 and v_h.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
@@ -138,7 +142,8 @@ def _more_lambdas(measured: np.ndarray, count: int, half_window: float,
     copies = design.copy_counts(grid, length)
     fresh = ~np.isin(copies, design.copy_counts(measured, length))
     candidates = grid[fresh][np.unique(copies[fresh], return_index=True)[1]]
-    points, chosen = list(measured), []
+    points = list(measured)
+    chosen: list[float] = []
     while len(chosen) < count - measured.size and candidates.size:
         gaps = np.min(np.abs(candidates[:, None] - np.array(points)[None, :]), axis=1)
         pick = int(np.argmax(gaps))
@@ -182,7 +187,13 @@ def _agreed_count(counts) -> int | None:
     return max(agreed) if agreed else None
 
 
-class BaseRowStage:
+if TYPE_CHECKING:
+    from .state import RunState
+else:
+    RunState = object     # the run's attributes, a type only (state.py)
+
+
+class BaseRowStage(RunState):
     """Stage methods of :class:`_Extraction` (base row)."""
 
     def base_estimate(self):
@@ -263,7 +274,9 @@ class BaseRowStage:
         after = self.design_rest_cost(H)
         reference = self.base_fit
         heights = float(np.sum(np.abs(reference.c)))
-        fits, Q, moves = [reference], [self.q_0], [None]
+        fits = [reference]
+        columns_q = [self.q_0]                # the columns measured, then Q (columns, d)
+        moves: list[float | None] = [None]
         # a random unit direction moves head h's step by z_h^T r ~ N(0, |z_h|^2 / d),
         # whose spread q_0's own positions estimate (q_0 is a random unit column too)
         deviation = float(np.sqrt(np.mean(np.square(reference.t))))
@@ -303,7 +316,7 @@ class BaseRowStage:
             if k <= 0 or (batch and not self.affordable(k * scan_cost + after, H)):
                 break
             if kind == "nudged" and len(fits) > 1:
-                nudge = self.measured_nudge(fits, reference, moves, Q, nudge, move)
+                nudge = self.measured_nudge(fits, reference, moves, columns_q, nudge, move)
             directions = self.rng.standard_normal((k, d))
             if batch:
                 nudged = 2 * k < H + RANDOM_COLUMNS       # most nudged columns fitted
@@ -341,11 +354,11 @@ class BaseRowStage:
                         noise, NOISE_FACTOR * noise)
                 if steps.rms <= NOISE_FACTOR * noise:
                     fits.append(steps)
-                    Q.append(columns[j])
+                    columns_q.append(columns[j])
                     moves.append(3.0 * move if nudged else None)
                 elif self.more_steps(lam[j], g[j], self.u_0, columns[j], noise, H):
                     return self.designed_column()     # a hidden head shown: start again
-        Q = np.array(Q)                                                 # (columns, d)
+        Q = np.array(columns_q)                                             # (columns, d)
         T, T_var = self.column_positions(fits, reference, moves)
         self.column_gain = column_gain(T, T_var, Q, self.u_0)
         u_0, best = self.u_0, (first_gap, self.u_0, self.q_0, self.base_fit)
@@ -505,6 +518,7 @@ class BaseRowStage:
         rows agreed on may have missed a head hidden in all of them: the main rows then
         fit no design of that count)."""
         d = self.d
+        u: np.ndarray | None       # a spare row, then a draw (None: draw a new one)
         self.set_window(design.base_length(self.max_heads))
         while self.spare_rows:
             u, steps, q_0 = self.spare_rows.pop(0)
@@ -797,7 +811,8 @@ class BaseRowStage:
             return float(np.max(np.abs(steps.t[seen])))
 
         scale, before = 1.0, self.oracle.queries
-        first, samples = None, {}
+        first = None
+        samples: dict[int, tuple[np.ndarray, np.ndarray, Callable]] = {}   # id(u): lam, g, fit test
         # scales at which the first row showed steps / was flat: a flat scan above a
         # scale that showed steps overshot (its steps left the window and, in coarse
         # answers, sank below the rounding), so the next scale lies between the two
@@ -822,6 +837,7 @@ class BaseRowStage:
             scale *= min(factor, 1e3)
             if scale >= flat_above:
                 scale = math.sqrt(shown * flat_above)
+        assert first is not None        # SCALE_ROUNDS >= 1: the first row was scanned
         self.saw_steps = bool(shown)
         self.details["base scale"] = scale
         self.spend("base scale", before)

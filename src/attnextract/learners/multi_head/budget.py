@@ -6,7 +6,8 @@ a crowded row's H + 1 nudged and one to five designed columns of 3H + 1;
 (d - 1)(2H + 3) perturbations)
 + d (2H + 1) + d^2 (H + 1) main probes (one head: d^2, :func:`column_spares`; told one
 head on float64 answers where that design exceeds paper 2's count but the floor plus the
-verification fit it, d = 6 and 7: the single-head identities, d + d^2), plus d^2 (H + 1) when round 3 runs: the floor H(d^2 + d) (the canonical form's free parameters) plus
+verification fit it, d = 6 and 7: the single-head identities, d + d^2), plus d^2 (H + 1)
+when round 3 runs: the floor H(d^2 + d) (the canonical form's free parameters) plus
 about d^2 + Hd + base (twice the columns with round 3), never above paper 2's count
 4Hd^2 - 2H + 1. With ``precision="full"`` and float64 answers, the short probes spend
 what that count leaves after the verification (to within d - 1 queries) when it leaves
@@ -19,6 +20,7 @@ need 1.25 H (d + 1) + H + 1 per row (sent when the bias-free run's would be).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from ...oracle import root_oracle
 from ...report import verification_count
@@ -124,7 +126,13 @@ def column_samples(H: int) -> int:
     return 3 * H + 1
 
 
-class Budget:
+if TYPE_CHECKING:
+    from .state import RunState
+else:
+    RunState = object     # the run's attributes, a type only (state.py)
+
+
+class Budget(RunState):
     """Stage methods of :class:`_Extraction` (budget)."""
 
     def smallest_design(self, H: int) -> int:

@@ -12,14 +12,27 @@ the largest output difference of two models.
 from __future__ import annotations
 
 import math
+from typing import Protocol, overload
 
 import numpy as np
+from numpy.typing import ArrayLike
 from scipy.optimize import linear_sum_assignment
 
 from ...errors import InputError
-from ...models import MultiHeadAttention, SingleHeadAttention, VectorAttention
+from ...models import (BiasedMultiHeadAttention, MultiHeadAttention, SingleHeadAttention,
+                       VectorAttention)
 from ...report import held_out_sequences, token_scale
 from ..vector_canonical import vector_canonical_errors, vector_canonical_form
+
+class HeadsLike(Protocol):
+    """Any object with heads' arrays W (H, d, d) and v (H, d) (or one head's, (d, d) and
+    (d,)): a :class:`MultiHeadAttention`, a :class:`SingleHeadAttention`, a user's own truth."""
+
+    @property
+    def W(self) -> np.ndarray: ...
+    @property
+    def v(self) -> np.ndarray: ...
+
 
 def _check_multi(model) -> MultiHeadAttention:
     """``model`` as a MultiHeadAttention: that, a single head, a (W, v) pair of arrays or
@@ -42,7 +55,13 @@ def _check_multi(model) -> MultiHeadAttention:
     return MultiHeadAttention(W, v)
 
 
-def canonical_form(model, tol: float = 1e-9) -> MultiHeadAttention:
+@overload
+def canonical_form(model: VectorAttention, tol: float = 1e-9) -> VectorAttention: ...
+@overload
+def canonical_form(model: HeadsLike | tuple[ArrayLike, ArrayLike],
+                   tol: float = 1e-9) -> MultiHeadAttention: ...
+def canonical_form(model: object,
+                   tol: float = 1e-9) -> MultiHeadAttention | VectorAttention:
     """Merge heads with equal W (adding their v), then drop heads whose v is 0.
 
     A :class:`~attnextract.models.VectorAttention` gets its own canonical form (heads
@@ -126,7 +145,13 @@ def canonical_error(recovered, truth, tol: float = 1e-9) -> float:
     return max(w_err, v_err)
 
 
-def non_identifiable_twin(model, seed=None) -> MultiHeadAttention:
+@overload
+def non_identifiable_twin(model: VectorAttention, seed: int | None = None) -> VectorAttention: ...
+@overload
+def non_identifiable_twin(model: HeadsLike | tuple[ArrayLike, ArrayLike],
+                          seed: int | None = None) -> MultiHeadAttention: ...
+def non_identifiable_twin(model: object,
+                          seed: int | None = None) -> MultiHeadAttention | VectorAttention:
     """A different parameter set with exactly the same input-output map.
 
     Applies the three symmetries of section 7: one head's v is split between two
@@ -292,7 +317,7 @@ def biased_canonical_errors(recovered, truth, tol: float = 1e-9) -> dict:
                               / np.maximum(np.linalg.norm(t.v, axis=1), 1e-300)))}
 
 
-def smallest_separation(model: MultiHeadAttention) -> float:
+def smallest_separation(model: MultiHeadAttention | BiasedMultiHeadAttention) -> float:
     """min over head pairs of |W_g - W_h|_F / max_h |W_h|_F (inf for one head)."""
     if model.heads < 2:
         return math.inf

@@ -184,9 +184,9 @@ def design_rows(Y0: np.ndarray, V: np.ndarray, positions: np.ndarray, rng: np.ra
     P_perp = np.eye(d) - Y0 @ pinv
     scale_u = float(np.max(np.linalg.norm(pinv, axis=1))) * max(float(np.max(np.abs(positions))), 1.0)
     v_norm = np.linalg.norm(V, axis=0) + 1e-300 if V is not None else None
-    rows = []
+    rows: list[np.ndarray] = []
     kept = [] if keep is None else list(keep)
-    for k in range(d if count is None else count):
+    for _k in range(d if count is None else count):
         orders = np.array([rng.permutation(H) for _ in range(candidates)])
         offsets = rng.uniform(-jitter, jitter, size=candidates)
         targets = positions[orders] + offsets[:, None]           # (C, H)

@@ -35,7 +35,7 @@ def levenberg_marquardt(fun, x: np.ndarray, iterations: int = 200):
     scaled by its column norms, tolerances at machine precision (:func:`_solve`). At
     most ``iterations`` evaluations: from the starts used here it converges in tens.
     """
-    cache = {}
+    cache: dict[str, np.ndarray] = {}
 
     def evaluate(x):
         # one evaluation per point: the solver asks for r and J at the same x, and the

@@ -110,11 +110,12 @@ class _Check:
         for values, ref, w in ((T, self.T_ref, self.wT), (C, self.C_ref, self.wC)):
             r = (self.M @ np.take_along_axis(values, order, axis=1) - ref) * w
             total += float(np.sum(np.square(r)))
-        return total / max(np.count_nonzero(self.wT) + np.count_nonzero(self.wC), 1)
+        return total / max(int(np.count_nonzero(self.wT) + np.count_nonzero(self.wC)), 1)
 
     def descend(self, T, C, order, prior) -> np.ndarray:
         """Change ``order`` in place, one row at a time: every row's best labelling given
-        the others (and its own cost ``prior`` (d, H, H)), and only the row whose change lowers chi^2 most is changed (changing
+        the others (and its own cost ``prior`` (d, H, H)), and only the row whose change
+        lowers chi^2 most is changed (changing
         the first row that gains a little leads astray). Returns the rows changed."""
         d, H = T.shape
         M = self.M

@@ -38,6 +38,7 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -63,7 +64,13 @@ def _corrected(Y0, V0, U_fit, T_fit, C_fit):
     return Y0 + pinv @ (T_fit - U_fit @ Y0), V0 + pinv @ (C_fit - U_fit @ V0)
 
 
-class MainRowStage:
+if TYPE_CHECKING:
+    from .state import MultiHeadModel, RunState
+else:
+    RunState = object     # the run's attributes, a type only (state.py)
+
+
+class MainRowStage(RunState):
     """Stage methods of :class:`_Extraction` (main rows)."""
 
     def main(self, Y0: np.ndarray, V0: np.ndarray) -> ExtractionResult:
@@ -96,7 +103,9 @@ class MainRowStage:
         R = np.linalg.qr(rng.standard_normal((d, d)))[0].T[:NC]       # (NC, d), NC <= d
         columns = np.empty((d, NC, d))
         s_k, moves = np.empty(d), np.zeros(d)
-        probes, rows = [None] * d, [None] * d
+        # per row k: its probes and its RowFit (None until round 1 fits it)
+        probes: list[Any] = [None] * d
+        rows: list[Any] = [None] * d
         estimate = [Y0, V0]
         self.labels_trusted = False
 
@@ -378,6 +387,7 @@ class MainRowStage:
                 f"times the noise {noise:.1e} that {self.precision_name} rounding of these "
                 f"answers' sums makes (absolute): {why}", model, bar,
                 low_count=not self.labels_trusted)
+        assert self.tolerance is not None         # chosen by set_precision
         if not bar <= self.tolerance:
             raise _Redesign(
                 RecoveryFailedError,
@@ -464,7 +474,10 @@ class MainRowStage:
         refitted, held = [], []
         for k, ((cols_k, lam_k, g_k, mask), r) in enumerate(zip(probes, rows)):
             S = max(lam_k.shape[1], S3)
-            pad = lambda a: np.pad(a, ((0, 0), (0, S - a.shape[1])))
+
+            def pad(a: np.ndarray) -> np.ndarray:
+                return np.pad(a, ((0, 0), (0, S - a.shape[1])))
+
             wide = np.zeros((count, S))
             wide[:, :S3] = self.wide_weights(cols_k, g_k, mask, columns[k], g3[k], r) \
                 if self.biases else 1.0
@@ -494,7 +507,7 @@ class MainRowStage:
         answers = g3 + (columns @ self.v)[:, None] + c                        # (count, S3)
         return np.minimum(1.0, reference / (np.abs(answers) + heights))
 
-    def polished(self, model: MultiHeadAttention, predicted: float):
+    def polished(self, model: MultiHeadModel, predicted: float) -> tuple[MultiHeadModel, float]:
         """The joint polish of all heads on every answer held (:mod:`.polish`); returns
         (model, predicted error), the row fits' own when the polish is not kept."""
         records = self.answers
@@ -509,7 +522,8 @@ class MainRowStage:
             samples.f = samples.f + self.c
         result = polish.polish(samples, model.W, model.v, self.precision, self.absolute_noise,
                                predicted, ERROR_BAR_FACTOR * predicted,
-                               *((model.b, self.c) if self.biases else ()))
+                               *((model.b, self.c) if isinstance(model, BiasedMultiHeadAttention)
+                                 else ()))
         self.details["joint polish"] = result.reason
         if not result.kept:
             if self.coarse and result.own_predicted > predicted:
@@ -528,6 +542,6 @@ class MainRowStage:
         self.details["predicted relative error (row fits)"] = predicted
         self.details["weighted residual (row fits, polished)"] = (result.cost_before,
                                                                   result.cost_after)
-        if self.biases:
+        if result.b is not None and result.c is not None:     # the biased polish
             return BiasedMultiHeadAttention(result.W, result.v, result.b, result.c), result.predicted
         return MultiHeadAttention(result.W, result.v), result.predicted

@@ -139,6 +139,7 @@ def noise_of(samples: Samples, v: np.ndarray, precision: float, absolute: float,
         return noise
     noise = factor * precision * terms + precision * abs(c)
     if W is not None:
+        assert b is not None, "W with c is the biased learner's: b comes with them"
         keys = np.einsum("hij,pj->phi", W, samples.q) + b[None]              # (P, H, d)
         scores = (np.abs(np.einsum("pi,phi->ph", samples.u + samples.q, keys))
                   + np.abs(np.einsum("pi,phi->ph", samples.q, keys)))
@@ -257,13 +258,16 @@ def polish(samples: Samples, W: np.ndarray, v: np.ndarray, precision: float,
     biases = b is not None
     n = H * (d * d + d) + (H * d + 1 if biases else 0)
     P = samples.f.size
-    unchanged = lambda reason, before=np.nan, after=np.nan, own=np.nan: Polished(
-        W, v, predicted, before, after, False, reason, b, c, own)
+
+    def unchanged(reason: str, before: float = np.nan, after: float = np.nan,
+                  own: float = np.nan) -> Polished:
+        return Polished(W, v, predicted, before, after, False, reason, b, c, own)
+
     if P * float(n) ** 2 > MAX_WORK or n > MAX_PARAMETERS:
         return unchanged(f"skipped ({P} samples x {n} parameters: too large for a dense fit)")
     if P <= n:
         return unchanged(f"skipped (only {P} samples for {n} parameters)")
-    x0 = np.concatenate([W.ravel(), v.ravel()] + ([b.ravel(), [c]] if biases else []))
+    x0 = np.concatenate([W.ravel(), v.ravel()] + ([b.ravel(), np.array([c])] if b is not None else []))
     expected = noise_of(samples, v, precision, absolute, c, W, *((b,) if biases else ()))
     noise = expected.copy()                 # rescaled per length below
     # least noise per answer: a weighted residual below it is luck. float64: the
@@ -296,18 +300,20 @@ def polish(samples: Samples, W: np.ndarray, v: np.ndarray, precision: float,
     inverse, info_inverse = lapack.dpotri(factor, lower=False) if info == 0 else (None, 1)
     if info_inverse != 0:
         return unchanged("not kept (singular covariance)", cost0, cost)
+    assert inverse is not None
     inverse_diag = np.diag(inverse)
     sigma = max(float(np.sqrt(cost / (P - n))), float(np.sqrt(np.mean(least ** 2))))
     std = np.sqrt(np.maximum(inverse_diag, 0.0)) / scale * sigma
     new_predicted = _relative_error(std, W1, v1, biases)
     # with biases [W_h | b_h] moves against |W_h| and c against max(|c|, |v_h|)
-    W_moved = (np.hstack([(W1 - W).reshape(H, -1), b1 - b]) if biases else W1 - W)
+    W_moved = (np.hstack([(W1 - W).reshape(H, -1), b1 - b])
+               if b1 is not None and b is not None else W1 - W)
     moved = max(float(np.max(np.linalg.norm(W_moved.reshape(H, -1), axis=1)
                              / np.maximum(np.linalg.norm(W, axis=(1, 2)), 1e-300))),
                 float(np.max(np.linalg.norm(v1 - v, axis=1)
                              / np.maximum(np.linalg.norm(v, axis=1), 1e-300))),
                 abs(c1 - c) / max(abs(c), float(np.max(np.linalg.norm(v, axis=1))), 1e-300)
-                if biases else 0.0)
+                if c1 is not None and c is not None else 0.0)
     if not new_predicted <= GROWTH * predicted:
         return unchanged(f"not kept (predicted error {new_predicted:.1e}, the row fits' "
                          f"{predicted:.1e})", cost0, cost, new_predicted)
@@ -317,7 +323,8 @@ def polish(samples: Samples, W: np.ndarray, v: np.ndarray, precision: float,
     return Polished(W1, v1, new_predicted, cost0, cost, True, "kept", b1, c1, new_predicted)
 
 
-def _split(x: np.ndarray, H: int, d: int, biases: bool = False):
+def _split(x: np.ndarray, H: int, d: int, biases: bool = False
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, float | None]:
     """The parameter vector as (W (H, d, d), v (H, d), b (H, d) or None, c or None)."""
     W, v = x[:H * d * d].reshape(H, d, d), x[H * d * d:H * (d * d + d)].reshape(H, d)
     if not biases:

@@ -18,6 +18,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from ...verification import safe_rms
@@ -28,7 +30,13 @@ from .constants import (SHORT_BALANCE, SHORT_INTERCEPTS, SHORT_LENGTH,
                         SHORT_ROW_CANDIDATES, SHORT_SPACING)
 
 
-class ShortProbeStage:
+if TYPE_CHECKING:
+    from .state import RunState
+else:
+    RunState = object     # the run's attributes, a type only (state.py)
+
+
+class ShortProbeStage(RunState):
     """Stage methods of :class:`_Extraction` (short probes)."""
 
     def short_probes(self, model, predicted, misfit):

@@ -13,7 +13,7 @@ import numpy as np
 
 from ...errors import InputError, ModelMismatchError, NotIdentifiableError
 from ...models import MultiHeadAttention
-from ...oracle import Oracle
+from ...oracle import Oracle, QueryAccess
 from ...report import ExtractionResult, Report, checked_result, verification_count, verify_model
 from ..single_head import extract_single_head
 
@@ -48,7 +48,7 @@ def subspace_bases(subspaces, d: int) -> list[np.ndarray]:
     return bases
 
 
-def extract_in_subspaces(oracle: Oracle, subspaces, seed, verify_tolerance) -> ExtractionResult:
+def extract_in_subspaces(oracle: QueryAccess, subspaces, seed, verify_tolerance) -> ExtractionResult:
     start, q0, bb0 = time.perf_counter(), oracle.queries, oracle.black_box_seconds
     d = oracle.dim
     bases = subspace_bases(subspaces, d)
@@ -62,7 +62,10 @@ def extract_in_subspaces(oracle: Oracle, subspaces, seed, verify_tolerance) -> E
     for i, B in enumerate(bases):
         # The restricted view: tokens y in R^r are sent as B y; every query goes through
         # the outer oracle, so its counter and budget see each one.
-        view = Oracle(lambda Y, B=B: oracle.query(Y @ B.T), B.shape[1])
+        def restricted(Y: np.ndarray, B: np.ndarray = B) -> np.ndarray:
+            return oracle.query(Y @ B.T)
+
+        view = Oracle(restricted, B.shape[1])
         try:
             inner = extract_single_head(view, seed=None if seed is None else seed + i,
                                         verify_tolerance=verify_tolerance)

@@ -56,7 +56,7 @@ import numpy as np
 
 from ...errors import InputError, ModelMismatchError, RecoveryFailedError
 from ...models import VectorAttention, biased_attention_weights
-from ...oracle import Oracle
+from ...oracle import QueryAccess
 from ...precision import stated_precision
 from ...report import (
     DEFAULT_VERIFY_TOLERANCE,
@@ -95,7 +95,7 @@ class _Asker:
     (probe, answer) pairs the fits rest on (``keep=False``: the caller keeps the rows it
     uses; a scan asked again at another scale is not one of them)."""
 
-    def __init__(self, oracle: Oracle):
+    def __init__(self, oracle: QueryAccess):
         self.oracle = oracle
         self.kept: list[tuple[np.ndarray, np.ndarray]] = []
 
@@ -374,7 +374,7 @@ def _pooled(X, W, b):
                      for Wh, bh in zip(W, b)], axis=1)
 
 
-def extract_vector_multi_head(oracle: Oracle, *, seed=None,
+def extract_vector_multi_head(oracle: QueryAccess, *, seed=None,
                               verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                               heads: int | None = None, biases: bool | None = None,
                               output_dtype: str | None = None,
@@ -435,7 +435,7 @@ def extract_vector_multi_head(oracle: Oracle, *, seed=None,
 class _Start:
     """The oracle's counters when the learner started."""
 
-    oracle: Oracle
+    oracle: QueryAccess
     seconds: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self):

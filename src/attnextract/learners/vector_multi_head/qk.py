@@ -50,8 +50,10 @@ def design_basis(O: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, i
             worst = max(np.linalg.cond(M) for M in systems(O, U, n))
             if best is None or worst < best[2]:
                 best = (U, n, float(worst))
+        assert best is not None             # DRAWS >= 1
         if best[2] <= MAX_CONDITION:
             return best
+    assert best is not None                 # n = 1 was tried
     return best
 
 
