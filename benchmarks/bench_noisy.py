@@ -1,6 +1,6 @@
 """Noisy black boxes: ||W_hat - W||_F against tau, the paper's method vs the default.
 
-Run:  python benchmarks/bench_noisy.py [--dims 16 64] [--seeds 4] [--plot FILE.svg] [--out FILE.md]
+Run:  python benchmarks/bench_noisy.py [--dims 16 64] [--seeds 4] [--plot FILE.svg] [--quick] [--out FILE.md]
 
 Error-vs-tau table: for tau = 1e-10 .. 1e-3 and each d, every trial is one random
 target (entries of W ~ N(0, 1/d), v ~ N(0, I)) behind one bounded-noise black box
@@ -97,11 +97,11 @@ def error_vs_tau(dims, seeds):
     return rows
 
 
-def rounding_table(seeds):
+def rounding_table(seeds, dims=(16, 64)):
     rows = []
     cases = [("float32", 2.0 ** -150, 2.0 ** -24, 1), ("float16", 2.0 ** -25, 2.0 ** -11, 1),
              ("4 digits", 0.0, 5e-4, 1), ("4 digits", 0.0, 5e-4, 16)]
-    for d in (16, 64):
+    for d in dims:
         for name, tau, rho, repeats in cases:
             precision = 4 if name == "4 digits" else name
             errs, bars, queries = [], [], []
@@ -121,9 +121,9 @@ def rounding_table(seeds):
     return rows
 
 
-def gaussian_table(seeds):
+def gaussian_table(seeds, dims=(16, 64)):
     rows = []
-    for d in (16, 64):
+    for d in dims:
         for repeats in (1, 4, 16):
             std = 1e-6
             errs, within = [], 0
@@ -195,8 +195,13 @@ def main():
     parser.add_argument("--dims", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--seeds", type=int, default=4)
     parser.add_argument("--plot", help="also draw error vs tau here (FILE.svg or .png)")
+    parser.add_argument("--quick", action="store_true",
+                        help="d = 16 only, 2 seeds (3 for Gaussian noise), sign-only answers "
+                             "up to d = 16")
     _results.add_out_option(parser, __file__)
     args = parser.parse_args()
+    if args.quick:
+        args.dims, args.seeds = [16], 2
     with _results.Run(__file__, args.out) as results:
         results.capture(markdown=True)
         tables(args)
@@ -206,9 +211,9 @@ def tables(args) -> None:
     """Run the four measurements and print their Markdown tables."""
     start = time.perf_counter()
     rows = error_vs_tau(args.dims, args.seeds)
-    rounding = rounding_table(args.seeds)
-    gauss = gaussian_table(max(args.seeds, 10))
-    signs = sign_only_table([2, 4, 8, 16, 32, 64])
+    rounding = rounding_table(args.seeds, args.dims)
+    gauss = gaussian_table(3 if args.quick else max(args.seeds, 10), args.dims)
+    signs = sign_only_table([2, 4, 8, 16] if args.quick else [2, 4, 8, 16, 32, 64])
     print("Bounded noise |eta| <= tau, 5 noise kinds (2 adversarial) x seeds; equal queries "
           "(d^2 + d recovery each)\n")
     print("| d | tau | paper err | paper bound | default err | default bar | ratio median | ratio worst "
