@@ -170,7 +170,6 @@ def test_plots_one_colour_and_marker_per_series_legends_outside_log_axes_svg(
     legend lies right of the data and inside the figure, log scales where the values span
     decades; SVG (and PNG, PDF) written; the grid's heads axis has whole-number ticks."""
     import matplotlib  # noqa: F401  (a test-all package: see conftest.py)
-    import matplotlib
     matplotlib.use("Agg")
     from matplotlib.colors import to_hex
     from attnextract import bench, bench_grid, plotting

@@ -93,7 +93,8 @@ def grid_cell(H: int, d: int, seeds: int, scale: float = 1.0, float32: bool = Fa
             refusals[r["refused"]] = refusals.get(r["refused"], 0) + 1
     fail_walls = [r["wall"] for r in runs if not r["success"]]
     floor = H * (d * d + d) if rank is None else H * (d + rank * (2 * d - rank))
-    median = lambda key, rs: float(np.median([r[key] for r in rs])) if rs else None
+    def median(key: str, rs: list) -> float | None:
+        return float(np.median([r[key] for r in rs])) if rs else None
     first_try = [r for r in ok if r["designs"] == 1 and r["rows_redesigned"] == 0]
     return {"H": H, "d": d, "rank": rank, "scale": scale, "float32": float32, "seeds": seeds,
             "told": told, "precision": precision,
@@ -123,7 +124,8 @@ def grid_markdown(rows: list[dict]) -> str:
             "median error | worst error | s (success, median) | s (cell) | "
             "s (failure, max) |"),
            "|" + "---|" * 19]
-    fmt = lambda x, f: "-" if x is None else format(x, f)
+    def fmt(x: object, f: str) -> str:
+        return "-" if x is None else format(x, f)
     for r in rows:
         q = r["recovery_median"]
         out.append(f"| {r['d']} | {r['H']} | {r['rank'] or 'full'} | {r['scale']:g} | "
