@@ -644,5 +644,5 @@ def _model_from(path: str | os.PathLike[str], data: dict[str, np.ndarray]) -> Re
         raise TargetLoadError(f"result file {path} does not hold a valid {kind} model: {exc}") from exc
 
 
-# held-out verification lives in verification.py; this name stays for old imports
-from .verification import safe_norm, verify_model as verify_model  # noqa: E402
+# held-out verification lives in verification.py; these names stay for old imports
+from .verification import safe_norm, verify_model  # noqa: E402, F401
