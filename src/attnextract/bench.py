@@ -24,26 +24,36 @@ from __future__ import annotations
 import functools
 import json
 import time
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from .adapters.targets import (
+    random_low_rank_head,
+    random_low_rank_multi_head,
+    random_multi_head,
+    random_pre_layer_norm,
+    random_single_head,
+    random_vector_attention,
+    with_biases,
+)
+from .bench_grid import grid_cell, grid_markdown, grid_plot
 from .learners.low_rank import low_rank_floor
 from .learners.multi_head import biased_count, canonical_error
 from .learners.one_layer import compare_one_layer, random_one_layer
-from .learners.transformer_layer import (compare_transformer_layer, extract_transformer_layer,
-                                         free_parameters, random_transformer_layer)
+from .learners.surrogate import train_surrogate
+from .learners.transformer_layer import (
+    compare_transformer_layer,
+    extract_transformer_layer,
+    free_parameters,
+    random_transformer_layer,
+)
 from .learners.vector_canonical import vector_canonical_errors
 from .models import BiasedSingleHeadAttention, MultiHeadAttention
 from .oracle import BoundedNoise, Oracle
-from .bench_grid import grid_cell, grid_markdown, grid_plot
 from .plotting import REFERENCE, legend_outside, log_axes, save, series_styles, spans_decades
 from .registry import LEARNERS, extract
-from .learners.surrogate import train_surrogate
-from .adapters.targets import (random_low_rank_head, random_low_rank_multi_head,
-                               random_multi_head, random_pre_layer_norm, random_single_head,
-                               random_vector_attention, with_biases)
 
 
 def _output_error(result) -> float:

@@ -31,27 +31,56 @@ from typing import Any
 import numpy as np
 
 from . import __version__
-from .adapters.minilm import (extract_minilm_head, extract_minilm_layer, minilm_weights_path,
-                              save_layer_target, save_vector_layer_target)
+from .adapters.journal import QueryJournal
+from .adapters.minilm import (
+    extract_minilm_head,
+    extract_minilm_layer,
+    minilm_weights_path,
+    save_layer_target,
+    save_vector_layer_target,
+)
 from .adapters.remote import HttpBlackBox, read_token_file
 from .adapters.replicas import RayReplicas, load_spec
 from .adapters.server import make_server, read_tokens
+from .adapters.targets import (
+    FirstBatchHint,
+    load_target,
+    random_multi_head,
+    random_single_head,
+    random_vector_attention,
+)
 from .bench import SECTIONS, readme_summary, run_bench, update_readme
 from .checkpoint import extract_checkpoint
-from .errors import (AttnExtractError, BlackBoxError, BudgetExceededError, InputError,
-                     JournalError, NotIdentifiableError, RefusalWithResult, TargetLoadError)
-from .adapters.journal import QueryJournal
-from .learners.multi_head import (canonical_error, canonical_form, non_identifiable_twin,
-                                  twin_difference)
+from .errors import (
+    AttnExtractError,
+    BlackBoxError,
+    BudgetExceededError,
+    InputError,
+    JournalError,
+    NotIdentifiableError,
+    RefusalWithResult,
+    TargetLoadError,
+)
+from .learners.multi_head import (
+    canonical_error,
+    canonical_form,
+    non_identifiable_twin,
+    twin_difference,
+)
 from .learners.vector_canonical import vector_canonical_errors, vector_canonical_form
 from .models import VectorAttention
 from .oracle import OUTPUT_KINDS, Oracle
 from .progress import ProgressBar, configure_logging, thread_limits
 from .registry import LEARNERS, extract, get_learner, learner_names, resolve
-from .report import (DEFAULT_VERIFY_TOLERANCE, human_number, load_model, load_result,
-                     mismatch_reason, verification_count, verify_model)
-from .adapters.targets import (FirstBatchHint, load_target, random_multi_head, random_single_head,
-                               random_vector_attention)
+from .report import (
+    DEFAULT_VERIFY_TOLERANCE,
+    human_number,
+    load_model,
+    load_result,
+    mismatch_reason,
+    verification_count,
+    verify_model,
+)
 
 __all__ = ["main", "build_parser", "ProgressBar"]
 

@@ -26,8 +26,15 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from .adapters.torch_target import module_black_box
-from .errors import (BlackBoxError, BudgetExceededError, InputError, MalformedOutputError,
-                     NonFiniteOutputError, RefusalWithResult, VectorAnswersFound)
+from .errors import (
+    BlackBoxError,
+    BudgetExceededError,
+    InputError,
+    MalformedOutputError,
+    NonFiniteOutputError,
+    RefusalWithResult,
+    VectorAnswersFound,
+)
 from .models import scale_outputs
 
 if TYPE_CHECKING:

@@ -36,11 +36,16 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .errors import (AttnExtractError, InputError, ModelMismatchError, RecoveryFailedError,
-                     RefusalWithResult, VectorAnswersFound)
+from .errors import (
+    AttnExtractError,
+    InputError,
+    ModelMismatchError,
+    RecoveryFailedError,
+    RefusalWithResult,
+    VectorAnswersFound,
+)
 from .oracle import QueryAccess, root_oracle
-from .precision import (check_precision_options, detect_precision, name_the_options,
-                        stated_precision)
+from .precision import check_precision_options, detect_precision, name_the_options, stated_precision
 from .report import ExtractionResult
 from .verification import answers_look_rounded
 

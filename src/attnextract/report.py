@@ -18,9 +18,9 @@ import math
 import os
 import re
 import zipfile
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -29,11 +29,19 @@ from .errors import InputError, ModelMismatchError, TargetLoadError
 from .models import MODEL_CLASSES, Regressor
 from .numerics import looks_like_rounding, safe_norm
 from .oracle import evaluate_ragged
-from .verification import MAX_VERIFY_LENGTH, Verification, token_scale
+
 # the check's outcome and its defaults belong to verification.py; results and learners
 # read them here, beside the report they go into
-from .verification import (COVERAGE_CONFIDENCE, DEFAULT_VERIFY_TOLERANCE,  # noqa: F401
-                           coverage_share, draws_for_coverage, verify_model)
+from .verification import (  # noqa: F401
+    COVERAGE_CONFIDENCE,
+    DEFAULT_VERIFY_TOLERANCE,
+    MAX_VERIFY_LENGTH,
+    Verification,
+    coverage_share,
+    draws_for_coverage,
+    token_scale,
+    verify_model,
+)
 
 REPORT_SCHEMA_VERSION = 2      # to_dict(): snake_case keys, numbers, ranges as [lo, hi]
 

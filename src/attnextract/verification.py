@@ -94,8 +94,14 @@ from typing import Callable
 
 import numpy as np
 
-from .models import (PreLayerNormAttention, SphereAttention, VectorAttention,
-                     VectorSphereAttention, layer_norm, softmax)
+from .models import (
+    PreLayerNormAttention,
+    SphereAttention,
+    VectorAttention,
+    VectorSphereAttention,
+    layer_norm,
+    softmax,
+)
 from .numerics import answers_look_rounded, float32_share, safe_norm, safe_rms
 from .oracle import Oracle, ScaledOutputs, evaluate_ragged, live_queries, root_oracle
 from .sphere import sphere_tokens

@@ -47,8 +47,12 @@ from ..errors import InputError, ModelMismatchError, RecoveryFailedError, Target
 from ..learners.low_rank import extract_low_rank
 from ..learners.multi_head import canonical_error, extract_multi_head, match_heads
 from ..learners.multi_head_low_rank import extract_multi_head_low_rank
-from ..models import (BiasedMultiHeadAttention, MultiHeadAttention, SingleHeadAttention,
-                      VectorAttention)
+from ..models import (
+    BiasedMultiHeadAttention,
+    MultiHeadAttention,
+    SingleHeadAttention,
+    VectorAttention,
+)
 from ..oracle import Oracle
 from ..report import DEFAULT_VERIFY_TOLERANCE
 

@@ -86,7 +86,8 @@ import numpy as np
 
 from ..errors import InputError
 from ..oracle import OUTPUT_KINDS, answer_kind
-from .journal import challenge_sequences, checksum as journal_checksum
+from .journal import challenge_sequences
+from .journal import checksum as journal_checksum
 from .reaper import alive, start_time
 
 LOG = logging.getLogger("attnextract.server")

@@ -21,9 +21,15 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import AttnExtractError, BlackBoxError, DimensionError, InputError, TargetLoadError
-from ..models import (BiasedMultiHeadAttention, BiasedSingleHeadAttention, MultiHeadAttention,
-                      PreLayerNormAttention, SingleHeadAttention, TransformerLayer,
-                      VectorAttention)
+from ..models import (
+    BiasedMultiHeadAttention,
+    BiasedSingleHeadAttention,
+    MultiHeadAttention,
+    PreLayerNormAttention,
+    SingleHeadAttention,
+    TransformerLayer,
+    VectorAttention,
+)
 from ..oracle import _is_torch_module
 from .torch_target import module_black_box
 

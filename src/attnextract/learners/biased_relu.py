@@ -51,8 +51,17 @@ import numpy as np
 from ..errors import ModelMismatchError, NotIdentifiableError, RecoveryFailedError
 from ..oracle import QueryAccess
 from ..verification import safe_norm
-from .relu_network import (_find_kinks, _Path, _query_vectors, _resolve_signs, CHORD, EPS,
-                           MILP_SECONDS, ROOT_SLACK, SLOPE_NOISE)
+from .relu_network import (
+    CHORD,
+    EPS,
+    MILP_SECONDS,
+    ROOT_SLACK,
+    SLOPE_NOISE,
+    _find_kinks,
+    _Path,
+    _query_vectors,
+    _resolve_signs,
+)
 
 LINE_REACH = 4.0        # half length of a line, in units of its scale * sqrt(d)
 MIN_LINES = 2

@@ -54,10 +54,20 @@ from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import SphereAttention
 from ..numerics import safe_norm
 from ..oracle import QueryAccess
-from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
-                      verification_count)
-from ..sphere import (column_probes, hyperplane_basis, simplex_columns, sphere_radius,
-                      tangent_simplex)
+from ..report import (
+    DEFAULT_VERIFY_TOLERANCE,
+    ExtractionResult,
+    Report,
+    checked_result,
+    verification_count,
+)
+from ..sphere import (
+    column_probes,
+    hyperplane_basis,
+    simplex_columns,
+    sphere_radius,
+    tangent_simplex,
+)
 from ..verification import INVARIANCE_SHARE, verify_on_sphere
 from .pre_layer_norm_heads import extract_pre_layer_norm_heads
 from .single_head import logit

@@ -69,13 +69,23 @@ from scipy.special import expit
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError
 from ..models import SphereAttention
 from ..oracle import QueryAccess
-from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report,
-                      checked_result, verification_count)
+from ..report import (
+    DEFAULT_VERIFY_TOLERANCE,
+    ExtractionResult,
+    Report,
+    checked_result,
+    verification_count,
+)
 from ..sphere import column_probes, hyperplane_basis, simplex_columns, sphere_radius
 from ..verification import INVARIANCE_SHARE, verify_on_sphere
 from .multi_head.design import copy_counts, measure, probe_lengths, realised_lambda
-from .multi_head.fit import (fit_logits, levenberg_marquardt, rational_steps,
-                             sigmoid_and_slope, unit_std)
+from .multi_head.fit import (
+    fit_logits,
+    levenberg_marquardt,
+    rational_steps,
+    sigmoid_and_slope,
+    unit_std,
+)
 
 log = logging.getLogger(__name__)
 

@@ -39,14 +39,27 @@ from typing import Any
 import numpy as np
 
 from ..adapters import targets
-from ..errors import (BudgetExceededError, InputError, ModelMismatchError, NotIdentifiableError,
-                      RecoveryFailedError)
+from ..errors import (
+    BudgetExceededError,
+    InputError,
+    ModelMismatchError,
+    NotIdentifiableError,
+    RecoveryFailedError,
+)
 from ..learners.one_layer import random_one_layer
 from ..learners.sign_only import extract_sign_only
 from ..learners.transformer_layer import random_transformer_layer
-from ..models import (BiasedMultiHeadAttention, BiasedSingleHeadAttention, layer_norm,
-                      MODEL_CLASSES, MultiHeadAttention, OneLayerTransformer, SingleHeadAttention,
-                      softmax, TransformerLayer)
+from ..models import (
+    MODEL_CLASSES,
+    BiasedMultiHeadAttention,
+    BiasedSingleHeadAttention,
+    MultiHeadAttention,
+    OneLayerTransformer,
+    SingleHeadAttention,
+    TransformerLayer,
+    layer_norm,
+    softmax,
+)
 from ..oracle import Oracle, SignOnly
 from ..registry import extract
 from ..report import verification_count, verify_model
