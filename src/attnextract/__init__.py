@@ -4,25 +4,42 @@ Start with :func:`extract` (``attnextract.extract(Oracle(black_box, dim), model=
 the algorithms are described in docs/algorithms.md.
 """
 
-from .errors import (AttnExtractError, BlackBoxError, BudgetExceededError, InputError,
-                     MalformedOutputError, ModelMismatchError, NonFiniteOutputError,
-                     NotIdentifiableError, RecoveryFailedError, TargetLoadError)
-from .models import MultiHeadAttention, SingleHeadAttention
-from .learners.multi_head import (canonical_form, extract_multi_head, non_identifiable_twin,
-                         twin_difference)
-from .oracle import Oracle
-from .report import ExtractionResult, Report, Verification, load_model, verify_model
-from .learners.single_head import extract_single_head
-from .models import OneLayerTransformer, ReLUNetwork
+from . import progress as progress  # ProgressBar, configure_logging, thread_limits
+from .errors import (
+    AttnExtractError,
+    BlackBoxError,
+    BudgetExceededError,
+    InputError,
+    MalformedOutputError,
+    ModelMismatchError,
+    NonFiniteOutputError,
+    NotIdentifiableError,
+    RecoveryFailedError,
+    TargetLoadError,
+)
+from .learners.low_rank import extract_low_rank
+from .learners.multi_head import (
+    canonical_form,
+    extract_multi_head,
+    non_identifiable_twin,
+    twin_difference,
+)
 from .learners.noisy import extract_noisy
 from .learners.one_layer import extract_one_layer
 from .learners.relu_network import extract_relu_network
 from .learners.sign_only import extract_sign_only
-from .learners.low_rank import extract_low_rank
-from .registry import extract, learner_names, register
-from . import progress as progress   # ProgressBar, configure_logging, thread_limits
-from .models import TransformerLayer
+from .learners.single_head import extract_single_head
 from .learners.transformer_layer import extract_transformer_layer
+from .models import (
+    MultiHeadAttention,
+    OneLayerTransformer,
+    ReLUNetwork,
+    SingleHeadAttention,
+    TransformerLayer,
+)
+from .oracle import Oracle
+from .registry import extract, learner_names, register
+from .report import ExtractionResult, Report, Verification, load_model, verify_model
 
 __version__ = "0.2.0"
 

@@ -23,16 +23,16 @@ from __future__ import annotations
 import functools
 import json
 import time
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from .adapters.targets import random_single_head, random_vector_attention
 from .errors import InputError
+from .learners.surrogate import train_surrogate
 from .oracle import Oracle
 from .registry import LEARNERS, extract
-from .learners.surrogate import train_surrogate
-from .adapters.targets import random_single_head, random_vector_attention
 
 
 def _output_error(result) -> float:
@@ -134,8 +134,8 @@ def section_one_layer(quick: bool, log) -> list[dict]:
 
 def section_low_rank(quick: bool, log) -> list[dict]:
     """Rank-r heads, r = d/8: the adaptive learner (floor d + r(2d - r)) and paper 1's ROP."""
-    from .learners.low_rank import low_rank_floor
     from .adapters.targets import random_low_rank_head
+    from .learners.low_rank import low_rank_floor
     rows = []
     for method in ("adaptive", "rop"):
         for d in ([16, 32, 64] if quick else [16, 32, 64, 128, 256, 512]):
@@ -159,8 +159,8 @@ def section_multi_head(quick: bool, log) -> list[dict]:
 
     The full grid (H <= 8, d in {8, 16, 32}, 20 seeds) is benchmarks/bench_multi_head.py.
     """
-    from .learners.multi_head import canonical_error
     from .adapters.targets import random_multi_head
+    from .learners.multi_head import canonical_error
     rows = []
     for H, d in ([(2, 8), (2, 16)] if quick else [(2, 8), (2, 16), (2, 32), (4, 16), (4, 32)]):
         target = random_multi_head(H, d, seed=d)
@@ -253,8 +253,12 @@ def transformer_layer_variants(quick: bool) -> list[tuple[str, int, int, dict]]:
 
 def section_transformer_layer(quick: bool, log) -> list[dict]:
     """Attention + ReLU FFN with biases (issue 14): queries vs the floor, bits, time."""
-    from .learners.transformer_layer import (compare_transformer_layer, extract_transformer_layer,
-                                             free_parameters, random_transformer_layer)
+    from .learners.transformer_layer import (
+        compare_transformer_layer,
+        extract_transformer_layer,
+        free_parameters,
+        random_transformer_layer,
+    )
     rows = []
     for label, d, m, options in transformer_layer_variants(quick):
         target = random_transformer_layer(d, m, seed=d + m, **options)
@@ -282,8 +286,12 @@ def section_biases(quick: bool, log) -> list[dict]:
     low-rank heads at sum_h (d + r_h (2d - r_h) + r_h) + 1 and full-rank heads against
     H(d^2 + 2d) + 1. ``W_error`` is the largest of
     the W, b and v errors (b measured against |W| where b is 0)."""
-    from .adapters.targets import (random_low_rank_head, random_low_rank_multi_head,
-                                   random_multi_head, with_biases)
+    from .adapters.targets import (
+        random_low_rank_head,
+        random_low_rank_multi_head,
+        random_multi_head,
+        with_biases,
+    )
     from .learners.low_rank import low_rank_floor
     from .learners.multi_head import biased_count
 
@@ -357,6 +365,7 @@ def section_pre_ln(quick: bool, log) -> list[dict]:
     (heads matched), P r and c, against H (m^2 + 2m) + m + 1 (m = d - 1; d^2 + d - 1
     for one head). ``W_error`` is the largest of those relative errors."""
     import itertools
+
     from .adapters.targets import random_pre_layer_norm
 
     def errors(target):

@@ -31,16 +31,31 @@ from typing import Any
 import numpy as np
 
 from . import __version__
-from .errors import (AttnExtractError, BlackBoxError, BudgetExceededError, InputError,
-                     JournalError, NotIdentifiableError, RefusalWithResult, TargetLoadError)
 from .adapters.journal import QueryJournal
+from .adapters.targets import FirstBatchHint, load_target, random_single_head
+from .errors import (
+    AttnExtractError,
+    BlackBoxError,
+    BudgetExceededError,
+    InputError,
+    JournalError,
+    NotIdentifiableError,
+    RefusalWithResult,
+    TargetLoadError,
+)
 from .models import VectorAttention
 from .oracle import OUTPUT_KINDS, Oracle
 from .progress import ProgressBar, configure_logging, thread_limits
 from .registry import LEARNERS, extract, get_learner, learner_names, resolve
-from .report import (DEFAULT_VERIFY_TOLERANCE, human_number, load_model, load_result,
-                     mismatch_reason, verification_count, verify_model)
-from .adapters.targets import FirstBatchHint, load_target, random_single_head
+from .report import (
+    DEFAULT_VERIFY_TOLERANCE,
+    human_number,
+    load_model,
+    load_result,
+    mismatch_reason,
+    verification_count,
+    verify_model,
+)
 
 __all__ = ["main", "build_parser", "ProgressBar"]
 
@@ -550,6 +565,7 @@ def model_table() -> str:
 def _http_defaults() -> dict:
     """The HTTP client's own defaults, shown in --help (the options pass None to keep them)."""
     import inspect
+
     from .adapters.remote import HttpBlackBox
     parameters = inspect.signature(HttpBlackBox).parameters
     return {k: parameters[k].default for k in ("timeout", "retries", "concurrency")}
@@ -1117,8 +1133,13 @@ def cmd_bench(args) -> int:
 
 
 def cmd_twins(args) -> int:
-    from .learners.multi_head import canonical_error, canonical_form, non_identifiable_twin, twin_difference
     from .adapters.targets import random_multi_head
+    from .learners.multi_head import (
+        canonical_error,
+        canonical_form,
+        non_identifiable_twin,
+        twin_difference,
+    )
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     if args.outputs != "scalar":
         return _vector_twins(args, seed)
@@ -1200,8 +1221,8 @@ def _vector_twins(args, seed: int) -> int:
 
 
 def cmd_serve(args) -> int:
-    from .adapters.server import make_server, read_tokens
     from .adapters.replicas import load_spec
+    from .adapters.server import make_server, read_tokens
     model = load_spec(args.secret)         # FILE.npz, or FILE.py:NAME (a black box with dim)
     model = _served_positions(model, args)
     if args.replicas is not None:

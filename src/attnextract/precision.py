@@ -93,7 +93,7 @@ def stated_precision(output_dtype=None, decimals=None) -> OutputPrecision | None
     if output_dtype == "float64":                    # exact answers, said so
         return OutputPrecision("float64", EPS64, stated=True)
     if output_dtype is not None:
-        from .learners.noisy import FORWARD_RHO        # the single-head learner's levels
+        from .learners.noisy import FORWARD_RHO  # the single-head learner's levels
         return OutputPrecision(output_dtype, FORWARD_RHO[output_dtype], forward=True,
                                stated=True)
     if decimals is not None:
@@ -111,7 +111,7 @@ def detect_precision(values) -> OutputPrecision:
     is detected as float32 too, but only its last rounding is seen: its real error is
     larger (state ``output_dtype`` then).
     """
-    from .learners.multi_head import output_precision     # one float16/float32 test
+    from .learners.multi_head import output_precision  # one float16/float32 test
     x = np.asarray(values, dtype=np.float64).ravel()
     x = x[np.isfinite(x) & (x != 0)]
     if x.size < MIN_DETECT_VALUES:

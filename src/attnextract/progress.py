@@ -61,6 +61,7 @@ class ProgressBar:
         self.bar = None
         if self.mode == "bar":
             import shutil
+
             from tqdm import tqdm
             # a terminal that reports no size (some ptys) would get no bar at all
             size = shutil.get_terminal_size((100, 24))

@@ -36,8 +36,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .errors import (InputError, ModelMismatchError, RecoveryFailedError, RefusalWithResult,
-                     VectorAnswersFound)
+from .errors import (
+    InputError,
+    ModelMismatchError,
+    RecoveryFailedError,
+    RefusalWithResult,
+    VectorAnswersFound,
+)
 from .oracle import QueryAccess, root_oracle
 from .report import ExtractionResult
 

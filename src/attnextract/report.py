@@ -18,9 +18,9 @@ import math
 import os
 import re
 import zipfile
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 import numpy as np

@@ -39,9 +39,16 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from ..models import (MODEL_CLASSES, BiasedMultiHeadAttention, BiasedSingleHeadAttention,
-                      MultiHeadAttention, OneLayerTransformer, SingleHeadAttention,
-                      TransformerLayer, softmax)
+from ..models import (
+    MODEL_CLASSES,
+    BiasedMultiHeadAttention,
+    BiasedSingleHeadAttention,
+    MultiHeadAttention,
+    OneLayerTransformer,
+    SingleHeadAttention,
+    TransformerLayer,
+    softmax,
+)
 
 BIASED = (BiasedSingleHeadAttention, BiasedMultiHeadAttention)
 
@@ -779,8 +786,12 @@ def run_impostor(learner: str, name: str, d: int, seed: int, recovery: int):
     """Run ``learner`` against impostor ``name`` ("honest": the model itself) built on
     its honest model (seed). Returns (outcome, result, box): outcome "refused: <Error>",
     "accepted" or "crash: <text>"; result the ExtractionResult when accepted."""
-    from ..errors import (BudgetExceededError, ModelMismatchError, NotIdentifiableError,
-                          RecoveryFailedError)
+    from ..errors import (
+        BudgetExceededError,
+        ModelMismatchError,
+        NotIdentifiableError,
+        RecoveryFailedError,
+    )
     from ..oracle import Oracle, SignOnly
     from ..report import verify_model
     honest, run, labels = LEARNER_CASES[learner]

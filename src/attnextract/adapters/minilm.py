@@ -175,10 +175,9 @@ def extract_minilm_head(layer: int, head: int, *, readout_seed=0, seed=None, bud
     truth : SingleHeadAttention
         The head's (W, v) from the weights (never shown to the learner).
     """
+    from ..learners.low_rank import extract_low_rank
     from ..oracle import Oracle
     from ..report import DEFAULT_VERIFY_TOLERANCE
-
-    from ..learners.low_rank import extract_low_rank
 
     truth = minilm_head(layer, head, readout_seed)
     if learner is None:

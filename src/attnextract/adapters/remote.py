@@ -63,8 +63,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ..errors import (AttnExtractError, BlackBoxError, BudgetExceededError, InputError,
-                      MalformedOutputError)
+from ..errors import (
+    AttnExtractError,
+    BlackBoxError,
+    BudgetExceededError,
+    InputError,
+    MalformedOutputError,
+)
 from ..oracle import OUTPUT_KINDS, answer_kind
 
 MAX_BACKOFF = 30.0

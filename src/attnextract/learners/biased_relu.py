@@ -51,8 +51,16 @@ import numpy as np
 from ..errors import ModelMismatchError, NotIdentifiableError
 from ..oracle import QueryAccess
 from ..verification import safe_norm
-from .relu_network import (CHORD, EPS, ROOT_SLACK, SLOPE_NOISE, _find_kinks, _Path,
-                           _query_vectors, _resolve_signs)
+from .relu_network import (
+    CHORD,
+    EPS,
+    ROOT_SLACK,
+    SLOPE_NOISE,
+    _find_kinks,
+    _Path,
+    _query_vectors,
+    _resolve_signs,
+)
 
 LINE_REACH = 4.0        # half length of a line, in units of its scale * sqrt(d)
 MIN_LINES = 2

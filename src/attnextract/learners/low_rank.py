@@ -75,11 +75,29 @@ from scipy.linalg import solve_triangular
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError
 from ..models import BiasedSingleHeadAttention, SingleHeadAttention
 from ..oracle import QueryAccess
-from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, token_scale,
-                     verification_count, verify_model)
-from .single_head import (FIRST_SCALE, MAX_GROWTH, MAX_LOGIT, MAX_RESCALES, MIN_FIRST_LOGIT,
-                          NOISE_LOGIT, TARGET_LOGIT, bias_logits, constant_and_values, logit,
-                          probe_basis, split_scale)
+from ..report import (
+    DEFAULT_VERIFY_TOLERANCE,
+    ExtractionResult,
+    Report,
+    checked_result,
+    token_scale,
+    verification_count,
+    verify_model,
+)
+from .single_head import (
+    FIRST_SCALE,
+    MAX_GROWTH,
+    MAX_LOGIT,
+    MAX_RESCALES,
+    MIN_FIRST_LOGIT,
+    NOISE_LOGIT,
+    TARGET_LOGIT,
+    bias_logits,
+    constant_and_values,
+    logit,
+    probe_basis,
+    split_scale,
+)
 
 log = logging.getLogger(__name__)
 

@@ -84,8 +84,15 @@ from ..errors import InputError, ModelMismatchError, NotIdentifiableError, Recov
 from ..models import BiasedMultiHeadAttention, MultiHeadAttention
 from ..oracle import QueryAccess
 from ..precision import OutputPrecision, name_the_options, precision_of
-from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
-                      token_scale, verification_count, verify_model)
+from ..report import (
+    DEFAULT_VERIFY_TOLERANCE,
+    ExtractionResult,
+    Report,
+    checked_result,
+    token_scale,
+    verification_count,
+    verify_model,
+)
 from ..verification import safe_norm, safe_rms
 from .low_rank import haar_orthogonal, random_probe_basis
 from .single_head import constant_and_values, logit, split_scale

@@ -68,10 +68,18 @@ from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import SingleHeadAttention, softmax
 from ..oracle import QueryAccess, ScaledOutputs, by_length, on_scaled_outputs, root_oracle
 from ..report import ExtractionResult, Report, Verification, verification_count
-from ..verification import (BATCH_BIG_MIN, BATCH_REASKS, batch_dependence, design,
-                            max_length_of,
-                            output_scale, reask_in_other_batches, safe_norm,
-                            scaled_relative_errors, token_norms)
+from ..verification import (
+    BATCH_BIG_MIN,
+    BATCH_REASKS,
+    batch_dependence,
+    design,
+    max_length_of,
+    output_scale,
+    reask_in_other_batches,
+    safe_norm,
+    scaled_relative_errors,
+    token_norms,
+)
 from .single_head import logit, probe_basis
 
 NOISE_KINDS = ("bounded", "random")

@@ -40,10 +40,18 @@ import numpy as np
 from ..errors import ModelMismatchError, NotIdentifiableError
 from ..models import OneLayerTransformer
 from ..oracle import QueryAccess, evaluate_ragged
-from .relu_network import align_relu_networks, extract_relu_network
-from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
-                     held_out_output_error, token_scale, verification_count, verify_model)
+from ..report import (
+    DEFAULT_VERIFY_TOLERANCE,
+    ExtractionResult,
+    Report,
+    checked_result,
+    held_out_output_error,
+    token_scale,
+    verification_count,
+    verify_model,
+)
 from ..verification import safe_norm
+from .relu_network import align_relu_networks, extract_relu_network
 from .single_head import extract_single_head
 
 log = logging.getLogger(__name__)

@@ -53,10 +53,24 @@ import numpy as np
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import SphereAttention, VectorSphereAttention
 from ..oracle import QueryAccess, live_queries
-from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, Verification,
-                      checked_result, verification_count)
-from ..verification import (CONSISTENCY_FLOOR, MAX_ERROR_BAR, length_grid,
-                            longest_length, max_length_of, root_oracle, safe_norm, safe_rms)
+from ..report import (
+    DEFAULT_VERIFY_TOLERANCE,
+    ExtractionResult,
+    Report,
+    Verification,
+    checked_result,
+    verification_count,
+)
+from ..verification import (
+    CONSISTENCY_FLOOR,
+    MAX_ERROR_BAR,
+    length_grid,
+    longest_length,
+    max_length_of,
+    root_oracle,
+    safe_norm,
+    safe_rms,
+)
 from .single_head import logit
 
 log = logging.getLogger(__name__)

@@ -69,13 +69,29 @@ from scipy.special import expit
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError
 from ..models import SphereAttention
 from ..oracle import QueryAccess
-from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report,
-                      checked_result, verification_count)
+from ..report import (
+    DEFAULT_VERIFY_TOLERANCE,
+    ExtractionResult,
+    Report,
+    checked_result,
+    verification_count,
+)
 from .multi_head.design import copy_counts, measure, probe_lengths, realised_lambda
-from .multi_head.fit import (fit_logits, levenberg_marquardt, rational_steps,
-                             sigmoid_and_slope, unit_std)
-from .pre_layer_norm import (INVARIANCE_SHARE, column_probes, hyperplane_basis, sphere_radius,
-                             simplex_columns, verify_on_sphere)
+from .multi_head.fit import (
+    fit_logits,
+    levenberg_marquardt,
+    rational_steps,
+    sigmoid_and_slope,
+    unit_std,
+)
+from .pre_layer_norm import (
+    INVARIANCE_SHARE,
+    column_probes,
+    hyperplane_basis,
+    simplex_columns,
+    sphere_radius,
+    verify_on_sphere,
+)
 
 log = logging.getLogger(__name__)
 

@@ -69,8 +69,13 @@ import numpy as np
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import ReLUNetwork
 from ..oracle import QueryAccess
-from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, Verification,
-                     verification_count)
+from ..report import (
+    DEFAULT_VERIFY_TOLERANCE,
+    ExtractionResult,
+    Report,
+    Verification,
+    verification_count,
+)
 from ..verification import design, safe_norm, scaled_relative_errors
 
 EPS = np.finfo(float).eps

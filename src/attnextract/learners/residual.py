@@ -42,12 +42,18 @@ import numpy as np
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import ResidualOneLayer
-from .one_layer import OddPartOracle
 from ..oracle import OracleView, QueryAccess
-from .relu_network import extract_relu_network
-from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, token_scale,
-                     verification_count, verify_model)
+from ..report import (
+    DEFAULT_VERIFY_TOLERANCE,
+    ExtractionResult,
+    Report,
+    token_scale,
+    verification_count,
+    verify_model,
+)
 from ..verification import safe_norm
+from .one_layer import OddPartOracle
+from .relu_network import extract_relu_network
 from .single_head import extract_single_head
 
 MATCH_TOLERANCE = 1e-6      # 1 - cos of matched unit directions must stay below this

@@ -44,11 +44,10 @@ import numpy as np
 
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import SingleHeadAttention
-from .noisy import FLOAT_SLACK, NoisyVerification, output_gradient_norms
 from ..oracle import QueryAccess, evaluate_ragged
 from ..report import ExtractionResult, Report, verification_count
-from ..verification import (BOUNDARY_FRACTION, boundary_shift, design, max_length_of,
-                            near_boundary)
+from ..verification import BOUNDARY_FRACTION, boundary_shift, design, max_length_of, near_boundary
+from .noisy import FLOAT_SLACK, NoisyVerification, output_gradient_norms
 from .single_head import logit, probe_basis
 
 KAPPA_LOW, KAPPA_HIGH = 1.0, 4.0    # kappa sigma(lambda kappa) = 1 is bracketed here for lambda > -0.2747

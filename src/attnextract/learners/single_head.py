@@ -45,8 +45,15 @@ import numpy as np
 from ..errors import ModelMismatchError, NotIdentifiableError
 from ..models import BiasedSingleHeadAttention, SingleHeadAttention
 from ..oracle import QueryAccess
-from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result, token_scale,
-                     verification_count, verify_model)
+from ..report import (
+    DEFAULT_VERIFY_TOLERANCE,
+    ExtractionResult,
+    Report,
+    checked_result,
+    token_scale,
+    verification_count,
+    verify_model,
+)
 from ..verification import safe_norm
 
 log = logging.getLogger(__name__)

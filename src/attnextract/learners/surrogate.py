@@ -20,8 +20,14 @@ from scipy.optimize import minimize
 
 from ..models import SingleHeadAttention, softmax
 from ..oracle import QueryAccess, by_length, evaluate_ragged
-from ..report import (ExtractionResult, Report, Verification, held_out_sequences,
-                     relative_errors, verification_count)
+from ..report import (
+    ExtractionResult,
+    Report,
+    Verification,
+    held_out_sequences,
+    relative_errors,
+    verification_count,
+)
 
 
 def _loss_and_grad(theta, groups, targets, d):

@@ -102,23 +102,41 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
 import time
+from typing import Any
 
 import numpy as np
 
-from ..errors import (InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError,
-                      RefusalWithResult)
+from ..errors import (
+    InputError,
+    ModelMismatchError,
+    NotIdentifiableError,
+    RecoveryFailedError,
+    RefusalWithResult,
+)
 from ..models import TransformerLayer
 from ..oracle import OracleView, QueryAccess, on_scaled_outputs
 from ..precision import precision_of, stated_precision
-from ..report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
-                      token_scale, verification_count, verify_model)
+from ..report import (
+    DEFAULT_VERIFY_TOLERANCE,
+    ExtractionResult,
+    Report,
+    checked_result,
+    token_scale,
+    verification_count,
+    verify_model,
+)
 from ..verification import merge_verifications, safe_norm, safe_rms
-from .biased_relu import (ERROR_BAR_SIGMAS, NOISY_FIT, BiasedReLUNetwork, Tolerances, crossing_points,
-                          extract_biased_relu, noisy_tolerances)
-from .residual import (_MappedOracle, _ResidualOddOracle, counted_stage,
-                       extract_one_layer_residual)
+from .biased_relu import (
+    ERROR_BAR_SIGMAS,
+    NOISY_FIT,
+    BiasedReLUNetwork,
+    Tolerances,
+    crossing_points,
+    extract_biased_relu,
+    noisy_tolerances,
+)
+from .residual import _MappedOracle, _ResidualOddOracle, counted_stage, extract_one_layer_residual
 from .single_head import probe_basis
 
 RESIDUAL_PROBES = 4          # random p: f([p; 0]) against f([p / 2]) decides the residual term

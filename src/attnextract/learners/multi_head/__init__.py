@@ -64,27 +64,57 @@ from typing import NoReturn
 
 import numpy as np
 
-from ...errors import (AttnExtractError, InputError, ModelMismatchError, RecoveryFailedError,
-                       RefusalWithResult)
+from ...errors import (
+    AttnExtractError,
+    InputError,
+    ModelMismatchError,
+    RecoveryFailedError,
+    RefusalWithResult,
+)
 from ...models import BiasedMultiHeadAttention, MultiHeadAttention
 from ...oracle import QueryAccess, on_scaled_outputs
+from ...report import (
+    DEFAULT_VERIFY_TOLERANCE,
+    ExtractionResult,
+    Report,
+    checked_result,
+    token_scale,
+    verification_count,
+    verify_model,
+)
 from ...verification import safe_rms
-from ...report import (DEFAULT_VERIFY_TOLERANCE, ExtractionResult, Report, checked_result,
-                       token_scale, verification_count, verify_model)
 from ..single_head import _model_error_bar, constant_and_values, measure_weights, probe_basis
 from . import design, polish
-from .canonical import (canonical_error, canonical_form, match_heads, non_identifiable_twin,
-                        non_identifiable_vector_twin, twin_difference)
-from .subspaces import extract_in_subspaces
-from .budget import Budget, _Redesign, _scan_size, biased_count, paper2_count
 from .base_row import BaseRowStage
+from .budget import Budget, _Redesign, _scan_size, biased_count, paper2_count
+from .canonical import (
+    canonical_error,
+    canonical_form,
+    match_heads,
+    non_identifiable_twin,
+    non_identifiable_vector_twin,
+    twin_difference,
+)
+from .constants import (
+    BASE_CANDIDATES,
+    COARSE_ROUNDING,
+    COARSEST_SHARE,
+    COUNT_FIRST,
+    DEFAULT_TOLERANCE,
+    DTYPE_PRECISION,
+    MAX_DESIGNS,
+    MAX_HEADS,
+    NOISE_FACTOR,
+    PRECISIONS,
+    ROUNDED_BAR_OFFERED,
+    ROUNDED_TOLERANCE,
+    SCALE_ROUNDS,
+    SINGLE_TOKEN_MISFIT,
+)
 from .main_rows import MainRowStage
 from .short_probes import ShortProbeStage
 from .state import MultiHeadModel
-from .constants import (BASE_CANDIDATES, COARSEST_SHARE, COARSE_ROUNDING, COUNT_FIRST,
-                        DEFAULT_TOLERANCE, DTYPE_PRECISION, MAX_DESIGNS, MAX_HEADS, NOISE_FACTOR,
-                        PRECISIONS, ROUNDED_BAR_OFFERED, ROUNDED_TOLERANCE, SCALE_ROUNDS,
-                        SINGLE_TOKEN_MISFIT)
+from .subspaces import extract_in_subspaces
 
 __all__ = ["extract_multi_head", "canonical_form", "canonical_error", "match_heads",
            "non_identifiable_twin", "non_identifiable_vector_twin", "twin_difference",

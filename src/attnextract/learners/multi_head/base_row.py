@@ -62,14 +62,33 @@ from ...errors import ModelMismatchError, RecoveryFailedError
 from ...report import verification_count
 from ...verification import safe_rms
 from . import design, fit, labels
-from .budget import (_Redesign, _budget_left, _scan_size, column_samples,
-                     perturbation_samples)
-from .constants import (BASE_CANDIDATES, BASE_ERROR_CORRECTED, BASE_QUALITY,
-                        BELOW_TOLD_VOTES, MAX_HEADS, COLUMN_NUDGE, COLUMN_SPREAD, COUNT_EXTRA_SCANS, COUNT_MARGIN, CROWDED_GAP,
-                        DESIGNED_SCANS, MORE_STEPS_VOTES, NOISE_FACTOR, PERTURBATION_MAX_MOVE,
-                        PERTURBATION_MOVE, PERTURBATION_NOISE_MOVES, PILOT_COLUMNS,
-                        DTYPE_PRECISION, F32_MISFIT, PINNED_STEPS, RANDOM_COLUMNS,
-                        SCALE_ROUNDS, UNRESOLVED_HEIGHT, WINDOW_MARGIN)
+from .budget import _budget_left, _Redesign, _scan_size, column_samples, perturbation_samples
+from .constants import (
+    BASE_CANDIDATES,
+    BASE_ERROR_CORRECTED,
+    BASE_QUALITY,
+    BELOW_TOLD_VOTES,
+    COLUMN_NUDGE,
+    COLUMN_SPREAD,
+    COUNT_EXTRA_SCANS,
+    COUNT_MARGIN,
+    CROWDED_GAP,
+    DESIGNED_SCANS,
+    DTYPE_PRECISION,
+    F32_MISFIT,
+    MAX_HEADS,
+    MORE_STEPS_VOTES,
+    NOISE_FACTOR,
+    PERTURBATION_MAX_MOVE,
+    PERTURBATION_MOVE,
+    PERTURBATION_NOISE_MOVES,
+    PILOT_COLUMNS,
+    PINNED_STEPS,
+    RANDOM_COLUMNS,
+    SCALE_ROUNDS,
+    UNRESOLVED_HEIGHT,
+    WINDOW_MARGIN,
+)
 
 
 def base_quality(steps, half_window: float) -> float:

@@ -24,8 +24,15 @@ from typing import TYPE_CHECKING
 
 from ...oracle import root_oracle
 from ...report import verification_count
-from .constants import (BASE_CANDIDATES, BIASED_COUNT_BOUND, COLUMN_SPARES, EXTRA_COLUMNS,
-                        RANDOM_COLUMNS, SCALE_ROUNDS, SHORT_OVERSAMPLE)
+from .constants import (
+    BASE_CANDIDATES,
+    BIASED_COUNT_BOUND,
+    COLUMN_SPARES,
+    EXTRA_COLUMNS,
+    RANDOM_COLUMNS,
+    SCALE_ROUNDS,
+    SHORT_OVERSAMPLE,
+)
 
 
 class _Redesign(Exception):

@@ -19,10 +19,15 @@ from numpy.typing import ArrayLike
 from scipy.optimize import linear_sum_assignment
 
 from ...errors import InputError
-from ...models import (BiasedMultiHeadAttention, MultiHeadAttention, SingleHeadAttention,
-                       VectorAttention)
+from ...models import (
+    BiasedMultiHeadAttention,
+    MultiHeadAttention,
+    SingleHeadAttention,
+    VectorAttention,
+)
 from ...report import held_out_sequences, token_scale
 from ..vector_canonical import vector_canonical_errors, vector_canonical_form
+
 
 class HeadsLike(Protocol):
     """Any object with heads' arrays W (H, d, d) and v (H, d) (or one head's, (d, d) and

@@ -44,14 +44,27 @@ import numpy as np
 
 from ...errors import ModelMismatchError, RecoveryFailedError
 from ...models import BiasedMultiHeadAttention, MultiHeadAttention
-from ...verification import safe_rms
 from ...report import ExtractionResult
+from ...verification import safe_rms
 from . import design, fit, labels, polish
 from .budget import _Redesign, column_spares
 from .canonical import smallest_separation
-from .constants import (COARSE_ROW_DRAWS, COLUMN_MOVE, ERROR_BAR_FACTOR, ILL_ROW_FACTOR, LABEL_MISFIT,
-                        MISPLACED_GAP, MISPLACED_SHARE, NOISE_FACTOR, PINNED_STEPS, REFINE_ABOVE,
-                        ROW_REDESIGNS, WIDE_COLUMNS_UP_TO, WIDE_COLUMNS_UP_TO_COARSE, WIDE_ROUNDS)
+from .constants import (
+    COARSE_ROW_DRAWS,
+    COLUMN_MOVE,
+    ERROR_BAR_FACTOR,
+    ILL_ROW_FACTOR,
+    LABEL_MISFIT,
+    MISPLACED_GAP,
+    MISPLACED_SHARE,
+    NOISE_FACTOR,
+    PINNED_STEPS,
+    REFINE_ABOVE,
+    ROW_REDESIGNS,
+    WIDE_COLUMNS_UP_TO,
+    WIDE_COLUMNS_UP_TO_COARSE,
+    WIDE_ROUNDS,
+)
 
 
 def _corrected(Y0, V0, U_fit, T_fit, C_fit):

@@ -22,13 +22,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...verification import safe_rms
 from ...report import verification_count
+from ...verification import safe_rms
 from . import design, fit, polish
 from .budget import _budget_left
-from .constants import (SHORT_BALANCE, SHORT_INTERCEPTS, SHORT_LENGTH,
-                        SHORT_ROW_CANDIDATES, SHORT_SPACING)
-
+from .constants import (
+    SHORT_BALANCE,
+    SHORT_INTERCEPTS,
+    SHORT_LENGTH,
+    SHORT_ROW_CANDIDATES,
+    SHORT_SPACING,
+)
 
 if TYPE_CHECKING:
     from .state import RunState

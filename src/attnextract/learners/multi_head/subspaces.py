@@ -17,6 +17,7 @@ from ...oracle import Oracle, QueryAccess
 from ...report import ExtractionResult, Report, checked_result, verification_count, verify_model
 from ..single_head import extract_single_head
 
+
 def subspace_bases(subspaces, d: int) -> list[np.ndarray]:
     bases = []
     for i, s in enumerate(subspaces):
