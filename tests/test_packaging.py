@@ -35,11 +35,11 @@ def test_metadata_a_newcomer_looks_for():
 
 def test_every_runtime_dependency_and_extra_is_imported_somewhere():
     """An extra installs what the code imports (the http extra once installed requests,
-    which nothing imports); the test and docs extras are tools, not imports."""
+    which nothing imports); the test, docs and lint extras are tools, not imports."""
     for requirement in PROJECT["dependencies"]:
         assert _imported(MODULE[_name(requirement)]), requirement
     for extra, requirements in PROJECT["optional-dependencies"].items():
-        if extra in ("test", "test-all", "docs"):
+        if extra in ("test", "test-all", "docs", "lint"):
             continue
         for requirement in requirements:
             assert _name(requirement) in MODULE, (extra, requirement)
@@ -66,3 +66,17 @@ def test_project_urls_point_at_the_docs_site_of_mkdocs_yml():
     assert urls["Source"].startswith("https://github.com/") and urls["Changelog"].endswith("CHANGELOG.md")
     for name in ("CHANGELOG.md", "CITATION.cff", "CONTRIBUTING.md"):
         assert (ROOT / name).is_file(), name
+
+
+def test_the_typing_claim_is_checked_in_ci():
+    """Typing :: Typed holds only while CI type-checks and lints the package: the lint
+    extra installs both tools, pyproject configures them, .ci/run runs them."""
+    tools = {_name(r) for r in PROJECT["optional-dependencies"]["lint"]}
+    assert {"mypy", "ruff"} <= tools
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]
+    assert config["mypy"]["files"] == ["src/attnextract"]
+    strict = [o for o in config["mypy"]["overrides"] if o.get("disallow_untyped_defs")]
+    assert strict and "attnextract.oracle" in strict[0]["module"]
+    assert "select" in config["ruff"]["lint"]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "python3 -m ruff check src" in ci and "python3 -m mypy" in ci

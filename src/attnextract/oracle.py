@@ -641,9 +641,9 @@ class Oracle:
 
 
 class QueryAccess(Protocol):
-    """What a learner uses of an oracle: an :class:`Oracle`, or a learner's view of one
-    that answers queries (:class:`ScaledOutputs`, a learner's own reduction such as the
-    odd part of a box), which sends them through the Oracle underneath."""
+    """What :func:`attnextract.extract` and the learners use of an oracle: an
+    :class:`Oracle`, or a view of one that sends every query through it (such as
+    :class:`ScaledOutputs`), so that the Oracle counts and budgets them all."""
 
     @property
     def dim(self) -> int: ...
