@@ -4,6 +4,11 @@ Start with :func:`extract` (``attnextract.extract(Oracle(black_box, dim), model=
 the algorithms are described in docs/algorithms.md.
 """
 
+# first, before the heavy imports: Ctrl-C while the command starts is one line
+from ._startup import quiet_interrupts_while_starting
+
+quiet_interrupts_while_starting()
+
 from .errors import (AttnExtractError, BlackBoxError, BudgetExceededError, InputError,
                      MalformedOutputError, ModelMismatchError, NonFiniteOutputError,
                      NotIdentifiableError, RecoveryFailedError, TargetLoadError)
@@ -23,6 +28,17 @@ from .registry import extract, learner_names, register
 from . import progress          # ProgressBar, configure_logging, thread_limits
 from .models import TransformerLayer
 from .learners.transformer_layer import extract_transformer_layer
+from .errors import DimensionError, JournalError, JournalMismatchError, RefusalWithResult
+from .models import (BiasedMultiHeadAttention, BiasedSingleHeadAttention, PreLayerNormAttention,
+                     ResidualOneLayer, SphereAttention, VectorAttention, VectorSphereAttention)
+from .learners.multi_head_low_rank import extract_multi_head_low_rank
+from .learners.noisy import extract_low_precision
+from .learners.pre_layer_norm import extract_pre_layer_norm
+from .learners.residual import extract_one_layer_residual
+from .learners.vector_layer import extract_vector_layer
+from .learners.vector_multi_head import extract_vector_multi_head
+from .learners.vector_pre_layer_norm import extract_vector_pre_layer_norm
+from .learners.vector_single_head import extract_vector_single_head
 
 __version__ = "0.2.0"
 
@@ -56,3 +72,9 @@ __all__ = [
 __all__ += ["ReLUNetwork", "OneLayerTransformer", "extract_relu_network", "extract_one_layer"]
 __all__ += ["extract", "learner_names", "register"]
 __all__ += ["TransformerLayer", "extract_transformer_layer"]
+__all__ += ["DimensionError", "JournalError", "JournalMismatchError", "RefusalWithResult",
+            "BiasedMultiHeadAttention", "BiasedSingleHeadAttention", "PreLayerNormAttention",
+            "ResidualOneLayer", "SphereAttention", "VectorAttention", "VectorSphereAttention",
+            "extract_multi_head_low_rank", "extract_low_precision", "extract_pre_layer_norm",
+            "extract_one_layer_residual", "extract_vector_layer", "extract_vector_multi_head",
+            "extract_vector_pre_layer_norm", "extract_vector_single_head"]
