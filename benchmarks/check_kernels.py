@@ -64,6 +64,7 @@ ALL_TESTS = DEFAULT_TESTS + MORE_TESTS
 # Test files of plumbing (transport, journal, CLI, docs, packaging): they run learners only on
 # easy single-head boxes that tests/test_single_head.py covers, or none at all.
 NOT_NUMERICAL = ["tests/test_bench.py", "tests/test_check_kernels.py", "tests/test_cli.py",
+                 "tests/test_cli_headline.py",
                  "tests/test_docs.py", "tests/test_examples.py", "tests/test_http.py",
                  "tests/test_import_graph.py",
                  "tests/test_journal.py", "tests/test_journal_binding.py",

@@ -119,7 +119,7 @@ def test_report_json_has_snake_case_keys_numbers_and_a_schema_version():
         assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key), key
     lo, hi = out["details"]["logit_scale"]
     assert 0 < lo <= hi and isinstance(out["details"]["probe_readout"], float)
-    assert "logit scale" in result.report.render()        # the human rendering is unchanged
+    assert "logit scale" in result.report.render(verbose=True)   # the human rendering keeps it
     json.dumps(out)
 
 
@@ -492,7 +492,7 @@ def test_the_human_report_has_no_raw_floats_keys_or_reprs():
                                   "queries_charged_by_server": 94}
         report.details["recovery / floor"] = 1.9540441176470589
         report.details["error_bar_W_columns"] = np.linspace(1e-12, 5.577069353069752e-10, 9)
-        text = report.render()
+        text = report.render(verbose=True)
         labels = [line[:line.index("  ")] if "  " in line else line
                   for line in text.splitlines() if not line.startswith(" ")]
         assert len(labels) == len(set(labels)), labels               # one label, one meaning

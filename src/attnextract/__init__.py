@@ -4,50 +4,73 @@ Start with :func:`extract` (``attnextract.extract(Oracle(black_box, dim), model=
 the algorithms are described at https://attnextract.github.io/attnextract/algorithms/.
 """
 
-from . import progress as progress  # ProgressBar, configure_logging, thread_limits
-from .errors import (
+# first, before the heavy imports: Ctrl-C while the command starts is one line
+from ._startup import quiet_interrupts_while_starting
+
+quiet_interrupts_while_starting()
+
+from . import progress as progress  # noqa: E402  (ProgressBar, configure_logging, thread_limits)
+from .errors import (  # noqa: E402
     AttnExtractError,
     BlackBoxError,
     BudgetExceededError,
+    DimensionError,
     InputError,
+    JournalError,
+    JournalMismatchError,
     MalformedOutputError,
     ModelMismatchError,
     NonFiniteOutputError,
     NotIdentifiableError,
     RecoveryFailedError,
+    RefusalWithResult,
     TargetLoadError,
 )
-from .learners.low_rank import extract_low_rank
-from .learners.multi_head import (
+from .learners.low_rank import extract_low_rank  # noqa: E402
+from .learners.multi_head import (  # noqa: E402
     canonical_form,
     extract_multi_head,
     non_identifiable_twin,
     twin_difference,
 )
-from .learners.noisy import extract_noisy
-from .learners.one_layer import extract_one_layer
-from .learners.relu_network import extract_relu_network
-from .learners.sign_only import extract_sign_only
-from .learners.single_head import extract_single_head
-from .learners.transformer_layer import extract_transformer_layer
-from .models import (
+from .learners.multi_head_low_rank import extract_multi_head_low_rank  # noqa: E402
+from .learners.noisy import extract_low_precision, extract_noisy  # noqa: E402
+from .learners.one_layer import extract_one_layer  # noqa: E402
+from .learners.pre_layer_norm import extract_pre_layer_norm  # noqa: E402
+from .learners.relu_network import extract_relu_network  # noqa: E402
+from .learners.residual import extract_one_layer_residual  # noqa: E402
+from .learners.sign_only import extract_sign_only  # noqa: E402
+from .learners.single_head import extract_single_head  # noqa: E402
+from .learners.transformer_layer import extract_transformer_layer  # noqa: E402
+from .learners.vector_layer import extract_vector_layer  # noqa: E402
+from .learners.vector_multi_head import extract_vector_multi_head  # noqa: E402
+from .learners.vector_pre_layer_norm import extract_vector_pre_layer_norm  # noqa: E402
+from .learners.vector_single_head import extract_vector_single_head  # noqa: E402
+from .models import (  # noqa: E402
+    BiasedMultiHeadAttention,
+    BiasedSingleHeadAttention,
     MultiHeadAttention,
     OneLayerTransformer,
+    PreLayerNormAttention,
     ReLUNetwork,
+    ResidualOneLayer,
     SingleHeadAttention,
+    SphereAttention,
     TransformerLayer,
+    VectorAttention,
+    VectorSphereAttention,
 )
-from .oracle import Oracle
-from .registry import extract, learner_names, register
-from .report import ExtractionResult, Report, Verification, load_model, verify_model
+from .oracle import Oracle  # noqa: E402
+from .registry import extract, learner_names, register  # noqa: E402
+from .report import ExtractionResult, Report, Verification, load_model, verify_model  # noqa: E402
 
 __version__ = "0.2.0"
 
 # Old import paths (``attnextract.single_head``, ``attnextract.remote``, ...) keep working:
 # each name in sys.modules is the same module object as its new home, so monkeypatching
 # either affects both. All of these import numpy and the standard library only.
-import importlib as _importlib
-import sys as _sys
+import importlib as _importlib  # noqa: E402
+import sys as _sys  # noqa: E402
 
 for _package, _names in {
     "learners": ("single_head", "low_rank", "noisy", "sign_only", "relu_network", "one_layer",
@@ -73,3 +96,9 @@ __all__ = [
 __all__ += ["ReLUNetwork", "OneLayerTransformer", "extract_relu_network", "extract_one_layer"]
 __all__ += ["extract", "learner_names", "register"]
 __all__ += ["TransformerLayer", "extract_transformer_layer"]
+__all__ += ["DimensionError", "JournalError", "JournalMismatchError", "RefusalWithResult",
+            "BiasedMultiHeadAttention", "BiasedSingleHeadAttention", "PreLayerNormAttention",
+            "ResidualOneLayer", "SphereAttention", "VectorAttention", "VectorSphereAttention",
+            "extract_multi_head_low_rank", "extract_low_precision", "extract_pre_layer_norm",
+            "extract_one_layer_residual", "extract_vector_layer", "extract_vector_multi_head",
+            "extract_vector_pre_layer_norm", "extract_vector_single_head"]

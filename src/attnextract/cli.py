@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from . import __version__
+from ._startup import interrupts_as_usual
 from .adapters.journal import QueryJournal
 from .adapters.minilm import (
     extract_minilm_head,
@@ -164,7 +165,8 @@ def _common_options() -> argparse.ArgumentParser:
     common = Parser(add_help=False, formatter_class=HelpFormatter)
     group = common.add_argument_group("output and resources (every subcommand)")
     group.add_argument("-v", "--verbose", action="count", default=0,
-                       help="log the learner's stages on stderr (-v info, -vv debug)")
+                       help="the whole report (every measurement, not the headline) and the "
+                            "learner's stages logged on stderr (-v info, -vv debug)")
     group.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                        help="log level of the attnextract loggers, overriding -v (default: from -v)")
     group.add_argument("--no-progress", action="store_true",
@@ -641,6 +643,7 @@ def main(argv=None) -> int:
     Called without ``argv`` (the installed ``attnextract`` command, ``python -m attnextract``),
     Ctrl-C ends the process right after its one-line message (:func:`_exit_now`)."""
     as_program = argv is None
+    interrupts_as_usual()           # from here on, Ctrl-C is this function's to report
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv:                    # bare `attnextract`: the help, not an error
@@ -666,7 +669,7 @@ def main(argv=None) -> int:
         return _fail(args, exc, 4)
     except RefusalWithResult as exc:
         if exc.result is not None and not getattr(args, "json", False):
-            print(exc.result.report.render(), file=sys.stderr)
+            print(exc.result.report.render(verbose=_verbose(args)), file=sys.stderr)
             hint = (_rounding_hint(exc.result.report, args)
                     if getattr(args, "model", None) == "single-head" else None)
             if hint:
@@ -685,6 +688,11 @@ def main(argv=None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+
+
+def _verbose(args) -> bool:
+    """-v: the whole report (every measurement), not its headline."""
+    return bool(getattr(args, "verbose", 0))
 
 
 def _exit_now(code: int) -> None:
@@ -851,7 +859,7 @@ def cmd_extract(args) -> int:
     if args.json:
         print(json.dumps({"ok": True, "out": str(written), **result.report.to_dict()}))
     else:
-        print(result.report.render(extra=[("wrote", str(written))]))
+        print(result.report.render(extra=[("wrote", str(written))], verbose=_verbose(args)))
     return 0
 
 
@@ -1146,7 +1154,7 @@ def cmd_demo(args) -> int:
         return 0
     print(f"attnextract demo: a secret random single-head attention model (d = {args.dim}, "
           f"seed {seed}) behind a black box that answers one number per sequence.\n")
-    print(result.report.render())
+    print(result.report.render(verbose=_verbose(args)))
     print(f"\nchecked against the secret (the learner never saw it): relative error "
           f"W {human_number(w_err)}, v {human_number(v_err)}")
     return 0
@@ -1442,5 +1450,6 @@ def cmd_minilm(args) -> int:
         print(json.dumps({"ok": True, "out": written and str(written),
                           **result.report.to_dict()}))
     else:
-        print(result.report.render(extra=[("wrote", str(written))] if written else []))
+        print(result.report.render(extra=[("wrote", str(written))] if written else [],
+                                   verbose=_verbose(args)))
     return 0

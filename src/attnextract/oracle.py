@@ -97,7 +97,10 @@ class Oracle:
         Default: the black box's own ``max_length`` attribute where it declares one (an
         :class:`~attnextract.adapters.remote.HttpBlackBox` declares its server's limit).
     progress : callable, optional
-        Called as ``progress(queries_sent, queries_planned)`` after each call.
+        Called as ``progress(queries_sent, queries_planned)`` after each call (both
+        counting the journal's fingerprint queries); ``queries_planned == queries_sent``
+        when no forecast is left; at the end of a run, ``progress.finish(queries_sent)``
+        when the callback has that method (:meth:`settle_progress`).
     journal : QueryJournal, optional
         Consulted for every batch (see :mod:`attnextract.adapters.journal`): sequences it has
         answered before are answered from it, only the others reach the black box,
@@ -361,9 +364,26 @@ class Oracle:
         if not self._live:
             self._keep_for_replay(X, out)
             self._keep_longest(X, out)
-        if self.progress is not None:
-            self.progress(self.queries, max(self.planned, self.queries))
+        self._report_progress()
         return out
+
+    def _report_progress(self) -> None:
+        """``progress(answered, forecast)``: every query the black box answered for this
+        run (the journal's fingerprint too, as the result counts them) and the plan."""
+        if self.progress is not None:
+            done = self.queries + self.check_queries
+            self.progress(done, max(self.planned + self.check_queries, done))
+
+    def settle_progress(self) -> None:
+        """The run is over: the progress total becomes what was sent (a plan sized for
+        more than the learner needed, a count search for more heads than it found, is
+        withdrawn)."""
+        self.planned = self.queries
+        finish = getattr(self.progress, "finish", None)
+        if callable(finish):
+            finish(self.queries + self.check_queries)
+        else:
+            self._report_progress()
 
     def _keep_for_replay(self, X: np.ndarray, out: np.ndarray) -> None:
         """Reservoir sampling: after n answers, each is in ``replay`` with probability

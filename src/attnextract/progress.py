@@ -1,7 +1,8 @@
 """Progress, logging and thread control for long runs (the CLI's, and a notebook's).
 
 - :class:`ProgressBar`: an :class:`~attnextract.oracle.Oracle` ``progress`` callback
-  drawn with tqdm (elapsed time, rate, ETA). Its total never moves backwards; when
+  drawn with tqdm (elapsed time, rate, ETA). Its total never moves backwards while a
+  forecast stands, and ends at the queries sent (a run that needed fewer); when
   a learner's query total is not known up front (adaptive low-rank) it counts
   queries without a total and shows the learner's phase ("columns 37/384, rank so
   far 12", sent through :meth:`Oracle.phase`). Without a terminal it writes one
@@ -78,6 +79,12 @@ class ProgressBar:
             self.total = None                  # past every forecast: count without a total
         self.done = done
         self._draw()
+
+    def finish(self, done: int) -> None:
+        """The run is over after ``done`` queries: the total becomes ``done`` (a forecast
+        sized for more than the learner needed is withdrawn)."""
+        self.done, self.total = done, done
+        self._draw(force=True)
 
     def phase(self, text: str) -> None:
         """What the learner is doing now, shown beside the count."""

@@ -430,6 +430,8 @@ def _extract(oracle: QueryAccess, model: str = "single-head", *, seed: int | Non
         result.report.breakdown["journal fingerprint"] = fingerprint
     result.options = {"model": entry.name, "seed": seed,
                       **{k: v for k, v in options.items() if k != "fit_progress"}}
+    if hasattr(root, "settle_progress"):
+        root.settle_progress()          # the bar ends at what was sent, not at the plan
     return result
 
 

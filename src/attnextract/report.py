@@ -13,6 +13,7 @@ only. ``Report.to_dict()`` is for programs (snake_case keys, numbers, ranges as
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import os
@@ -189,12 +190,61 @@ class Report:
         return (f"<Report {self.kind} d={self.dim}: {self.queries} queries (floor {self.floor}), "
                 f"{check}, {self.seconds:.3g} s>")
 
-    def render(self, extra: Sequence[tuple[str, str]] = ()) -> str:
+    def render(self, extra: Sequence[tuple[str, str]] = (), *, verbose: bool = False) -> str:
         """The report for people: aligned labels in words, numbers to 3 significant digits.
 
-        Exact counts stay integers; ``to_dict()`` (``--json``) keeps full precision.
-        ``extra`` rows (label, text) are appended in the same columns (the CLI's
-        ``wrote FILE``)."""
+        By default the headline in at most 15 lines (:meth:`rows`); ``verbose`` adds every
+        measurement the learner kept (the CLI's ``-v``). Exact counts stay integers;
+        ``to_dict()`` (``--json``) keeps everything at full precision. ``extra`` rows
+        (label, text) are appended in the same columns (the CLI's ``wrote FILE``)."""
+        rows = self.rows(verbose) + list(extra)
+        column = min(max(len(label) for label, _ in rows), LABEL_WIDTH) + 2
+        return "\n".join((f"{label:<{column}}" if len(label) < column else label + "  ")
+                         + text for label, text in rows)
+
+    def _repr_html_(self) -> str:
+        """A notebook's view: the headline rows as a table, every row folded below it."""
+        full = self._full_rows()
+        return (_html_table(self.rows()) + f"<details><summary>every row ({len(full)}: the "
+                f"query breakdown, the check's families, the learner's measurements)</summary>"
+                + _html_table(full) + "</details>")
+
+    def rows(self, verbose: bool = False) -> list[tuple[str, str]]:
+        """(label, text) rows of :meth:`render`: by default the model, the queries, the
+        floor, the check and its domain, the time, what was found (heads, rank, error
+        bar; :data:`HEADLINE_DETAILS`), the journal and up to :data:`HEADLINE_NOTES`
+        notes, then one row counting what ``verbose`` would add."""
+        full = self._full_rows()
+        if verbose:
+            return full
+        v = self.verification
+        named = {"recovery": self.recovery_queries,
+                 "held-out verification": self.breakdown.get("verification", 0),
+                 **{name: n for name, n in self.breakdown.items() if name in BRIEF_PARTS}}
+        named["other (-v: the breakdown)"] = self.queries - sum(named.values())
+        parts = [f"{n} {name}" for name, n in named.items() if n > 0 or name == "recovery"]
+        rows = [full[0], ("queries", f"{self.queries} in all: {', '.join(parts)}")]
+        rows += [row for row in full if row[0] in ("floor", "verification", "verified domain")]
+        if v is not None and v.batch_dependence:
+            rows.append(("batch invariance", v.batch_dependence))
+        rows += [row for row in full if row[0] == "time"]
+        found = [(human_label(key), human_value(value)) for key, value in self.details.items()
+                 if key in HEADLINE_DETAILS]
+        rows += found[:HEADLINE_ROWS]
+        if "journal" in self.details:
+            rows.append(("journal", f"{self.details['journal']} ("
+                                    f"{self.details.get('black_box_queries', 0)} answered by "
+                                    f"the black box, {self.details.get('journal_queries', 0)} "
+                                    f"by the journal)"))
+        rows += [("note", n) for n in self.notes[:HEADLINE_NOTES]]
+        hidden = sum(1 for row in full if row not in rows)
+        if hidden:
+            rows.append(("more", f"{hidden} more rows (query breakdown, check families, "
+                                 f"measurements): -v, or --json / report.to_dict()"))
+        return rows
+
+    def _full_rows(self) -> list[tuple[str, str]]:
+        """Every row: the breakdown, the check's families, every detail the learner kept."""
         v = self.verification
         rows: list[tuple[str, str]] = [("model", f"{self.kind}, d = {self.dim}"),
                                        ("queries", f"{self.queries} in all")]
@@ -250,10 +300,17 @@ class Report:
             used.add(label)
             rows.append((label, human_value(value)))
         rows += [("note", n) for n in self.notes]
-        rows += list(extra)
-        column = min(max(len(label) for label, _ in rows), LABEL_WIDTH) + 2
-        return "\n".join((f"{label:<{column}}" if len(label) < column else label + "  ")
-                         + text for label, text in rows)
+        return rows
+
+
+
+
+def _html_table(rows: list[tuple[str, str]]) -> str:
+    """(label, text) rows as an HTML table (a breakdown row's empty label stays empty)."""
+    cells = "".join(f"<tr><th style='text-align:left'>{html.escape(label)}</th>"
+                    f"<td style='text-align:left'>{html.escape(text.strip())}</td></tr>"
+                    for label, text in rows)
+    return f"<table>{cells}</table>"
 
 
 def _coverage_text(v: Verification) -> str:
@@ -270,6 +327,14 @@ def _coverage_text(v: Verification) -> str:
 # -- the human rendering of values -----------------------------------------------------
 
 LABEL_WIDTH = 34          # labels longer than this push their value right, not the column
+# the headline report (Report.rows): the details shown by default (what was found, how
+# well it is known), at most HEADLINE_ROWS of them, and the first HEADLINE_NOTES notes
+HEADLINE_DETAILS = ("heads", "heads found", "rank", "ranks", "hidden units",
+                    "output ranks r_h", "error bar", "error_bar", "output precision",
+                    "cost", "floor in queries", "http")
+HEADLINE_ROWS = 3
+HEADLINE_NOTES = 2
+BRIEF_PARTS = ("journal fingerprint",)   # breakdown parts named beside recovery + verification
 # detail keys written for programs, in words for people
 _LABELS = {"error_bar_W": "error bar of W", "error_bar_W_columns": "error bar of W's columns",
            "error_bar_W_rows": "error bar of W's rows",
@@ -363,6 +428,17 @@ class ExtractionResult(Generic[ModelT]):
                  f"{'PASSED' if self.report.verification.passed else 'FAILED'}")
         model = self.options.get("model", self.report.kind)
         return f"<ExtractionResult {model} d={self.report.dim}: {self.queries} queries, {check}>"
+
+    def _repr_html_(self) -> str:
+        """A notebook's view: one line on the result, then the report's table."""
+        check = self.report.verification
+        verdict = ("not verified" if check is None else
+                   "<b style='color:green'>PASSED</b>" if check.passed else
+                   "<b style='color:red'>FAILED</b> (a refused model: not to be used)")
+        model = html.escape(str(self.options.get("model", self.report.kind)))
+        return (f"<p><b>ExtractionResult</b>: {model}, d = {self.report.dim}, "
+                f"{self.queries} queries, held-out check {verdict}</p>"
+                + self.report._repr_html_())
 
 
 def checked_result(model: Any, report: Report, claim: str) -> ExtractionResult:

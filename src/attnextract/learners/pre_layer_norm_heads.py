@@ -258,6 +258,244 @@ def _tangent(q: np.ndarray, x: np.ndarray) -> np.ndarray:
     return x / np.linalg.norm(x)
 
 
+class _Probing:
+    """The per-column stages of :func:`extract_pre_layer_norm_heads` and what they share:
+    the count of heads seen (fixed by the first column), the rough values V (from the
+    first column's perturbations) and, per column, the designed pairs' answers."""
+
+    def __init__(self, oracle: QueryAccess, w: np.ndarray, c: float, Q: np.ndarray, R: float,
+                 basis: np.ndarray, rng: np.random.Generator, heads: int, half: float,
+                 counts: dict):
+        self.oracle, self.w, self.c, self.Q, self.R, self.basis = oracle, w, c, Q, R, basis
+        self.rng, self.heads, self.half, self.counts = rng, heads, half, counts
+        self.d = int(Q.shape[0])
+        self.count: int | None = None
+        self.V_rough: np.ndarray | None = None
+        self.designed: list = []            # per column: (keys, lam, g, rounding, y_rough)
+
+    def solve(self, U: np.ndarray, T: np.ndarray) -> np.ndarray:
+        """y (k, d) in 1^perp with U y_i = T[:, i] (U (n, d), n >= m rows spanning 1^perp;
+        least squares for n > m)."""
+        return (self.basis @ np.linalg.lstsq(U @ self.basis, T, rcond=None)[0]).T
+
+    def column(self, j: int) -> None:
+        """Column j: its base pair, the perturbations around it, its designed pairs."""
+        q = self.Q[:, j]
+        a0, t0, h0, self.count = self.base_pair(j, q)
+        if self.V_rough is not None:            # label the steps by predicted heights
+            predicted = self.V_rough @ (a0 - q)
+            top = max(np.abs(predicted).max(), 1e-300)
+            _, order = linear_sum_assignment(np.abs(predicted[:, None] - h0[None, :]) / top)
+            t0, h0 = t0[order], h0[order]
+        y_rough = self.perturbations(j, q, a0, t0, h0)
+        self.designed_pairs(j, q, a0, y_rough)
+
+    def base_pair(self, j: int, q: np.ndarray):
+        """1. A base key a0 whose copy-count scan shows the heads' steps inside the window
+        and apart: (a0, steps t0, heights h0, steps counted)."""
+        oracle, w, c, rng, d = self.oracle, self.w, self.c, self.rng, self.d
+        H, half, count, V_rough = self.heads, self.half, self.count, self.V_rough
+        m = d - 1
+        kappa = 2.0 / math.sqrt(m)
+        base = best_base = None
+        for attempt in range(MAX_ATTEMPTS):
+            if V_rough is None:
+                e = _tangent(q, rng.standard_normal(d))
+            else:                      # well separated predicted heights: labels by height
+                best = -1.0
+                for _ in range(CANDIDATES):
+                    cand = _tangent(q, rng.standard_normal(d))
+                    a = column_probes(q, cand[:, None], kappa)[0]
+                    hts = V_rough @ (a - q)
+                    gap = _smallest_gap(hts) / max(np.abs(hts).max(), 1e-300)
+                    if gap > best:
+                        best, e = gap, cand
+            a0 = column_probes(q, e[:, None], kappa)[0]
+            lam = np.linspace(-half, half, base_samples(H))[None]
+            lam, g, rounding = _send(oracle, w, c, a0[None], q, lam)
+            lam, g, rounding = lam[0], g[0], rounding[0]
+            self.counts["base"] += lam.size
+            allowed = FIT_NOISE * float(rounding.max())
+            if np.max(np.abs(g)) <= allowed:
+                if V_rough is None:
+                    raise NotIdentifiableError(
+                        "no head's value is seen on the sphere (P v_h = 0 for every head, "
+                        "or the attention never moves): W_h and b_h do not reach the outputs")
+                kappa = min(2.0 * kappa, 1.9)
+                continue
+            fits = {}
+            for k in ([count] if count is not None else range(1, H + 1)):
+                fits[k] = _free_fit(lam, g, k, half)
+                if fits[k][2] <= allowed:
+                    break
+            k, (t, h, rms) = min(fits.items(), key=lambda item: item[1][2])
+            log.debug("column %d, scan %d at chord %.3g: %d steps at %s, rms %.2g (allowed %.2g)",
+                      j, attempt, kappa, k, np.round(-t, 2), rms, allowed)
+            if rms > allowed:
+                # steps beyond the window fit badly: a shorter chord (or not the class)
+                if attempt >= MAX_ATTEMPTS // 2:
+                    raise ModelMismatchError(
+                        f"the black box is not a pre-LayerNorm block of at most {H} heads: "
+                        f"no pair's copy-count scan fits {count or H} sigmoid steps (rms {rms:.2g} "
+                        f"against a precision of {allowed:.2g})")
+                kappa *= 0.5
+                continue
+            if count is not None and k != count:
+                raise ModelMismatchError(f"columns disagree on the heads seen ({count} and {k})")
+            peak = float(np.max(np.abs(t)))
+            if peak > half - EDGE or peak < 0.3 * half:
+                kappa = min(kappa * SPREAD * half / max(peak, 1e-3), 1.9)
+                if peak > half - EDGE:
+                    continue
+            # crowded steps: another direction; the sphere bounds the logits (|t| <=
+            # 2 R |y|), so after CROWDED_TRIES the widest gap seen is taken
+            spacing = _smallest_gap(t)
+            if best_base is None or spacing > best_base[0]:
+                best_base = (spacing, (a0, t, h, k))
+            if spacing >= MIN_GAP or (attempt >= CROWDED_TRIES
+                                      and best_base[0] >= LEAST_GAP):
+                base = best_base[1]
+                break
+        if base is None:
+            raise RecoveryFailedError(
+                f"column {j}: no pair with {count or H} steps inside the lambda window and "
+                f"apart in {MAX_ATTEMPTS} scans; the learner could not design its probes")
+        return base
+
+    def perturbations(self, j: int, q: np.ndarray, a0: np.ndarray, t0: np.ndarray,
+                      h0: np.ndarray) -> np.ndarray:
+        """2. Perturbations of the base key along a tangent basis at a0: the rough logit
+        vectors y_h of column j (count, d), and the rough values V from the first column."""
+        oracle, w, c, rng, d, half = self.oracle, self.w, self.c, self.rng, self.d, self.half
+        count, m = self.count, self.d - 1
+        assert count is not None                     # set by this column's base pair
+        R = self.R
+        gap = _smallest_gap(t0) if count > 1 else 1.0
+        u0 = a0 - q
+        ynorm = 3.0 * float(np.max(np.abs(t0))) / np.linalg.norm(u0) + 1e-300
+        frame = np.column_stack([a0, np.ones(d), rng.standard_normal((d, m - 1))])
+        tangents = np.linalg.qr(frame)[0][:, 2:]            # orthogonal to a0 and to 1
+        eps = np.full(m - 1, MOVE * gap / (R * ynorm))
+        T, C, Urows = np.empty((m, count)), np.empty((m, count)), np.empty((m, d))
+        T[0], C[0], Urows[0] = t0, h0, u0
+        todo = np.arange(m - 1)
+        for _ in range(8):
+            if todo.size == 0:
+                break
+            keys = a0[None] + (eps[todo, None] * R) * tangents[:, todo].T
+            keys = R * keys / np.linalg.norm(keys, axis=1, keepdims=True)
+            lam = np.tile(_around(t0, half), (todo.size, 1))
+            lam, g, rounding = _send(oracle, w, c, keys, q, lam)
+            self.counts["perturbations"] += lam.size
+            failed = []
+            for i, p in enumerate(todo):
+                t, h, rms = _fit(lam[i], g[i], t0, h0)
+                if rms > FIT_NOISE * rounding[i].max() or np.max(np.abs(t - t0)) > 0.4 * gap:
+                    failed.append(p)
+                    continue
+                T[p + 1], C[p + 1], Urows[p + 1] = t, h, keys[i] - q
+            todo = np.array(failed, dtype=int)
+            eps[todo] *= 0.25
+        if todo.size:
+            raise RecoveryFailedError(f"column {j}: perturbed pairs lost their steps' labels")
+        y_rough = self.solve(Urows, T)                        # (count, d)
+        log.debug("column %d: base steps' smallest gap %.3g, perturbations %.2g", j, gap,
+                  eps.min())
+        if self.V_rough is None:
+            self.V_rough = self.solve(Urows, C)
+        return y_rough
+
+    def designed_pairs(self, j: int, q: np.ndarray, a0: np.ndarray,
+                       y_rough: np.ndarray) -> None:
+        """3. Designed pairs of column j: steps apart, heights not small, U well
+        conditioned; their scans kept for the labelling (:func:`_labels_and_logits`)."""
+        R = self.R
+        chord = float(np.linalg.norm(a0 - q)) / R
+        assert self.V_rough is not None              # set by the first column
+        keys = design_keys(q, y_rough, self.V_rough, chord, design_count(self.d - 1),
+                           self.half, self.rng)
+        log.debug("column %d designed: cond %.3g, smallest gap %.3g", j,
+                  np.linalg.cond((keys - q) @ self.basis),
+                  min(_smallest_gap(y_rough @ (k - q)) for k in keys))
+        lams = [_around(y_rough @ (key - q), self.half) for key in keys]
+        keys = np.array(keys)
+        lam, g, rounding = _send(self.oracle, self.w, self.c, keys, q, np.array(lams))
+        self.counts["designed"] += lam.size
+        self.designed.append((keys, lam, g, rounding, y_rough))
+
+
+def _labels_and_logits(probe: _Probing) -> tuple[np.ndarray, np.ndarray]:
+    """4. Labels, heights and logits: Y (d, count, d), y_h(q_j) per column, and V
+    (count, d).
+
+    Each pair is fitted from its predicted steps (free when that start was too far off);
+    which fitted step is which head is the assignment to the prediction (position and
+    height at once), first from the rough estimates, then, until no label changes, from
+    the solves of every column's pairs (more pairs than unknowns: a mislabelled pair
+    disagrees with the others)."""
+    Q, basis, designed, count, V_rough = (probe.Q, probe.basis, probe.designed, probe.count,
+                                          probe.V_rough)
+    d, H, half = probe.d, probe.heads, probe.half
+    assert count is not None and V_rough is not None     # set by the first column
+    Y = np.zeros((d, H, d))                 # y_h(q_j): column j, head h
+    raw = []                                 # per column: U (n, d), t (n, H), h (n, H)
+    for j, (keys, lam, g, rounding, y_rough) in enumerate(designed):
+        U = keys - Q[:, j]
+        t_col, h_col = np.empty((len(keys), count)), np.empty((len(keys), count))
+        for i in range(len(keys)):
+            t_pred, h_pred = U[i] @ y_rough.T, V_rough @ U[i]
+            t, h, rms = _fit(lam[i], g[i], t_pred, h_pred)
+            if rms > FIT_NOISE * rounding[i].max():       # a start too far off: free fit
+                free = _free_fit(lam[i], g[i], count, half)
+                if free[2] < rms:
+                    t, h, rms = free
+            if rms > FIT_NOISE * rounding[i].max():
+                raise ModelMismatchError(
+                    f"the black box is not a pre-LayerNorm block of at most {H} heads: a "
+                    f"pair's copy-count scan at column {j} fits no {count} sigmoid steps "
+                    f"(rms {rms:.2g} against a precision of {rounding[i].max():.2g})")
+            t_col[i], h_col[i] = t, h
+        raw.append((U, t_col, h_col))
+    lams = [lam for _, lam, _, _, _ in designed]
+    noises = [rounding.max(axis=1) for _, _, _, rounding, _ in designed]
+
+    def weighted(U, T, S):
+        """y (k, d) in 1^perp from U y_k = T[:, k], row i weighted by 1 / S[i, k]: a pair
+        whose steps nearly coincide pins their logits and heights poorly."""
+        out = np.empty((T.shape[1], d))
+        for k in range(T.shape[1]):
+            w8 = 1.0 / S[:, k]
+            out[k] = basis @ np.linalg.lstsq((U @ basis) * w8[:, None], T[:, k] * w8,
+                                             rcond=None)[0]
+        return out
+
+    def stds(j, T, C):
+        both = [_step_std(lams[j][i], T[i], C[i], noises[j][i]) for i in range(len(T))]
+        return np.array([b[0] for b in both]), np.array([b[1] for b in both])
+
+    labelled = [(U, *_label(t_col, h_col, U @ y_rough.T, U @ V_rough.T))
+                for (U, t_col, h_col), (_, _, _, _, y_rough) in zip(raw, designed)]
+    for _ in range(MAX_RELABEL):
+        spreads = [stds(j, T, C) for j, (_, T, C) in enumerate(labelled)]
+        V = weighted(np.concatenate([U for U, _, _ in labelled]),
+                     np.concatenate([C for _, _, C in labelled]),
+                     np.concatenate([sc for _, sc in spreads]))
+        relabelled = [(U, *_label(t_col, h_col, U @ weighted(U, T, st).T, U @ V.T))
+                      for (U, t_col, h_col), (_, T, _), (st, _) in zip(raw, labelled, spreads)]
+        changed = any(np.any(a[1] != b[1]) for a, b in zip(relabelled, labelled))
+        labelled = relabelled
+        if not changed:
+            break
+    for j, ((_, lam, g, _, _), (U, T, _)) in enumerate(zip(designed, labelled)):
+        t = fit_logits(lam, g, U @ V.T, T, bound=0.5)
+        st = np.array([_step_std(lam[i], t[i], U[i] @ V.T, noises[j][i], heights=False)
+                       for i in range(len(t))])
+        Y[j, :count] = weighted(U, t, st)
+        log.debug("column %d: largest weighted residual of the pairs' logits %.2g", j,
+                  np.max(np.abs(U @ Y[j, :count].T - t) / st))
+    return Y[:, :count], V
+
+
 def extract_pre_layer_norm_heads(oracle: QueryAccess, heads: int, *, seed=None,
                                  verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
                                  radius: float | None = None) -> ExtractionResult:
@@ -316,197 +554,12 @@ def extract_pre_layer_norm_heads(oracle: QueryAccess, heads: int, *, seed=None,
     c = float(singles.mean())                              # the vertices sum to 0
     w = (m / (R * R * d)) * (Q @ (singles - c))            # P (sum_h v_h + r)
     counts = {"base": 0, "perturbations": 0, "designed": 0}
-    V_rough = None
-    count = None
-    Y = np.zeros((d, H, d))                 # y_h(q_j): column j, head h
-    designed = []                           # per column: (keys, lam, g, rounding)
-
-    def solve(U, T):
-        """y (k, d) in 1^perp with U y_i = T[:, i] (U (n, d), n >= m rows spanning 1^perp;
-        least squares for n > m)."""
-        return (basis @ np.linalg.lstsq(U @ basis, T, rcond=None)[0]).T
-
+    probe = _Probing(oracle, w, c, Q, R, basis, rng, H, half, counts)
     for j in range(d):
-        q = Q[:, j]
-        # 1. base pair
-        kappa = 2.0 / math.sqrt(m)
-        base = best_base = None
-        for attempt in range(MAX_ATTEMPTS):
-            if V_rough is None:
-                e = _tangent(q, rng.standard_normal(d))
-            else:                      # well separated predicted heights: labels by height
-                best = -1.0
-                for _ in range(CANDIDATES):
-                    cand = _tangent(q, rng.standard_normal(d))
-                    a = column_probes(q, cand[:, None], kappa)[0]
-                    hts = V_rough @ (a - q)
-                    gap = _smallest_gap(hts) / max(np.abs(hts).max(), 1e-300)
-                    if gap > best:
-                        best, e = gap, cand
-            a0 = column_probes(q, e[:, None], kappa)[0]
-            lam = np.linspace(-half, half, base_samples(H))[None]
-            lam, g, rounding = _send(oracle, w, c, a0[None], q, lam)
-            lam, g, rounding = lam[0], g[0], rounding[0]
-            counts["base"] += lam.size
-            allowed = FIT_NOISE * float(rounding.max())
-            if np.max(np.abs(g)) <= allowed:
-                if V_rough is None:
-                    raise NotIdentifiableError(
-                        "no head's value is seen on the sphere (P v_h = 0 for every head, "
-                        "or the attention never moves): W_h and b_h do not reach the outputs")
-                kappa = min(2.0 * kappa, 1.9)
-                continue
-            fits = {}
-            for k in ([count] if count is not None else range(1, H + 1)):
-                fits[k] = _free_fit(lam, g, k, half)
-                if fits[k][2] <= allowed:
-                    break
-            k, (t, h, rms) = min(fits.items(), key=lambda item: item[1][2])
-            log.debug("column %d, scan %d at chord %.3g: %d steps at %s, rms %.2g (allowed %.2g)",
-                      j, attempt, kappa, k, np.round(-t, 2), rms, allowed)
-            if rms > allowed:
-                # steps beyond the window fit badly: a shorter chord (or not the class)
-                if attempt >= MAX_ATTEMPTS // 2:
-                    raise ModelMismatchError(
-                        f"the black box is not a pre-LayerNorm block of at most {H} heads: "
-                        f"no pair's copy-count scan fits {count or H} sigmoid steps (rms {rms:.2g} "
-                        f"against a precision of {allowed:.2g})")
-                kappa *= 0.5
-                continue
-            if count is not None and k != count:
-                raise ModelMismatchError(f"columns disagree on the heads seen ({count} and {k})")
-            peak = float(np.max(np.abs(t)))
-            if peak > half - EDGE or peak < 0.3 * half:
-                kappa = min(kappa * SPREAD * half / max(peak, 1e-3), 1.9)
-                if peak > half - EDGE:
-                    continue
-            # crowded steps: another direction; the sphere bounds the logits (|t| <=
-            # 2 R |y|), so after CROWDED_TRIES the widest gap seen is taken
-            spacing = _smallest_gap(t)
-            if best_base is None or spacing > best_base[0]:
-                best_base = (spacing, (a0, t, h, k))
-            if spacing >= MIN_GAP or (attempt >= CROWDED_TRIES
-                                      and best_base[0] >= LEAST_GAP):
-                base = best_base[1]
-                break
-        if base is None:
-            raise RecoveryFailedError(
-                f"column {j}: no pair with {count or H} steps inside the lambda window and "
-                f"apart in {MAX_ATTEMPTS} scans; the learner could not design its probes")
-        a0, t0, h0, count = base
-        if V_rough is not None:                 # label the steps by predicted heights
-            predicted = V_rough @ (a0 - q)
-            top = max(np.abs(predicted).max(), 1e-300)
-            _, order = linear_sum_assignment(np.abs(predicted[:, None] - h0[None, :]) / top)
-            t0, h0 = t0[order], h0[order]
-        # 2. perturbations of the base key along a tangent basis at a0
-        gap = _smallest_gap(t0) if count > 1 else 1.0
-        u0 = a0 - q
-        ynorm = 3.0 * float(np.max(np.abs(t0))) / np.linalg.norm(u0) + 1e-300
-        frame = np.column_stack([a0, np.ones(d), rng.standard_normal((d, m - 1))])
-        tangents = np.linalg.qr(frame)[0][:, 2:]            # orthogonal to a0 and to 1
-        eps = np.full(m - 1, MOVE * gap / (R * ynorm))
-        T, C, Urows = np.empty((m, count)), np.empty((m, count)), np.empty((m, d))
-        T[0], C[0], Urows[0] = t0, h0, u0
-        todo = np.arange(m - 1)
-        for _ in range(8):
-            if todo.size == 0:
-                break
-            keys = a0[None] + (eps[todo, None] * R) * tangents[:, todo].T
-            keys = R * keys / np.linalg.norm(keys, axis=1, keepdims=True)
-            lam = np.tile(_around(t0, half), (todo.size, 1))
-            lam, g, rounding = _send(oracle, w, c, keys, q, lam)
-            counts["perturbations"] += lam.size
-            failed = []
-            for i, p in enumerate(todo):
-                t, h, rms = _fit(lam[i], g[i], t0, h0)
-                if rms > FIT_NOISE * rounding[i].max() or np.max(np.abs(t - t0)) > 0.4 * gap:
-                    failed.append(p)
-                    continue
-                T[p + 1], C[p + 1], Urows[p + 1] = t, h, keys[i] - q
-            todo = np.array(failed, dtype=int)
-            eps[todo] *= 0.25
-        if todo.size:
-            raise RecoveryFailedError(f"column {j}: perturbed pairs lost their steps' labels")
-        y_rough = solve(Urows, T)                             # (count, d)
-        log.debug("column %d: base steps' smallest gap %.3g, perturbations %.2g", j, gap,
-                  eps.min())
-        if V_rough is None:
-            V_rough = solve(Urows, C)
-        # 3. designed pairs: steps apart, heights not small, U well conditioned
-        chord = float(np.linalg.norm(a0 - q)) / R
-        keys = design_keys(q, y_rough, V_rough, chord, design_count(m), half, rng)
-        log.debug("column %d designed: cond %.3g, smallest gap %.3g", j,
-                  np.linalg.cond((keys - q) @ basis),
-                  min(_smallest_gap(y_rough @ (k - q)) for k in keys))
-        lams = [_around(y_rough @ (key - q), half) for key in keys]
-        keys = np.array(keys)
-        lam, g, rounding = _send(oracle, w, c, keys, q, np.array(lams))
-        counts["designed"] += lam.size
-        designed.append((keys, lam, g, rounding, y_rough))
-
-    # 4. labels, heights and logits. Each pair is fitted from its predicted steps (free
-    # when that start was too far off); which fitted step is which head is the assignment
-    # to the prediction (position and height at once), first from the rough estimates,
-    # then, until no label changes, from the solves of every column's pairs (more pairs
-    # than unknowns: a mislabelled pair disagrees with the others)
-    assert count is not None and V_rough is not None     # set by the first column
-    raw = []                                 # per column: U (n, d), t (n, H), h (n, H)
-    for j, (keys, lam, g, rounding, y_rough) in enumerate(designed):
-        U = keys - Q[:, j]
-        t_col, h_col = np.empty((len(keys), count)), np.empty((len(keys), count))
-        for i in range(len(keys)):
-            t_pred, h_pred = U[i] @ y_rough.T, V_rough @ U[i]
-            t, h, rms = _fit(lam[i], g[i], t_pred, h_pred)
-            if rms > FIT_NOISE * rounding[i].max():       # a start too far off: free fit
-                free = _free_fit(lam[i], g[i], count, half)
-                if free[2] < rms:
-                    t, h, rms = free
-            if rms > FIT_NOISE * rounding[i].max():
-                raise ModelMismatchError(
-                    f"the black box is not a pre-LayerNorm block of at most {H} heads: a "
-                    f"pair's copy-count scan at column {j} fits no {count} sigmoid steps "
-                    f"(rms {rms:.2g} against a precision of {rounding[i].max():.2g})")
-            t_col[i], h_col[i] = t, h
-        raw.append((U, t_col, h_col))
-    lams = [lam for _, lam, _, _, _ in designed]
-    noises = [rounding.max(axis=1) for _, _, _, rounding, _ in designed]
-
-    def weighted(U, T, S):
-        """y (k, d) in 1^perp from U y_k = T[:, k], row i weighted by 1 / S[i, k]: a pair
-        whose steps nearly coincide pins their logits and heights poorly."""
-        out = np.empty((T.shape[1], d))
-        for k in range(T.shape[1]):
-            w8 = 1.0 / S[:, k]
-            out[k] = basis @ np.linalg.lstsq((U @ basis) * w8[:, None], T[:, k] * w8,
-                                             rcond=None)[0]
-        return out
-
-    def stds(j, T, C):
-        both = [_step_std(lams[j][i], T[i], C[i], noises[j][i]) for i in range(len(T))]
-        return np.array([b[0] for b in both]), np.array([b[1] for b in both])
-
-    labelled = [(U, *_label(t_col, h_col, U @ y_rough.T, U @ V_rough.T))
-                for (U, t_col, h_col), (_, _, _, _, y_rough) in zip(raw, designed)]
-    for _ in range(MAX_RELABEL):
-        spreads = [stds(j, T, C) for j, (_, T, C) in enumerate(labelled)]
-        V = weighted(np.concatenate([U for U, _, _ in labelled]),
-                     np.concatenate([C for _, _, C in labelled]),
-                     np.concatenate([sc for _, sc in spreads]))
-        relabelled = [(U, *_label(t_col, h_col, U @ weighted(U, T, st).T, U @ V.T))
-                      for (U, t_col, h_col), (_, T, _), (st, _) in zip(raw, labelled, spreads)]
-        changed = any(np.any(a[1] != b[1]) for a, b in zip(relabelled, labelled))
-        labelled = relabelled
-        if not changed:
-            break
-    for j, ((_keys, lam, g, _rounding, _), (U, T, _)) in enumerate(zip(designed, labelled)):
-        t = fit_logits(lam, g, U @ V.T, T, bound=0.5)
-        st = np.array([_step_std(lam[i], t[i], U[i] @ V.T, noises[j][i], heights=False)
-                       for i in range(len(t))])
-        Y[j, :count] = weighted(U, t, st)
-        log.debug("column %d: largest weighted residual of the pairs' logits %.2g", j,
-                  np.max(np.abs(U @ Y[j, :count].T - t) / st))
-    Y = Y[:, :count]
+        probe.column(j)
+    Y, V = _labels_and_logits(probe)
+    count = probe.count
+    assert count is not None
     b = Y.mean(axis=0)                                        # (count, d)
     W = (m / (R * R * d)) * np.einsum("jhd,ej->hde", Y, Q)
     model = SphereAttention(W, b, V, c, w - V.sum(axis=0), R)
