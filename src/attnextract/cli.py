@@ -1064,10 +1064,11 @@ def cmd_verify(args) -> int:
                     max_length=args.max_length, **_vector_oracle_options(model))
     _RUN.update(oracle=oracle)
     count = args.count or verification_count(sum(np.size(p) for p in model.parameters().values()))
-    bar, tolerance, floor = _saved_error_bar(args.result, args.verify_tolerance)
+    error_bar, tolerance, floor = _saved_error_bar(args.result, args.verify_tolerance)
     try:
         verification = verify_model(oracle, model, count=count, seed=args.seed,
-                                    tolerance=tolerance, measure_v=True, expected_error=bar,
+                                    tolerance=tolerance, measure_v=True,
+                                    expected_error=error_bar,
                                     tolerance_floor=floor)
     finally:
         bar.close()
