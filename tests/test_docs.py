@@ -251,3 +251,16 @@ def test_readme_links_are_absolute_and_reach_a_page_of_the_site():
     for link in (link for link in links if link.startswith(site)):
         page = link[len(site):].split("#")[0].rstrip("/") or "index"
         assert (ROOT / "docs" / f"{page}.md").is_file(), link
+
+
+def test_single_head_cost_table_follows_the_learners_counts():
+    """The single-head page's table comes from a benchmark too long to rerun here; its query
+    columns are the learner's own counts (d^2 + d, plus the held-out verification the
+    library sizes), so a change of either shows as drift."""
+    from attnextract.report import verification_count
+    page = (ROOT / "docs" / "learners" / "single-head.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \|", page, re.M)
+    assert len(rows) >= 3
+    for d, recovery, total in ((int(a), int(b), int(c)) for a, b, c in rows):
+        floor = d * d + d
+        assert recovery == floor and total == floor + verification_count(floor, floor), (d, total)
