@@ -264,3 +264,19 @@ def test_single_head_cost_table_follows_the_learners_counts():
     for d, recovery, total in ((int(a), int(b), int(c)) for a, b, c in rows):
         floor = d * d + d
         assert recovery == floor and total == floor + verification_count(floor, floor), (d, total)
+
+
+def test_multi_head_cost_table_names_the_papers_count():
+    """Each cell of the multi-head page's cost table gives the multi-head paper's count
+    4Hd^2 - 2H + 1 in parentheses, and the median it shows stays within it."""
+    page = (ROOT / "docs" / "learners" / "multi-head.md").read_text()
+    table = page.split("## What it costs", 1)[1].split("\n\n")[2]
+    heads = [int(h) for h in re.findall(r"\$H = (\d+)\$", table.splitlines()[0])]
+    rows = [line for line in table.splitlines()[2:] if line.startswith("|")]
+    assert heads and rows
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        d = int(cells[0])
+        for H, cell in zip(heads, cells[1:]):
+            median, count = map(int, re.match(r"(\d+) \((\d+)\)", cell).groups())
+            assert count == 4 * H * d * d - 2 * H + 1 and median <= count, (d, H, cell)
