@@ -186,7 +186,8 @@ def section_multi_head(quick: bool, log) -> list[dict]:
                             heads=H,
                             error=lambda model: {"W_error": canonical_error(model, target)}))
         spent = rows[-1]["recovery_queries"]
-        log(f"multi-head H={H} d={d}: {spent} queries (paper 2: {rows[-1]['paper_count']}), "
+        log(f"multi-head H={H} d={d}: {spent} queries (the multi-head paper's count: "
+            f"{rows[-1]['paper_count']}), "
             f"canonical error {rows[-1]['W_error']:.1e}")
     return rows
 
@@ -203,8 +204,8 @@ def section_multi_head_grid(quick: bool, log) -> list[dict]:
                      **grid_cell(H, d, seeds, rank=rank)})
         r = rows[-1]
         log(f"multi-head grid H={H} d={d} r={rank or 'full'}: success {r['success_rate']:.0%}"
-            f" of {seeds}, median queries {r['recovery_median']} (floor {r['floor']}, paper 2 "
-            f"{r['paper2']}), median error {r['error_median']}")
+            f" of {seeds}, median queries {r['recovery_median']} (floor {r['floor']}, "
+            f"the multi-head paper's count {r['paper2']}), median error {r['error_median']}")
     return rows
 
 

@@ -743,9 +743,10 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
                 and self.tolerance < bar <= ROUNDED_BAR_OFFERED):
             suggest = float(f"{2.0 * bar:.0e}")         # one digit, rounded from 2x the bar
             default = "" if self.tolerance_given else f", the default for {name} answers"
-            return (f"; at this rounding ({name}, {how}) the samples paper 2's count allows "
-                    f"pin these heads to an error bar of {bar:.1e} (the measured residual "
-                    f"through the fits' conditioning), above the largest accepted "
+            return (f"; at this rounding ({name}, {how}) the samples the query count "
+                    f"4Hd^2 - 2H + 1 allows pin these heads to an error bar of {bar:.1e} "
+                    f"(the measured residual through the fits' conditioning), above the "
+                    f"largest accepted "
                     f"{self.tolerance:.1e}{default}; to accept a model with a bar that size, "
                     f"pass max_error_bar={suggest:g} (--max-error-bar {suggest:g}): the "
                     f"held-out check allows for it (stating --output-dtype changes nothing)")
@@ -803,7 +804,7 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         checked = ("its answers to single tokens are linear in the token, as multi-head "
                    "attention's are, which does not settle it" if
                    self.details.get("single-token misfit") is not None else
-                   "its single tokens were not asked (paper 2's count was spent)")
+                   "its single tokens were not asked (the query count 4Hd^2 - 2H + 1 was spent)")
         return (f"; a black box outside the class (not softmax attention, or with a "
                 f"residual, bias or other term) may also end here: {checked}")
 
