@@ -322,3 +322,72 @@ def test_a_gpt2_layer_of_two_heads(tmp_path):
     assert entry["heads_found"] == 2 and entry["check"]["canonical_error"] <= 1e-9
     report = compare(folder, export_state_dict(result, tmp_path / "g.safetensors"))
     assert report["max_abs_difference"] <= 1e-9
+
+
+@pytest.fixture(scope="module")
+def bert_two_heads_folder(tmp_path_factory):
+    """A BERT of d = 16, 2 heads of 8, 2 layers (the vector-layer learner: a few seconds)."""
+    torch.manual_seed(1)
+    config = transformers.BertConfig(hidden_size=16, num_attention_heads=2, num_hidden_layers=2,
+                                     intermediate_size=32, vocab_size=64,
+                                     max_position_embeddings=32)
+    model = _randomise_biases(transformers.BertModel(config), 7)
+    return _save(model, tmp_path_factory.mktemp("bert2"))
+
+
+@pytest.mark.slow
+def test_a_ray_worker_killed_mid_layer_resumes_from_the_journal(bert_two_heads_folder,
+                                                                 tmp_path):
+    """The worker running layer 0 dies (os._exit, as a SIGKILL or an out-of-memory kill
+    would end it) at its first call of the black box after it has answered ``kill_after``
+    sequences (of about 200), on its first attempt only. Ray
+    runs the task again in a new worker, which answers every query the dead one had paid
+    for from the layer's journal and asks the box the rest: the same heads, bit for bit,
+    and the same learner queries as a serial run; none lost, none charged twice."""
+    ray = pytest.importorskip("ray")
+    kill_after = 60
+    marker = tmp_path / "killed"
+
+    def die_once():
+        # runs in every Ray worker at its start (Ray pickles this closure by value)
+        import os
+
+        from attnextract.adapters.checkpoint import LayerBlackBox
+        original = LayerBlackBox.forward
+        rows = [0]
+
+        def forward(self, X):
+            if self.layer == 0 and not marker.exists():
+                if rows[0] >= kill_after:
+                    marker.write_text(str(rows[0]))     # rows the box answered before
+                    os._exit(1)
+                rows[0] += len(X)
+            return original(self, X)
+        LayerBlackBox.forward = forward
+
+    serial = extract_checkpoint(bert_two_heads_folder, outputs="last", run_dir=tmp_path / "s")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+             runtime_env={"worker_process_setup_hook": die_once})
+    try:
+        on_ray = extract_checkpoint(bert_two_heads_folder, outputs="last",
+                                    run_dir=tmp_path / "r", ray=True)
+    finally:
+        ray.shutdown()
+    assert marker.exists(), "the worker of layer 0 was not killed"
+    answered_before_kill = int(marker.read_text())
+    assert not on_ray.failed
+    killed, other = on_ray.layers
+    fresh, fresh_other = serial.layers
+    # the retry resumed: every query the dead worker had answered (beyond the journal's
+    # binding check, made again by the new worker) came from the journal, and only those
+    assert killed["journal_queries"] == answered_before_kill - fresh["check_queries"] > 0
+    assert killed["learner_queries"] == fresh["learner_queries"]
+    # what the result rests on is the same; the binding checks (the journal's fingerprint
+    # asked again of the new worker's box) are counted apart
+    assert (killed["queries"] - killed["check_queries"]
+            == fresh["queries"] - fresh["check_queries"])
+    assert (killed["journal_queries"] + killed["black_box_queries"]
+            == killed["learner_queries"] + killed["check_queries"])
+    assert killed["heads"] == fresh["heads"]
+    assert other["journal_queries"] == 0 and other["heads"] == fresh_other["heads"]
+    assert other["queries"] == fresh_other["queries"]
