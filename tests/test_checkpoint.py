@@ -131,10 +131,36 @@ def test_bad_folders_get_one_line_and_exit_2(tmp_path, capsys):
     with pytest.raises(TargetLoadError, match="JSON"):
         inspect_checkpoint(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
-    for folder in (tmp_path / "missing", tmp_path, tmp_path / "config.json"):
+    empty = tmp_path / "empty"                     # not a model folder: no config.json
+    empty.mkdir()
+    (empty / "README.md").write_text("notes")
+    unknown = tmp_path / "t5"                      # weights present, model_type unknown
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 32}))
+    (unknown / "model.safetensors").write_bytes(b"")
+    for folder, says in ((tmp_path / "missing", "not a folder"), (empty, "no config.json"),
+                         (tmp_path, "model.safetensors"), (tmp_path / "config.json",
+                                                           "not a folder"),
+                         (unknown, "'t5' is not supported")):
         assert main(["checkpoint", str(folder), "--no-progress"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("attnextract: TargetLoadError") and err.count("\n") == 1, err
+        assert says in err, err
+
+
+def test_positions_inside_the_scores_are_a_mismatch(tmp_path, capsys):
+    """A BERT whose scores carry relative positions (or a config naming rope) is outside
+    the class: one line, the mismatch exit code, before the weights are read."""
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "bert", "position_embedding_type": "relative_key"}))
+    assert main(["checkpoint", str(tmp_path), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "ModelMismatchError" in err and "relative_key" in err and err.count("\n") == 1
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert",
+                                                      "rope_theta": 10000.0}))
+    assert main(["checkpoint", str(tmp_path), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "RotaryModelError" in err and "rope_theta" in err and err.count("\n") == 1
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +185,7 @@ def test_every_bert_layer_from_last_position_vectors(bert_result):
     assert [e["layer"] for e in result.layers] == [0, 1] and not result.failed
     for entry in result.layers:
         assert entry["verification"]["passed"]
-        assert entry["check"]["canonical_error"] <= 1e-9
+        assert entry["check"]["canonical_error"] <= 1e-10
         assert entry["heads_found"] == 4 and entry["learner"] == "vector-layer"
         assert entry["cpu_seconds"] > 0 and entry["wall_seconds"] > 0
     heads = result.heads(1)
@@ -391,3 +417,29 @@ def test_a_ray_worker_killed_mid_layer_resumes_from_the_journal(bert_two_heads_f
     assert killed["heads"] == fresh["heads"]
     assert other["journal_queries"] == 0 and other["heads"] == fresh_other["heads"]
     assert other["queries"] == fresh_other["queries"]
+
+
+@pytest.mark.parametrize("width,heads,seed", [
+    (24, 3, 3), pytest.param(48, 6, 4, marks=pytest.mark.slow),
+    pytest.param(64, 2, 5, marks=pytest.mark.slow), pytest.param(16, 2, 6, marks=pytest.mark.slow)])
+def test_bert_checkpoints_of_other_widths_and_head_counts(width, heads, seed, tmp_path, capsys):
+    """Every layer of BERTs of several widths and head counts (head widths 4 to 32), built
+    offline with random weights and biases, through the command line: each layer's
+    canonical error against the weights within 1e-10, and the export computes what the
+    original computes."""
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(hidden_size=width, num_attention_heads=heads,
+                                     num_hidden_layers=2, intermediate_size=2 * width,
+                                     vocab_size=64, max_position_embeddings=32)
+    folder = _save(_randomise_biases(transformers.BertModel(config), seed + 10),
+                   tmp_path / "bert")
+    export = tmp_path / "bert.safetensors"
+    assert main(["checkpoint", str(folder), "--outputs", "last", "--run-dir",
+                 str(tmp_path / "run"), "--check-against", str(folder), "--export",
+                 str(export), "--no-progress", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [e["layer"] for e in out["layers"]] == [0, 1]
+    for entry in out["layers"]:
+        assert entry["heads_found"] == heads and entry["verification"]["passed"]
+        assert entry["check"]["canonical_error"] <= 1e-10, entry["check"]
+    assert compare(folder, export)["max_abs_difference"] <= 1e-9
