@@ -157,19 +157,18 @@ def run_layer(job: LayerJob) -> dict:
     info = ck.info
     box = ck.black_box(job.layer, "last")
     run_dir = Path(job.run_dir) if job.run_dir else None
-    journal = None
     if run_dir is not None:
         (run_dir / f"layer-{job.layer}.pid").write_text(str(os.getpid()))
-        journal = QueryJournal(run_dir / f"layer-{job.layer}.sqlite", context={
-            "target": f"checkpoint {info.path} layer {job.layer} readout {job.readout_seed}",
-            "dim": info.width, "seed": job.seed})
     progress_file = run_dir / f"layer-{job.layer}.progress" if run_dir else None
     vector_learner = VECTOR_LEARNERS[info.family](info.heads)
     if job.outputs == "last" and job.learner is None and vector_learner in registry.LEARNERS:
-        if journal is not None:
-            journal.close()
         return _run_vector_learner(job, ck, box, vector_learner, run_dir, progress_file,
                                    cpu, wall)
+    # the scalar stage's journal (a vector learner keeps only the vectors journal)
+    journal = None if run_dir is None else QueryJournal(
+        run_dir / f"layer-{job.layer}.sqlite", context={
+            "target": f"checkpoint {info.path} layer {job.layer} readout {job.readout_seed}",
+            "dim": info.width, "seed": job.seed})
     r = readout_vector(info.width, job.readout_seed)
     progress = _progress_writer(progress_file)
     oracle = Oracle(ScalarReadout(box, r), info.width, journal=journal, progress=progress,
