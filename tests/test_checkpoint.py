@@ -131,10 +131,36 @@ def test_bad_folders_get_one_line_and_exit_2(tmp_path, capsys):
     with pytest.raises(TargetLoadError, match="JSON"):
         inspect_checkpoint(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
-    for folder in (tmp_path / "missing", tmp_path, tmp_path / "config.json"):
+    empty = tmp_path / "empty"                     # not a model folder: no config.json
+    empty.mkdir()
+    (empty / "README.md").write_text("notes")
+    unknown = tmp_path / "t5"                      # weights present, model_type unknown
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 32}))
+    (unknown / "model.safetensors").write_bytes(b"")
+    for folder, says in ((tmp_path / "missing", "not a folder"), (empty, "no config.json"),
+                         (tmp_path, "model.safetensors"), (tmp_path / "config.json",
+                                                           "not a folder"),
+                         (unknown, "'t5' is not supported")):
         assert main(["checkpoint", str(folder), "--no-progress"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("attnextract: TargetLoadError") and err.count("\n") == 1, err
+        assert says in err, err
+
+
+def test_positions_inside_the_scores_are_a_mismatch(tmp_path, capsys):
+    """A BERT whose scores carry relative positions (or a config naming rope) is outside
+    the class: one line, the mismatch exit code, before the weights are read."""
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "bert", "position_embedding_type": "relative_key"}))
+    assert main(["checkpoint", str(tmp_path), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "ModelMismatchError" in err and "relative_key" in err and err.count("\n") == 1
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert",
+                                                      "rope_theta": 10000.0}))
+    assert main(["checkpoint", str(tmp_path), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "RotaryModelError" in err and "rope_theta" in err and err.count("\n") == 1
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +185,7 @@ def test_every_bert_layer_from_last_position_vectors(bert_result):
     assert [e["layer"] for e in result.layers] == [0, 1] and not result.failed
     for entry in result.layers:
         assert entry["verification"]["passed"]
-        assert entry["check"]["canonical_error"] <= 1e-9
+        assert entry["check"]["canonical_error"] <= 1e-10
         assert entry["heads_found"] == 4 and entry["learner"] == "vector-layer"
         assert entry["cpu_seconds"] > 0 and entry["wall_seconds"] > 0
     heads = result.heads(1)
@@ -322,3 +348,98 @@ def test_a_gpt2_layer_of_two_heads(tmp_path):
     assert entry["heads_found"] == 2 and entry["check"]["canonical_error"] <= 1e-9
     report = compare(folder, export_state_dict(result, tmp_path / "g.safetensors"))
     assert report["max_abs_difference"] <= 1e-9
+
+
+@pytest.fixture(scope="module")
+def bert_two_heads_folder(tmp_path_factory):
+    """A BERT of d = 16, 2 heads of 8, 2 layers (the vector-layer learner: a few seconds)."""
+    torch.manual_seed(1)
+    config = transformers.BertConfig(hidden_size=16, num_attention_heads=2, num_hidden_layers=2,
+                                     intermediate_size=32, vocab_size=64,
+                                     max_position_embeddings=32)
+    model = _randomise_biases(transformers.BertModel(config), 7)
+    return _save(model, tmp_path_factory.mktemp("bert2"))
+
+
+@pytest.mark.slow
+def test_a_ray_worker_killed_mid_layer_resumes_from_the_journal(bert_two_heads_folder,
+                                                                 tmp_path):
+    """The worker running layer 0 dies (os._exit, as a SIGKILL or an out-of-memory kill
+    would end it) at its first call of the black box after it has answered ``kill_after``
+    sequences (of about 200), on its first attempt only. Ray
+    runs the task again in a new worker, which answers every query the dead one had paid
+    for from the layer's journal and asks the box the rest: the same heads, bit for bit,
+    and the same learner queries as a serial run; none lost, none charged twice."""
+    ray = pytest.importorskip("ray")
+    kill_after = 60
+    marker = tmp_path / "killed"
+
+    def die_once():
+        # runs in every Ray worker at its start (Ray pickles this closure by value)
+        import os
+
+        from attnextract.adapters.checkpoint import LayerBlackBox
+        original = LayerBlackBox.forward
+        rows = [0]
+
+        def forward(self, X):
+            if self.layer == 0 and not marker.exists():
+                if rows[0] >= kill_after:
+                    marker.write_text(str(rows[0]))     # rows the box answered before
+                    os._exit(1)
+                rows[0] += len(X)
+            return original(self, X)
+        LayerBlackBox.forward = forward
+
+    serial = extract_checkpoint(bert_two_heads_folder, outputs="last", run_dir=tmp_path / "s")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+             runtime_env={"worker_process_setup_hook": die_once})
+    try:
+        on_ray = extract_checkpoint(bert_two_heads_folder, outputs="last",
+                                    run_dir=tmp_path / "r", ray=True)
+    finally:
+        ray.shutdown()
+    assert marker.exists(), "the worker of layer 0 was not killed"
+    answered_before_kill = int(marker.read_text())
+    assert not on_ray.failed
+    killed, other = on_ray.layers
+    fresh, fresh_other = serial.layers
+    # the retry resumed: every query the dead worker had answered (beyond the journal's
+    # binding check, made again by the new worker) came from the journal, and only those
+    assert killed["journal_queries"] == answered_before_kill - fresh["check_queries"] > 0
+    assert killed["learner_queries"] == fresh["learner_queries"]
+    # what the result rests on is the same; the binding checks (the journal's fingerprint
+    # asked again of the new worker's box) are counted apart
+    assert (killed["queries"] - killed["check_queries"]
+            == fresh["queries"] - fresh["check_queries"])
+    assert (killed["journal_queries"] + killed["black_box_queries"]
+            == killed["learner_queries"] + killed["check_queries"])
+    assert killed["heads"] == fresh["heads"]
+    assert other["journal_queries"] == 0 and other["heads"] == fresh_other["heads"]
+    assert other["queries"] == fresh_other["queries"]
+
+
+@pytest.mark.parametrize("width,heads,seed", [
+    (24, 3, 3), pytest.param(48, 6, 4, marks=pytest.mark.slow),
+    pytest.param(64, 2, 5, marks=pytest.mark.slow), pytest.param(16, 2, 6, marks=pytest.mark.slow)])
+def test_bert_checkpoints_of_other_widths_and_head_counts(width, heads, seed, tmp_path, capsys):
+    """Every layer of BERTs of several widths and head counts (head widths 4 to 32), built
+    offline with random weights and biases, through the command line: each layer's
+    canonical error against the weights within 1e-10, and the export computes what the
+    original computes."""
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(hidden_size=width, num_attention_heads=heads,
+                                     num_hidden_layers=2, intermediate_size=2 * width,
+                                     vocab_size=64, max_position_embeddings=32)
+    folder = _save(_randomise_biases(transformers.BertModel(config), seed + 10),
+                   tmp_path / "bert")
+    export = tmp_path / "bert.safetensors"
+    assert main(["checkpoint", str(folder), "--outputs", "last", "--run-dir",
+                 str(tmp_path / "run"), "--check-against", str(folder), "--export",
+                 str(export), "--no-progress", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [e["layer"] for e in out["layers"]] == [0, 1]
+    for entry in out["layers"]:
+        assert entry["heads_found"] == heads and entry["verification"]["passed"]
+        assert entry["check"]["canonical_error"] <= 1e-10, entry["check"]
+    assert compare(folder, export)["max_abs_difference"] <= 1e-9

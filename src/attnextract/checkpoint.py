@@ -8,8 +8,9 @@ as the machine has, ``ray="ADDRESS"`` joins one). Either way a job is the same f
 of the same arguments, with BLAS and torch pinned to one thread, so the results are
 identical bit for bit.
 
-The run folder holds, per layer, ``layer-I.sqlite`` (the query journal: a killed job
-or run resumes where it stopped, answering what was asked from the journal),
+The run folder holds, per layer, its query journals (``layer-I.vectors.sqlite`` for
+vector answers, ``layer-I.sqlite`` for a scalar readout: a killed job or run resumes
+where it stopped, answering what was asked from the journal),
 ``layer-I.progress`` (queries done, for the one progress display) and, once the layer
 is done, ``layer-I.json`` (its result: a rerun skips finished layers). A job that
 fails is retried once (Ray: ``max_retries=1``, also when its worker dies); a layer that
@@ -26,8 +27,9 @@ What each layer's job runs (``outputs``):
   O_h and c from one designed batch of vectors
   (:mod:`attnextract.learners.values_given_scores`). Where the family's vector learner is
   registered (:data:`VECTOR_LEARNERS`: ``vector-single-head`` for a one-head BERT-style
-  layer, ``vector-layer`` for several heads; GPT-2 layers keep both stages) it replaces
-  both stages; ``learner=`` names another registered learner.
+  layer, ``vector-layer`` for several heads; GPT-2 layers keep both stages, as
+  ``vector-pre-ln`` is one head and its sphere model is not mapped to an export) it
+  replaces both stages; ``learner=`` names another registered learner.
 """
 
 from __future__ import annotations
@@ -159,19 +161,18 @@ def run_layer(job: LayerJob) -> dict:
     info = ck.info
     box = ck.black_box(job.layer, "last")
     run_dir = Path(job.run_dir) if job.run_dir else None
-    journal = None
     if run_dir is not None:
         (run_dir / f"layer-{job.layer}.pid").write_text(str(os.getpid()))
-        journal = QueryJournal(run_dir / f"layer-{job.layer}.sqlite", context={
-            "target": f"checkpoint {info.path} layer {job.layer} readout {job.readout_seed}",
-            "dim": info.width, "seed": job.seed})
     progress_file = run_dir / f"layer-{job.layer}.progress" if run_dir else None
     vector_learner = VECTOR_LEARNERS[info.family](info.heads)
     if job.outputs == "last" and job.learner is None and vector_learner in registry.LEARNERS:
-        if journal is not None:
-            journal.close()
         return _run_vector_learner(job, ck, box, vector_learner, run_dir, progress_file,
                                    cpu, wall)
+    # the scalar stage's journal (a vector learner keeps only the vectors journal)
+    journal = None if run_dir is None else QueryJournal(
+        run_dir / f"layer-{job.layer}.sqlite", context={
+            "target": f"checkpoint {info.path} layer {job.layer} readout {job.readout_seed}",
+            "dim": info.width, "seed": job.seed})
     r = readout_vector(info.width, job.readout_seed)
     progress = _progress_writer(progress_file)
     oracle = Oracle(ScalarReadout(box, r), info.width, journal=journal, progress=progress,
