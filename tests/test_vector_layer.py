@@ -165,7 +165,7 @@ def test_minilm_layer_through_a_numpy_box():
     """A real layer (all-MiniLM-L6-v2 layer 2, biases kept) from last-position vectors:
     12 heads of rank 32 found, within 2x the floor, every part within issue 38's 1e-10 of
     the real weights. (Measured, seeds 0..3: W 1.7e-11 .. 1.9e-11, b ~3e-12, O ~6e-13;
-    layers 0 and 5 are not there yet, see benchmarks/results/vector_layer.md.)"""
+    layers 0 and 5 are not there yet, see benchmarks/results/bench_vector_layer.md.)"""
     pytest.importorskip("safetensors")
     box = minilm_vector_layer(2)
     result = extract_vector_layer(Oracle(box, 384), seed=0)
