@@ -177,16 +177,16 @@ def render(args, minilm, grid, impostors, f32, wall) -> str:
     if f32 and f32["seeds"]:
         e, b = np.array(f32["errors"] or [np.nan]), np.array(f32["bars"] or [np.nan])
         q = f32["queries"] or [0]
-        out += ["", "## torch.nn.MultiheadAttention(64, 8) in float32, default initialisation, "
-                "output_dtype=\"float32\"", "",
-                "| seeds | within bar | refused | median error | worst error | median bar | "
-                "largest bar | queries (with check) | measured rounding | CPU s (median) |",
-                "|---|---|---|---|---|---|---|---|---|---|",
-                f"| {f32['seeds']} | {f32['within']} | {len(f32['refused'])} "
-                f"{', '.join(f32['refused'])} | {np.median(e):.1e} | {e.max():.1e} | "
-                f"{np.median(b):.1e} | {b.max():.1e} | {min(q)} .. {max(q)} | "
-                f"{min(f32['rounding'] or [0]):.1e} .. {max(f32['rounding'] or [0]):.1e} | "
-                f"{np.median(f32['cpu'] or [0]):.1f} |"]
+        title = ("## torch.nn.MultiheadAttention(64, 8) in float32, default initialisation, "
+                 "output_dtype=\"float32\"")
+        header = ("| seeds | within bar | refused | median error | worst error | median bar | "
+                  "largest bar | queries (with check) | measured rounding | CPU s (median) |")
+        row = (f"| {f32['seeds']} | {f32['within']} | {len(f32['refused'])} "
+               f"{', '.join(f32['refused'])} | {np.median(e):.1e} | {e.max():.1e} | "
+               f"{np.median(b):.1e} | {b.max():.1e} | {min(q)} .. {max(q)} | "
+               f"{min(f32['rounding'] or [0]):.1e} .. {max(f32['rounding'] or [0]):.1e} | "
+               f"{np.median(f32['cpu'] or [0]):.1f} |")
+        out += ["", title, "", header, "|---|---|---|---|---|---|---|---|---|---|", row]
     return "\n".join(out) + "\n"
 
 
