@@ -282,3 +282,14 @@ def test_output_dtype_checked():
     box = standard_layer(0, 16, 4)
     with pytest.raises(InputError):
         extract_vector_layer(Oracle(box, 16), seed=0, output_dtype="float8")
+
+
+def test_float32_through_extract():
+    """The option reaches the learner through extract (and through the scalar learner's
+    switch to vector answers)."""
+    box, truth = torch_layer(0, 16, 2)
+    for model in ("vector-layer", "multi-head-low-rank"):
+        result = extract(Oracle(box, 16, outputs="last"), model=model, output_dtype="float32",
+                         seed=0)
+        assert result.report.details["precision"] == "float32"
+        assert_within_bar(result, truth, 2)
