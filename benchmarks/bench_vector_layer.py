@@ -11,9 +11,12 @@
 3. Impostors (tests/test_vector_layer.py's zoo): ReLU and sigmoid attention, soft-capped
    logits, a hidden fifth head writing into another head's range, a causal box told
    bidirectional: each must be refused (ModelMismatchError / RecoveryFailedError).
+4. torch.nn.MultiheadAttention(64, 8, batch_first=True) in float32 with its default
+   initialisation, asked through its own forward pass (last position), output_dtype=
+   "float32": seeds within the stated bar, refused, errors, bars, queries.
 
 Run:  OPENBLAS_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_vector_layer.py
-      [--layers 0 1 2 3 4 5] [--seeds 20]
+      [--layers 0 1 2 3 4 5] [--seeds 20] [--float32-seeds 20]
 Writes benchmarks/results/bench_vector_layer.md.
 """
 
@@ -29,7 +32,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from test_vector_layer import IMPOSTORS, standard_layer
+from test_vector_layer import IMPOSTORS, standard_layer, torch_layer
 
 from attnextract.adapters.minilm import minilm_vector_layer
 from attnextract.errors import ModelMismatchError, RecoveryFailedError
@@ -97,6 +100,29 @@ def run_impostors(seeds: int) -> list[dict]:
     return rows
 
 
+def run_float32(seeds: int) -> dict:
+    errors, bars, queries, cpu, refused, within, held = [], [], [], [], [], 0, []
+    for seed in range(seeds):
+        box, truth = torch_layer(seed, 64, 8)
+        start = time.process_time()
+        try:
+            result = extract_vector_layer(Oracle(box, 64, outputs="last"), seed=seed,
+                                          output_dtype="float32")
+        except (ModelMismatchError, RecoveryFailedError) as exc:
+            refused.append(f"{seed} ({type(exc).__name__})")
+            continue
+        cpu.append(time.process_time() - start)
+        e = vector_canonical_errors(result.model, truth)["max"]
+        bar = result.report.details["error bar"]
+        within += e <= bar
+        errors.append(e)
+        bars.append(bar)
+        queries.append(result.queries)
+        held.append(result.report.details["measured rounding"])
+    return {"seeds": seeds, "within": within, "refused": refused, "errors": errors,
+            "bars": bars, "queries": queries, "cpu": cpu, "rounding": held}
+
+
 def hidden_head(box: VectorAttention) -> VectorAttention:
     """``box`` with a fifth head writing into head 0's range (ranges not independent)."""
     rng = np.random.default_rng(100)
@@ -108,7 +134,7 @@ def hidden_head(box: VectorAttention) -> VectorAttention:
                            np.concatenate([box.b, np.zeros((1, d))]), box.c)
 
 
-def render(args, minilm, grid, impostors) -> str:
+def render(args, minilm, grid, impostors, f32) -> str:
     header = ("| layer | queries (recovery + check) | floor | x floor | heads | W err | b err | "
               "O err | c err | error bar | held-out | numbers | tokens | CPU s |")
     out = ["vector-layer: a standard attention layer from vector answers.", "",
@@ -132,6 +158,19 @@ def render(args, minilm, grid, impostors) -> str:
                    f"{r['ratio'][1]:.2f} |")
     out += ["", "## Impostors (d = 16, H = 4)", "", "| impostor | refused |", "|---|---|"]
     out += [f"| {r['name']} | {r['refused']} / {r['seeds']} |" for r in impostors]
+    if f32 and f32["seeds"]:
+        e, b = np.array(f32["errors"] or [np.nan]), np.array(f32["bars"] or [np.nan])
+        q = f32["queries"] or [0]
+        title = ("## torch.nn.MultiheadAttention(64, 8) in float32, default initialisation, "
+                 "output_dtype=\"float32\"")
+        header = ("| seeds | within bar | refused | median error | worst error | median bar | "
+                  "largest bar | queries (with check) | measured rounding | CPU s (median) |")
+        row = (f"| {f32['seeds']} | {f32['within']} | {len(f32['refused'])} "
+               f"{', '.join(f32['refused'])} | {np.median(e):.1e} | {e.max():.1e} | "
+               f"{np.median(b):.1e} | {b.max():.1e} | {min(q)} .. {max(q)} | "
+               f"{min(f32['rounding'] or [0]):.1e} .. {max(f32['rounding'] or [0]):.1e} | "
+               f"{np.median(f32['cpu'] or [0]):.1f} |")
+        out += ["", title, "", header, "|---|---|---|---|---|---|---|---|---|---|", row]
     return "\n".join(out) + "\n"
 
 
@@ -139,6 +178,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="*", default=list(range(6)))
     parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--float32-seeds", type=int, default=20)
     _results.add_out_option(parser, __file__)
     args = parser.parse_args()
     with _results.Run(__file__, args.out) as results:
@@ -154,7 +194,8 @@ def measure(args) -> str:
               f"{minilm[-1]['errors']['max']:.1e}, {minilm[-1]['cpu']:.1f} s CPU", flush=True)
     grid = run_grid(args.seeds)
     impostors = run_impostors(max(5, args.seeds // 4))
-    text = render(args, minilm, grid, impostors)
+    f32 = run_float32(args.float32_seeds)
+    text = render(args, minilm, grid, impostors, f32)
     print(text)
     return text
 

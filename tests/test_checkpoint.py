@@ -370,7 +370,7 @@ def test_a_ray_worker_killed_mid_layer_resumes_from_the_journal(bert_two_heads_f
     runs the task again in a new worker, which answers every query the dead one had paid
     for from the layer's journal and asks the box the rest: the same heads, bit for bit,
     and the same learner queries as a serial run; none lost, none charged twice."""
-    ray = pytest.importorskip("ray")
+    import ray  # a test-all package: see conftest.py
     kill_after = 60
     marker = tmp_path / "killed"
 

@@ -8,7 +8,11 @@ from attnextract import extract
 from attnextract.adapters.minilm import minilm_vector_layer
 from attnextract.errors import InputError, ModelMismatchError, RecoveryFailedError
 from attnextract.learners.vector_canonical import vector_canonical_errors
-from attnextract.learners.vector_layer import extract_vector_layer
+from attnextract.learners.vector_layer import (
+    READ_NOISE_ROWS,
+    ROUNDING_SEQUENCES,
+    extract_vector_layer,
+)
 from attnextract.models import VectorAttention
 from attnextract.oracle import Oracle
 
@@ -176,3 +180,116 @@ def test_minilm_layer_through_a_numpy_box():
     assert errors["O"] <= 1e-10 and errors["c"] <= 1e-10 and errors["b"] <= 1e-10
     assert errors["W"] <= 1e-10
     assert result.report.verification.passed
+
+
+# -- low precision: a PyTorch layer run in float32 -----------------------------------------
+
+def torch_layer(seed, d, H):
+    """``torch.nn.MultiheadAttention(d, H, batch_first=True)`` with its default
+    initialisation (biases 0) asked through its own float32 forward pass at the last
+    position, and its canonical truth in float64."""
+    import torch  # a test-all package: see conftest.py
+    torch.manual_seed(seed)
+    mha = torch.nn.MultiheadAttention(d, H, batch_first=True).eval()
+
+    def box(X):
+        x = torch.as_tensor(np.asarray(X), dtype=torch.float32)
+        with torch.no_grad():
+            return mha(x[:, -1:], x, x, need_weights=False)[0][:, 0].double().numpy()
+
+    Wi, bi = (t.detach().double().numpy() for t in (mha.in_proj_weight, mha.in_proj_bias))
+    Wo, bo = (t.detach().double().numpy() for t in (mha.out_proj.weight, mha.out_proj.bias))
+    r = d // H
+    rows = [slice(h * r, (h + 1) * r) for h in range(H)]
+    Wq, Wk, Wv = Wi[:d], Wi[d:2 * d], Wi[2 * d:]
+    truth = VectorAttention(np.stack([Wk[s].T @ Wq[s] / np.sqrt(r) for s in rows]),
+                            np.stack([Wo[:, s] @ Wv[s] for s in rows]),
+                            np.stack([Wk[s].T @ bi[:d][s] / np.sqrt(r) for s in rows]),
+                            Wo @ bi[2 * d:] + bo)
+    return box, truth
+
+
+def assert_within_bar(result, truth, heads):
+    errors = vector_canonical_errors(result.model, truth)
+    assert errors["heads"] == (heads, heads), errors
+    assert errors["max"] <= result.report.details["error bar"], errors
+    assert result.report.verification.passed
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_float32_torch_layer_within_its_bar(seed):
+    box, truth = torch_layer(seed, 32, 4)
+    result = extract_vector_layer(Oracle(box, 32, outputs="last"), seed=seed,
+                                  output_dtype="float32")
+    assert_within_bar(result, truth, 4)
+    details = result.report.details
+    # the rounding is measured (float32 sums in another order), not assumed
+    assert 1e-9 < details["measured rounding"] < 1e-5
+    # 4 pairs of reordered sequences, and the first W-stage rows asked again reordered
+    assert result.report.breakdown["rounding (reordered tokens)"] >= (
+        2 * ROUNDING_SEQUENCES + READ_NOISE_ROWS)
+    assert details["error bar"] >= 10 * details["measured rounding"]
+    # the bar is honest and not wider than float32 reading through these O explains
+    assert details["error bar"] < 1e-2
+
+
+@pytest.mark.slow
+def test_float32_mha_64_8_twenty_seeds():
+    """nn.MultiheadAttention(64, 8) in float32 with its default biases, through its own
+    forward pass: every seed within its stated bar, none refused (cond(O) of these layers
+    runs from 7e2 to 5e5)."""
+    for seed in range(20):
+        box, truth = torch_layer(seed, 64, 8)
+        result = extract_vector_layer(Oracle(box, 64, outputs="last"), seed=seed,
+                                      output_dtype="float32")
+        assert_within_bar(result, truth, 8)
+        assert result.report.details["precision"] == "float32"
+
+
+def test_float64_box_told_float32_keeps_float64_checks():
+    """Stating float32 for a float64 box does not widen anything: the rounding measured
+    is float64's, so the bar and the held-out tolerance are float64's; the same box with
+    a 1e-4 deviation is refused."""
+    box = standard_layer(0, 16, 4)
+    result = extract_vector_layer(Oracle(box, 16), seed=0, output_dtype="float32")
+    assert result.report.details["measured rounding"] < 1e-14
+    assert result.report.details["error bar"] < 1e-9
+    assert_within(result, box)
+
+    def deviating(X):
+        X = np.asarray(X)
+        return box(X) + 1e-4 * np.abs(box.c).max() * np.tanh(X.sum(axis=(1, 2)))[:, None]
+    with pytest.raises(ModelMismatchError):
+        extract_vector_layer(Oracle(deviating, 16, outputs="last"), seed=0,
+                             output_dtype="float32")
+
+
+@pytest.mark.parametrize("kind", ["deviation 1e-3", "order-dependent"])
+def test_float32_impostors_refused(kind):
+    box, _ = torch_layer(0, 32, 4)
+
+    def impostor(X):
+        X = np.asarray(X)
+        if kind == "order-dependent":      # the first token counts apart from the rest
+            return box(X) + 0.1 * X[:, 0, :1]
+        return box(X) * (1 + 1e-3 * np.tanh(X.sum(axis=(1, 2))))[:, None]
+    with pytest.raises((ModelMismatchError, RecoveryFailedError)):
+        extract_vector_layer(Oracle(impostor, 32, outputs="last"), seed=0,
+                             output_dtype="float32")
+
+
+def test_output_dtype_checked():
+    box = standard_layer(0, 16, 4)
+    with pytest.raises(InputError):
+        extract_vector_layer(Oracle(box, 16), seed=0, output_dtype="float8")
+
+
+def test_float32_through_extract():
+    """The option reaches the learner through extract (and through the scalar learner's
+    switch to vector answers)."""
+    box, truth = torch_layer(0, 16, 2)
+    for model in ("vector-layer", "multi-head-low-rank"):
+        result = extract(Oracle(box, 16, outputs="last"), model=model, output_dtype="float32",
+                         seed=0)
+        assert result.report.details["precision"] == "float32"
+        assert_within_bar(result, truth, 2)

@@ -60,6 +60,24 @@ orthonormal and chosen by the condition numbers of C_h U and U^T K_h. The error 
 measured: the W-stage reads 1.5x as many numbers as W_h q has unknowns, and their misfit
 times cond(U^T K_h) bounds what reaches W.
 
+Low precision (``output_dtype``: a forward pass in float32, bfloat16, float16). The
+random selector sets read their payload's effect against the answers' rounding at the
+selectors' size, rho / payload, and the eigenvalues of M carry that times the
+conditioning of the pencil (A, O) (about cond(O)): payloads of 3e-2 (a set whose
+margins fail is asked again at the same size), 8 selectors (weights 1/7 apart),
+eigenvalues grouped by gaps, each group's range from the left null space of
+L_k (A - mu O) P as in step 5. The rounding is measured, not assumed: a sequence and
+the same sequence with the tokens before the query token reversed have the same exact
+answer, so their difference is the box's rounding. ROUNDING_SEQUENCES such pairs give
+its level; READ_NOISE_ROWS W-stage rows asked again reordered give what it does to the
+reads, and the W-stage misfit must stay within MISFIT_LIMIT x that (a misfit the
+rounding does not explain is the box's: refused). The error bar is BAR_SAFETY x
+max(W-stage spread, rounding); held-out verification allows LOW_VERIFY x the rounding
+plus twice the bar. A refusal in steps 2 to 5 starts them again with new random sets
+(LOW_RESTARTS times). Measured (nn.MultiheadAttention(64, 8), float32, default
+initialisation, seeds 0..19): 20 within their bars (errors 1.1e-4 .. 2.8e-4, bars
+2e-3 .. 7e-3, 1,050 .. 2,700 queries); seeds 20..39: 19 (one refused).
+
 Limits: every-position answers are read at their last row only (the cost is that of the
 last position). On MiniLM (cond(O) ~1e5) W's error is 2e-11 .. 5e-10 (layer 0: 1.1e-10;
 layer 5, whose ranges are the most oblique: cond(R) ~7e4, |L_h| ~1.5e4, 5e-10); what
@@ -76,6 +94,7 @@ import itertools
 import logging
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import scipy.linalg
@@ -83,6 +102,7 @@ import scipy.linalg
 from ..errors import InputError, ModelMismatchError, RecoveryFailedError
 from ..models import VectorAttention
 from ..oracle import Oracle
+from ..precision import check_precision_options
 from ..report import (
     DEFAULT_VERIFY_TOLERANCE,
     ExtractionResult,
@@ -91,6 +111,7 @@ from ..report import (
     verification_count,
     verify_model,
 )
+from .noisy import FORWARD_RHO
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +143,71 @@ BAR_SAFETY = 10.0         # error bar: this many times the measured misfit
 MAX_RESCALES = 4
 BIAS_COLUMN = 1e-3        # b_h joins W_h's K-stage columns above this x their size
 K_EXTRA = 3               # K-stage directions beyond the widest rank
+TINY_LOGIT = 1e-12         # a score row whose largest |logit| is below this x the target:
+                          # g ~ 0 there (any scale reads it)
+# low precision (a forward pass in float32, bfloat16, float16): the levels below are
+# multiples of the dtype's relative level rho (noisy.FORWARD_RHO, float32: 3.8e-6)
+LOW_PAYLOAD = 3e-2         # random selectors' payload: the answers' rounding is rho / payload
+LOW_SELECTORS = 8          # fewer selectors: selector weights 1/7 apart, eigenvalues grouped
+LOW_RETRIES = 8            # a set whose margins fail is asked again (new selectors, same size)
+LOW_SETS = 12             # ... and heads sharing a selector split over more sets
+LOW_LINEARITY = 30.0       # selector sets: misfit allowed, x its rounding estimate
+LOW_TINY = 300.0           # score rows at logits below this x rho: g ~ 0 there
+LOW_EIGEN_SLACK = 3e4      # designed selectors: eigenvalue slack, x rho (0.11 at float32)
+LOW_GROUP_SLACK = 3.0      # random selectors: a group's mean this many spacings from a mu
+LOW_VERIFY = 30.0          # held-out tolerance: this x the measured rounding, plus twice
+                          # the error bar
+ROUNDING_SEQUENCES = 4     # low precision: pairs of permuted sequences measuring the rounding
+ROUNDING_LENGTH = 8
+READ_NOISE_ROWS = 4        # low precision: W-stage rows asked again reordered
+MISFIT_LIMIT = 100.0       # ... the W-stage misfit may be this x their change, not more
+ORDER_LIMIT = 1e-2         # answers moving more than this with the order: not attention
+LOW_RESTARTS = 2           # selector sets, scores and designed selectors asked anew after a
+                          # refusal (random sets grouped wrongly through rounding)
+
+
+@dataclass(frozen=True)
+class Design:
+    """The probe design and the checks' slack for one answer precision.
+
+    ``rho`` the answers' relative level (float64: 0, exact up to rounding); the rest as
+    the module constants of the same names. Low precision changes the random selector
+    sets (larger payloads, fewer selectors, eigenvalues grouped by gaps, parts split by
+    left null spaces) and the slack of every check, scaled to rho."""
+
+    name: str = "float64"
+    rho: float = 0.0
+    payload: float = PAYLOAD
+    payload_cut: float = PAYLOAD_CUT
+    selectors: int = SELECTORS
+    retries: int = ROUGH_RETRIES
+    max_sets: int = MAX_SETS
+    linearity_tol: float = LINEARITY_TOL
+    rough_slack: float = ROUGH_SLACK
+    eigen_slack: float = EIGEN_SLACK
+    tiny_logit: float = TINY_LOGIT
+    grouped: bool = False      # random selectors: eigenvalues grouped by gaps, not by mu
+
+    @property
+    def exact(self) -> bool:
+        return self.rho == 0.0
+
+
+FLOAT64 = Design()
+
+
+def layer_design(output_dtype=None) -> Design:
+    """The design for float64 answers (None, "float64") or a forward pass in a low
+    precision."""
+    check_precision_options(output_dtype, None)
+    if output_dtype in (None, "float64"):
+        return FLOAT64
+    rho = float(FORWARD_RHO[output_dtype])
+    return Design(name=output_dtype, rho=rho, payload=LOW_PAYLOAD, payload_cut=1.0,
+                  selectors=LOW_SELECTORS, retries=LOW_RETRIES, max_sets=LOW_SETS,
+                  linearity_tol=LINEARITY_TOL, rough_slack=LOW_GROUP_SLACK,
+                  eigen_slack=max(EIGEN_SLACK, LOW_EIGEN_SLACK * rho),
+                  tiny_logit=LOW_TINY * rho, grouped=True)
 
 
 # -- small helpers ---------------------------------------------------------------------
@@ -263,16 +349,30 @@ def payload_directions(rng, d: int, C: list[np.ndarray]) -> np.ndarray:
     return min(tries, key=lambda P: max(_cond(Ck @ P) for Ck in C))
 
 
-def block_eigenspaces(M: np.ndarray, mu: np.ndarray,
-                      slack: float = EIGEN_SLACK) -> list[tuple[float, np.ndarray]]:
+def block_eigenspaces(M: np.ndarray, mu: np.ndarray, slack: float = EIGEN_SLACK, *,
+                      grouped: bool = False) -> list[tuple[float, np.ndarray]]:
     """Eigenspaces of M (k, k), whose eigenvalues must lie in the set ``mu``: (value, basis).
 
     Each eigenvalue is matched to the nearest mu; a distance above EIGEN_SLACK times the
-    spacing of the mu (or a complex pair) is not a sum of saturated heads: ModelMismatch."""
+    spacing of the mu (or a complex pair) is not a sum of saturated heads: ModelMismatch.
+    ``grouped`` (low precision, where rounding moves the eigenvalues by a good part of
+    the spacing): eigenvalues are grouped by gaps above half the spacing, and each
+    group's mean must lie within ``slack`` spacings of a mu (heads whose mu are that
+    close share a group, which a later set splits)."""
     values = np.linalg.eigvals(M)
     spacing = float(np.min(np.diff(np.sort(mu))))
-    nearest = mu[np.argmin(np.abs(values[:, None] - mu[None, :]), axis=1)]
-    off = float(np.max(np.abs(values - nearest))) / spacing
+    if grouped:
+        order = np.argsort(values.real)
+        cuts = np.flatnonzero(np.diff(values.real[order]) > spacing / 2) + 1
+        nearest = np.empty(len(values))
+        for group in np.split(order, cuts):
+            nearest[group] = values[group].real.mean()
+        centre = mu[np.argmin(np.abs(nearest[:, None] - mu[None, :]), axis=1)]
+        off = float(max(np.max(np.abs(nearest - centre)),
+                        np.max(np.abs(values - nearest)))) / spacing
+    else:
+        nearest = mu[np.argmin(np.abs(values[:, None] - mu[None, :]), axis=1)]
+        off = float(np.max(np.abs(values - nearest))) / spacing
     if off > slack:
         raise ModelMismatchError(
             f"the answers to saturated selector probes are not linear in the payload with "
@@ -289,12 +389,13 @@ def block_eigenspaces(M: np.ndarray, mu: np.ndarray,
 
 
 def split_ranges(oracle: Oracle, O: np.ndarray, c: np.ndarray, blocks: Blocks, rng,
-                 q: np.ndarray, scale: float, payload: float = PAYLOAD) -> tuple[bool, int]:
+                 q: np.ndarray, scale: float, payload: float = PAYLOAD, *,
+                 design: Design = FLOAT64) -> tuple[bool, int]:
     """One selector set: refine every block by the eigenspaces of its A O^+ (in the block:
     (L_k A P)(L_k O P)^+). Returns (whether a block split, queries)."""
     d, E = oracle.dim, blocks.E
     L = blocks.left_inverse()
-    n = min(SELECTORS, (oracle.max_length or SELECTORS + 1) - 1)   # within the box's limit
+    n = min(design.selectors, (oracle.max_length or design.selectors + 1) - 1)
     mu = np.concatenate([[0.0], rng.permutation(np.linspace(1.0, 2.0, n))])   # 0: q wins
     P = payload * scale * payload_directions(rng, d, [Lk @ E.T @ O for Lk in L])
     X = selector_probes(random_selectors(rng, n, d, scale), q, P, mu[1:])
@@ -306,13 +407,29 @@ def split_ranges(oracle: Oracle, O: np.ndarray, c: np.ndarray, blocks: Blocks, r
     for Rk, Lk in zip(blocks.R, L):
         Mk = (Lk @ Y) @ np.linalg.pinv(Lk @ Z)                     # k x k, diag(kappa) in R_h
         misfit = np.linalg.norm(Lk @ Y - Mk @ (Lk @ Z)) / np.linalg.norm(Lk @ Y)
-        if not misfit <= LINEARITY_TOL:       # more payloads than the block is wide
+        tol = design.linearity_tol
+        if not design.exact:
+            # the misfit rounding alone leaves: every answer number off by rho |y|, read
+            # through L_k, over the p - k_k directions the fit does not absorb
+            p, k = Y.shape[1], Rk.shape[1]
+            noise = (math.sqrt(2.0 * max(p - k, 1)) * design.rho * float(np.abs(y).max())
+                     * float(np.linalg.norm(Lk)) / float(np.linalg.norm(Lk @ Y)))
+            tol = max(tol, LOW_LINEARITY * noise)
+        log.debug("selector set: width %d, misfit %.2e, allowed %.2e", Rk.shape[1], misfit, tol)
+        if not misfit <= tol:       # more payloads than the block is wide
             raise ModelMismatchError(
                 f"the answers to selector probes are not linear in the payload (misfit "
                 f"{misfit:.1e}): a weight moved with it (no saturation, or not softmax)")
-        spaces = block_eigenspaces(Mk, mu, ROUGH_SLACK)
+        spaces = block_eigenspaces(Mk, mu, design.rough_slack, grouped=design.grouped)
         split |= len(spaces) > 1
-        new.extend(Rk @ S for _, S in spaces)
+        if len(spaces) > 1 and design.grouped:
+            # the eigenvalues group the block; each part's basis from the left null space
+            # of L_k (A - mu O) P, as kernel_blocks does (no (L_k O P)^+: its condition
+            # number multiplies the answers' rounding in the eigenvectors)
+            new.extend(Rk @ S for S in kernel_blocks(Lk @ Y, Lk @ Z, [v for v, _ in spaces],
+                                                     [S.shape[1] for _, S in spaces]))
+        else:
+            new.extend(Rk @ S for _, S in spaces)
     blocks.R = new
     return split, len(X)
 
@@ -323,7 +440,8 @@ def designed_selectors(G: np.ndarray, margin: float) -> np.ndarray:
     return margin * np.linalg.pinv(G)
 
 
-def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float):
+def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float, *,
+                design: Design = FLOAT64):
     """The ranges again, now that every g_h = W_h q + b_h is known (identity 2 by design).
 
     Two selector sets at query tokens q_1, q_2, selector h scoring DESIGN_MARGIN on head h
@@ -350,7 +468,7 @@ def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float):
         asked += len(y)
     Y = np.concatenate(Ys, axis=1)
     M = Y @ np.linalg.pinv(np.concatenate(Z, axis=1))
-    spaces = dict(block_eigenspaces(M, np.concatenate([[0.0], mu])))
+    spaces = dict(block_eigenspaces(M, np.concatenate([[0.0], mu]), design.eigen_slack))
     counts = [spaces[m].shape[1] if m in spaces else 0 for m in mu]
     if counts != list(widths):
         raise ModelMismatchError(f"designed selectors give ranks {counts} where the first "
@@ -428,15 +546,26 @@ class ScoreReads:
         self.y = np.concatenate([self.y, self._answers(q, tau)], axis=1)
         return rows
 
+    def reordered(self, rows: np.ndarray) -> np.ndarray:
+        """The probes of ``rows`` again with the tokens before the query token reversed:
+        the same exact answers (softmax attention does not see their order), the box's
+        rounding taken again. (blocks, len(rows), m)."""
+        q, tau = self.q[rows], self.tau[rows]
+        X = np.concatenate([score_probes(q, U, tau) for U in self.blocks])
+        X[:, :-1] = X[:, -2::-1].copy()
+        return _last(self.oracle, X).reshape(len(self.blocks), len(rows), -1)
+
     def reask(self, rows: np.ndarray, tau: np.ndarray) -> None:
         self.tau[rows] = tau
         self.y[:, rows] = self._answers(self.q[rows], tau)
 
-    def scores(self, reader, rows=slice(None)) -> list[np.ndarray]:
+    def scores(self, reader, rows=slice(None), answers=None) -> list[np.ndarray]:
         """Per head, frame^T g_h(q) (B, frame width) for the given rows, the weights read
-        by ``reader`` (:class:`Projected`)."""
+        by ``reader`` (:class:`Projected`) from the answers kept (or ``answers``,
+        (blocks, B, m))."""
         q, tau = self.q[rows], self.tau[rows]
-        per_block = [reader(y, q, U, tau) for U, y in zip(self.blocks, self.y[:, rows])]
+        y = self.y[:, rows] if answers is None else answers
+        per_block = [reader(yk, q, U, tau) for U, yk in zip(self.blocks, y)]
         return [np.concatenate([b[h] for b in per_block], axis=1) / tau[:, None]
                 for h in range(len(per_block[0]))]
 
@@ -457,7 +586,8 @@ def frame_blocks(rng, d: int, p: int, C: list[np.ndarray]) -> list[np.ndarray]:
     return best
 
 
-def scaled_reads(reads: ScoreReads, q: np.ndarray, guess: float, L, C) -> np.ndarray:
+def scaled_reads(reads: ScoreReads, q: np.ndarray, guess: float, L, C, *,
+                 tiny_logit: float = TINY_LOGIT) -> np.ndarray:
     """Ask the rows q with tau set so that the largest |logit| is about TARGET_LOGIT: first
     tau = TARGET_LOGIT / guess, then rows whose logits came out unreadable (a weight outside
     (0, 1): saturated, or a small weight swamped by the first projectors' error) or far from
@@ -469,7 +599,7 @@ def scaled_reads(reads: ScoreReads, q: np.ndarray, guess: float, L, C) -> np.nda
         tau = reads.tau[rows]
         scores = reads.scores(Projected(reads.c, L, C), rows)
         peak = np.max([np.abs(s).max(axis=1) for s in scores], axis=0) * tau
-        tiny = peak * 1e12 < TARGET_LOGIT                      # g ~ 0: any scale reads it
+        tiny = peak < tiny_logit * TARGET_LOGIT                 # g ~ 0: any scale reads it
         lost = ~np.isfinite(peak)
         failed[lost] = np.minimum(failed[lost], tau[lost])
         bad = lost | (peak > PEAK_BAND * TARGET_LOGIT) | ((peak < TARGET_LOGIT / 64) & ~tiny)
@@ -506,26 +636,31 @@ class ScorePlan:
     frame of ceil(d / p) blocks; W_h q_k spans W_h's column space K_h. W-stage: every other
     direction, read through a frame conditioned against every K_h (OVERSAMPLE x rank)."""
 
-    def __init__(self, oracle: Oracle, c, L, C, rng, kappa: float, widths: list[int]):
+    def __init__(self, oracle: Oracle, c, L, C, rng, kappa: float, widths: list[int], *,
+                 tiny_logit: float = TINY_LOGIT):
         d = oracle.dim
+        self.tiny_logit = tiny_logit
         self.p = max(1, int(TOKEN_SHARE * min(widths)))
         self.K = min(max(widths) + K_EXTRA, d)
         self.Qq = _rotation(rng, d)
         self.k_reads = ScoreReads(oracle, c, frame_blocks(rng, d, self.p, C))
-        scaled_reads(self.k_reads, np.stack([np.zeros(d), self.Qq[:, 0]]), kappa, L, C)
+        scaled_reads(self.k_reads, np.stack([np.zeros(d), self.Qq[:, 0]]), kappa, L, C,
+                     tiny_logit=tiny_logit)
         b, w1 = self._first(L, C)
         omega = float(np.max(np.linalg.norm(w1, axis=1)))
         if omega == 0:
             raise RecoveryFailedError("the scores do not depend on the query token (W = 0)")
         self.s = Q_SCALE / math.sqrt(omega)
         guess = float(np.max(np.abs(self.k_reads.frame.T @ (b + self.s * w1).T)))
-        scaled_reads(self.k_reads, (self.Qq[:, 1:self.K] * self.s).T, guess, L, C)
+        scaled_reads(self.k_reads, (self.Qq[:, 1:self.K] * self.s).T, guess, L, C,
+                     tiny_logit=tiny_logit)
         bases = self.column_spaces(Projected(c, L, C))[1]
         rho = max(B.shape[1] for B in bases)
         width = min(-(-math.ceil(OVERSAMPLE * rho) // self.p), -(-d // self.p)) * self.p
         blocks, self.cond_W = best_frame(rng, d, width, bases, C, self.p)
         self.w_reads = ScoreReads(oracle, c, blocks)
-        scaled_reads(self.w_reads, (self.Qq[:, self.K:] * self.s).T, guess, L, C)
+        scaled_reads(self.w_reads, (self.Qq[:, self.K:] * self.s).T, guess, L, C,
+                     tiny_logit=tiny_logit)
         self.cond_K = max(_cond(Ch @ U) for Ch in C for U in self.k_reads.blocks)
 
     def _first(self, L, C):
@@ -558,7 +693,7 @@ class ScorePlan:
         more = self.w_reads.scores(reader)
         norms = np.concatenate([[1.0], np.full(len(self.Qq) - 1, self.s)])
         W = np.empty((len(b),) + self.Qq.shape)
-        self.spread = 0.0
+        self.spread = self.misfit = 0.0
         for h, (B, seen) in enumerate(zip(bases, more)):
             target = (seen - F.T @ b[h]).T                        # F^T W_h q, (width, B)
             beta = np.linalg.lstsq(F.T @ B, target, rcond=None)[0]
@@ -567,7 +702,21 @@ class ScorePlan:
             # amplified by cond(F^T B) into beta
             misfit = np.linalg.norm(F.T @ B @ beta - target) / np.linalg.norm(target)
             self.spread = max(self.spread, misfit * _cond(F.T @ B))
+            self.misfit = max(self.misfit, misfit)
         return W, b, [B.shape[1] for B in bases]
+
+    def read_noise(self, reader, b: np.ndarray, rows: int = READ_NOISE_ROWS) -> float:
+        """The W-stage reads' own rounding, measured: the first ``rows`` rows asked again
+        with their tokens reordered (rows x blocks queries), read by ``reader``; the
+        largest relative change of F^T W_h q over the heads. What the W-stage misfit may
+        be if the box is the model: its rounding."""
+        picked = np.arange(min(rows, len(self.w_reads.q)))
+        again = self.w_reads.reordered(picked)
+        F = self.w_reads.frame
+        first = self.w_reads.scores(reader, picked)
+        second = self.w_reads.scores(reader, picked, again)
+        return max(float(np.linalg.norm(s2 - s1) / np.linalg.norm(s1 - F.T.dot(bh).T))
+                   for s1, s2, bh in zip(first, second, b))
 
     @property
     def condition(self) -> float:
@@ -586,8 +735,10 @@ def check_options(oracle: Oracle, heads, biases, ranks) -> None:
         raise InputError(f"ranks must be a positive integer or one per head, got {ranks!r}")
 
 
-def check_found(widths: list[int], heads, ranks, c, b, biases, W_scale) -> None:
-    """What was found against what the user stated: refuse a contradiction."""
+def check_found(widths: list[int], heads, ranks, c, b, biases, W_scale,
+                b_tol: float = 1e-9) -> None:
+    """What was found against what the user stated: refuse a contradiction (b_h above
+    ``b_tol`` x the largest |W| entry is a query bias)."""
     if heads is not None and len(widths) != heads:
         raise ModelMismatchError(f"{len(widths)} independent output ranges were found where "
                                  f"{heads} heads were stated")
@@ -597,7 +748,7 @@ def check_found(widths: list[int], heads, ranks, c, b, biases, W_scale) -> None:
         if stated is None or stated != sorted(widths):
             raise ModelMismatchError(f"the heads' output ranks are {sorted(widths)}, not "
                                      f"the stated {ranks}")
-    if biases is False and (np.any(np.abs(c) > 0) or np.max(np.abs(b)) > 1e-9 * W_scale):
+    if biases is False and (np.any(np.abs(c) > 0) or np.max(np.abs(b)) > b_tol * W_scale):
         raise ModelMismatchError("the black box has biases (F([0]) != 0 or query biases) "
                                  "where none were stated: extract with biases=None or True")
 
@@ -613,7 +764,8 @@ def parameter_count(d: int, m: int, widths, ranks_W, biases: bool) -> int:
 
 def extract_vector_layer(oracle: Oracle, *, seed=None,
                          verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE, heads=None,
-                         biases=None, ranks=None) -> ExtractionResult:
+                         biases=None, ranks=None,
+                         output_dtype: str | None = None) -> ExtractionResult:
     """Recover a standard attention layer (several heads, independent output ranges) from
     vector answers: every head's canonical W_h, b_h, O_h and the constant c.
 
@@ -633,6 +785,12 @@ def extract_vector_layer(oracle: Oracle, *, seed=None,
         refused; True: biases expected.
     ranks : int or sequence of int, optional
         The heads' output ranks r_h, if known: checked against those found.
+    output_dtype : {"float64", "float32", "bfloat16", "float16"}, optional
+        The box runs its forward pass in this dtype (a PyTorch module in float32, say):
+        the random selector sets use larger payloads and fewer selectors, every check's
+        slack is scaled to the dtype's level, the error bar is measured from the score
+        reads' misfit, and held-out verification allows that level (LOW_VERIFY x it)
+        plus twice the bar. Default: float64 answers.
 
     Returns
     -------
@@ -650,6 +808,7 @@ def extract_vector_layer(oracle: Oracle, *, seed=None,
         The answers show no dependence on the scores, or W = 0.
     """
     check_options(oracle, heads, biases, ranks)
+    design = layer_design(output_dtype)
     start, start_q, start_bb = time.perf_counter(), oracle.queries, oracle.black_box_seconds
     start_numbers, start_tokens = oracle.numbers, oracle.tokens
     rng = np.random.default_rng(seed)
@@ -665,27 +824,66 @@ def extract_vector_layer(oracle: Oracle, *, seed=None,
     q_pilot, u_pilot = (v / np.linalg.norm(v) for v in rng.standard_normal((2, d)))
     kappa = logit_scale(oracle, O, c, q_pilot, u_pilot)
     counts["pilot"] = oracle.queries - start_q - sum(counts.values())
-    blocks, sets = rough_ranges(oracle, O, c, E, rng, q_pilot, SELECT_LOGIT / kappa)
-    counts["ranges (random selectors)"] = oracle.queries - start_q - sum(counts.values())
-    widths = blocks.widths
-    L, C, _ = projectors(E, blocks, O)
-    plan = ScorePlan(oracle, c, L, C, rng, kappa, widths)
-    counts["scores (W_h, b_h)"] = oracle.queries - start_q - sum(counts.values())
-    W, b, _ = plan.solve(Projected(c, L, C))
-    blocks.R, _ = fine_ranges(oracle, O, E, W, b, widths, rng, plan.s)
-    counts["ranges (designed selectors)"] = oracle.queries - start_q - sum(counts.values())
+    for attempt in range(1 + (0 if design.exact else LOW_RESTARTS)):
+        try:
+            blocks, sets = rough_ranges(oracle, O, c, E, rng, q_pilot, SELECT_LOGIT / kappa,
+                                        design=design)
+            counts["ranges (random selectors)"] = (counts.get("ranges (random selectors)", 0)
+                                                   + oracle.queries - start_q
+                                                   - sum(counts.values()))
+            widths = blocks.widths
+            L, C, _ = projectors(E, blocks, O)
+            plan = ScorePlan(oracle, c, L, C, rng, kappa, widths,
+                             tiny_logit=design.tiny_logit)
+            counts["scores (W_h, b_h)"] = (counts.get("scores (W_h, b_h)", 0) + oracle.queries
+                                           - start_q - sum(counts.values()))
+            W, b, _ = plan.solve(Projected(c, L, C))
+            blocks.R, _ = fine_ranges(oracle, O, E, W, b, widths, rng, plan.s, design=design)
+            counts["ranges (designed selectors)"] = (
+                counts.get("ranges (designed selectors)", 0) + oracle.queries - start_q
+                - sum(counts.values()))
+            break
+        except ModelMismatchError:
+            # low precision: a random selector set read through an ill-conditioned O may
+            # group its eigenvalues wrongly (a head's range split), and the score reads
+            # then fail; new random sets from the start. An impostor fails every time.
+            if attempt == LOW_RESTARTS or design.exact:
+                raise
+            counts["restarts (low precision)"] = (counts.get("restarts (low precision)", 0)
+                                                  + oracle.queries - start_q
+                                                  - sum(counts.values()))
     L, C, R = projectors(E, blocks, O)
     O_h = np.stack([Rh @ Ch for Rh, Ch in zip(R, C)])
     W, b, ranks_W = plan.solve(Projected(c, L, C))   # the same answers, final ranges
-    check_found(widths, heads, ranks, c, b, biases, float(np.max(np.abs(W))))
+    rounding = 0.0
+    if not design.exact:
+        # what low precision may widen is set by the box's measured rounding alone: the
+        # W-stage misfit must be what reordered reads show, or the misfit is the box's
+        # (a float64 box off the model by 1e-4, stated as float32, is refused here)
+        noise = plan.read_noise(Projected(c, L, C), b)
+        if not plan.misfit <= MISFIT_LIMIT * noise:
+            raise ModelMismatchError(
+                f"the score reads misfit a layer's scores by {plan.misfit:.1e} (relative) "
+                f"where the box's own rounding (the same reads with reordered tokens) "
+                f"moves them by {noise:.1e}: the misfit is not the {design.name} rounding")
+        rounding = permutation_rounding(oracle, rng, plan.s)
+        counts["rounding (reordered tokens)"] = (oracle.queries - start_q
+                                                 - sum(counts.values()))
+    bar = error_bar(plan, rounding)
+    check_found(widths, heads, ranks, c, b, biases, float(np.max(np.abs(W))),
+                b_tol=1e-9 if design.exact else BAR_SAFETY * bar)
     positions = "all" if oracle.outputs == "all" else "last"
     model = VectorAttention(W, O_h, b, c, positions=positions,
                             causal=bool(oracle.causal) if positions == "all" else False)
     has_biases = bool(np.any(c) or np.any(b)) if biases is None else biases
     params = parameter_count(d, O.shape[0], widths, ranks_W, has_biases)
     counts["recovery"] = oracle.queries - start_q
-    bar = error_bar(plan)
     n_verify = verification_count(params, counts["recovery"])
+    if not design.exact:
+        # the box itself is off from any exact model by its own rounding: held-out
+        # tolerance LOW_VERIFY x its level plus twice the measured bar (the same rule as
+        # vector-single-head's)
+        verify_tolerance = max(verify_tolerance, LOW_VERIFY * rounding + 2.0 * bar)
     verification = verify_model(oracle, model, count=n_verify, seed=seed,
                                 tolerance=verify_tolerance, expected_error=bar)
     report = Report(
@@ -698,35 +896,65 @@ def extract_vector_layer(oracle: Oracle, *, seed=None,
                  "heads found": len(widths), "output ranks r_h": widths,
                  "ranks of W_h": ranks_W, "random selector sets": sets,
                  "parameters": params, "error bar": bar, "frame condition": plan.condition,
+                 "precision": design.name, "measured rounding": rounding,
                  "floor": f"{params} parameters / {O.shape[0]} numbers per query"})
     return checked_result(model, report, "a standard attention layer with independent "
                           "head output ranges")
 
 
-def rough_ranges(oracle, O, c, E, rng, q, scale) -> tuple[Blocks, int]:
+def rough_ranges(oracle, O, c, E, rng, q, scale, *,
+                 design: Design = FLOAT64) -> tuple[Blocks, int]:
     """Identity 2 with random selectors: a first set with payloads spanning R^d, then sets
     (each at a new unit query token) with payloads for the widest block, until one splits
-    nothing (at most MAX_SETS).
+    nothing (at most MAX_SETS; ``design`` for low precision).
     Returns the blocks and the number of sets."""
     blocks, retries = Blocks(E), 0
-    for sets in range(1, MAX_SETS + 1):
+    for sets in range(1, design.max_sets + 1):
         if sets > 1:    # a new query token: heads whose scores agree at one q part at another
             q = _unit(rng, len(q))
-        for attempt in range(ROUGH_RETRIES + 1):
+        for attempt in range(design.retries + 1):
             try:
                 split, _ = split_ranges(oracle, O, c, blocks, rng, q, scale,
-                                        PAYLOAD / PAYLOAD_CUT ** attempt)
+                                        design.payload / design.payload_cut ** attempt,
+                                        design=design)
                 break
             except ModelMismatchError:
                 # random selectors leave a margin below the payload's reach now and then:
                 # new selectors at a new q, a smaller payload; an impostor fails every time
                 retries += 1
-                if attempt == ROUGH_RETRIES:
+                if attempt == design.retries:
                     raise
                 q = _unit(rng, len(q))
         if sets > 1 and not split:
             break
     return blocks, sets
+
+
+def permutation_rounding(oracle: Oracle, rng, scale: float, sequences: int = ROUNDING_SEQUENCES,
+                         length: int = ROUNDING_LENGTH) -> float:
+    """The answers' own rounding, measured: softmax attention does not depend on the
+    order of the tokens before the query token, so a sequence and the same sequence with
+    those tokens reversed have the same exact answer; what differs is the box's rounding
+    (its sums taken in another order). Returns the largest difference relative to the
+    largest answer, over ``sequences`` pairs of ``length`` tokens of norm ``scale``
+    (2 x ``sequences`` queries, one batch). A float64 box told low precision measures
+    ~1e-16 here, so its bar and held-out tolerance stay those of float64.
+
+    A box whose answers depend on that order is not softmax attention: refused."""
+    d = oracle.dim
+    length = min(length, oracle.max_length or length)
+    X = rng.standard_normal((sequences, length, d))
+    X *= scale / np.linalg.norm(X, axis=2, keepdims=True)
+    swapped = X.copy()
+    swapped[:, :-1] = X[:, -2::-1]
+    y = _last(oracle, np.concatenate([X, swapped]))
+    size = float(np.abs(y).max())
+    level = float(np.abs(y[:sequences] - y[sequences:]).max()) / size if size > 0 else 0.0
+    if not level <= ORDER_LIMIT:
+        raise ModelMismatchError(
+            f"the answers change by {level:.1e} (relative) when the tokens before the query "
+            f"token are reordered: softmax attention does not depend on their order")
+    return level
 
 
 def projectors(E: np.ndarray, blocks: Blocks, O: np.ndarray):
@@ -736,9 +964,9 @@ def projectors(E: np.ndarray, blocks: Blocks, O: np.ndarray):
     return L, [Lh @ O for Lh in L], [E @ Rk for Rk in blocks.R]
 
 
-def error_bar(plan: ScorePlan) -> float:
+def error_bar(plan: ScorePlan, rounding: float = 0.0) -> float:
     """Relative parameter error bar, measured: the W-stage reads more numbers (OVERSAMPLE x
     the rank) than each W_h q has unknowns, so their misfit is the reads' own noise (range
     errors leaking through the projectors, rounding), amplified by cond(F^T K_h) into W.
     BAR_SAFETY covers the K-stage columns and b, read by the same probes."""
-    return float(BAR_SAFETY * max(plan.spread, EPS))
+    return float(BAR_SAFETY * max(plan.spread, EPS, rounding))
