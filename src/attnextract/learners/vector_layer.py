@@ -426,7 +426,7 @@ def split_ranges(oracle: Oracle, O: np.ndarray, c: np.ndarray, blocks: Blocks, r
             # the eigenvalues group the block; each part's basis from the left null space
             # of L_k (A - mu O) P, as kernel_blocks does (no (L_k O P)^+: its condition
             # number multiplies the answers' rounding in the eigenvectors)
-            new.extend(Rk @ S for S in kernel_blocks(Lk @ Y, Lk @ Z, [v for v, _ in spaces],
+            new.extend(Rk @ S for S in kernel_blocks(Lk @ Y, Lk @ Z, np.array([v for v, _ in spaces]),
                                                      [S.shape[1] for _, S in spaces]))
         else:
             new.extend(Rk @ S for _, S in spaces)
