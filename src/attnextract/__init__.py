@@ -5,10 +5,7 @@ the algorithms are described in docs/algorithms.md.
 """
 
 # first, before the heavy imports: Ctrl-C while the command starts is one line
-from ._startup import quiet_interrupts_while_starting
-
-quiet_interrupts_while_starting()
-
+from . import _startup  # noqa: F401  (its import sets that up; a library import: no change)
 from .errors import (AttnExtractError, BlackBoxError, BudgetExceededError, InputError,
                      MalformedOutputError, ModelMismatchError, NonFiniteOutputError,
                      NotIdentifiableError, RecoveryFailedError, TargetLoadError)
