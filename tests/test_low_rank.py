@@ -68,7 +68,7 @@ def test_adaptive_larger_d_within_five_percent(d, r):
         assert result.report.details["rank"] == r
         assert rel_err(result.model.W, target.W) <= 1e-9
         assert spent(result) <= bound(d, r)
-        text = result.report.render()
+        text = result.report.render(verbose=True)
         assert f"d + r(2d - r) = {low_rank_floor(d, r)}" in text
         assert f"d^2 + d = {d * d + d}" in text
 

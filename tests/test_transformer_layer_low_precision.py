@@ -203,8 +203,8 @@ def test_a_unit_below_the_detection_limit_is_stated_not_seen():
         assert compared["units"] == (result.model.width, 8)
         assert np.all(compared["unseen units |w|"] <= limit)
         assert error >= compared["unseen units |w|"].max(initial=0.0)
-        assert f"{result.model.width} units found" in str(result.report)
-        assert f"detection limit {limit:.1e}" in str(result.report)
+        assert f"{result.model.width} units found" in result.report.render(verbose=True)
+        assert f"detection limit {limit:.1e}" in result.report.render(verbose=True)
         unseen += result.model.width == 7
     assert unseen >= 4
 

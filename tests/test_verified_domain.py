@@ -107,7 +107,7 @@ def test_coverage_is_stated_per_family_and_more_sequences_buy_a_stronger_one():
     assert large.coverage["ordinary"] < small.coverage["ordinary"] / 4
     report = Report(kind="single-head", dim=D, queries=64, floor=72, breakdown={}, seconds=0.0,
                     black_box_seconds=0.0, verification=small)
-    assert "95% confidence" in report.render()
+    assert "95% confidence" in report.render(verbose=True)
     assert report.to_dict()["verification"]["coverage"] == small.coverage
 
 

@@ -5,12 +5,9 @@ the algorithms are described at https://attnextract.github.io/attnextract/algori
 """
 
 # first, before the heavy imports: Ctrl-C while the command starts is one line
-from ._startup import quiet_interrupts_while_starting
-
-quiet_interrupts_while_starting()
-
-from . import progress as progress  # noqa: E402  (ProgressBar, configure_logging, thread_limits)
-from .errors import (  # noqa: E402
+from . import _startup  # noqa: F401  (its import sets that up; a library import: no change)
+from . import progress as progress  # ProgressBar, configure_logging, thread_limits
+from .errors import (
     AttnExtractError,
     BlackBoxError,
     BudgetExceededError,
@@ -26,27 +23,27 @@ from .errors import (  # noqa: E402
     RefusalWithResult,
     TargetLoadError,
 )
-from .learners.low_rank import extract_low_rank  # noqa: E402
-from .learners.multi_head import (  # noqa: E402
+from .learners.low_rank import extract_low_rank
+from .learners.multi_head import (
     canonical_form,
     extract_multi_head,
     non_identifiable_twin,
     twin_difference,
 )
-from .learners.multi_head_low_rank import extract_multi_head_low_rank  # noqa: E402
-from .learners.noisy import extract_low_precision, extract_noisy  # noqa: E402
-from .learners.one_layer import extract_one_layer  # noqa: E402
-from .learners.pre_layer_norm import extract_pre_layer_norm  # noqa: E402
-from .learners.relu_network import extract_relu_network  # noqa: E402
-from .learners.residual import extract_one_layer_residual  # noqa: E402
-from .learners.sign_only import extract_sign_only  # noqa: E402
-from .learners.single_head import extract_single_head  # noqa: E402
-from .learners.transformer_layer import extract_transformer_layer  # noqa: E402
-from .learners.vector_layer import extract_vector_layer  # noqa: E402
-from .learners.vector_multi_head import extract_vector_multi_head  # noqa: E402
-from .learners.vector_pre_layer_norm import extract_vector_pre_layer_norm  # noqa: E402
-from .learners.vector_single_head import extract_vector_single_head  # noqa: E402
-from .models import (  # noqa: E402
+from .learners.multi_head_low_rank import extract_multi_head_low_rank
+from .learners.noisy import extract_low_precision, extract_noisy
+from .learners.one_layer import extract_one_layer
+from .learners.pre_layer_norm import extract_pre_layer_norm
+from .learners.relu_network import extract_relu_network
+from .learners.residual import extract_one_layer_residual
+from .learners.sign_only import extract_sign_only
+from .learners.single_head import extract_single_head
+from .learners.transformer_layer import extract_transformer_layer
+from .learners.vector_layer import extract_vector_layer
+from .learners.vector_multi_head import extract_vector_multi_head
+from .learners.vector_pre_layer_norm import extract_vector_pre_layer_norm
+from .learners.vector_single_head import extract_vector_single_head
+from .models import (
     BiasedMultiHeadAttention,
     BiasedSingleHeadAttention,
     MultiHeadAttention,
@@ -60,9 +57,9 @@ from .models import (  # noqa: E402
     VectorAttention,
     VectorSphereAttention,
 )
-from .oracle import Oracle  # noqa: E402
-from .registry import extract, learner_names, register  # noqa: E402
-from .report import ExtractionResult, Report, Verification, load_model, verify_model  # noqa: E402
+from .oracle import Oracle
+from .registry import extract, learner_names, register
+from .report import ExtractionResult, Report, Verification, load_model, verify_model
 
 __version__ = "0.2.0"
 

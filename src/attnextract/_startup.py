@@ -5,8 +5,9 @@ KeyboardInterrupt there would surface as a traceback from deep inside an import,
 :func:`attnextract.cli.main` (which turns Ctrl-C into one line) runs. When the process is
 the ``attnextract`` command (the installed script or ``python -m attnextract``),
 :func:`quiet_interrupts_while_starting` makes SIGINT print one line and end the process
-(exit 130) until :func:`interrupts_as_usual` hands Ctrl-C back to Python. Imported as a
-library, nothing changes. Standard library only: this runs before anything else loads.
+(exit 130) until :func:`interrupts_as_usual` hands Ctrl-C back to Python; importing this
+module does that (``attnextract/__init__.py`` imports it first). Imported as a library,
+nothing changes. Standard library only: this runs before anything else loads.
 """
 
 from __future__ import annotations
@@ -47,3 +48,6 @@ def interrupts_as_usual() -> None:
     """Ctrl-C raises KeyboardInterrupt again (the command's own handling takes over)."""
     if signal.getsignal(signal.SIGINT) is _interrupted:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+quiet_interrupts_while_starting()

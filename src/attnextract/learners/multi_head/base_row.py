@@ -52,7 +52,6 @@ perturbations, every head's W_h q_0 and v_h.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -89,6 +88,11 @@ from .constants import (
     UNRESOLVED_HEIGHT,
     WINDOW_MARGIN,
 )
+
+if TYPE_CHECKING:
+    from .state import RunState
+else:
+    RunState = object     # the run's attributes, a type only (state.py)
 
 
 def base_quality(steps, half_window: float) -> float:
@@ -206,10 +210,15 @@ def _agreed_count(counts) -> int | None:
     return max(agreed) if agreed else None
 
 
-if TYPE_CHECKING:
-    from .state import RunState
-else:
-    RunState = object     # the run's attributes, a type only (state.py)
+def _spread(found) -> float:
+    """The outermost step a base row's fit pins (its logit's size)."""
+    # every step the fit pins counts, however low: a well-pinned step 7e-4 of
+    # the largest height, left out, let the scale grow to 133 and pushed it to
+    # 42, far outside the window (no row then fitted 2 steps: refused as a mismatch)
+    steps = found[2]
+    seen = ((np.abs(steps.c) > 1e-3 * np.max(np.abs(steps.c)))
+            | (steps.t_std < 0.1))
+    return float(np.max(np.abs(steps.t[seen])))
 
 
 class BaseRowStage(RunState):
@@ -772,66 +781,96 @@ class BaseRowStage(RunState):
         self.q_0 /= np.linalg.norm(self.q_0)
         directions = rng.standard_normal((BASE_CANDIDATES * (2 if self.coarse else 1), d))
         directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+        samples: dict = {}                  # id(row) -> (lam, g, fits_to_noise) scanned
+        scale, first = self.base_scale(directions[0], samples)
+        found = self.scan_base_rows(first, directions, scale, samples)
+        heads = self.head_count(found, samples)
+        self.details["canonical heads"] = heads
+        # the count search's rows, kept for a reopened count (:meth:`reopen_count`)
+        self.count_rows = [(f[0], f[1], f[2]) for f in found]
+        self.count_window, self.count_q0 = self.length, self.q_0.copy()
+        self.details["head counts of the base rows"] = [f[0] for f in found]
+        self.details["base scans"] = self.scans_made
+        if heads == 0 and self.saw_steps:
+            # a scan showed steps, so the box has heads: rows flat at the scale chosen
+            # are the learner's failure to place them in the window, not the box's; a
+            # new search (new rows, new scale rounds) follows while the count allows
+            # (:meth:`count_heads`)
+            raise _Redesign(RecoveryFailedError,
+                            f"every base row was flat at the scale chosen although a scan "
+                            f"of the first row showed sigmoid steps: the learner could not "
+                            f"bring them into its window above the {self.precision_name} "
+                            f"rounding (relative {self.precision:.1e}) of the answers, and "
+                            f"the black box was not judged; if the answers' precision is "
+                            f"known, state it with output_dtype= (--output-dtype)")
+        if heads == 0:
+            return 0
+        rows = [f for f in found if f[0] == heads]
+        if self.coarse:
+            # coarse answers: a row whose outermost step lies at the window's edge is kept
+            # shortened, its steps pulled inside (:func:`_shrunk`, no query), as the
+            # search judged it (:meth:`pinned_enough`)
+            rows = [(f[0], _shrunk(f[2], self.half_window)[0] * f[1],
+                     _shrunk(f[2], self.half_window)[1]) + tuple(f[3:]) for f in rows]
+        ranked = sorted(rows, key=lambda f: base_quality(f[2], self.half_window))
+        self.adopt_base(ranked[0][1], ranked[0][2])
+        # the others are a retry's base rows, measured already (:meth:`fresh_base_row`)
+        self.spare_rows = [(f[1], f[2], self.q_0) for f in ranked[1:]]
+        return heads
+
+    def scan_base_row(self, u: np.ndarray, samples: dict, reduce: bool = True):
+        """(count, u, fit, noise) of row u; count None when no fit reaches the noise.
+        ``reduce``: not told H, the count is checked by :func:`_fewest_steps` (not in
+        the scale rounds, whose rows at the first scale crowd their steps near 0)."""
+        H = self.max_heads
+        self.scans_left -= 1
+        self.scans_made += 1
+        level = max(1, min(H, self.count_level))
+        lam, g, fewest = np.zeros(0), np.zeros(0), 1
+        while True:
+            size = _scan_size(min(H, level + (0 if self.heads_told else COUNT_MARGIN)))
+            more = _more_lambdas(lam, size, self.half_window, self.length)
+            if more.size:
+                lam_more, g_more = self.measure(np.repeat(u[None], more.size, 0),
+                                                np.repeat(self.q_0[None], more.size, 0),
+                                                more)
+                lam, g = np.append(lam, lam_more), np.append(g, g_more)
+            noise = self.noise(g + self.q_0 @ self.v)
+            if np.max(np.abs(g)) <= NOISE_FACTOR * noise:
+                return 0, u, None, noise
+            f_values = g + self.q_0 @ self.v
+
+            def fits_to_noise(steps):
+                # the count of heads: the fewest steps that fit to the rounding of a
+                # box with these heights (a looser test lets two close steps pass as one)
+                return steps.rms <= NOISE_FACTOR * self.noise(f_values,
+                                                              np.sum(np.abs(steps.c)))
+
+            # fewer steps than ``fewest`` missed the noise on a subset of these
+            # samples: more samples only add to a fit's squared residual
+            fits = fit.fit_free_steps(lam, g, u @ self.v, level, self.half_window, noise,
+                                      counts=range(fewest, level + 1), enough=fits_to_noise)
+            count = next((fewest + h for h, f in enumerate(fits) if fits_to_noise(f)), None)
+            if count is not None or level >= H:
+                break
+            level, fewest = level + 1, level + 1
+        steps = fits[count - fewest] if count else fits[-1]
+        samples[id(u)] = (lam, g, fits_to_noise)
+        if count and reduce and not self.heads_told:
+            # not told H, a row's count is read as it stands only when no fit of one
+            # step fewer, started from its own steps, reaches the noise too
+            steps = _fewest_steps(lam, g, u @ self.v, steps, noise, fits_to_noise)
+            count = steps.t.size
+        if count:
+            self.count_level = max(self.count_level, count)
+        return count, u, steps, noise
+
+    def base_scale(self, direction: np.ndarray, samples: dict):
+        """The scale rounds: the first row scanned and rescaled until its outermost step
+        sits at ``half_window - 1.5``. Returns (scale, the first row's scan)."""
         target_spread = self.half_window - 1.5
-
-        def scan(u, reduce=True):
-            """(count, u, fit, noise) of row u; count None when no fit reaches the noise.
-            ``reduce``: not told H, the count is checked by :func:`_fewest_steps` (not in
-            the scale rounds, whose rows at the first scale crowd their steps near 0)."""
-            self.scans_left -= 1
-            self.scans_made += 1
-            level = max(1, min(H, self.count_level))
-            lam, g, fewest = np.zeros(0), np.zeros(0), 1
-            while True:
-                size = _scan_size(min(H, level + (0 if self.heads_told else COUNT_MARGIN)))
-                more = _more_lambdas(lam, size, self.half_window, self.length)
-                if more.size:
-                    lam_more, g_more = self.measure(np.repeat(u[None], more.size, 0),
-                                                    np.repeat(self.q_0[None], more.size, 0),
-                                                    more)
-                    lam, g = np.append(lam, lam_more), np.append(g, g_more)
-                noise = self.noise(g + self.q_0 @ self.v)
-                if np.max(np.abs(g)) <= NOISE_FACTOR * noise:
-                    return 0, u, None, noise
-                f_values = g + self.q_0 @ self.v
-
-                def fits_to_noise(steps):
-                    # the count of heads: the fewest steps that fit to the rounding of a
-                    # box with these heights (a looser test lets two close steps pass as one)
-                    return steps.rms <= NOISE_FACTOR * self.noise(f_values,
-                                                                  np.sum(np.abs(steps.c)))
-
-                # fewer steps than ``fewest`` missed the noise on a subset of these
-                # samples: more samples only add to a fit's squared residual
-                fits = fit.fit_free_steps(lam, g, u @ self.v, level, self.half_window, noise,
-                                          counts=range(fewest, level + 1), enough=fits_to_noise)
-                count = next((fewest + h for h, f in enumerate(fits) if fits_to_noise(f)), None)
-                if count is not None or level >= H:
-                    break
-                level, fewest = level + 1, level + 1
-            steps = fits[count - fewest] if count else fits[-1]
-            samples[id(u)] = (lam, g, fits_to_noise)
-            if count and reduce and not self.heads_told:
-                # not told H, a row's count is read as it stands only when no fit of one
-                # step fewer, started from its own steps, reaches the noise too
-                steps = _fewest_steps(lam, g, u @ self.v, steps, noise, fits_to_noise)
-                count = steps.t.size
-            if count:
-                self.count_level = max(self.count_level, count)
-            return count, u, steps, noise
-
-        def spread(found):
-            # every step the fit pins counts, however low: a well-pinned step 7e-4 of
-            # the largest height, left out, let the scale grow to 133 and pushed it to
-            # 42, far outside the window (no row then fitted 2 steps: refused as a mismatch)
-            steps = found[2]
-            seen = ((np.abs(steps.c) > 1e-3 * np.max(np.abs(steps.c)))
-                    | (steps.t_std < 0.1))
-            return float(np.max(np.abs(steps.t[seen])))
-
         scale, before = 1.0, self.oracle.queries
         first = None
-        samples: dict[int, tuple[np.ndarray, np.ndarray, Callable]] = {}   # id(u): lam, g, fit test
         # scales at which the first row showed steps / was flat: a flat scan above a
         # scale that showed steps overshot (its steps left the window and, in coarse
         # answers, sank below the rounding), so the next scale lies between the two
@@ -842,7 +881,7 @@ class BaseRowStage(RunState):
         for _ in range(SCALE_ROUNDS):
             if first is not None and self.scans_left <= 1:
                 break
-            first = scan(scale * directions[0], reduce=False)
+            first = self.scan_base_row(scale * direction, samples, reduce=False)
             if first[0] == 0:
                 if scale > shown > 0:
                     flat_above = min(flat_above, scale)
@@ -850,7 +889,7 @@ class BaseRowStage(RunState):
                 scale = math.sqrt(shown * scale) if shown else 30.0 * scale
                 continue
             shown = max(shown, scale)
-            factor = target_spread / max(spread(first), 1e-3)
+            factor = target_spread / max(_spread(first), 1e-3)
             if 0.8 <= factor <= 1.25 and first[0] is not None:
                 break
             scale *= min(factor, 1e3)
@@ -865,7 +904,15 @@ class BaseRowStage(RunState):
                                   first[1] @ self.v, first[2], first[3],
                                   samples[id(first[1])][2])
             first = (steps.t.size, first[1], steps, first[3])
+        return scale, first
 
+    def scan_base_rows(self, first, directions: np.ndarray, scale: float,
+                       samples: dict) -> list:
+        """More base rows at ``scale`` until the count is agreed (or the scans allowed
+        are spent); coarse answers rescan a row at its own scale. Returns every row's
+        scan, the first row's first."""
+        H = self.max_heads
+        target_spread = self.half_window - 1.5
         before = self.oracle.queries
         found = [first]
         # not told H: the count is what independent rows agree on, so rows are scanned
@@ -894,7 +941,7 @@ class BaseRowStage(RunState):
                 if agreed is not None or extra <= 0:
                     break
                 extra -= 1
-            found.append(scan(scale * w))
+            found.append(self.scan_base_row(scale * w, samples))
             if self.coarse and self.scans_left > 0:
                 # coarse answers (float32): a step a few units beyond the window sinks
                 # below the rounding and two steps 0.3 apart merge, so a row scaled by
@@ -904,10 +951,18 @@ class BaseRowStage(RunState):
                 # rescanned at its own scale, its outermost fitted step at the target
                 steps = found[-1][2]
                 if steps is not None and np.all(np.isfinite(steps.t)):
-                    factor = target_spread / max(spread(found[-1]), 1e-3)
+                    factor = target_spread / max(_spread(found[-1]), 1e-3)
                     if not (self.in_window(found[-1]) and 0.6 <= factor <= 1.6):
-                        found[-1] = scan(float(np.clip(factor, 1e-2, 1e2)) * scale * w)
+                        found[-1] = self.scan_base_row(
+                            float(np.clip(factor, 1e-2, 1e2)) * scale * w, samples)
         self.spend("base rows", before)
+        return found
+
+    def head_count(self, found: list, samples: dict) -> int:
+        """The head count the base rows show: agreed by two rows, else the row of most
+        pinned steps, else one row's (noted); a refusal when no row fits; coarse answers
+        rescan rows of more steps shortened and trust pinned rows."""
+        H = self.max_heads
         counts = [c for c in self.votes(found) if c is not None]
         if not counts:       # every fitted row out of the window: their counts, as before
             counts = [c for c in self.votes(found, window=False) if c is not None]
@@ -1001,7 +1056,8 @@ class BaseRowStage(RunState):
                         + verification_count(self.parameters(k)) <= self.count_cap(k)):
                     break
                 before = self.oracle.queries
-                found.append(scan(_shrunk(row[2], self.half_window)[0] * row[1]))
+                found.append(self.scan_base_row(_shrunk(row[2], self.half_window)[0] * row[1],
+                                                samples))
                 self.spend("base rows", before)
         if self.coarse:
             # coarse answers only hide steps (a step beyond the window sinks below the
@@ -1014,37 +1070,6 @@ class BaseRowStage(RunState):
                                   f"steps are pinned (the rows scanned gave "
                                   f"{[f[0] for f in found]})")
                 heads = max(pinned)
-        self.details["canonical heads"] = heads
-        # the count search's rows, kept for a reopened count (:meth:`reopen_count`)
-        self.count_rows = [(f[0], f[1], f[2]) for f in found]
-        self.count_window, self.count_q0 = self.length, self.q_0.copy()
-        self.details["head counts of the base rows"] = [f[0] for f in found]
-        self.details["base scans"] = self.scans_made
-        if heads == 0 and self.saw_steps:
-            # a scan showed steps, so the box has heads: rows flat at the scale chosen
-            # are the learner's failure to place them in the window, not the box's; a
-            # new search (new rows, new scale rounds) follows while the count allows
-            # (:meth:`count_heads`)
-            raise _Redesign(RecoveryFailedError,
-                            f"every base row was flat at the scale chosen although a scan "
-                            f"of the first row showed sigmoid steps: the learner could not "
-                            f"bring them into its window above the {self.precision_name} "
-                            f"rounding (relative {self.precision:.1e}) of the answers, and "
-                            f"the black box was not judged; if the answers' precision is "
-                            f"known, state it with output_dtype= (--output-dtype)")
-        if heads == 0:
-            return 0
-        rows = [f for f in found if f[0] == heads]
-        if self.coarse:
-            # coarse answers: a row whose outermost step lies at the window's edge is kept
-            # shortened, its steps pulled inside (:func:`_shrunk`, no query), as the
-            # search judged it (:meth:`pinned_enough`)
-            rows = [(f[0], _shrunk(f[2], self.half_window)[0] * f[1],
-                     _shrunk(f[2], self.half_window)[1]) + tuple(f[3:]) for f in rows]
-        ranked = sorted(rows, key=lambda f: base_quality(f[2], self.half_window))
-        self.adopt_base(ranked[0][1], ranked[0][2])
-        # the others are a retry's base rows, measured already (:meth:`fresh_base_row`)
-        self.spare_rows = [(f[1], f[2], self.q_0) for f in ranked[1:]]
         return heads
 
     def agreed(self, found) -> int | None:
