@@ -1,6 +1,7 @@
 import ast
 import functools
 import importlib.util
+import logging
 import os
 import re
 from pathlib import Path
@@ -193,3 +194,16 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"not collected, they need {', '.join(sorted(MISSING))} (pip install -e \".[test-all]\"): "
             f"{_left_out.get('tests', 0)} tests and the modules {', '.join(modules) or 'none'}")
+
+
+@pytest.fixture(autouse=True)
+def _package_logger_restored():
+    """A command run in-process (``cli.main``) configures the package's logger for a
+    terminal (its own handler, no propagation); later tests on the same worker must still
+    see its records through pytest's capture, so every test leaves it as it found it."""
+    logger = logging.getLogger("attnextract")
+    saved = (logger.level, logger.propagate, list(logger.handlers))
+    yield
+    logger.setLevel(saved[0])
+    logger.propagate = saved[1]
+    logger.handlers[:] = saved[2]
