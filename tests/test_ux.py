@@ -321,12 +321,21 @@ def test_a_wrong_dim_keeps_a_journal_that_was_there(tmp_path, target_file, capsy
 
 def test_a_rounding_mismatch_names_the_tolerance_options_and_they_work(tmp_path, target_file,
                                                                        capsys):
+    """A float32 box refused by the exact learner is told how to extract it, whatever the
+    learner's seed: the refusal names a precision option (the error's --output-dtype, and
+    the hint's --relative-tolerance when the held-out error is at most 1e-2: on some seeds
+    the adversarial search finds a 1.3e-2 error and only the refusal's own text names
+    one), and both options then return the model."""
     spec = f"{target_file}:rounded"
-    assert main(["extract", "--target", spec, "--dim", "4", "--out", str(tmp_path / "r")]) == 1
-    err = capsys.readouterr().err
-    assert "hint:" in err and "--relative-tolerance 6e-8" in err
-    assert main(["extract", "--target", spec, "--dim", "4", "--out", str(tmp_path / "r"),
-                 "--tolerance", "0", "--relative-tolerance", "6e-8"]) == 0
+    for seed in map(str, range(6)):
+        out = ["--dim", "4", "--out", str(tmp_path / "r"), "--seed", seed, "--no-journal"]
+        assert main(["extract", "--target", spec, *out]) == 1
+        err = capsys.readouterr().err
+        assert "--output-dtype float32" in err
+        assert "hint:" not in err or "--relative-tolerance 6e-8" in err
+        assert main(["extract", "--target", spec, *out,
+                     "--tolerance", "0", "--relative-tolerance", "6e-8"]) == 0
+        assert main(["extract", "--target", spec, *out, "--output-dtype", "float32"]) == 0
 
 
 def test_threads_option_limits_blas_threads_while_the_black_box_runs(tmp_path, target_file):
