@@ -643,7 +643,7 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         attention, inflates the bound on long ones) and must exceed SINGLE_TOKEN_MISFIT
         (plus K decimals' rounding), and relative to the bound over every probe it must
         exceed 1e4 roundings: both, or the box is not judged by this check. Measured
-        (benchmarks/results/verdict_summary.md): in-class boxes at most 1.3e-7 (float32
+        (benchmarks/results/check_verdict_separation.md): in-class boxes at most 1.3e-7 (float32
         nn.MultiheadAttention), out-of-class ReLU and sigmoid attention at least 1.6e-1."""
         d = self.d
         if self.heads_told and self.spent() + 4 + reserved > self.count_cap(self.max_heads):

@@ -1079,7 +1079,8 @@ class BaseRowStage(RunState):
         searching on to BASE_QUALITY spent 12 to 14 scans (288 to 336 of 1017 queries)
         and left one to three wide columns per row; with the row design of
         :func:`.design.best_conditioned_rows` alone 3 of 12 were refused (bars 1.1e-2 to
-        4.6e-2), with this 0 of 12 (benchmarks/results/f32rows_after.md). Told a count
+        4.6e-2), with this 0 of 12 (benchmarks/check_f32_heads.py; the run is in the
+        git history). Told a count
         below H the search goes on: rows agreeing on a count hide the same head.
 
         Not told, on coarse answers: BELOW_TOLD_VOTES rows agree on the count, none
@@ -1091,7 +1092,7 @@ class BaseRowStage(RunState):
         on, where later rows showed 4) and were refused, the refusal saying the count
         may be low (:meth:`rounding_limit`). d = 8, H = 2: 120 of 120 within (118, one
         outside its bar); d = 16, H = 2 and 4, trials 0-24: 50 of 50 as before, median
-        bar 0.83x to 0.90x (benchmarks/results/f32bar_summary.md)."""
+        bar 0.83x to 0.90x (benchmarks/check_f32_heads.py; the runs are in the git history)."""
         rows = [f[2] for f in found if f[0] == agreed]
         if min(base_quality(steps, self.half_window) for steps in rows) <= BASE_QUALITY:
             return True
