@@ -106,7 +106,7 @@ def test_count_searches_refused_when_the_count_is_spent(monkeypatch):
     assert "leave no room for another design" in message and "H = 2" in message
     assert "seed" not in message and "is not multi-head attention" not in message
     assert (details["heads asked"], details["floor H(d^2 + d)"],
-            details["paper-2 count"]) == (2, 144, 509)
+            details["multi-head paper's count"]) == (2, 144, 509)
     # (and 4 single tokens asked at the refusal, which the box answers linearly)
     assert oracle.queries == 140 <= paper2_count(H, d)
     assert details["single-token misfit"] < 1e-14 and "may also end here" in message

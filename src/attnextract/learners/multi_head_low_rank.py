@@ -1304,7 +1304,7 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
         "ranks": ranks,
         "recovery queries": recovery,
         "floor": f"sum_h (d + r_h (2d - r_h)) = {floor}; recovery {recovery / floor:.3f}x",
-        "paper-2 count": f"4 H d^2 - 2 H + 1 = {paper}; recovery {recovery / paper:.4f}x",
+        "multi-head paper's count": f"4 H d^2 - 2 H + 1 = {paper}; recovery {recovery / paper:.4f}x",
         "conditioning": (f"smallest crossing gap {value_info.get('smallest gap', math.pi):.2e} rad, "
                          f"value separation {value_sep:.2e}, smallest height in R_h "
                          f"{min_height:.2e}, row spread {spread:.2e}, query-space "

@@ -612,7 +612,7 @@ class BaseRowStage(RunState):
         A row shows more steps when its fewest steps reaching the noise exceed ``heads``
         (read as :meth:`base_row` reads a row, :func:`_fewest_steps`,
         :meth:`more_steps_shown`). It becomes the base row and the run continues under
-        that count's paper-2 count (``max_heads`` := the count: a later failure may
+        that count's multi-head paper's count (``max_heads`` := the count: a later failure may
         reopen it again, up to min(d, MAX_HEADS)), when that count and the budget leave
         room for a design of it (:meth:`reopen_room`). No row showing more steps is no
         evidence: the count stays (a box of H heads is never designed with more steps
@@ -661,7 +661,8 @@ class BaseRowStage(RunState):
         self.details.setdefault("head count reopened", []).append((heads, count))
         self.notes.append(f"the head count {heads} the base rows agreed on was reopened: "
                           f"after a design of {heads} steps failed, {where} showed {count} "
-                          f"steps, and the run went on under paper 2's count for {count}")
+                          f"steps, and the run went on under the multi-head paper's count "
+                          f"for {count}")
         return count
 
     def reopen_room(self, count: int, scans: int = 0, crowded: bool = True) -> bool:

@@ -242,7 +242,7 @@ class Budget(RunState):
 
     def count_name(self) -> str:
         """How reports name :meth:`count_cap`."""
-        return "the biased count" if self.biases else "paper 2's count"
+        return "the biased count" if self.biases else "the multi-head paper's count"
 
     def main_cost(self, H: int, columns: int | None = None) -> int:
         """Queries of rounds 1 and 2: the main rows and their ``columns`` columns each
