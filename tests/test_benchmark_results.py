@@ -118,6 +118,15 @@ def test_every_cited_results_file_exists():
         missing)
 
 
+def test_every_cited_benchmark_script_exists():
+    """Scripts named as benchmarks/<name>.py are there (one-off investigations were
+    removed with their results files: they are cited in words)."""
+    missing = [f"{path.relative_to(ROOT)}: {name}" for path in citing_files()
+               for name in sorted(set(re.findall(r"benchmarks/[\w/]+\.py", path.read_text())))
+               if not (ROOT / name).is_file()]
+    assert not missing, "benchmark scripts cited but not in benchmarks/:\n" + "\n".join(missing)
+
+
 def test_the_citation_pattern_reads_paths_as_written():
     text = ("see `benchmarks/results/bench_noisy.md`. Old: benchmarks/results/mh4_*.md, "
             "(benchmarks/results/a/b.json) and benchmarks/results/<script stem>.md")
