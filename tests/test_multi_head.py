@@ -741,7 +741,7 @@ def test_refusals_after_measuring_keep_the_best_effort():
     """A refusal by the error bar (RecoveryFailedError) carries the measured result, like
     a mismatch: its report has the queries and the conditioning, the H asked with its
     floor and multi-head paper's count, and every design tried (each new design measured again
-    while paper 2's count allowed)."""
+    while that count allowed)."""
     d, H = 8, 2
     oracle = Oracle(random_multi_head(H, d, seed=8), d)
     with pytest.raises(RecoveryFailedError) as info:
