@@ -93,7 +93,7 @@ def measure(args, results) -> None:
                           f"(first try {r['first_try_rate']:.0%}, retries {r['retries']}, rows "
                           f"redesigned {r['rows_redesigned']}), refusals {r['refusals']}, wrong "
                           f"{r['wrong_models']}, queries {r['recovery_median']} (paper "
-                          f"{r['paper2']}, floor {r['floor']}), error {r['error_median']} "
+                          f"{r['paper_count']}, floor {r['floor']}), error {r['error_median']} "
                           f"(worst {r['error_worst']}), {r['wall_success_median']} s median, "
                           f"{r['wall_total']:.0f} s cell, failed seeds {r['failed_seeds']}",
                           flush=True)

@@ -48,7 +48,7 @@ def test_bench_quick_writes_json_table_and_plots(tmp_path):
             assert r["recovery_queries"] <= 1.05 * r["floor"] + 32 and r["W_error"] < 1e-9
     grid = [r for r in summary["rows"] if r.get("grid")]
     assert grid and all(r["success_rate"] == 1.0 and r["wrong_models"] == 0
-                        and r["recovery_median"] <= r["paper2"] for r in grid)
+                        and r["recovery_median"] <= r["paper_count"] for r in grid)
     assert (out / "multi_head_grid.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     biased = [r for r in summary["rows"] if r["learner"] == "single-head (biases)"]
     assert biased and all(r["recovery_queries"] == r["floor"] == r["d"] ** 2 + 2 * r["d"] + 1

@@ -77,3 +77,70 @@ def test_every_script_writes_through_the_shared_writer():
         assert "_results." in text, script.name
         named = {n.rstrip(".") for n in re.findall(r"benchmarks/results/([\w./-]+)", text)}
         assert named <= {f"{script.stem}.md"}, (script.name, named)
+
+
+# Where the project cites benchmark results: the user and maintainer docs, the top-level
+# pages, the tests, the library's comments and the benchmark scripts with their README.
+ROOT = BENCHMARKS.parent
+CITING_GLOBS = ("docs/**/*.md", "docs/**/*.py", "README.md", "CONTRIBUTING.md",
+                "tests/**/*.py", "src/**/*.py", "benchmarks/*.py", "benchmarks/parsers/*.py",
+                "benchmarks/README.md")
+RESULTS_PATH = re.compile(r"benchmarks/results/([\w./*{}-]*[\w*}])")
+README_LINK = re.compile(r"\]\(results/([^)\s]+)\)")
+# A results file whose script is not directly in benchmarks/ (parsers/ holds the HTTP
+# parser experiments; the README's table names it).
+RESULTS_OF_SUBFOLDER_SCRIPTS = {"h11_heads": "parsers/h11_heads.py"}
+
+
+def citing_files():
+    here = Path(__file__).resolve()
+    for pattern in CITING_GLOBS:
+        for path in sorted(ROOT.glob(pattern)):
+            if path.resolve() != here:          # this file names patterns, not results
+                yield path
+
+
+def test_every_cited_results_file_exists():
+    """A path under benchmarks/results in the docs, tests, sources or benchmark scripts
+    (and a results/ link of benchmarks/README.md) names a file that is there: results
+    are one file per script, benchmarks/results/<script stem>.md, and runs before that
+    layout are cited in words (their files are in git's history only)."""
+    missing = []
+    for path in citing_files():
+        text = path.read_text(encoding="utf-8")
+        names = set(RESULTS_PATH.findall(text))
+        if path.name == "README.md" and path.parent == BENCHMARKS:
+            names |= set(README_LINK.findall(text))
+        missing += [f"{path.relative_to(ROOT)}: benchmarks/results/{name}"
+                    for name in sorted(names)
+                    if not (BENCHMARKS / "results" / name).is_file()]
+    assert not missing, "results files cited but not in benchmarks/results:\n" + "\n".join(
+        missing)
+
+
+def test_every_cited_benchmark_script_exists():
+    """Scripts named as benchmarks/<name>.py are there (one-off investigations were
+    removed with their results files: they are cited in words)."""
+    missing = [f"{path.relative_to(ROOT)}: {name}" for path in citing_files()
+               for name in sorted(set(re.findall(r"benchmarks/[\w/]+\.py", path.read_text())))
+               if not (ROOT / name).is_file()]
+    assert not missing, "benchmark scripts cited but not in benchmarks/:\n" + "\n".join(missing)
+
+
+def test_the_citation_pattern_reads_paths_as_written():
+    text = ("see `benchmarks/results/bench_noisy.md`. Old: benchmarks/results/mh4_*.md, "
+            "(benchmarks/results/a/b.json) and benchmarks/results/<script stem>.md")
+    assert RESULTS_PATH.findall(text) == ["bench_noisy.md", "mh4_*.md", "a/b.json"]
+    assert README_LINK.findall("| [x.md](results/x.md) |") == ["x.md"]
+
+
+def test_results_hold_one_markdown_file_per_script():
+    """benchmarks/results holds <stem>.md files only, each the results file of a script
+    in benchmarks/ (or of a documented script in a subfolder), and no folders."""
+    scripts = {p.stem for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_")}
+    for stem, script in RESULTS_OF_SUBFOLDER_SCRIPTS.items():
+        assert (BENCHMARKS / script).is_file(), script
+        scripts.add(stem)
+    strays = [p.name for p in sorted((BENCHMARKS / "results").iterdir())
+              if not (p.is_file() and p.suffix == ".md" and p.stem in scripts)]
+    assert not strays, f"not the results file of a benchmark script: {strays}"

@@ -159,7 +159,7 @@ def test_cli_output_dtype_and_help(tmp_path):
         "box = TorchAttentionBlackBox(m, 3, head=0, dtype='float32')\n")
     out = tmp_path / "r.npz"
     # learner seed 56 was refused here (held-out 1.02 x the allowance: the float32 sums
-    # over a 4096-token sequence; benchmarks/results/single32_summary.md)
+    # over a 4096-token sequence; a one-off run, in the git history)
     proc = run_cli("extract", "--target", f"{target}:box", "--dim", 6, "--output-dtype", "float32",
                    "--seed", 56, "--out", out, "--json", check=0)
     assert '"error_bar_W"' in proc.stdout and out.exists()

@@ -238,7 +238,7 @@ def test_held_out_allowance_covers_the_float32_box_on_long_sequences(
     single head's allowance has a (N - 1) 2^-24 term for it): at N = 4096 the box is off by
     up to 1.1e-4 relative. The multi-head learners' allowances need no such term: theirs
     follow the error bar, which the forward pass's rounding of the learner's own long
-    probes sets (194 checks, benchmarks/results/mhlong_summary.md: whole checks at most
+    probes sets (194 checks, a one-off run in the git history: whole checks at most
     0.27 of the allowance, this low-rank case, on a search sequence of 4096 tokens; the
     multi-head case 0.04). Without the bar (the tolerance 30 x 2^-24 alone) they would
     fail at 94 and 30 x."""

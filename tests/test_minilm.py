@@ -233,7 +233,7 @@ def test_a_whole_biased_layer_on_the_command_line(tmp_path):
     1e-8, within 1.1x the floor sum_h (d + r(2d - r) + r) + 1 = 287,617. Also issue 12
     item 3 (all 12 heads of a real layer at the full width, rank 32 each, within 1e-8):
     `minilm --all-heads` keeps the biases by default, so this one run covers both; every
-    layer is in benchmarks/results/minilm_biases.md."""
+    layer is in benchmarks/results/bench_minilm_biases.md."""
     proc = run_cli("minilm", "--layer", "3", "--all-heads", "--json", "--no-progress",
                    "--out", str(tmp_path / "layer.npz"), timeout=1800)
     assert proc.returncode == 0, proc.stderr

@@ -203,7 +203,7 @@ def check_extraction(M, seed, heads=None, tol=1e-10, **options):
     H = max(truth.heads, 1)
     asked = heads or min(d, 12)            # the learner's H: the count it can plan for
     assert recovery <= paper2_count(asked, d), (recovery, paper2_count(asked, d))
-    assert details["paper-2 count"] == paper2_count(H, d)
+    assert details["multi-head paper's count"] == paper2_count(H, d)
     assert details["floor H(d^2 + d)"] == H * (d * d + d)
     assert result.report.verification.passed
     return result
@@ -347,7 +347,7 @@ def test_report_states_conditioning_and_counts():
     result = extract_multi_head(Oracle(random_multi_head(H, d, seed=8), d), heads=H, seed=1)
     det = result.report.details
     for key in ("predicted relative error", "error bar", "held-out error",
-                "smallest head separation", "row fit condition (max)", "paper-2 count",
+                "smallest head separation", "row fit condition (max)", "multi-head paper's count",
                 "floor H(d^2 + d)", "recovery / floor"):
         assert key in det
     assert det["error bar"] == pytest.approx(4 * det["predicted relative error"])
@@ -565,7 +565,7 @@ def test_cli_extract_multi_head(tmp_path):
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["ok"] and report["details"]["heads"] == 2
-    assert report["details"]["paper_2_count"] == paper2_count(2, 4)   # JSON keys are snake_case
+    assert report["details"]["paper_count"] == paper2_count(2, 4)   # JSON keys are snake_case
     with np.load(out) as data:
         assert data["W"].shape == (2, 4, 4) and data["v"].shape == (2, 4)
         assert int(data["queries"]) == report["queries"]
@@ -740,8 +740,8 @@ def test_crowded_base_row_moves_to_a_designed_column(seed):
 def test_refusals_after_measuring_keep_the_best_effort():
     """A refusal by the error bar (RecoveryFailedError) carries the measured result, like
     a mismatch: its report has the queries and the conditioning, the H asked with its
-    floor and paper-2 count, and every design tried (each new design measured again
-    while paper 2's count allowed)."""
+    floor and multi-head paper's count, and every design tried (each new design measured again
+    while that count allowed)."""
     d, H = 8, 2
     oracle = Oracle(random_multi_head(H, d, seed=8), d)
     with pytest.raises(RecoveryFailedError) as info:
@@ -751,7 +751,7 @@ def test_refusals_after_measuring_keep_the_best_effort():
     det = result.report.details
     assert det["error bar"] > 1e-30
     assert det["heads asked"] == H and "heads" not in det
-    assert det["paper-2 count"] == paper2_count(H, d)
+    assert det["multi-head paper's count"] == paper2_count(H, d)
     assert det["floor H(d^2 + d)"] == H * (d * d + d)
     assert det["designs tried"] == len(det["failed designs"]) >= 1
     assert "exceeds the largest error bar accepted (max_error_bar" in str(info.value) and "no room for another" in str(info.value)

@@ -7,7 +7,8 @@ within 1e-10 relative; queries within the biased count, paper 2's count plus c a
 H + 1 more samples per short-probe row (4Hd^2 - 2H + 1 + (H + 1) d + 1), and within 1.1x
 the bias-free run's on the same heads plus H d. The
 20-seed grid over H in {2, 4, 8}, d in {8, 16} is slow
-(benchmarks/bench_multi_head_biases.py records it in benchmarks/results/biasrun_after.md).
+(benchmarks/bench_multi_head_biases.py runs it; its latest run is in
+benchmarks/results/bench_multi_head_biases.md).
 """
 
 import numpy as np
@@ -199,7 +200,7 @@ def test_biased_heads_over_twenty_seeds(H, d, seeds):
     short probes sent at d = 16 in every run of one design. At d = 8 they run where the
     bias-free run's would (1.25 H (d + 1) + H + 1 per row left): in 0, 3 and 12 of 20
     runs at H = 2, 4 and 8 (the bias-free runs keep them in 0, 6 and 9;
-    benchmarks/results/biasrun_after.md); elsewhere the wide columns (weighted by their
+    benchmarks/bench_multi_head_biases.py, the run is in the git history); elsewhere the wide columns (weighted by their
     answers' rounding with biases) take the boxes to 2e-14 to 4e-11."""
     for seed in range(seeds):
         truth = biased_heads(H, d, seed)

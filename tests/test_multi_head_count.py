@@ -251,7 +251,7 @@ def _hide_a_head(monkeypatch):
 def test_a_count_found_low_is_reopened_after_its_design_fails(monkeypatch, seed):
     """Not told H, base rows that agreed on one head too few (by construction) make a
     design of H - 1 steps fail; a scan measured after it (a missed column, the base row
-    or a main row rescanned) shows H steps, and the run goes on under H's paper-2 count
+    or a main row rescanned) shows H steps, and the run goes on under H's multi-head paper's count
     and recovers the box (before: refused, the refusal naming the learner's count)."""
     d, H = 8, 3
     box = random_multi_head(H, d, seed=300 + seed)

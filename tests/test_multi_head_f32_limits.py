@@ -1,6 +1,6 @@
 """Multi-head refusals on float32 answers that the rounding explains (issue 22, item 4):
 the message states the limit the run measured and what lets a box through, never blames
-the box (benchmarks/results/f32heads_small_heads_after.md: float32
+the box (measured with benchmarks/check_f32_heads.py, the run in the git history: float32
 ``nn.MultiheadAttention`` with head dimension 1 or 2)."""
 
 from __future__ import annotations

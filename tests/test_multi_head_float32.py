@@ -1,7 +1,7 @@
 """Multi-head on coarse answers (issue 22, item 4): float32 forward passes computed in
 numpy (no torch needed) and answers rounded to a few decimals. Each test targets one
 failure class measured on float32 ``nn.MultiheadAttention`` modules
-(benchmarks/results/float32_torch_multi_head_lowp4.md)."""
+(benchmarks/bench_float32_torch.py; the run is in the git history)."""
 
 from __future__ import annotations
 
@@ -268,7 +268,7 @@ def test_float32_small_head_dim_within_the_default_tolerance(seed):
     9.5e-3 (seeds 2 and 5: 5.9e-3 and 4.0e-3 predicted). The best conditioned of
     COARSE_ROW_DRAWS designs is measured and the search ends at a row of 4 steps pinned
     to PINNED_STEPS, the queries left going to the wide columns
-    (benchmarks/results/f32rows_after.md)."""
+    (measured with benchmarks/check_f32_heads.py; the run is in the git history)."""
     box = Float32MultiHeadBlackBox(4, 8, seed=seed)
     oracle = Oracle(box, 8)
     result = extract_multi_head(oracle, heads=4, seed=seed)
@@ -284,7 +284,7 @@ def test_polish_predicting_more_than_the_row_fits_sets_the_bar():
     the row fits (2x to 2.5x in the runs whose error came nearest the bar, float32
     nn.MultiheadAttention, d = 8, H = 2, not told; one outside at 1.04x its bar) is a
     second estimate of the same uncertainty: the larger sets the bar
-    (benchmarks/results/f32bar_summary.md). Here 3.4e-4 to 3.9e-4 against 7.9e-5 to
+    (measured with benchmarks/check_f32_heads.py; the run is in the git history). Here 3.4e-4 to 3.9e-4 against 7.9e-5 to
     8.6e-5 under the OpenBLAS and SIMD configurations (a box where the polish predicts
     far more: seed 10's 1.65x fell below GROWTH = 1.5 under some, and the polish was kept)."""
     box = Float32MultiHeadBlackBox(2, 8, seed=16)

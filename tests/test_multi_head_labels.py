@@ -141,7 +141,7 @@ def test_labels_the_base_rows_do_not_confirm_are_the_learners_failure(monkeypatc
     det = info.value.result.report.details
     assert det["heads asked"] == H
     assert det["floor H(d^2 + d)"] == H * (d * d + d)
-    assert det["paper-2 count"] == paper2_count(H, d)
+    assert det["multi-head paper's count"] == paper2_count(H, d)
     assert oracle.queries <= paper2_count(H, d)
 
 

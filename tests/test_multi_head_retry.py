@@ -15,7 +15,7 @@ from attnextract.learners.multi_head.budget import _Redesign
 
 
 def test_retry_after_a_failed_base_row_fits_the_count():
-    """Grid box d = 8, H = 2, W scale 3, seed 12 (mh9_grid_d8_h2.json): its first base
+    """Grid box d = 8, H = 2, W scale 3, seed 12 (a grid rerun, in the git history): its first base
     row's perturbations missed the noise, and the retry's fresh base row took three draws
     that the retry's budget did not count: 526 queries of paper 2's 509. A retry sizes
     its main rounds to what the count leaves (d - 1 columns per row, not d;
@@ -106,7 +106,7 @@ def test_count_searches_refused_when_the_count_is_spent(monkeypatch):
     assert "leave no room for another design" in message and "H = 2" in message
     assert "seed" not in message and "is not multi-head attention" not in message
     assert (details["heads asked"], details["floor H(d^2 + d)"],
-            details["paper-2 count"]) == (2, 144, 509)
+            details["multi-head paper's count"]) == (2, 144, 509)
     # (and 4 single tokens asked at the refusal, which the box answers linearly)
     assert oracle.queries == 140 <= paper2_count(H, d)
     assert details["single-token misfit"] < 1e-14 and "may also end here" in message

@@ -1,4 +1,4 @@
-"""Issue 22, a new user's audit (benchmarks/results/newuser3_audit.md): defects met by
+"""Issue 22, a new user's audit (a one-off report, in the git history): defects met by
 boxes written from the docs alone, each checked here on a cheap box."""
 
 import numpy as np

@@ -123,6 +123,21 @@ def test_report_json_has_snake_case_keys_numbers_and_a_schema_version():
     json.dumps(out)
 
 
+def test_multi_head_count_is_paper_count_in_json_also_from_results_saved_before(tmp_path):
+    """The multi-head paper's count 4Hd^2 - 2H + 1 is `paper_count` for programs; results
+    saved when the detail was called "paper-2 count" load and give the same key."""
+    from attnextract.adapters.targets import random_multi_head
+    result = extract(Oracle(random_multi_head(2, 4, seed=21), 4), "multi-head", heads=2, seed=0)
+    details = result.report.details
+    assert details["multi-head paper's count"] == 4 * 2 * 4 ** 2 - 2 * 2 + 1
+    assert result.report.to_dict()["details"]["paper_count"] == 125
+    assert "multi-head paper's count" in result.report.render(verbose=True)
+    details["paper-2 count"] = details.pop("multi-head paper's count")     # the earlier name
+    back = ExtractionResult.load(result.save(tmp_path / "saved-before"))
+    out = back.report.to_dict()["details"]
+    assert out["paper_count"] == 125 and not any("paper_2" in key for key in out)
+
+
 def test_one_layer_breakdown_parts_add_up_without_a_recovery_line(tmp_path):
     from attnextract.learners.one_layer import random_one_layer
     result = extract(Oracle(random_one_layer(4, 4, seed=1), 4), "one-layer", seed=0)

@@ -205,7 +205,7 @@ def section_multi_head_grid(quick: bool, log) -> list[dict]:
         r = rows[-1]
         log(f"multi-head grid H={H} d={d} r={rank or 'full'}: success {r['success_rate']:.0%}"
             f" of {seeds}, median queries {r['recovery_median']} (floor {r['floor']}, "
-            f"the multi-head paper's count {r['paper2']}), median error {r['error_median']}")
+            f"the multi-head paper's count {r['paper_count']}), median error {r['error_median']}")
     return rows
 
 
@@ -332,7 +332,7 @@ def section_biases(quick: bool, log) -> list[dict]:
                             lambda oracle: extract(oracle, "multi-head", heads=H, biases=True,
                                                    seed=d),
                             floor=H * (d * d + 2 * d) + 1,
-                            # paper 2's count + (H + 1) d + 1: the learner's own cap
+                            # the multi-head paper's count + (H + 1) d + 1: the learner's own cap
                             paper_count=biased_count(H, d), heads=H,
                             error=errors(target)))
         log(f"multi-head --biases H={H} d={d}: {rows[-1]['recovery_queries']} queries "

@@ -5,7 +5,7 @@ One cell runs the multi-head learner on ``seeds`` independent random black boxes
 ``rank`` is given) and summarises: the success rate (canonical error <= the goal, or
 within the error bar for rounded outputs), refusals by type, wrong models (a returned
 model whose error exceeds its own error bar: must be 0), median recovery queries against
-paper 2's count 4Hd^2 - 2H + 1 and the floor, median and worst canonical error, wall
+the multi-head paper's count 4Hd^2 - 2H + 1 and the floor, median and worst canonical error, wall
 times, first-try success (one design, no main row redesigned) and the redesigns. Used by
 ``attnextract bench`` (a few seeds per cell) and the repository's benchmark scripts
 (benchmarks/bench_multi_head.py runs the full grid).
@@ -108,7 +108,7 @@ def grid_cell(H: int, d: int, seeds: int, scale: float = 1.0, float32: bool = Fa
             "failed_seeds": [r["seed"] for r in runs if not r["success"]],
             "wrong_models": int(sum(r["wrong"] for r in runs)),
             "recovery_median": median("recovery", done),
-            "paper2": paper2_count(H, d), "floor": floor,
+            "paper_count": paper2_count(H, d), "floor": floor,
             "error_median": median("error", done),
             "error_worst": float(max(r["error"] for r in done)) if done else None,
             "bar_median": median("bar", done),
@@ -120,7 +120,7 @@ def grid_cell(H: int, d: int, seeds: int, scale: float = 1.0, float32: bool = Fa
 def grid_markdown(rows: list[dict]) -> str:
     """The cells as one markdown table."""
     out = [("| d | H | r | W scale | H told | success | first try | retries (rows) | "
-            "refusals | wrong | median queries | paper 2 | floor | queries / floor | "
+            "refusals | wrong | median queries | paper's count | floor | queries / floor | "
             "median error | worst error | s (success, median) | s (cell) | "
             "s (failure, max) |"),
            "|" + "---|" * 19]
@@ -133,7 +133,7 @@ def grid_markdown(rows: list[dict]) -> str:
                    f"{r['success_rate']:.0%} | {fmt(r.get('first_try_rate'), '.0%')} | "
                    f"{r.get('retries', 0)} ({r.get('rows_redesigned', 0)}) | "
                    f"{', '.join(f'{k} {v}' for k, v in r['refusals'].items()) or '-'} | "
-                   f"{r['wrong_models']} | {fmt(q, '.0f')} | {r['paper2']} | {r['floor']} | "
+                   f"{r['wrong_models']} | {fmt(q, '.0f')} | {r['paper_count']} | {r['floor']} | "
                    f"{'-' if q is None else format(q / r['floor'], '.2f')} | "
                    f"{fmt(r['error_median'], '.1e')} | {fmt(r['error_worst'], '.1e')} | "
                    f"{fmt(r['wall_success_median'], '.1f')} | {fmt(r.get('wall_total'), '.0f')} | "

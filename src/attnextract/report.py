@@ -460,7 +460,9 @@ _RANGE = re.compile(rf"^\s*({_NUMBER})\s*(?:\.\.|to)\s*({_NUMBER})\s*$")
 _LEADING = re.compile(rf"^\s*({_NUMBER})(?:\s*\(.*\))?\s*$")
 # detail names written for the eye; everything else is snake-cased mechanically
 _KEY_NAMES = {"|v^T u_k|": "probe_readout", "|A^T w|": "readout_norm",
-              "vs floors": "versus_floors"}
+              "vs floors": "versus_floors",
+              "multi-head paper's count": "paper_count",
+              "paper-2 count": "paper_count"}   # its earlier name, in results saved before
 
 
 def snake_case(key: str) -> str:

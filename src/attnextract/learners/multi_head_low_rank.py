@@ -132,7 +132,7 @@ BIASED_RANK_TOL = 1e-7   # biases: first-pass rank tolerance (a bias of 5 |W| co
 ISOLATION_TARGET = 0.5   # biases: isolation blocks put the scouts' peak at this x TARGET_LOGIT
 BIAS_BAR = 10.0          # biases: predicted error x dilution x shortening x this covered
                          # every measured error (240 random runs, |b_h| up to 10 |W_h|,
-                         # benchmarks/results/mhlr_large_biases.md: at most 0.68 of the
+                         # benchmarks/results/bench_mhlr_large_biases.md: at most 0.68 of the
                          # bar, median 0.13; without the 10, up to 6.8 times the bar)
 BLOCK_FLOATS = 1 << 21   # probe floats per oracle batch (16 MB)
 
@@ -1304,7 +1304,7 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
         "ranks": ranks,
         "recovery queries": recovery,
         "floor": f"sum_h (d + r_h (2d - r_h)) = {floor}; recovery {recovery / floor:.3f}x",
-        "paper-2 count": f"4 H d^2 - 2 H + 1 = {paper}; recovery {recovery / paper:.4f}x",
+        "multi-head paper's count": f"4 H d^2 - 2 H + 1 = {paper}; recovery {recovery / paper:.4f}x",
         "conditioning": (f"smallest crossing gap {value_info.get('smallest gap', math.pi):.2e} rad, "
                          f"value separation {value_sep:.2e}, smallest height in R_h "
                          f"{min_height:.2e}, row spread {spread:.2e}, query-space "

@@ -190,7 +190,7 @@ FORWARD_RHO = {"float32": 64 * 2.0 ** -24, "bfloat16": 2 * 2.0 ** -8, "float16":
 # is off by up to gamma_{N-1} = (N - 1) u times the magnitudes summed (first order, for
 # any summation order; Higham, "Accuracy and Stability of Numerical Algorithms", 4.2),
 # which no per-answer level states: float32 answers to 4096 repeated tokens are off by
-# up to 1.0e-4 relative (benchmarks/results/single32_summary.md). u is the unit roundoff of
+# up to 1.0e-4 relative (a one-off run, in the git history). u is the unit roundoff of
 # the accumulator: float32 for bfloat16 and float16 forward passes too (torch accumulates
 # their reductions in float32; a box that accumulates in bfloat16 is off by up to N 2^-8
 # and is not described by output_dtype). Used by the held-out allowance only.

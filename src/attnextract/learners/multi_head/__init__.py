@@ -168,7 +168,7 @@ def extract_multi_head(oracle: QueryAccess, heads=None, *, subspaces=None, seed=
         Largest held-out relative output error accepted as a match (float64 outputs;
         rounded outputs add their precision).
     precision : {"full", "fast"}
-        "full" (default): round 3 (wide columns) runs whenever paper 2's count and the
+        "full" (default): round 3 (wide columns) runs whenever the multi-head paper's count and the
         budget allow, for the smallest error. "fast": only when the predicted error
         bar would otherwise exceed 1e-10, so fewer queries at a larger error.
     output_dtype : {"float64", "float32", "bfloat16", "float16"}, optional
@@ -518,7 +518,7 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         (:meth:`main_columns`). Not told H, a failure that says the count may be low
         reopens it when a scan shows more steps (:meth:`.base_row.BaseRowStage.
         reopen_count`): the next design starts from that scan's row under the higher
-        count's paper-2 count. Every attempt's failure is reported. Without room for
+        count's multi-head paper's count. Every attempt's failure is reported. Without room for
         another attempt the last failure is raised."""
         failures: list[str] = []
         reopened = False
@@ -574,7 +574,7 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
             H, details = self.max_heads, exc.result.report.details
             details.pop("heads", None)
             details["heads asked" if self.heads_told else "heads searched up to"] = H
-            details["paper-2 count"] = paper2_count(H, d)
+            details["multi-head paper's count"] = paper2_count(H, d)
             floor_key = "floor H(d^2 + 2d) + 1" if self.biases else "floor H(d^2 + d)"
             details[floor_key] = exc.result.report.floor = self.parameters(H)
             details["recovery / floor"] = details["recovery queries"] / self.parameters(H)
@@ -643,7 +643,7 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         attention, inflates the bound on long ones) and must exceed SINGLE_TOKEN_MISFIT
         (plus K decimals' rounding), and relative to the bound over every probe it must
         exceed 1e4 roundings: both, or the box is not judged by this check. Measured
-        (benchmarks/results/verdict_summary.md): in-class boxes at most 1.3e-7 (float32
+        (benchmarks/results/check_verdict_separation.md): in-class boxes at most 1.3e-7 (float32
         nn.MultiheadAttention), out-of-class ReLU and sigmoid attention at least 1.6e-1."""
         d = self.d
         if self.heads_told and self.spent() + 4 + reserved > self.count_cap(self.max_heads):
@@ -813,7 +813,7 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         """Verify ``model`` on held-out sequences and build the result and its report.
 
         A returned model is counted for its canonical heads; a refusal (``check``
-        False) for the H asked (or searched), so that its floor and paper-2 count are
+        False) for the H asked (or searched), so that its floor and multi-head paper's count are
         those of the run. A refusal with no model spends no verification queries."""
         d = self.d
         refused = not check
@@ -848,7 +848,7 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
             ("heads asked" if self.heads_told else "heads searched up to") if refused
             else "heads": self.max_heads if refused else model.heads,
             "recovery queries": recovery,
-            "paper-2 count": paper2_count(H, d),
+            "multi-head paper's count": paper2_count(H, d),
             **({"count with biases": count} if self.biases else {}),
             ("floor H(d^2 + 2d) + 1" if self.biases else "floor H(d^2 + d)"): floor,
             "recovery / floor": recovery / floor,

@@ -621,7 +621,7 @@ class BaseRowStage(RunState):
         A row shows more steps when its fewest steps reaching the noise exceed ``heads``
         (read as :meth:`base_row` reads a row, :func:`_fewest_steps`,
         :meth:`more_steps_shown`). It becomes the base row and the run continues under
-        that count's paper-2 count (``max_heads`` := the count: a later failure may
+        that count's multi-head paper's count (``max_heads`` := the count: a later failure may
         reopen it again, up to min(d, MAX_HEADS)), when that count and the budget leave
         room for a design of it (:meth:`reopen_room`). No row showing more steps is no
         evidence: the count stays (a box of H heads is never designed with more steps
@@ -670,7 +670,8 @@ class BaseRowStage(RunState):
         self.details.setdefault("head count reopened", []).append((heads, count))
         self.notes.append(f"the head count {heads} the base rows agreed on was reopened: "
                           f"after a design of {heads} steps failed, {where} showed {count} "
-                          f"steps, and the run went on under paper 2's count for {count}")
+                          f"steps, and the run went on under the multi-head paper's count "
+                          f"for {count}")
         return count
 
     def reopen_room(self, count: int, scans: int = 0, crowded: bool = True) -> bool:
@@ -1104,7 +1105,8 @@ class BaseRowStage(RunState):
         searching on to BASE_QUALITY spent 12 to 14 scans (288 to 336 of 1017 queries)
         and left one to three wide columns per row; with the row design of
         :func:`.design.best_conditioned_rows` alone 3 of 12 were refused (bars 1.1e-2 to
-        4.6e-2), with this 0 of 12 (benchmarks/results/f32rows_after.md). Told a count
+        4.6e-2), with this 0 of 12 (benchmarks/check_f32_heads.py; the run is in the
+        git history). Told a count
         below H the search goes on: rows agreeing on a count hide the same head.
 
         Not told, on coarse answers: BELOW_TOLD_VOTES rows agree on the count, none
@@ -1116,7 +1118,7 @@ class BaseRowStage(RunState):
         on, where later rows showed 4) and were refused, the refusal saying the count
         may be low (:meth:`rounding_limit`). d = 8, H = 2: 120 of 120 within (118, one
         outside its bar); d = 16, H = 2 and 4, trials 0-24: 50 of 50 as before, median
-        bar 0.83x to 0.90x (benchmarks/results/f32bar_summary.md)."""
+        bar 0.83x to 0.90x (benchmarks/check_f32_heads.py; the runs are in the git history)."""
         rows = [f[2] for f in found if f[0] == agreed]
         if min(base_quality(steps, self.half_window) for steps in rows) <= BASE_QUALITY:
             return True

@@ -72,11 +72,11 @@ def biased_count(heads: int, dim: int) -> int:
     overdetermined as the bias-free one. So the biased run spends at most (H + 1) d + 1
     more than the bias-free run on the same heads that spends its count (median 1.002x
     to 1.018x the bias-free run's + H d at d = 8 and 16, at most 1.065x:
-    benchmarks/results/biasrun_after.md); where the bias-free run leaves part of its
+    benchmarks/bench_multi_head_biases.py, the run is in the git history); where the bias-free run leaves part of its
     count unspent (short probes that do not fit) the biased run leaves the same part
     (:meth:`Budget.short_need`). The count paper 2 would give affine columns,
     4 H d (d + 1) - 2H + 2 = paper 2's + 4 H d + 1, spent 1.09x to 1.16x the bias-free
-    run's + H d at d = 8 (benchmarks/results/mh9_biases.md). It stays above the floor
+    run's + H d at d = 8 (benchmarks/bench_multi_head_biases.py, also in the git history). It stays above the floor
     H(d^2 + 2d) + 1 plus the verification from d = 5 on (d = 4 with two heads or more),
     as paper 2's count does above the bias-free floor."""
     derived = paper2_count(heads, dim) + (heads + 1) * dim + 1
@@ -242,7 +242,7 @@ class Budget(RunState):
 
     def count_name(self) -> str:
         """How reports name :meth:`count_cap`."""
-        return "the biased count" if self.biases else "paper 2's count"
+        return "the biased count" if self.biases else "the multi-head paper's count"
 
     def main_cost(self, H: int, columns: int | None = None) -> int:
         """Queries of rounds 1 and 2: the main rows and their ``columns`` columns each

@@ -625,7 +625,7 @@ class MainRowStage(RunState):
                 # the larger stands for the row fits' model. Float32
                 # nn.MultiheadAttention, d = 8, H = 2, not told, trials 0-119: the 4
                 # largest error / bar (0.72 to 1.04, one outside) were such runs, the
-                # polish predicting 2.0x to 2.5x the row fits (f32bar_summary.md)
+                # polish predicting 2.0x to 2.5x the row fits (benchmarks/check_f32_heads.py; in the git history)
                 self.details["predicted relative error (row fits)"] = predicted
                 self.details["predicted relative error (polish, not kept)"] = result.own_predicted
                 predicted = float(result.own_predicted)

@@ -9,7 +9,8 @@
    row is one weighted fit of H (d + 1) unknowns, so it scales to d = 32, H = 8. A sum
    over 2 tokens rounds to about half a rounding of its terms against about 13 at 512
    tokens: measured median error at d = 8, H = 6 1.1e-12 -> under 1e-14, at d = 32,
-   H = 8 5.9e-12 -> about 5e-15 (benchmarks/results/mh4_*.md). With biases the probe
+   H = 8 5.9e-12 -> about 5e-15 (benchmarks/bench_multi_head.py; the runs are in the git
+   history). With biases the probe
    answers g = sum_h c_h sigma(z_h^T q + u^T b_h) (c = f([0]) taken off), so each row
    fit is affine in [q, 1] with H (d + 2) unknowns, the ladder is met with the
    intercepts included, and the expected rounding counts the rounding of the box's
