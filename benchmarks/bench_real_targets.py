@@ -114,6 +114,8 @@ def bench_minilm(heads):
 
 
 def table(rows):
+    if not rows:
+        return "(not run)"
     keys = list(rows[0])
     fmt = lambda x: f"{x:.3g}" if isinstance(x, float) else str(x)      # noqa: E731
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]

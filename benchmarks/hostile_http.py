@@ -159,8 +159,12 @@ def main(argv=None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--wait", type=float, default=20.0,
                         help="seconds a case may take (header/idle timeouts set below it)")
+    parser.add_argument("--against", default="",
+                        help="what the server is (the command that started it), for the record")
     _results.add_out_option(parser, __file__)
     args = parser.parse_args(argv)
+    if args.against:
+        print(f"against: {args.against}")
     held = 0
     for name, data, expected, *mode in CASES:
         status, body, seconds = run_case(args.port, data, mode[0] if mode else "", args.wait)
