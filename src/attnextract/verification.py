@@ -160,8 +160,16 @@ BATCH_ROUNDING = 1e-6
 BATCH_LONGEST = 64            # the re-asked length is at most this (a big batch stays cheap)
 # the check's queries are part of the verification count, taken from the replays' and
 # the search's shares (the families keep theirs): half of each above their minimums
-BATCH_LEAST = 6               # fewer left: no batch check (a small check)
+BATCH_LEAST = 6               # fewer left: the check's own batch queries (BATCH_SMALL)
 BATCH_BIG_MIN = 9             # the big batch reaches past 8 whenever the share allows
+# a check too small to spare BATCH_LEAST asks these few queries more, counted in its
+# total: one held-out sequence again alone and at the end of a batch of BATCH_BIG_MIN
+# (a box computing large batches another way is seen by a check of any size)
+BATCH_SMALL = 2 + (BATCH_BIG_MIN - 1)
+# the learner's own answers asked again (replays): answers float32 numbers in the
+# learner's batches and not in the check's (or the reverse), over at least this many
+# nonzero numbers each, are a precision that depends on the batch
+REPLAY_PRECISION_LEAST = 3
 
 
 BATCH_QUERIES = 12            # the check's queries: one alone, a batch of 11
@@ -173,7 +181,7 @@ def batch_share(replays: int, searched: int, designed: int) -> tuple[int, int, i
     --verify-sequences buys one as large as the learner's), come from half the replays,
     then the search above SEARCH_MIN, then the design while it keeps 40 sequences (every
     family's minimum and more); a check that cannot spare BATCH_LEAST keeps its shares
-    whole and has no batch check."""
+    whole and asks BATCH_SMALL queries more for its batch check."""
     count = replays + searched + designed
     need = max(BATCH_QUERIES, min(count // 4, BATCH_CAP + BATCH_REASKS))
     from_replays = min(replays // 2, need)
@@ -181,7 +189,7 @@ def batch_share(replays: int, searched: int, designed: int) -> tuple[int, int, i
     from_design = min(max(0, designed - 40), need - from_replays - from_search)
     total = from_replays + from_search + from_design
     if total < BATCH_LEAST:
-        return replays, searched, designed, 0
+        return replays, searched, designed, BATCH_SMALL
     return replays - from_replays, searched - from_search, designed - from_design, total
 
 
@@ -1408,6 +1416,34 @@ def batch_invariance(oracle, model, check: Check, held: HeldOutSet, judge: _Judg
     return batch_dependence(reasked, firsts, differences, allowed), reasked.sizes
 
 
+def replay_precision(check: Check) -> str:
+    """Why the replays show a precision that depends on the batch ("" when they do not):
+    the learner's answers (asked in its own batches, up to its largest) float32 numbers
+    and the same sequences' answers in the check's batches not, or the reverse, over at
+    least REPLAY_PRECISION_LEAST nonzero numbers each. No query: the replays are part of
+    the check already."""
+    replay = np.array([f == "replay" for f in check.family[:len(check.observed)]])
+    if not replay.any():
+        return ""
+    then = check.predicted[:len(replay)][replay]     # run_check keeps them as "predicted"
+    now = check.observed[:len(replay)][replay]
+
+    def numbers(answers):
+        answers = np.asarray(answers)
+        y = (np.concatenate([np.ravel(a) for a in answers]) if answers.dtype == object
+             else np.ravel(answers)).astype(float)
+        return int(np.count_nonzero(np.isfinite(y) & (y != 0)))
+
+    if min(numbers(then), numbers(now)) < REPLAY_PRECISION_LEAST:
+        return ""
+    shares = float32_share(then), float32_share(now)
+    if max(shares) >= 0.9 and min(shares) < 0.5:
+        rounded = "learner's batches" if shares[0] >= 0.9 else "check's batches"
+        return (f"the learner's own sequences asked again are float32 numbers in the "
+                f"{rounded} only: the box's precision depends on the batch")
+    return ""
+
+
 def keeps_own_answers(oracle) -> bool:
     """Whether ``oracle``'s ``replay`` and ``longest_probes`` are answers in the units the
     model is in: an Oracle, or a :class:`attnextract.oracle.ScaledOutputs` view of one
@@ -1537,10 +1573,13 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
                      norms[reference])
     judge = _Judge(model, K, tolerance, bar, absolute_noise,
                    model_scale=min(scale, SCALE_CAP * oracle.dim ** -0.25))
+    # a small check's batch queries come on top of its count (BATCH_SMALL)
+    extra = batched if replays + searched + design_count == count else 0
     dependence, batch_sizes = batch_invariance(oracle, model, check, held, judge, rng, batched)
+    dependence = dependence or replay_precision(check)
     compare_own_probes(oracle, model, check, judge)
     # what the batch check did not use goes to the search (the count is kept exactly)
-    searched += batched - check.batch_queries - check.reasks if searched else 0
+    searched += batched - check.batch_queries - check.reasks if searched and not extra else 0
     adversarial_search(oracle, model, check, held, judge, searched, rng)
     asked = (len(held.sequences) + len(held.replay) + check.search_queries
              + check.batch_queries + check.reasks + (0 if hull_v is None else oracle.dim))
