@@ -182,11 +182,10 @@ def _answers_may_be_rounded(root) -> bool:
     sample) show rounding, or too few were asked to tell. Float64 answers of a box that
     was refused are a mismatch: naming --output-dtype there invites loosening the check on
     an impostor (issue 23)."""
-    import numpy as np
-
-    from .verification import answers_look_rounded
+    from .verification import answers_array, answers_look_rounded
     answers = [answer for _, answer in getattr(root, "replay", [])]
-    return len(answers) < 4 or answers_look_rounded(np.array(answers))
+    # answers_array: every-position answers of different lengths are ragged
+    return len(answers) < 4 or answers_look_rounded(answers_array(answers))
 
 
 def _zero_token_answers(root) -> tuple[float, float] | None:

@@ -885,8 +885,15 @@ def add_replays(held: HeldOutSet, oracle, count: int) -> HeldOutSet:
     (:attr:`attnextract.oracle.Oracle.replay`) as the ``replay`` family: asked again of
     the root oracle (a learner's view may change what a query means), a fixed function
     answers the same (to its rounding); a black box that switched behaviour during the
-    run does not, even where the new behaviour is itself a member of the class."""
-    pairs = list(getattr(root_oracle(oracle), "replay", None) or [])[:max(0, int(count))]
+    run does not, even where the new behaviour is itself a member of the class. The pairs
+    are spread over the run (the replay sample is in the order asked; its first and last
+    pairs are among them): a box that switched after the first few percent of the run
+    is asked one of its earlier answers (the first 4 of 16 missed a switch at a quarter
+    of a one-layer run on every seed)."""
+    kept = list(getattr(root_oracle(oracle), "replay", None) or [])
+    count = min(max(0, int(count)), len(kept))
+    picks = np.unique(np.round(np.linspace(0, len(kept) - 1, count)).astype(int)) if count else []
+    pairs = [kept[i] for i in picks]
     held.replay.extend((np.ascontiguousarray(x, dtype=np.float64),
                         float(y) if np.ndim(y) == 0 else np.array(y, dtype=np.float64))
                        for x, y in pairs)

@@ -690,8 +690,10 @@ def make_impostor(name: str, model, rng: np.random.Generator, recovery_queries: 
 
 NOISY_TOLERANCE = 1e-10       # absolute output tolerance given to the noisy learner
 # a label-only black box (threshold 0) answers these exactly as the honest head does:
-# clipping and an attention sink keep the sign of f, so they are in the class there
-SAME_LABELS = {"output clipping", "attention sink", "sink far below"}
+# clipping and an attention sink keep the sign of f, so they are in the class there; so
+# does rounding f to float32 (in any batch: a float32 number has the sign of the float64
+# it rounds, down to |f| ~ 1e-45)
+SAME_LABELS = {"output clipping", "attention sink", "sink far below", "float32 above batch 8"}
 
 
 def _extract(name, **fixed):
@@ -1449,8 +1451,9 @@ def random_vector_layer(heads: int, dim: int, seed=None, *, positions="last", ca
 
 # held-out lengths of the every-position runs stop here (every-position answers cost N^2
 # per sequence); impostors that differ only beyond it are members of the class there
-VECTOR_ALL_LENGTH = 600
-BEYOND_ALL_LENGTH = {"truncation 1000", "offset above length"}
+# (vector-multi-head's copy scans are 1,024 tokens long)
+VECTOR_ALL_LENGTH = 1100
+BEYOND_ALL_LENGTH = {"offset above length"}
 # on LayerNorm's image (tokens of norm about sqrt(d) |gamma|) these change nothing, or
 # nothing but a smooth function of the token that the block's class holds
 IN_PRE_LN_CLASS = {"norm trigger", "LayerNorm", "quadratic values", "large-token clip",

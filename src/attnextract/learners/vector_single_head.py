@@ -510,7 +510,7 @@ def every_position_probe(oracle, R: Readout, t: float, causal: bool):
     # sqrt(d / (d + 1)) Z (orthonormal columns scaled), y = P (F - c) / t
     p = R.precision
     level = p.level(max(float(np.abs(F).max()), R.O_norm * t + float(np.abs(R.c).max())), d + 1)
-    sigma = math.sqrt(level ** 2 + R.c_error ** 2 + (R.O_error * t) ** 2)
+    sigma = math.hypot(level, R.c_error, R.O_error * t)     # no overflow at answers of 1e200
     if not ok:                             # unreadable: no estimate
         return G, worst, np.full(d + 1, np.inf)
     inv_alpha = 1.0 / np.maximum(amin, np.finfo(float).tiny)
