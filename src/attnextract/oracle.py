@@ -640,6 +640,27 @@ class OracleView:
     def black_box_seconds(self) -> float:
         return self.base.black_box_seconds
 
+    # what the box answers and what was sent, as the base states and counts them
+    @property
+    def outputs(self):
+        return getattr(self.base, "outputs", None)
+
+    @property
+    def causal(self):
+        return getattr(self.base, "causal", None)
+
+    @property
+    def max_length(self):
+        return getattr(self.base, "max_length", None)
+
+    @property
+    def numbers(self) -> int:
+        return self.base.numbers
+
+    @property
+    def tokens(self) -> int:
+        return self.base.tokens
+
     def _named(self, what: str) -> str:
         return what if self.what is None else f"{what} ({self.what})"
 

@@ -160,12 +160,14 @@ BATCH_ROUNDING = 1e-6
 BATCH_LONGEST = 64            # the re-asked length is at most this (a big batch stays cheap)
 # the check's queries are part of the verification count, taken from the replays' and
 # the search's shares (the families keep theirs): half of each above their minimums
-BATCH_LEAST = 6               # fewer left: the check's own batch queries (BATCH_SMALL)
+BATCH_LEAST = 6               # fewer left: a small check's batch share (BATCH_SMALL)
 BATCH_BIG_MIN = 9             # the big batch reaches past 8 whenever the share allows
-# a check too small to spare BATCH_LEAST asks these few queries more, counted in its
-# total: one held-out sequence again alone and at the end of a batch of BATCH_BIG_MIN
-# (a box computing large batches another way is seen by a check of any size)
+# a check whose replays and search cannot spare BATCH_LEAST takes these few from its
+# design, while the design keeps SMALL_DESIGN (every family's minimum): one held-out
+# sequence again alone and at the end of a batch of BATCH_BIG_MIN, so that a box
+# computing large batches another way is seen by a check of 34 (MIN_VERIFY_COUNT)
 BATCH_SMALL = 2 + (BATCH_BIG_MIN - 1)
+SMALL_DESIGN = 15
 # the learner's own answers asked again (replays): answers float32 numbers in the
 # learner's batches and not in the check's (or the reverse), over at least this many
 # nonzero numbers each, are a precision that depends on the batch
@@ -180,8 +182,9 @@ def batch_share(replays: int, searched: int, designed: int) -> tuple[int, int, i
     BATCH_QUERIES, or a quarter of a larger verification (a big batch up to BATCH_CAP:
     --verify-sequences buys one as large as the learner's), come from half the replays,
     then the search above SEARCH_MIN, then the design while it keeps 40 sequences (every
-    family's minimum and more); a check that cannot spare BATCH_LEAST keeps its shares
-    whole and asks BATCH_SMALL queries more for its batch check."""
+    family's minimum and more). A check that cannot spare BATCH_LEAST so takes
+    BATCH_SMALL (the rest from its design) while the design keeps SMALL_DESIGN; a smaller
+    one (below MIN_VERIFY_COUNT = 34) keeps its shares whole and has no batch check."""
     count = replays + searched + designed
     need = max(BATCH_QUERIES, min(count // 4, BATCH_CAP + BATCH_REASKS))
     from_replays = min(replays // 2, need)
@@ -189,7 +192,10 @@ def batch_share(replays: int, searched: int, designed: int) -> tuple[int, int, i
     from_design = min(max(0, designed - 40), need - from_replays - from_search)
     total = from_replays + from_search + from_design
     if total < BATCH_LEAST:
-        return replays, searched, designed, BATCH_SMALL
+        from_design = BATCH_SMALL - from_replays - from_search
+        if designed - from_design < SMALL_DESIGN:
+            return replays, searched, designed, 0
+        total = BATCH_SMALL
     return replays - from_replays, searched - from_search, designed - from_design, total
 
 
@@ -1561,7 +1567,7 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
         with live_queries(oracle):                 # held-out checks: kept for no replay
             hull_v = oracle.query(np.eye(oracle.dim)[:, None, :])
     replays = min(len(getattr(root, "replay", None) or []), int(REPLAY_FRACTION * count))
-    # a small check (MIN_VERIFY_COUNT = 24) still searches: SEARCH_MIN queries, 2 a round
+    # a small check (24 and more) still searches: SEARCH_MIN queries, 2 a round
     searched = (max(SEARCH_MIN, int(SEARCH_SHARE * count)) if search and count >= 4 * SEARCH_MIN
                 else 0)
     replays, searched, design_count, batched = batch_share(replays, searched,
@@ -1580,13 +1586,11 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
                      norms[reference])
     judge = _Judge(model, K, tolerance, bar, absolute_noise,
                    model_scale=min(scale, SCALE_CAP * oracle.dim ** -0.25))
-    # a small check's batch queries come on top of its count (BATCH_SMALL)
-    extra = batched if replays + searched + design_count == count else 0
     dependence, batch_sizes = batch_invariance(oracle, model, check, held, judge, rng, batched)
     dependence = dependence or replay_precision(check)
     compare_own_probes(oracle, model, check, judge)
     # what the batch check did not use goes to the search (the count is kept exactly)
-    searched += batched - check.batch_queries - check.reasks if searched and not extra else 0
+    searched += batched - check.batch_queries - check.reasks if searched else 0
     adversarial_search(oracle, model, check, held, judge, searched, rng)
     asked = (len(held.sequences) + len(held.replay) + check.search_queries
              + check.batch_queries + check.reasks + (0 if hull_v is None else oracle.dim))

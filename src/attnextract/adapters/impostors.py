@@ -1489,8 +1489,19 @@ def vector_impostor_names(learner: str, positions: str = "last") -> list:
     return names
 
 
+class ScaledAnswers:
+    """A black box's answers times ``factor`` (a member of its class when the box is)."""
+
+    def __init__(self, box, factor: float):
+        self.box, self.factor, self.dim = box, factor, box.dim
+        self.output_kind = getattr(box, "output_kind", None)
+
+    def __call__(self, X):
+        return self.factor * self.box(X)
+
+
 def _vector_box(learner, name, model, rng, recovery):
-    if learner == "vector-pre-ln":
+    if learner == "vector-pre-ln" and name != "honest x1e200":
         return VectorBehindLayerNorm(_vector_box("", name, model, rng, recovery), rng)
     if name == "honest":
         return model
@@ -1501,8 +1512,7 @@ def _vector_box(learner, name, model, rng, recovery):
     if name == "cone of query tokens":
         return VectorCone(model, rng)
     if name == "honest x1e200":
-        return VectorAttention(model.W, 1e200 * model.O, model.b, 1e200 * model.c,
-                               positions=model.positions, causal=model.causal)
+        return ScaledAnswers(_vector_box(learner, "honest", model, rng, recovery), 1e200)
     return vector_zoo(model)[name](model, rng, recovery)
 
 

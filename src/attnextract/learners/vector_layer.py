@@ -82,7 +82,7 @@ import scipy.linalg
 
 from ..errors import InputError, ModelMismatchError, RecoveryFailedError
 from ..models import VectorAttention
-from ..oracle import Oracle
+from ..oracle import Oracle, on_scaled_outputs
 from ..report import (
     DEFAULT_VERIFY_TOLERANCE,
     ExtractionResult,
@@ -648,6 +648,14 @@ def extract_vector_layer(oracle: Oracle, *, seed=None,
         The answers show no dependence on the scores, or W = 0.
     """
     check_options(oracle, heads, biases, ranks)
+    # answers of any size (1e-300 .. 1e300) are learned on an exact 2^k rescaling
+    return on_scaled_outputs(oracle, lambda view: _extract_vector_layer(
+        view, seed=seed, verify_tolerance=verify_tolerance, heads=heads, biases=biases,
+        ranks=ranks))
+
+
+def _extract_vector_layer(oracle, *, seed, verify_tolerance, heads, biases, ranks):
+    """:func:`extract_vector_layer` on the (rescaled) view ``oracle``."""
     start, start_q, start_bb = time.perf_counter(), oracle.queries, oracle.black_box_seconds
     start_numbers, start_tokens = oracle.numbers, oracle.tokens
     rng = np.random.default_rng(seed)
