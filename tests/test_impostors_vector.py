@@ -83,7 +83,7 @@ def test_a_region_of_query_tokens_is_refused_or_stated():
     coverage that does not claim a region that small."""
     for learner in LEARNERS:
         for seed in range(3):
-            state, result, box = outcome(learner, "cone of query tokens", 8, seed)
+            state, result, _ = outcome(learner, "cone of query tokens", 8, seed)
             if state == "accepted":
                 assert result.report.verification.coverage["all"] > 0.05, (learner, seed)
 

@@ -160,9 +160,9 @@ BATCH_ROUNDING = 1e-6
 BATCH_LONGEST = 64            # the re-asked length is at most this (a big batch stays cheap)
 # the check's queries are part of the verification count, taken from the replays' and
 # the search's shares (the families keep theirs): half of each above their minimums
-BATCH_LEAST = 6               # fewer left: a small check's batch share (BATCH_SMALL)
+BATCH_LEAST = 6               # fewer: no batch check (reask_in_other_batches)
 BATCH_BIG_MIN = 9             # the big batch reaches past 8 whenever the share allows
-# a check whose replays and search cannot spare BATCH_LEAST takes these few from its
+# a check whose replays and search cannot spare this many takes the rest from its
 # design, while the design keeps SMALL_DESIGN (every family's minimum): one held-out
 # sequence again alone and at the end of a batch of BATCH_BIG_MIN, so that a box
 # computing large batches another way is seen by a check of 34 (MIN_VERIFY_COUNT)
@@ -182,8 +182,8 @@ def batch_share(replays: int, searched: int, designed: int) -> tuple[int, int, i
     BATCH_QUERIES, or a quarter of a larger verification (a big batch up to BATCH_CAP:
     --verify-sequences buys one as large as the learner's), come from half the replays,
     then the search above SEARCH_MIN, then the design while it keeps 40 sequences (every
-    family's minimum and more). A check that cannot spare BATCH_LEAST so takes
-    BATCH_SMALL (the rest from its design) while the design keeps SMALL_DESIGN; a smaller
+    family's minimum and more). A check that cannot spare BATCH_SMALL so takes the
+    rest of it from its design while the design keeps SMALL_DESIGN; a smaller
     one (below MIN_VERIFY_COUNT = 34) keeps its shares whole and has no batch check."""
     count = replays + searched + designed
     need = max(BATCH_QUERIES, min(count // 4, BATCH_CAP + BATCH_REASKS))
@@ -191,7 +191,7 @@ def batch_share(replays: int, searched: int, designed: int) -> tuple[int, int, i
     from_search = min(max(0, searched - SEARCH_MIN), need - from_replays)
     from_design = min(max(0, designed - 40), need - from_replays - from_search)
     total = from_replays + from_search + from_design
-    if total < BATCH_LEAST:
+    if total < BATCH_SMALL:          # too few for a batch past 8: topped up from the design
         from_design = BATCH_SMALL - from_replays - from_search
         if designed - from_design < SMALL_DESIGN:
             return replays, searched, designed, 0

@@ -37,10 +37,14 @@ import math
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import (BudgetExceededError, InputError, ModelMismatchError,
+                      NotIdentifiableError, RecoveryFailedError)
 from ..models import (MODEL_CLASSES, BiasedMultiHeadAttention, BiasedSingleHeadAttention,
                       MultiHeadAttention, OneLayerTransformer, SingleHeadAttention,
                       TransformerLayer, VectorAttention, layer_norm, softmax)
+from ..oracle import Oracle
+from ..registry import extract
+from .targets import random_vector_attention
 
 BIASED = (BiasedSingleHeadAttention, BiasedMultiHeadAttention)
 
@@ -1462,7 +1466,6 @@ IN_PRE_LN_CLASS = {"norm trigger", "LayerNorm", "quadratic values", "large-token
 
 def _vector_honest(kind):
     def make(d, seed, positions="last", causal=False):
-        from .targets import random_vector_attention
         if kind == "layer":
             return random_vector_layer(2, d, seed, positions=positions, causal=causal)
         return random_vector_attention(2 if kind == "two heads" else 1, d, seed=seed,
@@ -1527,10 +1530,6 @@ def run_vector_impostor(learner: str, name: str, d: int, seed: int, recovery: in
     x1e200" (the model with O and c scaled by 1e200: squares overflow).
     ``recovery``: where the switches happen (default: this seed's own recovery count).
     Returns (outcome, result, box) as :func:`run_impostor`."""
-    from ..errors import (BudgetExceededError, ModelMismatchError, NotIdentifiableError,
-                          RecoveryFailedError)
-    from ..oracle import Oracle
-    from ..registry import extract
     honest, options, _ = VECTOR_CASES[learner]
     model = honest(d, seed, positions, causal)
     length = VECTOR_ALL_LENGTH if positions == "all" else None
