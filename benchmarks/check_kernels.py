@@ -59,7 +59,8 @@ MORE_TESTS = ["tests/test_noisy.py", "tests/test_one_layer.py", "tests/test_resi
               "tests/test_stated_tolerance.py", "tests/test_verified_domain.py",
               "tests/test_batch_invariance.py", "tests/test_accounting.py",
               "tests/test_journal_transparency.py",
-              "tests/test_vector_pre_layer_norm.py", "tests/test_checkpoint.py"]
+              "tests/test_vector_pre_layer_norm.py", "tests/test_checkpoint.py",
+              "tests/test_impostors_vector.py"]
 ALL_TESTS = DEFAULT_TESTS + MORE_TESTS
 # Test files of plumbing (transport, journal, CLI, docs, packaging): they run learners only on
 # easy single-head boxes that tests/test_single_head.py covers, or none at all.

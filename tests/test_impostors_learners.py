@@ -76,13 +76,13 @@ def test_whole_zoo_refused_by_learner(learner):
     assert not set(missed) - known, f"{learner} did not refuse {missed} at d = {D}"
 
 
-# measured limits, kept visible (the closing notes say why each is open): checks under
-# about 40 held-out sequences have no batch test (float32 above batch 8); sign-only keeps
-# its own check, without the weighted norm domain (large-token clip); one-layer's check
-# misses a box that switches mid-recovery at d = 8, seed 1
-KNOWN_MISSES = {"low-rank": {"float32 above batch 8"},
-                "sign-only": {"float32 above batch 8", "large-token clip"},
-                "one-layer": {"switch mid-recovery"}}
+# measured limits, kept visible: sign-only keeps its own label check, without the
+# weighted norm domain: its large tokens carry nearly all of a sequence's weight, so a
+# clip of their values keeps every label (a label flips only where such a token's weight
+# is partial and f sits at the threshold), and tiny tokens taken for padding keep them
+# too (accepted on seeds 0-3 before and after; seen here since float32 above batch 8
+# left its names and the stride moved)
+KNOWN_MISSES = {"sign-only": {"large-token clip", "tiny tokens as padding"}}
 
 
 def test_every_impostor_has_a_reason_and_differs_from_its_model():

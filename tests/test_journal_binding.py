@@ -119,7 +119,8 @@ def test_a_box_that_knows_the_journal_is_refused_by_a_live_verification(tmp_path
 
     learner, held_out = D * D + D, verification_count(D * D + D, D * D + D)
     with QueryJournal(path) as journal:
-        oracle = Oracle(replica_of_the_journal, D, journal=journal)
+        # the recorded run's command (max_batch 8 sizes the held-out batch check too)
+        oracle = Oracle(replica_of_the_journal, D, journal=journal, max_batch=8)
         result = extract(oracle, "single-head", seed=0)
         assert oracle.journal_queries == learner + held_out and oracle.black_box_queries == 0
     assert any("came from the journal" in note for note in result.report.notes)

@@ -104,10 +104,10 @@ def test_reprs_are_short_and_say_what_matters():
     result = extract(oracle, seed=0)
     for text in (repr(result), repr(result.report), repr(oracle), repr(result.report.verification)):
         assert "\n" not in text and len(text) < 160, text
-    assert re.fullmatch(r"<ExtractionResult single-head d=4: 44 queries, held-out error \S+ PASSED>",
+    assert re.fullmatch(r"<ExtractionResult single-head d=4: 54 queries, held-out error \S+ PASSED>",
                         repr(result))
-    assert "44 queries of budget 500" in repr(oracle)
-    assert repr(result.report.verification).startswith("<Verification PASSED: 24 held-out")
+    assert "54 queries of budget 500" in repr(oracle)
+    assert repr(result.report.verification).startswith("<Verification PASSED: 34 held-out")
     assert str(result.report) == result.report.render()
 
 

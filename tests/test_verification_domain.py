@@ -262,13 +262,14 @@ def test_scaled_outputs_view_is_exact_and_the_identity_at_ordinary_scales():
 
 
 def test_a_small_check_keeps_every_family_and_the_search():
-    """verification_count with the recovery: within 5% of it, never below 24; a check
-    of 24 still has every family (the hull 4, norms and far one at each end) and the
-    adversarial search (6 queries), and still refuses what the zoo's 64 did."""
+    """verification_count with the recovery: within 5% of it, never below 34 (a check
+    of 24 and the batch check's 10); a check of 24 still has every family (the hull 4,
+    norms and far one at each end) and the adversarial search (6 queries), and still
+    refuses what the zoo's 64 did; one of 34 adds the batch check."""
     from attnextract.report import MIN_VERIFY_COUNT
     assert verification_count(32 * 32 + 32, 32 * 32 + 32) == 52       # 4.9% of 1,056
-    assert verification_count(480, 480) == 24 == MIN_VERIFY_COUNT    # rank 8 at d = 32
-    assert verification_count(72, 72) == 24                            # d = 8: the least
+    assert verification_count(480, 480) == 34 == MIN_VERIFY_COUNT    # rank 8 at d = 32
+    assert verification_count(72, 72) == 34                            # d = 8: the least
     assert verification_count(64 * 64 + 64) == verification_count(64 * 64 + 64, 10 ** 6) == 64
     for d in (32, 64, 128):
         assert verification_count(d * d + d, d * d + d) <= 0.05 * (d * d + d)
@@ -278,6 +279,11 @@ def test_a_small_check_keeps_every_family_and_the_search():
     assert {"ordinary", "long", "repeated", "norms", "sparse", "peaked", "far", "hull",
             "steps", "search"} <= set(check.family_errors)
     assert check.lengths[1] == DEFAULT_LONGEST
+    assert not check.batch_sizes                # no batch check below 34 ...
+    check = verify_model(Oracle(model, D), model, count=34, seed=0)
+    assert check.passed and check.sequences == 34 and check.batch_sizes == (1, 9)
+    assert {"ordinary", "long", "repeated", "norms", "sparse", "peaked", "far", "hull",
+            "steps", "search", "batch"} <= set(check.family_errors)       # ... and at 34
     for seed in range(5):                   # the top end, every token there (none mixed in)
         held = design(D, 15, np.random.default_rng(seed), 0.5, model=model)
         ends = [safe_norm(x, axis=1) for x, f in zip(held.sequences, held.family) if f == "norms"]

@@ -387,7 +387,9 @@ class Oracle:
 
     def _keep_for_replay(self, X: np.ndarray, out: np.ndarray) -> None:
         """Reservoir sampling: after n answers, each is in ``replay`` with probability
-        REPLAY_KEEP / n (an O(B) step per batch, REPLAY_KEEP sequences kept)."""
+        REPLAY_KEEP / n (an O(B) step per batch, REPLAY_KEEP sequences kept). The list is
+        kept in the order the pairs were asked (an evicted pair leaves, the new one joins
+        at the end), so that a check can re-ask pairs spread over the whole run."""
         B = len(X)
         first = self.queries - B                      # global index of X[0]
         t = first + np.arange(B)
@@ -395,9 +397,8 @@ class Oracle:
         for i in np.flatnonzero(slot < REPLAY_KEEP):
             pair = (np.array(X[i]), _kept(out[i]))
             if slot[i] < len(self.replay):
-                self.replay[slot[i]] = pair
-            else:
-                self.replay.append(pair)
+                del self.replay[slot[i]]
+            self.replay.append(pair)
 
     def _keep_longest(self, X: np.ndarray, out: np.ndarray) -> None:
         """Keep the LONGEST_KEEP longest answered sequences (the first ones of a length)."""
@@ -692,6 +693,27 @@ class OracleView:
     @property
     def black_box_seconds(self) -> float:
         return self.base.black_box_seconds
+
+    # what the box answers and what was sent, as the base states and counts them
+    @property
+    def outputs(self) -> str | None:
+        return getattr(self.base, "outputs", None)
+
+    @property
+    def causal(self) -> bool | None:
+        return getattr(self.base, "causal", None)
+
+    @property
+    def max_length(self) -> int | None:
+        return getattr(self.base, "max_length", None)
+
+    @property
+    def numbers(self) -> int:
+        return int(getattr(self.base, "numbers", 0))
+
+    @property
+    def tokens(self) -> int:
+        return int(getattr(self.base, "tokens", 0))
 
     def _named(self, what: str) -> str:
         return what if self.what is None else f"{what} ({self.what})"

@@ -36,6 +36,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 from .errors import (
     AttnExtractError,
     InputError,
@@ -47,7 +49,7 @@ from .errors import (
 from .oracle import QueryAccess, root_oracle
 from .precision import check_precision_options, detect_precision, name_the_options, stated_precision
 from .report import ExtractionResult
-from .verification import answers_look_rounded
+from .verification import answers_array, answers_look_rounded
 
 log = logging.getLogger(__name__)
 
@@ -190,10 +192,9 @@ def _answers_may_be_rounded(root: Any) -> bool:
     sample) show rounding, or too few were asked to tell. Float64 answers of a box that
     was refused are a mismatch: naming --output-dtype there invites loosening the check on
     an impostor (issue 23)."""
-    import numpy as np
-
     answers = [answer for _, answer in getattr(root, "replay", [])]
-    return len(answers) < 4 or answers_look_rounded(np.array(answers))
+    # answers_array: every-position answers of different lengths are ragged
+    return len(answers) < 4 or answers_look_rounded(answers_array(answers))
 
 
 def _zero_token_answers(root: Any) -> tuple[float, float] | None:
@@ -201,8 +202,6 @@ def _zero_token_answers(root: Any) -> tuple[float, float] | None:
     attention without biases, c with them; two different answers: the box is not
     deterministic), live after a refusal; None when they cannot be asked (budget,
     failure)."""
-    import numpy as np
-
     try:
         first, second = root.query(np.zeros((2, 1, root.dim)), live=True)
     except (AttnExtractError, AttributeError, TypeError, ValueError):
@@ -214,8 +213,6 @@ def _detected_decimals(root: Any) -> int | None:
     """K when every kept answer of the root oracle (at least 4 nonzero ones) is a
     multiple of 10^-K (K <= 12) and not a float16/float32 number: the box rounds its
     answers to K decimals. None otherwise."""
-    import numpy as np
-
     answers = [answer for _, answer in getattr(root, "replay", [])]
     if len(answers) < 4:
         return None

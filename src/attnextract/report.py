@@ -49,7 +49,8 @@ REPORT_SCHEMA_VERSION = 2      # to_dict(): snake_case keys, numbers, ranges as 
 
 VERIFY_COUNT = 64             # held-out queries of a full check (or 1% of the parameters)
 VERIFY_SHARE = 0.05           # ... at most this share of the recovery's queries, when given,
-MIN_VERIFY_COUNT = 24         # ... but never fewer (every family, the search: see design)
+# ... but never fewer: every family and the search (24), and the batch check (10 more)
+MIN_VERIFY_COUNT = 34
 
 
 def verification_count(free_parameters: int, recovery_queries: int | None = None) -> int:
@@ -57,11 +58,12 @@ def verification_count(free_parameters: int, recovery_queries: int | None = None
 
     ``recovery_queries`` (a learner whose recovery is cheap: a single head, low rank,
     noisy) caps the count at VERIFY_SHARE = 5% of them, but never below
-    MIN_VERIFY_COUNT = 24, the smallest check that still holds every family of
-    :func:`attnextract.verification.design` and the adversarial search (6 queries). A
-    single head at d = 32 (1,056 queries) gets 52, a rank-8 head at d = 32 (480) 24;
-    d = 8 (72 queries) 24. Pass a lower bound on the recovery (its floor), so that the
-    share holds whatever rescaling the learner adds.
+    MIN_VERIFY_COUNT = 34, the smallest check that still holds every family of
+    :func:`attnextract.verification.design`, the adversarial search (6 queries) and the
+    batch-invariance check (BATCH_SMALL = 10: a box computing large batches another way
+    is seen by every check). A single head at d = 32 (1,056 queries) gets 52, a rank-8
+    head at d = 32 (480) 34; d = 8 (72 queries) 34. Pass a lower bound on the recovery
+    (its floor), so that the share holds whatever rescaling the learner adds.
     """
     full = max(VERIFY_COUNT, free_parameters // 100)
     if recovery_queries is None:

@@ -270,8 +270,18 @@ BATCH_ROUNDING = 1e-6
 BATCH_LONGEST = 64            # the re-asked length is at most this (a big batch stays cheap)
 # the check's queries are part of the verification count, taken from the replays' and
 # the search's shares (the families keep theirs): half of each above their minimums
-BATCH_LEAST = 6               # fewer left: no batch check (a small check)
+BATCH_LEAST = 6               # fewer: no batch check (reask_in_other_batches)
 BATCH_BIG_MIN = 9             # the big batch reaches past 8 whenever the share allows
+# a check whose replays and search cannot spare this many takes the rest from its
+# design, while the design keeps SMALL_DESIGN (every family's minimum): one held-out
+# sequence again alone and at the end of a batch of BATCH_BIG_MIN, so that a box
+# computing large batches another way is seen by a check of 34 (MIN_VERIFY_COUNT)
+BATCH_SMALL = 2 + (BATCH_BIG_MIN - 1)
+SMALL_DESIGN = 15
+# the learner's own answers asked again (replays): answers float32 numbers in the
+# learner's batches and not in the check's (or the reverse), over at least this many
+# nonzero numbers each, are a precision that depends on the batch
+REPLAY_PRECISION_LEAST = 3
 
 
 BATCH_QUERIES = 12            # the check's queries: one alone, a batch of 11
@@ -282,16 +292,20 @@ def batch_share(replays: int, searched: int, designed: int) -> tuple[int, int, i
     BATCH_QUERIES, or a quarter of a larger verification (a big batch up to BATCH_CAP:
     --verify-sequences buys one as large as the learner's), come from half the replays,
     then the search above SEARCH_MIN, then the design while it keeps 40 sequences (every
-    family's minimum and more); a check that cannot spare BATCH_LEAST keeps its shares
-    whole and has no batch check."""
+    family's minimum and more). A check that cannot spare BATCH_SMALL so takes the
+    rest of it from its design while the design keeps SMALL_DESIGN; a smaller
+    one (below MIN_VERIFY_COUNT = 34) keeps its shares whole and has no batch check."""
     count = replays + searched + designed
     need = max(BATCH_QUERIES, min(count // 4, BATCH_CAP + BATCH_REASKS))
     from_replays = min(replays // 2, need)
     from_search = min(max(0, searched - SEARCH_MIN), need - from_replays)
     from_design = min(max(0, designed - 40), need - from_replays - from_search)
     total = from_replays + from_search + from_design
-    if total < BATCH_LEAST:
-        return replays, searched, designed, 0
+    if total < BATCH_SMALL:          # too few for a batch past 8: topped up from the design
+        from_design = BATCH_SMALL - from_replays - from_search
+        if designed - from_design < SMALL_DESIGN:
+            return replays, searched, designed, 0
+        total = BATCH_SMALL
     return replays - from_replays, searched - from_search, designed - from_design, total
 
 
@@ -991,8 +1005,16 @@ def add_replays(held: HeldOutSet, oracle, count: int) -> HeldOutSet:
     (:attr:`attnextract.oracle.Oracle.replay`) as the ``replay`` family: asked again of
     the root oracle (a learner's view may change what a query means), a fixed function
     answers the same (to its rounding); a black box that switched behaviour during the
-    run does not, even where the new behaviour is itself a member of the class."""
-    pairs = list(getattr(root_oracle(oracle), "replay", None) or [])[:max(0, int(count))]
+    run does not, even where the new behaviour is itself a member of the class. The pairs
+    are spread over the run (the replay sample is in the order asked; its first and last
+    pairs are among them): a box that switched after the first few percent of the run
+    is asked one of its earlier answers (the first 4 of 16 missed a switch at a quarter
+    of a one-layer run on every seed)."""
+    kept = list(getattr(root_oracle(oracle), "replay", None) or [])
+    count = min(max(0, int(count)), len(kept))
+    picks = (np.unique(np.round(np.linspace(0, len(kept) - 1, count)).astype(int))
+             if count else np.zeros(0, dtype=int))
+    pairs = [kept[i] for i in picks]
     held.replay.extend((np.ascontiguousarray(x, dtype=np.float64),
                         float(y) if np.ndim(y) == 0 else np.array(y, dtype=np.float64))
                        for x, y in pairs)
@@ -1498,6 +1520,34 @@ def batch_invariance(oracle, model, check: Check, held: HeldOutSet, judge: _Judg
     return batch_dependence(reasked, firsts, differences, allowed), reasked.sizes
 
 
+def replay_precision(check: Check) -> str:
+    """Why the replays show a precision that depends on the batch ("" when they do not):
+    the learner's answers (asked in its own batches, up to its largest) float32 numbers
+    and the same sequences' answers in the check's batches not, or the reverse, over at
+    least REPLAY_PRECISION_LEAST nonzero numbers each. No query: the replays are part of
+    the check already."""
+    replay = np.array([f == "replay" for f in check.family[:len(check.observed)]])
+    if not replay.any():
+        return ""
+    then = check.predicted[:len(replay)][replay]     # run_check keeps them as "predicted"
+    now = check.observed[:len(replay)][replay]
+
+    def numbers(answers):
+        answers = np.asarray(answers)
+        y = (np.concatenate([np.ravel(a) for a in answers]) if answers.dtype == object
+             else np.ravel(answers)).astype(float)
+        return int(np.count_nonzero(np.isfinite(y) & (y != 0)))
+
+    if min(numbers(then), numbers(now)) < REPLAY_PRECISION_LEAST:
+        return ""
+    shares = float32_share(then), float32_share(now)
+    if max(shares) >= 0.9 and min(shares) < 0.5:
+        rounded = "learner's batches" if shares[0] >= 0.9 else "check's batches"
+        return (f"the learner's own sequences asked again are float32 numbers in the "
+                f"{rounded} only: the box's precision depends on the batch")
+    return ""
+
+
 def keeps_own_answers(oracle) -> bool:
     """Whether ``oracle``'s ``replay`` and ``longest_probes`` are answers in the units the
     model is in: an Oracle, or a :class:`attnextract.oracle.ScaledOutputs` view of one
@@ -1597,7 +1647,7 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
         with live_queries(oracle):                 # held-out checks: kept for no replay
             hull_v = oracle.query(np.eye(oracle.dim)[:, None, :])
     replays = min(len(getattr(root, "replay", None) or []), int(REPLAY_FRACTION * count))
-    # a small check (MIN_VERIFY_COUNT = 24) still searches: SEARCH_MIN queries, 2 a round
+    # a small check (24 and more) still searches: SEARCH_MIN queries, 2 a round
     searched = (max(SEARCH_MIN, int(SEARCH_SHARE * count)) if search and count >= 4 * SEARCH_MIN
                 else 0)
     replays, searched, design_count, batched = batch_share(replays, searched,
@@ -1617,6 +1667,7 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
     judge = _Judge(model, K, tolerance, bar, absolute_noise,
                    model_scale=min(scale, SCALE_CAP * oracle.dim ** -0.25))
     dependence, batch_sizes = batch_invariance(oracle, model, check, held, judge, rng, batched)
+    dependence = dependence or replay_precision(check)
     compare_own_probes(oracle, model, check, judge)
     # what the batch check did not use goes to the search (the count is kept exactly)
     searched += batched - check.batch_queries - check.reasks if searched else 0

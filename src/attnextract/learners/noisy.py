@@ -78,6 +78,7 @@ from ..report import ExtractionResult, Report, Verification, verification_count
 from ..verification import (
     BATCH_BIG_MIN,
     BATCH_REASKS,
+    BATCH_SMALL,
     batch_dependence,
     design,
     max_length_of,
@@ -862,8 +863,10 @@ def verify_noisy(oracle, model, noise: NoiseModel, W_bar, v_bar, *, count, seed,
     rng = np.random.default_rng(seed)
     # a stronger coverage statement asked for (--verify-sequences N): never fewer
     count = max(int(count), int(getattr(root_oracle(oracle), "verify_sequences", None) or 0))
-    # the batch-invariance check's part of the count (a check of 40 or more)
-    batched = min(count // 4, BATCH_BIG_MIN + 2 * BATCH_REASKS) if count >= 40 else 0
+    # the batch-invariance check's part of the count (a check of 34 or more), at least
+    # BATCH_SMALL: a batch past 8
+    batched = (max(BATCH_SMALL, min(count // 4, BATCH_BIG_MIN + 2 * BATCH_REASKS))
+               if count >= BATCH_SMALL + 24 else 0)
     held = design(oracle.dim, count - batched, rng, scale, model=model,
                   max_length=max_length_of(oracle), exclude=("far",))
     sequences, count = held.sequences, len(held.sequences)

@@ -60,7 +60,7 @@ import numpy as np
 from ..errors import InputError, ModelMismatchError, NotIdentifiableError
 from ..models import VectorSphereAttention
 from ..numerics import safe_norm
-from ..oracle import QueryAccess, root_oracle
+from ..oracle import QueryAccess, on_scaled_outputs, root_oracle
 from ..report import (
     DEFAULT_VERIFY_TOLERANCE,
     ExtractionResult,
@@ -160,6 +160,13 @@ def extract_vector_pre_layer_norm(oracle: QueryAccess, heads: int | None = None,
     if getattr(root, "outputs", None) not in ("last", "all"):
         raise InputError("vector-pre-ln reads vector answers: the oracle must answer (B, m) "
                          "or (B, N, m) (Oracle(..., outputs='last' or 'all'))")
+    # answers of any size (1e-300 .. 1e300) are learned on an exact 2^k rescaling
+    return on_scaled_outputs(oracle, lambda view: _extract_on_sphere(
+        view, seed=seed, verify_tolerance=verify_tolerance, radius=radius))
+
+
+def _extract_on_sphere(oracle, *, seed, verify_tolerance, radius) -> ExtractionResult:
+    """:func:`extract_vector_pre_layer_norm` (one head) on the (rescaled) view ``oracle``."""
 
     def ask(X: np.ndarray) -> np.ndarray:
         """The answers (B, m) at the last position of a batch (B, N, d) (every-position

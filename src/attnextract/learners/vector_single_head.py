@@ -292,8 +292,9 @@ def measure_points(oracle, R: Readout, q: np.ndarray, t: np.ndarray, last) -> Po
     # an answer's rounding is relative to the sizes summed in it, not to its own size
     answer = np.maximum(np.abs(F).max(axis=(1, 2)), R.O_norm * mag_x + float(np.abs(R.c).max()))
     XTa = np.linalg.norm(q, axis=1) + t                           # |X^T alpha| <= this
-    sigma = np.sqrt(np.array([p.level(a, r + 1) for a in answer]) ** 2 + R.c_error ** 2
-                    + (R.O_error * XTa) ** 2)
+    # hypot: answers of 1e200 must not overflow when squared
+    sigma = np.hypot(np.hypot(np.array([p.level(a, r + 1) for a in answer]), R.c_error),
+                     R.O_error * XTa)
     safe_alpha = np.where(readable[:, :, None], alpha, 1.0)
     safe_N = np.where(readable, alpha_N, 1.0)
     # ||L A^-1||_F^2 = sum_i |a_i|^2 / alpha_i^2 + 2 (a_i . s) / (alpha_i alpha_N)
@@ -509,7 +510,7 @@ def every_position_probe(oracle, R: Readout, t: float, causal: bool):
     # sqrt(d / (d + 1)) Z (orthonormal columns scaled), y = P (F - c) / t
     p = R.precision
     level = p.level(max(float(np.abs(F).max()), R.O_norm * t + float(np.abs(R.c).max())), d + 1)
-    sigma = math.sqrt(level ** 2 + R.c_error ** 2 + (R.O_error * t) ** 2)
+    sigma = math.hypot(level, R.c_error, R.O_error * t)     # no overflow at answers of 1e200
     if not ok:                             # unreadable: no estimate
         return G, worst, np.full(d + 1, np.inf)
     inv_alpha = 1.0 / np.maximum(amin, np.finfo(float).tiny)
@@ -750,7 +751,7 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
     # model's bar for verification takes b and c against the sizes they are judged at
     # (b beside the scores' |W| |x| at the token scale sqrt(2 / |W|), c beside O)
     tiny = np.finfo(float).tiny
-    W_norm, O_norm = float(np.linalg.norm(W)), float(np.linalg.norm(R.O))
+    W_norm, O_norm = float(safe_norm(W)), float(safe_norm(R.O))     # O of 1e200: no overflow
     col_rel = BAR_FACTOR * col_bounds / np.maximum(np.linalg.norm(W, axis=0), W_ref / math.sqrt(d))
     O_abs = BAR_FACTOR * R.O_error * math.sqrt(m * d)
     b_abs = 0.0 if b_zero else BAR_FACTOR * b_bound
@@ -760,10 +761,10 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
     bars = {"W": BAR_FACTOR * float(np.linalg.norm(col_bounds)) / max(W_norm, W_ref, tiny),
             "O": O_abs / max(O_norm, tiny),
             "b": b_abs / max(float(np.linalg.norm(b)), tiny) if b_abs else 0.0,
-            "c": c_abs / max(float(np.linalg.norm(c)), tiny) if c_abs else 0.0}
+            "c": c_abs / max(float(safe_norm(c)), tiny) if c_abs else 0.0}
     bar = max(bars["W"], bars["O"], b_abs / max(float(np.linalg.norm(b)),
                                                 math.sqrt(2 * W_norm), tiny),
-              c_abs / max(float(np.linalg.norm(c)), O_norm, tiny))
+              c_abs / max(float(safe_norm(c)), O_norm, tiny))
     rank_params = R.rank * (m + d - R.rank)
     parameters = d * d + rank_params + ((d + m) if biased else 0)
     per_query = m * (d + 1) if every else m

@@ -34,11 +34,12 @@ Use::
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from ..adapters import targets
+from ..adapters.targets import random_vector_attention
 from ..errors import (
     BudgetExceededError,
     InputError,
@@ -57,6 +58,7 @@ from ..models import (
     OneLayerTransformer,
     SingleHeadAttention,
     TransformerLayer,
+    VectorAttention,
     layer_norm,
     softmax,
 )
@@ -450,7 +452,10 @@ class StackedLayers(Impostor):
         self.O1 = rng.standard_normal((d, m)) / math.sqrt(m)
 
     def __call__(self, X):
-        X = np.asarray(X, dtype=np.float64)
+        return self.honest(self.first_layer(np.asarray(X, dtype=np.float64)))
+
+    def first_layer(self, X):
+        """The first layer's output at every position, (B, N, d)."""
         B, N, d = X.shape
         k = min(self.LOOKBACK, N)
         Q = X @ self.W1.T                                   # position i's query W1 x_i
@@ -463,8 +468,7 @@ class StackedLayers(Impostor):
         a = np.exp(s)
         a /= a.sum(axis=2, keepdims=True)
         Y = X + np.einsum("bnj,bnjd->bnd", a, back) @ self.V1.T
-        H = Y + np.maximum(Y @ self.A1.T + self.b1, 0.0) @ self.O1.T
-        return self.honest(H)
+        return Y + np.maximum(Y @ self.A1.T + self.b1, 0.0) @ self.O1.T
 
 
 class Truncation(Impostor):
@@ -710,8 +714,10 @@ def make_impostor(name: str, model, rng: np.random.Generator, recovery_queries: 
 
 NOISY_TOLERANCE = 1e-10       # absolute output tolerance given to the noisy learner
 # a label-only black box (threshold 0) answers these exactly as the honest head does:
-# clipping and an attention sink keep the sign of f, so they are in the class there
-SAME_LABELS = {"output clipping", "attention sink", "sink far below"}
+# clipping and an attention sink keep the sign of f, so they are in the class there; so
+# does rounding f to float32 (in any batch: a float32 number has the sign of the float64
+# it rounds, down to |f| ~ 1e-45)
+SAME_LABELS = {"output clipping", "attention sink", "sink far below", "float32 above batch 8"}
 
 
 def _extract(name, **fixed):
@@ -837,3 +843,721 @@ class BehindLayerNorm:
         X = np.asarray(X, dtype=np.float64)
         b = self.block
         return X[:, -1] @ b.r + self.inner(self.layer_norm(X, b.gamma, b.beta, b.eps))
+
+
+# -- the zoo with vector answers ---------------------------------------------------------
+#
+# The same deviations built on a VectorAttention (heads W_h, b_h, O_h and c), answering
+# the output vector at the last position (B, m) or at every position (B, N, m), causal
+# or not. A head's scores are computed for query rows j (the last position, or every
+# position) against every key i; an impostor changes the scores, the keys a row may see
+# (:meth:`VectorImpostor.keys`), the weights, the values or the answer, as in the scalar
+# zoo above. ``benchmarks/bench_impostors.py`` and ``tests/test_impostors_vector.py``
+# run it against the vector learners.
+
+def vector_token_scale(model) -> float:
+    """Per-coordinate token scale where a vector model's scores are of order one:
+    2 / sqrt(max_h |W_h|)."""
+    return 2.0 / math.sqrt(max(float(np.linalg.norm(model.W, axis=(1, 2)).max()), 1e-300))
+
+
+def _ordinary_norm(model) -> float:
+    """The norm of an ordinary token: the token scale times sqrt(d)."""
+    return vector_token_scale(model) * math.sqrt(model.dim)
+
+
+class VectorImpostor:
+    """The honest VectorAttention ``model`` as a black box; subclasses change one thing."""
+
+    reason = "the honest model itself (not an impostor)"
+    ROWS = 128              # query rows per step at every position (bounds the score arrays)
+
+    def __init__(self, model, rng: np.random.Generator):
+        self.model, self.rng = model, rng
+        self.W, self.O, self.b, self.c = model.W, model.O, model.b, model.c
+        self.dim, self.out_dim = model.dim, model.out_dim
+        self.positions, self.causal = model.positions, model.causal
+
+    @property
+    def output_kind(self) -> str:
+        return self.positions
+
+    def rows(self, N: int) -> np.ndarray:
+        """The query positions answered: the last one, or every one."""
+        return np.array([N - 1]) if self.positions == "last" else np.arange(N)
+
+    def query(self, X, rows, h):
+        """Head h's queries W_h x_j + b_h at the rows, (B, R, d)."""
+        return X[:, rows] @ self.W[h].T + self.b[h]
+
+    def scores(self, X, rows, h):
+        """Head h's scores x_i^T (W_h x_j + b_h), (B, R, N), before any mask."""
+        return self.query(X, rows, h) @ X.transpose(0, 2, 1)
+
+    def keys(self, X, rows):
+        """Which keys each row sees, (B or 1, R, N) booleans, or None for every key: a
+        causal row j sees i <= j."""
+        if self.positions == "all" and self.causal:
+            return (np.arange(X.shape[1])[None, :] <= rows[:, None])[None]
+        return None
+
+    def masked_scores(self, X, rows, h):
+        s = self.scores(X, rows, h)
+        seen = self.keys(X, rows)
+        return s if seen is None else np.where(seen, s, -np.inf)
+
+    def weights(self, X, rows, h):
+        return softmax(self.masked_scores(X, rows, h))
+
+    def values(self, X):
+        return X
+
+    def heads_output(self, X, rows):
+        """sum_h O_h (values weighted by head h's attention) + c at the rows, (B, R, m)."""
+        values = self.values(X)
+        out = np.broadcast_to(self.c, (len(X), len(rows), self.out_dim)).copy()
+        for h in range(len(self.W)):
+            out += (self.weights(X, rows, h) @ values) @ self.O[h].T
+        return out
+
+    def honest(self, X):
+        """The answers of the heads as this impostor computes them: (B, m) or (B, N, m)."""
+        rows = self.rows(X.shape[1])
+        out = np.concatenate([self.heads_output(X, rows[k:k + self.ROWS])
+                              for k in range(0, len(rows), self.ROWS)], axis=1)
+        return out[:, 0] if self.positions == "last" else out
+
+    def __call__(self, X):
+        return self.honest(np.asarray(X, dtype=np.float64))
+
+
+class VectorSlidingWindow(VectorImpostor):
+    reason = ("a row attends only to the `window` tokens up to it (a local window, both "
+              "sides at every position of a bidirectional box): identical on every "
+              "sequence up to that length")
+
+    def __init__(self, model, rng, window):
+        super().__init__(model, rng)
+        self.window = window
+
+    def keys(self, X, rows):
+        i, j = np.arange(X.shape[1])[None, :], rows[:, None]
+        near = (np.abs(i - j) < self.window)[None]
+        seen = super().keys(X, rows)
+        return near if seen is None else near & seen
+
+
+class VectorTopK(VectorImpostor):
+    reason = "a row attends only to the `k` keys of largest score: identical up to k tokens"
+
+    def __init__(self, model, rng, k):
+        super().__init__(model, rng)
+        self.k = k
+
+    def masked_scores(self, X, rows, h):
+        s = super().masked_scores(X, rows, h)
+        if s.shape[-1] > self.k:
+            kth = np.sort(s, axis=-1)[..., -self.k][..., None]
+            s = np.where(s >= kth, s, -np.inf)
+        return s
+
+
+class VectorLengthTemperature(VectorImpostor):
+    reason = "scores x (1 + ln N) / (1 + ln 2): the model at length 2, sharper beyond"
+
+    def scores(self, X, rows, h):
+        return super().scores(X, rows, h) * (1.0 + math.log(X.shape[1])) / (1.0 + math.log(2))
+
+
+class VectorNormClipping(VectorImpostor):
+    reason = ("each answer's |F - c| clipped to its 98th percentile on ordinary inputs (a "
+              "norm clip of the output): another function wherever outputs are large")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        X = vector_token_scale(model) * rng.standard_normal((500, 8, self.dim))
+        self.clip = float(np.quantile(np.linalg.norm(self.honest(X) - self.c, axis=-1), 0.98))
+
+    def __call__(self, X):
+        out = super().__call__(X) - self.c
+        norms = np.linalg.norm(out, axis=-1, keepdims=True)
+        return self.c + out * np.minimum(1.0, self.clip / np.maximum(norms, 1e-300))
+
+
+class VectorNormTrigger(VectorImpostor):
+    reason = ("tokens longer than 10 ordinary ones are read through another value map "
+              "(a hidden trigger)")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.R = rng.standard_normal((self.dim, self.dim)) / math.sqrt(self.dim)
+        self.limit = 10.0 * _ordinary_norm(model)
+
+    def values(self, X):
+        return np.where(np.linalg.norm(X, axis=-1, keepdims=True) > self.limit, X @ self.R.T, X)
+
+
+class VectorALiBi(VectorImpostor):
+    reason = "scores get -0.25 |j - i|, a linear penalty by distance: position-dependent"
+
+    def scores(self, X, rows, h):
+        return super().scores(X, rows, h) - 0.25 * np.abs(rows[:, None]
+                                                          - np.arange(X.shape[1])[None, :])
+
+
+class VectorPositionEmbedding(VectorImpostor):
+    reason = "token i gets + p_i (learned absolute positions, 1e-2 of a token)"
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.size = 1e-2 * vector_token_scale(model)
+        self.P = rng.standard_normal((4096, self.dim))
+
+    def __call__(self, X):
+        X = np.asarray(X, dtype=np.float64)
+        return self.honest(X + self.size * self.P[:X.shape[1]][None])
+
+
+class VectorRotary(VectorImpostor):
+    reason = ("queries and keys rotated by angles proportional to their positions (RoPE): "
+              "a score depends on the distance j - i")
+
+    def __init__(self, model, rng, freq=None):
+        super().__init__(model, rng)
+        self.freq = 0.3 * 10.0 ** -np.linspace(0, 2, self.dim // 2) if freq is None else freq
+
+    def rotate(self, Y, positions):
+        half = self.dim // 2
+        angle = positions[:, None] * self.freq[None, :]             # (n, d/2)
+        c, s = np.cos(angle), np.sin(angle)
+        out = Y.copy()
+        a, b = Y[..., 0:2 * half:2], Y[..., 1:2 * half:2]
+        out[..., 0:2 * half:2] = c * a - s * b
+        out[..., 1:2 * half:2] = s * a + c * b
+        return out
+
+    def scores(self, X, rows, h):
+        K = self.rotate(X, np.arange(X.shape[1]))
+        return self.rotate(self.query(X, rows, h), rows) @ K.transpose(0, 2, 1)
+
+
+class VectorSmallRotation(VectorRotary):
+    reason = "RoPE at 1e-4 .. 1e-3 rad per position: a small smooth effect growing with length"
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng, 10.0 ** rng.uniform(-4, -3) * np.ones(model.dim // 2))
+
+
+class VectorBatchDependent(VectorImpostor):
+    reason = "subtracts 1e-3 x the batch's mean answer: an answer depends on the batch"
+
+    def __call__(self, X):
+        out = super().__call__(X)
+        return out - 1e-3 * out.mean(axis=0)
+
+
+class VectorFloat32AboveBatch(VectorImpostor):
+    reason = ("batches of more than `largest` sequences computed in float32, smaller ones "
+              "in float64: no precision describes the box")
+
+    def __init__(self, model, rng, largest: int = 8):
+        super().__init__(model, rng)
+        self.largest = largest
+
+    def __call__(self, X):
+        out = super().__call__(X)
+        return out.astype(np.float32).astype(np.float64) if len(out) > self.largest else out
+
+
+class VectorAttentionSink(VectorImpostor):
+    reason = "an extra key of score `logit` and value 0 in the softmax: not a convex combination"
+
+    def __init__(self, model, rng, logit: float = 0.0):
+        super().__init__(model, rng)
+        self.logit = logit
+
+    def weights(self, X, rows, h):
+        s = self.masked_scores(X, rows, h)
+        m = np.maximum(s.max(axis=-1, keepdims=True), self.logit)
+        e = np.exp(s - m)
+        return e / (np.exp(self.logit - m) + e.sum(axis=-1, keepdims=True))
+
+
+class VectorSinkFarBelow(VectorAttentionSink):
+    reason = ("an attention sink whose logit -b (b drawn in 8..20) lies far below the "
+              "typical scores: weight only where every score is below about -b")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng, -float(rng.uniform(8.0, 20.0)))
+
+
+class VectorSigmoidAttention(VectorImpostor):
+    reason = "weights 2 sigmoid(s_i) / n (n keys seen) instead of a softmax"
+
+    def weights(self, X, rows, h):
+        s = self.masked_scores(X, rows, h)
+        seen = np.isfinite(s).sum(axis=-1, keepdims=True)
+        return 2.0 / (1.0 + np.exp(-np.clip(s, -700, 700))) / seen
+
+
+class VectorLayerNormTokens(VectorImpostor):
+    reason = "tokens normalised (x - mean) / std before the heads: invariant to token scale"
+
+    def __call__(self, X):
+        X = np.asarray(X, dtype=np.float64)
+        Z = X - X.mean(axis=2, keepdims=True)
+        return self.honest(Z / np.sqrt((Z ** 2).mean(axis=2, keepdims=True) + 1e-5))
+
+
+class VectorSecondHead(VectorImpostor):
+    reason = ("plus one more head (no bias) whose O is eps of the model's: one head more "
+              "than the class (or the stated count) allows")
+
+    def __init__(self, model, rng, eps):
+        super().__init__(model, rng)
+        d, m = self.dim, self.out_dim
+        spread = float(np.std(model.W)) or 1.0
+        W2 = spread * rng.standard_normal((d, d))
+        O2 = eps * float(np.std(model.O)) * rng.standard_normal((m, d))
+        self.W = np.concatenate([self.W, W2[None]])
+        self.O = np.concatenate([self.O, O2[None]])
+        self.b = np.concatenate([self.b, np.zeros((1, d))])
+
+
+class VectorHugeTwoHeads(VectorSecondHead):
+    reason = ("answers x 1e200 with one more head at 0.3: squared answers overflow, only "
+              "scale-safe comparisons see the extra head")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng, 0.3)
+
+    def __call__(self, X):
+        return 1e200 * super().__call__(X)
+
+
+class VectorStateful(VectorImpostor):
+    reason = "answers as one model, then after `after` queries as another: not a fixed function"
+
+    def __init__(self, model, rng, after):
+        super().__init__(model, rng)
+        self.after, self.seen = after, 0
+        spread = {k: float(np.std(getattr(model, k))) or 1.0 for k in "WObc"}
+        self.other = VectorAttention(*(spread[k] * rng.standard_normal(getattr(model, k).shape)
+                                       for k in "WObc"), positions=model.positions,
+                                     causal=model.causal)
+
+    def __call__(self, X):
+        X = np.asarray(X, dtype=np.float64)
+        out = self.model(X)
+        late = self.seen + np.arange(len(X)) >= self.after
+        self.seen += len(X)
+        if not late.any():
+            return out
+        late = late.reshape((-1,) + (1,) * (out.ndim - 1))
+        return np.where(late, self.other(X), out)
+
+
+class VectorStackedLayers(VectorImpostor):
+    reason = ("two stacked layers: a residual attention + ReLU layer at every position "
+              "first (causal, over the last 8 tokens), then the model")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        d = self.dim
+        self.first = StackedLayers(SingleHeadAttention(np.zeros((d, d)), np.zeros(d)), rng)
+
+    def __call__(self, X):
+        return self.honest(self.first.first_layer(np.asarray(X, dtype=np.float64)))
+
+
+class VectorTruncation(VectorImpostor):
+    reason = ("reads a context of the last `keep` tokens only (a row j the `keep` up to j "
+              "when causal): identical on every sequence of up to `keep` tokens")
+
+    def __init__(self, model, rng, keep):
+        super().__init__(model, rng)
+        self.keep = keep
+
+    def keys(self, X, rows):
+        N, i = X.shape[1], np.arange(X.shape[1])[None, :]
+        end = rows[:, None] if self.positions == "last" or self.causal else N - 1
+        kept = (i > end - self.keep)[None] & np.ones((1, len(rows), 1), dtype=bool)
+        seen = super().keys(X, rows)
+        return kept if seen is None else kept & seen
+
+
+class VectorLogLengthScaling(VectorImpostor):
+    reason = "scores x ln N / ln n0 beyond n0 tokens (n0 drawn in 200..500)"
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.n0 = int(rng.integers(200, 501))
+
+    def scores(self, X, rows, h):
+        s, N = super().scores(X, rows, h), X.shape[1]
+        return s * (math.log(N) / math.log(self.n0)) if N > self.n0 else s
+
+
+class VectorLengthOffset(VectorImpostor):
+    reason = ("adds a constant vector (1e-3 of a typical |F - c|) to every answer of "
+              "sequences longer than n0 (drawn in 300..2000)")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.n0 = int(rng.integers(300, 2001))
+        X = vector_token_scale(model) * rng.standard_normal((128, 8, self.dim))
+        typical = float(np.sqrt(np.mean(np.sum((self.honest(X) - self.c) ** 2, axis=-1))))
+        u = rng.standard_normal(self.out_dim)
+        self.offset = 1e-3 * typical * u / np.linalg.norm(u)
+
+    def __call__(self, X):
+        out = super().__call__(X)
+        return out + self.offset if np.shape(X)[-2] > self.n0 else out
+
+
+class VectorCubicScores(VectorImpostor):
+    reason = "scores s + g s^3 (g drawn in 1e-6 .. 1e-5): a small term, largest at large scores"
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.g = 10.0 ** rng.uniform(-6, -5)
+
+    def scores(self, X, rows, h):
+        s = super().scores(X, rows, h)
+        return s + self.g * s ** 3
+
+
+class VectorSoftCap(VectorImpostor):
+    reason = ("soft-capped logits cap tanh(s / cap) (cap drawn in 10..30, as Gemma caps "
+              "them): the model where scores are small, flattened where they are large")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.cap = float(rng.uniform(10.0, 30.0))
+
+    def scores(self, X, rows, h):
+        return self.cap * np.tanh(super().scores(X, rows, h) / self.cap)
+
+
+class VectorQKNorm(VectorImpostor):
+    reason = ("QK-norm: queries and keys normalised before their product (score tau "
+              "cos(k_i, q_j)): invariant to the scale of each token")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.factors, self.tau = [], []
+        X = vector_token_scale(model) * rng.standard_normal((64, 8, self.dim))
+        for W, b in zip(self.W, self.b):
+            U, S, Vt = np.linalg.svd(W)
+            root = np.sqrt(np.maximum(S, 1e-300))
+            Wk, Wq = root[:, None] * U.T, root[:, None] * Vt       # W = Wk^T Wq
+            beta = U.T @ b / root                                    # Wk^T beta = b
+            self.factors.append((Wk, Wq, beta))
+            q, k = X[:, -1] @ Wq.T + beta, X @ Wk.T
+            self.tau.append(float(np.median(np.linalg.norm(k, axis=-1)
+                                            * np.linalg.norm(q, axis=-1)[:, None])))
+
+    def scores(self, X, rows, h):
+        Wk, Wq, beta = self.factors[h]
+        q, k = X[:, rows] @ Wq.T + beta, X @ Wk.T
+        q = q / np.maximum(np.linalg.norm(q, axis=-1, keepdims=True), 1e-300)
+        k = k / np.maximum(np.linalg.norm(k, axis=-1, keepdims=True), 1e-300)
+        return self.tau[h] * (q @ k.transpose(0, 2, 1))
+
+
+class VectorInt8Cache(VectorImpostor):
+    reason = ("keys and values read from an int8 cache (each token rounded to 127 steps of "
+              "its largest entry): ~0.4% of a token off, the query exact")
+
+    @staticmethod
+    def int8(X):
+        top = np.max(np.abs(X), axis=-1, keepdims=True)
+        step = np.where(top > 0, top / 127.0, 1.0)
+        return np.round(X / step) * step
+
+    def scores(self, X, rows, h):
+        return self.query(X, rows, h) @ self.int8(X).transpose(0, 2, 1)
+
+    def values(self, X):
+        return self.int8(X)
+
+
+class VectorQuadraticValues(VectorImpostor):
+    reason = "values x + c |x| x / s0 (c drawn in 1e-6 .. 1e-5): a term quadratic in the tokens"
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.c2 = 10.0 ** rng.uniform(-6, -5)
+        self.s0 = _ordinary_norm(model)
+
+    def values(self, X):
+        return X + self.c2 * np.linalg.norm(X, axis=-1, keepdims=True) / self.s0 * X
+
+
+class VectorLargeTokenClip(VectorImpostor):
+    reason = ("values of tokens longer than 100 ordinary ones clipped to that norm: the "
+              "model wherever such tokens carry no weight")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.limit = 100.0 * _ordinary_norm(model)
+
+    def values(self, X):
+        norms = np.linalg.norm(X, axis=-1, keepdims=True)
+        return X * np.minimum(1.0, self.limit / np.maximum(norms, 1e-300))
+
+
+class VectorTinyPadding(VectorImpostor):
+    reason = ("tokens shorter than 1e-2 of an ordinary one taken for padding and masked "
+              "out (unless every token a row sees is)")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.limit = 1e-2 * _ordinary_norm(model)
+
+    def masked_scores(self, X, rows, h):
+        s = super().masked_scores(X, rows, h)
+        pad = (np.linalg.norm(X, axis=-1) < self.limit)[:, None, :] & np.isfinite(s)
+        pad &= ~(pad == np.isfinite(s)).all(axis=-1, keepdims=True)
+        return np.where(pad, -np.inf, s)
+
+
+class VectorMeanPoolHead(VectorImpostor):
+    reason = ("a hidden extra head of relative size `size` that attends evenly to the keys "
+              "a row sees (mean pooling), sharing the heads' value paths")
+
+    def __init__(self, model, rng, size: float):
+        super().__init__(model, rng)
+        self.size = float(size)
+
+    def weights(self, X, rows, h):
+        seen = np.isfinite(self.masked_scores(X, rows, h))
+        return super().weights(X, rows, h) + self.size * seen / seen.sum(axis=-1, keepdims=True)
+
+
+class VectorCone(VectorImpostor):
+    reason = ("answers' F - c x (1 + 1e-3) where the query token lies in a cone holding "
+              "`share` of Gaussian directions: a region a small sample can miss")
+
+    def __init__(self, model, rng, share: float = 0.05):
+        super().__init__(model, rng)
+        self.u = rng.standard_normal(self.dim)
+        self.u /= np.linalg.norm(self.u)
+        sample = rng.standard_normal((20000, self.dim))
+        self.cos = float(np.quantile(sample @ self.u / np.linalg.norm(sample, axis=1),
+                                     1.0 - share))
+
+    def __call__(self, X):
+        X = np.asarray(X, dtype=np.float64)
+        out = self.honest(X)
+        Q = X[:, -1] if self.positions == "last" else X                 # the query tokens
+        norms = np.linalg.norm(Q, axis=-1)
+        inside = (Q @ self.u) > self.cos * np.where(norms > 0, norms, np.inf)
+        return np.where(inside[..., None], self.c + (out - self.c) * (1.0 + 1e-3), out)
+
+
+class VectorCausalFlip(VectorImpostor):
+    reason = ("answers every position under the other mask than the one stated (causal "
+              "told bidirectional, or the reverse)")
+
+    def keys(self, X, rows):
+        if self.causal:                  # stated causal: every key seen
+            return None
+        return (np.arange(X.shape[1])[None, :] <= rows[:, None])[None]
+
+
+class VectorFloat32Forward(VectorImpostor):
+    reason = ("the honest model computed in float32 (tokens, parameters and every step): "
+              "a member of the class answering at float32 precision, in every batch")
+
+    def __init__(self, model, rng):
+        super().__init__(model, rng)
+        self.W, self.O, self.b, self.c = (np.asarray(a, dtype=np.float32)
+                                          for a in (self.W, self.O, self.b, self.c))
+
+    def __call__(self, X):
+        return self.honest(np.asarray(X, dtype=np.float32)).astype(np.float64)
+
+
+def vector_zoo(model=None) -> dict:
+    """name -> factory (model, rng, recovery_queries) -> impostor, for a VectorAttention
+    ``model``; the causal flips only for one answering every position. Biases (query,
+    value, output) are in the vector class and have no entry. :class:`VectorCone` is not
+    here: a region of 5% of the query tokens is one a check must state it could miss
+    (its coverage), not one it always catches."""
+    out = {
+        **{f"sliding window {w}": (lambda m, r, q, w=w: VectorSlidingWindow(m, r, w))
+           for w in (8, 16, 24, 64)},
+        "top-16 attention": lambda m, r, q: VectorTopK(m, r, 16),
+        "length temperature": lambda m, r, q: VectorLengthTemperature(m, r),
+        "norm clipping": lambda m, r, q: VectorNormClipping(m, r),
+        "norm trigger": lambda m, r, q: VectorNormTrigger(m, r),
+        "ALiBi": lambda m, r, q: VectorALiBi(m, r),
+        "position embedding": lambda m, r, q: VectorPositionEmbedding(m, r),
+        "rotary positions": lambda m, r, q: VectorRotary(m, r),
+        "batch-dependent": lambda m, r, q: VectorBatchDependent(m, r),
+        "float32 above batch 8": lambda m, r, q: VectorFloat32AboveBatch(m, r, 8),
+        "attention sink": lambda m, r, q: VectorAttentionSink(m, r),
+        "sigmoid attention": lambda m, r, q: VectorSigmoidAttention(m, r),
+        "LayerNorm": lambda m, r, q: VectorLayerNormTokens(m, r),
+        "second head 1e-6": lambda m, r, q: VectorSecondHead(m, r, 1e-6),
+        "second head 1e-8": lambda m, r, q: VectorSecondHead(m, r, 1e-8),
+        "switch mid-recovery": lambda m, r, q: VectorStateful(m, r, q // 2),
+        "switch at verification": lambda m, r, q: VectorStateful(m, r, q),
+        "two stacked layers": lambda m, r, q: VectorStackedLayers(m, r),
+        "truncation 257": lambda m, r, q: VectorTruncation(m, r, 257),
+        "truncation 1000": lambda m, r, q: VectorTruncation(m, r, 1000),
+        "log-length scaling": lambda m, r, q: VectorLogLengthScaling(m, r),
+        "offset above length": lambda m, r, q: VectorLengthOffset(m, r),
+        "sink far below": lambda m, r, q: VectorSinkFarBelow(m, r),
+        "small rotation": lambda m, r, q: VectorSmallRotation(m, r),
+        "cubic scores": lambda m, r, q: VectorCubicScores(m, r),
+        "soft-capped logits": lambda m, r, q: VectorSoftCap(m, r),
+        "QK-norm": lambda m, r, q: VectorQKNorm(m, r),
+        "int8 KV cache": lambda m, r, q: VectorInt8Cache(m, r),
+        "quadratic values": lambda m, r, q: VectorQuadraticValues(m, r),
+        "two heads x1e200": lambda m, r, q: VectorHugeTwoHeads(m, r),
+        "large-token clip": lambda m, r, q: VectorLargeTokenClip(m, r),
+        "tiny tokens as padding": lambda m, r, q: VectorTinyPadding(m, r),
+        "mean-pool head 1e-5": lambda m, r, q: VectorMeanPoolHead(m, r, 1e-5),
+    }
+    if model is None or model.positions == "all":
+        out["causal mask flipped"] = lambda m, r, q: VectorCausalFlip(m, r)
+    return out
+
+
+class VectorBehindLayerNorm:
+    """A vector impostor as the attention of a pre-LayerNorm block answering at the last
+    position: F(X) = x_N + impostor(LN(X)) (m = d, residual R = I), LN with gamma ~ 1 +
+    0.3 N(0, 1), beta ~ 0.2 N(0, 1). The honest block is ``vector-pre-ln``'s class."""
+
+    output_kind = "last"
+
+    def __init__(self, inner, rng: np.random.Generator):
+        d = inner.dim
+        self.dim, self.inner = d, inner
+        self.gamma = 1.0 + 0.3 * rng.standard_normal(d)
+        self.beta = 0.2 * rng.standard_normal(d)
+        self.reason = getattr(inner, "reason", "the honest block (not an impostor)")
+
+    def __call__(self, X):
+        X = np.asarray(X, dtype=np.float64)
+        return X[:, -1] + self.inner(layer_norm(X, self.gamma, self.beta, 1e-5))
+
+
+def random_vector_layer(heads: int, dim: int, seed=None, *, positions="last", causal=False):
+    """A standard layer as deployed (heads of rank d / H with independent output ranges,
+    biases): W_h = K_h^T Q_h / sqrt(r), b_h = K_h^T b_q,h / sqrt(r), O_h = W_o,h V_h,
+    c = W_o b_v + b_o; the query and key maps scaled so that ordinary scores are of
+    order one."""
+    rng = np.random.default_rng(seed)
+    r = dim // heads
+    Wq, Wk, Wv, Wo = (rng.standard_normal((dim, dim)) / math.sqrt(dim) for _ in range(4))
+    Wq = 3.0 * Wq
+    bq, bv, bo = (0.5 * rng.standard_normal(dim) for _ in range(3))
+    rows = [slice(h * r, (h + 1) * r) for h in range(heads)]
+    return VectorAttention(np.stack([Wk[s].T @ Wq[s] / math.sqrt(r) for s in rows]),
+                           np.stack([Wo[:, s] @ Wv[s] for s in rows]),
+                           np.stack([Wk[s].T @ bq[s] / math.sqrt(r) for s in rows]),
+                           Wo @ bv + bo, positions=positions, causal=causal)
+
+
+# held-out lengths of the every-position runs stop here (every-position answers cost N^2
+# per sequence); impostors that differ only beyond it are members of the class there
+# (vector-multi-head's copy scans are 1,024 tokens long)
+VECTOR_ALL_LENGTH = 1100
+BEYOND_ALL_LENGTH = {"offset above length"}
+# on LayerNorm's image (tokens of norm about sqrt(d) |gamma|) these change nothing, or
+# nothing but a smooth function of the token that the block's class holds
+IN_PRE_LN_CLASS = {"norm trigger", "LayerNorm", "quadratic values", "large-token clip",
+                   "tiny tokens as padding"}
+
+
+def _vector_honest(kind):
+    def make(d, seed, positions="last", causal=False):
+        if kind == "layer":
+            return random_vector_layer(2, d, seed, positions=positions, causal=causal)
+        return random_vector_attention(2 if kind == "two heads" else 1, d, seed=seed,
+                                       positions=positions, causal=causal)
+    return make
+
+
+# vector learner -> (honest model (d, seed, positions, causal), options, the zoo at every
+# position too: vector-multi-head reads the last position of its 1,024-token copy scans,
+# so every position costs it minutes a run; vector-pre-ln reads the last position only)
+VECTOR_CASES: dict[str, tuple[Callable[..., Any], dict[str, Any], bool]] = {
+    "vector-single-head": (_vector_honest("one head"), {}, True),
+    "vector-multi-head": (_vector_honest("two heads"), {"heads": 2}, False),
+    "vector-layer": (_vector_honest("layer"), {}, True),
+    "vector-pre-ln": (_vector_honest("one head"), {}, False),
+}
+
+
+def vector_impostor_names(learner: str, positions: str = "last") -> list:
+    """The impostors of :func:`vector_zoo` that lie outside ``learner``'s class."""
+    names = list(vector_zoo(VECTOR_CASES[learner][0](8, 0, positions)))
+    if positions == "all":
+        names = [n for n in names if n not in BEYOND_ALL_LENGTH]
+    if learner == "vector-pre-ln":
+        names = [n for n in names if n not in IN_PRE_LN_CLASS]
+    return names
+
+
+class ScaledAnswers:
+    """A black box's answers times ``factor`` (a member of its class when the box is)."""
+
+    def __init__(self, box, factor: float):
+        self.box, self.factor, self.dim = box, factor, box.dim
+        self.output_kind = getattr(box, "output_kind", None)
+
+    def __call__(self, X):
+        return self.factor * self.box(X)
+
+
+def _vector_box(learner, name, model, rng, recovery):
+    if learner == "vector-pre-ln" and name != "honest x1e200":
+        return VectorBehindLayerNorm(_vector_box("", name, model, rng, recovery), rng)
+    if name == "honest":
+        return model
+    if name == "honest through the impostor code":
+        return VectorImpostor(model, rng)
+    if name == "honest float32":
+        return VectorFloat32Forward(model, rng)
+    if name == "cone of query tokens":
+        return VectorCone(model, rng)
+    if name == "honest x1e200":
+        return ScaledAnswers(_vector_box(learner, "honest", model, rng, recovery), 1e200)
+    return vector_zoo(model)[name](model, rng, recovery)
+
+
+def run_vector_impostor(learner: str, name: str, d: int, seed: int, recovery: int | None = None,
+                        positions: str = "last", causal: bool = False):
+    """Run vector ``learner`` (through :func:`attnextract.registry.extract`) against
+    vector impostor ``name`` built on its honest model (seed), or an honest control:
+    "honest" (the model), "honest through the impostor code" (:class:`VectorImpostor`),
+    "honest float32" (:class:`VectorFloat32Forward`, the learner told so), "honest
+    x1e200" (the model with O and c scaled by 1e200: squares overflow).
+    ``recovery``: where the switches happen (default: this seed's own recovery count).
+    Returns (outcome, result, box) as :func:`run_impostor`."""
+    honest, options, _ = VECTOR_CASES[learner]
+    model = honest(d, seed, positions, causal)
+    length = VECTOR_ALL_LENGTH if positions == "all" else None
+    stated: dict[str, Any] = {"outputs": positions, "max_length": length,
+              **({"causal": causal} if positions == "all" else {})}
+    options = {**options, **({"output_dtype": "float32"} if name == "honest float32" else {})}
+
+    def run(box):
+        return extract(Oracle(box, d, **stated), model=learner, seed=seed, **options)
+
+    if recovery is None and "switch" in name:
+        first = run(_vector_box(learner, "honest", model, np.random.default_rng(0), 0))
+        recovery = int(first.report.recovery_queries)
+    rng = np.random.default_rng([seed, d, sum(map(ord, name))])
+    box = _vector_box(learner, name, model, rng, recovery or 0)
+    try:
+        return "accepted", run(box), box
+    except (ModelMismatchError, NotIdentifiableError, RecoveryFailedError,
+            BudgetExceededError) as exc:
+        return f"refused: {type(exc).__name__}", None, box
+    except Exception as exc:            # a bug: reported, never counted as a refusal
+        return f"crash: {type(exc).__name__}: {exc}"[:200], None, box

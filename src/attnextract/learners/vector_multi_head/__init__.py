@@ -56,7 +56,7 @@ import numpy as np
 
 from ...errors import InputError, ModelMismatchError, RecoveryFailedError
 from ...models import VectorAttention, biased_attention_weights
-from ...oracle import QueryAccess
+from ...oracle import QueryAccess, on_scaled_outputs
 from ...precision import stated_precision
 from ...report import (
     DEFAULT_VERIFY_TOLERANCE,
@@ -421,14 +421,18 @@ def extract_vector_multi_head(oracle: QueryAccess, *, seed=None,
         raise InputError(f"vector-multi-head sends copy scans of {steps.WINDOW_LENGTH} tokens; "
                          f"the black box accepts at most {longest} (max_length): nothing "
                          f"was sent")
-    begin = _Start(oracle)
     precision = stated_precision(output_dtype)
     noise = precision.relative if precision is not None else float(np.finfo(float).eps)
-    rng = np.random.default_rng(seed)
-    ask = _Asker(oracle)
-    fit = _recover(ask, heads, biases is not False, noise, rng)
-    return _finish(oracle, begin, fit, seed=seed, verify_tolerance=verify_tolerance,
-                   max_error_bar=max_error_bar)
+
+    def learn(view):
+        # answers of any size (1e-300 .. 1e300) are learned on an exact 2^k rescaling
+        begin = _Start(view)
+        fit = _recover(_Asker(view), heads, biases is not False, noise,
+                       np.random.default_rng(seed))
+        return _finish(view, begin, fit, seed=seed, verify_tolerance=verify_tolerance,
+                       max_error_bar=max_error_bar)
+
+    return on_scaled_outputs(oracle, learn)
 
 
 @dataclass

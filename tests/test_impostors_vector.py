@@ -1,0 +1,148 @@
+"""The impostor zoo with vector answers (attnextract.adapters.impostors, vector section)
+against the vector learners.
+
+Each vector impostor is a VectorAttention (the learner's honest model) that changes one
+thing: soft-capped or QK-normed scores, ALiBi, top-k, sliding windows, log-length scaling,
+a hidden extra head, a norm clip, float32 in large batches only, tiny tokens taken for
+padding, triggers, an int8 cache, a switch of model, the other causal mask than the one
+stated, and the rest of the scalar zoo. vector-single-head, vector-multi-head (told two
+heads), vector-layer and vector-pre-ln (the impostor behind a LayerNorm) must refuse each
+(a typed error), at the last position and (where the learner reads them) at every
+position, causal or not; the honest controls (the model itself, the model through the
+impostors' own code, a float32 forward pass where the learner is told float32, answers
+of 1e200) must be accepted. The fast set rotates through the zoo; the slow sets take the
+whole zoo over several seeds and sizes.
+"""
+
+import pytest
+
+from attnextract.adapters.impostors import (VECTOR_CASES, run_vector_impostor,
+                                            vector_impostor_names)
+from conftest import grid
+
+LEARNERS = list(VECTOR_CASES)
+EVERY_POSITION = [n for n in LEARNERS if VECTOR_CASES[n][2]]
+# the learner calibrated for float32 forward passes (vector-multi-head's float32 limit
+# is documented: its 1,024-token scans are refused at the first one; the others take
+# float64 answers only)
+FLOAT32 = ("vector-single-head",)
+
+# an overflow anywhere (answers of 1e200 squared) is a bug here, not a warning
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+
+
+def outcome(learner, name, d, seed, where="last"):
+    positions = "last" if where == "last" else "all"
+    result = run_vector_impostor(learner, name, d, seed, positions=positions,
+                                 causal=where == "causal")
+    assert not result[0].startswith("crash"), result[0]
+    return result
+
+
+def refused(learner, name, d, seed, where="last") -> bool:
+    return outcome(learner, name, d, seed, where)[0].startswith("refused")
+
+
+def controls(learner) -> list:
+    return (["honest", "honest through the impostor code", "honest x1e200"]
+            + (["honest float32"] if learner in FLOAT32 else []))
+
+
+# the fast set: every learner at the last position takes a rotating share of the zoo,
+# the every-position learners a few more causal and bidirectional
+FAST = [(learner, name, "last") for i, learner in enumerate(LEARNERS)
+        for name in vector_impostor_names(learner)[i::6]]
+FAST += [(learner, name, where) for i, learner in enumerate(EVERY_POSITION)
+         for where in ("causal", "all")
+         for name in vector_impostor_names(learner, "all")[i + (where == "all")::11]]
+
+
+@pytest.mark.parametrize("learner, name, where", FAST)
+def test_vector_impostor_refused(learner, name, where):
+    assert refused(learner, name, 8, 0, where), (learner, name, where)
+
+
+@pytest.mark.parametrize("learner", LEARNERS)
+def test_honest_vector_controls_accepted(learner):
+    for name in controls(learner):
+        result = outcome(learner, name, 8, 1)
+        assert result[0] == "accepted", (learner, name, result[0])
+        assert result[1].report.verification.passed
+
+
+@pytest.mark.parametrize("learner", EVERY_POSITION)
+@pytest.mark.parametrize("where", ["causal", "all"])
+def test_causal_mask_flipped_refused(learner, where):
+    """A box answering every position under the other mask than the one stated."""
+    assert refused(learner, "causal mask flipped", 8, 2, where)
+    assert outcome(learner, "honest", 8, 2, where)[0] == "accepted"
+
+
+def test_a_region_of_query_tokens_is_refused_or_stated():
+    """A deviation on 5% of the query tokens (a cone) is caught, or the check states a
+    coverage that does not claim a region that small."""
+    for learner in LEARNERS:
+        for seed in range(3):
+            state, result, _ = outcome(learner, "cone of query tokens", 8, seed)
+            if state == "accepted":
+                assert result.report.verification.coverage["all"] > 0.05, (learner, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d", [8, 16])
+@pytest.mark.parametrize("learner", LEARNERS)
+def test_whole_vector_zoo_refused(learner, d):
+    """Seeds 0-2 in CI at d in {8, 16}; ATTNEXTRACT_FULL_GRIDS=1 takes 0-9."""
+    accepted = [(name, seed) for name in vector_impostor_names(learner)
+                for seed in grid(range(10), range(3)) if not refused(learner, name, d, seed)]
+    assert not accepted, f"{learner} accepted at d = {d}: {accepted}"
+
+
+# measured limits, kept visible: (learner, where, impostor, seed) accepted. A causal box
+# whose attention sink sits at -18.7 made vector-single-head read its every-position
+# probes at a small scale: its error bar (3.2e-8, honest heads ~1e-10) times the score
+# reach of the norms family's huge tokens widened their allowance, and the check passed
+# at the stated tolerance it achieved, 0.11 (its own worst error: honest, not useful)
+KNOWN_VECTOR_MISSES = {("vector-single-head", "causal", "sink far below", 0)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["causal", "all"])
+@pytest.mark.parametrize("learner", EVERY_POSITION)
+def test_whole_vector_zoo_refused_at_every_position(learner, where):
+    """KNOWN_VECTOR_MISSES must still be accepted (else they leave the list); nothing else."""
+    accepted = {(learner, where, name, seed) for name in vector_impostor_names(learner, "all")
+                for seed in grid(range(6), range(2)) if not refused(learner, name, 8, seed, where)}
+    known = {k for k in KNOWN_VECTOR_MISSES if k[:2] == (learner, where)
+             and k[3] in grid(range(6), range(2))}
+    assert accepted == known, f"{learner} ({where}): accepted {accepted}, known {known}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["causal", "all"])
+def test_multi_head_at_every_position(where):
+    """vector-multi-head reads the last position; a box answering every position is
+    verified at every one (a few of the zoo: each run sends 1,024-token scans)."""
+    assert outcome("vector-multi-head", "honest", 8, 0, where)[0] == "accepted"
+    for name in ("causal mask flipped", "sliding window 24", "second head 1e-8",
+                 "float32 above batch 8"):
+        assert refused("vector-multi-head", name, 8, 0, where), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d", [8, 16])
+@pytest.mark.parametrize("learner", LEARNERS)
+def test_honest_vector_controls_accepted_on_more_seeds(learner, d):
+    refusals = [(name, seed, state) for name in controls(learner)
+                for seed in grid(range(10), range(4))
+                for state in [outcome(learner, name, d, seed)[0]] if state != "accepted"]
+    assert not refusals, f"{learner} refused honest boxes at d = {d}: {refusals}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["causal", "all"])
+@pytest.mark.parametrize("learner", EVERY_POSITION)
+def test_honest_vector_controls_accepted_at_every_position(learner, where):
+    refusals = [(name, seed, state) for name in controls(learner) for seed in range(3)
+                for state in [outcome(learner, name, 8, seed, where)[0]] if state != "accepted"]
+    assert not refusals, f"{learner} ({where}) refused honest boxes: {refusals}"
