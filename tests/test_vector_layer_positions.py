@@ -71,8 +71,9 @@ def test_fewer_queries_than_the_last_position_on_the_same_box():
         last = extract_vector_layer(Oracle(box, 32, causal=causal, max_length=MAX_LENGTH),
                                     seed=3)
         assert every.report.breakdown["recovery"] < last.report.breakdown["recovery"]
-        # the score stage: a few dozen queries where the last position asks hundreds
-        assert every.report.breakdown["scores at every position"] * 3 < \
+        # the score stage: less than half (d = 32, H = 4: 45 against 126; causal answers
+        # ask each query in two orders: 90)
+        assert every.report.breakdown["scores at every position"] * (1 if causal else 2) < \
             last.report.breakdown["scores (W_h, b_h)"]
 
 
@@ -162,3 +163,14 @@ def test_heads_with_equal_attention_merge():
                                                    max_length=MAX_LENGTH), seed=4)
     assert result.model.heads == 3
     assert vector_canonical_errors(result.model, twin)["max"] <= 1e-10
+
+
+def test_heads_of_output_rank_two_read_at_the_last_position():
+    """r_h = 2 leaves no tall weight solve with a core and a filler token: the layer is
+    extracted from the last position (said in the report), still within 1e-10."""
+    box, oracle = every_position(6, 16, 8)
+    result = extract_vector_layer_positions(oracle, seed=6)
+    assert "score design" not in result.report.details
+    assert any("too narrow" in note for note in result.report.notes)
+    assert result.report.breakdown["every-position attempt"] > 0
+    assert vector_canonical_errors(result.model, box)["max"] <= 1e-10
