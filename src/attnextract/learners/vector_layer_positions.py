@@ -68,6 +68,7 @@ from ..report import (
 )
 from .vector_layer import (
     BIAS_COLUMN,
+    DESIGN_MARGIN,
     K_EXTRA,
     LINEARITY_TOL,
     MAX_SETS,
@@ -106,6 +107,8 @@ TARGET_SPREAD = 1.0       # the pilot query's largest ln(a_max / a_min) at a pos
 PILOT_BAND = (0.5, 4.0)   # ... a pilot within this band is kept
 PILOT_TRIES = 8           # pilot rescalings before the box is refused
 MISFIT_LIMIT = 1e-5       # relative misfit of a score solve above this: not the model
+RANGE_EXTRA = 4           # designed payloads beyond the widest output rank
+RANGE_GAP = 1e-8          # O_h delta with a singular value r_h + 1 above this: mismatch
 BAR_SAFETY = 10.0         # error bar: this many times the measured misfit x condition
 
 
@@ -173,6 +176,56 @@ def rough_ranges_positions(oracle: Oracle, O, E, rng, q, scale: float) -> tuple[
         if sets > 1 and not split:
             break
     return blocks, sets
+
+
+# -- the ranges again, by design, read at T = H designed query tokens ----------------------
+
+def fine_ranges_positions(oracle: Oracle, E, W, b, widths, rng, s: float):
+    """The ranges, now that every g_h = W_h q + b_h is known: H query tokens q_t and H
+    selectors designed so that at q_t head h is saturated on selector (h + t) mod H
+    (score DESIGN_MARGIN, every other selector 0). A payload mu_i delta on selector i
+    (mu_i = i + 1) orthogonal to every g_h(q_t) moves no score at these positions, so it is
+    as large as the selectors, and position q_t answers
+
+        F_t(delta) - F_t(0) = sum_h mu_(h + t mod H) O_h delta:
+
+    H positions, H independent combinations (a circulant of distinct mu): O_h delta of
+    every head from one query. R_h is the span of O_h delta over max r_h + RANGE_EXTRA
+    payloads: that many queries and one more, against d + 2 at the last position. Needs
+    H^2 + max r_h + RANGE_EXTRA <= d (payloads orthogonal to the H^2 vectors g_h(q_t));
+    returns None otherwise. Returns (coordinate bases R_h in E (D, r_h), queries)."""
+    H, d = len(widths), oracle.dim
+    K = max(widths) + RANGE_EXTRA
+    if H * H + K > d:
+        return None
+    qs = s * np.stack([_unit(rng, d) for _ in range(H)])
+    G = np.concatenate([(W @ q + b).T for q in qs], axis=1)       # (d, H * H): (t, h)
+    pick = (np.arange(H)[None, :] + np.arange(H)[:, None]) % H    # [t, h]: selector picked
+    target = np.zeros((H, H * H))
+    target[pick.reshape(-1), np.arange(H * H)] = DESIGN_MARGIN
+    Delta = target @ np.linalg.pinv(G)                              # (H, d)
+    mu = 1.0 + np.arange(H)
+    free = np.linalg.svd(G, full_matrices=True)[0][:, H * H:]       # g_h(q_t)^perp
+    P = free @ _rotation(rng, free.shape[1])[:, :K]
+    P *= float(np.max(np.linalg.norm(Delta, axis=1)))
+    deltas = np.concatenate([np.zeros((1, d)), P.T])               # (1 + K, d)
+    X = np.empty((1 + K, 2 * H, d))
+    X[:, :H] = Delta[None] + mu[None, :, None] * deltas[:, None, :]
+    X[:, H:] = qs[None]                  # selectors first: causal positions q_t see them
+    y = np.asarray(oracle.query(X), dtype=np.float64)[:, H:]       # (1 + K, T, m)
+    kappa = mu[pick]                                                # (T, H)
+    V = np.linalg.solve(kappa, (y[1:] - y[0]).transpose(1, 0, 2).reshape(H, -1))
+    V = V.reshape(H, K, -1)                                         # [h, k] = O_h delta_k
+    R = []
+    for h, r in enumerate(widths):
+        U, sv, _ = np.linalg.svd(E.T @ V[h].T, full_matrices=False)
+        if sv.size > r and sv[r] > RANGE_GAP * sv[0]:
+            raise ModelMismatchError(
+                f"designed selectors give head {h} an output of rank above {r} (singular "
+                f"value {r + 1} at {sv[r] / sv[0]:.1e} of the first): not independent heads "
+                f"of saturated softmax attention")
+        R.append(U[:, :r])
+    return R, len(X)
 
 
 # -- the scores, read at every position ---------------------------------------------------
@@ -456,7 +509,10 @@ def extract_vector_layer_positions(oracle: Oracle, *, seed=None,
     omega = float(np.max(np.linalg.norm(W @ _unit(rng, d), axis=1)))
     if omega == 0:
         raise RecoveryFailedError("the scores do not depend on the query token (W = 0)")
-    blocks.R, _ = fine_ranges(oracle, O, E, W, b, widths, rng, 1.0 / math.sqrt(omega))
+    designed = fine_ranges_positions(oracle, E, W, b, widths, rng, 1.0 / math.sqrt(omega))
+    if designed is None:       # too narrow for H designed query tokens: the last position
+        designed = fine_ranges(oracle, O, E, W, b, widths, rng, 1.0 / math.sqrt(omega))
+    blocks.R = designed[0]
     step("ranges (designed selectors)")
     L, C, R = projectors(E, blocks, O)
     O_h = np.stack([Rh @ Ch for Rh, Ch in zip(R, C)])
