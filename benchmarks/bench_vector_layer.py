@@ -11,9 +11,15 @@
 3. Impostors (tests/test_vector_layer.py's zoo): ReLU and sigmoid attention, soft-capped
    logits, a hidden fifth head writing into another head's range, a causal box told
    bidirectional: each must be refused (ModelMismatchError / RecoveryFailedError).
+4. Every position (``--every``): the same MiniLM layers as boxes answering every position
+   (bidirectional, and causal with ``--causal-layers``), random standard layers with both
+   masks, and the impostors of every position (a causal mask stated wrongly either way, a
+   position-dependent term added to the answers or to the tokens): queries, canonical
+   errors, refusals.
 
 Run:  OPENBLAS_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_vector_layer.py
-      [--layers 0 1 2 3 4 5] [--seeds 20]
+      [--layers 0 1 2 3 4 5] [--seeds 20] [--every] [--causal-layers 0]
+      [--only-every]
 Writes benchmarks/results/vector_layer.md.
 """
 
@@ -33,11 +39,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 from test_vector_layer import IMPOSTORS, standard_layer
+from test_vector_layer_positions import MAX_LENGTH, PositionTerm
 
 from attnextract.adapters.minilm import minilm_vector_layer
 from attnextract.errors import ModelMismatchError, RecoveryFailedError
 from attnextract.learners.vector_canonical import vector_canonical_errors
 from attnextract.learners.vector_layer import extract_vector_layer
+from attnextract.learners.vector_layer_positions import extract_vector_layer_positions
 from attnextract.models import VectorAttention
 from attnextract.oracle import Oracle
 
@@ -109,6 +117,101 @@ def hidden_head(box: VectorAttention) -> VectorAttention:
                            np.concatenate([box.b, np.zeros((1, d))]), box.c)
 
 
+def run_minilm_every(layer: int, causal: bool) -> dict:
+    """A MiniLM layer answering at every position (the same numpy truth)."""
+    last = minilm_vector_layer(layer)
+    box = VectorAttention(last.W, last.O, last.b, last.c, positions="all", causal=causal)
+    oracle = Oracle(box, box.dim, causal=causal, max_length=MAX_LENGTH)
+    cpu = time.process_time()
+    result = extract_vector_layer_positions(oracle, seed=0)
+    cpu = time.process_time() - cpu
+    report = result.report
+    return {"layer": layer, "causal": causal, "queries": result.queries,
+            "recovery": report.breakdown["recovery"], "floor": report.floor,
+            "errors": vector_canonical_errors(result.model, box), "cpu": cpu,
+            "bar": report.details["error bar"], "heads": report.details["heads found"],
+            "check": report.verification.max_relative_error, "numbers": oracle.numbers,
+            "tokens": oracle.tokens, "breakdown": report.breakdown}
+
+
+EVERY_GRID = [(16, 4), (32, 4), (32, 8), (48, 6), (64, 4), (64, 8)]
+
+
+def run_grid_every(seeds: int) -> list[dict]:
+    rows = []
+    for d, H in EVERY_GRID:
+        for causal in (False, True):
+            worst, refused, queries = 0.0, 0, []
+            for seed in range(seeds):
+                box = standard_layer(seed, d, H, biases=seed % 2 == 0, positions="all",
+                                     causal=causal)
+                try:
+                    result = extract_vector_layer_positions(
+                        Oracle(box, d, causal=causal, max_length=MAX_LENGTH), seed=seed)
+                except (ModelMismatchError, RecoveryFailedError):
+                    refused += 1
+                    continue
+                worst = max(worst, vector_canonical_errors(result.model, box)["max"])
+                queries.append(result.report.breakdown["recovery"])
+            rows.append({"d": d, "H": H, "causal": causal, "seeds": seeds, "worst": worst,
+                         "refused": refused, "queries": (min(queries), max(queries))
+                         if queries else (0, 0)})
+    return rows
+
+
+def run_impostors_every(seeds: int) -> list[dict]:
+    zoo = {"causal box told bidirectional": ("mask", True),
+           "bidirectional box told causal": ("mask", False),
+           "position term on the answers (1e-3)": ("output", 1e-3),
+           "positional encoding on the tokens (1e-2)": ("input", 1e-2)}
+    rows = []
+    for name, (kind, arg) in zoo.items():
+        refused = 0
+        for seed in range(seeds):
+            if kind == "mask":
+                box = standard_layer(seed, 16, 4, positions="all", causal=arg)
+                oracle = Oracle(box, 16, causal=not arg, max_length=MAX_LENGTH)
+            else:
+                box = PositionTerm(standard_layer(seed, 16, 4, positions="all"), kind, arg,
+                                   seed)
+                oracle = Oracle(box, 16, causal=False, max_length=MAX_LENGTH)
+            try:
+                extract_vector_layer_positions(oracle, seed=seed)
+            except (ModelMismatchError, RecoveryFailedError):
+                refused += 1
+        rows.append({"name": name, "seeds": seeds, "refused": refused})
+    return rows
+
+
+def render_every(minilm, grid, impostors) -> list[str]:
+    out = ["", "## Every position: all-MiniLM-L6-v2 layers answering (B, N, 384)", "",
+           ("| layer | mask | queries (recovery + check) | W err | b err | O err | c err | "
+            "error bar | held-out | numbers | tokens | CPU s |"),
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in minilm:
+        e = r["errors"]
+        out.append(f"| {r['layer']} | {'causal' if r['causal'] else 'bidirectional'} | "
+                   f"{r['queries']} ({r['recovery']} + {r['queries'] - r['recovery']}) | "
+                   f"{e['W']:.1e} | {e['b']:.1e} | {e['O']:.1e} | {e['c']:.1e} | "
+                   f"{r['bar']:.1e} | {r['check']:.1e} | {r['numbers']:,} | "
+                   f"{r['tokens']:,} | {r['cpu']:.1f} |")
+    if minilm:
+        out += ["", f"Breakdown (layer {minilm[0]['layer']}): {minilm[0]['breakdown']}"]
+    if grid:
+        out += ["", (f"## Every position: random standard layers (r_h = d / H, biases on "
+                     f"even seeds), {grid[0]['seeds']} seeds each"), "",
+                "| d | H | mask | worst canonical error | refused | recovery queries |",
+                "|---|---|---|---|---|---|"]
+        out += [f"| {r['d']} | {r['H']} | {'causal' if r['causal'] else 'bidirectional'} | "
+                f"{r['worst']:.1e} | {r['refused']} / {r['seeds']} | {r['queries'][0]} .. "
+                f"{r['queries'][1]} |" for r in grid]
+    if impostors:
+        out += ["", "## Every position: impostors (d = 16, H = 4)", "",
+                "| impostor | refused |", "|---|---|"]
+        out += [f"| {r['name']} | {r['refused']} / {r['seeds']} |" for r in impostors]
+    return out
+
+
 def machine() -> str:
     with open("/proc/cpuinfo") as info:
         cpu = next((line.split(":", 1)[1].strip() for line in info
@@ -118,17 +221,22 @@ def machine() -> str:
             f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}")
 
 
-def render(args, minilm, grid, impostors, wall) -> str:
+def render(args, minilm, grid, impostors, wall, every=()) -> str:
     command = (f"OPENBLAS_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_vector_layer.py "
-               f"--layers {' '.join(map(str, args.layers))} --seeds {args.seeds}")
+               f"--layers {' '.join(map(str, args.layers))} --seeds {args.seeds}"
+               + (" --every" if args.every else "")
+               + (f" --causal-layers {' '.join(map(str, args.causal_layers))}"
+                  if args.causal_layers else "") + (" --only-every" if args.only_every else ""))
     when = f"{datetime.now(UTC):%Y-%m-%d %H:%M UTC}"
     header = ("| layer | queries (recovery + check) | floor | x floor | heads | W err | b err | "
               "O err | c err | error bar | held-out | numbers | tokens | CPU s |")
     out = ["# vector-layer: a standard attention layer from vector answers", "",
            f"Command: `{command}`", "",
-           f"Date: {when}; machine: {machine()}; wall {wall:.0f} s.", "",
-           "## all-MiniLM-L6-v2 attention layers, biases kept, last-position vectors (m = 384)",
-           "", header, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           f"Date: {when}; machine: {machine()}; wall {wall:.0f} s."]
+    if minilm:
+        out += ["", ("## all-MiniLM-L6-v2 attention layers, biases kept, last-position "
+                     "vectors (m = 384)"), "", header,
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in minilm:
         e = r["errors"]
         out.append(f"| {r['layer']} | {r['queries']} ({r['recovery']} + "
@@ -138,15 +246,19 @@ def render(args, minilm, grid, impostors, wall) -> str:
                    f"{r['check']:.1e} | {r['numbers']:,} | {r['tokens']:,} | {r['cpu']:.1f} |")
     if minilm:
         out += ["", f"Breakdown (layer {minilm[0]['layer']}): {minilm[0]['breakdown']}"]
-    out += ["", f"## Random standard layers (r_h = d / H), {args.seeds} seeds each", "",
-            "| d | H | biases | worst canonical error | refused | queries / floor |",
-            "|---|---|---|---|---|---|"]
+    if grid:
+        out += ["", f"## Random standard layers (r_h = d / H), {args.seeds} seeds each", "",
+                "| d | H | biases | worst canonical error | refused | queries / floor |",
+                "|---|---|---|---|---|---|"]
     for r in grid:
         out.append(f"| {r['d']} | {r['H']} | {r['biases']} | {r['worst']:.1e} | "
                    f"{r['refused']} / {r['seeds']} | {r['ratio'][0]:.2f} .. "
                    f"{r['ratio'][1]:.2f} |")
-    out += ["", "## Impostors (d = 16, H = 4)", "", "| impostor | refused |", "|---|---|"]
+    if impostors:
+        out += ["", "## Impostors (d = 16, H = 4)", "", "| impostor | refused |",
+                "|---|---|"]
     out += [f"| {r['name']} | {r['refused']} / {r['seeds']} |" for r in impostors]
+    out += render_every(*every) if every else []
     return "\n".join(out) + "\n"
 
 
@@ -154,17 +266,37 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="*", default=list(range(6)))
     parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--every", action="store_true",
+                        help="also every-position answers (section 4)")
+    parser.add_argument("--causal-layers", type=int, nargs="*", default=[],
+                        help="MiniLM layers also asked as causal every-position boxes")
+    parser.add_argument("--only-every", action="store_true",
+                        help="section 4 only (implies --every)")
     parser.add_argument("--out", default=str(HERE / "results" / "vector_layer.md"))
     args = parser.parse_args()
+    args.every = args.every or args.only_every
     start = time.time()
     minilm = []
-    for layer in args.layers:
+    for layer in [] if args.only_every else args.layers:
         minilm.append(run_minilm(layer))
         print(f"layer {layer}: {minilm[-1]['queries']} queries, max error "
               f"{minilm[-1]['errors']['max']:.1e}, {minilm[-1]['cpu']:.1f} s CPU", flush=True)
-    grid = run_grid(args.seeds)
-    impostors = run_impostors(max(5, args.seeds // 4))
-    text = render(args, minilm, grid, impostors, time.time() - start)
+    grid = [] if args.only_every else run_grid(args.seeds)
+    impostors = [] if args.only_every else run_impostors(max(5, args.seeds // 4))
+    every = ()
+    if args.every:
+        runs = [(layer, False) for layer in args.layers] + \
+            [(layer, True) for layer in args.causal_layers]
+        every_minilm = []
+        for layer, causal in runs:
+            every_minilm.append(run_minilm_every(layer, causal))
+            r = every_minilm[-1]
+            print(f"every position, layer {layer}{' causal' if causal else ''}: "
+                  f"{r['queries']} queries, max error {r['errors']['max']:.1e}, "
+                  f"{r['cpu']:.1f} s CPU", flush=True)
+        every = (every_minilm, run_grid_every(args.seeds),
+                 run_impostors_every(max(5, args.seeds // 4)))
+    text = render(args, minilm, grid, impostors, time.time() - start, every)
     Path(args.out).write_text(text)
     print(text)
 

@@ -5,9 +5,16 @@ Model (docs/algorithms.md, "Vector outputs"): at every position j
     F_j(X) = sum_h O_h X^T softmax(X (W_h x_j + b_h)) + c        in R^m,
 
 (causal: position j's softmax runs over i <= j only), the heads' output ranges R_h =
-range(O_h) independent, as in :mod:`attnextract.learners.vector_layer`, whose stages for
-c, O and the ranges this learner shares (they read the last position, which sees every
-token). What every position changes is the score stage.
+range(O_h) independent, as in :mod:`attnextract.learners.vector_layer`, whose first
+stages this learner shares: c and O from single tokens, the logit scale from a pilot.
+Every position changes three stages: the rough ranges (every position of a selector set
+splits the heads), the scores, and the fine ranges.
+
+Rough ranges. vector_layer's random selector set (payloads spanning R^d), read at every
+position: at the position of selector i every head is saturated on some token too, so
+F_i(delta) - F_i(0) = A_i delta with A_i = sum_h kappa_h,i O_h, kappa in the known set
+{0, mu}; each position has its own choices, so the eigenspaces of all n + 1 positions split
+the blocks together. Positions whose answers are not linear in the payload are passed over.
 
 Identity. With projectors L_h (L_h O_g = 0 for g != h) and C_h = L_h O,
 
@@ -32,19 +39,31 @@ the last position spends 1,306 on the scores.
 Causal answers: the same queries in a second order, reversed with the zero token last;
 a token's position sees the tokens before it in one order and those after it in the
 other, and the zero token's position sees all of them (2x the queries). Each position's
-weights are read against its own token (always seen) or the zero token.
+logits are read against its largest weight, each row weighted by its weight over that
+largest (ln a_i is read to rounding / a_i).
 
-Conditioning by design: s from a pilot query (its largest |logit| brought to
-TARGET_SPREAD), the token directions orthonormal frames; the error bar is the measured
-misfit of the filler and core solves (more numbers than unknowns) times their condition
-numbers. Refusals: weights outside (0, 1), a misfit far above the rounding (answers that
-are not a bilinear form of the tokens: a position-dependent term, a causal box told
-bidirectional or the reverse), held-out verification (every channel, every position).
+Fine ranges (:func:`fine_ranges_positions`). With every g_h known, H query tokens q_t and
+H selectors designed so that at q_t head h is saturated on selector (h + t) mod H; a payload
+orthogonal to every g_h(q_t) moves no score there, so it is as large as the selectors, and
+the H positions q_t give H independent combinations of the O_h delta: every head's O_h
+delta from one query, its range from max r_h + 4 payloads (the last position: d + 2).
+Needs H^2 + max r_h + 4 <= d; otherwise vector_layer's designed selectors. The score
+answers are then read again through the final projectors (no new query).
 
-Limits: the ranges are found as at the last position (random selectors, then designed
-ones: about 2.8 d queries on MiniLM), so the total is about 4 d, not d + 64; heads whose
-W_h has no rank drop within K directions (rank above r_h + 2) are extracted from the last
-position instead (said in the report).
+Conditioning by design: s from a pilot query (its largest ln(a_max / a_min) brought to
+TARGET_SPREAD), the token directions orthonormal frames, the best of FRAME_TRIES by the
+worst condition number of the weight solves; the error bar is the measured misfit of the
+filler and core solves (more numbers than unknowns) times their condition numbers.
+Refusals: weights outside (0, 1), a misfit above MISFIT_LIMIT (answers that are not a
+bilinear form of the tokens: a position-dependent term, a causal box told bidirectional
+or the reverse), designed ranges of the wrong rank, held-out verification at every
+position and channel.
+
+Limits: c and O still take d + 1 single tokens and the rough ranges d + 3 and more
+(payloads spanning R^d), so a layer costs about 2.5 d queries, not d + 64. Heads of output
+rank 2 or less (no tall weight solve with a core and a filler token) and heads whose W_h
+shows no rank drop within the core tokens are extracted from the last position instead
+(said in the report).
 """
 
 from __future__ import annotations
@@ -69,6 +88,7 @@ from ..report import (
 from .vector_layer import (
     BIAS_COLUMN,
     DESIGN_MARGIN,
+    FRAME_TRIES,
     K_EXTRA,
     LINEARITY_TOL,
     MAX_SETS,
@@ -80,15 +100,12 @@ from .vector_layer import (
     SELECTORS,
     TOKEN_SHARE,
     Blocks,
-    block_eigenspaces,
-    payload_directions,
-    random_selectors,
-    selector_probes,
     _column_space,
-    FRAME_TRIES,
     _cond,
     _orth,
     _rotation,
+    _unit,
+    block_eigenspaces,
     check_found,
     check_options,
     constant_and_outputs,
@@ -96,8 +113,10 @@ from .vector_layer import (
     fine_ranges,
     logit_scale,
     parameter_count,
+    payload_directions,
     projectors,
-    _unit,
+    random_selectors,
+    selector_probes,
 )
 
 log = logging.getLogger(__name__)
@@ -496,7 +515,7 @@ def extract_vector_layer_positions(oracle: Oracle, *, seed=None,
     L, C, _ = projectors(E, blocks, O)
     K = min(max(widths) + K_EXTRA, d)
     reads = PositionReads(oracle, rng, d, K, p, bool(oracle.causal), C)
-    first = pilot_scale(reads, c, L, C, kappa)
+    pilot_scale(reads, c, L, C, kappa)
     F0 = reads.F
     rest = reads.ask(np.arange(1, len(reads.queries)))
     reads.F = np.concatenate([F0, rest])
