@@ -126,6 +126,7 @@ TARGET_SPREAD = 1.0       # the pilot query's largest ln(a_max / a_min) at a pos
 PILOT_BAND = (0.5, 4.0)   # ... a pilot within this band is kept
 PILOT_TRIES = 8           # pilot rescalings before the box is refused
 MISFIT_LIMIT = 1e-5       # relative misfit of a score solve above this: not the model
+MIN_POSITIONS = 16        # a selector set read at this many positions splits every head
 RANGE_EXTRA = 4           # designed payloads beyond the widest output rank
 RANGE_GAP = 1e-8          # O_h delta with a singular value r_h + 1 above this: mismatch
 BAR_SAFETY = 10.0         # error bar: this many times the measured misfit x condition
@@ -177,22 +178,25 @@ def split_ranges_positions(oracle: Oracle, O, blocks: Blocks, rng, q, scale: flo
 
 def rough_ranges_positions(oracle: Oracle, O, E, rng, q, scale: float) -> tuple[Blocks, int]:
     """vector_layer's rough ranges with every set read at every position: a first set with
-    payloads spanning R^d, then sets at new query tokens with payloads for the widest
-    block, until one splits nothing (at most MAX_SETS). Returns the blocks and the sets."""
+    payloads spanning R^d; one set read at MIN_POSITIONS positions or more is enough (two
+    distinct heads choose alike at every one of them only by attending alike, and then
+    they are one canonical head); otherwise sets at new query tokens with payloads for the
+    widest block, until one splits nothing (at most MAX_SETS). Returns the blocks and the
+    sets."""
     blocks = Blocks(E)
     for sets in range(1, MAX_SETS + 1):
         if sets > 1:
             q = _unit(rng, len(q))
         for attempt in range(ROUGH_RETRIES + 1):
             try:
-                split, _ = split_ranges_positions(oracle, O, blocks, rng, q, scale,
-                                                  PAYLOAD / PAYLOAD_CUT ** attempt)
+                split, used = split_ranges_positions(oracle, O, blocks, rng, q, scale,
+                                                     PAYLOAD / PAYLOAD_CUT ** attempt)
                 break
             except ModelMismatchError:
                 if attempt == ROUGH_RETRIES:
                     raise
                 q = _unit(rng, len(q))
-        if sets > 1 and not split:
+        if (sets > 1 and not split) or used >= MIN_POSITIONS:
             break
     return blocks, sets
 
