@@ -10,6 +10,7 @@ import pytest
 from test_vector_layer import standard_layer
 
 from attnextract import extract
+from attnextract.adapters.minilm import minilm_vector_layer
 from attnextract.errors import InputError, ModelMismatchError, RecoveryFailedError
 from attnextract.learners.vector_canonical import vector_canonical_errors
 from attnextract.learners.vector_layer import extract_vector_layer
@@ -61,6 +62,12 @@ def test_random_layers_within_1e10(case, seed):
     # the score stage's count is that of the design, whatever the box
     assert report.breakdown["scores at every position"] in (
         score_queries(d, widths, causal) + k * (2 if causal else 1) for k in range(8))
+    # the designed ranges: r + 5 queries when H^2 + r + 4 <= d, else d + 2 (last position)
+    r = max(widths)
+    assert report.breakdown["ranges (designed selectors)"] == (
+        r + 5 if H * H + r + 4 <= d else d + 2)
+    # the measured error bar holds
+    assert errors["max"] <= report.details["error bar"], (errors, report.details)
     assert report.queries == sum(v for k, v in report.breakdown.items() if k != "recovery")
 
 
@@ -83,6 +90,10 @@ def test_query_count_is_deterministic():
     assert runs[0].queries == runs[1].queries
     assert runs[0].report.breakdown == runs[1].report.breakdown
     assert runs[0].report.breakdown["c and O (single tokens)"] == 17
+    # one selector set read at every position: payloads spanning R^d, two linearity
+    # checks and the base sequence
+    assert runs[0].report.details["random selector sets"] == 1
+    assert runs[0].report.breakdown["ranges (random selectors)"] == 16 + 3
 
 
 def test_extract_picks_it_for_every_position_answers():
@@ -174,3 +185,21 @@ def test_heads_of_output_rank_two_read_at_the_last_position():
     assert any("too narrow" in note for note in result.report.notes)
     assert result.report.breakdown["every-position attempt"] > 0
     assert vector_canonical_errors(result.model, box)["max"] <= 1e-10
+
+
+@pytest.mark.slow
+def test_minilm_layer_at_every_position():
+    """A real layer (all-MiniLM-L6-v2 layer 2, biases kept) answering every position:
+    12 heads of rank 32 within 1e-10 of the real weights, in less than 2.5 d queries.
+    (Measured, layer 0: 971 queries, W 1.5e-11, b 7.3e-13, O 1.6e-13.)"""
+    pytest.importorskip("safetensors")
+    last = minilm_vector_layer(2)
+    box = type(last)(last.W, last.O, last.b, last.c, positions="all")
+    result = extract_vector_layer_positions(Oracle(box, 384, causal=False,
+                                                   max_length=MAX_LENGTH), seed=0)
+    errors = vector_canonical_errors(result.model, box)
+    assert errors["heads"] == (12, 12)
+    assert errors["max"] <= 1e-10, errors
+    assert result.report.breakdown["recovery"] <= 2.5 * 384
+    assert result.report.breakdown["scores at every position"] <= 100
+    assert result.report.verification.passed
