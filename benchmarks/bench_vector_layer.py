@@ -291,9 +291,12 @@ def main():
         for layer, causal in runs:
             every_minilm.append(run_minilm_every(layer, causal))
             r = every_minilm[-1]
+            e = r["errors"]
             print(f"every position, layer {layer}{' causal' if causal else ''}: "
-                  f"{r['queries']} queries, max error {r['errors']['max']:.1e}, "
-                  f"{r['cpu']:.1f} s CPU", flush=True)
+                  f"{r['queries']} queries ({r['recovery']} recovery), errors W {e['W']:.1e} "
+                  f"b {e['b']:.1e} O {e['O']:.1e} c {e['c']:.1e}, bar {r['bar']:.1e}, "
+                  f"held-out {r['check']:.1e}, {r['cpu']:.1f} s CPU; {r['breakdown']}",
+                  flush=True)
         every = (every_minilm, run_grid_every(args.seeds),
                  run_impostors_every(max(5, args.seeds // 4)))
     text = render(args, minilm, grid, impostors, time.time() - start, every)
