@@ -55,6 +55,7 @@ MORE_TESTS = ["tests/test_noisy.py", "tests/test_one_layer.py", "tests/test_resi
               "tests/test_minilm.py", "tests/test_models.py", "tests/test_torch_target.py",
               "tests/test_user_boxes.py", "tests/test_newuser3_ux.py", "tests/test_vector_oracle.py",
               "tests/test_vector_single_head.py", "tests/test_vector_layer.py",
+              "tests/test_vector_layer_positions.py",
               "tests/test_vector_multi_head.py",
               "tests/test_stated_tolerance.py", "tests/test_verified_domain.py",
               "tests/test_batch_invariance.py", "tests/test_accounting.py",

@@ -475,9 +475,10 @@ register("low-precision", _L + "noisy:extract_low_precision",
 register("vector-single-head", _L + "vector_single_head:extract_vector_single_head",
          "one head from vector answers (last or every position): W, b, O, c in 2d + 2 "
          "queries (d + 2 at every position)", vectors=True)
-register("vector-layer", _L + "vector_layer:extract_vector_layer",
+register("vector-layer", _L + "vector_layer_positions:extract_standard_layer",
          "a standard attention layer from vector answers (heads with independent output "
-         "ranges, biases): every head's W_h, b_h, O_h and c", vectors=True)
+         "ranges, biases): every head's W_h, b_h, O_h and c (the scores read at every "
+         "position when the box answers every position)", vectors=True)
 register("vector-pre-ln", _L + "vector_pre_layer_norm:extract_vector_pre_layer_norm",
          "a pre-LayerNorm attention block answering vectors (last position, residual R "
          "x_N or none), on the sphere where LayerNorm is affine: one head at 4d - 3 queries",

@@ -1,0 +1,595 @@
+"""A standard attention layer from every-position answers: the scores read at every position.
+
+Model (docs/algorithms.md, "Vector outputs"): at every position j
+
+    F_j(X) = sum_h O_h X^T softmax(X (W_h x_j + b_h)) + c        in R^m,
+
+(causal: position j's softmax runs over i <= j only), the heads' output ranges R_h =
+range(O_h) independent, as in :mod:`attnextract.learners.vector_layer`, whose first
+stages this learner shares: c and O from single tokens, the logit scale from a pilot.
+Every position changes three stages: the rough ranges (every position of a selector set
+splits the heads), the scores, and the fine ranges.
+
+Rough ranges. vector_layer's random selector set (payloads spanning R^d), read at every
+position: at the position of selector i every head is saturated on some token too, so
+F_i(delta) - F_i(0) = A_i delta with A_i = sum_h kappa_h,i O_h, kappa in the known set
+{0, mu}; each position has its own choices, so the eigenspaces of all n + 1 positions split
+the blocks together. Positions whose answers are not linear in the payload are passed over.
+
+Identity. With projectors L_h (L_h O_g = 0 for g != h) and C_h = L_h O,
+
+    L_h (F_j - c) = C_h X^T alpha^h_j        at EVERY position j,
+
+so one query of p + 1 tokens (p <= r_h, the solve C_h (X - x_ref)^T a = L_h (F_j - c) -
+C_h x_ref is tall) gives, for every head at once, the weights at each of its p + 1
+positions: ln(alpha_i / alpha_ref) = (x_i - x_ref)^T g_h(x_j), g_h(x) = W_h x + b_h. A
+query reads the bilinear form of [W_h | b_h] on its own tokens.
+
+Design: core and fillers. Tokens are the zero token (its position reads g_h(0) = b_h),
+K = max r_h + 3 core tokens in groups of a and at least d filler tokens in groups of f,
+a + f = p, all of one norm s. The query of (core group, filler group) is [0, core group,
+filler group]. A core token meets every filler group: its position reads g_h(x_k)
+through at least d functionals, whole; W_h x_k (k = 1..K) and b_h span W_h's column
+space K_h (rank <= r_h + 1, a drop of the singular values). A filler meets every core
+group: f + K functionals read g_h(x) - b_h in K_h (about 1.5 x its rank). Then W_h from
+W_h x at K + d tokens spanning R^d, by least squares. Cost ceil(K / a) ceil(d / f)
+queries; all-MiniLM-L6-v2 (d = 384, r_h = 32, p = 24, a = f = 12): 3 x 32 = 96, where
+the last position spends 1,306 on the scores.
+
+Causal answers: the same queries in a second order, reversed with the zero token last;
+a token's position sees the tokens before it in one order and those after it in the
+other, and the zero token's position sees all of them (2x the queries). Each position's
+logits are read against its largest weight, each row weighted by its weight over that
+largest (ln a_i is read to rounding / a_i).
+
+Fine ranges (:func:`fine_ranges_positions`). With every g_h known, H query tokens q_t and
+H selectors designed so that at q_t head h is saturated on selector (h + t) mod H; a payload
+orthogonal to every g_h(q_t) moves no score there, so it is as large as the selectors, and
+the H positions q_t give H independent combinations of the O_h delta: every head's O_h
+delta from one query, its range from max r_h + 4 payloads (the last position: d + 2).
+Needs H^2 + max r_h + 4 <= d; otherwise vector_layer's designed selectors. The score
+answers are then read again through the final projectors (no new query).
+
+Conditioning by design: s from a pilot query (its largest ln(a_max / a_min) brought to
+TARGET_SPREAD), the token directions orthonormal frames, the best of FRAME_TRIES by the
+worst condition number of the weight solves; the error bar is the measured misfit of the
+filler and core solves (more numbers than unknowns) times their condition numbers.
+Refusals: weights outside (0, 1), a misfit above MISFIT_LIMIT (answers that are not a
+bilinear form of the tokens: a position-dependent term, a causal box told bidirectional
+or the reverse), designed ranges of the wrong rank, held-out verification at every
+position and channel.
+
+Limits: c and O still take d + 1 single tokens and the rough ranges d + 3 and more
+(payloads spanning R^d), so a layer costs about 2.5 d queries, not d + 64. Heads of output
+rank 2 or less (no tall weight solve with a core and a filler token) and heads whose W_h
+shows no rank drop within the core tokens are extracted from the last position instead
+(said in the report).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import numpy as np
+
+from ..errors import InputError, ModelMismatchError, RecoveryFailedError
+from ..models import VectorAttention
+from ..oracle import Oracle
+from ..report import (
+    DEFAULT_VERIFY_TOLERANCE,
+    ExtractionResult,
+    Report,
+    checked_result,
+    verification_count,
+    verify_model,
+)
+from .vector_layer import (
+    BIAS_COLUMN,
+    DESIGN_MARGIN,
+    FRAME_TRIES,
+    K_EXTRA,
+    LINEARITY_TOL,
+    MAX_SETS,
+    PAYLOAD,
+    PAYLOAD_CUT,
+    ROUGH_RETRIES,
+    ROUGH_SLACK,
+    SELECT_LOGIT,
+    SELECTORS,
+    TOKEN_SHARE,
+    Blocks,
+    _column_space,
+    _cond,
+    _orth,
+    _rotation,
+    _unit,
+    block_eigenspaces,
+    check_found,
+    check_options,
+    constant_and_outputs,
+    extract_vector_layer,
+    fine_ranges,
+    logit_scale,
+    parameter_count,
+    payload_directions,
+    projectors,
+    random_selectors,
+    selector_probes,
+)
+
+log = logging.getLogger(__name__)
+
+EPS = float(np.finfo(float).eps)
+TARGET_SPREAD = 1.0       # the pilot query's largest ln(a_max / a_min) at a position
+PILOT_BAND = (0.5, 4.0)   # ... a pilot within this band is kept
+PILOT_TRIES = 8           # pilot rescalings before the box is refused
+MISFIT_LIMIT = 1e-5       # relative misfit of a score solve above this: not the model
+MIN_POSITIONS = 16        # a selector set read at this many positions splits every head
+RANGE_EXTRA = 4           # designed payloads beyond the widest output rank
+RANGE_GAP = 1e-8          # O_h delta with a singular value r_h + 1 above this: mismatch
+BAR_SAFETY = 10.0         # error bar: this many times the measured misfit x condition
+
+
+# -- the ranges, one selector set read at every position -------------------------------
+
+def split_ranges_positions(oracle: Oracle, O, blocks: Blocks, rng, q, scale: float,
+                           payload: float) -> tuple[bool, int]:
+    """One random selector set (vector_layer's identity 2), read at EVERY position: at the
+    position of selector i, as at the last one, every head is saturated on one token (its
+    largest score against g_h(x_i)), so F_i(delta) - F_i(0) = A_i delta with A_i = sum_h
+    kappa_h,i O_h, kappa in the set {0, mu}; but each position has its own choices, so the
+    eigenspaces of all n + 1 positions split the blocks together (heads that pick alike at
+    one position part at another). A position whose answers are not linear in the payload
+    (a margin within the payload's reach) or whose eigenvalues miss the set {mu} is passed
+    over. Returns (whether a block split, positions used); no position usable: mismatch."""
+    d, E = oracle.dim, blocks.E
+    n = min(SELECTORS, (oracle.max_length or SELECTORS + 1) - 1)
+    mu = np.concatenate([[0.0], rng.permutation(np.linspace(1.0, 2.0, n))])
+    L = blocks.left_inverse()
+    P = payload * scale * payload_directions(rng, d, [Lk @ E.T @ O for Lk in L])
+    X = selector_probes(random_selectors(rng, n, d, scale), q, P, mu[1:])
+    y = np.asarray(oracle.query(X), dtype=np.float64)              # (1 + p, n + 1, m)
+    Z = E.T @ (O @ P)
+    before, used = len(blocks.R), 0
+    for j in range(n, -1, -1):                   # the last position first: it sees all
+        Y = E.T @ (y[1:, j] - y[0, j]).T
+        new = []
+        try:
+            for Rk, Lk in zip(blocks.R, L):
+                Mk = (Lk @ Y) @ np.linalg.pinv(Lk @ Z)
+                misfit = np.linalg.norm(Lk @ Y - Mk @ (Lk @ Z)) / np.linalg.norm(Lk @ Y)
+                if not misfit <= LINEARITY_TOL:
+                    raise ModelMismatchError("not linear in the payload")
+                new.extend(Rk @ S for _, S in block_eigenspaces(Mk, mu, ROUGH_SLACK))
+        except ModelMismatchError:
+            continue
+        used += 1
+        if len(new) > len(blocks.R):
+            blocks.R = new
+            L = blocks.left_inverse()
+    if not used:
+        raise ModelMismatchError(
+            "the answers to saturated selector probes are linear in the payload with one "
+            "coefficient per head at no position: not saturated softmax attention")
+    return len(blocks.R) > before, used
+
+
+def rough_ranges_positions(oracle: Oracle, O, E, rng, q, scale: float) -> tuple[Blocks, int]:
+    """vector_layer's rough ranges with every set read at every position: a first set with
+    payloads spanning R^d; one set read at MIN_POSITIONS positions or more is enough (two
+    distinct heads choose alike at every one of them only by attending alike, and then
+    they are one canonical head); otherwise sets at new query tokens with payloads for the
+    widest block, until one splits nothing (at most MAX_SETS). Returns the blocks and the
+    sets."""
+    blocks = Blocks(E)
+    for sets in range(1, MAX_SETS + 1):
+        if sets > 1:
+            q = _unit(rng, len(q))
+        for attempt in range(ROUGH_RETRIES + 1):
+            try:
+                split, used = split_ranges_positions(oracle, O, blocks, rng, q, scale,
+                                                     PAYLOAD / PAYLOAD_CUT ** attempt)
+                break
+            except ModelMismatchError:
+                if attempt == ROUGH_RETRIES:
+                    raise
+                q = _unit(rng, len(q))
+        if (sets > 1 and not split) or used >= MIN_POSITIONS:
+            break
+    return blocks, sets
+
+
+# -- the ranges again, by design, read at T = H designed query tokens ----------------------
+
+def fine_ranges_positions(oracle: Oracle, E, W, b, widths, rng, s: float):
+    """The ranges, now that every g_h = W_h q + b_h is known: H query tokens q_t and H
+    selectors designed so that at q_t head h is saturated on selector (h + t) mod H
+    (score DESIGN_MARGIN, every other selector 0). A payload mu_i delta on selector i
+    (mu_i = i + 1) orthogonal to every g_h(q_t) moves no score at these positions, so it is
+    as large as the selectors, and position q_t answers
+
+        F_t(delta) - F_t(0) = sum_h mu_(h + t mod H) O_h delta:
+
+    H positions, H independent combinations (a circulant of distinct mu): O_h delta of
+    every head from one query. R_h is the span of O_h delta over max r_h + RANGE_EXTRA
+    payloads: that many queries and one more, against d + 2 at the last position. Needs
+    H^2 + max r_h + RANGE_EXTRA <= d (payloads orthogonal to the H^2 vectors g_h(q_t));
+    returns None otherwise. Returns (coordinate bases R_h in E (D, r_h), queries)."""
+    H, d = len(widths), oracle.dim
+    K = max(widths) + RANGE_EXTRA
+    if H * H + K > d:
+        return None
+    qs = s * np.stack([_unit(rng, d) for _ in range(H)])
+    G = np.concatenate([(W @ q + b).T for q in qs], axis=1)       # (d, H * H): (t, h)
+    pick = (np.arange(H)[None, :] + np.arange(H)[:, None]) % H    # [t, h]: selector picked
+    target = np.zeros((H, H * H))
+    target[pick.reshape(-1), np.arange(H * H)] = DESIGN_MARGIN
+    Delta = target @ np.linalg.pinv(G)                              # (H, d)
+    mu = 1.0 + np.arange(H)
+    free = np.linalg.svd(G, full_matrices=True)[0][:, H * H:]       # g_h(q_t)^perp
+    P = free @ _rotation(rng, free.shape[1])[:, :K]
+    P *= float(np.max(np.linalg.norm(Delta, axis=1)))
+    deltas = np.concatenate([np.zeros((1, d)), P.T])               # (1 + K, d)
+    X = np.empty((1 + K, 2 * H, d))
+    X[:, :H] = Delta[None] + mu[None, :, None] * deltas[:, None, :]
+    X[:, H:] = qs[None]                  # selectors first: causal positions q_t see them
+    y = np.asarray(oracle.query(X), dtype=np.float64)[:, H:]       # (1 + K, T, m)
+    kappa = mu[pick]                                                # (T, H)
+    V = np.linalg.solve(kappa, (y[1:] - y[0]).transpose(1, 0, 2).reshape(H, -1))
+    V = V.reshape(H, K, -1)                                         # [h, k] = O_h delta_k
+    R = []
+    for h, r in enumerate(widths):
+        U, sv, _ = np.linalg.svd(E.T @ V[h].T, full_matrices=False)
+        if sv.size > r and sv[r] > RANGE_GAP * sv[0]:
+            raise ModelMismatchError(
+                f"designed selectors give head {h} an output of rank above {r} (singular "
+                f"value {r + 1} at {sv[r] / sv[0]:.1e} of the first): not independent heads "
+                f"of saturated softmax attention")
+        R.append(U[:, :r])
+    return R, len(X)
+
+
+# -- the scores, read at every position ---------------------------------------------------
+
+def group_sizes(p: int, K: int, d: int) -> tuple[int, int]:
+    """(a, f), a + f = p, minimising the query count ceil(K / a) ceil(d / f)."""
+    return min(((a, p - a) for a in range(1, p)),
+               key=lambda af: (math.ceil(K / af[0]) * math.ceil(d / af[1]), -af[1]))
+
+
+class PositionReads:
+    """The core and filler queries and their answers (kept: read again through the final
+    projectors).
+
+    ``tokens`` (n, d): row 0 the zero token, then the K' core tokens, then the fillers;
+    ``queries`` (Q, p) token indices (core group then filler group) of each query; the
+    sequences are [0, tokens] (and, causal, [reversed tokens, 0])."""
+
+    def __init__(self, oracle: Oracle, rng, d: int, K: int, p: int, causal: bool, C):
+        self.oracle, self.causal = oracle, causal
+        a, f = group_sizes(p, K, d)
+        n_core, n_fill = math.ceil(K / a), math.ceil(d / f)
+        self.a, self.f = a, f
+        self.core = np.arange(1, 1 + n_core * a)
+        self.fill = np.arange(1 + n_core * a, 1 + n_core * a + n_fill * f)
+        self.queries = np.array([np.concatenate([self.core[i * a:(i + 1) * a],
+                                                 self.fill[j * f:(j + 1) * f]])
+                                 for i in range(n_core) for j in range(n_fill)])
+        # token directions: orthonormal frames, the best of FRAME_TRIES by the worst
+        # condition number of the weight solves C_h (X - x_0)^T over queries and heads
+        best = np.inf
+        for _ in range(FRAME_TRIES):
+            units = np.concatenate([np.zeros((1, d))] + [
+                np.concatenate([_rotation(rng, d) for _ in range(n // d + 1)])
+                [:n] for n in (n_core * a, n_fill * f)])
+            worst = max(_cond(Ch @ units[q].T) for Ch in C for q in self.queries)
+            if worst < best:
+                best, self.units = worst, units
+        self.condition = best
+        self.s = 1.0
+        self.F = None                  # (Q, orders, p + 1, m)
+
+    @property
+    def count(self) -> int:
+        return len(self.queries) * (2 if self.causal else 1)
+
+    def sequences(self, rows) -> np.ndarray:
+        """(len(rows) x orders, p + 1, d): [0, tokens] then, causal, [tokens reversed, 0]."""
+        X = self.s * self.units
+        idx = np.concatenate([np.zeros((len(rows), 1), dtype=int), self.queries[rows]], axis=1)
+        seqs = [X[idx]]
+        if self.causal:
+            seqs.append(X[np.concatenate([idx[:, :0:-1], idx[:, :1]], axis=1)])
+        return np.stack(seqs, axis=1).reshape(-1, idx.shape[1], X.shape[1])
+
+    def ask(self, rows) -> np.ndarray:
+        out = np.asarray(self.oracle.query(self.sequences(rows)), dtype=np.float64)
+        if out.ndim != 3:
+            raise InputError("vector-layer at every position reads (B, N, m) answers")
+        return out.reshape(len(rows), 2 if self.causal else 1, *out.shape[1:])
+
+    def orders(self, row: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """[(token index per position, answers (p + 1, m))] for each order of query ``row``."""
+        toks = np.concatenate([[0], self.queries[row]])
+        out = [(toks, self.F[row, 0])]
+        if self.causal:
+            out.append((np.concatenate([toks[:0:-1], toks[:1]]), self.F[row, 1]))
+        return out
+
+    def equations(self, c, L, C, rows=None):
+        """Per head, the logit equations read from every position of the queries ``rows``
+        (default all): lists of (point index, functional rows D (k, d), values (k,)) with
+        D^T g_h(point) = values; NaN values where a weight came out outside (0, 1). Also
+        the worst relative misfit of the weight solves and the largest logit spread
+        ln(a_max / a_min) at a position (inf when a weight is unreadable)."""
+        X = self.s * self.units
+        heads = [[] for _ in L]
+        misfit = spread = 0.0
+        for row in range(len(self.queries)) if rows is None else rows:
+            for toks, F in self.orders(row):
+                for j in range(len(toks)):
+                    seen = np.arange(j + 1) if self.causal else np.arange(len(toks))
+                    if len(seen) < 2:
+                        continue
+                    ref = 0 if toks[seen[0]] == 0 else j   # the zero token if seen, else own
+                    others = seen[seen != ref]
+                    D = X[toks[others]] - X[toks[ref]]            # (k, d)
+                    for h, (Lh, Ch) in enumerate(zip(L, C)):
+                        w = Lh @ (F[j] - c) - Ch @ X[toks[ref]]
+                        A = Ch @ D.T
+                        sol, *_ = np.linalg.lstsq(A, w, rcond=None)
+                        scale = np.linalg.norm(w) + np.linalg.norm(Ch @ X[toks[ref]])
+                        misfit = max(misfit, float(np.linalg.norm(A @ sol - w))
+                                     / max(scale, np.finfo(float).tiny))
+                        last = 1.0 - sol.sum()
+                        if not (np.all(sol > 0) and last > 0):
+                            heads[h].append((toks[j], D, np.full(len(sol), np.nan)))
+                            spread = math.inf
+                            continue
+                        # logits against the largest weight, each row weighted by its
+                        # weight over the largest: ln a_i is read to (rounding) / a_i, so
+                        # a small weight's row counts for what it is worth
+                        a = np.append(sol, last)
+                        pts = np.append(others, ref)
+                        top = int(np.argmax(a))
+                        rest = np.arange(len(a)) != top
+                        rel = a[rest] / a[top]
+                        Dw = (X[toks[pts[rest]]] - X[toks[pts[top]]]) * rel[:, None]
+                        heads[h].append((toks[j], Dw, np.log(rel) * rel))
+                        spread = max(spread, -float(np.log(rel.min())))
+        return heads, misfit, spread
+
+
+def solve_head(reads: PositionReads, eqs, strict: bool = True):
+    """W (d, d), b (d,), the rank of W's column space, the spread (misfit x condition) and
+    whether that column space was found (a rank drop within the core tokens), from one
+    head's equations. ``strict``: a misfit above MISFIT_LIMIT is a mismatch (not while the
+    projectors are the first, rough ones)."""
+    X = reads.s * reads.units
+    d = X.shape[1]
+    by_point: dict[int, list] = {}
+    for t, D, v in eqs:
+        by_point.setdefault(int(t), []).append((D, v))
+    spread = 0.0
+    # misfits are judged against the head's logit scale (a point where every logit is 0,
+    # b = 0 at the zero token, has nothing else to be relative to)
+    values = [v for _, _, v in eqs if np.all(np.isfinite(v))]
+    level = max((float(np.abs(v).max()) for v in values), default=0.0)
+
+    def gather(t):
+        rows = by_point.get(t, [])
+        return (np.concatenate([r[0] for r in rows]), np.concatenate([r[1] for r in rows]))
+
+    def fit(A, y):
+        nonlocal spread
+        if not np.all(np.isfinite(y)):
+            raise ModelMismatchError("every-position score probes imply attention weights "
+                                     "outside (0, 1): not softmax attention over these tokens")
+        sol, *_ = np.linalg.lstsq(A, y, rcond=None)
+        misfit = float(np.linalg.norm(A @ sol - y)) / max(float(np.linalg.norm(y)),
+                                                          level * math.sqrt(len(y)), 1e-300)
+        if strict and misfit > MISFIT_LIMIT:
+            raise ModelMismatchError(
+                f"the logits read at every position are not a bilinear form of the tokens "
+                f"(relative misfit {misfit:.1e}): a position-dependent term, or the causal "
+                f"mask stated wrongly")
+        spread = max(spread, misfit * _cond(A))
+        return sol
+
+    A, y = gather(0)
+    b = fit(A, y)
+    core_g = np.stack([fit(*gather(int(k))) for k in reads.core])
+    cols = (core_g - b).T                                    # W_h x_k, (d, K')
+    with_b = np.linalg.norm(b) > BIAS_COLUMN * np.abs(cols).max() if np.any(cols) else False
+    B = _column_space(np.concatenate([cols, b[:, None]], axis=1) if with_b else cols)
+    found = B.shape[1] < len(reads.core)
+    if not found:
+        return np.zeros((d, d)), b, d, spread, False
+    fill_g = []
+    for t in reads.fill:
+        A, y = gather(int(t))
+        beta = fit(A @ B, y - A @ b)
+        fill_g.append(B @ beta)
+    pts = np.concatenate([X[reads.core], X[reads.fill]])     # (K' + F', d)
+    G = np.concatenate([cols.T, np.stack(fill_g)])            # W_h x per point
+    W = np.linalg.lstsq(pts, G, rcond=None)[0].T
+    return W, b, B.shape[1], spread, True
+
+
+def solve_all(reads: PositionReads, c, L, C, strict: bool = True):
+    """Every head's W, b through the projectors L, C: (W (H, d, d), b (H, d), ranks,
+    spread, whether every column space was found, the weight solves' misfit)."""
+    heads, weight_misfit, _ = reads.equations(c, L, C)
+    out = [solve_head(reads, eqs, strict) for eqs in heads]
+    W = np.stack([o[0] for o in out])
+    b = np.stack([o[1] for o in out])
+    return W, b, [o[2] for o in out], max(o[3] for o in out), all(o[4] for o in out), \
+        weight_misfit
+
+
+def pilot_scale(reads: PositionReads, c, L, C, kappa: float) -> int:
+    """Set the token norm s so that the first query's largest |logit| is about TARGET_SPREAD:
+    quadratic in s for W, linear for b (the rescaling assumes the larger). Returns the
+    queries spent; the last pilot's answers are the first query's."""
+    reads.s = math.sqrt(TARGET_SPREAD / max(kappa, 1e-300))
+    spent = 0
+    for _ in range(PILOT_TRIES):
+        F = reads.ask([0])
+        spent += F.shape[0] * F.shape[1]
+        reads.F = F
+        _, _, peak = reads.equations(c, L, C, rows=[0])
+        if not math.isfinite(peak):
+            reads.s /= 4.0
+            continue
+        if PILOT_BAND[0] * TARGET_SPREAD <= peak <= PILOT_BAND[1] * TARGET_SPREAD:
+            return spent
+        reads.s *= math.sqrt(TARGET_SPREAD / max(peak, 1e-300)) if peak > 0 else 1e3
+    raise ModelMismatchError("the every-position pilot query never gave readable attention "
+                             "weights with logits of order one: not softmax attention")
+
+
+def extract_vector_layer_positions(oracle: Oracle, *, seed=None,
+                                   verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE,
+                                   heads=None, biases=None, ranks=None) -> ExtractionResult:
+    """Recover a standard attention layer from answers at every position: every head's
+    canonical W_h, b_h, O_h and c, the scores read at every position.
+
+    Parameters
+    ----------
+    oracle : Oracle
+        Door to the black box: answers (B, N, m) at every position, ``oracle.causal``
+        stated (True: position j sees i <= j only).
+    seed, verify_tolerance, heads, biases, ranks
+        As :func:`attnextract.learners.vector_layer.extract_vector_layer`.
+
+    Returns
+    -------
+    ExtractionResult
+        ``model`` a :class:`VectorAttention` (W (H, d, d), O (H, m, d), b (H, d), c (m,)),
+        answering at every position, causal as stated.
+
+    Raises
+    ------
+    InputError
+        The box does not answer every position, or ``causal`` is not stated.
+    ModelMismatchError
+        The answers are not those of such a layer (weights outside (0, 1), logits that are
+        not a bilinear form of the tokens, held-out verification at every position failed,
+        a stated H, rank or absence of biases contradicted).
+    RecoveryFailedError
+        The answers show no dependence on the scores, or O = 0.
+    """
+    check_options(oracle, heads, biases, ranks)
+    if oracle.outputs != "all":
+        raise InputError("the every-position layer learner reads answers at every position "
+                         "(Oracle(..., outputs='all')); use vector-layer for the last one")
+    if oracle.causal is None:
+        raise InputError("every-position answers: state whether the box is causal "
+                         "(Oracle(..., causal=True/False), --causal)")
+    start, start_q, start_bb = time.perf_counter(), oracle.queries, oracle.black_box_seconds
+    start_numbers, start_tokens = oracle.numbers, oracle.tokens
+    rng = np.random.default_rng(seed)
+    d = oracle.dim
+    c, O = constant_and_outputs(oracle)
+    E = _orth(O)
+    if E.shape[1] == 0:
+        raise RecoveryFailedError("O = 0: every head's output is zero, nothing to recover")
+    counts = {"c and O (single tokens)": oracle.queries - start_q}
+
+    def step(name):
+        counts[name] = oracle.queries - start_q - sum(counts.values())
+
+    q_pilot, u_pilot = (v / np.linalg.norm(v) for v in rng.standard_normal((2, d)))
+    kappa = logit_scale(oracle, O, c, q_pilot, u_pilot)
+    step("pilot")
+    blocks, sets = rough_ranges_positions(oracle, O, E, rng, q_pilot, SELECT_LOGIT / kappa)
+    step("ranges (random selectors)")
+    widths = blocks.widths
+    # p < r_h tokens beside the zero token (a tall, well-conditioned weight solve; square
+    # ones at r_h = 2 lost 1e-10), at least one core and one filler
+    p = int(TOKEN_SHARE * min(widths))
+    notes = []
+    if p < 2:
+        notes.append(f"a head of output rank {min(widths)}: too narrow for every-position "
+                     f"score reads (a core and a filler token, read by a tall solve); "
+                     f"extracted from the last position")
+        return _fallback(oracle, start_q, seed, verify_tolerance, heads, biases, ranks, notes)
+    L, C, _ = projectors(E, blocks, O)
+    K = min(max(widths) + K_EXTRA, d)
+    reads = PositionReads(oracle, rng, d, K, p, bool(oracle.causal), C)
+    pilot_scale(reads, c, L, C, kappa)
+    F0 = reads.F
+    rest = reads.ask(np.arange(1, len(reads.queries)))
+    reads.F = np.concatenate([F0, rest])
+    step("scores at every position")
+    W, b, _, _, found, _ = solve_all(reads, c, L, C, strict=False)
+    if not found:
+        notes.append("a head's W_h showed no rank drop within the core tokens (rank above "
+                     "its output rank + 2): extracted from the last position")
+        return _fallback(oracle, start_q, seed, verify_tolerance, heads, biases, ranks, notes)
+    omega = float(np.max(np.linalg.norm(W @ _unit(rng, d), axis=1)))
+    if omega == 0:
+        raise RecoveryFailedError("the scores do not depend on the query token (W = 0)")
+    designed = fine_ranges_positions(oracle, E, W, b, widths, rng, 1.0 / math.sqrt(omega))
+    if designed is None:       # too narrow for H designed query tokens: the last position
+        designed = fine_ranges(oracle, O, E, W, b, widths, rng, 1.0 / math.sqrt(omega))
+    blocks.R = designed[0]
+    step("ranges (designed selectors)")
+    L, C, R = projectors(E, blocks, O)
+    O_h = np.stack([Rh @ Ch for Rh, Ch in zip(R, C)])
+    W, b, ranks_W, spread, found, weight_misfit = solve_all(reads, c, L, C)
+    check_found(widths, heads, ranks, c, b, biases, float(np.max(np.abs(W))))
+    model = VectorAttention(W, O_h, b, c, positions="all", causal=bool(oracle.causal))
+    has_biases = bool(np.any(c) or np.any(b)) if biases is None else biases
+    params = parameter_count(d, O.shape[0], widths, ranks_W, has_biases)
+    recovery = oracle.queries - start_q
+    bar = float(BAR_SAFETY * max(spread, EPS))
+    n_verify = verification_count(params, recovery)
+    verification = verify_model(oracle, model, count=n_verify, seed=seed,
+                                tolerance=verify_tolerance, expected_error=bar)
+    report = Report(
+        kind=model.kind, dim=d, queries=oracle.queries - start_q,
+        breakdown={**counts, "recovery": recovery, "verification": n_verify},
+        floor=-(-params // (O.shape[0] * (d + 1))),
+        verification=verification, seconds=time.perf_counter() - start,
+        black_box_seconds=oracle.black_box_seconds - start_bb, notes=notes,
+        details={"numbers received": oracle.numbers - start_numbers,
+                 "tokens sent": oracle.tokens - start_tokens,
+                 "outputs": "every position" + (" (causal)" if oracle.causal else ""),
+                 "heads found": len(widths), "output ranks r_h": widths,
+                 "ranks of W_h": ranks_W, "random selector sets": sets,
+                 "score design": f"{len(reads.queries)} queries of {p + 1} tokens (zero "
+                                 f"token, {reads.a} core, {reads.f} filler)"
+                                 + (", both orders" if oracle.causal else ""),
+                 "token norm": reads.s, "weight-solve misfit": weight_misfit,
+                 "parameters": params, "error bar": bar,
+                 "floor": f"{params} parameters / ({O.shape[0]} numbers x {d + 1} positions "
+                          f"of a query of d + 1 tokens)"})
+    return checked_result(model, report, "a standard attention layer with independent "
+                          "head output ranges, answering at every position")
+
+
+def _fallback(oracle, start_q, seed, verify_tolerance, heads, biases, ranks, notes):
+    """The last-position learner, the queries already spent added to its count."""
+    spent = oracle.queries - start_q
+    result = extract_vector_layer(oracle, seed=seed, verify_tolerance=verify_tolerance,
+                                  heads=heads, biases=biases, ranks=ranks)
+    result.queries += spent
+    result.report.queries += spent
+    result.report.breakdown["every-position attempt"] = spent
+    result.report.notes.extend(notes)
+    return result
+
+
+def extract_standard_layer(oracle: Oracle, *, seed=None,
+                           verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE, heads=None,
+                           biases=None, ranks=None) -> ExtractionResult:
+    """The ``vector-layer`` learner: every-position answers go to
+    :func:`extract_vector_layer_positions`, last-position ones to
+    :func:`attnextract.learners.vector_layer.extract_vector_layer` (same options)."""
+    learner = extract_vector_layer_positions if getattr(oracle, "outputs", None) == "all" \
+        else extract_vector_layer
+    return learner(oracle, seed=seed, verify_tolerance=verify_tolerance, heads=heads,
+                   biases=biases, ranks=ranks)
