@@ -155,7 +155,7 @@ def split_ranges_positions(oracle: Oracle, O, blocks: Blocks, rng, q, scale: flo
     before, used = len(blocks.R), 0
     for j in range(n, -1, -1):                   # the last position first: it sees all
         Y = E.T @ (y[1:, j] - y[0, j]).T
-        new = []
+        new: list[np.ndarray] = []
         try:
             for Rk, Lk in zip(blocks.R, L):
                 Mk = (Lk @ Y) @ np.linalg.pinv(Lk @ Z)
@@ -289,7 +289,7 @@ class PositionReads:
                 best, self.units = worst, units
         self.condition = best
         self.s = 1.0
-        self.F = None                  # (Q, orders, p + 1, m)
+        self.F: np.ndarray = np.zeros((0, 1, 0, 0))   # (Q, orders, p + 1, m), read later
 
     @property
     def count(self) -> int:
