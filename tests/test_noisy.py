@@ -228,7 +228,7 @@ def test_extract_dispatches_single_head_on_tolerance():
     assert result.report.verification.passed
     assert result.options["model"] == "noisy" and result.options["tolerance"] == 1e-6
     paper = extract(Oracle(box, 8), tolerance=1e-6, method="paper", norm_bound=10.0)
-    assert paper.report.details["method"].startswith("paper 1, Theorem 6.1")
+    assert paper.report.details["method"].startswith("the single-head paper, Theorem 6.1")
     with pytest.raises(InputError, match="does not apply to model 'single-head'"):
         extract(Oracle(box, 8), method="paper")
     with pytest.raises(InputError, match="tolerance applies to 'single-head'"):

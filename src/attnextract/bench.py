@@ -93,7 +93,7 @@ def measure(learner: str, d: int, target, extract, *, floor: int, paper_count, e
 
 
 def section_single_head(quick: bool, log) -> list[dict]:
-    """Exact single head (paper 1, Theorem 4.1): d^2 + d queries."""
+    """Exact single head (the single-head paper, Theorem 4.1): d^2 + d queries."""
     rows = []
     for d in ([4, 8, 16, 32, 64] if quick else [4, 8, 16, 32, 64, 128, 256, 512]):
         target = random_single_head(d, seed=d)
@@ -135,7 +135,7 @@ def section_surrogate(quick: bool, log) -> list[dict]:
 
 
 def section_one_layer(quick: bool, log) -> list[dict]:
-    """One-layer Transformer end to end (paper 1 reduction + the ReLU FFN learner), m = d."""
+    """One-layer Transformer end to end (the single-head paper's reduction + the ReLU FFN learner), m = d."""
     rows = []
     for d in ([4, 8, 16] if quick else [4, 8, 16, 32, 64]):
         target = random_one_layer(d, d, seed=d)
@@ -153,7 +153,7 @@ def section_one_layer(quick: bool, log) -> list[dict]:
 
 
 def section_low_rank(quick: bool, log) -> list[dict]:
-    """Rank-r heads, r = d/8: the adaptive learner (floor d + r(2d - r)) and paper 1's ROP."""
+    """Rank-r heads, r = d/8: the adaptive learner (floor d + r(2d - r)) and the single-head paper's ROP."""
     rows = []
     for method in ("adaptive", "rop"):
         for d in ([16, 32, 64] if quick else [16, 32, 64, 128, 256, 512]):
@@ -210,7 +210,7 @@ def section_multi_head_grid(quick: bool, log) -> list[dict]:
 
 
 def section_noisy(quick: bool, log) -> list[dict]:
-    """Error vs noise tolerance tau: the robust default and paper 1's Theorem 6.1, equal queries."""
+    """Error vs noise tolerance tau: the robust default and the single-head paper's Theorem 6.1, equal queries."""
     rows = []
     d = 16
     target = random_single_head(d, seed=3)
@@ -250,7 +250,7 @@ def transformer_layer_variants(quick: bool) -> list[tuple[str, int, int, dict]]:
 
 
 def section_transformer_layer(quick: bool, log) -> list[dict]:
-    """Attention + ReLU FFN with biases (issue 14): queries vs the floor, bits, time."""
+    """Attention + ReLU FFN with biases: queries vs the floor, bits, time."""
     rows = []
     for label, d, m, options in transformer_layer_variants(quick):
         target = random_transformer_layer(d, m, seed=d + m, **options)

@@ -27,7 +27,7 @@ from .oracle import Oracle, RoundedOutputs
 from .plotting import REFERENCE, legend_outside, log_axes, save, series_styles
 
 GOAL = 1e-10          # canonical error of a success, full-rank heads
-LOW_RANK_GOAL = 1e-8  # ... low-rank heads (issue 12, item 2)
+LOW_RANK_GOAL = 1e-8  # the low-rank heads goal
 
 
 def grid_cell(H: int, d: int, seeds: int, scale: float = 1.0, float32: bool = False,

@@ -340,7 +340,7 @@ def _add_noise_options(ex) -> None:
                        help="worst-case (adversarial) or independent random noise")
     noisy.add_argument("--noise-method", choices=["robust", "paper"],
                        default=OPTION_DEFAULTS["noise_method"],
-                       help="robust, or paper 1's Theorem 6.1 (needs --norm-bound)")
+                       help="robust, or the single-head paper's Theorem 6.1 (needs --norm-bound)")
     noisy.add_argument("--repeats", type=_positive_int, default=OPTION_DEFAULTS["repeats"],
                        help="measure every probe in this many dithered bases")
     noisy.add_argument("--norm-bound", type=float, metavar="B", help="B >= ||W||_F (paper)")
@@ -698,7 +698,7 @@ def _verbose(args) -> bool:
 def _exit_now(code: int) -> None:
     """End the process with ``code`` at once, skipping the interpreter's shutdown.
 
-    Ctrl-C must take effect within a second (issue 22). By the time the interrupted line is
+    Ctrl-C must take effect within a second. By the time the interrupted line is
     printed the journal is closed and no result is half-written (both are closed or removed
     while the interrupt unwinds), but the interpreter's shutdown (garbage collection and
     teardown of numpy's and scipy's modules) still takes 0.2-0.5 s of CPU, over a second on

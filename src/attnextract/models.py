@@ -175,7 +175,7 @@ class ReLUNetwork(Regressor):
 class OneLayerTransformer(Regressor):
     """Single-head attention followed by a bias-free ReLU feed-forward layer.
 
-    h(X) = X^T softmax(X W x_N),  f(X) = w^T ReLU(A h(X))  (paper 1 form; the value
+    h(X) = X^T softmax(X W x_N),  f(X) = w^T ReLU(A h(X))  (the single-head paper's form; the value
     and output projections are merged into A).
 
     Parameters

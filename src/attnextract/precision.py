@@ -157,5 +157,5 @@ def name_the_options(exc: Exception, precision: OutputPrecision | None) -> None:
         return
     if precision is not None and precision.exact and not precision.stated:
         return      # float64 answers (detected): a mismatch, not a precision problem; the
-        # hint would invite loosening the check on an impostor (issue 23)
+        # hint would invite loosening the check on an impostor
     exc.args = (f"{message}; {option_hint(precision)}",) + exc.args[1:]

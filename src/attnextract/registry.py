@@ -191,7 +191,7 @@ def _answers_may_be_rounded(root: Any) -> bool:
     """Whether a refusal may be a precision problem: the oracle's kept answers (its replay
     sample) show rounding, or too few were asked to tell. Float64 answers of a box that
     was refused are a mismatch: naming --output-dtype there invites loosening the check on
-    an impostor (issue 23)."""
+    an impostor."""
     answers = [answer for _, answer in getattr(root, "replay", [])]
     # answers_array: every-position answers of different lengths are ragged
     return len(answers) < 4 or answers_look_rounded(answers_array(answers))
@@ -439,7 +439,7 @@ register("single-head", _L + "single_head:extract_single_head",
          "one attention head, W (d, d) and v (d,), exactly at d^2 + d queries",
          with_tolerance="noisy", with_sign_only="sign-only", with_vectors="vector-single-head")
 register("low-rank", _L + "low_rank:extract_low_rank",
-         "one head whose W has rank r << d, at d + r(2d - r) queries (or paper 1's ROP)",
+         "one head whose W has rank r << d, at d + r(2d - r) queries (or the single-head paper's ROP)",
          with_vectors="vector-single-head")
 register("multi-head", _L + "multi_head:extract_multi_head",
          "H heads summed, recovered up to the canonical form (copy-count probes)",

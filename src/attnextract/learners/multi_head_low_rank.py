@@ -41,7 +41,7 @@ overlapping sigmoid steps; it makes every measurement a single-head one:
 
 Queries: d (v) + about (H + 1)(d + 2) + 5 x bisection points (values) + sum_h (r_h + 1) d
 (query spaces) + d sum_h r_h (isolation columns) + H d (heights) = 2 d^2 + O(H d) when
-H r = d, against the floor sum_h (d + r_h (2d - r_h)) (= 2 d^2 + H d - d r) and paper 2's
+H r = d, against the floor sum_h (d + r_h (2d - r_h)) (= 2 d^2 + H d - d r) and the multi-head paper's
 4 H d^2 - 2 H + 1 (MiniLM: 309,8xx against 287,232 and 7,077,865).
 
 Conditioning (reported). Values: the smallest angular gap between crossings sets the
@@ -214,7 +214,7 @@ def low_rank_multi_head_floor(d: int, ranks) -> int:
 
 
 def paper_two_count(d: int, heads: int) -> int:
-    """Queries of paper 2's multi-head algorithm: 4 H d^2 - 2 H + 1."""
+    """Queries of the multi-head paper's multi-head algorithm: 4 H d^2 - 2 H + 1."""
     return 4 * heads * d * d - 2 * heads + 1
 
 
@@ -1052,7 +1052,7 @@ def extract_multi_head_low_rank(oracle: QueryAccess, heads: int | None = None,
         ``model`` a :class:`MultiHeadAttention` with W (H', d, d), v (H', d), H' <= H the
         canonical heads (with ``biases`` a :class:`BiasedMultiHeadAttention`, also b
         (H', d) and c); the report gives the queries against the floor
-        sum_h (d + r_h (2d - r_h)) and paper 2's 4 H d^2 - 2 H + 1, and the conditioning.
+        sum_h (d + r_h (2d - r_h)) and the multi-head paper's 4 H d^2 - 2 H + 1, and the conditioning.
 
     Raises
     ------

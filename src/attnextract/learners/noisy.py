@@ -2,7 +2,7 @@
 
 The black box answers y = f(X) + eta. Two noise models:
 
-- ``bounded`` (paper 1, Theorem 6.1): |eta| <= tau + rho |f(X)|, possibly adversarial
+- ``bounded`` (the single-head paper, Theorem 6.1): |eta| <= tau + rho |f(X)|, possibly adversarial
   (rho covers rounding: 2^-24 for float32, 2^-11 for float16, 0.5e(1-k) for k digits).
   The error bar is a worst-case bound: it holds for every noise pattern within the
   tolerance, adversarial included.
@@ -274,7 +274,7 @@ def extract_noisy(oracle: QueryAccess, *, tolerance: float, relative_tolerance: 
     noise : {"bounded", "random"}
         Worst-case (adversarial allowed) or independent zero-mean noise.
     method : {"robust", "paper"}
-        The noise-aware default, or paper 1's Theorem 6.1 algorithm (needs norm_bound).
+        The noise-aware default, or the single-head paper's Theorem 6.1 algorithm (needs norm_bound).
     repeats : int
         robust: measure every probe in this many dithered bases (r (d^2 + d) queries).
     norm_bound : float, optional
@@ -749,7 +749,7 @@ def _erfinv(x):
     return erfinv(x)
 
 
-# -- paper 1, Theorem 6.1 ------------------------------------------------------------
+# -- the single-head paper, Theorem 6.1 ------------------------------------------------------------
 
 def paper_bound(d: int, tau: float, norm_bound: float, margin: float) -> tuple[float, float]:
     """Theorem 6.1's error bounds (our constants): (||W_hat - W||_F, ||v_hat - v||) bounds."""
@@ -795,7 +795,7 @@ def _extract_paper(oracle, noise, B, margin, seed, verify_tolerance):
     model = SingleHeadAttention(W, v)
     details = _bar_details(model, W_bar, v_bar, noise)
     details.update({
-        "method": f"paper 1, Theorem 6.1 (B = {B:.4g}, mu = {mu:.4g}, clip to "
+        "method": f"the single-head paper, Theorem 6.1 (B = {B:.4g}, mu = {mu:.4g}, clip to "
                   f"[sigma(-1/2), sigma(1/2)])",
         "error bar source": "Theorem 6.1: 2 d B L tau (1.5 B + 1) / mu, L = 4.26; sqrt(d) tau",
     })

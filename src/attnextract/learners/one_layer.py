@@ -1,4 +1,4 @@
-"""End-to-end extraction of a one-layer Transformer (paper 1 reduction).
+"""End-to-end extraction of a one-layer Transformer (the single-head paper's reduction).
 
 The mathematics, in the project's words: docs/algorithms.md, "One-layer Transformer".
 
@@ -14,7 +14,7 @@ Identities.
 
       g(X) = f(X) - f(-X) = (A^T w)^T h(X) = softmax(X W x_N)^T X v,   v = A^T w,
 
-  a single-head attention regressor. Theorem (paper 1): with v != 0 the single-head
+  a single-head attention regressor. Theorem (the single-head paper): with v != 0 the single-head
   learner on g (two queries per probe) recovers W exactly, so (W, A, w) is
   identified up to the hidden-unit symmetries.
 

@@ -1,6 +1,6 @@
 """Single-head extraction from label-only (membership) answers, by bisection.
 
-The black box answers only the label 1{f(X) > t} for a known threshold t (paper 1,
+The black box answers only the label 1{f(X) > t} for a known threshold t (the single-head paper,
 Appendix B treats such membership queries by bisection; its details are not at hand,
 this is our design; overview in docs/algorithms.md, "Sign-only outputs").
 

@@ -413,7 +413,7 @@ class Stateful(Impostor):
 
 
 class GeluFFN(Impostor):
-    reason = "GELU in place of the ReLU: smooth, no linear pieces (issue 14)"
+    reason = "GELU in place of the ReLU: smooth, no linear pieces"
 
     def __init__(self, model, rng):
         super().__init__(model, rng)
@@ -428,7 +428,7 @@ class _NormalisedReLU:
 
 
 class LayerNormBeforeFFN(Impostor):
-    reason = "a LayerNorm between the attention output and the FFN (issue 14)"
+    reason = "a LayerNorm between the attention output and the FFN"
 
     def __init__(self, model, rng):
         super().__init__(model, rng)
@@ -437,7 +437,7 @@ class LayerNormBeforeFFN(Impostor):
 
 class StackedLayers(Impostor):
     reason = ("two stacked layers: a residual attention + ReLU layer at every position first "
-              "(causal, over the last 8 tokens), then the model (issue 14)")
+              "(causal, over the last 8 tokens), then the model")
 
     LOOKBACK = 8            # layer 1 attends to the last 8 tokens: O(N) per sequence
 
@@ -674,7 +674,7 @@ def zoo(model=None) -> dict:
         "switch mid-recovery": lambda m, r, q: Stateful(m, r, q // 2),
         "switch at verification": lambda m, r, q: Stateful(m, r, q),
         "two stacked layers": lambda m, r, q: StackedLayers(m, r),
-        # issue 23: effects beyond the probes' lengths, far scores, small smooth terms
+        # effects beyond the probes' lengths, far scores, small smooth terms
         "truncation 257": lambda m, r, q: Truncation(m, r, 257),
         "truncation 1000": lambda m, r, q: Truncation(m, r, 1000),
         "log-length scaling": lambda m, r, q: LogLengthScaling(m, r),

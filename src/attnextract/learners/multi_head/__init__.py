@@ -24,7 +24,7 @@ Algorithm (one module per stage).
    spaced position, fitted and labelled against the base estimate (:mod:`.labels`).
 5. Round 2: d columns per row; 6. row fits: W_h = U^-1 Z_h, v_h = U^-1 C_h.
 7. Round 3 (wide columns) when the predicted error bar exceeds 1e-10 and the count allows.
-8. Short probes (:mod:`.short_probes`): the rest of paper 2's count as two-token probes.
+8. Short probes (:mod:`.short_probes`): the rest of the multi-head paper's count as two-token probes.
 9. Joint polish (:mod:`.polish`, no query): Gauss-Newton on all canonical parameters.
 
 The query budget of every stage and the retry of a failed design are in :mod:`.budget`;
@@ -51,7 +51,7 @@ bar's floor use each probe's own length (the base stages' thresholds the window'
 upper bound), the polish weights every answer by its own length. At d = 32, H = 12 this
 sends a quarter of the tokens of window-long probes (157 against 604 million).
 
-Queries: see :mod:`.budget` (never above paper 2's count 4Hd^2 - 2H + 1; with biases
+Queries: see :mod:`.budget` (never above the multi-head paper's count 4Hd^2 - 2H + 1; with biases
 that + (H + 1) d + 1).
 """
 
@@ -155,7 +155,7 @@ def extract_multi_head(oracle: QueryAccess, heads=None, *, subspaces=None, seed=
         one); None: up to min(d, 12). The designed rows need H <= d: a larger H is
         refused (RecoveryFailedError: this learner's limit, the box is not judged).
     subspaces : list, optional
-        Known pairwise orthogonal head subspaces (paper 1), each a basis (d, r_h) or a
+        Known pairwise orthogonal head subspaces (the single-head paper), each a basis (d, r_h) or a
         list of coordinate indices; then the single-head learner runs inside each.
     seed : int, optional
         Seed of the random design and of the held-out verification sequences.
@@ -191,7 +191,7 @@ def extract_multi_head(oracle: QueryAccess, heads=None, *, subspaces=None, seed=
     ExtractionResult
         ``model`` a :class:`MultiHeadAttention` with the canonical heads, W (H', d, d),
         v (H', d) (with ``biases`` a :class:`BiasedMultiHeadAttention`, also b (H', d)
-        and c); ``report.details`` gives the queries against paper 2's count and the
+        and c); ``report.details`` gives the queries against the multi-head paper's count and the
         floor, the smallest separation between heads, the predicted parameter error and
         the error bar next to the measured held-out error.
 
@@ -407,7 +407,7 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         if self.heads_told:
             self.scans_left = self.base_scans(H, self.short_share())
         # coarse answers, told H: a candidate row costs up to two scans (its own scale),
-        # so up to as many scans again, within what paper 2's count leaves, spent only
+        # so up to as many scans again, within what the multi-head paper's count leaves, spent only
         # while no pinned row shows H steps (spent always, they cut the wide columns:
         # median bar 3.3e-3 against 9.3e-4, float32 nn.MultiheadAttention, H = 4)
         self.coarse_extra_scans = (max(0, min(SCALE_ROUNDS + BASE_CANDIDATES,
@@ -427,9 +427,9 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         return self.attempts(heads)
 
     def identities_fit(self, counted: bool = False) -> bool:
-        """Whether a one-head run takes the single-head identities (paper 1, d^2 + d
+        """Whether a one-head run takes the single-head identities (the single-head paper, d^2 + d
         queries) instead of the designed rows: float64 answers, no biases, v != 0, and
-        the design above paper 2's count. Told H = 1 (before any base scan): the smallest
+        the design above the multi-head paper's count. Told H = 1 (before any base scan): the smallest
         design exceeds the count where the floor plus the verification fit it (d = 6: 185
         against 143, floor 42 + 64; from d = 8 the design fits). ``counted`` (not told,
         the search found one head): the design from here (base estimate, main rounds,
@@ -454,7 +454,7 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         W, _, bars, _ = measure_weights(self.oracle, probe_basis(self.v), self.v)
         self.spend("two-token probes", before)
         bar = _model_error_bar(bars)
-        self.method = "single-head identities (d^2 two-token probes, paper 1)"
+        self.method = "single-head identities (d^2 two-token probes, the single-head paper)"
         self.details.update({"predicted relative error": bar, "error bar": bar})
         return self.finish(MultiHeadAttention(W[None], self.v[None]), bar)
 
@@ -462,7 +462,7 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         """The base row and the number of canonical heads (:meth:`search_count`). A
         search that fails for the learner's own reasons (every row flat at the scale
         it chose after steps were seen, a non-finite design) is followed by a new one
-        (new rows, new scale rounds; v and the answers kept) while paper 2's count and
+        (new rows, new scale rounds; v and the answers kept) while the multi-head paper's count and
         the budget leave three base scans and the rest of a design
         (:meth:`Budget.search_scans`), else refused (:meth:`give_up`)."""
         failures: list[str] = []
@@ -510,7 +510,7 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
     def attempts(self, heads: int) -> ExtractionResult:
         """Designs until one gives a verified model: a fit that fails, an error bar too
         large, or a held-out mismatch with a small bar draws a fresh design (base row,
-        perturbations, main rows) and measures again while paper 2's count and the
+        perturbations, main rows) and measures again while the multi-head paper's count and the
         budget allow. The head count, v and the base rows scanned are kept
         (:meth:`fresh_base_row`), and a retry fits the rest of the count: it is tried when
         its least design (:meth:`attempt_cost` with ``least``, d - 1 main columns per
@@ -631,7 +631,7 @@ class _Extraction(BaseRowStage, MainRowStage, ShortProbeStage, Budget):
         asked): multi-head attention answers one token x with x^T v (+ c) exactly, its
         softmax over one token being 1, whatever its heads (v = sum_h v_h, measured from
         the d tokens e_i at the start). Tokens x and 3x of two random unit directions go
-        in one batch (4 queries, asked only when a refusal is due and, told H, paper 2's
+        in one batch (4 queries, asked only when a refusal is due and, told H, the multi-head paper's
         count leaves room for them and the ``reserved`` queries still to come); ReLU or sigmoid
         attention answers them act(x^T W_h x) x^T v_h, not linear in x.
 

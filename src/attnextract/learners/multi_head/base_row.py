@@ -17,7 +17,7 @@ perturbations, every head's W_h q_0 and v_h.
    run's cost; once two rows agree, the search stops where a run told that count would
    (on coarse answers, whose rows never reach BASE_QUALITY, at three rows that agree, one
    pinned to PINNED_STEPS and none showing more: :meth:`BaseRowStage.pinned_enough`);
-   a few rows beyond paper 2's share settle a disputed count, and without two rows that
+   a few rows beyond the multi-head paper's share settle a disputed count, and without two rows that
    agree the run is refused suggesting heads=. Not told H, a row whose fit has a step
    whose height is within 3 of its standard deviations is refitted with each step left
    out (:func:`_fewest_steps`), and counts one fewer when that fit reaches the noise
@@ -541,7 +541,7 @@ class BaseRowStage(RunState):
         else a new random row at the scale found, its steps fitted freely, several
         draws when a draw's fit misses the noise while the count leaves room for the
         rest of the design (:meth:`design_rest_cost`; draws beyond it took a retry to
-        526 of paper 2's 509 at d = 8, H = 2). Returns its count of steps: the fewest
+        526 of the multi-head paper's 509 at d = 8, H = 2). Returns its count of steps: the fewest
         from ``heads`` up to the heads asked that fit to the noise (the count the first
         rows agreed on may have missed a head hidden in all of them: the main rows then
         fit no design of that count)."""
@@ -677,7 +677,7 @@ class BaseRowStage(RunState):
     def reopen_room(self, count: int, scans: int = 0, crowded: bool = True) -> bool:
         """Whether ``scans`` queries more and a design of ``count`` steps (the designed
         column, the perturbations, the main rows with the fewest columns) and the
-        held-out verification fit in paper 2's count for ``count`` and the budget."""
+        held-out verification fit in the multi-head paper's count for ``count`` and the budget."""
         need = (scans + self.perturbation_cost(count) - (0 if crowded else self.column_cost(count))
                 + self.main_cost(count, self.least_columns())
                 + verification_count(self.parameters(count)))
@@ -917,7 +917,7 @@ class BaseRowStage(RunState):
         before = self.oracle.queries
         found = [first]
         # not told H: the count is what independent rows agree on, so rows are scanned
-        # until two agree, COUNT_EXTRA_SCANS beyond the share of paper 2's count at most
+        # until two agree, COUNT_EXTRA_SCANS beyond the share of the multi-head paper's count at most
         extra = 0 if self.heads_told else COUNT_EXTRA_SCANS
         for w in directions[1:]:
             agreed = self.agreed(found)

@@ -1,17 +1,17 @@
-"""Query budget of a multi-head run: paper 2's count, the biased count and each stage's
+"""Query budget of a multi-head run: the multi-head paper's count, the biased count and each stage's
 share, and the redesign a failed design triggers while the count allows.
 
-Queries: d + base (3 to 14 scans of 4H + 8 samples, within what paper 2's count leaves;
+Queries: d + base (3 to 14 scans of 4H + 8 samples, within what the multi-head paper's count leaves;
 a crowded row's H + 1 nudged and one to five designed columns of 3H + 1;
 (d - 1)(2H + 3) perturbations)
 + d (2H + 1) + d^2 (H + 1) main probes (one head: d^2, :func:`column_spares`; told one
-head on float64 answers where that design exceeds paper 2's count but the floor plus the
+head on float64 answers where that design exceeds the multi-head paper's count but the floor plus the
 verification fit it, d = 6 and 7: the single-head identities, d + d^2), plus d^2 (H + 1)
 when round 3 runs: the floor H(d^2 + d) (the canonical form's free parameters) plus
-about d^2 + Hd + base (twice the columns with round 3), never above paper 2's count
+about d^2 + Hd + base (twice the columns with round 3), never above the multi-head paper's count
 4Hd^2 - 2H + 1. With ``precision="full"`` and float64 answers, the short probes spend
 what that count leaves after the verification (to within d - 1 queries) when it leaves
-at least 1.25 H (d + 1) per row. With biases the count is paper 2's plus what the biases
+at least 1.25 H (d + 1) per row. With biases the count is the multi-head paper's plus what the biases
 add, 4Hd^2 - 2H + 1 + (H + 1) d + 1 (:func:`biased_count`: c and H + 1 more samples per
 short-probe row), the base stage keeps the bias-free run's share and the short probes
 need 1.25 H (d + 1) + H + 1 per row (sent when the bias-free run's would be).
@@ -55,16 +55,16 @@ class _Redesign(Exception):
 
 
 def paper2_count(heads: int, dim: int) -> int:
-    """Paper 2's query count 4 H d^2 - 2H + 1."""
+    """The multi-head paper's query count 4 H d^2 - 2H + 1."""
     return 4 * heads * dim * dim - 2 * heads + 1
 
 
 def biased_count(heads: int, dim: int) -> int:
-    """The biased learner's query count: paper 2's count plus what the biases add,
-    4 H d^2 - 2H + 1 + (H + 1) d + 1 (at most BIASED_COUNT_BOUND x (paper 2's count
+    """The biased learner's query count: the multi-head paper's count plus what the biases add,
+    4 H d^2 - 2H + 1 + (H + 1) d + 1 (at most BIASED_COUNT_BOUND x (the multi-head paper's count
     + H d), binding only at d <= 3 with one head).
 
-    The biased run's stages are the bias-free run's (its base stage keeps paper 2's
+    The biased run's stages are the bias-free run's (its base stage keeps the multi-head paper's
     share, its main rounds are the same size); what b_h and c need beyond them is
     c = f([0]) (1 query) and, in each of the d rows that the short probes (or wide
     columns) fit, H + 1 more samples: the row's H more unknowns (the intercepts
@@ -74,11 +74,11 @@ def biased_count(heads: int, dim: int) -> int:
     to 1.018x the bias-free run's + H d at d = 8 and 16, at most 1.065x:
     benchmarks/bench_multi_head_biases.py, the run is in the git history); where the bias-free run leaves part of its
     count unspent (short probes that do not fit) the biased run leaves the same part
-    (:meth:`Budget.short_need`). The count paper 2 would give affine columns,
-    4 H d (d + 1) - 2H + 2 = paper 2's + 4 H d + 1, spent 1.09x to 1.16x the bias-free
+    (:meth:`Budget.short_need`). The count the multi-head paper would give affine columns,
+    4 H d (d + 1) - 2H + 2 = the multi-head paper's + 4 H d + 1, spent 1.09x to 1.16x the bias-free
     run's + H d at d = 8 (benchmarks/bench_multi_head_biases.py, also in the git history). It stays above the floor
     H(d^2 + 2d) + 1 plus the verification from d = 5 on (d = 4 with two heads or more),
-    as paper 2's count does above the bias-free floor."""
+    as the multi-head paper's count does above the bias-free floor."""
     derived = paper2_count(heads, dim) + (heads + 1) * dim + 1
     bound = paper2_count(heads, dim) + heads * dim
     return min(derived, int(BIASED_COUNT_BOUND * bound))
@@ -121,7 +121,7 @@ def column_spares(H: int) -> int:
     COLUMN_SPARES midpoints, which pin the row's heights. One head has no midpoint and
     its row's height is pinned by the row's first probe (3 samples, 2 unknowns), so
     none: with a spare the smallest one-head design at d = 8 needed 295 queries with
-    the verification, above paper 2's count 255."""
+    the verification, above the multi-head paper's count 255."""
     return COLUMN_SPARES if H > 1 else 0
 
 
@@ -169,7 +169,7 @@ class Budget(RunState):
 
     def base_scans(self, H: int, short_share: bool) -> int:
         """Base scans (scale rounds and candidate rows) of a run told H, at least three:
-        what paper 2's count leaves after :meth:`rest_cost` (a rounded box, whose rows
+        what the multi-head paper's count leaves after :meth:`rest_cost` (a rounded box, whose rows
         never pin their steps to BASE_QUALITY, spent all of it: --decimals 5 at d = 8,
         H = 2 used 495 + 64 verification = 559 of 509). ``short_share``: also after the
         short probes' SHORT_OVERSAMPLE x H (d + 1) per row; a base search that spends it
@@ -208,7 +208,7 @@ class Budget(RunState):
 
     def search_scans(self, H: int) -> int:
         """Base scans a new count search may make (:meth:`count_heads`): as many as
-        paper 2's count and the budget leave after a design of the least main rounds
+        the multi-head paper's count and the budget leave after a design of the least main rounds
         (:meth:`attempt_cost`, one scan included), SCALE_ROUNDS + BASE_CANDIDATES at
         most; 0 when none fits."""
         s0, least = _scan_size(H), self.attempt_cost(H, least=True)
@@ -216,7 +216,7 @@ class Budget(RunState):
                      if self.affordable(least + (k - 1) * s0, H)), 0)
 
     def affordable(self, queries: int, H: int) -> bool:
-        """Whether ``queries`` more and the held-out verification stay within paper 2's
+        """Whether ``queries`` more and the held-out verification stay within the multi-head paper's
         count and the budget."""
         verify = verification_count(self.parameters(H))
         return (self.spent() + queries + verify <= self.count_cap(self.max_heads)
@@ -236,7 +236,7 @@ class Budget(RunState):
         return H * (d * d + 2 * d) + 1 if self.biases else H * (d * d + d)
 
     def count_cap(self, H: int) -> int:
-        """Queries this learner never exceeds: paper 2's count, with biases
+        """Queries this learner never exceeds: the multi-head paper's count, with biases
         :func:`biased_count` (c and H + 1 more samples per row)."""
         return biased_count(H, self.d) if self.biases else paper2_count(H, self.d)
 
@@ -258,7 +258,7 @@ class Budget(RunState):
 
     def main_columns(self, H: int) -> int:
         """Round-2 columns per main row: d - 1 + EXTRA_COLUMNS when the main rounds with
-        them and the verification fit in paper 2's count and the budget, else
+        them and the verification fit in the multi-head paper's count and the budget, else
         :meth:`least_columns`. A first design always fits them (:meth:`base_scans` keeps
         their share); a retry after a failed design has spent a base row, a designed
         column and perturbations more, and fits the rest of the count instead (d = 8,

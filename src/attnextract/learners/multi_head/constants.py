@@ -14,7 +14,7 @@ COUNT_MARGIN = 1          # not told H, a count k is read from a scan that could
                           # with the margin, 0 of 12 with 40-sample scans)
 UNRESOLVED_HEIGHT = 3.0   # not told H, a row's step whose height is within this many of its
                           # standard deviations is tried away (:func:`_fewest_steps`)
-COUNT_EXTRA_SCANS = 4     # base rows scanned beyond paper 2's share when no two agree (no H)
+COUNT_EXTRA_SCANS = 4     # base rows scanned beyond the multi-head paper's share when no two agree (no H)
 MAX_DESIGNS = 4           # designs (base row, perturbations, main rows) tried at most
 BASE_ERROR_CORRECTED = 1.0  # a base estimate predicted this far off (relative) says nothing
                             # of W_h q_0: a fresh design where the count leaves room for it
@@ -110,7 +110,7 @@ MISPLACED_GAP = 0.5       # a main row whose smallest measured gap is below this
 MISPLACED_SHARE = 0.25    # coarse answers: more misplaced main rows than this share of d
                           # end the design (a fresh one is drawn while the count allows)
 ROW_REDESIGNS = 3         # rounds of redesigning the main rows whose first probe misfits
-BIASED_COUNT_BOUND = 1.1  # the biased count at most this x (paper 2's count + H d) (issue 26)
+BIASED_COUNT_BOUND = 1.1  # the biased count at most this x (the multi-head paper's count + H d)
 PRECISIONS = ("full", "fast")  # extract_multi_head's precision= choices
 DTYPE_PRECISION = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "bfloat16": 2.0 ** -8,
                    "float16": 2.0 ** -11}   # relative rounding of each output dtype

@@ -411,7 +411,7 @@ class MainRowStage(RunState):
             # round 3 as short probes on fresh rows (full precision, float64 answers)
             short_model, short_predicted, short_kept = self.short_probes(
                 model, predicted, NOISE_FACTOR)
-        # as many wide columns per row as paper 2's count and the budget leave (all d
+        # as many wide columns per row as the multi-head paper's count and the budget leave (all d
         # when they can; fewer still sharpen every row's fit); none after kept short
         # probes (they replace the main rows' heads)
         n_wide = 0 if short_kept else next(
@@ -423,7 +423,7 @@ class MainRowStage(RunState):
             # round 3: the small column moves limit the precision (z from differences
             # of nearby logits); with every row's z known, columns can be designed like
             # rows, each spreading the row's steps over the whole window. It runs only
-            # within paper 2's count (which this learner never exceeds) and the budget.
+            # within the multi-head paper's count (which this learner never exceeds) and the budget.
             # Further wide columns (designed from the refitted z) follow while the error
             # bar would exceed 1e-10 and the count leaves room (the rounds' samples add).
             self.say("wide columns")

@@ -1,7 +1,7 @@
 """Short probes of the multi-head learner (step 8 of :mod:`attnextract.learners.multi_head`).
 
 8. Short probes (``precision="full"``, float64 answers; :meth:`short_probes`):
-   the rest of paper 2's count as two-token probes [q + u; q] (lambda = 0), which
+   the rest of the multi-head paper's count as two-token probes [q + u; q] (lambda = 0), which
    answer g = sum_h c_h sigma(z_h^T q) with z_h = W_h^T u: d fresh rows u with every
    head's height +-|v_h| (well spread, so W_h = U^-1 Z_h amplifies little), their
    columns q designed from the heads so far with the logits on a ladder 5 apart (one
@@ -45,7 +45,7 @@ class ShortProbeStage(RunState):
     """Stage methods of :class:`_Extraction` (short probes)."""
 
     def short_probes(self, model, predicted, misfit):
-        """Short probes (``precision="full"``, float64 answers): the rest of paper 2's
+        """Short probes (``precision="full"``, float64 answers): the rest of the multi-head paper's
         count as two-token probes on d fresh rows, designed from the row fits' heads.
 
         Identity. A probe [q + u; q] has lambda = 0 and answers

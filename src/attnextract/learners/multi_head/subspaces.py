@@ -1,4 +1,4 @@
-"""Known orthogonal head subspaces (paper 1): the single-head learner inside each.
+"""Known orthogonal head subspaces (the single-head paper): the single-head learner inside each.
 
 Inside S_h every other head scores 0 (uniform attention) and reads 0 (v_g is
 orthogonal to S_h), so the single-head learner runs per head through a restricted
@@ -92,7 +92,7 @@ def extract_in_subspaces(oracle: QueryAccess, subspaces, seed, verify_tolerance)
                     floor=floor, verification=verification,
                     seconds=time.perf_counter() - start,
                     black_box_seconds=oracle.black_box_seconds - bb0, notes=notes,
-                    details={"method": "known orthogonal subspaces (paper 1)",
+                    details={"method": "known orthogonal subspaces (the single-head paper)",
                              "heads": model.heads, "queries per subspace": per_head,
                              "sequence lengths": "1..2 (+ 1..16 verification)"})
     return checked_result(model, report, "multi-head attention on these subspaces")
