@@ -61,7 +61,7 @@ from .oracle import Oracle
 from .registry import extract, learner_names, register
 from .report import ExtractionResult, Report, Verification, load_model, verify_model
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # Old import paths (``attnextract.single_head``, ``attnextract.remote``, ...) keep working:
 # each name in sys.modules is the same module object as its new home, so monkeypatching
