@@ -1,4 +1,4 @@
-"""The impostor zoo with vector answers (attnextract.adapters.impostors, vector section)
+"""The impostor zoo with vector answers (attnextract.testing.impostors, vector section)
 against the vector learners.
 
 Each vector impostor is a VectorAttention (the learner's honest model) that changes one
@@ -16,7 +16,7 @@ whole zoo over several seeds and sizes.
 
 import pytest
 
-from attnextract.adapters.impostors import (VECTOR_CASES, run_vector_impostor,
+from attnextract.testing.impostors import (VECTOR_CASES, run_vector_impostor,
                                             vector_impostor_names)
 from conftest import grid
 

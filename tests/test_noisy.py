@@ -353,7 +353,7 @@ def test_cli_tolerance_paper_and_sign_only(tmp_path):
     proc = extract_in(tmp_path, "--target", "t.py:noisy", "--tolerance", "1e-6", "--noise-method", "paper",
                    "--norm-bound", "10")
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["details"]["method"].startswith("paper")
+    assert json.loads(proc.stdout)["details"]["method"].startswith("the single-head paper")
 
     proc = extract_in(tmp_path, "--target", "t.py:noisy", "--tolerance", "1e-6", "--noise-method", "paper")
     assert proc.returncode == 2 and "norm_bound" in proc.stderr

@@ -40,6 +40,7 @@ from .learners.sign_only import extract_sign_only
 from .learners.single_head import extract_single_head
 from .learners.transformer_layer import extract_transformer_layer
 from .learners.vector_layer import extract_vector_layer
+from .learners.vector_layer_positions import extract_standard_layer, extract_vector_layer_positions
 from .learners.vector_multi_head import extract_vector_multi_head
 from .learners.vector_pre_layer_norm import extract_vector_pre_layer_norm
 from .learners.vector_single_head import extract_vector_single_head
@@ -98,4 +99,5 @@ __all__ += ["DimensionError", "JournalError", "JournalMismatchError", "RefusalWi
             "ResidualOneLayer", "SphereAttention", "VectorAttention", "VectorSphereAttention",
             "extract_multi_head_low_rank", "extract_low_precision", "extract_pre_layer_norm",
             "extract_one_layer_residual", "extract_vector_layer", "extract_vector_multi_head",
-            "extract_vector_pre_layer_norm", "extract_vector_single_head"]
+            "extract_vector_pre_layer_norm", "extract_vector_single_head",
+            "extract_standard_layer", "extract_vector_layer_positions"]

@@ -894,13 +894,15 @@ def _extract_vector_layer(oracle, *, seed, verify_tolerance, heads, biases, rank
         # tolerance LOW_VERIFY x its level plus twice the measured bar (the same rule as
         # vector-single-head's)
         verify_tolerance = max(verify_tolerance, LOW_VERIFY * rounding + 2.0 * bar)
-    # the bar is measured from the reads' own misfit: one above what the tolerance allows
-    # is an impostor's misfit, and must not widen its allowance (a box with a cubic term
-    # in its scores passed at a stated tolerance of 0.17): the flat tolerance then, as
-    # verification treats every measured bar
+    # in float64 the bar is measured from the reads' own misfit: one above what the
+    # tolerance allows is an impostor's misfit, and must not widen its allowance (a box
+    # with a cubic term in its scores passed at a stated tolerance of 0.17): the flat
+    # tolerance then, as verification treats every measured bar; in low precision the bar
+    # comes from the measured rounding, and the design refuses a misfit beyond it
     verification = verify_model(oracle, model, count=n_verify, seed=seed,
                                 tolerance=verify_tolerance,
-                                expected_error=bar if CONSISTENCY_FACTOR * bar <= verify_tolerance
+                                expected_error=bar if (not design.exact or
+                                                       CONSISTENCY_FACTOR * bar <= verify_tolerance)
                                 else None)
     report = Report(
         kind=model.kind, dim=d, queries=oracle.queries - start_q,

@@ -585,11 +585,26 @@ def _fallback(oracle, start_q, seed, verify_tolerance, heads, biases, ranks, not
 
 def extract_standard_layer(oracle: Oracle, *, seed=None,
                            verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE, heads=None,
-                           biases=None, ranks=None) -> ExtractionResult:
+                           biases=None, ranks=None,
+                           output_dtype: str | None = None) -> ExtractionResult:
     """The ``vector-layer`` learner: every-position answers go to
     :func:`extract_vector_layer_positions`, last-position ones to
-    :func:`attnextract.learners.vector_layer.extract_vector_layer` (same options)."""
-    learner = extract_vector_layer_positions if getattr(oracle, "outputs", None) == "all" \
-        else extract_vector_layer
-    return learner(oracle, seed=seed, verify_tolerance=verify_tolerance, heads=heads,
-                   biases=biases, ranks=ranks)
+    :func:`attnextract.learners.vector_layer.extract_vector_layer` (same options;
+    ``output_dtype``, a forward pass in low precision, is read at the last position only).
+
+    Raises
+    ------
+    InputError
+        ``output_dtype`` other than float64 with answers at every position.
+    """
+    if getattr(oracle, "outputs", None) == "all":
+        if output_dtype not in (None, "float64"):
+            raise InputError(f"output_dtype={output_dtype!r}: a forward pass in low precision "
+                             f"is read from last-position answers (outputs='last'); the "
+                             f"every-position learner needs float64 answers")
+        return extract_vector_layer_positions(oracle, seed=seed,
+                                              verify_tolerance=verify_tolerance, heads=heads,
+                                              biases=biases, ranks=ranks)
+    return extract_vector_layer(oracle, seed=seed, verify_tolerance=verify_tolerance,
+                                heads=heads, biases=biases, ranks=ranks,
+                                output_dtype=output_dtype)
