@@ -1573,6 +1573,15 @@ def measured_error_bar(oracle, model) -> float | None:
     return max(residual, MEASURED_ROUNDING * oracle.dim * np.finfo(float).eps)
 
 
+def misfit_bar(bar: float | None, tolerance: float) -> float | None:
+    """A relative error bar measured from a model's misfit to its own answers, as the
+    check may use it: None (the flat tolerance, no widening) when it is above
+    tolerance / CONSISTENCY_FACTOR, since an impostor's misfit must not widen its own
+    allowance (a box with cubic scores passed a layer learner at a stated 0.17 that way).
+    """
+    return None if bar is None or CONSISTENCY_FACTOR * bar > tolerance else bar
+
+
 def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | None = None,
                  scale: float | None = None, probe_length: int | None = None,
                  max_length: int | None = None, measure_v: bool = False,
@@ -1623,10 +1632,7 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
         if expected_error != "measured":
             raise ValueError(f"expected_error must be a number or 'measured', got {expected_error!r}")
         expected_error, floor = measured_error_bar(oracle, model), MEASURED_FLOOR
-        # a model that misfits its own answers by more than the tolerance allows gets no
-        # bar (the flat tolerance, no widening): its misfit must not widen its allowance
-        if expected_error is not None and CONSISTENCY_FACTOR * expected_error > tolerance:
-            expected_error = None
+        expected_error = misfit_bar(expected_error, tolerance)
     bar = expected_error if expected_error is not None and math.isfinite(expected_error) \
         and 0 <= expected_error <= MAX_ERROR_BAR else None
     if bar is not None:

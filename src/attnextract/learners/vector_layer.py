@@ -111,7 +111,7 @@ from ..report import (
     verification_count,
     verify_model,
 )
-from ..verification import CONSISTENCY_FACTOR
+from ..verification import misfit_bar
 from .noisy import FORWARD_RHO
 
 log = logging.getLogger(__name__)
@@ -894,16 +894,12 @@ def _extract_vector_layer(oracle, *, seed, verify_tolerance, heads, biases, rank
         # tolerance LOW_VERIFY x its level plus twice the measured bar (the same rule as
         # vector-single-head's)
         verify_tolerance = max(verify_tolerance, LOW_VERIFY * rounding + 2.0 * bar)
-    # in float64 the bar is measured from the reads' own misfit: one above what the
-    # tolerance allows is an impostor's misfit, and must not widen its allowance (a box
-    # with a cubic term in its scores passed at a stated tolerance of 0.17): the flat
-    # tolerance then, as verification treats every measured bar; in low precision the bar
-    # comes from the measured rounding, and the design refuses a misfit beyond it
+    # in float64 the bar is measured from the reads' own misfit (misfit_bar); in low
+    # precision it comes from the measured rounding, and the design refuses a misfit beyond it
     verification = verify_model(oracle, model, count=n_verify, seed=seed,
                                 tolerance=verify_tolerance,
-                                expected_error=bar if (not design.exact or
-                                                       CONSISTENCY_FACTOR * bar <= verify_tolerance)
-                                else None)
+                                expected_error=misfit_bar(bar, verify_tolerance)
+                                if design.exact else bar)
     report = Report(
         kind=model.kind, dim=d, queries=oracle.queries - start_q,
         breakdown={**counts, "verification": n_verify}, floor=-(-params // O.shape[0]),
