@@ -4,10 +4,13 @@ import importlib.util
 import logging
 import os
 import re
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from attnextract.adapters.server import make_server
 
 # Seed grids: CI runs a representative few seeds of each grid-like slow test (every kind of
 # target and assertion, less repetition); the full grids are benchmarks
@@ -207,3 +210,22 @@ def _package_logger_restored():
     logger.setLevel(saved[0])
     logger.propagate = saved[1]
     logger.handlers[:] = saved[2]
+
+
+@pytest.fixture
+def start_server():
+    """``start_server(model, **options)``: an ``attnextract serve`` server for ``model`` on a
+    free loopback port, in a thread; every one started is shut down after the test."""
+    servers = []
+
+    def start(model, **kw):
+        server = make_server(model, "127.0.0.1", 0, **kw)
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                         daemon=True).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()

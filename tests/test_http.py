@@ -14,7 +14,6 @@ from attnextract import (BlackBoxError, BudgetExceededError, InputError, Malform
                          Oracle, extract_single_head)
 from attnextract.adapters.journal import CHALLENGES
 from attnextract.adapters.remote import HttpBlackBox
-from attnextract.adapters.server import make_server
 from attnextract.adapters.targets import random_single_head
 from attnextract.report import verification_count
 
@@ -25,21 +24,10 @@ D = 5
 
 
 @pytest.fixture
-def serve():
-    """Start servers on free loopback ports in threads; all shut down after the test."""
-    servers = []
-
-    def start(model=None, **kw):
-        server = make_server(model or random_single_head(D, seed=3), "127.0.0.1", 0, **kw)
-        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                         daemon=True).start()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+def serve(start_server):
+    """Start servers (default: a single head of width D) on free loopback ports in threads;
+    all shut down after the test."""
+    return lambda model=None, **kw: start_server(model or random_single_head(D, seed=3), **kw)
 
 
 def raw(server, method, path, body=None, headers=None):

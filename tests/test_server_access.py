@@ -9,7 +9,6 @@ import secrets
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -31,19 +30,8 @@ TOKEN = secrets.token_urlsafe(32)
 
 
 @pytest.fixture
-def serve():
-    servers = []
-
-    def start(**kw):
-        server = make_server(random_single_head(D, seed=3), "127.0.0.1", 0, **kw)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+def serve(start_server):
+    return lambda **kw: start_server(random_single_head(D, seed=3), **kw)
 
 
 def post(server, body: bytes, headers: dict, source: str | None = None):

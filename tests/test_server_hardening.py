@@ -17,26 +17,17 @@ import pytest
 
 from attnextract import Oracle
 from attnextract.adapters.remote import HttpBlackBox
-from attnextract.adapters.server import make_server, npy_bytes
+from attnextract.adapters.server import npy_bytes
 from attnextract.adapters.targets import random_single_head
 
 D = 4
 
 
 @pytest.fixture
-def serve():
-    servers = []
-
-    def start(model=None, **kw):
-        server = make_server(model or random_single_head(D, seed=3), "127.0.0.1", 0, **kw)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+def serve(start_server):
+    """Start servers (default: a single head of width D) on free loopback ports in threads;
+    all shut down after the test."""
+    return lambda model=None, **kw: start_server(model or random_single_head(D, seed=3), **kw)
 
 
 def exchange(server, data: bytes, timeout=5.0, shut=False) -> bytes:

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import tracemalloc
 
@@ -48,19 +47,8 @@ def batches(seed=1):
 
 
 @pytest.fixture
-def serve():
-    servers = []
-
-    def start(model, **kw):
-        server = make_server(model, "127.0.0.1", 0, **kw)
-        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                         daemon=True).start()
-        servers.append(server)
-        return server
-    yield start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+def serve(start_server):
+    return start_server
 
 
 # -- HTTP: JSON and npy ---------------------------------------------------------------
