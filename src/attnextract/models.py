@@ -85,6 +85,20 @@ def _square_matrix(W: ArrayLike, what: str) -> np.ndarray:
     return W
 
 
+class StackedHeads(Regressor):
+    """A model whose heads' W are stacked (H, d, d): its width and head count read off W."""
+
+    W: np.ndarray
+
+    @property
+    def dim(self) -> int:
+        return self.W.shape[1]
+
+    @property
+    def heads(self) -> int:
+        return self.W.shape[0]
+
+
 class SingleHeadAttention(Regressor):
     """Single-head softmax attention regressor read at the last token.
 
@@ -216,7 +230,7 @@ class OneLayerTransformer(Regressor):
         return f"OneLayerTransformer(d={self.dim}, m={self.width})"
 
 
-class MultiHeadAttention(Regressor):
+class MultiHeadAttention(StackedHeads):
     """Multi-head softmax attention regressor read at the last token.
 
     f(X) = sum_h softmax(X W_h x_N)^T X v_h, h = 1..H. H = 0 is allowed (f = 0).
@@ -241,14 +255,6 @@ class MultiHeadAttention(Regressor):
         if not (np.all(np.isfinite(W)) and np.all(np.isfinite(v))):
             raise InputError("W and v must be finite")
         self.W, self.v = W, v
-
-    @property
-    def dim(self) -> int:
-        return self.W.shape[1]
-
-    @property
-    def heads(self) -> int:
-        return self.W.shape[0]
 
     def outputs(self, X: np.ndarray) -> np.ndarray:
         out = np.zeros(X.shape[0])
@@ -315,7 +321,7 @@ class BiasedSingleHeadAttention(Regressor):
         return f"BiasedSingleHeadAttention(d={self.dim})"
 
 
-class BiasedMultiHeadAttention(Regressor):
+class BiasedMultiHeadAttention(StackedHeads):
     """Multi-head attention with query, value and output biases, read at the last token.
 
     f(X) = sum_h softmax(X (W_h x_N + b_h))^T X v_h + c, h = 1..H.
@@ -336,14 +342,6 @@ class BiasedMultiHeadAttention(Regressor):
         heads = MultiHeadAttention(W, v)
         self.W, self.v = heads.W, heads.v
         self.b, self.c = _biases(b, c, self.v.shape, "BiasedMultiHeadAttention")
-
-    @property
-    def dim(self) -> int:
-        return self.W.shape[1]
-
-    @property
-    def heads(self) -> int:
-        return self.W.shape[0]
 
     def outputs(self, X: np.ndarray) -> np.ndarray:
         out = np.full(X.shape[0], self.c)
@@ -427,7 +425,7 @@ class PreLayerNormAttention(Regressor):
 SPHERE_TOLERANCE = 1e-9    # relative: how far off the sphere a token may be
 
 
-class SphereAttention(Regressor):
+class SphereAttention(StackedHeads):
     """A pre-LayerNorm block as far as it is identifiable: on the sphere
     S = {x : 1^T x = 0, |x| = radius},
 
@@ -454,14 +452,6 @@ class SphereAttention(Regressor):
         self.W, self.b, self.v = P @ heads.W @ P, heads.b @ P, heads.v @ P
         self.c, self.r = heads.c, P @ r
         self.heads_model = BiasedMultiHeadAttention(self.W, self.v, self.b, self.c)
-
-    @property
-    def dim(self) -> int:
-        return self.W.shape[1]
-
-    @property
-    def heads(self) -> int:
-        return self.W.shape[0]
 
     def outputs(self, X: np.ndarray) -> np.ndarray:
         means = np.abs(X.sum(axis=-1)) / np.sqrt(self.dim)
@@ -531,7 +521,7 @@ class ResidualOneLayer(Regressor):
         return f"ResidualOneLayer(d={self.dim}, m={self.width})"
 
 
-class TransformerLayer(Regressor):
+class TransformerLayer(StackedHeads):
     """Multi-head attention followed by a ReLU feed-forward layer with biases.
 
     y(X) = [x_N +] sum_h V_h X^T softmax(X W_h x_N),   f(X) = w^T ReLU(A y(X) + b) + c0,
@@ -589,14 +579,6 @@ class TransformerLayer(Regressor):
         self.residual = bool(np.asarray(residual).reshape(()))
 
     @property
-    def dim(self) -> int:
-        return self.W.shape[1]
-
-    @property
-    def heads(self) -> int:
-        return self.W.shape[0]
-
-    @property
     def width(self) -> int:
         return self.A.shape[0]
 
@@ -622,7 +604,7 @@ class TransformerLayer(Regressor):
 POSITIONS = ("last", "all")      # where a vector model answers: the last position, every one
 
 
-class VectorAttention(Regressor):
+class VectorAttention(StackedHeads):
     """Multi-head attention answering the layer's whole output vector (canonical form).
 
     At the last position (``positions="last"``), for X (N, d):
@@ -690,14 +672,6 @@ class VectorAttention(Regressor):
         self.positions, self.causal = positions, bool(np.asarray(causal).reshape(()))
 
     @property
-    def dim(self) -> int:
-        return self.W.shape[1]
-
-    @property
-    def heads(self) -> int:
-        return self.W.shape[0]
-
-    @property
     def out_dim(self) -> int:
         """m, the width of every answer."""
         return self.O.shape[1]
@@ -739,7 +713,7 @@ class VectorAttention(Regressor):
         return f"VectorAttention(H={self.heads}, d={self.dim}, m={self.out_dim}, {where})"
 
 
-class VectorSphereAttention(Regressor):
+class VectorSphereAttention(StackedHeads):
     """A pre-LayerNorm block answering vectors, as far as it is identifiable: on the sphere
     S = {x : 1^T x = 0, |x| = radius}, at the last position,
 
@@ -779,14 +753,6 @@ class VectorSphereAttention(Regressor):
         self.W, self.b, self.O = P @ heads.W @ P, heads.b @ P, heads.O @ P
         self.c, self.R = heads.c, R @ P
         self.heads_model = VectorAttention(self.W, self.O, self.b, self.c)
-
-    @property
-    def dim(self) -> int:
-        return self.W.shape[1]
-
-    @property
-    def heads(self) -> int:
-        return self.W.shape[0]
 
     @property
     def out_dim(self) -> int:
