@@ -80,7 +80,13 @@ import numpy as np
 from scipy.linalg import null_space
 from scipy.special import expit
 
-from ..errors import InputError, ModelMismatchError, NotIdentifiableError, RecoveryFailedError
+from ..errors import (
+    AttnExtractError,
+    InputError,
+    ModelMismatchError,
+    NotIdentifiableError,
+    RecoveryFailedError,
+)
 from ..models import BiasedMultiHeadAttention, MultiHeadAttention
 from ..oracle import QueryAccess
 from ..precision import OutputPrecision, name_the_options, precision_of
@@ -1079,95 +1085,34 @@ def extract_multi_head_low_rank(oracle: QueryAccess, heads: int | None = None,
         raise
 
 
-def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_tolerance,
-                            output_dtype, decimals, precision_out: list,
-                            biases: bool = False) -> ExtractionResult:
-    """The learner (see :func:`extract_multi_head_low_rank`); the precision it uses is
-    appended to ``precision_out`` as soon as it is known."""
-    d = oracle.dim
-    if not isinstance(heads, (int, np.integer)) or heads < 1:
-        raise InputError(f"heads must be a positive integer (the number of heads H, an upper "
-                         f"bound), got {heads!r}")
-    if rank is not None and (not isinstance(rank, (int, np.integer)) or not 1 <= rank <= d):
-        raise InputError(f"rank must be an integer in 1..{d}, got {rank!r}")
-    precision_of(np.zeros(0), output_dtype, decimals)          # bad options before any query
-    say = progress or (lambda text: None)
-    start, q0, bb0 = time.perf_counter(), oracle.queries, oracle.black_box_seconds
-    seeds = np.random.SeedSequence(seed).spawn(2) if seed is not None else [None, None]
-    rng = np.random.default_rng(seeds[0])
-    r_plan = rank or max(1, d // heads)
-    planned = (d + (heads + 1) * (d + 3) + heads * (r_plan + 1) * d + heads * r_plan * d)
-    if biases:
-        planned += 1 + 2 * heads * (r_plan + 1) + heads * d     # + an offset column a head
-    oracle.plan(planned + verification_count(low_rank_multi_head_floor(d, [r_plan] * heads)),
-                "low-rank multi-head extraction")
+def _no_heads_found(precision) -> AttnExtractError:
+    """Why a half circle with no crossing is refused (v = sum_h v_h is nonzero)."""
+    # the box has a head: a half circle with no crossing means the answers hid them
+    # (bfloat16 answers detected as float16 were judged at float16's rounding and showed
+    # none), not "0 heads"
+    if precision.exact:
+        return ModelMismatchError(
+            "the black box is not multi-head attention with low-rank heads: its "
+            "single-token answers v = sum_h v_h are nonzero, yet no head's logit "
+            "crosses zero on the saturated half circle")
+    return RecoveryFailedError(
+        f"no head's crossing could be told from the rounding on the saturated half "
+        f"circle, although the single-token answers (v = sum_h v_h nonzero) show the "
+        f"box has heads: answers in {precision.name} "
+        f"({'stated' if precision.stated else 'detected'}, relative "
+        f"{precision.relative:.1e}) are too coarse for this learner here, and the black "
+        f"box was not judged; if it runs its forward pass in a coarser precision than "
+        f"detected, state it with --output-dtype float32|bfloat16 (API: output_dtype=); "
+        f"float32 or finer answers are needed")
 
-    say("v = sum of the heads' values (d single tokens" + (", c = f([0]))" if biases else ")"))
-    const, v = constant_and_values(oracle, biases)
-    view = _Translated(oracle, np.zeros(d), const) if biases else oracle
-    if not np.any(v):
-        raise NotIdentifiableError("v = sum_h v_h = 0 on every token: no probe here can see "
-                                   "the heads apart")
-    precision = precision_of(v, output_dtype, decimals)
-    precision_out.append(precision)
-    tol, noise_floor = (EXACT, None) if precision.exact else _tolerances(precision, v)
-    say("values of the heads (saturated half circle)")
-    before = oracle.queries
-    values, value_info = find_values(view, v, int(heads), rng, tol, noise_floor)
-    tol = value_info["tolerances"]
-    value_queries = oracle.queries - before
-    H = len(values)
-    if H == 0:
-        # v = sum_h v_h is nonzero (checked above), so the box has a head: a half circle
-        # with no crossing means the answers hid them (bfloat16 answers detected as
-        # float16 were judged at float16's rounding and showed none), not "0 heads"
-        if precision.exact:
-            raise ModelMismatchError(
-                "the black box is not multi-head attention with low-rank heads: its "
-                "single-token answers v = sum_h v_h are nonzero, yet no head's logit "
-                "crosses zero on the saturated half circle")
-        raise RecoveryFailedError(
-            f"no head's crossing could be told from the rounding on the saturated half "
-            f"circle, although the single-token answers (v = sum_h v_h nonzero) show the "
-            f"box has heads: answers in {precision.name} "
-            f"({'stated' if precision.stated else 'detected'}, relative "
-            f"{precision.relative:.1e}) are too coarse for this learner here, and the black "
-            f"box was not judged; if it runs its forward pass in a coarser precision than "
-            f"detected, state it with --output-dtype float32|bfloat16 (API: output_dtype=); "
-            f"float32 or finer answers are needed")
-    norms = safe_norm(values, axis=1)
-    value_sep = (float(np.linalg.svd(values / norms[:, None], compute_uv=False)[-1])
-                 if H else 1.0)
 
-    meter = LogitMeter(view, v, tol)
-    columns = haar_orthogonal(d, rng)
-    say(f"query spaces of {H} heads")
-    before = oracle.queries
-    spaces, space_info, space_blocks = [], [], []
-    for h in range(H):
-        P, block, info = query_space(meter, values, h, columns, rank, rng, biases)
-        spaces.append(P)
-        space_blocks.append(block)
-        space_info.append(info)
-    space_queries = oracle.queries - before
-    ranks = [P.shape[1] for P in spaces]
-    if sum(ranks) > d:
-        raise RecoveryFailedError(f"the heads' ranks {ranks} sum to {sum(ranks)} > d = {d}: "
-                                  "no column isolates a head (use the full-rank learner)")
-    root, root_misfit, origins = None, 0.0, [None] * H
-    if biases:
-        # the common root q_0 (W_h q_0 + b_h = 0 for every h): translated by q_0 no head has
-        # a bias, and the isolation columns of every head run from there. Translating only
-        # as far as the other heads' queries vanish (the shortest such o_h) leaves head h
-        # the offset W_h (o_h - q_0), as long as the bias: its W part must then be read
-        # beside a logit |b_h| / |W_h| times larger. Measured, heads' errors: MiniLM layer 0
-        # (|q_0| = 176, |o_h| <= 39) 1.3e-8 -> 7.1e-10; random rank-2 heads with
-        # |b_h| = 10 |W_h|, d = 16, 8 seeds: 6e-12 .. 3.2e-10 -> 8e-13 .. 1.8e-11.
-        root, root_misfit, kappas = common_root(spaces, [i["row logits"] for i in space_info],
-                                                [i["bias"] for i in space_info], d)
-        origins = [root] * H
-    say("isolation columns")
-    before = oracle.queries
+def _isolation_stage(oracle, meter: LogitMeter, v, values, spaces, origins, const, tol,
+                     rng, biases: bool):
+    """Stage 3: W_h from each head's isolation columns (from q_0 with biases).
+
+    Returns the (H, d, d) W, the head separations, the stored blocks and the meter (with
+    biases a new meter a head, carrying the counts of the last)."""
+    H, d = len(values), oracle.dim
     W, separations, column_blocks = np.zeros((H, d, d)), [], []
     for h in range(H):
         if biases:
@@ -1178,73 +1123,77 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
         block.origin = origins[h]
         column_blocks.append(block)
         separations.append(sep)
-    column_queries = oracle.queries - before
+    return W, separations, column_blocks, meter
 
-    # refinement: exact heights, then every stored block solved again with the other
-    # heads' sigmoids predicted from the current estimates (no new queries)
-    before = oracle.queries
-    changes = []
-    if H and min(ranks) > 0:
-        say("exact heights and refinement")
-        values = exact_heights(_Translated(oracle, root, const + v @ root) if biases else oracle,
-                               v, values, W, rng)
-        for _ in range(BIASED_REFINE_ITERATIONS if biases else REFINE_ITERATIONS):
-            if biases:
-                at_zero = query_offsets(W, spaces, kappas, np.zeros(d))      # the biases b_g
-                betas = [resolve(i["bias block"], v, values, W, at_zero)[:, 0]
-                         * split_scale(i["bias block"].scale[:, 0])[1] for i in space_info]
-                logits = [resolve(b, v, values, W, at_zero) - beta[:, None]
-                          / split_scale(b.scale)[1] for b, beta in zip(space_blocks, betas)]
-            else:
-                logits = [resolve(b, v, values, W) for b in space_blocks]
+
+def _biased_pass(v, values, W, spaces, kappas, space_blocks, space_info, column_blocks,
+                 ranks, d):
+    """One re-solve of every stored block with biases; the root q_0 moves with the heads.
+
+    Returns the new W, query spaces, offsets kappa_h (kappa_h = P_h^T p_h: one basis),
+    root and the root fit's misfit, or None when a logit is not finite."""
+    at_zero = query_offsets(W, spaces, kappas, np.zeros(d))      # the biases b_g
+    betas = [resolve(i["bias block"], v, values, W, at_zero)[:, 0]
+             * split_scale(i["bias block"].scale[:, 0])[1] for i in space_info]
+    logits = [resolve(b, v, values, W, at_zero) - beta[:, None]
+              / split_scale(b.scale)[1] for b, beta in zip(space_blocks, betas)]
+    if not all(np.all(np.isfinite(T)) for T in logits):
+        return None       # answers no H low-rank heads give: verification refuses
+    new_spaces = [space_from_logits(b, T, r) for b, T, r in zip(space_blocks, logits, ranks)]
+    root, root_misfit, new_kappas = common_root(
+        new_spaces, [T @ b.cols.T for b, T in zip(space_blocks, logits)], betas, d)
+    column_logits = [resolve(b, v, values, W, query_offsets(W, spaces, kappas, b.origin))
+                     for b in column_blocks]
+    new_W = np.array([matrix_from_logits(b, T, P) for b, T, P in
+                      zip(column_blocks, column_logits, new_spaces)])
+    if np.all(np.isfinite(new_W)) and all(np.all(np.isfinite(T)) for T in column_logits):
+        new_kappas = kappas_from_offsets(column_blocks, values, new_W, new_spaces, new_kappas)
+        root = common_root_of(new_spaces, new_kappas, d)
+    return new_W, new_spaces, new_kappas, root, root_misfit
+
+
+def _refine_heads(v, values, W, spaces, kappas, root, root_misfit, space_blocks,
+                  space_info, column_blocks, ranks, biases: bool):
+    """Stage 4's re-solves: every stored block solved again with the other heads' sigmoids
+    predicted from the current estimates (no new queries), until W stops changing.
+
+    Returns W, spaces, kappas, root, root_misfit and W's relative change at each pass."""
+    d = W.shape[1]
+    changes: list[float] = []
+    for _ in range(BIASED_REFINE_ITERATIONS if biases else REFINE_ITERATIONS):
+        if biases:
+            step = _biased_pass(v, values, W, spaces, kappas, space_blocks, space_info,
+                                column_blocks, ranks, d)
+            if step is None:
+                break
+            new_W, spaces, kappas, root, root_misfit = step
+        else:
+            logits = [resolve(b, v, values, W) for b in space_blocks]
             if not all(np.all(np.isfinite(T)) for T in logits):
                 break       # answers no H low-rank heads give: verification refuses
             new_spaces = [space_from_logits(b, T, r)
                           for b, T, r in zip(space_blocks, logits, ranks)]
-            if biases:
-                root, root_misfit, new_kappas = common_root(
-                    new_spaces, [T @ b.cols.T for b, T in zip(space_blocks, logits)], betas, d)
-                column_logits = [resolve(b, v, values, W, query_offsets(W, spaces, kappas,
-                                                                        b.origin))
-                                 for b in column_blocks]
-                new_W = np.array([matrix_from_logits(b, T, P) for b, T, P in
-                                  zip(column_blocks, column_logits, new_spaces)])
-                if np.all(np.isfinite(new_W)) and all(np.all(np.isfinite(T))
-                                                      for T in column_logits):
-                    new_kappas = kappas_from_offsets(column_blocks, values, new_W,
-                                                     new_spaces, new_kappas)
-                    root = common_root_of(new_spaces, new_kappas, d)
-                spaces, kappas = new_spaces, new_kappas     # kappa_h = P_h^T p_h: one basis
-            else:
-                new_W = np.array([matrix_from_logits(b, resolve(b, v, values, W), P)
-                                  for b, P in zip(column_blocks, new_spaces)])
-            if not np.all(np.isfinite(new_W)):
-                break
-            change = float(np.max(safe_norm(new_W - W, axis=(1, 2))
-                                  / np.maximum(safe_norm(W, axis=(1, 2)), 1e-300)))
-            changes.append(change)
-            W = new_W
-            if change < 1e-14:
-                break
-            if biases and len(changes) >= 2 and change < 1e-10 and change > 0.5 * changes[-2]:
-                break       # at the measurements' rounding: more passes change nothing
-    height_queries = oracle.queries - before
-    if not (np.all(np.isfinite(W)) and np.all(np.isfinite(values))):
-        raise ModelMismatchError(f"the black box is not multi-head attention with {H} low-rank "
-                                 f"head(s): its answers give no finite heads")
-    if biases:
-        # b_h = W_h P_h kappa_h (= -W_h q_0, without q_0's length)
-        model: MultiHeadAttention | BiasedMultiHeadAttention = BiasedMultiHeadAttention(
-            W, values, query_offsets(W, spaces, kappas, np.zeros(d)) if H else np.zeros((0, d)),
-            const)
-    else:
-        model = MultiHeadAttention(W, values)
+            new_W = np.array([matrix_from_logits(b, resolve(b, v, values, W), P)
+                              for b, P in zip(column_blocks, new_spaces)])
+        if not np.all(np.isfinite(new_W)):
+            break
+        change = float(np.max(safe_norm(new_W - W, axis=(1, 2))
+                              / np.maximum(safe_norm(W, axis=(1, 2)), 1e-300)))
+        changes.append(change)
+        W = new_W
+        if change < 1e-14:
+            break
+        if biases and len(changes) >= 2 and change < 1e-10 and change > 0.5 * changes[-2]:
+            break       # at the measurements' rounding: more passes change nothing
+    return W, spaces, kappas, root, root_misfit, changes
 
-    recovery = oracle.queries - q0
-    floor = low_rank_multi_head_floor(d, ranks) if H else d
-    if biases:
-        floor += sum(ranks) + 1
-    n_verify = verification_count(floor)
+
+def _error_bar(value_info, value_sep, space_info, separations, changes, meter: LogitMeter,
+               precision, tol, verify_tolerance, biases: bool, H: int) -> dict:
+    """The predicted parameter error (and the first pass's) from the measured conditioning.
+
+    Returns a dict: predicted, first_pass, verify_tolerance (widened for low precision),
+    residual, bias_factors, and the conditioning numbers spread, min_sep, min_height."""
     spread = max((i["spread"] for i in space_info), default=1.0)
     min_sep = min(separations, default=1.0)
     min_height = min((i["height"] for i in space_info), default=1.0)
@@ -1286,16 +1235,28 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
         bias_factors = {"dilution": dilution, "shortening": shortening}
         factor = BIAS_BAR * dilution * shortening
         predicted, first_pass = predicted * factor, first_pass * factor
-    if predicted > tol.max_predicted:
-        raise RecoveryFailedError(
-            f"the heads are too close to pin down: predicted parameter error {predicted:.1e} "
-            f"> {tol.max_predicted:.0e} (query-space separation {min_sep:.1e}, row spread "
-            f"{spread:.1e}); nothing is returned")
-    say("held-out verification")
-    verification = verify_model(oracle, model, count=n_verify, seed=seeds[1],
-                                tolerance=verify_tolerance,
-                                scale=token_scale(model) if H else None,
-                                expected_error=predicted if H >= 2 else None)
+    return {"predicted": predicted, "first_pass": first_pass,
+            "verify_tolerance": verify_tolerance, "residual": residual,
+            "bias_factors": bias_factors, "spread": spread, "min_sep": min_sep,
+            "min_height": min_height}
+
+
+def _low_rank_report(model, verification, counts: dict, bar: dict, value_info, value_sep,
+                     changes, precision, tol, rescued: int, biases: bool, root, root_misfit,
+                     heads: int, ranks, timing: tuple) -> Report:
+    """The report: queries by stage, floor, conditioning, error bar and verification.
+
+    ``counts``: queries by stage ("values", "query spaces", "isolation", "heights",
+    "recovery", "verification", "total"); ``bar``: :func:`_error_bar`'s dict with the
+    steepest logit kept; ``timing``: (seconds, black-box seconds)."""
+    d, H = model.dim, len(ranks)
+    recovery, n_verify = counts["recovery"], counts["verification"]
+    floor = low_rank_multi_head_floor(d, ranks) if H else d
+    if biases:
+        floor += sum(ranks) + 1
+    predicted, first_pass, residual = bar["predicted"], bar["first_pass"], bar["residual"]
+    spread, min_sep, min_height = bar["spread"], bar["min_sep"], bar["min_height"]
+    bias_factors = bar["bias_factors"]
     paper = paper_two_count(d, int(heads))
     details = {
         "method": "saturated crossings (values), single-head rows (query spaces), "
@@ -1317,9 +1278,9 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
     if not precision.exact:       # a bar from measured noise (float64: the prediction only)
         details["error bar"] = float(predicted)
     # "(rescaled)": scout and rescaled probes, already counted in "query spaces" and "isolation"
-    breakdown = {"values": d + value_queries, "query spaces": space_queries,
-                 "isolation": column_queries, "heights": height_queries,
-                 "(rescaled)": meter.rescued,
+    breakdown = {"values": d + counts["values"], "query spaces": counts["query spaces"],
+                 "isolation": counts["isolation"], "heights": counts["heights"],
+                 "(rescaled)": rescued,
                  "recovery": recovery, "verification": n_verify}
     if biases:
         breakdown = {"constant": 1, **breakdown}
@@ -1327,10 +1288,9 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
                              f"|q_0| = {float(safe_norm(root)) if root is not None else 0.0:.3g}, "
                              f"isolation columns translated by q_0, "
                              f"bias-fit residual {root_misfit:.1e} (token units)")
-    report = Report(kind=model.kind, dim=d, queries=oracle.queries - q0,
+    report = Report(kind=model.kind, dim=d, queries=counts["total"],
                     breakdown=breakdown, floor=floor, verification=verification,
-                    seconds=time.perf_counter() - start,
-                    black_box_seconds=oracle.black_box_seconds - bb0, details=details,
+                    seconds=timing[0], black_box_seconds=timing[1], details=details,
                     notes=[] if precision.exact else [
                         precision.describe() + f"; measured noise {tol.noise:.1e} relative, "
                         f"query-space residual {residual:.1e}"])
@@ -1340,8 +1300,137 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
         "row_spread": spread, "query_space_separation": min_sep,
         "predicted_error": float(predicted), "first_pass_error": float(first_pass),
         "query_space_residual": residual, "noise": float(tol.noise),
-        "steepest_logit": float(meter.steepest)}
+        "steepest_logit": float(bar["steepest"])}
     if biases and H:
         report.details["conditioning_numbers"].update(
             {"bias_" + k: float(x) for k, x in bias_factors.items()})
+    return report
+
+
+def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_tolerance,
+                            output_dtype, decimals, precision_out: list,
+                            biases: bool = False) -> ExtractionResult:
+    """The learner (see :func:`extract_multi_head_low_rank`); the precision it uses is
+    appended to ``precision_out`` as soon as it is known."""
+    d = oracle.dim
+    if not isinstance(heads, (int, np.integer)) or heads < 1:
+        raise InputError(f"heads must be a positive integer (the number of heads H, an upper "
+                         f"bound), got {heads!r}")
+    if rank is not None and (not isinstance(rank, (int, np.integer)) or not 1 <= rank <= d):
+        raise InputError(f"rank must be an integer in 1..{d}, got {rank!r}")
+    precision_of(np.zeros(0), output_dtype, decimals)          # bad options before any query
+    say = progress or (lambda text: None)
+    start, q0, bb0 = time.perf_counter(), oracle.queries, oracle.black_box_seconds
+    seeds = np.random.SeedSequence(seed).spawn(2) if seed is not None else [None, None]
+    rng = np.random.default_rng(seeds[0])
+    r_plan = rank or max(1, d // heads)
+    planned = (d + (heads + 1) * (d + 3) + heads * (r_plan + 1) * d + heads * r_plan * d)
+    if biases:
+        planned += 1 + 2 * heads * (r_plan + 1) + heads * d     # + an offset column a head
+    oracle.plan(planned + verification_count(low_rank_multi_head_floor(d, [r_plan] * heads)),
+                "low-rank multi-head extraction")
+
+    say("v = sum of the heads' values (d single tokens" + (", c = f([0]))" if biases else ")"))
+    const, v = constant_and_values(oracle, biases)
+    view = _Translated(oracle, np.zeros(d), const) if biases else oracle
+    if not np.any(v):
+        raise NotIdentifiableError("v = sum_h v_h = 0 on every token: no probe here can see "
+                                   "the heads apart")
+    precision = precision_of(v, output_dtype, decimals)
+    precision_out.append(precision)
+    tol, noise_floor = (EXACT, None) if precision.exact else _tolerances(precision, v)
+    say("values of the heads (saturated half circle)")
+    before = oracle.queries
+    values, value_info = find_values(view, v, int(heads), rng, tol, noise_floor)
+    tol = value_info["tolerances"]
+    value_queries = oracle.queries - before
+    H = len(values)
+    if H == 0:
+        raise _no_heads_found(precision)
+    norms = safe_norm(values, axis=1)
+    value_sep = (float(np.linalg.svd(values / norms[:, None], compute_uv=False)[-1])
+                 if H else 1.0)
+
+    meter = LogitMeter(view, v, tol)
+    columns = haar_orthogonal(d, rng)
+    say(f"query spaces of {H} heads")
+    before = oracle.queries
+    spaces, space_info, space_blocks = [], [], []
+    for h in range(H):
+        P, block, info = query_space(meter, values, h, columns, rank, rng, biases)
+        spaces.append(P)
+        space_blocks.append(block)
+        space_info.append(info)
+    space_queries = oracle.queries - before
+    ranks = [P.shape[1] for P in spaces]
+    if sum(ranks) > d:
+        raise RecoveryFailedError(f"the heads' ranks {ranks} sum to {sum(ranks)} > d = {d}: "
+                                  "no column isolates a head (use the full-rank learner)")
+    root, root_misfit, origins, kappas = None, 0.0, [None] * H, []
+    if biases:
+        # the common root q_0 (W_h q_0 + b_h = 0 for every h): translated by q_0 no head has
+        # a bias, and the isolation columns of every head run from there. Translating only
+        # as far as the other heads' queries vanish (the shortest such o_h) leaves head h
+        # the offset W_h (o_h - q_0), as long as the bias: its W part must then be read
+        # beside a logit |b_h| / |W_h| times larger. Measured, heads' errors: MiniLM layer 0
+        # (|q_0| = 176, |o_h| <= 39) 1.3e-8 -> 7.1e-10; random rank-2 heads with
+        # |b_h| = 10 |W_h|, d = 16, 8 seeds: 6e-12 .. 3.2e-10 -> 8e-13 .. 1.8e-11.
+        root, root_misfit, kappas = common_root(spaces, [i["row logits"] for i in space_info],
+                                                [i["bias"] for i in space_info], d)
+        origins = [root] * H
+    say("isolation columns")
+    before = oracle.queries
+    W, separations, column_blocks, meter = _isolation_stage(oracle, meter, v, values, spaces,
+                                                            origins, const, tol, rng, biases)
+    column_queries = oracle.queries - before
+
+    # refinement: exact heights, then every stored block solved again with the other
+    # heads' sigmoids predicted from the current estimates (no new queries)
+    before = oracle.queries
+    changes: list[float] = []
+    if H and min(ranks) > 0:
+        say("exact heights and refinement")
+        values = exact_heights(_Translated(oracle, root, const + v @ root) if biases else oracle,
+                               v, values, W, rng)
+        W, spaces, kappas, root, root_misfit, changes = _refine_heads(
+            v, values, W, spaces, kappas, root, root_misfit, space_blocks, space_info,
+            column_blocks, ranks, biases)
+    height_queries = oracle.queries - before
+    if not (np.all(np.isfinite(W)) and np.all(np.isfinite(values))):
+        raise ModelMismatchError(f"the black box is not multi-head attention with {H} low-rank "
+                                 f"head(s): its answers give no finite heads")
+    if biases:
+        # b_h = W_h P_h kappa_h (= -W_h q_0, without q_0's length)
+        model: MultiHeadAttention | BiasedMultiHeadAttention = BiasedMultiHeadAttention(
+            W, values, query_offsets(W, spaces, kappas, np.zeros(d)) if H else np.zeros((0, d)),
+            const)
+    else:
+        model = MultiHeadAttention(W, values)
+
+    recovery = oracle.queries - q0
+    floor = low_rank_multi_head_floor(d, ranks) if H else d
+    if biases:
+        floor += sum(ranks) + 1
+    n_verify = verification_count(floor)
+    bar = _error_bar(value_info, value_sep, space_info, separations, changes, meter,
+                     precision, tol, verify_tolerance, biases, H)
+    predicted, verify_tolerance = bar["predicted"], bar["verify_tolerance"]
+    spread, min_sep = bar["spread"], bar["min_sep"]
+    if predicted > tol.max_predicted:
+        raise RecoveryFailedError(
+            f"the heads are too close to pin down: predicted parameter error {predicted:.1e} "
+            f"> {tol.max_predicted:.0e} (query-space separation {min_sep:.1e}, row spread "
+            f"{spread:.1e}); nothing is returned")
+    say("held-out verification")
+    verification = verify_model(oracle, model, count=n_verify, seed=seeds[1],
+                                tolerance=verify_tolerance,
+                                scale=token_scale(model) if H else None,
+                                expected_error=predicted if H >= 2 else None)
+    counts = {"values": value_queries, "query spaces": space_queries,
+              "isolation": column_queries, "heights": height_queries, "recovery": recovery,
+              "verification": n_verify, "total": oracle.queries - q0}
+    report = _low_rank_report(model, verification, counts, {**bar, "steepest": meter.steepest},
+                              value_info, value_sep, changes, precision, tol, meter.rescued,
+                              biases, root, root_misfit, int(heads), ranks,
+                              (time.perf_counter() - start, oracle.black_box_seconds - bb0))
     return checked_result(model, report, f"multi-head attention with {H} low-rank head(s)")
