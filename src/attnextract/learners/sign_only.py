@@ -67,7 +67,7 @@ LABEL_HULL_MARGIN = 300.0           # hull tokens sit this x their own uncertain
 HINGE_FRACTION = 0.25               # share of a label check on labels that hinge on one token
 # the hinge token's norm, in units of an ordinary token (log10): large and tiny tokens
 HINGE_LARGE, HINGE_TINY = (1.0, 3.5), (-7.0, -1.0)
-HINGE_SHARE = (1e-3, 0.5)           # the hinge token's share of f left beyond the threshold
+HINGE_SHARE = (1e-3, 0.1)           # the hinge token's share of f left beyond the threshold
 HINGE_ROOM = 4.0                    # that share is at least this x the model's allowance
 
 
@@ -286,8 +286,8 @@ def extract_sign_only(oracle: QueryAccess, *, bits: int = 40, bits_v: int = 48, 
                  "verified token norms": f"{verification.norms[0]:.3g} .. "
                                          f"{verification.norms[1]:.3g}: the norms of the tokens "
                                          f"a held-out label hinged on (a change of more than "
-                                         f"{HINGE_SHARE[1]:g} of such a token's share of f "
-                                         f"flips it); tokens up to "
+                                         f"{HINGE_SHARE[1]:.0%} of such a token's part of f "
+                                         f"flips that label); tokens up to "
                                          f"{verification.norms_sent[1]:.3g} were sent"})
     result = ExtractionResult(model=model, queries=report.queries, report=report)
     if not verification.passed:
@@ -500,6 +500,13 @@ def hinge_sequences(model, count: int, rng, scale: float, threshold: float, allo
         strata[kind] = (rng.permutation(n) + rng.uniform(size=n)) / max(n, 1)
     logs = np.where(large, HINGE_LARGE[0] + strata * (HINGE_LARGE[1] - HINGE_LARGE[0]),
                     HINGE_TINY[0] + strata * (HINGE_TINY[1] - HINGE_TINY[0]))
+    # sigma = -1 (a term that grew) on every fourth norm of each kind in order: the
+    # norms beyond any limit get their share of sigma = +1 (a term that shrank: a clip,
+    # padding), not left to chance
+    signs = np.ones(count)
+    for kind in (large, ~large):
+        at = np.flatnonzero(kind)
+        signs[at[np.argsort(np.argsort(logs[at])) % 4 == 3]] = -1.0
     attempts = 0
     while len(out) < count and attempts < 20 * count:    # a draw that fails is drawn again
         i, attempts = len(out), attempts + 1
@@ -555,7 +562,7 @@ def hinge_sequences(model, count: int, rng, scale: float, threshold: float, allo
         slope = float(alpha[keys].sum() * (v @ e2))      # df / d(move of every key along e2)
         if term == 0.0 or slope == 0.0 or not math.isfinite(term):
             continue
-        sigma = 1.0 if rng.uniform() < 0.75 else -1.0
+        sigma = signs[i]
         rho = math.exp(rng.uniform(math.log(HINGE_SHARE[0]), math.log(HINGE_SHARE[1])))
         for _ in range(3):                 # rho may grow with the allowance at the new X
             Z = X.copy()
