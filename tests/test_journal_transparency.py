@@ -1,6 +1,7 @@
 """A journal changes nothing: the same queries, in the same order, and the same bits.
 
-For every registered scalar learner (small d, fast options): a run without a journal, one
+For every registered learner (small d, fast options; vector learners at the last
+position, vector-single-head at every position too): a run without a journal, one
 with a journal, runs interrupted after k answers (several k) and resumed, and a rerun of
 a finished run send the learner's plan the same sequences in the same order and return
 the same model bit for bit; the journal's binding checks are counted in the total but
@@ -29,7 +30,7 @@ from attnextract.learners.residual import random_residual_one_layer
 from attnextract.learners.transformer_layer import random_transformer_layer
 from attnextract.oracle import BoundedNoise, RoundedOutputs, SignOnly
 from attnextract.registry import extract
-from attnextract.testing.impostors import random_vector_layer
+from attnextract.testing.impostors import VectorBehindLayerNorm, random_vector_layer
 
 # learner -> (black box factory, d, model name, options); deterministic boxes only (a
 # seeded noise stream would differ with the number of calls, journal or not)
@@ -59,6 +60,11 @@ CASES = {
         lambda: random_vector_attention(1, 4, seed=1, positions="all", causal=True), 4,
         "vector-single-head", {}),
     "vector-layer": (lambda: random_vector_layer(2, 4, seed=1), 4, "vector-layer", {}),
+    "vector-multi-head": (lambda: random_vector_attention(2, 4, seed=1), 4,
+                          "vector-multi-head", {"heads": 2}),
+    "vector-pre-ln": (lambda: VectorBehindLayerNorm(random_vector_attention(1, 4, seed=1),
+                                                    np.random.default_rng(1)), 4,
+                      "vector-pre-ln", {}),
 }
 SEED = 3
 

@@ -54,6 +54,7 @@ from ..verification import (
     design,
     max_length_of,
     near_boundary,
+    root_oracle,
 )
 from .noisy import FLOAT_SLACK, NoisyVerification, output_gradient_norms
 from .single_head import logit, probe_basis
@@ -161,7 +162,9 @@ def extract_sign_only(oracle: QueryAccess, *, bits: int = 40, bits_v: int = 48, 
     coarse = min(bits_v, COARSE_BITS)
     v_planned = (2 + (d - 1) * (coarse + bits_v) if threshold == 0.0
                  else 6 * d + 2 * d * coarse + d * bits_v)
-    n_verify = label_check_count(d, v_planned + d * d * (bits + 1))
+    # a stronger coverage statement asked for (--verify-sequences N): never fewer labels
+    n_verify = max(label_check_count(d, v_planned + d * d * (bits + 1)),
+                   int(getattr(root_oracle(oracle), "verify_sequences", None) or 0))
     oracle.plan(v_planned + d * d * (bits + 1) + n_verify, "sign-only extraction by bisection")
 
     # v's direction: a coarse pass from a random b0, then a fine pass from b0 = v_1
@@ -330,10 +333,10 @@ def _verify_labels(oracle, model, W_bar, v_bar, threshold, *, count, seed, extra
     """Held-out labels must match 1{f_hat > threshold} wherever f_hat is clear of its own error."""
     rng = np.random.default_rng(None if seed is None else seed + 1)
     scale = 1.0 / math.sqrt(model.dim)
-    # the hinge labels come on top of the other parts (their shares are of the rest)
-    n_hinge = count - round(count / (1.0 + HINGE_FRACTION)) if model.dim >= 2 else 0
-    while n_hinge and count - n_hinge + hinge_count(model.dim, count - n_hinge) != count:
-        n_hinge -= 1                    # label_check_count's split, whatever rounding did
+    # the hinge labels come on top of the other parts (their shares are of the rest):
+    # label_check_count's split of base + HINGE_FRACTION x base
+    n_hinge = (int(count * HINGE_FRACTION / (1.0 + HINGE_FRACTION) + 1e-9)
+               if model.dim >= 2 else 0)
     count -= n_hinge
     n_boundary = int(BOUNDARY_FRACTION * count) if model.dim >= 2 else 0
     n_hull = int(LABEL_HULL_FRACTION * count) if model.dim >= 2 else 0
