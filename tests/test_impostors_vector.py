@@ -16,10 +16,17 @@ whole zoo over several seeds and sizes.
 
 import pytest
 
-from attnextract.testing.impostors import (IN_PRE_LN_CLASS, VECTOR_CASES, VECTOR_SIZED,
-                                            VectorCone, VectorFloat32AboveBatch,
-                                            VectorLargeTokenClip, VectorTinyPadding,
-                                            run_vector_impostor, vector_impostor_names)
+from attnextract.testing.impostors import (
+    IN_PRE_LN_CLASS,
+    VECTOR_CASES,
+    VECTOR_SIZED,
+    VectorCone,
+    VectorFloat32AboveBatch,
+    VectorLargeTokenClip,
+    VectorTinyPadding,
+    run_vector_impostor,
+    vector_impostor_names,
+)
 from conftest import grid
 
 LEARNERS = list(VECTOR_CASES)

@@ -508,8 +508,8 @@ def hinge_sequences(model, count: int, rng, scale: float, threshold: float, allo
     # padding), not left to chance
     signs = np.ones(count)
     for kind in (large, ~large):
-        at = np.flatnonzero(kind)
-        signs[at[np.argsort(np.argsort(logs[at])) % 4 == 3]] = -1.0
+        members = np.flatnonzero(kind)
+        signs[members[np.argsort(np.argsort(logs[members])) % 4 == 3]] = -1.0
     attempts = 0
     while len(out) < count and attempts < 20 * count:    # a draw that fails is drawn again
         i, attempts = len(out), attempts + 1
