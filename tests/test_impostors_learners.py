@@ -290,3 +290,29 @@ def test_separating_sequences_survive_a_model_with_an_enormous_W():
     W, v = rng.standard_normal((2, D, D)), rng.standard_normal((2, D))
     seqs = _separating_sequences(W, v, 4, rng, 0.0, length_grid(256))
     assert len(seqs) == 4 and all(np.all(s == 0) for s in seqs)
+
+
+def test_hinge_labels_turn_on_their_token():
+    """Hinge sequences: the model's f sits a share rho of the hinge token's term beyond
+    the threshold, so a box that clips that token's value or drops it as padding flips
+    the label wherever the change exceeds rho; an honest box (the model) flips none."""
+    from attnextract.learners.sign_only import HINGE_SHARE, hinge_sequences
+    for seed in range(3):
+        head = random_single_head(D, seed)
+        allowance = lambda X: np.full(len(X), 1e-12)        # noqa: E731
+        hinges = hinge_sequences(head, 32, np.random.default_rng(seed), 1 / math.sqrt(D), 0.0,
+                                 allowance)
+        assert len(hinges) == 32
+        rs = np.array([R for _, R, _ in hinges])
+        assert (rs <= 0.1).sum() == 16 and (rs >= 10).sum() == 16     # ordinary tokens: norm 1
+        assert all(rho <= HINGE_SHARE[1] for *_, rho in hinges)
+        X = [x for x, _, _ in hinges]
+        label = np.array([head(x[None])[0] > 0 for x in X])
+        for box in (impostors.LargeTokenClip(head, np.random.default_rng(0), 30.0),
+                    impostors.TinyPadding(head, np.random.default_rng(0), 1e-4)):
+            acted = np.array([np.any(np.linalg.norm(x, axis=1) > box.limit)
+                              if isinstance(box, impostors.LargeTokenClip)
+                              else np.any(np.linalg.norm(x, axis=1) < box.limit) for x in X])
+            flipped = np.array([box(x[None])[0] > 0 for x in X]) != label
+            assert not flipped[~acted].any()
+            assert flipped[acted].sum() >= 0.5 * acted.sum() > 0, (seed, type(box).__name__)
