@@ -16,8 +16,17 @@ whole zoo over several seeds and sizes.
 
 import pytest
 
-from attnextract.testing.impostors import (VECTOR_CASES, run_vector_impostor,
-                                            vector_impostor_names)
+from attnextract.testing.impostors import (
+    IN_PRE_LN_CLASS,
+    VECTOR_CASES,
+    VECTOR_SIZED,
+    VectorCone,
+    VectorFloat32AboveBatch,
+    VectorLargeTokenClip,
+    VectorTinyPadding,
+    run_vector_impostor,
+    vector_impostor_names,
+)
 from conftest import grid
 
 LEARNERS = list(VECTOR_CASES)
@@ -98,12 +107,10 @@ def test_whole_vector_zoo_refused(learner, d):
     assert not accepted, f"{learner} accepted at d = {d}: {accepted}"
 
 
-# measured limits, kept visible: (learner, where, impostor, seed) accepted. A causal box
-# whose attention sink sits at -18.7 made vector-single-head read its every-position
-# probes at a small scale: its error bar (3.2e-8, honest heads ~1e-10) times the score
-# reach of the norms family's huge tokens widened their allowance, and the check passed
-# at the stated tolerance it achieved, 0.11 (its own worst error: honest, not useful)
-KNOWN_VECTOR_MISSES = {("vector-single-head", "causal", "sink far below", 0)}
+# measured limits, kept visible: (learner, where, impostor, seed) accepted (none now: a
+# causal box with an attention sink at -18.7 passed vector-single-head while its float64
+# error bar, a design bound 700x its real error, widened the check without limit)
+KNOWN_VECTOR_MISSES: set = set()
 
 
 @pytest.mark.slow
@@ -146,3 +153,56 @@ def test_honest_vector_controls_accepted_at_every_position(learner, where):
     refusals = [(name, seed, state) for name in controls(learner) for seed in range(3)
                 for state in [outcome(learner, name, 8, seed, where)[0]] if state != "accepted"]
     assert not refusals, f"{learner} ({where}) refused honest boxes: {refusals}"
+
+
+def refused_or_honestly_reported(state, result, box) -> bool:
+    """Refused; or accepted where the deviation lies outside what the report states it
+    verified: a clip above the largest verified token norm, padding below the smallest,
+    float32 above a batch size never asked, a region smaller than the stated coverage."""
+    if state.startswith("refused"):
+        return True
+    if state != "accepted":
+        return False
+    v = result.report.verification
+    box = getattr(box, "inner", box)    # the impostor behind a LayerNorm (vector-pre-ln)
+    if isinstance(box, VectorLargeTokenClip):
+        return box.limit > v.norms[1]
+    if isinstance(box, VectorTinyPadding):
+        return box.limit < v.norms[0]
+    if isinstance(box, VectorFloat32AboveBatch):
+        return box.seen <= box.largest
+    if isinstance(box, VectorCone):
+        return v.coverage["all"] > box.share
+    return False
+
+
+def sized_names(learner) -> list:
+    names = list(VECTOR_SIZED)
+    if learner == "vector-pre-ln":      # behind LayerNorm, token norms are the block's own
+        names = [n for n in names if not any(n.startswith(k) for k in IN_PRE_LN_CLASS)]
+    return names
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("learner", [n for n in LEARNERS if n != "vector-multi-head"])
+def test_vector_classes_at_several_sizes(learner):
+    """The zoo's classes at other sizes (VECTOR_SIZED: norm limits, a hidden head at 3 and
+    10 times the tolerance, float32 above other batch sizes, regions of 2% and 25%) at
+    the last position and, for the every-position learners, causal: refused or honestly
+    reported; the honest model at the same seeds accepted."""
+    wheres = ["last"] + (["causal"] if learner in EVERY_POSITION else [])
+    missed = []
+    for where in wheres:
+        for seed in range(2):
+            assert outcome(learner, "honest", 8, seed, where)[0] == "accepted"
+            missed += [(name, where, seed) for name in sized_names(learner)
+                       if not refused_or_honestly_reported(*outcome(learner, name, 8, seed,
+                                                                    where))]
+    assert not missed, f"{learner} accepted: {missed}"
+
+
+@pytest.mark.slow
+def test_vector_multi_head_classes_at_several_sizes():
+    for name in ("large-token clip x10", "tiny tokens as padding x0.0001",
+                 "mean-pool head 3e-07", "float32 above batch 2", "cone of query tokens 0.25"):
+        assert refused_or_honestly_reported(*outcome("vector-multi-head", name, 8, 0)), name

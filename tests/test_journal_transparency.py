@@ -1,6 +1,7 @@
 """A journal changes nothing: the same queries, in the same order, and the same bits.
 
-For every registered scalar learner (small d, fast options): a run without a journal, one
+For every registered learner (small d, fast options; vector learners at the last
+position, vector-single-head at every position too): a run without a journal, one
 with a journal, runs interrupted after k answers (several k) and resumed, and a rerun of
 a finished run send the learner's plan the same sequences in the same order and return
 the same model bit for bit; the journal's binding checks are counted in the total but
@@ -20,6 +21,7 @@ from attnextract.adapters.targets import (
     random_multi_head,
     random_pre_layer_norm,
     random_single_head,
+    random_vector_attention,
 )
 from attnextract.errors import AttnExtractError
 from attnextract.learners.one_layer import random_one_layer
@@ -28,6 +30,7 @@ from attnextract.learners.residual import random_residual_one_layer
 from attnextract.learners.transformer_layer import random_transformer_layer
 from attnextract.oracle import BoundedNoise, RoundedOutputs, SignOnly
 from attnextract.registry import extract
+from attnextract.testing.impostors import VectorBehindLayerNorm, random_vector_layer
 
 # learner -> (black box factory, d, model name, options); deterministic boxes only (a
 # seeded noise stream would differ with the number of calls, journal or not)
@@ -50,6 +53,18 @@ CASES = {
                   {"sign_only": True}),
     "low-precision": (lambda: RoundedOutputs(random_single_head(4, seed=1), "float32"), 4,
                       "low-precision", {"output_dtype": "float32"}),
+    # vector answers: at the last position and at every position (causal)
+    "vector-single-head": (lambda: random_vector_attention(1, 4, seed=1), 4,
+                           "vector-single-head", {}),
+    "vector-single-head every position": (
+        lambda: random_vector_attention(1, 4, seed=1, positions="all", causal=True), 4,
+        "vector-single-head", {}),
+    "vector-layer": (lambda: random_vector_layer(2, 4, seed=1), 4, "vector-layer", {}),
+    "vector-multi-head": (lambda: random_vector_attention(2, 4, seed=1), 4,
+                          "vector-multi-head", {"heads": 2}),
+    "vector-pre-ln": (lambda: VectorBehindLayerNorm(random_vector_attention(1, 4, seed=1),
+                                                    np.random.default_rng(1)), 4,
+                      "vector-pre-ln", {}),
 }
 SEED = 3
 
@@ -78,7 +93,7 @@ class Recorder:
 
     # what wrappers declare about their noise (the journal reads it)
     def __getattr__(self, name):
-        if name in ("tolerance", "relative_tolerance", "std"):
+        if name in ("tolerance", "relative_tolerance", "std", "output_kind"):
             return getattr(self.box, name)
         raise AttributeError(name)
 
@@ -100,8 +115,7 @@ def _run(case, box: Recorder, journal=None):
 
 
 def _bits(result) -> dict[str, bytes]:
-    return {k: np.asarray(v, dtype=np.float64).tobytes()
-            for k, v in result.model.parameters().items()}
+    return {k: np.asarray(v).tobytes() for k, v in result.model.parameters().items()}
 
 
 def _transparent(case: str, tmp_path, stops: tuple[int, ...]) -> None:

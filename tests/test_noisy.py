@@ -287,6 +287,16 @@ def test_sign_only_bisection(d):
                                   + label_check_count(d, v_queries + d * d * 37))
 
 
+def test_sign_only_verify_sequences_buys_more_labels_and_coverage():
+    """--verify-sequences N (oracle.verify_sequences) holds for labels too: N labels, a
+    fifth of them hinge labels, and the coverage they buy stated per family."""
+    oracle = Oracle(SignOnly(random_single_head(4, seed=0)), 4)
+    oracle.verify_sequences = 400
+    v = extract_sign_only(oracle, seed=0).report.verification
+    assert v.sequences == 400 and v.family_sequences["hinge"] == 80
+    assert v.coverage["all"] < 0.01 and v.coverage["hinge"] < 0.04
+
+
 @pytest.mark.parametrize("threshold", [0.3, -0.7, 2.0, -50.0])
 def test_sign_only_nonzero_threshold_recovers_the_scale(threshold):
     """With a known threshold t != 0 the crossing of lam v^T x = t fixes |v|: v and W exact."""

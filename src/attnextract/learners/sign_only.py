@@ -48,11 +48,13 @@ from ..oracle import QueryAccess, evaluate_ragged
 from ..report import ExtractionResult, Report, verification_count
 from ..verification import (
     BOUNDARY_FRACTION,
+    _norm_range,
     _soft_pick,
     boundary_shift,
     design,
     max_length_of,
     near_boundary,
+    root_oracle,
 )
 from .noisy import FLOAT_SLACK, NoisyVerification, output_gradient_norms
 from .single_head import logit, probe_basis
@@ -63,6 +65,11 @@ COARSE_BITS = 24
 MIN_LABEL_CHECK = 128               # labels in a check, at least
 LABEL_HULL_FRACTION = 0.375         # share of a label check spent on the label hull
 LABEL_HULL_MARGIN = 300.0           # hull tokens sit this x their own uncertainty off the threshold
+HINGE_FRACTION = 0.25               # share of a label check on labels that hinge on one token
+# the hinge token's norm, in units of an ordinary token (log10): large and tiny tokens
+HINGE_LARGE, HINGE_TINY = (1.0, 3.5), (-7.0, -1.0)
+HINGE_SHARE = (1e-3, 0.1)           # the hinge token's share of f left beyond the threshold
+HINGE_ROOM = 4.0                    # that share is at least this x the model's allowance
 
 
 def _labels(oracle: QueryAccess, X: np.ndarray) -> np.ndarray:
@@ -155,7 +162,9 @@ def extract_sign_only(oracle: QueryAccess, *, bits: int = 40, bits_v: int = 48, 
     coarse = min(bits_v, COARSE_BITS)
     v_planned = (2 + (d - 1) * (coarse + bits_v) if threshold == 0.0
                  else 6 * d + 2 * d * coarse + d * bits_v)
-    n_verify = label_check_count(d, v_planned + d * d * (bits + 1))
+    # a stronger coverage statement asked for (--verify-sequences N): never fewer labels
+    n_verify = max(label_check_count(d, v_planned + d * d * (bits + 1)),
+                   int(getattr(root_oracle(oracle), "verify_sequences", None) or 0))
     oracle.plan(v_planned + d * d * (bits + 1) + n_verify, "sign-only extraction by bisection")
 
     # v's direction: a coarse pass from a random b0, then a fine pass from b0 = v_1
@@ -252,11 +261,11 @@ def extract_sign_only(oracle: QueryAccess, *, bits: int = 40, bits_v: int = 48, 
     verification = _verify_labels(oracle, model, W_bar, v_bar if threshold != 0.0 else v_dir_bar,
                                   threshold, count=n_verify, seed=seed,
                                   extra_relative=verify_tolerance)
-    recovery = oracle.queries - start_queries - n_verify
+    recovery = oracle.queries - start_queries - verification.sequences
     W_norm = float(np.linalg.norm(W))
     report = Report(
         kind=SingleHeadAttention.kind, dim=d, queries=oracle.queries - start_queries,
-        breakdown={"recovery": recovery - shrinks, "rescaling": shrinks, "verification": n_verify},
+        breakdown={"recovery": recovery - shrinks, "rescaling": shrinks, "verification": verification.sequences},
         floor=d * d + d, verification=verification, seconds=time.perf_counter() - start,
         black_box_seconds=oracle.black_box_seconds - start_bb,
         notes=[f"label-only answers 1{{f(X) > {threshold:g}}}: " + (
@@ -273,10 +282,16 @@ def extract_sign_only(oracle: QueryAccess, *, bits: int = 40, bits_v: int = 48, 
                  "queries_for_v": v_queries,
                  "column scales s": f"{s.min():.3g} .. {s.max():.3g}",
                  "verification labels": f"{verification.max_relative_error:.3g} of "
-                                        f"{n_verify} held-out labels disagree (the 'max relative "
+                                        f"{verification.sequences} held-out labels disagree (the 'max relative "
                                         f"error' above); any disagreement must lie within 1.5 x "
                                         f"the model's error bars of the threshold "
-                                        f"(worst {verification.worst_ratio:.3g} of that)"})
+                                        f"(worst {verification.worst_ratio:.3g} of that)",
+                 "verified token norms": f"{verification.norms[0]:.3g} .. "
+                                         f"{verification.norms[1]:.3g}: the norms of the tokens "
+                                         f"a held-out label hinged on (a change of more than "
+                                         f"{HINGE_SHARE[1]:.0%} of such a token's part of f "
+                                         f"flips that label); tokens up to "
+                                         f"{verification.norms_sent[1]:.3g} were sent"})
     result = ExtractionResult(model=model, queries=report.queries, report=report)
     if not verification.passed:
         raise ModelMismatchError(
@@ -287,14 +302,21 @@ def extract_sign_only(oracle: QueryAccess, *, bits: int = 40, bits_v: int = 48, 
 
 def label_check_count(d: int, recovery: int) -> int:
     """Held-out labels: max(MIN_LABEL_CHECK, verification_count(d^2 + d), 2% of the
-    planned recovery).
+    planned recovery), plus HINGE_FRACTION of that in hinge labels (d >= 2,
+    :func:`hinge_sequences`).
 
     A label carries one bit, and shows a departure from the class only where the
     departure exceeds the distance to the threshold; the recovery spends ~bits labels per
     parameter, so the check may spend 2% of them. A departure that flips a label on half
     the sequences of one kind (a norm trigger on large tokens) needs about ten labels of
     that kind to be seen every time, hence the floor (4% of the recovery at d = 8)."""
-    return max(MIN_LABEL_CHECK, verification_count(d * d + d), int(recovery) // 50)
+    base = max(MIN_LABEL_CHECK, verification_count(d * d + d), int(recovery) // 50)
+    return base + hinge_count(d, base)
+
+
+def hinge_count(d: int, base: int) -> int:
+    """Hinge labels on top of a label check of ``base`` labels (none at d = 1)."""
+    return int(HINGE_FRACTION * base) if d >= 2 else 0
 
 
 def _sign_probes(U, Q, s, cols, kappa, offset):
@@ -311,6 +333,11 @@ def _verify_labels(oracle, model, W_bar, v_bar, threshold, *, count, seed, extra
     """Held-out labels must match 1{f_hat > threshold} wherever f_hat is clear of its own error."""
     rng = np.random.default_rng(None if seed is None else seed + 1)
     scale = 1.0 / math.sqrt(model.dim)
+    # the hinge labels come on top of the other parts (their shares are of the rest):
+    # label_check_count's split of base + HINGE_FRACTION x base
+    n_hinge = (int(count * HINGE_FRACTION / (1.0 + HINGE_FRACTION) + 1e-9)
+               if model.dim >= 2 else 0)
+    count -= n_hinge
     n_boundary = int(BOUNDARY_FRACTION * count) if model.dim >= 2 else 0
     n_hull = int(LABEL_HULL_FRACTION * count) if model.dim >= 2 else 0
     sequences = design(oracle.dim, count - n_boundary - n_hull, rng, scale,
@@ -336,9 +363,16 @@ def _verify_labels(oracle, model, W_bar, v_bar, threshold, *, count, seed, extra
                                                      targets[ok])
     # the second part: sequences just clear of the model's decision boundary, where a
     # small departure from the class (a second head at 1e-8) flips labels
+    before = len(sequences)
     if n_boundary:
         sequences += near_boundary(model, n_boundary, rng, scale, threshold, allowance,
                                    longest=max_length_of(oracle))
+    n_boundary_sent = len(sequences) - before
+    # labels that hinge on one large or tiny token with attention weight (a box that
+    # clips large tokens or takes tiny ones for padding flips them)
+    first_hinge = len(sequences)
+    hinges = hinge_sequences(model, n_hinge, rng, scale, threshold, allowance) if n_hinge else []
+    sequences += [X for X, _, _ in hinges]
     # the label hull: sequences whose tokens all lie (just) on one side of the threshold
     first_hull = len(sequences)
     hull = label_hull(model, n_hull, rng, scale, threshold, v_bar) if n_hull else []
@@ -366,10 +400,20 @@ def _verify_labels(oracle, model, W_bar, v_bar, threshold, *, count, seed, extra
                 continue                # the tokens alone disagree (judged as singles)
             wrong[i] = observed[i] != side[0]
             ratio[i] = np.inf if wrong[i] else 0.0
+    # the verified norms: what the hinge labels resolved (a label shows a token's
+    # treatment only where it hinges on that token), with the ordinary tokens' norms
+    resolved = [R for _, R, rho in hinges if rho <= HINGE_SHARE[1]]
+    ordinary = scale * math.sqrt(model.dim)
+    low, high = min(resolved + [ordinary]), max(resolved + [ordinary])
+    drawn = {"design": first_hinge - n_boundary_sent, "boundary": n_boundary_sent,
+             "hinge": len(hinges), "hull": count - first_hull}
+    drawn["all"] = count
     return NoisyVerification(sequences=count, max_relative_error=float(wrong.mean()),
                              median_relative_error=0.0, tolerance=0.0,
                              worst_ratio=float(ratio.max()),
-                             lengths=(int(lengths.min()), int(lengths.max())))
+                             lengths=(int(lengths.min()), int(lengths.max())),
+                             norms=(low, high), norms_sent=_norm_range(sequences),
+                             family_sequences=drawn)
 
 
 def label_hull(model, count: int, rng, scale: float, threshold: float, v_bar: float) -> list:
@@ -418,6 +462,122 @@ def label_hull(model, count: int, rng, scale: float, threshold: float, v_bar: fl
         group = np.flatnonzero((side == (1.0 if i % 2 == 0 else -1.0)) & ~large)
         pick = group[_soft_pick(model.W, P[group], int(k), rng)]
         out.append((P[pick], pick))
+    return out
+
+
+def hinge_sequences(model, count: int, rng, scale: float, threshold: float, allowance) -> list:
+    """``count`` sequences whose model label hinges on one token of large or tiny norm.
+
+    A label is one bit: a box that changes what a large token or a tiny one contributes
+    (clips its value, takes it for padding, rescales its score) shows only where that
+    change crosses the threshold. Each sequence [y_1 .. y_n, x_s, x_N] (x_s at a random key
+    position) has an ordinary query x_N, keys y_j with score 0 (orthogonal to W x_N) and
+    the hinge token x_s of norm R, large (10^1 .. 10^3.5 ordinary tokens, log-stratified;
+    d >= 3) or tiny (10^-7 .. 10^-1), with attention weight a_s in about 0.1 .. 0.6 (a large
+    token's score set by its component along W x_N, its value v^T x_s of an ordinary
+    token's size; a tiny token scores 0). The keys are then moved along v (orthogonal to
+    W x_N: no score changes, so f is linear in the move) until
+
+        f = t + sigma rho a_s v^T x_s,   rho log-uniform in HINGE_SHARE,
+
+    so the rest of the sequence cancels all but rho of the hinge token's term: a box whose
+    contribution from x_s is off by more than rho of it (sigma = +1: less, as a clip or
+    padding; -1: more) flips the label. rho is at least HINGE_ROOM x the model's own
+    allowance over |a_s v^T x_s|. An ordinary token has norm scale sqrt(d).
+
+    Returns a list of (X (N, d), R, rho): R the hinge token's norm, rho its share
+    (a share above HINGE_SHARE's top was needed for the model's allowance: that token's
+    treatment is not resolved by its label).
+    """
+    d = model.dim
+    W, v = np.asarray(model.W, dtype=float), np.asarray(model.v, dtype=float)
+    v_norm = float(np.linalg.norm(v))
+    ordinary = scale * math.sqrt(d)
+    out: list = []
+    # a large token needs a third direction for its norm (d >= 3); at d = 2 all are tiny
+    large = (np.arange(count) % 2 == 0) & (d >= 3)
+    # log-stratified norms: every stretch of each range gets its share
+    strata = np.empty(count)
+    for kind in (large, ~large):
+        n = int(kind.sum())
+        strata[kind] = (rng.permutation(n) + rng.uniform(size=n)) / max(n, 1)
+    logs = np.where(large, HINGE_LARGE[0] + strata * (HINGE_LARGE[1] - HINGE_LARGE[0]),
+                    HINGE_TINY[0] + strata * (HINGE_TINY[1] - HINGE_TINY[0]))
+    # sigma = -1 (a term that grew) on every fourth norm of each kind in order: the
+    # norms beyond any limit get their share of sigma = +1 (a term that shrank: a clip,
+    # padding), not left to chance
+    signs = np.ones(count)
+    for kind in (large, ~large):
+        members = np.flatnonzero(kind)
+        signs[members[np.argsort(np.argsort(logs[members])) % 4 == 3]] = -1.0
+    attempts = 0
+    while len(out) < count and attempts < 20 * count:    # a draw that fails is drawn again
+        i, attempts = len(out), attempts + 1
+        for _ in range(20):                     # draws where v is not along W x_N
+            x_N = scale * rng.standard_normal(d)
+            q = float(x_N @ W @ x_N)
+            if abs(q) > 1.0:                    # the query's own score of order one
+                x_N /= math.sqrt(abs(q))
+                q = float(x_N @ W @ x_N)
+            w = W @ x_N
+            w_norm = float(np.linalg.norm(w))
+            if w_norm == 0.0:
+                continue
+            e1 = w / w_norm
+            e2 = v - (v @ e1) * e1
+            if np.linalg.norm(e2) > 0.2 * v_norm:
+                break
+        else:
+            continue
+        e2 /= np.linalg.norm(e2)
+        e3 = rng.standard_normal(d)
+        e3 -= (e3 @ e1) * e1 + (e3 @ e2) * e2
+        e3 = e3 / np.linalg.norm(e3) if d >= 3 and np.linalg.norm(e3) > 0 else np.zeros(d)
+        n_rest = int(rng.integers(1, 4))
+        Y = scale * rng.standard_normal((n_rest, d))
+        Y -= np.outer(Y @ e1, e1)                  # keys of score 0
+        R = ordinary * 10.0 ** logs[i]
+        if large[i]:
+            # score s gives weight a_s against the rest (n_rest keys at 0, the query at q)
+            a_s = rng.uniform(0.15, 0.6)
+            s = math.log(a_s / (1.0 - a_s)) + float(np.logaddexp(math.log(n_rest), q))
+            along = s / w_norm
+            value = rng.choice([-1.0, 1.0]) * ordinary * v_norm * rng.uniform(0.5, 2.0)
+            beta = (value - (v @ e1) * along) / float(v @ e2)
+            rest = R * R - along * along - beta * beta
+            if rest <= 0.0 or not e3.any():
+                continue
+            x_s = along * e1 + beta * e2 + math.sqrt(rest) * e3
+        else:
+            phi = rng.uniform(0.0, 0.5 * math.pi) * rng.choice([-1.0, 1.0])
+            x_s = R * (math.cos(phi) * e2 + math.sin(phi) * e3)
+        at = int(rng.integers(0, n_rest + 1))
+        X = np.vstack([Y[:at], x_s[None], Y[at:], x_N[None]])
+        keys = np.r_[np.arange(at), np.arange(at + 1, n_rest + 1)]
+
+        def f(Z):
+            return float(model(Z[None])[0])
+
+        scores = X @ (W @ x_N)
+        alpha = np.exp(scores - scores.max())
+        alpha /= alpha.sum()
+        term = float(alpha[at] * (v @ x_s))
+        slope = float(alpha[keys].sum() * (v @ e2))      # df / d(move of every key along e2)
+        if term == 0.0 or slope == 0.0 or not math.isfinite(term):
+            continue
+        sigma = signs[i]
+        rho = math.exp(rng.uniform(math.log(HINGE_SHARE[0]), math.log(HINGE_SHARE[1])))
+        for _ in range(3):                 # rho may grow with the allowance at the new X
+            Z = X.copy()
+            for _ in range(3):             # linear in the move: the rest is rounding
+                target = threshold + sigma * rho * term
+                Z[keys] += ((target - f(Z)) / slope) * e2
+            need = HINGE_ROOM * float(allowance(Z[None])[0]) / abs(term)
+            if need <= rho:
+                break
+            rho = need
+        if np.all(np.isfinite(Z)):
+            out.append((Z, float(R), float(rho)))
     return out
 
 

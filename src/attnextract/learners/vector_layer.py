@@ -537,6 +537,8 @@ class ScoreReads:
         self.y = np.empty((len(blocks), 0, len(c)))
 
     def _answers(self, q, tau) -> np.ndarray:
+        if len(q) == 0:                 # nothing to ask (a small d can leave no new row)
+            return np.empty((len(self.blocks), 0, len(self.c)))
         X = np.concatenate([score_probes(q, U, tau) for U in self.blocks])
         return _last(self.oracle, X).reshape(len(self.blocks), len(q), -1)
 
@@ -701,7 +703,9 @@ class ScorePlan:
             W[h] = (np.concatenate([cols[h], B @ beta], axis=1) / norms) @ self.Qq.T
             # the misfit of width numbers by rank(W_h) unknowns: the reads' own noise,
             # amplified by cond(F^T B) into beta
-            misfit = np.linalg.norm(F.T @ B @ beta - target) / np.linalg.norm(target)
+            # (no rows beyond the columns at a small d: nothing misfits)
+            misfit = (float(np.linalg.norm(F.T @ B @ beta - target) / np.linalg.norm(target))
+                      if np.any(target) else 0.0)
             self.spread = max(self.spread, misfit * _cond(F.T @ B))
             self.misfit = max(self.misfit, misfit)
         return W, b, [B.shape[1] for B in bases]

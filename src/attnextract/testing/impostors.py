@@ -579,13 +579,13 @@ class HugeTwoHeads(SecondHead):
 
 
 class LargeTokenClip(Impostor):
-    reason = ("the values of tokens longer than 100 x an ordinary token are clipped to that "
-              "norm (a norm clip in the value path): the same model wherever such tokens "
-              "carry no attention weight")
+    reason = ("the values of tokens longer than `factor` (100) x an ordinary token are "
+              "clipped to that norm (a norm clip in the value path): the same model wherever "
+              "such tokens carry no attention weight")
 
-    def __init__(self, model, rng):
+    def __init__(self, model, rng, factor: float = 100.0):
         super().__init__(model, rng)
-        self.limit = 100.0 * token_scale_of(model) * math.sqrt(self.dim)
+        self.limit = factor * token_scale_of(model) * math.sqrt(self.dim)
 
     def values(self, X):
         norms = np.linalg.norm(X, axis=2, keepdims=True)
@@ -593,13 +593,13 @@ class LargeTokenClip(Impostor):
 
 
 class TinyPadding(Impostor):
-    reason = ("tokens shorter than 1e-2 x an ordinary token are taken for padding and "
-              "masked out of the softmax (unless every token is): the same model on "
+    reason = ("tokens shorter than `factor` (1e-2) x an ordinary token are taken for padding "
+              "and masked out of the softmax (unless every token is): the same model on "
               "sequences without such tokens")
 
-    def __init__(self, model, rng):
+    def __init__(self, model, rng, factor: float = 1e-2):
         super().__init__(model, rng)
-        self.limit = 1e-2 * token_scale_of(model) * math.sqrt(self.dim)
+        self.limit = factor * token_scale_of(model) * math.sqrt(self.dim)
 
     def scores(self, X, W):
         s = super().scores(X, W)
@@ -701,9 +701,21 @@ def zoo(model=None) -> dict:
     return out
 
 
+# the zoo's classes of the verified domain at other sizes (norm limits, a batch size, a
+# region's share): not in :func:`zoo` (its sweeps stay as they are), reached by name
+SIZED = {
+    **{f"large-token clip x{f:g}": (lambda m, r, q, f=f: LargeTokenClip(m, r, f))
+       for f in (3.0, 30.0, 300.0)},
+    **{f"tiny tokens as padding x{f:g}": (lambda m, r, q, f=f: TinyPadding(m, r, f))
+       for f in (1e-1, 1e-4, 1e-6)},
+    **{f"float32 above batch {n}": (lambda m, r, q, n=n: Float32AboveBatch(m, r, n))
+       for n in (2, 4)},
+}
+
+
 def make_impostor(name: str, model, rng: np.random.Generator, recovery_queries: int) -> Impostor:
-    """The impostor ``name`` of :func:`zoo` built on ``model``."""
-    table = zoo(model)
+    """The impostor ``name`` of :func:`zoo` (or :data:`SIZED`) built on ``model``."""
+    table = {**zoo(model), **SIZED}
     if name not in table:
         raise InputError(f"no impostor {name!r} for a {type(model).__name__} "
                          f"(known: {', '.join(table)})")
@@ -1063,9 +1075,12 @@ class VectorFloat32AboveBatch(VectorImpostor):
     def __init__(self, model, rng, largest: int = 8):
         super().__init__(model, rng)
         self.largest = largest
+        self.seen = 0               # the largest batch asked (a box never asked above
+                                    # ``largest`` answered as its honest model)
 
     def __call__(self, X):
         out = super().__call__(X)
+        self.seen = max(self.seen, len(out))
         return out.astype(np.float32).astype(np.float64) if len(out) > self.largest else out
 
 
@@ -1295,12 +1310,12 @@ class VectorQuadraticValues(VectorImpostor):
 
 
 class VectorLargeTokenClip(VectorImpostor):
-    reason = ("values of tokens longer than 100 ordinary ones clipped to that norm: the "
-              "model wherever such tokens carry no weight")
+    reason = ("values of tokens longer than `factor` (100) ordinary ones clipped to that "
+              "norm: the model wherever such tokens carry no weight")
 
-    def __init__(self, model, rng):
+    def __init__(self, model, rng, factor: float = 100.0):
         super().__init__(model, rng)
-        self.limit = 100.0 * _ordinary_norm(model)
+        self.limit = factor * _ordinary_norm(model)
 
     def values(self, X):
         norms = np.linalg.norm(X, axis=-1, keepdims=True)
@@ -1308,12 +1323,12 @@ class VectorLargeTokenClip(VectorImpostor):
 
 
 class VectorTinyPadding(VectorImpostor):
-    reason = ("tokens shorter than 1e-2 of an ordinary one taken for padding and masked "
-              "out (unless every token a row sees is)")
+    reason = ("tokens shorter than `factor` (1e-2) of an ordinary one taken for padding and "
+              "masked out (unless every token a row sees is)")
 
-    def __init__(self, model, rng):
+    def __init__(self, model, rng, factor: float = 1e-2):
         super().__init__(model, rng)
-        self.limit = 1e-2 * _ordinary_norm(model)
+        self.limit = factor * _ordinary_norm(model)
 
     def masked_scores(self, X, rows, h):
         s = super().masked_scores(X, rows, h)
@@ -1341,6 +1356,7 @@ class VectorCone(VectorImpostor):
 
     def __init__(self, model, rng, share: float = 0.05):
         super().__init__(model, rng)
+        self.share = share
         self.u = rng.standard_normal(self.dim)
         self.u /= np.linalg.norm(self.u)
         sample = rng.standard_normal((20000, self.dim))
@@ -1424,6 +1440,22 @@ def vector_zoo(model=None) -> dict:
     if model is None or model.positions == "all":
         out["causal mask flipped"] = lambda m, r, q: VectorCausalFlip(m, r)
     return out
+
+
+# the vector zoo's classes at other sizes (norm limits, a hidden head near the
+# tolerance, batch sizes, a region's share): not in :func:`vector_zoo`, reached by name
+VECTOR_SIZED = {
+    **{f"large-token clip x{f:g}": (lambda m, r, q, f=f: VectorLargeTokenClip(m, r, f))
+       for f in (10.0, 30.0, 300.0)},
+    **{f"tiny tokens as padding x{f:g}": (lambda m, r, q, f=f: VectorTinyPadding(m, r, f))
+       for f in (1e-1, 1e-4)},
+    **{f"mean-pool head {e:g}": (lambda m, r, q, e=e: VectorMeanPoolHead(m, r, e))
+       for e in (1e-6, 3e-7)},
+    **{f"float32 above batch {n}": (lambda m, r, q, n=n: VectorFloat32AboveBatch(m, r, n))
+       for n in (2, 32)},
+    **{f"cone of query tokens {p:g}": (lambda m, r, q, p=p: VectorCone(m, r, p))
+       for p in (0.02, 0.25)},
+}
 
 
 class VectorBehindLayerNorm:
@@ -1525,6 +1557,8 @@ def _vector_box(learner, name, model, rng, recovery):
         return VectorFloat32Forward(model, rng)
     if name == "cone of query tokens":
         return VectorCone(model, rng)
+    if name in VECTOR_SIZED:
+        return VECTOR_SIZED[name](model, rng, recovery)
     if name == "honest x1e200":
         return ScaledAnswers(_vector_box(learner, "honest", model, rng, recovery), 1e200)
     return vector_zoo(model)[name](model, rng, recovery)
