@@ -293,3 +293,14 @@ def test_float32_through_extract():
                          seed=0)
         assert result.report.details["precision"] == "float32"
         assert_within_bar(result, truth, 2)
+
+
+@pytest.mark.parametrize("seed", [5, 10, 42])
+def test_layers_once_refused_as_not_softmax_are_recovered(seed):
+    """Random layers d = 64, H = 8 without biases that were called not softmax: a near-tie
+    in an accepted selector set (seeds 5, 10) and a bias-free row q = 0 read as noise at
+    every scale (seed 42)."""
+    box = standard_layer(seed, 64, 8, biases=False)
+    result = extract_vector_layer(Oracle(box, 64), seed=seed)
+    assert vector_canonical_errors(result.model, box)["max"] < 1e-10
+    assert result.report.recovery_queries <= 3 * result.report.floor
