@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from attnextract import Oracle
-from attnextract.testing.impostors import MeanPoolHead
+from attnextract.testing.impostors import MeanPoolHead, make_impostor
 from attnextract.adapters.targets import random_single_head
 from attnextract.report import Report, Verification, verify_model
-from attnextract.verification import merge_verifications
+from attnextract.verification import CONSISTENCY_FACTOR, merge_verifications
 
 
 @pytest.mark.parametrize("d", [8, 16])
@@ -53,8 +53,6 @@ def test_a_loose_bar_widens_an_exact_check_no_further_than_its_tolerance_assumes
     model exact to rounding) widens an exact check by at most tolerance / 1e3: a box off
     by 1e-3 (or clipped) only on large tokens is refused, where the whole bar passed it
     (8 of 8 and 7 of 8 seeds); the honest box is accepted. Rounded answers keep the bar."""
-    from attnextract.testing.impostors import make_impostor
-    from attnextract.verification import CONSISTENCY_FACTOR
     for bar in (3e-8, 1e-6):
         for seed in range(4):
             model = random_single_head(d, seed)
