@@ -316,3 +316,22 @@ def test_hinge_labels_turn_on_their_token():
             flipped = np.array([box(x[None])[0] > 0 for x in X]) != label
             assert not flipped[~acted].any()
             assert flipped[acted].sum() >= 0.5 * acted.sum() > 0, (seed, type(box).__name__)
+
+
+# deviations only where the scores' reach is large (REACH): a learner's error bar widens
+# its check most there. Refused; a drift of 1e-5 may pass only with a printed tolerance
+# at its size (the bar's widening accepted it: single-head 4 of 6 runs at d = 8, 16)
+REACH_LEARNERS = ["single-head", "multi-head H<=2", "multi-head-low-rank", "transformer-layer",
+                  "low-rank", "one-layer"]
+
+
+@pytest.mark.parametrize("learner", REACH_LEARNERS)
+def test_deviations_at_large_reach_are_refused_or_stated(learner):
+    for seed in range(2):
+        for name in impostors.REACH:
+            outcome, result, box = run_impostor(learner, name, D, seed, recovery(learner))
+            if name == "large-token drift 1e-05" and outcome == "accepted":
+                v = result.report.verification
+                assert box.limit > v.norms[1] or v.tolerance >= 0.1 * box.drift, (learner, seed)
+            else:
+                assert outcome.startswith("refused"), (learner, name, seed, outcome)

@@ -19,6 +19,7 @@ import pytest
 from attnextract.testing.impostors import (
     IN_PRE_LN_CLASS,
     VECTOR_CASES,
+    VECTOR_REACH,
     VECTOR_SIZED,
     VectorCone,
     VectorFloat32AboveBatch,
@@ -206,3 +207,20 @@ def test_vector_multi_head_classes_at_several_sizes():
     for name in ("large-token clip x10", "tiny tokens as padding x0.0001",
                  "mean-pool head 3e-07", "float32 above batch 2", "cone of query tokens 0.25"):
         assert refused_or_honestly_reported(*outcome("vector-multi-head", name, 8, 0)), name
+
+
+@pytest.mark.parametrize("learner, where", [("vector-single-head", "last"),
+                                            ("vector-single-head", "causal"),
+                                            ("vector-multi-head", "last"),
+                                            ("vector-layer", "last")])
+def test_deviations_at_large_reach_are_refused_or_stated(learner, where):
+    """Values of large tokens off by 1e-3 are refused; off by 1e-5 they may pass only with
+    a printed tolerance at that size (vector-single-head: 5 of 9 runs at d = 8)."""
+    for seed in range(2):
+        for name in VECTOR_REACH:
+            state, result, box = outcome(learner, name, 8, seed, where)
+            if name == "large-token drift 1e-05" and state == "accepted":
+                v = result.report.verification
+                assert box.limit > v.norms[1] or v.tolerance >= 0.1 * box.drift, (learner, seed)
+            else:
+                assert state.startswith("refused"), (learner, name, where, seed, state)

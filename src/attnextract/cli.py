@@ -1064,12 +1064,12 @@ def cmd_verify(args) -> int:
                     max_length=args.max_length, **_vector_oracle_options(model))
     _RUN.update(oracle=oracle)
     count = args.count or verification_count(sum(np.size(p) for p in model.parameters().values()))
-    error_bar, tolerance, floor = _saved_error_bar(args.result, args.verify_tolerance)
+    error_bar, tolerance, floor, rounded = _saved_error_bar(args.result, args.verify_tolerance)
     try:
         verification = verify_model(oracle, model, count=count, seed=args.seed,
                                     tolerance=tolerance, measure_v=True,
                                     expected_error=error_bar,
-                                    tolerance_floor=floor)
+                                    tolerance_floor=floor, rounded_answers=rounded)
     finally:
         bar.close()
         _close_journal(oracle)
@@ -1112,24 +1112,27 @@ def cmd_verify(args) -> int:
 
 
 def _saved_error_bar(path, tolerance):
-    """(bar, tolerance, floor) for re-verifying a saved result: the relative parameter
-    error bar its learner's verification allowed for and the tolerance it was held to,
-    so that a search reaching large scores (where a model's error of 1e-12 shows as
-    1e-7) judges the model as its learner did. A tolerance the user gives is kept;
-    results saved without a bar get the flat tolerance."""
+    """(bar, tolerance, floor, rounded) for re-verifying a saved result: the relative
+    parameter error bar its learner's verification allowed for, the tolerance it was held
+    to, and whether its answers were rounded (an exact box's bar widens the check by at
+    most tolerance / 1e3, a rounded one's whole), so that a search reaching large scores
+    (where a model's error of 1e-12 shows as 1e-7) judges the model as its learner did.
+    A tolerance the user gives is kept; results saved without a bar get the flat
+    tolerance."""
     try:
         saved = load_result(path).report.verification
     except TargetLoadError:
         saved = None
     bar = getattr(saved, "error_bar", 0.0)
+    rounded = bool(getattr(saved, "rounded_answers", False))
     if not bar:
-        return None, DEFAULT_VERIFY_TOLERANCE if tolerance is None else tolerance, None
+        return None, DEFAULT_VERIFY_TOLERANCE if tolerance is None else tolerance, None, rounded
     if tolerance is not None:
-        return bar, tolerance, None
+        return bar, tolerance, None, rounded
     # the tolerance the saved check judged by (its printed one may be the larger error it
     # achieved, where the bar widened an allowance)
     judged = getattr(saved, "judged_tolerance", 0.0) or saved.tolerance
-    return bar, saved.requested_tolerance or judged, judged
+    return bar, saved.requested_tolerance or judged, judged, rounded
 
 
 def cmd_demo(args) -> int:

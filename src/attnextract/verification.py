@@ -84,6 +84,11 @@ The error bar. A learner that knows its model's relative parameter error e passe
 when that is tighter than the one asked for, and each sequence's allowance grows by
 SENSITIVITY e times the reach of the model's scores on it (max_i |x_i| |x_N| |W_h|):
 a model known to 1e-13 that misses the black box by 1e-8 is not the black box's model.
+With exact (float64) answers the widening takes e at most tolerance / CONSISTENCY_FACTOR,
+the bar the tolerance assumes: a learner's bar can be a loose bound from its probes'
+design (700x a vector head's real error, where the tolerance stays at 1e-7), and at
+large scores its widening passed a box with an attention sink at errors of 0.11.
+Rounded answers keep e whole: the box's own rounding of its scores grows with them.
 """
 
 from __future__ import annotations
@@ -1587,7 +1592,7 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
                  max_length: int | None = None, measure_v: bool = False,
                  expected_error: float | str | None = None, search: bool = True,
                  tolerance_floor: float | None = None, answer_noise: float = 0.0,
-                 absolute_noise: float = 0.0):
+                 absolute_noise: float = 0.0, rounded_answers: bool = False):
     """Compare ``model`` with the black box on ``count`` queries: the held-out sequences
     of :func:`design` over lengths 1..L and tiny to huge tokens, for a single head the
     hull pairs, the learner's own longest probes (no query), and the adversarial search
@@ -1611,7 +1616,12 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
     tolerance (error x tolerance / allowance). ``expected_error="measured"`` (a learner
     without a bar of its own): e is :func:`measured_error_bar` and the tolerance at
     least MEASURED_FLOOR; a measured e above tolerance / CONSISTENCY_FACTOR is not used
-    (an impostor's misfit must not widen the allowance). ``tolerance_floor`` replaces
+    (an impostor's misfit must not widen the allowance). With exact answers (no
+    ``rounded_answers``, ``answer_noise`` or ``absolute_noise``) the widening takes e at
+    most tolerance / CONSISTENCY_FACTOR (the bar the tightened tolerance assumes);
+    ``rounded_answers`` (a stated precision below float64, or answers rounded to
+    decimals) keeps e whole: the box's rounding of its scores grows with them.
+    ``tolerance_floor`` replaces
     that floor (re-verifying a saved result: the tolerance its learner was held to).
     ``answer_noise`` (relative, measured by a learner on rounded answers) widens the hull
     check, which holds to the black box's own rounding, to HULL_NOISE times it.
@@ -1638,6 +1648,10 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
     if bar is not None:
         floor = floor if tolerance_floor is None else tolerance_floor
         tolerance = min(tolerance, max(CONSISTENCY_FACTOR * bar, floor))
+        if not (rounded_answers or answer_noise or absolute_noise):
+            # exact answers: a bar above the one the tolerance assumes is a loose bound,
+            # and its widening at large scores would hide a box's deviation there
+            bar = min(bar, tolerance / CONSISTENCY_FACTOR)
     root = root_oracle(oracle)
     # a stronger coverage statement asked for (--verify-sequences N): never fewer
     count = max(int(count), int(getattr(root, "verify_sequences", None) or 0))

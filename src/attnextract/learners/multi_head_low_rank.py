@@ -1425,7 +1425,8 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
     verification = verify_model(oracle, model, count=n_verify, seed=seeds[1],
                                 tolerance=verify_tolerance,
                                 scale=token_scale(model) if H else None,
-                                expected_error=predicted if H >= 2 else None)
+                                expected_error=predicted if H >= 2 else None,
+                                rounded_answers=not precision.exact)
     counts = {"values": value_queries, "query spaces": space_queries,
               "isolation": column_queries, "heights": height_queries, "recovery": recovery,
               "verification": n_verify, "total": oracle.queries - q0}

@@ -83,7 +83,7 @@ from ..report import (
     verification_count,
     verify_model,
 )
-from ..verification import CONSISTENCY_FACTOR, root_oracle, safe_norm
+from ..verification import root_oracle, safe_norm
 from .noisy import FORWARD_RHO
 
 log = logging.getLogger(__name__)
@@ -778,14 +778,11 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
             f"{bars['b']:.1e}, O {bars['O']:.1e}; condition of O "
             f"{float(np.linalg.norm(R.O, 2)) * R.pinv_norm:.3g}), above {MAX_BAR:.0e}: the "
             f"answers ({precision.name}) are too coarse for this head; nothing is returned")
-    # float64 answers: the bar's widening of the check (bar x each sequence's score reach)
-    # stops at tolerance / CONSISTENCY_FACTOR. The bar is a bound from the probes' design,
-    # up to 700x the model's real error (a causal head at d = 8: bar 3.2e-8, held-out
-    # errors 4.5e-11); uncapped, it allowed a box with an attention sink at -18.7 errors of
-    # 0.11 on huge tokens and 2e-6 on ordinary ones. Capped, the check holds the model
-    # to the error it could resolve, and a model worse than that is refused, not passed
-    verify_bar = min(bar, verify_tolerance / CONSISTENCY_FACTOR)
-    if output_dtype not in (None, "float64") or tolerance is not None:
+    # float64 answers: verification widens the check by at most the bar its tolerance
+    # assumes (the bar here is a bound from the probes' design, up to 700x the model's
+    # real error: a causal head at d = 8, bar 3.2e-8, held-out errors 4.5e-11)
+    verify_bar, rounded = bar, output_dtype not in (None, "float64") or tolerance is not None
+    if rounded:
         # rounded answers: the box itself is off from any exact model by its precision
         # (held-out tolerance LOW_PRECISION_VERIFY x it, plus twice the bar), and by its
         # score rounding, which grows with the scores (the bar is at least that level:
@@ -795,7 +792,8 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
         verify_tolerance = max(verify_tolerance, LOW_PRECISION_VERIFY * level + 2.0 * bar)
         verify_bar = max(bar, precision.score)
     verification = verify_model(oracle, model, count=n_verify, seed=seed,
-                                tolerance=verify_tolerance, expected_error=verify_bar)
+                                tolerance=verify_tolerance, expected_error=verify_bar,
+                                rounded_answers=rounded)
     breakdown = {k: v for k, v in counts.items() if v}
     breakdown["verification"] = verification.sequences
     assert sum(v for k, v in counts.items()) == recovery, (counts, recovery)

@@ -430,7 +430,8 @@ def extract_vector_multi_head(oracle: QueryAccess, *, seed=None,
         fit = _recover(_Asker(view), heads, biases is not False, noise,
                        np.random.default_rng(seed))
         return _finish(view, begin, fit, seed=seed, verify_tolerance=verify_tolerance,
-                       max_error_bar=max_error_bar)
+                       max_error_bar=max_error_bar,
+                       rounded=precision is not None and not precision.exact)
 
     return on_scaled_outputs(oracle, learn)
 
@@ -522,7 +523,7 @@ def _misfit(kept, W, b, O, c) -> float:
 
 
 def _finish(oracle, begin: _Start, fit: _Fit, *, seed, verify_tolerance,
-            max_error_bar) -> ExtractionResult:
+            max_error_bar, rounded: bool = False) -> ExtractionResult:
     """Misfit check, error bar, held-out verification and the report."""
     H, m, d = fit.O.shape
     if not np.all(np.isfinite(fit.W)) or not np.all(np.isfinite(fit.b)):
@@ -546,7 +547,7 @@ def _finish(oracle, begin: _Start, fit: _Fit, *, seed, verify_tolerance,
     n_verify = verification_count(params, oracle.queries - begin.queries)
     verification = verify_model(oracle, model, count=n_verify, seed=seed,
                                 tolerance=verify_tolerance, scale=token_scale(model),
-                                expected_error=bar)
+                                expected_error=bar, rounded_answers=rounded)
     report = Report(
         kind=model.kind, dim=d, queries=oracle.queries - begin.queries,
         breakdown={**fit.stage, "verification": n_verify}, floor=-(-params // m),
