@@ -27,9 +27,9 @@ What each layer's job runs (``outputs``):
   O_h and c from one designed batch of vectors
   (:mod:`attnextract.learners.values_given_scores`). Where the family's vector learner is
   registered (:data:`VECTOR_LEARNERS`: ``vector-single-head`` for a one-head BERT-style
-  layer, ``vector-layer`` for several heads; GPT-2 layers keep both stages, as
-  ``vector-pre-ln`` is one head and its sphere model is not mapped to an export) it
-  replaces both stages; ``learner=`` names another registered learner.
+  layer, ``vector-layer`` for several heads, ``vector-pre-ln`` with the layer's head
+  count for GPT-2, its heads on the sphere with the radius recorded) it replaces both
+  stages; ``learner=`` names another registered learner.
 """
 
 from __future__ import annotations
@@ -60,8 +60,9 @@ SCALAR_LEARNERS = {"bert": ("multi-head-low-rank", {"biases": True}),
 # the vector learner of each family at the last position (by its head count), used as
 # soon as it is registered; until then a scalar stage and the value stage stand in for it
 VECTOR_LEARNERS = {"bert": lambda heads: "vector-single-head" if heads == 1 else "vector-layer",
-                   # vector-pre-ln's sphere model is not yet mapped to a GPT-2 export
-                   "gpt2": lambda heads: None}
+                   "gpt2": lambda heads: "vector-pre-ln"}
+# what each family's vector learner is told of the layer (by its head count)
+VECTOR_OPTIONS = {"bert": lambda heads: {}, "gpt2": lambda heads: {"heads": heads}}
 RETRIES = 1
 # singular values of a head's W_h or O_h below this x the largest are rounding (a learner's
 # rank-d_h product, a least-squares fit's noise near 1e-15): the bundle stores the factors
@@ -241,15 +242,22 @@ def _run_vector_learner(job: LayerJob, ck, box, name: str, run_dir, progress_fil
     oracle = Oracle(box, info.width, outputs="last", out_dim=info.width, journal=journal,
                     budget=job.budget,
                     progress=_progress_writer(progress_file))
+    options = {**VECTOR_OPTIONS[info.family](info.heads), **job.options}
     try:
-        result = registry.extract(oracle, model=name, seed=job.seed, **job.options)
+        result = registry.extract(oracle, model=name, seed=job.seed, **options)
     finally:
         if journal is not None:
             journal.close()
     model = result.model
     heads = {"W": np.asarray(model.W), "b": np.asarray(model.b), "O": np.asarray(model.O),
              "c": np.asarray(model.c)}
-    return {**_layer_entry(job, name, dict(job.options), result, oracle),
+    sphere = {}
+    if info.pre_layer_norm:
+        # the heads live on the sphere of this radius (the export and the check fold the
+        # weights there); the sublayer has no residual, so R is the rounding's
+        sphere = {"radius": float(model.radius),
+                  "residual_norm": float(np.linalg.norm(model.R))}
+    return {**_layer_entry(job, name, options, result, oracle), **sphere,
             "heads": {k: pack_low_rank(v) if k in ("W", "O") else pack(v)
                       for k, v in heads.items()},
             "heads_found": int(heads["W"].shape[0]),

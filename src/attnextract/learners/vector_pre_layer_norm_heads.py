@@ -52,7 +52,7 @@ from ..sphere import (
     tangent_simplex,
 )
 from ..verification import INVARIANCE_SHARE, last_answers, verify_vector_on_sphere
-from .pre_layer_norm import MAX_LOGIT, _solve_on_hyperplane
+from .pre_layer_norm import MAX_LOGIT, MAX_RESCALES, _shorter, _solve_on_hyperplane
 
 log = logging.getLogger(__name__)
 
@@ -198,12 +198,16 @@ def tied_fit(C: np.ndarray, logs: np.ndarray, pairs: np.ndarray, t0: np.ndarray,
     return res, Jac, t
 
 
-def polish_ranges(L: np.ndarray, widths: list[int], groups: list[tuple],
+def polish_ranges(L: np.ndarray, widths: list[int], tied: tuple, pairs_AB: np.ndarray,
                   steps: int = POLISH_STEPS, level: float = 0.0):
-    """Gauss-Newton on every head's covectors L_h (rows of L, (m_tot, m)): in each group
-    (Phis (D, J, m), logs (J,), pairs (P, 2), logits (1 + P, H)) each head's coordinates
-    L_h Phi must be s(t + logs_j) w^T with t and w linear across the circle points
-    (:func:`tied_fit`; a group of one direction and no pairs: free t and w).
+    """Gauss-Newton on every head's covectors L_h (rows of L, (m_tot, m)).
+
+    ``tied`` = (Phis (D, J, m), logs (J,), pairs (P, 2), logits (1 + P, H)): each head's
+    coordinates L_h Phi must be s(t + logs_j) w^T with t and w linear across the circle
+    points (:func:`tied_fit`). ``pairs_AB`` (n, 2, m): the answers g_A, g_B of [a, a, q]
+    and [a, q, q]; each head's two coordinate vectors must be parallel (with the weights
+    s(t +- log 2) of one t): the residual is the part of nu^T C (nu orthogonal to the
+    weights in R^2) orthogonal to the fitted w.
 
     L_h moves by X_h L_rest (the other heads' rows: a head's own rows only rescale its
     w); t and w are refitted (variable projection); the heads decouple. Returns (L,
@@ -211,33 +215,47 @@ def polish_ranges(L: np.ndarray, widths: list[int], groups: list[tuple],
     of each head's step matrix: the polish's conditioning, the misfit history)."""
     starts = np.cumsum([0] + widths)
     H = len(widths)
-    logits = [np.array(g[3], dtype=float) for g in groups]
+    Phis, logs, pairs, logits = tied
+    logits = np.array(logits, dtype=float)
     history = []
     for _ in range(steps + 1):
         updates, misfit, conditioning = [], np.zeros(H), np.zeros(H)
-        coords = [np.einsum("rm,djm->djr", L, g[0]) for g in groups]   # (D, J, m_tot)
+        C = np.einsum("rm,djm->djr", L, Phis)                  # (D, J, m_tot)
+        CP = np.einsum("rm,njm->njr", L, pairs_AB)             # (n, 2, m_tot)
         for h in range(H):
             own = slice(starts[h], starts[h + 1])
             rest = np.r_[0:starts[h], starts[h + 1]:starts[-1]]
             dh = widths[h]
-            rows, rhs, size = [], [], 0.0
-            for gi, (group, C) in enumerate(zip(groups, coords)):
-                Ch = C[:, :, own]
-                res, Jac, logits[gi][:, h] = tied_fit(Ch, group[1], group[2],
-                                                      logits[gi][:, h])
-                Qt = np.linalg.qr(Jac)[0]
-                D, J = Ch.shape[:2]
-                # a step X (d_h, p) changes the coordinates by C_rest X^T
-                G = np.einsum("djp,ik->djikp", C[:, :, rest], np.eye(dh)).reshape(
-                    D * J * dh, -1)
-                rows.append(G - Qt @ (Qt.T @ G))
-                rhs.append(res - Qt @ (Qt.T @ res))
-                size += float(np.sum(Ch * Ch))
-            G, r = np.vstack(rows), np.concatenate(rhs)
-            misfit[h] = math.sqrt(float(r @ r) / max(size, np.finfo(float).tiny))
-            sv = np.linalg.svd(G, compute_uv=False)
-            conditioning[h] = sv[-1] / sv[0] if sv[0] > 0 else 0.0
-            X = -np.linalg.lstsq(G, r, rcond=None)[0].reshape(dh, -1)
+            Ch = C[:, :, own]
+            res, Jac, logits[:, h] = tied_fit(Ch, logs, pairs, logits[:, h], steps=3)
+            Qt = np.linalg.qr(Jac)[0]
+            D, J = Ch.shape[:2]
+            G = np.einsum("djp,ik->djikp", C[:, :, rest], np.eye(dh)).reshape(D * J * dh, -1)
+            G = G - Qt @ (Qt.T @ G)
+            r = res - Qt @ (Qt.T @ res)
+            normal, rhs = G.T @ G, G.T @ r
+            total, size = float(r @ r), float(np.sum(Ch * Ch))
+            # the pairs, every direction at once
+            a, b = CP[:, 0, own], CP[:, 1, own]                  # (n, d_h)
+            _, t, _ = three_token_solve(a, b)
+            t = np.nan_to_num(t)
+            s1, s2 = sigmoid(t + math.log(2.0)), sigmoid(t - math.log(2.0))
+            norm = np.hypot(s1, s2)
+            nu = np.stack([-s2, s1], axis=1) / norm[:, None]    # (n, 2)
+            w = (s1[:, None] * a + s2[:, None] * b) / norm[:, None]
+            w /= np.maximum(np.linalg.norm(w, axis=1), np.finfo(float).tiny)[:, None]
+            proj = np.eye(dh)[None] - w[:, :, None] * w[:, None, :]          # (n, d_h, d_h)
+            rp = np.einsum("nik,nk->ni", proj, np.einsum("nj,njk->nk", nu, CP[:, :, own]))
+            z = np.einsum("nj,njp->np", nu, CP[:, :, rest])                  # (n, p)
+            Gp = np.einsum("nik,np->nikp", proj, z).reshape(len(a) * dh, -1)
+            normal += Gp.T @ Gp
+            rhs += Gp.T @ rp.ravel()
+            total += float(np.sum(rp * rp))
+            size += float(np.sum(a * a) + np.sum(b * b))
+            misfit[h] = math.sqrt(total / max(size, np.finfo(float).tiny))
+            ev = np.linalg.eigvalsh(normal)
+            conditioning[h] = math.sqrt(max(ev[0], 0.0) / ev[-1]) if ev[-1] > 0 else 0.0
+            X = -np.linalg.solve(normal, rhs).reshape(dh, -1)
             updates.append((own, rest, X))
         history.append(float(misfit.max()))
         if misfit.max() <= level or (len(history) > 2 and history[-1] >= 0.5 * history[-2]):
@@ -323,7 +341,7 @@ def extract_heads_on_sphere(oracle, heads: int, *, seed, verify_tolerance,
                  "column reads' condition": float(info["worst"]),
                  "identified": "P W_h P, P b_h, O_h P per head, R P and c on the sphere "
                                "(gamma, beta, eps and the raw weights are not identifiable)",
-                 **bars})
+                 "error bar": max(bars.values()), **bars})
     try:
         return checked_result(model, report,
                               f"a pre-LayerNorm block of {H} heads (vector answers)")
@@ -375,23 +393,31 @@ def recover_heads(oracle, heads: int, *, seed, radius):
         return list(out.reshape(len(tokens), length - 1, m))
 
     # stage 2-3: heads at directions 0, 1, ... labelled through circle points
-    # the reference direction: the first probe whose heads' logits are apart enough
+    # the reference direction: the first probe whose heads' logits are apart enough; a
+    # chord whose logits exceed MAX_LOGIT is shortened (logits grow with the chord)
     counts["ratio probes"] = 0
-    for first_probe in range(n):
+    first_probe, rescales = 0, 0
+    while True:
         Phis = phi(probes[first_probe:first_probe + 1])
         counts["ratio probes"] += length - 1
         try:
             t0, V0, _ = ratio_eigen(Phis[0], ratios, H)
-            break
         except (ModelMismatchError, NotIdentifiableError):
-            if first_probe == n - 1:
+            first_probe += 1
+            if first_probe == n:
                 raise NotIdentifiableError(
                     "the heads could not be told apart at any probe of q_0: their logits "
                     "are too close for the ratio probes (not covered yet)") from None
+            continue
+        peak = float(np.max(np.abs(t0)))
+        if peak <= MAX_LOGIT:
+            break
+        if rescales == MAX_RESCALES:
+            raise NotIdentifiableError(f"the heads' logits stay above {MAX_LOGIT} at every "
+                                       f"chord down to {chord:.3g}")
+        chord, rescales = _shorter(chord, peak), rescales + 1
+        probes = column_probes(q0, tangents, chord)
     probes = np.roll(probes, -first_probe, axis=0)
-    if np.max(np.abs(t0)) > MAX_LOGIT:
-        raise NotIdentifiableError("the heads' logits at the probes' chord exceed "
-                                   f"{MAX_LOGIT}: not covered yet")
     ts, Vs = [t0], [V0]
     step = max(2, -(-m // H))
     used, skipped = 1, 0
@@ -466,18 +492,9 @@ def recover_heads(oracle, heads: int, *, seed, radius):
     g = ask(three_token_sequences(tangent_probes, q0)) - c - M @ q0
     counts["O and column 0"] = 2 * n
     gA, gB = g[:n], g[n:]
-    pair_logs = np.log([2.0, 0.5])
-    groups = [(np.array(Phis), logs, np.array(pairs), np.array(ts))]
-    for i in range(n):
-        _, t_start, _ = three_token_solve(gA[i:i + 1] @ L.T, gB[i:i + 1] @ L.T)
-        start_logits = np.zeros((1, H))
-        for h in range(H):
-            own = slice(int(np.sum(widths[:h])), int(np.sum(widths[:h + 1])))
-            start_logits[0, h] = three_token_solve((gA[i] @ L[own].T)[None],
-                                                   (gB[i] @ L[own].T)[None])[1][0]
-        groups.append((np.stack([gA[i], gB[i]])[None], pair_logs, np.zeros((0, 2)),
-                       np.nan_to_num(start_logits)))
-    L, misfit, conditioning, history = polish_ranges(L, widths, groups, level=level)
+    L, misfit, conditioning, history = polish_ranges(
+        L, widths, (np.array(Phis), logs, np.array(pairs), np.array(ts)),
+        np.stack([gA, gB], axis=1), level=level)
     if misfit.max() > POLISH_LEVEL * level:
         raise NotIdentifiableError(
             f"the heads' output ranges did not separate: the polish ends at a misfit of "
