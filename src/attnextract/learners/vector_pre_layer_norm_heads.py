@@ -121,8 +121,12 @@ def ratio_eigen(Phi: np.ndarray, ratios: np.ndarray, heads: int):
     lam, vec = lam[order], vec[:, order]
     # z from every ratio: z = Phi_j + E^{-1} Phi_j / r_j (in span coordinates)
     coords = S.T @ Phi.T                                        # (H, J)
-    zc = (coords + np.linalg.solve(E, coords / ratios)).mean(axis=1)
-    beta = np.linalg.solve(vec, zc)
+    try:
+        zc = (coords + np.linalg.solve(E, coords / ratios)).mean(axis=1)
+        beta = np.linalg.solve(vec, zc)
+    except np.linalg.LinAlgError:
+        raise NotIdentifiableError("the ratio probes' eigenproblem is singular at this "
+                                   "direction") from None
     V = S @ (vec * beta)                                        # (m, H)
     t = np.log(lam)
     gaps = np.diff(t)
@@ -314,7 +318,12 @@ def extract_heads_on_sphere(oracle, heads: int, *, seed, verify_tolerance,
     oracle.plan(d + 6 * H * d + 4 * d,
                 f"vector pre-LayerNorm block of {H} heads on the sphere (an estimate)",
                 need=d)
-    model, counts, info = recover_heads(oracle, H, seed=seed, radius=radius)
+    try:
+        model, counts, info = recover_heads(oracle, H, seed=seed, radius=radius)
+    except np.linalg.LinAlgError as exc:
+        # a singular system: the answers did not determine the heads' separation
+        raise NotIdentifiableError(f"the {H} heads could not be separated: a singular "
+                                   f"system ({exc})") from None
     m = model.out_dim
     rng = np.random.default_rng(None if seed is None else [int(seed), 1])
     recovery = oracle.queries - start_queries
