@@ -28,8 +28,8 @@ What each layer's job runs (``outputs``):
   (:mod:`attnextract.learners.values_given_scores`). Where the family's vector learner is
   registered (:data:`VECTOR_LEARNERS`: ``vector-single-head`` for a one-head BERT-style
   layer, ``vector-layer`` for several heads, ``vector-pre-ln`` with the layer's head
-  count for GPT-2, its heads on the sphere with the radius recorded) it replaces both
-  stages; ``learner=`` names another registered learner.
+  count for a GPT-2 layer of several heads, its heads on the sphere with the radius
+  recorded) it replaces both stages; ``learner=`` names another registered learner.
 """
 
 from __future__ import annotations
@@ -60,7 +60,10 @@ SCALAR_LEARNERS = {"bert": ("multi-head-low-rank", {"biases": True}),
 # the vector learner of each family at the last position (by its head count), used as
 # soon as it is registered; until then a scalar stage and the value stage stand in for it
 VECTOR_LEARNERS = {"bert": lambda heads: "vector-single-head" if heads == 1 else "vector-layer",
-                   "gpt2": lambda heads: "vector-pre-ln"}
+                   # one head: the scalar stage and the value stage (measured to 1e-12 on
+                   # default-initialised layers, where vector-pre-ln's one-head chord
+                   # leaves W at 1e-8)
+                   "gpt2": lambda heads: "vector-pre-ln" if heads >= 2 else None}
 # what each family's vector learner is told of the layer (by its head count)
 VECTOR_OPTIONS = {"bert": lambda heads: {}, "gpt2": lambda heads: {"heads": heads}}
 RETRIES = 1

@@ -64,6 +64,7 @@ POLISH_STEPS = 12         # Gauss-Newton steps on the ranges (converges in 3 to 
 POLISH_LEVEL = 1e3        # the polish is done when its misfit is this x the rounding level
 MATCH_TOL = 1e-3          # a head's pairing coefficient off by more than this: not labelled
 TOKEN_SHARE = 2           # tokens a column query: half the smallest head width (conditioning)
+CANDIDATES = 3            # ratio probes' directions: at most this x (d - 1)
 MIN_GAP = 0.05            # ratio start: two heads' logits closer than this x their spread: skipped
 
 
@@ -393,7 +394,15 @@ def recover_heads(oracle, heads: int, *, seed, radius):
     logs = np.log(ratios)
     tangents = tangent_simplex(Q, 0)
     chord = CHORD
-    probes = column_probes(q0, tangents, chord)                           # (n, d)
+    # the ratio probes' directions: the tangent simplex, then random unit tangents (any
+    # direction will do; a direction where two heads' logits nearly meet is skipped)
+    extra_tangents = rng.standard_normal((d, (CANDIDATES - 1) * n))
+    extra_tangents -= extra_tangents.mean(axis=0)
+    extra_tangents -= np.outer(q0, q0 @ extra_tangents) / (rho * rho)
+    extra_tangents /= np.linalg.norm(extra_tangents, axis=0)
+    candidates = np.concatenate([tangents, extra_tangents], axis=1)        # (d, CANDIDATES n)
+    total = candidates.shape[1]
+    probes = column_probes(q0, candidates, chord)
 
     def phi(tokens: np.ndarray) -> list[np.ndarray]:
         """Ratio answers Phi (J, m) of every token in ``tokens`` (one batch)."""
@@ -402,22 +411,29 @@ def recover_heads(oracle, heads: int, *, seed, radius):
         return list(out.reshape(len(tokens), length - 1, m))
 
     # stage 2-3: heads at directions 0, 1, ... labelled through circle points
-    # the reference direction: the first probe whose heads' logits are apart enough; a
-    # chord whose logits exceed MAX_LOGIT is shortened (logits grow with the chord)
+    # the reference direction: of the first candidates, the one whose heads' logits are
+    # furthest apart (its vectors label every other direction's); a chord whose logits
+    # exceed MAX_LOGIT is shortened (logits grow with the chord)
     counts["ratio probes"] = 0
-    first_probe, rescales = 0, 0
+    step = max(2, -(-m // H))
+    trial = min(total, 2 * step)
+    rescales = 0
     while True:
-        Phis = phi(probes[first_probe:first_probe + 1])
-        counts["ratio probes"] += length - 1
-        try:
-            t0, V0, _ = ratio_eigen(Phis[0], ratios, H)
-        except (ModelMismatchError, NotIdentifiableError):
-            first_probe += 1
-            if first_probe == n:
-                raise NotIdentifiableError(
-                    "the heads could not be told apart at any probe of q_0: their logits "
-                    "are too close for the ratio probes (not covered yet)") from None
-            continue
+        answers = phi(probes[:trial])
+        counts["ratio probes"] += trial * (length - 1)
+        best, gap = None, -1.0
+        for i, Phi in enumerate(answers):
+            try:
+                t_i, V_i, _ = ratio_eigen(Phi, ratios, H)
+            except (ModelMismatchError, NotIdentifiableError):
+                continue
+            if np.min(np.diff(t_i)) > gap:
+                best, gap = (i, t_i, V_i, Phi), float(np.min(np.diff(t_i)))
+        if best is None:
+            raise NotIdentifiableError(
+                "the heads could not be told apart at any probe of q_0: their logits are "
+                "too close for the ratio probes (not covered yet)")
+        first_probe, t0, V0, Phi0 = best
         peak = float(np.max(np.abs(t0)))
         if peak <= MAX_LOGIT:
             break
@@ -425,14 +441,14 @@ def recover_heads(oracle, heads: int, *, seed, radius):
             raise NotIdentifiableError(f"the heads' logits stay above {MAX_LOGIT} at every "
                                        f"chord down to {chord:.3g}")
         chord, rescales = _shorter(chord, peak), rescales + 1
-        probes = column_probes(q0, tangents, chord)
+        probes = column_probes(q0, candidates, chord)
+    Phis = [Phi0]
     probes = np.roll(probes, -first_probe, axis=0)
     ts, Vs = [t0], [V0]
-    step = max(2, -(-m // H))
     used, skipped = 1, 0
     pairs = []
     while True:
-        new = list(range(used, min(n, used + step)))
+        new = list(range(used, min(total, used + step)))
         extra = []
         for k in new:
             point, coef = circle_point(q0, probes[0], probes[k])
@@ -474,7 +490,7 @@ def recover_heads(oracle, heads: int, *, seed, radius):
         ranks = head_ranks([np.stack([V[:, h] for V in Vs], axis=1) for h in range(H)],
                            gap_rank(np.concatenate(Vs, axis=1)))
         labelled = (len(Vs) - 1) // 2 + 1
-        if (ranks is not None and all(r + 2 <= labelled for r in ranks)) or used >= n:
+        if (ranks is not None and all(r + 2 <= labelled for r in ranks)) or used >= total:
             break
     if ranks is None or any(r + 2 > labelled for r in ranks):
         raise NotIdentifiableError(
