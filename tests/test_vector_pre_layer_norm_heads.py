@@ -10,7 +10,7 @@ import pytest
 from scipy.optimize import linear_sum_assignment
 
 from attnextract import extract
-from attnextract.errors import AttnExtractError, ModelMismatchError, NotIdentifiableError
+from attnextract.errors import ModelMismatchError, NotIdentifiableError
 from attnextract.learners.vector_pre_layer_norm_heads import (
     circle_point,
     head_ranks,
