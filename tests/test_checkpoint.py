@@ -236,6 +236,21 @@ def test_gpt2_at_default_initialisation_with_several_heads(width, heads, seed, t
     assert report["max_abs_difference"] <= 1e-9
 
 
+def test_gpt2_every_position_is_read_at_the_last(tmp_path):
+    """--outputs all on a GPT-2 layer of several heads: the causal box answers every
+    position, the learner reads the last one, the heads match the weights; a one-head
+    layer is refused before any query."""
+    torch.manual_seed(2)
+    config = transformers.GPT2Config(n_embd=16, n_head=2, n_layer=1, vocab_size=64,
+                                     n_positions=64)
+    folder = _save(transformers.GPT2Model(config), tmp_path / "gpt2")
+    result = extract_checkpoint(folder, outputs="all", run_dir=tmp_path / "run",
+                                check_against=folder)
+    (entry,) = result.layers
+    assert entry["outputs"] == "all" and entry["learner"] == "vector-pre-ln"
+    assert entry["check"]["canonical_error"] <= 1e-9
+
+
 def test_scalar_outputs_and_no_export_from_them(gpt2_one_head_folder, tmp_path):
     result = extract_checkpoint(gpt2_one_head_folder, layers="1", outputs="scalar",
                                 run_dir=tmp_path / "r", check_against=gpt2_one_head_folder)
