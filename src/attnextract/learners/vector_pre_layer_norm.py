@@ -40,7 +40,8 @@ ceil((n^2 + n + 2 m n + m) / m), about 3d at m = d). Conditioning: the logits gr
 the chord, so a round whose largest |t_k| exceeds MAX_LOGIT is asked again at a shorter
 chord (counted as "rescaling"). Error bars are first-order from the answers' rounding
 through the measured conditioning (|k| near 1/4 or 1, sigma_min of U and of O' U^T).
-One head; several heads are not covered here (``heads`` >= 2 is refused). A box
+One head here; ``heads`` >= 2 runs :mod:`attnextract.learners.vector_pre_layer_norm_heads`
+(heads with independent output ranges, told apart by them). A box
 answering every position is read at its last one (the causal mask changes nothing there).
 
 Verification (:func:`attnextract.verification.verify_vector_on_sphere`): held-out sequences on S against the
@@ -108,7 +109,9 @@ def extract_vector_pre_layer_norm(oracle: QueryAccess, heads: int | None = None,
         Y = LN(X), one head; a box answering every position (``outputs="all"``, causal or
         not) is read at its last position.
     heads : int, optional
-        The block's number of heads: 1 (the default) only.
+        The block's number of heads (default 1). Two or more run
+        :func:`attnextract.learners.vector_pre_layer_norm_heads.extract_heads_on_sphere`:
+        heads with independent output ranges, told apart by them.
     seed : int, optional
         Seed of the simplex's rotation and of the held-out verification.
     verify_tolerance : float
@@ -126,7 +129,7 @@ def extract_vector_pre_layer_norm(oracle: QueryAccess, heads: int | None = None,
     Raises
     ------
     InputError
-        The oracle does not answer vectors, or ``heads`` >= 2.
+        The oracle does not answer vectors, or ``heads`` is not a positive integer.
     NotIdentifiableError
         d < 3, answers narrower than d - 1, or O' P = 0 (the answers never depend on
         W or b).

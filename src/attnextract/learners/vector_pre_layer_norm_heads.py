@@ -16,7 +16,8 @@ makes them so). For tokens a, q in S with u = a - q and t_h = u^T y_h(q):
        E (Phi(r_i) - Phi(r_j)) = Phi(r_j) / r_j - Phi(r_i) / r_i,
    an H x H eigenproblem on span{v_h}: every head's v_h and t_h at one direction u,
    with L = H + 3. This start is ill-conditioned when the E_h are close (a Cauchy-like
-   matrix); it only needs to label the heads.
+   matrix): a direction whose nearest logits are closer than MIN_GAP x their spread is
+   skipped; it only needs to label the heads.
 3. Labels across directions: a third token a'' on the circle through q, a_1 and a_k
    has u'' = alpha u_1 + beta u_k, so each head's v''_h = alpha v_h(u_1) + beta v_h(u_k):
    the decomposition of v'' over [v(u_1), v(u_k)] pairs the heads of u_k with those of
@@ -28,8 +29,16 @@ makes them so). For tokens a, q in S with u = a - q and t_h = u^T y_h(q):
    answers' rounding is the certificate of the separation.
 5. Each head through its coordinates: [a, a, q] and [a, q, q] at the n tangent directions
    of q_0 give O'_h P and y_h(q_0) (identity 2 of the single head, per head; 2n queries);
-   queries [a_1 .. a_k, q_j] with k <= min_h d_h tokens read k logits of every head at
-   once (L_h O'_h U^T is d_h x k, of rank k): y_h(q_j) at the other n vertices.
+   queries [a_1 .. a_k, q_j] with k = min_h d_h / 2 tokens read k logits of every head
+   at once (L_h O'_h U^T is d_h x k, of rank k; half the smallest width keeps it
+   well-conditioned): y_h(q_j) at the other n vertices.
+7. Error bars: first order from the answers' rounding and the ranges' bound (the
+   polish's misfit over its conditioning) through each solve's measured conditioning.
+   Verification: held-out sequences on the sphere, every channel, and rescaled or
+   shifted copies off it (:func:`attnextract.verification.verify_vector_on_sphere`).
+
+Not covered: heads whose logits stay too close at every probe for the ratio start
+(8 heads at GPT-2's initial scale): refused as not identifiable, never answered wrong.
 6. W'_h, b'_h from y_h(q_j) at the d vertices (identity 4), R P = M - sum_h O'_h P.
 """
 
@@ -312,7 +321,38 @@ def extract_heads_on_sphere(oracle, heads: int, *, seed, verify_tolerance,
                             radius) -> ExtractionResult:
     """:func:`attnextract.learners.vector_pre_layer_norm.extract_vector_pre_layer_norm`
     for ``heads`` >= 2 on the (rescaled) view ``oracle`` (module docstring): recovery,
-    held-out verification on the sphere and off it, the report."""
+    held-out verification on the sphere and off it, the report.
+
+    Parameters
+    ----------
+    oracle : QueryAccess
+        Answers (B, m) at the last position (or (B, N, m), read at the last position).
+    heads : int
+        H >= 2, the block's number of heads.
+    seed : int or None
+        Seed of the simplex's rotation, the extra probe directions and the held-out check.
+    verify_tolerance : float
+        Largest held-out error on the sphere, relative to the RMS of F - c.
+    radius : float or None
+        Norm of every probe token (default sqrt(d)).
+
+    Returns
+    -------
+    ExtractionResult
+        ``model`` a :class:`VectorSphereAttention`: W (H, d, d), b (H, d), O (H, m, d),
+        c (m,), R (m, d), projected on 1^T x = 0; the report's details hold the error
+        bars ("error bar" the largest), the heads' output ranks, the polish's misfit and
+        conditioning.
+
+    Raises
+    ------
+    NotIdentifiableError
+        d < 3, m < 2H, the heads could not be labelled (logits too close at every probe),
+        the polish did not reach the answers' rounding, a singular system.
+    ModelMismatchError
+        The answers are not those of H softmax heads with independent output ranges, or
+        held-out verification failed (``.result`` holds the extraction).
+    """
     start, start_queries, start_bb = time.perf_counter(), oracle.queries, oracle.black_box_seconds
     d, H = oracle.dim, int(heads)
     n = d - 1
@@ -364,8 +404,19 @@ def extract_heads_on_sphere(oracle, heads: int, *, seed, verify_tolerance,
 
 
 def recover_heads(oracle, heads: int, *, seed, radius):
-    """The recovery of :func:`extract_heads_on_sphere` (stages 1 to 6): the model, the
-    queries per stage and what was measured (error bars, ranks, the polish)."""
+    """The recovery of :func:`extract_heads_on_sphere` (stages 1 to 6).
+
+    Returns
+    -------
+    model : VectorSphereAttention
+    counts : dict
+        Queries per stage.
+    info : dict
+        ``bars`` (the error bars), ``L`` (m_tot, m) (the heads' covectors), ``widths``
+        (d_h), ``misfit``, ``conditioning``, ``history`` (the polish), ``level`` (the
+        answers' relative rounding), ``worst`` (the column reads' largest condition
+        number), ``chord``, ``skipped`` (ratio directions not labelled).
+    """
 
     def ask(X: np.ndarray) -> np.ndarray:
         return last_answers(oracle.query(X))
