@@ -50,6 +50,7 @@ DEFAULT_TESTS = ["tests/test_multi_head.py", "tests/test_multi_head_polish.py",
                  "tests/test_low_rank.py",
                  "tests/test_single_head.py"]
 MORE_TESTS = ["tests/test_noisy.py", "tests/test_one_layer.py", "tests/test_residual.py",
+              "tests/test_vector_pre_layer_norm_heads.py",
               "tests/test_relu_network.py", "tests/test_error_bars.py", "tests/test_impostors.py",
               "tests/test_impostors_learners.py", "tests/test_verification_domain.py",
               "tests/test_minilm.py", "tests/test_models.py", "tests/test_torch_target.py",

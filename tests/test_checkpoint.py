@@ -20,7 +20,7 @@ from attnextract.adapters.checkpoint import (
     parse_layers,
 )
 from attnextract.adapters.checkpoint_export import compare, export_state_dict
-from attnextract.checkpoint import CheckpointResult, extract_checkpoint
+from attnextract.checkpoint import CheckpointResult, extract_checkpoint, layer_heads
 from attnextract.cli import main
 from attnextract.errors import BlackBoxError, InputError, TargetLoadError
 
@@ -213,6 +213,42 @@ def test_gpt2_layers_on_the_sphere_and_its_export(gpt2_one_head_folder, tmp_path
         assert entry["check"]["canonical_error"] <= 1e-9, entry["check"]
     report = compare(gpt2_one_head_folder, export_state_dict(result, tmp_path / "g.st"))
     assert report["max_abs_difference"] <= 1e-9
+
+
+@pytest.mark.parametrize("width, heads, seed", [(32, 4, 0), (16, 2, 1)])
+def test_gpt2_at_default_initialisation_with_several_heads(width, heads, seed, tmp_path):
+    """A GPT-2 exactly as transformers initialises it (weights N(0, 0.02), biases 0, ln_1
+    the identity), several heads: every layer from last-position vectors through
+    vector-pre-ln within 1e-9 of its own weights on the sphere, and the export computes
+    what the original computes."""
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(n_embd=width, n_head=heads, n_layer=2, vocab_size=64,
+                                     n_positions=64)
+    folder = _save(transformers.GPT2Model(config), tmp_path / "gpt2")
+    result = extract_checkpoint(folder, outputs="last", run_dir=tmp_path / "run",
+                                check_against=folder)
+    for entry in result.layers:
+        assert entry["learner"] == "vector-pre-ln" and entry["heads_found"] == heads
+        assert entry["check"]["canonical_error"] <= 1e-9, entry["check"]
+        assert entry["error_bar"] is not None and entry["verification"]["passed"]
+        assert entry["residual_norm"] <= 1e-9 * np.linalg.norm(layer_heads(entry)["O"])
+    report = compare(folder, export_state_dict(result, tmp_path / "g.safetensors"))
+    assert report["max_abs_difference"] <= 1e-9
+
+
+def test_gpt2_every_position_is_read_at_the_last(tmp_path):
+    """--outputs all on a GPT-2 layer of several heads: the causal box answers every
+    position, the learner reads the last one, the heads match the weights; a one-head
+    layer is refused before any query."""
+    torch.manual_seed(2)
+    config = transformers.GPT2Config(n_embd=16, n_head=2, n_layer=1, vocab_size=64,
+                                     n_positions=64)
+    folder = _save(transformers.GPT2Model(config), tmp_path / "gpt2")
+    result = extract_checkpoint(folder, outputs="all", run_dir=tmp_path / "run",
+                                check_against=folder)
+    (entry,) = result.layers
+    assert entry["outputs"] == "all" and entry["learner"] == "vector-pre-ln"
+    assert entry["check"]["canonical_error"] <= 1e-9
 
 
 def test_scalar_outputs_and_no_export_from_them(gpt2_one_head_folder, tmp_path):

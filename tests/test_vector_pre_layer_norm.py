@@ -177,11 +177,11 @@ def test_impostors_refused(impostor):
         extract(Oracle(box, d, outputs="last"), model="pre-ln", seed=0)
 
 
-def test_refuses_scalar_oracles_and_several_heads():
+def test_refuses_scalar_oracles_and_bad_head_counts():
     d = 8
     box, _ = block(d, d, 0)
     with pytest.raises(InputError):
-        extract_vector_pre_layer_norm(Oracle(box, d, outputs="last"), heads=2)
+        extract_vector_pre_layer_norm(Oracle(box, d, outputs="last"), heads=0)
     with pytest.raises(InputError):
         extract_vector_pre_layer_norm(Oracle(lambda X: box(X)[:, 0], d, outputs="scalar"))
 

@@ -27,9 +27,9 @@ What each layer's job runs (``outputs``):
   O_h and c from one designed batch of vectors
   (:mod:`attnextract.learners.values_given_scores`). Where the family's vector learner is
   registered (:data:`VECTOR_LEARNERS`: ``vector-single-head`` for a one-head BERT-style
-  layer, ``vector-layer`` for several heads; GPT-2 layers keep both stages, as
-  ``vector-pre-ln`` is one head and its sphere model is not mapped to an export) it
-  replaces both stages; ``learner=`` names another registered learner.
+  layer, ``vector-layer`` for several heads, ``vector-pre-ln`` with the layer's head
+  count for a GPT-2 layer of several heads, its heads on the sphere with the radius
+  recorded) it replaces both stages; ``learner=`` names another registered learner.
 """
 
 from __future__ import annotations
@@ -60,8 +60,12 @@ SCALAR_LEARNERS = {"bert": ("multi-head-low-rank", {"biases": True}),
 # the vector learner of each family at the last position (by its head count), used as
 # soon as it is registered; until then a scalar stage and the value stage stand in for it
 VECTOR_LEARNERS = {"bert": lambda heads: "vector-single-head" if heads == 1 else "vector-layer",
-                   # vector-pre-ln's sphere model is not yet mapped to a GPT-2 export
-                   "gpt2": lambda heads: None}
+                   # one head: the scalar stage and the value stage (measured to 1e-12 on
+                   # default-initialised layers, where vector-pre-ln's one-head chord
+                   # leaves W at 1e-8)
+                   "gpt2": lambda heads: "vector-pre-ln" if heads >= 2 else None}
+# what each family's vector learner is told of the layer (by its head count)
+VECTOR_OPTIONS = {"bert": lambda heads: {}, "gpt2": lambda heads: {"heads": heads}}
 RETRIES = 1
 # singular values of a head's W_h or O_h below this x the largest are rounding (a learner's
 # rank-d_h product, a least-squares fit's noise near 1e-15): the bundle stores the factors
@@ -159,13 +163,16 @@ def run_layer(job: LayerJob) -> dict:
     cpu, wall = time.process_time(), time.perf_counter()
     ck = Checkpoint(job.path)
     info = ck.info
-    box = ck.black_box(job.layer, "last")
+    # --outputs all (a GPT-2 layer of several heads only): the box answers every
+    # position, causal, and the vector learner reads it at the last position
+    box = ck.black_box(job.layer, "all" if job.outputs == "all" else "last")
     run_dir = Path(job.run_dir) if job.run_dir else None
     if run_dir is not None:
         (run_dir / f"layer-{job.layer}.pid").write_text(str(os.getpid()))
     progress_file = run_dir / f"layer-{job.layer}.progress" if run_dir else None
     vector_learner = VECTOR_LEARNERS[info.family](info.heads)
-    if job.outputs == "last" and job.learner is None and vector_learner in registry.LEARNERS:
+    if (job.outputs in ("last", "all") and job.learner is None
+            and vector_learner in registry.LEARNERS):
         return _run_vector_learner(job, ck, box, vector_learner, run_dir, progress_file,
                                    cpu, wall)
     # the scalar stage's journal (a vector learner keeps only the vectors journal)
@@ -238,18 +245,25 @@ def _run_vector_learner(job: LayerJob, ck, box, name: str, run_dir, progress_fil
         run_dir / f"layer-{job.layer}.vectors.sqlite", context={
             "target": f"checkpoint {info.path} layer {job.layer} vectors",
             "dim": info.width, "seed": job.seed})
-    oracle = Oracle(box, info.width, outputs="last", out_dim=info.width, journal=journal,
+    oracle = Oracle(box, info.width, outputs=job.outputs, out_dim=info.width, journal=journal,
                     budget=job.budget,
                     progress=_progress_writer(progress_file))
+    options = {**VECTOR_OPTIONS[info.family](info.heads), **job.options}
     try:
-        result = registry.extract(oracle, model=name, seed=job.seed, **job.options)
+        result = registry.extract(oracle, model=name, seed=job.seed, **options)
     finally:
         if journal is not None:
             journal.close()
     model = result.model
     heads = {"W": np.asarray(model.W), "b": np.asarray(model.b), "O": np.asarray(model.O),
              "c": np.asarray(model.c)}
-    return {**_layer_entry(job, name, dict(job.options), result, oracle),
+    sphere = {}
+    if info.pre_layer_norm:
+        # the heads live on the sphere of this radius (the export and the check fold the
+        # weights there); the sublayer has no residual, so R is the rounding's
+        sphere = {"radius": float(model.radius),
+                  "residual_norm": float(np.linalg.norm(model.R))}
+    return {**_layer_entry(job, name, options, result, oracle), **sphere,
             "heads": {k: pack_low_rank(v) if k in ("W", "O") else pack(v)
                       for k, v in heads.items()},
             "heads_found": int(heads["W"].shape[0]),
@@ -470,10 +484,11 @@ def extract_checkpoint(path, *, layers="all", outputs: str = "scalar", seed: int
     path : str or Path
         Model folder: config.json and model.safetensors (nothing is downloaded).
     layers : "all", "0,3,5" or list of int
-    outputs : {"scalar", "last"}
-        What the layer's box answers: r^T F at the last position (seeded readout r), or
-        the whole vector F at the last position ("all", every position, is not available
-        yet: refused before any query).
+    outputs : {"scalar", "last", "all"}
+        What the layer's box answers: r^T F at the last position (seeded readout r), the
+        whole vector F at the last position, or at every position ("all": GPT-2 layers of
+        several heads only, causal, read at the last position by ``vector-pre-ln``;
+        refused before any query otherwise).
     seed, readout_seed : int
         Seeds of the learners and of the readout r (the same for every layer).
     learner : str, optional
@@ -512,10 +527,11 @@ def extract_checkpoint(path, *, layers="all", outputs: str = "scalar", seed: int
 
     if outputs not in OUTPUTS:
         raise InputError(f"outputs must be one of {', '.join(OUTPUTS)}, got {outputs!r}")
-    if outputs == "all":
-        raise InputError("--outputs all needs a learner of every position's vectors, which "
-                         "this version does not have: use --outputs last or scalar")
     info = inspect_checkpoint(path)                  # a refusal here costs no query
+    if outputs == "all" and (info.family != "gpt2" or info.heads < 2 or learner is not None):
+        raise InputError("--outputs all needs a learner of every position's vectors: only "
+                         "GPT-2 layers of several heads have one in this version (read at "
+                         "the last position, causal); use --outputs last or scalar")
     chosen = parse_layers(layers, info.layers)
     run_dir = Path(run_dir) if run_dir is not None else _default_run_dir(info.path)
     run_dir.mkdir(parents=True, exist_ok=True)

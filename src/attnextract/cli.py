@@ -436,7 +436,8 @@ def _checkpoint_parser(command) -> None:
     ck.add_argument("--outputs", choices=["scalar", "last", "all"], default="scalar",
                     help="what the layer's black box answers: r^T F at the last position "
                          "(seeded readout r), the whole vector F at the last position, or "
-                         "at every position (not available yet)")
+                         "at every position (GPT-2 layers of several heads only, read at "
+                         "the last position)")
     ck.add_argument("--model", dest="learner", metavar="LEARNER",
                     help="a registered learner instead of the family's own (BERT-style: "
                          "multi-head-low-rank with biases; GPT-2: pre-ln)")

@@ -481,5 +481,6 @@ register("vector-layer", _L + "vector_layer_positions:extract_standard_layer",
          "position when the box answers every position)", vectors=True)
 register("vector-pre-ln", _L + "vector_pre_layer_norm:extract_vector_pre_layer_norm",
          "a pre-LayerNorm attention block answering vectors (last position, residual R "
-         "x_N or none), on the sphere where LayerNorm is affine: one head at 4d - 3 queries",
+         "x_N or none), on the sphere where LayerNorm is affine: one head at 4d - 3 queries, "
+         "or H heads with independent output ranges (heads=H)",
          vectors=True)

@@ -40,7 +40,8 @@ ceil((n^2 + n + 2 m n + m) / m), about 3d at m = d). Conditioning: the logits gr
 the chord, so a round whose largest |t_k| exceeds MAX_LOGIT is asked again at a shorter
 chord (counted as "rescaling"). Error bars are first-order from the answers' rounding
 through the measured conditioning (|k| near 1/4 or 1, sigma_min of U and of O' U^T).
-One head; several heads are not covered here (``heads`` >= 2 is refused). A box
+One head here; ``heads`` >= 2 runs :mod:`attnextract.learners.vector_pre_layer_norm_heads`
+(heads with independent output ranges, told apart by them). A box
 answering every position is read at its last one (the causal mask changes nothing there).
 
 Verification (:func:`attnextract.verification.verify_vector_on_sphere`): held-out sequences on S against the
@@ -82,33 +83,17 @@ from .pre_layer_norm import (
     _shorter,
     _solve_on_hyperplane,
 )
+from .vector_pre_layer_norm_heads import (
+    extract_heads_on_sphere,
+    three_token_sequences,
+    three_token_solve,
+)
 
 log = logging.getLogger(__name__)
 
 EPS = float(np.finfo(float).eps)
 ROUNDING = 4.0           # error bars: ulps of rounding per answer number
 VALUE_ROUNDING = 64.0    # g within this many ulps of the answers' size: O' P = 0
-
-
-def three_token_sequences(A: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """(2k, 3, d): [a_k, a_k, q] for every probe a_k (A (k, d)), then [a_k, q, q]."""
-    k = A.shape[0]
-    X = np.empty((2 * k, 3, A.shape[1]))
-    X[:k, 0], X[:k, 1], X[:k, 2] = A, A, q
-    X[k:, 0], X[k:, 1], X[k:, 2] = A, q, q
-    return X
-
-
-def three_token_solve(gA: np.ndarray, gB: np.ndarray):
-    """(h, t, k) from g_A = sigma(t + log 2) h and g_B = sigma(t - log 2) h, rows (k, m).
-
-    k = g_B / g_A is read by projection (g_A, g_B parallel); h = 3 g_B / (4 k - 1) (k, m),
-    t = log((4 k - 1) / (2 (1 - k))) (k,); t is not finite when k is outside (1/4, 1)."""
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        k = np.einsum("km,km->k", gA, gB) / np.einsum("km,km->k", gA, gA)
-        h = 3.0 * gB / (4.0 * k - 1.0)[:, None]
-        t = np.log((4.0 * k - 1.0) / (2.0 * (1.0 - k)))
-    return h, t, k
 
 
 def extract_vector_pre_layer_norm(oracle: QueryAccess, heads: int | None = None, *, seed=None,
@@ -124,7 +109,9 @@ def extract_vector_pre_layer_norm(oracle: QueryAccess, heads: int | None = None,
         Y = LN(X), one head; a box answering every position (``outputs="all"``, causal or
         not) is read at its last position.
     heads : int, optional
-        The block's number of heads: 1 (the default) only.
+        The block's number of heads (default 1). Two or more run
+        :func:`attnextract.learners.vector_pre_layer_norm_heads.extract_heads_on_sphere`:
+        heads with independent output ranges, told apart by them.
     seed : int, optional
         Seed of the simplex's rotation and of the held-out verification.
     verify_tolerance : float
@@ -142,7 +129,7 @@ def extract_vector_pre_layer_norm(oracle: QueryAccess, heads: int | None = None,
     Raises
     ------
     InputError
-        The oracle does not answer vectors, or ``heads`` >= 2.
+        The oracle does not answer vectors, or ``heads`` is not a positive integer.
     NotIdentifiableError
         d < 3, answers narrower than d - 1, or O' P = 0 (the answers never depend on
         W or b).
@@ -153,13 +140,13 @@ def extract_vector_pre_layer_norm(oracle: QueryAccess, heads: int | None = None,
     """
     if heads is not None and (int(heads) != heads or heads < 1):
         raise InputError(f"heads must be a positive integer, got {heads!r}")
-    if heads is not None and heads >= 2:
-        raise InputError("vector-pre-ln recovers one head (heads=1); a block with several "
-                         "heads is not covered yet")
     root = root_oracle(oracle)
     if getattr(root, "outputs", None) not in ("last", "all"):
         raise InputError("vector-pre-ln reads vector answers: the oracle must answer (B, m) "
                          "or (B, N, m) (Oracle(..., outputs='last' or 'all'))")
+    if heads is not None and heads >= 2:
+        return on_scaled_outputs(oracle, lambda view: extract_heads_on_sphere(
+            view, int(heads), seed=seed, verify_tolerance=verify_tolerance, radius=radius))
     # answers of any size (1e-300 .. 1e300) are learned on an exact 2^k rescaling
     return on_scaled_outputs(oracle, lambda view: _extract_on_sphere(
         view, seed=seed, verify_tolerance=verify_tolerance, radius=radius))
