@@ -548,11 +548,11 @@ def recover_heads(oracle, heads: int, *, seed, radius):
             "the heads could not be labelled across directions: their logits are too "
             "close for the ratio probes (not covered yet)")
     widths = ranks
-    B = []
+    bases = []
     for h in range(H):
         left = np.linalg.svd(np.stack([V[:, h] for V in Vs], axis=1), full_matrices=False)[0]
-        B.append(left[:, :widths[h]])
-    B = np.concatenate(B, axis=1)                                          # (m, m_tot)
+        bases.append(left[:, :widths[h]])
+    B = np.concatenate(bases, axis=1)                                      # (m, m_tot)
     m_tot = B.shape[1]
     sv = np.linalg.svd(B, compute_uv=False)
     if m_tot > m or sv[-1] < 1e-6 * sv[0]:
@@ -622,12 +622,12 @@ def recover_heads(oracle, heads: int, *, seed, radius):
         for group in groups:
             sequences.append(np.vstack([P[group], Q[:, j]]))
             owners.append((j, group, P))
-    answers = ask(np.stack(sequences))
+    column_answers = ask(np.stack(sequences))
     counts["columns"] = len(sequences)
     logits = np.zeros((H, d, n))
     worst = 0.0
 
-    for answer, (j, group, P) in zip(answers, owners):
+    for answer, (j, group, P) in zip(column_answers, owners):
         gj = differences(answer[None], Q[:, j])[0]
         U = P[group] - Q[:, j]
         for h in range(H):
