@@ -472,7 +472,7 @@ def _ray_module():
     return ray
 
 
-def extract_checkpoint(path, *, layers="all", outputs: str = "scalar", seed: int = 0,
+def extract_checkpoint(path, *, layers="all", outputs: str = "last", seed: int = 0,
                        readout_seed: int = 0, learner: str | None = None,
                        options: dict | None = None, run_dir=None, ray=None,
                        check_against=None, budget: int | None = None, progress=None,
@@ -484,11 +484,12 @@ def extract_checkpoint(path, *, layers="all", outputs: str = "scalar", seed: int
     path : str or Path
         Model folder: config.json and model.safetensors (nothing is downloaded).
     layers : "all", "0,3,5" or list of int
-    outputs : {"scalar", "last", "all"}
-        What the layer's box answers: r^T F at the last position (seeded readout r), the
-        whole vector F at the last position, or at every position ("all": GPT-2 layers of
-        several heads only, causal, read at the last position by ``vector-pre-ln``;
-        refused before any query otherwise).
+    outputs : {"last", "scalar", "all"}
+        What the layer's box answers: the whole vector F at the last position (default),
+        r^T F at the last position (seeded readout r: one direction of the output, at
+        far more queries), or at every position ("all": GPT-2 layers of several heads
+        only, causal, read at the last position by ``vector-pre-ln``; refused before any
+        query otherwise).
     seed, readout_seed : int
         Seeds of the learners and of the readout r (the same for every layer).
     learner : str, optional

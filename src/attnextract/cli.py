@@ -433,9 +433,10 @@ def _checkpoint_parser(command) -> None:
     ck.add_argument("path", metavar="PATH", help="the model folder (nothing is downloaded)")
     ck.add_argument("--layers", default="all", metavar="all|0,3,5",
                     help="which layers (default: all)")
-    ck.add_argument("--outputs", choices=["scalar", "last", "all"], default="scalar",
-                    help="what the layer's black box answers: r^T F at the last position "
-                         "(seeded readout r), the whole vector F at the last position, or "
+    ck.add_argument("--outputs", choices=["scalar", "last", "all"], default="last",
+                    help="what the layer's black box answers: the whole vector F at the "
+                         "last position (default), r^T F at the last position (seeded "
+                         "readout r: one direction of the output, far more queries), or "
                          "at every position (GPT-2 layers of several heads only, read at "
                          "the last position)")
     ck.add_argument("--model", dest="learner", metavar="LEARNER",
@@ -1389,7 +1390,7 @@ def _minilm_as_checkpoint(args) -> int:
         raise InputError("minilm --layer L runs checkpoint: --outputs scalar or last")
     folder = str(minilm_weights_path().parent)
     forwarded = argparse.Namespace(
-        path=folder, layers=str(args.layer), outputs=args.outputs or "scalar",
+        path=folder, layers=str(args.layer), outputs=args.outputs or "last",
         learner=None, seed=args.seed, readout_seed=args.readout_seed, budget=args.budget,
         run_dir=None, ray=None, out=args.out, check_against=folder, export=None,
         compare=None, save_target=None, json=args.json, no_progress=args.no_progress)
