@@ -73,7 +73,9 @@ POLISH_STEPS = 12         # Gauss-Newton steps on the ranges (converges in 3 to 
 POLISH_LEVEL = 1e3        # the polish is done when its misfit is this x the rounding level
 MATCH_TOL = 1e-3          # a head's pairing coefficient off by more than this: not labelled
 TOKEN_SHARE = 2           # tokens a column query: half the smallest head width (conditioning)
-CANDIDATES = 3            # ratio probes' directions: at most this x (d - 1)
+CANDIDATES = 6            # ratio probes' directions: at most this x (d - 1); a direction is
+                          # skipped where two heads' logits nearly meet (GPT-2 d = 16, 4 heads,
+                          # default init: with 3, 1 of 20 layers ran out of directions; 6: 40/40)
 MIN_GAP = 0.05            # ratio start: two heads' logits closer than this x their spread: skipped
 
 
