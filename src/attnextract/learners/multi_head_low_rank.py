@@ -1247,13 +1247,10 @@ def _low_rank_report(model, verification, counts: dict, bar: dict, value_info, v
     """The report: queries by stage, floor, conditioning, error bar and verification.
 
     ``counts``: queries by stage ("values", "query spaces", "isolation", "heights",
-    "recovery", "verification", "total"); ``bar``: :func:`_error_bar`'s dict with the
-    steepest logit kept; ``timing``: (seconds, black-box seconds)."""
+    "recovery", "verification", "total") and the "floor"; ``bar``: :func:`_error_bar`'s
+    dict with the steepest logit kept; ``timing``: (seconds, black-box seconds)."""
     d, H = model.dim, len(ranks)
-    recovery, n_verify = counts["recovery"], counts["verification"]
-    floor = low_rank_multi_head_floor(d, ranks) if H else d
-    if biases:
-        floor += sum(ranks) + 1
+    recovery, n_verify, floor = counts["recovery"], counts["verification"], counts["floor"]
     predicted, first_pass, residual = bar["predicted"], bar["first_pass"], bar["residual"]
     spread, min_sep, min_height = bar["spread"], bar["min_sep"], bar["min_height"]
     bias_factors = bar["bias_factors"]
@@ -1429,7 +1426,7 @@ def _extract_low_rank_heads(oracle, heads, rank, seed, progress, verify_toleranc
                                 rounded_answers=not precision.exact)
     counts = {"values": value_queries, "query spaces": space_queries,
               "isolation": column_queries, "heights": height_queries, "recovery": recovery,
-              "verification": n_verify, "total": oracle.queries - q0}
+              "verification": n_verify, "floor": floor, "total": oracle.queries - q0}
     report = _low_rank_report(model, verification, counts, {**bar, "steepest": meter.steepest},
                               value_info, value_sep, changes, precision, tol, meter.rescued,
                               biases, root, root_misfit, int(heads), ranks,

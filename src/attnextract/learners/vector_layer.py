@@ -946,15 +946,12 @@ def rough_ranges(oracle, O, c, E, rng, q, scale, *,
     that leak, whatever its own selectors (measured: a first set at misfit 3.4e-9 left
     later sets at 1e-8 .. 2.6e-7; with 16x the selector scale, 1e-12).
     Returns the blocks and the number of sets."""
-    restarts = ROUGH_RESTARTS if design.exact else 0
-    for restart in range(restarts + 1):
+    for _ in range(ROUGH_RESTARTS if design.exact else 0):
         try:
             return _selector_sets(oracle, O, c, E, rng, q, scale, design)
         except ModelMismatchError:
-            if restart == restarts:
-                raise
             q = _unit(rng, len(q))
-    raise AssertionError("unreachable")
+    return _selector_sets(oracle, O, c, E, rng, q, scale, design)
 
 
 def _selector_sets(oracle, O, c, E, rng, q, scale, design: Design) -> tuple[Blocks, int]:
