@@ -31,6 +31,10 @@ def safe_rms(x: np.ndarray) -> float:
     return safe_norm(x) / math.sqrt(x.size) if x.size else 0.0
 
 
+# the share of answers that must be float32 numbers to call the box's precision float32
+FLOAT32_SHARE = 0.9
+
+
 def float32_share(answers) -> float:
     """The share of the nonzero finite answers (an array, or an object array of arrays)
     that float32 represents exactly (0 with none): nearly all for a float32 forward pass,
@@ -57,7 +61,7 @@ def answers_look_rounded(observed) -> bool:
     if y.size < 4:
         return False
     with np.errstate(over="ignore"):
-        if np.mean(y.astype(np.float32).astype(np.float64) == y) >= 0.9:
+        if np.mean(y.astype(np.float32).astype(np.float64) == y) >= FLOAT32_SHARE:
             return True
     for k in range(13):
         z = y * 10.0 ** k

@@ -504,11 +504,15 @@ def mismatch_reason(check: Verification) -> str:
         text = (f"an answer left the interval spanned by its tokens' own answers by "
                 f"{check.hull_violation:.2e} > {check.hull_tolerance:.0e} (no single head does "
                 f"that: a second head or another model)")
-    if looks_like_rounding(check.max_relative_error, getattr(check, "rounded_answers", False)):
+    hint = ("extract with --output-dtype float32|bfloat16|float16 or --decimals K (error bars "
+            "from repeated measurements)")
+    if getattr(check, "float32_answers", False):
+        # a learner that assumed float64 answers can err by any amount on float32 ones
+        text += ("; the answers are float32 numbers (limited output precision: a float32, "
+                 "bfloat16 or float16 forward pass): " + hint)
+    elif looks_like_rounding(check.max_relative_error, getattr(check, "rounded_answers", False)):
         text += ("; an error this small looks like limited output precision (a float32, "
-                 "bfloat16 or float16 forward pass, or rounded outputs): extract with "
-                 "--output-dtype float32|bfloat16|float16 or --decimals K (error bars from "
-                 "repeated measurements)")
+                 "bfloat16 or float16 forward pass, or rounded outputs): " + hint)
     return text
 
 

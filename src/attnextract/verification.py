@@ -107,7 +107,7 @@ from .models import (
     layer_norm,
     softmax,
 )
-from .numerics import answers_look_rounded, float32_share, safe_norm, safe_rms
+from .numerics import FLOAT32_SHARE, answers_look_rounded, float32_share, safe_norm, safe_rms
 from .oracle import Oracle, ScaledOutputs, evaluate_ragged, live_queries, root_oracle
 from .sphere import sphere_tokens
 
@@ -150,6 +150,9 @@ class Verification:
     search_queries: int = 0        # of ``sequences``: the adversarial search's queries
     own_probes: int = 0            # the learner's longest probes compared (no query)
     rounded_answers: bool = False  # the answers show rounding (float32, decimals)
+    # (nearly) every answer is a float32 number: a float32 forward pass, whatever the size
+    # of the error its rounding caused in a learner that assumed float64 answers
+    float32_answers: bool = False
     # the model's own relative parameter error bar the check allowed for (0: none); a
     # saved result is re-verified against the same bar (``attnextract verify``)
     error_bar: float = 0.0
@@ -1474,7 +1477,7 @@ def batch_dependence(reasked: Reasked, first, differences, allowed) -> str:
     they do not). ``differences(answers)`` measures each re-asked answer against its
     first answer ``first`` (same units as ``allowed``, a number or one per re-ask)."""
     together = np.concatenate([np.ravel(a) for a in (reasked.fill_answers, reasked.again)])
-    if (np.count_nonzero(together) >= BATCH_BIG_MIN - 1 and float32_share(together) >= 0.9
+    if (np.count_nonzero(together) >= BATCH_BIG_MIN - 1 and float32_share(together) >= FLOAT32_SHARE
             and float32_share(first) < 0.5):
         return (f"answers in a batch of {reasked.big} are float32 numbers, the same "
                 f"sequences' answers in the held-out batches are not: the box's precision "
@@ -1546,8 +1549,8 @@ def replay_precision(check: Check) -> str:
     if min(numbers(then), numbers(now)) < REPLAY_PRECISION_LEAST:
         return ""
     shares = float32_share(then), float32_share(now)
-    if max(shares) >= 0.9 and min(shares) < 0.5:
-        rounded = "learner's batches" if shares[0] >= 0.9 else "check's batches"
+    if max(shares) >= FLOAT32_SHARE and min(shares) < 0.5:
+        rounded = "learner's batches" if shares[0] >= FLOAT32_SHARE else "check's batches"
         return (f"the learner's own sequences asked again are float32 numbers in the "
                 f"{rounded} only: the box's precision depends on the batch")
     return ""
@@ -1733,6 +1736,7 @@ def verify_model(oracle, model, *, count: int, seed=None, tolerance: float | Non
                         max_length=int(held.longest),
                         search_queries=check.search_queries, own_probes=check.own_probes,
                         rounded_answers=answers_look_rounded(check.observed),
+                        float32_answers=float32_share(check.observed) >= FLOAT32_SHARE,
                         error_bar=0.0 if bar is None else float(bar))
 
 
@@ -1774,6 +1778,7 @@ def merge_verifications(near, far):
         worst_family=worst.worst_family,
         family_errors={**far.family_errors, **near.family_errors},
         rounded_answers=near.rounded_answers or far.rounded_answers,
+        float32_answers=near.float32_answers or far.float32_answers,
         family_sequences=drawn,
         coverage={k: coverage_share(n) for k, n in drawn.items() if k != REASKED})
 
