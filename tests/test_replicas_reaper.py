@@ -68,7 +68,7 @@ def test_the_reaper_kills_what_a_dead_server_leaves(how):
     try:
         if how == "stop":
             assert server.stdout.readline().strip() == "stopped"
-        time.sleep(3 * REAP_INTERVAL)                  # the reaper has noted them all
+        time.sleep(6 * REAP_INTERVAL)                  # the reaper has noted them all
         server.kill()
         server.wait()
         end = time.monotonic() + (5 if how == "kill -9" else 4 * REAP_INTERVAL)
@@ -109,3 +109,53 @@ def test_no_ray_process_of_a_killed_server_is_left_after_5_s(tmp_path):
     finally:
         kill_all(watched)
         server.kill()
+
+
+# a process that keeps forking: every few ms it kills its oldest child and starts a new
+# one (a supervisor restarting workers does the same); its children carry a marker
+CHURN = """
+import subprocess, sys, time
+kids = []
+print("ready", flush=True)
+while True:
+    kids.append(subprocess.Popen(["sleep", sys.argv[1]]))
+    if len(kids) > 3:
+        kids.pop(0).kill()
+    time.sleep(0.002)
+"""
+
+
+def marked(marker: str) -> set[int]:
+    """Live (not zombie) processes whose command line holds ``marker``."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if marker.encode() in f.read() and running(int(entry)):
+                        found.add(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_a_process_forking_while_it_is_killed_leaves_no_child():
+    """The reaper stops the whole tree before it kills it: a child born between the scan
+    and the kill would outlive its parent (reparented away from every scan)."""
+    for attempt in range(5):
+        marker = f"{300 + attempt}.{os.getpid()}"
+        churn = subprocess.Popen([sys.executable, "-c", CHURN, marker], stdout=subprocess.PIPE,
+                                 text=True)
+        try:
+            assert churn.stdout.readline().strip() == "ready"
+            time.sleep(0.3)
+            snapshot = {(churn.pid, reaper_module.start_time(churn.pid))}
+            assert reaper_module.kill_tree(snapshot) >= 2       # itself and children
+            churn.wait(timeout=10)
+            time.sleep(0.2)
+            assert not marked(marker), f"attempt {attempt}: children outlived the kill"
+        finally:
+            churn.kill()
+            kill_all(marked(marker))
+            churn.stdout.close()

@@ -70,21 +70,49 @@ def descendants(root: int, exclude: int | None = None) -> set[tuple[int, int]]:
     return found
 
 
-def kill_tree(snapshot: set[tuple[int, int]]) -> int:
-    """SIGKILL the processes of ``snapshot`` that are still the same processes, and their
-    descendants now (all looked up first, then all killed); how many were killed."""
-    targets = {(pid, start) for pid, start in snapshot if start_time(pid) == start}
-    for pid, _ in list(targets):
-        targets |= descendants(pid)
-    killed = 0
+def _closure(roots: set[tuple[int, int]]) -> set[tuple[int, int]]:
+    """``roots`` that are still the same processes, and all their descendants now (one
+    scan of /proc)."""
+    children = _children()
+    found = {(pid, start) for pid, start in roots if start_time(pid) == start}
+    todo = [pid for pid, _ in found]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            start = start_time(pid)
+            if start is not None and (pid, start) not in found:
+                found.add((pid, start))
+                todo.append(pid)
+    return found
+
+
+def _signal_all(targets: set[tuple[int, int]], sig: int) -> int:
+    """Send ``sig`` to the processes of ``targets`` that are still the same processes."""
+    sent = 0
     for pid, start in targets:
         if start_time(pid) == start:
             try:
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
+                os.kill(pid, sig)
+                sent += 1
             except OSError:
                 pass
-    return killed
+    return sent
+
+
+def kill_tree(snapshot: set[tuple[int, int]], rounds: int = 20) -> int:
+    """SIGKILL the processes of ``snapshot`` that are still the same processes, and their
+    descendants; how many were killed.
+
+    They are stopped (SIGSTOP) first, round after round until a scan finds no new
+    descendant, then killed: a supervisor killed before its workers (Ray's raylet
+    restarts workers) or a process forking meanwhile leaves nothing behind."""
+    targets = _closure(snapshot)
+    for _ in range(rounds):
+        _signal_all(targets, signal.SIGSTOP)
+        grown = _closure(targets)
+        if grown <= targets:
+            break
+        targets |= grown
+    return _signal_all(targets, signal.SIGKILL)
 
 
 def watch(parent: int, before: set[int]) -> None:
