@@ -251,6 +251,30 @@ def test_gpt2_every_position_is_read_at_the_last(tmp_path):
     assert entry["check"]["canonical_error"] <= 1e-9
 
 
+@pytest.mark.parametrize("width,heads,seed", [(16, 1, 3), (32, 4, 0)])
+def test_bert_every_position(width, heads, seed, tmp_path):
+    """--outputs all on BERT-style layers: the box answers every position (both ways), the
+    learner reads every position, fewer queries than the last position alone, the heads
+    match the weights and the export computes what the original computes."""
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(hidden_size=width, num_attention_heads=heads,
+                                     num_hidden_layers=1, intermediate_size=2 * width,
+                                     vocab_size=64, max_position_embeddings=32)
+    folder = _save(_randomise_biases(transformers.BertModel(config), seed + 1),
+                   tmp_path / "bert")
+    every = extract_checkpoint(folder, outputs="all", run_dir=tmp_path / "all",
+                               check_against=folder, progress=False)
+    last = extract_checkpoint(folder, outputs="last", run_dir=tmp_path / "last",
+                              progress=False)
+    (entry,), (entry_last,) = every.layers, last.layers
+    assert entry["outputs"] == "all" and entry["learner"] == entry_last["learner"]
+    assert entry["verification"]["passed"] and entry["heads_found"] == heads
+    assert entry["check"]["canonical_error"] <= 1e-10, entry["check"]
+    assert entry["recovery_queries"] < entry_last["recovery_queries"]
+    export = export_state_dict(every, tmp_path / "bert.safetensors")
+    assert compare(folder, export)["max_abs_difference"] <= 1e-9
+
+
 def test_scalar_outputs_and_no_export_from_them(gpt2_one_head_folder, tmp_path):
     result = extract_checkpoint(gpt2_one_head_folder, layers="1", outputs="scalar",
                                 run_dir=tmp_path / "r", check_against=gpt2_one_head_folder)

@@ -163,8 +163,8 @@ def run_layer(job: LayerJob) -> dict:
     cpu, wall = time.process_time(), time.perf_counter()
     ck = Checkpoint(job.path)
     info = ck.info
-    # --outputs all (a GPT-2 layer of several heads only): the box answers every
-    # position, causal, and the vector learner reads it at the last position
+    # --outputs all: the box answers every position (GPT-2's causal); BERT-style layers'
+    # learners read every position, vector-pre-ln reads the last
     box = ck.black_box(job.layer, "all" if job.outputs == "all" else "last")
     run_dir = Path(job.run_dir) if job.run_dir else None
     if run_dir is not None:
@@ -245,8 +245,10 @@ def _run_vector_learner(job: LayerJob, ck, box, name: str, run_dir, progress_fil
         run_dir / f"layer-{job.layer}.vectors.sqlite", context={
             "target": f"checkpoint {info.path} layer {job.layer} vectors",
             "dim": info.width, "seed": job.seed})
+    # every position: the mask is the family's (BERT sees both ways, GPT-2 is causal)
     oracle = Oracle(box, info.width, outputs=job.outputs, out_dim=info.width, journal=journal,
                     budget=job.budget,
+                    causal=bool(info.causal) if job.outputs == "all" else None,
                     progress=_progress_writer(progress_file))
     options = {**VECTOR_OPTIONS[info.family](info.heads), **job.options}
     try:
@@ -487,9 +489,9 @@ def extract_checkpoint(path, *, layers="all", outputs: str = "last", seed: int =
     outputs : {"last", "scalar", "all"}
         What the layer's box answers: the whole vector F at the last position (default),
         r^T F at the last position (seeded readout r: one direction of the output, at
-        far more queries), or at every position ("all": GPT-2 layers of several heads
-        only, causal, read at the last position by ``vector-pre-ln``; refused before any
-        query otherwise).
+        far more queries), or at every position ("all": BERT-style layers, every
+        position read; GPT-2 layers of several heads, causal, read at the last position
+        by ``vector-pre-ln``; a GPT-2 layer of one head is refused before any query).
     seed, readout_seed : int
         Seeds of the learners and of the readout r (the same for every layer).
     learner : str, optional
@@ -529,10 +531,11 @@ def extract_checkpoint(path, *, layers="all", outputs: str = "last", seed: int =
     if outputs not in OUTPUTS:
         raise InputError(f"outputs must be one of {', '.join(OUTPUTS)}, got {outputs!r}")
     info = inspect_checkpoint(path)                  # a refusal here costs no query
-    if outputs == "all" and (info.family != "gpt2" or info.heads < 2 or learner is not None):
-        raise InputError("--outputs all needs a learner of every position's vectors: only "
-                         "GPT-2 layers of several heads have one in this version (read at "
-                         "the last position, causal); use --outputs last or scalar")
+    if outputs == "all" and (VECTOR_LEARNERS[info.family](info.heads) is None
+                             or learner is not None):
+        raise InputError("--outputs all needs a learner of every position's vectors: "
+                         "BERT-style layers and GPT-2 layers of several heads have one "
+                         "(a GPT-2 layer of one head has not); use --outputs last or scalar")
     chosen = parse_layers(layers, info.layers)
     run_dir = Path(run_dir) if run_dir is not None else _default_run_dir(info.path)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -437,8 +437,8 @@ def _checkpoint_parser(command) -> None:
                     help="what the layer's black box answers: the whole vector F at the "
                          "last position (default), r^T F at the last position (seeded "
                          "readout r: one direction of the output, far more queries), or "
-                         "at every position (GPT-2 layers of several heads only, read at "
-                         "the last position)")
+                         "at every position (BERT-style layers: fewer queries; GPT-2 "
+                         "layers of several heads: read at the last position)")
     ck.add_argument("--model", dest="learner", metavar="LEARNER",
                     help="a registered learner instead of the family's own (BERT-style: "
                          "multi-head-low-rank with biases; GPT-2: pre-ln)")
