@@ -219,3 +219,14 @@ def test_sixteen_four_grid(seed):
 def test_thirty_two(H):
     truth = box(H, 32, H)
     check(extract_vector_multi_head(Oracle(truth, 32), seed=H), truth)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("H,biases", [(1, False), (2, False), (2, True)])
+def test_small_layers_of_every_seed(H, biases):
+    """d = 8, 40 seeds each: every box recovered within its bar (a short random query
+    token once left the scans' first and largest scales 2.9x apart, and two close steps
+    could not be spread: refused in class; the token now has unit norm)."""
+    for seed in range(40):
+        truth = box(seed, 8, H, biases=biases)
+        check(extract_vector_multi_head(Oracle(truth, 8), seed=seed, biases=biases), truth)

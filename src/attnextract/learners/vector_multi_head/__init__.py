@@ -472,7 +472,11 @@ def _recover(ask: _Asker, heads, biases: bool, noise: float, rng) -> _Fit:
     c, O = _values(ask, d, biases)
     m = O.shape[0]
     count("values")
-    q0 = rng.standard_normal(d) / math.sqrt(d)
+    # a unit q_0: the scans' first scale 1 / |q_0| and their largest MAX_TOKEN |q_0| stay
+    # 64x apart (a short random q_0, |q_0| = 0.21 at d = 8, left them 2.9x apart and no
+    # scale could spread two close steps)
+    q0 = rng.standard_normal(d)
+    q0 /= np.linalg.norm(q0)
     V = np.linalg.qr(rng.standard_normal((d, d)))[0]
     scans = _Scans(ask, c, O, q0, V, noise, heads, rng)
     t0, reach, first = scans.pilot()
