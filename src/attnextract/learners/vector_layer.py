@@ -172,6 +172,14 @@ MISFIT_LIMIT = 100.0       # ... the W-stage misfit may be this x their change, 
 ORDER_LIMIT = 1e-2         # answers moving more than this with the order: not attention
 LOW_RESTARTS = 2           # selector sets, scores and designed selectors asked anew after a
                           # refusal (random sets grouped wrongly through rounding)
+LOW_FINE_PAYLOADS = (1 / 8, 1.0)   # designed selectors' payloads (x the selectors' size),
+                          # one pass each, W read again between: the first W (through
+                          # the random sets' projectors) was off by up to 0.9 per head
+                          # at cond(O) 2e5, and a full payload then moved scores by up to
+                          # 660 against margins of 200 (nn.MultiheadAttention(64, 8) seed 24)
+FIRST_PASS_SLACK = 0.25    # ... a smaller payload's eigenvalues: slack / payload, at most this
+                          # (below half a spacing: still one mu per eigenvalue); the last
+                          # pass, at full payload, checks at the design's slack
 
 
 @dataclass(frozen=True)
@@ -181,7 +189,8 @@ class Design:
     ``rho`` the answers' relative level (float64: 0, exact up to rounding); the rest as
     the module constants of the same names. Low precision changes the random selector
     sets (larger payloads, fewer selectors, eigenvalues grouped by gaps, parts split by
-    left null spaces) and the slack of every check, scaled to rho."""
+    left null spaces), the slack of every check, scaled to rho, and the designed
+    selectors, asked twice (a small payload, then a full one)."""
 
     name: str = "float64"
     rho: float = 0.0
@@ -195,6 +204,7 @@ class Design:
     eigen_slack: float = EIGEN_SLACK
     tiny_logit: float = TINY_LOGIT
     grouped: bool = False      # random selectors: eigenvalues grouped by gaps, not by mu
+    fine_payloads: tuple[float, ...] = (1.0,)   # designed selectors' passes (payload sizes)
 
     @property
     def exact(self) -> bool:
@@ -215,7 +225,7 @@ def layer_design(output_dtype=None) -> Design:
                   selectors=LOW_SELECTORS, retries=LOW_RETRIES, max_sets=LOW_SETS,
                   linearity_tol=LOW_LINEARITY_TOL, rough_slack=LOW_GROUP_SLACK,
                   eigen_slack=max(EIGEN_SLACK, LOW_EIGEN_SLACK * rho),
-                  tiny_logit=LOW_TINY * rho, grouped=True)
+                  tiny_logit=LOW_TINY * rho, grouped=True, fine_payloads=LOW_FINE_PAYLOADS)
 
 
 # -- small helpers ---------------------------------------------------------------------
@@ -381,6 +391,7 @@ def block_eigenspaces(M: np.ndarray, mu: np.ndarray, slack: float = EIGEN_SLACK,
     else:
         nearest = mu[np.argmin(np.abs(values[:, None] - mu[None, :]), axis=1)]
         off = float(np.max(np.abs(values - nearest))) / spacing
+    log.debug("eigenvalues: %.3g spacings off (allowed %.3g)", off, slack)
     if off > slack:
         raise ModelMismatchError(
             f"the answers to saturated selector probes are not linear in the payload with "
@@ -449,7 +460,7 @@ def designed_selectors(G: np.ndarray, margin: float) -> np.ndarray:
 
 
 def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float, *,
-                design: Design = FLOAT64):
+                design: Design = FLOAT64, payload: float = 1.0):
     """The ranges again, now that every g_h = W_h q + b_h is known (identity 2 by design).
 
     Two selector sets at query tokens q_1, q_2, selector h scoring DESIGN_MARGIN on head h
@@ -457,6 +468,13 @@ def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float, *,
     any score, so they are as large as the selectors (no precision is lost to the
     difference F(delta) - F(0)): set 1 spans g(q_1)^perp, set 2 the rest of R^d from
     g(q_2)^perp. Then M = (A P)(O P)^+ = sum_h mu_h P_h: R_h = ker(M - mu_h). d + 2 queries.
+
+    ``payload`` scales the payloads (x the selectors' size). A payload is orthogonal to
+    the g_h as *estimated*: against the true ones it scores |P| mu_h |g_h error|, which
+    a full payload makes larger than the margin when W is far off (read through rough
+    projectors); a smaller payload keeps the selectors saturated at the price of its
+    answers' rounding (rounding / payload), so its eigenvalue slack is
+    ``design.eigen_slack`` / payload, at most FIRST_PASS_SLACK.
     Returns the blocks' coordinate bases and the queries."""
     H, d = len(widths), oracle.dim
     mu = 1.0 + np.arange(H)
@@ -468,7 +486,7 @@ def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float, *,
     Ys, Z, Ps, asked = [], [], [], 0
     for q, Gk, P in zip(qs, G, payloads):
         Delta = designed_selectors(Gk, DESIGN_MARGIN)
-        P = P * np.max(np.linalg.norm(Delta, axis=1))
+        P = P * np.max(np.linalg.norm(Delta, axis=1)) * payload
         y = _last(oracle, selector_probes(Delta, q, P, mu))
         Ys.append(E.T @ (y[1:] - y[0]).T)
         Z.append(E.T @ (O @ P))
@@ -476,7 +494,9 @@ def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float, *,
         asked += len(y)
     Y = np.concatenate(Ys, axis=1)
     M = Y @ np.linalg.pinv(np.concatenate(Z, axis=1))
-    spaces = dict(block_eigenspaces(M, np.concatenate([[0.0], mu]), design.eigen_slack))
+    slack = design.eigen_slack if payload >= 1.0 else \
+        min(FIRST_PASS_SLACK, design.eigen_slack / payload)
+    spaces = dict(block_eigenspaces(M, np.concatenate([[0.0], mu]), slack))
     counts = [spaces[m].shape[1] if m in spaces else 0 for m in mu]
     if counts != list(widths):
         raise ModelMismatchError(f"designed selectors give ranks {counts} where the first "
@@ -866,7 +886,12 @@ def _extract_vector_layer(oracle, *, seed, verify_tolerance, heads, biases, rank
             counts["scores (W_h, b_h)"] = (counts.get("scores (W_h, b_h)", 0) + oracle.queries
                                            - start_q - sum(counts.values()))
             W, b, _ = plan.solve(Projected(c, L, C))
-            blocks.R, _ = fine_ranges(oracle, O, E, W, b, widths, rng, plan.s, design=design)
+            for k, payload in enumerate(design.fine_payloads):  # low precision: small first
+                if k:   # W through the last pass's ranges: g_h for the next selectors
+                    L, C, _ = projectors(E, blocks, O)
+                    W, b, _ = plan.solve(Projected(c, L, C))
+                blocks.R, _ = fine_ranges(oracle, O, E, W, b, widths, rng, plan.s,
+                                          design=design, payload=payload)
             counts["ranges (designed selectors)"] = (
                 counts.get("ranges (designed selectors)", 0) + oracle.queries - start_q
                 - sum(counts.values()))
