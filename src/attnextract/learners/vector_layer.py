@@ -460,7 +460,7 @@ def designed_selectors(G: np.ndarray, margin: float) -> np.ndarray:
 
 
 def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float, *,
-                design: Design = FLOAT64, payload: float = 1.0):
+                design: Design = FLOAT64, payload: float = 1.0, regroup: bool = False):
     """The ranges again, now that every g_h = W_h q + b_h is known (identity 2 by design).
 
     Two selector sets at query tokens q_1, q_2, selector h scoring DESIGN_MARGIN on head h
@@ -475,7 +475,15 @@ def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float, *,
     projectors); a smaller payload keeps the selectors saturated at the price of its
     answers' rounding (rounding / payload), so its eigenvalue slack is
     ``design.eigen_slack`` / payload, at most FIRST_PASS_SLACK.
-    Returns the blocks' coordinate bases and the queries."""
+
+    ``regroup`` (a pass that another one follows): ranks that merge blocks (some
+    selector taken by no head, the others' ranks at least their blocks' widths, the
+    same total) are the heads', not a contradiction. Random selectors read through rounding
+    may split one head's range (measured: 1 + 7 for a head of rank 8, at cond(O) 1e5),
+    and a block that holds part of a head reads no W of its own; the designed selectors,
+    each taken by the head whose g_h it was built from, see the whole range. The next
+    pass must find the same ranks.
+    Returns the blocks' coordinate bases (as many as the heads found) and the queries."""
     H, d = len(widths), oracle.dim
     mu = 1.0 + np.arange(H)
     qs = s * np.stack([v / np.linalg.norm(v) for v in rng.standard_normal((2, d))])
@@ -498,9 +506,13 @@ def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float, *,
         min(FIRST_PASS_SLACK, design.eigen_slack / payload)
     spaces = dict(block_eigenspaces(M, np.concatenate([[0.0], mu]), slack))
     counts = [spaces[m].shape[1] if m in spaces else 0 for m in mu]
-    if counts != list(widths):
+    merged = (regroup and sum(counts) == sum(widths)
+              and all(n == 0 or n >= w for n, w in zip(counts, widths)))
+    if counts != list(widths) and not merged:
         raise ModelMismatchError(f"designed selectors give ranks {counts} where the first "
                                  f"selectors found {list(widths)}: not independent heads")
+    if merged:
+        mu, widths = mu[np.array(counts) > 0], [n for n in counts if n]
     return kernel_blocks(Y @ np.linalg.pinv(np.concatenate(Ps, axis=1)), E.T @ O, mu,
                          widths), asked
 
@@ -889,9 +901,18 @@ def _extract_vector_layer(oracle, *, seed, verify_tolerance, heads, biases, rank
             for k, payload in enumerate(design.fine_payloads):  # low precision: small first
                 if k:   # W through the last pass's ranges: g_h for the next selectors
                     L, C, _ = projectors(E, blocks, O)
+                    if blocks.widths != widths:
+                        # blocks merged (a head's range had been split): the score probes
+                        # again, sized for the heads' ranks (a block of rank 1 had made
+                        # them one token wide, where reordering measures no rounding)
+                        widths = blocks.widths
+                        plan = ScorePlan(oracle, c, L, C, rng, kappa, widths,
+                                         tiny_logit=design.tiny_logit)
                     W, b, _ = plan.solve(Projected(c, L, C))
-                blocks.R, _ = fine_ranges(oracle, O, E, W, b, widths, rng, plan.s,
-                                          design=design, payload=payload)
+                blocks.R, _ = fine_ranges(oracle, O, E, W, b, blocks.widths, rng, plan.s,
+                                          design=design, payload=payload,
+                                          regroup=k + 1 < len(design.fine_payloads))
+            widths = blocks.widths
             counts["ranges (designed selectors)"] = (
                 counts.get("ranges (designed selectors)", 0) + oracle.queries - start_q
                 - sum(counts.values()))
