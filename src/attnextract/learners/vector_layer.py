@@ -79,9 +79,9 @@ steps 2 to 5 starts them again with new random sets (LOW_RESTARTS times). The de
 selectors run twice (LOW_FINE_PAYLOADS): a small payload first, since the first W (read
 through the random sets' projectors) may be far off when cond(O) is large, then W again
 and a full payload. Measured (nn.MultiheadAttention(64, 8), float32, default
-initialisation, seeds 0..119): 118 within their bars (errors 8.9e-5 .. 1.1e-3, at most
-0.23 of the bar; bars 1.6e-3 .. 7.1e-3; 1,140 .. 2,930 queries), 2 refused (cond(O)
-1.6e6 and 1.4e6: the random sets fail on every restart).
+initialisation, seeds 0..199): 197 within their bars (errors 8.9e-5 .. 3.3e-3, at most
+0.23 of the bar; bars 1.6e-3 .. 1.9e-2; 1,140 .. 8,200 queries, median 1,225), 3
+refused (cond(O) 1.6e6, 1.4e6, 4.2e5: the random sets fail on every restart).
 
 Limits: every-position answers are read at their last row only (the cost is that of the
 last position). On MiniLM (cond(O) ~1e5) W's error is 2e-11 .. 5e-10 (layer 0: 1.1e-10;
