@@ -483,7 +483,8 @@ def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float, *,
     a full payload makes larger than the margin when W is far off (read through rough
     projectors); a smaller payload keeps the selectors saturated at the price of its
     answers' rounding (rounding / payload), so its eigenvalue slack is
-    ``design.eigen_slack`` / payload, at most FIRST_PASS_SLACK.
+    ``design.eigen_slack`` / payload, at most FIRST_PASS_SLACK (never below the full
+    payload's: bfloat16's is wider than that).
 
     ``regroup`` (a pass that another one follows): ranks that merge blocks (some
     selector taken by no head, the others' ranks at least their blocks' widths, the
@@ -513,7 +514,7 @@ def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float, *,
     Y = np.concatenate(Ys, axis=1)
     M = Y @ np.linalg.pinv(np.concatenate(Z, axis=1))
     slack = design.eigen_slack if payload >= 1.0 else \
-        min(FIRST_PASS_SLACK, design.eigen_slack / payload)
+        max(design.eigen_slack, min(FIRST_PASS_SLACK, design.eigen_slack / payload))
     spaces = dict(block_eigenspaces(M, np.concatenate([[0.0], mu]), slack))
     counts = [spaces[m].shape[1] if m in spaces else 0 for m in mu]
     merged = (regroup and sum(counts) == sum(widths)
