@@ -15,6 +15,7 @@ from attnextract.learners.vector_layer import (
 )
 from attnextract.models import VectorAttention
 from attnextract.oracle import Oracle
+from attnextract.testing.impostors import VectorRotary, random_vector_layer
 
 
 def standard_layer(seed, d, H, m=None, biases=True, positions="last", causal=False):
@@ -291,6 +292,18 @@ def test_float32_impostors_refused(kind):
         return box(X) * (1 + 1e-3 * np.tanh(X.sum(axis=(1, 2))))[:, None]
     with pytest.raises((ModelMismatchError, RecoveryFailedError)):
         extract_vector_layer(Oracle(impostor, 32, outputs="last"), seed=0,
+                             output_dtype="float32")
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_rotary_positions_told_float32_refused(seed):
+    """Rotary positions at d = 32 move the answers by ~5e-3 when the tokens before the
+    query token are reordered. Taken as float32 rounding (below 1e-2), that layer was
+    accepted with an error bar of 1.6 (held-out error 1.5); reordering moves a float32
+    forward pass by about 0.05 of float32's level, so 10x that level is the limit."""
+    box = VectorRotary(random_vector_layer(2, 32, seed), np.random.default_rng(seed))
+    with pytest.raises(ModelMismatchError):
+        extract_vector_layer(Oracle(box, 32, outputs="last"), seed=seed,
                              output_dtype="float32")
 
 
