@@ -176,8 +176,9 @@ READ_NOISE_ROWS = 4        # low precision: W-stage rows asked again reordered
 MISFIT_LIMIT = 100.0       # ... the W-stage misfit may be this x their change, not more
 ORDER_LIMIT = 1e-2         # answers moving more than this with the order: not attention
 ORDER_ROUNDING = 10.0      # ... nor more than this x rho: a float32 forward pass moves by
-                          # 1.3e-7 .. 2.6e-7 (0.03 .. 0.07 rho); rotary positions at d = 32
-                          # moved by 5e-3, were taken as rounding and accepted with a bar of 1.6
+                          # 1.0e-7 .. 3.2e-7 (0.03 .. 0.08 rho; nn.MultiheadAttention(64, 8),
+                          # seeds 0..199); rotary positions at d = 32 moved by 5e-3, were
+                          # taken as rounding and accepted with a bar of 1.6
 LOW_RESTARTS = 2           # selector sets, scores and designed selectors asked anew after a
                           # refusal (random sets grouped wrongly through rounding)
 LOW_FINE_PAYLOADS = (1 / 8, 1.0)   # designed selectors' payloads (x the selectors' size),
