@@ -457,7 +457,8 @@ def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float, *,
     any score, so they are as large as the selectors (no precision is lost to the
     difference F(delta) - F(0)): set 1 spans g(q_1)^perp, set 2 the rest of R^d from
     g(q_2)^perp. Then M = (A P)(O P)^+ = sum_h mu_h P_h: R_h = ker(M - mu_h). d + 2 queries.
-    Returns the blocks' coordinate bases and the queries."""
+    Returns the blocks' coordinate bases, the queries and every head's reading rows
+    (:func:`null_rows`, the score reads' projectors)."""
     H, d = len(widths), oracle.dim
     mu = 1.0 + np.arange(H)
     qs = s * np.stack([v / np.linalg.norm(v) for v in rng.standard_normal((2, d))])
@@ -481,8 +482,8 @@ def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float, *,
     if counts != list(widths):
         raise ModelMismatchError(f"designed selectors give ranks {counts} where the first "
                                  f"selectors found {list(widths)}: not independent heads")
-    return kernel_blocks(Y @ np.linalg.pinv(np.concatenate(Ps, axis=1)), E.T @ O, mu,
-                         widths), asked
+    rows = null_rows(Y @ np.linalg.pinv(np.concatenate(Ps, axis=1)), E.T @ O, mu, widths)
+    return blocks_of_rows(rows, widths), asked, rows
 
 
 def kernel_blocks(A: np.ndarray, O: np.ndarray, mu: np.ndarray, widths) -> list[np.ndarray]:
@@ -491,9 +492,20 @@ def kernel_blocks(A: np.ndarray, O: np.ndarray, mu: np.ndarray, widths) -> list[
     range the other heads' ranges, so its r_h smallest left singular vectors are L_h (up to
     a basis change), with L_h O_g = 0 for g != h up to rounding of A (M = A (O P)^+ instead
     reads every range through O^{-1}: cond(O) x that rounding). R = [L_1; ...; L_H]^-1."""
-    L = [scipy.linalg.svd(A - m * O, lapack_driver="gesvd")[0][:, O.shape[0] - w:].T
-         for m, w in zip(mu, widths)]        # gesvd: gesdd may fail to converge here
-    R = np.linalg.inv(np.concatenate(L, axis=0))
+    return blocks_of_rows(null_rows(A, O, mu, widths), widths)
+
+
+def null_rows(A: np.ndarray, O: np.ndarray, mu: np.ndarray, widths) -> list[np.ndarray]:
+    """Per head, the orthonormal rows (r_h, D) of the left null space of A - mu_h O (range
+    coordinates, as :func:`kernel_blocks`): they vanish on every other head's range."""
+    return [scipy.linalg.svd(A - m * O, lapack_driver="gesvd")[0][:, O.shape[0] - w:].T
+            for m, w in zip(mu, widths)]        # gesvd: gesdd may fail to converge here
+
+
+def blocks_of_rows(rows: list[np.ndarray], widths) -> list[np.ndarray]:
+    """The blocks' coordinate bases R = [L_1; ...; L_H]^-1 from the rows of
+    :func:`null_rows`."""
+    R = np.linalg.inv(np.concatenate(rows, axis=0))
     bounds = np.cumsum([0] + list(widths))
     return [R[:, a:b] for a, b in itertools.pairwise(bounds)]
 
@@ -866,7 +878,8 @@ def _extract_vector_layer(oracle, *, seed, verify_tolerance, heads, biases, rank
             counts["scores (W_h, b_h)"] = (counts.get("scores (W_h, b_h)", 0) + oracle.queries
                                            - start_q - sum(counts.values()))
             W, b, _ = plan.solve(Projected(c, L, C))
-            blocks.R, _ = fine_ranges(oracle, O, E, W, b, widths, rng, plan.s, design=design)
+            blocks.R, _, rows = fine_ranges(oracle, O, E, W, b, widths, rng, plan.s,
+                                            design=design)
             counts["ranges (designed selectors)"] = (
                 counts.get("ranges (designed selectors)", 0) + oracle.queries - start_q
                 - sum(counts.values()))
@@ -882,7 +895,11 @@ def _extract_vector_layer(oracle, *, seed, verify_tolerance, heads, biases, rank
                                                   - sum(counts.values()))
     L, C, R = projectors(E, blocks, O)
     O_h = np.stack([Rh @ Ch for Rh, Ch in zip(R, C)])
-    W, b, ranks_W = plan.solve(Projected(c, L, C))   # the same answers, final ranges
+    # the same answers, final ranges, read through the orthonormal null-space rows: rows
+    # of R^-1 carry cond(R) x the rounding of the inverse (MiniLM layer 5, cond(R) 7e4:
+    # another head leaked 2.5e-12 into a read, 4.7e-14 through the orthonormal rows)
+    L, C = reading_rows(E, rows, O)
+    W, b, ranks_W = plan.solve(Projected(c, L, C))
     rounding = 0.0
     if not design.exact:
         # what low precision may widen is set by the box's measured rounding alone: the
@@ -1009,6 +1026,15 @@ def projectors(E: np.ndarray, blocks: Blocks, O: np.ndarray):
     R_h (m, r_h): O_h = R_h C_h."""
     L = [Lk @ E.T for Lk in blocks.left_inverse()]
     return L, [Lh @ O for Lh in L], [E @ Rk for Rk in blocks.R]
+
+
+def reading_rows(E: np.ndarray, rows: list[np.ndarray], O: np.ndarray):
+    """The score reads' projectors from orthonormal null-space rows (:func:`null_rows`,
+    range coordinates): L_h = rows_h E^T (r_h, m), with L_h O_g = 0 for g != h, and
+    C_h = L_h O. The same rows of R^-1 up to a basis change per head (which the reads'
+    least squares do not see), without the inverse's rounding."""
+    L = [Rw @ E.T for Rw in rows]
+    return L, [Lh @ O for Lh in L]
 
 
 def error_bar(plan: ScorePlan, rounding: float = 0.0) -> float:
