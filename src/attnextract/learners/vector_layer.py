@@ -51,8 +51,10 @@ Identities used, in order:
    (L_h O_g = 0 for g != h up to A's rounding), and R = [L_1; ...; L_H]^-1. No O^{-1}
    is involved (M = A (O P)^+ reads every range through cond(O) ~1e5 on MiniLM: a head's
    read leaked 2e-12 of the others, now 1e-13). The eigenvalues of M still check the
-   ranks. The score answers of 4 are then read again through the final projectors (no
-   new query).
+   ranks. The score answers of 4 are then read again (no new query) through these
+   orthonormal L_h themselves: rows of R^-1 carry cond(R) x the inverse's rounding
+   (MiniLM layer 5, cond(R) 7e4: a leak of 2.5e-12 against 4.7e-14). Payload weights
+   mu_h centred on 0 halve the answers' size for the same differences mu_g - mu_h.
 
 Conditioning by design: scales come from a pilot (the even part of two-token answers
 gives the logit scale), probe logits are kept of order one, frames and payloads are
@@ -79,13 +81,13 @@ initialisation, seeds 0..19): 20 within their bars (errors 1.1e-4 .. 2.8e-4, bar
 2e-3 .. 7e-3, 1,050 .. 2,700 queries); seeds 20..39: 19 (one refused).
 
 Limits: every-position answers are read at their last row only (the cost is that of the
-last position). On MiniLM (cond(O) ~1e5) W's error is 2e-11 .. 5e-10 (layer 0: 1.1e-10;
-layer 5, whose ranges are the most oblique: cond(R) ~7e4, |L_h| ~1.5e4, 5e-10); what
-remains is K_h's error (the W-stage with the true K_h: 2e-10 on layer 5) and the leak through the oblique
-projectors. A head-isolating probe design (tokens in
-K_h = cap_{g != h} ker O_g: the other heads vanish from the answer) reads only r_h
-numbers per query, 12x too few for the 2x budget; an alternating least-squares refit of
-K_h from W-stage frames covering R^d did not help (measured).
+last position). On MiniLM (cond(O) ~1e5, cond(R) up to 7e4) W's error is 5e-12 .. 6e-11,
+every head within 8e-11 of its own norm (layer 0's head of the largest W_h and weakest
+O_h); what remains is the designed selectors' rows (layer 0 with the true rows: 3e-11)
+and K_h's error (the K-stage's near-square 32 x 35 columns). A head-isolating probe
+design (tokens in K_h = cap_{g != h} ker O_g: the other heads vanish from the answer)
+reads only r_h numbers per query, 12x too few for the 2x budget; an alternating
+least-squares refit of K_h from W-stage frames covering R^d did not help (measured).
 """
 
 from __future__ import annotations
@@ -460,7 +462,7 @@ def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float, *,
     Returns the blocks' coordinate bases, the queries and every head's reading rows
     (:func:`null_rows`, the score reads' projectors)."""
     H, d = len(widths), oracle.dim
-    mu = payload_weights(H)
+    mu = payload_weights(H, centred=design.exact)
     qs = s * np.stack([v / np.linalg.norm(v) for v in rng.standard_normal((2, d))])
     G = [(W @ q + b).T for q in qs]                                  # (d, H) each
     full = np.linalg.svd(G[0], full_matrices=True)[0]
@@ -486,12 +488,17 @@ def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float, *,
     return blocks_of_rows(rows, widths), asked, rows
 
 
-def payload_weights(H: int) -> np.ndarray:
-    """Designed selectors' payload weights mu_h (H,): -H/2 .. H/2 without 0, at least 1
-    apart and 1 from the query token's 0. The answers' rounding is relative to their size, which the
-    largest |mu_h| sets, while the null spaces of A - mu_h O see the differences
-    mu_g - mu_h only: centred weights halve the size for the same differences (MiniLM
-    layer 0, seed 0: worst head's W 1.3e-10 with 1 .. H, 8e-11 centred)."""
+def payload_weights(H: int, centred: bool = True) -> np.ndarray:
+    """Designed selectors' payload weights mu_h (H,): ``centred``, -H/2 .. H/2 without 0
+    (at least 1 apart and 1 from the query token's 0), else 1 .. H. The answers' rounding
+    is relative to their size, which the largest |mu_h| sets, while the null spaces of
+    A - mu_h O see the differences mu_g - mu_h only: centred weights halve the size for
+    the same differences (MiniLM layer 0, seed 0: worst head's W 1.3e-10 with 1 .. H,
+    8e-11 centred). Low precision keeps 1 .. H: a float32 nn.MultiheadAttention(64, 8)
+    (seed 13) read through centred weights gave M an eigenvalue at -90, where 1 .. H
+    gave 1.00 .. 8.00 (its rounding through cond(O) 5e5 is not 1e-11 but of order one)."""
+    if not centred:
+        return 1.0 + np.arange(H)
     mu = np.arange(H) - H // 2.0
     mu[mu >= 0] += 1.0
     return mu
