@@ -83,11 +83,12 @@ initialisation, seeds 0..19): 20 within their bars (errors 1.1e-4 .. 2.8e-4, bar
 Limits: every-position answers are read at their last row only (the cost is that of the
 last position). On MiniLM (cond(O) ~1e5, cond(R) up to 7e4) W's error is 5e-12 .. 6e-11,
 every head within 8e-11 of its own norm (seed 0; layer 0's head of the largest W_h and
-weakest O_h, 1.2e-10 through the checkpoint's own torch forward pass); what remains is the designed selectors' rows (layer 0 with the true rows: 3e-11)
-and K_h's error (the K-stage's near-square 32 x 35 columns). A head-isolating probe
-design (tokens in K_h = cap_{g != h} ker O_g: the other heads vanish from the answer)
-reads only r_h numbers per query, 12x too few for the 2x budget; an alternating
-least-squares refit of K_h from W-stage frames covering R^d did not help (measured).
+weakest O_h, 1.2e-10 through the checkpoint's own torch forward pass); what remains is
+the designed selectors' rows (layer 0 with the true rows: 3e-11) and K_h's error (the
+K-stage's near-square 32 x 35 columns). A head-isolating probe design (tokens in
+K_h = cap_{g != h} ker O_g: the other heads vanish from the answer) reads only r_h
+numbers per query, 12x too few for the 2x budget; an alternating least-squares refit of
+K_h from W-stage frames covering R^d did not help (measured).
 """
 
 from __future__ import annotations
