@@ -51,8 +51,10 @@ Identities used, in order:
    (L_h O_g = 0 for g != h up to A's rounding), and R = [L_1; ...; L_H]^-1. No O^{-1}
    is involved (M = A (O P)^+ reads every range through cond(O) ~1e5 on MiniLM: a head's
    read leaked 2e-12 of the others, now 1e-13). The eigenvalues of M still check the
-   ranks. The score answers of 4 are then read again through the final projectors (no
-   new query).
+   ranks. The score answers of 4 are then read again (no new query) through these
+   orthonormal L_h themselves: rows of R^-1 carry cond(R) x the inverse's rounding
+   (MiniLM layer 5, cond(R) 7e4: a leak of 2.5e-12 against 4.7e-14). Payload weights
+   mu_h centred on 0 halve the answers' size for the same differences mu_g - mu_h.
 
 Conditioning by design: scales come from a pilot (the even part of two-token answers
 gives the logit scale), probe logits are kept of order one, frames and payloads are
@@ -84,10 +86,11 @@ initialisation, seeds 0..199): 197 within their bars (errors 8.9e-5 .. 3.3e-3, a
 refused (cond(O) 1.6e6, 1.4e6, 4.2e5: the random sets fail on every restart).
 
 Limits: every-position answers are read at their last row only (the cost is that of the
-last position). On MiniLM (cond(O) ~1e5) W's error is 2e-11 .. 5e-10 (layer 0: 1.1e-10;
-layer 5, whose ranges are the most oblique: cond(R) ~7e4, |L_h| ~1.5e4, 5e-10); what
-remains is K_h's error (the W-stage with the true K_h: 2e-10 on layer 5) and the leak through the oblique
-projectors. A head-isolating probe design (tokens in
+last position). On MiniLM (cond(O) ~1e5, cond(R) up to 7e4) W's error is 5e-12 .. 6e-11,
+every head within 8e-11 of its own norm (seed 0; layer 0's head of the largest W_h and
+weakest O_h, 1.2e-10 through the checkpoint's own torch forward pass); what remains is
+the designed selectors' rows (layer 0 with the true rows: 3e-11) and K_h's error (the
+K-stage's near-square 32 x 35 columns). A head-isolating probe design (tokens in
 K_h = cap_{g != h} ker O_g: the other heads vanish from the answer) reads only r_h
 numbers per query, 12x too few for the 2x budget; an alternating least-squares refit of
 K_h from W-stage frames covering R^d did not help (measured).
@@ -477,10 +480,11 @@ def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float, *,
     """The ranges again, now that every g_h = W_h q + b_h is known (identity 2 by design).
 
     Two selector sets at query tokens q_1, q_2, selector h scoring DESIGN_MARGIN on head h
-    alone, payload mu_h = h + 1 on it. Payloads orthogonal to every g_h(q_k) do not move
-    any score, so they are as large as the selectors (no precision is lost to the
-    difference F(delta) - F(0)): set 1 spans g(q_1)^perp, set 2 the rest of R^d from
-    g(q_2)^perp. Then M = (A P)(O P)^+ = sum_h mu_h P_h: R_h = ker(M - mu_h). d + 2 queries.
+    alone, payload mu_h (:func:`payload_weights`) on it. Payloads orthogonal to every
+    g_h(q_k) do not move any score, so they are as large as the selectors (no precision is
+    lost to the difference F(delta) - F(0)): set 1 spans g(q_1)^perp, set 2 the rest of
+    R^d from g(q_2)^perp. Then M = (A P)(O P)^+ = sum_h mu_h P_h: R_h = ker(M - mu_h).
+    d + 2 queries.
 
     ``payload`` scales the payloads (x the selectors' size). A payload is orthogonal to
     the g_h as *estimated*: against the true ones it scores |P| mu_h |g_h error|, which
@@ -497,10 +501,11 @@ def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float, *,
     and a block that holds part of a head reads no W of its own; the designed selectors,
     each taken by the head whose g_h it was built from, see the whole range. The next
     pass must find the same ranks.
-    Returns the blocks' coordinate bases (as many as the heads found), the queries and
-    the answers read (:class:`DesignedReads`: what rounding does to the ranges)."""
+    Returns the blocks' coordinate bases (as many as the heads found), the queries, the
+    answers read (:class:`DesignedReads`: what rounding does to the ranges) and every
+    head's reading rows (:func:`null_rows`, the score reads' projectors)."""
     H, d = len(widths), oracle.dim
-    mu = 1.0 + np.arange(H)
+    mu = payload_weights(H, centred=design.exact)
     qs = s * np.stack([v / np.linalg.norm(v) for v in rng.standard_normal((2, d))])
     G = [(W @ q + b).T for q in qs]                                  # (d, H) each
     full = np.linalg.svd(G[0], full_matrices=True)[0]
@@ -530,7 +535,8 @@ def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float, *,
         mu, widths = mu[np.array(counts) > 0], [n for n in counts if n]
     reads = DesignedReads(Y, np.linalg.pinv(np.concatenate(Ps, axis=1)), E.T @ O, mu,
                           list(widths), float(np.abs(y).max()))
-    return kernel_blocks(reads.Y @ reads.P_inv, reads.O, mu, widths), asked, reads
+    rows = null_rows(reads.Y @ reads.P_inv, reads.O, mu, widths)
+    return blocks_of_rows(rows, widths), asked, reads, rows
 
 
 @dataclass(frozen=True)
@@ -572,15 +578,42 @@ class DesignedReads:
         return worst
 
 
+def payload_weights(H: int, centred: bool = True) -> np.ndarray:
+    """Designed selectors' payload weights mu_h (H,): ``centred``, -H/2 .. H/2 without 0
+    (at least 1 apart and 1 from the query token's 0), else 1 .. H. The answers' rounding
+    is relative to their size, which the largest |mu_h| sets, while the null spaces of
+    A - mu_h O see the differences mu_g - mu_h only: centred weights halve the size for
+    the same differences (MiniLM layer 0, seed 0: worst head's W 1.3e-10 with 1 .. H,
+    8e-11 centred). Low precision keeps 1 .. H: a float32 nn.MultiheadAttention(64, 8)
+    (seed 13) read through centred weights gave M an eigenvalue at -90, where 1 .. H
+    gave 1.00 .. 8.00 (its rounding through cond(O) 5e5 is not 1e-11 but of order one)."""
+    if not centred:
+        return 1.0 + np.arange(H)
+    mu = np.arange(H) - H // 2.0
+    mu[mu >= 0] += 1.0
+    return mu
+
+
 def kernel_blocks(A: np.ndarray, O: np.ndarray, mu: np.ndarray, widths) -> list[np.ndarray]:
     """The blocks' coordinate bases from A = sum_h mu_h O_h and O = sum_h O_h (range
     coordinates, (D, d) each) without inverting O: A - mu_h O = sum_g (mu_g - mu_h) O_g has
     range the other heads' ranges, so its r_h smallest left singular vectors are L_h (up to
     a basis change), with L_h O_g = 0 for g != h up to rounding of A (M = A (O P)^+ instead
     reads every range through O^{-1}: cond(O) x that rounding). R = [L_1; ...; L_H]^-1."""
-    L = [scipy.linalg.svd(A - m * O, lapack_driver="gesvd")[0][:, O.shape[0] - w:].T
-         for m, w in zip(mu, widths)]        # gesvd: gesdd may fail to converge here
-    R = np.linalg.inv(np.concatenate(L, axis=0))
+    return blocks_of_rows(null_rows(A, O, mu, widths), widths)
+
+
+def null_rows(A: np.ndarray, O: np.ndarray, mu: np.ndarray, widths) -> list[np.ndarray]:
+    """Per head, the orthonormal rows (r_h, D) of the left null space of A - mu_h O (range
+    coordinates, as :func:`kernel_blocks`): they vanish on every other head's range."""
+    return [scipy.linalg.svd(A - m * O, lapack_driver="gesvd")[0][:, O.shape[0] - w:].T
+            for m, w in zip(mu, widths)]        # gesvd: gesdd may fail to converge here
+
+
+def blocks_of_rows(rows: list[np.ndarray], widths) -> list[np.ndarray]:
+    """The blocks' coordinate bases R = [L_1; ...; L_H]^-1 from the rows of
+    :func:`null_rows`."""
+    R = np.linalg.inv(np.concatenate(rows, axis=0))
     bounds = np.cumsum([0] + list(widths))
     return [R[:, a:b] for a, b in itertools.pairwise(bounds)]
 
@@ -964,7 +997,7 @@ def _extract_vector_layer(oracle, *, seed, verify_tolerance, heads, biases, rank
                         plan = ScorePlan(oracle, c, L, C, rng, kappa, widths,
                                          tiny_logit=design.tiny_logit)
                     W, b, _ = plan.solve(Projected(c, L, C))
-                blocks.R, _, designed = fine_ranges(
+                blocks.R, _, designed, rows = fine_ranges(
                     oracle, O, E, W, b, blocks.widths, rng, plan.s, design=design,
                     payload=payload, regroup=k + 1 < len(design.fine_payloads))
             widths = blocks.widths
@@ -983,7 +1016,11 @@ def _extract_vector_layer(oracle, *, seed, verify_tolerance, heads, biases, rank
                                                   - sum(counts.values()))
     L, C, R = projectors(E, blocks, O)
     O_h = np.stack([Rh @ Ch for Rh, Ch in zip(R, C)])
-    W, b, ranks_W = plan.solve(Projected(c, L, C))   # the same answers, final ranges
+    # the same answers, final ranges, read through the orthonormal null-space rows: rows
+    # of R^-1 carry cond(R) x the rounding of the inverse (MiniLM layer 5, cond(R) 7e4:
+    # another head leaked 2.5e-12 into a read, 4.7e-14 through the orthonormal rows)
+    L, C = reading_rows(E, rows, O)
+    W, b, ranks_W = plan.solve(Projected(c, L, C))
     rounding = 0.0
     if not design.exact:
         # what low precision may widen is set by the box's measured rounding alone: the
@@ -1116,6 +1153,15 @@ def projectors(E: np.ndarray, blocks: Blocks, O: np.ndarray):
     R_h (m, r_h): O_h = R_h C_h."""
     L = [Lk @ E.T for Lk in blocks.left_inverse()]
     return L, [Lh @ O for Lh in L], [E @ Rk for Rk in blocks.R]
+
+
+def reading_rows(E: np.ndarray, rows: list[np.ndarray], O: np.ndarray):
+    """The score reads' projectors from orthonormal null-space rows (:func:`null_rows`,
+    range coordinates): L_h = rows_h E^T (r_h, m), with L_h O_g = 0 for g != h, and
+    C_h = L_h O. The same rows of R^-1 up to a basis change per head (which the reads'
+    least squares do not see), without the inverse's rounding."""
+    L = [Rw @ E.T for Rw in rows]
+    return L, [Lh @ O for Lh in L]
 
 
 def error_bar(plan: ScorePlan, rounding: float = 0.0) -> float:
