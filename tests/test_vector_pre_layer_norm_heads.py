@@ -14,8 +14,8 @@ from attnextract.errors import ModelMismatchError, NotIdentifiableError
 from attnextract.learners.vector_pre_layer_norm_heads import (
     circle_point,
     covariance_start,
-    pencil_covectors,
     head_ranks,
+    pencil_covectors,
     ratio_eigen,
     ratio_sequences,
 )
