@@ -138,6 +138,7 @@ def test_many_heads_at_gpt2_initial_scale(d, heads, seeds):
         assert result.report.verification.passed
         if heads >= 8:
             assert result.report.breakdown["covariance start"] > 0
+            assert result.report.details["start"].startswith("covariance")
         assert result.model.heads == heads and result.report.floor < result.queries
 
 

@@ -568,8 +568,9 @@ def extract_heads_on_sphere(oracle, heads: int, *, seed, verify_tolerance,
     Raises
     ------
     NotIdentifiableError
-        d < 3, m < 2H, the heads could not be labelled (logits too close at every probe),
-        the polish did not reach the answers' rounding, a singular system.
+        d < 3, m < 2H, the heads could not be labelled (logits too close at every probe
+        and the covariance start's groups of covectors disagree or have fewer than two
+        dimensions), the polish did not reach the answers' rounding, a singular system.
     ModelMismatchError
         The answers are not those of H softmax heads with independent output ranges, or
         held-out verification failed (``.result`` holds the extraction).
@@ -606,6 +607,7 @@ def extract_heads_on_sphere(oracle, heads: int, *, seed, verify_tolerance,
                            f"is defined there only)",
                  "heads": H, "out_dim": m, "output ranks d_h": info["widths"],
                  "chord |a - q| / R": f"{info['chord']:.3g}",
+                 "start": info["start"],
                  "ratio directions skipped": info["skipped"],
                  "range polish misfit": float(np.max(info["misfit"])),
                  "range polish conditioning": float(np.min(info["conditioning"])),
@@ -636,7 +638,8 @@ def recover_heads(oracle, heads: int, *, seed, radius):
         ``bars`` (the error bars), ``L`` (m_tot, m) (the heads' covectors), ``widths``
         (d_h), ``misfit``, ``conditioning``, ``history`` (the polish), ``level`` (the
         answers' relative rounding), ``worst`` (the column reads' largest condition
-        number), ``chord``, ``skipped`` (ratio directions not labelled).
+        number), ``chord``, ``skipped`` (ratio directions not labelled), ``start`` (which
+        start labelled the heads: the ratio eigenproblem or the covariance start).
     """
 
     def ask(X: np.ndarray) -> np.ndarray:
@@ -687,6 +690,7 @@ def recover_heads(oracle, heads: int, *, seed, radius):
     # furthest apart (its vectors label every other direction's); a chord whose logits
     # exceed MAX_LOGIT is shortened (logits grow with the chord)
     counts["ratio probes"] = 0
+    start = "ratio eigenproblem"
     try:
         step = max(2, -(-m // H))
         trial = min(total, 2 * step)
@@ -792,7 +796,7 @@ def recover_heads(oracle, heads: int, *, seed, radius):
         Phis, ts, pairs = tied_probes(phi, q0, probes, L, widths, logs)
         counts["ratio probes"] += len(Phis) * (length - 1)
         span = np.linalg.svd(np.concatenate(Phis).T, full_matrices=False)[0][:, :L.shape[0]]
-        skipped = 0
+        skipped, start = 0, "covariance (no probe separates the logits)"
     level = ROUNDING * EPS * math.sqrt(m) * scale / max(
         float(np.max([np.abs(P).max() for P in Phis])), np.finfo(float).tiny)
     # stage 5's answers first: [a, a, q] and [a, q, q] at the n tangent probes of q_0
@@ -896,7 +900,7 @@ def recover_heads(oracle, heads: int, *, seed, radius):
             "error_bar_ranges": range_error}
     return model, counts, dict(bars=bars, L=L, widths=widths, misfit=misfit, conditioning=conditioning,
                                history=history, level=level, worst=worst, chord=chord,
-                               skipped=skipped)
+                               skipped=skipped, start=start)
 
 
 def _require_finite(t: np.ndarray, where: str) -> None:
