@@ -1,7 +1,7 @@
 """Several pre-LayerNorm heads from vector answers (`vector-pre-ln` with heads=H) on
 GPT-2 layers at their default initialisation.
 
-For d in {16, 32, 64}, H in {2, 4, 8} and 20 seeds: a one-layer transformers
+For d in {16, 32, 64}, H in {2, 4, 8} (or the pairs --configs names, e.g. 48x12) and 20 seeds: a one-layer transformers
 GPT2Model(n_embd=d, n_head=H) at its default initialisation (torch.manual_seed(seed);
 weights N(0, 0.02), biases 0, ln_1 the identity), saved with save_pretrained and read
 back as a checkpoint; its layer 0's attention sublayer (ln_1, attention, c_proj, run by
@@ -12,7 +12,8 @@ to their own norms, c), the stated error bar, queries against the floor, the hel
 error and CPU seconds.
 
 Run:  OPENBLAS_NUM_THREADS=1 nice -n 10 python benchmarks/bench_vector_pre_ln_heads.py
-      [--seeds 20] [--widths 16 32 64] [--heads 2 4 8] [--out FILE.md]
+      [--seeds 20] [--widths 16 32 64] [--heads 2 4 8] [--configs 48x12 64x8 ...]
+      [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -72,34 +73,39 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--heads", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--configs", nargs="+", default=None,
+                        help="d x H pairs (e.g. 32x8 48x12) instead of --widths x --heads")
     _results.add_out_option(parser, __file__)
     args = parser.parse_args()
     with _results.Run(__file__, args.out) as run:
         rows = ["| d | H | learnt | refused (why) | worst canonical error | worst error bar "
                 "| queries (median) | floor | worst held-out | CPU s (median) |",
                 "|---|---|---|---|---|---|---|---|---|---|"]
-        for d in args.widths:
-            for heads in args.heads:
-                runs = [one_run(d, heads, seed) for seed in range(args.seeds)]
-                learnt = [r for r in runs if r["outcome"] == "learnt"]
-                refused = {}
-                for r in runs:
-                    if r["outcome"] != "learnt":
-                        refused[r["outcome"]] = refused.get(r["outcome"], 0) + 1
-                why = ", ".join(f"{v} {k}" for k, v in refused.items()) or "0"
-                if learnt:
-                    rows.append(
-                        f"| {d} | {heads} | {len(learnt)}/{len(runs)} | {why} "
-                        f"| {max(r['error'] for r in learnt):.1e} "
-                        f"| {max(r['bar'] for r in learnt):.1e} "
-                        f"| {int(np.median([r['queries'] for r in learnt]))} "
-                        f"| {learnt[0]['floor']} "
-                        f"| {max(r['held_out'] for r in learnt):.1e} "
-                        f"| {np.median([r['cpu'] for r in runs]):.1f} |")
-                else:
-                    rows.append(f"| {d} | {heads} | 0/{len(runs)} | {why} | - | - | - | - | - "
-                                f"| {np.median([r['cpu'] for r in runs]):.1f} |")
-                print(rows[-1], flush=True)
+        if args.configs:
+            configs = [tuple(int(v) for v in c.lower().split("x")) for c in args.configs]
+        else:
+            configs = [(d, heads) for d in args.widths for heads in args.heads]
+        for d, heads in configs:
+            runs = [one_run(d, heads, seed) for seed in range(args.seeds)]
+            learnt = [r for r in runs if r["outcome"] == "learnt"]
+            refused = {}
+            for r in runs:
+                if r["outcome"] != "learnt":
+                    refused[r["outcome"]] = refused.get(r["outcome"], 0) + 1
+            why = ", ".join(f"{v} {k}" for k, v in refused.items()) or "0"
+            if learnt:
+                rows.append(
+                    f"| {d} | {heads} | {len(learnt)}/{len(runs)} | {why} "
+                    f"| {max(r['error'] for r in learnt):.1e} "
+                    f"| {max(r['bar'] for r in learnt):.1e} "
+                    f"| {int(np.median([r['queries'] for r in learnt]))} "
+                    f"| {learnt[0]['floor']} "
+                    f"| {max(r['held_out'] for r in learnt):.1e} "
+                    f"| {np.median([r['cpu'] for r in runs]):.1f} |")
+            else:
+                rows.append(f"| {d} | {heads} | 0/{len(runs)} | {why} | - | - | - | - | - "
+                            f"| {np.median([r['cpu'] for r in runs]):.1f} |")
+            print(rows[-1], flush=True)
         run.add("\n".join(rows))
 
 

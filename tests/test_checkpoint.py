@@ -215,7 +215,7 @@ def test_gpt2_layers_on_the_sphere_and_its_export(gpt2_one_head_folder, tmp_path
     assert report["max_abs_difference"] <= 1e-9
 
 
-@pytest.mark.parametrize("width, heads, seed", [(32, 4, 0), (16, 2, 1)])
+@pytest.mark.parametrize("width, heads, seed", [(32, 4, 0), (16, 2, 1), (32, 8, 2), (48, 12, 3)])
 def test_gpt2_at_default_initialisation_with_several_heads(width, heads, seed, tmp_path):
     """A GPT-2 exactly as transformers initialises it (weights N(0, 0.02), biases 0, ln_1
     the identity), several heads: every layer from last-position vectors through

@@ -13,12 +13,15 @@ from attnextract import extract
 from attnextract.errors import ModelMismatchError, NotIdentifiableError
 from attnextract.learners.vector_pre_layer_norm_heads import (
     circle_point,
+    covariance_start,
     head_ranks,
+    pencil_covectors,
     ratio_eigen,
     ratio_sequences,
 )
 from attnextract.models import VectorSphereAttention
 from attnextract.oracle import Oracle
+from attnextract.sphere import simplex_columns
 
 GOAL = 1e-9          # canonical error of every learnt block
 
@@ -117,6 +120,93 @@ def test_gpt2_default_initialisation_across_seeds(d, heads):
         outcomes.append("learnt")
     assert outcomes.count("learnt") >= (8 if heads == 2 else 6), outcomes
 
+
+
+@pytest.mark.parametrize("d, heads, seeds", [(32, 8, range(3)), (48, 12, range(4, 6)),
+                                             (64, 8, range(7, 8))])
+def test_many_heads_at_gpt2_initial_scale(d, heads, seeds):
+    """Eight and twelve heads of width 4 at GPT-2's initial scale: no probe separates
+    their logits (a few 1e-3 apart), the covariance start does; every seed learnt within
+    GOAL and within its own error bar."""
+    for seed in seeds:
+        box, truth = gpt2_block(d, heads, seed)
+        result = extract(Oracle(box, d, outputs="last"), model="pre-ln", heads=heads,
+                         seed=seed)
+        error = canonical_error(result.model, truth)
+        assert error <= GOAL, (seed, error)
+        assert error <= result.report.details["error bar"], (seed, error)
+        assert result.report.verification.passed
+        if heads >= 8:
+            assert result.report.breakdown["covariance start"] > 0
+            assert result.report.details["start"].startswith("covariance")
+        assert result.model.heads == heads and result.report.floor < result.queries
+
+
+def test_covariance_start_reaches_the_ranges_to_first_order():
+    """The covariance start alone, eight heads at GPT-2's initial scale: each head's
+    covectors leak less than 2e-2 onto the other heads' ranges (first-order error), every
+    width 4."""
+    d, heads = 32, 8
+    for seed in range(3):
+        box, truth = gpt2_block(d, heads, seed)
+        rng = np.random.default_rng(seed)
+        Q = simplex_columns(d, math.sqrt(d), rng)
+        L, widths, queries = covariance_start(box, Q, heads, np.random.default_rng(seed))
+        assert widths == [4] * heads and queries > 0
+        P = np.eye(d) - 1.0 / d
+        ranges = [np.linalg.svd(truth.O[h] @ P)[0][:, :4] for h in range(heads)]
+        found = set()
+        for g in range(heads):
+            reach = np.array([np.linalg.norm(L[4 * g:4 * g + 4] @ R) for R in ranges])
+            h = int(np.argmax(reach))
+            found.add(h)
+            assert math.sqrt(reach @ reach - reach[h] ** 2) < 2e-2 * reach[h], (seed, g)
+        assert found == set(range(heads))
+
+
+def test_pencil_covectors_of_an_exact_pencil():
+    """T_j = B diag(c_h(j) I_3) O: the covector subspaces are the rows of B^-1, head by head."""
+    rng = np.random.default_rng(3)
+    heads, size, J, k = 5, 3, 5, 20
+    B = rng.standard_normal((heads * size, heads * size))
+    O = rng.standard_normal((heads * size, k))
+    c = rng.standard_normal((J, heads))
+    T = np.array([B @ np.diag(np.repeat(c[j], size)) @ O for j in range(J)])
+    bases = pencil_covectors(T, heads, np.random.default_rng(0))
+    rows = np.linalg.inv(B)
+    matched = set()
+    for basis in bases:
+        assert basis.shape == (heads * size, size)
+        # the covectors annihilate every other head's range and only those
+        reach = np.array([np.linalg.norm(basis.T @ B[:, h * size:(h + 1) * size])
+                          for h in range(heads)])
+        h = int(np.argmax(reach))
+        matched.add(h)
+        others = np.delete(reach, h)
+        assert others.max() < 1e-10 * reach[h]
+        assert np.linalg.matrix_rank(np.vstack([basis.T, rows[h * size:(h + 1) * size]]),
+                                     tol=1e-8) == size
+    assert matched == set(range(heads))
+
+
+@pytest.mark.parametrize("impostor", ["extra head", "position", "no layer norm",
+                                      "four heads told eight", "eight heads told twelve"])
+def test_impostors_at_initial_scale_are_refused(impostor):
+    """Outside the class with eight heads at GPT-2's initial scale (the covariance start's
+    regime): a head of full output rank on top, a position term, no LayerNorm, a wrong
+    head count."""
+    d = 32
+    for seed in range(2):
+        heads, told = 8, 8
+        if impostor == "four heads told eight":
+            heads = 4
+        if impostor == "eight heads told twelve":
+            told = 12
+        box, _ = gpt2_block(d, heads, seed, extra_head=impostor == "extra head",
+                            position=0.01 if impostor == "position" else 0.0,
+                            norm=impostor != "no layer norm")
+        with pytest.raises((ModelMismatchError, NotIdentifiableError)):
+            extract(Oracle(box, d, outputs="last"), model="pre-ln", heads=told, seed=seed)
 
 def test_biases_layer_norm_affine_and_a_residual():
     """A block with every bias, gamma and beta off their initial values, a residual R = I,

@@ -22,6 +22,17 @@ makes them so). For tokens a, q in S with u = a - q and t_h = u^T y_h(q):
    has u'' = alpha u_1 + beta u_k, so each head's v''_h = alpha v_h(u_1) + beta v_h(u_k):
    the decomposition of v'' over [v(u_1), v(u_k)] pairs the heads of u_k with those of
    u_1. The heads' vectors at K directions span the ranges R_h (ranks d_h read off).
+2'. The covariance start, when no probe separates the logits (they are then small: 8 or
+   12 heads at GPT-2's initial scale, logits a few 1e-3 apart): to first order in the
+   logits, [x x k, -x x k, q] answers p sum_h O'_h x x^T y_h(q) plus terms free of x,
+   so 2 F(s) - F(u) - F(e) (u orthogonal to e, s = (u + e) / sqrt(2)) is p T_q u with
+   T_q = sum_h (e^T y_h(q)) O'_h + a part in V(e) = span{O'_h e}. Modulo V(e), T_q at
+   SLICES tokens q is a pencil B diag(c_h(q) I) O-bar (c_h(q) = e^T y_h(q), of order one
+   relative to each other however small the logits): Jennrich's eigenvectors grouped
+   by (c_h(q_j))_j give each head's covectors vanishing on O'_h e, a second e the
+   missing one (:func:`covariance_start`; its error is the first-order truncation,
+   1e-3 to 4e-2 of the ranges at GPT-2's initial scale, measured). The polish (4)
+   takes it from there on 3 (max d_h + 1) pairs of directions labelled by it.
 4. The ranges polished: in coordinates L = [L_1; ...; L_H] (L_h a basis of covectors of
    head h), every head's coordinates of the ratio answers must be s(t + log r_j) w with
    one t and one w per direction. A Gauss-Newton step mixes the other heads' coordinates
@@ -32,14 +43,20 @@ makes them so). For tokens a, q in S with u = a - q and t_h = u^T y_h(q):
    queries [a_1 .. a_k, q_j] with k = min_h d_h / 2 tokens read k logits of every head
    at once (L_h O'_h U^T is d_h x k, of rank k; half the smallest width keeps it
    well-conditioned): y_h(q_j) at the other n vertices.
+6. W'_h, b'_h from y_h(q_j) at the d vertices (identity 4), R P = M - sum_h O'_h P.
 7. Error bars: first order from the answers' rounding and the ranges' bound (the
    polish's misfit over its conditioning) through each solve's measured conditioning.
    Verification: held-out sequences on the sphere, every channel, and rescaled or
    shifted copies off it (:func:`attnextract.verification.verify_vector_on_sphere`).
 
-Not covered: heads whose logits stay too close at every probe for the ratio start
-(8 heads at GPT-2's initial scale): refused as not identifiable, never answered wrong.
-6. W'_h, b'_h from y_h(q_j) at the d vertices (identity 4), R P = M - sum_h O'_h P.
+Not covered: heads of output rank d_h <= 2 whose logits are too close for the ratio
+start (8 heads at d = 16, GPT-2's initial scale): the covariance start matches a head's
+two covector subspaces by the d_h - 2 dimensions they share, none there; refused as not
+identifiable, never answered wrong. Logits too close for the ratio start yet too large
+for the first-order covariance start: 8 heads at d = 32 with weights N(0, 0.04) and
+N(0, 0.07) were learnt (3 of 3 each), N(0, 0.1) refused 2 of 3 and N(0, 0.2) 3 of 3
+(5 to 10 times GPT-2's initial scale; a trained layer's logits may sit there), as not
+identifiable.
 """
 
 from __future__ import annotations
@@ -49,6 +66,8 @@ import math
 import time
 
 import numpy as np
+from scipy.cluster.hierarchy import fcluster, linkage
+from scipy.optimize import linear_sum_assignment
 
 from ..errors import ModelMismatchError, NotIdentifiableError
 from ..models import VectorSphereAttention
@@ -56,6 +75,7 @@ from ..report import ExtractionResult, Report, checked_result, verification_coun
 from ..sphere import (
     column_probes,
     hyperplane_basis,
+    hyperplane_rotation,
     simplex_columns,
     sphere_radius,
     tangent_simplex,
@@ -77,6 +97,16 @@ CANDIDATES = 6            # ratio probes' directions: at most this x (d - 1); a 
                           # skipped where two heads' logits nearly meet (GPT-2 d = 16, 4 heads,
                           # default init: with 3, 1 of 20 layers ran out of directions; 6: 40/40)
 MIN_GAP = 0.05            # ratio start: two heads' logits closer than this x their spread: skipped
+PAIR_COPIES = 8           # covariance start: copies of x and of -x before the query token (the
+                          # query's weight 1 / 17 keeps the first-order terms' error small)
+REFERENCES = 4            # covariance start: references w whose spans V(e) + V(w) meet in V(e)
+SLICES = 5                # covariance start: query tokens, one pencil matrix each
+TIED_PAIRS = 3            # covariance start: the polish's pairs of directions, x (max d_h + 1)
+PENCIL_DRAWS = 6          # covariance start: random ratios of the pencil tried (best fit kept)
+
+
+class LogitsTooClose(NotIdentifiableError):
+    """The ratio start found no probe where the heads' logits are far enough apart."""
 
 
 def three_token_sequences(A: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -283,6 +313,195 @@ def polish_ranges(L: np.ndarray, widths: list[int], tied: tuple, pairs_AB: np.nd
     return L, misfit, conditioning, history
 
 
+def symmetric_sequences(X: np.ndarray, q: np.ndarray, copies: int) -> np.ndarray:
+    """(K, 2 copies + 1, d): [x x copies, -x x copies, q] for every row x of X (K, d)."""
+    K, d = X.shape
+    S = np.empty((K, 2 * copies + 1, d))
+    S[:, :copies], S[:, copies:2 * copies], S[:, -1] = X[:, None], -X[:, None], q
+    return S
+
+
+def covariance_start(ask, Q: np.ndarray, heads: int, rng: np.random.Generator):
+    """Every head's covectors L_h, to first order in the logits (the covariance start).
+
+    A sequence [x x k, -x x k, q] (x, q in S) has mean (1 - p) q and covariance
+    p x x^T + p (1 - p) q q^T, p = 2k / (2k + 1); to first order in the logits its answer
+    is F(x, q) = R q + c + (1 - p) O' q + p (1 - p) sum_h O'_h q q^T y_h(q)
+    + p sum_h O'_h x x^T y_h(q). Differences between two x cancel all but the last term
+    (its error: the logits' size over 2k + 1, and their square). With e, u orthogonal
+    and s = (e + u) / sqrt(2), 2 F(s) - F(u) - F(e) - [the same with a reference w] is
+
+        p T_q u = p sum_h (e^T y_h(q)) O'_h u + p sum_h O'_h e (u^T y_h(q)),
+
+    and the last sum lies in V(e) = span{O'_h e} (H dimensions; the spans of F(e, q) -
+    F(w, q) over q, V(e) + V(w), meet there). Modulo V(e) the ranges stay independent,
+    R_h / <O'_h e> of dimension d_h - 1, and T_q = B diag(c_h(q) I) O-bar with
+    c_h(q) = e^T y_h(q): a pencil over SLICES query tokens whose matrices share their
+    block-diagonal factors (Jennrich). Its left eigenvectors, grouped by the direction of
+    (c_h(q_j))_j and refined as the left null space of the pencil's misfit at that
+    direction, give each head's covectors vanishing on O'_h e; a second e gives the
+    missing one (the two (d_h - 1)-dimensional subspaces of one head share d_h - 2
+    dimensions, those of two heads none: heads matched by that).
+
+    Unlike the ratio start this needs no gap between the heads' logits: the heads are
+    told apart by their ranges and by e^T y_h(q), whose ratios across heads are of order
+    one however small the logits. It is a start: its error is of the logits' order over
+    2k + 1 and their square (1e-4 to 1e-3 at GPT-2's initial scale); the range polish
+    takes it to the answers' rounding.
+
+    Returns
+    -------
+    L : (m_tot, m)
+        Every head's covectors (rows, head by head).
+    widths : list of int
+        d_h.
+    queries : int
+        Queries spent.
+    """
+    d = Q.shape[0]
+    n, H = d - 1, int(heads)
+    rho = float(np.linalg.norm(Q[:, 0]))
+    if n < REFERENCES + 3:
+        raise NotIdentifiableError(f"d = {d} is too small for the covariance start")
+    frame = rho * (hyperplane_rotation(d, rng) @ hyperplane_basis(d))       # (d, n)
+    directions, refs = frame[:, :2].T, frame[:, 2:2 + REFERENCES].T
+    slices = min(SLICES, d)
+    k = PAIR_COPIES
+    spans = np.concatenate([symmetric_sequences(np.vstack([directions, refs]), Q[:, j], k)
+                            for j in range(d)])
+    others = [np.delete(frame, a, axis=1).T for a in range(2)]            # (n - 1, d) each
+    middles = [(o + directions[a]) / math.sqrt(2.0) for a, o in enumerate(others)]
+    pencil = np.concatenate([symmetric_sequences(np.vstack([others[a], middles[a]]),
+                                                 Q[:, j], k)
+                             for a in range(2) for j in range(slices)])
+    answers = ask(np.concatenate([spans, pencil]))
+    queries = len(answers)
+    m = answers.shape[1]
+    if m < 2 * H:
+        raise NotIdentifiableError(f"answers of width m = {m} < 2H = {2 * H}")
+    span_answers = answers[:len(spans)].reshape(d, 2 + REFERENCES, m)
+    pencil_answers = answers[len(spans):].reshape(2, slices, 2 * (n - 1), m)
+    subspaces = []
+    for a in range(2):
+        Fe = span_answers[:, a]                                            # (d, m)
+        projector = np.zeros((m, m))
+        for i in range(REFERENCES):
+            U = np.linalg.svd((Fe - span_answers[:, 2 + i]).T, full_matrices=False)[0]
+            projector += U[:, :2 * H] @ U[:, :2 * H].T
+        complement = np.linalg.eigh(projector)[1][:, :m - H]             # V(e)'s complement
+        T = []
+        for j in range(slices):
+            Fu, Fs = pencil_answers[a, j, :n - 1], pencil_answers[a, j, n - 1:]
+            T.append(complement.T @ (2.0 * Fs - Fu - Fe[j]).T)
+        T = np.array(T)                                                    # (J, m - H, n - 1)
+        # the quotient's part the heads reach (m_tot - H dimensions)
+        U, sv, _ = np.linalg.svd(np.concatenate(list(T), axis=1), full_matrices=False)
+        rank = gap_rank(np.diag(sv)) if sv[-1] < 1e-2 * sv[0] else len(sv)
+        T = np.einsum("ar,jab->jrb", U[:, :rank], T)
+        lift = complement @ U[:, :rank]                                    # (m, rank)
+        subspaces.append([lift @ f for f in pencil_covectors(T, H, rng)])
+    return match_covectors(subspaces[0], subspaces[1], H, m) + (queries,)
+
+
+def pencil_covectors(T: np.ndarray, heads: int, rng: np.random.Generator) -> list:
+    """The heads' covector subspaces of a pencil T (J, r, k) = B diag(c_h(j) I) O-bar:
+    (r, s_h) bases, one per head (s_h its block's size).
+
+    Jennrich's eigenvectors of a ratio of two random combinations, grouped by the
+    direction of (c_h(j))_j, then each group's subspace refined as the left null space of
+    (I - c c^T) applied to the pencil (and c as the top direction of its answers). Two
+    heads whose eigenvalues nearly meet in one ratio mix their eigenvectors: of PENCIL_DRAWS
+    random ratios, the grouping whose refined subspaces fit the pencil best is kept."""
+    J, r, k = T.shape
+    scale = float(np.sum(T * T))
+    best, best_misfit = None, math.inf
+    for _ in range(PENCIL_DRAWS):
+        num = np.tensordot(rng.standard_normal(J), T, axes=1)
+        den = np.tensordot(rng.standard_normal(J), T, axes=1)
+        try:
+            F = np.linalg.inv(np.linalg.eig(num @ np.linalg.pinv(den))[1])   # (r, r) rows
+        except np.linalg.LinAlgError:
+            continue
+        G = np.einsum("ia,jab->ijb", F, T)                                 # (r, J, k)
+        phis = np.array([np.linalg.svd(g, full_matrices=False)[0][:, 0] for g in G],
+                        dtype=complex)
+        top = phis[np.arange(r), np.argmax(np.abs(phis), axis=1)]
+        phis *= np.exp(-1j * np.angle(top))[:, None]
+        similarity = np.abs(phis.conj() @ phis.T)
+        distance = np.clip(1.0 - similarity[np.triu_indices(r, 1)], 0.0, None)
+        labels = fcluster(linkage(distance, "average"), heads, criterion="maxclust")
+        if len(set(labels)) != heads:
+            continue
+        bases, misfit = [], 0.0
+        for label in range(1, heads + 1):
+            members = np.flatnonzero(labels == label)
+            c = np.real(phis[members].mean(axis=0))
+            for _ in range(3):
+                c /= np.linalg.norm(c)
+                N = np.concatenate(list(np.tensordot(np.eye(J) - np.outer(c, c), T, axes=1)),
+                                   axis=1)                                  # (r, J k)
+                U, sv, _ = np.linalg.svd(N, full_matrices=False)
+                basis = U[:, r - len(members):]                             # (r, s)
+                stacked = np.einsum("as,jab->jsb", basis, T).reshape(J, -1)
+                c = np.linalg.svd(stacked, full_matrices=False)[0][:, 0]
+            misfit += float(np.sum(sv[r - len(members):] ** 2))
+            bases.append(basis)
+        if misfit < best_misfit:
+            best, best_misfit = bases, misfit
+    if best is None:
+        raise NotIdentifiableError(f"the covariance start could not group its covectors "
+                                   f"into {heads} heads")
+    log.debug("covariance start: pencil misfit %.3g", math.sqrt(best_misfit / scale))
+    return best
+
+
+def match_covectors(first: list, second: list, heads: int, m: int):
+    """Every head's covectors (L, widths) from its subspaces of two covariance starts
+    (``first``, ``second``: (m, s_h) bases, covectors vanishing on O'_h e and O'_h e'):
+    a head's two subspaces share s_h - 1 dimensions, two heads' none."""
+    sizes = [b.shape[1] for b in first]
+    if min(sizes) < 2 or sorted(sizes) != sorted(b.shape[1] for b in second):
+        raise NotIdentifiableError(
+            f"the covariance start's groups of covectors {sizes} cannot be matched (heads "
+            f"of output rank 2 or less, or groups that disagree)")
+    ortho = [[np.linalg.qr(b)[0] for b in group] for group in (first, second)]
+    cost = np.array([[1.0 - np.linalg.svd(a.T @ b, compute_uv=False)[0] for b in ortho[1]]
+                     for a in ortho[0]])
+    rows, cols = linear_sum_assignment(cost)
+    L, widths = [], []
+    for h, g in zip(rows, cols):
+        width = first[h].shape[1] + 1
+        rows_h = np.linalg.svd(np.concatenate([ortho[0][h], ortho[1][g]], axis=1).T,
+                               full_matrices=False)[2][:width]
+        L.append(rows_h)
+        widths.append(width)
+    L = np.concatenate(L)
+    if L.shape[0] > m:
+        raise ModelMismatchError(f"the heads' output ranks {widths} add up to more than "
+                                 f"m = {m}")
+    return L, widths
+
+
+def tied_probes(phi, q0: np.ndarray, probes: np.ndarray, L: np.ndarray, widths: list[int],
+                logs: np.ndarray):
+    """The range polish's tied data from known covectors L (m_tot, m): ratio answers at
+    probes[0], and per pair k = 1 .. max(d_h) + 1 at probes[k] and at the circle point
+    between them; each head's logits at the free directions fitted in its coordinates.
+
+    Returns Phis (list of (J, m)), ts ((1 + P, H) logits), pairs ((P, 2) the circle
+    points' (alpha, beta))."""
+    P = TIED_PAIRS * (max(widths) + 1)
+    extra = [circle_point(q0, probes[0], probes[k]) for k in range(1, P + 1)]
+    answers = phi(np.concatenate([probes[:P + 1], np.array([p for p, _ in extra])]))
+    Phis = [answers[0]]
+    for k in range(1, P + 1):
+        Phis.extend([answers[k], answers[P + k]])
+    starts = np.cumsum([0] + widths)
+    ts = np.array([[fit_head(answers[i] @ L[starts[h]:starts[h + 1]].T, logs, 0.0)[0]
+                    for h in range(len(widths))] for i in range(P + 1)])
+    return Phis, ts, [coef for _, coef in extra]
+
+
 def gap_rank(V: np.ndarray) -> int:
     """The rank of V at the largest drop of its singular values (at least 1), or full."""
     sv = np.linalg.svd(V, compute_uv=False)
@@ -349,8 +568,9 @@ def extract_heads_on_sphere(oracle, heads: int, *, seed, verify_tolerance,
     Raises
     ------
     NotIdentifiableError
-        d < 3, m < 2H, the heads could not be labelled (logits too close at every probe),
-        the polish did not reach the answers' rounding, a singular system.
+        d < 3, m < 2H, the heads could not be labelled (logits too close at every probe
+        and the covariance start's groups of covectors disagree or have fewer than two
+        dimensions), the polish did not reach the answers' rounding, a singular system.
     ModelMismatchError
         The answers are not those of H softmax heads with independent output ranges, or
         held-out verification failed (``.result`` holds the extraction).
@@ -387,6 +607,7 @@ def extract_heads_on_sphere(oracle, heads: int, *, seed, verify_tolerance,
                            f"is defined there only)",
                  "heads": H, "out_dim": m, "output ranks d_h": info["widths"],
                  "chord |a - q| / R": f"{info['chord']:.3g}",
+                 "start": info["start"],
                  "ratio directions skipped": info["skipped"],
                  "range polish misfit": float(np.max(info["misfit"])),
                  "range polish conditioning": float(np.min(info["conditioning"])),
@@ -417,7 +638,8 @@ def recover_heads(oracle, heads: int, *, seed, radius):
         ``bars`` (the error bars), ``L`` (m_tot, m) (the heads' covectors), ``widths``
         (d_h), ``misfit``, ``conditioning``, ``history`` (the polish), ``level`` (the
         answers' relative rounding), ``worst`` (the column reads' largest condition
-        number), ``chord``, ``skipped`` (ratio directions not labelled).
+        number), ``chord``, ``skipped`` (ratio directions not labelled), ``start`` (which
+        start labelled the heads: the ratio eigenproblem or the covariance start).
     """
 
     def ask(X: np.ndarray) -> np.ndarray:
@@ -468,101 +690,113 @@ def recover_heads(oracle, heads: int, *, seed, radius):
     # furthest apart (its vectors label every other direction's); a chord whose logits
     # exceed MAX_LOGIT is shortened (logits grow with the chord)
     counts["ratio probes"] = 0
-    step = max(2, -(-m // H))
-    trial = min(total, 2 * step)
-    rescales = 0
-    while True:
-        answers = phi(probes[:trial])
-        counts["ratio probes"] += trial * (length - 1)
-        best, gap = None, -1.0
-        for i, Phi in enumerate(answers):
-            try:
-                t_i, V_i, _ = ratio_eigen(Phi, ratios, H)
-            except (ModelMismatchError, NotIdentifiableError):
-                continue
-            if np.min(np.diff(t_i)) > gap:
-                best, gap = (i, t_i, V_i, Phi), float(np.min(np.diff(t_i)))
-        if best is None:
-            raise NotIdentifiableError(
-                "the heads could not be told apart at any probe of q_0: their logits are "
-                "too close for the ratio probes (not covered yet)")
-        first_probe, t0, V0, Phi0 = best
-        peak = float(np.max(np.abs(t0)))
-        if peak <= MAX_LOGIT:
-            break
-        if rescales == MAX_RESCALES:
-            raise NotIdentifiableError(f"the heads' logits stay above {MAX_LOGIT} at every "
-                                       f"chord down to {chord:.3g}")
-        chord, rescales = _shorter(chord, peak), rescales + 1
-        probes = column_probes(q0, candidates, chord)
-    Phis = [Phi0]
-    probes = np.roll(probes, -first_probe, axis=0)
-    ts, Vs = [t0], [V0]
-    used, skipped = 1, 0
-    pairs = []
-    while True:
-        new = list(range(used, min(total, used + step)))
-        extra = []
-        for k in new:
-            point, coef = circle_point(q0, probes[0], probes[k])
-            extra.append((point, coef))
-        batch = np.concatenate([probes[new], np.array([p for p, _ in extra])])
-        answers = phi(batch)
-        counts["ratio probes"] += len(batch) * (length - 1)
-        for i in range(len(new)):
-            try:
-                tk, Vk, _ = ratio_eigen(answers[i], ratios, H)
-                t2, V2, _ = ratio_eigen(answers[len(new) + i], ratios, H)
-            except (ModelMismatchError, NotIdentifiableError):
-                skipped += 1                     # too close to label here: next direction
-                continue
-            alpha, beta = extra[i][1]
-            coefs = np.linalg.lstsq(np.concatenate([V0, Vk], axis=1), V2, rcond=None)[0]
-            first = np.argmax(np.abs(coefs[:H]), axis=0)
-            second = np.argmax(np.abs(coefs[H:]), axis=0)
-            others = np.abs(coefs).copy()
-            others[first, range(H)] = 0.0
-            others[H + second, range(H)] = 0.0
-            if (sorted(first) != list(range(H)) or sorted(second) != list(range(H))
-                    or np.max(np.abs(coefs[first, range(H)] - alpha)) > MATCH_TOL * abs(alpha)
-                    or np.max(np.abs(coefs[H + second, range(H)] - beta))
-                    > MATCH_TOL * abs(beta)
-                    or others.max() > MATCH_TOL * max(abs(alpha), abs(beta))):
-                skipped += 1
-                continue
-            order = np.empty(H, dtype=int)
-            order[first] = second                     # head first[i] of u_1 is second[i] of u_k
-            ts.append(tk[order])
-            Vs.append(Vk[:, order])
-            order2 = np.empty(H, dtype=int)
-            order2[first] = np.arange(H)
-            Vs.append(V2[:, order2])
-            Phis.extend([answers[i], answers[len(new) + i]])
-            pairs.append((alpha, beta))
-        used = new[-1] + 1 if new else used
-        ranks = head_ranks([np.stack([V[:, h] for V in Vs], axis=1) for h in range(H)],
-                           gap_rank(np.concatenate(Vs, axis=1)))
-        labelled = (len(Vs) - 1) // 2 + 1
-        if (ranks is not None and all(r + 2 <= labelled for r in ranks)) or used >= total:
-            break
-    if ranks is None or any(r + 2 > labelled for r in ranks):
-        raise NotIdentifiableError(
-            "the heads could not be labelled across directions: their logits are too "
-            "close for the ratio probes (not covered yet)")
-    widths = ranks
-    bases = []
-    for h in range(H):
-        left = np.linalg.svd(np.stack([V[:, h] for V in Vs], axis=1), full_matrices=False)[0]
-        bases.append(left[:, :widths[h]])
-    B = np.concatenate(bases, axis=1)                                      # (m, m_tot)
-    m_tot = B.shape[1]
-    sv = np.linalg.svd(B, compute_uv=False)
-    if m_tot > m or sv[-1] < 1e-6 * sv[0]:
-        raise ModelMismatchError(
-            f"the black box is not a sum of {H} pre-LayerNorm heads with independent output "
-            f"ranges: their ranks {widths} overlap in R^{m}")
-    span = np.linalg.svd(B, full_matrices=False)[0]
-    L = np.linalg.solve(span.T @ B, span.T)                                # (m_tot, m)
+    start = "ratio eigenproblem"
+    try:
+        step = max(2, -(-m // H))
+        trial = min(total, 2 * step)
+        rescales = 0
+        while True:
+            answers = phi(probes[:trial])
+            counts["ratio probes"] += trial * (length - 1)
+            best, gap = None, -1.0
+            for i, Phi in enumerate(answers):
+                try:
+                    t_i, V_i, _ = ratio_eigen(Phi, ratios, H)
+                except (ModelMismatchError, NotIdentifiableError):
+                    continue
+                if np.min(np.diff(t_i)) > gap:
+                    best, gap = (i, t_i, V_i, Phi), float(np.min(np.diff(t_i)))
+            if best is None:
+                raise LogitsTooClose(
+                    "the heads could not be told apart at any probe of q_0: their logits are "
+                    "too close for the ratio probes")
+            first_probe, t0, V0, Phi0 = best
+            peak = float(np.max(np.abs(t0)))
+            if peak <= MAX_LOGIT:
+                break
+            if rescales == MAX_RESCALES:
+                raise NotIdentifiableError(f"the heads' logits stay above {MAX_LOGIT} at every "
+                                           f"chord down to {chord:.3g}")
+            chord, rescales = _shorter(chord, peak), rescales + 1
+            probes = column_probes(q0, candidates, chord)
+        Phis = [Phi0]
+        probes = np.roll(probes, -first_probe, axis=0)
+        ts, Vs = [t0], [V0]
+        used, skipped = 1, 0
+        pairs = []
+        while True:
+            new = list(range(used, min(total, used + step)))
+            extra = []
+            for k in new:
+                point, coef = circle_point(q0, probes[0], probes[k])
+                extra.append((point, coef))
+            batch = np.concatenate([probes[new], np.array([p for p, _ in extra])])
+            answers = phi(batch)
+            counts["ratio probes"] += len(batch) * (length - 1)
+            for i in range(len(new)):
+                try:
+                    tk, Vk, _ = ratio_eigen(answers[i], ratios, H)
+                    t2, V2, _ = ratio_eigen(answers[len(new) + i], ratios, H)
+                except (ModelMismatchError, NotIdentifiableError):
+                    skipped += 1                     # too close to label here: next direction
+                    continue
+                alpha, beta = extra[i][1]
+                coefs = np.linalg.lstsq(np.concatenate([V0, Vk], axis=1), V2, rcond=None)[0]
+                first = np.argmax(np.abs(coefs[:H]), axis=0)
+                second = np.argmax(np.abs(coefs[H:]), axis=0)
+                others = np.abs(coefs).copy()
+                others[first, range(H)] = 0.0
+                others[H + second, range(H)] = 0.0
+                if (sorted(first) != list(range(H)) or sorted(second) != list(range(H))
+                        or np.max(np.abs(coefs[first, range(H)] - alpha)) > MATCH_TOL * abs(alpha)
+                        or np.max(np.abs(coefs[H + second, range(H)] - beta))
+                        > MATCH_TOL * abs(beta)
+                        or others.max() > MATCH_TOL * max(abs(alpha), abs(beta))):
+                    skipped += 1
+                    continue
+                order = np.empty(H, dtype=int)
+                order[first] = second                     # head first[i] of u_1 is second[i] of u_k
+                ts.append(tk[order])
+                Vs.append(Vk[:, order])
+                order2 = np.empty(H, dtype=int)
+                order2[first] = np.arange(H)
+                Vs.append(V2[:, order2])
+                Phis.extend([answers[i], answers[len(new) + i]])
+                pairs.append((alpha, beta))
+            used = new[-1] + 1 if new else used
+            ranks = head_ranks([np.stack([V[:, h] for V in Vs], axis=1) for h in range(H)],
+                               gap_rank(np.concatenate(Vs, axis=1)))
+            labelled = (len(Vs) - 1) // 2 + 1
+            if (ranks is not None and all(r + 2 <= labelled for r in ranks)) or used >= total:
+                break
+        if ranks is None or any(r + 2 > labelled for r in ranks):
+            raise LogitsTooClose(
+                "the heads could not be labelled across directions: their logits are too "
+                "close for the ratio probes")
+        widths = ranks
+        bases = []
+        for h in range(H):
+            left = np.linalg.svd(np.stack([V[:, h] for V in Vs], axis=1), full_matrices=False)[0]
+            bases.append(left[:, :widths[h]])
+        B = np.concatenate(bases, axis=1)                                      # (m, m_tot)
+        m_tot = B.shape[1]
+        sv = np.linalg.svd(B, compute_uv=False)
+        if m_tot > m or sv[-1] < 1e-6 * sv[0]:
+            raise ModelMismatchError(
+                f"the black box is not a sum of {H} pre-LayerNorm heads with independent output "
+                f"ranges: their ranks {widths} overlap in R^{m}")
+        span = np.linalg.svd(B, full_matrices=False)[0]
+        L = np.linalg.solve(span.T @ B, span.T)                                # (m_tot, m)
+    except LogitsTooClose as exc:
+        # no probe separates the heads' logits: they are small, and to first order the
+        # heads are told apart by their ranges (the covariance start)
+        log.info("%s: the covariance start instead", exc)
+        L, widths, counts["covariance start"] = covariance_start(
+            ask, Q, H, np.random.default_rng(None if seed is None else [int(seed), 2]))
+        Phis, ts, pairs = tied_probes(phi, q0, probes, L, widths, logs)
+        counts["ratio probes"] += len(Phis) * (length - 1)
+        span = np.linalg.svd(np.concatenate(Phis).T, full_matrices=False)[0][:, :L.shape[0]]
+        skipped, start = 0, "covariance (no probe separates the logits)"
     level = ROUNDING * EPS * math.sqrt(m) * scale / max(
         float(np.max([np.abs(P).max() for P in Phis])), np.finfo(float).tiny)
     # stage 5's answers first: [a, a, q] and [a, q, q] at the n tangent probes of q_0
@@ -666,7 +900,7 @@ def recover_heads(oracle, heads: int, *, seed, radius):
             "error_bar_ranges": range_error}
     return model, counts, dict(bars=bars, L=L, widths=widths, misfit=misfit, conditioning=conditioning,
                                history=history, level=level, worst=worst, chord=chord,
-                               skipped=skipped)
+                               skipped=skipped, start=start)
 
 
 def _require_finite(t: np.ndarray, where: str) -> None:
