@@ -389,11 +389,11 @@ def covariance_start(ask, Q: np.ndarray, heads: int, rng: np.random.Generator):
             U = np.linalg.svd((Fe - span_answers[:, 2 + i]).T, full_matrices=False)[0]
             projector += U[:, :2 * H] @ U[:, :2 * H].T
         complement = np.linalg.eigh(projector)[1][:, :m - H]             # V(e)'s complement
-        T = []
+        slabs = []
         for j in range(slices):
             Fu, Fs = pencil_answers[a, j, :n - 1], pencil_answers[a, j, n - 1:]
-            T.append(complement.T @ (2.0 * Fs - Fu - Fe[j]).T)
-        T = np.array(T)                                                    # (J, m - H, n - 1)
+            slabs.append(complement.T @ (2.0 * Fs - Fu - Fe[j]).T)
+        T = np.array(slabs)                                                # (J, m - H, n - 1)
         # the quotient's part the heads reach (m_tot - H dimensions)
         U, sv, _ = np.linalg.svd(np.concatenate(list(T), axis=1), full_matrices=False)
         rank = gap_rank(np.diag(sv)) if sv[-1] < 1e-2 * sv[0] else len(sv)
@@ -468,14 +468,14 @@ def match_covectors(first: list, second: list, heads: int, m: int):
     cost = np.array([[1.0 - np.linalg.svd(a.T @ b, compute_uv=False)[0] for b in ortho[1]]
                      for a in ortho[0]])
     rows, cols = linear_sum_assignment(cost)
-    L, widths = [], []
+    blocks, widths = [], []
     for h, g in zip(rows, cols):
         width = first[h].shape[1] + 1
         rows_h = np.linalg.svd(np.concatenate([ortho[0][h], ortho[1][g]], axis=1).T,
                                full_matrices=False)[2][:width]
-        L.append(rows_h)
+        blocks.append(rows_h)
         widths.append(width)
-    L = np.concatenate(L)
+    L = np.concatenate(blocks)
     if L.shape[0] > m:
         raise ModelMismatchError(f"the heads' output ranks {widths} add up to more than "
                                  f"m = {m}")
