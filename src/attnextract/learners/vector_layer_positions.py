@@ -118,6 +118,7 @@ from .vector_layer import (
     payload_directions,
     projectors,
     random_selectors,
+    reading_rows,
     selector_probes,
 )
 
@@ -251,6 +252,17 @@ def fine_ranges_positions(oracle: Oracle, E, W, b, widths, rng, s: float):
                 f"of saturated softmax attention")
         R.append(U[:, :r])
     return R, len(X)
+
+
+def complement_rows(R: list[np.ndarray]) -> list[np.ndarray]:
+    """Per head, orthonormal rows (r_h, D) vanishing on every other head's range (the
+    blocks' coordinate bases R_h (D, r_h) span range coordinates together)."""
+    rows = []
+    for h in range(len(R)):
+        others = np.concatenate([Rg for g, Rg in enumerate(R) if g != h], axis=1)
+        U = np.linalg.svd(others, full_matrices=True)[0]
+        rows.append(U[:, others.shape[1]:].T)
+    return rows
 
 
 # -- the scores, read at every position ---------------------------------------------------
@@ -541,6 +553,9 @@ def extract_vector_layer_positions(oracle: Oracle, *, seed=None,
     step("ranges (designed selectors)")
     L, C, R = projectors(E, blocks, O)
     O_h = np.stack([Rh @ Ch for Rh, Ch in zip(R, C)])
+    # the scores read again through orthonormal rows that vanish on the other heads'
+    # ranges, not rows of R^-1 (whose rounding leaks cond(R) x more of the other heads)
+    L, C = reading_rows(E, complement_rows(designed[0]), O)
     W, b, ranks_W, spread, found, weight_misfit = solve_all(reads, c, L, C)
     check_found(widths, heads, ranks, c, b, biases, float(np.max(np.abs(W))))
     model = VectorAttention(W, O_h, b, c, positions="all", causal=bool(oracle.causal))
