@@ -40,6 +40,15 @@ def _randomise_biases(model, seed):
     return model
 
 
+def small_bert(width, heads, layers, seed, bias_seed, path):
+    """A BERT of the given shape, random weights and biases, saved offline to ``path``."""
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(hidden_size=width, num_attention_heads=heads,
+                                     num_hidden_layers=layers, intermediate_size=2 * width,
+                                     vocab_size=64, max_position_embeddings=32)
+    return _save(_randomise_biases(transformers.BertModel(config), bias_seed), path)
+
+
 @pytest.fixture(scope="module")
 def bert_folder(tmp_path_factory):
     torch.manual_seed(0)
@@ -256,12 +265,7 @@ def test_bert_every_position(width, heads, seed, tmp_path):
     """--outputs all on BERT-style layers: the box answers every position (both ways), the
     learner reads every position, fewer queries than the last position alone, the heads
     match the weights and the export computes what the original computes."""
-    torch.manual_seed(seed)
-    config = transformers.BertConfig(hidden_size=width, num_attention_heads=heads,
-                                     num_hidden_layers=1, intermediate_size=2 * width,
-                                     vocab_size=64, max_position_embeddings=32)
-    folder = _save(_randomise_biases(transformers.BertModel(config), seed + 1),
-                   tmp_path / "bert")
+    folder = small_bert(width, heads, 1, seed, seed + 1, tmp_path / "bert")
     every = extract_checkpoint(folder, outputs="all", run_dir=tmp_path / "all",
                                check_against=folder, progress=False)
     last = extract_checkpoint(folder, outputs="last", run_dir=tmp_path / "last",
@@ -489,12 +493,7 @@ def test_bert_checkpoints_of_other_widths_and_head_counts(width, heads, seed, tm
     offline with random weights and biases, through the command line: each layer's
     canonical error against the weights within 1e-10, and the export computes what the
     original computes."""
-    torch.manual_seed(seed)
-    config = transformers.BertConfig(hidden_size=width, num_attention_heads=heads,
-                                     num_hidden_layers=2, intermediate_size=2 * width,
-                                     vocab_size=64, max_position_embeddings=32)
-    folder = _save(_randomise_biases(transformers.BertModel(config), seed + 10),
-                   tmp_path / "bert")
+    folder = small_bert(width, heads, 2, seed, seed + 10, tmp_path / "bert")
     export = tmp_path / "bert.safetensors"
     assert main(["checkpoint", str(folder), "--outputs", "last", "--run-dir",
                  str(tmp_path / "run"), "--check-against", str(folder), "--export",
