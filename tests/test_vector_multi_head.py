@@ -227,7 +227,10 @@ def test_small_layers_of_every_seed(H, biases):
     """d = 8, 40 seeds each: every box recovered within its bar. Two were refused in
     class: a short random query token left the scans' first and largest scales 2.9x
     apart (two close steps could not be spread), and a bar of 3e-6 (true error 4.3e-11,
-    cond(O) 4.6e3) was above the largest stated bar."""
+    cond(O) 4.6e3) was above the largest stated bar. That box's W is off by 4.3e-11 on
+    one BLAS kernel and 1.06e-10 on another (its conditioning, not the learner), so the
+    bound here is 1e-9 and the box's own bar."""
     for seed in range(40):
         truth = box(seed, 8, H, biases=biases)
-        check(extract_vector_multi_head(Oracle(truth, 8), seed=seed, biases=biases), truth)
+        check(extract_vector_multi_head(Oracle(truth, 8), seed=seed, biases=biases), truth,
+              bound=1e-9)
