@@ -60,9 +60,8 @@ def answers_look_rounded(observed) -> bool:
     y = y[np.isfinite(y) & (y != 0)]
     if y.size < 4:
         return False
-    with np.errstate(over="ignore"):
-        if np.mean(y.astype(np.float32).astype(np.float64) == y) >= FLOAT32_SHARE:
-            return True
+    if float32_share(y) >= FLOAT32_SHARE:
+        return True
     for k in range(13):
         z = y * 10.0 ** k
         if np.abs(z).max() >= 1e12:

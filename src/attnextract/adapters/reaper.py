@@ -54,35 +54,32 @@ def start_time(pid: int) -> int | None:
         return None
 
 
-def descendants(root: int, exclude: int | None = None) -> set[tuple[int, int]]:
-    """(pid, start time) of every descendant of ``root`` now, ``exclude``'s subtree left
-    out."""
-    children = _children()
-    found, todo = set(), [root]
+def _walk(children: dict[int, list[int]], roots, exclude: int | None = None
+          ) -> set[tuple[int, int]]:
+    """(pid, start time) of every descendant of the pids ``roots`` in ``children``,
+    ``exclude``'s subtree left out."""
+    found: set[tuple[int, int]] = set()
+    todo = list(roots)
     while todo:
         for pid in children.get(todo.pop(), []):
-            if pid == exclude:
-                continue
             start = start_time(pid)
-            if start is not None:
+            if pid != exclude and start is not None and (pid, start) not in found:
                 found.add((pid, start))
                 todo.append(pid)
     return found
+
+
+def descendants(root: int, exclude: int | None = None) -> set[tuple[int, int]]:
+    """(pid, start time) of every descendant of ``root`` now, ``exclude``'s subtree left
+    out."""
+    return _walk(_children(), [root], exclude)
 
 
 def _closure(roots: set[tuple[int, int]]) -> set[tuple[int, int]]:
     """``roots`` that are still the same processes, and all their descendants now (one
     scan of /proc)."""
-    children = _children()
     found = {(pid, start) for pid, start in roots if start_time(pid) == start}
-    todo = [pid for pid, _ in found]
-    while todo:
-        for pid in children.get(todo.pop(), []):
-            start = start_time(pid)
-            if start is not None and (pid, start) not in found:
-                found.add((pid, start))
-                todo.append(pid)
-    return found
+    return found | _walk(_children(), [pid for pid, _ in found])
 
 
 def _signal_all(targets: set[tuple[int, int]], sig: int) -> int:
