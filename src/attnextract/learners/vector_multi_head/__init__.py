@@ -290,11 +290,18 @@ class _Scans:
         """One batch of scans; fills P, Wv for accepted directions (their reach appended
         to ``reaches``), updates t; returns the directions to scan again."""
         Ys, floors = self.scan(todo, t[todo])
+        # a redrawn direction starts again from the scale the scanned ones ask for: its
+        # own scale, once thrown far off by a misfit at the window's edge, only shrank
+        # with every redraw (d = 16, 4 heads: 14 -> 0.02 -> 0.004, two steps merged at
+        # every one of them, refused)
+        typical = min(EDGE_SHARE * float(np.max(np.abs(self.lam))) / float(np.median(reaches)),
+                      self.largest_scale) * REDRAW_SHRINK
         again = []
         for k, Y, floor in zip(todo, Ys, floors):
             verdict, p, scale = self._assess(Y, floor, k, t[k:k + 1])
             if verdict == "redraw":
                 self.V[:, k] = self._new_direction()
+                scale = np.array([typical])
             if verdict != "ok":
                 if verdict == "rescale":    # the new scale is aimed at this scan's reach
                     reaches.append(EDGE_SHARE * float(np.max(np.abs(self.lam))) / scale[0])
