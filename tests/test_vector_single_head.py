@@ -69,7 +69,9 @@ def test_last_position_at_2d_plus_2(d, m):
         assert report.breakdown["constant and O"] == d + 1
         n = report.recovery_queries
         assert report.details["numbers received (recovery)"] == m * n       # m per answer
-        assert report.details["tokens sent (recovery)"] == (d + 1) + (d + 1) * (n - d - 1)
+        extra = report.details["extra tokens per probe"]       # pairs on O's weak directions
+        assert extra <= min(d, LENGTH - d - 1) and extra % 2 == 0
+        assert report.details["tokens sent (recovery)"] == (d + 1) + (d + 1 + extra) * (n - d - 1)
         assert report.floor == -(-(d * d + d + m * d + m) // m)
         errors = vector_canonical_errors(result.model, box)
         assert errors["max"] <= report.details["error_bar"]
