@@ -17,7 +17,8 @@ regular simplex (columns of A, :func:`simplex_edges`). Then
 
 the common score q^T (W q + b) cancelling in the ratio. So ONE query of r + 1 tokens
 gives r linear functionals of the vector g(q) = W q + b. Full rank (r = d, m >= d): one
-query gives the whole g(q). Rank r < d (m < d, or W_v rank deficient): z_i = V_r a_i +
+query gives the whole g(q) (the same with extra tokens q +- t v_j, whose logits
++-t v_j^T g(q) are functions of the same g: see Conditioning). Rank r < d (m < d, or W_v rank deficient): z_i = V_r a_i +
 w_i with w_i in the kernel of O (invisible in the answer, not in the scores),
 ceil(d / r) queries per point. Then q = 0 gives b and q = s_k e_k gives s_k W e_k + b:
 d + 1 points, [W | b] exactly.
@@ -47,14 +48,18 @@ again at the designed scale (counted as "rescaling"). The readout solve uses the
 orthonormal V_r and S_r^{-1}; at full column rank it is corrected once with the residual
 F - c - O y to twice the working precision (:meth:`Readout.read`), so that it adds
 nothing to what the answers' own rounding costs: eps (|c| + s |O e_k|) per number, read
-through S^{-1}, i.e. cond(O) times it. Measured (square Gaussian O, 50 seeds per d):
-the errors stay below about 10 eps cond(O); worst d = 8, 16, 32, 64: 5.5e-13, 1.2e-12,
-1.7e-12, 2.0e-11 (cond 9.8e3), a float64 product with O^+ 2 to 3.5x that. Whitening the probe
-offsets (V^T z_i = S^-p a_i, to read the small singular directions louder) measured
-worse (docs/maintainers/algorithms.md): the weights' Jacobian mixes the loud
-directions' error into the others, and the logits grow with the boosted part of g.
-``max_condition`` (default for low precision) reads the ill-conditioned directions
-through kernel-like offsets instead, at more queries.
+through S^{-1}, so 1 / sigma_j along v_j. Against that, the probes at full rank carry
+pairs of extra tokens q +- t v_j on the directions with sigma_j < sigma_1 /
+PAIR_CONDITION (:func:`pair_counts`, at most d extra tokens): they add weight along v_j,
+not size, so the weights' mean moves more with g there while no logit grows; the
+weights are then read by Newton on a concave dual (:func:`_pair_solve`). Measured
+(square Gaussian O, 50 seeds per d, 2d + 2 queries), worst at d = 8, 16, 32, 64:
+1.7e-13, 1.3e-13, 2.2e-13, 6.3e-13 (cond(O) up to 9.8e3); with the corrected readout
+and no pairs 5.5e-13, 1.2e-12, 1.7e-12, 2.0e-11; with a float64 product with O^+
+1.9e-12, 2.5e-12, 5.1e-12, 4.9e-11. Whitening the simplex instead (V^T z_i = S^-p a_i)
+measured worse (docs/maintainers/algorithms.md): it makes tokens larger along v_j,
+and their logits with them. ``max_condition`` (default for low precision) reads the
+ill-conditioned directions through kernel-like offsets instead, at more queries.
 
 Error bars. Every answer number is taken to be off by its precision (float64 rounding,
 the stated ``tolerance``, or a forward pass in ``output_dtype``, whose level is then
@@ -865,7 +870,9 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
     condition = float(np.linalg.norm(R.O, 2)) * R.pinv_norm
     if condition > CONDITION_NOTE and math.isinf(max_condition):
         notes.append(f"the readout through O has condition number {condition:.3g}: the errors "
-                     f"grow with it (d = 64, cond 1e3 to 1e4: 1e-12 to 2e-11); "
+                     f"grow with it (with the extra tokens on O's weak directions, d = 64, "
+                     f"cond 1e3 to 1e4: 3e-13 to 6e-13; without room for them 1e-12 to "
+                     f"2e-11); "
                      f"max_condition=100 reads the ill-conditioned directions through extra "
                      f"offsets (d = 64: 2d + 2 to 3d + 3 queries, errors below 1e-12)")
     causal = bool(root.causal) if every and root.causal is not None else None
