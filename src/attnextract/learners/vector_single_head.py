@@ -18,8 +18,9 @@ regular simplex (columns of A, :func:`simplex_edges`). Then
 the common score q^T (W q + b) cancelling in the ratio. So ONE query of r + 1 tokens
 gives r linear functionals of the vector g(q) = W q + b. Full rank (r = d, m >= d): one
 query gives the whole g(q) (the same with extra tokens q +- t v_j, whose logits
-+-t v_j^T g(q) are functions of the same g: see Conditioning). Rank r < d (m < d, or W_v rank deficient): z_i = V_r a_i +
-w_i with w_i in the kernel of O (invisible in the answer, not in the scores),
++-t v_j^T g(q) are functions of the same g: see Conditioning). Rank r < d (m < d, or
+W_v rank deficient): z_i = V_r a_i + w_i with w_i in the kernel of O (invisible in the
+answer, not in the scores),
 ceil(d / r) queries per point. Then q = 0 gives b and q = s_k e_k gives s_k W e_k + b:
 d + 1 points, [W | b] exactly.
 
@@ -86,6 +87,7 @@ from ..errors import (
     RecoveryFailedError,
 )
 from ..models import VectorAttention
+from ..numerics import residual
 from ..oracle import Oracle
 from ..precision import check_precision_options
 from ..report import (
@@ -96,7 +98,6 @@ from ..report import (
     verification_count,
     verify_model,
 )
-from ..numerics import residual
 from ..verification import root_oracle, safe_norm
 from .noisy import FORWARD_RHO
 
@@ -125,7 +126,7 @@ PILOT_SCALE = 1.0         # the pilots' token scales before anything is known
 # extra tokens q +- t v (at most d extra tokens, PAIR_DIRECTIONS directions)
 PAIR_CONDITION = 100.0
 PAIR_DIRECTIONS = 8
-PAIR_ITERATIONS = 60      # Newton steps of the pair readout (it takes 3 to 8)
+PAIR_ITERATIONS = 60      # Newton steps of the pair readout (5 to 8 on benchmark boxes)
 # a forward pass in a low precision: its relative level per number (design level of the
 # scalar learners) plus the accumulation over the N tokens of a sequence (unit roundoff)
 ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -9, "float16": 2.0 ** -11}
@@ -335,6 +336,19 @@ def pair_counts(sv: np.ndarray, budget: int) -> np.ndarray:
     return k
 
 
+def _woodbury(Dinv: np.ndarray, C: np.ndarray, x: np.ndarray) -> tuple:
+    """(diag(1 / Dinv) + C C^T)^-1 x for each row: Dinv (n, r), C (n, r, p), x (n, 2, r);
+    returns the two solves (n, r) each. Woodbury: O(r p^2) per row, not r^3."""
+    K = np.eye(C.shape[2]) + np.einsum("nij,ni,nil->njl", C, Dinv, C)
+    y = Dinv[:, None, :] * x                                     # (n, 2, r)
+    try:
+        z = np.linalg.solve(K[:, None], np.einsum("nij,nki->nkj", C, y)[..., None])[..., 0]
+    except np.linalg.LinAlgError:                    # singular (non-finite weights): unreadable
+        return np.full_like(x[:, 0], np.nan), np.full_like(x[:, 0], np.nan)
+    out = y - Dinv[:, None, :] * np.einsum("nij,nkj->nki", C, z)
+    return out[:, 0], out[:, 1]
+
+
 def _pair_solve(a0: np.ndarray, B: np.ndarray, k: np.ndarray):
     """The weights of probes with pairs, from a0 = A^-1 (V^T x-bar - V^T q) / t (n, r),
     B = A^-1 V_p^T (r, p) and the pair counts k (p,).
@@ -372,19 +386,9 @@ def _pair_solve(a0: np.ndarray, B: np.ndarray, k: np.ndarray):
         grad = a0 - w
         # H = diag(alpha) + C C^T - w w^T, C = B diag(sqrt P): Woodbury, then Sherman-Morrison
         C = B[None] * np.sqrt(P)[:, None, :]                     # (n, r, p)
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            Dinv = 1.0 / alpha                                   # inf: weights underflowed
-            K = np.eye(len(k)) + np.einsum("nij,ni,nil->njl", C, Dinv, C)
-
-        def solve_M(x):
-            y = Dinv * x
-            try:
-                z = np.linalg.solve(K, np.einsum("nij,ni->nj", C, y)[..., None])[..., 0]
-            except np.linalg.LinAlgError:            # a singular K: that row is unreadable
-                return np.full_like(x, np.nan)
-            return y - Dinv * np.einsum("nij,nj->ni", C, z)
-        with np.errstate(all="ignore"):
-            Mg, Mw = solve_M(grad), solve_M(w)
+        with np.errstate(all="ignore"):                          # underflowed weights: inf
+            Dinv = 1.0 / alpha
+            Mg, Mw = _woodbury(Dinv, C, np.stack([grad, w], axis=1))
             step = Mg + Mw * ((w * Mg).sum(axis=1) / (1.0 - (w * Mw).sum(axis=1)))[:, None]
         # quadratic convergence: a step this small leaves rounding once taken
         small = np.abs(step).max(axis=1) <= 1e-9 * np.maximum(np.abs(l).max(axis=1), 1.0)
@@ -470,7 +474,8 @@ def measure_points(oracle, R: Readout, q: np.ndarray, t: np.ndarray, last) -> Po
     # error estimate (first order, errors independent per number): an answer number is
     # off by sigma_F, O's entries and c's by their levels; through y = P (F - c) (rows of
     # P of norm <= ||O^+||), alpha = A^-1 (y - V^T q) / t, the logits' Jacobian
-    # L = diag(1 / alpha) + 1 1^T / alpha_N, and g = Zinv (logits / t)
+    # L = diag(1 / alpha) + 1 1^T / alpha_N, and g = Zinv (logits / t). With pairs the
+    # same from the simplex's (diluted) weights: the pairs lower the error along v_j only
     p = R.precision
     mag_x = np.linalg.norm(q, axis=1) + t * float(np.linalg.norm(offsets, axis=2).max())
     # an answer's rounding is relative to the sizes summed in it, not to its own size
