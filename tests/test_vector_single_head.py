@@ -75,7 +75,11 @@ def test_last_position_at_2d_plus_2(d, m):
         assert report.details["numbers received (recovery)"] == m * n       # m per answer
         extra = report.details["extra tokens per probe"]       # pairs on O's weak directions
         assert extra <= min(d, LENGTH - d - 1) and extra % 2 == 0
-        assert report.details["tokens sent (recovery)"] == (d + 1) + (d + 1 + extra) * (n - d - 1)
+        if extra:       # the bias probe and the pilot column may carry more (dropped after)
+            assert report.details["tokens sent (recovery)"] == (d + 1) + (d + 1 + extra) * (n - d - 1)
+        else:
+            assert (d + 1) + (d + 1) * (n - d - 1) <= report.details["tokens sent (recovery)"] \
+                <= (d + 1) + (2 * d + 1) * (n - d - 1)
         assert report.floor == -(-(d * d + d + m * d + m) // m)
         errors = vector_canonical_errors(result.model, box)
         assert errors["max"] <= report.details["error_bar"]
@@ -162,6 +166,27 @@ def test_ill_conditioned_O_within_1e_12_at_2d_plus_2(d):
         assert e <= 1e-12, (seed, e)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_g_along_the_weak_direction(seed):
+    """cond(O) = 1e4 and every g(q) mostly along O's weakest right singular direction v:
+    the pairs' logits +-t rho v^T g are kept small by rho (or the pairs dropped after the
+    pilot), so the probes stay in band. Measured: 66 or 67 queries (2d + 2 = 66), errors
+    6e-12 to 1.9e-10 against 9e-12 to 3.4e-10 without pairs, bars 1.8e-8 to 3.7e-7."""
+    d = 32
+    rng = np.random.default_rng(seed)
+    U, _ = np.linalg.qr(rng.standard_normal((d, d)))
+    V, _ = np.linalg.qr(rng.standard_normal((d, d)))
+    O = U @ np.diag(np.r_[np.ones(d - 1), 1e-4]) @ V.T
+    v = V[:, -1]
+    W = 0.1 * rng.standard_normal((d, d)) / np.sqrt(d) + np.outer(v, rng.standard_normal(d))
+    b = 0.5 * v + 0.05 * rng.standard_normal(d)
+    box = VectorAttention(W[None], O[None], b[None], 0.3 * rng.standard_normal(d))
+    result = extract_vector_single_head(Oracle(box, d, max_length=2 * d + 2), seed=seed)
+    assert result.report.recovery_queries <= 2 * d + 3
+    e = vector_canonical_errors(result.model, box)["max"]
+    assert e <= result.report.details["error_bar"] and e < 1e-9
+
+
 def test_no_room_for_pairs():
     """An oracle that takes d + 1 tokens: no pairs, the same count, errors within bars."""
     d = 32
@@ -202,7 +227,7 @@ def test_pair_solve_recovers_the_logits(seed):
     logits = t[:, None] * (g @ offsets.T)
     weights = softmax(np.concatenate([logits, np.zeros((n, 1))], axis=1))
     a0 = (t[:, None] * (weights[:, :-1] @ offsets)) @ np.linalg.inv(A).T / t[:, None]
-    B = np.linalg.inv(A) @ dirs.T
+    B = np.broadcast_to(np.linalg.inv(A) @ dirs.T, (n, d, 3))      # rho = 1 for every row
     l, alpha, alpha_N, hp = _pair_solve(a0, B, k)
     assert np.abs(l - logits[:, :d]).max() <= 1e-13 * max(1.0, np.abs(logits).max())
     assert np.allclose(alpha_N, weights[:, -1], rtol=1e-12)

@@ -76,7 +76,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -127,6 +127,8 @@ PILOT_SCALE = 1.0         # the pilots' token scales before anything is known
 PAIR_CONDITION = 100.0
 PAIR_DIRECTIONS = 8
 PAIR_ITERATIONS = 60      # Newton steps of the pair readout (5 to 8 on benchmark boxes)
+PAIR_FIT = 0.5            # the pilot column's pairs brought below this x: no pairs for the rest
+PAIR_LOGIT = 1.0          # the pairs' logits are kept below this and the simplex's largest
 # a forward pass in a low precision: its relative level per number (design level of the
 # scalar learners) plus the accumulation over the N tokens of a sequence (unit roundoff)
 ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -9, "float16": 2.0 ** -11}
@@ -351,7 +353,7 @@ def _woodbury(Dinv: np.ndarray, C: np.ndarray, x: np.ndarray) -> tuple:
 
 def _pair_solve(a0: np.ndarray, B: np.ndarray, k: np.ndarray):
     """The weights of probes with pairs, from a0 = A^-1 (V^T x-bar - V^T q) / t (n, r),
-    B = A^-1 V_p^T (r, p) and the pair counts k (p,).
+    B = rho A^-1 V_p^T (n, r, p) (pairs at q +- t rho v_j) and the pair counts k (p,).
 
     In the simplex logits l (l_i = t z_i^T g), the pairs' logits are +-B_j^T l and
     a0 = alpha + B u, alpha_i = e^(l_i) / Z, u_j = k_j (e^(B_j^T l) - e^(-B_j^T l)) / Z,
@@ -366,7 +368,7 @@ def _pair_solve(a0: np.ndarray, B: np.ndarray, k: np.ndarray):
     lk = np.log(k.astype(float))
 
     def parts(l):
-        hp = l @ B                                               # (n, p)
+        hp = np.einsum("nr,nrp->np", l, B)
         terms = np.concatenate([np.zeros((n, 1)), l, hp + lk, -hp + lk], axis=1)
         top = terms.max(axis=1, keepdims=True)
         e = np.exp(terms - top)
@@ -382,10 +384,10 @@ def _pair_solve(a0: np.ndarray, B: np.ndarray, k: np.ndarray):
     value = (a0 * l).sum(axis=1) - logZ
     done = np.zeros(n, dtype=bool)
     for _ in range(PAIR_ITERATIONS):
-        w = alpha + u @ B.T
+        w = alpha + np.einsum("np,nrp->nr", u, B)
         grad = a0 - w
         # H = diag(alpha) + C C^T - w w^T, C = B diag(sqrt P): Woodbury, then Sherman-Morrison
-        C = B[None] * np.sqrt(P)[:, None, :]                     # (n, r, p)
+        C = B * np.sqrt(P)[:, None, :]                           # (n, r, p)
         with np.errstate(all="ignore"):                          # underflowed weights: inf
             Dinv = 1.0 / alpha
             Mg, Mw = _woodbury(Dinv, C, np.stack([grad, w], axis=1))
@@ -410,7 +412,8 @@ def _pair_solve(a0: np.ndarray, B: np.ndarray, k: np.ndarray):
         done |= small & keep
         hp, logZ, aN, alpha, u, P = parts(l)
     # converged where the mean is reproduced: a0 = alpha + B u to rounding
-    fit = np.abs(a0 - alpha - u @ B.T).max(axis=1) <= 1e-9 * np.maximum(np.abs(a0).max(axis=1), 1e-300)
+    fit = (np.abs(a0 - alpha - np.einsum("np,nrp->nr", u, B)).max(axis=1)
+           <= 1e-9 * np.maximum(np.abs(a0).max(axis=1), 1e-300))
     good = done & fit & np.all(np.isfinite(l), axis=1)
     bad = ~good[:, None]
     return (np.where(bad, np.nan, l), np.where(bad, np.nan, alpha), np.where(good, aN, np.nan),
@@ -438,25 +441,43 @@ class Points:
     g: np.ndarray            # (n, d)
     peak: np.ndarray         # (n,) largest |logit|, inf where unreadable
     bound: np.ndarray        # (n,) 2-norm error bound of g
+    rho: np.ndarray = None   # (n,) the pairs' offsets q +- t rho v_j
+    pair_peak: np.ndarray = None     # (n,) the pairs' largest |logit| (0 without pairs)
+    simplex_peak: np.ndarray = None  # (n,) the simplex tokens' largest |logit|
 
 
-def measure_points(oracle, R: Readout, q: np.ndarray, t: np.ndarray, last) -> Points:
+def _pair_fit(points: Points) -> np.ndarray:
+    """rho that brings the pairs' largest logit down to min(PAIR_LOGIT, the simplex's):
+    k pairs at logits +-x weigh 2 k cosh(x), so a g far along v_j (x large) would give
+    them the attention the simplex needs (its weights, hence its logits' precision,
+    shrink by that much)."""
+    cap = np.minimum(PAIR_LOGIT, points.simplex_peak)
+    over = np.isfinite(points.pair_peak) & (points.pair_peak > cap) & (cap > 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(over, points.rho * cap / points.pair_peak, points.rho)
+
+
+def measure_points(oracle, R: Readout, q: np.ndarray, t: np.ndarray, last,
+                   rho: np.ndarray | None = None) -> Points:
     """g(q_p) for each point q_p (n, d) at token scale t_p: J queries of r + 1 tokens
-    per point (x_i = q + t z_i, then q), all in one batch."""
+    per point (x_i = q + t z_i, then q), and the pairs q +- t rho_p v_j when the readout
+    has them (rho (n,), default 1), all in one batch."""
     n, d = q.shape
     J, r = R.Z.shape[0], R.rank
+    rho = np.ones(n) if rho is None else np.asarray(rho, dtype=float)
     offsets = R.offsets()                                         # (J, r + 2 pairs, d)
     tokens = offsets.shape[1] + 1
     X = np.empty((n, J, tokens, d))
     X[:, :, :-1, :] = q[:, None, None, :] + t[:, None, None, None] * offsets[None]
+    X[:, :, r:-1, :] = q[:, None, None, :] + (t * rho)[:, None, None, None] * offsets[None, :, r:]
     X[:, :, -1, :] = q[:, None, :]
     F = last(oracle.query(X.reshape(n * J, tokens, d))).reshape(n, J, -1)
     y = R.read(F)                                                 # (n, J, r)
     alpha = ((y - (q @ R.V)[:, None, :]) @ R.A_inv.T) / t[:, None, None]
     pair_peak = np.zeros(n)
     if R.pairs:                                                   # full rank: J = 1
-        l, alpha0, alpha_N, hp = _pair_solve(alpha[:, 0], R.A_inv @ R.pair_dirs.T,
-                                             R.pair_counts)
+        B = rho[:, None, None] * (R.A_inv @ R.pair_dirs.T)[None]  # (n, r, p)
+        l, alpha0, alpha_N, hp = _pair_solve(alpha[:, 0], B, R.pair_counts)
         readable = np.isfinite(alpha_N)[:, None]
         alpha = np.where(readable[:, :, None], alpha0[:, None, :], 1.0)
         alpha_N = np.where(readable, alpha_N[:, None], 1.0)
@@ -469,7 +490,9 @@ def measure_points(oracle, R: Readout, q: np.ndarray, t: np.ndarray, last) -> Po
             logits = np.log(np.where(alpha > 0, alpha, 1.0)) - np.log(
                 np.where(alpha_N > 0, alpha_N, 1.0))[:, :, None]
     ok = readable.all(axis=1)
-    peak = np.where(ok, np.maximum(np.abs(logits).max(axis=(1, 2)), pair_peak), np.inf)
+    simplex_peak = np.where(ok, np.abs(logits).max(axis=(1, 2)), np.inf)
+    pair_peak = np.where(ok, pair_peak, np.inf)
+    peak = np.maximum(simplex_peak, pair_peak)
     g = (logits.reshape(n, J * r) / t[:, None]) @ R.Zinv.T
     # error estimate (first order, errors independent per number): an answer number is
     # off by sigma_F, O's entries and c's by their levels; through y = P (F - c) (rows of
@@ -501,7 +524,8 @@ def measure_points(oracle, R: Readout, q: np.ndarray, t: np.ndarray, last) -> Po
     # the box's own score rounding: eps |x_i| |W q + b| per logit
     dscore = p.score * mag_x * np.linalg.norm(np.where(np.isfinite(g), g, 0.0), axis=1)
     bound = R.calibration * np.hypot(from_answers, zinv * math.sqrt(2 * J * r) * dscore / t)
-    return Points(q=q, t=t, g=np.where(ok[:, None], g, np.nan), peak=peak, bound=bound)
+    return Points(q=q, t=t, g=np.where(ok[:, None], g, np.nan), peak=peak, bound=bound,
+                  rho=rho, pair_peak=pair_peak, simplex_peak=simplex_peak)
 
 
 def _band(peak: np.ndarray) -> np.ndarray:
@@ -541,12 +565,15 @@ def _noise(points: Points) -> np.ndarray:
 
 
 def measure_columns(oracle, R: Readout, b: np.ndarray, b_bound: float, beta_known: bool,
-                    last, counts: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                    last, counts: dict) -> tuple:
     """W e_k from g(s_k e_k) = s_k W e_k + b for every k: a pilot (column 0 at the
     pilot scale), then every other column at the scales designed from it (column 0
     again unless the pilot was in band and balanced), then columns out of band or off
-    their balance asked again. Returns W (d, d), s (d,), the 2-norm error bound of
-    each column (d,); ``counts`` gets "columns" (d J) and the rest as "rescaling"."""
+    their balance asked again. Pairs (R.pairs) stay at the offsets rho that keep their
+    logits below PAIR_LOGIT and the simplex's (the pilot's for all, then each column's
+    on a re-ask); a pilot that asks for rho < PAIR_FIT drops them for the rest. Returns
+    W (d, d), s (d,), the 2-norm error bound of each column (d,) and the readout the
+    columns used; ``counts`` gets "columns" (d J) and the rest as "rescaling"."""
     d = oracle.dim
     beta = float(np.abs(b).max()) if beta_known else 0.0
     eye = np.eye(d)
@@ -555,12 +582,14 @@ def measure_columns(oracle, R: Readout, b: np.ndarray, b_bound: float, beta_know
         t[:] = 0.5 * TARGET_LOGIT / beta
     g = np.full((d, d), np.nan)
     peak, bound = np.full(d, np.inf), np.full(d, np.inf)
+    rho, fit = np.ones(d), np.ones(d)     # the pairs' offsets, and what the probes ask of them
     asked = 0
 
     def ask(cols):
         nonlocal asked
-        pts = measure_points(oracle, R, s[cols, None] * eye[cols], t[cols], last)
+        pts = measure_points(oracle, R, s[cols, None] * eye[cols], t[cols], last, rho[cols])
         g[cols], peak[cols], bound[cols] = pts.g, pts.peak, pts.bound
+        fit[cols] = _pair_fit(pts)
         asked += len(cols) * R.blocks
 
     def column_noise():
@@ -587,6 +616,12 @@ def measure_columns(oracle, R: Readout, b: np.ndarray, b_bound: float, beta_know
     keep0 = readable0 and bool(_band(peak[:1])[0]) and bool(_balanced(s[0], s_design[0]))
     todo = np.arange(1 if keep0 else 0, d)
     s[todo], t[todo] = s_design[todo], t_design[todo]
+    rho[todo] = fit[0]                # the pilot's g along v_j stands for the others'
+    if R.pairs and fit[0] < PAIR_FIT:
+        # g far along the weak directions: pairs small enough for its logits add little
+        # covariance there, and they still dilute the simplex's weights
+        R = replace(R, pair_dirs=None, pair_counts=None)
+        rho[:] = 1.0
     if todo.size:
         ask(todo)
     for _ in range(MAX_TRIES):
@@ -599,6 +634,7 @@ def measure_columns(oracle, R: Readout, b: np.ndarray, b_bound: float, beta_know
         cols = np.flatnonzero(redo)
         if not cols.size:
             break
+        rho[cols] = fit[cols]
         s[cols] = np.where(fix[cols], sd[cols], s[cols] * np.where(readable[cols], 1.0,
                                                                     SHRINK_UNREADABLE))
         t[cols] = np.where(fix[cols], td[cols], t[cols] * np.where(readable[cols], 1.0,
@@ -615,7 +651,7 @@ def measure_columns(oracle, R: Readout, b: np.ndarray, b_bound: float, beta_know
     # columns whose s W e_k is within its bar of 0 are 0 (as a bias at its noise is):
     # the probes cannot tell them from 0, and an exact 0 is what a W = 0 box has
     W = np.where(column_noise()[None, :], 0.0, ((g - b) / s[:, None]).T)
-    return W, s, np.hypot(bound, b_bound) / s
+    return W, s, np.hypot(bound, b_bound) / s, R
 
 
 def _balanced(s, s_design) -> np.ndarray:
@@ -634,8 +670,9 @@ def measure_bias(oracle, R: Readout, last, counts: dict) -> Points:
     for _ in range(MAX_TRIES):
         if _band(pts.peak)[0] or _noise(pts)[0]:
             return pts
-        t = _rescaled(t, pts.peak)
-        pts = measure_points(oracle, R, np.zeros((1, d)), t, last)
+        rho = _pair_fit(pts)            # pairs above the simplex: brought down, t for the rest
+        t = _rescaled(t, np.where(rho < pts.rho, pts.simplex_peak, pts.peak))
+        pts = measure_points(oracle, R, np.zeros((1, d)), t, last, rho)
         counts["rescaling"] += R.blocks
     if not np.isfinite(pts.peak[0]):
         raise ModelMismatchError(
@@ -919,7 +956,7 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
             b_zero = biases is None and bool(_noise(pts)[0])
             b = np.zeros(d) if b_zero else pts.g[0]
             b_bound = 0.0 if b_zero else float(pts.bound[0])
-        W, s, col_bounds = measure_columns(oracle, R, b, b_bound, not b_zero, last, counts)
+        W, s, col_bounds, R = measure_columns(oracle, R, b, b_bound, not b_zero, last, counts)
         # the size of W that scores of order one at the probes' scales would reveal
         W_ref = TARGET_LOGIT / float(s.max() * max(float(np.abs(R.Z).max()), 1.0))
         design = (f"points q = s_k e_k at s {s.min():.3g} .. {s.max():.3g}, "
@@ -1004,7 +1041,7 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
                  "rank of O": R.rank, "condition of O": float(np.linalg.norm(R.O, 2)
                                                              * R.pinv_norm),
                  "design": design, "precision": precision.name,
-                 "extra tokens per probe": 2 * R.pairs,
+                 "extra tokens per probe": 2 * R.pairs,     # of the column probes
                  "numbers received (recovery)": int(numbers),
                  "tokens sent (recovery)": int(tokens),
                  "parameters": parameters,
