@@ -180,7 +180,7 @@ def measure(quick: bool) -> str:
              ("Targets (issue 38): last position <= 2d + 2 queries and <= 1e-12 for d <= 64 "
               "(1e-10 at d = 256); every position <= d + 8 queries, same errors. Met: every "
               "count (rescaling of a pilot out of band adds 1 to 5 on adversarial scales), the "
-              "last position's errors at every d (worst of 50 seeds 1.7e-13 to 6.3e-13 for "
+              "last position's errors at every d (worst of 50 seeds 1.4e-13 to 6.5e-13 for "
               "d <= 64, cond(O) up to ~1e4: pairs of extra tokens q +- t v_j on O's weak "
               "directions, at most d per probe, the 'tokens' column gives the first seed's), "
               "every-position errors up to d = 64 but the worst d = 64 seeds (1.3e-12 to "

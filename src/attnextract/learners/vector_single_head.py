@@ -52,10 +52,12 @@ nothing to what the answers' own rounding costs: eps (|c| + s |O e_k|) per numbe
 through S^{-1}, so 1 / sigma_j along v_j. Against that, the probes at full rank carry
 pairs of extra tokens q +- t v_j on the directions with sigma_j < sigma_1 /
 PAIR_CONDITION (:func:`pair_counts`, at most d extra tokens): they add weight along v_j,
-not size, so the weights' mean moves more with g there while no logit grows; the
-weights are then read by Newton on a concave dual (:func:`_pair_solve`). Measured
-(square Gaussian O, 50 seeds per d, 2d + 2 queries), worst at d = 8, 16, 32, 64:
-1.7e-13, 1.3e-13, 2.2e-13, 6.3e-13 (cond(O) up to 9.8e3); with the corrected readout
+not size, so the weights' mean moves more with g there while no logit grows (their
+offsets are scaled by rho to keep their logits below PAIR_LOGIT and the simplex's,
+:func:`_pair_fit`); the weights are then read by Newton on a concave dual
+(:func:`_pair_solve`). Measured (square Gaussian O, 50 seeds per d, 2d + 2 queries),
+worst at d = 8, 16, 32, 64: 1.4e-13, 2.0e-13, 2.4e-13, 6.5e-13 (cond(O) up to 9.8e3);
+with the corrected readout
 and no pairs 5.5e-13, 1.2e-12, 1.7e-12, 2.0e-11; with a float64 product with O^+
 1.9e-12, 2.5e-12, 5.1e-12, 4.9e-11. Whitening the simplex instead (V^T z_i = S^-p a_i)
 measured worse (docs/maintainers/algorithms.md): it makes tokens larger along v_j,
@@ -913,7 +915,7 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
     if condition > CONDITION_NOTE and math.isinf(max_condition):
         notes.append(f"the readout through O has condition number {condition:.3g}: the errors "
                      f"grow with it (with the extra tokens on O's weak directions, d = 64, "
-                     f"cond 1e3 to 1e4: 3e-13 to 6e-13; without room for them 1e-12 to "
+                     f"cond 1e3 to 1e4: up to 6.5e-13; without room for them 1e-12 to "
                      f"2e-11); "
                      f"max_condition=100 reads the ill-conditioned directions through extra "
                      f"offsets (d = 64: 2d + 2 to 3d + 3 queries, errors below 1e-12)")
