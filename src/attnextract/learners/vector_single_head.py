@@ -78,7 +78,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -198,8 +198,8 @@ class Readout:
     P_norm: float = 0.0       # ||P||_F: the readout's gain on independent answer errors
     calibration: float = 1.0  # measured error / estimated error (low precision: dithered repeats)
     # pairs of extra tokens q +- t v_j (full rank only): directions (p, d), counts (p,)
-    pair_dirs: np.ndarray = None
-    pair_counts: np.ndarray = None
+    pair_dirs: np.ndarray = field(default_factory=lambda: np.empty((0, 0)))
+    pair_counts: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=int))
 
     @property
     def blocks(self) -> int:
@@ -208,7 +208,7 @@ class Readout:
     @property
     def pairs(self) -> int:
         """The number of extra tokens q + t v_j (as many q - t v_j) per probe."""
-        return 0 if self.pair_counts is None else int(self.pair_counts.sum())
+        return int(self.pair_counts.sum())
 
     def offsets(self) -> np.ndarray:
         """(J, r + 2 pairs, d): every probe token's offset from q, in units of t."""
@@ -299,7 +299,7 @@ def make_readout(c, O, precision: AnswerPrecision, O_error: float, c_error: floa
         Z[j, :cols.shape[1]] += cols.T
     P = V.T @ Vt[:r].T @ (Uo[:, :r] / sv[:r]).T      # V^T O^+, shape (r, m)
     Zinv = np.linalg.pinv(Z.reshape(-1, d))
-    dirs = counts = None
+    dirs, counts = np.empty((0, d)), np.empty(0, dtype=int)
     if r == d and extra_tokens >= 2:
         k = pair_counts(sv[:d], extra_tokens // 2)
         if k.any():
@@ -443,9 +443,9 @@ class Points:
     g: np.ndarray            # (n, d)
     peak: np.ndarray         # (n,) largest |logit|, inf where unreadable
     bound: np.ndarray        # (n,) 2-norm error bound of g
-    rho: np.ndarray = None   # (n,) the pairs' offsets q +- t rho v_j
-    pair_peak: np.ndarray = None     # (n,) the pairs' largest |logit| (0 without pairs)
-    simplex_peak: np.ndarray = None  # (n,) the simplex tokens' largest |logit|
+    rho: np.ndarray          # (n,) the pairs' offsets q +- t rho v_j
+    pair_peak: np.ndarray    # (n,) the pairs' largest |logit| (0 without pairs)
+    simplex_peak: np.ndarray  # (n,) the simplex tokens' largest |logit|
 
 
 def _pair_fit(points: Points) -> np.ndarray:
@@ -622,7 +622,7 @@ def measure_columns(oracle, R: Readout, b: np.ndarray, b_bound: float, beta_know
     if R.pairs and fit[0] < PAIR_FIT:
         # g far along the weak directions: pairs small enough for its logits add little
         # covariance there, and they still dilute the simplex's weights
-        R = replace(R, pair_dirs=None, pair_counts=None)
+        R = replace(R, pair_dirs=np.empty((0, d)), pair_counts=np.empty(0, dtype=int))
         rho[:] = 1.0
     if todo.size:
         ask(todo)
