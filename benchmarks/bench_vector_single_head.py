@@ -179,13 +179,13 @@ def measure(quick: bool) -> str:
              "",
              ("Targets (issue 38): last position <= 2d + 2 queries and <= 1e-12 for d <= 64 "
               "(1e-10 at d = 256); every position <= d + 8 queries, same errors. Met: every "
-              "count (rescaling of a pilot out of band adds 1 to 5 on adversarial scales), "
-              "every-position errors up to d = 64 but the worst d = 64 seeds (1.5e-12 to "
-              "1.6e-12), d = 256. Not met at 2d + 2: the worst of 50 seeds at every d "
-              "(1.9e-12 at d = 8 to 4.9e-11 at d = 64; the medians, 5e-14 to 8e-13, are "
-              "within): square Gaussian O has cond(O) up to ~1e4 and the errors grow with it; "
-              "max_condition=100 meets 1e-12 at d = 64 at 130 to 195 queries. Adversarial biases "
-              "cost |b|^2 / |W| and |c| / |O| (the box rounds its scores and answers at those "
+              "count (rescaling of a pilot out of band adds 1 to 5 on adversarial scales), the "
+              "last position's errors at every d (worst of 50 seeds 1.4e-13 to 6.5e-13 for "
+              "d <= 64, cond(O) up to ~1e4: pairs of extra tokens q +- t v_j on O's weak "
+              "directions, at most d per probe, the 'tokens' column gives the first seed's), "
+              "every-position errors up to d = 64 but the worst d = 64 seeds (1.3e-12 to "
+              "1.8e-12; the every-position probe carries no pairs). Adversarial biases cost "
+              "|b|^2 / |W| and |c| / |O| (the box rounds its scores and answers at those "
               "sizes), within the stated bars."),
              "", "## Float64 boxes", "", HEADER]
     grid = [("last position", d, d, many, {}) for d in (8, 16, 32, 64)]

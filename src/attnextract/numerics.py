@@ -1,5 +1,6 @@
 """Numerics shared by the learners, the held-out check and the report: norms that neither
-overflow nor underflow, and the tests of whether answers look rounded (float32, decimals).
+overflow nor underflow, a residual to twice the working precision, and the tests of
+whether answers look rounded (float32, decimals).
 
 Depends on numpy only, so that every other module can use it.
 """
@@ -29,6 +30,32 @@ def safe_rms(x: np.ndarray) -> float:
     """Root mean square of x's entries without overflow or underflow (see safe_norm)."""
     x = np.asarray(x, dtype=float)
     return safe_norm(x) / math.sqrt(x.size) if x.size else 0.0
+
+
+def residual(F: np.ndarray, M: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """F - y M^T to about eps^2 |y| |M| (float64 would give eps |y| |M|).
+
+    F (n, m), M (m, k), y (n, k). Ozaki's error-free splitting: every row of y and of M
+    is scaled by a power of two to a largest entry in [0.5, 1) and cut into a head on the
+    grid 2^(beta - 52), beta = ceil((53 + log2 k) / 2), and the rest. The heads' product
+    is then exact in float64 whatever the order of the sums (any BLAS kernel gives the
+    same bits), and the three products with a rest carry only eps 2^(beta - 52) of
+    |y| |M|. Why: a solve y = M^+ F read from answers that cancel to a small residual
+    (an ill-conditioned M) loses cond(M) x the residual's rounding; with this residual one
+    correction y + M^+ (F - y M^T) leaves the answers' own rounding only."""
+    F, M, y = (np.asarray(a, dtype=float) for a in (F, M, y))
+    k = y.shape[1]
+    ey = np.frexp(np.abs(y).max(axis=1))[1] if k else np.zeros(len(y), dtype=int)
+    eM = np.frexp(np.abs(M).max(axis=1))[1] if k else np.zeros(len(M), dtype=int)
+    ys, Ms = np.ldexp(y, -ey[:, None]), np.ldexp(M, -eM[:, None])
+    sigma = 2.0 ** math.ceil((53 + math.log2(max(k, 1))) / 2)
+    y1, M1 = (ys + sigma) - sigma, (Ms + sigma) - sigma
+    y2, M2 = ys - y1, Ms - M1
+    scale = ey[:, None] + eM[None, :]
+    with np.errstate(over="ignore", under="ignore"):
+        Fs = np.ldexp(F, -scale)
+        rest = y1 @ M2.T + y2 @ M1.T + y2 @ M2.T
+        return np.ldexp((Fs - y1 @ M1.T) - rest, scale)
 
 
 # the share of answers that must be float32 numbers to call the box's precision float32

@@ -17,8 +17,10 @@ regular simplex (columns of A, :func:`simplex_edges`). Then
 
 the common score q^T (W q + b) cancelling in the ratio. So ONE query of r + 1 tokens
 gives r linear functionals of the vector g(q) = W q + b. Full rank (r = d, m >= d): one
-query gives the whole g(q). Rank r < d (m < d, or W_v rank deficient): z_i = V_r a_i +
-w_i with w_i in the kernel of O (invisible in the answer, not in the scores),
+query gives the whole g(q) (the same with extra tokens q +- t v_j, whose logits
++-t v_j^T g(q) are functions of the same g: see Conditioning). Rank r < d (m < d, or
+W_v rank deficient): z_i = V_r a_i + w_i with w_i in the kernel of O (invisible in the
+answer, not in the scores),
 ceil(d / r) queries per point. Then q = 0 gives b and q = s_k e_k gives s_k W e_k + b:
 d + 1 points, [W | b] exactly.
 
@@ -44,9 +46,23 @@ is balanced against the bias: s |W e_k| >= |b| where possible, and s^2 |W e_k| ~
 since the box's own score rounding is eps |x_i| |W q + b| while the signal is
 t s |W e_k|. Probes outside the band, or far from their column's balance, are asked
 again at the designed scale (counted as "rescaling"). The readout solve uses the
-orthonormal V_r and S_r^{-1}: its error is cond(O) times the answers' rounding, so
-``max_condition`` (default for low precision) reads the ill-conditioned directions
-through kernel-like offsets instead, at more queries.
+orthonormal V_r and S_r^{-1}; at full column rank it is corrected once with the residual
+F - c - O y to twice the working precision (:meth:`Readout.read`), so that it adds
+nothing to what the answers' own rounding costs: eps (|c| + s |O e_k|) per number, read
+through S^{-1}, so 1 / sigma_j along v_j. Against that, the probes at full rank carry
+pairs of extra tokens q +- t v_j on the directions with sigma_j < sigma_1 /
+PAIR_CONDITION (:func:`pair_counts`, at most d extra tokens): they add weight along v_j,
+not size, so the weights' mean moves more with g there while no logit grows (their
+offsets are scaled by rho to keep their logits below PAIR_LOGIT and the simplex's,
+:func:`_pair_fit`); the weights are then read by Newton on a concave dual
+(:func:`_pair_solve`). Measured (square Gaussian O, 50 seeds per d, 2d + 2 queries),
+worst at d = 8, 16, 32, 64: 1.4e-13, 2.0e-13, 2.4e-13, 6.5e-13 (cond(O) up to 9.8e3);
+with the corrected readout
+and no pairs 5.5e-13, 1.2e-12, 1.7e-12, 2.0e-11; with a float64 product with O^+
+1.9e-12, 2.5e-12, 5.1e-12, 4.9e-11. Whitening the simplex instead (V^T z_i = S^-p a_i)
+measured worse (docs/maintainers/algorithms.md): it makes tokens larger along v_j,
+and their logits with them. ``max_condition`` (default for low precision) reads the
+ill-conditioned directions through kernel-like offsets instead, at more queries.
 
 Error bars. Every answer number is taken to be off by its precision (float64 rounding,
 the stated ``tolerance``, or a forward pass in ``output_dtype``, whose level is then
@@ -62,7 +78,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -73,6 +89,7 @@ from ..errors import (
     RecoveryFailedError,
 )
 from ..models import VectorAttention
+from ..numerics import residual
 from ..oracle import Oracle
 from ..precision import check_precision_options
 from ..report import (
@@ -107,6 +124,13 @@ CONDITION_NOTE = 1e3      # a readout this ill-conditioned is said in the report
 LOW_PRECISION_CONDITION = 30.0   # low precision: the readout's largest condition number
 LOW_PRECISION_VERIFY = 30.0   # held-out tolerance: this x a low precision's level
 PILOT_SCALE = 1.0         # the pilots' token scales before anything is known
+# full rank: right singular directions of O below sigma_1 / PAIR_CONDITION get pairs of
+# extra tokens q +- t v (at most d extra tokens, PAIR_DIRECTIONS directions)
+PAIR_CONDITION = 100.0
+PAIR_DIRECTIONS = 8
+PAIR_ITERATIONS = 60      # Newton steps of the pair readout (5 to 8 on benchmark boxes)
+PAIR_FIT = 0.5            # the pilot column's pairs brought below this x: no pairs for the rest
+PAIR_LOGIT = 1.0          # the pairs' logits are kept below this and the simplex's largest
 # a forward pass in a low precision: its relative level per number (design level of the
 # scalar learners) plus the accumulation over the N tokens of a sequence (unit roundoff)
 ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -9, "float16": 2.0 ** -11}
@@ -173,10 +197,46 @@ class Readout:
     O_norm: float = 0.0
     P_norm: float = 0.0       # ||P||_F: the readout's gain on independent answer errors
     calibration: float = 1.0  # measured error / estimated error (low precision: dithered repeats)
+    # pairs of extra tokens q +- t v_j (full rank only): directions (p, d), counts (p,)
+    pair_dirs: np.ndarray = field(default_factory=lambda: np.empty((0, 0)))
+    pair_counts: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=int))
 
     @property
     def blocks(self) -> int:
         return self.Z.shape[0]
+
+    @property
+    def pairs(self) -> int:
+        """The number of extra tokens q + t v_j (as many q - t v_j) per probe."""
+        return int(self.pair_counts.sum())
+
+    def offsets(self) -> np.ndarray:
+        """(J, r + 2 pairs, d): every probe token's offset from q, in units of t."""
+        if not self.pairs:
+            return self.Z
+        extra = np.concatenate([np.repeat(sign * self.pair_dirs, self.pair_counts, axis=0)
+                                for sign in (1.0, -1.0)])
+        return np.concatenate([self.Z, np.broadcast_to(
+            extra, (self.Z.shape[0],) + extra.shape)], axis=1)
+
+    def read(self, F: np.ndarray) -> np.ndarray:
+        """V_r^T O^+ (F - c) for answers F (..., m): shape (..., r).
+
+        Full column rank: corrected once with the residual F - c - O y to twice the
+        working precision (:func:`attnextract.numerics.residual`). The answers carry
+        O q + c, far larger than the part that moved with the weights, and a float64
+        product with O^+ (or a float64 residual) rounds at eps |F| x ||O^+||: cond(O)
+        times the answers' relative rounding, several times what the answers' own
+        rounding costs through O^+ (d = 64, cond(O) = 1e4: 5e-11 against 2e-11)."""
+        F = np.asarray(F, dtype=float)
+        y = (F - self.c) @ self.P.T
+        if self.rank == self.O.shape[1] and np.all(np.isfinite(F)):
+            flat_F, flat_y = F.reshape(-1, F.shape[-1]), y.reshape(-1, self.rank)
+            M = np.column_stack([self.O, self.c])                     # F = O y + c
+            r = residual(flat_F, M, np.column_stack([flat_y, np.ones(len(flat_y))]))
+            if np.all(np.isfinite(r)):
+                y = y + (r @ self.P.T).reshape(y.shape)
+        return y
 
 
 def simplex_edges(r: int) -> np.ndarray:
@@ -197,7 +257,7 @@ def simplex_edges(r: int) -> np.ndarray:
 
 
 def make_readout(c, O, precision: AnswerPrecision, O_error: float, c_error: float,
-                 rank=None, max_condition: float = math.inf) -> Readout:
+                 rank=None, max_condition: float = math.inf, extra_tokens: int = 0) -> Readout:
     """SVD of O, its numerical rank (singular values above RANK_GAP x O's error bar, or
     ``rank`` when stated) and the token directions for the functionals of g.
 
@@ -207,7 +267,11 @@ def make_readout(c, O, precision: AnswerPrecision, O_error: float, c_error: floa
     drops, so it reads them as 0 exactly): ceil(d / r') queries per point instead of
     1, and the readout's condition number at most max_condition. Low precision answers
     use it: a forward pass in float32 read through cond(O) = 1e4 loses 1e4 x (d + 1)
-    of its 6e-8."""
+    of its 6e-8.
+
+    ``extra_tokens``: at full column rank, up to this many extra tokens per probe go to
+    the directions v_j of O with sigma_j < sigma_1 / PAIR_CONDITION, in pairs q +- t v_j
+    (:func:`pair_counts`)."""
     m, d = O.shape
     Uo, sv, Vt = np.linalg.svd(O, full_matrices=True)
     if rank is None:
@@ -235,10 +299,127 @@ def make_readout(c, O, precision: AnswerPrecision, O_error: float, c_error: floa
         Z[j, :cols.shape[1]] += cols.T
     P = V.T @ Vt[:r].T @ (Uo[:, :r] / sv[:r]).T      # V^T O^+, shape (r, m)
     Zinv = np.linalg.pinv(Z.reshape(-1, d))
+    dirs, counts = np.empty((0, d)), np.empty(0, dtype=int)
+    if r == d and extra_tokens >= 2:
+        k = pair_counts(sv[:d], extra_tokens // 2)
+        if k.any():
+            dirs, counts = Vt[:d][k > 0], k[k > 0]
     return Readout(c=c, O=O, rank=r, V=V, P=P, Z=Z, Zinv=Zinv, A_inv=np.linalg.inv(A),
                    O_error=O_error,
                    c_error=c_error, pinv_norm=float(1.0 / sv[r - 1]), precision=precision,
-                   O_norm=float(sv[0]), P_norm=float(np.linalg.norm(P)))
+                   O_norm=float(sv[0]), P_norm=float(np.linalg.norm(P)), pair_dirs=dirs,
+                   pair_counts=counts)
+
+
+def pair_counts(sv: np.ndarray, budget: int) -> np.ndarray:
+    """k_j pairs of extra tokens q +- t v_j for the right singular directions of O
+    (singular values ``sv``, descending), at most ``budget`` pairs in all.
+
+    Why: a probe's answer shows the weights' mean sum_i alpha_i x_i through O, so its
+    component along v_j is read with the answers' rounding over sigma_j. Its sensitivity
+    to g is the weights' covariance along v_j: t^2 / d from the simplex, plus 2 k_j t^2 /
+    N from k_j pairs at +- t v_j (N tokens in all). The pairs add weight, not size: their
+    logits +- t v_j^T g are no larger than the simplex's, so the probe's scale stays.
+    Greedy: a pair to the direction of the largest 1 / (sigma_j (1 + 2 k_j)) until every
+    one is at most PAIR_CONDITION / sigma_1, the budget is spent, or PAIR_DIRECTIONS
+    directions have pairs. Measured: d = 64, cond(O) = 9.8e3, W's error 1.7e-11 without
+    pairs, 2.4e-12 with 4 and 7.8e-13 with 16 pairs on v_d."""
+    k = np.zeros(len(sv), dtype=int)
+    if not len(sv) or not sv[0] > 0:
+        return k
+    limit = PAIR_CONDITION / sv[0]
+    with np.errstate(divide="ignore"):
+        for _ in range(budget):
+            weight = 1.0 / (sv * (1 + 2 * k))
+            if np.count_nonzero(k) >= PAIR_DIRECTIONS:
+                weight = np.where(k > 0, weight, 0.0)
+            j = int(np.argmax(weight))
+            if not weight[j] > limit:
+                break
+            k[j] += 1
+    return k
+
+
+def _woodbury(Dinv: np.ndarray, C: np.ndarray, x: np.ndarray) -> tuple:
+    """(diag(1 / Dinv) + C C^T)^-1 x for each row: Dinv (n, r), C (n, r, p), x (n, 2, r);
+    returns the two solves (n, r) each. Woodbury: O(r p^2) per row, not r^3."""
+    K = np.eye(C.shape[2]) + np.einsum("nij,ni,nil->njl", C, Dinv, C)
+    y = Dinv[:, None, :] * x                                     # (n, 2, r)
+    try:
+        z = np.linalg.solve(K[:, None], np.einsum("nij,nki->nkj", C, y)[..., None])[..., 0]
+    except np.linalg.LinAlgError:                    # singular (non-finite weights): unreadable
+        return np.full_like(x[:, 0], np.nan), np.full_like(x[:, 0], np.nan)
+    out = y - Dinv[:, None, :] * np.einsum("nij,nkj->nki", C, z)
+    return out[:, 0], out[:, 1]
+
+
+def _pair_solve(a0: np.ndarray, B: np.ndarray, k: np.ndarray):
+    """The weights of probes with pairs, from a0 = A^-1 (V^T x-bar - V^T q) / t (n, r),
+    B = rho A^-1 V_p^T (n, r, p) (pairs at q +- t rho v_j) and the pair counts k (p,).
+
+    In the simplex logits l (l_i = t z_i^T g), the pairs' logits are +-B_j^T l and
+    a0 = alpha + B u, alpha_i = e^(l_i) / Z, u_j = k_j (e^(B_j^T l) - e^(-B_j^T l)) / Z,
+    Z = 1 + sum_i e^(l_i) + sum_j k_j (e^(B_j^T l) + e^(-B_j^T l)): a0 is the gradient of
+    ln Z, so l maximises the concave a0^T l - ln Z. Newton from l = 0 with halved steps;
+    its Hessian diag(alpha) + B diag(P) B^T - w w^T (P_j the pairs' weight, w = a0 at
+    the solution) is solved by Woodbury in O(r p^2). A mean outside the tokens' hull
+    (weights not a softmax's) does not converge: rows of nan.
+
+    Returns (l (n, r), alpha (n, r), alpha_N (n,), the pairs' logits B^T l (n, p))."""
+    n, r = a0.shape
+    lk = np.log(k.astype(float))
+
+    def parts(l):
+        hp = np.einsum("nr,nrp->np", l, B)
+        terms = np.concatenate([np.zeros((n, 1)), l, hp + lk, -hp + lk], axis=1)
+        top = terms.max(axis=1, keepdims=True)
+        e = np.exp(terms - top)
+        Zs = e.sum(axis=1)
+        logZ = top[:, 0] + np.log(Zs)
+        p = len(k)
+        alpha = e[:, 1:r + 1] / Zs[:, None]
+        plus, minus = e[:, r + 1:r + 1 + p] / Zs[:, None], e[:, r + 1 + p:] / Zs[:, None]
+        return hp, logZ, e[:, 0] / Zs, alpha, plus - minus, plus + minus
+
+    l = np.zeros((n, r))
+    hp, logZ, aN, alpha, u, P = parts(l)
+    value = (a0 * l).sum(axis=1) - logZ
+    done = np.zeros(n, dtype=bool)
+    for _ in range(PAIR_ITERATIONS):
+        w = alpha + np.einsum("np,nrp->nr", u, B)
+        grad = a0 - w
+        # H = diag(alpha) + C C^T - w w^T, C = B diag(sqrt P): Woodbury, then Sherman-Morrison
+        C = B * np.sqrt(P)[:, None, :]                           # (n, r, p)
+        with np.errstate(all="ignore"):                          # underflowed weights: inf
+            Dinv = 1.0 / alpha
+            Mg, Mw = _woodbury(Dinv, C, np.stack([grad, w], axis=1))
+            step = Mg + Mw * ((w * Mg).sum(axis=1) / (1.0 - (w * Mw).sum(axis=1)))[:, None]
+        # quadratic convergence: a step this small leaves rounding once taken
+        small = np.abs(step).max(axis=1) <= 1e-9 * np.maximum(np.abs(l).max(axis=1), 1.0)
+        step[done | ~np.all(np.isfinite(step), axis=1)] = 0.0
+        if done.all():
+            break
+        lam = np.ones(n)
+        for _ in range(60):                        # halve until the concave value rises
+            l1 = l + lam[:, None] * step
+            parts1 = parts(l1)
+            v1 = (a0 * l1).sum(axis=1) - parts1[1]
+            ok = np.isfinite(v1) & ((v1 >= value - 8 * EPS * np.abs(value)) | small)
+            if ok.all():
+                break
+            lam = np.where(ok, lam, 0.5 * lam)
+        keep = ok & ~done
+        l = np.where(keep[:, None], l1, l)
+        value = np.where(keep, v1, value)
+        done |= small & keep
+        hp, logZ, aN, alpha, u, P = parts(l)
+    # converged where the mean is reproduced: a0 = alpha + B u to rounding
+    fit = (np.abs(a0 - alpha - np.einsum("np,nrp->nr", u, B)).max(axis=1)
+           <= 1e-9 * np.maximum(np.abs(a0).max(axis=1), 1e-300))
+    good = done & fit & np.all(np.isfinite(l), axis=1)
+    bad = ~good[:, None]
+    return (np.where(bad, np.nan, l), np.where(bad, np.nan, alpha), np.where(good, aN, np.nan),
+            np.where(bad, np.nan, hp))
 
 
 def measure_single_tokens(oracle, precision: AnswerPrecision, last) -> tuple:
@@ -262,38 +443,71 @@ class Points:
     g: np.ndarray            # (n, d)
     peak: np.ndarray         # (n,) largest |logit|, inf where unreadable
     bound: np.ndarray        # (n,) 2-norm error bound of g
+    rho: np.ndarray          # (n,) the pairs' offsets q +- t rho v_j
+    pair_peak: np.ndarray    # (n,) the pairs' largest |logit| (0 without pairs)
+    simplex_peak: np.ndarray  # (n,) the simplex tokens' largest |logit|
 
 
-def measure_points(oracle, R: Readout, q: np.ndarray, t: np.ndarray, last) -> Points:
+def _pair_fit(points: Points) -> np.ndarray:
+    """rho that brings the pairs' largest logit down to min(PAIR_LOGIT, the simplex's):
+    k pairs at logits +-x weigh 2 k cosh(x), so a g far along v_j (x large) would give
+    them the attention the simplex needs (its weights, hence its logits' precision,
+    shrink by that much)."""
+    cap = np.minimum(PAIR_LOGIT, points.simplex_peak)
+    over = np.isfinite(points.pair_peak) & (points.pair_peak > cap) & (cap > 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(over, points.rho * cap / points.pair_peak, points.rho)
+
+
+def measure_points(oracle, R: Readout, q: np.ndarray, t: np.ndarray, last,
+                   rho: np.ndarray | None = None) -> Points:
     """g(q_p) for each point q_p (n, d) at token scale t_p: J queries of r + 1 tokens
-    per point (x_i = q + t z_i, then q), all in one batch."""
+    per point (x_i = q + t z_i, then q), and the pairs q +- t rho_p v_j when the readout
+    has them (rho (n,), default 1), all in one batch."""
     n, d = q.shape
     J, r = R.Z.shape[0], R.rank
-    X = np.empty((n, J, r + 1, d))
-    X[:, :, :r, :] = q[:, None, None, :] + t[:, None, None, None] * R.Z[None]
-    X[:, :, r, :] = q[:, None, :]
-    F = last(oracle.query(X.reshape(n * J, r + 1, d))).reshape(n, J, -1)
-    y = (F - R.c) @ R.P.T                                         # (n, J, r)
+    rho = np.ones(n) if rho is None else np.asarray(rho, dtype=float)
+    offsets = R.offsets()                                         # (J, r + 2 pairs, d)
+    tokens = offsets.shape[1] + 1
+    X = np.empty((n, J, tokens, d))
+    X[:, :, :-1, :] = q[:, None, None, :] + t[:, None, None, None] * offsets[None]
+    X[:, :, r:-1, :] = q[:, None, None, :] + (t * rho)[:, None, None, None] * offsets[None, :, r:]
+    X[:, :, -1, :] = q[:, None, :]
+    F = last(oracle.query(X.reshape(n * J, tokens, d))).reshape(n, J, -1)
+    y = R.read(F)                                                 # (n, J, r)
     alpha = ((y - (q @ R.V)[:, None, :]) @ R.A_inv.T) / t[:, None, None]
-    alpha_N = 1.0 - alpha.sum(axis=2)
-    readable = np.all(alpha > 0, axis=2) & (alpha_N > 0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        logits = np.log(np.where(alpha > 0, alpha, 1.0)) - np.log(
-            np.where(alpha_N > 0, alpha_N, 1.0))[:, :, None]
+    pair_peak = np.zeros(n)
+    if R.pairs:                                                   # full rank: J = 1
+        B = rho[:, None, None] * (R.A_inv @ R.pair_dirs.T)[None]  # (n, r, p)
+        l, alpha0, alpha_N, hp = _pair_solve(alpha[:, 0], B, R.pair_counts)
+        readable = np.isfinite(alpha_N)[:, None]
+        alpha = np.where(readable[:, :, None], alpha0[:, None, :], 1.0)
+        alpha_N = np.where(readable, alpha_N[:, None], 1.0)
+        logits = np.where(readable[:, :, None], l[:, None, :], 0.0)
+        pair_peak = np.where(readable[:, 0], np.abs(hp).max(axis=1), 0.0)
+    else:
+        alpha_N = 1.0 - alpha.sum(axis=2)
+        readable = np.all(alpha > 0, axis=2) & (alpha_N > 0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            logits = np.log(np.where(alpha > 0, alpha, 1.0)) - np.log(
+                np.where(alpha_N > 0, alpha_N, 1.0))[:, :, None]
     ok = readable.all(axis=1)
-    peak = np.where(ok, np.abs(logits).max(axis=(1, 2)), np.inf)
+    simplex_peak = np.where(ok, np.abs(logits).max(axis=(1, 2)), np.inf)
+    pair_peak = np.where(ok, pair_peak, np.inf)
+    peak = np.maximum(simplex_peak, pair_peak)
     g = (logits.reshape(n, J * r) / t[:, None]) @ R.Zinv.T
     # error estimate (first order, errors independent per number): an answer number is
     # off by sigma_F, O's entries and c's by their levels; through y = P (F - c) (rows of
     # P of norm <= ||O^+||), alpha = A^-1 (y - V^T q) / t, the logits' Jacobian
-    # L = diag(1 / alpha) + 1 1^T / alpha_N, and g = Zinv (logits / t)
+    # L = diag(1 / alpha) + 1 1^T / alpha_N, and g = Zinv (logits / t). With pairs the
+    # same from the simplex's (diluted) weights: the pairs lower the error along v_j only
     p = R.precision
-    mag_x = np.linalg.norm(q, axis=1) + t * float(np.linalg.norm(R.Z, axis=2).max())
+    mag_x = np.linalg.norm(q, axis=1) + t * float(np.linalg.norm(offsets, axis=2).max())
     # an answer's rounding is relative to the sizes summed in it, not to its own size
     answer = np.maximum(np.abs(F).max(axis=(1, 2)), R.O_norm * mag_x + float(np.abs(R.c).max()))
     XTa = np.linalg.norm(q, axis=1) + t                           # |X^T alpha| <= this
     # hypot: answers of 1e200 must not overflow when squared
-    sigma = np.hypot(np.hypot(np.array([p.level(a, r + 1) for a in answer]), R.c_error),
+    sigma = np.hypot(np.hypot(np.array([p.level(a, tokens) for a in answer]), R.c_error),
                      R.O_error * XTa)
     safe_alpha = np.where(readable[:, :, None], alpha, 1.0)
     safe_N = np.where(readable, alpha_N, 1.0)
@@ -312,7 +526,8 @@ def measure_points(oracle, R: Readout, q: np.ndarray, t: np.ndarray, last) -> Po
     # the box's own score rounding: eps |x_i| |W q + b| per logit
     dscore = p.score * mag_x * np.linalg.norm(np.where(np.isfinite(g), g, 0.0), axis=1)
     bound = R.calibration * np.hypot(from_answers, zinv * math.sqrt(2 * J * r) * dscore / t)
-    return Points(q=q, t=t, g=np.where(ok[:, None], g, np.nan), peak=peak, bound=bound)
+    return Points(q=q, t=t, g=np.where(ok[:, None], g, np.nan), peak=peak, bound=bound,
+                  rho=rho, pair_peak=pair_peak, simplex_peak=simplex_peak)
 
 
 def _band(peak: np.ndarray) -> np.ndarray:
@@ -352,12 +567,15 @@ def _noise(points: Points) -> np.ndarray:
 
 
 def measure_columns(oracle, R: Readout, b: np.ndarray, b_bound: float, beta_known: bool,
-                    last, counts: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                    last, counts: dict) -> tuple:
     """W e_k from g(s_k e_k) = s_k W e_k + b for every k: a pilot (column 0 at the
     pilot scale), then every other column at the scales designed from it (column 0
     again unless the pilot was in band and balanced), then columns out of band or off
-    their balance asked again. Returns W (d, d), s (d,), the 2-norm error bound of
-    each column (d,); ``counts`` gets "columns" (d J) and the rest as "rescaling"."""
+    their balance asked again. Pairs (R.pairs) stay at the offsets rho that keep their
+    logits below PAIR_LOGIT and the simplex's (the pilot's for all, then each column's
+    on a re-ask); a pilot that asks for rho < PAIR_FIT drops them for the rest. Returns
+    W (d, d), s (d,), the 2-norm error bound of each column (d,) and the readout the
+    columns used; ``counts`` gets "columns" (d J) and the rest as "rescaling"."""
     d = oracle.dim
     beta = float(np.abs(b).max()) if beta_known else 0.0
     eye = np.eye(d)
@@ -366,12 +584,14 @@ def measure_columns(oracle, R: Readout, b: np.ndarray, b_bound: float, beta_know
         t[:] = 0.5 * TARGET_LOGIT / beta
     g = np.full((d, d), np.nan)
     peak, bound = np.full(d, np.inf), np.full(d, np.inf)
+    rho, fit = np.ones(d), np.ones(d)     # the pairs' offsets, and what the probes ask of them
     asked = 0
 
     def ask(cols):
         nonlocal asked
-        pts = measure_points(oracle, R, s[cols, None] * eye[cols], t[cols], last)
+        pts = measure_points(oracle, R, s[cols, None] * eye[cols], t[cols], last, rho[cols])
         g[cols], peak[cols], bound[cols] = pts.g, pts.peak, pts.bound
+        fit[cols] = _pair_fit(pts)
         asked += len(cols) * R.blocks
 
     def column_noise():
@@ -398,6 +618,12 @@ def measure_columns(oracle, R: Readout, b: np.ndarray, b_bound: float, beta_know
     keep0 = readable0 and bool(_band(peak[:1])[0]) and bool(_balanced(s[0], s_design[0]))
     todo = np.arange(1 if keep0 else 0, d)
     s[todo], t[todo] = s_design[todo], t_design[todo]
+    rho[todo] = fit[0]                # the pilot's g along v_j stands for the others'
+    if R.pairs and fit[0] < PAIR_FIT:
+        # g far along the weak directions: pairs small enough for its logits add little
+        # covariance there, and they still dilute the simplex's weights
+        R = replace(R, pair_dirs=np.empty((0, d)), pair_counts=np.empty(0, dtype=int))
+        rho[:] = 1.0
     if todo.size:
         ask(todo)
     for _ in range(MAX_TRIES):
@@ -410,6 +636,7 @@ def measure_columns(oracle, R: Readout, b: np.ndarray, b_bound: float, beta_know
         cols = np.flatnonzero(redo)
         if not cols.size:
             break
+        rho[cols] = fit[cols]
         s[cols] = np.where(fix[cols], sd[cols], s[cols] * np.where(readable[cols], 1.0,
                                                                     SHRINK_UNREADABLE))
         t[cols] = np.where(fix[cols], td[cols], t[cols] * np.where(readable[cols], 1.0,
@@ -426,7 +653,7 @@ def measure_columns(oracle, R: Readout, b: np.ndarray, b_bound: float, beta_know
     # columns whose s W e_k is within its bar of 0 are 0 (as a bias at its noise is):
     # the probes cannot tell them from 0, and an exact 0 is what a W = 0 box has
     W = np.where(column_noise()[None, :], 0.0, ((g - b) / s[:, None]).T)
-    return W, s, np.hypot(bound, b_bound) / s
+    return W, s, np.hypot(bound, b_bound) / s, R
 
 
 def _balanced(s, s_design) -> np.ndarray:
@@ -445,8 +672,9 @@ def measure_bias(oracle, R: Readout, last, counts: dict) -> Points:
     for _ in range(MAX_TRIES):
         if _band(pts.peak)[0] or _noise(pts)[0]:
             return pts
-        t = _rescaled(t, pts.peak)
-        pts = measure_points(oracle, R, np.zeros((1, d)), t, last)
+        rho = _pair_fit(pts)            # pairs above the simplex: brought down, t for the rest
+        t = _rescaled(t, np.where(rho < pts.rho, pts.simplex_peak, pts.peak))
+        pts = measure_points(oracle, R, np.zeros((1, d)), t, last, rho)
         counts["rescaling"] += R.blocks
     if not np.isfinite(pts.peak[0]):
         raise ModelMismatchError(
@@ -483,7 +711,7 @@ def every_position_probe(oracle, R: Readout, t: float, causal: bool):
     tokens = t * Z
     X = np.stack([tokens, tokens[::-1]]) if causal else tokens[None]
     F = np.asarray(oracle.query(X))                                 # (B, d + 1, m)
-    Y = (F - R.c) @ R.P.T / t                                       # Z^T alpha per position
+    Y = R.read(F) / t                                               # Z^T alpha per position
     logs = np.full((d + 1, d + 1), np.nan)                          # ln alpha_i at position k
     amin = np.zeros(d + 1)                                          # smallest weight read
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -678,11 +906,17 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
                                         and 1 <= output_rank <= min(d, O.shape[0])):
         raise InputError(f"output_rank must be an integer in 1..{min(d, O.shape[0])}, got "
                          f"{output_rank!r}")
-    R = make_readout(c, O, precision, O_error, c_error, output_rank, float(max_condition))
+    # room for extra tokens (pairs on O's ill-read directions): up to d, within max_length
+    longest = getattr(oracle, "max_length", None) or root.max_length
+    extra = d if longest is None else max(0, min(d, int(longest) - d - 1))
+    R = make_readout(c, O, precision, O_error, c_error, output_rank, float(max_condition),
+                     extra_tokens=0 if every else extra)
     condition = float(np.linalg.norm(R.O, 2)) * R.pinv_norm
     if condition > CONDITION_NOTE and math.isinf(max_condition):
         notes.append(f"the readout through O has condition number {condition:.3g}: the errors "
-                     f"grow with it (d = 64, cond 1e3 to 1e4: 1e-11 to 5e-11); "
+                     f"grow with it (with the extra tokens on O's weak directions, d = 64, "
+                     f"cond 1e3 to 1e4: up to 6.5e-13; without room for them 1e-12 to "
+                     f"2e-11); "
                      f"max_condition=100 reads the ill-conditioned directions through extra "
                      f"offsets (d = 64: 2d + 2 to 3d + 3 queries, errors below 1e-12)")
     causal = bool(root.causal) if every and root.causal is not None else None
@@ -724,12 +958,14 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
             b_zero = biases is None and bool(_noise(pts)[0])
             b = np.zeros(d) if b_zero else pts.g[0]
             b_bound = 0.0 if b_zero else float(pts.bound[0])
-        W, s, col_bounds = measure_columns(oracle, R, b, b_bound, not b_zero, last, counts)
+        W, s, col_bounds, R = measure_columns(oracle, R, b, b_bound, not b_zero, last, counts)
         # the size of W that scores of order one at the probes' scales would reveal
         W_ref = TARGET_LOGIT / float(s.max() * max(float(np.abs(R.Z).max()), 1.0))
         design = (f"points q = s_k e_k at s {s.min():.3g} .. {s.max():.3g}, "
-                  f"{R.blocks} quer{'y' if R.blocks == 1 else 'ies'} of {R.rank + 1} tokens "
-                  f"per point")
+                  f"{R.blocks} quer{'y' if R.blocks == 1 else 'ies'} of "
+                  f"{R.rank + 1 + 2 * R.pairs} tokens per point"
+                  + (f" ({R.pairs} pairs q +- t v on {len(R.pair_counts)} direction(s) of O "
+                     f"below sigma_1 / {PAIR_CONDITION:g})" if R.pairs else ""))
     if biases is None and c_noise and b_zero or biases is False:
         c = np.zeros(m)
     biased = not (b_zero and not np.any(c))
@@ -807,6 +1043,7 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
                  "rank of O": R.rank, "condition of O": float(np.linalg.norm(R.O, 2)
                                                              * R.pinv_norm),
                  "design": design, "precision": precision.name,
+                 "extra tokens per probe": 2 * R.pairs,     # of the column probes
                  "numbers received (recovery)": int(numbers),
                  "tokens sent (recovery)": int(tokens),
                  "parameters": parameters,
