@@ -25,19 +25,21 @@ Identities used, in order:
    coordinates of range(O), M = (A P)(O P)^+ has eigenvalue kappa_h on R_h: the
    eigenspaces are the ranges. Random selectors (rough ranges): heads that pick the same
    token share an eigenspace, later sets (new q, payloads for the widest block only)
-   split them; H is the number found. Eigenvalues off the set {mu} mean the answers are
-   not saturated softmax attention: refused.
+   split them; H is the number found. The sets' query tokens have norm sqrt(d)
+   (:func:`rough_query_norm`): where b_h dominates W_h q every set sees the same
+   scores. Eigenvalues off the set {mu} mean the answers are not saturated softmax
+   attention: refused.
 3. Projectors. With R = [R_1 ... R_H] and L = R^+, C_h = L_h O, so O_h = R_h C_h and
    L_h (F - c) = C_h X^T alpha^h: H single-head problems measured by the same queries.
 4. Scores. For X = [q + tau u_1, ..., q + tau u_p, q] (p < r_h),
    C_h U a = (L_h (F - c) - C_h q) / tau gives the p weights a (alpha_N = 1 - sum a), and
    ln(a_i / alpha_N) = tau u_i^T (W_h q + b_h): p logits of every head from one query.
-   q = 0 gives b_h; q = s q_k gives W_h q_k. W_h has rank <= r_h: K = max r_h + 3
-   directions, each read whole through a frame of ceil(d / p) blocks, and b_h (which is
-   W_k,h^T b_q,h / sqrt(d_h), in the same space) give its column
-   space K_h (3 columns beyond the rank: the smallest singular value of the K columns
-   in K_h is ~7x that of rank + 1 columns, and K_h's error is what the W-stage carries
-   into W); every other direction costs ceil(1.5 rank / p) queries through a frame
+   q = 0 gives b_h; q = s q_k gives W_h q_k. W_h has rank <= r_h: K = (sqrt(r) + 1)^2
+   directions (r = max r_h; :func:`k_stage_directions`), each read whole through a frame
+   of ceil(d / p) blocks, and b_h (which is W_k,h^T b_q,h / sqrt(d_h), in the same space)
+   give its column space K_h (the smallest singular value of the K columns in K_h grows
+   as sqrt(K) - sqrt(r), and K_h's error is what the W-stage carries into every column
+   of W_h); every other direction costs ceil(1.5 rank / p) queries through a frame
    conditioned against every K_h.
 5. Designed selectors (fine ranges). With every g_h = W_h q + b_h known, selectors
    Delta = margin G^+ make head h pick token h alone, and payloads orthogonal to every
@@ -86,11 +88,10 @@ initialisation, seeds 0..199): 197 within their bars (errors 8.9e-5 .. 3.3e-3, a
 refused (cond(O) 1.6e6, 1.4e6, 4.2e5: the random sets fail on every restart).
 
 Limits: every-position answers are read at their last row only (the cost is that of the
-last position). On MiniLM (cond(O) ~1e5, cond(R) up to 7e4) W's error is 5e-12 .. 6e-11,
-every head within 8e-11 of its own norm (seed 0; layer 0's head of the largest W_h and
-weakest O_h, 1.2e-10 through the checkpoint's own torch forward pass); what remains is
-the designed selectors' rows (layer 0 with the true rows: 3e-11) and K_h's error (the
-K-stage's near-square 32 x 35 columns). A head-isolating probe design (tokens in
+last position). On MiniLM (cond(O) ~1e5, cond(R) up to 7e4) every head's W_h is within
+4.2e-11 of its own norm (layers 0 to 5, seeds 0, 1, 2, 5, 7; layer 0's head of the
+largest W_h and weakest O_h gets the end of the payload scale,
+:func:`ordered_payloads`). A head-isolating probe design (tokens in
 K_h = cap_{g != h} ker O_g: the other heads vanish from the answer) reads only r_h
 numbers per query, 12x too few for the 2x budget; an alternating least-squares refit of
 K_h from W-stage frames covering R^d did not help (measured).
@@ -157,7 +158,7 @@ BAR_SAFETY = 10.0         # error bar: this many times the measured misfit
 MAX_RESCALES = 4
 NOISE_GROWTH = 1e3         # a row's scale grown this much with its logits not doubled: noise
 BIAS_COLUMN = 1e-3        # b_h joins W_h's K-stage columns above this x their size
-K_EXTRA = 3               # K-stage directions beyond the widest rank
+K_EXTRA = 3               # K-stage directions beyond the widest rank, at least
 TINY_LOGIT = 1e-12         # a score row whose largest |logit| is below this x the target:
                           # g ~ 0 there (any scale reads it)
 # low precision (a forward pass in float32, bfloat16, float16): the levels below are
@@ -360,6 +361,19 @@ def selector_probes(Delta: np.ndarray, q: np.ndarray, payloads: np.ndarray,
     return X
 
 
+def rough_query_norm(d: int) -> float:
+    """The norm of the random selector sets' query tokens: sqrt(d), the norm of a
+    LayerNorm'd token of unit gain, where a real layer's query tokens live.
+
+    Heads whose g_h = W_h q + b_h point alike pick the same random selector set after set,
+    and a set that splits nothing by chance ends the stage with two heads in one block
+    (refused later by the designed selectors). The bias part does not change with q: at
+    |q| = 1 it dominated MiniLM's g_h (cosines across heads: median 0.46, largest 0.79 on
+    layer 1; at |q| = sqrt(d) 0.12 and 0.45), and layer 1 at seed 1 and layer 2 at seed 5
+    were refused that way."""
+    return math.sqrt(d)
+
+
 def random_selectors(rng, n: int, d: int, scale: float) -> np.ndarray:
     """n random selectors (n, d) of norm ``scale``."""
     Delta = rng.standard_normal((n, d))
@@ -476,7 +490,8 @@ def designed_selectors(G: np.ndarray, margin: float) -> np.ndarray:
 
 
 def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float, *,
-                design: Design = FLOAT64, payload: float = 1.0, regroup: bool = False):
+                design: Design = FLOAT64, payload: float = 1.0, regroup: bool = False,
+                exposure: np.ndarray | None = None):
     """The ranges again, now that every g_h = W_h q + b_h is known (identity 2 by design).
 
     Two selector sets at query tokens q_1, q_2, selector h scoring DESIGN_MARGIN on head h
@@ -506,6 +521,8 @@ def fine_ranges(oracle: Oracle, O, E, W, b, widths, rng, s: float, *,
     head's reading rows (:func:`null_rows`, the score reads' projectors)."""
     H, d = len(widths), oracle.dim
     mu = payload_weights(H, centred=design.exact)
+    if exposure is not None and design.exact:
+        mu = ordered_payloads(mu, exposure)
     qs = s * np.stack([v / np.linalg.norm(v) for v in rng.standard_normal((2, d))])
     G = [(W @ q + b).T for q in qs]                                  # (d, H) each
     full = np.linalg.svd(G[0], full_matrices=True)[0]
@@ -592,6 +609,22 @@ def payload_weights(H: int, centred: bool = True) -> np.ndarray:
     mu = np.arange(H) - H // 2.0
     mu[mu >= 0] += 1.0
     return mu
+
+
+def ordered_payloads(mu: np.ndarray, exposure: np.ndarray) -> np.ndarray:
+    """The weights ``mu`` (H,) given to the heads in the order of their ``exposure`` (H,):
+    the most exposed head the largest mu, at the end of the scale.
+
+    A head's reading rows (:func:`null_rows`) leak the other heads' ranges by the rounding
+    of A over mu_g - mu_h, and a head reads its scores through them at its own output's
+    size against the others' outputs: a head of large W_h and small O_h (exposure
+    |W_h| / |O_h|) suffers most. At the end of the scale it has one neighbour at 1 instead
+    of two, every other head at least 2 away but one, and its neighbours are the next most
+    exposed (MiniLM layer 0, seed 0: the worst head's W 8.0e-11 at mu in block order,
+    3.1e-11 in exposure order; with its true rows 3.4e-11)."""
+    rank = np.argsort(np.argsort(np.asarray(exposure, dtype=float), kind="stable"),
+                      kind="stable")
+    return np.sort(mu)[rank]
 
 
 def kernel_blocks(A: np.ndarray, O: np.ndarray, mu: np.ndarray, widths) -> list[np.ndarray]:
@@ -766,6 +799,19 @@ def best_frame(rng, d: int, width: int, bases: list[np.ndarray], C: list[np.ndar
     return best, best_cond
 
 
+def k_stage_directions(rank: int, d: int) -> int:
+    """How many directions the K-stage reads whole for W_h of rank up to ``rank``:
+    (sqrt(rank) + 1)^2, at least rank + K_EXTRA, at most d.
+
+    K_h's error is what the W-stage carries into every column of W_h, and it falls as the
+    smallest singular value of the K columns within K_h grows: about sqrt(K) - sqrt(rank)
+    times a column's size (a rank x K Gaussian matrix), 1 here, 0.26 at rank + 3 for rank
+    32. MiniLM layer 0 with rank + 3 (35): a head's W_h off by 1.1e-10 on one run in five,
+    the rest within 4.7e-11; with 45, every head within 3.4e-11 over five seeds, 147
+    queries more (2,802 to 2,923 with the held-out check, the floor 1,474)."""
+    return min(max(rank + K_EXTRA, math.ceil((math.sqrt(rank) + 1.0) ** 2)), d)
+
+
 class ScorePlan:
     """The score probes of identity 4 (K-stage and W-stage reads) and how to solve them.
 
@@ -778,7 +824,7 @@ class ScorePlan:
         d = oracle.dim
         self.tiny_logit = tiny_logit
         self.p = max(1, int(TOKEN_SHARE * min(widths)))
-        self.K = min(max(widths) + K_EXTRA, d)
+        self.K = k_stage_directions(max(widths), d)
         self.Qq = _rotation(rng, d)
         self.k_reads = ScoreReads(oracle, c, frame_blocks(rng, d, self.p, C))
         scaled_reads(self.k_reads, np.stack([np.zeros(d), self.Qq[:, 0]]), kappa, L, C,
@@ -849,6 +895,8 @@ class ScorePlan:
         with their tokens reordered (rows x blocks queries), read by ``reader``; the
         largest relative change of F^T W_h q over the heads. What the W-stage misfit may
         be if the box is the model: its rounding."""
+        if not len(self.w_reads.q):     # K = d: every direction read whole, no misfit
+            return 0.0
         picked = np.arange(min(rows, len(self.w_reads.q)))
         again = self.w_reads.reordered(picked)
         F = self.w_reads.frame
@@ -974,7 +1022,8 @@ def _extract_vector_layer(oracle, *, seed, verify_tolerance, heads, biases, rank
     counts["pilot"] = oracle.queries - start_q - sum(counts.values())
     for attempt in range(1 + (0 if design.exact else LOW_RESTARTS)):
         try:
-            blocks, sets = rough_ranges(oracle, O, c, E, rng, q_pilot, SELECT_LOGIT / kappa,
+            blocks, sets = rough_ranges(oracle, O, c, E, rng, rough_query_norm(d) * q_pilot,
+                                        SELECT_LOGIT / kappa,
                                         design=design)
             counts["ranges (random selectors)"] = (counts.get("ranges (random selectors)", 0)
                                                    + oracle.queries - start_q
@@ -999,7 +1048,8 @@ def _extract_vector_layer(oracle, *, seed, verify_tolerance, heads, biases, rank
                     W, b, _ = plan.solve(Projected(c, L, C))
                 blocks.R, _, designed, rows = fine_ranges(
                     oracle, O, E, W, b, blocks.widths, rng, plan.s, design=design,
-                    payload=payload, regroup=k + 1 < len(design.fine_payloads))
+                    payload=payload, regroup=k + 1 < len(design.fine_payloads),
+                    exposure=head_exposure(W, E, blocks, O))
             widths = blocks.widths
             counts["ranges (designed selectors)"] = (
                 counts.get("ranges (designed selectors)", 0) + oracle.queries - start_q
@@ -1093,7 +1143,7 @@ def rough_ranges(oracle, O, c, E, rng, q, scale, *,
         try:
             return _selector_sets(oracle, O, c, E, rng, q, scale, design)
         except ModelMismatchError:
-            q = _unit(rng, len(q))
+            q = rough_query_norm(len(q)) * _unit(rng, len(q))
     return _selector_sets(oracle, O, c, E, rng, q, scale, design)
 
 
@@ -1102,7 +1152,7 @@ def _selector_sets(oracle, O, c, E, rng, q, scale, design: Design) -> tuple[Bloc
     blocks = Blocks(E)
     for sets in range(1, design.max_sets + 1):
         if sets > 1:    # a new query token: heads whose scores agree at one q part at another
-            q = _unit(rng, len(q))
+            q = rough_query_norm(len(q)) * _unit(rng, len(q))
         for attempt in range(design.retries + 1):
             try:
                 split, _ = split_ranges(oracle, O, c, blocks, rng, q, scale,
@@ -1114,7 +1164,7 @@ def _selector_sets(oracle, O, c, E, rng, q, scale, design: Design) -> tuple[Bloc
                 # new selectors at a new q, a smaller payload; an impostor fails every time
                 if attempt == design.retries:
                     raise
-                q = _unit(rng, len(q))
+                q = rough_query_norm(len(q)) * _unit(rng, len(q))
         if sets > 1 and not split:
             break
     return blocks, sets
@@ -1153,6 +1203,14 @@ def projectors(E: np.ndarray, blocks: Blocks, O: np.ndarray):
     R_h (m, r_h): O_h = R_h C_h."""
     L = [Lk @ E.T for Lk in blocks.left_inverse()]
     return L, [Lh @ O for Lh in L], [E @ Rk for Rk in blocks.R]
+
+
+def head_exposure(W: np.ndarray, E: np.ndarray, blocks: Blocks, O: np.ndarray) -> np.ndarray:
+    """|W_h|_F / |O_h|_2 per head (H,) from the current estimates (O_h = R_h C_h): how
+    much a head's score reads suffer from another head's leak (:func:`ordered_payloads`)."""
+    _, C, R = projectors(E, blocks, O)
+    size = np.array([np.linalg.norm(Rh @ Ch, 2) for Rh, Ch in zip(R, C)])
+    return np.linalg.norm(W, axis=(1, 2)) / np.maximum(size, np.finfo(float).tiny)
 
 
 def reading_rows(E: np.ndarray, rows: list[np.ndarray], O: np.ndarray):
