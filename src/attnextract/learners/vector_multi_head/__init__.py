@@ -78,6 +78,10 @@ FIRST_WAVE = 3             # directions scanned at the pilot's scale, before the
 MISFIT_TRIES = 2           # misfitting scans of one direction (redrawn) before a mismatch
 SCAN_ROUNDS = 6            # scans of one direction at most (scale changes, new directions)
 LOW_SHARE = 0.1            # a scan whose steps all lie within this share of the edge grows
+SPREAD_HEADS = 5           # with more heads than this, steps within
+CROWDED_LOW_SHARE = 0.3    # ... this share of the edge grow (8 steps within 1.0 at d = 16
+                           # left sigmoid matrices conditioned 1e8 .. 1e10)
+GOOD_FIT = 100.0           # a scan fit within this x the rounding ends the step search
 MAX_TOKEN = 64.0           # largest scan scale t, in units of |q_0| (or of 1 / |q_0|)
 EDGE_SHARE = 0.45          # aim the largest step at this share of the window's edge
 BEYOND_SHRINK = 0.25       # a scan that sees no step: its scale shrinks this much
@@ -173,7 +177,9 @@ class _Scans:
             if self.heads is None and rank >= K - EXTRA_SAMPLES // 2:
                 K = samples(2 * rank)                   # the scan may hide more: widen
                 continue
-            if self.H is None and rank > 0:
+            if rank > 0 and (self.H is None or (self.heads is None and rank > self.H)):
+                # a scan's rank is a lower bound of the count: crowded steps at the first
+                # scale can hide one (d = 16, 8 heads: 7 seen, then 8 at more samples)
                 self.H = self.heads or rank
                 self.n = steps.scan_counts(samples(self.H))
                 if len(self.n) != K:                    # the count's own samples
@@ -202,11 +208,17 @@ class _Scans:
         if rank == 0:                               # every step beyond the window
             return "rescale", None, t * BEYOND_SHRINK
         if rank < H:                                # steps merged here, or beyond
-            return "redraw", None, t * REDRAW_SHRINK
+            return self._merged(Y, rank, H, t)
         p, ratio = self._fit(Y, floor)
         if p is None:
             return "redraw", None, t * REDRAW_SHRINK
         edge = float(np.max(np.abs(self.lam)))
+        peak = float(np.max(np.abs(p)))
+        if ratio > FIT_NOISE and H > 1 and peak < self._low(H) * edge:
+            # crowded steps fit poorly (local minima): spread them before calling it a misfit
+            grown = t * EDGE_SHARE * edge / max(peak, 1e-3)
+            if grown[0] <= self.largest_scale:
+                return "rescale", None, grown
         if ratio > FIT_NOISE and np.max(np.abs(p)) > edge - 1.0:
             # steps at or beyond the window's edge fit poorly: bring them in first
             return "rescale", None, t * EDGE_SHARE * edge / np.max(np.abs(p))
@@ -221,13 +233,30 @@ class _Scans:
         verdict, t = self._judge(p, t)
         return verdict, p, t
 
+    def _merged(self, Y, rank, H, t):
+        """Verdict on a scan showing fewer steps (rank) than heads: steps beyond the
+        window (a new direction, smaller), or crowded ones merged: spread (the smaller
+        scale only crowded them more: d = 16, 8 heads within 0.3, four redraws)."""
+        p = steps.step_positions(Y, self.lam, rank)
+        edge = float(np.max(np.abs(self.lam)))
+        peak = float(np.max(np.abs(p))) if p is not None else edge
+        grown = t * EDGE_SHARE * edge / max(peak, 1e-3)
+        if peak < self._low(H) * edge and grown[0] <= self.largest_scale:
+            return "rescale", None, grown
+        return "redraw", None, t * REDRAW_SHRINK
+
+    @staticmethod
+    def _low(H):
+        """Steps within this share of the window's edge are spread (more for many heads)."""
+        return LOW_SHARE if H <= SPREAD_HEADS else CROWDED_LOW_SHARE
+
     def _rank(self, Y, floor):
         return steps.scan_rank(Y, steps.COUNT_FACTOR * floor)
 
     def _fit(self, Y, floor):
         """The H step positions of one scan (None: fewer separate minima) and the fit's
         rms misfit in units of the scan's rounding floor."""
-        p = steps.step_positions(Y, self.lam, self.H)
+        p = steps.step_positions(Y, self.lam, self.H, good=GOOD_FIT * floor)
         if p is None:
             return None, np.inf
         misfit = np.linalg.norm(steps.projection_residual(Y, self.lam, p)) / math.sqrt(Y.size)
@@ -248,7 +277,7 @@ class _Scans:
         peak = float(np.max(np.abs(p)))
         if peak > edge:
             return "rescale", t * EDGE_SHARE * edge / peak
-        if len(p) > 1 and peak < LOW_SHARE * edge:
+        if len(p) > 1 and peak < self._low(len(p)) * edge:
             grown = t * EDGE_SHARE * edge / max(peak, 1e-3)
             limit = self.largest_scale
             return ("rescale", grown) if grown[0] <= limit else ("redraw", t)
@@ -336,6 +365,9 @@ def _label(ask, scans, P, Wv, t, rng):
         ref = (P[0], Wv[0], t[0])
         for k in range(1, d):
             perm, gap = labels.match(ref, (P[k], Wv[k], t[k]), counts, F[k - 1])
+            if perm is None:
+                perm, miss = labels.match_weights(ref, (P[k], Wv[k], t[k]), counts, F[k - 1])
+                perm = perm if miss <= labels.WEIGHTS_MISFIT else None
             if perm is None:
                 raise ModelMismatchError(
                     f"mixed probes of directions 0 and {k} do not pair their steps (nearest "
