@@ -17,10 +17,21 @@ Identities.
   p_h = t v^T (W_h q_0 + b_h). Each head is ONE sigmoid step shared by all m channels:
   the K answers (m, K) have rank H (the head count) and each step is a zero of the
   distance from sigma(lambda + p) to their row space: no pole fit. A scan of each of d
-  directions v_k (K = H + 4 queries each) gives every head's v_k^T z_h and O_h v_k.
+  directions v_k (K = H + 4 queries each, one more per head beyond 4) gives every
+  head's v_k^T z_h and O_h v_k.
+- Crowded windows (many heads): H steps share one window of width 2 ln(L - 1) = 13.9.
+  With more than SPREAD_HEADS heads, a scan whose steps all lie within
+  CROWDED_LOW_SHARE of the edge is spread (scale grown) before it is accepted; a scan
+  that fits poorly or shows fewer steps than heads while its steps crowd is spread too,
+  not shrunk or called a misfit; the step fit uses its closed-form Jacobian and leaves
+  local minima by remove-and-re-add moves; the pilot's head count grows with the
+  largest rank it sees (crowded steps at the first scale hide one).
 - Labels (:mod:`.labels`): mixed probes of direction 1 and direction k are linear in
   the permutation pairing their steps: about H / 2 + 2 queries per direction (designed
-  without a query until the least-squares system pins the pairing). Then
+  without a query until the least-squares system pins the pairing, at most 2H). Where
+  steps crowd that system stays ill conditioned for any count; then the pairing is
+  read from each step's own attention weight in the probes (2H independent heights,
+  2H <= m) by an assignment, and crowded directions get H / 2 + 2 probes. Then
   z_h = V^-T a_h and O_h = [O_h v_k]_k V^-1 for every head.
 - Outputs (:mod:`.outputs`, :mod:`.refine`): with every z_h known the probes
   q_0 + t g_i, q_0 are linear in [O_1 .. O_H]: max(H d / 2, d) + 4 designed probes; then
@@ -358,7 +369,8 @@ def _label(ask, scans, P, Wv, t, rng):
     H, d = scans.H, scans.V.shape[1]
     if d > 1 and H > 1:            # one head: nothing to pair
         L = steps.WINDOW_LENGTH
-        counts = labels.label_design([(P[k], Wv[k], t[k]) for k in range(d)], rng, L)
+        counts = labels.label_design([(P[k], Wv[k], t[k]) for k in range(d)], rng, L,
+                                     crowded=H > SPREAD_HEADS)
         J = len(counts)
         X = labels.label_probes(scans.q0, scans.V[:, 0], t[0], scans.V[:, 1:], t[1:], counts, L)
         F = ask(X).reshape(d - 1, J, -1) - scans.c - scans.O @ scans.q0

@@ -25,17 +25,19 @@ PAIRED_MISFIT = 1e-6       # ... or a rounded pairing that predicts the answers 
 MAX_CONDITION = 1e8        # of the least-squares system for P
 DRAWS = 8                  # random count sets tried per J (no query)
 MORE_PROBES = 2            # at most this x H mixed probes per direction (then the best draw)
+CROWDED_PROBES = 1         # crowded steps: at most H // 2 + 1 + this many
 WEIGHTS_MISFIT = 1e-2      # largest relative miss of a pairing read from the weights
 
 
-def label_design(scans, rng, L) -> np.ndarray:
+def label_design(scans, rng, L, crowded: bool = False) -> np.ndarray:
     """Copy counts (J, 3) of the fewest mixed probes (J from H // 2 + 1) whose pair
     predictions pin P for every direction (condition number below MAX_CONDITION):
     decided before any query, from the scans alone."""
     refs, others = scans[0], scans[1:]
     H, m = len(refs[0]), refs[1].shape[0]
     best = None
-    for J in range(H // 2 + 1, MORE_PROBES * H + 1):
+    last = H // 2 + 1 + CROWDED_PROBES if crowded else MORE_PROBES * H
+    for J in range(H // 2 + 1, last + 1):
         for _ in range(DRAWS):
             counts = label_counts(J, L, rng)
             worst = max((np.linalg.cond(pair_predictions(refs, o, counts).reshape(J * m, -1))
