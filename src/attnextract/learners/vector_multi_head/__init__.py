@@ -98,6 +98,8 @@ EDGE_SHARE = 0.45          # aim the largest step at this share of the window's 
 BEYOND_SHRINK = 0.25       # a scan that sees no step: its scale shrinks this much
 REDRAW_SHRINK = 0.7        # a redrawn direction's scale, in case a step was beyond the window
 MIN_GAP = 0.005            # steps closer than this in one scan: the direction is redrawn
+STEP_CONDITION = 1e8       # ... or a sigmoid matrix conditioned above this (three of seven
+                           # steps within 0.03, 9.5e8: heights too rough to pair them)
 FIT_NOISE = 1e3            # a scan fit or solve missing by more than this x the rounding
                            # of the answers is a misfit (outside the class)
 MISFIT_LIMIT = 1e7          # final misfit above this x the rounding: not the class
@@ -293,6 +295,8 @@ class _Scans:
             limit = self.largest_scale
             return ("rescale", grown) if grown[0] <= limit else ("redraw", t)
         if len(p) > 1 and np.min(np.diff(p)) < MIN_GAP:
+            return "redraw", t
+        if len(p) > 1 and np.linalg.cond(steps.step_matrix(self.lam, p)) > STEP_CONDITION:
             return "redraw", t
         return "ok", t
 
