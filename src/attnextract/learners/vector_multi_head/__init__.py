@@ -45,8 +45,9 @@ Identities.
   of W_h is the condition number of that solve times the error of O_h.
 
 Cost at d = m = 16, H = 4: 17 + 128 + 60 + 36 + 68 = 309 queries plus rescans and
-verification (333 to 381 measured) against the floor (H (d^2 + d + m d) + m) / m = 133;
-the scalar learner spends 4,156 on the same boxes.
+verification (343 to 375 measured, 20 boxes) against the floor
+(H (d^2 + d + m d) + m) / m = 133; the scalar learner spends 4,156 on the same boxes.
+At d = 16, H = 8: 669 to 786 (floor 265); d = 32, H = 8: 1,317 to 1,557 (floor 521).
 
 Error bar: ERROR_BAR_FACTOR x the largest condition number of the designed solves (logits,
 outputs) x the measured noise (the rms misfit of the final model to every answer it
