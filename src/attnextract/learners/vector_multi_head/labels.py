@@ -35,7 +35,7 @@ def label_design(scans, rng, L, crowded: bool = False) -> np.ndarray:
     decided before any query, from the scans alone."""
     refs, others = scans[0], scans[1:]
     H, m = len(refs[0]), refs[1].shape[0]
-    best = None
+    best: tuple[np.ndarray, float] | None = None
     last = H // 2 + 1 + CROWDED_PROBES if crowded else MORE_PROBES * H
     for J in range(H // 2 + 1, last + 1):
         for _ in range(DRAWS):
@@ -45,7 +45,8 @@ def label_design(scans, rng, L, crowded: bool = False) -> np.ndarray:
             if worst <= MAX_CONDITION:
                 return counts
             if best is None or worst < best[1]:
-                best = (counts, worst)
+                best = (counts, float(worst))
+    assert best is not None     # the loop runs at least once (last >= H // 2 + 1)
     return best[0]
 
 
