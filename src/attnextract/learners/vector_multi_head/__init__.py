@@ -17,10 +17,21 @@ Identities.
   p_h = t v^T (W_h q_0 + b_h). Each head is ONE sigmoid step shared by all m channels:
   the K answers (m, K) have rank H (the head count) and each step is a zero of the
   distance from sigma(lambda + p) to their row space: no pole fit. A scan of each of d
-  directions v_k (K = H + 4 queries each) gives every head's v_k^T z_h and O_h v_k.
+  directions v_k (K = H + 4 queries each, one more per head beyond 4) gives every
+  head's v_k^T z_h and O_h v_k.
+- Crowded windows (many heads): H steps share one window of width 2 ln(L - 1) = 13.9.
+  With more than SPREAD_HEADS heads, a scan whose steps all lie within
+  CROWDED_LOW_SHARE of the edge is spread (scale grown) before it is accepted; a scan
+  that fits poorly or shows fewer steps than heads while its steps crowd is spread too,
+  not shrunk or called a misfit; the step fit uses its closed-form Jacobian and leaves
+  local minima by remove-and-re-add moves; the pilot's head count grows with the
+  largest rank it sees (crowded steps at the first scale hide one).
 - Labels (:mod:`.labels`): mixed probes of direction 1 and direction k are linear in
   the permutation pairing their steps: about H / 2 + 2 queries per direction (designed
-  without a query until the least-squares system pins the pairing). Then
+  without a query until the least-squares system pins the pairing, at most 2H). Where
+  steps crowd that system stays ill conditioned for any count; then the pairing is
+  read from each step's own attention weight in the probes (2H independent heights,
+  2H <= m) by an assignment, and crowded directions get H / 2 + 2 probes. Then
   z_h = V^-T a_h and O_h = [O_h v_k]_k V^-1 for every head.
 - Outputs (:mod:`.outputs`, :mod:`.refine`): with every z_h known the probes
   q_0 + t g_i, q_0 are linear in [O_1 .. O_H]: max(H d / 2, d) + 4 designed probes; then
@@ -34,8 +45,9 @@ Identities.
   of W_h is the condition number of that solve times the error of O_h.
 
 Cost at d = m = 16, H = 4: 17 + 128 + 60 + 36 + 68 = 309 queries plus rescans and
-verification (333 to 381 measured) against the floor (H (d^2 + d + m d) + m) / m = 133;
-the scalar learner spends 4,156 on the same boxes.
+verification (343 to 375 measured, 20 boxes) against the floor
+(H (d^2 + d + m d) + m) / m = 133; the scalar learner spends 4,156 on the same boxes.
+At d = 16, H = 8: 669 to 786 (floor 265); d = 32, H = 8: 1,317 to 1,557 (floor 521).
 
 Error bar: ERROR_BAR_FACTOR x the largest condition number of the designed solves (logits,
 outputs) x the measured noise (the rms misfit of the final model to every answer it
@@ -78,11 +90,17 @@ FIRST_WAVE = 3             # directions scanned at the pilot's scale, before the
 MISFIT_TRIES = 2           # misfitting scans of one direction (redrawn) before a mismatch
 SCAN_ROUNDS = 6            # scans of one direction at most (scale changes, new directions)
 LOW_SHARE = 0.1            # a scan whose steps all lie within this share of the edge grows
+SPREAD_HEADS = 5           # with more heads than this, steps within
+CROWDED_LOW_SHARE = 0.3    # ... this share of the edge grow (8 steps within 1.0 at d = 16
+                           # left sigmoid matrices conditioned 1e8 .. 1e10)
+GOOD_FIT = 100.0           # a scan fit within this x the rounding ends the step search
 MAX_TOKEN = 64.0           # largest scan scale t, in units of |q_0| (or of 1 / |q_0|)
 EDGE_SHARE = 0.45          # aim the largest step at this share of the window's edge
 BEYOND_SHRINK = 0.25       # a scan that sees no step: its scale shrinks this much
 REDRAW_SHRINK = 0.7        # a redrawn direction's scale, in case a step was beyond the window
 MIN_GAP = 0.005            # steps closer than this in one scan: the direction is redrawn
+STEP_CONDITION = 1e8       # ... or a sigmoid matrix conditioned above this (three of seven
+                           # steps within 0.03, 9.5e8: heights too rough to pair them)
 FIT_NOISE = 1e3            # a scan fit or solve missing by more than this x the rounding
                            # of the answers is a misfit (outside the class)
 MISFIT_LIMIT = 1e7          # final misfit above this x the rounding: not the class
@@ -173,7 +191,9 @@ class _Scans:
             if self.heads is None and rank >= K - EXTRA_SAMPLES // 2:
                 K = samples(2 * rank)                   # the scan may hide more: widen
                 continue
-            if self.H is None and rank > 0:
+            if rank > 0 and (self.H is None or (self.heads is None and rank > self.H)):
+                # a scan's rank is a lower bound of the count: crowded steps at the first
+                # scale can hide one (d = 16, 8 heads: 7 seen, then 8 at more samples)
                 self.H = self.heads or rank
                 self.n = steps.scan_counts(samples(self.H))
                 if len(self.n) != K:                    # the count's own samples
@@ -202,11 +222,17 @@ class _Scans:
         if rank == 0:                               # every step beyond the window
             return "rescale", None, t * BEYOND_SHRINK
         if rank < H:                                # steps merged here, or beyond
-            return "redraw", None, t * REDRAW_SHRINK
+            return self._merged(Y, rank, H, t)
         p, ratio = self._fit(Y, floor)
         if p is None:
             return "redraw", None, t * REDRAW_SHRINK
         edge = float(np.max(np.abs(self.lam)))
+        peak = float(np.max(np.abs(p)))
+        if ratio > FIT_NOISE and H > 1 and peak < self._low(H) * edge:
+            # crowded steps fit poorly (local minima): spread them before calling it a misfit
+            grown = t * EDGE_SHARE * edge / max(peak, 1e-3)
+            if grown[0] <= self.largest_scale:
+                return "rescale", None, grown
         if ratio > FIT_NOISE and np.max(np.abs(p)) > edge - 1.0:
             # steps at or beyond the window's edge fit poorly: bring them in first
             return "rescale", None, t * EDGE_SHARE * edge / np.max(np.abs(p))
@@ -221,13 +247,30 @@ class _Scans:
         verdict, t = self._judge(p, t)
         return verdict, p, t
 
+    def _merged(self, Y, rank, H, t):
+        """Verdict on a scan showing fewer steps (rank) than heads: steps beyond the
+        window (a new direction, smaller), or crowded ones merged: spread (the smaller
+        scale only crowded them more: d = 16, 8 heads within 0.3, four redraws)."""
+        p = steps.step_positions(Y, self.lam, rank)
+        edge = float(np.max(np.abs(self.lam)))
+        peak = float(np.max(np.abs(p))) if p is not None else edge
+        grown = t * EDGE_SHARE * edge / max(peak, 1e-3)
+        if peak < self._low(H) * edge and grown[0] <= self.largest_scale:
+            return "rescale", None, grown
+        return "redraw", None, t * REDRAW_SHRINK
+
+    @staticmethod
+    def _low(H):
+        """Steps within this share of the window's edge are spread (more for many heads)."""
+        return LOW_SHARE if H <= SPREAD_HEADS else CROWDED_LOW_SHARE
+
     def _rank(self, Y, floor):
         return steps.scan_rank(Y, steps.COUNT_FACTOR * floor)
 
     def _fit(self, Y, floor):
         """The H step positions of one scan (None: fewer separate minima) and the fit's
         rms misfit in units of the scan's rounding floor."""
-        p = steps.step_positions(Y, self.lam, self.H)
+        p = steps.step_positions(Y, self.lam, self.H, good=GOOD_FIT * floor)
         if p is None:
             return None, np.inf
         misfit = np.linalg.norm(steps.projection_residual(Y, self.lam, p)) / math.sqrt(Y.size)
@@ -248,11 +291,13 @@ class _Scans:
         peak = float(np.max(np.abs(p)))
         if peak > edge:
             return "rescale", t * EDGE_SHARE * edge / peak
-        if len(p) > 1 and peak < LOW_SHARE * edge:
+        if len(p) > 1 and peak < self._low(len(p)) * edge:
             grown = t * EDGE_SHARE * edge / max(peak, 1e-3)
             limit = self.largest_scale
             return ("rescale", grown) if grown[0] <= limit else ("redraw", t)
         if len(p) > 1 and np.min(np.diff(p)) < MIN_GAP:
+            return "redraw", t
+        if len(p) > 1 and np.linalg.cond(steps.step_matrix(self.lam, p)) > STEP_CONDITION:
             return "redraw", t
         return "ok", t
 
@@ -329,13 +374,17 @@ def _label(ask, scans, P, Wv, t, rng):
     H, d = scans.H, scans.V.shape[1]
     if d > 1 and H > 1:            # one head: nothing to pair
         L = steps.WINDOW_LENGTH
-        counts = labels.label_design([(P[k], Wv[k], t[k]) for k in range(d)], rng, L)
+        counts = labels.label_design([(P[k], Wv[k], t[k]) for k in range(d)], rng, L,
+                                     crowded=H > SPREAD_HEADS)
         J = len(counts)
         X = labels.label_probes(scans.q0, scans.V[:, 0], t[0], scans.V[:, 1:], t[1:], counts, L)
         F = ask(X).reshape(d - 1, J, -1) - scans.c - scans.O @ scans.q0
         ref = (P[0], Wv[0], t[0])
         for k in range(1, d):
             perm, gap = labels.match(ref, (P[k], Wv[k], t[k]), counts, F[k - 1])
+            if perm is None:
+                perm, miss = labels.match_weights(ref, (P[k], Wv[k], t[k]), counts, F[k - 1])
+                perm = perm if miss <= labels.WEIGHTS_MISFIT else None
             if perm is None:
                 raise ModelMismatchError(
                     f"mixed probes of directions 0 and {k} do not pair their steps (nearest "

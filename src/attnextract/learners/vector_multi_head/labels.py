@@ -24,22 +24,30 @@ LABEL_TOLERANCE = 1e-3     # largest |P - permutation| accepted
 PAIRED_MISFIT = 1e-6       # ... or a rounded pairing that predicts the answers this well
 MAX_CONDITION = 1e8        # of the least-squares system for P
 DRAWS = 8                  # random count sets tried per J (no query)
+MORE_PROBES = 2            # at most this x H mixed probes per direction (then the best draw)
+CROWDED_PROBES = 1         # crowded steps: at most H // 2 + 1 + this many
+WEIGHTS_MISFIT = 1e-2      # largest relative miss of a pairing read from the weights
 
 
-def label_design(scans, rng, L) -> np.ndarray:
+def label_design(scans, rng, L, crowded: bool = False) -> np.ndarray:
     """Copy counts (J, 3) of the fewest mixed probes (J from H // 2 + 1) whose pair
     predictions pin P for every direction (condition number below MAX_CONDITION):
     decided before any query, from the scans alone."""
     refs, others = scans[0], scans[1:]
     H, m = len(refs[0]), refs[1].shape[0]
-    for J in range(H // 2 + 1, H * H + 2):
+    best: tuple[np.ndarray, float] | None = None
+    last = H // 2 + 1 + CROWDED_PROBES if crowded else MORE_PROBES * H
+    for J in range(H // 2 + 1, last + 1):
         for _ in range(DRAWS):
             counts = label_counts(J, L, rng)
             worst = max((np.linalg.cond(pair_predictions(refs, o, counts).reshape(J * m, -1))
                          for o in others), default=1.0)
             if worst <= MAX_CONDITION:
                 return counts
-    return counts
+            if best is None or worst < best[1]:
+                best = (counts, float(worst))
+    assert best is not None     # the loop runs at least once (last >= H // 2 + 1)
+    return best[0]
 
 
 def label_counts(J: int, L: int, rng: np.random.Generator) -> np.ndarray:
@@ -97,3 +105,34 @@ def match(ref, other, counts, answers) -> tuple[np.ndarray | None, float]:
     paired = np.einsum("jmhk,hk->jm", f, target)
     miss = float(np.linalg.norm(paired - answers) / np.linalg.norm(answers))
     return (perm if gap <= LABEL_TOLERANCE or miss <= PAIRED_MISFIT else None), gap
+
+
+def match_weights(ref, other, counts, answers) -> tuple[np.ndarray, float]:
+    """The pairing read through each step's own attention weight (crowded steps: the
+    relaxed P of :func:`match` is ill conditioned when steps of one direction lie close).
+
+    The 2H heights [t_1 w^1, t_k w^k] (m, 2H) are independent (2H <= m), so every probe's
+    answer gives each step's weight: alpha_i = a_1 of head i, beta_j = a_2 of step j. The
+    pair (i, j) predicts both, a_1(i, j) and a_2(i, j): the assignment with the smallest
+    summed squared miss is the pairing. Returns perm (H,) as :func:`match` and the
+    relative miss of the paired prediction of the answers."""
+    (p1, w1, t1), (pk, wk, tk) = ref, other
+    H = len(p1)
+    B = np.concatenate([t1 * w1, tk * wk], axis=1)                    # (m, 2H)
+    x = np.linalg.lstsq(B, answers.T, rcond=None)[0]                  # (2H, J)
+    alpha, beta = x[:H], x[H:]
+    logs = np.log(counts.astype(float))
+    logits = np.stack(np.broadcast_arrays(p1[None, :, None] + logs[:, 0, None, None],
+                                          pk[None, None, :] + logs[:, 1, None, None],
+                                          np.broadcast_to(logs[:, 2, None, None],
+                                                          (len(counts), H, H))), axis=-1)
+    a = softmax(logits, axis=-1)                                      # (J, H, H, 3)
+    cost = (np.sum((alpha.T[:, :, None] - a[..., 0]) ** 2, axis=0)
+            + np.sum((beta.T[:, None, :] - a[..., 1]) ** 2, axis=0))  # (H, H)
+    rows, cols = linear_sum_assignment(cost)
+    perm = np.empty(H, dtype=int)
+    perm[rows] = cols
+    target = np.zeros((H, H))
+    target[rows, cols] = 1.0
+    paired = np.einsum("jmhk,hk->jm", pair_predictions(ref, other, counts), target)
+    return perm, float(np.linalg.norm(paired - answers) / np.linalg.norm(answers))
