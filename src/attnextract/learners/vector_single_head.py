@@ -892,21 +892,50 @@ def every_position_scale(W: np.ndarray, b: np.ndarray) -> float:
     return lo
 
 
+def _pair_offsets(R: Readout, t: float, W: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """rho (p,) for the pairs +-t rho_j v_j of a probe at scale t, from the W, b known so
+    far: their logits t rho_j |v_j^T g_k| (g_k = t W z_k + b) are kept below min(PAIR_LOGIT,
+    the simplex's largest) at every position (:func:`_pair_fit`'s reason)."""
+    Z = simplex_vertices(W.shape[0])
+    G = t * Z @ W.T + b
+    cap = min(PAIR_LOGIT, float(np.abs(t * G @ Z.T).max()))
+    reach = np.abs(t * G @ R.pair_dirs.T).max(axis=0)                # (p,) at rho = 1
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(reach > cap, cap / reach, 1.0)
+
+
 def measure_every_position(oracle, R: Readout, causal: bool, counts: dict):
     """W, b from the every-position probes: a pilot at PILOT_SCALE, kept when its
-    largest logit is in band, else asked again at the scale designed from it."""
+    largest logit is in band, else asked again at the scale designed from it; when R has
+    pairs (O ill-conditioned) the probe that is kept carries them: the pilot in band is
+    asked once more with them, a rescaled probe carries them at once.
+
+    Returns (G (d + 1, d), t, error bounds of G's rows (d + 1,), whether G's probe had
+    pairs)."""
     d = oracle.dim
+    Z = simplex_vertices(d)
     per = 2 if causal else 1
     t = PILOT_SCALE
     G, worst, bound = every_position_probe(oracle, R, t, causal)
     counts["every-position probes"] = per
+    paired = False
     for _ in range(MAX_TRIES):
-        if EVERY_BAND[0] <= worst <= EVERY_BAND[1]:
+        in_band = EVERY_BAND[0] <= worst <= EVERY_BAND[1]
+        if in_band and (paired or not R.pairs):
             break
-        if np.isfinite(worst):
-            Z = simplex_vertices(d)
+        readable = bool(np.isfinite(worst))
+        if readable:
             b = G.mean(axis=0)
             W = (d / ((d + 1) * t)) * G.T @ Z
+        if in_band:
+            # the same probe again with the pairs; kept only when it reads in band too
+            G2, worst2, bound2, _ = every_position_pair_probe(
+                oracle, R, t, _pair_offsets(R, t, W, b), causal)
+            counts["every-position pairs"] = per
+            if np.isfinite(worst2) and EVERY_BAND[0] <= worst2 <= EVERY_BAND[1]:
+                G, bound, paired = G2, bound2, True
+            break
+        if readable:
             if worst <= NOISE_FACTOR * bound.max() * t and worst < LOW_LOGIT:
                 new = t * MAX_GROWTH ** 0.5            # W, b at the noise: look larger
             else:
@@ -915,25 +944,19 @@ def measure_every_position(oracle, R: Readout, causal: bool, counts: dict):
         else:
             new = t * SHRINK_UNREADABLE
         t = new
-        G, worst, bound = every_position_probe(oracle, R, t, causal)
+        if R.pairs and readable:
+            G, worst, bound, _ = every_position_pair_probe(
+                oracle, R, t, _pair_offsets(R, t, W, b), causal)
+            paired = True
+        else:
+            G, worst, bound = every_position_probe(oracle, R, t, causal)
+            paired = False
         counts["rescaling"] += per
     if not np.isfinite(worst):
         raise ModelMismatchError(
             f"the black box is not a single attention head: after {MAX_TRIES} rescalings "
             f"the every-position probes still imply attention weights outside (0, 1)")
-    if R.pairs:
-        # the same probe again with pairs on O's weak directions, their offsets rho_j
-        # keeping the pairs' logits t rho_j |v_j^T g_k| below min(PAIR_LOGIT, the
-        # simplex's largest) at every position (:func:`_pair_fit`'s reason)
-        cap = min(PAIR_LOGIT, worst)
-        reach = np.abs(t * G @ R.pair_dirs.T).max(axis=0)            # (p,) at rho = 1
-        with np.errstate(divide="ignore", invalid="ignore"):
-            rho = np.where(reach > cap, cap / reach, 1.0)
-        G2, worst2, bound2, _ = every_position_pair_probe(oracle, R, t, rho, causal)
-        counts["every-position pairs"] = per
-        if np.isfinite(worst2) and EVERY_BAND[0] <= worst2 <= EVERY_BAND[1]:
-            G, bound = G2, bound2
-    return G, t, bound
+    return G, t, bound, paired
 
 
 # -- the learner ----------------------------------------------------------------------
@@ -1059,7 +1082,7 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
                      f"causal= to skip this query)")
     if every and R.rank == d:
         assert causal is not None             # stated, or detected above
-        G, t, bound = measure_every_position(oracle, R, causal, counts)
+        G, t, bound, paired = measure_every_position(oracle, R, causal, counts)
         if calibrate:
             G, bound, note = _calibrate_every(oracle, R, causal, t, G, bound, counts)
             notes.append(note)
@@ -1077,9 +1100,9 @@ def extract_vector_single_head(oracle: Oracle, *, seed=None,
                              / math.sqrt(d))
         design = (f"tokens t z_k at the vertices of a regular simplex, t = {t:.3g} "
                   f"({'both orders (causal)' if causal else 'one query'})"
-                  + (f", then again with {R.pairs} pairs +-t rho v on "
+                  + (f", with {R.pairs} pairs +-t rho v on "
                      f"{len(R.pair_counts)} direction(s) of O below sigma_1 / "
-                     f"{PAIR_CONDITION:g}" if counts.get("every-position pairs") else ""))
+                     f"{PAIR_CONDITION:g}" if paired else ""))
     else:
         if every:
             notes.append(f"rank(O) = {R.rank} < d = {d}: every-position answers read at the "
