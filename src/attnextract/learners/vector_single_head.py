@@ -774,14 +774,24 @@ def _softmax_mean_solve(X: np.ndarray, y: np.ndarray, seen: np.ndarray):
     n, S, _ = seen.shape
     d = X.shape[1]
     target = np.zeros((n, d))
+    hulls: dict = {}                                # one per distinct token set
     for k in range(n):
         for f in range(S):
-            idx = np.flatnonzero(seen[k, f])
-            D = X[idx[1:]] - X[idx[0]]              # repeated tokens: rank below rows
-            U, sv = np.linalg.svd(D.T, full_matrices=False)[:2]
-            Q = U[:, :int(np.sum(sv > 1e-8 * sv[0]))] if len(idx) > 1 and sv[0] > 0 \
-                else np.zeros((d, 0))
-            target[k] += X[idx[0]] + Q @ (Q.T @ (y[k, f] - X[idx[0]]))
+            key = seen[k, f].tobytes()
+            if key not in hulls:
+                idx = np.flatnonzero(seen[k, f])
+                D = X[idx[1:]] - X[idx[0]]          # repeated tokens: rank below rows
+                U, sv = np.linalg.svd(D.T, full_matrices=False)[:2]
+                Q = U[:, :int(np.sum(sv > 1e-8 * sv[0]))] if len(idx) > 1 and sv[0] > 0 \
+                    else np.zeros((d, 0))
+                hulls[key] = (X[idx[0]], Q)
+            x0, Q = hulls[key]
+            target[k] += x0 + Q @ (Q.T @ (y[k, f] - x0))
+
+    def hessian(a, mean):
+        # sum_f X^T diag(a_f) X - mean_f mean_f^T, as one batched product
+        return (X.T[None] * a.sum(axis=1)[:, None, :]) @ X \
+            - np.einsum("nsj,nsk->njk", mean, mean)
 
     def parts(g):
         logits = np.where(seen, (g @ X.T)[:, None, :], -np.inf)          # (n, S, N)
@@ -798,7 +808,7 @@ def _softmax_mean_solve(X: np.ndarray, y: np.ndarray, seen: np.ndarray):
     for _ in range(PAIR_ITERATIONS):
         mean = a @ X                                                      # (n, S, d)
         grad = mean.sum(axis=1) - target
-        H = np.einsum("nsi,ij,ik->njk", a, X, X) - np.einsum("nsj,nsk->njk", mean, mean)
+        H = hessian(a, mean)
         with np.errstate(all="ignore"):
             try:
                 step = -np.linalg.solve(H, grad[..., None])[..., 0]
@@ -822,7 +832,7 @@ def _softmax_mean_solve(X: np.ndarray, y: np.ndarray, seen: np.ndarray):
         a = np.where(keep[:, None, None], a1, a)
         done |= small & keep
     mean = a @ X
-    H = np.einsum("nsi,ij,ik->njk", a, X, X) - np.einsum("nsj,nsk->njk", mean, mean)
+    H = hessian(a, mean)
     fit = (np.abs(mean.sum(axis=1) - target).max(axis=1)
            <= 1e-9 * max(float(np.abs(X).max()), 1e-300))
     good = done & fit & np.all(np.isfinite(g), axis=1)
