@@ -42,7 +42,7 @@ the pairs +-t rho_j v_j first in the sequence (a rescaled probe carries them at 
 d + 3 queries (causal d + 5). Then g_k minimises the convex sum over the position's
 token sets of ln sum e^(x_i^T g) - g^T y (y its answer read back, projected on the set's
 affine hull; :func:`_softmax_mean_solve`). Measured (square Gaussian O, cond(O) up to
-9.8e3, 20 seeds per d), worst at d = 8, 16, 32, 64: bidirectional 2.3e-14, 4.2e-14,
+9.8e3, 20 seeds per d), worst at d = 8, 16, 32, 64: bidirectional 2.3e-14, 4.1e-14,
 3.6e-14, 2.3e-13 (without the pairs 1.4e-13, 1.9e-13, 4.4e-13, 6.8e-12); causal 2.1e-14,
 2.8e-14, 3.9e-14, 1.7e-13 (2.2e-13, 1.4e-13, 3.9e-13, 4.5e-12).
 
