@@ -183,8 +183,9 @@ def measure(quick: bool) -> str:
               "last position's errors at every d (worst of 50 seeds 1.4e-13 to 6.5e-13 for "
               "d <= 64, cond(O) up to ~1e4: pairs of extra tokens q +- t v_j on O's weak "
               "directions, at most d per probe, the 'tokens' column gives the first seed's), "
-              "every-position errors up to d = 64 but the worst d = 64 seeds (1.3e-12 to "
-              "1.8e-12; the every-position probe carries no pairs). Adversarial biases cost "
+              "every-position errors up to d = 64 (when cond(O) > 100 the simplex probe is "
+              "asked once more with the same pairs: d + 3 queries, causal d + 5). "
+              "Adversarial biases cost "
               "|b|^2 / |W| and |c| / |O| (the box rounds its scores and answers at those "
               "sizes), within the stated bars."),
              "", "## Float64 boxes", "", HEADER]
