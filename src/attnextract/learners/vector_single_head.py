@@ -361,6 +361,25 @@ def _woodbury(Dinv: np.ndarray, C: np.ndarray, x: np.ndarray) -> tuple:
     return out[:, 0], out[:, 1]
 
 
+def halved_steps(x: np.ndarray, step: np.ndarray, value: np.ndarray, objective,
+                 small: np.ndarray, *, maximise: bool, halvings: int = 60):
+    """One damped Newton move for every row at once: each row's ``step`` (n, k) halved
+    until ``objective`` (x -> (values (n,), extra)) improves on ``value`` (n,) up to
+    rounding (8 eps relative), or at once where the step is already ``small`` (n,).
+    Returns (x + lambda step, their values, the rows accepted, the objective's extra)."""
+    lam = np.ones(len(x))
+    for _ in range(halvings):
+        x1 = x + lam[:, None] * step
+        v1, extra = objective(x1)
+        slack = 8 * EPS * np.abs(value)
+        better = v1 >= value - slack if maximise else v1 <= value + slack
+        ok = np.isfinite(v1) & (better | small)
+        if ok.all():
+            break
+        lam = np.where(ok, lam, 0.5 * lam)
+    return x1, v1, ok, extra
+
+
 def _pair_solve(a0: np.ndarray, B: np.ndarray, k: np.ndarray):
     """The weights of probes with pairs, from a0 = A^-1 (V^T x-bar - V^T q) / t (n, r),
     B = rho A^-1 V_p^T (n, r, p) (pairs at q +- t rho v_j) and the pair counts k (p,).
@@ -407,15 +426,9 @@ def _pair_solve(a0: np.ndarray, B: np.ndarray, k: np.ndarray):
         step[done | ~np.all(np.isfinite(step), axis=1)] = 0.0
         if done.all():
             break
-        lam = np.ones(n)
-        for _ in range(60):                        # halve until the concave value rises
-            l1 = l + lam[:, None] * step
-            parts1 = parts(l1)
-            v1 = (a0 * l1).sum(axis=1) - parts1[1]
-            ok = np.isfinite(v1) & ((v1 >= value - 8 * EPS * np.abs(value)) | small)
-            if ok.all():
-                break
-            lam = np.where(ok, lam, 0.5 * lam)
+        l1, v1, ok, _ = halved_steps(
+            l, step, value, lambda x: ((a0 * x).sum(axis=1) - parts(x)[1], None), small,
+            maximise=True)
         keep = ok & ~done
         l = np.where(keep[:, None], l1, l)
         value = np.where(keep, v1, value)
@@ -818,14 +831,7 @@ def _softmax_mean_solve(X: np.ndarray, y: np.ndarray, seen: np.ndarray):
         step[done | ~np.all(np.isfinite(step), axis=1)] = 0.0
         if done.all():
             break
-        lam = np.ones(n)
-        for _ in range(60):                        # halve until the convex value falls
-            g1 = g + lam[:, None] * step
-            v1, a1 = parts(g1)
-            ok = np.isfinite(v1) & ((v1 <= value + 8 * EPS * np.abs(value)) | small)
-            if ok.all():
-                break
-            lam = np.where(ok, lam, 0.5 * lam)
+        g1, v1, ok, a1 = halved_steps(g, step, value, parts, small, maximise=False)
         keep = ok & ~done
         g = np.where(keep[:, None], g1, g)
         value = np.where(keep, v1, value)
