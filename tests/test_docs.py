@@ -280,3 +280,14 @@ def test_multi_head_cost_table_names_the_papers_count():
         for H, cell in zip(heads, cells[1:]):
             median, count = map(int, re.match(r"(\d+) \((\d+)\)", cell).groups())
             assert count == 4 * H * d * d - 2 * H + 1 and median <= count, (d, H, cell)
+
+
+def test_pages_hold_no_control_characters():
+    """A LaTeX command written into a Python string without a raw prefix becomes a control
+    character (\\t in \\times, \\f in \\frac, \\b in \\beta): the page then renders
+    "imes" or "rac". Every page, the changelog included, is plain text and newlines."""
+    control = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+    bad = [f"{p.relative_to(ROOT)}:{i}" for p in PAGES + [ROOT / "CHANGELOG.md"]
+           for i, line in enumerate(p.read_bytes().decode("utf-8").split("\n"), 1)
+           if control.search(line)]
+    assert not bad, bad
