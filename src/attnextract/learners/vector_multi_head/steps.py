@@ -134,6 +134,7 @@ def projection_jacobian(Y: np.ndarray, lam: np.ndarray, p: np.ndarray) -> np.nda
     J += pinv_T[:, None, :] * (dA.T @ r).T[None, :, :]
     return -J.reshape(-1, len(p))
 
+
 def step_matrix(lam: np.ndarray, p: np.ndarray) -> np.ndarray:
     """S (H, K): sigma(lambda_j + p_h)."""
     return expit(lam[None, :] + np.asarray(p)[:, None])
