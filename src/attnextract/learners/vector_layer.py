@@ -1029,7 +1029,7 @@ def _extract_vector_layer(oracle, *, seed, verify_tolerance, heads, biases, rank
                                                    + oracle.queries - start_q
                                                    - sum(counts.values()))
             widths = blocks.widths
-            L, C, _ = projectors(E, blocks, O)
+            L, C, R = projectors(E, blocks, O)
             plan = ScorePlan(oracle, c, L, C, rng, kappa, widths,
                              tiny_logit=design.tiny_logit)
             counts["scores (W_h, b_h)"] = (counts.get("scores (W_h, b_h)", 0) + oracle.queries
@@ -1037,7 +1037,7 @@ def _extract_vector_layer(oracle, *, seed, verify_tolerance, heads, biases, rank
             W, b, _ = plan.solve(Projected(c, L, C))
             for k, payload in enumerate(design.fine_payloads):  # low precision: small first
                 if k:   # W through the last pass's ranges: g_h for the next selectors
-                    L, C, _ = projectors(E, blocks, O)
+                    L, C, R = projectors(E, blocks, O)
                     if blocks.widths != widths:
                         # blocks merged (a head's range had been split): the score probes
                         # again, sized for the heads' ranks (a block of rank 1 had made
@@ -1049,7 +1049,7 @@ def _extract_vector_layer(oracle, *, seed, verify_tolerance, heads, biases, rank
                 blocks.R, _, designed, rows = fine_ranges(
                     oracle, O, E, W, b, blocks.widths, rng, plan.s, design=design,
                     payload=payload, regroup=k + 1 < len(design.fine_payloads),
-                    exposure=head_exposure(W, E, blocks, O))
+                    exposure=head_exposure(W, C, R))
             widths = blocks.widths
             counts["ranges (designed selectors)"] = (
                 counts.get("ranges (designed selectors)", 0) + oracle.queries - start_q
@@ -1205,10 +1205,10 @@ def projectors(E: np.ndarray, blocks: Blocks, O: np.ndarray):
     return L, [Lh @ O for Lh in L], [E @ Rk for Rk in blocks.R]
 
 
-def head_exposure(W: np.ndarray, E: np.ndarray, blocks: Blocks, O: np.ndarray) -> np.ndarray:
-    """|W_h|_F / |O_h|_2 per head (H,) from the current estimates (O_h = R_h C_h): how
-    much a head's score reads suffer from another head's leak (:func:`ordered_payloads`)."""
-    _, C, R = projectors(E, blocks, O)
+def head_exposure(W: np.ndarray, C: list[np.ndarray], R: list[np.ndarray]) -> np.ndarray:
+    """|W_h|_F / |O_h|_2 per head (H,) from the current estimates (O_h = R_h C_h, as
+    :func:`projectors` gives them): how much a head's score reads suffer from another
+    head's leak (:func:`ordered_payloads`)."""
     size = np.array([np.linalg.norm(Rh @ Ch, 2) for Rh, Ch in zip(R, C)])
     return np.linalg.norm(W, axis=(1, 2)) / np.maximum(size, np.finfo(float).tiny)
 
