@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from attnextract import ModelMismatchError, Oracle
-from attnextract.testing.impostors import BatchDependent, Float32AboveBatch
 from attnextract.adapters.targets import random_single_head
 from attnextract.errors import AttnExtractError
 from attnextract.oracle import RoundedOutputs
 from attnextract.registry import extract
 from attnextract.report import mismatch_reason, verify_model
+from attnextract.testing.impostors import BatchDependent, Float32AboveBatch
 from attnextract.verification import BATCH_CAP
 
 
@@ -33,6 +33,31 @@ def test_a_batch_dependent_box_is_refused_with_that_reason(d, kind):
         oracle.verify_sequences = 64       # a check large enough for the batch stage
         with pytest.raises(ModelMismatchError, match="batch"):
             extract(oracle, "single-head", seed=seed)
+
+
+class Float32KernelPerBatch:
+    """A float32 forward pass whose kernel for one sequence alone sums in another order than
+    its batched kernel (as torch's do): an answer alone moves by tens of float32 ulps."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, X):
+        out = np.asarray(self.model(np.asarray(X, dtype=np.float64)), dtype=np.float64)
+        if len(X) == 1:
+            out = out * (1.0 + 64 * 2.0 ** -24)
+        return out.astype(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_float32_box_that_moves_with_the_batch_is_told_its_precision_option(seed):
+    """A float32 box refused for answers that move with the batch is named as float32, with
+    the option that describes it (a user's torch module in float32, asked alone and batched)."""
+    model = random_single_head(8, seed)
+    check = verify_model(Oracle(Float32KernelPerBatch(model), 8), model, count=64, seed=seed)
+    assert not check.passed and check.batch_dependence and check.float32_answers
+    reason = mismatch_reason(check)
+    assert "batch" in reason and "--output-dtype" in reason
 
 
 def test_a_float32_box_is_not_widened_by_batches_that_differ():

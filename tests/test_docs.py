@@ -202,8 +202,9 @@ def _hook():
 
 
 def test_cli_reference_lists_every_option_of_every_subcommand():
-    from attnextract.cli import build_parser
     import argparse
+
+    from attnextract.cli import build_parser
     hook = _hook()
     parser = build_parser()
     text = hook.cli_reference_markdown(parser)

@@ -490,8 +490,16 @@ def machine_value(value: object) -> object:
 
 def mismatch_reason(check: Verification) -> str:
     """Why a held-out check failed, with a hint when the error looks like output rounding."""
+    hint = ("extract with --output-dtype float32|bfloat16|float16 or --decimals K (error bars "
+            "from repeated measurements)")
     if check.batch_dependence:
-        return check.batch_dependence
+        text = check.batch_dependence
+        if getattr(check, "float32_answers", False):
+            # a float32 forward pass sums in an order its batch picks: its answers move
+            # with the batch by its own rounding, which a float64 model does not allow
+            text += ("; the answers are float32 numbers (a float32, bfloat16 or float16 "
+                     "forward pass rounds differently in different batches): " + hint)
+        return text
     if check.max_relative_error > check.tolerance:
         where = f" (worst on {check.worst_family} sequences)" if check.worst_family else ""
         text = (f"held-out relative error {check.max_relative_error:.2e} > tolerance "
@@ -504,8 +512,6 @@ def mismatch_reason(check: Verification) -> str:
         text = (f"an answer left the interval spanned by its tokens' own answers by "
                 f"{check.hull_violation:.2e} > {check.hull_tolerance:.0e} (no single head does "
                 f"that: a second head or another model)")
-    hint = ("extract with --output-dtype float32|bfloat16|float16 or --decimals K (error bars "
-            "from repeated measurements)")
     if getattr(check, "float32_answers", False):
         # a learner that assumed float64 answers can err by any amount on float32 ones
         text += ("; the answers are float32 numbers (limited output precision: a float32, "
