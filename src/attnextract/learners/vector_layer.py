@@ -25,7 +25,8 @@ Identities used, in order:
    coordinates of range(O), M = (A P)(O P)^+ has eigenvalue kappa_h on R_h: the
    eigenspaces are the ranges. Random selectors (rough ranges): heads that pick the same
    token share an eigenspace, later sets (new q, payloads for the widest block only)
-   split them; H is the number found. The sets' query tokens have norm sqrt(d)
+   split them, until three agreement tests in a row (3 queries each, :func:`heads_agree`)
+   find every block's heads taking one selector weight; H is the number found. The sets' query tokens have norm sqrt(d)
    (:func:`rough_query_norm`): where b_h dominates W_h q every set sees the same
    scores. Eigenvalues off the set {mu} mean the answers are not saturated softmax
    attention: refused.
@@ -134,6 +135,11 @@ SELECTORS = 192           # selector tokens per set (heads picking one token sha
 ROUGH_RESTARTS = 2        # float64: the whole random-selector stage started again
 ROUGH_RETRIES = 2         # a random selector set that fails is asked again this often
 MAX_SETS = 4              # selector sets at most (the last one must split nothing)
+AGREE_TESTS = 3           # float64: agreement tests in a row that end the random sets
+AGREE_PAYLOADS = 2        # ... payloads of one (and the base sequence: 3 queries)
+AGREE_TOL = 1e-5          # ... a block's answers off one multiple of its payload images by
+                          # more than this (relative): its heads took different selectors
+                          # (weights 1/191 apart: 1e-3 and up; clean sets 1e-14 .. 1e-9)
 SELECT_LOGIT = 4e4        # typical score of a selector token (margins far above 40)
 PAYLOAD = 1e-3            # payload size beside a selector (its score moves <= 1e-3 of it)
 LINEARITY_CHECKS = 2      # payloads beyond the widest block: their misfit tests linearity
@@ -366,11 +372,10 @@ def rough_query_norm(d: int) -> float:
     LayerNorm'd token of unit gain, where a real layer's query tokens live.
 
     Heads whose g_h = W_h q + b_h point alike pick the same random selector set after set,
-    and a set that splits nothing by chance ends the stage with two heads in one block
-    (refused later by the designed selectors). The bias part does not change with q: at
-    |q| = 1 it dominated MiniLM's g_h (cosines across heads: median 0.46, largest 0.79 on
-    layer 1; at |q| = sqrt(d) 0.12 and 0.45), and layer 1 at seed 1 and layer 2 at seed 5
-    were refused that way."""
+    and two heads left in one block are refused later by the designed selectors. The bias
+    part does not change with q: at |q| = 1 it dominated MiniLM's g_h (cosines across
+    heads: median 0.46, largest 0.79 on layer 1; at |q| = sqrt(d) 0.12 and 0.45), and
+    layer 1 at seed 1 and layer 2 at seed 5 were refused that way."""
     return math.sqrt(d)
 
 
@@ -1148,11 +1153,29 @@ def rough_ranges(oracle, O, c, E, rng, q, scale, *,
 
 
 def _selector_sets(oracle, O, c, E, rng, q, scale, design: Design) -> tuple[Blocks, int]:
-    """The selector sets of :func:`rough_ranges`, from one first set."""
+    """The selector sets of :func:`rough_ranges`, from one first set.
+
+    Float64: after a set, AGREE_TESTS agreement tests in a row (:func:`heads_agree`, 3
+    queries each) end the stage; a test that finds a block whose heads took different
+    selectors asks another full set. Two heads whose g_h point alike take the same
+    random selector often (all-MiniLM-L6-v2: some pair shares one in half the first
+    sets), and a full set that happened to split nothing used to end the stage with the
+    pair in one block (layer 1 seed 15: refused by the designed selectors); three tests
+    at new query tokens cost 9 queries against a full set's 43.
+    Low precision: sets until one splits nothing."""
+    d = len(q)
     blocks = Blocks(E)
-    for sets in range(1, design.max_sets + 1):
-        if sets > 1:    # a new query token: heads whose scores agree at one q part at another
-            q = rough_query_norm(len(q)) * _unit(rng, len(q))
+    agreed, sets = 0, 0
+    while sets < design.max_sets:
+        if sets and design.exact and agreed < AGREE_TESTS:
+            q = rough_query_norm(d) * _unit(rng, d)
+            if heads_agree(oracle, O, blocks, rng, q, scale, design.payload):
+                agreed += 1
+                continue
+        elif sets and design.exact:
+            break
+        if sets:        # a new query token: heads whose scores agree at one q part at another
+            q = rough_query_norm(d) * _unit(rng, d)
         for attempt in range(design.retries + 1):
             try:
                 split, _ = split_ranges(oracle, O, c, blocks, rng, q, scale,
@@ -1164,10 +1187,38 @@ def _selector_sets(oracle, O, c, E, rng, q, scale, design: Design) -> tuple[Bloc
                 # new selectors at a new q, a smaller payload; an impostor fails every time
                 if attempt == design.retries:
                     raise
-                q = rough_query_norm(len(q)) * _unit(rng, len(q))
-        if sets > 1 and not split:
+                q = rough_query_norm(d) * _unit(rng, d)
+        sets += 1
+        agreed = 0
+        if sets > 1 and not split and not design.exact:
             break
     return blocks, sets
+
+
+def heads_agree(oracle: Oracle, O: np.ndarray, blocks: Blocks, rng, q: np.ndarray,
+                scale: float, payload: float) -> bool:
+    """One agreement test: a random selector set at query token ``q`` with AGREE_PAYLOADS
+    payloads (3 queries). In a block whose heads all took selectors of one weight kappa,
+    L_k (A delta) = kappa L_k (O delta) for every payload; heads that took different
+    weights (or the query token, weight 0) leave a misfit of order the weights' spacing.
+    Returns whether every block is one multiple of its payload images to AGREE_TOL (of
+    |L_k O delta|: a block whose heads all took the query token answers 0)."""
+    d, E = oracle.dim, blocks.E
+    n = min(SELECTORS, (oracle.max_length or SELECTORS + 1) - 1)
+    mu = rng.permutation(np.linspace(1.0, 2.0, n))
+    P = payload * scale * _orth(rng.standard_normal((d, AGREE_PAYLOADS)))
+    y = _last(oracle, selector_probes(random_selectors(rng, n, d, scale), q, P, mu))
+    Y = E.T @ (y[1:] - y[0]).T                                   # (D, 2): A delta_j
+    Z = E.T @ (O @ P)                                            # (D, 2): O delta_j
+    for Lk in blocks.left_inverse():
+        LY, LZ = Lk @ Y, Lk @ Z
+        kappa = float(np.vdot(LZ, LY) / np.vdot(LZ, LZ))
+        misfit = float(np.linalg.norm(LY - kappa * LZ) / np.linalg.norm(LZ))
+        log.debug("agreement test: width %d, kappa %.4f, misfit %.2e", Lk.shape[0], kappa,
+                  misfit)
+        if not misfit <= AGREE_TOL:
+            return False
+    return True
 
 
 def permutation_rounding(oracle: Oracle, rng, scale: float, sequences: int = ROUNDING_SEQUENCES,
