@@ -87,6 +87,7 @@ from ..report import (
     verify_model,
 )
 from ..verification import misfit_bar
+from .circle_ranges import circle_ranges
 from .vector_layer import (
     BIAS_COLUMN,
     DESIGN_MARGIN,
@@ -179,14 +180,16 @@ def split_ranges_positions(oracle: Oracle, O, blocks: Blocks, rng, q, scale: flo
     return len(blocks.R) > before, used
 
 
-def rough_ranges_positions(oracle: Oracle, O, E, rng, q, scale: float) -> tuple[Blocks, int]:
+def rough_ranges_positions(oracle: Oracle, O, E, rng, q, scale: float,
+                           blocks: Blocks | None = None) -> tuple[Blocks, int]:
     """vector_layer's rough ranges with every set read at every position: a first set with
     payloads spanning R^d; one set read at MIN_POSITIONS positions or more is enough (two
     distinct heads choose alike at every one of them only by attending alike, and then
     they are one canonical head); otherwise sets at new query tokens with payloads for the
-    widest block, until one splits nothing (at most MAX_SETS). Returns the blocks and the
-    sets."""
-    blocks = Blocks(E)
+    widest block, until one splits nothing (at most MAX_SETS). ``blocks``: a split to
+    refine (the circles', when some heads changed sign on none of them). Returns the blocks
+    and the sets."""
+    blocks = Blocks(E) if blocks is None else blocks
     for sets in range(1, MAX_SETS + 1):
         if sets > 1:
             q = _unit(rng, len(q))
@@ -518,8 +521,20 @@ def extract_vector_layer_positions(oracle: Oracle, *, seed=None,
     q_pilot, u_pilot = (v / np.linalg.norm(v) for v in rng.standard_normal((2, d)))
     kappa = logit_scale(oracle, O, c, q_pilot, u_pilot)
     step("pilot")
-    blocks, sets = rough_ranges_positions(oracle, O, E, rng, q_pilot, SELECT_LOGIT / kappa)
-    step("ranges (random selectors)")
+    circled = circle_ranges(oracle, c, E, rng, SELECT_LOGIT / kappa)
+    sets = circles = 0
+    if circled is not None:
+        blocks = Blocks(E)
+        blocks.R, complete, _, circles = circled
+        step("ranges (circle)")
+        if not complete:        # heads no circle split: random selector sets for them
+            blocks, sets = rough_ranges_positions(oracle, O, E, rng, q_pilot,
+                                                  SELECT_LOGIT / kappa, blocks)
+            step("ranges (random selectors)")
+    else:
+        step("ranges (circle)")
+        blocks, sets = rough_ranges_positions(oracle, O, E, rng, q_pilot, SELECT_LOGIT / kappa)
+        step("ranges (random selectors)")
     widths = blocks.widths
     # p < r_h tokens beside the zero token (a tall, well-conditioned weight solve; square
     # ones at r_h = 2 lost 1e-10), at least one core and one filler
@@ -580,6 +595,7 @@ def extract_vector_layer_positions(oracle: Oracle, *, seed=None,
                  "outputs": "every position" + (" (causal)" if oracle.causal else ""),
                  "heads found": len(widths), "output ranks r_h": widths,
                  "ranks of W_h": ranks_W, "random selector sets": sets,
+                 "circles": circles,
                  "score design": f"{len(reads.queries)} queries of {p + 1} tokens (zero "
                                  f"token, {reads.a} core, {reads.f} filler)"
                                  + (", both orders" if oracle.causal else ""),

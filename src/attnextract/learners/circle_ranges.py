@@ -1,0 +1,346 @@
+"""The heads' rough output ranges from a circle of query tokens (every-position answers).
+
+Identity. Two selectors +T u and -T u first, then query tokens q_j on a circle in a
+random plane. Where attention saturates, head h at position j takes the selector of the
+sign of u^T g_h(q_j) (g_h(q) = W_h q + b_h), so
+
+    F_j - c = T sum_h s_hj O_h u,        s_hj = sign(u^T g_h(q_j)) in {-1, +1},
+
+and two positions between which only head h changes sign differ by exactly 2 T s O_h u
+(no O^{-1}). Along the circle u^T g_h(q(theta)) = A cos theta + B sin theta + C changes
+sign twice or never: head h's step appears twice, with opposite signs.
+
+Design (DESIGN_QUERIES queries at most): n positions evenly on the circle, then n more
+inside the gaps where the answer steps, so that heads whose sign changes fall in one gap
+part; a step that pairs with no opposite step (two heads in one gap, or a position so
+near a sign change that it is not saturated) sends every position of the next design
+query into its gap. Each head is a pair of opposite steps; the runs of equal answers
+between steps give the sign pattern S (runs x heads), each head's column fixed up to its
+sign. Heads that never change sign on the circle ("the rest") share one constant column.
+
+Ranges. The positions chosen (one or two per run, the most central in angle) are asked
+again with u_k = u + eps_k w_k (1 + K queries, w_k random unit directions): per query the
+least squares F_j - c = z_k + sum_h s_hj Y_hk over the positions (z_k: the rest) gives
+Y_hk = T O_h u_k, and R_h = span(O_h u, (Y_hk - Y_h0) / (T eps_k)); the rest's range
+likewise from z_k. eps_k is measured, not fixed: u_k keeps every sign at every position
+only if eps_k |w_k^T g| < |u^T g| there (on MiniLM min |u^T g| / max |w^T g| ranged from
+7.9e-5 to 4.1e-3), while O_h's error grows as rounding / eps_k. A sign that flips moves
+an answer by 2 T O_g u, about 1 / eps_k times what the perturbation moves it by, so each
+query is checked: its least-squares residual must stay at rounding and every answer's
+change must stay far below the smallest step; a query that fails is asked again with
+eps_k / EPS_CUT.
+
+Checks: steps that do not pair, a pattern of deficient rank, a residual above rounding at
+the unperturbed positions, ranges without a clean rank drop, or widths that do not add up
+to rank(O): the circle gives up (returns None) and the caller falls back to random
+selector sets, which refuse answers that are not saturated softmax attention. Heads of
+the rest need another circle (new u and plane); the partitions of two circles are refined
+by intersection (heads merged on one circle part on the other).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+
+from ..oracle import Oracle
+from .vector_layer import _orth, _rotation, _unit
+
+log = logging.getLogger(__name__)
+
+CIRCLE_POSITIONS = 46     # query tokens per query at most (two selectors before them)
+MIN_CIRCLE_POSITIONS = 12  # fewer allowed by max_length: no circle (random selectors)
+RADIUS_SHARE = 0.5        # circle radius, x sqrt(d) (a LayerNorm'd token's norm)
+DESIGN_QUERIES = 4        # design queries per circle at most
+MIN_REFINES = 1           # ... of which at least this many refine the stepping gaps
+MAX_CIRCLES = 3           # circles before the rest goes to random selectors
+STEP_TOL = 1e-10          # answers closer than this x the largest |F - c|: equal
+PAIR_TOL = 1e-9           # two steps summing to less than this x the largest: one head
+RESIDUAL_TOL = 1e-11      # a position's least-squares residual above this x |F - c|: bad
+FLIP_SHARE = 0.25         # an answer moving more than this x the smallest step: a flip
+EPS_START = 1e-3          # the perturbation's first step (O_h's error ~ 1e-15 / eps)
+EPS_CUT = 8.0             # a query that flips is asked again with eps this much smaller
+EPS_TRIES = 6             # ... this often (eps down to 1e-3 / 8^5 = 3e-8)
+RANK_GAP = 1e-8           # a range ends at a singular value below this x the largest
+DIRECTIONS_EXTRA = 4      # perturbed directions beyond 1.25 x rank(O) / heads
+
+
+def _runs(angles: np.ndarray, F: np.ndarray, tol: float):
+    """Positions sorted by angle grouped into runs of equal answers (cyclic): a list of
+    index arrays (into the sorted order), and the sorted order. A position whose steps to
+    both neighbours point the same way (a weight part way between two selectors) is
+    dropped first."""
+    order = np.argsort(angles)
+    keep = list(order)
+    changed = True
+    while changed and len(keep) > 2:
+        changed = False
+        for i in range(len(keep)):
+            a, b, c = keep[i - 1], keep[i], keep[(i + 1) % len(keep)]
+            s1, s2 = F[b] - F[a], F[c] - F[b]
+            n1, n2 = np.linalg.norm(s1), np.linalg.norm(s2)
+            if n1 > tol and n2 > tol and s1 @ s2 > (1 - 1e-6) * n1 * n2:
+                del keep[i]
+                changed = True
+                break
+    keep_arr = np.array(keep)
+    runs, current = [], [keep_arr[0]]
+    for i in range(1, len(keep_arr)):
+        if np.linalg.norm(F[keep_arr[i]] - F[current[-1]]) <= tol:
+            current.append(keep_arr[i])
+        else:
+            runs.append(current)
+            current = [keep_arr[i]]
+    if runs and np.linalg.norm(F[current[-1]] - F[runs[0][0]]) <= tol:
+        runs[0] = current + runs[0]          # the circle closes
+    else:
+        runs.append(current)
+    return [np.array(r) for r in runs]
+
+
+def _pair_steps(F, runs, tol):
+    """Steps between consecutive runs (cyclic; step b goes from run b to run b + 1) paired
+    into heads: two opposite steps are one head's two sign changes. Returns (pairs, the
+    indices of unpaired steps)."""
+    R = len(runs)
+    V = np.stack([F[r[0]] for r in runs])
+    steps = np.roll(V, -1, axis=0) - V
+    pairs, unpaired, used = [], [], set()
+    for b in range(R):
+        if b in used:
+            continue
+        partners = [b2 for b2 in range(R) if b2 != b and b2 not in used
+                    and np.linalg.norm(steps[b] + steps[b2]) <= tol]
+        if len(partners) == 1:
+            pairs.append((b, partners[0]))
+            used.update((b, partners[0]))
+        else:
+            unpaired.append(b)
+    return pairs, unpaired
+
+
+class Circle:
+    """One circle: u, the plane, its design answers and the heads it isolates."""
+
+    def __init__(self, oracle: Oracle, c, rng, T: float, n: int):
+        d = oracle.dim
+        self.oracle, self.c, self.T, self.n, self.d = oracle, c, T, n, d
+        self.u = _unit(rng, d)
+        self.plane = _rotation(rng, d)[:, :2] * (RADIUS_SHARE * math.sqrt(d))
+        self.phase = rng.uniform(0, 2 * math.pi)
+        self.queries = 0
+
+    def tokens(self, angles):
+        return np.stack([np.cos(angles), np.sin(angles)], axis=1) @ self.plane.T
+
+    def ask(self, angles, us):
+        """Answers (len(us), len(angles), m) at the query tokens of ``angles`` with the
+        selectors +-T u_k first (causal positions see them)."""
+        X = np.empty((len(us), 2 + len(angles), self.d))
+        X[:, 0] = self.T * us
+        X[:, 1] = -self.T * us
+        X[:, 2:] = self.tokens(angles)[None]
+        self.queries += len(us)
+        return np.asarray(self.oracle.query(X), dtype=np.float64)[:, 2:]
+
+    def design(self):
+        """Positions placed so that neighbouring runs differ in one head. Returns (angles,
+        answers, runs, pairs) or None (steps that never pair)."""
+        n = self.n
+        angles = self.phase + 2 * math.pi * np.arange(n) / n
+        F = self.ask(angles, self.u[None])[0]
+        self.scale = float(np.max(np.linalg.norm(F - self.c, axis=1)))
+        if self.scale == 0:
+            return None
+        step_tol, pair_tol = STEP_TOL * self.scale, PAIR_TOL * self.scale
+        for round_ in range(DESIGN_QUERIES):
+            runs = _runs(angles, F, step_tol)
+            if len(runs) < 2:
+                return None                      # no head changes sign on this circle
+            pairs, unpaired = _pair_steps(F, runs, pair_tol)
+            log.debug("circle design %d: %d runs, %d heads, %d unpaired", round_, len(runs),
+                      len(pairs), len(unpaired))
+            if not unpaired and round_ >= MIN_REFINES:
+                return angles, F, runs, pairs
+            if round_ == DESIGN_QUERIES - 1:
+                return None
+            # the gaps to refine: the unpaired steps' if any, else every step's
+            gaps = unpaired or list(range(len(runs)))
+            lo = np.array([angles[runs[b][-1]] for b in gaps])
+            hi = np.array([angles[runs[(b + 1) % len(runs)][0]] for b in gaps])
+            hi = np.where(hi < lo, hi + 2 * math.pi, hi)
+            per = np.full(len(gaps), n // len(gaps))
+            per[np.argsort(lo - hi)[: n - per.sum()]] += 1
+            new = np.concatenate([lo[i] + (hi[i] - lo[i]) * np.arange(1, k + 1) / (k + 1)
+                                  for i, k in enumerate(per) if k > 0])
+            new = np.mod(new, 2 * math.pi)
+            F = np.concatenate([F, self.ask(new, self.u[None])[0]])
+            angles = np.concatenate([np.mod(angles, 2 * math.pi), new])
+        return None
+
+
+def _patterns(runs, pairs) -> np.ndarray:
+    """Sign pattern (runs, heads): +1 on the runs after a head's first step up to its
+    second, -1 elsewhere."""
+    S = -np.ones((len(runs), len(pairs)))
+    for h, (b1, b2) in enumerate(pairs):
+        lo, hi = sorted((b1, b2))
+        S[lo + 1:hi + 1, h] = 1.0
+    return S
+
+
+def _chosen(angles, runs, n):
+    """Per run its most central position, then second ones for the widest runs, n in all:
+    (positions, run of each)."""
+    picks = []
+    for r, idx in enumerate(runs):
+        a = np.unwrap(angles[idx])
+        centre = (a[0] + a[-1]) / 2
+        by_centre = idx[np.argsort(np.abs(a - centre))]
+        picks.append((float(a[-1] - a[0]), r, by_centre))
+    first = [(r, int(p[0])) for _, r, p in picks]
+    second = [(r, int(p[1])) for _, r, p in sorted(picks, key=lambda t: -t[0])
+              if len(p) > 1][: max(0, n - len(first))]
+    both = sorted(first + second)
+    return np.array([j for _, j in both]), np.array([r for r, _ in both])
+
+
+def _range(M: np.ndarray):
+    """Orthonormal basis of M's column space (D, k) at a clean rank drop (singular values
+    below RANK_GAP x the largest), whether the columns ran out before the drop, or None
+    (no clean drop: not saturated answers)."""
+    U, s, _ = np.linalg.svd(M, full_matrices=False)
+    if not s.size or s[0] == 0:
+        return U[:, :0], False
+    k = int(np.sum(s > RANK_GAP * s[0]))
+    if k == len(s):
+        return U[:, :k], True
+    if k and s[k - 1] < 1e3 * s[k]:       # no clean gap between the range and rounding
+        return None
+    return U[:, :k], False
+
+
+def circle_partition(oracle: Oracle, c, E, rng, T: float, n: int):
+    """One circle: the blocks it isolates (coordinate bases in E, each a head or heads
+    changing sign at the same places) and the rest's block, or None. Returns (blocks,
+    rest, queries)."""
+    circle = Circle(oracle, c, rng, T, n)
+    designed = circle.design()
+    if designed is None:
+        return None, None, circle.queries
+    angles, F, runs, pairs = designed
+    pos, run_of = _chosen(angles, runs, n)
+    S = _patterns(runs, pairs)[run_of]
+    A = np.concatenate([np.ones((len(pos), 1)), S], axis=1)
+    s = np.linalg.svd(A, compute_uv=False)
+    if s[-1] < 1e-6 * s[0]:
+        return None, None, circle.queries
+    A_pinv = np.linalg.pinv(A)
+    tol = RESIDUAL_TOL * circle.scale
+    H = len(pairs)
+    # directions: 1.25 x an even share of rank(O) (the rest counted as a head)
+    D = E.shape[1]
+    K = min(D, math.ceil(1.25 * D / (H + 1)) + DIRECTIONS_EXTRA)
+    base = circle.ask(angles[pos], circle.u[None])[0] - c
+    Y0 = A_pinv @ base                                    # (1 + H, m): z, Y_h
+    if np.max(np.linalg.norm(base - A @ Y0, axis=1)) > tol:
+        return None, None, circle.queries
+    smallest = float(np.min(np.linalg.norm(Y0[1:], axis=1)))
+    columns = [[Y0[i] / T] for i in range(1 + H)]
+    todo = K
+    while todo:
+        ws = np.stack([_unit(rng, circle.d) for _ in range(todo)])
+        eps = np.full(todo, EPS_START)
+        done = np.zeros(todo, dtype=bool)
+        for _ in range(EPS_TRIES):
+            ask = np.flatnonzero(~done)
+            if not ask.size:
+                break
+            y = circle.ask(angles[pos], circle.u[None] + eps[ask, None] * ws[ask]) - c
+            for k, yk in zip(ask, y):
+                Yk = A_pinv @ yk
+                residual = float(np.max(np.linalg.norm(yk - A @ Yk, axis=1)))
+                moved = float(np.max(np.linalg.norm(yk - base, axis=1)))
+                if residual <= tol and moved <= FLIP_SHARE * 2 * smallest:
+                    done[k] = True
+                    for i in range(1 + H):
+                        columns[i].append((Yk[i] - Y0[i]) / (T * eps[k]))
+                else:
+                    log.debug("circle: perturbed query flipped (eps %.1e, residual %.1e, "
+                              "moved %.1e)", eps[k], residual / circle.scale, moved)
+                    eps[k] /= EPS_CUT
+        if not done.all():
+            return None, None, circle.queries
+        ranges = [_range(E.T @ np.stack(col, axis=1)) for col in columns]
+        if any(r is None for r in ranges):
+            return None, None, circle.queries
+        # a block as wide as its columns may be wider: more directions
+        todo = K if any(full for _, full in ranges) and len(columns[0]) < E.shape[1] + 1 \
+            else 0
+    bases = [r[0] for r in ranges]
+    if any(B.shape[1] == 0 for B in bases[1:]):
+        return None, None, circle.queries
+    return bases[1:], bases[0], circle.queries
+
+
+def _intersection(B: np.ndarray, C: np.ndarray) -> np.ndarray:
+    """Orthonormal basis of span(B) cap span(C) (both with orthonormal columns)."""
+    M = np.concatenate([B, -C], axis=1)
+    _, s, Vt = np.linalg.svd(M)
+    s = np.concatenate([s, np.zeros(M.shape[1] - len(s))])
+    null = Vt[s <= 1e-6 * max(s[0], 1e-300)].T
+    if not null.size:
+        return B[:, :0]
+    return _orth(B @ null[:B.shape[1]])
+
+
+def refine(blocks: list[np.ndarray], other: list[np.ndarray]) -> list[np.ndarray] | None:
+    """The common refinement of two partitions of range(O) into blocks (each block a sum of
+    heads' ranges): the nonempty pairwise intersections, or None if their widths do not
+    add up (not a partition of one set of independent ranges)."""
+    out = []
+    for B in blocks:
+        for C in other:
+            X = _intersection(B, C)
+            if X.shape[1]:
+                out.append(X)
+    return out if sum(X.shape[1] for X in out) == sum(B.shape[1] for B in blocks) else None
+
+
+def circle_ranges(oracle: Oracle, c, E, rng, T: float):
+    """The rough ranges from circles of query tokens. Returns (blocks: coordinate bases in
+    E, whether every head changed sign on some circle, the queries, the circles) or None
+    where the circle does not apply or gives up (the caller uses random selectors then).
+    Each circle's partition (its heads and its rest) refines the blocks; the circles stop
+    once the rests' intersection is empty (every block then changed sign on a circle as
+    one head)."""
+    d, D = oracle.dim, E.shape[1]
+    n = min(CIRCLE_POSITIONS, (oracle.max_length or CIRCLE_POSITIONS + 2) - 2)
+    if n < MIN_CIRCLE_POSITIONS or d < 2:
+        return None
+    blocks: list[np.ndarray] = [np.eye(D)]
+    rest = np.eye(D)
+    spent = 0
+    for circles in range(1, MAX_CIRCLES + 1):
+        found, rest_new, q = circle_partition(oracle, c, E, rng, T, n)
+        spent += q
+        if found is None:
+            continue
+        partition = found + ([rest_new] if rest_new.shape[1] else [])
+        if sum(B.shape[1] for B in partition) != D:
+            log.debug("circle: widths %s do not add up to %d",
+                      [B.shape[1] for B in partition], D)
+            return None
+        refined = refine(blocks, partition)
+        if refined is None:
+            return None
+        blocks = refined
+        rest = _intersection(rest, rest_new) if rest_new.shape[1] else rest[:, :0]
+        if not rest.shape[1]:
+            return blocks, True, spent, circles
+    if len(blocks) == 1:
+        return None
+    return blocks, False, spent, MAX_CIRCLES
+
