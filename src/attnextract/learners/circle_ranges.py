@@ -52,14 +52,17 @@ log = logging.getLogger(__name__)
 
 CIRCLE_POSITIONS = 46     # query tokens per query at most (two selectors before them)
 MIN_CIRCLE_POSITIONS = 12  # fewer allowed by max_length: no circle (random selectors)
-RADIUS_SHARE = 0.5        # circle radius, x sqrt(d) (a LayerNorm'd token's norm)
+RADIUS_SHARE = 8.0        # circle radius, x sqrt(d) (a LayerNorm'd token's norm)
+CIRCLE_LOGIT = 1e6        # typical selector score T kappa (margins far above 40 but
+                          # close to a sign change: the larger, the nearer saturated)
+LEVERAGE_MAX = 0.9        # a position this determined by itself hides a flip: give up
 DESIGN_QUERIES = 4        # design queries per circle at most
 MIN_REFINES = 1           # ... of which at least this many refine the stepping gaps
 MAX_CIRCLES = 3           # circles before the rest goes to random selectors
 STEP_TOL = 1e-10          # answers closer than this x the largest |F - c|: equal
 PAIR_TOL = 1e-9           # two steps summing to less than this x the largest: one head
-RESIDUAL_TOL = 1e-11      # a position's least-squares residual above this x |F - c|: bad
-FLIP_SHARE = 0.25         # an answer moving more than this x the smallest step: a flip
+RESIDUAL_TOL = 1e-13      # a position's least-squares residual above this x |F - c|: bad
+PROBES = 4                # perturbed queries asked first: their eps is the others' start
 EPS_START = 1e-3          # the perturbation's first step (O_h's error ~ 1e-15 / eps)
 EPS_CUT = 8.0             # a query that flips is asked again with eps this much smaller
 EPS_TRIES = 6             # ... this often (eps down to 1e-3 / 8^5 = 3e-8)
@@ -207,14 +210,13 @@ def _chosen(angles, runs, n):
     return np.array([j for _, j in both]), np.array([r for r, _ in both])
 
 
-def _range(M: np.ndarray):
+def _range(M: np.ndarray, level: float):
     """Orthonormal basis of M's column space (D, k) at a clean rank drop (singular values
-    below RANK_GAP x the largest), whether the columns ran out before the drop, or None
-    (no clean drop: not saturated answers)."""
+    below RANK_GAP x ``level``, the largest over the blocks: the rest's columns are
+    rounding alone when every head changed sign), whether the columns ran out before the
+    drop, or None (no clean drop: not saturated answers)."""
     U, s, _ = np.linalg.svd(M, full_matrices=False)
-    if not s.size or s[0] == 0:
-        return U[:, :0], False
-    k = int(np.sum(s > RANK_GAP * s[0]))
+    k = int(np.sum(s > RANK_GAP * level))
     if k == len(s):
         return U[:, :k], True
     if k and s[k - 1] < 1e3 * s[k]:       # no clean gap between the range and rounding
@@ -232,54 +234,116 @@ def circle_partition(oracle: Oracle, c, E, rng, T: float, n: int):
         return None, None, circle.queries
     angles, F, runs, pairs = designed
     pos, run_of = _chosen(angles, runs, n)
-    S = _patterns(runs, pairs)[run_of]
-    A = np.concatenate([np.ones((len(pos), 1)), S], axis=1)
-    s = np.linalg.svd(A, compute_uv=False)
-    if s[-1] < 1e-6 * s[0]:
-        return None, None, circle.queries
-    A_pinv = np.linalg.pinv(A)
     tol = RESIDUAL_TOL * circle.scale
-    H = len(pairs)
-    # directions: 1.25 x an even share of rank(O) (the rest counted as a head)
     D = E.shape[1]
-    K = min(D, math.ceil(1.25 * D / (H + 1)) + DIRECTIONS_EXTRA)
+    A_all = np.concatenate([np.ones((len(pos), 1)), _patterns(runs, pairs)[run_of]], axis=1)
+    active = np.ones(len(pos), dtype=bool)
+
+    def run_leverage(A, A_pinv, runs_kept):
+        """Per run, the share of its positions' indicator inside the columns' span: a run
+        at 1 can flip as a whole (a sign change moving past it) unseen."""
+        hat = A @ A_pinv
+        out = np.zeros(len(runs))
+        for r in np.unique(runs_kept):
+            ind = (runs_kept == r).astype(float)
+            out[r] = ind @ hat @ ind / ind.sum()
+        return out
+
+    def solver(keep):
+        """The least-squares solver on the positions ``keep``, or None (a deficient rank,
+        or a run so determined by the others' absence that a flip there would not show)."""
+        A = A_all[keep]
+        sv = np.linalg.svd(A, compute_uv=False)
+        if sv[-1] < 1e-6 * sv[0]:
+            return None
+        A_pinv = np.linalg.pinv(A)
+        return None if run_leverage(A, A_pinv, run_of[keep]).max() > LEVERAGE_MAX else A_pinv
+
+    # runs that could flip unseen are let go; a head left without a sign change at the
+    # positions kept joins the rest (another circle), two heads alike: give up
+    while True:
+        A = A_all[active]
+        sv = np.linalg.svd(A, compute_uv=False)
+        if sv[-1] < 1e-6 * sv[0]:
+            return None, None, circle.queries
+        lev = run_leverage(A, np.linalg.pinv(A), run_of[active])
+        if lev.max() <= LEVERAGE_MAX:
+            break
+        active &= run_of != np.argmax(lev)
+        varying = np.ptp(A_all[active], axis=0) > 0
+        varying[0] = True
+        if not varying.all():
+            log.debug("circle: %d heads join the rest", int(np.sum(~varying)))
+        A_all = A_all[:, varying]
+        pairs = [p for p, v in zip(pairs, varying[1:]) if v]
+        if len(pairs) == 0:
+            return None, None, circle.queries
+    H = len(pairs)
+
+    def settled(y) -> bool:
+        """Whether answers y (positions, m) are saturated answers of the sign pattern at
+        the active positions, letting go of the worst position while the rest stays
+        determined (a position near a sign change)."""
+        while True:
+            A_pinv = solver(active)
+            if A_pinv is None:
+                return False
+            rows = np.linalg.norm(y[active] - A_all[active] @ (A_pinv @ y[active]), axis=1)
+            if rows.max() <= tol:
+                return True
+            worst = np.flatnonzero(active)[np.argmax(rows)]
+            active[worst] = False
+            if solver(active) is None:
+                active[worst] = True
+                log.debug("circle: residual %.1e at %d positions", rows.max() / circle.scale,
+                          int(active.sum()))
+                return False
+
     base = circle.ask(angles[pos], circle.u[None])[0] - c
-    Y0 = A_pinv @ base                                    # (1 + H, m): z, Y_h
-    if np.max(np.linalg.norm(base - A @ Y0, axis=1)) > tol:
+    if not settled(base):
         return None, None, circle.queries
-    smallest = float(np.min(np.linalg.norm(Y0[1:], axis=1)))
-    columns = [[Y0[i] / T] for i in range(1 + H)]
+    # directions: 1.25 x an even share of rank(O) (the rest counted as a head)
+    K = min(D, math.ceil(1.25 * D / (H + 1)) + DIRECTIONS_EXTRA)
+    answers: list[tuple[np.ndarray, float]] = []
+    start = EPS_START
     todo = K
     while todo:
         ws = np.stack([_unit(rng, circle.d) for _ in range(todo)])
-        eps = np.full(todo, EPS_START)
+        eps = np.full(todo, start)
         done = np.zeros(todo, dtype=bool)
-        for _ in range(EPS_TRIES):
-            ask = np.flatnonzero(~done)
-            if not ask.size:
-                break
-            y = circle.ask(angles[pos], circle.u[None] + eps[ask, None] * ws[ask]) - c
-            for k, yk in zip(ask, y):
-                Yk = A_pinv @ yk
-                residual = float(np.max(np.linalg.norm(yk - A @ Yk, axis=1)))
-                moved = float(np.max(np.linalg.norm(yk - base, axis=1)))
-                if residual <= tol and moved <= FLIP_SHARE * 2 * smallest:
-                    done[k] = True
-                    for i in range(1 + H):
-                        columns[i].append((Yk[i] - Y0[i]) / (T * eps[k]))
-                else:
-                    log.debug("circle: perturbed query flipped (eps %.1e, residual %.1e, "
-                              "moved %.1e)", eps[k], residual / circle.scale, moved)
-                    eps[k] /= EPS_CUT
+        probes = min(PROBES, todo)
+        for group in (np.arange(probes), np.arange(probes, todo)):
+            if group.size and group[0] >= probes:   # the others start at the probes' eps
+                eps[group] = np.min(eps[:probes])
+            for _ in range(EPS_TRIES):
+                ask = group[~done[group]]
+                if not ask.size:
+                    break
+                y = circle.ask(angles[pos], circle.u[None] + eps[ask, None] * ws[ask]) - c
+                for k, yk in zip(ask, y):
+                    if settled(yk):
+                        done[k] = True
+                        answers.append((yk, float(eps[k])))
+                    else:
+                        eps[k] /= EPS_CUT
+        start = float(np.min(eps))
         if not done.all():
             return None, None, circle.queries
-        ranges = [_range(E.T @ np.stack(col, axis=1)) for col in columns]
+        # every answer read again through the positions left (each settled on more)
+        A_pinv = solver(active)
+        Y0 = A_pinv @ base[active]                              # (1 + H, m): z, Y_h
+        Ys = np.stack([(A_pinv @ yk[active] - Y0) / (T * e) for yk, e in answers])
+        Ms = [E.T @ np.concatenate([Y0[i][:, None] / T, Ys[:, i].T], axis=1)
+              for i in range(1 + H)]
+        level = max(float(np.linalg.norm(M, 2)) for M in Ms)
+        ranges = [_range(M, level) for M in Ms]
         if any(r is None for r in ranges):
             return None, None, circle.queries
         # a block as wide as its columns may be wider: more directions
-        todo = K if any(full for _, full in ranges) and len(columns[0]) < E.shape[1] + 1 \
-            else 0
+        todo = K if any(full for _, full in ranges) and len(answers) < D else 0
     bases = [r[0] for r in ranges]
+    log.debug("circle: widths %s (rest %d), eps %.1e, %d queries",
+              [B.shape[1] for B in bases[1:]], bases[0].shape[1], start, circle.queries)
     if any(B.shape[1] == 0 for B in bases[1:]):
         return None, None, circle.queries
     return bases[1:], bases[0], circle.queries
@@ -309,7 +373,7 @@ def refine(blocks: list[np.ndarray], other: list[np.ndarray]) -> list[np.ndarray
     return out if sum(X.shape[1] for X in out) == sum(B.shape[1] for B in blocks) else None
 
 
-def circle_ranges(oracle: Oracle, c, E, rng, T: float):
+def circle_ranges(oracle: Oracle, c, E, rng, kappa: float):
     """The rough ranges from circles of query tokens. Returns (blocks: coordinate bases in
     E, whether every head changed sign on some circle, the queries, the circles) or None
     where the circle does not apply or gives up (the caller uses random selectors then).
@@ -320,6 +384,7 @@ def circle_ranges(oracle: Oracle, c, E, rng, T: float):
     n = min(CIRCLE_POSITIONS, (oracle.max_length or CIRCLE_POSITIONS + 2) - 2)
     if n < MIN_CIRCLE_POSITIONS or d < 2:
         return None
+    T = CIRCLE_LOGIT / kappa
     blocks: list[np.ndarray] = [np.eye(D)]
     rest = np.eye(D)
     spent = 0

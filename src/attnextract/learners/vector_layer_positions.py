@@ -521,7 +521,7 @@ def extract_vector_layer_positions(oracle: Oracle, *, seed=None,
     q_pilot, u_pilot = (v / np.linalg.norm(v) for v in rng.standard_normal((2, d)))
     kappa = logit_scale(oracle, O, c, q_pilot, u_pilot)
     step("pilot")
-    circled = circle_ranges(oracle, c, E, rng, SELECT_LOGIT / kappa)
+    circled = circle_ranges(oracle, c, E, rng, kappa)
     sets = circles = 0
     if circled is not None:
         blocks = Blocks(E)
