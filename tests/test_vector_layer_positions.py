@@ -90,10 +90,26 @@ def test_query_count_is_deterministic():
     assert runs[0].queries == runs[1].queries
     assert runs[0].report.breakdown == runs[1].report.breakdown
     assert runs[0].report.breakdown["c and O (single tokens)"] == 17
-    # one selector set read at every position: payloads spanning R^d, two linearity
-    # checks and the base sequence
-    assert runs[0].report.details["random selector sets"] == 1
-    assert runs[0].report.breakdown["ranges (random selectors)"] == 16 + 3
+    # one circle of query tokens: two design queries, the unperturbed one and
+    # K = ceil(1.25 d / (H + 1)) + 4 perturbed directions, none asked again
+    assert runs[0].report.details["circles"] == 1
+    assert runs[0].report.details["random selector sets"] == 0
+    assert runs[0].report.breakdown["ranges (circle)"] == 2 + 1 + math.ceil(1.25 * 16 / 5) + 4
+    assert "ranges (random selectors)" not in runs[0].report.breakdown
+
+
+def test_random_selectors_where_no_circle_fits():
+    """Sequences of at most 13 tokens leave too few positions for a circle: the ranges come
+    from random selector sets read at every position (payloads spanning R^d, two linearity
+    checks and the base sequence per set; 12 positions do not settle it in one set)."""
+    box = standard_layer(4, 16, 4, positions="all")
+    result = extract_vector_layer_positions(Oracle(box, 16, causal=False, max_length=13),
+                                            seed=4)
+    report = result.report
+    assert report.details["circles"] == 0 and report.breakdown["ranges (circle)"] == 0
+    assert report.details["random selector sets"] == 2
+    assert report.breakdown["ranges (random selectors)"] == 16 + 3 + 8
+    assert vector_canonical_errors(result.model, box)["max"] <= 1e-10
 
 
 def test_extract_picks_it_for_every_position_answers():

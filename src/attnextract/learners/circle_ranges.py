@@ -57,15 +57,16 @@ CIRCLE_LOGIT = 1e6        # typical selector score T kappa (margins far above 40
                           # close to a sign change: the larger, the nearer saturated)
 LEVERAGE_MAX = 0.9        # a position this determined by itself hides a flip: give up
 DESIGN_QUERIES = 4        # design queries per circle at most
-MIN_REFINES = 1           # ... of which at least this many refine the stepping gaps
-MAX_CIRCLES = 3           # circles before the rest goes to random selectors
+MIN_REFINES = 2           # ... of which at least this many refine the stepping gaps
+MAX_CIRCLES = 4           # circles (the last one checking) before random selector sets
+SPLIT_TOL = 1e-6          # a head's O_h u this little outside a block: inside it
 STEP_TOL = 1e-10          # answers closer than this x the largest |F - c|: equal
 PAIR_TOL = 1e-9           # two steps summing to less than this x the largest: one head
 RESIDUAL_TOL = 1e-13      # a position's least-squares residual above this x |F - c|: bad
-PROBES = 4                # perturbed queries asked first: their eps is the others' start
+CHUNK = 8                 # perturbed queries per round (a flip lowers eps for the next)
 EPS_START = 1e-3          # the perturbation's first step (O_h's error ~ 1e-15 / eps)
 EPS_CUT = 8.0             # a query that flips is asked again with eps this much smaller
-EPS_TRIES = 6             # ... this often (eps down to 1e-3 / 8^5 = 3e-8)
+EPS_MIN = 1e-8            # ... not below this (O_h's error ~ 1e-7): the circle gives up
 RANK_GAP = 1e-8           # a range ends at a singular value below this x the largest
 DIRECTIONS_EXTRA = 4      # perturbed directions beyond 1.25 x rank(O) / heads
 
@@ -224,10 +225,12 @@ def _range(M: np.ndarray, level: float):
     return U[:, :k], False
 
 
-def circle_partition(oracle: Oracle, c, E, rng, T: float, n: int):
+def circle_partition(oracle: Oracle, c, E, rng, T: float, n: int, splits=None):
     """One circle: the blocks it isolates (coordinate bases in E, each a head or heads
-    changing sign at the same places) and the rest's block, or None. Returns (blocks,
-    rest, queries)."""
+    changing sign at the same places) and the rest's block, or None. ``splits``: given
+    the heads' O_h u in range coordinates (D, H) after the design and the unperturbed
+    query, whether the perturbed queries are needed (the known blocks split); if not,
+    returns ([], None, queries). Returns (blocks, rest, queries)."""
     circle = Circle(oracle, c, rng, T, n)
     designed = circle.design()
     if designed is None:
@@ -302,33 +305,31 @@ def circle_partition(oracle: Oracle, c, E, rng, T: float, n: int):
     base = circle.ask(angles[pos], circle.u[None])[0] - c
     if not settled(base):
         return None, None, circle.queries
+    if splits is not None:
+        Y0 = solver(active) @ base[active]
+        if not splits(E.T @ Y0[1:].T / T):
+            return [], None, circle.queries
     # directions: 1.25 x an even share of rank(O) (the rest counted as a head)
     K = min(D, math.ceil(1.25 * D / (H + 1)) + DIRECTIONS_EXTRA)
     answers: list[tuple[np.ndarray, float]] = []
-    start = EPS_START
+    eps = EPS_START
     todo = K
     while todo:
-        ws = np.stack([_unit(rng, circle.d) for _ in range(todo)])
-        eps = np.full(todo, start)
-        done = np.zeros(todo, dtype=bool)
-        probes = min(PROBES, todo)
-        for group in (np.arange(probes), np.arange(probes, todo)):
-            if group.size and group[0] >= probes:   # the others start at the probes' eps
-                eps[group] = np.min(eps[:probes])
-            for _ in range(EPS_TRIES):
-                ask = group[~done[group]]
-                if not ask.size:
-                    break
-                y = circle.ask(angles[pos], circle.u[None] + eps[ask, None] * ws[ask]) - c
-                for k, yk in zip(ask, y):
-                    if settled(yk):
-                        done[k] = True
-                        answers.append((yk, float(eps[k])))
-                    else:
-                        eps[k] /= EPS_CUT
-        start = float(np.min(eps))
-        if not done.all():
-            return None, None, circle.queries
+        # directions in chunks at the current eps; a chunk with a flip lowers it for the
+        # chunks after it, and its flipped directions are asked again at the lower eps
+        queue = [(_unit(rng, circle.d), eps) for _ in range(todo)]
+        while queue:
+            chunk, queue = queue[:CHUNK], queue[CHUNK:]
+            y = circle.ask(angles[pos], np.stack([circle.u + e * w for w, e in chunk])) - c
+            for (w, e), yk in zip(chunk, y):
+                if settled(yk):
+                    answers.append((yk, e))
+                elif e / EPS_CUT < EPS_MIN:
+                    return None, None, circle.queries
+                else:
+                    eps = min(eps, e / EPS_CUT)
+                    queue.append((w, eps))
+            queue = [(w, min(e, eps)) for w, e in queue]
         # every answer read again through the positions left (each settled on more)
         A_pinv = solver(active)
         Y0 = A_pinv @ base[active]                              # (1 + H, m): z, Y_h
@@ -343,7 +344,7 @@ def circle_partition(oracle: Oracle, c, E, rng, T: float, n: int):
         todo = K if any(full for _, full in ranges) and len(answers) < D else 0
     bases = [r[0] for r in ranges]
     log.debug("circle: widths %s (rest %d), eps %.1e, %d queries",
-              [B.shape[1] for B in bases[1:]], bases[0].shape[1], start, circle.queries)
+              [B.shape[1] for B in bases[1:]], bases[0].shape[1], eps, circle.queries)
     if any(B.shape[1] == 0 for B in bases[1:]):
         return None, None, circle.queries
     return bases[1:], bases[0], circle.queries
@@ -375,37 +376,58 @@ def refine(blocks: list[np.ndarray], other: list[np.ndarray]) -> list[np.ndarray
 
 def circle_ranges(oracle: Oracle, c, E, rng, kappa: float):
     """The rough ranges from circles of query tokens. Returns (blocks: coordinate bases in
-    E, whether every head changed sign on some circle, the queries, the circles) or None
-    where the circle does not apply or gives up (the caller uses random selectors then).
-    Each circle's partition (its heads and its rest) refines the blocks; the circles stop
-    once the rests' intersection is empty (every block then changed sign on a circle as
-    one head)."""
+    E, whether every block is checked, the queries, the circles) or None where the circle
+    does not apply or gives up (the caller uses random selectors then).
+
+    Each circle's partition (its heads and its rest) refines the blocks. Two heads whose
+    sign changes fall into the same gaps on a circle share a block there (MiniLM layer
+    1: two such pairs on one circle), so the blocks are checked by the next circle's
+    design and unperturbed query: its heads' O_h u, two of them inside one block (or a
+    rest left) and that circle's perturbed queries refine the blocks too. Checked: no
+    block holds two heads of the last circle and no rest is left."""
     d, D = oracle.dim, E.shape[1]
     n = min(CIRCLE_POSITIONS, (oracle.max_length or CIRCLE_POSITIONS + 2) - 2)
     if n < MIN_CIRCLE_POSITIONS or d < 2:
         return None
     T = CIRCLE_LOGIT / kappa
-    blocks: list[np.ndarray] = [np.eye(D)]
+    blocks: list[np.ndarray] | None = None
     rest = np.eye(D)
     spent = 0
+
+    def splits(V: np.ndarray) -> bool:
+        """Whether heads whose O_h u are the columns of V (D, H) split a block: two in
+        one block, or a rest left."""
+        if blocks is None or rest.shape[1]:
+            return True
+        bounds = np.cumsum([0] + [B.shape[1] for B in blocks])
+        coef = np.linalg.solve(np.concatenate(blocks, axis=1), V)
+        parts = np.stack([np.linalg.norm(B @ coef[a:b], axis=0)
+                          for B, a, b in zip(blocks, bounds[:-1], bounds[1:])])  # (blocks, H)
+        inside = parts <= SPLIT_TOL * np.linalg.norm(V, axis=0)
+        alone = np.sum(~inside, axis=0) == 1                  # heads within one block
+        holds = np.sum(~inside[:, alone], axis=1)
+        log.debug("circle check: heads per block %s", holds.tolist())
+        return bool(np.any(holds > 1))
+
     for circles in range(1, MAX_CIRCLES + 1):
-        found, rest_new, q = circle_partition(oracle, c, E, rng, T, n)
+        found, rest_new, q = circle_partition(oracle, c, E, rng, T, n, splits)
         spent += q
         if found is None:
             continue
+        if not found and rest_new is None:
+            return blocks, True, spent, circles          # checked: nothing to split
         partition = found + ([rest_new] if rest_new.shape[1] else [])
         if sum(B.shape[1] for B in partition) != D:
             log.debug("circle: widths %s do not add up to %d",
                       [B.shape[1] for B in partition], D)
             return None
-        refined = refine(blocks, partition)
+        refined = partition if blocks is None else refine(blocks, partition)
         if refined is None:
             return None
         blocks = refined
         rest = _intersection(rest, rest_new) if rest_new.shape[1] else rest[:, :0]
-        if not rest.shape[1]:
-            return blocks, True, spent, circles
-    if len(blocks) == 1:
+    if blocks is None or len(blocks) == 1:
         return None
     return blocks, False, spent, MAX_CIRCLES
+
 
