@@ -90,11 +90,13 @@ def test_query_count_is_deterministic():
     assert runs[0].queries == runs[1].queries
     assert runs[0].report.breakdown == runs[1].report.breakdown
     assert runs[0].report.breakdown["c and O (single tokens)"] == 17
-    # one circle of query tokens: two design queries, the unperturbed one and
-    # K = ceil(1.25 d / (H + 1)) + 4 perturbed directions, none asked again
-    assert runs[0].report.details["circles"] == 1
+    # a circle of query tokens (three design queries, the unperturbed one and
+    # K = ceil(1.25 d / (H + 1)) + 4 perturbed directions, none asked again), then a
+    # second circle's design and unperturbed query checking its heads against the blocks
+    assert runs[0].report.details["circles"] == 2
     assert runs[0].report.details["random selector sets"] == 0
-    assert runs[0].report.breakdown["ranges (circle)"] == 2 + 1 + math.ceil(1.25 * 16 / 5) + 4
+    assert runs[0].report.breakdown["ranges (circle)"] == \
+        (3 + 1 + math.ceil(1.25 * 16 / 5) + 4) + (3 + 1)
     assert "ranges (random selectors)" not in runs[0].report.breakdown
 
 
