@@ -69,7 +69,8 @@ MIN_CIRCLE_DIM = 16       # below: d + 3 random-selector queries cost less than 
 RADIUS_SHARE = 8.0        # circle radius, x sqrt(d) (a LayerNorm'd token's norm)
 CIRCLE_LOGIT = 1e6        # typical selector score T kappa (margins far above 40 but
                           # close to a sign change: the larger, the nearer saturated)
-LEVERAGE_MAX = 0.9        # a position this determined by itself hides a flip: give up
+LEVERAGE_MAX = 0.9        # a run this much inside the heads' columns' span could flip
+                          # unseen: let go
 DESIGN_QUERIES = 4        # design queries per circle at most
 MIN_REFINES = 2           # ... of which at least this many refine the stepping gaps
 MAX_CIRCLES = 4           # circles (the last one checking) before random selector sets
@@ -87,7 +88,7 @@ DIRECTIONS_EXTRA = 4      # perturbed directions beyond 1.25 x rank(O) / heads
 
 def _runs(angles: np.ndarray, F: np.ndarray, tol: float):
     """Positions sorted by angle grouped into runs of equal answers (cyclic): a list of
-    index arrays (into the sorted order), and the sorted order. A position whose steps to
+    index arrays (into ``angles``), each in angle order. A position whose steps to
     both neighbours point the same way (a weight part way between two selectors) is
     dropped first."""
     order = np.argsort(angles)
@@ -151,6 +152,7 @@ class Circle:
         self.queries = 0
 
     def tokens(self, angles):
+        """Query tokens (len(angles), d) at these angles on the circle."""
         return np.stack([np.cos(angles), np.sin(angles)], axis=1) @ self.plane.T
 
     def ask(self, angles, us):
