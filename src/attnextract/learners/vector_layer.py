@@ -452,10 +452,7 @@ def split_ranges(oracle: Oracle, O: np.ndarray, c: np.ndarray, blocks: Blocks, r
     n = min(design.selectors, (oracle.max_length or design.selectors + 1) - 1)
     mu = np.concatenate([[0.0], rng.permutation(np.linspace(1.0, 2.0, n))])   # 0: q wins
     P = payload * scale * payload_directions(rng, d, [Lk @ E.T @ O for Lk in L])
-    X = selector_probes(random_selectors(rng, n, d, scale), q, P, mu[1:])
-    y = _last(oracle, X)
-    Y = E.T @ (y[1:] - y[0]).T                                   # (D, p): A delta_j
-    Z = E.T @ (O @ P)                                            # (D, p): O delta_j
+    y, Y, Z = selector_reads(oracle, O, E, rng, q, scale, P, mu[1:])
     split = False
     new: list[np.ndarray] = []
     for Rk, Lk in zip(blocks.R, L):
@@ -485,7 +482,17 @@ def split_ranges(oracle: Oracle, O: np.ndarray, c: np.ndarray, blocks: Blocks, r
         else:
             new.extend(Rk @ S for _, S in spaces)
     blocks.R = new
-    return split, len(X)
+    return split, len(y)
+
+
+def selector_reads(oracle: Oracle, O: np.ndarray, E: np.ndarray, rng, q: np.ndarray,
+                   scale: float, P: np.ndarray, mu: np.ndarray):
+    """One random selector set at query token ``q`` (len(mu) selectors of norm ``scale``,
+    weights ``mu``) asked with payloads P (d, p) and without: the answers y (1 + p, m),
+    Y = A P and Z = O P in range coordinates (D, p)."""
+    X = selector_probes(random_selectors(rng, len(mu), oracle.dim, scale), q, P, mu)
+    y = _last(oracle, X)
+    return y, E.T @ (y[1:] - y[0]).T, E.T @ (O @ P)
 
 
 def designed_selectors(G: np.ndarray, margin: float) -> np.ndarray:
@@ -1203,13 +1210,11 @@ def heads_agree(oracle: Oracle, O: np.ndarray, blocks: Blocks, rng, q: np.ndarra
     weights (or the query token, weight 0) leave a misfit of order the weights' spacing.
     Returns whether every block is one multiple of its payload images to AGREE_TOL (of
     |L_k O delta|: a block whose heads all took the query token answers 0)."""
-    d, E = oracle.dim, blocks.E
+    d = oracle.dim
     n = min(SELECTORS, (oracle.max_length or SELECTORS + 1) - 1)
     mu = rng.permutation(np.linspace(1.0, 2.0, n))
     P = payload * scale * _orth(rng.standard_normal((d, AGREE_PAYLOADS)))
-    y = _last(oracle, selector_probes(random_selectors(rng, n, d, scale), q, P, mu))
-    Y = E.T @ (y[1:] - y[0]).T                                   # (D, 2): A delta_j
-    Z = E.T @ (O @ P)                                            # (D, 2): O delta_j
+    _, Y, Z = selector_reads(oracle, O, blocks.E, rng, q, scale, P, mu)
     for Lk in blocks.left_inverse():
         LY, LZ = Lk @ Y, Lk @ Z
         kappa = float(np.vdot(LZ, LY) / np.vdot(LZ, LZ))
