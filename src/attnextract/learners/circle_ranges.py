@@ -394,6 +394,16 @@ def refine(blocks: list[np.ndarray], other: list[np.ndarray]) -> list[np.ndarray
     return out if sum(X.shape[1] for X in out) == sum(B.shape[1] for B in blocks) else None
 
 
+def circle_positions(oracle: Oracle) -> int:
+    """Query tokens per circle query (two selectors before them, within max_length)."""
+    return min(CIRCLE_POSITIONS, (oracle.max_length or CIRCLE_POSITIONS + 2) - 2)
+
+
+def circles_fit(oracle: Oracle) -> bool:
+    """Whether circles apply: enough positions and dimensions (else random selectors)."""
+    return circle_positions(oracle) >= MIN_CIRCLE_POSITIONS and oracle.dim >= MIN_CIRCLE_DIM
+
+
 def circle_ranges(oracle: Oracle, c, E, rng, kappa: float):
     """The rough ranges from circles of query tokens. Returns (blocks: coordinate bases in
     E, whether every block is checked, the queries, the circles) or None where the circle
@@ -406,8 +416,8 @@ def circle_ranges(oracle: Oracle, c, E, rng, kappa: float):
     rest left) and that circle's perturbed queries refine the blocks too. Checked: no
     block holds two heads of the last circle and no rest is left."""
     d, D = oracle.dim, E.shape[1]
-    n = min(CIRCLE_POSITIONS, (oracle.max_length or CIRCLE_POSITIONS + 2) - 2)
-    if n < MIN_CIRCLE_POSITIONS or d < MIN_CIRCLE_DIM:
+    n = circle_positions(oracle)
+    if not circles_fit(oracle):
         return None
     T = CIRCLE_LOGIT / kappa
     blocks: list[np.ndarray] | None = None

@@ -77,6 +77,7 @@ report).
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -96,7 +97,7 @@ from ..report import (
     verify_model,
 )
 from ..verification import misfit_bar
-from .circle_ranges import circle_ranges
+from .circle_ranges import circle_ranges, circles_fit
 from .vector_layer import (
     BIAS_COLUMN,
     DESIGN_MARGIN,
@@ -110,10 +111,12 @@ from .vector_layer import (
     ROUGH_SLACK,
     SELECT_LOGIT,
     SELECTORS,
+    SINGLE_SCALE,
     TOKEN_SHARE,
     Blocks,
     _column_space,
     _cond,
+    _last,
     _orth,
     _rotation,
     _unit,
@@ -143,6 +146,18 @@ MIN_POSITIONS = 16        # a selector set read at this many positions splits ev
 RANGE_EXTRA = 4           # designed payloads beyond the widest output rank
 RANGE_GAP = 1e-8          # O_h delta with a singular value r_h + 1 above this: mismatch
 BAR_SAFETY = 10.0         # error bar: this many times the measured misfit x condition
+STAGE_MIN_DIM = 32        # below: d + 1 single tokens cost about what O by design saves
+RANGE_QUERIES = 2         # range(O) before O: queries of random tokens at least
+RANGE_AGREE = 1e-8        # ... that basis and O's own agree this well, or start again
+MIN_SUBSPACE = 16         # single tokens at least before O is read by design
+DESIGN_SHARE = 0.75       # designed output reads: H T <= this x k (G's condition ~ 15)
+SPLIT_SAVING = 8          # O by design only where it saves this many single tokens
+DESIGN_COND = 1e4         # ... a design of G worse than this: refused (never measured)
+PAYLOAD_SHIFT = 60.0      # ... a payload's score shift at most (DESIGN_MARGIN = 200)
+PAYLOAD_SAFETY = 8.0      # ... x the typical |v^T g_h| of a payload direction (MiniLM: at
+                          # most 4.6 x |g'_h| / sqrt(k))
+QUERY_BOOSTS = (4.0, 2.0, 1.0)   # ... query tokens of norm this / sqrt(|W_h q| / |q|)
+QUERY_LOGIT_MAX = 25.0    # ... their own scores at most this (a margin of 200 beside)
 
 
 # -- the ranges, one selector set read at every position -------------------------------
@@ -277,6 +292,140 @@ def complement_rows(R: list[np.ndarray]) -> list[np.ndarray]:
     return rows
 
 
+# -- O on a subspace from single tokens, on the rest by design ------------------------------
+
+class SubspaceOutputs:
+    """O known on a subspace: an orthonormal basis U (d, k) and OU = O U (m, k), read from
+    single tokens SINGLE_SCALE u (one token takes every head's whole weight, so F = c + O u
+    exactly; a power of two divides exactly)."""
+
+    def __init__(self, d: int, m: int):
+        self.U = np.zeros((d, 0))
+        self.OU = np.zeros((m, 0))
+
+    @property
+    def complete(self) -> bool:
+        return self.U.shape[1] == self.U.shape[0]
+
+    def matrix(self) -> np.ndarray:
+        """O on span(U), zero on its complement (m, d)."""
+        return self.OU @ self.U.T
+
+    def complement(self) -> np.ndarray:
+        """Orthonormal basis (d, d - k) of span(U)'s complement."""
+        return np.linalg.svd(self.U, full_matrices=True)[0][:, self.U.shape[1]:]
+
+    def add(self, V: np.ndarray, OV: np.ndarray) -> None:
+        self.U = np.concatenate([self.U, V], axis=1)
+        self.OU = np.concatenate([self.OU, OV], axis=1)
+
+    def ask(self, oracle: Oracle, c: np.ndarray, V: np.ndarray) -> int:
+        """Single tokens along the columns of V (d, n), orthonormal to U: n queries."""
+        if V.shape[1]:
+            out = _last(oracle, SINGLE_SCALE * V.T[:, None, :])
+            self.add(V, (out - c).T / SINGLE_SCALE)
+        return V.shape[1]
+
+
+def start_outputs(oracle: Oracle, q: np.ndarray, u: np.ndarray):
+    """c = F([0]) and O on span(q, u) (the pilot's tokens): 3 queries, one batch."""
+    d = oracle.dim
+    V = np.linalg.qr(np.stack([q, u], axis=1))[0]
+    out = _last(oracle, np.concatenate([np.zeros((1, 1, d)), SINGLE_SCALE * V.T[:, None, :]]))
+    known = SubspaceOutputs(d, out.shape[1])
+    known.add(V, (out[1:] - out[0]).T / SINGLE_SCALE)
+    return out[0], known
+
+
+def output_range(oracle: Oracle, c: np.ndarray, known: SubspaceOutputs, rng,
+                 kappa: float) -> np.ndarray:
+    """An orthonormal basis E (m, D) of range(O) before O is known: every answer F_j - c
+    lies in it. Tokens: the rows of an orthonormal frame of R^d at logits of order one
+    (the positions' weights differ, so a query's answers reach what its tokens span), in
+    RANGE_QUERIES queries or more (max_length), with the single tokens' O U."""
+    d = oracle.dim
+    n_max = oracle.max_length or d
+    queries = max(RANGE_QUERIES, math.ceil(d / min(d, n_max)))
+    n = math.ceil(d / queries)
+    frame = np.concatenate([_rotation(rng, d), _rotation(rng, d)])[:queries * n]
+    X = math.sqrt(TARGET_SPREAD / max(kappa, 1e-300)) * frame.reshape(queries, n, d)
+    y = np.asarray(oracle.query(X), dtype=np.float64).reshape(-1, len(c)) - c
+    return _orth(np.concatenate([known.OU, y.T], axis=1))
+
+
+def subspace_split(d: int, H: int, cap: int, max_length: int | None):
+    """(k, T): O read on k dimensions from single tokens, on the other d - k by designed
+    queries reading T directions each (T <= DESIGN_SHARE k / H: the design's H T score
+    vectors in k dimensions, well conditioned; T <= ``cap``, the heads' score ranks).
+    Minimises k + 1 + ceil((d - k) / T); None where that saves fewer than SPLIT_SAVING
+    queries on d single tokens."""
+    n_max = (max_length or 2 * d) // 2
+    best: tuple[int, int, int] | None = None
+    for k in range(max(2 * H, MIN_SUBSPACE), d):
+        T = min(int(DESIGN_SHARE * k) // H, cap, n_max)
+        if T < 2:
+            continue
+        cost = k + 1 + math.ceil((d - k) / T)
+        if best is None or cost < best[0]:
+            best = (cost, k, T)
+    if best is None or best[0] > d - SPLIT_SAVING:
+        return None
+    return best[1], best[2]
+
+
+def designed_outputs(oracle: Oracle, W1: np.ndarray, b1: np.ndarray, first: np.ndarray,
+                     second: np.ndarray, rng, T: int) -> tuple[np.ndarray, int]:
+    """O on the complement of S_1 = span(first), from the scores restricted to S_1.
+
+    With g'_h(q) = W1_h q + b1_h (first^T g_h(first q), k coordinates) known, T query tokens
+    q_t in S_1 and T selectors z_t in S_1 designed so that at q_t EVERY head scores
+    DESIGN_MARGIN on z_t and 0 on the other selectors (z = target G^+, G the H T vectors
+    g'_h(q_t): DESIGN_SHARE k >= H T). A payload v in the complement on selector t moves a
+    score by v^T g_h(q_t), which S_1 does not see; payloads of size a with a |v^T g| far
+    below the margin (PAYLOAD_SHIFT, with PAYLOAD_SAFETY over the typical |g'| / sqrt(k))
+    leave every head saturated on z_t + v, so position q_t answers exactly
+
+        F_t(v) - F_t(0) = a O v:
+
+    T directions of O per query, against one per single token. ceil((d - k) / T) queries
+    and the payload-free one. Returns (O second (m, d - k), queries)."""
+    H, k = W1.shape[0], W1.shape[1]
+    d, n = oracle.dim, second.shape[1]
+    omega = float(np.max(np.linalg.norm(W1 @ _unit(rng, k), axis=1)))
+    best = np.inf
+    # larger query tokens: W_h q outweighs b_h and G is better conditioned, as long as the
+    # query tokens' own scores stay far below the margin
+    for boost in QUERY_BOOSTS:
+        s = boost / math.sqrt(max(omega, 1e-300))
+        for _ in range(FRAME_TRIES):
+            qs = s * np.stack([_unit(rng, k) for _ in range(T)])
+            G = np.concatenate([(W1 @ q + b1).T for q in qs], axis=1)    # (k, T H): (t, h)
+            cond = _cond(G)
+            if cond < best and np.max(np.abs(qs @ G)) <= QUERY_LOGIT_MAX:
+                best, q_best, G_best = cond, qs, G
+    if not np.isfinite(best) or best > DESIGN_COND:
+        raise RecoveryFailedError(f"designed output reads: the restricted scores' design is "
+                                  f"ill-conditioned (condition {best:.1e})")
+    # each score's margin in proportion to |g'_h(q_t)|: a payload moves it by about
+    # |g'_h(q_t)| / sqrt(k), so one payload size suits every head, however unequal
+    norms = np.linalg.norm(G_best, axis=0)
+    target = np.kron(np.eye(T), np.ones((1, H))) * (DESIGN_MARGIN * norms / norms.min())
+    Z = target @ np.linalg.pinv(G_best)                                  # (T, k)
+    a = PAYLOAD_SHIFT * math.sqrt(k) / (PAYLOAD_SAFETY * float(norms.min()))
+    Q = math.ceil(n / T)
+    X = np.zeros((Q + 1, 2 * T, d))
+    X[:, :T] = Z @ first.T              # selectors first: causal positions q_t see them
+    X[:, T:] = q_best @ first.T
+    P = np.zeros((Q * T, d))
+    P[:n] = a * second.T
+    X[1:, :T] += P.reshape(Q, T, d)
+    y = np.asarray(oracle.query(X), dtype=np.float64)[:, T:]           # (Q + 1, T, m)
+    OV = ((y[1:] - y[0]) / a).reshape(Q * T, -1)[:n].T
+    log.debug("designed output reads: k %d, T %d, condition %.1e, payload / selector %.2e",
+              k, T, best, a / float(np.max(np.linalg.norm(Z, axis=1))))
+    return OV, Q + 1
+
+
 # -- the scores, read at every position ---------------------------------------------------
 
 def group_sizes(p: int, K: int, d: int) -> tuple[int, int]:
@@ -291,31 +440,73 @@ class PositionReads:
 
     ``tokens`` (n, d): row 0 the zero token, then the K' core tokens, then the fillers;
     ``queries`` (Q, p) token indices (core group then filler group) of each query; the
-    sequences are [0, tokens] (and, causal, [reversed tokens, 0])."""
+    sequences are [0, tokens] (and, causal, [reversed tokens, 0]).
 
-    def __init__(self, oracle: Oracle, rng, d: int, K: int, p: int, causal: bool, C):
+    ``first`` (d, k) and ``second`` (d, d - k): orthonormal bases of a subspace S_1 and its
+    complement. The core tokens and the first fillers (``fill_first``, at least k of them)
+    lie in S_1, the other fillers in its complement; the queries of the first fillers come
+    first (``first_rows``): they need O on S_1 only, the others O on all of R^d. Token
+    directions are chosen per part (:meth:`choose_first`, :meth:`choose_second`)."""
+
+    def __init__(self, oracle: Oracle, d: int, K: int, p: int, causal: bool,
+                 first: np.ndarray, second: np.ndarray):
         self.oracle, self.causal = oracle, causal
+        self.first, self.second = first, second
         a, f = group_sizes(p, K, d)
-        n_core, n_fill = math.ceil(K / a), math.ceil(d / f)
+        n_core = math.ceil(K / a)
+        n_first = math.ceil(first.shape[1] / f)
+        n_fill = n_first + math.ceil(second.shape[1] / f)
         self.a, self.f = a, f
         self.core = np.arange(1, 1 + n_core * a)
         self.fill = np.arange(1 + n_core * a, 1 + n_core * a + n_fill * f)
+        self.fill_first = self.fill[:n_first * f]
+        # filler group major: the first fillers' queries are rows 0 .. first_rows - 1
         self.queries = np.array([np.concatenate([self.core[i * a:(i + 1) * a],
                                                  self.fill[j * f:(j + 1) * f]])
-                                 for i in range(n_core) for j in range(n_fill)])
-        # token directions: orthonormal frames, the best of FRAME_TRIES by the worst
-        # condition number of the weight solves C_h (X - x_0)^T over queries and heads
-        best = np.inf
-        for _ in range(FRAME_TRIES):
-            units = np.concatenate([np.zeros((1, d))] + [
-                np.concatenate([_rotation(rng, d) for _ in range(n // d + 1)])
-                [:n] for n in (n_core * a, n_fill * f)])
-            worst = max(_cond(Ch @ units[q].T) for Ch in C for q in self.queries)
-            if worst < best:
-                best, self.units = worst, units
-        self.condition = best
+                                 for j in range(n_fill) for i in range(n_core)])
+        self.first_rows = n_first * n_core
+        self.units = np.zeros((1 + len(self.core) + len(self.fill), d))
+        self.condition = 0.0
         self.s = 1.0
         self.F: np.ndarray = np.zeros((0, 1, 0, 0))   # (Q, orders, p + 1, m), read later
+
+    def _choose(self, rng, C, groups: list[np.ndarray], basis: np.ndarray, rows) -> None:
+        """Directions of the token ``groups`` (each its own): rows of orthonormal frames of
+        span(``basis``), the best of FRAME_TRIES by the worst condition number of the
+        weight solves C_h (X - x_0)^T over the queries ``rows`` and the heads."""
+        k = basis.shape[1]
+        tokens = np.concatenate(groups)
+        best = np.inf
+        for _ in range(FRAME_TRIES):
+            for group in groups:
+                frame = np.concatenate([_rotation(rng, k) for _ in range(len(group) // k + 1)])
+                self.units[group] = frame[:len(group)] @ basis.T
+            worst = max(_cond(Ch @ self.units[q].T) for Ch in C for q in self.queries[rows])
+            if worst < best:
+                best, chosen = worst, self.units[tokens].copy()
+        self.units[tokens] = chosen
+        self.condition = max(self.condition, best)
+
+    def choose_first(self, rng, C) -> None:
+        """Core and first filler directions (C_h = L_h O needed on S_1 only)."""
+        self._choose(rng, C, [self.core, self.fill_first], self.first,
+                     np.arange(self.first_rows))
+
+    def choose_second(self, rng, C) -> None:
+        """The other fillers' directions (C_h on all of R^d)."""
+        if self.first_rows < len(self.queries):
+            self._choose(rng, C, [self.fill[len(self.fill_first):]], self.second,
+                         np.arange(self.first_rows, len(self.queries)))
+
+    def restricted(self) -> PositionReads:
+        """The first queries in coordinates of S_1 (tokens ``units @ first``): the layer
+        restricted to S_1, W_h as first^T W_h first, b_h as first^T b_h."""
+        view = copy.copy(self)
+        view.units = self.units @ self.first
+        view.queries = self.queries[:self.first_rows]
+        view.F = self.F[:self.first_rows]
+        view.fill = self.fill_first
+        return view
 
     @property
     def count(self) -> int:
@@ -514,35 +705,71 @@ def extract_vector_layer_positions(oracle: Oracle, *, seed=None,
     if oracle.causal is None:
         raise InputError("every-position answers: state whether the box is causal "
                          "(Oracle(..., causal=True/False), --causal)")
+    start_q = oracle.queries
+    try:
+        return _extract_positions(oracle, seed, verify_tolerance, heads, biases, ranks,
+                                  staged=True)
+    except _RangeMissed as missed:
+        log.debug("%s: O from single tokens", missed)
+        spent = oracle.queries - start_q
+        result = _extract_positions(oracle, seed, verify_tolerance, heads, biases, ranks,
+                                    staged=False)
+        result.queries += spent
+        result.report.queries += spent
+        result.report.breakdown["range of O missed (asked again)"] = spent
+        result.report.notes.append(f"{missed}: O read again from single tokens")
+        return result
+
+
+def _extract_positions(oracle: Oracle, seed, verify_tolerance, heads, biases, ranks, *,
+                       staged: bool) -> ExtractionResult:
+    """The every-position learner (:func:`extract_vector_layer_positions`); ``staged``: O on
+    a subspace from single tokens and on the rest by design, where circles fit."""
     start, start_q, start_bb = time.perf_counter(), oracle.queries, oracle.black_box_seconds
     start_numbers, start_tokens = oracle.numbers, oracle.tokens
     rng = np.random.default_rng(seed)
     d = oracle.dim
-    c, O = constant_and_outputs(oracle)
-    E = _orth(O)
-    if E.shape[1] == 0:
-        raise RecoveryFailedError("O = 0: every head's output is zero, nothing to recover")
-    counts = {"c and O (single tokens)": oracle.queries - start_q}
+    counts: dict[str, int] = {}
 
     def step(name):
-        counts[name] = oracle.queries - start_q - sum(counts.values())
+        counts[name] = counts.get(name, 0) + oracle.queries - start_q - sum(counts.values())
 
     q_pilot, u_pilot = (v / np.linalg.norm(v) for v in rng.standard_normal((2, d)))
-    kappa = logit_scale(oracle, O, c, q_pilot, u_pilot)
+    # O on a subspace first where circles can give the ranges without it (the rest of O
+    # is then read by design: T directions per query); else O from d + 1 single tokens
+    staged = staged and d >= STAGE_MIN_DIM and circles_fit(oracle)
+    if staged:
+        c, known = start_outputs(oracle, q_pilot, u_pilot)
+    else:
+        c, O = constant_and_outputs(oracle)
+        known = SubspaceOutputs(d, len(c))
+        known.add(np.eye(d), O)
+    step("c and O (single tokens)")
+    kappa = logit_scale(oracle, known.matrix(), c, q_pilot, u_pilot)
     step("pilot")
+    if staged:
+        E = output_range(oracle, c, known, rng, kappa)
+        step("range of O")
+    else:
+        E = _orth(known.OU)
+    if E.shape[1] == 0:
+        raise RecoveryFailedError("O = 0: every head's output is zero, nothing to recover")
     circled = circle_ranges(oracle, c, E, rng, kappa)
     sets = circles = 0
+    blocks = Blocks(E)
     if circled is not None:
-        blocks = Blocks(E)
         blocks.R, complete, _, circles = circled
-        step("ranges (circle)")
-        if not complete:        # heads no circle split: random selector sets for them
-            blocks, sets = rough_ranges_positions(oracle, O, E, rng, q_pilot,
-                                                  SELECT_LOGIT / kappa, blocks)
-            step("ranges (random selectors)")
-    else:
-        step("ranges (circle)")
-        blocks, sets = rough_ranges_positions(oracle, O, E, rng, q_pilot, SELECT_LOGIT / kappa)
+    step("ranges (circle)")
+    if circled is None or not complete:
+        # random selector sets read O on all of R^d: the rest of it from single tokens
+        known.ask(oracle, c, known.complement())
+        step("c and O (single tokens)")
+        if circled is None:
+            E, start_blocks = _orth(known.matrix()), None
+        else:
+            E, start_blocks = _recoordinated(known, E, blocks)
+        blocks, sets = rough_ranges_positions(oracle, known.matrix(), E, rng, q_pilot,
+                                              SELECT_LOGIT / kappa, start_blocks)
         step("ranges (random selectors)")
     widths = blocks.widths
     # p < r_h tokens beside the zero token (a tall, well-conditioned weight solve; square
@@ -554,13 +781,47 @@ def extract_vector_layer_positions(oracle: Oracle, *, seed=None,
                      f"score reads (a core and a filler token, read by a tall solve); "
                      f"extracted from the last position")
         return _fallback(oracle, start_q, seed, verify_tolerance, heads, biases, ranks, notes)
-    L, C, _ = projectors(E, blocks, O)
+    split = None if known.complete else subspace_split(d, len(widths), min(widths) + 1,
+                                                       oracle.max_length)
+    if split is None:
+        known.ask(oracle, c, known.complement())
+    else:
+        extra = known.complement() @ _rotation(rng, d - known.U.shape[1])
+        known.ask(oracle, c, extra[:, :split[0] - known.U.shape[1]])
+    step("c and O (single tokens)")
+    L, C, _ = projectors(E, blocks, known.matrix())
     K = min(max(widths) + K_EXTRA, d)
-    reads = PositionReads(oracle, rng, d, K, p, bool(oracle.causal), C)
+    first = np.eye(d) if known.complete else known.U
+    reads = PositionReads(oracle, d, K, p, bool(oracle.causal), first,
+                          known.complement() if split else np.zeros((d, 0)))
+    reads.choose_first(rng, C)
     pilot_scale(reads, c, L, C, kappa)
     F0 = reads.F
-    rest = reads.ask(np.arange(1, len(reads.queries)))
-    reads.F = np.concatenate([F0, rest])
+    reads.F = np.concatenate([F0, reads.ask(np.arange(1, reads.first_rows))])
+    step("scores at every position")
+    design = None
+    if not known.complete:
+        # the scores on S_1 (first^T W_h first): the design that reads O on the rest
+        view = reads.restricted()
+        W1, b1, ranks1, _, found, _ = solve_all(view, c, L, [Ch @ first for Ch in C],
+                                                 strict=False)
+        T = min(split[1], min(ranks1)) if split else 0
+        V = known.complement()
+        if found and T >= 2:
+            OV, asked = designed_outputs(oracle, W1, b1, first, V, rng, T)
+            known.add(V, OV)
+            design = f"{asked} queries of {2 * T} tokens ({T} directions each)"
+            step("O by design")
+        else:
+            known.ask(oracle, c, V)
+            step("c and O (single tokens)")
+        E, blocks = _recoordinated(known, E, blocks)
+        L, C, _ = projectors(E, blocks, known.matrix())
+    O = known.matrix()
+    reads.choose_second(rng, C)
+    if reads.first_rows < len(reads.queries):
+        reads.F = np.concatenate([reads.F, reads.ask(np.arange(reads.first_rows,
+                                                               len(reads.queries)))])
     step("scores at every position")
     W, b, _, _, found, _ = solve_all(reads, c, L, C, strict=False)
     if not found:
@@ -605,6 +866,9 @@ def extract_vector_layer_positions(oracle: Oracle, *, seed=None,
                  "heads found": len(widths), "output ranks r_h": widths,
                  "ranks of W_h": ranks_W, "random selector sets": sets,
                  "circles": circles,
+                 "O read": f"{known.U.shape[1] if design is None else d - V.shape[1]} "
+                           f"single tokens" + (f", the rest by design: {design}"
+                                               if design else ""),
                  "score design": f"{len(reads.queries)} queries of {p + 1} tokens (zero "
                                  f"token, {reads.a} core, {reads.f} filler)"
                                  + (", both orders" if oracle.causal else ""),
@@ -614,6 +878,26 @@ def extract_vector_layer_positions(oracle: Oracle, *, seed=None,
                           f"of a query of d + 1 tokens)"})
     return checked_result(model, report, "a standard attention layer with independent "
                           "head output ranges, answering at every position")
+
+
+def _recoordinated(known: SubspaceOutputs, E: np.ndarray, blocks: Blocks | None):
+    """range(O)'s basis from O itself once it is known on all of R^d, and the blocks in its
+    coordinates (None where there were none). Raises _RangeMissed where the basis read
+    from random tokens' answers (:func:`output_range`) does not span range(O)."""
+    E_new = _orth(known.matrix())
+    if E_new.shape[1] != E.shape[1] or \
+            np.linalg.norm(E_new - E @ (E.T @ E_new)) > RANGE_AGREE * math.sqrt(E.shape[1]):
+        raise _RangeMissed(f"range(O) of rank {E_new.shape[1]}, read as {E.shape[1]}")
+    if blocks is None:
+        return E_new, None
+    moved = Blocks(E_new)
+    moved.R = [E_new.T @ (E @ Rk) for Rk in blocks.R]
+    return E_new, moved
+
+
+class _RangeMissed(Exception):
+    """range(O) read from random tokens' answers missed a direction: the learner starts
+    again with O from single tokens."""
 
 
 def _fallback(oracle, start_q, seed, verify_tolerance, heads, biases, ranks, notes):
