@@ -415,7 +415,7 @@ def circle_ranges(oracle: Oracle, c, E, rng, kappa: float):
     design and unperturbed query: its heads' O_h u, two of them inside one block (or a
     rest left) and that circle's perturbed queries refine the blocks too. Checked: no
     block holds two heads of the last circle and no rest is left."""
-    d, D = oracle.dim, E.shape[1]
+    D = E.shape[1]
     n = circle_positions(oracle)
     if not circles_fit(oracle):
         return None

@@ -5,10 +5,28 @@ Model (docs/algorithms.md, "Vector outputs"): at every position j
     F_j(X) = sum_h O_h X^T softmax(X (W_h x_j + b_h)) + c        in R^m,
 
 (causal: position j's softmax runs over i <= j only), the heads' output ranges R_h =
-range(O_h) independent, as in :mod:`attnextract.learners.vector_layer`, whose first
-stages this learner shares: c and O from single tokens, the logit scale from a pilot.
-Every position changes three stages: the rough ranges (every position of a query reads
-every head's sign), the scores, and the fine ranges.
+range(O_h) independent, as in :mod:`attnextract.learners.vector_layer`, whose pieces this
+learner shares. Every position changes four stages: O, the rough ranges (every position
+of a query reads every head's sign), the scores, and the fine ranges.
+
+O in about k + (d - k) / T queries, not d + 1 (from d = 32, where circles fit). The
+circles need only c, O on the pilot's two tokens and range(O), whose basis E is read
+from the answers to two queries of random tokens (every F_j - c lies in it). Then O on a
+random k-dimensional subspace S_1 from single tokens (one token takes all of every
+head's weight: F = c + O u), the score queries whose tokens lie in S_1, and from them the
+layer restricted to S_1 (W'_h = S_1^T W_h S_1, b'_h). With W', T query tokens q_t in S_1
+and T selectors z_t in S_1 are designed so that at q_t EVERY head scores a margin on z_t
+and 0 on the other selectors (H T <= 0.75 k score vectors g'_h(q_t), each margin in
+proportion to |g'_h(q_t)|). A payload v orthogonal to S_1 on selector t moves the
+scores by v^T g_h(q_t), which S_1 does not see: about |g'_h| / sqrt(k) (at most 4.6
+times that on MiniLM). Payloads sized so that 8 times that shift is 60, against margins
+of 200, leave every head saturated, so F_t(v) - F_t(0) = a O v exactly: T directions of
+O per query. k and T
+minimise k + 1 + ceil((d - k) / T): MiniLM 80 single tokens and 62 designed queries of
+5 directions, where d + 1 single tokens took 385. O's error grows by the ratio of
+selector to payload (about 30): MiniLM's W within 3e-11, as against 1.3e-11. Once O is
+known its own range must be the one read first (else the learner starts again with O
+from single tokens).
 
 Rough ranges (:mod:`attnextract.learners.circle_ranges`). Two selectors +-T u, then
 query tokens on a circle: at a saturated position j every head takes the selector of the
@@ -68,11 +86,11 @@ bilinear form of the tokens: a position-dependent term, a causal box told bidire
 or the reverse), designed ranges of the wrong rank, held-out verification at every
 position and channel.
 
-Limits: c and O still take d + 1 single tokens, so a layer costs about 1.5 d queries
-(MiniLM: 385 single tokens of 590), not d + 64. Heads of output rank 2 or less (no tall
-weight solve with a core and a filler token) and heads whose W_h shows no rank drop
-within the core tokens are extracted from the last position instead (said in the
-report).
+Limits: heads of output rank 2 or less (no tall weight solve with a core and a filler
+token) and heads whose W_h shows no rank drop within the core tokens are extracted from
+the last position instead (said in the report). Below d = 32, or where circles do not
+fit or give up, or the restricted scores leave fewer than two directions per designed
+query, O comes from d + 1 single tokens.
 """
 
 from __future__ import annotations
@@ -148,11 +166,12 @@ RANGE_GAP = 1e-8          # O_h delta with a singular value r_h + 1 above this: 
 BAR_SAFETY = 10.0         # error bar: this many times the measured misfit x condition
 STAGE_MIN_DIM = 32        # below: d + 1 single tokens cost about what O by design saves
 RANGE_QUERIES = 2         # range(O) before O: queries of random tokens at least
-RANGE_AGREE = 1e-8        # ... that basis and O's own agree this well, or start again
+RANGE_AGREE = 1e-4        # ... O's own range this near it (the circles' blocks are rough),
+                          # or start again with O from single tokens
 MIN_SUBSPACE = 16         # single tokens at least before O is read by design
 DESIGN_SHARE = 0.75       # designed output reads: H T <= this x k (G's condition ~ 15)
 SPLIT_SAVING = 8          # O by design only where it saves this many single tokens
-DESIGN_COND = 1e4         # ... a design of G worse than this: refused (never measured)
+DESIGN_COND = 1e4         # ... G's condition at most (else single tokens; MiniLM: 15 to 56)
 PAYLOAD_SHIFT = 60.0      # ... a payload's score shift at most (DESIGN_MARGIN = 200)
 PAYLOAD_SAFETY = 8.0      # ... x the typical |v^T g_h| of a payload direction (MiniLM: at
                           # most 4.6 x |g'_h| / sqrt(k))
@@ -374,7 +393,7 @@ def subspace_split(d: int, H: int, cap: int, max_length: int | None):
 
 
 def designed_outputs(oracle: Oracle, W1: np.ndarray, b1: np.ndarray, first: np.ndarray,
-                     second: np.ndarray, rng, T: int) -> tuple[np.ndarray, int]:
+                     second: np.ndarray, rng, T: int) -> tuple[np.ndarray, int] | None:
     """O on the complement of S_1 = span(first), from the scores restricted to S_1.
 
     With g'_h(q) = W1_h q + b1_h (first^T g_h(first q), k coordinates) known, T query tokens
@@ -388,7 +407,8 @@ def designed_outputs(oracle: Oracle, W1: np.ndarray, b1: np.ndarray, first: np.n
         F_t(v) - F_t(0) = a O v:
 
     T directions of O per query, against one per single token. ceil((d - k) / T) queries
-    and the payload-free one. Returns (O second (m, d - k), queries)."""
+    and the payload-free one. Returns (O second (m, d - k), queries), or None (no query
+    asked) where no design of G within DESIGN_COND was found."""
     H, k = W1.shape[0], W1.shape[1]
     d, n = oracle.dim, second.shape[1]
     omega = float(np.max(np.linalg.norm(W1 @ _unit(rng, k), axis=1)))
@@ -403,9 +423,9 @@ def designed_outputs(oracle: Oracle, W1: np.ndarray, b1: np.ndarray, first: np.n
             cond = _cond(G)
             if cond < best and np.max(np.abs(qs @ G)) <= QUERY_LOGIT_MAX:
                 best, q_best, G_best = cond, qs, G
-    if not np.isfinite(best) or best > DESIGN_COND:
-        raise RecoveryFailedError(f"designed output reads: the restricted scores' design is "
-                                  f"ill-conditioned (condition {best:.1e})")
+    if not best <= DESIGN_COND:          # single tokens then
+        log.debug("designed output reads: condition %.1e, not used", best)
+        return None
     # each score's margin in proportion to |g'_h(q_t)|: a payload moves it by about
     # |g'_h(q_t)| / sqrt(k), so one payload size suits every head, however unequal
     norms = np.linalg.norm(G_best, axis=0)
@@ -807,10 +827,11 @@ def _extract_positions(oracle: Oracle, seed, verify_tolerance, heads, biases, ra
                                                  strict=False)
         T = min(split[1], min(ranks1)) if split else 0
         V = known.complement()
-        if found and T >= 2:
-            OV, asked = designed_outputs(oracle, W1, b1, first, V, rng, T)
-            known.add(V, OV)
-            design = f"{asked} queries of {2 * T} tokens ({T} directions each)"
+        read = designed_outputs(oracle, W1, b1, first, V, rng, T) if found and T >= 2 \
+            else None
+        if read is not None:
+            known.add(V, read[0])
+            design = f"{read[1]} queries of {2 * T} tokens ({T} directions each)"
             step("O by design")
         else:
             known.ask(oracle, c, V)
@@ -880,16 +901,17 @@ def _extract_positions(oracle: Oracle, seed, verify_tolerance, heads, biases, ra
                           "head output ranges, answering at every position")
 
 
-def _recoordinated(known: SubspaceOutputs, E: np.ndarray, blocks: Blocks | None):
-    """range(O)'s basis from O itself once it is known on all of R^d, and the blocks in its
-    coordinates (None where there were none). Raises _RangeMissed where the basis read
-    from random tokens' answers (:func:`output_range`) does not span range(O)."""
+def _recoordinated(known: SubspaceOutputs, E: np.ndarray, blocks: Blocks):
+    """range(O)'s basis from O itself once it is known on all of R^d, and the (rough)
+    blocks in its coordinates. Raises _RangeMissed where the basis read from random
+    tokens' answers (:func:`output_range`) is not range(O): another rank, or a subspace
+    more than RANGE_AGREE away."""
     E_new = _orth(known.matrix())
-    if E_new.shape[1] != E.shape[1] or \
-            np.linalg.norm(E_new - E @ (E.T @ E_new)) > RANGE_AGREE * math.sqrt(E.shape[1]):
-        raise _RangeMissed(f"range(O) of rank {E_new.shape[1]}, read as {E.shape[1]}")
-    if blocks is None:
-        return E_new, None
+    if E_new.shape[1] != E.shape[1]:
+        raise _RangeMissed(f"range(O) of rank {E_new.shape[1]} read as of rank {E.shape[1]}")
+    angle = float(np.linalg.norm(E_new - E @ (E.T @ E_new), 2))
+    if angle > RANGE_AGREE:
+        raise _RangeMissed(f"range(O) read {angle:.1e} away from O's own")
     moved = Blocks(E_new)
     moved.R = [E_new.T @ (E @ Rk) for Rk in blocks.R]
     return E_new, moved
