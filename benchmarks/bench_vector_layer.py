@@ -159,7 +159,7 @@ def run_minilm_every(layer: int, causal: bool) -> dict:
             "tokens": oracle.tokens, "breakdown": report.breakdown}
 
 
-EVERY_GRID = [(16, 4), (32, 4), (32, 8), (48, 6), (64, 4), (64, 8)]
+EVERY_GRID = [(16, 4), (32, 4), (32, 8), (48, 6), (64, 4), (64, 8), (96, 8)]
 
 
 def run_grid_every(seeds: int) -> list[dict]:
@@ -190,21 +190,22 @@ def run_impostors_every(seeds: int) -> list[dict]:
            "position term on the answers (1e-3)": ("output", 1e-3),
            "positional encoding on the tokens (1e-2)": ("input", 1e-2)}
     rows = []
-    for name, (kind, arg) in zoo.items():
-        refused = 0
-        for seed in range(seeds):
-            if kind == "mask":
-                box = standard_layer(seed, 16, 4, positions="all", causal=arg)
-                oracle = Oracle(box, 16, causal=not arg, max_length=MAX_LENGTH)
-            else:
-                box = PositionTerm(standard_layer(seed, 16, 4, positions="all"), kind, arg,
-                                   seed)
-                oracle = Oracle(box, 16, causal=False, max_length=MAX_LENGTH)
-            try:
-                extract_vector_layer_positions(oracle, seed=seed)
-            except (ModelMismatchError, RecoveryFailedError):
-                refused += 1
-        rows.append({"name": name, "seeds": seeds, "refused": refused})
+    for d in (16, 32):                    # d = 32: O read by design
+        for name, (kind, arg) in zoo.items():
+            refused = 0
+            for seed in range(seeds):
+                if kind == "mask":
+                    box = standard_layer(seed, d, 4, positions="all", causal=arg)
+                    oracle = Oracle(box, d, causal=not arg, max_length=MAX_LENGTH)
+                else:
+                    box = PositionTerm(standard_layer(seed, d, 4, positions="all"), kind,
+                                       arg, seed)
+                    oracle = Oracle(box, d, causal=False, max_length=MAX_LENGTH)
+                try:
+                    extract_vector_layer_positions(oracle, seed=seed)
+                except (ModelMismatchError, RecoveryFailedError):
+                    refused += 1
+            rows.append({"name": name, "d": d, "seeds": seeds, "refused": refused})
     return rows
 
 
@@ -231,9 +232,10 @@ def render_every(minilm, grid, impostors) -> list[str]:
                 f"{r['worst']:.1e} | {r['refused']} / {r['seeds']} | {r['queries'][0]} .. "
                 f"{r['queries'][1]} |" for r in grid]
     if impostors:
-        out += ["", "## Every position: impostors (d = 16, H = 4)", "",
-                "| impostor | refused |", "|---|---|"]
-        out += [f"| {r['name']} | {r['refused']} / {r['seeds']} |" for r in impostors]
+        out += ["", "## Every position: impostors (H = 4)", "",
+                "| impostor | d | refused |", "|---|---|---|"]
+        out += [f"| {r['name']} | {r['d']} | {r['refused']} / {r['seeds']} |"
+                for r in impostors]
     return out
 
 

@@ -218,6 +218,26 @@ def test_outputs_read_by_design(case, seed):
     assert report.verification.passed
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_heads_whose_scores_have_rank_two(seed):
+    """W_h of rank 2 beside O_h of rank 16 (d = 64, H = 4): a head's scores at H designed
+    query tokens span 3 dimensions, too few for H selectors of its own, so the fine ranges
+    come from the last position's designed selectors (d + 2 queries; refused before as
+    "an output of rank above 16"), and O's designed reads carry at most 3 directions."""
+    layer = standard_layer(seed, 64, 4, biases=seed % 2 == 0, positions="all")
+    W = []
+    for Wh in layer.W:
+        U, s, Vt = np.linalg.svd(Wh)
+        W.append((U[:, :2] * s[:2]) @ Vt[:2])
+    box = type(layer)(np.stack(W), layer.O, layer.b, layer.c, positions="all")
+    result = extract_vector_layer_positions(Oracle(box, 64, causal=False,
+                                                   max_length=MAX_LENGTH), seed=seed)
+    assert vector_canonical_errors(result.model, box)["max"] <= 1e-10
+    report = result.report
+    assert report.breakdown["ranges (designed selectors)"] == 64 + 2
+    assert report.details["ranks of W_h"] == [2 + (seed % 2 == 0)] * 4
+
+
 class _TiltedRange:
     """output_range's basis turned 1e-2 out of range(O) (answers in R^m, m > rank O)."""
 

@@ -171,6 +171,8 @@ RANGE_AGREE = 1e-4        # ... O's own range this near it (the circles' blocks 
 MIN_SUBSPACE = 16         # single tokens at least before O is read by design
 DESIGN_SHARE = 0.75       # designed output reads: H T <= this x k (G's condition ~ 15)
 SPLIT_SAVING = 8          # O by design only where it saves this many single tokens
+DESIGN_TOL = 1e-6         # designed scores this far (x the margin) from their targets:
+                          # the design does not exist (a head's W_h of low rank)
 DESIGN_COND = 1e4         # ... G's condition at most (else single tokens; MiniLM: 15 to 56)
 PAYLOAD_SHIFT = 60.0      # ... a payload's score shift at most (DESIGN_MARGIN = 200)
 PAYLOAD_SAFETY = 8.0      # ... x the typical |v^T g_h| of a payload direction (MiniLM: at
@@ -264,8 +266,9 @@ def fine_ranges_positions(oracle: Oracle, E, W, b, widths, rng, s: float):
     H positions, H independent combinations (a circulant of distinct mu): O_h delta of
     every head from one query. R_h is the span of O_h delta over max r_h + RANGE_EXTRA
     payloads: that many queries and one more, against d + 2 at the last position. Needs
-    H^2 + max r_h + RANGE_EXTRA <= d (payloads orthogonal to the H^2 vectors g_h(q_t));
-    returns None otherwise. Returns (coordinate bases R_h in E (D, r_h), queries)."""
+    H^2 + max r_h + RANGE_EXTRA <= d (payloads orthogonal to the H^2 vectors g_h(q_t)) and
+    H independent g_h(q_t) per head (W_h of rank H - 1 or more); returns None otherwise.
+    Returns (coordinate bases R_h in E (D, r_h), queries)."""
     H, d = len(widths), oracle.dim
     K = max(widths) + RANGE_EXTRA
     if H * H + K > d:
@@ -276,6 +279,8 @@ def fine_ranges_positions(oracle: Oracle, E, W, b, widths, rng, s: float):
     target = np.zeros((H, H * H))
     target[pick.reshape(-1), np.arange(H * H)] = DESIGN_MARGIN
     Delta = target @ np.linalg.pinv(G)                              # (H, d)
+    if np.max(np.abs(Delta @ G - target)) > DESIGN_TOL * DESIGN_MARGIN:
+        return None        # a head's g_h(q_t) span fewer than H dimensions (rank of W_h)
     mu = 1.0 + np.arange(H)
     free = np.linalg.svd(G, full_matrices=True)[0][:, H * H:]       # g_h(q_t)^perp
     P = free @ _rotation(rng, free.shape[1])[:, :K]
