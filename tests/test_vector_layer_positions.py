@@ -238,6 +238,25 @@ def test_heads_whose_scores_have_rank_two(seed):
     assert report.details["ranks of W_h"] == [2 + (seed % 2 == 0)] * 4
 
 
+@pytest.mark.parametrize("seed", [3, 7, 8, 11])
+def test_heads_whose_scores_share_directions(seed):
+    """Two pairs of heads with W_h and b_h 70% shared: a shared head's W_h has rank 2 r_h,
+    above the r_h + 3 core tokens, so the score queries are asked again with more core
+    tokens (these boxes went to the last position and were refused there, 4 of 10)."""
+    box = standard_layer(seed, 32, 4, positions="all")
+    W, b = box.W.copy(), box.b.copy()
+    for h in (1, 3):
+        W[h] = 0.7 * W[h - 1] + 0.3 * W[h]
+        b[h] = 0.7 * b[h - 1] + 0.3 * b[h]
+    box = type(box)(W, box.O, b, box.c, positions="all")
+    result = extract_vector_layer_positions(Oracle(box, 32, causal=False,
+                                                   max_length=MAX_LENGTH), seed=seed)
+    errors = vector_canonical_errors(result.model, box)
+    assert errors["heads"] == (4, 4) and errors["max"] <= 1e-10, errors
+    assert "every-position attempt" not in result.report.breakdown    # not the last position
+    assert max(result.report.details["ranks of W_h"]) > 8 + 2
+
+
 class _TiltedRange:
     """output_range's basis turned 1e-2 out of range(O) (answers in R^m, m > rank O)."""
 

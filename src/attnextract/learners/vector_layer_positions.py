@@ -86,8 +86,12 @@ bilinear form of the tokens: a position-dependent term, a causal box told bidire
 or the reverse), designed ranges of the wrong rank, held-out verification at every
 position and channel.
 
+A head whose W_h has a rank above its output rank + 2 (heads whose scores share
+directions: W_1 = 0.7 W_0 + 0.3 W_1 has rank 2 r) shows no rank drop within the core
+tokens: the score queries are asked again with 2 rank + 3 core tokens.
+
 Limits: heads of output rank 2 or less (no tall weight solve with a core and a filler
-token) and heads whose W_h shows no rank drop within the core tokens are extracted from
+token) and heads whose W_h shows no rank drop within d core tokens are extracted from
 the last position instead (said in the report). Below d = 32, or where circles do not
 fit or give up, or the restricted scores leave fewer than two directions per designed
 query, O comes from d + 1 single tokens.
@@ -648,7 +652,7 @@ def solve_head(reads: PositionReads, eqs, strict: bool = True):
     B = _column_space(np.concatenate([cols, b[:, None]], axis=1) if with_b else cols)
     found = B.shape[1] < len(reads.core)
     if not found:
-        return np.zeros((d, d)), b, d, spread, False
+        return np.zeros((d, d)), b, B.shape[1], spread, False
     fill_g = []
     for t in reads.fill:
         A, y = gather(int(t))
@@ -849,10 +853,22 @@ def _extract_positions(oracle: Oracle, seed, verify_tolerance, heads, biases, ra
         reads.F = np.concatenate([reads.F, reads.ask(np.arange(reads.first_rows,
                                                                len(reads.queries)))])
     step("scores at every position")
-    W, b, _, _, found, _ = solve_all(reads, c, L, C, strict=False)
+    W, b, ranks_W, _, found, _ = solve_all(reads, c, L, C, strict=False)
+    while not found and K < d:
+        # a W_h of rank above its output rank + 2 (heads whose scores share directions):
+        # more core tokens, the score queries asked again with the same token norm
+        K = min(d, 2 * max(ranks_W) + K_EXTRA)
+        s = reads.s
+        reads = PositionReads(oracle, d, K, p, bool(oracle.causal), np.eye(d),
+                              np.zeros((d, 0)))
+        reads.choose_first(rng, C)
+        reads.s = s
+        reads.F = reads.ask(np.arange(len(reads.queries)))
+        step("scores at every position")
+        W, b, ranks_W, _, found, _ = solve_all(reads, c, L, C, strict=False)
     if not found:
-        notes.append("a head's W_h showed no rank drop within the core tokens (rank above "
-                     "its output rank + 2): extracted from the last position")
+        notes.append("a head's W_h showed no rank drop within d core tokens: extracted from "
+                     "the last position")
         return _fallback(oracle, start_q, seed, verify_tolerance, heads, biases, ranks, notes)
     omega = float(np.max(np.linalg.norm(W @ _unit(rng, d), axis=1)))
     if omega == 0:
