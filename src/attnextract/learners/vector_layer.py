@@ -70,11 +70,12 @@ random selector sets read their payload's effect against the answers' rounding a
 selectors' size, rho / payload, and the eigenvalues of M carry that times the
 conditioning of the pencil (A, O) (about cond(O)): payloads of 3e-2 (a set whose margins
 fail is asked again at the same size), 0.1 for the first set (it reads all of range(O)
-through one pencil; halved on a retry, down to 3e-2), 8 selectors (weights 1/7 apart), eigenvalues grouped by gaps,
-each group's range from the left null space of L_k (A - mu O) P as in step 5. Only
-eigenvalues whose measured noise is small and that lie on a weight form groups; the
-few that O reads weakly (0.2 to 30 spacings of noise at cond(O) ~1e5) join the nearest
-group (:func:`resolved_parts`). The rounding is measured, not assumed: a sequence and
+through one pencil; halved on a retry, down to 3e-2), 8 selectors (weights 1/7 apart),
+eigenvalues grouped by gaps, each group's range from the left null space of
+L_k (A - mu O) P as in step 5, until LOW_QUIET_SETS sets in a row split nothing. Only
+eigenvalues whose measured noise is small and that lie on a weight form groups; the few
+that O reads weakly (0.2 to 30 spacings of noise at cond(O) ~1e5) join the nearest group
+(:func:`resolved_parts`). The rounding is measured, not assumed: a sequence and
 the same sequence with the tokens before the query token reversed have the same exact
 answer, so their difference is the box's rounding. ROUNDING_SEQUENCES such pairs give
 its level; READ_NOISE_ROWS W-stage rows asked again reordered give what it does to the
