@@ -417,30 +417,18 @@ def payload_directions(rng, d: int, C: list[np.ndarray]) -> np.ndarray:
     return min(tries, key=lambda P: max(_cond(Ck @ P) for Ck in C))
 
 
-def block_eigenspaces(M: np.ndarray, mu: np.ndarray, slack: float = EIGEN_SLACK, *,
-                      grouped: bool = False) -> list[tuple[float, np.ndarray]]:
+def block_eigenspaces(M: np.ndarray, mu: np.ndarray,
+                      slack: float = EIGEN_SLACK) -> list[tuple[float, np.ndarray]]:
     """Eigenspaces of M (k, k), whose eigenvalues must lie in the set ``mu``: (value, basis).
 
-    Each eigenvalue is matched to the nearest mu; a distance above EIGEN_SLACK times the
+    Each eigenvalue is matched to the nearest mu; a distance above ``slack`` times the
     spacing of the mu (or a complex pair) is not a sum of saturated heads: ModelMismatch.
-    ``grouped`` (low precision, where rounding moves the eigenvalues by a good part of
-    the spacing): eigenvalues are grouped by gaps above half the spacing, and each
-    group's mean must lie within ``slack`` spacings of a mu (heads whose mu are that
-    close share a group, which a later set splits)."""
+    (Low precision groups the eigenvalues by their measured noise instead:
+    :func:`resolved_parts`.)"""
     values = np.linalg.eigvals(M)
     spacing = float(np.min(np.diff(np.sort(mu))))
-    if grouped:
-        order = np.argsort(values.real)
-        cuts = np.flatnonzero(np.diff(values.real[order]) > spacing / 2) + 1
-        nearest = np.empty(len(values))
-        for group in np.split(order, cuts):
-            nearest[group] = values[group].real.mean()
-        centre = mu[np.argmin(np.abs(nearest[:, None] - mu[None, :]), axis=1)]
-        off = float(max(np.max(np.abs(nearest - centre)),
-                        np.max(np.abs(values - nearest)))) / spacing
-    else:
-        nearest = mu[np.argmin(np.abs(values[:, None] - mu[None, :]), axis=1)]
-        off = float(np.max(np.abs(values - nearest))) / spacing
+    nearest = mu[np.argmin(np.abs(values[:, None] - mu[None, :]), axis=1)]
+    off = float(np.max(np.abs(values - nearest))) / spacing
     log.debug("eigenvalues: %.3g spacings off (allowed %.3g)", off, slack)
     if off > slack:
         raise ModelMismatchError(
