@@ -360,8 +360,9 @@ def circle_partition(oracle: Oracle, c, E, rng, T: float, n: int, splits=None):
         ranges = [_range(M, level) for M in Ms]
         if any(r is None for r in ranges):
             return None, None, circle.queries
-        # a block as wide as its columns may be wider: more directions
-        todo = K if any(full for _, full in ranges) and len(answers) < D else 0
+        # a block as wide as its columns may be wider (two heads in it): more directions,
+        # a chunk at a time (a round of K cost 48 queries where a block of 64 needed 16)
+        todo = min(CHUNK, D - len(answers)) if any(full for _, full in ranges) else 0
     bases = [r[0] for r in ranges]
     log.debug("circle: widths %s (rest %d), eps %.1e, %d queries",
               [B.shape[1] for B in bases[1:]], bases[0].shape[1], eps, circle.queries)
