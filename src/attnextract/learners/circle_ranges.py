@@ -42,10 +42,12 @@ circle's perturbed queries refine the blocks (pairwise intersections, widths add
 rank(O)). At most MAX_CIRCLES circles; blocks never checked go on to random selector
 sets.
 
-Checks: steps that do not pair, a pattern of deficient rank, ranges without a clean rank
-drop, widths that do not add up to rank(O), partitions that do not refine: the circle
-gives up (None) and the caller falls back to random selector sets, which refuse answers
-that are not saturated softmax attention. The circles' queries are kept out of the
+Checks: widths that do not add up to rank(O) (a flip carried into a range): that circle
+is let go and the next one reads the ranges again. Steps that do not pair, a pattern of
+deficient rank, ranges without a clean rank drop, partitions that do not refine, or
+MAX_CIRCLES circles without a checked split: the circles give up (None) and the caller
+falls back to random selector sets, which refuse answers that are not saturated softmax
+attention. The circles' queries are kept out of the
 answers held-out verification compares the model with (:func:`attnextract.oracle.
 live_queries`): a position at a sign change moves by T |q| times a parameter's error
 (MiniLM layer 0: W within 1.3e-11 of the truth, a design query off by 1.1e-6).
@@ -360,8 +362,9 @@ def circle_partition(oracle: Oracle, c, E, rng, T: float, n: int, splits=None):
         ranges = [_range(M, level) for M in Ms]
         if any(r is None for r in ranges):
             return None, None, circle.queries
-        # a block as wide as its columns may be wider: more directions
-        todo = K if any(full for _, full in ranges) and len(answers) < D else 0
+        # a block as wide as its columns may be wider (two heads in it): more directions,
+        # a chunk at a time (a round of K cost 48 queries where a block of 64 needed 16)
+        todo = min(CHUNK, D - len(answers)) if any(full for _, full in ranges) else 0
     bases = [r[0] for r in ranges]
     log.debug("circle: widths %s (rest %d), eps %.1e, %d queries",
               [B.shape[1] for B in bases[1:]], bases[0].shape[1], eps, circle.queries)
@@ -448,9 +451,11 @@ def circle_ranges(oracle: Oracle, c, E, rng, kappa: float):
             return blocks, True, spent, circles          # checked: nothing to split
         partition = found + ([rest_new] if rest_new.shape[1] else [])
         if sum(B.shape[1] for B in partition) != D:
+            # a flip carried into a range (MiniLM layer 2, seed 2: widths adding up to
+            # 387): this circle is let go, the next one reads the ranges again
             log.debug("circle: widths %s do not add up to %d",
                       [B.shape[1] for B in partition], D)
-            return None
+            continue
         refined = partition if blocks is None else refine(blocks, partition)
         if refined is None:
             return None

@@ -22,8 +22,10 @@ scores by v^T g_h(q_t), which S_1 does not see: about |g'_h| / sqrt(k) (at most 
 times that on MiniLM). Payloads sized so that 8 times that shift is 60, against margins
 of 200, leave every head saturated, so F_t(v) - F_t(0) = a O v exactly: T directions of
 O per query. k and T
-minimise k + 1 + ceil((d - k) / T): MiniLM 80 single tokens and 62 designed queries of
-5 directions, where d + 1 single tokens took 385. O's error grows by the ratio of
+minimise k + 1 + ceil((d - k) / T) with k at least twice the core tokens (which lie in
+S_1: W_h restricted to S_1 must show its column space well conditioned): MiniLM 80
+single tokens and 62 designed queries of 5 directions, where d + 1 single tokens took
+385. O's error grows by the ratio of
 selector to payload (about 30): MiniLM's W within 3e-11, as against 1.3e-11. Once O is
 known its own range must be the one read first (else the learner starts again with O
 from single tokens).
@@ -381,15 +383,15 @@ def output_range(oracle: Oracle, c: np.ndarray, known: SubspaceOutputs, rng,
     return _orth(np.concatenate([known.OU, y.T], axis=1))
 
 
-def subspace_split(d: int, H: int, cap: int, max_length: int | None):
+def subspace_split(d: int, H: int, cap: int, max_length: int | None, k_min: int):
     """(k, T): O read on k dimensions from single tokens, on the other d - k by designed
     queries reading T directions each (T <= DESIGN_SHARE k / H: the design's H T score
-    vectors in k dimensions, well conditioned; T <= ``cap``, the heads' score ranks).
-    Minimises k + 1 + ceil((d - k) / T); None where that saves fewer than SPLIT_SAVING
-    queries on d single tokens."""
+    vectors in k dimensions, well conditioned; T <= ``cap``, the heads' score ranks;
+    k >= ``k_min``). Minimises k + 1 + ceil((d - k) / T); None where that saves fewer
+    than SPLIT_SAVING queries on d single tokens."""
     n_max = (max_length or 2 * d) // 2
     best: tuple[int, int, int] | None = None
-    for k in range(max(2 * H, MIN_SUBSPACE), d):
+    for k in range(max(2 * H, MIN_SUBSPACE, k_min), d):
         T = min(int(DESIGN_SHARE * k) // H, cap, n_max)
         if T < 2:
             continue
@@ -810,8 +812,11 @@ def _extract_positions(oracle: Oracle, seed, verify_tolerance, heads, biases, ra
                      f"score reads (a core and a filler token, read by a tall solve); "
                      f"extracted from the last position")
         return _fallback(oracle, start_q, seed, verify_tolerance, heads, biases, ranks, notes)
-    split = None if known.complete else subspace_split(d, len(widths), min(widths) + 1,
-                                                       oracle.max_length)
+    # the core tokens lie in S_1: twice as many dimensions as cores keep W_h on S_1 well
+    # conditioned (d = 64, r_h = 16 at k = 16: W off by 4.2e-10, with O read exactly too)
+    split = None if known.complete else subspace_split(
+        d, len(widths), min(widths) + 1, oracle.max_length,
+        2 * min(max(widths) + K_EXTRA, d))
     if split is None:
         known.ask(oracle, c, known.complement())
     else:
