@@ -190,7 +190,7 @@ def run_impostors_every(seeds: int) -> list[dict]:
            "position term on the answers (1e-3)": ("output", 1e-3),
            "positional encoding on the tokens (1e-2)": ("input", 1e-2)}
     rows = []
-    for d in (16, 32):                    # d = 32: O read by design
+    for d in (16, 32):
         for name, (kind, arg) in zoo.items():
             refused = 0
             for seed in range(seeds):
