@@ -209,6 +209,10 @@ def test_a_callback_without_finish_hears_the_end_as_no_forecast_left():
 SITECUSTOMIZE = '''
 import os, signal, sys
 
+# a terminal's Ctrl-C: a runner started in the background (`cmd &`) ignores SIGINT, and
+# its children inherit that
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 class _InterruptAt:
     """Sends this process SIGINT when the module named by INTERRUPT_AT is first imported."""
     def find_spec(self, name, path=None, target=None):
