@@ -147,7 +147,6 @@ from .vector_layer import (
     block_eigenspaces,
     check_found,
     check_options,
-    constant_and_outputs,
     extract_vector_layer,
     fine_ranges,
     logit_scale,
@@ -357,10 +356,11 @@ class SubspaceOutputs:
         return V.shape[1]
 
 
-def start_outputs(oracle: Oracle, q: np.ndarray, u: np.ndarray):
-    """c = F([0]) and O on span(q, u) (the pilot's tokens): 3 queries, one batch."""
+def start_outputs(oracle: Oracle, V: np.ndarray):
+    """c = F([0]) and O on span(V) (V (d, n) orthonormal; the identity: all of O, as
+    :func:`attnextract.learners.vector_layer.constant_and_outputs`): n + 1 queries, one
+    batch."""
     d = oracle.dim
-    V = np.linalg.qr(np.stack([q, u], axis=1))[0]
     out = _last(oracle, np.concatenate([np.zeros((1, 1, d)), SINGLE_SCALE * V.T[:, None, :]]))
     known = SubspaceOutputs(d, out.shape[1])
     known.add(V, (out[1:] - out[0]).T / SINGLE_SCALE)
@@ -497,7 +497,6 @@ class PositionReads:
                                  for j in range(n_fill) for i in range(n_core)])
         self.first_rows = n_first * n_core
         self.units = np.zeros((1 + len(self.core) + len(self.fill), d))
-        self.condition = 0.0
         self.s = 1.0
         self.F: np.ndarray = np.zeros((0, 1, 0, 0))   # (Q, orders, p + 1, m), read later
 
@@ -516,7 +515,6 @@ class PositionReads:
             if worst < best:
                 best, chosen = worst, self.units[tokens].copy()
         self.units[tokens] = chosen
-        self.condition = max(self.condition, best)
 
     def choose_first(self, rng, C) -> None:
         """Core and first filler directions (C_h = L_h O needed on S_1 only)."""
@@ -770,11 +768,10 @@ def _extract_positions(oracle: Oracle, seed, verify_tolerance, heads, biases, ra
     # is then read by design: T directions per query); else O from d + 1 single tokens
     staged = staged and d >= STAGE_MIN_DIM and circles_fit(oracle)
     if staged:
-        c, known = start_outputs(oracle, q_pilot, u_pilot)
+        # O on span(q, u), the pilot's tokens
+        c, known = start_outputs(oracle, np.linalg.qr(np.stack([q_pilot, u_pilot], axis=1))[0])
     else:
-        c, O = constant_and_outputs(oracle)
-        known = SubspaceOutputs(d, len(c))
-        known.add(np.eye(d), O)
+        c, known = start_outputs(oracle, np.eye(d))
     step("c and O (single tokens)")
     kappa = logit_scale(oracle, known.matrix(), c, q_pilot, u_pilot)
     step("pilot")
